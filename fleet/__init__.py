@@ -1,0 +1,1 @@
+"""Sampler groups: specs and presets, the sidecar, capacity, and the ``mixfleet`` CLI."""

@@ -1,0 +1,114 @@
+"""Sampler-group specs and presets (DESIGN.md, "Sampler group").
+
+A preset is a TOML file with a ``[[groups]]`` array; every group validates into a frozen
+:class:`GroupSpec`. Built-in presets (``local``, ``mixed``, ``homogeneous``) ship in
+``fleet/presets/``; any other value is read as a path.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from datetime import date
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from weight_sync.errors import UserError
+
+WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
+KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+class GroupSpec(BaseModel):
+    """One sampler group: replicas of one accelerator kind serving one weight format."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    accelerator: str = Field(min_length=1, description="Modal GPU string (B200, H100!, A100-80GB) or cpu")
+    gpus_per_replica: int = Field(default=1, ge=1, le=8)
+    weight_format: WeightFormat = "bf16"
+    kv_cache_dtype: KvCacheDtype = "auto"
+    sessions_per_replica: int = Field(default=8, ge=1)
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    price_per_gpu_hour: float = Field(default=0.0, ge=0.0, description="USD per GPU-hour")
+    price_date: date | None = None
+    engine_args: tuple[str, ...] = ()
+    replicas: tuple[str, ...] = Field(default=(), description="static replica URLs (engines run elsewhere)")
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL must start with http:// or https://: {url!r}")
+        return tuple(u.rstrip("/") for u in urls)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GroupSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        return self.accelerator == "cpu"
+
+    @property
+    def price_per_replica_hour(self) -> float:
+        return self.price_per_gpu_hour * self.gpus_per_replica
+
+
+class FleetSpec(BaseModel):
+    """A whole preset: the groups, in the order the file lists them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    groups: tuple[GroupSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> FleetSpec:
+        names = [g.name for g in self.groups]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate group names: {', '.join(dupes)}")
+        return self
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The distinct weight formats the fleet serves, in first-seen order."""
+        return tuple(dict.fromkeys(g.weight_format for g in self.groups))
+
+
+def load_preset(name_or_path: str | Path) -> FleetSpec:
+    """Load a built-in preset by name or a TOML file by path.
+
+    Raises :class:`UserError` naming the file and the problem when it is missing or invalid.
+    """
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = PRESETS_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.toml")))
+        raise UserError(f"preset {str(name_or_path)!r} not found (built-in presets: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML: {exc}") from None
+    data.setdefault("name", path.stem)
+    try:
+        return FleetSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UserError(f"{path}: {where}: {first['msg']}") from None

@@ -1,0 +1,122 @@
+"""Real processes for tests: free loopback ports, child processes that are always reaped,
+and a private redis-server.
+
+Every process started here is killed (its whole process group) when the context exits,
+so a failing test never leaves an engine or a redis-server behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until ``GET url`` answers 200, the process dies, or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            r = httpx.get(url, timeout=2.0)
+            if r.status_code == 200:
+                return
+            last = r.status_code
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s (last: {last!r})")
+
+
+def mixfleet_argv(*args: str) -> list[str]:
+    """argv that runs the ``mixfleet`` CLI from this checkout with the current interpreter."""
+    return [sys.executable, "-m", "fleet.cli", *args]
+
+
+@contextlib.contextmanager
+def process(
+    argv: list[str], *, log: Path | None = None, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start ``argv`` in its own process group; kill the group on exit."""
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd or REPO, env=full_env, start_new_session=True
+    )
+    try:
+        yield proc
+    finally:
+        kill_group(proc)
+        if log:
+            out.close()
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the process's whole group and reap it; a no-op if it is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def redis_server(
+    *, appendonly: bool = False, port: int | None = None, data_dir: Path | None = None
+) -> Iterator[str]:
+    """A private redis-server on a free loopback port; yields its ``redis://`` URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+    port = port or free_port()
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redis-")))
+        argv = [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--dir",
+            str(data_dir),
+        ]
+        proc = stack.enter_context(process(argv))
+        import redis
+
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"

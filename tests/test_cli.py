@@ -1,0 +1,37 @@
+"""The CLI's own contract: help works, presets validate, bad presets give one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from fleet.specs import load_preset
+from tests.support.procs import mixfleet_argv
+from weight_sync.errors import UserError
+
+
+def test_help_lists_commands() -> None:
+    out = subprocess.run(mixfleet_argv("--help"), capture_output=True, text=True, check=True).stdout
+    assert "usage: mixfleet" in out
+
+
+@pytest.mark.parametrize("name", ["local", "mixed", "homogeneous"])
+def test_builtin_presets_load(name: str) -> None:
+    fleet = load_preset(name)
+    assert fleet.groups and len({g.name for g in fleet.groups}) == len(fleet.groups)
+
+
+def test_local_preset_is_three_cpu_groups() -> None:
+    fleet = load_preset("local")
+    assert [g.weight_format for g in fleet.groups] == ["bf16", "fp8", "nvfp4"]
+    assert all(g.is_local for g in fleet.groups)
+
+
+def test_bad_preset_names_the_problem(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[groups]]\nname = "g"\naccelerator = "cpu"\nweight_format = "int3"\n')
+    with pytest.raises(UserError, match=r"groups\.0\.weight_format"):
+        load_preset(bad)
+    with pytest.raises(UserError, match="not found"):
+        load_preset("no-such-preset")
