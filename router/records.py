@@ -1,0 +1,391 @@
+"""Compact binary encoding of turns (with their per-token behavior records) and trainer batches.
+
+Behavior records are stored and served in this encoding, never as JSON lists of lists. The
+module depends on the standard library only, so a trainer can decode batches without the router.
+
+Primitives
+    varint   unsigned LEB128 (7 bits per byte, low group first, high bit = more follows)
+    f32/f16  IEEE-754 little-endian (``struct`` formats ``<f`` / ``<e``)
+    json     varint byte length + UTF-8 JSON object
+
+Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
+
+    b"MFT" u8 format_version u8 flags
+    json     header: {"turn", "group", "replica", "finish_reason", "timings",
+                      "weight_versions": [{"version", "start", "end"}], "moved_from"}
+    varint   n_input,  then n_input varints (input token ids)
+    varint   n_output, then n_output varints (output token ids)
+    n_output f32     logprob       (log mu: renormalized over the support, the behavior log-prob)
+    n_output f32     raw_logprob   (after temperature, before top-k/top-p; NaN when unknown)
+    n_output varint  support size k_i (0 = no filtering: the whole vocabulary)
+    per token with k_i > 0: first id as varint, then (id[j] - id[j-1] - 1) as varints
+                            (ids strictly increasing, so the gaps are >= 0 and mostly tiny)
+    sum(k_i) f16|f32 support log-probs, token after token, in support-id order
+
+``flags`` bit 0 set = support log-probs are float16 (else float32). The token's own ``logprob``
+and ``raw_logprob`` are always float32: they enter importance ratios directly. The per-token
+``weight_version`` is not repeated per token: it is the version of the span in
+``weight_versions`` covering the token's index (spans are over output indices, end exclusive).
+
+Batch (``MAGIC_BATCH`` = b"MFB", then format byte)::
+
+    b"MFB" u8 format_version
+    json     header: {"lease_id", "held_back", "trajectories": [{"session_id", "group",
+                      "reward", "metadata", "version_age", "n_turns"}]}
+    then for each trajectory, for each of its n_turns turns: varint length + turn block
+
+:func:`decode_batch` returns the same dict that the JSON form of ``POST /v1/batches/take``
+serves, so a trainer may take either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MAGIC_TURN = b"MFT"
+MAGIC_BATCH = b"MFB"
+FORMAT_VERSION = 1
+FLAG_F16 = 0x01
+MEDIA_TYPE = "application/x-mixfleet-records"
+
+
+class RecordFormatError(ValueError):
+    """The bytes are not a valid block of this encoding (truncated, wrong magic, bad varint)."""
+
+
+@dataclass(frozen=True)
+class TurnData:
+    """One recorded turn. ``support_ids[i]`` sorted ascending, unique; empty = no filtering.
+
+    Invariant: ``len(output_ids) == len(logprobs) == len(raw_logprobs) == len(support_ids)
+    == len(support_logprobs)`` and ``len(support_ids[i]) == len(support_logprobs[i])``.
+    """
+
+    turn: int
+    group: str
+    replica: str
+    input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    logprobs: Sequence[float]
+    raw_logprobs: Sequence[float | None]
+    support_ids: Sequence[Sequence[int]]
+    support_logprobs: Sequence[Sequence[float]]
+    weight_versions: Sequence[dict[str, int]] = ()
+    finish_reason: dict[str, Any] | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+    moved_from: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        lens = (len(self.logprobs), len(self.raw_logprobs), len(self.support_ids), len(self.support_logprobs))
+        if any(x != n for x in lens):
+            raise ValueError(f"record lengths {lens} differ from {n} output tokens")
+        for i, (ids, lps) in enumerate(zip(self.support_ids, self.support_logprobs, strict=True)):
+            if len(ids) != len(lps):
+                raise ValueError(f"token {i}: {len(ids)} support ids but {len(lps)} support log-probs")
+
+    def version_at(self, index: int) -> int | None:
+        """The weight version that produced output token ``index`` (None when unknown)."""
+        for span in self.weight_versions:
+            if span["start"] <= index < span["end"]:
+                return int(span["version"])
+        return None
+
+    def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
+        """The API's JSON turn object (issue 4 shape) with one record per output token."""
+        spans = sorted(self.weight_versions, key=lambda s: s["start"])
+        records = []
+        si = 0
+        for i, tok in enumerate(self.output_ids):
+            while si < len(spans) and spans[si]["end"] <= i:
+                si += 1
+            version = spans[si]["version"] if si < len(spans) and spans[si]["start"] <= i else None
+            raw = self.raw_logprobs[i]
+            records.append(
+                {
+                    "token_id": tok,
+                    "logprob": self.logprobs[i],
+                    "raw_logprob": None if raw is None or math.isnan(raw) else raw,
+                    "support_ids": list(self.support_ids[i]),
+                    "support_logprobs": list(self.support_logprobs[i]),
+                    "weight_version": version,
+                }
+            )
+        out: dict[str, Any] = {}
+        if session_id is not None:
+            out["session_id"] = session_id
+        out.update(
+            turn=self.turn,
+            group=self.group,
+            replica=self.replica,
+            output_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            records=records,
+            weight_versions=[dict(s) for s in self.weight_versions],
+            timings=dict(self.timings),
+            moved_from=self.moved_from,
+        )
+        if with_input:
+            out["input_ids"] = list(self.input_ids)
+        return out
+
+
+# ---------------------------------------------------------------- varints
+
+
+def _varint(value: int, out: bytearray) -> None:
+    if value < 0:
+        raise ValueError(f"varint of negative value {value}")
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _varints(values: Sequence[int], out: bytearray) -> None:
+    if not values:
+        return
+    if min(values) >= 0 and max(values) < 0x80:
+        out += bytes(values)
+        return
+    for v in values:
+        _varint(v, out)
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes | memoryview) -> None:
+        self.buf = memoryview(buf)
+        self.pos = 0
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise RecordFormatError(f"truncated: need {n} bytes at offset {self.pos}, have {len(self.buf)}")
+
+    def byte(self) -> int:
+        self.need(1)
+        b = self.buf[self.pos]
+        self.pos += 1
+        return b
+
+    def varint(self) -> int:
+        result = shift = 0
+        while True:
+            b = self.byte()
+            result |= (b & 0x7F) << shift
+            if b < 0x80:
+                return result
+            shift += 7
+            if shift > 63:
+                raise RecordFormatError(f"varint longer than 9 bytes at offset {self.pos}")
+
+    def varints(self, n: int) -> list[int]:
+        if n == 0:
+            return []
+        end = self.pos + n
+        if end <= len(self.buf):
+            chunk = self.buf[self.pos : end]
+            if max(chunk) < 0x80:
+                self.pos = end
+                return list(chunk)
+        return [self.varint() for _ in range(n)]
+
+    def raw(self, n: int) -> memoryview:
+        self.need(n)
+        chunk = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def floats(self, n: int, fmt: str) -> tuple[float, ...]:
+        size = struct.calcsize(fmt)
+        return struct.unpack(f"<{n}{fmt}", self.raw(n * size))
+
+    def json(self) -> Any:
+        n = self.varint()
+        try:
+            return json.loads(bytes(self.raw(n)))
+        except ValueError as exc:
+            raise RecordFormatError(f"bad JSON header: {exc}") from None
+
+
+def _json(obj: Any, out: bytearray) -> None:
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    _varint(len(data), out)
+    out += data
+
+
+# ---------------------------------------------------------------- turns
+
+
+def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
+    """Encode one turn. ``f16`` stores support log-probs as float16 (lossy, ~3 significant digits).
+
+    After: ``decode_turn(encode_turn(t))`` equals ``t`` exactly for float32-representable
+    values (float16-rounded support log-probs when ``f16``).
+    """
+    out = bytearray(MAGIC_TURN)
+    out.append(FORMAT_VERSION)
+    out.append(FLAG_F16 if f16 else 0)
+    _json(
+        {
+            "turn": turn.turn,
+            "group": turn.group,
+            "replica": turn.replica,
+            "finish_reason": turn.finish_reason,
+            "timings": turn.timings,
+            "weight_versions": [dict(s) for s in turn.weight_versions],
+            "moved_from": turn.moved_from,
+        },
+        out,
+    )
+    _varint(len(turn.input_ids), out)
+    _varints(turn.input_ids, out)
+    n = len(turn.output_ids)
+    _varint(n, out)
+    _varints(turn.output_ids, out)
+    out += struct.pack(f"<{n}f", *turn.logprobs)
+    out += struct.pack(f"<{n}f", *(math.nan if x is None else x for x in turn.raw_logprobs))
+    _varints([len(s) for s in turn.support_ids], out)
+    flat_lp: list[float] = []
+    for ids, lps in zip(turn.support_ids, turn.support_logprobs, strict=True):
+        if not ids:
+            continue
+        gaps = [ids[0]]
+        prev = ids[0]
+        for x in ids[1:]:
+            if x <= prev:
+                raise ValueError(f"support ids must be strictly increasing, got {prev} then {x}")
+            gaps.append(x - prev - 1)
+            prev = x
+        _varints(gaps, out)
+        flat_lp.extend(lps)
+    out += struct.pack(f"<{len(flat_lp)}{'e' if f16 else 'f'}", *flat_lp)
+    return bytes(out)
+
+
+def decode_turn(data: bytes | memoryview) -> TurnData:
+    """Decode a turn block. Raises :class:`RecordFormatError` on malformed input."""
+    r = _Reader(data)
+    turn = _decode_turn(r)
+    if r.pos != len(r.buf):
+        raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after turn block")
+    return turn
+
+
+def decode_turn_header(data: bytes | memoryview) -> dict[str, Any]:
+    """Only the JSON header of a turn block (cheap: no per-token work)."""
+    r = _Reader(data)
+    _check_magic(r, MAGIC_TURN)
+    r.byte()
+    return r.json()
+
+
+def _check_magic(r: _Reader, magic: bytes) -> None:
+    got = bytes(r.raw(len(magic))) if len(r.buf) >= len(magic) else bytes(r.buf)
+    if got != magic:
+        raise RecordFormatError(f"bad magic {got!r}, expected {magic!r}")
+    version = r.byte()
+    if version != FORMAT_VERSION:
+        raise RecordFormatError(f"unsupported format version {version}")
+
+
+def _decode_turn(r: _Reader) -> TurnData:
+    _check_magic(r, MAGIC_TURN)
+    flags = r.byte()
+    header = r.json()
+    if not isinstance(header, dict):
+        raise RecordFormatError("turn header is not a JSON object")
+    input_ids = r.varints(r.varint())
+    n = r.varint()
+    output_ids = r.varints(n)
+    logprobs = list(r.floats(n, "f"))
+    raw = [None if math.isnan(x) else x for x in r.floats(n, "f")]
+    sizes = r.varints(n)
+    support_ids: list[list[int]] = []
+    for k in sizes:
+        if k == 0:
+            support_ids.append([])
+            continue
+        gaps = r.varints(k)
+        ids = [gaps[0]]
+        prev = gaps[0]
+        for g in gaps[1:]:
+            prev = prev + g + 1
+            ids.append(prev)
+        support_ids.append(ids)
+    total = sum(sizes)
+    flat = r.floats(total, "e" if flags & FLAG_F16 else "f")
+    support_lps: list[list[float]] = []
+    pos = 0
+    for k in sizes:
+        support_lps.append(list(flat[pos : pos + k]))
+        pos += k
+    try:
+        return TurnData(
+            turn=int(header["turn"]),
+            group=str(header["group"]),
+            replica=str(header["replica"]),
+            input_ids=input_ids,
+            output_ids=output_ids,
+            logprobs=logprobs,
+            raw_logprobs=raw,
+            support_ids=support_ids,
+            support_logprobs=support_lps,
+            weight_versions=[
+                {"version": int(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
+                for s in header.get("weight_versions") or []
+            ],
+            finish_reason=header.get("finish_reason"),
+            timings=header.get("timings") or {},
+            moved_from=header.get("moved_from"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordFormatError(f"bad turn header: {exc!r}") from None
+
+
+# ---------------------------------------------------------------- batches
+
+
+def encode_batch(
+    lease_id: str, held_back: int, trajectories: Sequence[tuple[dict[str, Any], Sequence[bytes]]]
+) -> bytes:
+    """Encode a trainer batch from (trajectory header, stored turn blocks) pairs.
+
+    The turn blocks are copied as stored (no re-encoding). Each header gets ``n_turns``.
+    """
+    out = bytearray(MAGIC_BATCH)
+    out.append(FORMAT_VERSION)
+    headers = [{**h, "n_turns": len(blobs)} for h, blobs in trajectories]
+    _json({"lease_id": lease_id, "held_back": held_back, "trajectories": headers}, out)
+    for _, blobs in trajectories:
+        for blob in blobs:
+            _varint(len(blob), out)
+            out += blob
+    return bytes(out)
+
+
+def decode_batch(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode a batch into the JSON shape of ``POST /v1/batches/take``."""
+    r = _Reader(data)
+    _check_magic(r, MAGIC_BATCH)
+    header = r.json()
+    trajectories = []
+    for t in header.get("trajectories", []):
+        t = dict(t)
+        n_turns = int(t.pop("n_turns"))
+        turns = []
+        for _ in range(n_turns):
+            size = r.varint()
+            sub = _Reader(r.raw(size))
+            turns.append(_decode_turn(sub).to_json(t["session_id"]))
+        t["turns"] = turns
+        trajectories.append(t)
+    if r.pos != len(r.buf):
+        raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after batch")
+    return {"lease_id": header["lease_id"], "trajectories": trajectories, "held_back": header["held_back"]}
