@@ -1,0 +1,212 @@
+"""The router's state port: sessions, recorded turns, the ready queue with leases, counters,
+replica heartbeats and the latest published weight version.
+
+Adapters: :mod:`router.state.memory` (one process) and :mod:`router.state.redis` (several
+routers share one Redis). Both pass ``tests/router/test_state_contract.py``.
+
+Contract, for every adapter:
+
+* A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block is
+  stored whole or not at all) and idempotent per ``request_id`` (a retried call returns the
+  first call's index and stores nothing). Turn indices are 0, 1, 2, ... in append order.
+* ``finish_session`` atomically marks the session finished and enqueues it as ready for the
+  trainer exactly once; a retried call with the same ``request_id`` is a no-op.
+* ``take`` hands out up to ``size`` ready trajectories under a fresh lease. A trajectory whose
+  oldest token is more than ``max_version_age`` behind ``trainer_version`` is held back (kept,
+  counted in ``held_back``) instead; held-back trajectories are handed out by a later take whose
+  bound admits them (``max_version_age=None`` admits all). Trajectories of a lease not
+  acknowledged within ``lease_timeout_s`` are handed out again by a later take.
+* ``ack`` acknowledges what the lease still owns; acknowledged trajectories are never handed
+  out again and stay readable for ``retention_s``.
+* Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SessionStatus = Literal["open", "finished", "consumed"]
+
+
+class StateError(Exception):
+    """Base of the port's domain errors."""
+
+
+class SessionNotFound(StateError):
+    pass
+
+
+class SessionFinished(StateError):
+    """The session is finished (or consumed): it accepts no more turns and no second finish."""
+
+
+class LeaseNotFound(StateError):
+    pass
+
+
+class StateUnavailable(StateError):
+    """The backing store cannot be reached (after the adapter's own retries)."""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    group: str
+    replica: str | None
+    status: SessionStatus
+    created_at: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    n_turns: int = 0
+    reward: float | None = None
+    finish_metadata: dict[str, Any] = field(default_factory=dict)
+    min_version: int | None = None
+    max_version: int | None = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TakenTrajectory:
+    session: SessionInfo
+    turns: list[bytes]
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    trajectories: list[TakenTrajectory]
+    held_back: int
+    redelivered: int = 0
+
+
+@dataclass(frozen=True)
+class AckResult:
+    acked: int
+    expired: int
+
+
+@dataclass(frozen=True)
+class GroupCounters:
+    active_sessions: int = 0
+    sessions: int = 0
+    turns: int = 0
+    tokens: int = 0
+
+
+class StateStore(abc.ABC):
+    """Async state port. Methods raise :class:`StateUnavailable` when the store is down."""
+
+    # sessions -------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+        """Create an open session in ``group``; counts it active there."""
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: str) -> SessionInfo | None: ...
+
+    @abc.abstractmethod
+    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
+        """Set the session's group and replica affinity; moving group moves its active count."""
+
+    @abc.abstractmethod
+    async def append_turn(
+        self,
+        session_id: str,
+        request_id: str,
+        blob: bytes,
+        *,
+        group: str,
+        tokens: int,
+        min_version: int | None,
+        max_version: int | None,
+        expected_turn: int | None = None,
+    ) -> int:
+        """Store one turn block; return its index. Raises SessionNotFound / SessionFinished.
+
+        With ``expected_turn`` set, stores only if it equals the next index (else raises
+        :class:`TurnConflict` carrying the next index).
+        """
+
+    @abc.abstractmethod
+    async def get_turns(self, session_id: str) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    async def finish_session(
+        self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
+    ) -> None:
+        """Finish and enqueue for the trainer. Raises SessionNotFound / SessionFinished."""
+
+    @abc.abstractmethod
+    async def delete_session(self, session_id: str) -> None:
+        """Abandon an open session (not enqueued). Raises SessionNotFound / SessionFinished."""
+
+    # trainer queue --------------------------------------------------------------------
+    @abc.abstractmethod
+    async def take(
+        self,
+        size: int,
+        *,
+        trainer_version: int,
+        max_version_age: int | None,
+        lease_timeout_s: float,
+        wait_s: float = 0.0,
+    ) -> Lease: ...
+
+    @abc.abstractmethod
+    async def ack(self, lease_id: str) -> AckResult: ...
+
+    @abc.abstractmethod
+    async def queue_stats(self) -> dict[str, int]:
+        """``ready``, ``pending`` (leased, unacknowledged), ``held_back``, ``leases``."""
+
+    # counters, replicas, versions --------------------------------------------------------
+    @abc.abstractmethod
+    async def counters(self) -> dict[str, GroupCounters]: ...
+
+    @abc.abstractmethod
+    async def put_replica(self, replica_id: str, data: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def list_replicas(self) -> dict[str, dict[str, Any]]: ...
+
+    @abc.abstractmethod
+    async def delete_replica(self, replica_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def get_latest_version(self) -> int | None: ...
+
+    @abc.abstractmethod
+    async def set_latest_version(self, version: int) -> int:
+        """Raise the latest published version to ``version`` (never lowers); return the result."""
+
+    @abc.abstractmethod
+    async def get_route_key(self, key: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None: ...
+
+    @abc.abstractmethod
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class TurnConflict(StateError):
+    def __init__(self, next_turn: int) -> None:
+        super().__init__(f"next turn is {next_turn}")
+        self.next_turn = next_turn
+
+
+def open_store(url: str, *, retention_s: float = 3600.0) -> StateStore:
+    """``memory`` or ``redis://host:port/db`` -> a store. Raises ValueError for other URLs."""
+    if url == "memory":
+        from router.state.memory import MemoryStore
+
+        return MemoryStore(retention_s=retention_s)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from router.state.redis import RedisStore
+
+        return RedisStore(url, retention_s=retention_s)
+    raise ValueError(f"state URL must be 'memory' or redis://...: {url!r}")

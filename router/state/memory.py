@@ -1,0 +1,289 @@
+"""In-process state (the embedded default): the :class:`~router.state.base.StateStore` contract
+for one router process. Nothing survives a restart. Every method runs without awaiting in the
+middle of a mutation, so each one is atomic with respect to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from router.state.base import (
+    AckResult,
+    GroupCounters,
+    Lease,
+    LeaseNotFound,
+    SessionFinished,
+    SessionInfo,
+    SessionNotFound,
+    StateStore,
+    TakenTrajectory,
+    TurnConflict,
+)
+
+
+@dataclass
+class _Session:
+    info: SessionInfo
+    turns: list[bytes] = field(default_factory=list)
+    requests: dict[str, int] = field(default_factory=dict)
+    finish_request: str | None = None
+    expires_at: float | None = None
+
+
+class MemoryStore(StateStore):
+    def __init__(self, *, retention_s: float = 3600.0) -> None:
+        self.retention_s = retention_s
+        self._sessions: dict[str, _Session] = {}
+        self._ids = itertools.count(1)
+        self._ready: OrderedDict[int, str] = OrderedDict()
+        self._pending: dict[int, tuple[str, str, float]] = {}  # entry -> (sid, lease, delivered)
+        self._held: dict[str, int] = {}
+        self._leases: dict[str, set[int]] = {}
+        self._counters: defaultdict[str, dict[str, int]] = defaultdict(
+            lambda: {"active_sessions": 0, "sessions": 0, "turns": 0, "tokens": 0}
+        )
+        self._replicas: dict[str, dict[str, Any]] = {}
+        self._latest: int | None = None
+        self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
+        self._waiters: list[asyncio.Future[None]] = []
+
+    # sessions -------------------------------------------------------------------------
+    def _open(self, session_id: str) -> _Session:
+        s = self._live(session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        if s.info.status != "open":
+            raise SessionFinished(session_id)
+        return s
+
+    def _live(self, session_id: str) -> _Session | None:
+        s = self._sessions.get(session_id)
+        if s is not None and s.expires_at is not None and s.expires_at <= time.monotonic():
+            del self._sessions[session_id]
+            return None
+        return s
+
+    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id} exists")
+        self._sessions[session_id] = _Session(
+            SessionInfo(session_id, group, None, "open", now, dict(metadata))
+        )
+        c = self._counters[group]
+        c["active_sessions"] += 1
+        c["sessions"] += 1
+
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        s = self._live(session_id)
+        return None if s is None else s.info
+
+    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
+        s = self._live(session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        if group != s.info.group and s.info.status == "open":
+            self._counters[s.info.group]["active_sessions"] -= 1
+            self._counters[group]["active_sessions"] += 1
+        s.info = replace(s.info, group=group, replica=replica)
+
+    async def append_turn(
+        self,
+        session_id: str,
+        request_id: str,
+        blob: bytes,
+        *,
+        group: str,
+        tokens: int,
+        min_version: int | None,
+        max_version: int | None,
+        expected_turn: int | None = None,
+    ) -> int:
+        s = self._live(session_id)
+        if s is not None and request_id in s.requests:
+            return s.requests[request_id]
+        s = self._open(session_id)
+        index = len(s.turns)
+        if expected_turn is not None and expected_turn != index:
+            raise TurnConflict(index)
+        s.turns.append(bytes(blob))
+        s.requests[request_id] = index
+        info = s.info
+        s.info = replace(
+            info,
+            n_turns=index + 1,
+            tokens=info.tokens + tokens,
+            min_version=_min(info.min_version, min_version),
+            max_version=_max(info.max_version, max_version),
+        )
+        c = self._counters[group]
+        c["turns"] += 1
+        c["tokens"] += tokens
+        return index
+
+    async def get_turns(self, session_id: str) -> list[bytes]:
+        s = self._live(session_id)
+        return [] if s is None else list(s.turns)
+
+    async def finish_session(
+        self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
+    ) -> None:
+        s = self._live(session_id)
+        if s is not None and s.finish_request == request_id:
+            return
+        s = self._open(session_id)
+        s.info = replace(s.info, status="finished", reward=reward, finish_metadata=dict(metadata))
+        s.finish_request = request_id
+        self._counters[s.info.group]["active_sessions"] -= 1
+        self._ready[next(self._ids)] = session_id
+        self._wake()
+
+    async def delete_session(self, session_id: str) -> None:
+        s = self._open(session_id)
+        self._counters[s.info.group]["active_sessions"] -= 1
+        del self._sessions[session_id]
+
+    # trainer queue --------------------------------------------------------------------
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def _too_old(self, info: SessionInfo, trainer_version: int, max_age: int | None) -> bool:
+        if max_age is None or info.min_version is None:
+            return False
+        return trainer_version - info.min_version > max_age
+
+    async def take(
+        self,
+        size: int,
+        *,
+        trainer_version: int,
+        max_version_age: int | None,
+        lease_timeout_s: float,
+        wait_s: float = 0.0,
+    ) -> Lease:
+        lease_id = uuid.uuid4().hex
+        entries: set[int] = set()
+        taken: list[TakenTrajectory] = []
+        redelivered = 0
+        deadline = time.monotonic() + max(0.0, wait_s)
+        # held-back trajectories that this bound now admits go back to the ready queue
+        for sid, vmin in list(self._held.items()):
+            if max_version_age is None or trainer_version - vmin <= max_version_age:
+                del self._held[sid]
+                self._ready[next(self._ids)] = sid
+        while True:
+            now = time.monotonic()
+            candidates: list[tuple[int, str, bool]] = []
+            for entry, (sid, owner, delivered) in sorted(self._pending.items()):
+                if owner != lease_id and now - delivered >= lease_timeout_s:
+                    candidates.append((entry, sid, True))
+            candidates.extend((entry, sid, False) for entry, sid in self._ready.items())
+            for entry, sid, again in candidates:
+                if len(taken) >= size:
+                    break
+                if again:
+                    del self._pending[entry]  # the old lease keeps the id: its late ack sees it expired
+                else:
+                    del self._ready[entry]
+                s = self._live(sid)
+                if s is None:
+                    continue
+                if self._too_old(s.info, trainer_version, max_version_age):
+                    self._held[sid] = s.info.min_version  # type: ignore[assignment]
+                    continue
+                self._pending[entry] = (sid, lease_id, now)
+                entries.add(entry)
+                taken.append(TakenTrajectory(s.info, list(s.turns)))
+                redelivered += again
+            remaining = deadline - time.monotonic()
+            if len(taken) >= size or remaining <= 0:
+                break
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, timeout=min(remaining, lease_timeout_s, 1.0))
+        if entries:
+            self._leases[lease_id] = entries
+        return Lease(lease_id, taken, held_back=len(self._held), redelivered=redelivered)
+
+    async def ack(self, lease_id: str) -> AckResult:
+        entries = self._leases.pop(lease_id, None)
+        if entries is None:
+            raise LeaseNotFound(lease_id)
+        acked = expired = 0
+        expires = time.monotonic() + self.retention_s
+        for entry in entries:
+            owner = self._pending.get(entry)
+            if owner is None or owner[1] != lease_id:
+                expired += 1
+                continue
+            del self._pending[entry]
+            acked += 1
+            s = self._sessions.get(owner[0])
+            if s is not None:
+                s.info = replace(s.info, status="consumed")
+                s.expires_at = expires
+        return AckResult(acked=acked, expired=expired)
+
+    async def queue_stats(self) -> dict[str, int]:
+        return {
+            "ready": len(self._ready),
+            "pending": len(self._pending),
+            "held_back": len(self._held),
+            "leases": len(self._leases),
+        }
+
+    # counters, replicas, versions --------------------------------------------------------
+    async def counters(self) -> dict[str, GroupCounters]:
+        return {g: GroupCounters(**c) for g, c in self._counters.items()}
+
+    async def put_replica(self, replica_id: str, data: dict[str, Any]) -> None:
+        self._replicas[replica_id] = dict(data)
+
+    async def list_replicas(self) -> dict[str, dict[str, Any]]:
+        return {k: dict(v) for k, v in self._replicas.items()}
+
+    async def delete_replica(self, replica_id: str) -> bool:
+        return self._replicas.pop(replica_id, None) is not None
+
+    async def get_latest_version(self) -> int | None:
+        return self._latest
+
+    async def set_latest_version(self, version: int) -> int:
+        self._latest = version if self._latest is None else max(self._latest, version)
+        return self._latest
+
+    async def get_route_key(self, key: str) -> dict[str, Any] | None:
+        item = self._route_keys.get(key)
+        if item is None:
+            return None
+        if item[1] <= time.monotonic():
+            del self._route_keys[key]
+            return None
+        return dict(item[0])
+
+    async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
+        if len(self._route_keys) > 100_000:
+            now = time.monotonic()
+            self._route_keys = {k: v for k, v in self._route_keys.items() if v[1] > now}
+        self._route_keys[key] = (dict(value), time.monotonic() + ttl_s)
+
+    async def ping(self) -> bool:
+        return True
+
+
+def _min(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)

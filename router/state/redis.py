@@ -1,0 +1,471 @@
+"""Redis state (production: several routers share one Redis).
+
+Layout under the key prefix ``mf:`` (all values written by this module only):
+
+* ``mf:s:<id>``   hash: group, replica, status, created, metadata, n_turns, tokens, vmin, vmax,
+  reward, finish_meta, finish_req, and ``q:<request_id>`` -> turn index (idempotent appends)
+* ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
+* ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
+  each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
+  the group's pending entries and survive a router restart; ``XAUTOCLAIM`` redelivers them
+  once idle for the lease timeout; ``XACK`` + ``XDEL`` on acknowledgement
+* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement
+* ``mf:held``     sorted set: held-back session ids scored by their oldest token version
+* ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
+* ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
+
+Mutations that must be atomic or idempotent are Lua scripts, so the client's automatic retry
+after a dropped connection (e.g. a Redis restart) cannot apply a turn or a finish twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from router.state.base import (
+    AckResult,
+    GroupCounters,
+    Lease,
+    LeaseNotFound,
+    SessionFinished,
+    SessionInfo,
+    SessionNotFound,
+    StateStore,
+    StateUnavailable,
+    TakenTrajectory,
+    TurnConflict,
+)
+
+P = "mf:"
+STREAM = P + "ready"
+GROUP = "trainers"
+HELD = P + "held"
+STATS = P + "stats"
+REPLICAS = P + "replicas"
+LATEST = P + "latest"
+
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'group', ARGV[1], 'status', 'open', 'created', ARGV[2],
+           'metadata', ARGV[3], 'n_turns', 0, 'tokens', 0)
+redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
+redis.call('HINCRBY', KEYS[2], 'sessions:' .. ARGV[1], 1)
+return 1
+"""
+
+_ROUTE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local old = redis.call('HGET', KEYS[1], 'group')
+if old ~= ARGV[1] and redis.call('HGET', KEYS[1], 'status') == 'open' then
+  redis.call('HINCRBY', KEYS[2], 'active:' .. old, -1)
+  redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
+end
+redis.call('HSET', KEYS[1], 'group', ARGV[1], 'replica', ARGV[2])
+return 0
+"""
+
+_APPEND = """
+local h = KEYS[1]
+if redis.call('EXISTS', h) == 0 then return {-1, 0} end
+local prev = redis.call('HGET', h, 'q:' .. ARGV[1])
+if prev then return {0, tonumber(prev)} end
+if redis.call('HGET', h, 'status') ~= 'open' then return {-2, 0} end
+local idx = redis.call('LLEN', KEYS[2])
+if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= idx then return {-3, idx} end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1)
+redis.call('HINCRBY', h, 'tokens', ARGV[4])
+if ARGV[5] ~= '' then
+  local cur = redis.call('HGET', h, 'vmin')
+  if (not cur) or tonumber(ARGV[5]) < tonumber(cur) then redis.call('HSET', h, 'vmin', ARGV[5]) end
+end
+if ARGV[6] ~= '' then
+  local cur = redis.call('HGET', h, 'vmax')
+  if (not cur) or tonumber(ARGV[6]) > tonumber(cur) then redis.call('HSET', h, 'vmax', ARGV[6]) end
+end
+redis.call('HINCRBY', KEYS[3], 'turns:' .. ARGV[3], 1)
+redis.call('HINCRBY', KEYS[3], 'tokens:' .. ARGV[3], ARGV[4])
+return {0, idx}
+"""
+
+_FINISH = """
+local h = KEYS[1]
+if redis.call('EXISTS', h) == 0 then return -1 end
+if redis.call('HGET', h, 'finish_req') == ARGV[1] then return 0 end
+if redis.call('HGET', h, 'status') ~= 'open' then return -2 end
+redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', ARGV[3], 'finish_req', ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'active:' .. redis.call('HGET', h, 'group'), -1)
+redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
+return 0
+"""
+
+_DELETE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return -2 end
+redis.call('HINCRBY', KEYS[3], 'active:' .. redis.call('HGET', KEYS[1], 'group'), -1)
+redis.call('DEL', KEYS[1], KEYS[2])
+return 0
+"""
+
+_RELEASE_HELD = """
+local sids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+for _, sid in ipairs(sids) do
+  redis.call('ZREM', KEYS[1], sid)
+  redis.call('XADD', KEYS[2], '*', 'sid', sid)
+end
+return #sids
+"""
+
+_HOLD = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('XACK', KEYS[2], ARGV[4], ARGV[1])
+redis.call('XDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+_SET_LATEST = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or tonumber(ARGV[1]) > tonumber(cur) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
+return tonumber(cur)
+"""
+
+_FIELDS = (
+    "group", "replica", "status", "created", "metadata", "n_turns", "tokens",
+    "vmin", "vmax", "reward", "finish_meta",
+)
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+
+
+def _skey(sid: str) -> str:
+    return f"{P}s:{sid}"
+
+
+def _tkey(sid: str) -> str:
+    return f"{P}s:{sid}:t"
+
+
+def _opt(v: int | None) -> str:
+    return "" if v is None else str(int(v))
+
+
+class RedisStore(StateStore):
+    """Redis adapter. Connection drops are retried with backoff for ``outage_s`` seconds
+    (covers a restart); after that, calls raise :class:`StateUnavailable`."""
+
+    def __init__(self, url: str, *, retention_s: float = 3600.0, outage_s: float = 20.0) -> None:
+        self.retention_s = retention_s
+        retries = max(1, int(outage_s / 0.5))
+        self._r = aioredis.Redis.from_url(
+            url,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError],
+            socket_timeout=10.0,
+            socket_connect_timeout=2.0,
+            max_connections=512,
+        )
+        self._create = self._r.register_script(_CREATE)
+        self._route = self._r.register_script(_ROUTE)
+        self._append = self._r.register_script(_APPEND)
+        self._finish = self._r.register_script(_FINISH)
+        self._delete = self._r.register_script(_DELETE)
+        self._release = self._r.register_script(_RELEASE_HELD)
+        self._hold = self._r.register_script(_HOLD)
+        self._set_latest = self._r.register_script(_SET_LATEST)
+        self._group_ready = False
+        self._takes = 0
+
+    async def _call(self, coro_fn, *args, **kwargs):
+        try:
+            return await coro_fn(*args, **kwargs)
+        except _UNAVAILABLE as exc:
+            raise StateUnavailable(f"redis: {exc}") from None
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self._r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    # sessions -------------------------------------------------------------------------
+    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+        created = await self._call(
+            self._create, keys=[_skey(session_id), STATS], args=[group, repr(now), json.dumps(metadata)]
+        )
+        if not created:
+            raise ValueError(f"session {session_id} exists")
+
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        values = await self._call(self._r.hmget, _skey(session_id), _FIELDS)
+        return _info(session_id, values)
+
+    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
+        rc = await self._call(self._route, keys=[_skey(session_id), STATS], args=[group, replica or ""])
+        if rc == -1:
+            raise SessionNotFound(session_id)
+
+    async def append_turn(
+        self,
+        session_id: str,
+        request_id: str,
+        blob: bytes,
+        *,
+        group: str,
+        tokens: int,
+        min_version: int | None,
+        max_version: int | None,
+        expected_turn: int | None = None,
+    ) -> int:
+        rc, idx = await self._call(
+            self._append,
+            keys=[_skey(session_id), _tkey(session_id), STATS],
+            args=[request_id, blob, group, tokens, _opt(min_version), _opt(max_version), _opt(expected_turn)],
+        )
+        if rc == -1:
+            raise SessionNotFound(session_id)
+        if rc == -2:
+            raise SessionFinished(session_id)
+        if rc == -3:
+            raise TurnConflict(int(idx))
+        return int(idx)
+
+    async def get_turns(self, session_id: str) -> list[bytes]:
+        return list(await self._call(self._r.lrange, _tkey(session_id), 0, -1))
+
+    async def finish_session(
+        self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
+    ) -> None:
+        await self._ensure_group_safe()
+        rc = await self._call(
+            self._finish,
+            keys=[_skey(session_id), STATS, STREAM],
+            args=[request_id, repr(float(reward)), json.dumps(metadata), session_id],
+        )
+        if rc == -1:
+            raise SessionNotFound(session_id)
+        if rc == -2:
+            raise SessionFinished(session_id)
+
+    async def delete_session(self, session_id: str) -> None:
+        rc = await self._call(self._delete, keys=[_skey(session_id), _tkey(session_id), STATS])
+        if rc == -1:
+            raise SessionNotFound(session_id)
+        if rc == -2:
+            raise SessionFinished(session_id)
+
+    async def _ensure_group_safe(self) -> None:
+        await self._call(self._ensure_group)
+
+    # trainer queue --------------------------------------------------------------------
+    async def take(
+        self,
+        size: int,
+        *,
+        trainer_version: int,
+        max_version_age: int | None,
+        lease_timeout_s: float,
+        wait_s: float = 0.0,
+    ) -> Lease:
+        return await self._call(self._take, size, trainer_version, max_version_age, lease_timeout_s, wait_s)
+
+    async def _take(
+        self, size: int, trainer_version: int, max_age: int | None, lease_timeout_s: float, wait_s: float
+    ) -> Lease:
+        await self._ensure_group()
+        lease_id = uuid.uuid4().hex
+        floor = "-inf" if max_age is None else str(trainer_version - max_age)
+        await self._release(keys=[HELD, STREAM], args=[floor])
+        deadline = time.monotonic() + max(0.0, wait_s)
+        taken: list[TakenTrajectory] = []
+        owned: dict[str, str] = {}
+        redelivered = 0
+        idle_ms = max(1, int(lease_timeout_s * 1000))
+        while len(taken) < size:
+            need = size - len(taken)
+            batch: list[tuple[str, str, bool]] = []
+            _cursor, claimed, deleted = (await self._r.xautoclaim(
+                STREAM, GROUP, lease_id, idle_ms, "0-0", count=need
+            ))[:3]
+            for gone in deleted or []:
+                await self._r.xack(STREAM, GROUP, gone)
+            for entry_id, fields in claimed:
+                if fields:
+                    batch.append((_s(entry_id), _s(fields[b"sid"]), True))
+            if len(batch) < need:
+                remaining = deadline - time.monotonic()
+                block = int(min(remaining, 1.0) * 1000) if remaining > 0.001 else None
+                resp = await self._r.xreadgroup(
+                    GROUP, lease_id, {STREAM: ">"}, count=need - len(batch), block=block
+                )
+                for _stream, items in resp or []:
+                    for entry_id, fields in items:
+                        batch.append((_s(entry_id), _s(fields[b"sid"]), False))
+            for entry_id, sid, again in batch:
+                if entry_id in owned:
+                    continue
+                pipe = self._r.pipeline(transaction=False)
+                pipe.hmget(_skey(sid), _FIELDS)
+                pipe.lrange(_tkey(sid), 0, -1)
+                values, turns = await pipe.execute()
+                info = _info(sid, values)
+                if info is None:  # expired or deleted: nothing to hand out
+                    await self._r.xack(STREAM, GROUP, entry_id)
+                    await self._r.xdel(STREAM, entry_id)
+                    continue
+                if max_age is not None and info.min_version is not None and (
+                    trainer_version - info.min_version > max_age
+                ):
+                    await self._hold(keys=[HELD, STREAM], args=[entry_id, info.min_version, sid, GROUP])
+                    continue
+                owned[entry_id] = sid
+                taken.append(TakenTrajectory(info, list(turns)))
+                redelivered += again
+            if time.monotonic() >= deadline:
+                break
+        if owned:
+            key = f"{P}lease:{lease_id}"
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hset(key, mapping=owned)
+            pipe.expire(key, int(max(3600, lease_timeout_s * 20)))
+            await pipe.execute()
+        else:
+            await self._r.xgroup_delconsumer(STREAM, GROUP, lease_id)
+        self._takes += 1
+        if self._takes % 50 == 0:
+            await self._reap_consumers(lease_timeout_s)
+        held = await self._r.zcard(HELD)
+        return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
+
+    async def _reap_consumers(self, lease_timeout_s: float) -> None:
+        """Forget lease consumers that own nothing any more and are long idle."""
+        for c in await self._r.xinfo_consumers(STREAM, GROUP):
+            if int(c["pending"]) == 0 and int(c["idle"]) > lease_timeout_s * 2000:
+                await self._r.xgroup_delconsumer(STREAM, GROUP, _s(c["name"]))
+
+    async def ack(self, lease_id: str) -> AckResult:
+        return await self._call(self._ack, lease_id)
+
+    async def _ack(self, lease_id: str) -> AckResult:
+        key = f"{P}lease:{lease_id}"
+        entries = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
+        if not entries:
+            raise LeaseNotFound(lease_id)
+        pending = await self._r.xpending_range(STREAM, GROUP, "-", "+", len(entries) + 10, lease_id)
+        still = {_s(p["message_id"]) for p in pending} & set(entries)
+        pipe = self._r.pipeline(transaction=True)
+        if still:
+            pipe.xack(STREAM, GROUP, *still)
+            pipe.xdel(STREAM, *still)
+        for entry_id in still:
+            sid = entries[entry_id]
+            pipe.hset(_skey(sid), "status", "consumed")
+            pipe.expire(_skey(sid), int(self.retention_s))
+            pipe.expire(_tkey(sid), int(self.retention_s))
+        pipe.delete(key)
+        await pipe.execute()
+        await self._r.xgroup_delconsumer(STREAM, GROUP, lease_id)
+        return AckResult(acked=len(still), expired=len(entries) - len(still))
+
+    async def queue_stats(self) -> dict[str, int]:
+        return await self._call(self._queue_stats)
+
+    async def _queue_stats(self) -> dict[str, int]:
+        await self._ensure_group()
+        length = await self._r.xlen(STREAM)
+        consumers = await self._r.xinfo_consumers(STREAM, GROUP)
+        pending = sum(int(c["pending"]) for c in consumers)
+        return {
+            "ready": int(length) - pending,
+            "pending": pending,
+            "held_back": int(await self._r.zcard(HELD)),
+            "leases": sum(1 for c in consumers if int(c["pending"]) > 0),
+        }
+
+    # counters, replicas, versions --------------------------------------------------------
+    async def counters(self) -> dict[str, GroupCounters]:
+        raw = await self._call(self._r.hgetall, STATS)
+        out: dict[str, dict[str, int]] = {}
+        names = {"active": "active_sessions", "sessions": "sessions", "turns": "turns", "tokens": "tokens"}
+        for k, v in raw.items():
+            kind, _, group = _s(k).partition(":")
+            if kind in names:
+                out.setdefault(group, {})[names[kind]] = int(v)
+        return {g: GroupCounters(**c) for g, c in out.items()}
+
+    async def put_replica(self, replica_id: str, data: dict[str, Any]) -> None:
+        await self._call(self._r.hset, REPLICAS, replica_id, json.dumps(data))
+
+    async def list_replicas(self) -> dict[str, dict[str, Any]]:
+        raw = await self._call(self._r.hgetall, REPLICAS)
+        return {_s(k): json.loads(v) for k, v in raw.items()}
+
+    async def delete_replica(self, replica_id: str) -> bool:
+        return bool(await self._call(self._r.hdel, REPLICAS, replica_id))
+
+    async def get_latest_version(self) -> int | None:
+        v = await self._call(self._r.get, LATEST)
+        return None if v is None else int(v)
+
+    async def set_latest_version(self, version: int) -> int:
+        return int(await self._call(self._set_latest, keys=[LATEST], args=[int(version)]))
+
+    async def get_route_key(self, key: str) -> dict[str, Any] | None:
+        v = await self._call(self._r.get, f"{P}rk:{key}")
+        return None if v is None else json.loads(v)
+
+    async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
+        await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=max(1, int(ttl_s * 1000)))
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self._r.ping(), timeout=2.0))
+        except (*_UNAVAILABLE, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _info(session_id: str, values: list[Any]) -> SessionInfo | None:
+    d = dict(zip(_FIELDS, values, strict=True))
+    if d["group"] is None:
+        return None
+
+    def num(k: str) -> int | None:
+        return None if d[k] is None else int(d[k])
+
+    return SessionInfo(
+        session_id=session_id,
+        group=_s(d["group"]),
+        replica=_s(d["replica"]) or None if d["replica"] is not None else None,
+        status=_s(d["status"]),  # type: ignore[arg-type]
+        created_at=float(d["created"]),
+        metadata=json.loads(d["metadata"]) if d["metadata"] else {},
+        n_turns=int(d["n_turns"] or 0),
+        reward=None if d["reward"] is None else float(d["reward"]),
+        finish_metadata=json.loads(d["finish_meta"]) if d["finish_meta"] else {},
+        min_version=num("vmin"),
+        max_version=num("vmax"),
+        tokens=int(d["tokens"] or 0),
+    )
