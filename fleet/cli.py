@@ -15,7 +15,9 @@ import sys
 
 from weight_sync.errors import UserError
 
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "init-model": "fleet.engine.init_model",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,247 @@
+"""A Qwen3-MoE decoder in plain torch, for the local CPU sampler engine.
+
+``load_model(path, kv_cache_dtype)`` reads an HF ``Qwen3MoeForCausalLM`` directory in any of the
+four group formats (bf16 / fp8 / nvfp4 / mxfp4, see ``fleet.engine.weights``) and returns a
+``Model``. ``Model.forward(tokens, caches)`` runs any mix of prefill chunks and decode tokens of
+several sequences in one step: the token-wise work (projections, norms, experts, LM head) runs
+once on all tokens concatenated, attention runs per sequence against its own ``SequenceCache``.
+
+Precision (a decision, documented here):
+- Compute is float32 on dequantized weights. The BF16 checkpoint's weights are exact in
+  float32, so the bf16 engine reproduces ``transformers``' float32 forward of the same
+  directory to float32 rounding. We do not round activations to bf16 in any format: that
+  rounding is common to every GPU group, and leaving it out makes the difference between
+  the formats exactly the formats' own effect (this CPU also has no native bf16 GEMM).
+- fp8 (W8A8 blockwise, as SGLang's ``Fp8LinearMethod``/fused MoE with ``weight_block_size``):
+  weights are the real e4m3 codes times their 128x128 block scales; the input of every FP8
+  linear (attention projections, experts' gate/up and down) is quantized per token per 128
+  channels to e4m3 with scale amax/448 first.
+- nvfp4 and mxfp4 run W4A16: dequantized 4-bit weights, unquantized activations.
+- Linears stored unquantized in a converted checkpoint (router, LM head, whatever the converter
+  excluded) run as bf16 ones do.
+- ``kv_cache_dtype="fp8_e4m3"``: K and V go through float8_e4m3fn (scale 1.0, clamped to +-448)
+  when written to the cache, and attention always reads them back from the cache, for the new
+  tokens too, so prefill and incremental decoding see the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fleet.engine.cache import SequenceCache, storage_dtype
+from fleet.engine.config import ARCHITECTURE, ModelConfig
+from fleet.engine.layers import Experts, Linear, apply_rope, rms_norm, rope_tables, route, swiglu
+from fleet.engine.weights import CheckpointTensors, LinearWeight, load_checkpoint
+
+__all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
+
+
+def _fuse(parts: list[LinearWeight]) -> list[Linear]:
+    """One ``Linear`` over the concatenated rows when all parts share a format (same activation
+    handling), else one ``Linear`` per part."""
+    if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
+        return [Linear(torch.cat([p.weight for p in parts]).contiguous(), parts[0].fp8_activations)]
+    return [Linear(p.weight, p.fp8_activations) for p in parts]
+
+
+def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
+    if len(linears) == 1:
+        return linears[0](x)
+    return torch.cat([lin(x) for lin in linears], dim=-1)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    qkv: list[Linear]
+    o_proj: Linear
+    router: torch.Tensor | None
+    experts: Experts | None
+    mlp_gate_up: list[Linear] | None
+    mlp_down: Linear | None
+
+
+class Model:
+    """A loaded model. ``forward`` is not thread-safe; call it from one thread at a time.
+
+    Attributes: ``config`` (``ModelConfig``), ``architecture`` (``"Qwen3MoeForCausalLM"``),
+    ``max_context`` (longest sequence a cache may hold), ``precision`` (the checkpoint's format:
+    bf16 / fp8 / nvfp4 / mxfp4), ``kv_cache_dtype`` (auto / bf16 / fp8_e4m3), ``path``.
+    """
+
+    architecture = ARCHITECTURE
+
+    def __init__(self, config: ModelConfig, tensors: CheckpointTensors, kv_cache_dtype: str = "auto",
+                 path: Path | None = None) -> None:
+        self.config = config
+        self.path = path
+        self.precision = tensors.fmt
+        self.kv_cache_dtype = kv_cache_dtype
+        self._kv_storage = storage_dtype(kv_cache_dtype)
+        self.max_context = config.max_position_embeddings
+        self._embed = tensors.embed
+        self._final_norm = tensors.final_norm
+        self._lm_head = Linear(tensors.lm_head.weight, tensors.lm_head.fp8_activations)
+        self._layers: list[_Layer] = []
+        for lt in tensors.layers:
+            lin = lt.linears
+            experts = None
+            if lt.experts:
+                gate_up = torch.stack(
+                    [torch.cat([e["gate_proj"].weight, e["up_proj"].weight]) for e in lt.experts]
+                )
+                down = torch.stack([e["down_proj"].weight for e in lt.experts])
+                fp8_acts = {w.fp8_activations for e in lt.experts for w in e.values()}
+                if len(fp8_acts) != 1:
+                    raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
+                experts = Experts(gate_up.contiguous(), down.contiguous(), fp8_acts.pop())
+            dense = "gate_proj" in lin
+            self._layers.append(_Layer(
+                input_norm=lt.plain["input_layernorm"],
+                post_norm=lt.plain["post_attention_layernorm"],
+                q_norm=lt.plain["q_norm"],
+                k_norm=lt.plain["k_norm"],
+                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
+                o_proj=Linear(lin["o_proj"].weight, lin["o_proj"].fp8_activations),
+                router=lt.plain.get("gate"),
+                experts=experts,
+                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
+                mlp_down=Linear(lin["down_proj"].weight, lin["down_proj"].fp8_activations) if dense else None,
+            ))
+        self._cos = torch.empty(0, config.head_dim)
+        self._sin = torch.empty(0, config.head_dim)
+        self._geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                          self._kv_storage, self.max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_sequence(self) -> SequenceCache:
+        """An empty KV cache (``length == 0``) for one sequence of this model."""
+        c = self.config
+        return SequenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self._kv_storage,
+                             self.max_context, self._geometry)
+
+    def _rope(self, end: int) -> None:
+        if self._cos.shape[0] < end:
+            length = min(self.max_context, max(end, 2 * self._cos.shape[0], 256))
+            self._cos, self._sin = rope_tables(self.config.head_dim, self.config.rope_theta, length)
+
+    def _validate(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> None:
+        if len(tokens) != len(caches):
+            raise ValueError(f"forward got {len(tokens)} token tensors but {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("the same SequenceCache appears twice in one forward call")
+        for i, (t, c) in enumerate(zip(tokens, caches, strict=True)):
+            if not isinstance(c, SequenceCache) or c.geometry != self._geometry:
+                raise ValueError(f"cache {i} was not made by a model of this shape and kv_cache_dtype")
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"tokens[{i}] must be a 1-D integer tensor")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
+                raise ValueError(f"tokens[{i}] has ids outside the vocabulary [0, {self.config.vocab_size})")
+            if c.length + t.numel() > self.max_context:
+                raise ValueError(
+                    f"sequence {i} would reach {c.length + t.numel()} tokens, over the maximum context "
+                    f"{self.max_context}"
+                )
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> list[torch.Tensor]:
+        """Append ``tokens[i]`` to sequence ``caches[i]`` for every i, in one batched step.
+
+        Before: each ``caches[i]`` holds ``caches[i].length`` positions of this model's geometry;
+        ids are in ``[0, vocab)``; no sequence exceeds ``max_context``; no cache appears twice
+        (else ``ValueError`` and nothing changes). After: ``caches[i].length`` grew by
+        ``len(tokens[i])``; returns float32 logits ``[len(tokens[i]), vocab]`` for each new
+        position (the next-token distribution after that position).
+        """
+        self._validate(tokens, caches)
+        lens = [int(t.numel()) for t in tokens]
+        starts = [c.length for c in caches]
+        total = sum(lens)
+        vocab = self.config.vocab_size
+        if total == 0:
+            return [torch.empty(0, vocab) for _ in tokens]
+        for c, s, n in zip(caches, starts, lens, strict=True):
+            c.reserve(s + n)
+        self._rope(max(s + n for s, n in zip(starts, lens, strict=True)))
+        ids = torch.cat([t.long() for t in tokens])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+        cos, sin = self._cos[positions], self._sin[positions]
+        c = self.config
+        nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        masks = [_mask(s, n) for s, n in zip(starts, lens, strict=True)]
+        x = self._embed[ids]
+        for li, layer in enumerate(self._layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = _apply(layer.qkv, h)
+            q = qkv[:, : nh * d].view(total, nh, d)
+            k = qkv[:, nh * d : (nh + nkv) * d].view(total, nkv, d)
+            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d)
+            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
+            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)
+            attn = torch.empty(total, nh, d)
+            off = 0
+            for cache, s, n, mask in zip(caches, starts, lens, masks, strict=True):
+                if n == 0:
+                    continue
+                cache.write(li, s, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
+                kk, vv = cache.read(li, s + n)
+                o = F.scaled_dot_product_attention(
+                    q[off : off + n].transpose(0, 1).unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0),
+                    attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=nh != nkv,
+                )
+                attn[off : off + n] = o[0].transpose(0, 1)
+                off += n
+            x = x + layer.o_proj(attn.view(total, nh * d))
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            if layer.experts is not None:
+                top_idx, top_w = route(h, layer.router, c.num_experts_per_tok, c.norm_topk_prob)
+                x = x + layer.experts(h, top_idx, top_w)
+            else:
+                x = x + swiglu(h, _Fused(layer.mlp_gate_up), layer.mlp_down)
+        x = rms_norm(x, self._final_norm, c.rms_norm_eps)
+        logits = self._lm_head(x).float()
+        for cache, n in zip(caches, lens, strict=True):
+            cache.length += n
+        return list(logits.split(lens))
+
+
+@dataclass(frozen=True)
+class _Fused:
+    parts: list[Linear]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _apply(self.parts, x)
+
+
+def _mask(start: int, n: int) -> torch.Tensor | None:
+    """Boolean attention mask ``[n, start+n]`` for ``n`` new queries after ``start`` cached
+    positions (None where SDPA's own handling suffices: one query, or ``is_causal`` from 0)."""
+    if n <= 1 or start == 0:
+        return None
+    q_pos = torch.arange(start, start + n)[:, None]
+    k_pos = torch.arange(start + n)[None, :]
+    return k_pos <= q_pos
+
+
+def load_model(path: str | Path, kv_cache_dtype: str = "auto") -> Model:
+    """Load the checkpoint directory ``path`` (any of the four formats).
+
+    Raises ``ValueError`` with a message naming the problem when the directory is missing, is
+    not a ``Qwen3MoeForCausalLM`` checkpoint, or has tensors missing or of the wrong shape, or
+    when ``kv_cache_dtype`` is not one of auto / bf16 / fp8_e4m3.
+    """
+    storage_dtype(kv_cache_dtype)
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    tensors = load_checkpoint(path, config)
+    return Model(config, tensors, kv_cache_dtype=kv_cache_dtype, path=path)
