@@ -16,6 +16,8 @@ import sys
 from weight_sync.errors import UserError
 
 COMMANDS: dict[str, str] = {
+    "sidecar": "fleet.sidecar_cli",
+    "weights": "fleet.weights_cli",
     "init-model": "fleet.engine.init_model",
 }
 

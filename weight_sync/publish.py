@@ -1,0 +1,483 @@
+"""Publish a BF16 checkpoint as version N of a run, converted once per weight format.
+
+DESIGN.md, "Weight versions". The protocol, per call:
+
+1. Plan: the formats to publish (each once, however many replicas serve it), refusing a version
+   that is not newer than every format's pointer (pointers never move backwards).
+2. Convert: each format not already committed as N is converted from the checkpoint into a
+   private staging directory of the store, the formats in parallel worker processes (the
+   conversion is CPU-bound; ``workers`` processes share the cores, longest conversion first).
+   The checkpoint may live anywhere the publisher can read, including the store's own
+   filesystem (a trainer that wrote its checkpoint onto the volume hands over the path; nothing
+   is uploaded or copied first).
+3. Commit: ``store.commit`` makes each staged directory the immutable ``v{N:06d}`` (files and
+   manifest fsynced first).
+4. Advance: the pointers move to N. In **barrier** mode (default) no pointer moves until every
+   format of N is committed, so no group can activate N while another cannot. In
+   **per-format** mode each pointer moves as soon as its own format is committed.
+
+Holds after any failure or kill, at any step: every pointer still names a committed, complete
+version (the store's guarantee) and, in barrier mode, no pointer names N unless all formats of
+N are committed. Staging directories of a killed publisher are private to the store and never
+read. Publishing N again afterwards succeeds: formats already committed as N from the same
+source are kept (the store refuses to replace a committed version with other bytes), the
+others are converted again.
+
+A **rollback** to M publishes a new number N whose content is M's, per format (files are
+hard-linked where the filesystem allows, else copied): pointers still only move forward, and
+replicas activate N like any other version.
+
+Deltas: a manifest has ``kind`` ("full" | "delta") and ``base_version``. A delta version holds
+only the files whose tensors changed relative to ``base_version`` (same relative paths, same
+format) plus its own manifest; every file not listed comes from the base. A replica stages a
+delta by materializing base and delta layers into one directory (:mod:`weight_sync.stage`),
+so the activation protocol is the same for both kinds; this module publishes full versions
+only today (a delta publisher converts the changed shards and commits them with
+``kind="delta"``; nothing downstream changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from weight_sync.errors import UserError
+from weight_sync.manifest import Manifest
+from weight_sync.store.base import VersionStore
+
+Mode = Literal["barrier", "per_format"]
+MODES: tuple[str, ...] = ("barrier", "per_format")
+FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")  # as weight_sync.formats / the converter
+MANIFEST_NAME = "manifest.json"
+
+# Relative conversion cost, used only to start the slowest conversions first.
+_COST = {"nvfp4": 3, "mxfp4": 3, "fp8": 2, "bf16": 1}
+
+
+@dataclass(frozen=True)
+class FormatResult:
+    """What publishing one format of one version did, with its timings in seconds."""
+
+    format: str
+    version: int
+    reused: bool  # already committed as this version from the same source: not converted again
+    convert_s: float  # conversion inside its worker (0 when reused or copied)
+    commit_s: float
+    advance_s: float
+    total_bytes: int
+    tensor_count: int
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """A completed publication: every format's pointer names ``version``."""
+
+    run_id: str
+    version: int
+    mode: str
+    content_of: int | None  # for a rollback: the version whose content this one carries
+    formats: tuple[FormatResult, ...]
+    convert_wall_s: float  # first conversion start -> last conversion end (parallel)
+    commit_wall_s: float
+    advance_wall_s: float
+    total_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "run_id": self.run_id,
+            "version": self.version,
+            "mode": self.mode,
+            "content_of": self.content_of,
+            "convert_wall_s": self.convert_wall_s,
+            "commit_wall_s": self.commit_wall_s,
+            "advance_wall_s": self.advance_wall_s,
+            "total_s": self.total_s,
+            "formats": [vars(f) | {} for f in self.formats],
+        }
+
+
+@dataclass
+class _Pending:
+    fmt: str
+    staged: Path | None = None
+    future: Future | None = None
+    convert_s: float = 0.0
+    reused: bool = False
+    manifest: Manifest | None = None
+    commit_s: float = 0.0
+    advance_s: float = 0.0
+    done: list[str] = field(default_factory=list)
+
+
+Event = Callable[[str, dict], None]
+
+
+def _noop(_kind: str, _info: dict) -> None:
+    return None
+
+
+def check_formats(formats: Iterable[str]) -> tuple[str, ...]:
+    """The distinct formats in first-seen order; raises ``UserError`` on an unknown one."""
+    out = tuple(dict.fromkeys(formats))
+    if not out:
+        raise UserError("no weight formats to publish")
+    unknown = [f for f in out if f not in FORMATS]
+    if unknown:
+        raise UserError(f"unknown weight format(s) {', '.join(unknown)} (known: {', '.join(FORMATS)})")
+    return out
+
+
+def latest_version(store: VersionStore, run_id: str, formats: Iterable[str]) -> int | None:
+    """The highest pointer over ``formats`` (None when none was ever published)."""
+    ptrs = [p for p in (store.read_pointer(run_id, f) for f in formats) if p is not None]
+    return max(ptrs) if ptrs else None
+
+
+def next_version(store: VersionStore, run_id: str, formats: Iterable[str]) -> int:
+    """One more than every pointer and every committed version of ``formats`` (1 for a new run)."""
+    top = 0
+    for f in formats:
+        top = max(top, store.read_pointer(run_id, f) or 0, *store.versions(run_id, f), 0)
+    return top + 1
+
+
+def _check_ckpt(ckpt_dir: Path) -> Path:
+    ckpt_dir = Path(ckpt_dir).expanduser()
+    if not ckpt_dir.is_dir():
+        raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
+    if not (ckpt_dir / "config.json").is_file():
+        raise UserError(f"checkpoint directory {ckpt_dir} has no config.json")
+    if not any(ckpt_dir.glob("*.safetensors")):
+        raise UserError(f"checkpoint directory {ckpt_dir} has no *.safetensors files")
+    return ckpt_dir.resolve()
+
+
+def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequence[str]) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise UserError(f"version must be a non-negative integer, got {version!r}")
+    for f in formats:
+        ptr = store.read_pointer(run_id, f)
+        if ptr is not None and ptr > version:
+            raise UserError(
+                f"version {version} is older than run {run_id!r}'s current {f} version {ptr} "
+                "(pointers never move backwards; publish a newer number or roll back with a new one)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (runs in a spawned process: top-level, picklable, imports inside)
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
+def _convert_job(src: str, dst: str, fmt: str, threads: int) -> float:
+    """Convert ``src`` into ``dst`` in format ``fmt``; returns the seconds it took."""
+    from weight_sync.convert import convert_checkpoint
+
+    t0 = time.perf_counter()
+    convert_checkpoint(Path(src), Path(dst), fmt, workers=threads)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _committed_from(store: VersionStore, run_id: str, fmt: str, version: int) -> Manifest | None:
+    if version not in store.versions(run_id, fmt):
+        return None
+    return store.read_manifest(run_id, fmt, version)
+
+
+def publish_checkpoint(
+    store: VersionStore,
+    run_id: str,
+    version: int,
+    ckpt_dir: Path,
+    formats: Iterable[str],
+    *,
+    mode: Mode = "barrier",
+    workers: int | None = None,
+    on_event: Event = _noop,
+) -> PublishResult:
+    """Convert ``ckpt_dir`` once per format and publish it as ``version`` of ``run_id``.
+
+    ``workers``: conversion processes (default: one per core, at most one per format); ``0``
+    converts in this process, one format at a time (no process start-up; for small models).
+
+    Before: ``ckpt_dir`` is an HF BF16 checkpoint; ``version`` is not older than any of the
+    formats' pointers. After (on return): every format in ``formats`` has ``version``
+    committed and its pointer names it. Raises ``UserError`` for bad input (no pointer has
+    moved then, in either mode). ``on_event(kind, info)`` reports progress: ``convert_start``,
+    ``converted``, ``committed``, ``advanced`` with ``{"format": ...}``.
+    """
+    formats = check_formats(formats)
+    if mode not in MODES:
+        raise UserError(f"unknown publish mode {mode!r} (known: {', '.join(MODES)})")
+    ckpt_dir = _check_ckpt(ckpt_dir)
+    _check_version(store, run_id, version, formats)
+    t_start = time.perf_counter()
+
+    pending = {f: _Pending(f) for f in formats}
+    to_convert: list[_Pending] = []
+    src_sum: str | None = None
+    for f in formats:
+        existing = _committed_from(store, run_id, f, version)
+        if existing is not None and src_sum is None:
+            src_sum = _converter_source_checksum(ckpt_dir)
+        if existing is not None and existing.kind == "full" and existing.source_checksum == src_sum:
+            pending[f].reused = True
+            pending[f].manifest = existing
+        elif existing is not None:
+            raise UserError(
+                f"version {version} of run {run_id!r} is already committed for {f} from another "
+                "checkpoint (versions are immutable; publish a new number)"
+            )
+        else:
+            to_convert.append(pending[f])
+
+    n_workers = _worker_count(workers, len(to_convert))
+    t_conv0 = time.perf_counter()
+    t_conv_end = t_conv0
+    advanced: list[str] = []
+    pool: Executor | None = None
+    ok = False
+    try:
+        if to_convert:
+            if workers == 0:  # in this process, one format at a time (small models, tests)
+                threads = os.cpu_count() or 1
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert")
+            else:
+                threads = max(1, (os.cpu_count() or 1) // n_workers)
+                pool = ProcessPoolExecutor(
+                    max_workers=n_workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(threads,),
+                )
+            for p in sorted(to_convert, key=lambda p: -_COST.get(p.fmt, 1)):
+                p.staged = Path(store.staging_dir(run_id, p.fmt, version))
+                on_event("convert_start", {"format": p.fmt})
+                p.future = pool.submit(_convert_job, str(ckpt_dir), str(p.staged), p.fmt, threads)
+
+        # Formats that need no conversion can advance at once in per-format mode.
+        for p in pending.values():
+            if p.reused and mode == "per_format":
+                _advance(store, run_id, version, p, on_event)
+                advanced.append(p.fmt)
+
+        remaining = [p for p in to_convert]
+        while remaining:
+            futures = {p.future: p for p in remaining}
+            done = next(_as_completed(list(futures)))
+            p = futures[done]
+            remaining.remove(p)
+            try:
+                p.convert_s = done.result()
+            except UserError:
+                raise
+            except Exception as exc:  # the converter's own errors are user-facing messages
+                raise UserError(f"converting {ckpt_dir} to {p.fmt} failed: {exc}") from exc
+            t_conv_end = time.perf_counter()
+            on_event("converted", {"format": p.fmt, "seconds": p.convert_s})
+            _commit(store, run_id, version, p, on_event)
+            if mode == "per_format":
+                _advance(store, run_id, version, p, on_event)
+                advanced.append(p.fmt)
+        ok = True
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=ok, cancel_futures=True)
+            if not ok and isinstance(pool, ProcessPoolExecutor):
+                _terminate_pool(pool)
+
+    t_adv0 = time.perf_counter()
+    if mode == "barrier":
+        for p in pending.values():
+            _advance(store, run_id, version, p, on_event)
+    t_end = time.perf_counter()
+
+    results = tuple(
+        FormatResult(
+            format=p.fmt,
+            version=version,
+            reused=p.reused,
+            convert_s=p.convert_s,
+            commit_s=p.commit_s,
+            advance_s=p.advance_s,
+            total_bytes=p.manifest.total_bytes if p.manifest else 0,
+            tensor_count=p.manifest.tensor_count if p.manifest else 0,
+        )
+        for p in pending.values()
+    )
+    return PublishResult(
+        run_id=run_id,
+        version=version,
+        mode=mode,
+        content_of=None,
+        formats=results,
+        convert_wall_s=t_conv_end - t_conv0,
+        commit_wall_s=sum(p.commit_s for p in pending.values()),
+        advance_wall_s=(t_end - t_adv0) if mode == "barrier" else sum(p.advance_s for p in pending.values()),
+        total_s=t_end - t_start,
+    )
+
+
+def rollback(
+    store: VersionStore,
+    run_id: str,
+    to_version: int,
+    formats: Iterable[str],
+    *,
+    version: int | None = None,
+    on_event: Event = _noop,
+) -> PublishResult:
+    """Publish a new version whose content, per format, is ``to_version``'s (barrier mode).
+
+    Before: ``to_version`` is committed and verifies in every format. After: every format's
+    pointer names the new number (``version``, default :func:`next_version`), whose files
+    equal ``to_version``'s. Raises ``UserError`` when ``to_version`` is missing or corrupt in
+    some format (then no pointer moved).
+    """
+    formats = check_formats(formats)
+    new = next_version(store, run_id, formats) if version is None else version
+    _check_version(store, run_id, new, formats)
+    t_start = time.perf_counter()
+    pending = {f: _Pending(f) for f in formats}
+    for f in formats:
+        if to_version not in store.versions(run_id, f):
+            raise UserError(
+                f"cannot roll back run {run_id!r} to version {to_version}: no {f} version {to_version}"
+            )
+        try:
+            store.verify(run_id, f, to_version)
+        except Exception as exc:
+            raise UserError(f"cannot roll back to version {to_version}: {f} copy is corrupt: {exc}") from exc
+    for f in formats:
+        p = pending[f]
+        if new in store.versions(run_id, f):
+            existing = store.read_manifest(run_id, f, new)
+            if existing.files != store.read_manifest(run_id, f, to_version).files:
+                raise UserError(f"version {new} of run {run_id!r} already exists for {f} with other content")
+            p.reused, p.manifest = True, existing
+            continue
+        p.staged = Path(store.staging_dir(run_id, f, new))
+        link_tree(Path(store.version_dir(run_id, f, to_version)), p.staged, skip=(MANIFEST_NAME,))
+        _restamp_manifest(Path(store.version_dir(run_id, f, to_version)), p.staged, new)
+        _commit(store, run_id, new, p, on_event)
+    t_adv0 = time.perf_counter()
+    for p in pending.values():
+        _advance(store, run_id, new, p, on_event)
+    t_end = time.perf_counter()
+    return PublishResult(
+        run_id=run_id,
+        version=new,
+        mode="barrier",
+        content_of=to_version,
+        formats=tuple(
+            FormatResult(
+                p.fmt,
+                new,
+                p.reused,
+                0.0,
+                p.commit_s,
+                p.advance_s,
+                p.manifest.total_bytes if p.manifest else 0,
+                p.manifest.tensor_count if p.manifest else 0,
+            )
+            for p in pending.values()
+        ),
+        convert_wall_s=0.0,
+        commit_wall_s=sum(p.commit_s for p in pending.values()),
+        advance_wall_s=t_end - t_adv0,
+        total_s=t_end - t_start,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def link_tree(src: Path, dst: Path, *, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (or copy, across filesystems) every regular file of ``src`` into ``dst``."""
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_dir() or rel.as_posix() in skip:
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(p, dst / rel)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _restamp_manifest(src_dir: Path, staged: Path, version: int) -> None:
+    Manifest.read(src_dir).with_version(version).write(staged, fsync=False)
+
+
+def _commit(store: VersionStore, run_id: str, version: int, p: _Pending, on_event: Event) -> None:
+    t0 = time.perf_counter()
+    try:
+        p.manifest = store.commit(run_id, p.fmt, version, p.staged)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"committing {p.fmt} version {version} failed: {exc}") from exc
+    p.commit_s = time.perf_counter() - t0
+    on_event("committed", {"format": p.fmt, "seconds": p.commit_s})
+
+
+def _advance(store: VersionStore, run_id: str, version: int, p: _Pending, on_event: Event) -> None:
+    t0 = time.perf_counter()
+    if store.read_pointer(run_id, p.fmt) != version:
+        try:
+            store.advance(run_id, p.fmt, version)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"moving the {p.fmt} pointer to version {version} failed: {exc}") from exc
+    p.advance_s = time.perf_counter() - t0
+    on_event("advanced", {"format": p.fmt})
+
+
+def _worker_count(workers: int | None, jobs: int) -> int:
+    if jobs <= 0:
+        return 1
+    cores = os.cpu_count() or 1
+    return max(1, min(jobs, workers if workers is not None else cores))
+
+
+def _as_completed(futures: list[Future]):
+    from concurrent.futures import as_completed
+
+    return as_completed(futures)
+
+
+def _terminate_pool(pool: ProcessPoolExecutor) -> None:
+    """Stop worker processes still converting (after a failure elsewhere)."""
+    procs = getattr(pool, "_processes", None) or {}
+    for proc in list(procs.values()):
+        with contextlib.suppress(Exception):
+            if proc.is_alive():
+                proc.terminate()
+
+
+def _converter_source_checksum(ckpt_dir: Path) -> str:
+    """The content checksum the converter records in manifests for ``ckpt_dir``."""
+    from weight_sync.convert import source_checksum
+
+    return source_checksum(ckpt_dir)

@@ -1,0 +1,246 @@
+"""Stage a committed version for a replica: bring it next to the engine and prove its bytes.
+
+DESIGN.md, "Weight versions": a replica stages (reads and verifies checksums) while it keeps
+serving, and only then activates. Two modes:
+
+- ``copy``: every file is copied from the store into ``<staging_root>/v{N:06d}`` and hashed in
+  the same pass (one read of the store); a file whose digest or size differs from the
+  manifest raises :class:`~weight_sync.manifest.ChecksumError` naming the file in the store.
+  The copy is written under ``v{N:06d}.partial`` and renamed only when every file verified,
+  so a directory without the suffix is always complete (a staging interrupted by a kill leaves
+  only a ``.partial`` that :func:`clean_staging` removes).
+- ``inplace``: the store's own directory is verified where it lies and handed to the engine
+  (no copy; for a store on local disk). A delta version is always materialized (hard links)
+  into the staging root first, since the engine needs one full directory.
+
+Staging can be interrupted between chunks by ``should_abort`` (a newer version appeared):
+it then raises :class:`StageAborted` and leaves nothing but a ``.partial`` directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest
+from weight_sync.store.base import VersionStore
+
+StageMode = Literal["copy", "inplace"]
+STAGE_MODES: tuple[str, ...] = ("copy", "inplace")
+_CHUNK = 8 << 20
+_MANIFEST = MANIFEST_NAME
+
+
+class StageAborted(Exception):
+    """Staging stopped early because ``should_abort`` said so (nothing usable was left)."""
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A version whose every file verified against its manifest, at ``path``."""
+
+    version: int
+    path: Path
+    manifest: Manifest
+    seconds: float
+    bytes: int
+    copied: bool
+
+
+def version_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def stage_version(
+    store: VersionStore,
+    run_id: str,
+    fmt: str,
+    version: int,
+    staging_root: Path,
+    *,
+    mode: StageMode = "copy",
+    should_abort: Callable[[], bool] = lambda: False,
+    rate_bytes_per_s: float | None = None,
+    progress: Callable[[int], None] = lambda _n: None,
+) -> StagedVersion:
+    """Stage ``version`` of ``run_id``/``fmt`` and verify every file.
+
+    Before: ``version`` is committed in ``store``. After: the returned ``path`` holds the full
+    version and every file matched the manifest's size and digest. Raises ``ChecksumError``
+    naming the bad file (nothing staged is left behind for that version), ``StageAborted``
+    when ``should_abort()`` turned true. ``rate_bytes_per_s`` caps the copy rate (to leave
+    the disk or network to serving); ``progress(bytes_so_far)`` is called per chunk.
+    """
+    t0 = time.perf_counter()
+    manifest = store.read_manifest(run_id, fmt, version)
+    if mode == "inplace" and manifest.kind != "delta":
+        src = Path(store.version_dir(run_id, fmt, version))
+        total = 0
+        for rel, entry in sorted(manifest.files.items()):
+            if should_abort():
+                raise StageAborted(f"version {version} superseded while staging")
+            _hash_file(src / rel, entry, progress_base=total, progress=progress, rate=rate_bytes_per_s)
+            total += entry.bytes
+        return StagedVersion(version, src, manifest, time.perf_counter() - t0, total, copied=False)
+
+    staging_root.mkdir(parents=True, exist_ok=True)
+    final = staging_root / version_name(version)
+    if final.is_dir():
+        # Staged before (e.g. by a previous run of this sidecar): verify again, cheaply in place.
+        try:
+            total = 0
+            for rel, entry in sorted(manifest.files.items()):
+                if should_abort():
+                    raise StageAborted(f"version {version} superseded while staging")
+                _hash_file(final / rel, entry, progress_base=total, progress=progress, rate=None)
+                total += entry.bytes
+            return StagedVersion(version, final, manifest, time.perf_counter() - t0, total, copied=True)
+        except ChecksumError:
+            shutil.rmtree(final, ignore_errors=True)
+    partial = staging_root / f"{version_name(version)}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    total = 0
+    try:
+        for rel, src_dir, entry in _layers(store, run_id, fmt, version, manifest):
+            if should_abort():
+                raise StageAborted(f"version {version} superseded while staging")
+            dst = partial / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                dst.unlink()
+            if mode == "inplace":
+                # Delta in place: hard links of the store's files, verified where they lie.
+                _link_or_copy(src_dir / rel, dst)
+                _hash_file(
+                    dst,
+                    entry,
+                    progress_base=total,
+                    progress=progress,
+                    rate=rate_bytes_per_s,
+                    name=src_dir / rel,
+                )
+            else:
+                _copy_hash(src_dir / rel, dst, entry, total, progress, rate_bytes_per_s, should_abort)
+            total += entry.bytes
+        # The version's own manifest goes last, so the staged dir is self-describing.
+        shutil.copyfile(Path(store.version_dir(run_id, fmt, version)) / _MANIFEST, partial / _MANIFEST)
+        _fsync_dir(partial)
+        os.replace(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return StagedVersion(version, final, manifest, time.perf_counter() - t0, total, copied=True)
+
+
+def clean_staging(staging_root: Path, keep: set[int]) -> list[Path]:
+    """Remove every staged or partial version under ``staging_root`` except those in ``keep``."""
+    removed = []
+    if not staging_root.is_dir():
+        return removed
+    keep_names = {version_name(v) for v in keep}
+    for p in staging_root.iterdir():
+        if p.name in keep_names:
+            continue
+        if p.name.startswith("v") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _layers(store: VersionStore, run_id: str, fmt: str, version: int, manifest: Manifest):
+    """(relpath, source dir, entry) for every file of the full version, newest layer winning."""
+    files: dict[str, tuple[Path, FileEntry]] = {}
+    chain: list[tuple[int, Manifest]] = [(version, manifest)]
+    while chain[-1][1].kind == "delta":
+        base = chain[-1][1].base_version
+        if base is None or len(chain) > 1000:
+            raise ChecksumError(
+                Path(store.version_dir(run_id, fmt, chain[-1][0])) / _MANIFEST,
+                "delta chain has no base or is cyclic",
+            )
+        chain.append((base, store.read_manifest(run_id, fmt, base)))
+    for v, m in reversed(chain):
+        src = Path(store.version_dir(run_id, fmt, v))
+        for rel, entry in m.files.items():
+            if rel == _MANIFEST:
+                continue
+            files[rel] = (src, entry)
+    for rel in sorted(files):
+        src, entry = files[rel]
+        yield rel, src, entry
+
+
+def _check(path: Path, n: int, digest: str, entry: FileEntry) -> None:
+    if n != entry.bytes:
+        raise ChecksumError(path, f"size {n} != manifest's {entry.bytes}")
+    if digest != entry.sha256:
+        raise ChecksumError(path, f"sha256 {digest[:16]}... != manifest's {entry.sha256[:16]}...")
+
+
+def _throttle(done: int, t0: float, rate: float | None) -> None:
+    if rate:
+        ahead = done / rate - (time.perf_counter() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def _hash_file(
+    path: Path, entry: FileEntry, *, progress_base: int, progress, rate, name: Path | None = None
+) -> None:
+    hasher = hashlib.sha256()
+    n = 0
+    t0 = time.perf_counter()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+                n += len(chunk)
+                progress(progress_base + n)
+                _throttle(n, t0, rate)
+    except FileNotFoundError:
+        raise ChecksumError(name or path, "missing (listed in the manifest)") from None
+    _check(name or path, n, hasher.hexdigest(), entry)
+
+
+def _copy_hash(src: Path, dst: Path, entry: FileEntry, base: int, progress, rate, should_abort) -> None:
+    hasher = hashlib.sha256()
+    n = 0
+    t0 = time.perf_counter()
+    try:
+        with open(src, "rb") as fi, open(dst, "wb") as fo:
+            while chunk := fi.read(_CHUNK):
+                hasher.update(chunk)
+                fo.write(chunk)
+                n += len(chunk)
+                progress(base + n)
+                _throttle(n, t0, rate)
+                if should_abort():
+                    raise StageAborted("superseded while staging")
+            fo.flush()
+            os.fsync(fo.fileno())
+    except FileNotFoundError:
+        raise ChecksumError(src, "missing (listed in the manifest)") from None
+    _check(src, n, hasher.hexdigest(), entry)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
