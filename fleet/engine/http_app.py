@@ -1,0 +1,423 @@
+"""The engine's FastAPI app: SGLang's native routes over an :class:`~fleet.engine.server.Engine`.
+
+See ``fleet.engine.server`` for the routes, response fields and error shapes. Kept apart from
+the CLI module so ``mixfleet --help`` does not import FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from fleet.engine.metrics import CONTENT_TYPE
+from fleet.engine.protocol import (
+    AbortReq,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+    RequestError,
+    UpdateWeightFromDiskReqInput,
+    parse_version,
+)
+from fleet.engine.sampler import finite_or_none
+from fleet.engine.scheduler import FinishEvent, PrefillEvent, TokenEvent
+from fleet.engine.server import ENGINE_VERSION, Engine
+
+log = logging.getLogger("mixfleet.engine")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class _Response:
+    """Accumulates one request's events into SGLang's response shape."""
+
+    def __init__(self, engine: Engine, spec: Any, start: float) -> None:
+        self.engine = engine
+        self.spec = spec
+        self.start = start
+        self.output_ids: list[int] = []
+        self.draws: list[Any] = []
+        self.versions: list[int] = []
+        self.prefill: Any = None
+        self.finish: Any = None
+
+    def add(self, event: Any) -> None:
+        if isinstance(event, TokenEvent):
+            self.output_ids.append(event.draw.token_id)
+            self.draws.append(event.draw)
+            self.versions.append(event.weight_version)
+        elif isinstance(event, PrefillEvent):
+            self.prefill = event
+        elif isinstance(event, FinishEvent):
+            self.finish = event
+
+    def spans(self) -> list[dict[str, int]]:
+        if not self.versions:
+            v = self.finish.weight_version if self.finish is not None else self.engine.weight_version
+            return [{"version": v, "start": 0, "end": 0}]
+        spans: list[dict[str, int]] = []
+        for i, v in enumerate(self.versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": v, "start": i, "end": i + 1})
+        return spans
+
+    def _text(self, token_id: int) -> str | None:
+        return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
+
+    def body(self) -> dict[str, Any]:
+        f = finite_or_none
+        spec = self.spec
+        spans = self.spans()
+        meta: dict[str, Any] = {
+            "id": spec.rid,
+            "finish_reason": self.finish.finish_reason if self.finish is not None else None,
+            "prompt_tokens": len(spec.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": str(spans[-1]["version"]),
+            "weight_versions": spans,
+            "e2e_latency": time.monotonic() - self.start,
+        }
+        if spec.return_logprob:
+            pre = self.prefill
+            meta["input_token_logprobs"] = (
+                [[None if lp is None else f(lp), t, self._text(t)] for lp, t in pre.input_token_logprobs]
+                if pre is not None
+                else []
+            )
+            meta["output_token_logprobs"] = [
+                [f(d.logprob), d.token_id, self._text(d.token_id)] for d in self.draws
+            ]
+            if spec.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = (
+                    [
+                        None if top is None else [[f(lp), t, self._text(t)] for lp, t in top]
+                        for top in pre.input_top_logprobs
+                    ]
+                    if pre is not None
+                    else []
+                )
+                meta["output_top_logprobs"] = [
+                    [[f(lp), t, self._text(t)] for lp, t in d.top_logprobs] for d in self.draws
+                ]
+        if spec.return_sampling_mask:
+            meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]
+            meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
+            meta["output_token_sampling_support_logprobs"] = [
+                [f(x) for x in d.support_logprobs] for d in self.draws
+            ]
+            meta["output_token_sampling_mask_length"] = len(self.draws)
+        return {
+            "text": self.engine.decode(self.output_ids, spec.skip_special_tokens),
+            "output_ids": list(self.output_ids),
+            "meta_info": meta,
+        }
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+# --------------------------------------------------------------------------- app
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The FastAPI app serving ``engine``."""
+    app = FastAPI(title="mixfleet CPU engine (SGLang native API)", version=ENGINE_VERSION)
+    scheduler = engine.scheduler
+
+    def error(message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"error": {"message": message}}, status_code=status)
+
+    def validation_message(exc: ValidationError | RequestValidationError) -> str:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body",))
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return "Invalid request: " + "; ".join(parts)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(validation_message(exc))
+
+    async def parse(request: Request, model: type[BaseModel], optional: bool = False) -> Any:
+        raw = await request.body()
+        if not raw.strip():
+            if optional:
+                return model()
+            raise RequestError("The request body is empty; expected a JSON object.")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"Malformed JSON body: {exc}") from None
+        if not isinstance(data, dict):
+            raise RequestError(f"The request body must be a JSON object, got {type(data).__name__}.")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise RequestError(validation_message(exc)) from None
+
+    async def run_one(spec: Any, request: Request, on_token: Any = None) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        resp = _Response(engine, spec, time.monotonic())
+        fut = scheduler.submit(spec, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            await asyncio.wrap_future(fut)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        except RuntimeError as exc:
+            raise RequestError(str(exc)) from None
+        try:
+            while True:
+                ev = await events.get()
+                new_token = False
+                while True:  # coalesce what is already there: the last token and the finish
+                    resp.add(ev)
+                    new_token |= isinstance(ev, TokenEvent)
+                    if isinstance(ev, FinishEvent):
+                        return resp.body()
+                    try:
+                        ev = events.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                if on_token is not None and new_token:
+                    await on_token(resp)
+        finally:
+            if resp.finish is None:  # cancelled (client went away): free the slot
+                scheduler.abort(spec.rid, message="The client disconnected.")
+
+    async def watch_disconnect(request: Request, specs: list[Any]) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if await request.is_disconnected():
+                for spec in specs:
+                    scheduler.abort(spec.rid, message="The client disconnected.")
+                return
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        try:
+            obj = await parse(request, GenerateReqInput)
+            specs = obj.normalize(engine.limits, engine.encode)
+        except RequestError as exc:
+            return error(str(exc))
+        batch = obj.is_batch()
+        if obj.stream:
+            return StreamingResponse(stream(specs, batch, request), media_type="text/event-stream")
+        watcher = asyncio.create_task(watch_disconnect(request, specs))
+        try:
+            results = await asyncio.gather(*(run_one(s, request) for s in specs))
+        except RequestError as exc:
+            for s in specs:
+                scheduler.abort(s.rid, message="Another item of the batch was refused.")
+            return error(str(exc))
+        finally:
+            watcher.cancel()
+        return Response(_dumps(results if batch else results[0]), media_type="application/json")
+
+    async def stream(specs: list[Any], batch: bool, request: Request) -> AsyncIterator[bytes]:
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, spec: Any) -> None:
+            async def on_token(resp: _Response) -> None:
+                body = resp.body()
+                if batch:
+                    body["index"] = i
+                await chunks.put(body)
+
+            try:
+                body = await run_one(spec, request, on_token)
+                if batch:
+                    body["index"] = i
+                await chunks.put(body)
+            except RequestError as exc:
+                await chunks.put({"error": {"message": str(exc)}})
+
+        tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(specs)]
+        done = asyncio.gather(*tasks)
+        try:
+            while not (done.done() and chunks.empty()):
+                getter = asyncio.create_task(chunks.get())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in finished:
+                    yield b"data: " + _dumps(getter.result()) + b"\n\n"
+                else:
+                    getter.cancel()
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        try:
+            obj = await parse(request, UpdateWeightFromDiskReqInput)
+            version = parse_version(obj.weight_version)
+        except RequestError as exc:
+            return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+        async with engine.update_lock:
+            loop = asyncio.get_running_loop()
+            t0 = time.monotonic()
+            try:
+                model = await loop.run_in_executor(None, engine.load_replacement, obj.model_path)
+            except Exception as exc:  # any failure to load leaves the old version serving
+                log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
+                return JSONResponse(
+                    {
+                        "success": False,
+                        "message": f"Failed to update weights: {exc}",
+                        "num_paused_requests": 0,
+                    },
+                    status_code=400,
+                )
+            load_s = time.monotonic() - t0
+            if obj.abort_all_requests:
+                await asyncio.wrap_future(
+                    scheduler.abort(abort_all=True, message="Aborted by a weight update.")
+                )
+            new_version = engine.weight_version if version is None else version
+            await asyncio.wrap_future(scheduler.swap_model(model, new_version))
+            engine.model_path = str(Path(obj.model_path).resolve())
+            engine.config = model.config
+            engine.precision = getattr(model, "precision", engine.precision)
+        message = f"Succeeded to update model weights (loaded in {load_s:.2f}s)."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        try:
+            obj = await parse(request, PauseGenerationReqInput, optional=True)
+        except RequestError as exc:
+            return error(str(exc))
+        await asyncio.wrap_future(scheduler.pause(obj.mode))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await asyncio.wrap_future(scheduler.resume())
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            obj = await parse(request, AbortReq)
+        except RequestError as exc:
+            return error(str(exc))
+        await asyncio.wrap_future(scheduler.abort(obj.rid, obj.abort_all, "Aborted by /abort_request."))
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        ok = await asyncio.wrap_future(scheduler.flush_cache())
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+            status_code=200 if ok else 400,
+        )
+
+    def model_info() -> dict[str, Any]:
+        cfg = engine.config
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(engine.weight_version),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "vocab_size": cfg.vocab_size,
+            "context_len": cfg.max_position_embeddings,
+            "kv_cache_dtype": engine.kv_cache_dtype,
+            "weight_format": engine.precision,
+        }
+
+    app.get("/model_info")(model_info)
+    app.get("/get_model_info")(model_info)
+
+    def server_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model_path,
+            "served_model_name": engine.served_model_name,
+            "kv_cache_dtype": engine.kv_cache_dtype,
+            "weight_version": str(engine.weight_version),
+            "max_running_requests": scheduler.max_running,
+            "chunked_prefill_size": scheduler.prefill_budget,
+            "context_length": engine.config.max_position_embeddings,
+            "torch_num_threads": _torch_threads(),
+            "internal_states": [
+                {
+                    **scheduler.load(),
+                    "paused": scheduler.paused,
+                    "steps": scheduler.steps,
+                    "gen_throughput": engine.metrics.refresh_throughput(),
+                }
+            ],
+            "version": ENGINE_VERSION,
+            "uptime_s": time.time() - engine.started,
+            "pid": os.getpid(),
+        }
+
+    app.get("/server_info")(server_info)
+    app.get("/get_server_info")(server_info)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": str(engine.weight_version)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if scheduler._thread.is_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        if not scheduler._thread.is_alive():
+            return Response(status_code=503)
+        if scheduler.paused is not None:
+            return Response(status_code=200)
+        obj = GenerateReqInput(
+            input_ids=[0],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            rid=f"HEALTH_CHECK_{time.time()}_{threading.get_ident()}",
+        )
+        try:
+            await asyncio.wait_for(run_one(obj.normalize(engine.limits, None)[0], request), timeout=20)
+        except (TimeoutError, RequestError, concurrent.futures.CancelledError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return error(f"Internal error: {type(exc).__name__}: {exc}", 500)
+
+    return app
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

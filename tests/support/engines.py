@@ -1,0 +1,55 @@
+"""Real local engine processes for tests: ``mixfleet engine`` on a free loopback port.
+
+``engine_process(model_dir, **flags)`` starts one engine, waits until ``/health`` answers,
+yields its base URL and kills the process group on exit. Extra keyword flags become CLI flags
+(``kv_cache_dtype="fp8_e4m3"`` -> ``--kv-cache-dtype fp8_e4m3``; ``True`` -> a bare flag).
+Engines default to one torch thread (tests share two cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+
+
+def engine_argv(model_dir: str | Path, port: int, **flags: object) -> list[str]:
+    """argv of ``mixfleet engine`` for ``model_dir`` on ``port`` with ``flags`` (see module doc)."""
+    flags.setdefault("threads", 1)
+    argv = ["engine", "--model", str(model_dir), "--port", str(port)]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        opt = "--" + name.replace("_", "-")
+        argv += [opt] if value is True else [opt, str(value)]
+    return mixfleet_argv(*argv)
+
+
+@contextlib.contextmanager
+def engine_process(
+    model_dir: str | Path,
+    port: int | None = None,
+    *,
+    timeout: float = 180.0,
+    log: Path | None = None,
+    **flags: object,
+) -> Iterator[str]:
+    """Start an engine serving ``model_dir``; yield ``http://127.0.0.1:PORT`` once it is healthy.
+
+    On a failed start the error carries the tail of the engine's log.
+    """
+    port = port or free_port()
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-"))) / "engine.log"
+        proc = stack.enter_context(process(engine_argv(model_dir, port, **flags), log=log))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(f"{url}/health", timeout=timeout, proc=proc)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+            raise RuntimeError(f"engine on {url} did not start: {exc}\n--- engine log ---\n{tail}") from None
+        yield url
