@@ -36,8 +36,9 @@ class EngineRejected(EngineError):
         self.retryable = status == 409
 
 
-def make_http_client(*, connect_timeout_s: float = 2.0, timeout_s: float = 600.0,
-                     max_connections: int = 1024) -> httpx.AsyncClient:
+def make_http_client(
+    *, connect_timeout_s: float = 2.0, timeout_s: float = 600.0, max_connections: int = 1024
+) -> httpx.AsyncClient:
     """The shared pool: short connect timeout (a dead replica fails fast), long read timeout
     (generation takes as long as it takes)."""
     return httpx.AsyncClient(
@@ -71,8 +72,15 @@ class SGLangClient:
     def _json_headers(self, extra: dict[str, str] | None) -> dict[str, str]:
         return {**self.headers, "content-type": "application/json", **(extra or {})}
 
-    async def _request(self, method: str, path: str, *, json_body: Any = None,
-                       headers: dict[str, str] | None = None, timeout: float | None = None) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
         url = self.base_url + path
         kwargs: dict[str, Any] = {"headers": {**self.headers, **(headers or {})}}
         if json_body is not None:
@@ -105,24 +113,21 @@ class SGLangClient:
         """``POST /generate`` with a body passed through unchanged; the response as received."""
         url = self.base_url + "/generate"
         try:
-            response = await self.http.post(
-                url, content=body, headers=self._json_headers(headers)
-            )
+            response = await self.http.post(url, content=body, headers=self._json_headers(headers))
         except httpx.HTTPError as exc:
             raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
         if response.status_code >= 500:
             raise EngineUnavailable(url, f"HTTP {response.status_code}: {_error_message(response)}")
         return response
 
-    async def stream_generate(self, body: bytes, *, headers: dict[str, str] | None = None
-                              ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
+    async def stream_generate(
+        self, body: bytes, *, headers: dict[str, str] | None = None
+    ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
         """Streaming ``POST /generate``: returns the response (status, headers) once its head
         arrived and an iterator over body chunks that closes the response when exhausted.
         Raises :class:`EngineUnavailable` before the first byte only."""
         url = self.base_url + "/generate"
-        request = self.http.build_request(
-            "POST", url, content=body, headers=self._json_headers(headers)
-        )
+        request = self.http.build_request("POST", url, content=body, headers=self._json_headers(headers))
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as exc:

@@ -71,8 +71,9 @@ def scopes_for(token: str, keys: dict[str, frozenset[str]]) -> frozenset[str] | 
 
 
 def require(scope: str):
-    """A FastAPI dependency that admits requests whose key carries ``scope``."""
-    if scope not in SCOPES:
+    """A FastAPI dependency that admits requests whose key carries ``scope`` (``"any"``: any
+    valid key)."""
+    if scope not in SCOPES and scope != "any":
         raise ValueError(scope)
 
     async def check(
@@ -82,12 +83,13 @@ def require(scope: str):
         if config.auth_disabled:
             return
         if creds is None or not creds.credentials:
-            raise HTTPException(401, "missing API key (Authorization: Bearer <key>)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
+            )
         scopes = scopes_for(creds.credentials, config.api_keys)
         if scopes is None:
             raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        if scope not in scopes:
+        if scope != "any" and scope not in scopes:
             raise HTTPException(403, f"API key lacks the '{scope}' scope")
 
     return check

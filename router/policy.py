@@ -56,8 +56,9 @@ def throughput_factors(slots: dict[str, int], tps: dict[str, float | None]) -> d
     return out
 
 
-def cost_per_token(price_per_replica_hour: float, tokens_per_s_per_replica: float | None,
-                   sessions_per_replica: int) -> float:
+def cost_per_token(
+    price_per_replica_hour: float, tokens_per_s_per_replica: float | None, sessions_per_replica: int
+) -> float:
     """USD per generated token; uses the nominal rate when throughput is not measured yet."""
     tps = tokens_per_s_per_replica or sessions_per_replica * NOMINAL_TPS_PER_SESSION
     return price_per_replica_hour / 3600.0 / tps

@@ -144,8 +144,17 @@ return tonumber(cur)
 """
 
 _FIELDS = (
-    "group", "replica", "status", "created", "metadata", "n_turns", "tokens",
-    "vmin", "vmax", "reward", "finish_meta",
+    "group",
+    "replica",
+    "status",
+    "created",
+    "metadata",
+    "n_turns",
+    "tokens",
+    "vmin",
+    "vmax",
+    "reward",
+    "finish_meta",
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
@@ -300,9 +309,9 @@ class RedisStore(StateStore):
         while len(taken) < size:
             need = size - len(taken)
             batch: list[tuple[str, str, bool]] = []
-            _cursor, claimed, deleted = (await self._r.xautoclaim(
-                STREAM, GROUP, lease_id, idle_ms, "0-0", count=need
-            ))[:3]
+            _cursor, claimed, deleted = (
+                await self._r.xautoclaim(STREAM, GROUP, lease_id, idle_ms, "0-0", count=need)
+            )[:3]
             for gone in deleted or []:
                 await self._r.xack(STREAM, GROUP, gone)
             for entry_id, fields in claimed:
@@ -329,8 +338,10 @@ class RedisStore(StateStore):
                     await self._r.xack(STREAM, GROUP, entry_id)
                     await self._r.xdel(STREAM, entry_id)
                     continue
-                if max_age is not None and info.min_version is not None and (
-                    trainer_version - info.min_version > max_age
+                if (
+                    max_age is not None
+                    and info.min_version is not None
+                    and (trainer_version - info.min_version > max_age)
                 ):
                     await self._hold(keys=[HELD, STREAM], args=[entry_id, info.min_version, sid, GROUP])
                     continue

@@ -1,0 +1,199 @@
+"""The router's FastAPI app: ``create_app(config)``.
+
+Routes: sessions and turns (:mod:`router.routes_sessions`), trainer batches
+(:mod:`router.routes_trainer`), groups and replica heartbeats (:mod:`router.routes_fleet`),
+SGLang's native API (:mod:`router.routes_sglang`), ``/healthz``, ``/metrics`` and
+``/openapi.json``. Extra routers (e.g. the weight-sync admin routes) come in through
+``extra_routers`` or :func:`include_routes`; they reach the :class:`RouterContext` as
+``request.app.state.ctx``.
+
+Every refusal is a 4xx with ``{"detail": "<message naming the field or problem>"}``; an
+unreachable state store or fleet is a 503 with ``Retry-After``; bodies over
+``config.max_body_bytes`` get 413 before they are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router import routes_fleet, routes_sessions, routes_sglang, routes_trainer
+from router.config import RouterConfig
+from router.context import RouterContext
+from router.errors import ApiError
+from router.state.base import StateError, StateUnavailable
+
+log = logging.getLogger("mixfleet.router")
+
+
+class EdgeMiddleware:
+    """Pure ASGI: refuses oversize bodies with 413 and times every request into the metrics."""
+
+    def __init__(self, app: ASGIApp, ctx: RouterContext) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.limit = ctx.config.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+        limit = self.limit
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await _send_json(
+                        send, 413, f"body: {int(value)} bytes exceeds the limit of {limit} bytes"
+                    )
+                    self._observe(scope, 413, t0)
+                    return
+        seen = [0]
+
+        async def counted_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
+                    raise HTTPException(413, f"body exceeds the limit of {limit} bytes")
+            return message
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, timed_send)
+        finally:
+            self._observe(scope, status[0], t0)
+
+    def _observe(self, scope: Scope, status: int, t0: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        self.ctx.metrics.request_seconds.labels(path, f"{status // 100}xx").observe(time.perf_counter() - t0)
+
+
+async def _send_json(send: Send, status: int, detail: str) -> None:
+    body = JSONResponse({"detail": detail}).body
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]]]:
+    errors = []
+    parts = []
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            where = ".".join(loc[1:]) or loc[0]
+        else:
+            where = ".".join(loc) or "body"
+        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "json_invalid":
+            where, msg = "body", f"malformed JSON ({msg})"
+        parts.append(f"{where}: {msg}")
+        errors.append({"loc": loc, "msg": msg, "type": str(e.get("type", ""))})
+    return "; ".join(parts[:5]) or "invalid request", errors
+
+
+def include_routes(app: FastAPI, *routers: APIRouter) -> None:
+    """Add routers to a router app (they see ``request.app.state.ctx``)."""
+    for r in routers:
+        app.include_router(r)
+
+
+def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) -> FastAPI:
+    """A router app for ``config``. The state store, HTTP pool and replica polling start with
+    the app's lifespan and stop with it."""
+    ctx = RouterContext(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.auth_disabled:
+            log.warning("AUTH IS DISABLED: every client may open sessions, take batches and change the fleet")
+        await ctx.start()
+        try:
+            yield
+        finally:
+            await ctx.stop()
+
+    app = FastAPI(
+        title="mixfleet router",
+        version="0.1.0",
+        description="Rollout API of a mixed-precision sampler fleet: sessions, token-in-token-out turns "
+        "with behavior records, trainer batches, SGLang-native /generate.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    app.add_middleware(EdgeMiddleware, ctx=ctx)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
+        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StateUnavailable)
+    async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:
+        return JSONResponse(
+            {"detail": f"state store unavailable: {exc}"}, status_code=503, headers={"Retry-After": "1"}
+        )
+
+    @app.exception_handler(StateError)
+    async def _state_error(_: Request, exc: StateError) -> JSONResponse:
+        return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=409)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, errors = _validation_detail(exc)
+        return JSONResponse({"detail": message, "errors": errors}, status_code=422)
+
+    @app.get("/healthz", tags=["ops"], summary="Router liveness and state-store reachability")
+    async def healthz() -> JSONResponse:
+        ok = await ctx.store.ping()
+        latest = ctx.latest_version()
+        ready = sum(len(ctx.registry.in_rotation(g.name, latest)) for g in ctx.fleet.groups)
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", "state": ok, "replicas_in_rotation": ready},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
+    async def metrics() -> Response:
+        try:
+            snap = await ctx.groups_snapshot()
+            snap["queue"] = await ctx.store.queue_stats()
+            ctx.metrics.snapshot = snap
+        except StateError as exc:
+            log.warning("metrics without state: %s", exc)
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    for r in (
+        routes_sessions.router,
+        routes_trainer.router,
+        routes_fleet.router,
+        routes_sglang.router,
+        *extra_routers,
+    ):
+        app.include_router(r)
+    return app

@@ -1,0 +1,97 @@
+"""Run the router alone against the replicas a preset lists (mixfleet router --preset FILE)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from weight_sync.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, help="preset name or TOML file (groups, replica URLs)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument("--state", default="memory", help="memory (default) or redis://host:port/db")
+    parser.add_argument("--policy", default="capacity", choices=("capacity", "round_robin", "cost"))
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='JSON {"<token>": ["rollout", "trainer", "admin"]}; default: $MIXFLEET_API_KEYS',
+    )
+    parser.add_argument(
+        "--insecure-no-auth", action="store_true", help="serve without API keys (logs a warning)"
+    )
+    parser.add_argument(
+        "--max-version-lag",
+        type=int,
+        default=None,
+        help="keep new turns off replicas lagging the latest version by more than this",
+    )
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
+    parser.add_argument(
+        "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
+    parser.add_argument("--log-level", default="info")
+
+
+def build_config(args: argparse.Namespace):
+    """RouterConfig from CLI arguments; raises UserError naming a bad value."""
+    from fleet.specs import load_preset
+    from router.auth import load_keys
+    from router.config import RouterConfig
+
+    fleet = load_preset(args.preset)
+    keys = load_keys(args.api_keys_file)
+    if not keys and not args.insecure_no_auth:
+        raise UserError("no API keys: set MIXFLEET_API_KEYS or --api-keys-file, or pass --insecure-no-auth")
+    if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
+        raise UserError(f"--state must be 'memory' or a redis:// URL, got {args.state!r}")
+    for name in ("heartbeat_timeout", "lease_timeout"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    if args.max_body_bytes < 1024:
+        raise UserError("--max-body-bytes must be at least 1024")
+    if args.max_version_lag is not None and args.max_version_lag < 0:
+        raise UserError("--max-version-lag must be >= 0")
+    return RouterConfig(
+        fleet=fleet,
+        state_url=args.state,
+        api_keys=keys,
+        auth_disabled=bool(args.insecure_no_auth and not keys),
+        policy=args.policy,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        lease_timeout_s=args.lease_timeout,
+        max_version_lag=args.max_version_lag,
+        max_body_bytes=args.max_body_bytes,
+        f16_support_logprobs=args.f16_logprobs,
+    )
+
+
+def _extra_routers() -> list:
+    """Routers of optional modules that are present (the weight-sync admin routes)."""
+    try:
+        from router import weights
+    except Exception as exc:  # an optional module must not keep the router from starting
+        logging.getLogger("mixfleet.router").warning("weights routes not loaded: %s", exc)
+        return []
+    factory = getattr(weights, "create_weights_router", None)
+    return [factory()] if callable(factory) else []
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    config = build_config(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config, extra_routers=_extra_routers())
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

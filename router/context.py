@@ -1,0 +1,226 @@
+"""The router's live state, one per app (``app.state.ctx``): config, state store, replica
+registry, HTTP pool, metrics, and the latest published weight version.
+
+Other modules add routes that use it (e.g. the weight-sync admin routes): pass them to
+``create_app(config, extra_routers=[...])`` or call :func:`router.app.include_routes`; inside a
+route, ``request.app.state.ctx`` is this object. ``await ctx.publish_version(v)`` records a
+newly published version (monotonic; shared through the store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from fleet.sglang_client import EngineError, SGLangClient, make_http_client, parse_version
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.policy import GroupLoad, cost_per_token, throughput_factors
+from router.registry import Registry
+from router.state.base import GroupCounters, StateError, StateStore, open_store
+
+log = logging.getLogger("mixfleet.router")
+
+
+class RouterContext:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.fleet = config.fleet
+        self.store: StateStore = open_store(config.state_url, retention_s=config.retention_s)
+        self.state = self.store  # alias used by router.weights
+        self.registry = Registry(
+            config.fleet,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            max_version_lag=config.max_version_lag,
+        )
+        self.metrics = RouterMetrics()
+        self.http: httpx.AsyncClient | None = None
+        self._latest: int | None = None
+        self._rr = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.started = time.time()
+
+    # lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.http = make_http_client(
+            connect_timeout_s=self.config.connect_timeout_s, timeout_s=self.config.engine_timeout_s
+        )
+        with contextlib.suppress(StateError):
+            self._latest = await self.store.get_latest_version()
+        await self.poll_once()
+        self._tasks.append(asyncio.create_task(self._poll_loop(), name="router-poll"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self.http is not None:
+            await self.http.aclose()
+        await self.store.close()
+
+    def client(self, url: str, headers: dict[str, str] | None = None) -> SGLangClient:
+        assert self.http is not None, "RouterContext.start() not called"
+        return SGLangClient(self.http, url, headers)
+
+    # versions ----------------------------------------------------------------------------
+    def latest_version(self) -> int | None:
+        """The latest published version known to this router (None before any publish)."""
+        return self._latest
+
+    async def publish_version(self, version: int) -> int:
+        self._latest = await self.store.set_latest_version(version)
+        return self._latest
+
+    def trainer_version(self) -> int:
+        """Version ages are measured against this: latest published, else the newest active."""
+        if self._latest is not None:
+            return self._latest
+        return self.registry.max_active_version() or 0
+
+    # polling -----------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # a poll must never kill the loop
+                log.exception("replica poll failed")
+
+    async def poll_once(self) -> None:
+        """Health-poll static replicas; adopt heartbeats and the latest version from the store."""
+        statics = [r for r in self.registry.replicas.values() if r.static]
+        await asyncio.gather(*(self._poll_static(r.replica_id, r.url, r.vocab_size is None) for r in statics))
+        try:
+            self.registry.merge_shared(await self.store.list_replicas())
+            latest = await self.store.get_latest_version()
+            if latest is not None:
+                self._latest = latest if self._latest is None else max(self._latest, latest)
+        except StateError as exc:
+            log.warning("state store unavailable during poll: %s", exc)
+
+    async def _poll_static(self, replica_id: str, url: str, want_vocab: bool) -> None:
+        c = self.client(url)
+        try:
+            if not await c.health(timeout=min(5.0, self.config.heartbeat_timeout_s)):
+                self.registry.poll_result(replica_id, ready=False, version=None, error="health check failed")
+                return
+            info = await c.server_info()
+            vocab = None
+            if want_vocab:
+                with contextlib.suppress(EngineError):
+                    vocab = (await c.model_info()).get("vocab_size")
+            r = self.registry.replicas[replica_id]
+            states = (info.get("internal_states") or [{}])[0] if isinstance(info, dict) else {}
+            r.running = int(states.get("num_running_reqs") or 0)
+            r.queued = int(states.get("num_queue_reqs") or 0)
+            r.tokens_per_s = float(states.get("gen_throughput") or 0.0)
+            self.registry.poll_result(
+                replica_id,
+                ready=True,
+                version=parse_version(info.get("weight_version")),
+                error=None,
+                vocab_size=int(vocab) if isinstance(vocab, int) else None,
+            )
+        except (EngineError, ValueError, TypeError, AttributeError) as exc:
+            self.registry.poll_result(replica_id, ready=False, version=None, error=str(exc)[:300])
+        with contextlib.suppress(StateError):  # so every router and the weights routes see it
+            await self.store.put_replica(replica_id, self.registry.replicas[replica_id].shared())
+
+    # loads and snapshots --------------------------------------------------------------------
+    def group_loads(
+        self, counters: dict[str, GroupCounters], exclude: set[str] | frozenset[str] = frozenset()
+    ) -> list[GroupLoad]:
+        latest = self.latest_version()
+        slots: dict[str, int] = {}
+        tps: dict[str, float | None] = {}
+        per_replica_tps: dict[str, float | None] = {}
+        for g in self.fleet.groups:
+            reps = self.registry.in_rotation(g.name, latest)
+            slots[g.name] = len(reps) * g.sessions_per_replica
+            measured = [r.tokens_per_s for r in reps if r.tokens_per_s > 0]
+            tps[g.name] = sum(measured) * len(reps) / len(measured) if measured else None
+            per_replica_tps[g.name] = sum(measured) / len(measured) if measured else None
+        factors = throughput_factors(slots, tps)
+        loads = []
+        for g in self.fleet.groups:
+            if g.name in exclude:
+                continue
+            active = counters.get(g.name, GroupCounters()).active_sessions
+            loads.append(
+                GroupLoad(
+                    g.name,
+                    slots[g.name] * factors[g.name],
+                    max(0, active),
+                    cost_per_token(g.price_per_replica_hour, per_replica_tps[g.name], g.sessions_per_replica),
+                )
+            )
+        return loads
+
+    def next_rr(self) -> int:
+        return next(self._rr)
+
+    async def groups_snapshot(self) -> dict[str, Any]:
+        counters = await self.store.counters()
+        loads = {g.name: g for g in self.group_loads(counters)}
+        latest = self.latest_version()
+        now = time.monotonic()
+        total_sessions = sum(c.sessions for c in counters.values()) or 0
+        total_tokens = sum(c.tokens for c in counters.values()) or 0
+        total_capacity = sum(g.capacity for g in loads.values()) or 0.0
+        groups = []
+        for g in self.fleet.groups:
+            c = counters.get(g.name, GroupCounters())
+            load = loads[g.name]
+            rotation = {r.replica_id for r in self.registry.in_rotation(g.name, latest, now)}
+            active_version = self.registry.active_version(g.name, latest)
+            replicas = [
+                {
+                    "replica_id": r.replica_id,
+                    "url": r.url,
+                    "static": r.static,
+                    "ready": r.ready,
+                    "in_rotation": r.replica_id in rotation,
+                    "active_version": r.active_version,
+                    "running": r.running,
+                    "queued": r.queued,
+                    "inflight": r.inflight,
+                    "tokens_per_s": r.tokens_per_s,
+                    "last_seen_s": None if r.last_seen == float("-inf") else round(now - r.last_seen, 3),
+                    "error": r.error,
+                }
+                for r in self.registry.replicas.values()
+                if r.group == g.name
+            ]
+            groups.append(
+                {
+                    "name": g.name,
+                    "accelerator": g.accelerator,
+                    "weight_format": g.weight_format,
+                    "kv_cache_dtype": g.kv_cache_dtype,
+                    "sessions_per_replica": g.sessions_per_replica,
+                    "capacity": load.capacity,
+                    "ready_replicas": len(rotation),
+                    "active_sessions": c.active_sessions,
+                    "sessions_total": c.sessions,
+                    "tokens_total": c.tokens,
+                    "session_share": c.sessions / total_sessions if total_sessions else 0.0,
+                    "token_share": c.tokens / total_tokens if total_tokens else 0.0,
+                    "capacity_share": load.capacity / total_capacity if total_capacity else 0.0,
+                    "active_version": active_version,
+                    "version_lag": None
+                    if latest is None or active_version is None
+                    else latest - active_version,
+                    "cost_per_token": load.cost_per_token,
+                    "replicas": replicas,
+                }
+            )
+        return {"latest_version": latest, "policy": self.config.policy, "groups": groups}

@@ -1,0 +1,303 @@
+"""Where a session goes and how a turn reaches an engine.
+
+* :func:`assign_group` picks the group of a new session by the configured policy.
+* :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
+  when in rotation), and on a connect error, timeout, dropped connection or 5xx retries on
+  another replica of the group; when the group has none left, the session moves to another
+  group (chosen by the policy) and the turn records ``moved_from``. Nothing is stored here:
+  the caller records the returned turn once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fleet.sglang_client import EngineRejected, EngineUnavailable
+from router.context import RouterContext
+from router.errors import ApiError, unavailable
+from router.policy import choose_group, choose_replica
+from router.records import TurnData
+from router.schemas import TurnRequest
+from router.state.base import SessionInfo
+
+MIN_VERSION_HEADER = "X-Mixfleet-Min-Version"
+T = TypeVar("T")
+
+
+async def assign_group(ctx: RouterContext, exclude: set[str] = frozenset()) -> str:
+    counters = await ctx.store.counters()
+    name = choose_group(ctx.config.policy, ctx.group_loads(counters, exclude), ctx.next_rr())
+    if name is None:
+        raise unavailable("no sampler group has a replica in rotation", retry_after=2.0)
+    return name
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn: TurnData
+    group: str
+    replica_id: str
+    moved_from: str | None
+    min_version: int | None
+    max_version: int | None
+
+
+def _engine_payload(req: TurnRequest) -> dict[str, Any]:
+    sp = req.sampling_params
+    params: dict[str, Any] = {
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "max_new_tokens": sp.max_new_tokens,
+    }
+    if sp.stop_token_ids:
+        params["stop_token_ids"] = sp.stop_token_ids
+    if sp.seed is not None:
+        params["sampling_seed"] = sp.seed
+    return {
+        "input_ids": req.input_ids,
+        "sampling_params": params,
+        "return_logprob": True,
+        "return_sampling_mask": True,
+    }
+
+
+def _num(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def turn_from_response(
+    body: Any,
+    *,
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: list[int],
+    moved_from: str | None,
+    timings: dict[str, Any],
+) -> TurnData:
+    """Build the turn record from an SGLang ``/generate`` response. Raises ValueError if the
+    response lacks what a behavior record needs."""
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise ValueError("response has no meta_info")
+    meta = body["meta_info"]
+    output_ids = [int(t) for t in body.get("output_ids") or []]
+    n = len(output_ids)
+    triples = meta.get("output_token_logprobs") or []
+    if len(triples) != n:
+        raise ValueError(f"{len(triples)} output_token_logprobs for {n} output tokens")
+    raw = [_num(t[0]) for t in triples]
+    masks = meta.get("output_token_sampling_mask")
+    if masks is None or len(masks) != n:
+        raise ValueError("response lacks output_token_sampling_mask for every token")
+    mu = meta.get("output_token_sampling_logprobs")
+    support_lps = meta.get("output_token_sampling_support_logprobs")
+    logprobs: list[float] = []
+    supports: list[list[int]] = []
+    support_values: list[list[float]] = []
+    for i in range(n):
+        ids = [int(x) for x in masks[i]]
+        supports.append(ids)
+        if support_lps is not None:
+            support_values.append([_num(x) for x in support_lps[i]])
+        else:  # upstream SGLang: the support's log-probs are not returned
+            support_values.append([math.nan] * len(ids))
+        if mu is not None and i < len(mu) and not isinstance(mu[i], list):
+            logprobs.append(_num(mu[i]))
+        elif ids and support_lps is not None:
+            logprobs.append(support_values[i][ids.index(output_ids[i])])
+        else:
+            logprobs.append(raw[i])
+    spans = []
+    for s in meta.get("weight_versions") or []:
+        if int(s["end"]) > int(s["start"]):
+            spans.append({"version": int(s["version"]), "start": int(s["start"]), "end": int(s["end"])})
+    if not spans and n:
+        from fleet.sglang_client import parse_version
+
+        v = parse_version(meta.get("weight_version"))
+        if v is not None:
+            spans = [{"version": v, "start": 0, "end": n}]
+    if isinstance(meta.get("e2e_latency"), (int, float)):
+        timings = {**timings, "engine_e2e_ms": round(float(meta["e2e_latency"]) * 1000, 3)}
+    finish = meta.get("finish_reason")
+    return TurnData(
+        turn=index,
+        group=group,
+        replica=replica,
+        input_ids=input_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        raw_logprobs=raw,
+        support_ids=supports,
+        support_logprobs=support_values,
+        weight_versions=spans,
+        finish_reason=finish if isinstance(finish, dict) else None,
+        timings=timings,
+        moved_from=moved_from,
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request finally ran: ``moved_from`` is set when it left ``start_group``."""
+
+    group: str
+    replica_id: str
+    url: str
+    moved_from: str | None
+    attempts: int
+
+
+async def with_failover(
+    ctx: RouterContext,
+    start_group: str,
+    affinity: str | None,
+    send: Callable[[str], Awaitable[T]],
+    *,
+    min_version: int | None = None,
+    may_move: bool = True,
+) -> tuple[T, Placement]:
+    """Run ``send(replica_url)`` on a replica in rotation, failing over as the module says.
+
+    ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
+    422/4xx unless retryable) or ValueError (a malformed engine response: retry elsewhere).
+    """
+    latest = ctx.latest_version()
+    group = start_group
+    moved_from: str | None = None
+    tried: set[str] = set()
+    groups_tried: set[str] = set()
+    attempts = 0
+    limit = ctx.config.max_attempts + len(ctx.fleet.groups)
+    last_error = "no replica in rotation"
+    while True:
+        views = ctx.registry.views(group, latest, min_version=min_version)
+        replica = choose_replica(views, affinity if group == start_group else None, tried)
+        if replica is None:
+            if min_version is not None and [
+                v for v in ctx.registry.views(group, latest) if v.replica_id not in tried
+            ]:
+                raise unavailable(
+                    f"no replica of group {group} serves weight version >= {min_version} yet "
+                    f"(latest published: {latest})",
+                    retry_after=1.0,
+                )
+            if not may_move:
+                raise unavailable(f"no replica of group {group} can serve ({last_error})")
+            groups_tried.add(group)
+            try:
+                new_group = await assign_group(ctx, exclude=groups_tried)
+            except ApiError:
+                raise unavailable(f"no sampler group can serve this request ({last_error})") from None
+            ctx.metrics.moves.labels(group, new_group).inc()
+            moved_from = moved_from or start_group
+            group = new_group
+            continue
+        attempts += 1
+        if attempts > limit:
+            raise unavailable(f"gave up after {attempts - 1} attempts ({last_error})")
+        rep = ctx.registry.replicas.get(replica.replica_id)
+        if rep is not None:
+            rep.inflight += 1
+        try:
+            result = await send(replica.url)
+        except EngineUnavailable as exc:
+            last_error = exc.message
+            tried.add(replica.replica_id)
+            ctx.registry.mark_failed(replica.replica_id, ctx.config.failure_cooldown_s, exc.message)
+            ctx.metrics.failovers.labels(group, "unavailable").inc()
+            continue
+        except EngineRejected as exc:
+            if exc.retryable:  # a sidecar that cannot meet the version constraint right now
+                last_error = exc.message
+                tried.add(replica.replica_id)
+                ctx.metrics.failovers.labels(group, "version").inc()
+                continue
+            raise ApiError(
+                422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}"
+            ) from None
+        except ValueError as exc:
+            last_error = f"bad engine response: {exc}"
+            tried.add(replica.replica_id)
+            ctx.metrics.failovers.labels(group, "bad_response").inc()
+            continue
+        finally:
+            if rep is not None:
+                rep.inflight -= 1
+        return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
+
+
+def effective_min_version(
+    ctx: RouterContext, min_version: int | None, max_version_age: int | None
+) -> int | None:
+    if max_version_age is None:
+        return min_version
+    latest = ctx.latest_version()
+    base = latest if latest is not None else ctx.registry.max_active_version()
+    if base is None:
+        return min_version
+    return max(min_version or 0, base - max_version_age)
+
+
+def check_vocab(ctx: RouterContext, group: str, rows: list[list[int]], field: str) -> None:
+    vocab = ctx.config.vocab_size or ctx.registry.vocab_size(group)
+    if vocab is None:
+        return
+    for r, row in enumerate(rows):
+        for i, t in enumerate(row):
+            if t >= vocab:
+                where = f"{field}[{i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
+                raise ApiError(422, f"{where} = {t} is outside the vocabulary (size {vocab})")
+
+
+async def run_turn(ctx: RouterContext, session: SessionInfo, req: TurnRequest) -> TurnResult:
+    """Generate one turn with failover. Raises :class:`ApiError` (4xx/503) when it cannot."""
+    t0 = time.perf_counter()
+    min_version = effective_min_version(ctx, req.min_version, req.max_version_age)
+    check_vocab(ctx, session.group, [req.input_ids], "input_ids")
+    payload = _engine_payload(req)
+    headers = {"Modal-Session-ID": session.session_id}
+    if min_version is not None:
+        headers[MIN_VERSION_HEADER] = str(min_version)
+    engine_s = 0.0
+
+    async def send(url: str) -> tuple[TurnData, float]:
+        e0 = time.perf_counter()
+        body = await ctx.client(url).generate(payload, headers=headers)
+        return body, time.perf_counter() - e0
+
+    (body, engine_s), place = await with_failover(
+        ctx, session.group, session.replica, send, min_version=min_version
+    )
+    ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
+    timings = {
+        "engine_ms": round(engine_s * 1000, 3),
+        "router_ms": round((time.perf_counter() - t0 - engine_s) * 1000, 3),
+        "attempts": place.attempts,
+    }
+    try:
+        turn = turn_from_response(
+            body,
+            index=-1,
+            group=place.group,
+            replica=place.replica_id,
+            input_ids=req.input_ids,
+            moved_from=place.moved_from,
+            timings=timings,
+        )
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None
+    versions = [s["version"] for s in turn.weight_versions]
+    return TurnResult(
+        turn,
+        place.group,
+        place.replica_id,
+        place.moved_from,
+        min(versions) if versions else None,
+        max(versions) if versions else None,
+    )

@@ -1,0 +1,186 @@
+"""The replica registry: which replicas exist, which are in rotation, and how loaded they are.
+
+Two sources feed it: sidecars' heartbeats (``POST /v1/replicas/heartbeat``; shared between
+routers through the state store) and the router's own health polls of replicas listed
+statically in the preset. A replica is in rotation when it reported ``ready`` within
+``heartbeat_timeout_s``, is not in a failure cooldown (set after a failed request), and, when
+``max_version_lag`` is set and versions are known, lags the latest version by at most that.
+Times are ``time.monotonic()`` unless named ``wall``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.specs import FleetSpec
+from router.policy import ReplicaView
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    group: str
+    url: str
+    static: bool
+    ready: bool = False
+    active_version: int | None = None
+    running: int = 0
+    queued: int = 0
+    tokens_per_s: float = 0.0
+    error: str | None = None
+    last_seen: float = -math.inf
+    wall_seen: float = 0.0
+    failed_until: float = -math.inf
+    inflight: int = 0
+    vocab_size: int | None = None
+
+    def shared(self) -> dict[str, Any]:
+        """What other routers learn through the state store."""
+        return {
+            "replica_id": self.replica_id,
+            "group": self.group,
+            "url": self.url,
+            "ready": self.ready,
+            "active_version": self.active_version,
+            "running": self.running,
+            "queued": self.queued,
+            "tokens_per_s": self.tokens_per_s,
+            "error": self.error,
+            "wall_seen": self.wall_seen,
+        }
+
+
+class Registry:
+    def __init__(self, fleet: FleetSpec, *, heartbeat_timeout_s: float, max_version_lag: int | None) -> None:
+        self.fleet = fleet
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_version_lag = max_version_lag
+        self.replicas: dict[str, Replica] = {}
+        for g in fleet.groups:
+            for i, url in enumerate(g.replicas):
+                rid = f"{g.name}/{i}"
+                self.replicas[rid] = Replica(rid, g.name, url, static=True)
+
+    def group_names(self) -> list[str]:
+        return [g.name for g in self.fleet.groups]
+
+    # updates ----------------------------------------------------------------------------
+    def heartbeat(self, hb: dict[str, Any], now: float | None = None, wall: float | None = None) -> Replica:
+        """Apply a sidecar heartbeat (already validated: group exists). A heartbeat for the URL
+        of a statically listed replica updates that entry."""
+        now = time.monotonic() if now is None else now
+        rid = hb["replica_id"]
+        url = hb["url"].rstrip("/")
+        r = self.replicas.get(rid)
+        if r is None:
+            r = next((x for x in self.replicas.values() if x.static and x.url == url), None)
+        if r is None:
+            r = self.replicas[rid] = Replica(rid, hb["group"], url, static=False)
+        r.group = hb["group"]
+        r.url = url
+        r.ready = bool(hb["ready"])
+        r.active_version = hb.get("active_version")
+        r.running = int(hb.get("running") or 0)
+        r.queued = int(hb.get("queued") or 0)
+        r.tokens_per_s = float(hb.get("tokens_per_s") or 0.0)
+        r.error = hb.get("error")
+        r.last_seen = now
+        r.wall_seen = time.time() if wall is None else wall
+        return r
+
+    def merge_shared(self, shared: dict[str, dict[str, Any]], now: float | None = None) -> None:
+        """Adopt heartbeats other routers received (newer ``wall_seen`` wins)."""
+        now = time.monotonic() if now is None else now
+        wall_now = time.time()
+        for rid, data in shared.items():
+            mine = self.replicas.get(rid)
+            if mine is not None and mine.wall_seen >= float(data.get("wall_seen", 0)):
+                continue
+            if data.get("group") not in self.group_names():
+                continue
+            age = max(0.0, wall_now - float(data.get("wall_seen", 0)))
+            self.heartbeat({**data, "replica_id": rid}, now=now - age, wall=float(data.get("wall_seen", 0)))
+
+    def poll_result(
+        self,
+        replica_id: str,
+        *,
+        ready: bool,
+        version: int | None,
+        error: str | None,
+        vocab_size: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        r = self.replicas[replica_id]
+        now = time.monotonic() if now is None else now
+        r.ready = ready
+        r.error = error
+        if ready:
+            r.last_seen = now
+            r.wall_seen = time.time()
+            r.active_version = version
+            if vocab_size:
+                r.vocab_size = vocab_size
+
+    def mark_failed(self, replica_id: str, cooldown_s: float, error: str, now: float | None = None) -> None:
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.failed_until = (time.monotonic() if now is None else now) + cooldown_s
+            r.error = error
+
+    def remove(self, replica_id: str) -> bool:
+        r = self.replicas.get(replica_id)
+        if r is None or r.static:
+            return False
+        del self.replicas[replica_id]
+        return True
+
+    # queries ----------------------------------------------------------------------------
+    def fresh(self, r: Replica, now: float) -> bool:
+        return r.ready and now - r.last_seen <= self.heartbeat_timeout_s and now >= r.failed_until
+
+    def lags(self, r: Replica, latest: int | None) -> bool:
+        if self.max_version_lag is None or latest is None or r.active_version is None:
+            return False
+        return latest - r.active_version > self.max_version_lag
+
+    def in_rotation(self, group: str, latest: int | None, now: float | None = None) -> list[Replica]:
+        now = time.monotonic() if now is None else now
+        return [
+            r
+            for r in self.replicas.values()
+            if r.group == group and self.fresh(r, now) and not self.lags(r, latest)
+        ]
+
+    def views(
+        self, group: str, latest: int | None, *, min_version: int | None = None, now: float | None = None
+    ) -> list[ReplicaView]:
+        out = []
+        for r in self.in_rotation(group, latest, now):
+            if min_version is not None and (r.active_version is None or r.active_version < min_version):
+                continue
+            out.append(
+                ReplicaView(r.replica_id, r.group, r.url, r.active_version, r.inflight + r.running + r.queued)
+            )
+        return out
+
+    def active_version(self, group: str, latest: int | None = None) -> int | None:
+        """The lowest version active on the group's replicas in rotation (None if unknown)."""
+        versions = [r.active_version for r in self.in_rotation(group, latest) if r.active_version is not None]
+        return min(versions) if versions else None
+
+    def max_active_version(self) -> int | None:
+        now = time.monotonic()
+        versions = [
+            r.active_version
+            for r in self.replicas.values()
+            if r.active_version is not None and self.fresh(r, now)
+        ]
+        return max(versions) if versions else None
+
+    def vocab_size(self, group: str) -> int | None:
+        sizes = [r.vocab_size for r in self.replicas.values() if r.group == group and r.vocab_size]
+        return min(sizes) if sizes else None

@@ -1,0 +1,181 @@
+"""Agent-facing routes (scope ``rollout``): sessions, token-in-token-out turns, finish, trajectory."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.responses import JSONResponse
+
+from router.auth import require
+from router.context import RouterContext
+from router.dispatch import assign_group, run_turn
+from router.errors import ApiError
+from router.records import decode_turn, encode_turn
+from router.schemas import (
+    CreateSession,
+    Finished,
+    FinishRequest,
+    SessionCreated,
+    Trajectory,
+    Turn,
+    TurnRequest,
+)
+from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require("rollout"))])
+SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
+
+
+def _ctx(request: Request) -> RouterContext:
+    return request.app.state.ctx
+
+
+async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    if info.status != "open":
+        raise ApiError(409, f"session {session_id!r} is {info.status}: it accepts no more turns")
+    return info
+
+
+@router.post("", response_model=SessionCreated, summary="Open a session")
+async def create_session(
+    request: Request, body: Annotated[CreateSession | None, Body()] = None
+) -> JSONResponse:
+    ctx = _ctx(request)
+    body = body or CreateSession()
+    if body.group is not None:
+        if body.group not in ctx.registry.group_names():
+            raise ApiError(
+                422, f"group: unknown group {body.group!r} (known: {', '.join(ctx.registry.group_names())})"
+            )
+        group = body.group
+    else:
+        group = await assign_group(ctx)
+    session_id = uuid.uuid4().hex
+    await ctx.store.create_session(session_id, group, body.metadata, now=time.time())
+    ctx.metrics.sessions.labels(group).inc()
+    return JSONResponse({"session_id": session_id, "group": group})
+
+
+@router.get("/{session_id}", summary="Session state")
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    info = await _ctx(request).store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    return {
+        "session_id": info.session_id,
+        "group": info.group,
+        "replica": info.replica,
+        "status": info.status,
+        "turns": info.n_turns,
+        "tokens": info.tokens,
+        "reward": info.reward,
+        "metadata": info.metadata,
+        "min_version": info.min_version,
+        "max_version": info.max_version,
+    }
+
+
+@router.post("/{session_id}/turns", response_model=Turn, summary="Generate one turn (token-in-token-out)")
+async def create_turn(request: Request, session_id: str, body: TurnRequest) -> JSONResponse:
+    ctx = _ctx(request)
+    session = await load_open(ctx, session_id)
+    if body.turn is not None and body.turn != session.n_turns:
+        raise ApiError(409, f"turn: expected {body.turn} but the next turn is {session.n_turns}")
+    result = await run_turn(ctx, session, body)
+    if result.group != session.group or result.replica_id != session.replica:
+        try:
+            await ctx.store.set_route(session_id, result.group, result.replica_id)
+        except SessionNotFound:
+            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+    request_id = uuid.uuid4().hex
+    index = session.n_turns if body.turn is None else body.turn
+    n = len(result.turn.output_ids)
+    for _ in range(64):
+        turn = replace(result.turn, turn=index)
+        blob = encode_turn(turn, f16=ctx.config.f16_support_logprobs)
+        try:
+            index = await ctx.store.append_turn(
+                session_id,
+                request_id,
+                blob,
+                group=result.group,
+                tokens=n,
+                min_version=result.min_version,
+                max_version=result.max_version,
+                expected_turn=index,
+            )
+            break
+        except TurnConflict as exc:  # another turn of this session was recorded meanwhile
+            if body.turn is not None:
+                raise ApiError(
+                    409, f"turn: expected {body.turn} but the next turn is {exc.next_turn}"
+                ) from None
+            index = exc.next_turn
+        except SessionFinished:
+            raise ApiError(
+                409, f"session {session_id!r} was finished during the turn; not recorded"
+            ) from None
+        except SessionNotFound:
+            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+    else:
+        raise ApiError(409, "too many concurrent turns on one session")
+    ctx.metrics.turns.labels(result.group).inc()
+    ctx.metrics.tokens.labels(result.group).inc(n)
+    return JSONResponse(replace(result.turn, turn=index).to_json(session_id, with_input=False))
+
+
+@router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")
+async def finish_session(request: Request, session_id: str, body: FinishRequest) -> dict[str, Any]:
+    ctx = _ctx(request)
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    if info.status != "open":
+        raise ApiError(409, f"session {session_id!r} is already {info.status}")
+    if info.n_turns == 0:
+        raise ApiError(409, f"session {session_id!r} has no turns; delete it instead of finishing")
+    try:
+        await ctx.store.finish_session(session_id, uuid.uuid4().hex, body.reward, body.metadata)
+    except SessionFinished:
+        raise ApiError(409, f"session {session_id!r} is already finished") from None
+    except SessionNotFound:
+        raise ApiError(404, f"unknown session {session_id!r}") from None
+    return {"session_id": session_id, "status": "finished", "turns": info.n_turns}
+
+
+@router.delete("/{session_id}", summary="Abandon an open session (never handed to a trainer)")
+async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
+    try:
+        await _ctx(request).store.delete_session(session_id)
+    except SessionNotFound:
+        raise ApiError(404, f"unknown session {session_id!r}") from None
+    except SessionFinished:
+        raise ApiError(409, f"session {session_id!r} is finished; it belongs to the trainer queue") from None
+    return {"session_id": session_id, "status": "deleted"}
+
+
+@router.get("/{session_id}/trajectory", response_model=Trajectory, summary="The recorded trajectory")
+async def get_trajectory(request: Request, session_id: str) -> JSONResponse:
+    ctx = _ctx(request)
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    blobs = await ctx.store.get_turns(session_id)
+    return JSONResponse(
+        {
+            "session_id": session_id,
+            "group": info.group,
+            "status": info.status,
+            "reward": info.reward,
+            "metadata": info.metadata,
+            "finish_metadata": info.finish_metadata,
+            "turns": [decode_turn(b).to_json(session_id) for b in blobs],
+        }
+    )

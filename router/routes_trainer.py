@@ -1,0 +1,109 @@
+"""Trainer-facing routes (scope ``trainer``): take a batch under a lease, acknowledge it.
+
+The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
+binary batch of :mod:`router.records` (same content, records never as JSON lists).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from router.auth import require
+from router.context import RouterContext
+from router.errors import ApiError
+from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_batch
+from router.schemas import AckResponse, TakeRequest, TakeResponse
+from router.state.base import LeaseNotFound, TakenTrajectory
+
+router = APIRouter(prefix="/v1/batches", tags=["trainer"], dependencies=[Depends(require("trainer"))])
+
+
+def _ctx(request: Request) -> RouterContext:
+    return request.app.state.ctx
+
+
+def version_age(turn_headers: list[dict[str, Any]], trainer_version: int) -> dict[str, Any]:
+    """min / max / mean over tokens of (trainer version - token version), floored at 0."""
+    count = total = 0
+    lo: int | None = None
+    hi: int | None = None
+    for h in turn_headers:
+        for span in h.get("weight_versions") or []:
+            n = int(span["end"]) - int(span["start"])
+            if n <= 0:
+                continue
+            age = max(0, trainer_version - int(span["version"]))
+            count += n
+            total += age * n
+            lo = age if lo is None else min(lo, age)
+            hi = age if hi is None else max(hi, age)
+    return {"min": lo or 0, "max": hi or 0, "mean": total / count if count else 0.0}
+
+
+def _header(t: TakenTrajectory, trainer_version: int, headers: list[dict[str, Any]]) -> dict[str, Any]:
+    s = t.session
+    return {
+        "session_id": s.session_id,
+        "group": s.group,
+        "reward": s.reward,
+        "metadata": {**s.metadata, **s.finish_metadata},
+        "version_age": version_age(headers, trainer_version),
+    }
+
+
+@router.post(
+    "/take",
+    response_model=TakeResponse,
+    summary="Take up to `size` finished trajectories under a lease",
+    responses={200: {"content": {MEDIA_TYPE: {}}}},
+)
+async def take(request: Request, body: TakeRequest) -> Response:
+    ctx = _ctx(request)
+    trainer_version = body.trainer_version if body.trainer_version is not None else ctx.trainer_version()
+    lease = await ctx.store.take(
+        body.size,
+        trainer_version=trainer_version,
+        max_version_age=body.max_version_age,
+        lease_timeout_s=ctx.config.lease_timeout_s,
+        wait_s=body.wait_s,
+    )
+    ctx.metrics.leases.inc()
+    ctx.metrics.taken.inc(len(lease.trajectories))
+    ctx.metrics.redelivered.inc(lease.redelivered)
+    binary = MEDIA_TYPE in request.headers.get("accept", "")
+    if binary:
+        items = []
+        for t in lease.trajectories:
+            headers = [decode_turn_header(b) for b in t.turns]
+            items.append((_header(t, trainer_version, headers), t.turns))
+        return Response(encode_batch(lease.lease_id, lease.held_back, items), media_type=MEDIA_TYPE)
+    out = []
+    for t in lease.trajectories:
+        turns = [decode_turn(b) for b in t.turns]
+        headers = [{"weight_versions": x.weight_versions} for x in turns]
+        out.append(
+            {
+                **_header(t, trainer_version, headers),
+                "turns": [x.to_json(t.session.session_id) for x in turns],
+            }
+        )
+    return JSONResponse({"lease_id": lease.lease_id, "trajectories": out, "held_back": lease.held_back})
+
+
+@router.post("/{lease_id}/ack", response_model=AckResponse, summary="Acknowledge a lease")
+async def ack(request: Request, lease_id: str) -> dict[str, Any]:
+    ctx = _ctx(request)
+    try:
+        result = await ctx.store.ack(lease_id)
+    except LeaseNotFound:
+        raise ApiError(404, f"unknown or already acknowledged lease {lease_id!r}") from None
+    ctx.metrics.acked.inc(result.acked)
+    return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
+
+
+@router.get("/stats", summary="Trainer queue: ready, pending, held back, open leases")
+async def stats(request: Request) -> dict[str, int]:
+    return await _ctx(request).store.queue_stats()

@@ -1,0 +1,250 @@
+"""Request and response bodies of the router's HTTP API (the OpenAPI schema is built from
+these). Requests forbid unknown fields so a typo is a 422 naming the field, not a silent
+default; floats must be finite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TOKEN_MAX = 2**31 - 1
+TokenId = int
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class SamplingParams(_Req):
+    """Sampling of one turn (SGLang semantics: top_k -1 = off, temperature 0 = greedy)."""
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=TOKEN_MAX)
+    max_new_tokens: int = Field(128, ge=1, le=1_000_000)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stops(cls, v: list[int]) -> list[int]:
+        for t in v:
+            if not 0 <= t <= TOKEN_MAX:
+                raise ValueError(f"token id {t} out of range")
+        return v
+
+
+class CreateSession(_Req):
+    group: str | None = Field(None, description="pin the session to this group")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionCreated(BaseModel):
+    session_id: str
+    group: str
+
+
+class TurnRequest(_Req):
+    input_ids: list[int] = Field(min_length=1, description="the full context, token ids")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    min_version: int | None = Field(None, ge=0)
+    max_version_age: int | None = Field(None, ge=0)
+    turn: int | None = Field(None, ge=0, description="expected turn index; refused with 409 if not next")
+
+    @field_validator("input_ids")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        for i, t in enumerate(v):
+            if not 0 <= t <= TOKEN_MAX:
+                raise ValueError(f"input_ids[{i}] = {t} is not a token id")
+        return v
+
+
+class Record(BaseModel):
+    token_id: int
+    logprob: float | None
+    raw_logprob: float | None
+    support_ids: list[int]
+    support_logprobs: list[float | None]
+    weight_version: int | None
+
+
+class VersionSpan(BaseModel):
+    version: int
+    start: int
+    end: int
+
+
+class Turn(BaseModel):
+    session_id: str
+    turn: int
+    group: str
+    replica: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    records: list[Record]
+    weight_versions: list[VersionSpan]
+    timings: dict[str, Any]
+    moved_from: str | None = None
+    input_ids: list[int] | None = None
+
+
+class FinishRequest(_Req):
+    reward: float
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Finished(BaseModel):
+    session_id: str
+    status: str
+    turns: int
+
+
+class Trajectory(BaseModel):
+    session_id: str
+    group: str
+    status: str
+    reward: float | None
+    metadata: dict[str, Any]
+    finish_metadata: dict[str, Any]
+    turns: list[Turn]
+
+
+class TakeRequest(_Req):
+    size: int = Field(ge=1, le=4096)
+    max_version_age: int | None = Field(None, ge=0)
+    wait_s: float = Field(0.0, ge=0.0, le=300.0)
+    trainer_version: int | None = Field(None, ge=0, description="default: the latest published version")
+
+
+class VersionAge(BaseModel):
+    min: int
+    max: int
+    mean: float
+
+
+class BatchTrajectory(BaseModel):
+    session_id: str
+    group: str
+    reward: float | None
+    metadata: dict[str, Any]
+    version_age: VersionAge
+    turns: list[Turn]
+
+
+class TakeResponse(BaseModel):
+    lease_id: str
+    trajectories: list[BatchTrajectory]
+    held_back: int
+
+
+class AckResponse(BaseModel):
+    lease_id: str
+    acked: int
+    expired: int
+
+
+class Heartbeat(_Req):
+    replica_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+    group: str
+    url: str = Field(pattern=r"^https?://\S+$", max_length=2048)
+    ready: bool
+    active_version: int | None = Field(None, ge=0)
+    running: int = Field(0, ge=0)
+    queued: int = Field(0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0.0)
+    error: str | None = Field(None, max_length=4096)
+
+
+class ReplicaOut(BaseModel):
+    replica_id: str
+    url: str
+    static: bool
+    ready: bool
+    in_rotation: bool
+    active_version: int | None
+    running: int
+    queued: int
+    inflight: int
+    tokens_per_s: float
+    last_seen_s: float | None
+    error: str | None
+
+
+class GroupOut(BaseModel):
+    name: str
+    accelerator: str
+    weight_format: str
+    kv_cache_dtype: str
+    sessions_per_replica: int
+    capacity: float
+    ready_replicas: int
+    active_sessions: int
+    sessions_total: int
+    tokens_total: int
+    session_share: float
+    token_share: float
+    capacity_share: float
+    active_version: int | None
+    version_lag: int | None
+    cost_per_token: float
+    replicas: list[ReplicaOut]
+
+
+class GroupsResponse(BaseModel):
+    latest_version: int | None
+    policy: str
+    groups: list[GroupOut]
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang sampling params as forwarded by ``/generate`` (unknown keys pass through)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    max_new_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native ``/generate`` body; validated here, forwarded unchanged."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    stream: bool = False
+
+    @field_validator("input_ids")
+    @classmethod
+    def _ids(cls, v: list[int] | list[list[int]] | None) -> list[int] | list[list[int]] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("input_ids is empty")
+        rows = v if isinstance(v[0], list) else [v]
+        for row in rows:
+            if not row:
+                raise ValueError("input_ids has an empty sequence")
+            for t in row:
+                if not 0 <= t <= TOKEN_MAX:
+                    raise ValueError(f"{t} is not a token id")
+        return v
+
+    def rows(self) -> list[list[int]]:
+        if self.input_ids is None:
+            return []
+        return self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]  # type: ignore[return-value]

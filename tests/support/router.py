@@ -1,0 +1,105 @@
+"""Real router processes for tests: ``mixfleet router`` on a free loopback port.
+
+``write_preset(path, groups)`` writes a preset TOML (each group a dict of GroupSpec fields;
+``replicas`` a list of engine URLs). ``router_process(preset, ...)`` starts the router, waits for
+``/healthz``, yields a :class:`RouterHandle` (URL, a key with every scope, headers) and kills
+the process group on exit.
+
+Typical use::
+
+    with engine_process(model_dir) as engine:
+        preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-bf16", "replicas": [engine]}])
+        with router_process(preset) as router:
+            httpx.post(router.url + "/v1/sessions", headers=router.headers)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+
+ALL_SCOPES = ["rollout", "trainer", "admin"]
+
+
+@dataclass(frozen=True)
+class RouterHandle:
+    url: str
+    key: str
+    port: int
+    log: Path
+    proc: Any
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def write_preset(path: str | Path, groups: list[dict[str, Any]], name: str = "test") -> Path:
+    """Write a preset; groups default to ``accelerator = "cpu"``."""
+    lines = [f"name = {_toml_value(name)}", ""]
+    for g in groups:
+        lines.append("[[groups]]")
+        for k, v in {"accelerator": "cpu", **g}.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    path = Path(path)
+    path.write_text("\n".join(lines))
+    return path
+
+
+@contextlib.contextmanager
+def router_process(
+    preset: str | Path,
+    *,
+    state: str = "memory",
+    policy: str = "capacity",
+    port: int | None = None,
+    keys: dict[str, list[str]] | None = None,
+    extra_args: tuple[str, ...] = (),
+    log: Path | None = None,
+    timeout: float = 60.0,
+) -> Iterator[RouterHandle]:
+    """Start ``mixfleet router --preset preset``; yield once ``/healthz`` answers 200.
+
+    ``keys`` defaults to one fresh key with every scope (``handle.key``); with ``keys`` given,
+    ``handle.key`` is the first one.
+    """
+    port = port or free_port()
+    if keys is None:
+        keys = {secrets.token_hex(16): ALL_SCOPES}
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-"))) / "router.log"
+        argv = mixfleet_argv(
+            "router", "--preset", str(preset), "--port", str(port), "--state", state, "--policy", policy,
+            "--log-level", "warning", *extra_args,
+        )
+        env = {"MIXFLEET_API_KEYS": json.dumps(keys)}
+        proc = stack.enter_context(process(argv, log=log, env=env))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(f"{url}/healthz", timeout=timeout, proc=proc)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+            raise RuntimeError(f"router on {url} did not start: {exc}\n--- router log ---\n{tail}") from None
+        yield RouterHandle(url=url, key=next(iter(keys)), port=port, log=log, proc=proc)
