@@ -16,6 +16,7 @@ import sys
 from weight_sync.errors import UserError
 
 COMMANDS: dict[str, str] = {
+    "router": "router.cli",
     "engine": "fleet.engine.server",
     "sidecar": "fleet.sidecar_cli",
     "weights": "fleet.weights_cli",
