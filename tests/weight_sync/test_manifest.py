@@ -1,0 +1,97 @@
+"""Manifest: round trip, atomic write, verification naming the bad file, delta shape."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from weight_sync.manifest import (
+    MANIFEST_NAME,
+    ChecksumError,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    build_manifest,
+    verify_dir,
+)
+
+
+def _dir_with_files(tmp_path):
+    d = tmp_path / "v"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"hello world")
+    (d / "sub" / "b.txt").write_text("bee\n")
+    return d
+
+
+def test_build_write_read_round_trip(tmp_path) -> None:
+    d = _dir_with_files(tmp_path)
+    m = build_manifest(d, format="fp8", source_checksum="xxh3_128:abc")
+    assert m.files == {
+        "a.bin": FileEntry(hashlib.sha256(b"hello world").hexdigest(), 11),
+        "sub/b.txt": FileEntry(hashlib.sha256(b"bee\n").hexdigest(), 4),
+    }
+    assert m.total_bytes == 15 and m.version is None and m.kind == "full" and m.base_version is None
+    m.write(d)
+    assert not [p for p in d.iterdir() if p.name.startswith(".")], "temporary file left behind"
+    back = Manifest.read(d)
+    assert back == m
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    assert data["schema"] == 1 and data["format"] == "fp8" and data["files"]["a.bin"]["bytes"] == 11
+    assert verify_dir(d) == m
+    assert m.with_version(7).version == 7 and m.with_version(7).same_content(m)
+
+
+def test_verify_names_the_bad_file(tmp_path) -> None:
+    d = _dir_with_files(tmp_path)
+    build_manifest(d, format="bf16").write(d)
+    raw = bytearray((d / "a.bin").read_bytes())
+    raw[3] ^= 0x01
+    (d / "a.bin").write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match="a.bin") as exc:
+        verify_dir(d)
+    assert exc.value.path == d / "a.bin" and "sha256" in str(exc.value)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "extra"])
+def test_verify_structural_damage(tmp_path, damage) -> None:
+    d = _dir_with_files(tmp_path)
+    build_manifest(d, format="bf16").write(d)
+    if damage == "missing":
+        (d / "sub" / "b.txt").unlink()
+        bad = d / "sub" / "b.txt"
+    elif damage == "truncated":
+        (d / "a.bin").write_bytes(b"hello")
+        bad = d / "a.bin"
+    else:
+        (d / "stray.bin").write_bytes(b"x")
+        bad = d / "stray.bin"
+    with pytest.raises(ChecksumError) as exc:
+        verify_dir(d)
+    assert exc.value.path == bad
+    if damage == "extra":
+        verify_dir(d, allow_extra=True)
+
+
+def test_malformed_and_missing_manifest(tmp_path) -> None:
+    with pytest.raises(ManifestError, match="does not exist"):
+        Manifest.read(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.read(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "fp8", "files": {"a": {"sha256": 3}}}))
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.read(tmp_path)
+
+
+def test_delta_kind_needs_a_base() -> None:
+    files = {"model-00001-of-00002.safetensors": FileEntry("0" * 64, 10)}
+    delta = Manifest(7, "fp8", "delta", 6, "xxh3_128:s", files, tensor_count=3, total_bytes=10)
+    assert Manifest.from_dict(json.loads(delta.to_json())) == delta
+    assert not delta.same_content(Manifest(7, "fp8", "full", None, "xxh3_128:s", files, 3, 10))
+    with pytest.raises(ManifestError, match="base_version"):
+        Manifest(7, "fp8", "delta", None, "", files, 3, 10)
+    with pytest.raises(ManifestError, match="total_bytes"):
+        Manifest(7, "fp8", "full", None, "", files, 3, 11)
