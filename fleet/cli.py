@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "sidecar": "fleet.sidecar_cli",
     "weights": "fleet.weights_cli",
     "init-model": "fleet.engine.init_model",
+    "convert": "weight_sync.convert_cli",
 }
 
 

@@ -1,0 +1,728 @@
+"""Convert an HF BF16 checkpoint directory into the directory SGLang loads for one weight format.
+
+``convert_checkpoint(src, dst, fmt) -> Manifest``. Before: ``src`` holds ``config.json`` (a
+supported architecture, no ``quantization_config``), BF16 ``*.safetensors`` shards and optionally
+``model.safetensors.index.json``. After: ``dst`` holds, atomically (written into a temporary
+directory beside ``dst`` and renamed at the end, so a failure or a kill never leaves a partial
+``dst``): the converted shards (same file names as the source shards), ``model.safetensors.index.json``,
+``config.json`` (with ``quantization_config``), ``hf_quant_config.json`` (nvfp4), every other
+top-level file of ``src`` copied unchanged (tokenizer, generation config), and ``manifest.json``
+(format, source checksum, sha256 and size of every file, tensor count, bytes). Bad input raises
+``UserError`` with one line naming the problem, before anything is written.
+
+Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM``):
+
+- fp8 and nvfp4: the linear projections -- ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+  dense ``model.layers.{i}.mlp.{gate,up,down}_proj.weight`` and MoE
+  ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
+- mxfp4: the MoE expert projections only (SGLang's ``mxfp4`` method is MoE-only).
+- Everything else stays BF16: ``model.embed_tokens``, ``lm_head``, every norm (``input_layernorm``,
+  ``post_attention_layernorm``, ``self_attn.{q,k}_norm``, ``model.norm``) and the MoE router
+  ``model.layers.{i}.mlp.gate``; these modules are named in the exclude list of the config.
+
+Tensors written per quantized projection ``P`` (``P.weight`` in the source):
+
+======  ====================================================================================
+fp8     ``P.weight`` F8_E4M3 [N, K]; ``P.weight_scale_inv`` F32 [ceil(N/128), ceil(K/128)].
+        ``config.json`` ``quantization_config`` = ``{"quant_method": "fp8", "fmt": "e4m3",
+        "activation_scheme": "dynamic", "weight_block_size": [128, 128], "ignored_layers": [...]}``
+        (SGLang's ``Fp8Config.from_config`` reads ``ignored_layers``).
+nvfp4   ``P.weight`` U8 [N, K/2]; ``P.weight_scale`` F8_E4M3 [N, K/16]; ``P.weight_scale_2`` F32
+        0-dim; ``P.input_scale`` F32 0-dim (1.0). q/k/v of one attention, and gate/up of one
+        dense MLP or one expert, share one ``weight_scale_2`` computed from their joint amax
+        (SGLang fuses them and keeps one global scale). ``hf_quant_config.json`` =
+        ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "NVFP4",
+        "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": [...]}}``;
+        ``config.json`` gains the flat form SGLang's ``ModelOptFp4Config.from_config`` reads
+        first: ``{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+        "kv_cache_quant_algo": null, "ignore": [...], "exclude_modules": [...], "producer": ...}``.
+mxfp4   per expert projection: ``P.weight_blocks`` U8 [N, K/32, 16] and ``P.weight_scales`` U8
+        [N, K/32] (the gpt-oss ``_blocks``/``_scales`` encoding: two E2M1 codes per byte, low
+        nibble first, one E8M0 scale byte per 32 values along K). ``config.json``
+        ``quantization_config`` = ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
+======  ====================================================================================
+
+Why mxfp4 keeps Qwen3's per-expert names instead of gpt-oss's fused
+``mlp.experts.gate_up_proj_blocks``: SGLang reads the fused names only in
+``GptOssForCausalLM._load_mxfp4_experts_weights``, where ``gate_up`` rows are *interleaved*
+(gate, up, gate, ...) for gpt-oss's clamped SwiGLU; ``Qwen3MoeForCausalLM.load_weights`` maps
+checkpoint names through ``FusedMoE.make_expert_params_mapping`` (``experts.{e}.gate_proj.`` ->
+``experts.w13_``) and silently skips any name it cannot map, so fused gpt-oss names would load
+nothing for a Qwen3-MoE model. Per-expert ``_blocks``/``_scales`` keep the expert mapping valid
+(``weight_blocks`` reshaped to ``[N, K/2]`` is exactly SGLang's ``w13_weight``/``w2_weight`` row
+layout, ``weight_scales`` its ``w13_weight_scale``/``w2_weight_scale``), need no cross-expert
+fusion, and carry no gpt-oss activation semantics. Stock SGLang has no mxfp4 loader for
+Qwen3-MoE at all; this is the layout a loader for it would take with the least translation.
+
+Streaming and memory: tensors are converted in row chunks of about ``CHUNK_ELEMS`` elements by a
+thread pool (torch releases the GIL; ``workers`` threads, default: torch's thread count), read
+with ``pread`` from the source (nothing is mmapped), and written strictly in order while being
+hashed (sha256), with only a bounded window of chunks in flight: peak memory is a few dozen
+chunks plus one nvfp4 fusion group, independent of shard size. Each output shard holds the
+converted tensors of the source shard with the same name; a fusion group that straddles shards
+reads its other members (for the joint amax only) from their own shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from weight_sync.checksum import sha256_file, xxh3_file
+from weight_sync.errors import UserError
+from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
+from weight_sync.safetensors_io import (
+    DTYPES,
+    OutTensor,
+    StreamingWriter,
+    TensorEntry,
+    TensorReader,
+    read_header,
+)
+
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
+INDEX_NAME = "model.safetensors.index.json"
+HF_QUANT_NAME = "hf_quant_config.json"
+FP8_BLOCK = 128
+NVFP4_GROUP = 16
+MXFP4_BLOCK = 32
+CHUNK_ELEMS = 1 << 21  # elements per conversion task (about 4 MiB of BF16)
+COPY_CHUNK = 8 << 20  # bytes per pass-through copy task
+PRODUCER = {"name": "modelopt", "version": "0.0.0+mixfleet"}
+# Top-level files of the source that the converter writes itself instead of copying.
+_NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, HF_QUANT_NAME}
+
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight$")
+_DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+_KEEP = re.compile(
+    r"^(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
+    r"|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight"
+    r"|model\.layers\.\d+\.self_attn\.[qk]_norm\.weight"
+    r"|model\.layers\.\d+\.self_attn\.[qkvo]_proj\.bias"
+    r"|model\.layers\.\d+\.mlp\.gate\.weight)$"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Source
+
+
+@dataclass(frozen=True)
+class Source:
+    """A validated BF16 checkpoint: its config, every tensor's location, and the files around."""
+
+    directory: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    shards: tuple[str, ...]  # shard file names, sorted
+    extra_files: tuple[str, ...]  # other top-level files, copied as they are
+
+    def shard_index(self, entry: TensorEntry) -> int:
+        return self.shards.index(entry.file.name)
+
+
+def _top_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def source_checksum(src: Path) -> str:
+    """Content identity of a checkpoint directory: xxh3-128 over (name, size, xxh3-128 of the
+    content) of every top-level regular file except ``manifest.json`` and hidden files.
+
+    Two directories with the same files byte for byte get the same value, wherever they live.
+    """
+    src = Path(src)
+    h = xxhash.xxh3_128()
+    for name in _top_files(src):
+        if name == MANIFEST_NAME:
+            continue
+        p = src / name
+        h.update(f"{name}\0{p.stat().st_size}\0{xxh3_file(p)}\n".encode())
+    return "xxh3_128:" + h.hexdigest()
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist ({what} is required)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read {what} ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def load_source(src: Path) -> Source:
+    """Read and validate the checkpoint at ``src``; raises ``UserError`` naming the problem."""
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(f"source checkpoint {src} is not a directory")
+    config = _read_json(src / "config.json", "config.json")
+    if not isinstance(config, dict):
+        raise UserError(f"{src / 'config.json'}: not a JSON object")
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UserError(
+            f"{src / 'config.json'}: architecture {archs or config.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if config.get("quantization_config") or (src / HF_QUANT_NAME).exists():
+        raise UserError(
+            f"{src} is already quantized (config.json has quantization_config); need a BF16 checkpoint"
+        )
+
+    files = _top_files(src)
+    index_path = src / INDEX_NAME
+    if index_path.exists():
+        index = _read_json(index_path, INDEX_NAME)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index_path}: no weight_map")
+        shards = sorted(set(map(str, weight_map.values())))
+        for s in shards:
+            if "/" in s or not (src / s).is_file():
+                raise UserError(f"{index_path} names shard {s!r}, which does not exist in {src}")
+    else:
+        weight_map = None
+        shards = [f for f in files if f.endswith(".safetensors")]
+        if not shards:
+            raise UserError(f"{src} has no *.safetensors files")
+
+    tensors: dict[str, TensorEntry] = {}
+    for s in shards:
+        entries, _meta = read_header(src / s)
+        for name, e in entries.items():
+            if weight_map is not None and weight_map.get(name) != s:
+                raise UserError(f"{src / s}: tensor {name!r} is not mapped to this shard by {INDEX_NAME}")
+            if name in tensors:
+                raise UserError(f"tensor {name!r} appears in both {tensors[name].file.name} and {s}")
+            if e.dtype != "BF16":
+                raise UserError(f"{src / s}: tensor {name!r} is {e.dtype}, not BF16 (need a BF16 checkpoint)")
+            tensors[name] = e
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise UserError(f"{index_path} lists {missing[0]!r}, which is not in {weight_map[missing[0]]}")
+    if not tensors:
+        raise UserError(f"{src} holds no tensors")
+    extra = tuple(
+        f for f in files if f not in _NOT_COPIED and f not in shards and not f.endswith(".safetensors")
+    )
+    return Source(src, config, tensors, tuple(shards), extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan: which output tensors each source tensor becomes, and the tasks that compute them
+
+Task = Callable[[], list[torch.Tensor | None]]
+
+
+@dataclass
+class Job:
+    """A run of output tensors laid out back to back, computed by ``tasks`` in order.
+
+    Task ``t`` returns one piece per output: piece 0 is the next contiguous bytes of
+    ``outputs[0]``; pieces ``1..`` (or None) are appended to the other outputs, which follow
+    ``outputs[0]`` in the file.
+    """
+
+    outputs: list[OutTensor]
+    tasks: list[Task]
+    anchor: tuple[int, int]  # (shard index, source offset): output order
+
+
+@dataclass
+class Plan:
+    fmt: str
+    files: list[tuple[str, list[Job]]]
+    quantization_config: dict[str, Any] | None
+    hf_quant_config: dict[str, Any] | None
+    tensor_count: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tensor_count = sum(len(j.outputs) for _, jobs in self.files for j in jobs)
+
+
+class _GroupScales:
+    """nvfp4 global scales of fusion groups, computed once each from all members (thread-safe)."""
+
+    def __init__(self, reader: TensorReader, nvfp4: Any) -> None:
+        self._reader = reader
+        self._nvfp4 = nvfp4
+        self._lock = threading.Lock()
+        self._futures: dict[tuple, Future] = {}
+
+    def get(self, key: tuple, members: list[TensorEntry]) -> torch.Tensor:
+        with self._lock:
+            fut = self._futures.get(key)
+            owner = fut is None
+            if owner:
+                fut = self._futures[key] = Future()
+        if owner:
+            try:
+                ws = [self._reader.read_rows(m) for m in members]
+                fut.set_result(self._nvfp4.global_scale(*ws))
+            except BaseException as exc:
+                fut.set_exception(exc)
+                raise
+        return fut.result()
+
+
+def _row_ranges(n: int, rows: int) -> Iterator[tuple[int, int]]:
+    for r0 in range(0, n, rows):
+        yield r0, min(n, r0 + rows)
+
+
+def _linear_kind(name: str) -> tuple[str, tuple] | None:
+    """('attn'|'dense'|'expert', fusion-group key or None) for a linear projection weight."""
+    if m := _ATTN.match(name):
+        layer, p = m.groups()
+        return "attn", (("qkv", int(layer)) if p in "qkv" else None)
+    if m := _DENSE.match(name):
+        layer, p = m.groups()
+        return "dense", (("mlp", int(layer)) if p in ("gate", "up") else None)
+    if m := _EXPERT.match(name):
+        layer, e, p = m.groups()
+        return "expert", (("expert", int(layer), int(e)) if p in ("gate", "up") else None)
+    return None
+
+
+def _excluded_modules(source: Source) -> list[str]:
+    """Modules that stay BF16 in fp8/nvfp4: embeddings, lm_head and every MoE router."""
+    routers = sorted(
+        {f"model.layers.{m.group(1)}.mlp.gate" for n in source.tensors if (m := _ROUTER.match(n))},
+        key=lambda s: int(s.split(".")[2]),
+    )
+    return ["lm_head", "model.embed_tokens", *routers]
+
+
+def _mxfp4_not_converted(source: Source) -> list[str]:
+    """Modules that stay BF16 in mxfp4: all but the MoE experts."""
+    out = ["lm_head", "model.embed_tokens"]
+    layers: dict[int, set[str]] = {}
+    for n in source.tensors:
+        if m := _ATTN.match(n):
+            layers.setdefault(int(m.group(1)), set()).add("model.layers.{i}.self_attn")
+        elif m := _DENSE.match(n):
+            layers.setdefault(int(m.group(1)), set()).add("model.layers.{i}.mlp." + m.group(2) + "_proj")
+        elif m := _ROUTER.match(n):
+            layers.setdefault(int(m.group(1)), set()).add("model.layers.{i}.mlp.gate")
+    for i in sorted(layers):
+        out.extend(sorted(s.format(i=i) for s in layers[i]))
+    return out
+
+
+def _quant_configs(source: Source, fmt: str) -> tuple[dict | None, dict | None]:
+    if fmt == "bf16":
+        return None, None
+    if fmt == "fp8":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "ignored_layers": _excluded_modules(source),
+        }, None
+    if fmt == "nvfp4":
+        excluded = _excluded_modules(source)
+        hf_quant = {
+            "producer": dict(PRODUCER),
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "group_size": NVFP4_GROUP,
+                "kv_cache_quant_algo": None,
+                "exclude_modules": excluded,
+            },
+        }
+        qc = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": NVFP4_GROUP,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": excluded,
+            "ignore": excluded,
+            "producer": dict(PRODUCER),
+        }
+        return qc, hf_quant
+    return {"quant_method": "mxfp4", "modules_to_not_convert": _mxfp4_not_converted(source)}, None
+
+
+class _Planner:
+    def __init__(self, source: Source, fmt: str, reader: TensorReader, chunk_elems: int = CHUNK_ELEMS) -> None:
+        self.source = source
+        self.fmt = fmt
+        self.reader = reader
+        self.chunk_elems = max(1, chunk_elems)
+        self.scales: _GroupScales | None = None
+        if fmt == "nvfp4":
+            from weight_sync.formats import nvfp4
+
+            self.scales = _GroupScales(reader, nvfp4)
+
+    def plan(self) -> Plan:
+        src = self.source
+        groups: dict[tuple, list[TensorEntry]] = {}
+        kinds: dict[str, tuple[str, tuple | None]] = {}
+        for name, e in src.tensors.items():
+            kind = _linear_kind(name)
+            if kind is None:
+                if not _KEEP.match(name):
+                    raise UserError(
+                        f"{e.file}: unexpected tensor {name!r} for {SUPPORTED_ARCHITECTURES[0]} "
+                        "(cannot tell whether SGLang expects it quantized)"
+                    )
+                continue
+            if len(e.shape) != 2 or 0 in e.shape:
+                raise UserError(
+                    f"{e.file}: linear weight {name!r} has shape {list(e.shape)}, expected [N, K]"
+                )
+            kinds[name] = kind
+            if kind[1] is not None:
+                groups.setdefault(kind[1], []).append(e)
+        if self.fmt == "mxfp4" and not any(k == "expert" for k, _ in kinds.values()):
+            raise UserError(
+                f"{src.directory}: mxfp4 quantizes MoE experts only, and this checkpoint has none"
+            )
+
+        jobs: dict[int, list[Job]] = {i: [] for i in range(len(src.shards))}
+        for name, e in src.tensors.items():
+            kind = kinds.get(name)
+            anchor = (src.shard_index(e), e.start)
+            if kind is None or self.fmt == "bf16" or (self.fmt == "mxfp4" and kind[0] != "expert"):
+                job = self._passthrough(e, anchor)
+            elif self.fmt == "fp8":
+                job = self._fp8(e, anchor)
+            elif self.fmt == "nvfp4":
+                key = kind[1] if kind[1] is not None else ("single", name)
+                job = self._nvfp4(e, anchor, key, groups.get(key, [e]))
+            else:
+                job = self._mxfp4(e, anchor)
+            jobs[anchor[0]].append(job)
+        files = []
+        for i, shard in enumerate(src.shards):
+            if jobs[i]:
+                files.append((shard, sorted(jobs[i], key=lambda j: j.anchor)))
+        qc, hfq = _quant_configs(src, self.fmt)
+        return Plan(self.fmt, files, qc, hfq)
+
+    # --- jobs ---------------------------------------------------------------------------------
+
+    def _passthrough(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
+        read = self.reader.read_bytes
+        dtype = DTYPES[e.dtype][0]
+
+        def task(off: int, n: int) -> Task:
+            return lambda: [read(e.file, e.start + off, n).view(dtype)]
+
+        step = max(1, min(COPY_CHUNK, self.chunk_elems * 2) // e.itemsize) * e.itemsize
+        tasks = [task(off, min(step, e.nbytes - off)) for off in range(0, e.nbytes, step)]
+        return Job([OutTensor(e.name, e.dtype, e.shape)], tasks, anchor)
+
+    def _fp8(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
+        from weight_sync.formats import fp8
+
+        n, k = e.shape
+        base = e.name.removesuffix(".weight")
+        outs = [
+            OutTensor(f"{base}.weight", "F8_E4M3", (n, k)),
+            OutTensor(
+                f"{base}.weight_scale_inv", "F32", (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+            ),
+        ]
+        rows = max(FP8_BLOCK, self.chunk_elems // k // FP8_BLOCK * FP8_BLOCK)
+        read = self.reader.read_rows
+
+        def task(r0: int, r1: int) -> Task:
+            def run() -> list[torch.Tensor | None]:
+                q = fp8.quantize(read(e, r0, r1))
+                return [q["weight"], q["weight_scale_inv"]]
+
+            return run
+
+        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+
+    def _nvfp4(self, e: TensorEntry, anchor: tuple[int, int], key: tuple, members: list[TensorEntry]) -> Job:
+        from weight_sync.formats import nvfp4
+
+        n, k = e.shape
+        if k % NVFP4_GROUP:
+            raise UserError(
+                f"{e.file}: tensor {e.name!r} has K={k}, not divisible by the NVFP4 group size {NVFP4_GROUP}"
+            )
+        base = e.name.removesuffix(".weight")
+        outs = [
+            OutTensor(f"{base}.weight", "U8", (n, k // 2)),
+            OutTensor(f"{base}.weight_scale", "F8_E4M3", (n, k // NVFP4_GROUP)),
+            OutTensor(f"{base}.weight_scale_2", "F32", ()),
+            OutTensor(f"{base}.input_scale", "F32", ()),
+        ]
+        rows = max(1, self.chunk_elems // k)
+        read = self.reader.read_rows
+        scales = self.scales
+        members = sorted(members, key=lambda m: m.name)
+
+        def task(r0: int, r1: int) -> Task:
+            def run() -> list[torch.Tensor | None]:
+                gs = scales.get(key, members)
+                q = nvfp4.quantize(read(e, r0, r1), weight_scale_2=gs)
+                first = r0 == 0
+                return [
+                    q["weight"],
+                    q["weight_scale"],
+                    q["weight_scale_2"] if first else None,
+                    q["input_scale"] if first else None,
+                ]
+
+            return run
+
+        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+
+    def _mxfp4(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
+        from weight_sync.formats import mxfp4
+
+        n, k = e.shape
+        if k % MXFP4_BLOCK:
+            raise UserError(
+                f"{e.file}: tensor {e.name!r} has K={k}, not divisible by the MXFP4 block size {MXFP4_BLOCK}"
+            )
+        base = e.name.removesuffix(".weight")
+        outs = [
+            OutTensor(f"{base}.weight_blocks", "U8", (n, k // MXFP4_BLOCK, 16)),
+            OutTensor(f"{base}.weight_scales", "U8", (n, k // MXFP4_BLOCK)),
+        ]
+        rows = max(1, self.chunk_elems // k)
+        read = self.reader.read_rows
+
+        def task(r0: int, r1: int) -> Task:
+            def run() -> list[torch.Tensor | None]:
+                q = mxfp4.quantize(read(e, r0, r1))
+                return [q["blocks"], q["scales"]]
+
+            return run
+
+        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _check_piece(piece: torch.Tensor, out: OutTensor) -> torch.Tensor:
+    if piece.dtype != DTYPES[out.dtype][0]:
+        raise RuntimeError(f"quantizer returned {piece.dtype} for {out.name}, expected {out.dtype}")
+    return piece
+
+
+def _write_files(plan: Plan, tmp: Path, workers: int, fsync: bool) -> dict[str, FileEntry]:
+    """Run the plan's tasks on ``workers`` threads and write its shards in order; returns their
+    manifest entries. At most ``2 * workers + 2`` task results are held at once."""
+    entries: dict[str, FileEntry] = {}
+    flat = (
+        (fi, ji, ti, task)
+        for fi, (_, jobs) in enumerate(plan.files)
+        for ji, job in enumerate(jobs)
+        for ti, task in enumerate(job.tasks)
+    )
+    window = 2 * workers + 2
+    pending: deque[tuple[tuple[int, int, int], Future]] = deque()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert")
+
+    def fill() -> None:
+        while len(pending) < window:
+            nxt = next(flat, None)
+            if nxt is None:
+                return
+            pending.append((nxt[:3], pool.submit(nxt[3])))
+
+    writer: StreamingWriter | None = None
+    try:
+        for fi, (rel, jobs) in enumerate(plan.files):
+            writer = StreamingWriter(tmp / rel, [o for j in jobs for o in j.outputs], {"format": "pt"})
+            for ji, job in enumerate(jobs):
+                head = 0
+                tails: list[list[torch.Tensor]] = [[] for _ in job.outputs[1:]]
+                for ti in range(len(job.tasks)):
+                    fill()
+                    key, fut = pending.popleft()
+                    assert key == (fi, ji, ti), (key, (fi, ji, ti))
+                    pieces = fut.result()
+                    writer.write(_check_piece(pieces[0], job.outputs[0]))
+                    head += pieces[0].numel() * pieces[0].element_size()
+                    for tail, piece, out in zip(tails, pieces[1:], job.outputs[1:], strict=True):
+                        if piece is not None:
+                            tail.append(_check_piece(piece, out))
+                if head != job.outputs[0].nbytes:
+                    raise RuntimeError(
+                        f"{job.outputs[0].name}: produced {head} bytes, expected {job.outputs[0].nbytes}"
+                    )
+                for tail, out in zip(tails, job.outputs[1:], strict=True):
+                    size = sum(p.numel() * p.element_size() for p in tail)
+                    if size != out.nbytes:
+                        raise RuntimeError(f"{out.name}: produced {size} bytes, expected {out.nbytes}")
+                    for p in tail:
+                        writer.write(p)
+            sha, size = writer.close(fsync=fsync)
+            writer = None
+            entries[rel] = FileEntry(sha256=sha, bytes=size)
+    finally:
+        if writer is not None:
+            writer.abort()
+        for _, fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+    return entries
+
+
+def _write_small(path: Path, data: bytes, fsync: bool) -> FileEntry:
+    with open(path, "xb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return FileEntry(sha256=sha256_file(path), bytes=len(data))
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def _index(plan: Plan) -> dict[str, Any]:
+    weight_map = {}
+    total = 0
+    for rel, jobs in plan.files:
+        for j in jobs:
+            for o in j.outputs:
+                weight_map[o.name] = rel
+                total += o.nbytes
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def _existing(dst: Path, fmt: str, src_sum: str) -> Manifest:
+    """``dst`` already holds a conversion: return its manifest if it is this one, else refuse."""
+    try:
+        m = Manifest.read(dst)
+    except ManifestError:
+        raise UserError(
+            f"{dst} exists and is not an empty directory or a converted checkpoint; refusing to overwrite"
+        ) from None
+    if m.format != fmt or m.kind != "full" or m.source_checksum != src_sum:
+        held = f"format {m.format}" + (f", version {m.version}" if m.version is not None else "")
+        raise UserError(
+            f"{dst} already holds a different conversion ({held}, source {m.source_checksum}); "
+            "refusing to overwrite"
+        )
+    return verify_dir(dst)
+
+
+def convert_checkpoint(
+    src: Path,
+    dst: Path,
+    fmt: str,
+    *,
+    workers: int | None = None,
+    fsync: bool = False,
+    chunk_elems: int = CHUNK_ELEMS,
+) -> Manifest:
+    """Convert the HF BF16 checkpoint ``src`` into ``dst`` in format ``fmt``; see the module doc.
+
+    ``dst`` must not exist, be an empty directory, or already hold this very conversion (then it
+    is verified and its manifest returned: idempotent). ``workers``: conversion threads (default
+    torch's thread count). ``fsync``: make every file durable before the final rename (a store's
+    commit does this anyway). ``chunk_elems``: elements per conversion task (the output does not
+    depend on it; memory and parallelism do). Returns the manifest written to ``dst/manifest.json`` (version None).
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    src, dst = Path(src), Path(dst)
+    workers = max(1, workers if workers is not None else torch.get_num_threads())
+    threads_per_task = max(1, torch.get_num_threads() // workers)
+    source = load_source(src)
+
+    with TensorReader() as reader:
+        plan = _Planner(source, fmt, reader, chunk_elems).plan()
+
+        if dst.exists() or dst.is_symlink():
+            if not dst.is_dir():
+                raise UserError(f"{dst} exists and is not a directory")
+            if any(dst.iterdir()):
+                return _existing(dst, fmt, source_checksum(src))
+
+        # Hash the source in the background while converting (xxh3 releases the GIL).
+        src_sum: list[str] = []
+        hasher = threading.Thread(target=lambda: src_sum.append(source_checksum(src)), name="source-checksum")
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}-{secrets.token_hex(4)}"
+            tmp.mkdir()
+        except OSError as exc:
+            raise UserError(f"cannot create {dst}: {exc.strerror or exc}") from None
+        try:
+            hasher.start()
+            with _torch_threads(threads_per_task):
+                files = _write_files(plan, tmp, workers, fsync)
+            config = dict(source.config)
+            if plan.quantization_config is not None:
+                config["quantization_config"] = plan.quantization_config
+            files["config.json"] = _write_small(tmp / "config.json", _json_bytes(config), fsync)
+            if plan.hf_quant_config is not None:
+                files[HF_QUANT_NAME] = _write_small(
+                    tmp / HF_QUANT_NAME, _json_bytes(plan.hf_quant_config), fsync
+                )
+            files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync)
+            for name in source.extra_files:
+                shutil.copyfile(src / name, tmp / name)
+                files[name] = FileEntry(sha256=sha256_file(tmp / name), bytes=(tmp / name).stat().st_size)
+            hasher.join()
+            if not src_sum:
+                raise UserError(f"cannot checksum the source {src}")
+            manifest = Manifest(
+                version=None,
+                format=fmt,
+                kind="full",
+                base_version=None,
+                source_checksum=src_sum[0],
+                files=dict(sorted(files.items())),
+                tensor_count=plan.tensor_count,
+                total_bytes=sum(e.bytes for e in files.values()),
+            )
+            manifest.write(tmp, fsync=fsync)
+            try:
+                os.rename(tmp, dst)
+            except OSError as exc:
+                raise UserError(f"cannot move the conversion into {dst}: {exc.strerror or exc}") from None
+            if fsync:
+                fsync_dir(dst.parent)
+            return manifest
+        except BaseException:
+            if hasher.is_alive():
+                hasher.join()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
