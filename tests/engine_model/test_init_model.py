@@ -1,0 +1,127 @@
+"""``mixfleet init-model``: deterministic bytes, a real HF checkpoint and tokenizer, sharding for small."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleet.engine.init_model import PRESETS, param_count
+from fleet.engine.tokenizer import Tokenizer
+from tests.support.models import make_model_dir
+from tests.support.procs import REPO, mixfleet_argv
+
+
+def _digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def _init(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(mixfleet_argv("init-model", str(out), *extra), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_tiny_is_byte_identical_across_processes(tmp_path: Path, tiny_dir: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        r = _init(out, "--preset", "tiny")
+        assert r.returncode == 0, r.stderr
+    assert _digests(a) == _digests(b) == _digests(tiny_dir)
+    assert set(_digests(a)) == {"config.json", "generation_config.json", "model.safetensors",
+                                "tokenizer.json", "tokenizer_config.json"}
+    c = tmp_path / "c"
+    assert _init(c, "--seed", "5").returncode == 0
+    assert _digests(c)["model.safetensors"] != _digests(a)["model.safetensors"]
+
+
+def test_small_is_sharded_deterministic_and_sized(tmp_path: Path, model_root: Path) -> None:
+    small = make_model_dir(model_root, "small", "bf16")
+    r = _init(tmp_path / "s", "--preset", "small")
+    assert r.returncode == 0, r.stderr
+    assert _digests(tmp_path / "s") == _digests(small)
+    index = json.loads((small / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and all((small / s).is_file() for s in shards)
+    n = param_count("small")
+    assert 50e6 <= n <= 100e6
+    assert f"{n:,} parameters" in r.stdout
+    from safetensors import safe_open
+
+    total = 0
+    for s in shards:
+        with safe_open(str(small / s), framework="pt") as f:
+            total += sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    assert total == n
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def test_refuses_a_directory_that_holds_a_model(tiny_dir: Path) -> None:
+    r = _init(tiny_dir)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "already holds a model" in r.stderr
+
+
+def test_config_is_a_transformers_qwen3_moe_config(tiny_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_dir)
+    assert type(cfg).__name__ == "Qwen3MoeConfig"
+    p = PRESETS["tiny"]
+    assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (
+        p.hidden_size, p.num_experts, p.num_experts_per_tok, 259)
+
+
+def test_random_policy_is_not_degenerate(tiny_model) -> None:
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(0))
+    logp = torch.log_softmax(tiny_model.forward([ids], [tiny_model.new_sequence()])[0], -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    # Far from uniform (log 259 = 5.56) and far from deterministic; and it depends on the context.
+    assert 1.0 < entropy.mean() < 4.5
+    assert logp.exp().max(-1).values.mean() > 0.15
+    assert (logp.argmax(-1)[1:] != logp.argmax(-1)[:-1]).any()
+
+
+TEXTS = ["Hello, world!", "wörld ✓ 漢字 🙂", "<|bos|>a<|eos|>b<|pad|>", "", "  spaces\n\ttabs  "]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_the_tokenizers_library(tiny_dir: Path, text: str) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    lib = tokenizers.Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    ours = Tokenizer.from_dir(tiny_dir)
+    ids = ours.encode(text)
+    assert ids == lib.encode(text, add_special_tokens=False).ids
+    assert ours.decode(ids) == lib.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids, skip_special_tokens=True) == lib.decode(ids, skip_special_tokens=True)
+
+
+def test_tokenizer_json_is_what_the_library_writes(tiny_dir: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    spec = json.loads((tiny_dir / "tokenizer.json").read_text())
+    assert json.loads(tokenizers.Tokenizer.from_str(json.dumps(spec)).to_str()) == spec
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert tok.eos_token_id == 257 and tok.bos_token_id == 256 and tok.pad_token_id == 258
+    assert tok.encode("hi<|eos|>", add_special_tokens=False) == [104, 105, 257]
+
+
+def test_tokenizer_bytes_and_errors(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_dir)
+    assert tok.vocab_size == 259
+    assert tok.encode("A") == [65]
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with a replacement char
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.decode([300])
+    with pytest.raises(ValueError, match="no readable tokenizer"):
+        Tokenizer.from_dir(tiny_dir / "missing")
