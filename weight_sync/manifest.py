@@ -219,11 +219,14 @@ def list_files(directory: Path) -> list[str]:
 
 def count_tensors(path: Path) -> int:
     """Number of tensors in a safetensors file (reads only its header)."""
+    size = Path(path).stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ChecksumError(path, "not a safetensors file (shorter than its 8-byte header length)")
         n = int.from_bytes(head, "little")
+        if n > min(size - 8, 100 << 20):
+            raise ChecksumError(path, f"not a safetensors file (header length {n}, file {size} bytes)")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -1,0 +1,59 @@
+"""A publisher for the fault tests: stages one version of real safetensors shards and publishes it.
+
+``python -m tests.weight_sync.publisher ROOT VERSION PAYLOAD`` prints each step's name (half a
+shard written, staging done, then every step ``LocalStore`` reports) and waits for a line ``go``
+on stdin before going on, so a test can SIGKILL it at an exact point. ``publish(...)`` does the
+same in-process without pausing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save
+
+from weight_sync.manifest import Manifest, build_manifest
+from weight_sync.store.local import LocalStore
+
+RUN, FMT = "faults", "nvfp4"
+
+
+def publish(
+    root: Path, version: int, payload: str, step: Callable[[str], None] = lambda _s: None
+) -> Manifest:
+    store = LocalStore(Path(root), on_step=step)
+    staged = store.staging_dir(RUN, FMT, version)
+    seed = sum(payload.encode())
+    blob = save({"w1": np.arange(seed, seed + 65536, dtype=np.float32).reshape(256, 256)})
+    with open(staged / "model-00001-of-00002.safetensors", "wb") as f:
+        f.write(blob[: len(blob) // 2])
+        f.flush()
+        step("staging_half_written")
+        f.write(blob[len(blob) // 2 :])
+    (staged / "model-00002-of-00002.safetensors").write_bytes(
+        save({"w2": np.full((64, 64), seed, np.float32)})
+    )
+    (staged / "config.json").write_text(f'{{"payload": "{payload}"}}')
+    build_manifest(staged, format=FMT, source_checksum=f"xxh3_128:{payload}").write(staged, fsync=False)
+    step("staged")
+    return store.publish(RUN, FMT, version, staged)
+
+
+def main(argv: list[str]) -> int:
+    root, version, payload = argv
+
+    def step(name: str) -> None:
+        print(name, flush=True)
+        if sys.stdin.readline().strip() != "go":
+            sys.exit(3)
+
+    publish(Path(root), int(version), payload, step)
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

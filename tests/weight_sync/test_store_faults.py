@@ -1,0 +1,107 @@
+"""Fault tests: a real publisher process is SIGKILLed at every step of the publish protocol.
+
+The publisher (``tests/weight_sync/publisher.py``, a real process) stages a version, then calls
+``LocalStore.publish``; at each step (half a shard written, staging done, and every step the
+store reports through ``on_step``) it prints the step's name and blocks until the test answers
+on its stdin. The test kills it with SIGKILL at one step per case and checks what any reader
+would see afterwards: the pointer names a complete version that verifies, never the half-written
+one; a fresh publisher then completes the same version; and the version stays immutable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.procs import REPO
+from tests.weight_sync.publisher import FMT, RUN, publish
+from weight_sync.manifest import build_manifest
+from weight_sync.store.base import VersionConflict
+from weight_sync.store.local import LocalStore
+
+STEPS = [
+    "staging_half_written",
+    "staged",
+    "files_synced",
+    "manifest_written",
+    "committed",
+    "pointer_tmp_written",
+    "pointer_replaced",
+    "advanced",
+]
+
+
+def _publisher(root, version: int, payload: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.weight_sync.publisher", str(root), str(version), payload],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _publish_through(root, version: int, payload: str, kill_at: str | None) -> list[str]:
+    """Run a publisher, answering 'go' at every step; SIGKILL it when it reaches ``kill_at``."""
+    proc = _publisher(root, version, payload)
+    seen = []
+    try:
+        while True:
+            line = proc.stdout.readline().strip()
+            if not line:
+                break
+            seen.append(line)
+            if line == kill_at:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            if line == "done":
+                break
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+    finally:
+        proc.wait(timeout=30)
+    if kill_at is None:
+        assert proc.returncode == 0 and seen[-1] == "done", seen
+    else:
+        assert proc.returncode == -signal.SIGKILL and seen[-1] == kill_at, (proc.returncode, seen)
+    return seen
+
+
+def test_publisher_reports_every_step(tmp_path) -> None:
+    assert _publish_through(tmp_path, 1, "a", None) == [*STEPS, "done"]
+    assert LocalStore(tmp_path).read_pointer(RUN, FMT) == 1
+
+
+@pytest.mark.parametrize("kill_at", STEPS)
+def test_kill_at_each_step_leaves_a_complete_version(tmp_path, kill_at) -> None:
+    publish(tmp_path, 1, "a")  # version 1 complete and current
+    _publish_through(tmp_path, 2, "b", kill_at=kill_at)
+
+    store = LocalStore(tmp_path)
+    pointer = store.read_pointer(RUN, FMT)
+    moved = STEPS.index(kill_at) >= STEPS.index("pointer_replaced")
+    assert pointer == (2 if moved else 1)
+    store.verify(RUN, FMT, pointer)  # the pointer names a complete, verifiable version
+    committed = STEPS.index(kill_at) >= STEPS.index("committed")
+    assert store.versions(RUN, FMT) == ([1, 2] if committed else [1])
+    for v in store.versions(RUN, FMT):
+        store.verify(RUN, FMT, v)
+
+    # A fresh publisher completes version 2 (re-staging it from scratch is fine: same bytes).
+    publish(tmp_path, 2, "b")
+    assert store.read_pointer(RUN, FMT) == 2
+    assert store.verify(RUN, FMT, 2).source_checksum == "xxh3_128:b"
+    # ...and version 2 is immutable from then on.
+    staged = store.staging_dir(RUN, FMT, 2)
+    (staged / "config.json").write_text("{}")
+    build_manifest(staged, format=FMT).write(staged)
+    with pytest.raises(VersionConflict):
+        store.commit(RUN, FMT, 2, staged)
+    # Leftovers of the killed publisher are only hidden staging dirs / pointer temporaries.
+    visible = sorted(p.name for p in (tmp_path / RUN / FMT).iterdir() if not p.name.startswith("."))
+    assert visible == ["CURRENT", "v000001", "v000002"]
