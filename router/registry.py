@@ -70,13 +70,16 @@ class Registry:
     # updates ----------------------------------------------------------------------------
     def heartbeat(self, hb: dict[str, Any], now: float | None = None, wall: float | None = None) -> Replica:
         """Apply a sidecar heartbeat (already validated: group exists). A heartbeat for the URL
-        of a statically listed replica updates that entry."""
+        of a statically listed replica of the same group updates that entry."""
         now = time.monotonic() if now is None else now
         rid = hb["replica_id"]
         url = hb["url"].rstrip("/")
         r = self.replicas.get(rid)
         if r is None:
-            r = next((x for x in self.replicas.values() if x.static and x.url == url), None)
+            r = next(
+                (x for x in self.replicas.values() if x.static and x.url == url and x.group == hb["group"]),
+                None,
+            )
         if r is None:
             r = self.replicas[rid] = Replica(rid, hb["group"], url, static=False)
         r.group = hb["group"]

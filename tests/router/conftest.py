@@ -1,0 +1,55 @@
+"""Shared fixtures: the tiny model (built once per session), a real engine process, a real router."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+
+from tests.support.engines import engine_process
+from tests.support.models import make_model_dir
+from tests.support.router import router_process, write_preset
+
+KEYS = {
+    "all": secrets.token_hex(16),
+    "rollout": secrets.token_hex(16),
+    "trainer": secrets.token_hex(16),
+}
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("router-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(model_root):
+    return make_model_dir(model_root, "tiny", "bf16")
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_bf16):
+    with engine_process(tiny_bf16) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def router(engine_url, tmp_path_factory):
+    """A router over two groups: ``cpu-a`` (the engine, static) and ``cpu-b`` (heartbeats only)."""
+    d = tmp_path_factory.mktemp("router")
+    preset = write_preset(d / "preset.toml", [
+        {"name": "cpu-a", "replicas": [engine_url], "sessions_per_replica": 8},
+        {"name": "cpu-b", "sessions_per_replica": 8},
+    ])
+    keys = {KEYS["all"]: ["rollout", "trainer", "admin"], KEYS["rollout"]: ["rollout"],
+            KEYS["trainer"]: ["trainer"]}
+    with router_process(preset, keys=keys, extra_args=("--heartbeat-timeout", "2",
+                                                       "--max-body-bytes", "65536")) as handle:
+        yield handle
+
+
+@pytest.fixture
+def client(router):
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        yield c
