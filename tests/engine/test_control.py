@@ -1,0 +1,225 @@
+"""Control routes on real engine processes: weight updates between decode steps (spans, the
+old version keeps serving on a bad update), pause modes, abort, client disconnects."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engine.conftest import StreamReader, generate
+from tests.support.engines import engine_process
+from tests.support.models import make_model_dir
+
+PROMPT = [84, 104, 101, 32, 113]
+LONG = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 42}
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def other_dir(engine_model_root: Path) -> Path:
+    """Another checkpoint of the same architecture (different seed): "version 2"."""
+    return make_model_dir(engine_model_root, "tiny", "bf16", seed=7)
+
+
+@pytest.fixture(scope="module")
+def v1_engine(tiny_dir: Path) -> Iterator[str]:
+    with engine_process(tiny_dir, weight_version=1) as url:
+        yield url
+
+
+def load(client: httpx.Client, url: str) -> dict[str, Any]:
+    return client.get(url + "/server_info").json()["internal_states"][0]
+
+
+def wait_until(pred: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_weight_update_between_decode_steps(tiny_dir: Path, other_dir: Path, client: httpx.Client) -> None:
+    with engine_process(tiny_dir, weight_version=1) as url:
+        score_v1 = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+        body = {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 600}}
+        stream = StreamReader(url, body)
+        stream.wait_for(30)
+        before = len(stream.chunks[-1]["output_ids"])
+        r = client.post(
+            url + "/update_weights_from_disk", json={"model_path": str(other_dir), "weight_version": "2"}
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["success"] is True and "Weight version updated to 2" in r.json()["message"]
+        after = len(stream.chunks[-1]["output_ids"])
+        final = stream.result()
+        meta = final["meta_info"]
+        assert len(final["output_ids"]) == 600
+        spans = meta["weight_versions"]
+        assert len(spans) == 2, spans
+        k = spans[0]["end"]
+        assert spans == [{"version": 1, "start": 0, "end": k}, {"version": 2, "start": k, "end": 600}]
+        assert before <= k <= after + 1  # the swap landed while the request was decoding
+        assert meta["weight_version"] == "2"
+        # Every streamed snapshot agrees with the final spans.
+        for c in stream.chunks:
+            n = len(c["output_ids"])
+            if n > k:
+                assert c["meta_info"]["weight_versions"][-1] == {"version": 2, "start": k, "end": n}
+            else:
+                assert c["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": n}]
+        info = client.get(url + "/model_info").json()
+        assert info["weight_version"] == "2" and info["model_path"] == str(other_dir.resolve())
+        assert client.get(url + "/get_weight_version").json() == {"weight_version": "2"}
+        swapped = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    # The swapped engine now computes exactly what a fresh engine on the new checkpoint computes.
+    with engine_process(other_dir, weight_version=2) as fresh_url:
+        fresh = generate(client, fresh_url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    assert swapped["output_ids"] == fresh["output_ids"]
+    assert swapped["meta_info"]["output_token_logprobs"] == fresh["meta_info"]["output_token_logprobs"]
+    assert swapped["meta_info"]["output_token_logprobs"] != score_v1["meta_info"]["output_token_logprobs"]
+    assert swapped["meta_info"]["weight_versions"] == [{"version": 2, "start": 0, "end": 16}]
+
+
+def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:
+    """(directory, expected message part) for checkpoints the engine must refuse."""
+    cases = [(str(root / "missing"), "does not exist")]
+    other_arch = root / "llama"
+    shutil.copytree(src, other_arch)
+    cfg = json.loads((other_arch / "config.json").read_text())
+    (other_arch / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    cases.append((str(other_arch), "architecture"))
+    deeper = root / "deeper"
+    shutil.copytree(src, deeper)
+    (deeper / "config.json").write_text(
+        json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1})
+    )
+    cases.append((str(deeper), "num_hidden_layers"))
+    truncated = root / "truncated"
+    shutil.copytree(src, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cases.append((str(truncated), "Failed to update weights"))
+    return cases
+
+
+def test_bad_weight_updates_keep_the_old_version_serving(
+    v1_engine: str, client: httpx.Client, tiny_dir: Path, tmp_path: Path
+) -> None:
+    url = v1_engine
+    before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    for path, message in _bad_checkpoints(tiny_dir, tmp_path):
+        r = client.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": 9})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["success"] is False and message in r.json()["message"], (path, r.text)
+    for body in (b"{not json", b'{"weight_version": 3}', b'{"model_path": "x", "weight_version": "v3"}'):
+        r = client.post(url + "/update_weights_from_disk", content=body)
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert client.get(url + "/get_weight_version").json() == {"weight_version": "1"}
+    after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert after["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 16}]
+
+
+def _reference(client: httpx.Client, url: str) -> list[int]:
+    return generate(client, url, input_ids=PROMPT, sampling_params=LONG)["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_then_continue_resumes_exactly(v1_engine: str, client: httpx.Client, mode: str) -> None:
+    url = v1_engine
+    reference = _reference(client, url)
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
+    stream.wait_for(20)
+    r = client.post(url + "/pause_generation", json={"mode": mode})
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    time.sleep(0.1)
+    frozen = len(stream.chunks)
+    time.sleep(0.5)
+    assert len(stream.chunks) == frozen, "tokens arrived while paused"
+    state = load(client, url)
+    assert state["paused"] == mode and state["num_running_reqs"] == 0
+    if mode == "in_place":
+        assert state["num_paused_reqs"] == 1 and state["num_queue_reqs"] == 0
+    else:
+        assert state["num_paused_reqs"] == 0 and state["num_queue_reqs"] == 1
+    assert client.post(url + "/continue_generation").status_code == 200
+    final = stream.result()
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
+    assert final["output_ids"] == reference
+    if mode == "retract":
+        assert "sglang:num_retracted_requests_total" in client.get(url + "/metrics").text
+
+
+def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: httpx.Client) -> None:
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
+    stream.wait_for(10)
+    assert client.post(url + "/pause_generation", json={"mode": "abort"}).status_code == 200
+    final = stream.result()
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 10 <= len(final["output_ids"]) < 300
+    assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"]
+    waiting: list[dict[str, Any]] = []
+    t = threading.Thread(
+        target=lambda: waiting.append(
+            generate(httpx.Client(timeout=60, trust_env=False), url, input_ids=PROMPT, sampling_params=GREEDY)
+        )
+    )
+    t.start()
+    wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)
+    time.sleep(0.3)
+    assert not waiting, "a request ran while generation was paused"
+    assert client.post(url + "/continue_generation").status_code == 200
+    t.join(60)
+    assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
+
+
+def test_abort_request_by_rid_and_on_disconnect(v1_engine: str, client: httpx.Client) -> None:
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "rid": "victim", "sampling_params": LONG})
+    stream.wait_for(5)
+    assert client.post(url + "/abort_request", json={"rid": "victim"}).status_code == 200
+    final = stream.result()
+    assert final["meta_info"]["id"] == "victim"
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(final["output_ids"]) < 300
+    # Unknown rids are a no-op, as in SGLang.
+    assert client.post(url + "/abort_request", json={"rid": "nobody"}).status_code == 200
+    # A streaming client that goes away frees its slot.
+    with (
+        httpx.Client(timeout=60, trust_env=False) as c,
+        c.stream(
+            "POST",
+            url + "/generate",
+            json={"input_ids": PROMPT, "stream": True, "sampling_params": {**LONG, "max_new_tokens": 1500}},
+        ) as r,
+    ):
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    wait_until(lambda: load(client, url)["num_running_reqs"] == 0, timeout=20)
+    # A non-streaming one too.
+    t = threading.Thread(target=lambda: _disconnecting_request(url), daemon=True)
+    t.start()
+    wait_until(lambda: load(client, url)["num_running_reqs"] == 1, timeout=20)
+    t.join(20)
+    wait_until(lambda: load(client, url)["num_running_reqs"] == 0, timeout=20)
+    text = client.get(url + "/metrics").text
+    aborted = [line for line in text.splitlines() if line.startswith("sglang:num_aborted_requests_total")]
+    assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 3
+
+
+def _disconnecting_request(url: str) -> None:
+    with httpx.Client(timeout=1.0, trust_env=False) as c, pytest.raises(httpx.TimeoutException):
+        c.post(
+            url + "/generate", json={"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 1500}}
+        )

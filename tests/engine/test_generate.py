@@ -1,0 +1,383 @@
+"""``/generate`` on a real engine process: response shape, behavior records, seeds, prefix scoring
+(against ``transformers``), streaming, batches, continuous batching, metrics and info routes."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.engine.conftest import StreamReader, generate
+from tests.engine.stats import chi_square_p
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+
+
+def reconstruct_support(raw: list[tuple[float, int]], top_k: int, top_p: float) -> list[int]:
+    """SGLang's joint top-k / top-p rule over the full raw distribution, written independently."""
+    ranked = sorted(raw, key=lambda x: (-x[0], x[1]))
+    k = len(ranked) if top_k == -1 else top_k
+    keep, mass = [], 0.0
+    for rank, (lp, tok) in enumerate(ranked):
+        if rank >= k or (top_p < 1.0 and mass >= top_p):
+            break
+        keep.append(tok)
+        mass += math.exp(lp)
+    return sorted(keep)
+
+
+def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_config: dict[str, Any]) -> None:
+    vocab = tiny_config["vocab_size"]
+    top_k, top_p, temp = 20, 0.9, 0.8
+    out = generate(
+        client,
+        engine,
+        input_ids=PROMPT,
+        sampling_params={
+            "temperature": temp,
+            "top_p": top_p,
+            "top_k": top_k,
+            "max_new_tokens": 24,
+            "ignore_eos": True,
+            "sampling_seed": 11,
+        },
+        return_logprob=True,
+        top_logprobs_num=vocab,
+        return_sampling_mask=True,
+    )
+    ids, meta = out["output_ids"], out["meta_info"]
+    n = len(ids)
+    assert n == 24 == meta["completion_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "0" and meta["weight_versions"] == [
+        {"version": 0, "start": 0, "end": 24}
+    ]
+    masks = meta["output_token_sampling_mask"]
+    mus = meta["output_token_sampling_logprobs"]
+    support_lps = meta["output_token_sampling_support_logprobs"]
+    assert len(masks) == len(mus) == len(support_lps) == meta["output_token_sampling_mask_length"] == n
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
+    for i, tok in enumerate(ids):
+        mask, lps = masks[i], support_lps[i]
+        assert mask == sorted(mask) and len(set(mask)) == len(mask) and len(lps) == len(mask)
+        assert tok in mask
+        assert mus[i] == lps[mask.index(tok)]
+        assert math.fsum(math.exp(x) for x in lps) == pytest.approx(1.0, abs=1e-9)
+        raw = [(lp, t) for lp, t, _ in meta["output_top_logprobs"][i]]
+        assert len(raw) == vocab
+        raw_by_id = {t: lp for lp, t in raw}
+        # output_token_logprobs: after temperature, before filtering.
+        assert meta["output_token_logprobs"][i][0] == pytest.approx(raw_by_id[tok], abs=1e-12)
+        assert math.fsum(math.exp(lp) for lp, _ in raw) == pytest.approx(1.0, abs=1e-6)
+        assert mask == reconstruct_support(raw, top_k, top_p)
+        log_z = math.log(math.fsum(math.exp(raw_by_id[t]) for t in mask))
+        assert lps == pytest.approx([raw_by_id[t] - log_z for t in mask], abs=1e-9)
+
+
+def test_text_input_and_greedy(engine: str, client: httpx.Client) -> None:
+    body = {
+        "text": "Hello",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_sampling_mask": True,
+    }
+    a = generate(client, engine, **body)
+    b = generate(client, engine, **body)
+    assert a["output_ids"] == b["output_ids"]
+    assert a["meta_info"]["prompt_tokens"] == 5  # byte-level tokenizer
+    assert isinstance(a["text"], str)
+    meta = a["meta_info"]
+    for i, tok in enumerate(a["output_ids"]):
+        best = meta["output_top_logprobs"][i][0]
+        assert best[1] == tok  # greedy = argmax of the raw distribution
+        assert meta["output_token_sampling_mask"][i] == [tok]
+        assert meta["output_token_sampling_logprobs"][i] == 0.0
+
+
+def test_sampling_seed_reproduces(engine: str, client: httpx.Client) -> None:
+    def run(seed: int) -> dict[str, Any]:
+        return generate(
+            client,
+            engine,
+            input_ids=PROMPT,
+            return_logprob=True,
+            sampling_params={
+                "temperature": 1.0,
+                "max_new_tokens": 32,
+                "ignore_eos": True,
+                "sampling_seed": seed,
+            },
+        )
+
+    a, b, c = run(5), run(5), run(6)
+    assert a["output_ids"] == b["output_ids"]
+    assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+def _hf_logprobs(model_dir: Path, ids: list[int], temperature: float) -> list[float]:
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    lps = torch.log_softmax(logits / temperature, dim=-1)
+    return [float(lps[j - 1, ids[j]]) for j in range(1, len(ids))]
+
+
+def test_prefix_scoring_matches_transformers(engine: str, client: httpx.Client, tiny_dir: Path) -> None:
+    ids = [256, *PROMPT, 33, 10, 65]
+    for temperature in (1.0, 0.5):
+        out = generate(
+            client,
+            engine,
+            input_ids=ids,
+            return_logprob=True,
+            logprob_start_len=0,
+            sampling_params={"max_new_tokens": 0, "temperature": temperature},
+        )
+        meta = out["meta_info"]
+        assert out["output_ids"] == [] and meta["completion_tokens"] == 0
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        got = meta["input_token_logprobs"]
+        assert [t for _, t, _ in got] == ids
+        assert got[0][0] is None
+        ref = _hf_logprobs(tiny_dir, ids, temperature)
+        assert [lp for lp, _, _ in got[1:]] == pytest.approx(ref, abs=2e-4)
+        tail = generate(
+            client,
+            engine,
+            input_ids=ids,
+            return_logprob=True,
+            logprob_start_len=4,
+            sampling_params={"max_new_tokens": 0, "temperature": temperature},
+        )
+        assert tail["meta_info"]["input_token_logprobs"] == got[4:]
+
+
+def test_stream_matches_non_stream(engine: str, client: httpx.Client) -> None:
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "return_sampling_mask": True,
+        "sampling_params": {
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "max_new_tokens": 12,
+            "ignore_eos": True,
+            "sampling_seed": 3,
+        },
+    }
+    whole = generate(client, engine, **body)
+    reader = StreamReader(engine, body)
+    last = reader.result()
+    chunks = reader.chunks
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 12 and len(chunks) >= 2
+    for c in chunks:
+        assert whole["output_ids"][: len(c["output_ids"])] == c["output_ids"]
+    assert last["output_ids"] == whole["output_ids"]
+    for key in (
+        "output_token_logprobs",
+        "output_token_sampling_mask",
+        "output_token_sampling_logprobs",
+        "finish_reason",
+        "weight_versions",
+    ):
+        assert last["meta_info"][key] == whole["meta_info"][key]
+
+
+def test_batch_request(engine: str, client: httpx.Client) -> None:
+    prompts = [PROMPT, PROMPT[:3], [65]]
+    out = generate(
+        client,
+        engine,
+        input_ids=prompts,
+        rid=["a", "b", "c"],
+        sampling_params=[{"max_new_tokens": n, "ignore_eos": True} for n in (2, 3, 4)],
+    )
+    assert isinstance(out, list) and len(out) == 3
+    assert [o["meta_info"]["id"] for o in out] == ["a", "b", "c"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [8, 3, 1]
+    assert [len(o["output_ids"]) for o in out] == [2, 3, 4]
+
+
+def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    first = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)["output_ids"]
+    stop = first[2]
+    out = generate(client, engine, input_ids=PROMPT, sampling_params={**greedy, "stop_token_ids": [stop]})
+    k = first.index(stop)
+    assert out["output_ids"] == first[: k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_requests_join_the_running_batch(engine: str, client: httpx.Client) -> None:
+    """Short requests sent mid-decode run in the same steps as the long one and finish first."""
+    steps0 = client.get(engine + "/server_info").json()["internal_states"][0]["steps"]
+    long = StreamReader(
+        engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    )
+    long.wait_for(5)
+    results: list[dict[str, Any]] = []
+
+    def short(i: int) -> None:
+        with httpx.Client(timeout=60, trust_env=False) as c:
+            results.append(
+                generate(
+                    c,
+                    engine,
+                    input_ids=[65 + i, 66],
+                    sampling_params={"max_new_tokens": 40, "ignore_eos": True},
+                )
+            )
+
+    threads = [threading.Thread(target=short, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 3 and all(len(r["output_ids"]) == 40 for r in results)
+    assert not long.done, "the long request should still be decoding"
+    final = long.result()
+    assert len(final["output_ids"]) == 400
+    steps = client.get(engine + "/server_info").json()["internal_states"][0]["steps"] - steps0
+    # Sequentially the four requests take >= 400 + 3 * 40 steps; batched, the shorts ride along.
+    assert steps < 400 + 3 * 40, steps
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.8, "top_p": 0.9},
+        {"temperature": 1.3, "top_k": 6},
+        {"temperature": 1.0, "top_p": 0.95, "top_k": 12},
+    ],
+    ids=json.dumps,
+)
+def test_engine_frequencies_match_recorded_mu(
+    engine: str, client: httpx.Client, tiny_config: dict[str, Any], params: dict[str, Any]
+) -> None:
+    """Fixed prefix, many seeded samples: token counts agree with exp(recorded mu) (chi-square)."""
+    n = 1200
+    vocab = tiny_config["vocab_size"]
+    out = generate(
+        client,
+        engine,
+        input_ids=[PROMPT] * n,
+        return_sampling_mask=True,
+        return_logprob=[True] + [False] * (n - 1),  # the full raw distribution, once
+        top_logprobs_num=vocab,
+        sampling_params=[{**params, "max_new_tokens": 1, "sampling_seed": 1000 + i} for i in range(n)],
+    )
+    first = out[0]["meta_info"]
+    if first["output_token_sampling_mask"][0]:
+        expected = dict(
+            zip(
+                first["output_token_sampling_mask"][0],
+                (math.exp(x) for x in first["output_token_sampling_support_logprobs"][0]),
+                strict=True,
+            )
+        )
+    else:  # no filter: the support is the whole vocabulary and mu is the raw log-prob
+        expected = {t: math.exp(lp) for lp, t, _ in first["output_top_logprobs"][0]}
+    counts = dict.fromkeys(expected, 0)
+    for o in out:
+        tok = o["output_ids"][0]
+        counts[tok] += 1  # KeyError = a token outside the recorded support
+        mu = o["meta_info"]["output_token_sampling_logprobs"][0]
+        assert math.exp(mu) == pytest.approx(expected[tok], rel=1e-5, abs=1e-9)
+    assert len(counts) > 2, "the distribution is too peaked to test anything"
+    p = chi_square_p([counts[t] for t in expected], [n * q for q in expected.values()])
+    assert p > 1e-3, (params, counts)
+
+
+BAD = [
+    ({"input_ids": [1, 259]}, "outside the vocabulary"),
+    ({"input_ids": [-1, 3]}, "outside the vocabulary"),
+    ({"input_ids": [[1, 2], [300]]}, "input_ids[1] has token id 300"),
+    ({"input_ids": []}, "empty"),
+    ({"text": ""}, "empty"),
+    ({"input_ids": [1] * 2048}, "longer than the model's context length"),
+    ({"input_ids": [1] * 2000, "sampling_params": {"max_new_tokens": 100}}, "maximum context length"),
+    ({"input_ids": [1], "sampling_params": {"temperature": -0.5}}, "temperature must be"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k must be"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p must be"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
+    ({"input_ids": "abc"}, "Invalid request"),
+    ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"sampling_params": {}}, "Either text or input_ids"),
+    ({"input_ids": [[1], [2]], "rid": ["x"]}, "rid has 1 entries for a batch of 2"),
+]
+
+
+def test_bad_input_is_a_400_and_the_server_keeps_serving(engine: str, client: httpx.Client) -> None:
+    raw_bodies = [
+        (b'{"input_ids": [1, 2', "Malformed JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', "temperature must be"),
+        (b"", "empty"),
+    ]
+    cases = [(json.dumps(b).encode(), msg) for b, msg in BAD] + raw_bodies
+    for body, msg in cases:
+        r = client.post(engine + "/generate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.status_code, r.text)
+        assert msg in r.json()["error"]["message"], (body, r.text)
+    ok = generate(client, engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 2
+    load = client.get(engine + "/server_info").json()["internal_states"][0]
+    assert load["num_running_reqs"] == 0 and load["num_queue_reqs"] == 0
+
+
+def test_metrics_use_sglang_names(engine: str, client: httpx.Client) -> None:
+    generate(client, engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    text = client.get(engine + "/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            samples[name_labels.split("{")[0]] = float(value)
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:gen_throughput",
+        "sglang:generation_tokens_total",
+        "sglang:prompt_tokens_total",
+        "sglang:time_to_first_token_seconds_count",
+        "sglang:e2e_request_latency_seconds_count",
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:e2e_request_latency_seconds_sum",
+    ):
+        assert name in samples, name
+    assert samples["sglang:generation_tokens_total"] >= 3
+    assert samples["sglang:prompt_tokens_total"] >= len(PROMPT)
+    assert samples["sglang:e2e_request_latency_seconds_count"] >= 1
+    assert 'model_name="' in text
+
+
+def test_info_and_health_routes(engine: str, client: httpx.Client, tiny_dir: Path) -> None:
+    info = client.get(engine + "/model_info").json()
+    assert info["model_path"] == str(tiny_dir.resolve()) and info["is_generation"] is True
+    assert info["weight_version"] == "0" and info["weight_format"] == "bf16"
+    assert client.get(engine + "/get_model_info").json() == info
+    assert client.get(engine + "/get_weight_version").json() == {"weight_version": "0"}
+    server = client.get(engine + "/server_info").json()
+    assert server["weight_version"] == "0" and server["internal_states"][0]["paused"] is None
+    assert client.get(engine + "/health").status_code == 200
+    assert client.get(engine + "/health_generate").status_code == 200
+    assert client.post(engine + "/flush_cache").status_code == 200
