@@ -11,12 +11,10 @@ These requests are not recorded as trajectories.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from fleet.sglang_client import EngineRejected, EngineUnavailable
 from router.auth import require
@@ -42,40 +40,14 @@ def routing_key(request: Request) -> str | None:
     return None
 
 
-def validation_message(exc: ValidationError) -> str:
-    parts = []
-    for e in exc.errors()[:5]:
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("list[", "function-")))
-        parts.append(f"{loc or 'body'}: {e['msg']}")
-    return "; ".join(parts)
-
-
 @router.post(
     "/generate",
     dependencies=[Depends(require("rollout"))],
-    summary="SGLang native generate (forwarded to one replica)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-                }
-            },
-        }
-    },
+    summary="SGLang native generate (validated, then forwarded unchanged to one replica)",
 )
-async def generate(request: Request) -> Response:
+async def generate(request: Request, body: GenerateRequest) -> Response:
     ctx = _ctx(request)
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"body: malformed JSON: {exc}") from None
-    try:
-        body = GenerateRequest.model_validate(data)
-    except ValidationError as exc:
-        raise ApiError(422, validation_message(exc)) from None
     if body.input_ids is None and body.text is None:
         raise ApiError(422, "body: one of input_ids or text is required")
     if isinstance(body.text, str) and not body.text:

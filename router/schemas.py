@@ -121,7 +121,7 @@ class Trajectory(BaseModel):
 class TakeRequest(_Req):
     size: int = Field(ge=1, le=4096)
     max_version_age: int | None = Field(None, ge=0)
-    wait_s: float = Field(0.0, ge=0.0, le=300.0)
+    wait_s: float = Field(0.0, ge=0.0, le=60.0)
     trainer_version: int | None = Field(None, ge=0, description="default: the latest published version")
 
 

@@ -160,7 +160,7 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
     r = client.post("/generate", json={"input_ids": [1, 10**7], "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code in (400, 422) and "vocab" in r.text
     r = client.post("/generate", content=b"{", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["detail"]
+    assert r.status_code == 422 and "malformed JSON" in r.json()["detail"]
     r = client.post("/generate", json={"input_ids": [], "sampling_params": {}})
     assert r.status_code == 422 and "input_ids" in r.json()["detail"]
 

@@ -78,11 +78,12 @@ def router_process(
     extra_args: tuple[str, ...] = (),
     log: Path | None = None,
     timeout: float = 60.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[RouterHandle]:
     """Start ``mixfleet router --preset preset``; yield once ``/healthz`` answers 200.
 
     ``keys`` defaults to one fresh key with every scope (``handle.key``); with ``keys`` given,
-    ``handle.key`` is the first one.
+    ``handle.key`` is the first one. ``env`` adds environment variables (e.g. ``MIXFLEET_STORE``).
     """
     port = port or free_port()
     if keys is None:
@@ -94,8 +95,8 @@ def router_process(
             "router", "--preset", str(preset), "--port", str(port), "--state", state, "--policy", policy,
             "--log-level", "warning", *extra_args,
         )
-        env = {"MIXFLEET_API_KEYS": json.dumps(keys)}
-        proc = stack.enter_context(process(argv, log=log, env=env))
+        full_env = {**(env or {}), "MIXFLEET_API_KEYS": json.dumps(keys)}
+        proc = stack.enter_context(process(argv, log=log, env=full_env))
         url = f"http://127.0.0.1:{port}"
         try:
             wait_http(f"{url}/healthz", timeout=timeout, proc=proc)
