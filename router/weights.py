@@ -123,14 +123,32 @@ class WeightsService:
     """Jobs and store access behind the routes; one job at a time."""
 
     def __init__(self, store_root: Path | None, run_id: str | None, workers: int | None = None) -> None:
+        from weight_sync.publish import ConversionPool
+
         self._store_root = store_root
         self._run_id = run_id
         self.workers = workers
         self.jobs: dict[str, Job] = {}
         self._busy = threading.Lock()
         self._store = None
-        self._synced = False
         self.tasks: set[asyncio.Task] = set()
+        # Conversion workers live as long as the router; started in the background when a
+        # store is configured, so the first publish does not pay their start-up.
+        self.pool = ConversionPool(workers) if workers != 0 else None
+        if self.pool is not None and self.configured:
+            threading.Thread(target=self._warm, name="conversion-warmup", daemon=True).start()
+
+    @property
+    def configured(self) -> bool:
+        return self._store_root is not None or bool(os.environ.get("MIXFLEET_STORE"))
+
+    def _warm(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.pool is not None
+            self.pool.warm()
+
+    def publish_kwargs(self) -> dict[str, Any]:
+        return {"conversion_pool": self.pool} if self.pool is not None else {"workers": 0}
 
     @property
     def run_id(self) -> str:
@@ -213,7 +231,6 @@ async def sync_latest_version(app, service: WeightsService) -> int | None:
     latest = await asyncio.to_thread(latest_version, store, service.run_id, formats)
     if latest is not None:
         await _record_latest(app.state.ctx, latest)
-    service._synced = True
     return latest
 
 
@@ -252,9 +269,9 @@ def create_weights_router(
     admin = [Depends(require("admin"))]
 
     async def ensure_synced(request: Request) -> None:
-        if not service._synced:
-            with contextlib.suppress(HTTPException):
-                await sync_latest_version(request.app, service)
+        """Adopt the store's newest pointer (publishes that bypassed this router count too)."""
+        with contextlib.suppress(HTTPException):
+            await sync_latest_version(request.app, service)
 
     async def finish(request: Request, job: Job, work) -> None:
         try:
@@ -308,7 +325,7 @@ def create_weights_router(
                 ckpt,
                 formats,
                 mode=body.mode,
-                workers=service.workers,
+                **service.publish_kwargs(),
                 on_event=lambda kind, info: job.events.append({"kind": kind, **info, "t": time.time()}),
             )
 
@@ -371,7 +388,7 @@ def create_weights_router(
                     version,
                     tmp,
                     formats,
-                    workers=service.workers,
+                    **service.publish_kwargs(),
                     on_event=lambda kind, info: job.events.append({"kind": kind, **info, "t": time.time()}),
                 )
             finally:
@@ -475,7 +492,7 @@ def create_weights_router(
         }
         async with httpx.AsyncClient(timeout=120.0, trust_env=False) as http:
             answers = await asyncio.gather(
-                *(http.post(r["url"] + "/generate", json=payload) for _, r in targets), return_exceptions=True
+                *(http.post(r["url"] + "/generate", json=payload) for r in targets), return_exceptions=True
             )
         results = []
         for r, ans in zip(targets, answers, strict=True):

@@ -42,6 +42,7 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -209,12 +210,15 @@ def publish_checkpoint(
     *,
     mode: Mode = "barrier",
     workers: int | None = None,
+    conversion_pool: ConversionPool | None = None,
     on_event: Event = _noop,
 ) -> PublishResult:
     """Convert ``ckpt_dir`` once per format and publish it as ``version`` of ``run_id``.
 
-    ``workers``: conversion processes (default: one per core, at most one per format); ``0``
-    converts in this process, one format at a time (no process start-up; for small models).
+    ``workers``: conversion processes started for this call (default: one per core, at most
+    one per format); ``0`` converts in this process, one format at a time (no process start-up;
+    for small models). ``conversion_pool``: a long-lived pool to use instead (a service that
+    publishes repeatedly pays the worker start-up once).
 
     Before: ``ckpt_dir`` is an HF BF16 checkpoint; ``version`` is not older than any of the
     formats' pointers. After (on return): every format in ``formats`` has ``version``
@@ -252,20 +256,18 @@ def publish_checkpoint(
     t_conv_end = t_conv0
     advanced: list[str] = []
     pool: Executor | None = None
+    own_pool = conversion_pool is None
     ok = False
     try:
         if to_convert:
-            if workers == 0:  # in this process, one format at a time (small models, tests)
+            if conversion_pool is not None:
+                pool, threads = conversion_pool.executor(), conversion_pool.threads
+            elif workers == 0:  # in this process, one format at a time (small models, tests)
                 threads = os.cpu_count() or 1
                 pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert")
             else:
                 threads = max(1, (os.cpu_count() or 1) // n_workers)
-                pool = ProcessPoolExecutor(
-                    max_workers=n_workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_init_worker,
-                    initargs=(threads,),
-                )
+                pool = _process_pool(n_workers, threads)
             for p in sorted(to_convert, key=lambda p: -_COST.get(p.fmt, 1)):
                 p.staged = Path(store.staging_dir(run_id, p.fmt, version))
                 on_event("convert_start", {"format": p.fmt})
@@ -297,10 +299,12 @@ def publish_checkpoint(
                 advanced.append(p.fmt)
         ok = True
     finally:
-        if pool is not None:
+        if pool is not None and own_pool:
             pool.shutdown(wait=ok, cancel_futures=True)
             if not ok and isinstance(pool, ProcessPoolExecutor):
                 _terminate_pool(pool)
+        elif not ok and conversion_pool is not None:
+            conversion_pool.reset()  # stop conversions still running for this failed publish
 
     t_adv0 = time.perf_counter()
     if mode == "barrier":
@@ -452,6 +456,62 @@ def _advance(store: VersionStore, run_id: str, version: int, p: _Pending, on_eve
             raise UserError(f"moving the {p.fmt} pointer to version {version} failed: {exc}") from exc
     p.advance_s = time.perf_counter() - t0
     on_event("advanced", {"format": p.fmt})
+
+
+class ConversionPool:
+    """Worker processes kept across publications (a publishing service owns one).
+
+    ``workers`` processes with ``cores // workers`` torch threads each. ``warm()`` starts them
+    (imports torch and the converter) ahead of the first publication. Thread-safe.
+    """
+
+    def __init__(self, workers: int | None = None) -> None:
+        cores = os.cpu_count() or 1
+        self.workers = max(1, workers if workers is not None else cores)
+        self.threads = max(1, cores // self.workers)
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = _process_pool(self.workers, self.threads)
+            return self._pool
+
+    def warm(self) -> None:
+        """Start every worker and import the converter in it; returns when they are ready."""
+        pool = self.executor()
+        for f in [pool.submit(_warm_job) for _ in range(self.workers)]:
+            f.result()
+
+    def reset(self) -> None:
+        """Stop the workers (a failed publication's conversions); the next use starts new ones."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            _terminate_pool(pool)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _warm_job() -> int:
+    import weight_sync.convert  # noqa: F401 - the import is the point
+
+    return os.getpid()
+
+
+def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(threads,),
+    )
 
 
 def _worker_count(workers: int | None, jobs: int) -> int:

@@ -68,6 +68,7 @@ class LocalFleet:
         return httpx.get(replica.url + "/v1/status", timeout=10).json()
 
     def publish(self, version: int, ckpt: Path, **kw: Any):
+        kw.setdefault("workers", 0)
         return publish_checkpoint(self.store, self.run_id, version, ckpt, self.formats, **kw)
 
     def latest(self) -> int:
@@ -180,7 +181,7 @@ def local_fleet(
     work = Path(work)
     store = LocalStore(work / "store")
     formats = list(dict.fromkeys(f for _, f in groups))
-    publish_checkpoint(store, run_id, initial_version, base_ckpt, formats)
+    publish_checkpoint(store, run_id, initial_version, base_ckpt, formats, workers=0)
     with contextlib.ExitStack() as stack:
         replicas: list[Replica] = []
         procs = []
