@@ -78,22 +78,24 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from weight_sync.checksum import sha256_file, xxh3_file
 from weight_sync.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
-    DTYPES,
     OutTensor,
     StreamingWriter,
     TensorEntry,
     TensorReader,
     read_header,
+    torch_dtype,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
@@ -232,7 +234,7 @@ def load_source(src: Path) -> Source:
 # ---------------------------------------------------------------------------------------------
 # Plan: which output tensors each source tensor becomes, and the tasks that compute them
 
-Task = Callable[[], list[torch.Tensor | None]]
+Task = Callable[[], "list[torch.Tensor | None]"]
 
 
 @dataclass
@@ -365,10 +367,63 @@ def _quant_configs(source: Source, fmt: str) -> tuple[dict | None, dict | None]:
     return {"quant_method": "mxfp4", "modules_to_not_convert": _mxfp4_not_converted(source)}, None
 
 
+@dataclass(frozen=True)
+class Classified:
+    """What each source tensor is: ``kinds[name]`` = (``attn``|``dense``|``expert``, fusion key or
+    None) for linear projections; ``groups[key]`` = the members of each nvfp4 fusion group."""
+
+    kinds: dict[str, tuple[str, tuple | None]]
+    groups: dict[tuple, list[TensorEntry]]
+
+    def quantized(self, name: str, fmt: str) -> bool:
+        kind = self.kinds.get(name)
+        if kind is None or fmt == "bf16":
+            return False
+        return fmt != "mxfp4" or kind[0] == "expert"
+
+
+def classify(source: Source, fmt: str) -> Classified:
+    """Check that every tensor is one the converter knows and that each tensor ``fmt`` quantizes
+    fits the format; raises ``UserError`` naming the tensor. Needs no torch."""
+    groups: dict[tuple, list[TensorEntry]] = {}
+    kinds: dict[str, tuple[str, tuple | None]] = {}
+    for name, e in source.tensors.items():
+        kind = _linear_kind(name)
+        if kind is None:
+            if not _KEEP.match(name):
+                raise UserError(
+                    f"{e.file}: unexpected tensor {name!r} for {SUPPORTED_ARCHITECTURES[0]} "
+                    "(cannot tell whether SGLang expects it quantized)"
+                )
+            continue
+        if len(e.shape) != 2 or 0 in e.shape:
+            raise UserError(f"{e.file}: linear weight {name!r} has shape {list(e.shape)}, expected [N, K]")
+        kinds[name] = kind
+        if kind[1] is not None:
+            groups.setdefault(kind[1], []).append(e)
+    out = Classified(kinds, groups)
+    if fmt == "mxfp4" and not any(k == "expert" for k, _ in kinds.values()):
+        raise UserError(f"{source.directory}: mxfp4 quantizes MoE experts only, and this checkpoint has none")
+    divisor = {"nvfp4": (NVFP4_GROUP, "NVFP4 group size"), "mxfp4": (MXFP4_BLOCK, "MXFP4 block size")}.get(
+        fmt
+    )
+    if divisor is not None:
+        for name, e in source.tensors.items():
+            if out.quantized(name, fmt) and e.shape[1] % divisor[0]:
+                raise UserError(
+                    f"{e.file}: tensor {name!r} has K={e.shape[1]}, "
+                    f"not divisible by the {divisor[1]} {divisor[0]}"
+                )
+    return out
+
+
 class _Planner:
-    def __init__(self, source: Source, fmt: str, reader: TensorReader, chunk_elems: int = CHUNK_ELEMS) -> None:
+    def __init__(
+        self, source: Source, fmt: str, classified: Classified, reader: TensorReader, chunk_elems: int
+    ) -> None:
         self.source = source
         self.fmt = fmt
+        self.classified = classified
         self.reader = reader
         self.chunk_elems = max(1, chunk_elems)
         self.scales: _GroupScales | None = None
@@ -379,34 +434,12 @@ class _Planner:
 
     def plan(self) -> Plan:
         src = self.source
-        groups: dict[tuple, list[TensorEntry]] = {}
-        kinds: dict[str, tuple[str, tuple | None]] = {}
-        for name, e in src.tensors.items():
-            kind = _linear_kind(name)
-            if kind is None:
-                if not _KEEP.match(name):
-                    raise UserError(
-                        f"{e.file}: unexpected tensor {name!r} for {SUPPORTED_ARCHITECTURES[0]} "
-                        "(cannot tell whether SGLang expects it quantized)"
-                    )
-                continue
-            if len(e.shape) != 2 or 0 in e.shape:
-                raise UserError(
-                    f"{e.file}: linear weight {name!r} has shape {list(e.shape)}, expected [N, K]"
-                )
-            kinds[name] = kind
-            if kind[1] is not None:
-                groups.setdefault(kind[1], []).append(e)
-        if self.fmt == "mxfp4" and not any(k == "expert" for k, _ in kinds.values()):
-            raise UserError(
-                f"{src.directory}: mxfp4 quantizes MoE experts only, and this checkpoint has none"
-            )
-
+        kinds, groups = self.classified.kinds, self.classified.groups
         jobs: dict[int, list[Job]] = {i: [] for i in range(len(src.shards))}
         for name, e in src.tensors.items():
             kind = kinds.get(name)
             anchor = (src.shard_index(e), e.start)
-            if kind is None or self.fmt == "bf16" or (self.fmt == "mxfp4" and kind[0] != "expert"):
+            if not self.classified.quantized(name, self.fmt):
                 job = self._passthrough(e, anchor)
             elif self.fmt == "fp8":
                 job = self._fp8(e, anchor)
@@ -427,7 +460,7 @@ class _Planner:
 
     def _passthrough(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
         read = self.reader.read_bytes
-        dtype = DTYPES[e.dtype][0]
+        dtype = torch_dtype(e.dtype)
 
         def task(off: int, n: int) -> Task:
             return lambda: [read(e.file, e.start + off, n).view(dtype)]
@@ -463,10 +496,6 @@ class _Planner:
         from weight_sync.formats import nvfp4
 
         n, k = e.shape
-        if k % NVFP4_GROUP:
-            raise UserError(
-                f"{e.file}: tensor {e.name!r} has K={k}, not divisible by the NVFP4 group size {NVFP4_GROUP}"
-            )
         base = e.name.removesuffix(".weight")
         outs = [
             OutTensor(f"{base}.weight", "U8", (n, k // 2)),
@@ -499,10 +528,6 @@ class _Planner:
         from weight_sync.formats import mxfp4
 
         n, k = e.shape
-        if k % MXFP4_BLOCK:
-            raise UserError(
-                f"{e.file}: tensor {e.name!r} has K={k}, not divisible by the MXFP4 block size {MXFP4_BLOCK}"
-            )
         base = e.name.removesuffix(".weight")
         outs = [
             OutTensor(f"{base}.weight_blocks", "U8", (n, k // MXFP4_BLOCK, 16)),
@@ -527,6 +552,8 @@ class _Planner:
 
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, n))
     try:
@@ -536,7 +563,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def _check_piece(piece: torch.Tensor, out: OutTensor) -> torch.Tensor:
-    if piece.dtype != DTYPES[out.dtype][0]:
+    if piece.dtype != torch_dtype(out.dtype):
         raise RuntimeError(f"quantizer returned {piece.dtype} for {out.name}, expected {out.dtype}")
     return piece
 
@@ -657,23 +684,27 @@ def convert_checkpoint(
     is verified and its manifest returned: idempotent). ``workers``: conversion threads (default
     torch's thread count). ``fsync``: make every file durable before the final rename (a store's
     commit does this anyway). ``chunk_elems``: elements per conversion task (the output does not
-    depend on it; memory and parallelism do). Returns the manifest written to ``dst/manifest.json`` (version None).
+    depend on it; memory and parallelism do). Returns the manifest written to ``dst/manifest.json``
+    (version None).
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
     src, dst = Path(src), Path(dst)
+    # Everything that can be wrong with the input is found before torch is even imported.
+    source = load_source(src)
+    classified = classify(source, fmt)
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise UserError(f"{dst} exists and is not a directory")
+        if any(dst.iterdir()):
+            return _existing(dst, fmt, source_checksum(src))
+
+    import torch
+
     workers = max(1, workers if workers is not None else torch.get_num_threads())
     threads_per_task = max(1, torch.get_num_threads() // workers)
-    source = load_source(src)
-
     with TensorReader() as reader:
-        plan = _Planner(source, fmt, reader, chunk_elems).plan()
-
-        if dst.exists() or dst.is_symlink():
-            if not dst.is_dir():
-                raise UserError(f"{dst} exists and is not a directory")
-            if any(dst.iterdir()):
-                return _existing(dst, fmt, source_checksum(src))
+        plan = _Planner(source, fmt, classified, reader, chunk_elems).plan()
 
         # Hash the source in the background while converting (xxh3 releases the GIL).
         src_sum: list[str] = []

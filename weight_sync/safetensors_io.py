@@ -18,27 +18,39 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from weight_sync.checksum import HashingWriter
 from weight_sync.errors import UserError
 
-# safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BF16": (torch.bfloat16, 2),
-    "F16": (torch.float16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2),
-    "I32": (torch.int32, 4),
-    "I64": (torch.int64, 8),
-    "BOOL": (torch.bool, 1),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype string -> (torch dtype name, bytes per element). Header parsing needs no
+# torch (so bad input is refused before torch is imported); tensor I/O does.
+DTYPES: dict[str, tuple[str, int]] = {
+    "BF16": ("bfloat16", 2),
+    "F16": ("float16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "I16": ("int16", 2),
+    "I32": ("int32", 4),
+    "I64": ("int64", 8),
+    "BOOL": ("bool", 1),
 }
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][0])
+
+
 MAX_HEADER = 100 << 20
 
 
@@ -149,6 +161,8 @@ class TensorReader:
 
     def read_bytes(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of ``path`` at ``offset`` as a fresh uint8 tensor."""
+        import torch
+
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes == 0:
             return buf
@@ -168,13 +182,13 @@ class TensorReader:
         if not shape:
             return (
                 self.read_bytes(entry.file, entry.start, entry.nbytes)
-                .view(DTYPES[entry.dtype][0])
+                .view(torch_dtype(entry.dtype))
                 .reshape(())
             )
         r1 = shape[0] if r1 is None else r1
         row_bytes = math.prod(shape[1:]) * entry.itemsize
         raw = self.read_bytes(entry.file, entry.start + r0 * row_bytes, (r1 - r0) * row_bytes)
-        return raw.view(DTYPES[entry.dtype][0]).reshape((r1 - r0, *shape[1:]))
+        return raw.view(torch_dtype(entry.dtype)).reshape((r1 - r0, *shape[1:]))
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
@@ -235,6 +249,8 @@ class StreamingWriter:
 
     def write(self, t: torch.Tensor) -> None:
         """Append the raw bytes of ``t`` (any dtype; made contiguous)."""
+        import torch
+
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         if self._written + raw.numel() > self._expected:
             raise RuntimeError(f"{self.path}: more data than the header declares")

@@ -1,0 +1,198 @@
+"""Checks that a converted directory is exactly what ``weight_sync.convert`` promises.
+
+``check_conversion(src, dst, fmt)`` reads both directories with the real ``safetensors`` library
+and checks names, dtypes and shapes of every tensor, the bytes of every quantized tensor against
+the format's own ``quantize`` of the whole source tensor (so row chunking, threading and shard
+straddling cannot change a byte), ``dequantize`` of the output against ``dequantize(quantize(src))``,
+the fusion groups' shared nvfp4 ``weight_scale_2`` against a joint amax computed here, fp8 block
+scales against block amaxes computed here, the configs, the index and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from tests.support.checkpoints import load_all
+from weight_sync.convert import source_checksum
+from weight_sync.manifest import Manifest, verify_dir
+
+LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$"
+)
+EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def _quantized(name: str, fmt: str) -> bool:
+    if fmt in ("fp8", "nvfp4"):
+        return bool(LINEAR.match(name))
+    if fmt == "mxfp4":
+        return bool(EXPERT.match(name))
+    return False
+
+
+def _nvfp4_group(name: str) -> str:
+    """The fusion group a projection belongs to (itself when it fuses with nothing)."""
+    base = name.removesuffix(".weight")
+    for a, b in (
+        ("q_proj", "qkv"),
+        ("k_proj", "qkv"),
+        ("v_proj", "qkv"),
+        ("gate_proj", "gu"),
+        ("up_proj", "gu"),
+    ):
+        if base.endswith(a):
+            return base[: -len(a)] + b
+    return base
+
+
+def expected_outputs(
+    name: str, shape: tuple[int, ...], fmt: str
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    if not _quantized(name, fmt):
+        return {name: (torch.bfloat16, shape)}
+    base = name.removesuffix(".weight")
+    n, k = shape
+    if fmt == "fp8":
+        return {
+            f"{base}.weight": (torch.float8_e4m3fn, (n, k)),
+            f"{base}.weight_scale_inv": (torch.float32, (math.ceil(n / 128), math.ceil(k / 128))),
+        }
+    if fmt == "nvfp4":
+        return {
+            f"{base}.weight": (torch.uint8, (n, k // 2)),
+            f"{base}.weight_scale": (torch.float8_e4m3fn, (n, k // 16)),
+            f"{base}.weight_scale_2": (torch.float32, ()),
+            f"{base}.input_scale": (torch.float32, ()),
+        }
+    return {
+        f"{base}.weight_blocks": (torch.uint8, (n, k // 32, 16)),
+        f"{base}.weight_scales": (torch.uint8, (n, k // 32)),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
+    src, dst = Path(src), Path(dst)
+    source = load_all(src)
+    out = load_all(dst)
+
+    # Names, dtypes, shapes: exactly the expected set.
+    expected = {}
+    for name, t in source.items():
+        expected.update(expected_outputs(name, tuple(t.shape), fmt))
+    assert set(out) == set(expected), (sorted(set(out) ^ set(expected)))[:10]
+    for name, (dtype, shape) in expected.items():
+        assert out[name].dtype == dtype and tuple(out[name].shape) == shape, (
+            name,
+            out[name].dtype,
+            out[name].shape,
+        )
+
+    # Values.
+    fmod = None if fmt == "bf16" else __import__(f"weight_sync.formats.{fmt}", fromlist=[fmt])
+    groups: dict[str, list[str]] = {}
+    for name in source:
+        if fmt == "nvfp4" and _quantized(name, fmt):
+            groups.setdefault(_nvfp4_group(name), []).append(name)
+    for name, w in source.items():
+        if not _quantized(name, fmt):
+            assert torch.equal(_bits(out[name]), _bits(w)), name
+            continue
+        base = name.removesuffix(".weight")
+        if fmt == "fp8":
+            got = {"weight": out[f"{base}.weight"], "weight_scale_inv": out[f"{base}.weight_scale_inv"]}
+            ref = fmod.quantize(w)
+            # Independent: each block's scale is its amax / 448 (edge blocks over real elements only).
+            n, k = w.shape
+            for bi in range(math.ceil(n / 128)):
+                for bj in range(math.ceil(k / 128)):
+                    amax = w[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].float().abs().amax()
+                    want = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+                    assert got["weight_scale_inv"][bi, bj].item() == want.item(), (name, bi, bj)
+        elif fmt == "nvfp4":
+            members = groups[_nvfp4_group(name)]
+            joint = max(source[m].float().abs().amax() for m in members)
+            gs = (joint / (6.0 * 448.0)).to(torch.float32)
+            assert out[f"{base}.weight_scale_2"].item() == gs.item(), (name, members)
+            assert torch.equal(fmod.global_scale(*[source[m] for m in members]), gs.reshape(()))
+            assert out[f"{base}.input_scale"].item() == 1.0
+            got = {k: out[f"{base}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+            ref = fmod.quantize(w, weight_scale_2=gs.reshape(()))
+        else:
+            got = {"blocks": out[f"{base}.weight_blocks"], "scales": out[f"{base}.weight_scales"]}
+            ref = fmod.quantize(w)
+        for key, t in ref.items():
+            assert torch.equal(_bits(got[key]), _bits(t)), (name, key)
+        assert torch.equal(fmod.dequantize(got), fmod.dequantize(ref)), name
+
+    # Configs.
+    src_cfg = json.loads((src / "config.json").read_text())
+    cfg = json.loads((dst / "config.json").read_text())
+    qc = cfg.pop("quantization_config", None)
+    assert cfg == src_cfg
+    routers = sorted(
+        n.removesuffix(".weight") for n in source if re.match(r"^model\.layers\.\d+\.mlp\.gate\.weight$", n)
+    )
+    if fmt == "bf16":
+        assert qc is None and not (dst / "hf_quant_config.json").exists()
+    elif fmt == "fp8":
+        assert {k: qc[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        assert set(qc["ignored_layers"]) == {"lm_head", "model.embed_tokens", *routers}
+    elif fmt == "nvfp4":
+        hfq = json.loads((dst / "hf_quant_config.json").read_text())
+        assert hfq["producer"]["name"] == "modelopt"
+        q = hfq["quantization"]
+        assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and q["kv_cache_quant_algo"] is None
+        assert set(q["exclude_modules"]) == {"lm_head", "model.embed_tokens", *routers}
+        assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4" and qc["group_size"] == 16
+        assert qc["ignore"] == q["exclude_modules"] == qc["exclude_modules"]
+    else:
+        assert qc["quant_method"] == "mxfp4"
+        skipped = set(qc["modules_to_not_convert"])
+        assert {"lm_head", "model.embed_tokens", *routers} <= skipped
+        assert not any("experts" in s for s in skipped)
+        assert not (dst / "hf_quant_config.json").exists()
+    # No quantized module is listed as excluded (exact names and "model."-less prefixes).
+    if qc is not None:
+        listed = set(
+            qc.get("ignored_layers") or qc.get("exclude_modules") or qc.get("modules_to_not_convert")
+        )
+        for name in source:
+            if _quantized(name, fmt):
+                assert name.removesuffix(".weight") not in listed
+
+    # Index: every tensor, in the file that holds it.
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(out)
+    from safetensors import safe_open
+
+    total = 0
+    for fname in set(index["weight_map"].values()):
+        with safe_open(str(dst / fname), framework="pt") as f:
+            keys = set(f.keys())
+        assert keys == {k for k, v in index["weight_map"].items() if v == fname}
+        total += sum(out[k].numel() * out[k].element_size() for k in keys)
+    assert index["metadata"]["total_size"] == total
+
+    # Copied files and manifest.
+    for extra in ("tokenizer.json", "generation_config.json"):
+        assert (dst / extra).read_bytes() == (src / extra).read_bytes()
+    manifest = verify_dir(dst)
+    assert manifest.format == fmt and manifest.kind == "full" and manifest.version is None
+    assert manifest.tensor_count == len(out)
+    assert manifest.source_checksum == source_checksum(src)
+    assert set(manifest.files) == {p.name for p in dst.iterdir()} - {"manifest.json"}
+    return manifest

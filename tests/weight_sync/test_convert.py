@@ -1,0 +1,71 @@
+"""Converter, in-process: every format's output (see conversion_checks), independence from chunking
+and threading, idempotency, refusal to overwrite a different conversion, atomic DST."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.checkpoints import MoESpec, write_checkpoint
+from tests.weight_sync.conversion_checks import check_conversion
+from weight_sync.convert import FORMATS, convert_checkpoint, source_checksum
+from weight_sync.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt") / "src"
+    write_checkpoint(d, MoESpec())
+    return d
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_output_is_independent_of_chunking_and_threads(ckpt, tmp_path, fmt) -> None:
+    """Tiny chunks (many tasks per tensor, several fp8 row blocks) on 2 threads give the same
+    bytes as one task per tensor on 1 thread; and the output is what the format promises."""
+    a = convert_checkpoint(ckpt, tmp_path / "a", fmt, workers=1, chunk_elems=1 << 30)
+    b = convert_checkpoint(ckpt, tmp_path / "b", fmt, workers=2, chunk_elems=2000)
+    assert a.files == b.files and a.tensor_count == b.tensor_count
+    check_conversion(ckpt, tmp_path / "b", fmt)
+
+
+def test_idempotent_and_refuses_other_content(ckpt, tmp_path) -> None:
+    dst = tmp_path / "out"
+    first = convert_checkpoint(ckpt, dst, "bf16")
+    assert convert_checkpoint(ckpt, dst, "bf16") == first  # same content: verified, returned
+    with pytest.raises(UserError, match="already holds a different conversion"):
+        convert_checkpoint(ckpt, dst, "fp8")
+    other = tmp_path / "other"
+    write_checkpoint(other, MoESpec(seed=1))
+    assert source_checksum(other) != source_checksum(ckpt)
+    with pytest.raises(UserError, match="already holds a different conversion"):
+        convert_checkpoint(other, dst, "bf16")
+    # A damaged earlier conversion is not silently accepted as "the same".
+    shard = sorted(dst.glob("*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=shard.name):
+        convert_checkpoint(ckpt, dst, "bf16")
+
+
+def test_empty_dst_is_filled_and_nothing_else_is_left(ckpt, tmp_path) -> None:
+    dst = tmp_path / "staging"
+    dst.mkdir()
+    convert_checkpoint(ckpt, dst, "bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["staging"]  # no temporary beside it
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="refusing to overwrite"):
+        convert_checkpoint(ckpt, foreign, "bf16")
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def test_source_checksum_follows_content_not_location(ckpt, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    assert source_checksum(copy) == source_checksum(ckpt)
+    (copy / "tokenizer.json").write_text("{}")
+    assert source_checksum(copy) != source_checksum(ckpt)

@@ -1,0 +1,234 @@
+"""``mixfleet convert`` as a real subprocess: every format, every bad input, and a kill mid-way.
+
+Bad inputs must give exactly one line on stderr (``mixfleet convert: error: ...`` naming the
+problem), a non-zero exit, and no DST (nor a temporary directory left beside it). The bad-input
+subprocesses run concurrently (module fixture) to keep the suite fast on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
+from tests.support.procs import REPO, mixfleet_argv
+from tests.weight_sync.conversion_checks import check_conversion
+from weight_sync.convert import FORMATS, convert_checkpoint
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(mixfleet_argv("convert", *args), capture_output=True, text=True, cwd=REPO, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli") / "src"
+    write_checkpoint(d, MoESpec())
+    return d
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_convert_each_format(ckpt, tmp_path, fmt) -> None:
+    dst = tmp_path / "out" / fmt
+    r = _run("--format", fmt, str(ckpt), str(dst))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"converted {ckpt} -> {dst}: format {fmt},") and r.stderr == ""
+    manifest = check_conversion(ckpt, dst, fmt)
+    assert f"{manifest.tensor_count} tensors" in r.stdout
+    # Running it again is a no-op that succeeds (same source, same format).
+    again = _run("--format", fmt, str(ckpt), str(dst))
+    assert again.returncode == 0, again.stderr
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def _copy(ckpt: Path, root: Path, name: str) -> Path:
+    d = root / name
+    shutil.copytree(ckpt, d)
+    return d
+
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, Path]]:
+    """name -> (argv after 'convert', expected stderr fragment, DST that must not appear)."""
+    cases: dict[str, tuple[list[str], str, Path]] = {}
+
+    def case(name: str, fmt: str, src: Path, fragment: str, dst: Path | None = None) -> None:
+        dst = dst or root / f"dst-{name}"
+        cases[name] = (["--format", fmt, str(src), str(dst)], fragment, dst)
+
+    d = _copy(ckpt, root, "no-config")
+    (d / "config.json").unlink()
+    case("missing_config", "fp8", d, "config.json does not exist")
+
+    d = _copy(ckpt, root, "bad-json")
+    (d / "config.json").write_text("{ not json")
+    case("config_not_json", "fp8", d, "config.json is not valid JSON")
+
+    d = _copy(ckpt, root, "llama")
+    _edit_config(d, architectures=["LlamaForCausalLM"], model_type="llama")
+    case("unknown_architecture", "nvfp4", d, "architecture ['LlamaForCausalLM'] is not supported")
+
+    d = _copy(ckpt, root, "quantized")
+    _edit_config(d, quantization_config={"quant_method": "fp8"})
+    case("already_quantized", "fp8", d, "already quantized")
+
+    d = _copy(ckpt, root, "f32")
+    shard = d / "model-00002-of-00002.safetensors"
+    tensors = load_all(d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    mine = {k: v for k, v in tensors.items() if index[k] == shard.name}
+    victim = sorted(mine)[0]
+    mine[victim] = mine[victim].float()
+    save_file(mine, str(shard))
+    case("non_bf16_tensor", "bf16", d, f"tensor '{victim}' is F32, not BF16")
+
+    d = root / "k168"
+    write_checkpoint(d, MoESpec(hidden_size=168, head_dim=42, shards=1))
+    case("k_not_divisible_nvfp4", "nvfp4", d, "not divisible by the NVFP4 group size 16")
+
+    d = root / "k176"
+    write_checkpoint(d, MoESpec(hidden_size=176, head_dim=44, shards=1))
+    case("k_not_divisible_mxfp4", "mxfp4", d, "not divisible by the MXFP4 block size 32")
+
+    d = _copy(ckpt, root, "truncated")
+    shard = d / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    case("truncated_safetensors", "fp8", d, "corrupt safetensors file")
+
+    d = _copy(ckpt, root, "garbage-header")
+    shard = d / "model-00001-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[8:40] = b"\xff" * 32
+    shard.write_bytes(bytes(raw))
+    case("garbage_safetensors_header", "bf16", d, "corrupt safetensors file")
+
+    d = _copy(ckpt, root, "missing-shard")
+    (d / "model-00002-of-00002.safetensors").unlink()
+    case("index_names_missing_shard", "bf16", d, "model-00002-of-00002.safetensors', which does not exist")
+
+    held = root / "held"
+    convert_checkpoint(ckpt, held, "bf16")
+    case("dst_holds_other_conversion", "fp8", ckpt, "already holds a different conversion (format bf16", held)
+
+    foreign = root / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    case(
+        "dst_foreign_directory", "bf16", ckpt, "is not an empty directory or a converted checkpoint", foreign
+    )
+
+    case("unknown_format", "int3", ckpt, "unknown weight format 'int3'")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_results(ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    cases = _make_bad_cases(ckpt, root)
+    before = {
+        name: (dst.exists(), sorted(os.listdir(dst)) if dst.exists() else None)
+        for name, (_, _, dst) in cases.items()
+    }
+    procs = {
+        name: subprocess.Popen(
+            mixfleet_argv("convert", *argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
+        for name, (argv, _, _) in cases.items()
+    }
+    results = {name: (p.wait(timeout=120), *p.communicate()) for name, p in procs.items()}
+    return cases, before, results
+
+
+BAD_CASES = [
+    "missing_config",
+    "config_not_json",
+    "unknown_architecture",
+    "already_quantized",
+    "non_bf16_tensor",
+    "k_not_divisible_nvfp4",
+    "k_not_divisible_mxfp4",
+    "truncated_safetensors",
+    "garbage_safetensors_header",
+    "index_names_missing_shard",
+    "dst_holds_other_conversion",
+    "dst_foreign_directory",
+    "unknown_format",
+]
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_bad_input_one_line_nonzero_no_dst(bad_results, name) -> None:
+    cases, before, results = bad_results
+    assert set(BAD_CASES) == set(cases)
+    _argv, fragment, dst = cases[name]
+    rc, out, err = results[name]
+    assert rc != 0 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mixfleet convert: error: ") and fragment in lines[0], lines[0]
+    existed, listing = before[name]
+    assert dst.exists() == existed and (sorted(os.listdir(dst)) if existed else None) == listing
+    assert not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.converting")]
+
+
+# --- killed mid-way ---------------------------------------------------------------------------
+
+
+def test_killed_converter_leaves_no_dst(tmp_path) -> None:
+    """SIGKILL while shards are being written: DST never appears, only a hidden temporary."""
+    src = tmp_path / "src"
+    spec = MoESpec(
+        hidden_size=512, moe_intermediate_size=512, num_experts=8, head_dim=64, num_hidden_layers=3
+    )
+    write_checkpoint(src, spec)
+    dst = tmp_path / "dst"
+    proc = subprocess.Popen(
+        mixfleet_argv("convert", "--format", "nvfp4", "--workers", "1", str(src), str(dst)),
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        tmp: list[Path] = []
+        while not tmp and time.monotonic() < deadline and proc.poll() is None:
+            tmp = [p for p in tmp_path.iterdir() if p.name.startswith(".dst.converting")]
+            if tmp and not any(tmp[0].glob("*.safetensors")):
+                tmp = []  # wait until shards are being written
+            time.sleep(0.002)
+        assert tmp, "the converter never started writing"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not dst.exists()
+    assert [p.name.startswith(".dst.converting") for p in tmp_path.iterdir() if p.name != "src"] == [True]
+    # A new run converts from scratch next to the leftover and succeeds.
+    r = _run("--format", "bf16", str(src), str(dst))
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(load_all(dst)["model.norm.weight"], load_all(src)["model.norm.weight"])
