@@ -63,29 +63,62 @@ def quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
+def compact(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (float32) stored as bfloat16 when that is exact (every BF16 checkpoint weight), else as is.
+
+    Halves memory and memory traffic; ``Scratch.widen`` restores the identical float32 values.
+    """
+    b = w.to(torch.bfloat16)
+    return b if torch.equal(b.float(), w) else w
+
+
+class Scratch:
+    """A reusable float32 buffer into which a compactly stored weight is widened right before its
+    matmul. One per model: the forward pass is single-threaded and uses one weight at a time."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def widen(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` as float32: itself if float32, else a view of the buffer (valid until the next call)."""
+        if w.dtype == torch.float32:
+            return w
+        n = w.numel()
+        if self._buf.numel() < n:
+            self._buf = torch.empty(n)
+        out = self._buf[:n].view(w.shape)
+        out.copy_(w)
+        return out
+
+
 @dataclass(frozen=True)
 class Linear:
-    """``y = x @ weight.T`` with ``weight`` ``[N, K]`` float32 (dequantized checkpoint values).
+    """``y = x @ weight.T`` with ``weight`` ``[N, K]`` holding the dequantized checkpoint values
+    (float32, or bfloat16 where exact; see ``compact``).
 
     ``fp8_activations``: quantize ``x`` per token per 128 channels first (W8A8 blockwise FP8).
     """
 
     weight: torch.Tensor
     fp8_activations: bool = False
+    scratch: Scratch | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_activations:
             x = quantize_activations_fp8(x)
-        return F.linear(x, self.weight)
+        w = self.weight if self.scratch is None else self.scratch.widen(self.weight)
+        return F.linear(x, w.float())
 
 
 @dataclass(frozen=True)
 class Experts:
-    """E SwiGLU experts: ``gate_up`` ``[E, 2I, H]`` (gate rows first), ``down`` ``[E, H, I]``."""
+    """E SwiGLU experts: ``gate_up`` ``[E, 2I, H]`` (gate rows first), ``down`` ``[E, H, I]``
+    (float32, or bfloat16 where exact, widened through ``scratch``)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     fp8_activations: bool = False
+    scratch: Scratch | None = None
 
     def __call__(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's selected experts.
@@ -102,21 +135,26 @@ class Experts:
             xs = quantize_activations_fp8(xs)
         inter = self.down.shape[2]
         out = torch.empty(xs.shape[0], x.shape[1], dtype=x.dtype)
+        widen = self.scratch.widen if self.scratch is not None else _as_float
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             end = start + c
-            gu = F.linear(xs[start:end], self.gate_up[e])
+            gu = F.linear(xs[start:end], widen(self.gate_up[e]))
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             if self.fp8_activations:
                 h = quantize_activations_fp8(h)
-            out[start:end] = F.linear(h, self.down[e])
+            out[start:end] = F.linear(h, widen(self.down[e]))
             start = end
         out.mul_(top_w.reshape(-1)[order, None])
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
+
+
+def _as_float(w: torch.Tensor) -> torch.Tensor:
+    return w.float()
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool

@@ -34,18 +34,33 @@ import torch.nn.functional as F
 
 from fleet.engine.cache import SequenceCache, storage_dtype
 from fleet.engine.config import ARCHITECTURE, ModelConfig
-from fleet.engine.layers import Experts, Linear, apply_rope, rms_norm, rope_tables, route, swiglu
+from fleet.engine.layers import (
+    Experts,
+    Linear,
+    Scratch,
+    apply_rope,
+    compact,
+    rms_norm,
+    rope_tables,
+    route,
+    swiglu,
+)
 from fleet.engine.weights import CheckpointTensors, LinearWeight, load_checkpoint
 
 __all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
 
 
-def _fuse(parts: list[LinearWeight]) -> list[Linear]:
+def _fuse(parts: list[LinearWeight], scratch: Scratch) -> list[Linear]:
     """One ``Linear`` over the concatenated rows when all parts share a format (same activation
     handling), else one ``Linear`` per part."""
     if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
-        return [Linear(torch.cat([p.weight for p in parts]).contiguous(), parts[0].fp8_activations)]
-    return [Linear(p.weight, p.fp8_activations) for p in parts]
+        fused = compact(torch.cat([p.weight for p in parts]).contiguous())
+        return [Linear(fused, parts[0].fp8_activations, scratch)]
+    return [_linear(p, scratch) for p in parts]
+
+
+def _linear(w: LinearWeight, scratch: Scratch) -> Linear:
+    return Linear(compact(w.weight), w.fp8_activations, scratch)
 
 
 def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +103,8 @@ class Model:
         self.max_context = config.max_position_embeddings
         self._embed = tensors.embed
         self._final_norm = tensors.final_norm
-        self._lm_head = Linear(tensors.lm_head.weight, tensors.lm_head.fp8_activations)
+        self._scratch = scratch = Scratch()
+        self._lm_head = _linear(tensors.lm_head, scratch)
         self._layers: list[_Layer] = []
         for lt in tensors.layers:
             lin = lt.linears
@@ -101,19 +117,20 @@ class Model:
                 fp8_acts = {w.fp8_activations for e in lt.experts for w in e.values()}
                 if len(fp8_acts) != 1:
                     raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
-                experts = Experts(gate_up.contiguous(), down.contiguous(), fp8_acts.pop())
+                experts = Experts(compact(gate_up.contiguous()), compact(down.contiguous()), fp8_acts.pop(),
+                                  scratch)
             dense = "gate_proj" in lin
             self._layers.append(_Layer(
                 input_norm=lt.plain["input_layernorm"],
                 post_norm=lt.plain["post_attention_layernorm"],
                 q_norm=lt.plain["q_norm"],
                 k_norm=lt.plain["k_norm"],
-                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-                o_proj=Linear(lin["o_proj"].weight, lin["o_proj"].fp8_activations),
+                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]], scratch),
+                o_proj=_linear(lin["o_proj"], scratch),
                 router=lt.plain.get("gate"),
                 experts=experts,
-                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
-                mlp_down=Linear(lin["down_proj"].weight, lin["down_proj"].fp8_activations) if dense else None,
+                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]], scratch) if dense else None,
+                mlp_down=_linear(lin["down_proj"], scratch) if dense else None,
             ))
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
@@ -185,23 +202,23 @@ class Model:
             qkv = _apply(layer.qkv, h)
             q = qkv[:, : nh * d].view(total, nh, d)
             k = qkv[:, nh * d : (nh + nkv) * d].view(total, nkv, d)
-            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d)
-            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)
-            attn = torch.empty(total, nh, d)
+            # Head-major views [heads, N, d]: each sequence's slice is then a view, no copy.
+            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d).transpose(0, 1)
+            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)
+            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)
+            attn = torch.empty(nh, total, d)
             off = 0
             for cache, s, n, mask in zip(caches, starts, lens, masks, strict=True):
                 if n == 0:
                     continue
-                cache.write(li, s, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
+                end = off + n
+                cache.write(li, s, k[:, off:end], v[:, off:end])
                 kk, vv = cache.read(li, s + n)
-                o = F.scaled_dot_product_attention(
-                    q[off : off + n].transpose(0, 1).unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0),
-                    attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=nh != nkv,
+                attn[:, off:end] = F.scaled_dot_product_attention(
+                    q[:, off:end], kk, vv, attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=nh != nkv
                 )
-                attn[off : off + n] = o[0].transpose(0, 1)
-                off += n
-            x = x + layer.o_proj(attn.view(total, nh * d))
+                off = end
+            x = x + layer.o_proj(attn.transpose(0, 1).reshape(total, nh * d))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if layer.experts is not None:
                 top_idx, top_w = route(h, layer.router, c.num_experts_per_tok, c.norm_topk_prob)
