@@ -209,6 +209,7 @@ class Sidecar:
         self._router: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_tokens: tuple[float, float] | None = None
+        self._epoch = 0  # activations started; a version read across one is stale
 
     # lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -329,7 +330,8 @@ class Sidecar:
                 self._set_ready(True)
             return
         if s.active_version is not None and target <= s.active_version:
-            if target == s.active_version and not s.ready:
+            # Serving the pointer's version (or newer: pointers never move back).
+            if not s.ready:
                 self._set_ready(True)
             return
         if s.error_version == target and time.monotonic() < s.next_retry_at:
@@ -388,6 +390,7 @@ class Sidecar:
         assert self._engine is not None
         s = self.state
         async with self._activation_lock:
+            self._epoch += 1
             t0 = time.perf_counter()
             update_s = 0.0
             refused: str | None = None
@@ -490,6 +493,10 @@ class Sidecar:
         """Block until the engine answers /health; learn the version it serves."""
         while True:
             if await self._engine_health():
+                # A previous sidecar may have died between pause and continue: resume (a no-op
+                # on an engine that is not paused).
+                with contextlib.suppress(Exception):
+                    await self._control("/continue_generation", {})
                 version = await self._engine_version()
                 self.state.active_version = version
                 if version is not None:
@@ -538,8 +545,9 @@ class Sidecar:
         await self._read_engine_metrics()
         if self._activation_lock.locked():
             return
+        epoch = self._epoch
         version = await self._engine_version()
-        if version != s.active_version and not self._activation_lock.locked():
+        if version != s.active_version and not self._activation_lock.locked() and epoch == self._epoch:
             # The engine was restarted or changed under us: believe the engine, reconcile.
             log.warning("engine reports version %s, expected %s", version, s.active_version)
             s.active_version = version

@@ -104,7 +104,11 @@ class WeightsClient:
         return job
 
     def wait_active(self, version: int, timeout: float) -> dict[str, Any]:
-        """Poll status until every ready-or-not replica of every group reports ``version``."""
+        """Poll status until every live replica (recent heartbeat) of every group reports ``version``.
+
+        Groups without live replicas are skipped: a replica that joins later starts at the
+        pointer's version anyway.
+        """
         deadline = time.monotonic() + timeout
         while True:
             st = self.status()
@@ -112,17 +116,13 @@ class WeightsClient:
                 (g["group"], r["replica_id"], r.get("active_version"), r.get("error"))
                 for g in st["groups"]
                 for r in g["replicas"]
-                if r.get("active_version") != version
+                if r.get("fresh", True) and r.get("active_version") != version
             ]
-            empty = [g["group"] for g in st["groups"] if not g["replicas"]]
-            if not lagging and not empty:
+            if not lagging:
                 return st
             if time.monotonic() > deadline:
-                what = (
-                    "; ".join(
-                        f"{grp}/{rid} at {v}" + (f" ({err})" if err else "") for grp, rid, v, err in lagging
-                    )
-                    or f"groups without replicas: {', '.join(empty)}"
+                what = "; ".join(
+                    f"{grp}/{rid} at {v}" + (f" ({err})" if err else "") for grp, rid, v, err in lagging
                 )
                 raise UserError(f"not every replica reached version {version} within {timeout:.0f}s: {what}")
             time.sleep(0.2)

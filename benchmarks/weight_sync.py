@@ -1,0 +1,176 @@
+"""Benchmark: publish -> every replica active, on the local fleet (three groups: bf16, fp8, nvfp4).
+
+For each model size: a real engine process per group behind its sidecar, a LocalStore, the
+base policy published as v1 and served; then version 2 (other weights) is published and the
+clock runs until every replica serves it. The time is split into
+
+- convert: each format's conversion inside its worker, and the wall time of all of them
+  (formats convert in parallel worker processes of a warm pool, as the router runs them);
+- publish: commit (fsync, manifest, rename) and pointer moves;
+- stage: each replica copying and checksumming its format's files while serving;
+- engine pause: ``/pause_generation`` sent -> ``/continue_generation`` answered (the engine's
+  ``/update_weights_from_disk`` loads the new weights inside this window);
+
+and compared with a baseline measured in the same run: the slowest format's conversion alone
+(``convert_checkpoint`` in this process with every core). Targets (issue 5): engine pause <=
+5% of the total, total <= 2x the baseline.
+
+Usage: ``python benchmarks/weight_sync.py [--sizes small,small2x] [--reps 2] [--threads 1]``.
+Sizes: ``tiny``, ``small`` (init-model presets) and ``small2x`` (``small`` with twice the layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.fleet import LOCAL_GROUPS, local_fleet  # noqa: E402
+from weight_sync.convert import convert_checkpoint  # noqa: E402
+from weight_sync.publish import ConversionPool, publish_checkpoint  # noqa: E402
+
+
+def write_size(root: Path, size: str, seed: int) -> Path:
+    from fleet.engine.init_model import PRESETS, write_model
+
+    out = root / f"{size}-s{seed}"
+    if out.is_dir():
+        return out
+    if size == "small2x":
+        base = PRESETS["small"]
+        spec = dataclasses.replace(base, num_hidden_layers=2 * base.num_hidden_layers, shards=4)
+    else:
+        spec = PRESETS[size]
+    write_model(out, spec, seed)
+    return out
+
+
+def params_of(ckpt: Path) -> int:
+    """Parameter count of a BF16 checkpoint (2 bytes each; safetensors headers are negligible)."""
+    return sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) // 2
+
+
+def baseline_convert(ckpt: Path, fmt: str, work: Path) -> float:
+    dst = work / f"baseline-{fmt}"
+    shutil.rmtree(dst, ignore_errors=True)
+    t0 = time.perf_counter()
+    convert_checkpoint(ckpt, dst, fmt)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(dst, ignore_errors=True)
+    return dt
+
+
+def one_round(fleet, pool: ConversionPool, version: int, ckpt: Path) -> dict:
+    t0 = time.time()
+    result = publish_checkpoint(fleet.store, fleet.run_id, version, ckpt, fleet.formats, conversion_pool=pool)
+    t_published = time.time()
+    for r in fleet.replicas:
+        httpx.post(r.url + "/v1/wake", timeout=5)
+    acts = {}
+    deadline = time.monotonic() + 600
+    while len(acts) < len(fleet.replicas):
+        for r in fleet.replicas:
+            if r.group in acts:
+                continue
+            st = fleet.status(r)
+            if st["active_version"] == version:
+                acts[r.group] = st["last_activation"]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas did not activate v{version}")
+        time.sleep(0.02)
+    t_end = max(a["at"] for a in acts.values())
+    return {"result": result, "publish_s": t_published - t0, "total_s": t_end - t0, "acts": acts}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="small,small2x")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    root.mkdir(parents=True, exist_ok=True)
+    groups = ", ".join(f"{g}({f})" for g, f in LOCAL_GROUPS)
+    print(f"# weight sync benchmark: local fleet {groups}; work dir {root}")
+    summary = []
+    for size in args.sizes.split(","):
+        base = write_size(root / "models", size, 1)
+        upd = write_size(root / "models", size, 2)
+        n_params = params_of(base)
+        print(
+            f"\n## {size}: {n_params / 1e6:.1f} M parameters, "
+            f"{sum(p.stat().st_size for p in base.glob('*.safetensors')) / 1e6:.0f} MB BF16"
+        )
+        base_times = {f: baseline_convert(upd, f, root) for _, f in LOCAL_GROUPS}
+        slowest_fmt = max(base_times, key=base_times.get)
+        print(
+            "baseline, each format converted alone in this process (all cores): "
+            + ", ".join(f"{f} {t:.2f}s" for f, t in base_times.items())
+        )
+        pool = ConversionPool()
+        pool.warm()
+        work = root / f"fleet-{size}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        rounds = []
+        with local_fleet(work, base, LOCAL_GROUPS, run_id="bench") as fleet:
+            for rep in range(args.reps):
+                ckpt = upd if rep % 2 == 0 else base
+                rounds.append(one_round(fleet, pool, 2 + rep, ckpt))
+        pool.close()
+        print(
+            f"{'rep':>3} {'total':>7} {'convert':>8} {'commit':>7} {'ptrs':>6} | "
+            "per format: convert / stage / pause (update) / seen->active"
+        )
+        for i, rd in enumerate(rounds):
+            res = rd["result"]
+            per = []
+            for g, f in LOCAL_GROUPS:
+                fr = next(x for x in res.formats if x.format == f)
+                a = rd["acts"][g]
+                per.append(
+                    f"{f} {fr.convert_s:.2f}/{a['stage_s']:.2f}/{a['pause_s']:.2f} ({a['update_s']:.2f})"
+                    f"/{a['total_s']:.2f}"
+                )
+            print(
+                f"{i:>3} {rd['total_s']:7.2f} {res.convert_wall_s:8.2f} {res.commit_wall_s:7.3f} "
+                f"{res.advance_wall_s:6.3f} | " + "; ".join(per)
+            )
+        total = statistics.median(rd["total_s"] for rd in rounds)
+        pause = statistics.median(max(a["pause_s"] for a in rd["acts"].values()) for rd in rounds)
+        conv = statistics.median(rd["result"].convert_wall_s for rd in rounds)
+        stage = statistics.median(max(a["stage_s"] for a in rd["acts"].values()) for rd in rounds)
+        commit = statistics.median(rd["result"].commit_wall_s + rd["result"].advance_wall_s for rd in rounds)
+        print(
+            f"median: total {total:.2f}s = convert {conv:.2f}s + commit/pointers {commit:.2f}s"
+            f" + activation (stage max {stage:.2f}s, pause max {pause:.2f}s)"
+        )
+        print(
+            f"engine pause / total = {pause / total:.1%} (target <= 5%); total / slowest conversion alone "
+            f"({slowest_fmt} {base_times[slowest_fmt]:.2f}s) = {total / base_times[slowest_fmt]:.2f}x "
+            "(target <= 2x)"
+        )
+        summary.append((size, n_params, total, pause, base_times[slowest_fmt]))
+    if len(summary) > 1:
+        print("\n## scaling with model size")
+        (s0, n0, t0, p0, b0) = summary[0]
+        for size, n, t, p, b in summary:
+            print(
+                f"{size:8s} {n / 1e6:6.1f} M params ({n / n0:.2f}x): total {t:.2f}s ({t / t0:.2f}x), "
+                f"pause {p:.2f}s ({p / p0:.2f}x), slowest conversion alone {b:.2f}s ({b / b0:.2f}x)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""Weight sync on a real local fleet: a router and, per group (bf16, fp8, nvfp4), one ``tiny``
+engine process behind its sidecar, all real processes over HTTP, on one LocalStore.
+
+The tests run in order on one fleet; each starts from "every replica serves the latest version"
+and leaves the fleet there. Covered: the replica front (blocked control routes, 409 version
+constraints), CLI publish/status through the router, a turn across an activation (two spans,
+tokens tagged), in-flight requests during activation, ``mixfleet weights verify``, and the
+faults: a corrupted shard, an engine refusing a wrong architecture (routed around past
+``max_version_lag``), a sidecar killed mid-stage and restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fleet.sidecar import parse_prometheus
+from tests.support.fleet import LOCAL_GROUPS, LocalFleet, local_fleet
+from tests.support.procs import REPO, mixfleet_argv
+from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset
+from weight_sync.convert import convert_checkpoint
+
+RUN = "run"
+MAX_LAG = 1
+HELLO = [72, 101, 108, 108, 111]  # greedy decoding of tiny from here runs >1500 tokens without EOS
+
+
+@dataclass
+class Live:
+    router: RouterHandle
+    fleet: LocalFleet
+    env: dict[str, str]
+
+    @property
+    def h(self) -> dict[str, str]:
+        return self.router.headers
+
+    def get(self, path: str) -> dict:
+        r = httpx.get(self.router.url + path, headers=self.h, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def post(self, path: str, body: dict, status: int = 200) -> dict:
+        r = httpx.post(self.router.url + path, headers=self.h, json=body, timeout=120)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            mixfleet_argv("weights", *args),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.env},
+        )
+
+    def wait_job(self, job: dict, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while job["state"] == "running":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+            job = self.get(f"/v1/weights/jobs/{job['job_id']}")
+        assert job["state"] == "done", job
+        return job
+
+    def publish(self, ckpt: Path, version: int, formats: list[str] | None = None) -> dict:
+        body = {"checkpoint": str(ckpt), "version": version, "formats": formats}
+        return self.wait_job(self.post("/v1/weights", body, status=202))
+
+    def group(self, name: str) -> dict:
+        return next(g for g in self.get("/v1/groups")["groups"] if g["name"] == name)
+
+    def wait_router(self, pred, what: str, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.get("/v1/groups")
+            if pred(snap):
+                return snap
+            assert time.monotonic() < deadline, f"router never showed {what}: {json.dumps(snap)[:2000]}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, tiny_base):
+    work = tmp_path_factory.mktemp("wsl-fleet")
+    key = secrets.token_hex(16)
+    preset = write_preset(
+        work / "preset.toml",
+        [
+            {"name": g, "weight_format": f, "sessions_per_replica": 8, "min_replicas": 1}
+            for g, f in LOCAL_GROUPS
+        ],
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MIXFLEET_STORE", str(work / "store"))  # the router's weight routes use this store
+        mp.setenv("MIXFLEET_RUN", RUN)
+        with router_process(
+            preset,
+            keys={key: ALL_SCOPES},
+            log=work / "router.log",
+            extra_args=("--max-version-lag", str(MAX_LAG), "--heartbeat-timeout", "5"),
+        ) as router:
+            env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url}
+            with local_fleet(work, tiny_base, run_id=RUN, router_url=router.url, env=env) as fleet:
+                live = Live(router, fleet, env)
+                live.wait_router(
+                    lambda s: all(g["ready_replicas"] == 1 and g["active_version"] == 1 for g in s["groups"]),
+                    "every group ready at version 1",
+                )
+                yield live
+
+
+def _precommit(fleet: LocalFleet, version: int, ckpt: Path, formats: list[str] | None = None) -> None:
+    """Convert and commit ``version`` for ``formats`` without moving any pointer."""
+    for f in formats or fleet.formats:
+        staged = fleet.store.staging_dir(RUN, f, version)
+        convert_checkpoint(ckpt, staged, f, workers=1)
+        fleet.store.commit(RUN, f, version, staged)
+
+
+def _advance(live: Live, version: int, formats: list[str] | None = None) -> None:
+    for f in formats or live.fleet.formats:
+        live.fleet.store.advance(RUN, f, version)
+    live.get("/v1/weights")  # the router adopts the store's latest version
+
+
+def _engine_metrics(url: str) -> dict[str, float]:
+    return parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def _engine_version(url: str) -> int:
+    return int(httpx.get(url + "/model_info", timeout=10).json()["weight_version"])
+
+
+def _spans_ok(spans: list[dict], n: int) -> None:
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == n, spans
+    for a, b in zip(spans, spans[1:], strict=False):
+        assert a["end"] == b["start"] and a["version"] < b["version"], spans
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_replica_front_blocks_control_routes_and_enforces_versions(live: Live) -> None:
+    v = live.fleet.latest()
+    for r in live.fleet.replicas:
+        for path in (
+            "/update_weights_from_disk",
+            "/pause_generation",
+            "/continue_generation",
+            "/flush_cache",
+            "/abort_request",
+            "/release_memory_occupation",
+        ):
+            resp = httpx.post(r.url + path, json={"model_path": "/tmp"}, timeout=10)
+            assert resp.status_code == 403, (path, resp.text)
+            assert "control route" in resp.json()["error"]["message"]
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        ahead = httpx.post(r.url + "/generate", json={**body, "min_version": v + 1}, timeout=30)
+        assert ahead.status_code == 409
+        info = ahead.json()
+        assert info["retryable"] is True and info["target_version"] == v + 1 and info["applied_version"] == v
+        ahead_h = httpx.post(
+            r.url + "/generate", json=body, headers={"X-Mixfleet-Min-Version": str(v + 1)}, timeout=30
+        )
+        assert ahead_h.status_code == 409 and ahead_h.json()["constraint"] == "min_version"
+        wrong = httpx.post(r.url + "/generate", json={**body, "exact_version": v - 1}, timeout=30)
+        assert wrong.status_code == 409 and wrong.json()["constraint"] == "exact_version"
+        ok = httpx.post(r.url + "/generate", json={**body, "exact_version": v, "min_version": v}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["meta_info"]["weight_version"] == str(v)
+        for path in ("/model_info", "/server_info", "/health"):
+            assert httpx.get(r.url + path, timeout=10).status_code == 200
+        metrics = httpx.get(r.url + "/metrics", timeout=10).text
+        assert "mixfleet_replica_active_version" in metrics and "sglang:num_running_reqs" in metrics
+        assert parse_prometheus(metrics)["mixfleet_replica_active_version"] == v
+
+
+@pytest.mark.timeout(240)
+def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None:
+    v = live.fleet.latest() + 1
+    out = live.cli("publish", "--version", str(v), str(tiny_seed2))
+    assert out.returncode == 0, out.stderr + live.fleet.logs()
+    assert f"version {v}" in out.stdout and "every replica serves" in out.stdout, out.stdout
+    for r in live.fleet.replicas:
+        assert _engine_version(r.engine_url) == v
+    st = live.cli("status", "--json")
+    assert st.returncode == 0, st.stderr
+    status = json.loads(st.stdout)
+    assert status["latest_version"] == v
+    for g in status["groups"]:
+        assert g["desired_version"] == v and g["lag"] == 0, g
+        (rep,) = g["replicas"]
+        assert rep["active_version"] == v and rep["last_activation"]["version"] == v
+        assert rep["last_activation_at"] > 0 and rep["error"] is None
+        assert status["formats"][g["format"]]["manifest"]["version"] == v
+    plain = live.cli("status")
+    assert plain.returncode == 0 and "cpu-nvfp4" in plain.stdout, plain.stderr
+    snap = live.wait_router(lambda s: all(g["active_version"] == v for g in s["groups"]), f"v{v} everywhere")
+    assert snap["latest_version"] == v and all(g["version_lag"] == 0 for g in snap["groups"])
+    # The router refuses a publish it cannot do, naming the problem.
+    r = httpx.post(
+        live.router.url + "/v1/weights", headers=live.h, json={"checkpoint": "/no/such/dir", "version": v + 1}
+    )
+    assert r.status_code == 400 and "does not exist" in r.json()["detail"]
+    r = httpx.post(live.router.url + "/v1/weights", json={"checkpoint": str(tiny_seed2)})
+    assert r.status_code == 401
+
+
+@pytest.mark.timeout(240)
+def test_turn_across_an_activation_has_two_spans(live: Live, tiny_base: Path) -> None:
+    fleet = live.fleet
+    v1 = fleet.latest() + 1
+    live.publish(tiny_base, v1)
+    fleet.wait_active(v1)
+    v2 = v1 + 1
+    _precommit(fleet, v2, tiny_base)  # same weights: the greedy continuation stays EOS-free
+    live.wait_router(lambda s: all(g["active_version"] == v1 for g in s["groups"]), f"v{v1}")
+    sid = live.post("/v1/sessions", {"group": "cpu-bf16"})["session_id"]
+    bf16 = fleet.replica("cpu-bf16")
+    before = _engine_metrics(bf16.engine_url).get("sglang:generation_tokens_total", 0.0)
+    result: dict = {}
+
+    def turn() -> None:
+        result["turn"] = live.post(
+            f"/v1/sessions/{sid}/turns",
+            {"input_ids": HELLO, "sampling_params": {"temperature": 0.0, "max_new_tokens": 500}},
+        )
+
+    t = threading.Thread(target=turn)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _engine_metrics(bf16.engine_url).get("sglang:generation_tokens_total", 0.0) < before + 40:
+        assert time.monotonic() < deadline and t.is_alive(), "the turn never got going"
+        time.sleep(0.05)
+    _advance(live, v2)
+    t.join(timeout=180)
+    turn_out = result["turn"]
+    n = len(turn_out["output_ids"])
+    assert n == 500, turn_out["finish_reason"]
+    spans = turn_out["weight_versions"]
+    assert [s["version"] for s in spans] == [v1, v2], spans
+    _spans_ok(spans, n)
+    cut = spans[0]["end"]
+    assert 0 < cut < n
+    assert [rec["weight_version"] for rec in turn_out["records"]] == [v1] * cut + [v2] * (n - cut)
+    # The stored trajectory says the same, and the trainer's batch reports the version age.
+    traj = live.get(f"/v1/sessions/{sid}/trajectory")
+    assert traj["turns"][0]["weight_versions"] == spans
+    live.post(f"/v1/sessions/{sid}/finish", {"reward": 1.0})
+    batch = live.post("/v1/batches/take", {"size": 64, "wait_s": 5})
+    mine = [tr for tr in batch["trajectories"] if tr["session_id"] == sid]
+    assert mine, batch
+    latest = live.get("/v1/groups")["latest_version"]
+    assert mine[0]["version_age"]["min"] == latest - v2 and mine[0]["version_age"]["max"] == latest - v1
+    live.post(f"/v1/batches/{batch['lease_id']}/ack", {})
+    fleet.wait_active(v2)
+
+
+@pytest.mark.timeout(240)
+def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Path) -> None:
+    fleet = live.fleet
+    v = fleet.latest() + 1
+    _precommit(fleet, v, tiny_seed2)
+    per_replica, new_tokens = 6, 120
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+
+    def one(r) -> tuple[str, httpx.Response]:
+        return r.group, httpx.post(r.url + "/generate", json=body, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=len(fleet.replicas) * per_replica) as pool:
+        futures = [pool.submit(one, r) for r in fleet.replicas for _ in range(per_replica)]
+        deadline = time.monotonic() + 60
+        while not all(
+            _engine_metrics(r.engine_url).get("sglang:generation_tokens_total", 0) > 0
+            and _engine_metrics(r.engine_url).get("sglang:num_running_reqs", 0) >= 1
+            for r in fleet.replicas
+        ):
+            assert time.monotonic() < deadline, "requests never started"
+            time.sleep(0.05)
+        _advance(live, v)
+        answers = [f.result() for f in futures]
+    crossed: dict[str, int] = {}
+    for group, resp in answers:
+        assert resp.status_code == 200, (group, resp.text)
+        meta = resp.json()["meta_info"]
+        assert meta["completion_tokens"] == new_tokens and meta["finish_reason"]["type"] == "length"
+        _spans_ok(meta["weight_versions"], new_tokens)
+        crossed[group] = crossed.get(group, 0) + (len(meta["weight_versions"]) > 1)
+    fleet.wait_active(v)
+    assert all(crossed.get(g, 0) >= 1 for g, _ in LOCAL_GROUPS), crossed  # the swap happened mid-request
+
+
+@pytest.mark.timeout(300)
+def test_verify_proves_every_group_activated(live: Live) -> None:
+    before = live.fleet.latest()
+    out = live.cli("verify", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr + live.fleet.logs()
+    report = json.loads(out.stdout)
+    assert report["ok"] and not report["failures"], report
+    assert report["perturbed"] == before + 1 and report["rolled_back"] == before + 2
+    assert sorted(report["groups"]) == sorted(g for g, _ in LOCAL_GROUPS)
+    for row in report["groups"].values():
+        assert row["rise_expected"] > 0.5  # the swap moves the chosen token's log-prob a lot
+        assert abs(row["rise_observed"] - row["rise_expected"]) <= row["tolerance"]
+    live.fleet.wait_active(before + 2)
+
+
+@pytest.mark.timeout(240)
+def test_corrupt_shard_keeps_old_version_and_a_republish_recovers(live: Live, tiny_base: Path) -> None:
+    fleet = live.fleet
+    old = fleet.latest()
+    v = old + 1
+    _precommit(fleet, v, tiny_base)
+    shard = fleet.store.version_dir(RUN, "fp8", v) / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _advance(live, v)
+    fleet.wait_active(v, replicas=[fleet.replica("cpu-bf16"), fleet.replica("cpu-nvfp4")])
+    fp8 = fleet.replica("cpu-fp8")
+    deadline = time.monotonic() + 30
+    while True:
+        st = fleet.status(fp8)
+        if st["failures"] >= 2:  # failed, backed off, retried, failed again
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+    assert st["active_version"] == old and st["ready"]
+    assert "checksum" in st["error"] and str(shard) in st["error"], st["error"]
+    assert _engine_version(fp8.engine_url) == old
+    ok = httpx.post(
+        fp8.url + "/generate",
+        json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["meta_info"]["weight_version"] == str(old)
+    live.wait_router(
+        lambda s: (
+            "checksum"
+            in (next(g for g in s["groups"] if g["name"] == "cpu-fp8")["replicas"][0]["error"] or "")
+        ),
+        "the fp8 replica's error",
+    )
+    # A republish (a new number, same weights) recovers.
+    live.publish(tiny_base, v + 1)
+    fleet.wait_active(v + 1)
+    assert fleet.status(fp8)["error"] is None
+
+
+@pytest.mark.timeout(300)
+def test_engine_refusing_weights_is_routed_around_past_max_lag(
+    live: Live, tiny_base: Path, tiny_other_arch: Path
+) -> None:
+    fleet = live.fleet
+    old = fleet.latest()
+    fp8 = fleet.replica("cpu-fp8")
+    good = ["bf16", "nvfp4"]
+    for step in (1, 2):
+        v = old + step
+        live.publish(tiny_other_arch, v, ["fp8"])
+        live.publish(tiny_base, v, good)
+        fleet.wait_active(v, replicas=[fleet.replica("cpu-bf16"), fleet.replica("cpu-nvfp4")])
+        deadline = time.monotonic() + 30
+        while fleet.status(fp8)["error_version"] != v:
+            assert time.monotonic() < deadline, fleet.status(fp8)
+            time.sleep(0.1)
+        st = fleet.status(fp8)
+        assert st["active_version"] == old and "another architecture" in st["error"], st
+        assert _engine_version(fp8.engine_url) == old
+        snap = live.wait_router(lambda s, v=v: s["latest_version"] == v, f"latest {v}")
+        g = next(x for x in snap["groups"] if x["name"] == "cpu-fp8")
+        rotation = g["replicas"][0]["in_rotation"]
+        assert rotation == (step <= MAX_LAG), g  # lag 1: still serving; lag 2: routed around
+    assert live.group("cpu-fp8")["ready_replicas"] == 0
+    sessions = [live.post("/v1/sessions", {}) for _ in range(9)]
+    assert all(s["group"] != "cpu-fp8" for s in sessions), sessions
+    for s in sessions:
+        httpx.delete(live.router.url + f"/v1/sessions/{s['session_id']}", headers=live.h, timeout=10)
+    # A good version for every format brings the replica back into rotation.
+    v = old + 3
+    live.publish(tiny_base, v)
+    fleet.wait_active(v)
+    live.wait_router(
+        lambda s: all(g["ready_replicas"] == 1 and g["version_lag"] == 0 for g in s["groups"]),
+        "every group back in rotation",
+    )
+
+
+@pytest.mark.timeout(240)
+def test_sidecar_killed_mid_stage_converges_after_restart(live: Live, tiny_seed2: Path) -> None:
+    fleet = live.fleet
+    r = fleet.replica("cpu-nvfp4")
+    old = fleet.latest()
+    fleet.kill_sidecar(r)
+    fleet.start_sidecar(r, "--stage-rate-mb", "0.15")  # slow staging, so the kill lands mid-copy
+    fleet.wait_active(old, replicas=[r])
+    v = old + 1
+    _precommit(fleet, v, tiny_seed2)
+    _advance(live, v)
+    deadline = time.monotonic() + 60
+    while not ((fleet.status(r).get("staging") or {}).get("bytes_done") or 0) > 0:
+        assert time.monotonic() < deadline, fleet.status(r)
+        time.sleep(0.05)
+    fleet.kill_sidecar(r)
+    partial = list(r.staging_dir.glob("*.partial"))
+    assert partial, list(r.staging_dir.iterdir())
+    assert _engine_version(r.engine_url) == old  # the engine kept serving the old version
+    fleet.start_sidecar(r)
+    fleet.wait_active(v, replicas=[r])
+    assert _engine_version(r.engine_url) == v
+    assert sorted(p.name for p in r.staging_dir.iterdir()) == [f"v{v:06d}"]
+    fleet.wait_active(v)

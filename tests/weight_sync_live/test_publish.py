@@ -1,0 +1,178 @@
+"""Publishing: once per format, barrier vs per-format pointer moves, rollback, immutability, and a
+real publisher process killed mid-conversion (no pointer moves; the next publish succeeds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import REPO, mixfleet_argv
+from weight_sync.errors import UserError
+from weight_sync.publish import publish_checkpoint, rollback
+from weight_sync.store.local import LocalStore
+
+FORMATS = ["bf16", "fp8", "nvfp4"]
+RUN = "r"
+
+
+def _events(store: LocalStore, version: int, ckpt: Path, mode: str) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    publish_checkpoint(
+        store,
+        RUN,
+        version,
+        ckpt,
+        FORMATS,
+        mode=mode,
+        workers=0,
+        on_event=lambda kind, info: seen.append((kind, info["format"])),
+    )
+    return seen
+
+
+def test_barrier_moves_no_pointer_before_every_format_is_committed(tmp_path, tiny_base) -> None:
+    store = LocalStore(tmp_path / "store")
+    seen = _events(store, 1, tiny_base, "barrier")
+    kinds = [k for k, _ in seen]
+    assert kinds.count("converted") == 3 and kinds.count("committed") == 3 and kinds.count("advanced") == 3
+    first_advance = kinds.index("advanced")
+    assert all(k != "committed" for k in kinds[first_advance:]), seen
+    for f in FORMATS:
+        assert store.read_pointer(RUN, f) == 1
+        m = store.verify(RUN, f, 1)
+        assert m.version == 1 and m.format == f and m.kind == "full"
+
+
+def test_per_format_moves_each_pointer_as_soon_as_its_format_is_ready(tmp_path, tiny_base) -> None:
+    store = LocalStore(tmp_path / "store")
+    seen = _events(store, 1, tiny_base, "per_format")
+    kinds = [k for k, _ in seen]
+    # The first format's pointer moves while another format is still to be converted.
+    assert kinds.index("advanced") < max(i for i, k in enumerate(kinds) if k == "converted"), seen
+    assert {store.read_pointer(RUN, f) for f in FORMATS} == {1}
+
+
+def test_converted_once_per_format_and_republish_is_idempotent(tmp_path, tiny_base, tiny_seed2) -> None:
+    store = LocalStore(tmp_path / "store")
+    first = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS + ["bf16"], workers=0)
+    assert sorted(f.format for f in first.formats) == sorted(FORMATS)  # duplicates collapse
+    again = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
+    assert all(f.reused for f in again.formats)
+    with pytest.raises(UserError, match="already committed .* from another checkpoint"):
+        publish_checkpoint(store, RUN, 1, tiny_seed2, FORMATS, workers=0)
+    publish_checkpoint(store, RUN, 3, tiny_seed2, FORMATS, workers=0)
+    with pytest.raises(UserError, match="older than .* current"):
+        publish_checkpoint(store, RUN, 2, tiny_seed2, FORMATS, workers=0)
+    with pytest.raises(UserError, match="does not exist"):
+        publish_checkpoint(store, RUN, 4, tmp_path / "missing", FORMATS, workers=0)
+    with pytest.raises(UserError, match="unknown weight format"):
+        publish_checkpoint(store, RUN, 4, tiny_base, ["int3"], workers=0)
+
+
+def test_rollback_publishes_a_new_number_with_old_content(tmp_path, tiny_base, tiny_seed2) -> None:
+    store = LocalStore(tmp_path / "store")
+    publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
+    publish_checkpoint(store, RUN, 2, tiny_seed2, FORMATS, workers=0)
+    result = rollback(store, RUN, 1, FORMATS)
+    assert result.version == 3 and result.content_of == 1
+    for f in FORMATS:
+        assert store.read_pointer(RUN, f) == 3
+        m3, m1, m2 = (store.verify(RUN, f, v) for v in (3, 1, 2))
+        assert m3.version == 3 and m3.same_content(m1) and not m3.same_content(m2)
+        for rel in m1.files:
+            a = (store.version_dir(RUN, f, 1) / rel).read_bytes()
+            assert a == (store.version_dir(RUN, f, 3) / rel).read_bytes()
+    with pytest.raises(UserError, match="no bf16 version 9"):
+        rollback(store, RUN, 9, FORMATS)
+
+
+def _publisher(store_root: Path, ckpt: Path, version: int, workers: int) -> subprocess.Popen:
+    argv = mixfleet_argv(
+        "weights",
+        "publish",
+        "--store",
+        str(store_root),
+        "--run",
+        RUN,
+        "--version",
+        str(version),
+        "--formats",
+        ",".join(FORMATS),
+        "--workers",
+        str(workers),
+        str(ckpt),
+    )
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _kill_after(proc: subprocess.Popen, marker: str, timeout: float = 120.0) -> list[str]:
+    lines = []
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        lines.append(line.rstrip())
+        if marker in line:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline, lines
+    proc.wait(timeout=30)
+    return lines
+
+
+def test_publisher_killed_mid_conversion(tmp_path, tiny_base) -> None:
+    """SIGKILL the publisher (and its conversion workers) while formats are still converting:
+    no pointer moves (at ``committed`` one format is already durable); publishing N again
+    succeeds and keeps the already-committed format."""
+    root = tmp_path / "store"
+    store = LocalStore(root)
+    publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
+    proc = _publisher(root, tiny_base, 2, workers=1)  # one worker: formats convert one after another
+    lines = _kill_after(proc, "committed")
+    assert proc.returncode == -signal.SIGKILL, lines
+    assert not any("advanced" in x for x in lines), lines
+    committed = [f for f in FORMATS if 2 in store.versions(RUN, f)]
+    assert 1 <= len(committed) < len(FORMATS), (committed, lines)  # killed between two conversions
+    for f in FORMATS:
+        assert store.read_pointer(RUN, f) == 1
+        store.verify(RUN, f, 1)
+
+    result = publish_checkpoint(store, RUN, 2, tiny_base, FORMATS, workers=0)
+    assert sorted(f.format for f in result.formats if f.reused) == sorted(committed)
+    for f in FORMATS:
+        assert store.read_pointer(RUN, f) == 2
+        store.verify(RUN, f, 2)
+
+
+def test_cli_bad_input_is_one_line(tmp_path) -> None:
+    r = subprocess.run(
+        mixfleet_argv(
+            "weights", "publish", "--store", str(tmp_path / "s"), "--version", "1", str(tmp_path / "nope")
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "does not exist" in r.stderr, r.stderr
+    r = subprocess.run(
+        mixfleet_argv("weights", "status", "--router", "http://127.0.0.1:9"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "cannot reach the router" in r.stderr and r.stderr.count("\n") == 1, r.stderr
