@@ -22,7 +22,8 @@ known replica is woken (``POST {replica}/v1/wake``) so it reconciles at once ins
 next poll. One job runs at a time; a second gets 409.
 
 The store root and run id come from :func:`create_weights_router`'s arguments, else from
-``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run default ``default``). The router context
+``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run default ``default``); conversion processes from its
+``workers`` argument, else ``MIXFLEET_PUBLISH_WORKERS``. The router context
 (``request.app.state.ctx``) supplies ``config.fleet`` (formats, groups) and ``state``.
 """
 
@@ -263,7 +264,18 @@ def _replicas(ctx) -> list[dict[str, Any]]:
 def create_weights_router(
     store_root: str | Path | None = None, run_id: str | None = None, *, workers: int | None = None
 ) -> APIRouter:
-    """The APIRouter to include in the router app (see the module docstring)."""
+    """The APIRouter to include in the router app (see the module docstring).
+
+    ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
+    else one per core); ``0`` converts inside the router process, one format at a time.
+    """
+    if workers is None and os.environ.get("MIXFLEET_PUBLISH_WORKERS", "").strip():
+        try:
+            workers = max(0, int(os.environ["MIXFLEET_PUBLISH_WORKERS"]))
+        except ValueError:
+            raise UserError(
+                f"MIXFLEET_PUBLISH_WORKERS must be an integer, got {os.environ['MIXFLEET_PUBLISH_WORKERS']!r}"
+            ) from None
     service = WeightsService(Path(store_root) if store_root else None, run_id, workers)
     router = APIRouter(tags=["weights"])
     admin = [Depends(require("admin"))]
