@@ -43,7 +43,11 @@ def make_http_client(
     (generation takes as long as it takes)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        # idle connections are dropped before a server's keep-alive timeout (uvicorn: 5 s) can
+        # close them under a request in flight
+        limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=2.0
+        ),
         trust_env=False,
     )
 
@@ -72,6 +76,20 @@ class SGLangClient:
     def _json_headers(self, extra: dict[str, str] | None) -> dict[str, str]:
         return {**self.headers, "content-type": "application/json", **(extra or {})}
 
+    async def _send(self, call, url: str) -> httpx.Response:
+        """One request; a pooled connection that the server closed under it (no response at
+        all) is retried once on a fresh connection before the replica counts as failed."""
+        for attempt in (0, 1):
+            try:
+                return await call()
+            except httpx.RemoteProtocolError as exc:
+                if attempt == 0:
+                    continue
+                raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
+            except httpx.HTTPError as exc:
+                raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
+        raise AssertionError("unreachable")
+
     async def _request(
         self,
         method: str,
@@ -88,10 +106,7 @@ class SGLangClient:
             kwargs["headers"]["content-type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = timeout
-        try:
-            response = await self.http.request(method, url, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
+        response = await self._send(lambda: self.http.request(method, url, **kwargs), url)
         if response.status_code >= 500:
             raise EngineUnavailable(url, f"HTTP {response.status_code}: {_error_message(response)}")
         if response.status_code >= 400:
@@ -112,10 +127,9 @@ class SGLangClient:
     async def generate_raw(self, body: bytes, *, headers: dict[str, str] | None = None) -> httpx.Response:
         """``POST /generate`` with a body passed through unchanged; the response as received."""
         url = self.base_url + "/generate"
-        try:
-            response = await self.http.post(url, content=body, headers=self._json_headers(headers))
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
+        response = await self._send(
+            lambda: self.http.post(url, content=body, headers=self._json_headers(headers)), url
+        )
         if response.status_code >= 500:
             raise EngineUnavailable(url, f"HTTP {response.status_code}: {_error_message(response)}")
         return response
@@ -128,10 +142,7 @@ class SGLangClient:
         Raises :class:`EngineUnavailable` before the first byte only."""
         url = self.base_url + "/generate"
         request = self.http.build_request("POST", url, content=body, headers=self._json_headers(headers))
-        try:
-            response = await self.http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from None
+        response = await self._send(lambda: self.http.send(request, stream=True), url)
         if response.status_code >= 500:
             await response.aread()
             await response.aclose()
@@ -145,6 +156,17 @@ class SGLangClient:
                 await response.aclose()
 
         return response, chunks()
+
+    async def probe(self, timeout: float = 2.0) -> str:
+        """``GET /health``: ``"ok"``, ``"unhealthy"`` (it answered, not 200), ``"unreachable"``
+        (connection refused or dropped: likely dead) or ``"timeout"`` (likely just busy)."""
+        try:
+            response = await self.http.get(self.base_url + "/health", headers=self.headers, timeout=timeout)
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.HTTPError:
+            return "unreachable"
+        return "ok" if response.status_code == 200 else "unhealthy"
 
     async def health(self, timeout: float = 2.0) -> bool:
         try:

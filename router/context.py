@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from fleet.sglang_client import EngineError, SGLangClient, make_http_client, parse_version
+from fleet.sglang_client import EngineError, EngineUnavailable, SGLangClient, make_http_client, parse_version
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import GroupLoad, cost_per_token, throughput_factors
@@ -110,8 +110,12 @@ class RouterContext:
     async def _poll_static(self, replica_id: str, url: str, want_vocab: bool) -> None:
         c = self.client(url)
         try:
-            if not await c.health(timeout=min(5.0, self.config.heartbeat_timeout_s)):
-                self.registry.poll_result(replica_id, ready=False, version=None, error="health check failed")
+            state = await c.probe(timeout=max(1.0, self.config.heartbeat_timeout_s / 2))
+            if state == "timeout":  # busy, not dead: it leaves rotation only when polls stay stale
+                self.registry.replicas[replica_id].error = "health check timed out"
+                return
+            if state != "ok":
+                self.registry.poll_result(replica_id, ready=False, version=None, error=f"health: {state}")
                 return
             info = await c.server_info()
             vocab = None
@@ -130,6 +134,11 @@ class RouterContext:
                 error=None,
                 vocab_size=int(vocab) if isinstance(vocab, int) else None,
             )
+        except EngineUnavailable as exc:
+            if "Timeout" in exc.message:  # busy: keep the last good poll until it is stale
+                self.registry.replicas[replica_id].error = exc.message[:300]
+            else:
+                self.registry.poll_result(replica_id, ready=False, version=None, error=exc.message[:300])
         except (EngineError, ValueError, TypeError, AttributeError) as exc:
             self.registry.poll_result(replica_id, ready=False, version=None, error=str(exc)[:300])
         with contextlib.suppress(StateError):  # so every router and the weights routes see it

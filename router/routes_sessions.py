@@ -97,6 +97,7 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
     request_id = uuid.uuid4().hex
     index = session.n_turns if body.turn is None else body.turn
     n = len(result.turn.output_ids)
+    blob = b""
     for _ in range(64):
         turn = replace(result.turn, turn=index)
         blob = encode_turn(turn, f16=ctx.config.f16_support_logprobs)
@@ -128,7 +129,8 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
         raise ApiError(409, "too many concurrent turns on one session")
     ctx.metrics.turns.labels(result.group).inc()
     ctx.metrics.tokens.labels(result.group).inc(n)
-    return JSONResponse(replace(result.turn, turn=index).to_json(session_id, with_input=False))
+    # answer with exactly what was stored (float32 / float16 log-probs), not the engine's float64s
+    return JSONResponse(decode_turn(blob).to_json(session_id, with_input=False))
 
 
 @router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")
