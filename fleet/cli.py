@@ -16,12 +16,13 @@ import sys
 from weight_sync.errors import UserError
 
 COMMANDS: dict[str, str] = {
-    "router": "router.cli",
-    "engine": "fleet.engine.server",
-    "sidecar": "fleet.sidecar_cli",
-    "weights": "fleet.weights_cli",
+    "up": "fleet.up",
     "init-model": "fleet.engine.init_model",
     "convert": "weight_sync.convert_cli",
+    "engine": "fleet.engine.server",
+    "router": "router.cli",
+    "sidecar": "fleet.sidecar_cli",
+    "weights": "fleet.weights_cli",
 }
 
 
