@@ -15,7 +15,13 @@ and compared with a baseline measured in the same run: the slowest format's conv
 (``convert_checkpoint`` in this process with every core). Targets (issue 5): engine pause <=
 5% of the total, total <= 2x the baseline.
 
-Usage: ``python benchmarks/weight_sync.py [--sizes small,small2x] [--reps 2] [--threads 1]``.
+Three configurations are measured on the same fleet (sidecars restarted between them):
+``protocol`` (the defaults: barrier publish, SGLang's pause -> update -> continue, staged copy),
+``swap`` (barrier; the local engine loads while serving and swaps between two steps; staged in
+place), ``pipelined`` (per-format publish + swap + in place: each group activates as soon as
+its own format is committed).
+
+Usage: ``python benchmarks/weight_sync.py [--sizes small,small2x] [--reps 2] [--configs ...]``.
 Sizes: ``tiny``, ``small`` (init-model presets) and ``small2x`` (``small`` with twice the layers).
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import statistics
 import sys
@@ -69,9 +76,19 @@ def baseline_convert(ckpt: Path, fmt: str, work: Path) -> float:
     return dt
 
 
-def one_round(fleet, pool: ConversionPool, version: int, ckpt: Path) -> dict:
+CONFIGS = {
+    # name: (publish mode, sidecar activation, sidecar stage mode)
+    "protocol": ("barrier", "pause", "copy"),  # the defaults: SGLang's pause -> update -> continue
+    "swap": ("barrier", "swap", "inplace"),  # local engine: load while serving, swap between steps
+    "pipelined": ("per_format", "swap", "inplace"),  # + each group activates as its format lands
+}
+
+
+def one_round(fleet, pool: ConversionPool, version: int, ckpt: Path, mode: str) -> dict:
     t0 = time.time()
-    result = publish_checkpoint(fleet.store, fleet.run_id, version, ckpt, fleet.formats, conversion_pool=pool)
+    result = publish_checkpoint(
+        fleet.store, fleet.run_id, version, ckpt, fleet.formats, mode=mode, conversion_pool=pool
+    )
     t_published = time.time()
     for r in fleet.replicas:
         httpx.post(r.url + "/v1/wake", timeout=5)
@@ -91,17 +108,63 @@ def one_round(fleet, pool: ConversionPool, version: int, ckpt: Path) -> dict:
     return {"result": result, "publish_s": t_published - t0, "total_s": t_end - t0, "acts": acts}
 
 
+def report(name: str, rounds: list[dict], slowest: tuple[str, float]) -> dict:
+    mode, activation, stage_mode = CONFIGS[name]
+    print(f"\n### {name}: publish {mode}, activation {activation}, stage {stage_mode}")
+    print(
+        f"{'rep':>3} {'total':>7} {'convert':>8} {'commit':>7} {'ptrs':>6} | "
+        "per format: convert / stage / pause (update) / pointer seen -> active"
+    )
+    for i, rd in enumerate(rounds):
+        res = rd["result"]
+        per = []
+        for g, f in LOCAL_GROUPS:
+            fr = next(x for x in res.formats if x.format == f)
+            a = rd["acts"][g]
+            per.append(
+                f"{f} {fr.convert_s:.2f}/{a['stage_s']:.2f}/{a['pause_s']:.2f} ({a['update_s']:.2f})"
+                f"/{a['total_s']:.2f}"
+            )
+        print(
+            f"{i:>3} {rd['total_s']:7.2f} {res.convert_wall_s:8.2f} {res.commit_wall_s:7.3f} "
+            f"{res.advance_wall_s:6.3f} | " + "; ".join(per)
+        )
+    total = statistics.median(rd["total_s"] for rd in rounds)
+    pause = statistics.median(max(a["pause_s"] for a in rd["acts"].values()) for rd in rounds)
+    update = statistics.median(max(a["update_s"] for a in rd["acts"].values()) for rd in rounds)
+    conv = statistics.median(rd["result"].convert_wall_s for rd in rounds)
+    stage = statistics.median(max(a["stage_s"] for a in rd["acts"].values()) for rd in rounds)
+    commit = statistics.median(rd["result"].commit_wall_s + rd["result"].advance_wall_s for rd in rounds)
+    fmt, base = slowest
+    print(
+        f"median: total {total:.2f}s; convert (parallel wall) {conv:.2f}s, commit + pointers {commit:.2f}s, "
+        f"stage max {stage:.2f}s, engine update max {update:.2f}s, engine pause max {pause:.2f}s"
+    )
+    print(
+        f"engine pause / total = {pause / total:.1%} (target <= 5%); total / slowest conversion alone "
+        f"({fmt} {base:.2f}s) = {total / base:.2f}x (target <= 2x)"
+    )
+    return {"total": total, "pause": pause}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="small,small2x")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
     root.mkdir(parents=True, exist_ok=True)
     groups = ", ".join(f"{g}({f})" for g, f in LOCAL_GROUPS)
-    print(f"# weight sync benchmark: local fleet {groups}; work dir {root}")
+    print(f"# weight sync benchmark: local fleet {groups}, one engine thread each; work dir {root}")
+    print(
+        f"# load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores"
+    )
     summary = []
     for size in args.sizes.split(","):
         base = write_size(root / "models", size, 1)
@@ -111,63 +174,49 @@ def main() -> int:
             f"\n## {size}: {n_params / 1e6:.1f} M parameters, "
             f"{sum(p.stat().st_size for p in base.glob('*.safetensors')) / 1e6:.0f} MB BF16"
         )
-        base_times = {f: baseline_convert(upd, f, root) for _, f in LOCAL_GROUPS}
-        slowest_fmt = max(base_times, key=base_times.get)
-        print(
-            "baseline, each format converted alone in this process (all cores): "
-            + ", ".join(f"{f} {t:.2f}s" for f, t in base_times.items())
-        )
         pool = ConversionPool()
         pool.warm()
         work = root / f"fleet-{size}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        rounds = []
+        version = 1
+        row = {"size": size, "params": n_params}
         with local_fleet(work, base, LOCAL_GROUPS, run_id="bench") as fleet:
-            for rep in range(args.reps):
-                ckpt = upd if rep % 2 == 0 else base
-                rounds.append(one_round(fleet, pool, 2 + rep, ckpt))
-        pool.close()
-        print(
-            f"{'rep':>3} {'total':>7} {'convert':>8} {'commit':>7} {'ptrs':>6} | "
-            "per format: convert / stage / pause (update) / seen->active"
-        )
-        for i, rd in enumerate(rounds):
-            res = rd["result"]
-            per = []
-            for g, f in LOCAL_GROUPS:
-                fr = next(x for x in res.formats if x.format == f)
-                a = rd["acts"][g]
-                per.append(
-                    f"{f} {fr.convert_s:.2f}/{a['stage_s']:.2f}/{a['pause_s']:.2f} ({a['update_s']:.2f})"
-                    f"/{a['total_s']:.2f}"
+            for name in configs:
+                # The baseline is measured right before each configuration (the machine is shared).
+                base_times = {f: baseline_convert(upd, f, root) for _, f in LOCAL_GROUPS}
+                slowest_fmt = max(base_times, key=base_times.get)
+                row["slowest"] = base_times[slowest_fmt]
+                print(
+                    "\nbaseline, each format converted alone in this process (all cores): "
+                    + ", ".join(f"{f} {t:.2f}s" for f, t in base_times.items())
                 )
-            print(
-                f"{i:>3} {rd['total_s']:7.2f} {res.convert_wall_s:8.2f} {res.commit_wall_s:7.3f} "
-                f"{res.advance_wall_s:6.3f} | " + "; ".join(per)
-            )
-        total = statistics.median(rd["total_s"] for rd in rounds)
-        pause = statistics.median(max(a["pause_s"] for a in rd["acts"].values()) for rd in rounds)
-        conv = statistics.median(rd["result"].convert_wall_s for rd in rounds)
-        stage = statistics.median(max(a["stage_s"] for a in rd["acts"].values()) for rd in rounds)
-        commit = statistics.median(rd["result"].commit_wall_s + rd["result"].advance_wall_s for rd in rounds)
-        print(
-            f"median: total {total:.2f}s = convert {conv:.2f}s + commit/pointers {commit:.2f}s"
-            f" + activation (stage max {stage:.2f}s, pause max {pause:.2f}s)"
-        )
-        print(
-            f"engine pause / total = {pause / total:.1%} (target <= 5%); total / slowest conversion alone "
-            f"({slowest_fmt} {base_times[slowest_fmt]:.2f}s) = {total / base_times[slowest_fmt]:.2f}x "
-            "(target <= 2x)"
-        )
-        summary.append((size, n_params, total, pause, base_times[slowest_fmt]))
+                mode, activation, stage_mode = CONFIGS[name]
+                for r in fleet.replicas:
+                    fleet.kill_sidecar(r)
+                    fleet.start_sidecar(r, "--activation", activation, "--stage-mode", stage_mode)
+                fleet.wait_ready()
+                rounds = []
+                for rep in range(args.reps):
+                    version += 1
+                    rounds.append(one_round(fleet, pool, version, upd if rep % 2 == 0 else base, mode))
+                row[name] = report(name, rounds, (slowest_fmt, base_times[slowest_fmt]))
+                row[name]["slowest"] = base_times[slowest_fmt]
+        pool.close()
+        summary.append(row)
     if len(summary) > 1:
-        print("\n## scaling with model size")
-        (s0, n0, t0, p0, b0) = summary[0]
-        for size, n, t, p, b in summary:
+        print("\n## scaling with model size (medians)")
+        first = summary[0]
+        for row in summary:
+            cells = ", ".join(
+                f"{name} total {row[name]['total']:.2f}s ({row[name]['total'] / first[name]['total']:.2f}x)"
+                for name in configs
+            )
+            size_x = row["params"] / first["params"]
+            slow_x = row["slowest"] / first["slowest"]
             print(
-                f"{size:8s} {n / 1e6:6.1f} M params ({n / n0:.2f}x): total {t:.2f}s ({t / t0:.2f}x), "
-                f"pause {p:.2f}s ({p / p0:.2f}x), slowest conversion alone {b:.2f}s ({b / b0:.2f}x)"
+                f"{row['size']:8s} {row['params'] / 1e6:6.1f} M params ({size_x:.2f}x): "
+                f"slowest conversion alone {row['slowest']:.2f}s ({slow_x:.2f}x); {cells}"
             )
     return 0
 

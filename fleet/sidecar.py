@@ -16,10 +16,13 @@ SGLang) and is the replica's only public port:
   (copied and checksum-verified, :mod:`weight_sync.stage`), then committed:
   ``/pause_generation {"mode": "in_place"}`` -> ``/update_weights_from_disk {model_path,
   weight_version}`` -> ``/continue_generation``. The active version changes only after the
-  engine reports it. Pending versions coalesce: the newest pointer is the only target, and a
-  staging that a newer pointer overtakes is abandoned. A failure (checksum, engine refusal)
-  keeps the old version serving, is reported (``error`` in status, heartbeat and metrics), and
-  is retried with exponential backoff; a newer pointer is tried at once.
+  engine reports it. (``activation="swap"`` skips the pause for engines that load the new
+  weights fully while serving and swap them between two steps themselves -- the local CPU
+  engine; never for SGLang, whose update must run paused.) Pending versions coalesce: the
+  newest pointer is the only target, and a staging that a newer pointer overtakes is
+  abandoned. A failure (checksum, engine refusal) keeps the old version serving, is reported
+  (``error`` in status, heartbeat and metrics), and is retried with exponential backoff; a
+  newer pointer is tried at once.
 - **Version constraints**: a ``/generate`` body field or header ``min_version`` /
   ``exact_version`` (headers ``X-Mixfleet-Min-Version`` / ``X-Mixfleet-Exact-Version``, or
   ``X-Min-Version`` / ``X-Exact-Version``) that the active version
@@ -78,6 +81,7 @@ BLOCKED = (
     "/shutdown",
 )
 # The router sends X-Mixfleet-Min-Version; the short names are accepted too.
+ACTIVATIONS = ("pause", "swap")
 MIN_HEADERS = ("x-mixfleet-min-version", "x-min-version")
 EXACT_HEADERS = ("x-mixfleet-exact-version", "x-exact-version")
 
@@ -96,6 +100,7 @@ class SidecarConfig:
     router_url: str | None = None
     api_key: str | None = None
     stage_mode: str = "copy"
+    activation: str = "pause"
     stage_rate_bytes_per_s: float | None = None
     poll_s: float = 0.5
     heartbeat_s: float = 1.0
@@ -108,6 +113,8 @@ class SidecarConfig:
             raise ValueError(f"poll_s must be in (0, 1], got {self.poll_s}")
         if self.stage_mode not in STAGE_MODES:
             raise ValueError(f"stage_mode must be one of {STAGE_MODES}, got {self.stage_mode!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
 
 @dataclass(frozen=True)
@@ -394,11 +401,13 @@ class Sidecar:
             t0 = time.perf_counter()
             update_s = 0.0
             refused: str | None = None
-            try:
-                await self._control("/pause_generation", {"mode": "in_place"})
-            except Exception as exc:
-                self._fail(target, f"engine did not pause for version {target}: {exc}")
-                return
+            pause = self.config.activation == "pause"
+            if pause:
+                try:
+                    await self._control("/pause_generation", {"mode": "in_place"})
+                except Exception as exc:
+                    self._fail(target, f"engine did not pause for version {target}: {exc}")
+                    return
             try:
                 t_u = time.perf_counter()
                 r = await self._engine.post(
@@ -413,8 +422,10 @@ class Sidecar:
             except httpx.HTTPError as exc:
                 refused = f"engine unreachable during update: {exc!r}"
             finally:
-                await self._continue_engine()
-            pause_s = time.perf_counter() - t0
+                if pause:
+                    await self._continue_engine()
+            # In swap mode the engine never stops: it swaps between two steps by itself.
+            pause_s = time.perf_counter() - t0 if pause else 0.0
             if refused is not None:
                 self._fail(target, f"engine refused version {target}: {refused}")
                 return

@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy versions next to the engine (default) or verify and load them in place",
     )
     parser.add_argument(
+        "--activation",
+        choices=("pause", "swap"),
+        default="pause",
+        help="pause: /pause_generation in_place -> update -> continue (default, SGLang); swap: update "
+        "without pausing, for engines that load first and swap between steps (the local CPU engine)",
+    )
+    parser.add_argument(
         "--stage-rate-mb",
         type=float,
         default=None,
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         router_url=args.router.rstrip("/") if args.router else None,
         api_key=os.environ.get("MIXFLEET_API_KEY") or None,
         stage_mode=args.stage_mode,
+        activation=args.activation,
         stage_rate_bytes_per_s=args.stage_rate_mb * 1e6 if args.stage_rate_mb else None,
         poll_s=args.poll_s,
         heartbeat_s=args.heartbeat_s,
