@@ -48,6 +48,9 @@ class SequenceCache:
         self.geometry = geometry
         self.length = 0
         self._kv: torch.Tensor | None = None
+        # Per-layer 4-D views [1, kv_heads, capacity, head_dim] of K and V (SDPA's layout).
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
 
     @property
     def capacity(self) -> int:
@@ -62,6 +65,7 @@ class SequenceCache:
     def free(self) -> None:
         """Drop the stored keys and values; afterwards ``length == 0``."""
         self._kv = None
+        self._k, self._v = [], []
         self.length = 0
 
     def reserve(self, needed: int) -> None:
@@ -80,22 +84,23 @@ class SequenceCache:
         if self._kv is not None and self.length:
             kv[:, :, :, : self.length] = self._kv[:, :, :, : self.length]
         self._kv = kv
+        self._k = [kv[i, 0][None] for i in range(self.num_layers)]
+        self._v = [kv[i, 1][None] for i in range(self.num_layers)]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``, ``v`` (``[kv_heads, T, head_dim]``, float32) at positions ``start .. start+T``."""
-        assert self._kv is not None
-        end = start + k.shape[1]
+        """Store ``k``, ``v`` (``[1, kv_heads, T, head_dim]``, float32) at positions ``start .. start+T``
+        (``reserve`` must have made room)."""
+        end = start + k.shape[2]
         if self.dtype == torch.float8_e4m3fn:
             k = k.clamp(-FP8_MAX, FP8_MAX)
             v = v.clamp(-FP8_MAX, FP8_MAX)
-        self._kv[layer, 0, :, start:end] = k
-        self._kv[layer, 1, :, start:end] = v
+        self._k[layer][:, :, start:end] = k
+        self._v[layer][:, :, start:end] = v
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``[0, end)`` of ``layer`` as float32 ``[kv_heads, end, head_dim]``."""
-        assert self._kv is not None
-        k = self._kv[layer, 0, :, :end]
-        v = self._kv[layer, 1, :, :end]
+        """K and V of positions ``[0, end)`` of ``layer``, float32 ``[1, kv_heads, end, head_dim]``."""
+        k = self._k[layer][:, :, :end]
+        v = self._v[layer][:, :, :end]
         if self.dtype != torch.float32:
             k = k.float()
             v = v.float()

@@ -195,6 +195,7 @@ class Model:
         cos, sin = self._cos[positions], self._sin[positions]
         c = self.config
         nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        gqa = nh != nkv
         masks = [_mask(s, n) for s, n in zip(starts, lens, strict=True)]
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
@@ -202,23 +203,24 @@ class Model:
             qkv = _apply(layer.qkv, h)
             q = qkv[:, : nh * d].view(total, nh, d)
             k = qkv[:, nh * d : (nh + nkv) * d].view(total, nkv, d)
-            # Head-major views [heads, N, d]: each sequence's slice is then a view, no copy.
-            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d).transpose(0, 1)
-            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)
-            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)
-            attn = torch.empty(nh, total, d)
+            # 4-D head-major views [1, heads, N, d] (SDPA's layout; 3-D inputs would take its ~10x
+            # slower math fallback): each sequence's part is then a view, not a copy.
+            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d).transpose(0, 1)[None]
+            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)[None]
+            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)[None]
+            attn = torch.empty(1, nh, total, d)
             off = 0
             for cache, s, n, mask in zip(caches, starts, lens, masks, strict=True):
                 if n == 0:
                     continue
                 end = off + n
-                cache.write(li, s, k[:, off:end], v[:, off:end])
+                cache.write(li, s, k[:, :, off:end], v[:, :, off:end])
                 kk, vv = cache.read(li, s + n)
-                attn[:, off:end] = F.scaled_dot_product_attention(
-                    q[:, off:end], kk, vv, attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=nh != nkv
+                attn[:, :, off:end] = F.scaled_dot_product_attention(
+                    q[:, :, off:end], kk, vv, attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=gqa
                 )
                 off = end
-            x = x + layer.o_proj(attn.transpose(0, 1).reshape(total, nh * d))
+            x = x + layer.o_proj(attn[0].transpose(0, 1).reshape(total, nh * d))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if layer.experts is not None:
                 top_idx, top_w = route(h, layer.router, c.num_experts_per_tok, c.norm_topk_prob)
