@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections import deque
 from pathlib import Path
 
 import xxhash
@@ -55,28 +57,78 @@ class HashingWriter:
     Before: ``path`` does not exist (the file is created exclusively). After ``close()``:
     the file holds exactly the bytes written, ``bytes_written`` is its size and ``hexdigest()``
     its sha256. ``fsync=True`` on close makes the contents durable before returning.
+
+    ``background=True`` hashes on a thread of its own, so writing and hashing proceed in
+    parallel (and hashing of one file can overlap writing the next): ``write`` hands each buffer
+    to the hasher, blocking while more than ``max_pending`` bytes wait; ``hexdigest()`` waits for
+    the hasher. Buffers passed to ``write`` must not be modified afterwards.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, background: bool = False, max_pending: int = 64 << 20) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._hash = hashlib.sha256()
         self.bytes_written = 0
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue: deque[memoryview | None] = deque()
+            self._cond = threading.Condition()
+            self._pending = 0
+            self._max_pending = max_pending
+            self._error: BaseException | None = None
+            self._thread = threading.Thread(
+                target=self._hash_loop, name=f"sha256:{self.path.name}", daemon=True
+            )
+            self._thread.start()
+
+    def _hash_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                view = self._queue.popleft()
+            if view is None:
+                return
+            try:
+                self._hash.update(view)
+            except BaseException as exc:  # pragma: no cover - hashlib does not fail on bytes
+                self._error = exc
+            with self._cond:
+                self._pending -= len(view)
+                self._cond.notify_all()
 
     def write(self, data) -> None:
         """Append ``data`` (any contiguous buffer) to the file and the digest."""
         view = memoryview(data).cast("B")
-        self._hash.update(view)
         total = len(view)
+        if self._thread is None:
+            self._hash.update(view)
         done = 0
         while done < total:
             done += os.write(self._fd, view[done:])
         self.bytes_written += total
+        if self._thread is not None and total:
+            with self._cond:
+                while self._pending and self._pending + total > self._max_pending:
+                    self._cond.wait()
+                self._pending += total
+                self._queue.append(view)
+                self._cond.notify_all()
 
     def hexdigest(self) -> str:
+        """The sha256 of everything written (waits for a background hasher to finish)."""
+        if self._thread is not None:
+            if self._thread.is_alive():
+                with self._cond:
+                    self._queue.append(None)
+                    self._cond.notify_all()
+                self._thread.join()
+            if self._error is not None:
+                raise self._error
         return self._hash.hexdigest()
 
     def close(self, *, fsync: bool = False) -> None:
+        """Close the file (the background hasher, if any, may still be running)."""
         if self._fd < 0:
             return
         try:
@@ -91,3 +143,5 @@ class HashingWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+        if self._thread is not None:
+            self.hexdigest()  # stop the hasher thread

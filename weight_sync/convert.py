@@ -590,9 +590,11 @@ def _write_files(plan: Plan, tmp: Path, workers: int, fsync: bool) -> dict[str, 
             pending.append((nxt[:3], pool.submit(nxt[3])))
 
     writer: StreamingWriter | None = None
+    closed: list[tuple[str, StreamingWriter]] = []
     try:
         for fi, (rel, jobs) in enumerate(plan.files):
-            writer = StreamingWriter(tmp / rel, [o for j in jobs for o in j.outputs], {"format": "pt"})
+            outputs = [o for j in jobs for o in j.outputs]
+            writer = StreamingWriter(tmp / rel, outputs, {"format": "pt"}, background_hash=True)
             for ji, job in enumerate(jobs):
                 head = 0
                 tails: list[list[torch.Tensor]] = [[] for _ in job.outputs[1:]]
@@ -616,12 +618,17 @@ def _write_files(plan: Plan, tmp: Path, workers: int, fsync: bool) -> dict[str, 
                         raise RuntimeError(f"{out.name}: produced {size} bytes, expected {out.nbytes}")
                     for p in tail:
                         writer.write(p)
-            sha, size = writer.close(fsync=fsync)
+            writer.close(fsync=fsync)
+            closed.append((rel, writer))
             writer = None
+        for rel, w in closed:
+            sha, size = w.digest()
             entries[rel] = FileEntry(sha256=sha, bytes=size)
     finally:
         if writer is not None:
             writer.abort()
+        for _, w in closed:
+            w.digest()  # stop any hasher still running
         for _, fut in pending:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)

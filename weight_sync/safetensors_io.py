@@ -235,14 +235,23 @@ class StreamingWriter:
 
     Before: ``path`` does not exist. ``write(t)`` appends the next bytes of the data section
     (tensors back to back in the given order); ``close()`` checks that exactly all bytes were
-    written and returns the file's ``(sha256, size)``. Memory: only what the caller passes in.
+    written; ``digest()`` then returns the file's ``(sha256, size)``. With ``background_hash``
+    the sha256 runs on its own thread (see ``HashingWriter``), so it overlaps the writing of this
+    and the next files. Memory: what the caller passes in, plus at most 64 MiB awaiting the hash.
     """
 
-    def __init__(self, path: Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        tensors: list[OutTensor],
+        metadata: dict[str, str] | None = None,
+        *,
+        background_hash: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.tensors = list(tensors)
         self._expected = sum(t.nbytes for t in self.tensors)
-        self._out = HashingWriter(self.path)
+        self._out = HashingWriter(self.path, background=background_hash)
         self._out.write(encode_header(self.tensors, metadata))
         self._header_len = self._out.bytes_written
         self._written = 0
@@ -258,7 +267,7 @@ class StreamingWriter:
             self._out.write(raw.numpy())
         self._written += raw.numel()
 
-    def close(self, *, fsync: bool = False) -> tuple[str, int]:
+    def close(self, *, fsync: bool = False) -> None:
         try:
             if self._written != self._expected:
                 raise RuntimeError(
@@ -266,7 +275,11 @@ class StreamingWriter:
                 )
         finally:
             self._out.close(fsync=fsync)
+
+    def digest(self) -> tuple[str, int]:
+        """``(sha256 hex, size)`` of the closed file (waits for a background hash)."""
         return self._out.hexdigest(), self._out.bytes_written
 
     def abort(self) -> None:
         self._out.close()
+        self._out.hexdigest()

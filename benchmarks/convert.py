@@ -1,0 +1,183 @@
+"""Checkpoint converter throughput and memory: G elements/s per format vs a plain torch copy.
+
+Usage: ``python benchmarks/convert.py [--gib 1.0] [--shard-mib 256] [--formats bf16 fp8 nvfp4 mxfp4]
+[--workers W] [--keep DIR]``
+
+Generates a synthetic BF16 Qwen3-MoE checkpoint of at least ``--gib`` GiB in several shards
+(``tests/support/checkpoints.py``), then, in the same run:
+
+- baseline: ``dst.copy_(src)`` of the same number of bytes in 256 MiB pieces, all threads (the
+  cost of touching the weights once in memory);
+- per format: ``convert_checkpoint`` end to end (read, quantize, write, sha256 every output
+  file, xxh3 of the source, manifest) in a fresh subprocess so that its peak RSS (``VmHWM``)
+  is the conversion's own; the line shows seconds, G source elements/s, the time ratio to the
+  copy (how many plain copies one conversion costs), peak RSS, peak RSS minus the RSS before
+  converting (torch and Python themselves), and that delta over the largest source shard;
+- the floor set by hashing: sha256 of the format's output bytes on one core (the manifest's
+  checksum; it cannot run faster than this on one core, and it shares the two cores with the
+  quantizers).
+
+Prints the load average before and after, since the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+_CHILD = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+from weight_sync.convert import convert_checkpoint
+
+def status_kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+
+src, dst, fmt, workers = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+before = status_kib("VmRSS")
+t0 = time.perf_counter()
+m = convert_checkpoint(Path(src), Path(dst), fmt, workers=None if workers == "auto" else int(workers))
+dt = time.perf_counter() - t0
+# VmHWM: this process's own peak RSS (ru_maxrss would include the parent's RSS at fork).
+out = {"seconds": dt, "rss_before_kib": before, "peak_kib": status_kib("VmHWM"), "bytes": m.total_bytes}
+print(json.dumps(out))
+"""
+
+
+def spec_for(gib: float, shard_mib: int):
+    from tests.support.checkpoints import MoESpec
+
+    base = dict(
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_experts=32,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        mlp_only_layers=(0,),
+        shard_bytes=shard_mib << 20,
+        straddle=False,
+    )
+    per_layer = MoESpec(**base, num_hidden_layers=2).numel() - MoESpec(**base, num_hidden_layers=1).numel()
+    fixed = MoESpec(**base, num_hidden_layers=1).numel()
+    layers = max(2, 1 + math.ceil((gib * 2**30 / 2 - fixed) / per_layer))
+    return MoESpec(**base, num_hidden_layers=layers)
+
+
+def copy_baseline(nbytes: int) -> float:
+    import torch
+
+    piece = 256 << 20
+    src = torch.empty(piece // 2, dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            n = min(piece, nbytes - done) // 2
+            dst[:n].copy_(src[:n])
+            done += n * 2
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def sha256_seconds(directory: Path) -> float:
+    t0 = time.perf_counter()
+    for p in sorted(directory.iterdir()):
+        if p.suffix == ".safetensors":
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (BF16)")
+    p.add_argument("--shard-mib", type=int, default=256)
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "nvfp4", "mxfp4"])
+    p.add_argument("--workers", default="auto", help="conversion threads (default: torch's thread count)")
+    p.add_argument("--keep", type=Path, default=None, help="generate/keep the checkpoint here")
+    args = p.parse_args()
+
+    import torch
+
+    from tests.support.checkpoints import write_checkpoint
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="mixfleet-bench-convert-"))
+    src = root / "src"
+    spec = spec_for(args.gib, args.shard_mib)
+    try:
+        if not (src / "model.safetensors.index.json").exists():
+            t0 = time.perf_counter()
+            write_checkpoint(src, spec)
+            print(f"generated {src} in {time.perf_counter() - t0:.1f}s")
+        shards = sorted(src.glob("*.safetensors"))
+        src_bytes = sum(s.stat().st_size for s in shards)
+        largest = max(s.stat().st_size for s in shards)
+        elems = src_bytes // 2
+        print(
+            f"checkpoint: {spec.num_hidden_layers} layers, {spec.num_experts} experts, "
+            f"hidden {spec.hidden_size}, "
+            f"{elems / 1e9:.3f} G elements, {src_bytes / 2**30:.2f} GiB in {len(shards)} shards "
+            f"(largest {largest / 2**20:.0f} MiB); torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, "
+            f"{os.cpu_count()} cpus; load average {os.getloadavg()[0]:.2f}"
+        )
+        t_copy = copy_baseline(src_bytes)
+        print(
+            f"{'case':10s} {'seconds':>8s} {'G elem/s':>9s} {'x copy':>7s} {'peak RSS':>9s} "
+            f"{'RSS delta':>10s} {'delta/shard':>11s} {'out GiB':>8s} {'sha256 s':>9s}"
+        )
+        print(f"{'copy':10s} {t_copy:8.3f} {elems / t_copy / 1e9:9.3f} {1.0:7.1f}")
+        for fmt in args.formats:
+            dst = root / f"out-{fmt}"
+            shutil.rmtree(dst, ignore_errors=True)
+            r = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(src), str(dst), fmt, str(args.workers)],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+            )
+            if r.returncode != 0:
+                print(f"{fmt}: conversion failed:\n{r.stderr[-2000:]}")
+                return 1
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            dt = res["seconds"]
+            delta = (res["peak_kib"] - res["rss_before_kib"]) * 1024
+            t_hash = sha256_seconds(dst)
+            print(
+                f"{fmt:10s} {dt:8.3f} {elems / dt / 1e9:9.3f} {dt / t_copy:7.1f} "
+                f"{res['peak_kib'] / 1024:8.0f}M {delta / 2**20:9.0f}M {delta / largest:11.2f} "
+                f"{res['bytes'] / 2**30:8.3f} {t_hash:9.3f}"
+            )
+            shutil.rmtree(dst, ignore_errors=True)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
