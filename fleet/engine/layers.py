@@ -91,32 +91,38 @@ class Scratch:
         return out
 
 
+def transposed(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[..., N, K]`` as a contiguous, compact ``[..., K, N]`` (``x @ result`` == ``x @ w.T``;
+    row-major ``[K, N]`` is the faster operand for the small-M products of decoding)."""
+    return compact(w.transpose(-2, -1).contiguous())
+
+
 @dataclass(frozen=True)
 class Linear:
-    """``y = x @ weight.T`` with ``weight`` ``[N, K]`` holding the dequantized checkpoint values
-    (float32, or bfloat16 where exact; see ``compact``).
+    """``y = x @ weight_t`` where ``weight_t`` ``[K, N]`` is the transposed dequantized checkpoint
+    weight (float32, or bfloat16 where exact and widened through ``scratch``; see ``transposed``).
 
     ``fp8_activations``: quantize ``x`` per token per 128 channels first (W8A8 blockwise FP8).
     """
 
-    weight: torch.Tensor
+    weight_t: torch.Tensor
     fp8_activations: bool = False
     scratch: Scratch | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_activations:
             x = quantize_activations_fp8(x)
-        w = self.weight if self.scratch is None else self.scratch.widen(self.weight)
-        return F.linear(x, w.float())
+        w = self.weight_t.float() if self.scratch is None else self.scratch.widen(self.weight_t)
+        return x @ w
 
 
 @dataclass(frozen=True)
 class Experts:
-    """E SwiGLU experts: ``gate_up`` ``[E, 2I, H]`` (gate rows first), ``down`` ``[E, H, I]``
-    (float32, or bfloat16 where exact, widened through ``scratch``)."""
+    """E SwiGLU experts, transposed (see ``transposed``): ``gate_up_t`` ``[E, H, 2I]`` (gate columns
+    first), ``down_t`` ``[E, I, H]``; float32, or bfloat16 where exact, widened through ``scratch``."""
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up_t: torch.Tensor
+    down_t: torch.Tensor
     fp8_activations: bool = False
     scratch: Scratch | None = None
 
@@ -129,11 +135,11 @@ class Experts:
         flat_idx = top_idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         token_of = order // k
-        counts = torch.bincount(flat_idx, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat_idx, minlength=self.gate_up_t.shape[0]).tolist()
         xs = x[token_of]
         if self.fp8_activations:
             xs = quantize_activations_fp8(xs)
-        inter = self.down.shape[2]
+        inter = self.down_t.shape[1]
         out = torch.empty(xs.shape[0], x.shape[1], dtype=x.dtype)
         widen = self.scratch.widen if self.scratch is not None else _as_float
         start = 0
@@ -141,11 +147,11 @@ class Experts:
             if c == 0:
                 continue
             end = start + c
-            gu = F.linear(xs[start:end], widen(self.gate_up[e]))
+            gu = xs[start:end] @ widen(self.gate_up_t[e])
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             if self.fp8_activations:
                 h = quantize_activations_fp8(h)
-            out[start:end] = F.linear(h, widen(self.down[e]))
+            out[start:end] = h @ widen(self.down_t[e])
             start = end
         out.mul_(top_w.reshape(-1)[order, None])
         result = torch.zeros_like(x)

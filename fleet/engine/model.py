@@ -39,11 +39,11 @@ from fleet.engine.layers import (
     Linear,
     Scratch,
     apply_rope,
-    compact,
     rms_norm,
     rope_tables,
     route,
     swiglu,
+    transposed,
 )
 from fleet.engine.weights import CheckpointTensors, LinearWeight, load_checkpoint
 
@@ -54,13 +54,13 @@ def _fuse(parts: list[LinearWeight], scratch: Scratch) -> list[Linear]:
     """One ``Linear`` over the concatenated rows when all parts share a format (same activation
     handling), else one ``Linear`` per part."""
     if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
-        fused = compact(torch.cat([p.weight for p in parts]).contiguous())
+        fused = transposed(torch.cat([p.weight for p in parts]))
         return [Linear(fused, parts[0].fp8_activations, scratch)]
     return [_linear(p, scratch) for p in parts]
 
 
 def _linear(w: LinearWeight, scratch: Scratch) -> Linear:
-    return Linear(compact(w.weight), w.fp8_activations, scratch)
+    return Linear(transposed(w.weight), w.fp8_activations, scratch)
 
 
 def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,7 @@ class Model:
                 fp8_acts = {w.fp8_activations for e in lt.experts for w in e.values()}
                 if len(fp8_acts) != 1:
                     raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
-                experts = Experts(compact(gate_up.contiguous()), compact(down.contiguous()), fp8_acts.pop(),
-                                  scratch)
+                experts = Experts(transposed(gate_up), transposed(down), fp8_acts.pop(), scratch)
             dense = "gate_proj" in lin
             self._layers.append(_Layer(
                 input_norm=lt.plain["input_layernorm"],
