@@ -185,6 +185,11 @@ def _check(path: Path, n: int, digest: str, entry: FileEntry) -> None:
         raise ChecksumError(path, f"sha256 {digest[:16]}... != manifest's {entry.sha256[:16]}...")
 
 
+def _chunk(rate: float | None) -> int:
+    """Read size: large, or about a tenth of a second's worth when the rate is capped."""
+    return _CHUNK if not rate else max(64 << 10, min(_CHUNK, int(rate / 10)))
+
+
 def _throttle(done: int, t0: float, rate: float | None) -> None:
     if rate:
         ahead = done / rate - (time.perf_counter() - t0)
@@ -200,7 +205,7 @@ def _hash_file(
     t0 = time.perf_counter()
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(_chunk(rate)):
                 hasher.update(chunk)
                 n += len(chunk)
                 progress(progress_base + n)
@@ -216,7 +221,7 @@ def _copy_hash(src: Path, dst: Path, entry: FileEntry, base: int, progress, rate
     t0 = time.perf_counter()
     try:
         with open(src, "rb") as fi, open(dst, "wb") as fo:
-            while chunk := fi.read(_CHUNK):
+            while chunk := fi.read(_chunk(rate)):
                 hasher.update(chunk)
                 fo.write(chunk)
                 n += len(chunk)

@@ -4,6 +4,7 @@ real publisher process killed mid-conversion (no pointer moves; the next publish
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -72,6 +73,19 @@ def test_converted_once_per_format_and_republish_is_idempotent(tmp_path, tiny_ba
         publish_checkpoint(store, RUN, 4, tmp_path / "missing", FORMATS, workers=0)
     with pytest.raises(UserError, match="unknown weight format"):
         publish_checkpoint(store, RUN, 4, tiny_base, ["int3"], workers=0)
+
+
+def test_checkpoint_already_on_the_store_filesystem(tmp_path, tiny_base) -> None:
+    """A trainer that wrote its checkpoint onto the store's volume hands over that path."""
+    root = tmp_path / "store"
+    uploaded = root / "uploads" / "step-100"
+    shutil.copytree(tiny_base, uploaded)
+    store = LocalStore(root)
+    result = publish_checkpoint(store, RUN, 1, uploaded, FORMATS, workers=0)
+    assert {f.format for f in result.formats} == set(FORMATS)
+    for f in FORMATS:
+        assert store.read_pointer(RUN, f) == 1 and store.versions(RUN, f) == [1]
+    assert sorted(p.name for p in uploaded.iterdir()) == sorted(p.name for p in tiny_base.iterdir())
 
 
 def test_rollback_publishes_a_new_number_with_old_content(tmp_path, tiny_base, tiny_seed2) -> None:
