@@ -44,7 +44,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAGIC_TURN = b"MFT"
@@ -223,6 +223,24 @@ def _json(obj: Any, out: bytearray) -> None:
 # ---------------------------------------------------------------- turns
 
 
+def _round(values: Sequence[float | None], fmt: str) -> list[float]:
+    flat = [math.nan if v is None else v for v in values]
+    return list(struct.unpack(f"<{len(flat)}{fmt}", struct.pack(f"<{len(flat)}{fmt}", *flat)))
+
+
+def as_stored(turn: TurnData, *, f16: bool = False) -> TurnData:
+    """``turn`` with its floats rounded exactly as :func:`encode_turn` stores them (so an API
+    can answer with what it recorded without decoding it again)."""
+    fmt = "e" if f16 else "f"
+    return replace(
+        turn,
+        logprobs=_round(turn.logprobs, "f"),
+        raw_logprobs=[None if math.isnan(x) else x for x in _round(turn.raw_logprobs, "f")],
+        support_logprobs=[_round(lps, fmt) if lps else [] for lps in turn.support_logprobs],
+    )
+
+
+
 def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
     """Encode one turn. ``f16`` stores support log-probs as float16 (lossy, ~3 significant digits).
 
@@ -256,13 +274,11 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
     for ids, lps in zip(turn.support_ids, turn.support_logprobs, strict=True):
         if not ids:
             continue
-        gaps = [ids[0]]
-        prev = ids[0]
-        for x in ids[1:]:
-            if x <= prev:
-                raise ValueError(f"support ids must be strictly increasing, got {prev} then {x}")
-            gaps.append(x - prev - 1)
-            prev = x
+        gaps = [b - a - 1 for a, b in zip(ids, ids[1:], strict=False)]
+        if gaps and min(gaps) < 0:
+            bad = next(i for i, g in enumerate(gaps) if g < 0)
+            raise ValueError(f"support ids must be strictly increasing, got {ids[bad]} then {ids[bad + 1]}")
+        gaps.insert(0, ids[0])
         _varints(gaps, out)
         flat_lp.extend(lps)
     out += struct.pack(f"<{len(flat_lp)}{'e' if f16 else 'f'}", *flat_lp)

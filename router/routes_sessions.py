@@ -14,7 +14,7 @@ from router.auth import require
 from router.context import RouterContext
 from router.dispatch import assign_group, run_turn
 from router.errors import ApiError
-from router.records import decode_turn, encode_turn
+from router.records import as_stored, decode_turn, encode_turn
 from router.schemas import (
     CreateSession,
     Finished,
@@ -97,7 +97,6 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
     request_id = uuid.uuid4().hex
     index = session.n_turns if body.turn is None else body.turn
     n = len(result.turn.output_ids)
-    blob = b""
     for _ in range(64):
         turn = replace(result.turn, turn=index)
         blob = encode_turn(turn, f16=ctx.config.f16_support_logprobs)
@@ -130,7 +129,8 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
     ctx.metrics.turns.labels(result.group).inc()
     ctx.metrics.tokens.labels(result.group).inc(n)
     # answer with exactly what was stored (float32 / float16 log-probs), not the engine's float64s
-    return JSONResponse(decode_turn(blob).to_json(session_id, with_input=False))
+    stored = as_stored(replace(result.turn, turn=index), f16=ctx.config.f16_support_logprobs)
+    return JSONResponse(stored.to_json(session_id, with_input=False))
 
 
 @router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")

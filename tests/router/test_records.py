@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from router.records import (
     RecordFormatError,
     TurnData,
+    as_stored,
     decode_batch,
     decode_turn,
     decode_turn_header,
@@ -54,12 +55,14 @@ def turns(draw) -> TurnData:
 def test_turn_round_trip_f32_is_exact(t: TurnData) -> None:
     back = decode_turn(encode_turn(t))
     assert back.to_json() == t.to_json()
+    assert as_stored(t).to_json() == back.to_json()
 
 
 @settings(max_examples=100, deadline=None)
 @given(turns())
 def test_turn_round_trip_f16_rounds_support_logprobs_only(t: TurnData) -> None:
     back = decode_turn(encode_turn(t, f16=True))
+    assert as_stored(t, f16=True).to_json() == back.to_json()
     assert list(back.output_ids) == list(t.output_ids)
     assert list(back.logprobs) == list(t.logprobs)  # token log-probs stay float32
     for got, want in zip(back.support_logprobs, t.support_logprobs, strict=True):
