@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -51,6 +52,7 @@ from router.auth import require, scopes_for
 from weight_sync.errors import UserError
 
 _bearer = HTTPBearer(auto_error=False)
+log = logging.getLogger("mixfleet.router.weights")
 MAX_JOBS_KEPT = 50
 
 
@@ -282,8 +284,12 @@ def create_weights_router(
 
     async def ensure_synced(request: Request) -> None:
         """Adopt the store's newest pointer (publishes that bypassed this router count too)."""
-        with contextlib.suppress(HTTPException):
+        try:
             await sync_latest_version(request.app, service)
+        except HTTPException:
+            raise
+        except Exception as exc:  # an unreadable pointer must not hide the rest of the status
+            log.warning("cannot read the store's pointers: %s", exc)
 
     async def finish(request: Request, job: Job, work) -> None:
         try:
@@ -310,7 +316,7 @@ def create_weights_router(
     @router.post("/v1/weights", status_code=202, dependencies=admin)
     async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
         """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
-        from weight_sync.publish import check_formats, next_version, publish_checkpoint
+        from weight_sync.publish import check_formats, latest_version, next_version, publish_checkpoint
 
         store = service.store()
         await ensure_synced(request)
@@ -327,6 +333,13 @@ def create_weights_router(
         except UserError as exc:
             raise HTTPException(400, str(exc)) from None
         version = body.version if body.version is not None else next_version(store, run_id, formats)
+        current = latest_version(store, run_id, formats)
+        if current is not None and version < current:
+            raise HTTPException(
+                409,
+                f"version {version} is older than run {run_id!r}'s current version {current} "
+                "(pointers never move backwards; publish a newer number or roll back with a new one)",
+            )
         job = service.start_job("publish", run_id, version)
 
         def work():
@@ -426,7 +439,10 @@ def create_weights_router(
         fleet = ctx.config.fleet
         formats = list(fleet.formats)
         latest = ctx.latest_version()
-        fmt_view = await asyncio.to_thread(_formats_view, store, run_id, formats)
+        try:
+            fmt_view = await asyncio.to_thread(_formats_view, store, run_id, formats)
+        except UserError as exc:
+            raise HTTPException(503, f"the weight store is unreadable: {exc}") from None
         replicas = _replicas(ctx)
         details = await _replica_details([r["url"] for r in replicas])
         groups = []

@@ -219,6 +219,15 @@ def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None
     assert r.status_code == 400 and "does not exist" in r.json()["detail"]
     r = httpx.post(live.router.url + "/v1/weights", json={"checkpoint": str(tiny_seed2)})
     assert r.status_code == 401
+    r = httpx.post(
+        live.router.url + "/v1/weights", headers=live.h, json={"checkpoint": str(tiny_seed2), "version": 1}
+    )
+    assert r.status_code == 409 and "never move backwards" in r.json()["detail"]
+    r = httpx.post(
+        live.router.url + "/v1/weights", headers=live.h, json={"checkpoint": "x", "formats": ["int3"]}
+    )
+    assert r.status_code == 422 and "formats" in r.json()["detail"]
+    assert httpx.get(live.router.url + "/v1/weights/jobs/nope", headers=live.h).status_code == 404
 
 
 @pytest.mark.timeout(240)
