@@ -104,8 +104,8 @@ HF_QUANT_NAME = "hf_quant_config.json"
 FP8_BLOCK = 128
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
-CHUNK_ELEMS = 1 << 21  # elements per conversion task (about 4 MiB of BF16)
-COPY_CHUNK = 8 << 20  # bytes per pass-through copy task
+CHUNK_ELEMS = 1 << 20  # elements per conversion task (2 MiB of BF16: cache-friendly, little overhead)
+COPY_CHUNK = 2 << 20  # bytes per pass-through copy task
 PRODUCER = {"name": "modelopt", "version": "0.0.0+mixfleet"}
 # Top-level files of the source that the converter writes itself instead of copying.
 _NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, HF_QUANT_NAME}
@@ -264,13 +264,29 @@ class Plan:
 
 
 class _GroupScales:
-    """nvfp4 global scales of fusion groups, computed once each from all members (thread-safe)."""
+    """nvfp4 global scales of fusion groups, computed once each from all members (thread-safe).
 
-    def __init__(self, reader: TensorReader, nvfp4: Any) -> None:
+    Members are read in row chunks: ``global_scale`` of a group is the maximum of the chunks'
+    ``global_scale`` (division by 6*448 is monotonic, so max-of-quotients is the quotient of the
+    joint amax exactly), so memory stays one chunk whatever the group's size.
+    """
+
+    def __init__(self, reader: TensorReader, nvfp4: Any, chunk_elems: int) -> None:
         self._reader = reader
         self._nvfp4 = nvfp4
+        self._chunk_elems = chunk_elems
         self._lock = threading.Lock()
         self._futures: dict[tuple, Future] = {}
+
+    def _compute(self, members: list[TensorEntry]) -> torch.Tensor:
+        best = None
+        for m in members:
+            rows = max(1, self._chunk_elems // m.shape[1])
+            for r0, r1 in _row_ranges(m.shape[0], rows):
+                with _named(m):
+                    gs = self._nvfp4.global_scale(self._reader.read_rows(m, r0, r1))
+                best = gs if best is None or gs > best else best
+        return best
 
     def get(self, key: tuple, members: list[TensorEntry]) -> torch.Tensor:
         with self._lock:
@@ -280,12 +296,20 @@ class _GroupScales:
                 fut = self._futures[key] = Future()
         if owner:
             try:
-                ws = [self._reader.read_rows(m) for m in members]
-                fut.set_result(self._nvfp4.global_scale(*ws))
+                fut.set_result(self._compute(members))
             except BaseException as exc:
                 fut.set_exception(exc)
                 raise
         return fut.result()
+
+
+@contextlib.contextmanager
+def _named(e: TensorEntry) -> Iterator[None]:
+    """Turn a quantizer's ``ValueError`` (NaN/Inf weights, ...) into a ``UserError`` naming the tensor."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UserError(f"{e.file}: tensor {e.name!r}: {exc}") from None
 
 
 def _row_ranges(n: int, rows: int) -> Iterator[tuple[int, int]]:
@@ -430,7 +454,7 @@ class _Planner:
         if fmt == "nvfp4":
             from weight_sync.formats import nvfp4
 
-            self.scales = _GroupScales(reader, nvfp4)
+            self.scales = _GroupScales(reader, nvfp4, self.chunk_elems)
 
     def plan(self) -> Plan:
         src = self.source
@@ -485,7 +509,8 @@ class _Planner:
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[torch.Tensor | None]:
-                q = fp8.quantize(read(e, r0, r1))
+                with _named(e):
+                    q = fp8.quantize(read(e, r0, r1))
                 return [q["weight"], q["weight_scale_inv"]]
 
             return run
@@ -511,7 +536,8 @@ class _Planner:
         def task(r0: int, r1: int) -> Task:
             def run() -> list[torch.Tensor | None]:
                 gs = scales.get(key, members)
-                q = nvfp4.quantize(read(e, r0, r1), weight_scale_2=gs)
+                with _named(e):
+                    q = nvfp4.quantize(read(e, r0, r1), weight_scale_2=gs)
                 first = r0 == 0
                 return [
                     q["weight"],
@@ -538,7 +564,8 @@ class _Planner:
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[torch.Tensor | None]:
-                q = mxfp4.quantize(read(e, r0, r1))
+                with _named(e):
+                    q = mxfp4.quantize(read(e, r0, r1))
                 return [q["blocks"], q["scales"]]
 
             return run

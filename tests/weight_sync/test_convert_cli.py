@@ -100,6 +100,14 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
     save_file(mine, str(shard))
     case("non_bf16_tensor", "bf16", d, f"tensor '{victim}' is F32, not BF16")
 
+    d = _copy(ckpt, root, "nan")
+    shard = d / "model-00001-of-00002.safetensors"
+    mine = {k: v for k, v in load_all(d).items() if index[k] == shard.name}
+    victim = sorted(k for k in mine if k.endswith("o_proj.weight"))[0]
+    mine[victim][3, 5] = float("nan")
+    save_file(mine, str(shard))
+    case("nan_in_weight", "fp8", d, f"tensor '{victim}': fp8.quantize: tensor of shape")
+
     d = root / "k168"
     write_checkpoint(d, MoESpec(hidden_size=168, head_dim=42, shards=1))
     case("k_not_divisible_nvfp4", "nvfp4", d, "not divisible by the NVFP4 group size 16")
@@ -168,6 +176,7 @@ BAD_CASES = [
     "unknown_architecture",
     "already_quantized",
     "non_bf16_tensor",
+    "nan_in_weight",
     "k_not_divisible_nvfp4",
     "k_not_divisible_mxfp4",
     "truncated_safetensors",
