@@ -1,4 +1,4 @@
-"""The ``mixfleet`` command line.
+"""mixfleet: a serverless sampler fleet for asynchronous LLM RL.
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; the module's docstring's first line is the command's help. Modules are
