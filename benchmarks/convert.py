@@ -15,7 +15,10 @@ Generates a synthetic BF16 Qwen3-MoE checkpoint of at least ``--gib`` GiB in sev
   converting (torch and Python themselves), and that delta over the largest source shard;
 - the floor set by hashing: sha256 of the format's output bytes on one core (the manifest's
   checksum; it cannot run faster than this on one core, and it shares the two cores with the
-  quantizers).
+  quantizers);
+- CPU seconds (all threads) of the copy and of each conversion, and G elements per CPU-second:
+  on a shared, loaded machine wall times swing with other tenants, CPU time much less; twice the
+  per-CPU-second rate bounds what two idle cores can do.
 
 Prints the load average before and after, since the machine is shared.
 """
@@ -50,11 +53,12 @@ def status_kib(key):
 
 src, dst, fmt, workers = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 before = status_kib("VmRSS")
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 m = convert_checkpoint(Path(src), Path(dst), fmt, workers=None if workers == "auto" else int(workers))
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 # VmHWM: this process's own peak RSS (ru_maxrss would include the parent's RSS at fork).
-out = {"seconds": dt, "rss_before_kib": before, "peak_kib": status_kib("VmHWM"), "bytes": m.total_bytes}
+out = {"seconds": dt, "cpu": cpu, "rss_before_kib": before, "peak_kib": status_kib("VmHWM")}
+out["bytes"] = m.total_bytes
 print(json.dumps(out))
 """
 
@@ -81,23 +85,24 @@ def spec_for(gib: float, shard_mib: int):
     return MoESpec(**base, num_hidden_layers=layers)
 
 
-def copy_baseline(nbytes: int) -> float:
+def copy_baseline(nbytes: int) -> tuple[float, float]:
     import torch
 
     piece = 256 << 20
     src = torch.empty(piece // 2, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         done = 0
         while done < nbytes:
             n = min(piece, nbytes - done) // 2
             dst[:n].copy_(src[:n])
             done += n * 2
         best = min(best, time.perf_counter() - t0)
-    return best
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    return best, best_cpu
 
 
 def sha256_seconds(directory: Path) -> float:
@@ -144,12 +149,16 @@ def main() -> int:
             f"{torch.get_num_threads()} threads, "
             f"{os.cpu_count()} cpus; load average {os.getloadavg()[0]:.2f}"
         )
-        t_copy = copy_baseline(src_bytes)
+        t_copy, cpu_copy = copy_baseline(src_bytes)
         print(
-            f"{'case':10s} {'seconds':>8s} {'G elem/s':>9s} {'x copy':>7s} {'peak RSS':>9s} "
-            f"{'RSS delta':>10s} {'delta/shard':>11s} {'out GiB':>8s} {'sha256 s':>9s}"
+            f"{'case':10s} {'seconds':>8s} {'G elem/s':>9s} {'x copy':>7s} {'cpu s':>7s} {'G el/cpu-s':>10s} "
+            f"{'x copy cpu':>10s} {'peak RSS':>9s} {'RSS delta':>10s} {'delta/shard':>11s} {'out GiB':>8s} "
+            f"{'sha256 s':>9s}"
         )
-        print(f"{'copy':10s} {t_copy:8.3f} {elems / t_copy / 1e9:9.3f} {1.0:7.1f}")
+        print(
+            f"{'copy':10s} {t_copy:8.3f} {elems / t_copy / 1e9:9.3f} {1.0:7.1f} {cpu_copy:7.2f} "
+            f"{elems / cpu_copy / 1e9:10.3f} {1.0:10.1f}"
+        )
         for fmt in args.formats:
             dst = root / f"out-{fmt}"
             shutil.rmtree(dst, ignore_errors=True)
@@ -166,8 +175,10 @@ def main() -> int:
             dt = res["seconds"]
             delta = (res["peak_kib"] - res["rss_before_kib"]) * 1024
             t_hash = sha256_seconds(dst)
+            cpu = res["cpu"]
             print(
-                f"{fmt:10s} {dt:8.3f} {elems / dt / 1e9:9.3f} {dt / t_copy:7.1f} "
+                f"{fmt:10s} {dt:8.3f} {elems / dt / 1e9:9.3f} {dt / t_copy:7.1f} {cpu:7.2f} "
+                f"{elems / cpu / 1e9:10.3f} {cpu / cpu_copy:10.1f} "
                 f"{res['peak_kib'] / 1024:8.0f}M {delta / 2**20:9.0f}M {delta / largest:11.2f} "
                 f"{res['bytes'] / 2**30:8.3f} {t_hash:9.3f}"
             )
