@@ -1,1 +1,10 @@
+"""Bit-exact weight formats: ``bf16``, ``fp8`` (128x128 blocks), ``nvfp4`` (ModelOpt), ``mxfp4`` (OCP MX).
 
+Each format is a module with ``quantize(w) -> dict[str, Tensor]`` and ``dequantize(dict) -> float32``
+(``nvfp4`` also has ``global_scale``); ``fp4`` holds the E2M1 element code they share. Pure torch,
+CPU, importing nothing else from the project.
+"""
+
+from __future__ import annotations
+
+FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")

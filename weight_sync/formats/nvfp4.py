@@ -1,0 +1,184 @@
+"""NVFP4 weights as NVIDIA ModelOpt exports them and SGLang's ``modelopt_fp4`` loads them.
+
+Two-level scaling (ModelOpt ``NVFP4QTensor``): a per-tensor ``weight_scale_2`` and one
+``float8_e4m3fn`` scale per 16 consecutive elements along K, E2M1 codes packed two per byte.
+
+- ``weight_scale_2 = amax(|W|).float() / (6 * 448)`` (float32). Projections that SGLang fuses
+  (q/k/v; gate/up of one MLP or expert) share one, from their joint amax: ``global_scale``.
+- per group: ``s = amax_g.float() / (6 * weight_scale_2)``; ``s = 1.0`` where ``s == 0`` (an all-zero
+  group, or one so small against the tensor's amax that the quotient underflows);
+  ``s = clamp(s, min=2**-9)`` (smallest e4m3 subnormal, so no scale underflows to 0);
+  ``weight_scale = s.to(float8_e4m3fn)`` (round to nearest even).
+- codes: ``q = x.float() / (weight_scale.float() * weight_scale_2)`` then E2M1 round to nearest
+  even, saturating at 6; sign bit iff ``q < 0`` (``-0.0`` gives 0x0). Low nibble = even index.
+- ``input_scale = 1.0`` (the groups run NVFP4 weights with BF16 activations).
+
+Every division above is an IEEE float32 division (what torch computes on CPU, and ModelOpt on
+CPU). Beyond ModelOpt: a tensor that is all zeros gets ``weight_scale_2 = 0``, scales 1.0 and
+zero codes (ModelOpt divides 0 by 0 there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weight_sync.formats import _common
+from weight_sync.formats.fp4 import Encoder
+
+GROUP = 16
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+SCALE_MIN = 2.0**-9
+
+
+def _joint_amax(ws: tuple[torch.Tensor, ...], where: str) -> torch.Tensor:
+    """Exact ``max |x|`` over every element of ``ws`` as a float32 0-dim tensor (NaN/Inf raise)."""
+    best = torch.zeros((), dtype=torch.float32)
+    for w in ws:
+        w = _common.check_weight(w, where)
+        top = _common.abs_max_bits(w).view(1)
+        _common.raise_if_nonfinite(top, w.dtype, w, where)
+        best = torch.maximum(best, _common.bits_to_float(top, w.dtype).view(()))
+    return best
+
+
+def global_scale(*ws: torch.Tensor) -> torch.Tensor:
+    """``weight_scale_2`` shared by ``ws``: their joint ``amax(|W|)`` / (6 * 448), float32 0-dim.
+
+    Pass every tensor that SGLang fuses into one projection. NaN/Inf or non-float inputs raise
+    ``ValueError``; no tensors at all raise ``ValueError``.
+    """
+    if not ws:
+        raise ValueError("nvfp4.global_scale: needs at least one tensor")
+    return _joint_amax(ws, "nvfp4.global_scale") / (E2M1_MAX * FP8_MAX)
+
+
+def _as_scale_2(value: object) -> torch.Tensor:
+    """A given ``weight_scale_2`` as float32 0-dim; ``ValueError`` unless finite, >= 0 and float32-exact."""
+    where = "nvfp4.quantize"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"{where}: weight_scale_2 must be a one-element float tensor, got {_common.describe(value)}"
+            )
+        exact = value.detach().reshape(()).cpu()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        exact = torch.tensor(float(value), dtype=torch.float64)
+    else:
+        raise ValueError(f"{where}: weight_scale_2 must be a tensor or a number, got {type(value).__name__}")
+    ws2 = exact.to(torch.float32)
+    if not bool(torch.isfinite(ws2)) or float(ws2) < 0 or float(ws2) != float(exact):
+        raise ValueError(f"{where}: weight_scale_2={float(exact)!r} is not a finite non-negative float32")
+    return ws2
+
+
+def _check_covers(ws2: torch.Tensor, amax: torch.Tensor, w: torch.Tensor) -> None:
+    """``ValueError`` unless ``ws2 >= amax / (6 * 448)``, i.e. no group scale exceeds 448."""
+    needed = amax / (E2M1_MAX * FP8_MAX)
+    if float(ws2) < float(needed):
+        raise ValueError(
+            f"nvfp4.quantize: weight_scale_2={float(ws2)!r} is smaller than amax/(6*448)={float(needed)!r} "
+            f"of the tensor of {_common.describe(w)}; compute it with nvfp4.global_scale over every "
+            "tensor sharing it"
+        )
+
+
+def quantize(
+    w: torch.Tensor, weight_scale_2: torch.Tensor | float | None = None
+) -> dict[str, torch.Tensor]:
+    """NVFP4 tensors of ``w`` (``[..., K]``, K a multiple of 16; bf16, f16 or f32).
+
+    Returns ``weight`` uint8 ``[..., K/2]``, ``weight_scale`` float8_e4m3fn ``[..., K/16]``,
+    ``weight_scale_2`` float32 0-dim and ``input_scale`` float32 0-dim (1.0), bit-exact to the
+    rules in the module docstring. ``weight_scale_2`` defaults to ``global_scale(w)``; a given one
+    must be at least that (it comes from ``global_scale`` over a set containing ``w``). Bad shapes,
+    dtypes, NaN/Inf or a too-small ``weight_scale_2`` raise ``ValueError``.
+    """
+    where = "nvfp4.quantize"
+    w = _common.check_weight(w, where)
+    _common.check_groups(w, GROUP, where)
+    lead, k = tuple(w.shape[:-1]), w.shape[-1]
+    x = w.view(-1, GROUP)
+    n_groups = x.shape[0]
+    packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
+    scale = torch.empty(n_groups, dtype=torch.float8_e4m3fn)
+    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
+    cap = min(n_groups, step)
+    group_max = _common.GroupMax(w.dtype, GROUP, cap * GROUP)
+    itype = _common.int_view(w.dtype)
+    if weight_scale_2 is None:  # two passes: the tensor's amax first
+        amax_bits = torch.empty(n_groups, dtype=itype)
+        for g0 in range(0, n_groups, step):
+            g1 = min(n_groups, g0 + step)
+            group_max.bits_(x[g0:g1], amax_bits[g0:g1])
+        _common.raise_if_nonfinite(amax_bits, w.dtype, w, where)
+        top = amax_bits.max().view(1) if n_groups else torch.zeros(1, dtype=itype)
+        ws2 = _common.bits_to_float(top, w.dtype).view(()) / (E2M1_MAX * FP8_MAX)
+    else:  # one pass; each chunk checks the given scale against its own amax
+        amax_bits = torch.empty(cap, dtype=itype)
+        ws2 = _as_scale_2(weight_scale_2)
+    six_ws2 = E2M1_MAX * ws2
+    enc = Encoder(cap * GROUP)
+    for g0 in range(0, n_groups, step):
+        g1 = min(n_groups, g0 + step)
+        if weight_scale_2 is None:
+            bits = amax_bits[g0:g1]
+        else:
+            bits = group_max.bits_(x[g0:g1], amax_bits[: g1 - g0])
+            _common.raise_if_nonfinite(bits, w.dtype, w, where)
+        amax_g = _common.bits_to_float(bits, w.dtype)
+        if weight_scale_2 is not None:
+            _check_covers(ws2, amax_g.max(), w)
+        if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
+            scale[g0:g1] = 1.0
+            packed[g0:g1] = 0
+            continue
+        s = amax_g / six_ws2
+        s = torch.where(s == 0, 1.0, s)  # ModelOpt: zero (or underflowed) group scales become 1.0
+        # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
+        s8 = scale[g0:g1]
+        s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
+        divisor = s8.float().mul_(ws2)  # one float32 product per group, as ModelOpt
+        m = (g1 - g0) * GROUP
+        q = enc.q[:m].view(g1 - g0, GROUP)
+        q.copy_(x[g0:g1])  # exact widening to float32
+        torch.div(q, divisor[:, None], out=q)  # IEEE float32 division
+        enc.sign_from_q_(m, negative_zero_sign=False)
+        enc.codes_(m)
+        enc.pack_(m, packed[g0:g1])
+    return {
+        "weight": packed.view(*lead, k // 2),
+        "weight_scale": scale.view(*lead, k // GROUP),
+        "weight_scale_2": ws2.reshape(()).clone(),
+        "input_scale": torch.tensor(1.0, dtype=torch.float32),
+    }
+
+
+def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Float32 ``[..., K]`` from ``quantize``'s tensors: ``E2M1(code) * (scale.float() * weight_scale_2)``.
+
+    The per-group factor is one float32 product, then one float32 product per element (ModelOpt's
+    order). ``input_scale`` is ignored. Wrong dtypes or shapes raise ``ValueError``.
+    """
+    from weight_sync.formats.fp4 import decode_packed
+
+    where = "nvfp4.dequantize"
+    try:
+        weight, scale, ws2 = d["weight"], d["weight_scale"], d["weight_scale_2"]
+    except KeyError as e:
+        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
+    if weight.dtype != torch.uint8 or weight.dim() < 1:
+        raise ValueError(f"{where}: weight must be uint8 [..., K/2], got {_common.describe(weight)}")
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{where}: weight_scale must be float8_e4m3fn, got {_common.describe(scale)}")
+    k = weight.shape[-1] * 2
+    if k % GROUP or tuple(scale.shape) != (*weight.shape[:-1], k // GROUP):
+        raise ValueError(
+            f"{where}: weight_scale {_common.describe(scale)} does not match weight "
+            f"{_common.describe(weight)} (expected shape {(*weight.shape[:-1], k // GROUP)})"
+        )
+    if not isinstance(ws2, torch.Tensor) or ws2.numel() != 1:
+        raise ValueError(f"{where}: weight_scale_2 must be a one-element tensor")
+    factor = scale.float() * ws2.reshape(()).float()
+    values = decode_packed(weight.contiguous()).view(*weight.shape[:-1], k // GROUP, GROUP)
+    return (values * factor.unsqueeze(-1)).view(*weight.shape[:-1], k)
