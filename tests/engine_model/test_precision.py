@@ -1,0 +1,197 @@
+"""Each group's precision as the engine emulates it, on directories made by the real converter.
+
+- Per-format KL: next-token distributions of the fp8 / nvfp4 / mxfp4 checkpoints (and of the BF16
+  checkpoint with an FP8 KV cache) against the BF16 engine on the same prefixes, printed, with
+  the orderings the formats imply asserted (not accidental: per sequence, with margins).
+- W4A16 formats compute exactly with their dequantized weights: transformers' float32 forward
+  of a checkpoint holding those weights gives the same logits.
+- FP8 runs W8A8: activation quantization matches an independent per-token-group reference and
+  changes the logits beyond what the weights alone do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleet.engine.model import load_model
+from fleet.engine.weights import load_checkpoint
+from tests.support.models import make_model_dir
+
+QUANTIZED = ("fp8", "nvfp4", "mxfp4")
+N_SEQ, SEQ_LEN = 8, 48
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2024)
+    return [torch.randint(0, 256, (SEQ_LEN,), generator=g) for _ in range(N_SEQ)]
+
+
+def _logprobs(model, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Next-token log-probs ``[N_SEQ, SEQ_LEN, V]`` for every prefix of every prompt."""
+    out = model.forward(prompts, [model.new_sequence() for _ in prompts])
+    return torch.log_softmax(torch.stack(out).double(), dim=-1)
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per sequence (mean over positions), from log-probs."""
+    return (p.exp() * (p - q)).sum(-1).mean(-1)
+
+
+@pytest.fixture(scope="module")
+def kl_table(model_root: Path, prompts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    base_dir = make_model_dir(model_root, "tiny", "bf16")
+    base = _logprobs(load_model(base_dir), prompts)
+    table = {"bf16": _kl(base, _logprobs(load_model(base_dir), prompts))}
+    for fmt in QUANTIZED:
+        model = load_model(make_model_dir(model_root, "tiny", fmt))
+        assert model.precision == fmt
+        table[fmt] = _kl(base, _logprobs(model, prompts))
+    table["bf16+fp8kv"] = _kl(base, _logprobs(load_model(base_dir, kv_cache_dtype="fp8_e4m3"), prompts))
+    return table
+
+
+def test_print_kl_table(kl_table: dict[str, torch.Tensor], capsys: pytest.CaptureFixture) -> None:
+    with capsys.disabled():
+        print(f"\nKL(bf16 engine || format), tiny preset, {N_SEQ} prompts x {SEQ_LEN} prefixes:")
+        for name, per_seq in kl_table.items():
+            print(f"  {name:<11} mean {per_seq.mean().item():.3e}   per-prompt min {per_seq.min().item():.3e}"
+                  f"  max {per_seq.max().item():.3e}")
+    assert set(kl_table) == {"bf16", *QUANTIZED, "bf16+fp8kv"}
+
+
+def test_bf16_against_itself_is_exactly_zero(kl_table: dict[str, torch.Tensor]) -> None:
+    assert torch.equal(kl_table["bf16"], torch.zeros(N_SEQ, dtype=torch.float64))
+
+
+def test_every_quantized_format_differs_from_bf16(kl_table: dict[str, torch.Tensor]) -> None:
+    for name in (*QUANTIZED, "bf16+fp8kv"):
+        assert (kl_table[name] > 1e-7).all(), name
+
+
+def test_four_bit_formats_differ_more_than_fp8(kl_table: dict[str, torch.Tensor]) -> None:
+    # FP8 e4m3 (3 mantissa bits; relative rounding <= 2^-4) perturbs each weight several times
+    # less than E2M1 (1 mantissa bit) with 16- (NVFP4) or 32-element (MXFP4, power-of-two scales)
+    # groups, and KL grows with the square of the perturbation. FP8 also quantizes activations and
+    # MXFP4 only touches the experts, so the margin is smaller than the weights alone suggest
+    # (measured on tiny: fp8 8e-3, mxfp4 1.9e-2, nvfp4 3.0e-2). Required on every prompt (8 of 8;
+    # 1/256 by chance) and by a factor 1.5 on average.
+    fp8 = kl_table["fp8"]
+    for fmt in ("nvfp4", "mxfp4"):
+        assert (kl_table[fmt] > fp8).all(), fmt
+        assert kl_table[fmt].mean() > 1.5 * fp8.mean(), fmt
+
+
+def test_fp8_kv_cache_differs_less_than_fp8_weights(kl_table: dict[str, torch.Tensor]) -> None:
+    # Only K and V pass through e4m3 (values of order 1, so relative rounding ~2^-4); the weights
+    # and activations of every projection stay exact.
+    assert kl_table["bf16+fp8kv"].mean() < kl_table["fp8"].mean()
+
+
+def _write_dequantized(src: Path, dst: Path) -> Path:
+    """A float32 HF checkpoint holding the weights the engine dequantized from ``src``."""
+    from safetensors.torch import save_file
+
+    from fleet.engine.config import ModelConfig
+
+    config = ModelConfig.from_dir(src)
+    ct = load_checkpoint(src, config)
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": ct.embed,
+        "model.norm.weight": ct.final_norm,
+        "lm_head.weight": ct.lm_head.weight,
+    }
+    for i, layer in enumerate(ct.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = layer.plain["input_layernorm"]
+        t[p + "post_attention_layernorm.weight"] = layer.plain["post_attention_layernorm"]
+        t[p + "self_attn.q_norm.weight"] = layer.plain["q_norm"]
+        t[p + "self_attn.k_norm.weight"] = layer.plain["k_norm"]
+        for name, w in layer.linears.items():
+            module = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            t[f"{p}{module}.{name}.weight"] = w.weight
+        if "gate" in layer.plain:
+            t[p + "mlp.gate.weight"] = layer.plain["gate"]
+        for e, ex in enumerate(layer.experts):
+            for name, w in ex.items():
+                t[p + f"mlp.experts.{e}.{name}.weight"] = w.weight
+    dst.mkdir()
+    save_file({k: v.contiguous() for k, v in t.items()}, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_w4a16_formats_compute_with_dequantized_weights(model_root: Path, tmp_path: Path, fmt: str) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    src = make_model_dir(model_root, "tiny", fmt)
+    ref_dir = _write_dequantized(src, tmp_path / "deq")
+    ids = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(3))
+    hf = Qwen3MoeForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    model = load_model(src)
+    out = model.forward([ids], [model.new_sequence()])[0]
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    bf16 = load_model(make_model_dir(model_root, "tiny", "bf16"))
+    assert (out - bf16.forward([ids], [bf16.new_sequence()])[0]).abs().max() > 1e-2
+
+
+def _reference_act_quant(x: torch.Tensor) -> torch.Tensor:
+    """Independent per-token, per-128-channel e4m3 round trip, one group at a time."""
+    out = torch.empty_like(x)
+    for row in range(x.shape[0]):
+        for g0 in range(0, x.shape[1], 128):
+            grp = x[row, g0 : g0 + 128]
+            scale = max(grp.abs().max().item(), 1e-10) / 448.0
+            codes = torch.clamp(grp / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+            out[row, g0 : g0 + 128] = codes.to(torch.float32) * scale
+    return out
+
+
+def test_fp8_activation_quantization_matches_reference() -> None:
+    from fleet.engine.layers import quantize_activations_fp8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=g) * torch.logspace(-3, 3, 384)  # groups of very different ranges
+    x[2] = 0.0  # an all-zero token keeps zeros (eps scale), no NaN
+    q = quantize_activations_fp8(x)
+    assert torch.equal(q, _reference_act_quant(x))
+    assert torch.equal(q[2], torch.zeros(384))
+    assert (q - x).abs().max() > 0 and ((q - x).abs() <= x.abs() * 2**-4 + 1e-12).all()
+    odd = torch.randn(3, 200, generator=g)  # a trailing partial group gets its own scale
+    ref = torch.cat([_reference_act_quant(odd[:, :128]), _reference_act_quant(odd[:, 128:])], dim=1)
+    assert torch.equal(quantize_activations_fp8(odd), ref)
+
+
+def test_fp8_engine_is_w8a8(model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    from fleet.engine import layers
+
+    src = make_model_dir(model_root, "tiny", "fp8")
+    ref_dir = _write_dequantized(src, tmp_path / "deq")
+    ids = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(4))
+    hf = Qwen3MoeForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        weights_only = hf(ids[None]).logits[0]
+    model = load_model(src)
+    w8a8 = model.forward([ids], [model.new_sequence()])[0]
+    with monkeypatch.context() as m:
+        m.setattr(layers, "quantize_activations_fp8", lambda x: x)
+        w8a16 = model.forward([ids], [model.new_sequence()])[0]
+    # Without activation quantization the engine is exactly the dequantized-weight forward...
+    torch.testing.assert_close(w8a16, weights_only, atol=1e-4, rtol=0)
+    # ...and with it, every position moves by an activation-rounding-sized amount (typically
+    # 0.1-0.3 in logits; a position whose expert choice flips can move by more).
+    per_position = (w8a8 - weights_only).abs().amax(-1)
+    assert (per_position > 1e-2).all()
+    assert per_position.median() < 1.0
