@@ -69,3 +69,14 @@ def test_source_checksum_follows_content_not_location(ckpt, tmp_path) -> None:
     assert source_checksum(copy) == source_checksum(ckpt)
     (copy / "tokenizer.json").write_text("{}")
     assert source_checksum(copy) != source_checksum(ckpt)
+
+
+def test_transformers_loads_the_bf16_output(ckpt, tmp_path) -> None:
+    """An independent reader of our safetensors writer and index: HF transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    convert_checkpoint(ckpt, tmp_path / "bf16", "bf16")
+    a = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
