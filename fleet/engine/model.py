@@ -151,7 +151,8 @@ class Model:
             length = min(self.max_context, max(end, 2 * self._cos.shape[0], 256))
             self._cos, self._sin = rope_tables(self.config.head_dim, self.config.rope_theta, length)
 
-    def _validate(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> None:
+    def _validate(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> torch.Tensor:
+        """Check a forward call's arguments (ValueError naming the problem); returns all ids concatenated."""
         if len(tokens) != len(caches):
             raise ValueError(f"forward got {len(tokens)} token tensors but {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
@@ -161,13 +162,17 @@ class Model:
                 raise ValueError(f"cache {i} was not made by a model of this shape and kv_cache_dtype")
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"tokens[{i}] must be a 1-D integer tensor")
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
-                raise ValueError(f"tokens[{i}] has ids outside the vocabulary [0, {self.config.vocab_size})")
             if c.length + t.numel() > self.max_context:
                 raise ValueError(
                     f"sequence {i} would reach {c.length + t.numel()} tokens, over the maximum context "
                     f"{self.max_context}"
                 )
+        ids = torch.cat([t.long() for t in tokens]) if tokens else torch.empty(0, dtype=torch.long)
+        vocab = self.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = next(i for i, t in enumerate(tokens) if t.numel() and (t.min() < 0 or t.max() >= vocab))
+            raise ValueError(f"tokens[{bad}] has ids outside the vocabulary [0, {vocab})")
+        return ids
 
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> list[torch.Tensor]:
@@ -179,7 +184,7 @@ class Model:
         ``len(tokens[i])``; returns float32 logits ``[len(tokens[i]), vocab]`` for each new
         position (the next-token distribution after that position).
         """
-        self._validate(tokens, caches)
+        ids = self._validate(tokens, caches)
         lens = [int(t.numel()) for t in tokens]
         starts = [c.length for c in caches]
         total = sum(lens)
@@ -189,8 +194,10 @@ class Model:
         for c, s, n in zip(caches, starts, lens, strict=True):
             c.reserve(s + n)
         self._rope(max(s + n for s, n in zip(starts, lens, strict=True)))
-        ids = torch.cat([t.long() for t in tokens])
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+        if all(n == 1 for n in lens):  # one new token per sequence: decoding
+            positions = torch.tensor(starts)
+        else:
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
         cos, sin = self._cos[positions], self._sin[positions]
         c = self.config
         nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim

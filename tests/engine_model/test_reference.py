@@ -180,3 +180,15 @@ def test_small_preset_shape() -> None:
     for dim in (p.hidden_size, p.moe_intermediate_size, p.intermediate_size,
                 p.num_attention_heads * p.head_dim, p.num_key_value_heads * p.head_dim):
         assert dim % 128 == 0
+
+
+def test_empty_token_tensors_are_allowed_and_change_nothing(tiny_model) -> None:
+    ids = _ids(6, 6)
+    a, b = tiny_model.new_sequence(), tiny_model.new_sequence()
+    tiny_model.forward([ids[:3]], [a])
+    out = tiny_model.forward([torch.empty(0, dtype=torch.long), ids[3:5]], [a, b])
+    assert out[0].shape == (0, 259) and a.length == 3 and b.length == 2
+    step = tiny_model.forward([ids[3:4], torch.empty(0, dtype=torch.long)], [a, b])
+    assert step[1].shape == (0, 259) and a.length == 4 and b.length == 2
+    c = tiny_model.new_sequence()
+    torch.testing.assert_close(step[0][0], tiny_model.forward([ids[:4]], [c])[0][-1], atol=ATOL, rtol=0)
