@@ -139,6 +139,17 @@ def load_plain(src: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Te
 
 def load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> LinearWeight:
     """The weight of linear ``prefix`` (``[N, K]`` = ``shape``) in whichever format it is stored."""
+    try:
+        lw = _load_linear(src, prefix, shape)
+    except ValueError as exc:
+        if prefix in str(exc):
+            raise
+        raise ValueError(f"linear {prefix!r}: {exc}") from None
+    _check_shape(f"{prefix}.weight (dequantized)", lw.weight, shape)
+    return lw
+
+
+def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> LinearWeight:
     name = f"{prefix}.weight"
     n, k = shape
     if f"{prefix}.weight_blocks" in src:

@@ -116,3 +116,33 @@ def test_forward_rejects_bad_input_and_changes_nothing(tiny_model) -> None:
     # Exactly the max context fits.
     out = m.forward([torch.zeros(2045, dtype=torch.long)], [c])[0]
     assert out.shape == (2045, 259) and c.length == m.max_context == 2048
+
+
+def _edit_quantized(path: Path, edit) -> None:
+    """Apply ``edit`` to the tensors of every shard of a converted (indexed) checkpoint."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / shard)
+        edit(tensors)
+        save_file(tensors, str(path / shard))
+
+
+def test_quantized_tensors_with_bad_scales_or_missing_parts(model_root: Path, tmp_path: Path) -> None:
+    from tests.support.models import make_model_dir
+
+    name = "model.layers.0.self_attn.q_proj"
+    fp8 = _copy(make_model_dir(model_root, "tiny", "fp8"), tmp_path / "fp8")
+
+    def bad_scale(t: dict) -> None:
+        if f"{name}.weight_scale_inv" in t:
+            t[f"{name}.weight_scale_inv"] = torch.ones(3, 3)
+
+    _edit_quantized(fp8, bad_scale)
+    with pytest.raises(ValueError, match=f"{name}"):
+        load_model(fp8)
+
+    expert = "model.layers.1.mlp.experts.2.down_proj"
+    mx = _copy(make_model_dir(model_root, "tiny", "mxfp4"), tmp_path / "mx")
+    _edit_quantized(mx, lambda t: t.pop(f"{expert}.weight_scales", None))
+    with pytest.raises(ValueError, match=f"{expert}.weight_scales"):
+        load_model(mx)
