@@ -36,7 +36,7 @@ class RouterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     max_new_tokens_limit: int = 32768
     vocab_size: int | None = None
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
     engine_timeout_s: float = 600.0
     failure_cooldown_s: float = 2.0
     max_attempts: int = 4

@@ -2,8 +2,9 @@
 
 * :func:`assign_group` picks the group of a new session by the configured policy.
 * :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
-  when in rotation), and on a connect error, timeout, dropped connection or 5xx retries on
-  another replica of the group; when the group has none left, the session moves to another
+  when in rotation), and on a refused or dropped connection, a 5xx, or a second timeout (a
+  first timeout is retried on the same replica: slow is not dead) retries on another replica
+  of the group; when the group has none left, the session moves to another
   group (chosen by the policy) and the turn records ``moved_from``. Nothing is stored here:
   the caller records the returned turn once.
 """
@@ -171,9 +172,10 @@ async def with_failover(
     group = start_group
     moved_from: str | None = None
     tried: set[str] = set()
+    timeouts: dict[str, int] = {}
     groups_tried: set[str] = set()
     attempts = 0
-    limit = ctx.config.max_attempts + len(ctx.fleet.groups)
+    limit = 2 * ctx.config.max_attempts + len(ctx.fleet.groups)
     last_error = "no replica in rotation"
     while True:
         views = ctx.registry.views(group, latest, min_version=min_version)
@@ -208,6 +210,11 @@ async def with_failover(
             result = await send(replica.url)
         except EngineUnavailable as exc:
             last_error = exc.message
+            if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
+                # slow to connect or answer is not dead: one more try on the same replica
+                timeouts[replica.replica_id] = 1
+                ctx.metrics.failovers.labels(group, "timeout_retry").inc()
+                continue
             tried.add(replica.replica_id)
             ctx.registry.mark_failed(replica.replica_id, ctx.config.failure_cooldown_s, exc.message)
             ctx.metrics.failovers.labels(group, "unavailable").inc()
@@ -229,6 +236,7 @@ async def with_failover(
         finally:
             if rep is not None:
                 rep.inflight -= 1
+        ctx.registry.touch(replica.replica_id)
         return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
 
 

@@ -2,7 +2,8 @@
 
 Two sources feed it: sidecars' heartbeats (``POST /v1/replicas/heartbeat``; shared between
 routers through the state store) and the router's own health polls of replicas listed
-statically in the preset. A replica is in rotation when it reported ``ready`` within
+statically in the preset; a request that succeeds on a ready replica also counts as a sign of
+life (a busy engine may answer health polls late). A replica is in rotation when it reported ``ready`` within
 ``heartbeat_timeout_s``, is not in a failure cooldown (set after a failed request), and, when
 ``max_version_lag`` is set and versions are known, lags the latest version by at most that.
 Times are ``time.monotonic()`` unless named ``wall``.
@@ -127,6 +128,13 @@ class Registry:
             r.active_version = version
             if vocab_size:
                 r.vocab_size = vocab_size
+
+    def touch(self, replica_id: str, now: float | None = None) -> None:
+        """A request just succeeded on the replica: it is alive (passive health), so a busy
+        engine that answers its health polls slowly does not leave rotation."""
+        r = self.replicas.get(replica_id)
+        if r is not None and r.ready:
+            r.last_seen = max(r.last_seen, time.monotonic() if now is None else now)
 
     def mark_failed(self, replica_id: str, cooldown_s: float, error: str, now: float | None = None) -> None:
         r = self.replicas.get(replica_id)

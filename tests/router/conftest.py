@@ -38,14 +38,21 @@ def engine_url(tiny_bf16):
 def router(engine_url, tmp_path_factory):
     """A router over two groups: ``cpu-a`` (the engine, static) and ``cpu-b`` (heartbeats only)."""
     d = tmp_path_factory.mktemp("router")
-    preset = write_preset(d / "preset.toml", [
-        {"name": "cpu-a", "replicas": [engine_url], "sessions_per_replica": 8},
-        {"name": "cpu-b", "sessions_per_replica": 8},
-    ])
-    keys = {KEYS["all"]: ["rollout", "trainer", "admin"], KEYS["rollout"]: ["rollout"],
-            KEYS["trainer"]: ["trainer"]}
-    with router_process(preset, keys=keys, extra_args=("--heartbeat-timeout", "2",
-                                                       "--max-body-bytes", "65536")) as handle:
+    preset = write_preset(
+        d / "preset.toml",
+        [
+            {"name": "cpu-a", "replicas": [engine_url], "sessions_per_replica": 8},
+            {"name": "cpu-b", "sessions_per_replica": 8},
+        ],
+    )
+    keys = {
+        KEYS["all"]: ["rollout", "trainer", "admin"],
+        KEYS["rollout"]: ["rollout"],
+        KEYS["trainer"]: ["trainer"],
+    }
+    with router_process(
+        preset, keys=keys, extra_args=("--heartbeat-timeout", "2", "--max-body-bytes", "65536")
+    ) as handle:
         yield handle
 
 

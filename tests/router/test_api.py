@@ -66,8 +66,9 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     r = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.75, "metadata": {"ok": 1}})
     assert r.json() == {"session_id": sid, "status": "finished", "turns": 3}
 
-    binary = client.post("/v1/batches/take", json={"size": 8, "trainer_version": 0},
-                         headers={"Accept": MEDIA_TYPE})
+    binary = client.post(
+        "/v1/batches/take", json={"size": 8, "trainer_version": 0}, headers={"Accept": MEDIA_TYPE}
+    )
     assert binary.headers["content-type"] == MEDIA_TYPE
     batch = decode_batch(binary.content)
     mine = [t for t in batch["trajectories"] if t["session_id"] == sid]
@@ -90,8 +91,9 @@ def test_json_and_binary_batches_carry_the_same_trajectories(client: httpx.Clien
     sid2 = _session(client, group="cpu-a")
     client.post(f"/v1/sessions/{sid2}/turns", json={"input_ids": [1, 2], "sampling_params": SP})
     client.post(f"/v1/sessions/{sid2}/finish", json={"reward": 2.0})
-    as_bin = decode_batch(client.post("/v1/batches/take", json={"size": 100},
-                                      headers={"Accept": MEDIA_TYPE}).content)
+    as_bin = decode_batch(
+        client.post("/v1/batches/take", json={"size": 100}, headers={"Accept": MEDIA_TYPE}).content
+    )
     j = next(t for t in as_json["trajectories"] if t["session_id"] == sid)
     b = next(t for t in as_bin["trajectories"] if t["session_id"] == sid2)
     # same seed, same input, same replica: identical tokens and records, whichever encoding
@@ -109,8 +111,11 @@ def test_auth_scopes(router) -> None:
     trainer = {"Authorization": f"Bearer {KEYS['trainer']}"}
     assert httpx.post(f"{url}/v1/batches/take", json={"size": 1}, headers=rollout).status_code == 403
     assert httpx.post(f"{url}/v1/sessions", json={}, headers=trainer).status_code == 403
-    r = httpx.post(f"{url}/v1/replicas/heartbeat", headers=rollout, json={
-        "replica_id": "x", "group": "cpu-b", "url": "http://127.0.0.1:1", "ready": True})
+    r = httpx.post(
+        f"{url}/v1/replicas/heartbeat",
+        headers=rollout,
+        json={"replica_id": "x", "group": "cpu-b", "url": "http://127.0.0.1:1", "ready": True},
+    )
     assert r.status_code == 403 and "admin" in r.json()["detail"]
     assert httpx.post(f"{url}/generate", json={"input_ids": [1]}, headers=trainer).status_code == 403
     assert httpx.get(f"{url}/healthz").status_code == 200
@@ -166,8 +171,11 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
 
 
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
-    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
-            "return_logprob": True}
+    body = {
+        "input_ids": [3, 4, 5],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+        "return_logprob": True,
+    }
     r = client.post("/generate", json=body, headers={"X-Session-ID": "agent-7"})
     assert r.status_code == 200, r.text
     out = r.json()
@@ -179,12 +187,23 @@ def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> No
     assert client.get("/health").status_code == 200
 
 
-def test_heartbeat_replica_joins_then_times_out_and_the_session_moves(client: httpx.Client, engine_url) -> None:  # noqa: E501
+def test_heartbeat_replica_joins_then_times_out_and_the_session_moves(
+    client: httpx.Client, engine_url
+) -> None:  # noqa: E501
     """A sidecar-registered replica serves group cpu-b; when its heartbeats stop it leaves
     rotation, and the next turn of a cpu-b session moves to cpu-a, recorded as a move."""
     other_name = engine_url.replace("127.0.0.1", "localhost")  # the same engine, as another replica
-    hb = {"replica_id": "side-1", "group": "cpu-b", "url": other_name, "ready": True, "active_version": 0,
-          "running": 0, "queued": 0, "tokens_per_s": 0.0, "error": None}
+    hb = {
+        "replica_id": "side-1",
+        "group": "cpu-b",
+        "url": other_name,
+        "ready": True,
+        "active_version": 0,
+        "running": 0,
+        "queued": 0,
+        "tokens_per_s": 0.0,
+        "error": None,
+    }
     r = client.post("/v1/replicas/heartbeat", json=hb)
     assert r.status_code == 200 and r.json()["in_rotation"] is True
     assert client.post("/v1/replicas/heartbeat", json={**hb, "group": "nope"}).status_code == 422
@@ -219,16 +238,32 @@ def test_too_old_trajectories_are_held_back_and_counted(client: httpx.Client) ->
 
 def test_openapi_and_metrics(client: httpx.Client) -> None:
     spec = client.get("/openapi.json").json()
-    for path in ("/v1/sessions", "/v1/sessions/{session_id}/turns", "/v1/sessions/{session_id}/finish",
-                 "/v1/sessions/{session_id}/trajectory", "/v1/batches/take", "/v1/batches/{lease_id}/ack",
-                 "/v1/groups", "/v1/replicas/heartbeat", "/generate", "/healthz", "/metrics"):
+    for path in (
+        "/v1/sessions",
+        "/v1/sessions/{session_id}/turns",
+        "/v1/sessions/{session_id}/finish",
+        "/v1/sessions/{session_id}/trajectory",
+        "/v1/batches/take",
+        "/v1/batches/{lease_id}/ack",
+        "/v1/groups",
+        "/v1/replicas/heartbeat",
+        "/generate",
+        "/healthz",
+        "/metrics",
+    ):
         assert path in spec["paths"], path
     turn_req = spec["components"]["schemas"]["TurnRequest"]["properties"]
     assert {"input_ids", "sampling_params", "min_version", "max_version_age"} <= set(turn_req)
     text = client.get("/metrics").text
-    for name in ("mixfleet_router_request_seconds_bucket", "mixfleet_router_turns_total",
-                 "mixfleet_router_tokens_total", "mixfleet_group_capacity", "mixfleet_group_active_sessions",
-                 "mixfleet_group_active_version", "mixfleet_router_leases_total"):
+    for name in (
+        "mixfleet_router_request_seconds_bucket",
+        "mixfleet_router_turns_total",
+        "mixfleet_router_tokens_total",
+        "mixfleet_group_capacity",
+        "mixfleet_group_active_sessions",
+        "mixfleet_group_active_version",
+        "mixfleet_router_leases_total",
+    ):
         assert name in text, name
     groups = client.get("/v1/groups").json()["groups"]
     a = next(g for g in groups if g["name"] == "cpu-a")

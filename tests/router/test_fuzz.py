@@ -20,8 +20,9 @@ def fuzz_router(engine_url, tmp_path_factory):
     the CLI mounts are configured too."""
     d = tmp_path_factory.mktemp("fuzz")
     preset = write_preset(d / "preset.toml", [{"name": "cpu-a", "replicas": [engine_url]}, {"name": "cpu-b"}])
-    with router_process(preset, env={"MIXFLEET_STORE": str(d / "store")},
-                        extra_args=("--max-body-bytes", "65536")) as handle:
+    with router_process(
+        preset, env={"MIXFLEET_STORE": str(d / "store")}, extra_args=("--max-body-bytes", "65536")
+    ) as handle:
         yield handle
 
 
@@ -35,15 +36,23 @@ def test_no_operation_answers_5xx(fuzz_router) -> None:
         operations += 1
 
         @given(case=op.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         def run(case) -> None:
             if case.path == "/v1/batches/take" and isinstance(case.body, dict):
                 case.body["wait_s"] = 0  # a long poll is valid but would only make the test slow
             response = case.call(headers=router.headers, timeout=60)
             if response.status_code >= 500:
-                failures.append(f"{case.method} {case.formatted_path} {case.body!r:.300}: "
-                                f"{response.status_code} {response.text[:300]}")
+                failures.append(
+                    f"{case.method} {case.formatted_path} {case.body!r:.300}: "
+                    f"{response.status_code} {response.text[:300]}"
+                )
 
         run()
     assert operations >= 12

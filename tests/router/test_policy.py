@@ -19,24 +19,42 @@ from router.registry import Registry
 
 
 def _fleet(*groups: tuple[str, int, float]) -> FleetSpec:
-    return FleetSpec(name="t", groups=tuple(
-        GroupSpec(name=n, accelerator="cpu", sessions_per_replica=s, max_replicas=8, price_per_gpu_hour=p)
-        for n, s, p in groups
-    ))
+    return FleetSpec(
+        name="t",
+        groups=tuple(
+            GroupSpec(name=n, accelerator="cpu", sessions_per_replica=s, max_replicas=8, price_per_gpu_hour=p)
+            for n, s, p in groups
+        ),
+    )
 
 
 def _hb(rid: str, group: str, **kw) -> dict:
-    return {"replica_id": rid, "group": group, "url": f"http://127.0.0.1:1/{rid}", "ready": True,
-            "active_version": kw.pop("version", 1), "running": 0, "queued": 0, "tokens_per_s": 0.0,
-            "error": None, **kw}
+    return {
+        "replica_id": rid,
+        "group": group,
+        "url": f"http://127.0.0.1:1/{rid}",
+        "ready": True,
+        "active_version": kw.pop("version", 1),
+        "running": 0,
+        "queued": 0,
+        "tokens_per_s": 0.0,
+        "error": None,
+        **kw,
+    }
 
 
 def _loads(reg: Registry, active: dict[str, int], latest: int | None = None) -> list[GroupLoad]:
     out = []
     for g in reg.fleet.groups:
         n = len(reg.in_rotation(g.name, latest))
-        out.append(GroupLoad(g.name, n * g.sessions_per_replica, active.get(g.name, 0),
-                             cost_per_token(g.price_per_replica_hour, None, g.sessions_per_replica)))
+        out.append(
+            GroupLoad(
+                g.name,
+                n * g.sessions_per_replica,
+                active.get(g.name, 0),
+                cost_per_token(g.price_per_replica_hour, None, g.sessions_per_replica),
+            )
+        )
     return out
 
 
@@ -131,3 +149,13 @@ def test_session_shares_track_capacity_shares_over_1000_sessions(policy: str) ->
     for g in capacity:
         share, want = placed[g] / 1000, capacity[g] / total_cap
         assert abs(share - want) <= 0.05, (g, share, want, placed)
+
+
+def test_a_served_request_keeps_a_ready_replica_fresh() -> None:
+    reg = Registry(_fleet(("g", 4, 1.0)), heartbeat_timeout_s=5.0, max_version_lag=None)
+    reg.heartbeat(_hb("r1", "g"), now=100.0)
+    reg.touch("r1", now=104.0)
+    assert [r.replica_id for r in reg.in_rotation("g", None, now=108.0)] == ["r1"]
+    reg.heartbeat(_hb("r1", "g", ready=False), now=108.0)
+    reg.touch("r1", now=109.0)  # a not-ready replica is not revived by traffic
+    assert reg.in_rotation("g", None, now=109.0) == []

@@ -72,9 +72,16 @@ def test_turn_round_trip_f16_rounds_support_logprobs_only(t: TurnData) -> None:
 
 def test_byte_layout_matches_the_documented_format() -> None:
     t = TurnData(
-        turn=2, group="g", replica="r", input_ids=[5, 300], output_ids=[7],
-        logprobs=[-0.5], raw_logprobs=[-0.25], support_ids=[[3, 7, 200]],
-        support_logprobs=[[-2.0, -0.5, -1.0]], weight_versions=[{"version": 1, "start": 0, "end": 1}],
+        turn=2,
+        group="g",
+        replica="r",
+        input_ids=[5, 300],
+        output_ids=[7],
+        logprobs=[-0.5],
+        raw_logprobs=[-0.25],
+        support_ids=[[3, 7, 200]],
+        support_logprobs=[[-2.0, -0.5, -1.0]],
+        weight_versions=[{"version": 1, "start": 0, "end": 1}],
     )
     data = encode_turn(t)
     assert data[:5] == b"MFT\x01\x00"
@@ -103,8 +110,14 @@ def test_byte_layout_matches_the_documented_format() -> None:
 
 def test_record_carries_the_version_of_its_span() -> None:
     t = TurnData(
-        turn=0, group="g", replica="r", input_ids=[1], output_ids=[1, 2, 3],
-        logprobs=[-1.0] * 3, raw_logprobs=[None] * 3, support_ids=[[], [], []],
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[1],
+        output_ids=[1, 2, 3],
+        logprobs=[-1.0] * 3,
+        raw_logprobs=[None] * 3,
+        support_ids=[[], [], []],
         support_logprobs=[[], [], []],
         weight_versions=[{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 3}],
     )
@@ -115,12 +128,24 @@ def test_record_carries_the_version_of_its_span() -> None:
 
 def test_batch_round_trip() -> None:
     t = TurnData(
-        turn=0, group="g", replica="r", input_ids=[1, 2], output_ids=[9],
-        logprobs=[-0.1], raw_logprobs=[-0.2], support_ids=[[9, 10]], support_logprobs=[[-0.1, -2.3]],
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[1, 2],
+        output_ids=[9],
+        logprobs=[-0.1],
+        raw_logprobs=[-0.2],
+        support_ids=[[9, 10]],
+        support_logprobs=[[-0.1, -2.3]],
     )
     blob = encode_turn(t)
-    header = {"session_id": "s1", "group": "g", "reward": 1.0, "metadata": {},
-              "version_age": {"min": 0, "max": 0, "mean": 0.0}}
+    header = {
+        "session_id": "s1",
+        "group": "g",
+        "reward": 1.0,
+        "metadata": {},
+        "version_age": {"min": 0, "max": 0, "mean": 0.0},
+    }
     batch = decode_batch(encode_batch("L1", 3, [(header, [blob, blob])]))
     assert batch["lease_id"] == "L1" and batch["held_back"] == 3
     traj = batch["trajectories"][0]
@@ -132,8 +157,15 @@ def test_batch_round_trip() -> None:
 
 def test_header_only_decode() -> None:
     t = TurnData(
-        turn=7, group="g", replica="r", input_ids=[1], output_ids=[], logprobs=[], raw_logprobs=[],
-        support_ids=[], support_logprobs=[],
+        turn=7,
+        group="g",
+        replica="r",
+        input_ids=[1],
+        output_ids=[],
+        logprobs=[],
+        raw_logprobs=[],
+        support_ids=[],
+        support_logprobs=[],
     )
     assert decode_turn_header(encode_turn(t))["turn"] == 7
 
@@ -149,9 +181,27 @@ def test_malformed_blocks_raise_format_error(blob: bytes) -> None:
 
 def test_inconsistent_lengths_and_unsorted_support_are_refused() -> None:
     with pytest.raises(ValueError, match="differ"):
-        TurnData(turn=0, group="g", replica="r", input_ids=[1], output_ids=[1], logprobs=[],
-                 raw_logprobs=[], support_ids=[], support_logprobs=[])
-    t = TurnData(turn=0, group="g", replica="r", input_ids=[1], output_ids=[1], logprobs=[-1.0],
-                 raw_logprobs=[-1.0], support_ids=[[5, 2]], support_logprobs=[[-1.0, -1.0]])
+        TurnData(
+            turn=0,
+            group="g",
+            replica="r",
+            input_ids=[1],
+            output_ids=[1],
+            logprobs=[],
+            raw_logprobs=[],
+            support_ids=[],
+            support_logprobs=[],
+        )
+    t = TurnData(
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[1],
+        output_ids=[1],
+        logprobs=[-1.0],
+        raw_logprobs=[-1.0],
+        support_ids=[[5, 2]],
+        support_logprobs=[[-1.0, -1.0]],
+    )
     with pytest.raises(ValueError, match="strictly increasing"):
         encode_turn(t)

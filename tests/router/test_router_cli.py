@@ -15,8 +15,13 @@ from weight_sync.errors import UserError
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k != "MIXFLEET_API_KEYS"}
-    return subprocess.run(mixfleet_argv("router", *args), capture_output=True, text=True, timeout=60,
-                          env={**full, **(env or {})})
+    return subprocess.run(
+        mixfleet_argv("router", *args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**full, **(env or {})},
+    )
 
 
 def test_router_without_keys_refuses_with_one_line() -> None:
@@ -43,8 +48,12 @@ def test_key_parsing(tmp_path) -> None:
     assert keys["b" * 16] == frozenset({"admin"})
     assert scopes_for("a" * 16, keys) == frozenset({"rollout", "trainer"})
     assert scopes_for("a" * 15, keys) is None
-    for bad, needle in [("[]", "object"), ("{", "not JSON"), ('{"short": ["admin"]}', "16"),
-                        (json.dumps({"c" * 16: ["root"]}), "unknown scope")]:
+    for bad, needle in [
+        ("[]", "object"),
+        ("{", "not JSON"),
+        ('{"short": ["admin"]}', "16"),
+        (json.dumps({"c" * 16: ["root"]}), "unknown scope"),
+    ]:
         with pytest.raises(UserError, match=needle):
             parse_keys(bad, "env")
     f = tmp_path / "keys.json"

@@ -53,8 +53,15 @@ async def opened(url: str, **kw) -> AsyncIterator[StateStore]:
 async def _session(store: StateStore, sid: str, group: str = "g1", turns: int = 1, version: int = 1) -> None:
     await store.create_session(sid, group, {"task": sid}, now=1.0)
     for i in range(turns):
-        await store.append_turn(sid, f"{sid}-{i}", f"blob-{sid}-{i}".encode(), group=group, tokens=3,
-                                min_version=version, max_version=version)
+        await store.append_turn(
+            sid,
+            f"{sid}-{i}",
+            f"blob-{sid}-{i}".encode(),
+            group=group,
+            tokens=3,
+            min_version=version,
+            max_version=version,
+        )
 
 
 async def test_session_lifecycle_and_counters(store_url: str) -> None:
@@ -63,10 +70,14 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         await store.create_session("s1", "g1", {"a": 1}, now=5.0)
         info = await store.get_session("s1")
         assert info and info.status == "open" and info.group == "g1" and info.metadata == {"a": 1}
-        assert await store.append_turn("s1", "r1", b"t0", group="g1", tokens=4, min_version=2,
-                                       max_version=3) == 0
-        assert await store.append_turn("s1", "r2", b"t1", group="g1", tokens=5, min_version=1,
-                                       max_version=2) == 1
+        assert (
+            await store.append_turn("s1", "r1", b"t0", group="g1", tokens=4, min_version=2, max_version=3)
+            == 0
+        )
+        assert (
+            await store.append_turn("s1", "r2", b"t1", group="g1", tokens=5, min_version=1, max_version=2)
+            == 1
+        )
         info = await store.get_session("s1")
         assert (info.n_turns, info.tokens, info.min_version, info.max_version) == (2, 9, 1, 3)
         assert await store.get_turns("s1") == [b"t0", b"t1"]
@@ -81,22 +92,32 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
 async def test_appends_are_idempotent_per_request_and_refused_after_finish(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s", "g", {}, now=0.0)
-        assert await store.append_turn("s", "same", b"x", group="g", tokens=1, min_version=None,
-                                       max_version=None) == 0
-        assert await store.append_turn("s", "same", b"y", group="g", tokens=1, min_version=None,
-                                       max_version=None) == 0
+        assert (
+            await store.append_turn(
+                "s", "same", b"x", group="g", tokens=1, min_version=None, max_version=None
+            )
+            == 0
+        )
+        assert (
+            await store.append_turn(
+                "s", "same", b"y", group="g", tokens=1, min_version=None, max_version=None
+            )
+            == 0
+        )
         assert await store.get_turns("s") == [b"x"]
         with pytest.raises(TurnConflict) as conflict:
-            await store.append_turn("s", "other", b"z", group="g", tokens=1, min_version=None,
-                                    max_version=None, expected_turn=0)
+            await store.append_turn(
+                "s", "other", b"z", group="g", tokens=1, min_version=None, max_version=None, expected_turn=0
+            )
         assert conflict.value.next_turn == 1
         await store.finish_session("s", "f", 1.0, {})
         await store.finish_session("s", "f", 1.0, {})  # retried finish: no-op
         with pytest.raises(SessionFinished):
             await store.finish_session("s", "f2", 1.0, {})
         with pytest.raises(SessionFinished):
-            await store.append_turn("s", "late", b"z", group="g", tokens=1, min_version=None,
-                                    max_version=None)
+            await store.append_turn(
+                "s", "late", b"z", group="g", tokens=1, min_version=None, max_version=None
+            )
         with pytest.raises(SessionNotFound):
             await store.append_turn("zz", "r", b"z", group="g", tokens=1, min_version=None, max_version=None)
         with pytest.raises(SessionNotFound):
@@ -107,11 +128,14 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
 async def test_concurrent_appends_get_distinct_indices(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s", "g", {}, now=0.0)
-        idx = await asyncio.gather(*(
-            store.append_turn("s", f"r{i}", bytes([i]), group="g", tokens=1, min_version=None,
-                              max_version=None)
-            for i in range(40)
-        ))
+        idx = await asyncio.gather(
+            *(
+                store.append_turn(
+                    "s", f"r{i}", bytes([i]), group="g", tokens=1, min_version=None, max_version=None
+                )
+                for i in range(40)
+            )
+        )
         assert sorted(idx) == list(range(40))
         turns = await store.get_turns("s")
         assert sorted(turns) == [bytes([i]) for i in range(40)]
@@ -138,8 +162,10 @@ async def test_take_ack_and_nothing_twice(store_url: str) -> None:
         lease = await store.take(3, trainer_version=1, max_version_age=None, lease_timeout_s=60)
         assert len(lease.trajectories) == 3
         got = {t.session.session_id for t in lease.trajectories}
-        assert all(t.turns == [f"blob-{t.session.session_id}-{j}".encode() for j in range(2)]
-                   for t in lease.trajectories)
+        assert all(
+            t.turns == [f"blob-{t.session.session_id}-{j}".encode() for j in range(2)]
+            for t in lease.trajectories
+        )
         second = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=60)
         assert {t.session.session_id for t in second.trajectories} == {f"s{i}" for i in range(5)} - got
         assert (await store.ack(lease.lease_id)).acked == 3
@@ -159,8 +185,9 @@ async def test_unacknowledged_lease_is_redelivered_after_timeout(store_url: str)
         await store.finish_session("s", "f", 1.0, {})
         first = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=0.3)
         assert len(first.trajectories) == 1
-        assert (await store.take(1, trainer_version=1, max_version_age=None,
-                                 lease_timeout_s=0.3)).trajectories == []
+        assert (
+            await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=0.3)
+        ).trajectories == []
         await asyncio.sleep(0.4)
         again = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=0.3)
         assert [t.session.session_id for t in again.trajectories] == ["s"] and again.redelivered == 1
