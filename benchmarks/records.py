@@ -1,0 +1,121 @@
+"""Bytes per token of the compact behavior record vs SGLang's JSON ``meta_info``, same masks.
+
+What is measured. A real local engine serving the ``small`` preset (BF16) generates
+``--requests`` x ``--tokens`` tokens with top_p 0.95 (temperature 1), returning log-probs and
+sampling masks. For exactly those tokens:
+
+* JSON (same content): the ``meta_info`` fields that carry the behavior record, serialized
+  compactly (no spaces, the favorable case for JSON): ``output_token_logprobs`` triples,
+  ``output_token_sampling_mask``, ``output_token_sampling_logprobs`` (mu) and the support's
+  log-probs (``output_token_sampling_support_logprobs``).
+* JSON (upstream SGLang shape): the same without the support log-probs (upstream SGLang does
+  not send them; the trainer then cannot renormalize) - printed for reference.
+* compact: :func:`router.records.encode_turn` of the same turn (input ids excluded), with the
+  support log-probs as float32 and as float16.
+
+Also prints encode / decode time per token. Target: compact (float32) <= 1/4 of JSON.
+
+Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--model-root", default=None, help="reuse model dirs here (default: a temp dir)")
+    args = ap.parse_args()
+
+    import httpx
+
+    from router.dispatch import turn_from_response
+    from router.records import decode_turn, encode_turn
+    from tests.support.engines import engine_process
+    from tests.support.models import make_model_dir
+
+    root = Path(args.model_root) if args.model_root else Path(tempfile.mkdtemp(prefix="bench-records-"))
+    model = make_model_dir(root, args.preset, "bf16")
+    bodies = []
+    with engine_process(model, threads=2) as url:
+        vocab = httpx.get(f"{url}/model_info").json()["vocab_size"]
+        with httpx.Client(timeout=600) as c:
+            for i in range(args.requests):
+                r = c.post(
+                    f"{url}/generate",
+                    json={
+                        "input_ids": [10 + i, 20, 30, 40],
+                        "sampling_params": {
+                            "max_new_tokens": args.tokens,
+                            "temperature": 1.0,
+                            "top_p": args.top_p,
+                            "sampling_seed": i,
+                            "ignore_eos": True,
+                        },
+                        "return_logprob": True,
+                        "return_sampling_mask": True,
+                    },
+                )
+                r.raise_for_status()
+                bodies.append(r.json())
+
+    n = sum(len(b["output_ids"]) for b in bodies)
+    support = sum(len(m) for b in bodies for m in b["meta_info"]["output_token_sampling_mask"])
+    fields_full = (
+        "output_token_logprobs",
+        "output_token_sampling_mask",
+        "output_token_sampling_logprobs",
+        "output_token_sampling_support_logprobs",
+    )
+    fields_upstream = fields_full[:3]
+
+    def json_bytes(fields: tuple[str, ...]) -> int:
+        return sum(
+            len(json.dumps({k: b["meta_info"][k] for k in fields}, separators=(",", ":")).encode())
+            for b in bodies
+        )
+
+    turns = [
+        turn_from_response(b, index=0, group="g", replica="r", input_ids=[], moved_from=None, timings={})
+        for b in bodies
+    ]
+    t0 = time.perf_counter()
+    blobs32 = [encode_turn(t) for t in turns]
+    enc_s = time.perf_counter() - t0
+    blobs16 = [encode_turn(t, f16=True) for t in turns]
+    t0 = time.perf_counter()
+    for b in blobs32:
+        decode_turn(b)
+    dec_s = time.perf_counter() - t0
+    full, upstream = json_bytes(fields_full), json_bytes(fields_upstream)
+    c32, c16 = sum(map(len, blobs32)), sum(map(len, blobs16))
+    print(
+        f"records benchmark: {args.preset} model (vocab {vocab}), {n} tokens, top_p {args.top_p}, "
+        f"mean support {support / n:.1f} ids/token"
+    )
+    print(f"{'encoding':<44}{'bytes/token':>12}{'vs JSON':>9}")
+    print(f"{'JSON meta_info, same content (with support lps)':<44}{full / n:>12.1f}{1.0:>9.3f}")
+    print(f"{'JSON meta_info, upstream SGLang fields':<44}{upstream / n:>12.1f}{upstream / full:>9.3f}")
+    print(f"{'compact, float32 support log-probs':<44}{c32 / n:>12.1f}{c32 / full:>9.3f}")
+    print(f"{'compact, float16 support log-probs':<44}{c16 / n:>12.1f}{c16 / full:>9.3f}")
+    print(f"compact float32 vs upstream-shape JSON (which lacks support log-probs): {c32 / upstream:.3f}")
+    print(f"encode {enc_s / n * 1e6:.1f} us/token, decode {dec_s / n * 1e6:.1f} us/token (pure Python)")
+    print(f"target <= 0.25 of JSON: {'met' if c32 / full <= 0.25 else 'NOT met'} (float32)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
