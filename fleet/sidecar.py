@@ -290,6 +290,7 @@ class Sidecar:
     async def _watch_loop(self) -> None:
         """Read the pointer every ``poll_s`` or on wake; signal the reconciler on a change."""
         while True:
+            self._wake.clear()  # a wake from now on triggers another read
             try:
                 ptr = await asyncio.to_thread(
                     self.store.read_pointer, self.config.run_id, self.config.weight_format
@@ -303,7 +304,6 @@ class Sidecar:
                 if ptr is not None:
                     self.metrics.desired.set(ptr)
                 self._work.set()
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
 
