@@ -369,6 +369,9 @@ def create_app(engine: Engine) -> FastAPI:
                     **scheduler.load(),
                     "paused": scheduler.paused,
                     "steps": scheduler.steps,
+                    "step_seconds": scheduler.step_seconds,
+                    "forward_seconds": scheduler.forward_seconds,
+                    "sample_seconds": scheduler.sample_seconds,
                     "gen_throughput": engine.metrics.refresh_throughput(),
                 }
             ],
@@ -386,11 +389,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if scheduler._thread.is_alive() else 503)
+        return Response(status_code=200 if scheduler.alive else 503)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        if not scheduler._thread.is_alive():
+        if not scheduler.alive:
             return Response(status_code=503)
         if scheduler.paused is not None:
             return Response(status_code=200)

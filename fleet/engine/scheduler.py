@@ -148,6 +148,10 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.paused: PauseMode | None = None
         self.steps = 0
+        # Cumulative seconds, for /server_info: whole steps, inside Model.forward, in the sampler.
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self.sample_seconds = 0.0
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._by_rid: dict[str, _Request] = {}
@@ -190,6 +194,11 @@ class Scheduler:
         """SGLang semantics: succeeds (True) only when no request is running or waiting."""
         return self._command("flush")
 
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running."""
+        return self._thread.is_alive()
+
     def load(self) -> dict[str, int]:
         """A racy but consistent-enough snapshot for /server_info and heartbeats."""
         running = len(self._running)
@@ -218,12 +227,14 @@ class Scheduler:
             if self._stop.is_set():
                 break
             if self.paused is None and (self._running or self._waiting):
+                t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as exc:  # a bug in a step must not kill the server
                     log.exception("engine step failed")
                     for req in list(self._running):
                         self._finish(req, {"type": "abort", "message": f"engine step failed: {exc}"})
+                self.step_seconds += time.perf_counter() - t0
             self._publish_load()
         for req in list(self._running) + list(self._waiting):
             self._finish(req, {"type": "abort", "message": "The engine is shutting down."})
@@ -340,10 +351,10 @@ class Scheduler:
             return
         model = self.model
         version = self.weight_version
-        logits = model.forward(
-            [torch.tensor(req.tokens(a, b), dtype=torch.long) for req, a, b in feed],
-            [req.cache for req, _, _ in feed],
-        )
+        tokens = [torch.tensor(req.tokens(a, b), dtype=torch.long) for req, a, b in feed]
+        t0 = time.perf_counter()
+        logits = model.forward(tokens, [req.cache for req, _, _ in feed])
+        self.forward_seconds += time.perf_counter() - t0
         self.steps += 1
         to_sample: list[tuple[_Request, torch.Tensor]] = []
         for (req, a, b), out in zip(feed, logits, strict=True):
@@ -363,7 +374,9 @@ class Scheduler:
                 else:
                     to_sample.append((req, out[-1]))
         if to_sample:
+            t0 = time.perf_counter()
             self._sample(to_sample, version)
+            self.sample_seconds += time.perf_counter() - t0
 
     def _collect_input_logprobs(self, req: _Request, a: int, b: int, out: torch.Tensor) -> None:
         """Log-probs of prompt tokens ``j`` in ``[max(start, a), min(b, n))``: row ``j - 1 - a``."""
@@ -390,9 +403,19 @@ class Scheduler:
             req.input_top.append(top_logprobs(lps[j], k) if k > 0 else ())
 
     def _sample(self, rows: list[tuple[_Request, torch.Tensor]], version: int) -> None:
+        logits = torch.stack([x for _, x in rows])
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):
+            for (req, _), ok in zip(rows, finite, strict=True):
+                if not ok:
+                    self._finish(req, {"type": "abort", "message": "The model produced non-finite logits."})
+            rows = [row for row, ok in zip(rows, finite, strict=True) if ok]
+            if not rows:
+                return
+            logits = torch.stack([x for _, x in rows])
         reqs = [r for r, _ in rows]
         draws = sample(
-            torch.stack([x for _, x in rows]),
+            logits,
             [r.spec.settings for r in reqs],
             [r.generator for r in reqs],
             want_support=[r.spec.return_sampling_mask for r in reqs],

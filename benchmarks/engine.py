@@ -1,0 +1,194 @@
+"""Benchmark: generated tokens/s of the local CPU engine vs ``transformers``' ``generate``.
+
+Measured in one run, on the same checkpoint (the ``small`` preset by default, float32 compute on
+both sides), the same prompts (``--requests`` prompts of ``--prompt-len`` tokens, equal
+lengths so ``generate`` needs no padding), the same sampling settings and the same number of
+torch threads:
+
+- engine: a real ``mixfleet engine`` process; all requests are sent concurrently over HTTP
+  (``/generate``, ``ignore_eos``) and the clock runs from the first send to the last response;
+  tokens/s = requests x new tokens / wall time. Once without and once with
+  ``return_sampling_mask`` (and ``return_logprob``), alternated ``--reps`` times, best of each;
+  the engine's own split (time in steps, in ``Model.forward``, in the sampler) is printed too;
+- transformers: ``Qwen3MoeForCausalLM.generate`` on the whole batch at once (``do_sample``,
+  ``min_new_tokens = max_new_tokens``, ``experts_implementation`` eager, its fastest on CPU
+  here), after a warm-up, best of ``--hf-reps``; the engine process is stopped first so the
+  two never share the cores.
+
+Prints both rates, the ratio engine / transformers (target >= 2) and the cost of sampling masks
+(target < 10%). Usage:
+``python benchmarks/engine.py [--model DIR | --preset small] [--requests 32] [--new-tokens 128]
+[--threads N] [--reps 2] [--hf-reps 1] [--hf-experts eager|default]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.engines import engine_process  # noqa: E402
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(n)]
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
+def engine_round(url: str, batch: list[list[int]], args: argparse.Namespace, masks: bool) -> float:
+    """Seconds for all requests, sent concurrently, to finish; checks every token came back."""
+
+    def one(i: int) -> dict[str, Any]:
+        body = {
+            "input_ids": batch[i],
+            "sampling_params": {
+                **sampling(args),
+                "max_new_tokens": args.new_tokens,
+                "ignore_eos": True,
+                "sampling_seed": i,
+            },
+            "return_sampling_mask": masks,
+            "return_logprob": masks,
+        }
+        with httpx.Client(timeout=3600, trust_env=False) as c:
+            r = c.post(url + "/generate", json=body)
+        r.raise_for_status()
+        return r.json()
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        outs = list(pool.map(one, range(len(batch))))
+    elapsed = time.perf_counter() - start
+    for o in outs:
+        assert len(o["output_ids"]) == args.new_tokens, o["meta_info"]["finish_reason"]
+        if masks:
+            assert len(o["meta_info"]["output_token_sampling_mask"]) == args.new_tokens
+    return elapsed
+
+
+def transformers_round(
+    model: Any, batch: list[list[int]], args: argparse.Namespace, new_tokens: int
+) -> float:
+    import torch
+
+    ids = torch.tensor(batch)
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    kwargs["top_k"] = args.top_k if args.top_k > 0 else 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=model.config.pad_token_id,
+            **kwargs,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape == (len(batch), len(batch[0]) + new_tokens), out.shape
+    return elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", type=Path, default=None, help="checkpoint dir (default: init-model --preset)"
+    )
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--reps", type=int, default=2, help="engine rounds per mask setting")
+    parser.add_argument("--hf-reps", type=int, default=1, help="transformers rounds (they are slow)")
+    parser.add_argument(
+        "--hf-experts",
+        default="eager",
+        help="transformers experts_implementation (eager is its fastest on CPU here; 'default' = its choice)",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--top-k", type=int, default=-1)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from fleet.engine.init_model import write_model
+
+            model_dir = write_model(Path(tmp) / args.preset, args.preset)
+        batch = prompts(args.requests, args.prompt_len)
+        n_tokens = args.requests * args.new_tokens
+        print(
+            f"model {model_dir} | {args.requests} requests x {args.new_tokens} new tokens, prompts of "
+            f"{args.prompt_len} | sampling {sampling(args)} | {args.threads} torch threads",
+            flush=True,
+        )
+
+        times: dict[bool, list[float]] = {False: [], True: []}
+        with engine_process(
+            model_dir, threads=args.threads, max_running_requests=max(64, args.requests), timeout=600
+        ) as url:
+            engine_round(
+                url, batch[:4], argparse.Namespace(**{**vars(args), "new_tokens": 8}), True
+            )  # warm-up
+            for rep in range(args.reps):
+                for masks in (False, True) if rep % 2 == 0 else (True, False):
+                    before = httpx.get(url + "/server_info").json()["internal_states"][0]
+                    t = engine_round(url, batch, args, masks)
+                    after = httpx.get(url + "/server_info").json()["internal_states"][0]
+                    times[masks].append(t)
+                    split = {
+                        k: after[k] - before[k] for k in ("step_seconds", "forward_seconds", "sample_seconds")
+                    }
+                    print(
+                        f"  engine masks={'on ' if masks else 'off'}: {t:7.2f}s  {n_tokens / t:8.1f} tok/s  "
+                        f"(steps {split['step_seconds']:.2f}s, of which Model.forward "
+                        f"{split['forward_seconds']:.2f}s, sampler {split['sample_seconds']:.2f}s)",
+                        flush=True,
+                    )
+
+        from transformers import Qwen3MoeForCausalLM
+
+        extra = {} if args.hf_experts == "default" else {"experts_implementation": args.hf_experts}
+        hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+        print(f"  transformers experts_implementation: {hf.config._experts_implementation}", flush=True)
+        transformers_round(hf, batch[:4], args, 8)  # warm-up
+        hf_times = []
+        for _ in range(args.hf_reps):
+            t = transformers_round(hf, batch, args, args.new_tokens)
+            hf_times.append(t)
+            print(f"  transformers generate: {t:7.2f}s  {n_tokens / t:8.1f} tok/s", flush=True)
+
+    engine_rate = n_tokens / min(times[False])
+    masks_rate = n_tokens / min(times[True])
+    hf_rate = n_tokens / min(hf_times)
+    print()
+    print(f"engine (no masks)         {engine_rate:9.1f} tok/s")
+    print(f"engine (sampling masks)   {masks_rate:9.1f} tok/s")
+    print(f"transformers generate     {hf_rate:9.1f} tok/s")
+    print(f"ratio engine / transformers: {engine_rate / hf_rate:.2f}x (target >= 2x)")
+    print(f"cost of sampling masks: {100 * (1 - masks_rate / engine_rate):.1f}% (target < 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
