@@ -302,6 +302,12 @@ def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Pa
         ):
             assert time.monotonic() < deadline, "requests never started"
             time.sleep(0.05)
+        # Heartbeats carry the engines' load to the router.
+        live.wait_router(
+            lambda snap: any(rep["running"] >= 1 for g in snap["groups"] for rep in g["replicas"]),
+            "a replica reporting running requests",
+            timeout=10,
+        )
         _advance(live, v)
         answers = [f.result() for f in futures]
     crossed: dict[str, int] = {}
