@@ -56,11 +56,13 @@ Qwen3-MoE at all; this is the layout a loader for it would take with the least t
 
 Streaming and memory: tensors are converted in row chunks of about ``CHUNK_ELEMS`` elements by a
 thread pool (torch releases the GIL; ``workers`` threads, default: torch's thread count), read
-with ``pread`` from the source (nothing is mmapped), and written strictly in order while being
-hashed (sha256), with only a bounded window of chunks in flight: peak memory is a few dozen
-chunks plus one nvfp4 fusion group, independent of shard size. Each output shard holds the
-converted tensors of the source shard with the same name; a fusion group that straddles shards
-reads its other members (for the joint amax only) from their own shard.
+with ``pread`` from the source (nothing is mmapped), and written strictly in order while a thread
+per output shard computes its sha256 (so hashing overlaps writing and the next shard's work).
+Only a bounded window of chunks is in flight (``2 * workers + 2`` results, plus up to 64 MiB per
+shard still being hashed): peak memory is independent of shard and model size. Each output shard holds
+the converted tensors of the source shard with the same name; an nvfp4 fusion group that
+straddles shards reads its other members (row chunk by row chunk, for the joint amax only) from
+their own shard. The source's checksum (xxh3-128) is computed on another thread meanwhile.
 """
 
 from __future__ import annotations
