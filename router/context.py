@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
 from fleet.sglang_client import EngineError, EngineUnavailable, SGLangClient, make_http_client, parse_version
 from router.config import RouterConfig
@@ -40,7 +40,7 @@ class RouterContext:
             max_version_lag=config.max_version_lag,
         )
         self.metrics = RouterMetrics()
-        self.http: httpx.AsyncClient | None = None
+        self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -64,7 +64,7 @@ class RouterContext:
                 await t
         self._tasks.clear()
         if self.http is not None:
-            await self.http.aclose()
+            await self.http.close()
         await self.store.close()
 
     def client(self, url: str, headers: dict[str, str] | None = None) -> SGLangClient:

@@ -53,9 +53,13 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
         assert r.status_code == 200, r.text
         turn = r.json()
         assert (turn["session_id"], turn["turn"], turn["group"]) == (sid, i, "cpu-a")
-        assert turn["replica"] == "cpu-a/0" and turn["finish_reason"]["type"] == "length"
-        assert len(turn["output_ids"]) == SP["max_new_tokens"]
-        assert turn["weight_versions"] == [{"version": 0, "start": 0, "end": 6}]
+        assert turn["replica"] == "cpu-a/0"
+        n = len(turn["output_ids"])
+        if turn["finish_reason"]["type"] == "length":
+            assert n == SP["max_new_tokens"]
+        else:  # the model may sample its end-of-sequence token
+            assert turn["finish_reason"]["type"] == "stop" and 0 < n <= SP["max_new_tokens"]
+        assert turn["weight_versions"] == [{"version": 0, "start": 0, "end": n}]
         assert {"engine_ms", "router_ms"} <= set(turn["timings"])
         _check_records(turn)
         outputs.append(turn["output_ids"])
