@@ -1,7 +1,8 @@
 """Per-sequence KV cache.
 
 One ``SequenceCache`` holds the keys and values of one sequence for every layer, in a single
-growable tensor ``[layers, 2, kv_heads, capacity, head_dim]``. With ``kv_cache_dtype="fp8_e4m3"``
+growable tensor ``[layers, 1, 2 * kv_heads, capacity, head_dim]`` (per layer: K heads, then V
+heads, in SDPA's 4-D layout, so one copy stores both and reads are views). With ``kv_cache_dtype="fp8_e4m3"``
 the storage is ``float8_e4m3fn`` and values are written as SGLang does with its default
 per-tensor scale of 1.0 (clamped to +-448 so no value turns into NaN); reads dequantize to
 float32. Positions ``[0, length)`` are valid; nothing past ``length`` is ever read.
@@ -48,9 +49,7 @@ class SequenceCache:
         self.geometry = geometry
         self.length = 0
         self._kv: torch.Tensor | None = None
-        # Per-layer 4-D views [1, kv_heads, capacity, head_dim] of K and V (SDPA's layout).
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        self._layers: list[torch.Tensor] = []  # per-layer views [1, 2 * kv_heads, capacity, head_dim]
 
     @property
     def capacity(self) -> int:
@@ -65,7 +64,7 @@ class SequenceCache:
     def free(self) -> None:
         """Drop the stored keys and values; afterwards ``length == 0``."""
         self._kv = None
-        self._k, self._v = [], []
+        self._layers = []
         self.length = 0
 
     def reserve(self, needed: int) -> None:
@@ -80,28 +79,22 @@ class SequenceCache:
         while cap < needed:
             cap *= 2
         cap = min(cap, self.max_length)
-        kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, cap, self.head_dim, dtype=self.dtype)
+        kv = torch.zeros(self.num_layers, 1, 2 * self.num_kv_heads, cap, self.head_dim, dtype=self.dtype)
         if self._kv is not None and self.length:
             kv[:, :, :, : self.length] = self._kv[:, :, :, : self.length]
         self._kv = kv
-        self._k = [kv[i, 0][None] for i in range(self.num_layers)]
-        self._v = [kv[i, 1][None] for i in range(self.num_layers)]
+        self._layers = list(kv.unbind(0))
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``, ``v`` (``[1, kv_heads, T, head_dim]``, float32) at positions ``start .. start+T``
-        (``reserve`` must have made room)."""
-        end = start + k.shape[2]
+    def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
+        """Store ``kv`` (``[1, 2 * kv_heads, T, head_dim]`` float32: K heads then V heads) at positions
+        ``start .. start+T`` of ``layer`` (``reserve`` must have made room)."""
         if self.dtype == torch.float8_e4m3fn:
-            k = k.clamp(-FP8_MAX, FP8_MAX)
-            v = v.clamp(-FP8_MAX, FP8_MAX)
-        self._k[layer][:, :, start:end] = k
-        self._v[layer][:, :, start:end] = v
+            kv = kv.clamp(-FP8_MAX, FP8_MAX)
+        self._layers[layer][:, :, start : start + kv.shape[2]] = kv
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions ``[0, end)`` of ``layer``, float32 ``[1, kv_heads, end, head_dim]``."""
-        k = self._k[layer][:, :, :end]
-        v = self._v[layer][:, :, :end]
+        """K and V of positions ``[0, end)`` of ``layer``, float32 ``[1, kv_heads, end, head_dim]`` each."""
+        kv = self._layers[layer][:, :, :end]
         if self.dtype != torch.float32:
-            k = k.float()
-            v = v.float()
-        return k, v
+            kv = kv.float()
+        return kv[:, : self.num_kv_heads], kv[:, self.num_kv_heads :]

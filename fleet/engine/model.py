@@ -73,8 +73,7 @@ def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [q heads + kv heads, head_dim]: q_norm rows, then k_norm rows
     qkv: list[Linear]
     o_proj: Linear
     router: torch.Tensor | None
@@ -122,8 +121,10 @@ class Model:
             self._layers.append(_Layer(
                 input_norm=lt.plain["input_layernorm"],
                 post_norm=lt.plain["post_attention_layernorm"],
-                q_norm=lt.plain["q_norm"],
-                k_norm=lt.plain["k_norm"],
+                qk_norm=torch.cat([
+                    lt.plain["q_norm"].expand(config.num_attention_heads, -1),
+                    lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
+                ]),
                 qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]], scratch),
                 o_proj=_linear(lin["o_proj"], scratch),
                 router=lt.plain.get("gate"),
@@ -207,20 +208,22 @@ class Model:
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = _apply(layer.qkv, h)
-            q = qkv[:, : nh * d].view(total, nh, d)
-            k = qkv[:, nh * d : (nh + nkv) * d].view(total, nkv, d)
-            # 4-D head-major views [1, heads, N, d] (SDPA's layout; 3-D inputs would take its ~10x
-            # slower math fallback): each sequence's part is then a view, not a copy.
+            # q and k heads together: per-head RMSNorm (q_norm on q heads, k_norm on k heads), RoPE.
+            qk = qkv[:, : (nh + nkv) * d].view(total, nh + nkv, d)
+            qk = apply_rope(rms_norm(qk, layer.qk_norm, c.rms_norm_eps), cos, sin)
+            # 4-D head-major [1, heads, N, d] (SDPA's layout; 3-D inputs would take its ~10x slower
+            # math fallback): each sequence's part is then a view, not a copy.
+            qk = qk.transpose(0, 1)[None]
+            q = qk[:, :nh]
             v = qkv[:, (nh + nkv) * d :].view(total, nkv, d).transpose(0, 1)[None]
-            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)[None]
-            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin).transpose(0, 1)[None]
+            kv = torch.cat([qk[:, nh:], v], dim=1)  # [1, 2 * nkv, N, d], the cache's layout
             attn = torch.empty(1, nh, total, d)
             off = 0
             for cache, s, n, mask in zip(caches, starts, lens, masks, strict=True):
                 if n == 0:
                     continue
                 end = off + n
-                cache.write(li, s, k[:, :, off:end], v[:, :, off:end])
+                cache.write(li, s, kv[:, :, off:end])
                 kk, vv = cache.read(li, s + n)
                 attn[:, :, off:end] = F.scaled_dot_product_attention(
                     q[:, :, off:end], kk, vv, attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=gqa
