@@ -21,7 +21,7 @@ distribution p): sort tokens by p descending, ties broken by ascending token id;
 it) **and** ``p >= min_p * max(p)``; tokens with p == 0 (float64 underflow) are never in a
 support. The top-ranked token is always kept. Masses are computed in float64.
 
-Sampling draws one uniform number per row from the row's own ``torch.Generator`` and inverts
+Sampling draws one uniform number per row from the row's own ``random.Random`` and inverts
 the renormalized CDF over the support in rank order (for every row, filtered or not), so a request seeded with
 ``sampling_seed`` reproduces its tokens whatever else shares its batch (given equal logits).
 """
@@ -29,6 +29,7 @@ the renormalized CDF over the support in rank order (for every row, filtered or 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,67 +114,62 @@ def support_sizes(sorted_probs: torch.Tensor, settings: Sequence[SamplerSettings
 def sample(
     logits: torch.Tensor,
     settings: Sequence[SamplerSettings],
-    generators: Sequence[torch.Generator],
+    rngs: Sequence[random.Random],
     *,
     want_support: Sequence[bool] | None = None,
     top_logprobs_num: Sequence[int] | None = None,
 ) -> list[Draw]:
-    """Draw one token per row of ``logits [B, V]``.
+    """Draw one token per row of ``logits [B, V]``, using one ``rngs[b].random()`` per row.
 
-    Before: ``len(settings) == len(generators) == B``. After: one :class:`Draw` per row; the
+    Before: ``len(settings) == len(rngs) == B``. After: one :class:`Draw` per row; the
     drawn token is in its support; ``support_ids``/``support_logprobs`` are filled only where
     ``want_support[b]`` (else empty); ``top_logprobs`` holds the ``top_logprobs_num[b]`` highest
     raw log-probs as ``(logprob, token_id)``, highest first, ties by ascending id.
     """
     b, v = logits.shape
-    if not (len(settings) == len(generators) == b):
-        raise ValueError(f"batch of {b} rows needs as many settings and generators")
+    if not (len(settings) == len(rngs) == b):
+        raise ValueError(f"batch of {b} rows needs as many settings and random generators")
     want = list(want_support or [False] * b)
-    top_n = list(top_logprobs_num or [0] * b)
+    top_n = [min(k, v) for k in (top_logprobs_num or [0] * b)]
     logprobs = scaled_logprobs(logits, settings)
     sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    sorted_p = sorted_lp.exp()
-    filtered = torch.tensor([s.filters(v) for s in settings])
+    filtered_l = [s.filters(v) for s in settings]
+    filtered = torch.tensor(filtered_l)
     # support_sizes never counts zero-mass ranks; unfiltered rows keep every positive-mass rank.
-    sizes = support_sizes(sorted_p, settings)
-    rank = torch.arange(v)
-    keep = rank[None, :] < sizes[:, None]
+    sizes = support_sizes(sorted_lp.exp(), settings)
+    keep = torch.arange(v)[None, :] < sizes[:, None]
     log_z = torch.logsumexp(torch.where(keep, sorted_lp, -torch.inf), dim=-1)
     renorm = sorted_lp - log_z[:, None]
     cdf = torch.cumsum(torch.where(keep, renorm.exp(), 0.0), dim=-1)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = torch.tensor([rng.random() for rng in rngs], dtype=torch.float64)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     idx = torch.minimum(idx, sizes - 1)
     tokens = order.gather(1, idx[:, None])[:, 0]
     raw = logprobs.gather(1, tokens[:, None])[:, 0]
     mu = torch.where(filtered, renorm.gather(1, idx[:, None])[:, 0], raw)
 
-    support_rows = [i for i in range(b) if want[i] and bool(filtered[i])]
     support: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+    support_rows = [i for i in range(b) if want[i] and filtered_l[i]]
     if support_rows:
         sel = torch.tensor(support_rows)
-        key = torch.where(keep[sel], order[sel], v + order[sel])
-        by_id, perm = torch.sort(key, dim=-1)
-        lps = renorm[sel].gather(1, perm)
+        n_sel = sizes[sel].tolist()
+        width = max(n_sel)
+        ids_l = order[sel, :width].tolist()
+        lps_l = renorm[sel, :width].tolist()
         for j, row in enumerate(support_rows):
-            n = int(sizes[row])
-            support[row] = (tuple(by_id[j, :n].tolist()), tuple(lps[j, :n].tolist()))
+            n = n_sel[j]
+            pairs = sorted(zip(ids_l[j][:n], lps_l[j][:n], strict=True))
+            support[row] = (tuple(t for t, _ in pairs), tuple(x for _, x in pairs))
 
+    k_max = max(top_n)
+    top_vals = sorted_lp[:, :k_max].tolist() if k_max else None
+    top_ids = order[:, :k_max].tolist() if k_max else None
     out: list[Draw] = []
     for row, (token, lp, m) in enumerate(zip(tokens.tolist(), raw.tolist(), mu.tolist(), strict=True)):
         ids, lps_row = support.get(row, ((), ()))
-        k = min(top_n[row], v)
-        top = tuple(zip(sorted_lp[row, :k].tolist(), order[row, :k].tolist(), strict=True)) if k > 0 else ()
-        out.append(
-            Draw(
-                token_id=token,
-                logprob=lp,
-                sampling_logprob=m,
-                support_ids=ids,
-                support_logprobs=lps_row,
-                top_logprobs=top,
-            )
-        )
+        k = top_n[row]
+        top = tuple(zip(top_vals[row][:k], top_ids[row][:k], strict=True)) if k else ()  # type: ignore[index]
+        out.append(Draw(token, lp, m, ids, lps_row, top))
     return out
 
 

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -92,7 +93,7 @@ class _Request:
     spec: GenerateSpec
     sink: Sink
     arrival: float
-    generator: torch.Generator
+    rng: random.Random
     output_ids: list[int] = field(default_factory=list)
     cache: Any = None
     prefill_done: bool = False
@@ -265,8 +266,7 @@ class Scheduler:
         seed = (
             spec.sampling_seed if spec.sampling_seed is not None else int.from_bytes(os.urandom(8), "little")
         )
-        gen = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        req = _Request(spec=spec, sink=sink, arrival=arrival, generator=gen)
+        req = _Request(spec=spec, sink=sink, arrival=arrival, rng=random.Random(seed))
         self._by_rid[spec.rid] = req
         self._waiting.append(req)
 
@@ -417,7 +417,7 @@ class Scheduler:
         draws = sample(
             logits,
             [r.spec.settings for r in reqs],
-            [r.generator for r in reqs],
+            [r.rng for r in reqs],
             want_support=[r.spec.return_sampling_mask for r in reqs],
             top_logprobs_num=[r.spec.top_logprobs_num for r in reqs],
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ SETTINGS = [
 def test_draws_match_brute_force_reference(settings: SamplerSettings) -> None:
     torch.manual_seed(1)
     logits = torch.randn(64, V) * 2.0
-    gens = [torch.Generator().manual_seed(100 + i) for i in range(64)]
+    gens = [random.Random(100 + i) for i in range(64)]
     draws = sample(logits, [settings] * 64, gens, want_support=[True] * 64, top_logprobs_num=[3] * 64)
     for row, d in zip(logits.tolist(), draws, strict=True):
         p = ref_probs(row, settings.temperature)
@@ -89,7 +90,7 @@ def test_draws_match_brute_force_reference(settings: SamplerSettings) -> None:
 
 def test_greedy_is_argmax_with_raw_logprob_and_zero_mu() -> None:
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 5.0, 1.0, 0.0]])
-    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+    gens = [random.Random(0) for _ in range(2)]
     draws = sample(logits, [SamplerSettings(temperature=0.0)] * 2, gens, want_support=[True, True])
     assert [d.token_id for d in draws] == [1, 0]  # the tie at 5.0 goes to the lower id
     for row, d in zip(logits.tolist(), draws, strict=True):
@@ -100,17 +101,15 @@ def test_greedy_is_argmax_with_raw_logprob_and_zero_mu() -> None:
 
 def test_ties_are_broken_by_token_id() -> None:
     logits = torch.zeros(1, 8)
-    d = sample(logits, [SamplerSettings(top_k=3)], [torch.Generator().manual_seed(0)], want_support=[True])[0]
+    d = sample(logits, [SamplerSettings(top_k=3)], [random.Random(0)], want_support=[True])[0]
     assert d.support_ids == (0, 1, 2)
-    d = sample(logits, [SamplerSettings(top_p=0.5)], [torch.Generator().manual_seed(0)], want_support=[True])[
-        0
-    ]
+    d = sample(logits, [SamplerSettings(top_p=0.5)], [random.Random(0)], want_support=[True])[0]
     assert d.support_ids == (0, 1, 2, 3)  # 4 x 1/8 = 0.5 >= top_p; three are not enough
 
 
 def test_zero_probability_tokens_are_never_in_a_support() -> None:
     logits = torch.tensor([[0.0, -2000.0, -1.0, -3000.0, -0.5]])
-    d = sample(logits, [SamplerSettings(top_k=4)], [torch.Generator().manual_seed(0)], want_support=[True])[0]
+    d = sample(logits, [SamplerSettings(top_k=4)], [random.Random(0)], want_support=[True])[0]
     assert d.support_ids == (0, 2, 4)
     assert all(math.isfinite(x) for x in d.support_logprobs)
 
@@ -121,12 +120,12 @@ def test_same_seed_same_draws_whatever_the_batch() -> None:
     s = SamplerSettings(temperature=1.0, top_p=0.9)
 
     def run(seed: int, batch_noise: int) -> list[int]:
-        g = torch.Generator().manual_seed(seed)
+        g = random.Random(seed)
         others = torch.randn(batch_noise, V)
         out = []
         for _ in range(20):
             logits = torch.cat([others, row])
-            gens = [torch.Generator().manual_seed(999 + i) for i in range(batch_noise)] + [g]
+            gens = [random.Random(999 + i) for i in range(batch_noise)] + [g]
             out.append(sample(logits, [s] * (batch_noise + 1), gens)[-1].token_id)
         return out
 
@@ -149,7 +148,7 @@ def test_frequencies_match_recorded_behavior_logprobs(settings: SamplerSettings)
     torch.manual_seed(5)
     row = torch.randn(1, V) * 1.5
     n = 6000
-    gens = [torch.Generator().manual_seed(10_000 + i) for i in range(n)]
+    gens = [random.Random(10_000 + i) for i in range(n)]
     draws = sample(row.expand(n, V), [settings] * n, gens, want_support=[True] * n)
     counts = [0] * V
     mu: dict[int, float] = {}
