@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine.init_model import PRESETS, param_count
+from fleet.engine.init_model import PRESETS, param_count, write_model
 from fleet.engine.tokenizer import Tokenizer
 from tests.support.models import make_model_dir
 from tests.support.procs import REPO, mixfleet_argv
@@ -26,29 +26,26 @@ def _init(out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_tiny_is_byte_identical_across_processes(tmp_path: Path, tiny_dir: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    for out in (a, b):
-        r = _init(out, "--preset", "tiny")
-        assert r.returncode == 0, r.stderr
-    assert _digests(a) == _digests(b) == _digests(tiny_dir)
-    assert set(_digests(a)) == {"config.json", "generation_config.json", "model.safetensors",
-                                "tokenizer.json", "tokenizer_config.json"}
-    c = tmp_path / "c"
-    assert _init(c, "--seed", "5").returncode == 0
-    assert _digests(c)["model.safetensors"] != _digests(a)["model.safetensors"]
+    # tiny_dir was written in this process (write_model); the CLI writes in a fresh one.
+    r = _init(tmp_path / "a", "--preset", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert f"{param_count('tiny'):,} parameters" in r.stdout
+    assert _digests(tmp_path / "a") == _digests(tiny_dir)
+    assert set(_digests(tiny_dir)) == {"config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"}
+    other_seed = write_model(tmp_path / "c", "tiny", seed=5)
+    assert _digests(other_seed)["model.safetensors"] != _digests(tiny_dir)["model.safetensors"]
 
 
 def test_small_is_sharded_deterministic_and_sized(tmp_path: Path, model_root: Path) -> None:
     small = make_model_dir(model_root, "small", "bf16")
-    r = _init(tmp_path / "s", "--preset", "small")
-    assert r.returncode == 0, r.stderr
-    assert _digests(tmp_path / "s") == _digests(small)
+    again = write_model(tmp_path / "s", "small")
+    assert _digests(again) == _digests(small)
     index = json.loads((small / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 2 and all((small / s).is_file() for s in shards)
     n = param_count("small")
     assert 50e6 <= n <= 100e6
-    assert f"{n:,} parameters" in r.stdout
     from safetensors import safe_open
 
     total = 0
