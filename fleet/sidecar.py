@@ -11,52 +11,37 @@ SGLang) and is the replica's only public port:
   has served the store pointer's version at least once since the sidecar started (a new
   replica joins at the current version). ``/metrics`` is the sidecar's ``mixfleet_replica_*``
   metrics followed by the engine's ``sglang:*`` metrics. ``/v1/status`` is the JSON state.
-- **Reconcile**: the pointer ``<store>/<run>/<format>/CURRENT`` is read every ``poll_s``
-  (<= 1 s) and on ``POST /v1/wake``. A newer pointer is staged while the engine keeps serving
-  (copied and checksum-verified, :mod:`weight_sync.stage`), then committed:
-  ``/pause_generation {"mode": "in_place"}`` -> ``/update_weights_from_disk {model_path,
-  weight_version}`` -> ``/continue_generation``. The active version changes only after the
-  engine reports it. (``activation="swap"`` skips the pause for engines that load the new
-  weights fully while serving and swap them between two steps themselves -- the local CPU
-  engine; never for SGLang, whose update must run paused.) Pending versions coalesce: the
-  newest pointer is the only target, and a staging that a newer pointer overtakes is
-  abandoned. A failure (checksum, engine refusal) keeps the old version serving, is reported
-  (``error`` in status, heartbeat and metrics), and is retried with exponential backoff; a
-  newer pointer is tried at once.
+- **Reconcile** (:mod:`fleet.reconciler`): the store pointer is read every ``poll_s`` (<= 1 s)
+  and on ``POST /v1/wake``; a newer version is staged (copied, checksums verified) while
+  serving, then activated (``/pause_generation`` in place -> ``/update_weights_from_disk`` ->
+  ``/continue_generation``); the active version changes only once the engine reports it;
+  pending versions coalesce into the newest; failures keep the old version, are reported and
+  retried with backoff.
 - **Version constraints**: a ``/generate`` body field or header ``min_version`` /
   ``exact_version`` (headers ``X-Mixfleet-Min-Version`` / ``X-Mixfleet-Exact-Version``, or
-  ``X-Min-Version`` / ``X-Exact-Version``) that the active version
-  does not meet gets a retryable 409 naming the target and applied versions (the fields are
+  ``X-Min-Version`` / ``X-Exact-Version``) that the active version does not meet gets a
+  retryable 409 naming the target and applied versions (the fields are
   removed before the body goes to the engine).
-- **Heartbeats**: with a router URL, ``POST {router}/v1/replicas/heartbeat`` every
-  ``heartbeat_s`` and on every activation: group, URL, ready, active version, running and
-  queued requests and tokens/s (from the engine's ``sglang:*`` metrics), error.
+- **Heartbeats** (:mod:`fleet.reconciler`): with a router URL, ``POST
+  {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and on every activation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import logging
-import math
-import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from weight_sync.manifest import ChecksumError
-from weight_sync.stage import STAGE_MODES, StageAborted, StagedVersion, clean_staging, stage_version
+from fleet.reconciler import Activation, Reconciler, SidecarConfig, as_version, parse_prometheus
 from weight_sync.store.base import VersionStore
 
-log = logging.getLogger("mixfleet.sidecar")
+__all__ = ["Activation", "Reconciler", "SidecarConfig", "create_app", "parse_prometheus", "version_conflict"]
 
 PROXIED_GET = ("/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 BLOCKED = (
@@ -81,575 +66,52 @@ BLOCKED = (
     "/shutdown",
 )
 # The router sends X-Mixfleet-Min-Version; the short names are accepted too.
-ACTIVATIONS = ("pause", "swap")
 MIN_HEADERS = ("x-mixfleet-min-version", "x-min-version")
 EXACT_HEADERS = ("x-mixfleet-exact-version", "x-exact-version")
 
 
-@dataclass(frozen=True)
-class SidecarConfig:
-    """Everything one sidecar needs; ``poll_s`` <= 1 keeps pointer reads within a second."""
-
-    engine_url: str
-    group: str
-    weight_format: str
-    run_id: str
-    replica_id: str
-    advertise_url: str
-    staging_dir: Path
-    router_url: str | None = None
-    api_key: str | None = None
-    stage_mode: str = "copy"
-    activation: str = "pause"
-    stage_rate_bytes_per_s: float | None = None
-    poll_s: float = 0.5
-    heartbeat_s: float = 1.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    engine_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.poll_s <= 1.0:
-            raise ValueError(f"poll_s must be in (0, 1], got {self.poll_s}")
-        if self.stage_mode not in STAGE_MODES:
-            raise ValueError(f"stage_mode must be one of {STAGE_MODES}, got {self.stage_mode!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-
-
-@dataclass(frozen=True)
-class Activation:
-    """One completed activation, with where its time went (seconds; ``at`` is Unix time)."""
-
-    version: int
-    at: float
-    seen_at: float  # when the sidecar first saw the pointer name this version
-    stage_s: float
-    pause_s: float  # /pause_generation sent -> /continue_generation answered
-    update_s: float  # /update_weights_from_disk alone
-    total_s: float  # seen -> active
-    bytes: int
-
-
-class EngineRefused(Exception):
-    """The engine did not take the new weights (its message is kept)."""
-
-
-@dataclass
-class _State:
-    active_version: int | None = None
-    desired_version: int | None = None
-    desired_seen_at: float = 0.0
-    ready: bool = False
-    engine_ok: bool = False
-    error: str | None = None
-    error_version: int | None = None
-    failures: int = 0
-    next_retry_at: float = 0.0
-    staging: dict[str, Any] | None = None
-    activations: deque[Activation] = field(default_factory=lambda: deque(maxlen=32))
-    in_flight: int = 0
-    running: float = 0.0
-    queued: float = 0.0
-    tokens_per_s: float = 0.0
-    started_at: float = field(default_factory=time.time)
-
-
-class _Metrics:
-    def __init__(self, group: str, replica: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r, names, lv = self.registry, ["group", "replica"], (group, replica)
-        self.active = Gauge(
-            "mixfleet_replica_active_version", "Weight version the engine serves.", names, registry=r
-        ).labels(*lv)
-        self.desired = Gauge(
-            "mixfleet_replica_desired_version", "Version the store pointer names.", names, registry=r
-        ).labels(*lv)
-        self.ready = Gauge(
-            "mixfleet_replica_ready", "1 when the replica is ready.", names, registry=r
-        ).labels(*lv)
-        self.error = Gauge(
-            "mixfleet_replica_error", "1 while the last activation attempt failed.", names, registry=r
-        ).labels(*lv)
-        self.activations = Counter(
-            "mixfleet_replica_activations", "Completed activations.", names, registry=r
-        ).labels(*lv)
-        self.failures = Counter(
-            "mixfleet_replica_activation_failures", "Failed stage or activation attempts.", names, registry=r
-        ).labels(*lv)
-        self.conflicts = Counter(
-            "mixfleet_replica_version_conflicts", "Requests refused with 409.", names, registry=r
-        ).labels(*lv)
-        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-        self.stage_s = Histogram(
-            "mixfleet_replica_stage_seconds",
-            "Stage (copy + verify) time.",
-            names,
-            buckets=buckets,
-            registry=r,
-        ).labels(*lv)
-        self.pause_s = Histogram(
-            "mixfleet_replica_pause_seconds",
-            "Engine pause time per activation.",
-            names,
-            buckets=buckets,
-            registry=r,
-        ).labels(*lv)
-        self.in_flight = Gauge(
-            "mixfleet_replica_in_flight_requests", "Requests the sidecar is proxying.", names, registry=r
-        ).labels(*lv)
-
-
-class Sidecar:
-    """The reconciler and proxy of one replica (create with :func:`create_app`)."""
-
-    def __init__(self, config: SidecarConfig, store: VersionStore) -> None:
-        self.config = config
-        self.store = store
-        self.state = _State()
-        self.metrics = _Metrics(config.group, config.replica_id)
-        self._work = asyncio.Event()
-        self._wake = asyncio.Event()
-        self._activation_lock = asyncio.Lock()
-        self._stage_cache: StagedVersion | None = None
-        self._engine: httpx.AsyncClient | None = None
-        self._router: httpx.AsyncClient | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._last_tokens: tuple[float, float] | None = None
-        self._epoch = 0  # activations started; a version read across one is stale
-
-    # lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        self._engine = httpx.AsyncClient(base_url=self.config.engine_url, timeout=None, limits=limits)
-        if self.config.router_url:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            self._router = httpx.AsyncClient(base_url=self.config.router_url, timeout=5.0, headers=headers)
-        self._tasks = [
-            asyncio.create_task(self._watch_loop(), name="watch"),
-            asyncio.create_task(self._reconcile_loop(), name="reconcile"),
-            asyncio.create_task(self._engine_loop(), name="engine"),
-        ]
-
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if self._engine is not None:
-            await self._engine.aclose()
-        if self._router is not None:
-            await self._router.aclose()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    # status -------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        s = self.state
-        last = s.activations[-1] if s.activations else None
-        return {
-            "replica_id": self.config.replica_id,
-            "group": self.config.group,
-            "format": self.config.weight_format,
-            "run_id": self.config.run_id,
-            "url": self.config.advertise_url,
-            "engine_url": self.config.engine_url,
-            "ready": s.ready,
-            "engine_ok": s.engine_ok,
-            "active_version": s.active_version,
-            "desired_version": s.desired_version,
-            "staging": s.staging,
-            "error": s.error,
-            "error_version": s.error_version,
-            "failures": s.failures,
-            "last_activation": asdict(last) if last else None,
-            "activations": [asdict(a) for a in s.activations],
-            "running": s.running,
-            "queued": s.queued,
-            "tokens_per_s": s.tokens_per_s,
-            "in_flight": s.in_flight,
-        }
-
-    def heartbeat_body(self) -> dict[str, Any]:
-        s = self.state
-        return {
-            "replica_id": self.config.replica_id,
-            "group": self.config.group,
-            "url": self.config.advertise_url,
-            "ready": bool(s.ready and s.engine_ok),
-            "active_version": s.active_version,
-            "running": int(max(s.running, s.in_flight)),
-            "queued": int(s.queued),
-            "tokens_per_s": float(s.tokens_per_s),
-            "error": s.error,
-        }
-
-    # pointer watch --------------------------------------------------------------------------
-    async def _watch_loop(self) -> None:
-        """Read the pointer every ``poll_s`` or on wake; signal the reconciler on a change."""
-        while True:
-            self._wake.clear()  # a wake from now on triggers another read
-            try:
-                ptr = await asyncio.to_thread(
-                    self.store.read_pointer, self.config.run_id, self.config.weight_format
-                )
-            except Exception as exc:  # store briefly unreadable: keep serving, say so
-                log.warning("reading the pointer failed: %s", exc)
-                ptr = self.state.desired_version
-            if ptr != self.state.desired_version:
-                self.state.desired_version = ptr
-                self.state.desired_seen_at = time.time()
-                if ptr is not None:
-                    self.metrics.desired.set(ptr)
-                self._work.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
-
-    # reconcile --------------------------------------------------------------------------------
-    async def _reconcile_loop(self) -> None:
-        await self._wait_engine()
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(
-                clean_staging,
-                self.config.staging_dir,
-                {self.state.active_version} if self.state.active_version is not None else set(),
-            )
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._work.wait(), self.config.poll_s)
-            self._work.clear()
-            try:
-                await self._reconcile_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # never let the loop die
-                log.exception("reconcile failed")
-                self._fail(self.state.desired_version, f"internal error: {exc}")
-
-    async def _reconcile_once(self) -> None:
-        s = self.state
-        target = s.desired_version
+def version_conflict(rec: Reconciler, body: Any, headers: Any) -> tuple[dict[str, Any] | None, Any]:
+    """(409 or 400 body, or None when the active version meets the constraint; the body
+    without its constraint fields, which the engine must not see)."""
+    want_min = next((headers.get(h) for h in MIN_HEADERS if headers.get(h) is not None), None)
+    want_exact = next((headers.get(h) for h in EXACT_HEADERS if headers.get(h) is not None), None)
+    if isinstance(body, dict):
+        body = dict(body)
+        bmin, bexact = body.pop("min_version", None), body.pop("exact_version", None)
+        want_min = bmin if bmin is not None else want_min
+        want_exact = bexact if bexact is not None else want_exact
+    active = rec.state.active_version
+    for kind, raw in (("exact_version", want_exact), ("min_version", want_min)):
+        if raw is None:
+            continue
+        target = as_version(raw)
         if target is None:
-            # Nothing published yet: the replica serves whatever its engine loaded.
-            if s.engine_ok and not s.ready:
-                self._set_ready(True)
-            return
-        if s.active_version is not None and target <= s.active_version:
-            # Serving the pointer's version (or newer: pointers never move back).
-            if not s.ready:
-                self._set_ready(True)
-            return
-        if s.error_version == target and time.monotonic() < s.next_retry_at:
-            return
-        seen_at = s.desired_seen_at or time.time()
-        staged = await self._stage(target)
-        if staged is None:
-            return
-        await self._activate(target, staged, seen_at)
-
-    async def _stage(self, target: int) -> StagedVersion | None:
-        cached = self._stage_cache
-        if cached is not None and cached.version == target and cached.path.is_dir():
-            return cached
-        s = self.state
-        s.staging = {"version": target, "bytes_done": 0, "bytes_total": None, "started_at": time.time()}
-        try:
-            manifest = await asyncio.to_thread(
-                self.store.read_manifest, self.config.run_id, self.config.weight_format, target
-            )
-            s.staging["bytes_total"] = manifest.total_bytes
-
-            def progress(n: int) -> None:
-                if s.staging is not None:
-                    s.staging["bytes_done"] = n
-
-            staged = await asyncio.to_thread(
-                stage_version,
-                self.store,
-                self.config.run_id,
-                self.config.weight_format,
-                target,
-                self.config.staging_dir,
-                mode=self.config.stage_mode,  # type: ignore[arg-type]
-                should_abort=lambda: self.state.desired_version != target,
-                rate_bytes_per_s=self.config.stage_rate_bytes_per_s,
-                progress=progress,
-            )
-        except StageAborted:
-            return None
-        except ChecksumError as exc:
-            self._fail(
-                target, f"staging version {target} failed: checksum mismatch in {exc.path} ({exc.reason})"
-            )
-            return None
-        except Exception as exc:
-            self._fail(target, f"staging version {target} failed: {exc}")
-            return None
-        finally:
-            s.staging = None
-        self.metrics.stage_s.observe(staged.seconds)
-        self._stage_cache = staged
-        return staged
-
-    async def _activate(self, target: int, staged: StagedVersion, seen_at: float) -> None:
-        assert self._engine is not None
-        s = self.state
-        async with self._activation_lock:
-            self._epoch += 1
-            t0 = time.perf_counter()
-            update_s = 0.0
-            refused: str | None = None
-            pause = self.config.activation == "pause"
-            if pause:
-                try:
-                    await self._control("/pause_generation", {"mode": "in_place"})
-                except Exception as exc:
-                    self._fail(target, f"engine did not pause for version {target}: {exc}")
-                    return
-            try:
-                t_u = time.perf_counter()
-                r = await self._engine.post(
-                    "/update_weights_from_disk",
-                    json={"model_path": str(staged.path), "weight_version": str(target)},
-                    timeout=self.config.engine_timeout_s,
-                )
-                update_s = time.perf_counter() - t_u
-                body = _json(r)
-                if r.status_code != 200 or body.get("success") is False:
-                    refused = str(body.get("message") or body.get("error") or f"HTTP {r.status_code}")
-            except httpx.HTTPError as exc:
-                refused = f"engine unreachable during update: {exc!r}"
-            finally:
-                if pause:
-                    await self._continue_engine()
-            # In swap mode the engine never stops: it swaps between two steps by itself.
-            pause_s = time.perf_counter() - t0 if pause else 0.0
-            if refused is not None:
-                self._fail(target, f"engine refused version {target}: {refused}")
-                return
-            served = await self._engine_version()
-            if served != target:
-                self._fail(target, f"engine reports version {served} after updating to {target}")
-                return
-            s.active_version = target
-            s.error = None
-            s.error_version = None
-            s.failures = 0
-            act = Activation(
-                version=target,
-                at=time.time(),
-                seen_at=seen_at,
-                stage_s=staged.seconds,
-                pause_s=pause_s,
-                update_s=update_s,
-                total_s=time.time() - seen_at,
-                bytes=staged.bytes,
-            )
-            s.activations.append(act)
-            self.metrics.active.set(target)
-            self.metrics.error.set(0)
-            self.metrics.activations.inc()
-            self.metrics.pause_s.observe(pause_s)
-            if s.desired_version == target:
-                self._set_ready(True)
-        log.info(
-            "replica %s active at version %d (stage %.3fs, pause %.3fs)",
-            self.config.replica_id,
-            target,
-            staged.seconds,
-            pause_s,
-        )
-        if staged.copied:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(clean_staging, self.config.staging_dir, {target})
-        self._stage_cache = None
-        await self._heartbeat()
-
-    async def _control(self, path: str, body: dict[str, Any]) -> None:
-        assert self._engine is not None
-        r = await self._engine.post(path, json=body, timeout=60.0)
-        if r.status_code != 200:
-            raise EngineRefused(f"{path} answered {r.status_code}: {r.text[:200]}")
-
-    async def _continue_engine(self) -> None:
-        """Resume generation; retried, since a paused engine serves nobody."""
-        for attempt in range(20):
-            try:
-                await self._control("/continue_generation", {})
-                return
-            except Exception as exc:
-                log.warning("continue_generation failed (attempt %d): %s", attempt + 1, exc)
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-
-    def _fail(self, version: int | None, message: str) -> None:
-        s = self.state
-        s.failures = s.failures + 1 if s.error_version == version else 1
-        s.error = message
-        s.error_version = version
-        delay = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (s.failures - 1))
-        s.next_retry_at = time.monotonic() + delay
-        self._stage_cache = None
-        self.metrics.failures.inc()
-        self.metrics.error.set(1)
-        log.warning("%s (retry in %.1fs)", message, delay)
-
-    def _set_ready(self, ready: bool) -> None:
-        self.state.ready = ready
-        self.metrics.ready.set(1 if ready else 0)
-
-    # engine -----------------------------------------------------------------------------------
-    async def _wait_engine(self) -> None:
-        """Block until the engine answers /health; learn the version it serves."""
-        while True:
-            if await self._engine_health():
-                # A previous sidecar may have died between pause and continue: resume (a no-op
-                # on an engine that is not paused).
-                with contextlib.suppress(Exception):
-                    await self._control("/continue_generation", {})
-                version = await self._engine_version()
-                self.state.active_version = version
-                if version is not None:
-                    self.metrics.active.set(version)
-                return
-            await asyncio.sleep(0.2)
-
-    async def _engine_health(self) -> bool:
-        assert self._engine is not None
-        try:
-            r = await self._engine.get("/health", timeout=5.0)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        self.state.engine_ok = ok
-        return ok
-
-    async def _engine_version(self) -> int | None:
-        """The integer weight version the engine reports (None if it reports none or a non-integer)."""
-        assert self._engine is not None
-        for path in ("/model_info", "/get_model_info"):
-            try:
-                r = await self._engine.get(path, timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200:
-                return _as_version(_json(r).get("weight_version"))
-        return None
-
-    async def _engine_loop(self) -> None:
-        """Engine health, load figures, version drift (engine restarted), heartbeats."""
-        while True:
-            try:
-                await self._engine_tick()
-                await self._heartbeat()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("engine poll failed: %s", exc)
-            await asyncio.sleep(self.config.heartbeat_s)
-
-    async def _engine_tick(self) -> None:
-        s = self.state
-        if not await self._engine_health():
-            return
-        await self._read_engine_metrics()
-        if self._activation_lock.locked():
-            return
-        epoch = self._epoch
-        version = await self._engine_version()
-        if version != s.active_version and not self._activation_lock.locked() and epoch == self._epoch:
-            # The engine was restarted or changed under us: believe the engine, reconcile.
-            log.warning("engine reports version %s, expected %s", version, s.active_version)
-            s.active_version = version
-            if version is not None:
-                self.metrics.active.set(version)
-            self._work.set()
-
-    async def _read_engine_metrics(self) -> None:
-        assert self._engine is not None
-        try:
-            r = await self._engine.get("/metrics", timeout=5.0)
-        except httpx.HTTPError:
-            return
-        if r.status_code != 200:
-            return
-        values = parse_prometheus(r.text)
-        s = self.state
-        s.running = values.get("sglang:num_running_reqs", 0.0)
-        s.queued = values.get("sglang:num_queue_reqs", 0.0)
-        if "sglang:gen_throughput" in values:
-            s.tokens_per_s = values["sglang:gen_throughput"]
-        else:
-            total = values.get("sglang:generation_tokens_total")
-            now = time.monotonic()
-            if total is not None and self._last_tokens is not None:
-                dt = now - self._last_tokens[0]
-                if dt > 0:
-                    s.tokens_per_s = max(0.0, (total - self._last_tokens[1]) / dt)
-            if total is not None:
-                self._last_tokens = (now, total)
-
-    async def _heartbeat(self) -> None:
-        if self._router is None:
-            return
-        try:
-            r = await self._router.post("/v1/replicas/heartbeat", json=self.heartbeat_body())
-            if r.status_code >= 400:
-                log.warning("heartbeat refused: %s %s", r.status_code, r.text[:200])
-        except httpx.HTTPError as exc:
-            log.debug("heartbeat failed: %s", exc)
-
-    async def engine_metrics_text(self) -> str:
-        assert self._engine is not None
-        try:
-            r = await self._engine.get("/metrics", timeout=5.0)
-            return r.text if r.status_code == 200 else ""
-        except httpx.HTTPError:
-            return ""
-
-    # proxy --------------------------------------------------------------------------------------
-    def check_constraint(self, body: Any, headers: Any) -> tuple[dict[str, Any] | None, Any]:
-        """(409 body or None, body without the constraint fields)."""
-        want_min = next((headers.get(h) for h in MIN_HEADERS if headers.get(h) is not None), None)
-        want_exact = next((headers.get(h) for h in EXACT_HEADERS if headers.get(h) is not None), None)
-        if isinstance(body, dict):
-            body = dict(body)
-            bmin, bexact = body.pop("min_version", None), body.pop("exact_version", None)
-            want_min = bmin if bmin is not None else want_min
-            want_exact = bexact if bexact is not None else want_exact
-        active = self.state.active_version
-        for kind, raw in (("exact_version", want_exact), ("min_version", want_min)):
-            if raw is None:
-                continue
-            target = _as_version(raw)
-            if target is None:
-                return {"code": 400, "message": f"{kind} must be a non-negative integer, got {raw!r}"}, body
-            ok = active is not None and (active == target if kind == "exact_version" else active >= target)
-            if not ok:
-                return {
-                    "code": 409,
-                    "object": "error",
-                    "type": "version_unavailable",
-                    "retryable": True,
-                    "message": (
-                        f"replica {self.config.replica_id} serves weight version {active}, "
-                        f"the request needs {kind} {target}"
-                    ),
-                    "constraint": kind,
-                    "target_version": target,
-                    "applied_version": active,
-                    "pending_version": self.state.desired_version,
-                    "replica": self.config.replica_id,
-                    "group": self.config.group,
-                }, body
-        return None, body
+            return {"code": 400, "message": f"{kind} must be a non-negative integer, got {raw!r}"}, body
+        ok = active is not None and (active == target if kind == "exact_version" else active >= target)
+        if not ok:
+            return {
+                "code": 409,
+                "object": "error",
+                "type": "version_unavailable",
+                "retryable": True,
+                "message": (
+                    f"replica {rec.config.replica_id} serves weight version {active}, "
+                    f"the request needs {kind} {target}"
+                ),
+                "constraint": kind,
+                "target_version": target,
+                "applied_version": active,
+                "pending_version": rec.state.desired_version,
+                "replica": rec.config.replica_id,
+                "group": rec.config.group,
+            }, body
+    return None, body
 
 
 def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
     """The sidecar's ASGI app; reconciling starts with the app's lifespan."""
 
-    sidecar = Sidecar(config, store)
+    sidecar = Reconciler(config, store)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -708,9 +170,9 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
         except ValueError:
             body = None
         if body is not None:
-            problem, body = sidecar.check_constraint(body, request.headers)
+            problem, body = version_conflict(sidecar, body, request.headers)
         else:
-            problem, _ = sidecar.check_constraint(None, request.headers)
+            problem, _ = version_conflict(sidecar, None, request.headers)
         if problem is not None:
             if problem["code"] == 409:
                 sidecar.metrics.conflicts.inc()
@@ -793,7 +255,7 @@ def _blocked(path: str):
     return handler
 
 
-def _proxy_simple(sidecar: Sidecar, path: str):
+def _proxy_simple(sidecar: Reconciler, path: str):
     async def handler(request: Request) -> Response:
         assert sidecar._engine is not None
         try:
@@ -812,50 +274,3 @@ def _proxy_simple(sidecar: Sidecar, path: str):
         )
 
     return handler
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of every sample per metric name in Prometheus text format (labels ignored)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, rest = line.partition(" ")
-        name = name_part.split("{", 1)[0]
-        if "{" in name_part and "}" not in name_part:
-            # a label value with a space: the value is after the closing brace
-            close = line.find("}")
-            name = line[: line.find("{")]
-            rest = line[close + 1 :].strip()
-        try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-        if math.isnan(value):
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def _as_version(value: Any) -> int | None:
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, float) and value.is_integer():
-        return int(value) if value >= 0 else None
-    if isinstance(value, str):
-        try:
-            v = int(value.strip())
-        except ValueError:
-            return None
-        return v if v >= 0 else None
-    return None
-
-
-def _json(r: httpx.Response) -> dict[str, Any]:
-    try:
-        data = r.json()
-    except ValueError:
-        return {"message": r.text[:500]}
-    return data if isinstance(data, dict) else {"value": data}

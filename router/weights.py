@@ -406,6 +406,8 @@ def create_weights_router(
                 tempfile.mkdtemp(prefix=".perturb-", dir=store.root if hasattr(store, "root") else None)
             )
             try:
+                from weight_sync.perturb import swap_output_rows
+
                 swap_output_rows(src, tmp, t, s)
                 return publish_checkpoint(
                     store,
@@ -563,42 +565,6 @@ def store_formats(store, run_id: str, version: int) -> list[str]:
     return [f for f in FORMATS if version in store.versions(run_id, f)]
 
 
-def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
-    """Write into ``dst`` the checkpoint ``src`` with rows ``t`` and ``s`` of the output projection
-    swapped (``lm_head.weight``, or ``model.embed_tokens.weight`` when the embedding is tied);
-    returns the tensor's name. Other files are hard-linked; ``manifest.json`` is left out."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from weight_sync.publish import link_tree
-
-    files = sorted(src.glob("*.safetensors"))
-    target = None
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        for f in files:
-            with safe_open(f, framework="pt") as h:
-                if name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                    target = (f, name)
-                    break
-        if target:
-            break
-    if target is None:
-        raise UserError(f"{src} has neither lm_head.weight nor model.embed_tokens.weight")
-    shard, tensor_name = target
-    link_tree(src, dst, skip=("manifest.json", shard.name))
-    with safe_open(shard, framework="pt") as h:
-        meta = h.metadata()
-        tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-    w = tensors[tensor_name].clone()
-    rows = w.shape[0]
-    if not (0 <= t < rows and 0 <= s < rows) or t == s:
-        raise UserError(f"swap_rows must be two different token ids in [0, {rows}), got {t}, {s}")
-    w[[t, s]] = w[[s, t]]
-    tensors[tensor_name] = w
-    save_file(tensors, str(dst / shard.name), metadata=meta)
-    return tensor_name
-
-
 def _formats_view(store, run_id: str, formats: list[str]) -> dict[str, Any]:
     out = {}
     for f in formats:
@@ -649,4 +615,4 @@ def _int_or_none(v: Any) -> int | None:
         return None
 
 
-__all__ = ["create_weights_router", "swap_output_rows", "sync_latest_version"]
+__all__ = ["create_weights_router", "sync_latest_version"]

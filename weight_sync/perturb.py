@@ -1,0 +1,51 @@
+"""Known synthetic perturbations of a BF16 checkpoint, for proving that an update activated.
+
+``swap_output_rows(src, dst, t, s)`` swaps rows ``t`` and ``s`` of the output projection. Every
+weight format keeps ``lm_head`` in BF16 and a row swap only permutes the logits, so the softmax
+normalizer is unchanged and the effect is exact and known before publishing, for every group
+whatever its precision: at any position ``logp_after(t) == logp_before(s)``,
+``logp_after(s) == logp_before(t)``, and every other token's log-prob is unchanged. With a tied
+embedding the embedding rows swap too, which changes nothing for sequences in which neither
+token occurs before the scored position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from weight_sync.errors import UserError
+from weight_sync.publish import link_tree
+
+
+def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
+    """Write into ``dst`` the checkpoint ``src`` with rows ``t`` and ``s`` of the output projection
+    swapped (``lm_head.weight``, or ``model.embed_tokens.weight`` when the embedding is tied);
+    returns the tensor's name. Other files are hard-linked; ``manifest.json`` is left out."""
+    files = sorted(src.glob("*.safetensors"))
+    target = None
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for f in files:
+            with safe_open(f, framework="pt") as h:
+                if name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                    target = (f, name)
+                    break
+        if target:
+            break
+    if target is None:
+        raise UserError(f"{src} has neither lm_head.weight nor model.embed_tokens.weight")
+    shard, tensor_name = target
+    link_tree(src, dst, skip=("manifest.json", shard.name))
+    with safe_open(shard, framework="pt") as h:
+        meta = h.metadata()
+        tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    w = tensors[tensor_name].clone()
+    rows = w.shape[0]
+    if not (0 <= t < rows and 0 <= s < rows) or t == s:
+        raise UserError(f"swap_rows must be two different token ids in [0, {rows}), got {t}, {s}")
+    w[[t, s]] = w[[s, t]]
+    tensors[tensor_name] = w
+    save_file(tensors, str(dst / shard.name), metadata=meta)
+    return tensor_name
