@@ -21,7 +21,15 @@ Precision (a decision, documented here):
   excluded) run as bf16 ones do.
 - ``kv_cache_dtype="fp8_e4m3"``: K and V go through float8_e4m3fn (scale 1.0, clamped to +-448)
   when written to the cache, and attention always reads them back from the cache, for the new
-  tokens too, so prefill and incremental decoding see the same values.
+  tokens too, so prefill and incremental decoding see the same values. ``"bf16"`` stores them
+  through bfloat16 (an SGLang BF16 group's cache); ``"auto"`` keeps float32.
+
+Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
+weights that are exact in bfloat16 (all of a BF16 checkpoint) are kept as bfloat16 and widened
+to float32 into one reusable buffer right before each matmul (half the memory and memory
+traffic, same values); weights are stored transposed ``[K, N]``; the experts run once per step
+over the tokens routed to them (tokens sorted by expert); each sequence's attention is one fused
+SDPA call on views of the step's q/k/v.
 """
 
 from __future__ import annotations
