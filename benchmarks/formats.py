@@ -3,10 +3,12 @@
 Usage: ``python benchmarks/formats.py [--shape N K] [--reps R] [--threads T]``
 
 Measures, in one process and interleaved round by round (so background load hits every line
-alike), the wall time of ``quantize`` for each format on one random BF16 tensor, and of
-``dst.copy_(w)`` into a preallocated BF16 tensor of the same shape (the memory-copy baseline). Each
-line reports the best round. ``ratio`` = quantize time / copy time (how many copies one
-quantization costs). Prints the load average, since the machine is shared.
+alike), ``quantize`` for each format on one random BF16 tensor, and ``dst.copy_(w)`` into a
+preallocated BF16 tensor of the same shape (the memory-copy baseline; the quantizers also allocate
+their outputs, which the baseline does not). Each line reports its best round: wall time, G
+elements/s by wall time, ``ratio`` = quantize wall time / copy wall time, and the CPU time of the
+whole process (all threads) with G elements per CPU-second. On a shared machine the wall numbers
+move with other load (the load average is printed); CPU time moves much less.
 """
 
 from __future__ import annotations
@@ -44,21 +46,30 @@ def main() -> int:
         "mxfp4": lambda: mxfp4.quantize(w),
     }
     best = dict.fromkeys(cases, float("inf"))
-    for f in cases.values():  # warm-up: allocator, thread pool
+    best_cpu = dict.fromkeys(cases, float("inf"))
+    for f in cases.values():  # warm-up: allocator, worker threads, scratch buffers
         f()
+    load0 = os.getloadavg()[0]
     for _ in range(args.reps):
         for name, f in cases.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             f()
             best[name] = min(best[name], time.perf_counter() - t0)
+            best_cpu[name] = min(best_cpu[name], time.process_time() - c0)
     elems = n * k
-    print(f"tensor {n}x{k} bfloat16 ({elems / 1e6:.1f} M elements, {w.nbytes / 2**20:.0f} MiB), "
-          f"torch {torch.__version__}, {args.threads} threads, best of {args.reps} rounds, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"tensor {n}x{k} bfloat16 ({elems / 1e6:.1f} M elements, {w.nbytes / 2**20:.0f} MiB), "
+        f"torch {torch.__version__}, {args.threads} threads, best of {args.reps} rounds, "
+        f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}"
+    )
     base = best["copy (baseline)"]
-    print(f"{'case':30s} {'ms':>9s} {'G elem/s':>9s} {'ratio to copy':>14s}")
+    print(f"{'case':30s} {'wall ms':>8s} {'G elem/s':>9s} {'ratio':>6s} {'CPU ms':>8s} {'G elem/CPU-s':>13s}")
     for name, t in best.items():
-        print(f"{name:30s} {t * 1e3:9.2f} {elems / t / 1e9:9.3f} {t / base:14.1f}")
+        c = best_cpu[name]
+        print(
+            f"{name:30s} {t * 1e3:8.2f} {elems / t / 1e9:9.3f} {t / base:6.1f} "
+            f"{c * 1e3:8.2f} {elems / c / 1e9:13.3f}"
+        )
     return 0
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from weight_sync.formats import _parallel
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Elements handled per inner step: small enough that a step's scratch buffers stay in cache,
@@ -35,8 +37,8 @@ def check_weight(w: object, where: str) -> torch.Tensor:
         raise ValueError(f"{where}: expected a torch.Tensor, got {type(w).__name__}")
     if w.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{where}: tensor of {describe(w)} is not bfloat16, float16 or float32")
-    if w.is_complex() or w.layout != torch.strided:
-        raise ValueError(f"{where}: tensor of {describe(w)} is not a dense real tensor")
+    if w.layout != torch.strided or w.device.type != "cpu":
+        raise ValueError(f"{where}: tensor of {describe(w)} is not a dense CPU tensor")
     return w.contiguous()
 
 
@@ -91,45 +93,49 @@ class GroupMax:
     elementwise pass, so this takes ``log2(group)`` elementwise maxima of the |x| bit patterns
     against themselves shifted by 1, 2, 4, ... elements: afterwards position ``i`` holds the
     maximum of ``i .. i + group - 1``, and every ``group``-th position is a group's maximum.
+    Scratch for up to ``capacity`` elements of one integer dtype.
     """
 
-    def __init__(self, dtype: torch.dtype, group: int, capacity: int) -> None:
-        if group & (group - 1):
-            raise ValueError(f"group size {group} is not a power of two")
-        itype = int_view(dtype)
-        self.dtype, self.group = dtype, group
+    def __init__(self, itype: torch.dtype, capacity: int) -> None:
+        self.capacity = capacity
         self._a = torch.empty(capacity, dtype=itype)
         self._b = torch.empty(capacity, dtype=itype)
 
-    def bits_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def bits_(self, x: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
         """Each group's max |x| bit pattern into ``out`` (``[numel / group]`` ints); returns ``out``."""
         flat = x.reshape(-1)
         n = flat.numel()
         a, b = self._a[:n], self._b[:n]
         abs_bits(flat, out=a)
         shift = 1
-        while shift < self.group:
+        while shift < group:
             torch.maximum(a[: n - shift], a[shift:], out=b[: n - shift])
             a, b = b, a
             shift *= 2
-        out.copy_(a[0 :: self.group])
+        out.copy_(a[0::group])
         return out
 
 
 def group_abs_max_bits(x: torch.Tensor, group: int, where: str) -> torch.Tensor:
     """Bits of ``max |x|`` over each run of ``group`` consecutive elements, as a 1-D int tensor.
 
-    Before: ``x`` is contiguous with ``numel % group == 0``. After: element ``g`` is the |x| bit
-    pattern of the largest magnitude among ``x.flatten()[g*group:(g+1)*group]``. Raises
-    ``ValueError`` if ``x`` holds NaN or Inf.
+    Before: ``x`` is contiguous with ``numel % group == 0`` and ``group`` is a power of two.
+    After: element ``g`` is the |x| bit pattern of the largest magnitude among
+    ``x.flatten()[g*group:(g+1)*group]``. Raises ``ValueError`` if ``x`` holds NaN or Inf.
     """
+    if group & (group - 1):
+        raise ValueError(f"group size {group} is not a power of two")
     flat = x.reshape(-1)
     n_groups = flat.numel() // group
-    out = torch.empty(n_groups, dtype=int_view(x.dtype))
+    itype = int_view(x.dtype)
+    out = torch.empty(n_groups, dtype=itype)
     step = max(1, CHUNK_ELEMENTS // group)
-    gm = GroupMax(x.dtype, group, min(n_groups, step) * group)
-    for g0 in range(0, n_groups, step):
-        g1 = min(n_groups, g0 + step)
-        gm.bits_(flat[g0 * group : g1 * group], out[g0:g1])
+    cap = min(n_groups, step) * group
+
+    def task(g0: int, g1: int) -> None:
+        gm = _parallel.scratch(f"group-max-{itype}", cap, lambda c: GroupMax(itype, c))
+        gm.bits_(flat[g0 * group : g1 * group], group, out[g0:g1])
+
+    _parallel.run_ranges(n_groups, step, task)
     raise_if_nonfinite(out, x.dtype, x, where)
     return out

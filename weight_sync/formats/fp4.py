@@ -25,6 +25,7 @@ E2M1_VALUES: tuple[float, ...] = (
 E2M1_MAX = 6.0
 
 _EXP_MASK = 0x7F800000
+_ONE_BITS = 0x3F800000  # float32 1.0
 # 2**22 * 2**E has a unit in the last place of 2**(E-1): the E2M1 step in [2**E, 2**(E+1))
 _MAGIC = float(2**22)
 
@@ -42,6 +43,7 @@ class Encoder:
 
     def __init__(self, capacity: int) -> None:
         capacity = max(4, -(-capacity // 4) * 4)
+        self.capacity = capacity
         self.q = torch.empty(capacity, dtype=torch.float32)
         self.scratch = torch.empty(capacity, dtype=torch.int32)
         self.sign = torch.empty(capacity, dtype=torch.uint8)
@@ -79,9 +81,9 @@ class Encoder:
         q = self.q[:n]
         qi = q.view(torch.int32)
         e = self.scratch[:n]
-        torch.clamp(q, min=1.0, out=e.view(torch.float32))
-        e.bitwise_and_(_EXP_MASK)  # 2**E as float32 bits
-        torch.add(q, e.view(torch.float32), alpha=_MAGIC, out=q)  # q + 2**22 * 2**E, one rounding
+        torch.bitwise_and(qi, _EXP_MASK, out=e)
+        e.clamp_(min=_ONE_BITS)  # 2**E as float32 bits
+        q.add_(e.view(torch.float32), alpha=_MAGIC)  # q + 2**22 * 2**E, one rounding
         e.bitwise_right_shift_(22)  # 2 * (E + 127)
         qi.add_(e)
         codes = self.codes[:n]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common
+from weight_sync.formats import _common, _parallel
 from weight_sync.formats.fp4 import Encoder
 
 BLOCK = 32
@@ -41,31 +41,27 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
     step = max(1, _common.CHUNK_ELEMENTS // BLOCK)
     cap = min(n_blocks, step)
-    enc = Encoder(cap * BLOCK)
-    e = torch.empty(cap, dtype=torch.int32)
-    inv = torch.empty(cap, dtype=torch.int32)
-    top = torch.zeros((), dtype=torch.float32)
-    for b0 in range(0, n_blocks, step):
-        b1 = min(n_blocks, b0 + step)
+
+    def task(b0: int, b1: int) -> torch.Tensor:
+        enc = _parallel.scratch("e2m1", cap * BLOCK, Encoder)
         nb, m = b1 - b0, (b1 - b0) * BLOCK
         q = enc.q[:m].view(nb, BLOCK)
         q.copy_(x[b0:b1])  # exact widening to float32
         enc.sign_from_q_(m, negative_zero_sign=True)  # x / 2**e keeps x's sign bit, -0.0 included
         amax = torch.amax(q, dim=1)  # exact, NaN-propagating
-        top = torch.maximum(top, amax.max())
         # biased E8M0 byte = e + 127 = exponent field of float32(amax) - 2, clamped to [0, 254]
-        eb = e[:nb]
-        torch.bitwise_right_shift(amax.view(torch.int32), 23, out=eb)
+        eb = amax.view(torch.int32).bitwise_right_shift(23)
         eb.sub_(E2M1_MAX_POW2).clamp_(0, 2 * E8M0_BIAS)
         scales[b0:b1].copy_(eb)
-        # 2**-e = 2**(127 - e) / 2**127: float32 bits (254 - byte) << 23, always a normal number
-        f = inv[:nb]
-        torch.sub(2 * E8M0_BIAS, eb, out=f)
-        f.bitwise_left_shift_(23)
-        q.mul_(f.view(torch.float32)[:, None])  # |x| / 2**e, exact
+        # 2**-e = float32 bits (254 - byte) << 23, always a normal number
+        inv = torch.sub(2 * E8M0_BIAS, eb).bitwise_left_shift_(23).view(torch.float32)
+        q.mul_(inv[:, None])  # |x| / 2**e, exact
         enc.codes_(m)
         enc.pack_(m, blocks[b0:b1])
-    if not bool(torch.isfinite(top)):
+        return amax.max()
+
+    tops = _parallel.run_ranges(n_blocks, step, task)
+    if not all(bool(torch.isfinite(t)) for t in tops):
         raise ValueError(f"{where}: tensor of {_common.describe(w)} contains NaN or Inf")
     return {
         "blocks": blocks.view(*lead, k // BLOCK, BLOCK // 2),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common
+from weight_sync.formats import _common, _parallel
 from weight_sync.formats.fp4 import Encoder
 
 GROUP = 16
@@ -100,58 +100,50 @@ def quantize(
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     x = w.view(-1, GROUP)
     n_groups = x.shape[0]
-    packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
-    scale = torch.empty(n_groups, dtype=torch.float8_e4m3fn)
-    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
-    cap = min(n_groups, step)
-    group_max = _common.GroupMax(w.dtype, GROUP, cap * GROUP)
-    itype = _common.int_view(w.dtype)
-    if weight_scale_2 is None:  # two passes: the tensor's amax first
-        amax_bits = torch.empty(n_groups, dtype=itype)
-        for g0 in range(0, n_groups, step):
-            g1 = min(n_groups, g0 + step)
-            group_max.bits_(x[g0:g1], amax_bits[g0:g1])
-        _common.raise_if_nonfinite(amax_bits, w.dtype, w, where)
-        top = amax_bits.max().view(1) if n_groups else torch.zeros(1, dtype=itype)
-        ws2 = _common.bits_to_float(top, w.dtype).view(()) / (E2M1_MAX * FP8_MAX)
-    else:  # one pass; each chunk checks the given scale against its own amax
-        amax_bits = torch.empty(cap, dtype=itype)
+    amax_bits = _common.group_abs_max_bits(x, GROUP, where)  # [G], exact; NaN/Inf raise
+    amax_g = _common.bits_to_float(amax_bits, w.dtype)
+    if weight_scale_2 is None:
+        ws2 = (amax_g.max() if n_groups else torch.zeros(())) / (E2M1_MAX * FP8_MAX)
+    else:
         ws2 = _as_scale_2(weight_scale_2)
-    six_ws2 = E2M1_MAX * ws2
-    enc = Encoder(cap * GROUP)
-    for g0 in range(0, n_groups, step):
-        g1 = min(n_groups, g0 + step)
-        if weight_scale_2 is None:
-            bits = amax_bits[g0:g1]
-        else:
-            bits = group_max.bits_(x[g0:g1], amax_bits[: g1 - g0])
-            _common.raise_if_nonfinite(bits, w.dtype, w, where)
-        amax_g = _common.bits_to_float(bits, w.dtype)
-        if weight_scale_2 is not None:
+        if n_groups:
             _check_covers(ws2, amax_g.max(), w)
-        if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
-            scale[g0:g1] = 1.0
-            packed[g0:g1] = 0
-            continue
-        s = amax_g / six_ws2
-        s = torch.where(s == 0, 1.0, s)  # ModelOpt: zero (or underflowed) group scales become 1.0
+    packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
+    if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
+        scale = torch.ones(n_groups).to(torch.float8_e4m3fn)
+        packed.zero_()
+    else:
+        s = amax_g.div_(E2M1_MAX * ws2)
+        s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
         # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
-        s8 = scale[g0:g1]
-        s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
-        divisor = s8.float().mul_(ws2)  # one float32 product per group, as ModelOpt
-        m = (g1 - g0) * GROUP
-        q = enc.q[:m].view(g1 - g0, GROUP)
-        q.copy_(x[g0:g1])  # exact widening to float32
-        torch.div(q, divisor[:, None], out=q)  # IEEE float32 division
-        enc.sign_from_q_(m, negative_zero_sign=False)
-        enc.codes_(m)
-        enc.pack_(m, packed[g0:g1])
+        scale = s.clamp_(min=SCALE_MIN, max=FP8_MAX).to(torch.float8_e4m3fn)  # round to nearest even
+        divisor = scale.float().mul_(ws2)  # one float32 product per group, as ModelOpt
+        _encode(x, divisor, packed)
     return {
         "weight": packed.view(*lead, k // 2),
         "weight_scale": scale.view(*lead, k // GROUP),
         "weight_scale_2": ws2.reshape(()).clone(),
         "input_scale": torch.tensor(1.0, dtype=torch.float32),
     }
+
+
+def _encode(x: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[g] = pack(E2M1(x[g] / divisor[g]))`` for groups ``x`` ``[G, 16]``, ``divisor`` ``[G]``."""
+    n_groups = x.shape[0]
+    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
+    cap = min(n_groups, step) * GROUP
+
+    def task(g0: int, g1: int) -> None:
+        enc = _parallel.scratch("e2m1", cap, Encoder)
+        m = (g1 - g0) * GROUP
+        q = enc.q[:m].view(g1 - g0, GROUP)
+        q.copy_(x[g0:g1])  # exact widening to float32
+        torch.div(q, divisor[g0:g1, None], out=q)  # IEEE float32 division
+        enc.sign_from_q_(m, negative_zero_sign=False)
+        enc.codes_(m)
+        enc.pack_(m, out[g0:g1])
+
+    _parallel.run_ranges(n_groups, step, task)
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
