@@ -50,7 +50,7 @@ def turns(draw) -> TurnData:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(turns())
 def test_turn_round_trip_f32_is_exact(t: TurnData) -> None:
     back = decode_turn(encode_turn(t))
@@ -58,7 +58,7 @@ def test_turn_round_trip_f32_is_exact(t: TurnData) -> None:
     assert as_stored(t).to_json() == back.to_json()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(turns())
 def test_turn_round_trip_f16_rounds_support_logprobs_only(t: TurnData) -> None:
     back = decode_turn(encode_turn(t, f16=True))

@@ -172,14 +172,14 @@ def test_engines_killed_mid_run_lose_and_duplicate_nothing(model_dirs, tmp_path)
             logs = _run_with(
                 router.url,
                 router.headers,
-                96,
+                64,
                 5,
                 [
                     (0.2, lambda: kill_group(eng["bf16-b"][1])),  # same group has another replica
                     (0.45, lambda: kill_group(eng["fp8"][1])),  # the group's only replica: sessions move
                 ],
             )
-            trajectories = take_all(router.url, router.headers, 96)
+            trajectories = take_all(router.url, router.headers, 64)
             tokens = check_exact(logs, trajectories, 5, MAX_NEW)
             groups = httpx.get(f"{router.url}/v1/groups", headers=router.headers).json()["groups"]
             assert sum(g["tokens_total"] for g in groups) == tokens
@@ -255,9 +255,9 @@ def test_redis_restart_mid_run_loses_no_finished_trajectory(model_dirs, tmp_path
         preset = _preset(tmp_path / "p.toml", {f: [eng[f][0]] for f in ("bf16", "fp8", "nvfp4")})
         router = stack.enter_context(router_process(preset, state=url, extra_args=ROUTER_ARGS))
         _wait_ready(router.url, router.headers, 3)
-        logs = _run_with(router.url, router.headers, 64, 5, [(0.5, restart)])
+        logs = _run_with(router.url, router.headers, 48, 5, [(0.5, restart)])
         assert finished_before, "the restart should come after some sessions finished"
-        trajectories = take_all(router.url, router.headers, 64)
+        trajectories = take_all(router.url, router.headers, 48)
         check_exact(logs, trajectories, 5, MAX_NEW)
         assert set(finished_before) <= {t["session_id"] for t in trajectories}
         assert httpx.get(f"{router.url}/healthz").json()["state"] is True

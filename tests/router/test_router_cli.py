@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import subprocess
 import pytest
 
 from router.auth import load_keys, parse_keys, scopes_for
+from router.cli import add_arguments, build_config
 from tests.support.procs import mixfleet_argv
 from weight_sync.errors import UserError
 
@@ -30,17 +32,38 @@ def test_router_without_keys_refuses_with_one_line() -> None:
     assert r.stderr.strip().count("\n") == 0 and "MIXFLEET_API_KEYS" in r.stderr
 
 
+def test_router_bad_argument_is_one_line() -> None:
+    r = _run("--preset", "no-such", env={"MIXFLEET_API_KEYS": json.dumps({"k" * 20: ["admin"]})})
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("--preset", "no-such"), "not found"),
-        (("--preset", "local", "--state", "postgres://x"), "--state"),
-        (("--preset", "local", "--lease-timeout", "0"), "--lease-timeout"),
+        (("--state", "postgres://x"), "--state"),
+        (("--lease-timeout", "0"), "--lease-timeout"),
+        (("--heartbeat-timeout", "-1"), "--heartbeat-timeout"),
+        (("--max-body-bytes", "10"), "--max-body-bytes"),
+        (("--max-version-lag", "-2"), "--max-version-lag"),
     ],
 )
-def test_router_bad_arguments(args, needle) -> None:
-    r = _run(*args, env={"MIXFLEET_API_KEYS": json.dumps({"k" * 20: ["admin"]})})
-    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+def test_bad_router_arguments_name_the_option(args, needle, monkeypatch) -> None:
+    monkeypatch.setenv("MIXFLEET_API_KEYS", json.dumps({"k" * 20: ["admin"]}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UserError, match=needle):
+        build_config(parser.parse_args(["--preset", "local", *args]))
+
+
+def test_insecure_flag_is_the_only_way_to_run_without_keys(monkeypatch) -> None:
+    monkeypatch.delenv("MIXFLEET_API_KEYS", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = build_config(parser.parse_args(["--preset", "local", "--insecure-no-auth"]))
+    assert config.auth_disabled and not config.api_keys
+    monkeypatch.setenv("MIXFLEET_API_KEYS", json.dumps({"k" * 20: ["admin"]}))
+    config = build_config(parser.parse_args(["--preset", "local", "--insecure-no-auth"]))
+    assert not config.auth_disabled  # keys given: they are enforced
 
 
 def test_key_parsing(tmp_path) -> None:
