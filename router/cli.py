@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
     )
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=3600.0,
+        help="abandon open sessions without a turn for this many seconds (0: never; default 3600)",
+    )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
     parser.add_argument("--log-level", default="info")
 
@@ -52,6 +58,8 @@ def build_config(args: argparse.Namespace):
     for name in ("heartbeat_timeout", "lease_timeout"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    if args.session_idle_timeout < 0:
+        raise UserError("--session-idle-timeout must be >= 0")
     if args.max_body_bytes < 1024:
         raise UserError("--max-body-bytes must be at least 1024")
     if args.max_version_lag is not None and args.max_version_lag < 0:
@@ -67,6 +75,7 @@ def build_config(args: argparse.Namespace):
         max_version_lag=args.max_version_lag,
         max_body_bytes=args.max_body_bytes,
         f16_support_logprobs=args.f16_logprobs,
+        session_idle_s=args.session_idle_timeout or None,
     )
 
 

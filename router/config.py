@@ -20,7 +20,8 @@ class RouterConfig:
     ``api_keys`` maps a bearer token to its scopes; ``auth_disabled`` must be set explicitly to
     run without keys (the app logs a warning). ``vocab_size``, when known, lets the router refuse
     out-of-vocabulary token ids itself (otherwise it learns it from replicas' ``/model_info``
-    when they report it, and passes the engine's 400 through).
+    when they report it, and passes the engine's 400 through). Open sessions without a turn for
+    ``session_idle_s`` seconds are abandoned (their capacity slot freed; None: never).
     """
 
     fleet: FleetSpec
@@ -41,6 +42,7 @@ class RouterConfig:
     failure_cooldown_s: float = 2.0
     max_attempts: int = 4
     route_key_ttl_s: float = 3600.0
+    session_idle_s: float | None = 3600.0
     f16_support_logprobs: bool = False
 
     def __post_init__(self) -> None:

@@ -88,12 +88,28 @@ class RouterContext:
 
     # polling -----------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
+        last_sweep = time.monotonic()
+        idle = self.config.session_idle_s
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
             try:
                 await self.poll_once()
+                if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
+                    last_sweep = time.monotonic()
+                    await self.expire_idle_sessions()
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
+
+    async def expire_idle_sessions(self) -> int:
+        """Abandon open sessions idle for ``session_idle_s`` (frees their capacity slots)."""
+        if self.config.session_idle_s is None:
+            return 0
+        expired = await self.store.expire_idle(self.config.session_idle_s)
+        for _sid, group in expired:
+            self.metrics.expired.labels(group).inc()
+        if expired:
+            log.info("abandoned %d idle sessions", len(expired))
+        return len(expired)
 
     async def poll_once(self) -> None:
         """Health-poll static replicas; adopt heartbeats and the latest version from the store."""

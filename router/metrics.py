@@ -70,6 +70,9 @@ class RouterMetrics:
             ["from_group", "to_group"],
             registry=r,
         )
+        self.expired = Counter(
+            "mixfleet_router_sessions_expired", "Open sessions abandoned after idling", ["group"], registry=r
+        )
         self.leases = Counter("mixfleet_router_leases", "Batch leases handed out", registry=r)
         self.taken = Counter(
             "mixfleet_router_trajectories_taken", "Trajectories handed to trainers", registry=r

@@ -141,6 +141,11 @@ class StateStore(abc.ABC):
     async def delete_session(self, session_id: str) -> None:
         """Abandon an open session (not enqueued). Raises SessionNotFound / SessionFinished."""
 
+    @abc.abstractmethod
+    async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
+        """Abandon (as :meth:`delete_session`) every open session without a creation or turn in
+        the last ``idle_s`` seconds; returns their (session id, group)."""
+
     # trainer queue --------------------------------------------------------------------
     @abc.abstractmethod
     async def take(

@@ -35,6 +35,7 @@ class _Session:
     requests: dict[str, int] = field(default_factory=dict)
     finish_request: str | None = None
     expires_at: float | None = None
+    last_active: float = field(default_factory=time.time)
 
 
 class MemoryStore(StateStore):
@@ -74,7 +75,7 @@ class MemoryStore(StateStore):
         if session_id in self._sessions:
             raise ValueError(f"session {session_id} exists")
         self._sessions[session_id] = _Session(
-            SessionInfo(session_id, group, None, "open", now, dict(metadata))
+            SessionInfo(session_id, group, None, "open", now, dict(metadata)), last_active=now
         )
         c = self._counters[group]
         c["active_sessions"] += 1
@@ -114,6 +115,7 @@ class MemoryStore(StateStore):
             raise TurnConflict(index)
         s.turns.append(bytes(blob))
         s.requests[request_id] = index
+        s.last_active = time.time()
         info = s.info
         s.info = replace(
             info,
@@ -148,6 +150,16 @@ class MemoryStore(StateStore):
         s = self._open(session_id)
         self._counters[s.info.group]["active_sessions"] -= 1
         del self._sessions[session_id]
+
+    async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
+        before = time.time() - idle_s
+        out = []
+        for sid, s in list(self._sessions.items()):
+            if s.info.status == "open" and s.last_active < before:
+                self._counters[s.info.group]["active_sessions"] -= 1
+                del self._sessions[sid]
+                out.append((sid, s.info.group))
+        return out
 
     # trainer queue --------------------------------------------------------------------
     def _wake(self) -> None:

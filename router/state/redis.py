@@ -13,6 +13,7 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
+* ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
 
 Mutations that must be atomic or idempotent are Lua scripts, so the client's automatic retry
 after a dropped connection (e.g. a Redis restart) cannot apply a turn or a finish twice.
@@ -54,6 +55,7 @@ HELD = P + "held"
 STATS = P + "stats"
 REPLICAS = P + "replicas"
 LATEST = P + "latest"
+ACTIVITY = P + "activity"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -61,6 +63,7 @@ redis.call('HSET', KEYS[1], 'group', ARGV[1], 'status', 'open', 'created', ARGV[
            'metadata', ARGV[3], 'n_turns', 0, 'tokens', 0)
 redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
 redis.call('HINCRBY', KEYS[2], 'sessions:' .. ARGV[1], 1)
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 return 1
 """
 
@@ -96,6 +99,7 @@ if ARGV[6] ~= '' then
 end
 redis.call('HINCRBY', KEYS[3], 'turns:' .. ARGV[3], 1)
 redis.call('HINCRBY', KEYS[3], 'tokens:' .. ARGV[3], ARGV[4])
+redis.call('ZADD', KEYS[4], ARGV[8], ARGV[9])
 return {0, idx}
 """
 
@@ -107,6 +111,7 @@ if redis.call('HGET', h, 'status') ~= 'open' then return -2 end
 redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', ARGV[3], 'finish_req', ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'active:' .. redis.call('HGET', h, 'group'), -1)
 redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
+redis.call('ZREM', KEYS[4], ARGV[4])
 return 0
 """
 
@@ -115,7 +120,19 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return -2 end
 redis.call('HINCRBY', KEYS[3], 'active:' .. redis.call('HGET', KEYS[1], 'group'), -1)
 redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[1])
 return 0
+"""
+
+_EXPIRE = """
+local score = redis.call('ZSCORE', KEYS[4], ARGV[1])
+if (not score) or tonumber(score) > tonumber(ARGV[2]) then return false end
+redis.call('ZREM', KEYS[4], ARGV[1])
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return false end
+local g = redis.call('HGET', KEYS[1], 'group')
+redis.call('HINCRBY', KEYS[3], 'active:' .. g, -1)
+redis.call('DEL', KEYS[1], KEYS[2])
+return g
 """
 
 _RELEASE_HELD = """
@@ -191,6 +208,7 @@ class RedisStore(StateStore):
         self._append = self._r.register_script(_APPEND)
         self._finish = self._r.register_script(_FINISH)
         self._delete = self._r.register_script(_DELETE)
+        self._expire = self._r.register_script(_EXPIRE)
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
         self._set_latest = self._r.register_script(_SET_LATEST)
@@ -216,7 +234,9 @@ class RedisStore(StateStore):
     # sessions -------------------------------------------------------------------------
     async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
         created = await self._call(
-            self._create, keys=[_skey(session_id), STATS], args=[group, repr(now), json.dumps(metadata)]
+            self._create,
+            keys=[_skey(session_id), STATS, ACTIVITY],
+            args=[group, repr(now), json.dumps(metadata), session_id],
         )
         if not created:
             raise ValueError(f"session {session_id} exists")
@@ -244,8 +264,18 @@ class RedisStore(StateStore):
     ) -> int:
         rc, idx = await self._call(
             self._append,
-            keys=[_skey(session_id), _tkey(session_id), STATS],
-            args=[request_id, blob, group, tokens, _opt(min_version), _opt(max_version), _opt(expected_turn)],
+            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
+            args=[
+                request_id,
+                blob,
+                group,
+                tokens,
+                _opt(min_version),
+                _opt(max_version),
+                _opt(expected_turn),
+                repr(time.time()),
+                session_id,
+            ],
         )
         if rc == -1:
             raise SessionNotFound(session_id)
@@ -264,7 +294,7 @@ class RedisStore(StateStore):
         await self._ensure_group_safe()
         rc = await self._call(
             self._finish,
-            keys=[_skey(session_id), STATS, STREAM],
+            keys=[_skey(session_id), STATS, STREAM, ACTIVITY],
             args=[request_id, repr(float(reward)), json.dumps(metadata), session_id],
         )
         if rc == -1:
@@ -273,11 +303,26 @@ class RedisStore(StateStore):
             raise SessionFinished(session_id)
 
     async def delete_session(self, session_id: str) -> None:
-        rc = await self._call(self._delete, keys=[_skey(session_id), _tkey(session_id), STATS])
+        rc = await self._call(
+            self._delete, keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY], args=[session_id]
+        )
         if rc == -1:
             raise SessionNotFound(session_id)
         if rc == -2:
             raise SessionFinished(session_id)
+
+    async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
+        before = time.time() - idle_s
+        sids = await self._call(self._r.zrangebyscore, ACTIVITY, "-inf", before, start=0, num=1000)
+        out = []
+        for raw in sids:
+            sid = _s(raw)
+            group = await self._call(
+                self._expire, keys=[_skey(sid), _tkey(sid), STATS, ACTIVITY], args=[sid, repr(before)]
+            )
+            if group is not None:
+                out.append((sid, _s(group)))
+        return out
 
     async def _ensure_group_safe(self) -> None:
         await self._call(self._ensure_group)

@@ -275,7 +275,11 @@ def test_openapi_and_metrics(client: httpx.Client) -> None:
 
 
 def test_streaming_generate_passes_through(client: httpx.Client) -> None:
-    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}, "stream": True}
+    body = {
+        "input_ids": [3, 4, 5],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+        "stream": True,
+    }
     with client.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -286,8 +290,12 @@ def test_streaming_generate_passes_through(client: httpx.Client) -> None:
 
 def test_version_constraints_that_no_replica_meets_get_503_naming_the_version(client: httpx.Client) -> None:
     sid = _session(client, group="cpu-a")
-    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 7})
+    r = client.post(
+        f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 7}
+    )
     assert r.status_code == 503 and ">= 7" in r.json()["detail"] and "Retry-After" in r.headers
-    ok = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 0})
+    ok = client.post(
+        f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 0}
+    )
     assert ok.status_code == 200 and ok.json()["records"][0]["weight_version"] == 0
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # the refused turn left no trace

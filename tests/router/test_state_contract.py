@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -255,3 +256,18 @@ async def test_redis_leases_survive_a_new_store_instance(redis_url: str) -> None
         assert [t.session.session_id for t in again.trajectories] == ["s"]
         assert (await store.ack(lease.lease_id)).acked == 0
         assert (await store.ack(again.lease_id)).acked == 1
+
+
+async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> None:
+    async with opened(store_url) as store:
+        now = time.time()
+        for sid in ("idle", "busy", "done"):
+            await store.create_session(sid, "g", {}, now=now - 100)
+        for sid in ("busy", "done"):  # a turn now counts as activity
+            await store.append_turn(sid, "r", b"x", group="g", tokens=1, min_version=None, max_version=None)
+        await store.finish_session("done", "f", 1.0, {})
+        assert await store.expire_idle(50) == [("idle", "g")]
+        assert await store.get_session("idle") is None
+        assert (await store.get_session("busy")).status == "open"
+        assert (await store.counters())["g"].active_sessions == 1
+        assert await store.expire_idle(50) == []
