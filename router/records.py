@@ -106,13 +106,17 @@ class TurnData:
                 si += 1
             version = spans[si]["version"] if si < len(spans) and spans[si]["start"] <= i else None
             raw = self.raw_logprobs[i]
+            lp = self.logprobs[i]
+            lps = list(self.support_logprobs[i])
+            if not all(map(math.isfinite, lps)):  # JSON has no NaN / inf: unknown values are null
+                lps = [x if math.isfinite(x) else None for x in lps]
             records.append(
                 {
                     "token_id": tok,
-                    "logprob": self.logprobs[i],
-                    "raw_logprob": None if raw is None or math.isnan(raw) else raw,
+                    "logprob": lp if math.isfinite(lp) else None,
+                    "raw_logprob": None if raw is None or not math.isfinite(raw) else raw,
                     "support_ids": list(self.support_ids[i]),
-                    "support_logprobs": list(self.support_logprobs[i]),
+                    "support_logprobs": lps,
                     "weight_version": version,
                 }
             )
@@ -238,7 +242,6 @@ def as_stored(turn: TurnData, *, f16: bool = False) -> TurnData:
         raw_logprobs=[None if math.isnan(x) else x for x in _round(turn.raw_logprobs, "f")],
         support_logprobs=[_round(lps, fmt) if lps else [] for lps in turn.support_logprobs],
     )
-
 
 
 def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:

@@ -205,3 +205,20 @@ def test_inconsistent_lengths_and_unsorted_support_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="strictly increasing"):
         encode_turn(t)
+
+
+def test_unknown_log_probs_become_null_in_json() -> None:
+    nan = float("nan")
+    t = TurnData(
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[1],
+        output_ids=[4],
+        logprobs=[nan],
+        raw_logprobs=[None],
+        support_ids=[[3, 4]],
+        support_logprobs=[[nan, float("-inf")]],
+    )
+    rec = decode_turn(encode_turn(t)).to_json()["records"][0]
+    assert rec["logprob"] is None and rec["raw_logprob"] is None and rec["support_logprobs"] == [None, None]
