@@ -63,3 +63,26 @@ def test_torch_thread_settings_are_left_alone(threads, n):
     t.start()
     t.join()
     assert seen == [n]  # a thread started later still gets torch's default
+
+
+def test_a_forked_child_gets_its_own_workers(threads):
+    import multiprocessing
+
+    threads(2)
+    w = cases.weights((64, 256), torch.bfloat16, seed=32)
+    want = mxfp4.quantize(w)["blocks"]
+    _parallel.run([lambda: None, lambda: None])  # the parent's worker pool exists before the fork
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_quantize_in_child, (w,)).get(timeout=120)
+    assert torch.equal(got, want)
+
+
+def _quantize_in_child(w: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(2)
+    old = _common.CHUNK_ELEMENTS
+    _common.CHUNK_ELEMENTS = 1024  # several chunks: the child's own pool runs them
+    try:
+        return mxfp4.quantize(w)["blocks"]
+    finally:
+        _common.CHUNK_ELEMENTS = old

@@ -14,6 +14,7 @@ allocate nor page-fault.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -27,6 +28,15 @@ _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _local = threading.local()
+
+
+def _forget_pool() -> None:
+    # A forked child inherits the pool object but not its threads; it must start its own.
+    global _lock, _pool, _pool_size
+    _lock, _pool, _pool_size = threading.Lock(), None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _init_worker() -> None:

@@ -4,7 +4,7 @@ E2M1 (OCP MX v1.0 FP4): 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit, no
 Magnitude codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
 
 Encoding rounds to nearest with ties to even code (ties at 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5
-go to 0, 1, 1, 2, 2, 4, 4) and saturates at 6. The two formats differ only in the sign of zero:
+go to the values 0, 1, 1, 2, 2, 4, 4) and saturates at 6. The two formats differ only in the sign of zero:
 NVFP4 (ModelOpt ``_cast_fp4``) sets the sign bit iff the scaled value is ``< 0``, so ``-0.0``
 encodes as 0x0; MXFP4 (torchao ``f32_to_f4_unpacked``) copies the float sign bit, so ``-0.0``
 encodes as 0x8. Packing puts two codes in a byte, element ``2i`` in the low nibble.
@@ -65,7 +65,7 @@ class Encoder:
         q.abs_()
 
     def codes_(self, n: int) -> torch.Tensor:
-        """``codes[:n]`` = E2M1 codes of ``q[:n]`` (all ``>= 0`` and ``< 2**120``) with ``sign[:n]``.
+        """``codes[:n]`` = E2M1 codes of ``q[:n]`` (all ``>= 0`` and ``< 2**100``) with ``sign[:n]``.
 
         Rounds to nearest-even on the E2M1 grid and saturates at 6 (code 7). ``q[:n]`` and the
         int32 scratch are clobbered. Returns the ``codes[:n]`` view.
