@@ -13,6 +13,9 @@ nothing is padded into the statistics):
 
 Stored: ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale_inv`` float32
 ``[ceil(N/128), ceil(K/128)]``, the dequantization multiplier ``s``.
+
+Divisions are IEEE float32 divisions (DeepSeek's Triton kernels divide with the GPU's fast
+float32 division, which is not correctly rounded and cannot be reproduced bit for bit on CPU).
 """
 
 from __future__ import annotations

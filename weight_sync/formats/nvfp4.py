@@ -13,9 +13,11 @@ Two-level scaling (ModelOpt ``NVFP4QTensor``): a per-tensor ``weight_scale_2`` a
   even, saturating at 6; sign bit iff ``q < 0`` (``-0.0`` gives 0x0). Low nibble = even index.
 - ``input_scale = 1.0`` (the groups run NVFP4 weights with BF16 activations).
 
-Every division above is an IEEE float32 division (what torch computes on CPU, and ModelOpt on
-CPU). Beyond ModelOpt: a tensor that is all zeros gets ``weight_scale_2 = 0``, scales 1.0 and
-zero codes (ModelOpt divides 0 by 0 there).
+Every division above is an IEEE float32 division: what ModelOpt computes on CPU. (On a GPU,
+torch turns ``tensor / python_float`` into a multiplication by the float32 reciprocal, so
+ModelOpt's ``weight_scale_2`` there is ``amax * (1/2688)``, which differs in the last bit for
+about one tensor in five.) Beyond ModelOpt: a tensor that is all zeros gets
+``weight_scale_2 = 0``, scales 1.0 and zero codes (ModelOpt divides 0 by 0 there).
 """
 
 from __future__ import annotations
