@@ -111,16 +111,12 @@ def quantize(
         if n_groups:
             _check_covers(ws2, amax_g.max(), w)
     packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
+    scale = torch.empty(n_groups, dtype=torch.float8_e4m3fn)
     if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
-        scale = torch.ones(n_groups).to(torch.float8_e4m3fn)
+        scale.copy_(torch.ones(n_groups))
         packed.zero_()
     else:
-        s = amax_g.div_(E2M1_MAX * ws2)
-        s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
-        # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
-        scale = s.clamp_(min=SCALE_MIN, max=FP8_MAX).to(torch.float8_e4m3fn)  # round to nearest even
-        divisor = scale.float().mul_(ws2)  # one float32 product per group, as ModelOpt
-        _encode(x, divisor, packed)
+        _encode(x, amax_g, ws2, scale, packed)
     return {
         "weight": packed.view(*lead, k // 2),
         "weight_scale": scale.view(*lead, k // GROUP),
@@ -129,18 +125,31 @@ def quantize(
     }
 
 
-def _encode(x: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[g] = pack(E2M1(x[g] / divisor[g]))`` for groups ``x`` ``[G, 16]``, ``divisor`` ``[G]``."""
+def _encode(
+    x: torch.Tensor, amax_g: torch.Tensor, ws2: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Scales into ``scale`` ``[G]``, packed codes into ``out`` ``[G, 8]``, for groups ``x`` ``[G, 16]``.
+
+    ``amax_g`` holds each group's max |x| (float32; overwritten), ``ws2`` the nonzero
+    ``weight_scale_2``.
+    """
     n_groups = x.shape[0]
     step = max(1, _common.CHUNK_ELEMENTS // GROUP)
     cap = min(n_groups, step) * GROUP
+    six_ws2 = E2M1_MAX * ws2
 
     def task(g0: int, g1: int) -> None:
+        s = amax_g[g0:g1].div_(six_ws2)
+        s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
+        # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
+        s8 = scale[g0:g1]
+        s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
+        divisor = s8.float().mul_(ws2)  # one float32 product per group, as ModelOpt
         enc = _parallel.scratch("e2m1", cap, Encoder)
         m = (g1 - g0) * GROUP
         q = enc.q[:m].view(g1 - g0, GROUP)
         q.copy_(x[g0:g1])  # exact widening to float32
-        torch.div(q, divisor[g0:g1, None], out=q)  # IEEE float32 division
+        torch.div(q, divisor[:, None], out=q)  # IEEE float32 division
         enc.sign_from_q_(m, negative_zero_sign=False)
         enc.codes_(m)
         enc.pack_(m, out[g0:g1])
