@@ -308,6 +308,23 @@ def create_weights_router(
         service.finish_job(job, result.to_dict(), None)
         await _wake_replicas(request)
 
+    def events_for(request: Request, job: Job):
+        """The publisher's progress callback (runs in its thread): record the event; when a
+        pointer moved, raise the router's latest version and wake the replicas at once."""
+        loop = asyncio.get_running_loop()
+
+        async def advanced(version: int) -> None:
+            with contextlib.suppress(Exception):
+                await _record_latest(_ctx(request), version)
+            await _wake_replicas(request)
+
+        def on_event(kind: str, info: dict[str, Any]) -> None:
+            job.events.append({"kind": kind, **info, "t": time.time()})
+            if kind == "advanced" and job.version is not None:
+                asyncio.run_coroutine_threadsafe(advanced(job.version), loop)
+
+        return on_event
+
     def spawn(request: Request, job: Job, work) -> None:
         task = asyncio.get_running_loop().create_task(finish(request, job, work))
         service.tasks.add(task)  # keep a reference until done
@@ -342,6 +359,8 @@ def create_weights_router(
             )
         job = service.start_job("publish", run_id, version)
 
+        on_event = events_for(request, job)  # made here, on the event loop's thread
+
         def work():
             return publish_checkpoint(
                 store,
@@ -351,7 +370,7 @@ def create_weights_router(
                 formats,
                 mode=body.mode,
                 **service.publish_kwargs(),
-                on_event=lambda kind, info: job.events.append({"kind": kind, **info, "t": time.time()}),
+                on_event=on_event,
             )
 
         spawn(request, job, work)
@@ -360,13 +379,17 @@ def create_weights_router(
     @router.post("/v1/weights/rollback", status_code=202, dependencies=admin)
     async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
         """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
+        from weight_sync.publish import next_version
         from weight_sync.publish import rollback as do_rollback
 
         store = service.store()
         await ensure_synced(request)
         run_id = body.run_id or service.run_id
         formats = _fleet_formats(request)
-        job = service.start_job("rollback", run_id, body.version)
+        version = body.version if body.version is not None else next_version(store, run_id, formats)
+        job = service.start_job("rollback", run_id, version)
+
+        on_event = events_for(request, job)  # made here, on the event loop's thread
 
         def work():
             return do_rollback(
@@ -374,8 +397,8 @@ def create_weights_router(
                 run_id,
                 body.to,
                 formats,
-                version=body.version,
-                on_event=lambda kind, info: job.events.append({"kind": kind, **info, "t": time.time()}),
+                version=version,
+                on_event=on_event,
             )
 
         spawn(request, job, work)
@@ -400,6 +423,8 @@ def create_weights_router(
         job = service.start_job("perturbation", run_id, version)
         t, s = body.swap_rows
 
+        on_event = events_for(request, job)  # made here, on the event loop's thread
+
         def work():
             src = Path(store.version_dir(run_id, "bf16", body.from_version))
             tmp = Path(
@@ -416,7 +441,7 @@ def create_weights_router(
                     tmp,
                     formats,
                     **service.publish_kwargs(),
-                    on_event=lambda kind, info: job.events.append({"kind": kind, **info, "t": time.time()}),
+                    on_event=on_event,
                 )
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

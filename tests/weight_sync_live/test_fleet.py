@@ -193,7 +193,7 @@ def test_replica_front_blocks_control_routes_and_enforces_versions(live: Live) -
 @pytest.mark.timeout(240)
 def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None:
     v = live.fleet.latest() + 1
-    out = live.cli("publish", "--version", str(v), str(tiny_seed2))
+    out = live.cli("publish", "--version", str(v), "--per-format", str(tiny_seed2))
     assert out.returncode == 0, out.stderr + live.fleet.logs()
     assert f"version {v}" in out.stdout and "every replica serves" in out.stdout, out.stdout
     for r in live.fleet.replicas:
