@@ -338,6 +338,43 @@ def publish_checkpoint(
     )
 
 
+def bootstrap(
+    store: VersionStore,
+    run_id: str,
+    base_ckpt: Path,
+    formats: Iterable[str],
+    *,
+    workers: int | None = None,
+    on_event: Event = _noop,
+) -> dict[str, int]:
+    """Make every format of ``formats`` have a pointer, for a fleet that starts (``mixfleet up``).
+
+    A run with no pointer at all gets ``base_ckpt`` published as version 0. A format added to a
+    run that already serves version L (a new group) gets L's content converted from the run's
+    bf16 copy of L (or ``base_ckpt`` when the run keeps no bf16 copy and L is 0), committed as
+    L for that format only. Returns each format's pointer (the version its engines start at).
+    Idempotent.
+    """
+    formats = check_formats(formats)
+    latest = latest_version(store, run_id, formats)
+    if latest is None:
+        publish_checkpoint(store, run_id, 0, base_ckpt, formats, workers=workers, on_event=on_event)
+    else:
+        missing = [f for f in formats if store.read_pointer(run_id, f) is None]
+        if missing:
+            if latest in store.versions(run_id, "bf16"):
+                source = Path(store.version_dir(run_id, "bf16", latest))
+            elif latest == 0:
+                source = Path(base_ckpt)
+            else:
+                raise UserError(
+                    f"run {run_id!r} serves version {latest} but keeps no bf16 copy of it to convert "
+                    f"for {', '.join(missing)}; publish a new version for every format"
+                )
+            publish_checkpoint(store, run_id, latest, source, missing, workers=workers, on_event=on_event)
+    return {f: store.read_pointer(run_id, f) for f in formats}  # type: ignore[misc]
+
+
 def rollback(
     store: VersionStore,
     run_id: str,

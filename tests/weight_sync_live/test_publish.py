@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.procs import REPO, mixfleet_argv
+from weight_sync.convert import convert_checkpoint
 from weight_sync.errors import UserError
-from weight_sync.publish import publish_checkpoint, rollback
+from weight_sync.publish import bootstrap, publish_checkpoint, rollback
 from weight_sync.store.local import LocalStore
 
 FORMATS = ["bf16", "fp8", "nvfp4"]
@@ -86,6 +87,23 @@ def test_checkpoint_already_on_the_store_filesystem(tmp_path, tiny_base) -> None
     for f in FORMATS:
         assert store.read_pointer(RUN, f) == 1 and store.versions(RUN, f) == [1]
     assert sorted(p.name for p in uploaded.iterdir()) == sorted(p.name for p in tiny_base.iterdir())
+
+
+def test_bootstrap_starts_a_run_at_version_0_and_fills_in_new_formats(
+    tmp_path, tiny_base, tiny_seed2
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    assert bootstrap(store, RUN, tiny_base, ["bf16", "fp8"], workers=0) == {"bf16": 0, "fp8": 0}
+    assert bootstrap(store, RUN, tiny_base, ["bf16", "fp8"], workers=0) == {"bf16": 0, "fp8": 0}
+    publish_checkpoint(store, RUN, 3, tiny_seed2, ["bf16", "fp8"], workers=0)
+    # A group of a new format joins a run at version 3: it gets version 3's content.
+    assert bootstrap(store, RUN, tiny_base, FORMATS, workers=0) == {"bf16": 3, "fp8": 3, "nvfp4": 3}
+    store.verify(RUN, "nvfp4", 3)
+    assert store.versions(RUN, "nvfp4") == [3]
+    direct = tmp_path / "direct-nvfp4"
+    convert_checkpoint(tiny_seed2, direct, "nvfp4", workers=1)
+    for shard in direct.glob("*.safetensors"):
+        assert (store.version_dir(RUN, "nvfp4", 3) / shard.name).read_bytes() == shard.read_bytes()
 
 
 def test_rollback_publishes_a_new_number_with_old_content(tmp_path, tiny_base, tiny_seed2) -> None:
