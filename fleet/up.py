@@ -6,14 +6,15 @@ Before: nothing (a fresh machine is fine). What it does, in order:
 
 1. ``<data-dir>/base``: the BF16 base policy; created by ``init-model`` (``--model-preset``,
    default ``small``) when it holds no ``config.json``.
-2. ``<data-dir>/store``: a local version store for run ``--run``. When a format the fleet
-   serves has no published version yet, the base policy is published as version 0 (converted
-   once per format, barrier mode). Later ``up`` runs start from each format's pointer.
+2. ``<data-dir>/store``: a local version store for run ``--run``, bootstrapped by
+   :func:`weight_sync.publish.bootstrap` (the base policy becomes version 0, converted once per
+   format; later ``up`` runs start from each format's pointer).
 3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes, then
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions. Groups with static replicas are routed to as
-   listed (their engines run elsewhere).
+   listed (their engines run elsewhere). The local engine loads a new version while serving and
+   swaps between two decode steps, so its sidecars activate with ``--activation swap``.
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset.
@@ -121,17 +122,6 @@ def _ensure_base(base: Path, model_preset: str) -> None:
     write_model(base, model_preset)
 
 
-def _initial_versions(store, run_id: str, base: Path, formats: list[str]) -> dict[str, int]:
-    """Each served format's pointer, publishing ``base`` as version 0 where a format has none."""
-    from weight_sync.publish import publish_checkpoint
-
-    missing = [f for f in formats if store.read_pointer(run_id, f) is None]
-    if missing:
-        print(f"publishing the base policy as version 0 ({', '.join(missing)}) ...", flush=True)
-        publish_checkpoint(store, run_id, 0, base, missing)
-    return {f: int(store.read_pointer(run_id, f)) for f in formats}
-
-
 def _wait_http(url: str, child: Child, deadline: float, headers: dict[str, str] | None = None) -> None:
     import httpx
 
@@ -207,6 +197,7 @@ def _start(children: list[Child], name: str, argv: list[str], logs: Path, env: d
 
 def run(args: argparse.Namespace) -> int:
     from fleet.specs import load_preset
+    from weight_sync.publish import bootstrap
     from weight_sync.store.local import LocalStore
 
     if not 0 < args.port < 65536:
@@ -232,7 +223,11 @@ def run(args: argparse.Namespace) -> int:
     _ensure_base(base, args.model_preset)
     store = LocalStore(store_root)
     formats = list(dict.fromkeys(g.weight_format for g in local_groups))
-    versions = _initial_versions(store, args.run, base, formats)
+    def progress(kind: str, info: dict) -> None:
+        if kind == "convert_start":
+            print(f"converting the base policy to {info['format']} ...", flush=True)
+
+    versions = bootstrap(store, args.run, base, formats, on_event=progress)
 
     router_url = f"http://{args.host}:{args.port}"
     common_env = {"MIXFLEET_API_KEYS": json.dumps(keys), "MIXFLEET_API_KEY": admin_key or ""}
@@ -277,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
                 "--format", g.weight_format, "--store", str(store_root), "--run", args.run,
                 "--host", args.host, "--port", str(sidecar_port), "--router", router_url,
                 "--replica-id", name, "--staging-dir", str(data / "staging" / name),
-                "--stage-mode", "inplace",
+                "--stage-mode", "inplace", "--activation", "swap",
             ]  # fmt: skip
             sidecar = _start(children, f"sidecar-{name}", sidecar_argv, logs, common_env)
             sidecars.append((sidecar, f"http://{args.host}:{sidecar_port}/health"))
