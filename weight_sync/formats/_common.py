@@ -76,14 +76,21 @@ def raise_if_nonfinite(max_abs_bits: torch.Tensor, dtype: torch.dtype, w: torch.
 def abs_max_bits(x: torch.Tensor) -> torch.Tensor:
     """The |x| bit pattern of ``max |x|`` over all of ``x`` (0-dim int; 0 for an empty tensor)."""
     flat = x.reshape(-1)
-    n = flat.numel()
     itype = int_view(x.dtype)
-    top = torch.zeros((), dtype=itype)
-    scratch = torch.empty(min(n, CHUNK_ELEMENTS), dtype=itype)
-    for i in range(0, n, CHUNK_ELEMENTS):
-        m = min(CHUNK_ELEMENTS, n - i)
-        top = torch.maximum(top, abs_bits(flat[i : i + m], out=scratch[:m]).max())
-    return top
+    cap = min(flat.numel(), CHUNK_ELEMENTS)
+
+    def task(i: int, j: int) -> torch.Tensor:
+        buf = _parallel.scratch(f"abs-{itype}", cap, lambda c: _Ints(itype, c))
+        return abs_bits(flat[i:j], out=buf.data[: j - i]).max()
+
+    tops = _parallel.run_ranges(flat.numel(), CHUNK_ELEMENTS, task)
+    return torch.stack(tops).max() if tops else torch.zeros((), dtype=itype)
+
+
+class _Ints:
+    def __init__(self, itype: torch.dtype, capacity: int) -> None:
+        self.capacity = capacity
+        self.data = torch.empty(capacity, dtype=itype)
 
 
 class GroupMax:

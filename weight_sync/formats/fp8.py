@@ -54,64 +54,45 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight, "weight_scale_inv": scale}
     itype = _common.int_view(w.dtype)
     k_full, kbf = (k // BLOCK) * BLOCK, k // BLOCK
+    rows = max(1, min(BLOCK, _common.CHUNK_ELEMENTS // k))
 
-    def block_max(bi: int) -> torch.Tensor:
-        """|x| bit pattern of the max of each block in row band ``bi`` ([kb] ints)."""
+    def band(bi: int) -> torch.Tensor:
+        """Scales and codes of row band ``bi`` (while it is in cache); returns its max |x| bits."""
         r0, r1 = bi * BLOCK, min(n, (bi + 1) * BLOCK)
         rb = r1 - r0
-        buf = _parallel.scratch(f"fp8-band-{itype}", BLOCK * k, lambda c: _IntBuffer(itype, c))
+        buf = _parallel.scratch(f"fp8-band-{itype}", BLOCK * k, lambda c: _Buffer(itype, c))
         ab = _common.abs_bits(w[r0:r1], out=buf.data[: rb * k].view(rb, k))
         seg = torch.empty((rb, kb), dtype=itype)
         if k_full:
             torch.amax(ab[:, :k_full].view(rb, kbf, BLOCK), dim=2, out=seg[:, :kbf])
         if k_full < k:
             torch.amax(ab[:, k_full:], dim=1, keepdim=True, out=seg[:, kbf:])
-        return seg.amax(dim=0)
+        top = seg.amax(dim=0)
+        s = scale[bi]
+        torch.div(_common.bits_to_float(top, w.dtype).clamp_(min=AMAX_FLOOR), FP8_MAX, out=s)
+        qbuf = _parallel.scratch("fp8-rows", rows * k, lambda c: _Buffer(torch.float32, c))
+        for c0 in range(r0, r1, rows):
+            c1 = min(r1, c0 + rows)
+            q = qbuf.data[: (c1 - c0) * k].view(c1 - c0, k)
+            q.copy_(w[c0:c1])  # exact widening to float32
+            if k_full:
+                full = q[:, :k_full].view(c1 - c0, kbf, BLOCK)
+                torch.div(full, s[:kbf, None], out=full)  # IEEE float32 division
+            if k_full < k:
+                tail = q[:, k_full:]
+                torch.div(tail, s[kbf:], out=tail)  # s[kbf:] is [1], not 0-dim: float32 like the rest
+            weight[c0:c1].copy_(q)  # round to nearest even e4m3 (|q| <= 448 * (1 + 2**-22))
+        return top
 
-    maxima = torch.stack(_parallel.run([lambda bi=bi: block_max(bi) for bi in range(nb)]))
+    maxima = torch.stack(_parallel.run([lambda bi=bi: band(bi) for bi in range(nb)]))
     _common.raise_if_nonfinite(maxima, w.dtype, w, where)
-    amax = _common.bits_to_float(maxima, w.dtype).clamp_(min=AMAX_FLOOR)
-    torch.div(amax, FP8_MAX, out=scale)
-
-    rows = max(1, min(BLOCK, _common.CHUNK_ELEMENTS // k))
-
-    def cast(r0: int, r1: int) -> None:
-        """Codes of rows ``r0:r1`` (inside one row band)."""
-        rr, s = r1 - r0, scale[r0 // BLOCK]
-        buf = _parallel.scratch("fp8-rows", rows * k, lambda c: _FloatBuffer(c))
-        q = buf.data[: rr * k].view(rr, k)
-        q.copy_(w[r0:r1])  # exact widening to float32
-        if k_full:
-            full = q[:, :k_full].view(rr, kbf, BLOCK)
-            torch.div(full, s[:kbf, None], out=full)  # IEEE float32 division
-        if k_full < k:
-            tail = q[:, k_full:]
-            torch.div(tail, s[kbf:], out=tail)  # s[kbf:] is [1], not 0-dim: float32 like the rest
-        weight[r0:r1].copy_(q)  # round to nearest even e4m3 (|q| <= 448 * (1 + 2**-22))
-
-    spans = [(r0, min(n, r0 + rows, (r0 // BLOCK + 1) * BLOCK)) for r0 in _row_starts(n, rows)]
-    _parallel.run([lambda a=a, b=b: cast(a, b) for a, b in spans])
     return {"weight": weight, "weight_scale_inv": scale}
 
 
-def _row_starts(n: int, rows: int) -> list[int]:
-    """First rows of chunks of ``rows`` rows that never cross a 128-row band."""
-    starts = []
-    for band in range(0, n, BLOCK):
-        starts += range(band, min(n, band + BLOCK), rows)
-    return starts
-
-
-class _IntBuffer:
-    def __init__(self, itype: torch.dtype, capacity: int) -> None:
+class _Buffer:
+    def __init__(self, dtype: torch.dtype, capacity: int) -> None:
         self.capacity = capacity
-        self.data = torch.empty(capacity, dtype=itype)
-
-
-class _FloatBuffer:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.data = torch.empty(capacity, dtype=torch.float32)
+        self.data = torch.empty(capacity, dtype=dtype)
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
