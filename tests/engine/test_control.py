@@ -223,3 +223,22 @@ def _disconnecting_request(url: str) -> None:
         c.post(
             url + "/generate", json={"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 1500}}
         )
+
+
+def test_eos_stops_unless_ignored(tiny_dir: Path, tmp_path: Path, client: httpx.Client) -> None:
+    """The model's eos_token_id ends a generation with SGLang's stop shape; ignore_eos overrides it."""
+    with engine_process(tiny_dir) as url:
+        greedy = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    eos = greedy[3]
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(tiny_dir, eos_dir)
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [cfg["eos_token_id"], eos]}))
+    with engine_process(eos_dir) as url:
+        stopped = generate(client, url, input_ids=PROMPT, sampling_params={**GREEDY, "ignore_eos": False})
+        ignored = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
+    k = greedy.index(eos)
+    assert stopped["output_ids"] == greedy[: k + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert ignored["output_ids"] == greedy
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
