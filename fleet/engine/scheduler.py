@@ -99,6 +99,7 @@ class _Request:
     prefill_done: bool = False
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top: list[tuple[tuple[float, int], ...] | None] = field(default_factory=list)
+    carry_logits: torch.Tensor | None = None  # last prefill row of the previous chunk
     last_token_time: float | None = None
     finished: bool = False
 
@@ -362,8 +363,10 @@ class Scheduler:
             if not req.prefill_done:
                 if req.spec.return_logprob:
                     self._collect_input_logprobs(req, a, b, out)
+                    req.carry_logits = out[-1]
                 if b >= n_prompt:
                     req.prefill_done = True
+                    req.carry_logits = None
                     if self.metrics is not None:
                         self.metrics.add_prompt_tokens(n_prompt)
                     if req.spec.return_logprob:
@@ -391,9 +394,12 @@ class Scheduler:
             lo = 1
         if lo >= hi:
             return
-        if lo - 1 < a:
-            raise AssertionError("prefill chunk does not cover the previous position")
-        rows = out[lo - 1 - a : hi - 1 - a]
+        # Token j is predicted by the logits of position j - 1; for j == a (the chunk's first
+        # token) that row ended the previous chunk and was kept.
+        rows = out[max(lo - 1 - a, 0) : hi - 1 - a]
+        if lo == a:
+            rows = torch.cat([req.carry_logits[None, :], rows])
+        assert rows.shape[0] == hi - lo
         lps = scaled_logprobs(rows, [req.spec.settings] * rows.shape[0])
         ids = torch.tensor(req.spec.input_ids[lo:hi], dtype=torch.long)
         picked = lps.gather(1, ids[:, None])[:, 0].tolist()
