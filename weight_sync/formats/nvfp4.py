@@ -102,52 +102,61 @@ def quantize(
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
     x = w.view(-1, GROUP)
     n_groups = x.shape[0]
+    # Pass 1: every group's max |x| (exact bit patterns; NaN/Inf raise).
+    amax_bits = _common.group_abs_max_bits(x, GROUP, where)
+    amax_g = _common.bits_to_float(amax_bits, w.dtype)
+    top = amax_g.max() if n_groups else torch.zeros(())
     if weight_scale_2 is None:
-        ws2 = _joint_amax((w,), where) / (E2M1_MAX * FP8_MAX)
+        ws2 = top / (E2M1_MAX * FP8_MAX)
     else:
         ws2 = _as_scale_2(weight_scale_2)
+        _check_covers(ws2, top, w)
     packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
     scale = torch.empty(n_groups, dtype=torch.float8_e4m3fn)
-    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
-    cap = min(n_groups, step) * GROUP
-    itype = _common.int_view(w.dtype)
-    six_ws2 = E2M1_MAX * ws2
-    all_zero = float(ws2) == 0.0
+    if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
+        scale.copy_(torch.ones(n_groups))
+        packed.zero_()
+    else:
+        # Group scales, in a few large slices (small ops cost more in overhead than in work).
+        six_ws2 = E2M1_MAX * ws2
+        divisor = torch.empty(n_groups, dtype=torch.float32)
 
-    def task(g0: int, g1: int) -> None:
-        """Scales and packed codes of groups ``g0:g1`` (their elements stay in cache throughout)."""
-        gm = _parallel.scratch(f"group-max-{itype}", cap, lambda c: _common.GroupMax(itype, c))
-        bits = gm.bits_(x[g0:g1], GROUP, torch.empty(g1 - g0, dtype=itype))
-        _common.raise_if_nonfinite(bits, w.dtype, w, where)
-        amax_g = _common.bits_to_float(bits, w.dtype)
-        if weight_scale_2 is not None:
-            _check_covers(ws2, amax_g.max(), w)
-        s8 = scale[g0:g1]
-        if all_zero:  # only for an all-zero tensor: scales 1.0, every code +0
-            s8.fill_(1.0)
-            packed[g0:g1].zero_()
-            return
-        s = amax_g.div_(six_ws2)
-        s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
-        # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
-        s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
-        divisor = s8.float().mul_(ws2)  # one float32 product per group, as ModelOpt
-        enc = _parallel.scratch("e2m1", cap, Encoder)
-        m = (g1 - g0) * GROUP
-        q = enc.q[:m].view(g1 - g0, GROUP)
-        q.copy_(x[g0:g1])  # exact widening to float32
-        torch.div(q, divisor[:, None], out=q)  # IEEE float32 division
-        enc.sign_from_q_(m, negative_zero_sign=False)
-        enc.codes_(m)
-        enc.pack_(m, packed[g0:g1])
+        def scales(g0: int, g1: int) -> None:
+            s = amax_g[g0:g1].div_(six_ws2)
+            s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
+            # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
+            s8 = scale[g0:g1]
+            s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
+            torch.mul(s8.float(), ws2, out=divisor[g0:g1])  # one float32 product per group, as ModelOpt
 
-    _parallel.run_ranges(n_groups, step, task)
+        _parallel.run_ranges(n_groups, -(-n_groups // max(1, torch.get_num_threads())), scales)
+        # Pass 2: codes.
+        _encode(x, divisor, packed)
     return {
         "weight": packed.view(*lead, k // 2),
         "weight_scale": scale.view(*lead, k // GROUP),
         "weight_scale_2": ws2.reshape(()).clone(),
         "input_scale": torch.tensor(1.0, dtype=torch.float32),
     }
+
+
+def _encode(x: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[g] = pack(E2M1(x[g] / divisor[g]))`` for groups ``x`` ``[G, 16]``, ``divisor`` ``[G]``."""
+    n_groups = x.shape[0]
+    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
+    cap = min(n_groups, step) * GROUP
+
+    def task(g0: int, g1: int) -> None:
+        enc = _parallel.scratch("e2m1", cap, Encoder)
+        m = (g1 - g0) * GROUP
+        q = enc.q[:m].view(g1 - g0, GROUP)
+        q.copy_(x[g0:g1])  # exact widening to float32
+        torch.div(q, divisor[g0:g1, None], out=q)  # IEEE float32 division
+        enc.sign_from_q_(m, negative_zero_sign=False)
+        enc.codes_(m)
+        enc.pack_(m, out[g0:g1])
+
+    _parallel.run_ranges(n_groups, step, task)
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
