@@ -286,6 +286,10 @@ class Scheduler:
         elif mode == "retract":
             for req in reversed(self._running):
                 req.cache = None
+                if not req.prefill_done:  # its prompt is recomputed from the start
+                    req.input_logprobs.clear()
+                    req.input_top.clear()
+                    req.carry_logits = None
                 self._waiting.appendleft(req)
             if self.metrics is not None and self._running:
                 self.metrics.add_retracted(len(self._running))

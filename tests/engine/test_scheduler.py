@@ -92,3 +92,57 @@ def test_small_running_batch_serves_every_request(model: Any) -> None:
     assert all(len(r["tokens"]) == 5 for r in out)
     assert all(r["finish"].finish_reason == {"type": "length", "length": 5} for r in out)
     assert out[0]["steps"] >= 4 * 5  # at most two at a time: four rounds of five steps
+
+
+def test_retract_during_chunked_prefill_recomputes_input_logprobs(model: Any) -> None:
+    limits = ModelLimits(model.config.vocab_size, model.config.max_position_embeddings)
+    prompt = [(i * 37) % 250 for i in range(150)]
+    scoring = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    reference = run(model, scoring, prefill_budget=4096)[0]["prefill"]
+    sched = Scheduler(
+        model,
+        weight_version=0,
+        vocab_size=limits.vocab_size,
+        context_len=limits.context_len,
+        eos_token_ids=frozenset(),
+        prefill_budget=16,
+    )
+    events: dict[str, list[Any]] = {"score": [], "decode": []}
+    retracted = threading.Event()
+
+    def decode_sink(ev: Any) -> None:
+        events["decode"].append(ev)
+        if isinstance(ev, TokenEvent) and ev.index == 3:  # the long prompt is mid-prefill now
+            sched.pause("retract").add_done_callback(lambda _: retracted.set())
+
+    sched.start()
+    try:
+        decode = GenerateReqInput(
+            input_ids=[65, 66], sampling_params={"max_new_tokens": 20, "ignore_eos": True}
+        )
+        sched.submit(decode.normalize(limits, None)[0], decode_sink).result(10)
+        sched.submit(
+            GenerateReqInput.model_validate(scoring).normalize(limits, None)[0], events["score"].append
+        ).result(10)
+        assert retracted.wait(60)
+        assert sched.load()["num_queue_reqs"] == 2
+        sched.resume().result(10)
+        for _ in range(600):
+            if events["score"] and isinstance(events["score"][-1], FinishEvent):
+                break
+            threading.Event().wait(0.05)
+    finally:
+        sched.stop()
+    prefill = [e for e in events["score"] if isinstance(e, PrefillEvent)]
+    assert len(prefill) == 1
+    got = prefill[0].input_token_logprobs
+    assert [t for _, t in got] == prompt
+    assert [lp for lp, _ in got[1:]] == pytest.approx(
+        [lp for lp, _ in reference.input_token_logprobs[1:]], abs=1e-4
+    )
+    assert isinstance(events["decode"][-1], FinishEvent) and len(events["decode"]) == 21
