@@ -33,45 +33,85 @@ LATENCY_BUCKETS = (
 )
 
 
+class CachedLabels:
+    """A labelled metric whose children are looked up once per label tuple.
+
+    ``prometheus_client``'s ``labels()`` validates and locks on every call; the request path
+    calls it several times per request with a handful of distinct label values, so the child
+    is kept in a dict (label sets are small: routes x status classes, groups, reasons).
+    Everything else is forwarded to the wrapped metric.
+    """
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.request_seconds = Histogram(
-            "mixfleet_router_request_seconds",
-            "Router request latency by route and status class",
-            ["route", "status"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.request_seconds = CachedLabels(
+            Histogram(
+                "mixfleet_router_request_seconds",
+                "Router request latency by route and status class",
+                ["route", "status"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.engine_seconds = Histogram(
-            "mixfleet_router_engine_seconds",
-            "Engine call latency seen by the router, by group",
-            ["group"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.engine_seconds = CachedLabels(
+            Histogram(
+                "mixfleet_router_engine_seconds",
+                "Engine call latency seen by the router, by group",
+                ["group"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.turns = Counter("mixfleet_router_turns", "Turns recorded, by group", ["group"], registry=r)
-        self.tokens = Counter(
-            "mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], registry=r
+        self.turns = CachedLabels(
+            Counter("mixfleet_router_turns", "Turns recorded, by group", ["group"], registry=r)
         )
-        self.sessions = Counter(
-            "mixfleet_router_sessions", "Sessions created, by group", ["group"], registry=r
+        self.tokens = CachedLabels(
+            Counter("mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], registry=r)
         )
-        self.failovers = Counter(
-            "mixfleet_router_failovers",
-            "Engine attempts that failed and were retried elsewhere",
-            ["group", "reason"],
-            registry=r,
+        self.sessions = CachedLabels(
+            Counter("mixfleet_router_sessions", "Sessions created, by group", ["group"], registry=r)
         )
-        self.moves = Counter(
-            "mixfleet_router_session_moves",
-            "Sessions moved to another group by failover",
-            ["from_group", "to_group"],
-            registry=r,
+        self.failovers = CachedLabels(
+            Counter(
+                "mixfleet_router_failovers",
+                "Engine attempts that failed and were retried elsewhere",
+                ["group", "reason"],
+                registry=r,
+            )
         )
-        self.expired = Counter(
-            "mixfleet_router_sessions_expired", "Open sessions abandoned after idling", ["group"], registry=r
+        self.moves = CachedLabels(
+            Counter(
+                "mixfleet_router_session_moves",
+                "Sessions moved to another group by failover",
+                ["from_group", "to_group"],
+                registry=r,
+            )
+        )
+        self.expired = CachedLabels(
+            Counter(
+                "mixfleet_router_sessions_expired",
+                "Open sessions abandoned after idling",
+                ["group"],
+                registry=r,
+            )
         )
         self.leases = Counter("mixfleet_router_leases", "Batch leases handed out", registry=r)
         self.taken = Counter(
@@ -83,11 +123,13 @@ class RouterMetrics:
             registry=r,
         )
         self.acked = Counter("mixfleet_router_trajectories_acked", "Trajectories acknowledged", registry=r)
-        self.generate = Counter(
-            "mixfleet_router_generate_requests",
-            "SGLang-native /generate requests, by group",
-            ["group"],
-            registry=r,
+        self.generate = CachedLabels(
+            Counter(
+                "mixfleet_router_generate_requests",
+                "SGLang-native /generate requests, by group",
+                ["group"],
+                registry=r,
+            )
         )
         self.snapshot: dict[str, Any] = {}
         r.register(_SnapshotCollector(self))

@@ -235,12 +235,19 @@ def _round(values: Sequence[float | None], fmt: str) -> list[float]:
 def as_stored(turn: TurnData, *, f16: bool = False) -> TurnData:
     """``turn`` with its floats rounded exactly as :func:`encode_turn` stores them (so an API
     can answer with what it recorded without decoding it again)."""
-    fmt = "e" if f16 else "f"
+    rows = turn.support_logprobs
+    flat = _round([x for lps in rows for x in lps], "e" if f16 else "f")  # one pack for all rows
+    supports: list[list[float]] = []
+    pos = 0
+    for lps in rows:
+        end = pos + len(lps)
+        supports.append(flat[pos:end])
+        pos = end
     return replace(
         turn,
         logprobs=_round(turn.logprobs, "f"),
         raw_logprobs=[None if math.isnan(x) else x for x in _round(turn.raw_logprobs, "f")],
-        support_logprobs=[_round(lps, fmt) if lps else [] for lps in turn.support_logprobs],
+        support_logprobs=supports,
     )
 
 

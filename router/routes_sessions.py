@@ -14,6 +14,7 @@ from router.auth import require
 from router.context import RouterContext
 from router.dispatch import assign_group, run_turn
 from router.errors import ApiError
+from router.jsonio import FastJSONResponse
 from router.records import as_stored, decode_turn, encode_turn
 from router.schemas import (
     CreateSession,
@@ -130,7 +131,7 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
     ctx.metrics.tokens.labels(result.group).inc(n)
     # answer with exactly what was stored (float32 / float16 log-probs), not the engine's float64s
     stored = as_stored(replace(result.turn, turn=index), f16=ctx.config.f16_support_logprobs)
-    return JSONResponse(stored.to_json(session_id, with_input=False))
+    return FastJSONResponse(stored.to_json(session_id, with_input=False))
 
 
 @router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")
@@ -170,7 +171,7 @@ async def get_trajectory(request: Request, session_id: str) -> JSONResponse:
     if info is None:
         raise ApiError(404, f"unknown session {session_id!r}")
     blobs = await ctx.store.get_turns(session_id)
-    return JSONResponse(
+    return FastJSONResponse(
         {
             "session_id": session_id,
             "group": info.group,
