@@ -1,6 +1,6 @@
 """Quantizer throughput: G elements/s per format, and the ratio to a plain torch copy of the same bytes.
 
-Usage: ``python benchmarks/formats.py [--shape N K] [--reps R] [--threads T]``
+Usage: ``python benchmarks/formats.py [--shape N K] [--reps R] [--threads T] [--dequantize]``
 
 Measures, in one process and interleaved round by round (so background load hits every line
 alike), ``quantize`` for each format on one random BF16 tensor, and ``dst.copy_(w)`` into a
@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--shape", type=int, nargs=2, default=(4096, 4096), metavar=("N", "K"))
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--dequantize", action="store_true", help="also time dequantize (float32 output)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     n, k = args.shape
@@ -45,6 +46,11 @@ def main() -> int:
         "nvfp4 (given weight_scale_2)": lambda: nvfp4.quantize(w, weight_scale_2=gs),
         "mxfp4": lambda: mxfp4.quantize(w),
     }
+    if args.dequantize:
+        packed = {name: mod.quantize(w) for name, mod in (("fp8", fp8), ("nvfp4", nvfp4), ("mxfp4", mxfp4))}
+        cases["fp8 dequantize"] = lambda: fp8.dequantize(packed["fp8"])
+        cases["nvfp4 dequantize"] = lambda: nvfp4.dequantize(packed["nvfp4"])
+        cases["mxfp4 dequantize"] = lambda: mxfp4.dequantize(packed["mxfp4"])
     best = dict.fromkeys(cases, float("inf"))
     best_cpu = dict.fromkeys(cases, float("inf"))
     for f in cases.values():  # warm-up: allocator, worker threads, scratch buffers

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from weight_sync.formats import _common
+from weight_sync.formats import _common, _parallel
 
 E2M1_VALUES: tuple[float, ...] = (
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -171,8 +171,23 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     return _TABLE.index_select(0, flat.to(torch.int32)).view(codes.shape)
 
 
+# Row b: the float32 values of byte b's low and high nibble.
+_PAIRS = torch.tensor([[E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]] for b in range(256)], dtype=torch.float32)
+
+
 def decode_packed(packed: torch.Tensor) -> torch.Tensor:
-    """Float32 values of packed E2M1 bytes: ``[..., B]`` uint8 -> ``[..., 2B]`` float32."""
+    """Float32 values of packed E2M1 bytes: ``[..., B]`` uint8 -> ``[..., 2B]`` float32.
+
+    One table lookup per byte yields both of its values (low nibble first).
+    """
     if packed.dtype != torch.uint8:
         raise ValueError(f"fp4.decode_packed: expected uint8, got {packed.dtype}")
-    return decode(unpack(packed))
+    flat = packed.reshape(-1)
+    out = torch.empty((flat.numel(), 2), dtype=torch.float32)
+    step = _common.CHUNK_ELEMENTS
+
+    def task(i: int, j: int) -> None:
+        torch.index_select(_PAIRS, 0, flat[i:j].to(torch.int32), out=out[i:j])
+
+    _parallel.run_ranges(flat.numel(), step, task)
+    return out.view(*packed.shape[:-1], packed.shape[-1] * 2)

@@ -97,5 +97,5 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
             f"(expected uint8 of shape {tuple(blocks.shape[:-1])})"
         )
     values = decode_packed(blocks.contiguous())  # [..., K/32, 32]
-    out = values * scale_factors(scales).unsqueeze(-1)
+    out = values.mul_(scale_factors(scales).unsqueeze(-1))
     return out.view(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)

@@ -186,4 +186,4 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
         raise ValueError(f"{where}: weight_scale_2 must be a one-element tensor")
     factor = scale.float() * ws2.reshape(()).float()
     values = decode_packed(weight.contiguous()).view(*weight.shape[:-1], k // GROUP, GROUP)
-    return (values * factor.unsqueeze(-1)).view(*weight.shape[:-1], k)
+    return values.mul_(factor.unsqueeze(-1)).view(*weight.shape[:-1], k)
