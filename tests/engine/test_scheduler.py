@@ -133,7 +133,7 @@ def test_retract_during_chunked_prefill_recomputes_input_logprobs(model: Any) ->
         assert sched.load()["num_queue_reqs"] == 2
         sched.resume().result(10)
         for _ in range(600):
-            if events["score"] and isinstance(events["score"][-1], FinishEvent):
+            if all(evs and isinstance(evs[-1], FinishEvent) for evs in events.values()):
                 break
             threading.Event().wait(0.05)
     finally:
