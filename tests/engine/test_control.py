@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from tests.engine.conftest import StreamReader, generate
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir
+from tests.support.procs import free_port, mixfleet_argv
 
 PROMPT = [84, 104, 101, 32, 113]
 LONG = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 42}
@@ -242,3 +244,30 @@ def test_eos_stops_unless_ignored(tiny_dir: Path, tmp_path: Path, client: httpx.
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     assert ignored["output_ids"] == greedy
     assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+
+
+def test_cli_refuses_a_bad_model_dir_in_one_line(tmp_path: Path) -> None:
+    for args, message in (
+        (["--model", str(tmp_path / "nowhere")], "does not exist"),
+        (["--model", str(tmp_path), "--threads", "0"], "--threads must be at least 1"),
+    ):
+        proc = subprocess.run(
+            mixfleet_argv("engine", "--port", str(free_port()), *args),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mixfleet engine: error:") and message in lines[0], (
+            lines
+        )
+
+
+def test_fp8_kv_cache_flag(tiny_dir: Path, client: httpx.Client) -> None:
+    with engine_process(tiny_dir, kv_cache_dtype="fp8_e4m3", weight_version=5) as url:
+        info = client.get(url + "/model_info").json()
+        assert info["kv_cache_dtype"] == "fp8_e4m3" and info["weight_version"] == "5"
+        out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
+        assert len(out["output_ids"]) == 16
+        assert out["meta_info"]["weight_versions"] == [{"version": 5, "start": 0, "end": 16}]
