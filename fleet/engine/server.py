@@ -23,6 +23,12 @@ with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``output_token_sampling_mask_length`` and, a mixfleet extension,
 ``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
 the mask). Non-finite floats are sent as ``null``.
+
+Weight updates: ``/update_weights_from_disk`` loads and checks the new directory completely on a
+worker thread while generation goes on, then swaps it in between two decode steps (so callers
+need not pause for atomicity; pausing in place first is harmless). Versions are integers here
+(the fleet's versions); upstream SGLang spells span versions as strings — ``weight_version``
+is a string in both.
 """
 
 from __future__ import annotations
