@@ -1,8 +1,9 @@
 """Fast JSON for the router's hot path: orjson when installed, the standard library otherwise.
 
-* :func:`dumps` - compact UTF-8 bytes; refuses NaN / infinity (as Starlette's ``JSONResponse``
-  does) so a response never carries a non-JSON token. Objects orjson cannot serialize (non-str
-  keys, integers beyond 64 bits) fall back to :mod:`json` with the same rules.
+* :func:`dumps` - compact UTF-8 bytes; NaN and infinity are written as ``null`` (JSON has no
+  such tokens; callers already map unknown values to None, this is the safety net). Objects
+  orjson cannot serialize (non-str keys, integers beyond 64 bits) fall back to :mod:`json`
+  with the same rule.
 * :class:`FastJSONResponse` - a ``JSONResponse`` rendered with :func:`dumps`.
 
 The bytes may differ from :mod:`json`'s in whitespace and float spelling (``1e-05`` vs
@@ -23,32 +24,33 @@ except ImportError:  # pragma: no cover
     orjson = None
 
 
-def _has_non_finite(obj: Any) -> bool:
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN / infinity replaced by None (containers copied as needed)."""
     if isinstance(obj, float):
-        return not math.isfinite(obj)
+        return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return any(_has_non_finite(v) for v in obj.values())
+        return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return any(_has_non_finite(v) for v in obj)
-    return False
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _std_dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    try:
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # NaN / inf somewhere: null them, as orjson does
+        text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode()
 
 
 def dumps(obj: Any) -> bytes:
-    """``obj`` as compact JSON bytes. Raises ValueError on NaN or infinity."""
+    """``obj`` as compact JSON bytes (non-finite floats as null)."""
     if orjson is None:
         return _std_dumps(obj)
     try:
-        data = orjson.dumps(obj)
+        return orjson.dumps(obj)
     except TypeError:
         return _std_dumps(obj)
-    # orjson writes NaN / inf as null; only then is the slow check worth doing
-    if b"null" in data and _has_non_finite(obj):
-        raise ValueError("Out of range float values are not JSON compliant")
-    return data
 
 
 class FastJSONResponse(JSONResponse):

@@ -130,7 +130,9 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> J
     ctx.metrics.turns.labels(result.group).inc()
     ctx.metrics.tokens.labels(result.group).inc(n)
     # answer with exactly what was stored (float32 / float16 log-probs), not the engine's float64s
-    stored = as_stored(replace(result.turn, turn=index), f16=ctx.config.f16_support_logprobs)
+    stored = as_stored(
+        turn if turn.turn == index else replace(turn, turn=index), f16=ctx.config.f16_support_logprobs
+    )
     return FastJSONResponse(stored.to_json(session_id, with_input=False))
 
 
