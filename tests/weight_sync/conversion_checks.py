@@ -110,12 +110,13 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
         if fmt == "fp8":
             got = {"weight": out[f"{base}.weight"], "weight_scale_inv": out[f"{base}.weight_scale_inv"]}
             ref = fmod.quantize(w)
-            # Independent: each block's scale is its amax / 448 (edge blocks over real elements only).
+            # Independent: each block's scale is max(amax, 1e-4) / 448 (edge blocks over real elements
+            # only; the 1e-4 floor is SGLang's per_block_cast_to_fp8 and DeepSeek-V3's act_quant).
             n, k = w.shape
             for bi in range(math.ceil(n / 128)):
                 for bj in range(math.ceil(k / 128)):
                     amax = w[bi * 128 : (bi + 1) * 128, bj * 128 : (bj + 1) * 128].float().abs().amax()
-                    want = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+                    want = amax.clamp(min=1e-4) / 448.0
                     assert got["weight_scale_inv"][bi, bj].item() == want.item(), (name, bi, bj)
         elif fmt == "nvfp4":
             members = groups[_nvfp4_group(name)]
