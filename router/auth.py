@@ -70,11 +70,12 @@ def scopes_for(token: str, keys: dict[str, frozenset[str]]) -> frozenset[str] | 
     return found
 
 
-def require(scope: str):
-    """A FastAPI dependency that admits requests whose key carries ``scope`` (``"any"``: any
-    valid key)."""
-    if scope not in SCOPES and scope != "any":
-        raise ValueError(scope)
+def require(*scopes: str):
+    """A FastAPI dependency that admits requests whose key carries any of ``scopes``
+    (``"any"``: any valid key); every request when auth is disabled."""
+    if not scopes or any(s not in SCOPES and s != "any" for s in scopes):
+        raise ValueError(scopes)
+    wanted = frozenset(scopes)
 
     async def check(
         request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -86,10 +87,10 @@ def require(scope: str):
             raise HTTPException(
                 401, "missing API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
             )
-        scopes = scopes_for(creds.credentials, config.api_keys)
-        if scopes is None:
+        have = scopes_for(creds.credentials, config.api_keys)
+        if have is None:
             raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        if scope != "any" and scope not in scopes:
-            raise HTTPException(403, f"API key lacks the '{scope}' scope")
+        if "any" not in wanted and not wanted & have:
+            raise HTTPException(403, f"API key lacks the '{scopes[0]}' scope")
 
     return check

@@ -45,13 +45,11 @@ from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.auth import require, scopes_for
+from router.auth import require
 from weight_sync.errors import UserError
 
-_bearer = HTTPBearer(auto_error=False)
 log = logging.getLogger("mixfleet.router.weights")
 MAX_JOBS_KEPT = 50
 
@@ -200,29 +198,6 @@ def _ctx(request: Request):
 
 def _fleet_formats(request: Request) -> list[str]:
     return list(_ctx(request).config.fleet.formats)
-
-
-def require_any(*scopes: str):
-    """Admits a key carrying any of ``scopes`` (or every request when auth is disabled)."""
-
-    async def check(
-        request: Request,
-        creds: HTTPAuthorizationCredentials | None = Depends(_bearer),  # noqa: B008 - FastAPI idiom
-    ) -> None:
-        config = _ctx(request).config
-        if config.auth_disabled:
-            return
-        if creds is None or not creds.credentials:
-            raise HTTPException(
-                401, "missing API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
-            )
-        have = scopes_for(creds.credentials, config.api_keys)
-        if have is None:
-            raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        if not set(scopes) & set(have):
-            raise HTTPException(403, f"API key lacks the '{scopes[0]}' scope")
-
-    return check
 
 
 async def sync_latest_version(app, service: WeightsService) -> int | None:
@@ -517,7 +492,7 @@ def create_weights_router(
             "jobs": jobs,
         }
 
-    @router.post("/v1/score", dependencies=[Depends(require_any("trainer", "admin"))])
+    @router.post("/v1/score", dependencies=[Depends(require("trainer", "admin"))])
     async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
         """Score fixed sequences on every ready replica of every (chosen) group."""
         ctx = _ctx(request)
