@@ -242,6 +242,9 @@ def test_redis_restart_mid_run_loses_no_finished_trajectory(model_dirs, tmp_path
 
         def restart() -> None:
             r = redis.Redis(port=port)
+            deadline = time.monotonic() + 120
+            while not r.xlen("mf:ready") and time.monotonic() < deadline:
+                time.sleep(0.05)  # restart only once some sessions have finished (agents keep going)
             finished_before.extend(m[1][b"sid"].decode() for m in r.xrange("mf:ready"))
             r.close()
             first.send_signal(signal.SIGTERM)  # a clean stop: the AOF is flushed
