@@ -168,7 +168,7 @@ def _status(client, args: argparse.Namespace) -> int:
         reps = (
             ", ".join(
                 f"{r['replica_id']}=v{r.get('active_version')}"
-                + (f" @{r['last_activation_at']}" if r.get("last_activation_at") else "")
+                + (f" @{_clock(r['last_activation_at'])}" if r.get("last_activation_at") else "")
                 + ("" if r.get("ready") else " (not ready)")
                 + (f" ERROR: {r['error']}" if r.get("error") else "")
                 for r in g["replicas"]
@@ -225,3 +225,10 @@ def _verify(client, args: argparse.Namespace) -> int:
             print(f"FAIL {f}", file=sys.stderr)
         print("verify: OK" if report.ok else "verify: FAILED")
     return 0 if report.ok else 1
+
+
+def _clock(epoch_s: float) -> str:
+    """A wall-clock time, local and to the second (the CLI's status table)."""
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(epoch_s)))
