@@ -14,19 +14,8 @@ import pytest
 import torch
 
 from tests.support.engines import engine_process
-from tests.support.models import make_model_dir
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session")
-def engine_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-runtime-models")
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(engine_model_root: Path) -> Path:
-    return make_model_dir(engine_model_root, "tiny", "bf16")
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def other_dir(engine_model_root: Path) -> Path:
+def other_dir(model_root: Path) -> Path:
     """Another checkpoint of the same architecture (different seed): "version 2"."""
-    return make_model_dir(engine_model_root, "tiny", "bf16", seed=7)
+    return make_model_dir(model_root, "tiny", "bf16", seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from tests.support.engines import engine_process
-from tests.support.models import make_model_dir
 from tests.support.router import router_process, write_preset
 
 KEYS = {
@@ -19,13 +18,8 @@ KEYS = {
 
 
 @pytest.fixture(scope="session")
-def model_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("router-models")
-
-
-@pytest.fixture(scope="session")
-def tiny_bf16(model_root):
-    return make_model_dir(model_root, "tiny", "bf16")
+def tiny_bf16(tiny_dir):
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
