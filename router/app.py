@@ -7,9 +7,11 @@ SGLang's native API (:mod:`router.routes_sglang`), ``/healthz``, ``/metrics`` an
 ``extra_routers`` or :func:`include_routes`; they reach the :class:`RouterContext` as
 ``request.app.state.ctx``.
 
-Every refusal is a 4xx with ``{"detail": "<message naming the field or problem>"}``; an
-unreachable state store or fleet is a 503 with ``Retry-After``; bodies over
-``config.max_body_bytes`` get 413 before they are read.
+The turn and ``/generate`` routes are served by :mod:`router.hotpath` when a request is
+canonical (same code, same answers), else by their FastAPI routes. Every refusal is a 4xx
+with ``{"detail": "<message naming the field or problem>"}``; an unreachable state store or
+fleet is a 503 with ``Retry-After``; bodies over ``config.max_body_bytes`` get 413 before
+they are read.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from router import routes_fleet, routes_sessions, routes_sglang, routes_trainer
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.errors import ApiError
+from router.hotpath import HotPath
 from router.state.base import StateError, StateUnavailable
 
 log = logging.getLogger("mixfleet.router")
@@ -117,6 +120,17 @@ def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str,
     return "; ".join(parts[:5]) or "invalid request", errors
 
 
+class RouterApp(FastAPI):
+    """The FastAPI app with :class:`router.hotpath.HotPath` in front of it."""
+
+    hot: HotPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.hot is not None and await self.hot(scope, receive, send):
+            return
+        await super().__call__(scope, receive, send)
+
+
 def include_routes(app: FastAPI, *routers: APIRouter) -> None:
     """Add routers to a router app (they see ``request.app.state.ctx``)."""
     for r in routers:
@@ -138,7 +152,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         finally:
             await ctx.stop()
 
-    app = FastAPI(
+    app = RouterApp(
         title="mixfleet router",
         version="0.1.0",
         description="Rollout API of a mixed-precision sampler fleet: sessions, token-in-token-out turns "
@@ -147,6 +161,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
     )
     app.state.ctx = ctx
     app.add_middleware(EdgeMiddleware, ctx=ctx)
+    app.hot = HotPath(ctx, fallback=super(RouterApp, app).__call__)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -1,5 +1,7 @@
 """The router's live state, one per app (``app.state.ctx``): config, state store, replica
-registry, HTTP pool, metrics, and the latest published weight version.
+registry, HTTP pools (``http``: aiohttp, for polls and streaming; ``upstream``: the lean
+keep-alive pool of the turn and ``/generate`` hot path), metrics, and the latest published
+weight version.
 
 Other modules add routes that use it (e.g. the weight-sync admin routes): pass them to
 ``create_app(config, extra_routers=[...])`` or call :func:`router.app.include_routes`; inside a
@@ -24,6 +26,7 @@ from router.metrics import RouterMetrics
 from router.policy import GroupLoad, cost_per_token, throughput_factors
 from router.registry import Registry
 from router.state.base import GroupCounters, StateError, StateStore, open_store
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("mixfleet.router")
 
@@ -41,6 +44,9 @@ class RouterContext:
         )
         self.metrics = RouterMetrics()
         self.http: aiohttp.ClientSession | None = None
+        self.upstream = UpstreamPool(
+            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.engine_timeout_s
+        )
         self._latest: int | None = None
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -65,6 +71,7 @@ class RouterContext:
         self._tasks.clear()
         if self.http is not None:
             await self.http.close()
+        await self.upstream.close()
         await self.store.close()
 
     def client(self, url: str, headers: dict[str, str] | None = None) -> SGLangClient:

@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, loads
+from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import choose_group, choose_replica
 from router.records import TurnData
-from router.schemas import TurnRequest
+from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
 MIN_VERSION_HEADER = "X-Mixfleet-Min-Version"
@@ -47,21 +48,10 @@ class TurnResult:
     max_version: int | None
 
 
-def _engine_payload(req: TurnRequest) -> dict[str, Any]:
-    sp = req.sampling_params
-    params: dict[str, Any] = {
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k,
-        "max_new_tokens": sp.max_new_tokens,
-    }
-    if sp.stop_token_ids:
-        params["stop_token_ids"] = sp.stop_token_ids
-    if sp.seed is not None:
-        params["sampling_seed"] = sp.seed
+def _engine_payload(spec: TurnSpec) -> dict[str, Any]:
     return {
-        "input_ids": req.input_ids,
-        "sampling_params": params,
+        "input_ids": spec.input_ids,
+        "sampling_params": spec.params,
         "return_logprob": True,
         "return_sampling_mask": True,
     }
@@ -69,6 +59,38 @@ def _engine_payload(req: TurnRequest) -> dict[str, Any]:
 
 def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
+
+
+_FLOAT = {float}
+_INT = {int}
+
+
+def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list] | None:
+    """(raw, mu, support ids, support log-probs) when the engine sent every record field for
+    every token with exactly the JSON types a record holds (floats, lists of ints); None
+    otherwise (the general path then converts, or refuses, value by value)."""
+    triples = meta.get("output_token_logprobs")
+    masks = meta.get("output_token_sampling_mask")
+    mu = meta.get("output_token_sampling_logprobs")
+    support_lps = meta.get("output_token_sampling_support_logprobs")
+    for x in (triples, masks, mu, support_lps):
+        if type(x) is not list or len(x) != n:
+            return None
+    try:
+        raw = [t[0] for t in triples]
+    except (TypeError, IndexError, KeyError):
+        return None
+    floats = set(map(type, raw))
+    floats.update(map(type, mu))
+    ids: set[type] = set()
+    for row, lps in zip(masks, support_lps, strict=True):
+        if type(row) is not list or type(lps) is not list or len(row) != len(lps):
+            return None
+        ids.update(map(type, row))
+        floats.update(map(type, lps))
+    if not (floats <= _FLOAT and ids <= _INT):
+        return None
+    return raw, mu, masks, support_lps
 
 
 def turn_from_response(
@@ -86,8 +108,17 @@ def turn_from_response(
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
         raise ValueError("response has no meta_info")
     meta = body["meta_info"]
-    output_ids = [int(t) for t in body.get("output_ids") or []]
+    output_ids = body.get("output_ids") or []
+    if type(output_ids) is not list or not set(map(type, output_ids)) <= _INT:
+        output_ids = [int(t) for t in output_ids]
     n = len(output_ids)
+    plain = _plain_records(meta, n)
+    if plain is not None:
+        raw, logprobs, supports, support_values = plain
+        return _turn(
+            meta, index, group, replica, input_ids, output_ids, logprobs, raw, supports, support_values,
+            moved_from, timings,
+        )
     triples = meta.get("output_token_logprobs") or []
     if len(triples) != n:
         raise ValueError(f"{len(triples)} output_token_logprobs for {n} output tokens")
@@ -113,6 +144,27 @@ def turn_from_response(
             logprobs.append(support_values[i][ids.index(output_ids[i])])
         else:
             logprobs.append(raw[i])
+    return _turn(
+        meta, index, group, replica, input_ids, output_ids, logprobs, raw, supports, support_values,
+        moved_from, timings,
+    )
+
+
+def _turn(
+    meta: dict[str, Any],
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: list[int],
+    output_ids: list[int],
+    logprobs: list[float],
+    raw: list[float],
+    supports: list[list[int]],
+    support_values: list[list[float]],
+    moved_from: str | None,
+    timings: dict[str, Any],
+) -> TurnData:
+    n = len(output_ids)
     spans = []
     for s in meta.get("weight_versions") or []:
         if int(s["end"]) > int(s["start"]):
@@ -257,27 +309,58 @@ def check_vocab(ctx: RouterContext, group: str, rows: list[list[int]], field: st
     if vocab is None:
         return
     for r, row in enumerate(rows):
+        if not row or max(row) < vocab:
+            continue
         for i, t in enumerate(row):
             if t >= vocab:
                 where = f"{field}[{i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
                 raise ApiError(422, f"{where} = {t} is outside the vocabulary (size {vocab})")
 
 
-async def run_turn(ctx: RouterContext, session: SessionInfo, req: TurnRequest) -> TurnResult:
-    """Generate one turn with failover. Raises :class:`ApiError` (4xx/503) when it cannot."""
-    t0 = time.perf_counter()
-    min_version = effective_min_version(ctx, req.min_version, req.max_version_age)
-    check_vocab(ctx, session.group, [req.input_ids], "input_ids")
-    payload = _engine_payload(req)
-    headers = {"Modal-Session-ID": session.session_id}
-    if min_version is not None:
-        headers[MIN_VERSION_HEADER] = str(min_version)
-    engine_s = 0.0
+def engine_json(url: str, response: RawResponse) -> Any:
+    """The decoded body of an engine's answer; a 5xx or non-JSON body raises
+    :class:`EngineUnavailable`, a 4xx :class:`EngineRejected` (as :mod:`fleet.sglang_client`)."""
+    status = response.status_code
+    if status >= 400:
+        message = engine_error_message(response.content) or f"HTTP {status}"
+        if status >= 500:
+            raise EngineUnavailable(url, f"HTTP {status}: {message}")
+        raise EngineRejected(url, status, message)
+    try:
+        return loads(response.content)
+    except ValueError:
+        raise EngineUnavailable(url, "response is not JSON") from None
 
-    async def send(url: str) -> tuple[TurnData, float]:
+
+def engine_error_message(content: bytes) -> str:
+    """The message of an engine's error body (``error``/``detail``/``message`` or the text)."""
+    try:
+        body = loads(content)
+    except ValueError:
+        return content[:500].decode(errors="replace")
+    if isinstance(body, dict):
+        err = body.get("error") or body.get("detail") or body.get("message") or body
+        if isinstance(err, dict):
+            err = err.get("message") or err
+        return str(err)[:500]
+    return str(body)[:500]
+
+
+async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int) -> TurnResult:
+    """Generate turn ``index`` with failover. Raises :class:`ApiError` (4xx/503) when it cannot."""
+    t0 = time.perf_counter()
+    min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
+    check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
+    data = engine_dumps(_engine_payload(spec))
+    headers = [("Modal-Session-ID", session.session_id)]
+    if min_version is not None:
+        headers.append((MIN_VERSION_HEADER, str(min_version)))
+    upstream = ctx.upstream
+
+    async def send(url: str) -> tuple[Any, float]:
         e0 = time.perf_counter()
-        body = await ctx.client(url).generate(payload, headers=headers)
-        return body, time.perf_counter() - e0
+        response = await upstream.post(url, "/generate", data, headers)
+        return engine_json(url + "/generate", response), time.perf_counter() - e0
 
     (body, engine_s), place = await with_failover(
         ctx, session.group, session.replica, send, min_version=min_version
@@ -291,10 +374,10 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, req: TurnRequest) -
     try:
         turn = turn_from_response(
             body,
-            index=-1,
+            index=index,
             group=place.group,
             replica=place.replica_id,
-            input_ids=req.input_ids,
+            input_ids=spec.input_ids,
             moved_from=place.moved_from,
             timings=timings,
         )

@@ -1,7 +1,10 @@
 """Compact binary encoding of turns (with their per-token behavior records) and trainer batches.
 
-Behavior records are stored and served in this encoding, never as JSON lists of lists. The
-module depends on the standard library only, so a trainer can decode batches without the router.
+Behavior records are stored and served in this encoding, never as JSON lists of lists.
+Decoding depends on the standard library only, so a trainer can decode batches without the
+router; encoding uses numpy (long varint runs) and orjson (headers) when they are installed,
+which changes neither the layout nor any decoded value (JSON headers may spell a float
+differently, e.g. ``1e-5`` for ``1e-05``).
 
 Primitives
     varint   unsigned LEB128 (7 bits per byte, low group first, high bit = more follows)
@@ -40,12 +43,23 @@ serves, so a trainer may take either.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+try:  # optional speed-ups of the encoder (the decoder never needs them)
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+try:
+    import orjson
+except ImportError:  # pragma: no cover
+    orjson = None
 
 MAGIC_TURN = b"MFT"
 MAGIC_BATCH = b"MFB"
@@ -96,30 +110,49 @@ class TurnData:
                 return int(span["version"])
         return None
 
+    def versions(self) -> list[int | None]:
+        """The weight version of every output token (None where no span covers it)."""
+        n = len(self.output_ids)
+        spans = self.weight_versions
+        if len(spans) == 1 and spans[0]["start"] <= 0 and spans[0]["end"] >= n:
+            return [spans[0]["version"]] * n
+        out: list[int | None] = [None] * n
+        for span in sorted(spans, key=lambda s: s["start"]):
+            for i in range(max(0, span["start"]), min(n, span["end"])):
+                if out[i] is None:
+                    out[i] = span["version"]
+        return out
+
     def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
-        """The API's JSON turn object (issue 4 shape) with one record per output token."""
-        spans = sorted(self.weight_versions, key=lambda s: s["start"])
-        records = []
-        si = 0
-        for i, tok in enumerate(self.output_ids):
-            while si < len(spans) and spans[si]["end"] <= i:
-                si += 1
-            version = spans[si]["version"] if si < len(spans) and spans[si]["start"] <= i else None
-            raw = self.raw_logprobs[i]
-            lp = self.logprobs[i]
-            lps = list(self.support_logprobs[i])
-            if not all(map(math.isfinite, lps)):  # JSON has no NaN / inf: unknown values are null
-                lps = [x if math.isfinite(x) else None for x in lps]
-            records.append(
-                {
-                    "token_id": tok,
-                    "logprob": lp if math.isfinite(lp) else None,
-                    "raw_logprob": None if raw is None or not math.isfinite(raw) else raw,
-                    "support_ids": list(self.support_ids[i]),
-                    "support_logprobs": lps,
-                    "weight_version": version,
-                }
+        """The API's JSON turn object (issue 4 shape) with one record per output token.
+        Non-finite log-probs (unknown values) are None: JSON has no NaN."""
+        logprobs = self.logprobs
+        if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
+            logprobs = [x if math.isfinite(x) else None for x in logprobs]
+        raws = self.raw_logprobs
+        if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
+            raws = [None if x is None or not math.isfinite(x) else x for x in raws]
+        records = [
+            {
+                "token_id": tok,
+                "logprob": lp,
+                "raw_logprob": raw,
+                "support_ids": list(ids),
+                "support_logprobs": list(lps)
+                if math.isfinite(sum(lps))
+                else [x if math.isfinite(x) else None for x in lps],
+                "weight_version": version,
+            }
+            for tok, lp, raw, ids, lps, version in zip(
+                self.output_ids,
+                logprobs,
+                raws,
+                self.support_ids,
+                self.support_logprobs,
+                self.versions(),
+                strict=True,
             )
+        ]
         out: dict[str, Any] = {}
         if session_id is not None:
             out["session_id"] = session_id
@@ -151,14 +184,42 @@ def _varint(value: int, out: bytearray) -> None:
     out.append(value)
 
 
+_NUMPY_MIN = 48  # below this many values a Python loop beats numpy's per-call overhead
+
+
 def _varints(values: Sequence[int], out: bytearray) -> None:
     if not values:
         return
-    if min(values) >= 0 and max(values) < 0x80:
+    low = min(values)
+    high = max(values)
+    if low < 0:
+        raise ValueError(f"varint of negative value {low}")
+    if high < 0x80:
         out += bytes(values)
-        return
-    for v in values:
-        _varint(v, out)
+    elif np is not None and len(values) >= _NUMPY_MIN and high < 2**63:
+        out += _np_varints(np.asarray(values, dtype=np.int64))
+    else:
+        for v in values:
+            _varint(v, out)
+
+
+def _np_varints(v: Any) -> bytes:
+    """LEB128 of a non-negative int64 array, vectorized: byte j of every value at once."""
+    sizes = np.ones(len(v), dtype=np.int64)
+    for j in range(1, 10):
+        more = v >= (1 << (7 * j))
+        if not more.any():
+            break
+        sizes += more
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    buf = np.empty(int(ends[-1]), dtype=np.uint8)
+    for j in range(int(sizes.max())):
+        has = sizes > j
+        chunk = (v[has] >> (7 * j)) & 0x7F
+        chunk |= (sizes[has] > j + 1).astype(np.int64) << 7
+        buf[starts[has] + j] = chunk
+    return buf.tobytes()
 
 
 class _Reader:
@@ -219,7 +280,14 @@ class _Reader:
 
 
 def _json(obj: Any, out: bytearray) -> None:
-    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    data = None
+    if orjson is not None:
+        try:
+            data = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # e.g. an integer beyond 64 bits
+            data = None
+    if data is None:
+        data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
     _varint(len(data), out)
     out += data
 
@@ -255,8 +323,38 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
     """Encode one turn. ``f16`` stores support log-probs as float16 (lossy, ~3 significant digits).
 
     After: ``decode_turn(encode_turn(t))`` equals ``t`` exactly for float32-representable
-    values (float16-rounded support log-probs when ``f16``).
+    values (float16-rounded support log-probs when ``f16``). Raises ValueError when the turn
+    cannot be encoded (support ids not strictly increasing, negative ids, a log-prob beyond
+    float32's range).
     """
+    return _encode(turn, f16)[0]
+
+
+def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData]:
+    """``(encode_turn(turn, f16=f16), as_stored(turn, f16=f16))`` from one pass: the stored
+    values are read back from the encoded floats."""
+    blob, lp_bytes, raw_bytes, sup_bytes, fmt = _encode(turn, f16)
+    n = len(turn.output_ids)
+    raws = struct.unpack(f"<{n}f", raw_bytes)
+    if not math.isfinite(sum(raws)):
+        raws = tuple(None if math.isnan(x) else x for x in raws)
+    flat = struct.unpack(f"<{len(sup_bytes) // struct.calcsize(fmt)}{fmt}", sup_bytes)
+    supports = []
+    pos = 0
+    for ids in turn.support_ids:
+        end = pos + len(ids)
+        supports.append(flat[pos:end])
+        pos = end
+    stored = TurnData.__new__(TurnData)  # the invariant holds: same lengths as ``turn``
+    for name in _FIELDS:
+        object.__setattr__(stored, name, getattr(turn, name))
+    object.__setattr__(stored, "logprobs", struct.unpack(f"<{n}f", lp_bytes))
+    object.__setattr__(stored, "raw_logprobs", raws)
+    object.__setattr__(stored, "support_logprobs", supports)
+    return blob, stored
+
+
+def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]:
     out = bytearray(MAGIC_TURN)
     out.append(FORMAT_VERSION)
     out.append(FLAG_F16 if f16 else 0)
@@ -277,22 +375,43 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
     n = len(turn.output_ids)
     _varint(n, out)
     _varints(turn.output_ids, out)
-    out += struct.pack(f"<{n}f", *turn.logprobs)
-    out += struct.pack(f"<{n}f", *(math.nan if x is None else x for x in turn.raw_logprobs))
-    _varints([len(s) for s in turn.support_ids], out)
-    flat_lp: list[float] = []
-    for ids, lps in zip(turn.support_ids, turn.support_logprobs, strict=True):
-        if not ids:
-            continue
-        gaps = [b - a - 1 for a, b in zip(ids, ids[1:], strict=False)]
-        if gaps and min(gaps) < 0:
+    raws = turn.raw_logprobs
+    if None in raws:
+        raws = [math.nan if x is None else x for x in raws]
+    try:
+        lp_bytes = struct.pack(f"<{n}f", *turn.logprobs)
+        raw_bytes = struct.pack(f"<{n}f", *raws)
+    except (struct.error, OverflowError) as exc:
+        raise ValueError(f"log-probs: {exc}") from None
+    out += lp_bytes
+    out += raw_bytes
+    rows = turn.support_ids
+    sizes = [len(s) for s in rows]
+    _varints(sizes, out)
+    total = sum(sizes)
+    if total:
+        flat_ids = list(itertools.chain.from_iterable(rows))
+        # gap coding: the first id of a row as is, then id[j] - id[j-1] - 1
+        gaps = list(map(operator.sub, flat_ids, map(operator.add, [-1, *flat_ids[:-1]], itertools.repeat(1))))
+        pos = 0
+        for k in sizes:
+            if k:
+                gaps[pos] = flat_ids[pos]
+                pos += k
+        if min(gaps) < 0:
             bad = next(i for i, g in enumerate(gaps) if g < 0)
-            raise ValueError(f"support ids must be strictly increasing, got {ids[bad]} then {ids[bad + 1]}")
-        gaps.insert(0, ids[0])
+            raise ValueError(f"support ids must be non-negative and strictly increasing (at {bad})")
         _varints(gaps, out)
-        flat_lp.extend(lps)
-    out += struct.pack(f"<{len(flat_lp)}{'e' if f16 else 'f'}", *flat_lp)
-    return bytes(out)
+    fmt = "e" if f16 else "f"
+    try:
+        sup_bytes = struct.pack(f"<{total}{fmt}", *itertools.chain.from_iterable(turn.support_logprobs))
+    except (struct.error, OverflowError) as exc:
+        raise ValueError(f"support log-probs: {exc}") from None
+    out += sup_bytes
+    return bytes(out), lp_bytes, raw_bytes, sup_bytes, fmt
+
+
+_FIELDS = tuple(TurnData.__dataclass_fields__)
 
 
 def decode_turn(data: bytes | memoryview) -> TurnData:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import assign_group, run_turn
+from router.dispatch import assign_group
 from router.errors import ApiError
 from router.jsonio import FastJSONResponse
-from router.records import as_stored, decode_turn, encode_turn
+from router.records import decode_turn
 from router.schemas import (
     CreateSession,
     Finished,
@@ -25,7 +24,8 @@ from router.schemas import (
     Turn,
     TurnRequest,
 )
-from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
+from router.state.base import SessionFinished, SessionNotFound
+from router.turns import record_turn
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require("rollout"))])
 SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
@@ -33,15 +33,6 @@ SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
 
 def _ctx(request: Request) -> RouterContext:
     return request.app.state.ctx
-
-
-async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
-    info = await ctx.store.get_session(session_id)
-    if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
-    if info.status != "open":
-        raise ApiError(409, f"session {session_id!r} is {info.status}: it accepts no more turns")
-    return info
 
 
 @router.post("", response_model=SessionCreated, summary="Open a session")
@@ -84,56 +75,11 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
 
 
 @router.post("/{session_id}/turns", response_model=Turn, summary="Generate one turn (token-in-token-out)")
-async def create_turn(request: Request, session_id: str, body: TurnRequest) -> JSONResponse:
-    ctx = _ctx(request)
-    session = await load_open(ctx, session_id)
-    if body.turn is not None and body.turn != session.n_turns:
-        raise ApiError(409, f"turn: expected {body.turn} but the next turn is {session.n_turns}")
-    result = await run_turn(ctx, session, body)
-    if result.group != session.group or result.replica_id != session.replica:
-        try:
-            await ctx.store.set_route(session_id, result.group, result.replica_id)
-        except SessionNotFound:
-            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
-    request_id = uuid.uuid4().hex
-    index = session.n_turns if body.turn is None else body.turn
-    n = len(result.turn.output_ids)
-    for _ in range(64):
-        turn = replace(result.turn, turn=index)
-        blob = encode_turn(turn, f16=ctx.config.f16_support_logprobs)
-        try:
-            index = await ctx.store.append_turn(
-                session_id,
-                request_id,
-                blob,
-                group=result.group,
-                tokens=n,
-                min_version=result.min_version,
-                max_version=result.max_version,
-                expected_turn=index,
-            )
-            break
-        except TurnConflict as exc:  # another turn of this session was recorded meanwhile
-            if body.turn is not None:
-                raise ApiError(
-                    409, f"turn: expected {body.turn} but the next turn is {exc.next_turn}"
-                ) from None
-            index = exc.next_turn
-        except SessionFinished:
-            raise ApiError(
-                409, f"session {session_id!r} was finished during the turn; not recorded"
-            ) from None
-        except SessionNotFound:
-            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
-    else:
-        raise ApiError(409, "too many concurrent turns on one session")
-    ctx.metrics.turns.labels(result.group).inc()
-    ctx.metrics.tokens.labels(result.group).inc(n)
-    # answer with exactly what was stored (float32 / float16 log-probs), not the engine's float64s
-    stored = as_stored(
-        turn if turn.turn == index else replace(turn, turn=index), f16=ctx.config.f16_support_logprobs
-    )
-    return FastJSONResponse(stored.to_json(session_id, with_input=False))
+async def create_turn(request: Request, session_id: str, body: TurnRequest) -> Response:
+    # canonical requests are answered by router.hotpath before reaching this route; both run
+    # router.turns.record_turn
+    data = await record_turn(_ctx(request), session_id, body.spec())
+    return Response(data, media_type="application/json")
 
 
 @router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")

@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import assign_group, check_vocab, with_failover
+from router.dispatch import assign_group, check_vocab, engine_error_message, with_failover
 from router.errors import ApiError, unavailable
 from router.schemas import GenerateRequest
 
@@ -46,6 +46,8 @@ def routing_key(request: Request) -> str | None:
     summary="SGLang native generate (validated, then forwarded unchanged to one replica)",
 )
 async def generate(request: Request, body: GenerateRequest) -> Response:
+    # canonical non-streaming requests are answered by router.hotpath before reaching this
+    # route; both run forward_generate
     ctx = _ctx(request)
     raw = await request.body()
     if body.input_ids is None and body.text is None:
@@ -53,46 +55,64 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     if isinstance(body.text, str) and not body.text:
         raise ApiError(422, "text: empty input")
     key = routing_key(request)
+    if not body.stream:
+        response = await forward_generate(ctx, raw, body.rows(), key)
+        return Response(
+            response.content,
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type", "application/json"),
+        )
     route = await ctx.store.get_route_key(key) if key else None
-    group = route["group"] if route and route.get("group") in ctx.registry.group_names() else None
-    if group is None:
-        group = await assign_group(ctx)
+    group = await _group_of(ctx, route)
     check_vocab(ctx, group, body.rows(), "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
-    if body.stream:
+    async def send_stream(url: str):
+        response, chunks = await ctx.client(url).stream_generate(raw, headers=headers)
+        return response, chunks
 
-        async def send_stream(url: str):
-            response, chunks = await ctx.client(url).stream_generate(raw, headers=headers)
-            return response, chunks
+    (response, chunks), place = await with_failover(
+        ctx, group, route.get("replica") if route else None, send_stream
+    )
+    await _remember(ctx, key, route, place.group, place.replica_id)
+    ctx.metrics.generate.labels(place.group).inc()
+    return StreamingResponse(
+        chunks,
+        status_code=response.status_code,
+        media_type=response.headers.get("content-type", "text/event-stream"),
+    )
 
-        (response, chunks), place = await with_failover(
-            ctx, group, route.get("replica") if route else None, send_stream
-        )
-        await _remember(ctx, key, route, place.group, place.replica_id)
-        ctx.metrics.generate.labels(place.group).inc()
-        return StreamingResponse(
-            chunks,
-            status_code=response.status_code,
-            media_type=response.headers.get("content-type", "text/event-stream"),
-        )
 
-    async def send(url: str):
-        response = await ctx.client(url).generate_raw(raw, headers=headers)
-        if 400 <= response.status_code < 500 and response.status_code != 409:
-            return response  # the request's own fault: pass the engine's answer through
-        if response.status_code == 409:
-            raise EngineRejected(url, 409, response.text[:300])
-        return response
+async def _group_of(ctx: RouterContext, route: dict[str, Any] | None) -> str:
+    group = route["group"] if route and route.get("group") in ctx.registry.group_names() else None
+    return group if group is not None else await assign_group(ctx)
+
+
+async def forward_generate(
+    ctx: RouterContext, raw: bytes, rows: list[list[int]], key: str | None
+) -> RawResponse:
+    """Forward a validated non-streaming ``/generate`` body unchanged to a replica of the key's
+    group (by policy without a key), with failover; the engine's answer (4xx included)."""
+    route = await ctx.store.get_route_key(key) if key else None
+    group = await _group_of(ctx, route)
+    check_vocab(ctx, group, rows, "input_ids")
+    headers = [("Modal-Session-ID", key)] if key else []
+    upstream = ctx.upstream
+
+    async def send(url: str) -> RawResponse:
+        response = await upstream.post(url, "/generate", raw, headers)
+        status = response.status_code
+        if status >= 500:
+            message = engine_error_message(response.content) or f"HTTP {status}"
+            raise EngineUnavailable(url + "/generate", f"HTTP {status}: {message}")
+        if status == 409:  # a sidecar that cannot meet a version constraint now: try another
+            raise EngineRejected(url + "/generate", 409, response.text[:300])
+        return response  # 4xx: the request's own fault, passed through
 
     response, place = await with_failover(ctx, group, route.get("replica") if route else None, send)
     await _remember(ctx, key, route, place.group, place.replica_id)
     ctx.metrics.generate.labels(place.group).inc()
-    return Response(
-        response.content,
-        status_code=response.status_code,
-        media_type=response.headers.get("content-type", "application/json"),
-    )
+    return response
 
 
 async def _remember(

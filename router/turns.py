@@ -1,0 +1,91 @@
+"""One turn of a session, end to end, shared by the FastAPI route and the hot path
+(:mod:`router.hotpath`): check the session is open, generate with failover
+(:func:`router.dispatch.run_turn`), record the turn exactly once, answer with what was stored.
+
+Contract of :func:`record_turn`: on success the turn is stored once (a conflict with a
+concurrent turn of the same session re-numbers it, unless the caller pinned ``turn``) and the
+returned JSON bytes are the issue's turn object with the stored (float32 / float16) values;
+on any :class:`~router.errors.ApiError` nothing was stored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+from router.context import RouterContext
+from router.dispatch import run_turn
+from router.errors import ApiError
+from router.jsonio import dumps
+from router.records import encode_stored
+from router.schemas import TurnSpec
+from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
+
+
+async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
+    """The session, if it exists and is open; else 404 / 409."""
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    if info.status != "open":
+        raise ApiError(409, f"session {session_id!r} is {info.status}: it accepts no more turns")
+    return info
+
+
+async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> bytes:
+    """Generate, record and return (as JSON bytes) the next turn of ``session_id``."""
+    session = await load_open(ctx, session_id)
+    if spec.turn is not None and spec.turn != session.n_turns:
+        raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
+    index = session.n_turns if spec.turn is None else spec.turn
+    result = await run_turn(ctx, session, spec, index)
+    if result.group != session.group or result.replica_id != session.replica:
+        try:
+            await ctx.store.set_route(session_id, result.group, result.replica_id)
+        except SessionNotFound:
+            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+    request_id = uuid.uuid4().hex
+    turn = result.turn
+    n = len(turn.output_ids)
+    f16 = ctx.config.f16_support_logprobs
+    for _ in range(64):
+        if turn.turn != index:
+            turn = replace(turn, turn=index)
+        try:
+            blob, stored = encode_stored(turn, f16=f16)
+        except ValueError as exc:
+            raise ApiError(
+                502, f"engine of replica {result.replica_id} sent unusable records: {exc}"
+            ) from None
+        try:
+            index = await ctx.store.append_turn(
+                session_id,
+                request_id,
+                blob,
+                group=result.group,
+                tokens=n,
+                min_version=result.min_version,
+                max_version=result.max_version,
+                expected_turn=index,
+            )
+            break
+        except TurnConflict as exc:  # another turn of this session was recorded meanwhile
+            if spec.turn is not None:
+                raise ApiError(
+                    409, f"turn: expected {spec.turn} but the next turn is {exc.next_turn}"
+                ) from None
+            index = exc.next_turn
+        except SessionFinished:
+            raise ApiError(
+                409, f"session {session_id!r} was finished during the turn; not recorded"
+            ) from None
+        except SessionNotFound:
+            raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+    else:
+        raise ApiError(409, "too many concurrent turns on one session")
+    metrics = ctx.metrics
+    metrics.turns.labels(result.group).inc()
+    metrics.tokens.labels(result.group).inc(n)
+    if stored.turn != index:
+        stored = replace(stored, turn=index)
+    return dumps(stored.to_json(session_id, with_input=False))
