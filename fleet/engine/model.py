@@ -25,11 +25,10 @@ Precision (a decision, documented here):
   through bfloat16 (an SGLang BF16 group's cache); ``"auto"`` keeps float32.
 
 Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
-weights that are exact in bfloat16 (all of a BF16 checkpoint) are kept as bfloat16 and widened
-to float32 into one reusable buffer right before each matmul (half the memory and memory
-traffic, same values); weights are stored transposed ``[K, N]``; the experts run once per step
-over the tokens routed to them (tokens sorted by expert); each sequence's attention is one fused
-SDPA call on views of the step's q/k/v.
+every linear weight is held as float32 pre-packed in oneDNN's blocked layout (``layers.pack``),
+so a product never re-packs its weight; the experts run once per step over the tokens routed to
+them (tokens sorted by expert); each sequence's attention is one fused SDPA call on views of the
+step's q/k/v.
 """
 
 from __future__ import annotations
@@ -45,30 +44,27 @@ from fleet.engine.config import ARCHITECTURE, ModelConfig
 from fleet.engine.layers import (
     Experts,
     Linear,
-    Scratch,
     apply_rope,
     rms_norm,
     rope_tables,
     route,
     swiglu,
-    transposed,
 )
 from fleet.engine.weights import CheckpointTensors, LinearWeight, load_checkpoint
 
 __all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
 
 
-def _fuse(parts: list[LinearWeight], scratch: Scratch) -> list[Linear]:
+def _fuse(parts: list[LinearWeight]) -> list[Linear]:
     """One ``Linear`` over the concatenated rows when all parts share a format (same activation
     handling), else one ``Linear`` per part."""
     if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
-        fused = transposed(torch.cat([p.weight for p in parts]))
-        return [Linear(fused, parts[0].fp8_activations, scratch)]
-    return [_linear(p, scratch) for p in parts]
+        return [Linear.of(torch.cat([p.weight for p in parts]), parts[0].fp8_activations)]
+    return [_linear(p) for p in parts]
 
 
-def _linear(w: LinearWeight, scratch: Scratch) -> Linear:
-    return Linear(transposed(w.weight), w.fp8_activations, scratch)
+def _linear(w: LinearWeight) -> Linear:
+    return Linear.of(w.weight, w.fp8_activations)
 
 
 def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -110,21 +106,20 @@ class Model:
         self.max_context = config.max_position_embeddings
         self._embed = tensors.embed
         self._final_norm = tensors.final_norm
-        self._scratch = scratch = Scratch()
-        self._lm_head = _linear(tensors.lm_head, scratch)
+        self._lm_head = _linear(tensors.lm_head)
         self._layers: list[_Layer] = []
         for lt in tensors.layers:
             lin = lt.linears
             experts = None
             if lt.experts:
-                gate_up = torch.stack(
-                    [torch.cat([e["gate_proj"].weight, e["up_proj"].weight]) for e in lt.experts]
-                )
-                down = torch.stack([e["down_proj"].weight for e in lt.experts])
                 fp8_acts = {w.fp8_activations for e in lt.experts for w in e.values()}
                 if len(fp8_acts) != 1:
                     raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
-                experts = Experts(transposed(gate_up), transposed(down), fp8_acts.pop(), scratch)
+                experts = Experts.of(
+                    [torch.cat([e["gate_proj"].weight, e["up_proj"].weight]) for e in lt.experts],
+                    [e["down_proj"].weight for e in lt.experts],
+                    fp8_acts.pop(),
+                )
             dense = "gate_proj" in lin
             self._layers.append(_Layer(
                 input_norm=lt.plain["input_layernorm"],
@@ -133,12 +128,12 @@ class Model:
                     lt.plain["q_norm"].expand(config.num_attention_heads, -1),
                     lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
                 ]),
-                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]], scratch),
-                o_proj=_linear(lin["o_proj"], scratch),
+                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
+                o_proj=_linear(lin["o_proj"]),
                 router=lt.plain.get("gate"),
                 experts=experts,
-                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]], scratch) if dense else None,
-                mlp_down=_linear(lin["down_proj"], scratch) if dense else None,
+                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
+                mlp_down=_linear(lin["down_proj"]) if dense else None,
             ))
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
