@@ -1,29 +1,27 @@
-"""Plumbing shared by the quantizers: input checks, exact absolute maxima, chunking.
+"""Plumbing shared by the quantizers: input checks, the bit view the kernels read, exact maxima, outputs.
 
-Everything here is exact. Absolute maxima are taken on the integer view of the input's bits with
-the sign bit cleared: for non-negative IEEE floats that order is the order of their values, so the
-maximum bit pattern is the bit pattern of the maximum, and NaN/Inf show up as patterns at or above
-the all-ones exponent.
+Everything here is exact. The kernels (``_kernels``) read a weight as the bit patterns of its
+floats: bfloat16 as ``uint16`` (its float32 value is those bits shifted left by 16), float32 as
+``uint32``; float16 is widened to float32 first (exact). Absolute maxima are taken on those bit
+patterns with the sign cleared: for non-negative IEEE floats that order is the order of their
+values, so the maximum bit pattern is the bit pattern of the maximum, and NaN/Inf show up as
+patterns at or above the all-ones exponent.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from weight_sync.formats import _parallel
+from weight_sync.formats import _kernels, _parallel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Elements handled per inner step: small enough that a step's scratch buffers stay in cache,
-# large enough that torch's per-op overhead and its intra-op threads pay off.
-CHUNK_ELEMENTS = 1 << 18
+# Elements per task when a quantizer splits a tensor across threads: large enough that the
+# per-task overhead (microseconds) vanishes, small enough to balance two busy cores.
+CHUNK_ELEMENTS = 1 << 20
 
-# dtype -> (same-width integer dtype, mask clearing the sign bit, first non-finite |x| pattern)
-_BITS: dict[torch.dtype, tuple[torch.dtype, int, int]] = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
-}
+INF_BITS = _kernels.INF_BITS  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
 
 
 def describe(t: torch.Tensor) -> str:
@@ -51,98 +49,61 @@ def check_groups(w: torch.Tensor, group: int, where: str) -> None:
         )
 
 
-def int_view(dtype: torch.dtype) -> torch.dtype:
-    """The signed integer dtype with the width of float ``dtype``."""
-    return _BITS[dtype][0]
+def bits(w: torch.Tensor) -> np.ndarray:
+    """The flat array the kernels read for the contiguous tensor ``w``: its bfloat16 bits as
+    ``uint16`` or its float32 bits as ``uint32`` (a view, no copy); float16 is widened to
+    float32 first (a copy)."""
+    if w.dtype == torch.bfloat16:
+        return w.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    if w.dtype == torch.float16:
+        w = w.float()
+    return w.reshape(-1).view(torch.int32).numpy().view(np.uint32)
 
 
-def abs_bits(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bits of ``|x|`` as a non-negative integer tensor (int16 for 16-bit floats, else int32)."""
-    itype, mask, _ = _BITS[x.dtype]
-    return torch.bitwise_and(x.view(itype), mask, out=out)
+def as_array(t: torch.Tensor) -> np.ndarray:
+    """The flat numpy view of a contiguous output tensor (float8 as ``uint8``)."""
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
+    return t.reshape(-1).numpy()
 
 
-def bits_to_float(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float32 values of the ``dtype`` bit patterns in ``bits`` (exact)."""
-    return bits.view(dtype).float()
+def f32_of_bits(b: int) -> float:
+    """The value of the float32 bit pattern ``b``."""
+    return float(np.array([b], dtype=np.uint32).view(np.float32)[0])
 
 
-def raise_if_nonfinite(max_abs_bits: torch.Tensor, dtype: torch.dtype, w: torch.Tensor, where: str) -> None:
-    """Raises ``ValueError`` if any of the |x| bit patterns is NaN or Inf."""
-    if max_abs_bits.numel() and int(max_abs_bits.max()) >= _BITS[dtype][2]:
+def raise_if_nonfinite(max_abs_bits: int, w: torch.Tensor, where: str) -> None:
+    """Raises ``ValueError`` if the largest |x| bit pattern (float32) is NaN or Inf."""
+    if max_abs_bits >= INF_BITS:
         raise ValueError(f"{where}: tensor of {describe(w)} contains NaN or Inf")
 
 
-def abs_max_bits(x: torch.Tensor) -> torch.Tensor:
-    """The |x| bit pattern of ``max |x|`` over all of ``x`` (0-dim int; 0 for an empty tensor)."""
-    flat = x.reshape(-1)
-    itype = int_view(x.dtype)
-    cap = min(flat.numel(), CHUNK_ELEMENTS)
-
-    def task(i: int, j: int) -> torch.Tensor:
-        buf = _parallel.scratch(f"abs-{itype}", cap, lambda c: _Ints(itype, c))
-        return abs_bits(flat[i:j], out=buf.data[: j - i]).max()
-
-    tops = _parallel.run_ranges(flat.numel(), CHUNK_ELEMENTS, task)
-    return torch.stack(tops).max() if tops else torch.zeros((), dtype=itype)
+def abs_max_bits(w: torch.Tensor) -> int:
+    """The float32 bit pattern of ``max |w|`` over all of the contiguous tensor ``w`` (0 if empty)."""
+    x = bits(w)
+    tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: _kernels.abs_max_bits(x[i:j]))
+    return int(max(tops, default=0))
 
 
-class _Ints:
-    def __init__(self, itype: torch.dtype, capacity: int) -> None:
-        self.capacity = capacity
-        self.data = torch.empty(capacity, dtype=itype)
-
-
-class GroupMax:
-    """Exact ``max |x|`` over runs of ``group`` consecutive elements (``group`` a power of two).
-
-    Torch reduces short rows (16 or 32 elements) one row at a time, several times slower than an
-    elementwise pass, so this takes ``log2(group)`` elementwise maxima of the |x| bit patterns
-    against themselves shifted by 1, 2, 4, ... elements: afterwards position ``i`` holds the
-    maximum of ``i .. i + group - 1``, and every ``group``-th position is a group's maximum.
-    Scratch for up to ``capacity`` elements of one integer dtype.
-    """
-
-    def __init__(self, itype: torch.dtype, capacity: int) -> None:
-        self.capacity = capacity
-        self._a = torch.empty(capacity, dtype=itype)
-        self._b = torch.empty(capacity, dtype=itype)
-
-    def bits_(self, x: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
-        """Each group's max |x| bit pattern into ``out`` (``[numel / group]`` ints); returns ``out``."""
-        flat = x.reshape(-1)
-        n = flat.numel()
-        a, b = self._a[:n], self._b[:n]
-        abs_bits(flat, out=a)
-        shift = 1
-        while shift < group:
-            torch.maximum(a[: n - shift], a[shift:], out=b[: n - shift])
-            a, b = b, a
-            shift *= 2
-        out.copy_(a[0::group])
-        return out
-
-
-def group_abs_max_bits(x: torch.Tensor, group: int, where: str) -> torch.Tensor:
-    """Bits of ``max |x|`` over each run of ``group`` consecutive elements, as a 1-D int tensor.
-
-    Before: ``x`` is contiguous with ``numel % group == 0`` and ``group`` is a power of two.
-    After: element ``g`` is the |x| bit pattern of the largest magnitude among
-    ``x.flatten()[g*group:(g+1)*group]``. Raises ``ValueError`` if ``x`` holds NaN or Inf.
-    """
-    if group & (group - 1):
-        raise ValueError(f"group size {group} is not a power of two")
-    flat = x.reshape(-1)
-    n_groups = flat.numel() // group
-    itype = int_view(x.dtype)
-    out = torch.empty(n_groups, dtype=itype)
-    step = max(1, CHUNK_ELEMENTS // group)
-    cap = min(n_groups, step) * group
-
-    def task(g0: int, g1: int) -> None:
-        gm = _parallel.scratch(f"group-max-{itype}", cap, lambda c: GroupMax(itype, c))
-        gm.bits_(flat[g0 * group : g1 * group], group, out[g0:g1])
-
-    _parallel.run_ranges(n_groups, step, task)
-    raise_if_nonfinite(out, x.dtype, x, where)
-    return out
+def outputs(
+    out: dict[str, torch.Tensor] | None, where: str, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """The output tensors of a quantizer: ``out``'s (checked against ``spec``: name -> (shape,
+    dtype); contiguous) or freshly allocated ones. Raises ``ValueError`` naming a mismatch."""
+    if out is None:
+        return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    got = {}
+    for name, (shape, dtype) in spec.items():
+        t = out.get(name)
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != dtype
+            or tuple(t.shape) != tuple(shape)
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
+        ):
+            have = describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            want = f"shape {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+            raise ValueError(f"{where}: out[{name!r}] must be a contiguous CPU tensor of {want}, got {have}")
+        got[name] = t
+    return got

@@ -16,7 +16,7 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     w = _common.check_weight(w, where)
     if w.dtype != torch.bfloat16:
         raise ValueError(f"{where}: tensor of {_common.describe(w)} is not bfloat16 (converting would round)")
-    _common.raise_if_nonfinite(_common.abs_max_bits(w).view(1), w.dtype, w, where)
+    _common.raise_if_nonfinite(_common.abs_max_bits(w), w, where)
     return {"weight": w}
 
 

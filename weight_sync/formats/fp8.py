@@ -9,7 +9,7 @@ nothing is padded into the statistics):
 - ``s = amax / 448`` (float32 division),
 - ``codes = float8_e4m3fn(x.float() / s)`` rounded to nearest even. ``|x| <= amax`` keeps
   ``|x / s| <= 448 * (1 + 2**-22) < 464``, which rounds to 448, so clamping to +-448 before the
-  cast would change nothing (and torch >= 2.13 saturates the cast anyway).
+  cast would change nothing (and the e4m3 conversion saturates anyway).
 
 Stored: ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale_inv`` float32
 ``[ceil(N/128), ceil(K/128)]``, the dequantization multiplier ``s``.
@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common, _kernels, _parallel
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -36,63 +36,37 @@ def _check_2d(w: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: expected a 2-D weight [N, K], got a tensor of {_common.describe(w)}")
 
 
-def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Block-FP8 tensors of ``w`` ``[N, K]`` (bf16, f16 or f32; any N, K).
 
     Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale_inv`` float32
-    ``[ceil(N/128), ceil(K/128)]``, bit-exact to the rules in the module docstring. Non-2-D
-    tensors, other dtypes and NaN/Inf raise ``ValueError``.
+    ``[ceil(N/128), ceil(K/128)]``, bit-exact to the rules in the module docstring; written into
+    ``out``'s tensors of those names when given (then returned). Non-2-D tensors, other dtypes,
+    a mismatched ``out`` and NaN/Inf raise ``ValueError``.
     """
     where = "fp8.quantize"
     w = _common.check_weight(w, where)
     _check_2d(w, where)
     n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
-    weight = torch.empty((n, k), dtype=torch.float8_e4m3fn)
-    scale = torch.empty((nb, kb), dtype=torch.float32)
+    res = _common.outputs(
+        out, where, {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale_inv": ((nb, kb), torch.float32)}
+    )
     if n == 0 or k == 0:
-        return {"weight": weight, "weight_scale_inv": scale}
-    itype = _common.int_view(w.dtype)
-    k_full, kbf = (k // BLOCK) * BLOCK, k // BLOCK
-    rows = max(1, min(BLOCK, _common.CHUNK_ELEMENTS // k))
+        return res
+    x = _common.bits(w)
+    codes, scales = _common.as_array(res["weight"]), _common.as_array(res["weight_scale_inv"])
+    bands = max(1, _common.CHUNK_ELEMENTS // (BLOCK * k))  # 128-row bands per task
 
-    def band(bi: int) -> torch.Tensor:
-        """Scales and codes of row band ``bi`` (while it is in cache); returns its max |x| bits."""
-        r0, r1 = bi * BLOCK, min(n, (bi + 1) * BLOCK)
-        rb = r1 - r0
-        buf = _parallel.scratch(f"fp8-band-{itype}", BLOCK * k, lambda c: _Buffer(itype, c))
-        ab = _common.abs_bits(w[r0:r1], out=buf.data[: rb * k].view(rb, k))
-        seg = torch.empty((rb, kb), dtype=itype)
-        if k_full:
-            torch.amax(ab[:, :k_full].view(rb, kbf, BLOCK), dim=2, out=seg[:, :kbf])
-        if k_full < k:
-            torch.amax(ab[:, k_full:], dim=1, keepdim=True, out=seg[:, kbf:])
-        top = seg.amax(dim=0)
-        s = scale[bi]
-        torch.div(_common.bits_to_float(top, w.dtype).clamp_(min=AMAX_FLOOR), FP8_MAX, out=s)
-        qbuf = _parallel.scratch("fp8-rows", rows * k, lambda c: _Buffer(torch.float32, c))
-        for c0 in range(r0, r1, rows):
-            c1 = min(r1, c0 + rows)
-            q = qbuf.data[: (c1 - c0) * k].view(c1 - c0, k)
-            q.copy_(w[c0:c1])  # exact widening to float32
-            if k_full:
-                full = q[:, :k_full].view(c1 - c0, kbf, BLOCK)
-                torch.div(full, s[:kbf, None], out=full)  # IEEE float32 division
-            if k_full < k:
-                tail = q[:, k_full:]
-                torch.div(tail, s[kbf:], out=tail)  # s[kbf:] is [1], not 0-dim: float32 like the rest
-            weight[c0:c1].copy_(q)  # round to nearest even e4m3 (|q| <= 448 * (1 + 2**-22))
-        return top
+    def task(b0: int, b1: int) -> int:
+        r0, r1 = b0 * BLOCK, min(n, b1 * BLOCK)
+        return _kernels.fp8_rows(
+            x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb]
+        )
 
-    maxima = torch.stack(_parallel.run([lambda bi=bi: band(bi) for bi in range(nb)]))
-    _common.raise_if_nonfinite(maxima, w.dtype, w, where)
-    return {"weight": weight, "weight_scale_inv": scale}
-
-
-class _Buffer:
-    def __init__(self, dtype: torch.dtype, capacity: int) -> None:
-        self.capacity = capacity
-        self.data = torch.empty(capacity, dtype=dtype)
+    top = max(_parallel.run_ranges(nb, bands, task))
+    _common.raise_if_nonfinite(int(top), w, where)
+    return res
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,57 +16,42 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common, _parallel
-from weight_sync.formats.fp4 import Encoder
+from weight_sync.formats import _common, _kernels, _parallel
 
 BLOCK = 32
 E2M1_MAX_POW2 = 2
 E8M0_BIAS = 127
 
 
-def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """MXFP4 tensors of ``w`` (``[..., K]``, K a multiple of 32; bf16, f16 or f32).
 
     Returns ``blocks`` uint8 ``[..., K/32, 16]`` and ``scales`` uint8 ``[..., K/32]``, bit-exact to
-    the rules in the module docstring. Bad shapes, dtypes or NaN/Inf raise ``ValueError``.
+    the rules in the module docstring; written into ``out``'s tensors of those names when given.
+    Bad shapes, dtypes, a mismatched ``out`` or NaN/Inf raise ``ValueError``.
     """
     where = "mxfp4.quantize"
     w = _common.check_weight(w, where)
     _common.check_groups(w, BLOCK, where)
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
-    x = w.view(-1, BLOCK)
-    n_blocks = x.shape[0]
-    blocks = torch.empty((n_blocks, BLOCK // 2), dtype=torch.uint8)
-    scales = torch.empty(n_blocks, dtype=torch.uint8)
+    res = _common.outputs(
+        out,
+        where,
+        {
+            "blocks": ((*lead, k // BLOCK, BLOCK // 2), torch.uint8),
+            "scales": ((*lead, k // BLOCK), torch.uint8),
+        },
+    )
+    x = _common.bits(w)
+    blocks, scales = _common.as_array(res["blocks"]), _common.as_array(res["scales"])
+    step = max(1, _common.CHUNK_ELEMENTS // BLOCK)  # blocks per task
 
-    step = max(1, _common.CHUNK_ELEMENTS // BLOCK)
-    cap = min(n_blocks, step)
+    def task(b0: int, b1: int) -> int:
+        return _kernels.mxfp4_blocks(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
 
-    def task(b0: int, b1: int) -> torch.Tensor:
-        enc = _parallel.scratch("e2m1", cap * BLOCK, Encoder)
-        nb, m = b1 - b0, (b1 - b0) * BLOCK
-        q = enc.q[:m].view(nb, BLOCK)
-        q.copy_(x[b0:b1])  # exact widening to float32
-        enc.sign_from_q_(m, negative_zero_sign=True)  # x / 2**e keeps x's sign bit, -0.0 included
-        amax = torch.amax(q, dim=1)  # exact, NaN-propagating
-        # biased E8M0 byte = e + 127 = exponent field of float32(amax) - 2, clamped to [0, 254]
-        eb = amax.view(torch.int32).bitwise_right_shift(23)
-        eb.sub_(E2M1_MAX_POW2).clamp_(0, 2 * E8M0_BIAS)
-        scales[b0:b1].copy_(eb)
-        # 2**-e = float32 bits (254 - byte) << 23, always a normal number
-        inv = torch.sub(2 * E8M0_BIAS, eb).bitwise_left_shift_(23).view(torch.float32)
-        q.mul_(inv[:, None])  # |x| / 2**e, exact
-        enc.codes_(m)
-        enc.pack_(m, blocks[b0:b1])
-        return amax.max()
-
-    tops = _parallel.run_ranges(n_blocks, step, task)
-    if not all(bool(torch.isfinite(t)) for t in tops):
-        raise ValueError(f"{where}: tensor of {_common.describe(w)} contains NaN or Inf")
-    return {
-        "blocks": blocks.view(*lead, k // BLOCK, BLOCK // 2),
-        "scales": scales.view(*lead, k // BLOCK),
-    }
+    top = max(_parallel.run_ranges(x.size // BLOCK, step, task), default=0)
+    _common.raise_if_nonfinite(int(top), w, where)
+    return res
 
 
 def scale_factors(scales: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,10 @@ about one tensor in five.) Beyond ModelOpt: a tensor that is all zeros gets
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
-from weight_sync.formats.fp4 import Encoder
+from weight_sync.formats import _common, _kernels, _parallel
 
 GROUP = 16
 FP8_MAX = 448.0
@@ -35,13 +35,13 @@ SCALE_MIN = 2.0**-9
 
 def _joint_amax(ws: tuple[torch.Tensor, ...], where: str) -> torch.Tensor:
     """Exact ``max |x|`` over every element of ``ws`` as a float32 0-dim tensor (NaN/Inf raise)."""
-    best = torch.zeros((), dtype=torch.float32)
+    top = 0
     for w in ws:
         w = _common.check_weight(w, where)
-        top = _common.abs_max_bits(w).view(1)
-        _common.raise_if_nonfinite(top, w.dtype, w, where)
-        best = torch.maximum(best, _common.bits_to_float(top, w.dtype).view(()))
-    return best
+        bits = _common.abs_max_bits(w)
+        _common.raise_if_nonfinite(bits, w, where)
+        top = max(top, bits)
+    return torch.tensor(_common.f32_of_bits(top), dtype=torch.float32)
 
 
 def global_scale(*ws: torch.Tensor) -> torch.Tensor:
@@ -86,77 +86,66 @@ def _check_covers(ws2: torch.Tensor, amax: torch.Tensor, w: torch.Tensor) -> Non
 
 
 def quantize(
-    w: torch.Tensor, weight_scale_2: torch.Tensor | float | None = None
+    w: torch.Tensor,
+    weight_scale_2: torch.Tensor | float | None = None,
+    *,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """NVFP4 tensors of ``w`` (``[..., K]``, K a multiple of 16; bf16, f16 or f32).
 
     Returns ``weight`` uint8 ``[..., K/2]``, ``weight_scale`` float8_e4m3fn ``[..., K/16]``,
     ``weight_scale_2`` float32 0-dim and ``input_scale`` float32 0-dim (1.0), bit-exact to the
-    rules in the module docstring. ``weight_scale_2`` defaults to ``global_scale(w)``; a given one
-    must be at least that (it comes from ``global_scale`` over a set containing ``w``). Bad shapes,
-    dtypes, NaN/Inf or a too-small ``weight_scale_2`` raise ``ValueError``.
+    rules in the module docstring; ``weight`` and ``weight_scale`` are written into ``out``'s
+    tensors of those names when given. ``weight_scale_2`` defaults to ``global_scale(w)``; a
+    given one must be at least that (it comes from ``global_scale`` over a set containing ``w``).
+    Bad shapes, dtypes, a mismatched ``out``, NaN/Inf or a too-small ``weight_scale_2`` raise
+    ``ValueError``.
     """
     where = "nvfp4.quantize"
     w = _common.check_weight(w, where)
     _common.check_groups(w, GROUP, where)
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
-    x = w.view(-1, GROUP)
-    n_groups = x.shape[0]
-    # Pass 1: every group's max |x| (exact bit patterns; NaN/Inf raise).
-    amax_bits = _common.group_abs_max_bits(x, GROUP, where)
-    amax_g = _common.bits_to_float(amax_bits, w.dtype)
-    top = amax_g.max() if n_groups else torch.zeros(())
+    res = _common.outputs(
+        out,
+        where,
+        {
+            "weight": ((*lead, k // 2), torch.uint8),
+            "weight_scale": ((*lead, k // GROUP), torch.float8_e4m3fn),
+        },
+    )
+    x = _common.bits(w)
     if weight_scale_2 is None:
-        ws2 = top / (E2M1_MAX * FP8_MAX)
+        ws2 = _joint_amax((w,), where) / (E2M1_MAX * FP8_MAX)
     else:
         ws2 = _as_scale_2(weight_scale_2)
-        _check_covers(ws2, top, w)
-    packed = torch.empty((n_groups, GROUP // 2), dtype=torch.uint8)
-    scale = torch.empty(n_groups, dtype=torch.float8_e4m3fn)
+    packed, scale = _common.as_array(res["weight"]), _common.as_array(res["weight_scale"])
     if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
-        scale.copy_(torch.ones(n_groups))
-        packed.zero_()
+        top = _common.abs_max_bits(w)
+        scale.fill(_E4M3_ONE)
+        packed.fill(0)
     else:
-        # Group scales, in a few large slices (small ops cost more in overhead than in work).
-        six_ws2 = E2M1_MAX * ws2
-        divisor = torch.empty(n_groups, dtype=torch.float32)
+        six_ws2 = np.float32((E2M1_MAX * ws2).item())  # one float32 product, as ModelOpt
+        ws2_f = np.float32(ws2.item())
+        step = max(1, _common.CHUNK_ELEMENTS // GROUP)  # groups per task
 
-        def scales(g0: int, g1: int) -> None:
-            s = amax_g[g0:g1].div_(six_ws2)
-            s.masked_fill_(s == 0, 1.0)  # ModelOpt: zero (or underflowed) group scales become 1.0
-            # ws2 >= amax/(6*448) keeps s <= 448 up to rounding; the upper clamp only guards the cast.
-            s8 = scale[g0:g1]
-            s8.copy_(s.clamp_(min=SCALE_MIN, max=FP8_MAX))  # round to nearest even e4m3
-            torch.mul(s8.float(), ws2, out=divisor[g0:g1])  # one float32 product per group, as ModelOpt
+        def task(g0: int, g1: int) -> int:
+            return _kernels.nvfp4_groups(
+                x[g0 * GROUP : g1 * GROUP], six_ws2, ws2_f, packed[g0 * 8 : g1 * 8], scale[g0:g1]
+            )
 
-        _parallel.run_ranges(n_groups, -(-n_groups // max(1, torch.get_num_threads())), scales)
-        # Pass 2: codes.
-        _encode(x, divisor, packed)
+        top = max(_parallel.run_ranges(x.size // GROUP, step, task), default=0)
+    _common.raise_if_nonfinite(int(top), w, where)
+    if weight_scale_2 is not None:
+        _check_covers(ws2, torch.tensor(_common.f32_of_bits(int(top))), w)
     return {
-        "weight": packed.view(*lead, k // 2),
-        "weight_scale": scale.view(*lead, k // GROUP),
+        "weight": res["weight"],
+        "weight_scale": res["weight_scale"],
         "weight_scale_2": ws2.reshape(()).clone(),
         "input_scale": torch.tensor(1.0, dtype=torch.float32),
     }
 
 
-def _encode(x: torch.Tensor, divisor: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[g] = pack(E2M1(x[g] / divisor[g]))`` for groups ``x`` ``[G, 16]``, ``divisor`` ``[G]``."""
-    n_groups = x.shape[0]
-    step = max(1, _common.CHUNK_ELEMENTS // GROUP)
-    cap = min(n_groups, step) * GROUP
-
-    def task(g0: int, g1: int) -> None:
-        enc = _parallel.scratch("e2m1", cap, Encoder)
-        m = (g1 - g0) * GROUP
-        q = enc.q[:m].view(g1 - g0, GROUP)
-        q.copy_(x[g0:g1])  # exact widening to float32
-        torch.div(q, divisor[g0:g1, None], out=q)  # IEEE float32 division
-        enc.sign_from_q_(m, negative_zero_sign=False)
-        enc.codes_(m)
-        enc.pack_(m, out[g0:g1])
-
-    _parallel.run_ranges(n_groups, step, task)
+_E4M3_ONE = 0x38  # float8_e4m3fn byte of 1.0
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
