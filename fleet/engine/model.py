@@ -4,7 +4,8 @@
 four group formats (bf16 / fp8 / nvfp4 / mxfp4, see ``fleet.engine.weights``) and returns a
 ``Model``. ``Model.forward(tokens, caches)`` runs any mix of prefill chunks and decode tokens of
 several sequences in one step: the token-wise work (projections, norms, experts, LM head) runs
-once on all tokens concatenated, attention runs per sequence against its own ``SequenceCache``.
+once on all tokens concatenated; attention runs against each sequence's ``SequenceCache`` (one
+batched call for all decoding sequences of a cache pool, one call per prefill chunk).
 
 Precision (a decision, documented here):
 - Compute is float32 on dequantized weights. The BF16 checkpoint's weights are exact in
@@ -27,8 +28,9 @@ Precision (a decision, documented here):
 Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
 every linear weight is held as float32 pre-packed in oneDNN's blocked layout (``layers.pack``),
 so a product never re-packs its weight; the experts run once per step over the tokens routed to
-them (tokens sorted by expert); each sequence's attention is one fused SDPA call on views of the
-step's q/k/v.
+them (tokens sorted by expert); the decoding sequences' attention is one SDPA call per cache pool
+(see ``fleet.engine.cache``) with the query heads of a KV head as its query rows, so each stored
+key and value is read once per step.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fleet.engine.cache import SequenceCache, storage_dtype
+from fleet.engine.cache import KVPool, SequenceCache, storage_dtype, to_storage
 from fleet.engine.config import ARCHITECTURE, ModelConfig
 from fleet.engine.layers import (
     Experts,
@@ -205,8 +207,7 @@ class Model:
         cos, sin = self._cos[positions], self._sin[positions]
         c = self.config
         nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        gqa = nh != nkv
-        masks = [_mask(s, n) for s, n in zip(starts, lens, strict=True)]
+        attention = _Attention(caches, starts, lens, nh, nkv, d, self._kv_storage)
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
@@ -214,25 +215,8 @@ class Model:
             # q and k heads together: per-head RMSNorm (q_norm on q heads, k_norm on k heads), RoPE.
             qk = qkv[:, : (nh + nkv) * d].view(total, nh + nkv, d)
             qk = apply_rope(rms_norm(qk, layer.qk_norm, c.rms_norm_eps), cos, sin)
-            # 4-D head-major [1, heads, N, d] (SDPA's layout; 3-D inputs would take its ~10x slower
-            # math fallback): each sequence's part is then a view, not a copy.
-            qk = qk.transpose(0, 1)[None]
-            q = qk[:, :nh]
-            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d).transpose(0, 1)[None]
-            kv = torch.cat([qk[:, nh:], v], dim=1)  # [1, 2 * nkv, N, d], the cache's layout
-            attn = torch.empty(1, nh, total, d)
-            off = 0
-            for cache, s, n, mask in zip(caches, starts, lens, masks, strict=True):
-                if n == 0:
-                    continue
-                end = off + n
-                cache.write(li, s, kv[:, :, off:end])
-                kk, vv = cache.read(li, s + n)
-                attn[:, :, off:end] = F.scaled_dot_product_attention(
-                    q[:, :, off:end], kk, vv, attn_mask=mask, is_causal=(s == 0 and n > 1), enable_gqa=gqa
-                )
-                off = end
-            x = x + layer.o_proj(attn[0].transpose(0, 1).reshape(total, nh * d))
+            v = qkv[:, (nh + nkv) * d :].view(total, nkv, d)
+            x = x + layer.o_proj(attention(li, qk, v))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if layer.experts is not None:
                 top_idx, top_w = route(h, layer.router, c.num_experts_per_tok, c.norm_topk_prob)
@@ -244,6 +228,97 @@ class Model:
         for cache, n in zip(caches, lens, strict=True):
             cache.length += n
         return list(logits.split(lens))
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """The decoding sequences (one new token each) of one forward step that live in one pool."""
+
+    pool: KVPool
+    rows: torch.Tensor  # their tokens' rows in the step
+    slots: torch.Tensor  # their slots in the pool
+    positions: torch.Tensor  # their new tokens' positions
+    span: int  # slots [0, span) take part in the batched call (the others' results are dropped)
+    window: int  # positions [0, window) are read
+    mask: torch.Tensor  # [span, 1, 1, window]: each slot's positions up to its new token
+    all_rows: bool  # rows == 0 .. N-1: the whole step, in order
+
+
+class _Attention:
+    """Attention of one forward step over the caches' stored and new keys and values.
+
+    Decoding sequences of one pool run as one SDPA call over the pool's slots ``[0, span)``
+    and positions ``[0, window)``, masked to each slot's length (the query heads that share a KV
+    head are that call's query rows, so each stored key is read once); a sequence with several
+    new tokens (a prefill chunk) runs one call of its own on views of its slot.
+    """
+
+    def __init__(self, caches: list[SequenceCache], starts: list[int], lens: list[int], nh: int, nkv: int,
+                 d: int, storage: torch.dtype) -> None:
+        self.nh, self.nkv, self.d, self.storage = nh, nkv, d, storage
+        self.gqa = nh != nkv
+        self.singles: list[tuple[SequenceCache, int, int, int, torch.Tensor | None]] = []
+        decoding: dict[int, tuple[KVPool, list[int], list[int], list[int]]] = {}
+        off = 0
+        for cache, s, n in zip(caches, starts, lens, strict=True):
+            if n == 1:
+                assert cache.pool is not None
+                group = decoding.setdefault(id(cache.pool), (cache.pool, [], [], []))
+                group[1].append(off)
+                group[2].append(cache.slot)
+                group[3].append(s)
+            elif n > 1:
+                self.singles.append((cache, s, n, off, _mask(s, n)))
+            off += n
+        self.groups: list[_DecodeGroup] = []
+        for pool, rows, slots, positions in decoding.values():
+            span, window = max(slots) + 1, max(positions) + 1
+            last = torch.zeros(span, dtype=torch.long)  # slots not in the step see position 0 only
+            last[slots] = torch.tensor(positions)
+            mask = (torch.arange(window)[None, :] <= last[:, None])[:, None, None, :]
+            self.groups.append(_DecodeGroup(
+                pool, torch.tensor(rows), torch.tensor(slots), torch.tensor(positions), span, window, mask,
+                rows == list(range(off)),
+            ))
+
+    def __call__(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the step's keys and values in the caches' ``layer`` and attend: ``qk``
+        ``[N, nh + nkv, d]`` (normed, rotated q heads then k heads), ``v`` ``[N, nkv, d]``;
+        returns ``[N, nh * d]``."""
+        nh, nkv, d = self.nh, self.nkv, self.d
+        total = qk.shape[0]
+        q = qk[:, :nh]
+        kv = torch.cat([qk[:, nh:], v], dim=1)  # [N, 2 * nkv, d]: K heads then V heads, as stored
+        out = torch.empty(total, nh, d)
+        for g in self.groups:
+            assert g.pool.kv is not None
+            store = g.pool.kv[layer]  # [slots, 2 * nkv, capacity, d]
+            n = g.rows.numel()
+            new = kv if g.all_rows else kv[g.rows]
+            store[g.slots, :, g.positions] = to_storage(new, self.storage)
+            stored = store[: g.span, :, : g.window]
+            if self.storage != torch.float32:
+                stored = stored.float()
+            queries = torch.zeros(g.span, nkv, nh // nkv, d)
+            queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, nh // nkv, d)
+            res = F.scaled_dot_product_attention(queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask)
+            res = res[g.slots].view(n, nh, d)
+            if g.all_rows:
+                out = res
+            else:
+                out[g.rows] = res
+        # 4-D head-major [1, heads, n, d] views (SDPA's layout; 3-D inputs would take its ~10x
+        # slower math fallback).
+        for cache, s, n, off, mask in self.singles:
+            end = off + n
+            cache.write(layer, s, kv[off:end].transpose(0, 1)[None])
+            kk, vv = cache.read(layer, s + n)
+            qq = q[off:end].transpose(0, 1)[None]
+            res = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=mask, is_causal=s == 0, enable_gqa=self.gqa
+            )
+            out[off:end] = res[0].transpose(0, 1)
+        return out.view(total, nh * d)
 
 
 @dataclass(frozen=True)

@@ -163,12 +163,12 @@ def test_cache_truncate_and_free(tiny_model) -> None:
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
 def test_low_precision_kv_cache_is_consistent_and_differs_from_auto(tiny_dir: Path, kv: str) -> None:
     model = load_model(tiny_dir, kv_cache_dtype=kv)
-    assert model.new_sequence()._kv is None
+    assert model.new_sequence().pool is None
     ids = _ids(30, 5)
     full = model.forward([ids], [model.new_sequence()])[0]
     c = model.new_sequence()
     parts = [model.forward([ids[:10]], [c])[0]] + [model.forward([t.reshape(1)], [c])[0] for t in ids[10:]]
-    assert c._kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}[kv]
+    assert c.pool.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}[kv]
     torch.testing.assert_close(torch.cat(parts), full, atol=ATOL, rtol=0)
     base = load_model(tiny_dir)
     exact = base.forward([ids], [base.new_sequence()])[0]
