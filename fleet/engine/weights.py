@@ -1,4 +1,4 @@
-"""Read a checkpoint directory in any of the four formats into float32 tensors with HF names.
+"""Read a checkpoint directory in any of the four formats into tensors with HF names.
 
 The directory is an HF ``Qwen3MoeForCausalLM`` checkpoint (``*.safetensors``, optionally with
 ``model.safetensors.index.json``) as written by ``mixfleet init-model`` (BF16) or
@@ -18,19 +18,26 @@ mxfp4    ``P.weight_blocks`` + ``P.weight_scales`` (uint8), or         W4A16
          ``P.weight`` (uint8 ``[N, K/2]``) + ``P.weight_scale`` (uint8)
 =======  ==========================================================  =========================
 
-Every problem (no safetensors, a tensor missing, a shape that does not match ``config.json``, a
-tensor the model has no place for) raises ``ValueError`` naming the tensor.
+Every problem (no safetensors, a malformed file, a tensor missing, a shape that does not match
+``config.json``, a tensor the model has no place for) raises ``ValueError`` naming the file or
+tensor.
+
+Speed (a weight update loads inside the engine's pause): each file is mapped once, privately
+(copy-on-write), and its header parsed here, so tensors are views of page-cache pages with no
+read copy and no per-tensor file access; bf16 linears are handed over as stored (bfloat16, no
+widening copy: the model converts once into its own layout); only quantized linears are
+materialized, as float32, by their dequantizers. A loaded ``Model`` copies what it keeps.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fleet.engine.config import ModelConfig
 
@@ -42,7 +49,12 @@ _IGNORED_SUFFIXES = (".k_scale", ".v_scale", ".rotary_emb.inv_freq")
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A dequantized linear weight ``[N, K]`` (float32) and the format its codes were stored in."""
+    """A linear weight ``[N, K]`` and the format its codes were stored in.
+
+    ``weight`` holds the values the engine computes with: float32 (dequantized codes), or the
+    checkpoint's bfloat16 tensor as stored (exact in float32). It may be a view of the checkpoint
+    file's mapping: a caller that keeps it copies it.
+    """
 
     weight: torch.Tensor
     fmt: str
@@ -81,7 +93,8 @@ def detect_format(path: Path, raw_config: dict[str, Any]) -> str:
 
 
 class TensorSource:
-    """Lazy access to every tensor of a directory's safetensors files by name."""
+    """Every tensor of a directory's safetensors files by name, as views of one private mapping per
+    file (see the module docstring); each file's header is validated when the source opens."""
 
     def __init__(self, path: Path) -> None:
         index = path / "model.safetensors.index.json"
@@ -95,32 +108,92 @@ class TensorSource:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
-        self._handles: dict[str, Any] = {}
-        self.location: dict[str, str] = {}
+        self._entries: dict[str, tuple[torch.Tensor, torch.dtype, tuple[int, ...], int, int]] = {}
         for name in files:
             file = path / name
             if not file.is_file():
                 raise ValueError(f"model directory {str(path)!r} is missing {name} (named by its index)")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for corrupt files
-                raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
-            self._handles[name] = handle
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                self.location[key] = name
+            data = _map_file(file)
+            for key, (dtype, shape, begin, end) in _parse_header(file, data).items():
+                self._entries[key] = (data, dtype, shape, begin, end)
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
-        return name in self.location
+        return name in self._entries
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.location:
+        """The tensor ``name``: a view of its file's mapping (a caller that keeps it copies it)."""
+        if name not in self._entries:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         self.used.add(name)
-        return self._handles[self.location[name]].get_tensor(name)
+        data, dtype, shape, begin, end = self._entries[name]
+        raw = data[begin:end]
+        if begin % dtype.itemsize:
+            raw = raw.clone()  # misaligned for a typed view
+        return raw.view(dtype).view(shape)
 
     def unused(self) -> list[str]:
-        return sorted(n for n in self.location if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
+        return sorted(n for n in self._entries if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}  # fmt: skip
+_MAX_HEADER = 100 << 20
+
+
+def _map_file(file: Path) -> torch.Tensor:
+    """The whole of ``file`` as a uint8 tensor over a private, copy-on-write mapping of it."""
+    try:
+        size = file.stat().st_size
+        if size < 8:
+            raise ValueError(f"{file}: not a readable safetensors file (only {size} bytes)")
+        storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"{file}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _parse_header(file: Path, data: torch.Tensor) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """``name -> (dtype, shape, begin, end)`` (byte offsets into ``data``) from a safetensors header,
+    accepted only when the tensors exactly tile the data section (so a truncated file is refused)."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{file}: not a readable safetensors file ({why})")
+
+    size = data.numel()
+    n = int.from_bytes(bytes(data[:8].numpy()), "little")
+    if n <= 0 or n > _MAX_HEADER or 8 + n > size:
+        raise bad(f"header length {n}, file {size} bytes")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n].numpy()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    start = 8 + n
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"bad header entry for {name!r}") from None
+        if any(d < 0 for d in shape) or end - begin != math.prod(shape) * dtype.itemsize:
+            raise bad(f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} {info['dtype']}")
+        out[name] = (dtype, shape, start + begin, start + end)
+    pos = start
+    for name, (_, _, begin, end) in sorted(out.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != pos:
+            raise bad(f"tensor {name!r} overlaps another or leaves a gap")
+        pos = end
+    if pos != size:
+        raise bad(f"data section is {size - start} bytes, its tensors need {pos - start}")
+    return out
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -129,12 +202,16 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 def load_plain(src: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """An unquantized tensor (norm, embedding) as float32, shape-checked."""
+    """An unquantized tensor (norm, embedding) as a float32 copy, shape-checked."""
     t = src.get(name)
     if t.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point tensor")
     _check_shape(name, t, shape)
-    return t.float()
+    return _float_copy(t)
+
+
+def _float_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.dtype == torch.float32 else t.float()
 
 
 def load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> LinearWeight:
@@ -195,7 +272,7 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
     if raw.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {raw.dtype} and no scales to dequantize it with")
     _check_shape(name, raw, shape)
-    return LinearWeight(raw.float(), "bf16")
+    return LinearWeight(raw if raw.dtype == torch.bfloat16 else raw.float(), "bf16")
 
 
 @dataclass(frozen=True)
@@ -209,7 +286,8 @@ class LayerTensors:
 
 @dataclass(frozen=True)
 class CheckpointTensors:
-    """All tensors a ``Model`` needs, float32, plus the checkpoint's declared format."""
+    """All tensors a ``Model`` needs, plus the checkpoint's declared format. Plain tensors (norms,
+    embedding, router) are float32 copies; linears as ``LinearWeight`` describes."""
 
     fmt: str
     embed: torch.Tensor
@@ -247,7 +325,7 @@ def load_checkpoint(path: Path, config: ModelConfig) -> CheckpointTensors:
         }
         experts: list[dict[str, LinearWeight]] = []
         if c.is_moe_layer(i):
-            plain["gate"] = load_linear(src, p + "mlp.gate", (c.num_experts, h)).weight
+            plain["gate"] = _float_copy(load_linear(src, p + "mlp.gate", (c.num_experts, h)).weight)
             inter = c.moe_intermediate_size
             for e in range(c.num_experts):
                 q = f"{p}mlp.experts.{e}."
