@@ -1,24 +1,39 @@
 """Router overhead: added latency and sustained turns/s, beside sglang-router, in one run.
 
 What is measured. A fast stub backend speaks SGLang's ``/generate`` (fixed answer: 8 output
-tokens with log-probs and 16-id sampling masks, as the local engine would send them). Closed-loop
-clients (raw HTTP/1.1 keep-alive, one connection per session) run for ``--seconds`` at each
-concurrency against:
+tokens with log-probs and 16-id sampling masks, as the local engine would send them). Clients
+(one keep-alive HTTP/1.1 connection per session, requests prebuilt, uvloop; the same client for
+every target) run for ``--seconds`` against:
 
 * ``direct``            the stub itself (the baseline),
 * ``mixfleet turns``    ``POST /v1/sessions/{id}/turns`` through the mixfleet router (auth on,
-                        memory state: routing, failover bookkeeping, behavior-record encoding and
-                        recording included),
+                        ``--state`` memory or a private redis-server: routing, failover
+                        bookkeeping, behavior-record encoding and recording included),
 * ``mixfleet generate`` the router's SGLang-native ``POST /generate`` passthrough (session key
                         header, sticky routing),
 * ``sglang-router``     ``POST /generate`` through ``sglang-router`` (PyPI, Rust) in front of the
                         same stub, when it is installed.
 
-Added latency = percentile through the router minus the same percentile direct. Throughput =
-completed requests / seconds. Ratios are printed against sglang-router measured in the same run.
-All processes share this machine's cores, so absolute numbers depend on the machine.
+Two loads:
 
-Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--concurrency 1 64 256]``.
+* sustained (closed loop): each of 64 / 256 sessions sends its next request as soon as the
+  previous one is answered. Throughput = completed requests / seconds; this saturates the
+  machine, so latency there is mostly queueing (sessions / throughput).
+* paced: ``--paced-sessions`` sessions together offer ``--paced-rate`` requests/s (each session
+  sends every sessions/rate seconds, from a random phase; a late answer delays only that
+  session). Added latency = p50 / p99 through the router minus the same percentile direct, at
+  the same offered load: the router's own cost per request plus its queueing at that load.
+
+Targets (issue 4): sustained turns/s >= 0.5x sglang-router's; added p50 <= 1 ms and p99 <= 5 ms
+at 256 sessions (judged on the paced load; saturated latencies are printed too).
+
+The targets run interleaved, ``--rounds`` times, and the median round is reported (the
+machine is shared). CPU per request is the router process's user+system time (all its threads)
+divided by the requests it served: unlike throughput it hardly depends on what else runs. All
+processes share this machine's cores, so absolute numbers depend on the machine.
+
+Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 64 256]
+[--paced-rate 1000] [--state memory|redis]``.
 """
 
 from __future__ import annotations
@@ -28,13 +43,14 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +58,13 @@ sys.path.insert(0, str(REPO))
 
 N_OUT = 8
 SUPPORT = 16
+
+
+def _event_loop_policy() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 # ------------------------------------------------------------------ stub backend
@@ -116,68 +139,129 @@ async def serve_stub(port: int) -> None:
         await server.serve_forever()
 
 
-# ------------------------------------------------------------------ closed-loop client
+# ------------------------------------------------------------------ client
 
 
-class Conn:
-    """One keep-alive HTTP/1.1 connection (the load generator's; minimal CPU per request)."""
+class Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the load generator (minimal CPU per request:
+    requests are prebuilt bytes; responses framed by Content-Length or chunked)."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
 
-    async def request(
-        self, method: str, path: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        hdr = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.writer.write(
-            f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n{hdr}\r\n".encode()
-            + body
-        )
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = None
-        chunked = False
-        for h in head.split(b"\r\n")[1:]:
-            low = h.lower()
-            if low.startswith(b"content-length:"):
-                length = int(h[15:])
-            elif low.startswith(b"transfer-encoding:") and b"chunked" in low:
-                chunked = True
-        if chunked:
-            data = b""
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
-                chunk = await self.reader.readexactly(size + 2)
-                if size == 0:
-                    break
-                data += chunk[:-2]
-            return status, data
-        return status, await self.reader.readexactly(length or 0)
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(cls, "127.0.0.1", port)
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.waiter is not None and not self.waiter.done():
+            parsed = _parse_response(self.buf)
+            if parsed is not None:
+                status, body, used = parsed
+                del self.buf[:used]
+                self.waiter.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    async def send(self, request: bytes) -> tuple[int, bytes]:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)  # type: ignore[union-attr]
+        return await self.waiter
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
-async def closed_loop(port: int, concurrency: int, seconds: float, make_request) -> tuple[list[float], int]:
-    """Run ``concurrency`` loops for ``seconds``; returns per-request latencies (s) and errors."""
+def _parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).lower()
+    status = int(head[9:12])
+    start = end + 4
+    i = head.find(b"\r\ncontent-length:")
+    if i >= 0:
+        j = head.find(b"\r\n", i + 2)
+        length = int(head[i + 17 : j if j >= 0 else len(head)])
+        if len(buf) < start + length:
+            return None
+        return status, bytes(buf[start : start + length]), start + length
+    if b"transfer-encoding: chunked" not in head:
+        return status, b"", start
+    body = bytearray()
+    pos = start
+    while True:
+        nl = buf.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        size = int(bytes(buf[pos:nl]).split(b";")[0], 16)
+        if len(buf) < nl + 2 + size + 2:
+            return None
+        body += buf[nl + 2 : nl + 2 + size]
+        pos = nl + 2 + size + 2
+        if size == 0:
+            return status, bytes(body), pos
+
+
+def build_request(method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    hdr = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (
+        f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{hdr}\r\n"
+    ).encode() + body
+
+
+MakeRequest = Callable[[Conn, int], Awaitable[bytes]]
+
+
+async def run_load(
+    port: int, sessions: int, seconds: float, make_request: MakeRequest, period: float | None = None
+) -> tuple[list[float], int, float]:
+    """``sessions`` loops for ``seconds``: back to back (``period`` None) or one request every
+    ``period`` seconds each. Returns latencies (s), non-200 answers, client CPU seconds."""
     latencies: list[float] = []
     errors = [0]
-    stop = time.perf_counter() + seconds
+    conns = [await Conn.open(port) for _ in range(sessions)]
+    requests = [await make_request(c, i) for i, c in enumerate(conns)]
+    cpu0 = time.process_time()
+    t_start = time.perf_counter()
+    stop = t_start + seconds
+    rng = random.Random(7)
 
-    async def loop(i: int) -> None:
-        conn = Conn(port)
-        method, path, body, headers = await make_request(conn, i)
-        while time.perf_counter() < stop:
-            t0 = time.perf_counter()
-            status, _ = await conn.request(method, path, body, headers)
-            latencies.append(time.perf_counter() - t0)
+    async def loop(conn: Conn, request: bytes) -> None:
+        perf = time.perf_counter
+        due = t_start + (rng.random() * period if period else 0.0)
+        while True:
+            if period:
+                now = perf()
+                if due > now:
+                    await asyncio.sleep(due - now)
+                due += period
+            t0 = perf()
+            if t0 >= stop:
+                return
+            status, _ = await conn.send(request)
+            latencies.append(perf() - t0)
             if status != 200:
                 errors[0] += 1
 
-    await asyncio.gather(*(loop(i) for i in range(concurrency)))
-    return latencies, errors[0]
+    try:
+        await asyncio.gather(*(loop(c, r) for c, r in zip(conns, requests, strict=True)))
+    finally:
+        for c in conns:
+            c.close()
+    return latencies, errors[0], time.process_time() - cpu0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -185,19 +269,16 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ------------------------------------------------------------------ processes
-
-
-def _free_port() -> int:
-    from tests.support.procs import free_port
-
-    return free_port()
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    from tests.support.procs import wait_http
-
-    wait_http(url, timeout=timeout, proc=proc)
 
 
 @contextlib.contextmanager
@@ -208,36 +289,90 @@ def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None =
         yield p
 
 
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    from tests.support.procs import wait_http
+
+    wait_http(url, timeout=timeout, proc=proc)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
+class Target:
+    def __init__(self, name: str, port: int, make: MakeRequest, pid: int | None) -> None:
+        self.name, self.port, self.make, self.pid = name, port, make, pid
+
+
+class Point:
+    """One run of one target at one load: throughput, latencies, CPU."""
+
+    def __init__(self, lat: list[float], errors: int, seconds: float, cpu: float, client_cpu: float) -> None:
+        self.lat = lat
+        self.errors = errors
+        self.rps = len(lat) / seconds
+        self.p50 = pct(lat, 0.5) * 1e3
+        self.p99 = pct(lat, 0.99) * 1e3
+        self.cpu_us = cpu / len(lat) * 1e6 if lat else float("nan")
+        self.cpu_util = cpu / seconds
+        self.client_util = client_cpu / seconds
+
+
+def median_point(points: list[Point]) -> Point:
+    """The round with the median throughput."""
+    return sorted(points, key=lambda p: p.rps)[len(points) // 2]
+
+
+def measure(target: Target, sessions: int, seconds: float, period: float | None) -> Point:
+    cpu0 = cpu_seconds(target.pid) if target.pid else float("nan")
+    lat, errs, client_cpu = asyncio.run(run_load(target.port, sessions, seconds, target.make, period))
+    cpu = cpu_seconds(target.pid) - cpu0 if target.pid else float("nan")
+    return Point(lat, errs, seconds, cpu, client_cpu)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--paced-sessions", type=int, default=256)
+    ap.add_argument("--paced-rate", type=float, default=1000.0, help="requests/s offered (0: skip)")
+    ap.add_argument("--state", default="memory", choices=("memory", "redis"))
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    _event_loop_policy()
     if args.serve_stub:
         asyncio.run(serve_stub(args.serve_stub))
         return 0
 
-    from tests.support.procs import mixfleet_argv
+    from tests.support.procs import free_port, mixfleet_argv, redis_server
     from tests.support.router import write_preset
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     key = secrets.token_hex(16)
     auth = {"authorization": f"Bearer {key}"}
+    load0 = os.getloadavg()
     with contextlib.ExitStack() as stack:
-        stub_port = _free_port()
+        stub_port = free_port()
         stub = stack.enter_context(spawn([sys.executable, __file__, "--serve-stub", str(stub_port)]))
         _wait(f"http://127.0.0.1:{stub_port}/health", stub)
         stub_url = f"http://127.0.0.1:{stub_port}"
 
-        mf_port = _free_port()
+        state = "memory" if args.state == "memory" else stack.enter_context(redis_server())
+        mf_port = free_port()
         preset = write_preset(
             tmp / "p.toml", [{"name": "stub", "sessions_per_replica": 100_000, "replicas": [stub_url]}]
         )
         mf = stack.enter_context(
             spawn(
                 mixfleet_argv(
-                    "router", "--preset", str(preset), "--port", str(mf_port), "--log-level", "warning"
+                    "router", "--preset", str(preset), "--port", str(mf_port), "--log-level", "warning",
+                    "--state", state,
                 ),
                 env={"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})},
                 log=tmp / "mf.log",
@@ -246,28 +381,18 @@ def main() -> int:
         _wait(f"http://127.0.0.1:{mf_port}/healthz", mf)
         time.sleep(1.5)  # first health poll
 
-        sg_port = None
+        sg = None
         exe = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
             "sglang-router"
         )
-        sg_note = "not installed (pip install sglang-router)"
+        sg_note = "sglang-router not installed (pip install sglang-router)"
         if exe:
-            sg_port = _free_port()
+            sg_port = free_port()
             sg = stack.enter_context(
                 spawn(
                     [
-                        exe,
-                        "launch",
-                        "--worker-urls",
-                        stub_url,
-                        "--port",
-                        str(sg_port),
-                        "--host",
-                        "127.0.0.1",
-                        "--policy",
-                        "round_robin",
-                        "--log-level",
-                        "warn",
+                        exe, "launch", "--worker-urls", stub_url, "--port", str(sg_port),
+                        "--host", "127.0.0.1", "--policy", "round_robin", "--log-level", "warn",
                     ],
                     log=tmp / "sg.log",
                 )
@@ -276,8 +401,8 @@ def main() -> int:
                 _wait(f"http://127.0.0.1:{sg_port}/health", sg, timeout=60)
                 sg_note = "sglang-router " + _version("sglang-router")
             except (RuntimeError, TimeoutError) as exc:
-                sg_note = f"failed to start: {exc}; log: {(tmp / 'sg.log').read_text()[-500:]}"
-                sg_port = None
+                sg_note = f"sglang-router failed to start: {exc}; log: {(tmp / 'sg.log').read_text()[-500:]}"
+                sg = None
 
         gen_body = json.dumps(
             {
@@ -290,83 +415,84 @@ def main() -> int:
         turn_body = json.dumps(
             {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": N_OUT}}
         ).encode()
+        new_session = build_request("POST", "/v1/sessions", b"{}", auth)
 
-        async def direct(conn, i):
-            return "POST", "/generate", gen_body, {}
+        async def direct(conn: Conn, i: int) -> bytes:
+            return build_request("POST", "/generate", gen_body, {})
 
-        async def mf_turns(conn, i):
-            status, data = await conn.request("POST", "/v1/sessions", b"{}", auth)
+        async def mf_turns(conn: Conn, i: int) -> bytes:
+            status, data = await conn.send(new_session)
             assert status == 200, data
             sid = json.loads(data)["session_id"]
-            return "POST", f"/v1/sessions/{sid}/turns", turn_body, auth
+            return build_request("POST", f"/v1/sessions/{sid}/turns", turn_body, auth)
 
-        async def mf_generate(conn, i):
-            return "POST", "/generate", gen_body, {**auth, "x-session-id": f"s{i}"}
-
-        async def sg_generate(conn, i):
-            return "POST", "/generate", gen_body, {}
+        async def mf_generate(conn: Conn, i: int) -> bytes:
+            return build_request("POST", "/generate", gen_body, {**auth, "x-session-id": f"s{i}"})
 
         targets = [
-            ("direct", stub_port, direct),
-            ("mixfleet turns", mf_port, mf_turns),
-            ("mixfleet generate", mf_port, mf_generate),
+            Target("direct", stub_port, direct, stub.pid),
+            Target("mixfleet turns", mf_port, mf_turns, mf.pid),
+            Target("mixfleet generate", mf_port, mf_generate, mf.pid),
         ]
-        if sg_port:
-            targets.append(("sglang-router", sg_port, sg_generate))
+        if sg is not None:
+            targets.append(Target("sglang-router", sg_port, direct, sg.pid))
         print(
-            f"router benchmark: stub answers {N_OUT} tokens with {SUPPORT}-id masks; {args.seconds:.0f} s "
-            f"per point; {os.cpu_count()} cores shared by stub, routers and client; {sg_note}"
+            f"router benchmark: stub answers {N_OUT} tokens with {SUPPORT}-id masks; {args.seconds:g} s per "
+            f"point, {args.rounds} interleaved rounds (median shown); mixfleet state {args.state}; "
+            f"{os.cpu_count()} cores shared by stub, routers and client; {sg_note}; "
+            f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"
         )
-        results: dict[tuple[str, int], tuple[list[float], int, float]] = {}
-        for c in args.concurrency:
-            for name, port, make in targets:
-                t0 = time.perf_counter()
-                lat, errs = asyncio.run(closed_loop(port, c, args.seconds, make))
-                results[(name, c)] = (lat, errs, time.perf_counter() - t0)
+        loads: list[tuple[str, int, float | None]] = [("sustained", c, None) for c in args.concurrency]
+        if args.paced_rate > 0:
+            loads.append(("paced", args.paced_sessions, args.paced_sessions / args.paced_rate))
+        results: dict[tuple[str, int, str], list[Point]] = {}
+        for _ in range(args.rounds):
+            for kind, sessions, period in loads:
+                for t in targets:
+                    point = measure(t, sessions, args.seconds, period)
+                    results.setdefault((kind, sessions, t.name), []).append(point)
+        load1 = os.getloadavg()
+
         print(
-            f"{'target':<18}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
-            f"{'errors':>8}"
+            f"\n{'load':<10}{'target':<19}{'sess':>5}{'req/s':>8}{'(min-max)':>14}{'p50 ms':>8}{'p99 ms':>8}"
+            f"{'+p50':>7}{'+p99':>7}{'cpu us/req':>11}{'cpu %':>6}{'client %':>9}{'errors':>7}"
         )
-        for c in args.concurrency:
-            base = results[("direct", c)][0]
-            for name, _, _ in targets:
-                lat, errs, wall = results[(name, c)]
-                rps = len(lat) / args.seconds
-                p50, p99 = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
-                add50 = p50 - pct(base, 0.5) * 1e3
-                add99 = p99 - pct(base, 0.99) * 1e3
+        med: dict[tuple[str, int, str], Point] = {}
+        for kind, sessions, _ in loads:
+            base = median_point(results[(kind, sessions, "direct")])
+            for t in targets:
+                points = results[(kind, sessions, t.name)]
+                p = med[(kind, sessions, t.name)] = median_point(points)
+                lo, hi = min(x.rps for x in points), max(x.rps for x in points)
+                errs = sum(x.errors for x in points)
                 print(
-                    f"{name:<18}{c:>5}{rps:>10.0f}{p50:>9.2f}{p99:>9.2f}{add50:>9.2f}{add99:>9.2f}{errs:>8}"
+                    f"{kind:<10}{t.name:<19}{sessions:>5}{p.rps:>8.0f}{f'({lo:.0f}-{hi:.0f})':>14}"
+                    f"{p.p50:>8.2f}{p.p99:>8.2f}{p.p50 - base.p50:>+7.2f}{p.p99 - base.p99:>+7.2f}"
+                    f"{p.cpu_us:>11.0f}{p.cpu_util * 100:>6.0f}{p.client_util * 100:>9.0f}{errs:>7}"
                 )
-        if sg_port:
-            print("\nthroughput ratio vs sglang-router (same stub, same run; target >= 0.5):")
+        if sg is not None:
+            print("\nsustained throughput vs sglang-router (same stub, same run; target >= 0.5x):")
             for c in args.concurrency:
-                sg_rps = len(results[("sglang-router", c)][0])
+                sg_p = med[("sustained", c, "sglang-router")]
                 for name in ("mixfleet turns", "mixfleet generate"):
-                    ratio = len(results[(name, c)][0]) / sg_rps if sg_rps else float("nan")
-                    print(f"  {name:<18} at {c:>3} sessions: {ratio:.2f}x")
-            print("added latency p50 / p99 vs sglang-router's (ms):")
-            for c in args.concurrency:
-                base = results[("direct", c)][0]
-                row = []
-                for name in ("mixfleet turns", "mixfleet generate", "sglang-router"):
-                    lat = results[(name, c)][0]
-                    row.append(
-                        f"{name} {statistics.median(lat) * 1e3 - statistics.median(base) * 1e3:+.2f}/"
-                        f"{(pct(lat, 0.99) - pct(base, 0.99)) * 1e3:+.2f}"
+                    p = med[("sustained", c, name)]
+                    print(
+                        f"  {name:<18} at {c:>3} sessions: {p.rps / sg_p.rps:.2f}x "
+                        f"(CPU per request {p.cpu_us / sg_p.cpu_us:.2f}x sglang-router's)"
                     )
-                print(f"  {c:>3} sessions: " + ";  ".join(row))
+        if args.paced_rate > 0:
+            paced = ("paced", args.paced_sessions)
+            base = med[(*paced, "direct")]
+            print(
+                f"\nadded latency at {args.paced_sessions} sessions offering {args.paced_rate:g} req/s "
+                "(target: p50 <= 1 ms, p99 <= 5 ms):"
+            )
+            for t in targets[1:]:
+                p = med[(*paced, t.name)]
+                print(f"  {t.name:<18} p50 {p.p50 - base.p50:+.2f} ms, p99 {p.p99 - base.p99:+.2f} ms")
+        print(f"\nload average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
 
 
 if __name__ == "__main__":

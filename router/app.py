@@ -17,6 +17,7 @@ they are read.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -147,6 +148,10 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         if config.auth_disabled:
             log.warning("AUTH IS DISABLED: every client may open sessions, take batches and change the fleet")
         await ctx.start()
+        # what exists now (modules, routes, schemas: most of the heap) lives as long as the
+        # process; keeping it out of the cyclic collector's full passes removes their pauses
+        # (~100 ms each on a small machine) from the request path
+        gc.freeze()
         try:
             yield
         finally:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -61,14 +62,16 @@ def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-_FLOAT = {float}
 _INT = {int}
+_NUMBER = {float, int}
+_RAW = {float, int, type(None)}
+_LIST = {list}
 
 
 def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list] | None:
     """(raw, mu, support ids, support log-probs) when the engine sent every record field for
-    every token with exactly the JSON types a record holds (floats, lists of ints); None
-    otherwise (the general path then converts, or refuses, value by value)."""
+    every token in the plain JSON form (numbers, None for an unknown raw log-prob, lists of
+    ints); None otherwise (the general path then converts, or refuses, value by value)."""
     triples = meta.get("output_token_logprobs")
     masks = meta.get("output_token_sampling_mask")
     mu = meta.get("output_token_sampling_logprobs")
@@ -76,20 +79,24 @@ def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list
     for x in (triples, masks, mu, support_lps):
         if type(x) is not list or len(x) != n:
             return None
+    if n == 0:
+        return [], [], [], []
     try:
         raw = [t[0] for t in triples]
     except (TypeError, IndexError, KeyError):
         return None
-    floats = set(map(type, raw))
-    floats.update(map(type, mu))
-    ids: set[type] = set()
-    for row, lps in zip(masks, support_lps, strict=True):
-        if type(row) is not list or type(lps) is not list or len(row) != len(lps):
-            return None
-        ids.update(map(type, row))
-        floats.update(map(type, lps))
-    if not (floats <= _FLOAT and ids <= _INT):
+    if not (
+        set(map(type, raw)) <= _RAW
+        and set(map(type, mu)) <= _NUMBER
+        and set(map(type, masks)) == _LIST
+        and set(map(type, support_lps)) == _LIST
+        and list(map(len, masks)) == list(map(len, support_lps))
+        and set(map(type, itertools.chain.from_iterable(masks))) <= _INT
+        and set(map(type, itertools.chain.from_iterable(support_lps))) <= _NUMBER
+    ):
         return None
+    if None in raw:
+        raw = [math.nan if x is None else x for x in raw]
     return raw, mu, masks, support_lps
 
 

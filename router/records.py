@@ -99,9 +99,11 @@ class TurnData:
         lens = (len(self.logprobs), len(self.raw_logprobs), len(self.support_ids), len(self.support_logprobs))
         if any(x != n for x in lens):
             raise ValueError(f"record lengths {lens} differ from {n} output tokens")
-        for i, (ids, lps) in enumerate(zip(self.support_ids, self.support_logprobs, strict=True)):
-            if len(ids) != len(lps):
-                raise ValueError(f"token {i}: {len(ids)} support ids but {len(lps)} support log-probs")
+        k_ids = list(map(len, self.support_ids))
+        k_lps = list(map(len, self.support_logprobs))
+        if k_ids != k_lps:
+            i = next(i for i, (a, b) in enumerate(zip(k_ids, k_lps, strict=True)) if a != b)
+            raise ValueError(f"token {i}: {k_ids[i]} support ids but {k_lps[i]} support log-probs")
 
     def version_at(self, index: int) -> int | None:
         """The weight version that produced output token ``index`` (None when unknown)."""
@@ -184,7 +186,7 @@ def _varint(value: int, out: bytearray) -> None:
     out.append(value)
 
 
-_NUMPY_MIN = 48  # below this many values a Python loop beats numpy's per-call overhead
+_NUMPY_MIN = 384  # below this many values a Python loop beats numpy's per-call overhead
 
 
 def _varints(values: Sequence[int], out: bytearray) -> None:
@@ -346,11 +348,11 @@ def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData
         supports.append(flat[pos:end])
         pos = end
     stored = TurnData.__new__(TurnData)  # the invariant holds: same lengths as ``turn``
-    for name in _FIELDS:
-        object.__setattr__(stored, name, getattr(turn, name))
-    object.__setattr__(stored, "logprobs", struct.unpack(f"<{n}f", lp_bytes))
-    object.__setattr__(stored, "raw_logprobs", raws)
-    object.__setattr__(stored, "support_logprobs", supports)
+    fields = stored.__dict__
+    fields.update(turn.__dict__)
+    fields["logprobs"] = struct.unpack(f"<{n}f", lp_bytes)
+    fields["raw_logprobs"] = raws
+    fields["support_logprobs"] = supports
     return blob, stored
 
 
@@ -386,22 +388,11 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]
     out += lp_bytes
     out += raw_bytes
     rows = turn.support_ids
-    sizes = [len(s) for s in rows]
+    sizes = list(map(len, rows))
     _varints(sizes, out)
     total = sum(sizes)
     if total:
-        flat_ids = list(itertools.chain.from_iterable(rows))
-        # gap coding: the first id of a row as is, then id[j] - id[j-1] - 1
-        gaps = list(map(operator.sub, flat_ids, map(operator.add, [-1, *flat_ids[:-1]], itertools.repeat(1))))
-        pos = 0
-        for k in sizes:
-            if k:
-                gaps[pos] = flat_ids[pos]
-                pos += k
-        if min(gaps) < 0:
-            bad = next(i for i, g in enumerate(gaps) if g < 0)
-            raise ValueError(f"support ids must be non-negative and strictly increasing (at {bad})")
-        _varints(gaps, out)
+        out += _gap_varints(rows, sizes, total)
     fmt = "e" if f16 else "f"
     try:
         sup_bytes = struct.pack(f"<{total}{fmt}", *itertools.chain.from_iterable(turn.support_logprobs))
@@ -411,7 +402,50 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]
     return bytes(out), lp_bytes, raw_bytes, sup_bytes, fmt
 
 
-_FIELDS = tuple(TurnData.__dataclass_fields__)
+_MINUS_ONE = bytes([255, *range(255)])  # bytes.translate table: b -> b - 1
+
+
+def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) -> bytes:
+    """The support ids of all tokens, gap coded: per row the first id, then
+    ``id[j] - id[j-1] - 1``; as varints. Raises ValueError unless every row is strictly
+    increasing and non-negative."""
+    flat = list(itertools.chain.from_iterable(rows))
+    if np is not None and total >= _NUMPY_MIN:
+        try:
+            a = np.array(flat, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            a = None
+        if a is not None:
+            gaps = np.empty_like(a)
+            gaps[0] = a[0]
+            np.subtract(a[1:], a[:-1], out=gaps[1:])
+            gaps[1:] -= 1
+            starts = np.cumsum([0, *sizes[:-1]])[np.asarray(sizes) > 0]
+            gaps[starts] = a[starts]
+            if gaps.min() < 0:
+                raise ValueError(_gap_error(int(np.argmax(gaps < 0))))
+            if gaps.max() < 0x80:
+                return gaps.astype(np.uint8).tobytes()
+            return _np_varints(gaps)
+    # d = id[j] - id[j-1] (+1 at row starts, whose coded value is the id itself); gap = d - 1
+    d = list(map(operator.sub, flat, [-1, *flat[:-1]]))
+    pos = 0
+    for k in sizes:
+        if k:
+            d[pos] = flat[pos] + 1
+            pos += k
+    if min(d) < 1:
+        raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1)))
+    if max(d) <= 0x80:
+        return bytes(d).translate(_MINUS_ONE)
+    out = bytearray()
+    for x in d:
+        _varint(x - 1, out)
+    return bytes(out)
+
+
+def _gap_error(at: int) -> str:
+    return f"support ids must be non-negative and strictly increasing (flat position {at})"
 
 
 def decode_turn(data: bytes | memoryview) -> TurnData:

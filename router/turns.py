@@ -10,14 +10,15 @@ on any :class:`~router.errors.ApiError` nothing was stored.
 
 from __future__ import annotations
 
-import uuid
+import itertools
+import secrets
 from dataclasses import replace
 
 from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError
 from router.jsonio import dumps
-from router.records import encode_stored
+from router.records import TurnData, encode_stored
 from router.schemas import TurnSpec
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
 
@@ -44,7 +45,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
             await ctx.store.set_route(session_id, result.group, result.replica_id)
         except SessionNotFound:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
-    request_id = uuid.uuid4().hex
+    request_id = _request_id()
     turn = result.turn
     n = len(turn.output_ids)
     f16 = ctx.config.f16_support_logprobs
@@ -88,4 +89,53 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     metrics.tokens.labels(result.group).inc(n)
     if stored.turn != index:
         stored = replace(stored, turn=index)
-    return dumps(stored.to_json(session_id, with_input=False))
+    return turn_json(stored, session_id)
+
+
+_PREFIX = secrets.token_hex(8)
+_COUNTER = itertools.count()
+
+
+def _request_id() -> str:
+    """Unique per call (a random per-process prefix and a counter): the idempotency key of
+    one append."""
+    return f"{_PREFIX}{next(_COUNTER):x}"
+
+
+def turn_json(turn: TurnData, session_id: str) -> bytes:
+    """``dumps(turn.to_json(session_id, with_input=False))``, without its copies: the rows
+    are serialized as they are and :func:`router.jsonio.dumps` writes non-finite floats as
+    null, as ``to_json`` would."""
+    records = [
+        {
+            "token_id": tok,
+            "logprob": lp,
+            "raw_logprob": raw,
+            "support_ids": ids,
+            "support_logprobs": lps,
+            "weight_version": version,
+        }
+        for tok, lp, raw, ids, lps, version in zip(
+            turn.output_ids,
+            turn.logprobs,
+            turn.raw_logprobs,
+            turn.support_ids,
+            turn.support_logprobs,
+            turn.versions(),
+            strict=True,
+        )
+    ]
+    return dumps(
+        {
+            "session_id": session_id,
+            "turn": turn.turn,
+            "group": turn.group,
+            "replica": turn.replica,
+            "output_ids": turn.output_ids,
+            "finish_reason": turn.finish_reason,
+            "records": records,
+            "weight_versions": turn.weight_versions,
+            "timings": turn.timings,
+            "moved_from": turn.moved_from,
+        }
+    )
