@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fleet.engine import kernels
+
 FP8_MAX = 448.0
 FP8_GROUP = 128
 FP8_EPS = 1e-10
@@ -68,24 +70,32 @@ def quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
 # (experts see a quarter of that); other row counts run at close to the same speed.
 PACK_ROWS = 32
 
+Packed = kernels.PackedBf16 | torch.Tensor
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """A checkpoint weight ``w`` ``[N, K]`` (any float dtype) as the weight operand of ``linear``:
-    float32 with the same values, in oneDNN's blocked layout where torch has oneDNN (else plain).
 
-    Why packed float32 rather than bfloat16 widened per product: decode products have few rows
-    (M ~ 8 per expert), so they are bound by reading the weight; a pre-blocked weight spares the
-    GEMM's per-call packing copy, and that beats half the bytes plus a widening copy (measured on
-    the ``small`` preset: 28 vs 38 ms of expert products per decode step, one thread).
+def pack(w: torch.Tensor) -> Packed:
+    """A checkpoint weight ``w`` ``[N, K]`` (any float dtype) as the weight operand of ``linear``,
+    with the same values.
+
+    Weights exact in bfloat16 (a BF16 or MXFP4 checkpoint) stay bfloat16 for ``kernels``' GEMM,
+    which widens them in registers (half the bytes to read per product); others (dequantized FP8
+    and NVFP4) become float32 pre-packed in oneDNN's blocked layout, so a product never re-packs
+    its weight (decode products have few rows and are bound by reading the weight). Without the
+    kernel or oneDNN, a plain float32 tensor.
     """
-    w = w.float().contiguous()
+    w = w.contiguous()
+    if kernels.available() and kernels.exact_in_bf16(w):
+        return kernels.pack(w)
+    w = w.float()
     if torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
     return w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """``x @ W.T`` (float32) for ``w`` = ``pack(W)``; ``x`` ``[..., K]`` float32."""
+    if isinstance(w, kernels.PackedBf16):
+        return kernels.linear(x, w)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return F.linear(x, w)
@@ -98,7 +108,7 @@ class Linear:
     ``fp8_activations``: quantize ``x`` per token per 128 channels first (W8A8 blockwise FP8).
     """
 
-    weight: torch.Tensor
+    weight: Packed
     fp8_activations: bool = False
 
     @classmethod
@@ -116,8 +126,8 @@ class Experts:
     """E SwiGLU experts: per expert ``gate_up[e]`` = ``pack([gate; up])`` (``[2I, H]``, gate rows
     first) and ``down[e]`` = ``pack(down)`` (``[H, I]``); ``inter`` = I."""
 
-    gate_up: list[torch.Tensor]
-    down: list[torch.Tensor]
+    gate_up: list[Packed]
+    down: list[Packed]
     inter: int
     fp8_activations: bool = False
 

@@ -26,11 +26,12 @@ Precision (a decision, documented here):
   through bfloat16 (an SGLang BF16 group's cache); ``"auto"`` keeps float32.
 
 Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
-every linear weight is held as float32 pre-packed in oneDNN's blocked layout (``layers.pack``),
-so a product never re-packs its weight; the experts run once per step over the tokens routed to
-them (tokens sorted by expert); the decoding sequences' attention is one SDPA call per cache pool
-(see ``fleet.engine.cache``) with the query heads of a KV head as its query rows, so each stored
-key and value is read once per step.
+weights exact in bfloat16 (all of a BF16 checkpoint) stay bfloat16 and run through an
+LLVM-compiled GEMM that widens them in registers (``fleet.engine.kernels``: half the bytes read,
+float32 arithmetic); other weights are float32 pre-packed for oneDNN (``layers.pack``); the
+experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
+sequences' attention is one SDPA call per cache pool (see ``fleet.engine.cache``) with the query
+heads of a KV head as its query rows, so each stored key and value is read once per step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""The bf16-weight GEMM kernel (``fleet.engine.kernels``) against float64 references.
+
+Bound: float32 products summed in float32 have an error of at most about (terms summed in one
+chain) x 2^-24 x sum|x_k w_k|; the kernel's chains are 64 + K/64 long, a plain loop's K. The
+test asserts 2e-6 x sum|x_k w_k| (above a blocked GEMM's typical error, 40x below the sequential
+worst case for K = 512) and that the kernel is no less accurate than torch's float32 product
+beyond a factor 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleet.engine import kernels
+from fleet.engine.model import load_model
+from tests.support.models import make_model_dir
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llvmlite") is None, reason="llvmlite (numba's code generator) not installed"
+)
+
+
+def test_kernel_compiles_here() -> None:
+    assert kernels.available()
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(1, 512, 768), (8, 512, 768), (12, 512, 768), (13, 384, 512), (30, 100, 259), (7, 1, 32),
+     (25, 129, 40), (3, 64, 33), (100, 65, 96)],
+)
+def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g)
+    y = kernels.linear(x, kernels.pack(w))
+    assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
+    ref = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    err = (y.double() - ref).abs()
+    assert (err <= 2e-6 * scale).all(), float((err / scale).max())
+    torch_err = (x @ w.float().t()).double().sub(ref).abs().max()
+    assert err.max() <= 2 * torch_err + 1e-12
+
+
+def test_shapes_and_float_weights_exact_in_bf16() -> None:
+    w = torch.randn(40, 24).bfloat16().float()  # float32 holding bfloat16 values
+    p = kernels.pack(w)
+    assert p.shape == (40, 24) and p.panels.shape == (2, 24, 32) and p.panels.dtype == torch.bfloat16
+    x = torch.randn(2, 3, 24)
+    y = kernels.linear(x, p)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=0)
+    assert kernels.linear(torch.empty(0, 24), p).shape == (0, 40)
+    strided = torch.randn(24, 5).t()  # non-contiguous rows
+    torch.testing.assert_close(kernels.linear(strided, p), strided @ w.t(), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.linear(torch.randn(2, 24, dtype=torch.float64), p)
+
+
+def test_exact_in_bf16() -> None:
+    w = torch.randn(100, 100).bfloat16()
+    assert kernels.exact_in_bf16(w) and kernels.exact_in_bf16(w.float())
+    late = w.float().clone()
+    late[-1, -1] += 2.0**-20  # past the 4096-element head check
+    assert not kernels.exact_in_bf16(late)
+    assert not kernels.exact_in_bf16(torch.randn(10, 10))
+
+
+@pytest.mark.parametrize(("fmt", "bf16_weights"), [("bf16", True), ("mxfp4", True), ("fp8", False)])
+def test_formats_use_the_kernel_where_exact(model_root: Path, fmt: str, bf16_weights: bool) -> None:
+    """BF16 and MXFP4 (2-bit significands times powers of two) weights are exact in bfloat16 and
+    run through the kernel; dequantized FP8 weights (codes times float32 block scales) are not."""
+    model = load_model(make_model_dir(model_root, "tiny", fmt))
+    layer = model._layers[0]
+    weights = [layer.o_proj.weight, *layer.experts.gate_up, *layer.experts.down]
+    assert all(isinstance(w, kernels.PackedBf16) == bf16_weights for w in weights)
