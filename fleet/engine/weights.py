@@ -3,8 +3,9 @@
 The directory is an HF ``Qwen3MoeForCausalLM`` checkpoint (``*.safetensors``, optionally with
 ``model.safetensors.index.json``) as written by ``mixfleet init-model`` (BF16) or
 ``mixfleet convert`` (bf16 / fp8 / nvfp4 / mxfp4). Each linear layer's tensors are recognised by
-their names and dtypes and dequantized with ``weight_sync.formats`` (the codes and scales are
-the real ones a GPU group serves):
+their names and dtypes and dequantized with ``weight_sync.formats``' semantics (bit for bit, by
+``fleet.engine.dequant``'s fused kernels; the codes and scales are the real ones a GPU group
+serves):
 
 =======  ==========================================================  =========================
 format   tensors of a linear ``P``                                    compute
@@ -26,7 +27,8 @@ Speed (a weight update loads inside the engine's pause): each file is mapped onc
 (copy-on-write), and its header parsed here, so tensors are views of page-cache pages with no
 read copy and no per-tensor file access; bf16 linears are handed over as stored (bfloat16, no
 widening copy: the model converts once into its own layout); only quantized linears are
-materialized, as float32, by their dequantizers. A loaded ``Model`` copies what it keeps.
+materialized, as float32, each in one pass over its codes. A loaded ``Model`` copies what it
+keeps.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from fleet.engine import dequant
 from fleet.engine.config import ModelConfig
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
@@ -230,11 +233,7 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
     name = f"{prefix}.weight"
     n, k = shape
     if f"{prefix}.weight_blocks" in src:
-        from weight_sync.formats import mxfp4
-
-        blocks = src.get(f"{prefix}.weight_blocks")
-        scales = src.get(f"{prefix}.weight_scales")
-        w = mxfp4.dequantize({"blocks": blocks, "scales": scales}).reshape(blocks.shape[0], -1)
+        w = dequant.mxfp4(src.get(f"{prefix}.weight_blocks"), src.get(f"{prefix}.weight_scales"))
         _check_shape(f"{prefix}.weight_blocks (dequantized)", w, shape)
         return LinearWeight(w, "mxfp4")
     if name not in src:
@@ -244,19 +243,13 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
         if raw.dtype != torch.float8_e4m3fn:
             raise ValueError(f"tensor {name!r} has dtype {raw.dtype}; an FP8 weight must be float8_e4m3fn")
         _check_shape(name, raw, shape)
-        from weight_sync.formats import fp8
-
-        w = fp8.dequantize({"weight": raw, "weight_scale_inv": src.get(f"{prefix}.weight_scale_inv")})
-        return LinearWeight(w.float(), "fp8")
+        return LinearWeight(dequant.fp8(raw, src.get(f"{prefix}.weight_scale_inv")), "fp8")
     if f"{prefix}.weight_scale_2" in src:
-        d = {"weight": raw, "weight_scale": src.get(f"{prefix}.weight_scale"),
-             "weight_scale_2": src.get(f"{prefix}.weight_scale_2")}
-        if f"{prefix}.input_scale" in src:
-            d["input_scale"] = src.get(f"{prefix}.input_scale")
         _check_shape(name, raw, (n, k // 2))
-        from weight_sync.formats import nvfp4
-
-        return LinearWeight(nvfp4.dequantize(d).float(), "nvfp4")
+        if f"{prefix}.input_scale" in src:
+            src.get(f"{prefix}.input_scale")  # activations stay unquantized (W4A16)
+        w = dequant.nvfp4(raw, src.get(f"{prefix}.weight_scale"), src.get(f"{prefix}.weight_scale_2"))
+        return LinearWeight(w, "nvfp4")
     if raw.dtype == torch.uint8 and f"{prefix}.weight_scale" in src:
         scales = src.get(f"{prefix}.weight_scale")
         _check_shape(name, raw, (n, k // 2))
@@ -264,11 +257,9 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
             raise ValueError(
                 f"tensor {prefix}.weight_scale has dtype {scales.dtype}; MXFP4 scales are uint8 E8M0"
             )
-        from weight_sync.formats import mxfp4
-
-        blocks = raw.reshape(n, k // 32, 16)
-        w = mxfp4.dequantize({"blocks": blocks, "scales": scales.reshape(n, k // 32)}).reshape(n, k)
-        return LinearWeight(w.float(), "mxfp4")
+        _check_shape(f"{prefix}.weight_scale", scales, (n, k // 32))
+        w = dequant.mxfp4(raw.reshape(n, k // 32, 16), scales)
+        return LinearWeight(w, "mxfp4")
     if raw.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {raw.dtype} and no scales to dequantize it with")
     _check_shape(name, raw, shape)
