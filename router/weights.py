@@ -21,6 +21,12 @@ After a publish job succeeds the router's latest published version is raised to 
 known replica is woken (``POST {replica}/v1/wake``) so it reconciles at once instead of at its
 next poll. One job runs at a time; a second gets 409.
 
+The router also knows the latest version without any weights call: when it starts (before it
+serves its first request) it adopts the store's highest pointer, and while it runs it re-reads
+the pointers every ``pointer_poll_s`` seconds (publishes that bypassed this router, such as a
+trainer committing to the store directly, count too); a pointer that moved wakes the replicas.
+So ``/v1/groups`` lag, the lag metrics and ``max_version_lag`` are right from the start.
+
 The store root and run id come from :func:`create_weights_router`'s arguments, else from
 ``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run default ``default``); conversion processes from its
 ``workers`` argument, else ``MIXFLEET_PUBLISH_WORKERS``. The router context
@@ -219,6 +225,45 @@ async def _record_latest(ctx, version: int) -> None:
         await ctx.state.set_latest_version(version)
 
 
+async def _adopt_pointers(app, service: WeightsService) -> None:
+    """Raise the latest version to the store's newest pointer; wake the replicas if it moved.
+    An unreadable store is logged, never raised (the router serves without it)."""
+    before = app.state.ctx.latest_version()
+    try:
+        latest = await sync_latest_version(app, service)
+    except Exception as exc:
+        log.warning("cannot read the store's pointers: %s", getattr(exc, "detail", exc))
+        return
+    if latest is not None and before is not None and latest > before:
+        await _wake_replicas(app.state.ctx)
+
+
+def _pointer_lifespan(service: WeightsService, poll_s: float):
+    """The weights routes' lifespan (merged into the app's, after the router context started)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app) -> Any:
+        if not service.configured:
+            yield
+            return
+        await _adopt_pointers(app, service)
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(poll_s)
+                await _adopt_pointers(app, service)
+
+        task = asyncio.create_task(watch(), name="weights-pointer-watch")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return lifespan
+
+
 def _replicas(ctx) -> list[dict[str, Any]]:
     """Every replica the router knows (heartbeats and static), with ``fresh`` = ready and recent."""
     now = time.monotonic()
@@ -239,12 +284,17 @@ def _replicas(ctx) -> list[dict[str, Any]]:
 
 
 def create_weights_router(
-    store_root: str | Path | None = None, run_id: str | None = None, *, workers: int | None = None
+    store_root: str | Path | None = None,
+    run_id: str | None = None,
+    *,
+    workers: int | None = None,
+    pointer_poll_s: float = 2.0,
 ) -> APIRouter:
     """The APIRouter to include in the router app (see the module docstring).
 
     ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
     else one per core); ``0`` converts inside the router process, one format at a time.
+    ``pointer_poll_s``: how often the store's pointers are re-read while the router runs.
     """
     if workers is None and os.environ.get("MIXFLEET_PUBLISH_WORKERS", "").strip():
         try:
@@ -254,7 +304,7 @@ def create_weights_router(
                 f"MIXFLEET_PUBLISH_WORKERS must be an integer, got {os.environ['MIXFLEET_PUBLISH_WORKERS']!r}"
             ) from None
     service = WeightsService(Path(store_root) if store_root else None, run_id, workers)
-    router = APIRouter(tags=["weights"])
+    router = APIRouter(tags=["weights"], lifespan=_pointer_lifespan(service, pointer_poll_s))
     admin = [Depends(require("admin"))]
 
     async def ensure_synced(request: Request) -> None:
@@ -281,7 +331,7 @@ def create_weights_router(
             job.events.append({"kind": "warning", "message": f"could not record latest version: {exc}"})
         job.version = result.version
         service.finish_job(job, result.to_dict(), None)
-        await _wake_replicas(request)
+        await _wake_replicas(_ctx(request))
 
     def events_for(request: Request, job: Job):
         """The publisher's progress callback (runs in its thread): record the event; when a
@@ -291,7 +341,7 @@ def create_weights_router(
         async def advanced(version: int) -> None:
             with contextlib.suppress(Exception):
                 await _record_latest(_ctx(request), version)
-            await _wake_replicas(request)
+            await _wake_replicas(_ctx(request))
 
         def on_event(kind: str, info: dict[str, Any]) -> None:
             job.events.append({"kind": kind, **info, "t": time.time()})
@@ -600,8 +650,8 @@ async def _replica_details(urls: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-async def _wake_replicas(request: Request) -> None:
-    urls = [r["url"] for r in _replicas(_ctx(request))]
+async def _wake_replicas(ctx) -> None:
+    urls = [r["url"] for r in _replicas(ctx)]
     if not urls:
         return
     async with httpx.AsyncClient(timeout=1.0, trust_env=False) as http:

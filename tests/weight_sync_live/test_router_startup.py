@@ -1,0 +1,56 @@
+"""The router knows the latest published version from its first request (it reads the store's
+pointers when it starts, before serving) and follows pointers moved behind its back, without any
+weights call: a real router process, a real engine, a real LocalStore."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fleet.sidecar import parse_prometheus
+from tests.support.engines import engine_process
+from tests.support.router import router_process, write_preset
+from weight_sync.store.local import LocalStore
+
+RUN = "run"
+
+
+@pytest.mark.timeout(180)
+def test_latest_version_and_lag_are_known_at_startup(
+    tmp_path: Path, tiny_base: Path, tiny_seed2: Path
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    store.publish(RUN, "bf16", 1, tiny_base)  # a BF16 checkpoint is its own bf16 version
+    store.publish(RUN, "bf16", 3, tiny_seed2)
+    # A plain engine (static replica, no sidecar to move it) still serving version 1.
+    with engine_process(store.version_dir(RUN, "bf16", 1), weight_version=1) as engine:
+        preset = write_preset(
+            tmp_path / "p.toml", [{"name": "cpu-bf16", "weight_format": "bf16", "replicas": [engine]}]
+        )
+        env = {"MIXFLEET_STORE": str(store.root), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
+        with router_process(preset, env=env, extra_args=("--max-version-lag", "2")) as router:
+            # The first request after /healthz: no weights route was called.
+            snap = httpx.get(router.url + "/v1/groups", headers=router.headers, timeout=10).json()
+            assert snap["latest_version"] == 3, snap
+            g = snap["groups"][0]
+            assert g["active_version"] == 1 and g["version_lag"] == 2, g
+            assert g["ready_replicas"] == 1 and g["replicas"][0]["in_rotation"], g  # lag 2 <= 2
+            metrics = parse_prometheus(httpx.get(router.url + "/metrics", timeout=10).text)
+            assert metrics["mixfleet_router_latest_version"] == 3
+
+            # A version published straight into the store (not through this router) is adopted,
+            # and the replica, now 3 behind, leaves rotation.
+            store.publish(RUN, "bf16", 4, tiny_base)
+            deadline = time.monotonic() + 20
+            while True:
+                snap = httpx.get(router.url + "/v1/groups", headers=router.headers, timeout=10).json()
+                if snap["latest_version"] == 4:
+                    break
+                assert time.monotonic() < deadline, snap
+                time.sleep(0.2)
+            g = snap["groups"][0]
+            assert g["ready_replicas"] == 0 and not g["replicas"][0]["in_rotation"], g
+            assert g["replicas"][0]["active_version"] == 1
