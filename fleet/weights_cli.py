@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     common(p)
     p.add_argument("checkpoint", help="HF BF16 checkpoint directory (readable by the router)")
+    p.add_argument(
+        "--delta-of",
+        type=int,
+        default=None,
+        metavar="BASE",
+        help="CHECKPOINT holds only the BF16 tensors changed since version BASE; publish deltas over it",
+    )
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
     p.add_argument("--run", default=None, help="run id (default: the router's run)")
     p.add_argument(
@@ -89,6 +96,7 @@ def _publish(client, args: argparse.Namespace) -> int:
         "run_id": args.run,
         "mode": "per_format" if args.per_format else "barrier",
         "formats": _formats(args.formats),
+        "delta_of": args.delta_of,
     }
     job = client.publish(body)
     quiet = args.json
@@ -111,7 +119,7 @@ def _publish(client, args: argparse.Namespace) -> int:
 
 def _publish_direct(args: argparse.Namespace) -> int:
     from fleet.specs import load_preset
-    from weight_sync.publish import next_version, publish_checkpoint
+    from weight_sync.publish import next_version, publish_checkpoint, publish_delta
     from weight_sync.store.local import LocalStore
 
     root = Path(args.store).expanduser()
@@ -126,16 +134,13 @@ def _publish_direct(args: argparse.Namespace) -> int:
             extra = f" in {info['seconds']:.2f}s" if "seconds" in info else ""
             print(f"  {kind} {info.get('format', '')}{extra}", file=sys.stderr, flush=True)
 
-    result = publish_checkpoint(
-        store,
-        run_id,
-        version,
-        Path(args.checkpoint),
-        formats,
-        mode="per_format" if args.per_format else "barrier",
-        workers=args.workers,
-        on_event=show,
-    )
+    mode = "per_format" if args.per_format else "barrier"
+    kwargs = {"mode": mode, "workers": args.workers, "on_event": show}
+    ckpt = Path(args.checkpoint)
+    if args.delta_of is not None:
+        result = publish_delta(store, run_id, version, ckpt, args.delta_of, formats, **kwargs)
+    else:
+        result = publish_checkpoint(store, run_id, version, ckpt, formats, **kwargs)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -152,7 +157,8 @@ def _print_result(result: dict[str, Any]) -> None:
     )
     for f in result["formats"]:
         how = "reused" if f["reused"] else f"converted in {f['convert_s']:.2f}s"
-        print(f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors")
+        kind = " (delta: changed files only)" if f.get("kind") == "delta" else ""
+        print(f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors{kind}")
 
 
 def _status(client, args: argparse.Namespace) -> int:

@@ -2,9 +2,11 @@
 
 Routes (Bearer key; ``admin`` scope for weights, ``trainer`` or ``admin`` for scoring):
 
-- ``POST /v1/weights`` ``{checkpoint, version?, run_id?, mode?, formats?}`` -> 202 job: converts
-  the BF16 checkpoint (a directory on this router's filesystem, e.g. already on the store's
-  volume) once per format the fleet serves and publishes it (:mod:`weight_sync.publish`).
+- ``POST /v1/weights`` ``{checkpoint, version?, run_id?, mode?, formats?, delta_of?}`` -> 202 job:
+  converts the BF16 checkpoint (a directory on this router's filesystem, e.g. already on the
+  store's volume) once per format the fleet serves and publishes it (:mod:`weight_sync.publish`).
+  With ``delta_of`` B the directory holds only the tensors changed since B, and every format is
+  published as a delta over B (:mod:`weight_sync.delta`).
 - ``POST /v1/weights/rollback`` ``{to, run_id?}`` -> 202 job: a new version with ``to``'s content.
 - ``POST /v1/weights/perturbations`` ``{from_version, swap_rows: [t, s]}`` -> 202 job: publishes
   ``from_version`` with two output-projection rows swapped (``mixfleet weights verify``).
@@ -70,6 +72,12 @@ class PublishRequest(BaseModel):
     run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     mode: Literal["barrier", "per_format"] = "barrier"
     formats: list[Literal["bf16", "fp8", "nvfp4", "mxfp4"]] | None = Field(default=None, min_length=1)
+    delta_of: int | None = Field(
+        default=None,
+        ge=0,
+        description="the checkpoint holds only the BF16 tensors changed since this version; "
+        "each format is published as a delta over it",
+    )
 
 
 class RollbackRequest(BaseModel):
@@ -358,7 +366,14 @@ def create_weights_router(
     @router.post("/v1/weights", status_code=202, dependencies=admin)
     async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
         """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
-        from weight_sync.publish import check_formats, latest_version, next_version, publish_checkpoint
+        from weight_sync.publish import (
+            check_delta_base,
+            check_formats,
+            latest_version,
+            next_version,
+            publish_checkpoint,
+            publish_delta,
+        )
 
         store = service.store()
         await ensure_synced(request)
@@ -382,21 +397,20 @@ def create_weights_router(
                 f"version {version} is older than run {run_id!r}'s current version {current} "
                 "(pointers never move backwards; publish a newer number or roll back with a new one)",
             )
+        if body.delta_of is not None:
+            try:
+                check_delta_base(store, run_id, version, body.delta_of, formats)
+            except UserError as exc:
+                raise HTTPException(400, str(exc)) from None
         job = service.start_job("publish", run_id, version)
 
         on_event = events_for(request, job)  # made here, on the event loop's thread
+        kwargs = {"mode": body.mode, **service.publish_kwargs(), "on_event": on_event}
 
         def work():
-            return publish_checkpoint(
-                store,
-                run_id,
-                version,
-                ckpt,
-                formats,
-                mode=body.mode,
-                **service.publish_kwargs(),
-                on_event=on_event,
-            )
+            if body.delta_of is not None:
+                return publish_delta(store, run_id, version, ckpt, body.delta_of, formats, **kwargs)
+            return publish_checkpoint(store, run_id, version, ckpt, formats, **kwargs)
 
         spawn(request, job, work)
         return job.view()

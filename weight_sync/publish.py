@@ -28,12 +28,12 @@ hard-linked where the filesystem allows, else copied): pointers still only move 
 replicas activate N like any other version.
 
 Deltas: a manifest has ``kind`` ("full" | "delta") and ``base_version``. A delta version holds
-only the files whose tensors changed relative to ``base_version`` (same relative paths, same
-format) plus its own manifest; every file not listed comes from the base. A replica stages a
-delta by materializing base and delta layers into one directory (:mod:`weight_sync.stage`),
-so the activation protocol is the same for both kinds; this module publishes full versions
-only today (a delta publisher converts the changed shards and commits them with
-``kind="delta"``; nothing downstream changes).
+only the files whose bytes differ from ``base_version``'s (same relative paths, same format)
+plus its own manifest; every file not listed comes from the base. A replica stages a delta by
+materializing base and delta layers into one directory (:mod:`weight_sync.stage`), so the
+activation protocol is the same for both kinds. :func:`publish_delta` publishes a trainer's
+delta checkpoint (only the changed tensors) this way; :mod:`weight_sync.delta` says how and
+what it saves.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class FormatResult:
     advance_s: float
     total_bytes: int
     tensor_count: int
+    kind: str = "full"  # the committed manifest's kind ("delta": only files that differ from its base)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ def publish_checkpoint(
     workers: int | None = None,
     conversion_pool: ConversionPool | None = None,
     on_event: Event = _noop,
+    delta_of: int | None = None,
 ) -> PublishResult:
     """Convert ``ckpt_dir`` once per format and publish it as ``version`` of ``run_id``.
 
@@ -225,12 +227,19 @@ def publish_checkpoint(
     committed and its pointer names it. Raises ``UserError`` for bad input (no pointer has
     moved then, in either mode). ``on_event(kind, info)`` reports progress: ``convert_start``,
     ``converted``, ``committed``, ``advanced`` with ``{"format": ...}``.
+
+    ``delta_of``: commit each format as a delta over that (committed, older) version: only the
+    converted files that differ from its content (a format whose base has files the new version
+    lacks is committed in full). ``ckpt_dir`` is still the full checkpoint; see
+    :func:`publish_delta` for a trainer's delta of changed tensors.
     """
     formats = check_formats(formats)
     if mode not in MODES:
         raise UserError(f"unknown publish mode {mode!r} (known: {', '.join(MODES)})")
     ckpt_dir = _check_ckpt(ckpt_dir)
     _check_version(store, run_id, version, formats)
+    if delta_of is not None:
+        check_delta_base(store, run_id, version, delta_of, formats, need_bf16=False)
     t_start = time.perf_counter()
 
     pending = {f: _Pending(f) for f in formats}
@@ -240,7 +249,7 @@ def publish_checkpoint(
         existing = _committed_from(store, run_id, f, version)
         if existing is not None and src_sum is None:
             src_sum = _converter_source_checksum(ckpt_dir)
-        if existing is not None and existing.kind == "full" and existing.source_checksum == src_sum:
+        if existing is not None and existing.source_checksum == src_sum:  # same content, either kind
             pending[f].reused = True
             pending[f].manifest = existing
         elif existing is not None:
@@ -293,6 +302,10 @@ def publish_checkpoint(
                 raise UserError(f"converting {ckpt_dir} to {p.fmt} failed: {exc}") from exc
             t_conv_end = time.perf_counter()
             on_event("converted", {"format": p.fmt, "seconds": p.convert_s})
+            if delta_of is not None:
+                from weight_sync.delta import reduce_to_delta
+
+                reduce_to_delta(store, run_id, p.fmt, delta_of, p.staged)
             _commit(store, run_id, version, p, on_event)
             if mode == "per_format":
                 _advance(store, run_id, version, p, on_event)
@@ -322,6 +335,7 @@ def publish_checkpoint(
             advance_s=p.advance_s,
             total_bytes=p.manifest.total_bytes if p.manifest else 0,
             tensor_count=p.manifest.tensor_count if p.manifest else 0,
+            kind=p.manifest.kind if p.manifest else "full",
         )
         for p in pending.values()
     )
@@ -336,6 +350,65 @@ def publish_checkpoint(
         advance_wall_s=(t_end - t_adv0) if mode == "barrier" else sum(p.advance_s for p in pending.values()),
         total_s=t_end - t_start,
     )
+
+
+def publish_delta(
+    store: VersionStore,
+    run_id: str,
+    version: int,
+    delta_dir: Path,
+    base_version: int,
+    formats: Iterable[str],
+    **kwargs,
+) -> PublishResult:
+    """Publish a trainer's delta checkpoint as ``version``: ``delta_dir`` holds ``*.safetensors``
+    with only the BF16 tensors that changed since ``base_version`` (HF names, the base's dtypes
+    and shapes).
+
+    Before: ``base_version`` is committed in every format and in bf16 (the content the delta
+    applies to). After: as :func:`publish_checkpoint` (same ``kwargs``), every format's version
+    ``version`` being a delta over ``base_version`` whose staged content is byte for byte what a
+    full publish of the merged checkpoint gives (:mod:`weight_sync.delta`). Bad input (a tensor
+    the base lacks, another shape or dtype, no bf16 copy of the base) raises ``UserError`` before
+    anything is converted or any pointer moves.
+    """
+    import tempfile
+
+    from weight_sync.delta import merge_source
+
+    formats = check_formats(formats)
+    _check_version(store, run_id, version, formats)
+    check_delta_base(store, run_id, version, base_version, formats)
+    root = getattr(store, "root", None)
+    tmp = Path(tempfile.mkdtemp(prefix=".delta-source-", dir=root))
+    try:
+        merge_source(store, run_id, base_version, Path(delta_dir), tmp)
+        return publish_checkpoint(store, run_id, version, tmp, formats, delta_of=base_version, **kwargs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_delta_base(
+    store: VersionStore,
+    run_id: str,
+    version: int,
+    base: int,
+    formats: Sequence[str],
+    *,
+    need_bf16: bool = True,
+) -> None:
+    """``UserError`` unless ``base`` is older than ``version`` and committed in every format (and,
+    with ``need_bf16``, as bf16: the content a trainer's delta applies to)."""
+    if base >= version:
+        raise UserError(f"a delta's base must be an older version: base {base}, version {version}")
+    needed = list(dict.fromkeys([*formats, *(["bf16"] if need_bf16 else [])]))
+    missing = [f for f in needed if base not in store.versions(run_id, f)]
+    if missing:
+        raise UserError(
+            f"cannot publish a delta over version {base} of run {run_id!r}: it has no "
+            f"{', '.join(missing)} version {base}"
+            + (" (a delta applies to the base's bf16 copy)" if "bf16" in missing else "")
+        )
 
 
 def bootstrap(

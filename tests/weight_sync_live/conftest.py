@@ -37,3 +37,14 @@ def tiny_other_arch(wsl_models: Path) -> Path:
         spec = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=PRESETS["tiny"].num_hidden_layers - 1)
         write_model(out, spec)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_2shards(wsl_models: Path) -> Path:
+    """The ``tiny`` architecture in two safetensors shards (with an index), as trainers write."""
+    from fleet.engine.init_model import PRESETS, write_model
+
+    out = wsl_models / "tiny-2shards-bf16"
+    if not out.is_dir():
+        write_model(out, dataclasses.replace(PRESETS["tiny"], shards=2))
+    return out

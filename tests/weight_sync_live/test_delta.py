@@ -1,0 +1,206 @@
+"""Delta publish: a trainer hands over only the changed tensors; each format's version is a delta
+over the base (only the files that differ), and a replica staging it gets, byte for byte, what a
+full publish of the merged checkpoint gives. Real checkpoints, conversions, store, router."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support.procs import REPO, mixfleet_argv
+from tests.support.router import router_process, write_preset
+from weight_sync.convert import convert_checkpoint
+from weight_sync.delta import reduce_to_delta
+from weight_sync.errors import UserError
+from weight_sync.manifest import Manifest
+from weight_sync.publish import publish_checkpoint, publish_delta
+from weight_sync.stage import stage_version
+from weight_sync.store.local import LocalStore
+
+RUN = "r"
+FORMATS = ["bf16", "fp8", "nvfp4"]
+LM_HEAD = "lm_head.weight"
+
+
+def _changed(base: Path) -> dict[str, torch.Tensor]:
+    """New values for two tensors of one shard: the LM head and an expert's up projection (NVFP4
+    fuses it with its gate_proj, so that tensor's encoding changes too)."""
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index[LM_HEAD]
+    ups = [n for n, f in sorted(index.items()) if f == shard and n.endswith("experts.1.up_proj.weight")]
+    expert = ups[0]
+    tensors = load_file(base / shard)
+    return {n: (tensors[n].float() * 1.5 + 0.01).to(tensors[n].dtype) for n in (LM_HEAD, expert)}
+
+
+def _merged(base: Path, changed: dict[str, torch.Tensor], out: Path) -> Path:
+    """The full checkpoint with ``changed`` applied, written independently of weight_sync.delta."""
+    shutil.copytree(base, out)
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if any(n in tensors for n in changed):
+            tensors.update({n: t for n, t in changed.items() if n in tensors})
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture()
+def store(tmp_path: Path, tiny_2shards: Path) -> LocalStore:
+    s = LocalStore(tmp_path / "store")
+    publish_checkpoint(s, RUN, 1, tiny_2shards, FORMATS, workers=0)
+    return s
+
+
+def _write_delta(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    d = tmp_path / "delta"
+    d.mkdir(parents=True)
+    save_file(tensors, str(d / "delta.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_delta_stages_to_exactly_the_full_conversion(
+    store: LocalStore, tmp_path: Path, tiny_2shards: Path
+) -> None:
+    changed = _changed(tiny_2shards)
+    result = publish_delta(store, RUN, 2, _write_delta(tmp_path, changed), 1, FORMATS, workers=0)
+    assert {f.format: f.kind for f in result.formats} == dict.fromkeys(FORMATS, "delta")
+    # The reference: the merged checkpoint (built here), converted in full per format. The bf16
+    # version of 1 is the base the delta applies to, so the reference starts from it too.
+    ref_src = _merged(store.version_dir(RUN, "bf16", 1), changed, tmp_path / "ref-src")
+    (ref_src / "manifest.json").unlink()
+    for fmt in FORMATS:
+        assert store.read_pointer(RUN, fmt) == 2
+        m = store.read_manifest(RUN, fmt, 2)
+        full = store.read_manifest(RUN, fmt, 1)
+        assert m.kind == "delta" and m.base_version == 1
+        # Only the shard(s) holding a changed tensor are new; the other shard, config and
+        # tokenizer files come from the base.
+        shards = [rel for rel in m.files if rel.endswith(".safetensors")]
+        assert 1 <= len(shards) < len([r for r in full.files if r.endswith(".safetensors")]), m.files
+        assert m.total_bytes < full.total_bytes
+        ref = convert_checkpoint(ref_src, tmp_path / f"ref-{fmt}", fmt)
+        for mode in ("copy", "inplace"):
+            staged = stage_version(store, RUN, fmt, 2, tmp_path / f"staging-{fmt}-{mode}", mode=mode)
+            names = sorted(p.name for p in staged.path.iterdir() if p.name != "manifest.json")
+            assert names == sorted(ref.files), (fmt, mode)
+            for name in names:
+                assert (staged.path / name).read_bytes() == (tmp_path / f"ref-{fmt}" / name).read_bytes(), (
+                    fmt,
+                    mode,
+                    name,
+                )
+    # Publishing the same delta again is a no-op; a delta over a delta chains.
+    again = publish_delta(store, RUN, 2, _write_delta(tmp_path / "again", changed), 1, FORMATS, workers=0)
+    assert all(f.reused for f in again.formats)
+    more = {LM_HEAD: (changed[LM_HEAD].float() * -1).to(changed[LM_HEAD].dtype)}
+    publish_delta(store, RUN, 3, _write_delta(tmp_path / "third", more), 2, FORMATS, workers=0)
+    staged = stage_version(store, RUN, "bf16", 3, tmp_path / "staging-3")
+    got: dict[str, torch.Tensor] = {}
+    for shard in staged.path.glob("*.safetensors"):
+        got.update(load_file(shard))
+    expert = next(n for n in changed if n != LM_HEAD)
+    assert torch.equal(got[LM_HEAD], more[LM_HEAD]) and torch.equal(got[expert], changed[expert])
+
+
+@pytest.mark.timeout(300)
+def test_bad_deltas_are_refused_before_anything_moves(
+    store: LocalStore, tmp_path: Path, tiny_2shards: Path
+) -> None:
+    good = _changed(tiny_2shards)[LM_HEAD]
+    cases = [
+        ({"model.layers.9.nope.weight": good}, "not in version 1: model.layers.9.nope.weight"),
+        ({LM_HEAD: good[:-1]}, "lm_head.weight.*version 1 has BF16"),
+        ({LM_HEAD: good.float()}, "is F32"),
+    ]
+    for i, (tensors, message) in enumerate(cases):
+        d = tmp_path / f"bad{i}"
+        d.mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "d.safetensors"))
+        with pytest.raises(UserError, match=message):
+            publish_delta(store, RUN, 2, d, 1, FORMATS, workers=0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="no tensors"):
+        publish_delta(store, RUN, 2, empty, 1, FORMATS, workers=0)
+    ok = _write_delta(tmp_path / "ok", {LM_HEAD: good})
+    with pytest.raises(UserError, match="has no bf16, fp8, nvfp4 version 7"):
+        publish_delta(store, RUN, 8, ok, 7, FORMATS, workers=0)
+    with pytest.raises(UserError, match="must be an older version"):
+        publish_delta(store, RUN, 1, ok, 1, FORMATS, workers=0)
+    no_bf16 = LocalStore(tmp_path / "store2")
+    publish_checkpoint(no_bf16, RUN, 1, tiny_2shards, ["fp8"], workers=0)
+    with pytest.raises(UserError, match="no bf16 version 1 .a delta applies to the base's bf16 copy"):
+        publish_delta(no_bf16, RUN, 2, ok, 1, ["fp8"], workers=0)
+    for fmt in FORMATS:
+        assert store.read_pointer(RUN, fmt) == 1 and store.versions(RUN, fmt) == [1]
+
+
+def test_a_base_file_the_new_version_lacks_keeps_that_format_full(store: LocalStore, tmp_path: Path) -> None:
+    """A delta cannot delete a file: reduce_to_delta leaves such a version full."""
+    staged = Path(store.staging_dir(RUN, "bf16", 2))
+    shutil.copytree(store.version_dir(RUN, "bf16", 1), staged, dirs_exist_ok=True)
+    m = Manifest.read(staged)
+    dropped = next(rel for rel in m.files if rel.startswith("tokenizer"))
+    (staged / dropped).unlink()
+    files = {k: v for k, v in m.files.items() if k != dropped}
+    Manifest(None, "bf16", "full", None, m.source_checksum, files, m.tensor_count,
+             sum(e.bytes for e in files.values())).write(staged, fsync=False)  # fmt: skip
+    assert reduce_to_delta(store, RUN, "bf16", 1, staged) is None
+    assert Manifest.read(staged).kind == "full" and (staged / next(iter(files))).exists()
+
+
+@pytest.mark.timeout(300)
+def test_router_publishes_a_delta(tmp_path: Path, tiny_2shards: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    publish_checkpoint(store, RUN, 1, tiny_2shards, FORMATS, workers=0)
+    preset = write_preset(
+        tmp_path / "p.toml", [{"name": f"cpu-{f}", "weight_format": f, "min_replicas": 0} for f in FORMATS]
+    )
+    env = {"MIXFLEET_STORE": str(store.root), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
+    delta = _write_delta(tmp_path, {LM_HEAD: _changed(tiny_2shards)[LM_HEAD]})
+    with router_process(preset, env=env) as router:
+        h, url = router.headers, router.url + "/v1/weights"
+        body = {"checkpoint": str(delta), "version": 6, "delta_of": 5}
+        bad = httpx.post(url, headers=h, json=body)
+        assert bad.status_code == 400 and "no bf16, fp8, nvfp4 version 5" in bad.json()["detail"], bad.text
+        bad = httpx.post(url, headers=h, json={**body, "delta_of": 6})
+        assert bad.status_code == 400 and "must be an older version" in bad.json()["detail"], bad.text
+        job = httpx.post(url, headers=h, json={"checkpoint": str(delta), "delta_of": 1})
+        assert job.status_code == 202, job.text
+        job = job.json()
+        deadline = time.monotonic() + 240
+        while job["state"] == "running":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+            job = httpx.get(router.url + f"/v1/weights/jobs/{job['job_id']}", headers=h).json()
+        assert job["state"] == "done", job
+        status = httpx.get(router.url + "/v1/weights", headers=h).json()
+        for fmt in FORMATS:
+            man = status["formats"][fmt]["manifest"]
+            assert status["formats"][fmt]["pointer"] == 2
+            assert man["kind"] == "delta" and man["base_version"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_cli_publishes_a_delta_into_a_store(store: LocalStore, tmp_path: Path, tiny_2shards: Path) -> None:
+    delta = _write_delta(tmp_path, {LM_HEAD: _changed(tiny_2shards)[LM_HEAD]})
+    args = ["weights", "publish", "--store", str(store.root), "--run", RUN, "--formats", "bf16,fp8,nvfp4"]
+    def cli(base: str) -> subprocess.CompletedProcess:
+        argv = mixfleet_argv(*args, "--delta-of", base, str(delta))
+        return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
+
+    out = cli("1")
+    assert out.returncode == 0, out.stderr
+    assert "version 2" in out.stdout and out.stdout.count("(delta: changed files only)") == 3, out.stdout
+    bad = cli("9")
+    assert bad.returncode != 0 and "must be an older version: base 9, version 3" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
