@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
+    from router.server import uvicorn_http_option
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -102,5 +103,13 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(config, extra_routers=_extra_routers())
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        server_header=False,
+        http=uvicorn_http_option(app),
+    )
     return 0

@@ -1,18 +1,19 @@
-"""The hot routes as lean ASGI handlers in front of the FastAPI app.
+"""The hot routes, answered without FastAPI: ``POST /v1/sessions/{session_id}/turns`` and
+non-streaming ``POST /generate``.
 
-``POST /v1/sessions/{session_id}/turns`` and non-streaming ``POST /generate`` are answered here
-without FastAPI's routing, dependency injection and pydantic models when the request is
-canonical: a bearer key with the ``rollout`` scope (or auth disabled), a JSON body (no
-content type, or ``application/json``) within ``max_body_bytes`` that
-:func:`router.schemas.turn_spec_fast` / :func:`router.schemas.generate_rows_fast` accepts.
-They run the same code as the FastAPI routes (:func:`router.turns.record_turn`,
-:func:`router.routes_sglang.forward_generate`) and refuse the same way (``{"detail": ...}``
-with the same statuses and ``Retry-After``).
+A request is served here when it is canonical: a bearer key with the ``rollout`` scope (or auth
+disabled), a JSON body (no content type, or ``application/json``) within ``max_body_bytes``
+that :func:`router.schemas.turn_spec_fast` / :func:`router.schemas.generate_rows_fast` accepts.
+It then runs the same code as the FastAPI routes (:func:`router.turns.record_turn`,
+:func:`router.routes_sglang.forward_generate`) and is refused the same way
+(``{"detail": ...}``, same statuses, ``Retry-After``). Everything else - no key or a wrong
+one, an oversize, malformed or non-canonical body, streaming, ``text`` input - goes to the
+FastAPI app unchanged, so each refusal is exactly the documented one, and the OpenAPI schema
+comes from the FastAPI routes as before.
 
-Everything else - no key or a wrong one, an oversize, malformed or non-canonical body,
-streaming, ``text`` input - goes to the FastAPI app unchanged (the body already read is
-replayed), so each refusal is exactly the documented one. The OpenAPI schema comes from the
-FastAPI routes as before.
+Two front ends use :class:`HotPath`: its ASGI ``__call__`` (in front of the app in any ASGI
+server, :class:`router.app.RouterApp`) and the router's own HTTP protocol
+(:mod:`router.server`), which skips the ASGI request cycle as well.
 """
 
 from __future__ import annotations
@@ -49,18 +50,29 @@ log = logging.getLogger("mixfleet.router")
 TURN_ROUTE = "/v1/sessions/{session_id}/turns"
 GENERATE_ROUTE = "/generate"
 _SESSIONS = "/v1/sessions/"
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 _KEY_HEADERS = tuple(k.encode() for k in KEY_HEADERS)
 _ROLLOUT = frozenset({"rollout"})
+JSON_TYPE = b"application/json"
+
+Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]  # status, body, content type, extra headers
+Job = Callable[[], Awaitable[Answer]]
 
 
-class _Fallback(Exception):
-    """The request is not canonical: let the FastAPI app answer it."""
+def hot_route(method: str, path: str) -> str | None:
+    """The route template when (method, path) is a hot route, else None."""
+    if method != "POST":
+        return None
+    if path == GENERATE_ROUTE:
+        return GENERATE_ROUTE
+    if path.startswith(_SESSIONS) and path.endswith("/turns"):
+        session_id = path[len(_SESSIONS) : -len("/turns")]
+        if session_id and "/" not in session_id:
+            return TURN_ROUTE
+    return None
 
 
 class HotPath:
-    """``await hot(scope, receive, send)`` returns False (having done nothing) when the request
-    is not for a hot route; else it answers it, itself or through ``fallback``."""
+    """Decides and answers hot-route requests for one app (see the module docstring)."""
 
     def __init__(self, ctx: RouterContext, fallback: ASGIApp) -> None:
         self.ctx = ctx
@@ -68,112 +80,120 @@ class HotPath:
         self.limit = ctx.config.max_body_bytes
         self.seconds = ctx.metrics.request_seconds
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        if scope["method"] != "POST" or scope.get("root_path"):
+    # the decision, in two synchronous steps -------------------------------------------------
+    def admit(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether the request head allows the hot path (``headers``: lower-case names, first
+        occurrence of each)."""
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
             return False
-        path: str = scope["path"]
-        if path == GENERATE_ROUTE:
-            await self._serve(scope, receive, send, GENERATE_ROUTE, self._generate)
-            return True
-        if path.startswith(_SESSIONS) and path.endswith("/turns"):
-            session_id = path[len(_SESSIONS) : -len("/turns")]
-            if session_id and "/" not in session_id:
-                await self._serve(scope, receive, send, TURN_ROUTE, self._turn)
-                return True
-        return False
+        ctype = headers.get(b"content-type")
+        if ctype is not None and not ctype.lower().startswith(JSON_TYPE):
+            return False
+        auth = headers.get(b"authorization")
+        return admits(self.ctx.config, None if auth is None else auth.decode("latin-1"), _ROLLOUT)
 
-    async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        route: str,
-        handler: Callable[[Scope, Any, dict[bytes, bytes]], Awaitable[tuple[int, bytes, list]]],
-    ) -> None:
-        t0 = time.perf_counter()
-        headers: dict[bytes, bytes] = {}
-        for name, value in scope["headers"]:
-            headers.setdefault(name, value)
-        body: list[bytes] = []
-        more = True
+    def prepare(self, route: str, path: str, body: bytes, headers: dict[bytes, bytes]) -> Job | None:
+        """The work of an admitted request whose body is ``body``, or None when the body is not
+        canonical (the FastAPI route must answer)."""
         try:
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.limit):
-                raise _Fallback
-            ctype = headers.get(b"content-type")
-            if ctype is not None and not ctype.lower().startswith(b"application/json"):
-                raise _Fallback
-            auth = headers.get(b"authorization")
-            if not admits(self.ctx.config, None if auth is None else auth.decode("latin-1"), _ROLLOUT):
-                raise _Fallback
-            size = 0
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":  # the client went away
-                    return
-                chunk = message.get("body", b"")
-                body.append(chunk)
-                size += len(chunk)
-                if size > self.limit:
-                    raise _Fallback
-                more = message.get("more_body", False)
-            raw = body[0] if len(body) == 1 else b"".join(body)
-            try:
-                parsed = _loads(raw)
-            except _JSONError:
-                raise _Fallback from None
-            status, content, extra = await handler(scope, (raw, parsed), headers)
-        except _Fallback:
-            await self.fallback(scope, _replay(body, more, receive), send)
-            return
-        except ApiError as exc:
-            status, content = exc.status, dumps({"detail": exc.message})
-            extra = []
-            if exc.retry_after:
-                extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
-        except StateUnavailable as exc:
-            status, content = 503, dumps({"detail": f"state store unavailable: {exc}"})
-            extra = [(b"retry-after", b"1")]
-        except StateError as exc:
-            status, content, extra = 409, dumps({"detail": f"{type(exc).__name__}: {exc}"}), []
-        except Exception:
-            log.exception("unhandled error on %s", route)
-            status, content = 500, b"Internal Server Error"
-            extra = [(b"content-type", b"text/plain; charset=utf-8")]
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    *(extra if extra and extra[0][0] == b"content-type" else _JSON_HEADERS),
-                    (b"content-length", str(len(content)).encode()),
-                    *(h for h in extra if h[0] != b"content-type"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": content})
-        self.seconds.labels(route, f"{status // 100}xx").observe(time.perf_counter() - t0)
+            parsed = _loads(body)
+        except _JSONError:
+            return None
+        ctx = self.ctx
+        if route == TURN_ROUTE:
+            spec = turn_spec_fast(parsed)
+            if spec is None:
+                return None
+            session_id = path[len(_SESSIONS) : -len("/turns")]
 
-    async def _turn(self, scope: Scope, body: tuple[bytes, Any], headers: dict[bytes, bytes]):
-        spec = turn_spec_fast(body[1])
-        if spec is None:
-            raise _Fallback
-        session_id = scope["path"][len(_SESSIONS) : -len("/turns")]
-        return 200, await record_turn(self.ctx, session_id, spec), []
+            async def turn() -> Answer:
+                return 200, await record_turn(ctx, session_id, spec), JSON_TYPE, []
 
-    async def _generate(self, scope: Scope, body: tuple[bytes, Any], headers: dict[bytes, bytes]):
-        rows = generate_rows_fast(body[1])
+            return turn
+        rows = generate_rows_fast(parsed)
         if rows is None:
-            raise _Fallback
+            return None
         key = None
         for name in _KEY_HEADERS:
             value = headers.get(name)
             if value:
                 key = value.decode("latin-1")[:256]
                 break
-        response = await forward_generate(self.ctx, body[0], rows, key)
-        ctype = response.headers.get("content-type", "application/json").encode("latin-1")
-        return response.status_code, response.content, [(b"content-type", ctype)]
+
+        async def generate() -> Answer:
+            response = await forward_generate(ctx, body, rows, key)
+            ctype = response.headers.get("content-type", "application/json").encode("latin-1")
+            return response.status_code, response.content, ctype, []
+
+        return generate
+
+    async def run(self, route: str, job: Job, t0: float) -> Answer:
+        """Run ``job``; refusals become their documented answers. Records the request metric."""
+        try:
+            answer = await job()
+        except ApiError as exc:
+            extra = []
+            if exc.retry_after:
+                extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
+            answer = exc.status, dumps({"detail": exc.message}), JSON_TYPE, extra
+        except StateUnavailable as exc:
+            detail = dumps({"detail": f"state store unavailable: {exc}"})
+            answer = 503, detail, JSON_TYPE, [(b"retry-after", b"1")]
+        except StateError as exc:
+            answer = 409, dumps({"detail": f"{type(exc).__name__}: {exc}"}), JSON_TYPE, []
+        except Exception:
+            log.exception("unhandled error on %s", route)
+            answer = 500, b"Internal Server Error", b"text/plain; charset=utf-8", []
+        self.seconds.labels(route, f"{answer[0] // 100}xx").observe(time.perf_counter() - t0)
+        return answer
+
+    # the ASGI front end ---------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Serve a hot-route request (returns True) or do nothing (False: not a hot route)."""
+        if scope.get("root_path"):
+            return False
+        route = hot_route(scope["method"], scope["path"])
+        if route is None:
+            return False
+        t0 = time.perf_counter()
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name, value)
+        body: list[bytes] = []
+        more = True
+        job = None
+        if self.admit(headers):
+            size = 0
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    return True
+                chunk = message.get("body", b"")
+                body.append(chunk)
+                size += len(chunk)
+                if size > self.limit:
+                    break
+                more = message.get("more_body", False)
+            if not more:
+                job = self.prepare(route, scope["path"], b"".join(body), headers)
+        if job is None:
+            await self.fallback(scope, _replay(body, more, receive), send)
+            return True
+        status, content, ctype, extra = await self.run(route, job, t0)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", ctype),
+                    (b"content-length", str(len(content)).encode()),
+                    *extra,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": content})
+        return True
 
 
 def _replay(body: list[bytes], more: bool, receive: Receive) -> Receive:

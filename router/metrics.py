@@ -1,16 +1,19 @@
 """Prometheus metrics of one router (``/metrics``), in a registry private to the app.
 
-Counters and the latency histogram are updated on the request path; gauges that describe the
+Counters and the latency histograms are updated on the request path (the per-request ones are
+:class:`LoopHistogram` / :class:`LoopCounter`: no lock, since only the event-loop thread
+touches them); gauges that describe the
 fleet (capacity, replicas, sessions, versions, queue) are computed at scrape time from the
 registry and the state store, so they are right even when several routers share Redis.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -58,34 +61,110 @@ class CachedLabels:
         return getattr(self.metric, name)
 
 
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class LoopHistogram:
+    """A labelled histogram for the request path: ``labels(...).observe(x)`` is a bisect and two
+    additions, without prometheus_client's per-call locks (only the router's event-loop thread
+    updates and scrapes it). Exported exactly like ``prometheus_client.Histogram`` (``_bucket``
+    with ``le``, ``_count``, ``_sum``; buckets are upper bounds, inclusive)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...], registry: Any
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.bounds = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = _HistogramChild(self.bounds)
+        return child
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            cumulative = 0
+            buckets = []
+            for bound, count in zip((*self.bounds, float("inf")), child.counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            fam.add_metric(list(values), buckets, child.sum)
+        yield fam
+
+
+class LoopCounter:
+    """A labelled counter updated from the event-loop thread only (no per-call lock); exported
+    like ``prometheus_client.Counter`` (``<name>_total``)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], registry: Any) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self._children: dict[tuple[str, ...], _CounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = _CounterChild()
+        return child
+
+    def collect(self):
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            fam.add_metric(list(values), child.value)
+        yield fam
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.request_seconds = CachedLabels(
-            Histogram(
-                "mixfleet_router_request_seconds",
-                "Router request latency by route and status class",
-                ["route", "status"],
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+        # updated on every turn / request: the lock-free event-loop kinds
+        self.request_seconds = LoopHistogram(
+            "mixfleet_router_request_seconds",
+            "Router request latency by route and status class",
+            ["route", "status"],
+            LATENCY_BUCKETS,
+            r,
         )
-        self.engine_seconds = CachedLabels(
-            Histogram(
-                "mixfleet_router_engine_seconds",
-                "Engine call latency seen by the router, by group",
-                ["group"],
-                buckets=LATENCY_BUCKETS,
-                registry=r,
-            )
+        self.engine_seconds = LoopHistogram(
+            "mixfleet_router_engine_seconds",
+            "Engine call latency seen by the router, by group",
+            ["group"],
+            LATENCY_BUCKETS,
+            r,
         )
-        self.turns = CachedLabels(
-            Counter("mixfleet_router_turns", "Turns recorded, by group", ["group"], registry=r)
-        )
-        self.tokens = CachedLabels(
-            Counter("mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], registry=r)
-        )
+        self.turns = LoopCounter("mixfleet_router_turns", "Turns recorded, by group", ["group"], r)
+        self.tokens = LoopCounter("mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], r)
         self.sessions = CachedLabels(
             Counter("mixfleet_router_sessions", "Sessions created, by group", ["group"], registry=r)
         )
@@ -123,13 +202,8 @@ class RouterMetrics:
             registry=r,
         )
         self.acked = Counter("mixfleet_router_trajectories_acked", "Trajectories acknowledged", registry=r)
-        self.generate = CachedLabels(
-            Counter(
-                "mixfleet_router_generate_requests",
-                "SGLang-native /generate requests, by group",
-                ["group"],
-                registry=r,
-            )
+        self.generate = LoopCounter(
+            "mixfleet_router_generate_requests", "SGLang-native /generate requests, by group", ["group"], r
         )
         self.snapshot: dict[str, Any] = {}
         r.register(_SnapshotCollector(self))

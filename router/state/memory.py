@@ -117,7 +117,7 @@ class MemoryStore(StateStore):
         s.requests[request_id] = index
         s.last_active = time.time()
         info = s.info
-        s.info = replace(
+        s.info = _evolve(
             info,
             n_turns=index + 1,
             tokens=info.tokens + tokens,
@@ -291,6 +291,16 @@ class MemoryStore(StateStore):
 
     async def ping(self) -> bool:
         return True
+
+
+def _evolve(info: SessionInfo, **changes: Any) -> SessionInfo:
+    """``dataclasses.replace(info, **changes)`` for the hot path: a copy of the fields, without
+    re-running field introspection (SessionInfo has no ``__post_init__``)."""
+    new = object.__new__(SessionInfo)
+    fields = new.__dict__
+    fields.update(info.__dict__)
+    fields.update(changes)
+    return new
 
 
 def _min(a: int | None, b: int | None) -> int | None:
