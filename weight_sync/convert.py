@@ -7,7 +7,8 @@ directory beside ``dst`` and renamed at the end, so a failure or a kill never le
 ``dst``): the converted shards (same file names as the source shards), ``model.safetensors.index.json``,
 ``config.json`` (with ``quantization_config``), ``hf_quant_config.json`` (nvfp4), every other
 top-level file of ``src`` copied unchanged (tokenizer, generation config), and ``manifest.json``
-(format, source checksum, sha256 and size of every file, tensor count, bytes). Bad input raises
+(format, source checksum, digest and size of every file -- xxh3-128 by default, see
+``checksum.ALGORITHMS`` -- tensor count, bytes). Bad input raises
 ``UserError`` with one line naming the problem, before anything is written.
 
 Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM``):
@@ -54,15 +55,18 @@ layout, ``weight_scales`` its ``w13_weight_scale``/``w2_weight_scale``), need no
 fusion, and carry no gpt-oss activation semantics. Stock SGLang has no mxfp4 loader for
 Qwen3-MoE at all; this is the layout a loader for it would take with the least translation.
 
-Streaming and memory: tensors are converted in row chunks of about ``CHUNK_ELEMS`` elements by a
-thread pool (torch releases the GIL; ``workers`` threads, default: torch's thread count), read
-with ``pread`` from the source (nothing is mmapped), and written strictly in order while a thread
-per output shard computes its sha256 (so hashing overlaps writing and the next shard's work).
-Only a bounded window of chunks is in flight (``2 * workers + 2`` results, plus up to 64 MiB per
-shard still being hashed): peak memory is independent of shard and model size. Each output shard holds
-the converted tensors of the source shard with the same name; an nvfp4 fusion group that
-straddles shards reads its other members (row chunk by row chunk, for the joint amax only) from
-their own shard. The source's checksum (xxh3-128) is computed on another thread meanwhile.
+Streaming and memory: tensors are converted (or copied) in chunks of about ``CHUNK_ELEMS``
+elements by a thread pool (``workers`` threads, default: torch's thread count; the quantizer
+kernels and the writes release the GIL). Each chunk task reads a zero-copy view of a private
+mapping of its source shard and writes its outputs straight into the output shard at their
+final offsets (the layout is fixed up front; tensors kept as they are go from the mapping to the
+file). The calling thread retires the tasks in order, hashing the output pieces and the source
+bytes as it goes (nothing is read twice: the source shards' xxh3-128 for the source checksum
+comes from the same pass) and handing back each chunk's source pages. Only a bounded window of
+tasks is in flight (``2 * workers + 2``), so peak memory is a few chunks, independent of shard
+and model size. Each output shard holds the converted tensors of the source shard with the same
+name; an nvfp4 fusion group that straddles shards reads its other members (row chunk by row
+chunk, for the joint amax only) from their own shard.
 """
 
 from __future__ import annotations
@@ -84,12 +88,12 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from weight_sync.checksum import sha256_file, xxh3_file
+from weight_sync.checksum import DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
+    LayoutWriter,
     OutTensor,
-    StreamingWriter,
     TensorEntry,
     TensorReader,
     read_header,
@@ -107,7 +111,6 @@ FP8_BLOCK = 128
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
 CHUNK_ELEMS = 1 << 20  # elements per conversion task (2 MiB of BF16: cache-friendly, little overhead)
-COPY_CHUNK = 2 << 20  # bytes per pass-through copy task
 PRODUCER = {"name": "modelopt", "version": "0.0.0+mixfleet"}
 # Top-level files of the source that the converter writes itself instead of copying.
 _NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, HF_QUANT_NAME}
@@ -147,19 +150,22 @@ def _top_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def source_checksum(src: Path) -> str:
+def source_checksum(src: Path, known: dict[str, str] | None = None) -> str:
     """Content identity of a checkpoint directory: xxh3-128 over (name, size, xxh3-128 of the
     content) of every top-level regular file except ``manifest.json`` and hidden files.
 
     Two directories with the same files byte for byte get the same value, wherever they live.
+    ``known``: hex xxh3-128 digests of some of the files (by name), already computed.
     """
     src = Path(src)
+    known = known or {}
     h = xxhash.xxh3_128()
     for name in _top_files(src):
         if name == MANIFEST_NAME:
             continue
         p = src / name
-        h.update(f"{name}\0{p.stat().st_size}\0{xxh3_file(p)}\n".encode())
+        digest = known.get(name) or xxh3_file(p)
+        h.update(f"{name}\0{p.stat().st_size}\0{digest}\n".encode())
     return "xxh3_128:" + h.hexdigest()
 
 
@@ -236,21 +242,26 @@ def load_source(src: Path) -> Source:
 # ---------------------------------------------------------------------------------------------
 # Plan: which output tensors each source tensor becomes, and the tasks that compute them
 
-Task = Callable[[], "list[torch.Tensor | None]"]
+Piece = tuple["torch.Tensor", int]  # some bytes of one output tensor, and where they start in it
+Task = Callable[[], "list[Piece | None]"]
 
 
 @dataclass
 class Job:
-    """A run of output tensors laid out back to back, computed by ``tasks`` in order.
+    """A run of output tensors laid out back to back, computed by ``tasks`` (in any order) from
+    the source tensor ``source``.
 
-    Task ``t`` returns one piece per output: piece 0 is the next contiguous bytes of
-    ``outputs[0]``; pieces ``1..`` (or None) are appended to the other outputs, which follow
-    ``outputs[0]`` in the file.
+    Each task returns one entry per output: a piece of that output (a tensor of its dtype and
+    the byte offset where it goes) or None; the pieces of all tasks tile every output exactly,
+    in task order. ``spans[t]`` is the (file offset, byte count) of the source bytes task ``t``
+    reads; in task order they tile the source tensor.
     """
 
     outputs: list[OutTensor]
     tasks: list[Task]
     anchor: tuple[int, int]  # (shard index, source offset): output order
+    source: TensorEntry
+    spans: list[tuple[int, int]]
 
 
 @dataclass
@@ -286,7 +297,7 @@ class _GroupScales:
             rows = max(1, self._chunk_elems // m.shape[1])
             for r0, r1 in _row_ranges(m.shape[0], rows):
                 with _named(m):
-                    gs = self._nvfp4.global_scale(self._reader.read_rows(m, r0, r1))
+                    gs = self._nvfp4.global_scale(self._reader.view_rows(m, r0, r1))
                 best = gs if best is None or gs > best else best
         return best
 
@@ -485,15 +496,20 @@ class _Planner:
     # --- jobs ---------------------------------------------------------------------------------
 
     def _passthrough(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
-        read = self.reader.read_bytes
+        """Copied as it is, in pieces of about ``chunk_elems`` elements (views of the source)."""
+        out = [OutTensor(e.name, e.dtype, e.shape)]
+        reader = self.reader
+        if e.start % e.itemsize:  # a misaligned tensor (not written by safetensors): one pread copy
+            return Job(out, [lambda: [(reader.read_rows(e), 0)]], anchor, e, [(e.start, e.nbytes)])
         dtype = torch_dtype(e.dtype)
+        step = self.chunk_elems * e.itemsize
 
         def task(off: int, n: int) -> Task:
-            return lambda: [read(e.file, e.start + off, n).view(dtype)]
+            return lambda: [(reader.file_bytes(e.file)[e.start + off : e.start + off + n].view(dtype), off)]
 
-        step = max(1, min(COPY_CHUNK, self.chunk_elems * 2) // e.itemsize) * e.itemsize
-        tasks = [task(off, min(step, e.nbytes - off)) for off in range(0, e.nbytes, step)]
-        return Job([OutTensor(e.name, e.dtype, e.shape)], tasks, anchor)
+        spans = [(off, min(step, e.nbytes - off)) for off in range(0, e.nbytes, step)] or [(0, 0)]
+        tasks = [task(off, n) for off, n in spans]
+        return Job(out, tasks, anchor, e, [(e.start + off, n) for off, n in spans])
 
     def _fp8(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
         from weight_sync.formats import fp8
@@ -507,17 +523,19 @@ class _Planner:
             ),
         ]
         rows = max(FP8_BLOCK, self.chunk_elems // k // FP8_BLOCK * FP8_BLOCK)
-        read = self.reader.read_rows
+        read = self.reader.view_rows
+
+        kb = math.ceil(k / FP8_BLOCK)
 
         def task(r0: int, r1: int) -> Task:
-            def run() -> list[torch.Tensor | None]:
+            def run() -> list[Piece | None]:
                 with _named(e):
                     q = fp8.quantize(read(e, r0, r1))
-                return [q["weight"], q["weight_scale_inv"]]
+                return [(q["weight"], r0 * k), (q["weight_scale_inv"], r0 // FP8_BLOCK * kb * 4)]
 
             return run
 
-        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+        return _row_job(outs, e, anchor, rows, task)
 
     def _nvfp4(self, e: TensorEntry, anchor: tuple[int, int], key: tuple, members: list[TensorEntry]) -> Job:
         from weight_sync.formats import nvfp4
@@ -531,26 +549,26 @@ class _Planner:
             OutTensor(f"{base}.input_scale", "F32", ()),
         ]
         rows = max(1, self.chunk_elems // k)
-        read = self.reader.read_rows
+        read = self.reader.view_rows
         scales = self.scales
         members = sorted(members, key=lambda m: m.name)
 
         def task(r0: int, r1: int) -> Task:
-            def run() -> list[torch.Tensor | None]:
+            def run() -> list[Piece | None]:
                 gs = scales.get(key, members)
                 with _named(e):
                     q = nvfp4.quantize(read(e, r0, r1), weight_scale_2=gs)
                 first = r0 == 0
                 return [
-                    q["weight"],
-                    q["weight_scale"],
-                    q["weight_scale_2"] if first else None,
-                    q["input_scale"] if first else None,
+                    (q["weight"], r0 * (k // 2)),
+                    (q["weight_scale"], r0 * (k // NVFP4_GROUP)),
+                    (q["weight_scale_2"], 0) if first else None,
+                    (q["input_scale"], 0) if first else None,
                 ]
 
             return run
 
-        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+        return _row_job(outs, e, anchor, rows, task)
 
     def _mxfp4(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
         from weight_sync.formats import mxfp4
@@ -562,17 +580,31 @@ class _Planner:
             OutTensor(f"{base}.weight_scales", "U8", (n, k // MXFP4_BLOCK)),
         ]
         rows = max(1, self.chunk_elems // k)
-        read = self.reader.read_rows
+        read = self.reader.view_rows
 
         def task(r0: int, r1: int) -> Task:
-            def run() -> list[torch.Tensor | None]:
+            def run() -> list[Piece | None]:
                 with _named(e):
                     q = mxfp4.quantize(read(e, r0, r1))
-                return [q["blocks"], q["scales"]]
+                return [(q["blocks"], r0 * (k // 2)), (q["scales"], r0 * (k // MXFP4_BLOCK))]
 
             return run
 
-        return Job(outs, [task(r0, r1) for r0, r1 in _row_ranges(n, rows)], anchor)
+        return _row_job(outs, e, anchor, rows, task)
+
+
+def _row_job(
+    outs: list[OutTensor],
+    e: TensorEntry,
+    anchor: tuple[int, int],
+    rows: int,
+    task: Callable[[int, int], Task],
+) -> Job:
+    """The job converting ``e`` ``rows`` rows per task (``task(r0, r1)``)."""
+    ranges = list(_row_ranges(e.shape[0], rows))
+    row_bytes = e.nbytes // e.shape[0]
+    spans = [(e.start + r0 * row_bytes, (r1 - r0) * row_bytes) for r0, r1 in ranges]
+    return Job(outs, [task(r0, r1) for r0, r1 in ranges], anchor, e, spans)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,77 +623,108 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _check_piece(piece: torch.Tensor, out: OutTensor) -> torch.Tensor:
-    if piece.dtype != torch_dtype(out.dtype):
-        raise RuntimeError(f"quantizer returned {piece.dtype} for {out.name}, expected {out.dtype}")
-    return piece
+class _ShardDigests:
+    """The digests of one output shard and of its source shard, fed task by task in order.
+
+    ``done(job, t, pieces)`` takes task ``t`` of ``job`` (tasks in plan order): the source bytes
+    it read (with whatever precedes them in the source file: its header) and the output pieces
+    it wrote (output 0 at once, the job's other outputs, which follow output 0 in the file,
+    after its last task). Hashes from memory: nothing is read back.
+    """
+
+    def __init__(self, header: bytes, algorithm: str, source: torch.Tensor) -> None:
+        self.output = new_hasher(algorithm)
+        self.output.update(header)
+        self._src_data = source  # uint8 view of the whole source file
+        self._src = xxhash.xxh3_128()
+        self._src_pos = 0
+        self._tails: list[list[torch.Tensor]] = []
+
+    def done(self, job: Job, t: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        start, n = job.spans[t]
+        if start != self._src_pos:
+            self._src.update(self._src_data[self._src_pos : start].numpy())
+        self._src.update(self._src_data[start : start + n].numpy())
+        self._src_pos = start + n
+        if t == 0:
+            self._tails = [[] for _ in job.outputs[1:]]
+        for i, raw in pieces:
+            if i == 0:
+                self.output.update(raw.numpy())
+            else:
+                self._tails[i - 1].append(raw)
+        if t == len(job.tasks) - 1:
+            for tail in self._tails:
+                for raw in tail:
+                    self.output.update(raw.numpy())
+            self._tails = []
+
+    def source(self) -> str | None:
+        """xxh3-128 of the source file, if the tasks read all of it (else None)."""
+        return self._src.hexdigest() if self._src_pos == self._src_data.numel() else None
 
 
-def _write_files(plan: Plan, tmp: Path, workers: int, fsync: bool) -> dict[str, FileEntry]:
-    """Run the plan's tasks on ``workers`` threads and write its shards in order; returns their
-    manifest entries. At most ``2 * workers + 2`` task results are held at once."""
-    entries: dict[str, FileEntry] = {}
-    flat = (
-        (fi, ji, ti, task)
-        for fi, (_, jobs) in enumerate(plan.files)
-        for ji, job in enumerate(jobs)
-        for ti, task in enumerate(job.tasks)
-    )
+def _write_files(
+    plan: Plan, tmp: Path, reader: TensorReader, workers: int, fsync: bool, algorithm: str
+) -> tuple[dict[str, FileEntry], dict[str, str]]:
+    """Run the plan's tasks on ``workers`` threads, each writing its pieces straight into the
+    shard files; returns the shards' manifest entries (digest by ``algorithm``) and the xxh3-128
+    of every source shard the tasks read whole.
+
+    This thread retires the tasks in order, hashing the output pieces and the source bytes each
+    task read as it goes (``_ShardDigests``), and hands back a tensor's source pages once its
+    last task is retired. At most ``2 * workers + 2`` tasks are queued or running at once.
+    """
     window = 2 * workers + 2
-    pending: deque[tuple[tuple[int, int, int], Future]] = deque()
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert")
+    writers: list[LayoutWriter] = []
+    entries: dict[str, FileEntry] = {}
+    sources: dict[str, str] = {}
+    pending: deque[tuple[Future, Job, int]] = deque()
 
-    def fill() -> None:
-        while len(pending) < window:
-            nxt = next(flat, None)
-            if nxt is None:
-                return
-            pending.append((nxt[:3], pool.submit(nxt[3])))
+    def run(task: Task, writer: LayoutWriter, first: int) -> list[tuple[int, torch.Tensor]]:
+        return [
+            (i, writer.write_at(first + i, piece[1], piece[0]))
+            for i, piece in enumerate(task())
+            if piece is not None
+        ]
 
-    writer: StreamingWriter | None = None
-    closed: list[tuple[str, StreamingWriter]] = []
+    def retire(digests: _ShardDigests) -> None:
+        fut, job, t = pending.popleft()
+        digests.done(job, t, fut.result())
+        reader.release(job.source.file, *job.spans[t])
+        if t == len(job.tasks) - 1:
+            reader.release(job.source.file, job.source.start, job.source.nbytes)
+
     try:
-        for fi, (rel, jobs) in enumerate(plan.files):
-            outputs = [o for j in jobs for o in j.outputs]
-            writer = StreamingWriter(tmp / rel, outputs, {"format": "pt"}, background_hash=True)
-            for ji, job in enumerate(jobs):
-                head = 0
-                tails: list[list[torch.Tensor]] = [[] for _ in job.outputs[1:]]
-                for ti in range(len(job.tasks)):
-                    fill()
-                    key, fut = pending.popleft()
-                    assert key == (fi, ji, ti), (key, (fi, ji, ti))
-                    pieces = fut.result()
-                    writer.write(_check_piece(pieces[0], job.outputs[0]))
-                    head += pieces[0].numel() * pieces[0].element_size()
-                    for tail, piece, out in zip(tails, pieces[1:], job.outputs[1:], strict=True):
-                        if piece is not None:
-                            tail.append(_check_piece(piece, out))
-                if head != job.outputs[0].nbytes:
-                    raise RuntimeError(
-                        f"{job.outputs[0].name}: produced {head} bytes, expected {job.outputs[0].nbytes}"
-                    )
-                for tail, out in zip(tails, job.outputs[1:], strict=True):
-                    size = sum(p.numel() * p.element_size() for p in tail)
-                    if size != out.nbytes:
-                        raise RuntimeError(f"{out.name}: produced {size} bytes, expected {out.nbytes}")
-                    for p in tail:
-                        writer.write(p)
+        for rel, jobs in plan.files:
+            writer = LayoutWriter(tmp / rel, [o for j in jobs for o in j.outputs], {"format": "pt"})
+            writers.append(writer)
+            src_file = jobs[0].source.file
+            digests = _ShardDigests(writer.header, algorithm, reader.file_bytes(src_file))
+            first = 0
+            for job in jobs:
+                for t, task in enumerate(job.tasks):
+                    while len(pending) >= window:
+                        retire(digests)
+                    pending.append((pool.submit(run, task, writer, first), job, t))
+                first += len(job.outputs)
+            while pending:  # this shard is complete once its tasks are
+                retire(digests)
             writer.close(fsync=fsync)
-            closed.append((rel, writer))
-            writer = None
-        for rel, w in closed:
-            sha, size = w.digest()
-            entries[rel] = FileEntry(sha256=sha, bytes=size)
+            entries[rel] = FileEntry(
+                digest=digests.output.hexdigest(), bytes=writer.size, algorithm=algorithm
+            )
+            if (src_digest := digests.source()) is not None:
+                sources[src_file.name] = src_digest
+            reader.release(src_file)
+        return entries, sources
     finally:
-        if writer is not None:
-            writer.abort()
-        for _, w in closed:
-            w.digest()  # stop any hasher still running
-        for _, fut in pending:
+        for fut, _, _ in pending:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
-    return entries
+        for writer in writers:
+            writer.abort()
 
 
 def _write_small(path: Path, data: bytes, fsync: bool) -> FileEntry:
@@ -670,7 +733,7 @@ def _write_small(path: Path, data: bytes, fsync: bool) -> FileEntry:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-    return FileEntry(sha256=sha256_file(path), bytes=len(data))
+    return FileEntry(file_digest(path, DEFAULT_ALGORITHM), len(data), DEFAULT_ALGORITHM)
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -742,9 +805,6 @@ def convert_checkpoint(
     with TensorReader() as reader:
         plan = _Planner(source, fmt, classified, reader, chunk_elems).plan()
 
-        # Hash the source in the background while converting (xxh3 releases the GIL).
-        src_sum: list[str] = []
-        hasher = threading.Thread(target=lambda: src_sum.append(source_checksum(src)), name="source-checksum")
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}-{secrets.token_hex(4)}"
@@ -752,9 +812,8 @@ def convert_checkpoint(
         except OSError as exc:
             raise UserError(f"cannot create {dst}: {exc.strerror or exc}") from None
         try:
-            hasher.start()
             with _torch_threads(threads_per_task):
-                files = _write_files(plan, tmp, workers, fsync)
+                files, known = _write_files(plan, tmp, reader, workers, fsync, DEFAULT_ALGORITHM)
             config = dict(source.config)
             if plan.quantization_config is not None:
                 config["quantization_config"] = plan.quantization_config
@@ -766,16 +825,17 @@ def convert_checkpoint(
             files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync)
             for name in source.extra_files:
                 shutil.copyfile(src / name, tmp / name)
-                files[name] = FileEntry(sha256=sha256_file(tmp / name), bytes=(tmp / name).stat().st_size)
-            hasher.join()
-            if not src_sum:
-                raise UserError(f"cannot checksum the source {src}")
+                files[name] = FileEntry(
+                    digest=file_digest(tmp / name, DEFAULT_ALGORITHM),
+                    bytes=(tmp / name).stat().st_size,
+                    algorithm=DEFAULT_ALGORITHM,
+                )
             manifest = Manifest(
                 version=None,
                 format=fmt,
                 kind="full",
                 base_version=None,
-                source_checksum=src_sum[0],
+                source_checksum=source_checksum(src, known),
                 files=dict(sorted(files.items())),
                 tensor_count=plan.tensor_count,
                 total_bytes=sum(e.bytes for e in files.values()),
@@ -789,7 +849,5 @@ def convert_checkpoint(
                 fsync_dir(dst.parent)
             return manifest
         except BaseException:
-            if hasher.is_alive():
-                hasher.join()
             shutil.rmtree(tmp, ignore_errors=True)
             raise

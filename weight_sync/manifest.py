@@ -1,24 +1,27 @@
-"""The manifest of a weight directory: what files it holds, their sizes and sha256, and what it is.
+"""The manifest of a weight directory: what files it holds, their sizes and digests, and what it is.
 
 ``manifest.json`` sits beside the files it describes (a converted checkpoint, a store version):
 
 ```
 {"schema": 1, "version": 7 | null, "format": "fp8", "kind": "full" | "delta",
  "base_version": null | 6, "source_checksum": "xxh3_128:...", "tensor_count": 1234,
- "total_bytes": 123456, "files": {"config.json": {"sha256": "...", "bytes": 812}, ...}}
+ "total_bytes": 123456, "files": {"config.json": {"xxh3_128": "...", "bytes": 812}, ...}}
 ```
 
 - ``files`` lists every file of the directory except ``manifest.json`` itself, by POSIX relative
-  path; ``total_bytes`` is the sum of their sizes; ``tensor_count`` counts the tensors in the
-  directory's ``*.safetensors`` files.
+  path, with its size and its digest under the name of the algorithm that made it (one of
+  ``checksum.ALGORITHMS``: ``xxh3_128``, what new manifests use, or ``sha256``; readers accept
+  either, file by file); ``total_bytes`` is the sum of their sizes; ``tensor_count`` counts the
+  tensors in the directory's ``*.safetensors`` files.
 - ``kind == "full"``: the directory alone is the checkpoint (``base_version`` is None).
   ``kind == "delta"``: the directory holds only the files whose tensors changed relative to
   ``base_version`` (same relative paths, same format); every file it does not list comes from the
   base. ``tensor_count``/``total_bytes`` then describe the delta's own files.
 - ``version`` is None until a store commits the directory as a numbered version.
 
-``verify_dir`` checks a directory against its manifest and raises ``ChecksumError`` naming the
-first file that is missing, has the wrong size or the wrong digest, or is not listed.
+``verify_dir`` checks a directory against its manifest (each file with the algorithm its entry
+names) and raises ``ChecksumError`` naming the first file that is missing, has the wrong size or
+the wrong digest, or is not listed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from weight_sync.checksum import sha256_file
+from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest
 from weight_sync.errors import UserError
 
 MANIFEST_NAME = "manifest.json"
@@ -52,10 +55,28 @@ class ManifestError(UserError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a manifest: its sha256 (hex) and size in bytes."""
+    """One file of a manifest: its hex ``digest`` by ``algorithm`` (see ``checksum.ALGORITHMS``)
+    and its size in bytes. Entries with other algorithms are different entries, even for the
+    same bytes (comparing them would need the file)."""
 
-    sha256: str
+    digest: str
     bytes: int
+    algorithm: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.algorithm: self.digest, "bytes": self.bytes}
+
+    @classmethod
+    def from_dict(cls, rel: str, e: object) -> FileEntry:
+        """Parse ``{"<algorithm>": hex, "bytes": n}``; ``ManifestError`` unless exactly one known
+        algorithm names a string digest and ``bytes`` is an integer."""
+        algos = [a for a in ALGORITHMS if isinstance(e, dict) and a in e]
+        if len(algos) != 1 or not isinstance(e[algos[0]], str) or not _is_int(e.get("bytes")):
+            raise ManifestError(
+                f"manifest entry for {rel!r} is malformed "
+                f"(needs bytes and one digest of {', '.join(ALGORITHMS)})"
+            )
+        return cls(digest=e[algos[0]], bytes=int(e["bytes"]), algorithm=algos[0])
 
 
 @dataclass(frozen=True)
@@ -95,7 +116,7 @@ class Manifest:
             "source_checksum": self.source_checksum,
             "tensor_count": self.tensor_count,
             "total_bytes": self.total_bytes,
-            "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(self.files.items())},
+            "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
         }
 
     def to_json(self) -> str:
@@ -107,15 +128,7 @@ class Manifest:
         try:
             if d.get("schema", SCHEMA) != SCHEMA:
                 raise ManifestError(f"unsupported manifest schema {d.get('schema')!r}")
-            files = {}
-            for rel, e in d["files"].items():
-                if (
-                    not isinstance(e, dict)
-                    or not isinstance(e.get("sha256"), str)
-                    or not _is_int(e.get("bytes"))
-                ):
-                    raise ManifestError(f"manifest entry for {rel!r} is malformed")
-                files[str(rel)] = FileEntry(sha256=e["sha256"], bytes=int(e["bytes"]))
+            files = {str(rel): FileEntry.from_dict(str(rel), e) for rel, e in d["files"].items()}
             version = d.get("version")
             base = d.get("base_version")
             for key, val in (("version", version), ("base_version", base)):
@@ -242,14 +255,15 @@ def build_manifest(
     kind: str = "full",
     base_version: int | None = None,
     version: int | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> Manifest:
-    """Describe the files now in ``directory`` (hashing each). Does not write anything."""
+    """Describe the files now in ``directory`` (hashing each with ``algorithm``). Writes nothing."""
     directory = Path(directory)
     files = {}
     tensors = 0
     for rel in list_files(directory):
         p = directory / rel
-        files[rel] = FileEntry(sha256=sha256_file(p), bytes=p.stat().st_size)
+        files[rel] = FileEntry(digest=file_digest(p, algorithm), bytes=p.stat().st_size, algorithm=algorithm)
         if rel.endswith(".safetensors"):
             tensors += count_tensors(p)
     return Manifest(
@@ -287,9 +301,10 @@ def check_file_set(directory: Path, manifest: Manifest, *, allow_extra: bool = F
 def verify_dir(directory: Path, *, allow_extra: bool = False) -> Manifest:
     """Check every file of ``directory`` against its manifest; return the manifest.
 
-    Raises ``ChecksumError`` naming the file when one is missing, has another size or sha256
-    than recorded, or (unless ``allow_extra``) is not listed; ``ManifestError`` when the
-    manifest itself is missing or malformed.
+    Raises ``ChecksumError`` naming the file when one is missing, has another size or digest
+    than recorded (each file is hashed with the algorithm its entry names), or (unless
+    ``allow_extra``) is not listed; ``ManifestError`` when the manifest itself is missing or
+    malformed.
     """
     directory = Path(directory)
     manifest = Manifest.read(directory)
@@ -297,9 +312,16 @@ def verify_dir(directory: Path, *, allow_extra: bool = False) -> Manifest:
     for rel, entry in sorted(manifest.files.items()):
         p = directory / rel
         try:
-            digest = sha256_file(p)
+            digest = file_digest(p, entry.algorithm)
         except FileNotFoundError:
             raise ChecksumError(p, "missing (listed in the manifest)") from None
-        if digest != entry.sha256:
-            raise ChecksumError(p, f"sha256 {digest[:16]}... != manifest's {entry.sha256[:16]}...")
+        check_digest(p, digest, entry)
     return manifest
+
+
+def check_digest(path: Path, digest: str, entry: FileEntry) -> None:
+    """``ChecksumError`` naming ``path`` unless ``digest`` (by ``entry.algorithm``) is the entry's."""
+    if digest != entry.digest:
+        raise ChecksumError(
+            path, f"{entry.algorithm} {digest[:16]}... != manifest's {entry.digest[:16]}... (content differs)"
+        )

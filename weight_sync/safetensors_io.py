@@ -5,22 +5,26 @@ tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets re
 data section, which follows the header) plus optional ``"__metadata__"`` (str -> str), then the
 data section. ``read_header`` accepts a file only when its tensors tile the data section exactly
 (no gap, no overlap, nothing missing at the end), so a truncated or corrupt file is refused
-before any tensor is used. ``read_rows`` reads any row range of a tensor with ``pread`` (nothing
-else of the file is touched or mapped), and ``StreamingWriter`` writes a file whose layout is
-fixed up front, accepting its data strictly in order while hashing it (sha256).
+before any tensor is used. ``TensorReader`` gives any row range of a tensor as a zero-copy view of
+a private read-only mapping of its file (``view_rows``; pages it no longer needs are handed back
+with ``release``) or as a copy read with ``pread`` (``read_rows``), and ``LayoutWriter`` writes a
+file whose layout is fixed up front, accepting pieces of its tensors at known offsets from any
+thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
+import mmap
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weight_sync.checksum import HashingWriter
 from weight_sync.errors import UserError
 
 if TYPE_CHECKING:
@@ -146,10 +150,17 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
 
 
 class TensorReader:
-    """Reads row ranges of tensors with ``pread``; thread-safe; one descriptor per file."""
+    """Reads row ranges of tensors; thread-safe; one descriptor and at most one mapping per file.
+
+    ``view_rows`` maps each file once (privately: writing to a view never reaches the file) and
+    returns views into the mapping, valid until ``close``; the pages they touch count towards the
+    process's resident memory until ``release`` hands them back (they stay in the page cache,
+    and a view touched again just faults them back in). ``read_rows`` copies with ``pread``.
+    """
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, object]] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: Path) -> int:
@@ -158,6 +169,29 @@ class TensorReader:
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             return fd
+
+    def _bytes(self, path: Path) -> tuple[mmap.mmap, torch.Tensor]:
+        """The mapping of ``path`` and a uint8 tensor over all of it."""
+        import numpy as np
+        import torch
+
+        fd = self._fd(path)
+        with self._lock:
+            got = self._maps.get(path)
+            if got is None:
+                size = os.fstat(fd).st_size
+                m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+                data = (
+                    torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
+                    if m
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                got = self._maps[path] = (m, data)
+            return got  # type: ignore[return-value]
+
+    def file_bytes(self, path: Path) -> torch.Tensor:
+        """All of ``path`` as a uint8 view of its mapping (see ``view_rows``)."""
+        return self._bytes(path)[1]
 
     def read_bytes(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of ``path`` at ``offset`` as a fresh uint8 tensor."""
@@ -176,22 +210,56 @@ class TensorReader:
             got += n
         return buf
 
-    def read_rows(self, entry: TensorEntry, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Rows ``[r0, r1)`` of ``entry`` (along its first dimension) as a tensor of its dtype."""
+    def _rows(self, entry: TensorEntry, r0: int, r1: int | None) -> tuple[int, int, tuple[int, ...]]:
+        """(byte offset in the file, byte count, shape) of rows ``[r0, r1)`` of ``entry``."""
         shape = entry.shape
         if not shape:
-            return (
-                self.read_bytes(entry.file, entry.start, entry.nbytes)
-                .view(torch_dtype(entry.dtype))
-                .reshape(())
-            )
+            return entry.start, entry.nbytes, ()
         r1 = shape[0] if r1 is None else r1
         row_bytes = math.prod(shape[1:]) * entry.itemsize
-        raw = self.read_bytes(entry.file, entry.start + r0 * row_bytes, (r1 - r0) * row_bytes)
-        return raw.view(torch_dtype(entry.dtype)).reshape((r1 - r0, *shape[1:]))
+        return entry.start + r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, *shape[1:])
+
+    def read_rows(self, entry: TensorEntry, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of ``entry`` (along its first dimension), copied, as a tensor of its dtype."""
+        offset, nbytes, shape = self._rows(entry, r0, r1)
+        return self.read_bytes(entry.file, offset, nbytes).view(torch_dtype(entry.dtype)).reshape(shape)
+
+    def view_rows(self, entry: TensorEntry, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of ``entry`` as a view of the file's mapping (no copy; a copy only
+        when the file places the tensor at an offset that is not a multiple of its item size)."""
+        offset, nbytes, shape = self._rows(entry, r0, r1)
+        if offset % entry.itemsize:
+            return self.read_rows(entry, r0, r1)
+        _, data = self._bytes(entry.file)
+        if offset + nbytes > data.numel():
+            raise SafetensorsError(f"{entry.file}: unexpected end of file at byte {data.numel()}")
+        return data[offset : offset + nbytes].view(torch_dtype(entry.dtype)).reshape(shape)
+
+    def release(self, path: Path, offset: int = 0, nbytes: int | None = None) -> None:
+        """Hand back the mapped pages of ``path`` that lie wholly inside ``[offset, offset + nbytes)``
+        (all of the file by default): views stay valid, they are read from the page cache again."""
+        with self._lock:
+            got = self._maps.get(path)
+        if got is None or got[0] is None:
+            return
+        m = got[0]
+        end = len(m) if nbytes is None else min(len(m), offset + nbytes)
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        end = end // page * page
+        if end > start:
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
+        """Close the files. A mapping is unmapped now unless views of it are still alive (then
+        when the last one goes)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+            maps, self._maps = self._maps, {}
+        for m, _ in maps.values():
+            if m is not None:
+                with contextlib.suppress(BufferError):
+                    m.close()
         for fd in fds.values():
             os.close(fd)
 
@@ -230,56 +298,93 @@ def encode_header(tensors: list[OutTensor], metadata: dict[str, str] | None = No
     return len(raw).to_bytes(8, "little") + raw
 
 
-class StreamingWriter:
-    """Writes one safetensors file whose tensors (and their order) are fixed at creation.
+class LayoutWriter:
+    """Writes one safetensors file whose tensors (and their order) are fixed at creation, piece by
+    piece at known offsets, from any number of threads.
 
-    Before: ``path`` does not exist. ``write(t)`` appends the next bytes of the data section
-    (tensors back to back in the given order); ``close()`` checks that exactly all bytes were
-    written; ``digest()`` then returns the file's ``(sha256, size)``. With ``background_hash``
-    the sha256 runs on its own thread (see ``HashingWriter``), so it overlaps the writing of this
-    and the next files. Memory: what the caller passes in, plus at most 64 MiB awaiting the hash.
+    Before: ``path`` does not exist (created exclusively at its final ``size``, space reserved
+    where the filesystem can; ``header`` is written at once). ``write_at(i, offset, t)`` puts the
+    raw bytes of ``t`` (straight from its memory) at byte ``offset`` of tensor ``i``'s data and
+    returns them as a flat uint8 tensor; pieces may come in any order. ``close()`` checks that
+    every tensor received exactly its size in bytes (pieces are not expected to overlap) and
+    closes the file; ``abort()`` just closes it. Thread-safe.
     """
 
-    def __init__(
-        self,
-        path: Path,
-        tensors: list[OutTensor],
-        metadata: dict[str, str] | None = None,
-        *,
-        background_hash: bool = False,
-    ) -> None:
+    def __init__(self, path: Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
         self.tensors = list(tensors)
-        self._expected = sum(t.nbytes for t in self.tensors)
-        self._out = HashingWriter(self.path, background=background_hash)
-        self._out.write(encode_header(self.tensors, metadata))
-        self._header_len = self._out.bytes_written
-        self._written = 0
+        self.header = header = encode_header(self.tensors, metadata)
+        self._starts = []
+        pos = len(header)
+        for t in self.tensors:
+            self._starts.append(pos)
+            pos += t.nbytes
+        self.size = pos
+        self._got = [0] * len(self.tensors)
+        self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _preallocate(self._fd, self.size)
+        _pwrite_all(self._fd, memoryview(header), 0)
 
-    def write(self, t: torch.Tensor) -> None:
-        """Append the raw bytes of ``t`` (any dtype; made contiguous)."""
+    def write_at(self, index: int, offset: int, t: torch.Tensor) -> torch.Tensor:
+        """Write ``t``'s bytes at ``offset`` within tensor ``index``; returns them (flat uint8)."""
         import torch
 
+        out = self.tensors[index]
+        if t.dtype != torch_dtype(out.dtype):
+            raise RuntimeError(f"{self.path}: got {t.dtype} for {out.name}, expected {out.dtype}")
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if self._written + raw.numel() > self._expected:
-            raise RuntimeError(f"{self.path}: more data than the header declares")
-        if raw.numel():
-            self._out.write(raw.numpy())
-        self._written += raw.numel()
+        n = raw.numel()
+        if offset < 0 or offset + n > out.nbytes:
+            raise RuntimeError(f"{self.path}: {n} bytes at {offset} overflow {out.name} ({out.nbytes} bytes)")
+        if n:
+            _pwrite_all(self._fd, memoryview(raw.numpy()), self._starts[index] + offset)
+        with self._lock:
+            self._got[index] += n
+        return raw
 
     def close(self, *, fsync: bool = False) -> None:
+        """Close the file; ``RuntimeError`` naming a tensor that did not get exactly its bytes."""
         try:
-            if self._written != self._expected:
-                raise RuntimeError(
-                    f"{self.path}: wrote {self._written} data bytes, header declares {self._expected}"
-                )
+            for t, got in zip(self.tensors, self._got, strict=True):
+                if got != t.nbytes:
+                    raise RuntimeError(f"{self.path}: {t.name} got {got} bytes, expected {t.nbytes}")
+            if fsync:
+                os.fsync(self._fd)
         finally:
-            self._out.close(fsync=fsync)
-
-    def digest(self) -> tuple[str, int]:
-        """``(sha256 hex, size)`` of the closed file (waits for a background hash)."""
-        return self._out.hexdigest(), self._out.bytes_written
+            self.abort()
 
     def abort(self) -> None:
-        self._out.close()
-        self._out.hexdigest()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fallocate_fn():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _fallocate_fn()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes for a new file where the filesystem supports it natively (Linux
+    ``fallocate``), which makes the writes that fill it markedly cheaper (no per-page delayed
+    allocation); otherwise nothing. Not ``os.posix_fallocate``: where the filesystem lacks
+    support, that one falls back to writing the file once more."""
+    if _FALLOCATE is not None and size > 0:
+        _FALLOCATE(fd, 0, 0, size)  # failure (unsupported, no space) surfaces, if at all, on write
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    view = view.cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)

@@ -20,7 +20,6 @@ it then raises :class:`StageAborted` and leaves nothing but a ``.partial`` direc
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import time
@@ -29,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest
+from weight_sync.checksum import new_hasher
+from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, check_digest
 from weight_sync.store.base import VersionStore
 
 StageMode = Literal["copy", "inplace"]
@@ -181,8 +181,7 @@ def _layers(store: VersionStore, run_id: str, fmt: str, version: int, manifest: 
 def _check(path: Path, n: int, digest: str, entry: FileEntry) -> None:
     if n != entry.bytes:
         raise ChecksumError(path, f"size {n} != manifest's {entry.bytes}")
-    if digest != entry.sha256:
-        raise ChecksumError(path, f"sha256 {digest[:16]}... != manifest's {entry.sha256[:16]}...")
+    check_digest(path, digest, entry)
 
 
 def _chunk(rate: float | None) -> int:
@@ -200,7 +199,7 @@ def _throttle(done: int, t0: float, rate: float | None) -> None:
 def _hash_file(
     path: Path, entry: FileEntry, *, progress_base: int, progress, rate, name: Path | None = None
 ) -> None:
-    hasher = hashlib.sha256()
+    hasher = new_hasher(entry.algorithm)
     n = 0
     t0 = time.perf_counter()
     try:
@@ -216,7 +215,7 @@ def _hash_file(
 
 
 def _copy_hash(src: Path, dst: Path, entry: FileEntry, base: int, progress, rate, should_abort) -> None:
-    hasher = hashlib.sha256()
+    hasher = new_hasher(entry.algorithm)
     n = 0
     t0 = time.perf_counter()
     try:

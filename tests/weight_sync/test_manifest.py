@@ -1,11 +1,14 @@
-"""Manifest: round trip, atomic write, verification naming the bad file, delta shape."""
+"""Manifest: round trip, atomic write, verification naming the bad file (xxh3-128 and sha256
+entries), delta shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
 import pytest
+import xxhash
 
 from weight_sync.manifest import (
     MANIFEST_NAME,
@@ -29,9 +32,9 @@ def _dir_with_files(tmp_path):
 def test_build_write_read_round_trip(tmp_path) -> None:
     d = _dir_with_files(tmp_path)
     m = build_manifest(d, format="fp8", source_checksum="xxh3_128:abc")
-    assert m.files == {
-        "a.bin": FileEntry(hashlib.sha256(b"hello world").hexdigest(), 11),
-        "sub/b.txt": FileEntry(hashlib.sha256(b"bee\n").hexdigest(), 4),
+    assert m.files == {  # xxh3-128 is the default
+        "a.bin": FileEntry(xxhash.xxh3_128(b"hello world").hexdigest(), 11, "xxh3_128"),
+        "sub/b.txt": FileEntry(xxhash.xxh3_128(b"bee\n").hexdigest(), 4, "xxh3_128"),
     }
     assert m.total_bytes == 15 and m.version is None and m.kind == "full" and m.base_version is None
     m.write(d)
@@ -39,20 +42,52 @@ def test_build_write_read_round_trip(tmp_path) -> None:
     back = Manifest.read(d)
     assert back == m
     data = json.loads((d / MANIFEST_NAME).read_text())
-    assert data["schema"] == 1 and data["format"] == "fp8" and data["files"]["a.bin"]["bytes"] == 11
+    assert data["schema"] == 1 and data["format"] == "fp8"
+    assert data["files"]["a.bin"] == {"xxh3_128": m.files["a.bin"].digest, "bytes": 11}
     assert verify_dir(d) == m
     assert m.with_version(7).version == 7 and m.with_version(7).same_content(m)
 
 
-def test_verify_names_the_bad_file(tmp_path) -> None:
+def test_sha256_manifests_stay_verifiable(tmp_path) -> None:
+    """A manifest naming sha256 (what earlier versions wrote) reads, verifies and round-trips."""
     d = _dir_with_files(tmp_path)
-    build_manifest(d, format="bf16").write(d)
+    m = build_manifest(d, format="fp8", algorithm="sha256")
+    assert m.files["a.bin"] == FileEntry(hashlib.sha256(b"hello world").hexdigest(), 11, "sha256")
+    legacy = {  # written by hand, in the layout earlier versions used
+        "schema": 1,
+        "version": None,
+        "format": "fp8",
+        "kind": "full",
+        "base_version": None,
+        "source_checksum": "",
+        "tensor_count": 0,
+        "total_bytes": 15,
+        "files": {
+            "a.bin": {"sha256": hashlib.sha256(b"hello world").hexdigest(), "bytes": 11},
+            "sub/b.txt": {"sha256": hashlib.sha256(b"bee\n").hexdigest(), "bytes": 4},
+        },
+    }
+    (d / MANIFEST_NAME).write_text(json.dumps(legacy))
+    assert verify_dir(d) == m
+    assert json.loads(m.to_json())["files"] == legacy["files"]
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "mixed"])
+def test_verify_names_the_bad_file(tmp_path, algorithm) -> None:
+    d = _dir_with_files(tmp_path)
+    m = build_manifest(d, format="bf16", algorithm="sha256" if algorithm == "mixed" else algorithm)
+    if algorithm == "mixed":  # one entry by each algorithm
+        xxh = build_manifest(d, format="bf16", algorithm="xxh3_128")
+        m = dataclasses.replace(m, files={**m.files, "a.bin": xxh.files["a.bin"]})
+        assert {e.algorithm for e in m.files.values()} == {"xxh3_128", "sha256"}
+    m.write(d)
+    assert verify_dir(d) == m
     raw = bytearray((d / "a.bin").read_bytes())
     raw[3] ^= 0x01
     (d / "a.bin").write_bytes(bytes(raw))
     with pytest.raises(ChecksumError, match="a.bin") as exc:
         verify_dir(d)
-    assert exc.value.path == d / "a.bin" and "sha256" in str(exc.value)
+    assert exc.value.path == d / "a.bin" and m.files["a.bin"].algorithm in str(exc.value)
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "extra"])
@@ -81,13 +116,19 @@ def test_malformed_and_missing_manifest(tmp_path) -> None:
     (tmp_path / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ManifestError, match="not valid JSON"):
         Manifest.read(tmp_path)
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "fp8", "files": {"a": {"sha256": 3}}}))
-    with pytest.raises(ManifestError, match="malformed"):
-        Manifest.read(tmp_path)
+    for entry in (
+        {"sha256": 3, "bytes": 1},  # digest not a string
+        {"md5": "00", "bytes": 1},  # unknown algorithm
+        {"sha256": "00", "xxh3_128": "00", "bytes": 1},  # two digests
+        {"xxh3_128": "00"},  # no size
+    ):
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "fp8", "files": {"a": entry}}))
+        with pytest.raises(ManifestError, match="malformed"):
+            Manifest.read(tmp_path)
 
 
 def test_delta_kind_needs_a_base() -> None:
-    files = {"model-00001-of-00002.safetensors": FileEntry("0" * 64, 10)}
+    files = {"model-00001-of-00002.safetensors": FileEntry("0" * 32, 10, "xxh3_128")}
     delta = Manifest(7, "fp8", "delta", 6, "xxh3_128:s", files, tensor_count=3, total_bytes=10)
     assert Manifest.from_dict(json.loads(delta.to_json())) == delta
     assert not delta.same_content(Manifest(7, "fp8", "full", None, "xxh3_128:s", files, 3, 10))

@@ -94,15 +94,21 @@ def test_pointer_moves_forward_only_and_only_to_committed(tmp_path) -> None:
     assert store.read_pointer(RUN, FMT) == 3
 
 
-def test_verify_names_the_flipped_shard(tmp_path) -> None:
-    store = LocalStore(tmp_path)
-    d = store.staging_dir(RUN, FMT, 1)
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+@pytest.mark.parametrize("outside", [False, True])
+def test_verify_names_the_flipped_shard(tmp_path, algorithm, outside) -> None:
+    """Manifests naming either checksum publish (a copy from outside checks each file on the
+    way in) and verify; a flipped byte is found and the file named."""
+    store = LocalStore(tmp_path / "store")
+    d = tmp_path / "converted" if outside else store.staging_dir(RUN, FMT, 1)
+    d.mkdir(parents=True, exist_ok=True)
     for i in (1, 2):
         tensors = {f"w{i}": torch.arange(4096, dtype=torch.float32).reshape(64, 64) * i}
         save_file(tensors, str(d / f"model-0000{i}-of-00002.safetensors"))
-    build_manifest(d, format=FMT).write(d)
+    build_manifest(d, format=FMT, algorithm=algorithm).write(d)
     m = store.publish(RUN, FMT, 1, d)
-    assert m.tensor_count == 2
+    assert m.tensor_count == 2 and {e.algorithm for e in m.files.values()} == {algorithm}
+    assert store.verify(RUN, FMT, 1) == m
     shard = store.version_dir(RUN, FMT, 1) / "model-00002-of-00002.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[5000] ^= 0x80

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.formats import _kernels, _parallel
+from weight_sync.formats import _parallel
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per-task overhead (microseconds) vanishes, small enough to balance two busy cores.
 CHUNK_ELEMENTS = 1 << 20
 
-INF_BITS = _kernels.INF_BITS  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
+INF_BITS = 0x7F800000  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
 
 
 def describe(t: torch.Tensor) -> str:
@@ -78,10 +78,19 @@ def raise_if_nonfinite(max_abs_bits: int, w: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: tensor of {describe(w)} contains NaN or Inf")
 
 
+def kernels():
+    """The ``_kernels`` module, imported on first use: importing numba takes a noticeable part of a
+    second, which processes that only dequantize (the engines) never pay."""
+    from weight_sync.formats import _kernels
+
+    return _kernels
+
+
 def abs_max_bits(w: torch.Tensor) -> int:
     """The float32 bit pattern of ``max |w|`` over all of the contiguous tensor ``w`` (0 if empty)."""
     x = bits(w)
-    tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: _kernels.abs_max_bits(x[i:j]))
+    kernel = kernels().abs_max_bits
+    tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
     return int(max(tops, default=0))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common, _kernels, _parallel
+from weight_sync.formats import _common, _parallel
 
 E2M1_VALUES: tuple[float, ...] = (
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -41,7 +41,8 @@ def encode(q: torch.Tensor, *, negative_zero_sign: bool) -> torch.Tensor:
     """
     q = _float32_checked(q, "fp4.encode")
     out = torch.empty(q.shape, dtype=torch.uint8)
-    _kernels.e2m1_codes(q.reshape(-1).numpy(), negative_zero_sign, out.reshape(-1).numpy())
+    kernel = _common.kernels().e2m1_codes
+    kernel(q.reshape(-1).numpy(), negative_zero_sign, out.reshape(-1).numpy())
     return out
 
 

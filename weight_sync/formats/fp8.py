@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from weight_sync.formats import _common, _kernels, _parallel
+from weight_sync.formats import _common, _parallel
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -56,13 +56,12 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
         return res
     x = _common.bits(w)
     codes, scales = _common.as_array(res["weight"]), _common.as_array(res["weight_scale_inv"])
+    kernel = _common.kernels().fp8_rows
     bands = max(1, _common.CHUNK_ELEMENTS // (BLOCK * k))  # 128-row bands per task
 
     def task(b0: int, b1: int) -> int:
         r0, r1 = b0 * BLOCK, min(n, b1 * BLOCK)
-        return _kernels.fp8_rows(
-            x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb]
-        )
+        return kernel(x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb])
 
     top = max(_parallel.run_ranges(nb, bands, task))
     _common.raise_if_nonfinite(int(top), w, where)

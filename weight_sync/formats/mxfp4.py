@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common, _kernels, _parallel
+from weight_sync.formats import _common, _parallel
 
 BLOCK = 32
 E2M1_MAX_POW2 = 2
@@ -44,10 +44,11 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
     )
     x = _common.bits(w)
     blocks, scales = _common.as_array(res["blocks"]), _common.as_array(res["scales"])
+    kernel = _common.kernels().mxfp4_blocks
     step = max(1, _common.CHUNK_ELEMENTS // BLOCK)  # blocks per task
 
     def task(b0: int, b1: int) -> int:
-        return _kernels.mxfp4_blocks(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
+        return kernel(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
 
     top = max(_parallel.run_ranges(x.size // BLOCK, step, task), default=0)
     _common.raise_if_nonfinite(int(top), w, where)

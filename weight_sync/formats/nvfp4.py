@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _kernels, _parallel
+from weight_sync.formats import _common, _parallel
 
 GROUP = 16
 FP8_MAX = 448.0
@@ -126,12 +126,11 @@ def quantize(
     else:
         six_ws2 = np.float32((E2M1_MAX * ws2).item())  # one float32 product, as ModelOpt
         ws2_f = np.float32(ws2.item())
+        kernel = _common.kernels().nvfp4_groups
         step = max(1, _common.CHUNK_ELEMENTS // GROUP)  # groups per task
 
         def task(g0: int, g1: int) -> int:
-            return _kernels.nvfp4_groups(
-                x[g0 * GROUP : g1 * GROUP], six_ws2, ws2_f, packed[g0 * 8 : g1 * 8], scale[g0:g1]
-            )
+            return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2_f, packed[g0 * 8 : g1 * 8], scale[g0:g1])
 
         top = max(_parallel.run_ranges(x.size // GROUP, step, task), default=0)
     _common.raise_if_nonfinite(int(top), w, where)

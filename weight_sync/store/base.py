@@ -14,7 +14,8 @@ publishing process is killed at any instruction:
 - the pointer never moves backwards (a rollback publishes a new, higher number);
 - a committed version never changes: committing the same number again with other bytes is
   refused (``VersionConflict``), with the same bytes it is a no-op;
-- ``verify`` recomputes every file's sha256 and raises ``ChecksumError`` naming the bad file.
+- ``verify`` recomputes every file's digest (the algorithm its manifest entry names: xxh3-128 or
+  sha256) and raises ``ChecksumError`` naming the bad file.
 """
 
 from __future__ import annotations

@@ -154,15 +154,15 @@ class LocalStore(VersionStore):
         return existing
 
     def _copy_in(self, run_id: str, fmt: str, version: int, src: Path, manifest: Manifest) -> Path:
-        """Copy ``src``'s listed files into a fresh staging directory, checking each sha256."""
+        """Copy ``src``'s listed files into a fresh staging directory, checking each digest."""
         dst = self.staging_dir(run_id, fmt, version)
         try:
             for rel, entry in manifest.files.items():
                 (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-                with open(src / rel, "rb") as f, HashingWriter(dst / rel) as out:
+                with open(src / rel, "rb") as f, HashingWriter(dst / rel, algorithm=entry.algorithm) as out:
                     while chunk := f.read(8 << 20):
                         out.write(chunk)
-                if out.hexdigest() != entry.sha256 or out.bytes_written != entry.bytes:
+                if out.hexdigest() != entry.digest or out.bytes_written != entry.bytes:
                     raise ChecksumError(src / rel, "content does not match its manifest")
         except BaseException:
             shutil.rmtree(dst, ignore_errors=True)
