@@ -75,8 +75,12 @@ def pack(w: torch.Tensor) -> PackedBf16:
     return PackedBf16(panels, n, k)
 
 
-def linear(x: torch.Tensor, w: PackedBf16) -> torch.Tensor:
-    """``x @ W.T`` float32 ``[..., n]`` for ``x`` ``[..., k]`` float32 (``available()`` must be True)."""
+def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` float32 ``[..., n]`` for ``x`` ``[..., k]`` float32 (``available()`` must be True).
+
+    ``out``: write the result there instead (``[rows, n]`` float32 with unit column stride, e.g. a
+    block of rows of a larger tensor; ``n`` must then be a multiple of 32) and return it.
+    """
     fn = _kernel()
     assert fn is not None, "the bf16-weight kernel is not available"
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
@@ -85,12 +89,19 @@ def linear(x: torch.Tensor, w: PackedBf16) -> torch.Tensor:
     x2 = x.reshape(-1, w.k).contiguous()
     m = x2.shape[0]
     padded = w.panels.shape[0] * PANEL
-    out = torch.empty(m, padded)
+    if out is not None:
+        if (out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or padded != w.n
+                or (m > 1 and out.stride(1) != 1)):
+            raise ValueError(f"linear: out must be float32 [{m}, {w.n}] rows, n a multiple of {PANEL}")
+        if m:
+            fn(x2.data_ptr(), m, w.k, w.panels.data_ptr(), out.stride(0), out.data_ptr(), padded)
+        return out
+    res = torch.empty(m, padded)
     if m:
-        fn(x2.data_ptr(), m, w.k, w.panels.data_ptr(), padded, out.data_ptr())
+        fn(x2.data_ptr(), m, w.k, w.panels.data_ptr(), padded, res.data_ptr(), padded)
     if padded != w.n:
-        out = out[:, : w.n].contiguous()
-    return out.view(*lead, w.n)
+        res = res[:, : w.n].contiguous()
+    return res.view(*lead, w.n)
 
 
 def available() -> bool:
@@ -129,7 +140,7 @@ def _compile() -> tuple[Any, Any]:
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
     proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p)
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     return engine, proto(engine.get_function_address("gemm_bf16w"))
 
 
@@ -195,12 +206,13 @@ def _tile(rows: int) -> str:
 
 
 def _ir() -> str:
-    """The module: ``@gemm_bf16w(x, M, K, panels, N, out)`` (``M, K >= 1``, ``N`` a multiple of 32,
-    ``x`` ``[M, K]`` and ``out`` ``[M, N]`` row-major float32) over ``@tile1`` .. ``@tile12``."""
+    """The module: ``@gemm_bf16w(x, M, K, panels, ldo, out, N)`` (``M, K >= 1``, ``N`` a multiple of
+    32; ``x`` ``[M, K]`` row-major float32, ``out`` ``[M, N]`` float32 with row stride ``ldo``) over
+    ``@tile1`` .. ``@tile12``."""
     cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
     s = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)"]
     s += [_tile(r) for r in range(1, MAX_ROWS + 1)]
-    s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %N, ptr %out) {{
+    s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out, i64 %N) {{
 entry:
   %np = udiv i64 %N, 32
   %pstride = mul i64 %K, 32
@@ -218,7 +230,7 @@ rows:
   %mr = select i1 %short, i64 %rem, i64 {MAX_ROWS}
   %xofs = mul i64 %m0, %K
   %xrow = getelementptr float, ptr %x, i64 %xofs
-  %oofs0 = mul i64 %m0, %N
+  %oofs0 = mul i64 %m0, %ldo
   %oofs = add i64 %oofs0, %ocol
   %orow = getelementptr float, ptr %out, i64 %oofs
   br label %chunk
@@ -233,7 +245,7 @@ chunk:
   %wk = getelementptr i16, ptr %wpanel, i64 %wk0
   switch i64 %mr, label %chunk_next [ {cases} ]""")
     for r in range(1, MAX_ROWS + 1):
-        s.append(f"t{r}:\n  call void @tile{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %N, "
+        s.append(f"t{r}:\n  call void @tile{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
                  "i1 %add)\n  br label %chunk_next")
     s.append("""chunk_next:
   %k1 = add i64 %k0, %kc

@@ -146,26 +146,36 @@ class Experts:
         order = torch.argsort(flat_idx, stable=True)
         token_of = order // k
         counts = torch.bincount(flat_idx, minlength=len(self.gate_up)).tolist()
-        xs = x[token_of]
+        spans, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                spans.append((e, start, start + c))
+                start += c
+        xs = x[token_of]  # rows sorted by expert
         if self.fp8_activations:
             xs = quantize_activations_fp8(xs)
         inter = self.inter
-        out = torch.empty(xs.shape[0], x.shape[1], dtype=x.dtype)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            end = start + c
-            gu = linear(xs[start:end], self.gate_up[e])
-            h = F.silu(gu[:, :inter]) * gu[:, inter:]
-            if self.fp8_activations:
-                h = quantize_activations_fp8(h)
-            out[start:end] = linear(h, self.down[e])
-            start = end
+        gu = torch.empty(n * k, 2 * inter)
+        for e, a, b in spans:
+            _linear_into(xs[a:b], self.gate_up[e], gu[a:b])
+        h = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:])
+        if self.fp8_activations:
+            h = quantize_activations_fp8(h)
+        out = torch.empty(n * k, x.shape[1])
+        for e, a, b in spans:
+            _linear_into(h[a:b], self.down[e], out[a:b])
         out.mul_(top_w.reshape(-1)[order, None])
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
+
+
+def _linear_into(x: torch.Tensor, w: Packed, out: torch.Tensor) -> None:
+    """``out[:] = linear(x, w)`` (straight into ``out`` where the kernel can write there)."""
+    if isinstance(w, kernels.PackedBf16) and w.n % kernels.PANEL == 0:
+        kernels.linear(x, w, out=out)
+    else:
+        out.copy_(linear(x, w))
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool

@@ -1,10 +1,9 @@
 """The bf16-weight GEMM kernel (``fleet.engine.kernels``) against float64 references.
 
-Bound: float32 products summed in float32 have an error of at most about (terms summed in one
-chain) x 2^-24 x sum|x_k w_k|; the kernel's chains are 64 + K/64 long, a plain loop's K. The
-test asserts 2e-6 x sum|x_k w_k| (above a blocked GEMM's typical error, 40x below the sequential
-worst case for K = 512) and that the kernel is no less accurate than torch's float32 product
-beyond a factor 2.
+Bound: float32 products summed in float32 err by at most about (terms summed in one chain) x 2^-24
+x sum|x_k w_k|; the kernel's chains are 64 + K/64 long. Measured: at most 4 such units (2^-24 x
+sum|x_k w_k|) on these shapes, like a blocked BLAS GEMM; the test allows 16 (a plain K-long
+sequential sum would reach about sqrt(K) ~ 22 units typically and K worst case).
 """
 
 from __future__ import annotations
@@ -42,9 +41,7 @@ def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
     ref = x.double() @ w.double().t()
     scale = x.double().abs() @ w.double().abs().t()
     err = (y.double() - ref).abs()
-    assert (err <= 2e-6 * scale).all(), float((err / scale).max())
-    torch_err = (x @ w.float().t()).double().sub(ref).abs().max()
-    assert err.max() <= 2 * torch_err + 1e-12
+    assert (err <= 16 * 2.0**-24 * scale).all(), float((err / scale).max() / 2.0**-24)
 
 
 def test_shapes_and_float_weights_exact_in_bf16() -> None:
@@ -79,3 +76,15 @@ def test_formats_use_the_kernel_where_exact(model_root: Path, fmt: str, bf16_wei
     layer = model._layers[0]
     weights = [layer.o_proj.weight, *layer.experts.gate_up, *layer.experts.down]
     assert all(isinstance(w, kernels.PackedBf16) == bf16_weights for w in weights)
+
+
+def test_writes_into_a_block_of_rows() -> None:
+    w = torch.randn(64, 48).bfloat16()
+    x = torch.randn(5, 48)
+    big = torch.full((9, 64), float("nan"))
+    res = kernels.linear(x, kernels.pack(w), out=big[2:7])
+    assert res.data_ptr() == big[2:7].data_ptr()
+    torch.testing.assert_close(big[2:7], x @ w.float().t(), atol=1e-5, rtol=0)
+    assert big[:2].isnan().all() and big[7:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.linear(x, kernels.pack(w[:40]), out=torch.empty(5, 40))  # 40 columns: padded panels
