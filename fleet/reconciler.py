@@ -363,6 +363,7 @@ class Reconciler:
             t0 = time.perf_counter()
             update_s = 0.0
             refused: str | None = None
+            engine_message = ""
             pause = self.config.activation == "pause"
             if pause:
                 try:
@@ -379,6 +380,7 @@ class Reconciler:
                 )
                 update_s = time.perf_counter() - t_u
                 body = _json(r)
+                engine_message = str(body.get("message") or "")
                 if r.status_code != 200 or body.get("success") is False:
                     refused = str(body.get("message") or body.get("error") or f"HTTP {r.status_code}")
             except httpx.HTTPError as exc:
@@ -417,11 +419,13 @@ class Reconciler:
             if s.desired_version == target:
                 self._set_ready(True)
         log.info(
-            "replica %s active at version %d (stage %.3fs, pause %.3fs)",
+            "replica %s active at version %d (stage %.3fs, pause %.3fs, update %.3fs; engine: %s)",
             self.config.replica_id,
             target,
             staged.seconds,
             pause_s,
+            update_s,
+            engine_message[:200],
         )
         if staged.copied:
             with contextlib.suppress(Exception):
