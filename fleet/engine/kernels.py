@@ -24,6 +24,8 @@ callers use their float32 path.
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import ctypes
 import logging
 import threading
@@ -80,28 +82,113 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
 
     ``out``: write the result there instead (``[rows, n]`` float32 with unit column stride, e.g. a
     block of rows of a larger tensor; ``n`` must then be a multiple of 32) and return it.
+    Large products are split by output columns over ``torch.get_num_threads()`` threads.
     """
-    fn = _kernel()
-    assert fn is not None, "the bf16-weight kernel is not available"
+    fns = _kernel()
+    assert fns is not None, "the bf16-weight kernel is not available"
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
         raise ValueError(f"linear: x must be float32 [..., {w.k}], got {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
     m = x2.shape[0]
-    padded = w.panels.shape[0] * PANEL
+    n_panels = w.panels.shape[0]
+    padded = n_panels * PANEL
     if out is not None:
         if (out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or padded != w.n
                 or (m > 1 and out.stride(1) != 1)):
             raise ValueError(f"linear: out must be float32 [{m}, {w.n}] rows, n a multiple of {PANEL}")
-        if m:
-            fn(x2.data_ptr(), m, w.k, w.panels.data_ptr(), out.stride(0), out.data_ptr(), padded)
-        return out
-    res = torch.empty(m, padded)
+        res, ldo = out, out.stride(0)
+    else:
+        res, ldo = torch.empty(m, padded), padded
     if m:
-        fn(x2.data_ptr(), m, w.k, w.panels.data_ptr(), padded, res.data_ptr(), padded)
+        args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr())
+        parts = _parts(m * w.k * padded, n_panels)
+        _run([(fns.gemm, (*args, a, b)) for a, b in _split(n_panels, parts)])
+    if out is not None:
+        return out
     if padded != w.n:
         res = res[:, : w.n].contiguous()
     return res.view(*lead, w.n)
+
+
+@dataclass(frozen=True)
+class PackedGroup:
+    """Weights of the same shape ``[n, k]`` (``n`` a multiple of 32), packed, with a table of their
+    panels' addresses for ``grouped`` (the tensors are kept alive here)."""
+
+    weights: tuple[PackedBf16, ...]
+    table: torch.Tensor  # int64 [len(weights)]: panel data pointers
+    n: int
+    k: int
+
+    @classmethod
+    def of(cls, weights: list[PackedBf16]) -> PackedGroup:
+        n, k = weights[0].shape
+        if any(w.shape != (n, k) for w in weights) or n % PANEL:
+            raise ValueError(f"a packed group needs weights of one shape with n a multiple of {PANEL}")
+        table = torch.tensor([w.panels.data_ptr() for w in weights], dtype=torch.int64)
+        return cls(tuple(weights), table, n, k)
+
+
+def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: torch.Tensor) -> torch.Tensor:
+    """For every weight ``e`` of ``group``: ``out[a:b] = x[a:b] @ W_e.T`` with ``a, b = offsets[e],
+    offsets[e+1]`` (rows sorted by weight, e.g. tokens by expert). ``x`` ``[rows, k]`` and ``out``
+    ``[rows, n]`` contiguous float32, ``offsets`` int64 ``[len(group.weights) + 1]`` nondecreasing
+    from 0 to ``rows``. Split by weights (balancing rows) over ``torch.get_num_threads()`` threads.
+    """
+    fns = _kernel()
+    assert fns is not None, "the bf16-weight kernel is not available"
+    rows = x.shape[0]
+    e = len(group.weights)
+    if (x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous()
+            or not out.is_contiguous() or x.shape != (rows, group.k) or out.shape != (rows, group.n)
+            or offsets.dtype != torch.int64 or offsets.shape != (e + 1,) or not offsets.is_contiguous()):
+        raise ValueError("grouped: x [rows, k], out [rows, n] contiguous float32, offsets int64 [E + 1]")
+    args = (x.data_ptr(), offsets.data_ptr(), group.table.data_ptr(), group.k, group.n, out.data_ptr(),
+            group.n // PANEL)
+    parts = _parts(rows * group.k * group.n, e)
+    if parts == 1:
+        _run([(fns.grouped, (*args, 0, e))])
+        return out
+    # Cut the weights where the running row count crosses each 1/parts of the rows.
+    offs = offsets.tolist()
+    bounds = [0, *(bisect.bisect_left(offs, rows * i / parts) for i in range(1, parts)), e]
+    _run([(fns.grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
+    return out
+
+
+# Below this many multiply-adds a product runs on one thread (a thread hand-off costs ~20 us).
+PARALLEL_MIN_WORK = 4_000_000
+_pool: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _parts(work: int, units: int) -> int:
+    threads = torch.get_num_threads()
+    if threads <= 1 or work < PARALLEL_MIN_WORK:
+        return 1
+    return max(1, min(threads, units))
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
+
+
+def _run(calls: list[tuple[Any, tuple]]) -> None:
+    """Run the native calls (each releases the GIL): all but the last on pool threads, the last here."""
+    if len(calls) == 1:
+        fn, args = calls[0]
+        fn(*args)
+        return
+    pool = _pool.get(len(calls) - 1)
+    if pool is None:
+        pool = _pool.setdefault(len(calls) - 1, concurrent.futures.ThreadPoolExecutor(
+            len(calls) - 1, thread_name_prefix="bf16-gemm"))
+    futures = [pool.submit(fn, *args) for fn, args in calls[:-1]]
+    fn, args = calls[-1]
+    fn(*args)
+    for f in futures:
+        f.result()
 
 
 def available() -> bool:
@@ -126,7 +213,7 @@ def _kernel() -> Any:
     return _state["fn"]
 
 
-def _compile() -> tuple[Any, Any]:
+def _compile() -> tuple[Any, _Fns]:
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
@@ -139,9 +226,17 @@ def _compile() -> tuple[Any, Any]:
     mod.verify()
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
-    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
-    return engine, proto(engine.get_function_address("gemm_bf16w"))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    gemm = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, i64, ptr, i64, i64)
+    grouped = ctypes.CFUNCTYPE(None, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64)
+    return engine, _Fns(gemm(engine.get_function_address("gemm_bf16w")),
+                        grouped(engine.get_function_address("gemm_grouped")))
+
+
+@dataclass(frozen=True)
+class _Fns:
+    gemm: Any
+    grouped: Any
 
 
 def _tile(rows: int) -> str:
@@ -206,19 +301,25 @@ def _tile(rows: int) -> str:
 
 
 def _ir() -> str:
-    """The module: ``@gemm_bf16w(x, M, K, panels, ldo, out, N)`` (``M, K >= 1``, ``N`` a multiple of
-    32; ``x`` ``[M, K]`` row-major float32, ``out`` ``[M, N]`` float32 with row stride ``ldo``) over
-    ``@tile1`` .. ``@tile12``."""
+    """The module, over ``@tile1`` .. ``@tile12``:
+
+    - ``@gemm_bf16w(x, M, K, panels, ldo, out, p0, p1)``: output columns ``[32 p0, 32 p1)`` of
+      ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32; ``out`` float32 with row
+      stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``);
+    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, e0, e1)``: for each group ``e`` in
+      ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s weight (``np``
+      panels) into the same rows of ``out``.
+    """
     cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
     s = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)"]
     s += [_tile(r) for r in range(1, MAX_ROWS + 1)]
-    s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out, i64 %N) {{
+    s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
+                        i64 %p0, i64 %p1) {{
 entry:
-  %np = udiv i64 %N, 32
   %pstride = mul i64 %K, 32
   br label %panel
 panel:
-  %p = phi i64 [0, %entry], [%p1, %panel_next]
+  %p = phi i64 [%p0, %entry], [%pn, %panel_next]
   %wofs = mul i64 %p, %pstride
   %wpanel = getelementptr i16, ptr %w, i64 %wofs
   %ocol = mul i64 %p, 32
@@ -256,9 +357,39 @@ rows_next:
   %mdone = icmp uge i64 %m1, %M
   br i1 %mdone, label %panel_next, label %rows
 panel_next:
-  %p1 = add i64 %p, 1
-  %pdone = icmp eq i64 %p1, %np
+  %pn = add i64 %p, 1
+  %pdone = icmp uge i64 %pn, %p1
   br i1 %pdone, label %exit, label %panel
+exit:
+  ret void
+}""")
+    s.append("""define void @gemm_grouped(ptr %x, ptr %offs, ptr %ws, i64 %K, i64 %ldo, ptr %out, i64 %np,
+                          i64 %e0, i64 %e1) {
+entry:
+  %none = icmp uge i64 %e0, %e1
+  br i1 %none, label %exit, label %expert
+expert:
+  %e = phi i64 [%e0, %entry], [%en, %next]
+  %ap = getelementptr i64, ptr %offs, i64 %e
+  %a = load i64, ptr %ap, align 8
+  %en = add i64 %e, 1
+  %bp = getelementptr i64, ptr %offs, i64 %en
+  %b = load i64, ptr %bp, align 8
+  %m = sub i64 %b, %a
+  %empty = icmp sle i64 %m, 0
+  br i1 %empty, label %next, label %run
+run:
+  %wpp = getelementptr ptr, ptr %ws, i64 %e
+  %w = load ptr, ptr %wpp, align 8
+  %xofs = mul i64 %a, %K
+  %xe = getelementptr float, ptr %x, i64 %xofs
+  %oofs = mul i64 %a, %ldo
+  %oe = getelementptr float, ptr %out, i64 %oofs
+  call void @gemm_bf16w(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, i64 0, i64 %np)
+  br label %next
+next:
+  %done = icmp uge i64 %en, %e1
+  br i1 %done, label %exit, label %expert
 exit:
   ret void
 }""")

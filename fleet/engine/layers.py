@@ -124,17 +124,24 @@ class Linear:
 @dataclass(frozen=True)
 class Experts:
     """E SwiGLU experts: per expert ``gate_up[e]`` = ``pack([gate; up])`` (``[2I, H]``, gate rows
-    first) and ``down[e]`` = ``pack(down)`` (``[H, I]``); ``inter`` = I."""
+    first) and ``down[e]`` = ``pack(down)`` (``[H, I]``); ``inter`` = I. Where every weight went
+    to the bf16 kernel, ``groups`` holds them as two ``kernels.PackedGroup`` (gate/up, down), and
+    each projection of all experts is one native call."""
 
     gate_up: list[Packed]
     down: list[Packed]
     inter: int
     fp8_activations: bool = False
+    groups: tuple[kernels.PackedGroup, kernels.PackedGroup] | None = None
 
     @classmethod
     def of(cls, gate_up: list[torch.Tensor], down: list[torch.Tensor], fp8_activations: bool) -> Experts:
         """From the checkpoint's per-expert ``[gate; up]`` ``[2I, H]`` and ``down`` ``[H, I]`` weights."""
-        return cls([pack(w) for w in gate_up], [pack(w) for w in down], down[0].shape[1], fp8_activations)
+        gu, dn = [pack(w) for w in gate_up], [pack(w) for w in down]
+        groups = None
+        if all(isinstance(w, kernels.PackedBf16) and w.n % kernels.PANEL == 0 for w in gu + dn):
+            groups = (kernels.PackedGroup.of(gu), kernels.PackedGroup.of(dn))
+        return cls(gu, dn, down[0].shape[1], fp8_activations, groups)
 
     def __call__(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's selected experts.
@@ -142,40 +149,38 @@ class Experts:
         ``x`` ``[N, H]``; ``top_idx`` / ``top_w`` ``[N, k]``.
         """
         n, k = top_idx.shape
+        n_experts = len(self.gate_up)
         flat_idx = top_idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         token_of = order // k
-        counts = torch.bincount(flat_idx, minlength=len(self.gate_up)).tolist()
-        spans, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                spans.append((e, start, start + c))
-                start += c
-        xs = x[token_of]  # rows sorted by expert
+        offsets = torch.zeros(n_experts + 1, dtype=torch.long)
+        torch.cumsum(torch.bincount(flat_idx, minlength=n_experts), 0, out=offsets[1:])
+        xs = x[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]
         if self.fp8_activations:
             xs = quantize_activations_fp8(xs)
         inter = self.inter
         gu = torch.empty(n * k, 2 * inter)
-        for e, a, b in spans:
-            _linear_into(xs[a:b], self.gate_up[e], gu[a:b])
+        out = torch.empty(n * k, x.shape[1])
+        spans = None
+        if self.groups is not None:
+            kernels.grouped(xs, offsets, self.groups[0], gu)
+        else:
+            offs = offsets.tolist()
+            spans = [(e, offs[e], offs[e + 1]) for e in range(n_experts) if offs[e + 1] > offs[e]]
+            for e, a, b in spans:
+                gu[a:b] = linear(xs[a:b], self.gate_up[e])
         h = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:])
         if self.fp8_activations:
             h = quantize_activations_fp8(h)
-        out = torch.empty(n * k, x.shape[1])
-        for e, a, b in spans:
-            _linear_into(h[a:b], self.down[e], out[a:b])
+        if spans is None:
+            kernels.grouped(h, offsets, self.groups[1], out)
+        else:
+            for e, a, b in spans:
+                out[a:b] = linear(h[a:b], self.down[e])
         out.mul_(top_w.reshape(-1)[order, None])
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
-
-
-def _linear_into(x: torch.Tensor, w: Packed, out: torch.Tensor) -> None:
-    """``out[:] = linear(x, w)`` (straight into ``out`` where the kernel can write there)."""
-    if isinstance(w, kernels.PackedBf16) and w.n % kernels.PANEL == 0:
-        kernels.linear(x, w, out=out)
-    else:
-        out.copy_(linear(x, w))
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool

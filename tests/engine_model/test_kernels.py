@@ -88,3 +88,32 @@ def test_writes_into_a_block_of_rows() -> None:
     assert big[:2].isnan().all() and big[7:].isnan().all()
     with pytest.raises(ValueError, match="out must be"):
         kernels.linear(x, kernels.pack(w[:40]), out=torch.empty(5, 40))  # 40 columns: padded panels
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Rows sorted by group (empty groups included) times each group's weight equal the products
+    one at a time, bit for bit, however the work is split over threads (each output element is
+    computed by the same code either way)."""
+    g = torch.Generator().manual_seed(threads)
+    weights = [torch.randn(64, 48, generator=g).bfloat16() for _ in range(6)]
+    group = kernels.PackedGroup.of([kernels.pack(w) for w in weights])
+    counts = [3, 0, 14, 1, 0, 9]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    x = torch.randn(sum(counts), 48, generator=g)
+    alone = torch.cat([kernels.linear(x[a:b], kernels.pack(w))
+                       for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WORK", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.grouped(x, offsets, group, torch.empty(sum(counts), 64))
+        wide = kernels.pack(torch.randn(200, 48, generator=g).bfloat16())
+        split = kernels.linear(x, wide)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, alone)
+    assert torch.equal(split, kernels.linear(x, wide))
+    ref = torch.cat([x[a:b] @ w.float().t()
+                     for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
