@@ -10,6 +10,8 @@ patterns at or above the all-ones exponent.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -69,7 +71,7 @@ def as_array(t: torch.Tensor) -> np.ndarray:
 
 def f32_of_bits(b: int) -> float:
     """The value of the float32 bit pattern ``b``."""
-    return float(np.array([b], dtype=np.uint32).view(np.float32)[0])
+    return struct.unpack("<f", struct.pack("<I", b))[0]
 
 
 def raise_if_nonfinite(max_abs_bits: int, w: torch.Tensor, where: str) -> None:
@@ -100,7 +102,7 @@ def outputs(
     """The output tensors of a quantizer: ``out``'s (checked against ``spec``: name -> (shape,
     dtype); contiguous) or freshly allocated ones. Raises ``ValueError`` naming a mismatch."""
     if out is None:
-        return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+        return {name: _empty(shape, dtype) for name, (shape, dtype) in spec.items()}
     got = {}
     for name, (shape, dtype) in spec.items():
         t = out.get(name)
@@ -116,3 +118,13 @@ def outputs(
             raise ValueError(f"{where}: out[{name!r}] must be a contiguous CPU tensor of {want}, got {have}")
         got[name] = t
     return got
+
+
+# numpy's allocation is several times cheaper than torch.empty for the many small outputs of a
+# converter's chunks; float8 is allocated as bytes and viewed.
+_NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float32: np.float32, torch.float8_e4m3fn: np.uint8}
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[dtype]))
+    return t.view(dtype) if dtype == torch.float8_e4m3fn else t

@@ -9,6 +9,9 @@ the results bit-identical to the scalar rules in the format modules. Every kerne
 largest ``|x|`` it saw as a float32 bit pattern (``>= 0x7F800000`` means NaN or Inf), so callers
 refuse non-finite input after the fact. Kernels release the GIL (``nogil``) and are single
 threaded: callers run disjoint slices on their own threads.
+
+Keep every piece of kernel code (helpers, intrinsics, constants) in this file: numba's on-disk
+cache of a kernel is invalidated by changes to the file that defines it, not to files it uses.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ _ONE = np.float32(1.0)
 _NV_SCALE_MIN = np.float32(2.0**-9)
 _FP8_AMAX_FLOOR = np.float32(1e-4)
 _DENORM_ADD = np.float32(2.0**14)  # ulp(2**14) in float32 is 2**-9, the e4m3 subnormal step
-_E2M1_EDGES = tuple(np.float32(v) for v in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
 
 _E4M3_DENORM_BITS = 141 << 23  # float32 bits of 2**14
 _E4M3_MIN_NORMAL_BITS = 121 << 23  # float32 bits of 2**-6
 _E4M3_MAX_BITS = 0x43E00000  # float32 bits of 448
+_F32_1_BITS = 0x3F800000  # float32 bits of 1.0
+_F32_8_BITS = 0x41000000  # float32 bits of 8.0
 
 
 # --- bit casts -------------------------------------------------------------------------------
@@ -82,6 +86,54 @@ def _f32_bits_impl(v):
     return None
 
 
+def _abs_max_start(x):  # pragma: no cover - replaced by the overload inside kernels
+    raise NotImplementedError
+
+
+def _abs_max_step(m, v):  # pragma: no cover - replaced by the overload inside kernels
+    raise NotImplementedError
+
+
+def _abs_max_bits(m):  # pragma: no cover - replaced by the overload inside kernels
+    raise NotImplementedError
+
+
+@intrinsic
+def _umax_abs16(typingctx, m, v):
+    """``max(m, v & 0x7FFF)`` in 16 bits (a bfloat16 |x| running maximum, 32 lanes per vector)."""
+    if m != types.uint16 or v != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = builder.and_(args[1], ir.Constant(ir.IntType(16), 0x7FFF))
+        return builder.select(builder.icmp_unsigned(">", a, args[0]), a, args[0])
+
+    return types.uint16(m, v), codegen
+
+
+@overload(_abs_max_start, inline="always")
+def _abs_max_start_impl(x):
+    """Running |x| maximum of an input array: 0 in its element width (uint16) or int64."""
+    if x.dtype == types.uint16:
+        return lambda x: np.uint16(0)
+    return lambda x: np.int64(0)
+
+
+@overload(_abs_max_step, inline="always")
+def _abs_max_step_impl(m, v):
+    if v == types.uint16:
+        return lambda m, v: _umax_abs16(m, v)
+    return lambda m, v: max(m, np.int64(v) & ABS_MASK)
+
+
+@overload(_abs_max_bits, inline="always")
+def _abs_max_bits_impl(m):
+    """A running maximum as the float32 bit pattern (int64) of its value."""
+    if m == types.uint16:
+        return lambda m: np.int64(m) << 16
+    return lambda m: m
+
+
 # --- element codes: written as 32-bit LLVM operations ----------------------------------------
 # (numba widens every integer operation to 64 bits, which halves the vector width and keeps
 # the e4m3/e2m1 conversions several times slower than these.)
@@ -123,20 +175,29 @@ def _e4m3(typingctx, q):
 
 
 def _e2m1_codegen(negative_zero_sign: bool):
+    """E2M1 by one float32 addition: with ``2**E`` the power of two at or below ``a = min(|q|, 8)``
+    (at least 1), ``C = 2**(22 + E)`` has an ulp of ``2**(E - 1)``, the E2M1 spacing around ``a``
+    (0.5 below 2, 1 in [2, 4), 2 in [4, 8)), so ``a + C`` rounds ``a`` to the grid with the FPU's
+    ties-to-even; its bits minus ``C``'s count the ``k`` grid steps, the code is ``k + 2E``
+    (same parity as ``k``: the even code wins a tie), clamped to 7 (6.0) from above."""
+
     def codegen(context, builder, sig, args):
         b = builder
         u = b.bitcast(args[0], _I32)
-        a = b.bitcast(b.and_(u, _c32(ABS_MASK)), _F32T)
-        code = ir.Constant(_I8, 0)
-        # nearest E2M1 magnitude code, ties to even: count the rounding edges at or below |q|
-        for edge, inclusive in zip(_E2M1_EDGES, (False, True) * 3 + (False,), strict=True):
-            hit = b.fcmp_ordered(">=" if inclusive else ">", a, ir.Constant(_F32T, float(edge)))
-            code = b.add(code, b.zext(hit, _I8))
+        a = b.and_(u, _c32(ABS_MASK))
+        a = b.select(b.icmp_unsigned("<", a, _c32(_F32_8_BITS)), a, _c32(_F32_8_BITS))
+        e = b.and_(a, _c32(INF_BITS))
+        e = b.select(b.icmp_unsigned("<", e, _c32(_F32_1_BITS)), _c32(_F32_1_BITS), e)  # 2**E
+        c = b.add(e, _c32(22 << 23))  # 2**(22 + E)
+        total = b.bitcast(b.fadd(b.bitcast(a, _F32T), b.bitcast(c, _F32T)), _I32)
+        code = b.add(b.sub(total, c), b.sub(b.lshr(e, _c32(22)), _c32(254)))  # k + 2E
+        code = b.select(b.icmp_signed("<", code, _c32(7)), code, _c32(7))
         if negative_zero_sign:
             neg = b.icmp_signed("<", u, _c32(0))  # the sign bit
         else:
             neg = b.fcmp_ordered("<", args[0], ir.Constant(_F32T, 0.0))
-        return b.or_(code, b.select(neg, ir.Constant(_I8, 8), ir.Constant(_I8, 0)))
+        code = b.or_(code, b.select(neg, _c32(8), _c32(0)))
+        return b.trunc(code, _I8)
 
     return codegen
 
@@ -178,10 +239,10 @@ _u = np.uint64
 @njit(**_JIT)
 def abs_max_bits(x):
     """Largest ``|x|`` of the flat array ``x`` as a float32 bit pattern (0 when empty)."""
-    m = np.int64(0)
+    m = _abs_max_start(x)
     for i in range(x.size):
-        m = max(m, _f32_bits(x[_u(i)]) & ABS_MASK)
-    return m
+        m = _abs_max_step(m, x[_u(i)])
+    return _abs_max_bits(m)
 
 
 @njit(**_JIT)
@@ -199,10 +260,11 @@ def fp8_rows(x, n, k, codes, scales):
         for bj in range(kb):
             c0 = bj * 128
             c1 = min(k, c0 + 128)
-            m = np.int64(0)
+            mb = _abs_max_start(x)
             for r in range(r0, r1):
                 for i in range(r * k + c0, r * k + c1):
-                    m = max(m, _f32_bits(x[_u(i)]) & ABS_MASK)
+                    mb = _abs_max_step(mb, x[_u(i)])
+            m = _abs_max_bits(mb)
             top = max(top, m)
             s = max(_i2f(m), _FP8_AMAX_FLOOR) / _F448
             scales[_u(bi * kb + bj)] = s
@@ -233,7 +295,7 @@ def nvfp4_groups(x, six_ws2, ws2, packed, scales):
         nb = min(n_groups - g0, _BATCH)
         xb = x[g0 * 16 : (g0 + nb) * 16]
         for g in range(nb):
-            m = np.int64(0)
+            m = np.int64(0)  # (64-bit lanes: faster than 16-bit ones for 16-element groups)
             for i in range(16):
                 m = max(m, _f32_bits(xb[_u(g * 16 + i)]) & ABS_MASK)
             amax[_u(g)] = m
@@ -271,9 +333,10 @@ def mxfp4_blocks(x, blocks, scales):
     n_blocks = x.size // 32
     top = np.int64(0)
     for b in range(n_blocks):
-        m = np.int64(0)
+        mb = _abs_max_start(x)
         for i in range(b * 32, b * 32 + 32):
-            m = max(m, _f32_bits(x[_u(i)]) & ABS_MASK)
+            mb = _abs_max_step(mb, x[_u(i)])
+        m = _abs_max_bits(mb)
         top = max(top, m)
         eb = min(max((m >> 23) - 2, 0), 254)
         scales[_u(b)] = np.uint8(eb)

@@ -22,6 +22,8 @@ about one tensor in five.) Beyond ModelOpt: a tensor that is all zeros gets
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -33,15 +35,23 @@ E2M1_MAX = 6.0
 SCALE_MIN = 2.0**-9
 
 
-def _joint_amax(ws: tuple[torch.Tensor, ...], where: str) -> torch.Tensor:
-    """Exact ``max |x|`` over every element of ``ws`` as a float32 0-dim tensor (NaN/Inf raise)."""
+_DIVISOR = np.float32(E2M1_MAX * FP8_MAX)  # 2688, exact in float32
+
+
+def _scale_2_of(amax_bits: int) -> np.float32:
+    """``amax / (6 * 448)`` as one IEEE float32 division, for the float32 bit pattern of amax."""
+    return np.float32(_common.f32_of_bits(amax_bits)) / _DIVISOR
+
+
+def _joint_amax_bits(ws: tuple[torch.Tensor, ...], where: str) -> int:
+    """The float32 bit pattern of the exact ``max |x|`` over every element of ``ws`` (NaN/Inf raise)."""
     top = 0
     for w in ws:
         w = _common.check_weight(w, where)
         bits = _common.abs_max_bits(w)
         _common.raise_if_nonfinite(bits, w, where)
         top = max(top, bits)
-    return torch.tensor(_common.f32_of_bits(top), dtype=torch.float32)
+    return top
 
 
 def global_scale(*ws: torch.Tensor) -> torch.Tensor:
@@ -52,32 +62,34 @@ def global_scale(*ws: torch.Tensor) -> torch.Tensor:
     """
     if not ws:
         raise ValueError("nvfp4.global_scale: needs at least one tensor")
-    return _joint_amax(ws, "nvfp4.global_scale") / (E2M1_MAX * FP8_MAX)
+    return torch.tensor(_scale_2_of(_joint_amax_bits(ws, "nvfp4.global_scale")), dtype=torch.float32)
 
 
-def _as_scale_2(value: object) -> torch.Tensor:
-    """A given ``weight_scale_2`` as float32 0-dim; ``ValueError`` unless finite, >= 0 and float32-exact."""
+def _as_scale_2(value: object) -> np.float32:
+    """A given ``weight_scale_2`` as a float32; ``ValueError`` unless finite, >= 0 and float32-exact."""
     where = "nvfp4.quantize"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or not value.is_floating_point():
             raise ValueError(
                 f"{where}: weight_scale_2 must be a one-element float tensor, got {_common.describe(value)}"
             )
-        exact = value.detach().reshape(()).cpu()
+        exact = float(value.detach().reshape(()).item())  # exact: float64 holds every float dtype's values
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        exact = torch.tensor(float(value), dtype=torch.float64)
+        exact = float(value)
     else:
         raise ValueError(f"{where}: weight_scale_2 must be a tensor or a number, got {type(value).__name__}")
-    ws2 = exact.to(torch.float32)
-    if not bool(torch.isfinite(ws2)) or float(ws2) < 0 or float(ws2) != float(exact):
-        raise ValueError(f"{where}: weight_scale_2={float(exact)!r} is not a finite non-negative float32")
-    return ws2
+    if not (math.isfinite(exact) and 0 <= exact <= _F32_MAX) or float(np.float32(exact)) != exact:
+        raise ValueError(f"{where}: weight_scale_2={exact!r} is not a finite non-negative float32")
+    return np.float32(exact)
 
 
-def _check_covers(ws2: torch.Tensor, amax: torch.Tensor, w: torch.Tensor) -> None:
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_covers(ws2: np.float32, amax_bits: int, w: torch.Tensor) -> None:
     """``ValueError`` unless ``ws2 >= amax / (6 * 448)``, i.e. no group scale exceeds 448."""
-    needed = amax / (E2M1_MAX * FP8_MAX)
-    if float(ws2) < float(needed):
+    needed = _scale_2_of(amax_bits)
+    if ws2 < needed:
         raise ValueError(
             f"nvfp4.quantize: weight_scale_2={float(ws2)!r} is smaller than amax/(6*448)={float(needed)!r} "
             f"of the tensor of {_common.describe(w)}; compute it with nvfp4.global_scale over every "
@@ -114,33 +126,30 @@ def quantize(
         },
     )
     x = _common.bits(w)
-    if weight_scale_2 is None:
-        ws2 = _joint_amax((w,), where) / (E2M1_MAX * FP8_MAX)
-    else:
-        ws2 = _as_scale_2(weight_scale_2)
+    given = weight_scale_2 is not None
+    ws2 = _as_scale_2(weight_scale_2) if given else _scale_2_of(_joint_amax_bits((w,), where))
     packed, scale = _common.as_array(res["weight"]), _common.as_array(res["weight_scale"])
-    if float(ws2) == 0.0:  # only for an all-zero tensor: scales 1.0, every code +0
+    if ws2 == 0:  # only for an all-zero tensor: scales 1.0, every code +0
         top = _common.abs_max_bits(w)
         scale.fill(_E4M3_ONE)
         packed.fill(0)
     else:
-        six_ws2 = np.float32((E2M1_MAX * ws2).item())  # one float32 product, as ModelOpt
-        ws2_f = np.float32(ws2.item())
+        six_ws2 = np.float32(E2M1_MAX) * ws2  # one float32 product, as ModelOpt
         kernel = _common.kernels().nvfp4_groups
         step = max(1, _common.CHUNK_ELEMENTS // GROUP)  # groups per task
 
         def task(g0: int, g1: int) -> int:
-            return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2_f, packed[g0 * 8 : g1 * 8], scale[g0:g1])
+            return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2, packed[g0 * 8 : g1 * 8], scale[g0:g1])
 
-        top = max(_parallel.run_ranges(x.size // GROUP, step, task), default=0)
-    _common.raise_if_nonfinite(int(top), w, where)
-    if weight_scale_2 is not None:
-        _check_covers(ws2, torch.tensor(_common.f32_of_bits(int(top))), w)
+        top = int(max(_parallel.run_ranges(x.size // GROUP, step, task), default=0))
+    _common.raise_if_nonfinite(top, w, where)
+    if given:
+        _check_covers(ws2, top, w)
     return {
         "weight": res["weight"],
         "weight_scale": res["weight_scale"],
-        "weight_scale_2": ws2.reshape(()).clone(),
-        "input_scale": torch.tensor(1.0, dtype=torch.float32),
+        "weight_scale_2": torch.scalar_tensor(float(ws2), dtype=torch.float32),
+        "input_scale": torch.scalar_tensor(1.0, dtype=torch.float32),
     }
 
 
