@@ -22,7 +22,7 @@ from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, 
 from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
-from router.policy import choose_group, choose_replica
+from router.policy import ReplicaView, choose_group, choose_replica
 from router.records import TurnData
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
@@ -236,9 +236,18 @@ async def with_failover(
     attempts = 0
     limit = 2 * ctx.config.max_attempts + len(ctx.fleet.groups)
     last_error = "no replica in rotation"
+    registry = ctx.registry
     while True:
-        views = ctx.registry.views(group, latest, min_version=min_version)
-        replica = choose_replica(views, affinity if group == start_group else None, tried)
+        # the session's own replica when it can serve (what choose_replica would pick), else
+        # the policy's choice among the group's candidates
+        mine = None
+        if affinity is not None and group == start_group and affinity not in tried:
+            mine = registry.serves(affinity, group, latest, min_version)
+        if mine is not None:
+            replica = ReplicaView(mine.replica_id, mine.group, mine.url, mine.active_version, 0)
+        else:
+            views = registry.views(group, latest, min_version=min_version)
+            replica = choose_replica(views, affinity if group == start_group else None, tried)
         if replica is None:
             if min_version is not None and [
                 v for v in ctx.registry.views(group, latest) if v.replica_id not in tried

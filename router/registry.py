@@ -166,6 +166,17 @@ class Registry:
             if r.group == group and self.fresh(r, now) and not self.lags(r, latest)
         ]
 
+    def serves(
+        self, replica_id: str, group: str, latest: int | None, min_version: int | None
+    ) -> Replica | None:
+        """The replica, if it is one of ``views(group, latest, min_version=...)`` right now."""
+        r = self.replicas.get(replica_id)
+        if r is None or r.group != group or not self.fresh(r, time.monotonic()) or self.lags(r, latest):
+            return None
+        if min_version is not None and (r.active_version is None or r.active_version < min_version):
+            return None
+        return r
+
     def views(
         self, group: str, latest: int | None, *, min_version: int | None = None, now: float | None = None
     ) -> list[ReplicaView]:

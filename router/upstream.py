@@ -47,7 +47,7 @@ class _Closed(Exception):
 class _Endpoint:
     """A parsed base URL: where to connect and how to name the host in requests."""
 
-    __slots__ = ("host", "port", "ssl", "prefix", "host_header", "key")
+    __slots__ = ("host", "port", "ssl", "prefix", "host_header", "key", "heads")
 
     def __init__(self, base_url: str) -> None:
         parts = urlsplit(base_url)
@@ -61,6 +61,17 @@ class _Endpoint:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if self.port == default else f"{host}:{self.port}"
         self.key = (self.host, self.port, self.ssl)
+        self.heads: dict[str, bytes] = {}
+
+    def head(self, path: str) -> bytes:
+        """The request head of a JSON ``POST`` to ``path`` up to the Content-Length value."""
+        head = self.heads.get(path)
+        if head is None:
+            head = self.heads[path] = (
+                f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                "Content-Type: application/json\r\nContent-Length: "
+            ).encode("latin-1")
+        return head
 
 
 class _Conn(asyncio.Protocol):
@@ -203,16 +214,13 @@ class UpstreamPool:
             ep = self.endpoint(base_url)
         except ValueError as exc:
             raise EngineUnavailable(url, str(exc)) from None
-        head = [
-            f"POST {ep.prefix}{path} HTTP/1.1\r\nHost: {ep.host_header}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        ]
+        lines = [str(len(body)), "\r\n"]
         for name, value in headers:
             if "\r" in value or "\n" in value:
                 raise EngineUnavailable(url, f"header {name} holds a line break")
-            head.append(f"{name}: {value}\r\n")
-        head.append("\r\n")
-        data = "".join(head).encode("latin-1", "replace") + body
+            lines += (name, ": ", value, "\r\n")
+        lines.append("\r\n")
+        data = b"".join((ep.head(path), "".join(lines).encode("latin-1", "replace"), body))
         for attempt in (0, 1):
             conn = self._take_idle(ep.key)
             reused = conn is not None
