@@ -15,7 +15,9 @@ Layout: ``pack(W)`` stores ``W`` ``[N, K]`` as panels ``[ceil(N/32), K, 32]`` bf
 columns per panel, zero-padded to a multiple of 32), so the kernel streams each panel once.
 The kernel keeps a tile of up to 12 rows x 32 columns of accumulators in registers and sums K in
 chunks of 64 (each chunk's sum is added to the output), which keeps float32 rounding close to a
-blocked GEMM's.
+blocked GEMM's. Each K step prefetches the weight line 2 KB ahead (the panels of one weight are
+contiguous, so this runs on into the next panel): the hardware prefetcher alone left the expert
+products of a decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
 
 The kernel is written in LLVM IR and compiled for the host CPU with llvmlite (numba's code
 generator) on first use, in about 0.2 s; where that is impossible ``available()`` is False and
@@ -39,6 +41,7 @@ log = logging.getLogger("mixfleet.engine.kernels")
 PANEL = 32  # output columns per panel: two 16-float vectors
 MAX_ROWS = 12  # rows per register tile: 24 accumulators + 2 weight vectors + 1 broadcast <= 32
 K_CHUNK = 64  # K steps summed in registers before they are added to the output
+PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step; 2 KB measured best)
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,8 @@ def _tile(rows: int) -> str:
         "  %wo = mul i64 %k, 32",
         "  %wp = getelementptr i16, ptr %w, i64 %wo",
         "  %wv = load <32 x i16>, ptr %wp, align 2",
+        f"  %pf = getelementptr i8, ptr %wp, i64 {PREFETCH_BYTES}",
+        "  call void @llvm.prefetch.p0(ptr %pf, i32 0, i32 3, i32 1)",
         "  %wz = zext <32 x i16> %wv to <32 x i32>",
         f"  %ws = shl <32 x i32> %wz, <{sixteen}>",
         "  %wf = bitcast <32 x i32> %ws to <32 x float>",
@@ -311,7 +316,8 @@ def _ir() -> str:
       panels) into the same rows of ``out``.
     """
     cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
-    s = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)"]
+    s = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+         "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
     s += [_tile(r) for r in range(1, MAX_ROWS + 1)]
     s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
                         i64 %p0, i64 %p1) {{
