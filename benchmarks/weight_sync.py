@@ -15,8 +15,9 @@ and compared with a baseline measured in the same run: the slowest format's conv
 (``convert_checkpoint`` in this process with every core). Targets (issue 5): engine pause <=
 5% of the total, total <= 2x the baseline.
 
-Three configurations are measured on the same fleet (sidecars restarted between them):
+Four configurations are measured on the same fleet (sidecars restarted between them):
 ``protocol`` (the defaults: barrier publish, SGLang's pause -> update -> continue, staged copy),
+``pause-inplace`` (the same pause protocol, staged in place, as ``mixfleet up`` would run it),
 ``swap`` (barrier; the local engine loads while serving and swaps between two steps; staged in
 place), ``pipelined`` (per-format publish + swap + in place: each group activates as soon as
 its own format is committed).
@@ -79,6 +80,7 @@ def baseline_convert(ckpt: Path, fmt: str, work: Path) -> float:
 CONFIGS = {
     # name: (publish mode, sidecar activation, sidecar stage mode)
     "protocol": ("barrier", "pause", "copy"),  # the defaults: SGLang's pause -> update -> continue
+    "pause-inplace": ("barrier", "pause", "inplace"),  # the pause protocol as `mixfleet up` would run it
     "swap": ("barrier", "swap", "inplace"),  # local engine: load while serving, swap between steps
     "pipelined": ("per_format", "swap", "inplace"),  # + each group activates as its format lands
 }

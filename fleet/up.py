@@ -14,7 +14,12 @@ Before: nothing (a fresh machine is fine). What it does, in order:
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions. Groups with static replicas are routed to as
    listed (their engines run elsewhere). The local engine loads a new version while serving and
-   swaps between two decode steps, so its sidecars activate with ``--activation swap``.
+   swaps between two decode steps, so its sidecars activate with ``--activation swap`` and stage
+   in place (the store is on local disk). SGLang's pause protocol (the sidecar's default: pause
+   in place -> ``/update_weights_from_disk`` -> continue) would put the engine's whole load (map,
+   dequantize, repack: 0.1-0.3 s of CPU per group for the ``small`` model) inside the pause; with
+   every group activating at once on shared cores that pause measured ~40% of publish -> every
+   replica active (``benchmarks/weight_sync.py``, config ``pause-inplace``), against 0% for swap.
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset.
