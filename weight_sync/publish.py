@@ -189,7 +189,7 @@ def _convert_job(src: str, dst: str, fmt: str, threads: int) -> float:
     from weight_sync.convert import convert_checkpoint
 
     t0 = time.perf_counter()
-    convert_checkpoint(Path(src), Path(dst), fmt, workers=threads)
+    convert_checkpoint(Path(src), Path(dst), fmt, workers=threads, fsync=True)  # durable here, in parallel
     return time.perf_counter() - t0
 
 
