@@ -8,7 +8,9 @@ preallocated BF16 tensor of the same shape (the memory-copy baseline; the quanti
 their outputs, which the baseline does not). Each line reports its best round: wall time, G
 elements/s by wall time, ``ratio`` = quantize wall time / copy wall time, and the CPU time of the
 whole process (all threads) with G elements per CPU-second. On a shared machine the wall numbers
-move with other load (the load average is printed); CPU time moves much less.
+move with other load (the load average is printed); CPU time moves much less. The one-off cost of
+loading the compiled kernels (numba's on-disk cache; a first run compiles them) is printed
+separately and not part of any line.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def main() -> int:
         cases["mxfp4 dequantize"] = lambda: mxfp4.dequantize(packed["mxfp4"])
     best = dict.fromkeys(cases, float("inf"))
     best_cpu = dict.fromkeys(cases, float("inf"))
-    for f in cases.values():  # warm-up: allocator, worker threads, scratch buffers
+    t0 = time.perf_counter()
+    for f in cases.values():  # warm-up: the kernels (loaded from numba's cache or compiled), worker threads
         f()
+    warmup = time.perf_counter() - t0
     load0 = os.getloadavg()[0]
     for _ in range(args.reps):
         for name, f in cases.items():
@@ -66,7 +70,7 @@ def main() -> int:
     print(
         f"tensor {n}x{k} bfloat16 ({elems / 1e6:.1f} M elements, {w.nbytes / 2**20:.0f} MiB), "
         f"torch {torch.__version__}, {args.threads} threads, best of {args.reps} rounds, "
-        f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}"
+        f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; warm-up (kernel load) {warmup:.2f}s"
     )
     base = best["copy (baseline)"]
     print(f"{'case':30s} {'wall ms':>8s} {'G elem/s':>9s} {'ratio':>6s} {'CPU ms':>8s} {'G elem/CPU-s':>13s}")
