@@ -17,6 +17,10 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 
 Mutations that must be atomic or idempotent are Lua scripts, so the client's automatic retry
 after a dropped connection (e.g. a Redis restart) cannot apply a turn or a finish twice.
+
+The per-request calls (reading a session, appending a turn, moving it, route keys) go through
+:class:`router.state.resp.RespClient` (one pipelined connection, same retry contract), the
+rest through redis-py.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.state import resp
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -214,6 +219,7 @@ class RedisStore(StateStore):
         self._set_latest = self._r.register_script(_SET_LATEST)
         self._group_ready = False
         self._takes = 0
+        self._fast = resp.RespClient(url, outage_s=outage_s) if resp.supports(url) else None
 
     async def _call(self, coro_fn, *args, **kwargs):
         try:
@@ -241,12 +247,20 @@ class RedisStore(StateStore):
         if not created:
             raise ValueError(f"session {session_id} exists")
 
+    async def _script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        if self._fast is not None:
+            return await self._fast.evalsha(script.script, keys, args)
+        return await self._call(script, keys=keys, args=args)
+
     async def get_session(self, session_id: str) -> SessionInfo | None:
-        values = await self._call(self._r.hmget, _skey(session_id), _FIELDS)
+        if self._fast is not None:
+            values = await self._fast.execute("HMGET", _skey(session_id), *_FIELDS)
+        else:
+            values = await self._call(self._r.hmget, _skey(session_id), _FIELDS)
         return _info(session_id, values)
 
     async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
-        rc = await self._call(self._route, keys=[_skey(session_id), STATS], args=[group, replica or ""])
+        rc = await self._script(self._route, [_skey(session_id), STATS], [group, replica or ""])
         if rc == -1:
             raise SessionNotFound(session_id)
 
@@ -262,10 +276,10 @@ class RedisStore(StateStore):
         max_version: int | None,
         expected_turn: int | None = None,
     ) -> int:
-        rc, idx = await self._call(
+        rc, idx = await self._script(
             self._append,
-            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
-            args=[
+            [_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
+            [
                 request_id,
                 blob,
                 group,
@@ -483,11 +497,18 @@ class RedisStore(StateStore):
         return int(await self._call(self._set_latest, keys=[LATEST], args=[int(version)]))
 
     async def get_route_key(self, key: str) -> dict[str, Any] | None:
-        v = await self._call(self._r.get, f"{P}rk:{key}")
+        if self._fast is not None:
+            v = await self._fast.execute("GET", f"{P}rk:{key}")
+        else:
+            v = await self._call(self._r.get, f"{P}rk:{key}")
         return None if v is None else json.loads(v)
 
     async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
-        await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=max(1, int(ttl_s * 1000)))
+        px = max(1, int(ttl_s * 1000))
+        if self._fast is not None:
+            await self._fast.execute("SET", f"{P}rk:{key}", json.dumps(value), "PX", px)
+        else:
+            await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=px)
 
     async def ping(self) -> bool:
         try:
@@ -496,6 +517,8 @@ class RedisStore(StateStore):
             return False
 
     async def close(self) -> None:
+        if self._fast is not None:
+            await self._fast.close()
         await self._r.aclose()
 
 
