@@ -159,7 +159,7 @@ class Experts:
         n_experts = len(self.gate_up)
         flat_idx = top_idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
-        token_of = order // k
+        token_of = torch.div(order, k, rounding_mode="floor")
         offsets = torch.zeros(n_experts + 1, dtype=torch.long)
         torch.cumsum(torch.bincount(flat_idx, minlength=n_experts), 0, out=offsets[1:])
         xs = x[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]

@@ -243,6 +243,7 @@ class _DecodeGroup:
     window: int  # positions [0, window) are read
     mask: torch.Tensor  # [span, 1, 1, window]: each slot's positions up to its new token
     all_rows: bool  # rows == 0 .. N-1: the whole step, in order
+    identity: bool  # all_rows, and row i is slot i (no scatter / gather around the call)
 
 
 class _Attention:
@@ -277,9 +278,10 @@ class _Attention:
             last = torch.zeros(span, dtype=torch.long)  # slots not in the step see position 0 only
             last[slots] = torch.tensor(positions)
             mask = (torch.arange(window)[None, :] <= last[:, None])[:, None, None, :]
+            all_rows = rows == list(range(off))
             self.groups.append(_DecodeGroup(
                 pool, torch.tensor(rows), torch.tensor(slots), torch.tensor(positions), span, window, mask,
-                rows == list(range(off)),
+                all_rows, all_rows and slots == list(range(span)),
             ))
 
     def __call__(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -300,10 +302,13 @@ class _Attention:
             stored = store[: g.span, :, : g.window]
             if self.storage != torch.float32:
                 stored = stored.float()
-            queries = torch.zeros(g.span, nkv, nh // nkv, d)
-            queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, nh // nkv, d)
+            if g.identity:
+                queries = q.reshape(n, nkv, nh // nkv, d)
+            else:
+                queries = torch.zeros(g.span, nkv, nh // nkv, d)
+                queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, nh // nkv, d)
             res = F.scaled_dot_product_attention(queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask)
-            res = res[g.slots].view(n, nh, d)
+            res = res.reshape(n, nh, d) if g.identity else res[g.slots].view(n, nh, d)
             if g.all_rows:
                 out = res
             else:
