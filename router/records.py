@@ -192,36 +192,47 @@ _NUMPY_MIN = 384  # below this many values a Python loop beats numpy's per-call 
 def _varints(values: Sequence[int], out: bytearray) -> None:
     if not values:
         return
+    if np is not None and len(values) >= _NUMPY_MIN:
+        a = _int_array(values)
+        if a is not None:
+            low = int(a.min())
+            if low < 0:
+                raise ValueError(f"varint of negative value {low}")
+            out += a.astype(np.uint8).tobytes() if a.max() < 0x80 else _np_varints(a)
+            return
     low = min(values)
-    high = max(values)
     if low < 0:
         raise ValueError(f"varint of negative value {low}")
-    if high < 0x80:
+    if max(values) < 0x80:
         out += bytes(values)
-    elif np is not None and len(values) >= _NUMPY_MIN and high < 2**63:
-        out += _np_varints(np.asarray(values, dtype=np.int64))
     else:
         for v in values:
             _varint(v, out)
 
 
+def _int_array(values: Sequence[int]) -> Any:
+    """``values`` as an int64 array, or None when they are not all integers that fit."""
+    try:
+        a = np.asarray(values)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return a if a.dtype.kind == "i" and a.ndim == 1 else None
+
+
 def _np_varints(v: Any) -> bytes:
-    """LEB128 of a non-negative int64 array, vectorized: byte j of every value at once."""
+    """LEB128 of a non-negative int64 array, vectorized: a (values x bytes) matrix of every
+    value's 7-bit groups with continuation bits, read out row by row up to each value's length."""
     sizes = np.ones(len(v), dtype=np.int64)
     for j in range(1, 10):
         more = v >= (1 << (7 * j))
         if not more.any():
             break
         sizes += more
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    buf = np.empty(int(ends[-1]), dtype=np.uint8)
-    for j in range(int(sizes.max())):
-        has = sizes > j
-        chunk = (v[has] >> (7 * j)) & 0x7F
-        chunk |= (sizes[has] > j + 1).astype(np.int64) << 7
-        buf[starts[has] + j] = chunk
-    return buf.tobytes()
+    width = int(sizes.max())
+    groups = np.empty((len(v), width), dtype=np.uint8)
+    for j in range(width):
+        groups[:, j] = ((v >> (7 * j)) & 0x7F) | ((sizes > j + 1) << 7)
+    return groups[np.arange(width) < sizes[:, None]].tobytes()
 
 
 class _Reader:
@@ -411,10 +422,7 @@ def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) ->
     increasing and non-negative."""
     flat = list(itertools.chain.from_iterable(rows))
     if np is not None and total >= _NUMPY_MIN:
-        try:
-            a = np.array(flat, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
-            a = None
+        a = _int_array(flat)
         if a is not None:
             gaps = np.empty_like(a)
             gaps[0] = a[0]

@@ -263,6 +263,10 @@ class UpstreamPool:
                 self._waiters.append(waiter)
                 try:
                     await waiter
+                except BaseException:
+                    if waiter.done() and not waiter.cancelled():
+                        self._wake()  # woken, then cancelled: pass the free slot on
+                    raise
                 finally:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
