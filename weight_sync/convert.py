@@ -86,18 +86,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
 from weight_sync.checksum import DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
+    DTYPES,
     LayoutWriter,
     OutTensor,
     TensorEntry,
     TensorReader,
     read_header,
-    torch_dtype,
 )
 
 if TYPE_CHECKING:
@@ -242,7 +243,9 @@ def load_source(src: Path) -> Source:
 # ---------------------------------------------------------------------------------------------
 # Plan: which output tensors each source tensor becomes, and the tasks that compute them
 
-Piece = tuple["torch.Tensor", int]  # some bytes of one output tensor, and where they start in it
+# Some bytes of one output tensor (an array of its item size, or a tensor of its dtype) and the
+# byte offset where they start in it.
+Piece = tuple["np.ndarray | torch.Tensor", int]
 Task = Callable[[], "list[Piece | None]"]
 
 
@@ -291,7 +294,7 @@ class _GroupScales:
         self._lock = threading.Lock()
         self._futures: dict[tuple, Future] = {}
 
-    def _compute(self, members: list[TensorEntry]) -> torch.Tensor:
+    def _compute(self, members: list[TensorEntry]) -> np.float32:
         best = None
         for m in members:
             rows = max(1, self._chunk_elems // m.shape[1])
@@ -299,9 +302,9 @@ class _GroupScales:
                 with _named(m):
                     gs = self._nvfp4.global_scale(self._reader.view_rows(m, r0, r1))
                 best = gs if best is None or gs > best else best
-        return best
+        return np.float32(best.item())
 
-    def get(self, key: tuple, members: list[TensorEntry]) -> torch.Tensor:
+    def get(self, key: tuple, members: list[TensorEntry]) -> np.float32:
         with self._lock:
             fut = self._futures.get(key)
             owner = fut is None
@@ -496,42 +499,37 @@ class _Planner:
     # --- jobs ---------------------------------------------------------------------------------
 
     def _passthrough(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
-        """Copied as it is, in pieces of about ``chunk_elems`` elements (views of the source)."""
-        out = [OutTensor(e.name, e.dtype, e.shape)]
-        reader = self.reader
-        if e.start % e.itemsize:  # a misaligned tensor (not written by safetensors): one pread copy
-            return Job(out, [lambda: [(reader.read_rows(e), 0)]], anchor, e, [(e.start, e.nbytes)])
-        dtype = torch_dtype(e.dtype)
-        step = self.chunk_elems * e.itemsize
+        """Copied as it is, rows of about ``chunk_elems`` elements at a time (views of the source)."""
+        bits = self.reader.bits_rows
+        outs = [OutTensor(e.name, e.dtype, e.shape)]
+        if not e.shape:
+            return Job(outs, [lambda: [(bits(e), 0)]], anchor, e, [(e.start, e.nbytes)])
+        row_elems = math.prod(e.shape[1:])
+        rows = max(1, self.chunk_elems // max(1, row_elems))
 
-        def task(off: int, n: int) -> Task:
-            return lambda: [(reader.file_bytes(e.file)[e.start + off : e.start + off + n].view(dtype), off)]
+        def task(r0: int, r1: int) -> Task:
+            return lambda: [(bits(e, r0, r1), r0 * row_elems * e.itemsize)]
 
-        spans = [(off, min(step, e.nbytes - off)) for off in range(0, e.nbytes, step)] or [(0, 0)]
-        tasks = [task(off, n) for off, n in spans]
-        return Job(out, tasks, anchor, e, [(e.start + off, n) for off, n in spans])
+        return _row_job(outs, e, anchor, rows, task)
 
     def _fp8(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
         from weight_sync.formats import fp8
 
         n, k = e.shape
         base = e.name.removesuffix(".weight")
+        kb = math.ceil(k / FP8_BLOCK)
         outs = [
             OutTensor(f"{base}.weight", "F8_E4M3", (n, k)),
-            OutTensor(
-                f"{base}.weight_scale_inv", "F32", (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
-            ),
+            OutTensor(f"{base}.weight_scale_inv", "F32", (math.ceil(n / FP8_BLOCK), kb)),
         ]
         rows = max(FP8_BLOCK, self.chunk_elems // k // FP8_BLOCK * FP8_BLOCK)
-        read = self.reader.view_rows
-
-        kb = math.ceil(k / FP8_BLOCK)
+        bits = self.reader.bits_rows
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
                 with _named(e):
-                    q = fp8.quantize(read(e, r0, r1))
-                return [(q["weight"], r0 * k), (q["weight_scale_inv"], r0 // FP8_BLOCK * kb * 4)]
+                    codes, scales = fp8.quantize_bits(bits(e, r0, r1), r1 - r0, k, what=_rows_of(e, r0, r1))
+                return [(codes, r0 * k), (scales, r0 // FP8_BLOCK * kb * 4)]
 
             return run
 
@@ -549,21 +547,21 @@ class _Planner:
             OutTensor(f"{base}.input_scale", "F32", ()),
         ]
         rows = max(1, self.chunk_elems // k)
-        read = self.reader.view_rows
+        bits = self.reader.bits_rows
         scales = self.scales
         members = sorted(members, key=lambda m: m.name)
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
-                gs = scales.get(key, members)
+                ws2 = scales.get(key, members)
                 with _named(e):
-                    q = nvfp4.quantize(read(e, r0, r1), weight_scale_2=gs)
+                    packed, scale = nvfp4.quantize_bits(bits(e, r0, r1), ws2, what=_rows_of(e, r0, r1))
                 first = r0 == 0
                 return [
-                    (q["weight"], r0 * (k // 2)),
-                    (q["weight_scale"], r0 * (k // NVFP4_GROUP)),
-                    (q["weight_scale_2"], 0) if first else None,
-                    (q["input_scale"], 0) if first else None,
+                    (packed, r0 * (k // 2)),
+                    (scale, r0 * (k // NVFP4_GROUP)),
+                    (np.array(ws2, dtype=np.float32), 0) if first else None,
+                    (np.array(1.0, dtype=np.float32), 0) if first else None,
                 ]
 
             return run
@@ -580,17 +578,22 @@ class _Planner:
             OutTensor(f"{base}.weight_scales", "U8", (n, k // MXFP4_BLOCK)),
         ]
         rows = max(1, self.chunk_elems // k)
-        read = self.reader.view_rows
+        bits = self.reader.bits_rows
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
                 with _named(e):
-                    q = mxfp4.quantize(read(e, r0, r1))
-                return [(q["blocks"], r0 * (k // 2)), (q["scales"], r0 * (k // MXFP4_BLOCK))]
+                    blocks, scales = mxfp4.quantize_bits(bits(e, r0, r1), what=_rows_of(e, r0, r1))
+                return [(blocks, r0 * (k // 2)), (scales, r0 * (k // MXFP4_BLOCK))]
 
             return run
 
         return _row_job(outs, e, anchor, rows, task)
+
+
+def _rows_of(e: TensorEntry, r0: int, r1: int) -> str:
+    """How a quantizer's error names rows ``[r0, r1)`` of ``e``: ``shape (rows, K) bfloat16``."""
+    return f"shape {(r1 - r0, *e.shape[1:])} {DTYPES[e.dtype][0]}"
 
 
 def _row_job(
@@ -601,8 +604,8 @@ def _row_job(
     task: Callable[[int, int], Task],
 ) -> Job:
     """The job converting ``e`` ``rows`` rows per task (``task(r0, r1)``)."""
-    ranges = list(_row_ranges(e.shape[0], rows))
-    row_bytes = e.nbytes // e.shape[0]
+    ranges = list(_row_ranges(e.shape[0], rows)) or [(0, 0)]
+    row_bytes = e.nbytes // e.shape[0] if e.shape[0] else 0
     spans = [(e.start + r0 * row_bytes, (r1 - r0) * row_bytes) for r0, r1 in ranges]
     return Job(outs, [task(r0, r1) for r0, r1 in ranges], anchor, e, spans)
 
@@ -632,36 +635,36 @@ class _ShardDigests:
     after its last task). Hashes from memory: nothing is read back.
     """
 
-    def __init__(self, header: bytes, algorithm: str, source: torch.Tensor) -> None:
+    def __init__(self, header: bytes, algorithm: str, source: np.ndarray) -> None:
         self.output = new_hasher(algorithm)
         self.output.update(header)
         self._src_data = source  # uint8 view of the whole source file
         self._src = xxhash.xxh3_128()
         self._src_pos = 0
-        self._tails: list[list[torch.Tensor]] = []
+        self._tails: list[list[np.ndarray]] = []
 
-    def done(self, job: Job, t: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
+    def done(self, job: Job, t: int, pieces: list[tuple[int, np.ndarray]]) -> None:
         start, n = job.spans[t]
         if start != self._src_pos:
-            self._src.update(self._src_data[self._src_pos : start].numpy())
-        self._src.update(self._src_data[start : start + n].numpy())
+            self._src.update(self._src_data[self._src_pos : start])
+        self._src.update(self._src_data[start : start + n])
         self._src_pos = start + n
         if t == 0:
             self._tails = [[] for _ in job.outputs[1:]]
         for i, raw in pieces:
             if i == 0:
-                self.output.update(raw.numpy())
+                self.output.update(raw)
             else:
                 self._tails[i - 1].append(raw)
         if t == len(job.tasks) - 1:
             for tail in self._tails:
                 for raw in tail:
-                    self.output.update(raw.numpy())
+                    self.output.update(raw)
             self._tails = []
 
     def source(self) -> str | None:
         """xxh3-128 of the source file, if the tasks read all of it (else None)."""
-        return self._src.hexdigest() if self._src_pos == self._src_data.numel() else None
+        return self._src.hexdigest() if self._src_pos == self._src_data.size else None
 
 
 def _write_files(
@@ -682,7 +685,7 @@ def _write_files(
     sources: dict[str, str] = {}
     pending: deque[tuple[Future, Job, int]] = deque()
 
-    def run(task: Task, writer: LayoutWriter, first: int) -> list[tuple[int, torch.Tensor]]:
+    def run(task: Task, writer: LayoutWriter, first: int) -> list[tuple[int, np.ndarray]]:
         return [
             (i, writer.write_at(first + i, piece[1], piece[0]))
             for i, piece in enumerate(task())
@@ -701,7 +704,7 @@ def _write_files(
             writer = LayoutWriter(tmp / rel, [o for j in jobs for o in j.outputs], {"format": "pt"})
             writers.append(writer)
             src_file = jobs[0].source.file
-            digests = _ShardDigests(writer.header, algorithm, reader.file_bytes(src_file))
+            digests = _ShardDigests(writer.header, algorithm, reader.file_array(src_file))
             first = 0
             for job in jobs:
                 for t, task in enumerate(job.tasks):

@@ -25,7 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from weight_sync.errors import UserError
+
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 if TYPE_CHECKING:
     import torch
@@ -152,15 +156,16 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
 class TensorReader:
     """Reads row ranges of tensors; thread-safe; one descriptor and at most one mapping per file.
 
-    ``view_rows`` maps each file once (privately: writing to a view never reaches the file) and
-    returns views into the mapping, valid until ``close``; the pages they touch count towards the
-    process's resident memory until ``release`` hands them back (they stay in the page cache,
-    and a view touched again just faults them back in). ``read_rows`` copies with ``pread``.
+    ``view_rows`` (torch) and ``bits_rows`` (numpy) map each file once (privately: writing to a
+    view never reaches the file) and return views into the mapping, valid until ``close``; the
+    pages they touch count towards the process's resident memory until ``release`` hands them
+    back (they stay in the page cache, and a view touched again just faults them back in).
+    ``read_rows`` copies with ``pread``.
     """
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
-        self._maps: dict[Path, tuple[mmap.mmap, object]] = {}
+        self._maps: dict[Path, tuple[mmap.mmap | None, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: Path) -> int:
@@ -170,28 +175,30 @@ class TensorReader:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             return fd
 
-    def _bytes(self, path: Path) -> tuple[mmap.mmap, torch.Tensor]:
-        """The mapping of ``path`` and a uint8 tensor over all of it."""
-        import numpy as np
-        import torch
-
+    def file_array(self, path: Path) -> np.ndarray:
+        """All of ``path`` as a uint8 array viewing its mapping."""
         fd = self._fd(path)
         with self._lock:
             got = self._maps.get(path)
             if got is None:
                 size = os.fstat(fd).st_size
                 m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
-                data = (
-                    torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
-                    if m
-                    else torch.empty(0, dtype=torch.uint8)
-                )
+                data = np.frombuffer(m, dtype=np.uint8) if m is not None else np.empty(0, dtype=np.uint8)
                 got = self._maps[path] = (m, data)
-            return got  # type: ignore[return-value]
+            return got[1]
 
-    def file_bytes(self, path: Path) -> torch.Tensor:
-        """All of ``path`` as a uint8 view of its mapping (see ``view_rows``)."""
-        return self._bytes(path)[1]
+    def bits_rows(self, entry: TensorEntry, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows ``[r0, r1)`` of ``entry``, flat, as unsigned integers of its item size (the bit
+        patterns: ``uint16`` for BF16), viewing the mapping (a copy if the tensor is misaligned)."""
+        offset, nbytes, _ = self._rows(entry, r0, r1)
+        if offset % entry.itemsize:
+            raw = self.read_bytes(entry.file, offset, nbytes).numpy()
+        else:
+            data = self.file_array(entry.file)
+            if offset + nbytes > data.size:
+                raise SafetensorsError(f"{entry.file}: unexpected end of file at byte {data.size}")
+            raw = data[offset : offset + nbytes]
+        return raw.view(_UINTS[entry.itemsize])
 
     def read_bytes(self, path: Path, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of ``path`` at ``offset`` as a fresh uint8 tensor."""
@@ -225,24 +232,22 @@ class TensorReader:
         return self.read_bytes(entry.file, offset, nbytes).view(torch_dtype(entry.dtype)).reshape(shape)
 
     def view_rows(self, entry: TensorEntry, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Rows ``[r0, r1)`` of ``entry`` as a view of the file's mapping (no copy; a copy only
-        when the file places the tensor at an offset that is not a multiple of its item size)."""
-        offset, nbytes, shape = self._rows(entry, r0, r1)
-        if offset % entry.itemsize:
-            return self.read_rows(entry, r0, r1)
-        _, data = self._bytes(entry.file)
-        if offset + nbytes > data.numel():
-            raise SafetensorsError(f"{entry.file}: unexpected end of file at byte {data.numel()}")
-        return data[offset : offset + nbytes].view(torch_dtype(entry.dtype)).reshape(shape)
+        """Rows ``[r0, r1)`` of ``entry`` as a tensor of its dtype viewing the file's mapping (no
+        copy; a copy only when the file places the tensor at an offset that is not a multiple of
+        its item size)."""
+        import torch
+
+        _, _, shape = self._rows(entry, r0, r1)
+        bits = torch.from_numpy(self.bits_rows(entry, r0, r1))
+        return bits.view(torch_dtype(entry.dtype)).reshape(shape)
 
     def release(self, path: Path, offset: int = 0, nbytes: int | None = None) -> None:
         """Hand back the mapped pages of ``path`` that lie wholly inside ``[offset, offset + nbytes)``
         (all of the file by default): views stay valid, they are read from the page cache again."""
         with self._lock:
-            got = self._maps.get(path)
-        if got is None or got[0] is None:
+            m = self._maps.get(path, (None,))[0]
+        if m is None:
             return
-        m = got[0]
         end = len(m) if nbytes is None else min(len(m), offset + nbytes)
         page = mmap.PAGESIZE
         start = -(-offset // page) * page
@@ -279,8 +284,12 @@ class OutTensor:
     shape: tuple[int, ...]
 
     @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
+        return math.prod(self.shape) * self.itemsize
 
 
 def encode_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -326,19 +335,25 @@ class LayoutWriter:
         _preallocate(self._fd, self.size)
         _pwrite_all(self._fd, memoryview(header), 0)
 
-    def write_at(self, index: int, offset: int, t: torch.Tensor) -> torch.Tensor:
-        """Write ``t``'s bytes at ``offset`` within tensor ``index``; returns them (flat uint8)."""
-        import torch
-
+    def write_at(self, index: int, offset: int, data: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Write the bytes of ``data`` at ``offset`` within tensor ``index``; returns them (flat
+        uint8). A tensor must have the output's dtype; an array its item size (bit patterns)."""
         out = self.tensors[index]
-        if t.dtype != torch_dtype(out.dtype):
-            raise RuntimeError(f"{self.path}: got {t.dtype} for {out.name}, expected {out.dtype}")
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        n = raw.numel()
+        if isinstance(data, np.ndarray):
+            if data.dtype.itemsize != out.itemsize:
+                raise RuntimeError(f"{self.path}: got {data.dtype} for {out.name}, expected {out.dtype}")
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            import torch
+
+            if data.dtype != torch_dtype(out.dtype):
+                raise RuntimeError(f"{self.path}: got {data.dtype} for {out.name}, expected {out.dtype}")
+            raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        n = raw.size
         if offset < 0 or offset + n > out.nbytes:
             raise RuntimeError(f"{self.path}: {n} bytes at {offset} overflow {out.name} ({out.nbytes} bytes)")
         if n:
-            _pwrite_all(self._fd, memoryview(raw.numpy()), self._starts[index] + offset)
+            _pwrite_all(self._fd, memoryview(raw), self._starts[index] + offset)
         with self._lock:
             self._got[index] += n
         return raw

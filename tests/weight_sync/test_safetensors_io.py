@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,8 +35,11 @@ def test_views_equal_copies_and_survive_release(tmp_path) -> None:
         assert torch.equal(a, tensors["a"][10:250])
         assert torch.equal(a, r.read_rows(entries["a"], 10, 250))
         assert torch.equal(r.view_rows(entries["b"]), tensors["b"])
-        whole = r.file_bytes(path)
-        assert bytes(whole.numpy()) == path.read_bytes()
+        assert r.file_array(path).tobytes() == path.read_bytes()
+        bits = r.bits_rows(entries["a"], 10, 250)
+        assert bits.dtype == np.uint16 and torch.equal(
+            torch.from_numpy(bits.copy()).view(torch.bfloat16), a.reshape(-1)
+        )
         r.release(path)  # pages handed back: the views read them again from the page cache
         assert torch.equal(a, tensors["a"][10:250])
         r.release(path, entries["c"].start + 1, 100)  # inside one page: nothing to release
@@ -84,6 +88,11 @@ def test_incomplete_or_mistyped_pieces_are_refused(tmp_path) -> None:
     w = LayoutWriter(tmp_path / "a.safetensors", outs)
     with pytest.raises(RuntimeError, match="expected BF16"):
         w.write_at(0, 0, data["x"].float())
+    with pytest.raises(RuntimeError, match="expected BF16"):  # arrays: bit patterns of the item size
+        w.write_at(0, 0, data["x"].float().numpy())
+    other = LayoutWriter(tmp_path / "b.safetensors", outs)
+    assert other.write_at(0, 0, data["x"][:1].view(torch.int16).numpy()).size == 66  # bf16 bits as int16
+    other.abort()
     with pytest.raises(RuntimeError, match="overflow x"):
         w.write_at(0, 2, data["x"])
     w.write_at(0, 0, data["x"])

@@ -76,8 +76,13 @@ def f32_of_bits(b: int) -> float:
 
 def raise_if_nonfinite(max_abs_bits: int, w: torch.Tensor, where: str) -> None:
     """Raises ``ValueError`` if the largest |x| bit pattern (float32) is NaN or Inf."""
+    check_finite(max_abs_bits, where, describe(w))
+
+
+def check_finite(max_abs_bits: int, where: str, what: str) -> None:
+    """``ValueError`` naming the tensor as ``what`` if its largest |x| bit pattern is NaN or Inf."""
     if max_abs_bits >= INF_BITS:
-        raise ValueError(f"{where}: tensor of {describe(w)} contains NaN or Inf")
+        raise ValueError(f"{where}: tensor of {what} contains NaN or Inf")
 
 
 def kernels():
@@ -90,7 +95,11 @@ def kernels():
 
 def abs_max_bits(w: torch.Tensor) -> int:
     """The float32 bit pattern of ``max |w|`` over all of the contiguous tensor ``w`` (0 if empty)."""
-    x = bits(w)
+    return abs_max_bits_of(bits(w))
+
+
+def abs_max_bits_of(x: np.ndarray) -> int:
+    """``abs_max_bits`` of the bit array ``x`` (see ``bits``)."""
     kernel = kernels().abs_max_bits
     tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
     return int(max(tops, default=0))

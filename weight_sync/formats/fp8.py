@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from weight_sync.formats import _common, _parallel
@@ -52,10 +53,40 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
     res = _common.outputs(
         out, where, {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale_inv": ((nb, kb), torch.float32)}
     )
+    if n and k:
+        quantize_bits(
+            _common.bits(w),
+            n,
+            k,
+            _common.as_array(res["weight"]),
+            _common.as_array(res["weight_scale_inv"]),
+            what=_common.describe(w),
+        )
+    return res
+
+
+def quantize_bits(
+    x: np.ndarray,
+    n: int,
+    k: int,
+    codes: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    *,
+    what: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` on bits: the array-level path (no torch), for callers that hold the weights'
+    bits already (the converter).
+
+    ``x``: the flat float bit patterns of a row-major ``[n, k]`` weight (``uint16`` bfloat16 or
+    ``uint32`` float32, see ``_common.bits``). Returns ``codes`` (uint8 ``[n * k]``: the
+    float8_e4m3fn bytes) and ``scales`` (float32 ``[ceil(n/128) * ceil(k/128)]``), written into
+    the arrays given or fresh ones. NaN/Inf raise ``ValueError`` naming the tensor as ``what``.
+    """
+    nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
+    codes = np.empty(n * k, dtype=np.uint8) if codes is None else codes
+    scales = np.empty(nb * kb, dtype=np.float32) if scales is None else scales
     if n == 0 or k == 0:
-        return res
-    x = _common.bits(w)
-    codes, scales = _common.as_array(res["weight"]), _common.as_array(res["weight_scale_inv"])
+        return codes, scales
     kernel = _common.kernels().fp8_rows
     bands = max(1, _common.CHUNK_ELEMENTS // (BLOCK * k))  # 128-row bands per task
 
@@ -64,8 +95,8 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
         return kernel(x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb])
 
     top = max(_parallel.run_ranges(nb, bands, task))
-    _common.raise_if_nonfinite(int(top), w, where)
-    return res
+    _common.check_finite(int(top), "fp8.quantize", what or f"shape ({n}, {k})")
+    return codes, scales
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:

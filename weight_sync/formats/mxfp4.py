@@ -14,6 +14,7 @@ Per 32 consecutive elements along the last dim (torchao ``to_mx`` with ``ScaleCa
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from weight_sync.formats import _common, _parallel
@@ -42,8 +43,32 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
             "scales": ((*lead, k // BLOCK), torch.uint8),
         },
     )
-    x = _common.bits(w)
-    blocks, scales = _common.as_array(res["blocks"]), _common.as_array(res["scales"])
+    quantize_bits(
+        _common.bits(w),
+        _common.as_array(res["blocks"]),
+        _common.as_array(res["scales"]),
+        what=_common.describe(w),
+    )
+    return res
+
+
+def quantize_bits(
+    x: np.ndarray,
+    blocks: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    *,
+    what: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` on bits: the array-level path (no torch), for callers that hold the weights'
+    bits already (the converter).
+
+    ``x``: flat float bit patterns (``uint16`` bfloat16 or ``uint32`` float32, see
+    ``_common.bits``), a multiple of 32 of them. Returns ``blocks`` (uint8 ``[len/2]``) and
+    ``scales`` (uint8 ``[len/32]``), written into the arrays given or fresh ones. NaN/Inf raise
+    ``ValueError`` naming the tensor as ``what``.
+    """
+    blocks = np.empty(x.size // 2, dtype=np.uint8) if blocks is None else blocks
+    scales = np.empty(x.size // BLOCK, dtype=np.uint8) if scales is None else scales
     kernel = _common.kernels().mxfp4_blocks
     step = max(1, _common.CHUNK_ELEMENTS // BLOCK)  # blocks per task
 
@@ -51,8 +76,8 @@ def quantize(w: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None) -> 
         return kernel(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
 
     top = max(_parallel.run_ranges(x.size // BLOCK, step, task), default=0)
-    _common.raise_if_nonfinite(int(top), w, where)
-    return res
+    _common.check_finite(int(top), "mxfp4.quantize", what or f"{x.size} values")
+    return blocks, scales
 
 
 def scale_factors(scales: torch.Tensor) -> torch.Tensor:

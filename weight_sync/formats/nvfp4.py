@@ -86,14 +86,13 @@ def _as_scale_2(value: object) -> np.float32:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _check_covers(ws2: np.float32, amax_bits: int, w: torch.Tensor) -> None:
+def _check_covers(ws2: np.float32, amax_bits: int, what: str) -> None:
     """``ValueError`` unless ``ws2 >= amax / (6 * 448)``, i.e. no group scale exceeds 448."""
     needed = _scale_2_of(amax_bits)
     if ws2 < needed:
         raise ValueError(
             f"nvfp4.quantize: weight_scale_2={float(ws2)!r} is smaller than amax/(6*448)={float(needed)!r} "
-            f"of the tensor of {_common.describe(w)}; compute it with nvfp4.global_scale over every "
-            "tensor sharing it"
+            f"of the tensor of {what}; compute it with nvfp4.global_scale over every tensor sharing it"
         )
 
 
@@ -125,13 +124,48 @@ def quantize(
             "weight_scale": ((*lead, k // GROUP), torch.float8_e4m3fn),
         },
     )
-    x = _common.bits(w)
-    given = weight_scale_2 is not None
-    ws2 = _as_scale_2(weight_scale_2) if given else _scale_2_of(_joint_amax_bits((w,), where))
-    packed, scale = _common.as_array(res["weight"]), _common.as_array(res["weight_scale"])
+    ws2 = (
+        _scale_2_of(_joint_amax_bits((w,), where)) if weight_scale_2 is None else _as_scale_2(weight_scale_2)
+    )
+    quantize_bits(
+        _common.bits(w),
+        ws2,
+        _common.as_array(res["weight"]),
+        _common.as_array(res["weight_scale"]),
+        what=_common.describe(w),
+    )
+    return {
+        "weight": res["weight"],
+        "weight_scale": res["weight_scale"],
+        "weight_scale_2": torch.scalar_tensor(float(ws2), dtype=torch.float32),
+        "input_scale": torch.scalar_tensor(1.0, dtype=torch.float32),
+    }
+
+
+def quantize_bits(
+    x: np.ndarray,
+    weight_scale_2: np.float32,
+    packed: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    *,
+    what: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` on bits with a given ``weight_scale_2`` (float32, finite, >= 0): the
+    array-level path (no torch), for callers that hold the weights' bits already (the converter).
+
+    ``x``: flat float bit patterns (``uint16`` bfloat16 or ``uint32`` float32, see
+    ``_common.bits``), a multiple of 16 of them. Returns ``packed`` (uint8 ``[len/2]``) and
+    ``scales`` (uint8 ``[len/16]``: the float8_e4m3fn bytes), written into the arrays given or
+    fresh ones. NaN/Inf, or a ``weight_scale_2`` below this tensor's amax / (6 * 448), raise
+    ``ValueError`` naming the tensor as ``what``.
+    """
+    what = what or f"{x.size} values"
+    ws2 = np.float32(weight_scale_2)
+    packed = np.empty(x.size // 2, dtype=np.uint8) if packed is None else packed
+    scales = np.empty(x.size // GROUP, dtype=np.uint8) if scales is None else scales
     if ws2 == 0:  # only for an all-zero tensor: scales 1.0, every code +0
-        top = _common.abs_max_bits(w)
-        scale.fill(_E4M3_ONE)
+        top = _common.abs_max_bits_of(x)
+        scales.fill(_E4M3_ONE)
         packed.fill(0)
     else:
         six_ws2 = np.float32(E2M1_MAX) * ws2  # one float32 product, as ModelOpt
@@ -139,18 +173,12 @@ def quantize(
         step = max(1, _common.CHUNK_ELEMENTS // GROUP)  # groups per task
 
         def task(g0: int, g1: int) -> int:
-            return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2, packed[g0 * 8 : g1 * 8], scale[g0:g1])
+            return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2, packed[g0 * 8 : g1 * 8], scales[g0:g1])
 
         top = int(max(_parallel.run_ranges(x.size // GROUP, step, task), default=0))
-    _common.raise_if_nonfinite(top, w, where)
-    if given:
-        _check_covers(ws2, top, w)
-    return {
-        "weight": res["weight"],
-        "weight_scale": res["weight_scale"],
-        "weight_scale_2": torch.scalar_tensor(float(ws2), dtype=torch.float32),
-        "input_scale": torch.scalar_tensor(1.0, dtype=torch.float32),
-    }
+    _common.check_finite(top, "nvfp4.quantize", what)
+    _check_covers(ws2, top, what)
+    return packed, scales
 
 
 _E4M3_ONE = 0x38  # float8_e4m3fn byte of 1.0
