@@ -117,3 +117,32 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
     ref = torch.cat([x[a:b] @ w.float().t()
                      for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_without_llvmlite_the_model_runs_on_float32_weights(tmp_path: Path, tiny_dir: Path) -> None:
+    """Where the kernel cannot be built (here: ``llvmlite.binding`` made unimportable in a fresh
+    process, after numba, which the quantizers use, has loaded), the weights are float32 for oneDNN
+    and the logits are the kernel path's to float32 rounding."""
+    import subprocess
+    import sys
+
+    ids = torch.randint(0, 259, (20,), generator=torch.Generator().manual_seed(9))
+    script = (
+        "import sys, numba\n"
+        "sys.modules['llvmlite.binding'] = None\n"
+        "import torch\n"
+        "from fleet.engine import kernels\n"
+        "from fleet.engine.model import load_model\n"
+        f"m = load_model({str(tiny_dir)!r})\n"
+        "assert not kernels.available()\n"
+        "assert not isinstance(m._layers[0].o_proj.weight, kernels.PackedBf16)\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        f"torch.save(m.forward([ids], [m.new_sequence()])[0], {str(tmp_path / 'out.pt')!r})\n"
+    )
+    torch.save(ids, tmp_path / "ids.pt")
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=root, timeout=120)
+    fallback = torch.load(tmp_path / "out.pt")
+    model = load_model(tiny_dir)
+    assert isinstance(model._layers[0].o_proj.weight, kernels.PackedBf16)
+    torch.testing.assert_close(model.forward([ids], [model.new_sequence()])[0], fallback, atol=1e-4, rtol=0)
