@@ -19,10 +19,12 @@ Two loads:
 * sustained (closed loop): each of 64 / 256 sessions sends its next request as soon as the
   previous one is answered. Throughput = completed requests / seconds; this saturates the
   machine, so latency there is mostly queueing (sessions / throughput).
-* paced: ``--paced-sessions`` sessions together offer ``--paced-rate`` requests/s (each session
-  sends every sessions/rate seconds, from a random phase; a late answer delays only that
-  session). Added latency = p50 / p99 through the router minus the same percentile direct, at
-  the same offered load: the router's own cost per request plus its queueing at that load.
+* paced (the "load" column shows the rate): ``--paced-sessions`` sessions together offer each
+  ``--paced-rate`` in requests/s (each session sends every sessions/rate seconds, from a random
+  phase; a late answer delays only that session). Added latency = p50 / p99 through the router
+  minus the same percentile direct, at the same offered load: the router's own cost per request
+  plus its queueing at that load. (A real engine takes 0.1-10 s per turn, so 256 sessions offer
+  roughly 25-2,500 turns/s; the defaults, 250 and 1,000, sit inside that range.)
 
 Targets (issue 4): sustained turns/s >= 0.5x sglang-router's; added p50 <= 1 ms and p99 <= 5 ms
 at 256 sessions (judged on the paced load; saturated latencies are printed too).
@@ -33,7 +35,7 @@ divided by the requests it served: unlike throughput it hardly depends on what e
 processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 64 256]
-[--paced-rate 1000] [--state memory|redis]``.
+[--paced-rate 250 1000] [--state memory|redis]``.
 """
 
 from __future__ import annotations
@@ -226,14 +228,22 @@ MakeRequest = Callable[[Conn, int], Awaitable[bytes]]
 
 
 async def run_load(
-    port: int, sessions: int, seconds: float, make_request: MakeRequest, period: float | None = None
-) -> tuple[list[float], int, float]:
+    port: int,
+    sessions: int,
+    seconds: float,
+    make_request: MakeRequest,
+    period: float | None = None,
+    pid: int | None = None,
+) -> tuple[list[float], int, float, float]:
     """``sessions`` loops for ``seconds``: back to back (``period`` None) or one request every
-    ``period`` seconds each. Returns latencies (s), non-200 answers, client CPU seconds."""
+    ``period`` seconds each. Returns latencies (s), non-200 answers, client CPU seconds and the
+    CPU seconds of process ``pid`` (NaN without one) over the timed part only (connections and
+    sessions are set up before it)."""
     latencies: list[float] = []
     errors = [0]
     conns = [await Conn.open(port) for _ in range(sessions)]
     requests = [await make_request(c, i) for i, c in enumerate(conns)]
+    server0 = cpu_seconds(pid) if pid else float("nan")
     cpu0 = time.process_time()
     t_start = time.perf_counter()
     stop = t_start + seconds
@@ -258,10 +268,12 @@ async def run_load(
 
     try:
         await asyncio.gather(*(loop(c, r) for c, r in zip(conns, requests, strict=True)))
+        client = time.process_time() - cpu0
+        server = cpu_seconds(pid) - server0 if pid else float("nan")
     finally:
         for c in conns:
             c.close()
-    return latencies, errors[0], time.process_time() - cpu0
+    return latencies, errors[0], client, server
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -329,9 +341,9 @@ def median_point(points: list[Point]) -> Point:
 
 
 def measure(target: Target, sessions: int, seconds: float, period: float | None) -> Point:
-    cpu0 = cpu_seconds(target.pid) if target.pid else float("nan")
-    lat, errs, client_cpu = asyncio.run(run_load(target.port, sessions, seconds, target.make, period))
-    cpu = cpu_seconds(target.pid) - cpu0 if target.pid else float("nan")
+    lat, errs, client_cpu, cpu = asyncio.run(
+        run_load(target.port, sessions, seconds, target.make, period, target.pid)
+    )
     return Point(lat, errs, seconds, cpu, client_cpu)
 
 
@@ -341,7 +353,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--paced-sessions", type=int, default=256)
-    ap.add_argument("--paced-rate", type=float, default=1000.0, help="requests/s offered (0: skip)")
+    ap.add_argument(
+        "--paced-rate", type=float, nargs="*", default=[250.0, 1000.0], help="requests/s offered (none: skip)"
+    )
     ap.add_argument("--state", default="memory", choices=("memory", "redis"))
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -443,8 +457,8 @@ def main() -> int:
             f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"
         )
         loads: list[tuple[str, int, float | None]] = [("sustained", c, None) for c in args.concurrency]
-        if args.paced_rate > 0:
-            loads.append(("paced", args.paced_sessions, args.paced_sessions / args.paced_rate))
+        rates = [r for r in args.paced_rate if r > 0]
+        loads += [(f"{r:g}/s", args.paced_sessions, args.paced_sessions / r) for r in rates]
         results: dict[tuple[str, int, str], list[Point]] = {}
         for _ in range(args.rounds):
             for kind, sessions, period in loads:
@@ -480,11 +494,11 @@ def main() -> int:
                         f"  {name:<18} at {c:>3} sessions: {p.rps / sg_p.rps:.2f}x "
                         f"(CPU per request {p.cpu_us / sg_p.cpu_us:.2f}x sglang-router's)"
                     )
-        if args.paced_rate > 0:
-            paced = ("paced", args.paced_sessions)
+        for r in rates:
+            paced = (f"{r:g}/s", args.paced_sessions)
             base = med[(*paced, "direct")]
             print(
-                f"\nadded latency at {args.paced_sessions} sessions offering {args.paced_rate:g} req/s "
+                f"\nadded latency at {args.paced_sessions} sessions offering {r:g} req/s "
                 "(target: p50 <= 1 ms, p99 <= 5 ms):"
             )
             for t in targets[1:]:
