@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 
 from weight_sync.errors import UserError
-from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, count_tensors
+from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, count_tensors
 from weight_sync.store.base import VersionStore
 
 MAX_CHAIN = 1000
@@ -42,12 +42,16 @@ def version_files(
     store: VersionStore, run_id: str, fmt: str, version: int
 ) -> dict[str, tuple[Path, FileEntry]]:
     """Every file of ``version``'s full content (deltas resolved, newest layer winning):
-    relative path -> (directory holding it, its manifest entry). ``UserError`` on a broken chain."""
+    relative path -> (directory holding it, its manifest entry). A chain without a base or with a
+    cycle raises ``ChecksumError`` naming the manifest that breaks it."""
     chain: list[tuple[int, Manifest]] = [(version, store.read_manifest(run_id, fmt, version))]
     while chain[-1][1].kind == "delta":
         base = chain[-1][1].base_version
         if base is None or len(chain) > MAX_CHAIN or any(v == base for v, _ in chain):
-            raise UserError(f"{run_id}/{fmt} version {version}: delta chain has no base or is cyclic")
+            raise ChecksumError(
+                Path(store.version_dir(run_id, fmt, chain[-1][0])) / MANIFEST_NAME,
+                "delta chain has no base or is cyclic",
+            )
         chain.append((base, store.read_manifest(run_id, fmt, base)))
     files: dict[str, tuple[Path, FileEntry]] = {}
     for v, m in reversed(chain):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from weight_sync.checksum import new_hasher
+from weight_sync.delta import version_files
 from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, check_digest
 from weight_sync.store.base import VersionStore
 
@@ -109,7 +110,7 @@ def stage_version(
     partial.mkdir(parents=True)
     total = 0
     try:
-        for rel, src_dir, entry in _layers(store, run_id, fmt, version, manifest):
+        for rel, src_dir, entry in _layers(store, run_id, fmt, version):
             if should_abort():
                 raise StageAborted(f"version {version} superseded while staging")
             dst = partial / rel
@@ -155,27 +156,13 @@ def clean_staging(staging_root: Path, keep: set[int]) -> list[Path]:
     return removed
 
 
-def _layers(store: VersionStore, run_id: str, fmt: str, version: int, manifest: Manifest):
+def _layers(store: VersionStore, run_id: str, fmt: str, version: int):
     """(relpath, source dir, entry) for every file of the full version, newest layer winning."""
-    files: dict[str, tuple[Path, FileEntry]] = {}
-    chain: list[tuple[int, Manifest]] = [(version, manifest)]
-    while chain[-1][1].kind == "delta":
-        base = chain[-1][1].base_version
-        if base is None or len(chain) > 1000:
-            raise ChecksumError(
-                Path(store.version_dir(run_id, fmt, chain[-1][0])) / _MANIFEST,
-                "delta chain has no base or is cyclic",
-            )
-        chain.append((base, store.read_manifest(run_id, fmt, base)))
-    for v, m in reversed(chain):
-        src = Path(store.version_dir(run_id, fmt, v))
-        for rel, entry in m.files.items():
-            if rel == _MANIFEST:
-                continue
-            files[rel] = (src, entry)
+    files = version_files(store, run_id, fmt, version)
     for rel in sorted(files):
-        src, entry = files[rel]
-        yield rel, src, entry
+        if rel != _MANIFEST:
+            src, entry = files[rel]
+            yield rel, src, entry
 
 
 def _check(path: Path, n: int, digest: str, entry: FileEntry) -> None:

@@ -20,7 +20,7 @@ from tests.support.router import router_process, write_preset
 from weight_sync.convert import convert_checkpoint
 from weight_sync.delta import reduce_to_delta
 from weight_sync.errors import UserError
-from weight_sync.manifest import Manifest
+from weight_sync.manifest import ChecksumError, Manifest, build_manifest
 from weight_sync.publish import publish_checkpoint, publish_delta
 from weight_sync.stage import stage_version
 from weight_sync.store.local import LocalStore
@@ -204,3 +204,16 @@ def test_cli_publishes_a_delta_into_a_store(store: LocalStore, tmp_path: Path, t
     bad = cli("9")
     assert bad.returncode != 0 and "must be an older version: base 9, version 3" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_broken_delta_chain_is_refused_naming_its_manifest(store: LocalStore, tmp_path: Path) -> None:
+    """Deltas whose bases form a cycle (committed by hand: the store does not follow bases)."""
+    for version, base in ((2, 3), (3, 2)):
+        d = tmp_path / f"d{version}"
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        build_manifest(d, format="bf16", kind="delta", base_version=base).write(d, fsync=False)
+        store.commit(RUN, "bf16", version, d)
+    with pytest.raises(ChecksumError, match="cyclic") as err:
+        stage_version(store, RUN, "bf16", 2, tmp_path / "staging")
+    assert err.value.path.name == "manifest.json"
