@@ -250,26 +250,35 @@ def fp8_rows(x, n, k, codes, scales):
     """Block FP8 of the ``[n, k]`` row-major weights ``x`` (flat): 128x128 blocks.
 
     ``codes``: uint8 ``[n * k]``; ``scales``: float32 ``[ceil(n/128) * ceil(k/128)]`` row-major.
-    Per block: ``s = max(amax, 1e-4) / 448``, codes ``e4m3(x / s)``.
+    Per block: ``s = max(amax, 1e-4) / 448``, codes ``e4m3(x / s)``. Each 128-row band is read
+    twice, row after row (memory order, which the prefetchers follow; the second time from
+    cache): first for every block's amax, then for the codes.
     """
     kb = (k + 127) // 128
     top = np.int64(0)
+    amax = np.empty(kb, dtype=np.int64)
+    band_scales = np.empty(kb, dtype=np.float32)
     for bi in range((n + 127) // 128):
         r0 = bi * 128
         r1 = min(n, r0 + 128)
         for bj in range(kb):
-            c0 = bj * 128
-            c1 = min(k, c0 + 128)
-            mb = _abs_max_start(x)
-            for r in range(r0, r1):
-                for i in range(r * k + c0, r * k + c1):
+            amax[_u(bj)] = 0
+        for r in range(r0, r1):
+            for bj in range(kb):
+                mb = _abs_max_start(x)
+                for i in range(r * k + bj * 128, r * k + min(k, bj * 128 + 128)):
                     mb = _abs_max_step(mb, x[_u(i)])
-            m = _abs_max_bits(mb)
+                amax[_u(bj)] = max(amax[_u(bj)], _abs_max_bits(mb))
+        for bj in range(kb):
+            m = amax[_u(bj)]
             top = max(top, m)
             s = max(_i2f(m), _FP8_AMAX_FLOOR) / _F448
             scales[_u(bi * kb + bj)] = s
-            for r in range(r0, r1):
-                for i in range(r * k + c0, r * k + c1):
+            band_scales[_u(bj)] = s
+        for r in range(r0, r1):
+            for bj in range(kb):
+                s = band_scales[_u(bj)]
+                for i in range(r * k + bj * 128, r * k + min(k, bj * 128 + 128)):
                     codes[_u(i)] = _e4m3(_i2f(_f32_bits(x[_u(i)])) / s)
     return top
 
