@@ -645,10 +645,11 @@ class _ShardDigests:
 
     def done(self, job: Job, t: int, pieces: list[tuple[int, np.ndarray]]) -> None:
         start, n = job.spans[t]
-        if start != self._src_pos:
-            self._src.update(self._src_data[self._src_pos : start])
-        self._src.update(self._src_data[start : start + n])
-        self._src_pos = start + n
+        if self._src_pos < 0 or start < self._src_pos:  # not in file order: no source digest
+            self._src_pos = -1
+        else:
+            self._src.update(self._src_data[self._src_pos : start + n])
+            self._src_pos = start + n
         if t == 0:
             self._tails = [[] for _ in job.outputs[1:]]
         for i, raw in pieces:
@@ -663,7 +664,7 @@ class _ShardDigests:
             self._tails = []
 
     def source(self) -> str | None:
-        """xxh3-128 of the source file, if the tasks read all of it (else None)."""
+        """xxh3-128 of the source file, if the tasks read all of it in order (else None)."""
         return self._src.hexdigest() if self._src_pos == self._src_data.size else None
 
 
