@@ -15,8 +15,7 @@ import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, loads
 from fleet.sglang_client import dumps as engine_dumps
@@ -39,8 +38,7 @@ async def assign_group(ctx: RouterContext, exclude: set[str] = frozenset()) -> s
     return name
 
 
-@dataclass(frozen=True)
-class TurnResult:
+class TurnResult(NamedTuple):
     turn: TurnData
     group: str
     replica_id: str
@@ -202,8 +200,7 @@ def _turn(
     )
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where a request finally ran: ``moved_from`` is set when it left ``start_group``."""
 
     group: str

@@ -203,8 +203,17 @@ def _varints(values: Sequence[int], out: bytearray) -> None:
     low = min(values)
     if low < 0:
         raise ValueError(f"varint of negative value {low}")
-    if max(values) < 0x80:
+    high = max(values)
+    if high < 0x80:
         out += bytes(values)
+    elif high < 0x200000:  # at most three bytes each (token ids): no call per value
+        for v in values:
+            if v < 0x80:
+                out.append(v)
+            elif v < 0x4000:
+                out += bytes((v & 0x7F | 0x80, v >> 7))
+            else:
+                out += bytes((v & 0x7F | 0x80, (v >> 7) & 0x7F | 0x80, v >> 14))
     else:
         for v in values:
             _varint(v, out)

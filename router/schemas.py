@@ -12,8 +12,7 @@ model and FastAPI's validation as before.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -61,8 +60,7 @@ class SessionCreated(BaseModel):
     group: str
 
 
-@dataclass(frozen=True, slots=True)
-class TurnSpec:
+class TurnSpec(NamedTuple):
     """A validated turn request, as the dispatcher needs it: ``params`` are the engine's
     ``sampling_params`` (SGLang names: ``sampling_seed``, ``stop_token_ids`` only when set)."""
 
