@@ -17,7 +17,9 @@ torch threads:
   two never share the cores.
 
 Prints both rates, the ratio engine / transformers (target >= 2) and the cost of sampling masks
-(target < 10%). Usage:
+(target < 10%). On a shared machine the wall clock mostly measures the other processes, so each
+round's CPU seconds are printed too (the engine process's, all threads, from ``/proc``; the
+transformers process's own) with tokens per CPU-second and their ratio. Usage:
 ``python benchmarks/engine.py [--model DIR | --preset small] [--requests 32] [--new-tokens 128]
 [--threads N] [--reps 2] [--hf-reps 1] [--hf-experts eager|default]``.
 """
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,27 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.engines import engine_process  # noqa: E402
+from tests.support.engines import engine_argv  # noqa: E402
+from tests.support.procs import free_port, process, wait_http  # noqa: E402
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, **flags: Any) -> Iterator[tuple[str, int]]:
+    """A ``mixfleet engine`` process for ``model_dir``: yields its URL and pid once healthy."""
+    port = free_port()
+    with process(engine_argv(model_dir, port, **flags)) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", timeout=600, proc=proc)
+        yield url, proc.pid
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all threads (``None`` without /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -152,26 +176,32 @@ def main() -> int:
 
         times: dict[bool, list[float]] = {False: [], True: []}
         forward: dict[bool, list[float]] = {False: [], True: []}
-        with engine_process(
-            model_dir, threads=args.threads, max_running_requests=max(64, args.requests), timeout=600
-        ) as url:
+        cpu: dict[bool, list[float]] = {False: [], True: []}
+        with engine_server(
+            model_dir, threads=args.threads, max_running_requests=max(64, args.requests)
+        ) as (url, pid):
             engine_round(
                 url, batch[:4], argparse.Namespace(**{**vars(args), "new_tokens": 8}), True
             )  # warm-up
             for rep in range(args.reps):
                 for masks in (False, True) if rep % 2 == 0 else (True, False):
                     before = httpx.get(url + "/server_info").json()["internal_states"][0]
+                    cpu0 = cpu_seconds(pid)
                     t = engine_round(url, batch, args, masks)
+                    cpu1 = cpu_seconds(pid)
                     after = httpx.get(url + "/server_info").json()["internal_states"][0]
                     times[masks].append(t)
+                    if cpu0 is not None and cpu1 is not None:
+                        cpu[masks].append(cpu1 - cpu0)
                     forward[masks].append(after["forward_seconds"] - before["forward_seconds"])
                     split = {
                         k: after[k] - before[k] for k in ("step_seconds", "forward_seconds", "sample_seconds")
                     }
+                    used = f", cpu {cpu[masks][-1]:.2f}s" if len(cpu[masks]) == len(times[masks]) else ""
                     print(
                         f"  engine masks={'on ' if masks else 'off'}: {t:7.2f}s  {n_tokens / t:8.1f} tok/s  "
                         f"(steps {split['step_seconds']:.2f}s, of which Model.forward "
-                        f"{split['forward_seconds']:.2f}s, sampler {split['sample_seconds']:.2f}s)",
+                        f"{split['forward_seconds']:.2f}s, sampler {split['sample_seconds']:.2f}s{used})",
                         flush=True,
                     )
 
@@ -181,11 +211,14 @@ def main() -> int:
         hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
         print(f"  transformers experts_implementation: {hf.config._experts_implementation}", flush=True)
         transformers_round(hf, batch[:4], args, 8)  # warm-up
-        hf_times = []
+        hf_times, hf_cpu = [], []
         for _ in range(args.hf_reps):
+            c0 = time.process_time()
             t = transformers_round(hf, batch, args, args.new_tokens)
+            hf_cpu.append(time.process_time() - c0)
             hf_times.append(t)
-            print(f"  transformers generate: {t:7.2f}s  {n_tokens / t:8.1f} tok/s", flush=True)
+            print(f"  transformers generate: {t:7.2f}s  {n_tokens / t:8.1f} tok/s, cpu {hf_cpu[-1]:.2f}s",
+                  flush=True)
 
     engine_rate = n_tokens / min(times[False])
     masks_rate = n_tokens / min(times[True])
@@ -204,6 +237,14 @@ def main() -> int:
         f"cost of sampling masks outside Model.forward: {extra:.1f}% of the no-mask wall time "
         f"({rest[False]:.2f}s -> {rest[True]:.2f}s of non-forward time)"
     )
+    if cpu[False] and cpu[True]:
+        per_cpu = {m: n_tokens / min(cpu[m]) for m in (False, True)}
+        hf_per_cpu = n_tokens / min(hf_cpu)
+        print(
+            f"tokens per CPU-second: engine {per_cpu[False]:.1f} (masks {per_cpu[True]:.1f}), transformers "
+            f"{hf_per_cpu:.1f}; ratio by CPU time {per_cpu[False] / hf_per_cpu:.2f}x, "
+            f"masks cost {100 * (1 - per_cpu[True] / per_cpu[False]):.1f}% of CPU"
+        )
     return 0
 
 
