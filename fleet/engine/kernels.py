@@ -19,15 +19,14 @@ blocked GEMM's. Each K step prefetches the weight line 2 KB ahead (the panels of
 contiguous, so this runs on into the next panel): the hardware prefetcher alone left the expert
 products of a decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
 
-The kernel is written in LLVM IR and compiled for the host CPU with llvmlite (numba's code
-generator) on first use, in about 0.2 s; where that is impossible ``available()`` is False and
-callers use their float32 path.
+The kernel is written in LLVM IR and compiled for the host CPU by ``fleet.engine.jit`` on first
+use, in about 0.15 s; where that is impossible ``available()`` is False and callers use their
+float32 path. Large products are split over ``torch.get_num_threads()`` threads (``jit.run``).
 """
 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import ctypes
 import logging
 import threading
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from fleet.engine import jit
 
 log = logging.getLogger("mixfleet.engine.kernels")
 
@@ -105,8 +106,8 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
         res, ldo = torch.empty(m, padded), padded
     if m:
         args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr())
-        parts = _parts(m * w.k * padded, n_panels)
-        _run([(fns.gemm, (*args, a, b)) for a, b in _split(n_panels, parts)])
+        parts = jit.parts(m * w.k * padded, n_panels)
+        jit.run([(fns.gemm, (*args, a, b)) for a, b in jit.split(n_panels, parts)])
     if out is not None:
         return out
     if padded != w.n:
@@ -149,49 +150,15 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
         raise ValueError("grouped: x [rows, k], out [rows, n] contiguous float32, offsets int64 [E + 1]")
     args = (x.data_ptr(), offsets.data_ptr(), group.table.data_ptr(), group.k, group.n, out.data_ptr(),
             group.n // PANEL)
-    parts = _parts(rows * group.k * group.n, e)
+    parts = jit.parts(rows * group.k * group.n, e)
     if parts == 1:
-        _run([(fns.grouped, (*args, 0, e))])
+        jit.run([(fns.grouped, (*args, 0, e))])
         return out
     # Cut the weights where the running row count crosses each 1/parts of the rows.
     offs = offsets.tolist()
     bounds = [0, *(bisect.bisect_left(offs, rows * i / parts) for i in range(1, parts)), e]
-    _run([(fns.grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
+    jit.run([(fns.grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
     return out
-
-
-# Below this many multiply-adds a product runs on one thread (a thread hand-off costs ~20 us).
-PARALLEL_MIN_WORK = 4_000_000
-_pool: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-
-
-def _parts(work: int, units: int) -> int:
-    threads = torch.get_num_threads()
-    if threads <= 1 or work < PARALLEL_MIN_WORK:
-        return 1
-    return max(1, min(threads, units))
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
-
-
-def _run(calls: list[tuple[Any, tuple]]) -> None:
-    """Run the native calls (each releases the GIL): all but the last on pool threads, the last here."""
-    if len(calls) == 1:
-        fn, args = calls[0]
-        fn(*args)
-        return
-    pool = _pool.get(len(calls) - 1)
-    if pool is None:
-        pool = _pool.setdefault(len(calls) - 1, concurrent.futures.ThreadPoolExecutor(
-            len(calls) - 1, thread_name_prefix="bf16-gemm"))
-    futures = [pool.submit(fn, *args) for fn, args in calls[:-1]]
-    fn, args = calls[-1]
-    fn(*args)
-    for f in futures:
-        f.result()
 
 
 def available() -> bool:
@@ -216,24 +183,11 @@ def _kernel() -> Any:
     return _state["fn"]
 
 
-def _compile() -> tuple[Any, _Fns]:
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    target = llvm.Target.from_default_triple()
-    tm = target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    mod = llvm.parse_assembly(_ir())
-    mod.verify()
-    engine = llvm.create_mcjit_compiler(mod, tm)
-    engine.finalize_object()
+def _compile() -> tuple[jit.Compiled, _Fns]:
+    mod = jit.compile_ir(_ir())
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    gemm = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, i64, ptr, i64, i64)
-    grouped = ctypes.CFUNCTYPE(None, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64)
-    return engine, _Fns(gemm(engine.get_function_address("gemm_bf16w")),
-                        grouped(engine.get_function_address("gemm_grouped")))
+    return mod, _Fns(mod.function("gemm_bf16w", ptr, i64, i64, ptr, i64, ptr, i64, i64),
+                     mod.function("gemm_grouped", ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine import kernels
+from fleet.engine import jit, kernels
 from fleet.engine.model import load_model
 from tests.support.models import make_model_dir
 
@@ -103,7 +103,7 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
     x = torch.randn(sum(counts), 48, generator=g)
     alone = torch.cat([kernels.linear(x[a:b], kernels.pack(w))
                        for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
-    monkeypatch.setattr(kernels, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
