@@ -30,8 +30,9 @@ weights exact in bfloat16 (all of a BF16 checkpoint) stay bfloat16 and run throu
 LLVM-compiled GEMM that widens them in registers (``fleet.engine.kernels``: half the bytes read,
 float32 arithmetic); other weights are float32 pre-packed for oneDNN (``layers.pack``); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
-sequences' attention is one SDPA call per cache pool (see ``fleet.engine.cache``) with the query
-heads of a KV head as its query rows, so each stored key and value is read once per step.
+sequences' attention is one call per cache pool (see ``fleet.engine.cache``) with the query heads
+of a KV head as its query rows, so each stored key and value is read once per step: the native
+kernel of ``fleet.engine.decode_attention`` for float32 caches, SDPA for the others.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fleet.engine import decode_attention
 from fleet.engine.cache import KVPool, SequenceCache, storage_dtype, to_storage
 from fleet.engine.config import ARCHITECTURE, ModelConfig
 from fleet.engine.layers import (
@@ -242,6 +244,7 @@ class _DecodeGroup:
     span: int  # slots [0, span) take part in the batched call (the others' results are dropped)
     window: int  # positions [0, window) are read
     mask: torch.Tensor  # [span, 1, 1, window]: each slot's positions up to its new token
+    lengths: torch.Tensor  # [span] int64: each slot's positions to attend over (0: not in the step)
     all_rows: bool  # rows == 0 .. N-1: the whole step, in order
     identity: bool  # all_rows, and row i is slot i (no scatter / gather around the call)
 
@@ -259,6 +262,8 @@ class _Attention:
                  d: int, storage: torch.dtype) -> None:
         self.nh, self.nkv, self.d, self.storage = nh, nkv, d, storage
         self.gqa = nh != nkv
+        # float32 caches use the native decode kernel where it compiled; others keep SDPA
+        self.native = storage == torch.float32 and decode_attention.available(nh // nkv, d)
         self.singles: list[tuple[SequenceCache, int, int, int, torch.Tensor | None]] = []
         decoding: dict[int, tuple[KVPool, list[int], list[int], list[int]]] = {}
         off = 0
@@ -278,10 +283,12 @@ class _Attention:
             last = torch.zeros(span, dtype=torch.long)  # slots not in the step see position 0 only
             last[slots] = torch.tensor(positions)
             mask = (torch.arange(window)[None, :] <= last[:, None])[:, None, None, :]
+            lengths = torch.zeros(span, dtype=torch.long)
+            lengths[slots] = torch.tensor(positions) + 1
             all_rows = rows == list(range(off))
             self.groups.append(_DecodeGroup(
                 pool, torch.tensor(rows), torch.tensor(slots), torch.tensor(positions), span, window, mask,
-                all_rows, all_rows and slots == list(range(span)),
+                lengths, all_rows, all_rows and slots == list(range(span)),
             ))
 
     def __call__(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -299,15 +306,22 @@ class _Attention:
             n = g.rows.numel()
             new = kv if g.all_rows else kv[g.rows]
             store[g.slots, :, g.positions] = to_storage(new, self.storage)
-            stored = store[: g.span, :, : g.window]
-            if self.storage != torch.float32:
-                stored = stored.float()
+            group = nh // nkv
             if g.identity:
-                queries = q.reshape(n, nkv, nh // nkv, d)
+                queries = q.reshape(n, nkv, group, d)
             else:
-                queries = torch.zeros(g.span, nkv, nh // nkv, d)
-                queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, nh // nkv, d)
-            res = F.scaled_dot_product_attention(queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask)
+                queries = torch.zeros(g.span, nkv, group, d)
+                queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, group, d)
+            if self.native:
+                res = decode_attention.attend(queries.contiguous(), store, g.lengths,
+                                              torch.empty(g.span, nkv, group, d))
+            else:
+                stored = store[: g.span, :, : g.window]
+                if self.storage != torch.float32:
+                    stored = stored.float()
+                res = F.scaled_dot_product_attention(
+                    queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask
+                )
             res = res.reshape(n, nh, d) if g.identity else res[g.slots].view(n, nh, d)
             if g.all_rows:
                 out = res
