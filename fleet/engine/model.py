@@ -12,7 +12,8 @@ Precision (a decision, documented here):
   float32, so the bf16 engine reproduces ``transformers``' float32 forward of the same
   directory to float32 rounding. We do not round activations to bf16 in any format: that
   rounding is common to every GPU group, and leaving it out makes the difference between
-  the formats exactly the formats' own effect (this CPU also has no native bf16 GEMM).
+  the formats exactly the formats' own effect. (Weights exact in bfloat16 are stored as
+  bfloat16 for speed, see below, and widened exactly: the arithmetic stays float32.)
 - fp8 (W8A8 blockwise, as SGLang's ``Fp8LinearMethod``/fused MoE with ``weight_block_size``):
   weights are the real e4m3 codes times their 128x128 block scales; the input of every FP8
   linear (attention projections, experts' gate/up and down) is quantized per token per 128
