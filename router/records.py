@@ -186,6 +186,7 @@ def _varint(value: int, out: bytearray) -> None:
     out.append(value)
 
 
+_MINUS_ONE = bytes([255, *range(255)])  # bytes.translate table: b -> b - 1
 _NUMPY_MIN = 384  # below this many values a Python loop beats numpy's per-call overhead
 
 
@@ -203,19 +204,27 @@ def _varints(values: Sequence[int], out: bytearray) -> None:
     low = min(values)
     if low < 0:
         raise ValueError(f"varint of negative value {low}")
-    high = max(values)
-    if high < 0x80:
+    if max(values) < 0x80:
         out += bytes(values)
-    elif high < 0x200000:  # at most three bytes each (token ids): no call per value
-        for v in values:
-            if v < 0x80:
-                out.append(v)
-            elif v < 0x4000:
-                out += bytes((v & 0x7F | 0x80, v >> 7))
-            else:
-                out += bytes((v & 0x7F | 0x80, (v >> 7) & 0x7F | 0x80, v >> 14))
     else:
-        for v in values:
+        _append_varints(values, out)
+
+
+def _append_varints(values: Sequence[int], out: bytearray, offset: int = 0) -> None:
+    """LEB128 of each ``value + offset`` (all >= 0), without a call per value up to 3 bytes."""
+    append = out.append
+    for v in values:
+        v += offset
+        if v < 0x80:
+            append(v)
+        elif v < 0x4000:
+            append(v & 0x7F | 0x80)
+            append(v >> 7)
+        elif v < 0x200000:
+            append(v & 0x7F | 0x80)
+            append((v >> 7) & 0x7F | 0x80)
+            append(v >> 14)
+        else:
             _varint(v, out)
 
 
@@ -422,7 +431,6 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]
     return bytes(out), lp_bytes, raw_bytes, sup_bytes, fmt
 
 
-_MINUS_ONE = bytes([255, *range(255)])  # bytes.translate table: b -> b - 1
 
 
 def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) -> bytes:
@@ -456,8 +464,7 @@ def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) ->
     if max(d) <= 0x80:
         return bytes(d).translate(_MINUS_ONE)
     out = bytearray()
-    for x in d:
-        _varint(x - 1, out)
+    _append_varints(d, out, offset=-1)
     return bytes(out)
 
 
