@@ -81,17 +81,26 @@ class HotPath:
         self.seconds = ctx.metrics.request_seconds
 
     # the decision, in two synchronous steps -------------------------------------------------
-    def admit(self, headers: dict[bytes, bytes]) -> bool:
+    def admit(self, headers: dict[bytes, bytes], seen: dict[tuple, bool] | None = None) -> bool:
         """Whether the request head allows the hot path (``headers``: lower-case names, first
-        occurrence of each)."""
+        occurrence of each). ``seen`` (per connection) remembers the decision for the last
+        content type and key (the configured keys do not change while the app runs)."""
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return False
         ctype = headers.get(b"content-type")
-        if ctype is not None and not ctype.lower().startswith(JSON_TYPE):
-            return False
         auth = headers.get(b"authorization")
-        return admits(self.ctx.config, None if auth is None else auth.decode("latin-1"), _ROLLOUT)
+        if seen is not None:
+            known = seen.get((ctype, auth))
+            if known is not None:
+                return known
+        ok = (ctype is None or ctype.lower().startswith(JSON_TYPE)) and admits(
+            self.ctx.config, None if auth is None else auth.decode("latin-1"), _ROLLOUT
+        )
+        if seen is not None:
+            seen.clear()
+            seen[(ctype, auth)] = ok
+        return ok
 
     def prepare(self, route: str, path: str, body: bytes, headers: dict[bytes, bytes]) -> Job | None:
         """The work of an admitted request whose body is ``body``, or None when the body is not

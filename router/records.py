@@ -201,13 +201,22 @@ def _varints(values: Sequence[int], out: bytearray) -> None:
                 raise ValueError(f"varint of negative value {low}")
             out += a.astype(np.uint8).tobytes() if a.max() < 0x80 else _np_varints(a)
             return
+    coded = _single_bytes(values)
+    if coded is not None and coded.isascii():  # all in 0..127: one byte each
+        out += coded
+        return
     low = min(values)
     if low < 0:
         raise ValueError(f"varint of negative value {low}")
-    if max(values) < 0x80:
-        out += bytes(values)
-    else:
-        _append_varints(values, out)
+    _append_varints(values, out)
+
+
+def _single_bytes(values: Sequence[int]) -> bytes | None:
+    """``bytes(values)`` when every value is in 0..255, else None."""
+    try:
+        return bytes(values)
+    except (ValueError, TypeError):
+        return None
 
 
 def _append_varints(values: Sequence[int], out: bytearray, offset: int = 0) -> None:
@@ -459,10 +468,13 @@ def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) ->
         if k:
             d[pos] = flat[pos] + 1
             pos += k
+    coded = _single_bytes(d)
+    if coded is not None:
+        coded = coded.translate(_MINUS_ONE)
+        if coded.isascii():  # every gap in 0..127 (a d of 0, a repeated id, became 255)
+            return coded
     if min(d) < 1:
         raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1)))
-    if max(d) <= 0x80:
-        return bytes(d).translate(_MINUS_ONE)
     out = bytearray()
     _append_varints(d, out, offset=-1)
     return bytes(out)

@@ -68,6 +68,11 @@ def protocol_for(hot: HotPath) -> type | None:
 
     class HotProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
         _hot_route: str | None = None
+        _last_target: tuple[bytes, bytes, str | None, str] | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._admitted: dict[tuple, bool] = {}
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -87,19 +92,23 @@ def protocol_for(hot: HotPath) -> type | None:
                 return None  # an answer is pending on this connection: keep uvicorn's order
             if self.expect_100_continue or self.root_path or self.parser.should_upgrade():
                 return None
-            parsed = httptools.parse_url(self.url)
-            raw_path = parsed.path
-            if b"%" in raw_path:
-                return None
-            route = hot_route(self.parser.get_method().decode("ascii"), raw_path.decode("ascii"))
+            method = self.parser.get_method()
+            last = self._last_target
+            if last is not None and last[0] == self.url and last[1] == method:
+                route, path = last[2], last[3]  # keep-alive clients repeat their target
+            else:
+                raw_path = httptools.parse_url(self.url).path
+                path = raw_path.decode("ascii") if b"%" not in raw_path else ""
+                route = hot_route(method.decode("ascii"), path) if path else None
+                self._last_target = (self.url, method, route, path)
             if route is None:
                 return None
             headers: dict[bytes, bytes] = {}
             for name, value in self.headers:
                 headers.setdefault(name, value)
-            if not hot.admit(headers):
+            if not hot.admit(headers, self._admitted):
                 return None
-            self._hot_path = raw_path.decode("ascii")
+            self._hot_path = path
             self._hot_headers = headers
             self._hot_t0 = time.perf_counter()
             return route
