@@ -198,6 +198,7 @@ class UpstreamPool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        self._releases = 0
 
     def endpoint(self, base_url: str) -> _Endpoint:
         ep = self._endpoints.get(base_url)
@@ -304,6 +305,9 @@ class UpstreamPool:
         self._wake()
 
     def _release(self, key: tuple[str, int, bool], conn: _Conn, ok: bool) -> None:
+        self._releases += 1
+        if self._releases % 1024 == 0:
+            self._prune()
         if ok and conn.reusable() and not self._closed:
             conn.idle_since = time.monotonic()
             self._idle.setdefault(key, []).append(conn)
@@ -311,6 +315,19 @@ class UpstreamPool:
                 self._evict_idle()
             return
         self._drop(conn)
+
+    def _prune(self) -> None:
+        """Drop idle connections that closed or went stale (e.g. to replicas no longer used)."""
+        now = time.monotonic()
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if not c.closed and now - c.idle_since < self.idle_s]
+            for c in idle:
+                if c not in keep:
+                    self._drop(c)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
 
     def _drop(self, conn: _Conn) -> None:
         conn.close()
