@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from weight_sync.checksum import DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
+from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
@@ -731,13 +731,13 @@ def _write_files(
             writer.abort()
 
 
-def _write_small(path: Path, data: bytes, fsync: bool) -> FileEntry:
+def _write_small(path: Path, data: bytes, fsync: bool, algorithm: str) -> FileEntry:
     with open(path, "xb") as f:
         f.write(data)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-    return FileEntry(file_digest(path, DEFAULT_ALGORITHM), len(data), DEFAULT_ALGORITHM)
+    return FileEntry(file_digest(path, algorithm), len(data), algorithm)
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -780,6 +780,7 @@ def convert_checkpoint(
     workers: int | None = None,
     fsync: bool = False,
     chunk_elems: int = CHUNK_ELEMS,
+    checksum: str = DEFAULT_ALGORITHM,
 ) -> Manifest:
     """Convert the HF BF16 checkpoint ``src`` into ``dst`` in format ``fmt``; see the module doc.
 
@@ -787,11 +788,14 @@ def convert_checkpoint(
     is verified and its manifest returned: idempotent). ``workers``: conversion threads (default
     torch's thread count). ``fsync``: make every file durable before the final rename (a store's
     commit does this anyway). ``chunk_elems``: elements per conversion task (the output does not
-    depend on it; memory and parallelism do). Returns the manifest written to ``dst/manifest.json``
-    (version None).
+    depend on it; memory and parallelism do). ``checksum``: the manifest's per-file digest
+    (``xxh3_128``, the default, or ``sha256``). Returns the manifest written to
+    ``dst/manifest.json`` (version None).
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    if checksum not in ALGORITHMS:
+        raise UserError(f"unknown checksum {checksum!r} (known: {', '.join(ALGORITHMS)})")
     src, dst = Path(src), Path(dst)
     # Everything that can be wrong with the input is found before torch is even imported.
     source = load_source(src)
@@ -817,22 +821,22 @@ def convert_checkpoint(
             raise UserError(f"cannot create {dst}: {exc.strerror or exc}") from None
         try:
             with _torch_threads(threads_per_task):
-                files, known = _write_files(plan, tmp, reader, workers, fsync, DEFAULT_ALGORITHM)
+                files, known = _write_files(plan, tmp, reader, workers, fsync, checksum)
             config = dict(source.config)
             if plan.quantization_config is not None:
                 config["quantization_config"] = plan.quantization_config
-            files["config.json"] = _write_small(tmp / "config.json", _json_bytes(config), fsync)
+            files["config.json"] = _write_small(tmp / "config.json", _json_bytes(config), fsync, checksum)
             if plan.hf_quant_config is not None:
                 files[HF_QUANT_NAME] = _write_small(
-                    tmp / HF_QUANT_NAME, _json_bytes(plan.hf_quant_config), fsync
+                    tmp / HF_QUANT_NAME, _json_bytes(plan.hf_quant_config), fsync, checksum
                 )
-            files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync)
+            files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync, checksum)
             for name in source.extra_files:
                 shutil.copyfile(src / name, tmp / name)
                 files[name] = FileEntry(
-                    digest=file_digest(tmp / name, DEFAULT_ALGORITHM),
+                    digest=file_digest(tmp / name, checksum),
                     bytes=(tmp / name).stat().st_size,
-                    algorithm=DEFAULT_ALGORITHM,
+                    algorithm=checksum,
                 )
             manifest = Manifest(
                 version=None,

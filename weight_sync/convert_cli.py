@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", metavar="DST", help="output directory (must not exist, or be empty)")
     parser.add_argument("--workers", type=int, default=None, help="conversion threads (default: torch's)")
     parser.add_argument("--fsync", action="store_true", help="make every file durable before finishing")
+    parser.add_argument(
+        "--checksum",
+        default="xxh3_128",
+        metavar="ALG",
+        help="per-file digest in manifest.json: xxh3_128 (default) | sha256",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         m = convert_checkpoint(
-            Path(args.src), Path(args.dst), args.format, workers=args.workers, fsync=args.fsync
+            Path(args.src),
+            Path(args.dst),
+            args.format,
+            workers=args.workers,
+            fsync=args.fsync,
+            checksum=args.checksum,
         )
     except OSError as exc:
         raise UserError(f"{exc.filename or args.dst}: {exc.strerror or exc}") from None

@@ -48,6 +48,25 @@ def test_convert_each_format(ckpt, tmp_path, fmt) -> None:
     assert f"{manifest.tensor_count} tensors" in r.stdout
 
 
+def test_convert_with_sha256_manifest(ckpt, tmp_path) -> None:
+    """``--checksum sha256``: every manifest entry is the file's sha256, and the files verify."""
+    import hashlib
+
+    from weight_sync.manifest import Manifest, verify_dir
+
+    dst = tmp_path / "sha"
+    r = _run("--format", "fp8", "--checksum", "sha256", str(ckpt), str(dst))
+    assert r.returncode == 0, r.stderr
+    m = Manifest.read(dst)
+    assert {e.algorithm for e in m.files.values()} == {"sha256"}
+    for name, entry in m.files.items():
+        assert entry.digest == hashlib.sha256((dst / name).read_bytes()).hexdigest(), name
+    verify_dir(dst)
+    bad = _run("--format", "fp8", "--checksum", "md5", str(ckpt), str(tmp_path / "md5"))
+    assert bad.returncode != 0 and "unknown checksum 'md5'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "md5").exists()
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 
