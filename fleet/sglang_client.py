@@ -105,17 +105,19 @@ def make_http_client(
     )
 
 
-def _error_message(status: int, content: bytes) -> str:
+def error_message(status: int, content: bytes) -> str:
+    """The message of an engine's error body (``error``/``detail``/``message``, or the text;
+    ``HTTP <status>`` when empty), at most 500 characters."""
     try:
-        body = json.loads(content)
+        body = loads(content)
     except ValueError:
         return content[:500].decode(errors="replace") or f"HTTP {status}"
     if isinstance(body, dict):
         err = body.get("error") or body.get("detail") or body.get("message") or body
         if isinstance(err, dict):
             err = err.get("message") or err
-        return str(err)[:500]
-    return str(body)[:500]
+        body = err
+    return str(body)[:500] or f"HTTP {status}"
 
 
 def _describe(exc: BaseException) -> str:
@@ -178,11 +180,11 @@ class SGLangClient:
         )
         if response.status_code >= 500:
             raise EngineUnavailable(
-                url, f"HTTP {response.status_code}: {_error_message(response.status_code, response.content)}"
+                url, f"HTTP {response.status_code}: {error_message(response.status_code, response.content)}"
             )
         if response.status_code >= 400:
             raise EngineRejected(
-                url, response.status_code, _error_message(response.status_code, response.content)
+                url, response.status_code, error_message(response.status_code, response.content)
             )
         return response
 
@@ -207,7 +209,7 @@ class SGLangClient:
         )
         if response.status_code >= 500:
             raise EngineUnavailable(
-                url, f"HTTP {response.status_code}: {_error_message(response.status_code, response.content)}"
+                url, f"HTTP {response.status_code}: {error_message(response.status_code, response.content)}"
             )
         return response
 
@@ -235,7 +237,7 @@ class SGLangClient:
         if r.status >= 500:
             content = await r.read()
             r.release()
-            raise EngineUnavailable(url, f"HTTP {r.status}: {_error_message(r.status, content)}")
+            raise EngineUnavailable(url, f"HTTP {r.status}: {error_message(r.status, content)}")
 
         async def chunks() -> AsyncIterator[bytes]:
             try:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, loads
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, error_message, loads
 from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
@@ -335,7 +335,7 @@ def engine_json(url: str, response: RawResponse) -> Any:
     :class:`EngineUnavailable`, a 4xx :class:`EngineRejected` (as :mod:`fleet.sglang_client`)."""
     status = response.status_code
     if status >= 400:
-        message = engine_error_message(response.content) or f"HTTP {status}"
+        message = error_message(status, response.content)
         if status >= 500:
             raise EngineUnavailable(url, f"HTTP {status}: {message}")
         raise EngineRejected(url, status, message)
@@ -343,20 +343,6 @@ def engine_json(url: str, response: RawResponse) -> Any:
         return loads(response.content)
     except ValueError:
         raise EngineUnavailable(url, "response is not JSON") from None
-
-
-def engine_error_message(content: bytes) -> str:
-    """The message of an engine's error body (``error``/``detail``/``message`` or the text)."""
-    try:
-        body = loads(content)
-    except ValueError:
-        return content[:500].decode(errors="replace")
-    if isinstance(body, dict):
-        err = body.get("error") or body.get("detail") or body.get("message") or body
-        if isinstance(err, dict):
-            err = err.get("message") or err
-        return str(err)[:500]
-    return str(body)[:500]
 
 
 async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int) -> TurnResult:

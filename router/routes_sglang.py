@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, error_message
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import assign_group, check_vocab, engine_error_message, with_failover
+from router.dispatch import assign_group, check_vocab, with_failover
 from router.errors import ApiError, unavailable
 from router.schemas import GenerateRequest
 
@@ -103,7 +103,7 @@ async def forward_generate(
         response = await upstream.post(url, "/generate", raw, headers)
         status = response.status_code
         if status >= 500:
-            message = engine_error_message(response.content) or f"HTTP {status}"
+            message = error_message(status, response.content)
             raise EngineUnavailable(url + "/generate", f"HTTP {status}: {message}")
         if status == 409:  # a sidecar that cannot meet a version constraint now: try another
             raise EngineRejected(url + "/generate", 409, response.text[:300])
