@@ -199,20 +199,6 @@ class SGLangClient:
         """``POST /generate`` (non-streaming); returns the decoded JSON body."""
         return await self._json("POST", "/generate", json_body=payload, headers=headers)
 
-    async def generate_raw(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
-        """``POST /generate`` with a body passed through unchanged; the response as received
-        (4xx included; a 5xx raises :class:`EngineUnavailable`)."""
-        url = self.base_url + "/generate"
-        hdrs = self._json_headers(headers)
-        response = await self._send(
-            lambda: self._fetch("POST", url, data=body, headers=hdrs, timeout=None), url
-        )
-        if response.status_code >= 500:
-            raise EngineUnavailable(
-                url, f"HTTP {response.status_code}: {error_message(response.status_code, response.content)}"
-            )
-        return response
-
     async def stream_generate(
         self, body: bytes, *, headers: dict[str, str] | None = None
     ) -> tuple[RawResponse, AsyncIterator[bytes]]:

@@ -105,13 +105,6 @@ class TurnData:
             i = next(i for i, (a, b) in enumerate(zip(k_ids, k_lps, strict=True)) if a != b)
             raise ValueError(f"token {i}: {k_ids[i]} support ids but {k_lps[i]} support log-probs")
 
-    def version_at(self, index: int) -> int | None:
-        """The weight version that produced output token ``index`` (None when unknown)."""
-        for span in self.weight_versions:
-            if span["start"] <= index < span["end"]:
-                return int(span["version"])
-        return None
-
     def versions(self) -> list[int | None]:
         """The weight version of every output token (None where no span covers it)."""
         n = len(self.output_ids)
