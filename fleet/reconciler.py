@@ -12,10 +12,12 @@ front):
   ``/continue_generation``. The active version changes only after the engine reports it.
   (``activation="swap"`` skips the pause for engines that load the new weights fully while
   serving and swap them between two steps themselves -- the local CPU engine; never for
-  SGLang, whose update must run paused.) Pending versions coalesce: the newest pointer is the
-  only target, and a staging that a newer pointer overtakes is abandoned. A failure (checksum,
-  engine refusal) keeps the old version serving, is reported (``error`` in status, heartbeat
-  and metrics), and is retried with exponential backoff; a newer pointer is tried at once.
+  SGLang, whose update must run paused. ``"auto"``, the default, asks the engine's
+  ``/server_info``: ``"weight_update": "swap_between_steps"`` means swap, anything else --
+  upstream SGLang says nothing of the kind -- means pause.) Pending versions coalesce: the
+  newest pointer is the only target, and a staging that a newer pointer overtakes is abandoned.
+  A failure (checksum, engine refusal) keeps the old version serving, is reported (``error`` in
+  status, heartbeat and metrics), and is retried with exponential backoff; a newer pointer is tried at once.
   *Ready* means: the engine has served the pointer's version at least once since start (a new
   replica joins at the current version).
 - **engine**: health, load figures from the engine's ``sglang:*`` metrics, version drift (an
@@ -45,7 +47,8 @@ from weight_sync.store.base import VersionStore
 
 log = logging.getLogger("mixfleet.sidecar")
 
-ACTIVATIONS = ("pause", "swap")
+ACTIVATIONS = ("auto", "pause", "swap")
+SWAP_CAPABILITY = "swap_between_steps"  # the engine's /server_info "weight_update"
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class SidecarConfig:
     router_url: str | None = None
     api_key: str | None = None
     stage_mode: str = "copy"
-    activation: str = "pause"
+    activation: str = "auto"
     stage_rate_bytes_per_s: float | None = None
     poll_s: float = 0.5
     heartbeat_s: float = 1.0
@@ -364,7 +367,7 @@ class Reconciler:
             update_s = 0.0
             refused: str | None = None
             engine_message = ""
-            pause = self.config.activation == "pause"
+            pause = await self._pauses()
             if pause:
                 try:
                     await self._control("/pause_generation", {"mode": "in_place"})
@@ -432,6 +435,24 @@ class Reconciler:
                 await asyncio.to_thread(clean_staging, self.config.staging_dir, {target})
         self._stage_cache = None
         await self._heartbeat()
+
+    async def _pauses(self) -> bool:
+        """Whether this activation brackets the update with pause/continue (see ``activation``).
+
+        ``auto`` asks the engine every time (it may have been replaced by another kind); an
+        engine that cannot be asked is paused, the protocol that is safe for every engine.
+        """
+        if self.config.activation != "auto":
+            return self.config.activation == "pause"
+        assert self._engine is not None
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                r = await self._engine.get(path, timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return _json(r).get("weight_update") != SWAP_CAPABILITY
+        return True
 
     async def _control(self, path: str, body: dict[str, Any]) -> None:
         assert self._engine is not None

@@ -52,10 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--activation",
-        choices=("pause", "swap"),
-        default="pause",
-        help="pause: /pause_generation in_place -> update -> continue (default, SGLang); swap: update "
-        "without pausing, for engines that load first and swap between steps (the local CPU engine)",
+        choices=("auto", "pause", "swap"),
+        default="auto",
+        help="pause: /pause_generation in_place -> update -> continue (SGLang); swap: update "
+        "without pausing, for engines that load first and swap between steps (the local CPU engine); "
+        "auto (default): swap if the engine's /server_info says weight_update=swap_between_steps, "
+        "else pause",
     )
     parser.add_argument(
         "--stage-rate-mb",

@@ -13,13 +13,13 @@ Before: nothing (a fresh machine is fine). What it does, in order:
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions. Groups with static replicas are routed to as
-   listed (their engines run elsewhere). The local engine loads a new version while serving and
-   swaps between two decode steps, so its sidecars activate with ``--activation swap`` and stage
-   in place (the store is on local disk). SGLang's pause protocol (the sidecar's default: pause
-   in place -> ``/update_weights_from_disk`` -> continue) would put the engine's whole load (map,
-   dequantize, repack: 0.1-0.3 s of CPU per group for the ``small`` model) inside the pause; with
-   every group activating at once on shared cores that pause measured ~40% of publish -> every
-   replica active (``benchmarks/weight_sync.py``, config ``pause-inplace``), against 0% for swap.
+   listed (their engines run elsewhere). The sidecars stage in place (the store is on local
+   disk) and activate by the sidecar's default, ``auto``: the local engine says it loads a new
+   version while serving and swaps between two decode steps, so it is never paused. (SGLang's
+   pause protocol would put the engine's whole load -- map, dequantize, repack: 0.1-0.3 s of CPU
+   per group for the ``small`` model -- inside the pause; with every group activating at once
+   on shared cores that pause measured ~40% of publish -> every replica active,
+   ``benchmarks/weight_sync.py``.)
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset.
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                 "--format", g.weight_format, "--store", str(store_root), "--run", args.run,
                 "--host", args.host, "--port", str(sidecar_port), "--router", router_url,
                 "--replica-id", name, "--staging-dir", str(data / "staging" / name),
-                "--stage-mode", "inplace", "--activation", "swap",
+                "--stage-mode", "inplace",
             ]  # fmt: skip
             sidecar = _start(children, f"sidecar-{name}", sidecar_argv, logs, common_env)
             sidecars.append((sidecar, f"http://{args.host}:{sidecar_port}/health"))

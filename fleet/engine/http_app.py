@@ -364,6 +364,9 @@ def create_app(engine: Engine) -> FastAPI:
             "chunked_prefill_size": scheduler.prefill_budget,
             "context_length": engine.config.max_position_embeddings,
             "torch_num_threads": _torch_threads(),
+            # /update_weights_from_disk loads while serving and swaps between two steps, so a
+            # sidecar need not pause around it (fleet.reconciler, activation "auto").
+            "weight_update": "swap_between_steps",
             "internal_states": [
                 {
                     **scheduler.load(),

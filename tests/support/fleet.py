@@ -176,8 +176,12 @@ def local_fleet(
     router_url: str | None = None,
     env: dict[str, str] | None = None,
     sidecar_flags: Sequence[str] = (),
+    group_sidecar_flags: dict[str, Sequence[str]] | None = None,
 ) -> Iterator[LocalFleet]:
-    """Publish ``base_ckpt`` as ``initial_version``, start engines and sidecars, yield the fleet."""
+    """Publish ``base_ckpt`` as ``initial_version``, start engines and sidecars, yield the fleet.
+
+    ``sidecar_flags`` go to every sidecar, ``group_sidecar_flags[group]`` to that group's after them.
+    """
     work = Path(work)
     store = LocalStore(work / "store")
     formats = list(dict.fromkeys(f for _, f in groups))
@@ -207,7 +211,7 @@ def local_fleet(
                     staging_dir=work / f"staging-{group}",
                     sidecar_log=work / f"sidecar-{group}.log",
                     engine_log=log,
-                    extra_flags=tuple(sidecar_flags),
+                    extra_flags=(*sidecar_flags, *(group_sidecar_flags or {}).get(group, ())),
                 )
             )
         fleet = LocalFleet(work, store, run_id, replicas, router_url, dict(env or {}), stack)

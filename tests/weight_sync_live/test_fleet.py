@@ -32,6 +32,7 @@ from weight_sync.convert import convert_checkpoint
 
 RUN = "run"
 MAX_LAG = 1
+PAUSED_GROUP = LOCAL_GROUPS[0][0]  # its sidecar runs --activation pause; the others auto
 HELLO = [72, 101, 108, 108, 111]  # greedy decoding of tiny from here runs >1500 tokens without EOS
 N = 300
 
@@ -114,7 +115,16 @@ def live(tmp_path_factory, tiny_base):
             extra_args=("--max-version-lag", str(MAX_LAG), "--heartbeat-timeout", "5"),
         ) as router:
             env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url}
-            with local_fleet(work, tiny_base, run_id=RUN, router_url=router.url, env=env) as fleet:
+            # One group activates by SGLang's pause protocol, the others as the sidecar's default
+            # ("auto") picks for the local engine: swap between two steps.
+            with local_fleet(
+                work,
+                tiny_base,
+                run_id=RUN,
+                router_url=router.url,
+                env=env,
+                group_sidecar_flags={PAUSED_GROUP: ("--activation", "pause")},
+            ) as fleet:
                 live = Live(router, fleet, env)
                 live.wait_router(
                     lambda s: all(g["ready_replicas"] == 1 and g["active_version"] == 1 for g in s["groups"]),
@@ -316,6 +326,12 @@ def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Pa
         _spans_ok(meta["weight_versions"], new_tokens)
         crossed[group] = crossed.get(group, 0) + (len(meta["weight_versions"]) > 1)
     fleet.wait_active(v)
+    # Both activation protocols ran: SGLang's pause -> update -> continue where pinned, and the
+    # default ("auto") found the local engine's swap_between_steps and did not pause.
+    for r in fleet.replicas:
+        act = fleet.status(r)["last_activation"]
+        assert act["version"] == v, act
+        assert (act["pause_s"] > 0) == (r.group == PAUSED_GROUP), (r.group, act)
     # The swap happened mid-request somewhere: how far each group's requests got before its own
     # sidecar activated is a race (a group whose requests all finished first proves nothing).
     assert sum(crossed.values()) >= 1, crossed
