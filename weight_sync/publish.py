@@ -591,8 +591,11 @@ class ConversionPool:
     def warm(self) -> None:
         """Start every worker and import the converter in it; returns when they are ready."""
         pool = self.executor()
-        for f in [pool.submit(_warm_job) for _ in range(self.workers)]:
-            f.result()
+        warmed: set[int] = set()
+        for _ in range(4):  # a worker may take two warm jobs while another starts: go again
+            warmed.update(f.result() for f in [pool.submit(_warm_job) for _ in range(self.workers)])
+            if len(warmed) >= self.workers:
+                return
 
     def reset(self) -> None:
         """Stop the workers (a failed publication's conversions); the next use starts new ones."""
@@ -610,8 +613,31 @@ class ConversionPool:
 
 
 def _warm_job() -> int:
-    import weight_sync.convert  # noqa: F401 - the import is the point
+    """Convert a tiny synthetic checkpoint into every format in this worker, so that the first
+    real conversion finds torch, the converter and numba's compiled quantizer kernels (each
+    loaded per process, for the very array types the converter passes) ready: ~0.7 s otherwise,
+    more than a small model's whole conversion."""
+    import tempfile
 
+    import torch
+    from safetensors.torch import save_file
+
+    from weight_sync.convert import FORMATS, convert_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="mixfleet-warm-") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        (src / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
+        g = torch.Generator().manual_seed(0)
+        names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
+        names += [f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += ["model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight"]
+        save_file(
+            {n: torch.randn(128, 128, generator=g).to(torch.bfloat16) for n in names},
+            str(src / "model.safetensors"),
+        )
+        for fmt in FORMATS:
+            convert_checkpoint(src, Path(tmp) / fmt, fmt, workers=torch.get_num_threads())
     return os.getpid()
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.support.procs import REPO, mixfleet_argv
 from weight_sync.convert import convert_checkpoint
 from weight_sync.errors import UserError
-from weight_sync.publish import bootstrap, publish_checkpoint, rollback
+from weight_sync.publish import ConversionPool, bootstrap, publish_checkpoint, rollback
 from weight_sync.store.local import LocalStore
 
 FORMATS = ["bf16", "fp8", "nvfp4"]
@@ -57,6 +57,25 @@ def test_per_format_moves_each_pointer_as_soon_as_its_format_is_ready(tmp_path, 
     # The first format's pointer moves while another format is still to be converted.
     assert kinds.index("advanced") < max(i for i, k in enumerate(kinds) if k == "converted"), seen
     assert {store.read_pointer(RUN, f) for f in FORMATS} == {1}
+
+
+def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, monkeypatch) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the spawned workers' temp dir
+    pool = ConversionPool(workers=2)
+    try:
+        pool.warm()
+        workers = pool.executor()._processes  # noqa: SLF001 - which processes exist
+        assert len(workers) == 2 and all(p.is_alive() for p in workers.values())
+        assert not list(scratch.iterdir())  # the warm-up conversions were removed
+        store = LocalStore(tmp_path / "store")
+        result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
+        assert sorted(f.format for f in result.formats) == sorted(FORMATS)
+        for f in FORMATS:
+            assert store.verify(RUN, f, 1).version == 1
+    finally:
+        pool.close()
 
 
 def test_converted_once_per_format_and_republish_is_idempotent(tmp_path, tiny_base, tiny_seed2) -> None:
