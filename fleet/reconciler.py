@@ -444,15 +444,8 @@ class Reconciler:
         """
         if self.config.activation != "auto":
             return self.config.activation == "pause"
-        assert self._engine is not None
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                r = await self._engine.get(path, timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200:
-                return _json(r).get("weight_update") != SWAP_CAPABILITY
-        return True
+        info = await self._engine_info("/server_info", "/get_server_info")
+        return info is None or info.get("weight_update") != SWAP_CAPABILITY
 
     async def _control(self, path: str, body: dict[str, Any]) -> None:
         assert self._engine is not None
@@ -514,14 +507,20 @@ class Reconciler:
 
     async def _engine_version(self) -> int | None:
         """The integer weight version the engine reports (None if it reports none or a non-integer)."""
+        info = await self._engine_info("/model_info", "/get_model_info")
+        return None if info is None else as_version(info.get("weight_version"))
+
+    async def _engine_info(self, *paths: str) -> dict[str, Any] | None:
+        """The JSON object of the first of ``paths`` (SGLang's name, then its older alias) that
+        the engine answers with 200; None if it answers none of them."""
         assert self._engine is not None
-        for path in ("/model_info", "/get_model_info"):
+        for path in paths:
             try:
                 r = await self._engine.get(path, timeout=10.0)
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
-                return as_version(_json(r).get("weight_version"))
+                return _json(r)
         return None
 
     async def _engine_loop(self) -> None:
