@@ -93,13 +93,25 @@ CONFIGS = {
 
 
 def one_round(fleet, pool: ConversionPool, version: int, ckpt: Path, mode: str) -> dict:
+    def wake(kind: str, info: dict) -> None:
+        # As the router's publish does: a pointer that moved wakes its replicas at once.
+        if kind == "advanced":
+            for r in fleet.replicas:
+                if r.fmt == info["format"]:
+                    httpx.post(r.url + "/v1/wake", timeout=5)
+
     t0 = time.time()
     result = publish_checkpoint(
-        fleet.store, fleet.run_id, version, ckpt, fleet.formats, mode=mode, conversion_pool=pool
+        fleet.store,
+        fleet.run_id,
+        version,
+        ckpt,
+        fleet.formats,
+        mode=mode,
+        conversion_pool=pool,
+        on_event=wake,
     )
     t_published = time.time()
-    for r in fleet.replicas:
-        httpx.post(r.url + "/v1/wake", timeout=5)
     acts = {}
     deadline = time.monotonic() + 600
     while len(acts) < len(fleet.replicas):
