@@ -15,8 +15,10 @@ and compared with two baselines measured in the same run: the slowest format's c
 alone (``convert_checkpoint`` in this process with every core, after one untimed warm-up
 conversion per format, median of 3), and the slowest format's conversion inside this publish
 (where the formats share the cores, as they do in production on a machine with fewer cores
-than formats). Targets (issue 5): engine pause <= 5% of the total, total <= 2x the slowest
-conversion.
+than formats). It also prints the CPU work of one publish measured alone (every format's
+conversion and every engine's load of the result): divided by the cores, the time before
+which no schedule can finish on this machine. Targets (issue 5): engine pause <= 5% of the
+total, total <= 2x the slowest conversion.
 
 Three configurations are measured on the same fleet (sidecars restarted between them):
 ``sglang-protocol`` (barrier publish, SGLang's pause -> update -> continue forced with
@@ -71,17 +73,44 @@ def params_of(ckpt: Path) -> int:
     return sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) // 2
 
 
-def baseline_convert(ckpt: Path, fmt: str, work: Path, reps: int = 3) -> float:
-    """Median seconds of ``reps`` conversions of ``ckpt`` into ``fmt`` in this process."""
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """One format's work measured alone in this process (medians): its conversion's wall and CPU
+    seconds (every core), and the CPU seconds of an engine loading the result (one thread, as
+    the engines run)."""
+
+    convert_s: float
+    convert_cpu_s: float
+    load_cpu_s: float
+
+
+def baseline(ckpt: Path, fmt: str, work: Path, reps: int = 3) -> Baseline:
+    """Convert ``ckpt`` into ``fmt`` ``reps`` times, then load the result ``reps`` times."""
+    import torch
+
+    from fleet.engine.model import load_model
+
     dst = work / f"baseline-{fmt}"
-    times = []
+    walls, cpus, loads = [], [], []
     for _ in range(reps):
         shutil.rmtree(dst, ignore_errors=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         convert_checkpoint(ckpt, dst, fmt)
-        times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps):
+            c0 = time.process_time()
+            model = load_model(dst)
+            loads.append(time.process_time() - c0)
+            del model
+    finally:
+        torch.set_num_threads(threads)
     shutil.rmtree(dst, ignore_errors=True)
-    return statistics.median(times)
+    med = statistics.median
+    return Baseline(med(walls), med(cpus), med(loads))
 
 
 CONFIGS = {
@@ -209,13 +238,25 @@ def main() -> int:
             for name in configs:
                 # The baseline is measured right before each configuration (the machine is shared).
                 for _, f in LOCAL_GROUPS:  # warm-up: imports, kernels, page cache
-                    baseline_convert(upd, f, root, reps=1)
-                base_times = {f: baseline_convert(upd, f, root) for _, f in LOCAL_GROUPS}
+                    baseline(upd, f, root, reps=1)
+                bases = {f: baseline(upd, f, root) for _, f in LOCAL_GROUPS}
+                base_times = {f: b.convert_s for f, b in bases.items()}
                 slowest_fmt = max(base_times, key=base_times.get)
                 row["slowest"] = base_times[slowest_fmt]
+                cores = os.cpu_count() or 1
+                work_cpu = sum(b.convert_cpu_s + b.load_cpu_s for b in bases.values())
                 print(
-                    "\nbaseline, each format converted alone in this process (all cores): "
-                    + ", ".join(f"{f} {t:.2f}s" for f, t in base_times.items())
+                    "\nbaseline, each format alone in this process: conversion wall / CPU (all cores), "
+                    "engine load CPU (one thread): "
+                    + ", ".join(
+                        f"{f} {b.convert_s:.2f}s / {b.convert_cpu_s:.2f}s, {b.load_cpu_s:.2f}s"
+                        for f, b in bases.items()
+                    )
+                )
+                print(
+                    f"CPU work of one publish (every conversion + every engine load) {work_cpu:.2f}s: "
+                    f"on {cores} cores no schedule finishes before {work_cpu / cores:.2f}s = "
+                    f"{work_cpu / cores / base_times[slowest_fmt]:.2f}x the slowest conversion alone"
                 )
                 mode, activation, stage_mode = CONFIGS[name]
                 for r in fleet.replicas:
