@@ -22,7 +22,7 @@ from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import ReplicaView, choose_group, choose_replica
-from router.records import TurnData
+from router.records import TurnData, encode_body, stored_turn
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
@@ -39,12 +39,17 @@ async def assign_group(ctx: RouterContext, exclude: set[str] = frozenset()) -> s
 
 
 class TurnResult(NamedTuple):
+    """``turn`` as the engine sent it; or, when ``body`` is set, already as it is stored
+    (float32 / float16-rounded values) with ``body`` its encoding after the header
+    (:func:`router.records.encode_body`, for ``f16`` as configured)."""
+
     turn: TurnData
     group: str
     replica_id: str
     moved_from: str | None
     min_version: int | None
     max_version: int | None
+    body: bytes | None = None
 
 
 def _engine_payload(spec: TurnSpec) -> dict[str, Any]:
@@ -98,6 +103,76 @@ def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list
     return raw, mu, masks, support_lps
 
 
+def plain_stored(
+    body: Any,
+    *,
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: list[int],
+    moved_from: str | None,
+    timings: dict[str, Any],
+    f16: bool,
+) -> tuple[TurnData, bytes] | None:
+    """``(as_stored(turn), encode_body(turn))`` for ``turn = turn_from_response(body, ...)``
+    in one pass, when the engine sent the plain JSON form (:func:`_plain_records`'s, with
+    any numbers as log-probs) and the records encode; None otherwise (the general path then
+    parses, encodes, or refuses with its own message). Number types are checked by packing
+    them (ints and floats pack as ``float()`` of them, as the general path converts them)."""
+    if type(body) is not dict:
+        return None
+    meta = body.get("meta_info")
+    output_ids = body.get("output_ids")
+    if type(meta) is not dict or type(output_ids) is not list:
+        return None
+    n = len(output_ids)
+    triples = meta.get("output_token_logprobs")
+    masks = meta.get("output_token_sampling_mask")
+    mu = meta.get("output_token_sampling_logprobs")
+    support_lps = meta.get("output_token_sampling_support_logprobs")
+    for x in (triples, masks, mu, support_lps):
+        if type(x) is not list or len(x) != n:
+            return None
+    try:
+        raw = [t[0] for t in triples]
+        sizes = list(map(len, masks))
+        if sizes != list(map(len, support_lps)):
+            return None
+    except (TypeError, IndexError, KeyError):
+        return None
+    if None in raw:
+        raw = [math.nan if x is None else x for x in raw]
+    flat_ids = list(itertools.chain.from_iterable(masks))
+    if not (set(map(type, output_ids)) <= _INT and set(map(type, flat_ids)) <= _INT):
+        return None
+    try:
+        encoded, logprobs, raws, flat = encode_body(
+            input_ids,
+            output_ids,
+            mu,
+            raw,
+            sizes,
+            flat_ids,
+            list(itertools.chain.from_iterable(support_lps)),
+            f16,
+        )
+    except (ValueError, TypeError):
+        return None
+    spans, timings, finish = _header_fields(meta, n, timings)
+    fields = {
+        "turn": index,
+        "group": group,
+        "replica": replica,
+        "input_ids": input_ids,
+        "output_ids": output_ids,
+        "weight_versions": spans,
+        "finish_reason": finish,
+        "timings": timings,
+        "moved_from": moved_from,
+    }
+    return stored_turn(fields, logprobs, raws, masks, flat), bytes(encoded)
+
+
 def turn_from_response(
     body: Any,
     *,
@@ -121,8 +196,18 @@ def turn_from_response(
     if plain is not None:
         raw, logprobs, supports, support_values = plain
         return _turn(
-            meta, index, group, replica, input_ids, output_ids, logprobs, raw, supports, support_values,
-            moved_from, timings,
+            meta,
+            index,
+            group,
+            replica,
+            input_ids,
+            output_ids,
+            logprobs,
+            raw,
+            supports,
+            support_values,
+            moved_from,
+            timings,
         )
     triples = meta.get("output_token_logprobs") or []
     if len(triples) != n:
@@ -150,8 +235,18 @@ def turn_from_response(
         else:
             logprobs.append(raw[i])
     return _turn(
-        meta, index, group, replica, input_ids, output_ids, logprobs, raw, supports, support_values,
-        moved_from, timings,
+        meta,
+        index,
+        group,
+        replica,
+        input_ids,
+        output_ids,
+        logprobs,
+        raw,
+        supports,
+        support_values,
+        moved_from,
+        timings,
     )
 
 
@@ -169,7 +264,28 @@ def _turn(
     moved_from: str | None,
     timings: dict[str, Any],
 ) -> TurnData:
-    n = len(output_ids)
+    spans, timings, finish = _header_fields(meta, len(output_ids), timings)
+    return TurnData(
+        turn=index,
+        group=group,
+        replica=replica,
+        input_ids=input_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        raw_logprobs=raw,
+        support_ids=supports,
+        support_logprobs=support_values,
+        weight_versions=spans,
+        finish_reason=finish,
+        timings=timings,
+        moved_from=moved_from,
+    )
+
+
+def _header_fields(
+    meta: dict[str, Any], n: int, timings: dict[str, Any]
+) -> tuple[list[dict[str, int]], dict[str, Any], dict[str, Any] | None]:
+    """The weight-version spans, timings and finish reason of a turn from its ``meta_info``."""
     spans = []
     for s in meta.get("weight_versions") or []:
         if int(s["end"]) > int(s["start"]):
@@ -183,21 +299,7 @@ def _turn(
     if isinstance(meta.get("e2e_latency"), (int, float)):
         timings = {**timings, "engine_e2e_ms": round(float(meta["e2e_latency"]) * 1000, 3)}
     finish = meta.get("finish_reason")
-    return TurnData(
-        turn=index,
-        group=group,
-        replica=replica,
-        input_ids=input_ids,
-        output_ids=output_ids,
-        logprobs=logprobs,
-        raw_logprobs=raw,
-        support_ids=supports,
-        support_logprobs=support_values,
-        weight_versions=spans,
-        finish_reason=finish if isinstance(finish, dict) else None,
-        timings=timings,
-        moved_from=moved_from,
-    )
+    return spans, timings, finish if isinstance(finish, dict) else None
 
 
 class Placement(NamedTuple):
@@ -370,16 +472,21 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
         "router_ms": round((time.perf_counter() - t0 - engine_s) * 1000, 3),
         "attempts": place.attempts,
     }
+    args = {
+        "index": index,
+        "group": place.group,
+        "replica": place.replica_id,
+        "input_ids": spec.input_ids,
+        "moved_from": place.moved_from,
+        "timings": timings,
+    }
+    encoded = None
     try:
-        turn = turn_from_response(
-            body,
-            index=index,
-            group=place.group,
-            replica=place.replica_id,
-            input_ids=spec.input_ids,
-            moved_from=place.moved_from,
-            timings=timings,
-        )
+        plain = plain_stored(body, f16=ctx.config.f16_support_logprobs, **args)
+        if plain is None:
+            turn = turn_from_response(body, **args)
+        else:
+            turn, encoded = plain
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None
     versions = [s["version"] for s in turn.weight_versions]
@@ -390,4 +497,5 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
         place.moved_from,
         min(versions) if versions else None,
         max(versions) if versions else None,
+        encoded,
     )

@@ -360,34 +360,82 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
     cannot be encoded (support ids not strictly increasing, negative ids, a log-prob beyond
     float32's range).
     """
-    return _encode(turn, f16)[0]
+    return _encode(turn, f16)
 
 
 def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData]:
     """``(encode_turn(turn, f16=f16), as_stored(turn, f16=f16))`` from one pass: the stored
     values are read back from the encoded floats."""
-    blob, lp_bytes, raw_bytes, sup_bytes, fmt = _encode(turn, f16)
-    n = len(turn.output_ids)
-    raws = struct.unpack(f"<{n}f", raw_bytes)
+    head = encode_head(turn, f16)
+    rows = turn.support_ids
+    raws = turn.raw_logprobs
+    if None in raws:
+        raws = [math.nan if x is None else x for x in raws]
+    body, logprobs, raws, flat = encode_body(
+        turn.input_ids,
+        turn.output_ids,
+        turn.logprobs,
+        raws,
+        list(map(len, rows)),
+        list(itertools.chain.from_iterable(rows)),
+        list(itertools.chain.from_iterable(turn.support_logprobs)),
+        f16,
+    )
+    head += body
+    return bytes(head), stored_turn(turn.__dict__, logprobs, raws, rows, flat)
+
+
+def stored_turn(
+    fields: dict[str, Any],
+    logprobs: tuple[float, ...],
+    raws: tuple[float, ...],
+    support_ids: Sequence[Sequence[int]],
+    flat: tuple[float, ...],
+) -> TurnData:
+    """A :class:`TurnData` with the other ``fields`` (a ``TurnData.__dict__``-like mapping)
+    and the stored floats that :func:`encode_body` returned (NaN raw log-probs become None;
+    ``flat`` is cut into rows as long as ``support_ids``' rows). Its invariant is not checked
+    again: ``encode_body`` packed as many values as the rows hold."""
     if not math.isfinite(sum(raws)):
         raws = tuple(None if math.isnan(x) else x for x in raws)
-    flat = struct.unpack(f"<{len(sup_bytes) // struct.calcsize(fmt)}{fmt}", sup_bytes)
     supports = []
     pos = 0
-    for ids in turn.support_ids:
+    for ids in support_ids:
         end = pos + len(ids)
         supports.append(flat[pos:end])
         pos = end
-    stored = TurnData.__new__(TurnData)  # the invariant holds: same lengths as ``turn``
-    fields = stored.__dict__
-    fields.update(turn.__dict__)
-    fields["logprobs"] = struct.unpack(f"<{n}f", lp_bytes)
-    fields["raw_logprobs"] = raws
-    fields["support_logprobs"] = supports
-    return blob, stored
+    stored = TurnData.__new__(TurnData)
+    values = stored.__dict__
+    values.update(fields)
+    values["support_ids"] = support_ids
+    values["logprobs"] = logprobs
+    values["raw_logprobs"] = raws
+    values["support_logprobs"] = supports
+    return stored
 
 
-def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]:
+def _encode(turn: TurnData, f16: bool) -> bytes:
+    head = encode_head(turn, f16)
+    rows = turn.support_ids
+    raws = turn.raw_logprobs
+    if None in raws:
+        raws = [math.nan if x is None else x for x in raws]
+    body = encode_body(
+        turn.input_ids,
+        turn.output_ids,
+        turn.logprobs,
+        raws,
+        list(map(len, rows)),
+        list(itertools.chain.from_iterable(rows)),
+        list(itertools.chain.from_iterable(turn.support_logprobs)),
+        f16,
+    )[0]
+    head += body
+    return bytes(head)
+
+
+def encode_head(turn: TurnData, f16: bool) -> bytearray:
+    """The start of a turn block: magic, format, flags and the JSON header of ``turn``."""
     out = bytearray(MAGIC_TURN)
     out.append(FORMAT_VERSION)
     out.append(FLAG_F16 if f16 else 0)
@@ -403,43 +451,56 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytes, bytes, bytes, bytes, str]
         },
         out,
     )
-    _varint(len(turn.input_ids), out)
-    _varints(turn.input_ids, out)
-    n = len(turn.output_ids)
+    return out
+
+
+def encode_body(
+    input_ids: Sequence[int],
+    output_ids: Sequence[int],
+    logprobs: Sequence[float],
+    raws: Sequence[float],
+    sizes: list[int],
+    flat_ids: list[int],
+    flat_logprobs: list[float],
+    f16: bool,
+) -> tuple[bytearray, tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """The rest of a turn block after :func:`encode_head` (the part that does not depend on
+    the turn's index): ids, log-probs, support sizes, gap-coded support ids and support
+    log-probs (``sizes[i]`` ids of ``flat_ids`` / values of ``flat_logprobs`` per token;
+    ``raws``: NaN where unknown). Returns it with the stored values of ``logprobs``, ``raws``
+    and ``flat_logprobs`` (rounded to float32 / float16 as stored). Raises ValueError when the
+    values cannot be encoded."""
+    out = bytearray()
+    _varint(len(input_ids), out)
+    _varints(input_ids, out)
+    n = len(output_ids)
     _varint(n, out)
-    _varints(turn.output_ids, out)
-    raws = turn.raw_logprobs
-    if None in raws:
-        raws = [math.nan if x is None else x for x in raws]
+    _varints(output_ids, out)
     try:
-        lp_bytes = struct.pack(f"<{n}f", *turn.logprobs)
+        lp_bytes = struct.pack(f"<{n}f", *logprobs)
         raw_bytes = struct.pack(f"<{n}f", *raws)
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"log-probs: {exc}") from None
     out += lp_bytes
     out += raw_bytes
-    rows = turn.support_ids
-    sizes = list(map(len, rows))
     _varints(sizes, out)
-    total = sum(sizes)
+    total = len(flat_ids)
     if total:
-        out += _gap_varints(rows, sizes, total)
-    fmt = "e" if f16 else "f"
+        out += _gap_varints(flat_ids, sizes, total)
+    fmt = f"<{total}e" if f16 else f"<{total}f"
     try:
-        sup_bytes = struct.pack(f"<{total}{fmt}", *itertools.chain.from_iterable(turn.support_logprobs))
+        sup_bytes = struct.pack(fmt, *flat_logprobs)
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"support log-probs: {exc}") from None
     out += sup_bytes
-    return bytes(out), lp_bytes, raw_bytes, sup_bytes, fmt
+    unpack = struct.unpack
+    return out, unpack(f"<{n}f", lp_bytes), unpack(f"<{n}f", raw_bytes), unpack(fmt, sup_bytes)
 
 
-
-
-def _gap_varints(rows: Sequence[Sequence[int]], sizes: list[int], total: int) -> bytes:
-    """The support ids of all tokens, gap coded: per row the first id, then
-    ``id[j] - id[j-1] - 1``; as varints. Raises ValueError unless every row is strictly
-    increasing and non-negative."""
-    flat = list(itertools.chain.from_iterable(rows))
+def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
+    """The support ids of all tokens (``flat``, ``sizes[i]`` per token), gap coded: per row
+    the first id, then ``id[j] - id[j-1] - 1``; as varints. Raises ValueError unless every row
+    is strictly increasing and non-negative."""
     if np is not None and total >= _NUMPY_MIN:
         a = _int_array(flat)
         if a is not None:

@@ -18,7 +18,7 @@ from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError
 from router.jsonio import dumps
-from router.records import TurnData, encode_stored
+from router.records import TurnData, encode_head, encode_stored
 from router.schemas import TurnSpec
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
 
@@ -53,7 +53,12 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
         if turn.turn != index:
             turn = replace(turn, turn=index)
         try:
-            blob, stored = encode_stored(turn, f16=f16)
+            if result.body is not None:  # already as stored: only the header is encoded here
+                head = encode_head(turn, f16)
+                head += result.body
+                blob, stored = bytes(head), turn
+            else:
+                blob, stored = encode_stored(turn, f16=f16)
         except ValueError as exc:
             raise ApiError(
                 502, f"engine of replica {result.replica_id} sent unusable records: {exc}"

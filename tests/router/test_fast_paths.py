@@ -282,3 +282,91 @@ def test_loop_metrics_expose_what_prometheus_client_would() -> None:
     assert _samples(ours, "things") == _samples(ref, "things")
     with pytest.raises(ValueError):
         c.labels("/r0").inc(-1)
+
+
+# ---------------------------------------------------------------- one-pass parse + encode
+
+
+def _stored(body: dict, f16: bool):
+    from router.dispatch import plain_stored
+
+    return plain_stored(
+        body,
+        index=2,
+        group="g",
+        replica="r",
+        input_ids=[1, 2, 300],
+        moved_from=None,
+        timings={"engine_ms": 1.0},
+        f16=f16,
+    )
+
+
+def _general(body: dict) -> TurnData:
+    return turn_from_response(
+        body,
+        index=2,
+        group="g",
+        replica="r",
+        input_ids=[1, 2, 300],
+        moved_from=None,
+        timings={"engine_ms": 1.0},
+    )
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 40])
+@pytest.mark.parametrize("with_none", [False, True])
+@pytest.mark.parametrize("f16", [False, True])
+def test_plain_stored_is_the_general_parse_then_encode_stored(n: int, with_none: bool, f16: bool) -> None:
+    body = _engine_body(random.Random(n), n, with_none=with_none)
+    if n > 1:  # ints where floats are expected pack as float(); large ids take multi-byte varints
+        body["meta_info"]["output_token_sampling_logprobs"][1] = -1
+        body["meta_info"]["output_token_sampling_mask"][0].append(200_000)
+        body["meta_info"]["output_token_sampling_support_logprobs"][0].append(-9.5)
+    general = _general(copy.deepcopy(body))
+    want_blob, want = encode_stored(general, f16=f16)
+    got = _stored(body, f16)
+    assert got is not None
+    stored, encoded = got
+    head = records.encode_head(stored, f16)
+    assert bytes(head) + encoded == want_blob == encode_turn(general, f16=f16)
+    assert stored.to_json("s") == want.to_json("s") == decode_turn(want_blob).to_json("s")
+    assert stored.timings == {"engine_ms": 1.0} and stored.turn == 2
+
+
+def test_plain_stored_leaves_odd_engine_answers_to_the_general_path() -> None:
+    def variant(edit) -> dict:
+        body = _engine_body(random.Random(9), 3)
+        edit(body["meta_info"])
+        return body
+
+    odd_bodies = [
+        variant(lambda m: m["output_token_sampling_support_logprobs"][1].__setitem__(0, None)),
+        variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, None)),
+        variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, [0.5])),
+        variant(lambda m: m["output_token_sampling_mask"][0].__setitem__(0, 1.0)),
+        variant(lambda m: m["output_token_sampling_mask"][0].__setitem__(0, True)),
+        variant(
+            lambda m: m.update(
+                output_token_sampling_mask=[[5, 5]] * 3,
+                output_token_sampling_support_logprobs=[[-1.0, -2.0]] * 3,
+            )
+        ),  # not increasing
+        variant(lambda m: m["output_token_sampling_support_logprobs"].__setitem__(0, [])),  # lengths differ
+        variant(lambda m: m["output_token_logprobs"].__setitem__(0, ["-1.5", 3, None])),
+        variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(0, 1e300)),  # beyond float32
+        variant(lambda m: m.pop("output_token_sampling_support_logprobs")),
+        {"output_ids": [1], "meta_info": "x"},
+        {"output_ids": (1,), "meta_info": {}},
+        [],
+    ]
+    for i, body in enumerate(odd_bodies):
+        assert _stored(body, False) is None, i
+    # the general path still reads what it can (None: unknown), and refuses the rest
+    t = _general(odd_bodies[0])
+    assert math.isnan(t.support_logprobs[1][0])
+    assert _general(odd_bodies[4]).support_ids[0][0] == 1
+    with pytest.raises(ValueError, match="strictly increasing"):
+        encode_stored(_general(odd_bodies[5]))
+    with pytest.raises(ValueError, match="log-probs"):
+        encode_stored(_general(odd_bodies[8]))
