@@ -80,9 +80,9 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
-def fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """Float32 ``[N, K]`` of block-FP8 ``weight`` (float8_e4m3fn ``[N, K]``) and its float32
-    ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``."""
+def check_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> None:
+    """``ValueError`` unless ``weight`` is float8_e4m3fn ``[N, K]`` and ``weight_scale_inv`` float32
+    ``[ceil(N/128), ceil(K/128)]``."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"fp8 weight must be float8_e4m3fn [N, K], got {_describe(weight)}")
     n, k = weight.shape
@@ -92,40 +92,47 @@ def fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
             f"weight_scale_inv {_describe(weight_scale_inv)} does not match weight {_describe(weight)} "
             f"(expected float32 {list(expected)})"
         )
-    out = torch.empty(n, k)
+
+
+def fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` of block-FP8 ``weight`` (float8_e4m3fn ``[N, K]``) and its float32
+    ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``."""
+    check_fp8(weight, weight_scale_inv)
+    out = torch.empty(weight.shape)
     if out.numel():
         _fp8_kernel(_codes(weight), weight_scale_inv.contiguous().numpy(), _E4M3, out.numpy())
     return out
 
 
-def nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """Float32 ``[N, K]`` of NVFP4 ``weight`` (uint8 ``[N, K/2]``), ``weight_scale`` (float8_e4m3fn
-    ``[N, K/16]``) and the one-element ``weight_scale_2``."""
+def check_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> None:
+    """``ValueError`` unless ``weight`` is uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn
+    ``[N, K/16]`` and ``weight_scale_2`` one float."""
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         raise ValueError(f"nvfp4 weight must be uint8 [N, K/2], got {_describe(weight)}")
     n, k = weight.shape[0], weight.shape[1] * 2
     expected = (n, k // NVFP4_GROUP)
-    if (
-        k % NVFP4_GROUP
-        or weight_scale.dtype != torch.float8_e4m3fn
-        or tuple(weight_scale.shape) != expected
-    ):
+    if k % NVFP4_GROUP or weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != expected:
         raise ValueError(
             f"weight_scale {_describe(weight_scale)} does not match weight {_describe(weight)} "
             f"(expected float8_e4m3fn {list(expected)})"
         )
     if not weight_scale_2.is_floating_point() or weight_scale_2.numel() != 1:
         raise ValueError(f"weight_scale_2 must be one float, got {_describe(weight_scale_2)}")
-    out = torch.empty(n, k)
+
+
+def nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` of NVFP4 ``weight`` (uint8 ``[N, K/2]``), ``weight_scale`` (float8_e4m3fn
+    ``[N, K/16]``) and the one-element ``weight_scale_2``."""
+    check_nvfp4(weight, weight_scale, weight_scale_2)
+    out = torch.empty(weight.shape[0], weight.shape[1] * 2)
     if out.numel():
         ws2 = np.float32(weight_scale_2.reshape(()).float().item())
         _nvfp4_kernel(_codes(weight), _codes(weight_scale), ws2, _E4M3, _E2M1, out.numpy())
     return out
 
 
-def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Float32 ``[N, K]`` of MXFP4 ``blocks`` (uint8 ``[N, K/32, 16]``) and E8M0 ``scales`` (uint8
-    ``[N, K/32]``)."""
+def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """``ValueError`` unless ``blocks`` is uint8 ``[N, K/32, 16]`` and ``scales`` uint8 ``[N, K/32]``."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != MXFP4_BLOCK // 2:
         raise ValueError(f"mxfp4 blocks must be uint8 [N, K/32, 16], got {_describe(blocks)}")
     n, nb = blocks.shape[0], blocks.shape[1]
@@ -133,7 +140,13 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"scales {_describe(scales)} do not match blocks {_describe(blocks)} (expected uint8 {[n, nb]})"
         )
-    out = torch.empty(n, nb * MXFP4_BLOCK)
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` of MXFP4 ``blocks`` (uint8 ``[N, K/32, 16]``) and E8M0 ``scales`` (uint8
+    ``[N, K/32]``)."""
+    check_mxfp4(blocks, scales)
+    out = torch.empty(blocks.shape[0], blocks.shape[1] * MXFP4_BLOCK)
     if out.numel():
         _mxfp4_kernel(_codes(blocks), _codes(scales), _E8M0, _E2M1, out.numpy())
     return out

@@ -15,9 +15,15 @@ Layout: ``pack(W)`` stores ``W`` ``[N, K]`` as panels ``[ceil(N/32), K, 32]`` bf
 columns per panel, zero-padded to a multiple of 32), so the kernel streams each panel once.
 The kernel keeps a tile of up to 12 rows x 32 columns of accumulators in registers and sums K in
 chunks of 64 (each chunk's sum is added to the output), which keeps float32 rounding close to a
-blocked GEMM's. Each K step prefetches the weight line 2 KB ahead (the panels of one weight are
-contiguous, so this runs on into the next panel): the hardware prefetcher alone left the expert
-products of a decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
+blocked GEMM's. Each chunk's sum is multiplied by a float32 scale first, from a per-panel, per-K-
+block table (``PackedBf16.scales``): FP8's 128x128 block scales and NVFP4's ``weight_scale_2``
+this way multiply partial sums of exact bfloat16 values (codes, codes times E4M3 group scales),
+as the GPU kernels do; unscaled weights use the table ``[1.0]`` (the product is exact, so their
+results are unchanged bit for bit).
+
+Each K step prefetches the weight line 2 KB ahead (the panels of one weight are contiguous, so
+this runs on into the next panel): the hardware prefetcher alone left the expert products of a
+decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
 
 The kernel is written in LLVM IR and compiled for the host CPU by ``fleet.engine.jit`` on first
 use, in about 0.15 s; where that is impossible ``available()`` is False and callers use their
@@ -42,16 +48,31 @@ log = logging.getLogger("mixfleet.engine.kernels")
 PANEL = 32  # output columns per panel: two 16-float vectors
 MAX_ROWS = 12  # rows per register tile: 24 accumulators + 2 weight vectors + 1 broadcast <= 32
 K_CHUNK = 64  # K steps summed in registers before they are added to the output
+NO_BLOCK = 1 << 62  # kblock of a weight with one scale for all of K
+ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
 PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step; 2 KB measured best)
 
 
 @dataclass(frozen=True)
 class PackedBf16:
-    """A weight ``W`` ``[n, k]`` packed for ``linear``: ``panels`` ``[ceil(n/32), k, 32]`` bfloat16."""
+    """A weight ``W`` ``[n, k]`` packed for ``linear``: ``panels`` ``[ceil(n/32), k, 32]`` bfloat16,
+    optionally times float32 scales: ``W[r, c] = panels[r // 32, c, r % 32] * s`` with
+    ``s = scales[(r // 32) * ldk + c // kblock]`` (``kblock`` a multiple of 64). The kernel applies
+    ``s`` to each 64-wide K chunk's partial sums (one scale per panel and K block: FP8's 128x128
+    block scales, NVFP4's per-tensor ``weight_scale_2``). ``scales`` None: no scaling (``ONE``)."""
 
     panels: torch.Tensor
     n: int
     k: int
+    scales: torch.Tensor | None = None
+    ldk: int = 0
+    kblock: int = 0
+
+    def scale_args(self) -> tuple[int, int, int]:
+        """``(scales pointer, ldk, kblock)`` as the kernel takes them."""
+        if self.scales is None:
+            return ONE.data_ptr(), 0, NO_BLOCK
+        return self.scales.data_ptr(), self.ldk, self.kblock or NO_BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,14 +119,18 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
     n_panels = w.panels.shape[0]
     padded = n_panels * PANEL
     if out is not None:
-        if (out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or padded != w.n
-                or (m > 1 and out.stride(1) != 1)):
+        if (
+            out.dtype != torch.float32
+            or tuple(out.shape) != (m, w.n)
+            or padded != w.n
+            or (m > 1 and out.stride(1) != 1)
+        ):
             raise ValueError(f"linear: out must be float32 [{m}, {w.n}] rows, n a multiple of {PANEL}")
         res, ldo = out, out.stride(0)
     else:
         res, ldo = torch.empty(m, padded), padded
     if m:
-        args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr())
+        args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr(), *w.scale_args())
         parts = jit.parts(m * w.k * padded, n_panels)
         jit.run([(fns.gemm, (*args, a, b)) for a, b in jit.split(n_panels, parts)])
     if out is not None:
@@ -124,14 +149,26 @@ class PackedGroup:
     table: torch.Tensor  # int64 [len(weights)]: panel data pointers
     n: int
     k: int
+    scale_table: torch.Tensor  # int64 [len(weights)]: scale table pointers (all share ldk, kblock)
+    ldk: int
+    kblock: int
 
     @classmethod
     def of(cls, weights: list[PackedBf16]) -> PackedGroup:
         n, k = weights[0].shape
-        if any(w.shape != (n, k) for w in weights) or n % PANEL:
-            raise ValueError(f"a packed group needs weights of one shape with n a multiple of {PANEL}")
+        scale_args = [w.scale_args() for w in weights]
+        ldk, kblock = scale_args[0][1:]
+        if (
+            any(w.shape != (n, k) for w in weights)
+            or n % PANEL
+            or any(a[1:] != (ldk, kblock) for a in scale_args)
+        ):
+            raise ValueError(
+                f"a packed group needs weights of one shape with n a multiple of {PANEL} and one scale layout"
+            )
         table = torch.tensor([w.panels.data_ptr() for w in weights], dtype=torch.int64)
-        return cls(tuple(weights), table, n, k)
+        scale_table = torch.tensor([a[0] for a in scale_args], dtype=torch.int64)
+        return cls(tuple(weights), table, n, k, scale_table, ldk, kblock)
 
 
 def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: torch.Tensor) -> torch.Tensor:
@@ -144,12 +181,30 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
     assert fns is not None, "the bf16-weight kernel is not available"
     rows = x.shape[0]
     e = len(group.weights)
-    if (x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous()
-            or not out.is_contiguous() or x.shape != (rows, group.k) or out.shape != (rows, group.n)
-            or offsets.dtype != torch.int64 or offsets.shape != (e + 1,) or not offsets.is_contiguous()):
+    if (
+        x.dtype != torch.float32
+        or out.dtype != torch.float32
+        or not x.is_contiguous()
+        or not out.is_contiguous()
+        or x.shape != (rows, group.k)
+        or out.shape != (rows, group.n)
+        or offsets.dtype != torch.int64
+        or offsets.shape != (e + 1,)
+        or not offsets.is_contiguous()
+    ):
         raise ValueError("grouped: x [rows, k], out [rows, n] contiguous float32, offsets int64 [E + 1]")
-    args = (x.data_ptr(), offsets.data_ptr(), group.table.data_ptr(), group.k, group.n, out.data_ptr(),
-            group.n // PANEL)
+    args = (
+        x.data_ptr(),
+        offsets.data_ptr(),
+        group.table.data_ptr(),
+        group.k,
+        group.n,
+        out.data_ptr(),
+        group.n // PANEL,
+        group.scale_table.data_ptr(),
+        group.ldk,
+        group.kblock,
+    )
     parts = jit.parts(rows * group.k * group.n, e)
     if parts == 1:
         jit.run([(fns.grouped, (*args, 0, e))])
@@ -186,8 +241,10 @@ def _kernel() -> Any:
 def _compile() -> tuple[jit.Compiled, _Fns]:
     mod = jit.compile_ir(_ir())
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return mod, _Fns(mod.function("gemm_bf16w", ptr, i64, i64, ptr, i64, ptr, i64, i64),
-                     mod.function("gemm_grouped", ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64))
+    return mod, _Fns(
+        mod.function("gemm_bf16w", ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64),
+        mod.function("gemm_grouped", ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64),
+    )
 
 
 @dataclass(frozen=True)
@@ -197,7 +254,7 @@ class _Fns:
 
 
 def _tile(rows: int) -> str:
-    """``@tile{rows}(x, ldx, w, kc, out, ldo, add)``: ``out[r, 0:32] (+)= sum_{k < kc} x[r, k] *
+    """``@tile{rows}(x, ldx, w, kc, out, ldo, add, s)``: ``out[r, 0:32] (+)= s * sum_{k < kc} x[r, k] *
     w[k, 0:32]`` for ``r < rows``; ``w`` points into a panel (32 bfloat16 per k)."""
     idx = ", ".join
     lo = idx(f"i32 {i}" for i in range(16))
@@ -205,8 +262,10 @@ def _tile(rows: int) -> str:
     sixteen = idx("i32 16" for _ in range(32))
     s = [
         f"define internal void @tile{rows}(ptr noalias %x, i64 %ldx, ptr noalias %w, i64 %kc, "
-        "ptr noalias %out, i64 %ldo, i1 %add) alwaysinline {",
+        "ptr noalias %out, i64 %ldo, i1 %add, float %s) alwaysinline {",
         "entry:",
+        "  %sv = insertelement <16 x float> poison, float %s, i32 0",
+        "  %sb = shufflevector <16 x float> %sv, <16 x float> poison, <16 x i32> zeroinitializer",
         "  br label %loop",
         "loop:",
         "  %k = phi i64 [0, %entry], [%k1, %loop]",
@@ -236,8 +295,10 @@ def _tile(rows: int) -> str:
             f"  %xb{r} = shufflevector <16 x float> %xv{r}, <16 x float> poison, <16 x i32> zeroinitializer",
         ]
         for h in range(2):
-            s.append(f"  %n{r}_{h} = call <16 x float> @llvm.fma.v16f32(<16 x float> %xb{r}, "
-                     f"<16 x float> %w{h}, <16 x float> %a{r}_{h})")
+            s.append(
+                f"  %n{r}_{h} = call <16 x float> @llvm.fma.v16f32(<16 x float> %xb{r}, "
+                f"<16 x float> %w{h}, <16 x float> %a{r}_{h})"
+            )
     s += [
         "  %k1 = add i64 %k, 1",
         "  %done = icmp eq i64 %k1, %kc",
@@ -251,8 +312,9 @@ def _tile(rows: int) -> str:
                 f"  %oi{r}_{h} = add i64 %or{r}_{h}, {16 * h}",
                 f"  %op{r}_{h} = getelementptr float, ptr %out, i64 %oi{r}_{h}",
                 f"  %old{r}_{h} = load <16 x float>, ptr %op{r}_{h}, align 4",
-                f"  %sum{r}_{h} = fadd <16 x float> %old{r}_{h}, %n{r}_{h}",
-                f"  %res{r}_{h} = select i1 %add, <16 x float> %sum{r}_{h}, <16 x float> %n{r}_{h}",
+                f"  %sc{r}_{h} = fmul <16 x float> %n{r}_{h}, %sb",
+                f"  %sum{r}_{h} = fadd <16 x float> %old{r}_{h}, %sc{r}_{h}",
+                f"  %res{r}_{h} = select i1 %add, <16 x float> %sum{r}_{h}, <16 x float> %sc{r}_{h}",
                 f"  store <16 x float> %res{r}_{h}, ptr %op{r}_{h}, align 4",
             ]
     s += ["  ret void", "}"]
@@ -262,19 +324,22 @@ def _tile(rows: int) -> str:
 def _ir() -> str:
     """The module, over ``@tile1`` .. ``@tile12``:
 
-    - ``@gemm_bf16w(x, M, K, panels, ldo, out, p0, p1)``: output columns ``[32 p0, 32 p1)`` of
-      ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32; ``out`` float32 with row
-      stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``);
-    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, e0, e1)``: for each group ``e`` in
-      ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s weight (``np``
-      panels) into the same rows of ``out``.
+    - ``@gemm_bf16w(x, M, K, panels, ldo, out, scales, ldk, kblock, p0, p1)``: output columns
+      ``[32 p0, 32 p1)`` of ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32;
+      ``out`` float32 with row stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``;
+      the chunk at ``k0`` of panel ``p`` scaled by ``scales[p * ldk + k0 / kblock]``);
+    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, scale_ptrs, ldk, kblock, e0, e1)``: for
+      each group ``e`` in ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s
+      weight (``np`` panels, its scale table) into the same rows of ``out``.
     """
     cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
-    s = ["declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
-         "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
+    s = [
+        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+        "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
+    ]
     s += [_tile(r) for r in range(1, MAX_ROWS + 1)]
     s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
-                        i64 %p0, i64 %p1) {{
+                        ptr %sp, i64 %ldk, i64 %kblock, i64 %p0, i64 %p1) {{
 entry:
   %pstride = mul i64 %K, 32
   br label %panel
@@ -283,6 +348,7 @@ panel:
   %wofs = mul i64 %p, %pstride
   %wpanel = getelementptr i16, ptr %w, i64 %wofs
   %ocol = mul i64 %p, 32
+  %srow = mul i64 %p, %ldk
   br label %rows
 rows:
   %m0 = phi i64 [0, %panel], [%m1, %rows_next]
@@ -304,10 +370,16 @@ chunk:
   %xk = getelementptr float, ptr %xrow, i64 %k0
   %wk0 = mul i64 %k0, 32
   %wk = getelementptr i16, ptr %wpanel, i64 %wk0
+  %kb = udiv i64 %k0, %kblock
+  %si = add i64 %srow, %kb
+  %sptr = getelementptr float, ptr %sp, i64 %si
+  %sc = load float, ptr %sptr, align 4
   switch i64 %mr, label %chunk_next [ {cases} ]""")
     for r in range(1, MAX_ROWS + 1):
-        s.append(f"t{r}:\n  call void @tile{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
-                 "i1 %add)\n  br label %chunk_next")
+        s.append(
+            f"t{r}:\n  call void @tile{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
+            "i1 %add, float %sc)\n  br label %chunk_next"
+        )
     s.append("""chunk_next:
   %k1 = add i64 %k0, %kc
   %kdone = icmp uge i64 %k1, %K
@@ -324,7 +396,7 @@ exit:
   ret void
 }""")
     s.append("""define void @gemm_grouped(ptr %x, ptr %offs, ptr %ws, i64 %K, i64 %ldo, ptr %out, i64 %np,
-                          i64 %e0, i64 %e1) {
+                          ptr %sps, i64 %ldk, i64 %kblock, i64 %e0, i64 %e1) {
 entry:
   %none = icmp uge i64 %e0, %e1
   br i1 %none, label %exit, label %expert
@@ -341,11 +413,14 @@ expert:
 run:
   %wpp = getelementptr ptr, ptr %ws, i64 %e
   %w = load ptr, ptr %wpp, align 8
+  %spp = getelementptr ptr, ptr %sps, i64 %e
+  %sp = load ptr, ptr %spp, align 8
   %xofs = mul i64 %a, %K
   %xe = getelementptr float, ptr %x, i64 %xofs
   %oofs = mul i64 %a, %ldo
   %oe = getelementptr float, ptr %out, i64 %oofs
-  call void @gemm_bf16w(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, i64 0, i64 %np)
+  call void @gemm_bf16w(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, ptr %sp, i64 %ldk,
+                        i64 %kblock, i64 0, i64 %np)
   br label %next
 next:
   %done = icmp uge i64 %en, %e1

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fleet.engine import kernels
+from fleet.engine import kernels, panels
+from fleet.engine.weights import LinearWeight
 
 FP8_MAX = 448.0
 FP8_GROUP = 128
@@ -84,11 +85,11 @@ def pack(w: torch.Tensor) -> Packed:
     """A checkpoint weight ``w`` ``[N, K]`` (any float dtype) as the weight operand of ``linear``,
     with the same values.
 
-    Weights exact in bfloat16 (a BF16 or MXFP4 checkpoint) stay bfloat16 for ``kernels``' GEMM,
-    which widens them in registers (half the bytes to read per product); others (dequantized FP8
-    and NVFP4) become float32 pre-packed in oneDNN's blocked layout, so a product never re-packs
-    its weight (decode products have few rows and are bound by reading the weight). Without the
-    kernel or oneDNN, a plain float32 tensor.
+    Weights exact in bfloat16 stay bfloat16 for ``kernels``' GEMM, which widens them in registers
+    (half the bytes to read per product); others become float32 pre-packed in oneDNN's blocked
+    layout, so a product never re-packs its weight (decode products have few rows and are bound
+    by reading the weight). Without the kernel or oneDNN, a plain float32 tensor. Checkpoint
+    linears go through ``pack_parts``, which uses this only where it cannot write panels.
     """
     w = w.contiguous()
     if kernels.available() and kernels.exact_in_bf16(w):
@@ -97,6 +98,70 @@ def pack(w: torch.Tensor) -> Packed:
     if torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
     return w
+
+
+def pack_parts(parts: list[LinearWeight]) -> Packed:
+    """The checkpoint linears ``parts`` (one K), their rows concatenated in order (fused q/k/v or
+    gate/up), as the weight operand of ``linear``.
+
+    With the kernel, every format goes to it when the parts allow (see ``_panels``): each part's
+    stored values are written straight into the panels (``fleet.engine.panels``: one pass, no
+    float32 intermediate), exact bfloat16 values, and the format's scales (FP8's 128x128 blocks,
+    NVFP4's ``weight_scale_2``) go to the kernel's scale table. Otherwise ``pack`` of the
+    dequantized, concatenated weight.
+    """
+    if kernels.available():
+        packed = _panels(parts)
+        if packed is not None:
+            return packed
+    return pack(parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts]))
+
+
+def _panels(parts: list[LinearWeight]) -> kernels.PackedBf16 | None:
+    """``parts`` packed by ``panels`` with their scale table, or None where that does not apply: mixed
+    formats or K, float16/float32 weights, or (where scales differ between parts) a part other
+    than the last whose rows are not a multiple of 32 (a panel would need two scales)."""
+    fmt = parts[0].fmt
+    k = parts[0].shape[1]
+    if any(p.fmt != fmt or p.shape[1] != k for p in parts):
+        return None
+    if fmt == "bf16" and any(p.tensors[0].dtype != torch.bfloat16 for p in parts):
+        return None
+    aligned = all(p.shape[0] % kernels.PANEL == 0 for p in parts[:-1])
+    scales, ldk, kblock = None, 0, 0
+    if fmt == "fp8":
+        if not aligned:
+            return None
+        # per panel: its rows' 128-row block of each part's weight_scale_inv (panels never straddle)
+        rows = [p.tensors[1][torch.arange(0, p.shape[0], kernels.PANEL) // FP8_GROUP] for p in parts]
+        scales = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
+        ldk, kblock = scales.shape[1], FP8_GROUP
+    elif fmt == "nvfp4":
+        ws2 = [float(p.tensors[2].reshape(()).float()) for p in parts]
+        if all(v == ws2[0] for v in ws2):
+            scales = torch.tensor(ws2[:1])
+        elif aligned:
+            scales = torch.tensor(
+                [v for p, v in zip(parts, ws2, strict=True) for _ in range(-(-p.shape[0] // kernels.PANEL))]
+            )
+            ldk = 1
+        else:
+            return None
+    n = sum(p.shape[0] for p in parts)
+    dst = panels.empty(n, k)
+    row = 0
+    for p in parts:
+        t = p.tensors
+        if fmt == "bf16":
+            panels.write_bf16(dst, row, t[0])
+        elif fmt == "fp8":
+            panels.write_fp8(dst, row, t[0])
+        elif fmt == "nvfp4":
+            panels.write_nvfp4(dst, row, t[0], t[1])
+        else:
+            panels.write_mxfp4(dst, row, t[0], t[1])
+        row += p.shape[0]
+    return kernels.PackedBf16(panels.finish(dst, n), n, k, scales, ldk, kblock)
 
 
 def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
@@ -122,6 +187,11 @@ class Linear:
     def of(cls, w: torch.Tensor, fp8_activations: bool = False) -> Linear:
         return cls(pack(w), fp8_activations)
 
+    @classmethod
+    def of_parts(cls, parts: list[LinearWeight]) -> Linear:
+        """One linear over the rows of ``parts`` (which share FP8-activation handling), see ``pack_parts``."""
+        return cls(pack_parts(parts), parts[0].fp8_activations)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_activations:
             x = quantize_activations_fp8(x)
@@ -142,12 +212,17 @@ class Experts:
     groups: tuple[kernels.PackedGroup, kernels.PackedGroup] | None = None
 
     @classmethod
-    def of(cls, gate_up: list[torch.Tensor], down: list[torch.Tensor], fp8_activations: bool) -> Experts:
-        """From the checkpoint's per-expert ``[gate; up]`` ``[2I, H]`` and ``down`` ``[H, I]`` weights."""
-        gu, dn = [pack(w) for w in gate_up], [pack(w) for w in down]
+    def of(
+        cls, gate_up: list[list[LinearWeight]], down: list[LinearWeight], fp8_activations: bool
+    ) -> Experts:
+        """From the checkpoint's per-expert ``[gate, up]`` (``[I, H]`` each) and ``down`` ``[H, I]``."""
+        gu, dn = [pack_parts(parts) for parts in gate_up], [pack_parts([w]) for w in down]
         groups = None
         if all(isinstance(w, kernels.PackedBf16) and w.n % kernels.PANEL == 0 for w in gu + dn):
-            groups = (kernels.PackedGroup.of(gu), kernels.PackedGroup.of(dn))
+            try:
+                groups = (kernels.PackedGroup.of(gu), kernels.PackedGroup.of(dn))
+            except ValueError:  # experts with different scale layouts: one call per expert
+                groups = None
         return cls(gu, dn, down[0].shape[1], fp8_activations, groups)
 
     def __call__(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
@@ -190,8 +265,9 @@ class Experts:
         return result
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF ``Qwen3MoeTopKRouter``: softmax over router logits (float32), top-k, optional renormalization.
 
     Returns ``(indices [N, k], weights [N, k])``.

@@ -17,8 +17,14 @@ Precision (a decision, documented here):
 - fp8 (W8A8 blockwise, as SGLang's ``Fp8LinearMethod``/fused MoE with ``weight_block_size``):
   weights are the real e4m3 codes times their 128x128 block scales; the input of every FP8
   linear (attention projections, experts' gate/up and down) is quantized per token per 128
-  channels to e4m3 with scale amax/448 first.
-- nvfp4 and mxfp4 run W4A16: dequantized 4-bit weights, unquantized activations.
+  channels to e4m3 with scale amax/448 first. The block scales multiply each 64-wide K chunk's
+  partial sums of codes (as DeepGEMM applies them), not the weights: the same values to float32
+  rounding of the order.
+- nvfp4 and mxfp4 run W4A16: dequantized 4-bit weights, unquantized activations (``input_scale``
+  is read and ignored). NVFP4's ``weight_scale_2`` multiplies the output of the product with
+  ``E2M1(code) * E4M3(scale)`` (exact in bfloat16), as the real NVFP4 GEMM's ``alpha`` does; the
+  weight that stands for differs from ``dequantize``'s (which rounds ``scale * weight_scale_2``
+  first) by at most one float32 ulp.
 - Linears stored unquantized in a converted checkpoint (router, LM head, whatever the converter
   excluded) run as bf16 ones do.
 - ``kv_cache_dtype="fp8_e4m3"``: K and V go through float8_e4m3fn (scale 1.0, clamped to +-448)
@@ -27,9 +33,11 @@ Precision (a decision, documented here):
   through bfloat16 (an SGLang BF16 group's cache); ``"auto"`` keeps float32.
 
 Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
-weights exact in bfloat16 (all of a BF16 checkpoint) stay bfloat16 and run through an
-LLVM-compiled GEMM that widens them in registers (``fleet.engine.kernels``: half the bytes read,
-float32 arithmetic); other weights are float32 pre-packed for oneDNN (``layers.pack``); the
+every format's linears run through an LLVM-compiled GEMM on bfloat16 weights that widens them
+in registers (``fleet.engine.kernels``: half the bytes read, float32 arithmetic), with FP8 block
+and NVFP4 global scales applied to partial sums; the weights are written into its layout straight
+from the checkpoint's codes (``layers.pack_parts``; float32 for oneDNN only where that is
+impossible); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
 sequences' attention is one call per cache pool (see ``fleet.engine.cache``) with the query heads
 of a KV head as its query rows, so each stored key and value is read once per step: the native
@@ -65,12 +73,12 @@ def _fuse(parts: list[LinearWeight]) -> list[Linear]:
     """One ``Linear`` over the concatenated rows when all parts share a format (same activation
     handling), else one ``Linear`` per part."""
     if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
-        return [Linear.of(torch.cat([p.weight for p in parts]), parts[0].fp8_activations)]
+        return [Linear.of_parts(parts)]
     return [_linear(p) for p in parts]
 
 
 def _linear(w: LinearWeight) -> Linear:
-    return Linear.of(w.weight, w.fp8_activations)
+    return Linear.of_parts([w])
 
 
 def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +110,13 @@ class Model:
 
     architecture = ARCHITECTURE
 
-    def __init__(self, config: ModelConfig, tensors: CheckpointTensors, kv_cache_dtype: str = "auto",
-                 path: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: CheckpointTensors,
+        kv_cache_dtype: str = "auto",
+        path: Path | None = None,
+    ) -> None:
         self.config = config
         self.path = path
         self.precision = tensors.fmt
@@ -122,29 +135,38 @@ class Model:
                 if len(fp8_acts) != 1:
                     raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
                 experts = Experts.of(
-                    [torch.cat([e["gate_proj"].weight, e["up_proj"].weight]) for e in lt.experts],
-                    [e["down_proj"].weight for e in lt.experts],
+                    [[e["gate_proj"], e["up_proj"]] for e in lt.experts],
+                    [e["down_proj"] for e in lt.experts],
                     fp8_acts.pop(),
                 )
             dense = "gate_proj" in lin
-            self._layers.append(_Layer(
-                input_norm=lt.plain["input_layernorm"],
-                post_norm=lt.plain["post_attention_layernorm"],
-                qk_norm=torch.cat([
-                    lt.plain["q_norm"].expand(config.num_attention_heads, -1),
-                    lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
-                ]),
-                qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-                o_proj=_linear(lin["o_proj"]),
-                router=lt.plain.get("gate"),
-                experts=experts,
-                mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
-                mlp_down=_linear(lin["down_proj"]) if dense else None,
-            ))
+            self._layers.append(
+                _Layer(
+                    input_norm=lt.plain["input_layernorm"],
+                    post_norm=lt.plain["post_attention_layernorm"],
+                    qk_norm=torch.cat(
+                        [
+                            lt.plain["q_norm"].expand(config.num_attention_heads, -1),
+                            lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
+                        ]
+                    ),
+                    qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
+                    o_proj=_linear(lin["o_proj"]),
+                    router=lt.plain.get("gate"),
+                    experts=experts,
+                    mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
+                    mlp_down=_linear(lin["down_proj"]) if dense else None,
+                )
+            )
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
-        self._geometry = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                          self._kv_storage, self.max_context)
+        self._geometry = (
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            self._kv_storage,
+            self.max_context,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -153,8 +175,14 @@ class Model:
     def new_sequence(self) -> SequenceCache:
         """An empty KV cache (``length == 0``) for one sequence of this model."""
         c = self.config
-        return SequenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self._kv_storage,
-                             self.max_context, self._geometry)
+        return SequenceCache(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            self._kv_storage,
+            self.max_context,
+            self._geometry,
+        )
 
     def _rope(self, end: int) -> None:
         if self._cos.shape[0] < end:
@@ -259,8 +287,16 @@ class _Attention:
     new tokens (a prefill chunk) runs one call of its own on views of its slot.
     """
 
-    def __init__(self, caches: list[SequenceCache], starts: list[int], lens: list[int], nh: int, nkv: int,
-                 d: int, storage: torch.dtype) -> None:
+    def __init__(
+        self,
+        caches: list[SequenceCache],
+        starts: list[int],
+        lens: list[int],
+        nh: int,
+        nkv: int,
+        d: int,
+        storage: torch.dtype,
+    ) -> None:
         self.nh, self.nkv, self.d, self.storage = nh, nkv, d, storage
         self.gqa = nh != nkv
         # float32 caches use the native decode kernel where it compiled; others keep SDPA
@@ -287,10 +323,20 @@ class _Attention:
             lengths = torch.zeros(span, dtype=torch.long)
             lengths[slots] = torch.tensor(positions) + 1
             all_rows = rows == list(range(off))
-            self.groups.append(_DecodeGroup(
-                pool, torch.tensor(rows), torch.tensor(slots), torch.tensor(positions), span, window, mask,
-                lengths, all_rows, all_rows and slots == list(range(span)),
-            ))
+            self.groups.append(
+                _DecodeGroup(
+                    pool,
+                    torch.tensor(rows),
+                    torch.tensor(slots),
+                    torch.tensor(positions),
+                    span,
+                    window,
+                    mask,
+                    lengths,
+                    all_rows,
+                    all_rows and slots == list(range(span)),
+                )
+            )
 
     def __call__(self, layer: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the step's keys and values in the caches' ``layer`` and attend: ``qk``
@@ -314,8 +360,9 @@ class _Attention:
                 queries = torch.zeros(g.span, nkv, group, d)
                 queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, group, d)
             if self.native:
-                res = decode_attention.attend(queries.contiguous(), store, g.lengths,
-                                              torch.empty(g.span, nkv, group, d))
+                res = decode_attention.attend(
+                    queries.contiguous(), store, g.lengths, torch.empty(g.span, nkv, group, d)
+                )
             else:
                 stored = store[: g.span, :, : g.window]
                 if self.storage != torch.float32:

@@ -25,14 +25,15 @@ tensor.
 
 Speed (a weight update loads inside the engine's pause): each file is mapped once, privately
 (copy-on-write), and its header parsed here, so tensors are views of page-cache pages with no
-read copy and no per-tensor file access; bf16 linears are handed over as stored (bfloat16, no
-widening copy: the model converts once into its own layout); only quantized linears are
-materialized, as float32, each in one pass over its codes. A loaded ``Model`` copies what it
-keeps.
+read copy and no per-tensor file access; linears are handed over as stored (validated codes and
+scales, see ``LinearWeight``): the model writes them once into its own layout, and a float32
+dequantized weight is only made where something asks for ``LinearWeight.weight``. A loaded
+``Model`` copies what it keeps.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -52,19 +53,44 @@ _IGNORED_SUFFIXES = (".k_scale", ".v_scale", ".rotary_emb.inv_freq")
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """A linear weight ``[N, K]`` and the format its codes were stored in.
+    """A linear weight ``[N, K]`` = ``shape``, as stored: ``fmt`` and the checkpoint's tensors,
+    already validated (dtypes and shapes):
 
-    ``weight`` holds the values the engine computes with: float32 (dequantized codes), or the
-    checkpoint's bfloat16 tensor as stored (exact in float32). It may be a view of the checkpoint
-    file's mapping: a caller that keeps it copies it.
+    - bf16: ``(weight,)`` (bfloat16, float16 or float32);
+    - fp8: ``(codes, weight_scale_inv)``;
+    - nvfp4: ``(packed, weight_scale, weight_scale_2)``;
+    - mxfp4: ``(packed [N, K/2], scales [N, K/32])`` (uint8).
+
+    ``weight`` is the float tensor the engine computes with, made on first use: the checkpoint's
+    bfloat16 tensor as stored (exact in float32), else float32 (dequantized codes, bit for bit
+    ``weight_sync.formats``). The tensors may be views of the checkpoint file's mapping: a caller
+    that keeps them copies them (``layers.pack_parts`` writes them straight into its own layout).
     """
 
-    weight: torch.Tensor
     fmt: str
+    shape: tuple[int, int]
+    tensors: tuple[torch.Tensor, ...]
 
     @property
     def fp8_activations(self) -> bool:
         return self.fmt == "fp8"
+
+    @functools.cached_property
+    def weight(self) -> torch.Tensor:
+        t = self.tensors
+        if self.fmt == "fp8":
+            return dequant.fp8(t[0], t[1])
+        if self.fmt == "nvfp4":
+            return dequant.nvfp4(t[0], t[1], t[2])
+        if self.fmt == "mxfp4":
+            n, k = self.shape
+            return dequant.mxfp4(t[0].reshape(n, k // 32, 16), t[1])
+        return t[0] if t[0].dtype in (torch.bfloat16, torch.float32) else t[0].float()
+
+    @classmethod
+    def plain(cls, w: torch.Tensor) -> LinearWeight:
+        """An unquantized weight ``w`` ``[N, K]``."""
+        return cls("bf16", (int(w.shape[0]), int(w.shape[1])), (w,))
 
 
 def detect_format(path: Path, raw_config: dict[str, Any]) -> str:
@@ -218,24 +244,29 @@ def _float_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> LinearWeight:
-    """The weight of linear ``prefix`` (``[N, K]`` = ``shape``) in whichever format it is stored."""
+    """The weight of linear ``prefix`` (``[N, K]`` = ``shape``) in whichever format it is stored,
+    validated (dequantized lazily, see ``LinearWeight``)."""
     try:
-        lw = _load_linear(src, prefix, shape)
+        return _load_linear(src, prefix, shape)
     except ValueError as exc:
         if prefix in str(exc):
             raise
         raise ValueError(f"linear {prefix!r}: {exc}") from None
-    _check_shape(f"{prefix}.weight (dequantized)", lw.weight, shape)
-    return lw
 
 
 def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> LinearWeight:
     name = f"{prefix}.weight"
     n, k = shape
     if f"{prefix}.weight_blocks" in src:
-        w = dequant.mxfp4(src.get(f"{prefix}.weight_blocks"), src.get(f"{prefix}.weight_scales"))
-        _check_shape(f"{prefix}.weight_blocks (dequantized)", w, shape)
-        return LinearWeight(w, "mxfp4")
+        blocks, scales = src.get(f"{prefix}.weight_blocks"), src.get(f"{prefix}.weight_scales")
+        dequant.check_mxfp4(blocks, scales)
+        got = (blocks.shape[0], blocks.shape[1] * 32)
+        if got != shape:
+            raise ValueError(
+                f"tensor '{prefix}.weight_blocks (dequantized)' has shape {list(got)}, "
+                f"config.json implies {list(shape)}"
+            )
+        return LinearWeight("mxfp4", shape, (blocks.reshape(n, k // 2), scales))
     if name not in src:
         raise ValueError(f"checkpoint is missing tensor {name!r}")
     raw = src.get(name)
@@ -243,13 +274,16 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
         if raw.dtype != torch.float8_e4m3fn:
             raise ValueError(f"tensor {name!r} has dtype {raw.dtype}; an FP8 weight must be float8_e4m3fn")
         _check_shape(name, raw, shape)
-        return LinearWeight(dequant.fp8(raw, src.get(f"{prefix}.weight_scale_inv")), "fp8")
+        scale_inv = src.get(f"{prefix}.weight_scale_inv")
+        dequant.check_fp8(raw, scale_inv)
+        return LinearWeight("fp8", shape, (raw, scale_inv))
     if f"{prefix}.weight_scale_2" in src:
         _check_shape(name, raw, (n, k // 2))
         if f"{prefix}.input_scale" in src:
             src.get(f"{prefix}.input_scale")  # activations stay unquantized (W4A16)
-        w = dequant.nvfp4(raw, src.get(f"{prefix}.weight_scale"), src.get(f"{prefix}.weight_scale_2"))
-        return LinearWeight(w, "nvfp4")
+        scale, ws2 = src.get(f"{prefix}.weight_scale"), src.get(f"{prefix}.weight_scale_2")
+        dequant.check_nvfp4(raw, scale, ws2)
+        return LinearWeight("nvfp4", shape, (raw, scale, ws2))
     if raw.dtype == torch.uint8 and f"{prefix}.weight_scale" in src:
         scales = src.get(f"{prefix}.weight_scale")
         _check_shape(name, raw, (n, k // 2))
@@ -258,12 +292,12 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
                 f"tensor {prefix}.weight_scale has dtype {scales.dtype}; MXFP4 scales are uint8 E8M0"
             )
         _check_shape(f"{prefix}.weight_scale", scales, (n, k // 32))
-        w = dequant.mxfp4(raw.reshape(n, k // 32, 16), scales)
-        return LinearWeight(w, "mxfp4")
+        dequant.check_mxfp4(raw.reshape(n, k // 32, 16), scales)
+        return LinearWeight("mxfp4", shape, (raw, scales))
     if raw.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} has dtype {raw.dtype} and no scales to dequantize it with")
     _check_shape(name, raw, shape)
-    return LinearWeight(raw if raw.dtype == torch.bfloat16 else raw.float(), "bf16")
+    return LinearWeight("bf16", shape, (raw,))
 
 
 @dataclass(frozen=True)
@@ -296,7 +330,7 @@ def load_checkpoint(path: Path, config: ModelConfig) -> CheckpointTensors:
     embed = load_plain(src, "model.embed_tokens.weight", (c.vocab_size, h))
     final_norm = load_plain(src, "model.norm.weight", (h,))
     if c.tie_word_embeddings and "lm_head.weight" not in src:
-        lm_head = LinearWeight(embed, "bf16")
+        lm_head = LinearWeight.plain(embed)
     else:
         lm_head = load_linear(src, "lm_head", (c.vocab_size, h))
     layers = []
@@ -320,11 +354,13 @@ def load_checkpoint(path: Path, config: ModelConfig) -> CheckpointTensors:
             inter = c.moe_intermediate_size
             for e in range(c.num_experts):
                 q = f"{p}mlp.experts.{e}."
-                experts.append({
-                    "gate_proj": load_linear(src, q + "gate_proj", (inter, h)),
-                    "up_proj": load_linear(src, q + "up_proj", (inter, h)),
-                    "down_proj": load_linear(src, q + "down_proj", (h, inter)),
-                })
+                experts.append(
+                    {
+                        "gate_proj": load_linear(src, q + "gate_proj", (inter, h)),
+                        "up_proj": load_linear(src, q + "up_proj", (inter, h)),
+                        "down_proj": load_linear(src, q + "down_proj", (h, inter)),
+                    }
+                )
         else:
             inter = c.intermediate_size
             linears["gate_proj"] = load_linear(src, p + "mlp.gate_proj", (inter, h))

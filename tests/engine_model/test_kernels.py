@@ -29,8 +29,17 @@ def test_kernel_compiles_here() -> None:
 
 @pytest.mark.parametrize(
     ("m", "k", "n"),
-    [(1, 512, 768), (8, 512, 768), (12, 512, 768), (13, 384, 512), (30, 100, 259), (7, 1, 32),
-     (25, 129, 40), (3, 64, 33), (100, 65, 96)],
+    [
+        (1, 512, 768),
+        (8, 512, 768),
+        (12, 512, 768),
+        (13, 384, 512),
+        (30, 100, 259),
+        (7, 1, 32),
+        (25, 129, 40),
+        (3, 64, 33),
+        (100, 65, 96),
+    ],
 )
 def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -68,14 +77,24 @@ def test_exact_in_bf16() -> None:
     assert not kernels.exact_in_bf16(torch.randn(10, 10))
 
 
-@pytest.mark.parametrize(("fmt", "bf16_weights"), [("bf16", True), ("mxfp4", True), ("fp8", False)])
-def test_formats_use_the_kernel_where_exact(model_root: Path, fmt: str, bf16_weights: bool) -> None:
-    """BF16 and MXFP4 (2-bit significands times powers of two) weights are exact in bfloat16 and
-    run through the kernel; dequantized FP8 weights (codes times float32 block scales) are not."""
+@pytest.mark.parametrize(
+    ("fmt", "scaled"), [("bf16", False), ("mxfp4", False), ("fp8", True), ("nvfp4", True)]
+)
+def test_every_format_uses_the_kernel(model_root: Path, fmt: str, scaled: bool) -> None:
+    """BF16 and MXFP4 (2-bit significands times powers of two) weights are exact in bfloat16; FP8
+    codes and NVFP4 codes times their E4M3 group scales are too, with the 128x128 block scales
+    (FP8) or ``weight_scale_2`` (NVFP4) in the kernel's scale table. All run through the kernel,
+    the experts as grouped calls."""
     model = load_model(make_model_dir(model_root, "tiny", fmt))
     layer = model._layers[0]
-    weights = [layer.o_proj.weight, *layer.experts.gate_up, *layer.experts.down]
-    assert all(isinstance(w, kernels.PackedBf16) == bf16_weights for w in weights)
+    weights = [
+        layer.o_proj.weight,
+        *[q.weight for q in layer.qkv],
+        *layer.experts.gate_up,
+        *layer.experts.down,
+    ]
+    assert all(isinstance(w, kernels.PackedBf16) and (w.scales is not None) == scaled for w in weights)
+    assert layer.experts.groups is not None
 
 
 def test_writes_into_a_block_of_rows() -> None:
@@ -101,8 +120,12 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
     counts = [3, 0, 14, 1, 0, 9]
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
     x = torch.randn(sum(counts), 48, generator=g)
-    alone = torch.cat([kernels.linear(x[a:b], kernels.pack(w))
-                       for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
+    alone = torch.cat(
+        [
+            kernels.linear(x[a:b], kernels.pack(w))
+            for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+        ]
+    )
     monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -114,8 +137,12 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
         torch.set_num_threads(before)
     assert torch.equal(out, alone)
     assert torch.equal(split, kernels.linear(x, wide))
-    ref = torch.cat([x[a:b] @ w.float().t()
-                     for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
+    ref = torch.cat(
+        [
+            x[a:b] @ w.float().t()
+            for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+        ]
+    )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
