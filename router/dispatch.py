@@ -21,7 +21,7 @@ from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, 
 from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
-from router.policy import ReplicaView, choose_group, choose_replica
+from router.policy import choose_group, choose_replica
 from router.records import TurnData, encode_body, stored_turn
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
@@ -343,7 +343,7 @@ async def with_failover(
         if affinity is not None and group == start_group and affinity not in tried:
             mine = registry.serves(affinity, group, latest, min_version)
         if mine is not None:
-            replica = ReplicaView(mine.replica_id, mine.group, mine.url, mine.active_version, 0)
+            replica: Any = mine  # a Replica: replica_id and url as a ReplicaView's
         else:
             views = registry.views(group, latest, min_version=min_version)
             replica = choose_replica(views, affinity if group == start_group else None, tried)
@@ -370,7 +370,7 @@ async def with_failover(
         attempts += 1
         if attempts > limit:
             raise unavailable(f"gave up after {attempts - 1} attempts ({last_error})")
-        rep = ctx.registry.replicas.get(replica.replica_id)
+        rep = mine if mine is not None else registry.replicas.get(replica.replica_id)
         if rep is not None:
             rep.inflight += 1
         try:

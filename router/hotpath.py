@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,9 +54,11 @@ _SESSIONS = "/v1/sessions/"
 _KEY_HEADERS = tuple(k.encode() for k in KEY_HEADERS)
 _ROLLOUT = frozenset({"rollout"})
 JSON_TYPE = b"application/json"
+_STATUS_CLASS = {200: "2xx"}
 
 Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]  # status, body, content type, extra headers
-Job = Callable[[], Awaitable[Answer]]
+Job = Callable[[], Awaitable[Answer | bytes]]  # bytes: a 200 JSON body
+_NO_HEADERS: list[tuple[bytes, bytes]] = []
 
 
 def hot_route(method: str, path: str) -> str | None:
@@ -114,12 +117,7 @@ class HotPath:
             spec = turn_spec_fast(parsed)
             if spec is None:
                 return None
-            session_id = path[len(_SESSIONS) : -len("/turns")]
-
-            async def turn() -> Answer:
-                return 200, await record_turn(ctx, session_id, spec), JSON_TYPE, []
-
-            return turn
+            return partial(record_turn, ctx, path[len(_SESSIONS) : -len("/turns")], spec)
         rows = generate_rows_fast(parsed)
         if rows is None:
             return None
@@ -140,22 +138,34 @@ class HotPath:
     async def run(self, route: str, job: Job, t0: float) -> Answer:
         """Run ``job``; refusals become their documented answers. Records the request metric."""
         try:
-            answer = await job()
-        except ApiError as exc:
+            result = await job()
+        except Exception as exc:
+            result = self.refusal(route, exc)
+        return self.answered(route, result, t0)
+
+    def refusal(self, route: str, exc: Exception) -> Answer:
+        """The answer to a job that raised ``exc``."""
+        if isinstance(exc, ApiError):
             extra = []
             if exc.retry_after:
                 extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
-            answer = exc.status, dumps({"detail": exc.message}), JSON_TYPE, extra
-        except StateUnavailable as exc:
+            return exc.status, dumps({"detail": exc.message}), JSON_TYPE, extra
+        if isinstance(exc, StateUnavailable):
             detail = dumps({"detail": f"state store unavailable: {exc}"})
-            answer = 503, detail, JSON_TYPE, [(b"retry-after", b"1")]
-        except StateError as exc:
-            answer = 409, dumps({"detail": f"{type(exc).__name__}: {exc}"}), JSON_TYPE, []
-        except Exception:
-            log.exception("unhandled error on %s", route)
-            answer = 500, b"Internal Server Error", b"text/plain; charset=utf-8", []
-        self.seconds.labels(route, f"{answer[0] // 100}xx").observe(time.perf_counter() - t0)
-        return answer
+            return 503, detail, JSON_TYPE, [(b"retry-after", b"1")]
+        if isinstance(exc, StateError):
+            return 409, dumps({"detail": f"{type(exc).__name__}: {exc}"}), JSON_TYPE, []
+        log.error("unhandled error on %s", route, exc_info=exc)
+        return 500, b"Internal Server Error", b"text/plain; charset=utf-8", []
+
+    def answered(self, route: str, result: Answer | bytes, t0: float) -> Answer:
+        """``result`` of a job (or :meth:`refusal`) as an answer; records the request metric."""
+        answer = (200, result, JSON_TYPE, _NO_HEADERS) if type(result) is bytes else result
+        status = answer[0]
+        self.seconds.labels(route, _STATUS_CLASS.get(status) or f"{status // 100}xx").observe(
+            time.perf_counter() - t0
+        )
+        return answer  # type: ignore[return-value]
 
     # the ASGI front end ---------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:

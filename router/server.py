@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from router.hotpath import HotPath, Job, hot_route
+from router.hotpath import JSON_TYPE, HotPath, Job, hot_route
 
 log = logging.getLogger("mixfleet.router")
 
@@ -33,7 +33,16 @@ try:  # uvicorn's internals this builds on (checked in protocol_for)
 except ImportError:  # pragma: no cover
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
-_NEEDS = ("on_message_begin", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+_NEEDS = (
+    "on_message_begin",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "_unset_keepalive_if_required",
+    "timeout_keep_alive_handler",
+    "_start_asgi_task",
+)
 
 
 class _NoEvent:
@@ -75,12 +84,27 @@ def protocol_for(hot: HotPath) -> type | None:
             self._admitted: dict[tuple, bool] = {}
 
         def on_message_begin(self) -> None:
-            super().on_message_begin()
+            # uvicorn's, except that its ASGI scope is built once the request goes to ASGI
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
             self._hot_route = None
+            self._scoped = False
+
+        def _build_scope(self) -> None:
+            """uvicorn's ``on_message_begin`` (the scope), keeping what was parsed since."""
+            if self._scoped:
+                return
+            url, expect, headers = self.url, self.expect_100_continue, self.headers
+            super().on_message_begin()
+            self.url, self.expect_100_continue, self.headers = url, expect, headers
+            self.scope["headers"] = headers
+            self._scoped = True
 
         def on_headers_complete(self) -> None:
             route = self._hot_candidate()
             if route is None:
+                self._build_scope()
                 super().on_headers_complete()
                 return
             self._hot_route = route
@@ -143,30 +167,94 @@ def protocol_for(hot: HotPath) -> type | None:
         def _to_asgi(self) -> None:
             """Hand the request (head and the body so far) to uvicorn's own path."""
             self._hot_route = None
+            self._build_scope()
             super().on_headers_complete()
             body = b"".join(self._hot_body)
             if body:
                 super().on_body(body)
 
+        # keep-alive timeout: uvicorn arms a timer after every response and cancels it when
+        # the next request arrives; here one timer per connection stays armed and checks a
+        # deadline (None while a request is in progress) when it fires
+        _idle_deadline: float | None = None
+        _idle_timer: Any = None
+
+        def _unset_keepalive_if_required(self) -> None:
+            self._idle_deadline = None
+            super()._unset_keepalive_if_required()  # (its timer is never armed here)
+
+        def on_response_complete(self) -> None:
+            # uvicorn's, with the deadline instead of a new timer
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._idle_deadline = None
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+                return
+            self._idle_deadline = self.loop.time() + self.timeout_keep_alive
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+
+        def _check_idle(self) -> None:
+            self._idle_timer = None
+            deadline = self._idle_deadline
+            if deadline is None:
+                return  # a request is in progress: its response arms the timer again
+            left = deadline - self.loop.time()
+            if left > 0:
+                self._idle_timer = self.loop.call_later(left, self._check_idle)
+                return
+            self.timeout_keep_alive_handler()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+
         async def _answer(self, cycle: _HotCycle, route: str, job: Job, t0: float) -> None:
-            status, content, ctype, extra = await hot.run(route, job, t0)
+            try:  # HotPath.run, one coroutine less
+                result = await job()
+            except Exception as exc:
+                result = hot.refusal(route, exc)
+            status, content, ctype, extra = hot.answered(route, result, t0)
             transport = self.transport
             if not cycle.disconnected and not transport.is_closing():
-                parts = [STATUS_LINE[status]]
-                for name, value in self.server_state.default_headers:
-                    parts += (name, b": ", value, b"\r\n")
                 length = str(len(content)).encode()
-                parts += (b"content-type: ", ctype, b"\r\ncontent-length: ", length, b"\r\n")
-                for name, value in extra:
-                    parts += (name, b": ", value, b"\r\n")
-                if not cycle.keep_alive:
-                    parts.append(b"connection: close\r\n")
-                parts += (b"\r\n", content)
-                transport.write(b"".join(parts))
-                if not cycle.keep_alive:
-                    transport.close()
+                if status == 200 and ctype is JSON_TYPE and not extra and cycle.keep_alive:
+                    head = _ok_json_head(self.server_state.default_headers)
+                    transport.write(b"".join((head, length, b"\r\n\r\n", content)))
+                else:
+                    parts = [STATUS_LINE[status]]
+                    for name, value in self.server_state.default_headers:
+                        parts += (name, b": ", value, b"\r\n")
+                    parts += (b"content-type: ", ctype, b"\r\ncontent-length: ", length, b"\r\n")
+                    for name, value in extra:
+                        parts += (name, b": ", value, b"\r\n")
+                    if not cycle.keep_alive:
+                        parts.append(b"connection: close\r\n")
+                    parts += (b"\r\n", content)
+                    transport.write(b"".join(parts))
+                    if not cycle.keep_alive:
+                        transport.close()
             cycle.response_complete = True
             self.on_response_complete()
+
+    _ok_head: list = [None, b""]  # [default headers it was built from, head]
+
+    def _ok_json_head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+        """Status line, default headers (uvicorn renews the list once a second, for ``date``),
+        JSON content type and ``content-length: `` of a 200 answer; rebuilt when they change."""
+        if _ok_head[0] is not default_headers:
+            parts = [STATUS_LINE[200]]
+            for name, value in default_headers:
+                parts += (name, b": ", value, b"\r\n")
+            parts.append(b"content-type: " + JSON_TYPE + b"\r\ncontent-length: ")
+            _ok_head[:] = [default_headers, b"".join(parts)]
+        return _ok_head[1]
 
     return HotProtocol
 

@@ -109,6 +109,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.waiter is not None and not self.waiter.done() and self.got_bytes and not self._framed:
             self._complete()  # an unframed body ends at EOF
             return
@@ -143,8 +146,9 @@ class _Conn(asyncio.Protocol):
             self.waiter.set_exception(exc)
 
     def _check_timeout(self) -> None:
+        self.timer = None
         if self.waiter is None or self.waiter.done():
-            return
+            return  # idle: the next request arms the timer again
         left = self.last_data + self.read_timeout_s - self.loop.time()
         if left > 0:
             self.timer = self.loop.call_later(left, self._check_timeout)
@@ -152,26 +156,30 @@ class _Conn(asyncio.Protocol):
         self._fail(TimeoutError(f"no response byte for {self.read_timeout_s:g} s"))
         self.close()
 
-    async def roundtrip(self, data: bytes) -> RawResponse:
+    def send(self, data: bytes) -> asyncio.Future[RawResponse]:
+        """Write one request; the future gets its response (or the reason there is none).
+        The caller sets ``waiter`` back to None once it has the result. The read timer stays
+        armed across requests (re-armed from the last byte when it fires during one), so a
+        request does not create and cancel a timer of its own."""
         self._headers = []
         self._body = []
         self._framed = True
         self.got_bytes = False
         self.waiter = waiter = self.loop.create_future()
         self.last_data = self.loop.time()
-        self.timer = self.loop.call_later(self.read_timeout_s, self._check_timeout)
-        try:
-            self.transport.write(data)  # type: ignore[union-attr]
-            return await waiter
-        finally:
-            self.timer.cancel()
-            self.waiter = None
+        if self.timer is None:
+            self.timer = self.loop.call_later(self.read_timeout_s, self._check_timeout)
+        self.transport.write(data)  # type: ignore[union-attr]
+        return waiter
 
     def reusable(self) -> bool:
         return self._keep_alive and not self.closed
 
     def close(self) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.close()
 
@@ -222,14 +230,15 @@ class UpstreamPool:
             lines += (name, ": ", value, "\r\n")
         lines.append("\r\n")
         data = b"".join((ep.head(path), "".join(lines).encode("latin-1", "replace"), body))
+        key = ep.key
         for attempt in (0, 1):
-            conn = self._take_idle(ep.key)
+            conn = self._take_idle(key)
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(ep, url)
             ok = False
             try:
-                response = await conn.roundtrip(data)
+                response = await conn.send(data)
                 ok = True
             except _Closed as exc:
                 if reused and not exc.got_bytes and attempt == 0:
@@ -239,7 +248,8 @@ class UpstreamPool:
             except TimeoutError as exc:
                 raise EngineUnavailable(url, f"Timeout (read): {exc}") from None
             finally:
-                self._release(ep.key, conn, ok)
+                conn.waiter = None
+                self._release(key, conn, ok)
             return response
         raise AssertionError("unreachable")
 

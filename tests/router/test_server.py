@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 
@@ -171,3 +172,29 @@ def test_non_canonical_bodies_get_the_fastapi_answers(router) -> None:
         if status != 200:
             assert isinstance(r.json()["detail"], str)
     assert httpx.post(url, json={"input_ids": [1]}).headers["www-authenticate"] == "Bearer"
+
+
+def test_keep_alive_timeout_counts_from_the_last_answer(router) -> None:
+    """uvicorn's keep-alive timeout (5 s) as the router keeps it (one armed timer per connection,
+    checked against the last answer): a connection used every 2 s stays open past 5 s, an idle
+    one is closed about 5 s after its last answer (hot and ASGI answers alike)."""
+    sid = _session(router)
+    sock = _connect(router)
+    reader = Reader(sock)
+    url = f"/v1/sessions/{sid}/turns"
+    body = json.dumps({"input_ids": [1, 2], "sampling_params": SP}).encode()
+    health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    t_start = time.monotonic()
+    for i in range(4):  # answers at about 0, 2, 4 and 6 s
+        if i:
+            time.sleep(2.0)
+        sock.sendall(_request(url, body, key=KEYS["rollout"]) if i % 2 == 0 else health)
+        status, _, data = reader.response()
+        assert status == 200, data
+    assert time.monotonic() - t_start > 5.5
+    last = time.monotonic()
+    sock.settimeout(10)
+    assert sock.recv(1) == b""  # closed by the server while idle
+    waited = time.monotonic() - last
+    assert 4.5 < waited < 7.5, waited
+    sock.close()

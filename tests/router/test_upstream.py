@@ -16,9 +16,10 @@ from tests.support.procs import free_port
 
 class Server:
     """A loopback HTTP/1.1 server answering every request with ``answer(n)`` (raw bytes; ``n``
-    counts requests), optionally closing the connection afterwards or sleeping first."""
+    counts requests), optionally closing the connection afterwards or sleeping first (``delay``:
+    seconds, or a function of ``n``)."""
 
-    def __init__(self, answer, *, close_after: bool = False, delay: float = 0.0) -> None:
+    def __init__(self, answer, *, close_after: bool = False, delay=0.0) -> None:
         self.answer = answer
         self.close_after = close_after
         self.delay = delay
@@ -57,8 +58,9 @@ class Server:
                 self.heads.append(head)
                 self.bodies.append(await reader.readexactly(length))
                 self.requests += 1
-                if self.delay:
-                    await asyncio.sleep(self.delay)
+                delay = self.delay(self.requests) if callable(self.delay) else self.delay
+                if delay:
+                    await asyncio.sleep(delay)
                 writer.write(self.answer(self.requests))
                 await writer.drain()
                 if self.close_after:
@@ -153,5 +155,30 @@ def test_connections_are_capped_and_requests_wait_for_one() -> None:
             await pool.close()
         assert all(a.status_code == 200 for a in answers)
         assert srv.requests == 9 and srv.max_open <= 2
+
+    run(main())
+
+
+def test_read_timeout_holds_for_every_request_on_a_kept_alive_connection() -> None:
+    """The read timer outlives single requests: it fires while the connection idles in the pool,
+    and a later slow request on the same connection still times out; quick ones never do."""
+
+    async def main() -> None:
+        delays = {1: 0.0, 2: 0.25, 3: 1.0, 4: 0.0}
+        async with Server(lambda n: ok(b"%d" % n), delay=lambda n: delays.get(n, 0.0)) as srv:
+            pool = UpstreamPool(read_timeout_s=0.4)
+            assert (await pool.post(srv.url, "/x", b"{}")).content == b"1"
+            await asyncio.sleep(0.6)  # the timer armed by request 1 fires while idle
+            assert (await pool.post(srv.url, "/x", b"{}")).content == b"2"  # 0.25 s < 0.4 s
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(EngineUnavailable, match="Timeout"):
+                await pool.post(srv.url, "/x", b"{}")
+            assert 0.35 < loop.time() - t0 < 0.9
+            assert srv.connections == 1
+            await asyncio.sleep(0.8)  # request 3 is answered on the closed connection: dropped
+            assert (await pool.post(srv.url, "/x", b"{}")).content == b"4"
+            assert srv.connections == 2
+            await pool.close()
 
     run(main())
