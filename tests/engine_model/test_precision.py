@@ -59,8 +59,10 @@ def test_print_kl_table(kl_table: dict[str, torch.Tensor], capsys: pytest.Captur
     with capsys.disabled():
         print(f"\nKL(bf16 engine || format), tiny preset, {N_SEQ} prompts x {SEQ_LEN} prefixes:")
         for name, per_seq in kl_table.items():
-            print(f"  {name:<11} mean {per_seq.mean().item():.3e}   per-prompt min {per_seq.min().item():.3e}"
-                  f"  max {per_seq.max().item():.3e}")
+            print(
+                f"  {name:<11} mean {per_seq.mean().item():.3e}   per-prompt min {per_seq.min().item():.3e}"
+                f"  max {per_seq.max().item():.3e}"
+            )
     assert set(kl_table) == {"bf16", *QUANTIZED, "bf16+fp8kv"}
 
 
@@ -170,6 +172,36 @@ def test_fp8_activation_quantization_matches_reference() -> None:
     odd = torch.randn(3, 200, generator=g)  # a trailing partial group gets its own scale
     ref = torch.cat([_reference_act_quant(odd[:, :128]), _reference_act_quant(odd[:, 128:])], dim=1)
     assert torch.equal(quantize_activations_fp8(odd), ref)
+
+
+def test_fused_fp8_activation_quantization_equals_the_torch_ops_bit_for_bit() -> None:
+    """The numba pass equals the torch-ops version (float8 casts) on every finite bfloat16 bit
+    pattern (all e4m3 rounding ties and the subnormal range included), on mixed ranges, partial
+    groups, zeros, negative zeros, NaN and infinity."""
+    from fleet.engine.layers import _quantize_activations_fp8_torch, quantize_activations_fp8
+
+    g = torch.Generator().manual_seed(1)
+    every = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    every = every.reshape(-1, 128)
+    every = every[every.isfinite().all(1)]
+    edge = torch.randn(4, 256, generator=g)
+    edge[0, 3] = float("nan")
+    edge[1, :128] = 0.0
+    edge[1, 130] = -0.0
+    edge[2, 5] = float("inf")
+    edge[3] = -0.0
+    edge[3, 200] = 1e-30
+    cases = [
+        every,
+        edge,
+        torch.randn(37, 384, generator=g) * torch.logspace(-12, 3, 384),
+        torch.randn(2, 5, 200, generator=g) * 1e-3,
+    ]
+    for x in cases:
+        got, ref = quantize_activations_fp8(x), _quantize_activations_fp8_torch(x)
+        assert got.shape == ref.shape
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got[~got.isnan()].view(torch.int32), ref[~ref.isnan()].view(torch.int32))
 
 
 def test_fp8_engine_is_w8a8(model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
