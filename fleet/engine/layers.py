@@ -8,7 +8,6 @@ SGLang's blockwise FP8 kernels do (see ``quantize_activations_fp8``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,9 +60,10 @@ def quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
     ``q = clamp(x / scale, -448, 448)`` cast to e4m3; returns ``q * scale`` in float32 (what the
     FP8 GEMM multiplies). A trailing partial group (K not a multiple of 128) gets its own scale.
 
-    One fused pass (numba) over float32 ``x``, bit for bit ``_quantize_activations_fp8_torch``
-    (e4m3 rounding done on the float32 bits: 3 mantissa bits, round half to even; multiples of
-    2**-9 below 2**-6); torch's float8 casts took most of this function's time.
+    One fused pass (numba) over float32 ``x``, bit for bit ``_quantize_activations_fp8_torch``:
+    the e4m3 rounding is done on the float32 bits (3 mantissa bits, ties to even; below 2**-6 by
+    adding and subtracting 2**14, which rounds to multiples of 2**-9), vectorizable; about 3x
+    faster than the torch ops on one thread (their float8 casts dominated).
     """
     if x.dtype != torch.float32:
         return _quantize_activations_fp8_torch(x)
@@ -79,43 +79,44 @@ _NJIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"
 
 
 @njit(**_NJIT)
-def _e4m3_round(v):  # pragma: no cover - compiled
-    """``v`` (float32, |v| <= 448 or NaN) rounded to the nearest e4m3 value, ties to even."""
-    a = abs(v)
-    if a >= np.float32(2.0**-6):  # normal: 4 significant bits
-        m, e = math.frexp(a)  # a = m * 2**e, m in [0.5, 1)
-        q = np.float32(math.ldexp(np.rint(m * 16.0), e - 4))
-    else:  # subnormal multiples of 2**-9 (and NaN, which stays NaN)
-        q = np.float32(np.rint(a * np.float32(512.0)) / np.float32(512.0))
-    return np.float32(-q) if v < 0 or (v == 0 and np.signbit(v)) else q
-
-
-@njit(**_NJIT)
 def _act_quant_kernel(x, out):  # pragma: no cover - compiled
     rows, k = x.shape
+    buf = np.empty(FP8_GROUP, dtype=np.float32)
+    bits = buf.view(np.uint32)
+    magic = np.float32(2.0**14)  # (a + 2**14) - 2**14 rounds a < 2**-6 to a multiple of 2**-9, ties even
     for r in range(rows):
-        for g0 in range(0, k, 128):
-            g1 = min(k, g0 + 128)
+        for g0 in range(0, k, FP8_GROUP):
+            n = min(k, g0 + FP8_GROUP) - g0
             amax = np.float32(0.0)
             nan = False
-            for c in range(g0, g1):
-                a = abs(x[r, c])
-                if a > amax:
-                    amax = a
-                elif a != a:
-                    nan = True
+            for c in range(n):
+                a = abs(x[r, g0 + c])
+                amax = a if a > amax else amax
+                nan |= a != a
             if nan:
                 amax = np.float32(np.nan)
             elif amax < np.float32(FP8_EPS):
                 amax = np.float32(FP8_EPS)
             scale = np.float32(amax / np.float32(FP8_MAX))
-            for c in range(g0, g1):
-                v = np.float32(x[r, c] / scale)
-                if v > np.float32(FP8_MAX):
-                    v = np.float32(FP8_MAX)
-                elif v < np.float32(-FP8_MAX):
-                    v = np.float32(-FP8_MAX)
-                out[r, c] = np.float32(_e4m3_round(v) * scale)
+            for c in range(n):
+                v = np.float32(x[r, g0 + c] / scale)
+                v = min(max(v, np.float32(-FP8_MAX)), np.float32(FP8_MAX)) if v == v else v
+                buf[c] = v
+            for c in range(n):
+                b = bits[c]
+                sign = b & np.uint32(0x80000000)
+                mag = b & np.uint32(0x7FFFFFFF)
+                # normal range: round to 3 mantissa bits, ties to even
+                normal = (mag + np.uint32(0x7FFFF) + ((mag >> np.uint32(20)) & np.uint32(1))) & np.uint32(
+                    0xFFF00000
+                )
+                bits[c] = mag
+                sub = np.float32(np.float32(buf[c] + magic) - magic)
+                buf[c] = sub
+                sub_bits = bits[c]
+                bits[c] = sign | (normal if mag >= np.uint32(0x3C800000) else sub_bits)  # 2**-6
+            for c in range(n):
+                out[r, g0 + c] = np.float32(buf[c] * scale)
 
 
 def _quantize_activations_fp8_torch(x: torch.Tensor) -> torch.Tensor:
