@@ -142,9 +142,9 @@ def plain_stored(
         return None
     if None in raw:
         raw = [math.nan if x is None else x for x in raw]
-    flat_ids = list(itertools.chain.from_iterable(masks))
-    if not (set(map(type, output_ids)) <= _INT and set(map(type, flat_ids)) <= _INT):
+    if not set(map(type, output_ids)) <= _INT:
         return None
+    flat_ids = list(itertools.chain.from_iterable(masks))
     try:
         encoded, logprobs, raws, flat = encode_body(
             input_ids,
@@ -158,6 +158,12 @@ def plain_stored(
         )
     except (ValueError, TypeError):
         return None
+    # the encoder refused every support id that is not an int or a bool (TypeError) and every
+    # row that is not strictly increasing from 0 up; so a bool (0 / 1) can only be a row's first
+    # or second id: those are checked here (the general path reads True as 1)
+    for row in masks:
+        if row and (type(row[0]) is bool or (len(row) > 1 and type(row[1]) is bool)):
+            return None
     spans, timings, finish = _header_fields(meta, n, timings)
     fields = {
         "turn": index,
@@ -447,6 +453,12 @@ def engine_json(url: str, response: RawResponse) -> Any:
         raise EngineUnavailable(url, "response is not JSON") from None
 
 
+def _ms(seconds: float) -> float:
+    """Milliseconds to 3 decimals (``round(seconds * 1000, 3)`` for durations, without its
+    decimal conversion)."""
+    return int(seconds * 1e6 + 0.5) / 1000 if seconds >= 0 else round(seconds * 1000, 3)
+
+
 async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int) -> TurnResult:
     """Generate turn ``index`` with failover. Raises :class:`ApiError` (4xx/503) when it cannot."""
     t0 = time.perf_counter()
@@ -468,8 +480,8 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     )
     ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
     timings = {
-        "engine_ms": round(engine_s * 1000, 3),
-        "router_ms": round((time.perf_counter() - t0 - engine_s) * 1000, 3),
+        "engine_ms": _ms(engine_s),
+        "router_ms": _ms(time.perf_counter() - t0 - engine_s),
         "attempts": place.attempts,
     }
     args = {

@@ -515,18 +515,22 @@ def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
             if gaps.max() < 0x80:
                 return gaps.astype(np.uint8).tobytes()
             return _np_varints(gaps)
-    # d = id[j] - id[j-1] (+1 at row starts, whose coded value is the id itself); gap = d - 1
-    d = list(map(operator.sub, flat, [-1, *flat[:-1]]))
+    # d = id[j] - id[j-1], with id[-1] = -1 at row starts (so d is the id + 1 there); gap = d - 1
+    prev = [-1, *flat[:-1]]
     pos = 0
     for k in sizes:
         if k:
-            d[pos] = flat[pos] + 1
+            prev[pos] = -1
             pos += k
-    coded = _single_bytes(d)
+    try:
+        coded = bytes(map(operator.sub, flat, prev))
+    except (ValueError, TypeError):  # a d beyond 0..255 (or not an int: refused below)
+        coded = None
     if coded is not None:
         coded = coded.translate(_MINUS_ONE)
         if coded.isascii():  # every gap in 0..127 (a d of 0, a repeated id, became 255)
             return coded
+    d = list(map(operator.sub, flat, prev))
     if min(d) < 1:
         raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1)))
     out = bytearray()

@@ -356,6 +356,12 @@ def test_plain_stored_leaves_odd_engine_answers_to_the_general_path() -> None:
         variant(lambda m: m["output_token_logprobs"].__setitem__(0, ["-1.5", 3, None])),
         variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(0, 1e300)),  # beyond float32
         variant(lambda m: m.pop("output_token_sampling_support_logprobs")),
+        variant(
+            lambda m: (
+                m["output_token_sampling_mask"].__setitem__(0, [0, True, 500]),
+                m["output_token_sampling_support_logprobs"].__setitem__(0, [-1.0, -2.0, -3.0]),
+            )
+        ),
         {"output_ids": [1], "meta_info": "x"},
         {"output_ids": (1,), "meta_info": {}},
         [],
