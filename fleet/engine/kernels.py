@@ -48,7 +48,7 @@ log = logging.getLogger("mixfleet.engine.kernels")
 PANEL = 32  # output columns per panel: two 16-float vectors
 MAX_ROWS = 12  # rows per register tile: 24 accumulators + 2 weight vectors + 1 broadcast <= 32
 K_CHUNK = 64  # K steps summed in registers before they are added to the output
-NO_BLOCK = 1 << 62  # kblock of a weight with one scale for all of K
+NO_BLOCK_SHIFT = 62  # the K-block shift of a weight with one scale for all of K
 ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
 PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step; 2 KB measured best)
 
@@ -57,9 +57,10 @@ PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K 
 class PackedBf16:
     """A weight ``W`` ``[n, k]`` packed for ``linear``: ``panels`` ``[ceil(n/32), k, 32]`` bfloat16,
     optionally times float32 scales: ``W[r, c] = panels[r // 32, c, r % 32] * s`` with
-    ``s = scales[(r // 32) * ldk + c // kblock]`` (``kblock`` a multiple of 64). The kernel applies
-    ``s`` to each 64-wide K chunk's partial sums (one scale per panel and K block: FP8's 128x128
-    block scales, NVFP4's per-tensor ``weight_scale_2``). ``scales`` None: no scaling (``ONE``)."""
+    ``s = scales[(r // 32) * ldk + c // kblock]`` (``kblock`` a power of two >= 64; 0: one block
+    for all of K). The kernel applies ``s`` to each 64-wide K chunk's partial sums (one scale per
+    panel and K block: FP8's 128x128 block scales, NVFP4's per-tensor ``weight_scale_2``).
+    ``scales`` None: no scaling (``ONE``)."""
 
     panels: torch.Tensor
     n: int
@@ -68,11 +69,16 @@ class PackedBf16:
     ldk: int = 0
     kblock: int = 0
 
+    def __post_init__(self) -> None:
+        if self.kblock and (self.kblock < K_CHUNK or self.kblock & (self.kblock - 1)):
+            raise ValueError(f"kblock must be a power of two >= {K_CHUNK}, got {self.kblock}")
+
     def scale_args(self) -> tuple[int, int, int]:
-        """``(scales pointer, ldk, kblock)`` as the kernel takes them."""
+        """``(scales pointer, ldk, log2(kblock))`` as the kernel takes them."""
         if self.scales is None:
-            return ONE.data_ptr(), 0, NO_BLOCK
-        return self.scales.data_ptr(), self.ldk, self.kblock or NO_BLOCK
+            return ONE.data_ptr(), 0, NO_BLOCK_SHIFT
+        shift = self.kblock.bit_length() - 1 if self.kblock else NO_BLOCK_SHIFT
+        return self.scales.data_ptr(), self.ldk, shift
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -132,7 +138,8 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
     if m:
         args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr(), *w.scale_args())
         parts = jit.parts(m * w.k * padded, n_panels)
-        jit.run([(fns.gemm, (*args, a, b)) for a, b in jit.split(n_panels, parts)])
+        fn = fns.gemm if w.scales is None else fns.gemm_scaled
+        jit.run([(fn, (*args, a, b)) for a, b in jit.split(n_panels, parts)])
     if out is not None:
         return out
     if padded != w.n:
@@ -149,26 +156,28 @@ class PackedGroup:
     table: torch.Tensor  # int64 [len(weights)]: panel data pointers
     n: int
     k: int
-    scale_table: torch.Tensor  # int64 [len(weights)]: scale table pointers (all share ldk, kblock)
+    scale_table: torch.Tensor  # int64 [len(weights)]: scale table pointers (all share ldk, kshift)
     ldk: int
-    kblock: int
+    kshift: int
+    scaled: bool  # some weight has a scale table (the scaled kernel runs)
 
     @classmethod
     def of(cls, weights: list[PackedBf16]) -> PackedGroup:
         n, k = weights[0].shape
         scale_args = [w.scale_args() for w in weights]
-        ldk, kblock = scale_args[0][1:]
+        ldk, kshift = scale_args[0][1:]
         if (
             any(w.shape != (n, k) for w in weights)
             or n % PANEL
-            or any(a[1:] != (ldk, kblock) for a in scale_args)
+            or any(a[1:] != (ldk, kshift) for a in scale_args)
         ):
             raise ValueError(
                 f"a packed group needs weights of one shape with n a multiple of {PANEL} and one scale layout"
             )
         table = torch.tensor([w.panels.data_ptr() for w in weights], dtype=torch.int64)
         scale_table = torch.tensor([a[0] for a in scale_args], dtype=torch.int64)
-        return cls(tuple(weights), table, n, k, scale_table, ldk, kblock)
+        scaled = any(w.scales is not None for w in weights)
+        return cls(tuple(weights), table, n, k, scale_table, ldk, kshift, scaled)
 
 
 def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: torch.Tensor) -> torch.Tensor:
@@ -203,16 +212,17 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
         group.n // PANEL,
         group.scale_table.data_ptr(),
         group.ldk,
-        group.kblock,
+        group.kshift,
     )
     parts = jit.parts(rows * group.k * group.n, e)
+    fn = fns.grouped_scaled if group.scaled else fns.grouped
     if parts == 1:
-        jit.run([(fns.grouped, (*args, 0, e))])
+        jit.run([(fn, (*args, 0, e))])
         return out
     # Cut the weights where the running row count crosses each 1/parts of the rows.
     offs = offsets.tolist()
     bounds = [0, *(bisect.bisect_left(offs, rows * i / parts) for i in range(1, parts)), e]
-    jit.run([(fns.grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
+    jit.run([(fn, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
     return out
 
 
@@ -241,9 +251,13 @@ def _kernel() -> Any:
 def _compile() -> tuple[jit.Compiled, _Fns]:
     mod = jit.compile_ir(_ir())
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    gemm = (ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64)
+    grouped = (ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64)
     return mod, _Fns(
-        mod.function("gemm_bf16w", ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64),
-        mod.function("gemm_grouped", ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64),
+        mod.function("gemm_bf16w", *gemm),
+        mod.function("gemm_grouped", *grouped),
+        mod.function("gemm_bf16w_s", *gemm),
+        mod.function("gemm_grouped_s", *grouped),
     )
 
 
@@ -251,18 +265,22 @@ def _compile() -> tuple[jit.Compiled, _Fns]:
 class _Fns:
     gemm: Any
     grouped: Any
+    gemm_scaled: Any
+    grouped_scaled: Any
 
 
-def _tile(rows: int) -> str:
-    """``@tile{rows}(x, ldx, w, kc, out, ldo, add, s)``: ``out[r, 0:32] (+)= s * sum_{k < kc} x[r, k] *
-    w[k, 0:32]`` for ``r < rows``; ``w`` points into a panel (32 bfloat16 per k)."""
+def _tile(rows: int, scaled: bool) -> str:
+    """``@tile{rows}(x, ldx, w, kc, out, ldo, add, s)``: ``out[r, 0:32] (+)= sum_{k < kc} x[r, k] *
+    w[k, 0:32]`` for ``r < rows``; ``w`` points into a panel (32 bfloat16 per k). ``scaled``:
+    ``@stile{rows}``, which multiplies the sum by ``s`` first (the unscaled tile ignores ``s``: no
+    multiply in the loop's store phase of unscaled weights)."""
     idx = ", ".join
     lo = idx(f"i32 {i}" for i in range(16))
     hi = idx(f"i32 {i}" for i in range(16, 32))
     sixteen = idx("i32 16" for _ in range(32))
     s = [
-        f"define internal void @tile{rows}(ptr noalias %x, i64 %ldx, ptr noalias %w, i64 %kc, "
-        "ptr noalias %out, i64 %ldo, i1 %add, float %s) alwaysinline {",
+        f"define internal void @{'s' if scaled else ''}tile{rows}(ptr noalias %x, i64 %ldx, "
+        "ptr noalias %w, i64 %kc, ptr noalias %out, i64 %ldo, i1 %add, float %s) alwaysinline {",
         "entry:",
         "  %sv = insertelement <16 x float> poison, float %s, i32 0",
         "  %sb = shufflevector <16 x float> %sv, <16 x float> poison, <16 x i32> zeroinitializer",
@@ -312,9 +330,13 @@ def _tile(rows: int) -> str:
                 f"  %oi{r}_{h} = add i64 %or{r}_{h}, {16 * h}",
                 f"  %op{r}_{h} = getelementptr float, ptr %out, i64 %oi{r}_{h}",
                 f"  %old{r}_{h} = load <16 x float>, ptr %op{r}_{h}, align 4",
-                f"  %sc{r}_{h} = fmul <16 x float> %n{r}_{h}, %sb",
-                f"  %sum{r}_{h} = fadd <16 x float> %old{r}_{h}, %sc{r}_{h}",
-                f"  %res{r}_{h} = select i1 %add, <16 x float> %sum{r}_{h}, <16 x float> %sc{r}_{h}",
+            ]
+            if scaled:
+                s.append(f"  %sc{r}_{h} = fmul <16 x float> %n{r}_{h}, %sb")
+            v = f"%sc{r}_{h}" if scaled else f"%n{r}_{h}"
+            s += [
+                f"  %sum{r}_{h} = fadd <16 x float> %old{r}_{h}, {v}",
+                f"  %res{r}_{h} = select i1 %add, <16 x float> %sum{r}_{h}, <16 x float> {v}",
                 f"  store <16 x float> %res{r}_{h}, ptr %op{r}_{h}, align 4",
             ]
     s += ["  ret void", "}"]
@@ -322,24 +344,42 @@ def _tile(rows: int) -> str:
 
 
 def _ir() -> str:
-    """The module, over ``@tile1`` .. ``@tile12``:
-
-    - ``@gemm_bf16w(x, M, K, panels, ldo, out, scales, ldk, kblock, p0, p1)``: output columns
-      ``[32 p0, 32 p1)`` of ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32;
-      ``out`` float32 with row stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``;
-      the chunk at ``k0`` of panel ``p`` scaled by ``scales[p * ldk + k0 / kblock]``);
-    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, scale_ptrs, ldk, kblock, e0, e1)``: for
-      each group ``e`` in ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s
-      weight (``np`` panels, its scale table) into the same rows of ``out``.
+    """The module: ``_gemm_ir`` for unscaled weights (``@gemm_bf16w``, ``@gemm_grouped``, over
+    ``@tile1`` .. ``@tile12``) and for scaled ones (``@gemm_bf16w_s``, ``@gemm_grouped_s``, over
+    ``@stile1`` .. ``@stile12``): the same code, but bf16 weights skip the scale load and multiply.
     """
-    cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
     s = [
         "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
         "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
     ]
-    s += [_tile(r) for r in range(1, MAX_ROWS + 1)]
-    s.append(f"""define void @gemm_bf16w(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
-                        ptr %sp, i64 %ldk, i64 %kblock, i64 %p0, i64 %p1) {{
+    s += [_tile(r, scaled) for scaled in (False, True) for r in range(1, MAX_ROWS + 1)]
+    s += [_gemm_ir(False), _gemm_ir(True)]
+    return "\n".join(s)
+
+
+def _gemm_ir(scaled: bool) -> str:
+    """(suffix ``_s`` where ``scaled``)
+
+    - ``@gemm_bf16w(x, M, K, panels, ldo, out, scales, ldk, kshift, p0, p1)``: output columns
+      ``[32 p0, 32 p1)`` of ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32;
+      ``out`` float32 with row stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``;
+      the chunk at ``k0`` of panel ``p`` scaled by ``scales[p * ldk + (k0 >> kshift)]``);
+    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, scale_ptrs, ldk, kshift, e0, e1)``: for
+      each group ``e`` in ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s
+      weight (``np`` panels, its scale table) into the same rows of ``out``.
+    """
+    cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
+    sfx, tile = ("_s", "stile") if scaled else ("", "tile")
+    if scaled:
+        load_scale = """  %kb = lshr i64 %k0, %kshift
+  %si = add i64 %srow, %kb
+  %sptr = getelementptr float, ptr %sp, i64 %si
+  %sc = load float, ptr %sptr, align 4"""
+    else:
+        load_scale = "  %sc = fadd float 1.0, 0.0"
+    s = []
+    s.append(f"""define void @gemm_bf16w{sfx}(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
+                        ptr %sp, i64 %ldk, i64 %kshift, i64 %p0, i64 %p1) {{
 entry:
   %pstride = mul i64 %K, 32
   br label %panel
@@ -370,14 +410,11 @@ chunk:
   %xk = getelementptr float, ptr %xrow, i64 %k0
   %wk0 = mul i64 %k0, 32
   %wk = getelementptr i16, ptr %wpanel, i64 %wk0
-  %kb = udiv i64 %k0, %kblock
-  %si = add i64 %srow, %kb
-  %sptr = getelementptr float, ptr %sp, i64 %si
-  %sc = load float, ptr %sptr, align 4
+{load_scale}
   switch i64 %mr, label %chunk_next [ {cases} ]""")
     for r in range(1, MAX_ROWS + 1):
         s.append(
-            f"t{r}:\n  call void @tile{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
+            f"t{r}:\n  call void @{tile}{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
             "i1 %add, float %sc)\n  br label %chunk_next"
         )
     s.append("""chunk_next:
@@ -395,8 +432,8 @@ panel_next:
 exit:
   ret void
 }""")
-    s.append("""define void @gemm_grouped(ptr %x, ptr %offs, ptr %ws, i64 %K, i64 %ldo, ptr %out, i64 %np,
-                          ptr %sps, i64 %ldk, i64 %kblock, i64 %e0, i64 %e1) {
+    s.append(f"""define void @gemm_grouped{sfx}(ptr %x, ptr %offs, ptr %ws, i64 %K, i64 %ldo, ptr %out,
+                          i64 %np, ptr %sps, i64 %ldk, i64 %kshift, i64 %e0, i64 %e1) {{
 entry:
   %none = icmp uge i64 %e0, %e1
   br i1 %none, label %exit, label %expert
@@ -419,13 +456,13 @@ run:
   %xe = getelementptr float, ptr %x, i64 %xofs
   %oofs = mul i64 %a, %ldo
   %oe = getelementptr float, ptr %out, i64 %oofs
-  call void @gemm_bf16w(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, ptr %sp, i64 %ldk,
-                        i64 %kblock, i64 0, i64 %np)
+  call void @gemm_bf16w{sfx}(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, ptr %sp, i64 %ldk,
+                        i64 %kshift, i64 0, i64 %np)
   br label %next
 next:
   %done = icmp uge i64 %en, %e1
   br i1 %done, label %exit, label %expert
 exit:
   ret void
-}""")
+}}""")
     return "\n".join(s)

@@ -141,3 +141,18 @@ def test_mixed_scale_layouts_are_refused_by_a_group() -> None:
     scaled = layers.pack_parts([_quantized("fp8", torch.randn(64, 256, generator=g))[0]])
     with pytest.raises(ValueError, match="scale layout"):
         kernels.PackedGroup.of([plain, scaled])
+
+
+def test_scaled_kernel_with_power_of_two_scales_equals_the_unscaled_kernel() -> None:
+    """The scaled kernel variant (per-chunk multiply) with scale 1 or 2 gives the unscaled kernel's
+    result exactly (times 2): the two variants run the same summation."""
+    g = torch.Generator().manual_seed(2)
+    p = kernels.pack(torch.randn(96, 200, generator=g).bfloat16())
+    x = torch.randn(17, 200, generator=g)
+    plain = kernels.linear(x, p)
+    one = kernels.PackedBf16(p.panels, p.n, p.k, torch.ones(1))
+    two = kernels.PackedBf16(p.panels, p.n, p.k, torch.full((3, 4), 2.0), ldk=4, kblock=64)
+    assert torch.equal(kernels.linear(x, one), plain)
+    assert torch.equal(kernels.linear(x, two), 2 * plain)
+    with pytest.raises(ValueError, match="kblock"):
+        kernels.PackedBf16(p.panels, p.n, p.k, torch.ones(1), kblock=96)
