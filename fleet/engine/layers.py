@@ -200,7 +200,7 @@ def _panels(parts: list[LinearWeight]) -> kernels.PackedBf16 | None:
         scales = torch.cat(rows) if len(rows) > 1 else rows[0].contiguous()
         ldk, kblock = scales.shape[1], FP8_GROUP
     elif fmt == "nvfp4":
-        ws2 = [float(p.tensors[2].reshape(()).float()) for p in parts]
+        ws2 = [float(p.tensors[2].item()) for p in parts]
         if all(v == ws2[0] for v in ws2):
             scales = torch.tensor(ws2[:1])
         elif aligned:

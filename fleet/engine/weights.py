@@ -279,8 +279,7 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
         return LinearWeight("fp8", shape, (raw, scale_inv))
     if f"{prefix}.weight_scale_2" in src:
         _check_shape(name, raw, (n, k // 2))
-        if f"{prefix}.input_scale" in src:
-            src.get(f"{prefix}.input_scale")  # activations stay unquantized (W4A16)
+        src.used.add(f"{prefix}.input_scale")  # if present: activations stay unquantized (W4A16)
         scale, ws2 = src.get(f"{prefix}.weight_scale"), src.get(f"{prefix}.weight_scale_2")
         dequant.check_nvfp4(raw, scale, ws2)
         return LinearWeight("nvfp4", shape, (raw, scale, ws2))
