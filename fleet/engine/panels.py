@@ -52,38 +52,74 @@ MXFP4_TABLE = _bf16_bits(
 ).reshape(-1)
 
 
+# Each writer goes in the panels' order (panel, k, row) over whole panels, so the stores run along
+# 64-byte panel lines and the 32 source rows of a panel are read along their length (they stay in
+# L1); whole panels index views of the panel's source rows with loop counters only (no negative-
+# index handling, so the copy vectorizes). Rows that only fill part of a panel (a fused part that
+# does not start or end on a panel boundary) go row by row.
+
+
+@njit(**_JIT)
+def _bounds(n, row0):  # pragma: no cover - compiled
+    """``(head, full)``: rows ``[0, head)`` finish a partial panel, then ``full`` whole panels."""
+    head = min(n, (32 - row0 % 32) % 32)
+    return head, (n - head) // 32
+
+
 @njit(**_JIT)
 def _bf16_rows(src, dst, row0):  # pragma: no cover - compiled
     n, k = src.shape
-    for r in range(n):
-        p = (row0 + r) // 32
-        j = (row0 + r) % 32
+    head, full = _bounds(n, row0)
+    for r in list(range(head)) + list(range(head + 32 * full, n)):
+        p, j = (row0 + r) // 32, (row0 + r) % 32
         for c in range(k):
             dst[p, c, j] = src[r, c]
+    for q in range(full):
+        rows = src[head + 32 * q : head + 32 * q + 32]
+        panel = dst[(row0 + head) // 32 + q]
+        for c in range(k):
+            for j in range(32):
+                panel[c, j] = rows[j, c]
 
 
 @njit(**_JIT)
 def _fp8_rows(codes, table, dst, row0):  # pragma: no cover - compiled
     n, k = codes.shape
-    for r in range(n):
-        p = (row0 + r) // 32
-        j = (row0 + r) % 32
+    head, full = _bounds(n, row0)
+    for r in list(range(head)) + list(range(head + 32 * full, n)):
+        p, j = (row0 + r) // 32, (row0 + r) % 32
         for c in range(k):
             dst[p, c, j] = table[codes[r, c]]
+    for q in range(full):
+        rows = codes[head + 32 * q : head + 32 * q + 32]
+        panel = dst[(row0 + head) // 32 + q]
+        for c in range(k):
+            for j in range(32):
+                panel[c, j] = table[rows[j, c]]
 
 
 @njit(**_JIT)
 def _fp4_rows(packed, scales, group_bytes, table, dst, row0):  # pragma: no cover - compiled
     n, half = packed.shape
-    for r in range(n):
-        p = (row0 + r) // 32
-        j = (row0 + r) % 32
-        for g in range(half // group_bytes):
-            base = scales[r, g] * 16
-            for b in range(g * group_bytes, (g + 1) * group_bytes):
-                v = packed[r, b]
-                dst[p, 2 * b, j] = table[base + (v & 15)]
-                dst[p, 2 * b + 1, j] = table[base + (v >> 4)]
+    head, full = _bounds(n, row0)
+    for r in list(range(head)) + list(range(head + 32 * full, n)):
+        p, j = (row0 + r) // 32, (row0 + r) % 32
+        for b in range(half):
+            v = packed[r, b]
+            base = scales[r, b // group_bytes] * 16
+            dst[p, 2 * b, j] = table[base + (v & 15)]
+            dst[p, 2 * b + 1, j] = table[base + (v >> 4)]
+    for q in range(full):
+        rows = packed[head + 32 * q : head + 32 * q + 32]
+        rscales = scales[head + 32 * q : head + 32 * q + 32]
+        panel = dst[(row0 + head) // 32 + q]
+        for b in range(half):
+            g = b // group_bytes
+            for j in range(32):
+                v = rows[j, b]
+                base = rscales[j, g] * 16
+                panel[2 * b, j] = table[base + (v & 15)]
+                panel[2 * b + 1, j] = table[base + (v >> 4)]
 
 
 @njit(**_JIT)
