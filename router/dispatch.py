@@ -153,7 +153,7 @@ def plain_stored(
             raw,
             sizes,
             flat_ids,
-            list(itertools.chain.from_iterable(support_lps)),
+            itertools.chain.from_iterable(support_lps),
             f16,
         )
     except (ValueError, TypeError):
@@ -484,30 +484,37 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
         "router_ms": _ms(time.perf_counter() - t0 - engine_s),
         "attempts": place.attempts,
     }
-    args = {
-        "index": index,
-        "group": place.group,
-        "replica": place.replica_id,
-        "input_ids": spec.input_ids,
-        "moved_from": place.moved_from,
-        "timings": timings,
-    }
+    group, replica_id, moved_from = place.group, place.replica_id, place.moved_from
     encoded = None
     try:
-        plain = plain_stored(body, f16=ctx.config.f16_support_logprobs, **args)
+        plain = plain_stored(
+            body,
+            index=index,
+            group=group,
+            replica=replica_id,
+            input_ids=spec.input_ids,
+            moved_from=moved_from,
+            timings=timings,
+            f16=ctx.config.f16_support_logprobs,
+        )
         if plain is None:
-            turn = turn_from_response(body, **args)
+            turn = turn_from_response(
+                body,
+                index=index,
+                group=group,
+                replica=replica_id,
+                input_ids=spec.input_ids,
+                moved_from=moved_from,
+                timings=timings,
+            )
         else:
             turn, encoded = plain
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None
-    versions = [s["version"] for s in turn.weight_versions]
-    return TurnResult(
-        turn,
-        place.group,
-        place.replica_id,
-        place.moved_from,
-        min(versions) if versions else None,
-        max(versions) if versions else None,
-        encoded,
-    )
+    spans = turn.weight_versions
+    if len(spans) == 1:
+        low = high = spans[0]["version"]
+    else:
+        versions = [s["version"] for s in spans]
+        low, high = (min(versions), max(versions)) if versions else (None, None)
+    return TurnResult(turn, group, replica_id, moved_from, low, high, encoded)

@@ -48,7 +48,7 @@ import json
 import math
 import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -378,7 +378,7 @@ def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData
         raws,
         list(map(len, rows)),
         list(itertools.chain.from_iterable(rows)),
-        list(itertools.chain.from_iterable(turn.support_logprobs)),
+        itertools.chain.from_iterable(turn.support_logprobs),
         f16,
     )
     head += body
@@ -427,7 +427,7 @@ def _encode(turn: TurnData, f16: bool) -> bytes:
         raws,
         list(map(len, rows)),
         list(itertools.chain.from_iterable(rows)),
-        list(itertools.chain.from_iterable(turn.support_logprobs)),
+        itertools.chain.from_iterable(turn.support_logprobs),
         f16,
     )[0]
     head += body
@@ -461,12 +461,13 @@ def encode_body(
     raws: Sequence[float],
     sizes: list[int],
     flat_ids: list[int],
-    flat_logprobs: list[float],
+    flat_logprobs: Iterable[float],
     f16: bool,
 ) -> tuple[bytearray, tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """The rest of a turn block after :func:`encode_head` (the part that does not depend on
     the turn's index): ids, log-probs, support sizes, gap-coded support ids and support
-    log-probs (``sizes[i]`` ids of ``flat_ids`` / values of ``flat_logprobs`` per token;
+    log-probs (``sizes[i]`` ids of ``flat_ids`` / values of ``flat_logprobs`` per token, as
+    many values as ids;
     ``raws``: NaN where unknown). Returns it with the stored values of ``logprobs``, ``raws``
     and ``flat_logprobs`` (rounded to float32 / float16 as stored). Raises ValueError when the
     values cannot be encoded."""

@@ -12,6 +12,11 @@ arrives while a hot answer is pending queues behind it, in uvicorn's pipeline), 
 shutdown and the keep-alive timeout work as in uvicorn: the in-flight hot request is
 represented to uvicorn by a :class:`_HotCycle` with the attributes uvicorn reads.
 
+Per request, less than uvicorn does: the ASGI scope is built only when the request goes to
+ASGI, a 200 JSON answer's head is reused while uvicorn's default headers (``date``) stay the
+same, and the keep-alive timeout is one timer per connection that stays armed and checks a
+deadline set by each answer (uvicorn arms and cancels a timer per request).
+
 :func:`protocol_for` returns the protocol class for an app, or None when the installed
 uvicorn lacks what it builds on (the plain protocol is used then; the app's ASGI hot path
 still applies).

@@ -107,9 +107,13 @@ class MemoryStore(StateStore):
         expected_turn: int | None = None,
     ) -> int:
         s = self._live(session_id)
-        if s is not None and request_id in s.requests:
-            return s.requests[request_id]
-        s = self._open(session_id)
+        if s is None:
+            raise SessionNotFound(session_id)
+        known = s.requests.get(request_id)
+        if known is not None:
+            return known
+        if s.info.status != "open":
+            raise SessionFinished(session_id)
         index = len(s.turns)
         if expected_turn is not None and expected_turn != index:
             raise TurnConflict(index)
