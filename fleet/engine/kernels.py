@@ -26,7 +26,7 @@ this runs on into the next panel): the hardware prefetcher alone left the expert
 decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
 
 The kernel is written in LLVM IR and compiled for the host CPU by ``fleet.engine.jit`` on first
-use, in about 0.15 s; where that is impossible ``available()`` is False and callers use their
+use, in about 0.2 s (both variants); where that is impossible ``available()`` is False and callers use their
 float32 path. Large products are split over ``torch.get_num_threads()`` threads (``jit.run``).
 """
 
