@@ -208,16 +208,17 @@ def _parse_header(file: Path, data: torch.Tensor) -> dict[str, tuple[torch.dtype
     for name, info in header.items():
         try:
             dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(map(int, info["shape"]))
+            begin, end = map(int, info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise bad(f"bad header entry for {name!r}") from None
-        if any(d < 0 for d in shape) or end - begin != math.prod(shape) * dtype.itemsize:
+        if end - begin != math.prod(shape) * dtype.itemsize or (shape and min(shape) < 0):
             raise bad(f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} {info['dtype']}")
         out[name] = (dtype, shape, start + begin, start + end)
     pos = start
-    for name, (_, _, begin, end) in sorted(out.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+    for begin, end in sorted((v[2], v[3]) for v in out.values()):
         if begin != pos:
+            name = next(k for k, v in out.items() if (v[2], v[3]) == (begin, end))
             raise bad(f"tensor {name!r} overlaps another or leaves a gap")
         pos = end
     if pos != size:
