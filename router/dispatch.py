@@ -409,7 +409,10 @@ async def with_failover(
         finally:
             if rep is not None:
                 rep.inflight -= 1
-        ctx.registry.touch(replica.replica_id)
+        if rep is not None and rep.ready:  # registry.touch: alive (passive health)
+            now = time.monotonic()
+            if now > rep.last_seen:
+                rep.last_seen = now
         return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
 
 

@@ -35,7 +35,9 @@ async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
 
 async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> bytes:
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``."""
-    session = await load_open(ctx, session_id)
+    session = await ctx.store.get_session(session_id)
+    if session is None or session.status != "open":
+        session = await load_open(ctx, session_id)  # refused there, with its message
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
