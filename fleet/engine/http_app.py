@@ -33,7 +33,7 @@ from fleet.engine.protocol import (
 )
 from fleet.engine.sampler import finite_or_none
 from fleet.engine.scheduler import FinishEvent, PrefillEvent, TokenEvent
-from fleet.engine.server import ENGINE_VERSION, Engine
+from fleet.engine.server import ENGINE_VERSION, LOADER, Engine
 
 log = logging.getLogger("mixfleet.engine")
 
@@ -275,7 +275,7 @@ def create_app(engine: Engine) -> FastAPI:
             loop = asyncio.get_running_loop()
             t0 = time.monotonic()
             try:
-                model = await loop.run_in_executor(None, engine.load_replacement, obj.model_path)
+                model = await loop.run_in_executor(LOADER, engine.load_replacement, obj.model_path)
             except Exception as exc:  # any failure to load leaves the old version serving
                 log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
                 return JSONResponse(

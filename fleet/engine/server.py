@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import time
 from pathlib import Path
@@ -94,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# Every model of the process (the first and each update's) is loaded on this one thread, so a
+# replaced model's freed memory goes to the next update's weights. Were the first model loaded on
+# another thread, its memory would sit in that thread's malloc arena and the second update would
+# take fresh pages too (a page fault per 4 KiB: ~40,000 faults, 0.05-0.1 s of CPU for `small`).
+LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-load")
+
+
 class Engine:
     """What one engine process serves: the model directory, its tokenizer and the scheduler."""
 
@@ -150,7 +158,7 @@ class Engine:
         from fleet.engine.model import load_model
 
         path = str(Path(model_path).resolve())
-        model = load_model(path, kv_cache_dtype=kv_cache_dtype)
+        model = LOADER.submit(load_model, path, kv_cache_dtype=kv_cache_dtype).result()
         return cls(
             model=model,
             model_path=path,
