@@ -12,13 +12,13 @@ clock runs until every replica serves it. The time is split into
   ``/update_weights_from_disk`` loads the new weights inside this window);
 
 and compared with two baselines measured in the same run: the slowest format's conversion
-alone (``convert_checkpoint`` in this process with every core, after one untimed warm-up
-conversion per format, median of 3), and the slowest format's conversion inside this publish
-(where the formats share the cores, as they do in production on a machine with fewer cores
-than formats). It also prints the CPU work of one publish measured alone (every format's
-conversion and every engine's load of the result): divided by the cores, the time before
-which no schedule can finish on this machine. Targets (issue 5): engine pause <= 5% of the
-total, total <= 2x the slowest conversion.
+alone (``convert_checkpoint`` in this process with every core, files fsynced as a publish
+writes them, after one untimed warm-up conversion per format, median of 3), and the slowest
+format's conversion inside this publish (where the formats share the cores, as they do in
+production on a machine with fewer cores than formats). It also prints the CPU work of one
+publish measured alone (every format's conversion and every engine's load of the result):
+divided by the cores, the time before which no schedule can finish on this machine.
+Targets (issue 5): engine pause <= 5% of the total, total <= 2x the slowest conversion.
 
 Three configurations are measured on the same fleet (sidecars restarted between them):
 ``sglang-protocol`` (barrier publish, SGLang's pause -> update -> continue forced with
@@ -95,7 +95,7 @@ def baseline(ckpt: Path, fmt: str, work: Path, reps: int = 3) -> Baseline:
     for _ in range(reps):
         shutil.rmtree(dst, ignore_errors=True)
         t0, c0 = time.perf_counter(), time.process_time()
-        convert_checkpoint(ckpt, dst, fmt)
+        convert_checkpoint(ckpt, dst, fmt, fsync=True)  # durable, as a publish must write it
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     threads = torch.get_num_threads()
