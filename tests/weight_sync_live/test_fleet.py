@@ -265,7 +265,16 @@ def test_turn_across_an_activation_has_two_spans(live: Live, tiny_base: Path) ->
     while _engine_metrics(bf16.engine_url).get("sglang:generation_tokens_total", 0.0) < before + 20:
         assert time.monotonic() < deadline and t.is_alive(), "the turn never got going"
         time.sleep(0.05)
-    _advance(live, v2)
+    # Hold the turn mid-generation (the engine's own pause, in place) so that it cannot finish
+    # before the activation, however fast the engine: the sidecar's update swaps the weights
+    # while the engine is paused, and the turn resumes on v2.
+    pause = httpx.post(bf16.engine_url + "/pause_generation", json={"mode": "in_place"}, timeout=10)
+    pause.raise_for_status()
+    try:
+        _advance(live, v2)
+        fleet.wait_active(v2, replicas=[bf16])
+    finally:
+        httpx.post(bf16.engine_url + "/continue_generation", json={}, timeout=10).raise_for_status()
     t.join(timeout=180)
     turn_out = result["turn"]
     n = len(turn_out["output_ids"])
@@ -294,7 +303,7 @@ def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Pa
     fleet = live.fleet
     v = fleet.latest() + 1
     _precommit(fleet, v, tiny_seed2)
-    per_replica, new_tokens = 6, 300
+    per_replica, new_tokens = 6, 500  # long enough that an activation lands mid-request
     body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
 
     def one(r) -> tuple[str, httpx.Response]:
