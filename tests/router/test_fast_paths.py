@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import records
 from router.dispatch import turn_from_response
+from router.jsonio import dumps
 from router.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
 from router.records import TurnData, as_stored, decode_turn, encode_stored, encode_turn
 from router.schemas import GenerateRequest, TurnRequest, generate_rows_fast, turn_spec_fast
@@ -332,6 +334,12 @@ def test_plain_stored_is_the_general_parse_then_encode_stored(n: int, with_none:
     assert bytes(head) + encoded == want_blob == encode_turn(general, f16=f16)
     assert stored.to_json("s") == want.to_json("s") == decode_turn(want_blob).to_json("s")
     assert stored.timings == {"engine_ms": 1.0} and stored.turn == 2
+    # the API answer: the same bytes as the JSON of the decoded stored turn
+    from router.turns import turn_json
+
+    answer = turn_json(stored, "s")
+    assert answer == turn_json(want, "s") == turn_json(as_stored(general, f16=f16), "s")  # floats, not arrays
+    assert json.loads(answer) == json.loads(dumps(decode_turn(want_blob).to_json("s", with_input=False)))
 
 
 def test_plain_stored_leaves_odd_engine_answers_to_the_general_path() -> None:
