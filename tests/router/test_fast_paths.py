@@ -334,11 +334,11 @@ def test_plain_stored_is_the_general_parse_then_encode_stored(n: int, with_none:
     assert bytes(head) + encoded == want_blob == encode_turn(general, f16=f16)
     assert stored.to_json("s") == want.to_json("s") == decode_turn(want_blob).to_json("s")
     assert stored.timings == {"engine_ms": 1.0} and stored.turn == 2
-    # the API answer: the same bytes as the JSON of the decoded stored turn
+    # the API answer: the general path's bytes, and the decoded stored turn's JSON
     from router.turns import turn_json
 
     answer = turn_json(stored, "s")
-    assert answer == turn_json(want, "s") == turn_json(as_stored(general, f16=f16), "s")  # floats, not arrays
+    assert answer == turn_json(want, "s") == turn_json(as_stored(general, f16=f16), "s")
     assert json.loads(answer) == json.loads(dumps(decode_turn(want_blob).to_json("s", with_input=False)))
 
 
