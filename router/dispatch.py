@@ -201,20 +201,30 @@ def turn_from_response(
     plain = _plain_records(meta, n)
     if plain is not None:
         raw, logprobs, supports, support_values = plain
-        return _turn(
-            meta,
-            index,
-            group,
-            replica,
-            input_ids,
-            output_ids,
-            logprobs,
-            raw,
-            supports,
-            support_values,
-            moved_from,
-            timings,
-        )
+    else:
+        raw, logprobs, supports, support_values = _general_records(meta, output_ids)
+    return _turn(
+        meta,
+        index,
+        group,
+        replica,
+        input_ids,
+        output_ids,
+        logprobs,
+        raw,
+        supports,
+        support_values,
+        moved_from,
+        timings,
+    )
+
+
+def _general_records(
+    meta: dict[str, Any], output_ids: list[int]
+) -> tuple[list[float], list[float], list[list[int]], list[list[float]]]:
+    """(raw log-probs, behavior log-probs, supports, support log-probs) of any engine answer
+    (upstream SGLang's included), checked as it goes; raises ValueError naming what is wrong."""
+    n = len(output_ids)
     triples = meta.get("output_token_logprobs") or []
     if len(triples) != n:
         raise ValueError(f"{len(triples)} output_token_logprobs for {n} output tokens")
@@ -240,20 +250,7 @@ def turn_from_response(
             logprobs.append(support_values[i][ids.index(output_ids[i])])
         else:
             logprobs.append(raw[i])
-    return _turn(
-        meta,
-        index,
-        group,
-        replica,
-        input_ids,
-        output_ids,
-        logprobs,
-        raw,
-        supports,
-        support_values,
-        moved_from,
-        timings,
-    )
+    return raw, logprobs, supports, support_values
 
 
 def _turn(

@@ -366,23 +366,9 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
 def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData]:
     """``(encode_turn(turn, f16=f16), as_stored(turn, f16=f16))`` from one pass: the stored
     values are read back from the encoded floats."""
-    head = encode_head(turn, f16)
-    rows = turn.support_ids
-    raws = turn.raw_logprobs
-    if None in raws:
-        raws = [math.nan if x is None else x for x in raws]
-    body, logprobs, raws, flat = encode_body(
-        turn.input_ids,
-        turn.output_ids,
-        turn.logprobs,
-        raws,
-        list(map(len, rows)),
-        list(itertools.chain.from_iterable(rows)),
-        itertools.chain.from_iterable(turn.support_logprobs),
-        f16,
-    )
+    head, (body, logprobs, raws, flat) = _encode_parts(turn, f16)
     head += body
-    return bytes(head), stored_turn(turn.__dict__, logprobs, raws, rows, flat)
+    return bytes(head), stored_turn(turn.__dict__, logprobs, raws, turn.support_ids, flat)
 
 
 def stored_turn(
@@ -415,12 +401,19 @@ def stored_turn(
 
 
 def _encode(turn: TurnData, f16: bool) -> bytes:
+    head, (body, *_) = _encode_parts(turn, f16)
+    head += body
+    return bytes(head)
+
+
+def _encode_parts(turn: TurnData, f16: bool):
+    """``turn``'s header (a bytearray) and what :func:`encode_body` returns for it."""
     head = encode_head(turn, f16)
     rows = turn.support_ids
     raws = turn.raw_logprobs
     if None in raws:
         raws = [math.nan if x is None else x for x in raws]
-    body = encode_body(
+    return head, encode_body(
         turn.input_ids,
         turn.output_ids,
         turn.logprobs,
@@ -429,9 +422,7 @@ def _encode(turn: TurnData, f16: bool) -> bytes:
         list(itertools.chain.from_iterable(rows)),
         itertools.chain.from_iterable(turn.support_logprobs),
         f16,
-    )[0]
-    head += body
-    return bytes(head)
+    )
 
 
 def encode_head(turn: TurnData, f16: bool) -> bytearray:
