@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet.ports import free_port
 from fleet.specs import GroupSpec
 from weight_sync.errors import UserError
 
@@ -77,12 +78,6 @@ class Child:
     name: str
     log: Path
     proc: subprocess.Popen
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -141,6 +136,20 @@ def _wait_http(url: str, child: Child, deadline: float, headers: dict[str, str] 
         if time.monotonic() > deadline:
             raise UserError(f"{child.name} not ready at {url} in time; see {child.log}")
         time.sleep(0.2)
+
+
+def _check_own_engine(url: str, child: Child) -> None:
+    """The engine answering at ``url`` must be ``child`` itself, not another process that holds
+    the port (``child`` would then have failed to bind it and its group would be served by
+    someone else's engine)."""
+    import httpx
+
+    pid = httpx.get(url + "/server_info", timeout=10.0).json().get("pid")
+    if pid != child.proc.pid:
+        raise UserError(
+            f"{child.name}: {url} is served by process {pid}, not by this engine "
+            f"(pid {child.proc.pid}); see {child.log}"
+        )
 
 
 def _wait_registered(router_url: str, router: Child, key: str, groups: set[str], deadline: float) -> None:
@@ -258,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             fmt, version = g.weight_format, versions[g.weight_format]
             for i in range(max(g.min_replicas, 1)):
                 name = f"{g.name}-{i}"
-                port = _free_port("127.0.0.1")
+                port = free_port("127.0.0.1")
                 engine_argv = [
                     "engine", "--model", str(store.version_dir(args.run, fmt, version)),
                     "--host", "127.0.0.1", "--port", str(port),
@@ -271,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         sidecars: list[tuple[Child, str]] = []
         for name, g, engine, port in engines:
             _wait_http(f"http://127.0.0.1:{port}/health", engine, deadline)
-            sidecar_port = _free_port(args.host)
+            _check_own_engine(f"http://127.0.0.1:{port}", engine)
+            sidecar_port = free_port(args.host)
             sidecar_argv = [
                 "sidecar", "--engine", f"http://127.0.0.1:{port}", "--group", g.name,
                 "--format", g.weight_format, "--store", str(store_root), "--run", args.run,

@@ -103,3 +103,31 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
         )
     assert r.returncode == 2
     assert f"port {port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_free_ports_are_never_handed_out_twice() -> None:
+    # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
+    # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.
+    from fleet.ports import free_port as fleet_free_port
+
+    ports = [fleet_free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.timeout(120)
+def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -> None:
+    from fleet.up import Child, _check_own_engine
+    from tests.support.engines import engine_argv
+    from tests.support.models import make_model_dir
+    from tests.support.procs import process, wait_http
+    from weight_sync.errors import UserError
+
+    model = make_model_dir(tmp_path, "tiny", "bf16")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with process(engine_argv(model, port), log=tmp_path / "engine.log") as engine:
+        wait_http(url + "/health", timeout=120, proc=engine)
+        _check_own_engine(url, Child("engine-a", tmp_path / "engine.log", engine))
+        refused = pytest.raises(UserError, match=f"served by process {engine.pid}, not by this engine")
+        with process(["sleep", "60"]) as other, refused:  # as if this one had failed to bind the port
+            _check_own_engine(url, Child("engine-b", tmp_path / "b.log", other))

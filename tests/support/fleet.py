@@ -220,6 +220,8 @@ def local_fleet(
                 wait_http(r.engine_url + "/health", timeout=180, proc=proc)
             except (RuntimeError, TimeoutError) as exc:
                 raise RuntimeError(f"engine {r.group} did not start: {exc}\n{fleet.logs([r])}") from None
+            pid = httpx.get(r.engine_url + "/server_info", timeout=10).json()["pid"]
+            assert pid == proc.pid, f"{r.engine_url} is another process's, not {r.group}'s engine"
         for r in replicas:
             fleet.start_sidecar(r, wait=False)
         for r in replicas:

@@ -1,0 +1,29 @@
+"""Free loopback ports for the processes mixfleet starts itself.
+
+Asking the kernel for port 0 and closing the socket returns a port that is free *now*; asked
+again before the first process has bound it (an engine takes seconds to import), the kernel may
+return the same port, and two engines would then be told to share it. :func:`free_port` never
+hands out a port twice in one process.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+_given: set[tuple[str, int]] = set()
+_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago and that this process has not handed
+    out before."""
+    with _lock:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if (host, port) not in _given:
+                _given.add((host, port))
+                return port
+    raise OSError(f"no free TCP port on {host} that was not handed out already")
