@@ -63,7 +63,9 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
             headers=auth,
             timeout=60,
         ).json()
-        assert len(turn["output_ids"]) == len(turn["records"]) == 5
+        n = len(turn["output_ids"])  # 5, or fewer when the sampled text ended (EOS)
+        assert n == len(turn["records"]) and 1 <= n <= 5, turn
+        assert n == 5 or turn["finish_reason"]["type"] == "stop", turn["finish_reason"]
         assert all(r["weight_version"] == 0 for r in turn["records"])
 
         # The README's promise: with `up` running, publishing the base as version 1 just works.
