@@ -1,79 +1,25 @@
-"""Dequantize one 2-D linear weight for the engine's loader, with ``weight_sync.formats`` semantics
-bit for bit, in one fused pass (numba, compiled once and cached on disk).
+"""Dequantize one 2-D linear weight held by the engine's loader: its layout checks, and the
+values of ``weight_sync.formats``' own dequantizers (one definition of each format's numbers).
 
-Each value is a table lookup of its code (exact in float32) times its block's float32 factor, one
-IEEE float32 product, exactly as the format modules compute it:
-
-- fp8: ``E4M3(code) * weight_scale_inv[r // 128, c // 128]``;
-- nvfp4: ``E2M1(code) * (E4M3(weight_scale[r, c // 16]) * weight_scale_2)`` (the group factor
-  is itself one float32 product, ModelOpt's order; low nibble first);
-- mxfp4: ``E2M1(code) * 2**(scale - 127)`` (E8M0, byte 0 the subnormal 2**-127, 255 NaN).
-
-The format modules' own dequantizers make several passes over a float32 intermediate (index
-selects, then a scale product); this reads each code once and writes each value once, which
-matters when a weight update loads inside an engine's pause. Shapes and dtypes are checked
-first: a mismatch raises ``ValueError`` naming what was expected.
+The loader checks every quantized linear when it loads (``check_*``: a mismatch raises
+``ValueError`` naming what was expected) but dequantizes only when asked
+(``weights.LinearWeight.weight``): the engine's GEMM reads the stored codes themselves
+(``fleet.engine.panels``), so float32 weights are built only on the fallback paths.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
-from numba import njit
 
-from weight_sync.formats.fp4 import E2M1_VALUES
-from weight_sync.formats.mxfp4 import scale_factors
+from weight_sync.formats import fp8 as formats_fp8
+from weight_sync.formats import mxfp4 as formats_mxfp4
+from weight_sync.formats import nvfp4 as formats_nvfp4
 
-FP8_BLOCK = 128
-NVFP4_GROUP = 16
-MXFP4_BLOCK = 32
-_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
-
-_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-_E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
-_E8M0 = scale_factors(torch.arange(256, dtype=torch.int32).to(torch.uint8)).numpy()
-
-
-@njit(**_JIT)
-def _fp8_kernel(codes, scale, table, out):  # pragma: no cover - compiled
-    n, k = codes.shape
-    for r in range(n):
-        srow = scale[r // 128]
-        for c0 in range(0, k, 128):
-            s = srow[c0 // 128]
-            for c in range(c0, min(k, c0 + 128)):
-                out[r, c] = table[codes[r, c]] * s
-
-
-@njit(**_JIT)
-def _nvfp4_kernel(packed, scale, ws2, e4m3, e2m1, out):  # pragma: no cover - compiled
-    n, half = packed.shape
-    for r in range(n):
-        for g in range(half // 8):
-            f = e4m3[scale[r, g]] * ws2
-            for j in range(g * 8, g * 8 + 8):
-                b = packed[r, j]
-                out[r, 2 * j] = e2m1[b & 15] * f
-                out[r, 2 * j + 1] = e2m1[b >> 4] * f
-
-
-@njit(**_JIT)
-def _mxfp4_kernel(blocks, scales, e8m0, e2m1, out):  # pragma: no cover - compiled
-    n, nb, _ = blocks.shape
-    for r in range(n):
-        for b in range(nb):
-            f = e8m0[scales[r, b]]
-            base = b * 32
-            for j in range(16):
-                v = blocks[r, b, j]
-                out[r, base + 2 * j] = e2m1[v & 15] * f
-                out[r, base + 2 * j + 1] = e2m1[v >> 4] * f
-
-
-def _codes(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).numpy()
+FP8_BLOCK = formats_fp8.BLOCK
+NVFP4_GROUP = formats_nvfp4.GROUP
+MXFP4_BLOCK = formats_mxfp4.BLOCK
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -98,10 +44,7 @@ def fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """Float32 ``[N, K]`` of block-FP8 ``weight`` (float8_e4m3fn ``[N, K]``) and its float32
     ``weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]``."""
     check_fp8(weight, weight_scale_inv)
-    out = torch.empty(weight.shape)
-    if out.numel():
-        _fp8_kernel(_codes(weight), weight_scale_inv.contiguous().numpy(), _E4M3, out.numpy())
-    return out
+    return formats_fp8.dequantize({"weight": weight, "weight_scale_inv": weight_scale_inv})
 
 
 def check_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> None:
@@ -124,11 +67,9 @@ def nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torc
     """Float32 ``[N, K]`` of NVFP4 ``weight`` (uint8 ``[N, K/2]``), ``weight_scale`` (float8_e4m3fn
     ``[N, K/16]``) and the one-element ``weight_scale_2``."""
     check_nvfp4(weight, weight_scale, weight_scale_2)
-    out = torch.empty(weight.shape[0], weight.shape[1] * 2)
-    if out.numel():
-        ws2 = np.float32(weight_scale_2.reshape(()).float().item())
-        _nvfp4_kernel(_codes(weight), _codes(weight_scale), ws2, _E4M3, _E2M1, out.numpy())
-    return out
+    return formats_nvfp4.dequantize(
+        {"weight": weight, "weight_scale": weight_scale, "weight_scale_2": weight_scale_2}
+    )
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -146,7 +87,4 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Float32 ``[N, K]`` of MXFP4 ``blocks`` (uint8 ``[N, K/32, 16]``) and E8M0 ``scales`` (uint8
     ``[N, K/32]``)."""
     check_mxfp4(blocks, scales)
-    out = torch.empty(blocks.shape[0], blocks.shape[1] * MXFP4_BLOCK)
-    if out.numel():
-        _mxfp4_kernel(_codes(blocks), _codes(scales), _E8M0, _E2M1, out.numpy())
-    return out
+    return formats_mxfp4.dequantize({"blocks": blocks, "scales": scales})

@@ -3,9 +3,9 @@
 The directory is an HF ``Qwen3MoeForCausalLM`` checkpoint (``*.safetensors``, optionally with
 ``model.safetensors.index.json``) as written by ``mixfleet init-model`` (BF16) or
 ``mixfleet convert`` (bf16 / fp8 / nvfp4 / mxfp4). Each linear layer's tensors are recognised by
-their names and dtypes and dequantized with ``weight_sync.formats``' semantics (bit for bit, by
-``fleet.engine.dequant``'s fused kernels; the codes and scales are the real ones a GPU group
-serves):
+their names and dtypes and kept as stored (the codes and scales are the real ones a GPU group
+serves); ``LinearWeight.weight`` dequantizes one on request with ``weight_sync.formats``' own
+dequantizers (``fleet.engine.dequant``):
 
 =======  ==========================================================  =========================
 format   tensors of a linear ``P``                                    compute

@@ -1,6 +1,6 @@
-"""The engine's fused dequantizers (fleet.engine.dequant) equal weight_sync.formats' dequantizers
-bit for bit: every code byte, NaN codes and scales, subnormal scales, edge blocks; bad shapes are
-refused with a message."""
+"""The engine's dequantizers (fleet.engine.dequant: 2-D layouts as the loader holds them) equal
+weight_sync.formats' dequantizers bit for bit: every code byte, NaN codes and scales, subnormal
+scales, edge blocks; bad shapes are refused with a message."""
 
 from __future__ import annotations
 
