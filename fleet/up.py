@@ -16,10 +16,9 @@ Before: nothing (a fresh machine is fine). What it does, in order:
    listed (their engines run elsewhere). The sidecars stage in place (the store is on local
    disk) and activate by the sidecar's default, ``auto``: the local engine says it loads a new
    version while serving and swaps between two decode steps, so it is never paused. (SGLang's
-   pause protocol would put the engine's whole load -- map, dequantize, repack: 0.1-0.3 s of CPU
-   per group for the ``small`` model -- inside the pause; with every group activating at once
-   on shared cores that pause measured ~40% of publish -> every replica active,
-   ``benchmarks/weight_sync.py``.)
+   pause protocol would put the engine's whole load inside the pause: 7-14% of publish -> every
+   replica active for the ``small`` models in ``benchmarks/weight_sync.py``'s
+   ``sglang-protocol`` configuration.)
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset.
@@ -138,7 +137,7 @@ def _wait_http(url: str, child: Child, deadline: float, headers: dict[str, str] 
         time.sleep(0.2)
 
 
-def _check_own_engine(url: str, child: Child) -> None:
+def check_own_engine(url: str, child: Child) -> None:
     """The engine answering at ``url`` must be ``child`` itself, not another process that holds
     the port (``child`` would then have failed to bind it and its group would be served by
     someone else's engine)."""
@@ -280,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         sidecars: list[tuple[Child, str]] = []
         for name, g, engine, port in engines:
             _wait_http(f"http://127.0.0.1:{port}/health", engine, deadline)
-            _check_own_engine(f"http://127.0.0.1:{port}", engine)
+            check_own_engine(f"http://127.0.0.1:{port}", engine)
             sidecar_port = free_port(args.host)
             sidecar_argv = [
                 "sidecar", "--engine", f"http://127.0.0.1:{port}", "--group", g.name,

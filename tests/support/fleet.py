@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from fleet.up import Child, check_own_engine
 from tests.support.engines import engine_argv
 from tests.support.procs import free_port, kill_group, mixfleet_argv, process, wait_http
 from weight_sync.publish import publish_checkpoint
@@ -220,8 +221,7 @@ def local_fleet(
                 wait_http(r.engine_url + "/health", timeout=180, proc=proc)
             except (RuntimeError, TimeoutError) as exc:
                 raise RuntimeError(f"engine {r.group} did not start: {exc}\n{fleet.logs([r])}") from None
-            pid = httpx.get(r.engine_url + "/server_info", timeout=10).json()["pid"]
-            assert pid == proc.pid, f"{r.engine_url} is another process's, not {r.group}'s engine"
+            check_own_engine(r.engine_url, Child(f"engine {r.group}", r.engine_log, proc))
         for r in replicas:
             fleet.start_sidecar(r, wait=False)
         for r in replicas:
