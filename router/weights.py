@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.auth import require
 from weight_sync.errors import UserError
+from weight_sync.publish import ConversionPool
 
 log = logging.getLogger("mixfleet.router.weights")
 MAX_JOBS_KEPT = 50
@@ -138,8 +139,6 @@ class WeightsService:
     """Jobs and store access behind the routes; one job at a time."""
 
     def __init__(self, store_root: Path | None, run_id: str | None, workers: int | None = None) -> None:
-        from weight_sync.publish import ConversionPool
-
         self._store_root = store_root
         self._run_id = run_id
         self.workers = workers
@@ -147,23 +146,38 @@ class WeightsService:
         self._busy = threading.Lock()
         self._store = None
         self.tasks: set[asyncio.Task] = set()
-        # Conversion workers live as long as the router; started in the background when a
-        # store is configured, so the first publish does not pay their start-up.
-        self.pool = ConversionPool(workers) if workers != 0 else None
-        if self.pool is not None and self.configured:
-            threading.Thread(target=self._warm, name="conversion-warmup", daemon=True).start()
+        self.pool: ConversionPool | None = None
+        self._pool_lock = threading.Lock()
 
     @property
     def configured(self) -> bool:
         return self._store_root is not None or bool(os.environ.get("MIXFLEET_STORE"))
+
+    def start_pool(self, formats: int, *, warm: bool = True) -> ConversionPool | None:
+        """The conversion pool, made on first call (``warm``: its workers start and load the
+        converter in the background). Its size: ``workers`` when given, else one per core and at
+        least one per format the fleet serves, so that no format of a publish waits for another's
+        worker (conversions are partly disk-bound: bf16's is almost all writes and fsync, which
+        overlap the quantized formats' compute). ``None`` when ``workers`` is 0 (conversions run
+        in the router process)."""
+        if self.workers == 0:
+            return None
+        with self._pool_lock:
+            if self.pool is None:
+                n = self.workers if self.workers is not None else max(os.cpu_count() or 1, formats)
+                self.pool = ConversionPool(n)
+                if warm:
+                    threading.Thread(target=self._warm, name="conversion-warmup", daemon=True).start()
+            return self.pool
 
     def _warm(self) -> None:
         with contextlib.suppress(Exception):
             assert self.pool is not None
             self.pool.warm()
 
-    def publish_kwargs(self) -> dict[str, Any]:
-        return {"conversion_pool": self.pool} if self.pool is not None else {"workers": 0}
+    def publish_kwargs(self, formats: int) -> dict[str, Any]:
+        pool = self.start_pool(formats, warm=False)  # the publish starts the workers itself
+        return {"conversion_pool": pool} if pool is not None else {"workers": 0}
 
     @property
     def run_id(self) -> str:
@@ -254,6 +268,8 @@ def _pointer_lifespan(service: WeightsService, poll_s: float):
         if not service.configured:
             yield
             return
+        # conversion workers start now, so that the first publish does not pay their start-up
+        service.start_pool(len(app.state.ctx.config.fleet.formats))
         await _adopt_pointers(app, service)
 
         async def watch() -> None:
@@ -301,7 +317,8 @@ def create_weights_router(
     """The APIRouter to include in the router app (see the module docstring).
 
     ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
-    else one per core); ``0`` converts inside the router process, one format at a time.
+    else one per core and at least one per format the fleet serves); ``0`` converts inside the
+    router process, one format at a time.
     ``pointer_poll_s``: how often the store's pointers are re-read while the router runs.
     """
     if workers is None and os.environ.get("MIXFLEET_PUBLISH_WORKERS", "").strip():
@@ -405,7 +422,7 @@ def create_weights_router(
         job = service.start_job("publish", run_id, version)
 
         on_event = events_for(request, job)  # made here, on the event loop's thread
-        kwargs = {"mode": body.mode, **service.publish_kwargs(), "on_event": on_event}
+        kwargs = {"mode": body.mode, **service.publish_kwargs(len(formats)), "on_event": on_event}
 
         def work():
             if body.delta_of is not None:
@@ -479,7 +496,7 @@ def create_weights_router(
                     version,
                     tmp,
                     formats,
-                    **service.publish_kwargs(),
+                    **service.publish_kwargs(len(formats)),
                     on_event=on_event,
                 )
             finally:

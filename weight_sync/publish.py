@@ -217,10 +217,10 @@ def publish_checkpoint(
 ) -> PublishResult:
     """Convert ``ckpt_dir`` once per format and publish it as ``version`` of ``run_id``.
 
-    ``workers``: conversion processes started for this call (default: one per core, at most
-    one per format); ``0`` converts in this process, one format at a time (no process start-up;
-    for small models). ``conversion_pool``: a long-lived pool to use instead (a service that
-    publishes repeatedly pays the worker start-up once).
+    ``workers``: conversion processes started for this call (default: one per format, each
+    with ``cores // processes`` torch threads); ``0`` converts in this process, one format at a
+    time (no process start-up; for small models). ``conversion_pool``: a long-lived pool to use
+    instead (a service that publishes repeatedly pays the worker start-up once).
 
     Before: ``ckpt_dir`` is an HF BF16 checkpoint; ``version`` is not older than any of the
     formats' pointers. After (on return): every format in ``formats`` has ``version``
@@ -651,10 +651,9 @@ def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
 
 
 def _worker_count(workers: int | None, jobs: int) -> int:
-    if jobs <= 0:
-        return 1
-    cores = os.cpu_count() or 1
-    return max(1, min(jobs, workers if workers is not None else cores))
+    """One process per format to convert (``workers`` caps it): formats never queue behind one
+    another, even on fewer cores, since conversions are partly disk-bound."""
+    return max(1, jobs if workers is None else min(jobs, workers))
 
 
 def _as_completed(futures: list[Future]):

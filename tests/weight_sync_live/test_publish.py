@@ -227,3 +227,16 @@ def test_cli_bad_input_is_one_line(tmp_path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "cannot reach the router" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_router_pool_has_a_worker_per_format_even_on_fewer_cores(tmp_path) -> None:
+    from router.weights import WeightsService
+
+    cores = os.cpu_count() or 1
+    service = WeightsService(tmp_path / "store", RUN)
+    pool = service.start_pool(cores + 1, warm=False)
+    assert pool is not None and pool.workers == cores + 1 and pool.threads == 1
+    assert service.start_pool(1, warm=False) is pool  # one pool for the router's life
+    assert WeightsService(tmp_path / "store", RUN).start_pool(1, warm=False).workers == cores
+    assert WeightsService(tmp_path / "store", RUN, workers=1).start_pool(9, warm=False).workers == 1
+    assert WeightsService(tmp_path / "store", RUN, workers=0).publish_kwargs(3) == {"workers": 0}
