@@ -234,8 +234,7 @@ def main() -> int:
             f"\n## {size}: {n_params / 1e6:.1f} M parameters, "
             f"{sum(p.stat().st_size for p in base.glob('*.safetensors')) / 1e6:.0f} MB BF16"
         )
-        # sized as the router sizes its pool: one worker per core, at least one per format
-        pool = ConversionPool(max(os.cpu_count() or 1, len(LOCAL_GROUPS)))
+        pool = ConversionPool.for_formats(len(LOCAL_GROUPS))  # as the router sizes its pool
         pool.warm()
         work = root / f"fleet-{size}"
         shutil.rmtree(work, ignore_errors=True)

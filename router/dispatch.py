@@ -71,10 +71,10 @@ _RAW = {float, int, type(None)}
 _LIST = {list}
 
 
-def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list] | None:
-    """(raw, mu, support ids, support log-probs) when the engine sent every record field for
-    every token in the plain JSON form (numbers, None for an unknown raw log-prob, lists of
-    ints); None otherwise (the general path then converts, or refuses, value by value)."""
+def _record_lists(meta: dict[str, Any], n: int) -> tuple[list, list, list, list] | None:
+    """(raw log-probs with None as NaN, mu, support ids, support log-probs) as the engine sent
+    them, when each of the four record fields is a list of ``n`` entries and every
+    ``output_token_logprobs`` entry has a first item; None otherwise. Values are not checked."""
     triples = meta.get("output_token_logprobs")
     masks = meta.get("output_token_sampling_mask")
     mu = meta.get("output_token_sampling_logprobs")
@@ -82,12 +82,23 @@ def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list
     for x in (triples, masks, mu, support_lps):
         if type(x) is not list or len(x) != n:
             return None
-    if n == 0:
-        return [], [], [], []
     try:
         raw = [t[0] for t in triples]
     except (TypeError, IndexError, KeyError):
         return None
+    if None in raw:
+        raw = [math.nan if x is None else x for x in raw]
+    return raw, mu, masks, support_lps
+
+
+def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list] | None:
+    """(raw, mu, support ids, support log-probs) when the engine sent every record field for
+    every token in the plain JSON form (numbers, None for an unknown raw log-prob, lists of
+    ints); None otherwise (the general path then converts, or refuses, value by value)."""
+    lists = _record_lists(meta, n)
+    if lists is None or n == 0:
+        return lists
+    raw, mu, masks, support_lps = lists
     if not (
         set(map(type, raw)) <= _RAW
         and set(map(type, mu)) <= _NUMBER
@@ -98,9 +109,7 @@ def _plain_records(meta: dict[str, Any], n: int) -> tuple[list, list, list, list
         and set(map(type, itertools.chain.from_iterable(support_lps))) <= _NUMBER
     ):
         return None
-    if None in raw:
-        raw = [math.nan if x is None else x for x in raw]
-    return raw, mu, masks, support_lps
+    return lists
 
 
 def plain_stored(
@@ -126,22 +135,16 @@ def plain_stored(
     if type(meta) is not dict or type(output_ids) is not list:
         return None
     n = len(output_ids)
-    triples = meta.get("output_token_logprobs")
-    masks = meta.get("output_token_sampling_mask")
-    mu = meta.get("output_token_sampling_logprobs")
-    support_lps = meta.get("output_token_sampling_support_logprobs")
-    for x in (triples, masks, mu, support_lps):
-        if type(x) is not list or len(x) != n:
-            return None
+    lists = _record_lists(meta, n)
+    if lists is None:
+        return None
+    raw, mu, masks, support_lps = lists
     try:
-        raw = [t[0] for t in triples]
         sizes = list(map(len, masks))
         if sizes != list(map(len, support_lps)):
             return None
-    except (TypeError, IndexError, KeyError):
+    except TypeError:
         return None
-    if None in raw:
-        raw = [math.nan if x is None else x for x in raw]
     if not set(map(type, output_ids)) <= _INT:
         return None
     flat_ids = list(itertools.chain.from_iterable(masks))

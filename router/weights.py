@@ -155,17 +155,18 @@ class WeightsService:
 
     def start_pool(self, formats: int, *, warm: bool = True) -> ConversionPool | None:
         """The conversion pool, made on first call (``warm``: its workers start and load the
-        converter in the background). Its size: ``workers`` when given, else one per core and at
-        least one per format the fleet serves, so that no format of a publish waits for another's
-        worker (conversions are partly disk-bound: bf16's is almost all writes and fsync, which
-        overlap the quantized formats' compute). ``None`` when ``workers`` is 0 (conversions run
-        in the router process)."""
+        converter in the background): ``workers`` processes when given, else
+        :meth:`ConversionPool.for_formats` of the fleet's ``formats``. ``None`` when ``workers``
+        is 0 (conversions run in the router process)."""
         if self.workers == 0:
             return None
         with self._pool_lock:
             if self.pool is None:
-                n = self.workers if self.workers is not None else max(os.cpu_count() or 1, formats)
-                self.pool = ConversionPool(n)
+                self.pool = (
+                    ConversionPool(self.workers)
+                    if self.workers is not None
+                    else ConversionPool.for_formats(formats)
+                )
                 if warm:
                     threading.Thread(target=self._warm, name="conversion-warmup", daemon=True).start()
             return self.pool

@@ -582,6 +582,13 @@ class ConversionPool:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_formats(cls, formats: int) -> ConversionPool:
+        """A pool of one worker per core and at least one per format, so that no format of a
+        publish waits for another's worker (conversions are partly disk-bound: bf16's is almost
+        all writes and fsync, which overlap the quantized formats' compute)."""
+        return cls(max(os.cpu_count() or 1, formats))
+
     def executor(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:

@@ -289,31 +289,25 @@ def test_loop_metrics_expose_what_prometheus_client_would() -> None:
 # ---------------------------------------------------------------- one-pass parse + encode
 
 
+def _turn_args() -> dict:
+    return {
+        "index": 2,
+        "group": "g",
+        "replica": "r",
+        "input_ids": [1, 2, 300],
+        "moved_from": None,
+        "timings": {"engine_ms": 1.0},
+    }
+
+
 def _stored(body: dict, f16: bool):
     from router.dispatch import plain_stored
 
-    return plain_stored(
-        body,
-        index=2,
-        group="g",
-        replica="r",
-        input_ids=[1, 2, 300],
-        moved_from=None,
-        timings={"engine_ms": 1.0},
-        f16=f16,
-    )
+    return plain_stored(body, **_turn_args(), f16=f16)
 
 
 def _general(body: dict) -> TurnData:
-    return turn_from_response(
-        body,
-        index=2,
-        group="g",
-        replica="r",
-        input_ids=[1, 2, 300],
-        moved_from=None,
-        timings={"engine_ms": 1.0},
-    )
+    return turn_from_response(body, **_turn_args())
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 40])
