@@ -72,8 +72,11 @@ class SidecarConfig:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
     engine_timeout_s: float = 600.0
+    restarts: int = 0  # times a supervisor (``mixfleet up``) restarted this replica before
 
     def __post_init__(self) -> None:
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be >= 0, got {self.restarts}")
         if not 0 < self.poll_s <= 1.0:
             raise ValueError(f"poll_s must be in (0, 1], got {self.poll_s}")
         if self.stage_mode not in STAGE_MODES:
@@ -163,6 +166,12 @@ class _Metrics:
         self.in_flight = Gauge(
             "mixfleet_replica_in_flight_requests", "Requests the sidecar is proxying.", names, registry=r
         ).labels(*lv)
+        self.restarts = Counter(
+            "mixfleet_replica_restarts",
+            "Times the supervisor restarted this replica's engine or sidecar.",
+            names,
+            registry=r,
+        ).labels(*lv)
 
 
 class Reconciler:
@@ -173,6 +182,7 @@ class Reconciler:
         self.store = store
         self.state = _State()
         self.metrics = _Metrics(config.group, config.replica_id)
+        self.metrics.restarts.inc(config.restarts)
         self._work = asyncio.Event()
         self._wake = asyncio.Event()
         self._activation_lock = asyncio.Lock()

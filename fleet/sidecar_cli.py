@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backoff-max-s", type=float, default=30.0, help="longest retry backoff (default 30)"
     )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="times a supervisor restarted this replica before (exported as mixfleet_replica_restarts_total)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
 
 
@@ -91,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--poll-s must be in (0, 1], got {args.poll_s}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.restarts < 0:
+        raise UserError(f"--restarts must be >= 0, got {args.restarts}")
     root = Path(args.store).expanduser()
     if not root.is_dir():
         raise UserError(f"store root {root} does not exist")
@@ -121,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         poll_s=args.poll_s,
         heartbeat_s=args.heartbeat_s,
         backoff_max_s=args.backoff_max_s,
+        restarts=args.restarts,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
