@@ -1,0 +1,59 @@
+"""JSON bytes in and out for the fleet and the router: the one place orjson is used.
+
+* :func:`loads` decodes UTF-8 JSON bytes (or text). Input only :mod:`json` accepts (``NaN``,
+  ``Infinity``, as some engines write) is decoded by :mod:`json`; invalid JSON raises
+  ``ValueError``.
+* :func:`dumps` encodes to compact UTF-8 bytes. Non-finite floats are written as ``null`` (JSON
+  has no such tokens). Objects orjson cannot encode (integers beyond 64 bits, non-string keys)
+  are encoded by :mod:`json` under the same rule; anything neither can encode raises
+  ``TypeError``. ``sort_keys`` sorts the keys of every object.
+
+The bytes may differ from :mod:`json`'s in whitespace and float spelling (``1e-05`` vs
+``1e-5``); the decoded values are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import orjson
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """The value of the JSON document ``data``; ``ValueError`` when it is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        if isinstance(data, memoryview):
+            data = bytes(data)
+        return json.loads(data)
+
+
+def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
+    """``obj`` as compact JSON bytes (non-finite floats as ``null``)."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS if sort_keys else None)
+    except TypeError:
+        pass
+    try:
+        text = json.dumps(
+            obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys
+        )
+    except ValueError:  # a non-finite float: null it, as orjson does
+        text = json.dumps(
+            _finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys
+        )
+    return text.encode()
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN / infinity replaced by None (containers copied as needed)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
