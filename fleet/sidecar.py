@@ -38,8 +38,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from fleet.reconciler import Activation, Reconciler, SidecarConfig, as_version, parse_prometheus
+from fleet.reconciler import Activation, Reconciler, SidecarConfig, parse_prometheus
 from weight_sync.store.base import VersionStore
+from weight_sync.types import InvalidVersion, VersionConstraint, VersionUnavailable
 
 __all__ = ["Activation", "Reconciler", "SidecarConfig", "create_app", "parse_prometheus", "version_conflict"]
 
@@ -70,9 +71,12 @@ MIN_HEADERS = ("x-mixfleet-min-version", "x-min-version")
 EXACT_HEADERS = ("x-mixfleet-exact-version", "x-exact-version")
 
 
-def version_conflict(rec: Reconciler, body: Any, headers: Any) -> tuple[dict[str, Any] | None, Any]:
-    """(409 or 400 body, or None when the active version meets the constraint; the body
-    without its constraint fields, which the engine must not see)."""
+def version_conflict(
+    rec: Reconciler, body: Any, headers: Any
+) -> tuple[VersionUnavailable | InvalidVersion | None, Any]:
+    """The request's version constraint (body fields win over headers) checked against the active
+    version: ``(VersionUnavailable (409) or InvalidVersion (400), or None when it is met; the body
+    without its constraint fields, which the engine must not see)``."""
     want_min = next((headers.get(h) for h in MIN_HEADERS if headers.get(h) is not None), None)
     want_exact = next((headers.get(h) for h in EXACT_HEADERS if headers.get(h) is not None), None)
     if isinstance(body, dict):
@@ -80,32 +84,20 @@ def version_conflict(rec: Reconciler, body: Any, headers: Any) -> tuple[dict[str
         bmin, bexact = body.pop("min_version", None), body.pop("exact_version", None)
         want_min = bmin if bmin is not None else want_min
         want_exact = bexact if bexact is not None else want_exact
+    try:
+        constraint = VersionConstraint.parse(min_version=want_min, exact_version=want_exact)
+    except InvalidVersion as exc:
+        return exc, body
     active = rec.state.active_version
-    for kind, raw in (("exact_version", want_exact), ("min_version", want_min)):
-        if raw is None:
-            continue
-        target = as_version(raw)
-        if target is None:
-            return {"code": 400, "message": f"{kind} must be a non-negative integer, got {raw!r}"}, body
-        ok = active is not None and (active == target if kind == "exact_version" else active >= target)
-        if not ok:
-            return {
-                "code": 409,
-                "object": "error",
-                "type": "version_unavailable",
-                "retryable": True,
-                "message": (
-                    f"replica {rec.config.replica_id} serves weight version {active}, "
-                    f"the request needs {kind} {target}"
-                ),
-                "constraint": kind,
-                "target_version": target,
-                "applied_version": active,
-                "pending_version": rec.state.desired_version,
-                "replica": rec.config.replica_id,
-                "group": rec.config.group,
-            }, body
-    return None, body
+    if constraint.satisfied_by(active):
+        return None, body
+    return VersionUnavailable(
+        constraint,
+        applied_version=active,
+        pending_version=rec.state.desired_version,
+        replica=rec.config.replica_id,
+        group=rec.config.group,
+    ), body
 
 
 def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
@@ -173,11 +165,11 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
             problem, body = version_conflict(sidecar, body, request.headers)
         else:
             problem, _ = version_conflict(sidecar, None, request.headers)
+        if isinstance(problem, VersionUnavailable):
+            sidecar.metrics.conflicts.inc()
+            return JSONResponse(problem.body(), status_code=409, headers={"Retry-After": "1"})
         if problem is not None:
-            if problem["code"] == 409:
-                sidecar.metrics.conflicts.inc()
-                return JSONResponse(problem, status_code=409, headers={"Retry-After": "1"})
-            return JSONResponse({"error": {"message": problem["message"]}}, status_code=400)
+            return JSONResponse({"error": {"message": str(problem)}}, status_code=400)
         if not sidecar.state.ready:
             return JSONResponse(
                 {
