@@ -36,7 +36,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,8 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.ports import free_port
 from fleet.specs import GroupSpec
+from fleet.tcp import free_port, port_is_free
 from weight_sync.errors import UserError
 
 ALL_SCOPES = ("rollout", "trainer", "admin")
@@ -77,16 +76,6 @@ class Child:
     name: str
     log: Path
     proc: subprocess.Popen
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def _api_keys(data: Path) -> tuple[dict[str, list[str]], str | None, bool]:
@@ -196,7 +185,7 @@ def _start(children: list[Child], name: str, argv: list[str], logs: Path, env: d
     log = logs / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", *argv],
+            [sys.executable, "-m", "mixfleet", *argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -218,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_threads < 1:
         raise UserError("--engine-threads must be >= 1")
     fleet = load_preset(args.preset)
-    if not _port_free(args.host, args.port):
+    if not port_is_free(args.host, args.port):
         raise UserError(f"port {args.port} on {args.host} is in use (pick another with --port)")
     data = Path(args.data_dir).expanduser().resolve()
     logs = data / "logs"
@@ -236,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     _ensure_base(base, args.model_preset)
     store = LocalStore(store_root)
     formats = list(dict.fromkeys(g.weight_format for g in local_groups))
+
     def progress(kind: str, info: dict) -> None:
         if kind == "convert_start":
             print(f"converting the base policy to {info['format']} ...", flush=True)

@@ -110,7 +110,7 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
 def test_free_ports_are_never_handed_out_twice() -> None:
     # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
     # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.
-    from fleet.ports import free_port as fleet_free_port
+    from fleet.tcp import free_port as fleet_free_port
 
     ports = [fleet_free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)

@@ -1,7 +1,37 @@
-"""The engine's FastAPI app: SGLang's native routes over an :class:`~fleet.engine.server.Engine`.
+"""The engine's FastAPI app: SGLang's native routes over an :class:`~fleet.engine.engine.Engine`.
 
-See ``fleet.engine.server`` for the routes, response fields and error shapes. Kept apart from
-the CLI module so ``mixfleet --help`` does not import FastAPI.
+Routes (SGLang names and shapes): ``/generate`` (single or batch, SSE streaming),
+``/update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``,
+``/abort_request``, ``/flush_cache``, ``/model_info`` (+ ``/get_model_info``), ``/server_info``
+(+ ``/get_server_info``), ``/get_weight_version``, ``/health``, ``/health_generate``, ``/metrics``.
+
+Errors: a request the engine refuses (malformed JSON, wrong types, token ids outside the
+vocabulary, empty input, too long a context, bad sampling parameters, a weight directory that
+is missing or holds another architecture) gets HTTP 400 with SGLang's body
+``{"error": {"message": "..."}}`` (``/update_weights_from_disk`` answers
+``{"success": false, "message": "..."}`` with 400, as SGLang does) and the server keeps serving.
+
+``meta_info`` per response: ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+``cached_tokens`` (always 0: no prefix cache), ``weight_version`` (str: version of the last
+output token, or the serving version if there is none), ``weight_versions`` (spans
+``{"version": int, "start", "end"}``, end exclusive, over output indices), ``e2e_latency``;
+with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
+``[logprob, token_id, text_or_null]`` triples (and ``*_top_logprobs`` when
+``top_logprobs_num > 0``); with ``return_sampling_mask``: ``output_token_sampling_mask``
+(sorted support ids per token; ``[]`` = whole vocabulary), ``output_token_sampling_logprobs``
+(per token the behavior log-prob μ of the sampled token, as upstream SGLang),
+``output_token_sampling_mask_length`` and, a mixfleet extension,
+``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
+the mask). Non-finite floats are sent as ``null``.
+
+Weight updates: ``/update_weights_from_disk`` loads and checks the new directory completely on a
+worker thread while generation goes on, then swaps it in between two decode steps (so callers
+need not pause for atomicity; pausing in place first is harmless). Versions are integers here
+(the fleet's versions); upstream SGLang spells span versions as strings — ``weight_version``
+is a string in both.
+
+Kept apart from the CLI module (``fleet.engine.server``) so ``mixfleet --help`` does not import
+FastAPI.
 """
 
 from __future__ import annotations
@@ -22,6 +52,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from fleet.engine.engine import ENGINE_VERSION, LOADER, Engine
 from fleet.engine.metrics import CONTENT_TYPE
 from fleet.engine.protocol import (
     AbortReq,
@@ -33,7 +64,6 @@ from fleet.engine.protocol import (
 )
 from fleet.engine.sampler import finite_or_none
 from fleet.engine.scheduler import FinishEvent, PrefillEvent, TokenEvent
-from fleet.engine.server import ENGINE_VERSION, LOADER, Engine
 
 log = logging.getLogger("mixfleet.engine")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from fleet import ports
+from fleet import tcp
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, never handed out twice by this
     process (two engines started back to back could otherwise be given the same one)."""
-    return ports.free_port("127.0.0.1")
+    return tcp.free_port("127.0.0.1")
 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
@@ -51,7 +51,7 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
 
 def mixfleet_argv(*args: str) -> list[str]:
     """argv that runs the ``mixfleet`` CLI from this checkout with the current interpreter."""
-    return [sys.executable, "-m", "fleet.cli", *args]
+    return [sys.executable, "-m", "mixfleet", *args]
 
 
 @contextlib.contextmanager

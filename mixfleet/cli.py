@@ -1,36 +1,39 @@
 """mixfleet: a serverless sampler fleet for asynchronous LLM RL.
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
-``run(args) -> int``; the module's docstring's first line is the command's help. Modules are
-named here by path so that ``fleet`` does not import ``router`` at import time (the router
-depends on fleet's specs, not the other way round) and so heavy imports (torch) stay inside
-``run``.
+``run(args) -> int``; the module's docstring's first line is the command's help. Heavy imports
+(torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A
+:class:`~weight_sync.errors.UserError` from a command becomes one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from types import ModuleType
 
+from fleet import sidecar_cli, up, weights_cli
+from fleet.engine import init_model
+from fleet.engine import server as engine_server
+from router import cli as router_cli
+from weight_sync import convert_cli
 from weight_sync.errors import UserError
 
-COMMANDS: dict[str, str] = {
-    "up": "fleet.up",
-    "init-model": "fleet.engine.init_model",
-    "convert": "weight_sync.convert_cli",
-    "engine": "fleet.engine.server",
-    "router": "router.cli",
-    "sidecar": "fleet.sidecar_cli",
-    "weights": "fleet.weights_cli",
+COMMANDS: dict[str, ModuleType] = {
+    "up": up,
+    "init-model": init_model,
+    "convert": convert_cli,
+    "engine": engine_server,
+    "router": router_cli,
+    "sidecar": sidecar_cli,
+    "weights": weights_cli,
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_path in COMMANDS.items():
-        module = importlib.import_module(module_path)
+    for name, module in COMMANDS.items():
         help_line = (module.__doc__ or name).strip().splitlines()[0]
         command = sub.add_parser(name, help=help_line, description=help_line)
         module.add_arguments(command)

@@ -1,4 +1,4 @@
-"""Free loopback ports for the processes mixfleet starts itself.
+"""TCP ports on this machine for the processes mixfleet starts itself.
 
 Asking the kernel for port 0 and closing the socket returns a port that is free *now*; asked
 again before the first process has bound it (an engine takes seconds to import), the kernel may
@@ -27,3 +27,14 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _given.add((host, port))
                 return port
     raise OSError(f"no free TCP port on {host} that was not handed out already")
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a listening socket could bind ``host:port`` now (``SO_REUSEADDR``, as servers bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
