@@ -1,7 +1,15 @@
 """HTTP-facing errors of the router: every refusal carries a status and a message naming the
-problem (the app turns them into ``{"detail": message}``)."""
+problem (the app turns them into an :class:`router.schemas.ErrorBody`, ``{"detail": message}``).
+
+:func:`error_responses` is how a route documents the refusals it can answer with (FastAPI's
+``responses=``): each status with the one error schema.
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+from router.schemas import ErrorBody
 
 
 class ApiError(Exception):
@@ -14,3 +22,33 @@ class ApiError(Exception):
 
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
     return ApiError(503, message, retry_after=retry_after)
+
+
+ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "Bad request",
+    401: "Missing or invalid API key",
+    403: "The API key lacks the scope this route needs",
+    404: "Unknown resource",
+    409: "Conflicts with the resource's state",
+    413: "Body larger than the router's limit",
+    422: "Invalid request: `detail` names the field, `errors` lists each problem",
+    502: "An engine sent an answer the router cannot use",
+    503: "Unavailable now (state store, replicas, version constraints); retry after `Retry-After` seconds",
+}
+_RETRY_AFTER = {
+    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries documenting ``statuses`` with :class:`ErrorBody`."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        entry: dict[str, Any] = {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[status]}
+        if status == 503:
+            entry["headers"] = _RETRY_AFTER
+        out[status] = entry
+    return out
+
+
+AUTH = (401, 403)

@@ -1,19 +1,18 @@
 """Prometheus metrics of one router (``/metrics``), in a registry private to the app.
 
-Counters and the latency histograms are updated on the request path (the per-request ones are
-:class:`LoopHistogram` / :class:`LoopCounter`: no lock, since only the event-loop thread
-touches them); gauges that describe the
-fleet (capacity, replicas, sessions, versions, queue) are computed at scrape time from the
-registry and the state store, so they are right even when several routers share Redis.
+Counters and the latency histograms are prometheus-client's own types, updated on the request
+path. Gauges that describe the fleet (capacity, replicas, sessions, versions, queue) are
+computed at scrape time from the registry and the state store (``RouterMetrics.snapshot``,
+refreshed by the app before each scrape), so they are right even when several routers share
+Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units, ``_total`` on counters.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -36,161 +35,47 @@ LATENCY_BUCKETS = (
 )
 
 
-class CachedLabels:
-    """A labelled metric whose children are looked up once per label tuple.
-
-    ``prometheus_client``'s ``labels()`` validates and locks on every call; the request path
-    calls it several times per request with a handful of distinct label values, so the child
-    is kept in a dict (label sets are small: routes x status classes, groups, reasons).
-    Everything else is forwarded to the wrapped metric.
-    """
-
-    __slots__ = ("metric", "_children")
-
-    def __init__(self, metric: Any) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self.metric.labels(*values)
-        return child
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.metric, name)
-
-
-class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
-
-
-class _CounterChild:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError("counters only go up")
-        self.value += amount
-
-
-class LoopHistogram:
-    """A labelled histogram for the request path: ``labels(...).observe(x)`` is a bisect and two
-    additions, without prometheus_client's per-call locks (only the router's event-loop thread
-    updates and scrapes it). Exported exactly like ``prometheus_client.Histogram`` (``_bucket``
-    with ``le``, ``_count``, ``_sum``; buckets are upper bounds, inclusive)."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...], registry: Any
-    ) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, labelnames
-        self.bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-            child = self._children[values] = _HistogramChild(self.bounds)
-        return child
-
-    def collect(self):
-        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self._children.items()):
-            cumulative = 0
-            buckets = []
-            for bound, count in zip((*self.bounds, float("inf")), child.counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            fam.add_metric(list(values), buckets, child.sum)
-        yield fam
-
-
-class LoopCounter:
-    """A labelled counter updated from the event-loop thread only (no per-call lock); exported
-    like ``prometheus_client.Counter`` (``<name>_total``)."""
-
-    def __init__(self, name: str, documentation: str, labelnames: list[str], registry: Any) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, labelnames
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _CounterChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-            child = self._children[values] = _CounterChild()
-        return child
-
-    def collect(self):
-        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self._children.items()):
-            fam.add_metric(list(values), child.value)
-        yield fam
-
-
 class RouterMetrics:
+    """The router's metrics. Counters are exported as ``<name>_total``."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        # updated on every turn / request: the lock-free event-loop kinds
-        self.request_seconds = LoopHistogram(
+        self.request_seconds = Histogram(
             "mixfleet_router_request_seconds",
             "Router request latency by route and status class",
             ["route", "status"],
-            LATENCY_BUCKETS,
-            r,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.engine_seconds = LoopHistogram(
+        self.engine_seconds = Histogram(
             "mixfleet_router_engine_seconds",
             "Engine call latency seen by the router, by group",
             ["group"],
-            LATENCY_BUCKETS,
-            r,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.turns = LoopCounter("mixfleet_router_turns", "Turns recorded, by group", ["group"], r)
-        self.tokens = LoopCounter("mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], r)
-        self.sessions = CachedLabels(
-            Counter("mixfleet_router_sessions", "Sessions created, by group", ["group"], registry=r)
+        self.turns = Counter("mixfleet_router_turns", "Turns recorded, by group", ["group"], registry=r)
+        self.tokens = Counter(
+            "mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], registry=r
         )
-        self.failovers = CachedLabels(
-            Counter(
-                "mixfleet_router_failovers",
-                "Engine attempts that failed and were retried elsewhere",
-                ["group", "reason"],
-                registry=r,
-            )
+        self.sessions = Counter(
+            "mixfleet_router_sessions_created", "Sessions created, by group", ["group"], registry=r
         )
-        self.moves = CachedLabels(
-            Counter(
-                "mixfleet_router_session_moves",
-                "Sessions moved to another group by failover",
-                ["from_group", "to_group"],
-                registry=r,
-            )
+        self.failovers = Counter(
+            "mixfleet_router_failovers",
+            "Engine attempts that failed and were retried elsewhere",
+            ["group", "reason"],
+            registry=r,
         )
-        self.expired = CachedLabels(
-            Counter(
-                "mixfleet_router_sessions_expired",
-                "Open sessions abandoned after idling",
-                ["group"],
-                registry=r,
-            )
+        self.moves = Counter(
+            "mixfleet_router_session_moves",
+            "Sessions moved to another group by failover",
+            ["from_group", "to_group"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "mixfleet_router_sessions_expired", "Open sessions abandoned after idling", ["group"], registry=r
         )
         self.leases = Counter("mixfleet_router_leases", "Batch leases handed out", registry=r)
         self.taken = Counter(
@@ -202,8 +87,11 @@ class RouterMetrics:
             registry=r,
         )
         self.acked = Counter("mixfleet_router_trajectories_acked", "Trajectories acknowledged", registry=r)
-        self.generate = LoopCounter(
-            "mixfleet_router_generate_requests", "SGLang-native /generate requests, by group", ["group"], r
+        self.generate = Counter(
+            "mixfleet_router_generate_requests",
+            "SGLang-native /generate requests, by group",
+            ["group"],
+            registry=r,
         )
         self.snapshot: dict[str, Any] = {}
         r.register(_SnapshotCollector(self))

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Depends, Request
 
 from router.auth import require
 from router.context import RouterContext
-from router.errors import ApiError
-from router.schemas import GroupsResponse, Heartbeat
+from router.errors import AUTH, ApiError, error_responses
+from router.schemas import GroupsResponse, Heartbeat, HeartbeatAck, ReplicaRemoved
 
-router = APIRouter(tags=["fleet"])
+router = APIRouter(tags=["fleet"], responses=error_responses(*AUTH))
 
 
 def _ctx(request: Request) -> RouterContext:
@@ -31,7 +31,9 @@ async def groups(request: Request) -> dict[str, Any]:
 @router.post(
     "/v1/replicas/heartbeat",
     dependencies=[Depends(require("admin"))],
+    response_model=HeartbeatAck,
     summary="A sidecar reports its replica (missing heartbeats take it out of rotation)",
+    responses=error_responses(413, 422),
 )
 async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
     ctx = _ctx(request)
@@ -49,7 +51,9 @@ async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
 @router.delete(
     "/v1/replicas/{replica_id:path}",
     dependencies=[Depends(require("admin"))],
+    response_model=ReplicaRemoved,
     summary="Deregister a heartbeat replica (static ones stay: edit the preset)",
+    responses=error_responses(404, 409, 422),
 )
 async def deregister(request: Request, replica_id: str) -> dict[str, Any]:
     ctx = _ctx(request)

@@ -9,17 +9,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from fleet.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import assign_group
-from router.errors import ApiError
-from router.jsonio import FastJSONResponse
+from router.errors import AUTH, ApiError, error_responses
+from router.policy import assign_group
 from router.records import decode_turn
 from router.schemas import (
     CreateSession,
     Finished,
     FinishRequest,
     SessionCreated,
+    SessionDeleted,
+    SessionOut,
     Trajectory,
     Turn,
     TurnRequest,
@@ -27,7 +29,12 @@ from router.schemas import (
 from router.state.base import SessionFinished, SessionNotFound
 from router.turns import record_turn
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require("rollout"))])
+router = APIRouter(
+    prefix="/v1/sessions",
+    tags=["sessions"],
+    dependencies=[Depends(require("rollout"))],
+    responses=error_responses(*AUTH),
+)
 SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
 
 
@@ -35,7 +42,12 @@ def _ctx(request: Request) -> RouterContext:
     return request.app.state.ctx
 
 
-@router.post("", response_model=SessionCreated, summary="Open a session")
+@router.post(
+    "",
+    response_model=SessionCreated,
+    summary="Open a session",
+    responses=error_responses(413, 422, 503),
+)
 async def create_session(
     request: Request, body: Annotated[CreateSession | None, Body()] = None
 ) -> JSONResponse:
@@ -55,7 +67,9 @@ async def create_session(
     return JSONResponse({"session_id": session_id, "group": group})
 
 
-@router.get("/{session_id}", summary="Session state")
+@router.get(
+    "/{session_id}", response_model=SessionOut, summary="Session state", responses=error_responses(404, 422)
+)
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     info = await _ctx(request).store.get_session(session_id)
     if info is None:
@@ -74,15 +88,23 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     }
 
 
-@router.post("/{session_id}/turns", response_model=Turn, summary="Generate one turn (token-in-token-out)")
+@router.post(
+    "/{session_id}/turns",
+    response_model=Turn,
+    summary="Generate one turn (token-in-token-out)",
+    responses=error_responses(404, 409, 413, 422, 502, 503),
+)
 async def create_turn(request: Request, session_id: str, body: TurnRequest) -> Response:
-    # canonical requests are answered by router.hotpath before reaching this route; both run
-    # router.turns.record_turn
     data = await record_turn(_ctx(request), session_id, body.spec())
     return Response(data, media_type="application/json")
 
 
-@router.post("/{session_id}/finish", response_model=Finished, summary="Finish with a reward")
+@router.post(
+    "/{session_id}/finish",
+    response_model=Finished,
+    summary="Finish with a reward",
+    responses=error_responses(404, 409, 413, 422),
+)
 async def finish_session(request: Request, session_id: str, body: FinishRequest) -> dict[str, Any]:
     ctx = _ctx(request)
     info = await ctx.store.get_session(session_id)
@@ -101,7 +123,12 @@ async def finish_session(request: Request, session_id: str, body: FinishRequest)
     return {"session_id": session_id, "status": "finished", "turns": info.n_turns}
 
 
-@router.delete("/{session_id}", summary="Abandon an open session (never handed to a trainer)")
+@router.delete(
+    "/{session_id}",
+    response_model=SessionDeleted,
+    summary="Abandon an open session (never handed to a trainer)",
+    responses=error_responses(404, 409, 422),
+)
 async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
     try:
         await _ctx(request).store.delete_session(session_id)
@@ -112,21 +139,29 @@ async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
     return {"session_id": session_id, "status": "deleted"}
 
 
-@router.get("/{session_id}/trajectory", response_model=Trajectory, summary="The recorded trajectory")
-async def get_trajectory(request: Request, session_id: str) -> JSONResponse:
+@router.get(
+    "/{session_id}/trajectory",
+    response_model=Trajectory,
+    summary="The recorded trajectory",
+    responses=error_responses(404, 422),
+)
+async def get_trajectory(request: Request, session_id: str) -> Response:
     ctx = _ctx(request)
     info = await ctx.store.get_session(session_id)
     if info is None:
         raise ApiError(404, f"unknown session {session_id!r}")
     blobs = await ctx.store.get_turns(session_id)
-    return FastJSONResponse(
-        {
-            "session_id": session_id,
-            "group": info.group,
-            "status": info.status,
-            "reward": info.reward,
-            "metadata": info.metadata,
-            "finish_metadata": info.finish_metadata,
-            "turns": [decode_turn(b).to_json(session_id) for b in blobs],
-        }
+    return Response(
+        dumps(
+            {
+                "session_id": session_id,
+                "group": info.group,
+                "status": info.status,
+                "reward": info.reward,
+                "metadata": info.metadata,
+                "finish_metadata": info.finish_metadata,
+                "turns": [decode_turn(b).to_json(session_id) for b in blobs],
+            }
+        ),
+        media_type="application/json",
     )

@@ -1,7 +1,9 @@
 """Trainer-facing routes (scope ``trainer``): take a batch under a lease, acknowledge it.
 
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
-binary batch of :mod:`router.records` (same content, records never as JSON lists).
+binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
+finds nothing to give answers an empty batch without a lease (``lease_id`` null); acknowledging
+a lease that is unknown (or already acknowledged) is a 404.
 """
 
 from __future__ import annotations
@@ -9,16 +11,22 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from fleet.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
-from router.errors import ApiError
+from router.errors import AUTH, ApiError, error_responses
 from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_batch
-from router.schemas import AckResponse, TakeRequest, TakeResponse
+from router.schemas import AckResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
 
-router = APIRouter(prefix="/v1/batches", tags=["trainer"], dependencies=[Depends(require("trainer"))])
+router = APIRouter(
+    prefix="/v1/batches",
+    tags=["trainer"],
+    dependencies=[Depends(require("trainer"))],
+    responses=error_responses(*AUTH),
+)
 
 
 def _ctx(request: Request) -> RouterContext:
@@ -58,7 +66,10 @@ def _header(t: TakenTrajectory, trainer_version: int, headers: list[dict[str, An
     "/take",
     response_model=TakeResponse,
     summary="Take up to `size` finished trajectories under a lease",
-    responses={200: {"content": {MEDIA_TYPE: {}}}},
+    responses={
+        200: {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+        **error_responses(413, 422),
+    },
 )
 async def take(request: Request, body: TakeRequest) -> Response:
     ctx = _ctx(request)
@@ -70,7 +81,9 @@ async def take(request: Request, body: TakeRequest) -> Response:
         lease_timeout_s=ctx.config.lease_timeout_s,
         wait_s=body.wait_s,
     )
-    ctx.metrics.leases.inc()
+    lease_id = lease.lease_id if lease.trajectories else None
+    if lease_id is not None:
+        ctx.metrics.leases.inc()
     ctx.metrics.taken.inc(len(lease.trajectories))
     ctx.metrics.redelivered.inc(lease.redelivered)
     binary = MEDIA_TYPE in request.headers.get("accept", "")
@@ -79,7 +92,7 @@ async def take(request: Request, body: TakeRequest) -> Response:
         for t in lease.trajectories:
             headers = [decode_turn_header(b) for b in t.turns]
             items.append((_header(t, trainer_version, headers), t.turns))
-        return Response(encode_batch(lease.lease_id, lease.held_back, items), media_type=MEDIA_TYPE)
+        return Response(encode_batch(lease_id, lease.held_back, items), media_type=MEDIA_TYPE)
     out = []
     for t in lease.trajectories:
         turns = [decode_turn(b) for b in t.turns]
@@ -90,10 +103,18 @@ async def take(request: Request, body: TakeRequest) -> Response:
                 "turns": [x.to_json(t.session.session_id) for x in turns],
             }
         )
-    return JSONResponse({"lease_id": lease.lease_id, "trajectories": out, "held_back": lease.held_back})
+    return Response(
+        dumps({"lease_id": lease_id, "trajectories": out, "held_back": lease.held_back}),
+        media_type="application/json",
+    )
 
 
-@router.post("/{lease_id}/ack", response_model=AckResponse, summary="Acknowledge a lease")
+@router.post(
+    "/{lease_id}/ack",
+    response_model=AckResponse,
+    summary="Acknowledge a lease",
+    responses=error_responses(404, 422),
+)
 async def ack(request: Request, lease_id: str) -> dict[str, Any]:
     ctx = _ctx(request)
     try:
@@ -104,6 +125,8 @@ async def ack(request: Request, lease_id: str) -> dict[str, Any]:
     return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
 
 
-@router.get("/stats", summary="Trainer queue: ready, pending, held back, open leases")
+@router.get(
+    "/stats", response_model=QueueStats, summary="Trainer queue: ready, pending, held back, open leases"
+)
 async def stats(request: Request) -> dict[str, int]:
     return await _ctx(request).store.queue_stats()

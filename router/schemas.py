@@ -1,17 +1,11 @@
 """Request and response bodies of the router's HTTP API (the OpenAPI schema is built from
 these). Requests forbid unknown fields so a typo is a 422 naming the field, not a silent
-default; floats must be finite.
-
-The hot routes first try :func:`turn_spec_fast` / :func:`generate_rows_fast`: a check of the
-canonical form of a body (exact JSON types, every constraint of the model) without building a
-model. They accept only bodies the pydantic model accepts with the same values, and answer
-None for anything else (including bodies pydantic would coerce), which then goes through the
-model and FastAPI's validation as before.
+default; floats must be finite. Every refusal the router itself makes is an
+:class:`ErrorBody`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -50,6 +44,34 @@ class SamplingParams(_Req):
         return v
 
 
+class ErrorItem(BaseModel):
+    """One problem of an invalid request: where (``loc``), what (``msg``), its kind (``type``)."""
+
+    loc: list[str]
+    msg: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    """The body of every refusal the router makes (4xx) and of its 503s: ``detail`` names the
+    field or problem; ``errors`` (422 only) lists each problem of an invalid request."""
+
+    detail: str
+    errors: list[ErrorItem] | None = None
+
+
+class SGLangErrorMessage(BaseModel):
+    message: str
+
+
+class SGLangErrorBody(BaseModel):
+    """An engine's refusal, as SGLang writes it (passed through unchanged by ``/generate``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: SGLangErrorMessage
+
+
 class CreateSession(_Req):
     group: str | None = Field(None, description="pin the session to this group")
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -58,6 +80,24 @@ class CreateSession(_Req):
 class SessionCreated(BaseModel):
     session_id: str
     group: str
+
+
+class SessionOut(BaseModel):
+    session_id: str
+    group: str
+    replica: str | None
+    status: str
+    turns: int
+    tokens: int
+    reward: float | None
+    metadata: dict[str, Any]
+    min_version: int | None
+    max_version: int | None
+
+
+class SessionDeleted(BaseModel):
+    session_id: str
+    status: str
 
 
 class TurnSpec(NamedTuple):
@@ -100,6 +140,8 @@ class TurnRequest(_Req):
 def _engine_params(
     temperature: float, top_p: float, top_k: int, max_new_tokens: int, stops: list[int], seed: int | None
 ) -> dict[str, Any]:
+    """The engine's ``sampling_params`` of a turn (SGLang names; ``stop_token_ids`` and
+    ``sampling_seed`` only when set): the one place they are built."""
     params: dict[str, Any] = {
         "temperature": temperature,
         "top_p": top_p,
@@ -111,77 +153,6 @@ def _engine_params(
     if seed is not None:
         params["sampling_seed"] = seed
     return params
-
-
-_INT = {int}
-_TURN_KEYS = frozenset(("input_ids", "sampling_params", "min_version", "max_version_age", "turn"))
-_SP_KEYS = frozenset(("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"))
-
-
-def _token_list(v: Any, *, min_len: int, max_len: int | None = None) -> bool:
-    """A list of plain ints, each a token id, of an allowed length."""
-    if type(v) is not list or len(v) < min_len or (max_len is not None and len(v) > max_len):
-        return False
-    return not v or (set(map(type, v)) == _INT and min(v) >= 0 and max(v) <= TOKEN_MAX)
-
-
-def _number(v: Any) -> bool:
-    t = type(v)
-    return t is int or (t is float and math.isfinite(v))
-
-
-def _opt_nonneg(v: Any) -> bool:
-    return v is None or (type(v) is int and v >= 0)
-
-
-def turn_spec_fast(body: Any) -> TurnSpec | None:
-    """``body`` (decoded JSON) as a :class:`TurnSpec` when it is a canonical valid
-    :class:`TurnRequest`; None when the model has to decide (invalid or needing coercion)."""
-    if type(body) is not dict or not _TURN_KEYS.issuperset(body):
-        return None
-    ids = body.get("input_ids")
-    if not _token_list(ids, min_len=1):
-        return None
-    if not (
-        _opt_nonneg(body.get("min_version"))
-        and _opt_nonneg(body.get("max_version_age"))
-        and _opt_nonneg(body.get("turn"))
-    ):
-        return None
-    sp = body.get("sampling_params", _NO_PARAMS)
-    if type(sp) is not dict or not _SP_KEYS.issuperset(sp):
-        return None
-    temperature = sp.get("temperature", 1.0)
-    top_p = sp.get("top_p", 1.0)
-    top_k = sp.get("top_k", -1)
-    max_new = sp.get("max_new_tokens", 128)
-    stops = sp.get("stop_token_ids", _NO_STOPS)
-    seed = sp.get("seed")
-    if not (
-        _number(temperature)
-        and 0.0 <= temperature <= 100.0
-        and _number(top_p)
-        and 0.0 < top_p <= 1.0
-        and type(top_k) is int
-        and -1 <= top_k <= TOKEN_MAX
-        and top_k != 0
-        and type(max_new) is int
-        and 1 <= max_new <= 1_000_000
-        and _token_list(stops, min_len=0, max_len=1024)
-        and (seed is None or (type(seed) is int and 0 <= seed <= 2**63 - 1))
-    ):
-        return None
-    return TurnSpec(
-        ids,
-        _engine_params(float(temperature), float(top_p), top_k, max_new, list(stops), seed),
-        body.get("min_version"),
-        body.get("max_version_age"),
-        body.get("turn"),
-    )
-
-
-_NO_PARAMS: dict[str, Any] = {}
-_NO_STOPS: list[int] = []
 
 
 class Record(BaseModel):
@@ -257,7 +228,9 @@ class BatchTrajectory(BaseModel):
 
 
 class TakeResponse(BaseModel):
-    lease_id: str
+    lease_id: str | None = Field(
+        description="the lease to acknowledge; null when the batch is empty (nothing to acknowledge)"
+    )
     trajectories: list[BatchTrajectory]
     held_back: int
 
@@ -266,6 +239,13 @@ class AckResponse(BaseModel):
     lease_id: str
     acked: int
     expired: int
+
+
+class QueueStats(BaseModel):
+    ready: int
+    pending: int
+    held_back: int
+    leases: int
 
 
 class Heartbeat(_Req):
@@ -278,6 +258,32 @@ class Heartbeat(_Req):
     queued: int = Field(0, ge=0)
     tokens_per_s: float = Field(0.0, ge=0.0)
     error: str | None = Field(None, max_length=4096)
+
+
+class HeartbeatAck(BaseModel):
+    replica_id: str
+    in_rotation: bool
+    latest_version: int | None
+
+
+class ReplicaRemoved(BaseModel):
+    replica_id: str
+    removed: bool
+
+
+class Healthz(BaseModel):
+    """Router liveness: ``status`` ``ok`` (200) or ``degraded`` (503: the state store is
+    unreachable)."""
+
+    status: str
+    state: bool
+    replicas_in_rotation: int
+
+
+class Health(BaseModel):
+    """SGLang-style health: ``ok`` when at least one replica is in rotation."""
+
+    status: str
 
 
 class ReplicaOut(BaseModel):
@@ -309,6 +315,10 @@ class GroupOut(BaseModel):
     session_share: float
     token_share: float
     capacity_share: float
+    window_sessions: int = Field(description="Sessions this router assigned to the group in its window")
+    window_tokens: int = Field(description="Tokens the group generated since the window's oldest assignment")
+    window_session_share: float = Field(description="The group's share of the window's sessions")
+    window_token_share: float = Field(description="The group's share of the window's tokens")
     active_version: int | None
     version_lag: int | None
     cost_per_token: float
@@ -364,60 +374,3 @@ class GenerateRequest(BaseModel):
         if self.input_ids is None:
             return []
         return self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]  # type: ignore[return-value]
-
-
-_GEN_SP = (
-    ("temperature", "number", 0.0, None),
-    ("top_p", "number", 0.0, 1.0),
-    ("top_k", "int", -1, None),
-    ("max_new_tokens", "int", 0, None),
-)
-
-
-def _generate_params_fast(sp: Any) -> bool:
-    if sp is None:
-        return True
-    if type(sp) is not dict:
-        return False
-    for name, kind, low, high in _GEN_SP:
-        v = sp.get(name)
-        if v is None:
-            continue
-        if not (_number(v) if kind == "number" else type(v) is int):
-            return False
-        if v < low or (high is not None and v > high) or (name == "top_p" and v <= 0.0):
-            return False
-    stops = sp.get("stop_token_ids")
-    if stops is not None and not (type(stops) is list and (not stops or set(map(type, stops)) == _INT)):
-        return False
-    seed = sp.get("sampling_seed")
-    if seed is not None and type(seed) is not int:
-        return False
-    # extra keys pass through unvalidated (as the model allows), but a float anywhere in them
-    # must be finite for the model: leave non-finite floats to it
-    return all(type(v) is not float or math.isfinite(v) for v in sp.values())
-
-
-def generate_rows_fast(body: Any) -> list[list[int]] | None:
-    """The token rows of ``body`` (decoded JSON) when it is a canonical valid, non-streaming
-    :class:`GenerateRequest` with ``input_ids`` and no ``text``; None when the model has to
-    decide."""
-    if type(body) is not dict or body.get("text") is not None or body.get("stream", False) is not False:
-        return None
-    ids = body.get("input_ids")
-    if type(ids) is not list or not ids:
-        return None
-    rows = ids if type(ids[0]) is list else [ids]
-    for row in rows:
-        if not _token_list(row, min_len=1):
-            return None
-    sp = body.get("sampling_params")
-    if type(sp) is list:
-        if not sp or not all(_generate_params_fast(p) for p in sp):
-            return None
-    elif not _generate_params_fast(sp):
-        return None
-    for v in body.values():  # extra fields: finite floats only (allow_inf_nan=False)
-        if type(v) is float and not math.isfinite(v):
-            return None
-    return rows

@@ -14,10 +14,10 @@ import itertools
 import secrets
 from dataclasses import replace
 
+from fleet.jsonio import dumps
 from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError
-from router.jsonio import dumps
 from router.records import TurnData, encode_head, encode_stored
 from router.schemas import TurnSpec
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
@@ -111,7 +111,7 @@ def _request_id() -> str:
 
 def turn_json(turn: TurnData, session_id: str) -> bytes:
     """``dumps(turn.to_json(session_id, with_input=False))``, without its copies: the rows
-    are serialized as they are and :func:`router.jsonio.dumps` writes non-finite floats as
+    are serialized as they are and :func:`fleet.jsonio.dumps` writes non-finite floats as
     null, as ``to_json`` would."""
     records = [
         {
