@@ -20,8 +20,8 @@ from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, 
 from router.auth import require
 from router.context import RouterContext
 from router.dispatch import assign_group, check_vocab, with_failover
-from router.errors import ApiError, unavailable
-from router.schemas import GenerateRequest
+from router.errors import AUTH, ApiError, error_responses, unavailable
+from router.schemas import GenerateRequest, Health, SGLangErrorBody
 
 router = APIRouter(tags=["sglang"])
 KEY_HEADERS = ("x-session-id", "x-smg-routing-key", "modal-session-id")
@@ -44,10 +44,19 @@ def routing_key(request: Request) -> str | None:
     "/generate",
     dependencies=[Depends(require("rollout"))],
     summary="SGLang native generate (validated, then forwarded unchanged to one replica)",
+    responses={
+        200: {
+            "description": "The engine's answer, passed through (JSON; server-sent events when streaming)",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        },
+        400: {
+            "model": SGLangErrorBody,
+            "description": "The engine refused the request (its body, unchanged)",
+        },
+        **error_responses(*AUTH, 413, 422, 503),
+    },
 )
 async def generate(request: Request, body: GenerateRequest) -> Response:
-    # canonical non-streaming requests are answered by router.hotpath before reaching this
-    # route; both run forward_generate
     ctx = _ctx(request)
     raw = await request.body()
     if body.input_ids is None and body.text is None:
@@ -134,15 +143,26 @@ async def _any_replica(ctx: RouterContext, path: str) -> Any:
     raise unavailable("no replica in rotation")
 
 
-@router.get("/health", summary="200 when at least one replica is in rotation")
-async def health(request: Request) -> Response:
+@router.get(
+    "/health",
+    response_model=Health,
+    summary="200 when at least one replica is in rotation",
+    responses=error_responses(503),
+)
+async def health(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     latest = ctx.latest_version()
-    ok = any(ctx.registry.in_rotation(g.name, latest) for g in ctx.fleet.groups)
-    return Response(status_code=200 if ok else 503)
+    if not any(ctx.registry.in_rotation(g.name, latest) for g in ctx.fleet.groups):
+        raise unavailable("no replica in rotation")
+    return JSONResponse({"status": "ok"})
 
 
-@router.get("/model_info", dependencies=[Depends(require("rollout"))], summary="A replica's model info")
+@router.get(
+    "/model_info",
+    dependencies=[Depends(require("rollout"))],
+    summary="A replica's model info",
+    responses=error_responses(*AUTH, 503),
+)
 @router.get("/get_model_info", dependencies=[Depends(require("rollout"))], include_in_schema=False)
 async def model_info(request: Request) -> JSONResponse:
     return JSONResponse(await _any_replica(_ctx(request), "model_info"))
@@ -152,6 +172,7 @@ async def model_info(request: Request) -> JSONResponse:
     "/server_info",
     dependencies=[Depends(require("rollout"))],
     summary="A replica's server info plus the router's groups",
+    responses=error_responses(*AUTH, 503),
 )
 @router.get("/get_server_info", dependencies=[Depends(require("rollout"))], include_in_schema=False)
 async def server_info(request: Request) -> JSONResponse:
