@@ -46,6 +46,7 @@ from pathlib import Path
 from fleet.specs import GroupSpec
 from fleet.tcp import free_port, port_is_free
 from weight_sync.errors import UserError
+from weight_sync.types import VersionRef
 
 ALL_SCOPES = ("rollout", "trainer", "admin")
 
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                 name = f"{g.name}-{i}"
                 port = free_port("127.0.0.1")
                 engine_argv = [
-                    "engine", "--model", str(store.version_dir(args.run, fmt, version)),
+                    "engine", "--model", str(store.version_dir(VersionRef(args.run, fmt, version))),
                     "--host", "127.0.0.1", "--port", str(port),
                     "--weight-version", str(version), "--threads", str(args.engine_threads),
                     "--served-model-name", "mixfleet-base",

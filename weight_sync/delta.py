@@ -33,49 +33,40 @@ from pathlib import Path
 
 from weight_sync.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, count_tensors
+from weight_sync.safetensors_io import read_header
 from weight_sync.store.base import VersionStore
+from weight_sync.types import VersionRef
 
 MAX_CHAIN = 1000
 
 
-def version_files(
-    store: VersionStore, run_id: str, fmt: str, version: int
-) -> dict[str, tuple[Path, FileEntry]]:
-    """Every file of ``version``'s full content (deltas resolved, newest layer winning):
+def version_files(store: VersionStore, ref: VersionRef) -> dict[str, tuple[Path, FileEntry]]:
+    """Every file of version ``ref``'s full content (deltas resolved, newest layer winning):
     relative path -> (directory holding it, its manifest entry). A chain without a base or with a
     cycle raises ``ChecksumError`` naming the manifest that breaks it."""
-    chain: list[tuple[int, Manifest]] = [(version, store.read_manifest(run_id, fmt, version))]
+    chain: list[tuple[VersionRef, Manifest]] = [(ref, store.read_manifest(ref))]
     while chain[-1][1].kind == "delta":
         base = chain[-1][1].base_version
-        if base is None or len(chain) > MAX_CHAIN or any(v == base for v, _ in chain):
+        if base is None or len(chain) > MAX_CHAIN or any(r.version == base for r, _ in chain):
             raise ChecksumError(
-                Path(store.version_dir(run_id, fmt, chain[-1][0])) / MANIFEST_NAME,
+                Path(store.version_dir(chain[-1][0])) / MANIFEST_NAME,
                 "delta chain has no base or is cyclic",
             )
-        chain.append((base, store.read_manifest(run_id, fmt, base)))
+        base_ref = ref.with_version(base)
+        chain.append((base_ref, store.read_manifest(base_ref)))
     files: dict[str, tuple[Path, FileEntry]] = {}
-    for v, m in reversed(chain):
-        src = Path(store.version_dir(run_id, fmt, v))
+    for r, m in reversed(chain):
+        src = Path(store.version_dir(r))
         for rel, entry in m.files.items():
             files[rel] = (src, entry)
     return files
 
 
 def _header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
-    """``name -> (dtype, shape)`` and the metadata of a safetensors file; ``UserError`` if unreadable."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            out = {}
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                s = f.get_slice(name)
-                out[name] = (s.get_dtype(), list(s.get_shape()))
-            return out, dict(f.metadata() or {})
-    except UserError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types
-        raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+    """``name -> (dtype, shape)`` and the metadata of a safetensors file (``SafetensorsError``,
+    a ``UserError``, naming the file when it is malformed)."""
+    entries, metadata = read_header(path)
+    return {name: (e.dtype, list(e.shape)) for name, e in entries.items()}, metadata
 
 
 def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir: Path, out: Path) -> int:
@@ -91,7 +82,8 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
     delta_dir = Path(delta_dir)
     if not delta_dir.is_dir():
         raise UserError(f"delta directory {delta_dir} does not exist")
-    if base_version not in store.versions(run_id, "bf16"):
+    base_ref = VersionRef(run_id, "bf16", base_version)
+    if base_version not in store.versions(base_ref.stream):
         raise UserError(
             f"run {run_id!r} keeps no bf16 copy of version {base_version} to apply a delta to "
             "(publish the bf16 format too, or publish a full checkpoint)"
@@ -104,7 +96,7 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
             delta[name] = (file, dtype, shape)
     if not delta:
         raise UserError(f"delta directory {delta_dir} has no tensors (*.safetensors)")
-    base = version_files(store, run_id, "bf16", base_version)
+    base = version_files(store, base_ref)
     where: dict[str, str] = {}  # tensor -> base shard holding it
     headers: dict[str, tuple[dict[str, tuple[str, list[int]]], dict[str, str]]] = {}
     for rel, (src, _) in sorted(base.items()):
@@ -147,26 +139,24 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
     return len(delta)
 
 
-def reduce_to_delta(
-    store: VersionStore, run_id: str, fmt: str, base_version: int, staged: Path
-) -> Manifest | None:
-    """Turn the converted full version in ``staged`` into a delta over ``base_version``: delete the
+def reduce_to_delta(store: VersionStore, base: VersionRef, staged: Path) -> Manifest | None:
+    """Turn the converted full version in ``staged`` into a delta over ``base``: delete the
     files whose manifest entry (size and digest) equals the base's and rewrite ``manifest.json``
     (``kind="delta"``). Returns the new manifest, or None (``staged`` untouched) when the base has a
     file the new version lacks, which a delta cannot express (publish that format in full)."""
     staged = Path(staged)
     full = Manifest.read(staged)
-    base = version_files(store, run_id, fmt, base_version)
-    if any(rel not in full.files for rel in base if rel != MANIFEST_NAME):
+    base_files = version_files(store, base)
+    if any(rel not in full.files for rel in base_files if rel != MANIFEST_NAME):
         return None
-    keep = {rel: e for rel, e in full.files.items() if rel not in base or base[rel][1] != e}
+    keep = {rel: e for rel, e in full.files.items() if rel not in base_files or base_files[rel][1] != e}
     for rel in full.files:
         if rel not in keep:
             (staged / rel).unlink()
     manifest = dataclasses.replace(
         full,
         kind="delta",
-        base_version=base_version,
+        base_version=base.version,
         files=keep,
         tensor_count=sum(count_tensors(staged / rel) for rel in keep if rel.endswith(".safetensors")),
         total_bytes=sum(e.bytes for e in keep.values()),

@@ -53,6 +53,7 @@ from typing import Literal
 from weight_sync.errors import UserError
 from weight_sync.manifest import Manifest
 from weight_sync.store.base import VersionStore
+from weight_sync.types import FormatRef, VersionRef
 
 Mode = Literal["barrier", "per_format"]
 MODES: tuple[str, ...] = ("barrier", "per_format")
@@ -139,7 +140,7 @@ def check_formats(formats: Iterable[str]) -> tuple[str, ...]:
 
 def latest_version(store: VersionStore, run_id: str, formats: Iterable[str]) -> int | None:
     """The highest pointer over ``formats`` (None when none was ever published)."""
-    ptrs = [p for p in (store.read_pointer(run_id, f) for f in formats) if p is not None]
+    ptrs = [p for p in (store.read_pointer(FormatRef(run_id, f)) for f in formats) if p is not None]
     return max(ptrs) if ptrs else None
 
 
@@ -147,7 +148,9 @@ def next_version(store: VersionStore, run_id: str, formats: Iterable[str]) -> in
     """One more than every pointer and every committed version of ``formats`` (1 for a new run)."""
     top = 0
     for f in formats:
-        top = max(top, store.read_pointer(run_id, f) or 0, *store.versions(run_id, f), 0)
+        top = max(
+            top, store.read_pointer(FormatRef(run_id, f)) or 0, *store.versions(FormatRef(run_id, f)), 0
+        )
     return top + 1
 
 
@@ -163,10 +166,8 @@ def _check_ckpt(ckpt_dir: Path) -> Path:
 
 
 def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequence[str]) -> None:
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise UserError(f"version must be a non-negative integer, got {version!r}")
     for f in formats:
-        ptr = store.read_pointer(run_id, f)
+        ptr = store.read_pointer(VersionRef(run_id, f, version).stream)  # validates the reference
         if ptr is not None and ptr > version:
             raise UserError(
                 f"version {version} is older than run {run_id!r}'s current {f} version {ptr} "
@@ -196,10 +197,10 @@ def _convert_job(src: str, dst: str, fmt: str, threads: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _committed_from(store: VersionStore, run_id: str, fmt: str, version: int) -> Manifest | None:
-    if version not in store.versions(run_id, fmt):
+def _committed_from(store: VersionStore, ref: VersionRef) -> Manifest | None:
+    if ref.version not in store.versions(ref.stream):
         return None
-    return store.read_manifest(run_id, fmt, version)
+    return store.read_manifest(ref)
 
 
 def publish_checkpoint(
@@ -246,7 +247,7 @@ def publish_checkpoint(
     to_convert: list[_Pending] = []
     src_sum: str | None = None
     for f in formats:
-        existing = _committed_from(store, run_id, f, version)
+        existing = _committed_from(store, VersionRef(run_id, f, version))
         if existing is not None and src_sum is None:
             src_sum = _converter_source_checksum(ckpt_dir)
         if existing is not None and existing.source_checksum == src_sum:  # same content, either kind
@@ -278,7 +279,7 @@ def publish_checkpoint(
                 threads = max(1, (os.cpu_count() or 1) // n_workers)
                 pool = _process_pool(n_workers, threads)
             for p in sorted(to_convert, key=lambda p: -_COST.get(p.fmt, 1)):
-                p.staged = Path(store.staging_dir(run_id, p.fmt, version))
+                p.staged = Path(store.staging_dir(VersionRef(run_id, p.fmt, version)))
                 on_event("convert_start", {"format": p.fmt})
                 p.future = pool.submit(_convert_job, str(ckpt_dir), str(p.staged), p.fmt, threads)
 
@@ -305,7 +306,7 @@ def publish_checkpoint(
             if delta_of is not None:
                 from weight_sync.delta import reduce_to_delta
 
-                reduce_to_delta(store, run_id, p.fmt, delta_of, p.staged)
+                reduce_to_delta(store, VersionRef(run_id, p.fmt, delta_of), p.staged)
             _commit(store, run_id, version, p, on_event)
             if mode == "per_format":
                 _advance(store, run_id, version, p, on_event)
@@ -402,7 +403,7 @@ def check_delta_base(
     if base >= version:
         raise UserError(f"a delta's base must be an older version: base {base}, version {version}")
     needed = list(dict.fromkeys([*formats, *(["bf16"] if need_bf16 else [])]))
-    missing = [f for f in needed if base not in store.versions(run_id, f)]
+    missing = [f for f in needed if base not in store.versions(FormatRef(run_id, f))]
     if missing:
         raise UserError(
             f"cannot publish a delta over version {base} of run {run_id!r}: it has no "
@@ -433,10 +434,10 @@ def bootstrap(
     if latest is None:
         publish_checkpoint(store, run_id, 0, base_ckpt, formats, workers=workers, on_event=on_event)
     else:
-        missing = [f for f in formats if store.read_pointer(run_id, f) is None]
+        missing = [f for f in formats if store.read_pointer(FormatRef(run_id, f)) is None]
         if missing:
-            if latest in store.versions(run_id, "bf16"):
-                source = Path(store.version_dir(run_id, "bf16", latest))
+            if latest in store.versions(FormatRef(run_id, "bf16")):
+                source = Path(store.version_dir(VersionRef(run_id, "bf16", latest)))
             elif latest == 0:
                 source = Path(base_ckpt)
             else:
@@ -445,7 +446,7 @@ def bootstrap(
                     f"for {', '.join(missing)}; publish a new version for every format"
                 )
             publish_checkpoint(store, run_id, latest, source, missing, workers=workers, on_event=on_event)
-    return {f: store.read_pointer(run_id, f) for f in formats}  # type: ignore[misc]
+    return {f: store.read_pointer(FormatRef(run_id, f)) for f in formats}  # type: ignore[misc]
 
 
 def rollback(
@@ -470,25 +471,26 @@ def rollback(
     t_start = time.perf_counter()
     pending = {f: _Pending(f) for f in formats}
     for f in formats:
-        if to_version not in store.versions(run_id, f):
+        if to_version not in store.versions(FormatRef(run_id, f)):
             raise UserError(
                 f"cannot roll back run {run_id!r} to version {to_version}: no {f} version {to_version}"
             )
         try:
-            store.verify(run_id, f, to_version)
+            store.verify(VersionRef(run_id, f, to_version))
         except Exception as exc:
             raise UserError(f"cannot roll back to version {to_version}: {f} copy is corrupt: {exc}") from exc
     for f in formats:
         p = pending[f]
-        if new in store.versions(run_id, f):
-            existing = store.read_manifest(run_id, f, new)
-            if existing.files != store.read_manifest(run_id, f, to_version).files:
+        target, source = VersionRef(run_id, f, new), VersionRef(run_id, f, to_version)
+        if new in store.versions(target.stream):
+            existing = store.read_manifest(target)
+            if existing.files != store.read_manifest(source).files:
                 raise UserError(f"version {new} of run {run_id!r} already exists for {f} with other content")
             p.reused, p.manifest = True, existing
             continue
-        p.staged = Path(store.staging_dir(run_id, f, new))
-        link_tree(Path(store.version_dir(run_id, f, to_version)), p.staged, skip=(MANIFEST_NAME,))
-        _restamp_manifest(Path(store.version_dir(run_id, f, to_version)), p.staged, new)
+        p.staged = Path(store.staging_dir(target))
+        link_tree(Path(store.version_dir(source)), p.staged, skip=(MANIFEST_NAME,))
+        _restamp_manifest(Path(store.version_dir(source)), p.staged, new)
         _commit(store, run_id, new, p, on_event)
     t_adv0 = time.perf_counter()
     for p in pending.values():
@@ -546,7 +548,7 @@ def _restamp_manifest(src_dir: Path, staged: Path, version: int) -> None:
 def _commit(store: VersionStore, run_id: str, version: int, p: _Pending, on_event: Event) -> None:
     t0 = time.perf_counter()
     try:
-        p.manifest = store.commit(run_id, p.fmt, version, p.staged)
+        p.manifest = store.commit(VersionRef(run_id, p.fmt, version), p.staged)
     except UserError:
         raise
     except Exception as exc:
@@ -557,9 +559,10 @@ def _commit(store: VersionStore, run_id: str, version: int, p: _Pending, on_even
 
 def _advance(store: VersionStore, run_id: str, version: int, p: _Pending, on_event: Event) -> None:
     t0 = time.perf_counter()
-    if store.read_pointer(run_id, p.fmt) != version:
+    ref = VersionRef(run_id, p.fmt, version)
+    if store.read_pointer(ref.stream) != version:
         try:
-            store.advance(run_id, p.fmt, version)
+            store.advance(ref)
         except UserError:
             raise
         except Exception as exc:

@@ -32,6 +32,7 @@ from weight_sync.checksum import new_hasher
 from weight_sync.delta import version_files
 from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, check_digest
 from weight_sync.store.base import VersionStore
+from weight_sync.types import VersionRef, version_name
 
 StageMode = Literal["copy", "inplace"]
 STAGE_MODES: tuple[str, ...] = ("copy", "inplace")
@@ -55,15 +56,9 @@ class StagedVersion:
     copied: bool
 
 
-def version_name(version: int) -> str:
-    return f"v{version:06d}"
-
-
 def stage_version(
     store: VersionStore,
-    run_id: str,
-    fmt: str,
-    version: int,
+    ref: VersionRef,
     staging_root: Path,
     *,
     mode: StageMode = "copy",
@@ -71,18 +66,19 @@ def stage_version(
     rate_bytes_per_s: float | None = None,
     progress: Callable[[int], None] = lambda _n: None,
 ) -> StagedVersion:
-    """Stage ``version`` of ``run_id``/``fmt`` and verify every file.
+    """Stage version ``ref`` and verify every file.
 
-    Before: ``version`` is committed in ``store``. After: the returned ``path`` holds the full
+    Before: ``ref`` is committed in ``store``. After: the returned ``path`` holds the full
     version and every file matched the manifest's size and digest. Raises ``ChecksumError``
     naming the bad file (nothing staged is left behind for that version), ``StageAborted``
     when ``should_abort()`` turned true. ``rate_bytes_per_s`` caps the copy rate (to leave
     the disk or network to serving); ``progress(bytes_so_far)`` is called per chunk.
     """
     t0 = time.perf_counter()
-    manifest = store.read_manifest(run_id, fmt, version)
+    version = ref.version
+    manifest = store.read_manifest(ref)
     if mode == "inplace" and manifest.kind != "delta":
-        src = Path(store.version_dir(run_id, fmt, version))
+        src = Path(store.version_dir(ref))
         total = 0
         for rel, entry in sorted(manifest.files.items()):
             if should_abort():
@@ -92,7 +88,7 @@ def stage_version(
         return StagedVersion(version, src, manifest, time.perf_counter() - t0, total, copied=False)
 
     staging_root.mkdir(parents=True, exist_ok=True)
-    final = staging_root / version_name(version)
+    final = staging_root / ref.name
     if final.is_dir():
         # Staged before (e.g. by a previous run of this sidecar): verify again, cheaply in place.
         try:
@@ -105,12 +101,12 @@ def stage_version(
             return StagedVersion(version, final, manifest, time.perf_counter() - t0, total, copied=True)
         except ChecksumError:
             shutil.rmtree(final, ignore_errors=True)
-    partial = staging_root / f"{version_name(version)}.partial"
+    partial = staging_root / f"{ref.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     total = 0
     try:
-        for rel, src_dir, entry in _layers(store, run_id, fmt, version):
+        for rel, src_dir, entry in _layers(store, ref):
             if should_abort():
                 raise StageAborted(f"version {version} superseded while staging")
             dst = partial / rel
@@ -132,7 +128,7 @@ def stage_version(
                 _copy_hash(src_dir / rel, dst, entry, total, progress, rate_bytes_per_s, should_abort)
             total += entry.bytes
         # The version's own manifest goes last, so the staged dir is self-describing.
-        shutil.copyfile(Path(store.version_dir(run_id, fmt, version)) / _MANIFEST, partial / _MANIFEST)
+        shutil.copyfile(Path(store.version_dir(ref)) / _MANIFEST, partial / _MANIFEST)
         _fsync_dir(partial)
         os.replace(partial, final)
     except BaseException:
@@ -156,9 +152,9 @@ def clean_staging(staging_root: Path, keep: set[int]) -> list[Path]:
     return removed
 
 
-def _layers(store: VersionStore, run_id: str, fmt: str, version: int):
+def _layers(store: VersionStore, ref: VersionRef):
     """(relpath, source dir, entry) for every file of the full version, newest layer winning."""
-    files = version_files(store, run_id, fmt, version)
+    files = version_files(store, ref)
     for rel in sorted(files):
         if rel != _MANIFEST:
             src, entry = files[rel]

@@ -24,6 +24,7 @@ __all__ = [
     "VersionRef",
     "VersionUnavailable",
     "parse_version",
+    "version_name",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -66,6 +67,12 @@ def parse_version(value: object, field: str = "weight version") -> int | None:
         if text.isascii() and text.isdigit():
             return int(text)
     raise InvalidVersion(value, field)
+
+
+def version_name(version: int) -> str:
+    """The directory name of version ``version``: ``v{N:06d}`` (``InvalidVersion`` unless an int >= 0)."""
+    _check_version(version)
+    return f"v{version:06d}"
 
 
 def _check_name(kind: str, value: object) -> None:
@@ -121,7 +128,7 @@ class VersionRef:
     @property
     def name(self) -> str:
         """The version's directory name, ``v{N:06d}``."""
-        return f"v{self.version:06d}"
+        return version_name(self.version)
 
     def with_version(self, version: int) -> VersionRef:
         """Another version of the same format."""

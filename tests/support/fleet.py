@@ -26,6 +26,7 @@ from tests.support.engines import engine_argv
 from tests.support.procs import free_port, kill_group, mixfleet_argv, process, wait_http
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
+from weight_sync.types import FormatRef, VersionRef
 
 LOCAL_GROUPS: tuple[tuple[str, str], ...] = (("cpu-bf16", "bf16"), ("cpu-fp8", "fp8"), ("cpu-nvfp4", "nvfp4"))
 
@@ -73,7 +74,7 @@ class LocalFleet:
         return publish_checkpoint(self.store, self.run_id, version, ckpt, self.formats, **kw)
 
     def latest(self) -> int:
-        return max(self.store.read_pointer(self.run_id, f) or 0 for f in self.formats)
+        return max(self.store.read_pointer(FormatRef(self.run_id, f)) or 0 for f in self.formats)
 
     def wait_active(
         self, version: int, timeout: float = 60.0, replicas: Sequence[Replica] | None = None
@@ -193,7 +194,7 @@ def local_fleet(
         for group, fmt in groups:
             port = free_port()
             log = work / f"engine-{group}.log"
-            model = store.version_dir(run_id, fmt, initial_version)
+            model = store.version_dir(VersionRef(run_id, fmt, initial_version))
             kv = "fp8_e4m3" if fmt == "fp8" else None
             proc = stack.enter_context(
                 process(

@@ -17,15 +17,17 @@ from safetensors.numpy import save
 
 from weight_sync.manifest import Manifest, build_manifest
 from weight_sync.store.local import LocalStore
+from weight_sync.types import FormatRef
 
 RUN, FMT = "faults", "nvfp4"
+STREAM = FormatRef(RUN, FMT)
 
 
 def publish(
     root: Path, version: int, payload: str, step: Callable[[str], None] = lambda _s: None
 ) -> Manifest:
     store = LocalStore(Path(root), on_step=step)
-    staged = store.staging_dir(RUN, FMT, version)
+    staged = store.staging_dir(STREAM.at(version))
     seed = sum(payload.encode())
     blob = save({"w1": np.arange(seed, seed + 65536, dtype=np.float32).reshape(256, 256)})
     with open(staged / "model-00001-of-00002.safetensors", "wb") as f:
@@ -39,7 +41,7 @@ def publish(
     (staged / "config.json").write_text(f'{{"payload": "{payload}"}}')
     build_manifest(staged, format=FMT, source_checksum=f"xxh3_128:{payload}").write(staged, fsync=False)
     step("staged")
-    return store.publish(RUN, FMT, version, staged)
+    return store.publish(STREAM.at(version), staged)
 
 
 def main(argv: list[str]) -> int:

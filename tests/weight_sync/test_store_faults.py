@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.support.procs import REPO
-from tests.weight_sync.publisher import FMT, RUN, publish
+from tests.weight_sync.publisher import FMT, RUN, STREAM, publish
 from weight_sync.manifest import build_manifest
 from weight_sync.store.base import VersionConflict
 from weight_sync.store.local import LocalStore
@@ -74,7 +74,7 @@ def _publish_through(root, version: int, payload: str, kill_at: str | None) -> l
 
 def test_publisher_reports_every_step(tmp_path) -> None:
     assert _publish_through(tmp_path, 1, "a", None) == [*STEPS, "done"]
-    assert LocalStore(tmp_path).read_pointer(RUN, FMT) == 1
+    assert LocalStore(tmp_path).read_pointer(STREAM) == 1
 
 
 @pytest.mark.parametrize("kill_at", STEPS)
@@ -83,25 +83,25 @@ def test_kill_at_each_step_leaves_a_complete_version(tmp_path, kill_at) -> None:
     _publish_through(tmp_path, 2, "b", kill_at=kill_at)
 
     store = LocalStore(tmp_path)
-    pointer = store.read_pointer(RUN, FMT)
+    pointer = store.read_pointer(STREAM)
     moved = STEPS.index(kill_at) >= STEPS.index("pointer_replaced")
     assert pointer == (2 if moved else 1)
-    store.verify(RUN, FMT, pointer)  # the pointer names a complete, verifiable version
+    store.verify(STREAM.at(pointer))  # the pointer names a complete, verifiable version
     committed = STEPS.index(kill_at) >= STEPS.index("committed")
-    assert store.versions(RUN, FMT) == ([1, 2] if committed else [1])
-    for v in store.versions(RUN, FMT):
-        store.verify(RUN, FMT, v)
+    assert store.versions(STREAM) == ([1, 2] if committed else [1])
+    for v in store.versions(STREAM):
+        store.verify(STREAM.at(v))
 
     # A fresh publisher completes version 2 (re-staging it from scratch is fine: same bytes).
     publish(tmp_path, 2, "b")
-    assert store.read_pointer(RUN, FMT) == 2
-    assert store.verify(RUN, FMT, 2).source_checksum == "xxh3_128:b"
+    assert store.read_pointer(STREAM) == 2
+    assert store.verify(STREAM.at(2)).source_checksum == "xxh3_128:b"
     # ...and version 2 is immutable from then on.
-    staged = store.staging_dir(RUN, FMT, 2)
+    staged = store.staging_dir(STREAM.at(2))
     (staged / "config.json").write_text("{}")
     build_manifest(staged, format=FMT).write(staged)
     with pytest.raises(VersionConflict):
-        store.commit(RUN, FMT, 2, staged)
+        store.commit(STREAM.at(2), staged)
     # Leftovers of the killed publisher are only hidden staging dirs / pointer temporaries.
     visible = sorted(p.name for p in (tmp_path / RUN / FMT).iterdir() if not p.name.startswith("."))
     assert visible == ["CURRENT", "v000001", "v000002"]

@@ -15,6 +15,7 @@ from weight_sync.types import (
     VersionRef,
     VersionUnavailable,
     parse_version,
+    version_name,
 )
 
 
@@ -115,3 +116,9 @@ def test_version_unavailable_body() -> None:
         VersionUnavailable(
             VersionConstraint(min_version=1), applied_version=1, pending_version=None, replica="r", group="g"
         )
+
+
+def test_version_name() -> None:
+    assert [version_name(v) for v in (0, 7, 123456, 1234567)] == ["v000000", "v000007", "v123456", "v1234567"]
+    with pytest.raises(InvalidVersion):
+        version_name(-1)

@@ -23,6 +23,7 @@ import pytest
 from tests.support.procs import free_port, mixfleet_argv, process, wait_http
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
+from weight_sync.types import FormatRef
 
 CONTROL = ("/pause_generation", "/update_weights_from_disk", "/continue_generation")
 
@@ -105,7 +106,7 @@ def _updated_by_sidecar(
     wait until the sidecar reports it active; return the engine's control calls after the
     sidecar's start-up ``/continue_generation`` (which resumes an engine a predecessor may have
     left paused) and the sidecar's last activation."""
-    engine = StandInEngine(store.read_pointer("run", "bf16"), weight_update)
+    engine = StandInEngine(store.read_pointer(FormatRef("run", "bf16")), weight_update)
     port = free_port()
     argv = mixfleet_argv(
         "sidecar", "--engine", engine.url, "--group", "g", "--format", "bf16", "--store", str(store.root),
@@ -115,7 +116,7 @@ def _updated_by_sidecar(
     try:
         with process(argv, log=work / "sidecar.log") as proc:
             wait_http(f"http://127.0.0.1:{port}/v1/status", timeout=60, proc=proc)
-            target = store.read_pointer("run", "bf16") + 1
+            target = store.read_pointer(FormatRef("run", "bf16")) + 1
             publish_checkpoint(store, "run", target, tiny_seed2, ["bf16"], workers=0)
             deadline = time.monotonic() + 60
             while True:

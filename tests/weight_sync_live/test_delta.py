@@ -24,6 +24,7 @@ from weight_sync.manifest import ChecksumError, Manifest, build_manifest
 from weight_sync.publish import publish_checkpoint, publish_delta
 from weight_sync.stage import stage_version
 from weight_sync.store.local import LocalStore
+from weight_sync.types import FormatRef, VersionRef
 
 RUN = "r"
 FORMATS = ["bf16", "fp8", "nvfp4"]
@@ -75,12 +76,12 @@ def test_delta_stages_to_exactly_the_full_conversion(
     assert {f.format: f.kind for f in result.formats} == dict.fromkeys(FORMATS, "delta")
     # The reference: the merged checkpoint (built here), converted in full per format. The bf16
     # version of 1 is the base the delta applies to, so the reference starts from it too.
-    ref_src = _merged(store.version_dir(RUN, "bf16", 1), changed, tmp_path / "ref-src")
+    ref_src = _merged(store.version_dir(VersionRef(RUN, "bf16", 1)), changed, tmp_path / "ref-src")
     (ref_src / "manifest.json").unlink()
     for fmt in FORMATS:
-        assert store.read_pointer(RUN, fmt) == 2
-        m = store.read_manifest(RUN, fmt, 2)
-        full = store.read_manifest(RUN, fmt, 1)
+        assert store.read_pointer(FormatRef(RUN, fmt)) == 2
+        m = store.read_manifest(VersionRef(RUN, fmt, 2))
+        full = store.read_manifest(VersionRef(RUN, fmt, 1))
         assert m.kind == "delta" and m.base_version == 1
         # Only the shard(s) holding a changed tensor are new; the other shard, config and
         # tokenizer files come from the base.
@@ -89,7 +90,9 @@ def test_delta_stages_to_exactly_the_full_conversion(
         assert m.total_bytes < full.total_bytes
         ref = convert_checkpoint(ref_src, tmp_path / f"ref-{fmt}", fmt)
         for mode in ("copy", "inplace"):
-            staged = stage_version(store, RUN, fmt, 2, tmp_path / f"staging-{fmt}-{mode}", mode=mode)
+            staged = stage_version(
+                store, VersionRef(RUN, fmt, 2), tmp_path / f"staging-{fmt}-{mode}", mode=mode
+            )
             names = sorted(p.name for p in staged.path.iterdir() if p.name != "manifest.json")
             assert names == sorted(ref.files), (fmt, mode)
             for name in names:
@@ -103,7 +106,7 @@ def test_delta_stages_to_exactly_the_full_conversion(
     assert all(f.reused for f in again.formats)
     more = {LM_HEAD: (changed[LM_HEAD].float() * -1).to(changed[LM_HEAD].dtype)}
     publish_delta(store, RUN, 3, _write_delta(tmp_path / "third", more), 2, FORMATS, workers=0)
-    staged = stage_version(store, RUN, "bf16", 3, tmp_path / "staging-3")
+    staged = stage_version(store, VersionRef(RUN, "bf16", 3), tmp_path / "staging-3")
     got: dict[str, torch.Tensor] = {}
     for shard in staged.path.glob("*.safetensors"):
         got.update(load_file(shard))
@@ -141,20 +144,20 @@ def test_bad_deltas_are_refused_before_anything_moves(
     with pytest.raises(UserError, match="no bf16 version 1 .a delta applies to the base's bf16 copy"):
         publish_delta(no_bf16, RUN, 2, ok, 1, ["fp8"], workers=0)
     for fmt in FORMATS:
-        assert store.read_pointer(RUN, fmt) == 1 and store.versions(RUN, fmt) == [1]
+        assert store.read_pointer(FormatRef(RUN, fmt)) == 1 and store.versions(FormatRef(RUN, fmt)) == [1]
 
 
 def test_a_base_file_the_new_version_lacks_keeps_that_format_full(store: LocalStore, tmp_path: Path) -> None:
     """A delta cannot delete a file: reduce_to_delta leaves such a version full."""
-    staged = Path(store.staging_dir(RUN, "bf16", 2))
-    shutil.copytree(store.version_dir(RUN, "bf16", 1), staged, dirs_exist_ok=True)
+    staged = Path(store.staging_dir(VersionRef(RUN, "bf16", 2)))
+    shutil.copytree(store.version_dir(VersionRef(RUN, "bf16", 1)), staged, dirs_exist_ok=True)
     m = Manifest.read(staged)
     dropped = next(rel for rel in m.files if rel.startswith("tokenizer"))
     (staged / dropped).unlink()
     files = {k: v for k, v in m.files.items() if k != dropped}
     Manifest(None, "bf16", "full", None, m.source_checksum, files, m.tensor_count,
              sum(e.bytes for e in files.values())).write(staged, fsync=False)  # fmt: skip
-    assert reduce_to_delta(store, RUN, "bf16", 1, staged) is None
+    assert reduce_to_delta(store, VersionRef(RUN, "bf16", 1), staged) is None
     assert Manifest.read(staged).kind == "full" and (staged / next(iter(files))).exists()
 
 
@@ -194,6 +197,7 @@ def test_router_publishes_a_delta(tmp_path: Path, tiny_2shards: Path) -> None:
 def test_cli_publishes_a_delta_into_a_store(store: LocalStore, tmp_path: Path, tiny_2shards: Path) -> None:
     delta = _write_delta(tmp_path, {LM_HEAD: _changed(tiny_2shards)[LM_HEAD]})
     args = ["weights", "publish", "--store", str(store.root), "--run", RUN, "--formats", "bf16,fp8,nvfp4"]
+
     def cli(base: str) -> subprocess.CompletedProcess:
         argv = mixfleet_argv(*args, "--delta-of", base, str(delta))
         return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -213,7 +217,7 @@ def test_a_broken_delta_chain_is_refused_naming_its_manifest(store: LocalStore, 
         d.mkdir()
         (d / "config.json").write_text("{}")
         build_manifest(d, format="bf16", kind="delta", base_version=base).write(d, fsync=False)
-        store.commit(RUN, "bf16", version, d)
+        store.commit(VersionRef(RUN, "bf16", version), d)
     with pytest.raises(ChecksumError, match="cyclic") as err:
-        stage_version(store, RUN, "bf16", 2, tmp_path / "staging")
+        stage_version(store, VersionRef(RUN, "bf16", 2), tmp_path / "staging")
     assert err.value.path.name == "manifest.json"

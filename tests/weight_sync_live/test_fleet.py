@@ -29,6 +29,7 @@ from tests.support.fleet import LOCAL_GROUPS, LocalFleet, local_fleet
 from tests.support.procs import REPO, mixfleet_argv
 from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset
 from weight_sync.convert import convert_checkpoint
+from weight_sync.types import VersionRef
 
 RUN = "run"
 MAX_LAG = 1
@@ -136,14 +137,14 @@ def live(tmp_path_factory, tiny_base):
 def _precommit(fleet: LocalFleet, version: int, ckpt: Path, formats: list[str] | None = None) -> None:
     """Convert and commit ``version`` for ``formats`` without moving any pointer."""
     for f in formats or fleet.formats:
-        staged = fleet.store.staging_dir(RUN, f, version)
+        staged = fleet.store.staging_dir(VersionRef(RUN, f, version))
         convert_checkpoint(ckpt, staged, f, workers=1)
-        fleet.store.commit(RUN, f, version, staged)
+        fleet.store.commit(VersionRef(RUN, f, version), staged)
 
 
 def _advance(live: Live, version: int, formats: list[str] | None = None) -> None:
     for f in formats or live.fleet.formats:
-        live.fleet.store.advance(RUN, f, version)
+        live.fleet.store.advance(VersionRef(RUN, f, version))
     live.get("/v1/weights")  # the router adopts the store's latest version
 
 
@@ -367,7 +368,7 @@ def test_corrupt_shard_keeps_old_version_and_a_republish_recovers(live: Live, ti
     old = fleet.latest()
     v = old + 1
     _precommit(fleet, v, tiny_base)
-    shard = fleet.store.version_dir(RUN, "fp8", v) / "model.safetensors"
+    shard = fleet.store.version_dir(VersionRef(RUN, "fp8", v)) / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))

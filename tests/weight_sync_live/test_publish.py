@@ -17,6 +17,7 @@ from weight_sync.convert import convert_checkpoint
 from weight_sync.errors import UserError
 from weight_sync.publish import ConversionPool, bootstrap, publish_checkpoint, rollback
 from weight_sync.store.local import LocalStore
+from weight_sync.types import FormatRef, VersionRef
 
 FORMATS = ["bf16", "fp8", "nvfp4"]
 RUN = "r"
@@ -45,8 +46,8 @@ def test_barrier_moves_no_pointer_before_every_format_is_committed(tmp_path, tin
     first_advance = kinds.index("advanced")
     assert all(k != "committed" for k in kinds[first_advance:]), seen
     for f in FORMATS:
-        assert store.read_pointer(RUN, f) == 1
-        m = store.verify(RUN, f, 1)
+        assert store.read_pointer(FormatRef(RUN, f)) == 1
+        m = store.verify(VersionRef(RUN, f, 1))
         assert m.version == 1 and m.format == f and m.kind == "full"
 
 
@@ -56,7 +57,7 @@ def test_per_format_moves_each_pointer_as_soon_as_its_format_is_ready(tmp_path, 
     kinds = [k for k, _ in seen]
     # The first format's pointer moves while another format is still to be converted.
     assert kinds.index("advanced") < max(i for i, k in enumerate(kinds) if k == "converted"), seen
-    assert {store.read_pointer(RUN, f) for f in FORMATS} == {1}
+    assert {store.read_pointer(FormatRef(RUN, f)) for f in FORMATS} == {1}
 
 
 def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, monkeypatch) -> None:
@@ -73,7 +74,7 @@ def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, m
         result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
         assert sorted(f.format for f in result.formats) == sorted(FORMATS)
         for f in FORMATS:
-            assert store.verify(RUN, f, 1).version == 1
+            assert store.verify(VersionRef(RUN, f, 1)).version == 1
     finally:
         pool.close()
 
@@ -104,7 +105,7 @@ def test_checkpoint_already_on_the_store_filesystem(tmp_path, tiny_base) -> None
     result = publish_checkpoint(store, RUN, 1, uploaded, FORMATS, workers=0)
     assert {f.format for f in result.formats} == set(FORMATS)
     for f in FORMATS:
-        assert store.read_pointer(RUN, f) == 1 and store.versions(RUN, f) == [1]
+        assert store.read_pointer(FormatRef(RUN, f)) == 1 and store.versions(FormatRef(RUN, f)) == [1]
     assert sorted(p.name for p in uploaded.iterdir()) == sorted(p.name for p in tiny_base.iterdir())
 
 
@@ -117,12 +118,14 @@ def test_bootstrap_starts_a_run_at_version_0_and_fills_in_new_formats(
     publish_checkpoint(store, RUN, 3, tiny_seed2, ["bf16", "fp8"], workers=0)
     # A group of a new format joins a run at version 3: it gets version 3's content.
     assert bootstrap(store, RUN, tiny_base, FORMATS, workers=0) == {"bf16": 3, "fp8": 3, "nvfp4": 3}
-    store.verify(RUN, "nvfp4", 3)
-    assert store.versions(RUN, "nvfp4") == [3]
+    store.verify(VersionRef(RUN, "nvfp4", 3))
+    assert store.versions(FormatRef(RUN, "nvfp4")) == [3]
     direct = tmp_path / "direct-nvfp4"
     convert_checkpoint(tiny_seed2, direct, "nvfp4", workers=1)
     for shard in direct.glob("*.safetensors"):
-        assert (store.version_dir(RUN, "nvfp4", 3) / shard.name).read_bytes() == shard.read_bytes()
+        assert (
+            store.version_dir(VersionRef(RUN, "nvfp4", 3)) / shard.name
+        ).read_bytes() == shard.read_bytes()
 
 
 def test_rollback_publishes_a_new_number_with_old_content(tmp_path, tiny_base, tiny_seed2) -> None:
@@ -132,12 +135,12 @@ def test_rollback_publishes_a_new_number_with_old_content(tmp_path, tiny_base, t
     result = rollback(store, RUN, 1, FORMATS)
     assert result.version == 3 and result.content_of == 1
     for f in FORMATS:
-        assert store.read_pointer(RUN, f) == 3
-        m3, m1, m2 = (store.verify(RUN, f, v) for v in (3, 1, 2))
+        assert store.read_pointer(FormatRef(RUN, f)) == 3
+        m3, m1, m2 = (store.verify(VersionRef(RUN, f, v)) for v in (3, 1, 2))
         assert m3.version == 3 and m3.same_content(m1) and not m3.same_content(m2)
         for rel in m1.files:
-            a = (store.version_dir(RUN, f, 1) / rel).read_bytes()
-            assert a == (store.version_dir(RUN, f, 3) / rel).read_bytes()
+            a = (store.version_dir(VersionRef(RUN, f, 1)) / rel).read_bytes()
+            assert a == (store.version_dir(VersionRef(RUN, f, 3)) / rel).read_bytes()
     with pytest.raises(UserError, match="no bf16 version 9"):
         rollback(store, RUN, 9, FORMATS)
 
@@ -194,17 +197,17 @@ def test_publisher_killed_mid_conversion(tmp_path, tiny_base) -> None:
     lines = _kill_after(proc, "committed")
     assert proc.returncode == -signal.SIGKILL, lines
     assert not any("advanced" in x for x in lines), lines
-    committed = [f for f in FORMATS if 2 in store.versions(RUN, f)]
+    committed = [f for f in FORMATS if 2 in store.versions(FormatRef(RUN, f))]
     assert 1 <= len(committed) < len(FORMATS), (committed, lines)  # killed between two conversions
     for f in FORMATS:
-        assert store.read_pointer(RUN, f) == 1
-        store.verify(RUN, f, 1)
+        assert store.read_pointer(FormatRef(RUN, f)) == 1
+        store.verify(VersionRef(RUN, f, 1))
 
     result = publish_checkpoint(store, RUN, 2, tiny_base, FORMATS, workers=0)
     assert sorted(f.format for f in result.formats if f.reused) == sorted(committed)
     for f in FORMATS:
-        assert store.read_pointer(RUN, f) == 2
-        store.verify(RUN, f, 2)
+        assert store.read_pointer(FormatRef(RUN, f)) == 2
+        store.verify(VersionRef(RUN, f, 2))
 
 
 def test_cli_bad_input_is_one_line(tmp_path) -> None:
@@ -230,13 +233,13 @@ def test_cli_bad_input_is_one_line(tmp_path) -> None:
 
 
 def test_router_pool_has_a_worker_per_format_even_on_fewer_cores(tmp_path) -> None:
-    from router.weights import WeightsService
+    from router.publishing import PublishService
 
     cores = os.cpu_count() or 1
-    service = WeightsService(tmp_path / "store", RUN)
+    service = PublishService(tmp_path / "store", RUN)
     pool = service.start_pool(cores + 1, warm=False)
     assert pool is not None and pool.workers == cores + 1 and pool.threads == 1
     assert service.start_pool(1, warm=False) is pool  # one pool for the router's life
-    assert WeightsService(tmp_path / "store", RUN).start_pool(1, warm=False).workers == cores
-    assert WeightsService(tmp_path / "store", RUN, workers=1).start_pool(9, warm=False).workers == 1
-    assert WeightsService(tmp_path / "store", RUN, workers=0).publish_kwargs(3) == {"workers": 0}
+    assert PublishService(tmp_path / "store", RUN).start_pool(1, warm=False).workers == cores
+    assert PublishService(tmp_path / "store", RUN, workers=1).start_pool(9, warm=False).workers == 1
+    assert PublishService(tmp_path / "store", RUN, workers=0).publish_kwargs(3) == {"workers": 0}

@@ -14,6 +14,7 @@ from fleet.sidecar import parse_prometheus
 from tests.support.engines import engine_process
 from tests.support.router import router_process, write_preset
 from weight_sync.store.local import LocalStore
+from weight_sync.types import VersionRef
 
 RUN = "run"
 
@@ -23,10 +24,10 @@ def test_latest_version_and_lag_are_known_at_startup(
     tmp_path: Path, tiny_base: Path, tiny_seed2: Path
 ) -> None:
     store = LocalStore(tmp_path / "store")
-    store.publish(RUN, "bf16", 1, tiny_base)  # a BF16 checkpoint is its own bf16 version
-    store.publish(RUN, "bf16", 3, tiny_seed2)
+    store.publish(VersionRef(RUN, "bf16", 1), tiny_base)  # a BF16 checkpoint is its own bf16 version
+    store.publish(VersionRef(RUN, "bf16", 3), tiny_seed2)
     # A plain engine (static replica, no sidecar to move it) still serving version 1.
-    with engine_process(store.version_dir(RUN, "bf16", 1), weight_version=1) as engine:
+    with engine_process(store.version_dir(VersionRef(RUN, "bf16", 1)), weight_version=1) as engine:
         preset = write_preset(
             tmp_path / "p.toml", [{"name": "cpu-bf16", "weight_format": "bf16", "replicas": [engine]}]
         )
@@ -43,7 +44,7 @@ def test_latest_version_and_lag_are_known_at_startup(
 
             # A version published straight into the store (not through this router) is adopted,
             # and the replica, now 3 behind, leaves rotation.
-            store.publish(RUN, "bf16", 4, tiny_base)
+            store.publish(VersionRef(RUN, "bf16", 4), tiny_base)
             deadline = time.monotonic() + 20
             while True:
                 snap = httpx.get(router.url + "/v1/groups", headers=router.headers, timeout=10).json()

@@ -15,8 +15,10 @@ from weight_sync.manifest import ChecksumError, build_manifest
 from weight_sync.publish import publish_checkpoint
 from weight_sync.stage import StageAborted, clean_staging, stage_version
 from weight_sync.store.local import LocalStore
+from weight_sync.types import VersionRef
 
 RUN = "r"
+V1 = VersionRef(RUN, "bf16", 1)
 
 
 @pytest.fixture()
@@ -35,28 +37,28 @@ def _same_tree(a: Path, b: Path) -> None:
 
 def test_copy_stages_a_verified_complete_directory(store, tmp_path) -> None:
     seen: list[int] = []
-    staged = stage_version(store, RUN, "bf16", 1, tmp_path / "staging", progress=seen.append)
+    staged = stage_version(store, V1, tmp_path / "staging", progress=seen.append)
     assert staged.copied and staged.path == tmp_path / "staging" / "v000001"
-    assert staged.bytes == store.read_manifest(RUN, "bf16", 1).total_bytes == seen[-1]
-    _same_tree(staged.path, store.version_dir(RUN, "bf16", 1))
-    again = stage_version(store, RUN, "bf16", 1, tmp_path / "staging")  # already staged: re-verified
+    assert staged.bytes == store.read_manifest(V1).total_bytes == seen[-1]
+    _same_tree(staged.path, store.version_dir(V1))
+    again = stage_version(store, V1, tmp_path / "staging")  # already staged: re-verified
     assert again.path == staged.path
 
 
 def test_inplace_verifies_the_store_copy(store, tmp_path) -> None:
-    staged = stage_version(store, RUN, "bf16", 1, tmp_path / "staging", mode="inplace")
-    assert not staged.copied and staged.path == store.version_dir(RUN, "bf16", 1)
+    staged = stage_version(store, V1, tmp_path / "staging", mode="inplace")
+    assert not staged.copied and staged.path == store.version_dir(V1)
     assert not (tmp_path / "staging").exists()
 
 
 @pytest.mark.parametrize("mode", ["copy", "inplace"])
 def test_corrupt_shard_is_named_and_nothing_is_staged(store, tmp_path, mode) -> None:
-    shard = store.version_dir(RUN, "bf16", 1) / "model.safetensors"
+    shard = store.version_dir(V1) / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(ChecksumError) as err:
-        stage_version(store, RUN, "bf16", 1, tmp_path / "staging", mode=mode)
+        stage_version(store, V1, tmp_path / "staging", mode=mode)
     assert err.value.path == shard and "content differs" in err.value.reason
     assert not list((tmp_path / "staging").glob("v*")) if (tmp_path / "staging").exists() else True
 
@@ -69,7 +71,7 @@ def test_abort_leaves_no_usable_directory(store, tmp_path) -> None:
         return len(calls) > 2
 
     with pytest.raises(StageAborted):
-        stage_version(store, RUN, "bf16", 1, tmp_path / "staging", should_abort=abort)
+        stage_version(store, V1, tmp_path / "staging", should_abort=abort)
     assert list((tmp_path / "staging").iterdir()) == []
 
 
@@ -83,10 +85,10 @@ def test_delta_version_is_materialized_over_its_base(store, tmp_path, tiny_base)
     save_file(tensors, str(delta_src / "model.safetensors"), metadata={"format": "pt"})
     m = build_manifest(delta_src, format="bf16", kind="delta", base_version=1)
     m.write(delta_src)
-    store.publish(RUN, "bf16", 2, delta_src)
-    assert store.read_manifest(RUN, "bf16", 2).kind == "delta"
-    staged = stage_version(store, RUN, "bf16", 2, tmp_path / "staging")
-    base_dir = store.version_dir(RUN, "bf16", 1)
+    store.publish(VersionRef(RUN, "bf16", 2), delta_src)
+    assert store.read_manifest(VersionRef(RUN, "bf16", 2)).kind == "delta"
+    staged = stage_version(store, VersionRef(RUN, "bf16", 2), tmp_path / "staging")
+    base_dir = store.version_dir(V1)
     for p in base_dir.iterdir():
         if p.name in ("manifest.json", "model.safetensors"):
             continue

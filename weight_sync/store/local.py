@@ -42,15 +42,8 @@ from weight_sync.manifest import (
     list_files,
     verify_dir,
 )
-from weight_sync.store.base import (
-    PointerError,
-    StoreError,
-    VersionConflict,
-    VersionStore,
-    check_name,
-    check_version,
-    version_name,
-)
+from weight_sync.store.base import PointerError, StoreError, VersionConflict, VersionStore
+from weight_sync.types import FormatRef, InvalidVersion, VersionRef, parse_version
 
 POINTER_NAME = "CURRENT"
 STAGING = ".staging"
@@ -74,41 +67,40 @@ class LocalStore(VersionStore):
 
     # --- layout -------------------------------------------------------------------------------
 
-    def format_dir(self, run_id: str, fmt: str) -> Path:
-        return self.root / check_name("run id", run_id) / check_name("format", fmt)
+    def format_dir(self, stream: FormatRef) -> Path:
+        return self.root / stream.run_id / stream.format
 
-    def version_dir(self, run_id: str, fmt: str, version: int) -> Path:
-        return self.format_dir(run_id, fmt) / version_name(version)
+    def version_dir(self, ref: VersionRef) -> Path:
+        return self.format_dir(ref.stream) / ref.name
 
-    def pointer_path(self, run_id: str, fmt: str) -> Path:
-        return self.format_dir(run_id, fmt) / POINTER_NAME
+    def pointer_path(self, stream: FormatRef) -> Path:
+        return self.format_dir(stream) / POINTER_NAME
 
-    def staging_dir(self, run_id: str, fmt: str, version: int) -> Path:
-        base = self.format_dir(run_id, fmt) / STAGING
+    def staging_dir(self, ref: VersionRef) -> Path:
+        base = self.format_dir(ref.stream) / STAGING
         base.mkdir(parents=True, exist_ok=True)
-        path = base / f"{version_name(version)}-{os.getpid()}-{secrets.token_hex(6)}"
+        path = base / f"{ref.name}-{os.getpid()}-{secrets.token_hex(6)}"
         path.mkdir(mode=0o700)
         return path
 
-    def _is_staging(self, run_id: str, fmt: str, path: Path) -> bool:
-        base = (self.format_dir(run_id, fmt) / STAGING).resolve()
+    def _is_staging(self, stream: FormatRef, path: Path) -> bool:
+        base = (self.format_dir(stream) / STAGING).resolve()
         return path.resolve().parent == base
 
     # --- commit -------------------------------------------------------------------------------
 
-    def commit(self, run_id: str, fmt: str, version: int, staged: Path) -> Manifest:
-        check_version(version)
+    def commit(self, ref: VersionRef, staged: Path) -> Manifest:
         staged = Path(staged)
         if not staged.is_dir():
             raise StoreError(f"cannot commit {staged}: not a directory")
-        target = self.version_dir(run_id, fmt, version)
+        target = self.version_dir(ref)
 
-        manifest = self._staged_manifest(staged, fmt).with_version(version)
+        manifest = self._staged_manifest(staged, ref.format).with_version(ref.version)
         if target.exists():
-            return self._same_or_conflict(run_id, fmt, version, manifest, staged)
+            return self._same_or_conflict(ref, manifest, staged)
 
-        if not self._is_staging(run_id, fmt, staged):
-            staged = self._copy_in(run_id, fmt, version, staged, manifest)
+        if not self._is_staging(ref.stream, staged):
+            staged = self._copy_in(ref, staged, manifest)
             self._on_step("copied")
 
         for rel in manifest.files:
@@ -120,7 +112,7 @@ class LocalStore(VersionStore):
             os.rename(staged, target)
         except OSError:
             if target.exists():  # a concurrent committer won the race
-                return self._same_or_conflict(run_id, fmt, version, manifest, staged)
+                return self._same_or_conflict(ref, manifest, staged)
             raise
         fsync_dir(target.parent)
         self._on_step("committed")
@@ -135,27 +127,23 @@ class LocalStore(VersionStore):
             return manifest
         return build_manifest(staged, format=fmt)
 
-    def _same_or_conflict(
-        self, run_id: str, fmt: str, version: int, manifest: Manifest, staged: Path
-    ) -> Manifest:
+    def _same_or_conflict(self, ref: VersionRef, manifest: Manifest, staged: Path) -> Manifest:
         try:
-            existing = Manifest.read(self.version_dir(run_id, fmt, version))
+            existing = Manifest.read(self.version_dir(ref))
         except ManifestError as exc:
-            raise VersionConflict(
-                f"{run_id}/{fmt} {version_name(version)} exists but is unreadable: {exc}"
-            ) from None
+            raise VersionConflict(f"{ref} exists but is unreadable: {exc}") from None
         if not existing.same_content(manifest):
             raise VersionConflict(
-                f"{run_id}/{fmt} {version_name(version)} is already committed with other content "
+                f"{ref} is already committed with other content "
                 "(versions are immutable; publish a new number)"
             )
-        if self._is_staging(run_id, fmt, staged):
+        if self._is_staging(ref.stream, staged):
             shutil.rmtree(staged, ignore_errors=True)
         return existing
 
-    def _copy_in(self, run_id: str, fmt: str, version: int, src: Path, manifest: Manifest) -> Path:
+    def _copy_in(self, ref: VersionRef, src: Path, manifest: Manifest) -> Path:
         """Copy ``src``'s listed files into a fresh staging directory, checking each digest."""
-        dst = self.staging_dir(run_id, fmt, version)
+        dst = self.staging_dir(ref)
         try:
             for rel, entry in manifest.files.items():
                 (dst / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -172,8 +160,8 @@ class LocalStore(VersionStore):
     # --- pointer ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self, run_id: str, fmt: str) -> Iterator[None]:
-        d = self.format_dir(run_id, fmt)
+    def _locked(self, stream: FormatRef) -> Iterator[None]:
+        d = self.format_dir(stream)
         d.mkdir(parents=True, exist_ok=True)
         fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -182,27 +170,25 @@ class LocalStore(VersionStore):
         finally:
             os.close(fd)
 
-    def advance(self, run_id: str, fmt: str, version: int, *, expected: int | None | object = ...) -> None:
-        check_version(version)
-        with self._locked(run_id, fmt):
-            current = self.read_pointer(run_id, fmt)
+    def advance(self, ref: VersionRef, *, expected: int | None | object = ...) -> None:
+        stream, version = ref.stream, ref.version
+        with self._locked(stream):
+            current = self.read_pointer(stream)
             if expected is not ... and current != expected:
-                raise PointerError(f"{run_id}/{fmt} pointer is {current}, not the expected {expected}")
+                raise PointerError(f"{stream} pointer is {current}, not the expected {expected}")
             if current == version:
                 return
             if current is not None and version < current:
                 raise PointerError(
-                    f"{run_id}/{fmt} pointer is at {current}; it never moves backwards to {version} "
+                    f"{stream} pointer is at {current}; it never moves backwards to {version} "
                     "(roll back by publishing a new number)"
                 )
-            target = self.version_dir(run_id, fmt, version)
+            target = self.version_dir(ref)
             try:
                 check_file_set(target, Manifest.read(target))
             except (ManifestError, ChecksumError) as exc:
-                raise PointerError(
-                    f"{run_id}/{fmt} {version_name(version)} is not committed: {exc}"
-                ) from None
-            d = self.format_dir(run_id, fmt)
+                raise PointerError(f"{ref} is not committed: {exc}") from None
+            d = self.format_dir(stream)
             tmp = d / f".{POINTER_NAME}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -216,33 +202,33 @@ class LocalStore(VersionStore):
             fsync_dir(d)
         self._on_step("advanced")
 
-    def read_pointer(self, run_id: str, fmt: str) -> int | None:
-        path = self.pointer_path(run_id, fmt)
+    def read_pointer(self, stream: FormatRef) -> int | None:
+        path = self.pointer_path(stream)
         try:
             text = path.read_text()
         except FileNotFoundError:
             return None
         try:
-            return check_version(int(text.strip()))
-        except (ValueError, StoreError):
+            return parse_version(text)
+        except InvalidVersion:
             raise StoreError(f"{path} is corrupt (holds {text[:40]!r}, not a version number)") from None
 
     # --- reading ------------------------------------------------------------------------------
 
-    def read_manifest(self, run_id: str, fmt: str, version: int) -> Manifest:
-        d = self.version_dir(run_id, fmt, version)
+    def read_manifest(self, ref: VersionRef) -> Manifest:
+        d = self.version_dir(ref)
         if not d.is_dir():
-            raise StoreError(f"{run_id}/{fmt} has no committed {version_name(version)}")
+            raise StoreError(f"{ref.stream} has no committed {ref.name}")
         return Manifest.read(d)
 
-    def verify(self, run_id: str, fmt: str, version: int) -> Manifest:
-        d = self.version_dir(run_id, fmt, version)
+    def verify(self, ref: VersionRef) -> Manifest:
+        d = self.version_dir(ref)
         if not d.is_dir():
-            raise StoreError(f"{run_id}/{fmt} has no committed {version_name(version)}")
+            raise StoreError(f"{ref.stream} has no committed {ref.name}")
         return verify_dir(d)
 
-    def versions(self, run_id: str, fmt: str) -> list[int]:
-        d = self.format_dir(run_id, fmt)
+    def versions(self, stream: FormatRef) -> list[int]:
+        d = self.format_dir(stream)
         try:
             names = os.listdir(d)
         except FileNotFoundError:
@@ -256,12 +242,12 @@ class LocalStore(VersionStore):
 
     # --- housekeeping -------------------------------------------------------------------------
 
-    def clean_staging(self, run_id: str, fmt: str, *, older_than_s: float = 3600.0) -> list[Path]:
+    def clean_staging(self, stream: FormatRef, *, older_than_s: float = 3600.0) -> list[Path]:
         """Remove staging directories (left by killed publishers) untouched for ``older_than_s``.
 
         Never touches committed versions or the pointer. Returns what was removed.
         """
-        base = self.format_dir(run_id, fmt) / STAGING
+        base = self.format_dir(stream) / STAGING
         removed = []
         now = time.time()
         with contextlib.suppress(FileNotFoundError):
@@ -271,6 +257,6 @@ class LocalStore(VersionStore):
                     removed.append(p)
         return removed
 
-    def files(self, run_id: str, fmt: str, version: int) -> list[str]:
+    def files(self, ref: VersionRef) -> list[str]:
         """Relative paths of a version's files (manifest excluded)."""
-        return list_files(self.version_dir(run_id, fmt, version))
+        return list_files(self.version_dir(ref))
