@@ -2,7 +2,8 @@
 replica heartbeats and the latest published weight version.
 
 Adapters: :mod:`router.state.memory` (one process) and :mod:`router.state.redis` (several
-routers share one Redis). Both pass ``tests/router/test_state_contract.py``.
+routers share one Redis); :func:`router.state.open_store` picks one by URL. Both pass
+``tests/router/test_state_contract.py``.
 
 Contract, for every adapter:
 
@@ -202,16 +203,3 @@ class TurnConflict(StateError):
     def __init__(self, next_turn: int) -> None:
         super().__init__(f"next turn is {next_turn}")
         self.next_turn = next_turn
-
-
-def open_store(url: str, *, retention_s: float = 3600.0) -> StateStore:
-    """``memory`` or ``redis://host:port/db`` -> a store. Raises ValueError for other URLs."""
-    if url == "memory":
-        from router.state.memory import MemoryStore
-
-        return MemoryStore(retention_s=retention_s)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from router.state.redis import RedisStore
-
-        return RedisStore(url, retention_s=retention_s)
-    raise ValueError(f"state URL must be 'memory' or redis://...: {url!r}")

@@ -15,12 +15,13 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
 
-Mutations that must be atomic or idempotent are Lua scripts, so the client's automatic retry
-after a dropped connection (e.g. a Redis restart) cannot apply a turn or a finish twice.
-
-The per-request calls (reading a session, appending a turn, moving it, route keys) go through
-:class:`router.state.resp.RespClient` (one pipelined connection, same retry contract), the
-rest through redis-py.
+Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
+installed). Each operation is one round trip where its reads and writes allow: a mutation is one
+Lua script (atomic, and idempotent where the contract says so, so redis-py's automatic retry
+after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finish twice); a
+session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
+retried with backoff for ``outage_s`` seconds; after that a call raises
+:class:`~router.state.base.StateUnavailable`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.state import resp
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -193,21 +194,36 @@ def _opt(v: int | None) -> str:
     return "" if v is None else str(int(v))
 
 
+def _retries(outage_s: float, backoff: ExponentialBackoff) -> int:
+    """The number of retries whose backoff sleeps add up to ``outage_s`` (at least one)."""
+    n, total = 0, 0.0
+    while total < outage_s:
+        n += 1
+        total += backoff.compute(n)
+    return max(1, n)
+
+
 class RedisStore(StateStore):
     """Redis adapter. Connection drops are retried with backoff for ``outage_s`` seconds
-    (covers a restart); after that, calls raise :class:`StateUnavailable`."""
+    (covers a restart); after that, calls raise :class:`StateUnavailable`. At most
+    ``max_connections`` commands are in flight at once; further callers wait for a connection."""
 
-    def __init__(self, url: str, *, retention_s: float = 3600.0, outage_s: float = 20.0) -> None:
+    def __init__(
+        self, url: str, *, retention_s: float = 3600.0, outage_s: float = 20.0, max_connections: int = 512
+    ) -> None:
         self.retention_s = retention_s
-        retries = max(1, int(outage_s / 0.5))
-        self._r = aioredis.Redis.from_url(
+        self._outage_s = outage_s
+        backoff = ExponentialBackoff(cap=0.5, base=0.02)
+        pool = BlockingConnectionPool.from_url(
             url,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries),
+            max_connections=max_connections,
+            timeout=10.0,
+            retry=Retry(backoff, _retries(outage_s, backoff)),
             retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError],
             socket_timeout=10.0,
             socket_connect_timeout=2.0,
-            max_connections=512,
         )
+        self._r = aioredis.Redis.from_pool(pool)
         self._create = self._r.register_script(_CREATE)
         self._route = self._r.register_script(_ROUTE)
         self._append = self._r.register_script(_APPEND)
@@ -219,11 +235,17 @@ class RedisStore(StateStore):
         self._set_latest = self._r.register_script(_SET_LATEST)
         self._group_ready = False
         self._takes = 0
-        self._fast = resp.RespClient(url, outage_s=outage_s) if resp.supports(url) else None
 
-    async def _call(self, coro_fn, *args, **kwargs):
+    async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
+        """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries) or no
+        answer within ``outage_s + extra_s`` seconds -> :class:`StateUnavailable`."""
         try:
-            return await coro_fn(*args, **kwargs)
+            async with asyncio.timeout(self._outage_s + extra_s):
+                return await coro_fn(*args, **kwargs)
+        except TimeoutError:  # the deadline (a subclass of OSError: caught first)
+            raise StateUnavailable(
+                f"redis: unreachable or not answering for {self._outage_s + extra_s:g} s"
+            ) from None
         except _UNAVAILABLE as exc:
             raise StateUnavailable(f"redis: {exc}") from None
 
@@ -247,20 +269,11 @@ class RedisStore(StateStore):
         if not created:
             raise ValueError(f"session {session_id} exists")
 
-    async def _script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
-        if self._fast is not None:
-            return await self._fast.evalsha(script.script, keys, args)
-        return await self._call(script, keys=keys, args=args)
-
     async def get_session(self, session_id: str) -> SessionInfo | None:
-        if self._fast is not None:
-            values = await self._fast.execute("HMGET", _skey(session_id), *_FIELDS)
-        else:
-            values = await self._call(self._r.hmget, _skey(session_id), _FIELDS)
-        return _info(session_id, values)
+        return _info(session_id, await self._call(self._r.hmget, _skey(session_id), _FIELDS))
 
     async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
-        rc = await self._script(self._route, [_skey(session_id), STATS], [group, replica or ""])
+        rc = await self._call(self._route, keys=[_skey(session_id), STATS], args=[group, replica or ""])
         if rc == -1:
             raise SessionNotFound(session_id)
 
@@ -276,10 +289,10 @@ class RedisStore(StateStore):
         max_version: int | None,
         expected_turn: int | None = None,
     ) -> int:
-        rc, idx = await self._script(
+        rc, idx = await self._call(
             self._append,
-            [_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
-            [
+            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
+            args=[
                 request_id,
                 blob,
                 group,
@@ -351,7 +364,15 @@ class RedisStore(StateStore):
         lease_timeout_s: float,
         wait_s: float = 0.0,
     ) -> Lease:
-        return await self._call(self._take, size, trainer_version, max_version_age, lease_timeout_s, wait_s)
+        return await self._call(
+            self._take,
+            size,
+            trainer_version,
+            max_version_age,
+            lease_timeout_s,
+            wait_s,
+            extra_s=max(0.0, wait_s),
+        )
 
     async def _take(
         self, size: int, trainer_version: int, max_age: int | None, lease_timeout_s: float, wait_s: float
@@ -497,18 +518,12 @@ class RedisStore(StateStore):
         return int(await self._call(self._set_latest, keys=[LATEST], args=[int(version)]))
 
     async def get_route_key(self, key: str) -> dict[str, Any] | None:
-        if self._fast is not None:
-            v = await self._fast.execute("GET", f"{P}rk:{key}")
-        else:
-            v = await self._call(self._r.get, f"{P}rk:{key}")
+        v = await self._call(self._r.get, f"{P}rk:{key}")
         return None if v is None else json.loads(v)
 
     async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
         px = max(1, int(ttl_s * 1000))
-        if self._fast is not None:
-            await self._fast.execute("SET", f"{P}rk:{key}", json.dumps(value), "PX", px)
-        else:
-            await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=px)
+        await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=px)
 
     async def ping(self) -> bool:
         try:
@@ -517,8 +532,6 @@ class RedisStore(StateStore):
             return False
 
     async def close(self) -> None:
-        if self._fast is not None:
-            await self._fast.close()
         await self._r.aclose()
 
 

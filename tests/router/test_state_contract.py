@@ -1,24 +1,32 @@
-"""One contract suite for the state port, run against the memory adapter and a real redis-server."""
+"""One contract suite for the state port, run against the memory adapter and a real redis-server;
+then what only the Redis adapter promises: the URL's database, scripts after the server forgot
+them, a restart within the outage window waited out, and a longer outage reported as
+:class:`StateUnavailable`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from router.state import open_store
 from router.state.base import (
     LeaseNotFound,
     SessionFinished,
     SessionNotFound,
     StateStore,
+    StateUnavailable,
     TurnConflict,
-    open_store,
 )
-from tests.support.procs import redis_server
+from router.state.redis import RedisStore
+from tests.support.procs import free_port, redis_server
 
 pytestmark = pytest.mark.anyio
 
@@ -271,3 +279,109 @@ async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> 
         assert (await store.get_session("busy")).status == "open"
         assert (await store.counters())["g"].active_sessions == 1
         assert await store.expire_idle(50) == []
+
+
+async def test_many_concurrent_calls_each_get_their_own_answer(store_url: str) -> None:
+    async with opened(store_url) as store:
+        sids = [f"c{i}" for i in range(200)]
+        await asyncio.gather(
+            *(store.create_session(sid, f"g{i % 3}", {"i": i}, now=1.0) for i, sid in enumerate(sids))
+        )
+        blobs = [bytes([i % 256]) + b"\r\n\x00" + sid.encode() for i, sid in enumerate(sids)]
+        idx = await asyncio.gather(
+            *(
+                store.append_turn(sid, "r", blob, group=f"g{i % 3}", tokens=i, min_version=i, max_version=i)
+                for i, (sid, blob) in enumerate(zip(sids, blobs, strict=True))
+            )
+        )
+        assert idx == [0] * len(sids)
+        infos = await asyncio.gather(*(store.get_session(sid) for sid in sids))
+        assert [(s.session_id, s.metadata["i"], s.tokens, s.min_version) for s in infos] == [
+            (sid, i, i, i) for i, sid in enumerate(sids)
+        ]
+        assert await asyncio.gather(*(store.get_turns(sid) for sid in sids)) == [[b] for b in blobs]
+
+
+async def test_redis_uses_the_database_of_its_url(redis_url: str) -> None:
+    other = redis_url.rsplit("/", 1)[0] + "/3"
+    plain, third = redis.Redis.from_url(redis_url), redis.Redis.from_url(other)
+    plain.flushdb()
+    third.flushdb()
+    async with opened(other) as store:
+        await _session(store, "s")
+        assert (await store.get_session("s")).n_turns == 1
+    assert plain.dbsize() == 0 and third.exists("mf:s:s")
+
+
+async def test_redis_scripts_are_loaded_again_after_a_script_flush(redis_url: str) -> None:
+    redis.Redis.from_url(redis_url).flushdb()
+    async with opened(redis_url) as store:
+        await _session(store, "s", turns=1)
+        redis.Redis.from_url(redis_url).script_flush()
+        assert (
+            await store.append_turn("s", "again", b"t1", group="g1", tokens=1, min_version=1, max_version=1)
+            == 1
+        )
+        await store.finish_session("s", "f", 1.0, {})
+        assert (await store.get_session("s")).status == "finished"
+
+
+async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer_one_is_unavailable() -> None:
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="state-restart-"))
+    url = f"redis://127.0.0.1:{port}/0"
+    patient, short = RedisStore(url, outage_s=15.0), RedisStore(url, outage_s=1.0)
+    try:
+        with redis_server(port=port, data_dir=data, appendonly=True):
+            await _session(patient, "a", turns=2)
+            assert await short.get_session("a") is not None
+        restarted = asyncio.get_running_loop().run_in_executor(None, _restart_later, port, data, 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(StateUnavailable):  # down for ~2 s: the short window gives up first
+            await short.get_session("a")
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(StateUnavailable):
+            await short.append_turn("a", "r", b"x", group="g1", tokens=1, min_version=1, max_version=1)
+        info = await patient.get_session("a")  # waits the restart out; the data survived it (AOF)
+        assert info is not None and info.n_turns == 2
+        assert await patient.get_turns("a") == [b"blob-a-0", b"blob-a-1"]
+        assert (
+            await patient.append_turn("a", "r2", b"t2", group="g1", tokens=1, min_version=1, max_version=1)
+            == 2
+        )
+        assert await short.get_session("a") is not None  # the short one works again too
+        stop = await restarted
+        stop.set()
+    finally:
+        await patient.close()
+        await short.close()
+
+
+async def test_unreachable_redis_is_unavailable_not_an_error_of_the_caller() -> None:
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", outage_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StateUnavailable):
+            await store.create_session("s", "g", {}, now=0.0)
+        with pytest.raises(StateUnavailable):
+            await store.take(1, trainer_version=0, max_version_age=None, lease_timeout_s=1.0)
+        assert time.monotonic() - t0 < 10.0
+        assert await store.ping() is False
+    finally:
+        await store.close()
+
+
+def _restart_later(port: int, data: Path, after: float) -> threading.Event:
+    """Start redis-server on ``port`` (same data dir) after ``after`` seconds; return the event
+    that stops it."""
+    time.sleep(after)
+    stop, ready = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        with redis_server(port=port, data_dir=data, appendonly=True):
+            ready.set()
+            stop.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    ready.wait(30)
+    return stop
