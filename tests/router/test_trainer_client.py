@@ -1,0 +1,58 @@
+"""trainer.client against a real router and engine: a session's turns come back in a taken
+batch as flat arrays equal to the records the turn calls returned; errors carry status and detail."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.router.conftest import KEYS
+from trainer.client import AsyncRolloutClient, RolloutClient, RouterError
+
+
+def test_sync_client_round_trip(router) -> None:
+    with RolloutClient(router.url, KEYS["all"]) as c:
+        empty = c.take(16)
+        assert empty.lease_id is None and len(empty) == 0
+        s = c.create_session(group="cpu-a", metadata={"task": "t"})
+        assert s.group == "cpu-a"
+        params = {"max_new_tokens": 6, "top_p": 0.9, "temperature": 1.0, "seed": 3}
+        t0 = c.turn(s.session_id, [1, 5, 9], params)
+        t1 = c.turn(s.session_id, [1, 5, 9, *t0["output_ids"], 4], params)
+        c.finish(s.session_id, 1.0)
+        batch = c.take(16)
+        assert batch.lease_id is not None
+        mine = [i for i, t in enumerate(batch.trajectories) if t["session_id"] == s.session_id]
+        assert len(mine) == 1
+        rows = np.flatnonzero(batch.trajectory_index == mine[0])
+        records = [r for t in (t0, t1) for r in t["records"]]
+        assert batch.token_ids[rows].tolist() == [r["token_id"] for r in records]
+        np.testing.assert_allclose(batch.logprobs[rows], [r["logprob"] for r in records], rtol=0, atol=1e-6)
+        for k, row in enumerate(rows):
+            lo, hi = batch.support_offsets[row], batch.support_offsets[row + 1]
+            assert batch.support_ids[lo:hi].tolist() == records[k]["support_ids"]
+        assert {batch.groups[g] for g in batch.group_index[rows]} == {"cpu-a"}
+        assert batch.rewards()[rows].tolist() == [1.0] * len(rows)
+        c.ack(batch.lease_id)
+        with pytest.raises(RouterError) as err:
+            c.ack(batch.lease_id)
+        assert err.value.status == 404 and batch.lease_id in err.value.detail
+
+
+def test_async_client_refusals_name_the_problem(router) -> None:
+    async def main() -> None:
+        async with AsyncRolloutClient(router.url, KEYS["rollout"], retries=1, backoff_s=0.01) as c:
+            with pytest.raises(RouterError) as err:
+                await c.take(4)
+            assert err.value.status == 403
+            with pytest.raises(RouterError) as err:
+                await c.turn("no-such-session", [1, 2])
+            assert err.value.status == 404 and "no-such-session" in err.value.detail
+        async with AsyncRolloutClient(router.url, "wrong-key", retries=0) as c:
+            with pytest.raises(RouterError) as err:
+                await c.groups()
+            assert err.value.status == 401
+
+    asyncio.run(main())

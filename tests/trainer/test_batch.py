@@ -1,0 +1,105 @@
+"""trainer.batch's vectorized decoder against the router's standard-library decoder: the same
+bytes decode to the same values, token for token."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from router import records
+from trainer.batch import BatchFormatError, decode_batch
+
+
+def _turn(rng: random.Random, index: int, group: str, n: int, vocab: int) -> records.TurnData:
+    output = [rng.randrange(vocab) for _ in range(n)]
+    supports, values = [], []
+    for tok in output:
+        if rng.random() < 0.2:
+            supports.append([])
+            values.append([])
+            continue
+        k = rng.randint(1, 40)
+        ids = sorted(set(rng.sample(range(vocab), k)) | {tok})
+        lps = [math.log(rng.random() + 1e-9) for _ in ids]
+        supports.append(ids)
+        values.append(lps)
+    mu = [
+        values[i][supports[i].index(t)] if supports[i] else math.log(rng.random() + 1e-9)
+        for i, t in enumerate(output)
+    ]
+    raw = [None if rng.random() < 0.1 else math.log(rng.random() + 1e-9) for _ in output]
+    half = n // 2
+    spans = [{"version": 3, "start": 0, "end": half}, {"version": 4, "start": half, "end": n}] if n else []
+    return records.TurnData(
+        turn=index,
+        group=group,
+        replica=f"{group}-0",
+        input_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 30))],
+        output_ids=output,
+        logprobs=mu,
+        raw_logprobs=raw,
+        support_ids=supports,
+        support_logprobs=values,
+        weight_versions=[s for s in spans if s["end"] > s["start"]],
+        finish_reason={"type": "length", "length": n},
+        timings={},
+        moved_from=None,
+    )
+
+
+def _batch(seed: int, f16: bool, vocab: int = 300_000) -> bytes:
+    rng = random.Random(seed)
+    items = []
+    for s in range(5):
+        group = ("cpu-bf16", "cpu-fp8", "cpu-nvfp4")[s % 3]
+        turns = [_turn(rng, i, group, rng.randint(0, 60), vocab) for i in range(3)]
+        blobs = [records.encode_turn(t, f16=f16) for t in turns]
+        header = {"session_id": f"s{s}", "group": group, "reward": float(s % 2), "metadata": {}}
+        header["version_age"] = {"min": 0, "max": 1, "mean": 0.5}
+        items.append((header, blobs))
+    return records.encode_batch("lease-1", 2, items)
+
+
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_same_values_as_the_standard_library_decoder(seed: int, f16: bool) -> None:
+    data = _batch(seed, f16)
+    want = records.decode_batch(data)
+    got = decode_batch(data)
+    assert got.lease_id == "lease-1" and got.held_back == 2
+    tokens, mu, raw, sizes, ids, lps, versions, groups = [], [], [], [], [], [], [], []
+    for t in want["trajectories"]:
+        for turn in t["turns"]:
+            for rec in turn["records"]:
+                tokens.append(rec["token_id"])
+                mu.append(rec["logprob"])
+                raw.append(math.nan if rec["raw_logprob"] is None else rec["raw_logprob"])
+                sizes.append(len(rec["support_ids"]))
+                ids.extend(rec["support_ids"])
+                lps.extend(rec["support_logprobs"])
+                versions.append(-1 if rec["weight_version"] is None else rec["weight_version"])
+                groups.append(turn["group"])
+    assert got.token_ids.tolist() == tokens
+    np.testing.assert_array_equal(got.logprobs, np.array(mu, dtype=np.float32))
+    np.testing.assert_array_equal(got.raw_logprobs, np.array(raw, dtype=np.float32))
+    assert np.diff(got.support_offsets).tolist() == sizes
+    assert got.support_ids.tolist() == ids
+    np.testing.assert_array_equal(got.support_logprobs, np.array(lps, dtype=np.float32))
+    assert got.versions.tolist() == versions
+    assert [got.groups[i] for i in got.group_index] == groups
+    assert len(got.trajectories) == 5 and len(got.turns) == 15
+    assert got.turns[4]["input_ids"].tolist() == want["trajectories"][1]["turns"][1]["input_ids"]
+    assert (got.version_ages == -1).all()  # the header names no trainer version
+
+
+def test_truncated_and_foreign_bytes_are_refused_with_a_message() -> None:
+    data = _batch(5, False)
+    with pytest.raises(BatchFormatError, match="truncated"):
+        decode_batch(data[: len(data) - 7])
+    with pytest.raises(BatchFormatError, match="magic"):
+        decode_batch(b"XYZ\x01" + data[4:])
+    with pytest.raises(BatchFormatError, match="trailing"):
+        decode_batch(data + b"\x00")
