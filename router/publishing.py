@@ -1,0 +1,562 @@
+"""The router's weight publisher: the store, the publish jobs and the conversion pool behind the
+admin weight routes (:mod:`router.routes_weights`).
+
+Contracts:
+
+- One job runs at a time (:class:`JobRunning` for a second); a job ends ``done`` with the
+  publisher's result or ``failed`` with a message, never silently. The last ``MAX_JOBS_KEPT``
+  finished jobs stay readable.
+- A job converts the BF16 checkpoint once per format and publishes it
+  (:mod:`weight_sync.publish`); every pointer move raises the router's latest published version
+  (``ctx.publish_version``, which the routing policy uses for ``max_version_lag``) and wakes every
+  known replica (the sidecar's ``POST /v1/wake``) so it reconciles at once instead of at its next
+  poll.
+- :meth:`PublishService.adopt_pointers` raises the latest version to the store's highest pointer
+  (publishes that bypassed this router count too) and wakes the replicas when it moved; an
+  unreadable store is logged, never raised.
+- The conversion pool (worker processes kept across jobs) is made by :meth:`start_pool` and
+  stopped by :meth:`close`, which joins its workers: after ``close`` no worker process and no
+  semaphore of the pool is left.
+
+Refusals are errors that carry their data (:class:`StoreNotConfigured`, :class:`StoreUnreadable`,
+:class:`JobRunning`, :class:`VersionTooOld`, :class:`NoBf16Copy`); any other
+:class:`~weight_sync.errors.UserError` is bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.sglang_client import EngineError
+from router.context import RouterContext
+from weight_sync.errors import UserError
+from weight_sync.publish import ConversionPool
+from weight_sync.types import FormatRef, VersionRef
+
+log = logging.getLogger("mixfleet.router.publishing")
+MAX_JOBS_KEPT = 50
+SIDECAR_TIMEOUT_S = 1.0
+
+
+class StoreNotConfigured(UserError):
+    """The router was started without a weight store."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "weight publishing is not configured: the router has no store "
+            "(start it with a store root or set MIXFLEET_STORE)"
+        )
+
+
+class StoreUnreadable(UserError):
+    """The store could not be read (``reason`` says why)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the weight store is unreadable: {reason}")
+        self.reason = reason
+
+
+class JobRunning(UserError):
+    """A weight job is running (``running``: its ids)."""
+
+    def __init__(self, running: list[str]) -> None:
+        super().__init__(f"a weight job is already running ({', '.join(running)}); retry when it is done")
+        self.running = running
+
+
+class VersionTooOld(UserError):
+    """``version`` is older than the run's current version (pointers never move backwards)."""
+
+    def __init__(self, run_id: str, version: int, current: int) -> None:
+        super().__init__(
+            f"version {version} is older than run {run_id!r}'s current version {current} "
+            "(pointers never move backwards; publish a newer number or roll back with a new one)"
+        )
+        self.run_id, self.version, self.current = run_id, version, current
+
+
+class NoBf16Copy(UserError):
+    """``version`` of ``run_id`` has no bf16 copy in the store to derive a perturbation from."""
+
+    def __init__(self, run_id: str, version: int) -> None:
+        super().__init__(
+            f"version {version} of run {run_id!r} has no bf16 copy in the store to derive a perturbation from"
+        )
+        self.run_id, self.version = run_id, version
+
+
+def workers_from_env() -> int | None:
+    """``MIXFLEET_PUBLISH_WORKERS`` as a worker count (None when unset or blank; negative -> 0);
+    :class:`UserError` naming the value when it is not an integer."""
+    raw = os.environ.get("MIXFLEET_PUBLISH_WORKERS", "").strip()
+    if not raw:
+        return None
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise UserError(f"MIXFLEET_PUBLISH_WORKERS must be an integer, got {raw!r}") from None
+
+
+@dataclass
+class Job:
+    """One weight job; ``state`` is ``running`` until it ends ``done`` (``result``) or
+    ``failed`` (``error``)."""
+
+    job_id: str
+    kind: str
+    run_id: str
+    version: int | None
+    state: str = "running"
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "kind": self.kind,
+            "run_id": self.run_id,
+            "version": self.version,
+            "state": self.state,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "events": list(self.events),
+            "result": self.result,
+            "error": self.error,
+        }
+
+
+class PublishService:
+    """Store access, jobs and the conversion pool of one router (see the module docstring).
+
+    ``store_root`` and ``run_id`` default to ``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run
+    ``default``); ``workers``: conversion processes (None: :meth:`ConversionPool.for_formats` of
+    the fleet's formats; 0: conversions run in the router process, one format at a time).
+    """
+
+    def __init__(self, store_root: Path | None, run_id: str | None, workers: int | None = None) -> None:
+        self._store_root = store_root
+        self._run_id = run_id
+        self.workers = workers
+        self.jobs: dict[str, Job] = {}
+        self._busy = threading.Lock()
+        self._store = None
+        self.tasks: set[asyncio.Task] = set()
+        self.pool: ConversionPool | None = None
+        self._pool_lock = threading.Lock()
+        self._warmer: threading.Thread | None = None
+
+    # configuration -------------------------------------------------------------------------
+    @property
+    def configured(self) -> bool:
+        return self._store_root is not None or bool(os.environ.get("MIXFLEET_STORE"))
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id or os.environ.get("MIXFLEET_RUN") or "default"
+
+    def store(self):
+        """The store (made on first call); :class:`StoreNotConfigured` without a root."""
+        if self._store is None:
+            root = self._store_root or (
+                Path(os.environ["MIXFLEET_STORE"]) if os.environ.get("MIXFLEET_STORE") else None
+            )
+            if root is None:
+                raise StoreNotConfigured()
+            from weight_sync.store.local import LocalStore
+
+            root.mkdir(parents=True, exist_ok=True)
+            self._store = LocalStore(root)
+        return self._store
+
+    # conversion pool -------------------------------------------------------------------------
+    def start_pool(self, formats: int, *, warm: bool = True) -> ConversionPool | None:
+        """The conversion pool, made on first call (``warm``: its workers start and load the
+        converter in the background): ``workers`` processes when given, else
+        :meth:`ConversionPool.for_formats` of the fleet's ``formats``. ``None`` when ``workers``
+        is 0 (conversions run in the router process)."""
+        if self.workers == 0:
+            return None
+        with self._pool_lock:
+            if self.pool is None:
+                self.pool = (
+                    ConversionPool(self.workers)
+                    if self.workers is not None
+                    else ConversionPool.for_formats(formats)
+                )
+                if warm:
+                    pool = self.pool
+                    self._warmer = threading.Thread(
+                        target=_warm, args=(pool,), name="conversion-warmup", daemon=True
+                    )
+                    self._warmer.start()
+            return self.pool
+
+    def publish_kwargs(self, formats: int) -> dict[str, Any]:
+        """The publisher's pool arguments: the kept pool, or ``workers=0`` without one."""
+        pool = self.start_pool(formats, warm=False)  # the publish starts the workers itself
+        return {"conversion_pool": pool} if pool is not None else {"workers": 0}
+
+    def close(self) -> None:
+        """Stop the conversion pool and join its workers (a running conversion finishes first;
+        queued ones are cancelled). Blocking; idempotent."""
+        with self._pool_lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+        if self._warmer is not None:
+            self._warmer.join(timeout=30)
+            self._warmer = None
+
+    # jobs --------------------------------------------------------------------------------------
+    def start_job(self, kind: str, run_id: str, version: int | None) -> Job:
+        """A new running job; :class:`JobRunning` while another runs."""
+        if not self._busy.acquire(blocking=False):
+            raise JobRunning([j.job_id for j in self.jobs.values() if j.state == "running"])
+        job = Job(job_id=uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=version)
+        self.jobs[job.job_id] = job
+        for old in list(itertools.islice(self.jobs, max(0, len(self.jobs) - MAX_JOBS_KEPT))):
+            if self.jobs[old].state != "running":
+                del self.jobs[old]
+        return job
+
+    def finish_job(self, job: Job, result: dict[str, Any] | None, error: str | None) -> None:
+        job.result, job.error = result, error
+        job.state = "failed" if error else "done"
+        job.finished_at = time.time()
+        self._busy.release()
+
+    def _run(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
+        """Run ``work`` (a blocking publisher call) for ``job`` in a thread, from the event loop."""
+        task = asyncio.get_running_loop().create_task(self._finish(ctx, job, work))
+        self.tasks.add(task)  # keep a reference until done
+        task.add_done_callback(self.tasks.discard)
+
+    async def _finish(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
+        try:
+            result = await asyncio.to_thread(work)
+        except UserError as exc:
+            self.finish_job(job, None, str(exc))
+            return
+        except Exception as exc:  # a bug must still end the job with a message
+            self.finish_job(job, None, f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            await ctx.publish_version(result.version)
+        except Exception as exc:
+            job.events.append({"kind": "warning", "message": f"could not record latest version: {exc}"})
+        job.version = result.version
+        self.finish_job(job, result.to_dict(), None)
+        await wake_replicas(ctx)
+
+    def _events(self, ctx: RouterContext, job: Job) -> Callable[[str, dict[str, Any]], None]:
+        """The publisher's progress callback (it runs in the publisher's thread; made on the event
+        loop's): record the event; when a pointer moved, raise the latest version and wake the
+        replicas at once."""
+        loop = asyncio.get_running_loop()
+
+        async def advanced(version: int) -> None:
+            with contextlib.suppress(Exception):
+                await ctx.publish_version(version)
+            await wake_replicas(ctx)
+
+        def on_event(kind: str, info: dict[str, Any]) -> None:
+            job.events.append({"kind": kind, **info, "t": time.time()})
+            if kind == "advanced" and job.version is not None:
+                asyncio.run_coroutine_threadsafe(advanced(job.version), loop)
+
+        return on_event
+
+    # the three kinds of job ---------------------------------------------------------------------
+    async def publish(
+        self,
+        ctx: RouterContext,
+        checkpoint: Path,
+        *,
+        version: int | None,
+        run_id: str | None,
+        mode: str,
+        formats: list[str] | None,
+        delta_of: int | None,
+    ) -> Job:
+        """Start converting the BF16 checkpoint directory ``checkpoint`` once per format (default:
+        the fleet's) and publishing it as ``version`` (default: the next one); with ``delta_of``
+        B the directory holds only the tensors changed since B and every format is published as
+        a delta over B. Raises before any job starts for bad input."""
+        from weight_sync.publish import (
+            check_delta_base,
+            check_formats,
+            latest_version,
+            next_version,
+            publish_checkpoint,
+            publish_delta,
+        )
+
+        store = self.store()
+        await self.synced(ctx)
+        run_id = run_id or self.run_id
+        if not checkpoint.is_absolute():
+            raise UserError(f"checkpoint must be an absolute path on the router's filesystem: {checkpoint}")
+        if not checkpoint.is_dir():
+            raise UserError(f"checkpoint directory {checkpoint} does not exist on the router's filesystem")
+        formats = check_formats(formats or list(ctx.config.fleet.formats))
+        version = version if version is not None else next_version(store, run_id, formats)
+        current = latest_version(store, run_id, formats)
+        if current is not None and version < current:
+            raise VersionTooOld(run_id, version, current)
+        if delta_of is not None:
+            check_delta_base(store, run_id, version, delta_of, formats)
+        job = self.start_job("publish", run_id, version)
+        kwargs = {"mode": mode, **self.publish_kwargs(len(formats)), "on_event": self._events(ctx, job)}
+
+        def work():
+            if delta_of is not None:
+                return publish_delta(store, run_id, version, checkpoint, delta_of, formats, **kwargs)
+            return publish_checkpoint(store, run_id, version, checkpoint, formats, **kwargs)
+
+        self._run(ctx, job, work)
+        return job
+
+    async def rollback(self, ctx: RouterContext, to: int, *, run_id: str | None, version: int | None) -> Job:
+        """Start publishing a new version (default: the next one) whose content is ``to``'s."""
+        from weight_sync.publish import next_version
+        from weight_sync.publish import rollback as do_rollback
+
+        store = self.store()
+        await self.synced(ctx)
+        run_id = run_id or self.run_id
+        formats = list(ctx.config.fleet.formats)
+        version = version if version is not None else next_version(store, run_id, formats)
+        job = self.start_job("rollback", run_id, version)
+        on_event = self._events(ctx, job)
+        self._run(
+            ctx, job, lambda: do_rollback(store, run_id, to, formats, version=version, on_event=on_event)
+        )
+        return job
+
+    async def perturb(
+        self, ctx: RouterContext, from_version: int, swap_rows: tuple[int, int], *, run_id: str | None
+    ) -> Job:
+        """Start publishing ``from_version`` with two output-projection rows swapped as the next
+        version; :class:`NoBf16Copy` when the store has no bf16 copy of it."""
+        from weight_sync.perturb import swap_output_rows
+        from weight_sync.publish import next_version, publish_checkpoint
+
+        store = self.store()
+        await self.synced(ctx)
+        run_id = run_id or self.run_id
+        formats = list(ctx.config.fleet.formats)
+        if "bf16" not in store_formats(store, run_id, from_version):
+            raise NoBf16Copy(run_id, from_version)
+        version = next_version(store, run_id, formats)
+        job = self.start_job("perturbation", run_id, version)
+        t, s = swap_rows
+        on_event = self._events(ctx, job)
+
+        def work():
+            src = Path(store.version_dir(VersionRef(run_id, "bf16", from_version)))
+            tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=getattr(store, "root", None)))
+            try:
+                swap_output_rows(src, tmp, t, s)
+                kwargs = self.publish_kwargs(len(formats))
+                return publish_checkpoint(store, run_id, version, tmp, formats, **kwargs, on_event=on_event)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        self._run(ctx, job, work)
+        return job
+
+    # the latest version ---------------------------------------------------------------------------
+    async def sync_latest(self, ctx: RouterContext) -> int | None:
+        """Raise the router's latest published version to the store's highest pointer; return it."""
+        from weight_sync.publish import latest_version
+
+        store = self.store()
+        formats = list(ctx.config.fleet.formats)
+        latest = await asyncio.to_thread(latest_version, store, self.run_id, formats)
+        if latest is not None:
+            await ctx.publish_version(latest)
+        return latest
+
+    async def synced(self, ctx: RouterContext) -> None:
+        """:meth:`sync_latest` before a job or a status; an unreadable pointer is logged (it must
+        not hide the rest), :class:`StoreNotConfigured` is raised."""
+        self.store()
+        try:
+            await self.sync_latest(ctx)
+        except Exception as exc:
+            log.warning("cannot read the store's pointers: %s", exc)
+
+    async def adopt_pointers(self, ctx: RouterContext) -> None:
+        """Raise the latest version to the store's newest pointer; wake the replicas if it moved.
+        An unreadable store is logged, never raised (the router serves without it)."""
+        before = ctx.latest_version()
+        try:
+            latest = await self.sync_latest(ctx)
+        except Exception as exc:
+            log.warning("cannot read the store's pointers: %s", exc)
+            return
+        if latest is not None and before is not None and latest > before:
+            await wake_replicas(ctx)
+
+    # status -----------------------------------------------------------------------------------------
+    async def status(self, ctx: RouterContext) -> dict[str, Any]:
+        """Per format: pointer, versions, manifest; per group: desired version, every replica's
+        active version, lag and last activation; the last ten jobs (without events)."""
+        store = self.store()
+        await self.synced(ctx)
+        run_id = self.run_id
+        fleet = ctx.config.fleet
+        latest = ctx.latest_version()
+        try:
+            fmt_view = await asyncio.to_thread(formats_view, store, run_id, list(fleet.formats))
+        except UserError as exc:
+            raise StoreUnreadable(str(exc)) from None
+        replicas = known_replicas(ctx)
+        details = await replica_details(ctx, [r["url"] for r in replicas])
+        groups = []
+        for g in fleet.groups:
+            reps = []
+            for r in sorted(replicas, key=lambda x: x["replica_id"]):
+                if r["group"] != g.name:
+                    continue
+                active = r["active_version"]
+                d = details.get(r["url"]) or {}
+                last = d.get("last_activation") or {}
+                reps.append(
+                    {
+                        "replica_id": r["replica_id"],
+                        "url": r["url"],
+                        "ready": r["ready"],
+                        "fresh": r["fresh"],
+                        "active_version": active,
+                        "lag": None if latest is None or active is None else latest - active,
+                        "error": r["error"],
+                        "staging": d.get("staging"),
+                        "last_activation_at": last.get("at"),
+                        "last_activation": last or None,
+                    }
+                )
+            lags = [r["lag"] for r in reps if r["lag"] is not None]
+            groups.append(
+                {
+                    "group": g.name,
+                    "format": g.weight_format,
+                    "desired_version": fmt_view[g.weight_format]["pointer"],
+                    "lag": max(lags) if lags else None,
+                    "replicas": reps,
+                }
+            )
+        jobs = [j.view() for j in list(self.jobs.values())[-10:]]
+        for j in jobs:
+            j.pop("events", None)
+        return {
+            "run_id": run_id,
+            "latest_version": latest,
+            "formats": fmt_view,
+            "groups": groups,
+            "jobs": jobs,
+        }
+
+
+def _warm(pool: ConversionPool) -> None:
+    with contextlib.suppress(Exception):  # a pool closed while it warms up
+        pool.warm()
+
+
+def known_replicas(ctx: RouterContext) -> list[dict[str, Any]]:
+    """Every replica the router knows (heartbeats and static), ``fresh`` = ready and recent."""
+    now = time.monotonic()
+    return [
+        {
+            "replica_id": r.replica_id,
+            "group": r.group,
+            "url": r.url,
+            "ready": r.ready,
+            "active_version": r.active_version,
+            "error": r.error,
+            "fresh": ctx.registry.fresh(r, now),
+        }
+        for r in ctx.registry.replicas.values()
+    ]
+
+
+def store_formats(store, run_id: str, version: int) -> list[str]:
+    """The formats in which ``version`` of ``run_id`` is committed."""
+    from weight_sync.publish import FORMATS
+
+    return [f for f in FORMATS if version in store.versions(FormatRef(run_id, f))]
+
+
+def formats_view(store, run_id: str, formats: list[str]) -> dict[str, Any]:
+    """Per format: its pointer, committed versions and the pointer's manifest summary."""
+    out = {}
+    for f in formats:
+        ptr = store.read_pointer(FormatRef(run_id, f))
+        manifest = None
+        if ptr is not None:
+            m = store.read_manifest(VersionRef(run_id, f, ptr))
+            manifest = {
+                "version": m.version,
+                "format": m.format,
+                "kind": m.kind,
+                "base_version": m.base_version,
+                "source_checksum": m.source_checksum,
+                "tensor_count": m.tensor_count,
+                "total_bytes": m.total_bytes,
+                "files": len(m.files),
+            }
+        out[f] = {"pointer": ptr, "versions": store.versions(FormatRef(run_id, f)), "manifest": manifest}
+    return out
+
+
+async def replica_details(ctx: RouterContext, urls: list[str]) -> dict[str, dict[str, Any]]:
+    """Each sidecar's ``GET /v1/status`` (last activation, staging) by URL; a replica that does not
+    answer it (a plain engine) is missing."""
+
+    async def one(url: str) -> dict[str, Any] | None:
+        try:
+            r = await ctx.client(url).forward("GET", "/v1/status", timeout=SIDECAR_TIMEOUT_S)
+            body = r.json() if r.status_code == 200 else None
+        except (EngineError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    answers = await asyncio.gather(*(one(u) for u in urls))
+    return {u: a for u, a in zip(urls, answers, strict=True) if a is not None}
+
+
+async def wake_replicas(ctx: RouterContext) -> None:
+    """``POST /v1/wake`` to every known replica's sidecar (best effort: failures are ignored)."""
+    urls = [r["url"] for r in known_replicas(ctx)]
+    await asyncio.gather(
+        *(ctx.client(u).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S) for u in urls),
+        return_exceptions=True,
+    )
+
+
+__all__ = [
+    "Job",
+    "JobRunning",
+    "NoBf16Copy",
+    "PublishService",
+    "StoreNotConfigured",
+    "StoreUnreadable",
+    "VersionTooOld",
+    "workers_from_env",
+]

@@ -1,0 +1,210 @@
+"""Admin weight routes (scope ``admin``): publish, roll back, perturb, job state, status.
+
+- ``POST /v1/weights`` ``{checkpoint, version?, run_id?, mode?, formats?, delta_of?}`` -> 202 job:
+  converts the BF16 checkpoint (a directory on this router's filesystem, e.g. already on the
+  store's volume) once per format the fleet serves and publishes it (:mod:`weight_sync.publish`).
+  With ``delta_of`` B the directory holds only the tensors changed since B, and every format is
+  published as a delta over B (:mod:`weight_sync.delta`).
+- ``POST /v1/weights/rollback`` ``{to, run_id?, version?}`` -> 202 job: a new version with
+  ``to``'s content.
+- ``POST /v1/weights/perturbations`` ``{from_version, swap_rows: [t, s], run_id?}`` -> 202 job:
+  publishes ``from_version`` with two output-projection rows swapped (``mixfleet weights verify``).
+- ``GET /v1/weights/jobs/{id}``: a job's state (``running`` | ``done`` | ``failed``), events,
+  result or error.
+- ``GET /v1/weights``: per format the pointer, versions and manifest; per group the desired
+  version, every replica's active version, lag and last activation.
+
+One job runs at a time; a second gets 409. The jobs, the store and the conversion pool are the
+:class:`router.publishing.PublishService` of :func:`create_weights_router`, whose lifespan
+(merged into the app's, inside the router context's) starts the pool, adopts the store's highest
+pointer before the first request, re-reads the pointers every ``pointer_poll_s`` seconds while
+the router runs (a pointer that moved wakes the replicas), and at shutdown stops the pool and
+joins its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.auth import require
+from router.context import RouterContext
+from router.errors import AUTH, ApiError, error_responses
+from router.publishing import (
+    JobRunning,
+    NoBf16Copy,
+    PublishService,
+    StoreNotConfigured,
+    StoreUnreadable,
+    VersionTooOld,
+    workers_from_env,
+)
+from weight_sync.errors import UserError
+
+RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class PublishRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(
+        min_length=1, description="HF BF16 checkpoint directory on the router's filesystem"
+    )
+    version: int | None = Field(default=None, ge=0, description="version number (default: the next one)")
+    run_id: str | None = Field(default=None, pattern=RUN_ID)
+    mode: Literal["barrier", "per_format"] = "barrier"
+    formats: list[Literal["bf16", "fp8", "nvfp4", "mxfp4"]] | None = Field(default=None, min_length=1)
+    delta_of: int | None = Field(
+        default=None,
+        ge=0,
+        description="the checkpoint holds only the BF16 tensors changed since this version; "
+        "each format is published as a delta over it",
+    )
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    to: int = Field(ge=0, description="the version whose content to publish again")
+    run_id: str | None = Field(default=None, pattern=RUN_ID)
+    version: int | None = Field(default=None, ge=0)
+
+
+class PerturbRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    from_version: int = Field(ge=0)
+    swap_rows: list[int] = Field(
+        min_length=2, max_length=2, description="two token ids whose lm_head rows swap"
+    )
+    run_id: str | None = Field(default=None, pattern=RUN_ID)
+
+
+def _ctx(request: Request) -> RouterContext:
+    return request.app.state.ctx
+
+
+def _refusal(exc: UserError) -> ApiError:
+    """The HTTP answer to a refused weight call."""
+    if isinstance(exc, StoreNotConfigured | StoreUnreadable):
+        return ApiError(503, str(exc))
+    if isinstance(exc, JobRunning | VersionTooOld | NoBf16Copy):
+        return ApiError(409, str(exc))
+    return ApiError(400, str(exc))
+
+
+def _lifespan(service: PublishService, poll_s: float):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not service.configured:
+            yield
+            return
+        ctx: RouterContext = app.state.ctx
+        # conversion workers start now, so that the first publish does not pay their start-up
+        service.start_pool(len(ctx.config.fleet.formats))
+        await service.adopt_pointers(ctx)
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(poll_s)
+                await service.adopt_pointers(ctx)
+
+        task = asyncio.create_task(watch(), name="weights-pointer-watch")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.to_thread(service.close)
+
+    return lifespan
+
+
+def create_weights_router(
+    store_root: str | Path | None = None,
+    run_id: str | None = None,
+    *,
+    workers: int | None = None,
+    pointer_poll_s: float = 2.0,
+) -> APIRouter:
+    """The APIRouter to include in the router app (see the module docstring); its service is
+    ``router.service``.
+
+    ``store_root`` and ``run_id`` default to ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``.
+    ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
+    else one per core and at least one per format the fleet serves); ``0`` converts inside the
+    router process, one format at a time. ``pointer_poll_s``: how often the store's pointers are
+    re-read while the router runs. Raises :class:`UserError` for a bad
+    ``MIXFLEET_PUBLISH_WORKERS``.
+    """
+    if workers is None:
+        workers = workers_from_env()
+    service = PublishService(Path(store_root) if store_root else None, run_id, workers)
+    router = APIRouter(tags=["weights"], lifespan=_lifespan(service, pointer_poll_s))
+    admin = [Depends(require("admin"))]
+    job_refusals = error_responses(*AUTH, 400, 409, 503)
+
+    @router.post("/v1/weights", status_code=202, dependencies=admin, responses=job_refusals)
+    async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
+        """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
+        try:
+            job = await service.publish(
+                _ctx(request),
+                Path(body.checkpoint),
+                version=body.version,
+                run_id=body.run_id,
+                mode=body.mode,
+                formats=list(body.formats) if body.formats else None,
+                delta_of=body.delta_of,
+            )
+        except UserError as exc:
+            raise _refusal(exc) from None
+        return job.view()
+
+    @router.post("/v1/weights/rollback", status_code=202, dependencies=admin, responses=job_refusals)
+    async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+        """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
+        try:
+            job = await service.rollback(_ctx(request), body.to, run_id=body.run_id, version=body.version)
+        except UserError as exc:
+            raise _refusal(exc) from None
+        return job.view()
+
+    @router.post("/v1/weights/perturbations", status_code=202, dependencies=admin, responses=job_refusals)
+    async def perturb(body: PerturbRequest, request: Request) -> dict[str, Any]:
+        """Publish ``from_version`` with two output-projection rows swapped (for verify)."""
+        t, s = body.swap_rows
+        try:
+            job = await service.perturb(_ctx(request), body.from_version, (t, s), run_id=body.run_id)
+        except UserError as exc:
+            raise _refusal(exc) from None
+        return job.view()
+
+    @router.get("/v1/weights/jobs/{job_id}", dependencies=admin, responses=error_responses(*AUTH, 404))
+    async def job_status(job_id: str) -> dict[str, Any]:
+        """A weight job's state, events, result or error."""
+        job = service.jobs.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no weight job {job_id!r}")
+        return job.view()
+
+    @router.get("/v1/weights", dependencies=admin, responses=error_responses(*AUTH, 503))
+    async def status(request: Request) -> dict[str, Any]:
+        """Per format: pointer, versions, manifest; per group: desired, replicas' versions, lag."""
+        try:
+            return await service.status(_ctx(request))
+        except UserError as exc:
+            raise _refusal(exc) from None
+
+    router.service = service  # type: ignore[attr-defined]
+    return router
+
+
+__all__ = ["PerturbRequest", "PublishRequest", "RollbackRequest", "create_weights_router"]
