@@ -23,7 +23,7 @@ import aiohttp
 from fleet.sglang_client import EngineError, EngineUnavailable, SGLangClient, make_http_client, parse_version
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import GroupLoad, cost_per_token, throughput_factors
+from router.policy import AssignmentWindow, GroupLoad
 from router.registry import Registry
 from router.state.base import GroupCounters, StateError, StateStore, open_store
 from router.upstream import UpstreamPool
@@ -49,6 +49,7 @@ class RouterContext:
         )
         self._latest: int | None = None
         self._rr = itertools.count()
+        self.window = AssignmentWindow()  # this router's latest session assignments
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
 
@@ -168,34 +169,20 @@ class RouterContext:
             await self.store.put_replica(replica_id, self.registry.replicas[replica_id].shared())
 
     # loads and snapshots --------------------------------------------------------------------
-    def group_loads(
-        self, counters: dict[str, GroupCounters], exclude: set[str] | frozenset[str] = frozenset()
-    ) -> list[GroupLoad]:
-        latest = self.latest_version()
-        slots: dict[str, int] = {}
-        tps: dict[str, float | None] = {}
-        per_replica_tps: dict[str, float | None] = {}
-        for g in self.fleet.groups:
-            reps = self.registry.in_rotation(g.name, latest)
-            slots[g.name] = len(reps) * g.sessions_per_replica
-            measured = [r.tokens_per_s for r in reps if r.tokens_per_s > 0]
-            tps[g.name] = sum(measured) * len(reps) / len(measured) if measured else None
-            per_replica_tps[g.name] = sum(measured) / len(measured) if measured else None
-        factors = throughput_factors(slots, tps)
-        loads = []
-        for g in self.fleet.groups:
-            if g.name in exclude:
-                continue
-            active = counters.get(g.name, GroupCounters()).active_sessions
-            loads.append(
-                GroupLoad(
-                    g.name,
-                    slots[g.name] * factors[g.name],
-                    max(0, active),
-                    cost_per_token(g.price_per_replica_hour, per_replica_tps[g.name], g.sessions_per_replica),
-                )
-            )
-        return loads
+    @property
+    def policy(self) -> str:
+        return self.config.policy
+
+    def group_loads(self, counters: dict[str, GroupCounters]) -> list[GroupLoad]:
+        """Every group's live capacity, load and token total (:meth:`Registry.group_loads`)."""
+        return self.registry.group_loads(
+            {g: c.active_sessions for g, c in counters.items()},
+            {g: c.tokens for g, c in counters.items()},
+            self.latest_version(),
+        )
+
+    async def current_loads(self) -> list[GroupLoad]:
+        return self.group_loads(await self.store.counters())
 
     def next_rr(self) -> int:
         return next(self._rr)
@@ -208,6 +195,10 @@ class RouterContext:
         total_sessions = sum(c.sessions for c in counters.values()) or 0
         total_tokens = sum(c.tokens for c in counters.values()) or 0
         total_capacity = sum(g.capacity for g in loads.values()) or 0.0
+        window_sessions = self.window.sessions()
+        window_tokens = self.window.tokens({g: c.tokens for g, c in counters.items()})
+        window_total = sum(window_sessions.values())
+        window_tokens_total = sum(window_tokens.values())
         groups = []
         for g in self.fleet.groups:
             c = counters.get(g.name, GroupCounters())
@@ -247,6 +238,14 @@ class RouterContext:
                     "session_share": c.sessions / total_sessions if total_sessions else 0.0,
                     "token_share": c.tokens / total_tokens if total_tokens else 0.0,
                     "capacity_share": load.capacity / total_capacity if total_capacity else 0.0,
+                    "window_sessions": window_sessions.get(g.name, 0),
+                    "window_tokens": window_tokens.get(g.name, 0),
+                    "window_session_share": window_sessions.get(g.name, 0) / window_total
+                    if window_total
+                    else 0.0,
+                    "window_token_share": window_tokens.get(g.name, 0) / window_tokens_total
+                    if window_tokens_total
+                    else 0.0,
                     "active_version": active_version,
                     "version_lag": None
                     if latest is None or active_version is None

@@ -1,6 +1,5 @@
-"""Where a session goes and how a turn reaches an engine.
+"""How a turn reaches an engine, with failover.
 
-* :func:`assign_group` picks the group of a new session by the configured policy.
 * :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
   when in rotation), and on a refused or dropped connection, a 5xx, or a second timeout (a
   first timeout is retried on the same replica: slow is not dead) retries on another replica
@@ -21,21 +20,13 @@ from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, 
 from fleet.sglang_client import dumps as engine_dumps
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
-from router.policy import choose_group, choose_replica
+from router.policy import assign_group, choose_replica
 from router.records import TurnData, encode_body, stored_turn
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
 MIN_VERSION_HEADER = "X-Mixfleet-Min-Version"
 T = TypeVar("T")
-
-
-async def assign_group(ctx: RouterContext, exclude: set[str] = frozenset()) -> str:
-    counters = await ctx.store.counters()
-    name = choose_group(ctx.config.policy, ctx.group_loads(counters, exclude), ctx.next_rr())
-    if name is None:
-        raise unavailable("no sampler group has a replica in rotation", retry_after=2.0)
-    return name
 
 
 class TurnResult(NamedTuple):

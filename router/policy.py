@@ -1,33 +1,112 @@
-"""Routing policy: pure functions from a snapshot of group loads (and replica views) to a choice.
+"""Routing policy: which group a new session goes to, and which replica serves a turn.
 
 Capacity of a group = sum over its ready replicas of ``sessions_per_replica``, times a
 throughput factor once decode throughput is measured (a group that decodes more tokens/s per
 session slot than the fleet's average gets proportionally more sessions; clamped to [1/4, 4]).
 
-* ``capacity``: the healthy group with the smallest ``(active_sessions + 1) / capacity``;
-  ties go to the lower cost per token, then to the name.
+* ``capacity``: sessions are apportioned by capacity share, with a memory: the router's
+  :class:`AssignmentWindow` of its latest assignments. Among the healthy candidates, each group
+  is *owed* ``share * (n + 1) - kept`` sessions, where ``share`` is its capacity share among the
+  candidates, ``kept`` its count among the window's entries that stay when one more is recorded
+  and ``n`` the candidates' total of those; the most-owed group wins (smooth weighted round
+  robin over a sliding window). Ties go to the smaller live fill
+  ``(active_sessions + 1) / capacity``, then the lower cost per token, then the name.
+  Contract: while capacities hold steady, after each assignment every group's count in the
+  window is within one session of its capacity share of the window, however many sessions are
+  open (one at a time, all at once, or anything between); so over any run each group's share of
+  the sessions assigned tracks its capacity share to about ``1 / window size``. Sessions are
+  the unit apportioned: a group's share of generated tokens follows when sessions generate
+  comparable token counts on every group; the window measures tokens so that this can be
+  checked (``/v1/groups``), it does not steer by them.
 * ``round_robin``: healthy groups in turn.
 * ``cost``: the cheapest healthy group (cost per token) that still has room
-  (``active_sessions + 1 <= capacity``); when none has room, falls back to ``capacity``.
+  (``active_sessions + 1 <= capacity``); when none has room, the one with the smallest live
+  fill ``(active_sessions + 1) / capacity`` (ties to the cheaper, then the name).
+
+:func:`assign_group` applies the configured policy to a router's live loads and records the
+choice in its window; this module never imports the router's context (it reads it through
+:class:`Placement`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from router.errors import unavailable
 
 # Per-session decode rate assumed before a group reports throughput (tokens/s); only used to
 # compare prices of groups that have not measured yet.
 NOMINAL_TPS_PER_SESSION = 20.0
 FACTOR_BOUNDS = (0.25, 4.0)
+WINDOW_SIZE = 256
 
 
 @dataclass(frozen=True)
 class GroupLoad:
+    """One group as the policy sees it: ``capacity`` in sessions (0: not in rotation),
+    ``active_sessions`` open now, ``cost_per_token`` in USD, ``tokens_total`` generated so far
+    (as the state store counts them)."""
+
     name: str
     capacity: float
     active_sessions: int
     cost_per_token: float
+    tokens_total: int = 0
+
+
+class AssignmentWindow:
+    """The groups of a router's latest ``size`` session assignments, oldest first, each with the
+    state store's per-group token totals at the time it was made.
+
+    After :meth:`record`, the window holds the last ``min(size, recorded)`` assignments.
+    :meth:`sessions` counts them per group; :meth:`kept` counts the ones that stay when one more
+    is recorded (all of them until the window is full); :meth:`tokens` is how many tokens each
+    group generated since the oldest assignment in the window was made. In memory, one per
+    router.
+    """
+
+    def __init__(self, size: int = WINDOW_SIZE) -> None:
+        if size < 1:
+            raise ValueError(f"window size must be >= 1: {size}")
+        self.size = size
+        self._entries: deque[tuple[str, Mapping[str, int]]] = deque()
+        self._counts: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, group: str, tokens_total: Mapping[str, int] | None = None) -> None:
+        """Append an assignment to ``group`` (dropping the oldest when full)."""
+        if len(self._entries) == self.size:
+            oldest, _ = self._entries.popleft()
+            self._counts[oldest] -= 1
+        self._entries.append((group, dict(tokens_total or {})))
+        self._counts[group] = self._counts.get(group, 0) + 1
+
+    def sessions(self) -> dict[str, int]:
+        """Assignments in the window per group (groups without any are absent)."""
+        return {g: n for g, n in self._counts.items() if n > 0}
+
+    def kept(self) -> dict[str, int]:
+        """Per group, the assignments that stay in the window when one more is recorded."""
+        out = self.sessions()
+        if len(self._entries) == self.size:
+            oldest = self._entries[0][0]
+            out[oldest] -= 1
+            if out[oldest] == 0:
+                del out[oldest]
+        return out
+
+    def tokens(self, tokens_total: Mapping[str, int]) -> dict[str, int]:
+        """Per group in ``tokens_total`` (the totals now), the tokens generated since the oldest
+        assignment in the window (0 each while it is empty; never negative)."""
+        if not self._entries:
+            return {g: 0 for g in tokens_total}
+        base = self._entries[0][1]
+        return {g: max(0, int(t) - int(base.get(g, 0))) for g, t in tokens_total.items()}
 
 
 @dataclass(frozen=True)
@@ -64,8 +143,18 @@ def cost_per_token(
     return price_per_replica_hour / 3600.0 / tps
 
 
-def choose_group(policy: str, loads: Sequence[GroupLoad], turn: int = 0) -> str | None:
-    """The group a new session goes to, or None when no group has capacity."""
+def _fill(g: GroupLoad) -> float:
+    return (g.active_sessions + 1) / g.capacity
+
+
+def choose_group(
+    policy: str, loads: Sequence[GroupLoad], turn: int = 0, kept: Mapping[str, int] | None = None
+) -> str | None:
+    """The group a new session goes to, or None when no group has capacity.
+
+    ``turn`` is the round-robin counter; ``kept`` the window's assignments that stay when this
+    one is recorded (:meth:`AssignmentWindow.kept`; none when omitted), read by ``capacity``.
+    """
     healthy = [g for g in loads if g.capacity > 0]
     if not healthy:
         return None
@@ -76,9 +165,49 @@ def choose_group(policy: str, loads: Sequence[GroupLoad], turn: int = 0) -> str 
         room = [g for g in healthy if g.active_sessions + 1 <= g.capacity]
         if room:
             return min(room, key=lambda g: (g.cost_per_token, g.active_sessions / g.capacity, g.name)).name
-    elif policy != "capacity":
+        return min(healthy, key=lambda g: (_fill(g), g.cost_per_token, g.name)).name
+    if policy != "capacity":
         raise ValueError(f"unknown policy {policy!r}")
-    return min(healthy, key=lambda g: ((g.active_sessions + 1) / g.capacity, g.cost_per_token, g.name)).name
+    kept = kept or {}
+    total_capacity = sum(g.capacity for g in healthy)
+    n = sum(kept.get(g.name, 0) for g in healthy)
+
+    def owed(g: GroupLoad) -> float:  # rounded so that equal shares tie exactly
+        return round(g.capacity / total_capacity * (n + 1) - kept.get(g.name, 0), 9)
+
+    return min(healthy, key=lambda g: (-owed(g), _fill(g), g.cost_per_token, g.name)).name
+
+
+class Placement(Protocol):
+    """What :func:`assign_group` reads of a router (its ``RouterContext`` is one)."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def window(self) -> AssignmentWindow: ...
+
+    async def current_loads(self) -> list[GroupLoad]:
+        """Every group of the fleet, with its live capacity, load and token total."""
+        ...
+
+    def next_rr(self) -> int: ...
+
+
+async def assign_group(ctx: Placement, exclude: Collection[str] = frozenset()) -> str:
+    """The group a new session (or one that must leave its group) goes to, by ``ctx.policy``,
+    among the groups not in ``exclude``. The choice is recorded in ``ctx.window`` (whatever the
+    policy) before this returns, with no await between choosing and recording, so concurrent
+    assignments each see the ones before them. Raises a 503 :class:`router.errors.ApiError`
+    when no candidate group has a replica in rotation."""
+    loads = await ctx.current_loads()
+    candidates = [g for g in loads if g.name not in exclude]
+    window = ctx.window
+    name = choose_group(ctx.policy, candidates, ctx.next_rr(), window.kept())
+    if name is None:
+        raise unavailable("no sampler group has a replica in rotation", retry_after=2.0)
+    window.record(name, {g.name: g.tokens_total for g in loads})
+    return name
 
 
 def choose_replica(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fleet.specs import FleetSpec
-from router.policy import ReplicaView
+from router.policy import GroupLoad, ReplicaView, cost_per_token, throughput_factors
 
 
 @dataclass
@@ -206,3 +207,38 @@ class Registry:
     def vocab_size(self, group: str) -> int | None:
         sizes = [r.vocab_size for r in self.replicas.values() if r.group == group and r.vocab_size]
         return min(sizes) if sizes else None
+
+    def group_loads(
+        self,
+        active: Mapping[str, int],
+        tokens_total: Mapping[str, int] | None = None,
+        latest: int | None = None,
+        now: float | None = None,
+    ) -> list[GroupLoad]:
+        """Every group of the fleet, in preset order, as the policy sees it: capacity = replicas
+        in rotation x ``sessions_per_replica`` x the group's throughput factor (from the mean
+        tokens/s its measured replicas report, :func:`router.policy.throughput_factors`; 0 with
+        no replica in rotation), ``active`` sessions (negative counts read as 0), cost per
+        token from its price and measured rate, and its token total."""
+        now = time.monotonic() if now is None else now
+        tokens_total = tokens_total or {}
+        slots: dict[str, int] = {}
+        tps: dict[str, float | None] = {}
+        per_replica_tps: dict[str, float | None] = {}
+        for g in self.fleet.groups:
+            reps = self.in_rotation(g.name, latest, now)
+            slots[g.name] = len(reps) * g.sessions_per_replica
+            measured = [r.tokens_per_s for r in reps if r.tokens_per_s > 0]
+            tps[g.name] = sum(measured) * len(reps) / len(measured) if measured else None
+            per_replica_tps[g.name] = sum(measured) / len(measured) if measured else None
+        factors = throughput_factors(slots, tps)
+        return [
+            GroupLoad(
+                g.name,
+                slots[g.name] * factors[g.name],
+                max(0, int(active.get(g.name, 0))),
+                cost_per_token(g.price_per_replica_hour, per_replica_tps[g.name], g.sessions_per_replica),
+                int(tokens_total.get(g.name, 0)),
+            )
+            for g in self.fleet.groups
+        ]

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, error_message
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import assign_group, check_vocab, with_failover
+from router.dispatch import check_vocab, with_failover
 from router.errors import AUTH, ApiError, error_responses, unavailable
+from router.policy import assign_group
 from router.schemas import GenerateRequest, Health, SGLangErrorBody
 
 router = APIRouter(tags=["sglang"])

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
+from collections import Counter
 
 import pytest
 
-from fleet.specs import FleetSpec, GroupSpec
+from fleet.specs import FleetSpec, GroupSpec, load_preset
+from router.errors import ApiError
 from router.policy import (
+    AssignmentWindow,
     GroupLoad,
     ReplicaView,
+    assign_group,
     choose_group,
     choose_replica,
     cost_per_token,
@@ -58,12 +64,114 @@ def _loads(reg: Registry, active: dict[str, int], latest: int | None = None) -> 
     return out
 
 
-def test_capacity_policy_picks_smallest_fill_ratio_and_breaks_ties_by_cost() -> None:
+class _Router:
+    """What a router gives :func:`assign_group` (a :class:`router.policy.Placement`): a real
+    registry's loads, a window, and the active sessions and token totals the state store would
+    count."""
+
+    def __init__(self, registry: Registry, policy: str = "capacity", *, stale_loads: bool = False) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.window = AssignmentWindow()
+        self.active: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()
+        self.stale_loads = stale_loads
+        self._rr = itertools.count()
+
+    async def current_loads(self) -> list[GroupLoad]:
+        loads = self.registry.group_loads(self.active, self.tokens)
+        if self.stale_loads:  # every concurrent caller reads the loads before any is placed
+            await asyncio.sleep(0)
+        return loads
+
+    def next_rr(self) -> int:
+        return next(self._rr)
+
+
+def _registry(replicas: dict[str, int], sessions_per_replica: int = 8, tps: float = 0.0) -> Registry:
+    """Groups named by ``replicas`` (all alike but for their replica counts), every replica in
+    rotation through a heartbeat reporting ``tps`` tokens/s."""
+    reg = Registry(
+        _fleet(*((g, sessions_per_replica, 1.0) for g in replicas)),
+        heartbeat_timeout_s=1e9,
+        max_version_lag=None,
+    )
+    for g, n in replicas.items():
+        for i in range(n):
+            reg.heartbeat(_hb(f"{g}-{i}", g, tokens_per_s=tps))
+    return reg
+
+
+def _capacity_shares(reg: Registry) -> dict[str, float]:
+    loads = reg.group_loads({})
+    total = sum(x.capacity for x in loads)
+    return {x.name: x.capacity / total for x in loads}
+
+
+async def _sequential(router: _Router, n: int, rng: random.Random) -> Counter[str]:
+    """``n`` sessions one after another: each is placed, generates 50-150 tokens and finishes
+    before the next opens."""
+    placed: Counter[str] = Counter()
+    for _ in range(n):
+        g = await assign_group(router)
+        placed[g] += 1
+        router.active[g] += 1
+        router.tokens[g] += rng.randint(50, 150)
+        router.active[g] -= 1
+    return placed
+
+
+def _assert_shares(placed: Counter[str], want: dict[str, float], points: float = 0.05) -> None:
+    total = sum(placed.values())
+    for g, share in want.items():
+        assert abs(placed[g] / total - share) <= points, (g, placed[g] / total, share, placed)
+
+
+def test_capacity_policy_owes_by_capacity_share_then_breaks_ties_by_fill_then_cost() -> None:
     loads = [GroupLoad("a", 10, 4, 2.0), GroupLoad("b", 20, 9, 1.0), GroupLoad("c", 0, 0, 0.1)]
-    assert choose_group("capacity", loads) == "b"  # (9+1)/20 = 0.5 < (4+1)/10
+    assert choose_group("capacity", loads) == "b"  # empty window: b is owed 2/3, a 1/3
     tie = [GroupLoad("a", 10, 4, 2.0), GroupLoad("b", 20, 9, 1.0 + 1.0)]
-    assert choose_group("capacity", tie) == "a"  # equal fill 0.5: lower cost per token wins
+    assert choose_group("capacity", tie) == "b"  # the window, not the fill, decides first
+    assert choose_group("capacity", tie, kept={"a": 0, "b": 1}) == "a"  # owed 2/3 vs 1/3
     assert choose_group("capacity", [GroupLoad("a", 0, 0, 1.0)]) is None
+    equal = [GroupLoad("a", 10, 4, 1.0), GroupLoad("b", 10, 1, 2.0)]
+    assert choose_group("capacity", equal) == "b"  # equally owed: smaller fill (1+1)/10
+    assert choose_group("capacity", equal, kept={"b": 1}) == "a"
+    same_fill = [GroupLoad("a", 10, 4, 2.0), GroupLoad("b", 10, 4, 1.0)]
+    assert choose_group("capacity", same_fill) == "b"  # equal owed and fill: lower cost per token
+    # the window counts only the candidates: a group out of rotation owes nothing
+    assert choose_group("capacity", [GroupLoad("a", 10, 0, 1.0)], kept={"a": 5, "b": 9}) == "a"
+
+
+def test_assignment_window_keeps_the_latest_assignments_and_their_tokens() -> None:
+    w = AssignmentWindow(size=3)
+    assert (w.sessions(), w.kept(), w.tokens({"a": 7})) == ({}, {}, {"a": 0})
+    w.record("a", {"a": 10, "b": 0})
+    w.record("b", {"a": 30, "b": 0})
+    assert w.sessions() == w.kept() == {"a": 1, "b": 1}  # not full: nothing leaves
+    w.record("b", {"a": 30, "b": 5})
+    assert w.sessions() == {"a": 1, "b": 2} and w.kept() == {"b": 2}  # "a" is the next to leave
+    assert w.tokens({"a": 40, "b": 25}) == {"a": 30, "b": 25}  # since the oldest entry (a=10, b=0)
+    w.record("a", {"a": 50, "b": 25})
+    assert w.sessions() == {"a": 1, "b": 2} and len(w) == 3
+    assert w.tokens({"a": 60, "b": 25}) == {"a": 30, "b": 25}  # since (a=30, b=0)
+    with pytest.raises(ValueError):
+        AssignmentWindow(size=0)
+
+
+def test_the_window_holds_every_group_within_one_session_of_its_capacity_share() -> None:
+    """The policy's contract, over random fleets: after every assignment each group's count in
+    the window differs from its capacity share of the window by less than one session."""
+    rng = random.Random(11)
+    for _ in range(40):
+        loads = [GroupLoad(f"g{i}", rng.uniform(0.5, 40.0), 0, 1.0) for i in range(rng.randint(2, 6))]
+        total = sum(x.capacity for x in loads)
+        w = AssignmentWindow(size=rng.choice([7, 32, 100]))
+        for _ in range(400):
+            w.record(choose_group("capacity", loads, kept=w.kept()) or "")
+            counts = w.sessions()
+            for x in loads:
+                assert abs(counts.get(x.name, 0) - len(w) * x.capacity / total) < 1.0, (x, counts)
 
 
 def test_round_robin_and_cost_policies() -> None:
@@ -72,6 +180,8 @@ def test_round_robin_and_cost_policies() -> None:
     assert choose_group("cost", loads) == "b"
     full = [GroupLoad("b", 4, 4, 1.0), GroupLoad("a", 4, 1, 3.0)]
     assert choose_group("cost", full) == "a"  # the cheap group is full
+    all_full = [GroupLoad("b", 4, 6, 1.0), GroupLoad("a", 4, 5, 3.0)]
+    assert choose_group("cost", all_full) == "a"  # none has room: the smaller fill (5+1)/4
     with pytest.raises(ValueError):
         choose_group("fastest", loads)
 
@@ -134,10 +244,12 @@ def test_session_shares_track_capacity_shares_over_1000_sessions(policy: str) ->
     rng = random.Random(7)
     active: dict[str, list[int]] = {g: [] for g in capacity}
     placed = {g: 0 for g in capacity}
+    window = AssignmentWindow()
     for s in range(1000):
         loads = _loads(reg, {g: len(v) for g, v in active.items()})
         assert {x.name: x.capacity for x in loads} == capacity
-        group = choose_group(policy, loads, s)
+        group = choose_group(policy, loads, s, window.kept())
+        window.record(group)
         placed[group] += 1
         active[group].append(s)
         # sessions end at random: the longer-running fleet keeps ~80 sessions open
@@ -159,3 +271,80 @@ def test_a_served_request_keeps_a_ready_replica_fresh() -> None:
     reg.heartbeat(_hb("r1", "g", ready=False), now=108.0)
     reg.touch("r1", now=109.0)  # a not-ready replica is not revived by traffic
     assert reg.in_rotation("g", None, now=109.0) == []
+
+
+def test_300_sessions_in_sequence_share_a_1_2_3_fleet_by_capacity() -> None:
+    reg = _registry({"one": 1, "two": 2, "three": 3})
+    want = _capacity_shares(reg)
+    assert want == pytest.approx({"one": 1 / 6, "two": 2 / 6, "three": 3 / 6})
+    router = _Router(reg)
+    placed = asyncio.run(_sequential(router, 300, random.Random(3)))
+    _assert_shares(placed, want)
+    # the window saw all of it: its session and token shares track capacity too (sessions of
+    # every group generate comparable token counts here)
+    sessions = router.window.sessions()
+    tokens = router.window.tokens(router.tokens)
+    for g, share in want.items():
+        assert abs(sessions[g] / sum(sessions.values()) - share) <= 0.05
+        assert abs(tokens[g] / sum(tokens.values()) - share) <= 0.05, (g, tokens)
+
+
+@pytest.mark.parametrize("stale_loads", [False, True])
+def test_1000_concurrent_sessions_share_a_1_2_3_fleet_by_capacity(stale_loads: bool) -> None:
+    """1,000 sessions placed while every earlier one is still open (none finish); with
+    ``stale_loads`` every placement reads the loads before any session is counted active, as
+    concurrent requests to one router do."""
+    reg = _registry({"one": 1, "two": 2, "three": 3})
+    router = _Router(reg, stale_loads=stale_loads)
+
+    async def open_session() -> str:
+        g = await assign_group(router)
+        router.active[g] += 1
+        return g
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(open_session() for _ in range(1000)))
+
+    placed = Counter(asyncio.run(main()))
+    assert sum(placed.values()) == 1000 and sum(router.active.values()) == 1000
+    _assert_shares(placed, _capacity_shares(reg))
+
+
+def test_halving_a_groups_measured_throughput_lowers_its_share_accordingly() -> None:
+    """Replicas report tokens/s in proportion to their session slots (20 tokens/s each); then
+    the replicas of ``two`` report half that. Its capacity share, and so its share of the next
+    300 sessions, falls from 2/6 to (2 x 1/2) / (1 + 2 x 1/2 + 3) = 1/5."""
+    reg = _registry({"one": 1, "two": 2, "three": 3}, tps=8 * 20.0)
+    router = _Router(reg)
+    rng = random.Random(5)
+    before = asyncio.run(_sequential(router, 300, rng))
+    _assert_shares(before, {"one": 1 / 6, "two": 2 / 6, "three": 3 / 6})
+    for i in range(2):
+        reg.heartbeat(_hb(f"two-{i}", "two", tokens_per_s=8 * 10.0))
+    want = {"one": 1 / 5, "two": 1 / 5, "three": 3 / 5}
+    assert _capacity_shares(reg) == pytest.approx(want)
+    after = asyncio.run(_sequential(router, 300, rng))
+    _assert_shares(after, want)
+    assert after["two"] / 300 < before["two"] / 300 - 0.1
+
+
+def test_sessions_in_sequence_on_the_local_preset_use_every_group() -> None:
+    """The local preset (three equal CPU groups at the same price), one replica each, 30
+    sessions one after another: ten to each group, not all to one."""
+    fleet = load_preset("local")
+    reg = Registry(fleet, heartbeat_timeout_s=1e9, max_version_lag=None)
+    for g in fleet.groups:
+        reg.heartbeat(_hb(f"{g.name}-0", g.name))
+    placed = asyncio.run(_sequential(_Router(reg), 30, random.Random(1)))
+    assert placed == {g.name: 10 for g in fleet.groups}
+
+
+def test_a_move_excludes_the_groups_already_tried_and_is_recorded() -> None:
+    reg = _registry({"one": 1, "two": 2, "three": 3})
+    router = _Router(reg)
+    assert asyncio.run(assign_group(router, exclude={"three", "two"})) == "one"
+    assert router.window.sessions() == {"one": 1}
+    with pytest.raises(ApiError) as exc:
+        asyncio.run(assign_group(router, exclude={"one", "two", "three"}))
+    assert exc.value.status == 503 and "no sampler group" in exc.value.message
+    assert router.window.sessions() == {"one": 1}
