@@ -21,9 +21,14 @@ front):
   *Ready* means: the engine has served the pointer's version at least once since start (a new
   replica joins at the current version).
 - **engine**: health, load figures from the engine's ``sglang:*`` metrics, version drift (an
-  engine restarted underneath is believed and reconciled), and heartbeats to the router
+  engine restarted underneath is believed and reconciled; compared only once the reconcile loop
+  has learned the version the engine serves at start), and heartbeats to the router
   (``POST {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and after every activation:
   group, URL, ready, active version, running and queued requests, tokens/s, error).
+
+Every engine call goes through :class:`fleet.sglang_client.SGLangClient` and every router call
+through :class:`fleet.weights_client.RouterClient`; the sidecar owns their connections and
+hands them to :meth:`Reconciler.start`.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from fleet.sglang_client import EngineError, EngineRejected, SGLangClient
+from fleet.weights_client import RouterClient, RouterError
 from weight_sync.manifest import ChecksumError
 from weight_sync.stage import STAGE_MODES, StageAborted, StagedVersion, clean_staging, stage_version
 from weight_sync.store.base import VersionStore
+from weight_sync.types import FormatRef, VersionRef
 
 log = logging.getLogger("mixfleet.sidecar")
 
@@ -52,18 +59,16 @@ SWAP_CAPABILITY = "swap_between_steps"  # the engine's /server_info "weight_upda
 
 
 @dataclass(frozen=True)
-class SidecarConfig:
-    """Everything one sidecar needs; ``poll_s`` <= 1 keeps pointer reads within a second."""
+class ReconcileSettings:
+    """What one replica's reconciler serves and how; ``poll_s`` <= 1 keeps pointer reads within a
+    second. Invalid values raise ``ValueError`` naming the field."""
 
-    engine_url: str
     group: str
     weight_format: str
     run_id: str
     replica_id: str
     advertise_url: str
     staging_dir: Path
-    router_url: str | None = None
-    api_key: str | None = None
     stage_mode: str = "copy"
     activation: str = "auto"
     stage_rate_bytes_per_s: float | None = None
@@ -97,10 +102,6 @@ class Activation:
     update_s: float  # /update_weights_from_disk alone
     total_s: float  # seen -> active
     bytes: int
-
-
-class EngineRefused(Exception):
-    """The engine did not take the new weights (its message is kept)."""
 
 
 @dataclass
@@ -177,7 +178,7 @@ class _Metrics:
 class Reconciler:
     """The weight-version reconciler of one replica (see the module docstring)."""
 
-    def __init__(self, config: SidecarConfig, store: VersionStore) -> None:
+    def __init__(self, config: ReconcileSettings, store: VersionStore) -> None:
         self.config = config
         self.store = store
         self.state = _State()
@@ -187,19 +188,19 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._activation_lock = asyncio.Lock()
         self._stage_cache: StagedVersion | None = None
-        self._engine: httpx.AsyncClient | None = None
-        self._router: httpx.AsyncClient | None = None
+        self.engine: SGLangClient | None = None
+        self._router: RouterClient | None = None
+        self._engine_known = False  # the reconcile loop learned the engine's start-up version
         self._tasks: list[asyncio.Task] = []
         self._last_tokens: tuple[float, float] | None = None
         self._epoch = 0  # activations started; a version read across one is stale
 
     # lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        self._engine = httpx.AsyncClient(base_url=self.config.engine_url, timeout=None, limits=limits)
-        if self.config.router_url:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            self._router = httpx.AsyncClient(base_url=self.config.router_url, timeout=5.0, headers=headers)
+    async def start(self, engine: SGLangClient, router: RouterClient | None = None) -> None:
+        """Start the loops on ``engine`` (heartbeats to ``router`` when given); both stay the
+        caller's (their connections are not closed by :meth:`stop`)."""
+        self.engine = engine
+        self._router = router
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="watch"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
@@ -212,10 +213,6 @@ class Reconciler:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._engine is not None:
-            await self._engine.aclose()
-        if self._router is not None:
-            await self._router.aclose()
 
     def wake(self) -> None:
         self._wake.set()
@@ -230,7 +227,7 @@ class Reconciler:
             "format": self.config.weight_format,
             "run_id": self.config.run_id,
             "url": self.config.advertise_url,
-            "engine_url": self.config.engine_url,
+            "engine_url": None if self.engine is None else self.engine.base_url,
             "ready": s.ready,
             "engine_ok": s.engine_ok,
             "active_version": s.active_version,
@@ -268,7 +265,7 @@ class Reconciler:
             self._wake.clear()  # a wake from now on triggers another read
             try:
                 ptr = await asyncio.to_thread(
-                    self.store.read_pointer, self.config.run_id, self.config.weight_format
+                    self.store.read_pointer, FormatRef(self.config.run_id, self.config.weight_format)
                 )
             except Exception as exc:  # store briefly unreadable: keep serving, say so
                 log.warning("reading the pointer failed: %s", exc)
@@ -330,10 +327,9 @@ class Reconciler:
             return cached
         s = self.state
         s.staging = {"version": target, "bytes_done": 0, "bytes_total": None, "started_at": time.time()}
+        ref = VersionRef(self.config.run_id, self.config.weight_format, target)
         try:
-            manifest = await asyncio.to_thread(
-                self.store.read_manifest, self.config.run_id, self.config.weight_format, target
-            )
+            manifest = await asyncio.to_thread(self.store.read_manifest, ref)
             s.staging["bytes_total"] = manifest.total_bytes
 
             def progress(n: int) -> None:
@@ -343,9 +339,7 @@ class Reconciler:
             staged = await asyncio.to_thread(
                 stage_version,
                 self.store,
-                self.config.run_id,
-                self.config.weight_format,
-                target,
+                ref,
                 self.config.staging_dir,
                 mode=self.config.stage_mode,  # type: ignore[arg-type]
                 should_abort=lambda: self.state.desired_version != target,
@@ -369,7 +363,7 @@ class Reconciler:
         return staged
 
     async def _activate(self, target: int, staged: StagedVersion, seen_at: float) -> None:
-        assert self._engine is not None
+        assert self.engine is not None
         s = self.state
         async with self._activation_lock:
             self._epoch += 1
@@ -380,24 +374,20 @@ class Reconciler:
             pause = await self._pauses()
             if pause:
                 try:
-                    await self._control("/pause_generation", {"mode": "in_place"})
-                except Exception as exc:
-                    self._fail(target, f"engine did not pause for version {target}: {exc}")
+                    await self.engine.pause_generation("in_place")
+                except EngineError as exc:
+                    self._fail(target, f"engine did not pause for version {target}: {exc.message}")
                     return
             try:
                 t_u = time.perf_counter()
-                r = await self._engine.post(
-                    "/update_weights_from_disk",
-                    json={"model_path": str(staged.path), "weight_version": str(target)},
-                    timeout=self.config.engine_timeout_s,
+                engine_message = await self.engine.update_weights_from_disk(
+                    str(staged.path), target, timeout=self.config.engine_timeout_s
                 )
                 update_s = time.perf_counter() - t_u
-                body = _json(r)
-                engine_message = str(body.get("message") or "")
-                if r.status_code != 200 or body.get("success") is False:
-                    refused = str(body.get("message") or body.get("error") or f"HTTP {r.status_code}")
-            except httpx.HTTPError as exc:
-                refused = f"engine unreachable during update: {exc!r}"
+            except EngineRejected as exc:
+                refused = exc.message
+            except EngineError as exc:
+                refused = f"engine unreachable during update: {exc.message}"
             finally:
                 if pause:
                     await self._continue_engine()
@@ -454,22 +444,21 @@ class Reconciler:
         """
         if self.config.activation != "auto":
             return self.config.activation == "pause"
-        info = await self._engine_info("/server_info", "/get_server_info")
-        return info is None or info.get("weight_update") != SWAP_CAPABILITY
-
-    async def _control(self, path: str, body: dict[str, Any]) -> None:
-        assert self._engine is not None
-        r = await self._engine.post(path, json=body, timeout=60.0)
-        if r.status_code != 200:
-            raise EngineRefused(f"{path} answered {r.status_code}: {r.text[:200]}")
+        assert self.engine is not None
+        try:
+            info = await self.engine.server_info(timeout=10.0)
+        except EngineError:
+            return True
+        return info.get("weight_update") != SWAP_CAPABILITY
 
     async def _continue_engine(self) -> None:
         """Resume generation; retried, since a paused engine serves nobody."""
+        assert self.engine is not None
         for attempt in range(20):
             try:
-                await self._control("/continue_generation", {})
+                await self.engine.continue_generation()
                 return
-            except Exception as exc:
+            except EngineError as exc:
                 log.warning("continue_generation failed (attempt %d): %s", attempt + 1, exc)
                 await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
 
@@ -492,46 +481,34 @@ class Reconciler:
     # engine -----------------------------------------------------------------------------------
     async def _wait_engine(self) -> None:
         """Block until the engine answers /health; learn the version it serves."""
+        assert self.engine is not None
         while True:
-            if await self._engine_health():
+            if await self.engine_health():
                 # A previous sidecar may have died between pause and continue: resume (a no-op
                 # on an engine that is not paused).
-                with contextlib.suppress(Exception):
-                    await self._control("/continue_generation", {})
+                with contextlib.suppress(EngineError):
+                    await self.engine.continue_generation()
                 version = await self._engine_version()
                 self.state.active_version = version
                 if version is not None:
                     self.metrics.active.set(version)
+                self._engine_known = True
                 return
             await asyncio.sleep(0.2)
 
-    async def _engine_health(self) -> bool:
-        assert self._engine is not None
-        try:
-            r = await self._engine.get("/health", timeout=5.0)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
-            ok = False
+    async def engine_health(self) -> bool:
+        """Whether the engine answers ``/health`` now (also kept as ``state.engine_ok``)."""
+        ok = self.engine is not None and await self.engine.health(timeout=5.0)
         self.state.engine_ok = ok
         return ok
 
     async def _engine_version(self) -> int | None:
-        """The integer weight version the engine reports (None if it reports none or a non-integer)."""
-        info = await self._engine_info("/model_info", "/get_model_info")
-        return None if info is None else as_version(info.get("weight_version"))
-
-    async def _engine_info(self, *paths: str) -> dict[str, Any] | None:
-        """The JSON object of the first of ``paths`` (SGLang's name, then its older alias) that
-        the engine answers with 200; None if it answers none of them."""
-        assert self._engine is not None
-        for path in paths:
-            try:
-                r = await self._engine.get(path, timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200:
-                return _json(r)
-        return None
+        """The version the engine serves (None if it names none, a non-integer, or cannot say)."""
+        assert self.engine is not None
+        try:
+            return await self.engine.weight_version(timeout=10.0)
+        except EngineError:
+            return None
 
     async def _engine_loop(self) -> None:
         """Engine health, load figures, version drift (engine restarted), heartbeats."""
@@ -547,10 +524,10 @@ class Reconciler:
 
     async def _engine_tick(self) -> None:
         s = self.state
-        if not await self._engine_health():
+        if not await self.engine_health():
             return
         await self._read_engine_metrics()
-        if self._activation_lock.locked():
+        if self._activation_lock.locked() or not self._engine_known:
             return
         epoch = self._epoch
         version = await self._engine_version()
@@ -563,14 +540,10 @@ class Reconciler:
             self._work.set()
 
     async def _read_engine_metrics(self) -> None:
-        assert self._engine is not None
-        try:
-            r = await self._engine.get("/metrics", timeout=5.0)
-        except httpx.HTTPError:
+        text = await self.engine_metrics_text()
+        if not text:
             return
-        if r.status_code != 200:
-            return
-        values = parse_prometheus(r.text)
+        values = parse_prometheus(text)
         s = self.state
         s.running = values.get("sglang:num_running_reqs", 0.0)
         s.queued = values.get("sglang:num_queue_reqs", 0.0)
@@ -590,18 +563,20 @@ class Reconciler:
         if self._router is None:
             return
         try:
-            r = await self._router.post("/v1/replicas/heartbeat", json=self.heartbeat_body())
-            if r.status_code >= 400:
-                log.warning("heartbeat refused: %s %s", r.status_code, r.text[:200])
-        except httpx.HTTPError as exc:
-            log.debug("heartbeat failed: %s", exc)
+            await self._router.call("POST", "/v1/replicas/heartbeat", self.heartbeat_body())
+        except RouterError as exc:
+            if exc.status is None:
+                log.debug("heartbeat failed: %s", exc)
+            else:
+                log.warning("heartbeat refused: %s", exc)
 
     async def engine_metrics_text(self) -> str:
-        assert self._engine is not None
+        """The engine's Prometheus text; empty when it does not answer."""
+        if self.engine is None:
+            return ""
         try:
-            r = await self._engine.get("/metrics", timeout=5.0)
-            return r.text if r.status_code == 200 else ""
-        except httpx.HTTPError:
+            return await self.engine.metrics()
+        except EngineError:
             return ""
 
 
@@ -626,28 +601,3 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + value
     return out
-
-
-def as_version(value: Any) -> int | None:
-    """The non-negative integer version ``value`` names (int or SGLang's string), else None."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, float) and value.is_integer():
-        return int(value) if value >= 0 else None
-    if isinstance(value, str):
-        try:
-            v = int(value.strip())
-        except ValueError:
-            return None
-        return v if v >= 0 else None
-    return None
-
-
-def _json(r: httpx.Response) -> dict[str, Any]:
-    try:
-        data = r.json()
-    except ValueError:
-        return {"message": r.text[:500]}
-    return data if isinstance(data, dict) else {"value": data}

@@ -1,37 +1,53 @@
-"""One client for SGLang's native HTTP protocol (real SGLang servers, sidecars and the local
-CPU engine alike), over one shared connection pool.
+"""The one client of an engine: SGLang's native HTTP protocol, which real SGLang servers, the
+local CPU engine and the replica sidecars all speak, over one shared ``aiohttp`` pool.
 
-The pool is an ``aiohttp.ClientSession`` (:func:`make_http_client`, created inside the running
-event loop): on the router's hot path it costs several times less CPU per request than
-``httpx.AsyncClient`` (measured in ``benchmarks/router.py``'s development; httpx stays the
-project's client everywhere else).
+Calls: :meth:`SGLangClient.generate` (the one engine request of a turn), the SGLang-native
+passthrough (:meth:`~SGLangClient.post_generate`, :meth:`~SGLangClient.stream_generate`),
+fixed-prefix scoring (:meth:`~SGLangClient.score`), the weight-update protocol (pause, update
+from disk, continue), cache flush, server and model info, health, metrics and the served weight
+version. The pool (:func:`make_http_client`) is created inside the running event loop and shared
+by every client of one process.
 
 Errors are split by what a caller can do about them:
 
 * :class:`EngineUnavailable` - connect error, timeout (the message then contains ``Timeout``),
-  dropped connection or a 5xx: the request may be retried on another replica (nothing was
-  produced that the caller has seen).
-* :class:`EngineRejected` - a 4xx: the request itself is bad (or, with ``retryable``, a replica
-  cannot meet a version constraint now: 409 from a sidecar); carries status and message.
+  dropped connection, a 5xx or a body that is not the JSON the call expects: the request may be
+  retried on another replica (nothing was produced that the caller has seen).
+* :class:`EngineRejected` - a 4xx, or an engine that answered ``success: false``: the request
+  itself is bad (or, with ``retryable``, a replica cannot meet a version constraint now: 409
+  from a sidecar); carries status and message.
+
+A pooled connection that the server closed under a request (no response byte at all) is retried
+once on a fresh connection before the replica counts as unavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-try:  # orjson parses and writes engine bodies several times faster; json is the fallback
-    import orjson
-except ImportError:  # pragma: no cover
-    orjson = None
+from fleet.jsonio import dumps, loads
+from weight_sync.types import InvalidVersion, parse_version
+
+__all__ = [
+    "EngineError",
+    "EngineRejected",
+    "EngineUnavailable",
+    "RawResponse",
+    "SGLangClient",
+    "error_message",
+    "make_http_client",
+    "reported_version",
+]
 
 
 class EngineError(Exception):
+    """A call on the engine at ``url`` failed; ``message`` says how."""
+
     def __init__(self, url: str, message: str) -> None:
         super().__init__(f"{url}: {message}")
         self.url = url
@@ -39,10 +55,12 @@ class EngineError(Exception):
 
 
 class EngineUnavailable(EngineError):
-    pass
+    """No usable answer: the request may be retried on another replica."""
 
 
 class EngineRejected(EngineError):
+    """The engine refused the request (``status``: its HTTP status); ``retryable`` for a 409."""
+
     def __init__(self, url: str, status: int, message: str) -> None:
         super().__init__(url, message)
         self.status = status
@@ -51,7 +69,8 @@ class EngineRejected(EngineError):
 
 @dataclass(frozen=True)
 class RawResponse:
-    """A fully read response."""
+    """A response as the engine sent it: status, body (empty for a stream's head) and headers
+    with lower-cased names."""
 
     status_code: int
     content: bytes
@@ -65,36 +84,14 @@ class RawResponse:
         return loads(self.content)
 
 
-def loads(content: bytes) -> Any:
-    """Decode JSON bytes (orjson first; :mod:`json` for what only it accepts, e.g. ``NaN``)."""
-    if orjson is not None:
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(content)
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON bytes for a request body (orjson when it can; else :mod:`json`)."""
-    if orjson is not None:
-        try:
-            data = orjson.dumps(obj)
-        except TypeError:
-            pass
-        else:
-            if b"null" not in data:  # orjson writes NaN / inf as null; json keeps them
-                return data
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
 def make_http_client(
     *, connect_timeout_s: float = 5.0, timeout_s: float = 600.0, max_connections: int = 1024
 ) -> aiohttp.ClientSession:
     """The shared pool: short connect timeout (a dead replica fails fast), long read timeout
-    (generation takes as long as it takes). Idle connections are dropped after 2 s, before a
-    server's keep-alive timeout (uvicorn: 5 s) can close them under a request in flight.
-    Call inside a running event loop; close with ``await pool.close()``."""
+    (no byte for ``timeout_s`` is a timeout; generation takes as long as it takes). Idle
+    connections are dropped after 2 s, before a server's keep-alive timeout (uvicorn: 5 s) can
+    close them under a request in flight. At most ``max_connections`` are open; further
+    requests wait for one. Call inside a running event loop; close with ``await pool.close()``."""
     connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=2.0, ttl_dns_cache=300)
     return aiohttp.ClientSession(
         connector=connector,
@@ -120,14 +117,36 @@ def error_message(status: int, content: bytes) -> str:
     return str(body)[:500] or f"HTTP {status}"
 
 
+def reported_version(info: dict[str, Any]) -> int | None:
+    """The fleet version an engine's info or answer (``weight_version``) names; None when it
+    names none or a non-integer (SGLang's ``"default"``)."""
+    try:
+        return parse_version(info.get("weight_version"))
+    except InvalidVersion:
+        return None
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
         return f"Timeout ({type(exc).__name__}) {exc}".strip()
     return f"{type(exc).__name__}: {exc}"
 
 
+def _classify(url: str, response: RawResponse) -> RawResponse:
+    """``response`` when below 400; else :class:`EngineUnavailable` (5xx) or
+    :class:`EngineRejected` (4xx) with the body's message."""
+    status = response.status_code
+    if status < 400:
+        return response
+    message = error_message(status, response.content)
+    if status >= 500:
+        raise EngineUnavailable(url, f"HTTP {status}: {message}")
+    raise EngineRejected(url, status, message)
+
+
 class SGLangClient:
-    """Calls on one engine base URL. ``headers`` are sent with every request."""
+    """Calls on the engine at ``base_url`` (a path prefix is kept); ``headers`` go with every
+    request. Cheap to create: the connections belong to ``http``."""
 
     def __init__(
         self, http: aiohttp.ClientSession, base_url: str, headers: dict[str, str] | None = None
@@ -136,96 +155,62 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.headers = headers or {}
 
-    def _json_headers(self, extra: dict[str, str] | None) -> dict[str, str]:
+    # transport --------------------------------------------------------------------------------
+    def _headers(self, body: bytes | None, extra: dict[str, str] | None) -> dict[str, str]:
+        if body is None:
+            return {**self.headers, **(extra or {})}
         return {**self.headers, "content-type": "application/json", **(extra or {})}
 
-    async def _send(self, call: Callable[[], Awaitable[RawResponse]], url: str) -> RawResponse:
-        """One request; a pooled connection that the server closed under it (no response at
-        all) is retried once on a fresh connection before the replica counts as failed."""
+    async def _open(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], timeout: float | None
+    ) -> aiohttp.ClientResponse:
+        """The response head of one request (the caller reads and releases it)."""
+        kwargs: dict[str, Any] = {"data": body, "headers": headers}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
         for attempt in (0, 1):
             try:
-                return await call()
+                return await self.http.request(method, url, **kwargs)
             except aiohttp.ServerDisconnectedError as exc:
                 if attempt == 0:
-                    continue
+                    continue  # a pooled connection the server closed: resend once on a fresh one
                 raise EngineUnavailable(url, _describe(exc)) from None
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 raise EngineUnavailable(url, _describe(exc)) from None
         raise AssertionError("unreachable")
 
-    async def _fetch(
-        self, method: str, url: str, *, data: bytes | None, headers: dict[str, str], timeout: float | None
-    ) -> RawResponse:
-        kwargs: dict[str, Any] = {"data": data, "headers": headers}
-        if timeout is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        async with self.http.request(method, url, **kwargs) as r:
-            content = await r.read()
-            return RawResponse(r.status, content, {k.lower(): v for k, v in r.headers.items()})
-
-    async def _request(
+    async def forward(
         self,
         method: str,
         path: str,
+        body: bytes | None = None,
         *,
-        json_body: Any = None,
         headers: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> RawResponse:
+        """One request with ``body`` (sent as JSON) and the engine's whole answer, whatever its
+        status. Raises :class:`EngineUnavailable` when no complete answer arrived."""
         url = self.base_url + path
-        data = None if json_body is None else dumps(json_body)
-        hdrs = self._json_headers(headers) if data is not None else {**self.headers, **(headers or {})}
-        response = await self._send(
-            lambda: self._fetch(method, url, data=data, headers=hdrs, timeout=timeout), url
-        )
-        if response.status_code >= 500:
-            raise EngineUnavailable(
-                url, f"HTTP {response.status_code}: {error_message(response.status_code, response.content)}"
-            )
-        if response.status_code >= 400:
-            raise EngineRejected(
-                url, response.status_code, error_message(response.status_code, response.content)
-            )
-        return response
-
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        response = await self._request(method, path, **kw)
+        r = await self._open(method, url, body, self._headers(body, headers), timeout)
         try:
-            return response.json()
-        except ValueError:
-            raise EngineUnavailable(self.base_url + path, "response is not JSON") from None
-
-    async def generate(self, payload: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
-        """``POST /generate`` (non-streaming); returns the decoded JSON body."""
-        return await self._json("POST", "/generate", json_body=payload, headers=headers)
-
-    async def stream_generate(
-        self, body: bytes, *, headers: dict[str, str] | None = None
-    ) -> tuple[RawResponse, AsyncIterator[bytes]]:
-        """Streaming ``POST /generate``: returns the response head (status, headers; empty
-        content) once it arrived and an iterator over body chunks that releases the connection
-        when exhausted or closed. Raises :class:`EngineUnavailable` before the first byte only."""
-        url = self.base_url + "/generate"
-        hdrs = self._json_headers(headers)
-
-        async def start() -> Any:
-            return await self.http.post(url, data=body, headers=hdrs)
-
-        for attempt in (0, 1):
-            try:
-                r = await start()
-                break
-            except aiohttp.ServerDisconnectedError as exc:
-                if attempt == 1:
-                    raise EngineUnavailable(url, _describe(exc)) from None
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise EngineUnavailable(url, _describe(exc)) from None
-        if r.status >= 500:
             content = await r.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(url, _describe(exc)) from None
+        finally:
             r.release()
-            raise EngineUnavailable(url, f"HTTP {r.status}: {error_message(r.status, content)}")
+        return RawResponse(r.status, content, {k.lower(): v for k, v in r.headers.items()})
 
-        async def chunks() -> AsyncIterator[bytes]:
+    async def stream(
+        self, method: str, path: str, body: bytes | None = None, *, headers: dict[str, str] | None = None
+    ) -> tuple[RawResponse, AsyncGenerator[bytes, None]]:
+        """One request whose answer is read as it arrives: the response head (status, headers;
+        empty content), whatever its status, and an iterator over body chunks that releases the
+        connection when exhausted or closed. Raises :class:`EngineUnavailable` before the first
+        byte only."""
+        url = self.base_url + path
+        r = await self._open(method, url, body, self._headers(body, headers), None)
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
             try:
                 async for chunk in r.content.iter_any():
                     yield chunk
@@ -234,44 +219,157 @@ class SGLangClient:
 
         return RawResponse(r.status, b"", {k.lower(): v for k, v in r.headers.items()}), chunks()
 
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """The decoded JSON answer of a call that must succeed (errors classified)."""
+        body = None if payload is None else dumps(payload)
+        url = self.base_url + path
+        response = _classify(url, await self.forward(method, path, body, headers=headers, timeout=timeout))
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineUnavailable(url, "response is not JSON") from None
+
+    async def _info(self, path: str, alias: str, timeout: float) -> dict[str, Any]:
+        """``GET path`` (SGLang's name), else its older ``alias`` when the engine lacks it."""
+        try:
+            data = await self._call("GET", path, timeout=timeout)
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            data = await self._call("GET", alias, timeout=timeout)
+        if not isinstance(data, dict):
+            raise EngineUnavailable(self.base_url + path, "response is not a JSON object")
+        return data
+
+    # generation ---------------------------------------------------------------------------------
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """``POST /generate`` of one sequence with its behavior records: the one engine request
+        (``input_ids``, ``sampling_params``, ``return_logprob`` and ``return_sampling_mask``
+        true). Returns the decoded answer (an object)."""
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": True,
+            "return_sampling_mask": True,
+        }
+        data = await self._call("POST", "/generate", payload, headers=headers)
+        if not isinstance(data, dict):
+            raise EngineUnavailable(self.base_url + "/generate", "response is not a JSON object")
+        return data
+
+    async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
+        """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx
+        (the request's own fault) included. Raises :class:`EngineUnavailable` without an answer
+        or on a 5xx, and a retryable :class:`EngineRejected` on a 409 (another replica may meet
+        the version constraint)."""
+        url = self.base_url + "/generate"
+        response = await self.forward("POST", "/generate", body, headers=headers)
+        if response.status_code >= 500 or response.status_code == 409:
+            _classify(url, response)
+        return response
+
+    async def stream_generate(
+        self, body: bytes, *, headers: dict[str, str] | None = None
+    ) -> tuple[RawResponse, AsyncGenerator[bytes, None]]:
+        """Streaming ``POST /generate`` of ``body`` as given (see :meth:`stream`); a 5xx head
+        raises :class:`EngineUnavailable` (before the first byte reached the caller)."""
+        head, chunks = await self.stream("POST", "/generate", body, headers=headers)
+        if head.status_code >= 500:
+            content = b"".join([c async for c in chunks])
+            raise EngineUnavailable(
+                self.base_url + "/generate",
+                f"HTTP {head.status_code}: {error_message(head.status_code, content)}",
+            )
+        return head, chunks
+
+    async def score(
+        self, input_ids: Sequence[Sequence[int]], logprob_start_len: int, *, timeout: float = 120.0
+    ) -> list[dict[str, Any]]:
+        """Log-probs of fixed sequences, nothing generated: per sequence the ``meta_info`` of the
+        engine's answer (``input_token_logprobs`` from ``logprob_start_len`` on, ``weight_version``)."""
+        payload = {
+            "input_ids": [list(seq) for seq in input_ids],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": logprob_start_len,
+        }
+        data = await self._call("POST", "/generate", payload, timeout=timeout)
+        items = data if isinstance(data, list) else [data]
+        url = self.base_url + "/generate"
+        if len(items) != len(input_ids) or not all(isinstance(i, dict) for i in items):
+            raise EngineUnavailable(url, f"{len(items)} answers to {len(input_ids)} sequences")
+        return [item.get("meta_info") or {} for item in items]
+
+    # weights and control ------------------------------------------------------------------------
+    async def pause_generation(self, mode: str = "in_place", *, timeout: float = 60.0) -> None:
+        """``POST /pause_generation``: ``in_place`` holds running requests where they are."""
+        await self._call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
+
+    async def continue_generation(self, *, timeout: float = 60.0) -> None:
+        """``POST /continue_generation`` (a no-op on an engine that is not paused)."""
+        await self._call("POST", "/continue_generation", {}, timeout=timeout)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int, *, timeout: float | None = None
+    ) -> str:
+        """``POST /update_weights_from_disk``; returns the engine's message once it took the
+        weights. Raises :class:`EngineRejected` when it refused them (a 4xx or ``success:
+        false``; the old version keeps serving)."""
+        url = self.base_url + "/update_weights_from_disk"
+        payload = {"model_path": model_path, "weight_version": str(weight_version)}
+        data = await self._call("POST", "/update_weights_from_disk", payload, timeout=timeout)
+        body = data if isinstance(data, dict) else {}
+        if body.get("success") is False:
+            raise EngineRejected(url, 200, str(body.get("message") or body.get("error") or "success: false"))
+        return str(body.get("message") or "")
+
+    async def flush_cache(self, *, timeout: float = 60.0) -> None:
+        """``POST /flush_cache``: drop the engine's prefix cache."""
+        url = self.base_url + "/flush_cache"
+        _classify(url, await self.forward("POST", "/flush_cache", timeout=timeout))
+
+    # info, health, metrics ----------------------------------------------------------------------
+    async def server_info(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``GET /server_info`` (or ``/get_server_info``)."""
+        return await self._info("/server_info", "/get_server_info", timeout)
+
+    async def model_info(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``GET /model_info`` (or ``/get_model_info``)."""
+        return await self._info("/model_info", "/get_model_info", timeout)
+
+    async def weight_version(self, timeout: float = 5.0) -> int | None:
+        """The version the engine serves, from its model info; None when it names none or a
+        non-integer (SGLang's ``"default"``)."""
+        return reported_version(await self.model_info(timeout))
+
     async def probe(self, timeout: float = 2.0) -> str:
         """``GET /health``: ``"ok"``, ``"unhealthy"`` (it answered, not 200), ``"unreachable"``
         (connection refused or dropped: likely dead) or ``"timeout"`` (likely just busy)."""
-        url = self.base_url + "/health"
         try:
-            r = await self._fetch("GET", url, data=None, headers=self.headers, timeout=timeout)
-        except (TimeoutError, aiohttp.ServerTimeoutError):
-            return "timeout"
-        except (aiohttp.ClientError, OSError):
-            return "unreachable"
+            r = await self.forward("GET", "/health", timeout=timeout)
+        except EngineUnavailable as exc:
+            return "timeout" if "Timeout" in exc.message else "unreachable"
         return "ok" if r.status_code == 200 else "unhealthy"
 
     async def health(self, timeout: float = 2.0) -> bool:
+        """Whether ``GET /health`` answers 200."""
         return await self.probe(timeout) == "ok"
 
-    async def server_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        return await self._json("GET", "/server_info", timeout=timeout)
-
-    async def model_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        return await self._json("GET", "/model_info", timeout=timeout)
-
-    async def weight_version(self, timeout: float = 5.0) -> str | None:
-        """The engine's active weight version as SGLang reports it (a string), or None."""
-        for path in ("/server_info", "/get_weight_version", "/model_info"):
-            try:
-                data = await self._json("GET", path, timeout=timeout)
-            except EngineRejected:
-                continue
-            if isinstance(data, dict) and data.get("weight_version") is not None:
-                return str(data["weight_version"])
-        return None
-
-
-def parse_version(value: Any) -> int | None:
-    """SGLang's string weight version -> int (None for 'default' and other non-integers)."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        return None
+    async def metrics(self, timeout: float = 5.0) -> str:
+        """``GET /metrics``: the engine's Prometheus text."""
+        url = self.base_url + "/metrics"
+        return _classify(url, await self.forward("GET", "/metrics", timeout=timeout)).text

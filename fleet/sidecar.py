@@ -30,19 +30,29 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
-from fleet.reconciler import Activation, Reconciler, SidecarConfig, parse_prometheus
+from fleet.reconciler import Activation, Reconciler, ReconcileSettings, parse_prometheus
+from fleet.sglang_client import EngineUnavailable, SGLangClient, make_http_client
+from fleet.weights_client import RouterClient
 from weight_sync.store.base import VersionStore
 from weight_sync.types import InvalidVersion, VersionConstraint, VersionUnavailable
 
-__all__ = ["Activation", "Reconciler", "SidecarConfig", "create_app", "parse_prometheus", "version_conflict"]
+__all__ = [
+    "Activation",
+    "ReconcileSettings",
+    "Reconciler",
+    "SidecarConfig",
+    "create_app",
+    "parse_prometheus",
+    "version_conflict",
+]
 
 PROXIED_GET = ("/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 BLOCKED = (
@@ -100,25 +110,42 @@ def version_conflict(
     ), body
 
 
-def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
-    """The sidecar's ASGI app; reconciling starts with the app's lifespan."""
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything one sidecar needs: its engine (``engine_url``), the router its heartbeats go to
+    (``router_url``, with ``api_key``; none without a router) and what its reconciler serves."""
 
-    sidecar = Reconciler(config, store)
+    engine_url: str
+    reconcile: ReconcileSettings
+    router_url: str | None = None
+    api_key: str | None = None
+
+
+def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
+    """The sidecar's ASGI app; its connections open and reconciling starts with the app's
+    lifespan, and both end with it."""
+
+    settings = config.reconcile
+    sidecar = Reconciler(settings, store)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        await sidecar.start()
+        http = make_http_client(timeout_s=settings.engine_timeout_s)
+        engine = SGLangClient(http, config.engine_url)
+        router = RouterClient(http, config.router_url, config.api_key, 5.0) if config.router_url else None
+        await sidecar.start(engine, router)
         try:
             yield
         finally:
             await sidecar.stop()
+            await http.close()
 
-    app = FastAPI(title=f"mixfleet sidecar {config.replica_id}", lifespan=lifespan)
+    app = FastAPI(title=f"mixfleet sidecar {settings.replica_id}", lifespan=lifespan)
     app.state.sidecar = sidecar
 
     @app.api_route("/health", methods=["GET", "POST"])
     async def health() -> JSONResponse:
-        ok = await sidecar._engine_health() if sidecar._engine is not None else False
+        ok = await sidecar.engine_health()
         s = sidecar.state
         body = {
             "ready": s.ready,
@@ -174,7 +201,7 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
             return JSONResponse(
                 {
                     "error": {
-                        "message": f"replica {config.replica_id} is not ready (joining at version "
+                        "message": f"replica {settings.replica_id} is not ready (joining at version "
                         f"{sidecar.state.desired_version})"
                     },
                     "retryable": True,
@@ -183,7 +210,8 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
                 headers={"Retry-After": "1"},
             )
         content = json.dumps(body).encode() if body is not None else raw
-        assert sidecar._engine is not None
+        engine = sidecar.engine
+        assert engine is not None
         s = sidecar.state
         s.in_flight += 1
         sidecar.metrics.in_flight.set(s.in_flight)
@@ -196,38 +224,34 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
                 s.in_flight -= 1
                 sidecar.metrics.in_flight.set(s.in_flight)
 
-        try:
-            req = sidecar._engine.build_request(
-                "POST", "/generate", content=content, headers={"content-type": "application/json"}
-            )
-            resp = await sidecar._engine.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            release()
-            return JSONResponse({"error": {"message": f"engine unreachable: {exc!r}"}}, status_code=502)
-        media = resp.headers.get("content-type", "application/json")
         if isinstance(body, dict) and body.get("stream"):
+            try:
+                head, chunks = await engine.stream("POST", "/generate", content)
+            except EngineUnavailable as exc:
+                release()
+                return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
 
-            async def chunks():
+            async def relay():
                 try:
-                    async for chunk in resp.aiter_raw():
+                    async for chunk in chunks:
                         yield chunk
                 finally:
-                    await resp.aclose()
+                    await chunks.aclose()
                     release()
 
+            media = head.headers.get("content-type", "text/event-stream")
             return StreamingResponse(
-                chunks(), status_code=resp.status_code, media_type=media, background=BackgroundTask(release)
+                relay(), status_code=head.status_code, media_type=media, background=BackgroundTask(release)
             )
         try:
-            data = await resp.aread()
-        except httpx.HTTPError as exc:
-            return JSONResponse(
-                {"error": {"message": f"engine failed mid-response: {exc!r}"}}, status_code=502
-            )
+            r = await engine.forward("POST", "/generate", content)
+        except EngineUnavailable as exc:
+            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
         finally:
-            await resp.aclose()
             release()
-        return Response(data, status_code=resp.status_code, media_type=media)
+        return Response(
+            r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
+        )
 
     return app
 
@@ -249,18 +273,21 @@ def _blocked(path: str):
 
 def _proxy_simple(sidecar: Reconciler, path: str):
     async def handler(request: Request) -> Response:
-        assert sidecar._engine is not None
+        engine = sidecar.engine
+        assert engine is not None
+        body = await request.body()
+        query = request.url.query
+        headers = {"content-type": request.headers.get("content-type", "application/json")} if body else None
         try:
-            r = await sidecar._engine.request(
+            r = await engine.forward(
                 request.method,
-                path,
-                content=await request.body(),
-                headers={"content-type": request.headers.get("content-type", "application/json")},
-                params=dict(request.query_params),
+                path + (f"?{query}" if query else ""),
+                body or None,
+                headers=headers,
                 timeout=30.0,
             )
-        except httpx.HTTPError as exc:
-            return JSONResponse({"error": {"message": f"engine unreachable: {exc!r}"}}, status_code=502)
+        except EngineUnavailable as exc:
+            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, status_code=502)
         return Response(
             r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
         )

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from fleet.sidecar import SidecarConfig, create_app
+    from fleet.sidecar import ReconcileSettings, SidecarConfig, create_app
     from weight_sync.store.local import LocalStore
 
     if not args.engine.startswith(("http://", "https://")):
@@ -113,16 +113,13 @@ def run(args: argparse.Namespace) -> int:
         if args.staging_dir
         else (Path(tempfile.gettempdir()) / f"mixfleet-staging-{replica_id}")
     )
-    config = SidecarConfig(
-        engine_url=args.engine.rstrip("/"),
+    settings = ReconcileSettings(
         group=args.group,
         weight_format=args.weight_format,
         run_id=args.run_id,
         replica_id=replica_id,
         advertise_url=advertise,
         staging_dir=staging,
-        router_url=args.router.rstrip("/") if args.router else None,
-        api_key=os.environ.get("MIXFLEET_API_KEY") or None,
         stage_mode=args.stage_mode,
         activation=args.activation,
         stage_rate_bytes_per_s=args.stage_rate_mb * 1e6 if args.stage_rate_mb else None,
@@ -131,8 +128,13 @@ def run(args: argparse.Namespace) -> int:
         backoff_max_s=args.backoff_max_s,
         restarts=args.restarts,
     )
+    config = SidecarConfig(
+        engine_url=args.engine.rstrip("/"),
+        reconcile=settings,
+        router_url=args.router.rstrip("/") if args.router else None,
+        api_key=os.environ.get("MIXFLEET_API_KEY") or None,
+    )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(config, LocalStore(root))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -1,19 +1,23 @@
-"""HTTP client for the router's admin weight routes (``/v1/weights``) and fixed-prefix scoring.
+"""Client of the router's JSON API for the fleet's own tools: the admin weight routes
+(``/v1/weights``), fixed-prefix scoring (``/v1/score``) and replica heartbeats.
 
-Every call authenticates with a Bearer key and turns an HTTP error into a
-:class:`~weight_sync.errors.UserError` carrying the router's message, so CLI commands print
-one line. The routes are served by :mod:`router.weights`.
+:class:`RouterClient` is the async call (one ``aiohttp`` session, a Bearer key); every failure
+is a :class:`RouterError` (a :class:`~weight_sync.errors.UserError`) carrying the router's
+message, so CLI commands print one line. :class:`WeightsClient` is the synchronous face of the
+``mixfleet weights`` commands, running the async client on a private event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
+from fleet.jsonio import dumps, loads
 from weight_sync.errors import UserError
 
 DEFAULT_URL = "http://127.0.0.1:8300"
@@ -38,16 +42,66 @@ def api_key() -> str | None:
     return None
 
 
+class RouterError(UserError):
+    """A router call failed: ``status`` is the HTTP status, None when the router did not answer."""
+
+    def __init__(self, message: str, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RouterClient:
+    """Async JSON calls on the router at ``url`` over ``http``; ``timeout`` bounds each call."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, key: str | None, timeout: float = 60.0) -> None:
+        self.http = http
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        """The decoded JSON answer of ``method path`` with ``body`` (JSON); raises
+        :class:`RouterError` when the router cannot be reached or answers 4xx / 5xx / not JSON."""
+        headers = dict(self.headers)
+        data = None
+        if body is not None:
+            data = dumps(body)
+            headers["content-type"] = "application/json"
+        try:
+            async with self.http.request(
+                method, self.url + path, data=data, headers=headers, timeout=self.timeout
+            ) as r:
+                status, content, reason = r.status, await r.read(), r.reason or ""
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            raise RouterError(f"cannot reach the router at {self.url}: {reason}", None) from None
+        if status >= 400:
+            raise RouterError(f"{method} {path}: HTTP {status}: {_message(content, reason)}", status)
+        try:
+            return loads(content)
+        except ValueError:
+            raise RouterError(f"{method} {path}: the router's answer is not JSON", status) from None
+
+
+def open_session() -> aiohttp.ClientSession:
+    """A session for :class:`RouterClient` (call inside the running loop)."""
+    return aiohttp.ClientSession(trust_env=False)
+
+
 class WeightsClient:
-    """Synchronous client; ``timeout`` bounds each HTTP call, not the waits."""
+    """Synchronous client of the weight routes; ``timeout`` bounds each HTTP call, not the waits.
+    Close it (or use it as a context manager) to release its loop and connections."""
 
     def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.url = url
-        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        self._loop = asyncio.new_event_loop()
+        http = self._loop.run_until_complete(_opened())
+        self._router = RouterClient(http, url, key, timeout)
 
     def close(self) -> None:
-        self.http.close()
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._router.http.close())
+            self._loop.close()
 
     def __enter__(self) -> WeightsClient:
         return self
@@ -55,33 +109,27 @@ class WeightsClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            r = self.http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach the router at {self.url}: {exc}") from None
-        if r.status_code >= 400:
-            raise UserError(f"{method} {path}: HTTP {r.status_code}: {_message(r)}")
-        return r.json()
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        return self._loop.run_until_complete(self._router.call(method, path, body))
 
     # routes -----------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/weights")
 
     def publish(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights", json=body)
+        return self._call("POST", "/v1/weights", body)
 
     def rollback(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights/rollback", json=body)
+        return self._call("POST", "/v1/weights/rollback", body)
 
     def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights/perturbations", json=body)
+        return self._call("POST", "/v1/weights/perturbations", body)
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/weights/jobs/{job_id}")
 
     def score(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/score", json=body)
+        return self._call("POST", "/v1/score", body)
 
     # waits ------------------------------------------------------------------------------------
     def wait_job(self, job: dict[str, Any], timeout: float, on_event=None) -> dict[str, Any]:
@@ -128,11 +176,17 @@ class WeightsClient:
             time.sleep(0.2)
 
 
-def _message(r: httpx.Response) -> str:
+async def _opened() -> aiohttp.ClientSession:
+    return open_session()
+
+
+def _message(content: bytes, reason: str) -> str:
+    """The router's error message: ``detail`` (its first validation error's field and message),
+    ``error`` or ``message``; else the body's text."""
     try:
-        data = r.json()
+        data = loads(content)
     except ValueError:
-        return r.text[:300] or r.reason_phrase
+        return content[:300].decode(errors="replace") or reason
     if isinstance(data, dict):
         detail = data.get("detail", data.get("error", data.get("message", data)))
         if isinstance(detail, dict):

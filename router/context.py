@@ -1,7 +1,6 @@
 """The router's live state, one per app (``app.state.ctx``): config, state store, replica
-registry, HTTP pools (``http``: aiohttp, for polls and streaming; ``upstream``: the lean
-keep-alive pool of the turn and ``/generate`` hot path), metrics, and the latest published
-weight version.
+registry, the one HTTP pool of engine calls (``http``; :meth:`RouterContext.client` is the engine
+client on it), metrics, and the latest published weight version.
 
 Other modules add routes that use it (e.g. the weight-sync admin routes): pass them to
 ``create_app(config, extra_routers=[...])`` or call :func:`router.app.include_routes`; inside a
@@ -20,13 +19,18 @@ from typing import Any
 
 import aiohttp
 
-from fleet.sglang_client import EngineError, EngineUnavailable, SGLangClient, make_http_client, parse_version
+from fleet.sglang_client import (
+    EngineError,
+    EngineUnavailable,
+    SGLangClient,
+    make_http_client,
+    reported_version,
+)
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import AssignmentWindow, GroupLoad
 from router.registry import Registry
 from router.state.base import GroupCounters, StateError, StateStore, open_store
-from router.upstream import UpstreamPool
 
 log = logging.getLogger("mixfleet.router")
 
@@ -44,9 +48,6 @@ class RouterContext:
         )
         self.metrics = RouterMetrics()
         self.http: aiohttp.ClientSession | None = None
-        self.upstream = UpstreamPool(
-            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.engine_timeout_s
-        )
         self._latest: int | None = None
         self._rr = itertools.count()
         self.window = AssignmentWindow()  # this router's latest session assignments
@@ -72,7 +73,6 @@ class RouterContext:
         self._tasks.clear()
         if self.http is not None:
             await self.http.close()
-        await self.upstream.close()
         await self.store.close()
 
     def client(self, url: str, headers: dict[str, str] | None = None) -> SGLangClient:
@@ -154,7 +154,7 @@ class RouterContext:
             self.registry.poll_result(
                 replica_id,
                 ready=True,
-                version=parse_version(info.get("weight_version")),
+                version=reported_version(info),
                 error=None,
                 vocab_size=int(vocab) if isinstance(vocab, int) else None,
             )

@@ -16,8 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, error_message, loads
-from fleet.sglang_client import dumps as engine_dumps
+from fleet.sglang_client import EngineRejected, EngineUnavailable, reported_version
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
@@ -41,15 +40,6 @@ class TurnResult(NamedTuple):
     min_version: int | None
     max_version: int | None
     body: bytes | None = None
-
-
-def _engine_payload(spec: TurnSpec) -> dict[str, Any]:
-    return {
-        "input_ids": spec.input_ids,
-        "sampling_params": spec.params,
-        "return_logprob": True,
-        "return_sampling_mask": True,
-    }
 
 
 def _num(x: Any) -> float:
@@ -288,9 +278,7 @@ def _header_fields(
         if int(s["end"]) > int(s["start"]):
             spans.append({"version": int(s["version"]), "start": int(s["start"]), "end": int(s["end"])})
     if not spans and n:
-        from fleet.sglang_client import parse_version
-
-        v = parse_version(meta.get("weight_version"))
+        v = reported_version(meta)
         if v is not None:
             spans = [{"version": v, "start": 0, "end": n}]
     if isinstance(meta.get("e2e_latency"), (int, float)):
@@ -432,21 +420,6 @@ def check_vocab(ctx: RouterContext, group: str, rows: list[list[int]], field: st
                 raise ApiError(422, f"{where} = {t} is outside the vocabulary (size {vocab})")
 
 
-def engine_json(url: str, response: RawResponse) -> Any:
-    """The decoded body of an engine's answer; a 5xx or non-JSON body raises
-    :class:`EngineUnavailable`, a 4xx :class:`EngineRejected` (as :mod:`fleet.sglang_client`)."""
-    status = response.status_code
-    if status >= 400:
-        message = error_message(status, response.content)
-        if status >= 500:
-            raise EngineUnavailable(url, f"HTTP {status}: {message}")
-        raise EngineRejected(url, status, message)
-    try:
-        return loads(response.content)
-    except ValueError:
-        raise EngineUnavailable(url, "response is not JSON") from None
-
-
 def _ms(seconds: float) -> float:
     """Milliseconds to 3 decimals (``round(seconds * 1000, 3)`` for durations, without its
     decimal conversion)."""
@@ -458,16 +431,14 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
     check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
-    data = engine_dumps(_engine_payload(spec))
-    headers = [("Modal-Session-ID", session.session_id)]
+    headers = {"Modal-Session-ID": session.session_id}
     if min_version is not None:
-        headers.append((MIN_VERSION_HEADER, str(min_version)))
-    upstream = ctx.upstream
+        headers[MIN_VERSION_HEADER] = str(min_version)
 
     async def send(url: str) -> tuple[Any, float]:
         e0 = time.perf_counter()
-        response = await upstream.post(url, "/generate", data, headers)
-        return engine_json(url + "/generate", response), time.perf_counter() - e0
+        body = await ctx.client(url).generate(spec.input_ids, spec.params, headers=headers)
+        return body, time.perf_counter() - e0
 
     (body, engine_s), place = await with_failover(
         ctx, session.group, session.replica, send, min_version=min_version

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, error_message
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse
 from router.auth import require
 from router.context import RouterContext
 from router.dispatch import check_vocab, with_failover
@@ -78,8 +78,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     headers = {"Modal-Session-ID": key} if key else {}
 
     async def send_stream(url: str):
-        response, chunks = await ctx.client(url).stream_generate(raw, headers=headers)
-        return response, chunks
+        return await ctx.client(url).stream_generate(raw, headers=headers)
 
     (response, chunks), place = await with_failover(
         ctx, group, route.get("replica") if route else None, send_stream
@@ -106,18 +105,10 @@ async def forward_generate(
     route = await ctx.store.get_route_key(key) if key else None
     group = await _group_of(ctx, route)
     check_vocab(ctx, group, rows, "input_ids")
-    headers = [("Modal-Session-ID", key)] if key else []
-    upstream = ctx.upstream
+    headers = {"Modal-Session-ID": key} if key else {}
 
     async def send(url: str) -> RawResponse:
-        response = await upstream.post(url, "/generate", raw, headers)
-        status = response.status_code
-        if status >= 500:
-            message = error_message(status, response.content)
-            raise EngineUnavailable(url + "/generate", f"HTTP {status}: {message}")
-        if status == 409:  # a sidecar that cannot meet a version constraint now: try another
-            raise EngineRejected(url + "/generate", 409, response.text[:300])
-        return response  # 4xx: the request's own fault, passed through
+        return await ctx.client(url).post_generate(raw, headers=headers)
 
     response, place = await with_failover(ctx, group, route.get("replica") if route else None, send)
     await _remember(ctx, key, route, place.group, place.replica_id)

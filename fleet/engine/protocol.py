@@ -25,6 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from fleet.engine.sampler import TOP_K_ALL, SamplerSettings
+from weight_sync.types import InvalidVersion
+from weight_sync.types import parse_version as parse_weight_version
 
 _SAMPLING_EPS = 1e-6
 # Sampling parameters SGLang accepts that this engine does not implement; a non-default value
@@ -302,18 +304,10 @@ class AbortReq(BaseModel):
 
 
 def parse_version(value: int | str | None) -> int | None:
-    """The integer weight version named by ``value`` (SGLang sends it as a string)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise RequestError(f"weight_version must be an integer, got {value!r}.")
-    if isinstance(value, int):
-        version = value
-    else:
-        try:
-            version = int(value.strip())
-        except ValueError:
-            raise RequestError(f"weight_version must be an integer, got {value!r}.") from None
-    if version < 0:
-        raise RequestError(f"weight_version must be >= 0, got {version}.")
-    return version
+    """The integer weight version named by ``value`` (SGLang sends it as a string), by the fleet's
+    one rule (:func:`weight_sync.types.parse_version`); :class:`RequestError` (a 400) when it names
+    none."""
+    try:
+        return parse_weight_version(value, "weight_version")
+    except InvalidVersion as exc:
+        raise RequestError(f"{exc}.") from None
