@@ -8,8 +8,11 @@ import random
 from collections import Counter
 
 import pytest
+from fastapi.testclient import TestClient
 
 from fleet.specs import FleetSpec, GroupSpec, load_preset
+from router.app import create_app
+from router.config import RouterConfig
 from router.errors import ApiError
 from router.policy import (
     AssignmentWindow,
@@ -348,3 +351,28 @@ def test_a_move_excludes_the_groups_already_tried_and_is_recorded() -> None:
         asyncio.run(assign_group(router, exclude={"one", "two", "three"}))
     assert exc.value.status == 503 and "no sampler group" in exc.value.message
     assert router.window.sessions() == {"one": 1}
+
+
+def test_the_router_api_places_sessions_in_sequence_on_every_local_group_and_shows_the_window() -> None:
+    """Through the real app: one heartbeat replica per local group; 30 sessions opened and
+    deleted one after another go ten to each group, and ``/v1/groups`` shows the window's
+    shares beside the capacity shares."""
+    fleet = load_preset("local")
+    key = "k" * 32
+    config = RouterConfig(fleet=fleet, api_keys={key: frozenset({"rollout", "admin"})}, poll_interval_s=60.0)
+    with TestClient(create_app(config), headers={"Authorization": f"Bearer {key}"}) as client:
+        for g in fleet.groups:
+            hb = {"replica_id": f"{g.name}-0", "group": g.name, "url": "http://127.0.0.1:9", "ready": True}
+            assert client.post("/v1/replicas/heartbeat", json=hb).json()["in_rotation"] is True
+        placed: Counter[str] = Counter()
+        for _ in range(30):
+            r = client.post("/v1/sessions", json={})
+            assert r.status_code == 200, r.text
+            placed[r.json()["group"]] += 1
+            assert client.delete(f"/v1/sessions/{r.json()['session_id']}").status_code == 200
+        assert placed == {g.name: 10 for g in fleet.groups}
+        groups = client.get("/v1/groups").json()["groups"]
+    for g in groups:
+        assert (g["active_sessions"], g["window_sessions"], g["window_tokens"]) == (0, 10, 0)
+        assert g["window_session_share"] == pytest.approx(1 / 3) == g["capacity_share"]
+        assert g["window_token_share"] == 0.0  # no turn generated a token
