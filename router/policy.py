@@ -11,10 +11,12 @@ session slot than the fleet's average gets proportionally more sessions; clamped
   and ``n`` the candidates' total of those; the most-owed group wins (smooth weighted round
   robin over a sliding window). Ties go to the smaller live fill
   ``(active_sessions + 1) / capacity``, then the lower cost per token, then the name.
-  Contract: while capacities hold steady, after each assignment every group's count in the
-  window is within one session of its capacity share of the window, however many sessions are
-  open (one at a time, all at once, or anything between); so over any run each group's share of
-  the sessions assigned tracks its capacity share to about ``1 / window size``. Sessions are
+  Contract: while the candidates and their capacities hold steady, after each assignment every
+  group's count in the window is less than one session from its capacity share of the window,
+  however many sessions are open (one at a time, all at once, or anything between); so over any
+  run each group's share of the sessions assigned tracks its capacity share, to about one session
+  per window length. A group that rejoins is owed its share of the window and gets new sessions
+  first until it has it. Sessions are
   the unit apportioned: a group's share of generated tokens follows when sessions generate
   comparable token counts on every group; the window measures tokens so that this can be
   checked (``/v1/groups``), it does not steer by them.
