@@ -42,8 +42,7 @@ def main() -> int:
 
     import httpx
 
-    from router.dispatch import turn_from_response
-    from router.records import decode_turn, encode_turn
+    from router.records import decode_turn, encode_turn, parse_turn
     from tests.support.engines import engine_process
     from tests.support.models import make_model_dir
 
@@ -89,7 +88,7 @@ def main() -> int:
         )
 
     turns = [
-        turn_from_response(b, index=0, group="g", replica="r", input_ids=[], moved_from=None, timings={})
+        parse_turn(b, index=0, group="g", replica="r", input_ids=[], moved_from=None, timings={})
         for b in bodies
     ]
     t0 = time.perf_counter()

@@ -1,10 +1,18 @@
-"""Compact binary encoding of turns (with their per-token behavior records) and trainer batches.
+"""Behavior records: the turn record, the one parser of an engine answer into it, its compact
+binary encoding (turns and trainer batches) and its JSON view.
+
+* :class:`TurnData` - one recorded turn; :meth:`TurnData.to_json` is its JSON object (the turn
+  answer, trajectory reads and JSON batches all serve it).
+* :func:`parse_turn` - the turn an engine's ``/generate`` answer records.
+* :func:`encode_turn` / :func:`encode_stored` - the turn block (and the turn as stored in it);
+  :func:`encode_batch` - a trainer batch of stored blocks.
+* :func:`decode_turn`, :func:`decode_turn_header`, :func:`decode_batch` - the decoders.
 
 Behavior records are stored and served in this encoding, never as JSON lists of lists.
-Decoding depends on the standard library only, so a trainer can decode batches without the
-router; encoding uses numpy (long varint runs) and orjson (headers) when they are installed,
-which changes neither the layout nor any decoded value (JSON headers may spell a float
-differently, e.g. ``1e-5`` for ``1e-05``).
+The decoders use nothing but the standard library (``json``, ``struct``), so a trainer can
+restate or copy them; the encoder uses numpy for long varint runs (when installed) and
+:mod:`fleet.jsonio` for headers, which changes neither the layout nor any decoded value (JSON
+headers may spell a float differently from :mod:`json`, e.g. ``1e-5`` for ``1e-05``).
 
 Primitives
     varint   unsigned LEB128 (7 bits per byte, low group first, high bit = more follows)
@@ -43,23 +51,24 @@ serves, so a trainer may take either.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
 import operator
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from fleet.jsonio import dumps
+from fleet.sglang_client import reported_version
+from weight_sync.types import parse_version
 
 try:  # optional speed-ups of the encoder (the decoder never needs them)
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
-try:
-    import orjson
-except ImportError:  # pragma: no cover
-    orjson = None
 
 MAGIC_TURN = b"MFT"
 MAGIC_BATCH = b"MFB"
@@ -75,9 +84,11 @@ class RecordFormatError(ValueError):
 @dataclass(frozen=True)
 class TurnData:
     """One recorded turn. ``support_ids[i]`` sorted ascending, unique; empty = no filtering.
+    Unknown log-probs are NaN (``raw_logprobs``: None or NaN).
 
-    Invariant: ``len(output_ids) == len(logprobs) == len(raw_logprobs) == len(support_ids)
-    == len(support_logprobs)`` and ``len(support_ids[i]) == len(support_logprobs[i])``.
+    Invariant, checked on construction (ValueError): ``len(output_ids) == len(logprobs) ==
+    len(raw_logprobs) == len(support_ids) == len(support_logprobs)`` and ``len(support_ids[i])
+    == len(support_logprobs[i])``. The order of support ids is checked by :func:`encode_turn`.
     """
 
     turn: int
@@ -118,9 +129,17 @@ class TurnData:
                     out[i] = span["version"]
         return out
 
+    def version_range(self) -> tuple[int | None, int | None]:
+        """The lowest and highest weight version of the turn's spans; (None, None) without spans."""
+        spans = self.weight_versions
+        if len(spans) == 1:
+            return spans[0]["version"], spans[0]["version"]
+        versions = [s["version"] for s in spans]
+        return (min(versions), max(versions)) if versions else (None, None)
+
     def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
-        """The API's JSON turn object (issue 4 shape) with one record per output token.
-        Non-finite log-probs (unknown values) are None: JSON has no NaN."""
+        """The API's JSON turn object, with one record per output token (``input_ids`` last, when
+        ``with_input``). Non-finite log-probs (unknown values) are None: JSON has no NaN."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
@@ -167,12 +186,248 @@ class TurnData:
         return out
 
 
+# ---------------------------------------------------------------- engine answers
+
+_FLOAT = {float}
+_NUMBER = {float, int}
+_LIST = {list}
+_TOKEN = {int}
+
+
+def parse_turn(
+    body: Any,
+    *,
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: Sequence[int],
+    moved_from: str | None,
+    timings: dict[str, Any],
+) -> TurnData:
+    """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
+    ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``.
+
+    Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
+    ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
+    (per token the sorted support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs``
+    (per token mu; null = unknown), ``output_token_sampling_support_logprobs`` (per token the
+    support's log-probs, aligned with the mask), ``weight_versions`` spans (else one span of
+    ``weight_version`` over every token; SGLang's ``"default"`` means none), ``finish_reason``
+    and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
+
+    Upstream SGLang's answers: without the support's log-probs they are unknown (NaN); where mu
+    is absent (or a list), it is the sampled token's support log-prob when that is known and its
+    raw log-prob otherwise. Log-probs come out as floats (unknown: NaN; raw: None).
+
+    Raises ValueError naming the field (and position) when ``body`` lacks a record field or
+    holds a value of the wrong type or length. Support-id order and the float32 range are the
+    encoder's checks (:func:`encode_turn`)."""
+    if type(body) is not dict:
+        raise ValueError("the engine answer is not a JSON object")
+    meta = body.get("meta_info")
+    if type(meta) is not dict:
+        raise ValueError("the engine answer has no meta_info object")
+    output_ids = body.get("output_ids")
+    if type(output_ids) is not list:
+        raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
+    _token_ids(output_ids, "output_ids")
+    n = len(output_ids)
+    raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
+    masks = _entries(meta, "output_token_sampling_mask", n)
+    _rows(masks, "output_token_sampling_mask", "a list of token ids")
+    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
+        for i, row in enumerate(masks):
+            _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
+    sizes = list(map(len, masks))
+    support_lps, known = _support_logprobs(meta, sizes)
+    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
+    timings = dict(timings)
+    e2e = meta.get("e2e_latency")
+    if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
+        timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
+    finish = meta.get("finish_reason")
+    return TurnData(
+        turn=index,
+        group=group,
+        replica=replica,
+        input_ids=input_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        raw_logprobs=raw,
+        support_ids=masks,
+        support_logprobs=support_lps,
+        weight_versions=_spans(meta, n),
+        finish_reason=finish if type(finish) is dict else None,
+        timings=timings,
+        moved_from=moved_from,
+    )
+
+
+def _entries(meta: dict[str, Any], key: str, n: int) -> list:
+    """``meta[key]``, which must be a list of one entry per output token."""
+    value = meta.get(key)
+    if type(value) is not list:
+        raise ValueError(f"meta_info.{key} is missing" if value is None else f"meta_info.{key} is not a list")
+    if len(value) != n:
+        raise ValueError(f"meta_info.{key} has {len(value)} entries for {n} output tokens")
+    return value
+
+
+def _rows(rows: list, key: str, what: str) -> None:
+    """Refuses ``rows`` unless every entry is a list."""
+    if not set(map(type, rows)) <= _LIST:
+        i = next(i for i, row in enumerate(rows) if type(row) is not list)
+        raise ValueError(f"meta_info.{key}[{i}] = {rows[i]!r} is not {what}")
+
+
+def _token_ids(ids: list, where: str) -> None:
+    """Refuses ``ids`` unless every entry is a non-negative JSON integer."""
+    if set(map(type, ids)) <= _TOKEN and (not ids or min(ids) >= 0):
+        return
+    j = next(j for j, x in enumerate(ids) if type(x) is not int or x < 0)
+    raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id")
+
+
+def _floats(values: list, where: str, none: float | None) -> list:
+    """``values`` (JSON numbers or null) as floats, null as ``none``; ``values`` itself when it
+    already is. Refuses anything else, naming ``where[j]``."""
+    kinds = set(map(type, values))
+    if kinds <= _FLOAT or (none is None and kinds <= {float, type(None)}):
+        return values
+    out = []
+    for j, x in enumerate(values):
+        if x is None:
+            out.append(none)
+        elif type(x) is float:
+            out.append(x)
+        elif type(x) is int:
+            try:
+                out.append(float(x))
+            except OverflowError:
+                raise ValueError(f"{where}[{j}] = {x!r} is beyond a float's range") from None
+        else:
+            raise ValueError(f"{where}[{j}] = {x!r} is not a number")
+    return out
+
+
+def _raw_logprobs(triples: list) -> list[float | None]:
+    """The first item (the raw log-prob) of every ``[logprob, token_id, text]`` entry."""
+    key = "output_token_logprobs"
+    _rows(triples, key, "a [logprob, token_id, text] entry")
+    try:
+        firsts = [t[0] for t in triples]
+    except IndexError:
+        i = next(i for i, t in enumerate(triples) if not t)
+        raise ValueError(f"meta_info.{key}[{i}] is empty, not a [logprob, token_id, text] entry") from None
+    kinds = set(map(type, firsts))
+    if kinds <= {float, type(None)}:
+        return firsts
+    for i, x in enumerate(firsts):
+        if x is not None and type(x) not in _NUMBER:
+            raise ValueError(f"meta_info.{key}[{i}][0] = {x!r} is not a number")
+    return _floats(firsts, f"meta_info.{key}", None)
+
+
+def _support_logprobs(meta: dict[str, Any], sizes: list[int]) -> tuple[list, bool]:
+    """The support's log-probs per token (NaN = unknown) and whether the engine sent them."""
+    key = "output_token_sampling_support_logprobs"
+    if meta.get(key) is None:  # upstream SGLang: not returned
+        return [[math.nan] * k for k in sizes], False
+    rows = _entries(meta, key, len(sizes))
+    _rows(rows, key, "a list of log-probs")
+    got = list(map(len, rows))
+    if got != sizes:
+        i = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=True)) if a != b)
+        raise ValueError(f"meta_info.{key}[{i}] has {got[i]} log-probs for {sizes[i]} support ids")
+    if set(map(type, itertools.chain.from_iterable(rows))) <= _FLOAT:
+        return rows, True
+    return [_floats(row, f"meta_info.{key}[{i}]", math.nan) for i, row in enumerate(rows)], True
+
+
+def _behavior_logprobs(
+    meta: dict[str, Any],
+    output_ids: list[int],
+    raw: list[float | None],
+    masks: list[list[int]],
+    support_lps: list,
+    known: bool,
+) -> list[float]:
+    """mu per token (see :func:`parse_turn`)."""
+    key = "output_token_sampling_logprobs"
+    mu = meta.get(key)
+    if mu is not None:
+        mu = _entries(meta, key, len(output_ids))
+        if set(map(type, mu)) <= _FLOAT:
+            return mu
+    out = []
+    for i, tok in enumerate(output_ids):
+        x = None if mu is None else mu[i]
+        if type(x) is float:
+            out.append(x)
+        elif type(x) is int:
+            try:
+                out.append(float(x))
+            except OverflowError:
+                raise ValueError(f"meta_info.{key}[{i}] = {x!r} is beyond a float's range") from None
+        elif x is None and mu is not None:
+            out.append(math.nan)
+        elif x is None or type(x) is list:
+            if known and masks[i]:
+                try:
+                    out.append(support_lps[i][masks[i].index(tok)])
+                except ValueError:
+                    raise ValueError(
+                        f"output token {tok} (output_ids[{i}]) is not in "
+                        f"meta_info.output_token_sampling_mask[{i}]"
+                    ) from None
+            else:
+                out.append(math.nan if raw[i] is None else raw[i])
+        else:
+            raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
+    return out
+
+
+def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:
+    """The non-empty weight-version spans of a turn of ``n`` tokens."""
+    value = meta.get("weight_versions")
+    spans = []
+    if value is not None:
+        if type(value) is not list:
+            raise ValueError("meta_info.weight_versions is not a list")
+        for i, s in enumerate(value):
+            where = f"meta_info.weight_versions[{i}]"
+            if type(s) is not dict:
+                raise ValueError(f"{where} = {s!r} is not a span object")
+            version = parse_version(s.get("version"), f"{where}.version")
+            start, end = _offset(s.get("start"), f"{where}.start"), _offset(s.get("end"), f"{where}.end")
+            if version is None:
+                raise ValueError(f"{where}.version is missing")
+            if end > start:
+                spans.append({"version": version, "start": start, "end": end})
+    if not spans and n:
+        version = reported_version(meta)  # None for SGLang's "default"
+        if version is not None:
+            spans = [{"version": version, "start": 0, "end": n}]
+    return spans
+
+
+def _offset(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} = {value!r} is not an output index")
+    return value
+
+
 # ---------------------------------------------------------------- varints
+
+
+_VARINT_LIMIT = 1 << 63  # what the decoder reads (at most 9 bytes of 7 bits)
 
 
 def _varint(value: int, out: bytearray) -> None:
     if value < 0:
         raise ValueError(f"varint of negative value {value}")
+    if value >= _VARINT_LIMIT:
+        raise ValueError(f"varint of {value}: beyond 63 bits")
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
@@ -313,14 +568,8 @@ class _Reader:
 
 
 def _json(obj: Any, out: bytearray) -> None:
-    data = None
-    if orjson is not None:
-        try:
-            data = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
-        except TypeError:  # e.g. an integer beyond 64 bits
-            data = None
-    if data is None:
-        data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    """``obj`` as a length-prefixed JSON object with sorted keys."""
+    data = dumps(obj, sort_keys=True)
     _varint(len(data), out)
     out += data
 
@@ -328,105 +577,43 @@ def _json(obj: Any, out: bytearray) -> None:
 # ---------------------------------------------------------------- turns
 
 
-def _round(values: Sequence[float | None], fmt: str) -> list[float]:
-    flat = [math.nan if v is None else v for v in values]
-    return list(struct.unpack(f"<{len(flat)}{fmt}", struct.pack(f"<{len(flat)}{fmt}", *flat)))
-
-
-def as_stored(turn: TurnData, *, f16: bool = False) -> TurnData:
-    """``turn`` with its floats rounded exactly as :func:`encode_turn` stores them (so an API
-    can answer with what it recorded without decoding it again)."""
-    rows = turn.support_logprobs
-    flat = _round([x for lps in rows for x in lps], "e" if f16 else "f")  # one pack for all rows
-    supports: list[list[float]] = []
-    pos = 0
-    for lps in rows:
-        end = pos + len(lps)
-        supports.append(flat[pos:end])
-        pos = end
-    return replace(
-        turn,
-        logprobs=_round(turn.logprobs, "f"),
-        raw_logprobs=[None if math.isnan(x) else x for x in _round(turn.raw_logprobs, "f")],
-        support_logprobs=supports,
-    )
-
-
 def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
-    """Encode one turn. ``f16`` stores support log-probs as float16 (lossy, ~3 significant digits).
+    """The turn block of ``turn``. ``f16`` stores support log-probs as float16 (lossy, ~3
+    significant digits).
 
     After: ``decode_turn(encode_turn(t))`` equals ``t`` exactly for float32-representable
     values (float16-rounded support log-probs when ``f16``). Raises ValueError when the turn
     cannot be encoded (support ids not strictly increasing, negative ids, a log-prob beyond
     float32's range).
     """
-    return _encode(turn, f16)
+    return bytes(_encode(turn, f16)[0])
 
 
 def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData]:
-    """``(encode_turn(turn, f16=f16), as_stored(turn, f16=f16))`` from one pass: the stored
-    values are read back from the encoded floats."""
-    head, (body, logprobs, raws, flat) = _encode_parts(turn, f16)
-    head += body
-    return bytes(head), stored_turn(turn.__dict__, logprobs, raws, turn.support_ids, flat)
-
-
-def stored_turn(
-    fields: dict[str, Any],
-    logprobs: tuple[float, ...],
-    raws: tuple[float, ...],
-    support_ids: Sequence[Sequence[int]],
-    flat: tuple[float, ...],
-) -> TurnData:
-    """A :class:`TurnData` with the other ``fields`` (a ``TurnData.__dict__``-like mapping)
-    and the stored floats that :func:`encode_body` returned (NaN raw log-probs become None;
-    ``flat`` is cut into rows as long as ``support_ids``' rows). Its invariant is not checked
-    again: ``encode_body`` packed as many values as the rows hold."""
-    if not math.isfinite(sum(raws)):
-        raws = tuple(None if math.isnan(x) else x for x in raws)
-    supports = []
+    """``(encode_turn(turn, f16=f16), stored)``: ``stored`` is ``turn`` with the float values
+    the block holds (float32 / float16-rounded; unknown raw log-probs None), so an API can
+    answer with what it recorded. ``stored`` equals ``decode_turn`` of the block, and is built
+    through :class:`TurnData`'s own checks. Raises ValueError as :func:`encode_turn`."""
+    out, lp_bytes, raw_bytes, sup_bytes = _encode(turn, f16)
+    unpack = struct.unpack
+    n = len(turn.output_ids)
+    raws: tuple[float | None, ...] = unpack(f"<{n}f", raw_bytes)
+    if not math.isfinite(sum(raws)):  # type: ignore[arg-type]
+        raws = tuple(None if math.isnan(x) else x for x in raws)  # type: ignore[arg-type]
+    flat = unpack(f"<{len(sup_bytes) // (2 if f16 else 4)}{'e' if f16 else 'f'}", sup_bytes)
+    rows = []
     pos = 0
-    for ids in support_ids:
+    for ids in turn.support_ids:
         end = pos + len(ids)
-        supports.append(flat[pos:end])
+        rows.append(flat[pos:end])
         pos = end
-    stored = TurnData.__new__(TurnData)
-    values = stored.__dict__
-    values.update(fields)
-    values["support_ids"] = support_ids
-    values["logprobs"] = logprobs
-    values["raw_logprobs"] = raws
-    values["support_logprobs"] = supports
-    return stored
+    stored = replace(turn, logprobs=unpack(f"<{n}f", lp_bytes), raw_logprobs=raws, support_logprobs=rows)
+    return bytes(out), stored
 
 
-def _encode(turn: TurnData, f16: bool) -> bytes:
-    head, (body, *_) = _encode_parts(turn, f16)
-    head += body
-    return bytes(head)
-
-
-def _encode_parts(turn: TurnData, f16: bool):
-    """``turn``'s header (a bytearray) and what :func:`encode_body` returns for it."""
-    head = encode_head(turn, f16)
-    rows = turn.support_ids
-    raws = turn.raw_logprobs
-    if None in raws:
-        raws = [math.nan if x is None else x for x in raws]
-    return head, encode_body(
-        turn.input_ids,
-        turn.output_ids,
-        turn.logprobs,
-        raws,
-        list(map(len, rows)),
-        list(itertools.chain.from_iterable(rows)),
-        itertools.chain.from_iterable(turn.support_logprobs),
-        f16,
-    )
-
-
-def encode_head(turn: TurnData, f16: bool) -> bytearray:
-    """The start of a turn block: magic, format, flags and the JSON header of ``turn``."""
+def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
+    """The block of ``turn`` and, as stored in it, the packed log-probs, raw log-probs and
+    support log-probs."""
     out = bytearray(MAGIC_TURN)
     out.append(FORMAT_VERSION)
     out.append(FLAG_F16 if f16 else 0)
@@ -442,51 +629,36 @@ def encode_head(turn: TurnData, f16: bool) -> bytearray:
         },
         out,
     )
-    return out
-
-
-def encode_body(
-    input_ids: Sequence[int],
-    output_ids: Sequence[int],
-    logprobs: Sequence[float],
-    raws: Sequence[float],
-    sizes: list[int],
-    flat_ids: list[int],
-    flat_logprobs: Iterable[float],
-    f16: bool,
-) -> tuple[bytearray, tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-    """The rest of a turn block after :func:`encode_head` (the part that does not depend on
-    the turn's index): ids, log-probs, support sizes, gap-coded support ids and support
-    log-probs (``sizes[i]`` ids of ``flat_ids`` / values of ``flat_logprobs`` per token, as
-    many values as ids;
-    ``raws``: NaN where unknown). Returns it with the stored values of ``logprobs``, ``raws``
-    and ``flat_logprobs`` (rounded to float32 / float16 as stored). Raises ValueError when the
-    values cannot be encoded."""
-    out = bytearray()
-    _varint(len(input_ids), out)
-    _varints(input_ids, out)
-    n = len(output_ids)
+    _varint(len(turn.input_ids), out)
+    _varints(turn.input_ids, out)
+    n = len(turn.output_ids)
     _varint(n, out)
-    _varints(output_ids, out)
+    _varints(turn.output_ids, out)
+    raws = turn.raw_logprobs
+    if None in raws:
+        raws = [math.nan if x is None else x for x in raws]
     try:
-        lp_bytes = struct.pack(f"<{n}f", *logprobs)
+        lp_bytes = struct.pack(f"<{n}f", *turn.logprobs)
         raw_bytes = struct.pack(f"<{n}f", *raws)
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"log-probs: {exc}") from None
     out += lp_bytes
     out += raw_bytes
+    rows = turn.support_ids
+    sizes = list(map(len, rows))
     _varints(sizes, out)
+    flat_ids = list(itertools.chain.from_iterable(rows))
     total = len(flat_ids)
     if total:
         out += _gap_varints(flat_ids, sizes, total)
-    fmt = f"<{total}e" if f16 else f"<{total}f"
     try:
-        sup_bytes = struct.pack(fmt, *flat_logprobs)
+        sup_bytes = struct.pack(
+            f"<{total}e" if f16 else f"<{total}f", *itertools.chain.from_iterable(turn.support_logprobs)
+        )
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"support log-probs: {exc}") from None
     out += sup_bytes
-    unpack = struct.unpack
-    return out, unpack(f"<{n}f", lp_bytes), unpack(f"<{n}f", raw_bytes), unpack(fmt, sup_bytes)
+    return out, lp_bytes, raw_bytes, sup_bytes
 
 
 def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
@@ -503,7 +675,7 @@ def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
             starts = np.cumsum([0, *sizes[:-1]])[np.asarray(sizes) > 0]
             gaps[starts] = a[starts]
             if gaps.min() < 0:
-                raise ValueError(_gap_error(int(np.argmax(gaps < 0))))
+                raise ValueError(_gap_error(int(np.argmax(gaps < 0)), sizes))
             if gaps.max() < 0x80:
                 return gaps.astype(np.uint8).tobytes()
             return _np_varints(gaps)
@@ -524,14 +696,16 @@ def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
             return coded
     d = list(map(operator.sub, flat, prev))
     if min(d) < 1:
-        raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1)))
+        raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1), sizes))
     out = bytearray()
     _append_varints(d, out, offset=-1)
     return bytes(out)
 
 
-def _gap_error(at: int) -> str:
-    return f"support ids must be non-negative and strictly increasing (flat position {at})"
+def _gap_error(at: int, sizes: list[int]) -> str:
+    """The message for the support id at flat position ``at`` (rows of ``sizes``)."""
+    token = bisect.bisect_right(list(itertools.accumulate(sizes)), at)
+    return f"support ids of output token {token} must be non-negative and strictly increasing"
 
 
 def decode_turn(data: bytes | memoryview) -> TurnData:

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router import records
 from router.records import (
     RecordFormatError,
     TurnData,
-    as_stored,
     decode_batch,
     decode_turn,
     decode_turn_header,
     encode_batch,
+    encode_stored,
     encode_turn,
+    parse_turn,
 )
 
 f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-1e4, max_value=0.0)
@@ -55,14 +59,14 @@ def turns(draw) -> TurnData:
 def test_turn_round_trip_f32_is_exact(t: TurnData) -> None:
     back = decode_turn(encode_turn(t))
     assert back.to_json() == t.to_json()
-    assert as_stored(t).to_json() == back.to_json()
+    assert encode_stored(t)[1].to_json() == back.to_json()
 
 
 @settings(max_examples=40, deadline=None)
 @given(turns())
 def test_turn_round_trip_f16_rounds_support_logprobs_only(t: TurnData) -> None:
     back = decode_turn(encode_turn(t, f16=True))
-    assert as_stored(t, f16=True).to_json() == back.to_json()
+    assert encode_stored(t, f16=True)[1].to_json() == back.to_json()
     assert list(back.output_ids) == list(t.output_ids)
     assert list(back.logprobs) == list(t.logprobs)  # token log-probs stay float32
     for got, want in zip(back.support_logprobs, t.support_logprobs, strict=True):
@@ -222,3 +226,392 @@ def test_unknown_log_probs_become_null_in_json() -> None:
     )
     rec = decode_turn(encode_turn(t)).to_json()["records"][0]
     assert rec["logprob"] is None and rec["raw_logprob"] is None and rec["support_logprobs"] == [None, None]
+
+
+def test_values_beyond_what_the_decoder_reads_are_refused() -> None:
+    t = TurnData(
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[2**63],
+        output_ids=[],
+        logprobs=[],
+        raw_logprobs=[],
+        support_ids=[],
+        support_logprobs=[],
+    )
+    with pytest.raises(ValueError, match="63 bits"):
+        encode_turn(t)
+    ok = TurnData(**{**t.__dict__, "input_ids": [2**63 - 1]})
+    assert list(decode_turn(encode_turn(ok)).input_ids) == [2**63 - 1]
+
+
+# ---------------------------------------------------------------- the encoder's coders
+
+long_token = st.integers(0, 300_000)
+
+
+@st.composite
+def long_turns(draw) -> TurnData:
+    """Turns long enough for the encoder's numpy coders (runs of at least ``_NUMPY_MIN`` values)."""
+    n = draw(st.integers(0, 40))
+    out = draw(st.lists(long_token, min_size=n, max_size=n))
+    supports = [sorted(draw(st.sets(long_token, max_size=30))) for _ in range(n)]
+    f = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-50, max_value=0)
+    return TurnData(
+        turn=draw(st.integers(0, 9)),
+        group="g",
+        replica="r",
+        input_ids=draw(st.lists(long_token, min_size=1, max_size=600)),
+        output_ids=out,
+        logprobs=[draw(f) for _ in range(n)],
+        raw_logprobs=[draw(st.one_of(st.none(), f)) for _ in range(n)],
+        support_ids=supports,
+        support_logprobs=[[draw(f) for _ in s] for s in supports],
+        weight_versions=[{"version": 1, "start": 0, "end": n}] if n else [],
+        timings={"engine_ms": 0.5},
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(long_turns(), st.booleans())
+def test_encode_stored_is_the_block_and_the_turn_it_decodes_to(t: TurnData, f16: bool) -> None:
+    blob, stored = encode_stored(t, f16=f16)
+    assert blob == encode_turn(t, f16=f16)
+    assert stored.to_json() == decode_turn(blob).to_json()
+    assert stored.to_json("s", with_input=False) == decode_turn(blob).to_json("s", with_input=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(long_turns())
+def test_numpy_and_python_coders_write_the_same_bytes(t: TurnData) -> None:
+    with_numpy = encode_turn(t)
+    saved = records._NUMPY_MIN
+    records._NUMPY_MIN = 10**9
+    try:
+        assert encode_turn(t) == with_numpy
+    finally:
+        records._NUMPY_MIN = saved
+    records._NUMPY_MIN = 1
+    try:
+        assert encode_turn(t) == with_numpy
+    finally:
+        records._NUMPY_MIN = saved
+
+
+def test_numpy_varints_match_leb128_for_every_length() -> None:
+    values = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**35, 2**63 - 1] * 50
+    python = bytearray()
+    for v in values:
+        records._varint(v, python)
+    out = bytearray()
+    records._varints(values, out)  # 500 values: the numpy path
+    assert bytes(out) == bytes(python)
+    # independent reference: LEB128 by its definition
+    want = bytearray()
+    for v in values:
+        while True:
+            low, v = v & 0x7F, v >> 7
+            want.append(low | (0x80 if v else 0))
+            if not v:
+                break
+    assert bytes(out) == bytes(want)
+
+
+# ---------------------------------------------------------------- parsing engine answers
+
+ARGS = {
+    "index": 2,
+    "group": "g",
+    "replica": "r",
+    "input_ids": [1, 2, 300],
+    "moved_from": None,
+    "timings": {"engine_ms": 1.0},
+}
+
+
+def _engine_body(rng: random.Random, n: int, *, with_none: bool = False) -> dict:
+    """A local engine's ``/generate`` answer for ``n`` tokens (mu = the token's support log-prob)."""
+    out = [rng.randrange(1000) for _ in range(n)]
+    masks = [sorted({t, *rng.sample(range(1000), rng.randrange(0, 6))}) for t in out]
+    supp = [[-rng.random() * 5 for _ in m] for m in masks]
+    raw = [[-rng.random() * 6, t, None] for t in out]
+    if with_none and n:
+        raw[0][0] = None
+    return {
+        "output_ids": out,
+        "meta_info": {
+            "output_token_logprobs": raw,
+            "output_token_sampling_mask": masks,
+            "output_token_sampling_logprobs": [
+                s[m.index(t)] for s, m, t in zip(supp, masks, out, strict=True)
+            ],
+            "output_token_sampling_support_logprobs": supp,
+            "weight_versions": [{"version": 3, "start": 0, "end": n}],
+            "finish_reason": {"type": "length", "length": n},
+            "e2e_latency": 0.25,
+        },
+    }
+
+
+def _f32(xs) -> list[float]:
+    return [struct.unpack("<f", struct.pack("<f", x))[0] for x in xs]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 40])
+@pytest.mark.parametrize("with_none", [False, True])
+@pytest.mark.parametrize("f16", [False, True])
+def test_parse_turn_reads_the_engine_answer(n: int, with_none: bool, f16: bool) -> None:
+    body = _engine_body(random.Random(n), n, with_none=with_none)
+    meta = copy.deepcopy(body["meta_info"])
+    if n > 1:  # ints where floats are expected are floats; large ids take multi-byte varints
+        body["meta_info"]["output_token_sampling_logprobs"][1] = -1
+        body["meta_info"]["output_token_sampling_mask"][0].append(200_000)
+        body["meta_info"]["output_token_sampling_support_logprobs"][0].append(-9)
+    t = parse_turn(body, **ARGS)
+    assert (t.turn, t.group, t.replica, t.moved_from, list(t.input_ids)) == (2, "g", "r", None, [1, 2, 300])
+    assert list(t.output_ids) == body["output_ids"]
+    assert list(t.raw_logprobs) == [x[0] for x in meta["output_token_logprobs"]]
+    mu = meta["output_token_sampling_logprobs"]
+    if n > 1:
+        mu[1] = -1.0
+    assert list(t.logprobs) == mu and all(type(x) is float for x in t.logprobs)
+    assert [list(x) for x in t.support_ids] == body["meta_info"]["output_token_sampling_mask"]
+    if n > 1:
+        assert t.support_logprobs[0][-1] == -9.0 and type(t.support_logprobs[0][-1]) is float
+    assert list(t.weight_versions) == ([{"version": 3, "start": 0, "end": n}] if n else [])
+    assert t.finish_reason == {"type": "length", "length": n}
+    assert t.timings == {"engine_ms": 1.0, "engine_e2e_ms": 250.0}
+    # what is stored: float32 log-probs, float16 or float32 support log-probs
+    blob, stored = encode_stored(t, f16=f16)
+    back = decode_turn(blob)
+    assert stored.to_json("s") == back.to_json("s")
+    assert list(back.logprobs) == _f32(mu)
+    want_support = [
+        [struct.unpack("<e", struct.pack("<e", x))[0] for x in row] if f16 else _f32(row)
+        for row in t.support_logprobs
+    ]
+    assert [list(x) for x in back.support_logprobs] == want_support
+    assert [rec["raw_logprob"] for rec in back.to_json()["records"]] == [
+        None if x is None else _f32([x])[0] for x in t.raw_logprobs
+    ]
+
+
+def _variant(edit, seed: int = 9, n: int = 3) -> dict:
+    body = _engine_body(random.Random(seed), n)
+    edit(body["meta_info"])
+    return body
+
+
+def test_parse_turn_reads_odd_and_upstream_sglang_answers() -> None:
+    body = _variant(lambda m: m["output_token_sampling_support_logprobs"][1].__setitem__(0, None))
+    assert math.isnan(parse_turn(body, **ARGS).support_logprobs[1][0])  # unknown
+    t = parse_turn(_variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, None)), **ARGS)
+    assert math.isnan(t.logprobs[2])
+    assert decode_turn(encode_turn(t)).to_json()["records"][2]["logprob"] is None
+    # mu given as a list: the sampled token's support log-prob
+    body = _variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, [0.5]))
+    meta = body["meta_info"]
+    i = meta["output_token_sampling_mask"][2].index(body["output_ids"][2])
+    assert parse_turn(body, **ARGS).logprobs[2] == meta["output_token_sampling_support_logprobs"][2][i]
+    # upstream SGLang without the support's log-probs: unknown (NaN), mu as sent
+    body = _variant(lambda m: m.pop("output_token_sampling_support_logprobs"))
+    t = parse_turn(body, **ARGS)
+    assert [len(x) for x in t.support_logprobs] == [len(x) for x in t.support_ids]
+    assert all(math.isnan(x) for row in t.support_logprobs for x in row)
+    assert list(t.logprobs) == body["meta_info"]["output_token_sampling_logprobs"]
+    # ... and without mu either: the raw log-prob
+    body = _variant(
+        lambda m: (m.pop("output_token_sampling_support_logprobs"), m.pop("output_token_sampling_logprobs"))
+    )
+    assert list(parse_turn(body, **ARGS).logprobs) == [
+        x[0] for x in body["meta_info"]["output_token_logprobs"]
+    ]
+    # versions: SGLang's string spans and weight_version; "default" names none; empty spans dropped
+    body = _variant(
+        lambda m: m.update(
+            weight_versions=[
+                {"version": "4", "start": 0, "end": 2},
+                {"version": "5", "start": 2, "end": 2},
+                {"version": "6", "start": 2, "end": 3},
+            ]
+        )
+    )
+    t = parse_turn(body, **ARGS)
+    assert list(t.weight_versions) == [
+        {"version": 4, "start": 0, "end": 2},
+        {"version": 6, "start": 2, "end": 3},
+    ]
+    assert t.version_range() == (4, 6)
+    body = _variant(lambda m: (m.pop("weight_versions"), m.update(weight_version="7")))
+    assert list(parse_turn(body, **ARGS).weight_versions) == [{"version": 7, "start": 0, "end": 3}]
+    body = _variant(lambda m: (m.pop("weight_versions"), m.update(weight_version="default")))
+    t = parse_turn(body, **ARGS)
+    assert list(t.weight_versions) == [] and t.version_range() == (None, None)
+    assert parse_turn(_variant(lambda m: m.pop("finish_reason")), **ARGS).finish_reason is None
+    assert "engine_e2e_ms" not in parse_turn(_variant(lambda m: m.pop("e2e_latency")), **ARGS).timings
+
+
+def _set(path: tuple, value):
+    def edit(m: dict) -> None:
+        target = m
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return edit
+
+
+MASK = "output_token_sampling_mask"
+SUPPORT = "output_token_sampling_support_logprobs"
+MU = "output_token_sampling_logprobs"
+RAW = "output_token_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([], "the engine answer is not a JSON object"),
+        ({"output_ids": [1], "meta_info": "x"}, "no meta_info object"),
+        ({"meta_info": {}}, "output_ids is missing"),
+        ({"output_ids": (1,), "meta_info": {}}, "output_ids is not a list"),
+        ({"output_ids": [1, "2"], "meta_info": {}}, r"output_ids\[1\] = '2' is not a token id"),
+        ({"output_ids": [1, -2], "meta_info": {}}, r"output_ids\[1\] = -2 is not a token id"),
+        (_variant(lambda m: m.pop(RAW)), r"meta_info\.output_token_logprobs is missing"),
+        (_variant(_set((RAW,), {"a": 1})), r"meta_info\.output_token_logprobs is not a list"),
+        (
+            _variant(lambda m: m[RAW].pop()),
+            r"meta_info\.output_token_logprobs has 2 entries for 3 output tokens",
+        ),
+        (
+            _variant(_set((RAW, 0), ["-1.5", 3, None])),
+            r"output_token_logprobs\[0\]\[0\] = '-1\.5' is not a number",
+        ),
+        (_variant(_set((RAW, 1), [])), r"output_token_logprobs\[1\] is empty"),
+        (_variant(_set((RAW, 1), 5)), r"output_token_logprobs\[1\] = 5 is not a \[logprob"),
+        (_variant(lambda m: m.pop(MASK)), r"meta_info\.output_token_sampling_mask is missing"),
+        (
+            _variant(_set((MASK, 2), None)),
+            r"output_token_sampling_mask\[2\] = None is not a list of token ids",
+        ),
+        (_variant(_set((MASK, 0, 0), 1.0)), r"output_token_sampling_mask\[0\]\[0\] = 1\.0 is not a token id"),
+        (
+            _variant(_set((MASK, 0, 0), True)),
+            r"output_token_sampling_mask\[0\]\[0\] = True is not a token id",
+        ),
+        (
+            _variant(
+                lambda m: (_set((MASK, 0), [0, True, 500])(m), _set((SUPPORT, 0), [-1.0, -2.0, -3.0])(m))
+            ),
+            r"output_token_sampling_mask\[0\]\[1\] = True is not a token id",
+        ),
+        (_variant(_set((SUPPORT, 0), [])), r"support_logprobs\[0\] has 0 log-probs for \d+ support ids"),
+        (_variant(_set((SUPPORT, 1), "x")), r"support_logprobs\[1\] = 'x' is not a list of log-probs"),
+        (_variant(_set((SUPPORT, 1, 0), "x")), r"support_logprobs\[1\]\[0\] = 'x' is not a number"),
+        (
+            _variant(_set((SUPPORT, 1, 0), 2**2000)),
+            r"support_logprobs\[1\]\[0\] = \d+ is beyond a float's range",
+        ),
+        (_variant(_set((MU, 2), "x")), r"output_token_sampling_logprobs\[2\] = 'x' is not a number"),
+        (_variant(_set((MU, 2), False)), r"output_token_sampling_logprobs\[2\] = False is not a number"),
+        (
+            _variant(lambda m: m[MU].pop()),
+            r"output_token_sampling_logprobs has 2 entries for 3 output tokens",
+        ),
+        (
+            _variant(lambda m: (m.pop(MU), _set((MASK, 0), [1001])(m), _set((SUPPORT, 0), [0.0])(m))),
+            r"output token \d+ \(output_ids\[0\]\) is not in meta_info\.output_token_sampling_mask\[0\]",
+        ),
+        (_variant(_set(("weight_versions",), "x")), r"meta_info\.weight_versions is not a list"),
+        (_variant(_set(("weight_versions", 0), 3)), r"meta_info\.weight_versions\[0\] = 3 is not a span"),
+        (
+            _variant(_set(("weight_versions", 0, "version"), "default")),
+            r"meta_info\.weight_versions\[0\]\.version must be a non-negative integer",
+        ),
+        (
+            _variant(lambda m: m["weight_versions"][0].pop("version")),
+            r"weight_versions\[0\]\.version is missing",
+        ),
+        (
+            _variant(_set(("weight_versions", 0, "start"), "0")),
+            r"weight_versions\[0\]\.start = '0' is not an",
+        ),
+    ],
+)
+def test_parse_turn_refuses_a_malformed_answer_naming_the_field(body, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_turn(body, **ARGS)
+
+
+def test_the_encoder_refuses_what_it_cannot_store_from_a_parsed_answer() -> None:
+    not_increasing = _variant(
+        lambda m: m.update(
+            output_token_sampling_mask=[[5, 5]] * 3, output_token_sampling_support_logprobs=[[-1.0, -2.0]] * 3
+        )
+    )
+    t = parse_turn(not_increasing, **ARGS)
+    with pytest.raises(
+        ValueError, match="support ids of output token 0 must be non-negative and strictly increasing"
+    ):
+        encode_stored(t)
+    beyond_f32 = parse_turn(_variant(_set((MU, 0), 1e300)), **ARGS)
+    with pytest.raises(ValueError, match="log-probs"):
+        encode_stored(beyond_f32)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = [
+    ("output_ids",),
+    ("meta_info",),
+    (RAW,),
+    (RAW, 0),
+    (RAW, 0, 0),
+    (MASK,),
+    (MASK, 1),
+    (MASK, 1, 0),
+    (SUPPORT,),
+    (SUPPORT, 1),
+    (SUPPORT, 1, 0),
+    (MU,),
+    (MU, 2),
+    ("weight_versions",),
+    ("weight_versions", 0),
+    ("weight_versions", 0, "version"),
+    ("weight_versions", 0, "end"),
+    ("weight_version",),
+    ("finish_reason",),
+    ("e2e_latency",),
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(FIELDS), json_values), min_size=1, max_size=3), st.booleans())
+def test_any_answer_is_parsed_and_stored_or_refused_with_a_value_error(edits, f16: bool) -> None:
+    body = _engine_body(random.Random(1), 3)
+    for path, value in edits:
+        target = body if path[0] in ("output_ids", "meta_info") else body.get("meta_info")
+        try:
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = value
+        except (TypeError, KeyError, IndexError):  # an earlier edit replaced the container
+            pass
+    try:
+        t = parse_turn(body, **ARGS)
+    except ValueError as exc:
+        assert str(exc)
+        return
+    try:
+        blob, stored = encode_stored(t, f16=f16)
+    except ValueError as exc:
+        assert str(exc)
+        return
+    assert decode_turn(blob).to_json() == stored.to_json()
