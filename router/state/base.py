@@ -7,9 +7,10 @@ routers share one Redis); :func:`router.state.open_store` picks one by URL. Both
 
 Contract, for every adapter:
 
-* A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block is
-  stored whole or not at all) and idempotent per ``request_id`` (a retried call returns the
-  first call's index and stores nothing). Turn indices are 0, 1, 2, ... in append order.
+* A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
+  session's route to the serving group and replica, and the counters change together or not at
+  all) and idempotent per ``request_id`` (a retried call returns the first call's index and
+  changes nothing). Turn indices are 0, 1, 2, ... in append order.
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
 * ``take`` hands out up to ``size`` ready trajectories under a fresh lease. A trajectory whose
@@ -107,10 +108,6 @@ class StateStore(abc.ABC):
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
     @abc.abstractmethod
-    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
-        """Set the session's group and replica affinity; moving group moves its active count."""
-
-    @abc.abstractmethod
     async def append_turn(
         self,
         session_id: str,
@@ -118,15 +115,20 @@ class StateStore(abc.ABC):
         blob: bytes,
         *,
         group: str,
+        replica: str | None,
         tokens: int,
         min_version: int | None,
         max_version: int | None,
         expected_turn: int | None = None,
     ) -> int:
-        """Store one turn block; return its index. Raises SessionNotFound / SessionFinished.
+        """Store one turn block, served by ``replica`` of ``group``; return its index. Raises
+        SessionNotFound / SessionFinished.
 
-        With ``expected_turn`` set, stores only if it equals the next index (else raises
-        :class:`TurnConflict` carrying the next index).
+        In the same atomic step the session's route becomes (``group``, ``replica``) (moving
+        group moves its active count), and ``tokens`` and the version range are added to the
+        session's and to ``group``'s counters. With ``expected_turn`` set, stores only if it
+        equals the next index (else raises :class:`TurnConflict` carrying the next index, and
+        nothing changes).
         """
 
     @abc.abstractmethod

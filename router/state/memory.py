@@ -85,15 +85,6 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return None if s is None else s.info
 
-    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
-        s = self._live(session_id)
-        if s is None:
-            raise SessionNotFound(session_id)
-        if group != s.info.group and s.info.status == "open":
-            self._counters[s.info.group]["active_sessions"] -= 1
-            self._counters[group]["active_sessions"] += 1
-        s.info = replace(s.info, group=group, replica=replica)
-
     async def append_turn(
         self,
         session_id: str,
@@ -101,6 +92,7 @@ class MemoryStore(StateStore):
         blob: bytes,
         *,
         group: str,
+        replica: str | None,
         tokens: int,
         min_version: int | None,
         max_version: int | None,
@@ -121,8 +113,13 @@ class MemoryStore(StateStore):
         s.requests[request_id] = index
         s.last_active = time.time()
         info = s.info
-        s.info = _evolve(
+        if group != info.group:
+            self._counters[info.group]["active_sessions"] -= 1
+            self._counters[group]["active_sessions"] += 1
+        s.info = replace(
             info,
+            group=group,
+            replica=replica,
             n_turns=index + 1,
             tokens=info.tokens + tokens,
             min_version=_min(info.min_version, min_version),
@@ -295,16 +292,6 @@ class MemoryStore(StateStore):
 
     async def ping(self) -> bool:
         return True
-
-
-def _evolve(info: SessionInfo, **changes: Any) -> SessionInfo:
-    """``dataclasses.replace(info, **changes)`` for the hot path: a copy of the fields, without
-    re-running field introspection (SessionInfo has no ``__post_init__``)."""
-    new = object.__new__(SessionInfo)
-    fields = new.__dict__
-    fields.update(info.__dict__)
-    fields.update(changes)
-    return new
 
 
 def _min(a: int | None, b: int | None) -> int | None:

@@ -2,7 +2,7 @@
 
 Layout under the key prefix ``mf:`` (all values written by this module only):
 
-* ``mf:s:<id>``   hash: group, replica, status, created, metadata, n_turns, tokens, vmin, vmax,
+* ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created, metadata, n_turns, tokens, vmin, vmax,
   reward, finish_meta, finish_req, and ``q:<request_id>`` -> turn index (idempotent appends)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
 * ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
@@ -73,17 +73,6 @@ redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 return 1
 """
 
-_ROUTE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local old = redis.call('HGET', KEYS[1], 'group')
-if old ~= ARGV[1] and redis.call('HGET', KEYS[1], 'status') == 'open' then
-  redis.call('HINCRBY', KEYS[2], 'active:' .. old, -1)
-  redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
-end
-redis.call('HSET', KEYS[1], 'group', ARGV[1], 'replica', ARGV[2])
-return 0
-"""
-
 _APPEND = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0} end
@@ -92,8 +81,13 @@ if prev then return {0, tonumber(prev)} end
 if redis.call('HGET', h, 'status') ~= 'open' then return {-2, 0} end
 local idx = redis.call('LLEN', KEYS[2])
 if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= idx then return {-3, idx} end
+local old = redis.call('HGET', h, 'group')
+if old ~= ARGV[3] then
+  redis.call('HINCRBY', KEYS[3], 'active:' .. old, -1)
+  redis.call('HINCRBY', KEYS[3], 'active:' .. ARGV[3], 1)
+end
 redis.call('RPUSH', KEYS[2], ARGV[2])
-redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1)
+redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1, 'group', ARGV[3], 'replica', ARGV[10])
 redis.call('HINCRBY', h, 'tokens', ARGV[4])
 if ARGV[5] ~= '' then
   local cur = redis.call('HGET', h, 'vmin')
@@ -225,7 +219,6 @@ class RedisStore(StateStore):
         )
         self._r = aioredis.Redis.from_pool(pool)
         self._create = self._r.register_script(_CREATE)
-        self._route = self._r.register_script(_ROUTE)
         self._append = self._r.register_script(_APPEND)
         self._finish = self._r.register_script(_FINISH)
         self._delete = self._r.register_script(_DELETE)
@@ -272,11 +265,6 @@ class RedisStore(StateStore):
     async def get_session(self, session_id: str) -> SessionInfo | None:
         return _info(session_id, await self._call(self._r.hmget, _skey(session_id), _FIELDS))
 
-    async def set_route(self, session_id: str, group: str, replica: str | None) -> None:
-        rc = await self._call(self._route, keys=[_skey(session_id), STATS], args=[group, replica or ""])
-        if rc == -1:
-            raise SessionNotFound(session_id)
-
     async def append_turn(
         self,
         session_id: str,
@@ -284,6 +272,7 @@ class RedisStore(StateStore):
         blob: bytes,
         *,
         group: str,
+        replica: str | None,
         tokens: int,
         min_version: int | None,
         max_version: int | None,
@@ -302,6 +291,7 @@ class RedisStore(StateStore):
                 _opt(expected_turn),
                 repr(time.time()),
                 session_id,
+                replica or "",
             ],
         )
         if rc == -1:

@@ -67,6 +67,7 @@ async def _session(store: StateStore, sid: str, group: str = "g1", turns: int = 
             f"{sid}-{i}",
             f"blob-{sid}-{i}".encode(),
             group=group,
+            replica="rep",
             tokens=3,
             min_version=version,
             max_version=version,
@@ -80,15 +81,20 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         info = await store.get_session("s1")
         assert info and info.status == "open" and info.group == "g1" and info.metadata == {"a": 1}
         assert (
-            await store.append_turn("s1", "r1", b"t0", group="g1", tokens=4, min_version=2, max_version=3)
+            await store.append_turn(
+                "s1", "r1", b"t0", group="g1", replica="rep", tokens=4, min_version=2, max_version=3
+            )
             == 0
         )
         assert (
-            await store.append_turn("s1", "r2", b"t1", group="g1", tokens=5, min_version=1, max_version=2)
+            await store.append_turn(
+                "s1", "r2", b"t1", group="g1", replica="rep", tokens=5, min_version=1, max_version=2
+            )
             == 1
         )
         info = await store.get_session("s1")
         assert (info.n_turns, info.tokens, info.min_version, info.max_version) == (2, 9, 1, 3)
+        assert (info.group, info.replica) == ("g1", "rep")
         assert await store.get_turns("s1") == [b"t0", b"t1"]
         c = (await store.counters())["g1"]
         assert (c.active_sessions, c.sessions, c.turns, c.tokens) == (1, 1, 2, 9)
@@ -103,20 +109,28 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
         await store.create_session("s", "g", {}, now=0.0)
         assert (
             await store.append_turn(
-                "s", "same", b"x", group="g", tokens=1, min_version=None, max_version=None
+                "s", "same", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None
             )
             == 0
         )
         assert (
             await store.append_turn(
-                "s", "same", b"y", group="g", tokens=1, min_version=None, max_version=None
+                "s", "same", b"y", group="g", replica="rep", tokens=1, min_version=None, max_version=None
             )
             == 0
         )
         assert await store.get_turns("s") == [b"x"]
         with pytest.raises(TurnConflict) as conflict:
             await store.append_turn(
-                "s", "other", b"z", group="g", tokens=1, min_version=None, max_version=None, expected_turn=0
+                "s",
+                "other",
+                b"z",
+                group="g",
+                replica="rep",
+                tokens=1,
+                min_version=None,
+                max_version=None,
+                expected_turn=0,
             )
         assert conflict.value.next_turn == 1
         await store.finish_session("s", "f", 1.0, {})
@@ -125,10 +139,12 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
             await store.finish_session("s", "f2", 1.0, {})
         with pytest.raises(SessionFinished):
             await store.append_turn(
-                "s", "late", b"z", group="g", tokens=1, min_version=None, max_version=None
+                "s", "late", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None
             )
         with pytest.raises(SessionNotFound):
-            await store.append_turn("zz", "r", b"z", group="g", tokens=1, min_version=None, max_version=None)
+            await store.append_turn(
+                "zz", "r", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+            )
         with pytest.raises(SessionNotFound):
             await store.finish_session("zz", "r", 1.0, {})
         assert (await store.counters())["g"].turns == 1
@@ -140,7 +156,14 @@ async def test_concurrent_appends_get_distinct_indices(store_url: str) -> None:
         idx = await asyncio.gather(
             *(
                 store.append_turn(
-                    "s", f"r{i}", bytes([i]), group="g", tokens=1, min_version=None, max_version=None
+                    "s",
+                    f"r{i}",
+                    bytes([i]),
+                    group="g",
+                    replica="rep",
+                    tokens=1,
+                    min_version=None,
+                    max_version=None,
                 )
                 for i in range(40)
             )
@@ -153,9 +176,37 @@ async def test_concurrent_appends_get_distinct_indices(store_url: str) -> None:
 async def test_move_and_delete_keep_active_counts(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s", "a", {}, now=0.0)
-        await store.set_route("s", "b", "rep-1")
+        assert (await store.get_session("s")).replica is None
+        # a turn served elsewhere moves the session with it
+        await store.append_turn(
+            "s", "r0", b"t0", group="b", replica="rep-1", tokens=1, min_version=None, max_version=None
+        )
         info = await store.get_session("s")
         assert info.group == "b" and info.replica == "rep-1"
+        c = await store.counters()
+        assert c["a"].active_sessions == 0 and c["b"].active_sessions == 1
+        assert (c["a"].turns, c["b"].turns) == (0, 1)
+        # a refused or retried append moves nothing
+        with pytest.raises(TurnConflict):
+            await store.append_turn(
+                "s",
+                "r1",
+                b"t1",
+                group="a",
+                replica="x",
+                tokens=1,
+                min_version=None,
+                max_version=None,
+                expected_turn=0,
+            )
+        assert (
+            await store.append_turn(
+                "s", "r0", b"t0", group="a", replica="x", tokens=1, min_version=None, max_version=None
+            )
+            == 0
+        )
+        info = await store.get_session("s")
+        assert (info.group, info.replica, info.n_turns) == ("b", "rep-1", 1)
         c = await store.counters()
         assert c["a"].active_sessions == 0 and c["b"].active_sessions == 1
         await store.delete_session("s")
@@ -272,7 +323,9 @@ async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> 
         for sid in ("idle", "busy", "done"):
             await store.create_session(sid, "g", {}, now=now - 100)
         for sid in ("busy", "done"):  # a turn now counts as activity
-            await store.append_turn(sid, "r", b"x", group="g", tokens=1, min_version=None, max_version=None)
+            await store.append_turn(
+                sid, "r", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+            )
         await store.finish_session("done", "f", 1.0, {})
         assert await store.expire_idle(50) == [("idle", "g")]
         assert await store.get_session("idle") is None
@@ -290,7 +343,9 @@ async def test_many_concurrent_calls_each_get_their_own_answer(store_url: str) -
         blobs = [bytes([i % 256]) + b"\r\n\x00" + sid.encode() for i, sid in enumerate(sids)]
         idx = await asyncio.gather(
             *(
-                store.append_turn(sid, "r", blob, group=f"g{i % 3}", tokens=i, min_version=i, max_version=i)
+                store.append_turn(
+                    sid, "r", blob, group=f"g{i % 3}", replica="rep", tokens=i, min_version=i, max_version=i
+                )
                 for i, (sid, blob) in enumerate(zip(sids, blobs, strict=True))
             )
         )
@@ -319,7 +374,9 @@ async def test_redis_scripts_are_loaded_again_after_a_script_flush(redis_url: st
         await _session(store, "s", turns=1)
         redis.Redis.from_url(redis_url).script_flush()
         assert (
-            await store.append_turn("s", "again", b"t1", group="g1", tokens=1, min_version=1, max_version=1)
+            await store.append_turn(
+                "s", "again", b"t1", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+            )
             == 1
         )
         await store.finish_session("s", "f", 1.0, {})
@@ -341,12 +398,16 @@ async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer
             await short.get_session("a")
         assert time.monotonic() - t0 < 2.0
         with pytest.raises(StateUnavailable):
-            await short.append_turn("a", "r", b"x", group="g1", tokens=1, min_version=1, max_version=1)
+            await short.append_turn(
+                "a", "r", b"x", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+            )
         info = await patient.get_session("a")  # waits the restart out; the data survived it (AOF)
         assert info is not None and info.n_turns == 2
         assert await patient.get_turns("a") == [b"blob-a-0", b"blob-a-1"]
         assert (
-            await patient.append_turn("a", "r2", b"t2", group="g1", tokens=1, min_version=1, max_version=1)
+            await patient.append_turn(
+                "a", "r2", b"t2", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+            )
             == 2
         )
         assert await short.get_session("a") is not None  # the short one works again too
