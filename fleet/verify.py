@@ -8,6 +8,8 @@ in advance for every group, whatever its precision: at the scored position,
 candidate's log-prob is unchanged. ``t`` is chosen as the least likely candidate, so its
 log-prob *rises* by ``logp_before(s) - logp_before(t)``.
 
+It publishes two new versions, ``P`` and ``R`` below; the fleet ends at ``R``.
+
 Steps (each must hold, else the check fails naming the group):
 
 1. every replica serves the latest version ``L``; score ``prefix + [c]`` for every candidate
@@ -78,7 +80,10 @@ def run_verify(
     if latest is None:
         raise UserError("nothing is published yet: publish a version before verifying")
     report = VerifyReport(latest=latest)
-    say(f"waiting for every replica to serve version {latest}")
+    say(
+        f"verify publishes two new versions: a perturbation of v{latest}, then a rollback "
+        f"to v{latest}'s content; waiting for every replica to serve version {latest}"
+    )
     client.wait_active(latest, timeout)
 
     base = _scores(client, PREFIX, CANDIDATES)

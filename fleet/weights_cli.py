@@ -59,7 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, help="run id (default: the router's run)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for replicas")
 
-    p = sub.add_parser("verify", help="publish a known perturbation, check every group moved, roll back")
+    p = sub.add_parser(
+        "verify",
+        help="publish a known perturbation, check every group moved, roll back "
+        "(publishes two new versions: the perturbation and the rollback)",
+        description="Prove that a published update activates on every group: publish a known "
+        "perturbation of the latest version L as a new version P, check every group's scores moved "
+        "exactly as predicted, then roll back by publishing a second new version R with L's content. "
+        "The fleet ends at R; the run's version numbers advance by two.",
+    )
     common(p)
 
 
@@ -229,8 +237,20 @@ def _verify(client, args: argparse.Namespace) -> int:
             )
         for f in report.failures:
             print(f"FAIL {f}", file=sys.stderr)
-        print("verify: OK" if report.ok else "verify: FAILED")
+        print(f"verify: {'OK' if report.ok else 'FAILED'}; {_published(report)}")
     return 0 if report.ok else 1
+
+
+def _published(report) -> str:
+    """What a verify run left published (it publishes two versions when it gets that far)."""
+    made = []
+    if report.perturbed is not None:
+        made.append(f"v{report.perturbed} (the perturbation of v{report.latest})")
+    if report.rolled_back is not None:
+        made.append(f"v{report.rolled_back} (the rollback: v{report.latest}'s content)")
+    if not made:
+        return "published nothing"
+    return "published " + " and ".join(made)
 
 
 def _clock(epoch_s: float) -> str:
