@@ -2,8 +2,9 @@
 
 Layout under the key prefix ``mf:`` (all values written by this module only):
 
-* ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created, metadata, n_turns, tokens, vmin, vmax,
-  reward, finish_meta, finish_req, and ``q:<request_id>`` -> turn index (idempotent appends)
+* ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
+  metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, and
+  ``q:<request_id>`` -> turn index (idempotent appends)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
 * ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
   each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
@@ -382,8 +383,8 @@ class RedisStore(StateStore):
             _cursor, claimed, deleted = (
                 await self._r.xautoclaim(STREAM, GROUP, lease_id, idle_ms, "0-0", count=need)
             )[:3]
-            for gone in deleted or []:
-                await self._r.xack(STREAM, GROUP, gone)
+            if deleted:
+                await self._r.xack(STREAM, GROUP, *deleted)
             for entry_id, fields in claimed:
                 if fields:
                     batch.append((_s(entry_id), _s(fields[b"sid"]), True))
@@ -396,17 +397,19 @@ class RedisStore(StateStore):
                 for _stream, items in resp or []:
                     for entry_id, fields in items:
                         batch.append((_s(entry_id), _s(fields[b"sid"]), False))
-            for entry_id, sid, again in batch:
-                if entry_id in owned:
-                    continue
+            fresh = list({e: (e, sid, again) for e, sid, again in batch if e not in owned}.values())
+            if fresh:  # every entry's session and turns in one round trip
                 pipe = self._r.pipeline(transaction=False)
-                pipe.hmget(_skey(sid), _FIELDS)
-                pipe.lrange(_tkey(sid), 0, -1)
-                values, turns = await pipe.execute()
+                for _entry, sid, _again in fresh:
+                    pipe.hmget(_skey(sid), _FIELDS)
+                    pipe.lrange(_tkey(sid), 0, -1)
+                replies = await pipe.execute()
+            gone = []
+            for k, (entry_id, sid, again) in enumerate(fresh):
+                values, turns = replies[2 * k], replies[2 * k + 1]
                 info = _info(sid, values)
                 if info is None:  # expired or deleted: nothing to hand out
-                    await self._r.xack(STREAM, GROUP, entry_id)
-                    await self._r.xdel(STREAM, entry_id)
+                    gone.append(entry_id)
                     continue
                 if (
                     max_age is not None
@@ -418,20 +421,25 @@ class RedisStore(StateStore):
                 owned[entry_id] = sid
                 taken.append(TakenTrajectory(info, list(turns)))
                 redelivered += again
+            if gone:
+                pipe = self._r.pipeline(transaction=True)
+                pipe.xack(STREAM, GROUP, *gone)
+                pipe.xdel(STREAM, *gone)
+                await pipe.execute()
             if time.monotonic() >= deadline:
                 break
+        pipe = self._r.pipeline(transaction=True)
         if owned:
             key = f"{P}lease:{lease_id}"
-            pipe = self._r.pipeline(transaction=True)
             pipe.hset(key, mapping=owned)
             pipe.expire(key, int(max(3600, lease_timeout_s * 20)))
-            await pipe.execute()
         else:
-            await self._r.xgroup_delconsumer(STREAM, GROUP, lease_id)
+            pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
+        pipe.zcard(HELD)
+        held = (await pipe.execute())[-1]
         self._takes += 1
         if self._takes % 50 == 0:
             await self._reap_consumers(lease_timeout_s)
-        held = await self._r.zcard(HELD)
         return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
 
     async def _reap_consumers(self, lease_timeout_s: float) -> None:
@@ -460,8 +468,8 @@ class RedisStore(StateStore):
             pipe.expire(_skey(sid), int(self.retention_s))
             pipe.expire(_tkey(sid), int(self.retention_s))
         pipe.delete(key)
+        pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
         await pipe.execute()
-        await self._r.xgroup_delconsumer(STREAM, GROUP, lease_id)
         return AckResult(acked=len(still), expired=len(entries) - len(still))
 
     async def queue_stats(self) -> dict[str, int]:
@@ -469,13 +477,16 @@ class RedisStore(StateStore):
 
     async def _queue_stats(self) -> dict[str, int]:
         await self._ensure_group()
-        length = await self._r.xlen(STREAM)
-        consumers = await self._r.xinfo_consumers(STREAM, GROUP)
+        pipe = self._r.pipeline(transaction=True)
+        pipe.xlen(STREAM)
+        pipe.xinfo_consumers(STREAM, GROUP)
+        pipe.zcard(HELD)
+        length, consumers, held = await pipe.execute()
         pending = sum(int(c["pending"]) for c in consumers)
         return {
             "ready": int(length) - pending,
             "pending": pending,
-            "held_back": int(await self._r.zcard(HELD)),
+            "held_back": int(held),
             "leases": sum(1 for c in consumers if int(c["pending"]) > 0),
         }
 

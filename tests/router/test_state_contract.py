@@ -383,6 +383,22 @@ async def test_redis_scripts_are_loaded_again_after_a_script_flush(redis_url: st
         assert (await store.get_session("s")).status == "finished"
 
 
+async def test_redis_a_queued_session_whose_keys_are_gone_is_dropped_from_the_queue(redis_url: str) -> None:
+    """Keys evicted by Redis (or removed by hand) under a finished session: take hands out the
+    others and forgets the orphaned entry."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    async with opened(redis_url) as store:
+        for sid in ("kept", "gone"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        plain.delete("mf:s:gone", "mf:s:gone:t")
+        lease = await store.take(5, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+        assert [t.session.session_id for t in lease.trajectories] == ["kept"]
+        assert (await store.ack(lease.lease_id)).acked == 1
+        assert await store.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
+
+
 async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer_one_is_unavailable() -> None:
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="state-restart-"))
