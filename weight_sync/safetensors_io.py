@@ -62,7 +62,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
 MAX_HEADER = 100 << 20
 
 
-class SafetensorsError(UserError):
+class SafetensorsError(UserError, ValueError):
     """A safetensors file is malformed; the message names the file and the problem."""
 
 
@@ -142,7 +142,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     for e in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
         if e.start != pos:
             raise SafetensorsError(
-                f"{path}: corrupt safetensors file (tensor {e.name!r} overlaps or leaves a gap)"
+                f"{path}: corrupt safetensors file (tensor {e.name!r} overlaps another or leaves a gap)"
             )
         pos += e.nbytes
     if pos - data_start != data_len:

@@ -23,19 +23,19 @@ Every problem (no safetensors, a malformed file, a tensor missing, a shape that 
 ``config.json``, a tensor the model has no place for) raises ``ValueError`` naming the file or
 tensor.
 
-Speed (a weight update loads inside the engine's pause): each file is mapped once, privately
-(copy-on-write), and its header parsed here, so tensors are views of page-cache pages with no
-read copy and no per-tensor file access; linears are handed over as stored (validated codes and
-scales, see ``LinearWeight``): the model writes them once into its own layout, and a float32
-dequantized weight is only made where something asks for ``LinearWeight.weight``. A loaded
-``Model`` copies what it keeps.
+Speed (a weight update loads inside the engine's pause): each file's header is validated by
+``weight_sync.safetensors_io.read_header`` (a file is accepted only when its tensors exactly tile
+its data section) and the file is mapped once, privately (copy-on-write), so tensors are views of
+page-cache pages with no read copy and no per-tensor file access; linears are handed over as
+stored (validated codes and scales, see ``LinearWeight``): the model writes them once into its own
+layout, and a float32 dequantized weight is only made where something asks for
+``LinearWeight.weight``. A loaded ``Model`` copies what it keeps.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 
 from fleet.engine import dequant
 from fleet.engine.config import ModelConfig
+from weight_sync.safetensors_io import read_header, torch_dtype
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -142,9 +143,10 @@ class TensorSource:
             file = path / name
             if not file.is_file():
                 raise ValueError(f"model directory {str(path)!r} is missing {name} (named by its index)")
+            entries, _ = read_header(file)  # SafetensorsError (a ValueError) names the file
             data = _map_file(file)
-            for key, (dtype, shape, begin, end) in _parse_header(file, data).items():
-                self._entries[key] = (data, dtype, shape, begin, end)
+            for key, e in entries.items():
+                self._entries[key] = (data, torch_dtype(e.dtype), e.shape, e.start, e.start + e.nbytes)
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -165,65 +167,14 @@ class TensorSource:
         return sorted(n for n in self._entries if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
-    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-}  # fmt: skip
-_MAX_HEADER = 100 << 20
-
-
 def _map_file(file: Path) -> torch.Tensor:
     """The whole of ``file`` as a uint8 tensor over a private, copy-on-write mapping of it."""
     try:
         size = file.stat().st_size
-        if size < 8:
-            raise ValueError(f"{file}: not a readable safetensors file (only {size} bytes)")
         storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
     except (OSError, RuntimeError) as exc:
         raise ValueError(f"{file}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
-def _parse_header(file: Path, data: torch.Tensor) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-    """``name -> (dtype, shape, begin, end)`` (byte offsets into ``data``) from a safetensors header,
-    accepted only when the tensors exactly tile the data section (so a truncated file is refused)."""
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"{file}: not a readable safetensors file ({why})")
-
-    size = data.numel()
-    n = int.from_bytes(bytes(data[:8].numpy()), "little")
-    if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-        raise bad(f"header length {n}, file {size} bytes")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n].numpy()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise bad("header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    header.pop("__metadata__", None)
-    start = 8 + n
-    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-    for name, info in header.items():
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(map(int, info["shape"]))
-            begin, end = map(int, info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"bad header entry for {name!r}") from None
-        if end - begin != math.prod(shape) * dtype.itemsize or (shape and min(shape) < 0):
-            raise bad(f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} {info['dtype']}")
-        out[name] = (dtype, shape, start + begin, start + end)
-    pos = start
-    for begin, end in sorted((v[2], v[3]) for v in out.values()):
-        if begin != pos:
-            name = next(k for k, v in out.items() if (v[2], v[3]) == (begin, end))
-            raise bad(f"tensor {name!r} overlaps another or leaves a gap")
-        pos = end
-    if pos != size:
-        raise bad(f"data section is {size - start} bytes, its tensors need {pos - start}")
-    return out
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
