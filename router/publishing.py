@@ -213,12 +213,13 @@ class PublishService:
         return {"conversion_pool": pool} if pool is not None else {"workers": 0}
 
     def close(self) -> None:
-        """Stop the conversion pool and join its workers (a running conversion finishes first;
-        queued ones are cancelled). Blocking; idempotent."""
+        """Stop the conversion pool and join its workers (no worker process or semaphore is left);
+        a conversion still running (a job's or the warm-up's) is killed, which the publication
+        protocol survives (no pointer names an incomplete version). Blocking; idempotent."""
         with self._pool_lock:
             pool, self.pool = self.pool, None
         if pool is not None:
-            pool.close()
+            pool.close(terminate=True)
         if self._warmer is not None:
             self._warmer.join(timeout=30)
             self._warmer = None
