@@ -180,7 +180,11 @@ def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequ
 
 
 def _init_worker(threads: int) -> None:
+    import signal
+
     import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: the parent stops its workers
 
     torch.set_num_threads(max(1, threads))
 
@@ -615,10 +619,15 @@ class ConversionPool:
             pool.shutdown(wait=False, cancel_futures=True)
             _terminate_pool(pool)
 
-    def close(self) -> None:
+    def close(self, *, terminate: bool = False) -> None:
+        """Stop the workers and join them (after this no worker process, queue or semaphore of
+        the pool is left): running conversions finish first, or with ``terminate`` are killed
+        at once (a publication never depends on a conversion that did not return)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
+            if terminate:
+                _terminate_pool(pool)
             pool.shutdown(wait=True, cancel_futures=True)
 
 
