@@ -102,7 +102,9 @@ class StateStore(abc.ABC):
     # sessions -------------------------------------------------------------------------
     @abc.abstractmethod
     async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
-        """Create an open session in ``group``; counts it active there."""
+        """Create an open session in ``group``; counts it active there. A repeated call with the
+        same ``metadata`` and ``now`` (a retry) changes nothing; any other call for an existing
+        ``session_id`` raises ValueError."""
 
     @abc.abstractmethod
     async def get_session(self, session_id: str) -> SessionInfo | None: ...

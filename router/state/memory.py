@@ -72,7 +72,10 @@ class MemoryStore(StateStore):
         return s
 
     async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
-        if session_id in self._sessions:
+        known = self._sessions.get(session_id)
+        if known is not None:
+            if known.info.created_at == now and known.info.metadata == metadata:
+                return
             raise ValueError(f"session {session_id} exists")
         self._sessions[session_id] = _Session(
             SessionInfo(session_id, group, None, "open", now, dict(metadata)), last_active=now

@@ -65,7 +65,11 @@ LATEST = P + "latest"
 ACTIVITY = P + "activity"
 
 _CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local h = redis.call('HMGET', KEYS[1], 'created', 'metadata')
+  if h[1] == ARGV[2] and h[2] == ARGV[3] then return 1 end
+  return 0
+end
 redis.call('HSET', KEYS[1], 'group', ARGV[1], 'status', 'open', 'created', ARGV[2],
            'metadata', ARGV[3], 'n_turns', 0, 'tokens', 0)
 redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
@@ -199,9 +203,10 @@ def _retries(outage_s: float, backoff: ExponentialBackoff) -> int:
 
 
 class RedisStore(StateStore):
-    """Redis adapter. Connection drops are retried with backoff for ``outage_s`` seconds
-    (covers a restart); after that, calls raise :class:`StateUnavailable`. At most
-    ``max_connections`` commands are in flight at once; further callers wait for a connection."""
+    """Redis adapter. A call that cannot complete within ``outage_s`` seconds (Redis refusing
+    connections, restarting or not answering, while redis-py reconnects with backoff) raises
+    :class:`StateUnavailable`; a take's ``wait_s`` comes on top. At most ``max_connections``
+    commands are in flight at once; further callers wait for a connection."""
 
     def __init__(
         self, url: str, *, retention_s: float = 3600.0, outage_s: float = 20.0, max_connections: int = 512

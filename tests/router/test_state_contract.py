@@ -78,6 +78,9 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
     async with opened(store_url) as store:
         assert await store.get_session("nope") is None
         await store.create_session("s1", "g1", {"a": 1}, now=5.0)
+        await store.create_session("s1", "g1", {"a": 1}, now=5.0)  # a retry: no-op
+        with pytest.raises(ValueError, match="exists"):
+            await store.create_session("s1", "g1", {"a": 1}, now=6.0)
         info = await store.get_session("s1")
         assert info and info.status == "open" and info.group == "g1" and info.metadata == {"a": 1}
         assert (
