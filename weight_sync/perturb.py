@@ -13,34 +13,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from weight_sync.errors import UserError
 from weight_sync.publish import link_tree
+from weight_sync.safetensors_io import read_header
 
 
 def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
     """Write into ``dst`` the checkpoint ``src`` with rows ``t`` and ``s`` of the output projection
     swapped (``lm_head.weight``, or ``model.embed_tokens.weight`` when the embedding is tied);
     returns the tensor's name. Other files are hard-linked; ``manifest.json`` is left out."""
-    files = sorted(src.glob("*.safetensors"))
-    target = None
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        for f in files:
-            with safe_open(f, framework="pt") as h:
-                if name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                    target = (f, name)
-                    break
-        if target:
-            break
+    headers = {f: read_header(f) for f in sorted(src.glob("*.safetensors"))}
+    target = next(
+        (
+            (f, name)
+            for name in ("lm_head.weight", "model.embed_tokens.weight")
+            for f in headers
+            if name in headers[f][0]
+        ),
+        None,
+    )
     if target is None:
         raise UserError(f"{src} has neither lm_head.weight nor model.embed_tokens.weight")
     shard, tensor_name = target
     link_tree(src, dst, skip=("manifest.json", shard.name))
-    with safe_open(shard, framework="pt") as h:
-        meta = h.metadata()
-        tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    meta = headers[shard][1] or None
+    tensors = load_file(shard)
     w = tensors[tensor_name].clone()
     rows = w.shape[0]
     if not (0 <= t < rows and 0 <= s < rows) or t == s:
