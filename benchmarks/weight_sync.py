@@ -133,7 +133,7 @@ def one_round(
         # holding up the publisher (the router posts the wake-ups from its event loop).
         if kind == "advanced":
             for r in fleet.replicas:
-                if r.fmt == info["format"]:
+                if r.weight_format == info["format"]:
                     waker.submit(httpx.post, r.url + "/v1/wake", timeout=5)
 
     t0 = time.time()

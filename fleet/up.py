@@ -5,27 +5,30 @@
 Before: nothing (a fresh machine is fine). What it does, in order:
 
 1. ``<data-dir>/base``: the BF16 base policy; created by ``init-model`` (``--model-preset``,
-   default ``small``) when it holds no ``config.json``.
+   default ``small``) when it holds no ``config.json`` (written aside and moved into place, so
+   an interrupted first run leaves no half-written base).
 2. ``<data-dir>/store``: a local version store for run ``--run``, bootstrapped by
    :func:`weight_sync.publish.bootstrap` (the base policy becomes version 0, converted once per
    format; later ``up`` runs start from each format's pointer).
 3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes, then
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
-   to the router and activates new versions. Groups with static replicas are routed to as
-   listed (their engines run elsewhere). The sidecars stage in place (the store is on local
-   disk) and activate by the sidecar's default, ``auto``: the local engine says it loads a new
-   version while serving and swaps between two decode steps, so it is never paused. (SGLang's
-   pause protocol would put the engine's whole load inside the pause: 7-14% of publish -> every
-   replica active for the ``small`` models in ``benchmarks/weight_sync.py``'s
-   ``sglang-protocol`` configuration.)
+   to the router and activates new versions (started by :mod:`fleet.launch`). Groups with
+   static replicas are routed to as listed (their engines run elsewhere). The sidecars stage in
+   place (the store is on local disk) and activate by the sidecar's default, ``auto``: the local
+   engine loads a new version while serving and swaps it in between two decode steps, so it is
+   never paused.
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset.
 
-After: prints the URL and the key, and serves until Ctrl-C (or SIGTERM), then stops every
-process it started and exits 0. If one of its processes dies, it stops the others and exits
-1, naming the process and its log (``<data-dir>/logs/``).
+After: prints the URL, the key and commands to paste, and serves until Ctrl-C or SIGTERM. It
+supervises its processes: an engine or sidecar that exits is started again (with backoff; logged;
+counted in the sidecar's ``mixfleet_replica_restarts_total``), and while a group has no replica
+its sessions fail over to the others. Ctrl-C or SIGTERM, at any moment including start-up, stops
+every process it started within a few seconds and exits 0. If the router exits, it stops the
+others and exits 1, naming the router's log (``<data-dir>/logs/``); so does a process that fails
+during start-up. Should ``up`` itself be killed, its processes exit too (Linux).
 """
 
 from __future__ import annotations
@@ -35,18 +38,19 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
+import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.specs import GroupSpec
-from fleet.tcp import free_port, port_is_free
+from fleet.launch import Child, Launcher, Probe, ReplicaSpec, Supervisor, mixfleet_command
+from fleet.specs import FleetSpec, GroupSpec
+from fleet.tcp import port_is_free
 from weight_sync.errors import UserError
-from weight_sync.types import VersionRef
+from weight_sync.types import FormatRef
 
 ALL_SCOPES = ("rollout", "trainer", "admin")
 
@@ -68,15 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-version-lag", type=int, default=None, help="keep new turns off replicas lagging more than this"
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-
-
-@dataclass
-class Child:
-    """One process ``up`` started: its name, log file and handle."""
-
-    name: str
-    log: Path
-    proc: subprocess.Popen
+    parser.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=30.0,
+        help="longest wait before restarting a replica that keeps exiting (seconds, default 30)",
+    )
 
 
 def _api_keys(data: Path) -> tuple[dict[str, list[str]], str | None, bool]:
@@ -108,105 +109,55 @@ def _ensure_base(base: Path, model_preset: str) -> None:
     from fleet.engine.init_model import write_model
 
     print(f"creating the {model_preset} base policy in {base} ...", flush=True)
-    write_model(base, model_preset)
-
-
-def _wait_http(url: str, child: Child, deadline: float, headers: dict[str, str] | None = None) -> None:
-    import httpx
-
-    while True:
-        if child.proc.poll() is not None:
-            raise UserError(f"{child.name} exited with {child.proc.returncode}; see {child.log}")
-        try:
-            if httpx.get(url, timeout=2.0, headers=headers).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise UserError(f"{child.name} not ready at {url} in time; see {child.log}")
-        time.sleep(0.2)
-
-
-def check_own_engine(url: str, child: Child) -> None:
-    """The engine answering at ``url`` must be ``child`` itself, not another process that holds
-    the port (``child`` would then have failed to bind it and its group would be served by
-    someone else's engine)."""
-    import httpx
-
-    pid = httpx.get(url + "/server_info", timeout=10.0).json().get("pid")
-    if pid != child.proc.pid:
-        raise UserError(
-            f"{child.name}: {url} is served by process {pid}, not by this engine "
-            f"(pid {child.proc.pid}); see {child.log}"
-        )
-
-
-def _wait_registered(router_url: str, router: Child, key: str, groups: set[str], deadline: float) -> None:
-    """Block until the router has every group in ``groups`` with a ready replica in rotation."""
-    import httpx
-
-    while True:
-        if router.proc.poll() is not None:
-            raise UserError(f"router exited with {router.proc.returncode}; see {router.log}")
-        try:
-            body = httpx.get(
-                router_url + "/v1/groups", headers={"Authorization": f"Bearer {key}"}, timeout=2.0
-            ).json()
-            ready = {g["name"] for g in body["groups"] if g["ready_replicas"] > 0}
-            if groups <= ready:
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        if time.monotonic() > deadline:
-            raise UserError(f"the router did not see every group ready in time; see {router.log}")
-        time.sleep(0.2)
+    partial = base.with_name(base.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write_model(partial, model_preset)
+    shutil.rmtree(base, ignore_errors=True)
+    os.replace(partial, base)
 
 
 @contextlib.contextmanager
-def _children() -> Iterator[list[Child]]:
-    """A list to append started processes to; on exit every one is stopped (TERM, then KILL)."""
-    children: list[Child] = []
+def _stop_on_signals() -> Iterator[None]:
+    """Inside: the first SIGINT or SIGTERM raises KeyboardInterrupt wherever the main thread is
+    (later ones are ignored, so stopping is not interrupted); the old handlers come back after."""
+
+    def stop(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield children
+        yield
     finally:
-        for child in reversed(children):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in reversed(children):
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
-def _start(children: list[Child], name: str, argv: list[str], logs: Path, env: dict[str, str]) -> Child:
-    log = logs / f"{name}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mixfleet", *argv],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
-    child = Child(name, log, proc)
-    children.append(child)
-    return child
+def _say(line: str) -> None:
+    print(f"mixfleet up: {line}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleet.specs import load_preset
-    from weight_sync.publish import bootstrap
-    from weight_sync.store.local import LocalStore
-
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if args.engine_threads < 1:
         raise UserError("--engine-threads must be >= 1")
+    if args.restart_backoff_max < 1:
+        raise UserError("--restart-backoff-max must be >= 1")
+    with _stop_on_signals():
+        try:
+            return _serve(args)
+        except KeyboardInterrupt:
+            print("stopped", flush=True)
+            return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fleet.specs import load_preset
+    from weight_sync.publish import bootstrap
+    from weight_sync.store.local import LocalStore
+
     fleet = load_preset(args.preset)
     if not port_is_free(args.host, args.port):
         raise UserError(f"port {args.port} on {args.host} is in use (pick another with --port)")
@@ -233,76 +184,133 @@ def run(args: argparse.Namespace) -> int:
 
     versions = bootstrap(store, args.run, base, formats, on_event=progress)
 
+    def version_of(fmt: str) -> int:
+        return store.read_pointer(FormatRef(args.run, fmt)) or 0
+
     router_url = f"http://{args.host}:{args.port}"
     common_env = {"MIXFLEET_API_KEYS": json.dumps(keys), "MIXFLEET_API_KEY": admin_key or ""}
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame) -> None:
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with _children() as children:
-        router_argv = ["router", "--preset", str(args.preset), "--host", args.host, "--port", str(args.port)]
-        router_argv += ["--state", args.state]
-        if args.max_version_lag is not None:
-            router_argv += ["--max-version-lag", str(args.max_version_lag)]
-        router_env = {**common_env, "MIXFLEET_STORE": str(store_root), "MIXFLEET_RUN": args.run}
-        router = _start(children, "router", router_argv, logs, router_env)
-        deadline = time.monotonic() + args.ready_timeout
-        _wait_http(router_url + "/healthz", router, deadline)
-
-        engines: list[tuple[str, GroupSpec, Child, int]] = []
-        for g in local_groups:
-            fmt, version = g.weight_format, versions[g.weight_format]
-            for i in range(max(g.min_replicas, 1)):
-                name = f"{g.name}-{i}"
-                port = free_port("127.0.0.1")
-                engine_argv = [
-                    "engine", "--model", str(store.version_dir(VersionRef(args.run, fmt, version))),
-                    "--host", "127.0.0.1", "--port", str(port),
-                    "--weight-version", str(version), "--threads", str(args.engine_threads),
-                    "--served-model-name", "mixfleet-base",
-                ]  # fmt: skip
-                if g.kv_cache_dtype == "fp8_e4m3":
-                    engine_argv += ["--kv-cache-dtype", "fp8_e4m3"]
-                engines.append((name, g, _start(children, f"engine-{name}", engine_argv, logs, {}), port))
-        sidecars: list[tuple[Child, str]] = []
-        for name, g, engine, port in engines:
-            _wait_http(f"http://127.0.0.1:{port}/health", engine, deadline)
-            check_own_engine(f"http://127.0.0.1:{port}", engine)
-            sidecar_port = free_port(args.host)
-            sidecar_argv = [
-                "sidecar", "--engine", f"http://127.0.0.1:{port}", "--group", g.name,
-                "--format", g.weight_format, "--store", str(store_root), "--run", args.run,
-                "--host", args.host, "--port", str(sidecar_port), "--router", router_url,
-                "--replica-id", name, "--staging-dir", str(data / "staging" / name),
-                "--stage-mode", "inplace",
-            ]  # fmt: skip
-            sidecar = _start(children, f"sidecar-{name}", sidecar_argv, logs, common_env)
-            sidecars.append((sidecar, f"http://{args.host}:{sidecar_port}/health"))
-        for sidecar, health in sidecars:
-            _wait_http(health, sidecar, deadline)
-        if admin_key:
-            _wait_registered(router_url, router, admin_key, {g.name for g in local_groups}, deadline)
-
-        _print_banner(router_url, fleet, local_groups, versions, admin_key, generated, data)
-        while stop["signal"] is None:
-            for child in children:
-                if child.proc.poll() is not None:
-                    print(
-                        f"mixfleet up: {child.name} exited with {child.proc.returncode}; "
-                        f"see {child.log}; stopping",
-                        file=sys.stderr,
-                    )
-                    return 1
-            time.sleep(0.5)
-        print("\nstopping ...", flush=True)
-    print("stopped", flush=True)
-    return 0
+    launcher = Launcher(
+        store_root,
+        args.run,
+        host=args.host,
+        router_url=router_url,
+        sidecar_env=common_env,
+        engine_threads=args.engine_threads,
+    )
+    with launcher, Probe() as probe:
+        try:
+            router = _start_router(launcher, probe, args, router_url, logs, common_env, store_root)
+            replicas = [
+                launcher.replica(
+                    _replica_spec(g, i),
+                    staging_dir=data / "staging" / f"{g.name}-{i}",
+                    engine_log=logs / f"engine-{g.name}-{i}.log",
+                    sidecar_log=logs / f"sidecar-{g.name}-{i}.log",
+                )
+                for g in local_groups
+                for i in range(max(g.min_replicas, 1))
+            ]
+            supervisor = Supervisor(
+                launcher,
+                replicas,
+                version_of,
+                probe,
+                ready_timeout_s=args.ready_timeout,
+                backoff_max_s=args.restart_backoff_max,
+                on_event=_say,
+            )
+            deadline = time.monotonic() + args.ready_timeout
+            supervisor.start()
+            supervisor.wait_running(deadline, check=lambda: _check_router(router))
+            if admin_key:
+                _wait_registered(
+                    probe, router_url, router, admin_key, {g.name for g in local_groups}, deadline
+                )
+            supervisor.strict = False
+            _print_banner(router_url, fleet, local_groups, versions, admin_key, generated, data)
+            while True:
+                _check_router(router)
+                supervisor.tick()
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+            raise
+        except UserError as exc:
+            print(f"mixfleet up: {exc}; stopping", file=sys.stderr, flush=True)
+            return 1
 
 
-def _print_banner(router_url, fleet, local_groups, versions, admin_key, generated, data: Path) -> None:
+def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
+    return ReplicaSpec(
+        replica_id=f"{g.name}-{i}",
+        group=g.name,
+        weight_format=g.weight_format,
+        kv_cache_dtype="fp8_e4m3" if g.kv_cache_dtype == "fp8_e4m3" else "auto",
+        engine_flags=("--served-model-name", "mixfleet-base"),
+        sidecar_flags=("--stage-mode", "inplace"),
+    )
+
+
+def _start_router(
+    launcher: Launcher,
+    probe: Probe,
+    args: argparse.Namespace,
+    router_url: str,
+    logs: Path,
+    env: dict[str, str],
+    store_root: Path,
+) -> Child:
+    argv = ["router", "--preset", str(args.preset), "--host", args.host, "--port", str(args.port)]
+    argv += ["--state", args.state]
+    if args.max_version_lag is not None:
+        argv += ["--max-version-lag", str(args.max_version_lag)]
+    router_env = {**env, "MIXFLEET_STORE": str(store_root), "MIXFLEET_RUN": args.run}
+    router = launcher.spawn("router", argv, logs / "router.log", router_env)
+    _say(f"started router (pid {router.pid}, log {router.log})")
+    probe.wait_http(router_url + "/healthz", router, time.monotonic() + args.ready_timeout)
+    return router
+
+
+def _check_router(router: Child) -> None:
+    code = router.returncode()
+    if code is not None:
+        raise UserError(f"the router exited with {code}; see {router.log}")
+
+
+def _wait_registered(
+    probe: Probe, router_url: str, router: Child, key: str, groups: set[str], deadline: float
+) -> None:
+    """Block until the router has every group in ``groups`` with a ready replica in rotation."""
+    while True:
+        _check_router(router)
+        status, body = probe.get_json(router_url + "/v1/groups", {"Authorization": f"Bearer {key}"})
+        if status == 200 and isinstance(body, dict):
+            ready = {g.get("name") for g in body.get("groups", []) if g.get("ready_replicas", 0) > 0}
+            if groups <= ready:
+                return
+        if time.monotonic() > deadline:
+            raise UserError(f"the router did not see every group ready in time; see {router.log}")
+        time.sleep(0.2)
+
+
+def mixfleet_executable() -> str:
+    """How to run ``mixfleet`` from a shell with this installation: the console script beside
+    this interpreter (a venv's ``bin/mixfleet``) when there is one, else ``python -m mixfleet``."""
+    script = Path(os.path.abspath(sys.executable)).parent / "mixfleet"
+    if script.is_file() and os.access(script, os.X_OK):
+        return shlex.quote(str(script))
+    return shlex.join(mixfleet_command())
+
+
+def _print_banner(
+    router_url: str,
+    fleet: FleetSpec,
+    local_groups: list[GroupSpec],
+    versions: dict[str, int],
+    admin_key: str | None,
+    generated: bool,
+    data: Path,
+) -> None:
     lines = [
         "",
         f"mixfleet is up: {router_url}  (preset {fleet.name}, {len(fleet.groups)} groups)",
@@ -311,15 +319,23 @@ def _print_banner(router_url, fleet, local_groups, versions, admin_key, generate
         where = "local engine" if g in local_groups else ", ".join(g.replicas)
         version = versions.get(g.weight_format, "?") if g in local_groups else "-"
         lines.append(f"  {g.name:<18} {g.weight_format:<6} v{version}  {where}")
+    key_file = data / "api_key"
     if generated:
-        lines.append(f"API key (every scope, saved in {data / 'api_key'}):")
+        lines.append(f"API key (every scope, saved in {key_file}):")
         lines.append(f"  {admin_key}")
+        set_key = f"KEY=$(cat {shlex.quote(str(key_file))})"
     else:
         lines.append("API keys: from MIXFLEET_API_KEYS")
+        set_key = 'KEY="$MIXFLEET_API_KEY"' if os.environ.get("MIXFLEET_API_KEY") else None
+    lines.append("Try (in another shell):")
+    if set_key is None:
+        lines.append("  # set KEY to an admin token of MIXFLEET_API_KEYS, then:")
+    else:
+        lines.append(f"  {set_key}")
     lines += [
-        "Try:",
-        f"  curl -H 'Authorization: Bearer $KEY' {router_url}/v1/groups",
-        f"  mixfleet weights publish --version 1 {data / 'base'}",
+        f'  curl -s -H "Authorization: Bearer $KEY" {router_url}/v1/groups',
+        f'  MIXFLEET_API_KEY="$KEY" {mixfleet_executable()} weights publish --router {router_url} '
+        f"--version 1 {shlex.quote(str(data / 'base'))}",
         f"OpenAPI: {router_url}/docs   metrics: {router_url}/metrics   logs: {data / 'logs'}",
         "Ctrl-C stops everything.",
     ]

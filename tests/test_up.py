@@ -118,18 +118,17 @@ def test_free_ports_are_never_handed_out_twice() -> None:
 
 @pytest.mark.timeout(120)
 def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -> None:
-    from fleet.up import Child, check_own_engine
+    from fleet.launch import Child, ChildFailed, Probe
     from tests.support.engines import engine_argv
     from tests.support.models import make_model_dir
     from tests.support.procs import process, wait_http
-    from weight_sync.errors import UserError
 
     model = make_model_dir(tmp_path, "tiny", "bf16")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process(engine_argv(model, port), log=tmp_path / "engine.log") as engine:
+    with process(engine_argv(model, port), log=tmp_path / "engine.log") as engine, Probe() as probe:
         wait_http(url + "/health", timeout=120, proc=engine)
-        check_own_engine(url, Child("engine-a", tmp_path / "engine.log", engine))
-        refused = pytest.raises(UserError, match=f"served by process {engine.pid}, not by this engine")
+        probe.check_own_engine(url, Child("engine-a", tmp_path / "engine.log", engine))
+        refused = pytest.raises(ChildFailed, match=f"served by process {engine.pid}, not by this engine")
         with process(["sleep", "60"]) as other, refused:  # as if this one had failed to bind the port
-            check_own_engine(url, Child("engine-b", tmp_path / "b.log", other))
+            probe.check_own_engine(url, Child("engine-b", tmp_path / "b.log", other))

@@ -1,10 +1,10 @@
 """A real local fleet for tests: a version store, and per group one engine process plus its sidecar.
 
 ``local_fleet(work, base_ckpt, groups)`` publishes ``base_ckpt`` as ``initial_version`` of the
-run into a fresh :class:`LocalStore` (every group's format, once), starts one engine per group
-on that version's directory (``--weight-version`` stamped), then one sidecar per engine, and
-waits until every sidecar reports ready. Everything is killed on exit. This is the same
-sequence ``mixfleet up`` runs per group.
+run into a fresh :class:`LocalStore` (every group's format, once), then brings up one replica per
+group with :mod:`fleet.launch` (what ``mixfleet up`` runs): an engine on that version behind a
+sidecar, and waits until every sidecar reports ready. Nothing restarts what a test kills; every
+process is killed on exit.
 
 Engines run with one torch thread (tests share two cores).
 """
@@ -12,7 +12,6 @@ Engines run with one torch thread (tests share two cores).
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,32 +20,13 @@ from typing import Any
 
 import httpx
 
-from fleet.up import Child, check_own_engine
-from tests.support.engines import engine_argv
-from tests.support.procs import free_port, kill_group, mixfleet_argv, process, wait_http
+from fleet.launch import Launcher, Probe, Replica, ReplicaSpec, Supervisor, kill
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
-from weight_sync.types import FormatRef, VersionRef
+from weight_sync.types import FormatRef
 
 LOCAL_GROUPS: tuple[tuple[str, str], ...] = (("cpu-bf16", "bf16"), ("cpu-fp8", "fp8"), ("cpu-nvfp4", "nvfp4"))
-
-
-@dataclass
-class Replica:
-    group: str
-    fmt: str
-    replica_id: str
-    engine_url: str
-    sidecar_port: int
-    staging_dir: Path
-    sidecar_log: Path
-    engine_log: Path
-    sidecar_proc: subprocess.Popen | None = None
-    extra_flags: tuple[str, ...] = ()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.sidecar_port}"
+SIDECAR_FLAGS = ("--poll-s", "0.2", "--heartbeat-s", "0.5", "--backoff-max-s", "2", "--log-level", "info")
 
 
 @dataclass
@@ -56,12 +36,13 @@ class LocalFleet:
     run_id: str
     replicas: list[Replica]
     router_url: str | None
+    launcher: Launcher
+    probe: Probe
     env: dict[str, str] = field(default_factory=dict)
-    _stack: contextlib.ExitStack | None = None
 
     @property
     def formats(self) -> list[str]:
-        return list(dict.fromkeys(r.fmt for r in self.replicas))
+        return list(dict.fromkeys(r.weight_format for r in self.replicas))
 
     def replica(self, group: str) -> Replica:
         return next(r for r in self.replicas if r.group == group)
@@ -108,60 +89,23 @@ class LocalFleet:
                     out.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
 
-    def sidecar_argv(self, r: Replica, *extra: str) -> list[str]:
-        argv = [
-            "sidecar",
-            "--engine",
-            r.engine_url,
-            "--group",
-            r.group,
-            "--format",
-            r.fmt,
-            "--store",
-            str(self.store.root),
-            "--run",
-            self.run_id,
-            "--port",
-            str(r.sidecar_port),
-            "--replica-id",
-            r.replica_id,
-            "--staging-dir",
-            str(r.staging_dir),
-            "--poll-s",
-            "0.2",
-            "--heartbeat-s",
-            "0.5",
-            "--backoff-max-s",
-            "2",
-            "--log-level",
-            "info",
-        ]
-        if self.router_url:
-            argv += ["--router", self.router_url]
-        return mixfleet_argv(*argv, *r.extra_flags, *extra)
-
     def start_sidecar(self, r: Replica, *extra: str, wait: bool = True) -> None:
-        assert self._stack is not None
-        r.sidecar_proc = self._stack.enter_context(
-            process(self.sidecar_argv(r, *extra), log=r.sidecar_log, env=self.env)
-        )
+        """Start ``r``'s sidecar again (``extra`` flags after the fleet's); with ``wait``, until
+        it answers ``/v1/status``."""
+        self.launcher.start_sidecar(r, *extra)
         if wait:
-            wait_http(r.url + "/v1/status", timeout=60, proc=r.sidecar_proc)
+            assert r.sidecar is not None
+            self.probe.wait_http(r.url + "/v1/status", r.sidecar, time.monotonic() + 60)
 
     def kill_sidecar(self, r: Replica) -> None:
-        if r.sidecar_proc is not None:
-            kill_group(r.sidecar_proc)
-            r.sidecar_proc = None
+        if r.sidecar is not None:
+            kill(r.sidecar)
+            r.sidecar = None
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         for r in self.replicas:
-            while True:
-                try:
-                    if httpx.get(r.url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+            while not self.probe.healthy(r.url):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{r.group} sidecar not ready within {timeout}s\n{self.logs([r])}")
                 time.sleep(0.1)
@@ -188,44 +132,36 @@ def local_fleet(
     store = LocalStore(work / "store")
     formats = list(dict.fromkeys(f for _, f in groups))
     publish_checkpoint(store, run_id, initial_version, base_ckpt, formats, workers=0)
-    with contextlib.ExitStack() as stack:
-        replicas: list[Replica] = []
-        procs = []
-        for group, fmt in groups:
-            port = free_port()
-            log = work / f"engine-{group}.log"
-            model = store.version_dir(VersionRef(run_id, fmt, initial_version))
-            kv = "fp8_e4m3" if fmt == "fp8" else None
-            proc = stack.enter_context(
-                process(
-                    engine_argv(model, port, weight_version=initial_version, kv_cache_dtype=kv),
-                    log=log,
-                )
-            )
-            procs.append(proc)
-            replicas.append(
-                Replica(
-                    group=group,
-                    fmt=fmt,
+    launcher = Launcher(store.root, run_id, router_url=router_url, sidecar_env=env, engine_threads=1)
+    with launcher, Probe() as probe:
+        replicas = [
+            launcher.replica(
+                ReplicaSpec(
                     replica_id=f"{group}-0",
-                    engine_url=f"http://127.0.0.1:{port}",
-                    sidecar_port=free_port(),
-                    staging_dir=work / f"staging-{group}",
-                    sidecar_log=work / f"sidecar-{group}.log",
-                    engine_log=log,
-                    extra_flags=(*sidecar_flags, *(group_sidecar_flags or {}).get(group, ())),
-                )
+                    group=group,
+                    weight_format=fmt,
+                    kv_cache_dtype="fp8_e4m3" if fmt == "fp8" else "auto",
+                    sidecar_flags=(
+                        *SIDECAR_FLAGS,
+                        *sidecar_flags,
+                        *(group_sidecar_flags or {}).get(group, ()),
+                    ),
+                ),
+                staging_dir=work / f"staging-{group}",
+                engine_log=work / f"engine-{group}.log",
+                sidecar_log=work / f"sidecar-{group}.log",
             )
-        fleet = LocalFleet(work, store, run_id, replicas, router_url, dict(env or {}), stack)
-        for r, proc in zip(replicas, procs, strict=True):
-            try:
-                wait_http(r.engine_url + "/health", timeout=180, proc=proc)
-            except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"engine {r.group} did not start: {exc}\n{fleet.logs([r])}") from None
-            check_own_engine(r.engine_url, Child(f"engine {r.group}", r.engine_log, proc))
-        for r in replicas:
-            fleet.start_sidecar(r, wait=False)
-        for r in replicas:
-            wait_http(r.url + "/v1/status", timeout=60, proc=r.sidecar_proc)
-        fleet.wait_ready()
+            for group, fmt in groups
+        ]
+        fleet = LocalFleet(work, store, run_id, replicas, router_url, launcher, probe, dict(env or {}))
+
+        def version_of(fmt: str) -> int:
+            return store.read_pointer(FormatRef(run_id, fmt)) or 0
+
+        supervisor = Supervisor(launcher, replicas, version_of, probe, ready_timeout_s=180)
+        supervisor.start()
+        try:
+            supervisor.wait_running(time.monotonic() + 300)
+        except Exception as exc:
+            raise RuntimeError(f"the fleet did not start: {exc}\n{fleet.logs()}") from None
         yield fleet

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from fleet import tcp
+from fleet import launch, tcp
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +50,7 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
 
 def mixfleet_argv(*args: str) -> list[str]:
     """argv that runs the ``mixfleet`` CLI from this checkout with the current interpreter."""
-    return [sys.executable, "-m", "mixfleet", *args]
+    return [*launch.mixfleet_command(), *args]
 
 
 @contextlib.contextmanager
