@@ -1,9 +1,12 @@
 """The router knows the latest published version from its first request (it reads the store's
 pointers when it starts, before serving) and follows pointers moved behind its back, without any
-weights call: a real router process, a real engine, a real LocalStore."""
+weights call: a real router process, a real engine, a real LocalStore. A router with a store
+stops its conversion workers when it is stopped, leaving no process and no semaphore behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -55,3 +58,52 @@ def test_latest_version_and_lag_are_known_at_startup(
             g = snap["groups"][0]
             assert g["ready_replicas"] == 0 and not g["replicas"][0]["in_rotation"], g
             assert g["replicas"][0]["active_version"] == 1
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """Live (not zombie) processes of process group ``pgid``: pid -> command line."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out[int(entry)] = cmdline
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("target", ["group", "router"])
+def test_stopping_the_router_stops_its_conversion_workers_cleanly(tmp_path: Path, target: str) -> None:
+    """SIGTERM to the router's process group (as ``mixfleet up`` stops it) or to the router
+    alone: it exits, no conversion worker outlives it, and its log has no leaked semaphore."""
+    preset = write_preset(
+        tmp_path / "p.toml", [{"name": "cpu-bf16", "weight_format": "bf16", "replicas": []}]
+    )
+    env = {"MIXFLEET_STORE": str(tmp_path / "store"), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "2"}
+    log = tmp_path / "router.log"
+    with router_process(preset, env=env, log=log) as router:
+        pgid = router.proc.pid
+        deadline = time.monotonic() + 60
+        while sum("spawn_main" in c for c in _group_members(pgid).values()) < 2:  # the pool's workers
+            assert router.proc.poll() is None and time.monotonic() < deadline, _group_members(pgid)
+            time.sleep(0.2)
+        if target == "group":
+            os.killpg(pgid, signal.SIGTERM)
+        else:
+            os.kill(router.proc.pid, signal.SIGTERM)
+        router.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any("spawn_main" in c for c in _group_members(pgid).values()):
+            assert time.monotonic() < deadline, f"workers outlived the router: {_group_members(pgid)}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the resource tracker reports leaks when the last process using it exits
+        text = log.read_text(errors="replace")
+        assert "leaked semaphore" not in text and "Traceback" not in text, text
