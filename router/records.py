@@ -138,8 +138,10 @@ class TurnData:
         return (min(versions), max(versions)) if versions else (None, None)
 
     def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
-        """The API's JSON turn object, with one record per output token (``input_ids`` last, when
-        ``with_input``). Non-finite log-probs (unknown values) are None: JSON has no NaN."""
+        """The turn's JSON object, the one JSON view of a turn (the turn answer without
+        ``input_ids``, trajectory reads and JSON batches with them, last): one record per output
+        token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
+        no NaN. The lists are fresh (not shared with the turn)."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
