@@ -141,7 +141,7 @@ class TurnData:
         """The turn's JSON object, the one JSON view of a turn (the turn answer without
         ``input_ids``, trajectory reads and JSON batches with them, last): one record per output
         token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
-        no NaN. The lists are fresh (not shared with the turn)."""
+        no NaN."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
