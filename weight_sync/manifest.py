@@ -34,6 +34,7 @@ from typing import Any
 
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest
 from weight_sync.errors import UserError
+from weight_sync.safetensors_io import SafetensorsError, read_header
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = 1
@@ -231,20 +232,12 @@ def list_files(directory: Path) -> list[str]:
 
 
 def count_tensors(path: Path) -> int:
-    """Number of tensors in a safetensors file (reads only its header)."""
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ChecksumError(path, "not a safetensors file (shorter than its 8-byte header length)")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, 100 << 20):
-            raise ChecksumError(path, f"not a safetensors file (header length {n}, file {size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ChecksumError(path, "safetensors header is not valid JSON") from None
-    return sum(1 for k in header if k != "__metadata__")
+    """Number of tensors in a safetensors file (reads only its header); ``ChecksumError`` naming
+    the file when it is not a well-formed safetensors file."""
+    try:
+        return len(read_header(path)[0])
+    except SafetensorsError as exc:
+        raise ChecksumError(path, str(exc).removeprefix(f"{path}: ")) from None
 
 
 def build_manifest(
