@@ -1,6 +1,6 @@
 """Two router processes share one Redis: a session opened on one continues on the other, the
-trainer takes it from either, and a sidecar heartbeat sent to one puts the replica in rotation
-on both."""
+trainer takes it from either, a sidecar heartbeat sent to one puts the replica in rotation on
+both, and a turn costs Redis one read before the engine call and one script after it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
@@ -16,14 +17,19 @@ SP = {"max_new_tokens": 3, "seed": 1}
 
 
 @pytest.fixture(scope="module")
-def two_routers(engine_url, tmp_path_factory):
+def shared_redis():
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def two_routers(engine_url, shared_redis, tmp_path_factory):
     d = tmp_path_factory.mktemp("shared")
     preset = write_preset(d / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}, {"name": "cpu-b"}])
     keys = {"k" * 32: ["rollout", "trainer", "admin"]}
     with (
-        redis_server() as url,
-        router_process(preset, state=url, keys=keys) as a,
-        router_process(preset, state=url, keys=keys) as b,
+        router_process(preset, state=shared_redis, keys=keys) as a,
+        router_process(preset, state=shared_redis, keys=keys) as b,
     ):
         yield a, b
 
@@ -65,3 +71,36 @@ def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) ->
             return
         time.sleep(0.2)
     raise AssertionError("router b never saw the heartbeat sent to router a")
+
+
+def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) -> None:
+    """Per turn: ``HMGET`` of the session before the engine call, one ``EVALSHA`` (the turn, the
+    route to the serving replica, the counters) after it. Redis counts the commands a script runs
+    as well, and the routers' background loops read heartbeats and versions, so the check covers
+    the commands that only a turn could send; a first turn has loaded the scripts."""
+    a, _b = two_routers
+    r = redis.Redis.from_url(shared_redis)
+    ca = httpx.Client(base_url=a.url, headers=a.headers, timeout=60)
+    warm = ca.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+    assert (
+        ca.post(f"/v1/sessions/{warm}/turns", json={"input_ids": [1], "sampling_params": SP}).status_code
+        == 200
+    )
+    sid = ca.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+    per_turn = ("hmget", "evalsha", "eval", "evalsha_ro", "multi", "exec", "lrange", "set", "script")
+
+    def calls() -> dict[str, int]:
+        stats = r.info("commandstats")
+        return {name: stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in per_turn}
+
+    before = calls()
+    for i in range(5):  # the first turn sets the session's replica affinity too
+        t = ca.post(
+            f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2, i], "sampling_params": SP, "turn": i}
+        )
+        assert t.status_code == 200 and t.json()["turn"] == i, t.text
+    after = calls()
+    delta = {name: after[name] - before[name] for name in per_turn}
+    assert delta == {**dict.fromkeys(per_turn, 0), "hmget": 5, "evalsha": 5}, delta
+    info = r.hmget(f"mf:s:{sid}", "group", "replica", "n_turns")
+    assert info[0] == b"cpu-a" and info[1] and info[2] == b"5"
