@@ -1,0 +1,91 @@
+"""The sidecar as its replica's HTTP front, through the engine client: the real ``mixfleet
+sidecar`` process before a real local engine proxies ``/generate`` (whole and streamed) and the
+info routes unchanged, answers health and both metric sets, and refuses the engine's control
+routes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.engines import engine_process
+from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+
+PROMPT = [256, 72, 101, 108, 108, 111, 33, 10]
+BODY = {
+    "input_ids": PROMPT,
+    "sampling_params": {
+        "temperature": 0.9,
+        "top_k": 8,
+        "max_new_tokens": 5,
+        "ignore_eos": True,
+        "sampling_seed": 3,
+    },
+    "return_logprob": True,
+    "return_sampling_mask": True,
+}
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(engine URL, sidecar URL) of one replica on an empty store (ready at the engine's version)."""
+    work = tmp_path_factory.mktemp("sidecar-proxy")
+    (work / "store").mkdir()
+    port = free_port()
+    with engine_process(tiny_dir, weight_version=2) as engine:
+        argv = mixfleet_argv(
+            "sidecar", "--engine", engine, "--group", "g", "--format", "bf16", "--store", str(work / "store"),
+            "--run", "run", "--port", str(port), "--replica-id", "g-0", "--staging-dir", str(work / "st"),
+        )  # fmt: skip
+        with process(argv, log=work / "sidecar.log") as proc:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(f"{url}/health", timeout=60, proc=proc)
+            yield engine, url
+
+
+def test_generate_is_proxied_unchanged_whole_and_streamed(replica: tuple[str, str]) -> None:
+    engine, sidecar = replica
+    with httpx.Client(timeout=120.0, trust_env=False) as c:
+        direct = c.post(engine + "/generate", json=BODY)
+        proxied = c.post(sidecar + "/generate", json=BODY)
+        assert proxied.status_code == direct.status_code == 200
+        assert proxied.headers["content-type"] == direct.headers["content-type"]
+        strip = {"e2e_latency", "id"}
+        a, b = direct.json(), proxied.json()
+        assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 5
+        assert {k: v for k, v in a["meta_info"].items() if k not in strip} == {
+            k: v for k, v in b["meta_info"].items() if k not in strip
+        }
+        events = []
+        with c.stream("POST", sidecar + "/generate", json={**BODY, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["output_ids"] == a["output_ids"]
+        bad_body = {**BODY, "sampling_params": {"temperature": -1}}
+        bad, direct_bad = (
+            c.post(sidecar + "/generate", json=bad_body),
+            c.post(engine + "/generate", json=bad_body),
+        )
+        assert bad.status_code == direct_bad.status_code == 400 and bad.content == direct_bad.content
+        assert c.get(sidecar + "/v1/status").json()["in_flight"] == 0
+
+
+def test_info_health_metrics_and_control_routes(replica: tuple[str, str]) -> None:
+    engine, sidecar = replica
+    with httpx.Client(timeout=30.0, trust_env=False) as c:
+        assert c.get(sidecar + "/model_info").json() == c.get(engine + "/model_info").json()
+        assert c.get(sidecar + "/get_model_info?x=1").json() == c.get(engine + "/get_model_info").json()
+        assert c.get(sidecar + "/server_info").json()["weight_version"] == "2"
+        health = c.get(sidecar + "/health")
+        assert health.status_code == 200 and health.json()["active_version"] == 2
+        metrics = c.get(sidecar + "/metrics").text
+        assert "mixfleet_replica_active_version" in metrics and "sglang:num_running_reqs" in metrics
+        refused = c.post(sidecar + "/pause_generation", json={"mode": "in_place"})
+        assert refused.status_code == 403 and "only its sidecar" in refused.json()["error"]["message"]
+        status = c.get(sidecar + "/v1/status").json()
+        assert status["engine_url"] == engine and status["ready"] and status["engine_ok"]
