@@ -1,4 +1,5 @@
-"""The compact behavior-record encoding: exact round trips, documented byte layout, bad input."""
+"""Behavior records: the engine-answer parser (reads, upstream SGLang shapes, refusals naming the field),
+the compact encoding (exact round trips, documented byte layout, coders, bad input)."""
 
 from __future__ import annotations
 
