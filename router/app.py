@@ -205,6 +205,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
     for r in (
         routes_sessions.router,
         routes_trainer.router,
+        routes_trainer.score_router,
         routes_fleet.router,
         routes_sglang.router,
         *extra_routers,

@@ -80,14 +80,10 @@ def build_config(args: argparse.Namespace):
 
 
 def _extra_routers() -> list:
-    """Routers of optional modules that are present (the weight-sync admin routes)."""
-    try:
-        from router import weights
-    except Exception as exc:  # an optional module must not keep the router from starting
-        logging.getLogger("mixfleet.router").warning("weights routes not loaded: %s", exc)
-        return []
-    factory = getattr(weights, "create_weights_router", None)
-    return [factory()] if callable(factory) else []
+    """The weight-sync admin routes (store and run from ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``)."""
+    from router.routes_weights import create_weights_router
+
+    return [create_weights_router()]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
 
 
 ERROR_DESCRIPTIONS: dict[int, str] = {
-    400: "Bad request",
+    400: "Bad request: a body that cannot be decoded, or a value the route refuses",
     401: "Missing or invalid API key",
     403: "The API key lacks the scope this route needs",
     404: "Unknown resource",
@@ -52,3 +52,6 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 AUTH = (401, 403)
+"""The refusals of every route behind an API key."""
+BODY = (400, 413, 422)
+"""The refusals of every route that reads a JSON body (undecodable, too large, invalid)."""

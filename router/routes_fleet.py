@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from router.auth import require
 from router.context import RouterContext
-from router.errors import AUTH, ApiError, error_responses
+from router.errors import AUTH, BODY, ApiError, error_responses
 from router.schemas import GroupsResponse, Heartbeat, HeartbeatAck, ReplicaRemoved
 
 router = APIRouter(tags=["fleet"], responses=error_responses(*AUTH))
@@ -33,7 +33,7 @@ async def groups(request: Request) -> dict[str, Any]:
     dependencies=[Depends(require("admin"))],
     response_model=HeartbeatAck,
     summary="A sidecar reports its replica (missing heartbeats take it out of rotation)",
-    responses=error_responses(413, 422),
+    responses=error_responses(*BODY),
 )
 async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
     ctx = _ctx(request)

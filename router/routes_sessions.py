@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from fleet.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
-from router.errors import AUTH, ApiError, error_responses
+from router.errors import AUTH, BODY, ApiError, error_responses
 from router.policy import assign_group
 from router.records import decode_turn
 from router.schemas import (
@@ -46,7 +46,7 @@ def _ctx(request: Request) -> RouterContext:
     "",
     response_model=SessionCreated,
     summary="Open a session",
-    responses=error_responses(413, 422, 503),
+    responses=error_responses(*BODY, 503),
 )
 async def create_session(
     request: Request, body: Annotated[CreateSession | None, Body()] = None
@@ -92,7 +92,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     "/{session_id}/turns",
     response_model=Turn,
     summary="Generate one turn (token-in-token-out)",
-    responses=error_responses(404, 409, 413, 422, 502, 503),
+    responses=error_responses(*BODY, 404, 409, 502, 503),
 )
 async def create_turn(request: Request, session_id: str, body: TurnRequest) -> Response:
     data = await record_turn(_ctx(request), session_id, body.spec())
@@ -103,7 +103,7 @@ async def create_turn(request: Request, session_id: str, body: TurnRequest) -> R
     "/{session_id}/finish",
     response_model=Finished,
     summary="Finish with a reward",
-    responses=error_responses(404, 409, 413, 422),
+    responses=error_responses(*BODY, 404, 409),
 )
 async def finish_session(request: Request, session_id: str, body: FinishRequest) -> dict[str, Any]:
     ctx = _ctx(request)

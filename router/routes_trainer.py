@@ -1,4 +1,5 @@
-"""Trainer-facing routes (scope ``trainer``): take a batch under a lease, acknowledge it.
+"""Trainer-facing routes: take a batch under a lease, acknowledge it (scope ``trainer``); score
+fixed sequences on the fleet (``POST /v1/score``, scope ``trainer`` or ``admin``).
 
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
 binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
@@ -8,15 +9,19 @@ a lease that is unknown (or already acknowledged) is a 404.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.jsonio import dumps
+from fleet.sglang_client import EngineError, EngineRejected, reported_version
 from router.auth import require
 from router.context import RouterContext
-from router.errors import AUTH, ApiError, error_responses
+from router.errors import AUTH, BODY, ApiError, error_responses
 from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_batch
 from router.schemas import AckResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
@@ -68,7 +73,7 @@ def _header(t: TakenTrajectory, trainer_version: int, headers: list[dict[str, An
     summary="Take up to `size` finished trajectories under a lease",
     responses={
         200: {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
-        **error_responses(413, 422),
+        **error_responses(*BODY),
     },
 )
 async def take(request: Request, body: TakeRequest) -> Response:
@@ -130,3 +135,72 @@ async def ack(request: Request, lease_id: str) -> dict[str, Any]:
 )
 async def stats(request: Request) -> dict[str, int]:
     return await _ctx(request).store.queue_stats()
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[list[int]] = Field(min_length=1, max_length=256)
+    logprob_start_len: int = Field(default=0, ge=0)
+    groups: list[str] | None = None
+
+
+score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH))
+
+
+@score_router.post(
+    "/v1/score",
+    dependencies=[Depends(require("trainer", "admin"))],
+    summary="Score fixed sequences on every ready replica of every (chosen) group",
+    responses=error_responses(*BODY, 502, 503),
+)
+async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+    """Every fresh replica of the chosen groups (default: all) scores every sequence (nothing is
+    generated); per replica the input-token log-probs from ``logprob_start_len`` on and the weight
+    version that scored them (None when the replicas' answers disagree or name none)."""
+    ctx = _ctx(request)
+    names = [g.name for g in ctx.config.fleet.groups]
+    chosen = body.groups or names
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise ApiError(400, f"groups: unknown group(s) {', '.join(unknown)}")
+    for i, seq in enumerate(body.input_ids):
+        if len(seq) <= body.logprob_start_len:
+            raise ApiError(
+                400,
+                f"input_ids[{i}]: {len(seq)} tokens, not more than "
+                f"logprob_start_len {body.logprob_start_len}",
+            )
+        if any(t < 0 for t in seq):
+            raise ApiError(400, f"input_ids[{i}]: token ids must be non-negative")
+    fmt = {g.name: g.weight_format for g in ctx.config.fleet.groups}
+    now = time.monotonic()
+    targets = [r for r in ctx.registry.replicas.values() if r.group in chosen and ctx.registry.fresh(r, now)]
+    if not targets:
+        raise ApiError(503, "no ready replica in the chosen groups")
+    answers = await asyncio.gather(
+        *(ctx.client(r.url).score(body.input_ids, body.logprob_start_len) for r in targets),
+        return_exceptions=True,
+    )
+    results = []
+    for r, ans in zip(targets, answers, strict=True):
+        if isinstance(ans, EngineRejected):  # a sequence the engine refuses is the caller's fault
+            raise ApiError(400 if ans.status == 400 else 502, f"replica {r.replica_id}: {ans.message}")
+        if isinstance(ans, EngineError):
+            raise ApiError(502, f"replica {r.replica_id} did not answer: {ans.message}")
+        if isinstance(ans, BaseException):
+            raise ans
+        versions = {reported_version(meta) for meta in ans}
+        results.append(
+            {
+                "group": r.group,
+                "format": fmt.get(r.group),
+                "replica": r.replica_id,
+                "weight_version": versions.pop() if len(versions) == 1 else None,
+                "logprobs": [
+                    [float(x[0]) if x[0] is not None else None for x in meta.get("input_token_logprobs", [])]
+                    for meta in ans
+                ],
+            }
+        )
+    return {"results": results}

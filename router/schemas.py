@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
 TOKEN_MAX = 2**31 - 1
 TokenId = int
@@ -70,6 +70,10 @@ class SGLangErrorBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     error: SGLangErrorMessage
+
+
+class GenerateRefusal(RootModel[SGLangErrorBody | ErrorBody]):
+    """A 400 of ``/generate``: the engine's refusal (passed through) or the router's."""
 
 
 class CreateSession(_Req):

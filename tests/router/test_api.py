@@ -48,6 +48,7 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     sid = _session(client, group="cpu-a", metadata={"task": "t1"})
     ctx = [5, 6, 7]
     outputs = []
+    answers = []
     for i in range(3):
         r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": ctx, "sampling_params": SP})
         assert r.status_code == 200, r.text
@@ -63,9 +64,12 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
         assert {"engine_ms", "router_ms"} <= set(turn["timings"])
         _check_records(turn)
         outputs.append(turn["output_ids"])
+        answers.append(turn)
         ctx = ctx + turn["output_ids"] + [9]
     traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert [t["output_ids"] for t in traj["turns"]] == outputs
+    # each turn's answer is what was stored: its trajectory entry without the input ids
+    assert [{k: v for k, v in t.items() if k != "input_ids"} for t in traj["turns"]] == answers
     assert traj["turns"][1]["input_ids"] == [5, 6, 7] + outputs[0] + [9]
     r = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.75, "metadata": {"ok": 1}})
     assert r.json() == {"session_id": sid, "status": "finished", "turns": 3}
@@ -172,6 +176,9 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
     assert r.status_code == 422 and "malformed JSON" in r.json()["detail"]
     r = client.post("/generate", json={"input_ids": [], "sampling_params": {}})
     assert r.status_code == 422 and "input_ids" in r.json()["detail"]
+    for path in ("/v1/sessions", "/generate"):  # a body that is not UTF-8: 400, the one error shape
+        r = client.post(path, content=b"\x94\xd4", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and isinstance(r.json()["detail"], str)
 
 
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
@@ -299,3 +306,77 @@ def test_version_constraints_that_no_replica_meets_get_503_naming_the_version(cl
     )
     assert ok.status_code == 200 and ok.json()["records"][0]["weight_version"] == 0
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # the refused turn left no trace
+
+
+def test_an_empty_take_has_no_lease(client: httpx.Client) -> None:
+    while True:  # drain what earlier tests left
+        batch = client.post("/v1/batches/take", json={"size": 4096, "trainer_version": 0}).json()
+        if not batch["trajectories"]:
+            break
+        assert client.post(f"/v1/batches/{batch['lease_id']}/ack").status_code == 200
+    assert batch == {"lease_id": None, "trajectories": [], "held_back": batch["held_back"]}
+    binary = client.post("/v1/batches/take", json={"size": 8}, headers={"Accept": MEDIA_TYPE})
+    assert decode_batch(binary.content)["lease_id"] is None
+    assert client.get("/v1/batches/stats").json()["leases"] == 0  # nothing to acknowledge
+    r = client.post("/v1/batches/nolease/ack")
+    assert r.status_code == 404 and "nolease" in r.json()["detail"]
+    spec = client.get("/openapi.json").json()
+    lease = spec["components"]["schemas"]["TakeResponse"]["properties"]["lease_id"]
+    assert {"type": "null"} in lease["anyOf"] and "null" in lease["description"]
+
+
+def _sessions_created(client: httpx.Client, group: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'mixfleet_router_sessions_created_total{{group="{group}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_sessions_created_is_a_counter(client: httpx.Client) -> None:
+    before = _sessions_created(client, "cpu-a")
+    for _ in range(3):
+        _session(client, group="cpu-a")
+    assert _sessions_created(client, "cpu-a") == before + 3
+    text = client.get("/metrics").text
+    assert "# TYPE mixfleet_router_sessions_created_total counter" in text
+    assert not [line for line in text.splitlines() if "_created{" in line or "_created " in line]
+
+
+def test_health_answers_its_documented_json(client: httpx.Client) -> None:
+    r = client.get("/health")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"status": "ok"}
+    spec = client.get("/openapi.json").json()
+    ok = spec["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    assert ok == {"application/json": {"schema": {"$ref": "#/components/schemas/Health"}}}
+
+
+def test_every_refusal_is_documented_with_the_one_error_schema(client: httpx.Client) -> None:
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
+    assert set(schemas["ErrorBody"]["required"]) == {"detail"}
+    seen = set()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for status, response in op["responses"].items():
+                if not status.startswith("4"):
+                    continue
+                seen.add(status)
+                ref = response["content"]["application/json"]["schema"]["$ref"]
+                expected = "GenerateRefusal" if (path, status) == ("/generate", "400") else "ErrorBody"
+                assert ref == f"#/components/schemas/{expected}", (method, path, status)
+            if op.get("security"):  # every route behind a key documents both auth refusals
+                assert {"401", "403"} <= set(op["responses"]), (method, path)
+    assert {"400", "401", "403", "404", "409", "413", "422"} <= seen
+    turn = spec["paths"]["/v1/sessions/{session_id}/turns"]["post"]["responses"]
+    assert {"401", "403", "404", "409", "413", "422", "503"} <= set(turn)
+    # a 422 as documented: detail names the field, errors lists each problem
+    sid = _session(client, group="cpu-a")
+    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [], "sampling_params": {"top_p": 0}})
+    body = r.json()
+    assert r.status_code == 422 and isinstance(body["detail"], str) and len(body["errors"]) == 2
+    assert {tuple(e["loc"]) for e in body["errors"]} == {
+        ("body", "input_ids"),
+        ("body", "sampling_params", "top_p"),
+    }
