@@ -23,12 +23,15 @@ PROMPT = [256, 72, 101, 108, 108, 111, 33, 10]
 
 class Server:
     """A loopback HTTP/1.1 server answering every request with ``answer(n)`` (raw bytes; ``n``
-    counts requests), optionally closing the connection afterwards or sleeping first (``delay``:
+    counts answered requests), optionally closing the connection afterwards, or closing it without
+    an answer when a second request arrives on it (``drop_reused``), or sleeping first (``delay``:
     seconds, or a function of ``n``). Records request heads and bodies."""
 
-    def __init__(self, answer, *, close_after: bool = False, delay=0.0) -> None:
+    def __init__(self, answer, *, close_after: bool = False, drop_reused: bool = False, delay=0.0) -> None:
         self.answer = answer
         self.close_after = close_after
+        self.drop_reused = drop_reused
+        self.dropped = 0
         self.delay = delay
         self.connections = 0
         self.requests = 0
@@ -56,6 +59,7 @@ class Server:
         self.open_now += 1
         self.max_open = max(self.max_open, self.open_now)
         try:
+            served = 0
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = 0
@@ -64,6 +68,10 @@ class Server:
                         length = int(line.split(b":")[1])
                 self.heads.append(head)
                 self.bodies.append(await reader.readexactly(length))
+                if self.drop_reused and served:
+                    self.dropped += 1
+                    break  # a keep-alive close racing the request: no byte of an answer
+                served += 1
                 self.requests += 1
                 delay = self.delay(self.requests) if callable(self.delay) else self.delay
                 if delay:
@@ -229,6 +237,22 @@ def test_a_connection_the_server_dropped_is_retried_on_a_fresh_one() -> None:
 
             await with_client(srv.url, calls)
         assert srv.requests == 3 and srv.connections == 3
+
+    asyncio.run(main())
+
+
+def test_a_request_the_server_closed_under_without_answering_is_resent_once() -> None:
+    async def main() -> None:
+        # every reused connection is closed when the next request arrives on it, before any byte
+        # of an answer: each such request must be resent once on a fresh connection
+        async with Server(lambda n: ok(b"%d" % n), drop_reused=True) as srv:
+
+            async def calls(c: SGLangClient) -> list[bytes]:
+                return [(await c.post_generate(b'{"i":%d}' % i)).content for i in range(3)]
+
+            assert await with_client(srv.url, calls) == [b"1", b"2", b"3"]
+        assert srv.dropped == 2 and srv.connections == 3
+        assert srv.bodies == [b'{"i":0}', b'{"i":1}', b'{"i":1}', b'{"i":2}', b'{"i":2}']
 
     asyncio.run(main())
 
