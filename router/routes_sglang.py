@@ -20,9 +20,9 @@ from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse
 from router.auth import require
 from router.context import RouterContext
 from router.dispatch import check_vocab, with_failover
-from router.errors import AUTH, ApiError, error_responses, unavailable
+from router.errors import AUTH, BODY, ApiError, error_responses, unavailable
 from router.policy import assign_group
-from router.schemas import GenerateRequest, Health, SGLangErrorBody
+from router.schemas import GenerateRefusal, GenerateRequest, Health
 
 router = APIRouter(tags=["sglang"])
 KEY_HEADERS = ("x-session-id", "x-smg-routing-key", "modal-session-id")
@@ -50,11 +50,11 @@ def routing_key(request: Request) -> str | None:
             "description": "The engine's answer, passed through (JSON; server-sent events when streaming)",
             "content": {"application/json": {}, "text/event-stream": {}},
         },
+        **error_responses(*AUTH, *BODY, 503),
         400: {
-            "model": SGLangErrorBody,
-            "description": "The engine refused the request (its body, unchanged)",
+            "model": GenerateRefusal,
+            "description": "An undecodable body, or the engine refused the request (its body, unchanged)",
         },
-        **error_responses(*AUTH, 413, 422, 503),
     },
 )
 async def generate(request: Request, body: GenerateRequest) -> Response:
