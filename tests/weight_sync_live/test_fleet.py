@@ -4,9 +4,9 @@ engine process behind its sidecar, all real processes over HTTP, on one LocalSto
 The tests run in order on one fleet; each starts from "every replica serves the latest version"
 and leaves the fleet there. Covered: the replica front (blocked control routes, 409 version
 constraints), CLI publish/status through the router, a turn across an activation (two spans,
-tokens tagged), in-flight requests during activation, ``mixfleet weights verify``, and the
-faults: a corrupted shard, an engine refusing a wrong architecture (routed around past
-``max_version_lag``), a sidecar killed mid-stage and restarted.
+tokens tagged), in-flight requests during activation, fixed-prefix scoring (``/v1/score``),
+``mixfleet weights verify``, and the faults: a corrupted shard, an engine refusing a wrong
+architecture (routed around past ``max_version_lag``), a sidecar killed mid-stage and restarted.
 """
 
 from __future__ import annotations
@@ -345,6 +345,35 @@ def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Pa
     # The swap happened mid-request somewhere: how far each group's requests got before its own
     # sidecar activated is a race (a group whose requests all finished first proves nothing).
     assert sum(crossed.values()) >= 1, crossed
+
+
+@pytest.mark.timeout(120)
+def test_score_answers_every_replica_with_its_version_and_refuses_bad_input(live: Live) -> None:
+    v = live.fleet.latest()
+    seqs = [HELLO, HELLO + [32, 119]]
+    results = live.post("/v1/score", {"input_ids": seqs, "logprob_start_len": 2})["results"]
+    assert sorted(r["group"] for r in results) == sorted(g for g, _ in LOCAL_GROUPS), results
+    formats = dict(LOCAL_GROUPS)
+    for r in results:
+        assert r["format"] == formats[r["group"]] and r["weight_version"] == v, r
+        assert [len(lp) for lp in r["logprobs"]] == [len(s) - 2 for s in seqs], r
+        assert all(x is not None and x <= 0 for lp in r["logprobs"] for x in lp), r
+        # the shared prefix scores alike in both sequences
+        assert r["logprobs"][1][: len(HELLO) - 2] == pytest.approx(r["logprobs"][0], abs=1e-4), r
+    one = LOCAL_GROUPS[0][0]
+    only = live.post("/v1/score", {"input_ids": [HELLO], "groups": [one]})["results"]
+    assert [r["group"] for r in only] == [one], only
+
+    def refused(body: dict, status: int, needle: str) -> None:
+        r = httpx.post(live.router.url + "/v1/score", headers=live.h, json=body, timeout=60)
+        assert r.status_code == status and needle in r.json()["detail"], r.text
+
+    refused({"input_ids": [HELLO], "groups": ["nope"]}, 400, "nope")
+    refused({"input_ids": [HELLO], "logprob_start_len": len(HELLO)}, 400, "input_ids[0]")
+    refused({"input_ids": [HELLO, [1, -3]]}, 400, "input_ids[1]")
+    refused({"input_ids": [[1, 10**9]]}, 400, "replica")  # the engines refuse an id past the vocabulary
+    r = httpx.post(live.router.url + "/v1/score", json={"input_ids": [HELLO]}, timeout=30)
+    assert r.status_code == 401, r.text
 
 
 @pytest.mark.timeout(300)
