@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.auth import require
 from router.context import RouterContext
-from router.errors import AUTH, ApiError, error_responses
+from router.errors import AUTH, BODY, ApiError, error_responses
 from router.publishing import (
     JobRunning,
     NoBf16Copy,
@@ -149,7 +149,7 @@ def create_weights_router(
     service = PublishService(Path(store_root) if store_root else None, run_id, workers)
     router = APIRouter(tags=["weights"], lifespan=_lifespan(service, pointer_poll_s))
     admin = [Depends(require("admin"))]
-    job_refusals = error_responses(*AUTH, 400, 409, 503)
+    job_refusals = error_responses(*AUTH, *BODY, 409, 503)
 
     @router.post("/v1/weights", status_code=202, dependencies=admin, responses=job_refusals)
     async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def create_weights_router(
             raise _refusal(exc) from None
         return job.view()
 
-    @router.get("/v1/weights/jobs/{job_id}", dependencies=admin, responses=error_responses(*AUTH, 404))
+    @router.get("/v1/weights/jobs/{job_id}", dependencies=admin, responses=error_responses(*AUTH, 404, 422))
     async def job_status(job_id: str) -> dict[str, Any]:
         """A weight job's state, events, result or error."""
         job = service.jobs.get(job_id)
