@@ -1,16 +1,18 @@
 """Two router processes share one Redis: a session opened on one continues on the other, the
 trainer takes it from either, a sidecar heartbeat sent to one puts the replica in rotation on
-both, and a turn costs Redis one read before the engine call and one script after it."""
+both, and a turn costs Redis one read before the engine call and one script after it. A router
+whose Redis is gone answers 503 (retryable) and serves again once Redis is back."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
 import pytest
 import redis
 
-from tests.support.procs import redis_server
+from tests.support.procs import free_port, redis_server
 from tests.support.router import router_process, write_preset
 
 SP = {"max_new_tokens": 3, "seed": 1}
@@ -104,3 +106,29 @@ def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) ->
     assert delta == {**dict.fromkeys(per_turn, 0), "hmget": 5, "evalsha": 5}, delta
     info = r.hmget(f"mf:s:{sid}", "group", "replica", "n_turns")
     assert info[0] == b"cpu-a" and info[1] and info[2] == b"5"
+
+
+@pytest.mark.slow
+def test_a_router_without_its_redis_answers_503_and_recovers(engine_url, tmp_path) -> None:
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        down = contextlib.ExitStack()
+        stack.callback(down.close)
+        url = down.enter_context(redis_server(port=port))
+        router = stack.enter_context(router_process(preset, state=url))
+        c = httpx.Client(base_url=router.url, headers=router.headers, timeout=120)
+        assert c.post("/v1/sessions", json={}).status_code == 200
+        down.close()  # Redis stops; the router stays up
+        assert httpx.get(f"{router.url}/healthz", timeout=30).json()["state"] is False
+        r = c.post("/v1/sessions", json={})
+        assert r.status_code == 503 and "state store unavailable" in r.json()["detail"], r.text
+        assert "Retry-After" in r.headers
+        stack.enter_context(redis_server(port=port))
+        deadline = time.monotonic() + 60  # the replica poll that stalled on the store runs again
+        while (again := c.post("/v1/sessions", json={})).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert again.status_code == 200, again.text
+        sid = again.json()["session_id"]
+        t = c.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2], "sampling_params": SP})
+        assert t.status_code == 200 and t.json()["turn"] == 0, t.text
