@@ -30,7 +30,8 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import AssignmentWindow, GroupLoad
 from router.registry import Registry
-from router.state.base import GroupCounters, StateError, StateStore, open_store
+from router.state import open_store
+from router.state.base import GroupCounters, StateError, StateStore
 
 log = logging.getLogger("mixfleet.router")
 
