@@ -4,8 +4,9 @@ engine behind its sidecar (what ``mixfleet up`` runs, and the test fleet).
 Every process is a ``mixfleet`` subcommand run by this interpreter (:func:`mixfleet_command`), in
 its own session (a terminal's Ctrl-C reaches only the supervisor, which stops the rest), with
 stdout and stderr appended to its log file. On Linux each one is sent SIGKILL when the thread
-that started it ends, so a supervisor that is killed itself (SIGKILL, the OOM killer) leaves no
-process behind; elsewhere its children outlive it.
+that started it ends, and the processes it starts in turn (a router's conversion workers) are
+killed with it (:func:`guard_group`), so a supervisor that is killed itself (SIGKILL, the OOM
+killer) leaves no process behind; elsewhere its children outlive it.
 
 A :class:`Replica` is an engine on a fresh loopback port at every start, behind a sidecar on a
 fixed port (the URL the router knows it by). A :class:`Supervisor` brings replicas up and keeps
@@ -38,6 +39,8 @@ from weight_sync.types import VersionRef
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+GUARD_ENV = "MIXFLEET_GUARD_GROUP"
+_guard_fds: list[int] = []
 
 
 class ChildFailed(UserError):
@@ -52,6 +55,34 @@ class ChildFailed(UserError):
 def mixfleet_command() -> list[str]:
     """The argv prefix that runs the ``mixfleet`` command with this interpreter."""
     return [sys.executable, "-m", "mixfleet"]
+
+
+def guard_group() -> None:
+    """Make this process's group die with it, when :func:`spawn` started it (``GUARD_ENV`` set,
+    removed here so its own children do not inherit it) and it leads its own process group.
+
+    Call first thing, before any thread, socket or child exists: it forks a sentinel into the
+    group that ignores SIGINT and SIGTERM and blocks on a pipe whose only writer is this process;
+    once this process has exited, however it ended, the sentinel SIGKILLs the whole group (every
+    process started from here that did not leave it) and so itself. Processes started with
+    ``exec`` do not hold the pipe (its end is close-on-exec); a plain ``fork`` child would keep
+    the sentinel waiting until it exits too.
+    """
+    if os.environ.pop(GUARD_ENV, None) != "1" or not hasattr(os, "fork") or os.getpgrp() != os.getpid():
+        return
+    r, w = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.close(w)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while os.read(r, 1):
+                pass
+            os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(r)
+    _guard_fds.append(w)
 
 
 def _die_with(parent_pid: int) -> Callable[[], None]:
@@ -91,7 +122,7 @@ def spawn(name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None 
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), GUARD_ENV: "1"},
             start_new_session=True,
             preexec_fn=_die_with(os.getpid()),
         )

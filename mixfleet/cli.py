@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; the module's docstring's first line is the command's help. Heavy imports
-(torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A
+(torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A process that
+:mod:`fleet.launch` started takes the processes it starts with it when it ends
+(:func:`~fleet.launch.guard_group`). A
 :class:`~weight_sync.errors.UserError` from a command becomes one line on stderr and exit status 2.
 """
 
@@ -15,6 +17,7 @@ from types import ModuleType
 from fleet import sidecar_cli, up, weights_cli
 from fleet.engine import init_model
 from fleet.engine import server as engine_server
+from fleet.launch import guard_group
 from router import cli as router_cli
 from weight_sync import convert_cli
 from weight_sync.errors import UserError
@@ -42,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    guard_group()
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)

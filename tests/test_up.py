@@ -1,5 +1,7 @@
-"""``mixfleet up`` end to end: a fresh data dir becomes a serving fleet, a published version
-reaches every group, and Ctrl-C stops every process it started."""
+"""``mixfleet up`` end to end: a fresh data dir becomes a serving fleet whose banner commands work
+when pasted, a published version reaches every group, Ctrl-C stops every process it started; a
+killed engine is restarted while sessions fail over without losing a token; SIGTERM during
+start-up stops everything; and when ``up`` itself is killed, its processes exit too."""
 
 from __future__ import annotations
 
@@ -8,12 +10,17 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from fleet.tcp import port_is_free
 from tests.support.procs import free_port, kill_group, mixfleet_argv
 
 
@@ -37,22 +44,109 @@ def _alive(port: int) -> bool:
         return False
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without MIXFLEET_* and without the venv on PATH (as after the README's
+    install, which does not activate it)."""
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXFLEET_")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin)
+    return env
+
+
+@contextmanager
+def _up(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, Path, int]]:
+    """``mixfleet up`` (tiny base policy) on a free port; yields (process, its output file, port)."""
+    port, out = free_port(), tmp_path / "up.log"
+    argv = mixfleet_argv(
+        "up", "--model-preset", "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")
+    )
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(
+            [*argv, *extra], stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
+        )
+    try:
+        yield proc, out, port
+    finally:
+        kill_group(proc)
+
+
+def _started(out: Path) -> dict[str, int]:
+    """Each process ``up`` reported starting: name -> pid (the latest start of each name)."""
+    text = out.read_text(errors="replace")
+    return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) .*?\(pid (\d+),", text)}
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (reaped by whoever adopts it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s")
+        time.sleep(0.1)
+
+
+def _pasteable(banner: str) -> list[str]:
+    """The shell lines the banner offers between "Try" and "OpenAPI"."""
+    block = banner.split("Try (in another shell):\n", 1)[1].split("\nOpenAPI:", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
 @pytest.mark.slow
 def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
-    port, data, out = free_port(), tmp_path / "data", tmp_path / "up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXFLEET_")}
-    argv = mixfleet_argv("up", "--model-preset", "tiny", "--port", str(port), "--data-dir", str(data))
-    with open(out, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
+    data = tmp_path / "data"
+    with _up(tmp_path) as (proc, out, port):
         _wait_for_line(out, r"^mixfleet is up: (http://\S+)", proc, timeout=300)
         key = _wait_for_line(out, r"^  (mf-\S+)$", proc, timeout=5).group(1)
         assert (data / "api_key").read_text().strip() == key
+        banner = _wait_for_line(out, r"^Ctrl-C stops everything\.$", proc, timeout=5).string
         url = f"http://127.0.0.1:{port}"
         auth = {"Authorization": f"Bearer {key}"}
         assert httpx.get(url + "/v1/groups").status_code == 401
 
-        groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
+        # The banner's commands, pasted into a shell elsewhere (no MIXFLEET_*, no venv on PATH).
+        set_key, curl, publish = _pasteable(banner)
+        shell = tmp_path / "elsewhere"
+        shell.mkdir()
+
+        def paste(*lines: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                ["bash", "-c", "set -e\n" + "\n".join(lines)],
+                cwd=shell,
+                env=_clean_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        got = paste(set_key, curl)
+        assert got.returncode == 0, got.stderr
+        groups = json.loads(got.stdout)["groups"]
         assert {g["name"]: g["active_version"] for g in groups} == {
             "cpu-bf16": 0, "cpu-fp8": 0, "cpu-nvfp4": 0,
         }  # fmt: skip
@@ -69,13 +163,7 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
         assert all(r["weight_version"] == 0 for r in turn["records"])
 
         # The README's promise: with `up` running, publishing the base as version 1 just works.
-        pub = subprocess.run(
-            mixfleet_argv("weights", "publish", "--version", "1", str(data / "base"), "--json"),
-            env={**env, "MIXFLEET_URL": url, "MIXFLEET_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        pub = paste(set_key, publish + " --json")
         assert pub.returncode == 0, pub.stderr
         assert json.loads(pub.stdout)["result"]["version"] == 1
         groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
@@ -86,8 +174,6 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
         assert proc.wait(timeout=60) == 0
         assert "stopped" in out.read_text()
         assert not _alive(port) and not any(_alive(p) for p in replica_ports)
-    finally:
-        kill_group(proc)
 
 
 def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
@@ -132,3 +218,118 @@ def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -
         refused = pytest.raises(ChildFailed, match=f"served by process {engine.pid}, not by this engine")
         with process(["sleep", "60"]) as other, refused:  # as if this one had failed to bind the port
             probe.check_own_engine(url, Child("engine-b", tmp_path / "b.log", other))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_takes_its_children(
+    tmp_path: Path,
+) -> None:
+    sessions, turns_each = 6, 5
+    with _up(tmp_path) as (proc, out, port):
+        _wait_for_line(out, r"^Ctrl-C stops everything\.$", proc, timeout=300)
+        key = (tmp_path / "data" / "api_key").read_text().strip()
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+        served: dict[str, list[dict]] = {}
+        errors: list[str] = []
+        first_bf16 = threading.Event()
+
+        def agent(n: int) -> None:
+            with httpx.Client(base_url=url, headers=auth, timeout=120) as http:
+                sid = http.post("/v1/sessions", json={"metadata": {"n": n}}).json()["session_id"]
+                served[sid] = []
+                context = [1, 2 + n, 3]
+                for t in range(turns_each):
+                    body = {
+                        "input_ids": context,
+                        "sampling_params": {"max_new_tokens": 12, "top_p": 0.9},
+                        "turn": t,
+                    }
+                    deadline = time.monotonic() + 120
+                    while (r := http.post(f"/v1/sessions/{sid}/turns", json=body)).status_code == 503:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.5)  # no group could serve right now: the turn was not recorded
+                    if r.status_code != 200:
+                        errors.append(f"session {n} turn {t}: {r.status_code} {r.text}")
+                        return
+                    turn = r.json()
+                    served[sid].append(turn)
+                    if turn["group"] == "cpu-bf16":
+                        first_bf16.set()
+                    context = [*context, *turn["output_ids"], 4]
+                assert http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+
+        agents = [threading.Thread(target=agent, args=(n,)) for n in range(sessions)]
+        for a in agents:
+            a.start()
+        assert first_bf16.wait(120), "no turn was served by cpu-bf16"
+        os.kill(_started(out)["engine-cpu-bf16-0"], signal.SIGKILL)
+        for a in agents:
+            a.join(timeout=300)
+        assert not errors, errors
+        assert proc.poll() is None, "mixfleet up stopped"
+
+        # Every token once: each turn's records match its output ids, turn indices are contiguous.
+        assert len(served) == sessions and all(len(ts) == turns_each for ts in served.values())
+        for ts in served.values():
+            assert [t["turn"] for t in ts] == list(range(turns_each))
+            for t in ts:
+                assert [rec["token_id"] for rec in t["records"]] == t["output_ids"] and t["output_ids"]
+        assert any(t["moved_from"] == "cpu-bf16" for ts in served.values() for t in ts), "no failover seen"
+
+        # Every trajectory reaches the trainer, exactly as the agents saw it.
+        taken: dict[str, dict] = {}
+        deadline = time.monotonic() + 60
+        while len(taken) < sessions and time.monotonic() < deadline:
+            batch = httpx.post(
+                url + "/v1/batches/take", json={"size": sessions, "wait_s": 2}, headers=auth
+            ).json()
+            for traj in batch["trajectories"]:
+                assert traj["session_id"] not in taken
+                taken[traj["session_id"]] = traj
+            if batch["lease_id"] is not None:
+                ack = httpx.post(url + f"/v1/batches/{batch['lease_id']}/ack", headers=auth).json()
+                assert ack["acked"] == len(batch["trajectories"])
+        assert set(taken) == set(served)
+        for sid, traj in taken.items():
+            assert [(t["turn"], t["output_ids"]) for t in traj["turns"]] == [
+                (t["turn"], t["output_ids"]) for t in served[sid]
+            ]
+
+        # The group is back in rotation, and its new sidecar counts the restart.
+        _wait_for_line(out, r"replica cpu-bf16-0 is serving again \(restarts: 1\)", proc, timeout=180)
+
+        def bf16_ready() -> bool:
+            groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
+            return next(g for g in groups if g["name"] == "cpu-bf16")["ready_replicas"] >= 1
+
+        _wait_until(bf16_ready, 60, "cpu-bf16 not back in rotation")
+        groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
+        replica_urls = [r["url"] for g in groups for r in g["replicas"]]
+        bf16_url = next(r["url"] for g in groups if g["name"] == "cpu-bf16" for r in g["replicas"])
+        metrics = httpx.get(bf16_url + "/metrics").text
+        assert 'mixfleet_replica_restarts_total{group="cpu-bf16",replica="cpu-bf16-0"} 1.0' in metrics
+
+        # SIGKILL of `mixfleet up` itself: its processes exit and free their ports.
+        children = _descendants(proc.pid)
+        assert set(_started(out).values()) <= children
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _wait_until(lambda: all(_gone(p) for p in children), 10, f"children of up still running: {children}")
+        ports = [port, *(int(u.rsplit(":", 1)[1]) for u in replica_urls)]
+        assert all(port_is_free("127.0.0.1", p) for p in ports), ports
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_during_start_up_stops_everything(tmp_path: Path) -> None:
+    with _up(tmp_path) as (proc, out, _port):
+        _wait_for_line(out, r"started engine-cpu-nvfp4-0 ", proc, timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0  # "within a few seconds": engines still loading are killed
+        text = out.read_text()
+        assert "mixfleet is up" not in text and "stopped" in text, text
+        started = _started(out)
+        assert {"router", "engine-cpu-bf16-0", "engine-cpu-fp8-0", "engine-cpu-nvfp4-0"} <= set(started)
+        assert all(_gone(p) for p in started.values()), started
