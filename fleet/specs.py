@@ -34,8 +34,14 @@ class GroupSpec(BaseModel):
     sessions_per_replica: int = Field(default=8, ge=1)
     min_replicas: int = Field(default=0, ge=0)
     max_replicas: int = Field(default=1, ge=1)
+    buffer_replicas: int = Field(default=0, ge=0, description="idle replicas kept beyond demand")
+    scaledown_window_s: int = Field(
+        default=300, ge=2, le=3600, description="seconds an idle replica waits before it is stopped"
+    )
     price_per_gpu_hour: float = Field(default=0.0, ge=0.0, description="USD per GPU-hour")
-    price_date: date | None = None
+    price_date: date | None = Field(default=None, description="date of the price table the price is from")
+    price_source: str | None = Field(default=None, description="where the price was read")
+    price_verified: bool = Field(default=False, description="the price agrees across independent sources")
     engine_args: tuple[str, ...] = ()
     replicas: tuple[str, ...] = Field(default=(), description="static replica URLs (engines run elsewhere)")
 
@@ -51,6 +57,10 @@ class GroupSpec(BaseModel):
     def _bounds(self) -> GroupSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        if self.buffer_replicas > self.max_replicas:
+            raise ValueError(f"buffer_replicas {self.buffer_replicas} > max_replicas {self.max_replicas}")
+        if self.price_verified and not (self.price_source and self.price_date):
+            raise ValueError("price_verified needs price_source and price_date")
         return self
 
     @property
@@ -68,6 +78,9 @@ class FleetSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
+    architecture: str = Field(
+        default="Qwen3MoeForCausalLM", min_length=1, description="the served model's HF architecture"
+    )
     groups: tuple[GroupSpec, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -93,7 +106,8 @@ class FleetSpec(BaseModel):
 def load_preset(name_or_path: str | Path) -> FleetSpec:
     """Load a built-in preset by name or a TOML file by path.
 
-    Raises :class:`UserError` naming the file and the problem when it is missing or invalid.
+    Raises :class:`UserError` naming the file and the problem when it is missing or invalid: one
+    line per invalid field, each naming the file, the field and its group.
     """
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
@@ -109,6 +123,20 @@ def load_preset(name_or_path: str | Path) -> FleetSpec:
     try:
         return FleetSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{path}: {where}: {first['msg']}") from None
+        errors = exc.errors()
+        if any(len(e["loc"]) > 1 and e["loc"][0] == "groups" for e in errors):
+            # a tuple whose items failed also fails its length check: not a problem of its own
+            errors = [e for e in errors if not (e["loc"] == ("groups",) and e["type"] == "too_short")]
+        raise UserError("\n".join(_error_line(path, data, e) for e in errors)) from None
+
+
+def _error_line(path: Path, data: dict, error: dict) -> str:
+    """One line naming the file, the field (and the group by name, when it has one) and the problem."""
+    loc = error["loc"]
+    where = ".".join(str(p) for p in loc)
+    if len(loc) >= 2 and loc[0] == "groups" and isinstance(loc[1], int):
+        groups = data.get("groups")
+        group = groups[loc[1]] if isinstance(groups, list) and loc[1] < len(groups) else None
+        if isinstance(group, dict) and isinstance(group.get("name"), str):
+            where += f" (group {group['name']!r})"
+    return f"{path}: {where}: {error['msg']}"

@@ -1,0 +1,231 @@
+"""The production fleet on Modal: ``modal deploy deploy/modal_app.py`` (preset from ``MIXFLEET_PRESET``,
+default ``mixed``; run id from ``MIXFLEET_RUN``, default ``main``).
+
+Defines, from the :mod:`deploy.plan` of the preset (which refuses a bad preset before any object
+is created):
+
+- one GPU server per sampler group (``@app.server``): the group's GPU string and count, the image
+  of its accelerator family, proxy auth on, the sidecar on the public port, target and maximum
+  concurrency from ``sessions_per_replica``, min/max/buffer containers and the scale-down window
+  from the preset. Its ``@modal.enter`` starts the replica entrypoint (stage the current version
+  from the Volume to local disk, SGLang on a private port, the sidecar on the public one).
+- ``router``: the router as an ASGI app on several containers, state in Redis (URL from the
+  ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret.
+- ``publish``: a CPU function with the weights Volume mounted that converts a BF16 checkpoint once
+  per format and publishes it as a version.
+
+The servers' parameters are the keyword arguments in :data:`SERVER_OPTIONS` (what ``@app.server``
+received, for inspection: the client's ``Function.info()`` holds no autoscaler settings).
+Importing this module contacts nothing; the fleet spec travels to the containers in the
+``MIXFLEET_FLEET_JSON`` environment variable, so a container builds the same app without the file.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import modal
+
+from deploy import plan as deploy_plan
+from deploy.plan import (
+    APP_NAME,
+    DEFAULT_RUN,
+    ENGINE_PORT,
+    KEYS_SECRET,
+    REDIS_SECRET,
+    REDIS_URL_ENV,
+    REPLICA_KEY_ENV,
+    ROUTER_URL_ENV,
+    RUN_ENV,
+    SERVER_EXIT_GRACE_S,
+    SERVER_STARTUP_TIMEOUT_S,
+    STAGE_DIR,
+    VOLUME_MOUNT,
+    VOLUME_NAME,
+    ServerPlan,
+)
+from fleet.specs import FleetSpec, GroupSpec, load_preset
+from images.modal_images import cpu_image, sglang_image
+
+PRESET_ENV = "MIXFLEET_PRESET"
+FLEET_ENV = "MIXFLEET_FLEET_JSON"
+STORE_ENV = "MIXFLEET_STORE"
+ROUTER_FUNCTION = "router"
+
+
+def _fleet() -> FleetSpec:
+    """The fleet a container was deployed with, else the preset ``MIXFLEET_PRESET`` names."""
+    shipped = os.environ.get(FLEET_ENV)
+    if shipped:
+        return FleetSpec.model_validate_json(shipped)
+    return load_preset(os.environ.get(PRESET_ENV) or "mixed")
+
+
+PLAN = deploy_plan.build_plan(_fleet())
+RUN_ID = os.environ.get(RUN_ENV) or DEFAULT_RUN
+ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLUME_MOUNT}
+
+app = modal.App(APP_NAME)
+volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=2)
+redis_secret = modal.Secret.from_name(REDIS_SECRET, required_keys=[REDIS_URL_ENV])
+keys_secret = modal.Secret.from_name(KEYS_SECRET, required_keys=["MIXFLEET_API_KEYS", REPLICA_KEY_ENV])
+
+
+def _volume_store() -> Any:
+    """The version store on the mounted Volume.
+
+    INTEGRATION POINT: ``weight_sync.store.modal_volume`` (the Modal Volume store, written
+    beside ``local.py``) is expected to expose ``ModalVolumeStore(root, volume)``.
+    """
+    from weight_sync.store.modal_volume import ModalVolumeStore
+
+    return ModalVolumeStore(VOLUME_MOUNT, volume)
+
+
+def _router_url() -> str:
+    """The router's URL: ``MIXFLEET_ROUTER_URL`` when set, else the deployed router function's."""
+    url = os.environ.get(ROUTER_URL_ENV)
+    if url:
+        return url
+    found = modal.Function.from_name(APP_NAME, ROUTER_FUNCTION).get_web_url()
+    if not found:
+        raise RuntimeError(f"the {APP_NAME} app has no {ROUTER_FUNCTION} URL; set {ROUTER_URL_ENV}")
+    return found
+
+
+def _start_replica(group: GroupSpec, stop: threading.Event) -> None:
+    """Run one replica of ``group`` until ``stop`` is set (blocks while serving).
+
+    INTEGRATION POINT: ``fleet.replica.run_replica`` (the replica entrypoint, plain Python that
+    also runs outside Modal) stages the store's current version of ``group.weight_format`` into
+    ``stage_dir``, starts SGLang with ``sglang_argv(model_path, weight_version)`` on
+    ``engine_port``, waits for it, starts the sidecar on ``public_port``, reports to the router
+    and reconciles until ``stop`` is set. Imported here, in the container, so importing this
+    module works without it.
+    """
+    from fleet.replica import run_replica
+
+    def sglang_argv(model_path: str, weight_version: str | None) -> list[str]:
+        return deploy_plan.sglang_argv(group, model_path, weight_version)
+
+    run_replica(
+        group=group,
+        run_id=RUN_ID,
+        store=_volume_store(),
+        stage_dir=STAGE_DIR,
+        engine_port=ENGINE_PORT,
+        public_port=deploy_plan.PUBLIC_PORT,
+        sglang_argv=sglang_argv,
+        router_url=_router_url(),
+        replica_key=os.environ[REPLICA_KEY_ENV],
+        public_url=modal.Server.from_name(APP_NAME, group.name).get_url(),
+        stop=stop,
+    )
+
+
+def server_options(s: ServerPlan) -> dict[str, Any]:
+    """The keyword arguments ``@app.server`` receives for ``s``."""
+    a = s.autoscaling
+    return {
+        "name": s.name,
+        "image": sglang_image(s.family),
+        "gpu": s.gpu,
+        "port": s.port,
+        "unauthenticated": False,
+        "target_concurrency": a.target_concurrency,
+        "max_concurrency": a.max_concurrency,
+        "min_containers": a.min_containers,
+        "max_containers": a.max_containers,
+        "buffer_containers": a.buffer_containers,
+        "scaledown_window": a.scaledown_window,
+        "startup_timeout": SERVER_STARTUP_TIMEOUT_S,
+        "exit_grace_period": SERVER_EXIT_GRACE_S,
+        "volumes": {VOLUME_MOUNT: volume},
+        "secrets": [keys_secret],
+        "env": ENV,
+    }
+
+
+def _define_server(s: ServerPlan) -> modal.Server:
+    """Register ``s`` as a server whose class is a global of this module (Modal finds it by name)."""
+    group = s.group
+
+    def start(self) -> None:
+        self.stop_replica = threading.Event()
+        self.replica = threading.Thread(
+            target=_start_replica, args=(group, self.stop_replica), name=f"replica-{group.name}", daemon=True
+        )
+        self.replica.start()
+
+    def stop(self) -> None:
+        self.stop_replica.set()
+        self.replica.join(timeout=SERVER_EXIT_GRACE_S)
+
+    cls_name = "Server_" + s.name.replace("-", "_")
+    cls = type(
+        cls_name, (), {"__module__": __name__, "start": modal.enter()(start), "stop": modal.exit()(stop)}
+    )
+    server = app.server(**server_options(s))(cls)
+    globals()[cls_name] = server
+    return server
+
+
+SERVER_OPTIONS: dict[str, dict[str, Any]] = {s.name: server_options(s) for s in PLAN.servers}
+SERVERS: dict[str, modal.Server] = {s.name: _define_server(s) for s in PLAN.servers}
+
+
+@app.function(
+    name=ROUTER_FUNCTION,
+    image=cpu_image(),
+    cpu=PLAN.router.cpu,
+    memory=PLAN.router.memory_mib,
+    min_containers=PLAN.router.min_containers,
+    max_containers=PLAN.router.max_containers,
+    scaledown_window=PLAN.router.scaledown_window,
+    volumes={VOLUME_MOUNT: volume},
+    secrets=[redis_secret, keys_secret],
+    env=ENV,
+    timeout=24 * 3600,
+)
+@modal.concurrent(max_inputs=PLAN.router.max_concurrency, target_inputs=PLAN.router.target_concurrency)
+@modal.asgi_app()
+def router() -> Any:
+    """The router app over Redis state for this fleet, keys from ``MIXFLEET_API_KEYS``.
+
+    INTEGRATION POINT: the router's scale-out work may give the router one factory for this
+    (config from a fleet spec and a state URL); until then the config is built here with the
+    router's own ``RouterConfig`` (which refuses to start without keys).
+    """
+    from router.app import create_app
+    from router.auth import load_keys
+    from router.config import RouterConfig
+    from router.routes_weights import create_weights_router
+
+    config = RouterConfig(fleet=PLAN.fleet, state_url=os.environ[REDIS_URL_ENV], api_keys=load_keys())
+    return create_app(config, extra_routers=[create_weights_router(VOLUME_MOUNT, RUN_ID)])
+
+
+@app.function(
+    image=cpu_image(),
+    cpu=PLAN.convert.cpu,
+    memory=PLAN.convert.memory_mib,
+    ephemeral_disk=PLAN.convert.ephemeral_disk_mib,
+    timeout=PLAN.convert.timeout_s,
+    volumes={VOLUME_MOUNT: volume},
+    env=ENV,
+)
+def publish(checkpoint: str, version: int, delta_of: int | None = None) -> dict[str, Any]:
+    """Convert the BF16 checkpoint at ``checkpoint`` (a path on the Volume) once per format of the
+    fleet and publish it as ``version`` of the run; returns the publish result as JSON data."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from weight_sync.publish import publish_checkpoint
+
+    volume.reload()
+    result = publish_checkpoint(
+        _volume_store(), RUN_ID, version, Path(checkpoint), PLAN.fleet.formats, delta_of=delta_of
+    )
+    return asdict(result)

@@ -1,0 +1,249 @@
+"""What ``modal deploy deploy/modal_app.py`` creates for a preset, checked before anything is deployed.
+
+:func:`check` lists every problem of a fleet for Modal, one line each: errors (a GPU string Modal
+does not know, a CPU group, a count that disagrees with ``gpus_per_replica``, an mxfp4 group on an
+architecture SGLang's mxfp4 loader does not take, a KV dtype SGLang does not take) and warnings
+(an undocumented GPU string, an unverified price). :func:`build_plan` turns a fleet without errors
+into a :class:`DeployPlan` — one :class:`ServerPlan` per group with its GPU, image family, SGLang
+argv and autoscaling, plus the router and the weight-conversion function — and raises
+:class:`PresetRejected` carrying the problems otherwise. Pure: no modal import, nothing contacted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fleet.specs import FleetSpec, GroupSpec, load_preset
+from images import sglang
+from images.accelerators import Family, GpuError, gpu_string, parse_gpu
+from weight_sync.errors import UserError
+
+APP_NAME = "mixfleet"
+PUBLIC_PORT = 8000  # the sidecar: the port Modal's proxy forwards to
+ENGINE_PORT = 30000  # SGLang, reachable only inside the container
+VOLUME_NAME = "mixfleet-weights"
+VOLUME_MOUNT = "/weights"
+STAGE_DIR = "/root/mixfleet-stage"  # the replica's own disk: versions staged from the Volume
+REDIS_SECRET = "mixfleet-redis"  # MIXFLEET_REDIS_URL
+KEYS_SECRET = "mixfleet-api-keys"  # MIXFLEET_API_KEYS (router), MIXFLEET_REPLICA_KEY (sidecars)
+REDIS_URL_ENV = "MIXFLEET_REDIS_URL"
+REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
+ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
+RUN_ENV = "MIXFLEET_RUN"
+DEFAULT_RUN = "main"
+# A replica's start: stage a version from the Volume, load it into SGLang, capture CUDA graphs.
+SERVER_STARTUP_TIMEOUT_S = 1800
+SERVER_EXIT_GRACE_S = 120  # in-flight turns finish on scale-down (Modal allows up to 3600 for servers)
+# Requests a replica takes beyond its sessions: its sidecar's own control and status calls.
+CONTROL_HEADROOM = 8
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a preset for Modal; ``group`` is None for the fleet as a whole."""
+
+    level: Literal["error", "warning"]
+    message: str
+    group: str | None = None
+
+    def line(self) -> str:
+        where = f"group {self.group}: " if self.group else ""
+        return f"{self.level}: {where}{self.message}"
+
+
+class PresetRejected(UserError):
+    """The preset cannot be deployed; ``problems`` holds every error and warning found."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        errors = [p for p in problems if p.level == "error"]
+        super().__init__(f"{len(errors)} problem(s) in the preset:\n" + "\n".join(p.line() for p in problems))
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """Modal's autoscaler settings of one server (containers = replicas)."""
+
+    min_containers: int
+    max_containers: int
+    buffer_containers: int
+    scaledown_window: int
+    target_concurrency: int
+    max_concurrency: int
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One GPU server: a sampler group's replicas on Modal."""
+
+    group: GroupSpec
+    gpu: str
+    family: Family
+    sglang_argv: tuple[str, ...]
+    autoscaling: Autoscaling
+    port: int = PUBLIC_PORT
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """The router: an ASGI app on several CPU containers sharing Redis."""
+
+    min_containers: int = 2
+    max_containers: int = 8
+    target_concurrency: int = 500
+    max_concurrency: int = 1000
+    scaledown_window: int = 600
+    cpu: float = 4.0
+    memory_mib: int = 8192
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """The CPU function converting a BF16 checkpoint (35B parameters: ~70 GB) into every format."""
+
+    cpu: float = 32.0
+    memory_mib: int = 256 * 1024
+    ephemeral_disk_mib: int = 512 * 1024
+    timeout_s: int = 4 * 3600
+
+
+@dataclass(frozen=True)
+class DeployPlan:
+    fleet: FleetSpec
+    servers: tuple[ServerPlan, ...]
+    router: RouterPlan = field(default_factory=RouterPlan)
+    convert: ConvertPlan = field(default_factory=ConvertPlan)
+    warnings: tuple[Problem, ...] = ()
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        return tuple(dict.fromkeys(s.family for s in self.servers))
+
+
+def _check_group(g: GroupSpec, architecture: str) -> list[Problem]:
+    problems: list[Problem] = []
+
+    def add(level: Literal["error", "warning"], message: str) -> None:
+        problems.append(Problem(level, message, g.name))
+
+    if g.is_local:
+        add("error", "accelerator 'cpu' is a local group; a Modal server needs a GPU")
+    else:
+        try:
+            gpu = parse_gpu(g.accelerator)
+        except GpuError as exc:
+            add("error", str(exc))
+        else:
+            if not gpu.documented:
+                add(
+                    "warning",
+                    f"GPU {gpu.kind!r} is not in Modal's documented GPU list (used by Modal's Stitch)",
+                )
+            if gpu.count is not None and gpu.count != g.gpus_per_replica:
+                add(
+                    "error",
+                    f"accelerator {g.accelerator!r} names {gpu.count} GPU(s) but gpus_per_replica is "
+                    f"{g.gpus_per_replica}; give the count as gpus_per_replica only",
+                )
+    if g.weight_format == "mxfp4" and architecture not in sglang.MXFP4_ARCHITECTURES:
+        add(
+            "error",
+            f"weight_format mxfp4 needs an architecture SGLang {sglang.SGLANG_VERSION}'s mxfp4 loader takes "
+            f"({', '.join(sglang.MXFP4_ARCHITECTURES)}), not {architecture}",
+        )
+    if g.kv_cache_dtype not in sglang.KV_CACHE_DTYPES:
+        add("error", f"kv_cache_dtype {g.kv_cache_dtype!r} is not one SGLang {sglang.SGLANG_VERSION} takes")
+    if g.replicas:
+        add("error", "static replica URLs are for engines run elsewhere; a Modal group has none")
+    if g.price_per_gpu_hour > 0 and not g.price_verified:
+        add(
+            "warning",
+            f"price {g.price_per_gpu_hour} USD/GPU-hour is unverified ({g.price_source or 'no source'})",
+        )
+    return problems
+
+
+def check(fleet: FleetSpec) -> list[Problem]:
+    """Every problem of ``fleet`` for a Modal deployment, in group order (empty: deployable as is)."""
+    problems: list[Problem] = []
+    for g in fleet.groups:
+        problems += _check_group(g, fleet.architecture)
+    return problems
+
+
+def sglang_argv(g: GroupSpec, model_path: str, weight_version: str | None = None) -> list[str]:
+    """The SGLang command line of one of ``g``'s replicas serving ``model_path``."""
+    return sglang.server_argv(
+        model_path=model_path,
+        port=ENGINE_PORT,
+        weight_format=g.weight_format,
+        kv_cache_dtype=g.kv_cache_dtype,
+        tp_size=g.gpus_per_replica,
+        weight_version=weight_version,
+        engine_args=g.engine_args,
+    )
+
+
+def _server(g: GroupSpec) -> ServerPlan:
+    gpu = parse_gpu(g.accelerator)
+    autoscaling = Autoscaling(
+        min_containers=g.min_replicas,
+        max_containers=g.max_replicas,
+        buffer_containers=g.buffer_replicas,
+        scaledown_window=g.scaledown_window_s,
+        target_concurrency=g.sessions_per_replica,
+        max_concurrency=g.sessions_per_replica + CONTROL_HEADROOM,
+    )
+    return ServerPlan(
+        group=g,
+        gpu=gpu_string(gpu.kind, g.gpus_per_replica),
+        family=gpu.family,
+        sglang_argv=tuple(sglang_argv(g, f"{STAGE_DIR}/<run>/{g.weight_format}/v<N>", "<N>")),
+        autoscaling=autoscaling,
+    )
+
+
+def build_plan(fleet: FleetSpec) -> DeployPlan:
+    """The plan for ``fleet``; raises :class:`PresetRejected` if :func:`check` finds an error."""
+    problems = check(fleet)
+    if any(p.level == "error" for p in problems):
+        raise PresetRejected(problems)
+    return DeployPlan(fleet=fleet, servers=tuple(_server(g) for g in fleet.groups), warnings=tuple(problems))
+
+
+def load_plan(preset: str) -> DeployPlan:
+    """:func:`build_plan` of a built-in preset name or a TOML path (UserError for either failing)."""
+    return build_plan(load_preset(preset))
+
+
+def describe(plan: DeployPlan) -> str:
+    """The dry-run text: every server with GPU, format, KV dtype, SGLang argv and autoscaling."""
+    import shlex
+
+    lines = [
+        f"app {APP_NAME}: preset {plan.fleet.name} ({plan.fleet.architecture}), {len(plan.servers)} server(s)"
+    ]
+    for s in plan.servers:
+        a = s.autoscaling
+        lines += [
+            f"server {s.name}: gpu {s.gpu} ({s.family} image {sglang.IMAGE_TAG}), "
+            f"weights {s.group.weight_format}, kv {s.group.kv_cache_dtype}, port {s.port}, proxy auth on",
+            f"  autoscaling: min {a.min_containers}, max {a.max_containers}, buffer {a.buffer_containers}, "
+            f"scaledown {a.scaledown_window}s, target concurrency {a.target_concurrency}, "
+            f"max concurrency {a.max_concurrency}",
+            f"  sglang: {shlex.join(s.sglang_argv)}",
+        ]
+    r, c = plan.router, plan.convert
+    lines += [
+        f"router: asgi app, containers {r.min_containers}..{r.max_containers}, target concurrency "
+        f"{r.target_concurrency}, redis from secret {REDIS_SECRET}, keys from secret {KEYS_SECRET}",
+        f"convert: cpu {c.cpu:g}, memory {c.memory_mib} MiB, disk {c.ephemeral_disk_mib} MiB, "
+        f"timeout {c.timeout_s}s, volume {VOLUME_NAME} at {VOLUME_MOUNT}",
+    ]
+    lines += [p.line() for p in plan.warnings]
+    return "\n".join(lines)

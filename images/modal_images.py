@@ -1,0 +1,60 @@
+"""Modal images: one per accelerator family for the GPU servers, one for CPU work (router, conversion).
+
+Every image carries this project's packages copied in (so numba's on-disk cache, keyed by the
+source files, stays valid in every container) and its Python dependencies from ``pyproject.toml``
+(the one list), and has numba's kernel cache warmed at build time (``python -m images.warm``).
+The GPU images start from the pinned SGLang release image (:mod:`images.sglang`) and keep its CUDA
+build of torch; the CPU image installs torch's CPU wheel. Building an image object contacts
+nothing: Modal builds it at ``modal deploy``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import modal
+
+from images import sglang
+from images.accelerators import ARCH_LIST, Family
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mixfleet", "fleet", "router", "weight_sync", "images", "deploy", "trainer")
+NUMBA_CACHE_DIR = "/root/.cache/mixfleet-numba"
+CPU_PYTHON = "3.11"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def requirements(*, with_torch: bool) -> list[str]:
+    """The project's runtime dependencies as ``pyproject.toml`` lists them (torch left out on request:
+    the SGLang image's CUDA torch must stay)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [d for d in deps if with_torch or not d.replace(" ", "").startswith("torch")]
+
+
+def _with_project(image: modal.Image) -> modal.Image:
+    return (
+        image.env({"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR})
+        .add_local_python_source(*PACKAGES, copy=True)
+        .add_local_dir(ROOT / "fleet" / "presets", "/root/fleet/presets", copy=True)
+        .run_commands("cd /root && python3 -m images.warm")
+    )
+
+
+@cache
+def sglang_image(family: Family) -> modal.Image:
+    """The GPU server image for ``family``: the pinned SGLang release plus this project."""
+    base = modal.Image.from_registry(sglang.IMAGE_TAG).env(
+        {"TORCH_CUDA_ARCH_LIST": ARCH_LIST[family], "MIXFLEET_ACCELERATOR_FAMILY": family}
+    )
+    return _with_project(base.uv_pip_install(*requirements(with_torch=False)))
+
+
+@cache
+def cpu_image() -> modal.Image:
+    """The router's and the weight conversion's image: Debian slim, CPU torch, this project."""
+    base = modal.Image.debian_slim(python_version=CPU_PYTHON).uv_pip_install(
+        *requirements(with_torch=True), extra_index_url=TORCH_CPU_INDEX
+    )
+    return _with_project(base)

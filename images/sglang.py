@@ -1,0 +1,158 @@
+"""The one SGLang pin: the release, its image, and every flag or protocol field that differs by release.
+
+Everything here was read from the released ``sglang 0.5.23`` wheel on PyPI
+(``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``); each value names the file it comes from.
+The module is pure (no modal, no fleet imports), so the engine client and the deploy plan can both
+read it. :func:`server_argv` is the one place an SGLang command line is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SGLANG_VERSION = "0.5.23"
+
+# The CUDA line of the release: the wheel's METADATA requires ``cuda-python>=13.0``,
+# ``flashinfer_python[cu13]==0.7.2`` and ``torch==2.14.1``; LMSYS publishes the x86_64 CUDA 13
+# image as ``lmsysorg/sglang:v<version>-cu130`` (the last CUDA 12 tag is ``v0.5.19-cu129``).
+CUDA_LINE = "13.0"
+IMAGE_TAG = f"lmsysorg/sglang:v{SGLANG_VERSION}-cu130"
+LAUNCH_MODULE = "sglang.launch_server"
+
+# --- server flags (python/sglang/srt/arg_groups/fields/*.py; a field ``x_y`` is ``--x-y``,
+# arg_groups/arg_utils.py ``_field_to_cli_name``; a bool field is ``store_true``) -------------
+FLAG_MODEL_PATH = "--model-path"  # fields/model.py Model.model_path
+FLAG_HOST = "--host"  # fields/serving.py Serving.host
+FLAG_PORT = "--port"  # fields/serving.py Serving.port
+FLAG_TP_SIZE = "--tp-size"  # fields/parallel.py Parallel.tp_size (alias --tensor-parallel-size)
+FLAG_QUANTIZATION = "--quantization"  # fields/model.py Model.quantization (QUANTIZATION_CHOICES)
+FLAG_KV_CACHE_DTYPE = "--kv-cache-dtype"  # fields/model.py Model.kv_cache_dtype
+FLAG_WEIGHT_VERSION = "--weight-version"  # fields/serving.py Serving.weight_version (default "default")
+FLAG_ENABLE_METRICS = "--enable-metrics"  # fields/observability.py: without it there is no /metrics
+# server_args.py ServerArgs.add_cli_args adds --sampling-backend by hand (its field is no_cli);
+# choices BUILT_IN_SAMPLING_BACKENDS = {flashinfer, pytorch, ascend, intel_xpu} (arg_groups/choices.py).
+# The default resolves to flashinfer on CUDA (arg_groups/overrides.py _sampling_backend_default),
+# which asserts when sampling_seed is combined with top-k/top-p; the fleet always runs pytorch.
+FLAG_SAMPLING_BACKEND = "--sampling-backend"
+SAMPLING_BACKEND = "pytorch"
+# fields/exec_.py ExecFeatures.sampling_mask_max_tokens: the largest sampling mask returned;
+# a request whose realized support exceeds it is aborted.
+FLAG_SAMPLING_MASK_MAX_TOKENS = "--sampling-mask-max-tokens"
+SAMPLING_MASK_MAX_TOKENS_DEFAULT = 4096
+
+# Every flag :func:`server_argv` may emit; tests check each against the release's parser.
+FLAGS_USED = (
+    FLAG_MODEL_PATH,
+    FLAG_HOST,
+    FLAG_PORT,
+    FLAG_TP_SIZE,
+    FLAG_QUANTIZATION,
+    FLAG_KV_CACHE_DTYPE,
+    FLAG_WEIGHT_VERSION,
+    FLAG_ENABLE_METRICS,
+    FLAG_SAMPLING_BACKEND,
+    FLAG_SAMPLING_MASK_MAX_TOKENS,
+)
+
+# fields/model.py Model.kv_cache_dtype choices (the fleet uses auto, bf16 and fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16")
+
+# The --quantization value for each weight format the fleet converts to. bf16 loads unquantized
+# (no flag). fp8 and modelopt_fp4 are entries of QUANTIZATION_CHOICES (arg_groups/choices.py);
+# mxfp4 is too, but SGLang reads its checkpoint layout only for the architectures below.
+QUANTIZATION_BY_FORMAT: dict[str, str | None] = {
+    "bf16": None,
+    "fp8": "fp8",
+    "nvfp4": "modelopt_fp4",
+    "mxfp4": "mxfp4",
+}
+QUANTIZATION_CHOICES = (
+    "awq", "fp8", "mxfp8", "gptq", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf", "modelopt",
+    "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4", "w8a8_int8",
+    "w8a8_fp8", "moe_wna16", "w4afp8", "mxfp4", "auto-round", "auto-round-int8", "compressed-tensors",
+    "modelslim", "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4", "mlx_q4", "mlx_q8",
+    "unquant", "humming",
+)  # fmt: skip
+# The architectures whose loader takes an mxfp4 (``*_blocks`` / ``*_scales``) checkpoint:
+# models/gpt_oss.py GptOssForCausalLM._load_mxfp4_experts_weights is the only one in the release.
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
+
+# --- HTTP protocol (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py) ---------
+# PauseGenerationReqInput.mode: Literal["abort", "retract", "in_place"] = "abort"; the fleet
+# always sends in_place (requests stay in the event loop and resume with their KV cache).
+PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODE = "in_place"
+# UpdateWeightFromDiskReqInput: model_path is required; the fleet sends these four.
+UPDATE_WEIGHTS_FIELDS = ("model_path", "weight_version", "flush_cache", "abort_all_requests")
+UPDATE_WEIGHTS_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
+# GenerateReqInput.sampling_logprobs_mode: SamplingLogprobsMode = Literal["selected", "support"]
+# (managers/schedule_batch.py); "support" returns the support's log-probs with the mask.
+SAMPLING_LOGPROBS_MODES = ("selected", "support")
+# meta_info keys the fleet reads (managers/tokenizer_manager.py).
+META_SAMPLING_LOGPROBS = "output_token_sampling_logprobs"
+META_SAMPLING_MASK = "output_token_sampling_mask"
+META_WEIGHT_VERSION = "weight_version"
+META_WEIGHT_VERSIONS = "weight_versions"
+# http_server.py routes: /pause_generation, /continue_generation, /update_weights_from_disk and
+# /model_info (which carries weight_version); the release has no /get_weight_version.
+ROUTE_PAUSE = "/pause_generation"
+ROUTE_CONTINUE = "/continue_generation"
+ROUTE_UPDATE_WEIGHTS = "/update_weights_from_disk"
+ROUTE_MODEL_INFO = "/model_info"
+
+
+def quantization_for(weight_format: str) -> str | None:
+    """The ``--quantization`` value for ``weight_format`` (None: unquantized); KeyError if unknown."""
+    return QUANTIZATION_BY_FORMAT[weight_format]
+
+
+def server_argv(
+    *,
+    model_path: str,
+    port: int,
+    weight_format: str,
+    kv_cache_dtype: str,
+    tp_size: int,
+    weight_version: str | None = None,
+    host: str = "127.0.0.1",
+    sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+    engine_args: Sequence[str] = (),
+    python: str = "python3",
+) -> list[str]:
+    """The command line that starts one SGLang server of this release for a sampler group.
+
+    The server listens on ``host:port``, loads ``model_path`` with the format's quantization, keeps
+    its KV cache in ``kv_cache_dtype``, shards over ``tp_size`` GPUs, exports ``/metrics`` and
+    samples with the pytorch backend. ``engine_args`` (the group's extra flags) come last, so
+    they can add flags but not silently repeat one set here (ValueError names a repeated flag).
+    Raises ValueError for an unknown format, KV dtype, non-positive size or port out of range.
+    """
+    if weight_format not in QUANTIZATION_BY_FORMAT:
+        raise ValueError(
+            f"unknown weight format {weight_format!r} (known: {', '.join(QUANTIZATION_BY_FORMAT)})"
+        )
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV-cache dtype {kv_cache_dtype!r} (SGLang {SGLANG_VERSION} takes: "
+                         f"{', '.join(KV_CACHE_DTYPES)})")  # fmt: skip
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    if sampling_mask_max_tokens < 2:
+        raise ValueError(f"sampling_mask_max_tokens must be >= 2, got {sampling_mask_max_tokens}")
+    argv = [python, "-m", LAUNCH_MODULE, FLAG_MODEL_PATH, model_path, FLAG_HOST, host, FLAG_PORT, str(port)]
+    argv += [FLAG_TP_SIZE, str(tp_size)]
+    quantization = QUANTIZATION_BY_FORMAT[weight_format]
+    if quantization is not None:
+        argv += [FLAG_QUANTIZATION, quantization]
+    argv += [FLAG_KV_CACHE_DTYPE, kv_cache_dtype]
+    if weight_version is not None:
+        argv += [FLAG_WEIGHT_VERSION, weight_version]
+    argv += [FLAG_ENABLE_METRICS, FLAG_SAMPLING_BACKEND, SAMPLING_BACKEND]
+    argv += [FLAG_SAMPLING_MASK_MAX_TOKENS, str(sampling_mask_max_tokens)]
+    ours = set(argv)
+    for arg in engine_args:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and name in ours:
+            raise ValueError(f"engine_args repeats {name}, which the fleet sets itself")
+    return argv + list(engine_args)
