@@ -92,8 +92,18 @@ def router_process(
         if log is None:
             log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-"))) / "router.log"
         argv = mixfleet_argv(
-            "router", "--preset", str(preset), "--port", str(port), "--state", state, "--policy", policy,
-            "--log-level", "warning", *extra_args,
+            "router",
+            "--preset",
+            str(preset),
+            "--port",
+            str(port),
+            "--state",
+            state,
+            "--policy",
+            policy,
+            "--log-level",
+            "warning",
+            *extra_args,
         )
         full_env = {**(env or {}), "MIXFLEET_API_KEYS": json.dumps(keys)}
         proc = stack.enter_context(process(argv, log=log, env=full_env))
