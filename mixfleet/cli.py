@@ -14,6 +14,7 @@ import argparse
 import sys
 from types import ModuleType
 
+from deploy import cli as deploy_cli
 from fleet import sidecar_cli, up, weights_cli
 from fleet.engine import init_model
 from fleet.engine import server as engine_server
@@ -30,6 +31,7 @@ COMMANDS: dict[str, ModuleType] = {
     "router": router_cli,
     "sidecar": sidecar_cli,
     "weights": weights_cli,
+    "deploy": deploy_cli,
 }
 
 
