@@ -1,1 +1,1 @@
-"""Sampler groups: specs and presets, the sidecar, capacity, and the ``mixfleet`` CLI."""
+"""Sampler groups: specs and presets, the engine client, the sidecar, capacity, the embedded fleet."""

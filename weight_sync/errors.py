@@ -1,4 +1,6 @@
-"""Errors a user can act on. The CLI prints them as one line and exits non-zero."""
+"""The one error a user can act on, shared by every package (it lives in the lowest layer that
+raises one). Every CLI-facing error class derives from :class:`UserError`; ``mixfleet.cli``
+prints one as a single line (``mixfleet COMMAND: error: MESSAGE``) and exits 2."""
 
 
 class UserError(Exception):
