@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from fleet.jsonio import dumps, loads
-from weight_sync.types import InvalidVersion, parse_version
+from weight_sync.types import reported_version
 
 __all__ = [
     "EngineError",
@@ -115,15 +115,6 @@ def error_message(status: int, content: bytes) -> str:
             err = err.get("message") or err
         body = err
     return str(body)[:500] or f"HTTP {status}"
-
-
-def reported_version(info: dict[str, Any]) -> int | None:
-    """The fleet version an engine's info or answer (``weight_version``) names; None when it
-    names none or a non-integer (SGLang's ``"default"``)."""
-    try:
-        return parse_version(info.get("weight_version"))
-    except InvalidVersion:
-        return None
 
 
 def _describe(exc: BaseException) -> str:

@@ -61,9 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleet.jsonio import dumps
-from fleet.sglang_client import reported_version
-from weight_sync.types import parse_version
+from weight_sync.types import parse_version, reported_version
 
 try:  # optional speed-ups of the encoder (the decoder never needs them)
     import numpy as np
@@ -570,7 +568,10 @@ class _Reader:
 
 
 def _json(obj: Any, out: bytearray) -> None:
-    """``obj`` as a length-prefixed JSON object with sorted keys."""
+    """``obj`` as a length-prefixed JSON object with sorted keys (the encoder's JSON module is
+    imported here, so decoding needs the standard library only)."""
+    from fleet.jsonio import dumps
+
     data = dumps(obj, sort_keys=True)
     _varint(len(data), out)
     out += data

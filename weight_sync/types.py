@@ -69,6 +69,15 @@ def parse_version(value: object, field: str = "weight version") -> int | None:
     raise InvalidVersion(value, field)
 
 
+def reported_version(info: dict[str, Any]) -> int | None:
+    """The version an engine's info or answer names in ``weight_version``; None when it names
+    none or a non-integer (SGLang's ``"default"`` before any update)."""
+    try:
+        return parse_version(info.get("weight_version"))
+    except InvalidVersion:
+        return None
+
+
 def version_name(version: int) -> str:
     """The directory name of version ``version``: ``v{N:06d}`` (``InvalidVersion`` unless an int >= 0)."""
     _check_version(version)

@@ -616,3 +616,43 @@ def test_any_answer_is_parsed_and_stored_or_refused_with_a_value_error(edits, f1
         assert str(exc)
         return
     assert decode_turn(blob).to_json() == stored.to_json()
+
+
+def test_the_decoder_needs_only_the_standard_library(tmp_path) -> None:
+    """A batch decodes in a process where orjson, numpy, aiohttp and torch cannot be imported."""
+    import subprocess
+    import sys
+
+    from router.records import TurnData, encode_batch, encode_turn
+
+    turn = TurnData(
+        turn=0,
+        group="g",
+        replica="r",
+        input_ids=[1, 2],
+        output_ids=[5, 7],
+        logprobs=[-0.5, -0.25],
+        raw_logprobs=[-0.75, None],
+        support_ids=[[5, 9], []],
+        support_logprobs=[[-0.5, -1.0], []],
+        weight_versions=[{"version": 3, "start": 0, "end": 2}],
+        finish_reason=None,
+        timings={},
+        moved_from=None,
+    )
+    blob = encode_batch(
+        "L", 0, [({"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}, [encode_turn(turn)])]
+    )
+    path = tmp_path / "batch.bin"
+    path.write_bytes(blob)
+    code = (
+        "import sys\n"
+        "for m in ('orjson', 'numpy', 'aiohttp', 'torch', 'fleet.jsonio'):\n"
+        "    sys.modules[m] = None\n"
+        "from router.records import decode_batch\n"
+        f"b = decode_batch(open({str(path)!r}, 'rb').read())\n"
+        "print(b['trajectories'][0]['turns'][0]['records'][0]['support_ids'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[5, 9]"
