@@ -318,9 +318,9 @@ def publish_checkpoint(
         ok = True
     finally:
         if pool is not None and own_pool:
-            pool.shutdown(wait=ok, cancel_futures=True)
             if not ok and isinstance(pool, ProcessPoolExecutor):
-                _terminate_pool(pool)
+                _terminate_pool(pool)  # before shutdown, which forgets the worker processes
+            pool.shutdown(wait=ok, cancel_futures=True)
         elif not ok and conversion_pool is not None:
             conversion_pool.reset()  # stop conversions still running for this failed publish
 
@@ -616,8 +616,8 @@ class ConversionPool:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
+            _terminate_pool(pool)  # before shutdown, which forgets the worker processes
             pool.shutdown(wait=False, cancel_futures=True)
-            _terminate_pool(pool)
 
     def close(self, *, terminate: bool = False) -> None:
         """Stop the workers and join them (after this no worker process, queue or semaphore of
