@@ -1,9 +1,11 @@
 """A publisher for the fault tests: stages one version of real safetensors shards and publishes it.
 
-``python -m tests.weight_sync.publisher ROOT VERSION PAYLOAD`` prints each step's name (half a
-shard written, staging done, then every step ``LocalStore`` reports) and waits for a line ``go``
-on stdin before going on, so a test can SIGKILL it at an exact point. ``publish(...)`` does the
-same in-process without pausing.
+``python -m tests.weight_sync.publisher ROOT VERSION PAYLOAD [ADAPTER CONTAINER]`` prints each
+step's name (half a shard written, staging done, then every step the store reports) and waits for
+a line ``go`` on stdin before going on, so a test can SIGKILL it at an exact point.
+``publish(...)`` does the same in-process without pausing. ``ADAPTER`` is ``local`` (a
+``LocalStore`` at ROOT, the default) or ``volume`` (a ``ModalVolumeStore`` on the stand-in volume
+under ROOT, as container ``CONTAINER``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
+from tests.support.volume import volume_store
 from weight_sync.manifest import Manifest, build_manifest
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef
@@ -23,10 +26,22 @@ RUN, FMT = "faults", "nvfp4"
 STREAM = FormatRef(RUN, FMT)
 
 
+def open_store(root: Path, adapter: str = "local", container: str = "c0", step=None):
+    if adapter == "local":
+        return LocalStore(Path(root), on_step=step)
+    return volume_store(Path(root), container, on_step=step)
+
+
 def publish(
-    root: Path, version: int, payload: str, step: Callable[[str], None] = lambda _s: None
+    root: Path,
+    version: int,
+    payload: str,
+    step: Callable[[str], None] = lambda _s: None,
+    *,
+    adapter: str = "local",
+    container: str = "c0",
 ) -> Manifest:
-    store = LocalStore(Path(root), on_step=step)
+    store = open_store(root, adapter, container, step)
     staged = store.staging_dir(STREAM.at(version))
     seed = sum(payload.encode())
     blob = save({"w1": np.arange(seed, seed + 65536, dtype=np.float32).reshape(256, 256)})
@@ -45,14 +60,16 @@ def publish(
 
 
 def main(argv: list[str]) -> int:
-    root, version, payload = argv
+    root, version, payload, *where = argv
+    adapter = where[0] if where else "local"
+    container = where[1] if len(where) > 1 else "c0"
 
     def step(name: str) -> None:
         print(name, flush=True)
         if sys.stdin.readline().strip() != "go":
             sys.exit(3)
 
-    publish(Path(root), int(version), payload, step)
+    publish(Path(root), int(version), payload, step, adapter=adapter, container=container)
     print("done", flush=True)
     return 0
 
