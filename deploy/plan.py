@@ -16,7 +16,7 @@ from typing import Literal
 
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images import sglang
-from images.accelerators import Family, GpuError, gpu_string, parse_gpu
+from images.accelerators import Family, GpuError, gpu_string, max_count, parse_gpu
 from weight_sync.errors import UserError
 
 APP_NAME = "mixfleet"
@@ -143,6 +143,12 @@ def _check_group(g: GroupSpec, architecture: str) -> list[Problem]:
                 add(
                     "warning",
                     f"GPU {gpu.kind!r} is not in Modal's documented GPU list (used by Modal's Stitch)",
+                )
+            if g.gpus_per_replica > max_count(gpu.kind):
+                add(
+                    "error",
+                    f"gpus_per_replica {g.gpus_per_replica} > {max_count(gpu.kind)}, "
+                    f"the most {gpu.kind} GPUs per container",
                 )
             if gpu.count is not None and gpu.count != g.gpus_per_replica:
                 add(

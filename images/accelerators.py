@@ -1,9 +1,10 @@
 """Modal GPU strings and the accelerator family (hence the image) each one runs.
 
 The modal client does not validate GPU strings (any string passes offline), so this is the check.
-``DOCUMENTED`` is the list in Modal's GPU guide (modal.com/docs/guide/gpu); ``B300`` is used by
-Modal's own RL control plane (modal-projects/stitch, ``cookbook/common/config.py`` ``GPUType``) but
-is not documented, so it is allowed with a warning. A string may end in ``:N`` (N GPUs).
+``DOCUMENTED`` is the list in Modal's GPU guide (modal.com/docs/guide/gpu, "Specifying GPU type");
+``B300`` is used by Modal's own RL control plane (modal-projects/stitch,
+``cookbook/common/config.py`` ``GPUType``) but is not documented, so it is allowed with a warning.
+A string may end in ``:N`` (N GPUs); the same guide allows up to 8 per container (4 for A10).
 """
 
 from __future__ import annotations
@@ -66,16 +67,29 @@ class GpuError(ValueError):
         self.value = value
 
 
+MAX_COUNT = {"A10": 4}  # every other type: 8
+
+
+def max_count(kind: str) -> int:
+    """The most GPUs of ``kind`` one container can have."""
+    return MAX_COUNT.get(kind, 8)
+
+
 def parse_gpu(value: str) -> Gpu:
     """Parse ``TYPE`` or ``TYPE:N``; raises :class:`GpuError` for a type neither documented nor
-    known-undocumented, or a count that is not a positive integer."""
+    known-undocumented (naming the spelling when only the case differs), or a count that is not
+    an integer in 1..the type's maximum."""
     kind, sep, count_text = value.partition(":")
     if kind not in _FAMILY:
-        raise GpuError(value, f"GPU {value!r} is not a Modal GPU type (documented: {', '.join(DOCUMENTED)})")
+        spelled = next((k for k in _FAMILY if k.lower() == kind.lower()), None)
+        hint = f"; write it as {spelled!r}" if spelled else f" (documented: {', '.join(DOCUMENTED)})"
+        raise GpuError(value, f"GPU {value!r} is not a Modal GPU type{hint}")
     count: int | None = None
     if sep:
-        if not count_text.isdigit() or int(count_text) < 1:
-            raise GpuError(value, f"GPU {value!r}: the count after ':' must be a positive integer")
+        if not count_text.isdigit() or not 1 <= int(count_text) <= max_count(kind):
+            raise GpuError(
+                value, f"GPU {value!r}: the count after ':' must be an integer in 1..{max_count(kind)}"
+            )
         count = int(count_text)
     return Gpu(kind=kind, count=count, documented=kind in DOCUMENTED)
 

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 SGLANG_VERSION = "0.5.23"
 
 # The CUDA line of the release: the wheel's METADATA requires ``cuda-python>=13.0``,
-# ``flashinfer_python[cu13]==0.7.2`` and ``torch==2.14.1``; LMSYS publishes the x86_64 CUDA 13
-# image as ``lmsysorg/sglang:v<version>-cu130`` (the last CUDA 12 tag is ``v0.5.19-cu129``).
+# ``flashinfer_python[cu13]==0.7.2`` and ``torch==2.14.1``. The release images are built by
+# sgl-project/sglang .github/workflows/_docker-build-and-publish.yml (x86_64 CUDA 13:
+# CUDA_VERSION=13.0.1, BUILD_TYPE=all, i.e. kernels for every architecture) and tagged
+# ``v{version}-cu130`` (the tag_config of its release callers); the last CUDA 12 tag is
+# ``v0.5.19-cu129``. The tag of this very release was not looked up on Docker Hub from here.
 CUDA_LINE = "13.0"
 IMAGE_TAG = f"lmsysorg/sglang:v{SGLANG_VERSION}-cu130"
 LAUNCH_MODULE = "sglang.launch_server"

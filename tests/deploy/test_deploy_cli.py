@@ -44,11 +44,20 @@ def _deploy(capsys, *args: str) -> tuple[int, list[str], list[str]]:
             None,
             "mixfleet deploy: error: group g: GPU 'H300' is not a Modal GPU type (documented: T4, L4, A10,",
         ),
-        (_group("h100"), None, "mixfleet deploy: error: group g: GPU 'h100' is not a Modal GPU type"),
+        (
+            _group("h100!"),
+            None,
+            "mixfleet deploy: error: group g: GPU 'h100!' is not a Modal GPU type; write it as 'H100!'",
+        ),
         (
             _group("H100:x"),
             None,
-            "mixfleet deploy: error: group g: GPU 'H100:x': the count after ':' must be a positive integer",
+            "mixfleet deploy: error: group g: GPU 'H100:x': the count after ':' must be an integer in 1..8",
+        ),
+        (
+            _group("A10", gpus_per_replica=8),
+            None,
+            "mixfleet deploy: error: group g: gpus_per_replica 8 > 4, the most A10 GPUs per container",
         ),
         (
             _group("H100:2"),
