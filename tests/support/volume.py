@@ -138,6 +138,7 @@ class StandInVolume:
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         dst.unlink()
+            (self.container / "base.json").write_text(json.dumps(now))  # all of it is committed now
             # What the client does after a successful commit RPC: reload.
             self._refuse_if_open()
             self._refresh_view()
