@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import modal
@@ -48,11 +49,14 @@ from deploy.plan import (
 )
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images.modal_images import cpu_image, sglang_image
+from weight_sync.store import open_store
+from weight_sync.store.modal_volume import VOLUME_FS_VERSION, ModalVolumeStore
 
 PRESET_ENV = "MIXFLEET_PRESET"
 FLEET_ENV = "MIXFLEET_FLEET_JSON"
 STORE_ENV = "MIXFLEET_STORE"
 ROUTER_FUNCTION = "router"
+STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
 
 
 def _fleet() -> FleetSpec:
@@ -68,20 +72,16 @@ RUN_ID = os.environ.get(RUN_ENV) or DEFAULT_RUN
 ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLUME_MOUNT}
 
 app = modal.App(APP_NAME)
-volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=2)
+volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOLUME_FS_VERSION)
 redis_secret = modal.Secret.from_name(REDIS_SECRET, required_keys=[REDIS_URL_ENV])
 keys_secret = modal.Secret.from_name(KEYS_SECRET, required_keys=["MIXFLEET_API_KEYS", REPLICA_KEY_ENV])
 
 
-def _volume_store() -> Any:
-    """The version store on the mounted Volume.
-
-    INTEGRATION POINT: ``weight_sync.store.modal_volume`` (the Modal Volume store, written
-    beside ``local.py``) is expected to expose ``ModalVolumeStore(root, volume)``.
-    """
-    from weight_sync.store.modal_volume import ModalVolumeStore
-
-    return ModalVolumeStore(VOLUME_MOUNT, volume)
+def _volume_store() -> ModalVolumeStore:
+    """The version store on the Volume mounted at ``/weights`` (scratch on the container's disk)."""
+    store = open_store(Path(VOLUME_MOUNT), volume=VOLUME_NAME, scratch=Path(STORE_SCRATCH))
+    assert isinstance(store, ModalVolumeStore)
+    return store
 
 
 def _router_url() -> str:
@@ -196,7 +196,10 @@ def router() -> Any:
 
     INTEGRATION POINT: the router's scale-out work may give the router one factory for this
     (config from a fleet spec and a state URL); until then the config is built here with the
-    router's own ``RouterConfig`` (which refuses to start without keys).
+    router's own ``RouterConfig`` (which refuses to start without keys). Its weight routes open
+    their store from ``/weights`` and convert in a local pool; on Modal they are to open
+    ``weight_sync.store.open_store(..., volume=VOLUME_NAME)`` and start conversions with
+    ``modal.Function.from_name(APP_NAME, "publish")`` instead.
     """
     from router.app import create_app
     from router.auth import load_keys
@@ -220,12 +223,12 @@ def publish(checkpoint: str, version: int, delta_of: int | None = None) -> dict[
     """Convert the BF16 checkpoint at ``checkpoint`` (a path on the Volume) once per format of the
     fleet and publish it as ``version`` of the run; returns the publish result as JSON data."""
     from dataclasses import asdict
-    from pathlib import Path
 
     from weight_sync.publish import publish_checkpoint
 
-    volume.reload()
+    store = _volume_store()
+    store.refresh()  # the checkpoint the trainer committed to the Volume becomes visible here
     result = publish_checkpoint(
-        _volume_store(), RUN_ID, version, Path(checkpoint), PLAN.fleet.formats, delta_of=delta_of
+        store, RUN_ID, version, Path(checkpoint), PLAN.fleet.formats, delta_of=delta_of
     )
     return asdict(result)
