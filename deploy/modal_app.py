@@ -5,7 +5,8 @@ Defines, from the :mod:`deploy.plan` of the preset (which refuses a bad preset b
 is created):
 
 - one GPU server per sampler group (``@app.server``): the group's GPU string and count, the image
-  of its accelerator family, proxy auth on, the sidecar on the public port, target and maximum
+  of its accelerator family, proxy auth on, the sidecar's key from the ``mixfleet-replica-key``
+  secret, the sidecar on the public port, target and maximum
   concurrency from ``sessions_per_replica``, min/max/buffer containers and the scale-down window
   from the preset. Its ``@modal.enter`` starts the replica entrypoint (stage the current version
   from the Volume to local disk, SGLang on a private port, the sidecar on the public one).
@@ -38,6 +39,7 @@ from deploy.plan import (
     REDIS_SECRET,
     REDIS_URL_ENV,
     REPLICA_KEY_ENV,
+    REPLICA_SECRET,
     ROUTER_URL_ENV,
     RUN_ENV,
     SERVER_EXIT_GRACE_S,
@@ -74,7 +76,8 @@ ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLU
 app = modal.App(APP_NAME)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOLUME_FS_VERSION)
 redis_secret = modal.Secret.from_name(REDIS_SECRET, required_keys=[REDIS_URL_ENV])
-keys_secret = modal.Secret.from_name(KEYS_SECRET, required_keys=["MIXFLEET_API_KEYS", REPLICA_KEY_ENV])
+keys_secret = modal.Secret.from_name(KEYS_SECRET, required_keys=["MIXFLEET_API_KEYS"])
+replica_secret = modal.Secret.from_name(REPLICA_SECRET, required_keys=[REPLICA_KEY_ENV])
 
 
 def _volume_store() -> ModalVolumeStore:
@@ -143,7 +146,7 @@ def server_options(s: ServerPlan) -> dict[str, Any]:
         "startup_timeout": SERVER_STARTUP_TIMEOUT_S,
         "exit_grace_period": SERVER_EXIT_GRACE_S,
         "volumes": {VOLUME_MOUNT: volume},
-        "secrets": [keys_secret],
+        "secrets": [replica_secret],
         "env": ENV,
     }
 

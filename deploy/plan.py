@@ -26,7 +26,8 @@ VOLUME_NAME = "mixfleet-weights"
 VOLUME_MOUNT = "/weights"
 STAGE_DIR = "/root/mixfleet-stage"  # the replica's own disk: versions staged from the Volume
 REDIS_SECRET = "mixfleet-redis"  # MIXFLEET_REDIS_URL
-KEYS_SECRET = "mixfleet-api-keys"  # MIXFLEET_API_KEYS (router), MIXFLEET_REPLICA_KEY (sidecars)
+KEYS_SECRET = "mixfleet-api-keys"  # MIXFLEET_API_KEYS: the router's keys and scopes
+REPLICA_SECRET = "mixfleet-replica-key"  # MIXFLEET_REPLICA_KEY: the sidecars' key (scope replica)
 REDIS_URL_ENV = "MIXFLEET_REDIS_URL"
 REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
@@ -239,6 +240,7 @@ def describe(plan: DeployPlan) -> str:
         lines += [
             f"server {s.name}: gpu {s.gpu} ({s.family} image {sglang.IMAGE_TAG}), "
             f"weights {s.group.weight_format}, kv {s.group.kv_cache_dtype}, port {s.port}, proxy auth on",
+            f"  volume {VOLUME_NAME} at {VOLUME_MOUNT}, key from secret {REPLICA_SECRET}",
             f"  autoscaling: min {a.min_containers}, max {a.max_containers}, buffer {a.buffer_containers}, "
             f"scaledown {a.scaledown_window}s, target concurrency {a.target_concurrency}, "
             f"max concurrency {a.max_concurrency}",

@@ -151,7 +151,8 @@ def test_dry_run_prints_every_server(preset: str) -> None:
     assert out[0] == f"app mixfleet: preset {preset} (Qwen3MoeForCausalLM), {len(fleet.groups)} server(s)"
     for g in fleet.groups:
         at = next(i for i, line in enumerate(out) if line.startswith(f"server {g.name}: "))
-        head, scaling, argv_line = out[at : at + 3]
+        head, volume, scaling, argv_line = out[at : at + 4]
+        assert volume == "  volume mixfleet-weights at /weights, key from secret mixfleet-replica-key"
         assert f"gpu {g.accelerator} " in head
         assert f"weights {g.weight_format}, kv {g.kv_cache_dtype}, port 8000, proxy auth on" in head
         assert scaling == (

@@ -70,7 +70,10 @@ def test_server_info_matches_the_preset(deployed) -> None:
         assert {p: v.name for p, v in info.volumes.items()} == {
             deploy_plan.VOLUME_MOUNT: deploy_plan.VOLUME_NAME
         }
-        assert f"modal.Secret.from_name('{deploy_plan.KEYS_SECRET}')" in _secret_reprs(info)
+        secrets = _secret_reprs(info)
+        assert f"modal.Secret.from_name('{deploy_plan.REPLICA_SECRET}')" in secrets
+        # the router's keys (admin among them) stay off the GPU containers
+        assert f"modal.Secret.from_name('{deploy_plan.KEYS_SECRET}')" not in secrets
         concurrency = functions[g.name].info().concurrency_info
         assert concurrency is not None
         assert concurrency.max_inputs == g.sessions_per_replica + deploy_plan.CONTROL_HEADROOM
