@@ -11,7 +11,9 @@ is created):
   from the preset. Its ``@modal.enter`` starts the replica entrypoint (stage the current version
   from the Volume to local disk, SGLang on a private port, the sidecar on the public one).
 - ``router``: the router as an ASGI app on several containers, state in Redis (URL from the
-  ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret.
+  ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the proxy auth
+  token it reaches the servers with from ``mixfleet-proxy-auth``. Its URL is public (no proxy
+  auth: trainers and agents authenticate with the router's own bearer keys).
 - ``publish``: a CPU function with the weights Volume mounted that converts a BF16 checkpoint once
   per format and publishes it as a version.
 
@@ -36,6 +38,9 @@ from deploy.plan import (
     DEFAULT_RUN,
     ENGINE_PORT,
     KEYS_SECRET,
+    PROXY_KEY_ENV,
+    PROXY_SECRET,
+    PROXY_SECRET_ENV,
     REDIS_SECRET,
     REDIS_URL_ENV,
     REPLICA_KEY_ENV,
@@ -78,6 +83,7 @@ volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOL
 redis_secret = modal.Secret.from_name(REDIS_SECRET, required_keys=[REDIS_URL_ENV])
 keys_secret = modal.Secret.from_name(KEYS_SECRET, required_keys=["MIXFLEET_API_KEYS"])
 replica_secret = modal.Secret.from_name(REPLICA_SECRET, required_keys=[REPLICA_KEY_ENV])
+proxy_secret = modal.Secret.from_name(PROXY_SECRET, required_keys=[PROXY_KEY_ENV, PROXY_SECRET_ENV])
 
 
 def _volume_store() -> ModalVolumeStore:
@@ -188,7 +194,7 @@ SERVERS: dict[str, modal.Server] = {s.name: _define_server(s) for s in PLAN.serv
     max_containers=PLAN.router.max_containers,
     scaledown_window=PLAN.router.scaledown_window,
     volumes={VOLUME_MOUNT: volume},
-    secrets=[redis_secret, keys_secret],
+    secrets=[redis_secret, keys_secret, proxy_secret],
     env=ENV,
     timeout=24 * 3600,
 )
@@ -202,7 +208,9 @@ def router() -> Any:
     router's own ``RouterConfig`` (which refuses to start without keys). Its weight routes open
     their store from ``/weights`` and convert in a local pool; on Modal they are to open
     ``weight_sync.store.open_store(..., volume=VOLUME_NAME)`` and start conversions with
-    ``modal.Function.from_name(APP_NAME, "publish")`` instead.
+    ``modal.Function.from_name(APP_NAME, "publish")`` instead. The GPU servers require proxy
+    auth: the router's engine calls to a sidecar must carry ``Modal-Key`` / ``Modal-Secret`` from
+    ``MIXFLEET_PROXY_KEY`` / ``MIXFLEET_PROXY_SECRET`` (this container's environment).
     """
     from router.app import create_app
     from router.auth import load_keys

@@ -28,6 +28,11 @@ STAGE_DIR = "/root/mixfleet-stage"  # the replica's own disk: versions staged fr
 REDIS_SECRET = "mixfleet-redis"  # MIXFLEET_REDIS_URL
 KEYS_SECRET = "mixfleet-api-keys"  # MIXFLEET_API_KEYS: the router's keys and scopes
 REPLICA_SECRET = "mixfleet-replica-key"  # MIXFLEET_REPLICA_KEY: the sidecars' key (scope replica)
+# A Modal Proxy Auth Token (modal.com/docs/guide/webhook-proxy-auth): the GPU servers require it,
+# so whatever calls a sidecar (the router) sends its ID and secret as Modal-Key / Modal-Secret.
+PROXY_SECRET = "mixfleet-proxy-auth"
+PROXY_KEY_ENV = "MIXFLEET_PROXY_KEY"
+PROXY_SECRET_ENV = "MIXFLEET_PROXY_SECRET"
 REDIS_URL_ENV = "MIXFLEET_REDIS_URL"
 REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
@@ -249,7 +254,8 @@ def describe(plan: DeployPlan) -> str:
     r, c = plan.router, plan.convert
     lines += [
         f"router: asgi app, containers {r.min_containers}..{r.max_containers}, target concurrency "
-        f"{r.target_concurrency}, redis from secret {REDIS_SECRET}, keys from secret {KEYS_SECRET}",
+        f"{r.target_concurrency}, redis from secret {REDIS_SECRET}, keys from secret {KEYS_SECRET}, "
+        f"proxy auth token from secret {PROXY_SECRET}",
         f"convert: cpu {c.cpu:g}, memory {c.memory_mib} MiB, disk {c.ephemeral_disk_mib} MiB, "
         f"timeout {c.timeout_s}s, volume {VOLUME_NAME} at {VOLUME_MOUNT}",
     ]

@@ -106,6 +106,8 @@ def test_router_is_an_asgi_app_on_several_containers_with_redis(deployed) -> Non
     secrets = _secret_reprs(info)
     assert f"modal.Secret.from_name('{deploy_plan.REDIS_SECRET}')" in secrets
     assert f"modal.Secret.from_name('{deploy_plan.KEYS_SECRET}')" in secrets
+    assert f"modal.Secret.from_name('{deploy_plan.PROXY_SECRET}')" in secrets
+    assert info.web_info.unauthenticated  # the router's own bearer keys guard it
     assert deploy_plan.RouterPlan().min_containers >= 2
 
 
