@@ -8,8 +8,11 @@ app passed to ``@app.server`` (``SERVER_OPTIONS``), which modal's decorator vali
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType
 
 import modal
@@ -21,6 +24,7 @@ from images import modal_images
 from images.accelerators import parse_gpu
 
 PRESETS = ["mixed", "homogeneous"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _import_app(monkeypatch: pytest.MonkeyPatch, preset: str, **env: str) -> ModuleType:
@@ -146,3 +150,15 @@ def test_a_bad_preset_fails_at_import_naming_the_problem(monkeypatch, tmp_path) 
     with pytest.raises(deploy_plan.PresetRejected, match="group g: GPU 'H300' is not a Modal GPU type"):
         _import_app(monkeypatch, str(bad))
     sys.modules.pop("deploy.modal_app", None)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_modals_cli_loads_the_file_as_modal_deploy_does(preset: str) -> None:
+    # ``modal run FILE::FUNCTION --help`` imports the app file by path, like ``modal deploy``,
+    # and builds the function's options from its signature; it needs no token.
+    env = {**os.environ, "MIXFLEET_PRESET": preset}
+    env.pop("MIXFLEET_FLEET_JSON", None)
+    argv = [sys.executable, "-m", "modal", "run", "deploy/modal_app.py::publish", "--help"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--checkpoint TEXT" in done.stdout and "--version INTEGER" in done.stdout
