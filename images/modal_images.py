@@ -10,6 +10,7 @@ nothing: Modal builds it at ``modal deploy``.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -20,25 +21,34 @@ from images import sglang
 from images.accelerators import ARCH_LIST, Family
 
 ROOT = Path(__file__).resolve().parents[1]
+REMOTE_ROOT = "/root"  # where add_local_python_source puts the packages in a container
 PACKAGES = ("mixfleet", "fleet", "router", "weight_sync", "images", "deploy", "trainer")
 NUMBA_CACHE_DIR = "/root/.cache/mixfleet-numba"
 CPU_PYTHON = "3.11"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+
+
 def requirements(*, with_torch: bool) -> list[str]:
-    """The project's runtime dependencies as ``pyproject.toml`` lists them (torch left out on request:
-    the SGLang image's CUDA torch must stay)."""
+    """The project's runtime dependencies as ``pyproject.toml`` lists them, less ``modal`` (Modal
+    mounts its own client into every container) and, unless ``with_torch``, less ``torch`` (the
+    SGLang image's CUDA torch must stay)."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [d for d in deps if with_torch or not d.replace(" ", "").startswith("torch")]
+    skip = {"modal"} | (set() if with_torch else {"torch"})
+    return [d for d in deps if _name(d) not in skip]
 
 
 def _with_project(image: modal.Image) -> modal.Image:
+    # pyproject.toml travels too: a container imports the app again, and this module reads it.
     return (
         image.env({"NUMBA_CACHE_DIR": NUMBA_CACHE_DIR})
         .add_local_python_source(*PACKAGES, copy=True)
-        .add_local_dir(ROOT / "fleet" / "presets", "/root/fleet/presets", copy=True)
-        .run_commands("cd /root && python3 -m images.warm")
+        .add_local_dir(ROOT / "fleet" / "presets", f"{REMOTE_ROOT}/fleet/presets", copy=True)
+        .add_local_file(ROOT / "pyproject.toml", f"{REMOTE_ROOT}/pyproject.toml", copy=True)
+        .run_commands(f"cd {REMOTE_ROOT} && python3 -m images.warm")
     )
 
 
