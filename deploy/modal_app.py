@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from deploy.plan import (
     VOLUME_NAME,
     ServerPlan,
 )
+from deploy.replica_thread import ReplicaThread
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images.modal_images import cpu_image, sglang_image
 from weight_sync.store import open_store
@@ -158,19 +160,19 @@ def server_options(s: ServerPlan) -> dict[str, Any]:
 
 
 def _define_server(s: ServerPlan) -> modal.Server:
-    """Register ``s`` as a server whose class is a global of this module (Modal finds it by name)."""
+    """Register ``s`` as a server whose class is a global of this module (Modal finds it by name).
+
+    Its ``@modal.enter`` returns once the sidecar's port accepts connections and fails the
+    container as soon as the replica entrypoint ends before that; ``@modal.exit`` stops it.
+    """
     group = s.group
 
     def start(self) -> None:
-        self.stop_replica = threading.Event()
-        self.replica = threading.Thread(
-            target=_start_replica, args=(group, self.stop_replica), name=f"replica-{group.name}", daemon=True
-        )
-        self.replica.start()
+        self.replica = ReplicaThread(partial(_start_replica, group), name=f"replica-{group.name}").start()
+        self.replica.wait_serving(s.port, SERVER_STARTUP_TIMEOUT_S)
 
     def stop(self) -> None:
-        self.stop_replica.set()
-        self.replica.join(timeout=SERVER_EXIT_GRACE_S)
+        self.replica.stop(SERVER_EXIT_GRACE_S)
 
     cls_name = "Server_" + s.name.replace("-", "_")
     cls = type(
