@@ -43,8 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
+from fleet.metric_defs import MetricDef
 from fleet.sglang_client import EngineError, EngineRejected, SGLangClient
 from fleet.weights_client import RouterClient, RouterError
 from weight_sync.manifest import ChecksumError
@@ -124,55 +125,74 @@ class _State:
     started_at: float = field(default_factory=time.time)
 
 
+STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_R = ("group", "replica")
+
+REPLICA_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(
+        "mixfleet_replica_ready", "gauge", _R, "", "1 when the replica is ready (serving its desired version)"
+    ),
+    MetricDef("mixfleet_replica_active_version", "gauge", _R, "", "Weight version the engine serves"),
+    MetricDef("mixfleet_replica_desired_version", "gauge", _R, "", "Version the store pointer names"),
+    MetricDef(
+        "mixfleet_replica_error", "gauge", _R, "", "1 while the last stage or activation attempt failed"
+    ),
+    MetricDef("mixfleet_replica_activations_total", "counter", _R, "", "Completed activations"),
+    MetricDef(
+        "mixfleet_replica_activation_failures_total", "counter", _R, "", "Failed stage or activation attempts"
+    ),
+    MetricDef(
+        "mixfleet_replica_version_conflicts_total",
+        "counter",
+        _R,
+        "",
+        "Requests refused with 409 for a version constraint",
+    ),
+    MetricDef(
+        "mixfleet_replica_stage_seconds",
+        "histogram",
+        _R,
+        "seconds",
+        "Stage time of a version: copy to the replica's disk and verify checksums",
+        STAGE_BUCKETS,
+    ),
+    MetricDef(
+        "mixfleet_replica_activation_seconds",
+        "histogram",
+        _R,
+        "seconds",
+        "Commit time of an activation: pause sent (or swap requested) until the engine serves it",
+        STAGE_BUCKETS,
+    ),
+    MetricDef(
+        "mixfleet_replica_in_flight_requests", "gauge", _R, "", "Generate requests the sidecar is proxying"
+    ),
+    MetricDef(
+        "mixfleet_replica_restarts_total",
+        "counter",
+        _R,
+        "",
+        "Times the supervisor restarted this replica's engine or sidecar",
+    ),
+)
+"""Every family a sidecar exports itself (its ``/metrics`` adds the engine's ``sglang:*``)."""
+
+
 class _Metrics:
     def __init__(self, group: str, replica: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r, names, lv = self.registry, ["group", "replica"], (group, replica)
-        self.active = Gauge(
-            "mixfleet_replica_active_version", "Weight version the engine serves.", names, registry=r
-        ).labels(*lv)
-        self.desired = Gauge(
-            "mixfleet_replica_desired_version", "Version the store pointer names.", names, registry=r
-        ).labels(*lv)
-        self.ready = Gauge(
-            "mixfleet_replica_ready", "1 when the replica is ready.", names, registry=r
-        ).labels(*lv)
-        self.error = Gauge(
-            "mixfleet_replica_error", "1 while the last activation attempt failed.", names, registry=r
-        ).labels(*lv)
-        self.activations = Counter(
-            "mixfleet_replica_activations", "Completed activations.", names, registry=r
-        ).labels(*lv)
-        self.failures = Counter(
-            "mixfleet_replica_activation_failures", "Failed stage or activation attempts.", names, registry=r
-        ).labels(*lv)
-        self.conflicts = Counter(
-            "mixfleet_replica_version_conflicts", "Requests refused with 409.", names, registry=r
-        ).labels(*lv)
-        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-        self.stage_s = Histogram(
-            "mixfleet_replica_stage_seconds",
-            "Stage (copy + verify) time.",
-            names,
-            buckets=buckets,
-            registry=r,
-        ).labels(*lv)
-        self.pause_s = Histogram(
-            "mixfleet_replica_pause_seconds",
-            "Engine pause time per activation.",
-            names,
-            buckets=buckets,
-            registry=r,
-        ).labels(*lv)
-        self.in_flight = Gauge(
-            "mixfleet_replica_in_flight_requests", "Requests the sidecar is proxying.", names, registry=r
-        ).labels(*lv)
-        self.restarts = Counter(
-            "mixfleet_replica_restarts",
-            "Times the supervisor restarted this replica's engine or sidecar.",
-            names,
-            registry=r,
-        ).labels(*lv)
+        m = {d.name: d.instrument(self.registry).labels(group, replica) for d in REPLICA_METRICS}
+        self.ready = m["mixfleet_replica_ready"]
+        self.active = m["mixfleet_replica_active_version"]
+        self.desired = m["mixfleet_replica_desired_version"]
+        self.error = m["mixfleet_replica_error"]
+        self.activations = m["mixfleet_replica_activations_total"]
+        self.failures = m["mixfleet_replica_activation_failures_total"]
+        self.conflicts = m["mixfleet_replica_version_conflicts_total"]
+        self.stage_s = m["mixfleet_replica_stage_seconds"]
+        self.activation_s = m["mixfleet_replica_activation_seconds"]
+        self.in_flight = m["mixfleet_replica_in_flight_requests"]
+        self.restarts = m["mixfleet_replica_restarts_total"]
 
 
 class Reconciler:
@@ -418,7 +438,7 @@ class Reconciler:
             self.metrics.active.set(target)
             self.metrics.error.set(0)
             self.metrics.activations.inc()
-            self.metrics.pause_s.observe(pause_s)
+            self.metrics.activation_s.observe(pause_s)
             if s.desired_version == target:
                 self._set_ready(True)
         log.info(

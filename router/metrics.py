@@ -1,18 +1,24 @@
 """Prometheus metrics of one router (``/metrics``), in a registry private to the app.
 
-Counters and the latency histograms are prometheus-client's own types, updated on the request
-path. Gauges that describe the fleet (capacity, replicas, sessions, versions, queue) are
-computed at scrape time from the registry and the state store (``RouterMetrics.snapshot``,
-refreshed by the app before each scrape), so they are right even when several routers share
-Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units, ``_total`` on counters.
+Every family is declared once in :data:`ROUTER_METRICS` (:class:`fleet.metric_defs.MetricDef`;
+``docs/metrics.md`` is generated from it). Request-path counters and histograms are
+prometheus-client's own types, updated where the event happens. Families that describe the
+fleet (groups, versions, queue, ledger, mismatch) are computed at scrape time from
+``RouterMetrics.snapshot``, which the app refreshes from the registry and the state store right
+before each scrape, so they agree across routers sharing Redis. Names follow Prometheus
+conventions: ``mixfleet_*``, base units, ``_total`` on counters, ``_info`` for metadata, no colons.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from fleet.metric_defs import MetricDef, by_name
+from router.mismatch import MismatchSums, rollup
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -34,117 +40,343 @@ LATENCY_BUCKETS = (
     120,
 )
 
+MISMATCH_VERSIONS_EXPORTED = 16
+"""Per-version mismatch gauges cover each group's latest this many versions."""
+
+G = ("group",)
+GV = ("group", "version")
+GP = ("group", "position")
+
+
+def _c(name: str, labels: tuple[str, ...], unit: str, help: str) -> MetricDef:
+    return MetricDef(name, "counter", labels, unit, help)
+
+
+def _g(name: str, labels: tuple[str, ...], unit: str, help: str) -> MetricDef:
+    return MetricDef(name, "gauge", labels, unit, help)
+
+
+def _h(name: str, labels: tuple[str, ...], help: str) -> MetricDef:
+    return MetricDef(name, "histogram", labels, "seconds", help, LATENCY_BUCKETS)
+
+
+# Updated on the request path (prometheus-client objects).
+REQUEST_PATH: tuple[MetricDef, ...] = (
+    _h(
+        "mixfleet_router_request_seconds",
+        ("route", "status"),
+        "Router request latency by route template and status class (2xx, 4xx, ...)",
+    ),
+    _h("mixfleet_router_turn_seconds", G, "Whole turn latency: engine call, failover and recording"),
+    _h("mixfleet_router_engine_seconds", G, "Engine call latency seen by the router"),
+    _c("mixfleet_router_turns_total", G, "", "Turns recorded"),
+    _c("mixfleet_router_tokens_total", G, "tokens", "Output tokens recorded"),
+    _c("mixfleet_router_sessions_created_total", G, "", "Sessions created"),
+    _c(
+        "mixfleet_router_failovers_total",
+        ("group", "reason"),
+        "",
+        "Engine attempts that failed and were retried elsewhere, by reason",
+    ),
+    _c(
+        "mixfleet_router_session_moves_total",
+        ("from_group", "to_group"),
+        "",
+        "Sessions moved to another group by failover",
+    ),
+    _c("mixfleet_router_sessions_expired_total", G, "", "Open sessions abandoned after idling"),
+    _c("mixfleet_router_leases_total", (), "", "Batch leases handed out"),
+    _c("mixfleet_router_trajectories_taken_total", (), "", "Trajectories handed to trainers"),
+    _c(
+        "mixfleet_router_trajectories_redelivered_total",
+        (),
+        "",
+        "Trajectories handed out again after their lease expired",
+    ),
+    _c("mixfleet_router_trajectories_acked_total", (), "", "Trajectories acknowledged by trainers"),
+    _c("mixfleet_router_generate_requests_total", G, "", "SGLang-native /generate requests"),
+)
+
+# Computed at scrape time from the snapshot.
+SNAPSHOT: tuple[MetricDef, ...] = (
+    _g(
+        "mixfleet_group_info",
+        ("group", "accelerator", "weight_format", "kv_cache_dtype", "gpus_per_replica"),
+        "",
+        "Always 1; the group's accelerator, weight format, KV-cache dtype and GPUs per replica",
+    ),
+    _g(
+        "mixfleet_group_capacity_sessions",
+        G,
+        "sessions",
+        "Session capacity: replicas in rotation x sessions per replica x measured throughput factor",
+    ),
+    _g(
+        "mixfleet_group_capacity_tokens_per_second",
+        G,
+        "tokens_per_second",
+        "Decode throughput of the replicas in rotation (mean measured per replica x replicas)",
+    ),
+    _g("mixfleet_group_capacity_share", G, "", "The group's share of the fleet's session capacity (0-1)"),
+    _g("mixfleet_group_ready_replicas", G, "", "Replicas of the group in rotation"),
+    _g("mixfleet_group_active_sessions", G, "", "Open sessions assigned to the group"),
+    _g(
+        "mixfleet_group_session_share",
+        G,
+        "",
+        "The group's share of the sessions in this router's routing window (0-1)",
+    ),
+    _g(
+        "mixfleet_group_token_share",
+        G,
+        "",
+        "The group's share of the tokens generated since the routing window's oldest assignment (0-1)",
+    ),
+    _g("mixfleet_weights_published_version", (), "", "Latest published weight version"),
+    _g("mixfleet_group_active_version", G, "", "Lowest weight version active on the group's replicas"),
+    _g(
+        "mixfleet_group_version_lag",
+        G,
+        "",
+        "Latest published version minus the group's active version",
+    ),
+    _g("mixfleet_router_trajectories_ready", (), "", "Finished trajectories waiting for a trainer"),
+    _g("mixfleet_router_trajectories_leased", (), "", "Trajectories leased and not yet acknowledged"),
+    _g(
+        "mixfleet_router_trajectories_held_back",
+        (),
+        "",
+        "Trajectories held back as older than a take's max_version_age",
+    ),
+    _g("mixfleet_router_open_leases", (), "", "Leases handed out and not yet acknowledged"),
+    _c(
+        "mixfleet_group_replica_seconds_total",
+        G,
+        "seconds",
+        "Replica-seconds booked by the cost ledger",
+    ),
+    _c(
+        "mixfleet_group_gpu_seconds_total",
+        G,
+        "seconds",
+        "GPU-seconds booked by the cost ledger (replica-seconds x GPUs per replica)",
+    ),
+    _c(
+        "mixfleet_group_cost_dollars_total",
+        G,
+        "dollars",
+        "US dollars booked by the cost ledger (GPU-seconds x price per GPU-hour / 3600)",
+    ),
+    _g(
+        "mixfleet_group_price_dollars_per_gpu_hour",
+        G,
+        "dollars_per_gpu_hour",
+        "The group's price per GPU-hour in US dollars (from the preset)",
+    ),
+    _c(
+        "mixfleet_mismatch_tokens_total",
+        G,
+        "tokens",
+        "Sampled tokens with a trainer log-prob uploaded and a known sampler log-prob",
+    ),
+    _c(
+        "mixfleet_mismatch_k3_total",
+        G,
+        "",
+        "Sum over those tokens of k3 = r - 1 - log r, r = p_trainer / q_sampler (divide by tokens: KL)",
+    ),
+    _c(
+        "mixfleet_mismatch_abs_logprob_diff_total",
+        G,
+        "",
+        "Sum over those tokens of |log p_trainer - log q_sampler| (nats)",
+    ),
+    _c(
+        "mixfleet_mismatch_extreme_tokens_total",
+        G,
+        "tokens",
+        "Tokens whose ratio r lies outside [0.2, 5]",
+    ),
+    _c(
+        "mixfleet_mismatch_out_of_band_tokens_total",
+        G,
+        "tokens",
+        "Tokens whose ratio r lies outside the router's configured band (mixfleet_mismatch_band_info)",
+    ),
+    _g(
+        "mixfleet_mismatch_band_info",
+        ("low", "high"),
+        "",
+        "Always 1; the configured band [low, high] of the out-of-band count",
+    ),
+    _g(
+        "mixfleet_mismatch_k3_kl",
+        GV,
+        "",
+        "Mean k3 (KL(sampler || trainer) estimate) of the tokens of a weight version, cumulative",
+    ),
+    _g(
+        "mixfleet_mismatch_abs_logprob_diff_mean",
+        GV,
+        "",
+        "Mean |log p_trainer - log q_sampler| of the tokens of a weight version, cumulative",
+    ),
+    _g(
+        "mixfleet_mismatch_extreme_ratio_share",
+        GV,
+        "",
+        "Share of a weight version's tokens with r outside [0.2, 5], cumulative (0-1)",
+    ),
+    _g(
+        "mixfleet_mismatch_out_of_band_share",
+        GV,
+        "",
+        "Share of a weight version's tokens with r outside the configured band, cumulative (0-1)",
+    ),
+    _g("mixfleet_mismatch_version_tokens", GV, "tokens", "Tokens counted for a weight version"),
+    _g(
+        "mixfleet_mismatch_position_k3_kl",
+        GP,
+        "",
+        "Mean k3 by token-position bucket (0-63, 64-255, 256-1023, 1024+), all versions",
+    ),
+    _g(
+        "mixfleet_mismatch_position_extreme_ratio_share",
+        GP,
+        "",
+        "Share of tokens with r outside [0.2, 5] by token-position bucket, all versions (0-1)",
+    ),
+    _g(
+        "mixfleet_mismatch_position_abs_logprob_diff_mean",
+        GP,
+        "",
+        "Mean |log p_trainer - log q_sampler| by token-position bucket, all versions",
+    ),
+    _g("mixfleet_mismatch_position_tokens", GP, "tokens", "Tokens counted by token-position bucket"),
+)
+
+ROUTER_METRICS: tuple[MetricDef, ...] = REQUEST_PATH + SNAPSHOT
+"""Every family the router exports."""
+
+_DEFS = by_name(ROUTER_METRICS)
+
 
 class RouterMetrics:
-    """The router's metrics. Counters are exported as ``<name>_total``."""
+    """The router's metrics: the request-path instruments as attributes, and ``snapshot``."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.request_seconds = Histogram(
-            "mixfleet_router_request_seconds",
-            "Router request latency by route and status class",
-            ["route", "status"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.engine_seconds = Histogram(
-            "mixfleet_router_engine_seconds",
-            "Engine call latency seen by the router, by group",
-            ["group"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.turns = Counter("mixfleet_router_turns", "Turns recorded, by group", ["group"], registry=r)
-        self.tokens = Counter(
-            "mixfleet_router_tokens", "Output tokens recorded, by group", ["group"], registry=r
-        )
-        self.sessions = Counter(
-            "mixfleet_router_sessions_created", "Sessions created, by group", ["group"], registry=r
-        )
-        self.failovers = Counter(
-            "mixfleet_router_failovers",
-            "Engine attempts that failed and were retried elsewhere",
-            ["group", "reason"],
-            registry=r,
-        )
-        self.moves = Counter(
-            "mixfleet_router_session_moves",
-            "Sessions moved to another group by failover",
-            ["from_group", "to_group"],
-            registry=r,
-        )
-        self.expired = Counter(
-            "mixfleet_router_sessions_expired", "Open sessions abandoned after idling", ["group"], registry=r
-        )
-        self.leases = Counter("mixfleet_router_leases", "Batch leases handed out", registry=r)
-        self.taken = Counter(
-            "mixfleet_router_trajectories_taken", "Trajectories handed to trainers", registry=r
-        )
-        self.redelivered = Counter(
-            "mixfleet_router_trajectories_redelivered",
-            "Trajectories handed out again after a lease expired",
-            registry=r,
-        )
-        self.acked = Counter("mixfleet_router_trajectories_acked", "Trajectories acknowledged", registry=r)
-        self.generate = Counter(
-            "mixfleet_router_generate_requests",
-            "SGLang-native /generate requests, by group",
-            ["group"],
-            registry=r,
-        )
+        m = {d.name: d.instrument(r) for d in REQUEST_PATH}
+        self.request_seconds = m["mixfleet_router_request_seconds"]
+        self.turn_seconds = m["mixfleet_router_turn_seconds"]
+        self.engine_seconds = m["mixfleet_router_engine_seconds"]
+        self.turns = m["mixfleet_router_turns_total"]
+        self.tokens = m["mixfleet_router_tokens_total"]
+        self.sessions = m["mixfleet_router_sessions_created_total"]
+        self.failovers = m["mixfleet_router_failovers_total"]
+        self.moves = m["mixfleet_router_session_moves_total"]
+        self.expired = m["mixfleet_router_sessions_expired_total"]
+        self.leases = m["mixfleet_router_leases_total"]
+        self.taken = m["mixfleet_router_trajectories_taken_total"]
+        self.redelivered = m["mixfleet_router_trajectories_redelivered_total"]
+        self.acked = m["mixfleet_router_trajectories_acked_total"]
+        self.generate = m["mixfleet_router_generate_requests_total"]
         self.snapshot: dict[str, Any] = {}
         r.register(_SnapshotCollector(self))
 
 
 class _SnapshotCollector:
-    """Exposes ``RouterMetrics.snapshot`` (refreshed by the app right before each scrape)."""
+    """Exposes ``RouterMetrics.snapshot``: ``groups`` (``RouterContext.groups_snapshot``'s,
+    with ``gpus_per_replica`` and ``price_per_gpu_hour``), ``latest_version``, ``queue``
+    (``StateStore.queue_stats``), ``ledger`` (group -> an object with ``replica_seconds``,
+    ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``) and
+    ``mismatch_band``. A missing part exports its families without samples."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snap = self.metrics.snapshot
         groups: list[dict[str, Any]] = snap.get("groups", [])
-        specs = [
-            (
-                "mixfleet_group_capacity",
-                "Session capacity (ready replicas x sessions, corrected)",
-                "capacity",
-            ),
-            ("mixfleet_group_ready_replicas", "Replicas of the group in rotation", "ready_replicas"),
-            ("mixfleet_group_active_sessions", "Open sessions assigned to the group", "active_sessions"),
-            ("mixfleet_group_session_share", "Share of all sessions created in the group", "session_share"),
-            ("mixfleet_group_token_share", "Share of all output tokens made by the group", "token_share"),
-            (
-                "mixfleet_group_active_version",
-                "Lowest weight version active on the group's replicas",
-                "active_version",
-            ),
-            (
-                "mixfleet_group_version_lag",
-                "Latest published version minus the group's active version",
-                "version_lag",
-            ),
-        ]
-        for name, doc, key in specs:
-            fam = GaugeMetricFamily(name, doc, labels=["group"])
-            for g in groups:
-                if g.get(key) is not None:
-                    fam.add_metric([g["name"]], float(g[key]))
-            yield fam
+        fams = {d.name: d.family() for d in SNAPSHOT}
+
+        def put(name: str, labels: list[str], value: float | None) -> None:
+            if value is not None:
+                fams[name].add_metric(labels, float(value))
+
+        for g in groups:
+            name = g["name"]
+            put(
+                "mixfleet_group_info",
+                [
+                    name,
+                    g["accelerator"],
+                    g["weight_format"],
+                    g["kv_cache_dtype"],
+                    str(g.get("gpus_per_replica", 1)),
+                ],
+                1,
+            )
+            put("mixfleet_group_capacity_sessions", [name], g.get("capacity"))
+            put("mixfleet_group_capacity_tokens_per_second", [name], _capacity_tps(g))
+            put("mixfleet_group_capacity_share", [name], g.get("capacity_share"))
+            put("mixfleet_group_ready_replicas", [name], g.get("ready_replicas"))
+            put("mixfleet_group_active_sessions", [name], g.get("active_sessions"))
+            put("mixfleet_group_session_share", [name], g.get("window_session_share"))
+            put("mixfleet_group_token_share", [name], g.get("window_token_share"))
+            put("mixfleet_group_active_version", [name], g.get("active_version"))
+            put("mixfleet_group_version_lag", [name], g.get("version_lag"))
+            put("mixfleet_group_price_dollars_per_gpu_hour", [name], g.get("price_per_gpu_hour"))
+        put("mixfleet_weights_published_version", [], snap.get("latest_version"))
         queue = snap.get("queue", {})
-        for key, doc in (
-            ("ready", "Finished trajectories waiting for a trainer"),
-            ("pending", "Trajectories leased and not yet acknowledged"),
-            ("held_back", "Trajectories held back as older than the batch's max_version_age"),
-            ("leases", "Open leases"),
+        for key, fam in (
+            ("ready", "mixfleet_router_trajectories_ready"),
+            ("pending", "mixfleet_router_trajectories_leased"),
+            ("held_back", "mixfleet_router_trajectories_held_back"),
+            ("leases", "mixfleet_router_open_leases"),
         ):
-            fam = GaugeMetricFamily(f"mixfleet_router_queue_{key}", doc)
-            if key in queue:
-                fam.add_metric([], float(queue[key]))
-            yield fam
-        latest = GaugeMetricFamily("mixfleet_router_latest_version", "Latest published weight version")
-        if snap.get("latest_version") is not None:
-            latest.add_metric([], float(snap["latest_version"]))
-        yield latest
+            put(fam, [], queue.get(key))
+        ledger: Mapping[str, Any] = snap.get("ledger", {})
+        for group in sorted(ledger):
+            t = ledger[group]
+            put("mixfleet_group_replica_seconds_total", [group], t.replica_seconds)
+            put("mixfleet_group_gpu_seconds_total", [group], t.gpu_seconds)
+            put("mixfleet_group_cost_dollars_total", [group], t.cost_dollars)
+        band = snap.get("mismatch_band")
+        if band is not None:
+            put("mixfleet_mismatch_band_info", [f"{band[0]:g}", f"{band[1]:g}"], 1)
+        for group, g in sorted(rollup(snap.get("mismatch", {})).items()):
+            _mismatch(put, group, g)
+        yield from fams.values()
+
+
+def _capacity_tps(g: dict[str, Any]) -> float:
+    rotation = [r for r in g.get("replicas", []) if r.get("in_rotation")]
+    measured = [float(r["tokens_per_s"]) for r in rotation if (r.get("tokens_per_s") or 0) > 0]
+    return sum(measured) / len(measured) * len(rotation) if measured else 0.0
+
+
+def _mismatch(put, group: str, g: dict[str, Any]) -> None:
+    total: MismatchSums = g["total"]
+    put("mixfleet_mismatch_tokens_total", [group], total.tokens)
+    put("mixfleet_mismatch_k3_total", [group], total.k3)
+    put("mixfleet_mismatch_abs_logprob_diff_total", [group], total.abs_logprob_diff)
+    put("mixfleet_mismatch_extreme_tokens_total", [group], total.extreme)
+    put("mixfleet_mismatch_out_of_band_tokens_total", [group], total.out_of_band)
+    versions = sorted(g["versions"])[-MISMATCH_VERSIONS_EXPORTED:]
+    for v in versions:
+        view = g["versions"][v].view()
+        labels = [group, str(v)]
+        put("mixfleet_mismatch_k3_kl", labels, view["k3_kl"])
+        put("mixfleet_mismatch_abs_logprob_diff_mean", labels, view["abs_logprob_diff_mean"])
+        put("mixfleet_mismatch_extreme_ratio_share", labels, view["extreme_share"])
+        put("mixfleet_mismatch_out_of_band_share", labels, view["out_of_band_share"])
+        put("mixfleet_mismatch_version_tokens", labels, view["tokens"])
+    for bucket, s in g["positions"].items():
+        view = s.view()
+        labels = [group, bucket]
+        put("mixfleet_mismatch_position_k3_kl", labels, view["k3_kl"])
+        put("mixfleet_mismatch_position_extreme_ratio_share", labels, view["extreme_share"])
+        put("mixfleet_mismatch_position_abs_logprob_diff_mean", labels, view["abs_logprob_diff_mean"])
+        put("mixfleet_mismatch_position_tokens", labels, view["tokens"])

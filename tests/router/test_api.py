@@ -239,7 +239,7 @@ def test_too_old_trajectories_are_held_back_and_counted(client: httpx.Client) ->
     r = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5, "max_version_age": 2}).json()
     assert sid not in [t["session_id"] for t in r["trajectories"]] and r["held_back"] >= 1
     assert client.get("/v1/batches/stats").json()["held_back"] >= 1
-    assert "mixfleet_router_queue_held_back" in client.get("/metrics").text
+    assert "mixfleet_router_trajectories_held_back" in client.get("/metrics").text
     drained = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5}).json()
     got = {t["session_id"]: t for t in drained["trajectories"]}
     assert got[sid]["version_age"]["min"] == 5 and drained["held_back"] == 0

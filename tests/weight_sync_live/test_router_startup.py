@@ -43,7 +43,7 @@ def test_latest_version_and_lag_are_known_at_startup(
             assert g["active_version"] == 1 and g["version_lag"] == 2, g
             assert g["ready_replicas"] == 1 and g["replicas"][0]["in_rotation"], g  # lag 2 <= 2
             metrics = parse_prometheus(httpx.get(router.url + "/metrics", timeout=10).text)
-            assert metrics["mixfleet_router_latest_version"] == 3
+            assert metrics["mixfleet_weights_published_version"] == 3
 
             # A version published straight into the store (not through this router) is adopted,
             # and the replica, now 3 behind, leaves rotation.

@@ -1,0 +1,207 @@
+"""Sampler-trainer mismatch: pure computation over one uploaded batch (no I/O).
+
+For every output token of a batch the trainer took, ``p`` is the trainer's probability of the
+sampled token (uploaded, :mod:`router.trainer_logprobs`) and ``q`` is the sampler's behavior
+probability μ recorded with the token (the record's ``logprob``: the distribution the token was
+actually drawn from, after temperature, top-k and top-p, renormalized over the support). With
+``r = p / q`` and ``d = log p - log q``:
+
+* ``k3 = r - 1 - log r`` per token (Schulman's k3 estimator, as veRL and slime report the
+  rollout-training mismatch); its mean over tokens sampled from ``q`` estimates KL(q || p);
+* ``|d|`` per token (its mean is the mean absolute log-prob difference);
+* ``extreme``: ``r`` outside :data:`EXTREME_BAND` = [0.2, 5] (closed: a ratio of exactly 0.2
+  or 5 is inside); ``out_of_band``: ``r`` outside the configured band, same rule.
+
+Sums are kept per key (group, weight version, token-position bucket) in :class:`MismatchSums`,
+which add; every reported figure is a ratio of sums (means and shares over tokens), so sums from
+many uploads and many routers combine exactly. A token's group is the group of the turn that
+sampled it, its version the version of the span covering it, its position the index it had in
+the sequence its engine call saw (prompt length + output index). Tokens whose ``q`` is unknown
+(NaN in the record) or whose span names no version are not counted (``skipped``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+EXTREME_BAND: tuple[float, float] = (0.2, 5.0)
+"""The fixed band of p/q ratios; a token outside it is ``extreme``."""
+
+POSITION_BUCKETS: tuple[int, ...] = (0, 64, 256, 1024)
+"""Lower bounds of the token-position buckets: 0-63, 64-255, 256-1023, 1024+."""
+
+
+def bucket_label(index: int) -> str:
+    """The label of bucket ``index`` of :data:`POSITION_BUCKETS` (e.g. ``"64-255"``, ``"1024+"``)."""
+    lo = POSITION_BUCKETS[index]
+    if index + 1 < len(POSITION_BUCKETS):
+        return f"{lo}-{POSITION_BUCKETS[index + 1] - 1}"
+    return f"{lo}+"
+
+
+BUCKET_LABELS: tuple[str, ...] = tuple(bucket_label(i) for i in range(len(POSITION_BUCKETS)))
+
+
+def position_bucket(position: int) -> str:
+    """The label of the bucket holding token position ``position`` (>= 0)."""
+    i = int(np.searchsorted(POSITION_BUCKETS, position, side="right")) - 1
+    return BUCKET_LABELS[max(0, i)]
+
+
+def check_band(band: tuple[float, float]) -> tuple[float, float]:
+    """``band`` as floats; ValueError unless ``0 < low < 1 < high`` and both are finite."""
+    lo, hi = float(band[0]), float(band[1])
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo < 1.0 < hi):
+        raise ValueError(f"mismatch band must satisfy 0 < low < 1 < high: {band!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class MismatchSums:
+    """Additive sums over tokens: count, Σ k3, Σ |log p - log q|, tokens outside the fixed band,
+    tokens outside the configured band."""
+
+    tokens: int = 0
+    k3: float = 0.0
+    abs_logprob_diff: float = 0.0
+    extreme: int = 0
+    out_of_band: int = 0
+
+    def __add__(self, other: MismatchSums) -> MismatchSums:
+        return MismatchSums(
+            self.tokens + other.tokens,
+            self.k3 + other.k3,
+            self.abs_logprob_diff + other.abs_logprob_diff,
+            self.extreme + other.extreme,
+            self.out_of_band + other.out_of_band,
+        )
+
+    def view(self) -> dict[str, float | int]:
+        """The reported figures: ``tokens``, ``k3_kl`` (mean k3), ``abs_logprob_diff_mean``,
+        ``extreme_share`` and ``out_of_band_share`` (shares of tokens); 0.0 over no tokens."""
+        n = self.tokens
+        return {
+            "tokens": n,
+            "k3_kl": self.k3 / n if n else 0.0,
+            "abs_logprob_diff_mean": self.abs_logprob_diff / n if n else 0.0,
+            "extreme_share": self.extreme / n if n else 0.0,
+            "out_of_band_share": self.out_of_band / n if n else 0.0,
+        }
+
+
+MismatchKey = tuple[str, int, str]
+"""(group, weight version, position-bucket label)."""
+
+
+@dataclass(frozen=True)
+class TurnTokens:
+    """What the computation needs of one recorded turn: its group, prompt length, the sampler's
+    log μ per output token (NaN = unknown) and the weight version per output token (None = no
+    span)."""
+
+    group: str
+    prompt_len: int
+    logprobs: Sequence[float]
+    versions: Sequence[int | None]
+
+
+@dataclass(frozen=True)
+class BatchMismatch:
+    """One batch's sums per key, and how many tokens were not counted."""
+
+    sums: dict[MismatchKey, MismatchSums]
+    tokens: int
+    skipped: int
+
+
+def batch_mismatch(
+    turns: Sequence[TurnTokens], trainer_logprobs: np.ndarray, band: tuple[float, float]
+) -> BatchMismatch:
+    """The sums of one batch. ``trainer_logprobs`` holds log p for every output token of
+    ``turns`` in order (turn after turn, output token after output token); ValueError when its
+    length differs from the turns' output-token count or a value is not finite."""
+    lo, hi = check_band(band)
+    p = np.asarray(trainer_logprobs, dtype=np.float64).reshape(-1)
+    total = sum(len(t.logprobs) for t in turns)
+    if p.size != total:
+        raise ValueError(f"{p.size} trainer log-probs for {total} output tokens")
+    bad = np.flatnonzero(~np.isfinite(p))
+    if bad.size:
+        raise ValueError(f"trainer log-prob {int(bad[0])} is not finite ({p[bad[0]]})")
+    out: dict[MismatchKey, MismatchSums] = {}
+    counted = 0
+    start = 0
+    for t in turns:
+        n = len(t.logprobs)
+        q = np.asarray(t.logprobs, dtype=np.float64)
+        d = p[start : start + n] - q
+        start += n
+        r = np.exp(d)
+        k3 = r - 1.0 - d
+        known = np.isfinite(q)
+        overflow = np.flatnonzero(known & ~np.isfinite(k3))
+        if overflow.size:
+            at = start - n + int(overflow[0])
+            raise ValueError(f"token {at}: ratio p/q overflows (log p - log q = {d[overflow[0]]:.6g})")
+        absd = np.abs(d)
+        extreme = (r < EXTREME_BAND[0]) | (r > EXTREME_BAND[1])
+        outside = (r < lo) | (r > hi)
+        buckets = np.searchsorted(POSITION_BUCKETS, t.prompt_len + np.arange(n), side="right") - 1
+        for version, idx in _by_version(t.versions):
+            for b in range(len(POSITION_BUCKETS)):
+                sel = idx[(buckets[idx] == b) & known[idx]]
+                if not sel.size:
+                    continue
+                key = (t.group, version, BUCKET_LABELS[b])
+                part = MismatchSums(
+                    int(sel.size),
+                    float(k3[sel].sum()),
+                    float(absd[sel].sum()),
+                    int(extreme[sel].sum()),
+                    int(outside[sel].sum()),
+                )
+                out[key] = out[key] + part if key in out else part
+                counted += int(sel.size)
+    return BatchMismatch(out, counted, total - counted)
+
+
+def _by_version(versions: Sequence[int | None]) -> Iterable[tuple[int, np.ndarray]]:
+    """(version, indices of the tokens of that version), versions ascending; None left out."""
+    arr = np.array([-1 if v is None else v for v in versions], dtype=np.int64)
+    for v in np.unique(arr):
+        if v >= 0:
+            yield int(v), np.flatnonzero(arr == v)
+
+
+def rollup(
+    sums: Mapping[MismatchKey, MismatchSums],
+) -> dict[str, dict[str, dict]]:
+    """Per group: ``total`` (all versions and positions), ``versions`` (version -> sums over
+    positions) and ``positions`` (bucket label -> sums over versions), as :class:`MismatchSums`."""
+    out: dict[str, dict[str, dict]] = {}
+    for (group, version, bucket), s in sums.items():
+        g = out.setdefault(group, {"total": MismatchSums(), "versions": {}, "positions": {}})
+        g["total"] = g["total"] + s
+        g["versions"][version] = g["versions"].get(version, MismatchSums()) + s
+        g["positions"][bucket] = g["positions"].get(bucket, MismatchSums()) + s
+    return out
+
+
+def group_view(sums: Mapping[MismatchKey, MismatchSums], group: str, band: tuple[float, float]) -> dict:
+    """The JSON view of one group (``/v1/groups``): the band, the totals, per version (ascending)
+    and per position bucket (in bucket order), each as :meth:`MismatchSums.view`."""
+    g = rollup({k: v for k, v in sums.items() if k[0] == group}).get(group)
+    total = g["total"] if g else MismatchSums()
+    versions = g["versions"] if g else {}
+    positions = g["positions"] if g else {}
+    return {
+        "band": [float(band[0]), float(band[1])],
+        "extreme_band": list(EXTREME_BAND),
+        **total.view(),
+        "versions": [{"version": v, **versions[v].view()} for v in sorted(versions)],
+        "positions": [{"bucket": b, **positions[b].view()} for b in BUCKET_LABELS if b in positions],
+    }

@@ -1,0 +1,52 @@
+"""The trainer's log-prob upload (``POST /v1/batches/{lease_id}/trainer_logprobs``): its compact
+binary encoding and the one decoder. The trainer's encoder is ``trainer.upload`` (the trainer
+imports nothing of the router; both follow this layout).
+
+Primitives
+    u32   unsigned 32-bit little-endian integer (``struct`` format ``<I``)
+    f32   IEEE-754 float32 little-endian (``<f``)
+
+Upload (``MAGIC_LOGPROBS`` = b"MFL", then format byte ``FORMAT_VERSION``; media type
+``MEDIA_TYPE``)::
+
+    b"MFL" u8 format_version
+    u32      n                 (number of log-probs)
+    n f32    log p             (the trainer's log-prob of each sampled token)
+
+The ``n`` log-probs follow the batch's token order: trajectory after trajectory in the order the
+take handed them out, turn after turn, output token after output token (the order of
+``trainer.batch.Batch``'s per-token arrays), so ``n`` equals the batch's output-token count.
+Nothing may follow the last float.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+MAGIC_LOGPROBS = b"MFL"
+FORMAT_VERSION = 1
+MEDIA_TYPE = "application/x-mixfleet-logprobs"
+_HEAD = struct.Struct("<3sBI")
+
+
+class LogprobsFormatError(ValueError):
+    """The bytes are not a valid upload (wrong magic or version, truncated, trailing bytes)."""
+
+
+def decode_trainer_logprobs(data: bytes | memoryview) -> np.ndarray:
+    """The uploaded log-probs as a float32 array (a copy), in the batch's token order. Raises
+    :class:`LogprobsFormatError` naming the problem."""
+    buf = memoryview(data)
+    if len(buf) < _HEAD.size:
+        raise LogprobsFormatError(f"upload of {len(buf)} bytes is shorter than its {_HEAD.size}-byte header")
+    magic, version, n = _HEAD.unpack_from(buf)
+    if magic != MAGIC_LOGPROBS:
+        raise LogprobsFormatError(f"upload starts with {bytes(magic)!r}, not {MAGIC_LOGPROBS!r}")
+    if version != FORMAT_VERSION:
+        raise LogprobsFormatError(f"upload format version {version} (this router reads {FORMAT_VERSION})")
+    want = _HEAD.size + 4 * n
+    if len(buf) != want:
+        raise LogprobsFormatError(f"upload holds {len(buf)} bytes; {n} log-probs need {want}")
+    return np.frombuffer(buf, dtype="<f4", count=n, offset=_HEAD.size).astype(np.float32)
