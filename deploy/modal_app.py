@@ -8,8 +8,9 @@ is created):
   of its accelerator family, proxy auth on, the sidecar's key from the ``mixfleet-replica-key``
   secret, the sidecar on the public port, target and maximum
   concurrency from ``sessions_per_replica``, min/max/buffer containers and the scale-down window
-  from the preset. Its ``@modal.enter`` starts the replica entrypoint (stage the current version
-  from the Volume to local disk, SGLang on a private port, the sidecar on the public one).
+  from the preset. Its ``@modal.enter`` starts the replica entrypoint ``fleet.replica.run_replica``
+  (stage the current version from the Volume to local disk, SGLang on a private port, the
+  sidecar on the public one) with :func:`replica_kwargs`.
 - ``router``: the router as an ASGI app on several containers, state in Redis (URL from the
   ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the proxy auth
   token it reaches the servers with from ``mixfleet-proxy-auth``. Its URL is public (no proxy
@@ -58,7 +59,7 @@ from deploy.plan import (
 from deploy.replica_thread import ReplicaThread
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images.modal_images import cpu_image, sglang_image
-from weight_sync.store import open_store
+from weight_sync.store import StoreLocation
 from weight_sync.store.modal_volume import VOLUME_FS_VERSION, ModalVolumeStore
 
 PRESET_ENV = "MIXFLEET_PRESET"
@@ -66,6 +67,7 @@ FLEET_ENV = "MIXFLEET_FLEET_JSON"
 STORE_ENV = "MIXFLEET_STORE"
 ROUTER_FUNCTION = "router"
 STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
+REPLICA_STOP_GRACE_S = 30  # SIGTERM to SIGKILL for the engine and sidecar at scale-down
 
 
 def _fleet() -> FleetSpec:
@@ -88,9 +90,12 @@ replica_secret = modal.Secret.from_name(REPLICA_SECRET, required_keys=[REPLICA_K
 proxy_secret = modal.Secret.from_name(PROXY_SECRET, required_keys=[PROXY_KEY_ENV, PROXY_SECRET_ENV])
 
 
+STORE = StoreLocation(root=Path(VOLUME_MOUNT), volume=VOLUME_NAME, scratch=Path(STORE_SCRATCH))
+
+
 def _volume_store() -> ModalVolumeStore:
     """The version store on the Volume mounted at ``/weights`` (scratch on the container's disk)."""
-    store = open_store(Path(VOLUME_MOUNT), volume=VOLUME_NAME, scratch=Path(STORE_SCRATCH))
+    store = STORE.open()
     assert isinstance(store, ModalVolumeStore)
     return store
 
@@ -106,34 +111,37 @@ def _router_url() -> str:
     return found
 
 
-def _start_replica(group: GroupSpec, stop: threading.Event) -> None:
-    """Run one replica of ``group`` until ``stop`` is set (blocks while serving).
+def replica_kwargs(group: GroupSpec, stop: threading.Event, router_url: str, public_url: str | None) -> dict:
+    """The keyword arguments of ``fleet.replica.run_replica`` for one replica of ``group``: the
+    store on the Volume, staging on the container's disk, SGLang of the pinned release on the
+    private engine port, the sidecar on the public port, the replica key from its secret."""
 
-    INTEGRATION POINT: ``fleet.replica.run_replica`` (the replica entrypoint, plain Python that
-    also runs outside Modal) stages the store's current version of ``group.weight_format`` into
-    ``stage_dir``, starts SGLang with ``sglang_argv(model_path, weight_version)`` on
-    ``engine_port``, waits for it, starts the sidecar on ``public_port``, reports to the router
-    and reconciles until ``stop`` is set. Imported here, in the container, so importing this
-    module works without it.
-    """
-    from fleet.replica import run_replica
-
-    def sglang_argv(model_path: str, weight_version: str | None) -> list[str]:
+    def engine_argv(model_path: str, weight_version: str | None) -> list[str]:
         return deploy_plan.sglang_argv(group, model_path, weight_version)
 
-    run_replica(
-        group=group,
-        run_id=RUN_ID,
-        store=_volume_store(),
-        stage_dir=STAGE_DIR,
-        engine_port=ENGINE_PORT,
-        public_port=deploy_plan.PUBLIC_PORT,
-        sglang_argv=sglang_argv,
-        router_url=_router_url(),
-        replica_key=os.environ[REPLICA_KEY_ENV],
-        public_url=modal.Server.from_name(APP_NAME, group.name).get_url(),
-        stop=stop,
-    )
+    return {
+        "group": group,
+        "run_id": RUN_ID,
+        "store": STORE,
+        "stage_dir": STAGE_DIR,
+        "engine_argv": engine_argv,
+        "engine_port": ENGINE_PORT,
+        "public_port": deploy_plan.PUBLIC_PORT,
+        "router_url": router_url,
+        "replica_key": os.environ.get(REPLICA_KEY_ENV),
+        "public_url": public_url,
+        "stop": stop,
+        "ready_timeout_s": float(SERVER_STARTUP_TIMEOUT_S),
+        "grace_s": float(REPLICA_STOP_GRACE_S),
+    }
+
+
+def _start_replica(group: GroupSpec, stop: threading.Event) -> None:
+    """Run one replica of ``group`` with the replica entrypoint until ``stop`` is set (blocks)."""
+    from fleet.replica import run_replica
+
+    public_url = modal.Server.from_name(APP_NAME, group.name).get_url()
+    run_replica(**replica_kwargs(group, stop, _router_url(), public_url))
 
 
 def server_options(s: ServerPlan) -> dict[str, Any]:

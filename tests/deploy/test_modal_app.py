@@ -162,3 +162,25 @@ def test_modals_cli_loads_the_file_as_modal_deploy_does(preset: str) -> None:
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--checkpoint TEXT" in done.stdout and "--version INTEGER" in done.stdout
+
+
+def test_replica_entrypoint_takes_the_arguments_the_server_passes(deployed) -> None:
+    import inspect
+    import threading
+
+    from fleet.replica import run_replica
+
+    module, fleet = deployed
+    for g in fleet.groups:
+        kwargs = module.replica_kwargs(g, threading.Event(), "https://router.example", None)
+        inspect.signature(run_replica).bind(**kwargs)  # raises TypeError on a mismatch
+        assert kwargs["store"].volume == deploy_plan.VOLUME_NAME
+        assert str(kwargs["store"].root) == deploy_plan.VOLUME_MOUNT
+        assert (
+            kwargs["engine_port"] == deploy_plan.ENGINE_PORT
+            and kwargs["public_port"] == deploy_plan.PUBLIC_PORT
+        )
+        argv = kwargs["engine_argv"]("/root/mixfleet-stage/main/x/v000002", "2")
+        assert argv == deploy_plan.sglang_argv(g, "/root/mixfleet-stage/main/x/v000002", "2")
+        assert argv[argv.index("--port") + 1] == str(deploy_plan.ENGINE_PORT)
+        assert argv[argv.index("--tp-size") + 1] == str(g.gpus_per_replica)
