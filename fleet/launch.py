@@ -113,12 +113,20 @@ class Child:
         return self.proc.poll()
 
 
-def spawn(name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Child:
-    """Start ``mixfleet *argv`` (see the module docstring); ``env`` is added to this process's."""
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    *,
+    program: Sequence[str] | None = None,
+) -> Child:
+    """Start ``mixfleet *argv`` (see the module docstring), or ``program *argv`` when given (an
+    engine that is not a ``mixfleet`` command: SGLang); ``env`` is added to this process's."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [*mixfleet_command(), *argv],
+            [*(mixfleet_command() if program is None else program), *argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -248,6 +256,26 @@ class Probe:
             time.sleep(0.2)
 
 
+def engine_argv(
+    model: Path,
+    port: int,
+    version: int,
+    *,
+    threads: int = 1,
+    kv_cache_dtype: str = "auto",
+    flags: Sequence[str] = (),
+) -> list[str]:
+    """The ``mixfleet engine`` arguments of a local CPU engine serving ``model`` as ``version`` on
+    ``127.0.0.1:port`` (``flags`` last)."""
+    argv = [
+        "engine", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--weight-version", str(version), "--threads", str(threads),
+    ]  # fmt: skip
+    if kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", kv_cache_dtype]
+    return [*argv, *flags]
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What to run for one replica: its identity and format, and extra flags of its processes."""
@@ -334,8 +362,16 @@ class Launcher:
         stop(self.children, grace_s)
         self.children.clear()
 
-    def spawn(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Child:
-        child = spawn(name, argv, log, env)
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        *,
+        program: Sequence[str] | None = None,
+    ) -> Child:
+        child = spawn(name, argv, log, env, program=program)
         self.children = [c for c in self.children if c.returncode() is None]
         self.children.append(child)
         return child
@@ -353,13 +389,14 @@ class Launcher:
         ref = VersionRef(self.run_id, replica.weight_format, version)
         model = LocalStore(self.store_root).version_dir(ref)
         replica.engine_port = free_port("127.0.0.1")
-        argv = [
-            "engine", "--model", str(model), "--host", "127.0.0.1", "--port", str(replica.engine_port),
-            "--weight-version", str(version), "--threads", str(self.engine_threads),
-        ]  # fmt: skip
-        if replica.spec.kv_cache_dtype != "auto":
-            argv += ["--kv-cache-dtype", replica.spec.kv_cache_dtype]
-        argv += replica.spec.engine_flags
+        argv = engine_argv(
+            model,
+            replica.engine_port,
+            version,
+            threads=self.engine_threads,
+            kv_cache_dtype=replica.spec.kv_cache_dtype,
+            flags=replica.spec.engine_flags,
+        )
         replica.engine = self.spawn(f"engine-{replica.replica_id}", argv, replica.engine_log)
         return replica.engine
 

@@ -1,6 +1,6 @@
 """Run a replica's sidecar: proxy its engine, activate published weight versions, heartbeat.
 
-``mixfleet sidecar --engine URL --group G --format F --store ROOT --run R --port P
+``mixfleet sidecar --engine URL --group G --format F --store ROOT [--volume NAME] --run R --port P
 [--router URL] [--replica-id ID]``. The router key for heartbeats comes from
 ``MIXFLEET_API_KEY``. See :mod:`fleet.sidecar` for the contract.
 """
@@ -28,7 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=FORMATS,
         help="the weight format the group serves",
     )
-    parser.add_argument("--store", required=True, help="the version store's root directory")
+    parser.add_argument(
+        "--store", required=True, help="the version store's root directory (with --volume: its mount path)"
+    )
+    parser.add_argument(
+        "--volume", default=None, help="the Modal Volume mounted at --store that holds the store (on Modal)"
+    )
+    parser.add_argument(
+        "--volume-scratch",
+        default=None,
+        help="with --volume: the container's own directory for the store's lock (default: a temp dir)",
+    )
     parser.add_argument("--run", dest="run_id", required=True, help="the run whose versions to serve")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -84,10 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    import prometheus_client
     import uvicorn
 
     from fleet.sidecar import ReconcileSettings, SidecarConfig, create_app
-    from weight_sync.store.local import LocalStore
+    from weight_sync.store import open_store
 
     if not args.engine.startswith(("http://", "https://")):
         raise UserError(f"--engine must be an http(s) URL, got {args.engine!r}")
@@ -135,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=os.environ.get("MIXFLEET_API_KEY") or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = create_app(config, LocalStore(root))
+    prometheus_client.disable_created_metrics()  # counters export their _total only
+    scratch = Path(args.volume_scratch).expanduser() if args.volume_scratch else None
+    app = create_app(config, open_store(root, volume=args.volume, scratch=scratch))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -4,6 +4,7 @@ factory that picks one."""
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from weight_sync.store.base import VersionStore
@@ -26,3 +27,17 @@ def open_store(root: Path, *, volume: str | None = None, scratch: Path | None = 
         Path(scratch) if scratch is not None else Path(tempfile.gettempdir()) / f"mixfleet-volume-{volume}"
     )
     return ModalVolumeStore(handle, Path(root), scratch=scratch)
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a store is, so that each process that needs it opens its own handle: a directory
+    (``volume`` None), or the Modal Volume named ``volume`` mounted at ``root`` (``scratch``: see
+    :func:`open_store`)."""
+
+    root: Path
+    volume: str | None = None
+    scratch: Path | None = None
+
+    def open(self) -> VersionStore:
+        return open_store(self.root, volume=self.volume, scratch=self.scratch)
