@@ -15,7 +15,7 @@ import sys
 from types import ModuleType
 
 from deploy import cli as deploy_cli
-from fleet import sidecar_cli, up, weights_cli
+from fleet import replica_cli, sidecar_cli, up, weights_cli
 from fleet.engine import init_model
 from fleet.engine import server as engine_server
 from fleet.launch import guard_group
@@ -30,6 +30,7 @@ COMMANDS: dict[str, ModuleType] = {
     "engine": engine_server,
     "router": router_cli,
     "sidecar": sidecar_cli,
+    "replica": replica_cli,
     "weights": weights_cli,
     "deploy": deploy_cli,
 }
