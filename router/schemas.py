@@ -6,12 +6,13 @@ default; floats must be finite. Every refusal the router itself makes is an
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
 TOKEN_MAX = 2**31 - 1
-TokenId = int
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
+"""A token id (validated by pydantic itself, per element)."""
 
 
 class _Req(BaseModel):
@@ -25,7 +26,7 @@ class SamplingParams(_Req):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=TOKEN_MAX)
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
     @field_validator("top_k")
@@ -33,14 +34,6 @@ class SamplingParams(_Req):
     def _top_k(cls, v: int) -> int:
         if v == 0:
             raise ValueError("top_k must be -1 (off) or at least 1")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stops(cls, v: list[int]) -> list[int]:
-        for t in v:
-            if not 0 <= t <= TOKEN_MAX:
-                raise ValueError(f"token id {t} out of range")
         return v
 
 
@@ -116,19 +109,11 @@ class TurnSpec(NamedTuple):
 
 
 class TurnRequest(_Req):
-    input_ids: list[int] = Field(min_length=1, description="the full context, token ids")
+    input_ids: list[TokenId] = Field(min_length=1, description="the full context, token ids")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     min_version: int | None = Field(None, ge=0)
     max_version_age: int | None = Field(None, ge=0)
     turn: int | None = Field(None, ge=0, description="expected turn index; refused with 409 if not next")
-
-    @field_validator("input_ids")
-    @classmethod
-    def _ids(cls, v: list[int]) -> list[int]:
-        for i, t in enumerate(v):
-            if not 0 <= t <= TOKEN_MAX:
-                raise ValueError(f"input_ids[{i}] = {t} is not a token id")
-        return v
 
     def spec(self) -> TurnSpec:
         sp = self.sampling_params
@@ -354,7 +339,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     stream: bool = False
 
@@ -365,13 +350,8 @@ class GenerateRequest(BaseModel):
             return v
         if not v:
             raise ValueError("input_ids is empty")
-        rows = v if isinstance(v[0], list) else [v]
-        for row in rows:
-            if not row:
-                raise ValueError("input_ids has an empty sequence")
-            for t in row:
-                if not 0 <= t <= TOKEN_MAX:
-                    raise ValueError(f"{t} is not a token id")
+        if isinstance(v[0], list) and not all(v):
+            raise ValueError("input_ids has an empty sequence")
         return v
 
     def rows(self) -> list[list[int]]:
