@@ -4,7 +4,8 @@ Edit the panels here and run ``python -m deploy.grafana.generate``; never edit t
 ``--check`` writes nothing and exits 1 (one line per problem on stderr) when a committed file
 differs from what this module generates, or when a panel or variable queries a metric that no
 code defines. The defined names are read from the metric registries themselves: the router's
-(:class:`router.metrics.RouterMetrics`), a sidecar's (:mod:`fleet.reconciler`), the engine's
+(:class:`router.metrics.RouterMetrics`), a sidecar's (built from
+:data:`fleet.reconciler.REPLICA_METRICS`), the engine's
 (:class:`fleet.engine.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
 rules of ``deploy/prometheus/rules/``.
 
@@ -1005,13 +1006,18 @@ def _registry_names(registry: Any) -> set[str]:
 
 def defined_metrics() -> set[str]:
     """Every metric name the code exposes (router, sidecar, engine) and every recording rule."""
+    from prometheus_client import CollectorRegistry
+
     from fleet.engine.metrics import EngineMetrics
-    from fleet.reconciler import _Metrics as SidecarMetrics
+    from fleet.reconciler import REPLICA_METRICS
     from router.metrics import RouterMetrics
 
+    sidecar = CollectorRegistry()
+    for d in REPLICA_METRICS:
+        d.instrument(sidecar)
     names = set(BUILTIN)
     names |= _registry_names(RouterMetrics().registry)
-    names |= _registry_names(SidecarMetrics("group", "replica").registry)
+    names |= _registry_names(sidecar)
     names |= _registry_names(EngineMetrics("model").registry)
     names |= recording_rules()
     return names
