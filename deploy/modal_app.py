@@ -228,7 +228,7 @@ def router() -> Any:
     from router.routes_weights import create_weights_router
 
     config = RouterConfig(fleet=PLAN.fleet, state_url=os.environ[REDIS_URL_ENV], api_keys=load_keys())
-    return create_app(config, extra_routers=[create_weights_router(VOLUME_MOUNT, RUN_ID)])
+    return create_app(config, extra_routers=[create_weights_router()])  # MIXFLEET_STORE / MIXFLEET_RUN
 
 
 @app.function(
