@@ -37,6 +37,11 @@ How the port's guarantees (:mod:`weight_sync.store.base`) hold on that:
 - ``read_manifest``, ``verify``, ``versions`` and ``version_dir`` read this container's current
   view (a caller that needs the newest calls ``read_pointer`` first).
 
+A file of the volume held open by another process of the container makes ``commit`` and
+``advance`` fail with ``StoreError`` (Modal refuses the reload): a publisher converting a
+checkpoint that lies on the volume in worker processes while it commits another format must
+convert from a copy on its own disk.
+
 Every reload-commit sequence of this adapter holds one lock per container: a thread lock and an
 ``flock`` on ``<scratch>/.volume.lock`` (the container's processes share ``scratch``), so one
 process's reload never meets another's file held open by the store itself. Across containers
