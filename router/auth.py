@@ -70,22 +70,6 @@ def scopes_for(token: str, keys: dict[str, frozenset[str]]) -> frozenset[str] | 
     return found
 
 
-def admits(config, authorization: str | None, wanted: frozenset[str]) -> bool:
-    """True when auth is disabled, or when ``authorization`` (the header's value) is a bearer
-    key carrying one of ``wanted``. The same decision as :func:`require` without its answers
-    (a caller that gets False lets :func:`require` refuse the request)."""
-    if config.auth_disabled:
-        return True
-    if not authorization:
-        return False
-    scheme, _, credentials = authorization.partition(" ")
-    credentials = credentials.strip()
-    if not credentials or scheme.lower() != "bearer":
-        return False
-    have = scopes_for(credentials, config.api_keys)
-    return have is not None and bool(wanted & have)
-
-
 def require(*scopes: str):
     """A FastAPI dependency that admits requests whose key carries any of ``scopes``
     (``"any"``: any valid key); every request when auth is disabled."""
