@@ -276,6 +276,10 @@ def test_openapi_and_metrics(client: httpx.Client) -> None:
         "mixfleet_router_leases_total",
     ):
         assert name in text, name
+    # requests are timed by route template and status class
+    assert (
+        'mixfleet_router_request_seconds_count{route="/v1/sessions/{session_id}/turns",status="2xx"}' in text
+    )
     groups = client.get("/v1/groups").json()["groups"]
     a = next(g for g in groups if g["name"] == "cpu-a")
     assert a["capacity"] == 8 and a["active_version"] == 0 and a["tokens_total"] > 0
