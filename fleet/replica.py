@@ -55,8 +55,9 @@ _POLL_S = 0.2
 
 @dataclass(frozen=True)
 class ReadyReplica:
-    """A replica that serves: its id, the URL the router knows it by, its engine, and the
-    version it served when it became ready."""
+    """A replica that serves: its id, the URL the router knows it by, its engine, the version
+    it served when it became ready (newer than the staged one when a publish came in between),
+    and where it staged the version it started on."""
 
     replica_id: str
     url: str
@@ -149,16 +150,18 @@ def run_replica(
         log.info("replica %s started its sidecar (pid %d) on %s", replica_id, sidecar.pid, sidecar_url)
         if not _wait(lambda: probe.healthy(sidecar_url), sidecar, deadline, stop, others=(replica.engine,)):
             return
+        _, status = probe.get_json(sidecar_url + "/v1/status")
+        active = status.get("active_version") if isinstance(status, dict) else None
         ready = ReadyReplica(
             replica_id=replica_id,
             url=public_url or sidecar_url,
             engine_url=replica.engine_url,
-            version=version,
+            version=active if isinstance(active, int) else version,
             staged_path=staged.path,
             engine_pid=replica.engine.pid,
             sidecar_pid=sidecar.pid,
         )
-        log.info("replica %s ready at version %d: %s", replica_id, version, ready.url)
+        log.info("replica %s ready at version %d: %s", replica_id, ready.version, ready.url)
         on_ready(ready)
         while not stop.wait(_POLL_S):
             for child in (replica.engine, sidecar):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 
 from router.config import SCOPES
 from tests.support.models import make_model_dir
-from tests.support.procs import free_port, mixfleet_argv, process
+from tests.support.procs import REPO, free_port, mixfleet_argv, process
 from tests.support.router import ALL_SCOPES, router_process, write_preset
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
@@ -164,3 +165,44 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _replica_cli(tmp_path: Path, *extra: str, store: Path | None = None):
+    preset = write_preset(tmp_path / "preset.toml", [{"name": GROUP, "weight_format": FMT}])
+    store = store or tmp_path / "store"
+    store.mkdir(exist_ok=True)
+    argv = mixfleet_argv(
+        "replica", "--preset", str(preset), "--group", GROUP, "--store", str(store), "--run", RUN,
+        "--port", str(free_port()), "--stage-dir", str(tmp_path / "stage"), "--replica-id", "r0",
+        "--log-dir", str(tmp_path / "logs"), *extra,
+    )  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_replica_refuses_bad_input_with_one_line(tmp_path) -> None:
+    cases = [
+        ((), "nothing is published for run/bf16"),
+        (("--group", "nope"), "has no group 'nope' (groups: cpu-bf16)"),
+        (("--engine-command", "python3 {nope}"), "--engine-command: cannot fill in 'nope'"),
+    ]
+    for extra, message in cases:
+        done = _replica_cli(tmp_path, *extra)
+        assert done.returncode == 2, (extra, done.stdout, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (extra, done.stderr)
+
+
+def test_an_engine_that_exits_fails_the_replica(tmp_path) -> None:
+    """The engine command exits before it serves: the replica stops with one line naming it."""
+    src = tmp_path / "v0"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    LocalStore(tmp_path / "store").publish(FormatRef(RUN, FMT).at(0), src)
+    done = _replica_cli(tmp_path, "--engine-command", "python3 -c 'import sys; sys.exit(3)' {model} {port}")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("mixfleet replica: error: engine-r0 exited with 3; see ")
+    )
+    assert (tmp_path / "stage" / "v000000" / "config.json").read_text() == "{}"  # it had staged v0
