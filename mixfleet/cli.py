@@ -20,6 +20,7 @@ from fleet.engine import init_model
 from fleet.engine import server as engine_server
 from fleet.launch import guard_group
 from router import cli as router_cli
+from router import report_cli
 from weight_sync import convert_cli
 from weight_sync.errors import UserError
 
@@ -33,6 +34,7 @@ COMMANDS: dict[str, ModuleType] = {
     "replica": replica_cli,
     "weights": weights_cli,
     "deploy": deploy_cli,
+    "report": report_cli,
 }
 
 

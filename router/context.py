@@ -29,7 +29,7 @@ from fleet.sglang_client import (
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import AssignmentWindow, GroupLoad
-from router.registry import Registry
+from router.registry import Registry, Replica
 from router.state import open_store
 from router.state.base import GroupCounters, StateError, StateStore
 
@@ -94,6 +94,20 @@ class RouterContext:
         if self._latest is not None:
             return self._latest
         return self.registry.max_active_version() or 0
+
+    async def book_replica(self, r: Replica) -> None:
+        """Book an observation of ``r`` now in the cost ledger (:mod:`router.ledger`: covers the
+        heartbeat timeout at the group's price)."""
+        spec = self.fleet.group(r.group)
+        await self.store.book_replica(
+            r.replica_id,
+            group=r.group,
+            version=r.active_version,
+            at=time.time(),
+            span_s=self.config.heartbeat_timeout_s,
+            gpus_per_replica=spec.gpus_per_replica,
+            price_per_gpu_hour=spec.price_per_gpu_hour,
+        )
 
     # polling -----------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
@@ -168,6 +182,9 @@ class RouterContext:
             self.registry.poll_result(replica_id, ready=False, version=None, error=str(exc)[:300])
         with contextlib.suppress(StateError):  # so every router and the weights routes see it
             await self.store.put_replica(replica_id, self.registry.replicas[replica_id].shared())
+            r = self.registry.replicas[replica_id]
+            if r.ready:
+                await self.book_replica(r)
 
     # loads and snapshots --------------------------------------------------------------------
     @property

@@ -43,6 +43,7 @@ async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
         )
     r = ctx.registry.heartbeat(body.model_dump())
     await ctx.store.put_replica(r.replica_id, r.shared())
+    await ctx.book_replica(r)
     latest = ctx.latest_version()
     in_rotation = any(x.replica_id == r.replica_id for x in ctx.registry.in_rotation(r.group, latest))
     return {"replica_id": r.replica_id, "in_rotation": in_rotation, "latest_version": latest}

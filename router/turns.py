@@ -19,6 +19,7 @@ from fleet.jsonio import dumps
 from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError
+from router.ledger import version_tokens
 from router.records import encode_stored
 from router.schemas import TurnSpec
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
@@ -46,6 +47,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     request_id = _request_id()
     n = len(turn.output_ids)
     low, high = turn.version_range()
+    per_version = version_tokens(turn.weight_versions)
     f16 = ctx.config.f16_support_logprobs
     for _ in range(64):
         if turn.turn != index:
@@ -65,6 +67,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
                 min_version=low,
                 max_version=high,
                 expected_turn=index,
+                version_tokens=per_version,
             )
             break
         except TurnConflict as exc:  # another turn of this session was recorded meanwhile

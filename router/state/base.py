@@ -21,13 +21,21 @@ Contract, for every adapter:
 * ``ack`` acknowledges what the lease still owns; acknowledged trajectories are never handed
   out again and stay readable for ``retention_s``.
 * Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
+* The cost ledger (rules in :mod:`router.ledger`): ``book_replica`` applies
+  :func:`router.ledger.charge` to the replica's booked-until mark and adds the charge to its group
+  and version in one atomic step; ``append_turn`` books ``version_tokens``; an ``ack`` that
+  acknowledges anything appends its :class:`~router.ledger.UpdateRecord` in the same atomic step
+  (``seq`` 1, 2, ... in acknowledgement order, cumulative costs never decreasing along it).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from router.ledger import LedgerSnapshot, LedgerTotals
 
 SessionStatus = Literal["open", "finished", "consumed"]
 
@@ -86,6 +94,7 @@ class Lease:
 class AckResult:
     acked: int
     expired: int
+    update: int | None = None  # the update this acknowledgement closed (None: it acked nothing)
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class StateStore(abc.ABC):
         min_version: int | None,
         max_version: int | None,
         expected_turn: int | None = None,
+        version_tokens: Mapping[int, int] | None = None,
     ) -> int:
         """Store one turn block, served by ``replica`` of ``group``; return its index. Raises
         SessionNotFound / SessionFinished.
@@ -130,7 +140,8 @@ class StateStore(abc.ABC):
         group moves its active count), and ``tokens`` and the version range are added to the
         session's and to ``group``'s counters. With ``expected_turn`` set, stores only if it
         equals the next index (else raises :class:`TurnConflict` carrying the next index, and
-        nothing changes).
+        nothing changes). ``version_tokens`` (tokens per weight version) go to the ledger of
+        ``group`` in the same step.
         """
 
     @abc.abstractmethod
@@ -195,6 +206,30 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None: ...
+
+    # cost ledger -----------------------------------------------------------------------
+    @abc.abstractmethod
+    async def book_replica(
+        self,
+        replica_id: str,
+        *,
+        group: str,
+        version: int | None,
+        at: float,
+        span_s: float,
+        gpus_per_replica: int,
+        price_per_gpu_hour: float,
+    ) -> float:
+        """Book an observation of ``replica_id`` at wall time ``at`` (:func:`router.ledger.charge`
+        on its mark, added to ``group`` and ``version``); return the replica-seconds it added."""
+
+    @abc.abstractmethod
+    async def ledger_totals(self) -> dict[str, LedgerTotals]:
+        """Per group: booked replica-, GPU-seconds and dollars, tokens and sessions (the counters')."""
+
+    @abc.abstractmethod
+    async def ledger(self) -> LedgerSnapshot:
+        """The whole ledger: :meth:`ledger_totals`, per (group, version), and every update."""
 
     @abc.abstractmethod
     async def ping(self) -> bool: ...

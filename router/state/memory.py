@@ -11,9 +11,11 @@ import itertools
 import time
 import uuid
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -54,6 +56,10 @@ class MemoryStore(StateStore):
         self._latest: int | None = None
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
         self._waiters: list[asyncio.Future[None]] = []
+        self._marks: dict[str, float] = {}  # replica -> booked until (wall clock)
+        self._money: defaultdict[Any, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # group | (g, v)
+        self._version_tokens: defaultdict[tuple[str, int | None], int] = defaultdict(int)
+        self._updates: list[UpdateRecord] = []
 
     # sessions -------------------------------------------------------------------------
     def _open(self, session_id: str) -> _Session:
@@ -100,6 +106,7 @@ class MemoryStore(StateStore):
         min_version: int | None,
         max_version: int | None,
         expected_turn: int | None = None,
+        version_tokens: Mapping[int, int] | None = None,
     ) -> int:
         s = self._live(session_id)
         if s is None:
@@ -131,6 +138,8 @@ class MemoryStore(StateStore):
         c = self._counters[group]
         c["turns"] += 1
         c["tokens"] += tokens
+        for v, n in (version_tokens or {}).items():
+            self._version_tokens[(group, int(v))] += int(n)
         return index
 
     async def get_turns(self, session_id: str) -> list[bytes]:
@@ -235,7 +244,7 @@ class MemoryStore(StateStore):
         entries = self._leases.pop(lease_id, None)
         if entries is None:
             raise LeaseNotFound(lease_id)
-        acked = expired = 0
+        acked = expired = tokens = 0
         expires = time.monotonic() + self.retention_s
         for entry in entries:
             owner = self._pending.get(entry)
@@ -248,7 +257,12 @@ class MemoryStore(StateStore):
             if s is not None:
                 s.info = replace(s.info, status="consumed")
                 s.expires_at = expires
-        return AckResult(acked=acked, expired=expired)
+                tokens += s.info.tokens
+        if not acked:
+            return AckResult(acked=0, expired=expired)
+        cumulative = {g: m[2] for g, m in self._money.items() if isinstance(g, str)}
+        self._updates.append(UpdateRecord(len(self._updates) + 1, time.time(), acked, tokens, cumulative))
+        return AckResult(acked=acked, expired=expired, update=len(self._updates))
 
     async def queue_stats(self) -> dict[str, int]:
         return {
@@ -292,6 +306,45 @@ class MemoryStore(StateStore):
             now = time.monotonic()
             self._route_keys = {k: v for k, v in self._route_keys.items() if v[1] > now}
         self._route_keys[key] = (dict(value), time.monotonic() + ttl_s)
+
+    # cost ledger -----------------------------------------------------------------------
+    async def book_replica(
+        self,
+        replica_id: str,
+        *,
+        group: str,
+        version: int | None,
+        at: float,
+        span_s: float,
+        gpus_per_replica: int,
+        price_per_gpu_hour: float,
+    ) -> float:
+        c = charge(self._marks.get(replica_id), at, span_s, gpus_per_replica, price_per_gpu_hour)
+        self._marks[replica_id] = c.booked_until
+        if c.replica_seconds > 0:
+            for key in (group, (group, version)):
+                m = self._money[key]
+                m[0] += c.replica_seconds
+                m[1] += c.gpu_seconds
+                m[2] += c.cost_dollars
+        return c.replica_seconds
+
+    async def ledger_totals(self) -> dict[str, LedgerTotals]:
+        groups = {g for g in self._money if isinstance(g, str)} | set(self._counters)
+        out = {}
+        for g in sorted(groups):
+            m = self._money.get(g, (0.0, 0.0, 0.0))
+            c = self._counters.get(g, {})
+            out[g] = LedgerTotals(m[0], m[1], m[2], c.get("tokens", 0), c.get("sessions", 0))
+        return out
+
+    async def ledger(self) -> LedgerSnapshot:
+        keys = {k for k in self._money if isinstance(k, tuple)} | set(self._version_tokens)
+        versions = {}
+        for k in keys:
+            m = self._money.get(k, (0.0, 0.0, 0.0))
+            versions[k] = LedgerTotals(m[0], m[1], m[2], self._version_tokens.get(k, 0))
+        return LedgerSnapshot(await self.ledger_totals(), versions, list(self._updates))
 
     async def ping(self) -> bool:
         return True

@@ -15,6 +15,10 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
+* the cost ledger (:mod:`router.ledger`): ``mf:ledger`` hash ``rs:<g>``, ``gs:<g>``, ``usd:<g>``
+  (replica-, GPU-seconds and dollars per group); ``mf:ledger:v`` hash ``rs|gs|usd|tok:<g>:<v>``
+  per group and version (``-``: none reported); ``mf:mark:<replica>`` the replica's booked-until
+  time; ``mf:updates`` list of JSON update records in acknowledgement order
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
 installed). Each operation is one round trip where its reads and writes allow: a mutation is one
@@ -31,6 +35,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -41,6 +46,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -63,6 +69,9 @@ STATS = P + "stats"
 REPLICAS = P + "replicas"
 LATEST = P + "latest"
 ACTIVITY = P + "activity"
+LEDGER = P + "ledger"
+LEDGER_V = P + "ledger:v"
+UPDATES = P + "updates"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -105,6 +114,9 @@ end
 redis.call('HINCRBY', KEYS[3], 'turns:' .. ARGV[3], 1)
 redis.call('HINCRBY', KEYS[3], 'tokens:' .. ARGV[3], ARGV[4])
 redis.call('ZADD', KEYS[4], ARGV[8], ARGV[9])
+for v, n in string.gmatch(ARGV[11], '(%d+):(%d+)') do
+  redis.call('HINCRBY', KEYS[5], 'tok:' .. ARGV[3] .. ':' .. v, n)
+end
 return {0, idx}
 """
 
@@ -153,6 +165,44 @@ _HOLD = """
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
 redis.call('XACK', KEYS[2], ARGV[4], ARGV[1])
 redis.call('XDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+_UPDATE = """
+local tokens = 0
+for i = 3, #KEYS do tokens = tokens + tonumber(redis.call('HGET', KEYS[i], 'tokens') or '0') end
+local raw = redis.call('HGETALL', KEYS[1])
+local cost = {}
+for i = 1, #raw, 2 do
+  local g = string.match(raw[i], '^usd:(.+)$')
+  if g then cost[g] = raw[i + 1] end
+end
+local seq = redis.call('LLEN', KEYS[2]) + 1
+redis.call('RPUSH', KEYS[2], cjson.encode({seq = seq, at = ARGV[1], trajectories = tonumber(ARGV[2]),
+                                            tokens = tokens, cost = cost}))
+return seq
+"""
+
+_ACQUIRE_JOB_LOCK = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+_RELEASE_JOB_LOCK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+_PUT_JOB = """
+local new = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if new then redis.call('RPUSH', KEYS[2], ARGV[1]) end
+while redis.call('LLEN', KEYS[2]) > tonumber(ARGV[3]) do
+  redis.call('HDEL', KEYS[1], redis.call('LPOP', KEYS[2]))
+end
 return 1
 """
 
@@ -232,6 +282,7 @@ class RedisStore(StateStore):
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
         self._set_latest = self._r.register_script(_SET_LATEST)
+        self._update = self._r.register_script(_UPDATE)
         self._group_ready = False
         self._takes = 0
 
@@ -283,10 +334,11 @@ class RedisStore(StateStore):
         min_version: int | None,
         max_version: int | None,
         expected_turn: int | None = None,
+        version_tokens: Mapping[int, int] | None = None,
     ) -> int:
         rc, idx = await self._call(
             self._append,
-            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY],
+            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY, LEDGER_V],
             args=[
                 request_id,
                 blob,
@@ -298,6 +350,7 @@ class RedisStore(StateStore):
                 repr(time.time()),
                 session_id,
                 replica or "",
+                ",".join(f"{int(v)}:{int(n)}" for v, n in (version_tokens or {}).items() if n > 0),
             ],
         )
         if rc == -1:
@@ -474,8 +527,14 @@ class RedisStore(StateStore):
             pipe.expire(_tkey(sid), int(self.retention_s))
         pipe.delete(key)
         pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
-        await pipe.execute()
-        return AckResult(acked=len(still), expired=len(entries) - len(still))
+        if still:  # the update this acknowledgement closes, in the same transaction
+            sessions = [_skey(entries[e]) for e in sorted(still)]
+            await self._update(
+                keys=[LEDGER, UPDATES, *sessions], args=[repr(time.time()), len(still)], client=pipe
+            )
+        replies = await pipe.execute()
+        update = int(replies[-1]) if still else None
+        return AckResult(acked=len(still), expired=len(entries) - len(still), update=update)
 
     async def queue_stats(self) -> dict[str, int]:
         return await self._call(self._queue_stats)
@@ -531,6 +590,78 @@ class RedisStore(StateStore):
         px = max(1, int(ttl_s * 1000))
         await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=px)
 
+    # cost ledger -----------------------------------------------------------------------
+    async def book_replica(
+        self,
+        replica_id: str,
+        *,
+        group: str,
+        version: int | None,
+        at: float,
+        span_s: float,
+        gpus_per_replica: int,
+        price_per_gpu_hour: float,
+    ) -> float:
+        mark = f"{P}mark:{replica_id}"
+        v = "-" if version is None else str(int(version))
+
+        async def book(pipe) -> float:  # WATCHed mark: a concurrent booking makes redis-py rerun this
+            raw = await pipe.get(mark)
+            c = charge(None if raw is None else float(raw), at, span_s, gpus_per_replica, price_per_gpu_hour)
+            pipe.multi()
+            pipe.set(mark, repr(c.booked_until))
+            if c.replica_seconds > 0:
+                for name, amount in (
+                    ("rs", c.replica_seconds),
+                    ("gs", c.gpu_seconds),
+                    ("usd", c.cost_dollars),
+                ):
+                    pipe.hincrbyfloat(LEDGER, f"{name}:{group}", amount)
+                    pipe.hincrbyfloat(LEDGER_V, f"{name}:{group}:{v}", amount)
+            return c.replica_seconds
+
+        return await self._call(self._r.transaction, book, mark, value_from_callable=True)
+
+    async def ledger_totals(self) -> dict[str, LedgerTotals]:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hgetall(LEDGER)
+        pipe.hgetall(STATS)
+        money, stats = await self._call(pipe.execute)
+        return _totals(money, stats)
+
+    async def ledger(self) -> LedgerSnapshot:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hgetall(LEDGER)
+        pipe.hgetall(STATS)
+        pipe.hgetall(LEDGER_V)
+        pipe.lrange(UPDATES, 0, -1)
+        money, stats, per_version, updates = await self._call(pipe.execute)
+        versions: dict[tuple[str, int | None], dict[str, float]] = {}
+        for k, val in per_version.items():
+            name, group, v = _s(k).split(":")
+            versions.setdefault((group, None if v == "-" else int(v)), {})[name] = float(val)
+        records = []
+        for raw in updates:
+            u = json.loads(raw)
+            cost = u["cost"] if isinstance(u["cost"], dict) else {}  # cjson writes {} for an empty table
+            records.append(
+                UpdateRecord(
+                    int(u["seq"]),
+                    float(u["at"]),
+                    int(u["trajectories"]),
+                    int(u["tokens"]),
+                    {g: float(x) for g, x in cost.items()},
+                )
+            )
+        return LedgerSnapshot(
+            _totals(money, stats),
+            {
+                key: LedgerTotals(d.get("rs", 0.0), d.get("gs", 0.0), d.get("usd", 0.0), int(d.get("tok", 0)))
+                for key, d in versions.items()
+            },
+            records,
+        )
+
     async def ping(self) -> bool:
         try:
             return bool(await asyncio.wait_for(self._r.ping(), timeout=2.0))
@@ -543,6 +674,28 @@ class RedisStore(StateStore):
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def _totals(money: dict, stats: dict) -> dict[str, LedgerTotals]:
+    """Per group: the ledger hash's money beside the counters' tokens and sessions."""
+    d: dict[str, dict[str, float]] = {}
+    for k, v in money.items():
+        name, _, group = _s(k).partition(":")
+        d.setdefault(group, {})[name] = float(v)
+    for k, v in stats.items():
+        name, _, group = _s(k).partition(":")
+        if name in ("tokens", "sessions"):
+            d.setdefault(group, {})[name] = float(v)
+    return {
+        g: LedgerTotals(
+            x.get("rs", 0.0),
+            x.get("gs", 0.0),
+            x.get("usd", 0.0),
+            int(x.get("tokens", 0)),
+            int(x.get("sessions", 0)),
+        )
+        for g, x in sorted(d.items())
+    }
 
 
 def _info(session_id: str, values: list[Any]) -> SessionInfo | None:

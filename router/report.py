@@ -1,0 +1,134 @@
+"""The cost report's figures (pure): from the ledger's JSON (``GET /v1/ledger``,
+:class:`router.routes_ledger.LedgerView`), optionally the groups' JSON (``GET /v1/groups``, for
+each group's mismatch) and a what-if baseline, :func:`build` computes what ``report.json`` holds
+and the Markdown and HTML show (:mod:`router.report_render`).
+
+Figures, all from the ledger's totals:
+
+* per group: cost per 1M tokens (``cost_dollars / tokens x 1e6``; None without tokens), its share
+  of tokens, of sessions and of cost (None when the fleet total is 0), and its mismatch (None
+  when no token of it was counted from the trainer's log-prob uploads, or no groups JSON was
+  given);
+* per update (:func:`router.ledger.update_costs`' rule): cost, tokens, cost per 1M tokens;
+* the what-if: a homogeneous fleet of the baseline group serving the same tokens at its stated
+  tokens/s per replica needs ``tokens / tokens_per_s`` replica-seconds, costing
+  ``replica_seconds x gpus_per_replica x price_per_gpu_hour / 3600``; ``mixed_over_baseline`` is
+  the mixed fleet's booked cost divided by that (None when the baseline costs 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.ledger import SECONDS_PER_HOUR, per_million
+
+MISMATCH_FIELDS = ("tokens", "k3_kl", "abs_logprob_diff_mean", "extreme_share")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The what-if fleet: one group's spec and its stated decode throughput per replica."""
+
+    preset: str
+    group: str
+    accelerator: str
+    weight_format: str
+    kv_cache_dtype: str
+    gpus_per_replica: int
+    price_per_gpu_hour: float
+    price_date: str | None
+    price_source: str | None
+    tokens_per_s_per_replica: float
+
+    def __post_init__(self) -> None:
+        if not self.tokens_per_s_per_replica > 0:
+            raise ValueError(f"tokens_per_s_per_replica must be > 0, got {self.tokens_per_s_per_replica}")
+
+
+def _share(part: float, total: float) -> float | None:
+    return part / total if total > 0 else None
+
+
+def build(
+    ledger: Mapping[str, Any],
+    groups: Mapping[str, Any] | None = None,
+    baseline: Baseline | None = None,
+    *,
+    source: str = "",
+) -> dict[str, Any]:
+    """``report.json``'s object. Raises ValueError naming the first field ``ledger`` lacks."""
+    for key in ("generated_at", "fleet", "span_s", "groups", "versions", "updates"):
+        if key not in ledger:
+            raise ValueError(f"ledger: missing field {key!r} (not the JSON of GET /v1/ledger?)")
+    mismatch = {g["name"]: g.get("mismatch") for g in (groups or {}).get("groups", [])}
+    rows = ledger["groups"]
+    total_cost = sum(float(g["cost_dollars"]) for g in rows)
+    total_tokens = sum(int(g["tokens"]) for g in rows)
+    total_sessions = sum(int(g["sessions"]) for g in rows)
+    out_groups = []
+    for g in rows:
+        m = mismatch.get(g["name"])
+        out_groups.append(
+            {
+                **{k: g[k] for k in g},
+                "cost_per_1m_tokens": per_million(float(g["cost_dollars"]), int(g["tokens"])),
+                "token_share": _share(int(g["tokens"]), total_tokens),
+                "session_share": _share(int(g["sessions"]), total_sessions),
+                "cost_share": _share(float(g["cost_dollars"]), total_cost),
+                "mismatch": {k: m.get(k) for k in MISMATCH_FIELDS} if m and m.get("tokens") else None,
+            }
+        )
+    updates = [
+        {**u, "cost_per_1m_tokens": per_million(float(u["cost_dollars"]), int(u["tokens"]))}
+        for u in ledger["updates"]
+    ]
+    update_cost = sum(float(u["cost_dollars"]) for u in updates)
+    totals = {
+        "replica_seconds": sum(float(g["replica_seconds"]) for g in rows),
+        "gpu_seconds": sum(float(g["gpu_seconds"]) for g in rows),
+        "cost_dollars": total_cost,
+        "tokens": total_tokens,
+        "sessions": total_sessions,
+        "cost_per_1m_tokens": per_million(total_cost, total_tokens),
+        "updates": len(updates),
+        "cost_per_update_mean": update_cost / len(updates) if updates else None,
+    }
+    return {
+        "source": source,
+        "generated_at": ledger["generated_at"],
+        "fleet": ledger["fleet"],
+        "span_s": ledger["span_s"],
+        "totals": totals,
+        "groups": out_groups,
+        "updates": updates,
+        "versions": [
+            {**v, "cost_per_1m_tokens": per_million(float(v["cost_dollars"]), int(v["tokens"]))}
+            for v in ledger["versions"]
+        ],
+        "what_if": what_if(total_tokens, total_cost, baseline),
+    }
+
+
+def what_if(tokens: int, mixed_cost: float, baseline: Baseline | None) -> dict[str, Any]:
+    """The homogeneous fleet serving ``tokens`` (see the module docstring); ``available`` False
+    with a ``reason`` without a baseline."""
+    if baseline is None:
+        return {"available": False, "reason": "no stated baseline throughput (--baseline-tokens-per-s)"}
+    replica_seconds = tokens / baseline.tokens_per_s_per_replica
+    gpu_seconds = replica_seconds * baseline.gpus_per_replica
+    cost = gpu_seconds * baseline.price_per_gpu_hour / SECONDS_PER_HOUR
+    return {
+        "available": True,
+        "baseline": asdict(baseline),
+        "tokens": tokens,
+        "replica_seconds": replica_seconds,
+        "gpu_seconds": gpu_seconds,
+        "cost_dollars": cost,
+        "cost_per_1m_tokens": per_million(cost, tokens),
+        "mixed_cost_dollars": mixed_cost,
+        "mixed_cost_per_1m_tokens": per_million(mixed_cost, tokens),
+        "mixed_over_baseline": mixed_cost / cost if cost > 0 else None,
+        "savings_dollars": cost - mixed_cost,
+    }

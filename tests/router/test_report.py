@@ -1,0 +1,333 @@
+"""The cost report: a ledger built from a known sequence of heartbeats, turns and acknowledgements
+(memory state, explicit times), written by ``mixfleet report --ledger`` and every figure of
+report.json checked against values computed by hand from that sequence; the Markdown and HTML
+carry them; a router on Redis books heartbeats, keeps its ledger across a restart and
+``mixfleet report --router`` reads it; report.html rendered by headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from fleet.specs import FleetSpec, GroupSpec, load_preset
+from mixfleet.cli import main
+from router.report_render import COLORS
+from router.routes_ledger import ledger_view
+from router.state.memory import MemoryStore
+from tests.support.procs import redis_server
+from tests.support.router import router_process, write_preset
+
+SPAN = 10.0
+FAST = 2 * 3.6 / 3600  # dollars per replica-second: 2 GPUs at $3.60 per GPU-hour
+SLOW = 1 * 1.8 / 3600  # 1 GPU at $1.80 per GPU-hour
+FLEET = FleetSpec(
+    name="two",
+    groups=(
+        GroupSpec(
+            name="fast",
+            accelerator="B200",
+            gpus_per_replica=2,
+            weight_format="nvfp4",
+            price_per_gpu_hour=3.6,
+            price_date="2026-09-30",
+            price_source="test table",
+            price_verified=True,
+        ),
+        GroupSpec(name="slow", accelerator="A100-80GB", price_per_gpu_hour=1.8, price_date="2026-09-30"),
+    ),
+)
+BASELINE_TPS = 50.0
+
+
+async def _session(
+    store: MemoryStore, sid: str, group: str, spans: dict[int, int], finish: bool = True
+) -> None:
+    await store.create_session(sid, group, {}, now=1.0)
+    await store.append_turn(
+        sid,
+        f"{sid}-0",
+        b"turn",
+        group=group,
+        replica=f"{group}/0",
+        tokens=sum(spans.values()),
+        min_version=min(spans),
+        max_version=max(spans),
+        version_tokens=spans,
+    )
+    if finish:
+        await store.finish_session(sid, f"{sid}-f", 1.0, {})
+
+
+async def _known_ledger() -> dict:
+    store = MemoryStore()
+
+    async def hb(rid: str, group: str, at: float, version: int) -> None:
+        spec = FLEET.group(group)
+        await store.book_replica(
+            rid,
+            group=group,
+            version=version,
+            at=at,
+            span_s=SPAN,
+            gpus_per_replica=spec.gpus_per_replica,
+            price_per_gpu_hour=spec.price_per_gpu_hour,
+        )
+
+    await hb("fast/0", "fast", 0.0, 1)  # [0, 10)
+    await hb("slow/0", "slow", 0.0, 1)  # [0, 10)
+    await hb("fast/0", "fast", 5.0, 1)  # + [10, 15)
+    await _session(store, "s1", "fast", {1: 100})
+    await _session(store, "s2", "slow", {1: 50})
+    lease = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+    assert (await store.ack(lease.lease_id)).update == 1
+    await hb("fast/0", "fast", 20.0, 2)  # + [20, 30): the silence 15..20 is not booked
+    await hb("slow/0", "slow", 8.0, 1)  # + [10, 18)
+    await _session(store, "s3", "fast", {1: 40, 2: 160})
+    await _session(store, "s4", "slow", {1: 30})
+    await _session(store, "s5", "fast", {2: 20}, finish=False)  # generated, in no update
+    lease = await store.take(10, trainer_version=2, max_version_age=None, lease_timeout_s=60)
+    assert (await store.ack(lease.lease_id)).update == 2
+    return ledger_view(await store.ledger(), FLEET, SPAN, now=time.time())
+
+
+GROUPS_JSON = {  # what GET /v1/groups says about mismatch (slow: no trainer upload yet)
+    "groups": [
+        {"name": "fast", "mismatch": {"tokens": 100, "k3_kl": 0.0012, "abs_logprob_diff_mean": 0.031,
+                                      "extreme_share": 0.02, "out_of_band_share": 0.05}},
+        {"name": "slow", "mismatch": None},
+    ]
+}  # fmt: skip
+
+
+def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -> None:
+    ledger = asyncio.run(_known_ledger())
+    (tmp_path / "ledger.json").write_text(json.dumps(ledger))
+    (tmp_path / "groups.json").write_text(json.dumps(GROUPS_JSON))
+    out = tmp_path / "report"
+    rc = main(
+        ["report", "--out", str(out), "--ledger", str(tmp_path / "ledger.json"), "--groups",
+         str(tmp_path / "groups.json"), "--baseline-tokens-per-s", str(BASELINE_TPS)]
+    )  # fmt: skip
+    assert rc == 0
+    assert capsys.readouterr().out.split() == [str(out / f"report.{k}") for k in ("html", "md", "json")]
+    r = json.loads((out / "report.json").read_text())
+    approx = lambda x: pytest.approx(x, rel=1e-12, abs=1e-15)  # noqa: E731
+
+    fast_rs, slow_rs = 10 + 5 + 10, 10 + 8
+    fast_cost, slow_cost = fast_rs * FAST, slow_rs * SLOW
+    fast_tokens, slow_tokens = 100 + 200 + 20, 50 + 30
+    cost, tokens = fast_cost + slow_cost, fast_tokens + slow_tokens
+    assert (fast_cost, slow_cost) == (approx(0.05), approx(0.009))
+
+    fast, slow = r["groups"]
+    assert fast["name"] == "fast" and slow["name"] == "slow"
+    assert fast["replica_seconds"] == approx(fast_rs) and slow["replica_seconds"] == approx(slow_rs)
+    assert fast["gpu_seconds"] == approx(2 * fast_rs) and slow["gpu_seconds"] == approx(slow_rs)
+    assert fast["cost_dollars"] == approx(fast_cost) and slow["cost_dollars"] == approx(slow_cost)
+    assert (fast["tokens"], slow["tokens"], fast["sessions"], slow["sessions"]) == (320, 80, 3, 2)
+    assert fast["cost_per_1m_tokens"] == approx(fast_cost / fast_tokens * 1e6)  # $156.25
+    assert slow["cost_per_1m_tokens"] == approx(slow_cost / slow_tokens * 1e6)  # $112.50
+    assert (fast["token_share"], slow["token_share"]) == (approx(0.8), approx(0.2))
+    assert (fast["session_share"], slow["session_share"]) == (approx(0.6), approx(0.4))
+    assert fast["cost_share"] == approx(fast_cost / cost) and slow["cost_share"] == approx(slow_cost / cost)
+    assert (fast["price_per_gpu_hour"], fast["price_date"], fast["price_verified"]) == (
+        3.6,
+        "2026-09-30",
+        True,
+    )
+    assert (slow["price_verified"], slow["gpus_per_replica"]) == (False, 1)
+    assert fast["mismatch"] == {
+        "tokens": 100,
+        "k3_kl": 0.0012,
+        "abs_logprob_diff_mean": 0.031,
+        "extreme_share": 0.02,
+    }
+    assert slow["mismatch"] is None
+
+    t = r["totals"]
+    assert t["replica_seconds"] == approx(fast_rs + slow_rs)
+    assert t["gpu_seconds"] == approx(2 * fast_rs + slow_rs)
+    assert t["cost_dollars"] == approx(cost)
+    assert (t["tokens"], t["sessions"], t["updates"]) == (400, 5, 2)
+    assert t["cost_per_1m_tokens"] == approx(cost / tokens * 1e6)  # $147.50
+
+    u1_cost = 15 * FAST + 10 * SLOW  # everything booked before the first acknowledgement
+    u2_cost = 10 * FAST + 8 * SLOW  # booked between the two
+    u1, u2 = r["updates"]
+    assert (u1["seq"], u1["trajectories"], u1["tokens"]) == (1, 2, 150)
+    assert (u2["seq"], u2["trajectories"], u2["tokens"]) == (2, 2, 230)
+    assert u1["cost_dollars"] == approx(u1_cost) and u2["cost_dollars"] == approx(u2_cost)
+    assert u1["cost_by_group"] == {"fast": approx(15 * FAST), "slow": approx(10 * SLOW)}
+    assert u2["cost_by_group"] == {"fast": approx(10 * FAST), "slow": approx(8 * SLOW)}
+    assert u1["cost_per_1m_tokens"] == approx(u1_cost / 150 * 1e6)
+    assert u2["cost_per_1m_tokens"] == approx(u2_cost / 230 * 1e6)
+    assert t["cost_per_update_mean"] == approx((u1_cost + u2_cost) / 2)
+    assert u1["at"] <= u2["at"]
+
+    by_version = {(v["group"], v["version"]): v for v in r["versions"]}
+    assert list(by_version) == [("fast", 1), ("fast", 2), ("slow", 1)]
+    assert (
+        by_version[("fast", 1)]["replica_seconds"] == approx(15) and by_version[("fast", 1)]["tokens"] == 140
+    )
+    assert (
+        by_version[("fast", 2)]["cost_dollars"] == approx(10 * FAST)
+        and by_version[("fast", 2)]["tokens"] == 180
+    )
+    assert by_version[("slow", 1)]["gpu_seconds"] == approx(18) and by_version[("slow", 1)]["tokens"] == 80
+    assert by_version[("fast", 2)]["cost_per_1m_tokens"] == approx(10 * FAST / 180 * 1e6)
+
+    w = r["what_if"]
+    homogeneous = load_preset("homogeneous").groups[0]
+    base_rs = tokens / BASELINE_TPS  # 8 replica-seconds
+    base_cost = base_rs * homogeneous.gpus_per_replica * homogeneous.price_per_gpu_hour / 3600
+    assert w["available"] is True
+    assert w["baseline"]["group"] == homogeneous.name == "b200-bf16"
+    assert (
+        w["baseline"]["accelerator"],
+        w["baseline"]["weight_format"],
+        w["baseline"]["kv_cache_dtype"],
+    ) == (
+        "B200",
+        "bf16",
+        "bf16",
+    )
+    assert w["baseline"]["tokens_per_s_per_replica"] == BASELINE_TPS
+    assert w["baseline"]["price_date"] == homogeneous.price_date.isoformat()
+    assert w["tokens"] == 400
+    assert w["replica_seconds"] == approx(base_rs) and w["gpu_seconds"] == approx(base_rs)
+    assert w["cost_dollars"] == approx(base_cost)
+    assert w["cost_per_1m_tokens"] == approx(base_cost / tokens * 1e6)
+    assert w["mixed_cost_dollars"] == approx(cost)
+    assert w["mixed_over_baseline"] == approx(cost / base_cost)
+    assert w["savings_dollars"] == approx(base_cost - cost)
+
+    md = (out / "report.md").read_text()
+    fast_row, fast_mismatch = [line for line in md.splitlines() if line.startswith("| fast |")]
+    slow_row, slow_mismatch = [line for line in md.splitlines() if line.startswith("| slow |")]
+    assert fast_row == (
+        "| fast | B200 | nvfp4 | $3.600 | 2026-09-30 | 0.00694 | 0.0139 | $0.05000 | 320 | 3 | $156.25 "
+        "| 80.0% | 60.0% | 84.7% |"
+    )
+    assert slow_row == (
+        "| slow | A100-80GB | bf16 | $1.800 | 2026-09-30 (unverified) | 0.005 | 0.005 | $0.009000 | 80 | 2 "
+        "| $112.50 | 20.0% | 40.0% | 15.3% |"
+    )
+    assert fast_mismatch == "| fast | nvfp4 | $0.05000 | $156.25 | 84.7% | 100 | 0.0012 | 0.031 | 2.0% |"
+    assert slow_mismatch == "| slow | bf16 | $0.009000 | $112.50 | 15.3% | n/a | n/a | n/a | n/a |"
+    assert "50 generated tokens/s per replica" in md and "2026-09-30" in md
+    assert f"{cost / base_cost:.2f}x the baseline's cost" in md
+    for name in ("cost_per_update.png", "cost_per_1m_tokens.png", "shares.png", "what_if.png"):
+        assert f"]({name})" in md
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    page = (out / "report.html").read_text()
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 4
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing outside the file
+    assert "$156.25" in page and "$112.50" in page
+    assert json.loads((out / "ledger.json").read_text()) == ledger
+
+
+def test_report_refusals_are_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"groups": []}))
+    cases = [
+        (["--ledger", str(tmp_path / "missing.json")], "ledger file not found"),
+        (["--ledger", str(bad)], "not JSON"),
+        (["--ledger", str(partial)], "missing field 'generated_at'"),
+        (["--ledger", str(partial), "--baseline-tokens-per-s", "0"], "--baseline-tokens-per-s must be > 0"),
+        (
+            ["--ledger", str(partial), "--baseline-tokens-per-s", "5", "--baseline-group", "x"],
+            "has no group 'x'",
+        ),
+        (["--groups", str(bad)], "--groups needs --ledger"),
+        (["--router", "http://127.0.0.1:9"], "cannot reach the router"),
+    ]
+    for extra, message in cases:
+        assert main(["report", "--out", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and err.startswith("mixfleet report: error: "), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_router_on_redis_books_heartbeats_keeps_the_ledger_across_a_restart(
+    tmp_path: Path, capsys, monkeypatch
+):
+    preset = write_preset(
+        tmp_path / "p.toml",
+        [{"name": "g1", "accelerator": "H100", "gpus_per_replica": 2, "price_per_gpu_hour": 3.95}],
+    )
+    hb = {"replica_id": "g1-a", "group": "g1", "url": "http://127.0.0.1:9/", "ready": False}
+    with redis_server() as redis_url:
+        with router_process(preset, state=redis_url) as router:
+            t0 = time.time()
+            for body in (hb, {**hb, "ready": True, "active_version": 3}):
+                r = httpx.post(router.url + "/v1/replicas/heartbeat", json=body, headers=router.headers)
+                assert r.status_code == 200, r.text
+            elapsed = time.time() - t0
+            assert httpx.get(router.url + "/v1/ledger").status_code == 401
+            before = httpx.get(router.url + "/v1/ledger", headers=router.headers).json()
+            keys = {router.key: ["trainer"]}
+        (g,) = before["groups"]
+        assert before["span_s"] == 10.0 and g["name"] == "g1" and g["price_per_gpu_hour"] == 3.95
+        assert 10.0 <= g["replica_seconds"] <= 10.0 + elapsed  # first heartbeat to last + the span
+        assert g["gpu_seconds"] == pytest.approx(2 * g["replica_seconds"], rel=1e-12)
+        assert g["cost_dollars"] == pytest.approx(g["gpu_seconds"] * 3.95 / 3600, rel=1e-12)
+        assert [(v["group"], v["version"]) for v in before["versions"]] in (
+            [("g1", None), ("g1", 3)],
+            [("g1", None)],
+        )
+        assert sum(v["replica_seconds"] for v in before["versions"]) == pytest.approx(g["replica_seconds"])
+        with router_process(preset, state=redis_url, keys=keys) as router:
+            after = httpx.get(router.url + "/v1/ledger", headers=router.headers).json()
+            assert {k: v for k, v in after.items() if k != "generated_at"} == {
+                k: v for k, v in before.items() if k != "generated_at"
+            }
+            monkeypatch.setenv("MIXFLEET_API_KEY", router.key)
+            assert main(["report", "--out", str(tmp_path / "r"), "--router", router.url]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["source"] == router.url
+    assert report["totals"]["replica_seconds"] == pytest.approx(g["replica_seconds"], rel=1e-12)
+    assert report["groups"][0]["mismatch"] is None and report["what_if"]["available"] is False
+    assert "Not computed: no stated baseline throughput" in (tmp_path / "r" / "report.md").read_text()
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")
+def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
+    ledger = asyncio.run(_known_ledger())
+    (tmp_path / "ledger.json").write_text(json.dumps(ledger))
+    (tmp_path / "groups.json").write_text(json.dumps(GROUPS_JSON))
+    out = tmp_path / "report"
+    argv = ["--ledger", str(tmp_path / "ledger.json"), "--groups", str(tmp_path / "groups.json")]
+    assert main(["report", "--out", str(out), *argv, "--baseline-tokens-per-s", str(BASELINE_TPS)]) == 0
+    png = tmp_path / "report.png"
+    proc = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         "--window-size=1280,2000", f"--screenshot={png}", (out / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1280, 2000)
+    pixels = Image.open(png).convert("RGB")
+    colors = {c for _, c in pixels.getcolors(maxcolors=1 << 20)}
+    for hex_color in COLORS[:3]:  # the inline plots were decoded and drawn
+        assert tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5)) in colors, hex_color
+    keep = os.environ.get("MIXFLEET_REPORT_PNG")  # where a person wants to look at it
+    if keep:
+        shutil.copy(png, keep)
