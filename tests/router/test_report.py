@@ -331,3 +331,56 @@ def test_report_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     keep = os.environ.get("MIXFLEET_REPORT_PNG")  # where a person wants to look at it
     if keep:
         shutil.copy(png, keep)
+
+
+def test_a_fleet_serving_turns_books_tokens_per_version_and_updates(engine_url: str, tmp_path: Path) -> None:
+    """A real engine behind a router on Redis: ready polls book the static replica, turns book
+    their tokens to version 0, each acknowledgement closes an update, and the report agrees."""
+    preset = write_preset(
+        tmp_path / "p.toml",
+        [{"name": "cpu-a", "replicas": [engine_url], "gpus_per_replica": 2, "price_per_gpu_hour": 3.6}],
+    )
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "seed": 7}
+    with redis_server() as redis_url, router_process(preset, state=redis_url) as router:
+        c = httpx.Client(base_url=router.url, headers=router.headers, timeout=60)
+        deadline = time.monotonic() + 30
+        while c.get("/v1/groups").json()["groups"][0]["ready_replicas"] == 0:
+            assert time.monotonic() < deadline, "the engine never came into rotation"
+            time.sleep(0.2)
+        tokens = []
+        for _update in range(2):
+            for _ in range(2):
+                sid = c.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+                n = 0
+                for _ in range(2):
+                    r = c.post(
+                        f"/v1/sessions/{sid}/turns", json={"input_ids": [3, 4, 5], "sampling_params": sp}
+                    )
+                    assert r.status_code == 200, r.text
+                    n += len(r.json()["output_ids"])
+                assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+                tokens.append(n)
+            lease = c.post("/v1/batches/take", json={"size": 8}).json()["lease_id"]
+            assert c.post(f"/v1/batches/{lease}/ack").json()["acked"] == 2
+        ledger = c.get("/v1/ledger").json()
+        c.close()
+    (g,) = ledger["groups"]
+    assert (g["tokens"], g["sessions"]) == (sum(tokens), 4)
+    assert g["replica_seconds"] > 0 and g["gpu_seconds"] == pytest.approx(2 * g["replica_seconds"], rel=1e-12)
+    assert g["cost_dollars"] == pytest.approx(g["gpu_seconds"] * 3.6 / 3600, rel=1e-12)
+    assert [(v["group"], v["version"], v["tokens"]) for v in ledger["versions"]] == [
+        ("cpu-a", 0, sum(tokens))
+    ]
+    u1, u2 = ledger["updates"]
+    assert [(u["seq"], u["trajectories"], u["tokens"]) for u in (u1, u2)] == [
+        (1, 2, tokens[0] + tokens[1]),
+        (2, 2, tokens[2] + tokens[3]),
+    ]
+    assert u1["cost_dollars"] > 0 and u1["cost_dollars"] + u2["cost_dollars"] <= g["cost_dollars"] + 1e-12
+    (tmp_path / "ledger.json").write_text(json.dumps(ledger))
+    assert main(["report", "--out", str(tmp_path / "r"), "--ledger", str(tmp_path / "ledger.json")]) == 0
+    r = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert r["totals"]["tokens"] == sum(tokens) and r["totals"]["updates"] == 2
+    assert r["groups"][0]["cost_per_1m_tokens"] == pytest.approx(
+        g["cost_dollars"] / sum(tokens) * 1e6, rel=1e-12
+    )
