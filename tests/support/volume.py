@@ -15,10 +15,11 @@ on a new ``container`` directory is a new container:
 Rules enforced, as the installed modal client states them (``modal/volume.py``):
 ``reload`` raises ``RuntimeError`` while any process of the machine holds a file under the
 mount open or has its working directory there (the client's ``_open_files_error_annotation``
-scans every process the same way); ``commit`` publishes, then reloads like the client does, so
-it raises the same error after publishing. Stricter than Modal where Modal leaves the outcome
-open: ``reload`` with uncommitted changes raises (Modal "may implicitly" commit them; a store
-that relies on either outcome is wrong).
+scans every process's descriptors and working directory the same way) -- or keeps one
+memory-mapped, which holds the file open just the same; ``commit`` publishes, then reloads
+like the client does, so it raises the same error after publishing. Stricter than Modal where
+Modal leaves the outcome open: ``reload`` with uncommitted changes raises (Modal "may
+implicitly" commit them; a store that relies on either outcome is wrong).
 
 ``events`` (per handle, in memory) lists ``"commit"`` / ``"reload"`` in the order they succeeded.
 """
@@ -73,6 +74,25 @@ def open_file_under(mount: Path) -> str | None:
             hit = inside(f"/proc/{pid}/fd/{fd}")
             if hit is not None:
                 return f"path {hit.relative_to(mount)} is open from process {pid}"
+        hit = _mapped_under(pid, mount)
+        if hit is not None:
+            return f"path {hit.relative_to(mount)} is mapped by process {pid}"
+    return None
+
+
+def _mapped_under(pid: str, mount: Path) -> Path | None:
+    """A file under ``mount`` that process ``pid`` has memory-mapped (a mapping keeps the file
+    open after its descriptor is closed, as SGLang's safetensors mappings do)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    prefix = f"{mount}/"
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(prefix):
+            return Path(parts[5].removesuffix(" (deleted)"))
     return None
 
 
