@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from router.report_render import write
 
     base = baseline(args.baseline_preset, args.baseline_group, args.baseline_tokens_per_s)
+    if args.ledger is not None and args.router is not None:
+        raise UserError("--ledger and --router exclude each other (read the ledger from one place)")
     if args.ledger is not None:
         ledger = _read_json(args.ledger, "ledger")
         groups = _read_json(args.groups, "groups") if args.groups else None
@@ -117,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
         report = build(ledger, groups, base, source=source)
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"cannot build the report from {source}: {exc}") from None
-    paths = write(report, args.out)
-    (Path(args.out) / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
+    try:
+        paths = write(report, args.out)
+        (Path(args.out) / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
     for kind in ("html", "md", "json"):
         print(paths[kind])
     return 0

@@ -130,6 +130,24 @@ def mismatch_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def version_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Cost and tokens per group and weight version (version n/a: the replica reported none)."""
+    head = ["group", "version", "replica-h", "GPU-h", "cost", "tokens", "$/1M tokens"]
+    rows = [
+        [
+            v["group"],
+            "n/a" if v["version"] is None else str(v["version"]),
+            hours(v["replica_seconds"]),
+            hours(v["gpu_seconds"]),
+            dollars(v["cost_dollars"]),
+            num(int(v["tokens"])),
+            dollars(v["cost_per_1m_tokens"]),
+        ]
+        for v in report["versions"]
+    ]
+    return head, rows
+
+
 def update_table(report: dict[str, Any], last: int = 50) -> tuple[list[str], list[list[str]]]:
     head = ["update", "acknowledged", "trajectories", "tokens", "cost", "$/1M tokens"]
     rows = [
@@ -295,6 +313,7 @@ def markdown(report: dict[str, Any]) -> str:
     out += ["## Cost and samples per group", "", *table(*group_table(report)), ""]
     out += ["## Mismatch beside cost", "", *table(*mismatch_table(report)), ""]
     out += ["## Mixed fleet vs homogeneous baseline", "", *what_if_lines(report), ""]
+    out += ["## Per weight version", "", *table(*version_table(report)), ""]
     head, rows = update_table(report)
     out += [
         "## Updates (latest 50)",
@@ -343,6 +362,7 @@ def html_page(report: dict[str, Any], images: dict[str, bytes]) -> str:
         f"<h2>Cost and samples per group</h2>{table(*group_table(report))}"
         f"<h2>Mismatch beside cost</h2>{table(*mismatch_table(report))}"
         f"<h2>Mixed fleet vs homogeneous baseline</h2>{paras(what_if_lines(report))}"
+        f"<h2>Per weight version</h2>{table(*version_table(report))}"
         f"<h2>Updates (latest 50)</h2>{table(head, rows) if rows else paras(['No update acknowledged yet.'])}"
         "</body></html>"
     )

@@ -212,8 +212,9 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     assert w["savings_dollars"] == approx(base_cost - cost)
 
     md = (out / "report.md").read_text()
-    fast_row, fast_mismatch = [line for line in md.splitlines() if line.startswith("| fast |")]
-    slow_row, slow_mismatch = [line for line in md.splitlines() if line.startswith("| slow |")]
+    lines = md.splitlines()
+    fast_row, fast_mismatch, *fast_versions = [line for line in lines if line.startswith("| fast |")]
+    slow_row, slow_mismatch, *slow_versions = [line for line in lines if line.startswith("| slow |")]
     assert fast_row == (
         "| fast | B200 | nvfp4 | $3.600 | 2026-09-30 | 0.00694 | 0.0139 | $0.05000 | 320 | 3 | $156.25 "
         "| 80.0% | 60.0% | 84.7% |"
@@ -222,6 +223,11 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
         "| slow | A100-80GB | bf16 | $1.800 | 2026-09-30 (unverified) | 0.005 | 0.005 | $0.009000 | 80 | 2 "
         "| $112.50 | 20.0% | 40.0% | 15.3% |"
     )
+    assert fast_versions + slow_versions == [
+        "| fast | 1 | 0.00417 | 0.00833 | $0.03000 | 140 | $214.29 |",
+        "| fast | 2 | 0.00278 | 0.00556 | $0.02000 | 180 | $111.11 |",
+        "| slow | 1 | 0.005 | 0.005 | $0.009000 | 80 | $112.50 |",
+    ]
     assert fast_mismatch == "| fast | nvfp4 | $0.05000 | $156.25 | 84.7% | 100 | 0.0012 | 0.031 | 2.0% |"
     assert slow_mismatch == "| slow | bf16 | $0.009000 | $112.50 | 15.3% | n/a | n/a | n/a | n/a |"
     assert "50 generated tokens/s per replica" in md and "2026-09-30" in md
@@ -253,6 +259,7 @@ def test_report_refusals_are_one_line(tmp_path: Path, capsys) -> None:
             "has no group 'x'",
         ),
         (["--groups", str(bad)], "--groups needs --ledger"),
+        (["--ledger", str(partial), "--router", "http://127.0.0.1:9"], "exclude each other"),
         (["--router", "http://127.0.0.1:9"], "cannot reach the router"),
     ]
     for extra, message in cases:
@@ -260,6 +267,12 @@ def test_report_refusals_are_one_line(tmp_path: Path, capsys) -> None:
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and err.startswith("mixfleet report: error: "), err
     assert not (tmp_path / "o").exists()
+    good = tmp_path / "ledger.json"
+    good.write_text(json.dumps(asyncio.run(_known_ledger())))
+    (tmp_path / "a-file").write_text("")
+    assert main(["report", "--out", str(tmp_path / "a-file" / "sub"), "--ledger", str(good)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write the report into" in err, err
 
 
 def test_router_on_redis_books_heartbeats_keeps_the_ledger_across_a_restart(
