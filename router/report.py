@@ -10,6 +10,7 @@ Figures, all from the ledger's totals:
   when no token of it was counted from the trainer's log-prob uploads, or no groups JSON was
   given);
 * per update (:func:`router.ledger.update_costs`' rule): cost, tokens, cost per 1M tokens;
+* per weight version: per group as booked, and summed over the groups;
 * the what-if: a homogeneous fleet of the baseline group serving the same tokens at its stated
   tokens/s per replica needs ``tokens / tokens_per_s`` replica-seconds, costing
   ``replica_seconds x gpus_per_replica x price_per_gpu_hour / 3600``; ``mixed_over_baseline`` is
@@ -107,8 +108,26 @@ def build(
             {**v, "cost_per_1m_tokens": per_million(float(v["cost_dollars"]), int(v["tokens"]))}
             for v in ledger["versions"]
         ],
+        "version_totals": version_totals(ledger["versions"]),
         "what_if": what_if(total_tokens, total_cost, baseline),
     }
+
+
+def version_totals(versions: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per weight version over every group (ascending; version None, not reported, last)."""
+    acc: dict[int | None, dict[str, Any]] = {}
+    for v in versions:
+        a = acc.setdefault(
+            v["version"], {"replica_seconds": 0.0, "gpu_seconds": 0.0, "cost_dollars": 0.0, "tokens": 0}
+        )
+        for key in ("replica_seconds", "gpu_seconds", "cost_dollars"):
+            a[key] += float(v[key])
+        a["tokens"] += int(v["tokens"])
+    order = sorted(acc, key=lambda k: (k is None, k or 0))
+    return [
+        {"version": k, **acc[k], "cost_per_1m_tokens": per_million(acc[k]["cost_dollars"], acc[k]["tokens"])}
+        for k in order
+    ]
 
 
 def what_if(tokens: int, mixed_cost: float, baseline: Baseline | None) -> dict[str, Any]:

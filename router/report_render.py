@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+UNVERIFIED = "* the price was not confirmed by independent sources (price_verified = false in the preset)."
 COLORS = ("#2b6cb0", "#dd6b20", "#2f855a", "#805ad5", "#c53030", "#718096")
 
 
@@ -32,11 +33,11 @@ COLORS = ("#2b6cb0", "#dd6b20", "#2f855a", "#805ad5", "#c53030", "#718096")
 def dollars(x: float | None) -> str:
     if x is None:
         return "n/a"
-    if abs(x) >= 100:
+    if abs(x) >= 1:
         return f"${x:,.2f}"
     if x == 0:
         return "$0"
-    digits = max(2, 3 - int(math.floor(math.log10(abs(x)))))
+    digits = 3 - int(math.floor(math.log10(abs(x))))  # four significant digits
     return f"${x:,.{digits}f}"
 
 
@@ -78,7 +79,6 @@ def group_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "$/GPU-h",
         "price date",
         "replica-h",
-        "GPU-h",
         "cost",
         "tokens",
         "sessions",
@@ -90,12 +90,11 @@ def group_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = [
         [
             g["name"],
-            g["accelerator"] or "?",
+            (g["accelerator"] or "?") + (f" x{g['gpus_per_replica']}" if g["gpus_per_replica"] else ""),
             g["weight_format"] or "?",
             dollars(g["price_per_gpu_hour"]),
-            (g["price_date"] or "n/a") + ("" if g["price_verified"] else " (unverified)"),
+            (g["price_date"] or "n/a") + ("" if g["price_verified"] else " *"),
             hours(g["replica_seconds"]),
-            hours(g["gpu_seconds"]),
             dollars(g["cost_dollars"]),
             num(int(g["tokens"])),
             num(int(g["sessions"])),
@@ -130,12 +129,12 @@ def mismatch_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def version_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Cost and tokens per group and weight version (version n/a: the replica reported none)."""
-    head = ["group", "version", "replica-h", "GPU-h", "cost", "tokens", "$/1M tokens"]
+def version_table(report: dict[str, Any], last: int = 50) -> tuple[list[str], list[list[str]]]:
+    """Cost and tokens per weight version over every group (n/a: replicas that reported none);
+    per group they are in report.json."""
+    head = ["version", "replica-h", "GPU-h", "cost", "tokens", "$/1M tokens"]
     rows = [
         [
-            v["group"],
             "n/a" if v["version"] is None else str(v["version"]),
             hours(v["replica_seconds"]),
             hours(v["gpu_seconds"]),
@@ -143,7 +142,7 @@ def version_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             num(int(v["tokens"])),
             dollars(v["cost_per_1m_tokens"]),
         ]
-        for v in report["versions"]
+        for v in report["version_totals"][-last:]
     ]
     return head, rows
 
@@ -310,10 +309,10 @@ def markdown(report: dict[str, Any]) -> str:
         ]
 
     out = ["# mixfleet cost report", "", *summary_lines(report), ""]
-    out += ["## Cost and samples per group", "", *table(*group_table(report)), ""]
+    out += ["## Cost and samples per group", "", *table(*group_table(report)), "", UNVERIFIED, ""]
     out += ["## Mismatch beside cost", "", *table(*mismatch_table(report)), ""]
     out += ["## Mixed fleet vs homogeneous baseline", "", *what_if_lines(report), ""]
-    out += ["## Per weight version", "", *table(*version_table(report)), ""]
+    out += ["## Per weight version (latest 50)", "", *table(*version_table(report)), ""]
     head, rows = update_table(report)
     out += [
         "## Updates (latest 50)",
@@ -327,11 +326,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 _CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1a202c;
-       margin: 24px auto; max-width: 1180px; padding: 0 16px; }
+       margin: 24px auto; max-width: 1240px; padding: 0 16px; }
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; }
 p.note { color: #4a5568; margin: 2px 0; }
-table { border-collapse: collapse; font-size: 12.5px; margin: 8px 0; }
-th, td { border-bottom: 1px solid #e2e8f0; padding: 4px 8px; text-align: right; white-space: nowrap; }
+.wide { overflow-x: auto; }
+table { border-collapse: collapse; font-size: 12px; margin: 8px 0; }
+th, td { border-bottom: 1px solid #e2e8f0; padding: 4px 7px; text-align: right; white-space: nowrap; }
 th { background: #f7fafc; } td:first-child, th:first-child { text-align: left; }
 code { font-size: 12.5px; background: #f7fafc; padding: 0 3px; }
 .plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: 12px; }
@@ -343,7 +343,7 @@ def html_page(report: dict[str, Any], images: dict[str, bytes]) -> str:
     def table(head: list[str], rows: list[list[str]]) -> str:
         th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-        return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+        return f'<div class="wide"><table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table></div>'
 
     def paras(lines: list[str]) -> str:
         return "".join(f'<p class="note">{_code(html.escape(x))}</p>' for x in lines)
@@ -359,10 +359,10 @@ def html_page(report: dict[str, Any], images: dict[str, bytes]) -> str:
         f"<style>{_CSS}</style></head><body>"
         f"<h1>mixfleet cost report</h1>{paras(summary_lines(report))}"
         f'<div class="plots">{figs}</div>'
-        f"<h2>Cost and samples per group</h2>{table(*group_table(report))}"
+        f"<h2>Cost and samples per group</h2>{table(*group_table(report))}{paras([UNVERIFIED])}"
         f"<h2>Mismatch beside cost</h2>{table(*mismatch_table(report))}"
         f"<h2>Mixed fleet vs homogeneous baseline</h2>{paras(what_if_lines(report))}"
-        f"<h2>Per weight version</h2>{table(*version_table(report))}"
+        f"<h2>Per weight version (latest 50)</h2>{table(*version_table(report))}"
         f"<h2>Updates (latest 50)</h2>{table(head, rows) if rows else paras(['No update acknowledged yet.'])}"
         "</body></html>"
     )

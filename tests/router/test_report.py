@@ -185,6 +185,11 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     )
     assert by_version[("slow", 1)]["gpu_seconds"] == approx(18) and by_version[("slow", 1)]["tokens"] == 80
     assert by_version[("fast", 2)]["cost_per_1m_tokens"] == approx(10 * FAST / 180 * 1e6)
+    v1, v2 = r["version_totals"]
+    assert (v1["version"], v1["tokens"], v2["version"], v2["tokens"]) == (1, 220, 2, 180)
+    assert v1["replica_seconds"] == approx(15 + 18) and v1["gpu_seconds"] == approx(2 * 15 + 18)
+    assert v1["cost_dollars"] == approx(15 * FAST + 18 * SLOW) and v2["cost_dollars"] == approx(10 * FAST)
+    assert v1["cost_per_1m_tokens"] == approx((15 * FAST + 18 * SLOW) / 220 * 1e6)
 
     w = r["what_if"]
     homogeneous = load_preset("homogeneous").groups[0]
@@ -213,20 +218,20 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
 
     md = (out / "report.md").read_text()
     lines = md.splitlines()
-    fast_row, fast_mismatch, *fast_versions = [line for line in lines if line.startswith("| fast |")]
-    slow_row, slow_mismatch, *slow_versions = [line for line in lines if line.startswith("| slow |")]
+    fast_row, fast_mismatch = [line for line in lines if line.startswith("| fast |")]
+    slow_row, slow_mismatch = [line for line in lines if line.startswith("| slow |")]
     assert fast_row == (
-        "| fast | B200 | nvfp4 | $3.600 | 2026-09-30 | 0.00694 | 0.0139 | $0.05000 | 320 | 3 | $156.25 "
+        "| fast | B200 x2 | nvfp4 | $3.60 | 2026-09-30 | 0.00694 | $0.05000 | 320 | 3 | $156.25 "
         "| 80.0% | 60.0% | 84.7% |"
     )
     assert slow_row == (
-        "| slow | A100-80GB | bf16 | $1.800 | 2026-09-30 (unverified) | 0.005 | 0.005 | $0.009000 | 80 | 2 "
+        "| slow | A100-80GB x1 | bf16 | $1.80 | 2026-09-30 * | 0.005 | $0.009000 | 80 | 2 "
         "| $112.50 | 20.0% | 40.0% | 15.3% |"
     )
-    assert fast_versions + slow_versions == [
-        "| fast | 1 | 0.00417 | 0.00833 | $0.03000 | 140 | $214.29 |",
-        "| fast | 2 | 0.00278 | 0.00556 | $0.02000 | 180 | $111.11 |",
-        "| slow | 1 | 0.005 | 0.005 | $0.009000 | 80 | $112.50 |",
+    per_version = md.split("## Per weight version (latest 50)")[1].split("## ")[0].strip().splitlines()
+    assert per_version[2:] == [
+        "| 1 | 0.00917 | 0.0133 | $0.03900 | 220 | $177.27 |",
+        "| 2 | 0.00278 | 0.00556 | $0.02000 | 180 | $111.11 |",
     ]
     assert fast_mismatch == "| fast | nvfp4 | $0.05000 | $156.25 | 84.7% | 100 | 0.0012 | 0.031 | 2.0% |"
     assert slow_mismatch == "| slow | bf16 | $0.009000 | $112.50 | 15.3% | n/a | n/a | n/a | n/a |"
