@@ -18,7 +18,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * the cost ledger (:mod:`router.ledger`): ``mf:ledger`` hash ``rs:<g>``, ``gs:<g>``, ``usd:<g>``
   (replica-, GPU-seconds and dollars per group); ``mf:ledger:v`` hash ``rs|gs|usd|tok:<g>:<v>``
   per group and version (``-``: none reported); ``mf:mark:<replica>`` the replica's booked-until
-  time; ``mf:updates`` list of JSON update records in acknowledgement order
+  time (expires long after it passed: an observation then books its span as it would anyway);
+  ``mf:updates`` list of JSON update records in acknowledgement order
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
 installed). Each operation is one round trip where its reads and writes allow: a mutation is one
@@ -609,7 +610,7 @@ class RedisStore(StateStore):
             raw = await pipe.get(mark)
             c = charge(None if raw is None else float(raw), at, span_s, gpus_per_replica, price_per_gpu_hour)
             pipe.multi()
-            pipe.set(mark, repr(c.booked_until))
+            pipe.set(mark, repr(c.booked_until), ex=_mark_ttl(span_s))
             if c.replica_seconds > 0:
                 for name, amount in (
                     ("rs", c.replica_seconds),
@@ -674,6 +675,11 @@ class RedisStore(StateStore):
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def _mark_ttl(span_s: float) -> int:
+    """Seconds a booked-until mark is kept: far beyond any observation it could still overlap."""
+    return int(max(3600.0, 10 * span_s))
 
 
 def _totals(money: dict, stats: dict) -> dict[str, LedgerTotals]:
