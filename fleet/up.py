@@ -20,7 +20,9 @@ Before: nothing (a fresh machine is fine). What it does, in order:
    never paused.
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
-   reads when ``MIXFLEET_API_KEY`` is unset.
+   reads when ``MIXFLEET_API_KEY`` is unset. The sidecars heartbeat with a key of scope
+   ``replica`` only: one of ``MIXFLEET_API_KEYS`` that has it, else a fresh one for this run
+   (the router admits it beside the others); they never hold the admin key.
 
 After: prints the URL, the key and commands to paste, and serves until Ctrl-C or SIGTERM. It
 supervises its processes: an engine or sidecar that exits is started again (with backoff; logged;
@@ -103,6 +105,16 @@ def _api_keys(data: Path) -> tuple[dict[str, list[str]], str | None, bool]:
     return {token: list(ALL_SCOPES)}, token, True
 
 
+def _replica_key(keys: dict[str, list[str]]) -> tuple[dict[str, list[str]], str]:
+    """(the router's keys, the sidecars' key): a key of ``keys`` with the ``replica`` scope, else
+    a fresh one of that scope alone, added to the router's keys."""
+    mine = next((k for k, scopes in keys.items() if "replica" in scopes), None)
+    if mine is not None:
+        return keys, mine
+    token = "mf-replica-" + secrets.token_urlsafe(32)
+    return {**keys, token: ["replica"]}, token
+
+
 def _ensure_base(base: Path, model_preset: str) -> None:
     if (base / "config.json").is_file():
         return
@@ -174,6 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
             )
 
     keys, admin_key, generated = _api_keys(data)
+    keys, replica_key = _replica_key(keys)
     _ensure_base(base, args.model_preset)
     store = LocalStore(store_root)
     formats = list(dict.fromkeys(g.weight_format for g in local_groups))
@@ -194,7 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.run,
         host=args.host,
         router_url=router_url,
-        sidecar_env=common_env,
+        sidecar_env={"MIXFLEET_API_KEY": replica_key},
         engine_threads=args.engine_threads,
     )
     with launcher, Probe() as probe:

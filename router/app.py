@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -37,15 +38,18 @@ from router.schemas import Healthz
 from router.state.base import StateError, StateUnavailable
 
 log = logging.getLogger("mixfleet.router")
+ROUTER_HEADER = b"x-mixfleet-router"
 
 
 class EdgeMiddleware:
-    """Pure ASGI: refuses oversize bodies with 413 and times every request into the metrics."""
+    """Pure ASGI: refuses oversize bodies with 413, times every request into the metrics and names
+    the router process that answered (``X-Mixfleet-Router: <host>/<pid>``)."""
 
     def __init__(self, app: ASGIApp, ctx: RouterContext) -> None:
         self.app = app
         self.ctx = ctx
         self.limit = ctx.config.max_body_bytes
+        self.worker = (ROUTER_HEADER, f"{os.uname().nodename}/{os.getpid()}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,6 +83,7 @@ class EdgeMiddleware:
         async def timed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), self.worker]}
             await send(message)
 
         try:

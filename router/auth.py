@@ -1,5 +1,5 @@
-"""Bearer API keys with scopes ``rollout`` (sessions, /generate), ``trainer`` (batches) and
-``admin`` (weights, replicas).
+"""Bearer API keys with scopes ``rollout`` (sessions, /generate), ``trainer`` (batches),
+``admin`` (weights, replicas) and ``replica`` (a sidecar's heartbeats, nothing else).
 
 Keys come from ``MIXFLEET_API_KEYS`` (a JSON object ``{"<token>": ["rollout", ...]}``) or a file
 holding the same JSON. Tokens are compared in constant time against every configured key.
@@ -21,7 +21,7 @@ from router.config import SCOPES
 from weight_sync.errors import UserError
 
 ENV_VAR = "MIXFLEET_API_KEYS"
-_bearer = HTTPBearer(auto_error=False, description="API key; scopes rollout, trainer, admin")
+_bearer = HTTPBearer(auto_error=False, description="API key; scopes rollout, trainer, admin, replica")
 
 
 def parse_keys(text: str, where: str) -> dict[str, frozenset[str]]:
@@ -91,6 +91,6 @@ def require(*scopes: str):
         if have is None:
             raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
         if "any" not in wanted and not wanted & have:
-            raise HTTPException(403, f"API key lacks the '{scopes[0]}' scope")
+            raise HTTPException(403, f"API key lacks the {' or '.join(repr(x) for x in scopes)} scope")
 
     return check

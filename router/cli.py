@@ -1,9 +1,16 @@
-"""Run the router alone against the replicas a preset lists (mixfleet router --preset FILE)."""
+"""Run the router alone against the replicas a preset lists (mixfleet router --preset FILE).
+
+``--workers N`` serves the port from N router processes (uvicorn's own workers, each building its
+app with :func:`app_from_env`); they share everything that changes answers through ``--state
+redis://...``, so N > 1 with ``memory`` state is refused.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 
 from weight_sync.errors import UserError
 
@@ -12,12 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", required=True, help="preset name or TOML file (groups, replica URLs)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes serving the port (default 1; more than one needs --state redis://...)",
+    )
     parser.add_argument("--state", default="memory", help="memory (default) or redis://host:port/db")
     parser.add_argument("--policy", default="capacity", choices=("capacity", "round_robin", "cost"))
     parser.add_argument(
         "--api-keys-file",
         default=None,
-        help='JSON {"<token>": ["rollout", "trainer", "admin"]}; default: $MIXFLEET_API_KEYS',
+        help='JSON {"<token>": ["rollout", "trainer", "admin", "replica"]}; default: $MIXFLEET_API_KEYS',
     )
     parser.add_argument(
         "--insecure-no-auth", action="store_true", help="serve without API keys (logs a warning)"
@@ -55,6 +68,13 @@ def build_config(args: argparse.Namespace):
         raise UserError("no API keys: set MIXFLEET_API_KEYS or --api-keys-file, or pass --insecure-no-auth")
     if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
         raise UserError(f"--state must be 'memory' or a redis:// URL, got {args.state!r}")
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and args.state == "memory":
+        raise UserError(
+            f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
+        )
     for name in ("heartbeat_timeout", "lease_timeout"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
@@ -79,31 +99,54 @@ def build_config(args: argparse.Namespace):
     )
 
 
-def _extra_routers() -> list:
-    """The weight-sync admin routes (store and run from ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``)."""
+ARGS_ENV = "MIXFLEET_ROUTER_ARGS"
+
+
+def router_app(config):
+    """The router app for ``config`` with the weight-sync admin routes (store and run from
+    ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``)."""
+    from router.app import create_app
     from router.routes_weights import create_weights_router
 
-    return [create_weights_router()]
+    return create_app(config, extra_routers=[create_weights_router()])
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve the router with uvicorn (which uses uvloop and httptools when they are installed)
-    until it is stopped. The process exports no ``_created`` series: every counter is its
-    ``_total``."""
+def app_from_env():
+    """uvicorn's app factory in every router worker: :func:`router_app` of the arguments
+    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON), with this process's logging set up
+    and no ``_created`` series exported (every counter is its ``_total``)."""
     import prometheus_client
-    import uvicorn
 
-    from router.app import create_app
-
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port must be in 1..65535, got {args.port}")
-    config = build_config(args)
+    raw = os.environ.get(ARGS_ENV)
+    if not raw:
+        raise UserError(f"{ARGS_ENV} is not set: start the router with `mixfleet router`")
+    args = argparse.Namespace(**json.loads(raw))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     prometheus_client.disable_created_metrics()
-    app = create_app(config, extra_routers=_extra_routers())
+    return router_app(build_config(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the router with uvicorn (which uses uvloop and httptools when they are installed)
+    until it is stopped: ``--workers`` processes, each building its app with :func:`app_from_env`
+    (the arguments are checked here first, so a bad one is one line and nothing starts)."""
+    import uvicorn
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    build_config(args)
+    plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
+    os.environ[ARGS_ENV] = json.dumps(plain)
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, server_header=False
+        "router.cli:app_from_env",
+        factory=True,
+        workers=args.workers,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        server_header=False,
     )
     return 0

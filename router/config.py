@@ -10,7 +10,7 @@ from fleet.specs import FleetSpec
 
 Policy = Literal["capacity", "round_robin", "cost"]
 POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")
-SCOPES: tuple[str, ...] = ("rollout", "trainer", "admin")
+SCOPES: tuple[str, ...] = ("rollout", "trainer", "admin", "replica")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,13 @@
 registry, the one HTTP pool of engine calls (``http``; :meth:`RouterContext.client` is the engine
 client on it), metrics, and the latest published weight version.
 
+What changes answers lives in the state store, shared by every router process on it: sessions,
+trajectories, the replicas' heartbeats and static-poll results, the latest version, the routing
+window (:func:`router.policy.assign_group`) and the weight jobs. The registry is this process's
+view of the store's replicas (adopted every ``poll_interval_s`` and before ``/v1/groups``
+answers) plus what only this process observes of its own engine calls: requests in flight,
+failure cooldowns and the passive health of a served request.
+
 Other modules add routes that use it (e.g. the weight-sync admin routes): pass them to
 ``create_app(config, extra_routers=[...])`` or call :func:`router.app.include_routes`; inside a
 route, ``request.app.state.ctx`` is this object. ``await ctx.publish_version(v)`` records a
@@ -12,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from typing import Any
@@ -28,7 +34,7 @@ from fleet.sglang_client import (
 )
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.policy import AssignmentWindow, GroupLoad
+from router.policy import WINDOW_SIZE, AssignmentWindow, GroupLoad
 from router.registry import Registry, Replica
 from router.state import open_store
 from router.state.base import GroupCounters, StateError, StateStore
@@ -50,8 +56,6 @@ class RouterContext:
         self.metrics = RouterMetrics()
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
-        self._rr = itertools.count()
-        self.window = AssignmentWindow()  # this router's latest session assignments
         self._tasks: list[asyncio.Task] = []
         self.started = time.time()
 
@@ -139,12 +143,19 @@ class RouterContext:
         statics = [r for r in self.registry.replicas.values() if r.static]
         await asyncio.gather(*(self._poll_static(r.replica_id, r.url, r.vocab_size is None) for r in statics))
         try:
-            self.registry.merge_shared(await self.store.list_replicas())
-            latest = await self.store.get_latest_version()
-            if latest is not None:
-                self._latest = latest if self._latest is None else max(self._latest, latest)
+            await self.adopt_shared()
         except StateError as exc:
             log.warning("state store unavailable during poll: %s", exc)
+
+    async def adopt_shared(self) -> None:
+        """Bring the registry and the latest version up to the store's: heartbeats and poll
+        results any router stored, replicas any router removed. Raises StateError."""
+        started = time.time()
+        shared = await self.store.list_replicas()
+        self.registry.merge_shared(shared, read_since=started)
+        latest = await self.store.get_latest_version()
+        if latest is not None:
+            self._latest = latest if self._latest is None else max(self._latest, latest)
 
     async def _poll_static(self, replica_id: str, url: str, want_vocab: bool) -> None:
         c = self.client(url)
@@ -202,10 +213,8 @@ class RouterContext:
     async def current_loads(self) -> list[GroupLoad]:
         return self.group_loads(await self.store.counters())
 
-    def next_rr(self) -> int:
-        return next(self._rr)
-
     async def groups_snapshot(self) -> dict[str, Any]:
+        await self.adopt_shared()
         counters = await self.store.counters()
         loads = {g.name: g for g in self.group_loads(counters)}
         latest = self.latest_version()
@@ -213,8 +222,9 @@ class RouterContext:
         total_sessions = sum(c.sessions for c in counters.values()) or 0
         total_tokens = sum(c.tokens for c in counters.values()) or 0
         total_capacity = sum(g.capacity for g in loads.values()) or 0.0
-        window_sessions = self.window.sessions()
-        window_tokens = self.window.tokens({g: c.tokens for g, c in counters.items()})
+        window = AssignmentWindow.of(await self.store.window(WINDOW_SIZE))
+        window_sessions = window.sessions()
+        window_tokens = window.tokens({g: c.tokens for g, c in counters.items()})
         window_total = sum(window_sessions.values())
         window_tokens_total = sum(window_tokens.values())
         groups = []

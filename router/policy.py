@@ -4,8 +4,9 @@ Capacity of a group = sum over its ready replicas of ``sessions_per_replica``, t
 throughput factor once decode throughput is measured (a group that decodes more tokens/s per
 session slot than the fleet's average gets proportionally more sessions; clamped to [1/4, 4]).
 
-* ``capacity``: sessions are apportioned by capacity share, with a memory: the router's
-  :class:`AssignmentWindow` of its latest assignments. Among the healthy candidates, each group
+* ``capacity``: sessions are apportioned by capacity share, with a memory: the
+  :class:`AssignmentWindow` of the fleet's latest assignments, kept in the state store and shared
+  by every router on it. Among the healthy candidates, each group
   is *owed* ``share * (n + 1) - kept`` sessions, where ``share`` is its capacity share among the
   candidates, ``kept`` its count among the window's entries that stay when one more is recorded
   and ``n`` the candidates' total of those; the most-owed group wins (smooth weighted round
@@ -20,14 +21,16 @@ session slot than the fleet's average gets proportionally more sessions; clamped
   the unit apportioned: a group's share of generated tokens follows when sessions generate
   comparable token counts on every group; the window measures tokens so that this can be
   checked (``/v1/groups``), it does not steer by them.
-* ``round_robin``: healthy groups in turn.
+* ``round_robin``: healthy groups in turn (the turn is the count of assignments the state store
+  has recorded, so routers sharing a store take turns together).
 * ``cost``: the cheapest healthy group (cost per token) that still has room
   (``active_sessions + 1 <= capacity``); when none has room, the one with the smallest live
   fill ``(active_sessions + 1) / capacity`` (ties to the cheaper, then the name).
 
 :func:`assign_group` applies the configured policy to a router's live loads and records the
-choice in its window; this module never imports the router's context (it reads it through
-:class:`Placement`).
+choice in the shared window (:meth:`router.state.base.StateStore.assign`: decided on exactly the
+window it appends to, so concurrent assignments by any number of routers each see the ones before
+them); this module never imports the router's context (it reads it through :class:`Placement`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.errors import unavailable
+from router.state.base import StateStore, WindowEntry
 
 # Per-session decode rate assumed before a group reports throughput (tokens/s); only used to
 # compare prices of groups that have not measured yet.
@@ -60,14 +64,14 @@ class GroupLoad:
 
 
 class AssignmentWindow:
-    """The groups of a router's latest ``size`` session assignments, oldest first, each with the
-    state store's per-group token totals at the time it was made.
+    """The groups of the latest ``size`` session assignments, oldest first, each with the state
+    store's per-group token totals at the time it was made: a value, built from the store's
+    window (:meth:`of`) or recorded into locally.
 
     After :meth:`record`, the window holds the last ``min(size, recorded)`` assignments.
     :meth:`sessions` counts them per group; :meth:`kept` counts the ones that stay when one more
     is recorded (all of them until the window is full); :meth:`tokens` is how many tokens each
-    group generated since the oldest assignment in the window was made. In memory, one per
-    router.
+    group generated since the oldest assignment in the window was made.
     """
 
     def __init__(self, size: int = WINDOW_SIZE) -> None:
@@ -76,6 +80,14 @@ class AssignmentWindow:
         self.size = size
         self._entries: deque[tuple[str, Mapping[str, int]]] = deque()
         self._counts: dict[str, int] = {}
+
+    @classmethod
+    def of(cls, entries: Iterable[WindowEntry], size: int = WINDOW_SIZE) -> AssignmentWindow:
+        """The window holding the last ``size`` of ``entries`` (oldest first)."""
+        window = cls(size)
+        for e in entries:
+            window.record(e.group, e.tokens_total)
+        return window
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -187,29 +199,37 @@ class Placement(Protocol):
     def policy(self) -> str: ...
 
     @property
-    def window(self) -> AssignmentWindow: ...
+    def store(self) -> StateStore:
+        """The state store whose routing window the router shares."""
+        ...
 
     async def current_loads(self) -> list[GroupLoad]:
         """Every group of the fleet, with its live capacity, load and token total."""
         ...
 
-    def next_rr(self) -> int: ...
-
 
 async def assign_group(ctx: Placement, exclude: Collection[str] = frozenset()) -> str:
     """The group a new session (or one that must leave its group) goes to, by ``ctx.policy``,
-    among the groups not in ``exclude``. The choice is recorded in ``ctx.window`` (whatever the
-    policy) before this returns, with no await between choosing and recording, so concurrent
-    assignments each see the ones before them. Raises a 503 :class:`router.errors.ApiError`
-    when no candidate group has a replica in rotation."""
+    among the groups not in ``exclude``. The choice is made on the store's window of the latest
+    ``WINDOW_SIZE`` assignments and recorded in it (whatever the policy) in one atomic step
+    (:meth:`~router.state.base.StateStore.assign`), so concurrent assignments, through this router
+    or any other sharing the store, each see the ones before them. Raises a 503
+    :class:`router.errors.ApiError` when no candidate group has a replica in rotation (nothing
+    is recorded)."""
     loads = await ctx.current_loads()
     candidates = [g for g in loads if g.name not in exclude]
-    window = ctx.window
-    name = choose_group(ctx.policy, candidates, ctx.next_rr(), window.kept())
-    if name is None:
+    tokens = {g.name: g.tokens_total for g in loads}
+    policy = ctx.policy
+
+    def decide(entries: Sequence[WindowEntry], seq: int) -> WindowEntry | None:
+        kept = AssignmentWindow.of(entries, WINDOW_SIZE).kept()
+        name = choose_group(policy, candidates, seq, kept)
+        return None if name is None else WindowEntry(name, tokens)
+
+    entry = await ctx.store.assign(decide, WINDOW_SIZE)
+    if entry is None:
         raise unavailable("no sampler group has a replica in rotation", retry_after=2.0)
-    window.record(name, {g.name: g.tokens_total for g in loads})
-    return name
+    return entry.group
 
 
 def choose_replica(

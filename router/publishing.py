@@ -3,9 +3,13 @@ admin weight routes (:mod:`router.routes_weights`).
 
 Contracts:
 
-- One job runs at a time (:class:`JobRunning` for a second); a job ends ``done`` with the
-  publisher's result or ``failed`` with a message, never silently. The last ``MAX_JOBS_KEPT``
-  finished jobs stay readable.
+- One job runs at a time across every router sharing the state store (its job lock,
+  :meth:`~router.state.base.StateStore.acquire_job_lock`; :class:`JobRunning` for a second,
+  whichever router it reaches); a job ends ``done`` with the publisher's result or ``failed`` with
+  a message, never silently. Job views live in the state store, so any router answers for any
+  job; the last ``MAX_JOBS_KEPT`` stay readable. The router running a job renews its lock every
+  ``LOCK_RENEW_S`` seconds; a job whose router stopped (its lock lapsed ``LOCK_TTL_S`` after the
+  last renewal, or another job holds it) reads ``failed``.
 - A job converts the BF16 checkpoint once per format and publishes it
   (:mod:`weight_sync.publish`); every pointer move raises the router's latest published version
   (``ctx.publish_version``, which the routing policy uses for ``max_version_lag``) and wakes every
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import shutil
@@ -42,6 +45,7 @@ from typing import Any
 
 from fleet.sglang_client import EngineError
 from router.context import RouterContext
+from router.state.base import StateError
 from weight_sync.errors import UserError
 from weight_sync.publish import ConversionPool
 from weight_sync.types import FormatRef, VersionRef
@@ -49,6 +53,9 @@ from weight_sync.types import FormatRef, VersionRef
 log = logging.getLogger("mixfleet.router.publishing")
 MAX_JOBS_KEPT = 50
 SIDECAR_TIMEOUT_S = 1.0
+LOCK_TTL_S = 30.0
+LOCK_RENEW_S = 5.0
+ORPHANED = "the router running this job stopped before it finished"
 
 
 class StoreNotConfigured(UserError):
@@ -153,8 +160,8 @@ class PublishService:
         self._store_root = store_root
         self._run_id = run_id
         self.workers = workers
-        self.jobs: dict[str, Job] = {}
-        self._busy = threading.Lock()
+        self.jobs: dict[str, Job] = {}  # the jobs this router runs now
+        self._saving = asyncio.Lock()
         self._store = None
         self.tasks: set[asyncio.Task] = set()
         self.pool: ConversionPool | None = None
@@ -225,22 +232,53 @@ class PublishService:
             self._warmer = None
 
     # jobs --------------------------------------------------------------------------------------
-    def start_job(self, kind: str, run_id: str, version: int | None) -> Job:
-        """A new running job; :class:`JobRunning` while another runs."""
-        if not self._busy.acquire(blocking=False):
-            raise JobRunning([j.job_id for j in self.jobs.values() if j.state == "running"])
+    async def start_job(self, ctx: RouterContext, kind: str, run_id: str, version: int | None) -> Job:
+        """A new running job holding the store's job lock, its view stored; :class:`JobRunning`
+        while another job (of any router) holds the lock."""
         job = Job(job_id=uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=version)
+        if not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
+            holder = await ctx.store.job_lock_holder()
+            if holder is not None or not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
+                raise JobRunning([holder or "another router's"])
         self.jobs[job.job_id] = job
-        for old in list(itertools.islice(self.jobs, max(0, len(self.jobs) - MAX_JOBS_KEPT))):
-            if self.jobs[old].state != "running":
-                del self.jobs[old]
+        try:
+            await self.save(ctx, job)
+        except StateError:
+            self.jobs.pop(job.job_id, None)
+            with contextlib.suppress(StateError):
+                await ctx.store.release_job_lock(job.job_id)
+            raise
         return job
 
-    def finish_job(self, job: Job, result: dict[str, Any] | None, error: str | None) -> None:
+    async def finish_job(
+        self, ctx: RouterContext, job: Job, result: dict[str, Any] | None, error: str | None
+    ) -> None:
+        """End ``job``: its final view is stored, then the lock is freed."""
         job.result, job.error = result, error
         job.state = "failed" if error else "done"
         job.finished_at = time.time()
-        self._busy.release()
+        try:
+            await self.save(ctx, job)
+        finally:
+            self.jobs.pop(job.job_id, None)
+            with contextlib.suppress(StateError):
+                await ctx.store.release_job_lock(job.job_id)
+
+    async def save(self, ctx: RouterContext, job: Job) -> None:
+        """Store the job's view as it is now (a save never overwrites a newer one with an older)."""
+        async with self._saving:
+            await ctx.store.put_job(job.job_id, job.view(), MAX_JOBS_KEPT)
+
+    async def job_view(self, ctx: RouterContext, job_id: str) -> dict[str, Any] | None:
+        """The stored view of any router's job (None: unknown or forgotten); a running job whose
+        lock its router no longer holds reads ``failed``."""
+        view = await ctx.store.get_job(job_id)
+        if view is None:
+            return None
+        return _orphaned(view) if view["state"] == "running" and not await self._holds(ctx, job_id) else view
+
+    async def _holds(self, ctx: RouterContext, job_id: str) -> bool:
+        return await ctx.store.job_lock_holder() == job_id
 
     def _run(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
         """Run ``work`` (a blocking publisher call) for ``job`` in a thread, from the event loop."""
@@ -249,20 +287,28 @@ class PublishService:
         task.add_done_callback(self.tasks.discard)
 
     async def _finish(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
+        runner = asyncio.ensure_future(asyncio.to_thread(work))
+        while not (await asyncio.wait({runner}, timeout=LOCK_RENEW_S))[0]:
+            try:  # still running: keep the lock, and the stored view current
+                if not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
+                    job.events.append({"kind": "warning", "message": "lost the job lock", "t": time.time()})
+                await self.save(ctx, job)
+            except StateError as exc:
+                log.warning("cannot renew weight job %s in the state store: %s", job.job_id, exc)
         try:
-            result = await asyncio.to_thread(work)
+            result = runner.result()
         except UserError as exc:
-            self.finish_job(job, None, str(exc))
+            await self.finish_job(ctx, job, None, str(exc))
             return
         except Exception as exc:  # a bug must still end the job with a message
-            self.finish_job(job, None, f"{type(exc).__name__}: {exc}")
+            await self.finish_job(ctx, job, None, f"{type(exc).__name__}: {exc}")
             return
         try:
             await ctx.publish_version(result.version)
         except Exception as exc:
             job.events.append({"kind": "warning", "message": f"could not record latest version: {exc}"})
         job.version = result.version
-        self.finish_job(job, result.to_dict(), None)
+        await self.finish_job(ctx, job, result.to_dict(), None)
         await wake_replicas(ctx)
 
     def _events(self, ctx: RouterContext, job: Job) -> Callable[[str, dict[str, Any]], None]:
@@ -276,8 +322,13 @@ class PublishService:
                 await ctx.publish_version(version)
             await wake_replicas(ctx)
 
+        async def saved() -> None:
+            with contextlib.suppress(StateError):
+                await self.save(ctx, job)
+
         def on_event(kind: str, info: dict[str, Any]) -> None:
             job.events.append({"kind": kind, **info, "t": time.time()})
+            asyncio.run_coroutine_threadsafe(saved(), loop)
             if kind == "advanced" and job.version is not None:
                 asyncio.run_coroutine_threadsafe(advanced(job.version), loop)
 
@@ -322,7 +373,7 @@ class PublishService:
             raise VersionTooOld(run_id, version, current)
         if delta_of is not None:
             check_delta_base(store, run_id, version, delta_of, formats)
-        job = self.start_job("publish", run_id, version)
+        job = await self.start_job(ctx, "publish", run_id, version)
         kwargs = {"mode": mode, **self.publish_kwargs(len(formats)), "on_event": self._events(ctx, job)}
 
         def work():
@@ -343,7 +394,7 @@ class PublishService:
         run_id = run_id or self.run_id
         formats = list(ctx.config.fleet.formats)
         version = version if version is not None else next_version(store, run_id, formats)
-        job = self.start_job("rollback", run_id, version)
+        job = await self.start_job(ctx, "rollback", run_id, version)
         on_event = self._events(ctx, job)
         self._run(
             ctx, job, lambda: do_rollback(store, run_id, to, formats, version=version, on_event=on_event)
@@ -365,7 +416,7 @@ class PublishService:
         if "bf16" not in store_formats(store, run_id, from_version):
             raise NoBf16Copy(run_id, from_version)
         version = next_version(store, run_id, formats)
-        job = self.start_job("perturbation", run_id, version)
+        job = await self.start_job(ctx, "perturbation", run_id, version)
         t, s = swap_rows
         on_event = self._events(ctx, job)
 
@@ -463,7 +514,11 @@ class PublishService:
                     "replicas": reps,
                 }
             )
-        jobs = [j.view() for j in list(self.jobs.values())[-10:]]
+        holder = await ctx.store.job_lock_holder()
+        jobs = [
+            _orphaned(j) if j["state"] == "running" and j["job_id"] != holder else j
+            for j in await ctx.store.list_jobs(10)
+        ]
         for j in jobs:
             j.pop("events", None)
         return {
@@ -473,6 +528,11 @@ class PublishService:
             "groups": groups,
             "jobs": jobs,
         }
+
+
+def _orphaned(view: dict[str, Any]) -> dict[str, Any]:
+    """A stored running job's view once its router stopped holding its lock."""
+    return {**view, "state": "failed", "error": ORPHANED}
 
 
 def _warm(pool: ConversionPool) -> None:

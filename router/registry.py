@@ -96,10 +96,19 @@ class Registry:
         r.wall_seen = time.time() if wall is None else wall
         return r
 
-    def merge_shared(self, shared: dict[str, dict[str, Any]], now: float | None = None) -> None:
-        """Adopt heartbeats other routers received (newer ``wall_seen`` wins)."""
+    def merge_shared(
+        self, shared: dict[str, dict[str, Any]], now: float | None = None, *, read_since: float | None = None
+    ) -> None:
+        """Adopt the replicas of the state store's map ``shared`` (newer ``wall_seen`` wins). With
+        ``read_since`` (the wall time the map's read began) the map is the whole registry: a
+        heartbeat replica missing from it and last seen before then was removed (by any router)
+        and leaves this registry too; static replicas always stay."""
         now = time.monotonic() if now is None else now
         wall_now = time.time()
+        if read_since is not None:
+            for rid in [r.replica_id for r in self.replicas.values() if not r.static]:
+                if rid not in shared and self.replicas[rid].wall_seen < read_since:
+                    del self.replicas[rid]
         for rid, data in shared.items():
             mine = self.replicas.get(rid)
             if mine is not None and mine.wall_seen >= float(data.get("wall_seen", 0)):

@@ -1,4 +1,6 @@
-"""Fleet routes: ``GET /v1/groups`` (any valid key) and the replica registry (scope ``admin``)."""
+"""Fleet routes: ``GET /v1/groups`` (any valid key), sidecar heartbeats (scope ``replica`` or
+``admin``) and deregistration (scope ``admin``). Every route answers from the state store's
+registry, whichever router process serves it."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ async def groups(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/v1/replicas/heartbeat",
-    dependencies=[Depends(require("admin"))],
+    dependencies=[Depends(require("replica", "admin"))],
     response_model=HeartbeatAck,
     summary="A sidecar reports its replica (missing heartbeats take it out of rotation)",
     responses=error_responses(*BODY),
@@ -58,6 +60,7 @@ async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
 )
 async def deregister(request: Request, replica_id: str) -> dict[str, Any]:
     ctx = _ctx(request)
+    await ctx.adopt_shared()  # a replica that heartbeated to another router counts too
     r = ctx.registry.replicas.get(replica_id)
     if r is None:
         raise ApiError(404, f"unknown replica {replica_id!r}")

@@ -14,7 +14,8 @@
 - ``GET /v1/weights``: per format the pointer, versions and manifest; per group the desired
   version, every replica's active version, lag and last activation.
 
-One job runs at a time; a second gets 409. The jobs, the store and the conversion pool are the
+One job runs at a time across every router on the state store; a second gets 409 wherever it
+lands, and any router answers for any job. The jobs, the store and the conversion pool are the
 :class:`router.publishing.PublishService` of :func:`create_weights_router`, whose lifespan
 (merged into the app's, inside the router context's) starts the pool, adopts the store's highest
 pointer before the first request, re-reads the pointers every ``pointer_poll_s`` seconds while
@@ -188,12 +189,12 @@ def create_weights_router(
         return job.view()
 
     @router.get("/v1/weights/jobs/{job_id}", dependencies=admin, responses=error_responses(*AUTH, 404, 422))
-    async def job_status(job_id: str) -> dict[str, Any]:
-        """A weight job's state, events, result or error."""
-        job = service.jobs.get(job_id)
-        if job is None:
+    async def job_status(job_id: str, request: Request) -> dict[str, Any]:
+        """A weight job's state, events, result or error (a job of any router on the state store)."""
+        view = await service.job_view(_ctx(request), job_id)
+        if view is None:
             raise ApiError(404, f"no weight job {job_id!r}")
-        return job.view()
+        return view
 
     @router.get("/v1/weights", dependencies=admin, responses=error_responses(*AUTH, 503))
     async def status(request: Request) -> dict[str, Any]:

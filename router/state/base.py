@@ -1,5 +1,7 @@
 """The router's state port: sessions, recorded turns, the ready queue with leases, counters,
-replica heartbeats and the latest published weight version.
+replica heartbeats, the latest published weight version, the routing window, and the weight jobs
+with their lock: everything a router keeps that changes its answers, so that any router process
+sharing the store can answer any request.
 
 Adapters: :mod:`router.state.memory` (one process) and :mod:`router.state.redis` (several
 routers share one Redis); :func:`router.state.open_store` picks one by URL. Both pass
@@ -13,6 +15,14 @@ Contract, for every adapter:
   changes nothing). Turn indices are 0, 1, 2, ... in append order.
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
+* The routing window holds the latest ``size`` session assignments (:class:`WindowEntry`, oldest
+  first). ``assign`` reads it, lets the caller decide on exactly that window and appends the
+  decision in one atomic step: no assignment by any router lands between the read a decision saw
+  and its append. ``seq`` counts every assignment ever recorded.
+* One weight job at a time across every router: ``acquire_job_lock`` takes the lock for a job
+  unless another job holds it; the lock lapses ``ttl_s`` after its last acquire or renewal (a
+  router that died mid-job frees it). Job views (``put_job``) are readable by every router; the
+  latest ``keep`` stay.
 * ``take`` hands out up to ``size`` ready trajectories under a fresh lease. A trajectory whose
   oldest token is more than ``max_version_age`` behind ``trainer_version`` is held back (kept,
   counted in ``held_back``) instead; held-back trajectories are handed out by a later take whose
@@ -31,7 +41,7 @@ Contract, for every adapter:
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,6 +105,15 @@ class AckResult:
     acked: int
     expired: int
     update: int | None = None  # the update this acknowledgement closed (None: it acked nothing)
+
+
+@dataclass(frozen=True)
+class WindowEntry:
+    """One session assignment in the routing window: the group it went to and the per-group
+    token totals when it was made."""
+
+    group: str
+    tokens_total: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,6 +212,47 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def delete_replica(self, replica_id: str) -> bool: ...
+
+    # routing window ----------------------------------------------------------------------
+    @abc.abstractmethod
+    async def assign(
+        self, decide: Callable[[Sequence[WindowEntry], int], WindowEntry | None], size: int
+    ) -> WindowEntry | None:
+        """Call ``decide(window, seq)`` on the latest ``size`` assignments (oldest first) and the
+        count of assignments recorded so far, and record what it returns as the newest (the oldest
+        beyond ``size`` drop out); return it (None: ``decide`` declined and nothing changed).
+        Atomic: when another assignment landed after the read, ``decide`` is called again on the
+        new window, so ``decide`` must have no effects of its own."""
+
+    @abc.abstractmethod
+    async def window(self, size: int) -> list[WindowEntry]:
+        """The latest ``size`` assignments, oldest first."""
+
+    # weight jobs ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def acquire_job_lock(self, job_id: str, ttl_s: float) -> bool:
+        """Take the one weight-job lock for ``job_id`` (or renew it when ``job_id`` holds it) for
+        ``ttl_s`` seconds; False, changing nothing, while another job holds it."""
+
+    @abc.abstractmethod
+    async def job_lock_holder(self) -> str | None:
+        """The job holding the lock now (None: free)."""
+
+    @abc.abstractmethod
+    async def release_job_lock(self, job_id: str) -> bool:
+        """Free the lock if ``job_id`` holds it; False when it did not (nothing changes)."""
+
+    @abc.abstractmethod
+    async def put_job(self, job_id: str, view: dict[str, Any], keep: int) -> None:
+        """Store ``view`` as the job's current state (replacing the last one); the ``keep`` jobs
+        first put most recently stay, older ones are forgotten."""
+
+    @abc.abstractmethod
+    async def get_job(self, job_id: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    async def list_jobs(self, n: int) -> list[dict[str, Any]]:
+        """The latest ``n`` jobs' views, oldest first."""
 
     @abc.abstractmethod
     async def get_latest_version(self) -> int | None: ...

@@ -10,8 +10,8 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from router.state.base import (
     StateStore,
     TakenTrajectory,
     TurnConflict,
+    WindowEntry,
 )
 
 
@@ -54,6 +55,10 @@ class MemoryStore(StateStore):
         )
         self._replicas: dict[str, dict[str, Any]] = {}
         self._latest: int | None = None
+        self._window: deque[WindowEntry] = deque()
+        self._window_seq = 0
+        self._job_lock: tuple[str, float] | None = None  # (job id, lapses at, monotonic)
+        self._jobs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._marks: dict[str, float] = {}  # replica -> booked until (wall clock)
@@ -284,6 +289,56 @@ class MemoryStore(StateStore):
 
     async def delete_replica(self, replica_id: str) -> bool:
         return self._replicas.pop(replica_id, None) is not None
+
+    # routing window ----------------------------------------------------------------------
+    async def assign(
+        self, decide: Callable[[Sequence[WindowEntry], int], WindowEntry | None], size: int
+    ) -> WindowEntry | None:
+        entry = decide(list(self._window)[-size:], self._window_seq)
+        if entry is None:
+            return None
+        self._window.append(entry)
+        while len(self._window) > size:
+            self._window.popleft()
+        self._window_seq += 1
+        return entry
+
+    async def window(self, size: int) -> list[WindowEntry]:
+        return list(self._window)[-size:]
+
+    # weight jobs ---------------------------------------------------------------------------
+    def _lock_holder(self) -> str | None:
+        if self._job_lock is None or self._job_lock[1] <= time.monotonic():
+            self._job_lock = None
+            return None
+        return self._job_lock[0]
+
+    async def acquire_job_lock(self, job_id: str, ttl_s: float) -> bool:
+        if self._lock_holder() not in (None, job_id):
+            return False
+        self._job_lock = (job_id, time.monotonic() + ttl_s)
+        return True
+
+    async def job_lock_holder(self) -> str | None:
+        return self._lock_holder()
+
+    async def release_job_lock(self, job_id: str) -> bool:
+        if self._lock_holder() != job_id:
+            return False
+        self._job_lock = None
+        return True
+
+    async def put_job(self, job_id: str, view: dict[str, Any], keep: int) -> None:
+        self._jobs[job_id] = dict(view)
+        while len(self._jobs) > keep:
+            self._jobs.popitem(last=False)
+
+    async def get_job(self, job_id: str) -> dict[str, Any] | None:
+        view = self._jobs.get(job_id)
+        return None if view is None else dict(view)
+
+    async def list_jobs(self, n: int) -> list[dict[str, Any]]:
+        return [dict(v) for v in list(self._jobs.values())[-n:]] if n > 0 else []
 
     async def get_latest_version(self) -> int | None:
         return self._latest

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 from collections import Counter
 
@@ -15,6 +14,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.policy import (
+    WINDOW_SIZE,
     AssignmentWindow,
     GroupLoad,
     ReplicaView,
@@ -25,6 +25,7 @@ from router.policy import (
     throughput_factors,
 )
 from router.registry import Registry
+from router.state.memory import MemoryStore
 
 
 def _fleet(*groups: tuple[str, int, float]) -> FleetSpec:
@@ -69,26 +70,27 @@ def _loads(reg: Registry, active: dict[str, int], latest: int | None = None) -> 
 
 class _Router:
     """What a router gives :func:`assign_group` (a :class:`router.policy.Placement`): a real
-    registry's loads, a window, and the active sessions and token totals the state store would
-    count."""
+    registry's loads, a real (memory) state store holding the window, and the active sessions and
+    token totals the state store would count."""
 
     def __init__(self, registry: Registry, policy: str = "capacity", *, stale_loads: bool = False) -> None:
         self.registry = registry
         self.policy = policy
-        self.window = AssignmentWindow()
+        self.store = MemoryStore()
         self.active: Counter[str] = Counter()
         self.tokens: Counter[str] = Counter()
         self.stale_loads = stale_loads
-        self._rr = itertools.count()
+
+    @property
+    def window(self) -> AssignmentWindow:
+        """The store's window now (read outside the tests' event loops)."""
+        return AssignmentWindow.of(asyncio.run(self.store.window(WINDOW_SIZE)))
 
     async def current_loads(self) -> list[GroupLoad]:
         loads = self.registry.group_loads(self.active, self.tokens)
         if self.stale_loads:  # every concurrent caller reads the loads before any is placed
             await asyncio.sleep(0)
         return loads
-
-    def next_rr(self) -> int:
-        return next(self._rr)
 
 
 def _registry(replicas: dict[str, int], sessions_per_replica: int = 8, tps: float = 0.0) -> Registry:

@@ -24,6 +24,7 @@ from router.state.base import (
     StateStore,
     StateUnavailable,
     TurnConflict,
+    WindowEntry,
 )
 from router.state.redis import RedisStore
 from tests.support.procs import free_port, redis_server
@@ -303,6 +304,84 @@ async def test_replicas_versions_and_route_keys(store_url: str) -> None:
         await asyncio.sleep(0.3)
         assert await store.get_route_key("k") is None
         assert await store.ping()
+
+
+@contextlib.asynccontextmanager
+async def two_routers(url: str) -> AsyncIterator[tuple[StateStore, StateStore]]:
+    """The stores of two routers sharing ``url`` (one store for ``memory``: one process)."""
+    async with opened(url) as a:
+        if url == "memory":
+            yield a, a
+            return
+        async with opened(url) as b:
+            yield a, b
+
+
+async def test_the_routing_window_keeps_the_latest_decisions_in_order(store_url: str) -> None:
+    async with two_routers(store_url) as (a, b):
+        seen: list[tuple[int, int]] = []
+
+        def decide(window, seq):
+            seen.append((len(window), seq))
+            return WindowEntry(f"g{seq % 2}", {"g0": seq, "g1": 10 * seq})
+
+        for i in range(5):
+            entry = await (a if i % 2 else b).assign(decide, 3)
+            assert entry == WindowEntry(f"g{i % 2}", {"g0": i, "g1": 10 * i})
+        assert seen == [(0, 0), (1, 1), (2, 2), (3, 3), (3, 4)]
+        want = [WindowEntry(f"g{i % 2}", {"g0": i, "g1": 10 * i}) for i in (2, 3, 4)]
+        assert await a.window(3) == want and await b.window(3) == want
+        assert await b.window(2) == want[1:]
+        assert await a.assign(lambda window, seq: None, 3) is None  # declined: nothing changes
+        assert await b.window(3) == want
+        assert (await a.assign(lambda window, seq: WindowEntry("g9", {"seq": seq}), 3)).tokens_total == {
+            "seq": 5
+        }
+
+
+async def test_concurrent_assignments_of_two_routers_each_decide_on_every_earlier_one(store_url: str) -> None:
+    """60 assignments at once through two routers: each decision saw a distinct count and a
+    window holding exactly the assignments before it, in order."""
+    async with two_routers(store_url) as (a, b):
+
+        def decide(window, seq):
+            assert [e.tokens_total["seq"] for e in window] == list(range(max(0, seq - 50), seq))
+            return WindowEntry("g", {"seq": seq})
+
+        entries = await asyncio.gather(*((a, b)[i % 2].assign(decide, 50) for i in range(60)))
+        assert sorted(e.tokens_total["seq"] for e in entries) == list(range(60))
+        assert [e.tokens_total["seq"] for e in await a.window(50)] == list(range(10, 60))
+
+
+async def test_one_weight_job_holds_the_lock_across_routers_until_released_or_lapsed(store_url: str) -> None:
+    async with two_routers(store_url) as (a, b):
+        assert await a.job_lock_holder() is None
+        assert await a.acquire_job_lock("j1", 30.0)
+        assert not await b.acquire_job_lock("j2", 30.0)
+        assert await b.job_lock_holder() == "j1"
+        assert await a.acquire_job_lock("j1", 30.0)  # a renewal by its holder
+        assert not await b.release_job_lock("j2")
+        assert await b.job_lock_holder() == "j1"
+        assert await b.release_job_lock("j1")
+        assert await a.job_lock_holder() is None
+        assert await b.acquire_job_lock("j2", 0.2)
+        assert not await a.acquire_job_lock("j3", 30.0)
+        await asyncio.sleep(0.3)  # the holder stopped renewing: the lock lapses
+        assert await a.job_lock_holder() is None
+        assert await a.acquire_job_lock("j3", 30.0)
+        assert not await b.release_job_lock("j2")
+
+
+async def test_job_views_are_shared_and_the_latest_ones_kept(store_url: str) -> None:
+    async with two_routers(store_url) as (a, b):
+        for i in range(1, 6):
+            await (a, b)[i % 2].put_job(f"j{i}", {"job_id": f"j{i}", "state": "running"}, keep=3)
+        assert await a.get_job("j1") is None and await b.get_job("j2") is None
+        await b.put_job("j4", {"job_id": "j4", "state": "done", "events": [{"kind": "x"}]}, keep=3)
+        assert await a.get_job("j4") == {"job_id": "j4", "state": "done", "events": [{"kind": "x"}]}
+        assert [j["job_id"] for j in await a.list_jobs(10)] == ["j3", "j4", "j5"]
+        assert [j["job_id"] for j in await b.list_jobs(2)] == ["j4", "j5"]
+        assert await b.list_jobs(0) == []
 
 
 async def test_redis_leases_survive_a_new_store_instance(redis_url: str) -> None:
