@@ -14,6 +14,12 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
+* ``mf:window`` list of the routing window's assignments (JSON ``[seq, group, {group: tokens}]``,
+  oldest first, trimmed to the window size; ``seq`` numbers every assignment ever recorded); an
+  assignment ``WATCH``es it, reads it with one ``LRANGE``, decides on what it read and appends in
+  ``MULTI`` (redis-py's ``transaction`` reruns the decision when another router appended first)
+* ``mf:joblock`` the weight-job lock (value: the job id, ``PX`` its lapse); ``mf:jobs`` hash
+  job id -> JSON view and ``mf:jobs:order`` list of job ids in first-put order
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
 * the cost ledger (:mod:`router.ledger`): ``mf:ledger`` hash ``rs:<g>``, ``gs:<g>``, ``usd:<g>``
   (replica-, GPU-seconds and dollars per group); ``mf:ledger:v`` hash ``rs|gs|usd|tok:<g>:<v>``
@@ -36,7 +42,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -60,6 +66,7 @@ from router.state.base import (
     StateUnavailable,
     TakenTrajectory,
     TurnConflict,
+    WindowEntry,
 )
 
 P = "mf:"
@@ -73,6 +80,10 @@ ACTIVITY = P + "activity"
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
 UPDATES = P + "updates"
+WINDOW = P + "window"
+JOB_LOCK = P + "joblock"
+JOBS = P + "jobs"
+JOB_ORDER = P + "jobs:order"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -283,6 +294,9 @@ class RedisStore(StateStore):
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
         self._set_latest = self._r.register_script(_SET_LATEST)
+        self._acquire_job_lock = self._r.register_script(_ACQUIRE_JOB_LOCK)
+        self._release_job_lock = self._r.register_script(_RELEASE_JOB_LOCK)
+        self._put_job = self._r.register_script(_PUT_JOB)
         self._update = self._r.register_script(_UPDATE)
         self._group_ready = False
         self._takes = 0
@@ -576,6 +590,52 @@ class RedisStore(StateStore):
     async def delete_replica(self, replica_id: str) -> bool:
         return bool(await self._call(self._r.hdel, REPLICAS, replica_id))
 
+    # routing window ----------------------------------------------------------------------
+    async def assign(
+        self, decide: Callable[[Sequence[WindowEntry], int], WindowEntry | None], size: int
+    ) -> WindowEntry | None:
+        async def attempt(pipe) -> WindowEntry | None:  # WATCHed: redis-py reruns it on a conflict
+            raw = [json.loads(x) for x in await pipe.lrange(WINDOW, -size, -1)]
+            seq = int(raw[-1][0]) + 1 if raw else 0
+            entry = decide([_window_entry(x) for x in raw], seq)
+            pipe.multi()
+            if entry is not None:
+                pipe.rpush(WINDOW, json.dumps([seq, entry.group, dict(entry.tokens_total)]))
+                pipe.ltrim(WINDOW, -size, -1)
+            return entry
+
+        return await self._call(self._r.transaction, attempt, WINDOW, value_from_callable=True)
+
+    async def window(self, size: int) -> list[WindowEntry]:
+        raw = await self._call(self._r.lrange, WINDOW, -size, -1)
+        return [_window_entry(json.loads(x)) for x in raw]
+
+    # weight jobs ---------------------------------------------------------------------------
+    async def acquire_job_lock(self, job_id: str, ttl_s: float) -> bool:
+        px = max(1, int(ttl_s * 1000))
+        return bool(await self._call(self._acquire_job_lock, keys=[JOB_LOCK], args=[job_id, px]))
+
+    async def job_lock_holder(self) -> str | None:
+        v = await self._call(self._r.get, JOB_LOCK)
+        return None if v is None else _s(v)
+
+    async def release_job_lock(self, job_id: str) -> bool:
+        return bool(await self._call(self._release_job_lock, keys=[JOB_LOCK], args=[job_id]))
+
+    async def put_job(self, job_id: str, view: dict[str, Any], keep: int) -> None:
+        await self._call(self._put_job, keys=[JOBS, JOB_ORDER], args=[job_id, json.dumps(view), int(keep)])
+
+    async def get_job(self, job_id: str) -> dict[str, Any] | None:
+        v = await self._call(self._r.hget, JOBS, job_id)
+        return None if v is None else json.loads(v)
+
+    async def list_jobs(self, n: int) -> list[dict[str, Any]]:
+        if n <= 0:
+            return []
+        ids = await self._call(self._r.lrange, JOB_ORDER, -n, -1)
+        views = await self._call(self._r.hmget, JOBS, ids) if ids else []
+        return [json.loads(v) for v in views if v is not None]
+
     async def get_latest_version(self) -> int | None:
         v = await self._call(self._r.get, LATEST)
         return None if v is None else int(v)
@@ -675,6 +735,11 @@ class RedisStore(StateStore):
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+def _window_entry(item: list[Any]) -> WindowEntry:
+    _seq, group, tokens = item
+    return WindowEntry(group, {g: int(n) for g, n in tokens.items()})
 
 
 def _mark_ttl(span_s: float) -> int:
