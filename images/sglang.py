@@ -2,15 +2,28 @@
 
 Everything here was read from the released ``sglang 0.5.23`` wheel on PyPI
 (``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``); each value names the file it comes from.
-The module is pure (no modal, no fleet imports), so the engine client and the deploy plan can both
-read it. :func:`server_argv` is the one place an SGLang command line is built.
+The module is pure (no modal); the protocol values the engine client and the local engine need are
+defined in :mod:`fleet.sglang_release` (below images/ in the layers) and re-exported here.
+:func:`server_argv` is the one place an SGLang command line is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-SGLANG_VERSION = "0.5.23"
+# The protocol values the engine client and the local engine share live in the modal-free
+# fleet.sglang_release; the pin re-exports them.
+from fleet import sglang_release as _release
+
+SGLANG_VERSION = _release.SGLANG_VERSION
+SAMPLING_MASK_MAX_TOKENS_DEFAULT = _release.SAMPLING_MASK_MAX_TOKENS_DEFAULT
+SAMPLING_LOGPROBS_MODES = _release.SAMPLING_LOGPROBS_MODES
+PAUSE_MODES = _release.PAUSE_MODES
+PAUSE_MODE = _release.PAUSE_MODE
+META_SAMPLING_LOGPROBS = _release.META_SAMPLING_LOGPROBS
+META_SAMPLING_MASK = _release.META_SAMPLING_MASK
+META_WEIGHT_VERSION = _release.META_WEIGHT_VERSION
+META_WEIGHT_VERSIONS = _release.META_WEIGHT_VERSIONS
 
 # The CUDA line of the release: the wheel's METADATA requires ``cuda-python>=13.0``,
 # ``flashinfer_python[cu13]==0.7.2`` and ``torch==2.14.1``. The release images are built by
@@ -40,8 +53,7 @@ FLAG_SAMPLING_BACKEND = "--sampling-backend"
 SAMPLING_BACKEND = "pytorch"
 # fields/exec_.py ExecFeatures.sampling_mask_max_tokens: the largest sampling mask returned;
 # a request whose realized support exceeds it is aborted.
-FLAG_SAMPLING_MASK_MAX_TOKENS = "--sampling-mask-max-tokens"
-SAMPLING_MASK_MAX_TOKENS_DEFAULT = 4096
+FLAG_SAMPLING_MASK_MAX_TOKENS = "--sampling-mask-max-tokens"  # default SAMPLING_MASK_MAX_TOKENS_DEFAULT
 
 # Every flag :func:`server_argv` may emit; tests check each against the release's parser.
 FLAGS_USED = (
@@ -81,21 +93,14 @@ QUANTIZATION_CHOICES = (
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 # --- HTTP protocol (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py) ---------
-# PauseGenerationReqInput.mode: Literal["abort", "retract", "in_place"] = "abort"; the fleet
-# always sends in_place (requests stay in the event loop and resume with their KV cache).
-PAUSE_MODES = ("abort", "retract", "in_place")
-PAUSE_MODE = "in_place"
+# PauseGenerationReqInput.mode: PAUSE_MODES, default "abort"; the fleet always sends PAUSE_MODE
+# (in_place: requests stay in the event loop and resume with their KV cache).
 # UpdateWeightFromDiskReqInput: model_path is required; the fleet sends these four.
 UPDATE_WEIGHTS_FIELDS = ("model_path", "weight_version", "flush_cache", "abort_all_requests")
 UPDATE_WEIGHTS_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
-# GenerateReqInput.sampling_logprobs_mode: SamplingLogprobsMode = Literal["selected", "support"]
-# (managers/schedule_batch.py); "support" returns the support's log-probs with the mask.
-SAMPLING_LOGPROBS_MODES = ("selected", "support")
-# meta_info keys the fleet reads (managers/tokenizer_manager.py).
-META_SAMPLING_LOGPROBS = "output_token_sampling_logprobs"
-META_SAMPLING_MASK = "output_token_sampling_mask"
-META_WEIGHT_VERSION = "weight_version"
-META_WEIGHT_VERSIONS = "weight_versions"
+# GenerateReqInput.sampling_logprobs_mode: SAMPLING_LOGPROBS_MODES ("support" returns the
+# support's log-probs with the mask); the meta_info keys the fleet reads: META_* (all from
+# fleet.sglang_release).
 # http_server.py routes: /pause_generation, /continue_generation, /update_weights_from_disk and
 # /model_info (which carries weight_version); the release has no /get_weight_version.
 ROUTE_PAUSE = "/pause_generation"
