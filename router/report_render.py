@@ -108,6 +108,11 @@ def group_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def footnotes(report: dict[str, Any]) -> list[str]:
+    """The cost table's footnote, when a price in it is starred."""
+    return [UNVERIFIED] if any(not g["price_verified"] for g in report["groups"]) else []
+
+
 def mismatch_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Each group's sampler-trainer mismatch beside its cost."""
     head = ["group", "weights", "cost", "$/1M tokens", "cost share", "tokens compared", "k3 KL",
@@ -309,7 +314,7 @@ def markdown(report: dict[str, Any]) -> str:
         ]
 
     out = ["# mixfleet cost report", "", *summary_lines(report), ""]
-    out += ["## Cost and samples per group", "", *table(*group_table(report)), "", UNVERIFIED, ""]
+    out += ["## Cost and samples per group", "", *table(*group_table(report)), "", *footnotes(report), ""]
     out += ["## Mismatch beside cost", "", *table(*mismatch_table(report)), ""]
     out += ["## Mixed fleet vs homogeneous baseline", "", *what_if_lines(report), ""]
     out += ["## Per weight version (latest 50)", "", *table(*version_table(report)), ""]
@@ -359,7 +364,7 @@ def html_page(report: dict[str, Any], images: dict[str, bytes]) -> str:
         f"<style>{_CSS}</style></head><body>"
         f"<h1>mixfleet cost report</h1>{paras(summary_lines(report))}"
         f'<div class="plots">{figs}</div>'
-        f"<h2>Cost and samples per group</h2>{table(*group_table(report))}{paras([UNVERIFIED])}"
+        f"<h2>Cost and samples per group</h2>{table(*group_table(report))}{paras(footnotes(report))}"
         f"<h2>Mismatch beside cost</h2>{table(*mismatch_table(report))}"
         f"<h2>Mixed fleet vs homogeneous baseline</h2>{paras(what_if_lines(report))}"
         f"<h2>Per weight version (latest 50)</h2>{table(*version_table(report))}"

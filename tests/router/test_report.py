@@ -236,6 +236,7 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     assert fast_mismatch == "| fast | nvfp4 | $0.05000 | $156.25 | 84.7% | 100 | 0.0012 | 0.031 | 2.0% |"
     assert slow_mismatch == "| slow | bf16 | $0.009000 | $112.50 | 15.3% | n/a | n/a | n/a | n/a |"
     assert "50 generated tokens/s per replica" in md and "2026-09-30" in md
+    assert "\n* the price was not confirmed by independent sources" in md  # slow's starred price
     assert f"{cost / base_cost:.2f}x the baseline's cost" in md
     for name in ("cost_per_update.png", "cost_per_1m_tokens.png", "shares.png", "what_if.png"):
         assert f"]({name})" in md
