@@ -11,7 +11,7 @@ conventions: ``mixfleet_*``, base units, ``_total`` on counters, ``_info`` for m
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -259,6 +259,18 @@ ROUTER_METRICS: tuple[MetricDef, ...] = REQUEST_PATH + SNAPSHOT
 """Every family the router exports."""
 
 _DEFS = by_name(ROUTER_METRICS)
+LEDGER_COUNTERS = (
+    "mixfleet_group_replica_seconds_total",
+    "mixfleet_group_gpu_seconds_total",
+    "mixfleet_group_cost_dollars_total",
+)
+MISMATCH_COUNTERS = (
+    "mixfleet_mismatch_tokens_total",
+    "mixfleet_mismatch_k3_total",
+    "mixfleet_mismatch_abs_logprob_diff_total",
+    "mixfleet_mismatch_extreme_tokens_total",
+    "mixfleet_mismatch_out_of_band_tokens_total",
+)
 
 
 class RouterMetrics:
@@ -285,6 +297,14 @@ class RouterMetrics:
         self.snapshot: dict[str, Any] = {}
         r.register(_SnapshotCollector(self))
 
+    def zero_groups(self, groups: Iterable[str]) -> None:
+        """Make every group-labelled request-path series of ``groups`` exist (at 0 if new), so the
+        first events of a group count in rate() instead of being the series' first sample."""
+        per_group = (self.turn_seconds, self.engine_seconds, self.turns, self.tokens, self.sessions)
+        for g in groups:
+            for metric in (*per_group, self.expired, self.generate):
+                metric.labels(g)
+
 
 class _SnapshotCollector:
     """Exposes ``RouterMetrics.snapshot``: ``groups`` (``RouterContext.groups_snapshot``'s,
@@ -299,6 +319,7 @@ class _SnapshotCollector:
     def collect(self) -> Iterator[Metric]:
         snap = self.metrics.snapshot
         groups: list[dict[str, Any]] = snap.get("groups", [])
+        self.metrics.zero_groups(g["name"] for g in groups)
         fams = {d.name: d.family() for d in SNAPSHOT}
 
         def put(name: str, labels: list[str], value: float | None) -> None:
@@ -346,8 +367,15 @@ class _SnapshotCollector:
         band = snap.get("mismatch_band")
         if band is not None:
             put("mixfleet_mismatch_band_info", [f"{band[0]:g}", f"{band[1]:g}"], 1)
-        for group, g in sorted(rollup(snap.get("mismatch", {})).items()):
+        mismatch = rollup(snap.get("mismatch", {}))
+        for group, g in sorted(mismatch.items()):
             _mismatch(put, group, g)
+        # A group's counters exist at 0 before its first booking or upload, so rate() counts that one.
+        for g in groups:
+            for names, seen in ((LEDGER_COUNTERS, ledger), (MISMATCH_COUNTERS, mismatch)):
+                if g["name"] not in seen:
+                    for name in names:
+                        put(name, [g["name"]], 0)
         yield from fams.values()
 
 

@@ -1,10 +1,12 @@
 """Prometheus service discovery: ``GET /v1/prometheus/targets`` (any valid key).
 
-The answer is Prometheus' HTTP service-discovery format (``http_sd_configs``): one target group
-per replica the router knows of, whose target is the replica's public address (its sidecar,
-whose ``/metrics`` carries the replica's and its engine's metrics) and whose labels are
-``group`` and ``replica`` plus ``__scheme__`` and ``__metrics_path__`` taken from the replica's
-URL. Replicas listed in the preset are always listed; a heartbeat replica is listed while the
+The answer is Prometheus' HTTP service-discovery format (``http_sd_configs``): target groups
+labelled ``group``, ``replica`` and ``component``, with ``__scheme__`` and ``__metrics_path__``
+taken from the replica's URL. A replica that heartbeats (a sidecar) is two targets on its public
+address: ``component="sidecar"`` at ``/metrics`` (its ``mixfleet_replica_*`` metrics) and
+``component="engine"`` at ``/engine/metrics`` (its engine's ``sglang:*`` metrics, which the
+sidecar relays). A replica listed in the preset is one target, ``component="static"``, at its
+URL's ``/metrics``. Preset replicas are always listed; a heartbeat replica is listed while the
 router heard from it (itself or through the shared state) within
 ``TARGET_STALE_HEARTBEATS x heartbeat_timeout_s``, so a replica that scaled away leaves the
 targets instead of staying down in Prometheus.
@@ -31,7 +33,7 @@ class PrometheusTargetGroup(BaseModel):
     """One target group of Prometheus' HTTP service discovery."""
 
     targets: list[str] = Field(description="host:port of the replica")
-    labels: dict[str, str] = Field(description="group, replica, __scheme__ and __metrics_path__")
+    labels: dict[str, str] = Field(description="group, replica, component, __scheme__ and __metrics_path__")
 
 
 @router.get(
@@ -48,15 +50,10 @@ async def targets(request: Request) -> list[dict]:
         if not r.static and r.last_seen < horizon:
             continue
         url = urlsplit(r.url)
-        out.append(
-            {
-                "targets": [url.netloc],
-                "labels": {
-                    "group": r.group,
-                    "replica": r.replica_id,
-                    "__scheme__": url.scheme,
-                    "__metrics_path__": url.path.rstrip("/") + "/metrics",
-                },
-            }
-        )
+        base = url.path.rstrip("/")
+        paths = {"static": "/metrics"} if r.static else {"sidecar": "/metrics", "engine": "/engine/metrics"}
+        for component, path in paths.items():
+            labels = {"group": r.group, "replica": r.replica_id, "component": component}
+            labels |= {"__scheme__": url.scheme, "__metrics_path__": base + path}
+            out.append({"targets": [url.netloc], "labels": labels})
     return out
