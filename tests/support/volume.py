@@ -52,13 +52,14 @@ def _digests(root: Path) -> dict[str, str]:
 def open_file_under(mount: Path) -> str | None:
     """A file under ``mount`` some process holds open (or its cwd inside), described, or None."""
     mount = Path(os.path.realpath(mount))
+    top, prefix = str(mount), f"{mount}/"
 
     def inside(link: str) -> Path | None:
         try:
-            target = Path(os.readlink(link))
+            target = os.readlink(link)
         except OSError:
             return None
-        return target if target == mount or mount in target.parents else None
+        return Path(target) if target == top or target.startswith(prefix) else None
 
     for pid in os.listdir("/proc"):
         if not _PID.match(pid):
@@ -84,16 +85,16 @@ def _mapped_under(pid: str, mount: Path) -> Path | None:
     """A file under ``mount`` that process ``pid`` has memory-mapped (a mapping keeps the file
     open after its descriptor is closed, as SGLang's safetensors mappings do)."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            maps = f.read()
     except OSError:
         return None
-    prefix = f"{mount}/"
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith(prefix):
-            return Path(parts[5].removesuffix(" (deleted)"))
-    return None
+    prefix = f" {mount}/".encode()
+    at = maps.find(prefix)
+    if at < 0:
+        return None
+    end = maps.find(b"\n", at)
+    return Path(maps[at + 1 : end if end >= 0 else None].decode().removesuffix(" (deleted)"))
 
 
 class StandInVolume:
@@ -128,10 +129,16 @@ class StandInVolume:
         return json.loads((self.container / "base.json").read_text())
 
     def _refresh_view(self) -> None:
-        if self.mount.exists():
-            shutil.rmtree(self.mount)
-        shutil.copytree(self.durable, self.mount)
-        (self.container / "base.json").write_text(json.dumps(_digests(self.mount)))
+        """Make the view the durable state, file by file (what differs is copied or removed)."""
+        self.mount.mkdir(exist_ok=True)
+        durable, view = _digests(self.durable), _digests(self.mount)
+        for rel in view.keys() - durable.keys():
+            (self.mount / rel).unlink()
+        for rel, digest in durable.items():
+            if view.get(rel) != digest:
+                (self.mount / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.durable / rel, self.mount / rel)
+        (self.container / "base.json").write_text(json.dumps(durable))
 
     def uncommitted(self) -> list[str]:
         """Paths this container changed (written or removed) since its last reload."""
