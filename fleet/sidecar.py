@@ -9,8 +9,11 @@ SGLang) and is the replica's only public port:
   403: only the sidecar drives them.
 - **Health**: ``/health`` is 200 only while the engine answers and the replica is *ready*: it
   has served the store pointer's version at least once since the sidecar started (a new
-  replica joins at the current version). ``/metrics`` is the sidecar's ``mixfleet_replica_*``
-  metrics followed by the engine's ``sglang:*`` metrics. ``/v1/status`` is the JSON state.
+  replica joins at the current version). ``/metrics`` is the sidecar's own ``mixfleet_replica_*``
+  metrics (Prometheus conventions, no colons: ``promtool check metrics`` passes);
+  ``/engine/metrics`` is the engine's ``/metrics`` unchanged (SGLang's ``sglang:*`` names, empty
+  while the engine does not answer), so one scrape target per replica serves both (the engine's
+  own port need not be reachable). ``/v1/status`` is the JSON state.
 - **Reconcile** (:mod:`fleet.reconciler`): the store pointer is read every ``poll_s`` (<= 1 s)
   and on ``POST /v1/wake``; a newer version is staged (copied, checksums verified) while
   serving, then activated (``/pause_generation`` in place -> ``/update_weights_from_disk`` ->
@@ -35,7 +38,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from fleet.reconciler import Activation, Reconciler, ReconcileSettings, parse_prometheus
@@ -167,9 +170,12 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        own = generate_latest(sidecar.metrics.registry).decode()
-        engine = await sidecar.engine_metrics_text()
-        return PlainTextResponse(own + engine, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/engine/metrics")
+    async def engine_metrics() -> PlainTextResponse:
+        text = await sidecar.engine_metrics_text()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     for path in BLOCKED:
         app.add_api_route(

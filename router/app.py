@@ -203,6 +203,13 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         try:
             snap = await ctx.groups_snapshot()
             snap["queue"] = await ctx.store.queue_stats()
+            snap["ledger"] = await ctx.store.ledger_totals()
+            snap["mismatch"] = await ctx.store.mismatch()
+            snap["mismatch_band"] = ctx.config.mismatch_band
+            for g in snap["groups"]:
+                spec = ctx.fleet.group(g["name"])
+                g["gpus_per_replica"] = spec.gpus_per_replica
+                g["price_per_gpu_hour"] = spec.price_per_gpu_hour
             ctx.metrics.snapshot = snap
         except StateError as exc:
             log.warning("metrics without state: %s", exc)

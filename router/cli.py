@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="abandon open sessions without a turn for this many seconds (0: never; default 3600)",
     )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
+    parser.add_argument(
+        "--mismatch-band",
+        default="0.2,5",
+        help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -61,6 +66,7 @@ def build_config(args: argparse.Namespace):
     from fleet.specs import load_preset
     from router.auth import load_keys
     from router.config import RouterConfig
+    from router.mismatch import check_band
 
     fleet = load_preset(args.preset)
     keys = load_keys(args.api_keys_file)
@@ -84,6 +90,13 @@ def build_config(args: argparse.Namespace):
         raise UserError("--max-body-bytes must be at least 1024")
     if args.max_version_lag is not None and args.max_version_lag < 0:
         raise UserError("--max-version-lag must be >= 0")
+    try:
+        low, high = (float(x) for x in args.mismatch_band.split(","))
+        band = check_band((low, high))
+    except ValueError:
+        raise UserError(
+            f"--mismatch-band must be LOW,HIGH with 0 < LOW < 1 < HIGH, got {args.mismatch_band!r}"
+        ) from None
     return RouterConfig(
         fleet=fleet,
         state_url=args.state,
@@ -96,6 +109,7 @@ def build_config(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         f16_support_logprobs=args.f16_logprobs,
         session_idle_s=args.session_idle_timeout or None,
+        mismatch_band=band,
     )
 
 

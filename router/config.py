@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleet.specs import FleetSpec
+from router.mismatch import check_band
 
 Policy = Literal["capacity", "round_robin", "cost"]
 POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")
@@ -22,6 +23,8 @@ class RouterConfig:
     out-of-vocabulary token ids itself (otherwise it learns it from replicas' ``/model_info``
     when they report it, and passes the engine's 400 through). Open sessions without a turn for
     ``session_idle_s`` seconds are abandoned (their capacity slot freed; None: never).
+    ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
+    trainer/sampler probability ratios (:mod:`router.mismatch`).
     """
 
     fleet: FleetSpec
@@ -44,8 +47,10 @@ class RouterConfig:
     route_key_ttl_s: float = 3600.0
     session_idle_s: float | None = 3600.0
     f16_support_logprobs: bool = False
+    mismatch_band: tuple[float, float] = (0.2, 5.0)
 
     def __post_init__(self) -> None:
+        check_band(self.mismatch_band)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}: {self.policy!r}")
         for token, scopes in self.api_keys.items():

@@ -34,6 +34,7 @@ from fleet.sglang_client import (
 )
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from router.mismatch import group_view
 from router.policy import WINDOW_SIZE, AssignmentWindow, GroupLoad
 from router.registry import Registry, Replica
 from router.state import open_store
@@ -216,6 +217,7 @@ class RouterContext:
     async def groups_snapshot(self) -> dict[str, Any]:
         await self.adopt_shared()
         counters = await self.store.counters()
+        mismatch = await self.store.mismatch()
         loads = {g.name: g for g in self.group_loads(counters)}
         latest = self.latest_version()
         now = time.monotonic()
@@ -280,6 +282,7 @@ class RouterContext:
                     else latest - active_version,
                     "cost_per_token": load.cost_per_token,
                     "replicas": replicas,
+                    "mismatch": group_view(mismatch, g.name, self.config.mismatch_band),
                 }
             )
         return {"latest_version": latest, "policy": self.config.policy, "groups": groups}

@@ -140,8 +140,9 @@ def batch_mismatch(
         q = np.asarray(t.logprobs, dtype=np.float64)
         d = p[start : start + n] - q
         start += n
-        r = np.exp(d)
-        k3 = r - 1.0 - d
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.exp(d)
+            k3 = r - 1.0 - d
         known = np.isfinite(q)
         overflow = np.flatnonzero(known & ~np.isfinite(k3))
         if overflow.size:

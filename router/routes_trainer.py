@@ -1,10 +1,19 @@
-"""Trainer-facing routes: take a batch under a lease, acknowledge it (scope ``trainer``); score
-fixed sequences on the fleet (``POST /v1/score``, scope ``trainer`` or ``admin``).
+"""Trainer-facing routes: take a batch under a lease, acknowledge it, upload the trainer's
+log-probs for it (scope ``trainer``); score fixed sequences on the fleet (``POST /v1/score``,
+scope ``trainer`` or ``admin``).
 
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
 binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); acknowledging
 a lease that is unknown (or already acknowledged) is a 404.
+
+Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``, body in the encoding of
+:mod:`router.trainer_logprobs`) are accepted once per lease, for a lease a take handed out within
+the last ``lease_timeout_s + retention_s`` seconds, whether the trainer still holds it or has
+acknowledged it: an unknown or forgotten lease is a 404, a second upload for the same lease a 409
+(nothing is counted twice), a lease whose trajectories are no longer stored a 409. A trajectory
+redelivered under a later lease counts once for each lease that uploads it. The figures
+(:mod:`router.mismatch`) accumulate per group, weight version and token-position bucket.
 """
 
 from __future__ import annotations
@@ -22,9 +31,12 @@ from fleet.sglang_client import EngineError, EngineRejected, reported_version
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.mismatch import TurnTokens, batch_mismatch
 from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_batch
-from router.schemas import AckResponse, QueueStats, TakeRequest, TakeResponse
+from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
+from router.trainer_logprobs import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
+from router.trainer_logprobs import LogprobsFormatError, decode_trainer_logprobs
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -89,6 +101,9 @@ async def take(request: Request, body: TakeRequest) -> Response:
     lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
         ctx.metrics.leases.inc()
+        await ctx.store.record_lease_order(
+            lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
+        )
     ctx.metrics.taken.inc(len(lease.trajectories))
     ctx.metrics.redelivered.inc(lease.redelivered)
     binary = MEDIA_TYPE in request.headers.get("accept", "")
@@ -128,6 +143,60 @@ async def ack(request: Request, lease_id: str) -> dict[str, Any]:
         raise ApiError(404, f"unknown or already acknowledged lease {lease_id!r}") from None
     ctx.metrics.acked.inc(result.acked)
     return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
+
+
+def _upload_window_s(ctx: RouterContext) -> float:
+    """How long after a take its lease accepts (and remembers) a trainer log-prob upload."""
+    return ctx.config.lease_timeout_s + ctx.config.retention_s
+
+
+@router.post(
+    "/{lease_id}/trainer_logprobs",
+    response_model=MismatchUploadResponse,
+    summary="Upload the trainer's log-probs of a taken batch's tokens (sampler-trainer mismatch)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {LOGPROBS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+    responses=error_responses(400, 404, 409, 413, 422),
+)
+async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
+    """Log p of every output token of the lease's batch, in its token order (trajectory, turn,
+    output token). Counted once per lease (see the module docstring); answers this batch's
+    figures per (group, version)."""
+    ctx = _ctx(request)
+    try:
+        trainer = decode_trainer_logprobs(await request.body())
+    except LogprobsFormatError as exc:
+        raise ApiError(400, f"body: {exc}") from None
+    order = await ctx.store.lease_order(lease_id)
+    if order is None:
+        raise ApiError(404, f"unknown lease {lease_id!r} (never handed out, or its upload window has passed)")
+    stored = await asyncio.gather(*(ctx.store.get_turns(sid) for sid in order))
+    turns: list[TurnTokens] = []
+    for sid, blobs in zip(order, stored, strict=True):
+        if not blobs:
+            raise ApiError(409, f"lease {lease_id!r}: trajectory {sid!r} is no longer stored")
+        for blob in blobs:
+            t = decode_turn(blob)
+            turns.append(TurnTokens(t.group, len(t.input_ids), t.logprobs, t.versions()))
+    try:
+        result = batch_mismatch(turns, trainer, ctx.config.mismatch_band)
+    except ValueError as exc:
+        raise ApiError(422, f"body: {exc}") from None
+    if not await ctx.store.add_mismatch(lease_id, result.sums, ttl_s=_upload_window_s(ctx)):
+        raise ApiError(409, f"lease {lease_id!r}: trainer log-probs were already uploaded")
+    per: dict[tuple[str, int], Any] = {}
+    for (group, version, _bucket), part in result.sums.items():
+        per[(group, version)] = per[(group, version)] + part if (group, version) in per else part
+    return {
+        "lease_id": lease_id,
+        "tokens": result.tokens,
+        "skipped": result.skipped,
+        "groups": [{"group": g, "version": v, **per[(g, v)].view()} for g, v in sorted(per)],
+    }
 
 
 @router.get(

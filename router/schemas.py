@@ -170,6 +170,9 @@ class Turn(BaseModel):
     weight_versions: list[VersionSpan]
     timings: dict[str, Any]
     moved_from: str | None = None
+    sampling: dict[str, Any] | None = Field(
+        None, description="Set when the fleet bounded the turn's top_k: {'top_k_bound': n} (see records)"
+    )
     input_ids: list[int] | None = None
 
 
@@ -290,6 +293,45 @@ class ReplicaOut(BaseModel):
     error: str | None
 
 
+class MismatchFigures(BaseModel):
+    """Mismatch figures over a set of tokens (:meth:`router.mismatch.MismatchSums.view`)."""
+
+    tokens: int = Field(description="Tokens counted")
+    k3_kl: float = Field(description="Mean of r - 1 - log r, r = p_trainer / q_sampler (KL(q||p) estimate)")
+    abs_logprob_diff_mean: float = Field(description="Mean |log p_trainer - log q_sampler|")
+    extreme_share: float = Field(description="Share of tokens with r outside [0.2, 5]")
+    out_of_band_share: float = Field(description="Share of tokens with r outside the configured band")
+
+
+class MismatchVersion(MismatchFigures):
+    version: int
+
+
+class MismatchPosition(MismatchFigures):
+    bucket: str = Field(description="Token-position bucket, e.g. 0-63 or 1024+")
+
+
+class GroupMismatch(MismatchFigures):
+    """A group's accumulated mismatch: totals, per weight version and per token-position bucket."""
+
+    band: list[float] = Field(description="The configured band [low, high] of p/q")
+    extreme_band: list[float] = Field(description="The fixed band [0.2, 5] of p/q")
+    versions: list[MismatchVersion]
+    positions: list[MismatchPosition]
+
+
+class MismatchBatchGroup(MismatchFigures):
+    group: str
+    version: int
+
+
+class MismatchUploadResponse(BaseModel):
+    lease_id: str
+    tokens: int = Field(description="Tokens counted")
+    skipped: int = Field(description="Tokens not counted (sampler log-prob or version unknown)")
+    groups: list[MismatchBatchGroup] = Field(description="This batch's figures per (group, version)")
+
+
 class GroupOut(BaseModel):
     name: str
     accelerator: str
@@ -312,6 +354,9 @@ class GroupOut(BaseModel):
     version_lag: int | None
     cost_per_token: float
     replicas: list[ReplicaOut]
+    mismatch: GroupMismatch | None = Field(
+        default=None, description="Sampler-trainer mismatch from trainer log-prob uploads"
+    )
 
 
 class GroupsResponse(BaseModel):

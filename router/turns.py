@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from dataclasses import replace
 
 from fleet.jsonio import dumps
@@ -37,6 +38,7 @@ async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
 
 async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> bytes:
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``."""
+    t0 = time.perf_counter()
     session = await ctx.store.get_session(session_id)
     if session is None or session.status != "open":
         session = await load_open(ctx, session_id)  # refused there, with its message
@@ -87,6 +89,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     metrics = ctx.metrics
     metrics.turns.labels(turn.group).inc()
     metrics.tokens.labels(turn.group).inc(n)
+    metrics.turn_seconds.labels(turn.group).observe(time.perf_counter() - t0)
     if stored.turn != index:
         stored = replace(stored, turn=index)
     return dumps(stored.to_json(session_id, with_input=False))

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from trainer.batch import Batch, decode_batch
+from trainer.upload import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
+from trainer.upload import encode_trainer_logprobs
 
 RECORDS_MEDIA_TYPE = "application/x-mixfleet-records"
 RETRY_STATUSES = (409, 503)
@@ -93,12 +96,22 @@ class AsyncRolloutClient:
         return self._http
 
     async def request(
-        self, method: str, path: str, body: Any = None, *, accept: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        accept: str = "application/json",
+        content_type: str = "application/json",
     ) -> tuple[bytes, str]:
-        """One call with retries; returns (body bytes, content type)."""
+        """One call with retries; returns (body bytes, content type). ``body`` is sent as JSON,
+        or as it is when it is ``bytes`` (with ``content_type``)."""
         headers = {**self.headers, "Accept": accept}
         data = None
-        if body is not None:
+        if isinstance(body, bytes):
+            data = body
+            headers["Content-Type"] = content_type
+        elif body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         for attempt in range(self.retries + 1):
@@ -195,6 +208,18 @@ class AsyncRolloutClient:
     async def ack(self, lease_id: str) -> Any:
         return await self._json("POST", f"/v1/batches/{lease_id}/ack")
 
+    async def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
+        """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
+        the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures;
+        returns the batch's figures per (group, version). Once per lease: a repeat is a 409."""
+        content, _ = await self.request(
+            "POST",
+            f"/v1/batches/{lease_id}/trainer_logprobs",
+            encode_trainer_logprobs(logprobs),
+            content_type=LOGPROBS_MEDIA_TYPE,
+        )
+        return json.loads(content)
+
     # weights and fleet -----------------------------------------------------------------
     async def publish(self, checkpoint: str, *, version: int | None = None, **fields: Any) -> dict[str, Any]:
         """Start publishing a BF16 checkpoint directory (an absolute path on the router's
@@ -272,6 +297,9 @@ class RolloutClient:
 
     def ack(self, lease_id: str) -> Any:
         return self._run(self._client.ack(lease_id))
+
+    def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
+        return self._run(self._client.upload_trainer_logprobs(lease_id, logprobs))
 
     def publish(self, checkpoint: str, **kw: Any) -> dict[str, Any]:
         return self._run(self._client.publish(checkpoint, **kw))

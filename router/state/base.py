@@ -36,6 +36,8 @@ Contract, for every adapter:
   and version in one atomic step; ``append_turn`` books ``version_tokens``; an ``ack`` that
   acknowledges anything appends its :class:`~router.ledger.UpdateRecord` in the same atomic step
   (``seq`` 1, 2, ... in acknowledgement order, cumulative costs never decreasing along it).
+* Mismatch: ``add_mismatch`` adds a batch's sums once per lease (a repeated lease changes nothing);
+  ``record_lease_order`` keeps a lease's trajectory order for the upload that needs it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from router.ledger import LedgerSnapshot, LedgerTotals
+from router.mismatch import MismatchKey, MismatchSums
 
 SessionStatus = Literal["open", "finished", "consumed"]
 
@@ -290,6 +293,28 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def ledger(self) -> LedgerSnapshot:
         """The whole ledger: :meth:`ledger_totals`, per (group, version), and every update."""
+
+    # mismatch (trainer log-prob uploads, sums in :mod:`router.mismatch`) ---------------
+    @abc.abstractmethod
+    async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
+        """Remember, for ``ttl_s`` seconds, the session ids a take handed out under ``lease_id``,
+        in the order it handed them out."""
+
+    @abc.abstractmethod
+    async def lease_order(self, lease_id: str) -> list[str] | None:
+        """The session ids of :meth:`record_lease_order` (None: unknown or forgotten)."""
+
+    @abc.abstractmethod
+    async def add_mismatch(
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+    ) -> bool:
+        """Add ``sums`` to the accumulated mismatch sums, at most once per ``lease_id``: the
+        mark and the sums change in one atomic step; False (nothing changed) when the lease was
+        booked within the last ``ttl_s`` seconds."""
+
+    @abc.abstractmethod
+    async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
+        """Every accumulated (group, version, position bucket) sum."""
 
     @abc.abstractmethod
     async def ping(self) -> bool: ...

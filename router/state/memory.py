@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
+from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -60,6 +61,9 @@ class MemoryStore(StateStore):
         self._job_lock: tuple[str, float] | None = None  # (job id, lapses at, monotonic)
         self._jobs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
+        self._lease_orders: dict[str, tuple[list[str], float]] = {}
+        self._mismatch: dict[MismatchKey, MismatchSums] = {}
+        self._mismatch_leases: dict[str, float] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._marks: dict[str, float] = {}  # replica -> booked until (wall clock)
         self._money: defaultdict[Any, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # group | (g, v)
@@ -400,6 +404,35 @@ class MemoryStore(StateStore):
             m = self._money.get(k, (0.0, 0.0, 0.0))
             versions[k] = LedgerTotals(m[0], m[1], m[2], self._version_tokens.get(k, 0))
         return LedgerSnapshot(await self.ledger_totals(), versions, list(self._updates))
+
+    # mismatch ---------------------------------------------------------------------------
+    async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
+        now = time.monotonic()
+        if len(self._lease_orders) > 10_000:
+            self._lease_orders = {k: v for k, v in self._lease_orders.items() if v[1] > now}
+        self._lease_orders[lease_id] = (list(session_ids), now + ttl_s)
+
+    async def lease_order(self, lease_id: str) -> list[str] | None:
+        item = self._lease_orders.get(lease_id)
+        if item is None or item[1] <= time.monotonic():
+            return None
+        return list(item[0])
+
+    async def add_mismatch(
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+    ) -> bool:
+        now = time.monotonic()
+        if self._mismatch_leases.get(lease_id, float("-inf")) > now:
+            return False
+        if len(self._mismatch_leases) > 10_000:
+            self._mismatch_leases = {k: v for k, v in self._mismatch_leases.items() if v > now}
+        self._mismatch_leases[lease_id] = now + ttl_s
+        for key, part in sums.items():
+            self._mismatch[key] = self._mismatch[key] + part if key in self._mismatch else part
+        return True
+
+    async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
+        return dict(self._mismatch)
 
     async def ping(self) -> bool:
         return True

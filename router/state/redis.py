@@ -26,6 +26,9 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   per group and version (``-``: none reported); ``mf:mark:<replica>`` the replica's booked-until
   time (expires long after it passed: an observation then books its span as it would anyway);
   ``mf:updates`` list of JSON update records in acknowledgement order
+* ``mf:mismatch`` hash: ``<stat>|<version>|<bucket>|<group>`` -> summed value
+  (:class:`router.mismatch.MismatchSums`); ``mf:mml:<lease>`` marks a lease booked (TTL);
+  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL)
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
 installed). Each operation is one round trip where its reads and writes allow: a mutation is one
@@ -39,6 +42,7 @@ retried with backoff for ``outage_s`` seconds; after that a call raises
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -54,6 +58,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
+from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
     GroupCounters,
@@ -80,10 +85,25 @@ ACTIVITY = P + "activity"
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
 UPDATES = P + "updates"
+MISMATCH = P + "mismatch"
 WINDOW = P + "window"
 JOB_LOCK = P + "joblock"
 JOBS = P + "jobs"
 JOB_ORDER = P + "jobs:order"
+_MISMATCH_STATS = tuple(f.name for f in dataclasses.fields(MismatchSums))
+_MISMATCH_FLOATS = ("k3", "abs_logprob_diff")
+
+_ADD_MISMATCH = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
+for i = 2, #ARGV, 3 do
+  if ARGV[i + 2] == 'f' then
+    redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+  else
+    redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 1
+"""
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -298,6 +318,7 @@ class RedisStore(StateStore):
         self._release_job_lock = self._r.register_script(_RELEASE_JOB_LOCK)
         self._put_job = self._r.register_script(_PUT_JOB)
         self._update = self._r.register_script(_UPDATE)
+        self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
         self._group_ready = False
         self._takes = 0
 
@@ -650,6 +671,41 @@ class RedisStore(StateStore):
     async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
         px = max(1, int(ttl_s * 1000))
         await self._call(self._r.set, f"{P}rk:{key}", json.dumps(value), px=px)
+
+    # mismatch ---------------------------------------------------------------------------
+    async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
+        px = max(1, int(ttl_s * 1000))
+        await self._call(self._r.set, f"{P}lorder:{lease_id}", json.dumps(session_ids), px=px)
+
+    async def lease_order(self, lease_id: str) -> list[str] | None:
+        v = await self._call(self._r.get, f"{P}lorder:{lease_id}")
+        return None if v is None else list(json.loads(v))
+
+    async def add_mismatch(
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+    ) -> bool:
+        args: list[str | int] = [max(1, int(ttl_s * 1000))]
+        for (group, version, bucket), part in sums.items():
+            for stat in _MISMATCH_STATS:
+                value = getattr(part, stat)
+                args += [
+                    f"{stat}|{version}|{bucket}|{group}",
+                    repr(value),
+                    "f" if isinstance(value, float) else "i",
+                ]
+        added = await self._call(self._add_mismatch, keys=[MISMATCH, f"{P}mml:{lease_id}"], args=args)
+        return bool(added)
+
+    async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
+        raw = await self._call(self._r.hgetall, MISMATCH)
+        fields: dict[MismatchKey, dict[str, float | int]] = {}
+        for k, v in raw.items():
+            stat, version, bucket, group = _s(k).split("|", 3)
+            value = _s(v)
+            fields.setdefault((group, int(version), bucket), {})[stat] = (
+                float(value) if stat in _MISMATCH_FLOATS else int(value)
+            )
+        return {key: MismatchSums(**f) for key, f in fields.items()}
 
     # cost ledger -----------------------------------------------------------------------
     async def book_replica(

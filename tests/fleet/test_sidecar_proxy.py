@@ -84,7 +84,8 @@ def test_info_health_metrics_and_control_routes(replica: tuple[str, str]) -> Non
         health = c.get(sidecar + "/health")
         assert health.status_code == 200 and health.json()["active_version"] == 2
         metrics = c.get(sidecar + "/metrics").text
-        assert "mixfleet_replica_active_version" in metrics and "sglang:num_running_reqs" in metrics
+        assert "mixfleet_replica_active_version" in metrics and "sglang:" not in metrics
+        assert "sglang:num_running_reqs" in c.get(sidecar + "/engine/metrics").text
         refused = c.post(sidecar + "/pause_generation", json={"mode": "in_place"})
         assert refused.status_code == 403 and "only its sidecar" in refused.json()["error"]["message"]
         status = c.get(sidecar + "/v1/status").json()

@@ -197,7 +197,8 @@ def test_replica_front_blocks_control_routes_and_enforces_versions(live: Live) -
         for path in ("/model_info", "/server_info", "/health"):
             assert httpx.get(r.url + path, timeout=10).status_code == 200
         metrics = httpx.get(r.url + "/metrics", timeout=10).text
-        assert "mixfleet_replica_active_version" in metrics and "sglang:num_running_reqs" in metrics
+        assert "mixfleet_replica_active_version" in metrics and "sglang:" not in metrics
+        assert "sglang:num_running_reqs" in httpx.get(r.url + "/engine/metrics", timeout=10).text
         assert parse_prometheus(metrics)["mixfleet_replica_active_version"] == v
 
 

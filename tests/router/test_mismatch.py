@@ -1,0 +1,145 @@
+"""Mismatch figures from known log-probs, checked against hand-computed values (counts exactly,
+sums to the last bits of float64), and the upload encoding byte for byte (the trainer's encoder,
+the router's decoder and its refusals)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from router.mismatch import (
+    BUCKET_LABELS,
+    MismatchSums,
+    TurnTokens,
+    batch_mismatch,
+    check_band,
+    group_view,
+    position_bucket,
+)
+from router.trainer_logprobs import LogprobsFormatError, decode_trainer_logprobs
+from trainer.upload import encode_trainer_logprobs
+
+NAN = float("nan")
+E = math.e
+
+# Turn A (group g1, prompt of 62 tokens): positions 62, 63 | 64, 65.
+#   q = -1, -2, -0.5, NaN; d = log p - log q = 0, 0.5, -2, (q unknown); versions 3, 3, 4, 4.
+# Turn B (group g2, prompt of 1024 tokens): positions 1024, 1025.
+#   q = -3, -1.25; d = (no version), 1; versions None, 7.
+TURNS = [
+    TurnTokens("g1", 62, [-1.0, -2.0, -0.5, NAN], [3, 3, 4, 4]),
+    TurnTokens("g2", 1024, [-3.0, -1.25], [None, 7]),
+]
+P = np.array([-1.0, -1.5, -2.5, -1.0, -3.0, -0.25], dtype=np.float32)
+BAND = (0.5, 2.0)
+
+# Hand-computed: k3 = r - 1 - d with r = e^d.
+#   d = 0   -> r = 1,      k3 = 0,             |d| = 0, inside [0.2, 5], inside [0.5, 2]
+#   d = 0.5 -> r = 1.6487, k3 = e^0.5 - 1.5,   |d| = 0.5, inside both
+#   d = -2  -> r = 0.1353, k3 = e^-2 + 1,      |d| = 2, outside both
+#   d = 1   -> r = 2.7183, k3 = e - 2,         |d| = 1, inside [0.2, 5], outside [0.5, 2]
+EXPECTED = {
+    ("g1", 3, "0-63"): (2, 0.0 + (math.exp(0.5) - 1.5), 0.5, 0, 0),
+    ("g1", 4, "64-255"): (1, math.exp(-2.0) + 1.0, 2.0, 1, 1),
+    ("g2", 7, "1024+"): (1, E - 2.0, 1.0, 0, 1),
+}
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-14, abs_tol=1e-15)
+
+
+def test_batch_sums_match_hand_computed_values() -> None:
+    out = batch_mismatch(TURNS, P, BAND)
+    assert out.tokens == 4 and out.skipped == 2  # q unknown once, version unknown once
+    assert set(out.sums) == set(EXPECTED)
+    for key, (n, k3, absd, extreme, oob) in EXPECTED.items():
+        s = out.sums[key]
+        assert (s.tokens, s.extreme, s.out_of_band) == (n, extreme, oob), key
+        assert _close(s.k3, k3) and _close(s.abs_logprob_diff, absd), (key, s)
+
+
+def test_group_view_means_shares_versions_and_positions() -> None:
+    sums = batch_mismatch(TURNS, P, BAND).sums
+    g1 = group_view(sums, "g1", BAND)
+    k3_v3 = math.exp(0.5) - 1.5
+    k3_v4 = math.exp(-2.0) + 1.0
+    assert g1["band"] == [0.5, 2.0] and g1["extreme_band"] == [0.2, 5.0]
+    assert g1["tokens"] == 3
+    assert _close(g1["k3_kl"], (k3_v3 + k3_v4) / 3)
+    assert _close(g1["abs_logprob_diff_mean"], 2.5 / 3)
+    assert g1["extreme_share"] == 1 / 3 and g1["out_of_band_share"] == 1 / 3
+    v3, v4 = g1["versions"]
+    assert (v3["version"], v3["tokens"], v3["extreme_share"], v3["out_of_band_share"]) == (3, 2, 0.0, 0.0)
+    assert _close(v3["k3_kl"], k3_v3 / 2) and v3["abs_logprob_diff_mean"] == 0.25
+    assert (v4["version"], v4["tokens"], v4["extreme_share"], v4["out_of_band_share"]) == (4, 1, 1.0, 1.0)
+    assert _close(v4["k3_kl"], k3_v4) and v4["abs_logprob_diff_mean"] == 2.0
+    assert [p["bucket"] for p in g1["positions"]] == ["0-63", "64-255"]
+    assert g1["positions"][0]["tokens"] == 2 and g1["positions"][1]["extreme_share"] == 1.0
+    g2 = group_view(sums, "g2", BAND)
+    assert g2["tokens"] == 1 and _close(g2["k3_kl"], E - 2.0)
+    assert g2["extreme_share"] == 0.0 and g2["out_of_band_share"] == 1.0
+    assert [p["bucket"] for p in g2["positions"]] == ["1024+"]
+    empty = group_view(sums, "nobody", BAND)
+    assert empty["tokens"] == 0 and empty["k3_kl"] == 0.0 and empty["versions"] == []
+
+
+def test_sums_of_two_uploads_add() -> None:
+    one = batch_mismatch(TURNS, P, BAND).sums[("g1", 3, "0-63")]
+    two = one + one
+    assert (two.tokens, two.extreme) == (4, 0) and two.k3 == 2 * one.k3
+    assert MismatchSums().view()["k3_kl"] == 0.0
+
+
+def test_identical_log_probs_have_no_mismatch() -> None:
+    q = [-0.125, -2.0, -7.5]
+    out = batch_mismatch([TurnTokens("g", 0, q, [1, 1, 1])], np.array(q, dtype=np.float32), (0.2, 5.0))
+    s = out.sums[("g", 1, "0-63")]
+    assert (s.tokens, s.k3, s.abs_logprob_diff, s.extreme, s.out_of_band) == (3, 0.0, 0.0, 0, 0)
+
+
+def test_position_buckets() -> None:
+    assert BUCKET_LABELS == ("0-63", "64-255", "256-1023", "1024+")
+    got = [position_bucket(x) for x in (0, 63, 64, 255, 256, 1023, 1024, 10**6)]
+    assert got == ["0-63", "0-63", "64-255", "64-255", "256-1023", "256-1023", "1024+", "1024+"]
+
+
+def test_refusals_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="5 trainer log-probs for 6 output tokens"):
+        batch_mismatch(TURNS, P[:5], BAND)
+    bad = P.copy()
+    bad[2] = np.nan
+    with pytest.raises(ValueError, match="trainer log-prob 2 is not finite"):
+        batch_mismatch(TURNS, bad, BAND)
+    with pytest.raises(ValueError, match="token 0: ratio p/q overflows"):
+        batch_mismatch([TurnTokens("g", 0, [-1000.0], [1])], np.array([0.0]), BAND)
+    for band in ((0.0, 2.0), (1.0, 2.0), (0.5, 1.0), (0.5, math.inf), (2.0, 0.5)):
+        with pytest.raises(ValueError, match="0 < low < 1 < high"):
+            check_band(band)
+
+
+def test_upload_encoding_bytes() -> None:
+    lp = np.array([[-1.0, -0.5], [-0.25, -8.0]], dtype=np.float64)
+    blob = encode_trainer_logprobs(lp)
+    assert blob == b"MFL\x01" + (4).to_bytes(4, "little") + struct.pack("<4f", -1.0, -0.5, -0.25, -8.0)
+    back = decode_trainer_logprobs(blob)
+    assert back.dtype == np.float32 and back.tolist() == [-1.0, -0.5, -0.25, -8.0]
+    assert decode_trainer_logprobs(encode_trainer_logprobs(np.zeros(0))).size == 0
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [
+        (b"MFL", "shorter than its 8-byte header"),
+        (b"MFT\x01" + bytes(4), "starts with b'MFT'"),
+        (b"MFL\x02" + bytes(4), "format version 2"),
+        (b"MFL\x01" + (2).to_bytes(4, "little") + bytes(4), "holds 12 bytes; 2 log-probs need 16"),
+        (b"MFL\x01" + (0).to_bytes(4, "little") + b"x", "holds 9 bytes; 0 log-probs need 8"),
+    ],
+)
+def test_upload_decoder_refusals(blob: bytes, message: str) -> None:
+    with pytest.raises(LogprobsFormatError, match=message.replace("(", r"\(")):
+        decode_trainer_logprobs(blob)
