@@ -19,6 +19,7 @@ from fleet import replica_cli, sidecar_cli, up, weights_cli
 from fleet.engine import init_model
 from fleet.engine import server as engine_server
 from fleet.launch import guard_group
+from mixfleet import demo
 from router import cli as router_cli
 from router import report_cli
 from weight_sync import convert_cli
@@ -35,6 +36,7 @@ COMMANDS: dict[str, ModuleType] = {
     "weights": weights_cli,
     "deploy": deploy_cli,
     "report": report_cli,
+    "demo": demo,
 }
 
 

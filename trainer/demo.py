@@ -1,0 +1,488 @@
+"""The demo RL loop: warm-start a policy by supervised learning on a task, then learn it by
+asynchronous RL from a sampler fleet behind a router, publishing every update.
+
+:func:`run_demo` needs a router URL and key (scopes ``rollout``, ``trainer`` and ``admin``), the
+fleet's base checkpoint directory and an output directory, all on the router's machine (the
+router converts checkpoints it is given by absolute path). It talks to the router over HTTP only.
+
+Before: every group of the fleet serves some version; the store's latest version is ``v0``.
+What happens, in order:
+
+1. **SFT**: ``sft_steps`` steps of teacher-forced cross-entropy on the answers of fresh problems
+   (:mod:`trainer.tasks`), on the trainer (:class:`trainer.policy.Policy`).
+2. The result is published as version ``v0 + 1``; the loop waits until every replica of every
+   group serves it (the samplers start from it), and no turn is ever served by an older version
+   (``min_version``).
+3. **RL**: ``agents`` asyncio tasks each draw a problem and sample it ``samples`` times
+   concurrently through the router (one session per sample), score each answer and finish the
+   session with its reward. Meanwhile the trainer takes batches of ``prompts * samples`` finished
+   trajectories (waiting for them, with the staleness bound ``max_version_age``), computes
+   group-normalized advantages per prompt, its logits at the sampled positions and
+   :func:`trainer.corrections.policy_loss` with ``method``, takes one optimizer step, saves the
+   weights and publishes them as the next version. Sampling never stops: agents keep sampling
+   while the trainer computes and while the fleet converts and activates; each update waits only
+   for the previous version's activation before it publishes its own.
+4. After ``updates`` updates (or ``time_limit_s`` of RL), the agents stop and the last version's
+   activation is awaited.
+
+After: ``<out>/demo.json`` (see :func:`run_demo`), ``<out>/demo.png`` when matplotlib is
+installed, and the published checkpoints ``<out>/checkpoints/vNNNNNN`` (the last ``keep`` of
+them; older ones are removed once their publication is done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.batch import Batch
+from trainer.client import AsyncRolloutClient, RouterError
+from trainer.corrections import DEFAULT_BAND, group_advantages, mismatch_by_group, policy_loss
+from trainer.demo_config import DemoConfig
+from trainer.policy import Policy
+from trainer.tasks import EOS_ID, Problem, ReverseDigits
+
+
+class Progress:
+    """A progress bar over ``total`` steps (tqdm, on stderr); ``update`` shows named values."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+    def update(self, **values: Any) -> None:
+        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in values.items()})
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ---------------------------------------------------------------- supervised warm start
+
+
+def sft_loss(policy: Policy, problems: list[Problem]) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens (end token included) given each prompt."""
+    sequences = [list(p.prompt_ids) + list(p.answer_ids) for p in problems]
+    logits = policy.forward(sequences)
+    rows, cols, targets = [], [], []
+    for i, p in enumerate(problems):
+        n = len(p.prompt_ids)
+        for j, t in enumerate(p.answer_ids):
+            rows.append(i)
+            cols.append(n - 1 + j)
+            targets.append(t)
+    picked = logits[torch.tensor(rows), torch.tensor(cols)]
+    return torch.nn.functional.cross_entropy(picked, torch.tensor(targets))
+
+
+def supervised(
+    policy: Policy, task: ReverseDigits, config: DemoConfig, rng: random.Random, show: bool
+) -> dict[str, Any]:
+    """The SFT phase; returns its record (losses per step, wall time)."""
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=config.sft_lr, weight_decay=0.0)
+    losses: list[float] = []
+    start = time.monotonic()
+    bar = Progress(config.sft_steps, "sft", show)
+    for _ in range(config.sft_steps):
+        loss = sft_loss(policy, [task.sample(rng) for _ in range(config.sft_batch)])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.update(loss=losses[-1])
+    bar.close()
+    return {
+        "steps": config.sft_steps,
+        "batch": config.sft_batch,
+        "loss": losses,
+        "wall_s": time.monotonic() - start,
+    }
+
+
+# ---------------------------------------------------------------- one RL update
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    mean_reward: float
+    exact: float
+    trajectories: int
+    tokens: int
+    prompt_groups: int
+    version_age: dict[str, float]
+    k3_kl: dict[str, float]
+    k3_kl_fresh: dict[str, float]
+    mean_abs_logprob_diff: dict[str, float]
+    extreme_ratio_share: dict[str, float]
+    tokens_by_group: dict[str, int]
+
+
+def version_ages(batch: Batch, trainer_version: int) -> np.ndarray:
+    """Per token: ``trainer_version`` minus the token's version (-1 where unknown); the batch's
+    own ages when its header carries the trainer version."""
+    if batch.trainer_version is not None:
+        return batch.version_ages
+    return np.where(batch.versions >= 0, np.maximum(0, trainer_version - batch.versions), -1)
+
+
+def rl_step(
+    policy: Policy, opt: torch.optim.Optimizer, batch: Batch, config: DemoConfig, trainer_version: int
+) -> UpdateStats:
+    """One optimizer step of ``config.method`` on ``batch``, taken while the trainer holds
+    ``trainer_version``. Mismatch is measured with the weights before the step, over all tokens
+    and over the fresh ones (version age 0: the samplers' precision alone)."""
+    rewards = torch.tensor([float(t.get("reward") or 0.0) for t in batch.trajectories])
+    keys = [str((t.get("metadata") or {}).get("prompt", i)) for i, t in enumerate(batch.trajectories)]
+    codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    adv_traj = group_advantages(rewards, torch.tensor([codes[k] for k in keys]))
+    traj_index = torch.from_numpy(batch.trajectory_index)
+    logits = policy.sampled_logits(batch, config.temperature)
+    tokens = torch.from_numpy(batch.token_ids)
+    loss = policy_loss(
+        logits,
+        tokens,
+        torch.from_numpy(batch.logprobs),
+        torch.from_numpy(batch.support_ids),
+        torch.from_numpy(batch.support_offsets),
+        torch.from_numpy(batch.support_logprobs),
+        adv_traj[traj_index],
+        method=config.method,
+        band=config.band or DEFAULT_BAND,
+    )
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        trainer_lp = torch.log_softmax(logits.detach(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    sampler_lp = torch.from_numpy(batch.raw_logprobs)
+    known = ~torch.isnan(sampler_lp)
+    labels = [batch.groups[g] for g in batch.group_index[known.numpy()]]
+    per_group = mismatch_by_group(trainer_lp[known], sampler_lp[known], labels) if labels else {}
+    all_ages = version_ages(batch, trainer_version)
+    fresh = known & torch.from_numpy(all_ages == 0)
+    fresh_labels = [batch.groups[g] for g in batch.group_index[fresh.numpy()]]
+    per_group_fresh = (
+        mismatch_by_group(trainer_lp[fresh], sampler_lp[fresh], fresh_labels) if fresh_labels else {}
+    )
+    ages = all_ages[all_ages >= 0]
+    return UpdateStats(
+        loss=loss.item(),
+        mean_reward=float(rewards.mean()) if rewards.numel() else 0.0,
+        exact=float((rewards >= 1.0).float().mean()) if rewards.numel() else 0.0,
+        trajectories=len(batch.trajectories),
+        tokens=len(batch),
+        prompt_groups=len(codes),
+        version_age={
+            "mean": float(ages.mean()) if ages.size else 0.0,
+            "max": int(ages.max()) if ages.size else 0,
+            "share_stale": float((ages > 0).mean()) if ages.size else 0.0,
+        },
+        k3_kl={g: m.k3_kl for g, m in per_group.items()},
+        k3_kl_fresh={g: m.k3_kl for g, m in per_group_fresh.items()},
+        mean_abs_logprob_diff={g: m.mean_abs_logprob_diff for g, m in per_group.items()},
+        extreme_ratio_share={g: m.extreme_ratio_share for g, m in per_group.items()},
+        tokens_by_group={g: m.tokens for g, m in per_group.items()},
+    )
+
+
+# ---------------------------------------------------------------- the asynchronous loop
+
+
+@dataclass
+class _Agents:
+    """The sampling side: agent tasks and the counters they keep.
+
+    Backpressure: at most ``config.outstanding`` sessions are open or finished and not yet
+    taken (nor held back) by the trainer; an agent starts its next problem only when there is
+    room for all its samples, so batches stay within a version or two of the trainer."""
+
+    client: AsyncRolloutClient
+    task: ReverseDigits
+    config: DemoConfig
+    min_version: int
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    sessions: int = 0
+    outstanding: int = 0
+    room: asyncio.Condition = field(default_factory=asyncio.Condition)
+    errors: list[str] = field(default_factory=list)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "max_new_tokens": self.task.max_new_tokens,
+            "stop_token_ids": [EOS_ID],
+        }
+
+    async def release(self, count: int) -> None:
+        """``count`` sessions left the outstanding set (taken, held back, or failed)."""
+        async with self.room:
+            self.outstanding = max(0, self.outstanding - count)
+            self.room.notify_all()
+
+    async def sample(self, problem: Problem, prompt_key: str, seed: int) -> None:
+        try:
+            session = await self.client.create_session(
+                metadata={"prompt": prompt_key, "digits": problem.digits}
+            )
+            params = {**self.params(), "seed": seed}
+            turn = await self.client.turn(
+                session.session_id, list(problem.prompt_ids), params, min_version=self.min_version
+            )
+            score = self.task.score(problem, turn["output_ids"])
+            await self.client.finish(session.session_id, score.reward, {"exact": score.exact})
+        except BaseException:
+            await self.release(1)
+            raise
+        self.sessions += 1
+
+    async def agent(self, index: int) -> None:
+        rng = random.Random(self.config.seed * 1_000_003 + index)
+        n = self.config.samples
+        k = 0
+        while not self.stop.is_set():
+            async with self.room:
+                await self.room.wait_for(lambda: self.outstanding + n <= max(n, self.config.outstanding))
+                self.outstanding += n
+            problem = self.task.sample(rng)
+            key = f"a{index}-{k}"
+            seeds = [rng.getrandbits(62) for _ in range(n)]
+            try:
+                await asyncio.gather(*(self.sample(problem, key, s) for s in seeds))
+            except RouterError as exc:
+                self.errors.append(str(exc))
+                if len(self.errors) > 20:
+                    raise
+                await asyncio.sleep(0.5)
+            k += 1
+
+
+class ActivationError(RuntimeError):
+    """A published version was not served by every group in time; carries the replicas' errors."""
+
+    def __init__(self, version: int, missing: list[str], errors: dict[str, str]) -> None:
+        detail = "; ".join(f"{r}: {e}" for r, e in errors.items()) or "no replica reported an error"
+        super().__init__(f"v{version} is not active in {', '.join(sorted(missing))} ({detail})")
+        self.version = version
+        self.missing = missing
+        self.errors = errors
+
+
+async def _activation(
+    client: AsyncRolloutClient, version: int, job_id: str, timeout_s: float
+) -> dict[str, Any]:
+    """Wait for publish job ``job_id``, then until every replica of every group reports
+    ``version`` or later; returns the seconds from the call until the job was done and until
+    each group served it. Raises :class:`ActivationError` after ``timeout_s``."""
+    start = time.monotonic()
+    job = await client.wait_job(job_id, timeout_s=timeout_s)
+    published_s = time.monotonic() - start
+    activated: dict[str, float] = {}
+    while True:
+        status = await client.weights_status()
+        errors: dict[str, str] = {}
+        for g in status.get("groups", []):
+            reps = g.get("replicas") or []
+            behind = [r for r in reps if (r.get("active_version") or 0) < version]
+            errors.update({r["replica_id"]: str(r["error"]) for r in behind if r.get("error")})
+            if g["group"] not in activated and reps and not behind:
+                activated[g["group"]] = time.monotonic() - start
+        names = {g["group"] for g in status.get("groups", [])}
+        if names and names <= set(activated):
+            break
+        if time.monotonic() - start > timeout_s:
+            raise ActivationError(version, sorted(names - set(activated)), errors)
+        await asyncio.sleep(0.1)
+    return {
+        "version": version,
+        "job": job.get("job_id", job_id),
+        "published_s": published_s,
+        "activated_s": activated,
+    }
+
+
+class _Publisher:
+    """Publishes checkpoints one version at a time; a version is published only after the
+    previous one's activation was observed (or timed out)."""
+
+    def __init__(self, client: AsyncRolloutClient, out: Path, config: DemoConfig) -> None:
+        self.client = client
+        self.out = out
+        self.config = config
+        self.pending: asyncio.Task | None = None
+        self.records: list[dict[str, Any]] = []
+        self.dirs: list[Path] = []
+
+    async def publish(self, policy: Policy, version: int) -> None:
+        path = (self.out / "checkpoints" / f"v{version:06d}").resolve()
+        await asyncio.to_thread(policy.save, path)
+        await self.settle()
+        job = await self.client.publish(str(path), version=version)
+        self.dirs.append(path)
+        self.pending = asyncio.create_task(
+            _activation(self.client, version, job["job_id"], self.config.activation_timeout_s)
+        )
+
+    async def settle(self) -> None:
+        if self.pending is None:
+            return
+        self.records.append(await self.pending)
+        self.pending = None
+        while len(self.dirs) > self.config.keep:
+            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+
+
+async def run_demo(
+    router_url: str,
+    api_key: str,
+    base: str | Path,
+    out: str | Path,
+    config: DemoConfig,
+    *,
+    show_progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the demo against the fleet behind ``router_url``; write and return ``demo.json``:
+
+    ``config``; ``task``; ``groups`` (the fleet's); ``sft`` (``loss`` per step, ``wall_s``);
+    ``first_version``; ``updates``: one entry per update with ``update``, ``version`` (the
+    version it published), ``trained_on_version``, ``mean_reward``, ``exact``, ``loss``,
+    ``trajectories``, ``tokens``, ``prompt_groups``, ``version_age`` (mean, max, share of
+    stale tokens), per group ``k3_kl`` (``k3_kl_fresh``: over the tokens of age 0),
+    ``mean_abs_logprob_diff``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
+    log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
+    started) and ``step_s``; ``activations``: per published version the seconds until its job
+    was done and until each group served it; ``summary``.
+    """
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(config.trainer_threads)
+    rng = random.Random(config.seed)
+    task = ReverseDigits(config.min_len, config.max_len, config.partial_credit)
+    policy = Policy.load(base)
+    record: dict[str, Any] = {
+        "config": asdict(config),
+        "task": {
+            "name": "reverse-digits",
+            "min_len": task.min_len,
+            "max_len": task.max_len,
+            "partial_credit": task.partial_credit,
+        },
+        "router": router_url,
+    }
+    started = time.monotonic()
+    async with AsyncRolloutClient(router_url, api_key) as client:
+        status = await client.weights_status()
+        record["groups"] = [{"group": g["group"], "format": g["format"]} for g in status.get("groups", [])]
+        version = int(status.get("latest_version") or 0)
+        names = ", ".join(f"{g['group']} ({g['format']})" for g in record["groups"])
+        log(f"fleet: {names}; latest v{version}")
+
+        record["sft"] = await asyncio.to_thread(supervised, policy, task, config, rng, show_progress)
+        version += 1
+        record["first_version"] = version
+        publisher = _Publisher(client, out, config)
+        log(f"publishing the warm-started policy as v{version} ...")
+        await publisher.publish(policy, version)
+        await publisher.settle()
+        log(f"v{version} active in every group: {publisher.records[-1]['activated_s']}")
+
+        agents = _Agents(client, task, config, min_version=version)
+        workers = [asyncio.create_task(agents.agent(i)) for i in range(config.agents)]
+        opt = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=0.0)
+        updates: list[dict[str, Any]] = []
+        rl_start = time.monotonic()
+        held_back = 0
+        bar = Progress(config.updates, f"rl {config.method}", show_progress)
+        try:
+            for u in range(1, config.updates + 1):
+                if time.monotonic() - rl_start > config.time_limit_s:
+                    log(f"time limit reached after {u - 1} updates")
+                    break
+                batch = await _take(client, config, version, workers)
+                await agents.release(len(batch.trajectories) + max(0, batch.held_back - held_back))
+                held_back = batch.held_back
+                t0 = time.monotonic()
+                stats = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
+                step_s = time.monotonic() - t0
+                if batch.lease_id is not None:
+                    await client.ack(batch.lease_id)
+                trained_on = version
+                version += 1
+                await publisher.publish(policy, version)
+                updates.append(
+                    {
+                        "update": u,
+                        "version": version,
+                        "trained_on_version": trained_on,
+                        **asdict(stats),
+                        "held_back": batch.held_back,
+                        "wall_s": time.monotonic() - rl_start,
+                        "step_s": step_s,
+                    }
+                )
+                bar.update(reward=stats.mean_reward, exact=stats.exact, age=stats.version_age["mean"])
+        finally:
+            bar.close()
+            agents.stop.set()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        await publisher.settle()
+    record["updates"] = updates
+    record["activations"] = publisher.records
+    record["sessions"] = agents.sessions
+    record["agent_errors"] = agents.errors[:20]
+    record["summary"] = summarize(record, time.monotonic() - started)
+    (out / "demo.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+async def _take(client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list) -> Batch:
+    """The next batch: up to ``config.batch_size`` trajectories within the staleness bound (the
+    router waits for a full one up to its wait limit); raises what an agent task died of."""
+    while True:
+        for w in workers:
+            if w.done() and not w.cancelled() and w.exception() is not None:
+                raise w.exception()
+        batch = await client.take(
+            config.batch_size, max_version_age=config.max_version_age, wait_s=30.0, trainer_version=version
+        )
+        if batch.trajectories:
+            return batch
+
+
+def summarize(record: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """First and last fifths of the reward curve, and totals."""
+    ups = record.get("updates") or []
+    rewards = np.array([u["mean_reward"] for u in ups], dtype=np.float64)
+    exact = np.array([u["exact"] for u in ups], dtype=np.float64)
+    k = max(1, len(ups) // 5)
+    return {
+        "updates": len(ups),
+        "wall_s": wall_s,
+        "rl_wall_s": ups[-1]["wall_s"] if ups else 0.0,
+        "sft_first_loss": (record["sft"]["loss"] or [None])[0],
+        "sft_last_loss": (record["sft"]["loss"] or [None])[-1],
+        "reward_first": float(rewards[:k].mean()) if ups else None,
+        "reward_last": float(rewards[-k:].mean()) if ups else None,
+        "exact_first": float(exact[:k].mean()) if ups else None,
+        "exact_last": float(exact[-k:].mean()) if ups else None,
+        "tokens": int(sum(u["tokens"] for u in ups)),
+    }

@@ -1,0 +1,58 @@
+"""The knobs of a demo run (:func:`trainer.demo.run_demo`), checked on construction; this module
+imports no torch, so a command line can take its defaults cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.tasks import ReverseDigits
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Every knob of a demo run (recorded in ``demo.json``)."""
+
+    method: str = "sc-mis-topp"
+    seed: int = 0
+    min_len: int = 3
+    max_len: int = 5
+    partial_credit: bool = True
+    sft_steps: int = 60
+    sft_batch: int = 64
+    sft_lr: float = 3e-3
+    updates: int = 200
+    time_limit_s: float = 600.0
+    prompts: int = 8
+    samples: int = 8
+    agents: int = 16
+    outstanding: int = 64
+    lr: float = 2e-4
+    max_version_age: int | None = 2
+    temperature: float = 1.0
+    top_p: float = 0.95
+    band: tuple[float, float] | None = None  # None: the MIS band of trainer.corrections
+    trainer_threads: int = 2
+    activation_timeout_s: float = 120.0
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        from trainer.corrections import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name in ("sft_batch", "updates", "prompts", "samples", "agents", "trainer_threads", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0:
+            raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
+        if self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        ReverseDigits(self.min_len, self.max_len, self.partial_credit)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts * self.samples
