@@ -64,9 +64,6 @@ def test_the_router_container_serves_the_fleet_on_redis(router_module) -> None:
     redis.Redis.from_url(url).ping()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the replica registry is per router process until it moves to the shared state"
-)
 def test_two_router_containers_see_the_same_replicas(router_module) -> None:
     module, _ = router_module
     with TestClient(module.router.local()) as first, TestClient(module.router.local()) as second:
