@@ -1,0 +1,264 @@
+"""``mixfleet router --workers 2`` on one real redis-server serves one fleet from two processes on
+one port as one router: every request goes out on a new connection (so both workers get traffic,
+each answer names its process in ``X-Mixfleet-Router``), and whichever worker answers, sessions
+created on one take turns on the other, sidecar heartbeats (with a ``replica`` key) land anywhere
+and ``/v1/groups`` agrees, the routing window is one window, batches are handed out once, a publish
+job started on one is visible on the other, and a second publish while one runs is refused
+wherever it lands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from tests.support.procs import mixfleet_argv, redis_server
+from tests.support.router import RouterHandle, router_process, write_preset
+
+ADMIN = "a" * 32
+REPLICA = "r" * 32
+SP = {"max_new_tokens": 3, "seed": 1}
+ALL_FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
+
+
+def call(router: RouterHandle, method: str, path: str, key: str = ADMIN, **kw) -> tuple[httpx.Response, str]:
+    """One request on a connection of its own; the response and the pid of the worker that served it."""
+    r = httpx.request(
+        method, router.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw
+    )
+    return r, r.headers["x-mixfleet-router"].rsplit("/", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def workers(engine_url, tmp_path_factory):
+    """Two workers over groups ``cpu-a`` (the engine, static) and ``cpu-b`` (heartbeats only),
+    with the weight routes on a local store; yields the router once both workers answer."""
+    d = tmp_path_factory.mktemp("workers")
+    preset = write_preset(
+        d / "p.toml",
+        [
+            {"name": "cpu-a", "replicas": [engine_url], "sessions_per_replica": 8},
+            {"name": "cpu-b", "sessions_per_replica": 8},
+        ],
+    )
+    keys = {ADMIN: ["rollout", "trainer", "admin"], REPLICA: ["replica"]}
+    env = {"MIXFLEET_STORE": str(d / "store"), "MIXFLEET_RUN": "run", "MIXFLEET_PUBLISH_WORKERS": "0"}
+    with (
+        redis_server() as url,
+        router_process(
+            preset,
+            state=url,
+            keys=keys,
+            env=env,
+            extra_args=("--workers", "2", "--heartbeat-timeout", "300"),
+        ) as router,
+    ):
+        pids: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, f"only workers {pids} answered"
+            r, pid = call(router, "GET", "/healthz")
+            if r.status_code == 200:
+                pids.add(pid)
+        yield router
+
+
+def _groups(router: RouterHandle) -> tuple[dict, str]:
+    r, pid = call(router, "GET", "/v1/groups")
+    assert r.status_code == 200, r.text
+    return r.json(), pid
+
+
+def _view(snapshot: dict) -> dict:
+    """What every router must agree on: per group its replicas in rotation, sessions, window."""
+    return {
+        "latest_version": snapshot["latest_version"],
+        "groups": [
+            {
+                "name": g["name"],
+                "ready_replicas": g["ready_replicas"],
+                "in_rotation": sorted(r["replica_id"] for r in g["replicas"] if r["in_rotation"]),
+                "sessions_total": g["sessions_total"],
+                "window_sessions": g["window_sessions"],
+                "window_session_share": g["window_session_share"],
+            }
+            for g in snapshot["groups"]
+        ],
+    }
+
+
+def _agreed(router: RouterHandle, n: int = 12) -> dict:
+    """``/v1/groups`` asked ``n`` times: both workers answer, every answer the same view."""
+    views: dict[str, dict] = {}
+    answers = [_groups(router) for _ in range(n)]
+    for snap, pid in answers:
+        views.setdefault(pid, _view(snap))
+        assert _view(snap) == views[pid] == next(iter(views.values())), (pid, views)
+    assert len(views) == 2, f"only workers {set(views)} answered /v1/groups"
+    return next(iter(views.values()))
+
+
+def test_memory_state_with_several_workers_is_refused_in_one_line(tmp_path) -> None:
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    argv = mixfleet_argv("router", "--preset", str(preset), "--workers", "2", "--insecure-no-auth")
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--workers 2 needs --state redis://" in lines[0], r.stderr
+    assert "memory state cannot be shared" in lines[0]
+
+
+def test_two_workers_serve_one_fleet_consistently(workers: RouterHandle, engine_url: str) -> None:
+    router = workers
+    # a sidecar's heartbeats, with its replica-only key, land on either worker
+    hb = {
+        "replica_id": "side-b",
+        "group": "cpu-b",
+        "url": engine_url.replace("127.0.0.1", "localhost"),
+        "ready": True,
+        "active_version": 0,
+    }
+    beats = Counter()
+    for _ in range(8):
+        r, pid = call(router, "POST", "/v1/replicas/heartbeat", key=REPLICA, json=hb)
+        assert r.status_code == 200, r.text
+        beats[pid] += 1
+    assert len(beats) == 2, beats
+    assert call(router, "POST", "/v1/sessions", key=REPLICA, json={})[0].status_code == 403
+    assert call(router, "GET", "/v1/weights", key=REPLICA)[0].status_code == 403
+    view = _agreed(router)
+    assert [(g["name"], g["ready_replicas"]) for g in view["groups"]] == [("cpu-a", 1), ("cpu-b", 1)]
+    assert view["groups"][1]["in_rotation"] == ["side-b"]
+
+    # sessions placed by the policy, each taking turns on whichever worker answers
+    served: list[dict[str, object]] = []
+    for _ in range(12):
+        r, created_by = call(router, "POST", "/v1/sessions", json={})
+        assert r.status_code == 200, r.text
+        sid, turns_by, outputs = r.json()["session_id"], [], []
+        for i in range(3):
+            body = {"input_ids": [1, 2, 3 + i], "sampling_params": SP, "turn": i}
+            t, pid = call(router, "POST", f"/v1/sessions/{sid}/turns", json=body)
+            assert t.status_code == 200 and t.json()["turn"] == i, t.text
+            turns_by.append(pid)
+            outputs.append(t.json()["output_ids"])
+        f, finished_by = call(router, "POST", f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+        assert f.status_code == 200, f.text
+        served.append({"sid": sid, "created": created_by, "turns": turns_by, "outputs": outputs})
+    assert any(p != s["created"] for s in served for p in s["turns"]), "no session took a turn elsewhere"
+    assert len({p for s in served for p in (s["created"], *s["turns"])}) == 2
+
+    # one window: every worker reports all 12 assignments, split by capacity (equal groups)
+    view = _agreed(router)
+    assert {g["name"]: g["window_sessions"] for g in view["groups"]} == {"cpu-a": 6, "cpu-b": 6}
+    assert {g["name"]: g["sessions_total"] for g in view["groups"]} == {"cpu-a": 6, "cpu-b": 6}
+    assert [g["window_session_share"] for g in view["groups"]] == [0.5, 0.5]
+
+    # batches: every finished trajectory handed out once, whichever worker takes or acknowledges
+    want = {s["sid"]: s["outputs"] for s in served}
+    taken: dict[str, list] = {}
+    takers, ackers = Counter(), Counter()
+    while len(taken) < len(want):
+        b, pid = call(router, "POST", "/v1/batches/take", json={"size": 5})
+        assert b.status_code == 200, b.text
+        batch = b.json()
+        assert batch["trajectories"], f"only {len(taken)} of {len(want)} handed out"
+        takers[pid] += 1
+        for t in batch["trajectories"]:
+            assert t["session_id"] not in taken, f"{t['session_id']} handed out twice"
+            taken[t["session_id"]] = [turn["output_ids"] for turn in t["turns"]]
+        a, pid = call(router, "POST", f"/v1/batches/{batch['lease_id']}/ack")
+        assert a.status_code == 200 and a.json()["acked"] == len(batch["trajectories"]), a.text
+        ackers[pid] += 1
+    assert taken == want
+    for _ in range(6):  # nothing is left for either worker
+        b, pid = call(router, "POST", "/v1/batches/take", json={"size": 20})
+        assert b.status_code == 200 and b.json()["trajectories"] == [], b.text
+        takers[pid] += 1
+    assert len(takers) == 2, takers
+
+
+def _wait_done(router: RouterHandle, job_id: str) -> dict:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        r, _ = call(router, "GET", f"/v1/weights/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        if r.json()["state"] != "running":
+            return r.json()
+        time.sleep(0.2)
+    raise AssertionError(f"weight job {job_id} still running")
+
+
+def test_one_publish_at_a_time_across_workers_and_every_worker_sees_its_job(
+    workers: RouterHandle, tiny_bf16
+) -> None:
+    router = workers
+    body = {"checkpoint": str(tiny_bf16), "formats": ALL_FORMATS}
+    first, started_by = call(router, "POST", "/v1/weights", json=body)
+    assert first.status_code == 202, first.text
+    job_id = first.json()["job_id"]
+    refused, running_by, later = Counter(), Counter(), []
+    while True:
+        r, pid = call(router, "GET", f"/v1/weights/jobs/{job_id}")
+        assert r.status_code == 200 and r.json()["job_id"] == job_id, r.text
+        if r.json()["state"] != "running":
+            break
+        running_by[pid] += 1
+        second, pid = call(router, "POST", "/v1/weights", json={**body, "formats": ["bf16"]})
+        if second.status_code == 409:
+            assert "already running" in second.json()["detail"], second.text
+            assert job_id in second.json()["detail"]
+            refused[pid] += 1
+        else:  # only once the first had ended
+            assert second.status_code == 202, second.text
+            later.append(second.json())
+    done = r.json()
+    assert done["state"] == "done" and done["error"] is None, done
+    assert len(refused) == 2, f"a second publish was refused only by {dict(refused)}"
+    for job in later:
+        assert job["started_at"] >= done["finished_at"], (job, done)
+        _wait_done(router, job["job_id"])
+    views = {}
+    while len(views) < 2:  # the finished job reads the same on both workers
+        r, pid = call(router, "GET", f"/v1/weights/jobs/{job_id}")
+        views[pid] = r.json()
+    assert list(views.values())[0] == list(views.values())[1] == done
+    assert len(running_by) == 2, f"the running job was read only on {dict(running_by)}"
+
+    # the lock is free again: a new publish starts wherever it lands and both see its version
+    again, _ = call(router, "POST", "/v1/weights", json={**body, "formats": ["bf16"]})
+    assert again.status_code == 202, again.text
+    final = _wait_done(router, again.json()["job_id"])
+    assert final["state"] == "done", final
+    assert _agreed(router)["latest_version"] == final["version"] == final["result"]["version"]
+    listed = {}
+    while len(listed) < 2:
+        r, pid = call(router, "GET", "/v1/weights")
+        assert r.status_code == 200, r.text
+        listed[pid] = [(j["job_id"], j["state"]) for j in r.json()["jobs"]]
+    a, b = listed.values()
+    assert a == b and (job_id, "done") in a and (again.json()["job_id"], "done") in a, listed
+
+
+def test_a_replica_deregistered_on_one_worker_leaves_both(workers: RouterHandle, engine_url: str) -> None:
+    router = workers
+    hb = {"replica_id": "side-gone", "group": "cpu-b", "url": engine_url, "ready": True, "active_version": 0}
+    assert call(router, "POST", "/v1/replicas/heartbeat", key=REPLICA, json=hb)[0].status_code == 200
+    assert "side-gone" in _agreed(router)["groups"][1]["in_rotation"]
+    r, _ = call(router, "DELETE", "/v1/replicas/side-gone")
+    assert r.status_code == 200 and r.json()["removed"] is True, r.text
+    assert "side-gone" not in _agreed(router)["groups"][1]["in_rotation"]
+    assert call(router, "DELETE", "/v1/replicas/side-gone")[0].status_code == 404
+
+
+def test_replica_keys_file_format_names_the_scope(tmp_path) -> None:
+    """A key file may carry the ``replica`` scope (and nothing else)."""
+    from router.auth import load_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({REPLICA: ["replica"]}))
+    assert load_keys(path) == {REPLICA: frozenset({"replica"})}
