@@ -25,6 +25,7 @@ ENGINE_PORT = 30000  # SGLang, reachable only inside the container
 VOLUME_NAME = "mixfleet-weights"
 VOLUME_MOUNT = "/weights"
 STAGE_DIR = "/root/mixfleet-stage"  # the replica's own disk: versions staged from the Volume
+STAGED_EXAMPLE = f"{STAGE_DIR}/v<N>"  # where the replica stages version N (weight_sync.stage), as shown
 REDIS_SECRET = "mixfleet-redis"  # MIXFLEET_REDIS_URL
 KEYS_SECRET = "mixfleet-api-keys"  # MIXFLEET_API_KEYS: the router's keys and scopes
 REPLICA_SECRET = "mixfleet-replica-key"  # MIXFLEET_REPLICA_KEY: the sidecars' key (scope replica)
@@ -215,7 +216,7 @@ def _server(g: GroupSpec) -> ServerPlan:
         group=g,
         gpu=gpu_string(gpu.kind, g.gpus_per_replica),
         family=gpu.family,
-        sglang_argv=tuple(sglang_argv(g, f"{STAGE_DIR}/<run>/{g.weight_format}/v<N>", "<N>")),
+        sglang_argv=tuple(sglang_argv(g, STAGED_EXAMPLE, "<N>")),
         autoscaling=autoscaling,
     )
 
