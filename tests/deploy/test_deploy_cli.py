@@ -162,9 +162,7 @@ def test_dry_run_prints_every_server(preset: str) -> None:
         )
         assert argv_line.startswith("  sglang: ")
         argv = shlex.split(argv_line.removeprefix("  sglang: "))
-        assert argv == deploy_plan.sglang_argv(
-            g, f"{deploy_plan.STAGE_DIR}/<run>/{g.weight_format}/v<N>", "<N>"
-        )
+        assert argv == deploy_plan.sglang_argv(g, f"{deploy_plan.STAGE_DIR}/v<N>", "<N>")
         assert argv[argv.index("--kv-cache-dtype") + 1] == g.kv_cache_dtype
         quant = sglang.QUANTIZATION_BY_FORMAT[g.weight_format]
         assert (argv[argv.index("--quantization") + 1] if "--quantization" in argv else None) == quant
