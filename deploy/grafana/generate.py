@@ -33,6 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import CollectorRegistry
+
+from fleet.engine.metrics import EngineMetrics
+from fleet.reconciler import REPLICA_METRICS
+from router.metrics import RouterMetrics
 
 HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE / "dashboards"
@@ -95,6 +100,22 @@ M = {
     "r_activations": "mixfleet_replica_activations_total",
     "r_failures": "mixfleet_replica_activation_failures_total",
     "r_in_flight": "mixfleet_replica_in_flight_requests",
+    "r_error": "mixfleet_replica_error",
+    "r_conflicts": "mixfleet_replica_version_conflicts_total",
+    "request_s": "mixfleet_router_request_seconds",
+    "expired": "mixfleet_router_sessions_expired_total",
+    "generate": "mixfleet_router_generate_requests_total",
+    "leases": "mixfleet_router_leases_total",
+    "open_leases": "mixfleet_router_open_leases",
+    "mm_oob": "mixfleet_mismatch_out_of_band_tokens_total",
+    "mm_band": "mixfleet_mismatch_band_info",
+    "mm_abs_version": "mixfleet_mismatch_abs_logprob_diff_mean",
+    "mm_oob_version": "mixfleet_mismatch_out_of_band_share",
+    "mm_tokens_version": "mixfleet_mismatch_version_tokens",
+    "mm_kl_position": "mixfleet_mismatch_position_k3_kl",
+    "mm_extreme_position": "mixfleet_mismatch_position_extreme_ratio_share",
+    "mm_abs_position": "mixfleet_mismatch_position_abs_logprob_diff_mean",
+    "mm_tokens_position": "mixfleet_mismatch_position_tokens",
 }
 
 
@@ -130,7 +151,7 @@ def gauge(metric: str, *matchers: str, by: str = "group") -> str:
 
 
 def increase(metric: str, matcher: str, window: str, op: str = "sum", by: str = "group") -> str:
-    return agg(op, by, f"increase({sel(metric, matcher)}[{window}])")
+    return agg(op, by, f"increase({sel(metric, *filter(None, [matcher]))}[{window}])")
 
 
 def divide(num: str, den: str, matching: str = "") -> str:
@@ -480,10 +501,15 @@ def overview() -> JSON:
     )
     lay.add(
         timeseries(
-            "Sessions created / s",
-            f"New sessions per second, by the group they were assigned to.\n\nMetric: `{M['sessions']}`",
-            [target(sum_rate(M["sessions"], GROUP), "{{group}}")],
-            stack=True,
+            "Sessions and /generate requests / s",
+            "New sessions per second by the group they were assigned to, open sessions abandoned after "
+            "idling, and SGLang-native /generate requests.\n\n"
+            f"Metrics: `{M['sessions']}`, `{M['expired']}`, `{M['generate']}`",
+            [
+                target(sum_rate(M["sessions"], GROUP), "{{group}} created"),
+                target(sum_rate(M["expired"], GROUP), "{{group}} expired"),
+                target(sum_rate(M["generate"], GROUP), "{{group}} /generate"),
+            ],
         ),
         8,
     )
@@ -528,27 +554,49 @@ def overview() -> JSON:
     lay.add(
         timeseries(
             "Trajectory queue",
-            "Finished trajectories waiting for a trainer, leased and not yet acknowledged, and held back "
-            f"as older than a batch's version bound.\n\nMetrics: `{M['traj_ready']}`, `{M['traj_leased']}`, "
-            f"`{M['traj_held']}`",
+            "Finished trajectories waiting for a trainer, leased and not yet acknowledged, held back "
+            "as older than a batch's version bound, and open leases.\n\n"
+            f"Metrics: `{M['traj_ready']}`, `{M['traj_leased']}`, `{M['traj_held']}`, `{M['open_leases']}`",
             [
                 target(gauge(M["traj_ready"], by=""), "ready"),
                 target(gauge(M["traj_leased"], by=""), "leased"),
                 target(gauge(M["traj_held"], by=""), "held back"),
+                target(gauge(M["open_leases"], by=""), "open leases"),
             ],
         ),
+        8,
     )
     lay.add(
         timeseries(
             "Trajectories / s",
-            f"Handed to trainers, acknowledged, handed out again after a lease expired.\n\nMetrics: "
-            f"`{M['traj_taken']}`, `{M['traj_acked']}`, `{M['traj_redelivered']}`",
+            "Handed to trainers, acknowledged, handed out again after a lease expired; batches taken.\n\n"
+            f"Metrics: `{M['traj_taken']}`, `{M['traj_acked']}`, `{M['traj_redelivered']}`, `{M['leases']}`",
             [
                 target(sum_rate(M["traj_taken"], by=""), "taken"),
                 target(sum_rate(M["traj_acked"], by=""), "acknowledged"),
                 target(sum_rate(M["traj_redelivered"], by=""), "redelivered"),
+                target(sum_rate(M["leases"], by=""), "batches (leases)"),
             ],
         ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Router requests / s",
+            f"Every request the router answered, by status class.\n\nMetric: `{M['request_s']}`",
+            [target(sum_rate(f"{M['request_s']}_count", by="status"), "{{status}}")],
+            stack=True,
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Router request latency p99 by route",
+            f"Per route template, over every status.\n\nMetric: `{M['request_s']}`",
+            [target(quantile(0.99, M["request_s"], by="route"), "{{route}}")],
+            unit="s",
+        ),
+        24,
     )
     lay.add(
         info_table(
@@ -657,13 +705,24 @@ def versions() -> JSON:
     lay.add(
         timeseries(
             "Replicas ready and restarts",
-            "Ready replicas per group as the sidecars report it, and engine or sidecar restarts over 15 "
-            f"minutes.\n\nMetrics: `{M['r_ready']}`, `{M['r_restarts']}`",
+            "Ready replicas per group as the sidecars report it, engine or sidecar restarts over 15 "
+            "minutes, and replicas whose last stage or activation failed.\n\n"
+            f"Metrics: `{M['r_ready']}`, `{M['r_restarts']}`, `{M['r_error']}`",
             [
                 target(agg("sum", "group", sel(M["r_ready"], GROUP)), "{{group}} ready"),
                 target(increase(M["r_restarts"], GROUP, "15m"), "{{group}} restarts"),
+                target(agg("sum", "group", sel(M["r_error"], GROUP)), "{{group}} in error"),
             ],
         ),
+    )
+    lay.add(
+        timeseries(
+            "Version conflicts / s",
+            "Requests a replica refused with 409 because its active version did not meet the request's "
+            f"min_version / exact_version (retried elsewhere).\n\nMetric: `{M['r_conflicts']}`",
+            [target(sum_rate(M["r_conflicts"], GROUP), "{{group}}")],
+        ),
+        24,
     )  # fmt: skip
     return dashboard(
         "mixfleet-versions",
@@ -680,11 +739,13 @@ def mismatch() -> JSON:
     kl = divide(max_rate(M["mm_k3"], GROUP), tokens)
     abs_diff = divide(max_rate(M["mm_abs"], GROUP), tokens)
     extreme = divide(max_rate(M["mm_extreme"], GROUP), tokens)
+    oob = divide(max_rate(M["mm_oob"], GROUP), tokens)
+    gv, gp = "group, version", "group, position"
     lay.row("Sampler-trainer mismatch over time")
     lay.add(
         timeseries(
             "KL (k3 estimator)",
-            "Mean of r - 1 - log r with r = p_trainer / p_sampler over the sampled tokens the trainer "
+            "Mean of r - 1 - log r with r = p_trainer / q_sampler over the sampled tokens the trainer "
             f"uploaded log-probs for, per group.\n\nMetrics: `{M['mm_k3']}`, `{M['mm_tokens']}`",
             [target(kl, "{{group}}")],
             unit="none",
@@ -694,9 +755,9 @@ def mismatch() -> JSON:
     lay.add(
         timeseries(
             "Tokens with an extreme ratio",
-            "Share of tokens whose ratio p / q lies outside the band (default [0.2, 5]).\n\n"
-            f"Metrics: `{M['mm_extreme']}`, `{M['mm_tokens']}`",
-            [target(extreme, "{{group}}")],
+            "Share of tokens whose ratio p / q lies outside [0.2, 5], and outside the router's configured "
+            f"band.\n\nMetrics: `{M['mm_extreme']}`, `{M['mm_oob']}`, `{M['mm_tokens']}`",
+            [target(extreme, "{{group}} outside [0.2, 5]"), target(oob, "{{group}} outside the band")],
             unit="percentunit",
         ),
     )
@@ -708,6 +769,7 @@ def mismatch() -> JSON:
             unit="none",
             decimals=4,
         ),
+        8,
     )
     lay.add(
         timeseries(
@@ -715,42 +777,101 @@ def mismatch() -> JSON:
             f"Tokens the trainer uploaded log-probs for.\n\nMetric: `{M['mm_tokens']}`",
             [target(tokens, "{{group}}")],
         ),
+        8,
     )
-    lay.row("By weight version")
+    lay.add(
+        info_table(
+            "Configured band",
+            f"The band [low, high] of p / q the out-of-band share counts.\n\nMetric: `{M['mm_band']}`",
+            gauge(M["mm_band"], by="low, high"),
+            ["low", "high"],
+        ),
+        8,
+    )
+    lay.row("By weight version (cumulative per version)")
     lay.add(
         timeseries(
             "KL by version",
             f"k3 KL over all tokens of each version so far.\n\nMetric: `{M['mm_kl_version']}`",
-            [target(gauge(M["mm_kl_version"], GROUP, by="group, version"), "{{group}} v{{version}}")],
+            [target(gauge(M["mm_kl_version"], GROUP, by=gv), "{{group}} v{{version}}")],
             unit="none",
             decimals=5,
         ),
+        8,
     )
     lay.add(
         timeseries(
             "Extreme-ratio share by version",
-            f"Share of tokens outside the band, per version.\n\nMetric: `{M['mm_extreme_version']}`",
-            [target(gauge(M["mm_extreme_version"], GROUP, by="group, version"), "{{group}} v{{version}}")],
+            f"Share of tokens outside [0.2, 5], per version.\n\nMetric: `{M['mm_extreme_version']}`",
+            [target(gauge(M["mm_extreme_version"], GROUP, by=gv), "{{group}} v{{version}}")],
             unit="percentunit",
         ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Mean |Δ log p| by version",
+            f"Per version.\n\nMetric: `{M['mm_abs_version']}`",
+            [target(gauge(M["mm_abs_version"], GROUP, by=gv), "{{group}} v{{version}}")],
+            unit="none",
+            decimals=4,
+        ),
+        8,
     )
     lay.add(
         table(
-            "Mismatch per group and version (latest)",
-            "The cumulative figures of each version.",
+            "Mismatch per group and version",
+            "The cumulative figures of each of a group's latest versions.",
             [
-                ("KL (k3)", gauge(M["mm_kl_version"], GROUP, by="group, version"), "none"),
-                ("extreme share", gauge(M["mm_extreme_version"], GROUP, by="group, version"), "percentunit"),
+                ("tokens", gauge(M["mm_tokens_version"], GROUP, by=gv), "short"),
+                ("KL (k3)", gauge(M["mm_kl_version"], GROUP, by=gv), "none"),
+                ("mean |Δ log p|", gauge(M["mm_abs_version"], GROUP, by=gv), "none"),
+                ("outside [0.2, 5]", gauge(M["mm_extreme_version"], GROUP, by=gv), "percentunit"),
+                ("outside the band", gauge(M["mm_oob_version"], GROUP, by=gv), "percentunit"),
             ],
             ["group", "version"],
         ),
         24,
     )
+    lay.row("By token position (all versions)")
+    lay.add(
+        timeseries(
+            "KL by token position",
+            f"k3 KL per bucket of the token's position in its sequence.\n\nMetric: `{M['mm_kl_position']}`",
+            [target(gauge(M["mm_kl_position"], GROUP, by=gp), "{{group}} {{position}}")],
+            unit="none",
+            decimals=5,
+        ),
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Extreme-ratio share by token position",
+            f"Share of tokens outside [0.2, 5] per position bucket.\n\nMetric: `{M['mm_extreme_position']}`",
+            [target(gauge(M["mm_extreme_position"], GROUP, by=gp), "{{group}} {{position}}")],
+            unit="percentunit",
+        ),
+        8,
+    )
+    lay.add(
+        table(
+            "Mismatch per group and token position",
+            "Cumulative over all versions.",
+            [
+                ("tokens", gauge(M["mm_tokens_position"], GROUP, by=gp), "short"),
+                ("KL (k3)", gauge(M["mm_kl_position"], GROUP, by=gp), "none"),
+                ("mean |Δ log p|", gauge(M["mm_abs_position"], GROUP, by=gp), "none"),
+                ("outside [0.2, 5]", gauge(M["mm_extreme_position"], GROUP, by=gp), "percentunit"),
+            ],
+            ["group", "position"],
+        ),
+        8,
+    )
     return dashboard(
         "mixfleet-mismatch",
         "mixfleet / Sampler-trainer mismatch",
         "Per group, from the trainer's log-prob uploads: k3 KL, mean |Δ log p| and the share of extreme "
-        "ratios, over time and by weight version.",
+        "ratios, over time, by weight version and by token position.",
         lay,
         [query_variable(*GROUP_VARIABLE)],
     )
@@ -760,7 +881,7 @@ def cost() -> JSON:
     lay = Layout()
     dollars = max_rate(M["cost"], GROUP)
     per_hour = f"{dollars} * 3600"
-    updates = f"max(changes({M['published']}[{RATE}]))"
+    updates = increase(M["leases"], "", RATE, by="")
     per_update = divide(increase(M["cost"], GROUP, RATE, op="max"), updates, "on () group_left ()")
     per_million = divide(f"{dollars} * 1e6", sum_rate(M["tokens"], GROUP))
     spent_range = increase(M["cost"], GROUP, "$__range", op="max")
@@ -769,8 +890,8 @@ def cost() -> JSON:
         stat("Dollars (range)", "Spent over the dashboard's range.", f"sum({spent_range})", unit=USD),
         stat("Dollars / 1M tokens", "Over the selected groups.",
              divide(f"sum({dollars}) * 1e6", f"sum({sum_rate(M['tokens'], GROUP)})"), unit=USD),
-        stat("Dollars / update", "Spent per published weight version (one trainer update).",
-             divide(f"sum({spent_range})", f"max(changes({M['published']}[$__range]))"), unit=USD),
+        stat("Dollars / update", "Spent per batch the trainer took over the range (one update takes one).",
+             divide(f"sum({spent_range})", increase(M["leases"], "", "$__range", by="")), unit=USD),
     ):  # fmt: skip
         lay.add(panel, 6, 4)
     lay.row("Cost per group")
@@ -798,8 +919,9 @@ def cost() -> JSON:
     lay.add(
         timeseries(
             "Dollars / update",
-            "Spent per published weight version (one trainer update) in the window, per group.\n\n"
-            f"Metrics: `{M['cost']}`, `{M['published']}`",
+            "What each group cost per batch the trainer took in the window: an update takes one batch "
+            "and acknowledges it (the ledger's report, `mixfleet report`, books each update exactly).\n\n"
+            f"Metrics: `{M['cost']}`, `{M['leases']}`",
             [target(per_update, "{{group}}")],
             unit=USD,
             stack=True,
@@ -1006,12 +1128,6 @@ def _registry_names(registry: Any) -> set[str]:
 
 def defined_metrics() -> set[str]:
     """Every metric name the code exposes (router, sidecar, engine) and every recording rule."""
-    from prometheus_client import CollectorRegistry
-
-    from fleet.engine.metrics import EngineMetrics
-    from fleet.reconciler import REPLICA_METRICS
-    from router.metrics import RouterMetrics
-
     sidecar = CollectorRegistry()
     for d in REPLICA_METRICS:
         d.instrument(sidecar)
