@@ -16,6 +16,12 @@ Errors are split by what a caller can do about them:
 * :class:`EngineRejected` - a 4xx, or an engine that answered ``success: false``: the request
   itself is bad (or, with ``retryable``, a replica cannot meet a version constraint now: 409
   from a sidecar); carries status and message.
+* :class:`EngineAborted` (an :class:`EngineUnavailable`) - a generation the engine ended with
+  finish reason ``abort`` and no error status (SGLang answers 200: ``/abort_request``, a pause in
+  mode ``abort``, a weight update that aborts all requests, a server shutting down; an abort
+  with a status of 400 or more is answered with that status, managers/tokenizer_manager.py
+  1891-1920, and classified as above). Whatever it generated is discarded: the turn may be
+  regenerated on another replica.
 
 A pooled connection that the server closed under a request (no response byte at all) is retried
 once on a fresh connection before the replica counts as unavailable.
@@ -30,13 +36,16 @@ from typing import Any
 
 import aiohttp
 
+from fleet import sglang_release as release
 from fleet.jsonio import dumps, loads
 from weight_sync.types import reported_version
 
 __all__ = [
+    "EngineAborted",
     "EngineError",
     "EngineRejected",
     "EngineUnavailable",
+    "Generation",
     "RawResponse",
     "SGLangClient",
     "error_message",
@@ -58,6 +67,11 @@ class EngineUnavailable(EngineError):
     """No usable answer: the request may be retried on another replica."""
 
 
+class EngineAborted(EngineUnavailable):
+    """The engine aborted the generation (finish reason ``abort``, answered 200); ``message`` is
+    its reason."""
+
+
 class EngineRejected(EngineError):
     """The engine refused the request (``status``: its HTTP status); ``retryable`` for a 409."""
 
@@ -65,6 +79,24 @@ class EngineRejected(EngineError):
         super().__init__(url, message)
         self.status = status
         self.retryable = status == 409
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished generation: the engine's decoded answer (an object whose finish reason is not
+    ``abort``), the ``sampling_params`` sent, and ``top_k_bound``: the ``top_k`` the client set
+    because the turn had no finite one (SGLang returns a sampling mask only for a finite top_k;
+    None when the turn's own sampling was sent unchanged)."""
+
+    body: dict[str, Any]
+    sampling_params: dict[str, Any]
+    top_k_bound: int | None = None
+
+    @property
+    def sampling(self) -> dict[str, Any] | None:
+        """What the turn's record states about the sampling sent: ``{"top_k_bound": n}`` when
+        the client bounded ``top_k``, else None."""
+        return None if self.top_k_bound is None else {"top_k_bound": self.top_k_bound}
 
 
 @dataclass(frozen=True)
@@ -247,20 +279,36 @@ class SGLangClient:
         sampling_params: dict[str, Any],
         *,
         headers: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+        sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+    ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
-        (``input_ids``, ``sampling_params``, ``return_logprob`` and ``return_sampling_mask``
-        true). Returns the decoded answer (an object)."""
+        (``input_ids``; ``sampling_params`` with ``top_k`` bounded by
+        :func:`fleet.sglang_release.bound_top_k` to the engine's ``--sampling-mask-max-tokens``
+        when the turn has no finite one; ``return_logprob`` and ``return_sampling_mask`` true;
+        ``sampling_logprobs_mode: support``, so each token's support comes with its log-probs).
+
+        Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
+        the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
+        as :meth:`_call` otherwise."""
+        params, bound = release.bound_top_k(sampling_params, sampling_mask_max_tokens)
         payload = {
             "input_ids": input_ids,
-            "sampling_params": sampling_params,
+            "sampling_params": params,
             "return_logprob": True,
             "return_sampling_mask": True,
+            "sampling_logprobs_mode": release.SAMPLING_LOGPROBS_MODE,
         }
+        url = self.base_url + "/generate"
         data = await self._call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
-            raise EngineUnavailable(self.base_url + "/generate", "response is not a JSON object")
-        return data
+            raise EngineUnavailable(url, "response is not a JSON object")
+        meta = data.get("meta_info")
+        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            raise EngineAborted(
+                url, f"the engine aborted the generation: {finish.get('message') or 'Aborted'}"
+            )
+        return Generation(data, params, bound)
 
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx
@@ -306,7 +354,7 @@ class SGLangClient:
         return [item.get("meta_info") or {} for item in items]
 
     # weights and control ------------------------------------------------------------------------
-    async def pause_generation(self, mode: str = "in_place", *, timeout: float = 60.0) -> None:
+    async def pause_generation(self, mode: str = release.PAUSE_MODE, *, timeout: float = 60.0) -> None:
         """``POST /pause_generation``: ``in_place`` holds running requests where they are."""
         await self._call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
 

@@ -1,8 +1,10 @@
 """How a turn reaches an engine, with failover.
 
 * :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
-  when in rotation), and on a refused or dropped connection, a 5xx, or a second timeout (a
-  first timeout is retried on the same replica: slow is not dead) retries on another replica
+  when in rotation), and on a refused or dropped connection, a 5xx, a generation the engine
+  aborted (:class:`~fleet.sglang_client.EngineAborted`: its tokens are discarded, never recorded)
+  or a second timeout (a first timeout is retried on the same replica: slow is not dead) retries
+  on another replica
   of the group; when the group has none left, the session moves to another
   group (chosen by the policy) and the turn records ``moved_from``. Nothing is stored here:
   the caller records the returned turn once.
@@ -14,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable
+from fleet.sglang_client import EngineRejected, EngineUnavailable, Generation
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
@@ -177,12 +179,12 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    async def send(url: str) -> tuple[Any, float]:
+    async def send(url: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
-        body = await ctx.client(url).generate(spec.input_ids, spec.params, headers=headers)
-        return body, time.perf_counter() - e0
+        generation = await ctx.client(url).generate(spec.input_ids, spec.params, headers=headers)
+        return generation, time.perf_counter() - e0
 
-    (body, engine_s), place = await with_failover(
+    (generation, engine_s), place = await with_failover(
         ctx, session.group, session.replica, send, min_version=min_version
     )
     ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
@@ -193,13 +195,14 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     }
     try:
         return parse_turn(
-            body,
+            generation.body,
             index=index,
             group=place.group,
             replica=place.replica_id,
             input_ids=spec.input_ids,
             moved_from=place.moved_from,
             timings=timings,
+            sampling=generation.sampling,
         )
     except ValueError as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None

@@ -23,7 +23,8 @@ Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
 
     b"MFT" u8 format_version u8 flags
     json     header: {"turn", "group", "replica", "finish_reason", "timings",
-                      "weight_versions": [{"version", "start", "end"}], "moved_from"}
+                      "weight_versions": [{"version", "start", "end"}], "moved_from",
+                      "sampling" (only when set: {"top_k_bound": n})}
     varint   n_input,  then n_input varints (input token ids)
     varint   n_output, then n_output varints (output token ids)
     n_output f32     logprob       (log mu: renormalized over the support, the behavior log-prob)
@@ -37,6 +38,10 @@ Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
 and ``raw_logprob`` are always float32: they enter importance ratios directly. The per-token
 ``weight_version`` is not repeated per token: it is the version of the span in
 ``weight_versions`` covering the token's index (spans are over output indices, end exclusive).
+``sampling.top_k_bound`` = n says the turn asked for no finite ``top_k`` and was sampled with
+``top_k = n`` (SGLang's ``--sampling-mask-max-tokens``; it returns sampling masks only for a finite
+``top_k``): each support is the turn's top-p/min-p candidate set cut to its n most likely tokens.
+A block without the key is a turn sampled exactly as asked.
 
 Batch (``MAGIC_BATCH`` = b"MFB", then format byte)::
 
@@ -102,6 +107,7 @@ class TurnData:
     finish_reason: dict[str, Any] | None = None
     timings: dict[str, Any] = field(default_factory=dict)
     moved_from: str | None = None
+    sampling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -180,6 +186,7 @@ class TurnData:
             weight_versions=[dict(s) for s in self.weight_versions],
             timings=dict(self.timings),
             moved_from=self.moved_from,
+            sampling=None if self.sampling is None else dict(self.sampling),
         )
         if with_input:
             out["input_ids"] = list(self.input_ids)
@@ -203,25 +210,37 @@ def parse_turn(
     input_ids: Sequence[int],
     moved_from: str | None,
     timings: dict[str, Any],
+    sampling: dict[str, Any] | None = None,
 ) -> TurnData:
     """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
-    ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``.
+    ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
+    is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`).
 
     Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
     ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
-    (per token the sorted support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs``
-    (per token mu; null = unknown), ``output_token_sampling_support_logprobs`` (per token the
-    support's log-probs, aligned with the mask), ``weight_versions`` spans (else one span of
-    ``weight_version`` over every token; SGLang's ``"default"`` means none), ``finish_reason``
-    and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
+    (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
+    token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
+    support's log-probs aligned with the mask), ``output_token_sampling_support_logprobs`` (the
+    local engine's support log-probs, aligned with the mask, in either mode), ``weight_versions``
+    spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
+    none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
 
-    Upstream SGLang's answers: without the support's log-probs they are unknown (NaN); where mu
-    is absent (or a list), it is the sampled token's support log-prob when that is known and its
-    raw log-prob otherwise. Log-probs come out as floats (unknown: NaN; raw: None).
+    SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
+    (layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
+    along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
+    37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
+    ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
+    "abort", "message": ...}`` (managers/schedule_batch.py 279-345).
+
+    Without the support's log-probs they are unknown (NaN); where mu is absent or a list, it is
+    the sampled token's support log-prob when that is known and its raw log-prob otherwise
+    (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
+    floats (unknown: NaN; raw: None).
 
     Raises ValueError naming the field (and position) when ``body`` lacks a record field or
-    holds a value of the wrong type or length. Support-id order and the float32 range are the
-    encoder's checks (:func:`encode_turn`)."""
+    holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
+    an aborted generation is never recorded). Duplicate support ids and the float32 range are
+    the encoder's checks (:func:`encode_turn`)."""
     if type(body) is not dict:
         raise ValueError("the engine answer is not a JSON object")
     meta = body.get("meta_info")
@@ -241,11 +260,12 @@ def parse_turn(
     sizes = list(map(len, masks))
     support_lps, known = _support_logprobs(meta, sizes)
     logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
+    masks, support_lps = _sorted_supports(masks, support_lps)
     timings = dict(timings)
     e2e = meta.get("e2e_latency")
     if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
         timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
-    finish = meta.get("finish_reason")
+    finish = _finish_reason(meta.get("finish_reason"))
     return TurnData(
         turn=index,
         group=group,
@@ -257,10 +277,44 @@ def parse_turn(
         support_ids=masks,
         support_logprobs=support_lps,
         weight_versions=_spans(meta, n),
-        finish_reason=finish if type(finish) is dict else None,
+        finish_reason=finish,
         timings=timings,
         moved_from=moved_from,
+        sampling=sampling,
     )
+
+
+_FINISH_TYPES = ("stop", "length", "abort")  # fleet.sglang_release.FINISH_TYPES
+
+
+def _finish_reason(value: Any) -> dict[str, Any] | None:
+    """SGLang's ``finish_reason`` (None: not given); refuses another shape and an abort."""
+    if value is None:
+        return None
+    if type(value) is not dict or value.get("type") not in _FINISH_TYPES:
+        raise ValueError(f"meta_info.finish_reason = {value!r} is not a stop, length or abort finish reason")
+    if value["type"] == "abort":
+        raise ValueError(f"the engine aborted the turn: {value.get('message') or 'Aborted'}")
+    return value
+
+
+def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
+    """Every support row in ascending id order, its log-probs permuted along (rows already in
+    order are kept as they are)."""
+    out_masks = out_lps = None
+    for i, row in enumerate(masks):
+        ordered = sorted(row)
+        if ordered == row:
+            continue
+        if out_masks is None:
+            out_masks, out_lps = list(masks), list(support_lps)
+        lps = support_lps[i]
+        pairs = sorted(zip(row, lps, strict=True))
+        out_masks[i] = ordered
+        out_lps[i] = [x for _, x in pairs]  # type: ignore[index]
+    if out_masks is None:
+        return masks, support_lps
+    return out_masks, out_lps  # type: ignore[return-value]
 
 
 def _entries(meta: dict[str, Any], key: str, n: int) -> list:
@@ -329,10 +383,15 @@ def _raw_logprobs(triples: list) -> list[float | None]:
 
 
 def _support_logprobs(meta: dict[str, Any], sizes: list[int]) -> tuple[list, bool]:
-    """The support's log-probs per token (NaN = unknown) and whether the engine sent them."""
+    """The support's log-probs per token (NaN = unknown) and whether the engine sent them:
+    the local engine's own key, else SGLang's support-mode rows of ``output_token_sampling_logprobs``
+    (every entry a list)."""
     key = "output_token_sampling_support_logprobs"
-    if meta.get(key) is None:  # upstream SGLang: not returned
-        return [[math.nan] * k for k in sizes], False
+    if meta.get(key) is None:
+        mu = meta.get("output_token_sampling_logprobs")
+        if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
+            return [[math.nan] * k for k in sizes], False  # selected mode: not returned
+        key = "output_token_sampling_logprobs"
     rows = _entries(meta, key, len(sizes))
     _rows(rows, key, "a list of log-probs")
     got = list(map(len, rows))
@@ -620,18 +679,18 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     out = bytearray(MAGIC_TURN)
     out.append(FORMAT_VERSION)
     out.append(FLAG_F16 if f16 else 0)
-    _json(
-        {
-            "turn": turn.turn,
-            "group": turn.group,
-            "replica": turn.replica,
-            "finish_reason": turn.finish_reason,
-            "timings": turn.timings,
-            "weight_versions": [dict(s) for s in turn.weight_versions],
-            "moved_from": turn.moved_from,
-        },
-        out,
-    )
+    header = {
+        "turn": turn.turn,
+        "group": turn.group,
+        "replica": turn.replica,
+        "finish_reason": turn.finish_reason,
+        "timings": turn.timings,
+        "weight_versions": [dict(s) for s in turn.weight_versions],
+        "moved_from": turn.moved_from,
+    }
+    if turn.sampling is not None:
+        header["sampling"] = turn.sampling
+    _json(header, out)
     _varint(len(turn.input_ids), out)
     _varints(turn.input_ids, out)
     n = len(turn.output_ids)
@@ -786,6 +845,7 @@ def _decode_turn(r: _Reader) -> TurnData:
             finish_reason=header.get("finish_reason"),
             timings=header.get("timings") or {},
             moved_from=header.get("moved_from"),
+            sampling=header.get("sampling"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordFormatError(f"bad turn header: {exc!r}") from None

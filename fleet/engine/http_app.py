@@ -19,7 +19,8 @@ with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``[logprob, token_id, text_or_null]`` triples (and ``*_top_logprobs`` when
 ``top_logprobs_num > 0``); with ``return_sampling_mask``: ``output_token_sampling_mask``
 (sorted support ids per token; ``[]`` = whole vocabulary), ``output_token_sampling_logprobs``
-(per token the behavior log-prob μ of the sampled token, as upstream SGLang),
+(per token the behavior log-prob μ of the sampled token, as upstream SGLang; with
+``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask),
 ``output_token_sampling_mask_length`` and, a mixfleet extension,
 ``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
 the mask). Non-finite floats are sent as ``null``.
@@ -147,7 +148,12 @@ class _Response:
                 ]
         if spec.return_sampling_mask:
             meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]
-            meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
+            if spec.sampling_logprobs_mode == "support":  # SGLang: the support's log-probs per token
+                meta["output_token_sampling_logprobs"] = [
+                    [f(x) for x in d.support_logprobs] for d in self.draws
+                ]
+            else:
+                meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
             meta["output_token_sampling_support_logprobs"] = [
                 [f(x) for x in d.support_logprobs] for d in self.draws
             ]

@@ -9,9 +9,11 @@ or lists with one entry per item). :meth:`GenerateReqInput.normalize` turns it i
 Validation messages follow SGLang's ``SamplingParams.verify`` and ``TokenizerManager``
 wording where SGLang has one.
 
-Extension (not in upstream SGLang): ``return_sampling_mask`` with no active filter is accepted
-and returns an empty support, meaning "the whole vocabulary" (upstream rejects top_p-only
-masks because real vocabularies make them huge).
+Sampling masks follow SGLang 0.5.23 (:mod:`fleet.sglang_release`): ``return_sampling_mask``
+needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
+SGLang's words); ``sampling_logprobs_mode`` (``selected`` | ``support``) may only be set with it.
+A mask of a token drawn with no active filter (a ``top_k`` of at least the vocabulary, no top-p
+or min-p) is empty, meaning "the whole vocabulary" (SGLang lists every id).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from fleet.engine.sampler import TOP_K_ALL, SamplerSettings
+from fleet.sglang_release import SAMPLING_LOGPROBS_MODES, SAMPLING_MASK_MAX_TOKENS_DEFAULT, mask_top_k_error
+from fleet.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from weight_sync.types import InvalidVersion
 from weight_sync.types import parse_version as parse_weight_version
 
@@ -101,6 +105,7 @@ class ModelLimits:
 
     vocab_size: int
     context_len: int
+    sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class GenerateSpec:
     return_sampling_mask: bool
     return_text_in_logprobs: bool
     stream: bool
+    sampling_logprobs_mode: str = "selected"
 
 
 class GenerateReqInput(BaseModel):
@@ -140,6 +146,9 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_sampling_mask: bool | list[bool] | None = None
+    sampling_logprobs_mode: (
+        Literal["selected", "support"] | list[Literal["selected", "support"] | None] | None
+    ) = None
     return_text_in_logprobs: bool = False
     stream: bool = False
 
@@ -171,6 +180,7 @@ class GenerateReqInput(BaseModel):
         start = self._per_item("logprob_start_len", self.logprob_start_len, n, -1)
         top_n = self._per_item("top_logprobs_num", self.top_logprobs_num, n, 0)
         masks = self._per_item("return_sampling_mask", self.return_sampling_mask, n, False)
+        modes = self._per_item("sampling_logprobs_mode", self.sampling_logprobs_mode, n, None)
         specs = []
         for i, ids in enumerate(items):
             where = f"input_ids[{i}]" if batch else "input_ids"
@@ -184,6 +194,7 @@ class GenerateReqInput(BaseModel):
                     logprob_start_len=-1 if start[i] is None else int(start[i]),
                     top_logprobs_num=int(top_n[i] or 0),
                     return_sampling_mask=bool(masks[i]),
+                    sampling_logprobs_mode=modes[i],
                     return_text_in_logprobs=self.return_text_in_logprobs,
                     stream=self.stream,
                     limits=limits,
@@ -216,6 +227,7 @@ def _spec(
     logprob_start_len: int,
     top_logprobs_num: int,
     return_sampling_mask: bool,
+    sampling_logprobs_mode: str | None,
     return_text_in_logprobs: bool,
     stream: bool,
     limits: ModelLimits,
@@ -234,6 +246,16 @@ def _spec(
             f"The input ({n} tokens) is longer than the model's context length ({limits.context_len} tokens)."
         )
     settings = params.to_settings()
+    if sampling_logprobs_mode is not None and not return_sampling_mask:
+        raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
+        raise RequestError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}.")
+    if return_sampling_mask:
+        # SGLang's rule on the normalized top_k (greedy: 1; -1: the whole vocabulary)
+        top_k = 1 if settings.greedy else SGLANG_TOP_K_ALL if settings.top_k == TOP_K_ALL else settings.top_k
+        refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
+        if refused is not None:
+            raise RequestError(refused)
     max_new = 128 if params.max_new_tokens is None else params.max_new_tokens
     if n + max_new > limits.context_len:
         raise RequestError(
@@ -271,6 +293,7 @@ def _spec(
         return_sampling_mask=return_sampling_mask,
         return_text_in_logprobs=return_text_in_logprobs,
         stream=stream,
+        sampling_logprobs_mode=sampling_logprobs_mode or "selected",
     )
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from fleet.sglang_release import bound_top_k
 from tests.engine.conftest import StreamReader, generate
 from tests.engine.stats import chi_square_p
 
@@ -171,6 +172,7 @@ def test_stream_matches_non_stream(engine: str, client: httpx.Client) -> None:
         "sampling_params": {
             "temperature": 0.9,
             "top_p": 0.95,
+            "top_k": 4096,  # a sampling mask needs a finite top_k (SGLang 0.5.23)
             "max_new_tokens": 12,
             "ignore_eos": True,
             "sampling_seed": 3,
@@ -278,7 +280,10 @@ def test_engine_frequencies_match_recorded_mu(
         return_sampling_mask=True,
         return_logprob=[True] + [False] * (n - 1),  # the full raw distribution, once
         top_logprobs_num=vocab,
-        sampling_params=[{**params, "max_new_tokens": 1, "sampling_seed": 1000 + i} for i in range(n)],
+        # a sampling mask needs a finite top_k: the engine client's bound (>= the vocabulary here)
+        sampling_params=[
+            {**bound_top_k(params)[0], "max_new_tokens": 1, "sampling_seed": 1000 + i} for i in range(n)
+        ],
     )
     first = out[0]["meta_info"]
     if first["output_token_sampling_mask"][0]:
@@ -302,6 +307,32 @@ def test_engine_frequencies_match_recorded_mu(
     assert p > 1e-3, (params, counts)
 
 
+def test_support_mode_returns_the_support_log_probs_per_token(engine: str, client: httpx.Client) -> None:
+    """``sampling_logprobs_mode: support`` (SGLang 0.5.23): output_token_sampling_logprobs holds,
+    per token, the support's log-probs aligned with the mask; the sampled token's entry is mu of the
+    same seeded draw in the default (selected) mode. Greedy turns (top_k normalized to 1) pass."""
+    params = {"temperature": 0.9, "top_p": 0.9, "top_k": 30, "max_new_tokens": 6, "ignore_eos": True}
+    body = {"input_ids": PROMPT, "return_logprob": True, "return_sampling_mask": True}
+    selected = generate(client, engine, **body, sampling_params={**params, "sampling_seed": 11})
+    support = generate(
+        client,
+        engine,
+        **body,
+        sampling_logprobs_mode="support",
+        sampling_params={**params, "sampling_seed": 11},
+    )
+    assert support["output_ids"] == selected["output_ids"]
+    s_meta, m_meta = support["meta_info"], selected["meta_info"]
+    for i, tok in enumerate(support["output_ids"]):
+        mask, rows = s_meta["output_token_sampling_mask"][i], s_meta["output_token_sampling_logprobs"][i]
+        assert isinstance(rows, list) and len(rows) == len(mask) > 0
+        assert rows == s_meta["output_token_sampling_support_logprobs"][i]
+        assert rows[mask.index(tok)] == m_meta["output_token_sampling_logprobs"][i]
+        assert math.fsum(math.exp(x) for x in rows) == pytest.approx(1.0, abs=1e-6)
+    greedy = generate(client, engine, **body, sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert [len(m) for m in greedy["meta_info"]["output_token_sampling_mask"]] == [1, 1]
+
+
 BAD = [
     ({"input_ids": [1, 259]}, "outside the vocabulary"),
     ({"input_ids": [-1, 3]}, "outside the vocabulary"),
@@ -323,6 +354,17 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"sampling_params": {}}, "Either text or input_ids"),
     ({"input_ids": [[1], [2]], "rid": ["x"]}, "rid has 1 entries for a batch of 2"),
+    # SGLang 0.5.23's sampling-mask rules (managers/scheduler.py, managers/tokenizer_manager.py)
+    ({"input_ids": [1], "return_sampling_mask": True}, "finite 1 < top_k <= 4096; got top_k=1073741824"),
+    (
+        {"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": 4097}},
+        "finite 1 < top_k <= 4096; got top_k=4097",
+    ),
+    ({"input_ids": [1], "sampling_logprobs_mode": "support"}, "only be set when return_sampling_mask=true"),
+    (
+        {"input_ids": [1], "return_sampling_mask": True, "sampling_logprobs_mode": "all"},
+        "sampling_logprobs_mode",
+    ),
 ]
 
 

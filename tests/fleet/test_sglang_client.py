@@ -123,7 +123,8 @@ def engine(tiny_dir: Path) -> Iterator[str]:
 def test_generate_returns_the_behavior_records_of_the_sampled_tokens(engine: str) -> None:
     params = {"temperature": 0.8, "top_k": 20, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 5}
     out = run(engine, lambda c: c.generate(PROMPT, params, headers={"Modal-Session-ID": "s1"}))
-    ids, meta = out["output_ids"], out["meta_info"]
+    assert out.top_k_bound is None and out.sampling is None and out.sampling_params == params
+    ids, meta = out.body["output_ids"], out.body["meta_info"]
     assert len(ids) == 6 and meta["completion_tokens"] == 6
     assert [t for _, t, _ in meta["output_token_logprobs"]] == ids  # return_logprob was sent
     masks = meta["output_token_sampling_mask"]  # return_sampling_mask was sent
@@ -139,12 +140,15 @@ def test_generate_sends_the_one_engine_request() -> None:
             out = await with_client(
                 srv.url, lambda c: c.generate([1, 2], {"max_new_tokens": 3}, headers={"X-A": "b"})
             )
-        assert out == {"output_ids": [], "meta_info": {}}
+        assert out.body == {"output_ids": [], "meta_info": {}}
+        # no finite top_k: sent with SGLang's --sampling-mask-max-tokens default, and said so
+        assert out.top_k_bound == 4096 and out.sampling == {"top_k_bound": 4096}
         assert json.loads(srv.bodies[0]) == {
             "input_ids": [1, 2],
-            "sampling_params": {"max_new_tokens": 3},
+            "sampling_params": {"max_new_tokens": 3, "top_k": 4096},
             "return_logprob": True,
             "return_sampling_mask": True,
+            "sampling_logprobs_mode": "support",
         }
         head = srv.heads[0].decode().lower()
         assert head.startswith("post /generate http/1.1\r\n")
@@ -182,7 +186,7 @@ def test_pause_update_continue_and_a_refused_update(engine: str, tiny_dir: Path)
         assert refused.value.status == 400 and not refused.value.retryable
         assert await c.weight_version() == 4  # the old version keeps serving
         out = await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
-        assert out["meta_info"]["weight_version"] == "4"
+        assert out.body["meta_info"]["weight_version"] == "4"
 
     run(engine, main)
 
