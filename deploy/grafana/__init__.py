@@ -1,0 +1,1 @@
+"""Grafana dashboards of a mixfleet, written by :mod:`deploy.grafana.generate`."""

@@ -360,7 +360,7 @@ def query_variable(name: str, label: str, query: str) -> JSON:
         "type": "query",
         "datasource": DATASOURCE,
         "definition": query,
-        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "query": query,
         "includeAll": True,
         "multi": True,
         "allValue": ".*",

@@ -39,6 +39,7 @@ from trainer.client import RolloutClient
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(300),
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus absent (apt-get install prometheus)"),
 ]
 
