@@ -439,7 +439,7 @@ def overview() -> JSON:
     lay.add(
         timeseries(
             "Share of sessions and tokens vs share of capacity",
-            "Per group: its share of the fleet's capacity (dashed intent) beside the share of sessions "
+            "Per group: its share of the fleet's capacity beside the share of sessions "
             "and of output tokens it got over the routing window. The capacity policy keeps them "
             f"together.\n\nMetrics: `{M['cap_share']}`, `{M['session_share']}`, `{M['token_share']}`",
             [
@@ -1002,9 +1002,8 @@ def engines() -> JSON:
     )
     lay.add(
         timeseries(
-            "Prompt tokens / s and cache hits",
-            "Prefill tokens processed per second and the share served from the prefix cache.\n\n"
-            "Metrics: `sglang:prompt_tokens_total`, `sglang:cached_tokens_total`",
+            "Prompt tokens / s",
+            "Prefill tokens processed per second.\n\nMetric: `sglang:prompt_tokens_total`",
             [target(sum_rate("sglang:prompt_tokens_total", REPLICA, by=by), "{{replica}} prompt tokens")],
         ),
     )
