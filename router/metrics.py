@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from fleet.metric_defs import MetricDef, by_name
-from router.mismatch import MismatchSums, rollup
+from router.mismatch import BUCKET_LABELS, MismatchSums, rollup
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -401,8 +401,8 @@ def _mismatch(put, group: str, g: dict[str, Any]) -> None:
         put("mixfleet_mismatch_extreme_ratio_share", labels, view["extreme_share"])
         put("mixfleet_mismatch_out_of_band_share", labels, view["out_of_band_share"])
         put("mixfleet_mismatch_version_tokens", labels, view["tokens"])
-    for bucket, s in g["positions"].items():
-        view = s.view()
+    for bucket in (b for b in BUCKET_LABELS if b in g["positions"]):
+        view = g["positions"][bucket].view()
         labels = [group, bucket]
         put("mixfleet_mismatch_position_k3_kl", labels, view["k3_kl"])
         put("mixfleet_mismatch_position_extreme_ratio_share", labels, view["extreme_share"])

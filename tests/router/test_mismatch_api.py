@@ -13,6 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.conftest import KEYS
+from tests.support.procs import redis_server
+from tests.support.router import router_process, write_preset
 from trainer.client import RolloutClient
 from trainer.upload import encode_trainer_logprobs
 
@@ -178,3 +180,35 @@ def _drained(client: httpx.Client):
     if taken["lease_id"]:
         client.post(f"/v1/batches/{taken['lease_id']}/ack")
     yield
+
+
+def test_on_redis_the_figures_survive_a_router_restart(engine_url, tmp_path) -> None:
+    """Two router processes in turn on one real redis-server: the second reports the first's
+    figures and still refuses the first's lease a second upload."""
+    preset = write_preset(tmp_path / "preset.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    keys = {KEYS["all"]: ["rollout", "trainer", "admin"]}
+    with redis_server() as url:
+        with (
+            router_process(preset, state=url, keys=keys) as first,
+            httpx.Client(base_url=first.url, headers=first.headers, timeout=60) as c,
+        ):
+            _finished_sessions(c, 1)
+            with RolloutClient(first.url, KEYS["all"]) as trainer:
+                batch = trainer.take(8, wait_s=5)
+                d = np.resize(np.array(OFFSETS), len(batch))
+                p = (batch.logprobs.astype(np.float64) + d).astype(np.float32)
+                trainer.upload_trainer_logprobs(batch.lease_id, p)
+                trainer.ack(batch.lease_id)
+            want = _expected(batch, p)
+            before = c.get("/v1/groups").json()["groups"][0]["mismatch"]
+            _same(before, want["total"])
+        with (
+            router_process(preset, state=url, keys=keys) as second,
+            httpx.Client(base_url=second.url, headers=second.headers, timeout=60) as c,
+        ):
+            assert c.get("/v1/groups").json()["groups"][0]["mismatch"] == before
+            path = f"/v1/batches/{batch.lease_id}/trainer_logprobs"
+            again = c.post(path, content=encode_trainer_logprobs(p), headers=UPLOAD)
+            assert again.status_code == 409, again.text
+            m = _metrics(c)
+            assert m[("mixfleet_mismatch_tokens_total", (("group", "cpu-a"),))] == want["total"]["tokens"]
