@@ -18,6 +18,7 @@ from pathlib import Path
 
 import modal
 import pytest
+import torch
 
 from tests.support.volume import OPEN_FILES, StandInVolume, volume_store
 from weight_sync.manifest import build_manifest
@@ -145,6 +146,11 @@ def test_reading_the_pointer_while_staging_reads_the_last_view(tmp_path) -> None
         assert open_path_under(reader.mount) == str(shard)
         assert reader.read_pointer(STREAM) == 1, "no reload while a file of the volume is open"
         assert reader.volume.events == ["reload"]
+    # A mapping without a descriptor (how torch maps a file) holds the file open just the same.
+    mapped = torch.from_file(str(shard), shared=False, size=shard.stat().st_size, dtype=torch.uint8)
+    assert open_path_under(reader.mount) == str(shard)
+    assert reader.read_pointer(STREAM) == 1 and reader.volume.events == ["reload"]
+    del mapped
     assert reader.read_pointer(STREAM) == 2
 
 

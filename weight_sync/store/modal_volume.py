@@ -30,8 +30,8 @@ How the port's guarantees (:mod:`weight_sync.store.base`) hold on that:
   -> ``volume.commit()`` (step ``pointer_committed``). So the pointer is written and committed
   after the version's files were committed, and a reader that sees the pointer after a reload
   sees the version complete.
-- ``read_pointer``: reloads first, unless this process holds a file of the volume open (a
-  staging copy in progress, when Modal would refuse the reload): then it reads the view of the
+- ``read_pointer``: reloads first, unless this process holds a file of the volume open or
+  mapped (a staging copy in progress, when Modal would refuse the reload): then it reads the view of the
   last reload, which names a committed version (maybe not the newest); the next read after the
   files are closed sees the newest. A reload refused for any other reason is a ``StoreError``.
 - ``read_manifest``, ``verify``, ``versions`` and ``version_dir`` read this container's current
@@ -84,19 +84,30 @@ class VolumeHandle(Protocol):
 
 
 def open_path_under(mount: Path) -> str | None:
-    """A path under ``mount`` this process holds open (or has as its working directory), or None."""
-    mount = Path(os.path.realpath(mount))
+    """A path under ``mount`` this process holds open, has memory-mapped or has as its working
+    directory, or None (also None where there is no ``/proc``)."""
+    top = os.path.realpath(mount)
+    prefix = top + "/"
     candidates = ["/proc/self/cwd"]
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+    with contextlib.suppress(OSError):
         candidates += [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
     for link in candidates:
         try:
-            target = Path(os.readlink(link))
+            target = os.readlink(link)
         except OSError:
             continue
-        if target == mount or mount in target.parents:
-            return str(target)
-    return None
+        if target == top or target.startswith(prefix):
+            return target
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    at = maps.find(b" " + prefix.encode())
+    if at < 0:
+        return None
+    end = maps.find(b"\n", at)
+    return maps[at + 1 : end if end >= 0 else None].decode(errors="replace").removesuffix(" (deleted)")
 
 
 class ModalVolumeStore(VersionStore):
