@@ -15,6 +15,7 @@ import sys
 from types import ModuleType
 
 from deploy import cli as deploy_cli
+from deploy import scale_cli
 from fleet import replica_cli, sidecar_cli, up, weights_cli
 from fleet.engine import init_model
 from fleet.engine import server as engine_server
@@ -35,6 +36,7 @@ COMMANDS: dict[str, ModuleType] = {
     "replica": replica_cli,
     "weights": weights_cli,
     "deploy": deploy_cli,
+    "scale": scale_cli,
     "report": report_cli,
     "demo": demo,
 }
