@@ -5,7 +5,9 @@ or the order tests below could not fail. Then: at every step of a publish in one
 reader in another container (reloading) sees the pointer name a complete version, the new
 version only after the version's volume commit, the pointer only after the pointer's commit;
 reading the pointer while a file of the volume is open here (a staging copy) reads the last view
-instead of failing; staging to local disk leaves no file of the volume open.
+instead of failing; staging to local disk leaves no file of the volume open; a barrier publish
+of two formats (converted in worker processes) and a rollback keep a reader's pointers on
+complete versions throughout.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import modal
 import pytest
 import torch
 
+from tests.support.models import make_model_dir
 from tests.support.volume import OPEN_FILES, StandInVolume, volume_store
 from weight_sync.manifest import build_manifest
+from weight_sync.publish import publish_checkpoint, rollback
 from weight_sync.stage import stage_version
 from weight_sync.store import open_store
 from weight_sync.store.base import StoreError
@@ -193,3 +197,39 @@ def test_factory_takes_a_modal_volume_offline(tmp_path) -> None:
     assert isinstance(store, ModalVolumeStore) and isinstance(store.volume, modal.Volume)
     assert isinstance(store.volume, VolumeHandle) and store.mount == tmp_path / "mnt"
     assert type(open_store(tmp_path / "local")).__name__ == "LocalStore"
+
+
+def test_barrier_publish_and_rollback_on_the_volume(tmp_path) -> None:
+    """``publish_checkpoint`` in barrier mode, two formats converted in worker processes (writing
+    to the publisher's own disk while it commits the other format to the volume), then a
+    rollback: after every commit and pointer move, a reader in another container sees no pointer
+    name the new version before both formats of it are committed, and every pointer verify."""
+    base = make_model_dir(tmp_path / "models", "tiny", "bf16")
+    formats = ["bf16", "fp8"]
+    reader = volume_store(tmp_path, "reader")
+    checks: list[dict[str, int | None]] = []
+
+    def check(kind: str, info: dict) -> None:
+        if kind not in ("committed", "advanced"):
+            return
+        pointers = {f: reader.read_pointer(FormatRef("run", f)) for f in formats}
+        for f, v in pointers.items():
+            if v is not None:
+                reader.verify(FormatRef("run", f).at(v))
+        newest = max((v for v in pointers.values() if v is not None), default=None)
+        if newest is not None:
+            assert all(newest in reader.versions(FormatRef("run", f)) for f in formats), (kind, pointers)
+        checks.append(pointers)
+
+    publisher = volume_store(tmp_path, "publisher")
+    publish_checkpoint(publisher, "run", 0, base, formats, workers=2, on_event=check)
+    assert checks[-1] == {"bf16": 0, "fp8": 0} and {"bf16": None, "fp8": None} in checks
+    rollback(publisher, "run", 0, formats, version=1, on_event=check)
+    assert checks[-1] == {"bf16": 1, "fp8": 1}
+    for f in formats:
+        one, zero = (
+            reader.read_manifest(FormatRef("run", f).at(1)),
+            reader.read_manifest(FormatRef("run", f).at(0)),
+        )
+        assert one.files == zero.files and one.version == 1
+    assert "commit" not in reader.volume.events
