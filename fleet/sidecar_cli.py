@@ -2,7 +2,8 @@
 
 ``mixfleet sidecar --engine URL --group G --format F --store ROOT [--volume NAME] --run R --port P
 [--router URL] [--replica-id ID]``. The router key for heartbeats comes from
-``MIXFLEET_API_KEY``. See :mod:`fleet.sidecar` for the contract.
+``MIXFLEET_API_KEY``: a key of the router's ``replica`` scope, which admits heartbeats and nothing
+else (``mixfleet up`` makes one for its sidecars). See :mod:`fleet.sidecar` for the contract.
 """
 
 from __future__ import annotations
