@@ -346,7 +346,9 @@ class GroupOut(BaseModel):
     session_share: float
     token_share: float
     capacity_share: float
-    window_sessions: int = Field(description="Sessions this router assigned to the group in its window")
+    window_sessions: int = Field(
+        description="Sessions assigned to the group in the routing window that every router shares"
+    )
     window_tokens: int = Field(description="Tokens the group generated since the window's oldest assignment")
     window_session_share: float = Field(description="The group's share of the window's sessions")
     window_token_share: float = Field(description="The group's share of the window's tokens")
