@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-# Below this many multiply-adds a native call runs on one thread (a thread hand-off costs ~20 us).
+# Below this many multiply-adds a native call runs on one thread (no hand-off to pool threads).
 PARALLEL_MIN_WORK = 4_000_000
 
 

@@ -7,9 +7,7 @@ activations), so a BF16 checkpoint's weights would have to be widened to float32
 read per step). This kernel reads the bfloat16 weight and widens it in registers (a bfloat16 is
 the top half of a float32: shift left by 16, exactly), then multiplies in float32 with fused
 multiply-adds, so the result is a float32 product of the same values: it differs from
-``x @ W.float().T`` only by float32 summation order. Measured on the ``small`` preset's expert
-shapes (8 x 512 @ 512 x 768, weights not in cache, one thread): 89 us vs 162 us for oneDNN's
-pre-packed float32 product; for large M (prefill) both run at the same speed.
+``x @ W.float().T`` only by float32 summation order.
 
 Layout: ``pack(W)`` stores ``W`` ``[N, K]`` as panels ``[ceil(N/32), K, 32]`` bfloat16 (32 output
 columns per panel, zero-padded to a multiple of 32), so the kernel streams each panel once.
@@ -22,11 +20,10 @@ as the GPU kernels do; unscaled weights use the table ``[1.0]`` (the product is 
 results are unchanged bit for bit).
 
 Each K step prefetches the weight line 2 KB ahead (the panels of one weight are contiguous, so
-this runs on into the next panel): the hardware prefetcher alone left the expert products of a
-decode step at ~67 GFLOP/s, with it ~92 (the compute bound here).
+this runs on into the next panel).
 
 The kernel is written in LLVM IR and compiled for the host CPU by ``fleet.engine.jit`` on first
-use, in about 0.2 s (both variants); where that is impossible ``available()`` is False and callers use their
+use (both variants); where that is impossible ``available()`` is False and callers use their
 float32 path. Large products are split over ``torch.get_num_threads()`` threads (``jit.run``).
 """
 
@@ -50,7 +47,7 @@ MAX_ROWS = 12  # rows per register tile: 24 accumulators + 2 weight vectors + 1 
 K_CHUNK = 64  # K steps summed in registers before they are added to the output
 NO_BLOCK_SHIFT = 62  # the K-block shift of a weight with one scale for all of K
 ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
-PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step; 2 KB measured best)
+PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step)
 
 
 @dataclass(frozen=True)

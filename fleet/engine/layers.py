@@ -28,8 +28,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (HF ``Qwen3MoeRMSNorm``); ``weight``
     ``[d]``, or ``[..., d]`` broadcast against ``x`` (per-head weights).
 
-    torch's fused ``rms_norm`` gives bit-identical results to HF's ``pow / mean / rsqrt / mul``
-    sequence here (measured), in one pass.
+    torch's fused ``rms_norm``: one pass, bit-identical to HF's ``pow / mean / rsqrt / mul``
+    sequence.
     """
     d = x.shape[-1]
     if weight.dim() == 1:
@@ -62,8 +62,7 @@ def quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
 
     One fused pass (numba) over float32 ``x``, bit for bit ``_quantize_activations_fp8_torch``:
     the e4m3 rounding is done on the float32 bits (3 mantissa bits, ties to even; below 2**-6 by
-    adding and subtracting 2**14, which rounds to multiples of 2**-9), vectorizable; about 3x
-    faster than the torch ops on one thread (their float8 casts dominated).
+    adding and subtracting 2**14, which rounds to multiples of 2**-9), vectorizable.
     """
     if x.dtype != torch.float32:
         return _quantize_activations_fp8_torch(x)

@@ -375,8 +375,8 @@ class _Attention:
                 out = res
             else:
                 out[g.rows] = res
-        # 4-D head-major [1, heads, n, d] views (SDPA's layout; 3-D inputs would take its ~10x
-        # slower math fallback).
+        # 4-D head-major [1, heads, n, d] views (SDPA's layout; 3-D inputs would take its math
+        # fallback).
         for cache, s, n, off, mask in self.singles:
             end = off + n
             cache.write(layer, s, kv[off:end].transpose(0, 1)[None])
