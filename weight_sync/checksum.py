@@ -1,8 +1,8 @@
 """Content digests for weight files: xxh3-128 (the default) or sha256, named by algorithm.
 
 - ``ALGORITHMS``: the digests a manifest may name per file; ``DEFAULT_ALGORITHM`` is what new
-  manifests use. xxh3-128 runs at memory speed (tens of GB/s here; sha256 about 1 GB/s per
-  core), so checksumming a converted version costs little next to writing it. Either detects
+  manifests use. xxh3-128 (non-cryptographic) hashes at memory bandwidth, far above sha256's
+  rate, so checksumming a converted version costs little next to writing it. Either detects
   corruption (a flipped byte, a truncated or swapped file); neither is used as a signature
   against a deliberate forger (xxh3 is not cryptographic).
 - ``new_hasher(algorithm)``: a streaming hasher (``update(buffer)``, ``hexdigest()``).

@@ -634,8 +634,7 @@ class ConversionPool:
 def _warm_job() -> int:
     """Convert a tiny synthetic checkpoint into every format in this worker, so that the first
     real conversion finds torch, the converter and numba's compiled quantizer kernels (each
-    loaded per process, for the very array types the converter passes) ready: ~0.7 s otherwise,
-    more than a small model's whole conversion."""
+    loaded per process, for the very array types the converter passes) ready."""
     import tempfile
 
     import torch
