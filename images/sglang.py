@@ -30,7 +30,7 @@ META_WEIGHT_VERSIONS = _release.META_WEIGHT_VERSIONS
 # sgl-project/sglang .github/workflows/_docker-build-and-publish.yml (x86_64 CUDA 13:
 # CUDA_VERSION=13.0.1, BUILD_TYPE=all, i.e. kernels for every architecture) and tagged
 # ``v{version}-cu130`` (the tag_config of its release callers); the last CUDA 12 tag is
-# ``v0.5.19-cu129``. The tag of this very release was not looked up on Docker Hub from here.
+# ``v0.5.19-cu129``. ``IMAGE_TAG`` is derived from that scheme, not read from Docker Hub.
 CUDA_LINE = "13.0"
 IMAGE_TAG = f"lmsysorg/sglang:v{SGLANG_VERSION}-cu130"
 LAUNCH_MODULE = "sglang.launch_server"

@@ -20,7 +20,7 @@ from weight_sync.formats import _parallel
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Elements per task when a quantizer splits a tensor across threads: large enough that the
-# per-task overhead (microseconds) vanishes, small enough to balance two busy cores.
+# per-task overhead is negligible, small enough to balance the tasks over the worker threads.
 CHUNK_ELEMENTS = 1 << 20
 
 INF_BITS = 0x7F800000  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
