@@ -246,6 +246,7 @@ def parse_turn(
     meta = body.get("meta_info")
     if type(meta) is not dict:
         raise ValueError("the engine answer has no meta_info object")
+    finish = _finish_reason(meta.get("finish_reason"))  # an abort is refused before anything else
     output_ids = body.get("output_ids")
     if type(output_ids) is not list:
         raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
@@ -265,7 +266,6 @@ def parse_turn(
     e2e = meta.get("e2e_latency")
     if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
         timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
-    finish = _finish_reason(meta.get("finish_reason"))
     return TurnData(
         turn=index,
         group=group,

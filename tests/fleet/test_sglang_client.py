@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, SGLangClient, make_http_client
+from fleet.sglang_client import (
+    EngineAborted,
+    EngineRejected,
+    EngineUnavailable,
+    SGLangClient,
+    make_http_client,
+)
 from tests.engine.test_generate import _hf_logprobs
 from tests.support.engines import engine_process
 from tests.support.procs import free_port
@@ -209,6 +215,27 @@ def test_generate_refused_by_the_engine_is_rejected_with_its_message(engine: str
     with pytest.raises(EngineRejected) as bad:
         run(engine, lambda c: c.generate([1, 2], {"max_new_tokens": 2, "temperature": -1.0}))
     assert bad.value.status == 400 and "temperature" in bad.value.message
+
+
+def test_an_aborted_generation_raises_engine_aborted(engine: str) -> None:
+    """The local engine answers an aborted request 200 with finish reason abort, as SGLang does for
+    an abort without a status (``/abort_request``): the client discards it as unavailable."""
+
+    async def main(c: SGLangClient) -> None:
+        params = {"temperature": 1.0, "top_k": 5, "max_new_tokens": 1500, "ignore_eos": True}
+        turn = asyncio.create_task(c.generate(PROMPT, params))
+        for _ in range(200):  # until the engine runs it
+            await asyncio.sleep(0.05)
+            if (await c.server_info())["internal_states"][0]["num_running_reqs"]:
+                break
+        r = await c.forward("POST", "/abort_request", json.dumps({"abort_all": True}).encode())
+        assert r.status_code == 200
+        with pytest.raises(EngineAborted) as aborted:
+            await turn
+        assert isinstance(aborted.value, EngineUnavailable)
+        assert "aborted the generation: Aborted by /abort_request." in aborted.value.message
+
+    run(engine, main)
 
 
 # --- error classification against loopback servers ---------------------------------------------
