@@ -22,8 +22,9 @@ Generates a synthetic BF16 Qwen3-MoE checkpoint of at least ``--gib`` GiB in sev
 - the floor set by checksumming the format's output on one core: xxh3-128 (what manifests use)
   and, for comparison, sha256.
 
-On a shared, loaded machine wall times swing with other tenants, CPU time much less; twice the
-per-CPU-second rate bounds what two idle cores can do. Prints the load average before and after.
+On a shared, loaded machine wall times swing with other tenants, CPU time much less; the
+per-CPU-second rate times the core count bounds what idle cores can do. Prints the load average
+before and after.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ torch threads:
   ``return_sampling_mask`` (and ``return_logprob``), alternated ``--reps`` times, best of each;
   the engine's own split (time in steps, in ``Model.forward``, in the sampler) is printed too;
 - transformers: ``Qwen3MoeForCausalLM.generate`` on the whole batch at once (``do_sample``,
-  ``min_new_tokens = max_new_tokens``, ``experts_implementation`` eager, its fastest on CPU
-  here), after a warm-up, best of ``--hf-reps``; the engine process is stopped first so the
+  ``min_new_tokens = max_new_tokens``, ``experts_implementation`` from ``--hf-experts``, eager
+  by default), after a warm-up, best of ``--hf-reps``; the engine process is stopped first so the
   two never share the cores.
 
 Prints both rates, the ratio engine / transformers (target >= 2) and the cost of sampling masks

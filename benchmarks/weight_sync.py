@@ -18,7 +18,7 @@ format's conversion inside this publish (where the formats share the cores, as t
 production on a machine with fewer cores than formats). It also prints the CPU work of one
 publish measured alone (every format's conversion and every engine's load of the result):
 divided by the cores, the time before which no schedule can finish on this machine.
-Targets (issue 5): engine pause <= 5% of the total, total <= 2x the slowest conversion.
+Targets: engine pause <= 5% of the total, total <= 2x the slowest conversion.
 
 Three configurations are measured on the same fleet (sidecars restarted between them):
 ``sglang-protocol`` (barrier publish, SGLang's pause -> update -> continue forced with
