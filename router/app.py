@@ -2,7 +2,7 @@
 
 Routes: sessions and turns (:mod:`router.routes_sessions`), trainer batches
 (:mod:`router.routes_trainer`), groups and replica heartbeats (:mod:`router.routes_fleet`), the
-cost ledger (:mod:`router.routes_ledger`),
+cost ledger (:mod:`router.routes_ledger`), Prometheus service discovery (:mod:`router.routes_prometheus`),
 SGLang's native API (:mod:`router.routes_sglang`), ``/healthz``, ``/metrics`` and
 ``/openapi.json``. Extra routers (e.g. the weight-sync admin routes) come in through
 ``extra_routers`` or :func:`include_routes`; they reach the :class:`RouterContext` as
@@ -30,7 +30,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import routes_fleet, routes_ledger, routes_sessions, routes_sglang, routes_trainer
+from router import (
+    routes_fleet,
+    routes_ledger,
+    routes_prometheus,
+    routes_sessions,
+    routes_sglang,
+    routes_trainer,
+)
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.errors import ApiError
@@ -222,6 +229,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         routes_fleet.router,
         routes_ledger.router,
         routes_sglang.router,
+        routes_prometheus.router,
         *extra_routers,
     ):
         app.include_router(r)
