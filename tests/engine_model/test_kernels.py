@@ -1,8 +1,8 @@
 """The bf16-weight GEMM kernel (``fleet.engine.kernels``) against float64 references.
 
 Bound: float32 products summed in float32 err by at most about (terms summed in one chain) x 2^-24
-x sum|x_k w_k|; the kernel's chains are 64 + K/64 long. Measured: at most 4 such units (2^-24 x
-sum|x_k w_k|) on these shapes, like a blocked BLAS GEMM; the test allows 16 (a plain K-long
+x sum|x_k w_k|; the kernel's chains are 64 + K/64 long, so on these shapes its error is a few
+such units (2^-24 x sum|x_k w_k|), like a blocked BLAS GEMM's; the test allows 16 (a plain K-long
 sequential sum would reach about sqrt(K) ~ 22 units typically and K worst case).
 """
 

@@ -79,9 +79,8 @@ def test_four_bit_formats_differ_more_than_fp8(kl_table: dict[str, torch.Tensor]
     # FP8 e4m3 (3 mantissa bits; relative rounding <= 2^-4) perturbs each weight several times
     # less than E2M1 (1 mantissa bit) with 16- (NVFP4) or 32-element (MXFP4, power-of-two scales)
     # groups, and KL grows with the square of the perturbation. FP8 also quantizes activations and
-    # MXFP4 only touches the experts, so the margin is smaller than the weights alone suggest
-    # (measured on tiny: fp8 8e-3, mxfp4 1.9e-2, nvfp4 3.0e-2). Required on every prompt (8 of 8;
-    # 1/256 by chance) and by a factor 1.5 on average.
+    # MXFP4 only touches the experts, so the margin is smaller than the weights alone suggest.
+    # Required on every prompt (8 of 8; 1/256 by chance) and by a factor 1.5 on average.
     fp8 = kl_table["fp8"]
     for fmt in ("nvfp4", "mxfp4"):
         assert (kl_table[fmt] > fp8).all(), fmt
