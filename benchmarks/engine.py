@@ -154,7 +154,7 @@ def main() -> int:
     )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-k", type=int, default=4096, help="a sampling mask needs a finite top_k")
     args = parser.parse_args()
 
     import torch

@@ -68,6 +68,7 @@ def main() -> int:
                             "max_new_tokens": args.tokens,
                             "temperature": 1.0,
                             "top_p": args.top_p,
+                            "top_k": 4096,  # a sampling mask needs a finite top_k (SGLang 0.5.23)
                             "sampling_seed": i,
                             "ignore_eos": True,
                         },

@@ -446,7 +446,7 @@ def main() -> int:
         gen_body = json.dumps(
             {
                 "input_ids": [1, 2, 3, 4],
-                "sampling_params": {"max_new_tokens": N_OUT},
+                "sampling_params": {"max_new_tokens": N_OUT, "top_k": 4096},  # a mask needs a finite top_k
                 "return_logprob": True,
                 "return_sampling_mask": True,
             }
