@@ -49,11 +49,11 @@ def test_build_write_read_round_trip(tmp_path) -> None:
 
 
 def test_sha256_manifests_stay_verifiable(tmp_path) -> None:
-    """A manifest naming sha256 (what earlier versions wrote) reads, verifies and round-trips."""
+    """A manifest naming sha256 (readers accept either algorithm) reads, verifies and round-trips."""
     d = _dir_with_files(tmp_path)
     m = build_manifest(d, format="fp8", algorithm="sha256")
     assert m.files["a.bin"] == FileEntry(hashlib.sha256(b"hello world").hexdigest(), 11, "sha256")
-    legacy = {  # written by hand, in the layout earlier versions used
+    legacy = {  # written by hand: schema 1 with sha256 entries only
         "schema": 1,
         "version": None,
         "format": "fp8",
