@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
+
 __all__ = ["ENGINE_VERSION", "LOADER", "Engine"]
 
 ENGINE_VERSION = "mixfleet-cpu-engine/0.1"
@@ -37,6 +39,7 @@ class Engine:
         max_running: int,
         prefill_budget: int,
         served_model_name: str | None,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
     ) -> None:
         from fleet.engine.metrics import EngineMetrics
         from fleet.engine.protocol import ModelLimits
@@ -47,7 +50,9 @@ class Engine:
         self.config = model.config
         self.precision = getattr(model, "precision", "bf16")
         self.limits = ModelLimits(
-            vocab_size=self.config.vocab_size, context_len=self.config.max_position_embeddings
+            vocab_size=self.config.vocab_size,
+            context_len=self.config.max_position_embeddings,
+            sampling_mask_max_tokens=sampling_mask_max_tokens,
         )
         self.tokenizer = _load_tokenizer(Path(model_path))
         self.served_model_name = served_model_name or model_path
@@ -76,6 +81,7 @@ class Engine:
         max_running: int = 64,
         prefill_budget: int = 2048,
         served_model_name: str | None = None,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
     ) -> Engine:
         from fleet.engine.model import load_model
 
@@ -89,6 +95,7 @@ class Engine:
             max_running=max_running,
             prefill_budget=prefill_budget,
             served_model_name=served_model_name,
+            sampling_mask_max_tokens=sampling_mask_max_tokens,
         )
 
     @property

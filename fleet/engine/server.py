@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from fleet.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
 from weight_sync.errors import UserError
 
 __all__ = ["add_arguments", "run"]
@@ -25,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--prefill-budget", type=int, default=2048, help="prompt tokens per step at most")
     parser.add_argument("--served-model-name", default=None, help="the model_name metrics label")
+    parser.add_argument(
+        "--sampling-mask-max-tokens",
+        type=int,
+        default=SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+        help="largest top_k a sampling-mask request may use (SGLang's flag)",
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -39,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.sampling_mask_max_tokens < 2:
+        raise UserError(f"--sampling-mask-max-tokens must be >= 2, got {args.sampling_mask_max_tokens}")
     if args.weight_version < 0:
         raise UserError(f"--weight-version must be >= 0, got {args.weight_version}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -50,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             max_running=args.max_running_requests,
             prefill_budget=args.prefill_budget,
             served_model_name=args.served_model_name,
+            sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load model {args.model!r}: {exc}") from None

@@ -423,3 +423,19 @@ def test_info_and_health_routes(engine: str, client: httpx.Client, tiny_dir: Pat
     assert client.get(engine + "/health").status_code == 200
     assert client.get(engine + "/health_generate").status_code == 200
     assert client.post(engine + "/flush_cache").status_code == 200
+
+
+def test_the_mask_limit_is_the_engines_flag(tiny_dir: Path) -> None:
+    """``--sampling-mask-max-tokens N`` (SGLang's flag): a mask request's top_k may be N, not N + 1."""
+    from tests.support.engines import engine_process
+
+    body = {"input_ids": PROMPT, "return_sampling_mask": True}
+    with engine_process(tiny_dir, sampling_mask_max_tokens=8) as url, httpx.Client(timeout=60) as c:
+        ok = c.post(url + "/generate", json={**body, "sampling_params": {"top_k": 8, "max_new_tokens": 2}})
+        assert ok.status_code == 200 and all(
+            len(m) <= 8 for m in ok.json()["meta_info"]["output_token_sampling_mask"]
+        )
+        bad = c.post(url + "/generate", json={**body, "sampling_params": {"top_k": 9, "max_new_tokens": 2}})
+        assert (
+            bad.status_code == 400 and "finite 1 < top_k <= 8; got top_k=9" in bad.json()["error"]["message"]
+        )
