@@ -17,7 +17,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:window`` list of the routing window's assignments (JSON ``[seq, group, {group: tokens}]``,
   oldest first, trimmed to the window size; ``seq`` numbers every assignment ever recorded); an
   assignment ``WATCH``es it, reads it with one ``LRANGE``, decides on what it read and appends in
-  ``MULTI`` (redis-py's ``transaction`` reruns the decision when another router appended first)
+  ``MULTI`` (redis-py's ``transaction`` reruns the decision when another router appended first;
+  one process's assignments go one at a time, so only other processes' can conflict)
 * ``mf:joblock`` the weight-job lock (value: the job id, ``PX`` its lapse); ``mf:jobs`` hash
   job id -> JSON view and ``mf:jobs:order`` list of job ids in first-put order
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
@@ -57,6 +58,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fleet import jsonio
 from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
@@ -321,6 +323,7 @@ class RedisStore(StateStore):
         self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
         self._group_ready = False
         self._takes = 0
+        self._assigning = asyncio.Lock()
 
     async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
         """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries) or no
@@ -616,20 +619,21 @@ class RedisStore(StateStore):
         self, decide: Callable[[Sequence[WindowEntry], int], WindowEntry | None], size: int
     ) -> WindowEntry | None:
         async def attempt(pipe) -> WindowEntry | None:  # WATCHed: redis-py reruns it on a conflict
-            raw = [json.loads(x) for x in await pipe.lrange(WINDOW, -size, -1)]
+            raw = _window_items(await pipe.lrange(WINDOW, -size, -1))
             seq = int(raw[-1][0]) + 1 if raw else 0
-            entry = decide([_window_entry(x) for x in raw], seq)
+            entry = decide([WindowEntry(g, tokens) for _seq, g, tokens in raw], seq)
             pipe.multi()
             if entry is not None:
                 pipe.rpush(WINDOW, json.dumps([seq, entry.group, dict(entry.tokens_total)]))
                 pipe.ltrim(WINDOW, -size, -1)
             return entry
 
-        return await self._call(self._r.transaction, attempt, WINDOW, value_from_callable=True)
+        async with self._assigning:  # conflicts only between processes, never among this one's calls
+            return await self._call(self._r.transaction, attempt, WINDOW, value_from_callable=True)
 
     async def window(self, size: int) -> list[WindowEntry]:
-        raw = await self._call(self._r.lrange, WINDOW, -size, -1)
-        return [_window_entry(json.loads(x)) for x in raw]
+        raw = _window_items(await self._call(self._r.lrange, WINDOW, -size, -1))
+        return [WindowEntry(g, tokens) for _seq, g, tokens in raw]
 
     # weight jobs ---------------------------------------------------------------------------
     async def acquire_job_lock(self, job_id: str, ttl_s: float) -> bool:
@@ -793,9 +797,9 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _window_entry(item: list[Any]) -> WindowEntry:
-    _seq, group, tokens = item
-    return WindowEntry(group, {g: int(n) for g, n in tokens.items()})
+def _window_items(raw: list[bytes]) -> list[list[Any]]:
+    """The window list's ``[seq, group, {group: tokens}]`` items, decoded in one call."""
+    return jsonio.loads(b"[" + b",".join(raw) + b"]") if raw else []
 
 
 def _mark_ttl(span_s: float) -> int:
