@@ -11,12 +11,22 @@ is created):
   from the preset. Its ``@modal.enter`` starts the replica entrypoint ``fleet.replica.run_replica``
   (stage the current version from the Volume to local disk, SGLang on a private port, the
   sidecar on the public one) with :func:`replica_kwargs`.
-- ``router``: the router as an ASGI app on several containers, state in Redis (URL from the
-  ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the proxy auth
-  token it reaches the servers with from ``mixfleet-proxy-auth``. Its URL is public (no proxy
+- ``router``: the router as an ASGI app on several containers, built by the router's own factory
+  (:func:`router.cli.app_from_args`, what every ``mixfleet router`` worker runs): state in Redis
+  (URL from the ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the
+  proxy auth token it reaches the servers with (``Modal-Key`` / ``Modal-Secret`` on every call to
+  a replica) from ``mixfleet-proxy-auth``, the weight store on the Volume, and its publications
+  run by the ``publish`` function (``MIXFLEET_CONVERT_FUNCTION``). Its URL is public (no proxy
   auth: trainers and agents authenticate with the router's own bearer keys).
 - ``publish``: a CPU function with the weights Volume mounted that converts a BF16 checkpoint once
-  per format and publishes it as a version.
+  per format and publishes it as a version (the local converter of
+  :mod:`weight_sync.converters`, run in this function's container).
+
+Replicas of one server: every container of a group's server has the server's one URL and
+heartbeats with its own replica id (``<group>-<MODAL_TASK_ID>``), so the router's registry holds
+one entry per container, all with that URL. The router picks a group and a replica by its
+policy, sends ``Modal-Session-ID: <session id>`` with every turn, and Modal's proxy picks the
+container (best-effort affinity: rendezvous hashing of that header over the server's containers).
 
 The servers' parameters are the keyword arguments in :data:`SERVER_OPTIONS` (what ``@app.server``
 received, for inspection: the client's ``Function.info()`` holds no autoscaler settings).
@@ -59,6 +69,7 @@ from deploy.plan import (
 from deploy.replica_thread import ReplicaThread
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images.modal_images import cpu_image, sglang_image
+from weight_sync.converters import CONVERT_FUNCTION_ENV
 from weight_sync.store import StoreLocation
 from weight_sync.store.modal_volume import VOLUME_FS_VERSION, ModalVolumeStore
 
@@ -66,6 +77,9 @@ PRESET_ENV = "MIXFLEET_PRESET"
 FLEET_ENV = "MIXFLEET_FLEET_JSON"
 STORE_ENV = "MIXFLEET_STORE"
 ROUTER_FUNCTION = "router"
+PUBLISH_FUNCTION = "publish"
+STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"  # router.publishing: the store is this Volume at MIXFLEET_STORE
+TASK_ID_ENV = "MODAL_TASK_ID"  # set by Modal in every container: "The ID of the container" (docs, env vars)
 STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
 REPLICA_STOP_GRACE_S = 30  # SIGTERM to SIGKILL for the engine and sidecar at scale-down
 
@@ -81,6 +95,7 @@ def _fleet() -> FleetSpec:
 PLAN = deploy_plan.build_plan(_fleet())
 RUN_ID = os.environ.get(RUN_ENV) or DEFAULT_RUN
 ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLUME_MOUNT}
+ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP_NAME}/{PUBLISH_FUNCTION}"}
 
 app = modal.App(APP_NAME)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOLUME_FS_VERSION)
@@ -111,10 +126,19 @@ def _router_url() -> str:
     return found
 
 
+def replica_id(group: GroupSpec) -> str | None:
+    """This container's replica id, ``<group>-<MODAL_TASK_ID>`` (None outside a Modal container:
+    the entrypoint's default then names the host): unique per container, while every container
+    of the server shares its one URL."""
+    task = os.environ.get(TASK_ID_ENV)
+    return f"{group.name}-{task}" if task else None
+
+
 def replica_kwargs(group: GroupSpec, stop: threading.Event, router_url: str, public_url: str | None) -> dict:
     """The keyword arguments of ``fleet.replica.run_replica`` for one replica of ``group``: the
     store on the Volume, staging on the container's disk, SGLang of the pinned release on the
-    private engine port, the sidecar on the public port, the replica key from its secret."""
+    private engine port, the sidecar on the public port, the replica key from its secret, the
+    container's own replica id (:func:`replica_id`)."""
 
     def engine_argv(model_path: str, weight_version: str | None) -> list[str]:
         return deploy_plan.sglang_argv(group, model_path, weight_version)
@@ -130,6 +154,7 @@ def replica_kwargs(group: GroupSpec, stop: threading.Event, router_url: str, pub
         "router_url": router_url,
         "replica_key": os.environ.get(REPLICA_KEY_ENV),
         "public_url": public_url,
+        "replica_id": replica_id(group),
         "stop": stop,
         "ready_timeout_s": float(SERVER_STARTUP_TIMEOUT_S),
         "grace_s": float(REPLICA_STOP_GRACE_S),
@@ -205,30 +230,26 @@ SERVERS: dict[str, modal.Server] = {s.name: _define_server(s) for s in PLAN.serv
     scaledown_window=PLAN.router.scaledown_window,
     volumes={VOLUME_MOUNT: volume},
     secrets=[redis_secret, keys_secret, proxy_secret],
-    env=ENV,
+    env=ROUTER_ENV,
     timeout=24 * 3600,
 )
 @modal.concurrent(max_inputs=PLAN.router.max_concurrency, target_inputs=PLAN.router.target_concurrency)
 @modal.asgi_app()
 def router() -> Any:
-    """The router app over Redis state for this fleet, keys from ``MIXFLEET_API_KEYS``.
+    """The router app over Redis state for this fleet: :func:`router.cli.app_from_args` of
+    :func:`router_args` (keys from ``MIXFLEET_API_KEYS``, proxy auth from ``MIXFLEET_PROXY_KEY`` /
+    ``MIXFLEET_PROXY_SECRET``, the store and converter from :data:`ROUTER_ENV`)."""
+    from router.cli import app_from_args
 
-    INTEGRATION POINT: the router's scale-out work may give the router one factory for this
-    (config from a fleet spec and a state URL); until then the config is built here with the
-    router's own ``RouterConfig`` (which refuses to start without keys). Its weight routes open
-    their store from ``/weights`` and convert in a local pool; on Modal they are to open
-    ``weight_sync.store.open_store(..., volume=VOLUME_NAME)`` and start conversions with
-    ``modal.Function.from_name(APP_NAME, "publish")`` instead. The GPU servers require proxy
-    auth: the router's engine calls to a sidecar must carry ``Modal-Key`` / ``Modal-Secret`` from
-    ``MIXFLEET_PROXY_KEY`` / ``MIXFLEET_PROXY_SECRET`` (this container's environment).
-    """
-    from router.app import create_app
-    from router.auth import load_keys
-    from router.config import RouterConfig
-    from router.routes_weights import create_weights_router
+    return app_from_args(router_args())
 
-    config = RouterConfig(fleet=PLAN.fleet, state_url=os.environ[REDIS_URL_ENV], api_keys=load_keys())
-    return create_app(config, extra_routers=[create_weights_router()])  # MIXFLEET_STORE / MIXFLEET_RUN
+
+def router_args() -> dict[str, Any]:
+    """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
+    (shipped as JSON) and the Redis state of ``MIXFLEET_REDIS_URL``."""
+    from router.cli import default_args
+
+    return default_args(fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV])
 
 
 @app.function(
@@ -240,16 +261,38 @@ def router() -> Any:
     volumes={VOLUME_MOUNT: volume},
     env=ENV,
 )
-def publish(checkpoint: str, version: int, delta_of: int | None = None) -> dict[str, Any]:
-    """Convert the BF16 checkpoint at ``checkpoint`` (a path on the Volume) once per format of the
-    fleet and publish it as ``version`` of the run; returns the publish result as JSON data."""
-    from dataclasses import asdict
-
-    from weight_sync.publish import publish_checkpoint
-
+def publish(
+    checkpoint: str,
+    version: int,
+    formats: str = "",
+    run_id: str = "",
+    mode: str = "barrier",
+    delta_of: int | None = None,
+) -> dict[str, Any]:
+    """Convert the BF16 checkpoint at ``checkpoint`` (a path on the Volume) once per format
+    (``formats`` comma-separated; default the fleet's) and publish it as ``version`` of ``run_id``
+    (default this deployment's run); with ``delta_of`` B the checkpoint holds only the tensors
+    changed since B. Returns the publish result as JSON data. The router's
+    :class:`~weight_sync.converters.ModalFunctionConverter` calls it with
+    :func:`~weight_sync.converters.modal_function.call_kwargs`."""
     store = _volume_store()
     store.refresh()  # the checkpoint the trainer committed to the Volume becomes visible here
-    result = publish_checkpoint(
-        store, RUN_ID, version, Path(checkpoint), PLAN.fleet.formats, delta_of=delta_of
-    )
-    return asdict(result)
+    return publish_into(store, checkpoint, version, formats, run_id, mode, delta_of)
+
+
+def publish_into(
+    store: Any, checkpoint: str, version: int, formats: str, run_id: str, mode: str, delta_of: int | None
+) -> dict[str, Any]:
+    """:func:`publish`'s work on ``store`` (:func:`weight_sync.converters.modal_function.run_request`
+    with this deployment's defaults)."""
+    from weight_sync.converters.modal_function import run_request
+
+    kwargs = {
+        "checkpoint": checkpoint,
+        "version": version,
+        "formats": formats or ",".join(PLAN.fleet.formats),
+        "run_id": run_id or RUN_ID,
+        "mode": mode,
+        "delta_of": delta_of,
+    }
+    return run_request(store, kwargs)

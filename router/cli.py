@@ -62,13 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace):
-    """RouterConfig from CLI arguments; raises UserError naming a bad value."""
-    from fleet.specs import load_preset
+    """RouterConfig from CLI arguments (the fleet from ``fleet_json``, a FleetSpec as JSON, when
+    given, else from ``preset``; the replicas' proxy auth headers from ``MIXFLEET_PROXY_KEY`` /
+    ``MIXFLEET_PROXY_SECRET``); raises UserError naming a bad value."""
+    from fleet.specs import FleetSpec, load_preset
     from router.auth import load_keys
-    from router.config import RouterConfig
+    from router.config import RouterConfig, proxy_auth_headers
     from router.mismatch import check_band
 
-    fleet = load_preset(args.preset)
+    shipped = getattr(args, "fleet_json", None)
+    fleet = FleetSpec.model_validate_json(shipped) if shipped else load_preset(args.preset)
     keys = load_keys(args.api_keys_file)
     if not keys and not args.insecure_no_auth:
         raise UserError("no API keys: set MIXFLEET_API_KEYS or --api-keys-file, or pass --insecure-no-auth")
@@ -110,6 +113,7 @@ def build_config(args: argparse.Namespace):
         f16_support_logprobs=args.f16_logprobs,
         session_idle_s=args.session_idle_timeout or None,
         mismatch_band=band,
+        engine_headers=proxy_auth_headers(),
     )
 
 
@@ -125,16 +129,36 @@ def router_app(config):
     return create_app(config, extra_routers=[create_weights_router()])
 
 
-def app_from_env():
-    """uvicorn's app factory in every router worker: :func:`router_app` of the arguments
-    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON), with this process's logging set up
-    and no ``_created`` series exported (every counter is its ``_total``)."""
-    import prometheus_client
+def default_args(**values) -> dict:
+    """The arguments of ``mixfleet router`` as :func:`app_from_args` takes them: every option's
+    default, overridden by ``values`` (option names with underscores; ``fleet_json`` may stand
+    in for ``preset``)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(["--preset", str(values.get("preset", ""))]))
+    unknown = set(values) - set(defaults) - {"fleet_json"}
+    if unknown:
+        raise UserError(f"unknown router arguments: {', '.join(sorted(unknown))}")
+    return {**defaults, **values}
 
+
+def app_from_env():
+    """uvicorn's app factory in every router worker: :func:`app_from_args` of the arguments
+    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON)."""
     raw = os.environ.get(ARGS_ENV)
     if not raw:
         raise UserError(f"{ARGS_ENV} is not set: start the router with `mixfleet router`")
-    args = argparse.Namespace(**json.loads(raw))
+    return app_from_args(json.loads(raw))
+
+
+def app_from_args(values: dict):
+    """The router app of a router process (``mixfleet router``'s workers, the router on Modal):
+    :func:`router_app` of :func:`build_config` of ``values`` (:func:`default_args`' shape), with
+    this process's logging set up and no ``_created`` series exported (every counter is its
+    ``_total``)."""
+    import prometheus_client
+
+    args = argparse.Namespace(**values)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

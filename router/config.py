@@ -3,15 +3,35 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fleet.specs import FleetSpec
 from router.mismatch import check_band
+from weight_sync.errors import UserError
 
 Policy = Literal["capacity", "round_robin", "cost"]
 POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")
 SCOPES: tuple[str, ...] = ("rollout", "trainer", "admin", "replica")
+PROXY_KEY_ENV = "MIXFLEET_PROXY_KEY"
+PROXY_SECRET_ENV = "MIXFLEET_PROXY_SECRET"
+
+
+def proxy_auth_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The headers of a Modal proxy auth token, from ``MIXFLEET_PROXY_KEY`` (token id) and
+    ``MIXFLEET_PROXY_SECRET`` (token secret): ``Modal-Key`` and ``Modal-Secret``, the names Modal's
+    proxy reads on a server deployed with ``unauthenticated=False`` (modal 1.6.4,
+    ``_partial_function.py``: "Require Modal-Key and Modal-Secret HTTP Headers on requests").
+    Empty when neither is set; :class:`UserError` naming the missing one when only one is."""
+    key, secret = environ.get(PROXY_KEY_ENV) or "", environ.get(PROXY_SECRET_ENV) or ""
+    if not key and not secret:
+        return {}
+    if not key or not secret:
+        missing = PROXY_KEY_ENV if not key else PROXY_SECRET_ENV
+        raise UserError(f"{missing} is not set: a Modal proxy auth token needs both its key and its secret")
+    return {"Modal-Key": key, "Modal-Secret": secret}
 
 
 @dataclass(frozen=True)
@@ -24,7 +44,9 @@ class RouterConfig:
     when they report it, and passes the engine's 400 through). Open sessions without a turn for
     ``session_idle_s`` seconds are abandoned (their capacity slot freed; None: never).
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
-    trainer/sampler probability ratios (:mod:`router.mismatch`).
+    trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
+    call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
+    proxy auth).
     """
 
     fleet: FleetSpec
@@ -48,6 +70,7 @@ class RouterConfig:
     session_idle_s: float | None = 3600.0
     f16_support_logprobs: bool = False
     mismatch_band: tuple[float, float] = (0.2, 5.0)
+    engine_headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)

@@ -82,8 +82,10 @@ class RouterContext:
         await self.store.close()
 
     def client(self, url: str, headers: dict[str, str] | None = None) -> SGLangClient:
+        """The engine client of the replica at ``url``: ``config.engine_headers`` (then
+        ``headers``) go with each of its requests."""
         assert self.http is not None, "RouterContext.start() not called"
-        return SGLangClient(self.http, url, headers)
+        return SGLangClient(self.http, url, {**self.config.engine_headers, **(headers or {})})
 
     # versions ----------------------------------------------------------------------------
     def latest_version(self) -> int | None:

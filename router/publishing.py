@@ -1,4 +1,4 @@
-"""The router's weight publisher: the store, the publish jobs and the conversion pool behind the
+"""The router's weight publisher: the store, the publish jobs and the converter behind the
 admin weight routes (:mod:`router.routes_weights`).
 
 Contracts:
@@ -18,9 +18,14 @@ Contracts:
 - :meth:`PublishService.adopt_pointers` raises the latest version to the store's highest pointer
   (publishes that bypassed this router count too) and wakes the replicas when it moved; an
   unreadable store is logged, never raised.
-- The conversion pool (worker processes kept across jobs) is made by :meth:`start_pool` and
-  stopped by :meth:`close`, which joins its workers: after ``close`` no worker process and no
-  semaphore of the pool is left.
+- A publication runs where the service's converter (:mod:`weight_sync.converters`) runs it: in
+  this router's conversion pool (:class:`~weight_sync.converters.LocalConverter`, the default),
+  or in the deployed Modal function ``MIXFLEET_CONVERT_FUNCTION`` names (``APP/FUNCTION``,
+  :class:`~weight_sync.converters.ModalFunctionConverter`), with the store then the Modal Volume
+  ``MIXFLEET_STORE_VOLUME`` mounted at ``MIXFLEET_STORE``. The converter's workers are started by
+  :meth:`start` and stopped by :meth:`close`: after ``close`` no worker process and no semaphore
+  of the pool is left. A perturbation always converts in this router (in its pool, or in this
+  process when the converter is remote).
 
 Refusals are errors that carry their data (:class:`StoreNotConfigured`, :class:`StoreUnreadable`,
 :class:`JobRunning`, :class:`VersionTooOld`, :class:`NoBf16Copy`); any other
@@ -35,7 +40,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,8 +50,14 @@ from typing import Any
 from fleet.sglang_client import EngineError
 from router.context import RouterContext
 from router.state.base import StateError
+from weight_sync.converters import (
+    Converter,
+    ConvertRequest,
+    LocalConverter,
+    function_from_env,
+    open_converter,
+)
 from weight_sync.errors import UserError
-from weight_sync.publish import ConversionPool
 from weight_sync.types import FormatRef, VersionRef
 
 log = logging.getLogger("mixfleet.router.publishing")
@@ -56,6 +66,7 @@ SIDECAR_TIMEOUT_S = 1.0
 LOCK_TTL_S = 30.0
 LOCK_RENEW_S = 5.0
 ORPHANED = "the router running this job stopped before it finished"
+STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"
 
 
 class StoreNotConfigured(UserError):
@@ -149,24 +160,33 @@ class Job:
 
 
 class PublishService:
-    """Store access, jobs and the conversion pool of one router (see the module docstring).
+    """Store access, jobs and the converter of one router (see the module docstring).
 
     ``store_root`` and ``run_id`` default to ``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run
-    ``default``); ``workers``: conversion processes (None: :meth:`ConversionPool.for_formats` of
-    the fleet's formats; 0: conversions run in the router process, one format at a time).
+    ``default``), ``volume`` to ``MIXFLEET_STORE_VOLUME`` (None: the store is a directory).
+    ``converter`` defaults to :func:`weight_sync.converters.open_converter` of
+    ``MIXFLEET_CONVERT_FUNCTION`` and ``workers`` (conversion processes of a local converter;
+    None: :meth:`~weight_sync.publish.ConversionPool.for_formats` of the fleet's formats; 0:
+    conversions run in the router process, one format at a time).
     """
 
-    def __init__(self, store_root: Path | None, run_id: str | None, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        store_root: Path | None,
+        run_id: str | None,
+        workers: int | None = None,
+        *,
+        converter: Converter | None = None,
+        volume: str | None = None,
+    ) -> None:
         self._store_root = store_root
         self._run_id = run_id
-        self.workers = workers
+        self._volume = volume
+        self.converter = converter or open_converter(function_from_env(), workers=workers)
         self.jobs: dict[str, Job] = {}  # the jobs this router runs now
         self._saving = asyncio.Lock()
         self._store = None
         self.tasks: set[asyncio.Task] = set()
-        self.pool: ConversionPool | None = None
-        self._pool_lock = threading.Lock()
-        self._warmer: threading.Thread | None = None
 
     # configuration -------------------------------------------------------------------------
     @property
@@ -185,51 +205,30 @@ class PublishService:
             )
             if root is None:
                 raise StoreNotConfigured()
-            from weight_sync.store.local import LocalStore
+            from weight_sync.store import open_store
 
-            root.mkdir(parents=True, exist_ok=True)
-            self._store = LocalStore(root)
+            volume = self._volume or os.environ.get(STORE_VOLUME_ENV) or None
+            if volume is None:
+                root.mkdir(parents=True, exist_ok=True)
+            self._store = open_store(root, volume=volume)
         return self._store
 
-    # conversion pool -------------------------------------------------------------------------
-    def start_pool(self, formats: int, *, warm: bool = True) -> ConversionPool | None:
-        """The conversion pool, made on first call (``warm``: its workers start and load the
-        converter in the background): ``workers`` processes when given, else
-        :meth:`ConversionPool.for_formats` of the fleet's ``formats``. ``None`` when ``workers``
-        is 0 (conversions run in the router process)."""
-        if self.workers == 0:
-            return None
-        with self._pool_lock:
-            if self.pool is None:
-                self.pool = (
-                    ConversionPool(self.workers)
-                    if self.workers is not None
-                    else ConversionPool.for_formats(formats)
-                )
-                if warm:
-                    pool = self.pool
-                    self._warmer = threading.Thread(
-                        target=_warm, args=(pool,), name="conversion-warmup", daemon=True
-                    )
-                    self._warmer.start()
-            return self.pool
+    # converter ---------------------------------------------------------------------------------
+    def start(self, formats: int) -> None:
+        """Prepare the converter for publications of ``formats`` formats (a local converter
+        starts its workers and loads the converter in them, in the background)."""
+        self.converter.start(formats)
 
-    def publish_kwargs(self, formats: int) -> dict[str, Any]:
-        """The publisher's pool arguments: the kept pool, or ``workers=0`` without one."""
-        pool = self.start_pool(formats, warm=False)  # the publish starts the workers itself
-        return {"conversion_pool": pool} if pool is not None else {"workers": 0}
+    def _local(self) -> LocalConverter:
+        """The converter of work that runs in this router: the service's when it is local, else
+        one converting in this process."""
+        return self.converter if isinstance(self.converter, LocalConverter) else LocalConverter(workers=0)
 
     def close(self) -> None:
-        """Stop the conversion pool and join its workers (no worker process or semaphore is left);
+        """Stop the converter's workers and join them (no worker process or semaphore is left);
         a conversion still running (a job's or the warm-up's) is killed, which the publication
         protocol survives (no pointer names an incomplete version). Blocking; idempotent."""
-        with self._pool_lock:
-            pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.close(terminate=True)
-        if self._warmer is not None:
-            self._warmer.join(timeout=30)
-            self._warmer = None
+        self.converter.close()
 
     # jobs --------------------------------------------------------------------------------------
     async def start_job(self, ctx: RouterContext, kind: str, run_id: str, version: int | None) -> Job:
@@ -303,12 +302,14 @@ class PublishService:
         except Exception as exc:  # a bug must still end the job with a message
             await self.finish_job(ctx, job, None, f"{type(exc).__name__}: {exc}")
             return
+        if not isinstance(result, dict):  # a rollback's PublishResult
+            result = result.to_dict()
         try:
-            await ctx.publish_version(result.version)
+            await ctx.publish_version(result["version"])
         except Exception as exc:
             job.events.append({"kind": "warning", "message": f"could not record latest version: {exc}"})
-        job.version = result.version
-        await self.finish_job(ctx, job, result.to_dict(), None)
+        job.version = result["version"]
+        await self.finish_job(ctx, job, result, None)
         await wake_replicas(ctx)
 
     def _events(self, ctx: RouterContext, job: Job) -> Callable[[str, dict[str, Any]], None]:
@@ -350,14 +351,7 @@ class PublishService:
         the fleet's) and publishing it as ``version`` (default: the next one); with ``delta_of``
         B the directory holds only the tensors changed since B and every format is published as
         a delta over B. Raises before any job starts for bad input."""
-        from weight_sync.publish import (
-            check_delta_base,
-            check_formats,
-            latest_version,
-            next_version,
-            publish_checkpoint,
-            publish_delta,
-        )
+        from weight_sync.publish import check_delta_base, check_formats, latest_version, next_version
 
         store = self.store()
         await self.synced(ctx)
@@ -374,14 +368,9 @@ class PublishService:
         if delta_of is not None:
             check_delta_base(store, run_id, version, delta_of, formats)
         job = await self.start_job(ctx, "publish", run_id, version)
-        kwargs = {"mode": mode, **self.publish_kwargs(len(formats)), "on_event": self._events(ctx, job)}
-
-        def work():
-            if delta_of is not None:
-                return publish_delta(store, run_id, version, checkpoint, delta_of, formats, **kwargs)
-            return publish_checkpoint(store, run_id, version, checkpoint, formats, **kwargs)
-
-        self._run(ctx, job, work)
+        request = ConvertRequest(run_id, version, str(checkpoint), tuple(formats), mode, delta_of)
+        on_event = self._events(ctx, job)
+        self._run(ctx, job, lambda: self.converter.publish(store, request, on_event))
         return job
 
     async def rollback(self, ctx: RouterContext, to: int, *, run_id: str | None, version: int | None) -> Job:
@@ -407,7 +396,7 @@ class PublishService:
         """Start publishing ``from_version`` with two output-projection rows swapped as the next
         version; :class:`NoBf16Copy` when the store has no bf16 copy of it."""
         from weight_sync.perturb import swap_output_rows
-        from weight_sync.publish import next_version, publish_checkpoint
+        from weight_sync.publish import next_version
 
         store = self.store()
         await self.synced(ctx)
@@ -422,11 +411,13 @@ class PublishService:
 
         def work():
             src = Path(store.version_dir(VersionRef(run_id, "bf16", from_version)))
-            tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=getattr(store, "root", None)))
+            # on the container's own disk for a volume store (its scratch), else beside the store
+            own_disk = getattr(store, "scratch", None) or getattr(store, "root", None)
+            tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=own_disk))
             try:
                 swap_output_rows(src, tmp, t, s)
-                kwargs = self.publish_kwargs(len(formats))
-                return publish_checkpoint(store, run_id, version, tmp, formats, **kwargs, on_event=on_event)
+                request = ConvertRequest(run_id, version, str(tmp), tuple(formats))
+                return self._local().publish(store, request, on_event)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -533,11 +524,6 @@ class PublishService:
 def _orphaned(view: dict[str, Any]) -> dict[str, Any]:
     """A stored running job's view once its router stopped holding its lock."""
     return {**view, "state": "failed", "error": ORPHANED}
-
-
-def _warm(pool: ConversionPool) -> None:
-    with contextlib.suppress(Exception):  # a pool closed while it warms up
-        pool.warm()
 
 
 def known_replicas(ctx: RouterContext) -> list[dict[str, Any]]:

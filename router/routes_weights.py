@@ -108,7 +108,7 @@ def _lifespan(service: PublishService, poll_s: float):
             return
         ctx: RouterContext = app.state.ctx
         # conversion workers start now, so that the first publish does not pay their start-up
-        service.start_pool(len(ctx.config.fleet.formats))
+        service.start(len(ctx.config.fleet.formats))
         await service.adopt_pointers(ctx)
 
         async def watch() -> None:

@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.support.procs import redis_server
+from weight_sync.errors import UserError
 
 ADMIN = "tok-admin-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -74,5 +75,5 @@ def test_two_router_containers_see_the_same_replicas(router_module) -> None:
 def test_router_refuses_to_start_without_keys(router_module, monkeypatch) -> None:
     module, _ = router_module
     monkeypatch.delenv("MIXFLEET_API_KEYS")
-    with pytest.raises(ValueError, match="no API keys configured"):
+    with pytest.raises(UserError, match="no API keys: set MIXFLEET_API_KEYS"):
         module.router.local()

@@ -234,12 +234,18 @@ def test_cli_bad_input_is_one_line(tmp_path) -> None:
 
 def test_router_pool_has_a_worker_per_format_even_on_fewer_cores(tmp_path) -> None:
     from router.publishing import PublishService
+    from weight_sync.converters import LocalConverter
+
+    def converter(**kw) -> LocalConverter:
+        c = PublishService(tmp_path / "store", RUN, **kw).converter
+        assert isinstance(c, LocalConverter)  # no MIXFLEET_CONVERT_FUNCTION: the router's own pool
+        return c
 
     cores = os.cpu_count() or 1
-    service = PublishService(tmp_path / "store", RUN)
-    pool = service.start_pool(cores + 1, warm=False)
+    local = converter()
+    pool = local.start_pool(cores + 1, warm=False)
     assert pool is not None and pool.workers == cores + 1 and pool.threads == 1
-    assert service.start_pool(1, warm=False) is pool  # one pool for the router's life
-    assert PublishService(tmp_path / "store", RUN).start_pool(1, warm=False).workers == cores
-    assert PublishService(tmp_path / "store", RUN, workers=1).start_pool(9, warm=False).workers == 1
-    assert PublishService(tmp_path / "store", RUN, workers=0).publish_kwargs(3) == {"workers": 0}
+    assert local.start_pool(1, warm=False) is pool  # one pool for the router's life
+    assert converter().start_pool(1, warm=False).workers == cores
+    assert converter(workers=1).start_pool(9, warm=False).workers == 1
+    assert converter(workers=0).publish_kwargs(3) == {"workers": 0}
