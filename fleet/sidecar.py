@@ -26,7 +26,10 @@ SGLang) and is the replica's only public port:
   retryable 409 naming the target and applied versions (the fields are
   removed before the body goes to the engine).
 - **Heartbeats** (:mod:`fleet.reconciler`): with a router URL, ``POST
-  {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and on every activation.
+  {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and on every activation, naming the
+  replica by its id and the URL it advertises. Every container of one Modal server advertises
+  the server's one URL with its own id, so the router holds one entry per container
+  (:mod:`router.registry`) and Modal's proxy picks the container of each request.
 """
 
 from __future__ import annotations

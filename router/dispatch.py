@@ -50,7 +50,8 @@ async def with_failover(
     """Run ``send(replica_url)`` on a replica in rotation, failing over as the module says.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
-    422/4xx unless retryable) or ValueError (a malformed engine response: retry elsewhere).
+    422/4xx unless retryable; a 401/403, the replica refusing the router's own credentials, as
+    502) or ValueError (a malformed engine response: retry elsewhere).
     """
     latest = ctx.latest_version()
     group = start_group
@@ -118,6 +119,12 @@ async def with_failover(
                 tried.add(replica.replica_id)
                 ctx.metrics.failovers.labels(group, "version").inc()
                 continue
+            if exc.status in (401, 403):  # the replica's credentials, not the client's (Modal proxy auth)
+                raise ApiError(
+                    502,
+                    f"replica {replica.url} refused the router's credentials ({exc.message}); "
+                    "set MIXFLEET_PROXY_KEY and MIXFLEET_PROXY_SECRET to the servers' proxy auth token",
+                ) from None
             raise ApiError(
                 422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}"
             ) from None

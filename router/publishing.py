@@ -471,7 +471,7 @@ class PublishService:
         except UserError as exc:
             raise StoreUnreadable(str(exc)) from None
         replicas = known_replicas(ctx)
-        details = await replica_details(ctx, [r["url"] for r in replicas])
+        details = await replica_details(ctx, sorted({r["url"] for r in replicas}))
         groups = []
         for g in fleet.groups:
             reps = []
@@ -480,6 +480,8 @@ class PublishService:
                     continue
                 active = r["active_version"]
                 d = details.get(r["url"]) or {}
+                if d.get("replica_id") not in (None, r["replica_id"]):
+                    d = {}  # a URL several replicas share: the answer was another container's
                 last = d.get("last_activation") or {}
                 reps.append(
                     {
@@ -573,8 +575,8 @@ def formats_view(store, run_id: str, formats: list[str]) -> dict[str, Any]:
 
 
 async def replica_details(ctx: RouterContext, urls: list[str]) -> dict[str, dict[str, Any]]:
-    """Each sidecar's ``GET /v1/status`` (last activation, staging) by URL; a replica that does not
-    answer it (a plain engine) is missing."""
+    """The ``GET /v1/status`` (last activation, staging; its ``replica_id``) of the sidecar each
+    URL reaches, by URL; a URL that does not answer it (a plain engine) is missing."""
 
     async def one(url: str) -> dict[str, Any] | None:
         try:
@@ -589,8 +591,10 @@ async def replica_details(ctx: RouterContext, urls: list[str]) -> dict[str, dict
 
 
 async def wake_replicas(ctx: RouterContext) -> None:
-    """``POST /v1/wake`` to every known replica's sidecar (best effort: failures are ignored)."""
-    urls = [r["url"] for r in known_replicas(ctx)]
+    """``POST /v1/wake`` once to every known replica URL (best effort: failures are ignored). The
+    containers of one Modal server share its URL: the wake reaches the one Modal's proxy picks,
+    the others see the pointer at their next poll."""
+    urls = sorted({r["url"] for r in known_replicas(ctx)})
     await asyncio.gather(
         *(ctx.client(u).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S) for u in urls),
         return_exceptions=True,

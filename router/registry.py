@@ -7,6 +7,14 @@ life (a busy engine may answer health polls late). A replica is in rotation when
 ``heartbeat_timeout_s``, is not in a failure cooldown (set after a failed request), and, when
 ``max_version_lag`` is set and versions are known, lags the latest version by at most that.
 Times are ``time.monotonic()`` unless named ``wall``.
+
+An entry is a replica id, not a URL: the containers of one Modal server share the server's one
+URL, and each heartbeats with its own id (its sidecar's, ``<group>-<MODAL_TASK_ID>`` on Modal),
+so the registry holds one entry per container, all with that URL. Capacity counts entries; the
+router picks a group and an entry by its policy and sends the session's id as
+``Modal-Session-ID``, and Modal's proxy picks the container (best-effort affinity). A static
+replica of the preset is one entry per listed URL, and a heartbeat from that URL and group
+updates it: do not list a Modal server's URL statically.
 """
 
 from __future__ import annotations
