@@ -1,0 +1,130 @@
+"""``mixfleet demo`` end to end on real processes, a few updates on the tiny model.
+
+* Against a fleet the test starts (``mixfleet up``, preset local: bf16, fp8 and nvfp4 groups)
+  and passes with ``--router``: demo.json holds the SFT phase (its loss decreases) and one entry
+  per update with rewards in [0, 1] and every metric per group; every published version was
+  observed active in every group, and the router's weights status afterwards shows each
+  replica serving the last one.
+* With no ``--router`` the command starts and stops its own fleet: the store's pointer of every
+  format names the last version, and no process of the fleet is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+
+pytestmark = pytest.mark.slow
+
+UPDATES = 3
+SHORT = [
+    "--updates", str(UPDATES), "--sft-steps", "8", "--prompts", "4", "--samples", "4", "--agents", "4",
+    "--no-progress",
+]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MIXFLEET_")}
+
+
+def _check_record(record: dict, groups: set[str]) -> None:
+    assert record["config"]["method"] == "sc-mis-topp"
+    assert {g["group"] for g in record["groups"]} == groups
+    sft = record["sft"]
+    assert len(sft["loss"]) == 8 and sft["loss"][-1] < sft["loss"][0]
+    first = record["first_version"]
+    ups = record["updates"]
+    assert [u["update"] for u in ups] == list(range(1, UPDATES + 1))
+    assert [u["version"] for u in ups] == list(range(first + 1, first + 1 + UPDATES))
+    for u in ups:
+        assert 0.0 <= u["mean_reward"] <= 1.0 and 0.0 <= u["exact"] <= 1.0
+        assert u["trajectories"] > 0 and u["tokens"] >= u["trajectories"]
+        assert u["version_age"]["max"] >= 0 and u["version_age"]["mean"] >= 0
+        assert set(u["k3_kl"]) <= groups and u["k3_kl"]
+        for key in ("k3_kl", "mean_abs_logprob_diff", "extreme_ratio_share", "tokens_by_group"):
+            assert set(u[key]) == set(u["k3_kl"])
+        assert all(v >= 0 for v in u["k3_kl"].values())
+        assert all(0 <= v <= 1 for v in u["extreme_ratio_share"].values())
+        assert sum(u["tokens_by_group"].values()) == u["tokens"]
+        assert u["wall_s"] > 0
+    # the warm start and every update were published and served by every group
+    acts = record["activations"]
+    assert [a["version"] for a in acts] == list(range(first, first + 1 + UPDATES))
+    for a in acts:
+        assert set(a["activated_s"]) == groups
+        assert all(s >= a["published_s"] >= 0 for s in a["activated_s"].values())
+
+
+def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
+    port = free_port()
+    data = tmp_path / "fleet"
+    up = mixfleet_argv("up", "--port", str(port), "--data-dir", str(data), "--model-preset", "tiny")
+    with process(up, log=tmp_path / "up.log", env=_env()):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/healthz", timeout=120)
+        key = (data / "api_key").read_text().strip()
+        headers = {"Authorization": f"Bearer {key}"}
+        groups: set[str] = set()
+        for _ in range(600):
+            body = httpx.get(url + "/v1/groups", headers=headers, timeout=5).json()
+            groups = {g["name"] for g in body["groups"] if g.get("ready_replicas", 0) > 0}
+            if len(groups) == 3:
+                break
+            time.sleep(0.2)
+        assert groups == {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"}
+        out = tmp_path / "out"
+        argv = mixfleet_argv("demo", "--router", url, "--base", str(data / "base"), "--out", str(out), *SHORT)
+        done = subprocess.run(
+            argv, env={**_env(), "MIXFLEET_API_KEY": key}, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        record = json.loads((out / "demo.json").read_text())
+        _check_record(record, groups)
+        assert (out / "demo.png").stat().st_size > 0
+        last = record["updates"][-1]["version"]
+        status = httpx.get(url + "/v1/weights", headers=headers, timeout=5).json()
+        assert status["latest_version"] == last
+        for g in status["groups"]:
+            assert g["replicas"] and all(r["active_version"] == last for r in g["replicas"]), g
+    assert "updates in" in done.stdout
+
+
+def test_demo_starts_and_stops_its_own_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = mixfleet_argv("demo", "--out", str(out), *SHORT)
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((out / "demo.json").read_text())
+    _check_record(record, {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"})
+    last = record["updates"][-1]["version"]
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        assert (out / "fleet" / "store" / "local" / fmt / "CURRENT").read_text().strip() == str(last)
+    assert "stopping the fleet" in done.stdout
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out / "fleet") not in ps
+
+
+def test_demo_refuses_bad_arguments(tmp_path: Path) -> None:
+    cases = [
+        (["--router", "http://127.0.0.1:9"], "--router needs a key"),
+        (["--method", "nope"], "method must be one of"),
+        (["--min-len", "5", "--max-len", "3"], "min_len <= max_len"),
+    ]
+    for args, message in cases:
+        done = subprocess.run(
+            mixfleet_argv("demo", "--out", str(tmp_path / "o"), *args),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
