@@ -103,9 +103,11 @@ class AsyncRolloutClient:
         *,
         accept: str = "application/json",
         content_type: str = "application/json",
+        retry_statuses: tuple[int, ...] = RETRY_STATUSES,
     ) -> tuple[bytes, str]:
         """One call with retries; returns (body bytes, content type). ``body`` is sent as JSON,
-        or as it is when it is ``bytes`` (with ``content_type``)."""
+        or as it is when it is ``bytes`` (with ``content_type``). Answers with a status in
+        ``retry_statuses`` are retried."""
         headers = {**self.headers, "Accept": accept}
         data = None
         if isinstance(body, bytes):
@@ -130,7 +132,7 @@ class AsyncRolloutClient:
                 continue
             if status < 400:
                 return content, ctype
-            if status in RETRY_STATUSES and attempt < self.retries:
+            if status in retry_statuses and attempt < self.retries:
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 continue
             raise RouterError(method, path, status, _detail(status, content))
@@ -211,12 +213,14 @@ class AsyncRolloutClient:
     async def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
         """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
         the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures;
-        returns the batch's figures per (group, version). Once per lease: a repeat is a 409."""
+        returns the batch's figures per (group, version). Once per lease: a repeat is a 409,
+        raised at once (it is not transient)."""
         content, _ = await self.request(
             "POST",
             f"/v1/batches/{lease_id}/trainer_logprobs",
             encode_trainer_logprobs(logprobs),
             content_type=LOGPROBS_MEDIA_TYPE,
+            retry_statuses=(503,),
         )
         return json.loads(content)
 
