@@ -84,6 +84,7 @@ def build_config(args: argparse.Namespace):
         raise UserError(
             f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
         )
+    check_weights_env()
     for name in ("heartbeat_timeout", "lease_timeout"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
@@ -118,6 +119,19 @@ def build_config(args: argparse.Namespace):
 
 
 ARGS_ENV = "MIXFLEET_ROUTER_ARGS"
+
+
+def check_weights_env() -> None:
+    """UserError naming a bad ``MIXFLEET_PUBLISH_WORKERS`` or ``MIXFLEET_CONVERT_FUNCTION`` (read
+    by the weight routes), so that it is one line before any worker starts."""
+    from router.publishing import workers_from_env
+    from weight_sync.converters import function_from_env
+    from weight_sync.converters.modal_function import parse_function_ref
+
+    workers_from_env()
+    function = function_from_env()
+    if function is not None:
+        parse_function_ref(function)
 
 
 def router_app(config):

@@ -15,12 +15,12 @@
   version, every replica's active version, lag and last activation.
 
 One job runs at a time across every router on the state store; a second gets 409 wherever it
-lands, and any router answers for any job. The jobs, the store and the conversion pool are the
-:class:`router.publishing.PublishService` of :func:`create_weights_router`, whose lifespan
-(merged into the app's, inside the router context's) starts the pool, adopts the store's highest
-pointer before the first request, re-reads the pointers every ``pointer_poll_s`` seconds while
-the router runs (a pointer that moved wakes the replicas), and at shutdown stops the pool and
-joins its workers.
+lands, and any router answers for any job. The jobs, the store and the converter (this router's
+conversion pool, or a deployed Modal function) are the :class:`router.publishing.PublishService`
+of :func:`create_weights_router`, whose lifespan (merged into the app's, inside the router
+context's) starts the converter's workers, adopts the store's highest pointer before the first
+request, re-reads the pointers every ``pointer_poll_s`` seconds while the router runs (a pointer
+that moved wakes the replicas), and at shutdown stops the converter and joins its workers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from router.publishing import (
     VersionTooOld,
     workers_from_env,
 )
+from weight_sync.converters import Converter
 from weight_sync.errors import UserError
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -134,6 +135,7 @@ def create_weights_router(
     *,
     workers: int | None = None,
     pointer_poll_s: float = 2.0,
+    converter: Converter | None = None,
 ) -> APIRouter:
     """The APIRouter to include in the router app (see the module docstring); its service is
     ``router.service``.
@@ -142,12 +144,14 @@ def create_weights_router(
     ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
     else one per core and at least one per format the fleet serves); ``0`` converts inside the
     router process, one format at a time. ``pointer_poll_s``: how often the store's pointers are
-    re-read while the router runs. Raises :class:`UserError` for a bad
-    ``MIXFLEET_PUBLISH_WORKERS``.
+    re-read while the router runs. ``converter``: where publications run (default:
+    ``MIXFLEET_CONVERT_FUNCTION``'s Modal function when set, else this router's pool; see
+    :class:`router.publishing.PublishService`). Raises :class:`UserError` for a bad
+    ``MIXFLEET_PUBLISH_WORKERS`` or ``MIXFLEET_CONVERT_FUNCTION``.
     """
     if workers is None:
         workers = workers_from_env()
-    service = PublishService(Path(store_root) if store_root else None, run_id, workers)
+    service = PublishService(Path(store_root) if store_root else None, run_id, workers, converter=converter)
     router = APIRouter(tags=["weights"], lifespan=_lifespan(service, pointer_poll_s))
     admin = [Depends(require("admin"))]
     job_refusals = error_responses(*AUTH, *BODY, 409, 503)
