@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("grpo", "grpo-mis", "sc", "sc-mis", "sc-mis-topp")
-DEFAULT_BAND = (0.5, 5.0)
+from trainer.methods import DEFAULT_BAND, METHODS
+
 TAIL_FLOOR = 1e-6
 
 

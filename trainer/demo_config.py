@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.methods import METHODS
 from trainer.tasks import ReverseDigits
 
 
@@ -36,8 +37,6 @@ class DemoConfig:
     keep: int = 2
 
     def __post_init__(self) -> None:
-        from trainer.corrections import METHODS
-
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         for name in ("sft_batch", "updates", "prompts", "samples", "agents", "trainer_threads", "keep"):
