@@ -9,8 +9,9 @@ on Ctrl-C or an error. With ``--router`` it uses that fleet (key from ``--api-ke
 ``MIXFLEET_API_KEY``, scopes rollout, trainer and admin) and ``--base``, the checkpoint its
 version 0 was made from, on this machine.
 
-The loop is :func:`trainer.demo.run_demo`. After: ``<out>/demo.json`` and ``<out>/demo.png``; a
-one-line summary is printed. Needs the ``demo`` extra (transformers, matplotlib).
+The loop is :func:`trainer.demo.run_demo`. After: ``<out>/demo.json``, ``<out>/demo.png`` and the
+cost report of the fleet's ledger (``mixfleet report``) in ``<out>/report/``; a one-line summary
+is printed. Needs the ``demo`` extra (transformers, matplotlib).
 """
 
 from __future__ import annotations
@@ -136,7 +137,25 @@ def _demo(url: str, key: str, base: Path, out: Path, config, args: argparse.Name
     _say(
         f"wrote {out / 'demo.json'}" + (f" and {plot}" if plot else " (no plot: matplotlib is not installed)")
     )
+    _cost_report(url, key, out / "report")
     return 0
+
+
+def _cost_report(url: str, key: str, out: Path) -> None:
+    """``mixfleet report`` from the router's ledger into ``out`` while the fleet is still up; a
+    failure is reported in one line and does not fail the demo."""
+    import subprocess
+
+    from fleet.launch import mixfleet_command
+
+    argv = [*mixfleet_command(), "report", "--out", str(out), "--router", url]
+    env = {**os.environ, "MIXFLEET_API_KEY": key}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode == 0:
+        _say(f"cost report: {out / 'report.html'}")
+    else:
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+        _say(f"no cost report: {lines[-1]}")
 
 
 class _local_fleet:

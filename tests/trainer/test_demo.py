@@ -4,7 +4,7 @@
   and passes with ``--router``: demo.json holds the SFT phase (its loss decreases) and one entry
   per update with rewards in [0, 1] and every metric per group; every published version was
   observed active in every group, and the router's weights status afterwards shows each
-  replica serving the last one.
+  replica serving the last one; the cost report of the router's ledger was written.
 * With no ``--router`` the command starts and stops its own fleet: the store's pointer of every
   format names the last version, and no process of the fleet is left.
 """
@@ -89,6 +89,8 @@ def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
         record = json.loads((out / "demo.json").read_text())
         _check_record(record, groups)
         assert (out / "demo.png").stat().st_size > 0
+        report = json.loads((out / "report" / "report.json").read_text())
+        assert isinstance(report, dict) and report
         last = record["updates"][-1]["version"]
         status = httpx.get(url + "/v1/weights", headers=headers, timeout=5).json()
         assert status["latest_version"] == last
