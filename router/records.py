@@ -855,16 +855,23 @@ def _decode_turn(r: _Reader) -> TurnData:
 
 
 def encode_batch(
-    lease_id: str, held_back: int, trajectories: Sequence[tuple[dict[str, Any], Sequence[bytes]]]
+    lease_id: str,
+    held_back: int,
+    trajectories: Sequence[tuple[dict[str, Any], Sequence[bytes]]],
+    trainer_version: int | None = None,
 ) -> bytes:
     """Encode a trainer batch from (trajectory header, stored turn blocks) pairs.
 
-    The turn blocks are copied as stored (no re-encoding). Each header gets ``n_turns``.
+    The turn blocks are copied as stored (no re-encoding). Each header gets ``n_turns``. The
+    batch header names ``trainer_version`` (the version ages are measured against) when given.
     """
     out = bytearray(MAGIC_BATCH)
     out.append(FORMAT_VERSION)
     headers = [{**h, "n_turns": len(blobs)} for h, blobs in trajectories]
-    _json({"lease_id": lease_id, "held_back": held_back, "trajectories": headers}, out)
+    head: dict[str, Any] = {"lease_id": lease_id, "held_back": held_back, "trajectories": headers}
+    if trainer_version is not None:
+        head["trainer_version"] = trainer_version
+    _json(head, out)
     for _, blobs in trajectories:
         for blob in blobs:
             _varint(len(blob), out)
@@ -890,4 +897,7 @@ def decode_batch(data: bytes | memoryview) -> dict[str, Any]:
         trajectories.append(t)
     if r.pos != len(r.buf):
         raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after batch")
-    return {"lease_id": header["lease_id"], "trajectories": trajectories, "held_back": header["held_back"]}
+    out = {"lease_id": header["lease_id"], "trajectories": trajectories, "held_back": header["held_back"]}
+    if "trainer_version" in header:
+        out["trainer_version"] = header["trainer_version"]
+    return out

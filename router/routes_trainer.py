@@ -112,7 +112,9 @@ async def take(request: Request, body: TakeRequest) -> Response:
         for t in lease.trajectories:
             headers = [decode_turn_header(b) for b in t.turns]
             items.append((_header(t, trainer_version, headers), t.turns))
-        return Response(encode_batch(lease_id, lease.held_back, items), media_type=MEDIA_TYPE)
+        return Response(
+            encode_batch(lease_id, lease.held_back, items, trainer_version), media_type=MEDIA_TYPE
+        )
     out = []
     for t in lease.trajectories:
         turns = [decode_turn(b) for b in t.turns]
@@ -124,7 +126,14 @@ async def take(request: Request, body: TakeRequest) -> Response:
             }
         )
     return Response(
-        dumps({"lease_id": lease_id, "trajectories": out, "held_back": lease.held_back}),
+        dumps(
+            {
+                "lease_id": lease_id,
+                "trajectories": out,
+                "held_back": lease.held_back,
+                "trainer_version": trainer_version,
+            }
+        ),
         media_type="application/json",
     )
 

@@ -225,6 +225,9 @@ class TakeResponse(BaseModel):
     )
     trajectories: list[BatchTrajectory]
     held_back: int
+    trainer_version: int | None = Field(
+        None, description="the trainer version the batch's version ages are measured against"
+    )
 
 
 class AckResponse(BaseModel):

@@ -318,7 +318,12 @@ def test_an_empty_take_has_no_lease(client: httpx.Client) -> None:
         if not batch["trajectories"]:
             break
         assert client.post(f"/v1/batches/{batch['lease_id']}/ack").status_code == 200
-    assert batch == {"lease_id": None, "trajectories": [], "held_back": batch["held_back"]}
+    assert batch == {
+        "lease_id": None,
+        "trajectories": [],
+        "held_back": batch["held_back"],
+        "trainer_version": batch["trainer_version"],
+    }
     binary = client.post("/v1/batches/take", json={"size": 8}, headers={"Accept": MEDIA_TYPE})
     assert decode_batch(binary.content)["lease_id"] is None
     assert client.get("/v1/batches/stats").json()["leases"] == 0  # nothing to acknowledge

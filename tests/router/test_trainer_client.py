@@ -35,6 +35,9 @@ def test_sync_client_round_trip(router) -> None:
             assert batch.support_ids[lo:hi].tolist() == records[k]["support_ids"]
         assert {batch.groups[g] for g in batch.group_index[rows]} == {"cpu-a"}
         assert batch.rewards()[rows].tolist() == [1.0] * len(rows)
+        assert batch.trainer_version is not None
+        ages = batch.trainer_version - batch.versions[rows]
+        assert batch.version_ages[rows].tolist() == [max(0, int(a)) for a in ages]
         c.ack(batch.lease_id)
         with pytest.raises(RouterError) as err:
             c.ack(batch.lease_id)
