@@ -6,8 +6,10 @@ import secrets
 
 import httpx
 import pytest
+import redis
 
 from tests.support.engines import engine_process
+from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 
 KEYS = {
@@ -54,3 +56,24 @@ def router(engine_url, tmp_path_factory):
 def client(router):
     with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
         yield c
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real redis-server on a free loopback port, for the module's tests."""
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request, redis_url) -> str:
+    """Each state backend in turn: ``memory``, then the (flushed) real Redis."""
+    if request.param == "memory":
+        return "memory"
+    redis.Redis.from_url(redis_url).flushdb()
+    return redis_url

@@ -6,46 +6,15 @@ ledger survives a new store (a router restart) and concurrent bookings of one re
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
 
 from router.ledger import LedgerTotals, update_costs
-from router.state import open_store
 from router.state.base import StateStore
-from tests.support.procs import redis_server
+from tests.support.state import opened
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store_url(request, redis_url) -> str:
-    if request.param == "memory":
-        return "memory"
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
-
-
-@contextlib.asynccontextmanager
-async def opened(url: str) -> AsyncIterator[StateStore]:
-    store = open_store(url)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def _book(store: StateStore, rid: str, at: float, version: int | None = 1, group: str = "g") -> float:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from router.state import open_store
 from router.state.base import (
     LeaseNotFound,
     SessionFinished,
@@ -28,36 +27,9 @@ from router.state.base import (
 )
 from router.state.redis import RedisStore
 from tests.support.procs import free_port, redis_server
+from tests.support.state import opened
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store_url(request, redis_url) -> str:
-    if request.param == "memory":
-        return "memory"
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
-
-
-@contextlib.asynccontextmanager
-async def opened(url: str, **kw) -> AsyncIterator[StateStore]:
-    store = open_store(url, **kw)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def _session(store: StateStore, sid: str, group: str = "g1", turns: int = 1, version: int = 1) -> None:

@@ -7,32 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis
 
 from router.mismatch import MismatchSums
 from router.state import open_store
-from tests.support.procs import redis_server
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store_url(request, redis_url) -> str:
-    if request.param == "memory":
-        return "memory"
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
 
 
 A = MismatchSums(tokens=3, k3=0.1 + 0.2, abs_logprob_diff=1e-5, extreme=1, out_of_band=2)
