@@ -87,192 +87,182 @@ class Batch:
         return {n: torch.from_numpy(np.ascontiguousarray(getattr(self, n))) for n in names}
 
 
-_INPUT, _OUTPUT, _GAPS, _SIZES = 0, 1, 2, 3
 _HIGH_BYTES = bytes(range(0x80, 0x100))
+_TURN_PREFIX = MAGIC_TURN + bytes([FORMAT_VERSION])
 
 
-def _varint_values(stream: np.ndarray) -> np.ndarray:
-    """Every LEB128 value of ``stream`` (uint8; a concatenation of whole varints) as int64.
+def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Every LEB128 value of ``stream`` (uint8; a concatenation of whole varints) plus
+    ``offset``, as int64.
 
-    Work over every byte is one comparison and one gather of the last bytes; the (few)
-    continuation bytes are then added into their values from a sparse index."""
+    Work over every byte is one comparison, one compaction of the last bytes of the values
+    (the values below 128 are their last byte) and one widening add; the (few) continuation
+    bytes are then folded into their values from a sparse index."""
     high = stream >= 0x80
-    ends = np.flatnonzero(~high)
-    values = stream[ends].astype(np.int64)
     cont = np.flatnonzero(high)
     if cont.size == 0:
-        return values
-    owner = np.searchsorted(ends, cont)  # the varint each continuation byte belongs to
-    if owner[-1] >= ends.size:
+        return np.add(stream, offset, dtype=np.int64)
+    if cont[-1] == stream.size - 1:
         raise BatchFormatError("varint run ends inside a value")
-    first = np.ones(owner.size, dtype=bool)
-    first[1:] = owner[1:] != owner[:-1]
+    values = np.add(stream[~high], offset, dtype=np.int64)
+    first = np.ones(cont.size, dtype=bool)
+    first[1:] = cont[1:] != cont[:-1] + 1  # a continuation byte that starts a value
     group_start = np.flatnonzero(first)
-    n_cont = np.diff(np.append(group_start, owner.size))  # continuation bytes per multi-byte value
+    n_cont = np.diff(np.append(group_start, cont.size))  # continuation bytes per multi-byte value
     if int(n_cont.max()) > 8:
         raise BatchFormatError("varint longer than 9 bytes (over 63 bits)")
-    owners = owner[group_start]
-    values[owners] <<= 7 * n_cont
-    start = ends[owner] - np.repeat(n_cont, n_cont)  # first byte of the byte's value
+    ends = cont[group_start] + n_cont  # the last byte of each multi-byte value
+    owners = ends - (group_start + n_cont)  # its index among the values
+    start = np.repeat(cont[group_start], n_cont)
     parts = (stream[cont].astype(np.int64) & 0x7F) << (7 * (cont - start))
-    values[owners] |= np.bitwise_or.reduceat(parts, group_start)
+    values[owners] = (
+        ((values[owners] - offset) << (7 * n_cont)) | np.bitwise_or.reduceat(parts, group_start)
+    ) + offset
     return values
 
 
-class _Cursor:
-    """A position in the batch bytes; every read checks the length first. Varint runs are not
-    decoded here: :meth:`skip_varints` only finds where a run ends, so that all runs of a batch
-    are decoded together by :func:`_varint_values`."""
+def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
+    shift = value = 0
+    while True:
+        if pos >= len(raw):
+            raise BatchFormatError(f"truncated varint at offset {pos}")
+        b = raw[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise BatchFormatError(f"varint longer than 9 bytes at offset {pos}")
 
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-        self.buf = np.frombuffer(raw, dtype=np.uint8)
-        self.pos = 0
 
-    def need(self, n: int) -> None:
-        if self.pos + n > len(self.raw):
-            raise BatchFormatError(
-                f"truncated: need {n} bytes at offset {self.pos}, have {len(self.raw) - self.pos}"
-            )
-
-    def byte(self) -> int:
-        self.need(1)
-        self.pos += 1
-        return self.raw[self.pos - 1]
-
-    def varint(self) -> int:
-        raw, pos, shift, value = self.raw, self.pos, 0, 0
-        while True:
-            if pos >= len(raw):
-                raise BatchFormatError(f"truncated varint at offset {self.pos}")
-            b = raw[pos]
-            value |= (b & 0x7F) << shift
-            pos += 1
-            if b < 0x80:
-                break
-            shift += 7
-            if shift > 63:
-                raise BatchFormatError(f"varint longer than 10 bytes at offset {self.pos}")
-        self.pos = pos
-        return value
-
-    def skip_varints(self, count: int) -> tuple[int, int]:
-        """The byte range of the next ``count`` varints (moves past them). A run of ``count``
-        varints spans ``count`` bytes plus its continuation bytes (high bit set); the span is
-        grown until it holds exactly that many."""
-        raw, start = self.raw, self.pos
-        size = count
-        while True:
-            chunk = raw[start : start + size]
-            if len(chunk) < size:
-                raise BatchFormatError(f"truncated varint run at offset {start}")
-            grown = count + size - len(chunk.translate(None, _HIGH_BYTES))
-            if grown == size:
-                break
-            size = grown
-        if size and raw[start + size - 1] >= 0x80:
+def _run_end(raw: bytes, start: int, count: int) -> int:
+    """Where the run of ``count`` varints at ``start`` ends. A run spans ``count`` bytes plus
+    its continuation bytes (high bit set): the span is extended by the continuation bytes
+    found in its last extension until an extension has none."""
+    end = start + count
+    chunk = raw[start:end]
+    if chunk.isascii():
+        if len(chunk) < count:
             raise BatchFormatError(f"truncated varint run at offset {start}")
-        self.pos = start + size
-        return start, self.pos
+        return end
+    more = len(chunk) - len(chunk.translate(None, _HIGH_BYTES))
+    while more:
+        chunk = raw[end : end + more]
+        if len(chunk) < more:
+            raise BatchFormatError(f"truncated varint run at offset {start}")
+        end += more
+        more = more - len(chunk.translate(None, _HIGH_BYTES))
+    if end > len(raw) or raw[end - 1] >= 0x80:
+        raise BatchFormatError(f"truncated varint run at offset {start}")
+    return end
 
-    def float_range(self, count: int, width: int) -> tuple[int, int]:
-        """The byte range of the next ``count`` floats of ``width`` bytes (moves past them)."""
-        self.need(count * width)
-        self.pos += count * width
-        return self.pos - count * width, self.pos
 
-    def floats(self, count: int, dtype: str) -> np.ndarray:
-        width = np.dtype(dtype).itemsize
-        self.need(count * width)
-        out = np.frombuffer(self.raw, dtype=dtype, count=count, offset=self.pos)
-        self.pos += count * width
-        return out
+class _Layout:
+    """Where every part of every turn block of a batch lies, in batch order: per turn its JSON
+    header's byte range, its input and output token counts and whether its support log-probs
+    are float16; per kind of run (input ids, output ids, log-probs, raw log-probs, support sizes,
+    support gaps, support log-probs) the byte ranges."""
 
-    def json(self) -> Any:
-        size = self.varint()
-        self.need(size)
-        try:
-            value = json.loads(self.raw[self.pos : self.pos + size])
-        except ValueError as exc:
-            raise BatchFormatError(f"bad JSON at offset {self.pos}: {exc}") from None
-        self.pos += size
-        return value
+    def __init__(self, blocks: list[tuple[int, ...]]) -> None:
+        """``blocks``: per turn (f16, header start, header end, n_input, input start, input end,
+        n_output, output start, output end, sizes end, gaps end, block end), as :func:`_scan`
+        finds them."""
+        cols = tuple(zip(*blocks, strict=True)) or ((),) * 12
+        f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi, sz_hi, gap_hi, end = cols
+        self.f16 = [bool(f) for f in f16]
+        self.headers = list(zip(h_lo, h_hi, strict=True))
+        self.inputs = list(zip(in_lo, in_hi, strict=True))
+        self.outputs = list(zip(out_lo, out_hi, strict=True))
+        lp_hi = [o + 4 * n for o, n in zip(out_hi, self.n_output, strict=True)]
+        raw_hi = [o + 8 * n for o, n in zip(out_hi, self.n_output, strict=True)]
+        self.logprobs = list(zip(out_hi, lp_hi, strict=True))
+        self.raws = list(zip(lp_hi, raw_hi, strict=True))
+        self.sizes = list(zip(raw_hi, sz_hi, strict=True))
+        self.gaps = list(zip(sz_hi, gap_hi, strict=True))
+        self.support = list(zip(gap_hi, end, strict=True))
 
-    def magic(self, magic: bytes) -> None:
-        self.need(len(magic) + 1)
-        got = self.raw[self.pos : self.pos + len(magic)]
-        if got != magic:
-            raise BatchFormatError(f"expected magic {magic!r} at offset {self.pos}, got {got!r}")
-        self.pos += len(magic)
-        version = self.byte()
-        if version != FORMAT_VERSION:
+
+def _scan(raw: bytes, pos: int, n_turns: int, blocks: list[tuple[int, ...]]) -> int:
+    """Locate the parts of ``n_turns`` length-prefixed turn blocks from ``pos`` (one tuple per
+    block appended to ``blocks``, see :class:`_Layout`); returns the position after them. Checks
+    every length against the bytes."""
+    size_of = len(raw)
+    for _ in range(n_turns):
+        size, pos = _varint_at(raw, pos)
+        end = pos + size
+        if end > size_of:
             raise BatchFormatError(
-                f"unsupported format version {version} (this decoder reads {FORMAT_VERSION})"
+                f"truncated: turn block of {size} bytes at offset {pos}, have {size_of - pos}"
             )
-
-
-class _Runs:
-    """The byte ranges of a batch's varint runs, per kind (input ids, output ids, support gaps),
-    in batch order, with the count of values each holds."""
-
-    def __init__(self) -> None:
-        self.ranges: tuple[list[tuple[int, int]], ...] = ([], [], [], [])
-        self.counts: tuple[list[int], ...] = ([], [], [], [])
-
-    def add(self, kind: int, byte_range: tuple[int, int], count: int) -> None:
-        self.ranges[kind].append(byte_range)
-        self.counts[kind].append(count)
-
-    def values(self, raw: bytes, kind: int) -> np.ndarray:
-        """Every value of the kind's runs, in order (one decode for the whole batch)."""
-        stream = b"".join([raw[lo:hi] for lo, hi in self.ranges[kind]])
-        if stream.isascii():  # every value one byte: the bytes are the values
-            values = np.frombuffer(stream, dtype=np.uint8)
+        if size < 7 or raw[pos : pos + 4] != _TURN_PREFIX:
+            got = raw[pos : pos + 4]
+            if got[:3] == MAGIC_TURN and len(got) == 4 and got[3] != FORMAT_VERSION:
+                raise BatchFormatError(
+                    f"unsupported format version {got[3]} (this decoder reads {FORMAT_VERSION})"
+                )
+            raise BatchFormatError(f"expected a turn block ({MAGIC_TURN!r}) at offset {pos}, got {got!r}")
+        f16 = raw[pos + 4] & FLAG_F16
+        length = raw[pos + 5]
+        pos += 6
+        if length >= 0x80:
+            length, pos = _varint_at(raw, pos - 1)
+        h_lo = pos
+        pos += length
+        n_input = raw[pos] if pos < end else 0x80
+        pos += 1
+        if n_input >= 0x80:
+            n_input, pos = _varint_at(raw, pos - 1)
+        in_lo = pos
+        pos = _run_end(raw, pos, n_input)
+        in_hi = pos
+        n = raw[pos] if pos < end else 0x80
+        pos += 1
+        if n >= 0x80:
+            n, pos = _varint_at(raw, pos - 1)
+        out_lo = pos
+        pos = _run_end(raw, pos, n)
+        out_hi = pos
+        pos += 8 * n
+        sizes_hi = _run_end(raw, pos, n)
+        if sizes_hi - pos == n:
+            total = sum(raw[pos:sizes_hi])
         else:
-            values = _varint_values(np.frombuffer(stream, dtype=np.uint8))
-        if values.size != sum(self.counts[kind]):
-            raise BatchFormatError("varint runs do not hold the counts their headers give")
-        return values
+            total = int(_varint_values(np.frombuffer(raw, np.uint8, sizes_hi - pos, pos)).sum())
+        gaps_hi = _run_end(raw, sizes_hi, total)
+        pos = gaps_hi + total * (2 if f16 else 4)
+        if pos != end:
+            raise BatchFormatError(f"turn block ends at offset {pos}, its length says {end}")
+        blocks.append(
+            (f16, h_lo, h_lo + length, n_input, in_lo, in_hi, n, out_lo, out_hi, sizes_hi, gaps_hi, end)
+        )
+    return pos
 
 
-def _turn(
-    c: _Cursor, end: int, runs: _Runs, floats: list[list[tuple[int, int]]]
-) -> tuple[dict[str, Any], int]:
-    """Read one turn block's header and locate its runs; returns (header, n). The byte
-    ranges of its float runs are appended to ``floats`` (log-probs, raw, float32 support,
-    float16 support; the support range of the other precision is empty)."""
-    c.magic(MAGIC_TURN)
-    flags = c.byte()
-    header = c.json()
-    if not isinstance(header, dict):
-        raise BatchFormatError("turn header is not a JSON object")
-    n_input = c.varint()
-    runs.add(_INPUT, c.skip_varints(n_input), n_input)
-    n = c.varint()
-    runs.add(_OUTPUT, c.skip_varints(n), n)
-    floats[0].append(c.float_range(n, 4))
-    floats[1].append(c.float_range(n, 4))
-    lo, hi = c.skip_varints(n)
-    runs.add(_SIZES, (lo, hi), n)
-    total = sum(c.raw[lo:hi]) if hi - lo == n else int(_varint_values(c.buf[lo:hi]).sum())
-    runs.add(_GAPS, c.skip_varints(total), total)
-    if flags & FLAG_F16:
-        floats[2].append((c.pos, c.pos))
-        floats[3].append(c.float_range(total, 2))
-    else:
-        floats[2].append(c.float_range(total, 4))
-        floats[3].append((c.pos, c.pos))
-    if c.pos != end:
-        raise BatchFormatError(f"turn block ends at offset {c.pos}, its length says {end}")
-    return header, n
+def _joined(view: memoryview, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """The bytes of ``ranges`` one after another, as uint8."""
+    return np.frombuffer(b"".join([view[lo:hi] for lo, hi in ranges]), dtype=np.uint8)
 
 
-def _support_ids(coded: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Gap-decoded support ids (int64): a row's first entry is its first id, every later one is
-    ``id[j] - id[j-1] - 1``. With every step ``coded + 1``, a row's running sum is its ids + 1;
-    one cumulative sum over the batch gives the ids once each row's first step also takes away
-    the previous row's sum (and the first row's, 1)."""
-    steps = np.add(coded, 1, dtype=np.int64)
+def _values(view: memoryview, ranges: list[tuple[int, int]], count: int, offset: int = 0) -> np.ndarray:
+    """Every varint of the runs at ``ranges`` plus ``offset``, as int64 (one decode for all)."""
+    values = _varint_values(_joined(view, ranges), offset)
+    if values.size != count:
+        raise BatchFormatError("varint runs do not hold the counts their headers give")
+    return values
+
+
+def _floats(view: memoryview, ranges: list[tuple[int, int]], dtype: str) -> np.ndarray:
+    return _joined(view, ranges).view(dtype).astype(np.float32, copy=False)
+
+
+def _support_ids(steps: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Gap-decoded support ids from ``steps`` (int64, every coded value + 1; used as the output):
+    a row's first entry is its first id, every later one is ``id[j] - id[j-1] - 1``. With every
+    step ``coded + 1``, a row's running sum is its ids + 1; one cumulative sum over the batch
+    gives the ids once each row's first step also takes away the previous row's sum (and the
+    first row's, 1)."""
     nonempty = sizes > 0
     if not nonempty.any():
         return steps
@@ -283,96 +273,132 @@ def _support_ids(coded: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.cumsum(steps, out=steps)
 
 
+def _headers(raw: bytes, ranges: list[tuple[int, int]]) -> list[Any]:
+    """The JSON turn headers at ``ranges``, parsed in one call (one by one to name a bad one)."""
+    view = memoryview(raw)
+    try:
+        headers = json.loads(b"[" + b",".join([view[lo:hi] for lo, hi in ranges]) + b"]")
+    except ValueError:
+        for lo, hi in ranges:
+            try:
+                json.loads(raw[lo:hi])
+            except ValueError as exc:
+                raise BatchFormatError(f"bad JSON at offset {lo}: {exc}") from None
+        raise BatchFormatError("bad JSON in the turn headers") from None
+    if len(headers) != len(ranges):  # a header that is several values, e.g. "1,2"
+        raise BatchFormatError("a turn header is not one JSON value")
+    return headers
+
+
+def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[int, int, int]]:
+    """The turn's weight-version spans as (first, end, version) in batch token indices, cut to
+    the turn's ``n`` tokens and sorted by start (the router's decoder gives a token the first
+    span by start that covers it)."""
+    try:
+        spans = sorted(
+            ((int(s["start"]), int(s["end"]), int(s["version"])) for s in turn.get("weight_versions") or ()),
+            key=lambda span: span[0],
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BatchFormatError(f"turn {index}: bad weight_versions in its header: {exc!r}") from None
+    return [(start + max(0, a), start + min(n, b), v) for a, b, v in spans if min(n, b) > max(0, a)]
+
+
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """Decode a whole batch (``POST /v1/batches/take`` with ``Accept:
     application/x-mixfleet-records``). Raises :class:`BatchFormatError` naming the problem."""
-    c = _Cursor(bytes(data))
-    c.magic(MAGIC_BATCH)
-    header = c.json()
+    raw = bytes(data)
+    view = memoryview(raw)
+    if raw[:3] != MAGIC_BATCH or len(raw) < 4:
+        raise BatchFormatError(f"expected magic {MAGIC_BATCH!r} at offset 0, got {raw[:3]!r}")
+    if raw[3] != FORMAT_VERSION:
+        raise BatchFormatError(f"unsupported format version {raw[3]} (this decoder reads {FORMAT_VERSION})")
+    size, pos = _varint_at(raw, 4)
+    if pos + size > len(raw):
+        raise BatchFormatError(f"truncated: need {size} bytes at offset {pos}, have {len(raw) - pos}")
+    try:
+        header = json.loads(raw[pos : pos + size])
+    except ValueError as exc:
+        raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
+    pos += size
     if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
         raise BatchFormatError("batch header has no trajectories list")
     trainer_version = header.get("trainer_version")
-    groups: dict[str, int] = {}
+    held_back = header.get("held_back") or 0
+    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
+        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
     trajectories: list[dict[str, Any]] = []
-    turns: list[dict[str, Any]] = []
-    runs = _Runs()
-    float_ranges: list[list[tuple[int, int]]] = [[], [], [], []]
-    owners: list[tuple[int, int, int, int]] = []  # (trajectory, turn, group, tokens) per turn
-    spans: list[tuple[int, int, int]] = []  # (start, end, version) in batch token indices
-    count = 0
+    turn_owner: list[int] = []
+    blocks: list[tuple[int, ...]] = []
     for ti, t in enumerate(header["trajectories"]):
+        if not isinstance(t, dict) or not isinstance(t.get("n_turns"), int) or t["n_turns"] < 0:
+            raise BatchFormatError(f"trajectory {ti} of the batch header has no count of turns (n_turns)")
         t = dict(t)
-        n_turns = int(t.pop("n_turns"))
+        n_turns = t.pop("n_turns")
         trajectories.append(t)
-        for _ in range(n_turns):
-            size = c.varint()
-            c.need(size)
-            turn_header, n = _turn(c, c.pos + size, runs, float_ranges)
-            g = groups.setdefault(str(turn_header.get("group")), len(groups))
-            turn_header["token_start"], turn_header["token_end"] = count, count + n
-            turn_header["session_id"] = t.get("session_id")
-            for span in turn_header.get("weight_versions") or []:
-                spans.append((count + int(span["start"]), count + int(span["end"]), int(span["version"])))
-            turns.append(turn_header)
-            owners.append((ti, len(turns) - 1, g, n))
-            count += n
-    if c.pos != len(c.raw):
-        raise BatchFormatError(f"{len(c.raw) - c.pos} trailing bytes after the batch")
+        pos = _scan(raw, pos, n_turns, blocks)
+        turn_owner.extend([ti] * n_turns)
+    if pos != len(raw):
+        raise BatchFormatError(f"{len(raw) - pos} trailing bytes after the batch")
+    layout = _Layout(blocks)
 
-    inputs = runs.values(c.raw, _INPUT).astype(np.int64)
+    turns = _headers(raw, layout.headers)
+    n_output = np.array(layout.n_output, dtype=np.int64)
+    token_end = np.cumsum(n_output)
+    count = int(token_end[-1]) if token_end.size else 0
+    inputs = _values(view, layout.inputs, sum(layout.n_input))
+    input_end = np.cumsum(layout.n_input).tolist()
+    groups: dict[str, int] = {}
+    group_of = []
+    spans: list[tuple[int, int, int]] = []  # (start, end, version) in batch token indices
     lo = 0
-    for turn_header, k in zip(turns, runs.counts[_INPUT], strict=True):
-        turn_header["input_ids"] = inputs[lo : lo + k]
-        lo += k
-    sizes = runs.values(c.raw, _SIZES).astype(np.int64)
-    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BatchFormatError("turn header is not a JSON object")
+        group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
+        start = int(token_end[i]) - layout.n_output[i]
+        turn["token_start"], turn["token_end"] = start, start + layout.n_output[i]
+        turn["session_id"] = trajectories[turn_owner[i]].get("session_id")
+        turn["input_ids"] = inputs[lo : input_end[i]]
+        lo = input_end[i]
+        spans.extend(_spans(turn, i, start, layout.n_output[i]))
+
     versions = np.full(count, -1, dtype=np.int64)
-    for lo, hi, v in spans:
-        versions[lo:hi] = v
+    for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
+        versions[a:b] = v
     if trainer_version is None:
         ages = np.full(count, -1, dtype=np.int64)
     else:
-        ages = np.where(versions >= 0, np.maximum(0, int(trainer_version) - versions), -1)
-    per_turn = np.array(owners, dtype=np.int64).reshape(-1, 4)
-
-    def gather(ranges: list[tuple[int, int]], dtype: str) -> np.ndarray:
-        parts = [c.buf[lo:hi] for lo, hi in ranges if hi > lo]
-        return (
-            np.concatenate(parts).view(dtype).astype(np.float32, copy=False)
-            if parts
-            else np.zeros(0, np.float32)
-        )
-
-    if any(hi > lo for lo, hi in float_ranges[3]) and any(hi > lo for lo, hi in float_ranges[2]):
-        # turns of both precisions: each turn's support log-probs converted on their own
+        ages = np.where(versions >= 0, np.maximum(0, trainer_version - versions), -1)
+    sizes = _values(view, layout.sizes, count)
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    support_ids = _support_ids(_values(view, layout.gaps, int(offsets[-1]), offset=1), sizes)
+    if all(layout.f16) or not any(layout.f16):
+        support_lps = _floats(view, layout.support, "<f2" if any(layout.f16) else "<f4")
+    else:  # turns of both precisions: each turn's support log-probs converted on their own
         support_lps = np.concatenate(
             [
-                gather([a], "<f4") if a[1] > a[0] else gather([b], "<f2")
-                for a, b in zip(*float_ranges[2:], strict=True)
+                _floats(view, [r], "<f2" if f else "<f4")
+                for r, f in zip(layout.support, layout.f16, strict=True)
             ]
         )
-    elif any(hi > lo for lo, hi in float_ranges[3]):
-        support_lps = gather(float_ranges[3], "<f2")
-    else:
-        support_lps = gather(float_ranges[2], "<f4")
-
     return Batch(
         lease_id=header.get("lease_id"),
-        held_back=int(header.get("held_back") or 0),
-        trainer_version=None if trainer_version is None else int(trainer_version),
+        held_back=held_back,
+        trainer_version=trainer_version,
         groups=tuple(groups),
         trajectories=tuple(trajectories),
         turns=tuple(turns),
-        token_ids=runs.values(c.raw, _OUTPUT).astype(np.int64),
-        logprobs=gather(float_ranges[0], "<f4"),
-        raw_logprobs=gather(float_ranges[1], "<f4"),
+        token_ids=_values(view, layout.outputs, count),
+        logprobs=_floats(view, layout.logprobs, "<f4"),
+        raw_logprobs=_floats(view, layout.raws, "<f4"),
         versions=versions,
         version_ages=ages,
-        group_index=np.repeat(per_turn[:, 2], per_turn[:, 3]),
-        trajectory_index=np.repeat(per_turn[:, 0], per_turn[:, 3]),
-        turn_index=np.repeat(per_turn[:, 1], per_turn[:, 3]),
+        group_index=np.repeat(np.array(group_of, dtype=np.int64), n_output),
+        trajectory_index=np.repeat(np.array(turn_owner, dtype=np.int64), n_output),
+        turn_index=np.repeat(np.arange(len(turns), dtype=np.int64), n_output),
         support_offsets=offsets,
-        support_ids=_support_ids(runs.values(c.raw, _GAPS), sizes),
+        support_ids=support_ids,
         support_logprobs=support_lps,
     )

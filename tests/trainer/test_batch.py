@@ -3,6 +3,7 @@ bytes decode to the same values, token for token."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -103,3 +104,60 @@ def test_truncated_and_foreign_bytes_are_refused_with_a_message() -> None:
         decode_batch(b"XYZ\x01" + data[4:])
     with pytest.raises(BatchFormatError, match="trailing"):
         decode_batch(data + b"\x00")
+
+
+def test_turns_of_both_precisions_in_one_batch() -> None:
+    rng = random.Random(7)
+    turns = [_turn(rng, i, "cpu-fp8", rng.randint(1, 40), 300_000) for i in range(4)]
+    blobs = [records.encode_turn(t, f16=i % 2 == 1) for i, t in enumerate(turns)]
+    header = {"session_id": "s", "group": "cpu-fp8", "reward": 1.0, "metadata": {}}
+    data = records.encode_batch("lease-2", 0, [(header, blobs)], trainer_version=5)
+    turns_json = records.decode_batch(data)["trajectories"][0]["turns"]
+    want = [lp for t in turns_json for r in t["records"] for lp in r["support_logprobs"]]
+    got = decode_batch(data)
+    np.testing.assert_array_equal(got.support_logprobs, np.array(want, dtype=np.float32))
+    assert got.trainer_version == 5
+    assert got.version_ages.tolist() == [5 - v for v in got.versions.tolist()]
+
+
+def test_varints_of_every_length_decode_exactly() -> None:
+    """Ids and gaps of 1 to 9 varint bytes (values up to 2**63 - 1) next to one-byte ones."""
+    values = [0, 1, 127, 128, 300, 2**14, 2**21 + 5, 2**28, 2**35 + 1, 2**42, 2**49, 2**56 + 3, 2**63 - 1]
+    output = values + [5, 6]
+    supports = [[v] for v in values] + [[0, 127, 128, 2**40], [2**62, 2**63 - 1]]
+    turn = records.TurnData(
+        turn=0,
+        group="g",
+        replica="g-0",
+        input_ids=values,
+        output_ids=output,
+        logprobs=[0.0] * len(output),
+        raw_logprobs=[None] * len(output),
+        support_ids=supports,
+        support_logprobs=[[0.0] * len(s) for s in supports],
+    )
+    data = records.encode_batch("l", 0, [({"session_id": "s"}, [records.encode_turn(turn)])])
+    got = decode_batch(data)
+    assert got.token_ids.tolist() == output
+    assert got.turns[0]["input_ids"].tolist() == values
+    assert got.support_ids.tolist() == [i for s in supports for i in s]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_corrupted_bytes_decode_or_raise_batch_format_error(seed: int) -> None:
+    """Flipped, dropped and inserted bytes never escape as another exception type."""
+    data = _batch(seed, seed % 2 == 1)
+    rng = random.Random(seed)
+    for _ in range(200):
+        broken = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(broken))
+            kind = rng.random()
+            if kind < 0.6:
+                broken[at] = rng.randrange(256)
+            elif kind < 0.8:
+                del broken[at]
+            else:
+                broken.insert(at, rng.randrange(256))
+        with contextlib.suppress(BatchFormatError):
+            decode_batch(bytes(broken))
