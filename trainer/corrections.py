@@ -130,7 +130,7 @@ def replay_logprobs(logits: torch.Tensor, support: Support) -> torch.Tensor:
     return gathered - support.row_logsumexp(gathered)[support.rows]
 
 
-def _sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, support: Support | None) -> torch.Tensor:
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, support: Support | None) -> torch.Tensor:
     """log p_y per position: full-vocabulary when ``support`` is None, else renormalized over the
     row's support (rows with an empty support: over the whole vocabulary)."""
     full = torch.log_softmax(logits.float(), dim=-1)
@@ -175,7 +175,7 @@ def score_centering_terms(
         lp_head = replay_logprobs(logits, support)
     else:
         lp_head = torch.log_softmax(logits.float(), dim=-1)[support.rows, support.ids]
-    lp_y = _sampled_logprobs(logits, tokens, support if replay else None)
+    lp_y = sampled_logprobs(logits, tokens, support if replay else None)
     q_y_log = behavior_logprobs.float()
     w_y = weight(torch.exp(lp_y.detach() - q_y_log))
     q_head = torch.exp(support.logprobs)
@@ -244,7 +244,7 @@ def policy_loss(
     support = Support.build(support_ids, support_offsets, support_logprobs, n, vocab)
     adv = advantages.detach().float()
     if method.startswith("grpo"):
-        ratio = torch.exp(_sampled_logprobs(logits, tokens, None) - behavior_logprobs.float())
+        ratio = torch.exp(sampled_logprobs(logits, tokens, None) - behavior_logprobs.float())
         clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         if method == "grpo-mis":

@@ -47,7 +47,14 @@ import torch
 
 from trainer.batch import Batch
 from trainer.client import AsyncRolloutClient, RouterError
-from trainer.corrections import DEFAULT_BAND, group_advantages, mismatch_by_group, policy_loss
+from trainer.corrections import (
+    DEFAULT_BAND,
+    Support,
+    group_advantages,
+    mismatch_by_group,
+    policy_loss,
+    sampled_logprobs,
+)
 from trainer.demo_config import DemoConfig
 from trainer.policy import Policy
 from trainer.tasks import EOS_ID, Problem, ReverseDigits
@@ -129,6 +136,9 @@ class UpdateStats:
     mean_abs_logprob_diff: dict[str, float]
     extreme_ratio_share: dict[str, float]
     tokens_by_group: dict[str, int]
+    grad_norm: float
+    support_mean: float
+    singleton_share: float
 
 
 def version_ages(batch: Batch, trainer_version: int) -> np.ndarray:
@@ -141,10 +151,16 @@ def version_ages(batch: Batch, trainer_version: int) -> np.ndarray:
 
 def rl_step(
     policy: Policy, opt: torch.optim.Optimizer, batch: Batch, config: DemoConfig, trainer_version: int
-) -> UpdateStats:
+) -> tuple[UpdateStats, np.ndarray]:
     """One optimizer step of ``config.method`` on ``batch``, taken while the trainer holds
-    ``trainer_version``. Mismatch is measured with the weights before the step, over all tokens
-    and over the fresh ones (version age 0: the samplers' precision alone)."""
+    ``trainer_version``; returns its figures and, per token of the batch, the trainer's log-prob
+    before the step renormalized over the token's recorded support (the distribution the
+    sampler drew from; the whole vocabulary where the support is empty), the value the router's
+    mismatch upload compares with the sampler's behavior log-prob. Mismatch is also measured
+    here, full-vocabulary against the samplers' raw log-probs, over all tokens and over the
+    fresh ones (version age 0: the samplers' precision alone). ``grad_norm`` is the gradient's
+    norm before clipping; ``support_mean`` and ``singleton_share`` describe the recorded
+    supports (a position whose support is one token gives no gradient under mask replay)."""
     rewards = torch.tensor([float(t.get("reward") or 0.0) for t in batch.trajectories])
     keys = [str((t.get("metadata") or {}).get("prompt", i)) for i, t in enumerate(batch.trajectories)]
     codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
@@ -165,10 +181,20 @@ def rl_step(
     )
     opt.zero_grad()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0))
     opt.step()
     with torch.no_grad():
         trainer_lp = torch.log_softmax(logits.detach(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        n, vocab = logits.shape
+        support = Support.build(
+            torch.from_numpy(batch.support_ids),
+            torch.from_numpy(batch.support_offsets),
+            torch.from_numpy(batch.support_logprobs),
+            n,
+            vocab,
+        )
+        replayed = sampled_logprobs(logits.detach(), tokens, support).numpy()
+    sizes = np.diff(batch.support_offsets)
     sampler_lp = torch.from_numpy(batch.raw_logprobs)
     known = ~torch.isnan(sampler_lp)
     labels = [batch.groups[g] for g in batch.group_index[known.numpy()]]
@@ -197,7 +223,10 @@ def rl_step(
         mean_abs_logprob_diff={g: m.mean_abs_logprob_diff for g, m in per_group.items()},
         extreme_ratio_share={g: m.extreme_ratio_share for g, m in per_group.items()},
         tokens_by_group={g: m.tokens for g, m in per_group.items()},
-    )
+        grad_norm=grad_norm,
+        support_mean=float(sizes.mean()) if sizes.size else 0.0,
+        singleton_share=float((sizes == 1).mean()) if sizes.size else 0.0,
+    ), replayed
 
 
 # ---------------------------------------------------------------- the asynchronous loop
@@ -366,8 +395,10 @@ async def run_demo(
     stale tokens), per group ``k3_kl`` (``k3_kl_fresh``: over the tokens of age 0),
     ``mean_abs_logprob_diff``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
     log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
-    started) and ``step_s``; ``activations``: per published version the seconds until its job
-    was done and until each group served it; ``summary``.
+    started), ``step_s``, ``grad_norm``, ``support_mean`` and ``singleton_share`` (see
+    :func:`rl_step`); ``mismatch_uploads``: per update the router's answer to the upload of the
+    trainer's log-probs (its figures per group and version); ``activations``: per published
+    version the seconds until its job was done and until each group served it; ``summary``.
     """
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -407,6 +438,7 @@ async def run_demo(
         workers = [asyncio.create_task(agents.agent(i)) for i in range(config.agents)]
         opt = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=0.0)
         updates: list[dict[str, Any]] = []
+        uploads: list[dict[str, Any]] = []
         rl_start = time.monotonic()
         held_back = 0
         bar = Progress(config.updates, f"rl {config.method}", show_progress)
@@ -419,9 +451,10 @@ async def run_demo(
                 await agents.release(len(batch.trajectories) + max(0, batch.held_back - held_back))
                 held_back = batch.held_back
                 t0 = time.monotonic()
-                stats = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
+                stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
                 step_s = time.monotonic() - t0
                 if batch.lease_id is not None:
+                    uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp))
                     await client.ack(batch.lease_id)
                 trained_on = version
                 version += 1
@@ -446,6 +479,7 @@ async def run_demo(
             await asyncio.gather(*workers, return_exceptions=True)
         await publisher.settle()
     record["updates"] = updates
+    record["mismatch_uploads"] = uploads
     record["activations"] = publisher.records
     record["sessions"] = agents.sessions
     record["agent_errors"] = agents.errors[:20]

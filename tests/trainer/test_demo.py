@@ -55,6 +55,12 @@ def _check_record(record: dict, groups: set[str]) -> None:
         assert all(0 <= v <= 1 for v in u["extreme_ratio_share"].values())
         assert sum(u["tokens_by_group"].values()) == u["tokens"]
         assert u["wall_s"] > 0
+        assert u["grad_norm"] >= 0 and u["support_mean"] >= 1 and 0 <= u["singleton_share"] <= 1
+    # every batch's trainer log-probs were uploaded and counted by the router, token for token
+    uploads = record["mismatch_uploads"]
+    assert [up["tokens"] + up["skipped"] for up in uploads] == [u["tokens"] for u in ups]
+    for up in uploads:
+        assert up["groups"] and {g["group"] for g in up["groups"]} <= groups
     # the warm start and every update were published and served by every group
     acts = record["activations"]
     assert [a["version"] for a in acts] == list(range(first, first + 1 + UPDATES))
@@ -96,6 +102,13 @@ def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
         assert status["latest_version"] == last
         for g in status["groups"]:
             assert g["replicas"] and all(r["active_version"] == last for r in g["replicas"]), g
+        metrics = httpx.get(url + "/metrics", headers=headers, timeout=5).text
+        counted = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("mixfleet_mismatch_tokens_total{")
+        )
+        assert counted == sum(up["tokens"] for up in record["mismatch_uploads"]) > 0
     assert "updates in" in done.stdout
 
 
