@@ -268,11 +268,14 @@ def policy_loss(
 
 @dataclass(frozen=True)
 class Mismatch:
-    """Sampler-trainer mismatch over a set of sampled tokens."""
+    """Sampler-trainer mismatch over a set of sampled tokens. The figures carry the names of the
+    router's gauges without their ``mixfleet_mismatch_`` prefix (``mixfleet_mismatch_k3_kl``,
+    ``..._abs_logprob_diff_mean``, ``..._extreme_ratio_share``), so a trainer's logs and the
+    fleet's dashboards name the same quantity alike."""
 
     tokens: int
     k3_kl: float
-    mean_abs_logprob_diff: float
+    abs_logprob_diff_mean: float
     extreme_ratio_share: float
 
 
@@ -298,7 +301,7 @@ def mismatch(
     return Mismatch(
         tokens=lp.numel(),
         k3_kl=float((r - 1 - log_r).mean()),
-        mean_abs_logprob_diff=float(log_r.abs().mean()),
+        abs_logprob_diff_mean=float(log_r.abs().mean()),
         extreme_ratio_share=float(((r < low) | (r > high)).double().mean()),
     )
 

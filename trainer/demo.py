@@ -133,7 +133,7 @@ class UpdateStats:
     version_age: dict[str, float]
     k3_kl: dict[str, float]
     k3_kl_fresh: dict[str, float]
-    mean_abs_logprob_diff: dict[str, float]
+    abs_logprob_diff_mean: dict[str, float]
     extreme_ratio_share: dict[str, float]
     tokens_by_group: dict[str, int]
     grad_norm: float
@@ -220,7 +220,7 @@ def rl_step(
         },
         k3_kl={g: m.k3_kl for g, m in per_group.items()},
         k3_kl_fresh={g: m.k3_kl for g, m in per_group_fresh.items()},
-        mean_abs_logprob_diff={g: m.mean_abs_logprob_diff for g, m in per_group.items()},
+        abs_logprob_diff_mean={g: m.abs_logprob_diff_mean for g, m in per_group.items()},
         extreme_ratio_share={g: m.extreme_ratio_share for g, m in per_group.items()},
         tokens_by_group={g: m.tokens for g, m in per_group.items()},
         grad_norm=grad_norm,
@@ -393,7 +393,7 @@ async def run_demo(
     version it published), ``trained_on_version``, ``mean_reward``, ``exact``, ``loss``,
     ``trajectories``, ``tokens``, ``prompt_groups``, ``version_age`` (mean, max, share of
     stale tokens), per group ``k3_kl`` (``k3_kl_fresh``: over the tokens of age 0),
-    ``mean_abs_logprob_diff``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
+    ``abs_logprob_diff_mean``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
     log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
     started), ``step_s``, ``grad_norm``, ``support_mean`` and ``singleton_share`` (see
     :func:`rl_step`); ``mismatch_uploads``: per update the router's answer to the upload of the

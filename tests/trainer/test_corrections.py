@@ -281,7 +281,7 @@ def test_mismatch_numbers_by_hand() -> None:
     rs = [1.0, 0.25, 3.0, 0.1]
     assert m.tokens == 4
     assert m.k3_kl == pytest.approx(sum(r - 1 - math.log(r) for r in rs) / 4, rel=1e-12)
-    assert m.mean_abs_logprob_diff == pytest.approx(sum(abs(math.log(r)) for r in rs) / 4, rel=1e-12)
+    assert m.abs_logprob_diff_mean == pytest.approx(sum(abs(math.log(r)) for r in rs) / 4, rel=1e-12)
     assert m.extreme_ratio_share == 0.25  # only 0.1 is outside [0.2, 5]
     by = mismatch_by_group(torch.tensor(lp), torch.tensor(lq), ["a", "b", "a", "b"])
     assert by["a"].tokens == 2 and by["a"].extreme_ratio_share == 0.0

@@ -49,7 +49,7 @@ def _check_record(record: dict, groups: set[str]) -> None:
         assert u["trajectories"] > 0 and u["tokens"] >= u["trajectories"]
         assert u["version_age"]["max"] >= 0 and u["version_age"]["mean"] >= 0
         assert set(u["k3_kl"]) <= groups and u["k3_kl"]
-        for key in ("k3_kl", "mean_abs_logprob_diff", "extreme_ratio_share", "tokens_by_group"):
+        for key in ("k3_kl", "abs_logprob_diff_mean", "extreme_ratio_share", "tokens_by_group"):
             assert set(u[key]) == set(u["k3_kl"])
         assert all(v >= 0 for v in u["k3_kl"].values())
         assert all(0 <= v <= 1 for v in u["extreme_ratio_share"].values())
