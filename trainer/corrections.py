@@ -31,6 +31,7 @@ import torch
 from trainer.methods import DEFAULT_BAND, METHODS
 
 TAIL_FLOOR = 1e-6
+PPO_CLIP_EPS = 0.2
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ def policy_loss(
     advantages: torch.Tensor,
     method: str = "sc-mis-topp",
     band: tuple[float, float] = DEFAULT_BAND,
-    clip_eps: float = 0.2,
+    clip_eps: float = PPO_CLIP_EPS,
 ) -> torch.Tensor:
     """The mean per-token loss of ``method`` (see the module table) over ``T`` positions.
 

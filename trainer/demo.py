@@ -49,6 +49,7 @@ from trainer.batch import Batch
 from trainer.client import AsyncRolloutClient, RouterError
 from trainer.corrections import (
     DEFAULT_BAND,
+    PPO_CLIP_EPS,
     Support,
     group_advantages,
     mismatch_by_group,
@@ -139,6 +140,7 @@ class UpdateStats:
     grad_norm: float
     support_mean: float
     singleton_share: float
+    clipped_share: float
 
 
 def version_ages(batch: Batch, trainer_version: int) -> np.ndarray:
@@ -160,7 +162,10 @@ def rl_step(
     here, full-vocabulary against the samplers' raw log-probs, over all tokens and over the
     fresh ones (version age 0: the samplers' precision alone). ``grad_norm`` is the gradient's
     norm before clipping; ``support_mean`` and ``singleton_share`` describe the recorded
-    supports (a position whose support is one token gives no gradient under mask replay)."""
+    supports (a position whose support is one token gives no gradient under mask replay);
+    ``clipped_share`` is the share of tokens whose term PPO's clip (``grpo``'s) holds constant:
+    ``p / mu`` beyond ``1 + eps`` with a positive advantage or below ``1 - eps`` with a negative
+    one, whatever ``config.method`` is."""
     rewards = torch.tensor([float(t.get("reward") or 0.0) for t in batch.trajectories])
     keys = [str((t.get("metadata") or {}).get("prompt", i)) for i, t in enumerate(batch.trajectories)]
     codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
@@ -194,6 +199,9 @@ def rl_step(
             vocab,
         )
         replayed = sampled_logprobs(logits.detach(), tokens, support).numpy()
+        ratio = torch.exp(trainer_lp - torch.from_numpy(batch.logprobs))
+        adv = adv_traj[traj_index]
+        clipped = ((adv > 0) & (ratio > 1 + PPO_CLIP_EPS)) | ((adv < 0) & (ratio < 1 - PPO_CLIP_EPS))
     sizes = np.diff(batch.support_offsets)
     sampler_lp = torch.from_numpy(batch.raw_logprobs)
     known = ~torch.isnan(sampler_lp)
@@ -226,6 +234,7 @@ def rl_step(
         grad_norm=grad_norm,
         support_mean=float(sizes.mean()) if sizes.size else 0.0,
         singleton_share=float((sizes == 1).mean()) if sizes.size else 0.0,
+        clipped_share=float(clipped.float().mean()) if clipped.numel() else 0.0,
     ), replayed
 
 
@@ -395,7 +404,8 @@ async def run_demo(
     stale tokens), per group ``k3_kl`` (``k3_kl_fresh``: over the tokens of age 0),
     ``abs_logprob_diff_mean``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
     log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
-    started), ``step_s``, ``grad_norm``, ``support_mean`` and ``singleton_share`` (see
+    started), ``step_s``, ``grad_norm``, ``support_mean``, ``singleton_share`` and
+    ``clipped_share`` (see
     :func:`rl_step`); ``mismatch_uploads``: per update the router's answer to the upload of the
     trainer's log-probs (its figures per group and version); ``activations``: per published
     version the seconds until its job was done and until each group served it; ``summary``.

@@ -56,6 +56,7 @@ def _check_record(record: dict, groups: set[str]) -> None:
         assert sum(u["tokens_by_group"].values()) == u["tokens"]
         assert u["wall_s"] > 0
         assert u["grad_norm"] >= 0 and u["support_mean"] >= 1 and 0 <= u["singleton_share"] <= 1
+        assert 0 <= u["clipped_share"] <= 1
     # every batch's trainer log-probs were uploaded and counted by the router, token for token
     uploads = record["mismatch_uploads"]
     assert [up["tokens"] + up["skipped"] for up in uploads] == [u["tokens"] for u in ups]
