@@ -93,11 +93,13 @@ _TURN_PREFIX = MAGIC_TURN + bytes([FORMAT_VERSION])
 
 def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
     """Every LEB128 value of ``stream`` (uint8; a concatenation of whole varints) plus
-    ``offset``, as int64.
+    ``offset``, as int64; raises :class:`BatchFormatError` when the stream ends inside a value
+    or a value is longer than 9 bytes.
 
-    Work over every byte is one comparison, one compaction of the last bytes of the values
-    (the values below 128 are their last byte) and one widening add; the (few) continuation
-    bytes are then folded into their values from a sparse index."""
+    Mostly one-byte values (support gaps): the work over every byte is one comparison, one
+    compaction of the values' last bytes (a value below 128 is its last byte) and one widening
+    add; the few continuation bytes are then folded into their values from a sparse index.
+    Mostly multi-byte values (a large vocabulary's ids): :func:`_dense_varint_values`."""
     high = stream >= 0x80
     cont = np.flatnonzero(high)
     if cont.size == 0:
@@ -184,16 +186,6 @@ def _run_end(raw: bytes, buf: np.ndarray, start: int, count: int) -> int:
             if last.size >= count:
                 return start + int(last[count - 1]) + 1
         raise BatchFormatError(f"truncated varint run at offset {start}")
-    while more:
-        chunk = raw[end : end + more]
-        if len(chunk) < more:
-            raise BatchFormatError(f"truncated varint run at offset {start}")
-        end += more
-        more = more - len(chunk.translate(None, _HIGH_BYTES))
-    if end > len(raw) or raw[end - 1] >= 0x80:
-        raise BatchFormatError(f"truncated varint run at offset {start}")
-    return end
-    more = len(chunk) - len(chunk.translate(None, _HIGH_BYTES))
     while more:
         chunk = raw[end : end + more]
         if len(chunk) < more:

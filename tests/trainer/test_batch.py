@@ -120,11 +120,19 @@ def test_turns_of_both_precisions_in_one_batch() -> None:
     assert got.version_ages.tolist() == [5 - v for v in got.versions.tolist()]
 
 
-def test_varints_of_every_length_decode_exactly() -> None:
-    """Ids and gaps of 1 to 9 varint bytes (values up to 2**63 - 1) next to one-byte ones."""
-    values = [0, 1, 127, 128, 300, 2**14, 2**21 + 5, 2**28, 2**35 + 1, 2**42, 2**49, 2**56 + 3, 2**63 - 1]
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0, 1, 127, 128, 300, 2**14, 2**21 + 5, 2**28, 2**35 + 1, 2**42, 2**49, 2**56 + 3, 2**63 - 1],
+        [128, 300, 2**14, 2**21 + 5, 2**28, 2**35 + 1, 2**42, 2**49, 2**56 - 1, 1000, 151_935],
+    ],
+    ids=["one to nine bytes", "multi-byte only, up to eight bytes"],
+)
+def test_varints_of_every_length_decode_exactly(values: list[int]) -> None:
+    """Ids and gaps of 1 to 9 varint bytes (values up to 2**63 - 1) next to one-byte ones, and
+    a stream of multi-byte values only (the word-at-a-time decode of large vocabularies)."""
     output = values + [5, 6]
-    supports = [[v] for v in values] + [[0, 127, 128, 2**40], [2**62, 2**63 - 1]]
+    supports = [[v] for v in values] + [[0, 127, 128, 2**40], [2**55, 2**56 - 1]]
     turn = records.TurnData(
         turn=0,
         group="g",
