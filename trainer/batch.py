@@ -283,8 +283,8 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
 
 
 def _joined(view: memoryview, ranges: list[tuple[int, int]]) -> np.ndarray:
-    """The bytes of ``ranges`` one after another, as uint8."""
-    return np.frombuffer(b"".join([view[lo:hi] for lo, hi in ranges]), dtype=np.uint8)
+    """The bytes of ``ranges`` one after another, as a new writable uint8 array."""
+    return np.frombuffer(bytearray().join([view[lo:hi] for lo, hi in ranges]), dtype=np.uint8)
 
 
 def _values(view: memoryview, ranges: list[tuple[int, int]], count: int, offset: int = 0) -> np.ndarray:

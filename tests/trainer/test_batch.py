@@ -94,6 +94,9 @@ def test_same_values_as_the_standard_library_decoder(seed: int, f16: bool) -> No
     assert len(got.trajectories) == 5 and len(got.turns) == 15
     assert got.turns[4]["input_ids"].tolist() == want["trajectories"][1]["turns"][1]["input_ids"]
     assert (got.version_ages == -1).all()  # the header names no trainer version
+    arrays = [v for v in vars(got).values() if isinstance(v, np.ndarray)]
+    arrays += [t["input_ids"] for t in got.turns]
+    assert len(arrays) > 11 and all(a.flags.writeable for a in arrays)  # torch.from_numpy takes them
 
 
 def test_truncated_and_foreign_bytes_are_refused_with_a_message() -> None:
