@@ -108,8 +108,7 @@ def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
         raise BatchFormatError("varint run ends inside a value")
     if 4 * cont.size > stream.size:  # mostly multi-byte values (a large vocabulary's ids)
         values = _dense_varint_values(stream, high)
-        if values is not None:
-            return values + offset if offset else values
+        return values + offset if offset else values
     values = np.add(stream[~high], offset, dtype=np.int64)
     first = np.ones(cont.size, dtype=bool)
     first[1:] = cont[1:] != cont[:-1] + 1  # a continuation byte that starts a value
@@ -127,27 +126,31 @@ def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
     return values
 
 
-_GROUP_MASKS = np.array([(1 << (7 * k)) - 1 for k in range(9)], dtype=np.uint64)
+_GROUP_MASKS = {
+    dtype: np.array([(1 << (7 * k)) - 1 for k in range(width + 1)], dtype=dtype)
+    for dtype, width in ((np.uint32, 4), (np.uint64, 9))
+}
 
 
-def _dense_varint_values(stream: np.ndarray, high: np.ndarray) -> np.ndarray | None:
-    """The values of ``stream`` (whole varints; ``high`` its continuation bytes) by reading
-    each value's 8 bytes as one little-endian word and packing the 7-bit groups; None when
-    a value is longer than 8 bytes (56 bits), which the sparse path of :func:`_varint_values`
-    handles."""
+def _dense_varint_values(stream: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """The values of ``stream`` (whole varints; ``high`` marks its continuation bytes), for a
+    stream of mostly multi-byte values: per value its start, then for each byte position j up
+    to the longest value one gather of the j-th bytes, or-ed in at bit 7j (in uint32 while
+    values fit 28 bits), and a mask of each value's own length."""
     ends = np.flatnonzero(~high)
     lengths = np.diff(ends, prepend=-1)
     width = int(lengths.max())
-    if width > 8:
-        return None
-    padded = np.zeros(stream.size + 8, dtype=np.uint8)
+    if width > 9:
+        raise BatchFormatError("varint longer than 9 bytes (over 63 bits)")
+    dtype = np.uint32 if width <= 4 else np.uint64
+    padded = np.zeros(stream.size + width, dtype=np.uint8)
     padded[: stream.size] = stream
-    words = np.ndarray((stream.size + 1,), dtype="<u8", buffer=padded, strides=(1,))[ends + 1 - lengths]
-    values = words & np.uint64(0x7F)
+    starts = ends + 1 - lengths
+    values = (padded[starts] & 0x7F).astype(dtype)
     for j in range(1, width):
-        values |= (words >> np.uint64(j)) & np.uint64(0x7F << (7 * j))
-    values &= _GROUP_MASKS[lengths]
-    return values.view(np.int64)
+        values |= (padded[starts + j] & 0x7F).astype(dtype) << dtype(7 * j)
+    values &= _GROUP_MASKS[dtype][lengths]
+    return values.astype(np.int64)
 
 
 def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
