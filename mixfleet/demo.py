@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-version-age", type=int, default=d.max_version_age, help="staleness bound of a batch"
     )
+    parser.add_argument(
+        "--outstanding",
+        type=int,
+        default=d.outstanding,
+        help=f"sessions sampled and not yet taken or held back, at most (default {d.outstanding})",
+    )
     parser.add_argument("--min-len", type=int, default=d.min_len, help=f"shortest digit string ({d.min_len})")
     parser.add_argument("--max-len", type=int, default=d.max_len, help=f"longest digit string ({d.max_len})")
     parser.add_argument("--no-partial-credit", action="store_true", help="reward 0 for any inexact answer")
@@ -87,6 +93,7 @@ def _config(args: argparse.Namespace):
             agents=args.agents,
             lr=args.lr,
             max_version_age=args.max_version_age,
+            outstanding=args.outstanding,
             top_p=args.top_p,
             trainer_threads=args.trainer_threads,
         )

@@ -256,6 +256,7 @@ class _Agents:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: int = 0
     outstanding: int = 0
+    held_back: int = 0
     room: asyncio.Condition = field(default_factory=asyncio.Condition)
     errors: list[str] = field(default_factory=list)
 
@@ -450,16 +451,13 @@ async def run_demo(
         updates: list[dict[str, Any]] = []
         uploads: list[dict[str, Any]] = []
         rl_start = time.monotonic()
-        held_back = 0
         bar = Progress(config.updates, f"rl {config.method}", show_progress)
         try:
             for u in range(1, config.updates + 1):
                 if time.monotonic() - rl_start > config.time_limit_s:
                     log(f"time limit reached after {u - 1} updates")
                     break
-                batch = await _take(client, config, version, workers)
-                await agents.release(len(batch.trajectories) + max(0, batch.held_back - held_back))
-                held_back = batch.held_back
+                batch = await _take(client, config, version, workers, agents)
                 t0 = time.monotonic()
                 stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
                 step_s = time.monotonic() - t0
@@ -498,9 +496,13 @@ async def run_demo(
     return record
 
 
-async def _take(client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list) -> Batch:
+async def _take(
+    client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list, agents: _Agents
+) -> Batch:
     """The next batch: up to ``config.batch_size`` trajectories within the staleness bound (the
-    router waits for a full one up to its wait limit); raises what an agent task died of."""
+    router waits for a full one up to its wait limit); raises what an agent task died of. Every
+    answer, an empty one too, releases the agents' room of the sessions it took and of those the
+    router newly holds back as too stale (which no take will hand out)."""
     while True:
         for w in workers:
             if w.done() and not w.cancelled() and w.exception() is not None:
@@ -508,6 +510,8 @@ async def _take(client: AsyncRolloutClient, config: DemoConfig, version: int, wo
         batch = await client.take(
             config.batch_size, max_version_age=config.max_version_age, wait_s=30.0, trainer_version=version
         )
+        await agents.release(len(batch.trajectories) + max(0, batch.held_back - agents.held_back))
+        agents.held_back = batch.held_back
         if batch.trajectories:
             return batch
 

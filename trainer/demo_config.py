@@ -39,7 +39,16 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        for name in ("sft_batch", "updates", "prompts", "samples", "agents", "trainer_threads", "keep"):
+        for name in (
+            "sft_batch",
+            "updates",
+            "prompts",
+            "samples",
+            "agents",
+            "outstanding",
+            "trainer_threads",
+            "keep",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:

@@ -114,12 +114,15 @@ def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
 
 
 def test_demo_starts_and_stops_its_own_fleet(tmp_path: Path) -> None:
+    """Also on-policy (``--max-version-age 0``) with room for one batch only: the sessions an
+    update makes stale are held back by the router, and the agents get their room back."""
     out = tmp_path / "out"
-    argv = mixfleet_argv("demo", "--out", str(out), *SHORT)
+    argv = mixfleet_argv("demo", "--out", str(out), *SHORT, "--max-version-age", "0", "--outstanding", "16")
     done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((out / "demo.json").read_text())
     _check_record(record, {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"})
+    assert all(u["version_age"]["max"] == 0 for u in record["updates"])
     last = record["updates"][-1]["version"]
     for fmt in ("bf16", "fp8", "nvfp4"):
         assert (out / "fleet" / "store" / "local" / fmt / "CURRENT").read_text().strip() == str(last)
