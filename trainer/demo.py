@@ -406,10 +406,10 @@ async def run_demo(
     ``abs_logprob_diff_mean``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
     log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
     started), ``step_s``, ``grad_norm``, ``support_mean``, ``singleton_share`` and
-    ``clipped_share`` (see
-    :func:`rl_step`); ``mismatch_uploads``: per update the router's answer to the upload of the
-    trainer's log-probs (its figures per group and version); ``activations``: per published
-    version the seconds until its job was done and until each group served it; ``summary``.
+    ``clipped_share`` (see :func:`rl_step`); ``mismatch_uploads``: per update the router's
+    answer to the upload of the trainer's log-probs (its figures per group and version);
+    ``activations``: per published version the seconds until its job was done and until each
+    group served it; ``summary``.
     """
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
