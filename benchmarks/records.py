@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--model-root", default=None, help="reuse model dirs here (default: a temp dir)")
     ap.add_argument("--batch-copies", type=int, default=16, help="trajectories per turn in the decoded batch")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
 
     import httpx

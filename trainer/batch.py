@@ -11,6 +11,7 @@ trajectory, turn, token order, plus per-trajectory and per-turn tables.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,7 @@ def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
     add; the few continuation bytes are then folded into their values from a sparse index.
     Mostly multi-byte values (a large vocabulary's ids): :func:`_dense_varint_values`."""
     high = stream >= 0x80
-    cont = np.flatnonzero(high)
+    cont = high.nonzero()[0]
     if cont.size == 0:
         return np.add(stream, offset, dtype=np.int64)
     if cont[-1] == stream.size - 1:
@@ -112,7 +113,7 @@ def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
     values = np.add(stream[~high], offset, dtype=np.int64)
     first = np.ones(cont.size, dtype=bool)
     first[1:] = cont[1:] != cont[:-1] + 1  # a continuation byte that starts a value
-    group_start = np.flatnonzero(first)
+    group_start = first.nonzero()[0]
     n_cont = np.diff(np.append(group_start, cont.size))  # continuation bytes per multi-byte value
     if int(n_cont.max()) > 8:
         raise BatchFormatError("varint longer than 9 bytes (over 63 bits)")
@@ -136,20 +137,28 @@ def _dense_varint_values(stream: np.ndarray, high: np.ndarray) -> np.ndarray:
     """The values of ``stream`` (whole varints; ``high`` marks its continuation bytes), for a
     stream of mostly multi-byte values: per value its start, then for each byte position j up
     to the longest value one gather of the j-th bytes, or-ed in at bit 7j (in uint32 while
-    values fit 28 bits), and a mask of each value's own length."""
-    ends = np.flatnonzero(~high)
-    lengths = np.diff(ends, prepend=-1)
+    values fit 28 bits), and a mask of each value's own length. Temporaries are few and reused
+    (every large one costs page faults on first touch)."""
+    ends = np.logical_not(high).nonzero()[0]
+    lengths = np.empty_like(ends)
+    lengths[0] = ends[0] + 1
+    np.subtract(ends[1:], ends[:-1], out=lengths[1:])
     width = int(lengths.max())
     if width > 9:
         raise BatchFormatError("varint longer than 9 bytes (over 63 bits)")
     dtype = np.uint32 if width <= 4 else np.uint64
     padded = np.zeros(stream.size + width, dtype=np.uint8)
     padded[: stream.size] = stream
-    starts = ends + 1 - lengths
-    values = (padded[starts] & 0x7F).astype(dtype)
+    np.bitwise_and(padded, 0x7F, out=padded)
+    starts = np.subtract(ends, lengths, out=ends)
+    starts += 1
+    values = padded[starts].astype(dtype)
+    part = np.empty_like(values)
     for j in range(1, width):
-        values |= (padded[starts + j] & 0x7F).astype(dtype) << dtype(7 * j)
-    values &= _GROUP_MASKS[dtype][lengths]
+        np.copyto(part, padded[j:][starts], casting="unsafe")
+        np.left_shift(part, dtype(7 * j), out=part)
+        np.bitwise_or(values, part, out=values)
+    np.bitwise_and(values, _GROUP_MASKS[dtype][lengths], out=values)
     return values.astype(np.int64)
 
 
@@ -185,7 +194,7 @@ def _run_end(raw: bytes, buf: np.ndarray, start: int, count: int) -> int:
     if 4 * more > count:
         guess = count * count // max(1, count - more) * 5 // 4 + 16  # the first bytes' ratio, +25%
         for window in (min(guess, 9 * count), 9 * count):
-            last = np.flatnonzero(buf[start : start + window] < 0x80)
+            last = (buf[start : start + window] < 0x80).nonzero()[0]
             if last.size >= count:
                 return start + int(last[count - 1]) + 1
         raise BatchFormatError(f"truncated varint run at offset {start}")
@@ -231,7 +240,11 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
     every length against the bytes."""
     size_of = len(raw)
     for _ in range(n_turns):
-        size, pos = _varint_at(raw, pos)
+        if pos + 1 < size_of and raw[pos + 1] < 0x80 <= raw[pos]:  # a two-byte length
+            size = (raw[pos] & 0x7F) | raw[pos + 1] << 7
+            pos += 2
+        else:
+            size, pos = _varint_at(raw, pos)
         end = pos + size
         if end > size_of:
             raise BatchFormatError(
@@ -339,9 +352,15 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
     """The turn's weight-version spans as (first, end, version) in batch token indices, cut to
     the turn's ``n`` tokens and sorted by start (the router's decoder gives a token the first
     span by start that covers it)."""
+    given = turn.get("weight_versions") or ()
+    if len(given) == 1 and isinstance(given, list) and type(given[0]) is dict:  # the common case
+        s = given[0]
+        a, b, v = s.get("start"), s.get("end"), s.get("version")
+        if type(a) is int and type(b) is int and type(v) is int:
+            return [(start + max(0, a), start + min(n, b), v)] if min(n, b) > max(0, a) else []
     try:
         spans = sorted(
-            ((int(s["start"]), int(s["end"]), int(s["version"])) for s in turn.get("weight_versions") or ()),
+            ((int(s["start"]), int(s["end"]), int(s["version"])) for s in given),
             key=lambda span: span[0],
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -390,24 +409,25 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
 
     turns = _headers(raw, layout.headers)
     n_output = np.array(layout.n_output, dtype=np.int64)
-    token_end = np.cumsum(n_output)
-    count = int(token_end[-1]) if token_end.size else 0
+    token_end = list(itertools.accumulate(layout.n_output))
+    count = token_end[-1] if token_end else 0
     inputs = _values(view, layout.inputs, sum(layout.n_input))
-    input_end = np.cumsum(layout.n_input).tolist()
+    input_end = list(itertools.accumulate(layout.n_input))
     groups: dict[str, int] = {}
     group_of = []
     spans: list[tuple[int, int, int]] = []  # (start, end, version) in batch token indices
-    lo = 0
+    lo = start = 0
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise BatchFormatError("turn header is not a JSON object")
         group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
-        start = int(token_end[i]) - layout.n_output[i]
-        turn["token_start"], turn["token_end"] = start, start + layout.n_output[i]
+        end = token_end[i]
+        turn["token_start"], turn["token_end"] = start, end
         turn["session_id"] = trajectories[turn_owner[i]].get("session_id")
         turn["input_ids"] = inputs[lo : input_end[i]]
         lo = input_end[i]
-        spans.extend(_spans(turn, i, start, layout.n_output[i]))
+        spans.extend(_spans(turn, i, start, end - start))
+        start = end
 
     versions = np.full(count, -1, dtype=np.int64)
     for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
