@@ -108,8 +108,7 @@ def _varint_values(stream: np.ndarray, offset: int = 0) -> np.ndarray:
     if cont[-1] == stream.size - 1:
         raise BatchFormatError("varint run ends inside a value")
     if 4 * cont.size > stream.size:  # mostly multi-byte values (a large vocabulary's ids)
-        values = _dense_varint_values(stream, high)
-        return values + offset if offset else values
+        return _dense_varint_values(stream, high, offset)
     values = np.add(stream[~high], offset, dtype=np.int64)
     first = np.ones(cont.size, dtype=bool)
     first[1:] = cont[1:] != cont[:-1] + 1  # a continuation byte that starts a value
@@ -133,18 +132,19 @@ _GROUP_MASKS = {
 }
 
 
-def _dense_varint_values(stream: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """The values of ``stream`` (whole varints; ``high`` marks its continuation bytes), for a
-    stream of mostly multi-byte values: per value its start, then for each byte position j up
-    to the longest value one gather of the j-th bytes, or-ed in at bit 7j (in uint32 while
-    values fit 28 bits), and a mask of each value's own length. Temporaries are few and reused
-    (every large one costs page faults on first touch)."""
+def _dense_varint_values(stream: np.ndarray, high: np.ndarray, offset: int) -> np.ndarray:
+    """The values of ``stream`` (whole varints; ``high`` marks its continuation bytes) plus
+    ``offset``, as int64, for a stream of mostly multi-byte values: per value its start, then
+    for each byte position j up to the longest value one gather of the j-th bytes, or-ed in at
+    bit 7j (in uint32 while values fit 28 bits), and a mask of each value's own length.
+    Temporaries are few, small-typed and reused (every large one costs page faults on first
+    touch)."""
     ends = np.logical_not(high).nonzero()[0]
-    lengths = np.empty_like(ends)
-    lengths[0] = ends[0] + 1
-    np.subtract(ends[1:], ends[:-1], out=lengths[1:])
+    lengths = np.empty(ends.size, dtype=np.uint8)  # bytes per value (a wrapped one shows in the sum)
+    lengths[0] = min(int(ends[0]) + 1, 255)
+    np.subtract(ends[1:], ends[:-1], out=lengths[1:], casting="unsafe")
     width = int(lengths.max())
-    if width > 9:
+    if width > 9 or int(lengths.sum(dtype=np.int64)) != stream.size:
         raise BatchFormatError("varint longer than 9 bytes (over 63 bits)")
     dtype = np.uint32 if width <= 4 else np.uint64
     padded = np.zeros(stream.size + width, dtype=np.uint8)
@@ -159,7 +159,7 @@ def _dense_varint_values(stream: np.ndarray, high: np.ndarray) -> np.ndarray:
         np.left_shift(part, dtype(7 * j), out=part)
         np.bitwise_or(values, part, out=values)
     np.bitwise_and(values, _GROUP_MASKS[dtype][lengths], out=values)
-    return values.astype(np.int64)
+    return np.add(values, offset, dtype=np.int64)
 
 
 def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:

@@ -172,3 +172,15 @@ def test_corrupted_bytes_decode_or_raise_batch_format_error(seed: int) -> None:
                 broken.insert(at, rng.randrange(256))
         with contextlib.suppress(BatchFormatError):
             decode_batch(bytes(broken))
+
+
+@pytest.mark.parametrize("others", [b"\x05", b"\x85\x02"], ids=["one-byte", "two-byte"])
+def test_a_varint_over_nine_bytes_is_refused(others: bytes) -> None:
+    """Next to many one-byte values (the sparse path) and to many two-byte ones (the byte-column
+    path), also when the long value's length does not fit a byte."""
+    from trainer.batch import _varint_values
+
+    for run in (10, 300):
+        stream = bytes([0x81] * run + [0x01]) + others * 1000
+        with pytest.raises(BatchFormatError, match="longer than 9 bytes"):
+            _varint_values(np.frombuffer(stream, dtype=np.uint8))
