@@ -234,6 +234,16 @@ class _Layout:
         self.support = list(zip(gap_hi, end, strict=True))
 
 
+def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
+    """A varint count at ``pos`` (inside a block ending at ``end``), then that many varints:
+    (count, start of the run, end of the run)."""
+    count = raw[pos] if pos < end else 0x80
+    pos += 1
+    if count >= 0x80:
+        count, pos = _varint_at(raw, pos - 1)
+    return count, pos, _run_end(raw, buf, pos, count)
+
+
 def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tuple[int, ...]]) -> int:
     """Locate the parts of ``n_turns`` length-prefixed turn blocks from ``pos`` (one tuple per
     block appended to ``blocks``, see :class:`_Layout`); returns the position after them. Checks
@@ -264,21 +274,9 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             length, pos = _varint_at(raw, pos - 1)
         h_lo = pos
         pos += length
-        n_input = raw[pos] if pos < end else 0x80
-        pos += 1
-        if n_input >= 0x80:
-            n_input, pos = _varint_at(raw, pos - 1)
-        in_lo = pos
-        pos = _run_end(raw, buf, pos, n_input)
-        in_hi = pos
-        n = raw[pos] if pos < end else 0x80
-        pos += 1
-        if n >= 0x80:
-            n, pos = _varint_at(raw, pos - 1)
-        out_lo = pos
-        pos = _run_end(raw, buf, pos, n)
-        out_hi = pos
-        pos += 8 * n
+        n_input, in_lo, in_hi = _counted_run(raw, buf, pos, end)
+        n, out_lo, out_hi = _counted_run(raw, buf, in_hi, end)
+        pos = out_hi + 8 * n
         sizes_hi = _run_end(raw, buf, pos, n)
         if sizes_hi - pos == n:
             total = sum(raw[pos:sizes_hi])
