@@ -42,9 +42,12 @@ and ``raw_logprob`` are always float32: they enter importance ratios directly. T
 ``top_k = n`` (SGLang's ``--sampling-mask-max-tokens``; it returns sampling masks only for a finite
 ``top_k``): each support is the turn's top-p/min-p candidate set cut to its n most likely tokens.
 ``sampling.sampling_mask`` = false says the turn filtered nothing and was sent without a sampling
-mask: every support is empty (the whole vocabulary) and ``logprob`` is the engine's log-prob after
-temperature, ``log softmax(logits / T)``. A block without the key is a turn sampled exactly as
-asked, its supports returned by the engine.
+mask (:func:`fleet.sglang_release.sampling_request`): every support is empty (the whole
+vocabulary) and ``logprob`` is the engine's ``output_token_logprobs`` value (per token ``[logprob,
+token_id, text]``, SGLang's managers/tokenizer_manager.py 3098-3116), its log-prob after
+temperature ``log softmax(logits / T)``, the distribution it drew from (layers/sampler.py
+275-316). A block without the key is a turn sampled exactly as asked, its supports returned by
+the engine.
 
 Batch (``MAGIC_BATCH`` = b"MFB", then format byte)::
 
@@ -219,16 +222,11 @@ def parse_turn(
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
     is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`).
 
-    A turn sent without a sampling mask (``sampling`` ``{"sampling_mask": false}``: it sampled
-    from the whole vocabulary, :func:`fleet.sglang_release.sampling_request`) records an empty
-    support per token and mu = its ``output_token_logprobs`` value, SGLang's ``log softmax(logits
-    / T)`` of the distribution it drew from (layers/sampler.py 275-316); its answer holds no mask
-    field (managers/tokenizer_manager.py 2531-2551 adds them only for ``return_sampling_mask``),
-    and one that does is refused. Every other turn reads:
+    A turn sent without a mask (``sampling`` ``{"sampling_mask": false}``, module docstring) records
+    empty supports and mu = ``output_token_logprobs``; it refuses mask fields (SGLang sends none).
 
-    ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
-    ``[logprob, token_id, text]``: the raw log-prob, null = unknown; tokenizer_manager.py
-    3098-3116), ``output_token_sampling_mask``
+    Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
+    ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
     (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
     token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
     support's log-probs aligned with the mask), ``output_token_sampling_support_logprobs`` (the
