@@ -122,6 +122,11 @@ def test_mask_fields_must_match_the_request() -> None:
         )
     with pytest.raises(ValueError, match="meta_info.output_token_sampling_mask is missing"):
         parse_turn(fixture("unfiltered_no_mask")["body"], timings={}, sampling=None, **ARGS)
+    body = fixture("unfiltered_no_mask")["body"]  # a log-prob sent as null (non-finite): unknown
+    body["meta_info"]["output_token_logprobs"][1][0] = None
+    turn = parse_turn(body, timings={}, sampling={"sampling_mask": False}, **ARGS)
+    assert math.isnan(turn.logprobs[1]) and turn.raw_logprobs[1] is None
+    assert turn.to_json()["records"][1]["logprob"] is None and turn.logprobs[0] == -1.2345678806304932
 
 
 def test_an_abort_answered_200_is_unavailable_and_never_parsed_into_a_turn() -> None:
