@@ -451,8 +451,8 @@ def main() -> int:
                 "return_sampling_mask": True,
             }
         ).encode()
-        turn_body = json.dumps(
-            {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": N_OUT}}
+        turn_body = json.dumps(  # a top_k: a masked turn, as the stub answers (an unfiltered one asks none)
+            {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": N_OUT, "top_k": SUPPORT}}
         ).encode()
         new_session = build_request("POST", "/v1/sessions", b"{}", auth)
 

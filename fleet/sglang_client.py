@@ -84,19 +84,17 @@ class EngineRejected(EngineError):
 @dataclass(frozen=True)
 class Generation:
     """A finished generation: the engine's decoded answer (an object whose finish reason is not
-    ``abort``), the ``sampling_params`` sent, and ``top_k_bound``: the ``top_k`` the client set
-    because the turn had no finite one (SGLang returns a sampling mask only for a finite top_k;
-    None when the turn's own sampling was sent unchanged)."""
+    ``abort``) and the :class:`~fleet.sglang_release.SamplingRequest` it answers (the
+    ``sampling_params`` sent, whether a sampling mask was asked, the ``top_k`` bound)."""
 
     body: dict[str, Any]
-    sampling_params: dict[str, Any]
-    top_k_bound: int | None = None
+    request: release.SamplingRequest
 
     @property
     def sampling(self) -> dict[str, Any] | None:
-        """What the turn's record states about the sampling sent: ``{"top_k_bound": n}`` when
-        the client bounded ``top_k``, else None."""
-        return None if self.top_k_bound is None else {"top_k_bound": self.top_k_bound}
+        """What the turn's record states about the sampling sent
+        (:attr:`fleet.sglang_release.SamplingRequest.statement`)."""
+        return self.request.statement
 
 
 @dataclass(frozen=True)
@@ -282,22 +280,24 @@ class SGLangClient:
         sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
-        (``input_ids``; ``sampling_params`` with ``top_k`` bounded by
-        :func:`fleet.sglang_release.bound_top_k` to the engine's ``--sampling-mask-max-tokens``
-        when the turn has no finite one; ``return_logprob`` and ``return_sampling_mask`` true;
-        ``sampling_logprobs_mode: support``, so each token's support comes with its log-probs).
+        (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
+        :func:`fleet.sglang_release.sampling_request` decides for the engine's
+        ``--sampling-mask-max-tokens``: ``return_sampling_mask`` with ``sampling_logprobs_mode:
+        support``, so each token's support comes with its log-probs, unless the turn samples from
+        the whole vocabulary, which is sent unchanged without a mask).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
         as :meth:`_call` otherwise."""
-        params, bound = release.bound_top_k(sampling_params, sampling_mask_max_tokens)
-        payload = {
+        request = release.sampling_request(sampling_params, sampling_mask_max_tokens)
+        payload: dict[str, Any] = {
             "input_ids": input_ids,
-            "sampling_params": params,
+            "sampling_params": request.params,
             "return_logprob": True,
-            "return_sampling_mask": True,
-            "sampling_logprobs_mode": release.SAMPLING_LOGPROBS_MODE,
         }
+        if request.mask:
+            payload["return_sampling_mask"] = True
+            payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
         url = self.base_url + "/generate"
         data = await self._call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
@@ -308,7 +308,7 @@ class SGLangClient:
             raise EngineAborted(
                 url, f"the engine aborted the generation: {finish.get('message') or 'Aborted'}"
             )
-        return Generation(data, params, bound)
+        return Generation(data, request)
 
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx

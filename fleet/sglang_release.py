@@ -7,18 +7,38 @@ comment beside each names the file and lines. Nothing here imports modal or any 
 Sampling masks (``return_sampling_mask``): the scheduler refuses a request unless its normalized
 ``top_k`` is 1 or ``1 < top_k <= --sampling-mask-max-tokens`` (managers/scheduler.py 3160-3182,
 after sampling/sampling_params.py 245-250 turned temperature 0 into ``top_k = 1`` and ``top_k =
--1`` into :data:`TOP_K_ALL`). A turn that filters by ``top_p`` only is therefore sent with
-``top_k = --sampling-mask-max-tokens`` (:func:`bound_top_k`): its support is the top-p nucleus cut
-to that many tokens, which the turn's record states (``sampling.top_k_bound``). The pytorch
-sampling backend the fleet runs zeroes every rank ``>= top_k`` (layers/sampler.py 823-826), so a
-support never exceeds ``top_k`` and the bound itself cannot overflow the mask (a realized support
-beyond the limit aborts the request with a 400: scheduler_components/batch_result_processor.py
-1329-1339).
+-1`` into :data:`TOP_K_ALL`). :func:`sampling_request` decides, per turn, what the engine client
+asks (the one decision):
+
+* greedy (temperature below :data:`SAMPLING_EPS`, or ``top_k = 1``): a mask; SGLang answers the
+  one-token support with mu = 0 (layers/sampler.py 506-537).
+* a finite ``top_k``: a mask, sent as given (beyond the limit SGLang refuses it, naming the limit).
+* no finite ``top_k`` but ``top_p < 1`` or ``min_p > 0``: a mask with ``top_k =
+  --sampling-mask-max-tokens`` (:func:`bound_top_k`): its support is the top-p / min-p candidate
+  set cut to that many tokens, which the turn's record states (``sampling.top_k_bound``). The mask
+  includes min-p filtering (pytorch backend: layers/sampler.py 830-836 zeroes ranks below
+  ``min_p * max p`` before the capture; flashinfer: 407-434). The pytorch sampling backend the
+  fleet runs zeroes every rank ``>= top_k`` (layers/sampler.py 823-826), so a support never exceeds
+  ``top_k`` and the bound itself cannot overflow the mask (a realized support beyond the limit
+  aborts the request with a 400: scheduler_components/batch_result_processor.py 1329-1339).
+* no filter at all (:func:`whole_vocabulary`: sampling, no finite ``top_k``, ``top_p = 1``,
+  ``min_p = 0``): no mask and no ``sampling_logprobs_mode`` (which SGLang refuses without a mask,
+  managers/tokenizer_manager.py 1431-1435); sent unchanged, so it is sampled from the whole
+  vocabulary as asked. Its support is the whole vocabulary (an empty record row) and mu is
+  ``output_token_logprobs``: SGLang samples such a row from ``probs = softmax(logits / T)``
+  (layers/sampler.py 225-229 ``simple_sampling_case``, 275 ``logits.div_(temperatures)``, 293-299,
+  ``sampling_from_probs_torch`` 978-1004) and returns ``log(probs)`` of the same tensor (307-316,
+  324-330; the top-k/top-p path of a batch it shares with filtered rows sorts a copy, 821, and
+  with its ``top_k = TOP_K_ALL``, ``top_p = 1`` drops nothing beyond float32 rounding of the
+  cumulative mass). That holds with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset, its default
+  (environ.py 1508); set, the values are before temperature (layers/sampler.py 231-237,
+  319-323), so a replica must not set it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
@@ -26,7 +46,8 @@ SGLANG_VERSION = "0.5.23"
 # arg_groups/fields/exec_.py 182-188 ExecFeatures.sampling_mask_max_tokens (--sampling-mask-max-tokens).
 SAMPLING_MASK_MAX_TOKENS_DEFAULT = 4096
 # sampling/sampling_params.py 42-43: below this temperature a request is greedy; top_k -1 becomes
-# TOP_K_ALL ("whole vocabulary").
+# TOP_K_ALL ("whole vocabulary"). 207-210: a missing temperature is 1.0, top_p 1.0, top_k -1,
+# min_p 0.0.
 SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
 
@@ -96,3 +117,51 @@ def bound_top_k(
         return out, None
     out["top_k"] = max_tokens
     return out, max_tokens
+
+
+def whole_vocabulary(params: Mapping[str, Any]) -> bool:
+    """True when SGLang samples ``params`` from the whole vocabulary: not greedy, no finite
+    ``top_k`` (missing, -1 or :data:`TOP_K_ALL`), ``top_p`` 1 and ``min_p`` 0 (missing values take
+    SGLang's defaults, sampling/sampling_params.py 207-210; the batch's ``need_top_p_sampling`` /
+    ``need_min_p_sampling`` test ``top_p != 1.0`` and ``min_p > 0``, sampling_batch_info.py 295-297)."""
+    top_p = params.get("top_p")
+    min_p = params.get("min_p")
+    return (
+        normalized_top_k(params) >= TOP_K_ALL
+        and (top_p is None or top_p >= 1.0)
+        and (min_p is None or min_p <= 0.0)
+    )
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What the engine client sends for a turn's sampling: ``params`` (the ``sampling_params``),
+    ``mask`` (whether ``return_sampling_mask`` and ``sampling_logprobs_mode`` are asked) and
+    ``top_k_bound`` (the ``top_k`` set because the turn had no finite one; None: sent as given)."""
+
+    params: dict[str, Any]
+    mask: bool
+    top_k_bound: int | None = None
+
+    @property
+    def statement(self) -> dict[str, Any] | None:
+        """What the turn's record states about it (``TurnData.sampling``): ``{"sampling_mask":
+        false}`` when no mask was asked (every support is the whole vocabulary, mu is
+        ``output_token_logprobs``), ``{"top_k_bound": n}`` when ``top_k`` was bounded, else None."""
+        if not self.mask:
+            return {"sampling_mask": False}
+        return None if self.top_k_bound is None else {"top_k_bound": self.top_k_bound}
+
+
+def sampling_request(
+    params: Mapping[str, Any], max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT
+) -> SamplingRequest:
+    """The one decision of how a turn's ``params`` are sent (see the module docstring): no mask
+    for a :func:`whole_vocabulary` turn (``params`` unchanged), else a mask with ``params`` as
+    :func:`bound_top_k` sends them. ValueError if ``max_tokens < 2``."""
+    if max_tokens < 2:
+        raise ValueError(f"sampling_mask_max_tokens must be >= 2, got {max_tokens}")
+    if whole_vocabulary(params):
+        return SamplingRequest(dict(params), mask=False)
+    sent, bound = bound_top_k(params, max_tokens)
+    return SamplingRequest(sent, mask=True, top_k_bound=bound)

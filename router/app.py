@@ -167,7 +167,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
-        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:

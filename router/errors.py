@@ -13,11 +13,27 @@ from router.schemas import ErrorBody
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
+    """A refusal: ``status``, ``message`` (the body's ``detail``), ``retry_after`` (seconds, sent
+    as ``Retry-After``) and ``fields``: more members of the body beside ``detail``, for a route
+    that documents them (e.g. :class:`router.schemas.VersionConflict`)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.fields = fields or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"detail": message, **fields}``."""
+        return {"detail": self.message, **self.fields}
 
 
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
@@ -40,11 +56,15 @@ _RETRY_AFTER = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI ``responses=`` entries documenting ``statuses`` with :class:`ErrorBody`."""
+def error_responses(
+    *statuses: int, models: dict[int, type[ErrorBody]] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries documenting ``statuses`` with :class:`ErrorBody`, or with
+    the subclass ``models`` names for a status whose body carries more fields."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[status]}
+        model = (models or {}).get(status, ErrorBody)
+        entry: dict[str, Any] = {"model": model, "description": ERROR_DESCRIPTIONS[status]}
         if status == 503:
             entry["headers"] = _RETRY_AFTER
         out[status] = entry

@@ -24,7 +24,7 @@ Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
     b"MFT" u8 format_version u8 flags
     json     header: {"turn", "group", "replica", "finish_reason", "timings",
                       "weight_versions": [{"version", "start", "end"}], "moved_from",
-                      "sampling" (only when set: {"top_k_bound": n})}
+                      "sampling" (only when set: {"top_k_bound": n} or {"sampling_mask": false})}
     varint   n_input,  then n_input varints (input token ids)
     varint   n_output, then n_output varints (output token ids)
     n_output f32     logprob       (log mu: renormalized over the support, the behavior log-prob)
@@ -41,7 +41,13 @@ and ``raw_logprob`` are always float32: they enter importance ratios directly. T
 ``sampling.top_k_bound`` = n says the turn asked for no finite ``top_k`` and was sampled with
 ``top_k = n`` (SGLang's ``--sampling-mask-max-tokens``; it returns sampling masks only for a finite
 ``top_k``): each support is the turn's top-p/min-p candidate set cut to its n most likely tokens.
-A block without the key is a turn sampled exactly as asked.
+``sampling.sampling_mask`` = false says the turn filtered nothing and was sent without a sampling
+mask (:func:`fleet.sglang_release.sampling_request`): every support is empty (the whole
+vocabulary) and ``logprob`` is the engine's ``output_token_logprobs`` value (per token ``[logprob,
+token_id, text]``, SGLang's managers/tokenizer_manager.py 3098-3116), its log-prob after
+temperature ``log softmax(logits / T)``, the distribution it drew from (layers/sampler.py
+275-316). A block without the key is a turn sampled exactly as asked, its supports returned by
+the engine.
 
 Batch (``MAGIC_BATCH`` = b"MFB", then format byte)::
 
@@ -216,6 +222,9 @@ def parse_turn(
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
     is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`).
 
+    A turn sent without a mask (``sampling`` ``{"sampling_mask": false}``, module docstring) records
+    empty supports and mu = ``output_token_logprobs``; it refuses mask fields (SGLang sends none).
+
     Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
     ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
     (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
@@ -253,15 +262,10 @@ def parse_turn(
     _token_ids(output_ids, "output_ids")
     n = len(output_ids)
     raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
-    masks = _entries(meta, "output_token_sampling_mask", n)
-    _rows(masks, "output_token_sampling_mask", "a list of token ids")
-    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
-        for i, row in enumerate(masks):
-            _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
-    sizes = list(map(len, masks))
-    support_lps, known = _support_logprobs(meta, sizes)
-    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
-    masks, support_lps = _sorted_supports(masks, support_lps)
+    if sampling is not None and sampling.get("sampling_mask") is False:
+        masks, support_lps, logprobs = _unmasked_records(meta, raw)
+    else:
+        masks, support_lps, logprobs = _masked_records(meta, output_ids, raw)
     timings = dict(timings)
     e2e = meta.get("e2e_latency")
     if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
@@ -282,6 +286,38 @@ def parse_turn(
         moved_from=moved_from,
         sampling=sampling,
     )
+
+
+def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
+    """Supports (sorted by id), their log-probs and mu of an answer with sampling masks."""
+    masks = _entries(meta, "output_token_sampling_mask", len(output_ids))
+    _rows(masks, "output_token_sampling_mask", "a list of token ids")
+    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
+        for i, row in enumerate(masks):
+            _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
+    sizes = list(map(len, masks))
+    support_lps, known = _support_logprobs(meta, sizes)
+    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
+    masks, support_lps = _sorted_supports(masks, support_lps)
+    return masks, support_lps, logprobs
+
+
+_MASK_KEYS = (
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+    "output_token_sampling_support_logprobs",
+)
+
+
+def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[list, list, list]:
+    """Empty supports (the whole vocabulary) and mu = the raw log-prob (NaN where unknown) of an
+    answer to a request without a sampling mask; refuses mask fields nobody asked for."""
+    for key in _MASK_KEYS:
+        if meta.get(key) is not None:
+            raise ValueError(f"meta_info.{key} is present but no sampling mask was requested")
+    n = len(raw)
+    logprobs = raw if None not in raw else [math.nan if x is None else x for x in raw]
+    return [[] for _ in range(n)], [[] for _ in range(n)], list(logprobs)
 
 
 _FINISH_TYPES = ("stop", "length", "abort")  # fleet.sglang_release.FINISH_TYPES

@@ -25,6 +25,7 @@ from router.schemas import (
     Trajectory,
     Turn,
     TurnRequest,
+    VersionConflict,
 )
 from router.state.base import SessionFinished, SessionNotFound
 from router.turns import record_turn
@@ -92,7 +93,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     "/{session_id}/turns",
     response_model=Turn,
     summary="Generate one turn (token-in-token-out)",
-    responses=error_responses(*BODY, 404, 409, 502, 503),
+    responses=error_responses(*BODY, 404, 409, 502, 503, models={409: VersionConflict}),
 )
 async def create_turn(request: Request, session_id: str, body: TurnRequest) -> Response:
     data = await record_turn(_ctx(request), session_id, body.spec())

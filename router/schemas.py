@@ -20,11 +20,14 @@ class _Req(BaseModel):
 
 
 class SamplingParams(_Req):
-    """Sampling of one turn (SGLang semantics: top_k -1 = off, temperature 0 = greedy)."""
+    """Sampling of one turn (SGLang semantics: top_k -1 = off, min_p 0 = off, temperature 0 =
+    greedy). A turn that filters nothing (temperature > 0, top_k -1, top_p 1, min_p 0) samples
+    from the whole vocabulary and its records have empty supports."""
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=TOKEN_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -51,6 +54,20 @@ class ErrorBody(BaseModel):
 
     detail: str
     errors: list[ErrorItem] | None = None
+
+
+class VersionConflict(ErrorBody):
+    """A 409 of a turn. ``detail`` always; when the turn's ``min_version`` is above every version
+    the fleet can serve (the latest published one; with none published, the newest a replica
+    serves), also the sidecar's names for the unmet bound (``constraint``: ``"min_version"``,
+    ``target_version``; weight_sync/types.py ``VersionUnavailable.body``), ``latest_version``
+    (the latest published, null before any publish) and ``served_version`` (the newest version a
+    live replica serves, null when none reports one)."""
+
+    constraint: str | None = None
+    target_version: int | None = None
+    latest_version: int | None = None
+    served_version: int | None = None
 
 
 class SGLangErrorMessage(BaseModel):
@@ -119,28 +136,28 @@ class TurnRequest(_Req):
         sp = self.sampling_params
         return TurnSpec(
             self.input_ids,
-            _engine_params(sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.stop_token_ids, sp.seed),
+            _engine_params(sp),
             self.min_version,
             self.max_version_age,
             self.turn,
         )
 
 
-def _engine_params(
-    temperature: float, top_p: float, top_k: int, max_new_tokens: int, stops: list[int], seed: int | None
-) -> dict[str, Any]:
-    """The engine's ``sampling_params`` of a turn (SGLang names; ``stop_token_ids`` and
+def _engine_params(sp: SamplingParams) -> dict[str, Any]:
+    """The engine's ``sampling_params`` of a turn (SGLang names; ``min_p``, ``stop_token_ids`` and
     ``sampling_seed`` only when set): the one place they are built."""
     params: dict[str, Any] = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "max_new_tokens": max_new_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "max_new_tokens": sp.max_new_tokens,
     }
-    if stops:
-        params["stop_token_ids"] = stops
-    if seed is not None:
-        params["sampling_seed"] = seed
+    if sp.min_p > 0.0:
+        params["min_p"] = sp.min_p
+    if sp.stop_token_ids:
+        params["stop_token_ids"] = sp.stop_token_ids
+    if sp.seed is not None:
+        params["sampling_seed"] = sp.seed
     return params
 
 
@@ -171,7 +188,13 @@ class Turn(BaseModel):
     timings: dict[str, Any]
     moved_from: str | None = None
     sampling: dict[str, Any] | None = Field(
-        None, description="Set when the fleet bounded the turn's top_k: {'top_k_bound': n} (see records)"
+        None,
+        description=(
+            "Set when the turn was not sent exactly as asked with a sampling mask: {'top_k_bound': n} "
+            "when the fleet bounded its top_k for the mask; {'sampling_mask': false} when it filtered "
+            "nothing and no mask was requested (every support is empty: the whole vocabulary; "
+            "logprob = the engine's log-prob after temperature). See router/records.py."
+        ),
     )
     input_ids: list[int] | None = None
 

@@ -1,6 +1,12 @@
 """One turn of a session, end to end: check the session is open, generate with failover
 (:func:`router.dispatch.run_turn`), record the turn exactly once, answer with what was stored.
 
+A turn whose ``min_version`` no version the fleet can serve meets yet (above the latest
+published, or with none published above the newest a replica serves) is the caller's conflict:
+409 with those versions in the body (:class:`~router.schemas.VersionConflict`, as the sidecar's
+version conflicts, weight_sync/types.py ``VersionUnavailable``), before any replica is asked. A
+``min_version`` that is published but not yet active anywhere stays the dispatcher's 503.
+
 Contract of :func:`record_turn`: on success the turn is stored once (a conflict with a
 concurrent turn of the same session re-numbers it, unless the caller pinned ``turn``) as its
 turn block (:func:`router.records.encode_stored`), and the returned JSON bytes are
@@ -45,6 +51,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
+    await check_min_version(ctx, spec.min_version)
     turn = await run_turn(ctx, session, spec, index)
     request_id = _request_id()
     n = len(turn.output_ids)
@@ -93,6 +100,40 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     if stored.turn != index:
         stored = replace(stored, turn=index)
     return dumps(stored.to_json(session_id, with_input=False))
+
+
+async def check_min_version(ctx: RouterContext, min_version: int | None) -> None:
+    """Refuse (409, :class:`~router.schemas.VersionConflict` fields) a ``min_version`` above the
+    latest published version, or, with none published, above the newest version a live replica
+    serves; accept it when neither is known (the dispatcher then answers). The latest is read
+    again from the state store before refusing, so a version another router published since this
+    one's last poll is not refused. Raises StateError as the store does."""
+    if min_version is None:
+        return
+    latest = ctx.latest_version()
+    if latest is not None and min_version <= latest:
+        return
+    stored = await ctx.store.get_latest_version()
+    if stored is not None:
+        latest = stored if latest is None else max(latest, stored)
+    served = ctx.registry.max_active_version()
+    bound = latest if latest is not None else served
+    if bound is None or min_version <= bound:
+        return
+    if latest is not None:
+        why = f"the latest published version is {latest}"
+    else:
+        why = f"no version is published and the newest a replica serves is {served}"
+    raise ApiError(
+        409,
+        f"min_version {min_version} cannot be met: {why}; publish it first or ask for a lower one",
+        fields={
+            "constraint": "min_version",
+            "target_version": min_version,
+            "latest_version": latest,
+            "served_version": served,
+        },
+    )
 
 
 _PREFIX = secrets.token_hex(8)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from fleet.sglang_release import bound_top_k
+from fleet.sglang_release import sampling_request
 from tests.engine.conftest import StreamReader, generate
 from tests.engine.stats import chi_square_p
 
@@ -264,29 +264,34 @@ def test_requests_join_the_running_batch(engine: str, client: httpx.Client) -> N
         {"temperature": 0.8, "top_p": 0.9},
         {"temperature": 1.3, "top_k": 6},
         {"temperature": 1.0, "top_p": 0.95, "top_k": 12},
+        {"temperature": 0.9, "min_p": 0.05},
     ],
     ids=json.dumps,
 )
 def test_engine_frequencies_match_recorded_mu(
     engine: str, client: httpx.Client, tiny_config: dict[str, Any], params: dict[str, Any]
 ) -> None:
-    """Fixed prefix, many seeded samples: token counts agree with exp(recorded mu) (chi-square)."""
+    """Fixed prefix, many seeded samples, each sent as the engine client sends it
+    (:func:`fleet.sglang_release.sampling_request`: a mask unless the turn filters nothing): token
+    counts agree with exp(recorded mu) (chi-square); mu is the mask's selected log-prob, or for an
+    unfiltered request ``output_token_logprobs``."""
     n = 1200
     vocab = tiny_config["vocab_size"]
+    request = sampling_request(params)
     out = generate(
         client,
         engine,
         input_ids=[PROMPT] * n,
-        return_sampling_mask=True,
-        return_logprob=[True] + [False] * (n - 1),  # the full raw distribution, once
-        top_logprobs_num=vocab,
-        # a sampling mask needs a finite top_k: the engine client's bound (>= the vocabulary here)
+        return_sampling_mask=request.mask,
+        return_logprob=True,
+        top_logprobs_num=[vocab] + [0] * (n - 1),  # the full raw distribution, once
         sampling_params=[
-            {**bound_top_k(params)[0], "max_new_tokens": 1, "sampling_seed": 1000 + i} for i in range(n)
+            {**request.params, "max_new_tokens": 1, "sampling_seed": 1000 + i} for i in range(n)
         ],
     )
     first = out[0]["meta_info"]
-    if first["output_token_sampling_mask"][0]:
+    assert request.mask == ("output_token_sampling_mask" in first)
+    if request.mask and first["output_token_sampling_mask"][0]:
         expected = dict(
             zip(
                 first["output_token_sampling_mask"][0],
@@ -300,11 +305,34 @@ def test_engine_frequencies_match_recorded_mu(
     for o in out:
         tok = o["output_ids"][0]
         counts[tok] += 1  # KeyError = a token outside the recorded support
-        mu = o["meta_info"]["output_token_sampling_logprobs"][0]
+        meta = o["meta_info"]
+        mu = (
+            meta["output_token_sampling_logprobs"][0] if request.mask else meta["output_token_logprobs"][0][0]
+        )
         assert math.exp(mu) == pytest.approx(expected[tok], rel=1e-5, abs=1e-9)
     assert len(counts) > 2, "the distribution is too peaked to test anything"
     p = chi_square_p([counts[t] for t in expected], [n * q for q in expected.values()])
     assert p > 1e-3, (params, counts)
+
+
+def test_a_request_without_a_mask_answers_as_sglang(
+    engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """No ``return_sampling_mask``: SGLang's meta_info has no ``output_token_sampling_*`` key
+    (managers/tokenizer_manager.py 2531-2551) and ``output_token_logprobs`` holds ``[logprob,
+    token_id, null]`` per token (3098-3116), the log-prob after temperature, ``log softmax(logits /
+    T)`` (layers/sampler.py 275-316): checked against transformers at T = 0.7."""
+    temperature = 0.7
+    params = {"temperature": temperature, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 3}
+    out = generate(client, engine, input_ids=PROMPT, return_logprob=True, sampling_params=params)
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert not [k for k in meta if k.startswith("output_token_sampling")]
+    triples = meta["output_token_logprobs"]
+    assert [(t, text) for _, t, text in triples] == [(t, None) for t in ids] and len(ids) == 12
+    ref = _hf_logprobs(tiny_dir, [*PROMPT, *ids], temperature)[len(PROMPT) - 1 :]
+    assert [lp for lp, _, _ in triples] == pytest.approx(ref, abs=2e-4)
+    plain = _hf_logprobs(tiny_dir, [*PROMPT, *ids], 1.0)[len(PROMPT) - 1 :]
+    assert max(abs(a - b) for a, b in zip(ref, plain, strict=True)) > 1e-2  # T mattered
 
 
 def test_support_mode_returns_the_support_log_probs_per_token(engine: str, client: httpx.Client) -> None:

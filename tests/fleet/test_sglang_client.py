@@ -129,7 +129,7 @@ def engine(tiny_dir: Path) -> Iterator[str]:
 def test_generate_returns_the_behavior_records_of_the_sampled_tokens(engine: str) -> None:
     params = {"temperature": 0.8, "top_k": 20, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 5}
     out = run(engine, lambda c: c.generate(PROMPT, params, headers={"Modal-Session-ID": "s1"}))
-    assert out.top_k_bound is None and out.sampling is None and out.sampling_params == params
+    assert out.request.top_k_bound is None and out.sampling is None and out.request.params == params
     ids, meta = out.body["output_ids"], out.body["meta_info"]
     assert len(ids) == 6 and meta["completion_tokens"] == 6
     assert [t for _, t, _ in meta["output_token_logprobs"]] == ids  # return_logprob was sent
@@ -140,21 +140,36 @@ def test_generate_returns_the_behavior_records_of_the_sampled_tokens(engine: str
     assert meta["weight_version"] == "3"
 
 
-def test_generate_sends_the_one_engine_request() -> None:
+MASK = {"return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+UNFILTERED = {"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("params", "sent_params", "mask", "sampling"),
+    [
+        # no filter: sent unchanged, no mask asked (SGLang's whole-vocabulary sampling), and said so
+        ({"max_new_tokens": 3}, {"max_new_tokens": 3}, {}, {"sampling_mask": False}),
+        (UNFILTERED, UNFILTERED, {}, {"sampling_mask": False}),
+        # no finite top_k but a top-p / min-p filter: SGLang's --sampling-mask-max-tokens default
+        ({"top_p": 0.9}, {"top_p": 0.9, "top_k": 4096}, MASK, {"top_k_bound": 4096}),
+        ({"min_p": 0.1, "top_k": -1}, {"min_p": 0.1, "top_k": 4096}, MASK, {"top_k_bound": 4096}),
+        # a finite top_k, and greedy (SGLang's top_k 1): a mask, sent as given
+        ({"top_k": 7}, {"top_k": 7}, MASK, None),
+        ({"temperature": 0.0}, {"temperature": 0.0}, MASK, None),
+    ],
+    ids=json.dumps,
+)
+def test_generate_sends_the_one_engine_request(params, sent_params, mask, sampling) -> None:
     async def main() -> None:
         async with Server(lambda n: ok(b'{"output_ids":[],"meta_info":{}}')) as srv:
-            out = await with_client(
-                srv.url, lambda c: c.generate([1, 2], {"max_new_tokens": 3}, headers={"X-A": "b"})
-            )
+            out = await with_client(srv.url, lambda c: c.generate([1, 2], params, headers={"X-A": "b"}))
         assert out.body == {"output_ids": [], "meta_info": {}}
-        # no finite top_k: sent with SGLang's --sampling-mask-max-tokens default, and said so
-        assert out.top_k_bound == 4096 and out.sampling == {"top_k_bound": 4096}
+        assert out.sampling == sampling and out.request.params == sent_params
         assert json.loads(srv.bodies[0]) == {
             "input_ids": [1, 2],
-            "sampling_params": {"max_new_tokens": 3, "top_k": 4096},
+            "sampling_params": sent_params,
             "return_logprob": True,
-            "return_sampling_mask": True,
-            "sampling_logprobs_mode": "support",
+            **mask,
         }
         head = srv.heads[0].decode().lower()
         assert head.startswith("post /generate http/1.1\r\n")

@@ -299,17 +299,45 @@ def test_streaming_generate_passes_through(client: httpx.Client) -> None:
     assert len(events) >= 2
 
 
-def test_version_constraints_that_no_replica_meets_get_503_naming_the_version(client: httpx.Client) -> None:
+def test_a_min_version_above_every_servable_version_is_a_409_naming_the_versions(
+    client: httpx.Client, engine_url
+) -> None:
+    """Nothing is published here and the engine serves version 0: min_version 7 is the caller's
+    conflict (409 with the versions, nothing asked of a replica); once a replica reports 9, 7 is
+    servable but not by the session's group yet (503, retry); 0 is served."""
     sid = _session(client, group="cpu-a")
     r = client.post(
         f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 7}
     )
-    assert r.status_code == 503 and ">= 7" in r.json()["detail"] and "Retry-After" in r.headers
+    assert r.status_code == 409 and "Retry-After" not in r.headers, r.text
+    assert r.json() == {
+        "detail": "min_version 7 cannot be met: no version is published and the newest a replica "
+        "serves is 0; publish it first or ask for a lower one",
+        "constraint": "min_version",
+        "target_version": 7,
+        "latest_version": None,
+        "served_version": 0,
+    }
+    hb = {"replica_id": "side-v9", "group": "cpu-b", "url": engine_url.replace("127.0.0.1", "localhost")}
+    assert client.post("/v1/replicas/heartbeat", json={**hb, "ready": True, "active_version": 9}).is_success
+    try:
+        r = client.post(
+            f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 7}
+        )
+        assert r.status_code == 503 and ">= 7" in r.json()["detail"] and "Retry-After" in r.headers
+    finally:
+        assert client.delete("/v1/replicas/side-v9").status_code == 200
     ok = client.post(
         f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP, "min_version": 0}
     )
     assert ok.status_code == 200 and ok.json()["records"][0]["weight_version"] == 0
-    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # the refused turn left no trace
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # the refused turns left no trace
+    spec = client.get("/openapi.json").json()
+    conflict = spec["paths"]["/v1/sessions/{session_id}/turns"]["post"]["responses"]["409"]
+    ref = conflict["content"]["application/json"]["schema"]["$ref"]
+    assert ref == "#/components/schemas/VersionConflict"
+    fields = spec["components"]["schemas"]["VersionConflict"]["properties"]
+    assert {"detail", "constraint", "target_version", "latest_version", "served_version"} <= set(fields)
 
 
 def test_an_empty_take_has_no_lease(client: httpx.Client) -> None:
@@ -373,7 +401,10 @@ def test_every_refusal_is_documented_with_the_one_error_schema(client: httpx.Cli
                     continue
                 seen.add(status)
                 ref = response["content"]["application/json"]["schema"]["$ref"]
-                expected = "GenerateRefusal" if (path, status) == ("/generate", "400") else "ErrorBody"
+                expected = {
+                    ("/generate", "400"): "GenerateRefusal",
+                    ("/v1/sessions/{session_id}/turns", "409"): "VersionConflict",  # an ErrorBody and more
+                }.get((path, status), "ErrorBody")
                 assert ref == f"#/components/schemas/{expected}", (method, path, status)
             if op.get("security"):  # every route behind a key documents both auth refusals
                 assert {"401", "403"} <= set(op["responses"]), (method, path)

@@ -1,20 +1,22 @@
 """The engine client and the one parser against SGLang 0.5.23's answers: response fixtures written
 from the release's source (tests/fixtures/sglang_0_5_23/*.json, each naming the lines it follows)
 served by a real loopback HTTP server to fleet.sglang_client.SGLangClient.generate (the one request
-builder) and parsed by router.records.parse_turn; and a real router over the local engine, which
-refuses a sampling mask without a finite top_k as SGLang does, recording a top-p-only turn."""
+builder) and parsed by router.records.parse_turn (an unfiltered turn's answer without a mask
+included); and a real router over the local engine, which refuses a sampling mask without a finite
+top_k as SGLang does, recording a top-p-only turn."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fleet.sglang_client import EngineAborted, EngineRejected, EngineUnavailable
-from router.records import decode_turn, decode_turn_header, encode_stored, parse_turn
+from router.records import decode_turn, decode_turn_header, encode_stored, encode_turn, parse_turn
 from tests.fleet.test_sglang_client import Server, answer, with_client
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23"
@@ -47,7 +49,7 @@ def test_a_top_p_only_turn_is_sent_with_the_mask_bound_and_recorded_so() -> None
     )
     assert sent["sampling_params"]["top_k"] == 4096 and sent["sampling_logprobs_mode"] == "support"
     assert sent["return_sampling_mask"] is True and sent["return_logprob"] is True
-    assert gen.top_k_bound == 4096 and gen.sampling == {"top_k_bound": 4096}
+    assert gen.request.top_k_bound == 4096 and gen.sampling == {"top_k_bound": 4096}
     turn = parse_turn(gen.body, timings={}, sampling=gen.sampling, **ARGS)
     meta = gen.body["meta_info"]
     # masks come most likely first; the record holds them by id, log-probs unknown in selected mode
@@ -65,7 +67,7 @@ def test_a_top_p_only_turn_is_sent_with_the_mask_bound_and_recorded_so() -> None
 
 def test_support_mode_gives_the_support_log_probs_and_mu_of_the_sampled_token() -> None:
     gen, sent = serve("support_mode_two_versions", {"temperature": 0.7, "top_p": 0.95, "top_k": 20})
-    assert sent["sampling_params"]["top_k"] == 20 and gen.top_k_bound is None and gen.sampling is None
+    assert sent["sampling_params"]["top_k"] == 20 and gen.request.top_k_bound is None and gen.sampling is None
     turn = parse_turn(gen.body, timings={}, sampling=gen.sampling, **ARGS)
     meta = gen.body["meta_info"]
     for i, tok in enumerate(gen.body["output_ids"]):
@@ -85,6 +87,46 @@ def test_support_mode_gives_the_support_log_probs_and_mu_of_the_sampled_token() 
     blob, stored = encode_stored(turn)
     assert "sampling" not in decode_turn_header(blob)  # sampled exactly as asked: no key
     assert decode_turn(blob).to_json() == stored.to_json()
+
+
+def test_an_unfiltered_turn_is_sent_without_a_mask_and_mu_is_its_output_token_logprobs() -> None:
+    params = {"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "max_new_tokens": 4}
+    gen, sent = serve("unfiltered_no_mask", params)
+    assert sent == {"input_ids": [1, 2, 3, 4], "sampling_params": params, "return_logprob": True}
+    assert gen.request.mask is False and gen.sampling == {"sampling_mask": False}
+    turn = parse_turn(gen.body, timings={}, sampling=gen.sampling, **ARGS)
+    triples = gen.body["meta_info"]["output_token_logprobs"]
+    assert list(turn.logprobs) == list(turn.raw_logprobs) == [x[0] for x in triples]
+    assert list(turn.support_ids) == list(turn.support_logprobs) == [[]] * 4  # the whole vocabulary
+    assert list(turn.weight_versions) == [{"version": 7, "start": 0, "end": 4}]
+    blob, stored = encode_stored(turn)
+    assert decode_turn_header(blob)["sampling"] == {"sampling_mask": False}
+    assert decode_turn(blob).to_json() == stored.to_json() and stored.sampling == {"sampling_mask": False}
+    assert list(stored.logprobs) == [x[0] for x in triples]  # float32 values: stored exactly
+    # per token: f32 mu + f32 raw log-prob + a 0 support size + the id's varint (1-3 bytes here)
+    empty = encode_turn(
+        replace(turn, output_ids=[], logprobs=[], raw_logprobs=[], support_ids=[], support_logprobs=[])
+    )
+    assert len(blob) - len(empty) == 4 * (4 + 4 + 1) + (2 + 1 + 3 + 3)
+
+
+def test_mask_fields_must_match_the_request() -> None:
+    """A no-mask turn whose answer carries mask fields, and a masked turn whose answer lacks them,
+    are refused naming the field (neither is an answer SGLang gives to that request)."""
+    with pytest.raises(ValueError, match="output_token_sampling_mask is present but no sampling mask"):
+        parse_turn(
+            fixture("support_mode_two_versions")["body"],
+            timings={},
+            sampling={"sampling_mask": False},
+            **ARGS,
+        )
+    with pytest.raises(ValueError, match="meta_info.output_token_sampling_mask is missing"):
+        parse_turn(fixture("unfiltered_no_mask")["body"], timings={}, sampling=None, **ARGS)
+    body = fixture("unfiltered_no_mask")["body"]  # a log-prob sent as null (non-finite): unknown
+    body["meta_info"]["output_token_logprobs"][1][0] = None
+    turn = parse_turn(body, timings={}, sampling={"sampling_mask": False}, **ARGS)
+    assert math.isnan(turn.logprobs[1]) and turn.raw_logprobs[1] is None
+    assert turn.to_json()["records"][1]["logprob"] is None and turn.logprobs[0] == -1.2345678806304932
 
 
 def test_an_abort_answered_200_is_unavailable_and_never_parsed_into_a_turn() -> None:

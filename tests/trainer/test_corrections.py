@@ -20,6 +20,7 @@ from trainer.corrections import (
     mismatch_by_group,
     policy_loss,
     replay_logprobs,
+    sampled_logprobs,
 )
 
 V = 9
@@ -205,6 +206,31 @@ def test_replay_logprobs_are_log_softmax_over_the_support() -> None:
         ]
     )
     torch.testing.assert_close(got, want)
+
+
+def test_an_unfiltered_turns_empty_supports_are_the_whole_vocabulary() -> None:
+    """A turn sampled without a filter records an empty support per token (router/records.py):
+    the trainer's replayed log-prob is then the full-vocabulary one, and mask replay over the
+    whole vocabulary is the tail mode with nothing in the head: ``sc-mis-topp`` has ``sc-mis``'s
+    value and gradient."""
+    g = _rng(9)
+    T = 5
+    logits = torch.randn(T, V, generator=g)
+    tokens = torch.tensor([0, 3, 8, 3, 5])
+    mu = torch.log_softmax(logits + 0.3 * torch.randn(T, V, generator=g), dim=-1)[torch.arange(T), tokens]
+    adv = torch.randn(T, generator=g)
+    empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(T + 1, dtype=torch.int64), torch.zeros(0))
+    support = Support.build(*empty, T, V)
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(T), tokens]
+    torch.testing.assert_close(sampled_logprobs(logits, tokens, support), want, rtol=0, atol=0)
+    out = {}
+    for method in ("sc-mis-topp", "sc-mis"):
+        x = logits.clone().requires_grad_(True)
+        loss = policy_loss(x, tokens, mu, *empty, adv, method=method)
+        loss.backward()
+        out[method] = (loss.detach(), x.grad)
+    torch.testing.assert_close(out["sc-mis-topp"], out["sc-mis"])
+    assert torch.count_nonzero(out["sc-mis"][1]) > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
