@@ -92,17 +92,21 @@ def _int(config: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def context_length(config: dict[str, Any]) -> int:
-    """SGLang 0.5.23's context length of a model config (``get_context_length``)."""
+def context_length(config: dict[str, Any], path: Path) -> int:
+    """SGLang 0.5.23's context length of the model config read from ``path`` (``get_context_length``:
+    the first key present, times the rope-scaling factor unless the scaling keeps the original
+    length)."""
     rope = config.get("rope_scaling") or {}
-    factor = rope.get("factor", 1) if isinstance(rope, dict) else 1
-    if isinstance(rope, dict) and (
-        "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3"
-    ):
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: rope_scaling must be an object, got {rope!r}")
+    factor = rope.get("factor", 1)
+    if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
         factor = 1
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
+        raise UserError(f"{path}: rope_scaling.factor must be a positive number, got {factor!r}")
     for key in CONTEXT_LENGTH_KEYS:
         if config.get(key) is not None:
-            return int(factor * config[key])
+            return int(factor * _int(config, key, path))
     return 2048
 
 
@@ -115,15 +119,17 @@ def read_model(checkpoint: Path, formats: Iterable[str]) -> Model:
     config, path = source.config, Path(checkpoint) / "config.json"
     heads = _int(config, "num_attention_heads", path)
     kv_heads = _int(config, "num_key_value_heads", path) if "num_key_value_heads" in config else heads
-    head_dim = config.get("head_dim") or _int(config, "hidden_size", path) // heads
+    head_dim = (
+        _int(config, "head_dim", path) if "head_dim" in config else _int(config, "hidden_size", path) // heads
+    )
     sizes = {f: sum(t.nbytes for t in converted_tensors(source, f)) for f in dict.fromkeys(formats)}
     return Model(
         directory=Path(checkpoint),
         architectures=tuple(config.get("architectures") or ()),
         layers=_int(config, "num_hidden_layers", path),
         kv_heads=kv_heads,
-        head_dim=int(head_dim),
-        context_length=context_length(config),
+        head_dim=head_dim,
+        context_length=context_length(config, path),
         weight_bytes=MappingProxyType(sizes),
     )
 

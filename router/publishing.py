@@ -249,7 +249,7 @@ class PublishService:
             job.version = decide()
             self.jobs[job.job_id] = job
             await self.save(ctx, job)
-        except (StateError, UserError):
+        except BaseException:  # no job started: the lock is freed whatever stopped it
             self.jobs.pop(job.job_id, None)
             with contextlib.suppress(StateError):
                 await ctx.store.release_job_lock(job.job_id)

@@ -161,15 +161,18 @@ def check_checkpoint(ckpt_dir: Path, *, delta: bool = False, where: str = "") ->
     missing-path messages (the router says " on the router's filesystem")."""
     ckpt_dir = Path(ckpt_dir).expanduser()
     what = "delta directory" if delta else "checkpoint directory"
-    if not ckpt_dir.exists():
-        raise UserError(f"{what} {ckpt_dir} does not exist{where}")
-    if not ckpt_dir.is_dir():
-        raise UserError(f"{what} {ckpt_dir} is not a directory{where}")
-    if not delta and not (ckpt_dir / "config.json").is_file():
-        raise UserError(f"checkpoint directory {ckpt_dir} has no config.json (an HF checkpoint needs one)")
-    if not any(ckpt_dir.glob("*.safetensors")):
-        raise UserError(f"{what} {ckpt_dir} has no *.safetensors files")
-    return ckpt_dir.resolve()
+    try:
+        if not ckpt_dir.exists():
+            raise UserError(f"{what} {ckpt_dir} does not exist{where}")
+        if not ckpt_dir.is_dir():
+            raise UserError(f"{what} {ckpt_dir} is not a directory{where}")
+        if not delta and not (ckpt_dir / "config.json").is_file():
+            raise UserError(f"checkpoint directory {ckpt_dir} has no config.json (HF checkpoints need one)")
+        if not any(ckpt_dir.glob("*.safetensors")):
+            raise UserError(f"{what} {ckpt_dir} has no *.safetensors files")
+        return ckpt_dir.resolve()
+    except OSError as exc:  # a name too long, a directory it may not read, ...
+        raise UserError(f"cannot read {what} {str(ckpt_dir)[:200]}{where}: {exc.strerror or exc}") from None
 
 
 class VersionMissing(UserError):

@@ -366,3 +366,53 @@ def test_the_mixed_fleet_at_full_context(capsys, qwen3_30b) -> None:
     assert rc == 2
     errors = [line for line in err if ": error: " in line]
     assert [line.split(": ")[2] for line in errors] == ["group h100-bf16", "group a100-bf16"], err
+
+
+@pytest.mark.parametrize(
+    ("fields", "tokens"),
+    [
+        ({"max_position_embeddings": 32768}, 32768),
+        ({"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 131072),
+        (
+            {
+                "max_position_embeddings": 131072,
+                "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768},
+            },
+            131072,
+        ),
+        ({"seq_length": 8192, "max_position_embeddings": 32768}, 8192),  # SGLang's key order
+        ({}, 2048),
+    ],
+)
+def test_context_length_is_sglangs(tmp_path, fields: dict, tokens: int) -> None:
+    from deploy.fit import context_length
+
+    assert context_length(fields, tmp_path / "config.json") == tokens
+
+
+def test_every_gpu_type_has_its_memory() -> None:
+    from images.accelerators import DOCUMENTED, MEMORY_MIB, UNDOCUMENTED
+
+    assert set(MEMORY_MIB) == set(DOCUMENTED) | set(UNDOCUMENTED)
+
+
+def test_bad_fit_inputs_are_one_line(capsys, tmp_path, qwen3_30b) -> None:
+    groups = [{"name": "g", "accelerator": "H200", "engine_args": ["--mem-fraction-static", "most"]}]
+    preset = write_preset(tmp_path / "p.toml", groups)
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(qwen3_30b))
+    assert rc == 2 and err == [
+        "mixfleet deploy: error: group g: engine_args --mem-fraction-static 'most' is not a number"
+    ]
+    groups[0]["engine_args"] = ["--mem-fraction-static=1.5"]
+    preset = write_preset(tmp_path / "p.toml", groups)
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(qwen3_30b))
+    assert rc == 2 and err == [
+        "mixfleet deploy: error: group g: engine_args --mem-fraction-static 1.5 is not in (0, 1]"
+    ]
+    bad = tmp_path / "bad"
+    write_checkpoint(bad, MoESpec(extra={"max_position_embeddings": "long"}))
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(bad))
+    assert rc == 2 and err == [
+        f"mixfleet deploy: error: {bad / 'config.json'}: "
+        "max_position_embeddings must be a positive integer, got 'long'"
+    ]

@@ -69,11 +69,12 @@ def test_bad_checkpoints_are_refused_at_once(weights_router, tiny_dir: Path, tmp
         (tmp_path / "missing", "does not exist on the router's filesystem"),
         (a_file, "is not a directory on the router's filesystem"),
         (no_config, "has no config.json"),
+        (Path("/" + "x" * 5000), "File name too long"),
     ]
     for path, reason in cases:
         r = _post(router, "/v1/weights", {"checkpoint": str(path)})
         assert r.status_code == 400, r.text
-        assert str(path) in r.json()["detail"] and reason in r.json()["detail"], r.json()
+        assert str(path)[:200] in r.json()["detail"] and reason in r.json()["detail"], r.json()
         # the CLI says the router's reason in one line (the path is the router's to judge)
         done = _cli(router, "publish", "--no-wait", str(path))
         assert done.returncode == 2, done.stderr
