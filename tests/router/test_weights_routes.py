@@ -4,8 +4,8 @@ over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
 
 - a checkpoint that does not exist, is a file, or has no ``config.json``: 400 naming the problem;
 - a rollback to a version the store does not hold: 404 naming the version and format;
-- ``publish`` without ``--version``, twice: versions 1 and 2 (the router picks the number under
-  its job lock), and a rollback without a version after them is 3;
+- ``publish`` without ``--version``, twice, then the trainer kit's publish without a version, then
+  a rollback without one: four consecutive numbers (the router picks each under its job lock);
 - ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently.
 """
 
@@ -51,14 +51,13 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
-def _no_job_ran(router) -> None:
-    """Nothing was published: the store has no version (every refusal came before a job)."""
-    status = httpx.get(router.url + "/v1/weights", headers=router.headers, timeout=30).json()
-    assert status["latest_version"] is None, status
+def _latest(router) -> int | None:
+    return httpx.get(router.url + "/v1/weights", headers=router.headers, timeout=30).json()["latest_version"]
 
 
 def test_bad_checkpoints_are_refused_at_once(weights_router, tiny_dir: Path, tmp_path: Path) -> None:
     router = weights_router
+    before = _latest(router)
     a_file = tmp_path / "weights.safetensors"
     a_file.write_bytes(b"not a directory")
     no_config = tmp_path / "no-config"
@@ -80,21 +79,23 @@ def test_bad_checkpoints_are_refused_at_once(weights_router, tiny_dir: Path, tmp
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("\n") == 1 and "HTTP 400" in done.stderr, done.stderr
         assert reason in done.stderr, done.stderr
-    _no_job_ran(router)
+    assert _latest(router) == before  # every refusal came before a job: nothing was published
 
 
 def test_rollback_to_a_missing_version_is_refused_at_once(weights_router) -> None:
+    before = _latest(weights_router)
     r = _post(weights_router, "/v1/weights/rollback", {"to": 7})
     assert r.status_code == 404, r.text
     assert r.json()["detail"] == f"cannot roll back run {RUN!r} to version 7: no bf16 version 7"
     done = _cli(weights_router, "rollback", "--to", "7", "--no-wait")
     assert done.returncode == 2 and "HTTP 404" in done.stderr and "no bf16 version 7" in done.stderr
-    _no_job_ran(weights_router)
+    assert _latest(weights_router) == before
 
 
 def test_publishes_without_a_version_compose(weights_router, tiny_dir: Path) -> None:
     router = weights_router
-    for expected in (1, 2):
+    first = (_latest(router) or 0) + 1
+    for expected in (first, first + 1):
         done = _cli(router, "publish", "--no-wait", "--json", str(tiny_dir))
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["result"]["version"] == expected
@@ -103,12 +104,12 @@ def test_publishes_without_a_version_compose(weights_router, tiny_dir: Path) -> 
 
     with RolloutClient(router.url, router.key) as client:
         job = client.publish(str(tiny_dir))
-        assert job["version"] == 3 and job["state"] == "running", job
-        assert client.wait_job(job["job_id"])["result"]["version"] == 3
-        r = _post(router, "/v1/weights/rollback", {"to": 1})
-        assert r.status_code == 202 and r.json()["version"] == 4, r.text
+        assert job["version"] == first + 2 and job["state"] == "running", job
+        assert client.wait_job(job["job_id"])["result"]["version"] == first + 2
+        r = _post(router, "/v1/weights/rollback", {"to": first})
+        assert r.status_code == 202 and r.json()["version"] == first + 3, r.text
         done = client.wait_job(r.json()["job_id"])
-        assert done["result"]["version"] == 4 and done["result"]["content_of"] == 1, done
+        assert done["result"]["version"] == first + 3 and done["result"]["content_of"] == first, done
 
 
 def test_status_into_a_closed_pipe_exits_quietly(weights_router) -> None:
