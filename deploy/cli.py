@@ -1,9 +1,12 @@
-"""Deploy the fleet to Modal (mixfleet deploy [--preset mixed|homogeneous|FILE] [--dry-run]).
+"""Deploy the fleet to Modal (mixfleet deploy [--preset NAME|FILE] [--checkpoint DIR] [--dry-run]).
 
 The preset is checked first: every problem is one line on stderr (``error: group G: ...``), and
-any error stops the command with status 2 before anything is contacted. ``--dry-run`` prints every
-server (GPU, format, KV dtype, SGLang argv, autoscaling), the router and the conversion function
-and stops there. Otherwise it runs ``modal deploy deploy/modal_app.py`` with the preset (needs a
+any error stops the command with status 2 before anything is contacted. With ``--checkpoint DIR``
+(the BF16 checkpoint the fleet will serve; its ``config.json`` and safetensors headers are read,
+not its data) a group whose GPUs cannot hold the model's weights in its format plus one
+full-context sequence of KV cache is such an error (:mod:`deploy.fit`). ``--dry-run`` prints every
+server (GPU, format, KV dtype, SGLang argv, autoscaling, memory fit), the router and the conversion
+function and stops there. Otherwise it runs ``modal deploy deploy/modal_app.py`` with the preset (needs a
 Modal token: ``modal token new``).
 """
 
@@ -20,6 +23,12 @@ APP_FILE = Path(__file__).resolve().parent / "modal_app.py"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="mixed", help="mixed (default), homogeneous, or a TOML file")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="the BF16 checkpoint the fleet serves: refuse groups whose GPUs cannot hold it",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan; contact nothing")
     parser.add_argument("--run", default=None, help="run id served (default: $MIXFLEET_RUN, else main)")
 
@@ -35,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from weight_sync.errors import UserError
 
     try:
-        plan = load_plan(args.preset)
+        plan = load_plan(args.preset, args.checkpoint)
     except PresetRejected as exc:
         for problem in exc.problems:
             print(f"mixfleet deploy: {problem.line()}", file=sys.stderr)

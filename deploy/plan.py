@@ -3,7 +3,11 @@
 :func:`check` lists every problem of a fleet for Modal, one line each: errors (a GPU string Modal
 does not know, a CPU group, a count that disagrees with ``gpus_per_replica``, an mxfp4 group on an
 architecture SGLang's mxfp4 loader does not take, a KV dtype SGLang does not take) and warnings
-(an undocumented GPU string, an unverified price). :func:`build_plan` turns a fleet without errors
+(an undocumented GPU string, an unverified price). Given the model (:func:`deploy.fit.read_model`
+of the BF16 checkpoint the fleet serves), it also refuses a group whose GPUs cannot hold the
+model's weights in its format plus one full-context sequence of KV cache within SGLang's memory
+fraction (:mod:`deploy.fit`), and a checkpoint of another architecture than the preset's.
+:func:`build_plan` turns a fleet without errors
 into a :class:`DeployPlan` — one :class:`ServerPlan` per group with its GPU, image family, SGLang
 argv and autoscaling, plus the router and the weight-conversion function — and raises
 :class:`PresetRejected` carrying the problems otherwise. Pure: no modal import, nothing contacted.
@@ -12,8 +16,10 @@ argv and autoscaling, plus the router and the weight-conversion function — and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
+from deploy.fit import Fit, Model, fit, read_model
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images import sglang
 from images.accelerators import Family, GpuError, gpu_string, max_count, parse_gpu
@@ -44,6 +50,9 @@ SERVER_STARTUP_TIMEOUT_S = 1800
 SERVER_EXIT_GRACE_S = 120  # in-flight turns finish on scale-down (Modal allows up to 3600 for servers)
 # Requests a replica takes beyond its sessions: its sidecar's own control and status calls.
 CONTROL_HEADROOM = 8
+
+
+NO_FIT_LINE = "  memory: not checked (--checkpoint DIR: the BF16 checkpoint the fleet serves)"
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class DeployPlan:
     router: RouterPlan = field(default_factory=RouterPlan)
     convert: ConvertPlan = field(default_factory=ConvertPlan)
     warnings: tuple[Problem, ...] = ()
+    model: Model | None = None  # None: the memory fit was not checked (no checkpoint given)
 
     @property
     def families(self) -> tuple[Family, ...]:
@@ -181,11 +191,34 @@ def _check_group(g: GroupSpec, architecture: str) -> list[Problem]:
     return problems
 
 
-def check(fleet: FleetSpec) -> list[Problem]:
-    """Every problem of ``fleet`` for a Modal deployment, in group order (empty: deployable as is)."""
+def _check_fit(g: GroupSpec, model: Model) -> list[Problem]:
+    """An error when ``g``'s GPUs cannot hold ``model`` (a GPU string that does not parse is
+    reported by :func:`_check_group` already)."""
+    try:
+        f = fit(g, model)
+    except GpuError:
+        return []
+    except UserError as exc:
+        return [Problem("error", str(exc), g.name)]
+    return [] if f.fits else [Problem("error", f.refusal(), g.name)]
+
+
+def check(fleet: FleetSpec, model: Model | None = None) -> list[Problem]:
+    """Every problem of ``fleet`` for a Modal deployment serving ``model`` (None: the memory fit is
+    not checked), in group order (empty: deployable as is)."""
     problems: list[Problem] = []
+    if model is not None and fleet.architecture not in model.architectures:
+        problems.append(
+            Problem(
+                "error",
+                f"checkpoint {model.directory} is {', '.join(model.architectures) or 'of no architecture'}, "
+                f"not the preset's {fleet.architecture}",
+            )
+        )
     for g in fleet.groups:
         problems += _check_group(g, fleet.architecture)
+        if model is not None and not g.is_local:
+            problems += _check_fit(g, model)
     return problems
 
 
@@ -221,21 +254,32 @@ def _server(g: GroupSpec) -> ServerPlan:
     )
 
 
-def build_plan(fleet: FleetSpec) -> DeployPlan:
-    """The plan for ``fleet``; raises :class:`PresetRejected` if :func:`check` finds an error."""
-    problems = check(fleet)
+def build_plan(fleet: FleetSpec, model: Model | None = None) -> DeployPlan:
+    """The plan for ``fleet`` serving ``model``; raises :class:`PresetRejected` if :func:`check`
+    finds an error."""
+    problems = check(fleet, model)
     if any(p.level == "error" for p in problems):
         raise PresetRejected(problems)
-    return DeployPlan(fleet=fleet, servers=tuple(_server(g) for g in fleet.groups), warnings=tuple(problems))
+    servers = tuple(_server(g) for g in fleet.groups)
+    return DeployPlan(fleet=fleet, servers=servers, warnings=tuple(problems), model=model)
 
 
-def load_plan(preset: str) -> DeployPlan:
-    """:func:`build_plan` of a built-in preset name or a TOML path (UserError for either failing)."""
-    return build_plan(load_preset(preset))
+def load_plan(preset: str, checkpoint: str | None = None) -> DeployPlan:
+    """:func:`build_plan` of a built-in preset name or a TOML path, serving the BF16 checkpoint
+    directory ``checkpoint`` (None: the memory fit is not checked); UserError for any failing."""
+    fleet = load_preset(preset)
+    model = read_model(Path(checkpoint), fleet.formats) if checkpoint is not None else None
+    return build_plan(fleet, model)
+
+
+def fit_of(plan: DeployPlan, server: ServerPlan) -> Fit | None:
+    """The memory fit of one server of ``plan`` (None when the plan has no model)."""
+    return fit(server.group, plan.model) if plan.model is not None else None
 
 
 def describe(plan: DeployPlan) -> str:
-    """The dry-run text: every server with GPU, format, KV dtype, SGLang argv and autoscaling."""
+    """The dry-run text: every server with GPU, format, KV dtype, SGLang argv, autoscaling and
+    memory fit (or that it was not checked)."""
     import shlex
 
     lines = [
@@ -252,6 +296,8 @@ def describe(plan: DeployPlan) -> str:
             f"max concurrency {a.max_concurrency}",
             f"  sglang: {shlex.join(s.sglang_argv)}",
         ]
+        f = fit_of(plan, s)
+        lines.append(f"  {f.summary()}" if f else NO_FIT_LINE)
     r, c = plan.router, plan.convert
     lines += [
         f"router: asgi app, containers {r.min_containers}..{r.max_containers}, target concurrency "

@@ -348,7 +348,7 @@ def _print_banner(
     lines += [
         f'  curl -s -H "Authorization: Bearer $KEY" {router_url}/v1/groups',
         f'  MIXFLEET_API_KEY="$KEY" {mixfleet_executable()} weights publish --router {router_url} '
-        f"--version 1 {shlex.quote(str(data / 'base'))}",
+        f"{shlex.quote(str(data / 'base'))}",
         f"OpenAPI: {router_url}/docs   metrics: {router_url}/metrics   logs: {data / 'logs'}",
         "Ctrl-C stops everything.",
     ]

@@ -28,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser(
-        "publish", help="convert a BF16 checkpoint once per format and publish it as version N"
+        "publish", help="convert a BF16 checkpoint once per format and publish it (as the next version)"
     )
     common(p)
-    p.add_argument("checkpoint", help="HF BF16 checkpoint directory (readable by the router)")
+    p.add_argument(
+        "checkpoint", help="HF BF16 checkpoint directory, a path on the router's filesystem (checked there)"
+    )
     p.add_argument(
         "--delta-of",
         type=int,
@@ -95,9 +97,9 @@ def _formats(arg: str | None) -> list[str] | None:
 
 
 def _publish(client, args: argparse.Namespace) -> int:
+    # The path is the router's to judge (it may be on the router's volume, not here): sent as an
+    # absolute path, refused by the router with the reason (weight_sync.publish.check_checkpoint).
     ckpt = Path(args.checkpoint).expanduser()
-    if not ckpt.is_dir():
-        raise UserError(f"checkpoint directory {ckpt} does not exist")
     body: dict[str, Any] = {
         "checkpoint": str(ckpt.resolve()),
         "version": args.version,

@@ -5,6 +5,7 @@ The modal client does not validate GPU strings (any string passes offline), so t
 ``B300`` is used by Modal's own RL control plane (modal-projects/stitch,
 ``cookbook/common/config.py`` ``GPUType``) but is not documented, so it is allowed with a warning.
 A string may end in ``:N`` (N GPUs); the same guide allows up to 8 per container (4 for A10).
+:func:`memory_mib` is one GPU's memory as SGLang sizes its pools from it (see ``MEMORY_MIB``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ _FAMILY: dict[str, Family] = {
     "B200": "blackwell",
     "B200+": "blackwell",
     "B300": "blackwell",
+}
+# One GPU's memory in MiB as ``nvidia-smi --query-gpu=memory.total`` reports it: the figure SGLang
+# 0.5.23 sizes its static memory from (utils/common.py 802-832, get_nvgpu_memory_capacity). These
+# are the values the driver reports for each board (NVIDIA's datasheet figure in GB in the comment;
+# the driver reserves part of it); none was measured from here (no GPU). Where Modal may hand out a
+# bigger GPU than the one asked for ("A100" may be an 80 GB one, "H100" an H200, "B200+" a B300;
+# Modal's GPU guide, "GPU fallbacks" and stitch config.py), the figure is the smallest it may be.
+MEMORY_MIB: dict[str, int] = {
+    "T4": 15360,  # 16 GB GDDR6
+    "L4": 23034,  # 24 GB GDDR6
+    "A10": 23028,  # 24 GB GDDR6 (A10G)
+    "L40S": 46068,  # 48 GB GDDR6
+    "A100": 40960,  # 40 GB HBM2 (or an 80 GB A100)
+    "A100-40GB": 40960,  # 40 GB HBM2
+    "A100-80GB": 81920,  # 80 GB HBM2e
+    "RTX-PRO-6000": 97887,  # 96 GB GDDR7 (RTX PRO 6000 Blackwell Server Edition)
+    "H100": 81559,  # 80 GB HBM3 (or an H200)
+    "H100!": 81559,  # 80 GB HBM3
+    "H200": 143771,  # 141 GB HBM3e
+    "B200": 183359,  # 180 GB HBM3e per GPU in HGX B200 (192 GB on the package)
+    "B200+": 183359,  # a B200 or a B300: the B200's
+    "B300": 274658,  # 288 GB HBM3e per GPU in HGX B300: 288e9 bytes, no driver figure read
 }
 # Compute capabilities each family's image builds JIT kernels for (TORCH_CUDA_ARCH_LIST syntax).
 ARCH_LIST: dict[Family, str] = {
@@ -92,6 +115,11 @@ def parse_gpu(value: str) -> Gpu:
             )
         count = int(count_text)
     return Gpu(kind=kind, count=count, documented=kind in DOCUMENTED)
+
+
+def memory_mib(kind: str) -> int:
+    """One ``kind`` GPU's memory in MiB as the driver reports it (``MEMORY_MIB``)."""
+    return MEMORY_MIB[kind]
 
 
 def gpu_string(kind: str, count: int) -> str:

@@ -28,7 +28,8 @@ Contracts:
   process when the converter is remote).
 
 Refusals are errors that carry their data (:class:`StoreNotConfigured`, :class:`StoreUnreadable`,
-:class:`JobRunning`, :class:`VersionTooOld`, :class:`NoBf16Copy`); any other
+:class:`JobRunning`, :class:`VersionTooOld`, :class:`NoBf16Copy`, and
+:class:`~weight_sync.publish.VersionMissing` from the publisher); any other
 :class:`~weight_sync.errors.UserError` is bad input.
 """
 
@@ -231,18 +232,24 @@ class PublishService:
         self.converter.close()
 
     # jobs --------------------------------------------------------------------------------------
-    async def start_job(self, ctx: RouterContext, kind: str, run_id: str, version: int | None) -> Job:
+    async def start_job(self, ctx: RouterContext, kind: str, run_id: str, decide: Callable[[], int]) -> Job:
         """A new running job holding the store's job lock, its view stored; :class:`JobRunning`
-        while another job (of any router) holds the lock."""
-        job = Job(job_id=uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=version)
+        while another job (of any router) holds the lock.
+
+        ``decide`` runs once the lock is held and returns the job's version (or raises a
+        ``UserError``, which frees the lock): no other job can commit a version between the
+        choice of a number (the next one, by default) and this job's start, so two publishes
+        without a version never pick the same number."""
+        job = Job(job_id=uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=None)
         if not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
             holder = await ctx.store.job_lock_holder()
             if holder is not None or not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
                 raise JobRunning([holder or "another router's"])
-        self.jobs[job.job_id] = job
         try:
+            job.version = decide()
+            self.jobs[job.job_id] = job
             await self.save(ctx, job)
-        except StateError:
+        except BaseException:  # no job started: the lock is freed whatever stopped it
             self.jobs.pop(job.job_id, None)
             with contextlib.suppress(StateError):
                 await ctx.store.release_job_lock(job.job_id)
@@ -348,46 +355,62 @@ class PublishService:
         delta_of: int | None,
     ) -> Job:
         """Start converting the BF16 checkpoint directory ``checkpoint`` once per format (default:
-        the fleet's) and publishing it as ``version`` (default: the next one); with ``delta_of``
-        B the directory holds only the tensors changed since B and every format is published as
-        a delta over B. Raises before any job starts for bad input."""
-        from weight_sync.publish import check_delta_base, check_formats, latest_version, next_version
+        the fleet's) and publishing it as ``version`` (default: the next one, chosen under the job
+        lock); with ``delta_of`` B the directory holds only the tensors changed since B and every
+        format is published as a delta over B. Raises before any job starts for bad input: a
+        relative path, a path that does not exist or is not a directory, a full checkpoint
+        without ``config.json``, no shard, a version older than the pointers, a missing base."""
+        from weight_sync.publish import (
+            check_checkpoint,
+            check_delta_base,
+            check_formats,
+            latest_version,
+            next_version,
+        )
 
         store = self.store()
         await self.synced(ctx)
         run_id = run_id or self.run_id
         if not checkpoint.is_absolute():
             raise UserError(f"checkpoint must be an absolute path on the router's filesystem: {checkpoint}")
-        if not checkpoint.is_dir():
-            raise UserError(f"checkpoint directory {checkpoint} does not exist on the router's filesystem")
+        check_checkpoint(checkpoint, delta=delta_of is not None, where=" on the router's filesystem")
         formats = check_formats(formats or list(ctx.config.fleet.formats))
-        version = version if version is not None else next_version(store, run_id, formats)
-        current = latest_version(store, run_id, formats)
-        if current is not None and version < current:
-            raise VersionTooOld(run_id, version, current)
-        if delta_of is not None:
-            check_delta_base(store, run_id, version, delta_of, formats)
-        job = await self.start_job(ctx, "publish", run_id, version)
-        request = ConvertRequest(run_id, version, str(checkpoint), tuple(formats), mode, delta_of)
+
+        def decide() -> int:
+            number = version if version is not None else next_version(store, run_id, formats)
+            current = latest_version(store, run_id, formats)
+            if current is not None and number < current:
+                raise VersionTooOld(run_id, number, current)
+            if delta_of is not None:
+                check_delta_base(store, run_id, number, delta_of, formats)
+            return number
+
+        job = await self.start_job(ctx, "publish", run_id, decide)
+        request = ConvertRequest(run_id, job.version, str(checkpoint), tuple(formats), mode, delta_of)
         on_event = self._events(ctx, job)
         self._run(ctx, job, lambda: self.converter.publish(store, request, on_event))
         return job
 
     async def rollback(self, ctx: RouterContext, to: int, *, run_id: str | None, version: int | None) -> Job:
-        """Start publishing a new version (default: the next one) whose content is ``to``'s."""
-        from weight_sync.publish import next_version
+        """Start publishing a new version (default: the next one, chosen under the job lock) whose
+        content is ``to``'s; :class:`~weight_sync.publish.VersionMissing` at once when some format has
+        no version ``to``."""
+        from weight_sync.publish import check_rollback_target, next_version
         from weight_sync.publish import rollback as do_rollback
 
         store = self.store()
         await self.synced(ctx)
         run_id = run_id or self.run_id
         formats = list(ctx.config.fleet.formats)
-        version = version if version is not None else next_version(store, run_id, formats)
-        job = await self.start_job(ctx, "rollback", run_id, version)
+        check_rollback_target(store, run_id, to, formats)
+
+        def decide() -> int:
+            return version if version is not None else next_version(store, run_id, formats)
+
+        job = await self.start_job(ctx, "rollback", run_id, decide)
         on_event = self._events(ctx, job)
-        self._run(
-            ctx, job, lambda: do_rollback(store, run_id, to, formats, version=version, on_event=on_event)
-        )
+        new = job.version
+        self._run(ctx, job, lambda: do_rollback(store, run_id, to, formats, version=new, on_event=on_event))
         return job
 
     async def perturb(
@@ -404,8 +427,8 @@ class PublishService:
         formats = list(ctx.config.fleet.formats)
         if "bf16" not in store_formats(store, run_id, from_version):
             raise NoBf16Copy(run_id, from_version)
-        version = next_version(store, run_id, formats)
-        job = await self.start_job(ctx, "perturbation", run_id, version)
+        job = await self.start_job(ctx, "perturbation", run_id, lambda: next_version(store, run_id, formats))
+        version = job.version
         t, s = swap_rows
         on_event = self._events(ctx, job)
 

@@ -4,9 +4,13 @@
   converts the BF16 checkpoint (a directory on this router's filesystem, e.g. already on the
   store's volume) once per format the fleet serves and publishes it (:mod:`weight_sync.publish`).
   With ``delta_of`` B the directory holds only the tensors changed since B, and every format is
-  published as a delta over B (:mod:`weight_sync.delta`).
+  published as a delta over B (:mod:`weight_sync.delta`). Without ``version`` the router takes
+  the next number (one more than every pointer and committed version) while it holds the job
+  lock, so publishes without a version compose. A path that does not exist or is not a
+  directory, a full checkpoint without ``config.json`` or a directory without shards is a 400 at
+  once (:func:`weight_sync.publish.check_checkpoint`), before any job starts.
 - ``POST /v1/weights/rollback`` ``{to, run_id?, version?}`` -> 202 job: a new version with
-  ``to``'s content.
+  ``to``'s content; 404 at once when some format the fleet serves has no version ``to``.
 - ``POST /v1/weights/perturbations`` ``{from_version, swap_rows: [t, s], run_id?}`` -> 202 job:
   publishes ``from_version`` with two output-projection rows swapped (``mixfleet weights verify``).
 - ``GET /v1/weights/jobs/{id}``: a job's state (``running`` | ``done`` | ``failed``), events,
@@ -48,6 +52,7 @@ from router.publishing import (
 )
 from weight_sync.converters import Converter
 from weight_sync.errors import UserError
+from weight_sync.publish import VersionMissing
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -98,6 +103,8 @@ def _refusal(exc: UserError) -> ApiError:
         return ApiError(503, str(exc))
     if isinstance(exc, JobRunning | VersionTooOld | NoBf16Copy):
         return ApiError(409, str(exc))
+    if isinstance(exc, VersionMissing):
+        return ApiError(404, str(exc))
     return ApiError(400, str(exc))
 
 
@@ -173,7 +180,12 @@ def create_weights_router(
             raise _refusal(exc) from None
         return job.view()
 
-    @router.post("/v1/weights/rollback", status_code=202, dependencies=admin, responses=job_refusals)
+    @router.post(
+        "/v1/weights/rollback",
+        status_code=202,
+        dependencies=admin,
+        responses=error_responses(*AUTH, *BODY, 404, 409, 503),
+    )
     async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
         """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
         try:

@@ -162,12 +162,15 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
         assert n == 5 or turn["finish_reason"]["type"] == "stop", turn["finish_reason"]
         assert all(r["weight_version"] == 0 for r in turn["records"])
 
-        # The README's promise: with `up` running, publishing the base as version 1 just works.
-        pub = paste(set_key, publish + " --json")
-        assert pub.returncode == 0, pub.stderr
-        assert json.loads(pub.stdout)["result"]["version"] == 1
-        groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
-        assert all(g["active_version"] == 1 for g in groups)
+        # The README's promise: with `up` running, the banner's publish just works, and pasted
+        # again it takes the next version (no --version to collide on).
+        assert "--version" not in publish
+        for expected in (1, 2):
+            pub = paste(set_key, publish + " --json")
+            assert pub.returncode == 0, pub.stderr
+            assert json.loads(pub.stdout)["result"]["version"] == expected
+            groups = httpx.get(url + "/v1/groups", headers=auth).json()["groups"]
+            assert all(g["active_version"] == expected for g in groups)
         replica_ports = [int(r["url"].rsplit(":", 1)[1]) for g in groups for r in g["replicas"]]
 
         proc.send_signal(signal.SIGINT)

@@ -227,7 +227,9 @@ class AsyncRolloutClient:
     # weights and fleet -----------------------------------------------------------------
     async def publish(self, checkpoint: str, *, version: int | None = None, **fields: Any) -> dict[str, Any]:
         """Start publishing a BF16 checkpoint directory (an absolute path on the router's
-        machine) as ``version``; returns the job (poll with :meth:`job` or :meth:`wait_job`)."""
+        machine) as ``version`` (None: the router takes the next number, under its job lock);
+        returns the job, whose ``version`` is the number taken (poll with :meth:`job` or
+        :meth:`wait_job`)."""
         body = {"checkpoint": checkpoint, **fields}
         if version is not None:
             body["version"] = version

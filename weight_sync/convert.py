@@ -772,6 +772,19 @@ def _existing(dst: Path, fmt: str, src_sum: str) -> Manifest:
     return verify_dir(dst)
 
 
+def converted_tensors(source: Source, fmt: str) -> list[OutTensor]:
+    """Every tensor :func:`convert_checkpoint` writes for ``source`` in ``fmt`` (name, dtype,
+    shape), from the headers alone: the outputs of the very plan the conversion runs, built
+    without reading a tensor (a deploy plan sizes a group's weights from them). Raises
+    ``UserError`` where the conversion would refuse ``source``."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    classified = classify(source, fmt)
+    with TensorReader() as reader:
+        plan = _Planner(source, fmt, classified, reader, CHUNK_ELEMS).plan()
+    return [out for _, jobs in plan.files for job in jobs for out in job.outputs]
+
+
 def convert_checkpoint(
     src: Path,
     dst: Path,

@@ -154,15 +154,41 @@ def next_version(store: VersionStore, run_id: str, formats: Iterable[str]) -> in
     return top + 1
 
 
-def _check_ckpt(ckpt_dir: Path) -> Path:
+def check_checkpoint(ckpt_dir: Path, *, delta: bool = False, where: str = "") -> Path:
+    """``ckpt_dir`` resolved, or ``UserError`` naming what keeps it from being published: it does
+    not exist, it is not a directory, it has no ``config.json`` (a full checkpoint; a trainer's
+    ``delta`` holds only changed tensors) or no ``*.safetensors`` file. ``where`` ends the
+    missing-path messages (the router says " on the router's filesystem")."""
     ckpt_dir = Path(ckpt_dir).expanduser()
-    if not ckpt_dir.is_dir():
-        raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
-    if not (ckpt_dir / "config.json").is_file():
-        raise UserError(f"checkpoint directory {ckpt_dir} has no config.json")
-    if not any(ckpt_dir.glob("*.safetensors")):
-        raise UserError(f"checkpoint directory {ckpt_dir} has no *.safetensors files")
-    return ckpt_dir.resolve()
+    what = "delta directory" if delta else "checkpoint directory"
+    try:
+        if not ckpt_dir.exists():
+            raise UserError(f"{what} {ckpt_dir} does not exist{where}")
+        if not ckpt_dir.is_dir():
+            raise UserError(f"{what} {ckpt_dir} is not a directory{where}")
+        if not delta and not (ckpt_dir / "config.json").is_file():
+            raise UserError(f"checkpoint directory {ckpt_dir} has no config.json (HF checkpoints need one)")
+        if not any(ckpt_dir.glob("*.safetensors")):
+            raise UserError(f"{what} {ckpt_dir} has no *.safetensors files")
+        return ckpt_dir.resolve()
+    except OSError as exc:  # a name too long, a directory it may not read, ...
+        raise UserError(f"cannot read {what} {str(ckpt_dir)[:200]}{where}: {exc.strerror or exc}") from None
+
+
+class VersionMissing(UserError):
+    """``version`` of ``run_id`` is not committed in format ``fmt`` (a rollback's target)."""
+
+    def __init__(self, run_id: str, version: int, fmt: str) -> None:
+        super().__init__(f"cannot roll back run {run_id!r} to version {version}: no {fmt} version {version}")
+        self.run_id, self.version, self.format = run_id, version, fmt
+
+
+def check_rollback_target(store: VersionStore, run_id: str, to_version: int, formats: Iterable[str]) -> None:
+    """:class:`VersionMissing` unless ``to_version`` is committed in every one of ``formats`` (the
+    content a rollback publishes again); its checksums are verified by :func:`rollback` itself."""
+    for f in formats:
+        if to_version not in store.versions(FormatRef(run_id, f)):
+            raise VersionMissing(run_id, to_version, f)
 
 
 def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequence[str]) -> None:
@@ -241,7 +267,7 @@ def publish_checkpoint(
     formats = check_formats(formats)
     if mode not in MODES:
         raise UserError(f"unknown publish mode {mode!r} (known: {', '.join(MODES)})")
-    ckpt_dir = _check_ckpt(ckpt_dir)
+    ckpt_dir = check_checkpoint(ckpt_dir)
     _check_version(store, run_id, version, formats)
     if delta_of is not None:
         check_delta_base(store, run_id, version, delta_of, formats, need_bf16=False)
@@ -474,11 +500,8 @@ def rollback(
     _check_version(store, run_id, new, formats)
     t_start = time.perf_counter()
     pending = {f: _Pending(f) for f in formats}
+    check_rollback_target(store, run_id, to_version, formats)
     for f in formats:
-        if to_version not in store.versions(FormatRef(run_id, f)):
-            raise UserError(
-                f"cannot roll back run {run_id!r} to version {to_version}: no {f} version {to_version}"
-            )
         try:
             store.verify(VersionRef(run_id, f, to_version))
         except Exception as exc:

@@ -3,6 +3,7 @@ contacted; ``--dry-run`` prints every server with GPU, format, KV dtype, SGLang 
 
 from __future__ import annotations
 
+import math
 import shlex
 import subprocess
 from pathlib import Path
@@ -13,7 +14,9 @@ from deploy import plan as deploy_plan
 from fleet.specs import load_preset
 from images import sglang
 from mixfleet.cli import main
+from tests.support.checkpoints import MoESpec, write_checkpoint, write_sparse_checkpoint
 from tests.support.procs import mixfleet_argv
+from tests.support.router import write_preset
 
 
 def _preset(tmp_path: Path, body: str, architecture: str | None = None) -> str:
@@ -161,6 +164,7 @@ def test_dry_run_prints_every_server(preset: str) -> None:
             f"max concurrency {g.sessions_per_replica + deploy_plan.CONTROL_HEADROOM}"
         )
         assert argv_line.startswith("  sglang: ")
+        assert out[at + 4] == deploy_plan.NO_FIT_LINE  # no --checkpoint: the fit is not checked
         argv = shlex.split(argv_line.removeprefix("  sglang: "))
         assert argv == deploy_plan.sglang_argv(g, f"{deploy_plan.STAGE_DIR}/v<N>", "<N>")
         assert argv[argv.index("--kv-cache-dtype") + 1] == g.kv_cache_dtype
@@ -197,4 +201,218 @@ def test_mixed_preset_is_the_study_fleet() -> None:
     homogeneous = load_preset("homogeneous").groups
     assert [(g.accelerator, g.weight_format, g.kv_cache_dtype) for g in homogeneous] == [
         ("B200", "bf16", "bf16")
+    ]
+
+
+# --- memory fit (deploy.fit): a group's GPUs must hold the weights plus one full-context sequence
+
+# Qwen3-30B-A3B-Instruct-2507's config.json dimensions (30.5B parameters, 262,144-token context),
+# written as a sparse checkpoint: real safetensors headers, data sections that are holes.
+QWEN3_30B = MoESpec(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    mlp_only_layers=(),
+    shard_bytes=16 << 30,
+    extra={"max_position_embeddings": 262144},
+)
+GIB = 1 << 30
+# SGLang 0.5.23's default --mem-fraction-static (arg_groups/memory_hook.py 281-327), worked by hand
+# from nvidia-smi's memory.total (MiB) and the band's chunked_prefill_size / decode max_bs:
+#   H100 81559, tp 1: R = 512 + 1.5*8192 + 1024/8 + 2*256 = 13440 -> round(68119/81559, 3) = 0.835
+#   H100 81559, tp 2: R = 512 + 12288 + 256 + 512 = 13568       -> round(67991/81559, 3) = 0.834
+#   L40S 46068 (< 60 GiB, no 10 GiB floor): R = 512 + 6144 + 128 + 64 = 6848 -> 0.851
+#   H200 143771: R = 13440 -> 0.907;  A100-80GB 81920: R = 13440 -> 0.836
+#   B200 183359: R = 512 + 1.5*16384 + 128 + 2*512 = 26240 -> 0.857
+GPU = {"H100!": (81559, 0.835), "L40S": (46068, 0.851), "H200": (143771, 0.907), "B200": (183359, 0.857)}
+
+
+def _weights(spec: MoESpec, fmt: str) -> int:
+    """The converted checkpoint's tensor bytes, restated from the format definitions: every
+    ``*_proj.weight`` is quantized in fp8 (1 byte + F32 per 128x128 block) and nvfp4 (half a byte
+    + E4M3 per 16 + two F32 scalars); everything else, and all of bf16, is 2 bytes a value."""
+    total = 0
+    for name, shape in spec.tensor_shapes():
+        count = math.prod(shape)
+        if fmt == "bf16" or not name.endswith("_proj.weight"):
+            total += 2 * count
+        elif fmt == "fp8":
+            total += count + 4 * math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128)
+        else:
+            total += count // 2 + count // 16 + 8
+    return total
+
+
+def _usable(kind: str, count: int = 1, fraction: float | None = None) -> float:
+    mib, default = GPU[kind]
+    return int(mib * (1 << 20) * (fraction or default)) * count / GIB
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen3-30b") / "ckpt"
+    write_sparse_checkpoint(directory, QWEN3_30B)
+    return directory
+
+
+FIT_GROUPS = [
+    {"name": "h100-bf16", "accelerator": "H100!", "weight_format": "bf16", "kv_cache_dtype": "fp8_e4m3"},
+    {"name": "l40s-bf16", "accelerator": "L40S", "weight_format": "bf16", "kv_cache_dtype": "fp8_e4m3"},
+    {"name": "h200-bf16", "accelerator": "H200", "weight_format": "bf16", "kv_cache_dtype": "fp8_e4m3"},
+    {"name": "h100-fp8", "accelerator": "H100!", "weight_format": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    {"name": "b200-nvfp4", "accelerator": "B200", "weight_format": "nvfp4", "kv_cache_dtype": "bf16"},
+]
+
+
+def test_a_group_that_cannot_hold_the_model_is_refused_in_one_line(tmp_path, qwen3_30b) -> None:
+    preset = write_preset(tmp_path / "fit.toml", FIT_GROUPS, name="fit")
+    done = subprocess.run(
+        mixfleet_argv("deploy", "--dry-run", "--preset", str(preset), "--checkpoint", str(qwen3_30b)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    bf16 = _weights(QWEN3_30B, "bf16") / GIB
+    # one 262,144-token sequence: 48 layers x (K, V) x 4 KV heads x 128 x 1 byte (fp8) = 12 GiB
+    assert done.stderr.splitlines() == [
+        "mixfleet deploy: error: group h100-bf16: 1 x H100! cannot hold the model: "
+        f"weights {bf16:.1f} GiB + KV minimum 12.0 GiB (262144 tokens of fp8_e4m3) > usable "
+        f"{_usable('H100!'):.1f} GiB (1 x 79.6 GiB x mem-fraction-static 0.835, SGLang's default)",
+        "mixfleet deploy: error: group l40s-bf16: 1 x L40S cannot hold the model: "
+        f"weights {bf16:.1f} GiB + KV minimum 12.0 GiB (262144 tokens of fp8_e4m3) > usable "
+        f"{_usable('L40S'):.1f} GiB (1 x 45.0 GiB x mem-fraction-static 0.851, SGLang's default)",
+    ]
+    assert f"{bf16:.1f}" == "56.9" and f"{_usable('H100!'):.1f}" == "66.5"
+
+
+def test_groups_that_fit_show_their_memory(capsys, tmp_path, qwen3_30b) -> None:
+    groups = [g for g in FIT_GROUPS if g["name"] not in ("h100-bf16", "l40s-bf16")]
+    groups += [
+        # two GPUs share the weights (and the 4 KV heads, 2 each); a shorter context lowers the KV
+        {"name": "h100x2-bf16", "accelerator": "H100!", "gpus_per_replica": 2, "kv_cache_dtype": "fp8_e4m3"},
+        {"name": "h100-short", "accelerator": "H100!", "engine_args": ["--context-length", "32768"]},
+    ]
+    preset = write_preset(tmp_path / "fit.toml", groups, name="fit")
+    rc, out, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(qwen3_30b))
+    assert rc == 0 and err == [], err
+    memory = [line.strip() for line in out if line.strip().startswith("memory: ")]
+    w = {f: _weights(QWEN3_30B, f) / GIB for f in ("bf16", "fp8", "nvfp4")}
+    assert memory == [
+        f"memory: weights {w['bf16']:.1f} GiB + KV minimum 12.0 GiB (262144 tokens of fp8_e4m3) <= usable "
+        f"{_usable('H200'):.1f} GiB (1 x 140.4 GiB x mem-fraction-static 0.907, SGLang's default); "
+        f"KV room for {int((_usable('H200') - w['bf16']) // 12)} full-context sequence(s)",
+        f"memory: weights {w['fp8']:.1f} GiB + KV minimum 12.0 GiB (262144 tokens of fp8_e4m3) <= usable "
+        f"{_usable('H100!'):.1f} GiB (1 x 79.6 GiB x mem-fraction-static 0.835, SGLang's default); "
+        f"KV room for {int((_usable('H100!') - w['fp8']) // 12)} full-context sequence(s)",
+        f"memory: weights {w['nvfp4']:.1f} GiB + KV minimum 24.0 GiB (262144 tokens of bf16) <= usable "
+        f"{_usable('B200'):.1f} GiB (1 x 179.1 GiB x mem-fraction-static 0.857, SGLang's default); "
+        f"KV room for {int((_usable('B200') - w['nvfp4']) // 24)} full-context sequence(s)",
+        f"memory: weights {w['bf16']:.1f} GiB + KV minimum 12.0 GiB (262144 tokens of fp8_e4m3) <= usable "
+        f"{_usable('H100!', 2, 0.834):.1f} GiB (2 x 79.6 GiB x mem-fraction-static 0.834, SGLang's default); "
+        f"KV room for {int((_usable('H100!', 2, 0.834) - w['bf16']) // 12)} full-context sequence(s)",
+        # auto: the model's dtype (BF16), 2 bytes: 32,768 tokens x 48 x 2 x 4 x 128 x 2 = 3 GiB
+        f"memory: weights {w['bf16']:.1f} GiB + KV minimum 3.0 GiB (32768 tokens of auto) <= usable "
+        f"{_usable('H100!'):.1f} GiB (1 x 79.6 GiB x mem-fraction-static 0.835, SGLang's default); "
+        f"KV room for {int((_usable('H100!') - w['bf16']) // 3)} full-context sequence(s)",
+    ]
+
+
+def test_the_weight_bytes_are_the_converters(tmp_path) -> None:
+    """On a small checkpoint converted for real, each format's figure is the bytes of the tensors
+    the converter wrote (the shard files less their headers)."""
+    from deploy.fit import read_model
+    from weight_sync.convert import convert_checkpoint
+
+    spec = write_checkpoint(tmp_path / "small", MoESpec(hidden_size=256, moe_intermediate_size=128))
+    model = read_model(tmp_path / "small", ["bf16", "fp8", "nvfp4", "mxfp4"])
+    for fmt in ("bf16", "fp8", "nvfp4", "mxfp4"):
+        out = tmp_path / fmt
+        convert_checkpoint(tmp_path / "small", out, fmt, workers=1)
+        shards = sorted(out.glob("*.safetensors"))
+        data = sum(p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little") for p in shards)
+        assert model.weight_bytes[fmt] == data, fmt
+        if fmt in ("bf16", "fp8", "nvfp4"):
+            assert model.weight_bytes[fmt] == _weights(spec, fmt), fmt
+
+
+def test_a_checkpoint_the_preset_does_not_serve_is_refused(capsys, tmp_path, qwen3_30b) -> None:
+    body = _group("B200", weight_format="mxfp4")
+    rc, _, err = _deploy(
+        capsys, "--preset", _preset(tmp_path, body, "GptOssForCausalLM"), "--checkpoint", str(qwen3_30b)
+    )
+    assert rc == 2
+    assert err[0] == (
+        f"mixfleet deploy: error: checkpoint {qwen3_30b} is Qwen3MoeForCausalLM, "
+        "not the preset's GptOssForCausalLM"
+    )
+    rc, _, err = _deploy(capsys, "--preset", "mixed", "--checkpoint", str(tmp_path / "nowhere"))
+    assert rc == 2 and err == [
+        f"mixfleet deploy: error: source checkpoint {tmp_path / 'nowhere'} is not a directory"
+    ]
+
+
+def test_the_mixed_fleet_at_full_context(capsys, qwen3_30b) -> None:
+    """The study fleet serving Qwen3-30B-A3B-2507 at its full context: the BF16 groups on 80 GB
+    GPUs cannot hold one sequence beside the weights; every other group can."""
+    rc, _, err = _deploy(capsys, "--preset", "mixed", "--checkpoint", str(qwen3_30b))
+    assert rc == 2
+    errors = [line for line in err if ": error: " in line]
+    assert [line.split(": ")[2] for line in errors] == ["group h100-bf16", "group a100-bf16"], err
+
+
+@pytest.mark.parametrize(
+    ("fields", "tokens"),
+    [
+        ({"max_position_embeddings": 32768}, 32768),
+        ({"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 131072),
+        (
+            {
+                "max_position_embeddings": 131072,
+                "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768},
+            },
+            131072,
+        ),
+        ({"seq_length": 8192, "max_position_embeddings": 32768}, 8192),  # SGLang's key order
+        ({}, 2048),
+    ],
+)
+def test_context_length_is_sglangs(tmp_path, fields: dict, tokens: int) -> None:
+    from deploy.fit import context_length
+
+    assert context_length(fields, tmp_path / "config.json") == tokens
+
+
+def test_every_gpu_type_has_its_memory() -> None:
+    from images.accelerators import DOCUMENTED, MEMORY_MIB, UNDOCUMENTED
+
+    assert set(MEMORY_MIB) == set(DOCUMENTED) | set(UNDOCUMENTED)
+
+
+def test_bad_fit_inputs_are_one_line(capsys, tmp_path, qwen3_30b) -> None:
+    groups = [{"name": "g", "accelerator": "H200", "engine_args": ["--mem-fraction-static", "most"]}]
+    preset = write_preset(tmp_path / "p.toml", groups)
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(qwen3_30b))
+    assert rc == 2 and err == [
+        "mixfleet deploy: error: group g: engine_args --mem-fraction-static 'most' is not a number"
+    ]
+    groups[0]["engine_args"] = ["--mem-fraction-static=1.5"]
+    preset = write_preset(tmp_path / "p.toml", groups)
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(qwen3_30b))
+    assert rc == 2 and err == [
+        "mixfleet deploy: error: group g: engine_args --mem-fraction-static 1.5 is not in (0, 1]"
+    ]
+    bad = tmp_path / "bad"
+    write_checkpoint(bad, MoESpec(extra={"max_position_embeddings": "long"}))
+    rc, _, err = _deploy(capsys, "--preset", str(preset), "--checkpoint", str(bad))
+    assert rc == 2 and err == [
+        f"mixfleet deploy: error: {bad / 'config.json'}: "
+        "max_position_embeddings must be a positive integer, got 'long'"
     ]

@@ -198,3 +198,30 @@ def load_all(directory: Path) -> dict[str, torch.Tensor]:
             for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 out[k] = f.get_tensor(k)
     return out
+
+
+def write_sparse_checkpoint(directory: Path, spec: MoESpec) -> MoESpec:
+    """Write ``spec``'s checkpoint as real safetensors files whose data sections are holes (sparse
+    files: every tensor reads as zeros and takes no disk), for models too big to write: the
+    header, ``config.json`` and the index are those of the real model. One shard per
+    ``spec.shard_bytes`` of tensors (default: one shard)."""
+    from weight_sync.safetensors_io import OutTensor, encode_header
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(spec.config(), indent=2) + "\n")
+    names = list(spec.tensor_shapes())
+    shapes = dict(names)
+    shards = _assign_shards(spec, names) if spec.shard_bytes is not None else [[n for n, _ in names]]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = [OutTensor(n, "BF16", shapes[n]) for n in shard]
+        header = encode_header(tensors, {"format": "pt"})
+        with open(directory / fname, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(t.nbytes for t in tensors))
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": spec.numel() * 2}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return spec

@@ -1,0 +1,133 @@
+"""The admin weight routes refuse at once what a job could only fail on later, and a publish
+without a version takes the next number: a real router process over a real local store, driven
+over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
+
+- a checkpoint that does not exist, is a file, or has no ``config.json``: 400 naming the problem;
+- a rollback to a version the store does not hold: 404 naming the version and format;
+- ``publish`` without ``--version``, twice, then the trainer kit's publish without a version, then
+  a rollback without one: four consecutive numbers (the router picks each under its job lock);
+- ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import mixfleet_argv
+from tests.support.router import router_process, write_preset
+
+RUN = "r"
+
+
+@pytest.fixture(scope="module")
+def weights_router(tmp_path_factory):
+    """A router with one bf16 group (no replicas) and an empty local store, converting in-process."""
+    d = tmp_path_factory.mktemp("weights")
+    preset = write_preset(d / "preset.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    env = {"MIXFLEET_STORE": str(d / "store"), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
+    with router_process(preset, env=env) as handle:
+        yield handle
+
+
+def _post(router, path: str, body: dict) -> httpx.Response:
+    return httpx.post(router.url + path, headers=router.headers, json=body, timeout=60)
+
+
+def _cli(router, *args: str, **kw) -> subprocess.CompletedProcess:
+    env = {"MIXFLEET_URL": router.url, "MIXFLEET_API_KEY": router.key}
+    return subprocess.run(
+        mixfleet_argv("weights", *args), capture_output=True, text=True, timeout=300, env=_env(env), **kw
+    )
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return {**os.environ, **extra}
+
+
+def _latest(router) -> int | None:
+    return httpx.get(router.url + "/v1/weights", headers=router.headers, timeout=30).json()["latest_version"]
+
+
+def test_bad_checkpoints_are_refused_at_once(weights_router, tiny_dir: Path, tmp_path: Path) -> None:
+    router = weights_router
+    before = _latest(router)
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"not a directory")
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    for shard in tiny_dir.glob("*.safetensors"):
+        shutil.copy(shard, no_config / shard.name)
+    cases = [
+        (tmp_path / "missing", "does not exist on the router's filesystem"),
+        (a_file, "is not a directory on the router's filesystem"),
+        (no_config, "has no config.json"),
+        (Path("/" + "x" * 5000), "File name too long"),
+    ]
+    for path, reason in cases:
+        r = _post(router, "/v1/weights", {"checkpoint": str(path)})
+        assert r.status_code == 400, r.text
+        assert str(path)[:200] in r.json()["detail"] and reason in r.json()["detail"], r.json()
+        # the CLI says the router's reason in one line (the path is the router's to judge)
+        done = _cli(router, "publish", "--no-wait", str(path))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and "HTTP 400" in done.stderr, done.stderr
+        assert reason in done.stderr, done.stderr
+    assert _latest(router) == before  # every refusal came before a job: nothing was published
+
+
+def test_rollback_to_a_missing_version_is_refused_at_once(weights_router) -> None:
+    before = _latest(weights_router)
+    r = _post(weights_router, "/v1/weights/rollback", {"to": 7})
+    assert r.status_code == 404, r.text
+    assert r.json()["detail"] == f"cannot roll back run {RUN!r} to version 7: no bf16 version 7"
+    done = _cli(weights_router, "rollback", "--to", "7", "--no-wait")
+    assert done.returncode == 2 and "HTTP 404" in done.stderr and "no bf16 version 7" in done.stderr
+    assert _latest(weights_router) == before
+
+
+def test_publishes_without_a_version_compose(weights_router, tiny_dir: Path) -> None:
+    router = weights_router
+    first = (_latest(router) or 0) + 1
+    for expected in (first, first + 1):
+        done = _cli(router, "publish", "--no-wait", "--json", str(tiny_dir))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["result"]["version"] == expected
+    # the trainer kit's publish goes through the same route: no version, the next number
+    from trainer.client import RolloutClient
+
+    with RolloutClient(router.url, router.key) as client:
+        job = client.publish(str(tiny_dir))
+        assert job["version"] == first + 2 and job["state"] == "running", job
+        assert client.wait_job(job["job_id"])["result"]["version"] == first + 2
+        r = _post(router, "/v1/weights/rollback", {"to": first})
+        assert r.status_code == 202 and r.json()["version"] == first + 3, r.text
+        done = client.wait_job(r.json()["job_id"])
+        assert done["result"]["version"] == first + 3 and done["result"]["content_of"] == first, done
+
+
+def test_status_into_a_closed_pipe_exits_quietly(weights_router) -> None:
+    """``mixfleet weights status | head -1`` where head has gone: no traceback, status 1."""
+    env = _env({"MIXFLEET_URL": weights_router.url, "MIXFLEET_API_KEY": weights_router.key})
+    proc = subprocess.Popen(
+        mixfleet_argv("weights", "status"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    proc.stdout.close()  # the reader is gone before the first line is written
+    _, err = proc.communicate(timeout=120)
+    assert err == b"" and proc.returncode == 1, err.decode()
+    # through a shell pipe, as typed: the first line arrives and nothing else is said
+    shell = subprocess.run(
+        ["bash", "-c", 'set -o pipefail; "$@" | head -1', "sh", *mixfleet_argv("weights", "status")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert shell.stdout.startswith(f"run {RUN}: latest published version"), shell.stdout
+    assert "Traceback" not in shell.stderr and "BrokenPipe" not in shell.stderr, shell.stderr
