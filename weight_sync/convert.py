@@ -8,7 +8,7 @@ directory beside ``dst`` and renamed at the end, so a failure or a kill never le
 ``config.json`` (with ``quantization_config``), ``hf_quant_config.json`` (nvfp4), every other
 top-level file of ``src`` copied unchanged (tokenizer, generation config), and ``manifest.json``
 (format, source checksum, digest and size of every file -- xxh3-128 by default, see
-``checksum.ALGORITHMS`` -- tensor count, bytes). Bad input raises
+``checksum.ALGORITHMS`` -- tensor count, bytes, and the modules kept BF16 with the reason). Bad input raises
 ``UserError`` with one line naming the problem, before anything is written.
 
 Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM``):
