@@ -100,6 +100,7 @@ import xxhash
 
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.errors import UserError
+from weight_sync.formats import fp8_layout
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
     DTYPES,
@@ -117,7 +118,7 @@ FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 INDEX_NAME = "model.safetensors.index.json"
 HF_QUANT_NAME = "hf_quant_config.json"
-FP8_BLOCK = 128
+FP8_BLOCK = fp8_layout.BLOCK_N  # the weight_block_size written, whose refusals fp8_layout states
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
 CHUNK_ELEMS = 1 << 20  # elements per conversion task (2 MiB of BF16: cache-friendly, little overhead)
@@ -450,8 +451,6 @@ def _fp8_layout(
     """The fp8 modules SGLang's block-FP8 loader refuses quantized (``formats.fp8_layout``), kept
     in BF16: ``Classified``'s ``unquantized``, ``kept`` and ``ignored``. With ``quantize_all``,
     a ``UserError`` naming the first offending tensor, its shape, the block size and the rule."""
-    from weight_sync.formats import fp8_layout
-
     linears = {name.removesuffix(".weight"): source.tensors[name].shape[0] for name in kinds}
     unquantized: dict[str, str] = {}
     kept: set[str] = set()

@@ -101,7 +101,7 @@ def test_skip_list_is_read_as_fp8_config_from_config_reads_it() -> None:
 
 
 def test_is_layer_skipped_follows_sglang() -> None:
-    """``layers/quantization/utils.py`` 47-127."""
+    """``layers/quantization/utils.py`` 48-125."""
     qkv = f"{L0}.self_attn.qkv_proj"
     shards = [f"{L0}.self_attn.{p}_proj" for p in "qkv"]
     assert is_layer_skipped(qkv, ignored_layers({"ignored_layers": shards}))

@@ -183,7 +183,7 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             "weight_block_size": [128, 128],
         }
         # A merged linear kept BF16 is listed by each of its shards, fused experts by the layer's
-        # FusedMoE prefix (what SGLang's is_layer_skipped matches: layers/quantization/utils.py 70-127).
+        # FusedMoE prefix (what SGLang's is_layer_skipped matches: layers/quantization/utils.py 70-125).
         listed = [
             n.removesuffix(".weight")
             for m, names in bf16_modules.items()

@@ -39,7 +39,7 @@ Keeping a module unquantized. ``Fp8Config.from_config`` (``fp8.py`` 346-386) rea
 ``ignored_layers``, else ``modules_to_not_convert`` (the first key present,
 ``layers/quantization/base_config.py`` 257-272), and keeps each entry both without and with its
 ``model.`` prefix. ``Fp8Config.get_quant_method`` (``fp8.py`` 389-414) gives a linear or a
-``FusedMoE`` whose prefix ``is_layer_skipped`` (``layers/quantization/utils.py`` 47-127) the
+``FusedMoE`` whose prefix ``is_layer_skipped`` (``layers/quantization/utils.py`` 48-125) the
 unquantized method: a merged module is skipped when each of its shards matches an entry on dotted
 module-path boundaries, and raises ``"Detected some but not all shards of {prefix} are
 quantized. ..."`` (``utils.py`` 100-105) when only some do; a ``FusedMoE`` is skipped when an
@@ -161,14 +161,14 @@ def ignored_layers(quantization_config: Mapping[str, object]) -> list[str]:
 
 
 def _path_match(ignored: str, prefix: str) -> bool:
-    """``utils.py`` 47-60: equal, a parent module, or a dotted-boundary substring."""
+    """``utils.py`` 48-59: equal, a parent module, or a dotted-boundary substring."""
     ignored, prefix = ignored.rstrip("."), prefix.rstrip(".")
     return ignored == prefix or prefix.startswith(ignored + ".") or f".{ignored}." in f".{prefix}."
 
 
 def is_layer_skipped(prefix: str, ignored: Iterable[str]) -> bool:
     """Whether SGLang keeps module ``prefix`` unquantized under ``ignored`` (as ``ignored_layers``
-    returns it): ``utils.py`` 70-127 with the Qwen3 fused mapping (``models/qwen3_moe.py``
+    returns it): ``utils.py`` 70-125 with the Qwen3 fused mapping (``models/qwen3_moe.py``
     999-1002, the same as the fallback at ``utils.py`` 64-67). ``ValueError`` (SGLang's) when only
     some shards of a merged module are listed."""
     ignored = list(ignored)
