@@ -8,7 +8,7 @@ directory beside ``dst`` and renamed at the end, so a failure or a kill never le
 ``config.json`` (with ``quantization_config``), ``hf_quant_config.json`` (nvfp4), every other
 top-level file of ``src`` copied unchanged (tokenizer, generation config), and ``manifest.json``
 (format, source checksum, digest and size of every file -- xxh3-128 by default, see
-``checksum.ALGORITHMS`` -- tensor count, bytes). Bad input raises
+``checksum.ALGORITHMS`` -- tensor count, bytes, and the modules kept BF16 with the reason). Bad input raises
 ``UserError`` with one line naming the problem, before anything is written.
 
 Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM``):
@@ -16,6 +16,13 @@ Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCa
 - fp8 and nvfp4: the linear projections -- ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
   dense ``model.layers.{i}.mlp.{gate,up,down}_proj.weight`` and MoE
   ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
+  fp8 keeps in BF16 every SGLang module its block-FP8 loader refuses quantized at TP=1
+  (``formats.fp8_layout``: a merged ``qkv_proj`` or ``gate_up_proj`` with a shard whose N is not
+  a multiple of 128, e.g. the ``tiny`` preset's k/v with N = 64; a layer's fused experts whose
+  intermediate size is not): all of that module's projections, listed in ``ignored_layers`` the
+  way SGLang's ``Fp8Config`` skips them, and in the manifest's ``unquantized`` with the reason.
+  With ``quantize_all`` such a checkpoint is refused instead, naming the tensor, its shape, the
+  block size and the rule.
 - mxfp4: the MoE expert projections only (SGLang's ``mxfp4`` method is MoE-only).
 - Everything else stays BF16: ``model.embed_tokens``, ``lm_head``, every norm (``input_layernorm``,
   ``post_attention_layernorm``, ``self_attn.{q,k}_norm``, ``model.norm``) and the MoE router
@@ -27,7 +34,9 @@ Tensors written per quantized projection ``P`` (``P.weight`` in the source):
 fp8     ``P.weight`` F8_E4M3 [N, K]; ``P.weight_scale_inv`` F32 [ceil(N/128), ceil(K/128)].
         ``config.json`` ``quantization_config`` = ``{"quant_method": "fp8", "fmt": "e4m3",
         "activation_scheme": "dynamic", "weight_block_size": [128, 128], "ignored_layers": [...]}``
-        (SGLang's ``Fp8Config.from_config`` reads ``ignored_layers``).
+        (SGLang's ``Fp8Config.from_config`` reads ``ignored_layers``; a merged linear kept in
+        BF16 is listed by its shards, ``...self_attn.{q,k,v}_proj``, experts by
+        ``model.layers.{i}.mlp.experts``).
 nvfp4   ``P.weight`` U8 [N, K/2]; ``P.weight_scale`` F8_E4M3 [N, K/16]; ``P.weight_scale_2`` F32
         0-dim; ``P.input_scale`` F32 0-dim (1.0). q/k/v of one attention, and gate/up of one
         dense MLP or one expert, share one ``weight_scale_2`` computed from their joint amax
@@ -91,6 +100,7 @@ import xxhash
 
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.errors import UserError
+from weight_sync.formats import fp8_layout
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
     DTYPES,
@@ -108,7 +118,7 @@ FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 INDEX_NAME = "model.safetensors.index.json"
 HF_QUANT_NAME = "hf_quant_config.json"
-FP8_BLOCK = 128
+FP8_BLOCK = fp8_layout.BLOCK_N  # the weight_block_size written, whose refusals fp8_layout states
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
 CHUNK_ELEMS = 1 << 20  # elements per conversion task (2 MiB of BF16: cache-friendly, little overhead)
@@ -372,16 +382,23 @@ def _mxfp4_not_converted(source: Source) -> list[str]:
     return out
 
 
-def _quant_configs(source: Source, fmt: str) -> tuple[dict | None, dict | None]:
+def _layer_order(module: str) -> tuple[int, str]:
+    """Sort key of ``model.layers.{i}.…`` names: by layer number, then by name."""
+    m = re.match(r"^model\.layers\.(\d+)\.", module)
+    return (int(m.group(1)) if m else -1, module)
+
+
+def _quant_configs(source: Source, fmt: str, classified: Classified) -> tuple[dict | None, dict | None]:
     if fmt == "bf16":
         return None, None
     if fmt == "fp8":
+        kept = sorted(classified.ignored, key=_layer_order)
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-            "ignored_layers": _excluded_modules(source),
+            "ignored_layers": _excluded_modules(source) + kept,
         }, None
     if fmt == "nvfp4":
         excluded = _excluded_modules(source)
@@ -410,21 +427,57 @@ def _quant_configs(source: Source, fmt: str) -> tuple[dict | None, dict | None]:
 @dataclass(frozen=True)
 class Classified:
     """What each source tensor is: ``kinds[name]`` = (``attn``|``dense``|``expert``, fusion key or
-    None) for linear projections; ``groups[key]`` = the members of each nvfp4 fusion group."""
+    None) for linear projections; ``groups[key]`` = the members of each nvfp4 fusion group;
+    ``unquantized``: the SGLang modules a quantized format keeps in BF16, each with the reason
+    (fp8: those SGLang's block-FP8 loader refuses, see ``formats.fp8_layout``), and ``kept`` the
+    source tensors of those modules."""
 
     kinds: dict[str, tuple[str, tuple | None]]
     groups: dict[tuple, list[TensorEntry]]
+    unquantized: dict[str, str] = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()
+    ignored: tuple[str, ...] = ()  # the ignored_layers entries that keep ``unquantized`` in BF16
 
     def quantized(self, name: str, fmt: str) -> bool:
         kind = self.kinds.get(name)
-        if kind is None or fmt == "bf16":
+        if kind is None or fmt == "bf16" or name in self.kept:
             return False
         return fmt != "mxfp4" or kind[0] == "expert"
 
 
-def classify(source: Source, fmt: str) -> Classified:
+def _fp8_layout(
+    source: Source, kinds: dict, quantize_all: bool
+) -> tuple[dict[str, str], frozenset[str], tuple[str, ...]]:
+    """The fp8 modules SGLang's block-FP8 loader refuses quantized (``formats.fp8_layout``), kept
+    in BF16: ``Classified``'s ``unquantized``, ``kept`` and ``ignored``. With ``quantize_all``,
+    a ``UserError`` naming the first offending tensor, its shape, the block size and the rule."""
+    linears = {name.removesuffix(".weight"): source.tensors[name].shape[0] for name in kinds}
+    unquantized: dict[str, str] = {}
+    kept: set[str] = set()
+    ignored: list[str] = []
+    for module in fp8_layout.modules(linears):
+        refused = fp8_layout.refusal(module)
+        if refused is None:
+            continue
+        if quantize_all:
+            e = source.tensors[f"{refused.shard}.weight"]
+            raise UserError(
+                f"{e.file}: tensor '{e.name}' of shape {list(e.shape)} cannot be block-FP8 for SGLang: "
+                f"{refused.reason()} (without --quantize-all it stays BF16)"
+            )
+        unquantized[module.name] = refused.reason()
+        kept.update(f"{shard}.weight" for shard, _ in module.shards)
+        ignored.extend(fp8_layout.ignored_entries(module))
+    return unquantized, frozenset(kept), tuple(ignored)
+
+
+def classify(source: Source, fmt: str, *, quantize_all: bool = False) -> Classified:
     """Check that every tensor is one the converter knows and that each tensor ``fmt`` quantizes
-    fits the format; raises ``UserError`` naming the tensor. Needs no torch."""
+    fits the format; raises ``UserError`` naming the tensor. Needs no torch.
+
+    fp8: a module SGLang's block-FP8 loader refuses quantized stays BF16 (``Classified.unquantized``),
+    or is refused with ``quantize_all``.
+    """
     groups: dict[tuple, list[TensorEntry]] = {}
     kinds: dict[str, tuple[str, tuple | None]] = {}
     for name, e in source.tensors.items():
@@ -441,7 +494,8 @@ def classify(source: Source, fmt: str) -> Classified:
         kinds[name] = kind
         if kind[1] is not None:
             groups.setdefault(kind[1], []).append(e)
-    out = Classified(kinds, groups)
+    layout = _fp8_layout(source, kinds, quantize_all) if fmt == "fp8" else ()
+    out = Classified(kinds, groups, *layout)
     if fmt == "mxfp4" and not any(k == "expert" for k, _ in kinds.values()):
         raise UserError(f"{source.directory}: mxfp4 quantizes MoE experts only, and this checkpoint has none")
     divisor = {"nvfp4": (NVFP4_GROUP, "NVFP4 group size"), "mxfp4": (MXFP4_BLOCK, "MXFP4 block size")}.get(
@@ -493,7 +547,7 @@ class _Planner:
         for i, shard in enumerate(src.shards):
             if jobs[i]:
                 files.append((shard, sorted(jobs[i], key=lambda j: j.anchor)))
-        qc, hfq = _quant_configs(src, self.fmt)
+        qc, hfq = _quant_configs(src, self.fmt, self.classified)
         return Plan(self.fmt, files, qc, hfq)
 
     # --- jobs ---------------------------------------------------------------------------------
@@ -755,6 +809,29 @@ def _index(plan: Plan) -> dict[str, Any]:
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 
+def _write_metadata(
+    plan: Plan, source: Source, tmp: Path, fsync: bool, checksum: str
+) -> dict[str, FileEntry]:
+    """Write ``config.json`` (with the plan's quantization_config), ``hf_quant_config.json`` (if
+    any), the index and copies of the source's other files into ``tmp``; their manifest entries."""
+    files = {}
+    config = dict(source.config)
+    if plan.quantization_config is not None:
+        config["quantization_config"] = plan.quantization_config
+    files["config.json"] = _write_small(tmp / "config.json", _json_bytes(config), fsync, checksum)
+    if plan.hf_quant_config is not None:
+        files[HF_QUANT_NAME] = _write_small(
+            tmp / HF_QUANT_NAME, _json_bytes(plan.hf_quant_config), fsync, checksum
+        )
+    files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync, checksum)
+    for name in source.extra_files:
+        shutil.copyfile(source.directory / name, tmp / name)
+        files[name] = FileEntry(
+            digest=file_digest(tmp / name, checksum), bytes=(tmp / name).stat().st_size, algorithm=checksum
+        )
+    return files
+
+
 def _existing(dst: Path, fmt: str, src_sum: str) -> Manifest:
     """``dst`` already holds a conversion: return its manifest if it is this one, else refuse."""
     try:
@@ -794,6 +871,7 @@ def convert_checkpoint(
     fsync: bool = False,
     chunk_elems: int = CHUNK_ELEMS,
     checksum: str = DEFAULT_ALGORITHM,
+    quantize_all: bool = False,
 ) -> Manifest:
     """Convert the HF BF16 checkpoint ``src`` into ``dst`` in format ``fmt``; see the module doc.
 
@@ -802,8 +880,9 @@ def convert_checkpoint(
     torch's thread count). ``fsync``: make every file durable before the final rename (a store's
     commit does this anyway). ``chunk_elems``: elements per conversion task (the output does not
     depend on it; memory and parallelism do). ``checksum``: the manifest's per-file digest
-    (``xxh3_128``, the default, or ``sha256``). Returns the manifest written to
-    ``dst/manifest.json`` (version None).
+    (``xxh3_128``, the default, or ``sha256``). ``quantize_all`` (fp8): refuse a checkpoint with a
+    module SGLang's block-FP8 loader refuses quantized, instead of keeping that module in BF16.
+    Returns the manifest written to ``dst/manifest.json`` (version None).
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
@@ -812,7 +891,7 @@ def convert_checkpoint(
     src, dst = Path(src), Path(dst)
     # Everything that can be wrong with the input is found before torch is even imported.
     source = load_source(src)
-    classified = classify(source, fmt)
+    classified = classify(source, fmt, quantize_all=quantize_all)
     if dst.exists() or dst.is_symlink():
         if not dst.is_dir():
             raise UserError(f"{dst} exists and is not a directory")
@@ -835,22 +914,7 @@ def convert_checkpoint(
         try:
             with _torch_threads(threads_per_task):
                 files, known = _write_files(plan, tmp, reader, workers, fsync, checksum)
-            config = dict(source.config)
-            if plan.quantization_config is not None:
-                config["quantization_config"] = plan.quantization_config
-            files["config.json"] = _write_small(tmp / "config.json", _json_bytes(config), fsync, checksum)
-            if plan.hf_quant_config is not None:
-                files[HF_QUANT_NAME] = _write_small(
-                    tmp / HF_QUANT_NAME, _json_bytes(plan.hf_quant_config), fsync, checksum
-                )
-            files[INDEX_NAME] = _write_small(tmp / INDEX_NAME, _json_bytes(_index(plan)), fsync, checksum)
-            for name in source.extra_files:
-                shutil.copyfile(src / name, tmp / name)
-                files[name] = FileEntry(
-                    digest=file_digest(tmp / name, checksum),
-                    bytes=(tmp / name).stat().st_size,
-                    algorithm=checksum,
-                )
+            files.update(_write_metadata(plan, source, tmp, fsync, checksum))
             manifest = Manifest(
                 version=None,
                 format=fmt,
@@ -860,6 +924,7 @@ def convert_checkpoint(
                 files=dict(sorted(files.items())),
                 tensor_count=plan.tensor_count,
                 total_bytes=sum(e.bytes for e in files.values()),
+                unquantized=classified.unquantized,
             )
             manifest.write(tmp, fsync=fsync)
             try:

@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ALG",
         help="per-file digest in manifest.json: xxh3_128 (default) | sha256",
     )
+    parser.add_argument(
+        "--quantize-all",
+        action="store_true",
+        help="fp8: refuse a layer SGLang's block-FP8 loader cannot load quantized "
+        "(default: keep it BF16 and list it in ignored_layers)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,12 +47,14 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             fsync=args.fsync,
             checksum=args.checksum,
+            quantize_all=args.quantize_all,
         )
     except OSError as exc:
         raise UserError(f"{exc.filename or args.dst}: {exc.strerror or exc}") from None
     dt = time.perf_counter() - t0
+    kept = f", {len(m.unquantized)} modules kept BF16 (manifest.json: unquantized)" if m.unquantized else ""
     print(
         f"converted {args.src} -> {args.dst}: format {m.format}, {m.tensor_count} tensors, "
-        f"{len(m.files)} files, {m.total_bytes} bytes, {dt:.2f}s"
+        f"{len(m.files)} files, {m.total_bytes} bytes, {dt:.2f}s{kept}"
     )
     return 0

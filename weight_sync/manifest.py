@@ -18,6 +18,10 @@
   ``base_version`` (same relative paths, same format); every file it does not list comes from the
   base. ``tensor_count``/``total_bytes`` then describe the delta's own files.
 - ``version`` is None until a store commits the directory as a numbered version.
+- ``unquantized`` (present only when not empty): the modules a quantized format keeps in BF16
+  although it would quantize them, each with the reason (fp8: the merged linears and fused-MoE
+  layers SGLang's block-FP8 loader refuses, see ``formats.fp8_layout``); the checkpoint's
+  ``quantization_config`` lists them for SGLang.
 
 ``verify_dir`` checks a directory against its manifest (each file with the algorithm its entry
 names) and raises ``ChecksumError`` naming the first file that is missing, has the wrong size or
@@ -92,6 +96,7 @@ class Manifest:
     files: dict[str, FileEntry] = field(default_factory=dict)
     tensor_count: int = 0
     total_bytes: int = 0
+    unquantized: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -118,7 +123,7 @@ class Manifest:
             "tensor_count": self.tensor_count,
             "total_bytes": self.total_bytes,
             "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
-        }
+        } | ({"unquantized": dict(sorted(self.unquantized.items()))} if self.unquantized else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -144,6 +149,7 @@ class Manifest:
                 files=files,
                 tensor_count=int(d.get("tensor_count", 0)),
                 total_bytes=int(d.get("total_bytes", sum(e.bytes for e in files.values()))),
+                unquantized=_unquantized(d.get("unquantized", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"malformed manifest: {exc!r}") from exc
@@ -200,6 +206,12 @@ class Manifest:
             and self.base_version == other.base_version
             and self.files == other.files
         )
+
+
+def _unquantized(v: object) -> dict[str, str]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(r, str) for k, r in v.items()):
+        raise ManifestError(f"manifest unquantized must map module names to reasons, got {v!r}")
+    return dict(v)
 
 
 def _is_int(v: object) -> bool:

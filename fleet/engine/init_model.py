@@ -47,8 +47,9 @@ class Preset:
     mlp_only_layers: tuple[int, ...] = ()
 
 
-# Every hidden, intermediate and projection dim is a multiple of 128, so FP8 128x128 blocks,
-# NVFP4 groups of 16 and MXFP4 blocks of 32 all divide evenly.
+# Every dim divides NVFP4 groups of 16 and MXFP4 blocks of 32. FP8: tiny's k/v (N = 2 x 32 = 64)
+# are not a multiple of 128, so SGLang refuses its qkv_proj as block FP8 and `mixfleet convert`
+# keeps it BF16 (weight_sync/formats/fp8_layout.py); small's every merged shard fits.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,

@@ -19,9 +19,14 @@ mxfp4    ``P.weight_blocks`` + ``P.weight_scales`` (uint8), or         W4A16
          ``P.weight`` (uint8 ``[N, K/2]``) + ``P.weight_scale`` (uint8)
 =======  ==========================================================  =========================
 
+An fp8 checkpoint keeps SGLang's layout contract (``check_fp8_layout``): the modules its
+``quantization_config`` ``ignored_layers`` skips are stored BF16 (and computed W16A16), every
+other one block FP8, and no quantized merged linear or fused-MoE layer has an output size SGLang's
+block-FP8 loader refuses (``weight_sync.formats.fp8_layout``).
+
 Every problem (no safetensors, a malformed file, a tensor missing, a shape that does not match
-``config.json``, a tensor the model has no place for) raises ``ValueError`` naming the file or
-tensor.
+``config.json``, a tensor the model has no place for, an fp8 layout SGLang would refuse) raises
+``ValueError`` naming the file or tensor.
 
 Speed (a weight update loads inside the engine's pause): each file's header is validated by
 ``weight_sync.safetensors_io.read_header`` (a file is accepted only when its tensors exactly tile
@@ -44,6 +49,7 @@ import torch
 
 from fleet.engine import dequant
 from fleet.engine.config import ModelConfig
+from weight_sync.formats import fp8_layout
 from weight_sync.safetensors_io import read_header, torch_dtype
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
@@ -318,8 +324,48 @@ def load_checkpoint(path: Path, config: ModelConfig) -> CheckpointTensors:
             linears["up_proj"] = load_linear(src, p + "mlp.up_proj", (inter, h))
             linears["down_proj"] = load_linear(src, p + "mlp.down_proj", (h, inter))
         layers.append(LayerTensors(plain, linears, experts))
+    if fmt == "fp8":
+        check_fp8_layout(config.raw.get("quantization_config") or {}, named_linears(layers))
     extra = src.unused()
     if extra:
         more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
         raise ValueError(f"checkpoint has tensors this config has no place for: {', '.join(extra[:5])}{more}")
     return CheckpointTensors(fmt, embed, final_norm, lm_head, layers)
+
+
+def named_linears(layers: list[LayerTensors]) -> dict[str, LinearWeight]:
+    """Every decoder-layer linear by its HF module name (``model.layers.0.self_attn.k_proj``)."""
+    out = {}
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}."
+        for name, w in layer.linears.items():
+            out[p + ("self_attn." if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.") + name] = w
+        for e, expert in enumerate(layer.experts):
+            out.update({f"{p}mlp.experts.{e}.{name}": w for name, w in expert.items()})
+    return out
+
+
+def check_fp8_layout(quantization_config: dict[str, Any], linears: dict[str, LinearWeight]) -> None:
+    """Refuse (``ValueError``) an fp8 checkpoint SGLang 0.5.23 would refuse or misload
+    (``weight_sync.formats.fp8_layout``): each SGLang module is unquantized exactly when
+    ``ignored_layers`` skips it (a merged module listed only in part raises, as SGLang does), so
+    its projections must be stored BF16, else block FP8; and a quantized merged linear or
+    fused-MoE layer needs every output size a multiple of 128."""
+    ignored = fp8_layout.ignored_layers(quantization_config)
+    for module in fp8_layout.modules({name: w.shape[0] for name, w in linears.items()}):
+        skipped = fp8_layout.is_layer_skipped(module.name, ignored)
+        want = "bf16" if skipped else "fp8"
+        for shard, _ in module.shards:
+            if linears[shard].fmt != want:
+                how = (
+                    "unquantized: ignored_layers lists it"
+                    if skipped
+                    else "as block FP8: ignored_layers does not list it"
+                )
+                stored = linears[shard].fmt
+                raise ValueError(
+                    f"linear {shard!r} is stored as {stored}, but SGLang loads {module.name} {how}"
+                )
+        refused = None if skipped else fp8_layout.refusal(module)
+        if refused is not None:
+            raise ValueError(f"SGLang's block-FP8 loader refuses this checkpoint: {refused.reason()}")

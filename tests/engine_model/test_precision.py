@@ -6,7 +6,8 @@
 - W4A16 formats compute exactly with their dequantized weights: transformers' float32 forward
   of a checkpoint holding those weights gives the same logits.
 - FP8 runs W8A8: activation quantization matches an independent per-token-group reference and
-  changes the logits beyond what the weights alone do.
+  changes the logits beyond what the weights alone do; the layers SGLang's block-FP8 loader
+  refuses stay BF16 and compute unquantized.
 """
 
 from __future__ import annotations
@@ -226,3 +227,42 @@ def test_fp8_engine_is_w8a8(model_root: Path, tmp_path: Path, monkeypatch: pytes
     per_position = (w8a8 - weights_only).abs().amax(-1)
     assert (per_position > 1e-2).all()
     assert per_position.median() < 1.0
+
+
+def test_fp8_layers_sglang_refuses_stay_bf16_and_the_rest_is_w8a8(tmp_path: Path, monkeypatch) -> None:
+    """Fused experts with intermediate 64 and a dense gate_up with N = 192, which SGLang's
+    block-FP8 loader refuses (``layers/quantization/fp8.py`` 1584-1593, 600-610): the converter
+    keeps them BF16 byte for byte, the engine computes them unquantized (no FP8 activations, as
+    SGLang's unquantized methods do) and everything else W8A8; without activation quantization
+    the forward is transformers' on the dequantized weights."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fleet.engine import layers
+    from fleet.engine.config import ModelConfig
+    from fleet.engine.weights import named_linears
+    from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
+    from weight_sync.convert import convert_checkpoint
+
+    src, out = tmp_path / "src", tmp_path / "fp8"
+    spec = MoESpec(hidden_size=128, head_dim=64, intermediate_size=192, moe_intermediate_size=64, shards=1)
+    write_checkpoint(src, spec)
+    kept = ["model.layers.0.mlp.experts", "model.layers.1.mlp.gate_up_proj", "model.layers.2.mlp.experts"]
+    assert sorted(convert_checkpoint(src, out, "fp8").unquantized) == kept
+    linears = named_linears(load_checkpoint(out, ModelConfig.from_dir(out)).layers)
+    source = load_all(src)
+    for name, w in linears.items():
+        bf16 = name.startswith((kept[0], kept[2])) or name.endswith(("mlp.gate_proj", "mlp.up_proj"))
+        assert w.fmt == ("bf16" if bf16 else "fp8") and w.fp8_activations != bf16, name
+        if bf16:
+            assert torch.equal(w.tensors[0], source[f"{name}.weight"]), name
+    ids = torch.randint(0, spec.vocab_size, (24,), generator=torch.Generator().manual_seed(5))
+    hf = Qwen3MoeForCausalLM.from_pretrained(_write_dequantized(out, tmp_path / "deq"), dtype=torch.float32)
+    with torch.no_grad():
+        weights_only = hf.eval()(ids[None]).logits[0]
+    model = load_model(out)
+    w8a8 = model.forward([ids], [model.new_sequence()])[0]
+    with monkeypatch.context() as m:
+        m.setattr(layers, "quantize_activations_fp8", lambda x: x)
+        w8a16 = model.forward([ids], [model.new_sequence()])[0]
+    torch.testing.assert_close(w8a16, weights_only, atol=1e-4, rtol=0)
+    assert (w8a8 - weights_only).abs().amax(-1).min() > 1e-2

@@ -27,9 +27,38 @@ LINEAR = re.compile(
 EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
-def _quantized(name: str, fmt: str) -> bool:
+# The SGLang module a projection loads into (qkv_proj, gate_up_proj, experts, or itself).
+_MODULE = (
+    (re.compile(r"^(model\.layers\.\d+\.self_attn\.)[qkv]_proj$"), r"\1qkv_proj"),
+    (re.compile(r"^(model\.layers\.\d+\.mlp\.)(gate|up)_proj$"), r"\1gate_up_proj"),
+    (re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate|up|down)_proj$"), r"\1"),
+)
+
+
+def fp8_kept_in_bf16(shapes: dict[str, tuple[int, ...]]) -> dict[str, set[str]]:
+    """SGLang module -> its projections (``.weight`` names) that fp8 must keep BF16, restated from
+    SGLang 0.5.23 at TP=1: a merged linear (``qkv_proj``, ``gate_up_proj``) is refused when one of
+    its output partitions is not a multiple of block_n = 128 (``layers/quantization/fp8.py``
+    600-610), a fused-MoE layer when its intermediate size (the N of its experts' gate/up) is not
+    (``fp8.py`` 1584-1593); an unfused linear is never refused at TP=1."""
+    members: dict[str, set[str]] = {}
+    refused: set[str] = set()
+    for name, shape in shapes.items():
+        if not LINEAR.match(name):
+            continue
+        proj = name.removesuffix(".weight")
+        for pattern, repl in _MODULE:
+            if pattern.match(proj):
+                module = pattern.sub(repl, proj)
+                members.setdefault(module, set()).add(name)
+                if not proj.endswith("down_proj") and shape[0] % 128:
+                    refused.add(module)
+    return {m: members[m] for m in refused}
+
+
+def _quantized(name: str, fmt: str, kept: frozenset[str] = frozenset()) -> bool:
     if fmt in ("fp8", "nvfp4"):
-        return bool(LINEAR.match(name))
+        return bool(LINEAR.match(name)) and name not in kept
     if fmt == "mxfp4":
         return bool(EXPERT.match(name))
     return False
@@ -51,9 +80,9 @@ def _nvfp4_group(name: str) -> str:
 
 
 def expected_outputs(
-    name: str, shape: tuple[int, ...], fmt: str
+    name: str, shape: tuple[int, ...], fmt: str, kept: frozenset[str] = frozenset()
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    if not _quantized(name, fmt):
+    if not _quantized(name, fmt, kept):
         return {name: (torch.bfloat16, shape)}
     base = name.removesuffix(".weight")
     n, k = shape
@@ -85,9 +114,11 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
     out = load_all(dst)
 
     # Names, dtypes, shapes: exactly the expected set.
+    bf16_modules = fp8_kept_in_bf16({n: tuple(t.shape) for n, t in source.items()}) if fmt == "fp8" else {}
+    kept = frozenset(n for names in bf16_modules.values() for n in names)
     expected = {}
     for name, t in source.items():
-        expected.update(expected_outputs(name, tuple(t.shape), fmt))
+        expected.update(expected_outputs(name, tuple(t.shape), fmt, kept))
     assert set(out) == set(expected), (sorted(set(out) ^ set(expected)))[:10]
     for name, (dtype, shape) in expected.items():
         assert out[name].dtype == dtype and tuple(out[name].shape) == shape, (
@@ -103,7 +134,7 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
         if fmt == "nvfp4" and _quantized(name, fmt):
             groups.setdefault(_nvfp4_group(name), []).append(name)
     for name, w in source.items():
-        if not _quantized(name, fmt):
+        if not _quantized(name, fmt, kept):
             assert torch.equal(_bits(out[name]), _bits(w)), name
             continue
         base = name.removesuffix(".weight")
@@ -151,7 +182,17 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
         }
-        assert set(qc["ignored_layers"]) == {"lm_head", "model.embed_tokens", *routers}
+        # A merged linear kept BF16 is listed by each of its shards, fused experts by the layer's
+        # FusedMoE prefix (what SGLang's is_layer_skipped matches: layers/quantization/utils.py 70-125).
+        listed = [
+            n.removesuffix(".weight")
+            for m, names in bf16_modules.items()
+            if "experts" not in m
+            for n in names
+        ]
+        listed += [m for m in bf16_modules if m.endswith(".experts")]
+        assert set(qc["ignored_layers"]) == {"lm_head", "model.embed_tokens", *routers, *listed}
+        assert len(qc["ignored_layers"]) == len(set(qc["ignored_layers"]))
     elif fmt == "nvfp4":
         hfq = json.loads((dst / "hf_quant_config.json").read_text())
         assert hfq["producer"]["name"] == "modelopt"
@@ -172,7 +213,7 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             qc.get("ignored_layers") or qc.get("exclude_modules") or qc.get("modules_to_not_convert")
         )
         for name in source:
-            if _quantized(name, fmt):
+            if _quantized(name, fmt, kept):
                 assert name.removesuffix(".weight") not in listed
 
     # Index: every tensor, in the file that holds it.
@@ -193,6 +234,10 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
         assert (dst / extra).read_bytes() == (src / extra).read_bytes()
     manifest = verify_dir(dst)
     assert manifest.format == fmt and manifest.kind == "full" and manifest.version is None
+    assert set(manifest.unquantized) == set(bf16_modules)
+    for module, reason in manifest.unquantized.items():
+        assert reason.startswith(module.rsplit(".", 1)[0] + "."), (module, reason)  # names its shard
+        assert "not a multiple of block_n=128" in reason and "layers/quantization/fp8.py" in reason, reason
     assert manifest.tensor_count == len(out)
     assert manifest.source_checksum == source_checksum(src)
     assert set(manifest.files) == {p.name for p in dst.iterdir()} - {"manifest.json"}

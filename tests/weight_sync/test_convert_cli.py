@@ -46,6 +46,8 @@ def test_convert_each_format(ckpt, tmp_path, fmt) -> None:
     assert r.stdout.startswith(f"converted {ckpt} -> {dst}: format {fmt},") and r.stderr == ""
     manifest = check_conversion(ckpt, dst, fmt)
     assert f"{manifest.tensor_count} tensors" in r.stdout
+    kept = f", {len(manifest.unquantized)} modules kept BF16 (manifest.json: unquantized)"
+    assert r.stdout.rstrip().endswith(kept) == bool(manifest.unquantized) == (fmt == "fp8")
 
 
 def test_convert_with_sha256_manifest(ckpt, tmp_path) -> None:
@@ -86,9 +88,9 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
     """name -> (argv after 'convert', expected stderr fragment, DST that must not appear)."""
     cases: dict[str, tuple[list[str], str, Path]] = {}
 
-    def case(name: str, fmt: str, src: Path, fragment: str, dst: Path | None = None) -> None:
+    def case(name: str, fmt: str, src: Path, fragment: str, dst: Path | None = None, *flags: str) -> None:
         dst = dst or root / f"dst-{name}"
-        cases[name] = (["--format", fmt, str(src), str(dst)], fragment, dst)
+        cases[name] = (["--format", fmt, *flags, str(src), str(dst)], fragment, dst)
 
     d = _copy(ckpt, root, "no-config")
     (d / "config.json").unlink()
@@ -131,6 +133,21 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
     d = root / "k176"
     write_checkpoint(d, MoESpec(hidden_size=176, head_dim=44, shards=1))
     case("k_not_divisible_mxfp4", "mxfp4", d, "not divisible by the MXFP4 block size 32")
+
+    # k/v with N = 2 x 32 = 64 (as the tiny preset's): SGLang's block-FP8 loader refuses qkv_proj.
+    d = root / "kv64"
+    write_checkpoint(d, MoESpec(head_dim=32, intermediate_size=256, moe_intermediate_size=128, shards=1))
+    case(
+        "fp8_quantize_all_refused_shape",
+        "fp8",
+        d,
+        "tensor 'model.layers.0.self_attn.k_proj.weight' of shape [64, 160] cannot be block-FP8 for "
+        "SGLang: model.layers.0.self_attn.k_proj has N=64, not a multiple of block_n=128; SGLang requires "
+        "it of every shard of a merged linear (here model.layers.0.self_attn.qkv_proj): "
+        "layers/quantization/fp8.py 600-610",
+        None,
+        "--quantize-all",
+    )
 
     d = _copy(ckpt, root, "truncated")
     shard = d / "model-00002-of-00002.safetensors"
@@ -195,6 +212,7 @@ BAD_CASES = [
     "nan_in_weight",
     "k_not_divisible_nvfp4",
     "k_not_divisible_mxfp4",
+    "fp8_quantize_all_refused_shape",
     "truncated_safetensors",
     "garbage_safetensors_header",
     "index_names_missing_shard",

@@ -136,3 +136,19 @@ def test_delta_kind_needs_a_base() -> None:
         Manifest(7, "fp8", "delta", None, "", files, 3, 10)
     with pytest.raises(ManifestError, match="total_bytes"):
         Manifest(7, "fp8", "full", None, "", files, 3, 11)
+
+
+def test_unquantized_modules_round_trip_and_are_absent_when_none(tmp_path) -> None:
+    """``unquantized`` (module -> reason) is written only when a format kept modules in BF16."""
+    d = _dir_with_files(tmp_path)
+    plain = build_manifest(d, format="fp8")
+    assert "unquantized" not in json.loads(plain.to_json()) and plain.unquantized == {}
+    reasons = {"model.layers.0.self_attn.qkv_proj": "k_proj has N=64, not a multiple of block_n=128"}
+    kept = dataclasses.replace(plain, unquantized=reasons)
+    kept.write(d)
+    assert json.loads((d / MANIFEST_NAME).read_text())["unquantized"] == reasons
+    assert Manifest.read(d) == kept and kept.with_version(3).unquantized == reasons
+    for bad in ({"m": 3}, ["m"]):
+        (d / MANIFEST_NAME).write_text(json.dumps({**json.loads(kept.to_json()), "unquantized": bad}))
+        with pytest.raises(ManifestError, match="unquantized must map module names to reasons"):
+            Manifest.read(d)
