@@ -2,15 +2,22 @@
 
 ``--workers N`` serves the port from N router processes (uvicorn's own workers, each building its
 app with :func:`app_from_env`); they share everything that changes answers through ``--state
-redis://...``, so N > 1 with ``memory`` state is refused.
+redis://...``, so N > 1 with ``memory`` state is refused. Their Prometheus metrics are one view:
+with N > 1 the workers write them to a fresh private ``PROMETHEUS_MULTIPROC_DIR`` (created before
+uvicorn spawns them, removed when the router stops), and a scrape of any worker reads every
+worker's (:mod:`router.metrics`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 from weight_sync.errors import UserError
 
@@ -191,14 +198,39 @@ def run(args: argparse.Namespace) -> int:
     build_config(args)
     plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
     os.environ[ARGS_ENV] = json.dumps(plain)
-    uvicorn.run(
-        "router.cli:app_from_env",
-        factory=True,
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        server_header=False,
-    )
+    with multiprocess_metrics(args.workers):
+        uvicorn.run(
+            "router.cli:app_from_env",
+            factory=True,
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            server_header=False,
+        )
     return 0
+
+
+@contextlib.contextmanager
+def multiprocess_metrics(workers: int) -> Iterator[str | None]:
+    """With ``workers`` > 1: a fresh private directory in ``PROMETHEUS_MULTIPROC_DIR`` while the
+    block runs (uvicorn spawns its workers with the ``spawn`` start method, ``uvicorn/_subprocess.py``
+    18, so each imports prometheus-client anew with it set), removed with its files afterwards; its
+    path (None with one worker, which keeps its metrics in memory)."""
+    from router.metrics import MULTIPROC_ENV
+
+    if workers <= 1:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="mixfleet-router-metrics-")
+    before = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = before
+        shutil.rmtree(path, ignore_errors=True)
