@@ -1,15 +1,16 @@
 """Every dashboard query answers data on a real Prometheus scraping a real local fleet.
 
 Debian's ``prometheus`` runs on loopback with ``deploy/prometheus/prometheus.yml`` (its jobs, its
-rules) pointed at a real router and scraping every 1 s; the replicas (two groups, one ``tiny``
+rules) pointed at a real router and scraping every 2 s; the replicas (two groups, one ``tiny``
 engine behind its sidecar each) are discovered through the router's
-``/v1/prometheus/targets``. The fleet serves multi-turn sessions (placed by the router's policy),
-publishes version 2 and serves sessions on it on every group, and a trainer takes a batch,
-uploads its log-probs and acknowledges it. Then every query of every dashboard (and every variable), with the Grafana
-variables set to each group and its replica, must return at least one series, all of whose values
-are finite numbers (the ``(den > 0)`` and counted-quantile guards hold); the test waits (with a
-generous bound) for the scrapes that carry each query's series rather than sleeping a fixed time,
-so a busy machine makes it slower, not red. Skipped only where ``prometheus`` is absent.
+``/v1/prometheus/targets``. The fleet serves multi-turn sessions (placed by the router's
+policy), publishes version 2 and serves sessions on it on every group, and a trainer takes a
+batch, uploads its log-probs and acknowledges it. Then every query of every dashboard (and every
+variable), with the Grafana variables set to each group and its replica, must return at least one
+series, all of whose values are finite numbers (the ``(den > 0)`` and counted-quantile guards
+hold). The test waits (with a generous bound) for the scrapes that carry each query's series
+rather than sleeping a fixed time, so a busy machine makes it slower, not red. Skipped only where
+``prometheus`` is absent.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def prometheus(work: Path, router: RouterHandle) -> Iterator[Prometheus]:
     key_file.chmod(0o600)
     address = f"127.0.0.1:{router.port}"
     cfg = dict(committed)
-    cfg["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    cfg["global"] = {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"}
     cfg["rule_files"] = [str(REPO / "deploy" / "prometheus" / f) for f in committed["rule_files"]]
     for job in cfg["scrape_configs"]:
         for static in job.get("static_configs", []):
