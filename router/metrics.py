@@ -403,13 +403,14 @@ def mark_dead_processes(path: str) -> list[int]:
     """``mark_process_dead`` for every process with a ``live*`` gauge file in ``path`` that no
     longer exists; the pids it marked."""
     pids = {int(f.rsplit("_", 1)[1][:-3]) for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
-    dead = sorted(p for p in pids if not _alive(p))
+    dead = sorted(p for p in pids if not process_alive(p))
     for pid in dead:
         mark_process_dead(pid, path)
     return dead
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0; someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

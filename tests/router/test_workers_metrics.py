@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,6 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.cli import METRICS_DIR_PREFIX, remove_stale_metric_dirs
 from router.metrics import FAILOVER_REASONS, MULTIPROC_ENV
 from tests.support.procs import redis_server
 from tests.support.router import RouterHandle, router_process, write_preset
@@ -229,3 +232,18 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
     router.proc.send_signal(signal.SIGTERM)
     router.proc.wait(timeout=60)
     assert not Path(metrics_dir).exists()
+
+
+def test_a_killed_routers_metric_directory_is_removed_by_the_next_router(tmp_path: Path) -> None:
+    """Metric directories are named after their router's pid: one whose router is gone is removed
+    before a new router makes its own; a running router's stays."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"{METRICS_DIR_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{METRICS_DIR_PREFIX}x-ghi"  # not a router's: left alone
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"\0" * 8)
+    assert remove_stale_metric_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.is_dir() and other.is_dir()
