@@ -75,6 +75,7 @@ M = {
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
+    "lag_bound": "mixfleet_router_version_lag_bound",
     "traj_ready": "mixfleet_router_trajectories_ready",
     "traj_leased": "mixfleet_router_trajectories_leased",
     "traj_held": "mixfleet_router_trajectories_held_back",
@@ -648,8 +649,13 @@ def versions() -> JSON:
     lay.add(
         timeseries(
             "Version lag",
-            f"Published minus active version, per group.\n\nMetric: `{M['lag']}`",
-            [target(gauge(M["lag"], GROUP), "{{group}}")],
+            "Published minus active version, per group, and the bound above which "
+            "MixfleetVersionLagHigh fires (the routers' --max-version-lag, else 2).\n\n"
+            f"Metrics: `{M['lag']}`, `{M['lag_bound']}`",
+            [
+                target(gauge(M["lag"], GROUP), "{{group}}"),
+                target(gauge(M["lag_bound"], by=""), "alert bound"),
+            ],
             decimals=0,
             step=True,
         ),
