@@ -5,18 +5,31 @@ built, and from which the metric catalogue (``docs/metrics.md``) is generated.
 Contract: ``name`` is the family's name as exposed (a counter's ends in ``_total``, which
 prometheus-client adds to a counter's base name itself), in base units, with no colons; ``unit``
 names the base unit of the value (``""`` for a dimensionless count or ratio stated in ``help``).
+
+``multiprocess_mode`` says how prometheus-client's multiprocess collection
+(``prometheus_client/multiprocess.py`` 88-143, 0.26.0) combines a gauge's per-process values when
+several processes serve one port (``mixfleet router --workers N``): ``sum``/``max``/``min``/
+``mostrecent``/``all`` over every process that ever wrote it, the ``live*`` modes over the live ones
+only (a dead process's file is removed by ``mark_process_dead``, ``multiprocess.py`` 177-183).
+Only a gauge has one (counters and histograms are always summed, and a dead process's counts are
+kept); ``None`` is prometheus-client's default, ``all`` (a series per process, ``pid`` label).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 Kind = Literal["counter", "gauge", "histogram"]
+MultiprocessMode = Literal[
+    "all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"
+]
+"""prometheus-client's gauge modes (``prometheus_client/metrics.py`` 410, 0.26.0)."""
+MULTIPROCESS_MODES: frozenset[str] = frozenset(get_args(MultiprocessMode))
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,7 @@ class MetricDef:
     unit: str
     help: str
     buckets: tuple[float, ...] | None = None
+    multiprocess_mode: MultiprocessMode | None = None
 
     def __post_init__(self) -> None:
         if ":" in self.name or not self.name.startswith("mixfleet_"):
@@ -35,6 +49,11 @@ class MetricDef:
             raise ValueError(f"metric {self.name!r}: counters, and only counters, end in _total")
         if self.unit and self.unit not in self.name:
             raise ValueError(f"metric {self.name!r}: the name must state its unit {self.unit!r}")
+        if self.multiprocess_mode is not None:
+            if self.kind != "gauge":
+                raise ValueError(f"metric {self.name!r}: only a gauge has a multiprocess_mode")
+            if self.multiprocess_mode not in MULTIPROCESS_MODES:
+                raise ValueError(f"metric {self.name!r}: no multiprocess_mode {self.multiprocess_mode!r}")
 
     def instrument(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
         """The prometheus-client object of this family, registered in ``registry``."""
@@ -42,13 +61,17 @@ class MetricDef:
         if self.kind == "counter":
             return Counter(self.name, self.help, labels, registry=registry)
         if self.kind == "gauge":
-            return Gauge(self.name, self.help, labels, registry=registry)
+            mode = self.multiprocess_mode or "all"
+            return Gauge(self.name, self.help, labels, registry=registry, multiprocess_mode=mode)
         kw = {"buckets": self.buckets} if self.buckets else {}
         return Histogram(self.name, self.help, labels, registry=registry, **kw)
 
     def family(self) -> CounterMetricFamily | GaugeMetricFamily:
         """An empty metric family of this (counter or gauge) definition, for a collector that
-        computes its samples at scrape time."""
+        computes its samples at scrape time (once, in the process that answers the scrape: a
+        multiprocess mode does not apply, so declaring one is a ValueError)."""
+        if self.multiprocess_mode is not None:
+            raise ValueError(f"metric {self.name!r}: computed at scrape time, it has no multiprocess_mode")
         if self.kind == "counter":
             return CounterMetricFamily(self.name, self.help, labels=list(self.labels))
         if self.kind == "gauge":

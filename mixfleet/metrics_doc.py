@@ -1,5 +1,6 @@
 """The metric catalogue ``docs/metrics.md``, generated from the code's metric definitions
-(:data:`router.metrics.ROUTER_METRICS`, :data:`fleet.reconciler.REPLICA_METRICS`).
+(:data:`router.metrics.REQUEST_PATH` and :data:`router.metrics.SNAPSHOT`,
+:data:`fleet.reconciler.REPLICA_METRICS`), with how a router's workers combine each family.
 
 ``python -m mixfleet.metrics_doc`` writes it; ``--check`` writes nothing and exits 1 (naming the
 file) when the committed file differs from what the definitions generate; ``--out PATH`` uses
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from fleet.metric_defs import MetricDef
 from fleet.reconciler import REPLICA_METRICS
-from router.metrics import ROUTER_METRICS
+from router.metrics import REQUEST_PATH, SNAPSHOT
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -30,19 +31,37 @@ counters, `_info` for metadata (value 1, the facts in labels), no colons. Counte
 
 SECTIONS: tuple[tuple[str, str, Sequence[MetricDef]], ...] = (
     (
-        "Router",
-        "`GET /metrics` of every router. Group, version, queue, ledger and mismatch families are "
-        "computed at scrape time from the shared state, so every router sharing Redis reports the "
-        "same values; request-path counters and histograms count what this router served.",
-        ROUTER_METRICS,
+        "Router: request path",
+        "`GET /metrics` of every router: what it served, counted where it happened. With "
+        "`mixfleet router --workers N` a scrape of any worker reports every worker's (prometheus-client's "
+        "multiprocess collection): counters and histograms summed over every worker that ran (a killed "
+        "worker's counts stay, so they never go backwards), a gauge by its mode (column *workers*). "
+        "Group-labelled series exist at 0 for every group of the preset from the start.",
+        REQUEST_PATH,
+    ),
+    (
+        "Router: fleet state",
+        "`GET /metrics` of every router: computed at scrape time, once, by the router (worker) that "
+        "answers, from the shared state, so every router and worker sharing Redis reports the same values.",
+        SNAPSHOT,
     ),
     (
         "Sidecar",
-        "`GET /metrics` of every replica's sidecar: these families, then the engine's own "
+        "`GET /metrics` of every replica's sidecar (one process): these families, then the engine's own "
         "`sglang:*` metrics unchanged (SGLang's names; the engine may also be scraped directly).",
         REPLICA_METRICS,
     ),
 )
+
+
+def workers(d: MetricDef) -> str:
+    """How a router's workers combine ``d``: ``once`` (computed at scrape time), ``sum``, or a
+    gauge's multiprocess mode; ``-`` for a sidecar's (one process)."""
+    if d in SNAPSHOT:
+        return "once"
+    if d not in REQUEST_PATH:
+        return "-"
+    return f"`{d.multiprocess_mode}`" if d.kind == "gauge" else "sum"
 
 
 def _cell(text: str) -> str:
@@ -54,11 +73,11 @@ def render() -> str:
     out = [HEADER]
     for title, intro, defs in SECTIONS:
         out.append(f"\n## {title}\n\n{intro}\n\n")
-        out.append("| name | type | labels | unit | meaning |\n|---|---|---|---|---|\n")
+        out.append("| name | type | labels | unit | workers | meaning |\n|---|---|---|---|---|---|\n")
         for d in defs:
             labels = ", ".join(f"`{x}`" for x in d.labels) or "-"
             unit = d.unit or "-"
-            out.append(f"| `{d.name}` | {d.kind} | {labels} | {unit} | {_cell(d.help)} |\n")
+            out.append(f"| `{d.name}` | {d.kind} | {labels} | {unit} | {workers(d)} | {_cell(d.help)} |\n")
     return "".join(out)
 
 

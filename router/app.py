@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import (
@@ -220,7 +220,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
             ctx.metrics.snapshot = snap
         except StateError as exc:
             log.warning("metrics without state: %s", exc)
-        return PlainTextResponse(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     for r in (
         routes_sessions.router,

@@ -2,15 +2,23 @@
 
 ``--workers N`` serves the port from N router processes (uvicorn's own workers, each building its
 app with :func:`app_from_env`); they share everything that changes answers through ``--state
-redis://...``, so N > 1 with ``memory`` state is refused.
+redis://...``, so N > 1 with ``memory`` state is refused. Their Prometheus metrics are one view:
+with N > 1 the workers write them to a fresh private ``PROMETHEUS_MULTIPROC_DIR`` (created before
+uvicorn spawns them, removed when the router stops, or by the next router when it was killed),
+and a scrape of any worker reads every worker's (:mod:`router.metrics`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 from weight_sync.errors import UserError
 
@@ -191,14 +199,59 @@ def run(args: argparse.Namespace) -> int:
     build_config(args)
     plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
     os.environ[ARGS_ENV] = json.dumps(plain)
-    uvicorn.run(
-        "router.cli:app_from_env",
-        factory=True,
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        server_header=False,
-    )
+    with multiprocess_metrics(args.workers):
+        uvicorn.run(
+            "router.cli:app_from_env",
+            factory=True,
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            server_header=False,
+        )
     return 0
+
+
+METRICS_DIR_PREFIX = "mixfleet-router-metrics-"
+"""Name prefix of a router's metric directory, followed by its supervisor's pid and a dash."""
+
+
+@contextlib.contextmanager
+def multiprocess_metrics(workers: int) -> Iterator[str | None]:
+    """With ``workers`` > 1: a fresh private directory in ``PROMETHEUS_MULTIPROC_DIR`` while the
+    block runs (uvicorn spawns its workers with the ``spawn`` start method, ``uvicorn/_subprocess.py``
+    18, so each imports prometheus-client anew with it set), removed with its files afterwards; its
+    path (None with one worker, which keeps its metrics in memory). The directories that killed
+    routers left behind are removed first (:func:`remove_stale_metric_dirs`)."""
+    from router.metrics import MULTIPROC_ENV
+
+    if workers <= 1:
+        yield None
+        return
+    remove_stale_metric_dirs()
+    path = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+    before = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_metric_dirs(root: str | None = None) -> list[str]:
+    """Remove the metric directories in ``root`` (default: the temporary directory) whose router
+    no longer runs (one killed before it could remove its own); their paths."""
+    from router.metrics import process_alive
+
+    removed = []
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), f"{METRICS_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path).removeprefix(METRICS_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -54,7 +54,9 @@ class RouterContext:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             max_version_lag=config.max_version_lag,
         )
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(
+            (g.name for g in config.fleet.groups), version_lag_bound=config.max_version_lag
+        )
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []

@@ -24,7 +24,9 @@ versions that generated them; every created session counts once for its group.
 the ledger's cumulative cost per group at that moment. :func:`update_costs`: update ``n`` cost
 what every group booked between acknowledgement ``n - 1`` (or the ledger's start) and ``n`` —
 the fleet's spend while that update was produced, tokens that went into no update included — so
-the updates' costs add up to everything booked until the last acknowledgement.
+the updates' costs add up to everything booked until the last acknowledgement. The router counts
+each such acknowledgement in ``mixfleet_router_updates_total`` (:mod:`router.routes_trainer`,
+``AckResult.update`` set), the denominator of the cost dashboard's dollars per update.
 """
 
 from __future__ import annotations

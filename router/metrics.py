@@ -1,21 +1,38 @@
 """Prometheus metrics of one router (``/metrics``), in a registry private to the app.
 
 Every family is declared once in :data:`ROUTER_METRICS` (:class:`fleet.metric_defs.MetricDef`;
-``docs/metrics.md`` is generated from it). Request-path counters and histograms are
-prometheus-client's own types, updated where the event happens. Families that describe the
-fleet (groups, versions, queue, ledger, mismatch) are computed at scrape time from
-``RouterMetrics.snapshot``, which the app refreshes from the registry and the state store right
-before each scrape, so they agree across routers sharing Redis. Names follow Prometheus
-conventions: ``mixfleet_*``, base units, ``_total`` on counters, ``_info`` for metadata, no colons.
+``docs/metrics.md`` is generated from it). Request-path counters, histograms and gauges
+(:data:`REQUEST_PATH`) are prometheus-client's own types, updated where the event happens in the
+process that served it. Families that describe the fleet (groups, versions, queue, ledger,
+mismatch; :data:`SNAPSHOT`) are computed at scrape time from ``RouterMetrics.snapshot``, which the
+app refreshes from the registry and the state store right before each scrape, so they agree
+across routers sharing Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units,
+``_total`` on counters, ``_info`` for metadata, no colons.
+
+**Several workers on one port** (``mixfleet router --workers N``, :mod:`router.cli`): with
+``PROMETHEUS_MULTIPROC_DIR`` set before prometheus-client is first imported (its value class is
+chosen then: ``prometheus_client/values.py`` 152-163, 0.26.0), every worker writes its request-path
+values to its own files there and a scrape of any worker reads all of them through
+``MultiProcessCollector`` (``multiprocess.py`` 19-171): counters and histograms summed over every
+worker that ever ran, a dead one's files included, so a counter does not go backwards when uvicorn
+replaces a killed worker; each gauge combined by its declared ``multiprocess_mode``. Before each
+such scrape the files of ``live*`` gauges of processes that no longer exist are removed with
+``mark_process_dead`` (``multiprocess.py`` 177-183; uvicorn 0.54's supervisor restarts a dead worker,
+``supervisors/multiprocess.py`` 214-239, but has no hook to call it). The snapshot families are not
+in those files: the worker that answers computes them once from the shared state.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.values import MutexValue, ValueClass
 
 from fleet.metric_defs import MetricDef, by_name
 from router.mismatch import BUCKET_LABELS, MismatchSums, rollup
@@ -42,6 +59,16 @@ LATENCY_BUCKETS = (
 
 MISMATCH_VERSIONS_EXPORTED = 16
 """Per-version mismatch gauges cover each group's latest this many versions."""
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's multiprocess directory variable (``values.py`` 157)."""
+
+DEFAULT_VERSION_LAG_BOUND = 2
+"""The version lag the lag alert allows when the router has no ``--max-version-lag``: the
+staleness the demo trainer accepts by default (``trainer/demo_config.py``, ``max_version_age``)."""
+
+FAILOVER_REASONS = ("timeout_retry", "unavailable", "version", "bad_response")
+"""The ``reason`` label values of ``mixfleet_router_failovers_total`` (:mod:`router.dispatch`)."""
 
 G = ("group",)
 GV = ("group", "version")
@@ -95,6 +122,21 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
     ),
     _c("mixfleet_router_trajectories_acked_total", (), "", "Trajectories acknowledged by trainers"),
     _c("mixfleet_router_generate_requests_total", G, "", "SGLang-native /generate requests"),
+    _c(
+        "mixfleet_router_updates_total",
+        (),
+        "",
+        "Acknowledgements that closed an update in the cost ledger (acknowledged >= 1 trajectory)",
+    ),
+    # livesum: each live worker adds its 1 and a dead one's 1 leaves with it (mark_process_dead).
+    MetricDef(
+        "mixfleet_router_workers",
+        "gauge",
+        (),
+        "",
+        "Router processes serving this port (--workers): each live one adds 1",
+        multiprocess_mode="livesum",
+    ),
 )
 
 # Computed at scrape time from the snapshot.
@@ -149,6 +191,13 @@ SNAPSHOT: tuple[MetricDef, ...] = (
         "Trajectories held back as older than a take's max_version_age",
     ),
     _g("mixfleet_router_open_leases", (), "", "Leases handed out and not yet acknowledged"),
+    _g(
+        "mixfleet_router_version_lag_bound",
+        (),
+        "",
+        "The version lag a group may have before MixfleetVersionLagHigh fires: the router's "
+        f"--max-version-lag, else {DEFAULT_VERSION_LAG_BOUND}",
+    ),
     _c(
         "mixfleet_group_replica_seconds_total",
         G,
@@ -258,6 +307,10 @@ SNAPSHOT: tuple[MetricDef, ...] = (
 ROUTER_METRICS: tuple[MetricDef, ...] = REQUEST_PATH + SNAPSHOT
 """Every family the router exports."""
 
+for _d in REQUEST_PATH:  # its workers combine a gauge by its mode: each states one
+    if _d.kind == "gauge" and _d.multiprocess_mode is None:
+        raise ValueError(f"metric {_d.name!r}: a request-path gauge needs a multiprocess_mode")
+
 _DEFS = by_name(ROUTER_METRICS)
 LEDGER_COUNTERS = (
     "mixfleet_group_replica_seconds_total",
@@ -274,12 +327,28 @@ MISMATCH_COUNTERS = (
 
 
 class RouterMetrics:
-    """The router's metrics: the request-path instruments as attributes, and ``snapshot``."""
+    """The router's metrics: the request-path instruments as attributes, ``snapshot``, and
+    ``registry``, what ``/metrics`` exposes (:meth:`exposition`).
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        m = {d.name: d.instrument(r) for d in REQUEST_PATH}
+    ``groups`` are the groups known when the router starts (the preset's): every group-labelled
+    request-path series of each exists from the start, at 0 (:meth:`zero_groups`; a group that
+    becomes known later, e.g. from a scrape's snapshot, gets them then). ``version_lag_bound`` is
+    the router's ``--max-version-lag`` (None: :data:`DEFAULT_VERSION_LAG_BOUND`). With
+    ``PROMETHEUS_MULTIPROC_DIR`` set, ``registry`` collects every worker's files (module
+    docstring); RuntimeError when prometheus-client was imported before it was set (its values
+    would then never reach the files)."""
+
+    def __init__(self, groups: Iterable[str] = (), *, version_lag_bound: int | None = None) -> None:
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        instruments = CollectorRegistry(auto_describe=False)
+        if self.multiprocess_dir is None:
+            self.registry = instruments
+        else:
+            if ValueClass is MutexValue:
+                raise RuntimeError(f"{MULTIPROC_ENV} was set after prometheus_client was imported")
+            self.registry = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(self.registry, self.multiprocess_dir)
+        m = {d.name: d.instrument(instruments) for d in REQUEST_PATH}
         self.request_seconds = m["mixfleet_router_request_seconds"]
         self.turn_seconds = m["mixfleet_router_turn_seconds"]
         self.engine_seconds = m["mixfleet_router_engine_seconds"]
@@ -294,16 +363,61 @@ class RouterMetrics:
         self.redelivered = m["mixfleet_router_trajectories_redelivered_total"]
         self.acked = m["mixfleet_router_trajectories_acked_total"]
         self.generate = m["mixfleet_router_generate_requests_total"]
+        self.updates = m["mixfleet_router_updates_total"]
+        m["mixfleet_router_workers"].set(1)
+        self.version_lag_bound = DEFAULT_VERSION_LAG_BOUND if version_lag_bound is None else version_lag_bound
         self.snapshot: dict[str, Any] = {}
-        r.register(_SnapshotCollector(self))
+        self._known: list[str] = []
+        self.zero_groups(groups)
+        self.registry.register(_SnapshotCollector(self))
 
     def zero_groups(self, groups: Iterable[str]) -> None:
-        """Make every group-labelled request-path series of ``groups`` exist (at 0 if new), so the
-        first events of a group count in rate() instead of being the series' first sample."""
+        """Make every group-labelled request-path series of ``groups`` exist (at 0 if new): per
+        group, every failover reason, and a session move between every ordered pair of known
+        groups. Panels then show 0, not "no data", and the first event of a series counts in
+        rate() instead of being its first sample."""
+        new = [g for g in dict.fromkeys(groups) if g not in self._known]
+        if not new:
+            return
         per_group = (self.turn_seconds, self.engine_seconds, self.turns, self.tokens, self.sessions)
-        for g in groups:
+        for g in new:
             for metric in (*per_group, self.expired, self.generate):
                 metric.labels(g)
+            for reason in FAILOVER_REASONS:
+                self.failovers.labels(g, reason)
+        self._known += new
+        for a in self._known:
+            for b in self._known:
+                if a != b and (a in new or b in new):
+                    self.moves.labels(a, b)
+
+    def exposition(self) -> bytes:
+        """The text exposition of ``registry`` (in multiprocess mode, after removing the ``live*``
+        gauge files of processes that no longer exist)."""
+        if self.multiprocess_dir is not None:
+            mark_dead_processes(self.multiprocess_dir)
+        return generate_latest(self.registry)
+
+
+def mark_dead_processes(path: str) -> list[int]:
+    """``mark_process_dead`` for every process with a ``live*`` gauge file in ``path`` that no
+    longer exists; the pids it marked."""
+    pids = {int(f.rsplit("_", 1)[1][:-3]) for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
+    dead = sorted(p for p in pids if not process_alive(p))
+    for pid in dead:
+        mark_process_dead(pid, path)
+    return dead
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0; someone else's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 class _SnapshotCollector:
@@ -358,6 +472,7 @@ class _SnapshotCollector:
             ("leases", "mixfleet_router_open_leases"),
         ):
             put(fam, [], queue.get(key))
+        put("mixfleet_router_version_lag_bound", [], self.metrics.version_lag_bound)
         ledger: Mapping[str, Any] = snap.get("ledger", {})
         for group in sorted(ledger):
             t = ledger[group]

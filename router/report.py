@@ -11,17 +11,21 @@ Figures, all from the ledger's totals:
   given);
 * per update (:func:`router.ledger.update_costs`' rule): cost, tokens, cost per 1M tokens;
 * per weight version: per group as booked, and summed over the groups;
-* the what-if: a homogeneous fleet of the baseline group serving the same tokens at its stated
+* the what-if: a homogeneous fleet of the baseline group serving the same tokens at its
   tokens/s per replica needs ``tokens / tokens_per_s`` replica-seconds, costing
   ``replica_seconds x gpus_per_replica x price_per_gpu_hour / 3600``; ``mixed_over_baseline`` is
-  the mixed fleet's booked cost divided by that (None when the baseline costs 0).
+  the mixed fleet's booked cost divided by that (None when the baseline costs 0). The baseline's
+  throughput is ``stated`` (a :class:`Baseline` handed in: ``mixfleet report
+  --baseline-tokens-per-s``) or else ``measured`` (:func:`measured_baseline`): a group of this
+  ledger at the tokens it booked per replica-second it booked (idle time included, as the mixed
+  fleet's cost includes it); ``what_if.baseline.throughput`` says which.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from router.ledger import SECONDS_PER_HOUR, per_million
 
@@ -30,7 +34,8 @@ MISMATCH_FIELDS = ("tokens", "k3_kl", "abs_logprob_diff_mean", "extreme_share")
 
 @dataclass(frozen=True)
 class Baseline:
-    """The what-if fleet: one group's spec and its stated decode throughput per replica."""
+    """The what-if fleet: one group's spec and its decode throughput per replica, ``stated`` or
+    ``measured`` (then from ``measured_tokens`` over ``measured_replica_seconds`` of a ledger)."""
 
     preset: str
     group: str
@@ -42,6 +47,9 @@ class Baseline:
     price_date: str | None
     price_source: str | None
     tokens_per_s_per_replica: float
+    throughput: Literal["stated", "measured"] = "stated"
+    measured_tokens: int | None = None
+    measured_replica_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens_per_s_per_replica > 0:
@@ -58,8 +66,11 @@ def build(
     baseline: Baseline | None = None,
     *,
     source: str = "",
+    measure_group: str | None = None,
 ) -> dict[str, Any]:
-    """``report.json``'s object. Raises ValueError naming the first field ``ledger`` lacks."""
+    """``report.json``'s object; without a ``baseline``, the what-if measures one from
+    ``ledger`` (:func:`measured_baseline` of ``measure_group``). Raises ValueError naming the
+    first field ``ledger`` lacks, or a ``measure_group`` it does not list."""
     for key in ("generated_at", "fleet", "span_s", "groups", "versions", "updates"):
         if key not in ledger:
             raise ValueError(f"ledger: missing field {key!r} (not the JSON of GET /v1/ledger?)")
@@ -109,8 +120,64 @@ def build(
             for v in ledger["versions"]
         ],
         "version_totals": version_totals(ledger["versions"]),
-        "what_if": what_if(total_tokens, total_cost, baseline),
+        "what_if": _what_if(ledger, total_tokens, total_cost, baseline, measure_group),
     }
+
+
+def _what_if(
+    ledger: Mapping[str, Any], tokens: int, cost: float, baseline: Baseline | None, group: str | None
+) -> dict[str, Any]:
+    if baseline is not None:
+        return what_if(tokens, cost, baseline)
+    try:
+        return what_if(tokens, cost, measured_baseline(ledger, group))
+    except NoMeasurement as exc:
+        return {"available": False, "reason": str(exc)}
+
+
+class NoMeasurement(Exception):
+    """The ledger holds no group whose throughput can be measured; the message says why."""
+
+
+def measured_baseline(ledger: Mapping[str, Any], group: str | None = None) -> Baseline:
+    """The baseline measured from ``ledger`` (``GET /v1/ledger``'s JSON): ``group``, else its
+    first BF16 group (the precision a homogeneous fleet serves: ``fleet/presets/homogeneous.toml``)
+    that booked tokens, at ``tokens / replica_seconds`` per replica. ValueError naming ``group``
+    when the ledger does not list it; :class:`NoMeasurement` when that group (or any BF16 group)
+    booked no tokens or no replica time, or has no spec in the preset."""
+    rows = {g["name"]: g for g in ledger["groups"]}
+    if group is not None and group not in rows:
+        raise ValueError(f"--baseline-group: the ledger has no group {group!r} (known: {', '.join(rows)})")
+    candidates = (
+        [rows[group]] if group is not None else [g for g in rows.values() if g["weight_format"] == "bf16"]
+    )
+    measured = [g for g in candidates if int(g["tokens"]) > 0 and float(g["replica_seconds"]) > 0]
+    if not measured:
+        which = (
+            f"group {group} booked no tokens or no replica time" if group else "no BF16 group booked tokens"
+        )
+        raise NoMeasurement(
+            f"no stated baseline throughput (--baseline-tokens-per-s), and {which} to measure one"
+        )
+    g = measured[0]
+    if g["accelerator"] is None:
+        raise NoMeasurement(f"group {g['name']} of the ledger is not in the preset (no spec to price it)")
+    tokens, seconds = int(g["tokens"]), float(g["replica_seconds"])
+    return Baseline(
+        preset=str(ledger["fleet"]),
+        group=g["name"],
+        accelerator=g["accelerator"],
+        weight_format=g["weight_format"],
+        kv_cache_dtype=g["kv_cache_dtype"],
+        gpus_per_replica=int(g["gpus_per_replica"]),
+        price_per_gpu_hour=float(g["price_per_gpu_hour"]),
+        price_date=g["price_date"],
+        price_source=g["price_source"],
+        tokens_per_s_per_replica=tokens / seconds,
+        throughput="measured",
+        measured_tokens=tokens,
+        measured_replica_seconds=seconds,
+    )
 
 
 def version_totals(versions: list[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -7,7 +7,9 @@ mismatch) from the router named by ``--router`` or ``MIXFLEET_URL`` with the key
 receives ``report.html`` (self-contained), ``report.md`` with its PNG plots, ``report.json`` and
 the ledger it was built from (``ledger.json``, readable again with ``--ledger``). The what-if
 baseline is a group of ``--baseline-preset`` serving the same tokens at
-``--baseline-tokens-per-s`` per replica; without that flag the report says it was not computed.
+``--baseline-tokens-per-s`` per replica; without that flag it is a group of the ledger itself at
+its measured throughput (``--baseline-group``, else its first BF16 group that served tokens;
+:func:`router.report.measured_baseline`), and the report says which it used.
 """
 
 from __future__ import annotations
@@ -34,14 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--baseline-preset", default="homogeneous", help="preset of the what-if fleet (default homogeneous)"
     )
     parser.add_argument(
-        "--baseline-group", default=None, help="group of that preset (default: its first group)"
+        "--baseline-group",
+        default=None,
+        help="group of that preset (default: its first group); without --baseline-tokens-per-s, the "
+        "ledger's group whose measured throughput is the baseline (default: its first BF16 group "
+        "with tokens)",
     )
     parser.add_argument(
         "--baseline-tokens-per-s",
         type=float,
         default=None,
         metavar="N",
-        help="the baseline's stated generated tokens/s per replica (needed for the what-if)",
+        help="the baseline's stated generated tokens/s per replica (default: measured in the ledger)",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per router call")
 
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(ledger, dict) or (groups is not None and not isinstance(groups, dict)):
         raise UserError("the ledger and groups JSON must be objects (GET /v1/ledger, GET /v1/groups)")
     try:
-        report = build(ledger, groups, base, source=source)
+        measure = args.baseline_group if base is None else None
+        report = build(ledger, groups, base, source=source, measure_group=measure)
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"cannot build the report from {source}: {exc}") from None
     try:

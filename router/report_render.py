@@ -182,8 +182,7 @@ def what_if_lines(report: dict[str, Any]) -> list[str]:
         f"{b['weight_format']} weights, {b['kv_cache_dtype']} KV cache, "
         f"{dollars(b['price_per_gpu_hour'])}/GPU-h (price date {b['price_date'] or 'n/a'}; "
         f"source: {b['price_source'] or 'n/a'}).",
-        f"Assumed throughput: {b['tokens_per_s_per_replica']:,g} generated tokens/s per replica "
-        "(stated, not measured).",
+        throughput_line(b),
         f"Serving the same {num(int(w['tokens']))} tokens takes "
         f"{hours(w['replica_seconds'])} replica-hours "
         f"= {dollars(w['cost_dollars'])} ({dollars(w['cost_per_1m_tokens'])} per 1M tokens).",
@@ -191,6 +190,18 @@ def what_if_lines(report: dict[str, Any]) -> list[str]:
         f"({dollars(w['mixed_cost_per_1m_tokens'])} per 1M tokens): "
         f"{'n/a' if ratio is None else f'{ratio:.2f}x'} the baseline's cost, {verdict}.",
     ]
+
+
+def throughput_line(b: dict[str, Any]) -> str:
+    """Which throughput the what-if used: stated, or measured in this ledger (and from what)."""
+    tps = f"{b['tokens_per_s_per_replica']:,.4g} generated tokens/s per replica"
+    if b.get("throughput", "stated") == "stated":
+        return f"Assumed throughput: {tps} (stated with --baseline-tokens-per-s, not measured)."
+    return (
+        f"Measured throughput: {tps}: the {num(int(b['measured_tokens']))} tokens group `{b['group']}` "
+        f"booked over its {num(b['measured_replica_seconds'])} replica-seconds in this ledger, idle time "
+        "included (no --baseline-tokens-per-s stated)."
+    )
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

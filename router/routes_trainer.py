@@ -151,6 +151,8 @@ async def ack(request: Request, lease_id: str) -> dict[str, Any]:
     except LeaseNotFound:
         raise ApiError(404, f"unknown or already acknowledged lease {lease_id!r}") from None
     ctx.metrics.acked.inc(result.acked)
+    if result.update is not None:  # it closed an update in the ledger
+        ctx.metrics.updates.inc()
     return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
 
 

@@ -8,6 +8,7 @@ and every declared family is exposed; ``docs/metrics.md`` is what the declaratio
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.metric_defs import MetricDef
 from fleet.reconciler import REPLICA_METRICS
 from mixfleet import metrics_doc
-from router.metrics import ROUTER_METRICS
+from router.metrics import FAILOVER_REASONS, ROUTER_METRICS, SNAPSHOT, RouterMetrics
 from tests.support.fleet import local_fleet
 from tests.support.procs import REPO
 from tests.support.router import ALL_SCOPES, router_process, write_preset
@@ -59,6 +60,67 @@ def test_definitions_refuse_names_against_the_conventions() -> None:
     ):
         with pytest.raises(ValueError):
             MetricDef(name, kind, (), unit, "help")  # type: ignore[arg-type]
+
+
+def test_a_multiprocess_mode_belongs_to_a_gauge_updated_in_process() -> None:
+    with pytest.raises(ValueError, match="only a gauge"):
+        MetricDef("mixfleet_x_total", "counter", (), "", "help", multiprocess_mode="sum")
+    with pytest.raises(ValueError, match="no multiprocess_mode"):
+        MetricDef("mixfleet_x", "gauge", (), "", "help", multiprocess_mode="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="computed at scrape time"):
+        MetricDef("mixfleet_x", "gauge", (), "", "help", multiprocess_mode="max").family()
+    assert all(d.multiprocess_mode is None for d in SNAPSHOT)  # computed once, by the worker that answers
+
+
+def _samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.exposition().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("mixfleet_router_") and not s.name.endswith("_bucket")
+    }
+
+
+def test_every_group_series_exists_at_zero_from_the_start_and_when_a_group_becomes_known() -> None:
+    """Before any event: per group, turns, tokens, sessions, expiries, /generate calls, latency
+    counts and every failover reason; a move between every ordered pair of groups. A group first
+    seen in a scrape's snapshot gets its series from that scrape on."""
+    metrics = RouterMetrics(["a", "b"], version_lag_bound=5)
+    per_group = (
+        "mixfleet_router_turns_total",
+        "mixfleet_router_tokens_total",
+        "mixfleet_router_sessions_created_total",
+        "mixfleet_router_sessions_expired_total",
+        "mixfleet_router_generate_requests_total",
+        "mixfleet_router_turn_seconds_count",
+        "mixfleet_router_engine_seconds_count",
+    )
+
+    def check(samples: dict, groups: list[str]) -> None:
+        for g in groups:
+            for name in per_group:
+                assert samples[(name, (("group", g),))] == 0, (name, g)
+            for reason in FAILOVER_REASONS:
+                assert samples[("mixfleet_router_failovers_total", (("group", g), ("reason", reason)))] == 0
+        moves = {k[1] for k in samples if k[0] == "mixfleet_router_session_moves_total"}
+        assert moves == {(("from_group", a), ("to_group", b)) for a in groups for b in groups if a != b}
+
+    first = _samples(metrics)
+    check(first, ["a", "b"])
+    assert first[("mixfleet_router_updates_total", ())] == 0
+    assert first[("mixfleet_router_workers", ())] == 1
+    assert first[("mixfleet_router_version_lag_bound", ())] == 5
+    info = {"accelerator": "cpu", "weight_format": "bf16", "kv_cache_dtype": "auto"}
+    metrics.snapshot = {"groups": [{"name": g, **info} for g in ("a", "b", "c")]}
+    _samples(metrics)
+    check(_samples(metrics), ["a", "b", "c"])
+
+
+def test_every_failover_reason_the_dispatcher_counts_is_initialised() -> None:
+    source = (REPO / "router" / "dispatch.py").read_text(encoding="utf-8")
+    used = set(re.findall(r'failovers\.labels\(group, "(\w+)"\)', source))
+    assert used == set(FAILOVER_REASONS), used
 
 
 def _families(text: str) -> dict[str, tuple[str, set[str]]]:

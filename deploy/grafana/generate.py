@@ -75,6 +75,7 @@ M = {
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
+    "lag_bound": "mixfleet_router_version_lag_bound",
     "traj_ready": "mixfleet_router_trajectories_ready",
     "traj_leased": "mixfleet_router_trajectories_leased",
     "traj_held": "mixfleet_router_trajectories_held_back",
@@ -106,6 +107,7 @@ M = {
     "expired": "mixfleet_router_sessions_expired_total",
     "generate": "mixfleet_router_generate_requests_total",
     "leases": "mixfleet_router_leases_total",
+    "updates": "mixfleet_router_updates_total",
     "open_leases": "mixfleet_router_open_leases",
     "mm_oob": "mixfleet_mismatch_out_of_band_tokens_total",
     "mm_band": "mixfleet_mismatch_band_info",
@@ -647,8 +649,13 @@ def versions() -> JSON:
     lay.add(
         timeseries(
             "Version lag",
-            f"Published minus active version, per group.\n\nMetric: `{M['lag']}`",
-            [target(gauge(M["lag"], GROUP), "{{group}}")],
+            "Published minus active version, per group, and the bound above which "
+            "MixfleetVersionLagHigh fires (the routers' --max-version-lag, else 2).\n\n"
+            f"Metrics: `{M['lag']}`, `{M['lag_bound']}`",
+            [
+                target(gauge(M["lag"], GROUP), "{{group}}"),
+                target(gauge(M["lag_bound"], by=""), "alert bound"),
+            ],
             decimals=0,
             step=True,
         ),
@@ -881,7 +888,7 @@ def cost() -> JSON:
     lay = Layout()
     dollars = max_rate(M["cost"], GROUP)
     per_hour = f"{dollars} * 3600"
-    updates = increase(M["leases"], "", RATE, by="")
+    updates = increase(M["updates"], "", RATE, by="")
     per_update = divide(increase(M["cost"], GROUP, RATE, op="max"), updates, "on () group_left ()")
     per_million = divide(f"{dollars} * 1e6", sum_rate(M["tokens"], GROUP))
     spent_range = increase(M["cost"], GROUP, "$__range", op="max")
@@ -890,8 +897,8 @@ def cost() -> JSON:
         stat("Dollars (range)", "Spent over the dashboard's range.", f"sum({spent_range})", unit=USD),
         stat("Dollars / 1M tokens", "Over the selected groups.",
              divide(f"sum({dollars}) * 1e6", f"sum({sum_rate(M['tokens'], GROUP)})"), unit=USD),
-        stat("Dollars / update", "Spent per batch the trainer took over the range (one update takes one).",
-             divide(f"sum({spent_range})", increase(M["leases"], "", "$__range", by="")), unit=USD),
+        stat("Dollars / update", "Spent per update the trainer closed (acknowledged) over the range.",
+             divide(f"sum({spent_range})", increase(M["updates"], "", "$__range", by="")), unit=USD),
     ):  # fmt: skip
         lay.add(panel, 6, 4)
     lay.row("Cost per group")
@@ -919,9 +926,10 @@ def cost() -> JSON:
     lay.add(
         timeseries(
             "Dollars / update",
-            "What each group cost per batch the trainer took in the window: an update takes one batch "
-            "and acknowledges it (the ledger's report, `mixfleet report`, books each update exactly).\n\n"
-            f"Metrics: `{M['cost']}`, `{M['leases']}`",
+            "What each group cost per update in the window: its spend over the updates the trainer closed "
+            "(an acknowledgement of at least one trajectory closes one; the ledger's report, "
+            "`mixfleet report`, books each update exactly).\n\n"
+            f"Metrics: `{M['cost']}`, `{M['updates']}`",
             [target(per_update, "{{group}}")],
             unit=USD,
             stack=True,

@@ -53,22 +53,35 @@ def test_promtool_unit_tests_pass() -> None:
 
 @needs_promtool
 def test_unit_tests_fail_when_an_alert_changes(tmp_path: Path) -> None:
-    """The unit tests hold the alerts to their thresholds: a lag bound of 3 instead of 2 fails them."""
-    (tmp_path / "rules").mkdir()
-    (tmp_path / "tests").mkdir()
+    """The unit tests hold the alerts to their thresholds: the lag alert's bound is the routers'
+    exported one; one more than that, or the old fixed 2, fails them."""
+    for i, bound in enumerate(
+        (
+            "(max(mixfleet_router_version_lag_bound) + 1)",  # a lagging 3 over a bound of 2 stays quiet
+            "vector(2)",  # the configured bound of 3 ignored: a lagging 3 fires
+        )
+    ):
+        out = _mutated(tmp_path / str(i), BOUND, bound)
+        assert out.returncode == 1, out.stdout
+        assert "alertname: MixfleetVersionLagHigh" in out.stdout + out.stderr
+
+
+BOUND = "max(mixfleet_router_version_lag_bound)"
+
+
+def _mutated(work: Path, old: str, new: str) -> subprocess.CompletedProcess:
+    """``promtool test rules`` with ``old`` replaced by ``new`` in the alerts file."""
+    (work / "rules").mkdir(parents=True)
+    (work / "tests").mkdir()
     for path in RULES:
         text = path.read_text()
         if path.name == "mixfleet-alerts.yml":
-            assert "group:mixfleet_group_version_lag:max > 2" in text
-            text = text.replace(
-                "group:mixfleet_group_version_lag:max > 2", "group:mixfleet_group_version_lag:max > 3"
-            )
-        (tmp_path / "rules" / path.name).write_text(text)
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        (work / "rules" / path.name).write_text(text)
     for path in TESTS:
-        shutil.copy(path, tmp_path / "tests" / path.name)
-    out = _promtool("test", "rules", *(f"tests/{p.name}" for p in TESTS), cwd=tmp_path)
-    assert out.returncode == 1, out.stdout
-    assert "alertname: MixfleetVersionLagHigh" in out.stdout + out.stderr
+        shutil.copy(path, work / "tests" / path.name)
+    return _promtool("test", "rules", *(f"tests/{p.name}" for p in TESTS), cwd=work)
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case() -> None:

@@ -196,7 +196,12 @@ def test_engines_killed_mid_run_lose_and_duplicate_nothing(model_dirs, tmp_path)
                     first_out = next(i for i, g in enumerate(seen) if g != "cpu-fp8")
                     assert len(set(seen[first_out:])) == 1
             metrics = httpx.get(f"{router.url}/metrics").text
-            assert 'mixfleet_router_session_moves_total{from_group="cpu-fp8"' in metrics
+            moves = [  # every pair's series exists from the start (at 0): the moves must have counted
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith('mixfleet_router_session_moves_total{from_group="cpu-fp8"')
+            ]
+            assert len(moves) == 2 and sum(moves) >= 1, moves
 
 
 @contextlib.contextmanager

@@ -207,6 +207,7 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
         "bf16",
     )
     assert w["baseline"]["tokens_per_s_per_replica"] == BASELINE_TPS
+    assert w["baseline"]["throughput"] == "stated" and w["baseline"]["measured_tokens"] is None
     assert w["baseline"]["price_date"] == homogeneous.price_date.isoformat()
     assert w["tokens"] == 400
     assert w["replica_seconds"] == approx(base_rs) and w["gpu_seconds"] == approx(base_rs)
@@ -235,7 +236,9 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     ]
     assert fast_mismatch == "| fast | nvfp4 | $0.05000 | $156.25 | 84.7% | 100 | 0.0012 | 0.031 | 2.0% |"
     assert slow_mismatch == "| slow | bf16 | $0.009000 | $112.50 | 15.3% | n/a | n/a | n/a | n/a |"
-    assert "50 generated tokens/s per replica" in md and "2026-09-30" in md
+    assert (
+        "50 generated tokens/s per replica (stated with --baseline-tokens-per-s" in md and "2026-09-30" in md
+    )
     assert "\n* the price was not confirmed by independent sources" in md  # slow's starred price
     assert f"{cost / base_cost:.2f}x the baseline's cost" in md
     for name in ("cost_per_update.png", "cost_per_1m_tokens.png", "shares.png", "what_if.png"):
@@ -248,6 +251,83 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     assert not re.search(r'(src|href)="(?!data:)', page)  # nothing outside the file
     assert "$156.25" in page and "$112.50" in page
     assert json.loads((out / "ledger.json").read_text()) == ledger
+
+
+def test_without_a_stated_throughput_the_what_if_measures_a_group_of_the_ledger(
+    tmp_path: Path, capsys
+) -> None:
+    """No --baseline-tokens-per-s: the baseline is the ledger's first BF16 group (``slow``) at the
+    tokens it booked per replica-second it booked, or the group --baseline-group names."""
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps(asyncio.run(_known_ledger())))
+    approx = lambda x: pytest.approx(x, rel=1e-12, abs=1e-15)  # noqa: E731
+    cost = 25 * FAST + 18 * SLOW  # the mixed fleet's booked cost (see the test above)
+    for group, tokens, seconds, gpus, price in ((None, 80, 18.0, 1, 1.8), ("fast", 320, 25.0, 2, 3.6)):
+        out = tmp_path / f"r-{group}"
+        extra = ["--baseline-group", group] if group else []
+        assert main(["report", "--out", str(out), "--ledger", str(ledger), *extra]) == 0
+        w = json.loads((out / "report.json").read_text())["what_if"]
+        b = w["baseline"]
+        assert w["available"] is True and b["group"] == (group or "slow") and b["preset"] == "two"
+        assert (b["throughput"], b["measured_tokens"], b["measured_replica_seconds"]) == (
+            "measured",
+            tokens,
+            seconds,
+        )
+        assert b["tokens_per_s_per_replica"] == approx(tokens / seconds)
+        base_rs = 400 / (tokens / seconds)  # the same 400 tokens at the measured rate
+        assert w["replica_seconds"] == approx(base_rs) and w["gpu_seconds"] == approx(base_rs * gpus)
+        assert w["cost_dollars"] == approx(base_rs * gpus * price / 3600)
+        assert w["mixed_over_baseline"] == approx(cost / (base_rs * gpus * price / 3600))
+        md = (out / "report.md").read_text()
+        rate = f"{tokens / seconds:,.4g} generated tokens/s per replica"
+        line = f"Measured throughput: {rate}: the {tokens} tokens"
+        assert line in md and f"booked over its {seconds:.1f} replica-seconds in this ledger" in md, md
+    assert (b["accelerator"], b["gpus_per_replica"], b["price_date"]) == ("B200", 2, "2026-09-30")
+    assert (
+        main(["report", "--out", str(tmp_path / "x"), "--ledger", str(ledger), "--baseline-group", "x"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the ledger has no group 'x' (known: fast, slow)" in err, err
+
+
+def test_the_local_preset_prices_its_groups_notionally_so_a_local_report_shows_costs(tmp_path: Path) -> None:
+    """The embedded default's groups carry a documented notional price (one CPU core-hour), so a
+    ledger of a local run costs something per group, per update and per 1M tokens, and the what-if
+    measures its BF16 group."""
+    local = load_preset("local")
+    for g in local.groups:
+        assert g.price_per_gpu_hour == pytest.approx(0.0000131 * 3600, rel=1e-3) and g.gpus_per_replica == 1
+        assert g.price_date is not None and "notional" in (g.price_source or "") and not g.price_verified
+    store = MemoryStore()
+
+    async def run() -> dict:
+        for i, g in enumerate(local.groups):
+            for at in (0.0, 5.0):
+                await store.book_replica(
+                    f"{g.name}-0", group=g.name, version=1, at=at, span_s=SPAN,
+                    gpus_per_replica=g.gpus_per_replica, price_per_gpu_hour=g.price_per_gpu_hour,
+                )  # fmt: skip
+            await _session(store, f"s{i}", g.name, {1: 30 * (i + 1)})
+        lease = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+        await store.ack(lease.lease_id)
+        return ledger_view(await store.ledger(), local, SPAN, now=time.time())
+
+    (tmp_path / "ledger.json").write_text(json.dumps(asyncio.run(run())))
+    assert main(["report", "--out", str(tmp_path / "r"), "--ledger", str(tmp_path / "ledger.json")]) == 0
+    r = json.loads((tmp_path / "r" / "report.json").read_text())
+    per_group = 15 * 0.0472 / 3600  # 15 replica-seconds each at the notional price
+    assert [g["cost_dollars"] for g in r["groups"]] == [pytest.approx(per_group, rel=1e-12)] * 3
+    assert r["updates"][0]["cost_dollars"] == pytest.approx(3 * per_group, rel=1e-12)
+    assert all(g["cost_per_1m_tokens"] > 0 for g in r["groups"])
+    w = r["what_if"]
+    assert (
+        w["available"] and w["baseline"]["group"] == "cpu-bf16" and w["baseline"]["throughput"] == "measured"
+    )
+    assert w["baseline"]["tokens_per_s_per_replica"] == pytest.approx(30 / 15, rel=1e-12)
+    assert (
+        "Measured throughput: 2 generated tokens/s per replica" in (tmp_path / "r" / "report.md").read_text()
+    )
 
 
 def test_report_refusals_are_one_line(tmp_path: Path, capsys) -> None:
@@ -398,6 +478,12 @@ def test_a_fleet_serving_turns_books_tokens_per_version_and_updates(engine_url: 
     assert u1["cost_dollars"] > 0 and u1["cost_dollars"] + u2["cost_dollars"] <= g["cost_dollars"] + 1e-12
     (tmp_path / "ledger.json").write_text(json.dumps(ledger))
     assert main(["report", "--out", str(tmp_path / "r"), "--ledger", str(tmp_path / "ledger.json")]) == 0
+    w = json.loads((tmp_path / "r" / "report.json").read_text())["what_if"]  # measured on this fleet
+    assert w["available"] and w["baseline"]["throughput"] == "measured" and w["baseline"]["group"] == "cpu-a"
+    assert w["baseline"]["tokens_per_s_per_replica"] == pytest.approx(sum(tokens) / g["replica_seconds"])
+    assert w["cost_dollars"] == pytest.approx(
+        g["cost_dollars"], rel=1e-9
+    )  # the one group is its own baseline
     r = json.loads((tmp_path / "r" / "report.json").read_text())
     assert r["totals"]["tokens"] == sum(tokens) and r["totals"]["updates"] == 2
     assert r["groups"][0]["cost_per_1m_tokens"] == pytest.approx(
