@@ -235,14 +235,34 @@ GIB = 1 << 30
 GPU = {"H100!": (81559, 0.835), "L40S": (46068, 0.851), "H200": (143771, 0.907), "B200": (183359, 0.857)}
 
 
+def _fp8_kept(spec: MoESpec) -> set[str]:
+    """The fp8 layers SGLang's block-FP8 loader refuses (a merged part, q/k/v or gate/up, or an
+    MoE expert size, not a multiple of 128: layers/quantization/fp8.py 600-610, 1584-1593), which
+    the converter keeps in BF16: every tensor name prefix of such a merged layer."""
+    kept = set()
+    d = spec.head_dim
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}"
+        heads = (spec.num_attention_heads * d, spec.num_key_value_heads * d)
+        if any(n % 128 for n in heads):
+            kept |= {f"{p}.self_attn.{x}_proj." for x in "qkv"}
+        dense = i in spec.mlp_only_layers
+        inter = spec.intermediate_size if dense else spec.moe_intermediate_size
+        if inter % 128:
+            kept |= {f"{p}.mlp.gate_proj.", f"{p}.mlp.up_proj."} if dense else {f"{p}.mlp.experts."}
+    return kept
+
+
 def _weights(spec: MoESpec, fmt: str) -> int:
     """The converted checkpoint's tensor bytes, restated from the format definitions: every
-    ``*_proj.weight`` is quantized in fp8 (1 byte + F32 per 128x128 block) and nvfp4 (half a byte
-    + E4M3 per 16 + two F32 scalars); everything else, and all of bf16, is 2 bytes a value."""
+    ``*_proj.weight`` is quantized in fp8 (1 byte + F32 per 128x128 block; but for the layers of
+    :func:`_fp8_kept`) and nvfp4 (half a byte + E4M3 per 16 + two F32 scalars); everything else,
+    and all of bf16, is 2 bytes a value."""
     total = 0
+    kept = _fp8_kept(spec) if fmt == "fp8" else set()
     for name, shape in spec.tensor_shapes():
         count = math.prod(shape)
-        if fmt == "bf16" or not name.endswith("_proj.weight"):
+        if fmt == "bf16" or not name.endswith("_proj.weight") or any(name.startswith(k) for k in kept):
             total += 2 * count
         elif fmt == "fp8":
             total += count + 4 * math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128)
