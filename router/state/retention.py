@@ -1,0 +1,74 @@
+"""How long the router's state keeps what it keeps: the rules every state adapter applies, so
+that nothing it stores grows with the length of a run (pure: no I/O, no clock).
+
+The rules (the table in ``docs/architecture.md``, section *State and its bounds*, lists them
+with their flags):
+
+* an **open session** without a creation or turn for ``session_idle_s`` is abandoned
+  (:meth:`~router.state.base.StateStore.expire_idle`, run by the router's poll loop);
+* a **finished session** (a trajectory: ready, held back or leased) is accepted data: it stays
+  until a lease that holds it is acknowledged, however long that takes;
+* an **acknowledged trajectory** stays readable ``retention_s`` after its acknowledgement;
+* a **lease** accepts its acknowledgement for :meth:`Retention.lease_record_s` after its take
+  (later: unknown, a 404); what it did not acknowledge was redelivered after ``lease_timeout_s``;
+* a lease's **take order** and its **mismatch mark** live ``lease_timeout_s + retention_s``;
+* a ``/generate`` **route key** lives ``route_key_ttl_s`` after it last moved;
+* a **replica heartbeat** entry is forgotten ``replica_forget_s`` after its last heartbeat
+  (static replicas are polled, so refreshed, every ``poll_interval_s``); a replica's
+  **booked-until mark** :func:`mark_ttl_s` after its last booking;
+* **mismatch sums** and the **ledger per version** keep, per group, the ``keep_versions`` highest
+  versions; every older version is rolled into the group's ``earlier`` total
+  (:func:`versions_to_roll`), so group totals stay exact;
+* the ledger's **update records**: the latest ``keep_updates``; older ones are rolled into one
+  summary (their count, trajectories, tokens and the cumulative cost at the last of them, which is
+  what the next record's cost is measured from);
+* the **routing window** holds the latest ``router.policy.WINDOW_SIZE`` assignments and the
+  **weight jobs** the latest ``router.publishing.MAX_JOBS_KEPT``; counters are per group.
+
+Expiry by time is a Redis TTL in the Redis adapter and a check on every read in the memory
+adapter; both drop what expired, roll versions and updates in
+:meth:`~router.state.base.StateStore.compact`, which the router runs every
+``compact_interval_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Retention:
+    """The configurable bounds (``RouterConfig`` fields of the same names). ValueError names a
+    value out of range."""
+
+    retention_s: float = 3600.0
+    lease_timeout_s: float = 300.0
+    keep_versions: int = 16
+    keep_updates: int = 1000
+    replica_forget_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.retention_s > 0 or not self.lease_timeout_s > 0 or not self.replica_forget_s > 0:
+            raise ValueError("retention_s, lease_timeout_s and replica_forget_s must be > 0")
+        if self.keep_versions < 1 or self.keep_updates < 1:
+            raise ValueError(
+                f"keep_versions and keep_updates must be >= 1, got {self.keep_versions}, {self.keep_updates}"
+            )
+
+    def lease_record_s(self) -> float:
+        """How long after its take a lease accepts its acknowledgement."""
+        return max(3600.0, 20.0 * self.lease_timeout_s)
+
+
+def mark_ttl_s(span_s: float) -> float:
+    """How long a replica's booked-until mark is kept after its last booking: far beyond any
+    observation that could still overlap it (a later one books its span as it would anyway)."""
+    return max(3600.0, 10.0 * span_s)
+
+
+def versions_to_roll(versions: Iterable[int | None], keep: int) -> list[int]:
+    """The versions (ascending) to roll into a group's ``earlier`` total: all but the ``keep``
+    highest; None (no version reported) is never rolled."""
+    known = sorted({int(v) for v in versions if v is not None})
+    return known[: max(0, len(known) - keep)]
