@@ -387,7 +387,10 @@ class MemoryStore(StateStore):
         mark = self._marks.get(replica_id)
         until = mark[0] if mark is not None and mark[1] > time.monotonic() else None
         c = charge(until, at, span_s, gpus_per_replica, price_per_gpu_hour)
-        self._marks[replica_id] = (c.booked_until, time.monotonic() + mark_ttl_s(span_s))
+        self._marks[replica_id] = (
+            c.booked_until,
+            time.monotonic() + mark_ttl_s(span_s, self.retention.replica_forget_s),
+        )
         if c.replica_seconds > 0:
             for key in (group, (group, version)):
                 m = self._money[key]
@@ -491,7 +494,8 @@ class MemoryStore(StateStore):
         return rolled
 
     def _roll_mismatch_versions(self) -> int:
-        """Each group's mismatch versions beyond ``keep_versions`` into its version-None sums."""
+        """Each group's mismatch versions beyond ``keep_versions`` into its version-None sums;
+        returns the (group, version) entries rolled."""
         rolled = 0
         for group in {g for g, _v, _b in self._mismatch}:
             versions = (v for g, v, _b in self._mismatch if g == group)
@@ -500,7 +504,7 @@ class MemoryStore(StateStore):
                 part = self._mismatch.pop(key)
                 into = (group, None, key[2])
                 self._mismatch[into] = self._mismatch[into] + part if into in self._mismatch else part
-                rolled += 1
+            rolled += len(old)
         return rolled
 
     async def footprint(self) -> dict[str, int]:

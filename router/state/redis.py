@@ -597,7 +597,7 @@ class RedisStore(StateStore):
         if owned:
             key = f"{P}lease:{lease_id}"
             pipe.hset(key, mapping=owned)
-            pipe.expire(key, int(self.retention.lease_record_s()))
+            pipe.pexpire(key, _ms(self.retention.lease_record_s()))
         else:
             pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
         pipe.zcard(HELD)
@@ -635,8 +635,8 @@ class RedisStore(StateStore):
         for entry_id in still:
             sid = entries[entry_id]
             pipe.hset(_skey(sid), "status", "consumed")
-            pipe.expire(_skey(sid), int(self.retention_s))
-            pipe.expire(_tkey(sid), int(self.retention_s))
+            pipe.pexpire(_skey(sid), _ms(self.retention_s))
+            pipe.pexpire(_tkey(sid), _ms(self.retention_s))
         pipe.delete(key)
         pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
         if still:  # the update this acknowledgement closes, in the same transaction
@@ -805,7 +805,7 @@ class RedisStore(StateStore):
             raw = await pipe.get(mark)
             c = charge(None if raw is None else float(raw), at, span_s, gpus_per_replica, price_per_gpu_hour)
             pipe.multi()
-            pipe.set(mark, repr(c.booked_until), ex=int(mark_ttl_s(span_s)))
+            pipe.set(mark, repr(c.booked_until), px=_ms(mark_ttl_s(span_s, self.retention.replica_forget_s)))
             if c.replica_seconds > 0:
                 for name, amount in (
                     ("rs", c.replica_seconds),
@@ -917,8 +917,8 @@ class RedisStore(StateStore):
         ):
             cmd(key)
         keys, memory, *sizes = await pipe.execute()
-        names = ("ready", "held_back", "open_sessions", "replicas", "window", "jobs", "mismatch")
-        out = dict(zip((*names, "ledger_versions", "updates"), (int(x) for x in sizes), strict=True))
+        names = ("ready", "held_back", "open_sessions", "replicas", "window", "jobs", "mismatch_fields")
+        out = dict(zip((*names, "ledger_version_fields", "updates"), (int(x) for x in sizes), strict=True))
         return {"keys": int(keys), "used_memory": int(memory["used_memory"]), **out}
 
     async def ping(self) -> bool:
@@ -929,6 +929,11 @@ class RedisStore(StateStore):
 
     async def close(self) -> None:
         await self._r.aclose()
+
+
+def _ms(seconds: float) -> int:
+    """``seconds`` as a TTL in whole milliseconds (at least 1)."""
+    return max(1, int(seconds * 1000))
 
 
 def _s(v: bytes | str) -> str:

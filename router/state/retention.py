@@ -9,13 +9,15 @@ with their flags):
 * a **finished session** (a trajectory: ready, held back or leased) is accepted data: it stays
   until a lease that holds it is acknowledged, however long that takes;
 * an **acknowledged trajectory** stays readable ``retention_s`` after its acknowledgement;
-* a **lease** accepts its acknowledgement for :meth:`Retention.lease_record_s` after its take
-  (later: unknown, a 404); what it did not acknowledge was redelivered after ``lease_timeout_s``;
-* a lease's **take order** and its **mismatch mark** live ``lease_timeout_s + retention_s``;
+* a **lease** is known for :meth:`Retention.lease_record_s` (``lease_timeout_s + retention_s``)
+  after its take: its acknowledgement, take order and trainer log-prob upload are accepted until
+  then (later: unknown, a 404); what it did not acknowledge was redelivered after
+  ``lease_timeout_s``; its **mismatch mark** (one upload per lease) lives as long after the upload;
 * a ``/generate`` **route key** lives ``route_key_ttl_s`` after it last moved;
 * a **replica heartbeat** entry is forgotten ``replica_forget_s`` after its last heartbeat
   (static replicas are polled, so refreshed, every ``poll_interval_s``); a replica's
-  **booked-until mark** :func:`mark_ttl_s` after its last booking;
+  **booked-until mark** :func:`mark_ttl_s` (``max(10 x span, replica_forget_s)``) after its last
+  booking;
 * **mismatch sums** and the **ledger per version** keep, per group, the ``keep_versions`` highest
   versions; every older version is rolled into the group's ``earlier`` total
   (:func:`versions_to_roll`), so group totals stay exact;
@@ -57,14 +59,16 @@ class Retention:
             )
 
     def lease_record_s(self) -> float:
-        """How long after its take a lease accepts its acknowledgement."""
-        return max(3600.0, 20.0 * self.lease_timeout_s)
+        """How long after its take a lease is known: its acknowledgement, its take order and its
+        trainer log-prob upload are accepted until then (``lease_timeout_s + retention_s``)."""
+        return self.lease_timeout_s + self.retention_s
 
 
-def mark_ttl_s(span_s: float) -> float:
-    """How long a replica's booked-until mark is kept after its last booking: far beyond any
-    observation that could still overlap it (a later one books its span as it would anyway)."""
-    return max(3600.0, 10.0 * span_s)
+def mark_ttl_s(span_s: float, replica_forget_s: float) -> float:
+    """How long a replica's booked-until mark is kept after its last booking: as long as the
+    replica is remembered, and far beyond any observation that could still overlap it (a later
+    one books its span as it would anyway)."""
+    return max(10.0 * span_s, replica_forget_s)
 
 
 def versions_to_roll(versions: Iterable[int | None], keep: int) -> list[int]:
