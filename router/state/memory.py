@@ -389,7 +389,7 @@ class MemoryStore(StateStore):
         c = charge(until, at, span_s, gpus_per_replica, price_per_gpu_hour)
         self._marks[replica_id] = (
             c.booked_until,
-            time.monotonic() + mark_ttl_s(span_s, self.retention.replica_forget_s),
+            time.monotonic() + mark_ttl_s(span_s),
         )
         if c.replica_seconds > 0:
             for key in (group, (group, version)):

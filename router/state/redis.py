@@ -805,7 +805,7 @@ class RedisStore(StateStore):
             raw = await pipe.get(mark)
             c = charge(None if raw is None else float(raw), at, span_s, gpus_per_replica, price_per_gpu_hour)
             pipe.multi()
-            pipe.set(mark, repr(c.booked_until), px=_ms(mark_ttl_s(span_s, self.retention.replica_forget_s)))
+            pipe.set(mark, repr(c.booked_until), px=_ms(mark_ttl_s(span_s)))
             if c.replica_seconds > 0:
                 for name, amount in (
                     ("rs", c.replica_seconds),

@@ -16,8 +16,7 @@ with their flags):
 * a ``/generate`` **route key** lives ``route_key_ttl_s`` after it last moved;
 * a **replica heartbeat** entry is forgotten ``replica_forget_s`` after its last heartbeat
   (static replicas are polled, so refreshed, every ``poll_interval_s``); a replica's
-  **booked-until mark** :func:`mark_ttl_s` (``max(10 x span, replica_forget_s)``) after its last
-  booking;
+  **booked-until mark** :func:`mark_ttl_s` (ten heartbeat timeouts) after its last booking;
 * **mismatch sums** and the **ledger per version** keep, per group, the ``keep_versions`` highest
   versions; every older version is rolled into the group's ``earlier`` total
   (:func:`versions_to_roll`), so group totals stay exact;
@@ -64,11 +63,11 @@ class Retention:
         return self.lease_timeout_s + self.retention_s
 
 
-def mark_ttl_s(span_s: float, replica_forget_s: float) -> float:
-    """How long a replica's booked-until mark is kept after its last booking: as long as the
-    replica is remembered, and far beyond any observation that could still overlap it (a later
-    one books its span as it would anyway)."""
-    return max(10.0 * span_s, replica_forget_s)
+def mark_ttl_s(span_s: float) -> float:
+    """How long a replica's booked-until mark is kept after its last booking: ten spans, far
+    beyond any observation that could still overlap it (one that comes later books its whole
+    span, as it would with the mark)."""
+    return 10.0 * span_s
 
 
 def versions_to_roll(versions: Iterable[int | None], keep: int) -> list[int]:
