@@ -868,7 +868,7 @@ class RedisStore(StateStore):
             int(await self._forget_replicas(keys=[REPLICAS], args=[*stale, repr(cutoff)])) if stale else 0
         )
         ledger = [
-            (group, int(v), f"{name}:{group}:{v}", f"{name}:{group}", "f")
+            (group, int(v), f"{name}:{group}:{v}", f"{name}:{group}", "i" if name == "tok" else "f")
             for name, group, v in (_s(k).split(":") for k in await self._r.hkeys(LEDGER_V))
             if v != "-"
         ]

@@ -349,6 +349,33 @@ def _fleet_view(router: RouterHandle) -> dict[str, Any]:
     }
 
 
+def _one_session(router: RouterHandle, n: int, writers: Counter) -> tuple[str, list, int]:
+    """Create, two turns, finish, each on any worker (counted in ``writers``), every state read
+    back on both; returns the session id, its outputs and its tokens."""
+    r, pid = call(router, "POST", "/v1/sessions", json={"group": "cpu-a", "metadata": {"n": n}})
+    assert r.status_code == 200, r.text
+    sid, outputs, tokens = r.json()["session_id"], [], 0
+    writers[pid] += 1
+    for i in range(2):
+        body = {"input_ids": [4, 5, n + i], "sampling_params": SP, "turn": i}
+        t, pid = call(router, "POST", f"/v1/sessions/{sid}/turns", json=body)
+        assert t.status_code == 200, t.text
+        writers[pid] += 1
+        outputs.append(t.json()["output_ids"])
+        tokens += len(t.json()["output_ids"])
+        state = read_everywhere(router, f"/v1/sessions/{sid}")
+        want = ("open", i + 1, tokens, {"n": n})
+        assert (state["status"], state["turns"], state["tokens"], state["metadata"]) == want, state
+    f, pid = call(router, "POST", f"/v1/sessions/{sid}/finish", json={"reward": n / 2})
+    assert f.status_code == 200, f.text
+    writers[pid] += 1
+    state = read_everywhere(router, f"/v1/sessions/{sid}")
+    assert (state["status"], state["reward"]) == ("finished", n / 2), state
+    trajectory = read_everywhere(router, f"/v1/sessions/{sid}/trajectory")
+    assert [t["output_ids"] for t in trajectory["turns"]] == outputs, trajectory
+    return sid, outputs, tokens
+
+
 def test_every_read_answers_what_the_run_wrote_whichever_worker_serves_it(workers: RouterHandle) -> None:
     """One run's requests each on a fresh connection (so either worker serves each): after every
     write, each read on both workers answers exactly what the run wrote: the session's state and
@@ -358,31 +385,7 @@ def test_every_read_answers_what_the_run_wrote_whichever_worker_serves_it(worker
     writers: Counter = Counter()
     written: dict[str, dict] = {}
     for n in range(6):
-        r, pid = call(router, "POST", "/v1/sessions", json={"group": "cpu-a", "metadata": {"n": n}})
-        assert r.status_code == 200, r.text
-        sid, outputs, tokens = r.json()["session_id"], [], 0
-        writers[pid] += 1
-        for i in range(2):
-            body = {"input_ids": [4, 5, n + i], "sampling_params": SP, "turn": i}
-            t, pid = call(router, "POST", f"/v1/sessions/{sid}/turns", json=body)
-            assert t.status_code == 200, t.text
-            writers[pid] += 1
-            outputs.append(t.json()["output_ids"])
-            tokens += len(t.json()["output_ids"])
-            state = read_everywhere(router, f"/v1/sessions/{sid}")
-            assert (state["status"], state["turns"], state["tokens"], state["metadata"]) == (
-                "open",
-                i + 1,
-                tokens,
-                {"n": n},
-            ), state
-        f, pid = call(router, "POST", f"/v1/sessions/{sid}/finish", json={"reward": n / 2})
-        assert f.status_code == 200, f.text
-        writers[pid] += 1
-        state = read_everywhere(router, f"/v1/sessions/{sid}")
-        assert (state["status"], state["reward"]) == ("finished", n / 2), state
-        trajectory = read_everywhere(router, f"/v1/sessions/{sid}/trajectory")
-        assert [t["output_ids"] for t in trajectory["turns"]] == outputs, trajectory
+        sid, outputs, tokens = _one_session(router, n, writers)
         written[sid] = {"outputs": outputs, "tokens": tokens}
     run_tokens = sum(w["tokens"] for w in written.values())
     now = _fleet_view(router)
