@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from fleet.sglang_client import SGLangClient, make_http_client
+from router.mismatch import BUCKET_LABELS
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 from trainer.client import RolloutClient
@@ -83,15 +84,22 @@ def _drive(router_url: str, engine_url: str, model_dir: str, versions: range, up
 
 
 def _settled(store: redis.Redis, wait_s: float = 4.0) -> dict[str, int]:
-    """Redis' key count and used memory once everything expiring has expired (TTLs, idle
-    sessions, silent replicas) and the router has compacted since."""
+    """Redis' key count, used memory and the sizes of what compaction bounds (mismatch and
+    per-version ledger fields, update records, replicas) once everything expiring has expired
+    (TTLs, idle sessions, silent replicas) and the router has compacted since."""
     time.sleep(wait_s)
     deadline = time.monotonic() + 60
     while store.zcard("mf:activity") or store.hlen("mf:replicas") > 1 or store.keys("mf:mark:side-*"):
         assert time.monotonic() < deadline, "idle sessions, silent replicas or their marks never went"
         time.sleep(0.5)
     time.sleep(2.0)  # one more compaction after the last expiry
-    return {"keys": store.dbsize(), "used_memory": int(store.info("memory")["used_memory"])}
+    sizes = {key: store.hlen(key) for key in ("mf:mismatch", "mf:ledger:v", "mf:replicas")}
+    return {
+        "keys": store.dbsize(),
+        "used_memory": int(store.info("memory")["used_memory"]),
+        "updates": store.llen("mf:updates"),
+        **sizes,
+    }
 
 
 @pytest.mark.slow
@@ -115,6 +123,10 @@ def test_fifty_versions_and_hundreds_of_sessions_leave_the_state_where_it_was(
         full = _settled(store)
         assert full["keys"] == half["keys"], (half, full, sorted(k.decode() for k in store.scan_iter()))
         assert full["used_memory"] <= half["used_memory"] * 1.1 + 65536, (half, full)
+        for fp in (half, full):  # two groups, the kept versions and one more (earlier / none reported)
+            assert fp["mf:mismatch"] <= 2 * (KEEP_VERSIONS + 1) * len(BUCKET_LABELS) * 5, fp
+            assert fp["mf:ledger:v"] <= 2 * (KEEP_VERSIONS + 1) * 4, fp
+            assert (fp["updates"], fp["mf:replicas"]) == (KEEP_UPDATES, 1), fp
         assert not store.keys("mf:s:*") and not store.keys("mf:rk:*") and not store.keys("mf:lease:*")
 
         with httpx.Client(base_url=router.url, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
