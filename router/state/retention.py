@@ -50,12 +50,11 @@ class Retention:
     replica_forget_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        if not self.retention_s > 0 or not self.lease_timeout_s > 0 or not self.replica_forget_s > 0:
-            raise ValueError("retention_s, lease_timeout_s and replica_forget_s must be > 0")
-        if self.keep_versions < 1 or self.keep_updates < 1:
-            raise ValueError(
-                f"keep_versions and keep_updates must be >= 1, got {self.keep_versions}, {self.keep_updates}"
-            )
+        for name in ("retention_s", "lease_timeout_s", "replica_forget_s", "keep_versions", "keep_updates"):
+            value = getattr(self, name)
+            if not value > 0 or (name.startswith("keep") and value != int(value)):
+                kind = "a whole number >= 1" if name.startswith("keep") else "> 0"
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
 
     def lease_record_s(self) -> float:
         """How long after its take a lease is known: its acknowledgement, its take order and its
