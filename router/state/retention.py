@@ -26,10 +26,11 @@ with their flags):
 * the **routing window** holds the latest ``router.policy.WINDOW_SIZE`` assignments and the
   **weight jobs** the latest ``router.publishing.MAX_JOBS_KEPT``; counters are per group.
 
-Expiry by time is a Redis TTL in the Redis adapter and a check on every read in the memory
-adapter; both drop what expired, roll versions and updates in
-:meth:`~router.state.base.StateStore.compact`, which the router runs every
-``compact_interval_s``.
+Expiry by time is a Redis TTL in the Redis adapter; in the memory adapter every read checks it and
+:meth:`~router.state.base.StateStore.compact` removes what expired. ``compact``, which every
+router runs every ``compact_interval_s``, also rolls versions and update records up (both
+adapters), forgets silent replicas and, in Redis, the ready stream's lease consumers that own
+nothing and were idle for twice ``lease_timeout_s``.
 """
 
 from __future__ import annotations
