@@ -87,8 +87,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
         self.retention()  # ValueError naming a bound out of range
-        if not self.compact_interval_s > 0 or not self.route_key_ttl_s > 0:
-            raise ValueError("compact_interval_s and route_key_ttl_s must be > 0")
+        for name in ("compact_interval_s", "route_key_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}: {self.policy!r}")
         for token, scopes in self.api_keys.items():
