@@ -282,13 +282,14 @@ async def test_replicas_versions_and_route_keys(store_url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def two_routers(url: str) -> AsyncIterator[tuple[StateStore, StateStore]]:
-    """The stores of two routers sharing ``url`` (one store for ``memory``: one process)."""
-    async with opened(url) as a:
+async def two_routers(url: str, **kw) -> AsyncIterator[tuple[StateStore, StateStore]]:
+    """The stores of two routers sharing ``url`` (one store for ``memory``: one process), opened
+    with ``kw``."""
+    async with opened(url, **kw) as a:
         if url == "memory":
             yield a, a
             return
-        async with opened(url) as b:
+        async with opened(url, **kw) as b:
             yield a, b
 
 
@@ -699,3 +700,31 @@ async def test_the_footprint_returns_to_one_bound_however_many_versions_and_sess
         assert prints[0]["updates"] == 2 and prints[0]["replicas"] == 0
         counters = (await store.counters())["g1"]
         assert (counters.sessions, counters.active_sessions, counters.turns) == (300, 0, 150)
+
+
+async def test_routers_compacting_while_others_add_neither_lose_nor_double_a_sum(store_url: str) -> None:
+    """Two routers each adding mismatch sums and booking tokens over 30 versions while both
+    compact again and again: afterwards every group total is exactly what was added."""
+    async with two_routers(store_url, retention=Retention(keep_versions=2)) as (a, b):
+
+        async def add(store: StateStore, v: int) -> None:
+            assert await store.add_mismatch(
+                f"L{v}", {("g1", v, "0-63"): M1, ("g1", v, "1024+"): M2}, ttl_s=60
+            )
+            await _versioned_turn(store, f"s{v}", v, tokens=v)
+
+        async def compact(store: StateStore) -> None:
+            for _ in range(10):
+                await store.compact()
+                await asyncio.sleep(0)
+
+        await asyncio.gather(*(add((a, b)[v % 2], v) for v in range(1, 31)), compact(a), compact(b))
+        await a.compact()
+        sums = await b.mismatch()
+        assert sorted({v for _g, v, _b in sums if v is not None}) == [29, 30]
+        total = rollup(sums)["g1"]
+        assert _close(total["total"], sum([M1] * 30 + [M2] * 30, MismatchSums()))
+        assert _close(total["positions"]["0-63"], sum([M1] * 30, MismatchSums()))
+        snap = await a.ledger()
+        assert snap.earlier["g1"].tokens + sum(t.tokens for t in snap.versions.values()) == sum(range(1, 31))
+        assert snap.groups["g1"].tokens == sum(range(1, 31))
