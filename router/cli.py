@@ -66,7 +66,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0.2,5",
         help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
     )
+    add_bound_arguments(parser)
     parser.add_argument("--log-level", default="info")
+
+
+BOUNDS = {  # flag -> (RouterConfig field, type, default, help); rules: router.state.retention
+    "--retention": ("retention_s", float, 3600.0, "seconds an acknowledged trajectory stays readable"),
+    "--keep-versions": (
+        "keep_versions",
+        int,
+        16,
+        "weight versions per group kept in detail (ledger, mismatch)",
+    ),
+    "--keep-updates": ("keep_updates", int, 1000, "ledger update records kept (older ones rolled up)"),
+    "--replica-forget": ("replica_forget_s", float, 3600.0, "seconds before a silent replica is forgotten"),
+    "--route-key-ttl": ("route_key_ttl_s", float, 3600.0, "seconds a /generate route key lives"),
+    "--compact-interval": ("compact_interval_s", float, 60.0, "seconds between state compactions"),
+}
+
+
+def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the state's bounds (:data:`BOUNDS`; the table in docs/architecture.md)."""
+    for flag, (_field, kind, default, text) in BOUNDS.items():
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+
+
+def bound_values(args: argparse.Namespace) -> dict:
+    """RouterConfig's bound fields from :data:`BOUNDS`' flags; UserError naming one that is not > 0."""
+    out = {}
+    for flag, (name, _kind, default, _text) in BOUNDS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), default)
+        if not value > 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
+        out[name] = value
+    return out
 
 
 def build_config(args: argparse.Namespace):
@@ -123,6 +156,7 @@ def build_config(args: argparse.Namespace):
         session_idle_s=args.session_idle_timeout or None,
         mismatch_band=band,
         engine_headers=proxy_auth_headers(),
+        **bound_values(args),
     )
 
 

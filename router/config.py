@@ -10,6 +10,7 @@ from typing import Literal
 
 from fleet.specs import FleetSpec
 from router.mismatch import check_band
+from router.state.retention import Retention
 from weight_sync.errors import UserError
 
 Policy = Literal["capacity", "round_robin", "cost"]
@@ -47,6 +48,13 @@ class RouterConfig:
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
     proxy auth).
+
+    The state's bounds (:mod:`router.state.retention`): acknowledged trajectories stay readable
+    ``retention_s``; per group the ledger and the mismatch sums keep the ``keep_versions`` highest
+    versions (older ones rolled into totals) and the ledger the latest ``keep_updates`` update
+    records; a heartbeat replica silent for ``replica_forget_s`` is forgotten; ``/generate`` route
+    keys live ``route_key_ttl_s`` after they last moved; the store is compacted every
+    ``compact_interval_s``.
     """
 
     fleet: FleetSpec
@@ -71,9 +79,17 @@ class RouterConfig:
     f16_support_logprobs: bool = False
     mismatch_band: tuple[float, float] = (0.2, 5.0)
     engine_headers: dict[str, str] = field(default_factory=dict)
+    keep_versions: int = 16
+    keep_updates: int = 1000
+    replica_forget_s: float = 3600.0
+    compact_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
+        self.retention()  # ValueError naming a bound out of range
+        for name in ("compact_interval_s", "route_key_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}: {self.policy!r}")
         for token, scopes in self.api_keys.items():
@@ -82,3 +98,13 @@ class RouterConfig:
                 raise ValueError(f"API key ...{token[-4:]}: unknown scopes {sorted(bad)}")
         if not self.api_keys and not self.auth_disabled:
             raise ValueError("no API keys configured and auth not explicitly disabled")
+
+    def retention(self) -> Retention:
+        """The state store's bounds."""
+        return Retention(
+            retention_s=self.retention_s,
+            lease_timeout_s=self.lease_timeout_s,
+            keep_versions=self.keep_versions,
+            keep_updates=self.keep_updates,
+            replica_forget_s=self.replica_forget_s,
+        )

@@ -47,7 +47,7 @@ class RouterContext:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.fleet = config.fleet
-        self.store: StateStore = open_store(config.state_url, retention_s=config.retention_s)
+        self.store: StateStore = open_store(config.state_url, retention=config.retention())
         self.state = self.store  # alias used by router.weights
         self.registry = Registry(
             config.fleet,
@@ -120,7 +120,7 @@ class RouterContext:
 
     # polling -----------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
-        last_sweep = time.monotonic()
+        last_sweep = last_compact = time.monotonic()
         idle = self.config.session_idle_s
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
@@ -129,6 +129,9 @@ class RouterContext:
                 if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
                     last_sweep = time.monotonic()
                     await self.expire_idle_sessions()
+                if time.monotonic() - last_compact >= self.config.compact_interval_s:
+                    last_compact = time.monotonic()
+                    await self.store.compact()
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
 

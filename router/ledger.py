@@ -27,6 +27,12 @@ the fleet's spend while that update was produced, tokens that went into no updat
 the updates' costs add up to everything booked until the last acknowledgement. The router counts
 each such acknowledgement in ``mixfleet_router_updates_total`` (:mod:`router.routes_trainer`,
 ``AckResult.update`` set), the denominator of the cost dashboard's dollars per update.
+
+**Bounds** (:mod:`router.state.retention`). Per group the ledger keeps the ``keep_versions``
+highest versions; older ones are rolled into the group's ``earlier`` totals. The latest
+``keep_updates`` update records are kept; older ones are rolled into one
+:class:`EarlierUpdates`, whose cumulative cost is what the first kept update's cost is measured
+from. Group totals never lose anything.
 """
 
 from __future__ import annotations
@@ -86,13 +92,41 @@ class UpdateCost:
 
 
 @dataclass(frozen=True)
+class EarlierUpdates:
+    """The update records rolled up (``seq`` 1 .. ``through_seq``): how many, their trajectories
+    and tokens, and the last one's ``at`` and cumulative cost per group."""
+
+    updates: int = 0
+    through_seq: int = 0
+    at: float = 0.0
+    trajectories: int = 0
+    tokens: int = 0
+    cumulative_cost: Mapping[str, float] = field(default_factory=dict)
+
+    def roll(self, u: UpdateRecord) -> EarlierUpdates:
+        """These and ``u`` (the next record in order)."""
+        return EarlierUpdates(
+            self.updates + 1,
+            u.seq,
+            u.at,
+            self.trajectories + u.trajectories,
+            self.tokens + u.tokens,
+            dict(u.cumulative_cost),
+        )
+
+
+@dataclass(frozen=True)
 class LedgerSnapshot:
     """The whole ledger: per group, per (group, version) (version ``None``: not reported; its
-    ``sessions`` stay 0) and the updates in acknowledgement order."""
+    ``sessions`` stay 0), per group the ``earlier`` versions rolled up (every version below the
+    group's lowest kept one), the kept updates in acknowledgement order and the ones rolled up
+    before them."""
 
     groups: Mapping[str, LedgerTotals]
     versions: Mapping[tuple[str, int | None], LedgerTotals]
     updates: Sequence[UpdateRecord]
+    earlier: Mapping[str, LedgerTotals] = field(default_factory=dict)
+    earlier_updates: EarlierUpdates = field(default_factory=EarlierUpdates)
 
 
 def charge(
@@ -121,11 +155,14 @@ def version_tokens(spans: Sequence[Mapping[str, int]]) -> dict[int, int]:
     return out
 
 
-def update_costs(updates: Sequence[UpdateRecord]) -> list[UpdateCost]:
-    """Each update's cost per group: its cumulative cost minus the previous update's (a group
-    missing from a record had booked nothing yet)."""
+def update_costs(
+    updates: Sequence[UpdateRecord], before: Mapping[str, float] | None = None
+) -> list[UpdateCost]:
+    """Each update's cost per group: its cumulative cost minus the previous update's (``before``
+    for the first: the cumulative cost of the updates rolled up before it; a group missing from a
+    record had booked nothing yet)."""
     out = []
-    prev: Mapping[str, float] = {}
+    prev: Mapping[str, float] = before or {}
     for u in updates:
         groups = sorted(set(prev) | set(u.cumulative_cost))
         by_group = {g: u.cumulative_cost.get(g, 0.0) - prev.get(g, 0.0) for g in groups}

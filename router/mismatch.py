@@ -18,6 +18,11 @@ many uploads and many routers combine exactly. A token's group is the group of t
 sampled it, its version the version of the span covering it, its position the index it had in
 the sequence its engine call saw (prompt length + output index). Tokens whose ``q`` is unknown
 (NaN in the record) or whose span names no version are not counted (``skipped``).
+
+The state keeps, per group, the sums of its ``keep_versions`` highest versions
+(:mod:`router.state.retention`); older versions are rolled into the group's earlier sums, stored
+under version ``None`` (:data:`MismatchKey`), which count in the group's totals and its position
+buckets but in no version of their own.
 """
 
 from __future__ import annotations
@@ -93,8 +98,9 @@ class MismatchSums:
         }
 
 
-MismatchKey = tuple[str, int, str]
-"""(group, weight version, position-bucket label)."""
+MismatchKey = tuple[str, int | None, str]
+"""(group, weight version, position-bucket label); version None: the versions rolled up, every
+version below the group's lowest kept one."""
 
 
 @dataclass(frozen=True)
@@ -181,22 +187,30 @@ def _by_version(versions: Sequence[int | None]) -> Iterable[tuple[int, np.ndarra
 def rollup(
     sums: Mapping[MismatchKey, MismatchSums],
 ) -> dict[str, dict[str, dict]]:
-    """Per group: ``total`` (all versions and positions), ``versions`` (version -> sums over
-    positions) and ``positions`` (bucket label -> sums over versions), as :class:`MismatchSums`."""
+    """Per group: ``total`` (all versions and positions), ``versions`` (kept version -> sums over
+    positions), ``earlier`` (the rolled-up versions' sums) and ``positions`` (bucket label -> sums
+    over versions, rolled-up ones included), as :class:`MismatchSums`."""
     out: dict[str, dict[str, dict]] = {}
     for (group, version, bucket), s in sums.items():
-        g = out.setdefault(group, {"total": MismatchSums(), "versions": {}, "positions": {}})
+        g = out.setdefault(
+            group, {"total": MismatchSums(), "versions": {}, "earlier": MismatchSums(), "positions": {}}
+        )
         g["total"] = g["total"] + s
-        g["versions"][version] = g["versions"].get(version, MismatchSums()) + s
+        if version is None:
+            g["earlier"] = g["earlier"] + s
+        else:
+            g["versions"][version] = g["versions"].get(version, MismatchSums()) + s
         g["positions"][bucket] = g["positions"].get(bucket, MismatchSums()) + s
     return out
 
 
 def group_view(sums: Mapping[MismatchKey, MismatchSums], group: str, band: tuple[float, float]) -> dict:
-    """The JSON view of one group (``/v1/groups``): the band, the totals, per version (ascending)
-    and per position bucket (in bucket order), each as :meth:`MismatchSums.view`."""
+    """The JSON view of one group (``/v1/groups``): the band, the totals, per kept version
+    (ascending), the rolled-up ``earlier`` versions and per position bucket (in bucket order),
+    each as :meth:`MismatchSums.view`."""
     g = rollup({k: v for k, v in sums.items() if k[0] == group}).get(group)
     total = g["total"] if g else MismatchSums()
+    earlier = g["earlier"] if g else MismatchSums()
     versions = g["versions"] if g else {}
     positions = g["positions"] if g else {}
     return {
@@ -204,5 +218,6 @@ def group_view(sums: Mapping[MismatchKey, MismatchSums], group: str, band: tuple
         "extreme_band": list(EXTREME_BAND),
         **total.view(),
         "versions": [{"version": v, **versions[v].view()} for v in sorted(versions)],
+        "earlier": earlier.view(),
         "positions": [{"bucket": b, **positions[b].view()} for b in BUCKET_LABELS if b in positions],
     }

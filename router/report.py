@@ -9,7 +9,9 @@ Figures, all from the ledger's totals:
   of tokens, of sessions and of cost (None when the fleet total is 0), and its mismatch (None
   when no token of it was counted from the trainer's log-prob uploads, or no groups JSON was
   given);
-* per update (:func:`router.ledger.update_costs`' rule): cost, tokens, cost per 1M tokens;
+* per update (:func:`router.ledger.update_costs`' rule): cost, tokens, cost per 1M tokens; the
+  updates the router rolled up (``earlier_updates``, :mod:`router.ledger`'s bounds) count in the
+  number of updates and the mean cost per update;
 * per weight version: per group as booked, and summed over the groups;
 * the what-if: a homogeneous fleet of the baseline group serving the same tokens at its
   tokens/s per replica needs ``tokens / tokens_per_s`` replica-seconds, costing
@@ -96,7 +98,7 @@ def build(
         {**u, "cost_per_1m_tokens": per_million(float(u["cost_dollars"]), int(u["tokens"]))}
         for u in ledger["updates"]
     ]
-    update_cost = sum(float(u["cost_dollars"]) for u in updates)
+    n_updates, per_update = update_figures(ledger.get("earlier_updates"), updates)
     totals = {
         "replica_seconds": sum(float(g["replica_seconds"]) for g in rows),
         "gpu_seconds": sum(float(g["gpu_seconds"]) for g in rows),
@@ -104,8 +106,8 @@ def build(
         "tokens": total_tokens,
         "sessions": total_sessions,
         "cost_per_1m_tokens": per_million(total_cost, total_tokens),
-        "updates": len(updates),
-        "cost_per_update_mean": update_cost / len(updates) if updates else None,
+        "updates": n_updates,
+        "cost_per_update_mean": per_update,
     }
     return {
         "source": source,
@@ -115,6 +117,8 @@ def build(
         "totals": totals,
         "groups": out_groups,
         "updates": updates,
+        "earlier_updates": ledger.get("earlier_updates"),
+        "earlier_versions": ledger.get("earlier_versions", []),
         "versions": [
             {**v, "cost_per_1m_tokens": per_million(float(v["cost_dollars"]), int(v["tokens"]))}
             for v in ledger["versions"]
@@ -178,6 +182,18 @@ def measured_baseline(ledger: Mapping[str, Any], group: str | None = None) -> Ba
         measured_tokens=tokens,
         measured_replica_seconds=seconds,
     )
+
+
+def update_figures(
+    earlier: Mapping[str, Any] | None, updates: list[Mapping[str, Any]]
+) -> tuple[int, float | None]:
+    """The number of updates and their mean cost: the ``updates`` listed and the ``earlier`` ones
+    the router rolled up (None: none); the mean is None without any update."""
+    n = len(updates) + (int(earlier["updates"]) if earlier else 0)
+    cost = sum(float(u["cost_dollars"]) for u in updates) + (
+        float(earlier["cost_dollars"]) if earlier else 0.0
+    )
+    return n, cost / n if n else None
 
 
 def version_totals(versions: list[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -3,7 +3,10 @@ JSON (:class:`LedgerView`), which ``mixfleet report`` reads.
 
 Every group of the preset is listed in preset order (zeros until something is booked), then any
 group the ledger holds that the preset no longer names (its spec fields null). Updates carry
-their cost by :func:`router.ledger.update_costs`.
+their cost by :func:`router.ledger.update_costs`. The state keeps per group the latest
+``--keep-versions`` versions and the latest ``--keep-updates`` updates (:mod:`router.ledger`,
+Bounds): ``earlier_versions`` and ``earlier_updates`` hold what was rolled up, so every total
+still adds up.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pydantic import BaseModel
 from fleet.specs import FleetSpec
 from router.auth import require
 from router.errors import AUTH, error_responses
+from router.ledger import EarlierUpdates as EarlierUpdatesRecord
 from router.ledger import LedgerSnapshot, LedgerTotals, update_costs
 
 router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH))
@@ -57,6 +61,27 @@ class UpdateLedger(BaseModel):
     cost_by_group: dict[str, float]
 
 
+class EarlierVersions(BaseModel):
+    """A group's versions rolled up: every version below its lowest one in ``versions``."""
+
+    group: str
+    replica_seconds: float
+    gpu_seconds: float
+    cost_dollars: float
+    tokens: int
+
+
+class EarlierUpdates(BaseModel):
+    """The updates rolled up (``seq`` 1 .. ``through_seq``), their cost summed."""
+
+    updates: int
+    through_seq: int
+    trajectories: int
+    tokens: int
+    cost_dollars: float
+    cost_by_group: dict[str, float]
+
+
 class LedgerView(BaseModel):
     """The ledger at ``generated_at`` (wall clock): ``span_s`` is how long one observation of a
     replica books (:mod:`router.ledger`)."""
@@ -67,6 +92,8 @@ class LedgerView(BaseModel):
     groups: list[GroupLedger]
     versions: list[VersionLedger]
     updates: list[UpdateLedger]
+    earlier_versions: list[EarlierVersions]
+    earlier_updates: EarlierUpdates
 
 
 def ledger_view(snap: LedgerSnapshot, fleet: FleetSpec, span_s: float, now: float) -> dict[str, Any]:
@@ -96,14 +123,7 @@ def ledger_view(snap: LedgerSnapshot, fleet: FleetSpec, span_s: float, now: floa
         )
     order = {n: i for i, n in enumerate(names)}
     versions = [
-        {
-            "group": g,
-            "version": v,
-            "replica_seconds": t.replica_seconds,
-            "gpu_seconds": t.gpu_seconds,
-            "cost_dollars": t.cost_dollars,
-            "tokens": t.tokens,
-        }
+        {"group": g, "version": v, **_money(t)}
         for (g, v), t in sorted(
             snap.versions.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][0], kv[0][1] or -1)
         )
@@ -117,8 +137,9 @@ def ledger_view(snap: LedgerSnapshot, fleet: FleetSpec, span_s: float, now: floa
             "cost_dollars": u.cost_dollars,
             "cost_by_group": dict(u.cost_by_group),
         }
-        for u in update_costs(snap.updates)
+        for u in update_costs(snap.updates, snap.earlier_updates.cumulative_cost)
     ]
+    earlier = sorted(snap.earlier.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
     return {
         "generated_at": now,
         "fleet": fleet.name,
@@ -126,6 +147,29 @@ def ledger_view(snap: LedgerSnapshot, fleet: FleetSpec, span_s: float, now: floa
         "groups": groups,
         "versions": versions,
         "updates": updates,
+        "earlier_versions": [{"group": g, **_money(t)} for g, t in earlier],
+        "earlier_updates": _earlier_updates(snap.earlier_updates),
+    }
+
+
+def _money(t: LedgerTotals) -> dict[str, Any]:
+    return {
+        "replica_seconds": t.replica_seconds,
+        "gpu_seconds": t.gpu_seconds,
+        "cost_dollars": t.cost_dollars,
+        "tokens": t.tokens,
+    }
+
+
+def _earlier_updates(e: EarlierUpdatesRecord) -> dict[str, Any]:
+    """:class:`EarlierUpdates`' JSON: the rolled-up updates cost what was booked until the last."""
+    return {
+        "updates": e.updates,
+        "through_seq": e.through_seq,
+        "trajectories": e.trajectories,
+        "tokens": e.tokens,
+        "cost_dollars": sum(e.cumulative_cost.values()),
+        "cost_by_group": dict(e.cumulative_cost),
     }
 
 

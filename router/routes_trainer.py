@@ -157,8 +157,9 @@ async def ack(request: Request, lease_id: str) -> dict[str, Any]:
 
 
 def _upload_window_s(ctx: RouterContext) -> float:
-    """How long after a take its lease accepts (and remembers) a trainer log-prob upload."""
-    return ctx.config.lease_timeout_s + ctx.config.retention_s
+    """How long after a take its lease accepts (and remembers) a trainer log-prob upload: as long
+    as the lease is known (:meth:`router.state.retention.Retention.lease_record_s`)."""
+    return ctx.config.retention().lease_record_s()
 
 
 @router.post(

@@ -343,6 +343,10 @@ class GroupMismatch(MismatchFigures):
     band: list[float] = Field(description="The configured band [low, high] of p/q")
     extreme_band: list[float] = Field(description="The fixed band [0.2, 5] of p/q")
     versions: list[MismatchVersion]
+    earlier: MismatchFigures = Field(
+        description="The versions rolled up, below the lowest of `versions` (the state keeps the "
+        "latest --keep-versions per group); counted in the totals and positions"
+    )
     positions: list[MismatchPosition]
 
 

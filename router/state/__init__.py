@@ -6,13 +6,15 @@ from __future__ import annotations
 from router.state.base import StateStore
 from router.state.memory import MemoryStore
 from router.state.redis import RedisStore
+from router.state.retention import Retention
 
 
-def open_store(url: str, *, retention_s: float = 3600.0) -> StateStore:
+def open_store(url: str, *, retention: Retention | None = None) -> StateStore:
     """``memory`` -> :class:`MemoryStore`; ``redis://``, ``rediss://`` or ``unix://`` URLs ->
-    :class:`RedisStore`. Raises ValueError naming the URL for anything else."""
+    :class:`RedisStore`; both keep ``retention``'s bounds (default: :class:`Retention`'s).
+    Raises ValueError naming the URL for anything else."""
     if url == "memory":
-        return MemoryStore(retention_s=retention_s)
+        return MemoryStore(retention)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(url, retention_s=retention_s)
+        return RedisStore(url, retention=retention)
     raise ValueError(f"state URL must be 'memory' or redis://...: {url!r}")

@@ -38,6 +38,12 @@ Contract, for every adapter:
   (``seq`` 1, 2, ... in acknowledgement order, cumulative costs never decreasing along it).
 * Mismatch: ``add_mismatch`` adds a batch's sums once per lease (a repeated lease changes nothing);
   ``record_lease_order`` keeps a lease's trajectory order for the upload that needs it.
+* Bounds: everything stored is bounded or expires by the rules of
+  :mod:`router.state.retention` (a :class:`~router.state.retention.Retention` given to the
+  adapter); :meth:`StateStore.compact` applies the ones that are not a TTL (rolling old versions
+  and update records into totals, forgetting silent replicas, and in the memory adapter dropping
+  what expired) and is idempotent and safe to run from every router at once. No finished,
+  unacknowledged trajectory is ever dropped.
 """
 
 from __future__ import annotations
@@ -117,6 +123,17 @@ class WindowEntry:
 
     group: str
     tokens_total: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What one :meth:`StateStore.compact` removed or rolled up."""
+
+    sessions: int = 0  # acknowledged trajectories past their retention (memory; Redis: TTL)
+    expired: int = 0  # other expired entries: leases, take orders, marks, route keys (memory)
+    versions: int = 0  # (group, version) entries rolled into earlier totals, ledger and mismatch
+    updates: int = 0  # update records rolled up
+    replicas: int = 0  # heartbeat entries forgotten
 
 
 @dataclass(frozen=True)
@@ -292,7 +309,8 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def ledger(self) -> LedgerSnapshot:
-        """The whole ledger: :meth:`ledger_totals`, per (group, version), and every update."""
+        """The whole ledger: :meth:`ledger_totals`, per (group, version) kept and per group the
+        earlier versions, the kept updates and the ones rolled up before them."""
 
     # mismatch (trainer log-prob uploads, sums in :mod:`router.mismatch`) ---------------
     @abc.abstractmethod
@@ -314,7 +332,22 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
-        """Every accumulated (group, version, position bucket) sum."""
+        """Every accumulated (group, version, position bucket) sum; version None: the group's
+        versions rolled up by :meth:`compact`."""
+
+    # bounds ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def compact(self, now: float | None = None) -> Compacted:
+        """Apply the bounds of :mod:`router.state.retention` at wall time ``now`` (default: the
+        clock): roll each group's versions beyond ``keep_versions`` (ledger and mismatch) into its
+        earlier totals, the update records beyond ``keep_updates`` into the earlier summary,
+        forget replicas silent for ``replica_forget_s`` and drop what expired. Totals and what
+        any read reports of them do not change."""
+
+    @abc.abstractmethod
+    async def footprint(self) -> dict[str, int]:
+        """The size of what is stored, by kind (entries; the Redis adapter adds ``keys``, its
+        database's key count, and ``used_memory`` in bytes): what the bounds keep flat."""
 
     @abc.abstractmethod
     async def ping(self) -> bool: ...

@@ -1,6 +1,8 @@
 """In-process state (the embedded default): the :class:`~router.state.base.StateStore` contract
 for one router process. Nothing survives a restart. Every method runs without awaiting in the
-middle of a mutation, so each one is atomic with respect to the event loop.
+middle of a mutation, so each one is atomic with respect to the event loop. Bounds: the rules of
+:mod:`router.state.retention`; an entry past its time is invisible to every read and removed by
+:meth:`MemoryStore.compact`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
+from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
+    Compacted,
     GroupCounters,
     Lease,
     LeaseNotFound,
@@ -30,6 +33,7 @@ from router.state.base import (
     TurnConflict,
     WindowEntry,
 )
+from router.state.retention import Retention, mark_ttl_s, versions_to_roll
 
 
 @dataclass
@@ -43,14 +47,15 @@ class _Session:
 
 
 class MemoryStore(StateStore):
-    def __init__(self, *, retention_s: float = 3600.0) -> None:
-        self.retention_s = retention_s
+    def __init__(self, retention: Retention | None = None) -> None:
+        self.retention = retention or Retention()
+        self.retention_s = self.retention.retention_s
         self._sessions: dict[str, _Session] = {}
         self._ids = itertools.count(1)
         self._ready: OrderedDict[int, str] = OrderedDict()
         self._pending: dict[int, tuple[str, str, float]] = {}  # entry -> (sid, lease, delivered)
         self._held: dict[str, int] = {}
-        self._leases: dict[str, set[int]] = {}
+        self._leases: dict[str, tuple[set[int], float]] = {}  # lease -> (entries, forgotten at)
         self._counters: defaultdict[str, dict[str, int]] = defaultdict(
             lambda: {"active_sessions": 0, "sessions": 0, "turns": 0, "tokens": 0}
         )
@@ -65,10 +70,12 @@ class MemoryStore(StateStore):
         self._mismatch: dict[MismatchKey, MismatchSums] = {}
         self._mismatch_leases: dict[str, float] = {}
         self._waiters: list[asyncio.Future[None]] = []
-        self._marks: dict[str, float] = {}  # replica -> booked until (wall clock)
+        self._marks: dict[str, tuple[float, float]] = {}  # replica -> (booked until, forgotten at)
         self._money: defaultdict[Any, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # group | (g, v)
         self._version_tokens: defaultdict[tuple[str, int | None], int] = defaultdict(int)
+        self._earlier: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
         self._updates: list[UpdateRecord] = []
+        self._earlier_updates = EarlierUpdates()
 
     # sessions -------------------------------------------------------------------------
     def _open(self, session_id: str) -> _Session:
@@ -246,13 +253,14 @@ class MemoryStore(StateStore):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(waiter, timeout=min(remaining, lease_timeout_s, 1.0))
         if entries:
-            self._leases[lease_id] = entries
+            self._leases[lease_id] = (entries, time.monotonic() + self.retention.lease_record_s())
         return Lease(lease_id, taken, held_back=len(self._held), redelivered=redelivered)
 
     async def ack(self, lease_id: str) -> AckResult:
-        entries = self._leases.pop(lease_id, None)
-        if entries is None:
+        record = self._leases.pop(lease_id, None)
+        if record is None or record[1] <= time.monotonic():
             raise LeaseNotFound(lease_id)
+        entries = record[0]
         acked = expired = tokens = 0
         expires = time.monotonic() + self.retention_s
         for entry in entries:
@@ -270,15 +278,16 @@ class MemoryStore(StateStore):
         if not acked:
             return AckResult(acked=0, expired=expired)
         cumulative = {g: m[2] for g, m in self._money.items() if isinstance(g, str)}
-        self._updates.append(UpdateRecord(len(self._updates) + 1, time.time(), acked, tokens, cumulative))
-        return AckResult(acked=acked, expired=expired, update=len(self._updates))
+        seq = self._earlier_updates.through_seq + len(self._updates) + 1
+        self._updates.append(UpdateRecord(seq, time.time(), acked, tokens, cumulative))
+        return AckResult(acked=acked, expired=expired, update=seq)
 
     async def queue_stats(self) -> dict[str, int]:
         return {
             "ready": len(self._ready),
             "pending": len(self._pending),
             "held_back": len(self._held),
-            "leases": len(self._leases),
+            "leases": len({lease for _sid, lease, _at in self._pending.values()}),
         }
 
     # counters, replicas, versions --------------------------------------------------------
@@ -361,9 +370,6 @@ class MemoryStore(StateStore):
         return dict(item[0])
 
     async def set_route_key(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
-        if len(self._route_keys) > 100_000:
-            now = time.monotonic()
-            self._route_keys = {k: v for k, v in self._route_keys.items() if v[1] > now}
         self._route_keys[key] = (dict(value), time.monotonic() + ttl_s)
 
     # cost ledger -----------------------------------------------------------------------
@@ -378,8 +384,13 @@ class MemoryStore(StateStore):
         gpus_per_replica: int,
         price_per_gpu_hour: float,
     ) -> float:
-        c = charge(self._marks.get(replica_id), at, span_s, gpus_per_replica, price_per_gpu_hour)
-        self._marks[replica_id] = c.booked_until
+        mark = self._marks.get(replica_id)
+        until = mark[0] if mark is not None and mark[1] > time.monotonic() else None
+        c = charge(until, at, span_s, gpus_per_replica, price_per_gpu_hour)
+        self._marks[replica_id] = (
+            c.booked_until,
+            time.monotonic() + mark_ttl_s(span_s),
+        )
         if c.replica_seconds > 0:
             for key in (group, (group, version)):
                 m = self._money[key]
@@ -403,13 +414,14 @@ class MemoryStore(StateStore):
         for k in keys:
             m = self._money.get(k, (0.0, 0.0, 0.0))
             versions[k] = LedgerTotals(m[0], m[1], m[2], self._version_tokens.get(k, 0))
-        return LedgerSnapshot(await self.ledger_totals(), versions, list(self._updates))
+        earlier = {g: LedgerTotals(e[0], e[1], e[2], int(e[3])) for g, e in self._earlier.items()}
+        return LedgerSnapshot(
+            await self.ledger_totals(), versions, list(self._updates), earlier, self._earlier_updates
+        )
 
     # mismatch ---------------------------------------------------------------------------
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         now = time.monotonic()
-        if len(self._lease_orders) > 10_000:
-            self._lease_orders = {k: v for k, v in self._lease_orders.items() if v[1] > now}
         self._lease_orders[lease_id] = (list(session_ids), now + ttl_s)
 
     async def lease_order(self, lease_id: str) -> list[str] | None:
@@ -424,8 +436,6 @@ class MemoryStore(StateStore):
         now = time.monotonic()
         if self._mismatch_leases.get(lease_id, float("-inf")) > now:
             return False
-        if len(self._mismatch_leases) > 10_000:
-            self._mismatch_leases = {k: v for k, v in self._mismatch_leases.items() if v > now}
         self._mismatch_leases[lease_id] = now + ttl_s
         for key, part in sums.items():
             self._mismatch[key] = self._mismatch[key] + part if key in self._mismatch else part
@@ -433,6 +443,91 @@ class MemoryStore(StateStore):
 
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
         return dict(self._mismatch)
+
+    # bounds ---------------------------------------------------------------------------
+    async def compact(self, now: float | None = None) -> Compacted:
+        wall = time.time() if now is None else now
+        mono = time.monotonic()
+        sessions = [
+            sid for sid, x in self._sessions.items() if x.expires_at is not None and x.expires_at <= mono
+        ]
+        for sid in sessions:
+            del self._sessions[sid]
+        expired = 0
+        for table, until in (
+            (self._leases, lambda v: v[1]),
+            (self._marks, lambda v: v[1]),
+            (self._route_keys, lambda v: v[1]),
+            (self._lease_orders, lambda v: v[1]),
+            (self._mismatch_leases, lambda v: v),
+        ):
+            gone = [k for k, v in table.items() if until(v) <= mono]
+            for k in gone:
+                del table[k]
+            expired += len(gone)
+        stale = [
+            rid
+            for rid, d in self._replicas.items()
+            if not d.get("static") and float(d.get("wall_seen", 0)) < wall - self.retention.replica_forget_s
+        ]
+        for rid in stale:
+            del self._replicas[rid]
+        versions = self._roll_ledger_versions() + self._roll_mismatch_versions()
+        updates = max(0, len(self._updates) - self.retention.keep_updates)
+        for u in self._updates[:updates]:
+            self._earlier_updates = self._earlier_updates.roll(u)
+        del self._updates[:updates]
+        return Compacted(len(sessions), expired, versions, updates, len(stale))
+
+    def _roll_ledger_versions(self) -> int:
+        """Each group's versions beyond ``keep_versions`` into its earlier totals."""
+        keys = {k for k in self._money if isinstance(k, tuple)} | set(self._version_tokens)
+        rolled = 0
+        for group in {g for g, _v in keys}:
+            old = set(versions_to_roll((v for g, v in keys if g == group), self.retention.keep_versions))
+            for key in [k for k in keys if k[0] == group and k[1] in old]:
+                e = self._earlier[group]
+                for i, x in enumerate(self._money.pop(key, (0.0, 0.0, 0.0))):
+                    e[i] += x
+                e[3] += self._version_tokens.pop(key, 0)
+                rolled += 1
+        return rolled
+
+    def _roll_mismatch_versions(self) -> int:
+        """Each group's mismatch versions beyond ``keep_versions`` into its version-None sums;
+        returns the (group, version) entries rolled."""
+        rolled = 0
+        for group in {g for g, _v, _b in self._mismatch}:
+            versions = (v for g, v, _b in self._mismatch if g == group)
+            old = set(versions_to_roll(versions, self.retention.keep_versions))
+            for key in [k for k in self._mismatch if k[0] == group and k[1] in old]:
+                part = self._mismatch.pop(key)
+                into = (group, None, key[2])
+                self._mismatch[into] = self._mismatch[into] + part if into in self._mismatch else part
+            rolled += len(old)
+        return rolled
+
+    async def footprint(self) -> dict[str, int]:
+        return {
+            "sessions": len(self._sessions),
+            "turns": sum(len(x.turns) for x in self._sessions.values()),
+            "ready": len(self._ready),
+            "pending": len(self._pending),
+            "held_back": len(self._held),
+            "leases": len(self._leases),
+            "replicas": len(self._replicas),
+            "window": len(self._window),
+            "jobs": len(self._jobs),
+            "route_keys": len(self._route_keys),
+            "lease_orders": len(self._lease_orders),
+            "mismatch": len(self._mismatch),
+            "mismatch_leases": len(self._mismatch_leases),
+            "marks": len(self._marks),
+            "ledger_versions": len(
+                {k for k in self._money if isinstance(k, tuple)} | set(self._version_tokens)
+            ),
+            "updates": len(self._updates),
+        }
 
     async def ping(self) -> bool:
         return True

@@ -10,7 +10,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
   the group's pending entries and survive a router restart; ``XAUTOCLAIM`` redelivers them
   once idle for the lease timeout; ``XACK`` + ``XDEL`` on acknowledgement
-* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement
+* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement (expires
+  :meth:`~router.state.retention.Retention.lease_record_s` after the take)
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
@@ -24,11 +25,15 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
 * the cost ledger (:mod:`router.ledger`): ``mf:ledger`` hash ``rs:<g>``, ``gs:<g>``, ``usd:<g>``
   (replica-, GPU-seconds and dollars per group); ``mf:ledger:v`` hash ``rs|gs|usd|tok:<g>:<v>``
-  per group and version (``-``: none reported); ``mf:mark:<replica>`` the replica's booked-until
-  time (expires long after it passed: an observation then books its span as it would anyway);
-  ``mf:updates`` list of JSON update records in acknowledgement order
+  per group and version (``-``: none reported); ``mf:ledger:e`` hash ``rs|gs|usd|tok:<g>``, the
+  group's earlier versions rolled up; ``mf:mark:<replica>`` the replica's booked-until
+  time (expires :func:`~router.state.retention.mark_ttl_s` after its last booking);
+  ``mf:updates`` list of JSON update records in acknowledgement order (the latest
+  ``keep_updates``); ``mf:updates:e`` hash of the ones rolled up: ``n``, ``seq`` (the last one's),
+  ``at``, ``trajectories``, ``tokens``, ``cost`` (JSON: the last one's cumulative cost per group)
 * ``mf:mismatch`` hash: ``<stat>|<version>|<bucket>|<group>`` -> summed value
-  (:class:`router.mismatch.MismatchSums`); ``mf:mml:<lease>`` marks a lease booked (TTL);
+  (:class:`router.mismatch.MismatchSums`; version ``-``: the group's versions rolled up);
+  ``mf:mml:<lease>`` marks a lease booked (TTL);
   ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL)
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
@@ -38,6 +43,12 @@ after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finis
 session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
 retried with backoff for ``outage_s`` seconds; after that a call raises
 :class:`~router.state.base.StateUnavailable`.
+
+Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (acknowledged
+sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
+:meth:`RedisStore.compact` rolls versions and update records up with scripts (atomic, so routers
+compacting at once, or writing meanwhile, neither lose nor double a sum), forgets silent replicas
+and lease consumers that own nothing (``XGROUP DELCONSUMER``).
 """
 
 from __future__ import annotations
@@ -59,10 +70,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet import jsonio
-from router.ledger import LedgerSnapshot, LedgerTotals, UpdateRecord, charge
+from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
+    Compacted,
     GroupCounters,
     Lease,
     LeaseNotFound,
@@ -75,6 +87,7 @@ from router.state.base import (
     TurnConflict,
     WindowEntry,
 )
+from router.state.retention import Retention, mark_ttl_s, versions_to_roll
 
 P = "mf:"
 STREAM = P + "ready"
@@ -86,7 +99,9 @@ LATEST = P + "latest"
 ACTIVITY = P + "activity"
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
+LEDGER_E = P + "ledger:e"
 UPDATES = P + "updates"
+UPDATES_E = P + "updates:e"
 MISMATCH = P + "mismatch"
 WINDOW = P + "window"
 JOB_LOCK = P + "joblock"
@@ -204,17 +219,62 @@ return 1
 
 _UPDATE = """
 local tokens = 0
-for i = 3, #KEYS do tokens = tokens + tonumber(redis.call('HGET', KEYS[i], 'tokens') or '0') end
+for i = 4, #KEYS do tokens = tokens + tonumber(redis.call('HGET', KEYS[i], 'tokens') or '0') end
 local raw = redis.call('HGETALL', KEYS[1])
 local cost = {}
 for i = 1, #raw, 2 do
   local g = string.match(raw[i], '^usd:(.+)$')
   if g then cost[g] = raw[i + 1] end
 end
-local seq = redis.call('LLEN', KEYS[2]) + 1
+local seq = tonumber(redis.call('HGET', KEYS[3], 'seq') or '0') + redis.call('LLEN', KEYS[2]) + 1
 redis.call('RPUSH', KEYS[2], cjson.encode({seq = seq, at = ARGV[1], trajectories = tonumber(ARGV[2]),
                                             tokens = tokens, cost = cost}))
 return seq
+"""
+
+_ROLL_UPDATES = """
+local n = 0
+while redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) do
+  local u = cjson.decode(redis.call('LPOP', KEYS[1]))
+  redis.call('HINCRBY', KEYS[2], 'n', 1)
+  redis.call('HINCRBY', KEYS[2], 'trajectories', u.trajectories)
+  redis.call('HINCRBY', KEYS[2], 'tokens', u.tokens)
+  redis.call('HSET', KEYS[2], 'seq', u.seq, 'at', u.at, 'cost', cjson.encode(u.cost))
+  n = n + 1
+end
+return n
+"""
+
+_MOVE_FIELDS = """
+local n = 0
+for i = 1, #ARGV, 3 do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    if ARGV[i + 2] == 'f' then
+      redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i + 1], v)
+    else
+      redis.call('HINCRBY', KEYS[2], ARGV[i + 1], v)
+    end
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+_FORGET_REPLICAS = """
+local n = 0
+for i = 1, #ARGV - 1 do
+  local raw = redis.call('HGET', KEYS[1], ARGV[i])
+  if raw then
+    local d = cjson.decode(raw)
+    if (not d.static) and tonumber(d.wall_seen or 0) < tonumber(ARGV[#ARGV]) then
+      redis.call('HDEL', KEYS[1], ARGV[i])
+      n = n + 1
+    end
+  end
+end
+return n
 """
 
 _ACQUIRE_JOB_LOCK = """
@@ -293,9 +353,15 @@ class RedisStore(StateStore):
     commands are in flight at once; further callers wait for a connection."""
 
     def __init__(
-        self, url: str, *, retention_s: float = 3600.0, outage_s: float = 20.0, max_connections: int = 512
+        self,
+        url: str,
+        *,
+        retention: Retention | None = None,
+        outage_s: float = 20.0,
+        max_connections: int = 512,
     ) -> None:
-        self.retention_s = retention_s
+        self.retention = retention or Retention()
+        self.retention_s = self.retention.retention_s
         self._outage_s = outage_s
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         pool = BlockingConnectionPool.from_url(
@@ -321,8 +387,10 @@ class RedisStore(StateStore):
         self._put_job = self._r.register_script(_PUT_JOB)
         self._update = self._r.register_script(_UPDATE)
         self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
+        self._roll_updates = self._r.register_script(_ROLL_UPDATES)
+        self._move_fields = self._r.register_script(_MOVE_FIELDS)
+        self._forget_replicas = self._r.register_script(_FORGET_REPLICAS)
         self._group_ready = False
-        self._takes = 0
         self._assigning = asyncio.Lock()
 
     async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
@@ -529,21 +597,26 @@ class RedisStore(StateStore):
         if owned:
             key = f"{P}lease:{lease_id}"
             pipe.hset(key, mapping=owned)
-            pipe.expire(key, int(max(3600, lease_timeout_s * 20)))
+            pipe.pexpire(key, _ms(self.retention.lease_record_s()))
         else:
             pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
         pipe.zcard(HELD)
         held = (await pipe.execute())[-1]
-        self._takes += 1
-        if self._takes % 50 == 0:
-            await self._reap_consumers(lease_timeout_s)
         return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
 
-    async def _reap_consumers(self, lease_timeout_s: float) -> None:
-        """Forget lease consumers that own nothing any more and are long idle."""
-        for c in await self._r.xinfo_consumers(STREAM, GROUP):
-            if int(c["pending"]) == 0 and int(c["idle"]) > lease_timeout_s * 2000:
-                await self._r.xgroup_delconsumer(STREAM, GROUP, _s(c["name"]))
+    async def _reap_consumers(self) -> int:
+        """Forget lease consumers that own nothing any more and are idle for twice the lease
+        timeout; return how many."""
+        await self._ensure_group()
+        idle_ms = self.retention.lease_timeout_s * 2000
+        gone = [
+            _s(c["name"])
+            for c in await self._r.xinfo_consumers(STREAM, GROUP)
+            if int(c["pending"]) == 0 and int(c["idle"]) > idle_ms
+        ]
+        for name in gone:
+            await self._r.xgroup_delconsumer(STREAM, GROUP, name)
+        return len(gone)
 
     async def ack(self, lease_id: str) -> AckResult:
         return await self._call(self._ack, lease_id)
@@ -562,14 +635,16 @@ class RedisStore(StateStore):
         for entry_id in still:
             sid = entries[entry_id]
             pipe.hset(_skey(sid), "status", "consumed")
-            pipe.expire(_skey(sid), int(self.retention_s))
-            pipe.expire(_tkey(sid), int(self.retention_s))
+            pipe.pexpire(_skey(sid), _ms(self.retention_s))
+            pipe.pexpire(_tkey(sid), _ms(self.retention_s))
         pipe.delete(key)
         pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
         if still:  # the update this acknowledgement closes, in the same transaction
             sessions = [_skey(entries[e]) for e in sorted(still)]
             await self._update(
-                keys=[LEDGER, UPDATES, *sessions], args=[repr(time.time()), len(still)], client=pipe
+                keys=[LEDGER, UPDATES, UPDATES_E, *sessions],
+                args=[repr(time.time()), len(still)],
+                client=pipe,
             )
         replies = await pipe.execute()
         update = int(replies[-1]) if still else None
@@ -706,7 +781,7 @@ class RedisStore(StateStore):
         for k, v in raw.items():
             stat, version, bucket, group = _s(k).split("|", 3)
             value = _s(v)
-            fields.setdefault((group, int(version), bucket), {})[stat] = (
+            fields.setdefault((group, None if version == "-" else int(version), bucket), {})[stat] = (
                 float(value) if stat in _MISMATCH_FLOATS else int(value)
             )
         return {key: MismatchSums(**f) for key, f in fields.items()}
@@ -730,7 +805,7 @@ class RedisStore(StateStore):
             raw = await pipe.get(mark)
             c = charge(None if raw is None else float(raw), at, span_s, gpus_per_replica, price_per_gpu_hour)
             pipe.multi()
-            pipe.set(mark, repr(c.booked_until), ex=_mark_ttl(span_s))
+            pipe.set(mark, repr(c.booked_until), px=_ms(mark_ttl_s(span_s)))
             if c.replica_seconds > 0:
                 for name, amount in (
                     ("rs", c.replica_seconds),
@@ -756,32 +831,95 @@ class RedisStore(StateStore):
         pipe.hgetall(STATS)
         pipe.hgetall(LEDGER_V)
         pipe.lrange(UPDATES, 0, -1)
-        money, stats, per_version, updates = await self._call(pipe.execute)
+        pipe.hgetall(LEDGER_E)
+        pipe.hgetall(UPDATES_E)
+        money, stats, per_version, updates, earlier, rolled = await self._call(pipe.execute)
         versions: dict[tuple[str, int | None], dict[str, float]] = {}
         for k, val in per_version.items():
             name, group, v = _s(k).split(":")
             versions.setdefault((group, None if v == "-" else int(v)), {})[name] = float(val)
-        records = []
-        for raw in updates:
-            u = json.loads(raw)
-            cost = u["cost"] if isinstance(u["cost"], dict) else {}  # cjson writes {} for an empty table
-            records.append(
-                UpdateRecord(
-                    int(u["seq"]),
-                    float(u["at"]),
-                    int(u["trajectories"]),
-                    int(u["tokens"]),
-                    {g: float(x) for g, x in cost.items()},
-                )
-            )
+        groups: dict[str, dict[str, float]] = {}
+        for k, val in earlier.items():
+            name, group = _s(k).split(":", 1)
+            groups.setdefault(group, {})[name] = float(val)
         return LedgerSnapshot(
             _totals(money, stats),
-            {
-                key: LedgerTotals(d.get("rs", 0.0), d.get("gs", 0.0), d.get("usd", 0.0), int(d.get("tok", 0)))
-                for key, d in versions.items()
-            },
-            records,
+            {key: _ledger_totals(d) for key, d in versions.items()},
+            [_update_record(json.loads(raw)) for raw in updates],
+            {g: _ledger_totals(d) for g, d in groups.items()},
+            _earlier_updates({_s(k): _s(v) for k, v in rolled.items()}),
         )
+
+    # bounds ---------------------------------------------------------------------------
+    async def compact(self, now: float | None = None) -> Compacted:
+        wall = time.time() if now is None else now
+        return await self._call(self._compact, wall)
+
+    async def _compact(self, wall: float) -> Compacted:
+        await self._reap_consumers()
+        replicas = await self._r.hgetall(REPLICAS)
+        cutoff = wall - self.retention.replica_forget_s
+        stale = [
+            _s(k)
+            for k, v in replicas.items()
+            if not (d := json.loads(v)).get("static") and float(d.get("wall_seen", 0)) < cutoff
+        ]
+        forgotten = (
+            int(await self._forget_replicas(keys=[REPLICAS], args=[*stale, repr(cutoff)])) if stale else 0
+        )
+        ledger = [
+            (group, int(v), f"{name}:{group}:{v}", f"{name}:{group}", "i" if name == "tok" else "f")
+            for name, group, v in (_s(k).split(":") for k in await self._r.hkeys(LEDGER_V))
+            if v != "-"
+        ]
+        mismatch = [
+            (group, int(v), f"{stat}|{v}|{b}|{group}", f"{stat}|-|{b}|{group}", _kind(stat))
+            for stat, v, b, group in (_s(k).split("|", 3) for k in await self._r.hkeys(MISMATCH))
+            if v != "-"
+        ]
+        versions = await self._roll(LEDGER_V, LEDGER_E, ledger) + await self._roll(
+            MISMATCH, MISMATCH, mismatch
+        )
+        updates = int(await self._roll_updates(keys=[UPDATES, UPDATES_E], args=[self.retention.keep_updates]))
+        return Compacted(versions=versions, updates=updates, replicas=forgotten)
+
+    async def _roll(self, src: str, dst: str, fields: list[tuple[str, int, str, str, str]]) -> int:
+        """Move each (group, version, source field, target field, kind) of ``src`` whose version
+        is beyond ``keep_versions`` for its group into ``dst`` (added, in one script); return the
+        (group, version) entries moved."""
+        by_group: dict[str, set[int]] = {}
+        for group, v, *_ in fields:
+            by_group.setdefault(group, set()).add(v)
+        keep = self.retention.keep_versions
+        old = {(g, v) for g, vs in by_group.items() for v in versions_to_roll(vs, keep)}
+        chosen = [f for f in fields if (f[0], f[1]) in old]
+        if chosen:
+            await self._move_fields(keys=[src, dst], args=[x for f in chosen for x in f[2:]])
+        return len({(f[0], f[1]) for f in chosen})
+
+    async def footprint(self) -> dict[str, int]:
+        return await self._call(self._footprint)
+
+    async def _footprint(self) -> dict[str, int]:
+        pipe = self._r.pipeline(transaction=False)
+        pipe.dbsize()
+        pipe.info("memory")
+        for cmd, key in (
+            (pipe.xlen, STREAM),
+            (pipe.zcard, HELD),
+            (pipe.zcard, ACTIVITY),
+            (pipe.hlen, REPLICAS),
+            (pipe.llen, WINDOW),
+            (pipe.hlen, JOBS),
+            (pipe.hlen, MISMATCH),
+            (pipe.hlen, LEDGER_V),
+            (pipe.llen, UPDATES),
+        ):
+            cmd(key)
+        keys, memory, *sizes = await pipe.execute()
+        names = ("ready", "held_back", "open_sessions", "replicas", "window", "jobs", "mismatch_fields")
+        out = dict(zip((*names, "ledger_version_fields", "updates"), (int(x) for x in sizes), strict=True))
+        return {"keys": int(keys), "used_memory": int(memory["used_memory"]), **out}
 
     async def ping(self) -> bool:
         try:
@@ -793,6 +931,11 @@ class RedisStore(StateStore):
         await self._r.aclose()
 
 
+def _ms(seconds: float) -> int:
+    """``seconds`` as a TTL in whole milliseconds (at least 1)."""
+    return max(1, int(seconds * 1000))
+
+
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
@@ -802,9 +945,39 @@ def _window_items(raw: list[bytes]) -> list[list[Any]]:
     return jsonio.loads(b"[" + b",".join(raw) + b"]") if raw else []
 
 
-def _mark_ttl(span_s: float) -> int:
-    """Seconds a booked-until mark is kept: far beyond any observation it could still overlap."""
-    return int(max(3600.0, 10 * span_s))
+def _kind(stat: str) -> str:
+    """How a mismatch stat adds in Redis: ``f`` (HINCRBYFLOAT) or ``i`` (HINCRBY)."""
+    return "f" if stat in _MISMATCH_FLOATS else "i"
+
+
+def _ledger_totals(d: Mapping[str, float]) -> LedgerTotals:
+    """The totals of ``rs``, ``gs``, ``usd`` and ``tok`` fields (0 when absent)."""
+    return LedgerTotals(d.get("rs", 0.0), d.get("gs", 0.0), d.get("usd", 0.0), int(d.get("tok", 0)))
+
+
+def _cost(raw: Any) -> dict[str, float]:
+    """A stored cumulative cost per group (cjson writes ``{}``, or ``[]``, for an empty table)."""
+    return {g: float(x) for g, x in raw.items()} if isinstance(raw, dict) else {}
+
+
+def _update_record(u: dict[str, Any]) -> UpdateRecord:
+    return UpdateRecord(
+        int(u["seq"]), float(u["at"]), int(u["trajectories"]), int(u["tokens"]), _cost(u["cost"])
+    )
+
+
+def _earlier_updates(h: dict[str, str]) -> EarlierUpdates:
+    """The ``mf:updates:e`` hash as :class:`EarlierUpdates` (empty: none rolled up)."""
+    if not h:
+        return EarlierUpdates()
+    return EarlierUpdates(
+        int(h["n"]),
+        int(h["seq"]),
+        float(h["at"]),
+        int(h["trajectories"]),
+        int(h["tokens"]),
+        _cost(json.loads(h["cost"])),
+    )
 
 
 def _totals(money: dict, stats: dict) -> dict[str, LedgerTotals]:

@@ -124,4 +124,4 @@ async def test_redis_ledger_survives_a_new_store_and_concurrent_bookings_count_o
         assert after.groups["g"].replica_seconds == pytest.approx(10.0)
         assert after.versions[("g", 4)].tokens == 6
         assert await _book(again, "a", 55.0) == 5.0  # the mark survived too
-    assert 3000 < redis.Redis.from_url(redis_url).ttl("mf:mark:a") <= 3600  # marks do not pile up forever
+    assert 90 < redis.Redis.from_url(redis_url).ttl("mf:mark:a") <= 100  # ten spans: marks do not pile up

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from router.ledger import update_costs
+from router.mismatch import MismatchSums, rollup
 from router.state.base import (
     LeaseNotFound,
     SessionFinished,
@@ -26,6 +28,7 @@ from router.state.base import (
     WindowEntry,
 )
 from router.state.redis import RedisStore
+from router.state.retention import Retention
 from tests.support.procs import free_port, redis_server
 from tests.support.state import opened
 
@@ -279,13 +282,14 @@ async def test_replicas_versions_and_route_keys(store_url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def two_routers(url: str) -> AsyncIterator[tuple[StateStore, StateStore]]:
-    """The stores of two routers sharing ``url`` (one store for ``memory``: one process)."""
-    async with opened(url) as a:
+async def two_routers(url: str, **kw) -> AsyncIterator[tuple[StateStore, StateStore]]:
+    """The stores of two routers sharing ``url`` (one store for ``memory``: one process), opened
+    with ``kw``."""
+    async with opened(url, **kw) as a:
         if url == "memory":
             yield a, a
             return
-        async with opened(url) as b:
+        async with opened(url, **kw) as b:
             yield a, b
 
 
@@ -517,3 +521,210 @@ def _restart_later(port: int, data: Path, after: float) -> threading.Event:
     threading.Thread(target=serve, daemon=True).start()
     ready.wait(30)
     return stop
+
+
+# bounds (router.state.retention) ---------------------------------------------------------
+M1 = MismatchSums(tokens=3, k3=0.1 + 0.2, abs_logprob_diff=1e-5, extreme=1, out_of_band=2)
+M2 = MismatchSums(tokens=1, k3=0.7, abs_logprob_diff=2.5, extreme=0, out_of_band=1)
+
+
+async def _versioned_turn(store: StateStore, sid: str, version: int, tokens: int = 3) -> None:
+    await store.create_session(sid, "g1", {}, now=time.time())
+    await store.append_turn(
+        sid,
+        f"{sid}-0",
+        b"blob",
+        group="g1",
+        replica="rep",
+        tokens=tokens,
+        min_version=version,
+        max_version=version,
+        version_tokens={version: tokens},
+    )
+
+
+def _close(a: MismatchSums, b: MismatchSums) -> bool:
+    """Equal: the counts exactly, the float sums to rounding (they are added in another order)."""
+    return (a.tokens, a.extreme, a.out_of_band) == (b.tokens, b.extreme, b.out_of_band) and (
+        a.k3 == pytest.approx(b.k3, rel=1e-12)
+        and a.abs_logprob_diff == pytest.approx(b.abs_logprob_diff, rel=1e-12)
+    )
+
+
+async def test_compact_rolls_each_groups_old_versions_into_earlier_totals(store_url: str) -> None:
+    """keep_versions=3 over versions 1..10: versions 8-10 stay, 1-7 become each group's earlier
+    sums (mismatch: version None; ledger: ``earlier``); every total is what it was; a second
+    compact changes nothing; a late sum for a rolled version is rolled in by the next one."""
+    async with opened(store_url, retention=Retention(keep_versions=3)) as store:
+        for v in range(1, 11):
+            for g in ("g1", "g2|x"):
+                parts = {(g, v, "0-63"): M1, (g, v, "64-255"): M2}
+                assert await store.add_mismatch(f"L-{g}-{v}", parts, ttl_s=60)
+            await store.book_replica(
+                "r1",
+                group="g1",
+                version=v,
+                at=100.0 + 20 * v,
+                span_s=10.0,
+                gpus_per_replica=2,
+                price_per_gpu_hour=3.6,
+            )
+            await _versioned_turn(store, f"s{v}", v, tokens=v)
+        totals, ledger_totals = rollup(await store.mismatch()), await store.ledger_totals()
+        assert (await store.compact()).versions == 2 * 7 + 7
+        sums = await store.mismatch()
+        kept = {(g, v, b) for g in ("g1", "g2|x") for v in (8, 9, 10) for b in ("0-63", "64-255")}
+        assert set(sums) == kept | {(g, None, b) for g in ("g1", "g2|x") for b in ("0-63", "64-255")}
+        assert all(sums[k] == (M1 if k[2] == "0-63" else M2) for k in kept)
+        seven_m1 = sum([M1] * 6, M1)
+        assert _close(sums[("g1", None, "0-63")], seven_m1) and sums[("g2|x", None, "64-255")].tokens == 7
+        after = rollup(sums)
+        assert all(_close(after[g]["total"], totals[g]["total"]) for g in totals)
+        assert sorted(after["g1"]["versions"]) == [8, 9, 10]
+        snap = await store.ledger()
+        assert set(snap.versions) == {("g1", 8), ("g1", 9), ("g1", 10)}
+        early = snap.earlier["g1"]
+        assert early.replica_seconds == pytest.approx(70.0) and early.tokens == sum(range(1, 8))
+        assert early.cost_dollars == pytest.approx(70 * 0.002)
+        assert await store.ledger_totals() == ledger_totals
+        assert (await store.compact()).versions == 0 and await store.mismatch() == sums
+        assert await store.add_mismatch("late", {("g1", 2, "0-63"): M2}, ttl_s=60)
+        assert (await store.compact()).versions == 1
+        assert _close((await store.mismatch())[("g1", None, "0-63")], seven_m1 + M2)
+
+
+async def test_compact_rolls_old_update_records_and_every_cost_still_adds_up(store_url: str) -> None:
+    async with opened(store_url, retention=Retention(keep_updates=3)) as store:
+        for i in range(7):
+            await store.book_replica(
+                "r",
+                group="g1",
+                version=1,
+                at=100.0 + 20 * i,
+                span_s=10.0,
+                gpus_per_replica=1,
+                price_per_gpu_hour=3.6,
+            )
+            await _versioned_turn(store, f"s{i}", 1, tokens=i + 1)
+            await store.finish_session(f"s{i}", "f", 1.0, {})
+            lease = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+            assert (await store.ack(lease.lease_id)).update == i + 1
+        before = await store.ledger()
+        assert (await store.compact()).updates == 4
+        snap = await store.ledger()
+        assert [u.seq for u in snap.updates] == [5, 6, 7]
+        e = snap.earlier_updates
+        assert (e.updates, e.through_seq, e.trajectories, e.tokens) == (4, 4, 4, 1 + 2 + 3 + 4)
+        assert e.at == before.updates[3].at and e.cumulative_cost == before.updates[3].cumulative_cost
+        assert update_costs(snap.updates, e.cumulative_cost) == update_costs(before.updates)[4:]
+        assert (await store.compact()).updates == 0
+        await _versioned_turn(store, "s7", 1)
+        await store.finish_session("s7", "f", 1.0, {})
+        lease = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+        assert (await store.ack(lease.lease_id)).update == 8
+
+
+async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> None:
+    """Per version: a replica that heartbeats and books once, 20 sessions (5 abandoned, 5 left
+    open, 10 finished), a route key, a take whose lease is acknowledged (odd versions) or
+    abandoned (even: redelivered to the next take), its take order and a mismatch upload."""
+    for v in versions:
+        await store.put_replica(f"rep{v}", {"group": "g1", "ready": True, "wall_seen": time.time()})
+        await store.book_replica(
+            f"rep{v}",
+            group="g1",
+            version=v,
+            at=time.time(),
+            span_s=0.01,
+            gpus_per_replica=1,
+            price_per_gpu_hour=1.0,
+        )
+        for i in range(20):
+            sid = f"v{v}-{i}"
+            await store.create_session(sid, "g1", {}, now=time.time())
+            if i % 4 == 0:
+                await store.delete_session(sid)
+            elif i % 4 != 1:  # i % 4 == 1 stays open until it expires idle
+                await store.append_turn(
+                    sid,
+                    "r",
+                    b"t" * 64,
+                    group="g1",
+                    replica="rep",
+                    tokens=2,
+                    min_version=v,
+                    max_version=v,
+                    version_tokens={v: 2},
+                )
+                await store.finish_session(sid, "f", 1.0, {})
+        await store.set_route_key(f"key-{v}", {"group": "g1", "replica": "rep"}, ttl_s=0.2)
+        lease = await store.take(
+            100, trainer_version=v, max_version_age=None, lease_timeout_s=rules.lease_timeout_s
+        )
+        await store.record_lease_order(lease.lease_id, ["x"], ttl_s=rules.lease_record_s())
+        assert await store.add_mismatch(lease.lease_id, {("g1", v, "0-63"): M1}, ttl_s=rules.lease_record_s())
+        if v % 2:
+            assert (await store.ack(lease.lease_id)).acked == len(lease.trajectories)
+        else:
+            await asyncio.sleep(rules.lease_timeout_s)
+    await asyncio.sleep(rules.lease_timeout_s)
+    last = await store.take(
+        1000, trainer_version=0, max_version_age=None, lease_timeout_s=rules.lease_timeout_s
+    )
+    if last.trajectories:
+        await store.ack(last.lease_id)
+    assert (await store.queue_stats())["ready"] == 0
+
+
+async def test_the_footprint_returns_to_one_bound_however_many_versions_and_sessions(store_url: str) -> None:
+    """Two rounds of 5 versions and 100 sessions each; once what expires has expired and the store
+    is compacted, both leave the same footprint (Redis: the same keys, memory within 10%)."""
+    rules = Retention(
+        retention_s=0.2, lease_timeout_s=0.2, keep_versions=2, keep_updates=2, replica_forget_s=0.3
+    )
+    async with opened(store_url, retention=rules) as store:
+        prints = []
+        for versions in (range(1, 6), range(6, 11), range(11, 16)):
+            await _run_a_while(store, rules, versions)
+            await asyncio.sleep(0.5)
+            assert len(await store.expire_idle(0.4)) == 5 * len(versions)
+            await store.compact()
+            prints.append(await store.footprint())
+        used = [fp.pop("used_memory", 0) for fp in prints]
+        assert prints[1] == prints[0] and prints[2] == prints[0], prints
+        assert max(used[1:]) <= used[0] * 1.1 + 65536, used  # Redis: bytes (memory: no figure)
+        if store_url == "memory":
+            assert (prints[0]["mismatch"], prints[0]["ledger_versions"], prints[0]["sessions"]) == (3, 2, 0)
+        else:  # fields: 5 per mismatch entry, 4 per ledger version
+            assert (prints[0]["mismatch_fields"], prints[0]["ledger_version_fields"]) == (15, 8)
+        assert prints[0]["updates"] == 2 and prints[0]["replicas"] == 0
+        counters = (await store.counters())["g1"]
+        assert (counters.sessions, counters.active_sessions, counters.turns) == (300, 0, 150)
+
+
+async def test_routers_compacting_while_others_add_neither_lose_nor_double_a_sum(store_url: str) -> None:
+    """Two routers each adding mismatch sums and booking tokens over 30 versions while both
+    compact again and again: afterwards every group total is exactly what was added."""
+    async with two_routers(store_url, retention=Retention(keep_versions=2)) as (a, b):
+
+        async def add(store: StateStore, v: int) -> None:
+            assert await store.add_mismatch(
+                f"L{v}", {("g1", v, "0-63"): M1, ("g1", v, "1024+"): M2}, ttl_s=60
+            )
+            await _versioned_turn(store, f"s{v}", v, tokens=v)
+
+        async def compact(store: StateStore) -> None:
+            for _ in range(10):
+                await store.compact()
+                await asyncio.sleep(0)
+
+        await asyncio.gather(*(add((a, b)[v % 2], v) for v in range(1, 31)), compact(a), compact(b))
+        await a.compact()
+        sums = await b.mismatch()
+        assert sorted({v for _g, v, _b in sums if v is not None}) == [29, 30]
+        total = rollup(sums)["g1"]
+        assert _close(total["total"], sum([M1] * 30 + [M2] * 30, MismatchSums()))
+        assert _close(total["positions"]["0-63"], sum([M1] * 30, MismatchSums()))
+        snap = await a.ledger()
+        assert snap.earlier["g1"].tokens + sum(t.tokens for t in snap.versions.values()) == sum(range(1, 31))
+        assert snap.groups["g1"].tokens == sum(range(1, 31))

@@ -4,7 +4,8 @@ each answer names its process in ``X-Mixfleet-Router``), and whichever worker an
 created on one take turns on the other, sidecar heartbeats (with a ``replica`` key) land anywhere
 and ``/v1/groups`` agrees, the routing window is one window, batches are handed out once, a publish
 job started on one is visible on the other, and a second publish while one runs is refused
-wherever it lands."""
+wherever it lands; after every write of one run, every read (session, trajectory, queue, groups
+with their mismatch, ledger) answers the same on both workers, and what the run wrote."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import json
 import subprocess
 import time
 from collections import Counter
+from typing import Any
 
 import httpx
 import pytest
 
+from router.records import MEDIA_TYPE as RECORDS
 from tests.support.procs import mixfleet_argv, redis_server
 from tests.support.router import RouterHandle, router_process, write_preset
+from trainer.batch import decode_batch
+from trainer.upload import MEDIA_TYPE as LOGPROBS
+from trainer.upload import encode_trainer_logprobs
 
 ADMIN = "a" * 32
 REPLICA = "r" * 32
@@ -25,11 +31,12 @@ SP = {"max_new_tokens": 3, "seed": 1}
 ALL_FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
 
 
-def call(router: RouterHandle, method: str, path: str, key: str = ADMIN, **kw) -> tuple[httpx.Response, str]:
+def call(
+    router: RouterHandle, method: str, path: str, key: str = ADMIN, headers_extra: dict | None = None, **kw
+) -> tuple[httpx.Response, str]:
     """One request on a connection of its own; the response and the pid of the worker that served it."""
-    r = httpx.request(
-        method, router.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw
-    )
+    headers = {"Authorization": f"Bearer {key}", **(headers_extra or {})}
+    r = httpx.request(method, router.url + path, headers=headers, timeout=120, **kw)
     return r, r.headers["x-mixfleet-router"].rsplit("/", 1)[1]
 
 
@@ -296,3 +303,136 @@ def test_a_job_whose_worker_dies_reads_failed_once_its_lock_lapses(workers: Rout
     again, _ = call(router, "POST", "/v1/weights", json={**body, "formats": ["bf16"]})
     assert again.status_code == 202, again.text
     assert _wait_done(router, again.json()["job_id"])["state"] == "done"
+
+
+def read_everywhere(router: RouterHandle, path: str, view=lambda body: body, at_least: int = 4) -> Any:
+    """GET ``path`` on fresh connections until both workers answered and at least ``at_least``
+    times (at most 200): every answer's ``view`` the same; returns it."""
+    seen: dict[str, Any] = {}
+    for i in range(200):
+        r, pid = call(router, "GET", path)
+        assert r.status_code == 200, (path, r.text)
+        got = view(r.json())
+        seen.setdefault(pid, got)
+        assert got == next(iter(seen.values())), (path, pid, got, seen)
+        if len(seen) == 2 and i + 1 >= at_least:
+            return got
+    raise AssertionError(f"only workers {set(seen)} answered {path}")
+
+
+def _fleet_view(router: RouterHandle) -> dict[str, Any]:
+    """What the run changes and every worker must report alike: per group sessions, tokens and
+    the mismatch (totals and per version), the ledger's tokens and updates, the queue."""
+
+    def groups(body: dict) -> dict:
+        return {
+            g["name"]: {
+                "sessions": g["sessions_total"],
+                "active": g["active_sessions"],
+                "tokens": g["tokens_total"],
+                "mismatch": {k: g["mismatch"][k] for k in ("tokens", "k3_kl", "versions", "earlier")},
+            }
+            for g in body["groups"]
+        }
+
+    def ledger(body: dict) -> dict:
+        return {
+            "tokens": {g["name"]: g["tokens"] for g in body["groups"]},
+            "sessions": {g["name"]: g["sessions"] for g in body["groups"]},
+            "updates": [(u["seq"], u["trajectories"], u["tokens"]) for u in body["updates"]],
+        }
+
+    return {
+        "groups": read_everywhere(router, "/v1/groups", groups),
+        "ledger": read_everywhere(router, "/v1/ledger", ledger),
+        "queue": read_everywhere(router, "/v1/batches/stats"),
+    }
+
+
+def _one_session(router: RouterHandle, n: int, writers: Counter) -> tuple[str, list, int]:
+    """Create, two turns, finish, each on any worker (counted in ``writers``), every state read
+    back on both; returns the session id, its outputs and its tokens."""
+    r, pid = call(router, "POST", "/v1/sessions", json={"group": "cpu-a", "metadata": {"n": n}})
+    assert r.status_code == 200, r.text
+    sid, outputs, tokens = r.json()["session_id"], [], 0
+    writers[pid] += 1
+    for i in range(2):
+        body = {"input_ids": [4, 5, n + i], "sampling_params": SP, "turn": i}
+        t, pid = call(router, "POST", f"/v1/sessions/{sid}/turns", json=body)
+        assert t.status_code == 200, t.text
+        writers[pid] += 1
+        outputs.append(t.json()["output_ids"])
+        tokens += len(t.json()["output_ids"])
+        state = read_everywhere(router, f"/v1/sessions/{sid}")
+        want = ("open", i + 1, tokens, {"n": n})
+        assert (state["status"], state["turns"], state["tokens"], state["metadata"]) == want, state
+    f, pid = call(router, "POST", f"/v1/sessions/{sid}/finish", json={"reward": n / 2})
+    assert f.status_code == 200, f.text
+    writers[pid] += 1
+    state = read_everywhere(router, f"/v1/sessions/{sid}")
+    assert (state["status"], state["reward"]) == ("finished", n / 2), state
+    trajectory = read_everywhere(router, f"/v1/sessions/{sid}/trajectory")
+    assert [t["output_ids"] for t in trajectory["turns"]] == outputs, trajectory
+    return sid, outputs, tokens
+
+
+def test_every_read_answers_what_the_run_wrote_whichever_worker_serves_it(workers: RouterHandle) -> None:
+    """One run's requests each on a fresh connection (so either worker serves each): after every
+    write, each read on both workers answers exactly what the run wrote: the session's state and
+    trajectory, the queue, the groups' counts and mismatch, the ledger's tokens and updates."""
+    router = workers
+    base = _fleet_view(router)
+    writers: Counter = Counter()
+    written: dict[str, dict] = {}
+    for n in range(6):
+        sid, outputs, tokens = _one_session(router, n, writers)
+        written[sid] = {"outputs": outputs, "tokens": tokens}
+    run_tokens = sum(w["tokens"] for w in written.values())
+    now = _fleet_view(router)
+    a, a0 = now["groups"]["cpu-a"], base["groups"]["cpu-a"]
+    assert (a["sessions"], a["active"], a["tokens"]) == (
+        a0["sessions"] + 6,
+        a0["active"],
+        a0["tokens"] + run_tokens,
+    )
+    assert now["ledger"]["tokens"]["cpu-a"] == base["ledger"]["tokens"]["cpu-a"] + run_tokens
+    assert now["queue"]["ready"] == base["queue"]["ready"] + 6
+
+    b, pid = call(router, "POST", "/v1/batches/take", json={"size": 6}, headers_extra={"Accept": RECORDS})
+    assert b.status_code == 200, b.text
+    batch = decode_batch(b.content)
+    assert {t["session_id"] for t in batch.trajectories} == set(written)
+    queue = read_everywhere(router, "/v1/batches/stats")
+    assert (queue["ready"], queue["pending"], queue["leases"]) == (
+        base["queue"]["ready"],
+        base["queue"]["pending"] + 6,
+        base["queue"]["leases"] + 1,
+    )
+    up, pid = call(
+        router,
+        "POST",
+        f"/v1/batches/{batch.lease_id}/trainer_logprobs",
+        content=encode_trainer_logprobs(batch.logprobs),
+        headers_extra={"Content-Type": LOGPROBS},
+    )
+    assert up.status_code == 200 and up.json()["tokens"] == run_tokens, up.text
+    again, _ = call(
+        router,
+        "POST",
+        f"/v1/batches/{batch.lease_id}/trainer_logprobs",
+        content=encode_trainer_logprobs(batch.logprobs),
+        headers_extra={"Content-Type": LOGPROBS},
+    )
+    assert again.status_code == 409, again.text  # once per lease, whichever worker it reaches
+    ack, pid = call(router, "POST", f"/v1/batches/{batch.lease_id}/ack")
+    assert ack.status_code == 200 and ack.json()["acked"] == 6, ack.text
+
+    after = _fleet_view(router)
+    assert after["queue"] == base["queue"]
+    a = after["groups"]["cpu-a"]
+    assert a["mismatch"]["tokens"] == a0["mismatch"]["tokens"] + run_tokens and a["mismatch"]["k3_kl"] == 0.0
+    updates = after["ledger"]["updates"]
+    assert updates[:-1] == base["ledger"]["updates"] and updates[-1][1:] == (6, run_tokens), updates
+    for sid in written:
+        assert read_everywhere(router, f"/v1/sessions/{sid}")["status"] == "consumed"
+    assert len(writers) == 2, f"every write went to one worker: {dict(writers)}"
