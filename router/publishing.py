@@ -245,6 +245,7 @@ class PublishService:
             holder = await ctx.store.job_lock_holder()
             if holder is not None or not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
                 raise JobRunning([holder or "another router's"])
+        job.started_at = time.time()  # a job starts once it holds the lock, after the last one ended
         try:
             job.version = decide()
             self.jobs[job.job_id] = job
