@@ -24,9 +24,18 @@ is created):
 
 Replicas of one server: every container of a group's server has the server's one URL and
 heartbeats with its own replica id (``<group>-<MODAL_TASK_ID>``), so the router's registry holds
-one entry per container, all with that URL. The router picks a group and a replica by its
-policy, sends ``Modal-Session-ID: <session id>`` with every turn, and Modal's proxy picks the
-container (best-effort affinity: rendezvous hashing of that header over the server's containers).
+one entry per container, all with that URL. The router runs with ``modal_app`` set to this app
+(:func:`router_args`): it lists each server's containers (``Server._experimental_list_containers``,
+behind :mod:`router.pinning.modal_server`) and pins every request to the replica it chose with
+``modal-flash-upstream: <host>:<port>``, so failover reaches another container and the recorded
+replica is where a turn ran (``Modal-Session-ID`` still goes with every turn).
+
+A container is registered to serve as soon as its ``@modal.enter`` returns (modal 1.6.4
+``_runtime/user_code_imports.py`` 370-376: the enter methods run, then ``_FlashContainerEntry.enter``,
+which for a server calls ``server_forward``, ``experimental/_flash_container_entry.py`` 40-41, and
+that sends ``ContainerServerLifecycleReady``, ``experimental/flash_server.py`` 19-21), so ``@enter``
+returns only once the sidecar is ready and its engine serves the store's current version
+(:meth:`deploy.replica_thread.ReplicaThread.wait_ready`).
 
 The servers' parameters are the keyword arguments in :data:`SERVER_OPTIONS` (what ``@app.server``
 received, for inspection: the client's ``Function.info()`` holds no autoscaler settings).
@@ -246,10 +255,13 @@ def router() -> Any:
 
 def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
-    (shipped as JSON) and the Redis state of ``MIXFLEET_REDIS_URL``."""
+    (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL`` and requests pinned to the
+    containers of this app's servers."""
     from router.cli import default_args
 
-    return default_args(fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV])
+    return default_args(
+        fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV], modal_app=APP_NAME
+    )
 
 
 @app.function(

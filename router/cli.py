@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0.2,5",
         help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
     )
+    parser.add_argument(
+        "--modal-app",
+        default=None,
+        help="the deployed Modal app whose servers (one per group) serve the fleet: pin every request "
+        "to the chosen replica's container (default: none, a local fleet)",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -115,6 +121,7 @@ def build_config(args: argparse.Namespace):
         session_idle_s=args.session_idle_timeout or None,
         mismatch_band=band,
         engine_headers=proxy_auth_headers(),
+        modal_app=getattr(args, "modal_app", None) or None,
     )
 
 

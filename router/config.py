@@ -46,7 +46,9 @@ class RouterConfig:
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
-    proxy auth).
+    proxy auth). ``modal_app`` names the deployed Modal app whose servers (one per group, named by
+    the group) serve the fleet: every engine request to a heartbeat replica is then pinned to its
+    container, listed every ``container_list_interval_s`` (:mod:`router.pinning`).
     """
 
     fleet: FleetSpec
@@ -71,6 +73,8 @@ class RouterConfig:
     f16_support_logprobs: bool = False
     mismatch_band: tuple[float, float] = (0.2, 5.0)
     engine_headers: dict[str, str] = field(default_factory=dict)
+    modal_app: str | None = None
+    container_list_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
