@@ -204,14 +204,16 @@ def server_options(s: ServerPlan) -> dict[str, Any]:
 def _define_server(s: ServerPlan) -> modal.Server:
     """Register ``s`` as a server whose class is a global of this module (Modal finds it by name).
 
-    Its ``@modal.enter`` returns once the sidecar's port accepts connections and fails the
-    container as soon as the replica entrypoint ends before that; ``@modal.exit`` stops it.
+    Its ``@modal.enter`` returns once the sidecar is ready and its engine serves the store's
+    current version (:meth:`ReplicaThread.wait_ready`: Modal registers the container to serve when
+    it returns) and fails the container as soon as the replica entrypoint ends before that;
+    ``@modal.exit`` stops it.
     """
     group = s.group
 
     def start(self) -> None:
         self.replica = ReplicaThread(partial(_start_replica, group), name=f"replica-{group.name}").start()
-        self.replica.wait_serving(s.port, SERVER_STARTUP_TIMEOUT_S)
+        self.replica.wait_ready(s.port, SERVER_STARTUP_TIMEOUT_S)
 
     def stop(self) -> None:
         self.replica.stop(SERVER_EXIT_GRACE_S)
