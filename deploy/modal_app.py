@@ -77,6 +77,7 @@ from deploy.plan import (
 )
 from deploy.replica_thread import ReplicaThread
 from fleet.specs import FleetSpec, GroupSpec, load_preset
+from images import sglang
 from images.modal_images import cpu_image, sglang_image
 from weight_sync.converters import CONVERT_FUNCTION_ENV
 from weight_sync.store import StoreLocation
@@ -104,6 +105,8 @@ def _fleet() -> FleetSpec:
 PLAN = deploy_plan.build_plan(_fleet())
 RUN_ID = os.environ.get(RUN_ENV) or DEFAULT_RUN
 ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLUME_MOUNT}
+if sglang.image_digest():  # a container builds the same image reference as the deploy did
+    ENV[sglang.IMAGE_DIGEST_ENV] = sglang.image_digest()
 ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP_NAME}/{PUBLISH_FUNCTION}"}
 
 app = modal.App(APP_NAME)
