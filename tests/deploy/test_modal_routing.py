@@ -14,9 +14,10 @@ ids, one URL) are two entries of the registry. With ``--modal-app`` (what the ro
 with), the container listing is the one adapter call
 (:meth:`router.pinning.modal_server.ModalServerContainers.list_containers`) answering the installed
 client's own ``ServerContainerInfo`` values (``tests/deploy/pinned_router.py``): the container the
-router chose receives the request; failover on a 503 lands on another container and marks the
-right one failed; a 429 from one container is retried on another and never reaches the agent; a
-replica whose container is not listed is out of rotation until it is.
+router chose receives the request (turns, SGLang-native requests, scoring on every replica);
+failover on a 503 lands on another container and marks the right one failed; a 429 from one
+container is retried on another and never reaches the agent; a replica whose container is not
+listed is out of rotation until it is.
 """
 
 from __future__ import annotations
@@ -410,6 +411,12 @@ def test_the_container_the_router_chose_receives_the_request(proxy: StandInProxy
         )
         assert native.status_code == 200, native.text
         assert proxy.requests("/generate")[-1].get(PIN_HEADER) == proxy.upstream_of("ta-01")
+
+        before = len(proxy.seen)  # scoring on every replica reaches each replica's own container
+        scored = client.post("/v1/score", json={"input_ids": [[5, 6, 7, 8]], "logprob_start_len": 1})
+        assert scored.status_code == 200, scored.text
+        assert sorted(r["replica"] for r in scored.json()["results"]) == [f"{GROUP}-{t}" for t in TASKS]
+        assert sorted(proxy.routed("/generate", before)) == sorted(proxy.upstream_of(t) for t in TASKS)
 
         _list_containers(listing, proxy, (*TASKS, LATE))  # Modal lists it once it serves
         deadline = time.monotonic() + 30
