@@ -91,6 +91,10 @@ def build_config(args: argparse.Namespace):
             f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
         )
     check_weights_env()
+    if getattr(args, "modal_app", None):
+        from router.pinning import open_pins
+
+        open_pins(args.modal_app, [g.name for g in fleet.groups])  # a client without the listing: one line
     for name in ("heartbeat_timeout", "lease_timeout"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")

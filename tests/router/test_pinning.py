@@ -6,6 +6,7 @@ refused at start-up in one line."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from modal.types import ServerContainerInfo
 
 from fleet.specs import FleetSpec, GroupSpec
+from router.cli import build_config, default_args
 from router.pinning import PIN_HEADER, ContainerPins, modal_server, open_pins
 from router.pinning.modal_server import ModalServerContainers
 from router.registry import Registry
@@ -102,4 +104,7 @@ def test_a_client_without_the_experimental_call_is_refused_at_start(monkeypatch)
     monkeypatch.delattr(modal.Server, "_experimental_list_containers")
     with pytest.raises(UserError, match=r"^--modal-app mixfleet: the installed modal .* has no "):
         open_pins("mixfleet", GROUPS)
+    args = argparse.Namespace(**default_args(preset="local", modal_app="mixfleet", insecure_no_auth=True))
+    with pytest.raises(UserError, match=r"^--modal-app mixfleet: the installed modal .* has no "):
+        build_config(args)  # before any router worker starts
     assert modal_server.EXPERIMENTAL_API == "modal.Server._experimental_list_containers"
