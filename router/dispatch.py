@@ -28,6 +28,7 @@ from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
 from router.records import TurnData, parse_turn
+from router.registry import Registry
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
@@ -72,16 +73,8 @@ async def with_failover(
     last_error = "no replica in rotation"
     registry = ctx.registry
     while True:
-        # the session's own replica when it can serve (what choose_replica would pick), else
-        # the policy's choice among the group's candidates
-        mine = None
-        if affinity is not None and group == start_group and affinity not in tried:
-            mine = registry.serves(affinity, group, latest, min_version)
-        if mine is not None:
-            replica: Any = mine  # a Replica: replica_id and url as a ReplicaView's
-        else:
-            views = registry.views(group, latest, min_version=min_version)
-            replica = choose_replica(views, affinity if group == start_group else None, tried)
+        own = affinity if group == start_group else None
+        replica = _pick(registry, group, own, tried, latest, min_version)
         if replica is None:
             if min_version is not None and [
                 v for v in ctx.registry.views(group, latest) if v.replica_id not in tried
@@ -105,7 +98,7 @@ async def with_failover(
         attempts += 1
         if attempts > limit:
             raise unavailable(f"gave up after {attempts - 1} attempts ({last_error})")
-        rep = mine if mine is not None else registry.replicas.get(replica.replica_id)
+        rep = registry.replicas.get(replica.replica_id)
         if rep is not None:
             rep.inflight += 1
         try:
@@ -127,15 +120,7 @@ async def with_failover(
                 tried.add(replica.replica_id)
                 ctx.metrics.failovers.labels(group, "busy" if exc.status == 429 else "version").inc()
                 continue
-            if exc.status in (401, 403):  # the replica's credentials, not the client's (Modal proxy auth)
-                raise ApiError(
-                    502,
-                    f"replica {replica.url} refused the router's credentials ({exc.message}); "
-                    "set MIXFLEET_PROXY_KEY and MIXFLEET_PROXY_SECRET to the servers' proxy auth token",
-                ) from None
-            raise ApiError(
-                422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}"
-            ) from None
+            raise _refused(exc, replica.url) from None
         except ValueError as exc:
             last_error = f"bad engine response: {exc}"
             tried.add(replica.replica_id)
@@ -144,11 +129,39 @@ async def with_failover(
         finally:
             if rep is not None:
                 rep.inflight -= 1
-        if rep is not None and rep.ready:  # registry.touch: alive (passive health)
-            now = time.monotonic()
-            if now > rep.last_seen:
-                rep.last_seen = now
+        registry.touch(replica.replica_id)  # alive (passive health)
         return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
+
+
+def _pick(
+    registry: Registry,
+    group: str,
+    affinity: str | None,
+    tried: set[str],
+    latest: int | None,
+    min_version: int | None,
+) -> Any:
+    """The session's own replica ``affinity`` when it can serve (what :func:`choose_replica` would
+    pick), else the policy's choice among the group's candidates not ``tried``; None when there
+    is none. A :class:`Replica` or a view: either has ``replica_id`` and ``url``."""
+    if affinity is not None and affinity not in tried:
+        mine = registry.serves(affinity, group, latest, min_version)
+        if mine is not None:
+            return mine
+    return choose_replica(registry.views(group, latest, min_version=min_version), affinity, tried)
+
+
+def _refused(exc: EngineRejected, url: str) -> ApiError:
+    """What the caller sees of a refusal no other replica would change: a 401/403 (the replica
+    refusing the router's own credentials: Modal's proxy auth) as 502, a 400 as 422, else its
+    status."""
+    if exc.status in (401, 403):
+        return ApiError(
+            502,
+            f"replica {url} refused the router's credentials ({exc.message}); "
+            "set MIXFLEET_PROXY_KEY and MIXFLEET_PROXY_SECRET to the servers' proxy auth token",
+        )
+    return ApiError(422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}")
 
 
 def effective_min_version(
