@@ -6,8 +6,10 @@ any error stops the command with status 2 before anything is contacted. With ``-
 not its data) a group whose GPUs cannot hold the model's weights in its format plus one
 full-context sequence of KV cache is such an error (:mod:`deploy.fit`). ``--dry-run`` prints every
 server (GPU, format, KV dtype, SGLang argv, autoscaling, memory fit), the router and the conversion
-function and stops there. Otherwise it runs ``modal deploy deploy/modal_app.py`` with the preset (needs a
-Modal token: ``modal token new``).
+function and stops there; while the SGLang image is pinned by tag only (no digest:
+:func:`images.sglang.unpinned_warning`) both print a warning, and a malformed
+``MIXFLEET_SGLANG_IMAGE_DIGEST`` is an error. Otherwise it runs ``modal deploy
+deploy/modal_app.py`` with the preset (needs a Modal token: ``modal token new``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _preset_arg(preset: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from deploy.plan import PresetRejected, describe, load_plan
+    from images.sglang import unpinned_warning
     from weight_sync.errors import UserError
 
     try:
@@ -53,11 +56,20 @@ def run(args: argparse.Namespace) -> int:
         for line in str(exc).splitlines():
             print(f"mixfleet deploy: error: {line}", file=sys.stderr)
         return 2
+    try:
+        image_warning = unpinned_warning()
+    except ValueError as exc:
+        print(f"mixfleet deploy: error: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(describe(plan))
+        if image_warning:
+            print(f"warning: {image_warning}")
         return 0
     for problem in plan.warnings:
         print(f"mixfleet deploy: {problem.line()}", file=sys.stderr)
+    if image_warning:
+        print(f"mixfleet deploy: warning: {image_warning}", file=sys.stderr)
     env = {**os.environ, "MIXFLEET_PRESET": _preset_arg(args.preset)}
     if args.run:
         env["MIXFLEET_RUN"] = args.run

@@ -24,9 +24,18 @@ is created):
 
 Replicas of one server: every container of a group's server has the server's one URL and
 heartbeats with its own replica id (``<group>-<MODAL_TASK_ID>``), so the router's registry holds
-one entry per container, all with that URL. The router picks a group and a replica by its
-policy, sends ``Modal-Session-ID: <session id>`` with every turn, and Modal's proxy picks the
-container (best-effort affinity: rendezvous hashing of that header over the server's containers).
+one entry per container, all with that URL. The router runs with ``modal_app`` set to this app
+(:func:`router_args`): it lists each server's containers (``Server._experimental_list_containers``,
+behind :mod:`router.pinning.modal_server`) and pins every request to the replica it chose with
+``modal-flash-upstream: <host>:<port>``, so failover reaches another container and the recorded
+replica is where a turn ran (``Modal-Session-ID`` still goes with every turn).
+
+A container is registered to serve as soon as its ``@modal.enter`` returns (modal 1.6.4
+``_runtime/user_code_imports.py`` 370-376: the enter methods run, then ``_FlashContainerEntry.enter``,
+which for a server calls ``server_forward``, ``experimental/_flash_container_entry.py`` 40-41, and
+that sends ``ContainerServerLifecycleReady``, ``experimental/flash_server.py`` 19-21), so ``@enter``
+returns only once the sidecar is ready and its engine serves the store's current version
+(:meth:`deploy.replica_thread.ReplicaThread.wait_ready`).
 
 The servers' parameters are the keyword arguments in :data:`SERVER_OPTIONS` (what ``@app.server``
 received, for inspection: the client's ``Function.info()`` holds no autoscaler settings).
@@ -68,6 +77,7 @@ from deploy.plan import (
 )
 from deploy.replica_thread import ReplicaThread
 from fleet.specs import FleetSpec, GroupSpec, load_preset
+from images import sglang
 from images.modal_images import cpu_image, sglang_image
 from weight_sync.converters import CONVERT_FUNCTION_ENV
 from weight_sync.store import StoreLocation
@@ -95,6 +105,8 @@ def _fleet() -> FleetSpec:
 PLAN = deploy_plan.build_plan(_fleet())
 RUN_ID = os.environ.get(RUN_ENV) or DEFAULT_RUN
 ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLUME_MOUNT}
+if sglang.image_digest():  # a container builds the same image reference as the deploy did
+    ENV[sglang.IMAGE_DIGEST_ENV] = sglang.image_digest()
 ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP_NAME}/{PUBLISH_FUNCTION}"}
 
 app = modal.App(APP_NAME)
@@ -195,14 +207,16 @@ def server_options(s: ServerPlan) -> dict[str, Any]:
 def _define_server(s: ServerPlan) -> modal.Server:
     """Register ``s`` as a server whose class is a global of this module (Modal finds it by name).
 
-    Its ``@modal.enter`` returns once the sidecar's port accepts connections and fails the
-    container as soon as the replica entrypoint ends before that; ``@modal.exit`` stops it.
+    Its ``@modal.enter`` returns once the sidecar is ready and its engine serves the store's
+    current version (:meth:`ReplicaThread.wait_ready`: Modal registers the container to serve when
+    it returns) and fails the container as soon as the replica entrypoint ends before that;
+    ``@modal.exit`` stops it.
     """
     group = s.group
 
     def start(self) -> None:
         self.replica = ReplicaThread(partial(_start_replica, group), name=f"replica-{group.name}").start()
-        self.replica.wait_serving(s.port, SERVER_STARTUP_TIMEOUT_S)
+        self.replica.wait_ready(s.port, SERVER_STARTUP_TIMEOUT_S)
 
     def stop(self) -> None:
         self.replica.stop(SERVER_EXIT_GRACE_S)
@@ -246,10 +260,13 @@ def router() -> Any:
 
 def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
-    (shipped as JSON) and the Redis state of ``MIXFLEET_REDIS_URL``."""
+    (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL`` and requests pinned to the
+    containers of this app's servers."""
     from router.cli import default_args
 
-    return default_args(fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV])
+    return default_args(
+        fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV], modal_app=APP_NAME
+    )
 
 
 @app.function(

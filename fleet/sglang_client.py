@@ -14,8 +14,9 @@ Errors are split by what a caller can do about them:
   dropped connection, a 5xx or a body that is not the JSON the call expects: the request may be
   retried on another replica (nothing was produced that the caller has seen).
 * :class:`EngineRejected` - a 4xx, or an engine that answered ``success: false``: the request
-  itself is bad (or, with ``retryable``, a replica cannot meet a version constraint now: 409
-  from a sidecar); carries status and message.
+  itself is bad (or, with ``retryable``, this replica cannot take it now and another may: 409
+  from a sidecar that cannot meet a version constraint, 429 from Modal's proxy for a container
+  over its ``max_concurrency``); carries status and message.
 * :class:`EngineAborted` (an :class:`EngineUnavailable`) - a generation the engine ended with
   finish reason ``abort`` and no error status (SGLang answers 200: ``/abort_request``, a pause in
   mode ``abort``, a weight update that aborts all requests, a server shutting down; an abort
@@ -72,13 +73,18 @@ class EngineAborted(EngineUnavailable):
     its reason."""
 
 
+RETRYABLE_STATUSES = (409, 429)
+"""Statuses by which one replica refuses what another may take: a version conflict, a full container."""
+
+
 class EngineRejected(EngineError):
-    """The engine refused the request (``status``: its HTTP status); ``retryable`` for a 409."""
+    """The engine refused the request (``status``: its HTTP status); ``retryable`` for a status of
+    :data:`RETRYABLE_STATUSES`."""
 
     def __init__(self, url: str, status: int, message: str) -> None:
         super().__init__(url, message)
         self.status = status
-        self.retryable = status == 409
+        self.retryable = status in RETRYABLE_STATUSES
 
 
 @dataclass(frozen=True)
@@ -313,11 +319,11 @@ class SGLangClient:
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx
         (the request's own fault) included. Raises :class:`EngineUnavailable` without an answer
-        or on a 5xx, and a retryable :class:`EngineRejected` on a 409 (another replica may meet
-        the version constraint)."""
+        or on a 5xx, and a retryable :class:`EngineRejected` on a status of
+        :data:`RETRYABLE_STATUSES` (another replica may take it)."""
         url = self.base_url + "/generate"
         response = await self.forward("POST", "/generate", body, headers=headers)
-        if response.status_code >= 500 or response.status_code == 409:
+        if response.status_code >= 500 or response.status_code in RETRYABLE_STATUSES:
             _classify(url, response)
         return response
 
@@ -325,14 +331,12 @@ class SGLangClient:
         self, body: bytes, *, headers: dict[str, str] | None = None
     ) -> tuple[RawResponse, AsyncGenerator[bytes, None]]:
         """Streaming ``POST /generate`` of ``body`` as given (see :meth:`stream`); a 5xx head
-        raises :class:`EngineUnavailable` (before the first byte reached the caller)."""
+        raises :class:`EngineUnavailable` and a head of :data:`RETRYABLE_STATUSES` a retryable
+        :class:`EngineRejected`, before the first byte reached the caller."""
         head, chunks = await self.stream("POST", "/generate", body, headers=headers)
-        if head.status_code >= 500:
+        if head.status_code >= 500 or head.status_code in RETRYABLE_STATUSES:
             content = b"".join([c async for c in chunks])
-            raise EngineUnavailable(
-                self.base_url + "/generate",
-                f"HTTP {head.status_code}: {error_message(head.status_code, content)}",
-            )
+            _classify(self.base_url + "/generate", RawResponse(head.status_code, content, head.headers))
         return head, chunks
 
     async def score(

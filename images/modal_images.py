@@ -54,8 +54,9 @@ def _with_project(image: modal.Image) -> modal.Image:
 
 @cache
 def sglang_image(family: Family) -> modal.Image:
-    """The GPU server image for ``family``: the pinned SGLang release plus this project."""
-    base = modal.Image.from_registry(sglang.IMAGE_TAG).env(
+    """The GPU server image for ``family``: the pinned SGLang release (by digest when one is set,
+    :func:`images.sglang.image_ref`) plus this project."""
+    base = modal.Image.from_registry(sglang.image_ref()).env(
         {"TORCH_CUDA_ARCH_LIST": ARCH_LIST[family], "MIXFLEET_ACCELERATOR_FAMILY": family}
     )
     return _with_project(base.uv_pip_install(*requirements(with_torch=False)))

@@ -9,7 +9,9 @@ defined in :mod:`fleet.sglang_release` (below images/ in the layers) and re-expo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 
 # The protocol values the engine client and the local engine share live in the modal-free
 # fleet.sglang_release; the pin re-exports them.
@@ -34,6 +36,17 @@ META_WEIGHT_VERSIONS = _release.META_WEIGHT_VERSIONS
 CUDA_LINE = "13.0"
 IMAGE_TAG = f"lmsysorg/sglang:v{SGLANG_VERSION}-cu130"
 LAUNCH_MODULE = "sglang.launch_server"
+
+# The image's digest beside its tag, so that a re-pushed tag cannot change what the servers run.
+# Not read: Docker Hub cannot be reached from where this pin was written, and no public source
+# found (searched 2026-12-02: GitHub code, documentation and web pages for the tag with
+# "sha256:") names the digest of this tag. Set IMAGE_DIGEST (with the date read and the source)
+# or MIXFLEET_SGLANG_IMAGE_DIGEST to the tag's manifest-list digest, e.g. from
+# ``docker buildx imagetools inspect lmsysorg/sglang:v0.5.23-cu130`` (its "Digest:" line).
+IMAGE_DIGEST: str | None = None
+IMAGE_DIGEST_READ: str | None = None  # "<date read>, <source>" when IMAGE_DIGEST is set
+IMAGE_DIGEST_ENV = "MIXFLEET_SGLANG_IMAGE_DIGEST"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 # --- server flags (python/sglang/srt/arg_groups/fields/*.py; a field ``x_y`` is ``--x-y``,
 # arg_groups/arg_utils.py ``_field_to_cli_name``; a bool field is ``store_true``) -------------
@@ -164,3 +177,30 @@ def server_argv(
         if name.startswith("--") and name in ours:
             raise ValueError(f"engine_args repeats {name}, which the fleet sets itself")
     return argv + list(engine_args)
+
+
+def image_digest(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The digest the SGLang image is pinned by: ``MIXFLEET_SGLANG_IMAGE_DIGEST`` when set, else
+    :data:`IMAGE_DIGEST` (None: unpinned). ``ValueError`` naming the variable for a value that is
+    not ``sha256:`` and 64 lower-case hex digits."""
+    digest = environ.get(IMAGE_DIGEST_ENV) or IMAGE_DIGEST
+    if digest is not None and not _DIGEST.fullmatch(digest):
+        raise ValueError(f"{IMAGE_DIGEST_ENV} must be sha256: and 64 lower-case hex digits, got {digest!r}")
+    return digest
+
+
+def image_ref(environ: Mapping[str, str] = os.environ) -> str:
+    """The image reference the GPU servers start from: ``tag@sha256:...`` when pinned, else the tag."""
+    digest = image_digest(environ)
+    return f"{IMAGE_TAG}@{digest}" if digest else IMAGE_TAG
+
+
+def unpinned_warning(environ: Mapping[str, str] = os.environ) -> str | None:
+    """A one-line warning while the image is pinned by tag only (None once a digest is set)."""
+    if image_digest(environ) is not None:
+        return None
+    return (
+        f"the SGLang image {IMAGE_TAG} is pinned by tag only (its digest was not read): a re-pushed "
+        f"tag changes what the servers run; set {IMAGE_DIGEST_ENV}=sha256:... "
+        f"(docker buildx imagetools inspect {IMAGE_TAG})"
+    )

@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
     )
     add_bound_arguments(parser)
+    parser.add_argument(
+        "--modal-app",
+        default=None,
+        help="the deployed Modal app whose servers (one per group) serve the fleet: pin every request "
+        "to the chosen replica's container (default: none, a local fleet)",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -126,6 +132,10 @@ def build_config(args: argparse.Namespace):
             f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
         )
     check_weights_env()
+    if getattr(args, "modal_app", None):
+        from router.pinning import open_pins
+
+        open_pins(args.modal_app, [g.name for g in fleet.groups])  # a client without the listing: one line
     for name in ("heartbeat_timeout", "lease_timeout"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
@@ -157,6 +167,7 @@ def build_config(args: argparse.Namespace):
         mismatch_band=band,
         engine_headers=proxy_auth_headers(),
         **bound_values(args),
+        modal_app=getattr(args, "modal_app", None) or None,
     )
 
 

@@ -47,7 +47,9 @@ class RouterConfig:
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
-    proxy auth).
+    proxy auth). ``modal_app`` names the deployed Modal app whose servers (one per group, named by
+    the group) serve the fleet: every engine request to a heartbeat replica is then pinned to its
+    container, listed every ``container_list_interval_s`` (:mod:`router.pinning`).
 
     The state's bounds (:mod:`router.state.retention`): acknowledged trajectories stay readable
     ``retention_s``; per group the ledger and the mismatch sums keep the ``keep_versions`` highest
@@ -83,6 +85,8 @@ class RouterConfig:
     keep_updates: int = 1000
     replica_forget_s: float = 3600.0
     compact_interval_s: float = 60.0
+    modal_app: str | None = None
+    container_list_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)

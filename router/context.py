@@ -1,6 +1,8 @@
 """The router's live state, one per app (``app.state.ctx``): config, state store, replica
 registry, the one HTTP pool of engine calls (``http``; :meth:`RouterContext.client` is the engine
-client on it), metrics, and the latest published weight version.
+client on it, :meth:`RouterContext.replica_client` the one of a replica, pinned to its container on
+Modal), the container pins (``pins``, :mod:`router.pinning`; None for a local fleet), metrics, and
+the latest published weight version.
 
 What changes answers lives in the state store, shared by every router process on it: sessions,
 trajectories, the replicas' heartbeats and static-poll results, the latest version, the routing
@@ -35,6 +37,7 @@ from fleet.sglang_client import (
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.mismatch import group_view
+from router.pinning import ContainerPins, open_pins
 from router.policy import WINDOW_SIZE, AssignmentWindow, GroupLoad
 from router.registry import Registry, Replica
 from router.state import open_store
@@ -49,10 +52,12 @@ class RouterContext:
         self.fleet = config.fleet
         self.store: StateStore = open_store(config.state_url, retention=config.retention())
         self.state = self.store  # alias used by router.weights
+        self.pins: ContainerPins | None = open_pins(config.modal_app, [g.name for g in config.fleet.groups])
         self.registry = Registry(
             config.fleet,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             max_version_lag=config.max_version_lag,
+            pins=self.pins,
         )
         self.metrics = RouterMetrics(
             (g.name for g in config.fleet.groups), version_lag_bound=config.max_version_lag
@@ -71,6 +76,9 @@ class RouterContext:
             self._latest = await self.store.get_latest_version()
         await self.poll_once()
         self._tasks.append(asyncio.create_task(self._poll_loop(), name="router-poll"))
+        if self.pins is not None:
+            await self.pins.refresh()
+            self._tasks.append(asyncio.create_task(self._pin_loop(self.pins), name="router-pins"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -88,6 +96,11 @@ class RouterContext:
         ``headers``) go with each of its requests."""
         assert self.http is not None, "RouterContext.start() not called"
         return SGLangClient(self.http, url, {**self.config.engine_headers, **(headers or {})})
+
+    def replica_client(self, replica_id: str, url: str) -> SGLangClient:
+        """The engine client of replica ``replica_id`` at ``url``: with pins, its requests carry the
+        header that routes them to the replica's own container (:meth:`ContainerPins.headers`)."""
+        return self.client(url, self.pins.headers(replica_id) if self.pins is not None else None)
 
     # versions ----------------------------------------------------------------------------
     def latest_version(self) -> int | None:
@@ -134,6 +147,14 @@ class RouterContext:
                     await self.store.compact()
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
+
+    async def _pin_loop(self, pins: ContainerPins) -> None:
+        while True:
+            await asyncio.sleep(self.config.container_list_interval_s)
+            try:
+                await pins.refresh()
+            except Exception:  # a listing must never kill the loop
+                log.exception("container listing failed")
 
     async def expire_idle_sessions(self) -> int:
         """Abandon open sessions idle for ``session_idle_s`` (frees their capacity slots)."""
@@ -205,6 +226,14 @@ class RouterContext:
             if r.ready:
                 await self.book_replica(r)
 
+    def _container_view(self, r: Replica) -> dict[str, Any] | None:
+        """Where requests to ``r`` are pinned (None without pins or for a static replica)."""
+        if self.pins is None or r.static:
+            return None
+        upstream = self.pins.upstream(r.replica_id)
+        why = None if upstream is not None else self.pins.errors.get(r.group, "container not listed")
+        return {"upstream": upstream, "error": why}
+
     # loads and snapshots --------------------------------------------------------------------
     @property
     def policy(self) -> str:
@@ -256,6 +285,7 @@ class RouterContext:
                     "tokens_per_s": r.tokens_per_s,
                     "last_seen_s": None if r.last_seen == float("-inf") else round(now - r.last_seen, 3),
                     "error": r.error,
+                    "container": self._container_view(r),
                 }
                 for r in self.registry.replicas.values()
                 if r.group == g.name

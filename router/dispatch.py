@@ -1,13 +1,20 @@
 """How a turn reaches an engine, with failover.
 
 * :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
-  when in rotation), and on a refused or dropped connection, a 5xx, a generation the engine
-  aborted (:class:`~fleet.sglang_client.EngineAborted`: its tokens are discarded, never recorded)
-  or a second timeout (a first timeout is retried on the same replica: slow is not dead) retries
-  on another replica
-  of the group; when the group has none left, the session moves to another
-  group (chosen by the policy) and the turn records ``moved_from``. Nothing is stored here:
-  the caller records the returned turn once.
+  when in rotation), and on a refused or dropped connection, a 5xx (a 503 included: a replica
+  not ready, or Modal's proxy without a container), a generation the engine aborted
+  (:class:`~fleet.sglang_client.EngineAborted`: its tokens are discarded, never recorded) or a
+  second timeout (a first timeout is retried on the same replica: slow is not dead) marks the
+  replica failed and retries on another replica of the group; a retryable refusal (409: the
+  replica cannot meet the version constraint now; 429: Modal's proxy refused a container over
+  its ``max_concurrency``) retries on another replica without marking it failed. When the group
+  has none left, the session moves to another group (chosen by the policy) and the turn records
+  ``moved_from``; only when no group can take it does the caller see a 503. Nothing is stored
+  here: the caller records the returned turn once.
+
+Every attempt goes through :meth:`RouterContext.replica_client`, so on Modal it is pinned to the
+chosen replica's own container (:mod:`router.pinning`): the replica that failed is the one marked
+failed, failover reaches another container, and the recorded ``replica`` is where the turn ran.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, Generation
+from fleet.sglang_client import EngineRejected, EngineUnavailable, Generation, SGLangClient
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
 from router.records import TurnData, parse_turn
+from router.registry import Registry
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
@@ -42,16 +50,17 @@ async def with_failover(
     ctx: RouterContext,
     start_group: str,
     affinity: str | None,
-    send: Callable[[str], Awaitable[T]],
+    send: Callable[[SGLangClient], Awaitable[T]],
     *,
     min_version: int | None = None,
     may_move: bool = True,
 ) -> tuple[T, Placement]:
-    """Run ``send(replica_url)`` on a replica in rotation, failing over as the module says.
+    """Run ``send(client)`` with the engine client of a replica in rotation
+    (:meth:`RouterContext.replica_client`), failing over as the module says.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
-    422/4xx unless retryable; a 401/403, the replica refusing the router's own credentials, as
-    502) or ValueError (a malformed engine response: retry elsewhere).
+    422/4xx unless retryable, 409 or 429; a 401/403, the replica refusing the router's own
+    credentials, as 502) or ValueError (a malformed engine response: retry elsewhere).
     """
     latest = ctx.latest_version()
     group = start_group
@@ -64,16 +73,8 @@ async def with_failover(
     last_error = "no replica in rotation"
     registry = ctx.registry
     while True:
-        # the session's own replica when it can serve (what choose_replica would pick), else
-        # the policy's choice among the group's candidates
-        mine = None
-        if affinity is not None and group == start_group and affinity not in tried:
-            mine = registry.serves(affinity, group, latest, min_version)
-        if mine is not None:
-            replica: Any = mine  # a Replica: replica_id and url as a ReplicaView's
-        else:
-            views = registry.views(group, latest, min_version=min_version)
-            replica = choose_replica(views, affinity if group == start_group else None, tried)
+        own = affinity if group == start_group else None
+        replica = _pick(registry, group, own, tried, latest, min_version)
         if replica is None:
             if min_version is not None and [
                 v for v in ctx.registry.views(group, latest) if v.replica_id not in tried
@@ -97,11 +98,11 @@ async def with_failover(
         attempts += 1
         if attempts > limit:
             raise unavailable(f"gave up after {attempts - 1} attempts ({last_error})")
-        rep = mine if mine is not None else registry.replicas.get(replica.replica_id)
+        rep = registry.replicas.get(replica.replica_id)
         if rep is not None:
             rep.inflight += 1
         try:
-            result = await send(replica.url)
+            result = await send(ctx.replica_client(replica.replica_id, replica.url))
         except EngineUnavailable as exc:
             last_error = exc.message
             if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
@@ -114,20 +115,12 @@ async def with_failover(
             ctx.metrics.failovers.labels(group, "unavailable").inc()
             continue
         except EngineRejected as exc:
-            if exc.retryable:  # a sidecar that cannot meet the version constraint right now
+            if exc.retryable:  # 409: not the version asked for now; 429: the container is full
                 last_error = exc.message
                 tried.add(replica.replica_id)
-                ctx.metrics.failovers.labels(group, "version").inc()
+                ctx.metrics.failovers.labels(group, "busy" if exc.status == 429 else "version").inc()
                 continue
-            if exc.status in (401, 403):  # the replica's credentials, not the client's (Modal proxy auth)
-                raise ApiError(
-                    502,
-                    f"replica {replica.url} refused the router's credentials ({exc.message}); "
-                    "set MIXFLEET_PROXY_KEY and MIXFLEET_PROXY_SECRET to the servers' proxy auth token",
-                ) from None
-            raise ApiError(
-                422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}"
-            ) from None
+            raise _refused(exc, replica.url) from None
         except ValueError as exc:
             last_error = f"bad engine response: {exc}"
             tried.add(replica.replica_id)
@@ -136,11 +129,39 @@ async def with_failover(
         finally:
             if rep is not None:
                 rep.inflight -= 1
-        if rep is not None and rep.ready:  # registry.touch: alive (passive health)
-            now = time.monotonic()
-            if now > rep.last_seen:
-                rep.last_seen = now
+        registry.touch(replica.replica_id)  # alive (passive health)
         return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
+
+
+def _pick(
+    registry: Registry,
+    group: str,
+    affinity: str | None,
+    tried: set[str],
+    latest: int | None,
+    min_version: int | None,
+) -> Any:
+    """The session's own replica ``affinity`` when it can serve (what :func:`choose_replica` would
+    pick), else the policy's choice among the group's candidates not ``tried``; None when there
+    is none. A :class:`Replica` or a view: either has ``replica_id`` and ``url``."""
+    if affinity is not None and affinity not in tried:
+        mine = registry.serves(affinity, group, latest, min_version)
+        if mine is not None:
+            return mine
+    return choose_replica(registry.views(group, latest, min_version=min_version), affinity, tried)
+
+
+def _refused(exc: EngineRejected, url: str) -> ApiError:
+    """What the caller sees of a refusal no other replica would change: a 401/403 (the replica
+    refusing the router's own credentials: Modal's proxy auth) as 502, a 400 as 422, else its
+    status."""
+    if exc.status in (401, 403):
+        return ApiError(
+            502,
+            f"replica {url} refused the router's credentials ({exc.message}); "
+            "set MIXFLEET_PROXY_KEY and MIXFLEET_PROXY_SECRET to the servers' proxy auth token",
+        )
+    return ApiError(422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}")
 
 
 def effective_min_version(
@@ -186,9 +207,9 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    async def send(url: str) -> tuple[Generation, float]:
+    async def send(client: SGLangClient) -> tuple[Generation, float]:
         e0 = time.perf_counter()
-        generation = await ctx.client(url).generate(spec.input_ids, spec.params, headers=headers)
+        generation = await client.generate(spec.input_ids, spec.params, headers=headers)
         return generation, time.perf_counter() - e0
 
     (generation, engine_s), place = await with_failover(

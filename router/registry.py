@@ -10,11 +10,12 @@ Times are ``time.monotonic()`` unless named ``wall``.
 
 An entry is a replica id, not a URL: the containers of one Modal server share the server's one
 URL, and each heartbeats with its own id (its sidecar's, ``<group>-<MODAL_TASK_ID>`` on Modal),
-so the registry holds one entry per container, all with that URL. Capacity counts entries; the
-router picks a group and an entry by its policy and sends the session's id as
-``Modal-Session-ID``, and Modal's proxy picks the container (best-effort affinity). A static
-replica of the preset is one entry per listed URL, and a heartbeat from that URL and group
-updates it: do not list a Modal server's URL statically.
+so the registry holds one entry per container, all with that URL. With :attr:`Registry.pins` set
+(a fleet on Modal, :mod:`router.pinning`), a heartbeat replica is in rotation only while its
+container is listed (it has an upstream): every request to it is pinned to that container, so the
+router's choice of entry is where the request runs. A static replica of the preset is one entry
+per listed URL, and a heartbeat from that URL and group updates it: do not list a Modal server's
+URL statically.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fleet.specs import FleetSpec
 from router.policy import GroupLoad, ReplicaView, cost_per_token, throughput_factors
@@ -63,9 +64,21 @@ class Replica:
         }
 
 
+class PinLookup(Protocol):
+    def upstream(self, replica: str) -> str | None: ...
+
+
 class Registry:
-    def __init__(self, fleet: FleetSpec, *, heartbeat_timeout_s: float, max_version_lag: int | None) -> None:
+    def __init__(
+        self,
+        fleet: FleetSpec,
+        *,
+        heartbeat_timeout_s: float,
+        max_version_lag: int | None,
+        pins: PinLookup | None = None,
+    ) -> None:
         self.fleet = fleet
+        self.pins = pins
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_version_lag = max_version_lag
         self.replicas: dict[str, Replica] = {}
@@ -168,8 +181,18 @@ class Registry:
         return True
 
     # queries ----------------------------------------------------------------------------
+    def routable(self, r: Replica) -> bool:
+        """Whether a request can be sent to ``r`` itself: always without pins; with pins, a static
+        replica (its own URL) or one whose container is listed."""
+        return self.pins is None or r.static or self.pins.upstream(r.replica_id) is not None
+
     def fresh(self, r: Replica, now: float) -> bool:
-        return r.ready and now - r.last_seen <= self.heartbeat_timeout_s and now >= r.failed_until
+        return (
+            r.ready
+            and now - r.last_seen <= self.heartbeat_timeout_s
+            and now >= r.failed_until
+            and self.routable(r)
+        )
 
     def lags(self, r: Replica, latest: int | None) -> bool:
         if self.max_version_lag is None or latest is None or r.active_version is None:

@@ -4,7 +4,8 @@ slime, veRL) can point at the fleet unchanged.
 ``POST /generate`` is validated, then forwarded unchanged (streaming included) to a replica.
 The routing key comes from ``X-Session-ID``, ``X-SMG-Routing-Key`` or ``Modal-Session-ID``
 (first present wins): requests with the same key stay on one group and, while it is in
-rotation, one replica; it is forwarded as ``Modal-Session-ID``. Without a key a request is
+rotation, one replica (on Modal, pinned to its container: :mod:`router.pinning`); it is forwarded
+as ``Modal-Session-ID``. Without a key a request is
 one-shot (group by policy). Failover is as for turns, before the first response byte only.
 These requests are not recorded as trajectories.
 """
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse
+from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, SGLangClient
 from router.auth import require
 from router.context import RouterContext
 from router.dispatch import check_vocab, with_failover
@@ -77,8 +78,8 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     check_vocab(ctx, group, body.rows(), "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
-    async def send_stream(url: str):
-        return await ctx.client(url).stream_generate(raw, headers=headers)
+    async def send_stream(client: SGLangClient):
+        return await client.stream_generate(raw, headers=headers)
 
     (response, chunks), place = await with_failover(
         ctx, group, route.get("replica") if route else None, send_stream
@@ -107,8 +108,8 @@ async def forward_generate(
     check_vocab(ctx, group, rows, "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
-    async def send(url: str) -> RawResponse:
-        return await ctx.client(url).post_generate(raw, headers=headers)
+    async def send(client: SGLangClient) -> RawResponse:
+        return await client.post_generate(raw, headers=headers)
 
     response, place = await with_failover(ctx, group, route.get("replica") if route else None, send)
     await _remember(ctx, key, route, place.group, place.replica_id)
@@ -127,7 +128,7 @@ async def _any_replica(ctx: RouterContext, path: str) -> Any:
     latest = ctx.latest_version()
     for g in ctx.fleet.groups:
         for r in ctx.registry.in_rotation(g.name, latest):
-            c = ctx.client(r.url)
+            c = ctx.replica_client(r.replica_id, r.url)
             try:
                 return await (c.model_info() if path == "model_info" else c.server_info())
             except (EngineUnavailable, EngineRejected):

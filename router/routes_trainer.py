@@ -260,7 +260,10 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     if not targets:
         raise ApiError(503, "no ready replica in the chosen groups")
     answers = await asyncio.gather(
-        *(ctx.client(r.url).score(body.input_ids, body.logprob_start_len) for r in targets),
+        *(
+            ctx.replica_client(r.replica_id, r.url).score(body.input_ids, body.logprob_start_len)
+            for r in targets
+        ),
         return_exceptions=True,
     )
     results = []

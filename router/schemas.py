@@ -304,6 +304,14 @@ class Health(BaseModel):
     status: str
 
 
+class ContainerPinOut(BaseModel):
+    """Where requests to a heartbeat replica of a Modal server are pinned (:mod:`router.pinning`):
+    its container's ``host:port``, or null with the reason it is not routable."""
+
+    upstream: str | None
+    error: str | None
+
+
 class ReplicaOut(BaseModel):
     replica_id: str
     url: str
@@ -317,6 +325,9 @@ class ReplicaOut(BaseModel):
     tokens_per_s: float
     last_seen_s: float | None
     error: str | None
+    container: ContainerPinOut | None = Field(
+        None, description="On Modal: the container requests to this replica are pinned to"
+    )
 
 
 class MismatchFigures(BaseModel):

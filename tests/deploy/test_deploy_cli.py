@@ -437,3 +437,23 @@ def test_bad_fit_inputs_are_one_line(capsys, tmp_path, qwen3_30b) -> None:
         f"mixfleet deploy: error: {bad / 'config.json'}: "
         "max_position_embeddings must be a positive integer, got 'long'"
     ]
+
+
+def test_dry_run_warns_while_the_sglang_image_has_no_digest(capsys, monkeypatch) -> None:
+    monkeypatch.delenv(sglang.IMAGE_DIGEST_ENV, raising=False)
+    monkeypatch.setattr(sglang, "IMAGE_DIGEST", None)
+    rc, out, err = _deploy(capsys, "--preset", "homogeneous")
+    assert rc == 0 and err == []
+    assert out[-1] == f"warning: {sglang.unpinned_warning({})}"
+
+    monkeypatch.setenv(sglang.IMAGE_DIGEST_ENV, "sha256:" + "0" * 64)
+    rc, out, err = _deploy(capsys, "--preset", "homogeneous")
+    assert rc == 0 and err == [] and not any("pinned by tag only" in line for line in out)
+
+    monkeypatch.setenv(sglang.IMAGE_DIGEST_ENV, "latest")
+    rc, out, err = _deploy(capsys, "--preset", "homogeneous")
+    assert rc == 2 and out == []
+    assert err == [
+        f"mixfleet deploy: error: {sglang.IMAGE_DIGEST_ENV} must be sha256: and 64 lower-case hex digits, "
+        "got 'latest'"
+    ]

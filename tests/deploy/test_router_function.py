@@ -1,6 +1,9 @@
 """The router function's body run for real (``Function.local()``, modal's own way to call it here)
 on a real redis-server: one instance serves the fleet from its Redis state; two instances, as two
-Modal containers would be, must serve the same fleet."""
+Modal containers would be, must serve the same fleet. It pins requests to the containers of this
+app's servers; Modal's listing of them (the one adapter call,
+``ModalServerContainers.list_containers``) answers with the installed client's own
+``ServerContainerInfo`` of the heartbeating container."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ import warnings
 
 import pytest
 from fastapi.testclient import TestClient
+from modal.types import ServerContainerInfo
 
+from router.pinning.modal_server import ModalServerContainers
 from tests.support.procs import redis_server
 from weight_sync.errors import UserError
 
@@ -28,6 +33,11 @@ HEARTBEAT = {
 
 @pytest.fixture()
 def router_module(monkeypatch, tmp_path):
+    async def list_containers(self, name: str) -> list[ServerContainerInfo]:
+        assert self.app_name == "mixfleet", self.app_name
+        return [ServerContainerInfo("container-1", "10.0.0.7", 8000)] if name == "b200-bf16" else []
+
+    monkeypatch.setattr(ModalServerContainers, "list_containers", list_containers)
     with redis_server() as url:
         monkeypatch.setenv("MIXFLEET_PRESET", "homogeneous")
         monkeypatch.delenv("MIXFLEET_FLEET_JSON", raising=False)
@@ -60,6 +70,8 @@ def test_the_router_container_serves_the_fleet_on_redis(router_module) -> None:
         beat = client.post("/v1/replicas/heartbeat", json=HEARTBEAT, headers=AUTH)
         assert beat.status_code == 200, beat.text
         assert _ready(client) == [("b200-bf16", 1)]
+        (replica,) = client.get("/v1/groups", headers=AUTH).json()["groups"][0]["replicas"]
+        assert replica["container"] == {"upstream": "10.0.0.7:8000", "error": None}
         weights = client.get("/v1/weights", headers=AUTH).json()
         assert weights["run_id"] == module.RUN_ID and list(weights["formats"]) == ["bf16"]
     redis.Redis.from_url(url).ping()

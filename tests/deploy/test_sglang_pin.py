@@ -114,3 +114,25 @@ def test_protocol_values_of_the_release() -> None:
     assert set(sglang.UPDATE_WEIGHTS_DEFAULTS) <= set(sglang.UPDATE_WEIGHTS_FIELDS)
     assert sglang.SAMPLING_LOGPROBS_MODES == ("selected", "support")
     assert sglang.MXFP4_ARCHITECTURES == ("GptOssForCausalLM",)
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_the_image_is_pinned_by_digest_beside_its_tag_when_one_is_set() -> None:
+    assert sglang.image_ref({sglang.IMAGE_DIGEST_ENV: DIGEST}) == f"lmsysorg/sglang:v0.5.23-cu130@{DIGEST}"
+    assert sglang.unpinned_warning({sglang.IMAGE_DIGEST_ENV: DIGEST}) is None
+    for bad in ("ab" * 32, "sha256:" + "AB" * 32, "sha256:" + "ab" * 31):
+        with pytest.raises(ValueError, match=f"^{sglang.IMAGE_DIGEST_ENV} must be sha256:"):
+            sglang.image_ref({sglang.IMAGE_DIGEST_ENV: bad})
+
+
+def test_an_unpinned_image_is_its_tag_with_a_warning() -> None:
+    if sglang.IMAGE_DIGEST is not None:  # read and recorded: then the date and the source are too
+        assert (
+            sglang.IMAGE_DIGEST_READ and sglang.image_ref({}) == f"{sglang.IMAGE_TAG}@{sglang.IMAGE_DIGEST}"
+        )
+        return
+    assert sglang.image_ref({}) == sglang.IMAGE_TAG
+    warning = sglang.unpinned_warning({})
+    assert warning and "pinned by tag only" in warning and sglang.IMAGE_DIGEST_ENV in warning

@@ -79,11 +79,14 @@ def router_process(
     log: Path | None = None,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    program: tuple[str, ...] | None = None,
 ) -> Iterator[RouterHandle]:
     """Start ``mixfleet router --preset preset``; yield once ``/healthz`` answers 200.
 
     ``keys`` defaults to one fresh key with every scope (``handle.key``); with ``keys`` given,
     ``handle.key`` is the first one. ``env`` adds environment variables (e.g. ``MIXFLEET_STORE``).
+    ``program`` is the argv prefix that runs the ``mixfleet`` command (default
+    :func:`mixfleet_argv`'s).
     """
     port = port or free_port()
     if keys is None:
@@ -91,7 +94,7 @@ def router_process(
     with contextlib.ExitStack() as stack:
         if log is None:
             log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-"))) / "router.log"
-        argv = mixfleet_argv(
+        argv = (list(program) if program is not None else mixfleet_argv()) + [
             "router",
             "--preset",
             str(preset),
@@ -104,7 +107,7 @@ def router_process(
             "--log-level",
             "warning",
             *extra_args,
-        )
+        ]
         full_env = {**(env or {}), "MIXFLEET_API_KEYS": json.dumps(keys)}
         proc = stack.enter_context(process(argv, log=log, env=full_env))
         url = f"http://127.0.0.1:{port}"
