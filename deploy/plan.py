@@ -288,7 +288,7 @@ def describe(plan: DeployPlan) -> str:
     for s in plan.servers:
         a = s.autoscaling
         lines += [
-            f"server {s.name}: gpu {s.gpu} ({s.family} image {sglang.IMAGE_TAG}), "
+            f"server {s.name}: gpu {s.gpu} ({s.family} image {sglang.image_ref()}), "
             f"weights {s.group.weight_format}, kv {s.group.kv_cache_dtype}, port {s.port}, proxy auth on",
             f"  volume {VOLUME_NAME} at {VOLUME_MOUNT}, key from secret {REPLICA_SECRET}",
             f"  autoscaling: min {a.min_containers}, max {a.max_containers}, buffer {a.buffer_containers}, "

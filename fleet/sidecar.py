@@ -29,7 +29,7 @@ SGLang) and is the replica's only public port:
   {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and on every activation, naming the
   replica by its id and the URL it advertises. Every container of one Modal server advertises
   the server's one URL with its own id, so the router holds one entry per container
-  (:mod:`router.registry`) and Modal's proxy picks the container of each request.
+  (:mod:`router.registry`); the router pins each request to its container (:mod:`router.pinning`).
 """
 
 from __future__ import annotations

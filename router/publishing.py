@@ -495,7 +495,7 @@ class PublishService:
         except UserError as exc:
             raise StoreUnreadable(str(exc)) from None
         replicas = known_replicas(ctx)
-        details = await replica_details(ctx, sorted({r["url"] for r in replicas}))
+        details = await replica_details(ctx, [(r["replica_id"], r["url"]) for r in replicas])
         groups = []
         for g in fleet.groups:
             reps = []
@@ -503,9 +503,9 @@ class PublishService:
                 if r["group"] != g.name:
                     continue
                 active = r["active_version"]
-                d = details.get(r["url"]) or {}
+                d = details.get(r["replica_id"]) or {}
                 if d.get("replica_id") not in (None, r["replica_id"]):
-                    d = {}  # a URL several replicas share: the answer was another container's
+                    d = {}  # an unpinned shared URL: the answer was another container's
                 last = d.get("last_activation") or {}
                 reps.append(
                     {
@@ -598,29 +598,35 @@ def formats_view(store, run_id: str, formats: list[str]) -> dict[str, Any]:
     return out
 
 
-async def replica_details(ctx: RouterContext, urls: list[str]) -> dict[str, dict[str, Any]]:
-    """The ``GET /v1/status`` (last activation, staging; its ``replica_id``) of the sidecar each
-    URL reaches, by URL; a URL that does not answer it (a plain engine) is missing."""
+async def replica_details(ctx: RouterContext, replicas: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """The ``GET /v1/status`` (last activation, staging; its ``replica_id``) of each ``(replica_id,
+    url)``'s sidecar, by replica id, each asked through its own container's pin
+    (:meth:`RouterContext.replica_client`); a replica that does not answer it (a plain engine) is
+    missing."""
 
-    async def one(url: str) -> dict[str, Any] | None:
+    async def one(replica_id: str, url: str) -> dict[str, Any] | None:
         try:
-            r = await ctx.client(url).forward("GET", "/v1/status", timeout=SIDECAR_TIMEOUT_S)
+            client = ctx.replica_client(replica_id, url)
+            r = await client.forward("GET", "/v1/status", timeout=SIDECAR_TIMEOUT_S)
             body = r.json() if r.status_code == 200 else None
         except (EngineError, ValueError):
             return None
         return body if isinstance(body, dict) else None
 
-    answers = await asyncio.gather(*(one(u) for u in urls))
-    return {u: a for u, a in zip(urls, answers, strict=True) if a is not None}
+    answers = await asyncio.gather(*(one(rid, url) for rid, url in replicas))
+    return {rid: a for (rid, _), a in zip(replicas, answers, strict=True) if a is not None}
 
 
 async def wake_replicas(ctx: RouterContext) -> None:
-    """``POST /v1/wake`` once to every known replica URL (best effort: failures are ignored). The
-    containers of one Modal server share its URL: the wake reaches the one Modal's proxy picks,
-    the others see the pointer at their next poll."""
-    urls = sorted({r["url"] for r in known_replicas(ctx)})
+    """``POST /v1/wake`` to every known replica (best effort: failures are ignored), each through
+    its own container's pin (:meth:`RouterContext.replica_client`), so every container of a Modal
+    server is woken, not only the one its shared URL reaches."""
+    replicas = [(r["replica_id"], r["url"]) for r in known_replicas(ctx)]
     await asyncio.gather(
-        *(ctx.client(u).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S) for u in urls),
+        *(
+            ctx.replica_client(rid, url).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S)
+            for rid, url in replicas
+        ),
         return_exceptions=True,
     )
 
