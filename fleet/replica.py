@@ -9,7 +9,8 @@ with the local CPU engine). :func:`run_replica`, in order:
    mode). The engine is pointed at that local copy, never at the store: SGLang keeps its
    safetensors mapped, which would block every later reload of the volume.
 2. **engine**: starts ``engine_argv(model_path, weight_version)`` -- a full command line that
-   serves on ``127.0.0.1:engine_port``, private to the machine -- and waits until it answers
+   serves on ``127.0.0.1:engine_port``, private to the machine, with
+   :data:`fleet.sglang_release.ENGINE_ENV` in its environment -- and waits until it answers
    ``/health`` (the one engine client, through :class:`fleet.launch.Probe`).
 3. **sidecar**: starts ``mixfleet sidecar`` on ``host:public_port`` in front of the engine, on the
    same store and staging directory, heartbeating to ``router_url`` with ``replica_key``
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.launch import Child, ChildFailed, Launcher, Probe, Replica, ReplicaSpec
+from fleet.sglang_release import ENGINE_ENV
 from fleet.specs import GroupSpec
 from weight_sync.errors import UserError
 from weight_sync.stage import stage_version
@@ -142,7 +144,9 @@ def run_replica(
     deadline = time.monotonic() + ready_timeout_s
     with launcher, Probe() as probe:
         argv = list(engine_argv(str(staged.path), str(version)))
-        replica.engine = launcher.spawn(f"engine-{replica_id}", argv, replica.engine_log, program=())
+        replica.engine = launcher.spawn(
+            f"engine-{replica_id}", argv, replica.engine_log, dict(ENGINE_ENV), program=()
+        )
         log.info("replica %s started its engine (pid %d): %s", replica_id, replica.engine.pid, " ".join(argv))
         if not _wait(lambda: probe.healthy(replica.engine_url), replica.engine, deadline, stop):
             return

@@ -165,3 +165,11 @@ def sampling_request(
         return SamplingRequest(dict(params), mask=False)
     sent, bound = bound_top_k(params, max_tokens)
     return SamplingRequest(sent, mask=True, top_k_bound=bound)
+
+
+# environ.py 1508 SGLANG_RETURN_ORIGINAL_LOGPROB = EnvBool(False), parsed as "false" -> False
+# (environ.py 140-150): set, output_token_logprobs would be log-probs before temperature
+# (layers/sampler.py 231-237, 319-323), not the distribution a token was drawn from, and an
+# unfiltered turn's mu (which is output_token_logprobs) would be wrong whenever T != 1. Every engine
+# the fleet starts gets these values, whatever the environment it inherits.
+ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}

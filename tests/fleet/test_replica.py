@@ -206,3 +206,23 @@ def test_an_engine_that_exits_fails_the_replica(tmp_path) -> None:
         .startswith("mixfleet replica: error: engine-r0 exited with 3; see ")
     )
     assert (tmp_path / "stage" / "v000000" / "config.json").read_text() == "{}"  # it had staged v0
+
+
+def test_the_engine_never_returns_log_probs_before_temperature(tmp_path, monkeypatch) -> None:
+    """SGLANG_RETURN_ORIGINAL_LOGPROB set in the replica's environment does not reach the engine
+    (fleet.sglang_release.ENGINE_ENV): an unfiltered turn's mu is output_token_logprobs."""
+    src = tmp_path / "v0"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    LocalStore(tmp_path / "store").publish(FormatRef(RUN, FMT).at(0), src)
+    seen = tmp_path / "seen"
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    engine = tmp_path / "engine.py"
+    engine.write_text(
+        "import os, sys\n"
+        f"open({str(seen)!r}, 'w').write(os.environ['SGLANG_RETURN_ORIGINAL_LOGPROB'])\n"
+        "sys.exit(3)\n"
+    )
+    done = _replica_cli(tmp_path, "--engine-command", f"python3 {engine} {{model}} {{port}}")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert seen.read_text() == "false"
