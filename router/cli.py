@@ -73,6 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the deployed Modal app whose servers (one per group) serve the fleet: pin every request "
         "to the chosen replica's container (default: none, a local fleet)",
     )
+    parser.add_argument(
+        "--affinity-queue-bound",
+        type=int,
+        default=8,
+        help="a replica whose engine queue stays above this many waiting requests sheds its sessions' "
+        "new turns to the least-loaded replica of its group (default 8)",
+    )
+    parser.add_argument(
+        "--affinity-hold", type=float, default=5.0, help="seconds the queue must stay above it (default 5)"
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -168,6 +178,8 @@ def build_config(args: argparse.Namespace):
         engine_headers=proxy_auth_headers(),
         **bound_values(args),
         modal_app=getattr(args, "modal_app", None) or None,
+        affinity_queue_bound=getattr(args, "affinity_queue_bound", 8),
+        affinity_hold_s=getattr(args, "affinity_hold", 5.0),
     )
 
 

@@ -51,6 +51,10 @@ class RouterConfig:
     the group) serve the fleet: every engine request to a heartbeat replica is then pinned to its
     container, listed every ``container_list_interval_s`` (:mod:`router.pinning`).
 
+    A session's turns stay on its replica (its prefix cache) unless that replica's queue has stayed
+    above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
+    load-aware affinity).
+
     The state's bounds (:mod:`router.state.retention`): acknowledged trajectories stay readable
     ``retention_s``; per group the ledger and the mismatch sums keep the ``keep_versions`` highest
     versions (older ones rolled into totals) and the ledger the latest ``keep_updates`` update
@@ -87,6 +91,8 @@ class RouterConfig:
     compact_interval_s: float = 60.0
     modal_app: str | None = None
     container_list_interval_s: float = 2.0
+    affinity_queue_bound: int = 8
+    affinity_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)

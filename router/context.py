@@ -58,6 +58,8 @@ class RouterContext:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             max_version_lag=config.max_version_lag,
             pins=self.pins,
+            queue_bound=config.affinity_queue_bound,
+            overload_hold_s=config.affinity_hold_s,
         )
         self.metrics = RouterMetrics(
             (g.name for g in config.fleet.groups), version_lag_bound=config.max_version_lag

@@ -75,6 +75,8 @@ async def with_failover(
     while True:
         own = affinity if group == start_group else None
         replica = _pick(registry, group, own, tried, latest, min_version)
+        if _shed(registry, own, replica, attempts):
+            ctx.metrics.replica_moves.labels(group).inc()
         if replica is None:
             if min_version is not None and [
                 v for v in ctx.registry.views(group, latest) if v.replica_id not in tried
@@ -142,13 +144,26 @@ def _pick(
     min_version: int | None,
 ) -> Any:
     """The session's own replica ``affinity`` when it can serve (what :func:`choose_replica` would
-    pick), else the policy's choice among the group's candidates not ``tried``; None when there
-    is none. A :class:`Replica` or a view: either has ``replica_id`` and ``url``."""
+    pick) and is not :meth:`~Registry.overloaded`, else the policy's choice among the group's
+    candidates not ``tried`` (an overloaded affinity replica only when no other is less loaded);
+    None when there is none. A :class:`Replica` or a view: either has ``replica_id`` and ``url``."""
+    views = registry.views(group, latest, min_version=min_version)
     if affinity is not None and affinity not in tried:
         mine = registry.serves(affinity, group, latest, min_version)
-        if mine is not None:
+        if mine is not None and not registry.overloaded(affinity):
             return mine
-    return choose_replica(registry.views(group, latest, min_version=min_version), affinity, tried)
+        if mine is not None:  # overloaded: the least-loaded other replica, if it has less to do
+            own = next((v for v in views if v.replica_id == affinity), None)
+            other = choose_replica(views, None, tried | {affinity})
+            return other if other is not None and own is not None and other.load < own.load else mine
+    return choose_replica(views, affinity, tried)
+
+
+def _shed(registry: Registry, own: str | None, replica: Any, attempts: int) -> bool:
+    """Whether the first pick of a turn left the session's replica ``own`` because it is
+    overloaded (load-aware affinity: :meth:`Registry.overloaded`)."""
+    moved = own is not None and replica is not None and replica.replica_id != own
+    return attempts == 0 and moved and registry.overloaded(own)
 
 
 def _refused(exc: EngineRejected, url: str) -> ApiError:

@@ -67,7 +67,7 @@ DEFAULT_VERSION_LAG_BOUND = 2
 """The version lag the lag alert allows when the router has no ``--max-version-lag``: the
 staleness the demo trainer accepts by default (``trainer/demo_config.py``, ``max_version_age``)."""
 
-FAILOVER_REASONS = ("timeout_retry", "unavailable", "version", "bad_response")
+FAILOVER_REASONS = ("timeout_retry", "unavailable", "version", "busy", "bad_response")
 """The ``reason`` label values of ``mixfleet_router_failovers_total`` (:mod:`router.dispatch`)."""
 
 G = ("group",)
@@ -110,6 +110,12 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
         ("from_group", "to_group"),
         "",
         "Sessions moved to another group by failover",
+    ),
+    _c(
+        "mixfleet_router_replica_moves_total",
+        G,
+        "",
+        "Turns sent off their session's replica because its queue stayed above the affinity bound",
     ),
     _c("mixfleet_router_sessions_expired_total", G, "", "Open sessions abandoned after idling"),
     _c("mixfleet_router_leases_total", (), "", "Batch leases handed out"),
@@ -357,6 +363,7 @@ class RouterMetrics:
         self.sessions = m["mixfleet_router_sessions_created_total"]
         self.failovers = m["mixfleet_router_failovers_total"]
         self.moves = m["mixfleet_router_session_moves_total"]
+        self.replica_moves = m["mixfleet_router_replica_moves_total"]
         self.expired = m["mixfleet_router_sessions_expired_total"]
         self.leases = m["mixfleet_router_leases_total"]
         self.taken = m["mixfleet_router_trajectories_taken_total"]
@@ -381,7 +388,7 @@ class RouterMetrics:
             return
         per_group = (self.turn_seconds, self.engine_seconds, self.turns, self.tokens, self.sessions)
         for g in new:
-            for metric in (*per_group, self.expired, self.generate):
+            for metric in (*per_group, self.expired, self.generate, self.replica_moves):
                 metric.labels(g)
             for reason in FAILOVER_REASONS:
                 self.failovers.labels(g, reason)

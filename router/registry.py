@@ -16,6 +16,13 @@ container is listed (it has an upstream): every request to it is pinned to that 
 router's choice of entry is where the request runs. A static replica of the preset is one entry
 per listed URL, and a heartbeat from that URL and group updates it: do not list a Modal server's
 URL statically.
+
+**Load-aware affinity.** A replica whose reported queue (the engine's waiting requests, from its
+heartbeats) has stayed above ``queue_bound`` for ``overload_hold_s`` is :meth:`overloaded`: the
+dispatcher then sends its sessions' new turns to the least-loaded other replica of the group
+(:mod:`router.dispatch`), so a replica that falls behind sheds load instead of keeping every
+session hashed to it (consistent hashing without load collapsed one RL system's prefix-cache hit
+rate from 98% to 5%: prime-rl issue 3255). A queue at or below the bound resets the clock.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class Replica:
     failed_until: float = -math.inf
     inflight: int = 0
     vocab_size: int | None = None
+    queue_high_since: float | None = None  # since when its queue has been above the affinity bound
 
     def shared(self) -> dict[str, Any]:
         """What other routers learn through the state store."""
@@ -76,9 +84,13 @@ class Registry:
         heartbeat_timeout_s: float,
         max_version_lag: int | None,
         pins: PinLookup | None = None,
+        queue_bound: int = 8,
+        overload_hold_s: float = 5.0,
     ) -> None:
         self.fleet = fleet
         self.pins = pins
+        self.queue_bound = queue_bound
+        self.overload_hold_s = overload_hold_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_version_lag = max_version_lag
         self.replicas: dict[str, Replica] = {}
@@ -111,6 +123,10 @@ class Registry:
         r.active_version = hb.get("active_version")
         r.running = int(hb.get("running") or 0)
         r.queued = int(hb.get("queued") or 0)
+        if r.queued <= self.queue_bound:
+            r.queue_high_since = None
+        elif r.queue_high_since is None:
+            r.queue_high_since = now
         r.tokens_per_s = float(hb.get("tokens_per_s") or 0.0)
         r.error = hb.get("error")
         r.last_seen = now
@@ -206,6 +222,13 @@ class Registry:
             for r in self.replicas.values()
             if r.group == group and self.fresh(r, now) and not self.lags(r, latest)
         ]
+
+    def overloaded(self, replica_id: str, now: float | None = None) -> bool:
+        """Whether the replica's queue has stayed above ``queue_bound`` for ``overload_hold_s``."""
+        r = self.replicas.get(replica_id)
+        if r is None or r.queue_high_since is None:
+            return False
+        return (time.monotonic() if now is None else now) - r.queue_high_since >= self.overload_hold_s
 
     def serves(
         self, replica_id: str, group: str, latest: int | None, min_version: int | None
