@@ -21,7 +21,7 @@
    served. Never a second load: the weights are already in.
 4. ``POST /continue_generation`` (always, retried: a paused engine serves nobody). Retracted
    requests are re-prefilled -- prompt plus the output so far -- under the new weights and go on.
-5. The version is confirmed from ``/model_info`` (``http_server.py`` 811-830 ``weight_version``).
+5. The version is confirmed from ``/model_info`` (``http_server.py`` 812-830 ``weight_version``).
 
 What the version of a token means: the weights of the forward step that produced its
 distribution, with the whole prefix KV it attended to computed by that same version. A request

@@ -3,8 +3,9 @@ local CPU engine and the replica sidecars all speak, over one shared ``aiohttp``
 
 Calls: :meth:`SGLangClient.generate` (the one engine request of a turn), the SGLang-native
 passthrough (:meth:`~SGLangClient.post_generate`, :meth:`~SGLangClient.stream_generate`),
-fixed-prefix scoring (:meth:`~SGLangClient.score`), the weight-update protocol (pause, update
-from disk, continue), cache flush, server and model info, health, metrics and the served weight
+fixed-prefix scoring (:meth:`~SGLangClient.score`), the weight-update calls (pause, update
+from disk, continue, cache flush, set the weight version; :mod:`fleet.activation` is the protocol
+that uses them), server and model info, health, metrics and the served weight
 version. The pool (:func:`make_http_client`) is created inside the running event loop and shared
 by every client of one process.
 

@@ -166,6 +166,22 @@ def test_update_without_pause_waits_for_requests_in_flight(
     assert r.status_code == 200 and _model_version(client, url) == "1"
 
 
+def test_update_with_abort_all_requests_aborts_first(
+    v1_engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """tokenizer_manager.py 2298-2299: ``abort_all_requests`` aborts every request before the
+    update (which then need not wait for them)."""
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 1500}})
+    stream.wait_for(5)
+    body = {"model_path": str(tiny_dir), "weight_version": "1", "abort_all_requests": True}
+    r = _update(client, url, body)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    final = stream.result()
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(final["output_ids"]) < 1500
+
+
 def test_flush_cache_refused_while_requests_run_or_wait_unpaused(
     v1_engine: str, client: httpx.Client
 ) -> None:
