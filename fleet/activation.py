@@ -55,8 +55,9 @@ CONTINUE_TRIES = 20
 
 
 class ActivationFailed(Exception):
-    """The engine did not come to serve ``version``; ``message`` says why. ``weights_loaded``: the
-    engine swapped the weights (it may serve them under a version ``/model_info`` does not name)."""
+    """The engine did not come to serve ``version``; ``message`` says why, naming the version.
+    ``weights_loaded``: the engine swapped the weights (it may serve them under a version its
+    ``/model_info`` does not name)."""
 
     def __init__(self, version: int, message: str, *, weights_loaded: bool = False) -> None:
         super().__init__(message)
@@ -86,7 +87,9 @@ async def activate(
     try:
         await engine.pause_generation(release.PAUSE_MODE)
     except EngineError as exc:
-        raise ActivationFailed(version, f"engine did not pause: {exc.message}") from None
+        raise ActivationFailed(
+            version, f"engine did not pause for version {version}: {exc.message}"
+        ) from None
     try:
         update_s, message = await _update(engine, request, version, timeout_s)
     finally:
@@ -95,7 +98,7 @@ async def activate(
     try:
         served = await engine.weight_version(timeout=10.0)
     except EngineError as exc:
-        message = f"engine did not say its version: {exc.message}"
+        message = f"engine did not say its version after updating to {version}: {exc.message}"
         raise ActivationFailed(version, message, weights_loaded=True) from None
     if served != version:
         raise ActivationFailed(

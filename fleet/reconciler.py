@@ -391,7 +391,7 @@ class Reconciler:
                     timeout_s=self.config.engine_timeout_s,
                 )
             except ActivationFailed as exc:
-                self._fail(target, f"version {target} not activated: {exc.message}")
+                self._fail(target, exc.message)
                 return
             s.active_version = target
             s.error = None
