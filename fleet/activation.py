@@ -12,13 +12,15 @@
    ``utils/weight_versions.py`` 38-52), then flushes: allowed because the running batch is empty
    and waiting requests are ignored while paused (``scheduler.py`` 5518-5548, 5337-5360), so the
    radix cache holds no prefix KV of the old version afterwards.
-3. If the engine answers ``success: false`` with "Weights were updated, but the cache was not
-   flushed" (``managers/scheduler_components/weight_updater.py`` 120-160; 400 from
-   ``entrypoints/http_server.py`` 1299-1325), it already serves the new weights under the new
-   version but ``/model_info`` names the old one (``tokenizer_manager.py`` 2316-2322). Still
-   paused: ``POST /flush_cache`` until it succeeds (a few tries), then ``POST
-   /update_weight_version`` (``http_server.py`` 1527-1556) so ``/model_info`` names the version
-   served. Never a second load: the weights are already in.
+3. The scheduler may still refuse that flush: ``is_fully_idle`` also waits for a queued
+   overlap-scheduler result, a compiling grammar or HiCache transfers (``scheduler.py``
+   5337-5400). The engine then answers 400 ``success: false``, "Weights were updated, but the
+   cache was not flushed ..." (``managers/scheduler_components/weight_updater.py`` 120-160;
+   ``entrypoints/http_server.py`` 1299-1325): it already serves the new weights under the new
+   version, but ``/model_info`` names the old one (``tokenizer_manager.py`` 2316-2322). Still
+   paused, :func:`activate` sends ``POST /flush_cache`` until it succeeds (a few tries), then
+   ``POST /update_weight_version`` (``http_server.py`` 1527-1556) so ``/model_info`` names the
+   version served. Never a second load: the weights are already in.
 4. ``POST /continue_generation`` (always, retried: a paused engine serves nobody). Retracted
    requests are re-prefilled -- prompt plus the output so far -- under the new weights and go on.
 5. The version is confirmed from ``/model_info`` (``http_server.py`` 812-830 ``weight_version``).
