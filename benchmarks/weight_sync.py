@@ -20,13 +20,12 @@ publish measured alone (every format's conversion and every engine's load of the
 divided by the cores, the time before which no schedule can finish on this machine.
 Targets: engine pause <= 5% of the total, total <= 2x the slowest conversion.
 
-Three configurations are measured on the same fleet (sidecars restarted between them):
-``sglang-protocol`` (barrier publish, SGLang's pause -> update -> continue forced with
-``--activation pause``, staged copy: what a SGLang replica on Modal runs), ``default``
-(barrier publish, the sidecar's default activation ``auto``, which for the local engine is a
-swap between two steps with no pause, staged in place: as ``mixfleet up`` runs it),
-``pipelined`` (per-format publish + ``auto`` + in place: each group activates as soon as its
-own format is committed). Each configuration runs one untimed warm-up publish, then ``--reps``
+Three configurations are measured on the same fleet (sidecars restarted between them), all
+activating by the one protocol (``fleet.activation``: retract -> update with a cache flush ->
+continue; the engine loads the new weights while paused): ``staged-copy`` (barrier publish,
+staged copy: what a SGLang replica on Modal runs), ``default`` (barrier publish, staged in place:
+as ``mixfleet up`` runs it), ``pipelined`` (per-format publish, in place: each group activates as
+soon as its own format is committed). Each configuration runs one untimed warm-up publish, then ``--reps``
 timed ones (medians reported). The publisher's pool has one worker per core and at least one
 per format, as the router's has; the replicas are woken when a pointer moves, without holding
 up the publisher, as the router wakes them.
@@ -118,10 +117,10 @@ def baseline(ckpt: Path, fmt: str, work: Path, reps: int = 3) -> Baseline:
 
 
 CONFIGS = {
-    # name: (publish mode, sidecar activation, sidecar stage mode)
-    "sglang-protocol": ("barrier", "pause", "copy"),  # SGLang's pause -> update -> continue
-    "default": ("barrier", "auto", "inplace"),  # as `mixfleet up` runs it (local engine: swap)
-    "pipelined": ("per_format", "auto", "inplace"),  # + each group activates as its format lands
+    # name: (publish mode, sidecar stage mode)
+    "staged-copy": ("barrier", "copy"),  # what a SGLang replica on Modal runs
+    "default": ("barrier", "inplace"),  # as `mixfleet up` runs it
+    "pipelined": ("per_format", "inplace"),  # + each group activates as its format lands
 }
 
 
@@ -165,8 +164,8 @@ def one_round(
 
 
 def report(name: str, rounds: list[dict], slowest: tuple[str, float]) -> dict:
-    mode, activation, stage_mode = CONFIGS[name]
-    print(f"\n### {name}: publish {mode}, activation {activation}, stage {stage_mode}")
+    mode, stage_mode = CONFIGS[name]
+    print(f"\n### {name}: publish {mode}, stage {stage_mode}")
     print(
         f"{'rep':>3} {'total':>7} {'convert':>8} {'commit':>7} {'ptrs':>6} | "
         "per format: convert / stage / pause (update) / pointer seen -> active"
@@ -265,10 +264,10 @@ def main() -> int:
                     f"on {cores} cores no schedule finishes before {work_cpu / cores:.2f}s = "
                     f"{work_cpu / cores / base_times[slowest_fmt]:.2f}x the slowest conversion alone"
                 )
-                mode, activation, stage_mode = CONFIGS[name]
+                mode, stage_mode = CONFIGS[name]
                 for r in fleet.replicas:
                     fleet.kill_sidecar(r)
-                    fleet.start_sidecar(r, "--activation", activation, "--stage-mode", stage_mode)
+                    fleet.start_sidecar(r, "--stage-mode", stage_mode)
                 fleet.wait_ready()
                 rounds = []
                 with ThreadPoolExecutor(len(fleet.replicas)) as waker:

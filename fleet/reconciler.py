@@ -7,17 +7,15 @@ front):
 - **watch**: the pointer ``<store>/<run>/<format>/CURRENT`` is read every ``poll_s`` (<= 1 s)
   and at once on :meth:`Reconciler.wake`.
 - **reconcile**: a newer pointer is staged while the engine keeps serving (copied and
-  checksum-verified, :mod:`weight_sync.stage`), then committed: ``/pause_generation {"mode":
-  "in_place"}`` -> ``/update_weights_from_disk {model_path, weight_version}`` ->
-  ``/continue_generation``. The active version changes only after the engine reports it.
-  (``activation="swap"`` skips the pause for engines that load the new weights fully while
-  serving and swap them between two steps themselves -- the local CPU engine; never for
-  SGLang, whose update must run paused. ``"auto"``, the default, asks the engine's
-  ``/server_info``: ``"weight_update": "swap_between_steps"`` means swap, anything else --
-  upstream SGLang says nothing of the kind -- means pause.) Pending versions coalesce: the
-  newest pointer is the only target, and a staging that a newer pointer overtakes is abandoned.
-  A failure (checksum, engine refusal) keeps the old version serving, is reported (``error`` in
-  status, heartbeat and metrics), and is retried with exponential backoff; a newer pointer is tried at once.
+  checksum-verified, :mod:`weight_sync.stage`), then activated by :func:`fleet.activation.activate`
+  (the one protocol, SGLang's and the local engine's: ``/pause_generation {"mode": "retract"}`` ->
+  ``/update_weights_from_disk`` with the format's request, cache flush included ->
+  ``/continue_generation``; an update whose flush alone was refused is completed while paused by
+  ``/flush_cache`` and ``/update_weight_version``). The active version changes only once the
+  engine's ``/model_info`` names it. Pending versions coalesce: the newest pointer is the only
+  target, and a staging that a newer pointer overtakes is abandoned. A failure (checksum, engine
+  refusal) keeps the old version serving, is reported (``error`` in status, heartbeat and
+  metrics), and is retried with exponential backoff; a newer pointer is tried at once.
   *Ready* means: the engine has served the pointer's version at least once since start (a new
   replica joins at the current version).
 - **engine**: health, load figures from the engine's ``sglang:*`` metrics, version drift (an
@@ -45,8 +43,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from fleet.activation import ActivationFailed, activate
 from fleet.metric_defs import MetricDef
-from fleet.sglang_client import EngineError, EngineRejected, SGLangClient
+from fleet.sglang_client import EngineError, SGLangClient
 from fleet.weights_client import RouterClient, RouterError
 from weight_sync.manifest import ChecksumError
 from weight_sync.stage import STAGE_MODES, StageAborted, StagedVersion, clean_staging, stage_version
@@ -54,9 +53,6 @@ from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
 
 log = logging.getLogger("mixfleet.sidecar")
-
-ACTIVATIONS = ("auto", "pause", "swap")
-SWAP_CAPABILITY = "swap_between_steps"  # the engine's /server_info "weight_update"
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,6 @@ class ReconcileSettings:
     advertise_url: str
     staging_dir: Path
     stage_mode: str = "copy"
-    activation: str = "auto"
     stage_rate_bytes_per_s: float | None = None
     poll_s: float = 0.5
     heartbeat_s: float = 1.0
@@ -87,8 +82,6 @@ class ReconcileSettings:
             raise ValueError(f"poll_s must be in (0, 1], got {self.poll_s}")
         if self.stage_mode not in STAGE_MODES:
             raise ValueError(f"stage_mode must be one of {STAGE_MODES}, got {self.stage_mode!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
 
 @dataclass(frozen=True)
@@ -161,7 +154,7 @@ REPLICA_METRICS: tuple[MetricDef, ...] = (
         "histogram",
         _R,
         "seconds",
-        "Commit time of an activation: pause sent (or swap requested) until the engine serves it",
+        "Commit time of an activation: pause sent until the engine serves it",
         STAGE_BUCKETS,
     ),
     MetricDef(
@@ -383,42 +376,22 @@ class Reconciler:
         return staged
 
     async def _activate(self, target: int, staged: StagedVersion, seen_at: float) -> None:
+        """Activate ``target`` by :func:`fleet.activation.activate` (retract -> update with flush ->
+        continue); the active version moves only once the engine's ``/model_info`` names it."""
         assert self.engine is not None
         s = self.state
         async with self._activation_lock:
             self._epoch += 1
-            t0 = time.perf_counter()
-            update_s = 0.0
-            refused: str | None = None
-            engine_message = ""
-            pause = await self._pauses()
-            if pause:
-                try:
-                    await self.engine.pause_generation("in_place")
-                except EngineError as exc:
-                    self._fail(target, f"engine did not pause for version {target}: {exc.message}")
-                    return
             try:
-                t_u = time.perf_counter()
-                engine_message = await self.engine.update_weights_from_disk(
-                    str(staged.path), target, timeout=self.config.engine_timeout_s
+                times = await activate(
+                    self.engine,
+                    str(staged.path),
+                    target,
+                    self.config.weight_format,
+                    timeout_s=self.config.engine_timeout_s,
                 )
-                update_s = time.perf_counter() - t_u
-            except EngineRejected as exc:
-                refused = exc.message
-            except EngineError as exc:
-                refused = f"engine unreachable during update: {exc.message}"
-            finally:
-                if pause:
-                    await self._continue_engine()
-            # In swap mode the engine never stops: it swaps between two steps by itself.
-            pause_s = time.perf_counter() - t0 if pause else 0.0
-            if refused is not None:
-                self._fail(target, f"engine refused version {target}: {refused}")
-                return
-            served = await self._engine_version()
-            if served != target:
-                self._fail(target, f"engine reports version {served} after updating to {target}")
+            except ActivationFailed as exc:
+                self._fail(target, exc.message)
                 return
             s.active_version = target
             s.error = None
@@ -429,8 +402,8 @@ class Reconciler:
                 at=time.time(),
                 seen_at=seen_at,
                 stage_s=staged.seconds,
-                pause_s=pause_s,
-                update_s=update_s,
+                pause_s=times.pause_s,
+                update_s=times.update_s,
                 total_s=time.time() - seen_at,
                 bytes=staged.bytes,
             )
@@ -438,7 +411,7 @@ class Reconciler:
             self.metrics.active.set(target)
             self.metrics.error.set(0)
             self.metrics.activations.inc()
-            self.metrics.activation_s.observe(pause_s)
+            self.metrics.activation_s.observe(times.pause_s)
             if s.desired_version == target:
                 self._set_ready(True)
         log.info(
@@ -446,41 +419,15 @@ class Reconciler:
             self.config.replica_id,
             target,
             staged.seconds,
-            pause_s,
-            update_s,
-            engine_message[:200],
+            times.pause_s,
+            times.update_s,
+            times.message[:200],
         )
         if staged.copied:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(clean_staging, self.config.staging_dir, {target})
         self._stage_cache = None
         await self._heartbeat()
-
-    async def _pauses(self) -> bool:
-        """Whether this activation brackets the update with pause/continue (see ``activation``).
-
-        ``auto`` asks the engine every time (it may have been replaced by another kind); an
-        engine that cannot be asked is paused, the protocol that is safe for every engine.
-        """
-        if self.config.activation != "auto":
-            return self.config.activation == "pause"
-        assert self.engine is not None
-        try:
-            info = await self.engine.server_info(timeout=10.0)
-        except EngineError:
-            return True
-        return info.get("weight_update") != SWAP_CAPABILITY
-
-    async def _continue_engine(self) -> None:
-        """Resume generation; retried, since a paused engine serves nobody."""
-        assert self.engine is not None
-        for attempt in range(20):
-            try:
-                await self.engine.continue_generation()
-                return
-            except EngineError as exc:
-                log.warning("continue_generation failed (attempt %d): %s", attempt + 1, exc)
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
 
     def _fail(self, version: int | None, message: str) -> None:
         s = self.state

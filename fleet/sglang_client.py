@@ -3,8 +3,9 @@ local CPU engine and the replica sidecars all speak, over one shared ``aiohttp``
 
 Calls: :meth:`SGLangClient.generate` (the one engine request of a turn), the SGLang-native
 passthrough (:meth:`~SGLangClient.post_generate`, :meth:`~SGLangClient.stream_generate`),
-fixed-prefix scoring (:meth:`~SGLangClient.score`), the weight-update protocol (pause, update
-from disk, continue), cache flush, server and model info, health, metrics and the served weight
+fixed-prefix scoring (:meth:`~SGLangClient.score`), the weight-update calls (pause, update
+from disk, continue, cache flush, set the weight version; :mod:`fleet.activation` is the protocol
+that uses them), server and model info, health, metrics and the served weight
 version. The pool (:func:`make_http_client`) is created inside the running event loop and shared
 by every client of one process.
 
@@ -49,6 +50,7 @@ __all__ = [
     "Generation",
     "RawResponse",
     "SGLangClient",
+    "WeightsNotFlushed",
     "error_message",
     "make_http_client",
     "reported_version",
@@ -85,6 +87,12 @@ class EngineRejected(EngineError):
         super().__init__(url, message)
         self.status = status
         self.retryable = status in RETRYABLE_STATUSES
+
+
+class WeightsNotFlushed(EngineRejected):
+    """An update the engine answered ``success: false`` only because its cache flush was refused
+    (:data:`fleet.sglang_release.UPDATE_NOT_FLUSHED_PREFIX`): the new weights ARE served and the
+    scheduler stamps the new version, but ``/model_info`` still names the old one."""
 
 
 @dataclass(frozen=True)
@@ -359,29 +367,49 @@ class SGLangClient:
 
     # weights and control ------------------------------------------------------------------------
     async def pause_generation(self, mode: str = release.PAUSE_MODE, *, timeout: float = 60.0) -> None:
-        """``POST /pause_generation``: ``in_place`` holds running requests where they are."""
+        """``POST /pause_generation``: ``retract`` (the fleet's, :data:`fleet.sglang_release.PAUSE_MODE`)
+        moves running requests back to the waiting queue, to be recomputed on continue; ``in_place``
+        holds them with their KV cache; ``abort`` aborts them."""
         await self._call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
 
     async def continue_generation(self, *, timeout: float = 60.0) -> None:
         """``POST /continue_generation`` (a no-op on an engine that is not paused)."""
         await self._call("POST", "/continue_generation", {}, timeout=timeout)
 
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: int, *, timeout: float | None = None
-    ) -> str:
-        """``POST /update_weights_from_disk``; returns the engine's message once it took the
-        weights. Raises :class:`EngineRejected` when it refused them (a 4xx or ``success:
-        false``; the old version keeps serving)."""
+    async def update_weights_from_disk(self, request: dict[str, Any], *, timeout: float | None = None) -> str:
+        """``POST /update_weights_from_disk`` of ``request`` (built by
+        :func:`fleet.sglang_release.update_weights_request`); the engine's message once it took the
+        weights and flushed its cache. Raises :class:`WeightsNotFlushed` when the engine swapped the
+        weights but refused the flush (SGLang answers 400 ``success: false``; its ``/model_info``
+        keeps the old version), else :class:`EngineRejected` for a refusal (the old weights keep
+        serving) and as :meth:`_call`."""
         url = self.base_url + "/update_weights_from_disk"
-        payload = {"model_path": model_path, "weight_version": str(weight_version)}
-        data = await self._call("POST", "/update_weights_from_disk", payload, timeout=timeout)
+        try:
+            data = await self._call("POST", "/update_weights_from_disk", request, timeout=timeout)
+        except EngineRejected as exc:
+            if release.UPDATE_NOT_FLUSHED_PREFIX in exc.message:
+                raise WeightsNotFlushed(url, exc.status, exc.message) from None
+            raise
         body = data if isinstance(data, dict) else {}
-        if body.get("success") is False:
+        if body.get("success") is False:  # an engine that answers a refusal with 200
             raise EngineRejected(url, 200, str(body.get("message") or body.get("error") or "success: false"))
         return str(body.get("message") or "")
 
+    async def update_weight_version(self, version: int, *, timeout: float = 60.0) -> None:
+        """``POST /update_weight_version {new_version, abort_all_requests: false}``: the version the
+        engine reports (``/model_info``) and stamps on new tokens, weights untouched
+        (entrypoints/http_server.py 1527-1556; managers/io_struct.py 2155-2160, whose
+        ``abort_all_requests`` defaults to true)."""
+        url = self.base_url + "/update_weight_version"
+        payload = {"new_version": str(version), "abort_all_requests": False}
+        data = await self._call("POST", "/update_weight_version", payload, timeout=timeout)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineRejected(url, 200, str(data.get("message") or "success: false"))
+
     async def flush_cache(self, *, timeout: float = 60.0) -> None:
-        """``POST /flush_cache``: drop the engine's prefix cache."""
+        """``POST /flush_cache``: drop the engine's prefix cache. Raises :class:`EngineRejected`
+        (400) when the engine refuses: requests are running (or waiting, unless it is paused in
+        ``retract`` or ``in_place`` mode; managers/scheduler.py 5518-5548)."""
         url = self.base_url + "/flush_cache"
         _classify(url, await self.forward("POST", "/flush_cache", timeout=timeout))
 

@@ -59,10 +59,35 @@ TOP_K_ALL = 1 << 30
 SAMPLING_LOGPROBS_MODES = ("selected", "support")
 SAMPLING_LOGPROBS_MODE = "support"  # what the engine client asks for
 
-# managers/io_struct.py PauseGenerationReqInput.mode: Literal["abort", "retract", "in_place"] =
-# "abort"; the fleet always sends in_place (requests keep their KV cache and resume).
+# managers/io_struct.py 1927-1945 PauseGenerationReqInput.mode: Literal["abort", "retract",
+# "in_place"] = "abort". The fleet activates with "retract" (fleet.activation): running requests go
+# back to the waiting queue with their KV freed (managers/scheduler.py 5817-5932) and are
+# re-prefilled, prompt and output so far, under the new weights on continue; so the running batch
+# is empty and the flush that update_weights_from_disk runs by default succeeds while paused
+# (scheduler.py 5518-5548: is_fully_idle(ignore_waiting=self._engine_paused)). "in_place" keeps the
+# running batch, so that flush is refused under load (the io_struct docstring says so).
 PAUSE_MODES = ("abort", "retract", "in_place")
-PAUSE_MODE = "in_place"
+PAUSE_MODE = "retract"
+
+# managers/scheduler_components/weight_updater.py 120-133 flush_cache_after_weight_update: the
+# message of an update refused only because its flush was (answered 400 by entrypoints/http_server.py
+# 1299-1325). The weights WERE swapped and the scheduler recorded the new version (weight_updater.py
+# 138-160, scheduler.py 5636-5655), but the tokenizer manager keeps /model_info on the old version
+# (tokenizer_manager.py 2316-2322: only ``if success``). Several workers join their messages with
+# " | " (tokenizer_manager.py 2386-2394), so a client looks for it inside the message.
+UPDATE_NOT_FLUSHED_MESSAGE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
+UPDATE_NOT_FLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
+# entrypoints/http_server.py 1025-1041 /flush_cache: 200 with this text when flushed, else 400 with
+# the scheduler's message or "Flush cache failed.\n" (managers/scheduler_components/flush_wrapper.py
+# 22-36: an immediate refusal carries no message).
+FLUSH_OK_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+FLUSH_REFUSED_TEXT = "Flush cache failed.\n"
 
 # meta_info keys of a /generate answer (managers/tokenizer_manager.py 2507-2566; the spans from
 # utils/weight_versions.py 90-107 add_weight_versions_to_meta_info: [{"version": str, "start",
@@ -173,3 +198,56 @@ def sampling_request(
 # unfiltered turn's mu (which is output_token_logprobs) would be wrong whenever T != 1. Every engine
 # the fleet starts gets these values, whatever the environment it inherits.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+# --- /update_weights_from_disk per weight format ---------------------------------------------------
+# The fleet's weight formats and what an in-place reload of each needs (managers/io_struct.py
+# 1970-1993 UpdateWeightFromDiskReqInput; the scheduler hands model_path, load_format and
+# recapture_cuda_graph to model_executor/model_runner_components/weight_updater.py 174-260).
+#
+# - load_format is never sent: the tokenizer manager fills a missing one with the server's own
+#   (tokenizer_manager.py 2295-2296), the one the checkpoint was started with ("auto": safetensors
+#   with the checkpoint's quantization_config). The reload path accepts only a DefaultModelLoader
+#   (weight_updater.py 199-203); ModelOptModelLoader, which modelopt_fp4 gets (model_loader/
+#   loader.py 4201-4207), is one (loader.py 3644). "flash_rl" (QuantizedRLModelLoader, loader.py
+#   1165-1305) is not for these checkpoints: it loads a BF16 checkpoint and quantizes it online to
+#   FP8, and only for Qwen2/Qwen3 dense loaders that declare its contract (loader.py 1229-1240).
+# - recapture_cuda_graph (default false) re-captures the CUDA graphs after the load (weight_updater.py
+#   241-250). It is needed wherever the post-load processing may give a parameter new storage: a
+#   graph captured before keeps reading the old storage. ``copy_or_rebind_param`` (layers/utils/
+#   common.py 58-71) rebinds ``.data`` whenever the processed shape or dtype differs (padding,
+#   swizzled or requantized scales), and the reload re-runs that processing (loader.py 1028-1090
+#   load_weights_and_postprocess). bf16: the unquantized linear and MoE methods keep their
+#   parameters in place on CUDA (layers/quantization/unquant.py 568-570, 852-866: only the ROCm
+#   aiter shuffle and CPU AMX repack, through copy_or_rebind_param with equal shapes) -> no
+#   recapture. fp8 block (Fp8LinearMethod / Fp8MoEMethod process_weights_after_loading_block_quant,
+#   layers/quantization/fp8.py 743-944, 1877-2290: requantization to UE8M0 scales and new Parameters
+#   on some backends), nvfp4 (ModelOptFp4LinearMethod.process_weights_after_loading, modelopt_quant.py
+#   1886-2075: padded and shuffled weights, swizzled scales, rebinds when padded) and mxfp4
+#   (Mxfp4MoEMethod, mxfp4.py 635-1137: backend wrappers that "cannot restore", loader.py 1097-1098)
+#   -> recapture.
+# - No quantized method of these formats implements restore_weights_before_loading (the base is a
+#   no-op, layers/quantization/base_config.py 49-54; only unquant.py 1099 and compressed-tensors
+#   implement it; loader.py 1091-1101 calls it). A reload therefore writes checkpoint-layout tensors
+#   into the processed parameters: correct only while processing kept their shapes (an NVFP4 layer
+#   whose N or K needed padding fails the load: "Failed to update weights ... Rolling back",
+#   weight_updater.py 226-234, an answered refusal, old weights kept). Whether NVFP4 and MXFP4
+#   reload in place correctly on a given backend is what the GPU check verifies; it has not run.
+WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+RECAPTURE_CUDA_GRAPH = {"bf16": False, "fp8": True, "nvfp4": True, "mxfp4": True}
+
+
+def update_weights_request(model_path: str, version: int, weight_format: str) -> dict[str, Any]:
+    """The ``/update_weights_from_disk`` body that activates ``version`` (staged at ``model_path``)
+    on an SGLang server serving ``weight_format`` (see the notes above for each field).
+
+    ``flush_cache`` is sent explicitly true (SGLang's default): after a ``retract`` pause the flush
+    succeeds, and the radix cache then holds no prefix KV of the old version. ``abort_all_requests``
+    stays false: paused requests resume. Raises ValueError for an unknown format."""
+    if weight_format not in RECAPTURE_CUDA_GRAPH:
+        raise ValueError(f"unknown weight format {weight_format!r} (known: {', '.join(WEIGHT_FORMATS)})")
+    return {
+        "model_path": model_path,
+        "weight_version": str(version),
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "recapture_cuda_graph": RECAPTURE_CUDA_GRAPH[weight_format],
+    }

@@ -16,8 +16,9 @@ SGLang) and is the replica's only public port:
   own port need not be reachable). ``/v1/status`` is the JSON state.
 - **Reconcile** (:mod:`fleet.reconciler`): the store pointer is read every ``poll_s`` (<= 1 s)
   and on ``POST /v1/wake``; a newer version is staged (copied, checksums verified) while
-  serving, then activated (``/pause_generation`` in place -> ``/update_weights_from_disk`` ->
-  ``/continue_generation``); the active version changes only once the engine reports it;
+  serving, then activated (:func:`fleet.activation.activate`: ``/pause_generation`` retract ->
+  ``/update_weights_from_disk`` with a cache flush -> ``/continue_generation``); the active
+  version changes only once the engine reports it;
   pending versions coalesce into the newest; failures keep the old version, are reported and
   retried with backoff.
 - **Version constraints**: a ``/generate`` body field or header ``min_version`` /

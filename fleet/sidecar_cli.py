@@ -62,15 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy versions next to the engine (default) or verify and load them in place",
     )
     parser.add_argument(
-        "--activation",
-        choices=("auto", "pause", "swap"),
-        default="auto",
-        help="pause: /pause_generation in_place -> update -> continue (SGLang); swap: update "
-        "without pausing, for engines that load first and swap between steps (the local CPU engine); "
-        "auto (default): swap if the engine's /server_info says weight_update=swap_between_steps, "
-        "else pause",
-    )
-    parser.add_argument(
         "--stage-rate-mb",
         type=float,
         default=None,
@@ -133,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
         advertise_url=advertise,
         staging_dir=staging,
         stage_mode=args.stage_mode,
-        activation=args.activation,
         stage_rate_bytes_per_s=args.stage_rate_mb * 1e6 if args.stage_rate_mb else None,
         poll_s=args.poll_s,
         heartbeat_s=args.heartbeat_s,

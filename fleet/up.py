@@ -15,9 +15,8 @@ Before: nothing (a fresh machine is fine). What it does, in order:
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions (started by :mod:`fleet.launch`). Groups with
    static replicas are routed to as listed (their engines run elsewhere). The sidecars stage in
-   place (the store is on local disk) and activate by the sidecar's default, ``auto``: the local
-   engine loads a new version while serving and swaps it in between two decode steps, so it is
-   never paused.
+   place (the store is on local disk) and activate as on SGLang (:mod:`fleet.activation`:
+   retract, update with a cache flush, continue; the engine loads the new version while paused).
 4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
    ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
    reads when ``MIXFLEET_API_KEY`` is unset. The sidecars heartbeat with a key of scope

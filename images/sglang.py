@@ -106,16 +106,22 @@ QUANTIZATION_CHOICES = (
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 # --- HTTP protocol (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py) ---------
-# PauseGenerationReqInput.mode: PAUSE_MODES, default "abort"; the fleet always sends PAUSE_MODE
-# (in_place: requests stay in the event loop and resume with their KV cache).
-# UpdateWeightFromDiskReqInput: model_path is required; the fleet sends these four.
-UPDATE_WEIGHTS_FIELDS = ("model_path", "weight_version", "flush_cache", "abort_all_requests")
-UPDATE_WEIGHTS_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
+# PauseGenerationReqInput.mode: PAUSE_MODES, default "abort"; the fleet sends PAUSE_MODE ("retract":
+# running requests are recomputed under the new weights; fleet.activation says why).
+# UpdateWeightFromDiskReqInput (io_struct.py 1970-1993): model_path is required; the fleet sends the
+# five fields of fleet.sglang_release.update_weights_request -- model_path, weight_version,
+# flush_cache (true), abort_all_requests (false) and recapture_cuda_graph (true for the quantized
+# formats) -- and leaves load_format to the server's own. UPDATE_WEIGHTS_DEFAULTS are SGLang's
+# defaults of the optional ones.
+update_weights_request = _release.update_weights_request
+UPDATE_WEIGHTS_FIELDS = tuple(update_weights_request("/staged", 1, "bf16"))
+UPDATE_WEIGHTS_DEFAULTS = {"flush_cache": True, "abort_all_requests": False, "recapture_cuda_graph": False}
 # GenerateReqInput.sampling_logprobs_mode: SAMPLING_LOGPROBS_MODES ("support" returns the
 # support's log-probs with the mask); the meta_info keys the fleet reads: META_* (all from
 # fleet.sglang_release).
-# http_server.py routes: /pause_generation, /continue_generation, /update_weights_from_disk and
-# /model_info (which carries weight_version); the release has no /get_weight_version.
+# http_server.py routes: /pause_generation, /continue_generation, /update_weights_from_disk,
+# /flush_cache, /update_weight_version and /model_info (which carries weight_version); the release
+# has no /get_weight_version.
 ROUTE_PAUSE = "/pause_generation"
 ROUTE_CONTINUE = "/continue_generation"
 ROUTE_UPDATE_WEIGHTS = "/update_weights_from_disk"

@@ -43,6 +43,7 @@ class Engine:
     ) -> None:
         from fleet.engine.metrics import EngineMetrics
         from fleet.engine.protocol import ModelLimits
+        from fleet.engine.rwlock import RWLock
         from fleet.engine.scheduler import Scheduler
 
         self.model_path = model_path
@@ -58,7 +59,16 @@ class Engine:
         self.served_model_name = served_model_name or model_path
         self.metrics = EngineMetrics(self.served_model_name)
         self.started = time.time()
+        # Weight updates run one at a time; generate requests hold model_update_lock's reader side
+        # and an update sent while generation is not paused its writer side (SGLang's RWLock).
         self.update_lock = asyncio.Lock()
+        self.model_update_lock = RWLock()
+        # What /model_info reports: SGLang's tokenizer manager keeps it apart from the scheduler's
+        # version (stamped on tokens) and moves it only on a successful update or
+        # /update_weight_version (tokenizer_manager.py 2316-2322); /server_info reports the
+        # start-up one (utils/common.py 3584-3593, the resolved server args).
+        self.reported_version = weight_version
+        self.startup_version = weight_version
         self.scheduler = Scheduler(
             model,
             weight_version=weight_version,
@@ -100,6 +110,7 @@ class Engine:
 
     @property
     def weight_version(self) -> int:
+        """The version the scheduler stamps on the tokens it samples now."""
         return self.scheduler.weight_version
 
     def encode(self, text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """The engine's FastAPI app: SGLang's native routes over an :class:`~fleet.engine.engine.Engine`.
 
 Routes (SGLang names and shapes): ``/generate`` (single or batch, SSE streaming),
-``/update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``,
+``/update_weights_from_disk``, ``/update_weight_version``, ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/flush_cache``, ``/model_info`` (+ ``/get_model_info``), ``/server_info``
 (+ ``/get_server_info``), ``/get_weight_version``, ``/health``, ``/health_generate``, ``/metrics``.
 
@@ -25,11 +25,17 @@ with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
 the mask). Non-finite floats are sent as ``null``.
 
-Weight updates: ``/update_weights_from_disk`` loads and checks the new directory completely on a
-worker thread while generation goes on, then swaps it in between two decode steps (so callers
-need not pause for atomicity; pausing in place first is harmless). Versions are integers here
-(the fleet's versions); upstream SGLang spells span versions as strings — ``weight_version``
-is a string in both.
+Weight updates keep SGLang 0.5.23's contract (docs/sglang-contract.md has the table):
+``/update_weights_from_disk`` sent while generation is not paused waits for every request in
+flight (model-update lock; new requests wait for it); paused, it runs at once. It loads and checks
+the new directory on a worker thread, then, at one step boundary, swaps the weights, stamps the
+new version on every later token and -- ``flush_cache`` defaults to true -- flushes, which is
+refused while requests run (after an ``in_place`` pause under load; never after ``retract``).
+A refused flush answers 400 ``success: false`` with SGLang's message although the new weights
+serve, and ``/model_info`` keeps the old version (SGLang's tokenizer manager moves it only on
+success); ``/update_weight_version`` then sets it. Versions are integers here (the fleet's
+versions); upstream SGLang spells span versions as strings -- ``weight_version`` is a string in
+both.
 
 Kept apart from the CLI module (``fleet.engine.server``) so ``mixfleet --help`` does not import
 FastAPI.
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +55,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -61,10 +68,12 @@ from fleet.engine.protocol import (
     PauseGenerationReqInput,
     RequestError,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightVersionReqInput,
     parse_version,
 )
 from fleet.engine.sampler import finite_or_none
 from fleet.engine.scheduler import FinishEvent, PrefillEvent, TokenEvent
+from fleet.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
 
 log = logging.getLogger("mixfleet.engine")
 
@@ -209,6 +218,12 @@ def create_app(engine: Engine) -> FastAPI:
             raise RequestError(validation_message(exc)) from None
 
     async def run_one(spec: Any, request: Request, on_token: Any = None) -> dict[str, Any]:
+        """One request from submission to its answer, under the model-update lock's reader side
+        (tokenizer_manager.py 940-957): an unpaused weight update waits for it."""
+        async with engine.model_update_lock.reader():
+            return await run_locked(spec, on_token)
+
+    async def run_locked(spec: Any, on_token: Any) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         resp = _Response(engine, spec, time.monotonic())
@@ -300,42 +315,67 @@ def create_app(engine: Engine) -> FastAPI:
             for t in tasks:
                 t.cancel()
 
+    def update_refused(message: str) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         try:
             obj = await parse(request, UpdateWeightFromDiskReqInput)
             version = parse_version(obj.weight_version)
         except RequestError as exc:
-            return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+            return update_refused(str(exc))
+        if obj.load_format not in (None, "auto"):
+            return update_refused(
+                f"Failed to get model loader: load_format {obj.load_format!r} is not loadable."
+            )
+        if obj.abort_all_requests:  # tokenizer_manager.py 2298-2299: before the update
+            await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
         async with engine.update_lock:
-            loop = asyncio.get_running_loop()
-            t0 = time.monotonic()
-            try:
-                model = await loop.run_in_executor(LOADER, engine.load_replacement, obj.model_path)
-            except Exception as exc:  # any failure to load leaves the old version serving
-                log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
-                return JSONResponse(
-                    {
-                        "success": False,
-                        "message": f"Failed to update weights: {exc}",
-                        "num_paused_requests": 0,
-                    },
-                    status_code=400,
-                )
-            load_s = time.monotonic() - t0
-            if obj.abort_all_requests:
-                await asyncio.wrap_future(
-                    scheduler.abort(abort_all=True, message="Aborted by a weight update.")
-                )
-            new_version = engine.weight_version if version is None else version
-            await asyncio.wrap_future(scheduler.swap_model(model, new_version))
-            engine.model_path = str(Path(obj.model_path).resolve())
-            engine.config = model.config
-            engine.precision = getattr(model, "precision", engine.precision)
+            # tokenizer_manager.py 2301-2314: unpaused, the update waits for every request in flight.
+            paused = scheduler.paused is not None
+            async with contextlib.nullcontext() if paused else engine.model_update_lock.writer():
+                return await apply_update(obj, version)
+
+    async def apply_update(obj: UpdateWeightFromDiskReqInput, version: int | None) -> JSONResponse:
+        """Load, then swap + record the version + flush at one step boundary
+        (scheduler_components/weight_updater.py 138-160)."""
+        t0 = time.monotonic()
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(
+                LOADER, engine.load_replacement, obj.model_path
+            )
+        except Exception as exc:  # any failure to load leaves the old version serving
+            log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
+            return update_refused(f"Failed to update weights: {exc}")
+        load_s = time.monotonic() - t0
+        flushed = await asyncio.wrap_future(scheduler.update_weights(model, version, obj.flush_cache))
+        if not flushed:  # weights and scheduler version changed; /model_info keeps the old one
+            log.warning("update_weights_from_disk: %s", UPDATE_NOT_FLUSHED_MESSAGE)
+            return update_refused(UPDATE_NOT_FLUSHED_MESSAGE)
+        engine.model_path = str(Path(obj.model_path).resolve())
+        engine.config = model.config
+        engine.precision = getattr(model, "precision", engine.precision)
         message = f"Succeeded to update model weights (loaded in {load_s:.2f}s)."
         if version is not None:
+            engine.reported_version = version
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        try:
+            obj = await parse(request, UpdateWeightVersionReqInput)
+            version = parse_version(obj.new_version)
+        except RequestError as exc:
+            return JSONResponse({"success": False, "message": f"Failed to update weight version: {exc}"}, 400)
+        if obj.abort_all_requests:
+            await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
+        await asyncio.wrap_future(scheduler.update_weights(None, version, False))
+        engine.reported_version = version
+        return JSONResponse(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
+        )
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
@@ -361,13 +401,16 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(status_code=200)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        ok = await asyncio.wrap_future(scheduler.flush_cache())
-        return PlainTextResponse(
-            "Cache flushed.\nPlease check backend logs for more details. "
-            "(When there are running or waiting requests, the operation will not be performed.)\n",
-            status_code=200 if ok else 400,
-        )
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> Response:
+        """http_server.py 1025-1041; with ``timeout`` the flush waits that long for the scheduler
+        to become idle (scheduler_components/flush_wrapper.py 22-60)."""
+        deadline = time.monotonic() + timeout
+        while not (ok := await asyncio.wrap_future(scheduler.flush_cache())) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if ok:
+            return PlainTextResponse(FLUSH_OK_TEXT)
+        text = FLUSH_REFUSED_TEXT if timeout <= 0 else "Timed out waiting for idle state."
+        return PlainTextResponse(text, status_code=400)
 
     def model_info() -> dict[str, Any]:
         cfg = engine.config
@@ -376,7 +419,7 @@ def create_app(engine: Engine) -> FastAPI:
             "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(engine.weight_version),
+            "weight_version": str(engine.reported_version),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": "qwen3_moe",
@@ -395,14 +438,11 @@ def create_app(engine: Engine) -> FastAPI:
             "model_path": engine.model_path,
             "served_model_name": engine.served_model_name,
             "kv_cache_dtype": engine.kv_cache_dtype,
-            "weight_version": str(engine.weight_version),
+            "weight_version": str(engine.startup_version),
             "max_running_requests": scheduler.max_running,
             "chunked_prefill_size": scheduler.prefill_budget,
             "context_length": engine.config.max_position_embeddings,
             "torch_num_threads": _torch_threads(),
-            # /update_weights_from_disk loads while serving and swaps between two steps, so a
-            # sidecar need not pause around it (fleet.reconciler, activation "auto").
-            "weight_update": "swap_between_steps",
             "internal_states": [
                 {
                     **scheduler.load(),
@@ -424,7 +464,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
-        return {"weight_version": str(engine.weight_version)}
+        return {"weight_version": str(engine.reported_version)}
 
     @app.get("/health")
     async def health() -> Response:

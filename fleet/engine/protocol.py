@@ -298,7 +298,11 @@ def _spec(
 
 
 class UpdateWeightFromDiskReqInput(BaseModel):
-    """SGLang's ``/update_weights_from_disk`` body; ``weight_version`` must be an integer here."""
+    """SGLang's ``/update_weights_from_disk`` body (managers/io_struct.py 1970-1993, defaults
+    included: ``flush_cache`` true); ``weight_version`` must be an integer here. ``load_format``
+    may be missing or ``"auto"`` (the only format this engine loads); ``recapture_cuda_graph`` and
+    the other GPU fields are accepted and mean nothing on a CPU (SGLang recaptures only on CUDA,
+    model_runner_components/weight_updater.py 241-250)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -306,7 +310,19 @@ class UpdateWeightFromDiskReqInput(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: int | str | None = None
-    flush_cache: bool = False
+    flush_cache: bool = True
+    recapture_cuda_graph: bool = False
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReqInput(BaseModel):
+    """SGLang's ``/update_weight_version`` body (managers/io_struct.py 2155-2160): the version to
+    report and stamp, and whether to abort every request first (default true)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    new_version: int | str
+    abort_all_requests: bool = True
 
 
 class PauseGenerationReqInput(BaseModel):

@@ -17,10 +17,12 @@ request's ``sink`` (called on the scheduler thread; it must not block) as :class
 (input log-probs, once), :class:`TokenEvent` (one per output token, tagged with the weight
 version that produced it) and exactly one final :class:`FinishEvent`.
 
-Pause modes (SGLang's ``/pause_generation``): ``abort`` aborts every request; ``retract``
-moves running requests back to the waiting queue and drops their caches (their prompt and
-output so far are recomputed on continue); ``in_place`` freezes running requests with their
-caches. New requests queue while paused. ``continue`` resumes.
+Pause modes (SGLang's ``/pause_generation``, managers/scheduler.py 5817-5932): ``abort`` aborts
+every request; ``retract`` moves running requests back to the waiting queue and drops their caches
+(their prompt and output so far are recomputed on continue, under whatever weights are served
+then); ``in_place`` freezes running requests with their caches. New requests queue while paused.
+``continue`` resumes. A flush (:meth:`Scheduler.flush_cache`) is refused while requests run --
+so after an ``in_place`` pause under load, and never after a ``retract`` one.
 """
 
 from __future__ import annotations
@@ -188,12 +190,23 @@ class Scheduler:
     def resume(self) -> concurrent.futures.Future:
         return self._command("resume")
 
-    def swap_model(self, model: ModelLike, weight_version: int) -> concurrent.futures.Future:
-        """Serve ``model`` (fully loaded by the caller) from the next step on, stamped ``weight_version``."""
-        return self._command("swap", model=model, weight_version=weight_version)
+    def update_weights(
+        self, model: ModelLike | None, weight_version: int | None, flush: bool
+    ) -> concurrent.futures.Future:
+        """At one step boundary: serve ``model`` (fully loaded by the caller; None keeps the
+        current one), stamp ``weight_version`` on every token from the next step on (None keeps
+        it), then, if ``flush``, flush as :meth:`flush_cache` does. The future holds whether the
+        flush happened (True when none was asked), as SGLang's scheduler does it: weights and
+        version change even when the flush is refused (managers/scheduler_components/
+        weight_updater.py 138-160)."""
+        return self._command("update", model=model, weight_version=weight_version, flush=flush)
 
     def flush_cache(self) -> concurrent.futures.Future:
-        """SGLang semantics: succeeds (True) only when no request is running or waiting."""
+        """SGLang's ``Scheduler.flush_cache`` (managers/scheduler.py 5518-5548): succeeds (True)
+        only when no request is running and, unless generation is paused in ``retract`` or
+        ``in_place`` mode (``is_fully_idle(ignore_waiting=self._engine_paused)``; an ``abort``
+        pause never reaches SGLang's scheduler, tokenizer_manager.py 2267-2280), none is waiting.
+        This engine has no prefix cache, so a flush drops nothing; the refusal is the contract."""
         return self._command("flush")
 
     @property
@@ -300,15 +313,18 @@ class Scheduler:
     def _do_resume(self) -> None:
         self.paused = None
 
-    def _do_swap(self, model: ModelLike, weight_version: int) -> int:
+    def _do_update(self, model: ModelLike | None, weight_version: int | None, flush: bool) -> bool:
         old = self.weight_version
-        self.model = model
-        self.weight_version = weight_version
-        log.info("weights swapped at step %d: version %s -> %s", self.steps, old, weight_version)
-        return old
+        if model is not None:
+            self.model = model
+        if weight_version is not None:
+            self.weight_version = weight_version
+        log.info("weights updated at step %d: version %s -> %s", self.steps, old, self.weight_version)
+        return self._do_flush() if flush else True
 
     def _do_flush(self) -> bool:
-        return not (self._running or self._waiting)
+        engine_paused = self.paused in ("retract", "in_place")
+        return not self._running and (engine_paused or not self._waiting)
 
     def _publish_load(self) -> None:
         if self.metrics is None:

@@ -109,8 +109,14 @@ def test_preset_engine_args_are_release_flags(preset: str) -> None:
 
 
 def test_protocol_values_of_the_release() -> None:
-    assert sglang.PAUSE_MODE == "in_place" and sglang.PAUSE_MODE in sglang.PAUSE_MODES
-    assert sglang.UPDATE_WEIGHTS_FIELDS[0] == "model_path"
+    assert sglang.PAUSE_MODE == "retract" and sglang.PAUSE_MODE in sglang.PAUSE_MODES
+    assert sglang.UPDATE_WEIGHTS_FIELDS == (
+        "model_path",
+        "weight_version",
+        "flush_cache",
+        "abort_all_requests",
+        "recapture_cuda_graph",
+    )
     assert set(sglang.UPDATE_WEIGHTS_DEFAULTS) <= set(sglang.UPDATE_WEIGHTS_FIELDS)
     assert sglang.SAMPLING_LOGPROBS_MODES == ("selected", "support")
     assert sglang.MXFP4_ARCHITECTURES == ("GptOssForCausalLM",)

@@ -1,5 +1,8 @@
-"""Control routes on real engine processes: weight updates between decode steps (spans, the
-old version keeps serving on a bad update), pause modes, abort, client disconnects."""
+"""Control routes on real engine processes, row by row of docs/sglang-contract.md: weight updates
+(retract + update + continue, spans; the in_place update refused by its flush as SGLang refuses
+it; an unpaused update waits for requests in flight; the old version keeps serving on a bad
+update), /flush_cache and its refusals, /update_weight_version, pause modes, abort, client
+disconnects."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fleet.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
 from tests.engine.conftest import StreamReader, generate
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir
@@ -48,46 +52,177 @@ def wait_until(pred: Any, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_weight_update_between_decode_steps(tiny_dir: Path, other_dir: Path, client: httpx.Client) -> None:
+def _update(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response:
+    return client.post(url + "/update_weights_from_disk", json=body)
+
+
+def _model_version(client: httpx.Client, url: str) -> str:
+    return client.get(url + "/model_info").json()["weight_version"]
+
+
+def test_retract_update_continue_recomputes_under_the_new_weights(
+    tiny_dir: Path, other_dir: Path, client: httpx.Client
+) -> None:
+    """The fleet's activation: a request retracted mid-decode is re-prefilled under the new
+    weights; its spans cut where the pause held it, and each side is exactly what an engine on
+    that version computes (greedy: v1's continuation before the cut, v2's continuation of the
+    prefix after it). The update's default flush succeeds after a retract."""
+    long_greedy = {**GREEDY, "max_new_tokens": 200}
     with engine_process(tiny_dir, weight_version=1) as url:
-        score_v1 = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
-        body = {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 300}}
-        stream = StreamReader(url, body)
-        stream.wait_for(20)
-        before = len(stream.chunks[-1]["output_ids"])
-        r = client.post(
-            url + "/update_weights_from_disk", json={"model_path": str(other_dir), "weight_version": "2"}
+        ref_v1 = generate(client, url, input_ids=PROMPT, sampling_params=long_greedy, return_logprob=True)
+        stream = StreamReader(
+            url, {"input_ids": PROMPT, "sampling_params": long_greedy, "return_logprob": True}
         )
+        stream.wait_for(20)
+        assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+        time.sleep(0.1)
+        k = len(stream.chunks[-1]["output_ids"])
+        r = _update(client, url, {"model_path": str(other_dir), "weight_version": "2"})
         assert r.status_code == 200, r.text
         assert r.json()["success"] is True and "Weight version updated to 2" in r.json()["message"]
-        after = len(stream.chunks[-1]["output_ids"])
+        assert _model_version(client, url) == "2"
+        assert len(stream.chunks[-1]["output_ids"]) == k, "tokens arrived while paused"
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
         final = stream.result()
-        meta = final["meta_info"]
-        assert len(final["output_ids"]) == 300
-        spans = meta["weight_versions"]
-        assert len(spans) == 2, spans
-        k = spans[0]["end"]
-        assert spans == [{"version": 1, "start": 0, "end": k}, {"version": 2, "start": k, "end": 300}]
-        assert before <= k <= after + 1  # the swap landed while the request was decoding
-        assert meta["weight_version"] == "2"
-        # Every streamed snapshot agrees with the final spans.
-        for c in stream.chunks:
-            n = len(c["output_ids"])
-            if n > k:
-                assert c["meta_info"]["weight_versions"][-1] == {"version": 2, "start": k, "end": n}
-            else:
-                assert c["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": n}]
-        info = client.get(url + "/model_info").json()
-        assert info["weight_version"] == "2" and info["model_path"] == str(other_dir.resolve())
-        assert client.get(url + "/get_weight_version").json() == {"weight_version": "2"}
         swapped = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
-    # The swapped engine now computes exactly what a fresh engine on the new checkpoint computes.
+    out, meta = final["output_ids"], final["meta_info"]
+    assert meta["weight_versions"] == [
+        {"version": 1, "start": 0, "end": k},
+        {"version": 2, "start": k, "end": 200},
+    ]
+    assert meta["weight_version"] == "2"
+    lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    assert out[:k] == ref_v1["output_ids"][:k]
+    assert lps[:k] == [lp for lp, _, _ in ref_v1["meta_info"]["output_token_logprobs"][:k]]
+    # The engine started on the new checkpoint computes what the swapped one computes.
     with engine_process(other_dir, weight_version=2) as fresh_url:
+        tail = generate(
+            client,
+            fresh_url,
+            input_ids=PROMPT + out[:k],
+            sampling_params={**GREEDY, "max_new_tokens": 200 - k},
+            return_logprob=True,
+        )
         fresh = generate(client, fresh_url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    assert out[k:] == tail["output_ids"]
+    assert lps[k:] == pytest.approx([lp for lp, _, _ in tail["meta_info"]["output_token_logprobs"]], abs=1e-4)
     assert swapped["output_ids"] == fresh["output_ids"]
     assert swapped["meta_info"]["output_token_logprobs"] == fresh["meta_info"]["output_token_logprobs"]
-    assert swapped["meta_info"]["output_token_logprobs"] != score_v1["meta_info"]["output_token_logprobs"]
+    assert swapped["meta_info"]["output_token_logprobs"] != ref_v1["meta_info"]["output_token_logprobs"][:16]
     assert swapped["meta_info"]["weight_versions"] == [{"version": 2, "start": 0, "end": 16}]
+
+
+def test_old_protocol_in_place_update_under_load_is_refused_as_sglang_refuses(
+    v1_engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """SGLang 0.5.23: after an in_place pause the running batch stays, so the update's default
+    flush is refused: 400 ``success: false`` with weight_updater.py's message, after the weights
+    were swapped and the scheduler stamps the new version (tokens after the pause carry it), while
+    /model_info keeps the old one; /flush_cache is refused too (400). /update_weight_version then
+    moves /model_info."""
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
+    stream.wait_for(10)
+    assert client.post(url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    time.sleep(0.1)
+    k = len(stream.chunks[-1]["output_ids"])
+    try:
+        r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "7"})  # the old request
+        assert r.status_code == 400, r.text
+        assert r.json() == {"success": False, "message": UPDATE_NOT_FLUSHED_MESSAGE, "num_paused_requests": 0}
+        assert _model_version(client, url) == "1"
+        flush = client.post(url + "/flush_cache")
+        assert flush.status_code == 400 and flush.text == FLUSH_REFUSED_TEXT
+    finally:
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
+    final = stream.result()
+    assert final["meta_info"]["weight_versions"] == [
+        {"version": 1, "start": 0, "end": k},
+        {"version": 7, "start": k, "end": 300},
+    ]
+    assert _model_version(client, url) == "1"
+    r = client.post(url + "/update_weight_version", json={"new_version": "1", "abort_all_requests": False})
+    assert r.status_code == 200 and r.json()["success"] is True
+    out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 16}]
+    assert _model_version(client, url) == "1"
+
+
+def test_update_without_pause_waits_for_requests_in_flight(
+    v1_engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """SGLang takes its model-update lock's writer side for an unpaused update: requests in flight
+    finish under the old weights first (one span), then the update runs, and its flush succeeds."""
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
+    stream.wait_for(10)
+    assert len(stream.chunks[-1]["output_ids"]) < 300  # in flight when the update is sent
+    r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "2"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    final = stream.result()  # a swap under it would have cut its spans
+    assert final["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 300}]
+    assert _model_version(client, url) == "2"
+    r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "1"})
+    assert r.status_code == 200 and _model_version(client, url) == "1"
+
+
+def test_update_with_abort_all_requests_aborts_first(
+    v1_engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """tokenizer_manager.py 2298-2299: ``abort_all_requests`` aborts every request before the
+    update (which then need not wait for them)."""
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 1500}})
+    stream.wait_for(5)
+    body = {"model_path": str(tiny_dir), "weight_version": "1", "abort_all_requests": True}
+    r = _update(client, url, body)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    final = stream.result()
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(final["output_ids"]) < 1500
+
+
+def test_flush_cache_refused_while_requests_run_or_wait_unpaused(
+    v1_engine: str, client: httpx.Client
+) -> None:
+    """http_server.py /flush_cache: 200 with SGLang's text when idle; 400 "Flush cache failed."
+    while a request runs; while paused in retract mode waiting requests are ignored (200); with
+    ``timeout`` the flush waits for idle."""
+    url = v1_engine
+    ok = client.post(url + "/flush_cache")
+    assert ok.status_code == 200 and ok.text == FLUSH_OK_TEXT
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 200}})
+    stream.wait_for(5)
+    refused = client.post(url + "/flush_cache")
+    assert refused.status_code == 400 and refused.text == FLUSH_REFUSED_TEXT
+    assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert load(client, url)["num_queue_reqs"] == 1
+    assert client.post(url + "/flush_cache").status_code == 200
+    assert client.post(url + "/continue_generation", json={}).status_code == 200
+    waited = client.post(url + "/flush_cache", params={"timeout": 120})
+    assert waited.status_code == 200
+    assert len(stream.result()["output_ids"]) == 200
+
+
+def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
+    v1_engine: str, client: httpx.Client
+) -> None:
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
+    stream.wait_for(5)
+    r = client.post(url + "/update_weight_version", json={"new_version": "3"})
+    assert r.status_code == 200 and r.json() == {
+        "success": True,
+        "message": "Weight version updated to 3",
+        "new_version": "3",
+    }
+    assert stream.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert _model_version(client, url) == "3"
+    out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_versions"] == [{"version": 3, "start": 0, "end": 16}]
+    bad = client.post(url + "/update_weight_version", json={"new_version": "v4"})
+    assert bad.status_code == 400 and bad.json()["success"] is False
+    client.post(url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
 
 
 def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:

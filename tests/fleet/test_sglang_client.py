@@ -13,13 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from fleet.reconciler import parse_prometheus
 from fleet.sglang_client import (
     EngineAborted,
     EngineRejected,
     EngineUnavailable,
     SGLangClient,
+    WeightsNotFlushed,
     make_http_client,
 )
+from fleet.sglang_release import update_weights_request
 from tests.engine.test_generate import _hf_logprobs
 from tests.support.engines import engine_process
 from tests.support.procs import free_port
@@ -196,18 +199,55 @@ def test_score_matches_transformers_and_shares_the_prefix(engine: str, tiny_dir:
 def test_pause_update_continue_and_a_refused_update(engine: str, tiny_dir: Path) -> None:
     async def main(c: SGLangClient) -> None:
         assert await c.weight_version() == 3
-        await c.pause_generation("in_place")
-        message = await c.update_weights_from_disk(str(tiny_dir), 4)
+        await c.pause_generation()  # the fleet's mode: retract
+        message = await c.update_weights_from_disk(update_weights_request(str(tiny_dir), 4, "bf16"))
         await c.continue_generation()
-        assert isinstance(message, str)
+        assert "Weight version updated to 4" in message
         assert await c.weight_version() == 4
-        assert (await c.server_info())["weight_version"] == "4"
+        assert (await c.server_info())["weight_version"] == "3"  # SGLang: the start-up value
         with pytest.raises(EngineRejected) as refused:
-            await c.update_weights_from_disk(str(tiny_dir / "missing"), 5)
+            await c.update_weights_from_disk(update_weights_request(str(tiny_dir / "missing"), 5, "bf16"))
         assert refused.value.status == 400 and not refused.value.retryable
+        assert not isinstance(refused.value, WeightsNotFlushed)
         assert await c.weight_version() == 4  # the old version keeps serving
         out = await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
         assert out.body["meta_info"]["weight_version"] == "4"
+
+    run(engine, main)
+
+
+def test_an_update_whose_flush_is_refused_then_flush_and_version(engine: str, tiny_dir: Path) -> None:
+    """Under an in-place pause with a request running, the update swaps the weights but its flush
+    is refused: the client raises WeightsNotFlushed, /flush_cache is refused too; after a retract
+    the flush succeeds and /update_weight_version makes /model_info name the version served."""
+
+    async def main(c: SGLangClient) -> None:
+        before = await c.weight_version()
+        body = json.dumps(
+            {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        ).encode()
+        tokens = parse_prometheus(await c.metrics()).get("sglang:generation_tokens_total", 0.0)
+        running = asyncio.create_task(c.post_generate(body))
+        while parse_prometheus(await c.metrics()).get("sglang:generation_tokens_total", 0.0) < tokens + 5:
+            await asyncio.sleep(0.01)
+        await c.pause_generation("in_place")
+        try:
+            with pytest.raises(WeightsNotFlushed) as not_flushed:
+                await c.update_weights_from_disk(update_weights_request(str(tiny_dir), before + 1, "bf16"))
+            assert not_flushed.value.status == 400
+            assert await c.weight_version() == before
+            with pytest.raises(EngineRejected) as flush_refused:
+                await c.flush_cache()
+            assert flush_refused.value.status == 400 and "Flush cache failed" in flush_refused.value.message
+            await c.pause_generation("retract")
+            await c.flush_cache()
+            await c.update_weight_version(before + 1)
+            assert await c.weight_version() == before + 1
+        finally:
+            await c.continue_generation()
+        answer = json.loads((await running).content)
+        spans = answer["meta_info"]["weight_versions"]
+        assert [s["version"] for s in spans] == [before, before + 1], spans
 
     run(engine, main)
 

@@ -33,7 +33,6 @@ from weight_sync.types import VersionRef
 
 RUN = "run"
 MAX_LAG = 1
-PAUSED_GROUP = LOCAL_GROUPS[0][0]  # its sidecar runs --activation pause; the others auto
 HELLO = [72, 101, 108, 108, 111]  # greedy decoding of tiny from here runs >1500 tokens without EOS
 N = 300
 
@@ -116,16 +115,9 @@ def live(tmp_path_factory, tiny_base):
             extra_args=("--max-version-lag", str(MAX_LAG), "--heartbeat-timeout", "5"),
         ) as router:
             env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url}
-            # One group activates by SGLang's pause protocol, the others as the sidecar's default
-            # ("auto") picks for the local engine: swap between two steps.
-            with local_fleet(
-                work,
-                tiny_base,
-                run_id=RUN,
-                router_url=router.url,
-                env=env,
-                group_sidecar_flags={PAUSED_GROUP: ("--activation", "pause")},
-            ) as fleet:
+            # Every sidecar activates by SGLang's protocol (fleet.activation): retract, update with
+            # a cache flush, continue.
+            with local_fleet(work, tiny_base, run_id=RUN, router_url=router.url, env=env) as fleet:
                 live = Live(router, fleet, env)
                 live.wait_router(
                     lambda s: all(g["ready_replicas"] == 1 and g["active_version"] == 1 for g in s["groups"]),
@@ -268,8 +260,9 @@ def test_turn_across_an_activation_has_two_spans(live: Live, tiny_base: Path) ->
         assert time.monotonic() < deadline and t.is_alive(), "the turn never got going"
         time.sleep(0.05)
     # Hold the turn mid-generation (the engine's own pause, in place) so that it cannot finish
-    # before the activation, however fast the engine: the sidecar's update swaps the weights
-    # while the engine is paused, and the turn resumes on v2.
+    # before the activation, however fast the engine: the sidecar's retract takes it out of the
+    # running batch, the update swaps the weights while the engine is paused, and the turn is
+    # recomputed and resumes on v2.
     pause = httpx.post(bf16.engine_url + "/pause_generation", json={"mode": "in_place"}, timeout=10)
     pause.raise_for_status()
     try:
@@ -337,15 +330,121 @@ def test_inflight_requests_complete_during_activation(live: Live, tiny_seed2: Pa
         _spans_ok(meta["weight_versions"], new_tokens)
         crossed[group] = crossed.get(group, 0) + (len(meta["weight_versions"]) > 1)
     fleet.wait_active(v)
-    # Both activation protocols ran: SGLang's pause -> update -> continue where pinned, and the
-    # default ("auto") found the local engine's swap_between_steps and did not pause.
+    # Every replica ran the one protocol: retract -> update (flush) -> continue.
     for r in fleet.replicas:
         act = fleet.status(r)["last_activation"]
         assert act["version"] == v, act
-        assert (act["pause_s"] > 0) == (r.group == PAUSED_GROUP), (r.group, act)
+        assert act["pause_s"] > 0 and act["update_s"] > 0, (r.group, act)
     # The swap happened mid-request somewhere: how far each group's requests got before its own
     # sidecar activated is a race (a group whose requests all finished first proves nothing).
     assert sum(crossed.values()) >= 1, crossed
+
+
+def _greedy(url: str, ids: list[int], n: int) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _turn_loop(live: Live, group: str, n: int, stop: threading.Event, out: list, errors: list) -> None:
+    """Long greedy turns of one session of ``group``, one after another, until ``stop``."""
+    try:
+        sid = live.post("/v1/sessions", {"group": group})["session_id"]
+        while not stop.is_set():
+            params = {"temperature": 0.0, "max_new_tokens": n}
+            out.append(
+                (
+                    group,
+                    live.post(f"/v1/sessions/{sid}/turns", {"input_ids": HELLO, "sampling_params": params}),
+                )
+            )
+    except BaseException as exc:  # surfaced by the test
+        errors.append(exc)
+
+
+def _check_turn_exact(turn: dict, old: int, new: int, ref_old: dict, new_url: str, lps: bool) -> bool:
+    """Every token of ``turn`` is what its span's version computes: the old version's greedy
+    continuation of HELLO before the cut, the new version's continuation of the prefix after it;
+    with ``lps``, the raw log-probs too (the engines of the quantized groups are not
+    batch-invariant: the same token scores up to ~0.05 apart alone and in a busy batch, so their
+    log-probs are not compared). Returns whether the turn crossed the activation."""
+    out, spans, n = turn["output_ids"], turn["weight_versions"], len(turn["output_ids"])
+    _spans_ok(spans, n)
+    assert [s["version"] for s in spans] in ([old], [new], [old, new]), spans
+    k = spans[0]["end"] if spans[0]["version"] == old else 0
+    assert [rec["weight_version"] for rec in turn["records"]] == [old] * k + [new] * (n - k)
+    raw = [rec["raw_logprob"] for rec in turn["records"]]
+    assert out[:k] == ref_old["output_ids"][:k], spans
+    if lps:
+        assert raw[:k] == pytest.approx(_logprobs(ref_old)[:k], abs=1e-3)
+    if k < n:
+        tail = _greedy(new_url, HELLO + out[:k], n - k)  # prefill of the prefix, then decode
+        assert out[k:] == tail["output_ids"][: n - k], spans  # a turn may end early at EOS
+        if lps:
+            assert raw[k:] == pytest.approx(_logprobs(tail)[: n - k], abs=1e-3)
+    return 0 < k < n
+
+
+def _logprobs(answer: dict) -> list[float]:
+    return [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.timeout(300)
+def test_publish_under_sustained_load_activates_everywhere_with_exact_spans(
+    live: Live, tiny_base: Path, tiny_seed2: Path
+) -> None:
+    """SGLang's activation under continuous long turns on every group: the publish activates on
+    every replica, every turn completes, and each turn that crossed the activation has exact
+    spans (every token is what the version its span names computes)."""
+    fleet = live.fleet
+    lengths = (120, 157)  # loops of one group out of step: one is in flight whenever the pause lands
+    old = fleet.latest() + 1
+    _precommit(fleet, old, tiny_base)
+    _advance(live, old)
+    fleet.wait_active(old)
+    new = old + 1
+    _precommit(fleet, new, tiny_seed2)
+    refs = {r.group: _greedy(r.engine_url, HELLO, max(lengths)) for r in fleet.replicas}
+    stop, turns, errors = threading.Event(), [], []
+    threads = [
+        threading.Thread(target=_turn_loop, args=(live, r.group, n, stop, turns, errors))
+        for r in fleet.replicas
+        for n in lengths
+    ]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while {g for g, _ in turns} != {r.group for r in fleet.replicas}:  # every group busy
+            assert not errors and time.monotonic() < deadline, (errors, len(turns))
+            time.sleep(0.05)
+        _advance(live, new)
+        fleet.wait_active(new, timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=240)
+    assert not errors, errors
+    crossed: dict[str, int] = {}
+    for group, turn in turns:
+        finish = turn["finish_reason"]
+        assert (finish["type"] if isinstance(finish, dict) else finish) in ("length", "stop"), finish
+        url = fleet.replica(group).engine_url
+        try:
+            exact = _check_turn_exact(turn, old, new, refs[group], url, lps=group == "cpu-bf16")
+            crossed[group] = crossed.get(group, 0) + exact
+        except AssertionError as exc:
+            raise AssertionError(f"{group}: {exc}") from None
+    seen = [(g, len(t["output_ids"]), [sp["version"] for sp in t["weight_versions"]]) for g, t in turns]
+    assert all(crossed.get(r.group) for r in fleet.replicas), (crossed, seen)
+    for r in fleet.replicas:
+        act = fleet.status(r)["last_activation"]
+        assert act["version"] == new and act["pause_s"] > 0, act
 
 
 @pytest.mark.timeout(120)
