@@ -689,7 +689,7 @@ def versions() -> JSON:
     lay.add(
         timeseries(
             "Activation time",
-            "From the engine's pause (or swap) to serving the new version.\n\n"
+            "From the engine's pause to serving the new version.\n\n"
             f"Metric: `{M['r_activation_s']}`",
             [
                 target(quantile(0.5, M["r_activation_s"], GROUP), "{{group}} p50"),
