@@ -36,6 +36,8 @@ the real behaviour of a static-scale W4A4 group.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from numba import njit
@@ -47,30 +49,41 @@ E4M3_MAX = 448.0
 _NJIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
+_NO_SCALES = np.empty((0, 0), dtype=np.uint8)
+
+
 def global_scale(input_scale: float) -> np.float32:
     """``float32(1 / input_scale)``: SGLang's ``input_scale_inv`` (``ValueError`` unless positive, finite)."""
+    return _scales(float(input_scale))[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _scales(input_scale: float) -> tuple[np.float32, np.float32]:
+    """``(global_scale, float32(input_scale))``, checked once per value."""
     s = np.float32(input_scale)
     if not (np.isfinite(s) and s > 0):
         raise ValueError(f"nvfp4 input_scale must be a positive finite float32, got {input_scale!r}")
-    return np.float32(np.float32(1.0) / s)
+    return np.float32(np.float32(1.0) / s), s
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    if x.shape[-1] % GROUP:
+    k = x.shape[-1]
+    if k % GROUP:
         raise ValueError(f"nvfp4 activations need K a multiple of {GROUP}, got shape {tuple(x.shape)}")
-    return x.float().reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, k)
+    return flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
 
 
 def quantize(x: torch.Tensor, input_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)`` of ``x`` ``[..., K]`` (K a multiple of 16): the E2M1 element values as
     float32 ``[..., K]`` (one of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) and the block scales as
     float8_e4m3fn ``[..., K/16]``, per the module docstring."""
+    gs, _ = _scales(float(input_scale))
     flat = _rows(x)
     values = torch.empty_like(flat)
     scales = torch.empty(flat.shape[0], flat.shape[1] // GROUP, dtype=torch.uint8)
     if flat.numel():
-        gs = global_scale(input_scale)
-        _kernel(flat.numpy(), gs, np.float32(1.0), values.numpy(), scales.numpy(), False)
+        _kernel(flat.numpy(), gs, np.float32(1.0), values.numpy(), scales.numpy(), True)
     lead = tuple(x.shape[:-1])
     return values.view(*lead, x.shape[-1]), scales.view(torch.float8_e4m3fn).view(*lead, -1)
 
@@ -78,12 +91,11 @@ def quantize(x: torch.Tensor, input_scale: float) -> tuple[torch.Tensor, torch.T
 def qdq(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     """``x`` ``[..., K]`` after the round trip: ``E2M1(q) * sf8 * input_scale`` in float32, one
     fused pass (the values ``quantize`` returns, times their block scale and ``input_scale``)."""
+    gs, s = _scales(float(input_scale))
     flat = _rows(x)
     out = torch.empty_like(flat)
     if flat.numel():
-        gs = global_scale(input_scale)
-        dummy = np.empty((0, 0), dtype=np.uint8)
-        _kernel(flat.numpy(), gs, np.float32(input_scale), out.numpy(), dummy, True)
+        _kernel(flat.numpy(), gs, s, out.numpy(), _NO_SCALES, False)
     return out.view(x.shape)
 
 
@@ -105,43 +117,49 @@ def _e4m3(v, buf):  # pragma: no cover - compiled
 
 
 @njit(**_NJIT)
-def _e2m1(q):  # pragma: no cover - compiled
-    """``|q| <= 6`` rounded to the nearest E2M1 magnitude (ties to even), sign kept."""
-    a = abs(q)
-    if a < np.float32(2.0):
-        r = np.float32(np.rint(a * np.float32(2.0)) * np.float32(0.5))
-    elif a < np.float32(4.0):
-        r = np.float32(np.rint(a))
-    else:
-        r = np.float32(np.rint(a * np.float32(0.5)) * np.float32(2.0))
-    return -r if q < 0 else r
-
-
-@njit(**_NJIT)
-def _kernel(x, gs, input_scale, out, scales, dequantize):  # pragma: no cover - compiled
+def _kernel(x, gs, input_scale, out, scales, values):  # pragma: no cover - compiled
+    """Every row of ``x`` ``[rows, K]``: ``out`` gets the E2M1 values (``values``, with ``scales`` the
+    e4m3 bytes ``[rows, K/16]``) or ``E2M1 * sf8 * input_scale``; a block holding a NaN gives NaNs.
+    Per row, a first pass gives every element its block's ``out_scale`` and factor; the second is
+    branch-free: adding and subtracting ``m`` rounds ``|q|`` to a multiple of the float32 spacing at
+    ``m`` (ties to even), which is E2M1's step there (0.5 below 2, 1 below 4, 2 above)."""
     rows, k = x.shape
-    rcp6 = np.float32(1.0 / 6.0)
     rgs = np.float32(np.float32(1.0) / gs)
-    six = np.float32(E2M1_MAX)
+    six, nsix, zero = np.float32(E2M1_MAX), np.float32(-E2M1_MAX), np.float32(0.0)
+    m2, m4, m6 = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
     buf = np.empty(1, dtype=np.float32)
+    bits = buf.view(np.uint32)
+    xb = x.view(np.uint32)
+    osc = np.empty(k, dtype=np.float32)
+    fac = np.empty(k, dtype=np.float32)
     for r in range(rows):
+        xr = x[r]
+        orow = out[r]
+        br = xb[r]
         for g in range(k // GROUP):
-            c0 = g * GROUP
-            amax = np.float32(0.0)
-            nan = False
+            top = np.uint32(0)  # max |x| on the bit patterns: integer order is value order, NaN on top
             for c in range(GROUP):
-                a = abs(x[r, c0 + c])
-                nan |= a != a
-                amax = a if a > amax else amax
-            sf = np.float32(gs * np.float32(amax * rcp6))
+                b = br[g * GROUP + c] & np.uint32(0x7FFFFFFF)
+                top = b if b > top else top
+            nan = top > np.uint32(0x7F800000)
+            bits[0] = top
+            sf = np.float32(gs * np.float32(buf[0] * np.float32(1.0 / 6.0)))
             sf8, byte = _e4m3(min(sf, np.float32(E4M3_MAX)), buf)
-            osc = np.float32(0.0) if sf8 == 0 else np.float32(np.float32(1.0) / np.float32(sf8 * rgs))
-            if not dequantize:
+            if values:
                 scales[r, g] = byte
+            o = zero if sf8 == 0 else np.float32(np.float32(1.0) / np.float32(sf8 * rgs))
+            f = np.float32(1.0) if values else sf8
+            f = np.float32(np.nan) if nan else f
             for c in range(GROUP):
-                v = x[r, c0 + c]
-                if nan:
-                    out[r, c0 + c] = np.float32(np.nan)
-                    continue
-                q = _e2m1(min(max(np.float32(v * osc), -six), six))
-                out[r, c0 + c] = np.float32(np.float32(q * sf8) * input_scale) if dequantize else q
+                osc[g * GROUP + c] = o
+                fac[g * GROUP + c] = f
+        for j in range(k):
+            q = xr[j] * osc[j]
+            q = q if q < six else six
+            q = q if q > nsix else nsix
+            a = abs(q)
+            m = m2 if a < np.float32(2.0) else m4
+            m = m if a < np.float32(4.0) else m6
+            e = (a + m) - m
+            e = -e if q < zero else e
+            orow[j] = (e * fac[j]) * input_scale

@@ -293,7 +293,8 @@ class Experts:
     to the bf16 kernel, ``groups`` holds them as two ``kernels.PackedGroup`` (gate/up, down), and
     each projection of all experts is one native call. ``nvfp4_input_scales``: the static scales
     of the gate/up and down inputs of every expert (NVFP4 W4A4; None: not NVFP4). ``taps``: see the
-    gate/up and down inputs before quantization (calibration)."""
+    gate/up input (every token) and the down input (every routed row) before quantization
+    (calibration)."""
 
     gate_up: list[Packed]
     down: list[Packed]
@@ -334,10 +335,11 @@ class Experts:
         token_of = torch.div(order, k, rounding_mode="floor")
         offsets = torch.zeros(n_experts + 1, dtype=torch.long)
         torch.cumsum(torch.bincount(flat_idx, minlength=n_experts), 0, out=offsets[1:])
-        xs = x[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]
         if self.taps is not None:
-            self.taps[0](xs)
-        xs = quantize_input(xs, self.fp8_activations, self.nvfp4_input_scales[0])
+            self.taps[0](x)
+        # Quantized per token, so quantizing each token once equals quantizing its routed copies.
+        xq = quantize_input(x, self.fp8_activations, self.nvfp4_input_scales[0])
+        xs = xq[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]
         inter = self.inter
         gu = torch.empty(n * k, 2 * inter)
         out = torch.empty(n * k, x.shape[1])
