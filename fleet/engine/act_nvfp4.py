@@ -16,10 +16,11 @@ Where SGLang does it (paths relative to ``sglang/srt`` of the 0.5.23 wheel):
   and the SwiGLU output is requantized inside the kernel with the global scale
   ``1 / w2_input_scale`` (``g1_scale_c``, 587-610).
 
-The quantizer (``fp4_quantize`` = FlashInfer's ``cvt_warp_fp16_to_fp4``; its published Python
-reference is ``ref_fp4_quant`` in FlashInfer's tests and ``ref_nvfp4_quant`` in vLLM's
-``nvfp4_emulation_utils.py``), per row and per 16 consecutive elements along K, with the global
-scale ``gs = float32(1 / input_scale)``:
+The quantizer: SGLang's ``fp4_quantize`` is FlashInfer's ``fp4_quantize`` (its ``cute-dsl`` backend
+on SM100, ``layers/quantization/fp4_utils.py`` 22-49), whose published Python reference is
+``ref_fp4_quant`` in FlashInfer's tests (vLLM's ``ref_nvfp4_quant`` in ``nvfp4_emulation_utils.py``
+is the same); per row and per 16 consecutive elements along K, with the global scale
+``gs = float32(1 / input_scale)``:
 
 - ``sf = gs * (amax16 * float32(1/6))``, clamped to 448 (the kernel's ``satfinite`` cast), rounded
   to float8 e4m3 (nearest, ties to even): the block scale ``sf8``;
@@ -28,8 +29,8 @@ scale ``gs = float32(1 / input_scale)``:
 
 The FP4 GEMM then sees ``E2M1(q) * sf8`` and applies ``input_scale`` in ``alpha``; ``qdq`` returns
 ``E2M1(q) * sf8 * input_scale`` (``E2M1 * e4m3`` is exact in float32, the last product rounds
-once: the same value as the GEMM's to float32 rounding). All arithmetic is IEEE float32 (the
-CUDA kernel uses approximate reciprocals, ``rcp.approx.ftz``, which can differ in the last bit).
+once: the same value as the GEMM's to float32 rounding). All arithmetic is IEEE float32, as in
+the reference (the GPU kernels may use approximate reciprocals, which can differ in the last bit).
 Activations larger than the calibrated range saturate (``sf8 = 448``), tiny ones underflow to 0:
 the real behaviour of a static-scale W4A4 group.
 """
