@@ -34,11 +34,16 @@ nvfp4   ``P.weight`` U8 [N, K/2]; ``P.weight_scale`` F8_E4M3 [N, K/16]; ``P.weig
         BF16 source runs a fixed calibration text first (``fleet.engine.calibrate``) and each
         linear gets ``amax / (6 * 448)`` of its input there: one value for q/k/v, one for a
         dense MLP's gate/up, and per MoE layer one for every expert's gate/up and one for every
-        expert's down (SGLang takes the maximum over the experts). q/k/v of one attention, and
-        gate/up of one dense MLP or one expert, share one ``weight_scale_2`` computed from their
-        joint amax (SGLang fuses them and keeps one global scale). ``hf_quant_config.json`` =
-        ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "NVFP4",
-        "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": [...]}}``;
+        expert's down (SGLang takes the maximum over the experts). SGLang's loader maps them as it
+        maps the weights: ``q_proj.input_scale`` into its slot of ``qkv_proj.input_scale``
+        (``models/qwen3_moe.py`` 1160-1167, ``layers/linear.py`` 880-883), and
+        ``experts.{e}.{gate,up,down}_proj.input_scale`` to ``experts.w13_input_scale[e]`` /
+        ``w2_input_scale[e]`` (``layers/moe/fused_moe_triton/layer.py`` 1804-1822, 1420-1443,
+        1127-1133; the parameters: ``layers/quantization/modelopt_quant.py`` 2633-2648). q/k/v
+        of one attention, and gate/up of one dense MLP or one expert, share one ``weight_scale_2``
+        computed from their joint amax (SGLang fuses them and keeps one global scale).
+        ``hf_quant_config.json`` = ``{"producer": {"name": "modelopt", ...}, "quantization":
+        {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": [...]}}``;
         ``config.json`` gains the flat form SGLang's ``ModelOptFp4Config.from_config`` reads
         first: ``{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
         "kv_cache_quant_algo": null, "ignore": [...], "exclude_modules": [...], "producer": ...}``.
