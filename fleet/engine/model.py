@@ -41,7 +41,8 @@ every format's linears run through an LLVM-compiled GEMM on bfloat16 weights tha
 in registers (``fleet.engine.kernels``: half the bytes read, float32 arithmetic), with FP8 block
 and NVFP4 global scales applied to partial sums; the weights are written into its layout straight
 from the checkpoint's codes (``layers.pack_parts``; float32 for oneDNN only where that is
-impossible); the
+impossible); NVFP4's activation quantization is one fused numba pass per projection input (the
+experts' gate/up input once per token, before the routed copies are gathered); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
 sequences' attention is one call per cache pool (see ``fleet.engine.cache``) with the query heads
 of a KV head as its query rows, so each stored key and value is read once per step: the native

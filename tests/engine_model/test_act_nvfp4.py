@@ -78,3 +78,13 @@ def test_shapes_and_bad_input() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="input_scale"):
             act_nvfp4.qdq(x, bad)
+
+
+def test_a_nan_poisons_its_block_only() -> None:
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(9))
+    x[1, 20] = float("nan")
+    out = act_nvfp4.qdq(x, 0.01)
+    assert out[1, 16:32].isnan().all() and not out[1, :16].isnan().any() and not out[1, 32:].isnan().any()
+    assert torch.equal(out[0], act_nvfp4.qdq(x[:1], 0.01)[0]) and torch.equal(
+        out[1, :16], act_nvfp4.qdq(x[1:, :16], 0.01)[0]
+    )
