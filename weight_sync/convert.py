@@ -38,11 +38,21 @@ fp8     ``P.weight`` F8_E4M3 [N, K]; ``P.weight_scale_inv`` F32 [ceil(N/128), ce
         BF16 is listed by its shards, ``...self_attn.{q,k,v}_proj``, experts by
         ``model.layers.{i}.mlp.experts``).
 nvfp4   ``P.weight`` U8 [N, K/2]; ``P.weight_scale`` F8_E4M3 [N, K/16]; ``P.weight_scale_2`` F32
-        0-dim; ``P.input_scale`` F32 0-dim (1.0). q/k/v of one attention, and gate/up of one
-        dense MLP or one expert, share one ``weight_scale_2`` computed from their joint amax
-        (SGLang fuses them and keeps one global scale). ``hf_quant_config.json`` =
-        ``{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": "NVFP4",
-        "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": [...]}}``;
+        0-dim; ``P.input_scale`` F32 0-dim, calibrated: SGLang runs NVFP4 W4A4 with static
+        activation scales (the decision and its sources: ``weight_sync.formats.nvfp4``), so the
+        BF16 source runs a fixed calibration text first (``fleet.engine.calibrate``) and each
+        linear gets ``amax / (6 * 448)`` of its input there: one value for q/k/v, one for a
+        dense MLP's gate/up, and per MoE layer one for every expert's gate/up and one for every
+        expert's down (SGLang takes the maximum over the experts). SGLang's loader maps them as it
+        maps the weights: ``q_proj.input_scale`` into its slot of ``qkv_proj.input_scale``
+        (``models/qwen3_moe.py`` 1160-1167, ``layers/linear.py`` 880-883), and
+        ``experts.{e}.{gate,up,down}_proj.input_scale`` to ``experts.w13_input_scale[e]`` /
+        ``w2_input_scale[e]`` (``layers/moe/fused_moe_triton/layer.py`` 1804-1822, 1420-1443,
+        1127-1133; the parameters: ``layers/quantization/modelopt_quant.py`` 2633-2648). q/k/v
+        of one attention, and gate/up of one dense MLP or one expert, share one ``weight_scale_2``
+        computed from their joint amax (SGLang fuses them and keeps one global scale).
+        ``hf_quant_config.json`` = ``{"producer": {"name": "modelopt", ...}, "quantization":
+        {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": [...]}}``;
         ``config.json`` gains the flat form SGLang's ``ModelOptFp4Config.from_config`` reads
         first: ``{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
         "kv_cache_quant_algo": null, "ignore": [...], "exclude_modules": [...], "producer": ...}``.
@@ -521,10 +531,12 @@ class _Planner:
         self.reader = reader
         self.chunk_elems = max(1, chunk_elems)
         self.scales: _GroupScales | None = None
+        self.input_scales: dict[str, np.float32] = {}
         if fmt == "nvfp4":
             from weight_sync.formats import nvfp4
 
             self.scales = _GroupScales(reader, nvfp4, self.chunk_elems)
+            self.input_scales = _input_scales(source, classified)
 
     def plan(self) -> Plan:
         src = self.source
@@ -604,6 +616,7 @@ class _Planner:
         bits = self.reader.bits_rows
         scales = self.scales
         members = sorted(members, key=lambda m: m.name)
+        input_scale = self.input_scales[e.name]
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
@@ -615,7 +628,7 @@ class _Planner:
                     (packed, r0 * (k // 2)),
                     (scale, r0 * (k // NVFP4_GROUP)),
                     (np.array(ws2, dtype=np.float32), 0) if first else None,
-                    (np.array(1.0, dtype=np.float32), 0) if first else None,
+                    (np.array(input_scale, dtype=np.float32), 0) if first else None,
                 ]
 
             return run
@@ -643,6 +656,39 @@ class _Planner:
             return run
 
         return _row_job(outs, e, anchor, rows, task)
+
+
+def _calibration_site(name: str) -> tuple[int, str]:
+    """The ``(layer, site)`` of ``fleet.engine.calibrate`` whose input a linear weight reads."""
+    if m := _ATTN.match(name):
+        return int(m.group(1)), "o_proj" if m.group(2) == "o" else "qkv"
+    if m := _DENSE.match(name):
+        return int(m.group(1)), "mlp_down" if m.group(2) == "down" else "mlp_gate_up"
+    m = _EXPERT.match(name)
+    assert m is not None, name
+    return int(m.group(1)), "experts_down" if m.group(3) == "down" else "experts_gate_up"
+
+
+def _input_scales(source: Source, classified: Classified) -> dict[str, np.float32]:
+    """nvfp4: every quantized linear's calibrated ``input_scale`` (by weight name).
+
+    The calibration forward is the engine's (``fleet.engine.calibrate``): the one Qwen3-MoE forward
+    of the project, imported here only for nvfp4 (an upward import, kept to this function).
+    """
+    from fleet.engine.calibrate import input_amax
+    from weight_sync.formats import nvfp4
+
+    try:
+        amax = input_amax(source.directory)
+    except ValueError as exc:
+        raise UserError(f"nvfp4 needs calibrated activation scales, and calibration failed: {exc}") from None
+    out = {}
+    for name in classified.kinds:
+        site = _calibration_site(name)
+        if site not in amax:
+            raise UserError(f"nvfp4 calibration saw no input of {name!r} (layer {site[0]}, {site[1]})")
+        out[name] = nvfp4.input_scale(amax[site])
+    return out
 
 
 def _rows_of(e: TensorEntry, r0: int, r1: int) -> str:

@@ -655,28 +655,22 @@ class ConversionPool:
 
 
 def _warm_job() -> int:
-    """Convert a tiny synthetic checkpoint into every format in this worker, so that the first
-    real conversion finds torch, the converter and numba's compiled quantizer kernels (each
-    loaded per process, for the very array types the converter passes) ready."""
+    """Convert a tiny model (``mixfleet init-model``'s layout, one layer) into every format in this
+    worker, so that the first real conversion finds torch, the converter, numba's compiled quantizer
+    kernels (each loaded per process, for the very array types the converter passes) and nvfp4's
+    calibration forward (the engine's kernels) ready."""
     import tempfile
 
     import torch
-    from safetensors.torch import save_file
 
+    from fleet.engine.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
     from weight_sync.convert import FORMATS, convert_checkpoint
 
+    tiny = Preset(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=128,
+                  intermediate_size=128, max_position_embeddings=512, shards=1)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="mixfleet-warm-") as tmp:
-        src = Path(tmp) / "src"
-        src.mkdir()
-        (src / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
-        g = torch.Generator().manual_seed(0)
-        names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
-        names += [f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down")]
-        names += ["model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight"]
-        save_file(
-            {n: torch.randn(128, 128, generator=g).to(torch.bfloat16) for n in names},
-            str(src / "model.safetensors"),
-        )
+        src = write_model(Path(tmp) / "src", tiny)
         for fmt in FORMATS:
             convert_checkpoint(src, Path(tmp) / fmt, fmt, workers=torch.get_num_threads())
     return os.getpid()

@@ -3,7 +3,8 @@
 Each function's numerics follow HF ``modeling_qwen3_moe`` (RMSNorm in float32, RoPE with
 ``rotate_half``, softmax routing with optional top-k renormalization, SwiGLU experts).
 Linear layers whose checkpoint weights are FP8 additionally quantize their input the way
-SGLang's blockwise FP8 kernels do (see ``quantize_activations_fp8``).
+SGLang's blockwise FP8 kernels do (see ``quantize_activations_fp8``); NVFP4 ones the way SGLang's
+W4A4 ModelOpt path does, with the checkpoint's static ``input_scale`` (``fleet.engine.act_nvfp4``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit
 
-from fleet.engine import kernels, panels
+from fleet.engine import act_nvfp4, kernels, panels
 from fleet.engine.weights import LinearWeight
 
 FP8_MAX = 448.0
@@ -226,6 +227,27 @@ def _panels(parts: list[LinearWeight]) -> kernels.PackedBf16 | None:
     return kernels.PackedBf16(panels.finish(dst, n), n, k, scales, ldk, kblock)
 
 
+Tap = Callable[[torch.Tensor], None]
+
+
+def nvfp4_input_scale(parts: list[LinearWeight]) -> float | None:
+    """The one ``input_scale`` of linears SGLang fuses (``input_scale.max()`` over the shards,
+    ``layers/quantization/modelopt_quant.py`` 1887; MoE ``w13/w2_input_scale.max()`` over the
+    experts, 2768-2770); None unless every part is NVFP4."""
+    scales = [p.nvfp4_input_scale for p in parts]
+    return None if any(v is None for v in scales) else max(scales)
+
+
+def quantize_input(x: torch.Tensor, fp8: bool, nvfp4_scale: float | None) -> torch.Tensor:
+    """A linear's input as its GEMM sees it: FP8 per token per 128 channels, NVFP4 per token per 16
+    channels with the static ``nvfp4_scale``, or as is."""
+    if fp8:
+        return quantize_activations_fp8(x)
+    if nvfp4_scale is not None:
+        return act_nvfp4.qdq(x, nvfp4_scale)
+    return x
+
+
 def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """``x @ W.T`` (float32) for ``w`` = ``pack(W)``; ``x`` ``[..., K]`` float32."""
     if isinstance(w, kernels.PackedBf16):
@@ -239,25 +261,29 @@ def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
 class Linear:
     """``y = x @ W.T`` for a dequantized checkpoint weight ``W`` ``[N, K]``, held as ``pack(W)``.
 
-    ``fp8_activations``: quantize ``x`` per token per 128 channels first (W8A8 blockwise FP8).
+    ``fp8_activations``: quantize ``x`` per token per 128 channels first (W8A8 blockwise FP8);
+    ``nvfp4_input_scale``: quantize ``x`` to NVFP4 with that static scale first (W4A4). ``tap``,
+    if given, sees every input before quantization (calibration).
     """
 
     weight: Packed
     fp8_activations: bool = False
+    nvfp4_input_scale: float | None = None
+    tap: Tap | None = None
 
     @classmethod
     def of(cls, w: torch.Tensor, fp8_activations: bool = False) -> Linear:
         return cls(pack(w), fp8_activations)
 
     @classmethod
-    def of_parts(cls, parts: list[LinearWeight]) -> Linear:
-        """One linear over the rows of ``parts`` (which share FP8-activation handling), see ``pack_parts``."""
-        return cls(pack_parts(parts), parts[0].fp8_activations)
+    def of_parts(cls, parts: list[LinearWeight], tap: Tap | None = None) -> Linear:
+        """One linear over the rows of ``parts`` (which share activation handling), see ``pack_parts``."""
+        return cls(pack_parts(parts), parts[0].fp8_activations, nvfp4_input_scale(parts), tap)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_activations:
-            x = quantize_activations_fp8(x)
-        return linear(x, self.weight)
+        if self.tap is not None:
+            self.tap(x)
+        return linear(quantize_input(x, self.fp8_activations, self.nvfp4_input_scale), self.weight)
 
 
 @dataclass(frozen=True)
@@ -265,17 +291,26 @@ class Experts:
     """E SwiGLU experts: per expert ``gate_up[e]`` = ``pack([gate; up])`` (``[2I, H]``, gate rows
     first) and ``down[e]`` = ``pack(down)`` (``[H, I]``); ``inter`` = I. Where every weight went
     to the bf16 kernel, ``groups`` holds them as two ``kernels.PackedGroup`` (gate/up, down), and
-    each projection of all experts is one native call."""
+    each projection of all experts is one native call. ``nvfp4_input_scales``: the static scales
+    of the gate/up and down inputs of every expert (NVFP4 W4A4; None: not NVFP4). ``taps``: see the
+    gate/up input (every token) and the down input (every routed row) before quantization
+    (calibration)."""
 
     gate_up: list[Packed]
     down: list[Packed]
     inter: int
     fp8_activations: bool = False
     groups: tuple[kernels.PackedGroup, kernels.PackedGroup] | None = None
+    nvfp4_input_scales: tuple[float | None, float | None] = (None, None)
+    taps: tuple[Tap, Tap] | None = None
 
     @classmethod
     def of(
-        cls, gate_up: list[list[LinearWeight]], down: list[LinearWeight], fp8_activations: bool
+        cls,
+        gate_up: list[list[LinearWeight]],
+        down: list[LinearWeight],
+        fp8_activations: bool,
+        taps: tuple[Tap, Tap] | None = None,
     ) -> Experts:
         """From the checkpoint's per-expert ``[gate, up]`` (``[I, H]`` each) and ``down`` ``[H, I]``."""
         gu, dn = [pack_parts(parts) for parts in gate_up], [pack_parts([w]) for w in down]
@@ -285,7 +320,8 @@ class Experts:
                 groups = (kernels.PackedGroup.of(gu), kernels.PackedGroup.of(dn))
             except ValueError:  # experts with different scale layouts: one call per expert
                 groups = None
-        return cls(gu, dn, down[0].shape[1], fp8_activations, groups)
+        scales = (nvfp4_input_scale([w for parts in gate_up for w in parts]), nvfp4_input_scale(down))
+        return cls(gu, dn, down[0].shape[1], fp8_activations, groups, scales, taps)
 
     def __call__(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's selected experts.
@@ -299,9 +335,11 @@ class Experts:
         token_of = torch.div(order, k, rounding_mode="floor")
         offsets = torch.zeros(n_experts + 1, dtype=torch.long)
         torch.cumsum(torch.bincount(flat_idx, minlength=n_experts), 0, out=offsets[1:])
-        xs = x[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]
-        if self.fp8_activations:
-            xs = quantize_activations_fp8(xs)
+        if self.taps is not None:
+            self.taps[0](x)
+        # Quantized per token, so quantizing each token once equals quantizing its routed copies.
+        xq = quantize_input(x, self.fp8_activations, self.nvfp4_input_scales[0])
+        xs = xq[token_of]  # rows sorted by expert: expert e's are offsets[e] .. offsets[e + 1]
         inter = self.inter
         gu = torch.empty(n * k, 2 * inter)
         out = torch.empty(n * k, x.shape[1])
@@ -314,8 +352,9 @@ class Experts:
             for e, a, b in spans:
                 gu[a:b] = linear(xs[a:b], self.gate_up[e])
         h = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:])
-        if self.fp8_activations:
-            h = quantize_activations_fp8(h)
+        if self.taps is not None:
+            self.taps[1](h)
+        h = quantize_input(h, self.fp8_activations, self.nvfp4_input_scales[1])
         if spans is None:
             kernels.grouped(h, offsets, self.groups[1], out)
         else:

@@ -20,11 +20,15 @@ Precision (a decision, documented here):
   channels to e4m3 with scale amax/448 first. The block scales multiply each 64-wide K chunk's
   partial sums of codes (as DeepGEMM applies them), not the weights: the same values to float32
   rounding of the order.
-- nvfp4 and mxfp4 run W4A16: dequantized 4-bit weights, unquantized activations (``input_scale``
-  is read and ignored). NVFP4's ``weight_scale_2`` multiplies the output of the product with
-  ``E2M1(code) * E4M3(scale)`` (exact in bfloat16), as the real NVFP4 GEMM's ``alpha`` does; the
-  weight that stands for differs from ``dequantize``'s (which rounds ``scale * weight_scale_2``
-  first) by at most one float32 ulp.
+- nvfp4 runs W4A4, as SGLang's ``modelopt_fp4`` does on B200/B300 with the fleet's flags: the
+  input of every NVFP4 linear (attention projections, dense MLP, experts' gate/up and down) is
+  quantized per token per 16 channels with the checkpoint's static ``input_scale``
+  (``fleet.engine.act_nvfp4``; one scale per fused q/k/v or gate/up, and per MoE layer the
+  maximum over its experts, as SGLang takes them). NVFP4's ``weight_scale_2`` multiplies the
+  output of the product with ``E2M1(code) * E4M3(scale)`` (exact in bfloat16), as the real NVFP4
+  GEMM's ``alpha`` does; the weight that stands for differs from ``dequantize``'s (which rounds
+  ``scale * weight_scale_2`` first) by at most one float32 ulp.
+- mxfp4 runs W4A16: dequantized 4-bit weights, unquantized activations.
 - Linears stored unquantized in a converted checkpoint (router, LM head, whatever the converter
   excluded) run as bf16 ones do.
 - ``kv_cache_dtype="fp8_e4m3"``: K and V go through float8_e4m3fn (scale 1.0, clamped to +-448)
@@ -37,7 +41,8 @@ every format's linears run through an LLVM-compiled GEMM on bfloat16 weights tha
 in registers (``fleet.engine.kernels``: half the bytes read, float32 arithmetic), with FP8 block
 and NVFP4 global scales applied to partial sums; the weights are written into its layout straight
 from the checkpoint's codes (``layers.pack_parts``; float32 for oneDNN only where that is
-impossible); the
+impossible); NVFP4's activation quantization is one fused numba pass per projection input (the
+experts' gate/up input once per token, before the routed copies are gathered); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
 sequences' attention is one call per cache pool (see ``fleet.engine.cache``) with the query heads
 of a KV head as its query rows, so each stored key and value is read once per step: the native
@@ -46,6 +51,8 @@ kernel of ``fleet.engine.decode_attention`` for float32 caches, SDPA for the oth
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,27 +65,38 @@ from fleet.engine.config import ARCHITECTURE, ModelConfig
 from fleet.engine.layers import (
     Experts,
     Linear,
+    Tap,
     apply_rope,
     rms_norm,
     rope_tables,
     route,
     swiglu,
 )
-from fleet.engine.weights import CheckpointTensors, LinearWeight, load_checkpoint
+from fleet.engine.weights import CheckpointTensors, LayerTensors, LinearWeight, load_checkpoint
 
 __all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
 
 
-def _fuse(parts: list[LinearWeight]) -> list[Linear]:
-    """One ``Linear`` over the concatenated rows when all parts share a format (same activation
-    handling), else one ``Linear`` per part."""
-    if all(p.fp8_activations == parts[0].fp8_activations for p in parts):
-        return [Linear.of_parts(parts)]
-    return [_linear(p) for p in parts]
+def _fuse(parts: list[LinearWeight], tap: Tap | None = None) -> list[Linear]:
+    """One ``Linear`` over the concatenated rows when all parts share activation handling (all
+    FP8, all NVFP4 or neither), else one ``Linear`` per part."""
+    if len({(p.fp8_activations, p.nvfp4_input_scale is None) for p in parts}) == 1:
+        return [Linear.of_parts(parts, tap)]
+    return [_linear(p, tap) for p in parts]
 
 
-def _linear(w: LinearWeight) -> Linear:
-    return Linear.of_parts([w])
+def _linear(w: LinearWeight, tap: Tap | None = None) -> Linear:
+    return Linear.of_parts([w], tap)
+
+
+# Calibration: ``observer(layer, site, x)`` sees the input of every quantizable projection, with
+# ``site`` one of SITES (the experts' sites see the rows routed to any expert).
+Observer = Callable[[int, str, torch.Tensor], None]
+SITES = ("qkv", "o_proj", "mlp_gate_up", "mlp_down", "experts_gate_up", "experts_down")
+
+
+def _tap(observer: Observer | None, layer: int, site: str) -> Tap | None:
+    return None if observer is None else functools.partial(observer, layer, site)
 
 
 def _apply(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -100,12 +118,46 @@ class _Layer:
     mlp_down: Linear | None
 
 
+def _layer(config: ModelConfig, i: int, lt: LayerTensors, observer: Observer | None) -> _Layer:
+    lin = lt.linears
+    experts = None
+    if lt.experts:
+        kinds = {(w.fp8_activations, w.nvfp4_input_scale is None) for e in lt.experts for w in e.values()}
+        if len(kinds) != 1:
+            raise ValueError("experts of one layer mix FP8, NVFP4 and other weights; not supported")
+        taps = None if observer is None else (_tap(observer, i, SITES[4]), _tap(observer, i, SITES[5]))
+        experts = Experts.of(
+            [[e["gate_proj"], e["up_proj"]] for e in lt.experts],
+            [e["down_proj"] for e in lt.experts],
+            kinds.pop()[0],
+            taps,
+        )
+    dense = "gate_proj" in lin
+    return _Layer(
+        input_norm=lt.plain["input_layernorm"],
+        post_norm=lt.plain["post_attention_layernorm"],
+        qk_norm=torch.cat(
+            [
+                lt.plain["q_norm"].expand(config.num_attention_heads, -1),
+                lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
+            ]
+        ),
+        qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]], _tap(observer, i, SITES[0])),
+        o_proj=_linear(lin["o_proj"], _tap(observer, i, SITES[1])),
+        router=lt.plain.get("gate"),
+        experts=experts,
+        mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]], _tap(observer, i, SITES[2])) if dense else None,
+        mlp_down=_linear(lin["down_proj"], _tap(observer, i, SITES[3])) if dense else None,
+    )
+
+
 class Model:
     """A loaded model. ``forward`` is not thread-safe; call it from one thread at a time.
 
     Attributes: ``config`` (``ModelConfig``), ``architecture`` (``"Qwen3MoeForCausalLM"``),
     ``max_context`` (longest sequence a cache may hold), ``precision`` (the checkpoint's format:
     bf16 / fp8 / nvfp4 / mxfp4), ``kv_cache_dtype`` (auto / bf16 / fp8_e4m3), ``path``.
+    ``observer`` (calibration, see ``Observer``) sees every projection's input.
     """
 
     architecture = ARCHITECTURE
@@ -116,6 +168,7 @@ class Model:
         tensors: CheckpointTensors,
         kv_cache_dtype: str = "auto",
         path: Path | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.config = config
         self.path = path
@@ -126,38 +179,7 @@ class Model:
         self._embed = tensors.embed
         self._final_norm = tensors.final_norm
         self._lm_head = _linear(tensors.lm_head)
-        self._layers: list[_Layer] = []
-        for lt in tensors.layers:
-            lin = lt.linears
-            experts = None
-            if lt.experts:
-                fp8_acts = {w.fp8_activations for e in lt.experts for w in e.values()}
-                if len(fp8_acts) != 1:
-                    raise ValueError("experts of one layer mix FP8 and non-FP8 weights; not supported")
-                experts = Experts.of(
-                    [[e["gate_proj"], e["up_proj"]] for e in lt.experts],
-                    [e["down_proj"] for e in lt.experts],
-                    fp8_acts.pop(),
-                )
-            dense = "gate_proj" in lin
-            self._layers.append(
-                _Layer(
-                    input_norm=lt.plain["input_layernorm"],
-                    post_norm=lt.plain["post_attention_layernorm"],
-                    qk_norm=torch.cat(
-                        [
-                            lt.plain["q_norm"].expand(config.num_attention_heads, -1),
-                            lt.plain["k_norm"].expand(config.num_key_value_heads, -1),
-                        ]
-                    ),
-                    qkv=_fuse([lin["q_proj"], lin["k_proj"], lin["v_proj"]]),
-                    o_proj=_linear(lin["o_proj"]),
-                    router=lt.plain.get("gate"),
-                    experts=experts,
-                    mlp_gate_up=_fuse([lin["gate_proj"], lin["up_proj"]]) if dense else None,
-                    mlp_down=_linear(lin["down_proj"]) if dense else None,
-                )
-            )
+        self._layers = [_layer(config, i, lt, observer) for i, lt in enumerate(tensors.layers)]
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
         self._geometry = (
@@ -407,8 +429,8 @@ def _mask(start: int, n: int) -> torch.Tensor | None:
     return k_pos <= q_pos
 
 
-def load_model(path: str | Path, kv_cache_dtype: str = "auto") -> Model:
-    """Load the checkpoint directory ``path`` (any of the four formats).
+def load_model(path: str | Path, kv_cache_dtype: str = "auto", observer: Observer | None = None) -> Model:
+    """Load the checkpoint directory ``path`` (any of the four formats); ``observer``: see ``Model``.
 
     Raises ``ValueError`` with a message naming the problem when the directory is missing, is
     not a ``Qwen3MoeForCausalLM`` checkpoint, or has tensors missing or of the wrong shape, or
@@ -418,4 +440,4 @@ def load_model(path: str | Path, kv_cache_dtype: str = "auto") -> Model:
     path = Path(path)
     config = ModelConfig.from_dir(path)
     tensors = load_checkpoint(path, config)
-    return Model(config, tensors, kv_cache_dtype=kv_cache_dtype, path=path)
+    return Model(config, tensors, kv_cache_dtype=kv_cache_dtype, path=path, observer=observer)

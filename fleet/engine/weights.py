@@ -13,8 +13,9 @@ format   tensors of a linear ``P``                                    compute
 bf16     ``P.weight`` (bf16/f16/f32)                                  as is
 fp8      ``P.weight`` (float8_e4m3fn) + ``P.weight_scale_inv``        W8A8: activations
                                                                       quantized per token/128
-nvfp4    ``P.weight`` (uint8) + ``P.weight_scale`` (fp8) +             W4A16
-         ``P.weight_scale_2`` [+ ``P.input_scale``]
+nvfp4    ``P.weight`` (uint8) + ``P.weight_scale`` (fp8) +             W4A4: activations
+         ``P.weight_scale_2`` + ``P.input_scale`` (1.0 if absent)       quantized per token/16
+                                                                      with ``input_scale``
 mxfp4    ``P.weight_blocks`` + ``P.weight_scales`` (uint8), or         W4A16
          ``P.weight`` (uint8 ``[N, K/2]``) + ``P.weight_scale`` (uint8)
 =======  ==========================================================  =========================
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,8 @@ class LinearWeight:
 
     - bf16: ``(weight,)`` (bfloat16, float16 or float32);
     - fp8: ``(codes, weight_scale_inv)``;
-    - nvfp4: ``(packed, weight_scale, weight_scale_2)``;
+    - nvfp4: ``(packed, weight_scale, weight_scale_2, input_scale)`` (``input_scale`` 1.0 where the
+      checkpoint has none, as SGLang);
     - mxfp4: ``(packed [N, K/2], scales [N, K/32])`` (uint8).
 
     ``weight`` is the float tensor the engine computes with, made on first use: the checkpoint's
@@ -81,6 +84,11 @@ class LinearWeight:
     @property
     def fp8_activations(self) -> bool:
         return self.fmt == "fp8"
+
+    @property
+    def nvfp4_input_scale(self) -> float | None:
+        """The float32 ``input_scale`` an NVFP4 linear quantizes its input with (W4A4); None otherwise."""
+        return float(self.tensors[3].item()) if self.fmt == "nvfp4" else None
 
     @functools.cached_property
     def weight(self) -> torch.Tensor:
@@ -237,10 +245,9 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
         return LinearWeight("fp8", shape, (raw, scale_inv))
     if f"{prefix}.weight_scale_2" in src:
         _check_shape(name, raw, (n, k // 2))
-        src.used.add(f"{prefix}.input_scale")  # if present: activations stay unquantized (W4A16)
         scale, ws2 = src.get(f"{prefix}.weight_scale"), src.get(f"{prefix}.weight_scale_2")
         dequant.check_nvfp4(raw, scale, ws2)
-        return LinearWeight("nvfp4", shape, (raw, scale, ws2))
+        return LinearWeight("nvfp4", shape, (raw, scale, ws2, _input_scale(src, prefix)))
     if raw.dtype == torch.uint8 and f"{prefix}.weight_scale" in src:
         scales = src.get(f"{prefix}.weight_scale")
         _check_shape(name, raw, (n, k // 2))
@@ -255,6 +262,22 @@ def _load_linear(src: TensorSource, prefix: str, shape: tuple[int, int]) -> Line
         raise ValueError(f"tensor {name!r} has dtype {raw.dtype} and no scales to dequantize it with")
     _check_shape(name, raw, shape)
     return LinearWeight("bf16", shape, (raw,))
+
+
+def _input_scale(src: TensorSource, prefix: str) -> torch.Tensor:
+    """An NVFP4 linear's ``input_scale`` (one positive finite float), or 1.0 where the checkpoint has
+    none: SGLang creates the parameter filled with 1.0 (``layers/quantization/modelopt_quant.py``
+    1846-1852) and quantizes activations with it all the same."""
+    name = f"{prefix}.input_scale"
+    if name not in src:
+        return torch.ones((), dtype=torch.float32)
+    t = src.get(name)
+    if not t.is_floating_point() or t.numel() != 1:
+        raise ValueError(f"tensor {name!r} must be one float, got {t.dtype} {list(t.shape)}")
+    v = float(t.reshape(()).float().item())
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"tensor {name!r} is {v!r}; an NVFP4 input_scale must be positive and finite")
+    return t.reshape(()).float()
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,28 @@ def test_quantized_tensors_with_bad_scales_or_missing_parts(model_root: Path, tm
     _edit_quantized(mx, lambda t: t.pop(f"{expert}.weight_scales", None))
     with pytest.raises(ValueError, match=f"{expert}.weight_scales"):
         load_model(mx)
+
+
+def test_nvfp4_input_scale_missing_defaults_to_one_and_bad_ones_are_refused(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """A linear without ``input_scale`` runs with 1.0, as SGLang fills it; a non-positive, non-finite
+    or non-scalar one is refused naming the tensor."""
+    from tests.support.models import make_model_dir
+
+    name = "model.layers.0.self_attn.o_proj.input_scale"
+    src = make_model_dir(model_root, "tiny", "nvfp4")
+    assert load_model(src)._layers[0].o_proj.nvfp4_input_scale != 1.0  # noqa: SLF001 - calibrated
+    missing = _copy(src, tmp_path / "missing")
+    _edit_quantized(missing, lambda t: t.pop(name, None))
+    assert load_model(missing)._layers[0].o_proj.nvfp4_input_scale == 1.0  # noqa: SLF001
+    for i, bad in enumerate((torch.tensor(0.0), torch.tensor(float("nan")), torch.ones(2))):
+        path = _copy(src, tmp_path / f"bad{i}")
+
+        def put(t: dict, bad: torch.Tensor = bad) -> None:
+            if name in t:
+                t[name] = bad
+
+        _edit_quantized(path, put)
+        with pytest.raises(ValueError, match=name):
+            load_model(path)

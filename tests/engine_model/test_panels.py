@@ -36,7 +36,9 @@ def _quantized(fmt: str, w: torch.Tensor, ws2: float | None = None) -> tuple[Lin
         return LinearWeight("fp8", (n, k), (d["weight"], d["weight_scale_inv"])), fp8.dequantize(d)
     if fmt == "nvfp4":
         d = nvfp4.quantize(w, ws2)
-        lw = LinearWeight("nvfp4", (n, k), (d["weight"], d["weight_scale"], d["weight_scale_2"]))
+        lw = LinearWeight(
+            "nvfp4", (n, k), (d["weight"], d["weight_scale"], d["weight_scale_2"], d["input_scale"])
+        )
         return lw, nvfp4.dequantize(d)
     d = mxfp4.quantize(w)
     lw = LinearWeight("mxfp4", (n, k), (d["blocks"].reshape(n, k // 2), d["scales"]))

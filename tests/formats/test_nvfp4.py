@@ -176,3 +176,19 @@ def test_bad_inputs_are_rejected_with_a_clear_message():
         nvfp4.dequantize({**d, "weight_scale": d["weight_scale"][:, :0]})
     with pytest.raises(ValueError, match="missing"):
         nvfp4.dequantize({"weight": d["weight"]})
+
+
+def test_input_scale_is_modelopt_activation_scaling_factor() -> None:
+    """``amax.float() / (6 * 448)`` (ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``), one
+    float32 division, for amaxes across the float32 range; 0 gives 1.0; bad amaxes are refused."""
+    g = torch.Generator().manual_seed(11)
+    amaxes = torch.cat([torch.rand(500, generator=g) * 10.0 ** torch.randint(-30, 30, (500,), generator=g),
+                        torch.tensor([1.0, 2688.0, 3.0e38, 1e-45])])  # fmt: skip
+    for a in amaxes.tolist():
+        want = torch.tensor(a, dtype=torch.float32) / 2688.0
+        got = nvfp4.input_scale(a)
+        assert isinstance(got, np.float32) and float(got) == want.item(), a
+    assert nvfp4.input_scale(0.0) == np.float32(1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="amax"):
+            nvfp4.input_scale(bad)

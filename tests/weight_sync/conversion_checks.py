@@ -4,12 +4,15 @@
 and checks names, dtypes and shapes of every tensor, the bytes of every quantized tensor against
 the format's own ``quantize`` of the whole source tensor (so row chunking, threading and shard
 straddling cannot change a byte), ``dequantize`` of the output against ``dequantize(quantize(src))``,
-the fusion groups' shared nvfp4 ``weight_scale_2`` against a joint amax computed here, fp8 block
-scales against block amaxes computed here, the configs, the index and the manifest.
+the fusion groups' shared nvfp4 ``weight_scale_2`` against a joint amax computed here, nvfp4
+``input_scale`` against an independent calibration (transformers' forward on the converter's
+calibration sequences), fp8 block scales against block amaxes computed here, the configs, the
+index and the manifest.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -104,6 +107,70 @@ def expected_outputs(
     }
 
 
+@functools.lru_cache(maxsize=4)
+def _hf_input_amax(src: str) -> dict[str, float]:
+    """An independent calibration: transformers' float32 forward (eager experts) of the BF16 source
+    on the converter's calibration sequences; ``max |x|`` at the input of every linear weight, by
+    name (a layer's experts together: the 3-D expert weights take every expert's rows)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fleet.engine.calibrate import calibration_ids
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager").eval()
+    names: dict[int, list[str]] = {}  # parameter -> the checkpoint weights it holds
+    for i, layer in enumerate(hf.model.layers):
+        p = f"model.layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            names[id(getattr(layer.self_attn, f"{n}_proj").weight)] = [f"{p}self_attn.{n}_proj.weight"]
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            n_exp = mlp.experts.num_experts
+            gate_up = [f"{p}mlp.experts.{e}.{n}_proj.weight" for e in range(n_exp) for n in ("gate", "up")]
+            names[id(mlp.experts.gate_up_proj)] = gate_up
+            names[id(mlp.experts.down_proj)] = [f"{p}mlp.experts.{e}.down_proj.weight" for e in range(n_exp)]
+        else:
+            for n in ("gate", "up", "down"):
+                names[id(getattr(mlp, f"{n}_proj").weight)] = [f"{p}mlp.{n}_proj.weight"]
+    params = [(prm, names[id(prm)]) for prm in hf.parameters() if id(prm) in names]
+    amax: dict[str, float] = {}
+    plain = torch.nn.functional.linear
+
+    def observed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        for prm, held in params:
+            start = prm.data_ptr()
+            if start <= w.data_ptr() < start + prm.numel() * prm.element_size():
+                for n in held:
+                    amax[n] = max(amax.get(n, 0.0), x.abs().max().item())
+        return plain(x, w, b)
+
+    torch.nn.functional.linear = observed
+    try:
+        with torch.no_grad():
+            for ids in calibration_ids(src):
+                hf(ids[None])
+    finally:
+        torch.nn.functional.linear = plain
+    return amax
+
+
+def _check_input_scales(src: Path, out: dict[str, torch.Tensor]) -> None:
+    """Every nvfp4 ``input_scale`` is ModelOpt's ``amax / (6 * 448)`` of the calibrated input range,
+    one value per fusion group and per MoE layer's expert gate/up and down."""
+    amax = _hf_input_amax(str(src))
+    scales = {n.removesuffix(".input_scale"): t for n, t in out.items() if n.endswith(".input_scale")}
+    assert {f"{b}.weight" for b in scales} == set(amax)
+    for base, t in scales.items():
+        assert t.dtype == torch.float32 and t.dim() == 0 and t.item() > 0, base
+        want = torch.tensor(amax[f"{base}.weight"], dtype=torch.float32) / 2688.0
+        torch.testing.assert_close(t, want, rtol=1e-5, atol=0, msg=base)
+    for base, t in scales.items():  # shared exactly where SGLang fuses (and across a layer's experts)
+        for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+            if base.endswith(a):
+                assert torch.equal(t, scales[base.removesuffix(a) + b]), base
+        if m := re.match(r"^(model\.layers\.\d+\.mlp\.experts\.)\d+\.(\w+)$", base):
+            assert torch.equal(t, scales[f"{m.group(1)}0.{m.group(2)}"]), base
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -155,15 +222,18 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             gs = (joint / (6.0 * 448.0)).to(torch.float32)
             assert out[f"{base}.weight_scale_2"].item() == gs.item(), (name, members)
             assert torch.equal(fmod.global_scale(*[source[m] for m in members]), gs.reshape(()))
-            assert out[f"{base}.input_scale"].item() == 1.0
-            got = {k: out[f"{base}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+            got = {k: out[f"{base}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
             ref = fmod.quantize(w, weight_scale_2=gs.reshape(()))
+            ref.pop("input_scale")  # calibrated: checked below
         else:
             got = {"blocks": out[f"{base}.weight_blocks"], "scales": out[f"{base}.weight_scales"]}
             ref = fmod.quantize(w)
         for key, t in ref.items():
             assert torch.equal(_bits(got[key]), _bits(t)), (name, key)
         assert torch.equal(fmod.dequantize(got), fmod.dequantize(ref)), name
+
+    if fmt == "nvfp4":
+        _check_input_scales(src, out)
 
     # Configs.
     src_cfg = json.loads((src / "config.json").read_text())

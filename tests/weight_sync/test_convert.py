@@ -84,3 +84,30 @@ def test_transformers_loads_the_bf16_output(ckpt, tmp_path) -> None:
     assert torch.equal(model.lm_head.weight, src["lm_head.weight"])
     assert torch.equal(layer.self_attn.k_proj.weight, src["model.layers.0.self_attn.k_proj.weight"])
     assert torch.equal(model.model.norm.weight, src["model.norm.weight"])
+
+
+def test_nvfp4_input_scales_are_calibrated_on_the_policy_text(tmp_path) -> None:
+    """On the ``init-model`` policy (byte-level tokenizer: the calibration text is ~1,700 tokens),
+    every ``input_scale`` is amax/(6*448) of an independent transformers calibration, and the
+    scales differ by site (not a placeholder)."""
+    from tests.support.models import make_model_dir
+
+    src = make_model_dir(tmp_path, "tiny", "bf16")
+    dst = tmp_path / "nvfp4"
+    convert_checkpoint(src, dst, "nvfp4")
+    check_conversion(src, dst, "nvfp4")
+    scales = {n: t.item() for n, t in load_all(dst).items() if n.endswith(".input_scale")}
+    assert len(set(scales.values())) == 8  # 2 layers x (qkv, o_proj, experts' gate/up, experts' down)
+    assert all(1e-4 < v < 1e-2 for v in scales.values())
+
+
+def test_nvfp4_without_a_tokenizer_is_refused(ckpt, tmp_path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match="calibration failed: .*tokenizer"):
+        convert_checkpoint(src, tmp_path / "out", "nvfp4")
+    assert not (tmp_path / "out").exists()
+    convert_checkpoint(src, tmp_path / "fp8", "fp8")  # the other formats need no calibration

@@ -11,7 +11,40 @@ Two-level scaling (ModelOpt ``NVFP4QTensor``): a per-tensor ``weight_scale_2`` a
   ``weight_scale = s.to(float8_e4m3fn)`` (round to nearest even).
 - codes: ``q = x.float() / (weight_scale.float() * weight_scale_2)`` then E2M1 round to nearest
   even, saturating at 6; sign bit iff ``q < 0`` (``-0.0`` gives 0x0). Low nibble = even index.
-- ``input_scale = 1.0`` (the groups run NVFP4 weights with BF16 activations).
+- ``input_scale`` (the activations' static global scale: SGLang 0.5.23 runs this format W4A4)
+  = ``amax / (6 * 448)`` of the activations calibrated at that linear's input (ModelOpt's
+  ``NVFP4QTensor.get_activation_scaling_factor``), see ``input_scale`` and the decision below;
+  ``quantize`` of a weight alone returns 1.0 there (SGLang's fill value for a missing scale).
+
+Activations: decision (read against the ``sglang 0.5.23`` wheel; paths relative to ``sglang/srt``).
+The fleet starts SGLang with ``--quantization modelopt_fp4`` and no MoE or FP4-GEMM backend flag
+(``images/sglang.py``). On B200/B300 (SM100 family) that runs:
+
+- dense linears W4A4 with the checkpoint's static ``input_scale``: ``ModelOptFp4LinearMethod``
+  picks ``quant_mode = "w4a4"`` unless ``SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16`` is set with the
+  cutedsl GEMM backend (``layers/quantization/modelopt_quant.py`` 1785-1794, backend ``auto`` =
+  ``flashinfer_cutedsl`` on SM100: ``layers/quantization/fp4_utils.py`` 149-160), and ``apply``
+  always quantizes with ``fp4_quantize(x, 1 / input_scale.max())`` (1886-1914, 2094-2107): the
+  per-token setting is not consulted for linears at all;
+- MoE experts with ``flashinfer_trtllm`` (the Qwen3-MoE override on SM100,
+  ``arg_groups/model_overrides/qwen3_moe.py`` 41, 78-90), also W4A4 with static scales
+  ``w13_input_scale.max()`` / ``w2_input_scale.max()`` (``modelopt_quant.py`` 2768-2770;
+  ``layers/moe/moe_runner/flashinfer_trtllm.py`` 1371-1400, 1506-1508, 587-610).
+
+So the scales are calibrated in the conversion (option a; ``fleet.engine.calibrate``: a fixed
+text in the checkpoint's tokenizer through the BF16 model, ModelOpt's max calibration). Rejected:
+(b) dynamic per-token scales (``SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION``, an environment
+variable, ``modelopt_quant.py`` 1514-1521): honoured only by the MoE runners
+``flashinfer_trtllm(_routed)`` and cutedsl v2 (1477-1489, ``flashinfer_trtllm.py`` 1476-1504),
+never by the dense linears, which would still need calibrated scales; (c) W4A16
+(``quant_algo: W4A16_NVFP4``, 1673-1701): linears become Marlin W4A16
+(``ModelOptNvFp4A16LinearMethod``, 2186-2308), but with ``--quantization modelopt_fp4`` the
+Qwen3-MoE override still selects ``flashinfer_trtllm`` for the experts, whose NVFP4 MoE method
+never reads ``is_w4a16`` and runs them W4A4 with the 1.0 fill (2633-2648); it would need
+``--moe-runner-backend marlin`` (or cutedsl with the W4A16 variable), and W4A16 keeps only
+NVFP4's memory saving, not its FP4 tensor-core speed, so it is not what a production NVFP4 group
+runs. W4A4 with calibrated static scales is, and its activation rounding is the mismatch the
+fleet measures.
 
 Every division above is an IEEE float32 division: what ModelOpt computes on CPU. (On a GPU,
 torch turns ``tensor / python_float`` into a multiplication by the float32 reciprocal, so
@@ -105,7 +138,8 @@ def quantize(
     """NVFP4 tensors of ``w`` (``[..., K]``, K a multiple of 16; bf16, f16 or f32).
 
     Returns ``weight`` uint8 ``[..., K/2]``, ``weight_scale`` float8_e4m3fn ``[..., K/16]``,
-    ``weight_scale_2`` float32 0-dim and ``input_scale`` float32 0-dim (1.0), bit-exact to the
+    ``weight_scale_2`` float32 0-dim and ``input_scale`` float32 0-dim (1.0: a weight alone has no
+    activation range; the converter writes the calibrated one), bit-exact to the
     rules in the module docstring; ``weight`` and ``weight_scale`` are written into ``out``'s
     tensors of those names when given. ``weight_scale_2`` defaults to ``global_scale(w)``; a
     given one must be at least that (it comes from ``global_scale`` over a set containing ``w``).
@@ -182,6 +216,17 @@ def quantize_bits(
 
 
 _E4M3_ONE = 0x38  # float8_e4m3fn byte of 1.0
+
+
+def input_scale(amax: float) -> np.float32:
+    """The ``input_scale`` of activations whose calibrated ``max |x|`` is ``amax``: ``amax / (6 * 448)``
+    as one IEEE float32 division of ``float32(amax)`` (ModelOpt's rule, as ``weight_scale_2``);
+    1.0 where ``amax`` is 0 (any scale quantizes zeros exactly; ModelOpt refuses a zero scale).
+    ``ValueError`` unless ``amax`` is finite and >= 0."""
+    a = np.float32(amax)
+    if not (np.isfinite(a) and a >= 0):
+        raise ValueError(f"nvfp4.input_scale: activation amax {amax!r} is not a finite non-negative float32")
+    return np.float32(1.0) if a == 0 else np.float32(a / _DIVISOR)
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
