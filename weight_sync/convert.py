@@ -522,8 +522,18 @@ def classify(source: Source, fmt: str, *, quantize_all: bool = False) -> Classif
 
 
 class _Planner:
+    """The conversion's plan: the jobs writing each output shard. ``calibrate=False`` plans the
+    outputs only (names, dtypes, shapes: :func:`converted_tensors`), without nvfp4's calibration
+    forward; such a plan's jobs must not run."""
+
     def __init__(
-        self, source: Source, fmt: str, classified: Classified, reader: TensorReader, chunk_elems: int
+        self,
+        source: Source,
+        fmt: str,
+        classified: Classified,
+        reader: TensorReader,
+        chunk_elems: int,
+        calibrate: bool = True,
     ) -> None:
         self.source = source
         self.fmt = fmt
@@ -536,7 +546,7 @@ class _Planner:
             from weight_sync.formats import nvfp4
 
             self.scales = _GroupScales(reader, nvfp4, self.chunk_elems)
-            self.input_scales = _input_scales(source, classified)
+            self.input_scales = _input_scales(source, classified) if calibrate else {}
 
     def plan(self) -> Plan:
         src = self.source
@@ -616,7 +626,7 @@ class _Planner:
         bits = self.reader.bits_rows
         scales = self.scales
         members = sorted(members, key=lambda m: m.name)
-        input_scale = self.input_scales[e.name]
+        input_scale = self.input_scales.get(e.name, np.float32("nan"))  # nan: planned, not calibrated
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
@@ -904,7 +914,7 @@ def converted_tensors(source: Source, fmt: str) -> list[OutTensor]:
         raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
     classified = classify(source, fmt)
     with TensorReader() as reader:
-        plan = _Planner(source, fmt, classified, reader, CHUNK_ELEMS).plan()
+        plan = _Planner(source, fmt, classified, reader, CHUNK_ELEMS, calibrate=False).plan()
     return [out for _, jobs in plan.files for job in jobs for out in job.outputs]
 
 
