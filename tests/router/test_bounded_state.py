@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 
+from fleet.activation import activate
 from fleet.sglang_client import SGLangClient, make_http_client
 from router.mismatch import BUCKET_LABELS
 from tests.support.procs import redis_server
@@ -50,7 +51,7 @@ BOUNDS = (
 
 async def _set_version(engine_url: str, model_dir: str, version: int) -> None:
     async with make_http_client(connect_timeout_s=5.0, timeout_s=120.0) as http:
-        await SGLangClient(http, engine_url).update_weights_from_disk(model_dir, version)
+        await activate(SGLangClient(http, engine_url), model_dir, version, "bf16")
 
 
 def _drive(router_url: str, engine_url: str, model_dir: str, versions: range, uploaded: list[int]) -> None:
