@@ -22,14 +22,12 @@ listed is out of rotation until it is.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
 import os
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +45,7 @@ from router.policy import choose_replica
 from router.registry import Registry
 from tests.support.engines import engine_process
 from tests.support.procs import free_port
+from tests.support.recorder import serve_in_thread
 from tests.support.router import router_process, write_preset
 from weight_sync.errors import UserError
 
@@ -144,31 +143,9 @@ class StandInProxy:
 def stand_in_proxy(engines: list[str]) -> Iterator[StandInProxy]:
     proxy = StandInProxy({e.removeprefix("http://"): e for e in engines})
     proxy.containers[f"127.0.0.1:{free_port()}"] = engines[0]
-    port = free_port()
-    proxy.url = f"http://127.0.0.1:{port}"
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    runner = web.AppRunner(app, access_log=None)
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, name="stand-in-modal-proxy", daemon=True)
-    thread.start()
-    assert started.wait(30), "the stand-in proxy did not start"
-    try:
+    with serve_in_thread(proxy.handle, "stand-in-modal-proxy") as url:
+        proxy.url = url
         yield proxy
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
 
 
 def _heartbeat(router_url: str, replica_id: str, url: str, running: int = 0) -> None:

@@ -4,7 +4,8 @@ sent to the engine and what the engine answered.
 
 ``recording_proxy(upstream)`` yields a :class:`Recorder` whose ``url`` stands in for the
 upstream's; ``exchanges(path)`` lists the ``(request body, response body)`` pairs of ``path``
-(bodies as bytes, in arrival order).
+(bodies as bytes, in arrival order). :func:`serve_in_thread` serves any such aiohttp handler (the
+stand-in Modal proxy of ``tests/deploy`` too).
 """
 
 from __future__ import annotations
@@ -52,12 +53,20 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
     """Serve a :class:`Recorder` of ``upstream`` on a free loopback port (its own thread and
     event loop) until the block ends."""
     rec = Recorder(upstream)
+    with serve_in_thread(rec.handle, "recording-proxy") as url:
+        rec.url = url
+        yield rec
+
+
+@contextlib.contextmanager
+def serve_in_thread(handler, name: str) -> Iterator[str]:
+    """Serve every method and path with the aiohttp ``handler`` on a free loopback port, on a
+    thread of its own with its own event loop; yields the server's URL until the block ends."""
     port = free_port()
-    rec.url = f"http://127.0.0.1:{port}"
     loop = asyncio.new_event_loop()
     started = threading.Event()
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", rec.handle)
+    app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app, access_log=None)
 
     def serve() -> None:
@@ -67,11 +76,11 @@ def recording_proxy(upstream: str) -> Iterator[Recorder]:
         started.set()
         loop.run_forever()
 
-    thread = threading.Thread(target=serve, name="recording-proxy", daemon=True)
+    thread = threading.Thread(target=serve, name=name, daemon=True)
     thread.start()
-    assert started.wait(30), "the recording proxy did not start"
+    assert started.wait(30), f"{name} did not start"
     try:
-        yield rec
+        yield f"http://127.0.0.1:{port}"
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
