@@ -186,6 +186,10 @@ def _zero_series(samples: Samples) -> None:
 
 def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(workers: RouterHandle) -> None:
     router = workers
+    deadline = time.monotonic() + 120
+    while total(scrape(router)[0], "mixfleet_router_workers") != 2:  # the second may start later
+        assert time.monotonic() < deadline, "the second worker never started"
+        time.sleep(0.2)
     first = scrapes(router)
     pids = {p for _, p in first}
     for samples, _ in first:
