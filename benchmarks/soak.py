@@ -30,6 +30,10 @@ of the attempt that answered, ``timings.engine_ms``: routing, failover, retries,
 p50 / p99 in the 30 s before it,
 during it (until its recovery plus 10 s) and in the 30 s after.
 
+Acknowledged trajectories stay in the state store for the router's ``--retention`` (``--retention``
+here, default 600 s; the router's own default is an hour), so its memory levels off once the run
+is longer than that (``memory_series`` in the JSON has a sample every 30 s).
+
 ``--short`` (a few minutes: fewer agents and turns, one round of faults) is what the suite runs.
 """
 
@@ -86,6 +90,7 @@ class SoakConfig:
     fault_every_s: float
     out: Path | None
     fault_s: float = 20.0  # how long a slow or failing replica stays so
+    retention_s: float = 600.0  # the router's --retention: acknowledged trajectories kept this long
     seed: int = 0
 
 
@@ -247,8 +252,9 @@ class ReplicaProc:
 class Fleet:
     """Redis, the router (2 workers) and one supervised replica per group, in ``workdir``."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, retention_s: float) -> None:
         self.dir = workdir
+        self.retention_s = retention_s
         self.redis = Redis(workdir)
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
@@ -278,6 +284,8 @@ class Fleet:
             "5",
             "--lease-timeout",
             str(LEASE_TIMEOUT_S),
+            "--retention",
+            str(self.retention_s),
         ]
         self.router = spawn("router", argv, self.logs / "router.log", env)
         for r in self.replicas:
@@ -591,6 +599,7 @@ def summarize(
             for g in status.get("groups", [])
         },
         "replica_restarts": {r.group: r.restarts for r in fleet.replicas},
+        "memory_series": mem,
         "memory": {k: mem[i] for k, i in (("start", 0), ("middle", len(mem) // 2), ("end", -1))}
         if mem
         else {},
@@ -686,6 +695,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool", type=int, default=96, help="tool tokens appended per turn (default 96)")
     ap.add_argument("--batch", type=int, default=8, help="trajectories per trainer batch (default 8)")
     ap.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults (default 120)")
+    ap.add_argument(
+        "--retention",
+        type=float,
+        default=600.0,
+        help="the router's --retention (default 600 s): acknowledged trajectories stay that long, so the "
+        "state store's memory levels off after it",
+    )
     ap.add_argument("--fault-s", type=float, default=20.0, help="seconds a slow/failing replica lasts")
     ap.add_argument("--short", action="store_true", help="a few minutes, one round of faults (the suite's)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here as JSON")
@@ -703,9 +719,10 @@ def main(argv: list[str] | None = None) -> int:
         args.fault_every,
         args.out,
         args.fault_s,
+        args.retention,
     )
     work = Path(tempfile.mkdtemp(prefix="mixfleet-soak-"))
-    fleet = Fleet(work)
+    fleet = Fleet(work, cfg.retention_s)
     try:
         fleet.start()
         report = asyncio.run(soak(cfg, fleet, 1 if args.short else None))
