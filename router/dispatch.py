@@ -147,15 +147,16 @@ def _pick(
     pick) and is not :meth:`~Registry.overloaded`, else the policy's choice among the group's
     candidates not ``tried`` (an overloaded affinity replica only when no other is less loaded);
     None when there is none. A :class:`Replica` or a view: either has ``replica_id`` and ``url``."""
-    views = registry.views(group, latest, min_version=min_version)
+    mine = None
     if affinity is not None and affinity not in tried:
         mine = registry.serves(affinity, group, latest, min_version)
         if mine is not None and not registry.overloaded(affinity):
-            return mine
-        if mine is not None:  # overloaded: the least-loaded other replica, if it has less to do
-            own = next((v for v in views if v.replica_id == affinity), None)
-            other = choose_replica(views, None, tried | {affinity})
-            return other if other is not None and own is not None and other.load < own.load else mine
+            return mine  # the common case: no scan of the group
+    views = registry.views(group, latest, min_version=min_version)
+    if mine is not None:  # overloaded: the least-loaded other replica, if it has less to do
+        own = next((v for v in views if v.replica_id == affinity), None)
+        other = choose_replica(views, None, tried | {affinity})
+        return other if other is not None and own is not None and other.load < own.load else mine
     return choose_replica(views, affinity, tried)
 
 

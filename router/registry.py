@@ -21,8 +21,8 @@ URL statically.
 heartbeats) has stayed above ``queue_bound`` for ``overload_hold_s`` is :meth:`overloaded`: the
 dispatcher then sends its sessions' new turns to the least-loaded other replica of the group
 (:mod:`router.dispatch`), so a replica that falls behind sheds load instead of keeping every
-session hashed to it (consistent hashing without load collapsed one RL system's prefix-cache hit
-rate from 98% to 5%: prime-rl issue 3255). A queue at or below the bound resets the clock.
+session hashed to it (affinity without load collapses prefix-cache hit rates: prime-rl issue
+3255). A queue at or below the bound resets the clock.
 """
 
 from __future__ import annotations
