@@ -163,7 +163,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            from fleet.engine.init_model import write_model
+            from mixfleet.init_model import write_model
 
             model_dir = write_model(Path(tmp) / args.preset, args.preset)
         batch = prompts(args.requests, args.prompt_len)

@@ -51,13 +51,13 @@ def main() -> int:
     from transformers import Qwen3MoeForCausalLM
     from transformers.cache_utils import DynamicCache
 
-    from fleet.engine.model import load_model
+    from engine.model.model import load_model
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            from fleet.engine.init_model import write_model
+            from mixfleet.init_model import write_model
 
             model_dir = write_model(Path(tmp) / args.preset, args.preset)
         model = load_model(model_dir)

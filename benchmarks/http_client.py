@@ -7,7 +7,7 @@ params) with ``--concurrency`` in flight, after ``--warmup`` untimed ones, and t
 CPU time (user + system, ``getrusage``) is divided by the request count:
 
 * baseline: ``httpx.AsyncClient`` (one client, keep-alive pool), ``post`` then ``.content``;
-* project: :class:`fleet.sglang_client.SGLangClient` on :func:`fleet.sglang_client.make_http_client`
+* project: :class:`clients.engine.SGLangClient` on :func:`clients.engine.make_http_client`
   (aiohttp), ``post_generate`` (one request, the whole answer read).
 
 The two run alternately, ``--rounds`` times each, in one run; the figures printed are each
@@ -80,7 +80,7 @@ async def run_httpx(url: str, n: int, concurrency: int, warmup: int) -> tuple[fl
 
 
 async def run_project(url: str, n: int, concurrency: int, warmup: int) -> tuple[float, float]:
-    from fleet.sglang_client import SGLangClient, make_http_client
+    from clients.engine import SGLangClient, make_http_client
 
     http = make_http_client(max_connections=64)
     client = SGLangClient(http, url)
@@ -129,7 +129,7 @@ def main() -> int:
     if args.serve is not None:
         serve(args.serve)
         return 0
-    from fleet.tcp import free_port
+    from core.tcp import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -60,8 +60,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleet.launch import Child, spawn, stop  # noqa: E402
-from fleet.tcp import free_port  # noqa: E402
+from core.tcp import free_port  # noqa: E402
+from launcher.children import Child, spawn, stop  # noqa: E402
 
 RUN = "soak"
 # A lease whose answer the trainer never got (a router worker killed mid-take) is redelivered after
@@ -267,7 +267,7 @@ class Fleet:
         self.logs = workdir / "logs"
 
     def start(self) -> None:
-        from fleet.engine.init_model import write_model
+        from mixfleet.init_model import write_model
         from weight_sync.publish import bootstrap
         from weight_sync.store.local import LocalStore
 

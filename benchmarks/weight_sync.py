@@ -21,7 +21,7 @@ divided by the cores, the time before which no schedule can finish on this machi
 Targets: engine pause <= 5% of the total, total <= 2x the slowest conversion.
 
 Three configurations are measured on the same fleet (sidecars restarted between them), all
-activating by the one protocol (``fleet.activation``: retract -> update with a cache flush ->
+activating by the one protocol (``replica.activation``: retract -> update with a cache flush ->
 continue; the engine loads the new weights while paused): ``staged-copy`` (barrier publish,
 staged copy: what a SGLang replica on Modal runs), ``default`` (barrier publish, staged in place:
 as ``mixfleet up`` runs it), ``pipelined`` (per-format publish, in place: each group activates as
@@ -57,7 +57,7 @@ from weight_sync.publish import ConversionPool, publish_checkpoint  # noqa: E402
 
 
 def write_size(root: Path, size: str, seed: int) -> Path:
-    from fleet.engine.init_model import PRESETS, write_model
+    from mixfleet.init_model import PRESETS, write_model
 
     out = root / f"{size}-s{seed}"
     if out.is_dir():
@@ -91,7 +91,7 @@ def baseline(ckpt: Path, fmt: str, work: Path, reps: int = 3) -> Baseline:
     """Convert ``ckpt`` into ``fmt`` ``reps`` times, then load the result ``reps`` times."""
     import torch
 
-    from fleet.engine.model import load_model
+    from engine.model.model import load_model
 
     dst = work / f"baseline-{fmt}"
     walls, cpus, loads = [], [], []

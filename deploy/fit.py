@@ -42,9 +42,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from core.errors import UserError
 from fleet.specs import GroupSpec
 from images.accelerators import memory_mib, parse_gpu
-from weight_sync.errors import UserError
 
 GIB = 1 << 30
 MIB = 1 << 20

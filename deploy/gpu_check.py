@@ -19,7 +19,7 @@ production code; only the router and replicas run on one machine instead of Moda
    non-empty and holds the token, the support's log-probs sum to 1 and the token's μ is its
    support log-prob (:func:`check_records`).
 4. **activation under load**: while sessions sample long turns continuously on every group,
-   ``mixfleet weights verify`` (:func:`fleet.verify.run_verify`) publishes a known perturbation
+   ``mixfleet weights verify`` (:func:`validate.live_update.run_verify`) publishes a known perturbation
    (two rows of ``lm_head`` swapped), waits until every replica serves it, checks that the
    fixed-prefix scores moved exactly as predicted, rolls back and checks they returned. Every load
    turn must complete, and every turn's weight-version spans must be well formed: contiguous,
@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.launch import Child, Launcher, Probe
-from fleet.tcp import free_port
-from weight_sync.errors import UserError
+from core.errors import UserError
+from core.tcp import free_port
+from launcher.children import Child, Launcher, Probe
 
 RUN = "gpu-check"
 ENGINES = ("sglang", "local")
@@ -313,8 +313,8 @@ class Load:
 
 def activate_under_load(fleet: Fleet, cfg: CheckConfig, report: Report) -> None:
     """Step 4: ``weights verify`` while :class:`Load` samples; then every load turn checked."""
-    from fleet.verify import run_verify
-    from fleet.weights_client import WeightsClient
+    from clients.router import WeightsClient
+    from validate.live_update import run_verify
 
     with (
         Load(fleet, cfg.sessions_per_group, cfg.turn_tokens) as load,
@@ -352,7 +352,7 @@ def run_check(cfg: CheckConfig) -> Report:
 
 
 def _make_model(path: Path) -> Path:
-    from fleet.engine.init_model import write_model
+    from mixfleet.init_model import write_model
 
     if not (path / "config.json").exists():
         write_model(path, "small")

@@ -8,11 +8,11 @@ is created):
   of its accelerator family, proxy auth on, the sidecar's key from the ``mixfleet-replica-key``
   secret, the sidecar on the public port, target and maximum
   concurrency from ``sessions_per_replica``, min/max/buffer containers and the scale-down window
-  from the preset. Its ``@modal.enter`` starts the replica entrypoint ``fleet.replica.run_replica``
+  from the preset. Its ``@modal.enter`` starts the replica entrypoint ``replica.entrypoint.run_replica``
   (stage the current version from the Volume to local disk, SGLang on a private port, the
   sidecar on the public one) with :func:`replica_kwargs`.
 - ``router``: the router as an ASGI app on several containers, built by the router's own factory
-  (:func:`router.cli.app_from_args`, what every ``mixfleet router`` worker runs): state in Redis
+  (:func:`mixfleet.router.app_from_args`, what every ``mixfleet router`` worker runs): state in Redis
   (URL from the ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the
   proxy auth token it reaches the servers with (``Modal-Key`` / ``Modal-Secret`` on every call to
   a replica) from ``mixfleet-proxy-auth``, the weight store on the Volume, and its publications
@@ -147,7 +147,7 @@ def replica_id(group: GroupSpec) -> str | None:
 
 
 def replica_kwargs(group: GroupSpec, stop: threading.Event, router_url: str, public_url: str | None) -> dict:
-    """The keyword arguments of ``fleet.replica.run_replica`` for one replica of ``group``: the
+    """The keyword arguments of ``replica.entrypoint.run_replica`` for one replica of ``group``: the
     store on the Volume, staging on the container's disk, SGLang of the pinned release on the
     private engine port, the sidecar on the public port, the replica key from its secret, the
     container's own replica id (:func:`replica_id`)."""
@@ -175,7 +175,7 @@ def replica_kwargs(group: GroupSpec, stop: threading.Event, router_url: str, pub
 
 def _start_replica(group: GroupSpec, stop: threading.Event) -> None:
     """Run one replica of ``group`` with the replica entrypoint until ``stop`` is set (blocks)."""
-    from fleet.replica import run_replica
+    from replica.entrypoint import run_replica
 
     public_url = modal.Server.from_name(APP_NAME, group.name).get_url()
     run_replica(**replica_kwargs(group, stop, _router_url(), public_url))
@@ -250,10 +250,10 @@ SERVERS: dict[str, modal.Server] = {s.name: _define_server(s) for s in PLAN.serv
 @modal.concurrent(max_inputs=PLAN.router.max_concurrency, target_inputs=PLAN.router.target_concurrency)
 @modal.asgi_app()
 def router() -> Any:
-    """The router app over Redis state for this fleet: :func:`router.cli.app_from_args` of
+    """The router app over Redis state for this fleet: :func:`mixfleet.router.app_from_args` of
     :func:`router_args` (keys from ``MIXFLEET_API_KEYS``, proxy auth from ``MIXFLEET_PROXY_KEY`` /
     ``MIXFLEET_PROXY_SECRET``, the store and converter from :data:`ROUTER_ENV`)."""
-    from router.cli import app_from_args
+    from mixfleet.router import app_from_args
 
     return app_from_args(router_args())
 
@@ -262,7 +262,7 @@ def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
     (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL`` and requests pinned to the
     containers of this app's servers."""
-    from router.cli import default_args
+    from mixfleet.router import default_args
 
     return default_args(
         fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV], modal_app=APP_NAME

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from core.errors import UserError
 from deploy.fit import Fit, Model, fit, read_model
 from fleet.specs import FleetSpec, GroupSpec, load_preset
 from images import sglang
 from images.accelerators import Family, GpuError, gpu_string, max_count, parse_gpu
-from weight_sync.errors import UserError
 
 APP_NAME = "mixfleet"
 PUBLIC_PORT = 8000  # the sidecar: the port Modal's proxy forwards to

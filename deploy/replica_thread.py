@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleet.launch import Probe
+from launcher.children import Probe
 
 
 class ReplicaFailed(RuntimeError):
@@ -81,7 +81,7 @@ class ReplicaThread:
     ) -> dict[str, Any]:
         """The sidecar's ``/v1/status`` once the sidecar at ``host:port`` is ready
         (:func:`serves_current`: ``/health`` 200 and its engine serving the store's current
-        version), polled every ``poll_s`` through the fleet's probe (:class:`fleet.launch.Probe`,
+        version), polled every ``poll_s`` through the fleet's probe (:class:`launcher.children.Probe`,
         the one engine client's pool). :class:`ReplicaFailed` if the entrypoint ends first
         (``cause``: its exception, None for a plain return) or ``timeout_s`` passes (naming what
         was missing last)."""

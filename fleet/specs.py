@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 
 WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]

@@ -3,7 +3,7 @@
 Everything here was read from the released ``sglang 0.5.23`` wheel on PyPI
 (``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``); each value names the file it comes from.
 The module is pure (no modal); the protocol values the engine client and the local engine need are
-defined in :mod:`fleet.sglang_release` (below images/ in the layers) and re-exported here.
+defined in :mod:`core.sglang_release` (below images/ in the layers) and re-exported here.
 :func:`server_argv` is the one place an SGLang command line is built.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 # The protocol values the engine client and the local engine share live in the modal-free
 # fleet.sglang_release; the pin re-exports them.
-from fleet import sglang_release as _release
+from core import sglang_release as _release
 
 SGLANG_VERSION = _release.SGLANG_VERSION
 SAMPLING_MASK_MAX_TOKENS_DEFAULT = _release.SAMPLING_MASK_MAX_TOKENS_DEFAULT

@@ -3,7 +3,7 @@
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; the module's docstring's first line is the command's help. Heavy imports
 (torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A process that
-:mod:`fleet.launch` started takes the processes it starts with it when it ends
+:mod:`launcher.children` started takes the processes it starts with it when it ends
 (:func:`~fleet.launch.guard_group`). A
 :class:`~weight_sync.errors.UserError` from a command becomes one line on stderr and exit status 2.
 A reader of stdout that goes away (``mixfleet weights status | head -1``) ends the command
@@ -19,30 +19,35 @@ import select
 import sys
 from types import ModuleType
 
-from deploy import cli as deploy_cli
-from deploy import scale_cli
-from fleet import replica_cli, sidecar_cli, up, weights_cli
-from fleet.engine import init_model
-from fleet.engine import server as engine_server
-from fleet.launch import guard_group
-from mixfleet import demo
-from router import cli as router_cli
-from router import report_cli
-from weight_sync import convert_cli
-from weight_sync.errors import UserError
+from core.errors import UserError
+from launcher.children import guard_group
+from mixfleet import (
+    convert,
+    demo,
+    deploy,
+    engine,
+    init_model,
+    replica,
+    report,
+    router,
+    scale,
+    sidecar,
+    up,
+    weights,
+)
 
 COMMANDS: dict[str, ModuleType] = {
     "up": up,
     "init-model": init_model,
-    "convert": convert_cli,
-    "engine": engine_server,
-    "router": router_cli,
-    "sidecar": sidecar_cli,
-    "replica": replica_cli,
-    "weights": weights_cli,
-    "deploy": deploy_cli,
-    "scale": scale_cli,
-    "report": report_cli,
+    "convert": convert,
+    "engine": engine,
+    "router": router,
+    "sidecar": sidecar,
+    "replica": replica,
+    "weights": weights,
+    "deploy": deploy,
+    "scale": scale,
+    "report": report,
     "demo": demo,
 }
 

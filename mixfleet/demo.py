@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ def _cost_report(url: str, key: str, out: Path) -> None:
     failure is reported in one line and does not fail the demo."""
     import subprocess
 
-    from fleet.launch import mixfleet_command
+    from launcher.children import mixfleet_command
 
     argv = [*mixfleet_command(), "report", "--out", str(out), "--router", url]
     env = {**os.environ, "MIXFLEET_API_KEY": key}
@@ -175,7 +175,8 @@ class _local_fleet:
         self.child = None
 
     def __enter__(self) -> tuple[str, str]:
-        from fleet import launch, tcp
+        from core import tcp
+        from launcher import children
 
         host = "127.0.0.1"
         port = self.port or tcp.free_port(host)
@@ -186,7 +187,7 @@ class _local_fleet:
         argv = ["up", "--preset", "local", "--port", str(port), "--data-dir", str(self.data)]
         argv += ["--model-preset", self.model_preset]
         _say(f"starting the local fleet (log {log}) ...")
-        self.child = launch.spawn("up", argv, log, {"MIXFLEET_API_KEYS": "", "MIXFLEET_API_KEY": ""})
+        self.child = children.spawn("up", argv, log, {"MIXFLEET_API_KEYS": "", "MIXFLEET_API_KEY": ""})
         url = f"http://{host}:{port}"
         try:
             key = self._wait_ready(url, log)
@@ -211,9 +212,9 @@ class _local_fleet:
         return (self.data / "api_key").read_text().strip()
 
     def __exit__(self, *exc: object) -> None:
-        from fleet import launch
+        from launcher import children
 
         if self.child is not None:
             _say("stopping the fleet ...")
-            launch.stop([self.child], grace_s=20.0)
+            children.stop([self.child], grace_s=20.0)
             self.child = None

@@ -17,8 +17,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from core.errors import UserError
 from router.config import SCOPES
-from weight_sync.errors import UserError
 
 ENV_VAR = "MIXFLEET_API_KEYS"
 _bearer = HTTPBearer(auto_error=False, description="API key; scopes rollout, trainer, admin, replica")

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from core.errors import UserError
 from fleet.specs import FleetSpec
 from router.mismatch import check_band
 from router.state.retention import Retention
-from weight_sync.errors import UserError
 
 Policy = Literal["capacity", "round_robin", "cost"]
 POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")

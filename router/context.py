@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from fleet.sglang_client import (
+from clients.engine import (
     EngineError,
     EngineUnavailable,
     SGLangClient,

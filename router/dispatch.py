@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, Generation, SGLangClient
+from clients.engine import EngineRejected, EngineUnavailable, Generation, SGLangClient
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica

@@ -1,6 +1,6 @@
 """Prometheus metrics of one router (``/metrics``), in a registry private to the app.
 
-Every family is declared once in :data:`ROUTER_METRICS` (:class:`fleet.metric_defs.MetricDef`;
+Every family is declared once in :data:`ROUTER_METRICS` (:class:`core.metric_defs.MetricDef`;
 ``docs/metrics.md`` is generated from it). Request-path counters, histograms and gauges
 (:data:`REQUEST_PATH`) are prometheus-client's own types, updated where the event happens in the
 process that served it. Families that describe the fleet (groups, versions, queue, ledger,
@@ -9,7 +9,7 @@ app refreshes from the registry and the state store right before each scrape, so
 across routers sharing Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units,
 ``_total`` on counters, ``_info`` for metadata, no colons.
 
-**Several workers on one port** (``mixfleet router --workers N``, :mod:`router.cli`): with
+**Several workers on one port** (``mixfleet router --workers N``, :mod:`mixfleet.router`): with
 ``PROMETHEUS_MULTIPROC_DIR`` set before prometheus-client is first imported (its value class is
 chosen then: ``prometheus_client/values.py`` 152-163, 0.26.0), every worker writes its request-path
 values to its own files there and a scrape of any worker reads all of them through
@@ -34,7 +34,7 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.values import MutexValue, ValueClass
 
-from fleet.metric_defs import MetricDef, by_name
+from core.metric_defs import MetricDef, by_name
 from router.mismatch import BUCKET_LABELS, MismatchSums, rollup
 
 LATENCY_BUCKETS = (

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.sglang_client import EngineError
+from clients.engine import EngineError
+from core.errors import UserError
 from router.context import RouterContext
 from router.state.base import StateError
 from weight_sync.converters import (
@@ -58,7 +59,6 @@ from weight_sync.converters import (
     function_from_env,
     open_converter,
 )
-from weight_sync.errors import UserError
 from weight_sync.types import FormatRef, VersionRef
 
 log = logging.getLogger("mixfleet.router.publishing")

@@ -11,7 +11,7 @@ binary encoding (turns and trainer batches) and its JSON view.
 Behavior records are stored and served in this encoding, never as JSON lists of lists.
 The decoders use nothing but the standard library (``json``, ``struct``), so a trainer can
 restate or copy them; the encoder uses numpy for long varint runs (when installed) and
-:mod:`fleet.jsonio` for headers, which changes neither the layout nor any decoded value (JSON
+:mod:`core.jsonio` for headers, which changes neither the layout nor any decoded value (JSON
 headers may spell a float differently from :mod:`json`, e.g. ``1e-5`` for ``1e-05``).
 
 Primitives
@@ -42,7 +42,7 @@ and ``raw_logprob`` are always float32: they enter importance ratios directly. T
 ``top_k = n`` (SGLang's ``--sampling-mask-max-tokens``; it returns sampling masks only for a finite
 ``top_k``): each support is the turn's top-p/min-p candidate set cut to its n most likely tokens.
 ``sampling.sampling_mask`` = false says the turn filtered nothing and was sent without a sampling
-mask (:func:`fleet.sglang_release.sampling_request`): every support is empty (the whole
+mask (:func:`core.sglang_release.sampling_request`): every support is empty (the whole
 vocabulary) and ``logprob`` is the engine's ``output_token_logprobs`` value (per token ``[logprob,
 token_id, text]``, SGLang's managers/tokenizer_manager.py 3098-3116), its log-prob after
 temperature ``log softmax(logits / T)``, the distribution it drew from (layers/sampler.py
@@ -665,7 +665,7 @@ class _Reader:
 def _json(obj: Any, out: bytearray) -> None:
     """``obj`` as a length-prefixed JSON object with sorted keys (the encoder's JSON module is
     imported here, so decoding needs the standard library only)."""
-    from fleet.jsonio import dumps
+    from core.jsonio import dumps
 
     data = dumps(obj, sort_keys=True)
     _varint(len(data), out)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from fleet.jsonio import dumps
+from core.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.sglang_client import EngineRejected, EngineUnavailable, RawResponse, SGLangClient
+from clients.engine import EngineRejected, EngineUnavailable, RawResponse, SGLangClient
 from router.auth import require
 from router.context import RouterContext
 from router.dispatch import check_vocab, with_failover

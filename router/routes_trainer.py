@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.jsonio import dumps
-from fleet.sglang_client import EngineError, EngineRejected, reported_version
+from clients.engine import EngineError, EngineRejected, reported_version
+from core.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.errors import UserError
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
@@ -51,7 +52,6 @@ from router.publishing import (
     workers_from_env,
 )
 from weight_sync.converters import Converter
-from weight_sync.errors import UserError
 from weight_sync.publish import VersionMissing
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

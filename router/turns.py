@@ -22,7 +22,7 @@ import secrets
 import time
 from dataclasses import replace
 
-from fleet.jsonio import dumps
+from core.jsonio import dumps
 from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
+from core.errors import UserError
 from fleet.specs import load_preset
 from tests.support.procs import mixfleet_argv
-from weight_sync.errors import UserError
 
 
 def test_help_lists_commands() -> None:

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.metric_defs import MetricDef
-from fleet.reconciler import REPLICA_METRICS
+from core.metric_defs import MetricDef
 from mixfleet import metrics_doc
+from replica.reconciler import REPLICA_METRICS
 from router.metrics import FAILOVER_REASONS, ROUTER_METRICS, SNAPSHOT, RouterMetrics
 from tests.support.fleet import local_fleet
 from tests.support.procs import REPO

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.tcp import port_is_free
+from core.tcp import port_is_free
 from tests.support.procs import free_port, kill_group, mixfleet_argv
 
 
@@ -199,7 +199,7 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
 def test_free_ports_are_never_handed_out_twice() -> None:
     # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
     # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.
-    from fleet.tcp import free_port as fleet_free_port
+    from core.tcp import free_port as fleet_free_port
 
     ports = [fleet_free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
@@ -207,7 +207,7 @@ def test_free_ports_are_never_handed_out_twice() -> None:
 
 @pytest.mark.timeout(120)
 def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -> None:
-    from fleet.launch import Child, ChildFailed, Probe
+    from launcher.children import Child, ChildFailed, Probe
     from tests.support.engines import engine_argv
     from tests.support.models import make_model_dir
     from tests.support.procs import process, wait_http

@@ -40,7 +40,7 @@ fp8     ``P.weight`` F8_E4M3 [N, K]; ``P.weight_scale_inv`` F32 [ceil(N/128), ce
 nvfp4   ``P.weight`` U8 [N, K/2]; ``P.weight_scale`` F8_E4M3 [N, K/16]; ``P.weight_scale_2`` F32
         0-dim; ``P.input_scale`` F32 0-dim, calibrated: SGLang runs NVFP4 W4A4 with static
         activation scales (the decision and its sources: ``weight_sync.formats.nvfp4``), so the
-        BF16 source runs a fixed calibration text first (``fleet.engine.calibrate``) and each
+        BF16 source runs a fixed calibration text first (``engine.model.calibrate``) and each
         linear gets ``amax / (6 * 448)`` of its input there: one value for q/k/v, one for a
         dense MLP's gate/up, and per MoE layer one for every expert's gate/up and one for every
         expert's down (SGLang takes the maximum over the experts). SGLang's loader maps them as it
@@ -108,8 +108,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from core.errors import UserError
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
-from weight_sync.errors import UserError
 from weight_sync.formats import fp8_layout
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
 from weight_sync.safetensors_io import (
@@ -669,7 +669,7 @@ class _Planner:
 
 
 def _calibration_site(name: str) -> tuple[int, str]:
-    """The ``(layer, site)`` of ``fleet.engine.calibrate`` whose input a linear weight reads."""
+    """The ``(layer, site)`` of ``engine.model.calibrate`` whose input a linear weight reads."""
     if m := _ATTN.match(name):
         return int(m.group(1)), "o_proj" if m.group(2) == "o" else "qkv"
     if m := _DENSE.match(name):
@@ -682,10 +682,10 @@ def _calibration_site(name: str) -> tuple[int, str]:
 def _input_scales(source: Source, classified: Classified) -> dict[str, np.float32]:
     """nvfp4: every quantized linear's calibrated ``input_scale`` (by weight name).
 
-    The calibration forward is the engine's (``fleet.engine.calibrate``): the one Qwen3-MoE forward
+    The calibration forward is the engine's (``engine.model.calibrate``): the one Qwen3-MoE forward
     of the project, imported here only for nvfp4 (an upward import, kept to this function).
     """
-    from fleet.engine.calibrate import input_amax
+    from engine.model.calibrate import input_amax
     from weight_sync.formats import nvfp4
 
     try:

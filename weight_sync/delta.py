@@ -31,7 +31,7 @@ import os
 import shutil
 from pathlib import Path
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, count_tensors
 from weight_sync.safetensors_io import read_header
 from weight_sync.store.base import VersionStore

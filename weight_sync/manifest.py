@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest
-from weight_sync.errors import UserError
 from weight_sync.safetensors_io import SafetensorsError, read_header
 
 MANIFEST_NAME = "manifest.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.publish import link_tree
 from weight_sync.safetensors_io import read_header
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.manifest import Manifest
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
@@ -663,7 +663,7 @@ def _warm_job() -> int:
 
     import torch
 
-    from fleet.engine.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
+    from mixfleet.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
     from weight_sync.convert import FORMATS, convert_checkpoint
 
     tiny = Preset(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

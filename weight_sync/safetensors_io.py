@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 
 __all__ = [
     "FormatRef",

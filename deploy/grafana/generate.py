@@ -5,8 +5,8 @@ Edit the panels here and run ``python -m deploy.grafana.generate``; never edit t
 differs from what this module generates, or when a panel or variable queries a metric that no
 code defines. The defined names are read from the metric registries themselves: the router's
 (:class:`router.metrics.RouterMetrics`), a sidecar's (built from
-:data:`fleet.reconciler.REPLICA_METRICS`), the engine's
-(:class:`fleet.engine.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
+:data:`replica.reconciler.REPLICA_METRICS`), the engine's
+(:class:`engine.server.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
 rules of ``deploy/prometheus/rules/``.
 
 Every dashboard is Grafana 11 schema (``schemaVersion`` :data:`SCHEMA_VERSION`), takes its
@@ -35,8 +35,8 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from fleet.engine.metrics import EngineMetrics
-from fleet.reconciler import REPLICA_METRICS
+from engine.server.metrics import EngineMetrics
+from replica.reconciler import REPLICA_METRICS
 from router.metrics import RouterMetrics
 
 HERE = Path(__file__).resolve().parent

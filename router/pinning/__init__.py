@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from core.errors import UserError
 from router.pinning.base import PIN_HEADER, Container, ContainerPins, ListContainers
-from weight_sync.errors import UserError
 
 __all__ = ["PIN_HEADER", "Container", "ContainerPins", "ListContainers", "open_pins"]
 

@@ -69,7 +69,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fleet import jsonio
+from core import jsonio
 from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (

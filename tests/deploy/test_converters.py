@@ -23,6 +23,7 @@ import modal
 import pytest
 from fastapi.testclient import TestClient
 
+from core.errors import UserError
 from fleet.specs import load_preset
 from router.app import create_app
 from router.config import RouterConfig
@@ -39,7 +40,6 @@ from weight_sync.converters import (
     open_converter,
 )
 from weight_sync.converters.modal_function import call_kwargs, function_ref, parse_function_ref, run_request
-from weight_sync.errors import UserError
 from weight_sync.publish import next_version
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef, VersionRef

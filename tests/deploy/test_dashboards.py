@@ -88,8 +88,8 @@ def test_check_fails_on_a_metric_the_code_does_not_define(tmp_path: Path) -> Non
 
 
 def test_defined_metrics_are_read_from_the_registries() -> None:
-    from fleet.engine.metrics import EngineMetrics
-    from fleet.reconciler import REPLICA_METRICS
+    from engine.server.metrics import EngineMetrics
+    from replica.reconciler import REPLICA_METRICS
     from router.metrics import ROUTER_METRICS
 
     defined = generate.defined_metrics()

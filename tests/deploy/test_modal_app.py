@@ -168,7 +168,7 @@ def test_replica_entrypoint_takes_the_arguments_the_server_passes(deployed) -> N
     import inspect
     import threading
 
-    from fleet.replica import run_replica
+    from replica.entrypoint import run_replica
 
     module, fleet = deployed
     for g in fleet.groups:

@@ -38,6 +38,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from core.errors import UserError
 from fleet.specs import load_preset
 from router.config import proxy_auth_headers
 from router.pinning import PIN_HEADER
@@ -47,7 +48,6 @@ from tests.support.engines import engine_process
 from tests.support.procs import free_port
 from tests.support.recorder import serve_in_thread
 from tests.support.router import router_process, write_preset
-from weight_sync.errors import UserError
 
 TOKEN = {"Modal-Key": "wk-" + secrets.token_hex(8), "Modal-Secret": "ws-" + secrets.token_hex(16)}
 PROXY_ENV = {"MIXFLEET_PROXY_KEY": TOKEN["Modal-Key"], "MIXFLEET_PROXY_SECRET": TOKEN["Modal-Secret"]}

@@ -1,7 +1,7 @@
 """The server's start-up wait (:meth:`deploy.replica_thread.ReplicaThread.wait_ready`, what
 ``@modal.enter`` blocks on before Modal registers the container): it returns only once the
 sidecar answers ``/health`` 200 and its engine serves the store's current version. Shown on the
-real replica entrypoint (``fleet.replica.run_replica``: a local engine behind a real sidecar on a
+real replica entrypoint (``replica.entrypoint.run_replica``: a local engine behind a real sidecar on a
 real store): ready at version 0; not ready while the engine does not answer (stopped with
 SIGSTOP) although the sidecar does; not ready while the store's current version is one the
 replica cannot activate (a corrupt copy: the engine keeps serving the older version); ready again
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from core.tcp import free_port
 from deploy.replica_thread import ReplicaFailed, ReplicaThread, serves_current
-from fleet.launch import engine_argv, mixfleet_command
-from fleet.replica import ReadyReplica, run_replica
 from fleet.specs import GroupSpec
-from fleet.tcp import free_port
+from launcher.children import engine_argv, mixfleet_command
+from replica.entrypoint import ReadyReplica, run_replica
 from tests.support.models import make_model_dir
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store import StoreLocation
@@ -132,7 +132,7 @@ def test_ready_only_while_the_engine_serves_the_stores_current_version(tmp_path)
 
 
 def _status(port: int) -> dict:
-    from fleet.launch import Probe
+    from launcher.children import Probe
 
     with Probe() as probe:
         code, body = probe.get_json(f"http://127.0.0.1:{port}/v1/status")
@@ -166,7 +166,7 @@ def test_a_port_that_accepts_tcp_is_not_ready() -> None:
 
 def test_an_entrypoint_that_fails_fails_the_start_at_once_with_its_error() -> None:
     def target(stop: threading.Event) -> None:
-        raise ModuleNotFoundError("No module named 'fleet.replica'")
+        raise ModuleNotFoundError("No module named 'replica.entrypoint'")
 
     replica = ReplicaThread(target, name="r").start()
     began = time.monotonic()

@@ -16,9 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 from modal.types import ServerContainerInfo
 
+from core.errors import UserError
 from router.pinning.modal_server import ModalServerContainers
 from tests.support.procs import redis_server
-from weight_sync.errors import UserError
 
 ADMIN = "tok-admin-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}

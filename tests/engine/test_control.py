@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fleet.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
+from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
 from tests.engine.conftest import StreamReader, generate
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir

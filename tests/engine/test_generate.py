@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from fleet.sglang_release import sampling_request
+from core.sglang_release import sampling_request
 from tests.engine.conftest import StreamReader, generate
 from tests.engine.stats import chi_square_p
 
@@ -272,7 +272,7 @@ def test_engine_frequencies_match_recorded_mu(
     engine: str, client: httpx.Client, tiny_config: dict[str, Any], params: dict[str, Any]
 ) -> None:
     """Fixed prefix, many seeded samples, each sent as the engine client sends it
-    (:func:`fleet.sglang_release.sampling_request`: a mask unless the turn filters nothing): token
+    (:func:`core.sglang_release.sampling_request`: a mask unless the turn filters nothing): token
     counts agree with exp(recorded mu) (chi-square); mu is the mask's selected log-prob, or for an
     unfiltered request ``output_token_logprobs``."""
     n = 1200

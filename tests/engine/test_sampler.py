@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from fleet.engine.sampler import SamplerSettings, sample
+from engine.runtime.sampler import SamplerSettings, sample
 from tests.engine.stats import chi_square_p
 
 V = 10

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from fleet.engine.protocol import GenerateReqInput, ModelLimits
-from fleet.engine.scheduler import FinishEvent, PrefillEvent, Scheduler, TokenEvent
+from engine.runtime.scheduler import FinishEvent, PrefillEvent, Scheduler, TokenEvent
+from engine.server.protocol import GenerateReqInput, ModelLimits
 
 
 @pytest.fixture(scope="module")
 def model(tiny_dir: Path) -> Any:
-    from fleet.engine.model import load_model
+    from engine.model.model import load_model
 
     return load_model(tiny_dir)
 

@@ -13,6 +13,6 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir: Path):
-    from fleet.engine.model import load_model
+    from engine.model.model import load_model
 
     return load_model(tiny_dir)

@@ -4,7 +4,7 @@ Written from the published semantics of FlashInfer's ``fp4_quantize`` (its tests
 ``ref_fp4_quant``; vLLM's ``ref_nvfp4_quant``), one 16-element block at a time in plain Python on
 float32 scalars (``numpy.float32`` arithmetic is IEEE float32), with torch's own float8_e4m3fn
 cast for the block scale and E2M1 rounding by its decision thresholds. It shares no code with the
-engine (``fleet.engine.act_nvfp4``).
+engine (``engine.model.act_nvfp4``).
 """
 
 from __future__ import annotations

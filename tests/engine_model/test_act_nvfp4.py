@@ -1,4 +1,4 @@
-"""NVFP4 activation quantization (``fleet.engine.act_nvfp4``) byte for byte against the
+"""NVFP4 activation quantization (``engine.model.act_nvfp4``) byte for byte against the
 independent scalar restatement in ``nvfp4_reference``: ties, saturation, underflow, zeros, every
 bfloat16 value."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet.engine import act_nvfp4
+from engine.model import act_nvfp4
 from tests.engine_model import nvfp4_reference
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine.cache import MIN_CAPACITY
-from fleet.engine.model import load_model
+from engine.model.model import load_model
+from engine.runtime.cache import MIN_CAPACITY
 
 ATOL = 1e-4
 

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from fleet.engine import decode_attention, jit
+from engine.kernels import attention, threads
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llvmlite") is None, reason="llvmlite (numba's code generator) not installed"
@@ -34,7 +34,7 @@ def _reference(q: torch.Tensor, store: torch.Tensor, lengths: torch.Tensor) -> t
 
 @pytest.mark.parametrize(("group", "d", "nkv"), [(4, 64, 2), (2, 32, 2), (1, 16, 3), (8, 128, 1)])
 def test_matches_float64_softmax_attention(group: int, d: int, nkv: int) -> None:
-    assert decode_attention.available(group, d)
+    assert attention.available(group, d)
     g = torch.Generator().manual_seed(group * 100 + d)
     cap, n_slots = 96, 6
     store = torch.randn(n_slots + 2, 2 * nkv, cap, d, generator=g)
@@ -43,7 +43,7 @@ def test_matches_float64_softmax_attention(group: int, d: int, nkv: int) -> None
     # 1 key, a partial 16-chunk, exact chunks, a long tail, a skipped slot, the full capacity
     lengths = torch.tensor([1, 7, 32, 75, 0, cap])
     out = torch.full(q.shape, 123.0)
-    decode_attention.attend(q, store, lengths, out)
+    attention.attend(q, store, lengths, out)
     ref = _reference(q, store, lengths)
     live = lengths > 0
     assert (out[~live] == 123.0).all()  # a skipped slot is left alone
@@ -58,12 +58,12 @@ def test_large_scores_and_thread_splits(monkeypatch: pytest.MonkeyPatch) -> None
     store = torch.randn(9, 4, 64, 32, generator=g) * 8
     q = torch.randn(9, 2, 2, 32, generator=g) * 8
     lengths = torch.tensor([64, 3, 17, 40, 1, 64, 0, 33, 16])
-    one = decode_attention.attend(q, store, lengths, torch.zeros(q.shape))
-    monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 0)
+    one = attention.attend(q, store, lengths, torch.zeros(q.shape))
+    monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        split = decode_attention.attend(q, store, lengths, torch.zeros(q.shape))
+        split = attention.attend(q, store, lengths, torch.zeros(q.shape))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, split)
@@ -75,7 +75,7 @@ def test_refuses_bad_arguments() -> None:
     q = torch.zeros(2, 1, 2, 16)
     store = torch.zeros(2, 2, 8, 16)
     with pytest.raises(ValueError, match="lengths must be"):
-        decode_attention.attend(q, store, torch.tensor([9, 1]), torch.empty(q.shape))
+        attention.attend(q, store, torch.tensor([9, 1]), torch.empty(q.shape))
     with pytest.raises(ValueError, match="contiguous float32"):
-        decode_attention.attend(q.double(), store, torch.tensor([1, 1]), torch.empty(q.shape))
-    assert not decode_attention.available(2, 24)  # head_dim not a multiple of 16: callers use SDPA
+        attention.attend(q.double(), store, torch.tensor([1, 1]), torch.empty(q.shape))
+    assert not attention.available(2, 24)  # head_dim not a multiple of 16: callers use SDPA

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet.engine import dequant
+from engine.model import dequant
 from weight_sync.formats import fp8, mxfp4, nvfp4
 
 

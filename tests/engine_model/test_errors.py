@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fleet.engine.model import load_model
+from engine.model.model import load_model
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fleet.engine.config import ModelConfig
-from fleet.engine.model import load_model
-from fleet.engine.weights import load_checkpoint, named_linears
+from engine.model.config import ModelConfig
+from engine.model.loader import load_checkpoint, named_linears
+from engine.model.model import load_model
 from tests.support.models import make_model_dir
 from weight_sync.formats import fp8
 

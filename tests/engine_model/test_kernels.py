@@ -1,4 +1,4 @@
-"""The bf16-weight GEMM kernel (``fleet.engine.kernels``) against float64 references.
+"""The bf16-weight GEMM kernel (``engine.kernels.gemm``) against float64 references.
 
 Bound: float32 products summed in float32 err by at most about (terms summed in one chain) x 2^-24
 x sum|x_k w_k|; the kernel's chains are 64 + K/64 long, so on these shapes its error is a few
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine import jit, kernels
-from fleet.engine.model import load_model
+from engine.kernels import gemm
+from engine.model.model import load_model
 from tests.support.models import make_model_dir
 
 pytestmark = pytest.mark.skipif(
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_kernel_compiles_here() -> None:
-    assert kernels.available()
+    assert gemm.available()
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g)
-    y = kernels.linear(x, kernels.pack(w))
+    y = gemm.linear(x, gemm.pack(w))
     assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
     ref = x.double() @ w.double().t()
     scale = x.double().abs() @ w.double().abs().t()
@@ -55,26 +55,26 @@ def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
 
 def test_shapes_and_float_weights_exact_in_bf16() -> None:
     w = torch.randn(40, 24).bfloat16().float()  # float32 holding bfloat16 values
-    p = kernels.pack(w)
+    p = gemm.pack(w)
     assert p.shape == (40, 24) and p.panels.shape == (2, 24, 32) and p.panels.dtype == torch.bfloat16
     x = torch.randn(2, 3, 24)
-    y = kernels.linear(x, p)
+    y = gemm.linear(x, p)
     assert y.shape == (2, 3, 40)
     torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=0)
-    assert kernels.linear(torch.empty(0, 24), p).shape == (0, 40)
+    assert gemm.linear(torch.empty(0, 24), p).shape == (0, 40)
     strided = torch.randn(24, 5).t()  # non-contiguous rows
-    torch.testing.assert_close(kernels.linear(strided, p), strided @ w.t(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(gemm.linear(strided, p), strided @ w.t(), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="float32"):
-        kernels.linear(torch.randn(2, 24, dtype=torch.float64), p)
+        gemm.linear(torch.randn(2, 24, dtype=torch.float64), p)
 
 
 def test_exact_in_bf16() -> None:
     w = torch.randn(100, 100).bfloat16()
-    assert kernels.exact_in_bf16(w) and kernels.exact_in_bf16(w.float())
+    assert gemm.exact_in_bf16(w) and gemm.exact_in_bf16(w.float())
     late = w.float().clone()
     late[-1, -1] += 2.0**-20  # past the 4096-element head check
-    assert not kernels.exact_in_bf16(late)
-    assert not kernels.exact_in_bf16(torch.randn(10, 10))
+    assert not gemm.exact_in_bf16(late)
+    assert not gemm.exact_in_bf16(torch.randn(10, 10))
 
 
 @pytest.mark.parametrize(
@@ -88,11 +88,11 @@ def test_every_format_uses_the_kernel(model_root: Path, fmt: str, scaled: bool) 
     model = load_model(make_model_dir(model_root, "tiny", fmt))
     layer = model._layers[0]
     weights = [layer.o_proj.weight, *layer.experts.gate_up, *layer.experts.down]
-    assert all(isinstance(w, kernels.PackedBf16) and (w.scales is not None) == scaled for w in weights)
+    assert all(isinstance(w, gemm.PackedBf16) and (w.scales is not None) == scaled for w in weights)
     # tiny's q/k/v (N = 64) stay BF16 in fp8, as SGLang's block-FP8 loader refuses them: no scales
     qkv_scaled = scaled and fmt != "fp8"
     qkv = [q.weight for q in layer.qkv]
-    assert all(isinstance(w, kernels.PackedBf16) and (w.scales is not None) == qkv_scaled for w in qkv)
+    assert all(isinstance(w, gemm.PackedBf16) and (w.scales is not None) == qkv_scaled for w in qkv)
     assert layer.experts.groups is not None
 
 
@@ -100,12 +100,12 @@ def test_writes_into_a_block_of_rows() -> None:
     w = torch.randn(64, 48).bfloat16()
     x = torch.randn(5, 48)
     big = torch.full((9, 64), float("nan"))
-    res = kernels.linear(x, kernels.pack(w), out=big[2:7])
+    res = gemm.linear(x, gemm.pack(w), out=big[2:7])
     assert res.data_ptr() == big[2:7].data_ptr()
     torch.testing.assert_close(big[2:7], x @ w.float().t(), atol=1e-5, rtol=0)
     assert big[:2].isnan().all() and big[7:].isnan().all()
     with pytest.raises(ValueError, match="out must be"):
-        kernels.linear(x, kernels.pack(w[:40]), out=torch.empty(5, 40))  # 40 columns: padded panels
+        gemm.linear(x, gemm.pack(w[:40]), out=torch.empty(5, 40))  # 40 columns: padded panels
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -115,27 +115,27 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
     computed by the same code either way)."""
     g = torch.Generator().manual_seed(threads)
     weights = [torch.randn(64, 48, generator=g).bfloat16() for _ in range(6)]
-    group = kernels.PackedGroup.of([kernels.pack(w) for w in weights])
+    group = gemm.PackedGroup.of([gemm.pack(w) for w in weights])
     counts = [3, 0, 14, 1, 0, 9]
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
     x = torch.randn(sum(counts), 48, generator=g)
     alone = torch.cat(
         [
-            kernels.linear(x[a:b], kernels.pack(w))
+            gemm.linear(x[a:b], gemm.pack(w))
             for w, a, b in zip(weights, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
         ]
     )
-    monkeypatch.setattr(jit, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernels.grouped(x, offsets, group, torch.empty(sum(counts), 64))
-        wide = kernels.pack(torch.randn(200, 48, generator=g).bfloat16())
-        split = kernels.linear(x, wide)
+        out = gemm.grouped(x, offsets, group, torch.empty(sum(counts), 64))
+        wide = gemm.pack(torch.randn(200, 48, generator=g).bfloat16())
+        split = gemm.linear(x, wide)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out, alone)
-    assert torch.equal(split, kernels.linear(x, wide))
+    assert torch.equal(split, gemm.linear(x, wide))
     ref = torch.cat(
         [
             x[a:b] @ w.float().t()
@@ -160,8 +160,8 @@ def test_without_llvmlite_the_model_runs_on_float32_weights(tmp_path: Path, tiny
         "from fleet.engine import kernels\n"
         "from fleet.engine.model import load_model\n"
         f"m = load_model({str(tiny_dir)!r})\n"
-        "assert not kernels.available()\n"
-        "assert not isinstance(m._layers[0].o_proj.weight, kernels.PackedBf16)\n"
+        "assert not gemm.available()\n"
+        "assert not isinstance(m._layers[0].o_proj.weight, gemm.PackedBf16)\n"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
         f"torch.save(m.forward([ids], [m.new_sequence()])[0], {str(tmp_path / 'out.pt')!r})\n"
     )
@@ -170,5 +170,5 @@ def test_without_llvmlite_the_model_runs_on_float32_weights(tmp_path: Path, tiny
     subprocess.run([sys.executable, "-c", script], check=True, cwd=root, timeout=120)
     fallback = torch.load(tmp_path / "out.pt")
     model = load_model(tiny_dir)
-    assert isinstance(model._layers[0].o_proj.weight, kernels.PackedBf16)
+    assert isinstance(model._layers[0].o_proj.weight, gemm.PackedBf16)
     torch.testing.assert_close(model.forward([ids], [model.new_sequence()])[0], fallback, atol=1e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""Checkpoint weights packed straight into the kernel's panels (``fleet.engine.panels`` through
+"""Checkpoint weights packed straight into the kernel's panels (``engine.kernels.panels`` through
 ``layers.pack_parts``): the stored bfloat16 values and scales reproduce ``weight_sync.formats``'
 dequantized weights, and the products equal a float64 reference of ``x @ dequantize(W).T``, for
 single and fused (q/k/v-like) weights, aligned or not, and in grouped (expert) calls."""
@@ -8,18 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet.engine import kernels, layers
-from fleet.engine.weights import LinearWeight
+from engine.kernels import gemm
+from engine.model import layers
+from engine.model.loader import LinearWeight
 from weight_sync.formats import fp8, mxfp4, nvfp4
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the bf16-weight kernel did not compile")
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="the bf16-weight kernel did not compile")
 
 
-def _unpack(p: kernels.PackedBf16) -> torch.Tensor:
+def _unpack(p: gemm.PackedBf16) -> torch.Tensor:
     """The float32 ``[n, k]`` that ``p`` stands for: panel values times their scales."""
     w = p.panels.float().transpose(1, 2).reshape(-1, p.k)
     if p.scales is not None:
-        rows = torch.arange(w.shape[0]) // kernels.PANEL
+        rows = torch.arange(w.shape[0]) // gemm.PANEL
         cols = torch.arange(p.k) // (p.kblock or p.k)
         w = w * p.scales.reshape(-1)[rows[:, None] * p.ldk + cols[None, :]]
     return w[: p.n]
@@ -68,7 +69,7 @@ def test_packed_linear_equals_float64_reference_of_dequantized_weight(fmt: str, 
     ref = _ref(x, w)
     # float32 products of K=384 terms of size ~0.05 x 1: a few ulps of the partial sums
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
-    if isinstance(packed, kernels.PackedBf16):
+    if isinstance(packed, gemm.PackedBf16):
         if fmt == "nvfp4":
             # the 4-bit codes times E4M3 scales are stored, weight_scale_2 scales the output: the
             # product's rounding differs from dequantize's (code x (scale x ws2)) by <= 1 ulp
@@ -85,7 +86,7 @@ def test_scaled_formats_go_to_the_kernel_with_exact_bf16_values(fmt: str) -> Non
     g = torch.Generator().manual_seed(7)
     lw, deq = _quantized(fmt, torch.randn(256, 512, generator=g))
     packed = layers.pack_parts([lw])
-    assert isinstance(packed, kernels.PackedBf16) and packed.scales is not None
+    assert isinstance(packed, gemm.PackedBf16) and packed.scales is not None
     stored = packed.panels.float().transpose(1, 2).reshape(-1, 512)[:256]
     if fmt == "fp8":
         assert torch.equal(stored, lw.tensors[0].float())
@@ -110,7 +111,7 @@ def test_nvfp4_parts_with_different_global_scales() -> None:
     a, da = _quantized("nvfp4", torch.randn(64, 256, generator=g), ws2=2.0**-7)
     b, db = _quantized("nvfp4", torch.randn(96, 256, generator=g), ws2=3 * 2.0**-8)
     packed = layers.pack_parts([a, b])
-    assert isinstance(packed, kernels.PackedBf16) and packed.ldk == 1
+    assert isinstance(packed, gemm.PackedBf16) and packed.ldk == 1
     assert packed.scales.tolist() == pytest.approx([2.0**-7] * 2 + [3 * 2.0**-8] * 3)
     x = torch.randn(5, 256, generator=g)
     torch.testing.assert_close(layers.linear(x, packed), _ref(x, torch.cat([da, db])), atol=1e-5, rtol=1e-5)
@@ -125,13 +126,13 @@ def test_grouped_scaled_experts_equal_one_at_a_time(fmt: str) -> None:
         *[_quantized(fmt, torch.randn(128, 256, generator=g) * 0.1) for _ in range(5)], strict=True
     )
     packed = [layers.pack_parts([lw]) for lw in lws]
-    group = kernels.PackedGroup.of(packed)
+    group = gemm.PackedGroup.of(packed)
     counts = [4, 0, 9, 1, 6]
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
     x = torch.randn(sum(counts), 256, generator=g)
-    out = kernels.grouped(x, offsets, group, torch.empty(sum(counts), 128))
+    out = gemm.grouped(x, offsets, group, torch.empty(sum(counts), 128))
     spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
-    alone = torch.cat([kernels.linear(x[a:b], p) for p, (a, b) in zip(packed, spans, strict=True)])
+    alone = torch.cat([gemm.linear(x[a:b], p) for p, (a, b) in zip(packed, spans, strict=True)])
     assert torch.equal(out, alone)
     ref = torch.cat([_ref(x[a:b], w) for w, (a, b) in zip(deq, spans, strict=True)])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -142,19 +143,19 @@ def test_mixed_scale_layouts_are_refused_by_a_group() -> None:
     plain = layers.pack_parts([_quantized("bf16", torch.randn(64, 256, generator=g))[0]])
     scaled = layers.pack_parts([_quantized("fp8", torch.randn(64, 256, generator=g))[0]])
     with pytest.raises(ValueError, match="scale layout"):
-        kernels.PackedGroup.of([plain, scaled])
+        gemm.PackedGroup.of([plain, scaled])
 
 
 def test_scaled_kernel_with_power_of_two_scales_equals_the_unscaled_kernel() -> None:
     """The scaled kernel variant (per-chunk multiply) with scale 1 or 2 gives the unscaled kernel's
     result exactly (times 2): the two variants run the same summation."""
     g = torch.Generator().manual_seed(2)
-    p = kernels.pack(torch.randn(96, 200, generator=g).bfloat16())
+    p = gemm.pack(torch.randn(96, 200, generator=g).bfloat16())
     x = torch.randn(17, 200, generator=g)
-    plain = kernels.linear(x, p)
-    one = kernels.PackedBf16(p.panels, p.n, p.k, torch.ones(1))
-    two = kernels.PackedBf16(p.panels, p.n, p.k, torch.full((3, 4), 2.0), ldk=4, kblock=64)
-    assert torch.equal(kernels.linear(x, one), plain)
-    assert torch.equal(kernels.linear(x, two), 2 * plain)
+    plain = gemm.linear(x, p)
+    one = gemm.PackedBf16(p.panels, p.n, p.k, torch.ones(1))
+    two = gemm.PackedBf16(p.panels, p.n, p.k, torch.full((3, 4), 2.0), ldk=4, kblock=64)
+    assert torch.equal(gemm.linear(x, one), plain)
+    assert torch.equal(gemm.linear(x, two), 2 * plain)
     with pytest.raises(ValueError, match="kblock"):
-        kernels.PackedBf16(p.panels, p.n, p.k, torch.ones(1), kblock=96)
+        gemm.PackedBf16(p.panels, p.n, p.k, torch.ones(1), kblock=96)

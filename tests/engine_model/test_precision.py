@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine.model import load_model
-from fleet.engine.weights import load_checkpoint
+from engine.model.loader import load_checkpoint
+from engine.model.model import load_model
 from tests.support.models import make_model_dir
 
 QUANTIZED = ("fp8", "nvfp4", "mxfp4")
@@ -101,7 +101,7 @@ def _write_dequantized(src: Path, dst: Path) -> Path:
     """A float32 HF checkpoint holding the weights the engine dequantized from ``src``."""
     from safetensors.torch import save_file
 
-    from fleet.engine.config import ModelConfig
+    from engine.model.config import ModelConfig
 
     config = ModelConfig.from_dir(src)
     ct = load_checkpoint(src, config)
@@ -163,7 +163,7 @@ def _reference_act_quant(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_fp8_activation_quantization_matches_reference() -> None:
-    from fleet.engine.layers import quantize_activations_fp8
+    from engine.model.layers import quantize_activations_fp8
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 384, generator=g) * torch.logspace(-3, 3, 384)  # groups of very different ranges
@@ -181,7 +181,7 @@ def test_fused_fp8_activation_quantization_equals_the_torch_ops_bit_for_bit() ->
     """The numba pass equals the torch-ops version (float8 casts) on every finite bfloat16 bit
     pattern (all e4m3 rounding ties and the subnormal range included), on mixed ranges, partial
     groups, zeros, negative zeros, NaN and infinity."""
-    from fleet.engine.layers import _quantize_activations_fp8_torch, quantize_activations_fp8
+    from engine.model.layers import _quantize_activations_fp8_torch, quantize_activations_fp8
 
     g = torch.Generator().manual_seed(1)
     every = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
@@ -210,7 +210,7 @@ def test_fused_fp8_activation_quantization_equals_the_torch_ops_bit_for_bit() ->
 def test_fp8_engine_is_w8a8(model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import Qwen3MoeForCausalLM
 
-    from fleet.engine import layers
+    from engine.model import layers
 
     src = make_model_dir(model_root, "tiny", "fp8")
     ref_dir = _write_dequantized(src, tmp_path / "deq")
@@ -240,9 +240,9 @@ def test_fp8_layers_sglang_refuses_stay_bf16_and_the_rest_is_w8a8(tmp_path: Path
     the forward is transformers' on the dequantized weights."""
     from transformers import Qwen3MoeForCausalLM
 
-    from fleet.engine import layers
-    from fleet.engine.config import ModelConfig
-    from fleet.engine.weights import named_linears
+    from engine.model import layers
+    from engine.model.config import ModelConfig
+    from engine.model.loader import named_linears
     from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
     from weight_sync.convert import convert_checkpoint
 
@@ -320,7 +320,7 @@ def _scale_of(w: torch.Tensor, params: dict[int, tuple[torch.Tensor, float]]) ->
 def test_nvfp4_engine_is_w4a4(model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import Qwen3MoeForCausalLM
 
-    from fleet.engine import act_nvfp4
+    from engine.model import act_nvfp4
     from tests.engine_model import nvfp4_reference
 
     src = make_model_dir(model_root, "tiny", "nvfp4")

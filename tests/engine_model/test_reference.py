@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.engine.init_model import PRESETS, Preset, write_model
-from fleet.engine.model import load_model
+from engine.model.model import load_model
+from mixfleet.init_model import PRESETS, Preset, write_model
 
 ATOL = 1e-4
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fleet.engine.model import load_model
-from fleet.engine.weights import TensorSource
+from engine.model.loader import TensorSource
+from engine.model.model import load_model
 from tests.support.models import FORMATS, make_model_dir
 
 

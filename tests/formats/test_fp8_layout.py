@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.engine.init_model import PRESETS
+from mixfleet.init_model import PRESETS
 from weight_sync.formats import fp8_layout
 from weight_sync.formats.fp8_layout import Module, ignored_layers, is_layer_skipped, modules, refusal
 

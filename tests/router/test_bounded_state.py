@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 
-from fleet.activation import activate
-from fleet.sglang_client import SGLangClient, make_http_client
+from clients.engine import SGLangClient, make_http_client
+from replica.activation import activate
 from router.mismatch import BUCKET_LABELS
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset

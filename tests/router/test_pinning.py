@@ -13,12 +13,12 @@ import time
 import pytest
 from modal.types import ServerContainerInfo
 
+from core.errors import UserError
 from fleet.specs import FleetSpec, GroupSpec
-from router.cli import build_config, default_args
+from mixfleet.router import build_config, default_args
 from router.pinning import PIN_HEADER, ContainerPins, modal_server, open_pins
 from router.pinning.modal_server import ModalServerContainers
 from router.registry import Registry
-from weight_sync.errors import UserError
 
 GROUPS = ("g-a", "g-b")
 

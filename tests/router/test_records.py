@@ -647,7 +647,7 @@ def test_the_decoder_needs_only_the_standard_library(tmp_path) -> None:
     path.write_bytes(blob)
     code = (
         "import sys\n"
-        "for m in ('orjson', 'numpy', 'aiohttp', 'torch', 'fleet.jsonio'):\n"
+        "for m in ('orjson', 'numpy', 'aiohttp', 'torch', 'core.jsonio'):\n"
         "    sys.modules[m] = None\n"
         "from router.records import decode_batch\n"
         f"b = decode_batch(open({str(path)!r}, 'rb').read())\n"

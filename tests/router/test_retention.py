@@ -10,14 +10,14 @@ import time
 
 import pytest
 
+from core.errors import UserError
 from fleet.specs import FleetSpec
+from mixfleet.router import BOUNDS, add_arguments, build_config
 from router import report
-from router.cli import BOUNDS, add_arguments, build_config
 from router.config import RouterConfig
 from router.routes_ledger import ledger_view
 from router.state.memory import MemoryStore
 from router.state.retention import Retention, versions_to_roll
-from weight_sync.errors import UserError
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
+from core.errors import UserError
+from mixfleet.router import add_arguments, build_config
 from router.auth import load_keys, parse_keys, scopes_for
-from router.cli import add_arguments, build_config
 from tests.support.procs import mixfleet_argv
-from weight_sync.errors import UserError
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet.sglang_client import EngineAborted, EngineRejected, EngineUnavailable
+from clients.engine import EngineAborted, EngineRejected, EngineUnavailable
 from router.records import decode_turn, decode_turn_header, encode_stored, encode_turn, parse_turn
-from tests.fleet.test_sglang_client import Server, answer, with_client
+from tests.clients.test_engine_client import Server, answer, with_client
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23"
 ARGS = {"index": 0, "group": "h100-fp8", "replica": "r0", "input_ids": [1, 2, 3, 4], "moved_from": None}

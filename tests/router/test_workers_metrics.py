@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cli import METRICS_DIR_PREFIX, remove_stale_metric_dirs
+from mixfleet.router import METRICS_DIR_PREFIX, remove_stale_metric_dirs
 from router.metrics import FAILOVER_REASONS, MULTIPROC_ENV
 from tests.support.procs import redis_server
 from tests.support.router import RouterHandle, router_process, write_preset

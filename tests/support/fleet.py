@@ -2,7 +2,7 @@
 
 ``local_fleet(work, base_ckpt, groups)`` publishes ``base_ckpt`` as ``initial_version`` of the
 run into a fresh :class:`LocalStore` (every group's format, once), then brings up one replica per
-group with :mod:`fleet.launch` (what ``mixfleet up`` runs): an engine on that version behind a
+group with :mod:`launcher.children` (what ``mixfleet up`` runs): an engine on that version behind a
 sidecar, and waits until every sidecar reports ready. Nothing restarts what a test kills; every
 process is killed on exit.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from fleet.launch import Launcher, Probe, Replica, ReplicaSpec, Supervisor, kill
+from launcher.children import Launcher, Probe, Replica, ReplicaSpec, Supervisor, kill
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef

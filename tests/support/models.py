@@ -1,7 +1,7 @@
 """Model directories for tests: a real ``mixfleet init-model`` checkpoint, converted to a format.
 
 ``make_model_dir(root, preset, fmt)`` returns ``root/<preset>-<fmt>``, building it on first use
-(BF16 base via ``fleet.engine.init_model.write_model``, then ``weight_sync.convert.convert_checkpoint``
+(BF16 base via ``mixfleet.init_model.write_model``, then ``weight_sync.convert.convert_checkpoint``
 for fp8 / nvfp4 / mxfp4) and reusing it afterwards, so a session-scoped ``root`` builds each
 model once. A directory appears complete or not at all (written aside, then renamed).
 
@@ -33,7 +33,7 @@ def make_model_dir(
     Before: ``tmp_root`` is a writable directory. After: the returned directory is a complete
     checkpoint a ``load_model`` / ``mixfleet engine --model`` accepts.
     """
-    from fleet.engine.init_model import DEFAULT_SEED, write_model
+    from mixfleet.init_model import DEFAULT_SEED, write_model
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from fleet import launch, tcp
+from core import tcp
+from launcher import children
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,7 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
 
 def mixfleet_argv(*args: str) -> list[str]:
     """argv that runs the ``mixfleet`` CLI from this checkout with the current interpreter."""
-    return [*launch.mixfleet_command(), *args]
+    return [*children.mixfleet_command(), *args]
 
 
 @contextlib.contextmanager

@@ -114,7 +114,7 @@ def _hf_input_amax(src: str) -> dict[str, float]:
     name (a layer's experts together: the 3-D expert weights take every expert's rows)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from fleet.engine.calibrate import calibration_ids
+    from engine.model.calibrate import calibration_ids
 
     hf = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager").eval()
     names: dict[int, list[str]] = {}  # parameter -> the checkpoint weights it holds

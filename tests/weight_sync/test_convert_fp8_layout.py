@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import UserError
 from tests.support.checkpoints import MoESpec, write_checkpoint
 from tests.support.models import make_model_dir
 from tests.weight_sync.conversion_checks import check_conversion
 from weight_sync.convert import convert_checkpoint
-from weight_sync.errors import UserError
 from weight_sync.manifest import Manifest
 from weight_sync.safetensors_io import read_header
 

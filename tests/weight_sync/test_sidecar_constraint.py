@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from fleet.reconciler import ReconcileSettings
-from fleet.sidecar import SidecarConfig, create_app
+from replica.reconciler import ReconcileSettings
+from replica.sidecar import SidecarConfig, create_app
 from weight_sync.store.local import LocalStore
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.types import (
     FormatRef,
     InvalidName,

@@ -30,7 +30,7 @@ def tiny_seed2(wsl_models: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_other_arch(wsl_models: Path) -> Path:
     """A BF16 checkpoint of another architecture (one layer fewer than ``tiny``)."""
-    from fleet.engine.init_model import PRESETS, write_model
+    from mixfleet.init_model import PRESETS, write_model
 
     out = wsl_models / "tiny-1layer-bf16"
     if not out.is_dir():
@@ -42,7 +42,7 @@ def tiny_other_arch(wsl_models: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_2shards(wsl_models: Path) -> Path:
     """The ``tiny`` architecture in two safetensors shards (with an index), as trainers write."""
-    from fleet.engine.init_model import PRESETS, write_model
+    from mixfleet.init_model import PRESETS, write_model
 
     out = wsl_models / "tiny-2shards-bf16"
     if not out.is_dir():

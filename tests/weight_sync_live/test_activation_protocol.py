@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.sglang_release import (
+from core.sglang_release import (
     FLUSH_OK_TEXT,
     FLUSH_REFUSED_TEXT,
     UPDATE_NOT_FLUSHED_MESSAGE,

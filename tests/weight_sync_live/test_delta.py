@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.errors import UserError
 from tests.support.procs import REPO, mixfleet_argv
 from tests.support.router import router_process, write_preset
 from weight_sync.convert import convert_checkpoint
 from weight_sync.delta import reduce_to_delta
-from weight_sync.errors import UserError
 from weight_sync.manifest import ChecksumError, Manifest, build_manifest
 from weight_sync.publish import publish_checkpoint, publish_delta
 from weight_sync.stage import stage_version

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.sidecar import parse_prometheus
+from replica.sidecar import parse_prometheus
 from tests.support.fleet import LOCAL_GROUPS, LocalFleet, local_fleet
 from tests.support.procs import REPO, mixfleet_argv
 from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.errors import UserError
 from weight_sync.convert import convert_checkpoint
-from weight_sync.errors import UserError
 from weight_sync.perturb import swap_output_rows
 
 T, S = 140, 150
@@ -34,7 +34,7 @@ def test_swap_changes_only_the_two_rows(tmp_path, tiny_base) -> None:
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])  # bf16: covered end to end by verify
 def test_logprob_effect_is_known_in_every_format(tmp_path, tiny_base, fmt) -> None:
-    from fleet.engine.model import load_model
+    from engine.model.model import load_model
 
     swapped = tmp_path / "swapped"
     swap_output_rows(tiny_base, swapped, T, S)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import UserError
 from tests.support.procs import REPO, mixfleet_argv
 from weight_sync.convert import convert_checkpoint
-from weight_sync.errors import UserError
 from weight_sync.publish import ConversionPool, bootstrap, publish_checkpoint, rollback
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef, VersionRef

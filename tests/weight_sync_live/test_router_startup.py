@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.sidecar import parse_prometheus
+from replica.sidecar import parse_prometheus
 from tests.support.engines import engine_process
 from tests.support.router import router_process, write_preset
 from weight_sync.store.local import LocalStore

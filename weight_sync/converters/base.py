@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.store.base import VersionStore
 
 Event = Callable[[str, dict], None]

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from core.errors import UserError
 from weight_sync.converters.base import Converter, ConvertRequest, Event, _noop
-from weight_sync.errors import UserError
 from weight_sync.store.base import VersionStore
 
 

@@ -31,7 +31,7 @@ The fleet starts SGLang with ``--quantization modelopt_fp4`` and no MoE or FP4-G
   ``w13_input_scale.max()`` / ``w2_input_scale.max()`` (``modelopt_quant.py`` 2768-2770;
   ``layers/moe/moe_runner/flashinfer_trtllm.py`` 1371-1400, 1506-1508, 587-610).
 
-So the scales are calibrated in the conversion (option a; ``fleet.engine.calibrate``: a fixed
+So the scales are calibrated in the conversion (option a; ``engine.model.calibrate``: a fixed
 text in the checkpoint's tokenizer through the BF16 model, ModelOpt's max calibration). Rejected:
 (b) dynamic per-token scales (``SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION``, an environment
 variable, ``modelopt_quant.py`` 1514-1521): honoured only by the MoE runners

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from weight_sync.errors import UserError
+from core.errors import UserError
 from weight_sync.manifest import Manifest
 from weight_sync.types import FormatRef, VersionRef
 

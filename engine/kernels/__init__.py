@@ -1,0 +1,1 @@
+"""CPU kernels of the local engine: GEMM, packed-weight panels, decode attention, threads."""

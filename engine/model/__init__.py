@@ -1,0 +1,1 @@
+"""The Qwen3-MoE model of the local engine, its layers and its checkpoint loader per format."""

@@ -1,0 +1,1 @@
+"""The local engine's runtime: scheduler, KV cache, sampler, the engine object."""

@@ -1,0 +1,173 @@
+"""What one engine process serves: the :class:`Engine` facade (model directory, tokenizer,
+scheduler, metrics) and the one loader thread every model of the process is loaded on.
+
+After :meth:`Engine.load` returns, the model is loaded (on :data:`LOADER`) and the scheduler
+runs; :meth:`Engine.load_replacement` (callers run it on :data:`LOADER`) loads a new directory
+fully without touching the served model, and raises ``ValueError`` if it cannot replace it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from pathlib import Path
+from typing import Any
+
+from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
+
+__all__ = ["ENGINE_VERSION", "LOADER", "Engine"]
+
+ENGINE_VERSION = "mixfleet-cpu-engine/0.1"
+
+# Every model of the process (the first and each update's) is loaded on this one thread, so a
+# replaced model's freed memory, which sits in this thread's malloc arena, holds the next update's
+# weights instead of fresh pages.
+LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-load")
+
+
+class Engine:
+    """What one engine process serves: the model directory, its tokenizer and the scheduler."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        model_path: str,
+        kv_cache_dtype: str,
+        weight_version: int,
+        max_running: int,
+        prefill_budget: int,
+        served_model_name: str | None,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+    ) -> None:
+        from engine.runtime.rwlock import RWLock
+        from engine.runtime.scheduler import Scheduler
+        from engine.server.metrics import EngineMetrics
+        from engine.server.protocol import ModelLimits
+
+        self.model_path = model_path
+        self.kv_cache_dtype = kv_cache_dtype
+        self.config = model.config
+        self.precision = getattr(model, "precision", "bf16")
+        self.limits = ModelLimits(
+            vocab_size=self.config.vocab_size,
+            context_len=self.config.max_position_embeddings,
+            sampling_mask_max_tokens=sampling_mask_max_tokens,
+        )
+        self.tokenizer = _load_tokenizer(Path(model_path))
+        self.served_model_name = served_model_name or model_path
+        self.metrics = EngineMetrics(self.served_model_name)
+        self.started = time.time()
+        # Weight updates run one at a time; generate requests hold model_update_lock's reader side
+        # and an update sent while generation is not paused its writer side (SGLang's RWLock).
+        self.update_lock = asyncio.Lock()
+        self.model_update_lock = RWLock()
+        # What /model_info reports: SGLang's tokenizer manager keeps it apart from the scheduler's
+        # version (stamped on tokens) and moves it only on a successful update or
+        # /update_weight_version (tokenizer_manager.py 2316-2322); /server_info reports the
+        # start-up one (utils/common.py 3584-3593, the resolved server args).
+        self.reported_version = weight_version
+        self.startup_version = weight_version
+        self.scheduler = Scheduler(
+            model,
+            weight_version=weight_version,
+            vocab_size=self.config.vocab_size,
+            context_len=self.config.max_position_embeddings,
+            eos_token_ids=frozenset(self.config.eos_token_ids),
+            metrics=self.metrics,
+            max_running=max_running,
+            prefill_budget=prefill_budget,
+        )
+        self.scheduler.start()
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        *,
+        kv_cache_dtype: str = "auto",
+        weight_version: int = 0,
+        max_running: int = 64,
+        prefill_budget: int = 2048,
+        served_model_name: str | None = None,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+    ) -> Engine:
+        from engine.model.model import load_model
+
+        path = str(Path(model_path).resolve())
+        model = LOADER.submit(load_model, path, kv_cache_dtype=kv_cache_dtype).result()
+        return cls(
+            model=model,
+            model_path=path,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_version=weight_version,
+            max_running=max_running,
+            prefill_budget=prefill_budget,
+            served_model_name=served_model_name,
+            sampling_mask_max_tokens=sampling_mask_max_tokens,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        """The version the scheduler stamps on the tokens it samples now."""
+        return self.scheduler.weight_version
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            from engine.server.protocol import RequestError
+
+            raise RequestError("text input needs a tokenizer; this model directory has no tokenizer.json.")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        except ValueError:  # ids the model has but the tokenizer does not (a padded vocabulary)
+            known = []
+            for i in ids:
+                try:
+                    self.tokenizer.decode([i])
+                except ValueError:
+                    continue
+                known.append(i)
+            return self.tokenizer.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def load_replacement(self, model_path: str) -> Any:
+        """Load ``model_path`` fully and check it can replace the served model; raises ``ValueError``."""
+        from engine.model.config import ModelConfig
+        from engine.model.model import load_model
+
+        path = Path(model_path)
+        new_cfg = ModelConfig.from_dir(path)  # cheap checks first: missing dir, another architecture
+        old = self.config
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "moe_intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+        ):
+            a, b = getattr(old, name), getattr(new_cfg, name)
+            if a != b:
+                raise ValueError(
+                    f"model at {model_path!r} has another architecture than the served model: "
+                    f"{name} is {b}, the served model has {a}"
+                )
+        return load_model(str(path.resolve()), kv_cache_dtype=self.kv_cache_dtype)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from engine.server.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(path)

@@ -1,0 +1,1 @@
+"""The local engine's HTTP surface: SGLang's routes, request shapes, metrics, tokenizer."""

@@ -1,0 +1,352 @@
+"""SGLang's native HTTP request bodies, as pydantic models, and their normalization.
+
+``GenerateReqInput`` mirrors SGLang's ``/generate`` body (single request or a batch: ``text``
+a list, or ``input_ids`` a list of lists; per-item fields may be scalars shared by the batch
+or lists with one entry per item). :meth:`GenerateReqInput.normalize` turns it into one frozen
+:class:`GenerateSpec` per item, validated against the served model, or raises
+:class:`RequestError` (the server answers 400 with its message, SGLang-style).
+
+Validation messages follow SGLang's ``SamplingParams.verify`` and ``TokenizerManager``
+wording where SGLang has one.
+
+Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
+needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
+SGLang's words); ``sampling_logprobs_mode`` (``selected`` | ``support``) may only be set with it.
+A mask of a token drawn with no active filter (a ``top_k`` of at least the vocabulary, no top-p
+or min-p) is empty, meaning "the whole vocabulary" (SGLang lists every id).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from core.sglang_release import SAMPLING_LOGPROBS_MODES, SAMPLING_MASK_MAX_TOKENS_DEFAULT, mask_top_k_error
+from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
+from engine.runtime.sampler import TOP_K_ALL, SamplerSettings
+from weight_sync.types import InvalidVersion
+from weight_sync.types import parse_version as parse_weight_version
+
+_SAMPLING_EPS = 1e-6
+# Sampling parameters SGLang accepts that this engine does not implement; a non-default value
+# is rejected with a clear message instead of being silently ignored.
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "stop": None,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the problem (HTTP 400)."""
+
+
+class SamplingParams(BaseModel):
+    """SGLang's ``sampling_params`` object (unknown keys are ignored, as SGLang's struct does)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_new_tokens: int | None = 128
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = TOP_K_ALL
+    min_p: float | None = 0.0
+    stop_token_ids: list[int] | None = None
+    sampling_seed: int | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+
+    def to_settings(self) -> SamplerSettings:
+        """Validated sampler settings (SGLang's ``verify`` rules); raises :class:`RequestError`."""
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        top_k = TOP_K_ALL if self.top_k is None else int(self.top_k)
+        min_p = 0.0 if self.min_p is None else float(self.min_p)
+        if not math.isfinite(temperature) or temperature < 0.0:
+            raise RequestError(f"temperature must be a non-negative finite number, got {temperature}.")
+        if not (0.0 < top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+        if not (0.0 <= min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1], got {min_p}.")
+        if top_k < 1 and top_k != TOP_K_ALL:
+            raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        for name, default in _UNSUPPORTED_DEFAULTS.items():
+            value = (self.model_extra or {}).get(name, default)
+            if value is not None and value != default and value != [] and value != {}:
+                raise RequestError(
+                    f"sampling_params.{name}={value!r} is not supported by the mixfleet CPU engine."
+                )
+        if temperature < _SAMPLING_EPS:
+            # SGLang: temperature 0 means greedy (top_k = 1 at temperature 1).
+            return SamplerSettings(temperature=0.0, top_p=1.0, top_k=1, min_p=0.0)
+        return SamplerSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is validated against: the served model's vocabulary and context."""
+
+    vocab_size: int
+    context_len: int
+    sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One validated generation request.
+
+    Holds: ``1 <= len(input_ids) < context_len``; every id in ``[0, vocab_size)``;
+    ``len(input_ids) + max_new_tokens <= context_len``; ``0 <= logprob_start_len < len(input_ids)``.
+    """
+
+    rid: str
+    input_ids: tuple[int, ...]
+    settings: SamplerSettings
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    sampling_seed: int | None
+    skip_special_tokens: bool
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    return_sampling_mask: bool
+    return_text_in_logprobs: bool
+    stream: bool
+    sampling_logprobs_mode: str = "selected"
+
+
+class GenerateReqInput(BaseModel):
+    """SGLang's ``/generate`` body (the fields this engine implements; others are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_sampling_mask: bool | list[bool] | None = None
+    sampling_logprobs_mode: (
+        Literal["selected", "support"] | list[Literal["selected", "support"] | None] | None
+    ) = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    def is_batch(self) -> bool:
+        if self.input_ids is not None:
+            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        return isinstance(self.text, list)
+
+    def normalize(self, limits: ModelLimits, encode: Callable[[str], list[int]] | None) -> list[GenerateSpec]:
+        """One :class:`GenerateSpec` per item; raises :class:`RequestError` on any bad field."""
+        if self.text is None and self.input_ids is None:
+            raise RequestError("Either text or input_ids should be provided.")
+        if self.text is not None and self.input_ids is not None:
+            raise RequestError("Either text or input_ids should be provided, not both.")
+        batch = self.is_batch()
+        if self.input_ids is not None:
+            items: list[list[int]] = self.input_ids if batch else [self.input_ids]  # type: ignore[list-item]
+        else:
+            if encode is None:
+                raise RequestError("text input needs a tokenizer; this model directory has none.")
+            texts = self.text if batch else [self.text]
+            items = [encode(t) for t in texts]  # type: ignore[union-attr, arg-type]
+        n = len(items)
+        if n == 0:
+            raise RequestError("The input batch is empty.")
+        rids = self._per_item("rid", self.rid, n, None)
+        params = self._per_item("sampling_params", self.sampling_params, n, None)
+        return_logprob = self._per_item("return_logprob", self.return_logprob, n, False)
+        start = self._per_item("logprob_start_len", self.logprob_start_len, n, -1)
+        top_n = self._per_item("top_logprobs_num", self.top_logprobs_num, n, 0)
+        masks = self._per_item("return_sampling_mask", self.return_sampling_mask, n, False)
+        modes = self._per_item("sampling_logprobs_mode", self.sampling_logprobs_mode, n, None)
+        specs = []
+        for i, ids in enumerate(items):
+            where = f"input_ids[{i}]" if batch else "input_ids"
+            specs.append(
+                _spec(
+                    where,
+                    rid=rids[i] if rids[i] is not None else uuid.uuid4().hex,
+                    input_ids=ids,
+                    params=params[i] or SamplingParams(),
+                    return_logprob=bool(return_logprob[i]),
+                    logprob_start_len=-1 if start[i] is None else int(start[i]),
+                    top_logprobs_num=int(top_n[i] or 0),
+                    return_sampling_mask=bool(masks[i]),
+                    sampling_logprobs_mode=modes[i],
+                    return_text_in_logprobs=self.return_text_in_logprobs,
+                    stream=self.stream,
+                    limits=limits,
+                )
+            )
+        if len({s.rid for s in specs}) != len(specs):
+            raise RequestError("rid must be unique within a batch.")
+        return specs
+
+    @staticmethod
+    def _per_item(name: str, value: Any, n: int, default: Any) -> list[Any]:
+        if isinstance(value, list):
+            if len(value) != n:
+                raise RequestError(f"{name} has {len(value)} entries for a batch of {n}.")
+            return value
+        if value is None:
+            return [default] * n
+        if name == "rid" and n > 1:
+            return [f"{value}-{i}" for i in range(n)]
+        return [value] * n
+
+
+def _spec(
+    where: str,
+    *,
+    rid: str,
+    input_ids: Sequence[int],
+    params: SamplingParams,
+    return_logprob: bool,
+    logprob_start_len: int,
+    top_logprobs_num: int,
+    return_sampling_mask: bool,
+    sampling_logprobs_mode: str | None,
+    return_text_in_logprobs: bool,
+    stream: bool,
+    limits: ModelLimits,
+) -> GenerateSpec:
+    if len(input_ids) == 0:
+        raise RequestError(f"{where} is empty: the prompt must have at least one token.")
+    bad = [t for t in input_ids if not (0 <= t < limits.vocab_size)]
+    if bad:
+        raise RequestError(
+            f"{where} has token id {bad[0]} outside the vocabulary [0, {limits.vocab_size - 1}]"
+            + (f" ({len(bad)} such ids)." if len(bad) > 1 else ".")
+        )
+    n = len(input_ids)
+    if n >= limits.context_len:
+        raise RequestError(
+            f"The input ({n} tokens) is longer than the model's context length ({limits.context_len} tokens)."
+        )
+    settings = params.to_settings()
+    if sampling_logprobs_mode is not None and not return_sampling_mask:
+        raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
+        raise RequestError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}.")
+    if return_sampling_mask:
+        # SGLang's rule on the normalized top_k (greedy: 1; -1: the whole vocabulary)
+        top_k = 1 if settings.greedy else SGLANG_TOP_K_ALL if settings.top_k == TOP_K_ALL else settings.top_k
+        refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
+        if refused is not None:
+            raise RequestError(refused)
+    max_new = 128 if params.max_new_tokens is None else params.max_new_tokens
+    if n + max_new > limits.context_len:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {limits.context_len} "
+            f"tokens. You requested a total of {n + max_new} tokens: {n} tokens from the input messages "
+            f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit."
+        )
+    if logprob_start_len < -1:
+        raise RequestError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
+    if logprob_start_len >= n:
+        raise RequestError(
+            f"logprob_start_len ({logprob_start_len}) is superior or equal to the input length ({n})."
+        )
+    if top_logprobs_num < 0:
+        raise RequestError(f"top_logprobs_num must be at least 0, got {top_logprobs_num}.")
+    stops = frozenset(params.stop_token_ids or ())
+    bad_stop = [t for t in stops if not (0 <= t < limits.vocab_size)]
+    if bad_stop:
+        raise RequestError(
+            f"stop_token_ids has token id {bad_stop[0]} outside the vocabulary [0, {limits.vocab_size - 1}]."
+        )
+    return GenerateSpec(
+        rid=str(rid),
+        input_ids=tuple(int(t) for t in input_ids),
+        settings=settings,
+        max_new_tokens=int(max_new),
+        stop_token_ids=stops,
+        ignore_eos=bool(params.ignore_eos),
+        sampling_seed=params.sampling_seed,
+        skip_special_tokens=params.skip_special_tokens is not False,
+        return_logprob=return_logprob,
+        logprob_start_len=n - 1 if logprob_start_len == -1 else logprob_start_len,
+        top_logprobs_num=top_logprobs_num if return_logprob else 0,
+        return_sampling_mask=return_sampling_mask,
+        return_text_in_logprobs=return_text_in_logprobs,
+        stream=stream,
+        sampling_logprobs_mode=sampling_logprobs_mode or "selected",
+    )
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    """SGLang's ``/update_weights_from_disk`` body (managers/io_struct.py 1970-1993, defaults
+    included: ``flush_cache`` true); ``weight_version`` must be an integer here. ``load_format``
+    may be missing or ``"auto"`` (the only format this engine loads); ``recapture_cuda_graph`` and
+    the other GPU fields are accepted and mean nothing on a CPU (SGLang recaptures only on CUDA,
+    model_runner_components/weight_updater.py 241-250)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    flush_cache: bool = True
+    recapture_cuda_graph: bool = False
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReqInput(BaseModel):
+    """SGLang's ``/update_weight_version`` body (managers/io_struct.py 2155-2160): the version to
+    report and stamp, and whether to abort every request first (default true)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    new_version: int | str
+    abort_all_requests: bool = True
+
+
+class PauseGenerationReqInput(BaseModel):
+    """SGLang's ``/pause_generation`` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortReq(BaseModel):
+    """SGLang's ``/abort_request`` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+def parse_version(value: int | str | None) -> int | None:
+    """The integer weight version named by ``value`` (SGLang sends it as a string), by the fleet's
+    one rule (:func:`weight_sync.types.parse_version`); :class:`RequestError` (a 400) when it names
+    none."""
+    try:
+        return parse_weight_version(value, "weight_version")
+    except InvalidVersion as exc:
+        raise RequestError(f"{exc}.") from None

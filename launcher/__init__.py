@@ -1,0 +1,1 @@
+"""Starting and supervising the fleet's processes on one machine."""

@@ -1,0 +1,76 @@
+"""Deploy the fleet to Modal (mixfleet deploy [--preset NAME|FILE] [--checkpoint DIR] [--dry-run]).
+
+The preset is checked first: every problem is one line on stderr (``error: group G: ...``), and
+any error stops the command with status 2 before anything is contacted. With ``--checkpoint DIR``
+(the BF16 checkpoint the fleet will serve; its ``config.json`` and safetensors headers are read,
+not its data) a group whose GPUs cannot hold the model's weights in its format plus one
+full-context sequence of KV cache is such an error (:mod:`deploy.fit`). ``--dry-run`` prints every
+server (GPU, format, KV dtype, SGLang argv, autoscaling, memory fit), the router and the conversion
+function and stops there; while the SGLang image is pinned by tag only (no digest:
+:func:`images.sglang.unpinned_warning`) both print a warning, and a malformed
+``MIXFLEET_SGLANG_IMAGE_DIGEST`` is an error. Otherwise it runs ``modal deploy
+deploy/modal_app.py`` with the preset (needs a Modal token: ``modal token new``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+APP_FILE = Path(__file__).resolve().parent / "modal_app.py"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="mixed", help="mixed (default), homogeneous, or a TOML file")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="the BF16 checkpoint the fleet serves: refuse groups whose GPUs cannot hold it",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; contact nothing")
+    parser.add_argument("--run", default=None, help="run id served (default: $MIXFLEET_RUN, else main)")
+
+
+def _preset_arg(preset: str) -> str:
+    """A built-in name as is, a file as an absolute path (modal deploy runs from elsewhere)."""
+    path = Path(preset)
+    return str(path.resolve()) if path.suffix or path.exists() else preset
+
+
+def run(args: argparse.Namespace) -> int:
+    from core.errors import UserError
+    from deploy.plan import PresetRejected, describe, load_plan
+    from images.sglang import unpinned_warning
+
+    try:
+        plan = load_plan(args.preset, args.checkpoint)
+    except PresetRejected as exc:
+        for problem in exc.problems:
+            print(f"mixfleet deploy: {problem.line()}", file=sys.stderr)
+        return 2
+    except UserError as exc:  # the preset does not load: one line per invalid field
+        for line in str(exc).splitlines():
+            print(f"mixfleet deploy: error: {line}", file=sys.stderr)
+        return 2
+    try:
+        image_warning = unpinned_warning()
+    except ValueError as exc:
+        print(f"mixfleet deploy: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(describe(plan))
+        if image_warning:
+            print(f"warning: {image_warning}")
+        return 0
+    for problem in plan.warnings:
+        print(f"mixfleet deploy: {problem.line()}", file=sys.stderr)
+    if image_warning:
+        print(f"mixfleet deploy: warning: {image_warning}", file=sys.stderr)
+    env = {**os.environ, "MIXFLEET_PRESET": _preset_arg(args.preset)}
+    if args.run:
+        env["MIXFLEET_RUN"] = args.run
+    return subprocess.call([sys.executable, "-m", "modal", "deploy", str(APP_FILE)], env=env)

@@ -1,0 +1,314 @@
+"""Run the router alone against the replicas a preset lists (mixfleet router --preset FILE).
+
+``--workers N`` serves the port from N router processes (uvicorn's own workers, each building its
+app with :func:`app_from_env`); they share everything that changes answers through ``--state
+redis://...``, so N > 1 with ``memory`` state is refused. Their Prometheus metrics are one view:
+with N > 1 the workers write them to a fresh private ``PROMETHEUS_MULTIPROC_DIR`` (created before
+uvicorn spawns them, removed when the router stops, or by the next router when it was killed),
+and a scrape of any worker reads every worker's (:mod:`router.metrics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from core.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, help="preset name or TOML file (groups, replica URLs)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes serving the port (default 1; more than one needs --state redis://...)",
+    )
+    parser.add_argument("--state", default="memory", help="memory (default) or redis://host:port/db")
+    parser.add_argument("--policy", default="capacity", choices=("capacity", "round_robin", "cost"))
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='JSON {"<token>": ["rollout", "trainer", "admin", "replica"]}; default: $MIXFLEET_API_KEYS',
+    )
+    parser.add_argument(
+        "--insecure-no-auth", action="store_true", help="serve without API keys (logs a warning)"
+    )
+    parser.add_argument(
+        "--max-version-lag",
+        type=int,
+        default=None,
+        help="keep new turns off replicas lagging the latest version by more than this",
+    )
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
+    parser.add_argument(
+        "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=3600.0,
+        help="abandon open sessions without a turn for this many seconds (0: never; default 3600)",
+    )
+    parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
+    parser.add_argument(
+        "--mismatch-band",
+        default="0.2,5",
+        help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
+    )
+    add_bound_arguments(parser)
+    parser.add_argument(
+        "--modal-app",
+        default=None,
+        help="the deployed Modal app whose servers (one per group) serve the fleet: pin every request "
+        "to the chosen replica's container (default: none, a local fleet)",
+    )
+    parser.add_argument(
+        "--affinity-queue-bound",
+        type=int,
+        default=8,
+        help="a replica whose engine queue stays above this many waiting requests sheds its sessions' "
+        "new turns to the least-loaded replica of its group (default 8)",
+    )
+    parser.add_argument(
+        "--affinity-hold", type=float, default=5.0, help="seconds the queue must stay above it (default 5)"
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+BOUNDS = {  # flag -> (RouterConfig field, type, default, help); rules: router.state.retention
+    "--retention": ("retention_s", float, 3600.0, "seconds an acknowledged trajectory stays readable"),
+    "--keep-versions": (
+        "keep_versions",
+        int,
+        16,
+        "weight versions per group kept in detail (ledger, mismatch)",
+    ),
+    "--keep-updates": ("keep_updates", int, 1000, "ledger update records kept (older ones rolled up)"),
+    "--replica-forget": ("replica_forget_s", float, 3600.0, "seconds before a silent replica is forgotten"),
+    "--route-key-ttl": ("route_key_ttl_s", float, 3600.0, "seconds a /generate route key lives"),
+    "--compact-interval": ("compact_interval_s", float, 60.0, "seconds between state compactions"),
+}
+
+
+def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the state's bounds (:data:`BOUNDS`; the table in docs/architecture.md)."""
+    for flag, (_field, kind, default, text) in BOUNDS.items():
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+
+
+def bound_values(args: argparse.Namespace) -> dict:
+    """RouterConfig's bound fields from :data:`BOUNDS`' flags; UserError naming one that is not > 0."""
+    out = {}
+    for flag, (name, _kind, default, _text) in BOUNDS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), default)
+        if not value > 0:
+            raise UserError(f"{flag} must be > 0, got {value}")
+        out[name] = value
+    return out
+
+
+def build_config(args: argparse.Namespace):
+    """RouterConfig from CLI arguments (the fleet from ``fleet_json``, a FleetSpec as JSON, when
+    given, else from ``preset``; the replicas' proxy auth headers from ``MIXFLEET_PROXY_KEY`` /
+    ``MIXFLEET_PROXY_SECRET``); raises UserError naming a bad value."""
+    from fleet.specs import FleetSpec, load_preset
+    from router.auth import load_keys
+    from router.config import RouterConfig, proxy_auth_headers
+    from router.mismatch import check_band
+
+    shipped = getattr(args, "fleet_json", None)
+    fleet = FleetSpec.model_validate_json(shipped) if shipped else load_preset(args.preset)
+    keys = load_keys(args.api_keys_file)
+    if not keys and not args.insecure_no_auth:
+        raise UserError("no API keys: set MIXFLEET_API_KEYS or --api-keys-file, or pass --insecure-no-auth")
+    if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
+        raise UserError(f"--state must be 'memory' or a redis:// URL, got {args.state!r}")
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and args.state == "memory":
+        raise UserError(
+            f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
+        )
+    check_weights_env()
+    if getattr(args, "modal_app", None):
+        from router.pinning import open_pins
+
+        open_pins(args.modal_app, [g.name for g in fleet.groups])  # a client without the listing: one line
+    for name in ("heartbeat_timeout", "lease_timeout"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    if args.session_idle_timeout < 0:
+        raise UserError("--session-idle-timeout must be >= 0")
+    if args.max_body_bytes < 1024:
+        raise UserError("--max-body-bytes must be at least 1024")
+    if args.max_version_lag is not None and args.max_version_lag < 0:
+        raise UserError("--max-version-lag must be >= 0")
+    try:
+        low, high = (float(x) for x in args.mismatch_band.split(","))
+        band = check_band((low, high))
+    except ValueError:
+        raise UserError(
+            f"--mismatch-band must be LOW,HIGH with 0 < LOW < 1 < HIGH, got {args.mismatch_band!r}"
+        ) from None
+    return RouterConfig(
+        fleet=fleet,
+        state_url=args.state,
+        api_keys=keys,
+        auth_disabled=bool(args.insecure_no_auth and not keys),
+        policy=args.policy,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        lease_timeout_s=args.lease_timeout,
+        max_version_lag=args.max_version_lag,
+        max_body_bytes=args.max_body_bytes,
+        f16_support_logprobs=args.f16_logprobs,
+        session_idle_s=args.session_idle_timeout or None,
+        mismatch_band=band,
+        engine_headers=proxy_auth_headers(),
+        **bound_values(args),
+        modal_app=getattr(args, "modal_app", None) or None,
+        affinity_queue_bound=getattr(args, "affinity_queue_bound", 8),
+        affinity_hold_s=getattr(args, "affinity_hold", 5.0),
+    )
+
+
+ARGS_ENV = "MIXFLEET_ROUTER_ARGS"
+
+
+def check_weights_env() -> None:
+    """UserError naming a bad ``MIXFLEET_PUBLISH_WORKERS`` or ``MIXFLEET_CONVERT_FUNCTION`` (read
+    by the weight routes), so that it is one line before any worker starts."""
+    from router.publishing import workers_from_env
+    from weight_sync.converters import function_from_env
+    from weight_sync.converters.modal_function import parse_function_ref
+
+    workers_from_env()
+    function = function_from_env()
+    if function is not None:
+        parse_function_ref(function)
+
+
+def router_app(config):
+    """The router app for ``config`` with the weight-sync admin routes (store and run from
+    ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``)."""
+    from router.app import create_app
+    from router.routes_weights import create_weights_router
+
+    return create_app(config, extra_routers=[create_weights_router()])
+
+
+def default_args(**values) -> dict:
+    """The arguments of ``mixfleet router`` as :func:`app_from_args` takes them: every option's
+    default, overridden by ``values`` (option names with underscores; ``fleet_json`` may stand
+    in for ``preset``)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(["--preset", str(values.get("preset", ""))]))
+    unknown = set(values) - set(defaults) - {"fleet_json"}
+    if unknown:
+        raise UserError(f"unknown router arguments: {', '.join(sorted(unknown))}")
+    return {**defaults, **values}
+
+
+def app_from_env():
+    """uvicorn's app factory in every router worker: :func:`app_from_args` of the arguments
+    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON)."""
+    raw = os.environ.get(ARGS_ENV)
+    if not raw:
+        raise UserError(f"{ARGS_ENV} is not set: start the router with `mixfleet router`")
+    return app_from_args(json.loads(raw))
+
+
+def app_from_args(values: dict):
+    """The router app of a router process (``mixfleet router``'s workers, the router on Modal):
+    :func:`router_app` of :func:`build_config` of ``values`` (:func:`default_args`' shape), with
+    this process's logging set up and no ``_created`` series exported (every counter is its
+    ``_total``)."""
+    import prometheus_client
+
+    args = argparse.Namespace(**values)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    prometheus_client.disable_created_metrics()
+    return router_app(build_config(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the router with uvicorn (which uses uvloop and httptools when they are installed)
+    until it is stopped: ``--workers`` processes, each building its app with :func:`app_from_env`
+    (the arguments are checked here first, so a bad one is one line and nothing starts)."""
+    import uvicorn
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    build_config(args)
+    plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
+    os.environ[ARGS_ENV] = json.dumps(plain)
+    with multiprocess_metrics(args.workers):
+        uvicorn.run(
+            "mixfleet.router:app_from_env",
+            factory=True,
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            server_header=False,
+        )
+    return 0
+
+
+METRICS_DIR_PREFIX = "mixfleet-router-metrics-"
+"""Name prefix of a router's metric directory, followed by its supervisor's pid and a dash."""
+
+
+@contextlib.contextmanager
+def multiprocess_metrics(workers: int) -> Iterator[str | None]:
+    """With ``workers`` > 1: a fresh private directory in ``PROMETHEUS_MULTIPROC_DIR`` while the
+    block runs (uvicorn spawns its workers with the ``spawn`` start method, ``uvicorn/_subprocess.py``
+    18, so each imports prometheus-client anew with it set), removed with its files afterwards; its
+    path (None with one worker, which keeps its metrics in memory). The directories that killed
+    routers left behind are removed first (:func:`remove_stale_metric_dirs`)."""
+    from router.metrics import MULTIPROC_ENV
+
+    if workers <= 1:
+        yield None
+        return
+    remove_stale_metric_dirs()
+    path = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+    before = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_metric_dirs(root: str | None = None) -> list[str]:
+    """Remove the metric directories in ``root`` (default: the temporary directory) whose router
+    no longer runs (one killed before it could remove its own); their paths."""
+    from router.metrics import process_alive
+
+    removed = []
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), f"{METRICS_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path).removeprefix(METRICS_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,305 @@
+"""The per-replica sidecar: the replica's HTTP front and its weight-version reconciler.
+
+DESIGN.md, "Weight versions". One sidecar runs beside one engine (the local CPU engine or
+SGLang) and is the replica's only public port:
+
+- **Proxy**: SGLang's generation routes (``/generate``, streaming included, ``/health_generate``,
+  ``/model_info``, ``/server_info`` and their ``/get_*`` aliases) go to the engine unchanged.
+  The engine's control routes (weights, pause, continue, flush, abort, memory, profiling) answer
+  403: only the sidecar drives them.
+- **Health**: ``/health`` is 200 only while the engine answers and the replica is *ready*: it
+  has served the store pointer's version at least once since the sidecar started (a new
+  replica joins at the current version). ``/metrics`` is the sidecar's own ``mixfleet_replica_*``
+  metrics (Prometheus conventions, no colons: ``promtool check metrics`` passes);
+  ``/engine/metrics`` is the engine's ``/metrics`` unchanged (SGLang's ``sglang:*`` names, empty
+  while the engine does not answer), so one scrape target per replica serves both (the engine's
+  own port need not be reachable). ``/v1/status`` is the JSON state.
+- **Reconcile** (:mod:`replica.reconciler`): the store pointer is read every ``poll_s`` (<= 1 s)
+  and on ``POST /v1/wake``; a newer version is staged (copied, checksums verified) while
+  serving, then activated (:func:`replica.activation.activate`: ``/pause_generation`` retract ->
+  ``/update_weights_from_disk`` with a cache flush -> ``/continue_generation``); the active
+  version changes only once the engine reports it;
+  pending versions coalesce into the newest; failures keep the old version, are reported and
+  retried with backoff.
+- **Version constraints**: a ``/generate`` body field or header ``min_version`` /
+  ``exact_version`` (headers ``X-Mixfleet-Min-Version`` / ``X-Mixfleet-Exact-Version``, or
+  ``X-Min-Version`` / ``X-Exact-Version``) that the active version does not meet gets a
+  retryable 409 naming the target and applied versions (the fields are
+  removed before the body goes to the engine).
+- **Heartbeats** (:mod:`replica.reconciler`): with a router URL, ``POST
+  {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and on every activation, naming the
+  replica by its id and the URL it advertises. Every container of one Modal server advertises
+  the server's one URL with its own id, so the router holds one entry per container
+  (:mod:`router.registry`); the router pins each request to its container (:mod:`router.pinning`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+
+from clients.engine import EngineUnavailable, SGLangClient, make_http_client
+from clients.router import RouterClient
+from replica.reconciler import Activation, Reconciler, ReconcileSettings, parse_prometheus
+from weight_sync.store.base import VersionStore
+from weight_sync.types import InvalidVersion, VersionConstraint, VersionUnavailable
+
+__all__ = [
+    "Activation",
+    "ReconcileSettings",
+    "Reconciler",
+    "SidecarConfig",
+    "create_app",
+    "parse_prometheus",
+    "version_conflict",
+]
+
+PROXIED_GET = ("/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
+BLOCKED = (
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/abort_request",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/start_profile",
+    "/stop_profile",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/set_internal_state",
+    "/shutdown",
+)
+# The router sends X-Mixfleet-Min-Version; the short names are accepted too.
+MIN_HEADERS = ("x-mixfleet-min-version", "x-min-version")
+EXACT_HEADERS = ("x-mixfleet-exact-version", "x-exact-version")
+
+
+def version_conflict(
+    rec: Reconciler, body: Any, headers: Any
+) -> tuple[VersionUnavailable | InvalidVersion | None, Any]:
+    """The request's version constraint (body fields win over headers) checked against the active
+    version: ``(VersionUnavailable (409) or InvalidVersion (400), or None when it is met; the body
+    without its constraint fields, which the engine must not see)``."""
+    want_min = next((headers.get(h) for h in MIN_HEADERS if headers.get(h) is not None), None)
+    want_exact = next((headers.get(h) for h in EXACT_HEADERS if headers.get(h) is not None), None)
+    if isinstance(body, dict):
+        body = dict(body)
+        bmin, bexact = body.pop("min_version", None), body.pop("exact_version", None)
+        want_min = bmin if bmin is not None else want_min
+        want_exact = bexact if bexact is not None else want_exact
+    try:
+        constraint = VersionConstraint.parse(min_version=want_min, exact_version=want_exact)
+    except InvalidVersion as exc:
+        return exc, body
+    active = rec.state.active_version
+    if constraint.satisfied_by(active):
+        return None, body
+    return VersionUnavailable(
+        constraint,
+        applied_version=active,
+        pending_version=rec.state.desired_version,
+        replica=rec.config.replica_id,
+        group=rec.config.group,
+    ), body
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything one sidecar needs: its engine (``engine_url``), the router its heartbeats go to
+    (``router_url``, with ``api_key``; none without a router) and what its reconciler serves."""
+
+    engine_url: str
+    reconcile: ReconcileSettings
+    router_url: str | None = None
+    api_key: str | None = None
+
+
+def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
+    """The sidecar's ASGI app; its connections open and reconciling starts with the app's
+    lifespan, and both end with it."""
+
+    settings = config.reconcile
+    sidecar = Reconciler(settings, store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        http = make_http_client(timeout_s=settings.engine_timeout_s)
+        engine = SGLangClient(http, config.engine_url)
+        router = RouterClient(http, config.router_url, config.api_key, 5.0) if config.router_url else None
+        await sidecar.start(engine, router)
+        try:
+            yield
+        finally:
+            await sidecar.stop()
+            await http.close()
+
+    app = FastAPI(title=f"mixfleet sidecar {settings.replica_id}", lifespan=lifespan)
+    app.state.sidecar = sidecar
+
+    @app.api_route("/health", methods=["GET", "POST"])
+    async def health() -> JSONResponse:
+        ok = await sidecar.engine_health()
+        s = sidecar.state
+        body = {
+            "ready": s.ready,
+            "engine_ok": ok,
+            "active_version": s.active_version,
+            "desired_version": s.desired_version,
+            "error": s.error,
+        }
+        return JSONResponse(body, status_code=200 if (ok and s.ready) else 503)
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        return sidecar.status()
+
+    @app.post("/v1/wake")
+    async def wake() -> dict[str, Any]:
+        sidecar.wake()
+        return {"ok": True, "desired_version": sidecar.state.desired_version}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/engine/metrics")
+    async def engine_metrics() -> PlainTextResponse:
+        text = await sidecar.engine_metrics_text()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    for path in BLOCKED:
+        app.add_api_route(
+            path, _blocked(path), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False
+        )
+
+    for path in PROXIED_GET:
+        app.add_api_route(
+            path, _proxy_simple(sidecar, path), methods=["GET", "POST"], include_in_schema=False
+        )
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        if body is not None:
+            problem, body = version_conflict(sidecar, body, request.headers)
+        else:
+            problem, _ = version_conflict(sidecar, None, request.headers)
+        if isinstance(problem, VersionUnavailable):
+            sidecar.metrics.conflicts.inc()
+            return JSONResponse(problem.body(), status_code=409, headers={"Retry-After": "1"})
+        if problem is not None:
+            return JSONResponse({"error": {"message": str(problem)}}, status_code=400)
+        if not sidecar.state.ready:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"replica {settings.replica_id} is not ready (joining at version "
+                        f"{sidecar.state.desired_version})"
+                    },
+                    "retryable": True,
+                },
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
+        content = json.dumps(body).encode() if body is not None else raw
+        engine = sidecar.engine
+        assert engine is not None
+        s = sidecar.state
+        s.in_flight += 1
+        sidecar.metrics.in_flight.set(s.in_flight)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                s.in_flight -= 1
+                sidecar.metrics.in_flight.set(s.in_flight)
+
+        if isinstance(body, dict) and body.get("stream"):
+            try:
+                head, chunks = await engine.stream("POST", "/generate", content)
+            except EngineUnavailable as exc:
+                release()
+                return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
+
+            async def relay():
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                finally:
+                    await chunks.aclose()
+                    release()
+
+            media = head.headers.get("content-type", "text/event-stream")
+            return StreamingResponse(
+                relay(), status_code=head.status_code, media_type=media, background=BackgroundTask(release)
+            )
+        try:
+            r = await engine.forward("POST", "/generate", content)
+        except EngineUnavailable as exc:
+            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
+        finally:
+            release()
+        return Response(
+            r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
+        )
+
+    return app
+
+
+def _blocked(path: str):
+    async def handler() -> JSONResponse:
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"{path} is a control route of this replica's engine; only its sidecar "
+                    "may call it (publish weights through the router's /v1/weights)"
+                }
+            },
+            status_code=403,
+        )
+
+    return handler
+
+
+def _proxy_simple(sidecar: Reconciler, path: str):
+    async def handler(request: Request) -> Response:
+        engine = sidecar.engine
+        assert engine is not None
+        body = await request.body()
+        query = request.url.query
+        headers = {"content-type": request.headers.get("content-type", "application/json")} if body else None
+        try:
+            r = await engine.forward(
+                request.method,
+                path + (f"?{query}" if query else ""),
+                body or None,
+                headers=headers,
+                timeout=30.0,
+            )
+        except EngineUnavailable as exc:
+            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, status_code=502)
+        return Response(
+            r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
+        )
+
+    return handler

@@ -1,0 +1,93 @@
+"""The router client of the fleet's tools (fleet.weights_client) against a real loopback server:
+the synchronous WeightsClient's calls and their bodies, and every failure as one RouterError line
+carrying the router's message and status."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from clients.router import RouterError, WeightsClient
+from tests.support.procs import free_port
+
+
+class FakeRouter:
+    """Answers ``answers[path]`` = (status, body bytes); records (method, path, headers, body)."""
+
+    def __init__(self, answers: dict[str, tuple[int, bytes]]) -> None:
+        self.calls: list[tuple[str, str, dict[str, str], bytes]] = []
+        router = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                router.calls.append(
+                    (self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+                )
+                status, data = answers[self.path]
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer  # noqa: N815
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_calls_send_the_key_and_body_and_decode_the_answer() -> None:
+    router = FakeRouter(
+        {"/v1/weights": (200, b'{"latest_version":3}'), "/v1/weights/rollback": (200, b'{"job_id":"j"}')}
+    )
+    try:
+        with WeightsClient(router.url, "k1") as client:
+            assert client.status() == {"latest_version": 3}
+            assert client.rollback({"to": 2}) == {"job_id": "j"}
+    finally:
+        router.close()
+    (m1, p1, h1, b1), (m2, p2, h2, b2) = router.calls
+    assert (m1, p1, b1) == ("GET", "/v1/weights", b"")
+    assert (m2, p2, json.loads(b2)) == ("POST", "/v1/weights/rollback", {"to": 2})
+    assert h1["authorization"] == h2["authorization"] == "Bearer k1"
+    assert h2["content-type"] == "application/json"
+
+
+def test_failures_are_one_line_with_the_routers_message() -> None:
+    validation = {"detail": [{"loc": ["body", "to"], "msg": "Input should be a valid integer"}]}
+    router = FakeRouter(
+        {
+            "/v1/weights": (409, b'{"detail":"a publish is already running"}'),
+            "/v1/weights/rollback": (422, json.dumps(validation).encode()),
+            "/v1/weights/jobs/x": (200, b"not json"),
+        }
+    )
+    try:
+        with WeightsClient(router.url, None) as client:
+            with pytest.raises(RouterError) as busy:
+                client.publish({"checkpoint": "/c"})
+            assert busy.value.status == 409
+            assert str(busy.value) == "POST /v1/weights: HTTP 409: a publish is already running"
+            with pytest.raises(RouterError, match=r"HTTP 422: body\.to: Input should be a valid integer"):
+                client.rollback({"to": "x"})
+            with pytest.raises(RouterError, match="not JSON"):
+                client.job("x")
+    finally:
+        router.close()
+    assert all("authorization" not in h for _, _, h, _ in router.calls)
+    with WeightsClient(f"http://127.0.0.1:{free_port()}", None) as client:
+        with pytest.raises(RouterError, match="cannot reach the router") as down:
+            client.status()
+        assert down.value.status is None

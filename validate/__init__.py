@@ -1,0 +1,1 @@
+"""Checks a user runs on a live fleet before trusting a group."""

@@ -1,0 +1,170 @@
+"""``mixfleet weights verify``: prove that a published update really activated on every group.
+
+The perturbation is a swap of two rows ``t`` and ``s`` of the output projection (``lm_head``,
+or the tied embedding). Every weight format keeps ``lm_head`` in BF16, and a row swap only
+permutes the logits, so the softmax normalizer is unchanged and the effect is exact and known
+in advance for every group, whatever its precision: at the scored position,
+``logp_after(t) == logp_before(s)`` and ``logp_after(s) == logp_before(t)``, every other
+candidate's log-prob is unchanged. ``t`` is chosen as the least likely candidate, so its
+log-prob *rises* by ``logp_before(s) - logp_before(t)``.
+
+It publishes two new versions, ``P`` and ``R`` below; the fleet ends at ``R``.
+
+Steps (each must hold, else the check fails naming the group):
+
+1. every replica serves the latest version ``L``; score ``prefix + [c]`` for every candidate
+   ``c`` on every group (baseline);
+2. publish the perturbation of ``L`` as ``P``; every group's manifest names ``P`` and every
+   replica serves ``P``; each group's scores moved exactly as predicted (per-format tolerance);
+3. roll back to ``L`` (a new number ``R`` with ``L``'s content); every replica serves ``R``;
+   scores are back at the baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.router import WeightsClient
+from core.errors import UserError
+
+# Engines compute the same bf16 lm_head dot products before and after the swap; differences
+# come only from kernel blocking (CPU) or batch-dependent reductions (GPU).
+TOLERANCE = {"bf16": 2e-3, "fp8": 5e-3, "nvfp4": 5e-3, "mxfp4": 5e-3}
+PREFIX = (72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100)
+CANDIDATES = tuple(range(140, 172))
+
+
+@dataclass
+class VerifyReport:
+    latest: int
+    perturbed: int | None = None
+    rolled_back: int | None = None
+    swap: tuple[int, int] | None = None
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _scores(client: WeightsClient, prefix: tuple[int, ...], candidates: tuple[int, ...]) -> dict[str, Any]:
+    """Per group: {"format", "versions": {replica: v}, "logp": {candidate: logp}} (replicas agree)."""
+    body = {"input_ids": [list(prefix) + [c] for c in candidates], "logprob_start_len": len(prefix)}
+    out: dict[str, Any] = {}
+    for res in client.score(body)["results"]:
+        g = out.setdefault(res["group"], {"format": res.get("format"), "versions": {}, "per_replica": {}})
+        g["versions"][res["replica"]] = res["weight_version"]
+        g["per_replica"][res["replica"]] = {
+            c: seq[-1] for c, seq in zip(candidates, res["logprobs"], strict=True)
+        }
+    for g in out.values():
+        first = next(iter(g["per_replica"].values()))
+        g["logp"] = first
+    return out
+
+
+def run_verify(
+    client: WeightsClient,
+    *,
+    timeout: float = 600.0,
+    tolerance: dict[str, float] | None = None,
+    say: Callable[[str], None] = print,
+) -> VerifyReport:
+    """Run the three steps above against the router; returns the report (``ok`` or failures)."""
+    tol = {**TOLERANCE, **(tolerance or {})}
+    status = client.status()
+    latest = status.get("latest_version")
+    if latest is None:
+        raise UserError("nothing is published yet: publish a version before verifying")
+    report = VerifyReport(latest=latest)
+    say(
+        f"verify publishes two new versions: a perturbation of v{latest}, then a rollback "
+        f"to v{latest}'s content; waiting for every replica to serve version {latest}"
+    )
+    client.wait_active(latest, timeout)
+
+    base = _scores(client, PREFIX, CANDIDATES)
+    if not base:
+        raise UserError("no group answered the scoring request")
+    ref = next(iter(base.values()))["logp"]
+    t = min(CANDIDATES, key=lambda c: ref[c])
+    s = max(CANDIDATES, key=lambda c: ref[c])
+    report.swap = (t, s)
+    say(
+        f"baseline at v{latest}: token {t} logp {ref[t]:.4f}, token {s} logp {ref[s]:.4f}; "
+        "swapping their rows"
+    )
+
+    job = client.perturb({"from_version": latest, "swap_rows": [t, s]})
+    job = client.wait_job(job, timeout)
+    perturbed = job["version"]
+    report.perturbed = perturbed
+    st = client.wait_active(perturbed, timeout)
+    _check_manifests(st, perturbed, report)
+    after = _scores(client, PREFIX, CANDIDATES)
+    for name, g in base.items():
+        fmt = g["format"]
+        a = after.get(name)
+        if a is None:
+            report.failures.append(f"{name}: no score after the perturbation")
+            continue
+        eps = tol.get(fmt, 5e-3)
+        row = report.groups.setdefault(name, {"format": fmt, "tolerance": eps})
+        row["rise_expected"] = g["logp"][s] - g["logp"][t]
+        row["rise_observed"] = a["logp"][t] - g["logp"][t]
+        _expect_versions(name, a["versions"], perturbed, report)
+        for rep, lp in a["per_replica"].items():
+            errs = [abs(lp[t] - g["logp"][s]), abs(lp[s] - g["logp"][t])]
+            errs += [abs(lp[c] - g["logp"][c]) for c in CANDIDATES if c not in (t, s)]
+            worst = max(errs)
+            row.setdefault("perturbed_err", {})[rep] = worst
+            if worst > eps:
+                report.failures.append(
+                    f"{name}/{rep}: after the swap log-probs are off the prediction by {worst:.2e} "
+                    f"(> {eps:.0e})"
+                )
+    say(f"perturbation active as v{perturbed}; rolling back to v{latest}")
+
+    job = client.rollback({"to": latest})
+    job = client.wait_job(job, timeout)
+    back = job["version"]
+    report.rolled_back = back
+    st = client.wait_active(back, timeout)
+    _check_manifests(st, back, report)
+    again = _scores(client, PREFIX, CANDIDATES)
+    for name, g in base.items():
+        a = again.get(name)
+        if a is None:
+            report.failures.append(f"{name}: no score after the rollback")
+            continue
+        eps = tol.get(g["format"], 5e-3)
+        _expect_versions(name, a["versions"], back, report)
+        for rep, lp in a["per_replica"].items():
+            worst = max(abs(lp[c] - g["logp"][c]) for c in CANDIDATES)
+            report.groups[name].setdefault("rollback_err", {})[rep] = worst
+            if worst > eps:
+                report.failures.append(
+                    f"{name}/{rep}: after rollback scores differ from baseline by {worst:.2e}"
+                )
+    say(f"rolled back as v{back}")
+    return report
+
+
+def _check_manifests(status: dict[str, Any], version: int, report: VerifyReport) -> None:
+    for g in status["groups"]:
+        fmt = g["format"]
+        m = status["formats"].get(fmt, {}).get("manifest") or {}
+        if m.get("version") != version or g.get("desired_version") != version:
+            report.failures.append(
+                f"{g['group']}: {fmt} manifest shows version {m.get('version')}, pointer "
+                f"{g.get('desired_version')}, expected {version}"
+            )
+
+
+def _expect_versions(name: str, versions: dict[str, Any], version: int, report: VerifyReport) -> None:
+    for rep, v in versions.items():
+        if v != version:
+            report.failures.append(f"{name}/{rep}: scored with weight version {v}, expected {version}")
