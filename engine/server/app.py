@@ -23,7 +23,10 @@ with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask),
 ``output_token_sampling_mask_length`` and, a mixfleet extension,
 ``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
-the mask). Non-finite floats are sent as ``null``.
+the mask); with ``return_routed_experts`` on an engine started with
+``--enable-return-routed-experts``, once finished: ``routed_experts`` (base64 int32
+``[seqlen - 1 - routed_experts_start_len, layers, k]``, :mod:`core.sglang_release`; without the
+flag the key is absent, as in SGLang). Non-finite floats are sent as ``null``.
 
 Weight updates keep SGLang 0.5.23's contract (docs/sglang-contract.md has the table):
 ``/update_weights_from_disk`` sent while generation is not paused waits for every request in

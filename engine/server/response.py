@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any
 
+from core.sglang_release import META_ROUTED_EXPERTS, encode_routed_experts
 from engine.runtime.engine import Engine
 from engine.runtime.sampler import finite_or_none
 from engine.runtime.scheduler import FinishEvent, PrefillEvent, TokenEvent
@@ -102,6 +103,9 @@ class GenerateResponse:
                 [f(x) for x in d.support_logprobs] for d in self.draws
             ]
             meta["output_token_sampling_mask_length"] = len(self.draws)
+        routes = self.finish.routed_experts if self.finish is not None else None
+        if routes is not None:  # only when asked and served with --enable-return-routed-experts
+            meta[META_ROUTED_EXPERTS] = encode_routed_experts(routes.numpy())
         return {
             "text": self.engine.decode(self.output_ids, spec.skip_special_tokens),
             "output_ids": list(self.output_ids),

@@ -51,6 +51,7 @@ def server_info(request: Request) -> dict[str, Any]:
         "weight_version": str(engine.startup_version),
         "max_running_requests": scheduler.max_running,
         "chunked_prefill_size": scheduler.prefill_budget,
+        "enable_return_routed_experts": scheduler.record_routes,
         "context_length": engine.config.max_position_embeddings,
         "torch_num_threads": _torch_threads(),
         "internal_states": [
