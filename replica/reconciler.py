@@ -1,6 +1,6 @@
 """One replica's weight-version reconciler: pointer watch, staging, activation, heartbeats.
 
-DESIGN.md, "Weight versions". :class:`Reconciler` runs three loops beside one engine (the
+docs/architecture.md, "2. A weight version". :class:`Reconciler` runs three loops beside one engine (the
 local CPU engine or SGLang), inside the sidecar process (:mod:`replica.sidecar` is its HTTP
 front):
 

@@ -1,6 +1,6 @@
 """The per-replica sidecar: the replica's HTTP front and its weight-version reconciler.
 
-DESIGN.md, "Weight versions". One sidecar runs beside one engine (the local CPU engine or
+docs/architecture.md, "2. A weight version". One sidecar runs beside one engine (the local CPU engine or
 SGLang) and is the replica's only public port:
 
 - **Proxy**: SGLang's generation routes (``/generate``, streaming included, ``/health_generate``,
