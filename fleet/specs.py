@@ -1,4 +1,4 @@
-"""Sampler-group specs and presets (DESIGN.md, "Sampler group").
+"""Sampler-group specs and presets (docs/architecture.md, "3. Capacity and cost").
 
 A preset is a TOML file with a ``[[groups]]`` array; every group validates into a frozen
 :class:`GroupSpec`. Built-in presets (``local``, ``mixed``, ``homogeneous``) ship in

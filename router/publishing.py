@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.engine import EngineError
+from clients.sidecar import SidecarClient
 from core.errors import UserError
 from router.context import RouterContext
 from router.state.base import StateError
@@ -606,12 +607,9 @@ async def replica_details(ctx: RouterContext, replicas: list[tuple[str, str]]) -
 
     async def one(replica_id: str, url: str) -> dict[str, Any] | None:
         try:
-            client = ctx.replica_client(replica_id, url)
-            r = await client.forward("GET", "/v1/status", timeout=SIDECAR_TIMEOUT_S)
-            body = r.json() if r.status_code == 200 else None
-        except (EngineError, ValueError):
+            return await SidecarClient(ctx.replica_client(replica_id, url)).status(SIDECAR_TIMEOUT_S)
+        except EngineError:
             return None
-        return body if isinstance(body, dict) else None
 
     answers = await asyncio.gather(*(one(rid, url) for rid, url in replicas))
     return {rid: a for (rid, _), a in zip(replicas, answers, strict=True) if a is not None}
@@ -624,7 +622,7 @@ async def wake_replicas(ctx: RouterContext) -> None:
     replicas = [(r["replica_id"], r["url"]) for r in known_replicas(ctx)]
     await asyncio.gather(
         *(
-            ctx.replica_client(rid, url).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S)
+            SidecarClient(ctx.replica_client(rid, url)).wake(SIDECAR_TIMEOUT_S)
             for rid, url in replicas
         ),
         return_exceptions=True,

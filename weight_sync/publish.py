@@ -1,6 +1,6 @@
 """Publish a BF16 checkpoint as version N of a run, converted once per weight format.
 
-DESIGN.md, "Weight versions". The protocol, per call:
+docs/architecture.md, "2. A weight version". The protocol, per call:
 
 1. Plan: the formats to publish (each once, however many replicas serve it), refusing a version
    that is not newer than every format's pointer (pointers never move backwards).
