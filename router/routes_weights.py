@@ -39,6 +39,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
+from core.formats import WeightFormat
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
@@ -66,7 +67,7 @@ class PublishRequest(BaseModel):
     version: int | None = Field(default=None, ge=0, description="version number (default: the next one)")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
     mode: Literal["barrier", "per_format"] = "barrier"
-    formats: list[Literal["bf16", "fp8", "nvfp4", "mxfp4"]] | None = Field(default=None, min_length=1)
+    formats: list[WeightFormat] | None = Field(default=None, min_length=1)
     delta_of: int | None = Field(
         default=None,
         ge=0,

@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import UserError
+from core.formats import FORMATS
 from weight_sync.manifest import Manifest
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
 
 Mode = Literal["barrier", "per_format"]
 MODES: tuple[str, ...] = ("barrier", "per_format")
-FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")  # as weight_sync.formats / the converter
 MANIFEST_NAME = "manifest.json"
 
 # Relative conversion cost, used only to start the slowest conversions first.
@@ -664,7 +664,7 @@ def _warm_job() -> int:
     import torch
 
     from mixfleet.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
-    from weight_sync.convert import FORMATS, convert_checkpoint
+    from weight_sync.convert import convert_checkpoint
 
     tiny = Preset(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=128,
