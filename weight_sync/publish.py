@@ -690,15 +690,15 @@ class ConversionPool:
 
 
 def _warm_job() -> int:
-    """Convert a tiny model (``mixfleet init-model``'s layout, one layer) into every format in this
-    worker, so that the first real conversion finds torch, the converter, numba's compiled quantizer
-    kernels (each loaded per process, for the very array types the converter passes) and nvfp4's
-    calibration forward (the engine's kernels) ready."""
+    """Convert a tiny model (the base policy's layout, :mod:`weight_sync.base_model`, one
+    layer) into every format in this worker, so that the first real conversion finds torch, the
+    converter, numba's compiled quantizer kernels (each loaded per process, for the very array
+    types the converter passes) and nvfp4's calibration forward (the engine's kernels) ready."""
     import tempfile
 
     import torch
 
-    from mixfleet.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
+    from weight_sync.base_model import Preset, write_model
     from weight_sync.convert import convert_checkpoint
 
     tiny = Preset(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
