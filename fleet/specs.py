@@ -15,8 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.errors import UserError
+from core.formats import WeightFormat
 
-WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
 PRESETS_DIR = Path(__file__).parent / "presets"
 
