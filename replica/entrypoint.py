@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from clients.sidecar import STATUS_PATH
 from core.errors import UserError
 from core.sglang_release import ENGINE_ENV
 from fleet.specs import GroupSpec
@@ -137,7 +138,7 @@ def run_replica(
         sidecar = _start_processes(launcher, probe, replica, argv, sidecar_url, deadline, stop)
         if sidecar is None:
             return
-        _, status = probe.get_json(sidecar_url + "/v1/status")
+        _, status = probe.get_json(sidecar_url + STATUS_PATH)
         active = status.get("active_version") if isinstance(status, dict) else None
         ready = ReadyReplica(
             replica_id=replica_id,
