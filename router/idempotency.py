@@ -42,6 +42,7 @@ KEY_DOC = (
     "instead of sampling again (a retry while the first still runs waits for it)"
 )
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_REQUEST = "k:"  # the store's request id of a keyed turn: k:<key> (fresh ids are hex)
 _RUNNING: dict[tuple[str, str], asyncio.Future[None]] = {}
 
 
@@ -49,26 +50,38 @@ async def answer_turn(ctx: RouterContext, session_id: str, spec: TurnSpec, key: 
     """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``."""
     if key is None:
         return await record_turn(ctx, session_id, spec)
-    if not _KEY.fullmatch(key):
-        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
-    request_id = "k:" + key
     slot = (session_id, key)
-    while (running := _RUNNING.get(slot)) is not None:
-        await asyncio.shield(running)  # the first request with this key: wait for its outcome
-    found = await ctx.store.turn_for_request(session_id, request_id)
-    if found is not None:
-        return _answer(session_id, found[1])
+    while True:
+        found = await recorded_turn(ctx, session_id, key)
+        if found is not None:
+            return found
+        if slot not in _RUNNING:  # no other waiter took the turn during the lookup: this one runs it
+            break
     done = asyncio.get_running_loop().create_future()
     _RUNNING[slot] = done
     try:
-        answer = await record_turn(ctx, session_id, spec, request_id=request_id)
+        answer = await record_turn(ctx, session_id, spec, request_id=_REQUEST + key)
     finally:
-        del _RUNNING[slot]
+        if _RUNNING.get(slot) is done:
+            del _RUNNING[slot]
         done.set_result(None)
-    stored = await ctx.store.turn_for_request(session_id, request_id)
+    stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
     if stored is not None and (recorded := _answer(session_id, stored[1])) != answer:
         return recorded  # another router process recorded this key first
     return answer
+
+
+async def recorded_turn(ctx: RouterContext, session_id: str, key: str) -> bytes | None:
+    """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), once no
+    request with ``key`` runs in this process any more (422 for a malformed key). A route that
+    must know before it builds its turn (a chat route rendering the context) calls this first,
+    then :func:`answer_turn`."""
+    if not _KEY.fullmatch(key):
+        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
+    while (running := _RUNNING.get((session_id, key))) is not None:
+        await asyncio.shield(running)  # the first request with this key: wait for its outcome
+    found = await ctx.store.turn_for_request(session_id, _REQUEST + key)
+    return None if found is None else _answer(session_id, found[1])
 
 
 def _answer(session_id: str, blob: bytes) -> bytes:

@@ -99,13 +99,13 @@ def test_a_retry_while_the_first_runs_waits_for_it(client: httpx.Client) -> None
     def call() -> None:
         answers.append(_turn(client, sid, "slow", input_ids=[1, 2, 3, 4]))
 
-    threads = [threading.Thread(target=call) for _ in range(3)]
+    threads = [threading.Thread(target=call) for _ in range(5)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert [r.status_code for r in answers] == [200, 200, 200]
-    assert answers[0].content == answers[1].content == answers[2].content
+    assert [r.status_code for r in answers] == [200] * 5
+    assert len({r.content for r in answers}) == 1
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
 
 
