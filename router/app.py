@@ -40,6 +40,7 @@ from router import (
 )
 from router.config import RouterConfig
 from router.context import RouterContext
+from router.disconnect import CancelOnDisconnect
 from router.errors import ApiError
 from router.schemas import Healthz
 from router.state.base import StateError, StateUnavailable
@@ -162,6 +163,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.add_middleware(CancelOnDisconnect)  # inside the edge: its metrics see the 499
     app.add_middleware(EdgeMiddleware, ctx=ctx)
     _add_error_handlers(app)
     _add_ops_routes(app, ctx)
