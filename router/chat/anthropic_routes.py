@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.jsonio import dumps
 from router.auth import scopes_for
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, run_chat
+from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 
 
@@ -69,6 +69,7 @@ class TextBlock(_M):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
+    citations: None = None  # a reply's block sent back as it came
 
 
 class ThinkingBlock(_M):
@@ -83,6 +84,8 @@ class ToolUseBlock(_M):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    caller: None = None
+    toolset_name: None = None
 
 
 class ToolResultBlock(_M):
@@ -194,7 +197,10 @@ def _messages(i: int, m: InMessage) -> list[Message]:
     responses=error_responses(*BODY, 404, 409, 502, 503),
 )
 async def create_message(request: Request, session_id: str, body: MessagesRequest) -> Response:
-    result = await run_chat(request.app.state.ctx, session_id, body.chat())
+    try:
+        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+    except ApiError as exc:
+        raise api_error(exc, "anthropic") from None
     answer = message(session_id, body, result)
     if not body.stream:
         return JSONResponse(answer)

@@ -69,7 +69,7 @@ def build_context(
             ids += list(sampled.output_ids) + renderer.close(sampled.output_ids)
             kept += 1
         else:
-            ids += renderer.assistant(messages[:i], m, tools)
+            ids += renderer.assistant(messages[:i], m, messages[i + 1 :], tools)
         start, after = i + 1, True
     tail = messages[start:]
     ids += renderer.body(tail) if after else renderer.head(tail, tools)

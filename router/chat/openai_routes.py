@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.jsonio import dumps
 from router.auth import require
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, run_chat
+from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 
 router = APIRouter(
@@ -36,6 +36,12 @@ router = APIRouter(
     tags=["chat"],
     dependencies=[Depends(require("rollout"))],
     responses=error_responses(*AUTH),
+)
+
+
+_NO_SUPPORT = (
+    "top_logprobs: a turn that filters nothing records no sampling support to rank; use top_p < 1 or "
+    "temperature 0"
 )
 
 
@@ -108,6 +114,8 @@ class ChatCompletionRequest(_M):
     def chat(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs true")
+        if self.top_logprobs and self.temperature != 0 and (self.top_p is None or self.top_p >= 1):
+            raise ApiError(400, _NO_SUPPORT)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
@@ -149,8 +157,11 @@ def _message(i: int, m: ChatMessage) -> Message:
     responses=error_responses(*BODY, 404, 409, 502, 503),
 )
 async def chat_completions(request: Request, session_id: str, body: ChatCompletionRequest) -> Response:
-    result = await run_chat(request.app.state.ctx, session_id, body.chat())
-    answer = completion(session_id, body, result)
+    try:
+        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+        answer = completion(session_id, body, result)
+    except ApiError as exc:
+        raise api_error(exc, "openai") from None
     if not body.stream:
         return JSONResponse(answer)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -214,11 +225,7 @@ def _logprobs(result: ChatResult, top: int) -> dict[str, Any]:
         item = _entry(decode([rec["token_id"]]), rec["logprob"])
         if top:
             if not rec["support_ids"]:
-                raise ApiError(
-                    400,
-                    "top_logprobs: this turn filtered nothing, so no sampling support was recorded; "
-                    "use top_p < 1 or temperature 0",
-                )
+                raise ApiError(400, _NO_SUPPORT)
             ranked = sorted(
                 zip(rec["support_ids"], rec["support_logprobs"], strict=True),
                 key=lambda x: -9999.0 if x[1] is None else -x[1],

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
@@ -129,3 +129,24 @@ def _turn_request(input_ids: list[int], req: ChatRequest, stop_ids: Sequence[int
         where = ".".join(str(x) for x in err.get("loc", ())) or "request"
         names = {"max_new_tokens": "max_tokens"}
         raise ApiError(400, f"{names.get(where, where)}: {err.get('msg')}") from None
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    502: "api_error",
+    503: "overloaded_error",
+}
+
+
+def api_error(exc: ApiError, api: Literal["openai", "anthropic"]) -> ApiError:
+    """``exc`` with its body also in the API's own error shape (``error.message`` and
+    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read."""
+    error = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "api_error")}
+    fields = {**exc.fields, "error": error} | ({"type": "error"} if api == "anthropic" else {})
+    return ApiError(exc.status, exc.message, retry_after=exc.retry_after, fields=fields)

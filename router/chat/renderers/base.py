@@ -143,9 +143,12 @@ class Renderer(abc.ABC):
         """What follows the sampled ids of an assistant turn before the next message."""
 
     @abc.abstractmethod
-    def assistant(self, before: Sequence[Message], message: Message, tools: Sequence[Tool]) -> list[int]:
+    def assistant(
+        self, before: Sequence[Message], message: Message, after: Sequence[Message], tools: Sequence[Tool]
+    ) -> list[int]:
         """An assistant message no turn of this conversation sampled (a harness edit), rendered
-        from its text after the generation prompt of ``before``, closed."""
+        from its text as the template renders it between ``before`` and ``after``, from the
+        generation prompt of ``before`` on, closed."""
 
     @abc.abstractmethod
     def parse(self, output_ids: Sequence[int]) -> Reply:

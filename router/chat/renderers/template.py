@@ -146,14 +146,15 @@ class TemplateRenderer(Renderer):
                 text = text[len(stop) :]
         return self.encode(text)
 
-    def assistant(self, before: Sequence[Message], message: Message, tools: Sequence[Tool]) -> list[int]:
+    def assistant(
+        self, before: Sequence[Message], message: Message, after: Sequence[Message], tools: Sequence[Tool]
+    ) -> list[int]:
         prompt = self.render_text(before, tools, gp=True)
-        full = self.render_text([*before, message], tools, gp=False)
-        if not full.startswith(prompt):
-            raise RenderError(
-                "the chat template renders an edited assistant message differently in its place"
-            )
-        return self.encode(full[len(prompt) :])
+        full = self.render_text([*before, message, *after], tools, gp=True)
+        end = full.find(self._close_text, len(prompt))
+        if not full.startswith(prompt) or end < 0:
+            raise RenderError("the chat template does not render an edited assistant message in its place")
+        return self.encode(full[len(prompt) : end + len(self._close_text)])
 
     def _after_sentinel(self, messages: Sequence[Message], gp: bool) -> str:
         """The render of ``messages`` after a stand-in assistant turn, from its close on."""
