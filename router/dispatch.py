@@ -50,12 +50,12 @@ async def with_failover(
     ctx: RouterContext,
     start_group: str,
     affinity: str | None,
-    send: Callable[[SGLangClient], Awaitable[T]],
+    send: Callable[[SGLangClient, str], Awaitable[T]],
     *,
     min_version: int | None = None,
     may_move: bool = True,
 ) -> tuple[T, Placement]:
-    """Run ``send(client)`` with the engine client of a replica in rotation
+    """Run ``send(client, group)`` with the engine client of a replica in rotation and its group
     (:meth:`RouterContext.replica_client`), failing over as the module says.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
@@ -104,7 +104,7 @@ async def with_failover(
         if rep is not None:
             rep.inflight += 1
         try:
-            result = await send(ctx.replica_client(replica.replica_id, replica.url))
+            result = await send(ctx.replica_client(replica.replica_id, replica.url), group)
         except EngineUnavailable as exc:
             last_error = exc.message
             if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
@@ -223,9 +223,14 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    async def send(client: SGLangClient) -> tuple[Generation, float]:
+    recording = {g.name for g in ctx.fleet.groups if g.record_routes}
+
+    async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
-        generation = await client.generate(spec.input_ids, spec.params, headers=headers)
+        routes = group in recording  # the group that serves it (the turn may have moved) records them
+        generation = await client.generate(
+            spec.input_ids, spec.params, headers=headers, routed_experts=routes
+        )
         return generation, time.perf_counter() - e0
 
     (generation, engine_s), place = await with_failover(
@@ -247,6 +252,7 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
             moved_from=place.moved_from,
             timings=timings,
             sampling=generation.sampling,
+            routed_experts=generation.routed_experts,
         )
     except ValueError as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None
