@@ -210,15 +210,18 @@ class AsyncRolloutClient:
     async def ack(self, lease_id: str) -> Any:
         return await self._json("POST", f"/v1/batches/{lease_id}/ack")
 
-    async def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
+    async def upload_trainer_logprobs(
+        self, lease_id: str, logprobs: np.ndarray, route_mismatch: np.ndarray | None = None
+    ) -> dict[str, Any]:
         """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
-        the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures;
+        the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures
+        (with ``route_mismatch``, ``Policy.route_mismatch()`` of the batch, its route figures);
         returns the batch's figures per (group, version). Once per lease: a repeat is a 409,
         raised at once (it is not transient)."""
         content, _ = await self.request(
             "POST",
             f"/v1/batches/{lease_id}/trainer_logprobs",
-            encode_trainer_logprobs(logprobs),
+            encode_trainer_logprobs(logprobs, route_mismatch),
             content_type=LOGPROBS_MEDIA_TYPE,
             retry_statuses=(503,),
         )
@@ -304,8 +307,10 @@ class RolloutClient:
     def ack(self, lease_id: str) -> Any:
         return self._run(self._client.ack(lease_id))
 
-    def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
-        return self._run(self._client.upload_trainer_logprobs(lease_id, logprobs))
+    def upload_trainer_logprobs(
+        self, lease_id: str, logprobs: np.ndarray, route_mismatch: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        return self._run(self._client.upload_trainer_logprobs(lease_id, logprobs, route_mismatch))
 
     def publish(self, checkpoint: str, **kw: Any) -> dict[str, Any]:
         return self._run(self._client.publish(checkpoint, **kw))

@@ -29,6 +29,8 @@ from tests.engine.test_routes import _hf_routes
 from tests.support.engines import engine_process
 from tests.support.router import router_process, write_preset
 from trainer.batch import decode_batch as trainer_decode_batch
+from trainer.upload import MEDIA_TYPE as LOGPROBS
+from trainer.upload import encode_trainer_logprobs
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6, "seed": 11}
@@ -77,6 +79,28 @@ def test_the_section_round_trips_in_both_decoders(high: int) -> None:
     assert fast.token_ids.tolist() == [10, 11] * 3  # the records around the section are intact
     with pytest.raises(ValueError, match="not layers x 2"):
         fast.routes(0, 2)
+
+
+def test_route_flags_are_counted_per_group_version_and_position() -> None:
+    from router.mismatch import TurnTokens, batch_mismatch
+    from router.trainer_logprobs import LogprobsFormatError, decode_upload
+
+    turns = [TurnTokens("a", 3, [-1.0] * 4, [0] * 4), TurnTokens("b", 3, [-1.0] * 2, [0] * 2)]
+    lps = np.full(6, -1.0, dtype=np.float32)
+    flags = np.array([1, 0, 2, 1, 0, 0], dtype=np.uint8)
+    got_lps, got_flags = decode_upload(encode_trainer_logprobs(lps, flags))
+    assert got_lps.tolist() == lps.tolist() and got_flags.tolist() == flags.tolist()
+    assert decode_upload(encode_trainer_logprobs(lps))[1] is None
+    with pytest.raises(LogprobsFormatError, match="not 0, 1 or 2"):
+        decode_upload(encode_trainer_logprobs(lps) + struct.pack("<I", 6) + bytes([3] * 6))
+    sums = batch_mismatch(turns, lps, (0.2, 5.0), flags).sums
+    a = sums[("a", 0, "0-63")]
+    assert (a.tokens, a.route_tokens, a.route_differ) == (4, 3, 2)
+    assert a.view()["route_mismatch_share"] == pytest.approx(2 / 3)
+    b = sums[("b", 0, "0-63")]
+    assert (b.route_tokens, b.route_differ) == (2, 0)
+    plain = batch_mismatch(turns, lps, (0.2, 5.0)).sums[("a", 0, "0-63")]
+    assert (plain.route_tokens, plain.route_differ) == (0, 0)
 
 
 def test_a_truncated_section_is_refused() -> None:
@@ -145,6 +169,21 @@ def test_a_recording_group_stores_the_engines_routes_and_serves_them_in_batches(
     std = decode_batch(taken.content)
     std_turn = next(t for t in std["trajectories"] if t["session_id"] == sid)["turns"][0]
     assert std_turn["routed_experts"] == routes
+    # the trainer's route flags (0 agree, 1 differ, 2 none recorded) travel with its log-probs
+    flags = np.full(len(batch), 2, dtype=np.uint8)
+    mask = batch.turn_index == mine
+    flags[mask] = [1, 0] * (int(mask.sum()) // 2) + [0] * (int(mask.sum()) % 2)
+    body = encode_trainer_logprobs(batch.logprobs, flags)
+    up = client.post(
+        f"/v1/batches/{batch.lease_id}/trainer_logprobs", content=body, headers={"Content-Type": LOGPROBS}
+    )
+    assert up.status_code == 200, up.text
+    group = next(g for g in up.json()["groups"] if g["group"] == "cpu-r")
+    assert group["route_tokens"] == int(mask.sum())
+    assert group["route_mismatch_share"] == pytest.approx((int(mask.sum()) // 2) / int(mask.sum()))
+    metrics = client.get("/metrics").text
+    assert f'mixfleet_mismatch_route_tokens_total{{group="cpu-r"}} {float(mask.sum())}' in metrics
+    assert 'mixfleet_mismatch_route_share{group="cpu-r",version="0"}' in metrics
     assert client.post(f"/v1/batches/{batch.lease_id}/ack").status_code == 200
 
 
