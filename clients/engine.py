@@ -255,7 +255,7 @@ class SGLangClient:
 
         return RawResponse(r.status, b"", {k.lower(): v for k, v in r.headers.items()}), chunks()
 
-    async def _call(
+    async def call(
         self,
         method: str,
         path: str,
@@ -276,11 +276,11 @@ class SGLangClient:
     async def _info(self, path: str, alias: str, timeout: float) -> dict[str, Any]:
         """``GET path`` (SGLang's name), else its older ``alias`` when the engine lacks it."""
         try:
-            data = await self._call("GET", path, timeout=timeout)
+            data = await self.call("GET", path, timeout=timeout)
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
-            data = await self._call("GET", alias, timeout=timeout)
+            data = await self.call("GET", alias, timeout=timeout)
         if not isinstance(data, dict):
             raise EngineUnavailable(self.base_url + path, "response is not a JSON object")
         return data
@@ -293,6 +293,7 @@ class SGLangClient:
         *,
         headers: dict[str, str] | None = None,
         sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+        rid: str | None = None,
         routed_experts: bool = False,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
@@ -300,26 +301,30 @@ class SGLangClient:
         :func:`core.sglang_release.sampling_request` decides for the engine's
         ``--sampling-mask-max-tokens``: ``return_sampling_mask`` with ``sampling_logprobs_mode:
         support``, so each token's support comes with its log-probs, unless the turn samples from
-        the whole vocabulary, which is sent unchanged without a mask). ``routed_experts``: also
+        the whole vocabulary, which is sent unchanged without a mask). ``rid`` names the request
+        for :meth:`abort_request` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py 177-180;
+        unique among the engine's running requests). ``routed_experts``: also
         ``return_routed_experts`` (every position from 0; SGLang answers them only when started
         with ``--enable-return-routed-experts``, :mod:`core.sglang_release`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
-        as :meth:`_call` otherwise."""
+        as :meth:`call` otherwise."""
         request = release.sampling_request(sampling_params, sampling_mask_max_tokens)
         payload: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": request.params,
             "return_logprob": True,
         }
+        if rid is not None:
+            payload["rid"] = rid
         if request.mask:
             payload["return_sampling_mask"] = True
             payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
         if routed_experts:
             payload["return_routed_experts"] = True
         url = self.base_url + "/generate"
-        data = await self._call("POST", "/generate", payload, headers=headers)
+        data = await self.call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
             raise EngineUnavailable(url, "response is not a JSON object")
         meta = data.get("meta_info")
@@ -353,6 +358,14 @@ class SGLangClient:
             _classify(self.base_url + "/generate", RawResponse(head.status_code, content, head.headers))
         return head, chunks
 
+    async def abort_request(self, rid: str, *, timeout: float = 5.0) -> None:
+        """``POST /abort_request {"rid": rid}``: the engine ends that request, if it still runs, with
+        finish reason ``abort`` (entrypoints/http_server.py 1721-1731, body ``AbortReq`` of
+        managers/io_struct.py 2285-2296; an unknown ``rid`` is ignored, tokenizer_manager.py
+        2241-2253). Raises as :meth:`_call`."""
+        url = self.base_url + "/abort_request"
+        _classify(url, await self.forward("POST", "/abort_request", dumps({"rid": rid}), timeout=timeout))
+
     async def score(
         self, input_ids: Sequence[Sequence[int]], logprob_start_len: int, *, timeout: float = 120.0
     ) -> list[dict[str, Any]]:
@@ -364,7 +377,7 @@ class SGLangClient:
             "return_logprob": True,
             "logprob_start_len": logprob_start_len,
         }
-        data = await self._call("POST", "/generate", payload, timeout=timeout)
+        data = await self.call("POST", "/generate", payload, timeout=timeout)
         items = data if isinstance(data, list) else [data]
         url = self.base_url + "/generate"
         if len(items) != len(input_ids) or not all(isinstance(i, dict) for i in items):
@@ -376,11 +389,11 @@ class SGLangClient:
         """``POST /pause_generation``: ``retract`` (the fleet's, :data:`core.sglang_release.PAUSE_MODE`)
         moves running requests back to the waiting queue, to be recomputed on continue; ``in_place``
         holds them with their KV cache; ``abort`` aborts them."""
-        await self._call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
+        await self.call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
 
     async def continue_generation(self, *, timeout: float = 60.0) -> None:
         """``POST /continue_generation`` (a no-op on an engine that is not paused)."""
-        await self._call("POST", "/continue_generation", {}, timeout=timeout)
+        await self.call("POST", "/continue_generation", {}, timeout=timeout)
 
     async def update_weights_from_disk(self, request: dict[str, Any], *, timeout: float | None = None) -> str:
         """``POST /update_weights_from_disk`` of ``request`` (built by
@@ -388,10 +401,10 @@ class SGLangClient:
         weights and flushed its cache. Raises :class:`WeightsNotFlushed` when the engine swapped the
         weights but refused the flush (SGLang answers 400 ``success: false``; its ``/model_info``
         keeps the old version), else :class:`EngineRejected` for a refusal (the old weights keep
-        serving) and as :meth:`_call`."""
+        serving) and as :meth:`call`."""
         url = self.base_url + "/update_weights_from_disk"
         try:
-            data = await self._call("POST", "/update_weights_from_disk", request, timeout=timeout)
+            data = await self.call("POST", "/update_weights_from_disk", request, timeout=timeout)
         except EngineRejected as exc:
             if release.UPDATE_NOT_FLUSHED_PREFIX in exc.message:
                 raise WeightsNotFlushed(url, exc.status, exc.message) from None
@@ -408,7 +421,7 @@ class SGLangClient:
         ``abort_all_requests`` defaults to true)."""
         url = self.base_url + "/update_weight_version"
         payload = {"new_version": str(version), "abort_all_requests": False}
-        data = await self._call("POST", "/update_weight_version", payload, timeout=timeout)
+        data = await self.call("POST", "/update_weight_version", payload, timeout=timeout)
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineRejected(url, 200, str(data.get("message") or "success: false"))
 
