@@ -64,6 +64,7 @@ from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FL
 from engine.runtime.engine import ENGINE_VERSION, LOADER, Engine
 from engine.runtime.sampler import finite_or_none
 from engine.runtime.scheduler import FinishEvent, PrefillEvent, TokenEvent
+from engine.server.debug import debug_router
 from engine.server.metrics import CONTENT_TYPE
 from engine.server.protocol import (
     AbortReq,
@@ -490,6 +491,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(debug_router(engine))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
