@@ -97,6 +97,80 @@ META_SAMPLING_LOGPROBS = "output_token_sampling_logprobs"
 META_WEIGHT_VERSION = "weight_version"
 META_WEIGHT_VERSIONS = "weight_versions"
 
+# --- routed experts (R3) ---------------------------------------------------------------------------
+# Request fields (managers/io_struct.py 263-268 GenerateReqInput): return_routed_experts (bool) and
+# routed_experts_start_len (absolute start position; the answer covers positions
+# [routed_experts_start_len, seqlen - 1), seqlen = prompt + output tokens; must be in [0, prompt
+# tokens], else the request is aborted with the scheduler's message, managers/scheduler.py
+# 3300-3319). The server flag --enable-return-routed-experts (arg_groups/fields/exec_.py 158-160)
+# creates the capturer; without it a request that asks gets no key at all (no capturer,
+# state_capturer/routed_experts.py 50-51; batch_result_processor.py 150-152 returns; the tokenizer
+# manager adds the key only for a non-None value, managers/tokenizer_manager.py 2602-2609).
+# Answer: meta_info["routed_experts"] = base64 of the raw bytes of an int32 tensor
+# [seqlen - 1 - start, num_hidden_layers, num_experts_per_tok] (C order, the host's little-endian
+# int32: managers/detokenizer_manager.py 432-448 ``b64encode(item.numpy().tobytes())``; host buffer
+# dtype int32, state_capturer/base.py 63-70; rows from batch_result_processor.py 136-160,
+# state_capturer/base.py 173-187; decoded by state_capturer/routed_experts.py 166-174
+# ``np.frombuffer(b64decode(...), dtype=np.int32)``, the shape left to the caller). Collected on finish
+# only (non-streaming and the last stream chunk).
+META_ROUTED_EXPERTS = "routed_experts"
+ENABLE_RETURN_ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+ROUTED_EXPERTS_DTYPE = "int32"
+
+
+def routed_experts_start_error(start_len: int, prompt_tokens: int) -> str | None:
+    """SGLang's refusal of a ``routed_experts_start_len`` (managers/scheduler.py 3300-3313), or None."""
+    if start_len < 0:
+        return (
+            f"recv_req.routed_experts_start_len={start_len} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start_len > prompt_tokens:
+        return (
+            f"recv_req.routed_experts_start_len={start_len} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_tokens}. Please use a smaller routed_experts_start_len."
+        )
+    return None
+
+
+def encode_routed_experts(ids: Any) -> str:
+    """base64 of an int32 array's raw little-endian bytes (anything with ``tobytes`` of int32 values,
+    or a flat sequence of ints)."""
+    import array
+    import base64
+    import sys
+
+    if hasattr(ids, "tobytes"):
+        raw = ids.tobytes()
+    else:
+        arr = array.array("i", ids)
+        if sys.byteorder != "little":
+            arr.byteswap()
+        raw = arr.tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_routed_experts(text: str) -> list[int]:
+    """The flat int32 values of a ``routed_experts`` string (stdlib; ValueError if not base64 of a
+    whole number of int32s)."""
+    import array
+    import base64
+    import binascii
+    import sys
+
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise ValueError(f"routed_experts is not base64: {exc}") from None
+    if len(raw) % 4:
+        raise ValueError(f"routed_experts holds {len(raw)} bytes, not a whole number of int32 values")
+    arr = array.array("i")
+    arr.frombytes(raw)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
+
+
 # managers/schedule_batch.py 279-345 BaseFinishReason.to_json: {"type": "stop", "matched": token id,
 # ids or string}, {"type": "length", "length": n}, {"type": "abort", "message", "status_code",
 # "err_type"} (an abort echoed by the tokenizer manager, 3596-3601, carries only type and message).

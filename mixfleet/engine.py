@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=SAMPLING_MASK_MAX_TOKENS_DEFAULT,
         help="largest top_k a sampling-mask request may use (SGLang's flag)",
     )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each token's top-k experts of every MoE layer for requests that ask (SGLang's flag)",
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_budget=args.prefill_budget,
             served_model_name=args.served_model_name,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load model {args.model!r}: {exc}") from None

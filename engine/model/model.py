@@ -234,7 +234,6 @@ class Model:
             raise ValueError(f"tokens[{bad}] has ids outside the vocabulary [0, {vocab})")
         return ids
 
-    @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[SequenceCache]) -> list[torch.Tensor]:
         """Append ``tokens[i]`` to sequence ``caches[i]`` for every i, in one batched step.
 
@@ -244,12 +243,35 @@ class Model:
         ``len(tokens[i])``; returns float32 logits ``[len(tokens[i]), vocab]`` for each new
         position (the next-token distribution after that position).
         """
+        return self._run(tokens, caches, None)
+
+    def forward_routed(
+        self, tokens: list[torch.Tensor], caches: list[SequenceCache]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward`, plus per sequence the routed experts of its new positions: int32
+        ``[len(tokens[i]), num_hidden_layers, num_experts_per_tok]``, each row the top-k expert ids
+        of that position in that layer in descending router probability (``torch.topk`` order);
+        a dense layer's rows are 0, as SGLang's zero-initialised capture buffer leaves them
+        (``state_capturer/base.py`` 38-40)."""
+        routes: list[torch.Tensor] = []
+        logits = self._run(tokens, caches, routes)
+        return logits, routes
+
+    @torch.inference_mode()
+    def _run(
+        self, tokens: list[torch.Tensor], caches: list[SequenceCache], routes: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """The step of :meth:`forward`; when ``routes`` is a list, appends the per-sequence routes
+        :meth:`forward_routed` describes."""
         ids = self._validate(tokens, caches)
         lens = [int(t.numel()) for t in tokens]
         starts = [c.length for c in caches]
         total = sum(lens)
         vocab = self.config.vocab_size
         if total == 0:
+            if routes is not None:
+                k = max(self.config.num_experts_per_tok, 1)
+                routes.extend(torch.zeros(0, len(self._layers), k, dtype=torch.int32) for _ in tokens)
             return [torch.empty(0, vocab) for _ in tokens]
         for c, s, n in zip(caches, starts, lens, strict=True):
             c.reserve(s + n)
@@ -263,6 +285,8 @@ class Model:
         nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         attention = _Attention(caches, starts, lens, nh, nkv, d, self._kv_storage)
         x = self._embed[ids]
+        k = max(c.num_experts_per_tok, 1)
+        captured = torch.zeros(total, len(self._layers), k, dtype=torch.int32) if routes is not None else None
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = _apply(layer.qkv, h)
@@ -274,6 +298,8 @@ class Model:
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if layer.experts is not None:
                 top_idx, top_w = route(h, layer.router, c.num_experts_per_tok, c.norm_topk_prob)
+                if captured is not None:
+                    captured[:, li] = top_idx
                 x = x + layer.experts(h, top_idx, top_w)
             else:
                 x = x + swiglu(h, _Fused(layer.mlp_gate_up), layer.mlp_down)
@@ -281,6 +307,8 @@ class Model:
         logits = self._lm_head(x).float()
         for cache, n in zip(caches, lens, strict=True):
             cache.length += n
+        if routes is not None:
+            routes.extend(captured.split(lens))
         return list(logits.split(lens))
 
 

@@ -40,6 +40,7 @@ class Engine:
         prefill_budget: int,
         served_model_name: str | None,
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         from engine.runtime.rwlock import RWLock
         from engine.runtime.scheduler import Scheduler
@@ -78,6 +79,7 @@ class Engine:
             metrics=self.metrics,
             max_running=max_running,
             prefill_budget=prefill_budget,
+            record_routes=enable_return_routed_experts,
         )
         self.scheduler.start()
 
@@ -92,6 +94,7 @@ class Engine:
         prefill_budget: int = 2048,
         served_model_name: str | None = None,
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+        enable_return_routed_experts: bool = False,
     ) -> Engine:
         from engine.model.model import load_model
 
@@ -106,6 +109,7 @@ class Engine:
             prefill_budget=prefill_budget,
             served_model_name=served_model_name,
             sampling_mask_max_tokens=sampling_mask_max_tokens,
+            enable_return_routed_experts=enable_return_routed_experts,
         )
 
     @property

@@ -51,7 +51,8 @@ PauseMode = Literal["abort", "retract", "in_place"]
 
 
 class ModelLike(Protocol):
-    """The part of ``engine.model.model.Model`` the scheduler uses."""
+    """The part of ``engine.model.model.Model`` the scheduler uses (and ``forward_routed``, only
+    when the scheduler records routed experts)."""
 
     def new_sequence(self) -> Any: ...
 
@@ -79,11 +80,16 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The request is done; ``finish_reason`` is SGLang's JSON shape."""
+    """The request is done; ``finish_reason`` is SGLang's JSON shape. ``routed_experts``: when the
+    request asked for them and the scheduler records them, int32 ``[rows, layers, k]`` for the
+    positions ``[routed_experts_start_len, seqlen - 1)`` that went through the model (SGLang's
+    ``_maybe_collect_routed_experts``, managers/scheduler_components/batch_result_processor.py
+    136-160: ``seqlen - 1 - start_len`` rows on a normal finish); else None."""
 
     finish_reason: dict[str, Any]
     completion_tokens: int
     weight_version: int
+    routed_experts: torch.Tensor | None = None
 
 
 Event = PrefillEvent | TokenEvent | FinishEvent
@@ -102,6 +108,7 @@ class _Request:
     input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top: list[tuple[tuple[float, int], ...] | None] = field(default_factory=list)
     carry_logits: torch.Tensor | None = None  # last prefill row of the previous chunk
+    routes: list[torch.Tensor] = field(default_factory=list)  # routed experts of positions 0 .. cache.length
     last_token_time: float | None = None
     finished: bool = False
 
@@ -141,8 +148,12 @@ class Scheduler:
         metrics: Any = None,
         max_running: int = 64,
         prefill_budget: int = 2048,
+        record_routes: bool = False,
     ) -> None:
         self.model = model
+        # SGLang's --enable-return-routed-experts: without it a request's return_routed_experts
+        # yields nothing (no capturer, state_capturer/routed_experts.py 50-51)
+        self.record_routes = record_routes
         self.weight_version = weight_version
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -299,6 +310,7 @@ class Scheduler:
         elif mode == "retract":
             for req in reversed(self._running):
                 req.cache = None
+                req.routes.clear()  # recomputed with the cache
                 if not req.prefill_done:  # its prompt is recomputed from the start
                     req.input_logprobs.clear()
                     req.input_top.clear()
@@ -346,7 +358,17 @@ class Scheduler:
                 self._waiting.remove(req)
         if self.metrics is not None:
             self.metrics.observe_finished(time.monotonic() - req.arrival, reason["type"] == "abort")
-        req.sink(FinishEvent(reason, len(req.output_ids), self.weight_version))
+        req.sink(FinishEvent(reason, len(req.output_ids), self.weight_version, self._routes_of(req)))
+
+    def _routes_of(self, req: _Request) -> torch.Tensor | None:
+        """The routed experts :class:`FinishEvent` carries for ``req`` (None unless recorded)."""
+        if not (self.record_routes and req.spec.return_routed_experts):
+            return None
+        end = req.seq_len() - 1
+        start = min(req.spec.routed_experts_start_len, max(end, 0))
+        if not req.routes:
+            return None
+        return torch.cat(req.routes)[start:end].contiguous()
 
     def _step(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
@@ -374,7 +396,14 @@ class Scheduler:
         version = self.weight_version
         tokens = [torch.tensor(req.tokens(a, b), dtype=torch.long) for req, a, b in feed]
         t0 = time.perf_counter()
-        logits = model.forward(tokens, [req.cache for req, _, _ in feed])
+        caches = [req.cache for req, _, _ in feed]
+        if self.record_routes and any(req.spec.return_routed_experts for req, _, _ in feed):
+            logits, routes = model.forward_routed(tokens, caches)  # type: ignore[attr-defined]
+            for (req, _, _), r in zip(feed, routes, strict=True):
+                if req.spec.return_routed_experts:
+                    req.routes.append(r)
+        else:
+            logits = model.forward(tokens, caches)
         self.forward_seconds += time.perf_counter() - t0
         self.steps += 1
         to_sample: list[tuple[_Request, torch.Tensor]] = []

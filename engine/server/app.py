@@ -23,7 +23,10 @@ with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask),
 ``output_token_sampling_mask_length`` and, a mixfleet extension,
 ``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
-the mask). Non-finite floats are sent as ``null``.
+the mask); with ``return_routed_experts`` on an engine started with
+``--enable-return-routed-experts``, once finished: ``routed_experts`` (base64 int32
+``[seqlen - 1 - routed_experts_start_len, layers, k]``, :mod:`core.sglang_release`; without the
+flag the key is absent, as in SGLang). Non-finite floats are sent as ``null``.
 
 Weight updates keep SGLang 0.5.23's contract (docs/sglang-contract.md has the table):
 ``/update_weights_from_disk`` sent while generation is not paused waits for every request in
@@ -60,7 +63,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
+from core.sglang_release import (
+    FLUSH_OK_TEXT,
+    FLUSH_REFUSED_TEXT,
+    META_ROUTED_EXPERTS,
+    UPDATE_NOT_FLUSHED_MESSAGE,
+    encode_routed_experts,
+)
 from engine.runtime.engine import ENGINE_VERSION, LOADER, Engine
 from engine.runtime.sampler import finite_or_none
 from engine.runtime.scheduler import FinishEvent, PrefillEvent, TokenEvent
@@ -168,6 +177,9 @@ class _Response:
                 [f(x) for x in d.support_logprobs] for d in self.draws
             ]
             meta["output_token_sampling_mask_length"] = len(self.draws)
+        routes = self.finish.routed_experts if self.finish is not None else None
+        if routes is not None:  # only when asked and served with --enable-return-routed-experts
+            meta[META_ROUTED_EXPERTS] = encode_routed_experts(routes.numpy())
         return {
             "text": self.engine.decode(self.output_ids, spec.skip_special_tokens),
             "output_ids": list(self.output_ids),
@@ -442,6 +454,7 @@ def create_app(engine: Engine) -> FastAPI:
             "weight_version": str(engine.startup_version),
             "max_running_requests": scheduler.max_running,
             "chunked_prefill_size": scheduler.prefill_budget,
+            "enable_return_routed_experts": scheduler.record_routes,
             "context_length": engine.config.max_position_embeddings,
             "torch_num_threads": _torch_threads(),
             "internal_states": [

@@ -14,10 +14,15 @@ needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (
 SGLang's words); ``sampling_logprobs_mode`` (``selected`` | ``support``) may only be set with it.
 A mask of a token drawn with no active filter (a ``top_k`` of at least the vocabulary, no top-p
 or min-p) is empty, meaning "the whole vocabulary" (SGLang lists every id).
+
+Routed experts (:mod:`core.sglang_release`): ``return_routed_experts`` and
+``routed_experts_start_len`` are one value for the whole batch, as in SGLang; a start outside
+``[0, prompt tokens]`` of any item is a 400 in SGLang's words.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,7 +31,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from core.sglang_release import SAMPLING_LOGPROBS_MODES, SAMPLING_MASK_MAX_TOKENS_DEFAULT, mask_top_k_error
+from core.sglang_release import (
+    SAMPLING_LOGPROBS_MODES,
+    SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+    mask_top_k_error,
+    routed_experts_start_error,
+)
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.sampler import TOP_K_ALL, SamplerSettings
 from weight_sync.types import InvalidVersion
@@ -131,6 +141,8 @@ class GenerateSpec:
     return_text_in_logprobs: bool
     stream: bool
     sampling_logprobs_mode: str = "selected"
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 class GenerateReqInput(BaseModel):
@@ -151,6 +163,9 @@ class GenerateReqInput(BaseModel):
     ) = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # SGLang takes both as one value for the whole batch (managers/io_struct.py 263-268)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     def is_batch(self) -> bool:
         if self.input_ids is not None:
@@ -202,6 +217,17 @@ class GenerateReqInput(BaseModel):
             )
         if len({s.rid for s in specs}) != len(specs):
             raise RequestError("rid must be unique within a batch.")
+        if self.return_routed_experts:
+            for s in specs:
+                refused = routed_experts_start_error(self.routed_experts_start_len, len(s.input_ids))
+                if refused is not None:
+                    raise RequestError(refused)
+            specs = [
+                dataclasses.replace(
+                    s, return_routed_experts=True, routed_experts_start_len=self.routed_experts_start_len
+                )
+                for s in specs
+            ]
         return specs
 
     @staticmethod

@@ -1,0 +1,140 @@
+"""Routed experts (SGLang 0.5.23's ``return_routed_experts``): the engine's routes equal a brute-force
+top-k of ``transformers``' router logits over the same checkpoint, in SGLang's shape and encoding,
+only with ``--enable-return-routed-experts``, and with SGLang's refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from core.sglang_release import decode_routed_experts
+from tests.engine.conftest import generate
+from tests.support.engines import engine_process
+
+PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 2, 2, 2, 9, 81])
+
+
+def _hf_routes(model_dir: Path, ids: list[int]) -> np.ndarray:
+    """[len(ids), layers, k]: top-k of softmax(router logits) of every MoE layer (transformers,
+    float32), in descending probability."""
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    k = hf.config.num_experts_per_tok
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    per_layer = [torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices for r in out.router_logits]
+    return torch.stack(per_layer, dim=1).numpy().astype(np.int32)
+
+
+def _routes(body: dict, layers: int, k: int) -> np.ndarray:
+    flat = decode_routed_experts(body["meta_info"]["routed_experts"])
+    return np.asarray(flat, dtype=np.int32).reshape(-1, layers, k)
+
+
+@pytest.fixture(scope="module")
+def routed_engine(tiny_dir: Path) -> Iterator[str]:
+    with engine_process(tiny_dir, enable_return_routed_experts=True) as url:
+        yield url
+
+
+def test_model_routes_equal_transformers_top_k(tiny_dir: Path, tiny_config: dict) -> None:
+    from engine.model.model import load_model
+
+    model = load_model(str(tiny_dir))
+    ids = list(PROMPTS[0])
+    cache = model.new_sequence()
+    # a prefill chunk, then one token at a time, as the scheduler feeds them
+    _, first = model.forward_routed([torch.tensor(ids[:4])], [cache])
+    rest = [model.forward_routed([torch.tensor([t])], [cache])[1][0] for t in ids[4:]]
+    got = torch.cat([first[0], *rest]).numpy()
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    assert got.shape == (len(ids), layers, k) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, _hf_routes(tiny_dir, ids))
+
+
+def test_generate_returns_routes_of_prompt_and_output(
+    routed_engine: str, client: httpx.Client, tiny_dir: Path, tiny_config: dict
+) -> None:
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    bodies = generate(
+        client,
+        routed_engine,
+        input_ids=[list(p) for p in PROMPTS],
+        sampling_params={"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3},
+        return_routed_experts=True,
+    )
+    for prompt, body in zip(PROMPTS, bodies, strict=True):
+        seq = list(prompt) + body["output_ids"]
+        got = _routes(body, layers, k)
+        assert got.shape == (len(seq) - 1, layers, k)  # SGLang: [start, seqlen - 1)
+        np.testing.assert_array_equal(got, _hf_routes(tiny_dir, seq[:-1]))
+
+
+def test_start_len_cuts_the_rows(routed_engine: str, client: httpx.Client, tiny_config: dict) -> None:
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    full = generate(
+        client, routed_engine, input_ids=list(PROMPTS[0]), sampling_params=params, return_routed_experts=True
+    )
+    cut = generate(
+        client,
+        routed_engine,
+        input_ids=list(PROMPTS[0]),
+        sampling_params=params,
+        return_routed_experts=True,
+        routed_experts_start_len=len(PROMPTS[0]),
+    )
+    assert cut["output_ids"] == full["output_ids"]
+    np.testing.assert_array_equal(_routes(cut, layers, k), _routes(full, layers, k)[len(PROMPTS[0]) :])
+    plain = generate(client, routed_engine, input_ids=list(PROMPTS[0]), sampling_params=params)
+    assert "routed_experts" not in plain["meta_info"]
+
+
+def test_streamed_routes_come_with_the_last_chunk(routed_engine: str, tiny_config: dict) -> None:
+    from tests.engine.conftest import StreamReader
+
+    body = {
+        "input_ids": list(PROMPTS[1]),
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
+    reader = StreamReader(routed_engine, body)
+    last = reader.result()
+    assert all("routed_experts" not in c["meta_info"] for c in reader.chunks[:-1])
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    assert _routes(last, layers, k).shape[0] == len(PROMPTS[1]) + 3 - 1
+
+
+def test_start_len_outside_the_prompt_is_refused(routed_engine: str, client: httpx.Client) -> None:
+    for start, words in (
+        (-1, "is lower than 0"),
+        (len(PROMPTS[0]) + 1, "is higher than the number of input"),
+    ):
+        r = client.post(
+            routed_engine + "/generate",
+            json={
+                "input_ids": list(PROMPTS[0]),
+                "return_routed_experts": True,
+                "routed_experts_start_len": start,
+            },
+        )
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_without_the_flag_no_routes(engine: str, client: httpx.Client) -> None:
+    """SGLang without --enable-return-routed-experts has no capturer: the key is absent."""
+    body = generate(
+        client,
+        engine,
+        input_ids=list(PROMPTS[0]),
+        sampling_params={"max_new_tokens": 2},
+        return_routed_experts=True,
+    )
+    assert "routed_experts" not in body["meta_info"]
+    assert client.get(engine + "/server_info").json()["enable_return_routed_experts"] is False
