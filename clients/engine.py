@@ -254,7 +254,7 @@ class SGLangClient:
 
         return RawResponse(r.status, b"", {k.lower(): v for k, v in r.headers.items()}), chunks()
 
-    async def _call(
+    async def call(
         self,
         method: str,
         path: str,
@@ -275,11 +275,11 @@ class SGLangClient:
     async def _info(self, path: str, alias: str, timeout: float) -> dict[str, Any]:
         """``GET path`` (SGLang's name), else its older ``alias`` when the engine lacks it."""
         try:
-            data = await self._call("GET", path, timeout=timeout)
+            data = await self.call("GET", path, timeout=timeout)
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
-            data = await self._call("GET", alias, timeout=timeout)
+            data = await self.call("GET", alias, timeout=timeout)
         if not isinstance(data, dict):
             raise EngineUnavailable(self.base_url + path, "response is not a JSON object")
         return data
@@ -302,7 +302,7 @@ class SGLangClient:
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
-        as :meth:`_call` otherwise."""
+        as :meth:`call` otherwise."""
         request = release.sampling_request(sampling_params, sampling_mask_max_tokens)
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -313,7 +313,7 @@ class SGLangClient:
             payload["return_sampling_mask"] = True
             payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
         url = self.base_url + "/generate"
-        data = await self._call("POST", "/generate", payload, headers=headers)
+        data = await self.call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
             raise EngineUnavailable(url, "response is not a JSON object")
         meta = data.get("meta_info")
@@ -358,7 +358,7 @@ class SGLangClient:
             "return_logprob": True,
             "logprob_start_len": logprob_start_len,
         }
-        data = await self._call("POST", "/generate", payload, timeout=timeout)
+        data = await self.call("POST", "/generate", payload, timeout=timeout)
         items = data if isinstance(data, list) else [data]
         url = self.base_url + "/generate"
         if len(items) != len(input_ids) or not all(isinstance(i, dict) for i in items):
@@ -370,11 +370,11 @@ class SGLangClient:
         """``POST /pause_generation``: ``retract`` (the fleet's, :data:`core.sglang_release.PAUSE_MODE`)
         moves running requests back to the waiting queue, to be recomputed on continue; ``in_place``
         holds them with their KV cache; ``abort`` aborts them."""
-        await self._call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
+        await self.call("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
 
     async def continue_generation(self, *, timeout: float = 60.0) -> None:
         """``POST /continue_generation`` (a no-op on an engine that is not paused)."""
-        await self._call("POST", "/continue_generation", {}, timeout=timeout)
+        await self.call("POST", "/continue_generation", {}, timeout=timeout)
 
     async def update_weights_from_disk(self, request: dict[str, Any], *, timeout: float | None = None) -> str:
         """``POST /update_weights_from_disk`` of ``request`` (built by
@@ -382,10 +382,10 @@ class SGLangClient:
         weights and flushed its cache. Raises :class:`WeightsNotFlushed` when the engine swapped the
         weights but refused the flush (SGLang answers 400 ``success: false``; its ``/model_info``
         keeps the old version), else :class:`EngineRejected` for a refusal (the old weights keep
-        serving) and as :meth:`_call`."""
+        serving) and as :meth:`call`."""
         url = self.base_url + "/update_weights_from_disk"
         try:
-            data = await self._call("POST", "/update_weights_from_disk", request, timeout=timeout)
+            data = await self.call("POST", "/update_weights_from_disk", request, timeout=timeout)
         except EngineRejected as exc:
             if release.UPDATE_NOT_FLUSHED_PREFIX in exc.message:
                 raise WeightsNotFlushed(url, exc.status, exc.message) from None
@@ -402,7 +402,7 @@ class SGLangClient:
         ``abort_all_requests`` defaults to true)."""
         url = self.base_url + "/update_weight_version"
         payload = {"new_version": str(version), "abort_all_requests": False}
-        data = await self._call("POST", "/update_weight_version", payload, timeout=timeout)
+        data = await self.call("POST", "/update_weight_version", payload, timeout=timeout)
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineRejected(url, 200, str(data.get("message") or "success: false"))
 

@@ -1,17 +1,31 @@
-"""Client of the router's JSON API for the fleet's own tools: the admin weight routes
-(``/v1/weights``), fixed-prefix scoring (``/v1/score``) and replica heartbeats.
+"""The one client of the router's HTTP API, for everything that calls the router: the fleet's
+commands (``mixfleet weights``, ``report``, ``scale``, the live-update check), the sidecars'
+heartbeats and the trainer kit (:mod:`trainer.client` builds the rollout calls on it).
 
-:class:`RouterClient` is the async call (one ``aiohttp`` session, a Bearer key); every failure
-is a :class:`RouterError` (a :class:`~weight_sync.errors.UserError`) carrying the router's
-message, so CLI commands print one line. :class:`WeightsClient` is the synchronous face of the
-``mixfleet weights`` commands, running the async client on a private event loop.
+* :class:`RouterClient`: async calls over ``aiohttp`` with a Bearer key. :meth:`~RouterClient.request`
+  is the one transport (bytes in and out; answers with a status of ``retry_statuses``, 409 and 503
+  by default, and unreachable routers are retried ``retries`` times with exponential backoff that
+  honours ``Retry-After``); :meth:`~RouterClient.call` decodes JSON; then the weight routes,
+  fixed-prefix scoring, groups and the two waits (:meth:`~RouterClient.wait_job`,
+  :meth:`~RouterClient.wait_active`).
+* :class:`RouterError`: every failure, a :class:`core.errors.UserError` (commands print it as one
+  line) carrying the HTTP ``status`` (None when no HTTP answer decided it), the router's message
+  (``detail``) and the request (``method``, ``path``).
+* :class:`Blocking`: the one synchronous wrapper: an async client's coroutine methods, each run to
+  completion on the wrapper's own event loop. :class:`WeightsClient` is the blocking
+  :class:`RouterClient`; :class:`trainer.client.RolloutClient` the blocking rollout client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +36,9 @@ from core.jsonio import dumps, loads
 
 DEFAULT_URL = "http://127.0.0.1:8300"
 KEY_FILE = Path(".mixfleet") / "api_key"
+RETRY_STATUSES = (409, 503)
+"""Statuses a call is retried on (with ``retries`` > 0): a conflict that passes, a router busy."""
+DETAIL_CHARS = 500
 
 
 def router_url(explicit: str | None) -> str:
@@ -43,123 +60,208 @@ def api_key() -> str | None:
 
 
 class RouterError(UserError):
-    """A router call failed: ``status`` is the HTTP status, None when the router did not answer."""
+    """A router call failed: ``status`` is the HTTP status of the refusal, None when no HTTP
+    answer decided it (the router could not be reached; a job that failed or outlived its wait);
+    ``detail`` the router's message (or what went wrong); ``method`` and ``path`` the request."""
 
-    def __init__(self, message: str, status: int | None) -> None:
-        super().__init__(message)
+    def __init__(self, method: str, path: str, status: int | None, detail: str) -> None:
+        http = f"HTTP {status}: " if status is not None else ""
+        super().__init__(f"{method} {path}: {http}{detail}")
+        self.method = method
+        self.path = path
         self.status = status
+        self.detail = detail
 
 
-class RouterClient:
-    """Async JSON calls on the router at ``url`` over ``http``; ``timeout`` bounds each call."""
+@dataclass(frozen=True)
+class Answer:
+    """A successful answer (status below 400): its status, body and ``Content-Type``."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, key: str | None, timeout: float = 60.0) -> None:
-        self.http = http
-        self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
-
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
-        """The decoded JSON answer of ``method path`` with ``body`` (JSON); raises
-        :class:`RouterError` when the router cannot be reached or answers 4xx / 5xx / not JSON."""
-        headers = dict(self.headers)
-        data = None
-        if body is not None:
-            data = dumps(body)
-            headers["content-type"] = "application/json"
-        try:
-            async with self.http.request(
-                method, self.url + path, data=data, headers=headers, timeout=self.timeout
-            ) as r:
-                status, content, reason = r.status, await r.read(), r.reason or ""
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
-            raise RouterError(f"cannot reach the router at {self.url}: {reason}", None) from None
-        if status >= 400:
-            raise RouterError(f"{method} {path}: HTTP {status}: {_message(content, reason)}", status)
-        try:
-            return loads(content)
-        except ValueError:
-            raise RouterError(f"{method} {path}: the router's answer is not JSON", status) from None
+    status: int
+    content: bytes
+    content_type: str
 
 
 def open_session() -> aiohttp.ClientSession:
-    """A session for :class:`RouterClient` (call inside the running loop)."""
+    """A session to share between clients (call inside the running loop; the caller closes it)."""
     return aiohttp.ClientSession(trust_env=False)
 
 
-class WeightsClient:
-    """Synchronous client of the weight routes; ``timeout`` bounds each HTTP call, not the waits.
-    Close it (or use it as a context manager) to release its loop and connections."""
+class RouterClient:
+    """Calls on the router at ``url`` with ``key``; ``timeout`` bounds each HTTP call (not the
+    waits). With ``http`` the calls use that session (the caller's to close); without, the client
+    opens its own on first use and :meth:`close` closes it (or use ``async with``)."""
 
-    def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
-        self.url = url
-        self._loop = asyncio.new_event_loop()
-        http = self._loop.run_until_complete(_opened())
-        self._router = RouterClient(http, url, key, timeout)
+    def __init__(
+        self,
+        http: aiohttp.ClientSession | None,
+        url: str,
+        key: str | None,
+        timeout: float = 60.0,
+        *,
+        retries: int = 0,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._http = http
+        self._owns_http = http is None
 
-    def close(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self._router.http.close())
-            self._loop.close()
-
-    def __enter__(self) -> WeightsClient:
+    async def __aenter__(self) -> RouterClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
-        return self._loop.run_until_complete(self._router.call(method, path, body))
+    async def close(self) -> None:
+        """Close the client's own session (a session it was given stays open)."""
+        if self._owns_http and self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = open_session()
+        return self._http
+
+    # transport ------------------------------------------------------------------------------
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        accept: str = "application/json",
+        content_type: str = "application/json",
+        retry_statuses: tuple[int, ...] = RETRY_STATUSES,
+    ) -> Answer:
+        """``method path`` with ``body`` (sent as it is when ``bytes``, with ``content_type``;
+        else as JSON). Raises :class:`RouterError` for a 4xx / 5xx answer or an unreachable
+        router, once ``retries`` retries (of ``retry_statuses`` answers and unreachable routers)
+        are spent."""
+        headers = {**self.headers, "Accept": accept}
+        data = None
+        if isinstance(body, bytes):
+            data, headers["Content-Type"] = body, content_type
+        elif body is not None:
+            data, headers["Content-Type"] = dumps(body), "application/json"
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                async with self._session().request(
+                    method, self.url + path, data=data, headers=headers, timeout=self.timeout
+                ) as r:
+                    content, status = await r.read(), r.status
+                    retry_after, ctype = r.headers.get("Retry-After"), r.headers.get("Content-Type", "")
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                if last:
+                    reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                    raise RouterError(
+                        method, path, None, f"cannot reach the router at {self.url}: {reason}"
+                    ) from None
+                await asyncio.sleep(self._delay(attempt, None))
+                continue
+            if status < 400:
+                return Answer(status, content, ctype)
+            if status in retry_statuses and not last:
+                await asyncio.sleep(self._delay(attempt, retry_after))
+                continue
+            raise RouterError(method, path, status, _message(content, r.reason or f"HTTP {status}"))
+        raise AssertionError("unreachable")
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        if retry_after is not None:
+            with contextlib.suppress(ValueError):
+                delay = max(delay, min(self.max_backoff_s, float(retry_after)))
+        return delay
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        """The decoded JSON answer of ``method path`` (None for an empty body); raises
+        :class:`RouterError` as :meth:`request` does, and when the answer is not JSON."""
+        answer = await self.request(method, path, body)
+        if not answer.content:
+            return None
+        try:
+            return loads(answer.content)
+        except ValueError:
+            raise RouterError(method, path, answer.status, "the router's answer is not JSON") from None
 
     # routes -----------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/weights")
+    async def status(self) -> dict[str, Any]:
+        """``GET /v1/weights``: the run, latest version, formats and every group's replicas."""
+        return await self.call("GET", "/v1/weights")
 
-    def publish(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights", body)
+    async def publish(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/weights``: start a publish job; returns the job."""
+        return await self.call("POST", "/v1/weights", body)
 
-    def rollback(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights/rollback", body)
+    async def rollback(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("POST", "/v1/weights/rollback", body)
 
-    def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/weights/perturbations", body)
+    async def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("POST", "/v1/weights/perturbations", body)
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/weights/jobs/{job_id}")
+    async def job(self, job_id: str) -> dict[str, Any]:
+        return await self.call("GET", f"/v1/weights/jobs/{job_id}")
 
-    def score(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/score", body)
+    async def score(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("POST", "/v1/score", body)
+
+    async def groups(self) -> dict[str, Any]:
+        return await self.call("GET", "/v1/groups")
 
     # waits ------------------------------------------------------------------------------------
-    def wait_job(self, job: dict[str, Any], timeout: float, on_event=None) -> dict[str, Any]:
-        """Poll a publish job until it is done; raises ``UserError`` if it failed or timed out."""
-        deadline = time.monotonic() + timeout
+    async def wait_job(
+        self,
+        job: str | dict[str, Any],
+        timeout_s: float = 600.0,
+        *,
+        poll_s: float = 0.2,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll the weights job ``job`` (its id, or the job as a route answered it) until it is
+        ``done``; returns it. ``on_event`` sees each of the job's events once, in order. Raises
+        :class:`RouterError` (status None) when the job failed or is still running after
+        ``timeout_s``."""
+        job_id = job if isinstance(job, str) else job["job_id"]
+        path = f"/v1/weights/jobs/{job_id}"
+        deadline = time.monotonic() + timeout_s
         seen = 0
+        current = await self.job(job_id) if isinstance(job, str) else job
         while True:
-            if job.get("state") in ("done", "failed"):
-                break
+            events = current.get("events") or []
+            for ev in events[seen:] if on_event is not None else ():
+                on_event(ev)
+            seen = len(events)
+            state = current.get("state")
+            if state == "done":
+                return current
+            if state == "failed":
+                version = current.get("version")
+                raise RouterError(
+                    "GET", path, None, f"publish of version {version} failed: {current.get('error')}"
+                )
             if time.monotonic() > deadline:
-                raise UserError(f"publish job {job['job_id']} still running after {timeout:.0f}s")
-            time.sleep(0.2)
-            job = self.job(job["job_id"])
-            if on_event is not None:
-                for ev in job.get("events", [])[seen:]:
-                    on_event(ev)
-                seen = len(job.get("events", []))
-        if job["state"] == "failed":
-            raise UserError(f"publish of version {job.get('version')} failed: {job.get('error')}")
-        return job
+                raise RouterError("GET", path, None, f"job still {state} after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+            current = await self.job(job_id)
 
-    def wait_active(self, version: int, timeout: float) -> dict[str, Any]:
-        """Poll status until every live replica (recent heartbeat) of every group reports ``version``.
-
-        Groups without live replicas are skipped: a replica that joins later starts at the
-        pointer's version anyway.
-        """
-        deadline = time.monotonic() + timeout
+    async def wait_active(
+        self, version: int, timeout_s: float = 600.0, *, poll_s: float = 0.2
+    ) -> dict[str, Any]:
+        """Poll :meth:`status` until every live replica (recent heartbeat) of every group reports
+        ``version``; returns that status. Groups without live replicas are skipped: a replica
+        that joins later starts at the pointer's version anyway. Raises :class:`UserError`
+        naming the lagging replicas after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            st = self.status()
+            st = await self.status()
             lagging = [
                 (g["group"], r["replica_id"], r.get("active_version"), r.get("error"))
                 for g in st["groups"]
@@ -172,21 +274,62 @@ class WeightsClient:
                 what = "; ".join(
                     f"{grp}/{rid} at {v}" + (f" ({err})" if err else "") for grp, rid, v, err in lagging
                 )
-                raise UserError(f"not every replica reached version {version} within {timeout:.0f}s: {what}")
-            time.sleep(0.2)
+                raise UserError(
+                    f"not every replica reached version {version} within {timeout_s:.0f}s: {what}"
+                )
+            await asyncio.sleep(poll_s)
 
 
-async def _opened() -> aiohttp.ClientSession:
-    return open_session()
+class Blocking:
+    """The coroutine methods of ``client`` (an async client with an async ``close``), blocking:
+    each call runs to completion on this wrapper's own event loop, so it must not be made from
+    inside a running event loop. Other attributes are the client's. Close the wrapper (or use it
+    as a context manager) to close the client and the loop."""
+
+    def __init__(self, client: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self._client, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return self._loop.run_until_complete(attr(*args, **kwargs))
+
+        return blocking
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._client.close())
+            self._loop.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WeightsClient(Blocking):
+    """:class:`RouterClient`'s calls, blocking (the ``mixfleet weights`` commands and the
+    live-update check); ``timeout`` bounds each HTTP call, not the waits."""
+
+    def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
+        super().__init__(RouterClient(None, url, key, timeout))
 
 
 def _message(content: bytes, reason: str) -> str:
-    """The router's error message: ``detail`` (its first validation error's field and message),
-    ``error`` or ``message``; else the body's text."""
+    """The router's error message (at most :data:`DETAIL_CHARS`): ``detail`` (its first validation
+    error's field and message), ``error`` or ``message``; else the body's text; else ``reason``."""
     try:
         data = loads(content)
     except ValueError:
-        return content[:300].decode(errors="replace") or reason
+        return content[:DETAIL_CHARS].decode(errors="replace") or reason
     if isinstance(data, dict):
         detail = data.get("detail", data.get("error", data.get("message", data)))
         if isinstance(detail, dict):
@@ -194,5 +337,5 @@ def _message(content: bytes, reason: str) -> str:
         if isinstance(detail, list) and detail and isinstance(detail[0], dict):
             first = detail[0]
             detail = f"{'.'.join(str(x) for x in first.get('loc', []))}: {first.get('msg')}"
-        return str(detail)
-    return str(data)
+        return str(detail)[:DETAIL_CHARS]
+    return str(data)[:DETAIL_CHARS]

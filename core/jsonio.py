@@ -1,4 +1,6 @@
-"""JSON bytes in and out for the fleet and the router: the one place orjson is used.
+"""JSON bytes in and out on the hot paths (the engine, router and sidecar clients and proxies,
+turns, records, batches): the one place orjson is used. Code off those paths (configuration,
+environment variables, files, command output for people) uses the standard :mod:`json`.
 
 * :func:`loads` decodes UTF-8 JSON bytes (or text). Input only :mod:`json` accepts (``NaN``,
   ``Infinity``, as some engines write) is decoded by :mod:`json`; invalid JSON raises

@@ -1,5 +1,6 @@
-"""The SGLang release the fleet speaks, as pure protocol values: what the engine client, the local
-engine and the image pin (:mod:`images.sglang`, which re-exports these) must agree on.
+"""The SGLang release the fleet speaks -- the one pin of its number (:data:`SGLANG_VERSION`) -- as pure
+protocol values: what the engine client, the local engine and the image (:mod:`images.sglang`,
+which builds the release's image and command line on these) must agree on.
 
 Every value was read from the released ``sglang 0.5.23`` wheel (``python/sglang/srt/...``); the
 comment beside each names the file and lines. Nothing here imports modal or any engine.
@@ -40,6 +41,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from core.formats import FORMATS
 
 SGLANG_VERSION = "0.5.23"
 
@@ -305,7 +308,6 @@ ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 #   whose N or K needed padding fails the load: "Failed to update weights ... Rolling back",
 #   weight_updater.py 226-234, an answered refusal, old weights kept). Whether NVFP4 and MXFP4
 #   reload in place correctly on a given backend is what the GPU check verifies; it has not run.
-WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 RECAPTURE_CUDA_GRAPH = {"bf16": False, "fp8": True, "nvfp4": True, "mxfp4": True}
 
 
@@ -317,7 +319,7 @@ def update_weights_request(model_path: str, version: int, weight_format: str) ->
     succeeds, and the radix cache then holds no prefix KV of the old version. ``abort_all_requests``
     stays false: paused requests resume. Raises ValueError for an unknown format."""
     if weight_format not in RECAPTURE_CUDA_GRAPH:
-        raise ValueError(f"unknown weight format {weight_format!r} (known: {', '.join(WEIGHT_FORMATS)})")
+        raise ValueError(f"unknown weight format {weight_format!r} (known: {', '.join(FORMATS)})")
     return {
         "model_path": model_path,
         "weight_version": str(version),

@@ -1,4 +1,4 @@
-"""Sampler-group specs and presets (DESIGN.md, "Sampler group").
+"""Sampler-group specs and presets (docs/architecture.md, "3. Capacity and cost").
 
 A preset is a TOML file with a ``[[groups]]`` array; every group validates into a frozen
 :class:`GroupSpec`. Built-in presets (``local``, ``mixed``, ``homogeneous``) ship in
@@ -15,8 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.errors import UserError
+from core.formats import WeightFormat
 
-WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
 PRESETS_DIR = Path(__file__).parent / "presets"
 

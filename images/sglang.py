@@ -1,10 +1,13 @@
-"""The one SGLang pin: the release, its image, and every flag or protocol field that differs by release.
+"""The SGLang release's image and server command line: its image tag and digest, every server flag
+the fleet emits, and what each weight format needs on that command line.
 
-Everything here was read from the released ``sglang 0.5.23`` wheel on PyPI
-(``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``); each value names the file it comes from.
-The module is pure (no modal); the protocol values the engine client and the local engine need are
-defined in :mod:`core.sglang_release` (below images/ in the layers) and re-exported here.
-:func:`server_argv` is the one place an SGLang command line is built.
+The pin itself -- the release number and the HTTP protocol values the engine client and the local
+engine speak -- is :mod:`core.sglang_release` (modal-free, below every package that speaks the
+protocol); this module builds on it (``IMAGE_TAG`` from its ``SGLANG_VERSION``) and declares
+none of its values again. Everything here was read from the released ``sglang 0.5.23`` wheel on
+PyPI (``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``); each value names the file it
+comes from. The module is pure (no modal). :func:`server_argv` is the one place an SGLang command
+line is built.
 """
 
 from __future__ import annotations
@@ -13,19 +16,8 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-# The protocol values the engine client and the local engine share live in the modal-free
-# fleet.sglang_release; the pin re-exports them.
-from core import sglang_release as _release
-
-SGLANG_VERSION = _release.SGLANG_VERSION
-SAMPLING_MASK_MAX_TOKENS_DEFAULT = _release.SAMPLING_MASK_MAX_TOKENS_DEFAULT
-SAMPLING_LOGPROBS_MODES = _release.SAMPLING_LOGPROBS_MODES
-PAUSE_MODES = _release.PAUSE_MODES
-PAUSE_MODE = _release.PAUSE_MODE
-META_SAMPLING_LOGPROBS = _release.META_SAMPLING_LOGPROBS
-META_SAMPLING_MASK = _release.META_SAMPLING_MASK
-META_WEIGHT_VERSION = _release.META_WEIGHT_VERSION
-META_WEIGHT_VERSIONS = _release.META_WEIGHT_VERSIONS
+from core.formats import WeightFormat
+from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT, SGLANG_VERSION, update_weights_request
 
 # The CUDA line of the release: the wheel's METADATA requires ``cuda-python>=13.0``,
 # ``flashinfer_python[cu13]==0.7.2`` and ``torch==2.14.1``. The release images are built by
@@ -88,7 +80,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", 
 # The --quantization value for each weight format the fleet converts to. bf16 loads unquantized
 # (no flag). fp8 and modelopt_fp4 are entries of QUANTIZATION_CHOICES (arg_groups/choices.py);
 # mxfp4 is too, but SGLang reads its checkpoint layout only for the architectures below.
-QUANTIZATION_BY_FORMAT: dict[str, str | None] = {
+QUANTIZATION_BY_FORMAT: dict[WeightFormat, str | None] = {
     "bf16": None,
     "fp8": "fp8",
     "nvfp4": "modelopt_fp4",
@@ -106,19 +98,18 @@ QUANTIZATION_CHOICES = (
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 # --- HTTP protocol (python/sglang/srt/managers/io_struct.py, entrypoints/http_server.py) ---------
-# PauseGenerationReqInput.mode: PAUSE_MODES, default "abort"; the fleet sends PAUSE_MODE ("retract":
-# running requests are recomputed under the new weights; fleet.activation says why).
-# UpdateWeightFromDiskReqInput (io_struct.py 1970-1993): model_path is required; the fleet sends the
-# five fields of fleet.sglang_release.update_weights_request -- model_path, weight_version,
+# PauseGenerationReqInput.mode: core.sglang_release.PAUSE_MODES, default "abort"; the fleet sends
+# PAUSE_MODE ("retract": running requests are recomputed under the new weights; replica.activation
+# says why). UpdateWeightFromDiskReqInput (io_struct.py 1970-1993): model_path is required; the fleet
+# sends the five fields of core.sglang_release.update_weights_request -- model_path, weight_version,
 # flush_cache (true), abort_all_requests (false) and recapture_cuda_graph (true for the quantized
 # formats) -- and leaves load_format to the server's own. UPDATE_WEIGHTS_DEFAULTS are SGLang's
 # defaults of the optional ones.
-update_weights_request = _release.update_weights_request
 UPDATE_WEIGHTS_FIELDS = tuple(update_weights_request("/staged", 1, "bf16"))
 UPDATE_WEIGHTS_DEFAULTS = {"flush_cache": True, "abort_all_requests": False, "recapture_cuda_graph": False}
 # GenerateReqInput.sampling_logprobs_mode: SAMPLING_LOGPROBS_MODES ("support" returns the
-# support's log-probs with the mask); the meta_info keys the fleet reads: META_* (all from
-# fleet.sglang_release).
+# support's log-probs with the mask); the meta_info keys the fleet reads: META_* (all in
+# core.sglang_release).
 # http_server.py routes: /pause_generation, /continue_generation, /update_weights_from_disk,
 # /flush_cache, /update_weight_version and /model_info (which carries weight_version); the release
 # has no /get_weight_version.

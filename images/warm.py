@@ -13,17 +13,19 @@ import sys
 
 def warm() -> list[str]:
     """Quantize a 128x128 tensor in every format and dtype; returns what ran (``fmt/dtype``)."""
+    import importlib
+
     import torch
 
-    from weight_sync.formats import fp8, mxfp4, nvfp4
+    from core.formats import QUANTIZED
 
     done = []
     for dtype in (torch.bfloat16, torch.float32):
         w = torch.linspace(-3.0, 3.0, 128 * 128, dtype=torch.float32).reshape(128, 128).to(dtype)
-        fp8.quantize(w)
-        mxfp4.quantize(w)
-        nvfp4.quantize(w, nvfp4.global_scale(w))
-        done += [f"{fmt}/{str(dtype).removeprefix('torch.')}" for fmt in ("fp8", "mxfp4", "nvfp4")]
+        for fmt in QUANTIZED:
+            quantizer = importlib.import_module(f"weight_sync.formats.{fmt}")
+            quantizer.quantize(w, quantizer.global_scale(w)) if fmt == "nvfp4" else quantizer.quantize(w)
+            done.append(f"{fmt}/{str(dtype).removeprefix('torch.')}")
     return done
 
 

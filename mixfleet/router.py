@@ -120,11 +120,12 @@ def bound_values(args: argparse.Namespace) -> dict:
 
 def build_config(args: argparse.Namespace):
     """RouterConfig from CLI arguments (the fleet from ``fleet_json``, a FleetSpec as JSON, when
-    given, else from ``preset``; the replicas' proxy auth headers from ``MIXFLEET_PROXY_KEY`` /
-    ``MIXFLEET_PROXY_SECRET``); raises UserError naming a bad value."""
+    given, else from ``preset``) and the environment (the replicas' proxy auth headers from
+    ``MIXFLEET_PROXY_KEY`` / ``MIXFLEET_PROXY_SECRET``; the weight routes' store, run and converter,
+    :meth:`router.config.WeightsConfig.from_env`); raises UserError naming a bad value."""
     from fleet.specs import FleetSpec, load_preset
     from router.auth import load_keys
-    from router.config import RouterConfig, proxy_auth_headers
+    from router.config import RouterConfig, WeightsConfig, proxy_auth_headers
     from router.mismatch import check_band
 
     shipped = getattr(args, "fleet_json", None)
@@ -141,7 +142,7 @@ def build_config(args: argparse.Namespace):
         raise UserError(
             f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
         )
-    check_weights_env()
+    weights = WeightsConfig.from_env()
     if getattr(args, "modal_app", None):
         from router.pinning import open_pins
 
@@ -180,32 +181,19 @@ def build_config(args: argparse.Namespace):
         modal_app=getattr(args, "modal_app", None) or None,
         affinity_queue_bound=getattr(args, "affinity_queue_bound", 8),
         affinity_hold_s=getattr(args, "affinity_hold", 5.0),
+        weights=weights,
     )
 
 
 ARGS_ENV = "MIXFLEET_ROUTER_ARGS"
 
 
-def check_weights_env() -> None:
-    """UserError naming a bad ``MIXFLEET_PUBLISH_WORKERS`` or ``MIXFLEET_CONVERT_FUNCTION`` (read
-    by the weight routes), so that it is one line before any worker starts."""
-    from router.publishing import workers_from_env
-    from weight_sync.converters import function_from_env
-    from weight_sync.converters.modal_function import parse_function_ref
-
-    workers_from_env()
-    function = function_from_env()
-    if function is not None:
-        parse_function_ref(function)
-
-
 def router_app(config):
-    """The router app for ``config`` with the weight-sync admin routes (store and run from
-    ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``)."""
+    """The router app for ``config`` with the weight-sync admin routes (``config.weights``)."""
     from router.app import create_app
     from router.routes_weights import create_weights_router
 
-    return create_app(config, extra_routers=[create_weights_router()])
+    return create_app(config, extra_routers=[create_weights_router(config.weights)])
 
 
 def default_args(**values) -> dict:

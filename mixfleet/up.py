@@ -1,59 +1,17 @@
-"""Run the embedded default fleet: base policy, one engine + sidecar per group, and the router.
-
-``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``
-
-Before: nothing (a fresh machine is fine). What it does, in order:
-
-1. ``<data-dir>/base``: the BF16 base policy; created by ``init-model`` (``--model-preset``,
-   default ``small``) when it holds no ``config.json`` (written aside and moved into place, so
-   an interrupted first run leaves no half-written base).
-2. ``<data-dir>/store``: a local version store for run ``--run``, bootstrapped by
-   :func:`weight_sync.publish.bootstrap` (the base policy becomes version 0, converted once per
-   format; later ``up`` runs start from each format's pointer).
-3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes, then
-   for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
-   ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
-   to the router and activates new versions (started by :mod:`launcher.children`). Groups with
-   static replicas are routed to as listed (their engines run elsewhere). The sidecars stage in
-   place (the store is on local disk) and activate as on SGLang (:mod:`replica.activation`:
-   retract, update with a cache flush, continue; the engine loads the new version while paused).
-4. API keys: ``MIXFLEET_API_KEYS`` if set; otherwise one key with every scope, kept in
-   ``<data-dir>/api_key`` (mode 0600, reused on the next ``up``), which ``mixfleet weights``
-   reads when ``MIXFLEET_API_KEY`` is unset. The sidecars heartbeat with a key of scope
-   ``replica`` only: one of ``MIXFLEET_API_KEYS`` that has it, else a fresh one for this run
-   (the router admits it beside the others); they never hold the admin key.
-
-After: prints the URL, the key and commands to paste, and serves until Ctrl-C or SIGTERM. It
-supervises its processes: an engine or sidecar that exits is started again (with backoff; logged;
-counted in the sidecar's ``mixfleet_replica_restarts_total``), and while a group has no replica
-its sessions fail over to the others. Ctrl-C or SIGTERM, at any moment including start-up, stops
-every process it started within a few seconds and exits 0. If the router exits, it stops the
-others and exits 1, naming the router's log (``<data-dir>/logs/``); so does a process that fails
-during start-up. Should ``up`` itself be killed, its processes exit too (Linux).
+"""``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``:
+run the embedded default fleet (base policy, one engine + sidecar per group, and the router) on
+this machine until Ctrl-C or SIGTERM. What it starts and in which order, and what it guarantees,
+is :mod:`launcher.embedded`; this module is the command: its flags, checked, become
+:class:`launcher.embedded.UpSettings`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import secrets
-import shlex
-import shutil
-import signal
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from core.errors import UserError
-from core.tcp import port_is_free
-from fleet.specs import FleetSpec, GroupSpec
-from launcher.children import Child, Launcher, Probe, ReplicaSpec, Supervisor, mixfleet_command
-from weight_sync.types import FormatRef
-
-ALL_SCOPES = ("rollout", "trainer", "admin")
+from launcher.embedded import UpSettings, run_until_stopped
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,74 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _api_keys(data: Path) -> tuple[dict[str, list[str]], str | None, bool]:
-    """(keys for the router, an admin key for the sidecars and the user, whether it was generated)."""
-    raw = os.environ.get("MIXFLEET_API_KEYS", "").strip()
-    if raw:
-        try:
-            keys = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"MIXFLEET_API_KEYS is not valid JSON: {exc.msg}") from None
-        if not isinstance(keys, dict) or not all(isinstance(v, list) for v in keys.values()):
-            raise UserError('MIXFLEET_API_KEYS must be a JSON object {"<token>": ["rollout", ...]}')
-        admin = next((k for k, scopes in keys.items() if "admin" in scopes), None)
-        return keys, os.environ.get("MIXFLEET_API_KEY") or admin, False
-    key_file = data / "api_key"
-    if key_file.is_file() and key_file.read_text().strip():
-        token = key_file.read_text().strip()
-    else:
-        token = "mf-" + secrets.token_urlsafe(32)
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-    return {token: list(ALL_SCOPES)}, token, True
-
-
-def _replica_key(keys: dict[str, list[str]]) -> tuple[dict[str, list[str]], str]:
-    """(the router's keys, the sidecars' key): a key of ``keys`` with the ``replica`` scope, else
-    a fresh one of that scope alone, added to the router's keys."""
-    mine = next((k for k, scopes in keys.items() if "replica" in scopes), None)
-    if mine is not None:
-        return keys, mine
-    token = "mf-replica-" + secrets.token_urlsafe(32)
-    return {**keys, token: ["replica"]}, token
-
-
-def _ensure_base(base: Path, model_preset: str) -> None:
-    if (base / "config.json").is_file():
-        return
-    from mixfleet.init_model import write_model
-
-    print(f"creating the {model_preset} base policy in {base} ...", flush=True)
-    partial = base.with_name(base.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    write_model(partial, model_preset)
-    shutil.rmtree(base, ignore_errors=True)
-    os.replace(partial, base)
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Inside: the first SIGINT or SIGTERM raises KeyboardInterrupt wherever the main thread is
-    (later ones are ignored, so stopping is not interrupted); the old handlers come back after."""
-
-    def stop(_signum: int, _frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def _say(line: str) -> None:
-    print(f"mixfleet up: {line}", flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -156,199 +46,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--engine-threads must be >= 1")
     if args.restart_backoff_max < 1:
         raise UserError("--restart-backoff-max must be >= 1")
-    with _stop_on_signals():
-        try:
-            return _serve(args)
-        except KeyboardInterrupt:
-            print("stopped", flush=True)
-            return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from fleet.specs import load_preset
-    from weight_sync.publish import bootstrap
-    from weight_sync.store.local import LocalStore
-
-    fleet = load_preset(args.preset)
-    if not port_is_free(args.host, args.port):
-        raise UserError(f"port {args.port} on {args.host} is in use (pick another with --port)")
-    data = Path(args.data_dir).expanduser().resolve()
-    logs = data / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    base, store_root = data / "base", data / "store"
-    local_groups = [g for g in fleet.groups if not g.replicas]
-    for g in local_groups:
-        if not g.is_local:
-            raise UserError(
-                f"group {g.name!r} runs on {g.accelerator}, lists no replicas, and cannot run on this "
-                "machine: give it `replicas = [...]` or deploy it with deploy/modal_app.py"
-            )
-
-    keys, admin_key, generated = _api_keys(data)
-    keys, replica_key = _replica_key(keys)
-    _ensure_base(base, args.model_preset)
-    store = LocalStore(store_root)
-    formats = list(dict.fromkeys(g.weight_format for g in local_groups))
-
-    def progress(kind: str, info: dict) -> None:
-        if kind == "convert_start":
-            print(f"converting the base policy to {info['format']} ...", flush=True)
-
-    versions = bootstrap(store, args.run, base, formats, on_event=progress)
-
-    def version_of(fmt: str) -> int:
-        return store.read_pointer(FormatRef(args.run, fmt)) or 0
-
-    router_url = f"http://{args.host}:{args.port}"
-    common_env = {"MIXFLEET_API_KEYS": json.dumps(keys), "MIXFLEET_API_KEY": admin_key or ""}
-    launcher = Launcher(
-        store_root,
-        args.run,
+    settings = UpSettings(
+        preset=args.preset,
         host=args.host,
-        router_url=router_url,
-        sidecar_env={"MIXFLEET_API_KEY": replica_key},
+        port=args.port,
+        state=args.state,
+        data_dir=Path(args.data_dir),
+        run=args.run,
+        model_preset=args.model_preset,
         engine_threads=args.engine_threads,
+        max_version_lag=args.max_version_lag,
+        ready_timeout_s=args.ready_timeout,
+        restart_backoff_max_s=args.restart_backoff_max,
     )
-    with launcher, Probe() as probe:
-        try:
-            router = _start_router(launcher, probe, args, router_url, logs, common_env, store_root)
-            replicas = [
-                launcher.replica(
-                    _replica_spec(g, i),
-                    staging_dir=data / "staging" / f"{g.name}-{i}",
-                    engine_log=logs / f"engine-{g.name}-{i}.log",
-                    sidecar_log=logs / f"sidecar-{g.name}-{i}.log",
-                )
-                for g in local_groups
-                for i in range(max(g.min_replicas, 1))
-            ]
-            supervisor = Supervisor(
-                launcher,
-                replicas,
-                version_of,
-                probe,
-                ready_timeout_s=args.ready_timeout,
-                backoff_max_s=args.restart_backoff_max,
-                on_event=_say,
-            )
-            deadline = time.monotonic() + args.ready_timeout
-            supervisor.start()
-            supervisor.wait_running(deadline, check=lambda: _check_router(router))
-            if admin_key:
-                _wait_registered(
-                    probe, router_url, router, admin_key, {g.name for g in local_groups}, deadline
-                )
-            supervisor.strict = False
-            _print_banner(router_url, fleet, local_groups, versions, admin_key, generated, data)
-            while True:
-                _check_router(router)
-                supervisor.tick()
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            print("\nstopping ...", flush=True)
-            raise
-        except UserError as exc:
-            print(f"mixfleet up: {exc}; stopping", file=sys.stderr, flush=True)
-            return 1
-
-
-def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
-    return ReplicaSpec(
-        replica_id=f"{g.name}-{i}",
-        group=g.name,
-        weight_format=g.weight_format,
-        kv_cache_dtype="fp8_e4m3" if g.kv_cache_dtype == "fp8_e4m3" else "auto",
-        engine_flags=("--served-model-name", "mixfleet-base"),
-        sidecar_flags=("--stage-mode", "inplace"),
-    )
-
-
-def _start_router(
-    launcher: Launcher,
-    probe: Probe,
-    args: argparse.Namespace,
-    router_url: str,
-    logs: Path,
-    env: dict[str, str],
-    store_root: Path,
-) -> Child:
-    argv = ["router", "--preset", str(args.preset), "--host", args.host, "--port", str(args.port)]
-    argv += ["--state", args.state]
-    if args.max_version_lag is not None:
-        argv += ["--max-version-lag", str(args.max_version_lag)]
-    router_env = {**env, "MIXFLEET_STORE": str(store_root), "MIXFLEET_RUN": args.run}
-    router = launcher.spawn("router", argv, logs / "router.log", router_env)
-    _say(f"started router (pid {router.pid}, log {router.log})")
-    probe.wait_http(router_url + "/healthz", router, time.monotonic() + args.ready_timeout)
-    return router
-
-
-def _check_router(router: Child) -> None:
-    code = router.returncode()
-    if code is not None:
-        raise UserError(f"the router exited with {code}; see {router.log}")
-
-
-def _wait_registered(
-    probe: Probe, router_url: str, router: Child, key: str, groups: set[str], deadline: float
-) -> None:
-    """Block until the router has every group in ``groups`` with a ready replica in rotation."""
-    while True:
-        _check_router(router)
-        status, body = probe.get_json(router_url + "/v1/groups", {"Authorization": f"Bearer {key}"})
-        if status == 200 and isinstance(body, dict):
-            ready = {g.get("name") for g in body.get("groups", []) if g.get("ready_replicas", 0) > 0}
-            if groups <= ready:
-                return
-        if time.monotonic() > deadline:
-            raise UserError(f"the router did not see every group ready in time; see {router.log}")
-        time.sleep(0.2)
-
-
-def mixfleet_executable() -> str:
-    """How to run ``mixfleet`` from a shell with this installation: the console script beside
-    this interpreter (a venv's ``bin/mixfleet``) when there is one, else ``python -m mixfleet``."""
-    script = Path(os.path.abspath(sys.executable)).parent / "mixfleet"
-    if script.is_file() and os.access(script, os.X_OK):
-        return shlex.quote(str(script))
-    return shlex.join(mixfleet_command())
-
-
-def _print_banner(
-    router_url: str,
-    fleet: FleetSpec,
-    local_groups: list[GroupSpec],
-    versions: dict[str, int],
-    admin_key: str | None,
-    generated: bool,
-    data: Path,
-) -> None:
-    lines = [
-        "",
-        f"mixfleet is up: {router_url}  (preset {fleet.name}, {len(fleet.groups)} groups)",
-    ]
-    for g in fleet.groups:
-        where = "local engine" if g in local_groups else ", ".join(g.replicas)
-        version = versions.get(g.weight_format, "?") if g in local_groups else "-"
-        lines.append(f"  {g.name:<18} {g.weight_format:<6} v{version}  {where}")
-    key_file = data / "api_key"
-    if generated:
-        lines.append(f"API key (every scope, saved in {key_file}):")
-        lines.append(f"  {admin_key}")
-        set_key = f"KEY=$(cat {shlex.quote(str(key_file))})"
-    else:
-        lines.append("API keys: from MIXFLEET_API_KEYS")
-        set_key = 'KEY="$MIXFLEET_API_KEY"' if os.environ.get("MIXFLEET_API_KEY") else None
-    lines.append("Try (in another shell):")
-    if set_key is None:
-        lines.append("  # set KEY to an admin token of MIXFLEET_API_KEYS, then:")
-    else:
-        lines.append(f"  {set_key}")
-    lines += [
-        f'  curl -s -H "Authorization: Bearer $KEY" {router_url}/v1/groups',
-        f'  MIXFLEET_API_KEY="$KEY" {mixfleet_executable()} weights publish --router {router_url} '
-        f"{shlex.quote(str(data / 'base'))}",
-        f"OpenAPI: {router_url}/docs   metrics: {router_url}/metrics   logs: {data / 'logs'}",
-        "Ctrl-C stops everything.",
-    ]
-    print("\n".join(lines), flush=True)
+    return run_until_stopped(settings)

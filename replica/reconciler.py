@@ -1,6 +1,6 @@
 """One replica's weight-version reconciler: pointer watch, staging, activation, heartbeats.
 
-DESIGN.md, "Weight versions". :class:`Reconciler` runs three loops beside one engine (the
+docs/architecture.md, "2. A weight version". :class:`Reconciler` runs three loops beside one engine (the
 local CPU engine or SGLang), inside the sidecar process (:mod:`replica.sidecar` is its HTTP
 front):
 
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.engine import EngineError, SGLangClient
 from clients.router import RouterClient, RouterError
@@ -548,23 +549,13 @@ class Reconciler:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of every sample per metric name in Prometheus text format (labels ignored)."""
+    """Sum of every sample per sample name in Prometheus text format (labels ignored; NaN
+    samples skipped), parsed by :func:`prometheus_client.parser.text_string_to_metric_families`.
+    Text that stops parsing yields the sums of the samples before the bad line."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, rest = line.partition(" ")
-        name = name_part.split("{", 1)[0]
-        if "{" in name_part and "}" not in name_part:
-            # a label value with a space: the value is after the closing brace
-            close = line.find("}")
-            name = line[: line.find("{")]
-            rest = line[close + 1 :].strip()
-        try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-        if math.isnan(value):
-            continue
-        out[name] = out.get(name, 0.0) + value
+    with contextlib.suppress(ValueError):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not math.isnan(sample.value):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out

@@ -1,6 +1,6 @@
 """The per-replica sidecar: the replica's HTTP front and its weight-version reconciler.
 
-DESIGN.md, "Weight versions". One sidecar runs beside one engine (the local CPU engine or
+docs/architecture.md, "2. A weight version". One sidecar runs beside one engine (the local CPU engine or
 SGLang) and is the replica's only public port:
 
 - **Proxy**: SGLang's generation routes (``/generate``, streaming included, ``/health_generate``,
@@ -36,17 +36,19 @@ SGLang) and is the replica's only public port:
 from __future__ import annotations
 
 import contextlib
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from clients.engine import EngineUnavailable, SGLangClient, make_http_client
 from clients.router import RouterClient
+from clients.sidecar import STATUS_PATH, WAKE_PATH
+from core.jsonio import dumps, loads
 from replica.reconciler import Activation, Reconciler, ReconcileSettings, parse_prometheus
 from weight_sync.store.base import VersionStore
 from weight_sync.types import InvalidVersion, VersionConstraint, VersionUnavailable
@@ -57,6 +59,7 @@ __all__ = [
     "Reconciler",
     "SidecarConfig",
     "create_app",
+    "routes",
     "parse_prometheus",
     "version_conflict",
 ]
@@ -129,9 +132,9 @@ class SidecarConfig:
 
 
 def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
-    """The sidecar's ASGI app; its connections open and reconciling starts with the app's
+    """The sidecar's ASGI app (the module's :data:`routes` on a :class:`Reconciler` of ``config``
+    kept as ``app.state.sidecar``); its connections open and reconciling starts with the app's
     lifespan, and both end with it."""
-
     settings = config.reconcile
     sidecar = Reconciler(settings, store)
 
@@ -149,147 +152,85 @@ def create_app(config: SidecarConfig, store: VersionStore) -> FastAPI:
 
     app = FastAPI(title=f"mixfleet sidecar {settings.replica_id}", lifespan=lifespan)
     app.state.sidecar = sidecar
-
-    @app.api_route("/health", methods=["GET", "POST"])
-    async def health() -> JSONResponse:
-        ok = await sidecar.engine_health()
-        s = sidecar.state
-        body = {
-            "ready": s.ready,
-            "engine_ok": ok,
-            "active_version": s.active_version,
-            "desired_version": s.desired_version,
-            "error": s.error,
-        }
-        return JSONResponse(body, status_code=200 if (ok and s.ready) else 503)
-
-    @app.get("/v1/status")
-    async def status() -> dict[str, Any]:
-        return sidecar.status()
-
-    @app.post("/v1/wake")
-    async def wake() -> dict[str, Any]:
-        sidecar.wake()
-        return {"ok": True, "desired_version": sidecar.state.desired_version}
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/engine/metrics")
-    async def engine_metrics() -> PlainTextResponse:
-        text = await sidecar.engine_metrics_text()
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    for path in BLOCKED:
-        app.add_api_route(
-            path, _blocked(path), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False
-        )
-
-    for path in PROXIED_GET:
-        app.add_api_route(
-            path, _proxy_simple(sidecar, path), methods=["GET", "POST"], include_in_schema=False
-        )
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            body = None
-        if body is not None:
-            problem, body = version_conflict(sidecar, body, request.headers)
-        else:
-            problem, _ = version_conflict(sidecar, None, request.headers)
-        if isinstance(problem, VersionUnavailable):
-            sidecar.metrics.conflicts.inc()
-            return JSONResponse(problem.body(), status_code=409, headers={"Retry-After": "1"})
-        if problem is not None:
-            return JSONResponse({"error": {"message": str(problem)}}, status_code=400)
-        if not sidecar.state.ready:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"replica {settings.replica_id} is not ready (joining at version "
-                        f"{sidecar.state.desired_version})"
-                    },
-                    "retryable": True,
-                },
-                status_code=503,
-                headers={"Retry-After": "1"},
-            )
-        content = json.dumps(body).encode() if body is not None else raw
-        engine = sidecar.engine
-        assert engine is not None
-        s = sidecar.state
-        s.in_flight += 1
-        sidecar.metrics.in_flight.set(s.in_flight)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                s.in_flight -= 1
-                sidecar.metrics.in_flight.set(s.in_flight)
-
-        if isinstance(body, dict) and body.get("stream"):
-            try:
-                head, chunks = await engine.stream("POST", "/generate", content)
-            except EngineUnavailable as exc:
-                release()
-                return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
-
-            async def relay():
-                try:
-                    async for chunk in chunks:
-                        yield chunk
-                finally:
-                    await chunks.aclose()
-                    release()
-
-            media = head.headers.get("content-type", "text/event-stream")
-            return StreamingResponse(
-                relay(), status_code=head.status_code, media_type=media, background=BackgroundTask(release)
-            )
-        try:
-            r = await engine.forward("POST", "/generate", content)
-        except EngineUnavailable as exc:
-            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, 502)
-        finally:
-            release()
-        return Response(
-            r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
-        )
-
+    app.include_router(routes)
     return app
+
+
+routes = APIRouter()
+"""Every route of a sidecar; each handler serves the :class:`Reconciler` at ``app.state.sidecar``."""
+
+
+def _sidecar(request: Request) -> Reconciler:
+    return request.app.state.sidecar
+
+
+def _engine(request: Request) -> SGLangClient:
+    engine = _sidecar(request).engine
+    assert engine is not None, "the sidecar's engine client opens with the app's lifespan"
+    return engine
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}, **extra}, status_code=status, headers=headers)
+
+
+@routes.api_route("/health", methods=["GET", "POST"])
+async def health(request: Request) -> JSONResponse:
+    sidecar = _sidecar(request)
+    ok = await sidecar.engine_health()
+    s = sidecar.state
+    body = {
+        "ready": s.ready,
+        "engine_ok": ok,
+        "active_version": s.active_version,
+        "desired_version": s.desired_version,
+        "error": s.error,
+    }
+    return JSONResponse(body, status_code=200 if (ok and s.ready) else 503)
+
+
+@routes.get(STATUS_PATH)
+async def status(request: Request) -> dict[str, Any]:
+    return _sidecar(request).status()
+
+
+@routes.post(WAKE_PATH)
+async def wake(request: Request) -> dict[str, Any]:
+    sidecar = _sidecar(request)
+    sidecar.wake()
+    return {"ok": True, "desired_version": sidecar.state.desired_version}
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    registry = _sidecar(request).metrics.registry
+    return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/engine/metrics")
+async def engine_metrics(request: Request) -> PlainTextResponse:
+    text = await _sidecar(request).engine_metrics_text()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _blocked(path: str):
     async def handler() -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": f"{path} is a control route of this replica's engine; only its sidecar "
-                    "may call it (publish weights through the router's /v1/weights)"
-                }
-            },
-            status_code=403,
+        return _error(
+            403,
+            f"{path} is a control route of this replica's engine; only its sidecar may call it (publish "
+            "weights through the router's /v1/weights)",
         )
 
     return handler
 
 
-def _proxy_simple(sidecar: Reconciler, path: str):
+def _proxy_simple(path: str):
     async def handler(request: Request) -> Response:
-        engine = sidecar.engine
-        assert engine is not None
         body = await request.body()
         query = request.url.query
         headers = {"content-type": request.headers.get("content-type", "application/json")} if body else None
         try:
-            r = await engine.forward(
+            r = await _engine(request).forward(
                 request.method,
                 path + (f"?{query}" if query else ""),
                 body or None,
@@ -297,9 +238,95 @@ def _proxy_simple(sidecar: Reconciler, path: str):
                 timeout=30.0,
             )
         except EngineUnavailable as exc:
-            return JSONResponse({"error": {"message": f"engine unreachable: {exc.message}"}}, status_code=502)
+            return _error(502, f"engine unreachable: {exc.message}")
         return Response(
             r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
         )
 
     return handler
+
+
+for _path in BLOCKED:
+    routes.add_api_route(
+        _path, _blocked(_path), methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False
+    )
+for _path in PROXIED_GET:
+    routes.add_api_route(_path, _proxy_simple(_path), methods=["GET", "POST"], include_in_schema=False)
+
+
+@routes.post("/generate")
+async def generate(request: Request) -> Response:
+    """SGLang's ``/generate``, proxied once the request's version constraint is met and the
+    replica is ready (409 / 400 / 503 otherwise); streamed when the body asks for it."""
+    sidecar = _sidecar(request)
+    raw = await request.body()
+    try:
+        body = loads(raw) if raw else None
+    except ValueError:
+        body = None
+    problem, body = version_conflict(sidecar, body, request.headers)
+    if isinstance(problem, VersionUnavailable):
+        sidecar.metrics.conflicts.inc()
+        return JSONResponse(problem.body(), status_code=409, headers={"Retry-After": "1"})
+    if problem is not None:
+        return _error(400, str(problem))
+    if not sidecar.state.ready:
+        message = (
+            f"replica {sidecar.config.replica_id} is not ready (joining at version "
+            f"{sidecar.state.desired_version})"
+        )
+        return _error(503, message, {"Retry-After": "1"}, retryable=True)
+    content = dumps(body) if body is not None else raw
+    release = _count_in_flight(sidecar)
+    if isinstance(body, dict) and body.get("stream"):
+        return await _stream(_engine(request), content, release)
+    try:
+        r = await _engine(request).forward("POST", "/generate", content)
+    except EngineUnavailable as exc:
+        return _error(502, f"engine unreachable: {exc.message}")
+    finally:
+        release()
+    return Response(
+        r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
+    )
+
+
+def _count_in_flight(sidecar: Reconciler) -> Callable[[], None]:
+    """Count one more request in flight; the returned function counts it out (once, however often
+    it is called)."""
+    s = sidecar.state
+    s.in_flight += 1
+    sidecar.metrics.in_flight.set(s.in_flight)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            s.in_flight -= 1
+            sidecar.metrics.in_flight.set(s.in_flight)
+
+    return release
+
+
+async def _stream(engine: SGLangClient, content: bytes, release: Callable[[], None]) -> Response:
+    """The engine's streamed answer to ``content``, relayed chunk by chunk; ``release`` runs when
+    the relay ends (or at once when the engine cannot be reached)."""
+    try:
+        head, chunks = await engine.stream("POST", "/generate", content)
+    except EngineUnavailable as exc:
+        release()
+        return _error(502, f"engine unreachable: {exc.message}")
+
+    async def relay():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+            release()
+
+    media = head.headers.get("content-type", "text/event-stream")
+    return StreamingResponse(
+        relay(), status_code=head.status_code, media_type=media, background=BackgroundTask(release)
+    )

@@ -163,6 +163,25 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
     )
     app.state.ctx = ctx
     app.add_middleware(EdgeMiddleware, ctx=ctx)
+    _add_error_handlers(app)
+    _add_ops_routes(app, ctx)
+    for r in (
+        routes_sessions.router,
+        routes_trainer.router,
+        routes_trainer.score_router,
+        routes_fleet.router,
+        routes_ledger.router,
+        routes_sglang.router,
+        routes_prometheus.router,
+        *extra_routers,
+    ):
+        app.include_router(r)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as JSON: an :class:`ApiError` as it says, an unreachable state store 503 with
+    ``Retry-After``, a state conflict 409, a malformed request 422 naming its fields."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -183,6 +202,10 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, errors = _validation_detail(exc)
         return JSONResponse({"detail": message, "errors": errors}, status_code=422)
+
+
+def _add_ops_routes(app: FastAPI, ctx: RouterContext) -> None:
+    """``/healthz`` (liveness and state-store reachability) and ``/metrics`` (Prometheus)."""
 
     @app.get(
         "/healthz",
@@ -221,16 +244,3 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         except StateError as exc:
             log.warning("metrics without state: %s", exc)
         return PlainTextResponse(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    for r in (
-        routes_sessions.router,
-        routes_trainer.router,
-        routes_trainer.score_router,
-        routes_fleet.router,
-        routes_ledger.router,
-        routes_sglang.router,
-        routes_prometheus.router,
-        *extra_routers,
-    ):
-        app.include_router(r)
-    return app

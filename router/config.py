@@ -1,11 +1,17 @@
 """Router configuration: one frozen record built by the CLI (or ``mixfleet up``) and handed to
-:func:`router.app.create_app`. Holds no live objects."""
+:func:`router.app.create_app`. Holds no live objects.
+
+The environment is read here, by the functions the command (``mixfleet router``, the router on
+Modal) calls while it builds the record -- :func:`proxy_auth_headers` and
+:meth:`WeightsConfig.from_env` -- and nowhere below: the app, its routes and the publish service
+get what they need as values."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from core.errors import UserError
@@ -18,6 +24,10 @@ POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")
 SCOPES: tuple[str, ...] = ("rollout", "trainer", "admin", "replica")
 PROXY_KEY_ENV = "MIXFLEET_PROXY_KEY"
 PROXY_SECRET_ENV = "MIXFLEET_PROXY_SECRET"
+STORE_ENV = "MIXFLEET_STORE"
+RUN_ENV = "MIXFLEET_RUN"
+STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"
+PUBLISH_WORKERS_ENV = "MIXFLEET_PUBLISH_WORKERS"
 
 
 def proxy_auth_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -36,6 +46,68 @@ def proxy_auth_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str
 
 
 @dataclass(frozen=True)
+class WeightsConfig:
+    """What the weight routes and their publish service (:mod:`router.routes_weights`,
+    :class:`router.publishing.PublishService`) need.
+
+    ``store_root``: the version store's root (None: publishing is not configured and the weight
+    routes answer 503); with ``volume`` the store is that Modal Volume, mounted at ``store_root``
+    (None: a directory). ``run_id``: the run published when a request names none. ``workers``:
+    conversion processes of the router's own converter (None: one per core and at least one per
+    format the fleet serves; 0: conversions run in the router process, one format at a time).
+    ``convert_function``: the deployed Modal function (``APP/FUNCTION``) that runs publications
+    instead of this router (None: the router converts). ``pointer_poll_s``: how often the store's
+    pointers are re-read while the router runs. ValueError for a negative ``workers``, a
+    non-positive ``pointer_poll_s`` or an empty ``run_id``.
+    """
+
+    store_root: Path | None = None
+    run_id: str = "default"
+    volume: str | None = None
+    workers: int | None = None
+    convert_function: str | None = None
+    pointer_poll_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if not self.pointer_poll_s > 0:
+            raise ValueError(f"pointer_poll_s must be > 0, got {self.pointer_poll_s!r}")
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WeightsConfig:
+        """The configuration of a router process from its environment: ``MIXFLEET_STORE``,
+        ``MIXFLEET_RUN`` (default ``default``), ``MIXFLEET_STORE_VOLUME``,
+        ``MIXFLEET_PUBLISH_WORKERS`` (an integer; negative counts as 0) and
+        ``MIXFLEET_CONVERT_FUNCTION`` (``APP/FUNCTION``), each unset when blank.
+        :class:`UserError` naming a malformed value."""
+        from weight_sync.converters import CONVERT_FUNCTION_ENV
+        from weight_sync.converters.modal_function import parse_function_ref
+
+        def value(name: str) -> str | None:
+            return (environ.get(name) or "").strip() or None
+
+        workers = value(PUBLISH_WORKERS_ENV)
+        try:
+            count = None if workers is None else max(0, int(workers))
+        except ValueError:
+            raise UserError(f"{PUBLISH_WORKERS_ENV} must be an integer, got {workers!r}") from None
+        function = value(CONVERT_FUNCTION_ENV)
+        if function is not None:
+            parse_function_ref(function)
+        store = value(STORE_ENV)
+        return cls(
+            store_root=Path(store) if store else None,
+            run_id=value(RUN_ENV) or "default",
+            volume=value(STORE_VOLUME_ENV),
+            workers=count,
+            convert_function=function,
+        )
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs to start.
 
@@ -49,7 +121,8 @@ class RouterConfig:
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
     proxy auth). ``modal_app`` names the deployed Modal app whose servers (one per group, named by
     the group) serve the fleet: every engine request to a heartbeat replica is then pinned to its
-    container, listed every ``container_list_interval_s`` (:mod:`router.pinning`).
+    container, listed every ``container_list_interval_s`` (:mod:`router.pinning`). ``weights``
+    configures the weight routes and their publish service (:class:`WeightsConfig`).
 
     A session's turns stay on its replica (its prefix cache) unless that replica's queue has stayed
     above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
@@ -93,6 +166,7 @@ class RouterConfig:
     container_list_interval_s: float = 2.0
     affinity_queue_bound: int = 8
     affinity_hold_s: float = 5.0
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)

@@ -51,7 +51,6 @@ class RouterContext:
         self.config = config
         self.fleet = config.fleet
         self.store: StateStore = open_store(config.state_url, retention=config.retention())
-        self.state = self.store  # alias used by router.weights
         self.pins: ContainerPins | None = open_pins(config.modal_app, [g.name for g in config.fleet.groups])
         self.registry = Registry(
             config.fleet,

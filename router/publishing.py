@@ -18,11 +18,13 @@ Contracts:
 - :meth:`PublishService.adopt_pointers` raises the latest version to the store's highest pointer
   (publishes that bypassed this router count too) and wakes the replicas when it moved; an
   unreadable store is logged, never raised.
-- A publication runs where the service's converter (:mod:`weight_sync.converters`) runs it: in
-  this router's conversion pool (:class:`~weight_sync.converters.LocalConverter`, the default),
-  or in the deployed Modal function ``MIXFLEET_CONVERT_FUNCTION`` names (``APP/FUNCTION``,
+- The service is configured by a :class:`router.config.WeightsConfig` (built by the command from
+  its environment; the service reads none). A publication runs where the service's converter
+  (:mod:`weight_sync.converters`) runs it: in this router's conversion pool
+  (:class:`~weight_sync.converters.LocalConverter`, the default), or in the deployed Modal function
+  the configuration names (``convert_function``,
   :class:`~weight_sync.converters.ModalFunctionConverter`), with the store then the Modal Volume
-  ``MIXFLEET_STORE_VOLUME`` mounted at ``MIXFLEET_STORE``. The converter's workers are started by
+  ``volume`` mounted at ``store_root``. The converter's workers are started by
   :meth:`start` and stopped by :meth:`close`: after ``close`` no worker process and no semaphore
   of the pool is left. A perturbation always converts in this router (in its pool, or in this
   process when the converter is remote).
@@ -38,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -49,14 +50,15 @@ from pathlib import Path
 from typing import Any
 
 from clients.engine import EngineError
+from clients.sidecar import SidecarClient
 from core.errors import UserError
+from router.config import WeightsConfig
 from router.context import RouterContext
 from router.state.base import StateError
 from weight_sync.converters import (
     Converter,
     ConvertRequest,
     LocalConverter,
-    function_from_env,
     open_converter,
 )
 from weight_sync.types import FormatRef, VersionRef
@@ -67,7 +69,6 @@ SIDECAR_TIMEOUT_S = 1.0
 LOCK_TTL_S = 30.0
 LOCK_RENEW_S = 5.0
 ORPHANED = "the router running this job stopped before it finished"
-STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"
 
 
 class StoreNotConfigured(UserError):
@@ -76,7 +77,7 @@ class StoreNotConfigured(UserError):
     def __init__(self) -> None:
         super().__init__(
             "weight publishing is not configured: the router has no store "
-            "(start it with a store root or set MIXFLEET_STORE)"
+            "(start it with MIXFLEET_STORE set to the store's root)"
         )
 
 
@@ -117,18 +118,6 @@ class NoBf16Copy(UserError):
         self.run_id, self.version = run_id, version
 
 
-def workers_from_env() -> int | None:
-    """``MIXFLEET_PUBLISH_WORKERS`` as a worker count (None when unset or blank; negative -> 0);
-    :class:`UserError` naming the value when it is not an integer."""
-    raw = os.environ.get("MIXFLEET_PUBLISH_WORKERS", "").strip()
-    if not raw:
-        return None
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        raise UserError(f"MIXFLEET_PUBLISH_WORKERS must be an integer, got {raw!r}") from None
-
-
 @dataclass
 class Job:
     """One weight job; ``state`` is ``running`` until it ends ``done`` (``result``) or
@@ -163,27 +152,16 @@ class Job:
 class PublishService:
     """Store access, jobs and the converter of one router (see the module docstring).
 
-    ``store_root`` and ``run_id`` default to ``MIXFLEET_STORE`` / ``MIXFLEET_RUN`` (run
-    ``default``), ``volume`` to ``MIXFLEET_STORE_VOLUME`` (None: the store is a directory).
-    ``converter`` defaults to :func:`weight_sync.converters.open_converter` of
-    ``MIXFLEET_CONVERT_FUNCTION`` and ``workers`` (conversion processes of a local converter;
-    None: :meth:`~weight_sync.publish.ConversionPool.for_formats` of the fleet's formats; 0:
+    ``config`` names the store, the default run and where conversions run; ``converter``
+    defaults to :func:`weight_sync.converters.open_converter` of its ``convert_function`` and
+    ``workers`` (conversion processes of a local converter; None:
+    :meth:`~weight_sync.publish.ConversionPool.for_formats` of the fleet's formats; 0:
     conversions run in the router process, one format at a time).
     """
 
-    def __init__(
-        self,
-        store_root: Path | None,
-        run_id: str | None,
-        workers: int | None = None,
-        *,
-        converter: Converter | None = None,
-        volume: str | None = None,
-    ) -> None:
-        self._store_root = store_root
-        self._run_id = run_id
-        self._volume = volume
-        self.converter = converter or open_converter(function_from_env(), workers=workers)
+    def __init__(self, config: WeightsConfig, *, converter: Converter | None = None) -> None:
+        self.config = config
+        self.converter = converter or open_converter(config.convert_function, workers=config.workers)
         self.jobs: dict[str, Job] = {}  # the jobs this router runs now
         self._saving = asyncio.Lock()
         self._store = None
@@ -192,26 +170,23 @@ class PublishService:
     # configuration -------------------------------------------------------------------------
     @property
     def configured(self) -> bool:
-        return self._store_root is not None or bool(os.environ.get("MIXFLEET_STORE"))
+        return self.config.store_root is not None
 
     @property
     def run_id(self) -> str:
-        return self._run_id or os.environ.get("MIXFLEET_RUN") or "default"
+        return self.config.run_id
 
     def store(self):
         """The store (made on first call); :class:`StoreNotConfigured` without a root."""
         if self._store is None:
-            root = self._store_root or (
-                Path(os.environ["MIXFLEET_STORE"]) if os.environ.get("MIXFLEET_STORE") else None
-            )
+            root, volume = self.config.store_root, self.config.volume
             if root is None:
                 raise StoreNotConfigured()
             from weight_sync.store import open_store
 
-            volume = self._volume or os.environ.get(STORE_VOLUME_ENV) or None
             if volume is None:
-                root.mkdir(parents=True, exist_ok=True)
-            self._store = open_store(root, volume=volume)
+                Path(root).mkdir(parents=True, exist_ok=True)
+            self._store = open_store(Path(root), volume=volume)
         return self._store
 
     # converter ---------------------------------------------------------------------------------
@@ -606,12 +581,9 @@ async def replica_details(ctx: RouterContext, replicas: list[tuple[str, str]]) -
 
     async def one(replica_id: str, url: str) -> dict[str, Any] | None:
         try:
-            client = ctx.replica_client(replica_id, url)
-            r = await client.forward("GET", "/v1/status", timeout=SIDECAR_TIMEOUT_S)
-            body = r.json() if r.status_code == 200 else None
-        except (EngineError, ValueError):
+            return await SidecarClient(ctx.replica_client(replica_id, url)).status(SIDECAR_TIMEOUT_S)
+        except EngineError:
             return None
-        return body if isinstance(body, dict) else None
 
     answers = await asyncio.gather(*(one(rid, url) for rid, url in replicas))
     return {rid: a for (rid, _), a in zip(replicas, answers, strict=True) if a is not None}
@@ -624,7 +596,7 @@ async def wake_replicas(ctx: RouterContext) -> None:
     replicas = [(r["replica_id"], r["url"]) for r in known_replicas(ctx)]
     await asyncio.gather(
         *(
-            ctx.replica_client(rid, url).forward("POST", "/v1/wake", timeout=SIDECAR_TIMEOUT_S)
+            SidecarClient(ctx.replica_client(rid, url)).wake(SIDECAR_TIMEOUT_S)
             for rid, url in replicas
         ),
         return_exceptions=True,
@@ -639,5 +611,4 @@ __all__ = [
     "StoreNotConfigured",
     "StoreUnreadable",
     "VersionTooOld",
-    "workers_from_env",
 ]

@@ -21,10 +21,12 @@
 One job runs at a time across every router on the state store; a second gets 409 wherever it
 lands, and any router answers for any job. The jobs, the store and the converter (this router's
 conversion pool, or a deployed Modal function) are the :class:`router.publishing.PublishService`
-of :func:`create_weights_router`, whose lifespan (merged into the app's, inside the router
-context's) starts the converter's workers, adopts the store's highest pointer before the first
-request, re-reads the pointers every ``pointer_poll_s`` seconds while the router runs (a pointer
-that moved wakes the replicas), and at shutdown stops the converter and joins its workers.
+that :func:`create_weights_router` makes of a :class:`router.config.WeightsConfig`; the routes
+(:data:`router`) reach it as ``request.app.state.weights``. Its lifespan (merged into the app's,
+inside the router context's) sets that, starts the converter's workers, adopts the store's
+highest pointer before the first request, re-reads the pointers every ``pointer_poll_s`` seconds
+while the router runs (a pointer that moved wakes the replicas), and at shutdown stops the
+converter and joins its workers. Without a store root every weight route answers 503.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
+from core.formats import WeightFormat
 from router.auth import require
+from router.config import WeightsConfig
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.publishing import (
@@ -49,7 +53,6 @@ from router.publishing import (
     StoreNotConfigured,
     StoreUnreadable,
     VersionTooOld,
-    workers_from_env,
 )
 from weight_sync.converters import Converter
 from weight_sync.publish import VersionMissing
@@ -66,7 +69,7 @@ class PublishRequest(BaseModel):
     version: int | None = Field(default=None, ge=0, description="version number (default: the next one)")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
     mode: Literal["barrier", "per_format"] = "barrier"
-    formats: list[Literal["bf16", "fp8", "nvfp4", "mxfp4"]] | None = Field(default=None, min_length=1)
+    formats: list[WeightFormat] | None = Field(default=None, min_length=1)
     delta_of: int | None = Field(
         default=None,
         ge=0,
@@ -108,9 +111,15 @@ def _refusal(exc: UserError) -> ApiError:
     return ApiError(400, str(exc))
 
 
+def _service(request: Request) -> PublishService:
+    """The publish service of the app (set by :func:`create_weights_router`'s lifespan)."""
+    return request.app.state.weights
+
+
 def _lifespan(service: PublishService, poll_s: float):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.weights = service
         if not service.configured:
             yield
             return
@@ -136,92 +145,88 @@ def _lifespan(service: PublishService, poll_s: float):
     return lifespan
 
 
-def create_weights_router(
-    store_root: str | Path | None = None,
-    run_id: str | None = None,
-    *,
-    workers: int | None = None,
-    pointer_poll_s: float = 2.0,
-    converter: Converter | None = None,
-) -> APIRouter:
-    """The APIRouter to include in the router app (see the module docstring); its service is
-    ``router.service``.
+router = APIRouter(tags=["weights"])
+ADMIN = [Depends(require("admin"))]
+JOB_REFUSALS = error_responses(*AUTH, *BODY, 409, 503)
 
-    ``store_root`` and ``run_id`` default to ``MIXFLEET_STORE`` / ``MIXFLEET_RUN``.
-    ``workers``: conversion processes kept by the router (default ``MIXFLEET_PUBLISH_WORKERS``,
-    else one per core and at least one per format the fleet serves); ``0`` converts inside the
-    router process, one format at a time. ``pointer_poll_s``: how often the store's pointers are
-    re-read while the router runs. ``converter``: where publications run (default:
-    ``MIXFLEET_CONVERT_FUNCTION``'s Modal function when set, else this router's pool; see
-    :class:`router.publishing.PublishService`). Raises :class:`UserError` for a bad
-    ``MIXFLEET_PUBLISH_WORKERS`` or ``MIXFLEET_CONVERT_FUNCTION``.
+
+@router.post("/v1/weights", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
+async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
+    """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
+    try:
+        job = await _service(request).publish(
+            _ctx(request),
+            Path(body.checkpoint),
+            version=body.version,
+            run_id=body.run_id,
+            mode=body.mode,
+            formats=list(body.formats) if body.formats else None,
+            delta_of=body.delta_of,
+        )
+    except UserError as exc:
+        raise _refusal(exc) from None
+    return job.view()
+
+
+@router.post(
+    "/v1/weights/rollback",
+    status_code=202,
+    dependencies=ADMIN,
+    responses=error_responses(*AUTH, *BODY, 404, 409, 503),
+)
+async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+    """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
+    try:
+        service = _service(request)
+        job = await service.rollback(_ctx(request), body.to, run_id=body.run_id, version=body.version)
+    except UserError as exc:
+        raise _refusal(exc) from None
+    return job.view()
+
+
+@router.post("/v1/weights/perturbations", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
+async def perturb(body: PerturbRequest, request: Request) -> dict[str, Any]:
+    """Publish ``from_version`` with two output-projection rows swapped (for verify)."""
+    t, s = body.swap_rows
+    try:
+        job = await _service(request).perturb(_ctx(request), body.from_version, (t, s), run_id=body.run_id)
+    except UserError as exc:
+        raise _refusal(exc) from None
+    return job.view()
+
+
+@router.get("/v1/weights/jobs/{job_id}", dependencies=ADMIN, responses=error_responses(*AUTH, 404, 422))
+async def job_status(job_id: str, request: Request) -> dict[str, Any]:
+    """A weight job's state, events, result or error (a job of any router on the state store)."""
+    view = await _service(request).job_view(_ctx(request), job_id)
+    if view is None:
+        raise ApiError(404, f"no weight job {job_id!r}")
+    return view
+
+
+@router.get("/v1/weights", dependencies=ADMIN, responses=error_responses(*AUTH, 503))
+async def status(request: Request) -> dict[str, Any]:
+    """Per format: pointer, versions, manifest; per group: desired, replicas' versions, lag."""
+    try:
+        return await _service(request).status(_ctx(request))
+    except UserError as exc:
+        raise _refusal(exc) from None
+
+
+def create_weights_router(config: WeightsConfig, *, converter: Converter | None = None) -> APIRouter:
+    """The weight routes (:data:`router`) bound to a new :class:`router.publishing.PublishService`
+    of ``config``: an APIRouter to include in the router app, whose lifespan (see the module
+    docstring) makes the service the app's ``state.weights``. Its service is also ``.service``.
+
+    ``converter``: where publications run (default: ``config.convert_function``'s Modal function
+    when set, else this router's pool of ``config.workers`` processes; see
+    :class:`router.publishing.PublishService`).
     """
-    if workers is None:
-        workers = workers_from_env()
-    service = PublishService(Path(store_root) if store_root else None, run_id, workers, converter=converter)
-    router = APIRouter(tags=["weights"], lifespan=_lifespan(service, pointer_poll_s))
-    admin = [Depends(require("admin"))]
-    job_refusals = error_responses(*AUTH, *BODY, 409, 503)
-
-    @router.post("/v1/weights", status_code=202, dependencies=admin, responses=job_refusals)
-    async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
-        """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
-        try:
-            job = await service.publish(
-                _ctx(request),
-                Path(body.checkpoint),
-                version=body.version,
-                run_id=body.run_id,
-                mode=body.mode,
-                formats=list(body.formats) if body.formats else None,
-                delta_of=body.delta_of,
-            )
-        except UserError as exc:
-            raise _refusal(exc) from None
-        return job.view()
-
-    @router.post(
-        "/v1/weights/rollback",
-        status_code=202,
-        dependencies=admin,
-        responses=error_responses(*AUTH, *BODY, 404, 409, 503),
-    )
-    async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
-        """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
-        try:
-            job = await service.rollback(_ctx(request), body.to, run_id=body.run_id, version=body.version)
-        except UserError as exc:
-            raise _refusal(exc) from None
-        return job.view()
-
-    @router.post("/v1/weights/perturbations", status_code=202, dependencies=admin, responses=job_refusals)
-    async def perturb(body: PerturbRequest, request: Request) -> dict[str, Any]:
-        """Publish ``from_version`` with two output-projection rows swapped (for verify)."""
-        t, s = body.swap_rows
-        try:
-            job = await service.perturb(_ctx(request), body.from_version, (t, s), run_id=body.run_id)
-        except UserError as exc:
-            raise _refusal(exc) from None
-        return job.view()
-
-    @router.get("/v1/weights/jobs/{job_id}", dependencies=admin, responses=error_responses(*AUTH, 404, 422))
-    async def job_status(job_id: str, request: Request) -> dict[str, Any]:
-        """A weight job's state, events, result or error (a job of any router on the state store)."""
-        view = await service.job_view(_ctx(request), job_id)
-        if view is None:
-            raise ApiError(404, f"no weight job {job_id!r}")
-        return view
-
-    @router.get("/v1/weights", dependencies=admin, responses=error_responses(*AUTH, 503))
-    async def status(request: Request) -> dict[str, Any]:
-        """Per format: pointer, versions, manifest; per group: desired, replicas' versions, lag."""
-        try:
-            return await service.status(_ctx(request))
-        except UserError as exc:
-            raise _refusal(exc) from None
-
-    router.service = service  # type: ignore[attr-defined]
-    return router
+    service = PublishService(config, converter=converter)
+    bound = APIRouter(lifespan=_lifespan(service, config.pointer_poll_s))
+    bound.include_router(router)
+    bound.service = service  # type: ignore[attr-defined]
+    return bound
 
 
-__all__ = ["PerturbRequest", "PublishRequest", "RollbackRequest", "create_weights_router"]
+__all__ = ["PerturbRequest", "PublishRequest", "RollbackRequest", "create_weights_router", "router"]

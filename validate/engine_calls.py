@@ -1,6 +1,6 @@
-"""The engine requests validation makes, synchronously, through the one engine client
-(``clients.engine.SGLangClient``): sampling continuations, routed experts of fixed sequences,
-and the local engine's one-operator debug route."""
+"""The replica requests validation makes, synchronously, through the one engine client
+(``clients.engine.SGLangClient``, and ``clients.sidecar`` over it): sampling continuations, routed
+experts of fixed sequences, a sidecar's status, and the local engine's one-operator debug route."""
 
 from __future__ import annotations
 
@@ -51,6 +51,19 @@ def sample(url: str, prompts: Sequence[Sequence[int]], max_new: int, top_p: floa
         return out
 
     return _run(url, go)
+
+
+def sidecar_status(url: str) -> dict[str, Any] | None:
+    """The sidecar's ``/v1/status`` at ``url`` (``clients.sidecar``); None when it does not answer."""
+    from clients.sidecar import SidecarClient
+
+    async def go(c: SGLangClient) -> dict[str, Any]:
+        return await SidecarClient(c).status(timeout=10.0)
+
+    try:
+        return _run(url, go)
+    except EngineError:
+        return None
 
 
 def routed_experts(url: str, seqs: Sequence[Sequence[int]], layers: int, k: int) -> list[torch.Tensor] | None:

@@ -3,22 +3,20 @@
 A :class:`GroupTarget` joins, for one group, the router's weight status (``GET /v1/weights``:
 format, desired version, replicas and their active versions), the preset's fields the router
 publishes with its ledger (``GET /v1/ledger``: accelerator, KV-cache dtype), each replica's
-sidecar status (``/v1/status``: the engine URL) and the version store on this machine: the
-directory of the group's active version and the trainer's BF16 weights of that version
+sidecar status (``/v1/status``, ``clients.sidecar``: the engine URL) and the version store on
+this machine: the directory of the group's active version and the trainer's BF16 weights of that version
 (``<store>/<run>/bf16/vN``, which a run keeps whenever it serves or publishes bf16, or the
 ``--checkpoint`` override).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from core.errors import UserError
+from validate import engine_calls
 from weight_sync.store.local import LocalStore
 from weight_sync.types import VersionRef
 
@@ -59,7 +57,7 @@ def discover(
     status = client.status()
     if status.get("latest_version") is None:
         raise UserError("nothing is published yet: publish a version before validating")
-    ledger = client._call("GET", "/v1/ledger")  # the preset's fields, as the router serves them
+    ledger = client.call("GET", "/v1/ledger")  # the preset's fields, as the router serves them
     specs = {g["name"]: g for g in ledger.get("groups", [])}
     names = [g["group"] for g in status["groups"]]
     unknown = sorted(set(groups or []) - set(names))
@@ -100,8 +98,5 @@ def _dir(store: LocalStore | None, run_id: str, fmt: str, version: int | None) -
 
 
 def _replica(r: dict[str, Any]) -> ReplicaTarget:
-    engine_url = None
-    # a replica whose sidecar does not say: level 3 runs without the engine
-    with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
-        engine_url = httpx.get(r["url"] + "/v1/status", timeout=10).json().get("engine_url")
-    return ReplicaTarget(r["replica_id"], r["url"], r.get("active_version"), engine_url)
+    status = engine_calls.sidecar_status(r["url"]) or {}  # no answer: level 3 runs without the engine
+    return ReplicaTarget(r["replica_id"], r["url"], r.get("active_version"), status.get("engine_url"))

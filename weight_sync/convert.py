@@ -109,6 +109,7 @@ import numpy as np
 import xxhash
 
 from core.errors import UserError
+from core.formats import check_format
 from weight_sync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, file_digest, new_hasher, xxh3_file
 from weight_sync.formats import fp8_layout
 from weight_sync.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, fsync_dir, verify_dir
@@ -124,7 +125,6 @@ from weight_sync.safetensors_io import (
 if TYPE_CHECKING:
     import torch
 
-FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
 INDEX_NAME = "model.safetensors.index.json"
 HF_QUANT_NAME = "hf_quant_config.json"
@@ -910,8 +910,7 @@ def converted_tensors(source: Source, fmt: str) -> list[OutTensor]:
     shape), from the headers alone: the outputs of the very plan the conversion runs, built
     without reading a tensor (a deploy plan sizes a group's weights from them). Raises
     ``UserError`` where the conversion would refuse ``source``."""
-    if fmt not in FORMATS:
-        raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    check_format(fmt)
     classified = classify(source, fmt)
     with TensorReader() as reader:
         plan = _Planner(source, fmt, classified, reader, CHUNK_ELEMS, calibrate=False).plan()
@@ -940,8 +939,7 @@ def convert_checkpoint(
     module SGLang's block-FP8 loader refuses quantized, instead of keeping that module in BF16.
     Returns the manifest written to ``dst/manifest.json`` (version None).
     """
-    if fmt not in FORMATS:
-        raise UserError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    check_format(fmt)
     if checksum not in ALGORITHMS:
         raise UserError(f"unknown checksum {checksum!r} (known: {', '.join(ALGORITHMS)})")
     src, dst = Path(src), Path(dst)

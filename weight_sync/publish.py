@@ -1,6 +1,6 @@
 """Publish a BF16 checkpoint as version N of a run, converted once per weight format.
 
-DESIGN.md, "Weight versions". The protocol, per call:
+docs/architecture.md, "2. A weight version". The protocol, per call:
 
 1. Plan: the formats to publish (each once, however many replicas serve it), refusing a version
    that is not newer than every format's pointer (pointers never move backwards).
@@ -51,13 +51,13 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import UserError
+from core.formats import FORMATS
 from weight_sync.manifest import Manifest
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
 
 Mode = Literal["barrier", "per_format"]
 MODES: tuple[str, ...] = ("barrier", "per_format")
-FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")  # as weight_sync.formats / the converter
 MANIFEST_NAME = "manifest.json"
 
 # Relative conversion cost, used only to start the slowest conversions first.
@@ -272,114 +272,149 @@ def publish_checkpoint(
     if delta_of is not None:
         check_delta_base(store, run_id, version, delta_of, formats, need_bf16=False)
     t_start = time.perf_counter()
+    pending = _plan(store, run_id, version, ckpt_dir, formats)
+    job = _Publication(store, run_id, version, mode, on_event, delta_of)
+    t_conv0 = time.perf_counter()
+    t_conv_end = _convert_and_commit(job, ckpt_dir, pending, workers, conversion_pool) or t_conv0
+    t_adv0 = time.perf_counter()
+    if mode == "barrier":
+        for p in pending.values():
+            _advance(store, run_id, version, p, on_event)
+    t_end = time.perf_counter()
+    return PublishResult(
+        run_id=run_id,
+        version=version,
+        mode=mode,
+        content_of=None,
+        formats=tuple(_format_result(p, version) for p in pending.values()),
+        convert_wall_s=t_conv_end - t_conv0,
+        commit_wall_s=sum(p.commit_s for p in pending.values()),
+        advance_wall_s=(t_end - t_adv0) if mode == "barrier" else sum(p.advance_s for p in pending.values()),
+        total_s=t_end - t_start,
+    )
 
+
+@dataclass(frozen=True)
+class _Publication:
+    """What every step of one :func:`publish_checkpoint` call shares."""
+
+    store: VersionStore
+    run_id: str
+    version: int
+    mode: str
+    on_event: Event
+    delta_of: int | None
+
+
+def _plan(
+    store: VersionStore, run_id: str, version: int, ckpt_dir: Path, formats: Sequence[str]
+) -> dict[str, _Pending]:
+    """One pending entry per format: ``reused`` (with its manifest) when the format already has
+    ``version`` committed from the same source; ``UserError`` when it has it from another."""
     pending = {f: _Pending(f) for f in formats}
-    to_convert: list[_Pending] = []
     src_sum: str | None = None
     for f in formats:
         existing = _committed_from(store, VersionRef(run_id, f, version))
-        if existing is not None and src_sum is None:
+        if existing is None:
+            continue
+        if src_sum is None:
             src_sum = _converter_source_checksum(ckpt_dir)
-        if existing is not None and existing.source_checksum == src_sum:  # same content, either kind
-            pending[f].reused = True
-            pending[f].manifest = existing
-        elif existing is not None:
+        if existing.source_checksum != src_sum:
             raise UserError(
                 f"version {version} of run {run_id!r} is already committed for {f} from another "
                 "checkpoint (versions are immutable; publish a new number)"
             )
-        else:
-            to_convert.append(pending[f])
+        pending[f].reused, pending[f].manifest = True, existing  # same content, either kind
+    return pending
 
-    n_workers = _worker_count(workers, len(to_convert))
-    t_conv0 = time.perf_counter()
-    t_conv_end = t_conv0
-    advanced: list[str] = []
+
+def _convert_and_commit(
+    job: _Publication,
+    ckpt_dir: Path,
+    pending: dict[str, _Pending],
+    workers: int | None,
+    conversion_pool: ConversionPool | None,
+) -> float | None:
+    """Convert and commit every format not reused (in per-format mode advancing each pointer as
+    soon as its format is committed, reused ones first); returns when the last conversion ended
+    (None when none ran).
+    The call's own pool is shut down on return; after a failure its workers, or those of the
+    kept ``conversion_pool``, are stopped."""
+    to_convert = [p for p in pending.values() if not p.reused]
     pool: Executor | None = None
-    own_pool = conversion_pool is None
     ok = False
     try:
         if to_convert:
-            if conversion_pool is not None:
-                pool, threads = conversion_pool.executor(), conversion_pool.threads
-            elif workers == 0:  # in this process, one format at a time (small models, tests)
-                threads = os.cpu_count() or 1
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert")
-            else:
-                threads = max(1, (os.cpu_count() or 1) // n_workers)
-                pool = _process_pool(n_workers, threads)
+            pool, threads = _executor(workers, conversion_pool, len(to_convert))
             for p in sorted(to_convert, key=lambda p: -_COST.get(p.fmt, 1)):
-                p.staged = Path(store.staging_dir(VersionRef(run_id, p.fmt, version)))
-                on_event("convert_start", {"format": p.fmt})
+                p.staged = Path(job.store.staging_dir(VersionRef(job.run_id, p.fmt, job.version)))
+                job.on_event("convert_start", {"format": p.fmt})
                 p.future = pool.submit(_convert_job, str(ckpt_dir), str(p.staged), p.fmt, threads)
-
-        # Formats that need no conversion can advance at once in per-format mode.
-        for p in pending.values():
-            if p.reused and mode == "per_format":
-                _advance(store, run_id, version, p, on_event)
-                advanced.append(p.fmt)
-
-        remaining = [p for p in to_convert]
-        while remaining:
-            futures = {p.future: p for p in remaining}
-            done = next(_as_completed(list(futures)))
-            p = futures[done]
-            remaining.remove(p)
-            try:
-                p.convert_s = done.result()
-            except UserError:
-                raise
-            except Exception as exc:  # the converter's own errors are user-facing messages
-                raise UserError(f"converting {ckpt_dir} to {p.fmt} failed: {exc}") from exc
-            t_conv_end = time.perf_counter()
-            on_event("converted", {"format": p.fmt, "seconds": p.convert_s})
-            if delta_of is not None:
-                from weight_sync.delta import reduce_to_delta
-
-                reduce_to_delta(store, VersionRef(run_id, p.fmt, delta_of), p.staged)
-            _commit(store, run_id, version, p, on_event)
-            if mode == "per_format":
-                _advance(store, run_id, version, p, on_event)
-                advanced.append(p.fmt)
+        if job.mode == "per_format":  # formats that need no conversion advance at once
+            for p in pending.values():
+                if p.reused:
+                    _advance(job.store, job.run_id, job.version, p, job.on_event)
+        t_end = _finish_conversions(job, ckpt_dir, to_convert)
         ok = True
+        return t_end
     finally:
-        if pool is not None and own_pool:
+        if pool is not None and conversion_pool is None:
             if not ok and isinstance(pool, ProcessPoolExecutor):
                 _terminate_pool(pool)  # before shutdown, which forgets the worker processes
             pool.shutdown(wait=ok, cancel_futures=True)
         elif not ok and conversion_pool is not None:
             conversion_pool.reset()  # stop conversions still running for this failed publish
 
-    t_adv0 = time.perf_counter()
-    if mode == "barrier":
-        for p in pending.values():
-            _advance(store, run_id, version, p, on_event)
-    t_end = time.perf_counter()
 
-    results = tuple(
-        FormatResult(
-            format=p.fmt,
-            version=version,
-            reused=p.reused,
-            convert_s=p.convert_s,
-            commit_s=p.commit_s,
-            advance_s=p.advance_s,
-            total_bytes=p.manifest.total_bytes if p.manifest else 0,
-            tensor_count=p.manifest.tensor_count if p.manifest else 0,
-            kind=p.manifest.kind if p.manifest else "full",
-        )
-        for p in pending.values()
-    )
-    return PublishResult(
-        run_id=run_id,
+def _executor(workers: int | None, conversion_pool: ConversionPool | None, jobs: int) -> tuple[Executor, int]:
+    """The executor of ``jobs`` conversions and the torch threads each gets: the kept pool's, one
+    thread in this process (``workers == 0``: small models, tests), or a pool for this call."""
+    if conversion_pool is not None:
+        return conversion_pool.executor(), conversion_pool.threads
+    if workers == 0:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert"), os.cpu_count() or 1
+    n_workers = _worker_count(workers, jobs)
+    threads = max(1, (os.cpu_count() or 1) // n_workers)
+    return _process_pool(n_workers, threads), threads
+
+
+def _finish_conversions(job: _Publication, ckpt_dir: Path, to_convert: list[_Pending]) -> float | None:
+    """As each submitted conversion ends: reduce it to a delta (``job.delta_of``), commit it and,
+    in per-format mode, advance its pointer. Returns when the last conversion ended (None when
+    there was none); a conversion's error is a ``UserError`` naming the format."""
+    t_end: float | None = None
+    futures = {p.future: p for p in to_convert}
+    for done in _as_completed(list(futures)):
+        p = futures[done]
+        try:
+            p.convert_s = done.result()
+        except UserError:
+            raise
+        except Exception as exc:  # the converter's own errors are user-facing messages
+            raise UserError(f"converting {ckpt_dir} to {p.fmt} failed: {exc}") from exc
+        t_end = time.perf_counter()
+        job.on_event("converted", {"format": p.fmt, "seconds": p.convert_s})
+        if job.delta_of is not None:
+            from weight_sync.delta import reduce_to_delta
+
+            reduce_to_delta(job.store, VersionRef(job.run_id, p.fmt, job.delta_of), p.staged)
+        _commit(job.store, job.run_id, job.version, p, job.on_event)
+        if job.mode == "per_format":
+            _advance(job.store, job.run_id, job.version, p, job.on_event)
+    return t_end
+
+
+def _format_result(p: _Pending, version: int) -> FormatResult:
+    return FormatResult(
+        format=p.fmt,
         version=version,
-        mode=mode,
-        content_of=None,
-        formats=results,
-        convert_wall_s=t_conv_end - t_conv0,
-        commit_wall_s=sum(p.commit_s for p in pending.values()),
-        advance_wall_s=(t_end - t_adv0) if mode == "barrier" else sum(p.advance_s for p in pending.values()),
-        total_s=t_end - t_start,
+        reused=p.reused,
+        convert_s=p.convert_s,
+        commit_s=p.commit_s,
+        advance_s=p.advance_s,
+        total_bytes=p.manifest.total_bytes if p.manifest else 0,
+        tensor_count=p.manifest.tensor_count if p.manifest else 0,
+        kind=p.manifest.kind if p.manifest else "full",
     )
 
 
@@ -655,16 +690,16 @@ class ConversionPool:
 
 
 def _warm_job() -> int:
-    """Convert a tiny model (``mixfleet init-model``'s layout, one layer) into every format in this
-    worker, so that the first real conversion finds torch, the converter, numba's compiled quantizer
-    kernels (each loaded per process, for the very array types the converter passes) and nvfp4's
-    calibration forward (the engine's kernels) ready."""
+    """Convert a tiny model (the base policy's layout, :mod:`weight_sync.base_model`, one
+    layer) into every format in this worker, so that the first real conversion finds torch, the
+    converter, numba's compiled quantizer kernels (each loaded per process, for the very array
+    types the converter passes) and nvfp4's calibration forward (the engine's kernels) ready."""
     import tempfile
 
     import torch
 
-    from mixfleet.init_model import Preset, write_model  # nvfp4 calibration runs the engine anyway
-    from weight_sync.convert import FORMATS, convert_checkpoint
+    from weight_sync.base_model import Preset, write_model
+    from weight_sync.convert import convert_checkpoint
 
     tiny = Preset(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=128,

@@ -1,6 +1,6 @@
 """Stage a committed version for a replica: bring it next to the engine and prove its bytes.
 
-DESIGN.md, "Weight versions": a replica stages (reads and verifies checksums) while it keeps
+docs/architecture.md, "2. A weight version": a replica stages (reads and verifies checksums) while it keeps
 serving, and only then activates. Two modes:
 
 - ``copy``: every file is copied from the store into ``<staging_root>/v{N:06d}`` and hashed in

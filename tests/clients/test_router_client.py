@@ -1,6 +1,6 @@
-"""The router client of the fleet's tools (fleet.weights_client) against a real loopback server:
-the synchronous WeightsClient's calls and their bodies, and every failure as one RouterError line
-carrying the router's message and status."""
+"""The one router client (clients.router) against a real loopback server: the synchronous
+WeightsClient's calls and their bodies, every failure as one RouterError line carrying the router's
+message and status, retries of 409/503 answers, and the job wait's events, failure and timeout."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from clients.router import RouterError, WeightsClient
+from clients.router import Blocking, RouterClient, RouterError, WeightsClient
 from tests.support.procs import free_port
 
 
 class FakeRouter:
-    """Answers ``answers[path]`` = (status, body bytes); records (method, path, headers, body)."""
+    """Answers ``answers[path]`` = (status, body bytes), or a list of them answered in turn (the
+    last one repeats); records (method, path, headers, body)."""
 
-    def __init__(self, answers: dict[str, tuple[int, bytes]]) -> None:
+    def __init__(self, answers: dict[str, tuple[int, bytes] | list[tuple[int, bytes]]]) -> None:
         self.calls: list[tuple[str, str, dict[str, str], bytes]] = []
         router = self
 
@@ -30,7 +31,10 @@ class FakeRouter:
                 router.calls.append(
                     (self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body)
                 )
-                status, data = answers[self.path]
+                answer = answers[self.path]
+                if isinstance(answer, list):
+                    answer = answer.pop(0) if len(answer) > 1 else answer[0]
+                status, data = answer
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -91,3 +95,58 @@ def test_failures_are_one_line_with_the_routers_message() -> None:
         with pytest.raises(RouterError, match="cannot reach the router") as down:
             client.status()
         assert down.value.status is None
+
+
+def _job(state: str, events: int, **extra: object) -> tuple[int, bytes]:
+    body = {"job_id": "j", "state": state, "version": 3, "events": [{"n": i} for i in range(events)], **extra}
+    return 200, json.dumps(body).encode()
+
+
+def test_wait_job_reports_each_event_once_and_names_a_failure_or_a_timeout() -> None:
+    router = FakeRouter(
+        {
+            "/v1/weights/jobs/j": [_job("running", 1), _job("running", 1), _job("done", 3)],
+            "/v1/weights/jobs/f": [_job("failed", 0, error="boom")],
+            "/v1/weights/jobs/s": [_job("running", 0)],
+        }
+    )
+    seen: list[dict] = []
+    try:
+        with WeightsClient(router.url, "k") as client:
+            done = client.wait_job(
+                {"job_id": "j", "state": "running", "events": []}, 30, on_event=seen.append
+            )
+            with pytest.raises(RouterError, match="publish of version 3 failed: boom") as failed:
+                client.wait_job("f", 30)
+            with pytest.raises(RouterError, match="job still running after 0 s") as slow:
+                client.wait_job("s", 0.0)
+    finally:
+        router.close()
+    assert done["state"] == "done" and seen == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert failed.value.status is None and slow.value.status is None
+
+
+def test_409_and_503_are_retried_with_retries_then_raised() -> None:
+    router = FakeRouter(
+        {
+            "/v1/groups": [
+                (503, b'{"detail":"busy"}'),
+                (409, b'{"detail":"later"}'),
+                (200, b'{"groups":[]}'),
+            ],
+            "/v1/weights": [(409, b'{"detail":"a publish is already running"}')],
+            "/v1/weights/rollback": [(400, b'{"detail":"bad"}'), (200, b"{}")],
+        }
+    )
+    try:
+        with Blocking(RouterClient(None, router.url, "k", retries=2, backoff_s=0.01)) as client:
+            assert client.groups() == {"groups": []}
+            with pytest.raises(RouterError, match="HTTP 409: a publish is already running"):
+                client.publish({"checkpoint": "/c"})
+            with pytest.raises(RouterError, match="HTTP 400: bad"):
+                client.rollback({"to": 1})
+    finally:
+        router.close()
+    paths = [p for _, p, _, _ in router.calls]
+    assert paths.count("/v1/groups") == 3 and paths.count("/v1/weights") == 3
+    assert paths.count("/v1/weights/rollback") == 1

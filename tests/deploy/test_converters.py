@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from core.errors import UserError
 from fleet.specs import load_preset
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import RouterConfig, WeightsConfig
 from router.publishing import PublishService
 from router.routes_weights import create_weights_router
 from tests.support.router import write_preset
@@ -36,7 +36,6 @@ from weight_sync.converters import (
     ConvertRequest,
     LocalConverter,
     ModalFunctionConverter,
-    function_from_env,
     open_converter,
 )
 from weight_sync.converters.modal_function import call_kwargs, function_ref, parse_function_ref, run_request
@@ -112,7 +111,7 @@ def test_the_installed_client_takes_the_call_the_adapter_makes(deployed: ModuleT
     module = deployed
     ref = module.ROUTER_ENV[CONVERT_FUNCTION_ENV]
     assert parse_function_ref(ref) == (module.APP_NAME, "publish") and "publish" in _registered(module)
-    converter = open_converter(function_from_env(module.ROUTER_ENV))
+    converter = open_converter(WeightsConfig.from_env(module.ROUTER_ENV).convert_function)
     assert isinstance(converter, ModalFunctionConverter) and converter.ref == ref
     handle = converter.function()  # lazy: contacts nothing
     assert isinstance(handle, modal.Function) and isinstance(
@@ -199,7 +198,9 @@ def test_the_router_publishes_through_the_modal_function(
     function = StandInFunction(module, LocalStore(root))  # the function's container, same store
     converter = ModalFunctionConverter("mixfleet/publish", lookup=lambda app, name, env: function)
     config = RouterConfig(fleet=load_preset(preset), api_keys={ADMIN: frozenset({"admin", "rollout"})})
-    weights = create_weights_router(root, "run-a", converter=converter, pointer_poll_s=0.2)
+    weights = create_weights_router(
+        WeightsConfig(store_root=root, run_id="run-a", pointer_poll_s=0.2), converter=converter
+    )
     auth = {"Authorization": f"Bearer {ADMIN}"}
     expected = next_version(LocalStore(root), "run-a", ["bf16"])  # the router's default number
     with TestClient(create_app(config, extra_routers=[weights])) as client:
@@ -222,10 +223,10 @@ def test_the_service_picks_its_converter_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(CONVERT_FUNCTION_ENV, raising=False)
-    assert isinstance(PublishService(tmp_path, "r").converter, LocalConverter)
+    assert isinstance(PublishService(WeightsConfig.from_env()).converter, LocalConverter)
     monkeypatch.setenv(CONVERT_FUNCTION_ENV, "mixfleet/publish")
-    converter = PublishService(tmp_path, "r").converter
+    converter = PublishService(WeightsConfig.from_env()).converter
     assert isinstance(converter, ModalFunctionConverter) and converter.ref == "mixfleet/publish"
     monkeypatch.setenv(CONVERT_FUNCTION_ENV, "publish")
     with pytest.raises(UserError, match="APP/FUNCTION"):
-        PublishService(tmp_path, "r")
+        WeightsConfig.from_env()

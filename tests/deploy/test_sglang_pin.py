@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from core import sglang_release
+from core.formats import FORMATS
 from fleet.specs import load_preset
 from images import sglang
-from weight_sync.formats import FORMATS
 
 REFERENCE = Path(__file__).with_name("sglang_0_5_23_flags.txt")
 RELEASE_FLAGS = frozenset(
@@ -109,7 +110,7 @@ def test_preset_engine_args_are_release_flags(preset: str) -> None:
 
 
 def test_protocol_values_of_the_release() -> None:
-    assert sglang.PAUSE_MODE == "retract" and sglang.PAUSE_MODE in sglang.PAUSE_MODES
+    assert sglang_release.PAUSE_MODE == "retract" and sglang_release.PAUSE_MODE in sglang_release.PAUSE_MODES
     assert sglang.UPDATE_WEIGHTS_FIELDS == (
         "model_path",
         "weight_version",
@@ -118,7 +119,7 @@ def test_protocol_values_of_the_release() -> None:
         "recapture_cuda_graph",
     )
     assert set(sglang.UPDATE_WEIGHTS_DEFAULTS) <= set(sglang.UPDATE_WEIGHTS_FIELDS)
-    assert sglang.SAMPLING_LOGPROBS_MODES == ("selected", "support")
+    assert sglang_release.SAMPLING_LOGPROBS_MODES == ("selected", "support")
     assert sglang.MXFP4_ARCHITECTURES == ("GptOssForCausalLM",)
 
 

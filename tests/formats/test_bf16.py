@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_sync.formats import FORMATS, bf16
+from core.formats import FORMATS
+from weight_sync.formats import bf16
 
 
 def test_quantize_keeps_the_tensor_and_dequantize_widens_exactly():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from clients.engine import SGLangClient, make_http_client
-from core.sglang_release import WEIGHT_FORMATS, update_weights_request
+from core.formats import FORMATS
+from core.sglang_release import update_weights_request
 from replica.activation import ActivationFailed, activate
 from replica.reconciler import parse_prometheus
 from tests.support.engines import engine_process
@@ -22,7 +23,7 @@ PROMPT = [256, 72, 101, 108, 108, 111, 33, 10]
 def test_update_request_per_format() -> None:
     common = {"model_path": "/s/v7", "weight_version": "7", "flush_cache": True, "abort_all_requests": False}
     expected = {"bf16": False, "fp8": True, "nvfp4": True, "mxfp4": True}
-    assert set(WEIGHT_FORMATS) == set(expected)
+    assert set(FORMATS) == set(expected)
     for fmt, recapture in expected.items():
         assert update_weights_request("/s/v7", 7, fmt) == {**common, "recapture_cuda_graph": recapture}
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):

@@ -1,10 +1,11 @@
 """The sidecar as its replica's HTTP front, through the engine client: the real ``mixfleet
 sidecar`` process before a real local engine proxies ``/generate`` (whole and streamed) and the
 info routes unchanged, answers health and both metric sets, and refuses the engine's control
-routes."""
+routes; the sidecar client reads its state and wakes it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clients.engine import EngineRejected, SGLangClient, make_http_client
+from clients.sidecar import SidecarClient
 from tests.support.engines import engine_process
 from tests.support.procs import free_port, mixfleet_argv, process, wait_http
 
@@ -90,3 +93,23 @@ def test_info_health_metrics_and_control_routes(replica: tuple[str, str]) -> Non
         assert refused.status_code == 403 and "only its sidecar" in refused.json()["error"]["message"]
         status = c.get(sidecar + "/v1/status").json()
         assert status["engine_url"] == engine and status["ready"] and status["engine_ok"]
+
+
+def test_sidecar_client_reads_status_and_wakes_and_a_plain_engine_refuses(replica: tuple[str, str]) -> None:
+    engine, sidecar = replica
+
+    async def main() -> tuple[dict, dict, int]:
+        http = make_http_client()
+        try:
+            client = SidecarClient(SGLangClient(http, sidecar))
+            status, woken = await client.status(), await client.wake()
+            with pytest.raises(EngineRejected) as plain:
+                await SidecarClient(SGLangClient(http, engine)).status()
+            return status, woken, plain.value.status
+        finally:
+            await http.close()
+
+    status, woken, plain_status = asyncio.run(main())
+    assert status["replica_id"] == "g-0" and status["active_version"] == 2 and status["engine_url"] == engine
+    assert woken["ok"] is True and "desired_version" in woken
+    assert plain_status == 404

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+from core.formats import FORMATS
 
 
 def make_model_dir(

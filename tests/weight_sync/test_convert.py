@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from core.errors import UserError
+from core.formats import FORMATS
 from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
 from tests.weight_sync.conversion_checks import check_conversion
-from weight_sync.convert import FORMATS, convert_checkpoint, source_checksum
+from weight_sync.convert import convert_checkpoint, source_checksum
 
 
 @pytest.fixture(scope="module")

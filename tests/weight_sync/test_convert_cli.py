@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from core.formats import FORMATS
 from tests.support.checkpoints import MoESpec, load_all, write_checkpoint
 from tests.support.procs import REPO, mixfleet_argv
 from tests.weight_sync.conversion_checks import check_conversion
-from weight_sync.convert import FORMATS, convert_checkpoint
+from weight_sync.convert import convert_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -233,11 +233,12 @@ def test_cli_bad_input_is_one_line(tmp_path) -> None:
 
 
 def test_router_pool_has_a_worker_per_format_even_on_fewer_cores(tmp_path) -> None:
+    from router.config import WeightsConfig
     from router.publishing import PublishService
     from weight_sync.converters import LocalConverter
 
     def converter(**kw) -> LocalConverter:
-        c = PublishService(tmp_path / "store", RUN, **kw).converter
+        c = PublishService(WeightsConfig(store_root=tmp_path / "store", run_id=RUN, **kw)).converter
         assert isinstance(c, LocalConverter)  # no MIXFLEET_CONVERT_FUNCTION: the router's own pool
         return c
 

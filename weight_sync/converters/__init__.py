@@ -4,14 +4,13 @@ and the factory that picks one."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 from weight_sync.converters.base import Converter, ConvertRequest
 from weight_sync.converters.local import LocalConverter
 from weight_sync.converters.modal_function import ModalFunctionConverter
 
 CONVERT_FUNCTION_ENV = "MIXFLEET_CONVERT_FUNCTION"
+"""The environment variable naming the deployed publish function (``APP/FUNCTION``) a router runs
+its publications in; read by the router's command (:meth:`router.config.WeightsConfig.from_env`)."""
 
 
 def open_converter(function: str | None = None, *, workers: int | None = None) -> Converter:
@@ -23,17 +22,11 @@ def open_converter(function: str | None = None, *, workers: int | None = None) -
     return LocalConverter(workers)
 
 
-def function_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
-    """``MIXFLEET_CONVERT_FUNCTION`` (``APP/FUNCTION``; None when unset or blank)."""
-    return (environ.get(CONVERT_FUNCTION_ENV) or "").strip() or None
-
-
 __all__ = [
     "CONVERT_FUNCTION_ENV",
     "ConvertRequest",
     "Converter",
     "LocalConverter",
     "ModalFunctionConverter",
-    "function_from_env",
     "open_converter",
 ]

@@ -7,5 +7,3 @@ compiled on first use and cached on disk) on the tensors' bits; dequantizing is 
 """
 
 from __future__ import annotations
-
-FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")

@@ -9,7 +9,7 @@ Layout (every adapter presents it, whatever backs it)::
     <root>/<run_id>/<format>/v{N:06d}/   files + manifest.json   (immutable once committed)
     <root>/<run_id>/<format>/CURRENT      text: the integer N the format currently serves
 
-Publication protocol (DESIGN.md "Weight versions"): write files into a private staging
+Publication protocol (docs/architecture.md, "2. A weight version"): write files into a private staging
 directory -> ``commit`` (fsync files, write manifest, fsync, atomically make it ``v{N:06d}``)
 -> ``advance`` the pointer by compare-and-swap. Guarantees every adapter keeps, even when the
 publishing process is killed at any instruction:

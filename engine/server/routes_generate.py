@@ -1,0 +1,150 @@
+"""``/generate`` (single or batch, SSE streaming) and ``/health_generate``.
+
+A request runs under the model-update lock's reader side (tokenizer_manager.py 940-957), so an
+unpaused weight update waits for it; a client that goes away has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.runtime.engine import Engine
+from engine.runtime.scheduler import FinishEvent, TokenEvent
+from engine.server.protocol import GenerateReqInput, RequestError
+from engine.server.requests import engine_of, error, parse
+from engine.server.response import GenerateResponse, dumps
+
+router = APIRouter()
+
+
+async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, Any]:
+    """One request from submission to its answer, under the model-update lock's reader side
+    (tokenizer_manager.py 940-957): an unpaused weight update waits for it."""
+    async with engine.model_update_lock.reader():
+        return await _run_locked(engine, spec, on_token)
+
+
+async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any]:
+    scheduler = engine.scheduler
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    resp = GenerateResponse(engine, spec, time.monotonic())
+    fut = scheduler.submit(spec, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    try:
+        await asyncio.wrap_future(fut)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    except RuntimeError as exc:
+        raise RequestError(str(exc)) from None
+    try:
+        while True:
+            ev = await events.get()
+            new_token = False
+            while True:  # coalesce what is already there: the last token and the finish
+                resp.add(ev)
+                new_token |= isinstance(ev, TokenEvent)
+                if isinstance(ev, FinishEvent):
+                    return resp.body()
+                try:
+                    ev = events.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            if on_token is not None and new_token:
+                await on_token(resp)
+    finally:
+        if resp.finish is None:  # cancelled (client went away): free the slot
+            scheduler.abort(spec.rid, message="The client disconnected.")
+
+
+async def _watch_disconnect(engine: Engine, request: Request, specs: list[Any]) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        if await request.is_disconnected():
+            for spec in specs:
+                engine.scheduler.abort(spec.rid, message="The client disconnected.")
+            return
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Response:
+    engine = engine_of(request)
+    try:
+        obj = await parse(request, GenerateReqInput)
+        specs = obj.normalize(engine.limits, engine.encode)
+    except RequestError as exc:
+        return error(str(exc))
+    batch = obj.is_batch()
+    if obj.stream:
+        return StreamingResponse(_stream(engine, specs, batch), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(engine, request, specs))
+    try:
+        results = await asyncio.gather(*(run_one(engine, s) for s in specs))
+    except RequestError as exc:
+        for s in specs:
+            engine.scheduler.abort(s.rid, message="Another item of the batch was refused.")
+        return error(str(exc))
+    finally:
+        watcher.cancel()
+    return Response(dumps(results if batch else results[0]), media_type="application/json")
+
+
+async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterator[bytes]:
+    chunks: asyncio.Queue = asyncio.Queue()
+
+    async def one(i: int, spec: Any) -> None:
+        async def on_token(resp: GenerateResponse) -> None:
+            body = resp.body()
+            if batch:
+                body["index"] = i
+            await chunks.put(body)
+
+        try:
+            body = await run_one(engine, spec, on_token)
+            if batch:
+                body["index"] = i
+            await chunks.put(body)
+        except RequestError as exc:
+            await chunks.put({"error": {"message": str(exc)}})
+
+    tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(specs)]
+    done = asyncio.gather(*tasks)
+    try:
+        while not (done.done() and chunks.empty()):
+            getter = asyncio.create_task(chunks.get())
+            finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in finished:
+                yield b"data: " + dumps(getter.result()) + b"\n\n"
+            else:
+                getter.cancel()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    engine = engine_of(request)
+    scheduler = engine.scheduler
+    if not scheduler.alive:
+        return Response(status_code=503)
+    if scheduler.paused is not None:
+        return Response(status_code=200)
+    obj = GenerateReqInput(
+        input_ids=[0],
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        rid=f"HEALTH_CHECK_{time.time()}_{threading.get_ident()}",
+    )
+    try:
+        await asyncio.wait_for(run_one(engine, obj.normalize(engine.limits, None)[0]), timeout=20)
+    except (TimeoutError, RequestError, concurrent.futures.CancelledError):
+        return Response(status_code=503)
+    return Response(status_code=200)

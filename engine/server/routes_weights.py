@@ -1,0 +1,99 @@
+"""``/update_weights_from_disk`` and ``/update_weight_version`` (SGLang 0.5.23's contract;
+the module docstring of :mod:`engine.server.app` and docs/sglang-contract.md have the table)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from core.sglang_release import UPDATE_NOT_FLUSHED_MESSAGE
+from engine.runtime.engine import LOADER, Engine
+from engine.server.protocol import (
+    RequestError,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightVersionReqInput,
+    parse_version,
+)
+from engine.server.requests import engine_of, parse
+
+log = logging.getLogger("mixfleet.engine")
+
+router = APIRouter()
+
+
+def _update_refused(message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, 400)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> Response:
+    engine = engine_of(request)
+    scheduler = engine.scheduler
+    try:
+        obj = await parse(request, UpdateWeightFromDiskReqInput)
+        version = parse_version(obj.weight_version)
+    except RequestError as exc:
+        return _update_refused(str(exc))
+    if obj.load_format not in (None, "auto"):
+        return _update_refused(
+            f"Failed to get model loader: load_format {obj.load_format!r} is not loadable."
+        )
+    if obj.abort_all_requests:  # tokenizer_manager.py 2298-2299: before the update
+        await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
+    async with engine.update_lock:
+        # tokenizer_manager.py 2301-2314: unpaused, the update waits for every request in flight.
+        paused = scheduler.paused is not None
+        async with contextlib.nullcontext() if paused else engine.model_update_lock.writer():
+            return await _apply_update(engine, obj, version)
+
+
+async def _apply_update(
+    engine: Engine, obj: UpdateWeightFromDiskReqInput, version: int | None
+) -> JSONResponse:
+    """Load, then swap + record the version + flush at one step boundary
+    (scheduler_components/weight_updater.py 138-160)."""
+    t0 = time.monotonic()
+    try:
+        model = await asyncio.get_running_loop().run_in_executor(
+            LOADER, engine.load_replacement, obj.model_path
+        )
+    except Exception as exc:  # any failure to load leaves the old version serving
+        log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
+        return _update_refused(f"Failed to update weights: {exc}")
+    load_s = time.monotonic() - t0
+    flushed = await asyncio.wrap_future(engine.scheduler.update_weights(model, version, obj.flush_cache))
+    if not flushed:  # weights and scheduler version changed; /model_info keeps the old one
+        log.warning("update_weights_from_disk: %s", UPDATE_NOT_FLUSHED_MESSAGE)
+        return _update_refused(UPDATE_NOT_FLUSHED_MESSAGE)
+    engine.model_path = str(Path(obj.model_path).resolve())
+    engine.config = model.config
+    engine.precision = getattr(model, "precision", engine.precision)
+    message = f"Succeeded to update model weights (loaded in {load_s:.2f}s)."
+    if version is not None:
+        engine.reported_version = version
+        message += f" Weight version updated to {version}."
+    return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> Response:
+    engine = engine_of(request)
+    scheduler = engine.scheduler
+    try:
+        obj = await parse(request, UpdateWeightVersionReqInput)
+        version = parse_version(obj.new_version)
+    except RequestError as exc:
+        return JSONResponse({"success": False, "message": f"Failed to update weight version: {exc}"}, 400)
+    if obj.abort_all_requests:
+        await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
+    await asyncio.wrap_future(scheduler.update_weights(None, version, False))
+    engine.reported_version = version
+    return JSONResponse(
+        {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
+    )
