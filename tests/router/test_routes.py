@@ -123,6 +123,17 @@ def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
         parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
 
 
+def test_the_trainer_places_routes_from_their_start_in_the_turns_sequence() -> None:
+    values = list(range(3 * 4))  # 3 rows of 1 layer x 4, from position 1 of 3 inputs + 2 outputs
+    batch = trainer_decode_batch(
+        encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(_turn_data(_routes(values, 3, 1)))])])
+    )
+    seq = batch.sequence_routes(0, 4)
+    assert seq.shape == (5, 1, 4)
+    assert seq[0].tolist() == [[-1] * 4] and seq[4].tolist() == [[-1] * 4]
+    np.testing.assert_array_equal(seq[1:4].reshape(-1), values)
+
+
 def test_a_truncated_section_is_refused() -> None:
     blob = encode_turn(_turn_data(_routes(list(range(8)), 4)))
     with pytest.raises(RecordFormatError):
