@@ -56,7 +56,7 @@ def test_disconnected_turn_is_aborted_at_the_engine_and_not_recorded(proxied) ->
         sid = c.post("/v1/sessions", json={}).json()["session_id"]
         asyncio.run(_disconnecting_turn(router.url, router.headers, sid, 1.0))
         _wait_for(lambda: rec.exchanges("/generate"))  # the engine answered the aborted request
-        (sent, answer), = rec.exchanges("/generate")
+        ((sent, answer),) = rec.exchanges("/generate")
         rid = json.loads(sent)["rid"]
         aborts = [json.loads(body) for body, _ in rec.exchanges("/abort_request")]
         assert aborts == [{"rid": rid}]
