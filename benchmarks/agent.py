@@ -98,7 +98,8 @@ async def serve_slow_stub(port: int, delay_s: float) -> None:
     generate = stub_body()
     info = {"model_path": "stub", "is_generation": True, "vocab_size": VOCAB, "weight_version": "0"}
     server = {"weight_version": "0", "internal_states": [{}]}
-    small = {b"/health": b"", b"/health_generate": b"", b"/get_weight_version": b'{"weight_version":"0"}'}
+    small = {b"/health": b"", b"/health_generate": b"", b"/abort_request": b""}
+    small[b"/get_weight_version"] = b'{"weight_version":"0"}'
     for path, value in ((b"/model_info", info), (b"/get_model_info", info), (b"/server_info", server)):
         small[path] = json.dumps(value).encode()
     small[b"/get_server_info"] = small[b"/server_info"]
