@@ -29,12 +29,23 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"{head}  {n}. {NAMES[n]:25s} {mark:6s}  {text}")
             for note in [] if lv is None else lv["notes"]:
                 lines.append(" " * 66 + f"note: {note}")
-    verdicts = [
-        f"{g['group']}: " + ("all levels pass" if g["ok"] else f"fails at level {g['first_failure']}")
-        for g in report["groups"]
-    ]
+    verdicts = [f"{g['group']}: " + verdict(g) for g in report["groups"]]
     lines.append("validate: " + ("OK" if report["ok"] else "FAILED") + " (" + "; ".join(verdicts) + ")")
     return "\n".join(lines)
+
+
+def verdict(g: dict[str, Any]) -> str:
+    """``all levels pass``, or the first failing level (and where level 5 localizes a level-4 failure)."""
+    if g["ok"]:
+        return "all levels pass"
+    text = f"fails at level {g['first_failure']}"
+    five = _level(g, 5)
+    if g["first_failure"] == 4 and five is not None and not five["ok"]:
+        first = five["details"].get("first_divergence") or {}
+        layers = sorted({d["layer"] for d in first.values()})
+        if layers:
+            text += f", localized by level 5: routes first diverge at layer {layers[0]}"
+    return text
 
 
 def _png(fig) -> bytes:
