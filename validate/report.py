@@ -67,6 +67,7 @@ def plot(report: dict[str, Any], n: int) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     drawn = False
@@ -100,13 +101,16 @@ def plot(report: dict[str, Any], n: int) -> bytes:
         elif n == 4 and p.get("series"):
             series = next(iter(p["series"].values()))
             for j, s in enumerate(series):
-                ax.plot(range(1, len(s) + 1), s, color=c, lw=0.8, label=g["group"] if j == 0 else None)
-            ax.set_yscale("symlog", linthresh=1e-4)
+                floored = [max(v, 1e-9) for v in s]  # log axis: exact agreement drawn at 1e-9
+                ax.plot(range(1, len(s) + 1), floored, color=c, lw=0.8, label=g["group"] if j == 0 else None)
+            ax.set_yscale("log")
             ax.set_xlabel("position")
             ax.set_ylabel("|log p group - log p BF16|")
         elif n == 5 and p.get("agreement"):
             agree = next(iter(p["agreement"].values()))
             ax.plot([int(k) for k in agree], list(agree.values()), "o-", color=c, label=g["group"])
+            ax.axhline(p["bound"], color=c, ls="--", lw=0.8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("MoE layer")
             ax.set_ylabel("tokens with BF16's top-k")
             ax.set_ylim(0, 1.05)
