@@ -115,7 +115,8 @@ def plot(report: dict[str, Any], n: int) -> bytes:
             ax.set_ylabel("tokens with BF16's top-k")
             ax.set_ylim(0, 1.05)
         elif n == 6 and p.get("expected") is not None:
-            ax.bar([2 * i, 2 * i + 0.8], [p["expected"], p["observed"] or 0], color=[c, c], alpha=0.6)
+            rise = [p["expected"], p["observed"] or 0]
+            ax.bar([2 * i, 2 * i + 0.8], rise, color=[c, c], alpha=0.6, label=g["group"])
             ax.set_ylabel("log-prob rise (expected, observed)")
         else:
             continue
