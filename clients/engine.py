@@ -103,6 +103,7 @@ class Generation:
 
     body: dict[str, Any]
     request: release.SamplingRequest
+    routed_experts: bool = False  # return_routed_experts was asked (from position 0)
 
     @property
     def sampling(self) -> dict[str, Any] | None:
@@ -292,13 +293,19 @@ class SGLangClient:
         *,
         headers: dict[str, str] | None = None,
         sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
+        rid: str | None = None,
+        routed_experts: bool = False,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
         (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
         :func:`core.sglang_release.sampling_request` decides for the engine's
         ``--sampling-mask-max-tokens``: ``return_sampling_mask`` with ``sampling_logprobs_mode:
         support``, so each token's support comes with its log-probs, unless the turn samples from
-        the whole vocabulary, which is sent unchanged without a mask).
+        the whole vocabulary, which is sent unchanged without a mask). ``rid`` names the request
+        for :meth:`abort_request` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py 177-180;
+        unique among the engine's running requests). ``routed_experts``: also
+        ``return_routed_experts`` (every position from 0; SGLang answers them only when started
+        with ``--enable-return-routed-experts``, :mod:`core.sglang_release`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
@@ -309,9 +316,13 @@ class SGLangClient:
             "sampling_params": request.params,
             "return_logprob": True,
         }
+        if rid is not None:
+            payload["rid"] = rid
         if request.mask:
             payload["return_sampling_mask"] = True
             payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
+        if routed_experts:
+            payload["return_routed_experts"] = True
         url = self.base_url + "/generate"
         data = await self.call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
@@ -322,7 +333,7 @@ class SGLangClient:
             raise EngineAborted(
                 url, f"the engine aborted the generation: {finish.get('message') or 'Aborted'}"
             )
-        return Generation(data, request)
+        return Generation(data, request, routed_experts)
 
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx
@@ -346,6 +357,14 @@ class SGLangClient:
             content = b"".join([c async for c in chunks])
             _classify(self.base_url + "/generate", RawResponse(head.status_code, content, head.headers))
         return head, chunks
+
+    async def abort_request(self, rid: str, *, timeout: float = 5.0) -> None:
+        """``POST /abort_request {"rid": rid}``: the engine ends that request, if it still runs, with
+        finish reason ``abort`` (entrypoints/http_server.py 1721-1731, body ``AbortReq`` of
+        managers/io_struct.py 2285-2296; an unknown ``rid`` is ignored, tokenizer_manager.py
+        2241-2253). Raises as :meth:`_call`."""
+        url = self.base_url + "/abort_request"
+        _classify(url, await self.forward("POST", "/abort_request", dumps({"rid": rid}), timeout=timeout))
 
     async def score(
         self, input_ids: Sequence[Sequence[int]], logprob_start_len: int, *, timeout: float = 120.0

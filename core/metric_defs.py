@@ -5,6 +5,9 @@ built, and from which the metric catalogue (``docs/metrics.md``) is generated.
 Contract: ``name`` is the family's name as exposed (a counter's ends in ``_total``, which
 prometheus-client adds to a counter's base name itself), in base units, with no colons; ``unit``
 names the base unit of the value (``""`` for a dimensionless count or ratio stated in ``help``).
+An ``external`` family is named by another program -- SGLang's ``sglang:*`` engine metrics, which
+the local engine exports under SGLang's names (:mod:`core.sglang_metrics`) -- so only the
+``_total`` and unit rules apply to its name (no ``mixfleet_`` prefix, colons allowed).
 
 ``multiprocess_mode`` says how prometheus-client's multiprocess collection
 (``prometheus_client/multiprocess.py`` 88-143, 0.26.0) combines a gauge's per-process values when
@@ -41,9 +44,10 @@ class MetricDef:
     help: str
     buckets: tuple[float, ...] | None = None
     multiprocess_mode: MultiprocessMode | None = None
+    external: bool = False
 
     def __post_init__(self) -> None:
-        if ":" in self.name or not self.name.startswith("mixfleet_"):
+        if not self.external and (":" in self.name or not self.name.startswith("mixfleet_")):
             raise ValueError(f"metric {self.name!r}: names start with mixfleet_ and have no colons")
         if (self.kind == "counter") != self.name.endswith("_total"):
             raise ValueError(f"metric {self.name!r}: counters, and only counters, end in _total")

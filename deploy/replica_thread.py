@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from clients.sidecar import STATUS_PATH
 from launcher.children import Probe
 
 
@@ -91,7 +92,7 @@ class ReplicaThread:
         with Probe(timeout_s=max(poll_s, 2.0)) as probe:
             while True:
                 health_ok = probe.healthy(url)
-                code, status = probe.get_json(url + "/v1/status")
+                code, status = probe.get_json(url + STATUS_PATH)
                 if code:
                     missing = serves_current(health_ok, status if code == 200 else None) or ""
                     if not missing:

@@ -38,11 +38,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from clients.sidecar import STATUS_PATH
 from core.errors import UserError
 from core.sglang_release import ENGINE_ENV
 from fleet.specs import GroupSpec
 from launcher.children import Child, ChildFailed, Launcher, Probe, Replica, ReplicaSpec
-from weight_sync.stage import stage_version
+from weight_sync.stage import StagedVersion, stage_version
 from weight_sync.store import StoreLocation
 from weight_sync.types import FormatRef
 
@@ -105,30 +106,20 @@ def run_replica(
     stop = stop if stop is not None else threading.Event()
     stage_dir = Path(stage_dir)
     replica_id = replica_id or f"{group.name}-{socket.gethostname()}-{public_port}"
-    stream = FormatRef(run_id, group.weight_format)
-
-    opened = store.open()
-    version = opened.read_pointer(stream)
-    if version is None:
-        raise UserError(
-            f"nothing is published for {stream} in the store at {store.root}: publish a version first"
-        )
-    staged = stage_version(opened, stream.at(version), stage_dir, mode="copy")
-    log.info("replica %s staged version %d at %s (%d bytes)", replica_id, version, staged.path, staged.bytes)
-
-    logs = Path(log_dir) if log_dir is not None else None
-    flags = [
+    version, staged = _stage_current(store, FormatRef(run_id, group.weight_format), stage_dir, replica_id)
+    flags = (
         *sidecar_store_flags(store),
         *(("--advertise-url", public_url) if public_url else ()),
         *sidecar_flags,
-    ]
+    )
+    logs = Path(log_dir) if log_dir is not None else None
     replica = Replica(
         spec=ReplicaSpec(
             replica_id=replica_id,
             group=group.name,
             weight_format=group.weight_format,
             kv_cache_dtype=group.kv_cache_dtype,
-            sidecar_flags=tuple(flags),
+            sidecar_flags=flags,
         ),
         host=host,
         sidecar_port=public_port,
@@ -144,17 +135,10 @@ def run_replica(
     deadline = time.monotonic() + ready_timeout_s
     with launcher, Probe() as probe:
         argv = list(engine_argv(str(staged.path), str(version)))
-        replica.engine = launcher.spawn(
-            f"engine-{replica_id}", argv, replica.engine_log, dict(ENGINE_ENV), program=()
-        )
-        log.info("replica %s started its engine (pid %d): %s", replica_id, replica.engine.pid, " ".join(argv))
-        if not _wait(lambda: probe.healthy(replica.engine_url), replica.engine, deadline, stop):
+        sidecar = _start_processes(launcher, probe, replica, argv, sidecar_url, deadline, stop)
+        if sidecar is None:
             return
-        sidecar = launcher.start_sidecar(replica)
-        log.info("replica %s started its sidecar (pid %d) on %s", replica_id, sidecar.pid, sidecar_url)
-        if not _wait(lambda: probe.healthy(sidecar_url), sidecar, deadline, stop, others=(replica.engine,)):
-            return
-        _, status = probe.get_json(sidecar_url + "/v1/status")
+        _, status = probe.get_json(sidecar_url + STATUS_PATH)
         active = status.get("active_version") if isinstance(status, dict) else None
         ready = ReadyReplica(
             replica_id=replica_id,
@@ -173,6 +157,45 @@ def run_replica(
                 if code is not None:
                     raise ChildFailed(child, f"exited with {code}")
         launcher.stop_all(grace_s)
+
+
+def _stage_current(
+    store: StoreLocation, stream: FormatRef, stage_dir: Path, replica_id: str
+) -> tuple[int, StagedVersion]:
+    """Step 1: the pointer's version of ``stream``, staged (copied and verified) into ``stage_dir``;
+    ``UserError`` when nothing is published."""
+    opened = store.open()
+    version = opened.read_pointer(stream)
+    if version is None:
+        raise UserError(
+            f"nothing is published for {stream} in the store at {store.root}: publish a version first"
+        )
+    staged = stage_version(opened, stream.at(version), stage_dir, mode="copy")
+    log.info("replica %s staged version %d at %s (%d bytes)", replica_id, version, staged.path, staged.bytes)
+    return version, staged
+
+
+def _start_processes(
+    launcher: Launcher,
+    probe: Probe,
+    replica: Replica,
+    argv: list[str],
+    sidecar_url: str,
+    deadline: float,
+    stop: threading.Event,
+) -> Child | None:
+    """Steps 2 and 3: the engine (``argv``) until it answers ``/health``, then the sidecar until
+    its ``/health`` is 200; the sidecar's child, or None when ``stop`` was set first."""
+    rid = replica.spec.replica_id
+    replica.engine = launcher.spawn(f"engine-{rid}", argv, replica.engine_log, dict(ENGINE_ENV), program=())
+    log.info("replica %s started its engine (pid %d): %s", rid, replica.engine.pid, " ".join(argv))
+    if not _wait(lambda: probe.healthy(replica.engine_url), replica.engine, deadline, stop):
+        return None
+    sidecar = launcher.start_sidecar(replica)
+    log.info("replica %s started its sidecar (pid %d) on %s", rid, sidecar.pid, sidecar_url)
+    if not _wait(lambda: probe.healthy(sidecar_url), sidecar, deadline, stop, others=(replica.engine,)):
+        return None
+    return sidecar
 
 
 def _wait(

@@ -38,8 +38,10 @@ from router import (
     routes_sglang,
     routes_trainer,
 )
+from router.chat import anthropic_routes, openai_routes
 from router.config import RouterConfig
 from router.context import RouterContext
+from router.disconnect import CancelOnDisconnect
 from router.errors import ApiError
 from router.schemas import Healthz
 from router.state.base import StateError, StateUnavailable
@@ -162,6 +164,7 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.add_middleware(CancelOnDisconnect)  # inside the edge: its metrics see the 499
     app.add_middleware(EdgeMiddleware, ctx=ctx)
     _add_error_handlers(app)
     _add_ops_routes(app, ctx)
@@ -173,6 +176,8 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         routes_ledger.router,
         routes_sglang.router,
         routes_prometheus.router,
+        openai_routes.router,
+        anthropic_routes.router,
         *extra_routers,
     ):
         app.include_router(r)

@@ -12,6 +12,11 @@
   ``moved_from``; only when no group can take it does the caller see a 503. Nothing is stored
   here: the caller records the returned turn once.
 
+Each engine request carries a fresh ``rid`` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py
+177-180). When the turn's task is cancelled (its client disconnected: :mod:`router.disconnect`)
+or an attempt times out, the attempt's replica gets ``POST /abort_request {"rid": ...}``
+(entrypoints/http_server.py 1721-1731), so the engine stops generating tokens nobody will record.
+
 Every attempt goes through :meth:`RouterContext.replica_client`, so on Modal it is pinned to the
 chosen replica's own container (:mod:`router.pinning`): the replica that failed is the one marked
 failed, failover reaches another container, and the recorded ``replica`` is where the turn ran.
@@ -19,11 +24,14 @@ failed, failover reaches another container, and the recorded ``replica`` is wher
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from clients.engine import EngineRejected, EngineUnavailable, Generation, SGLangClient
+from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from router.context import RouterContext
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
@@ -32,6 +40,7 @@ from router.registry import Registry
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
 
+log = logging.getLogger("mixfleet.router")
 MIN_VERSION_HEADER = "X-Mixfleet-Min-Version"
 T = TypeVar("T")
 
@@ -50,12 +59,12 @@ async def with_failover(
     ctx: RouterContext,
     start_group: str,
     affinity: str | None,
-    send: Callable[[SGLangClient], Awaitable[T]],
+    send: Callable[[SGLangClient, str], Awaitable[T]],
     *,
     min_version: int | None = None,
     may_move: bool = True,
 ) -> tuple[T, Placement]:
-    """Run ``send(client)`` with the engine client of a replica in rotation
+    """Run ``send(client, group)`` with the engine client of a replica in rotation and its group
     (:meth:`RouterContext.replica_client`), failing over as the module says.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
@@ -78,21 +87,10 @@ async def with_failover(
         if _shed(registry, own, replica, attempts):
             ctx.metrics.replica_moves.labels(group).inc()
         if replica is None:
-            if min_version is not None and [
-                v for v in ctx.registry.views(group, latest) if v.replica_id not in tried
-            ]:
-                raise unavailable(
-                    f"no replica of group {group} serves weight version >= {min_version} yet "
-                    f"(latest published: {latest})",
-                    retry_after=1.0,
-                )
-            if not may_move:
-                raise unavailable(f"no replica of group {group} can serve ({last_error})")
             groups_tried.add(group)
-            try:
-                new_group = await assign_group(ctx, exclude=groups_tried)
-            except ApiError:
-                raise unavailable(f"no sampler group can serve this request ({last_error})") from None
+            new_group = await _move(
+                ctx, group, tried, latest, min_version, may_move, groups_tried, last_error
+            )
             ctx.metrics.moves.labels(group, new_group).inc()
             moved_from = moved_from or start_group
             group = new_group
@@ -104,7 +102,7 @@ async def with_failover(
         if rep is not None:
             rep.inflight += 1
         try:
-            result = await send(ctx.replica_client(replica.replica_id, replica.url))
+            result = await send(ctx.replica_client(replica.replica_id, replica.url), group)
         except EngineUnavailable as exc:
             last_error = exc.message
             if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
@@ -133,6 +131,34 @@ async def with_failover(
                 rep.inflight -= 1
         registry.touch(replica.replica_id)  # alive (passive health)
         return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
+
+
+async def _move(
+    ctx: RouterContext,
+    group: str,
+    tried: set[str],
+    latest: int | None,
+    min_version: int | None,
+    may_move: bool,
+    groups_tried: set[str],
+    last_error: str,
+) -> str:
+    """The group a request that no replica of ``group`` can serve moves to (the policy's choice
+    outside ``groups_tried``); raises 503 when replicas of ``group`` remain that only wait for
+    ``min_version``, when the request may not move, or when no group is left."""
+    views = ctx.registry.views(group, latest) if min_version is not None else []
+    if any(v.replica_id not in tried for v in views):
+        raise unavailable(
+            f"no replica of group {group} serves weight version >= {min_version} yet "
+            f"(latest published: {latest})",
+            retry_after=1.0,
+        )
+    if not may_move:
+        raise unavailable(f"no replica of group {group} can serve ({last_error})")
+    try:
+        return await assign_group(ctx, exclude=groups_tried)
+    except ApiError:
+        raise unavailable(f"no sampler group can serve this request ({last_error})") from None
 
 
 def _pick(
@@ -180,6 +206,24 @@ def _refused(exc: EngineRejected, url: str) -> ApiError:
     return ApiError(422 if exc.status == 400 else exc.status, f"engine refused the request: {exc.message}")
 
 
+_ABORTS: set[asyncio.Task[None]] = set()
+
+
+def abort_later(client: SGLangClient, rid: str) -> None:
+    """Send ``/abort_request`` for ``rid`` to ``client``'s engine in the background (it runs on
+    when the caller's task is being cancelled); a failure is logged, never raised."""
+    task = asyncio.get_running_loop().create_task(_abort(client, rid))
+    _ABORTS.add(task)
+    task.add_done_callback(_ABORTS.discard)
+
+
+async def _abort(client: SGLangClient, rid: str) -> None:
+    try:
+        await client.abort_request(rid)
+    except EngineError as exc:
+        log.warning("could not abort request %s on %s: %s", rid, client.base_url, exc.message)
+
+
 def effective_min_version(
     ctx: RouterContext, min_version: int | None, max_version_age: int | None
 ) -> int | None:
@@ -223,9 +267,23 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    async def send(client: SGLangClient) -> tuple[Generation, float]:
+    recording = {g.name for g in ctx.fleet.groups if g.record_routes}
+
+    async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
-        generation = await client.generate(spec.input_ids, spec.params, headers=headers)
+        routes = group in recording  # the group that serves it (the turn may have moved) records them
+        rid = uuid.uuid4().hex
+        try:
+            generation = await client.generate(
+                spec.input_ids, spec.params, headers=headers, rid=rid, routed_experts=routes
+            )
+        except asyncio.CancelledError:  # the turn's caller went away: stop the engine too
+            abort_later(client, rid)
+            raise
+        except EngineUnavailable as exc:
+            if "Timeout" in exc.message:  # the engine may still be generating it
+                abort_later(client, rid)
+            raise
         return generation, time.perf_counter() - e0
 
     (generation, engine_s), place = await with_failover(
@@ -247,6 +305,7 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
             moved_from=place.moved_from,
             timings=timings,
             sampling=generation.sampling,
+            routed_experts=generation.routed_experts,
         )
     except ValueError as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None

@@ -52,6 +52,7 @@ from typing import Any
 from clients.engine import EngineError
 from clients.sidecar import SidecarClient
 from core.errors import UserError
+from core.formats import FORMATS
 from router.config import WeightsConfig
 from router.context import RouterContext
 from router.state.base import StateError
@@ -546,8 +547,6 @@ def known_replicas(ctx: RouterContext) -> list[dict[str, Any]]:
 
 def store_formats(store, run_id: str, version: int) -> list[str]:
     """The formats in which ``version`` of ``run_id`` is committed."""
-    from weight_sync.publish import FORMATS
-
     return [f for f in FORMATS if version in store.versions(FormatRef(run_id, f))]
 
 

@@ -6,13 +6,14 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from core.jsonio import dumps
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.idempotency import HEADER, KEY_DOC, answer_turn
 from router.policy import assign_group
 from router.records import decode_turn
 from router.schemas import (
@@ -28,7 +29,6 @@ from router.schemas import (
     VersionConflict,
 )
 from router.state.base import SessionFinished, SessionNotFound
-from router.turns import record_turn
 
 router = APIRouter(
     prefix="/v1/sessions",
@@ -65,7 +65,15 @@ async def create_session(
     session_id = uuid.uuid4().hex
     await ctx.store.create_session(session_id, group, body.metadata, now=time.time())
     ctx.metrics.sessions.labels(group).inc()
-    return JSONResponse({"session_id": session_id, "group": group})
+    base = f"{str(request.base_url).rstrip('/')}/v1/sessions/{session_id}"
+    return JSONResponse(
+        {
+            "session_id": session_id,
+            "group": group,
+            "openai_base_url": f"{base}/openai/v1",
+            "anthropic_base_url": f"{base}/anthropic",
+        }
+    )
 
 
 @router.get(
@@ -95,8 +103,13 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     summary="Generate one turn (token-in-token-out)",
     responses=error_responses(*BODY, 404, 409, 502, 503, models={409: VersionConflict}),
 )
-async def create_turn(request: Request, session_id: str, body: TurnRequest) -> Response:
-    data = await record_turn(_ctx(request), session_id, body.spec())
+async def create_turn(
+    request: Request,
+    session_id: str,
+    body: TurnRequest,
+    idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
+) -> Response:
+    data = await answer_turn(_ctx(request), session_id, body.spec(), idempotency_key)
     return Response(data, media_type="application/json")
 
 

@@ -42,8 +42,11 @@ async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
     return info
 
 
-async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> bytes:
-    """Generate, record and return (as JSON bytes) the next turn of ``session_id``."""
+async def record_turn(
+    ctx: RouterContext, session_id: str, spec: TurnSpec, *, request_id: str | None = None
+) -> bytes:
+    """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
+    append is idempotent per ``request_id`` (default: a fresh one)."""
     t0 = time.perf_counter()
     session = await ctx.store.get_session(session_id)
     if session is None or session.status != "open":
@@ -53,7 +56,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     index = session.n_turns if spec.turn is None else spec.turn
     await check_min_version(ctx, spec.min_version)
     turn = await run_turn(ctx, session, spec, index)
-    request_id = _request_id()
+    request_id = request_id or _request_id()
     n = len(turn.output_ids)
     low, high = turn.version_range()
     per_version = version_tokens(turn.weight_versions)

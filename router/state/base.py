@@ -12,7 +12,8 @@ Contract, for every adapter:
 * A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
   session's route to the serving group and replica, and the counters change together or not at
   all) and idempotent per ``request_id`` (a retried call returns the first call's index and
-  changes nothing). Turn indices are 0, 1, 2, ... in append order.
+  changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored, for as long as the
+  session is kept). Turn indices are 0, 1, 2, ... in append order.
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
 * The routing window holds the latest ``size`` session assignments (:class:`WindowEntry`, oldest
@@ -185,6 +186,12 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def get_turns(self, session_id: str) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+        """The index and turn block that ``append_turn`` stored for ``request_id`` in
+        ``session_id`` (what a retry of that request answers), whatever the session's status; None
+        when that request stored nothing or the session is gone. One round trip."""
 
     @abc.abstractmethod
     async def finish_session(

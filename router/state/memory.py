@@ -162,6 +162,11 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return [] if s is None else list(s.turns)
 
+    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+        s = self._live(session_id)
+        index = None if s is None else s.requests.get(request_id)
+        return None if index is None else (index, s.turns[index])
+
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
     ) -> None:

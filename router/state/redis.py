@@ -136,6 +136,12 @@ redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
 return 1
 """
 
+_TURN_FOR_REQUEST = """
+local idx = redis.call('HGET', KEYS[1], 'q:' .. ARGV[1])
+if not idx then return false end
+return {tonumber(idx), redis.call('LINDEX', KEYS[2], idx)}
+"""
+
 _APPEND = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0} end
@@ -376,6 +382,7 @@ class RedisStore(StateStore):
         self._r = aioredis.Redis.from_pool(pool)
         self._create = self._r.register_script(_CREATE)
         self._append = self._r.register_script(_APPEND)
+        self._turn_for_request = self._r.register_script(_TURN_FOR_REQUEST)
         self._finish = self._r.register_script(_FINISH)
         self._delete = self._r.register_script(_DELETE)
         self._expire = self._r.register_script(_EXPIRE)
@@ -470,6 +477,14 @@ class RedisStore(StateStore):
 
     async def get_turns(self, session_id: str) -> list[bytes]:
         return list(await self._call(self._r.lrange, _tkey(session_id), 0, -1))
+
+    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+        found = await self._call(
+            self._turn_for_request, keys=[_skey(session_id), _tkey(session_id)], args=[request_id]
+        )
+        if not found or len(found) < 2 or found[1] is None:
+            return None
+        return int(found[0]), bytes(found[1])
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]

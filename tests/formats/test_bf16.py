@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 
-from core.formats import FORMATS
+from core.errors import UserError
+from core.formats import FORMATS, QUANTIZED, WeightFormat, check_format
 from weight_sync.formats import bf16
 
 
@@ -31,3 +34,7 @@ def test_bad_inputs():
 
 def test_format_names():
     assert FORMATS == ("bf16", "fp8", "nvfp4", "mxfp4")
+    assert QUANTIZED == ("fp8", "nvfp4", "mxfp4")
+    assert get_args(WeightFormat) == FORMATS and check_format("nvfp4") == "nvfp4"
+    with pytest.raises(UserError, match=r"unknown weight format 'int3' \(known: bf16, fp8, nvfp4, mxfp4\)"):
+        check_format("int3")

@@ -1,0 +1,362 @@
+"""Agent sessions: long multi-turn trajectories through the router on a stub SGLang engine.
+
+What is measured. ``--sessions`` concurrent agents (default 256) each run ``--turns`` turns (57)
+whose context grows linearly to ``--max-context`` tokens (128K): each turn sends the full
+context (the previous turn's input, its 64 generated tokens, then new tool tokens). The stub
+engine (``benchmarks/router.py``'s: the exact ``meta_info`` shape of SGLang with log-probs and
+32-id sampling masks, 64 tokens a turn) answers every ``/generate`` after ``--engine-s`` seconds,
+standing in for the engine's own time. Printed:
+
+* the router's added latency p50 / p99 per turn by context size: a turn's latency through the
+  router (``POST /v1/sessions/{id}/turns``, a real router process) minus the same percentile of
+  the same requests sent straight to the stub (``POST /generate``), at the same concurrency;
+* router CPU per turn (the router process's user+system time over the turns it served), on the
+  long sessions and on a short-context pass (``--short-turns`` turns of ~1K tokens);
+* bytes stored per trajectory (the Redis list of its turn blocks) and served (the trainer's
+  binary batch of it) against the bound ``1.2 x (context tokens x bytes of one varint id +
+  generated tokens x their record bytes)``; a record's bytes are those of one generated token's
+  records in a stored turn block of the stub's answer with a one-token input;
+* state-store memory per 1,000 such finished, untaken sessions: the router's resident memory
+  (memory state) and Redis ``used_memory`` (Redis state), before and after the sessions;
+* the trainer's take + decode time per trajectory (``POST /v1/batches/take`` of one trajectory,
+  then :func:`trainer.batch.decode_batch`).
+
+The chat endpoints' added cost beside the raw turn API is not measured yet (the raw API only).
+Targets: added p50 <= 3 ms per turn at 128K context; router CPU <= 1 ms per turn at short
+contexts. All processes share this machine's cores: the figures depend on the machine and on
+what else runs.
+
+Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
+[--engine-s 1.0] [--state memory redis] [--short-turns 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.router import (  # noqa: E402
+    N_OUT,
+    SUPPORT,
+    Conn,
+    _event_loop_policy,
+    _stub_generate_body,
+    build_request,
+    cpu_seconds,
+    pct,
+)
+
+VOCAB = 4096
+VARINT_ID_BYTES = 2  # ids below 16384
+BUCKETS = (8192, 32768, 65536, 98304, 1 << 62)
+SAMPLING = b'"sampling_params":{"max_new_tokens":64,"top_k":32}'
+
+
+async def serve_slow_stub(port: int, delay_s: float) -> None:
+    """The router benchmark's stub engine, answering ``/generate`` after ``delay_s`` seconds."""
+    generate = _stub_generate_body()
+    info = {"model_path": "stub", "is_generation": True, "vocab_size": VOCAB, "weight_version": "0"}
+    server = {"weight_version": "0", "internal_states": [{}]}
+    small = {b"/health": b"", b"/health_generate": b"", b"/get_weight_version": b'{"weight_version":"0"}'}
+    for path, value in ((b"/model_info", info), (b"/get_model_info", info), (b"/server_info", server)):
+        small[path] = json.dumps(value).encode()
+    small[b"/get_server_info"] = small[b"/server_info"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line, _, rest = head.partition(b"\r\n")
+                path = line.split(b" ", 2)[1].split(b"?", 1)[0]
+                length = next(
+                    (int(h[15:]) for h in rest.split(b"\r\n") if h[:15].lower() == b"content-length:"), 0
+                )
+                if length:
+                    await reader.readexactly(length)
+                if path == b"/generate":
+                    await asyncio.sleep(delay_s)
+                body = generate if path == b"/generate" else small.get(path)
+                status = b"200 OK" if body is not None else b"404 Not Found"
+                body = body or b""
+                writer.write(
+                    b"HTTP/1.1 "
+                    + status
+                    + b"\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+class Agent:
+    """One session's growing context, kept as the JSON text of its ids (appended, never rebuilt)."""
+
+    OUT = ",".join(str(t) for t in range(100, 100 + N_OUT)).encode()
+
+    def __init__(self, seed: int, turns: int, max_context: int) -> None:
+        self.rng = random.Random(seed)
+        self.sizes = [max(16, max_context * (t + 1) // turns) for t in range(turns)]
+        self.ids = b""
+        self.n = 0
+
+    def next_body(self, turn: int, *, direct: bool) -> bytes:
+        """The body of turn ``turn``: the context so far, the last answer, new tool tokens."""
+        if turn:
+            self.ids += b"," + self.OUT
+            self.n += N_OUT
+        new = self.sizes[turn] - self.n
+        tool = ",".join(str(self.rng.randrange(1, VOCAB)) for _ in range(new)).encode()
+        self.ids = tool if not self.ids else self.ids + b"," + tool
+        self.n += new
+        extra = b',"return_logprob":true,"return_sampling_mask":true' if direct else b""
+        return b'{"input_ids":[' + self.ids + b"]," + SAMPLING + extra + b"}"
+
+
+def bucket(size: int) -> int:
+    return next(b for b in BUCKETS if size <= b)
+
+
+async def run_agents(
+    port: int, auth: dict[str, str], sessions: int, turns: int, max_context: int, direct: bool
+) -> tuple[dict[int, list[float]], list[str]]:
+    """Every agent's turns, concurrently; latencies by context bucket and the session ids."""
+    lat: dict[int, list[float]] = {}
+    sids: list[str] = []
+
+    async def one(i: int) -> None:
+        conn = await Conn.open(port)
+        agent = Agent(i, turns, max_context)
+        path = "/generate"
+        if not direct:
+            status, data = await conn.send(build_request("POST", "/v1/sessions", b"{}", auth))
+            assert status == 200, data
+            sid = json.loads(data)["session_id"]
+            sids.append(sid)
+            path = f"/v1/sessions/{sid}/turns"
+        try:
+            for t in range(turns):
+                request = build_request("POST", path, agent.next_body(t, direct=direct), auth)
+                t0 = time.perf_counter()
+                status, data = await conn.send(request)
+                lat.setdefault(bucket(agent.n), []).append(time.perf_counter() - t0)
+                assert status == 200, data[:300]
+            if not direct:
+                finish = build_request("POST", f"{path[:-6]}/finish", b'{"reward":1.0}', auth)
+                status, data = await conn.send(finish)
+                assert status == 200, data
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one(i) for i in range(sessions)))
+    return lat, sids
+
+
+def record_bytes() -> float:
+    """Bytes of one generated token's records in a stored turn block (stub answer, 1-id input)."""
+    from router.records import encode_stored, parse_turn
+
+    body = json.loads(_stub_generate_body())
+    turn = parse_turn(body, index=0, group="g", replica="r", input_ids=[1], moved_from=None, timings={})
+    blob, _ = encode_stored(turn)  # the router's default: float32 support log-probs
+    return len(blob) / N_OUT
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def trajectory_bytes(redis_url: str | None, sids: list[str], n: int) -> list[int]:
+    """Bytes of the stored turn blocks of the first ``n`` sessions (Redis state only)."""
+    if redis_url is None:
+        return []
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        return [sum(len(b) for b in await r.lrange(f"mf:s:{sid}:t", 0, -1)) for sid in sids[:n]]
+    finally:
+        await r.aclose()
+
+
+async def redis_memory(redis_url: str | None) -> int:
+    if redis_url is None:
+        return 0
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        return int((await r.info("memory"))["used_memory"])
+    finally:
+        await r.aclose()
+
+
+async def take_and_decode(url: str, key: str, n: int) -> tuple[list[float], list[float], list[int]]:
+    """``n`` takes of one trajectory each: take seconds, decode seconds, bytes served."""
+    from trainer.batch import decode_batch
+    from trainer.client import RECORDS_MEDIA_TYPE, AsyncRolloutClient
+
+    takes, decodes, sizes = [], [], []
+    async with AsyncRolloutClient(url, key) as client:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            content, _ = await client.request(
+                "POST", "/v1/batches/take", {"size": 1}, accept=RECORDS_MEDIA_TYPE
+            )
+            t1 = time.perf_counter()
+            batch = decode_batch(content)
+            decodes.append(time.perf_counter() - t1)
+            takes.append(t1 - t0)
+            sizes.append(len(content))
+            if batch.lease_id is not None:
+                await client.ack(batch.lease_id)
+    return takes, decodes, sizes
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:8.2f}"
+
+
+def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]]) -> None:
+    print("  context <=   turns   router p50/p99 ms   direct p50/p99 ms   added p50/p99 ms")
+    for b in sorted(router):
+        r, d = router[b], direct.get(b, [])
+        added = (pct(r, 0.5) - pct(d, 0.5), pct(r, 0.99) - pct(d, 0.99))
+        label = "max" if b == BUCKETS[-1] else f"{b // 1024}K"
+        print(
+            f"  {label:>9} {len(r):7d} {_ms(pct(r, 0.5))} {_ms(pct(r, 0.99))}   "
+            f"{_ms(pct(d, 0.5))} {_ms(pct(d, 0.99))}   {_ms(added[0])} {_ms(added[1])}"
+        )
+
+
+def start_router(
+    stack: contextlib.ExitStack, preset: Path, state: str, key: str, log: Path
+) -> tuple[int, int]:
+    """A real ``mixfleet router`` process; its port and pid."""
+    from benchmarks.router import _wait, spawn
+    from tests.support.procs import free_port, mixfleet_argv
+
+    port = free_port()
+    argv = mixfleet_argv("router", "--preset", str(preset), "--port", str(port), "--log-level", "warning")
+    env = {"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})}
+    proc = stack.enter_context(spawn([*argv, "--state", state], env=env, log=log))
+    _wait(f"http://127.0.0.1:{port}/healthz", proc)
+    time.sleep(1.5)  # the first health poll puts the stub in rotation
+    return port, proc.pid
+
+
+async def measure_state(
+    args: argparse.Namespace,
+    port: int,
+    pid: int,
+    key: str,
+    redis_url: str | None,
+    direct: dict[int, list[float]],
+) -> None:
+    """The long sessions, then the short pass, then the trainer's takes, through one router."""
+    auth = {"authorization": f"Bearer {key}"}
+    mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
+    cpu0 = cpu_seconds(pid)
+    lat, sids = await run_agents(port, auth, args.sessions, args.turns, args.max_context, direct=False)
+    cpu = cpu_seconds(pid) - cpu0
+    mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
+    report_latency(lat, direct)
+    n_turns = args.sessions * args.turns
+    print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
+    where = "Redis used_memory" if redis_url else "router RSS"
+    print(
+        f"  state memory per 1,000 finished sessions ({where}): {mem / args.sessions * 1000 / 2**30:.2f} GiB"
+    )
+    ctx_tokens = args.max_context + N_OUT
+    bound = 1.2 * (ctx_tokens * VARINT_ID_BYTES + args.turns * N_OUT * record_bytes())
+    stored = await trajectory_bytes(redis_url, sids, 8)
+    if stored:
+        print(
+            f"  bytes stored per trajectory: {sum(stored) / len(stored) / 1e6:.2f} MB "
+            f"(bound {bound / 1e6:.2f} MB: {sum(stored) / len(stored) / bound:.2f} x)"
+        )
+    cpu0 = cpu_seconds(pid)
+    await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False)
+    short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
+    print(f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms)")
+    takes, decodes, sizes = await take_and_decode(f"http://127.0.0.1:{port}", key, min(8, args.sessions))
+    print(
+        f"  bytes served per trajectory (binary batch): {sum(sizes) / len(sizes) / 1e6:.2f} MB "
+        f"(bound {bound / 1e6:.2f} MB: {sum(sizes) / len(sizes) / bound:.2f} x)"
+    )
+    print(
+        f"  trainer take + decode per trajectory: {_ms(pct(takes, 0.5)).strip()} + "
+        f"{_ms(pct(decodes, 0.5)).strip()} ms (p50 of {len(takes)})"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=57)
+    ap.add_argument("--max-context", type=int, default=131072)
+    ap.add_argument("--engine-s", type=float, default=1.0, help="the stub engine's time per turn")
+    ap.add_argument("--short-turns", type=int, default=10)
+    ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
+    ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    _event_loop_policy()
+    if args.serve_stub:
+        asyncio.run(serve_slow_stub(args.serve_stub, args.engine_s))
+        return 0
+    from benchmarks.router import _wait, spawn
+    from tests.support.procs import free_port, redis_server
+    from tests.support.router import write_preset
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-agent-"))
+    key = secrets.token_hex(16)
+    with contextlib.ExitStack() as stack:
+        stub_port = free_port()
+        argv = [sys.executable, __file__, "--serve-stub", str(stub_port), "--engine-s", str(args.engine_s)]
+        stub = stack.enter_context(spawn(argv))
+        _wait(f"http://127.0.0.1:{stub_port}/health", stub)
+        groups = [
+            {"name": "stub", "sessions_per_replica": 100_000, "replicas": [f"http://127.0.0.1:{stub_port}"]}
+        ]
+        preset = write_preset(tmp / "p.toml", groups)
+        print(
+            f"agent benchmark: {args.sessions} sessions x {args.turns} turns, context growing to "
+            f"{args.max_context} tokens; stub engine {args.engine_s:g} s a turn, {N_OUT} tokens with "
+            f"{SUPPORT}-id masks; {os.cpu_count()} cores shared by stub, router(s), Redis and client; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+        direct, _ = asyncio.run(run_agents(stub_port, {}, args.sessions, args.turns, args.max_context, True))
+        for kind in args.state:
+            redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
+            port, pid = start_router(stack, preset, redis_url or "memory", key, tmp / f"router-{kind}.log")
+            print(f"\n{kind} state:")
+            asyncio.run(measure_state(args, port, pid, key, redis_url, direct))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

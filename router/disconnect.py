@@ -1,0 +1,97 @@
+"""A client that goes away cancels its turn: pure ASGI middleware for the session routes.
+
+For a ``POST`` under ``/v1/sessions/`` (a turn, through the token API or a chat API), once the
+request body has been read the middleware waits on the server's ``receive`` for
+``http.disconnect``; when the client disconnects before the response has started, the handler's
+task is cancelled. The cancellation reaches the engine request of the turn
+(:func:`router.dispatch.run_turn` then sends ``/abort_request`` for it) and the turn is not
+recorded: :func:`router.turns.record_turn` stores only after the generation returned (a
+disconnect that lands during the store's own write, after the generation, may still leave the
+turn recorded; a retry carrying an ``Idempotency-Key`` then gets that turn back).
+
+A handler that reads ``receive`` itself after the body (Starlette's ``is_disconnected``, a
+streaming response's disconnect listener) gets ``http.disconnect`` once the client is gone: the
+middleware is the one reader of the server's ``receive``. Once the response has started, the
+handler is not cancelled (a stream notices the disconnect itself). A cancelled request is
+answered (to nobody) with status 499, so the request metrics count it as a 4xx. Other requests
+pass through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PREFIX = "/v1/sessions/"
+DISCONNECT: Message = {"type": "http.disconnect"}
+CLIENT_CLOSED = 499  # nginx's "client closed request": what the request metrics record
+
+
+class CancelOnDisconnect:
+    """Cancel the handler of a session ``POST`` whose client disconnects before the answer."""
+
+    def __init__(self, app: ASGIApp, prefix: str = PREFIX) -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        await _Exchange(receive, send).run(self.app, scope)
+
+
+class _Exchange:
+    """One request: the body passes through, then a watcher owns ``receive``."""
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self.receive = receive
+        self.send_up = send
+        self.gone = asyncio.Event()
+        self.started = False
+        self.watcher: asyncio.Task[None] | None = None
+        self.handler: asyncio.Task[None] | None = None
+
+    async def run(self, app: ASGIApp, scope: Scope) -> None:
+        self.handler = asyncio.ensure_future(app(scope, self.wrapped_receive, self.wrapped_send))
+        try:
+            await asyncio.shield(self.handler)
+        except asyncio.CancelledError:
+            if not self.handler.done():  # the server cancelled us: cancel the handler too
+                self.handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.handler
+                raise
+            if not self.gone.is_set():  # the handler itself was cancelled by something else
+                raise
+            # nobody reads it (the server drops writes after a disconnect); the edge metrics see 499
+            await self.send_up({"type": "http.response.start", "status": CLIENT_CLOSED, "headers": []})
+            await self.send_up({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if self.watcher is not None:
+                self.watcher.cancel()
+
+    async def wrapped_receive(self) -> Message:
+        if self.watcher is None:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+            elif not message.get("more_body", False):
+                self.watcher = asyncio.ensure_future(self.watch())
+            return message
+        await self.gone.wait()
+        return DISCONNECT
+
+    async def wrapped_send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send_up(message)
+
+    async def watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+        if not self.started and self.handler is not None:
+            self.handler.cancel()

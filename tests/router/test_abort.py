@@ -1,0 +1,93 @@
+"""A client that disconnects mid-turn: the router aborts the generation at the engine
+(``/abort_request`` with the ``rid`` of the turn's ``/generate``) and records nothing.
+
+Real parts: a local engine process, a recording proxy in front of it (to see what the router sent
+and what the engine answered), a router process, and an aiohttp client whose short timeout closes
+the connection while the engine is still generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from tests.support.recorder import recording_proxy
+from tests.support.router import router_process, write_preset
+
+LONG = {"max_new_tokens": 2000, "temperature": 0.0}  # the tiny model's greedy answer runs for seconds
+
+
+@pytest.fixture(scope="module")
+def proxied(engine_url, tmp_path_factory):
+    """A router whose one group's replica is a recording proxy of the engine."""
+    d = tmp_path_factory.mktemp("abort")
+    with recording_proxy(engine_url) as rec:
+        preset = write_preset(d / "p.toml", [{"name": "cpu-a", "replicas": [rec.url]}])
+        with router_process(preset) as router:
+            yield router, rec
+
+
+async def _disconnecting_turn(url: str, headers: dict[str, str], sid: str, timeout_s: float) -> None:
+    """POST a long turn and give up (closing the connection) after ``timeout_s``."""
+    async with aiohttp.ClientSession(headers=headers) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(
+                f"{url}/v1/sessions/{sid}/turns",
+                json={"input_ids": [1, 2, 3, 4], "sampling_params": LONG},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            )
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_disconnected_turn_is_aborted_at_the_engine_and_not_recorded(proxied) -> None:
+    router, rec = proxied
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        sid = c.post("/v1/sessions", json={}).json()["session_id"]
+        asyncio.run(_disconnecting_turn(router.url, router.headers, sid, 1.0))
+        _wait_for(lambda: rec.exchanges("/generate"))  # the engine answered the aborted request
+        (sent, answer), = rec.exchanges("/generate")
+        rid = json.loads(sent)["rid"]
+        aborts = [json.loads(body) for body, _ in rec.exchanges("/abort_request")]
+        assert aborts == [{"rid": rid}]
+        meta = json.loads(answer)["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        session = c.get(f"/v1/sessions/{sid}").json()
+        assert (session["turns"], session["tokens"], session["status"]) == (0, 0, "open")
+        metrics = c.get("/metrics").text
+        assert 'route="/v1/sessions/{session_id}/turns",status="4xx"' in metrics
+
+        # the session goes on: the next turn is turn 0, and it is recorded
+        turn = c.post(
+            f"/v1/sessions/{sid}/turns",
+            json={"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4}},
+        )
+        assert turn.status_code == 200, turn.text
+        assert turn.json()["turn"] == 0
+        assert c.get(f"/v1/sessions/{sid}").json()["turns"] == 1
+        rids = [json.loads(body)["rid"] for body, _ in rec.exchanges("/generate")]
+        assert len(set(rids)) == 2  # every engine request has its own rid
+
+
+def test_a_turn_that_finishes_is_not_aborted(proxied) -> None:
+    router, rec = proxied
+    before = len(rec.exchanges("/abort_request"))
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        sid = c.post("/v1/sessions", json={}).json()["session_id"]
+        r = c.post(
+            f"/v1/sessions/{sid}/turns",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}},
+        )
+        assert r.status_code == 200, r.text
+    time.sleep(0.3)
+    assert len(rec.exchanges("/abort_request")) == before

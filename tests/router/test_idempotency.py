@@ -1,0 +1,129 @@
+"""Retried turns: the same ``Idempotency-Key`` answers the recorded turn instead of sampling again.
+
+The store level runs on both adapters (memory, a real redis-server); the route level on a live
+router process over a real local engine (the module fixtures of tests/router/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from router.state.base import StateStore
+from tests.support.state import opened
+
+SAMPLED = {"max_new_tokens": 12, "temperature": 1.0}  # unseeded: a second sample would differ
+
+
+async def _append(store: StateStore, sid: str, request_id: str, blob: bytes) -> int:
+    return await store.append_turn(
+        sid, request_id, blob, group="g1", replica="r1", tokens=3, min_version=1, max_version=1
+    )
+
+
+@pytest.mark.anyio
+async def test_store_reads_the_turn_a_request_stored(store_url: str) -> None:
+    async with opened(store_url) as store:
+        await store.create_session("s1", "g1", {}, now=time.time())
+        assert await store.turn_for_request("s1", "k:a") is None
+        assert await _append(store, "s1", "k:a", b"first") == 0
+        assert await _append(store, "s1", "k:b", b"second") == 1
+        assert await _append(store, "s1", "k:a", b"again") == 0  # idempotent: nothing changes
+        assert await store.turn_for_request("s1", "k:a") == (0, b"first")
+        assert await store.turn_for_request("s1", "k:b") == (1, b"second")
+        assert (await store.get_session("s1")).n_turns == 2
+        await store.finish_session("s1", "f", 1.0, {})
+        assert await store.turn_for_request("s1", "k:b") == (1, b"second")  # still answered
+        assert await store.turn_for_request("s1", "k:c") is None
+        assert await store.turn_for_request("nope", "k:a") is None
+
+
+def _turn(
+    client: httpx.Client, sid: str, key: str | None, input_ids: list[int] | None = None
+) -> httpx.Response:
+    headers = {} if key is None else {"Idempotency-Key": key}
+    body = {"input_ids": input_ids or [1, 2, 3], "sampling_params": SAMPLED}
+    return client.post(f"/v1/sessions/{sid}/turns", json=body, headers=headers)
+
+
+def _session(client: httpx.Client) -> str:
+    return client.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+
+
+def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) -> None:
+    sid = _session(client)
+    first = _turn(client, sid, "call-1")
+    assert first.status_code == 200, first.text
+    again = _turn(client, sid, "call-1", input_ids=[9, 9])  # the retry's body is not consulted
+    assert again.status_code == 200, again.text
+    assert again.content == first.content
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert info["turns"] == 1
+    assert info["tokens"] == len(first.json()["records"])
+
+    second = _turn(client, sid, "call-2")
+    assert second.json()["turn"] == 1
+    assert _turn(client, sid, None).json()["turn"] == 2  # no key: a new turn each time
+    assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+    late = _turn(client, sid, "call-1")  # a retry that arrives after the finish
+    assert late.status_code == 200 and late.content == first.content
+    trajectory = client.get(f"/v1/sessions/{sid}/trajectory").json()
+    assert [t["turn"] for t in trajectory["turns"]] == [0, 1, 2]
+
+
+def test_keys_are_per_session(client: httpx.Client) -> None:
+    a, b = _session(client), _session(client)
+    ra, rb = _turn(client, a, "same"), _turn(client, b, "same")
+    assert ra.status_code == rb.status_code == 200
+    assert client.get(f"/v1/sessions/{b}").json()["turns"] == 1
+
+
+def test_a_bad_key_is_refused(client: httpx.Client) -> None:
+    sid = _session(client)
+    for bad in ("x" * 256, "has space", ""):
+        r = _turn(client, sid, bad)
+        assert r.status_code == 422, (bad, r.text)
+        assert "Idempotency-Key" in r.json()["detail"]
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 0
+
+
+def test_a_retry_while_the_first_runs_waits_for_it(client: httpx.Client) -> None:
+    sid = _session(client)
+    answers: list[httpx.Response] = []
+
+    def call() -> None:
+        answers.append(_turn(client, sid, "slow", input_ids=[1, 2, 3, 4]))
+
+    threads = [threading.Thread(target=call) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in answers] == [200] * 5
+    assert len({r.content for r in answers}) == 1
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
+
+
+async def _give_up(url: str, headers: dict[str, str], sid: str) -> None:
+    """A greedy long turn under key ``t``, abandoned (connection closed) after 1 s."""
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2000, "temperature": 0.0}}
+    async with aiohttp.ClientSession(headers={**headers, "Idempotency-Key": "t"}) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(
+                f"{url}/v1/sessions/{sid}/turns", json=body, timeout=aiohttp.ClientTimeout(total=1.0)
+            )
+
+
+def test_a_retry_after_a_disconnect_samples_once(router, client: httpx.Client) -> None:
+    sid = _session(client)
+    asyncio.run(_give_up(router.url, router.headers, sid))
+    retry = _turn(client, sid, "t")  # the first was aborted and recorded nothing: this one samples
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["turn"] == 0
+    assert _turn(client, sid, "t").content == retry.content
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
