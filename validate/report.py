@@ -29,6 +29,8 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"{head}  {n}. {NAMES[n]:25s} {mark:6s}  {text}")
             for note in [] if lv is None else lv["notes"]:
                 lines.append(" " * 66 + f"note: {note}")
+            for failure in [] if lv is None else lv["failures"][1:]:  # the first is in the summary
+                lines.append(" " * 66 + f"also: {failure}")
     verdicts = [f"{g['group']}: " + verdict(g) for g in report["groups"]]
     lines.append("validate: " + ("OK" if report["ok"] else "FAILED") + " (" + "; ".join(verdicts) + ")")
     return "\n".join(lines)

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
+from core.formats import FORMATS
 from tests.support.models import make_model_dir
 from validate import contract, converter
 from validate.run import read_prompts
 from validate.target import GroupTarget
 from validate.thresholds import RATIONALE, Bounds, bounds, table
 from weight_sync.convert import convert_checkpoint
-from weight_sync.formats import FORMATS
 from weight_sync.manifest import Manifest
 from weight_sync.store.local import LocalStore
 from weight_sync.types import VersionRef
@@ -100,7 +100,7 @@ def test_level_2_names_a_corrupted_scale_and_swapped_codes(models, tmp_path) -> 
 
 def test_level_2_needs_the_bf16_weights(models) -> None:
     res = converter.check(dataclasses.replace(_target(models, "fp8"), bf16_dir=None))
-    assert not res.ok and "BF16 weights not found" in res.summary
+    assert not res.ok and "BF16 weights of version 1" in res.summary and "pass --checkpoint" in res.summary
 
 
 def test_read_prompts(tmp_path) -> None:
