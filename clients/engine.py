@@ -103,6 +103,7 @@ class Generation:
 
     body: dict[str, Any]
     request: release.SamplingRequest
+    routed_experts: bool = False  # return_routed_experts was asked (from position 0)
 
     @property
     def sampling(self) -> dict[str, Any] | None:
@@ -293,6 +294,7 @@ class SGLangClient:
         headers: dict[str, str] | None = None,
         sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
         rid: str | None = None,
+        routed_experts: bool = False,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
         (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
@@ -301,7 +303,9 @@ class SGLangClient:
         support``, so each token's support comes with its log-probs, unless the turn samples from
         the whole vocabulary, which is sent unchanged without a mask). ``rid`` names the request
         for :meth:`abort_request` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py 177-180;
-        unique among the engine's running requests).
+        unique among the engine's running requests). ``routed_experts``: also
+        ``return_routed_experts`` (every position from 0; SGLang answers them only when started
+        with ``--enable-return-routed-experts``, :mod:`core.sglang_release`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
@@ -317,6 +321,8 @@ class SGLangClient:
         if request.mask:
             payload["return_sampling_mask"] = True
             payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
+        if routed_experts:
+            payload["return_routed_experts"] = True
         url = self.base_url + "/generate"
         data = await self.call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
@@ -327,7 +333,7 @@ class SGLangClient:
             raise EngineAborted(
                 url, f"the engine aborted the generation: {finish.get('message') or 'Aborted'}"
             )
-        return Generation(data, request)
+        return Generation(data, request, routed_experts)
 
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx

@@ -231,7 +231,7 @@ def sglang_argv(g: GroupSpec, model_path: str, weight_version: str | None = None
         kv_cache_dtype=g.kv_cache_dtype,
         tp_size=g.gpus_per_replica,
         weight_version=weight_version,
-        engine_args=g.engine_args,
+        engine_args=(*g.route_flags, *g.engine_args),
     )
 
 

@@ -44,6 +44,10 @@ class GroupSpec(BaseModel):
     price_verified: bool = Field(default=False, description="the price agrees across independent sources")
     engine_args: tuple[str, ...] = ()
     replicas: tuple[str, ...] = Field(default=(), description="static replica URLs (engines run elsewhere)")
+    record_routes: bool = Field(
+        default=False,
+        description="record every turn's routed experts (engines get --enable-return-routed-experts)",
+    )
 
     @field_validator("replicas")
     @classmethod
@@ -66,6 +70,14 @@ class GroupSpec(BaseModel):
     @property
     def is_local(self) -> bool:
         return self.accelerator == "cpu"
+
+    @property
+    def route_flags(self) -> tuple[str, ...]:
+        """The engine flags ``record_routes`` needs (SGLang's and the local engine's), unless
+        ``engine_args`` already has them."""
+        from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG as flag
+
+        return (flag,) if self.record_routes and flag not in self.engine_args else ()
 
     @property
     def price_per_replica_hour(self) -> float:

@@ -318,7 +318,7 @@ def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
         group=g.name,
         weight_format=g.weight_format,
         kv_cache_dtype="fp8_e4m3" if g.kv_cache_dtype == "fp8_e4m3" else "auto",
-        engine_flags=("--served-model-name", "mixfleet-base"),
+        engine_flags=("--served-model-name", "mixfleet-base", *g.route_flags),
         sidecar_flags=("--stage-mode", "inplace"),
     )
 

@@ -33,6 +33,7 @@ from mixfleet import (
     scale,
     sidecar,
     up,
+    validate,
     weights,
 )
 
@@ -49,6 +50,7 @@ COMMANDS: dict[str, ModuleType] = {
     "scale": scale,
     "report": report,
     "demo": demo,
+    "validate": validate,
 }
 
 

@@ -1,6 +1,6 @@
 """Write a deterministic BF16 Qwen3-MoE base policy (HF checkpoint + byte-level tokenizer).
 
-``mixfleet init-model DIR [--preset tiny|small] [--seed S]`` writes ``config.json``,
+``mixfleet init-model DIR [--preset tiny|tiny-chat|small] [--seed S]`` writes ``config.json``,
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and the weights
 (``model.safetensors``, or shards plus ``model.safetensors.index.json`` for ``small``). The same
 preset and seed give the same bytes on every run.
@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from core.errors import UserError
-from weight_sync.base_model import DEFAULT_SEED, PRESETS, VOCAB_SIZE, Preset, write_model
+from weight_sync.base_model import DEFAULT_SEED, PRESETS, Preset, write_model
 
 
 def param_count(preset: str | Preset) -> int:
@@ -26,7 +26,7 @@ def param_count(preset: str | Preset) -> int:
     moe = spec.num_experts * 3 * h * spec.moe_intermediate_size + spec.num_experts * h
     dense = 3 * h * spec.intermediate_size
     mlp = sum(dense if i in spec.mlp_only_layers else moe for i in range(L))
-    return L * attn + mlp + 2 * VOCAB_SIZE * h + h
+    return L * attn + mlp + 2 * spec.vocab_size * h + h
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ from router import (
     routes_sglang,
     routes_trainer,
 )
+from router.chat import anthropic_routes, openai_routes
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
@@ -175,6 +176,8 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
         routes_ledger.router,
         routes_sglang.router,
         routes_prometheus.router,
+        openai_routes.router,
+        anthropic_routes.router,
         *extra_routers,
     ):
         app.include_router(r)

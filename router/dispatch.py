@@ -59,12 +59,12 @@ async def with_failover(
     ctx: RouterContext,
     start_group: str,
     affinity: str | None,
-    send: Callable[[SGLangClient], Awaitable[T]],
+    send: Callable[[SGLangClient, str], Awaitable[T]],
     *,
     min_version: int | None = None,
     may_move: bool = True,
 ) -> tuple[T, Placement]:
-    """Run ``send(client)`` with the engine client of a replica in rotation
+    """Run ``send(client, group)`` with the engine client of a replica in rotation and its group
     (:meth:`RouterContext.replica_client`), failing over as the module says.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
@@ -102,7 +102,7 @@ async def with_failover(
         if rep is not None:
             rep.inflight += 1
         try:
-            result = await send(ctx.replica_client(replica.replica_id, replica.url))
+            result = await send(ctx.replica_client(replica.replica_id, replica.url), group)
         except EngineUnavailable as exc:
             last_error = exc.message
             if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
@@ -267,11 +267,16 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    async def send(client: SGLangClient) -> tuple[Generation, float]:
+    recording = {g.name for g in ctx.fleet.groups if g.record_routes}
+
+    async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
+        routes = group in recording  # the group that serves it (the turn may have moved) records them
         rid = uuid.uuid4().hex
         try:
-            generation = await client.generate(spec.input_ids, spec.params, headers=headers, rid=rid)
+            generation = await client.generate(
+                spec.input_ids, spec.params, headers=headers, rid=rid, routed_experts=routes
+            )
         except asyncio.CancelledError:  # the turn's caller went away: stop the engine too
             abort_later(client, rid)
             raise
@@ -300,6 +305,7 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
             moved_from=place.moved_from,
             timings=timings,
             sampling=generation.sampling,
+            routed_experts=generation.routed_experts,
         )
     except ValueError as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None

@@ -258,6 +258,24 @@ SNAPSHOT: tuple[MetricDef, ...] = (
         "tokens",
         "Tokens whose ratio r lies outside the router's configured band (mixfleet_mismatch_band_info)",
     ),
+    _c(
+        "mixfleet_mismatch_route_tokens_total",
+        G,
+        "tokens",
+        "Sampled tokens whose recorded routed experts the trainer compared with its own (routing replay)",
+    ),
+    _c(
+        "mixfleet_mismatch_route_differ_tokens_total",
+        G,
+        "tokens",
+        "Of those, tokens whose trainer experts differ from the recorded ones in some MoE layer",
+    ),
+    _g(
+        "mixfleet_mismatch_route_share",
+        GV,
+        "",
+        "Share of a weight version's compared tokens whose trainer routes differ from the recorded (0-1)",
+    ),
     _g(
         "mixfleet_mismatch_band_info",
         ("low", "high"),
@@ -329,6 +347,8 @@ MISMATCH_COUNTERS = (
     "mixfleet_mismatch_abs_logprob_diff_total",
     "mixfleet_mismatch_extreme_tokens_total",
     "mixfleet_mismatch_out_of_band_tokens_total",
+    "mixfleet_mismatch_route_tokens_total",
+    "mixfleet_mismatch_route_differ_tokens_total",
 )
 
 
@@ -514,6 +534,8 @@ def _mismatch(put, group: str, g: dict[str, Any]) -> None:
     put("mixfleet_mismatch_abs_logprob_diff_total", [group], total.abs_logprob_diff)
     put("mixfleet_mismatch_extreme_tokens_total", [group], total.extreme)
     put("mixfleet_mismatch_out_of_band_tokens_total", [group], total.out_of_band)
+    put("mixfleet_mismatch_route_tokens_total", [group], total.route_tokens)
+    put("mixfleet_mismatch_route_differ_tokens_total", [group], total.route_differ)
     versions = sorted(g["versions"])[-MISMATCH_VERSIONS_EXPORTED:]
     for v in versions:
         view = g["versions"][v].view()
@@ -523,6 +545,8 @@ def _mismatch(put, group: str, g: dict[str, Any]) -> None:
         put("mixfleet_mismatch_extreme_ratio_share", labels, view["extreme_share"])
         put("mixfleet_mismatch_out_of_band_share", labels, view["out_of_band_share"])
         put("mixfleet_mismatch_version_tokens", labels, view["tokens"])
+        if view["route_tokens"]:
+            put("mixfleet_mismatch_route_share", labels, view["route_mismatch_share"])
     for bucket in (b for b in BUCKET_LABELS if b in g["positions"]):
         view = g["positions"][bucket].view()
         labels = [group, bucket]

@@ -12,6 +12,12 @@ actually drawn from, after temperature, top-k and top-p, renormalized over the s
 * ``extreme``: ``r`` outside :data:`EXTREME_BAND` = [0.2, 5] (closed: a ratio of exactly 0.2
   or 5 is inside); ``out_of_band``: ``r`` outside the configured band, same rule.
 
+Routing (issue 21): where the batch recorded routed experts and the trainer uploaded its route
+flags (:mod:`router.trainer_logprobs`), ``route_tokens`` counts the tokens compared and
+``route_differ`` those whose trainer experts (the trainer's own top-k at the position that
+predicted the token, as a set per MoE layer) differ from the recorded ones in some layer; their
+ratio is the route-mismatch share. A token without recorded routes is in neither.
+
 Sums are kept per key (group, weight version, token-position bucket) in :class:`MismatchSums`,
 which add; every reported figure is a ratio of sums (means and shares over tokens), so sums from
 many uploads and many routers combine exactly. A token's group is the group of the turn that
@@ -68,13 +74,16 @@ def check_band(band: tuple[float, float]) -> tuple[float, float]:
 @dataclass(frozen=True)
 class MismatchSums:
     """Additive sums over tokens: count, Σ k3, Σ |log p - log q|, tokens outside the fixed band,
-    tokens outside the configured band."""
+    tokens outside the configured band, tokens whose routes were compared, those whose routes
+    differ."""
 
     tokens: int = 0
     k3: float = 0.0
     abs_logprob_diff: float = 0.0
     extreme: int = 0
     out_of_band: int = 0
+    route_tokens: int = 0
+    route_differ: int = 0
 
     def __add__(self, other: MismatchSums) -> MismatchSums:
         return MismatchSums(
@@ -83,13 +92,19 @@ class MismatchSums:
             self.abs_logprob_diff + other.abs_logprob_diff,
             self.extreme + other.extreme,
             self.out_of_band + other.out_of_band,
+            self.route_tokens + other.route_tokens,
+            self.route_differ + other.route_differ,
         )
 
     def view(self) -> dict[str, float | int]:
         """The reported figures: ``tokens``, ``k3_kl`` (mean k3), ``abs_logprob_diff_mean``,
-        ``extreme_share`` and ``out_of_band_share`` (shares of tokens); 0.0 over no tokens."""
+        ``extreme_share`` and ``out_of_band_share`` (shares of tokens); 0.0 over no tokens; and
+        ``route_tokens`` with ``route_mismatch_share`` (of those)."""
         n = self.tokens
+        r = self.route_tokens
         return {
+            "route_tokens": r,
+            "route_mismatch_share": self.route_differ / r if r else 0.0,
             "tokens": n,
             "k3_kl": self.k3 / n if n else 0.0,
             "abs_logprob_diff_mean": self.abs_logprob_diff / n if n else 0.0,
@@ -125,16 +140,24 @@ class BatchMismatch:
 
 
 def batch_mismatch(
-    turns: Sequence[TurnTokens], trainer_logprobs: np.ndarray, band: tuple[float, float]
+    turns: Sequence[TurnTokens],
+    trainer_logprobs: np.ndarray,
+    band: tuple[float, float],
+    route_flags: np.ndarray | None = None,
 ) -> BatchMismatch:
     """The sums of one batch. ``trainer_logprobs`` holds log p for every output token of
-    ``turns`` in order (turn after turn, output token after output token); ValueError when its
-    length differs from the turns' output-token count or a value is not finite."""
+    ``turns`` in order (turn after turn, output token after output token); ``route_flags`` (same
+    order; None: not uploaded) 0 / 1 / 2 per token (routes agree / differ / none recorded).
+    ValueError when a length differs from the turns' output-token count or a value is not
+    finite."""
     lo, hi = check_band(band)
     p = np.asarray(trainer_logprobs, dtype=np.float64).reshape(-1)
     total = sum(len(t.logprobs) for t in turns)
     if p.size != total:
         raise ValueError(f"{p.size} trainer log-probs for {total} output tokens")
+    flags = np.full(total, 2, dtype=np.uint8) if route_flags is None else np.asarray(route_flags).reshape(-1)
+    if flags.size != total:
+        raise ValueError(f"{flags.size} route flags for {total} output tokens")
     bad = np.flatnonzero(~np.isfinite(p))
     if bad.size:
         raise ValueError(f"trainer log-prob {int(bad[0])} is not finite ({p[bad[0]]})")
@@ -155,6 +178,8 @@ def batch_mismatch(
             at = start - n + int(overflow[0])
             raise ValueError(f"token {at}: ratio p/q overflows (log p - log q = {d[overflow[0]]:.6g})")
         absd = np.abs(d)
+        compared = flags[start - n : start] < 2
+        differ = flags[start - n : start] == 1
         extreme = (r < EXTREME_BAND[0]) | (r > EXTREME_BAND[1])
         outside = (r < lo) | (r > hi)
         buckets = np.searchsorted(POSITION_BUCKETS, t.prompt_len + np.arange(n), side="right") - 1
@@ -170,6 +195,8 @@ def batch_mismatch(
                     float(absd[sel].sum()),
                     int(extreme[sel].sum()),
                     int(outside[sel].sum()),
+                    int(compared[sel].sum()),
+                    int(differ[sel].sum()),
                 )
                 out[key] = out[key] + part if key in out else part
                 counted += int(sel.size)

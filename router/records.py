@@ -34,6 +34,18 @@ Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
                             (ids strictly increasing, so the gaps are >= 0 and mostly tiny)
     sum(k_i) f16|f32 support log-probs, token after token, in support-id order
 
+Optional routed-experts section (``flags`` bit 1, :data:`FLAG_ROUTES`; the header then has
+``"routed_experts": {"start", "rows", "width", "bytes"}``), after the support log-probs::
+
+    rows * width uint(bytes*8) LE  expert ids (bytes 1 or 2: every id fits; 4: int32 as SGLang sent)
+    u32 LE                         the byte length of the ids above (so the block can be split
+                                   from its end without the header)
+
+Row ``j`` holds the ids of position ``start + j`` of the turn's sequence (input, then output):
+``width`` = layers x top-k values in SGLang's layout (``meta_info.routed_experts``,
+:mod:`core.sglang_release`: ``[seqlen - 1 - start, layers, k]``, layer after layer). The router
+does not know the model, so a row is flat; the trainer reshapes it with its model's top-k.
+
 ``flags`` bit 0 set = support log-probs are float16 (else float32). The token's own ``logprob``
 and ``raw_logprob`` are always float32: they enter importance ratios directly. The per-token
 ``weight_version`` is not repeated per token: it is the version of the span in
@@ -83,11 +95,52 @@ MAGIC_TURN = b"MFT"
 MAGIC_BATCH = b"MFB"
 FORMAT_VERSION = 1
 FLAG_F16 = 0x01
+FLAG_ROUTES = 0x02
 MEDIA_TYPE = "application/x-mixfleet-records"
 
 
 class RecordFormatError(ValueError):
     """The bytes are not a valid block of this encoding (truncated, wrong magic, bad varint)."""
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A turn's routed experts: ``rows`` positions from ``start`` of its sequence, ``width`` ids
+    each (layers x top-k, SGLang's order), as ``data``: their int32 little-endian bytes (SGLang's
+    ``routed_experts`` after base64). ValueError unless ``len(data) == 4 * rows * width``."""
+
+    start: int
+    rows: int
+    width: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if min(self.start, self.rows, self.width) < 0 or len(self.data) != 4 * self.rows * self.width:
+            raise ValueError(
+                f"routed experts: {len(self.data)} bytes for {self.rows} rows of {self.width} int32 ids"
+            )
+
+    def values(self) -> list[int]:
+        """The ids, row after row (standard library only)."""
+        import array
+        import sys
+
+        a = array.array("i")
+        a.frombytes(self.data)
+        if sys.byteorder != "little":
+            a.byteswap()
+        return a.tolist()
+
+    def to_json(self) -> dict[str, Any]:
+        """``start``, ``rows``, ``width`` and ``data``: base64 of the int32 bytes (SGLang's encoding)."""
+        import base64
+
+        return {
+            "start": self.start,
+            "rows": self.rows,
+            "width": self.width,
+            "data": base64.b64encode(self.data).decode("ascii"),
+        }
 
 
 @dataclass(frozen=True)
@@ -114,6 +167,7 @@ class TurnData:
     timings: dict[str, Any] = field(default_factory=dict)
     moved_from: str | None = None
     sampling: dict[str, Any] | None = None
+    routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -194,6 +248,8 @@ class TurnData:
             moved_from=self.moved_from,
             sampling=None if self.sampling is None else dict(self.sampling),
         )
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts.to_json()
         if with_input:
             out["input_ids"] = list(self.input_ids)
         return out
@@ -217,6 +273,7 @@ def parse_turn(
     moved_from: str | None,
     timings: dict[str, Any],
     sampling: dict[str, Any] | None = None,
+    routed_experts: bool = False,
 ) -> TurnData:
     """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
@@ -245,6 +302,11 @@ def parse_turn(
     the sampled token's support log-prob when that is known and its raw log-prob otherwise
     (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
     floats (unknown: NaN; raw: None).
+
+    With ``routed_experts`` (the request asked ``return_routed_experts`` from position 0), reads
+    ``meta_info.routed_experts`` (:class:`RoutedExperts` of positions ``[0, seqlen - 1)``); its
+    absence is refused: SGLang answers without the key when not started with
+    ``--enable-return-routed-experts``.
 
     Raises ValueError naming the field (and position) when ``body`` lacks a record field or
     holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
@@ -285,7 +347,36 @@ def parse_turn(
         timings=timings,
         moved_from=moved_from,
         sampling=sampling,
+        routed_experts=_routes(meta, len(input_ids) + n - 1) if routed_experts else None,
     )
+
+
+def _routes(meta: dict[str, Any], rows: int) -> RoutedExperts:
+    """The routed experts of an answer covering ``rows`` positions from 0 (ValueError naming
+    what is wrong)."""
+    import base64
+    import binascii
+
+    from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
+
+    text = meta.get("routed_experts")
+    if text is None:
+        raise ValueError(
+            f"meta_info.routed_experts is missing: routes were asked of an engine not started with "
+            f"{ENABLE_RETURN_ROUTED_EXPERTS_FLAG}"
+        )
+    if type(text) is not str:
+        raise ValueError("meta_info.routed_experts is not a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("meta_info.routed_experts is not base64") from None
+    width = len(data) // 4 // rows if rows > 0 else 0
+    if len(data) != 4 * rows * width or (rows > 0 and width == 0):
+        raise ValueError(
+            f"meta_info.routed_experts holds {len(data)} bytes, not int32 rows for {rows} positions"
+        )
+    return RoutedExperts(0, rows, width, data)
 
 
 def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
@@ -714,7 +805,8 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     support log-probs."""
     out = bytearray(MAGIC_TURN)
     out.append(FORMAT_VERSION)
-    out.append(FLAG_F16 if f16 else 0)
+    routes = turn.routed_experts
+    out.append((FLAG_F16 if f16 else 0) | (FLAG_ROUTES if routes is not None else 0))
     header = {
         "turn": turn.turn,
         "group": turn.group,
@@ -726,6 +818,15 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     }
     if turn.sampling is not None:
         header["sampling"] = turn.sampling
+    routes_bytes = b""
+    if routes is not None:
+        routes_bytes, width = _narrow_routes(routes.data)
+        header["routed_experts"] = {
+            "start": routes.start,
+            "rows": routes.rows,
+            "width": routes.width,
+            "bytes": width,
+        }
     _json(header, out)
     _varint(len(turn.input_ids), out)
     _varints(turn.input_ids, out)
@@ -756,7 +857,68 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"support log-probs: {exc}") from None
     out += sup_bytes
+    if routes is not None:
+        out += routes_bytes
+        out += struct.pack("<I", len(routes_bytes))
     return out, lp_bytes, raw_bytes, sup_bytes
+
+
+_ROUTE_CODES = {1: "B", 2: "H", 4: "i"}
+
+
+def _narrow_routes(data: bytes) -> tuple[bytes, int]:
+    """Little-endian int32 ids as the narrowest unsigned width that holds them all (1 or 2 bytes;
+    4: kept as int32): ``(bytes, width)``."""
+    import array
+    import sys
+
+    if np is not None:
+        a = np.frombuffer(data, dtype="<i4")
+        lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+        if lo >= 0 and hi < 0x10000:
+            return a.astype("u1" if hi < 0x100 else "<u2").tobytes(), 1 if hi < 0x100 else 2
+        return data, 4
+    values = array.array("i")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    lo, hi = (min(values), max(values)) if values else (0, 0)
+    if lo < 0 or hi >= 0x10000:
+        return data, 4
+    width = 1 if hi < 0x100 else 2
+    narrow = array.array(_ROUTE_CODES[width], values)
+    if sys.byteorder != "little":
+        narrow.byteswap()
+    return narrow.tobytes(), width
+
+
+def _read_routes(r: _Reader, meta: Any) -> RoutedExperts:
+    """The routed-experts section at ``r`` described by header entry ``meta``."""
+    import array
+    import sys
+
+    try:
+        start, rows, width, size = (int(meta[k]) for k in ("start", "rows", "width", "bytes"))
+        code = _ROUTE_CODES[size]
+    except (KeyError, TypeError, ValueError):
+        raise RecordFormatError(f"bad routed_experts header {meta!r}") from None
+    raw = bytes(r.raw(rows * width * size))
+    (length,) = struct.unpack("<I", r.raw(4))
+    if length != len(raw):
+        raise RecordFormatError(f"routed experts section of {len(raw)} bytes says {length}")
+    if size != 4:
+        values = array.array(code)
+        values.frombytes(raw)
+        if sys.byteorder != "little":
+            values.byteswap()
+        wide = array.array("i", values)
+        if sys.byteorder != "little":
+            wide.byteswap()
+        raw = wide.tobytes()
+    try:
+        return RoutedExperts(start, rows, width, raw)
+    except ValueError as exc:
+        raise RecordFormatError(str(exc)) from None
 
 
 def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
@@ -863,6 +1025,7 @@ def _decode_turn(r: _Reader) -> TurnData:
     for k in sizes:
         support_lps.append(list(flat[pos : pos + k]))
         pos += k
+    routes = _read_routes(r, header.get("routed_experts")) if flags & FLAG_ROUTES else None
     try:
         return TurnData(
             turn=int(header["turn"]),
@@ -882,6 +1045,7 @@ def _decode_turn(r: _Reader) -> TurnData:
             timings=header.get("timings") or {},
             moved_from=header.get("moved_from"),
             sampling=header.get("sampling"),
+            routed_experts=routes,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordFormatError(f"bad turn header: {exc!r}") from None

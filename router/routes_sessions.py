@@ -65,7 +65,15 @@ async def create_session(
     session_id = uuid.uuid4().hex
     await ctx.store.create_session(session_id, group, body.metadata, now=time.time())
     ctx.metrics.sessions.labels(group).inc()
-    return JSONResponse({"session_id": session_id, "group": group})
+    base = f"{str(request.base_url).rstrip('/')}/v1/sessions/{session_id}"
+    return JSONResponse(
+        {
+            "session_id": session_id,
+            "group": group,
+            "openai_base_url": f"{base}/openai/v1",
+            "anthropic_base_url": f"{base}/anthropic",
+        }
+    )
 
 
 @router.get(

@@ -78,7 +78,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     check_vocab(ctx, group, body.rows(), "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
-    async def send_stream(client: SGLangClient):
+    async def send_stream(client: SGLangClient, _group: str):
         return await client.stream_generate(raw, headers=headers)
 
     (response, chunks), place = await with_failover(
@@ -108,7 +108,7 @@ async def forward_generate(
     check_vocab(ctx, group, rows, "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
-    async def send(client: SGLangClient) -> RawResponse:
+    async def send(client: SGLangClient, _group: str) -> RawResponse:
         return await client.post_generate(raw, headers=headers)
 
     response, place = await with_failover(ctx, group, route.get("replica") if route else None, send)

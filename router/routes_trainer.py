@@ -36,7 +36,7 @@ from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_b
 from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
 from router.trainer_logprobs import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
-from router.trainer_logprobs import LogprobsFormatError, decode_trainer_logprobs
+from router.trainer_logprobs import LogprobsFormatError, decode_upload
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -180,7 +180,7 @@ async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
     figures per (group, version)."""
     ctx = _ctx(request)
     try:
-        trainer = decode_trainer_logprobs(await request.body())
+        trainer, route_flags = decode_upload(await request.body())
     except LogprobsFormatError as exc:
         raise ApiError(400, f"body: {exc}") from None
     order = await ctx.store.lease_order(lease_id)
@@ -195,7 +195,7 @@ async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
             t = decode_turn(blob)
             turns.append(TurnTokens(t.group, len(t.input_ids), t.logprobs, t.versions()))
     try:
-        result = batch_mismatch(turns, trainer, ctx.config.mismatch_band)
+        result = batch_mismatch(turns, trainer, ctx.config.mismatch_band, route_flags)
     except ValueError as exc:
         raise ApiError(422, f"body: {exc}") from None
     if not await ctx.store.add_mismatch(lease_id, result.sums, ttl_s=_upload_window_s(ctx)):

@@ -338,6 +338,10 @@ class MismatchFigures(BaseModel):
     abs_logprob_diff_mean: float = Field(description="Mean |log p_trainer - log q_sampler|")
     extreme_share: float = Field(description="Share of tokens with r outside [0.2, 5]")
     out_of_band_share: float = Field(description="Share of tokens with r outside the configured band")
+    route_tokens: int = Field(0, description="Tokens whose recorded routed experts the trainer compared")
+    route_mismatch_share: float = Field(
+        0.0, description="Share of those whose trainer experts differ from the recorded ones (any MoE layer)"
+    )
 
 
 class MismatchVersion(MismatchFigures):

@@ -6,7 +6,10 @@ module depends on numpy only: every per-token field of a turn is decoded by arra
 (varint runs, gap-coded support rows, float runs), never by a Python loop per token.
 
 :func:`decode_batch` returns a :class:`Batch`: one row per sampled (output) token, in
-trajectory, turn, token order, plus per-trajectory and per-turn tables.
+trajectory, turn, token order, plus per-trajectory and per-turn tables. A turn recorded with
+routed experts has them in its table (``routes``, ``[rows, layers x k]`` int32, row ``j`` for
+position ``routed_experts["start"] + j`` of its sequence); :meth:`Batch.routes` reshapes them to
+``[rows, layers, k]``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ MAGIC_TURN = b"MFT"
 MAGIC_BATCH = b"MFB"
 FORMAT_VERSION = 1
 FLAG_F16 = 0x01
+FLAG_ROUTES = 0x02
+_ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
 
 
 class BatchFormatError(ValueError):
@@ -59,6 +64,20 @@ class Batch:
 
     def __len__(self) -> int:
         return int(self.token_ids.size)
+
+    def routes(self, turn: int, top_k: int) -> np.ndarray | None:
+        """Turn ``turn``'s routed experts as int32 ``[rows, layers, top_k]`` (``top_k``: the
+        model's experts per token; ValueError when a row's width is not a multiple), row ``j``
+        for position ``turns[turn]["routed_experts"]["start"] + j`` of the turn's sequence (input
+        then output); None when the turn has none."""
+        flat = self.turns[turn].get("routes")
+        if flat is None:
+            return None
+        if top_k < 1 or flat.shape[1] % top_k:
+            raise ValueError(
+                f"routes of turn {turn} hold {flat.shape[1]} ids per position, not layers x {top_k}"
+            )
+        return flat.reshape(flat.shape[0], flat.shape[1] // top_k, top_k)
 
     def rewards(self) -> np.ndarray:
         """Per-token reward of the token's trajectory (NaN when the trajectory has none)."""
@@ -217,10 +236,11 @@ class _Layout:
 
     def __init__(self, blocks: list[tuple[int, ...]]) -> None:
         """``blocks``: per turn (f16, header start, header end, n_input, input start, input end,
-        n_output, output start, output end, sizes end, gaps end, block end), as :func:`_scan`
-        finds them."""
-        cols = tuple(zip(*blocks, strict=True)) or ((),) * 12
-        f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi, sz_hi, gap_hi, end = cols
+        n_output, output start, output end, sizes end, gaps end, support end, routes end), as
+        :func:`_scan` finds them."""
+        cols = tuple(zip(*blocks, strict=True)) or ((),) * 13
+        f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi = cols[:9]
+        sz_hi, gap_hi, end, r_hi = cols[9:]
         self.f16 = [bool(f) for f in f16]
         self.headers = list(zip(h_lo, h_hi, strict=True))
         self.inputs = list(zip(in_lo, in_hi, strict=True))
@@ -232,6 +252,7 @@ class _Layout:
         self.sizes = list(zip(raw_hi, sz_hi, strict=True))
         self.gaps = list(zip(sz_hi, gap_hi, strict=True))
         self.support = list(zip(gap_hi, end, strict=True))
+        self.routes = list(zip(end, r_hi, strict=True))  # empty where a turn has none
 
 
 def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
@@ -268,6 +289,12 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 )
             raise BatchFormatError(f"expected a turn block ({MAGIC_TURN!r}) at offset {pos}, got {got!r}")
         f16 = raw[pos + 4] & FLAG_F16
+        routes_end = block_end = end
+        if raw[pos + 4] & FLAG_ROUTES:  # the section ends the block, its byte length last
+            routes_end = end - 4
+            end = routes_end - int.from_bytes(raw[routes_end : routes_end + 4], "little")
+            if end < pos + 7:
+                raise BatchFormatError(f"turn block at offset {pos}: bad routed experts length")
         length = raw[pos + 5]
         pos += 6
         if length >= 0x80:
@@ -289,9 +316,10 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
                 f"and the support log-probs cannot hold {total} support ids"
             )
-        pos = end
+        pos = block_end
         blocks.append(
             (f16, h_lo, h_lo + length, n_input, in_lo, in_hi, n, out_lo, out_hi, sizes_hi, gaps_hi, end)
+            + (routes_end,)
         )
     return pos
 
@@ -366,6 +394,20 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
     return [(start + max(0, a), start + min(n, b), v) for a, b, v in spans if min(n, b) > max(0, a)]
 
 
+def _routes(view: memoryview, span: tuple[int, int], meta: Any, index: int) -> np.ndarray:
+    """The routed-experts section at ``span`` of turn ``index`` (header entry ``meta``) as int32
+    ``[rows, width]``."""
+    try:
+        rows, width, size = (int(meta[k]) for k in ("rows", "width", "bytes"))
+        dtype = _ROUTE_DTYPES[size]
+    except (KeyError, TypeError, ValueError):
+        raise BatchFormatError(f"turn {index}: bad routed_experts header {meta!r}") from None
+    lo, hi = span
+    if hi - lo != rows * width * size:
+        raise BatchFormatError(f"turn {index}: {hi - lo} bytes of routes for {rows} x {width} ids of {size}")
+    return np.frombuffer(view[lo:hi], dtype=dtype).astype(np.int32).reshape(rows, width)
+
+
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """Decode a whole batch (``POST /v1/batches/take`` with ``Accept:
     application/x-mixfleet-records``). Raises :class:`BatchFormatError` naming the problem."""
@@ -424,6 +466,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         turn["session_id"] = trajectories[turn_owner[i]].get("session_id")
         turn["input_ids"] = inputs[lo : input_end[i]]
         lo = input_end[i]
+        if layout.routes[i][1] > layout.routes[i][0] or "routed_experts" in turn:
+            turn["routes"] = _routes(view, layout.routes[i], turn.get("routed_experts"), i)
         spans.extend(_spans(turn, i, start, end - start))
         start = end
 

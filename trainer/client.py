@@ -130,15 +130,18 @@ class AsyncRolloutClient:
     async def ack(self, lease_id: str) -> Any:
         return await self.router.call("POST", f"/v1/batches/{lease_id}/ack")
 
-    async def upload_trainer_logprobs(self, lease_id: str, logprobs: np.ndarray) -> dict[str, Any]:
+    async def upload_trainer_logprobs(
+        self, lease_id: str, logprobs: np.ndarray, route_mismatch: np.ndarray | None = None
+    ) -> dict[str, Any]:
         """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
-        the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures;
+        the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures
+        (with ``route_mismatch``, ``Policy.route_mismatch()`` of the batch, its route figures);
         returns the batch's figures per (group, version). Once per lease: a repeat is a 409,
         raised at once (it is not transient)."""
         answer = await self.router.request(
             "POST",
             f"/v1/batches/{lease_id}/trainer_logprobs",
-            encode_trainer_logprobs(logprobs),
+            encode_trainer_logprobs(logprobs, route_mismatch),
             content_type=LOGPROBS_MEDIA_TYPE,
             retry_statuses=(503,),
         )

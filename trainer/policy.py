@@ -12,6 +12,18 @@ Contract:
   as they take the base.
 * :meth:`Policy.sampled_logits` gives the logits at exactly the positions a batch sampled, in the
   batch's token order, so :func:`trainer.corrections.policy_loss` applies to them unchanged.
+* Routing replay (R3, as slime/Miles' ``RoutingReplay``: ``probs = scores.gather(1,
+  top_indices)`` with the rollout's indices): with ``replay``, every position whose routed
+  experts the batch recorded (:meth:`trainer.batch.Batch.routes`) uses the sampler's experts in
+  every MoE layer instead of the trainer's own top-k; their gate weights are recomputed from the
+  trainer's own router logits (softmax over all experts, gathered at the recorded ids,
+  renormalized when ``norm_topk_prob``, exactly as ``Qwen3MoeTopKRouter`` weighs its own top-k),
+  so gradients still reach the router. Positions without a record (padding, a turn's last token)
+  keep the trainer's routing. Replay goes through ``register_forward_hook`` on each router
+  (a public torch API), which replaces the router's output; nothing else changes, so replaying
+  the trainer's own routes gives exactly the forward without replay.
+* :meth:`Policy.route_mismatch` says, per sampled token, whether the trainer's own top-k (as a
+  set, per MoE layer) differs from the recorded experts at the position that predicted it.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +40,36 @@ import torch
 from trainer.batch import Batch
 
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+NO_ROUTES = 2  # route_mismatch: the position has no recorded routes
+
+
+class _Replay:
+    """The forward hooks of one forward pass: per MoE layer (its index in ``model.layers``) the
+    recorded experts ``[B * L, k]`` (-1: not recorded), and, filled by the pass, per layer whether
+    the trainer's own top-k set differs from them ``[B * L]`` (False where not recorded)."""
+
+    def __init__(self, recorded: torch.Tensor, replay: bool) -> None:
+        self.recorded = recorded  # [B, L, layers, k] int64
+        self.replay = replay
+        self.differ = torch.zeros(recorded.shape[:2], dtype=torch.bool)
+
+    def hook(self, layer: int, norm_topk_prob: bool):
+        def forward_hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+            logits, scores, own = output
+            want = self.recorded[:, :, layer].reshape(-1, own.shape[-1])
+            known = want[:, 0] >= 0
+            same = (own.sort(dim=-1).values == want.sort(dim=-1).values).all(dim=-1)
+            self.differ |= (known & ~same).view(self.differ.shape)
+            if not self.replay or not bool(known.any()):
+                return output
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            idx = torch.where(known[:, None], want, own)
+            top = probs.gather(1, idx)
+            if norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+
+        return forward_hook
 
 
 class CheckpointError(ValueError):
@@ -38,6 +81,8 @@ class Policy:
     model: torch.nn.Module
     source: Path
     pad_id: int
+    last_route_differ: np.ndarray | None = None
+    _sampled_differ: np.ndarray | None = None
 
     @classmethod
     def load(cls, checkpoint: str | Path) -> Policy:
@@ -53,9 +98,48 @@ class Policy:
         pad = model.config.pad_token_id
         return cls(model, path, 0 if pad is None else int(pad))
 
-    def forward(self, sequences: list[list[int]]) -> torch.Tensor:
-        """Logits [B, L, V] (float32) of right-padded ``sequences``, computed under BF16 autocast."""
+    def _moe_routers(self) -> list[tuple[int, torch.nn.Module]]:
+        """(layer index, router module) of every MoE layer."""
+        layers = self.model.model.layers
+        return [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
+
+    def forward(
+        self, sequences: list[list[int]], routes: list[np.ndarray | None] | None = None, replay: bool = True
+    ) -> torch.Tensor:
+        """Logits [B, L, V] (float32) of right-padded ``sequences``, computed under BF16 autocast.
+
+        ``routes`` (one per sequence, None: none recorded): int ``[rows, layers, k]`` for its
+        positions ``[0, rows)``; with ``replay`` they replace the trainer's top-k there (module
+        docstring). Either way :attr:`last_route_differ` is then ``[B, L]`` uint8: 1 where the
+        trainer's own top-k differs from the recorded experts in some MoE layer, 0 where it is the
+        same, :data:`NO_ROUTES` where nothing was recorded."""
         width = max(len(s) for s in sequences)
+        if routes is None:
+            self.last_route_differ = None
+            return self._forward(sequences, width)
+        cfg = self.model.config
+        recorded = torch.full((len(sequences), width, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1)
+        for i, r in enumerate(routes):
+            if r is not None:
+                if r.shape[1:] != recorded.shape[2:] or r.shape[0] > width:
+                    raise ValueError(f"routes of sequence {i} have shape {r.shape}, not [<= {width}, "
+                                     f"{cfg.num_hidden_layers}, {cfg.num_experts_per_tok}]")  # fmt: skip
+                recorded[i, : r.shape[0]] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+        state = _Replay(recorded, replay)
+        handles = [
+            m.register_forward_hook(state.hook(i, bool(cfg.norm_topk_prob))) for i, m in self._moe_routers()
+        ]
+        try:
+            logits = self._forward(sequences, width)
+        finally:
+            for h in handles:
+                h.remove()
+        differ = state.differ.to(torch.uint8)
+        differ[recorded[:, :, 0, 0] < 0] = NO_ROUTES
+        self.last_route_differ = differ.numpy()
+        return logits
+
+    def _forward(self, sequences: list[list[int]], width: int) -> torch.Tensor:
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.int64)
         mask = torch.zeros((len(sequences), width), dtype=torch.int64)
         for i, s in enumerate(sequences):
@@ -65,24 +149,39 @@ class Policy:
             out = self.model(input_ids=ids, attention_mask=mask, use_cache=False)
         return out.logits.float()
 
-    def sampled_logits(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    def sampled_logits(self, batch: Batch, temperature: float = 1.0, replay: bool = False) -> torch.Tensor:
         """[T, V]: for every sampled token of ``batch`` (in its order), the logits (divided by
-        ``temperature``) of the position that predicted it. Each trajectory's turns are
-        concatenated into one sequence (turn k's input is the whole context up to it)."""
+        ``temperature``) of the position that predicted it. Each turn is one sequence (its input,
+        the whole context up to it, then its output). ``replay``: the turns' recorded routed
+        experts replace the trainer's routing (module docstring); recorded routes are compared
+        with the trainer's own either way (:meth:`route_mismatch`)."""
         sequences: list[list[int]] = []
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
-        for turn in batch.turns:
+        k = int(self.model.config.num_experts_per_tok)
+        routes = [batch.routes(i, k) if "routes" in t else None for i, t in enumerate(batch.turns)]
+        for turn, r in zip(batch.turns, routes, strict=True):
+            if r is not None and int(turn["routed_experts"]["start"]) != 0:
+                raise ValueError("routes recorded from a start other than 0 cannot be replayed")
             start, end = int(turn["token_start"]), int(turn["token_end"])
             context = [int(x) for x in turn["input_ids"]]
             output = batch.token_ids[start:end].tolist()
             rows.append(np.full(end - start, len(sequences), dtype=np.int64))
             cols.append(len(context) - 1 + np.arange(end - start, dtype=np.int64))
             sequences.append(context + output)
-        logits = self.forward(sequences)
+        recorded = any(r is not None for r in routes)
+        logits = self.forward(sequences, routes if recorded else None, replay=replay)
         r = torch.from_numpy(np.concatenate(rows))
         c = torch.from_numpy(np.concatenate(cols))
+        self._sampled_differ = None if self.last_route_differ is None else self.last_route_differ[r, c]
         return logits[r, c] / temperature
+
+    def route_mismatch(self) -> np.ndarray | None:
+        """Per sampled token of the last :meth:`sampled_logits` batch (its order): 1 where the
+        trainer's own experts differ from the recorded ones at the position that predicted the
+        token, 0 where they agree, :data:`NO_ROUTES` where none were recorded; None when the
+        batch recorded no routes."""
+        return self._sampled_differ
 
     def save(self, out: str | Path) -> Path:
         """Write the current weights as an HF BF16 checkpoint into ``out`` (created)."""

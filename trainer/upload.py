@@ -1,6 +1,8 @@
 """The trainer's log-prob upload encoding (``application/x-mixfleet-logprobs``; the layout is
 documented in ``router/trainer_logprobs.py``): ``b"MFL"``, format byte 1, a u32 little-endian
-count, then that many float32 little-endian log-probs in the batch's token order."""
+count, then that many float32 little-endian log-probs in the batch's token order; optionally the
+route section: a u32 count (the same) and one byte per token (0: the trainer's experts agree with
+the recorded ones, 1: they differ, 2: no routes recorded)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,18 @@ FORMAT_VERSION = 1
 MEDIA_TYPE = "application/x-mixfleet-logprobs"
 
 
-def encode_trainer_logprobs(logprobs: np.ndarray) -> bytes:
-    """The upload of ``logprobs`` (any shape, flattened in C order; cast to float32). ValueError
-    when there are more than 2**32 - 1 values."""
+def encode_trainer_logprobs(logprobs: np.ndarray, route_mismatch: np.ndarray | None = None) -> bytes:
+    """The upload of ``logprobs`` (any shape, flattened in C order; cast to float32) and, when
+    given, the per-token ``route_mismatch`` (``trainer.policy.Policy.route_mismatch``: 0, 1 or 2).
+    ValueError when there are more than 2**32 - 1 values, or the two differ in length or a flag
+    is not 0, 1 or 2."""
     flat = np.ascontiguousarray(np.asarray(logprobs).reshape(-1), dtype="<f4")
     if flat.size > 0xFFFFFFFF:
         raise ValueError(f"{flat.size} log-probs exceed the upload's u32 count")
-    return struct.pack("<3sBI", MAGIC_LOGPROBS, FORMAT_VERSION, flat.size) + flat.tobytes()
+    out = struct.pack("<3sBI", MAGIC_LOGPROBS, FORMAT_VERSION, flat.size) + flat.tobytes()
+    if route_mismatch is None:
+        return out
+    flags = np.asarray(route_mismatch).reshape(-1)
+    if flags.size != flat.size or (flags.size and not np.isin(flags, (0, 1, 2)).all()):
+        raise ValueError(f"route_mismatch has {flags.size} flags for {flat.size} log-probs (each 0, 1 or 2)")
+    return out + struct.pack("<I", flags.size) + flags.astype(np.uint8).tobytes()

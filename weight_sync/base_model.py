@@ -7,7 +7,13 @@ Two users share this one writer: ``mixfleet init-model`` (:mod:`mixfleet.init_mo
 and the conversion pool's warm-up (``weight_sync.publish._warm_job``), which converts a one-layer
 model into every format in each worker (nvfp4's calibration reads the tokenizer too). It lives in
 weight_sync, the lower of the two packages, so that the warm-up imports nothing of the command
-layer. The tokenizer is built from the engine's byte-level alphabet
+layer.
+
+A preset with ``chat`` (``tiny-chat``) adds the chat special tokens :data:`CHAT_TOKENS` (ids 259
+on; the vocabulary, and with it ``config.json``'s ``vocab_size``, grows by their count) and writes
+:data:`CHAT_TEMPLATE`, a Qwen3-style template, as ``tokenizer_config.json``'s ``chat_template``;
+``<|im_end|>`` is then an end-of-sequence id too. The chat APIs render with these
+(:mod:`router.chat.renderers.local`). The tokenizer is built from the engine's byte-level alphabet
 (``engine.server.tokenizer.bytes_to_unicode``), imported inside :func:`tokenizer_dict` only: the
 same lazy weight_sync -> engine arrow as nvfp4's calibration (``weight_sync.convert``).
 
@@ -22,7 +28,7 @@ meaningful.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,62 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 DEFAULT_SEED = 1234
+CHAT_TOKENS = (
+    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>",
+)
+IM_END_ID = VOCAB_SIZE + 1
+
+# Qwen3's chat template (Qwen/Qwen3 tokenizer_config.json) in its parts the local model uses: a
+# system prompt with the tool signatures, <think> reasoning, <tool_call> JSON calls and
+# <tool_response> results.
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set content = message.content %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content is not none %}"
+    "{%- set reasoning_content = message.reasoning_content %}{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + "
+    "'\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}{{- '\\\", \\\"arguments\\\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
+    "{{- tool_call.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +110,16 @@ class Preset:
     max_position_embeddings: int
     shards: int
     mlp_only_layers: tuple[int, ...] = ()
+    chat: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        """Byte tokens, the special tokens and (``chat``) the chat tokens."""
+        return VOCAB_SIZE + (len(CHAT_TOKENS) if self.chat else 0)
+
+    def added_tokens(self) -> tuple[str, ...]:
+        """The added tokens in id order from 256."""
+        return SPECIAL_TOKENS + (CHAT_TOKENS if self.chat else ())
 
 
 # Every dim divides NVFP4 groups of 16 and MXFP4 blocks of 32. FP8: tiny's k/v (N = 2 x 32 = 64)
@@ -61,6 +133,7 @@ PRESETS: dict[str, Preset] = {
                     head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
                     intermediate_size=1536, max_position_embeddings=4096, shards=2),
 }
+PRESETS["tiny-chat"] = replace(PRESETS["tiny"], chat=True)
 
 
 def config_dict(preset: Preset) -> dict[str, Any]:
@@ -69,7 +142,7 @@ def config_dict(preset: Preset) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": preset.vocab_size,
         "hidden_size": preset.hidden_size,
         "intermediate_size": preset.intermediate_size,
         "num_hidden_layers": preset.num_hidden_layers,
@@ -98,7 +171,7 @@ def config_dict(preset: Preset) -> dict[str, Any]:
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
+        "eos_token_id": [EOS_ID, IM_END_ID] if preset.chat else EOS_ID,
         "pad_token_id": PAD_ID,
         "torch_dtype": "bfloat16",
     }
@@ -123,7 +196,7 @@ def init_tensors(preset: Preset, seed: int) -> dict[str, Any]:
     def norm(n: int) -> torch.Tensor:
         return (1.0 + torch.randn((n,), generator=g) * 0.1).to(torch.bfloat16)
 
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((VOCAB_SIZE, h), 1.0)}
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((p.vocab_size, h), 1.0)}
     for i in range(layers):
         q = f"model.layers.{i}."
         t[q + "input_layernorm.weight"] = norm(h)
@@ -146,13 +219,14 @@ def init_tensors(preset: Preset, seed: int) -> dict[str, Any]:
             t[q + "mlp.up_proj.weight"] = linear(p.intermediate_size, h)
             t[q + "mlp.down_proj.weight"] = linear(h, p.intermediate_size, residual=True)
     t["model.norm.weight"] = norm(h)
-    t["lm_head.weight"] = normal((VOCAB_SIZE, h), 3.0 / h ** 0.5)
+    t["lm_head.weight"] = normal((p.vocab_size, h), 3.0 / h ** 0.5)
     return t
 
 
-def tokenizer_dict() -> dict[str, Any]:
-    """``tokenizer.json``: byte-level BPE with no merges (token id == byte value) + special tokens,
-    spelled exactly as the ``tokenizers`` library serialises it."""
+def tokenizer_dict(added: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:
+    """``tokenizer.json``: byte-level BPE with no merges (token id == byte value) + the ``added``
+    tokens (ids from 256; the chat tokens not special, as Qwen3's ``<think>``), spelled exactly as
+    the ``tokenizers`` library serialises it."""
     from engine.server.tokenizer import bytes_to_unicode
 
     b2u = bytes_to_unicode()
@@ -162,8 +236,8 @@ def tokenizer_dict() -> dict[str, Any]:
         "padding": None,
         "added_tokens": [
             {"id": 256 + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
-            for i, s in enumerate(SPECIAL_TOKENS)
+             "normalized": False, "special": s in SPECIAL_TOKENS or s in CHAT_TOKENS[:2]}
+            for i, s in enumerate(added)
         ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -179,7 +253,8 @@ def tokenizer_dict() -> dict[str, Any]:
     }
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(chat: bool) -> dict[str, Any]:
+    extra = {"chat_template": CHAT_TEMPLATE} if chat else {}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -189,6 +264,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
+        **extra,
     }
 
 
@@ -232,8 +308,18 @@ def write_model(out: str | Path, preset: str | Preset = "tiny", seed: int = DEFA
                     {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json",
-                {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": True,
+                {"bos_token_id": BOS_ID, "eos_token_id": cfg["eos_token_id"], "pad_token_id": PAD_ID,
+                 "do_sample": True,
                  "temperature": 1.0, "top_p": 1.0})
-    _write_json(out / "tokenizer.json", tokenizer_dict())
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    write_tokenizer(out, spec)
+    return out
+
+
+def write_tokenizer(out: str | Path, preset: str | Preset = "tiny") -> Path:
+    """Write only the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``) of ``preset``
+    into the existing directory ``out``, the same bytes :func:`write_model` writes."""
+    spec = PRESETS[preset] if isinstance(preset, str) else preset
+    out = Path(out)
+    _write_json(out / "tokenizer.json", tokenizer_dict(spec.added_tokens()))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(spec.chat))
     return out

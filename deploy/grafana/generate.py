@@ -118,6 +118,9 @@ M = {
     "mm_extreme_position": "mixfleet_mismatch_position_extreme_ratio_share",
     "mm_abs_position": "mixfleet_mismatch_position_abs_logprob_diff_mean",
     "mm_tokens_position": "mixfleet_mismatch_position_tokens",
+    "mm_route_tokens": "mixfleet_mismatch_route_tokens_total",
+    "mm_route_differ": "mixfleet_mismatch_route_differ_tokens_total",
+    "mm_route_version": "mixfleet_mismatch_route_share",
 }
 
 
@@ -794,6 +797,26 @@ def mismatch() -> JSON:
             ["low", "high"],
         ),
         8,
+    )
+    route_share = divide(max_rate(M["mm_route_differ"], GROUP), max_rate(M["mm_route_tokens"], GROUP))
+    lay.add(
+        timeseries(
+            "Route mismatch (routing replay)",
+            "Share of the compared tokens whose trainer top-k experts (at the position that predicted "
+            "the token, as a set per MoE layer) differ from the routed experts the sampler recorded, in "
+            "some layer; groups with record_routes only.\n\n"
+            f"Metrics: `{M['mm_route_differ']}`, `{M['mm_route_tokens']}`",
+            [target(route_share, "{{group}}")],
+            unit="percentunit",
+        ),
+    )
+    lay.add(
+        timeseries(
+            "Route mismatch by version",
+            f"Cumulative per version.\n\nMetric: `{M['mm_route_version']}`",
+            [target(gauge(M["mm_route_version"], GROUP, by="group, version"), "{{group}} v{{version}}")],
+            unit="percentunit",
+        ),
     )
     lay.row("By weight version (cumulative per version)")
     lay.add(

@@ -42,6 +42,8 @@ both.
 
 The routes live in ``routes_generate``, ``routes_weights``, ``routes_control`` and
 ``routes_info`` (module-level ``APIRouter`` each); they reach the engine at ``app.state.engine``.
+``debug`` adds the routes ``mixfleet validate`` uses, which SGLang does not have
+(``/debug/operator``; ``/debug/fault`` only with ``MIXFLEET_ENGINE_FAULTS=1``).
 
 Kept apart from the CLI module (``mixfleet.engine``) so ``mixfleet --help`` does not import
 FastAPI.
@@ -57,6 +59,7 @@ from fastapi.responses import JSONResponse
 
 from engine.runtime.engine import ENGINE_VERSION, Engine
 from engine.server import routes_control, routes_generate, routes_info, routes_weights
+from engine.server.debug import debug_router
 from engine.server.requests import error, validation_message
 
 log = logging.getLogger("mixfleet.engine")
@@ -79,4 +82,5 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     for module in (routes_generate, routes_weights, routes_control, routes_info):
         app.include_router(module.router)
+    app.include_router(debug_router(engine))
     return app

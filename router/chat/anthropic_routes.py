@@ -1,0 +1,275 @@
+"""Anthropic Messages per session: base URL ``{router}/v1/sessions/{session_id}/anthropic``,
+``POST .../v1/messages`` (the official ``anthropic`` client works unchanged with that base URL and a
+``rollout`` key, sent as ``x-api-key`` or as a bearer token).
+
+Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assistant messages,
+text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, single-token ``stop_sequences``, ``usage``,
+``stream``. Anything else that would change the answer (images, ``is_error`` tool results, a
+thinking budget, forced tool choice) is a 400 naming it. The sampled reasoning comes back as a
+``thinking`` block (its ``signature`` is empty: nothing is signed).
+
+Streaming runs the turn first, then sends it as Anthropic's server-sent events
+(``message_start``, per block ``content_block_start`` / ``content_block_delta`` /
+``content_block_stop``, ``message_delta``, ``message_stop``): the turn recorded is the same as
+without streaming.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.jsonio import dumps
+from router.auth import scopes_for
+from router.chat.renderers import Message, Tool, ToolCall
+from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
+from router.errors import AUTH, BODY, ApiError, error_responses
+
+
+async def _key(
+    request: Request,
+    x_api_key: Annotated[str | None, Header()] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> None:
+    """The ``rollout`` scope, from ``x-api-key`` (the anthropic client's header) or a bearer token."""
+    config = request.app.state.ctx.config
+    if config.auth_disabled:
+        return
+    token = x_api_key
+    if not token and authorization and authorization.lower().startswith("bearer "):
+        token = authorization[7:].strip()
+    if not token:
+        raise HTTPException(401, "missing API key (x-api-key: <key> or Authorization: Bearer <key>)")
+    scopes = scopes_for(token, config.api_keys)
+    if scopes is None:
+        raise HTTPException(401, "invalid API key")
+    if "rollout" not in scopes:
+        raise HTTPException(403, "API key lacks the 'rollout' scope")
+
+
+router = APIRouter(
+    prefix="/v1/sessions/{session_id}/anthropic",
+    tags=["chat"],
+    dependencies=[Depends(_key)],
+    responses=error_responses(*AUTH),
+)
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TextBlock(_M):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: None = None  # a reply's block sent back as it came
+
+
+class ThinkingBlock(_M):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class ToolUseBlock(_M):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+    caller: None = None
+    toolset_name: None = None
+
+
+class ToolResultBlock(_M):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class InMessage(_M):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolIn(_M):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(_M):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(_M):
+    model: str = ""
+    max_tokens: int = Field(ge=1)
+    messages: list[InMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoice | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+    def chat(self) -> ChatRequest:
+        messages: list[Message] = []
+        if self.system:
+            messages.append(Message("system", _text(self.system)))
+        for i, m in enumerate(self.messages):
+            messages += _messages(i, m)
+        return ChatRequest(
+            messages=tuple(messages),
+            tools=tuple(Tool(t.name, t.description, t.input_schema) for t in self.tools or ()),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=tuple(self.stop_sequences or ()),
+        )
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _messages(i: int, m: InMessage) -> list[Message]:
+    """The chat messages of one Anthropic message: an assistant message is one; a user message is
+    its tool results (each a tool message) then its text, if any."""
+    blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+    if m.role == "assistant":
+        if any(isinstance(b, ToolResultBlock) for b in blocks):
+            raise ApiError(400, f"messages[{i}]: tool_result blocks belong in a user message")
+        thinking = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
+        calls = tuple(
+            ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
+            for b in blocks
+            if isinstance(b, ToolUseBlock)
+        )
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        return [
+            Message("assistant", text, reasoning="".join(thinking) if thinking else None, tool_calls=calls)
+        ]
+    out: list[Message] = []
+    texts: list[str] = []
+    for j, b in enumerate(blocks):
+        if isinstance(b, (ThinkingBlock, ToolUseBlock)):
+            raise ApiError(
+                400, f"messages[{i}].content[{j}]: a {b.type} block belongs in an assistant message"
+            )
+        if isinstance(b, ToolResultBlock):
+            if b.is_error:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content[{j}].is_error: the chat template cannot render an error result",
+                )
+            if texts:
+                raise ApiError(400, f"messages[{i}].content[{j}]: tool_result blocks must come before text")
+            out.append(Message("tool", _text(b.content), tool_call_id=b.tool_use_id))
+        else:
+            texts.append(b.text)
+    if texts:
+        out.append(Message("user", "".join(texts)))
+    return out
+
+
+@router.post(
+    "/v1/messages",
+    summary="Anthropic Messages on this session",
+    responses=error_responses(*BODY, 404, 409, 502, 503),
+)
+async def create_message(request: Request, session_id: str, body: MessagesRequest) -> Response:
+    try:
+        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+    except ApiError as exc:
+        raise api_error(exc, "anthropic") from None
+    answer = message(session_id, body, result)
+    if not body.stream:
+        return JSONResponse(answer)
+    return StreamingResponse(
+        (f"event: {e['type']}\ndata: ".encode() + dumps(e) + b"\n\n" for e in events(answer)),
+        media_type="text/event-stream",
+    )
+
+
+def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[str, Any]:
+    """The ``message`` object of a recorded turn."""
+    reply = result.reply
+    content: list[dict[str, Any]] = []
+    if reply.reasoning is not None:
+        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content or not reply.tool_calls:
+        content.append({"type": "text", "text": reply.content})
+    for c in reply.tool_calls:
+        args = c.parsed_arguments()
+        content.append(
+            {"type": "tool_use", "id": c.id, "name": c.name, "input": args if isinstance(args, dict) else {}}
+        )
+    if result.finish_type == "length":
+        stop = "max_tokens"
+    elif result.stop_sequence is not None:
+        stop = "stop_sequence"
+    else:
+        stop = "tool_use" if reply.tool_calls else "end_turn"
+    turn = result.turn["turn"]
+    return {
+        "id": f"msg_{session_id}_{turn}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": result.stop_sequence,
+        "usage": {"input_tokens": result.prompt_tokens, "output_tokens": len(result.output_ids)},
+        "mixfleet": {"session_id": session_id, "turn": turn, "extends": result.extends},
+    }
+
+
+def events(answer: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Anthropic's stream events of ``answer``, in order."""
+    start = {**answer, "content": [], "stop_reason": None, "stop_sequence": None}
+    start["usage"] = {"input_tokens": answer["usage"]["input_tokens"], "output_tokens": 0}
+    yield {"type": "message_start", "message": start}
+    for i, block in enumerate(answer["content"]):
+        kind = block["type"]
+        if kind == "thinking":
+            first = {"type": "thinking", "thinking": "", "signature": ""}
+            deltas = [
+                {"type": "thinking_delta", "thinking": block["thinking"]},
+                {"type": "signature_delta", "signature": ""},
+            ]
+        elif kind == "text":
+            first, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
+        else:
+            first = {**block, "input": {}}
+            deltas = [
+                {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+            ]
+        yield {"type": "content_block_start", "index": i, "content_block": first}
+        for d in deltas:
+            yield {"type": "content_block_delta", "index": i, "delta": d}
+        yield {"type": "content_block_stop", "index": i}
+    yield {
+        "type": "message_delta",
+        "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": answer["stop_sequence"]},
+        "usage": {"output_tokens": answer["usage"]["output_tokens"]},
+    }
+    yield {"type": "message_stop"}

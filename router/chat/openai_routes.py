@@ -1,0 +1,260 @@
+"""OpenAI Chat Completions per session: base URL ``{router}/v1/sessions/{session_id}/openai/v1``,
+``POST .../chat/completions`` (the official ``openai`` client works unchanged with that base URL
+and a ``rollout`` key).
+
+Supported: text messages (system/developer, user, assistant with ``tool_calls`` and an optional
+``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, single-token ``stop``,
+``logprobs`` / ``top_logprobs``, ``usage`` and ``stream`` (with ``stream_options.include_usage``).
+Anything else that would change the answer is a 400 naming it. The reply carries
+``reasoning_content`` (the sampled ``<think>`` text) and ``mixfleet`` (session, turn, whether it
+extended the recorded history).
+
+Streaming runs the turn first, then sends it as ``chat.completion.chunk`` server-sent events (role,
+reasoning, content, each tool call, the finish reason, usage, ``[DONE]``): the turn recorded is the
+same as without streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.jsonio import dumps
+from router.auth import require
+from router.chat.renderers import Message, Tool, ToolCall
+from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
+from router.errors import AUTH, BODY, ApiError, error_responses
+
+router = APIRouter(
+    prefix="/v1/sessions/{session_id}/openai/v1",
+    tags=["chat"],
+    dependencies=[Depends(require("rollout"))],
+    responses=error_responses(*AUTH),
+)
+
+
+_NO_SUPPORT = (
+    "top_logprobs: a turn that filters nothing records no sampling support to rank; use top_p < 1 or "
+    "temperature 0"
+)
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TextPart(_M):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_M):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_M):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_M):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(_M):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ToolDef(_M):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_M):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_M):
+    model: str = ""
+    messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def chat(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs true")
+        if self.top_logprobs and self.temperature != 0 and (self.top_p is None or self.top_p >= 1):
+            raise ApiError(400, _NO_SUPPORT)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return ChatRequest(
+            messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
+            tools=tuple(
+                Tool(t.function.name, t.function.description, t.function.parameters) for t in self.tools or ()
+            ),
+            max_tokens=self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=tuple(stop),
+            seed=self.seed,
+        )
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text for p in content)
+
+
+def _message(i: int, m: ChatMessage) -> Message:
+    if m.name is not None:
+        raise ApiError(400, f"messages[{i}].name: the chat template cannot render a participant name")
+    if m.role != "assistant" and (m.tool_calls or m.reasoning_content is not None):
+        raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls or reasoning_content")
+    if m.role == "tool":
+        return Message("tool", _text(m.content), tool_call_id=m.tool_call_id)
+    if m.role == "assistant":
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+        return Message("assistant", _text(m.content), reasoning=m.reasoning_content, tool_calls=calls)
+    return Message("system" if m.role == "developer" else m.role, _text(m.content))
+
+
+@router.post(
+    "/chat/completions",
+    summary="OpenAI Chat Completions on this session",
+    responses=error_responses(*BODY, 404, 409, 502, 503),
+)
+async def chat_completions(request: Request, session_id: str, body: ChatCompletionRequest) -> Response:
+    try:
+        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+        answer = completion(session_id, body, result)
+    except ApiError as exc:
+        raise api_error(exc, "openai") from None
+    if not body.stream:
+        return JSONResponse(answer)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = (b"data: " + dumps(c) + b"\n\n" for c in chunks(answer, include_usage))
+    return StreamingResponse(_then_done(events), media_type="text/event-stream")
+
+
+def _then_done(events: Iterator[bytes]) -> Iterator[bytes]:
+    yield from events
+    yield b"data: [DONE]\n\n"
+
+
+def completion(session_id: str, body: ChatCompletionRequest, result: ChatResult) -> dict[str, Any]:
+    """The ``chat.completion`` object of a recorded turn."""
+    reply = result.reply
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in reply.tool_calls
+        ]
+    finish = "tool_calls" if reply.tool_calls else "stop"
+    if result.finish_type == "length":
+        finish = "length"
+    n_out = len(result.output_ids)
+    turn = result.turn["turn"]
+    return {
+        "id": f"chatcmpl-{session_id}-{turn}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _logprobs(result, body.top_logprobs or 0) if body.logprobs else None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": result.prompt_tokens + n_out,
+        },
+        "mixfleet": {"session_id": session_id, "turn": turn, "extends": result.extends},
+    }
+
+
+def _entry(text: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": text, "logprob": -9999.0 if logprob is None else logprob, "bytes": list(text.encode())}
+
+
+def _logprobs(result: ChatResult, top: int) -> dict[str, Any]:
+    """Per sampled token its behaviour log-prob and, with ``top``, the most likely of the turn's
+    recorded sampling support (400 when the turn recorded none: it filtered nothing)."""
+    decode = result.renderer.decode
+    content = []
+    for rec in result.turn["records"]:
+        item = _entry(decode([rec["token_id"]]), rec["logprob"])
+        if top:
+            if not rec["support_ids"]:
+                raise ApiError(400, _NO_SUPPORT)
+            ranked = sorted(
+                zip(rec["support_ids"], rec["support_logprobs"], strict=True),
+                key=lambda x: -9999.0 if x[1] is None else -x[1],
+            )
+            item["top_logprobs"] = [_entry(decode([i]), lp) for i, lp in ranked[:top]]
+        else:
+            item["top_logprobs"] = []
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of ``answer``, in stream order."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return head | {
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        }
+
+    yield chunk({"role": "assistant", "content": ""})
+    if "reasoning_content" in message:
+        yield chunk({"reasoning_content": message["reasoning_content"]})
+    if message["content"] is not None or choice["logprobs"] is not None:
+        yield chunk({"content": message["content"] or ""}, logprobs=choice["logprobs"])
+    for i, call in enumerate(message.get("tool_calls", ())):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, finish=choice["finish_reason"])
+    if include_usage:
+        yield head | {"choices": [], "usage": answer["usage"]}

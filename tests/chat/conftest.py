@@ -1,0 +1,53 @@
+"""Live fixtures of the chat tests: the ``tiny-chat`` model, a real engine behind the scripted
+stand-in (:mod:`tests.chat.scripted`) and a real router whose chat model is that checkpoint."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from router.chat.renderers import load_renderer
+from tests.chat.scripted import scripted_engine
+from tests.support.engines import engine_process
+from tests.support.models import make_model_dir
+from tests.support.router import router_process, write_preset
+
+
+@pytest.fixture(scope="session")
+def chat_model(model_root):
+    return make_model_dir(model_root, "tiny-chat", "bf16")
+
+
+@pytest.fixture(scope="module")
+def renderer(chat_model):
+    return load_renderer(chat_model)
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model):
+    with engine_process(chat_model) as url, scripted_engine(url) as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def router(engine, chat_model, tmp_path_factory):
+    preset = write_preset(
+        tmp_path_factory.mktemp("chat") / "preset.toml",
+        [{"name": "cpu", "replicas": [engine.url], "sessions_per_replica": 8}],
+    )
+    with router_process(preset, env={"MIXFLEET_CHAT_MODEL": str(chat_model)}) as handle:
+        yield handle
+
+
+@pytest.fixture
+def session(router):
+    """A fresh session: its create answer (ids and both base URLs)."""
+    r = httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def trajectory(router, session_id: str) -> list[dict]:
+    r = httpx.get(f"{router.url}/v1/sessions/{session_id}/trajectory", headers=router.headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["turns"]

@@ -1,0 +1,81 @@
+"""A scripted SGLang-protocol engine for the chat tests: a loopback proxy in front of a real local
+engine that records every ``/generate`` exchange and, while a script is queued, answers the next
+one with the scripted output ids.
+
+A scripted answer is the real engine's answer to the same request asked for exactly as many
+tokens (``ignore_eos``, no stop ids) with the sampled ids replaced by the script: every field the
+router reads keeps the engine's shape (the log-probs are those of the tokens the engine drew, not
+of the script's); its finish reason is ``stop`` on the script's last id when that is one of the
+request's stop ids, else ``length``. Only turns without a sampling mask (temperature > 0,
+``top_p`` 1) are scripted. Everything else passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.recorder import HOP, serve_in_thread
+
+
+@dataclass
+class ScriptedEngine:
+    """``script``: queued output ids, one list per turn; ``generated``: ``(input_ids, output_ids)``
+    of every ``/generate`` answered, in order."""
+
+    upstream: str
+    url: str = ""
+    script: list[list[int]] = field(default_factory=list)
+    generated: list[tuple[list[int], list[int]]] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        script = self.script.pop(0) if request.path == "/generate" and self.script else None
+        sent = body
+        if script is not None:
+            req = json.loads(body)
+            params = dict(req["sampling_params"])
+            stops = set(params.pop("stop_token_ids", ()) or ())
+            params.update(max_new_tokens=len(script), ignore_eos=True)
+            sent = json.dumps({**req, "sampling_params": params}).encode()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, self.upstream + request.path_qs, data=sent, headers=headers) as r,
+        ):
+            answer = await r.read()
+            status, ctype = r.status, r.content_type
+        if request.path == "/generate" and status == 200:
+            out = json.loads(answer)
+            if script is not None:
+                out = _scripted(out, script, stops)
+                answer = json.dumps(out).encode()
+            self.generated.append((json.loads(body)["input_ids"], out["output_ids"]))
+        return web.Response(status=status, body=answer, content_type=ctype)
+
+
+def _scripted(out: dict, script: list[int], stops: set[int]) -> dict:
+    meta = dict(out["meta_info"])
+    assert len(out["output_ids"]) == len(script), "the engine did not generate the scripted length"
+    meta["output_token_logprobs"] = [
+        [lp, tok, None] for (lp, _t, _x), tok in zip(meta["output_token_logprobs"], script, strict=True)
+    ]
+    last = script[-1]
+    meta["finish_reason"] = (
+        {"type": "stop", "matched": last} if last in stops else {"type": "length", "length": len(script)}
+    )
+    return {**out, "output_ids": list(script), "meta_info": meta}
+
+
+@contextlib.contextmanager
+def scripted_engine(upstream: str) -> Iterator[ScriptedEngine]:
+    """Serve a :class:`ScriptedEngine` in front of ``upstream`` until the block ends."""
+    engine = ScriptedEngine(upstream)
+    with serve_in_thread(engine.handle, "scripted-engine") as url:
+        engine.url = url
+        yield engine

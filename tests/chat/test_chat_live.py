@@ -1,0 +1,253 @@
+"""The chat APIs per session with the official ``openai`` and ``anthropic`` clients against a live
+router and engine (scripted where a reply must be a real tool call: :mod:`tests.chat.scripted`):
+multi-turn tool use, an edited history, streaming against non-streaming, and every stored turn
+equal to the tokens the engine saw and answered."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.chat.conftest import trajectory
+
+TOOL_CALL = (
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+)
+ANSWER = "<think>\nI have it.\n</think>\n\nIt is 20 degrees in Paris.<|im_end|>"
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+OPENAI_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMS}}
+]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": PARAMS}]
+
+
+def _openai(router, session) -> openai.OpenAI:
+    return openai.OpenAI(base_url=session["openai_base_url"], api_key=router.key, max_retries=0)
+
+
+def _anthropic(router, session) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key, max_retries=0)
+
+
+def _check_stored(engine, turns: list[dict]) -> None:
+    """Each stored turn is an exchange the engine had (its input and output ids), and each turn's
+    context extends the previous turn's context and sampled ids."""
+    for t in turns:
+        assert (t["input_ids"], t["output_ids"]) in engine.generated
+    for prev, t in zip(turns, turns[1:], strict=False):
+        seen = prev["input_ids"] + prev["output_ids"]
+        assert t["input_ids"][: len(seen)] == seen
+
+
+def test_session_has_both_base_urls(router, session):
+    sid = session["session_id"]
+    assert session["openai_base_url"] == f"{router.url}/v1/sessions/{sid}/openai/v1"
+    assert session["anthropic_base_url"] == f"{router.url}/v1/sessions/{sid}/anthropic"
+
+
+def test_openai_tool_conversation(router, engine, session, renderer):
+    client = _openai(router, session)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    engine.script.append(renderer.encode(TOOL_CALL))
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=200
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    assert choice.message.reasoning_content == "The user wants the weather."
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # the harness sends the reply back without its reasoning, as most do
+    messages.append(
+        {"role": "assistant", "content": choice.message.content, "tool_calls": [call.model_dump()]}
+    )
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'})
+    engine.script.append(renderer.encode(ANSWER))
+    second = client.chat.completions.create(
+        model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=200
+    )
+    assert second.choices[0].message.content == "It is 20 degrees in Paris."
+    assert second.choices[0].finish_reason == "stop" and second.mixfleet["extends"]
+    messages += [
+        {"role": "assistant", "content": "It is 20 degrees in Paris."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    third = client.chat.completions.create(model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=6)
+    assert third.mixfleet == {"session_id": session["session_id"], "turn": 2, "extends": True}
+    turns = trajectory(router, session["session_id"])
+    assert [t["output_ids"][-1] for t in turns[:2]] == [renderer.stop_ids[0]] * 2
+    assert turns[0]["output_ids"] == renderer.encode(TOOL_CALL)
+    assert third.usage.prompt_tokens == len(turns[2]["input_ids"])
+    assert third.usage.completion_tokens == len(turns[2]["output_ids"]) == 6
+    assert "The user wants the weather." in renderer.decode(turns[2]["input_ids"])  # reasoning kept
+    _check_stored(engine, turns)
+
+
+def test_anthropic_tool_conversation(router, engine, session, renderer):
+    client = _anthropic(router, session)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = {"model": "tiny", "max_tokens": 200, "system": "Be brief.", "tools": ANTHROPIC_TOOLS}
+    engine.script.append(renderer.encode(TOOL_CALL))
+    first = client.messages.create(messages=messages, **kw)
+    assert first.stop_reason == "tool_use"
+    assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+    use = first.content[2]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    messages.append({"role": "assistant", "content": first.content})
+    messages.append(
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temp": 20}'}],
+        }
+    )
+    engine.script.append(renderer.encode(ANSWER))
+    with client.messages.stream(messages=messages, **kw) as stream:
+        second = stream.get_final_message()
+    assert second.stop_reason == "end_turn"
+    assert [(b.type, getattr(b, "text", None)) for b in second.content] == [
+        ("thinking", None),
+        ("text", "It is 20 degrees in Paris."),
+    ]
+    turns = trajectory(router, session["session_id"])
+    assert second.usage.input_tokens == len(turns[1]["input_ids"])
+    assert turns[1]["output_ids"] == renderer.encode(ANSWER)
+    text = renderer.decode(turns[1]["input_ids"])
+    assert text.endswith('<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    _check_stored(engine, turns)
+
+
+def test_edited_history_is_a_fork(router, engine, session, renderer):
+    client = _openai(router, session)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    engine.script.append(renderer.encode(TOOL_CALL))
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=200
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages.append({"role": "assistant", "content": "Let me check.", "tool_calls": [call.model_dump()]})
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'})
+    engine.script.append(renderer.encode(ANSWER))
+    client.chat.completions.create(model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=200)
+    edited = [
+        *messages,
+        {"role": "assistant", "content": "It is 25 degrees."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    forked = client.chat.completions.create(model="tiny", messages=edited, tools=OPENAI_TOOLS, max_tokens=4)
+    assert forked.mixfleet["extends"] is False
+    turns = trajectory(router, session["session_id"])
+    assert len(turns) == 3
+    head = turns[1]["input_ids"]  # turn 0 and its sampled ids, then the tool result: unchanged, kept
+    assert turns[2]["input_ids"][: len(head)] == head
+    assert turns[2]["input_ids"][: len(head) + len(turns[1]["output_ids"])] != head + turns[1]["output_ids"]
+    assert renderer.decode(turns[2]["input_ids"][len(head) :]).startswith("It is 25 degrees.<|im_end|>\n")
+    _check_stored(engine, turns[:2])
+    assert (turns[2]["input_ids"], turns[2]["output_ids"]) in engine.generated
+
+
+def _stored(router, session) -> list[dict]:
+    return [{k: v for k, v in t.items() if k != "timings"} for t in trajectory(router, session["session_id"])]
+
+
+def _new_session(router) -> dict:
+    r = httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_openai_streaming_records_as_without(router, engine, session, renderer):
+    messages = [{"role": "user", "content": "Hello"}]
+    kw = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 8,
+        "seed": 7,
+        "top_p": 0.9,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    plain = _openai(router, session).chat.completions.create(**kw)
+    other = _new_session(router)
+    chunks = list(
+        _openai(router, other).chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (plain.choices[0].message.content or "")
+    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    streamed_lp = [
+        x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content
+    ]
+    assert [x.model_dump() for x in streamed_lp] == [
+        x.model_dump() for x in plain.choices[0].logprobs.content
+    ]
+    a, b = _stored(router, session), _stored(router, other)
+    for t in b:
+        t["session_id"] = session["session_id"]
+    assert a == b
+    lp = plain.choices[0].logprobs.content
+    assert [x.logprob for x in lp] == [r["logprob"] for r in a[0]["records"]]
+    assert all(1 <= len(x.top_logprobs) <= 2 for x in lp)
+    _check_stored(engine, a)
+
+
+def test_anthropic_streaming_records_as_without(router, engine, session):
+    """Greedy (the anthropic 2.15 client takes ``temperature`` only as an extra body field)."""
+    kw = {
+        "model": "tiny",
+        "max_tokens": 8,
+        "extra_body": {"temperature": 0.0},
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
+    plain = _anthropic(router, session).messages.create(**kw)
+    other = _new_session(router)
+    with _anthropic(router, other).messages.stream(**kw) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in plain.content]
+    assert final.stop_reason == plain.stop_reason
+    assert final.usage.output_tokens == plain.usage.output_tokens
+    a, b = _stored(router, session), _stored(router, other)
+    for t in b:
+        t["session_id"] = session["session_id"]
+    assert a == b
+
+
+def test_refusals_name_the_problem(router, session):
+    client = _openai(router, session)
+    user = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="only single-token stop sequences"):
+        client.chat.completions.create(model="t", messages=user, stop=["two words"])
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model="t",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        )
+    assert "messages.0.content" in info.value.body["detail"]
+    with pytest.raises(openai.BadRequestError, match="prefilling"):
+        client.chat.completions.create(model="t", messages=[*user, {"role": "assistant", "content": "a"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="t", messages=user, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: a turn that filters nothing"):
+        client.chat.completions.create(model="t", messages=user, max_tokens=2, logprobs=True, top_logprobs=1)
+    ac = _anthropic(router, session)
+    result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
+    with pytest.raises(anthropic.BadRequestError, match="is_error"):
+        ac.messages.create(model="t", max_tokens=4, messages=[{"role": "user", "content": result}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            base_url=session["anthropic_base_url"], api_key="x" * 32, max_retries=0
+        ).messages.create(model="t", max_tokens=4, messages=user)
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(
+            base_url=f"{router.url}/v1/sessions/nope/openai/v1", api_key=router.key
+        ).chat.completions.create(model="t", messages=user)

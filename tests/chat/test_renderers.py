@@ -1,0 +1,233 @@
+"""Renderers per model family: the exact-extension property (every next context starts with the
+previous context and the ids sampled in it), agreement with the family's chat template, kept
+reasoning, edits detected, parsing, and what cannot be represented. The Qwen3 family is tested with
+a Qwen3-style template string and a byte-level BPE tokenizer built here (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+
+from engine.server.tokenizer import Tokenizer as EngineTokenizer
+from router.chat.conversation import build_context
+from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
+from router.records import TurnData
+from weight_sync.base_model import PRESETS, write_tokenizer
+
+# Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), in its usual multi-line spelling.
+QWEN3_TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+
+CORPUS = [
+    "The weather in Paris is sunny and 20 degrees. Let me check the weather for you.",
+    'get_weather {"city": "Paris"} {"temp": 20} It is 20 degrees in Paris. Thanks! You are welcome.',
+    "You may call one or more functions to assist with the user query. function signatures",
+] * 20
+
+
+def _qwen3_dir(root: Path) -> Path:
+    """A Qwen3-style checkpoint's tokenizer files: byte-level BPE with merges, Qwen3's added tokens."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t in (
+                "<think>",
+                "</think>",
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+            )
+        ]
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE}))
+    return root
+
+
+@pytest.fixture(scope="module", params=["local", "qwen3"])
+def renderer(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "local":
+        write_tokenizer(root, "tiny-chat")
+    else:
+        _qwen3_dir(root)
+    r = load_renderer(root)
+    assert r.family == request.param
+    return r
+
+
+TOOLS = (
+    Tool(
+        "get_weather", "The weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}}
+    ),
+)
+SAMPLED = [
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "<think>\nI have it.\n</think>\n\nIt is 20 degrees in Paris.",
+    "<think>\n\n</think>\n\nYou are welcome.",
+]
+
+
+def _sample(renderer, text: str, stop: bool = True) -> list[int]:
+    return renderer.encode(text) + ([renderer.stop_ids[0]] if stop else [])
+
+
+def _turn(i: int, input_ids: list[int], output_ids: list[int]) -> TurnData:
+    n = len(output_ids)
+    return TurnData(i, "g", "r", input_ids, output_ids, [0.0] * n, [0.0] * n, [[]] * n, [[]] * n)
+
+
+def _conversation(renderer):
+    """Three turns of a tool-using conversation: (messages, turns) after each, the harness sending
+    back each reply as the API returned it (without its reasoning)."""
+    messages = [Message("system", "Be brief."), Message("user", "Weather in Paris?")]
+    follow = [[Message("tool", '{"temp": 20}', tool_call_id="call_1")], [Message("user", "Thanks!")]]
+    turns: list[TurnData] = []
+    steps = []
+    for i, text in enumerate(SAMPLED):
+        ctx = build_context(renderer, messages, TOOLS, turns)
+        steps.append((list(messages), ctx))
+        out = _sample(renderer, text)
+        turns.append(_turn(i, ctx.input_ids, out))
+        reply = renderer.parse(out)
+        messages.append(Message("assistant", reply.content, tool_calls=reply.tool_calls))
+        if i < len(follow):
+            messages += follow[i]
+    return steps, turns
+
+
+def test_exact_extension(renderer):
+    steps, turns = _conversation(renderer)
+    for i, (_, ctx) in enumerate(steps):
+        assert ctx.extends and ctx.kept == i
+        if i:
+            prev = turns[i - 1]
+            assert ctx.input_ids[: len(prev.input_ids) + len(prev.output_ids)] == [
+                *prev.input_ids,
+                *prev.output_ids,
+            ]
+
+
+def test_agrees_with_the_chat_template(renderer):
+    """Within the tool loop (after the last user message) the template keeps the reasoning too:
+    the segment-wise context is the whole template render, tokenized as one string."""
+    steps, _ = _conversation(renderer)
+    messages, ctx = steps[1]
+    with_reasoning = [
+        Message("assistant", m.content, reasoning="The user wants the weather.", tool_calls=m.tool_calls)
+        if m.role == "assistant"
+        else m
+        for m in messages
+    ]
+    text = renderer.render_text(with_reasoning, TOOLS, gp=True)
+    assert ctx.input_ids == renderer.encode(text)
+    messages, ctx = steps[0]
+    assert ctx.input_ids == renderer.encode(renderer.render_text(messages, TOOLS, gp=True))
+
+
+def test_sampled_reasoning_is_kept(renderer):
+    """After a new user message the template would drop earlier reasoning; the context keeps the
+    sampled ids verbatim."""
+    steps, turns = _conversation(renderer)
+    _, last = steps[2]
+    for t in turns[:2]:
+        n = len(t.output_ids)
+        at = len(t.input_ids)
+        assert last.input_ids[at : at + n] == list(t.output_ids)
+    assert "The user wants the weather." in renderer.decode(last.input_ids)
+
+
+def test_edited_history_does_not_extend(renderer):
+    steps, turns = _conversation(renderer)
+    messages = list(steps[2][0])
+    i = max(j for j, m in enumerate(messages) if m.role == "assistant")
+    messages[i] = Message("assistant", "It is 25 degrees in Paris.")
+    ctx = build_context(renderer, messages, TOOLS, turns)
+    assert not ctx.extends and ctx.kept == 1
+    first = turns[0]
+    prefix = [*first.input_ids, *first.output_ids]
+    assert ctx.input_ids[: len(prefix)] == prefix
+    assert "It is 25 degrees in Paris.<|im_end|>" in renderer.decode(ctx.input_ids)
+    other_tools = build_context(renderer, steps[2][0], (), turns)
+    assert not other_tools.extends and other_tools.kept == 0
+
+
+def test_parse(renderer):
+    reply = renderer.parse(_sample(renderer, SAMPLED[0]))
+    assert (
+        reply.stopped
+        and reply.content == "Let me check."
+        and reply.reasoning == "The user wants the weather."
+    )
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert reply.tool_calls[0].id == renderer.parse(_sample(renderer, SAMPLED[0])).tool_calls[0].id
+    broken = renderer.parse(_sample(renderer, "Sure.\n<tool_call>\n{not json}\n</tool_call>"))
+    assert broken.tool_calls == () and broken.content.startswith("Sure.\n<tool_call>")
+    cut = _sample(renderer, "It is 20", stop=False)
+    assert not renderer.parse(cut).stopped
+    assert renderer.decode(renderer.close(cut)) == "<|im_end|>\n"
+    assert renderer.decode(renderer.close(_sample(renderer, "It is 20"))) == "\n"
+
+
+def test_tool_results_render_back(renderer):
+    steps, _ = _conversation(renderer)
+    text = renderer.decode(steps[1][1].input_ids)
+    assert text.endswith(
+        '<|im_start|>user\n<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+    )
+    assert '"name": "get_weather"' in renderer.decode(steps[0][1].input_ids)
+
+
+def test_refusals(renderer):
+    assert renderer.stop_token("<|im_end|>") == renderer.stop_ids[0]
+    with pytest.raises(RenderError, match="stop sequence 'never mind' is"):
+        renderer.stop_token("never mind")
+    with pytest.raises(RenderError, match="last message is an assistant message"):
+        build_context(renderer, [Message("user", "a"), Message("assistant", "b")], (), [])
+    with pytest.raises(RenderError, match=r"messages\[1\]: a system message"):
+        build_context(renderer, [Message("user", "a"), Message("system", "b")], (), [])
+    with pytest.raises(RenderError, match="at least one message"):
+        build_context(renderer, [], (), [])
+    call = ToolCall("c", "f", "{}")
+    assert (
+        build_context(
+            renderer,
+            [Message("user", "a"), Message("assistant", "", tool_calls=(call,)), Message("tool", "r")],
+            (),
+            [],
+        ).kept
+        == 0
+    )
+
+
+def test_local_tokenizer_files(tmp_path):
+    """tiny-chat: the chat tokens after the special tokens, the same bytes every time, read the
+    same by the engine's tokenizer and by the tokenizers library."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    write_tokenizer(a, "tiny-chat")
+    write_tokenizer(b, "tiny-chat")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert PRESETS["tiny-chat"].vocab_size == 267 and PRESETS["tiny"].vocab_size == 259
+    text = "<|im_start|>user\nHé<|im_end|>\n<think>x</think><tool_call>"
+    lib = tokenizers.Tokenizer.from_file(str(a / "tokenizer.json"))
+    engine = EngineTokenizer.from_dir(a)
+    assert lib.encode(text, add_special_tokens=False).ids == engine.encode(text)
+    assert engine.vocab_size == 267 and engine.special_ids["<|im_end|>"] == 260

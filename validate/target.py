@@ -1,0 +1,102 @@
+"""What ``mixfleet validate`` checks a group against: the group as the live fleet describes it.
+
+A :class:`GroupTarget` joins, for one group, the router's weight status (``GET /v1/weights``:
+format, desired version, replicas and their active versions), the preset's fields the router
+publishes with its ledger (``GET /v1/ledger``: accelerator, KV-cache dtype), each replica's
+sidecar status (``/v1/status``, ``clients.sidecar``: the engine URL) and the version store on
+this machine: the directory of the group's active version and the trainer's BF16 weights of that version
+(``<store>/<run>/bf16/vN``, which a run keeps whenever it serves or publishes bf16, or the
+``--checkpoint`` override).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import UserError
+from validate import engine_calls
+from weight_sync.store.local import LocalStore
+from weight_sync.types import VersionRef
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    replica_id: str
+    url: str
+    active_version: int | None
+    engine_url: str | None
+
+
+@dataclass(frozen=True)
+class GroupTarget:
+    name: str
+    format: str
+    accelerator: str | None
+    kv_cache_dtype: str | None
+    run_id: str
+    version: int | None
+    replicas: tuple[ReplicaTarget, ...]
+    version_dir: Path | None
+    bf16_dir: Path | None
+    staleness: int | None
+
+
+def discover(
+    client: Any,
+    store_root: Path | None,
+    groups: list[str] | None,
+    checkpoint: Path | None,
+    max_version_lag: int | None = None,
+) -> list[GroupTarget]:
+    """The chosen groups (default: all) of the fleet behind ``client`` (``clients.router.WeightsClient``).
+
+    Raises ``UserError`` naming an unknown group, or when nothing is published.
+    """
+    status = client.status()
+    if status.get("latest_version") is None:
+        raise UserError("nothing is published yet: publish a version before validating")
+    ledger = client.call("GET", "/v1/ledger")  # the preset's fields, as the router serves them
+    specs = {g["name"]: g for g in ledger.get("groups", [])}
+    names = [g["group"] for g in status["groups"]]
+    unknown = sorted(set(groups or []) - set(names))
+    if unknown:
+        raise UserError(f"unknown group(s) {', '.join(unknown)} (the fleet has {', '.join(names)})")
+    store = LocalStore(store_root) if store_root is not None else None
+    run_id = status["run_id"]
+    out = []
+    for g in status["groups"]:
+        if groups and g["group"] not in groups:
+            continue
+        reps = tuple(_replica(r) for r in g["replicas"] if r.get("fresh", True))
+        versions = {r.active_version for r in reps}
+        version = versions.pop() if len(versions) == 1 else g.get("desired_version")
+        spec = specs.get(g["group"], {})
+        out.append(
+            GroupTarget(
+                name=g["group"],
+                format=g["format"],
+                accelerator=spec.get("accelerator"),
+                kv_cache_dtype=spec.get("kv_cache_dtype"),
+                run_id=run_id,
+                version=version,
+                replicas=reps,
+                version_dir=_dir(store, run_id, g["format"], version),
+                bf16_dir=checkpoint if checkpoint is not None else _dir(store, run_id, "bf16", version),
+                staleness=max_version_lag,
+            )
+        )
+    return out
+
+
+def _dir(store: LocalStore | None, run_id: str, fmt: str, version: int | None) -> Path | None:
+    if store is None or version is None:
+        return None
+    d = Path(store.version_dir(VersionRef(run_id, fmt, version)))
+    return d if d.is_dir() else None
+
+
+def _replica(r: dict[str, Any]) -> ReplicaTarget:
+    status = engine_calls.sidecar_status(r["url"]) or {}  # no answer: level 3 runs without the engine
+    return ReplicaTarget(r["replica_id"], r["url"], r.get("active_version"), status.get("engine_url"))
