@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
+from core.formats import FORMATS
 from tests.support.models import make_model_dir
 from validate import contract, converter
 from validate.run import read_prompts
 from validate.target import GroupTarget
 from validate.thresholds import RATIONALE, Bounds, bounds, table
 from weight_sync.convert import convert_checkpoint
-from weight_sync.formats import FORMATS
 from weight_sync.manifest import Manifest
 from weight_sync.store.local import LocalStore
 from weight_sync.types import VersionRef
