@@ -275,11 +275,12 @@ def replica_key(keys: dict[str, list[str]]) -> tuple[dict[str, list[str]], str]:
 
 
 def ensure_base(base: Path, model_preset: str) -> None:
-    """The base policy in ``base``: created by ``init-model`` (``model_preset``) when it holds no
+    """The base policy in ``base``: written as ``mixfleet init-model`` writes it
+    (:func:`weight_sync.base_model.write_model`, preset ``model_preset``) when it holds no
     ``config.json``, written aside and moved into place."""
     if (base / "config.json").is_file():
         return
-    from mixfleet.init_model import write_model
+    from weight_sync.base_model import write_model
 
     print(f"creating the {model_preset} base policy in {base} ...", flush=True)
     partial = base.with_name(base.name + ".partial")
