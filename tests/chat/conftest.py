@@ -36,7 +36,7 @@ def router(engine, chat_model, tmp_path_factory):
         tmp_path_factory.mktemp("chat") / "preset.toml",
         [{"name": "cpu", "replicas": [engine.url], "sessions_per_replica": 8}],
     )
-    with router_process(preset, env={"MIXFLEET_CHAT_MODEL": str(chat_model)}) as handle:
+    with router_process(preset, extra_args=("--chat-model", str(chat_model))) as handle:
         yield handle
 
 
