@@ -21,7 +21,12 @@ standing in for the engine's own time. Printed:
 * the trainer's take + decode time per trajectory (``POST /v1/batches/take`` of one trajectory,
   then :func:`trainer.batch.decode_batch`).
 
-The chat endpoints' added cost beside the raw turn API is not measured yet (the raw API only).
+* the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
+  started with a ``tiny-chat`` checkpoint as its chat model): ``--chat-turns`` turns whose user
+  messages (tool output, one token per character) grow the context to ``--chat-context`` tokens,
+  each sending back the previous reply as the assistant message; its latency is set beside the
+  same direct figures by context size (the raw API's, approximately the same token counts).
+
 Targets: added p50 <= 3 ms per turn at 128K context; router CPU <= 1 ms per turn at short
 contexts. All processes share this machine's cores: the figures depend on the machine and on
 what else runs.
@@ -36,9 +41,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +59,6 @@ from benchmarks.router import (  # noqa: E402
     SUPPORT,
     Conn,
     _event_loop_policy,
-    _stub_generate_body,
     build_request,
     cpu_seconds,
     pct,
@@ -64,12 +70,36 @@ BUCKETS = (8192, 32768, 65536, 98304, 1 << 62)
 SAMPLING = b'"sampling_params":{"max_new_tokens":64,"top_k":32}'
 
 
+OUT_IDS = [ord("a") + i % 26 for i in range(N_OUT)]  # text a chat renderer decodes and matches
+
+
+def stub_body() -> bytes:
+    """``benchmarks/router.py``'s stub answer (SGLang's ``meta_info`` shape) with ASCII ids."""
+    lp, raw = -math.log(SUPPORT), -math.log(2 * SUPPORT)
+    masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in OUT_IDS]
+    meta = {
+        "id": "stub",
+        "finish_reason": {"type": "length", "length": N_OUT},
+        "prompt_tokens": 4,
+        "completion_tokens": N_OUT,
+        "cached_tokens": 0,
+        "weight_version": "0",
+        "weight_versions": [{"version": 0, "start": 0, "end": N_OUT}],
+        "output_token_logprobs": [[raw, t, None] for t in OUT_IDS],
+        "output_token_sampling_mask": masks,
+        "output_token_sampling_logprobs": [lp for _ in OUT_IDS],
+        "output_token_sampling_support_logprobs": [[lp] * len(m) for m in masks],
+    }
+    return json.dumps({"text": "", "output_ids": OUT_IDS, "meta_info": meta}).encode()
+
+
 async def serve_slow_stub(port: int, delay_s: float) -> None:
-    """The router benchmark's stub engine, answering ``/generate`` after ``delay_s`` seconds."""
-    generate = _stub_generate_body()
+    """A stub engine answering ``/generate`` with :func:`stub_body` after ``delay_s`` seconds."""
+    generate = stub_body()
     info = {"model_path": "stub", "is_generation": True, "vocab_size": VOCAB, "weight_version": "0"}
     server = {"weight_version": "0", "internal_states": [{}]}
-    small = {b"/health": b"", b"/health_generate": b"", b"/get_weight_version": b'{"weight_version":"0"}'}
+    small = {b"/health": b"", b"/health_generate": b"", b"/abort_request": b""}
+    small[b"/get_weight_version"] = b'{"weight_version":"0"}'
     for path, value in ((b"/model_info", info), (b"/get_model_info", info), (b"/server_info", server)):
         small[path] = json.dumps(value).encode()
     small[b"/get_server_info"] = small[b"/server_info"]
@@ -112,7 +142,7 @@ async def serve_slow_stub(port: int, delay_s: float) -> None:
 class Agent:
     """One session's growing context, kept as the JSON text of its ids (appended, never rebuilt)."""
 
-    OUT = ",".join(str(t) for t in range(100, 100 + N_OUT)).encode()
+    OUT = ",".join(str(t) for t in OUT_IDS).encode()
 
     def __init__(self, seed: int, turns: int, max_context: int) -> None:
         self.rng = random.Random(seed)
@@ -172,11 +202,61 @@ async def run_agents(
     return lat, sids
 
 
+class ChatAgent:
+    """One session over the OpenAI chat endpoint: the messages so far, kept as JSON text; each
+    turn adds the last reply as the assistant message and a new user message of tool output."""
+
+    def __init__(self, seed: int, turns: int, max_context: int) -> None:
+        self.rng = random.Random(seed)
+        self.sizes = [max(16, max_context * (t + 1) // turns) for t in range(turns)]
+        self.messages = b""
+        self.n = 0
+
+    def next_body(self, turn: int, reply: str | None) -> bytes:
+        if reply is not None:
+            self.messages += b"," + json.dumps({"role": "assistant", "content": reply}).encode()
+            self.n += N_OUT
+        text = "".join(self.rng.choice("abcdefghij klmnop") for _ in range(self.sizes[turn] - self.n))
+        user = json.dumps({"role": "user", "content": text}).encode()
+        self.messages = user if not self.messages else self.messages + b"," + user
+        self.n = self.sizes[turn]
+        return b'{"model":"stub","max_tokens":64,"top_p":0.9,"messages":[' + self.messages + b"]}"
+
+
+async def run_chat_agents(
+    port: int, auth: dict[str, str], sessions: int, turns: int, max_context: int
+) -> dict[int, list[float]]:
+    """As :func:`run_agents` through ``POST {openai_base_url}/chat/completions``."""
+    lat: dict[int, list[float]] = {}
+
+    async def one(i: int) -> None:
+        conn = await Conn.open(port)
+        agent = ChatAgent(i, turns, max_context)
+        try:
+            status, data = await conn.send(build_request("POST", "/v1/sessions", b"{}", auth))
+            assert status == 200, data
+            sid = json.loads(data)["session_id"]
+            path = f"/v1/sessions/{sid}/openai/v1/chat/completions"
+            reply = None
+            for t in range(turns):
+                request = build_request("POST", path, agent.next_body(t, reply), auth)
+                t0 = time.perf_counter()
+                status, data = await conn.send(request)
+                lat.setdefault(bucket(agent.n), []).append(time.perf_counter() - t0)
+                assert status == 200, data[:300]
+                reply = json.loads(data)["choices"][0]["message"]["content"]
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one(i) for i in range(sessions)))
+    return lat
+
+
 def record_bytes() -> float:
     """Bytes of one generated token's records in a stored turn block (stub answer, 1-id input)."""
     from router.records import encode_stored, parse_turn
 
-    body = json.loads(_stub_generate_body())
+    body = json.loads(stub_body())
     turn = parse_turn(body, index=0, group="g", replica="r", input_ids=[1], moved_from=None, timings={})
     blob, _ = encode_stored(turn)  # the router's default: float32 support log-probs
     return len(blob) / N_OUT
@@ -224,9 +304,10 @@ async def take_and_decode(url: str, key: str, n: int) -> tuple[list[float], list
     async with AsyncRolloutClient(url, key) as client:
         for _ in range(n):
             t0 = time.perf_counter()
-            content, _ = await client.request(
+            answer = await client.router.request(
                 "POST", "/v1/batches/take", {"size": 1}, accept=RECORDS_MEDIA_TYPE
             )
+            content = answer.content
             t1 = time.perf_counter()
             batch = decode_batch(content)
             decodes.append(time.perf_counter() - t1)
@@ -254,15 +335,18 @@ def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]
 
 
 def start_router(
-    stack: contextlib.ExitStack, preset: Path, state: str, key: str, log: Path
+    stack: contextlib.ExitStack, preset: Path, state: str, key: str, log: Path, chat_model: Path
 ) -> tuple[int, int]:
-    """A real ``mixfleet router`` process; its port and pid."""
+    """A real ``mixfleet router`` process (its chat model: ``chat_model``); its port and pid."""
     from benchmarks.router import _wait, spawn
     from tests.support.procs import free_port, mixfleet_argv
 
     port = free_port()
     argv = mixfleet_argv("router", "--preset", str(preset), "--port", str(port), "--log-level", "warning")
-    env = {"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})}
+    env = {
+        "MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]}),
+        "MIXFLEET_CHAT_MODEL": str(chat_model),
+    }
     proc = stack.enter_context(spawn([*argv, "--state", state], env=env, log=log))
     _wait(f"http://127.0.0.1:{port}/healthz", proc)
     time.sleep(1.5)  # the first health poll puts the stub in rotation
@@ -303,6 +387,14 @@ async def measure_state(
     await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False)
     short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
     print(f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms)")
+    if args.chat_turns:
+        cpu0 = cpu_seconds(pid)
+        chat = await run_chat_agents(port, auth, args.sessions, args.chat_turns, args.chat_context)
+        n_chat = args.sessions * args.chat_turns
+        per_turn = (cpu_seconds(pid) - cpu0) / n_chat
+        print(f"  OpenAI chat endpoint, {args.chat_turns} turns to {args.chat_context} tokens:")
+        report_latency(chat, direct)
+        print(f"  router CPU per chat turn: {per_turn * 1000:.2f} ms over {n_chat} turns")
     takes, decodes, sizes = await take_and_decode(f"http://127.0.0.1:{port}", key, min(8, args.sessions))
     print(
         f"  bytes served per trajectory (binary batch): {sum(sizes) / len(sizes) / 1e6:.2f} MB "
@@ -321,6 +413,8 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=131072)
     ap.add_argument("--engine-s", type=float, default=1.0, help="the stub engine's time per turn")
     ap.add_argument("--short-turns", type=int, default=10)
+    ap.add_argument("--chat-turns", type=int, default=57, help="turns of the chat pass (0: none)")
+    ap.add_argument("--chat-context", type=int, default=131072, help="context of the chat pass's last turn")
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -329,11 +423,13 @@ def main() -> int:
         asyncio.run(serve_slow_stub(args.serve_stub, args.engine_s))
         return 0
     from benchmarks.router import _wait, spawn
-    from tests.support.procs import free_port, redis_server
+    from tests.support.procs import free_port, mixfleet_argv, redis_server
     from tests.support.router import write_preset
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-agent-"))
     key = secrets.token_hex(16)
+    chat_model = tmp / "chat-model"
+    subprocess.run(mixfleet_argv("init-model", str(chat_model), "--preset", "tiny-chat"), check=True)
     with contextlib.ExitStack() as stack:
         stub_port = free_port()
         argv = [sys.executable, __file__, "--serve-stub", str(stub_port), "--engine-s", str(args.engine_s)]
@@ -352,7 +448,8 @@ def main() -> int:
         direct, _ = asyncio.run(run_agents(stub_port, {}, args.sessions, args.turns, args.max_context, True))
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
-            port, pid = start_router(stack, preset, redis_url or "memory", key, tmp / f"router-{kind}.log")
+            log = tmp / f"router-{kind}.log"
+            port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model)
             print(f"\n{kind} state:")
             asyncio.run(measure_state(args, port, pid, key, redis_url, direct))
     return 0

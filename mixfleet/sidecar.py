@@ -15,8 +15,7 @@ import tempfile
 from pathlib import Path
 
 from core.errors import UserError
-
-FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+from core.formats import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,10 @@ SGLang) and is the replica's only public port:
 
 - **Proxy**: SGLang's generation routes (``/generate``, streaming included, ``/health_generate``,
   ``/model_info``, ``/server_info`` and their ``/get_*`` aliases) go to the engine unchanged.
-  The engine's control routes (weights, pause, continue, flush, abort, memory, profiling) answer
-  403: only the sidecar drives them.
+  The engine's control routes (weights, pause, continue, flush, memory, profiling) answer
+  403: only the sidecar drives them. ``/abort_request`` naming one request (``rid``, no
+  ``abort_all``) is proxied, so the router can abort a turn whose client went away; an abort of
+  every request, or one without a ``rid``, is a control route (403).
 - **Health**: ``/health`` is 200 only while the engine answers and the replica is *ready*: it
   has served the store pointer's version at least once since the sidecar started (a new
   replica joins at the current version). ``/metrics`` is the sidecar's own ``mixfleet_replica_*``
@@ -75,7 +77,6 @@ BLOCKED = (
     "/pause_generation",
     "/continue_generation",
     "/flush_cache",
-    "/abort_request",
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/start_profile",
@@ -252,6 +253,23 @@ for _path in BLOCKED:
     )
 for _path in PROXIED_GET:
     routes.add_api_route(_path, _proxy_simple(_path), methods=["GET", "POST"], include_in_schema=False)
+
+
+@routes.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """SGLang's ``/abort_request`` (``AbortReq``: ``rid``, ``abort_all``; io_struct.py 2285-2296),
+    proxied for one named request only."""
+    try:
+        body = loads(await request.body() or b"{}")
+    except ValueError:
+        return _error(400, "/abort_request: the body is not JSON")
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not (isinstance(rid, str) and rid) or body.get("abort_all"):
+        return _error(
+            403, "/abort_request of more than one named request (abort_all, or no rid) is a control route; "
+            "only its sidecar may call it",
+        )
+    return await _proxy_simple("/abort_request")(request)
 
 
 @routes.post("/generate")

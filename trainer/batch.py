@@ -79,6 +79,21 @@ class Batch:
             )
         return flat.reshape(flat.shape[0], flat.shape[1] // top_k, top_k)
 
+    def sequence_routes(self, turn: int, top_k: int) -> np.ndarray | None:
+        """The recorded experts of every position of turn ``turn``'s sequence (its input, then its
+        output): int32 ``[len(input_ids) + outputs, layers, top_k]``, -1 where none were recorded
+        (always its last position: nothing was computed there); None when the turn has none."""
+        routes = self.routes(turn, top_k)
+        if routes is None:
+            return None
+        t = self.turns[turn]
+        length = len(t["input_ids"]) + int(t["token_end"]) - int(t["token_start"])
+        out = np.full((length, *routes.shape[1:]), -1, dtype=np.int32)
+        start = int(t["routed_experts"]["start"])
+        rows = routes[: max(0, length - start)]
+        out[start : start + rows.shape[0]] = rows
+        return out
+
     def rewards(self) -> np.ndarray:
         """Per-token reward of the token's trajectory (NaN when the trajectory has none)."""
         per = np.array(

@@ -109,10 +109,10 @@ class Policy:
         """Logits [B, L, V] (float32) of right-padded ``sequences``, computed under BF16 autocast.
 
         ``routes`` (one per sequence, None: none recorded): int ``[rows, layers, k]`` for its
-        positions ``[0, rows)``; with ``replay`` they replace the trainer's top-k there (module
-        docstring). Either way :attr:`last_route_differ` is then ``[B, L]`` uint8: 1 where the
-        trainer's own top-k differs from the recorded experts in some MoE layer, 0 where it is the
-        same, :data:`NO_ROUTES` where nothing was recorded."""
+        positions ``[0, rows)``, a row of -1 where none was recorded; with ``replay`` they replace
+        the trainer's top-k there (module docstring). Either way :attr:`last_route_differ` is then
+        ``[B, L]`` uint8: 1 where the trainer's own top-k differs from the recorded experts in some
+        MoE layer, 0 where it is the same, :data:`NO_ROUTES` where nothing was recorded."""
         width = max(len(s) for s in sequences)
         if routes is None:
             self.last_route_differ = None
@@ -159,10 +159,8 @@ class Policy:
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
         k = int(self.model.config.num_experts_per_tok)
-        routes = [batch.routes(i, k) if "routes" in t else None for i, t in enumerate(batch.turns)]
-        for turn, r in zip(batch.turns, routes, strict=True):
-            if r is not None and int(turn["routed_experts"]["start"]) != 0:
-                raise ValueError("routes recorded from a start other than 0 cannot be replayed")
+        routes = [batch.sequence_routes(i, k) for i in range(len(batch.turns))]
+        for turn in batch.turns:
             start, end = int(turn["token_start"]), int(turn["token_end"])
             context = [int(x) for x in turn["input_ids"]]
             output = batch.token_ids[start:end].tolist()

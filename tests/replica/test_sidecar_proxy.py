@@ -91,6 +91,10 @@ def test_info_health_metrics_and_control_routes(replica: tuple[str, str]) -> Non
         assert "sglang:num_running_reqs" in c.get(sidecar + "/engine/metrics").text
         refused = c.post(sidecar + "/pause_generation", json={"mode": "in_place"})
         assert refused.status_code == 403 and "only its sidecar" in refused.json()["error"]["message"]
+        for body in ({"abort_all": True}, {"rid": "x", "abort_all": True}, {}):
+            refused = c.post(sidecar + "/abort_request", json=body)
+            assert refused.status_code == 403 and "only its sidecar" in refused.json()["error"]["message"]
+        assert c.post(sidecar + "/abort_request", json={"rid": "no-such-request"}).status_code == 200
         status = c.get(sidecar + "/v1/status").json()
         assert status["engine_url"] == engine and status["ready"] and status["engine_ok"]
 

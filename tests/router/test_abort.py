@@ -56,7 +56,7 @@ def test_disconnected_turn_is_aborted_at_the_engine_and_not_recorded(proxied) ->
         sid = c.post("/v1/sessions", json={}).json()["session_id"]
         asyncio.run(_disconnecting_turn(router.url, router.headers, sid, 1.0))
         _wait_for(lambda: rec.exchanges("/generate"))  # the engine answered the aborted request
-        (sent, answer), = rec.exchanges("/generate")
+        ((sent, answer),) = rec.exchanges("/generate")
         rid = json.loads(sent)["rid"]
         aborts = [json.loads(body) for body, _ in rec.exchanges("/abort_request")]
         assert aborts == [{"rid": rid}]
@@ -91,3 +91,46 @@ def test_a_turn_that_finishes_is_not_aborted(proxied) -> None:
         assert r.status_code == 200, r.text
     time.sleep(0.3)
     assert len(rec.exchanges("/abort_request")) == before
+
+
+@pytest.fixture(scope="module")
+def chat_router(model_root, tmp_path_factory):
+    """A router with a chat model (``tiny-chat``) whose one replica is a recording proxy of an
+    engine serving it."""
+    from tests.support.engines import engine_process
+    from tests.support.models import make_model_dir
+
+    model = make_model_dir(model_root, "tiny-chat", "bf16")
+    d = tmp_path_factory.mktemp("abort-chat")
+    with engine_process(model) as url, recording_proxy(url) as rec:
+        preset = write_preset(d / "p.toml", [{"name": "cpu", "replicas": [rec.url]}])
+        with router_process(preset, env={"MIXFLEET_CHAT_MODEL": str(model)}) as router:
+            yield router, rec
+
+
+def test_the_openai_client_timing_out_and_retrying_records_nothing(chat_router) -> None:
+    """The official client's defaults: a timed-out call is retried. Each attempt is aborted at
+    the engine when its connection closes, and the session records no turn."""
+    openai = pytest.importorskip("openai")
+    router, rec = chat_router
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        created = c.post("/v1/sessions", json={}).json()
+        client = openai.OpenAI(
+            base_url=created["openai_base_url"], api_key=router.key, timeout=1.0, max_retries=1
+        )
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(
+                model="tiny-chat",
+                messages=[{"role": "user", "content": "count"}],
+                max_tokens=1500,
+                temperature=0.0,
+            )
+        _wait_for(lambda: len(rec.exchanges("/generate")) == 2)
+        rids = [json.loads(sent)["rid"] for sent, _ in rec.exchanges("/generate")]
+        _wait_for(lambda: len(rec.exchanges("/abort_request")) == 2)
+        assert sorted(json.loads(b)["rid"] for b, _ in rec.exchanges("/abort_request")) == sorted(rids)
+        assert all(
+            json.loads(a)["meta_info"]["finish_reason"]["type"] == "abort"
+            for _, a in rec.exchanges("/generate")
+        )
+        assert c.get(f"/v1/sessions/{created['session_id']}").json()["turns"] == 0

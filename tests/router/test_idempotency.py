@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from router.state.base import StateStore
+from tests.support.procs import redis_server
+from tests.support.router import router_process, write_preset
 from tests.support.state import opened
 
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0}  # unseeded: a second sample would differ
@@ -127,3 +129,28 @@ def test_a_retry_after_a_disconnect_samples_once(router, client: httpx.Client) -
     assert retry.json()["turn"] == 0
     assert _turn(client, sid, "t").content == retry.content
     assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
+
+
+def test_any_worker_answers_a_retry(engine_url, tmp_path) -> None:
+    """``--workers 2`` on a real Redis: retries on new connections reach both workers; every one
+    answers the turn the first recorded, and the session holds it once."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    with (
+        redis_server() as url,
+        router_process(preset, state=url, extra_args=("--workers", "2")) as router,
+    ):
+        with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+            sid = _session(c)
+            first = _turn(c, sid, "w")
+            assert first.status_code == 200, first.text
+        by: set[str] = set()
+        for _ in range(40):
+            with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as fresh:
+                r = _turn(fresh, sid, "w")
+            assert r.status_code == 200 and r.content == first.content, r.text
+            by.add(r.headers["x-mixfleet-router"])
+            if len(by) == 2:
+                break
+        assert len(by) == 2, by
+        with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+            assert c.get(f"/v1/sessions/{sid}").json()["turns"] == 1

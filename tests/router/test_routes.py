@@ -103,6 +103,37 @@ def test_route_flags_are_counted_per_group_version_and_position() -> None:
     assert (plain.route_tokens, plain.route_differ) == (0, 0)
 
 
+def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
+    from router.records import parse_turn
+
+    values = list(range(2 * 4))  # positions [3, 5) of 3 inputs + 3 outputs, 4 ids each
+    body = {
+        "output_ids": [10, 11, 12],
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in (10, 11, 12)],
+            "routed_experts": base64.b64encode(struct.pack("<8i", *values)).decode(),
+        },
+    }
+    kw = dict(index=0, group="g", replica="r", input_ids=[1, 2, 3], moved_from=None, timings={})
+    turn = parse_turn(
+        body, sampling={"sampling_mask": False}, routed_experts=True, routed_experts_start=3, **kw
+    )
+    assert (turn.routed_experts.start, turn.routed_experts.rows, turn.routed_experts.width) == (3, 2, 4)
+    with pytest.raises(ValueError, match="not int32 rows for 5 positions"):
+        parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+
+
+def test_the_trainer_places_routes_from_their_start_in_the_turns_sequence() -> None:
+    values = list(range(3 * 4))  # 3 rows of 1 layer x 4, from position 1 of 3 inputs + 2 outputs
+    batch = trainer_decode_batch(
+        encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(_turn_data(_routes(values, 3, 1)))])])
+    )
+    seq = batch.sequence_routes(0, 4)
+    assert seq.shape == (5, 1, 4)
+    assert seq[0].tolist() == [[-1] * 4] and seq[4].tolist() == [[-1] * 4]
+    np.testing.assert_array_equal(seq[1:4].reshape(-1), values)
+
+
 def test_a_truncated_section_is_refused() -> None:
     blob = encode_turn(_turn_data(_routes(list(range(8)), 4)))
     with pytest.raises(RecordFormatError):
