@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import gemm
+from engine.kernels import gemm, threads
 from engine.model.model import load_model
 from tests.support.models import make_model_dir
 from weight_sync.base_model import VOCAB_SIZE
@@ -109,12 +109,14 @@ def test_writes_into_a_block_of_rows() -> None:
         gemm.linear(x, gemm.pack(w[:40]), out=torch.empty(5, 40))  # 40 columns: padded panels
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_grouped_products_and_thread_splits_are_exact(
+    monkeypatch: pytest.MonkeyPatch, n_threads: int
+) -> None:
     """Rows sorted by group (empty groups included) times each group's weight equal the products
     one at a time, bit for bit, however the work is split over threads (each output element is
     computed by the same code either way)."""
-    g = torch.Generator().manual_seed(threads)
+    g = torch.Generator().manual_seed(n_threads)
     weights = [torch.randn(64, 48, generator=g).bfloat16() for _ in range(6)]
     group = gemm.PackedGroup.of([gemm.pack(w) for w in weights])
     counts = [3, 0, 14, 1, 0, 9]
@@ -128,7 +130,7 @@ def test_grouped_products_and_thread_splits_are_exact(monkeypatch: pytest.Monkey
     )
     monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(n_threads)
     try:
         out = gemm.grouped(x, offsets, group, torch.empty(sum(counts), 64))
         wide = gemm.pack(torch.randn(200, 48, generator=g).bfloat16())
@@ -158,8 +160,8 @@ def test_without_llvmlite_the_model_runs_on_float32_weights(tmp_path: Path, tiny
         "import sys, numba\n"
         "sys.modules['llvmlite.binding'] = None\n"
         "import torch\n"
-        "from fleet.engine import kernels\n"
-        "from fleet.engine.model import load_model\n"
+        "from engine.kernels import gemm\n"
+        "from engine.model.model import load_model\n"
         f"m = load_model({str(tiny_dir)!r})\n"
         "assert not gemm.available()\n"
         "assert not isinstance(m._layers[0].o_proj.weight, gemm.PackedBf16)\n"
