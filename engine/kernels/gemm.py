@@ -1,65 +1,56 @@
-"""``y = x @ W.T`` in float32 with ``W`` stored as bfloat16: a small GEMM kernel JIT-compiled by LLVM.
+"""``y = x @ W.T`` in float32 with ``W`` stored as bfloat16: a numba kernel.
 
-Why: decoding runs products with few rows (about 8 tokens per expert at 32 running requests), which
-are bound by reading the weight and by the GEMM's small-M efficiency. torch has no CPU product of
-float32 activations with bfloat16 weights (``mm`` wants one dtype; oneDNN's bf16 path rounds the
-activations), so a BF16 checkpoint's weights would have to be widened to float32 (twice the bytes
-read per step). This kernel reads the bfloat16 weight and widens it in registers (a bfloat16 is
-the top half of a float32: shift left by 16, exactly), then multiplies in float32 with fused
+Why: decoding runs products with few rows (about 8 tokens per expert at 32 running requests),
+which are bound by reading the weight. torch has no CPU product of float32 activations with
+bfloat16 weights (``mm`` wants one dtype; a bf16 product rounds the activations), so a BF16
+checkpoint's weights would have to be widened to float32 (twice the bytes read per step). This
+kernel reads the bfloat16 weight and widens each value as it multiplies (a bfloat16 is the top
+half of a float32: shift left by 16, exactly), then multiplies in float32 with fused
 multiply-adds, so the result is a float32 product of the same values: it differs from
 ``x @ W.float().T`` only by float32 summation order.
 
-Layout: ``pack(W)`` stores ``W`` ``[N, K]`` as panels ``[ceil(N/32), K, 32]`` bfloat16 (32 output
-columns per panel, zero-padded to a multiple of 32), so the kernel streams each panel once.
-The kernel keeps a tile of up to 12 rows x 32 columns of accumulators in registers and sums K in
-chunks of 64 (each chunk's sum is added to the output), which keeps float32 rounding close to a
-blocked GEMM's. Each chunk's sum is multiplied by a float32 scale first, from a per-panel, per-K-
-block table (``PackedBf16.scales``): FP8's 128x128 block scales and NVFP4's ``weight_scale_2``
-this way multiply partial sums of exact bfloat16 values (codes, codes times E4M3 group scales),
-as the GPU kernels do; unscaled weights use the table ``[1.0]`` (the product is exact, so their
-results are unchanged bit for bit).
+Layout: ``PackedBf16.weight`` is ``W`` ``[n, k]`` bfloat16, row-major. The kernel computes tiles
+of 4 rows of ``x`` times 4 rows of ``W`` (16 dot products sharing their loads; LLVM vectorizes
+the K loop into lane-wise partial sums, ``FASTMATH_DOT``), one K block at a time: each block's
+sums are multiplied by a float32 scale from a per-panel (32 rows of ``W``), per-K-block table
+(``PackedBf16.scales``) and added to the result. FP8's 128x128 block scales and NVFP4's
+``weight_scale_2`` this way multiply partial sums of exact bfloat16 values (codes, codes times
+E4M3 group scales), as the GPU kernels do; unscaled weights use the table ``[1.0]`` and one
+block (``x 1.0`` is exact).
 
-Each K step prefetches the weight line 2 KB ahead (the panels of one weight are contiguous, so
-this runs on into the next panel).
-
-The kernel is written in LLVM IR and compiled for the host CPU by ``engine.kernels.threads`` on first
-use (both variants); where that is impossible ``available()`` is False and callers use their
-float32 path. Large products are split over ``torch.get_num_threads()`` threads (``threads.run``).
+Large products are split over ``torch.get_num_threads()`` threads by ``engine.kernels.threads``
+(the kernels release the GIL).
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import logging
-import threading
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
+from numba import njit
 
+from core.numba_options import FASTMATH_DOT, NJIT
 from engine.kernels import threads
 
-log = logging.getLogger("mixfleet.engine.kernels")
-
-PANEL = 32  # output columns per panel: two 16-float vectors
-MAX_ROWS = 12  # rows per register tile: 24 accumulators + 2 weight vectors + 1 broadcast <= 32
-K_CHUNK = 64  # K steps summed in registers before they are added to the output
+PANEL = 32  # rows of W sharing one scale per K block; threads split W at multiples of it
+TILE = 4  # rows of x and of W per register tile
 NO_BLOCK_SHIFT = 62  # the K-block shift of a weight with one scale for all of K
 ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
-PREFETCH_BYTES = 2048  # prefetch distance in the weight stream (one line per K step)
+
+_DOT = {**NJIT, "fastmath": set(FASTMATH_DOT)}
 
 
 @dataclass(frozen=True)
 class PackedBf16:
-    """A weight ``W`` ``[n, k]`` packed for ``linear``: ``panels`` ``[ceil(n/32), k, 32]`` bfloat16,
-    optionally times float32 scales: ``W[r, c] = panels[r // 32, c, r % 32] * s`` with
-    ``s = scales[(r // 32) * ldk + c // kblock]`` (``kblock`` a power of two >= 64; 0: one block
-    for all of K). The kernel applies ``s`` to each 64-wide K chunk's partial sums (one scale per
-    panel and K block: FP8's 128x128 block scales, NVFP4's per-tensor ``weight_scale_2``).
+    """A weight ``W`` ``[n, k]`` for ``linear``: ``weight`` bfloat16 ``[n, k]``, optionally times
+    float32 scales: ``W[r, c] = weight[r, c] * s`` with ``s = scales[(r // 32) * ldk + c // kblock]``
+    (``kblock`` a power of two >= 64; 0: one block for all of K). The kernel applies ``s`` to each
+    K block's partial sums (FP8's 128x128 block scales, NVFP4's per-tensor ``weight_scale_2``).
     ``scales`` None: no scaling (``ONE``)."""
 
-    panels: torch.Tensor
+    weight: torch.Tensor
     n: int
     k: int
     scales: torch.Tensor | None = None
@@ -67,15 +58,15 @@ class PackedBf16:
     kblock: int = 0
 
     def __post_init__(self) -> None:
-        if self.kblock and (self.kblock < K_CHUNK or self.kblock & (self.kblock - 1)):
-            raise ValueError(f"kblock must be a power of two >= {K_CHUNK}, got {self.kblock}")
+        if self.kblock and (self.kblock < 64 or self.kblock & (self.kblock - 1)):
+            raise ValueError(f"kblock must be a power of two >= 64, got {self.kblock}")
 
-    def scale_args(self) -> tuple[int, int, int]:
-        """``(scales pointer, ldk, log2(kblock))`` as the kernel takes them."""
+    def scale_args(self) -> tuple[torch.Tensor, int, int]:
+        """``(scales, ldk, log2(kblock))`` as the kernel takes them."""
         if self.scales is None:
-            return ONE.data_ptr(), 0, NO_BLOCK_SHIFT
+            return ONE, 0, NO_BLOCK_SHIFT
         shift = self.kblock.bit_length() - 1 if self.kblock else NO_BLOCK_SHIFT
-        return self.scales.data_ptr(), self.ldk, shift
+        return self.scales.reshape(-1).contiguous(), self.ldk, shift
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,86 +86,82 @@ def exact_in_bf16(w: torch.Tensor) -> bool:
 
 
 def pack(w: torch.Tensor) -> PackedBf16:
-    """``w`` ``[N, K]`` (bfloat16, or float values exact in bfloat16) as panels; see the module doc."""
+    """``w`` ``[N, K]`` (bfloat16, or float values exact in bfloat16) for ``linear``."""
     n, k = w.shape
-    padded = -(-n // PANEL) * PANEL
-    b = w.to(torch.bfloat16)
-    if padded != n:
-        b = torch.cat([b, b.new_zeros(padded - n, k)])
-    panels = b.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
-    return PackedBf16(panels, n, k)
+    return PackedBf16(w.to(torch.bfloat16).contiguous(), n, k)
+
+
+def _bits(w: torch.Tensor) -> np.ndarray:
+    return w.view(torch.uint16).numpy()
 
 
 def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` float32 ``[..., n]`` for ``x`` ``[..., k]`` float32 (``available()`` must be True).
+    """``x @ W.T`` float32 ``[..., n]`` for ``x`` ``[..., k]`` float32.
 
     ``out``: write the result there instead (``[rows, n]`` float32 with unit column stride, e.g. a
-    block of rows of a larger tensor; ``n`` must then be a multiple of 32) and return it.
-    Large products are split by output columns over ``torch.get_num_threads()`` threads.
+    block of rows of a larger tensor) and return it. Large products are split by rows of ``W``
+    (whole panels) over ``torch.get_num_threads()`` threads.
     """
-    fns = _kernel()
-    assert fns is not None, "the bf16-weight kernel is not available"
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
         raise ValueError(f"linear: x must be float32 [..., {w.k}], got {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
     m = x2.shape[0]
-    n_panels = w.panels.shape[0]
-    padded = n_panels * PANEL
     if out is not None:
-        if (
-            out.dtype != torch.float32
-            or tuple(out.shape) != (m, w.n)
-            or padded != w.n
-            or (m > 1 and out.stride(1) != 1)
-        ):
-            raise ValueError(f"linear: out must be float32 [{m}, {w.n}] rows, n a multiple of {PANEL}")
-        res, ldo = out, out.stride(0)
+        if out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or (m > 1 and out.stride(1) != 1):
+            raise ValueError(f"linear: out must be float32 [{m}, {w.n}] with unit column stride")
+        res = out
     else:
-        res, ldo = torch.empty(m, padded), padded
+        res = torch.empty(m, w.n)
     if m:
-        args = (x2.data_ptr(), m, w.k, w.panels.data_ptr(), ldo, res.data_ptr(), *w.scale_args())
-        parts = threads.parts(m * w.k * padded, n_panels)
-        fn = fns.gemm if w.scales is None else fns.gemm_scaled
-        threads.run([(fn, (*args, a, b)) for a, b in threads.split(n_panels, parts)])
-    if out is not None:
-        return out
-    if padded != w.n:
-        res = res[:, : w.n].contiguous()
-    return res.view(*lead, w.n)
+        scales, ldk, kshift = w.scale_args()
+        args = (x2.numpy(), _bits(w.weight), _rows_view(res), scales.numpy(), ldk, kshift)
+        n_panels = -(-w.n // PANEL)
+        parts = threads.parts(m * w.k * w.n, n_panels)
+        calls = [
+            (_gemm, (*args, a * PANEL, min(w.n, b * PANEL))) for a, b in threads.split(n_panels, parts)
+        ]
+        threads.run(calls)
+    return res if out is not None else res.view(*lead, w.n)
+
+
+def _rows_view(t: torch.Tensor) -> np.ndarray:
+    """A 2-D float32 tensor with unit column stride as a numpy array (row stride kept)."""
+    if t.shape[0] <= 1 or t.is_contiguous():
+        return t.contiguous().numpy() if t.shape[0] <= 1 and not t.is_contiguous() else t.numpy()
+    return t.numpy()
 
 
 @dataclass(frozen=True)
 class PackedGroup:
-    """Weights of the same shape ``[n, k]`` (``n`` a multiple of 32), packed, with a table of their
-    panels' addresses for ``grouped`` (the tensors are kept alive here)."""
+    """Weights of the same shape ``[n, k]`` and scale layout, stacked for ``grouped``:
+    ``stack`` ``[E, n, k]`` bfloat16, ``scale_stack`` ``[E, S]`` float32; ``weights`` are views of
+    the stack (hold these, not the inputs, to keep one copy)."""
 
     weights: tuple[PackedBf16, ...]
-    table: torch.Tensor  # int64 [len(weights)]: panel data pointers
+    stack: torch.Tensor
+    scale_stack: torch.Tensor
     n: int
     k: int
-    scale_table: torch.Tensor  # int64 [len(weights)]: scale table pointers (all share ldk, kshift)
     ldk: int
     kshift: int
-    scaled: bool  # some weight has a scale table (the scaled kernel runs)
 
     @classmethod
     def of(cls, weights: list[PackedBf16]) -> PackedGroup:
         n, k = weights[0].shape
         scale_args = [w.scale_args() for w in weights]
         ldk, kshift = scale_args[0][1:]
-        if (
-            any(w.shape != (n, k) for w in weights)
-            or n % PANEL
-            or any(a[1:] != (ldk, kshift) for a in scale_args)
-        ):
-            raise ValueError(
-                f"a packed group needs weights of one shape with n a multiple of {PANEL} and one scale layout"
-            )
-        table = torch.tensor([w.panels.data_ptr() for w in weights], dtype=torch.int64)
-        scale_table = torch.tensor([a[0] for a in scale_args], dtype=torch.int64)
-        scaled = any(w.scales is not None for w in weights)
-        return cls(tuple(weights), table, n, k, scale_table, ldk, kshift, scaled)
+        sizes = {a[0].numel() for a in scale_args}
+        if any(w.shape != (n, k) for w in weights) or any(a[1:] != (ldk, kshift) for a in scale_args):
+            raise ValueError("a packed group needs weights of one shape and one scale layout")
+        if len(sizes) != 1:
+            raise ValueError("a packed group needs scale tables of one size")
+        stack = torch.stack([w.weight for w in weights])
+        scale_stack = torch.stack([a[0] for a in scale_args]).contiguous()
+        views = tuple(
+            PackedBf16(stack[e], n, k, w.scales, w.ldk, w.kblock) for e, w in enumerate(weights)
+        )
+        return cls(views, stack, scale_stack, n, k, ldk, kshift)
 
 
 def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: torch.Tensor) -> torch.Tensor:
@@ -183,8 +170,6 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
     ``[rows, n]`` contiguous float32, ``offsets`` int64 ``[len(group.weights) + 1]`` nondecreasing
     from 0 to ``rows``. Split by weights (balancing rows) over ``torch.get_num_threads()`` threads.
     """
-    fns = _kernel()
-    assert fns is not None, "the bf16-weight kernel is not available"
     rows = x.shape[0]
     e = len(group.weights)
     if (
@@ -200,266 +185,161 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
     ):
         raise ValueError("grouped: x [rows, k], out [rows, n] contiguous float32, offsets int64 [E + 1]")
     args = (
-        x.data_ptr(),
-        offsets.data_ptr(),
-        group.table.data_ptr(),
-        group.k,
-        group.n,
-        out.data_ptr(),
-        group.n // PANEL,
-        group.scale_table.data_ptr(),
+        x.numpy(),
+        offsets.numpy(),
+        _bits(group.stack),
+        out.numpy(),
+        group.scale_stack.numpy(),
         group.ldk,
         group.kshift,
     )
     parts = threads.parts(rows * group.k * group.n, e)
-    fn = fns.grouped_scaled if group.scaled else fns.grouped
     if parts == 1:
-        threads.run([(fn, (*args, 0, e))])
+        threads.run([(_grouped, (*args, 0, e))])
         return out
     # Cut the weights where the running row count crosses each 1/parts of the rows.
     offs = offsets.tolist()
     bounds = [0, *(bisect.bisect_left(offs, rows * i / parts) for i in range(1, parts)), e]
-    threads.run([(fn, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
+    threads.run([(_grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
     return out
 
 
-def available() -> bool:
-    """Whether the kernel compiled on this machine (compiles it on the first call)."""
-    return _kernel() is not None
+# ----------------------------------------------------------------------------- numba kernels
 
 
-_lock = threading.Lock()
-_state: dict[str, Any] = {}
+@njit(inline="always")
+def _f32(b):  # pragma: no cover - compiled
+    """The float32 of bfloat16 bits ``b`` (uint16): the top half of its bits."""
+    return np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32)
 
 
-def _kernel() -> Any:
-    if "fn" in _state:
-        return _state["fn"]
-    with _lock:
-        if "fn" not in _state:
-            try:
-                _state["engine"], _state["fn"] = _compile()
-            except Exception as exc:  # no llvmlite, an LLVM too old for the IR, an odd target
-                log.warning("bf16-weight GEMM kernel unavailable, using float32 weights: %s", exc)
-                _state["fn"] = None
-    return _state["fn"]
+@njit(**_DOT)
+def _gemm(x, w, out, scales, ldk, kshift, n0, n1):  # pragma: no cover - compiled
+    """``out[:, n0:n1] = x @ W[n0:n1].T`` (``n0`` a multiple of ``PANEL``): 4 x 4 tiles, the last
+    ones clamped (repeated rows / columns are computed and not stored)."""
+    m = x.shape[0]
+    for n in range(n0, n1, TILE):
+        for r in range(0, m, TILE):
+            if m - r == 1:
+                _tile1(x, w, out, scales, ldk, kshift, r, n, n1)
+            else:
+                _tile4(x, w, out, scales, ldk, kshift, r, n, m, n1)
 
 
-def _compile() -> tuple[threads.Compiled, _Fns]:
-    mod = threads.compile_ir(_ir())
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    gemm = (ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64)
-    grouped = (ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64)
-    return mod, _Fns(
-        mod.function("gemm_bf16w", *gemm),
-        mod.function("gemm_grouped", *grouped),
-        mod.function("gemm_bf16w_s", *gemm),
-        mod.function("gemm_grouped_s", *grouped),
-    )
+@njit(**_DOT)
+def _grouped(x, offs, stack, out, scales, ldk, kshift, e0, e1):  # pragma: no cover - compiled
+    """``_gemm`` of rows ``offs[e] .. offs[e+1]`` with weight ``e`` for ``e`` in ``[e0, e1)``."""
+    n = stack.shape[1]
+    for e in range(e0, e1):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            _gemm(x[a:b], stack[e], out[a:b], scales[e], ldk, kshift, 0, n)
 
 
-@dataclass(frozen=True)
-class _Fns:
-    gemm: Any
-    grouped: Any
-    gemm_scaled: Any
-    grouped_scaled: Any
+@njit(inline="always")
+def _block(k, kshift):  # pragma: no cover - compiled
+    """The K block of a scale table: all of K, or ``2**kshift``."""
+    return k if kshift >= NO_BLOCK_SHIFT else 1 << kshift
 
 
-def _tile(rows: int, scaled: bool) -> str:
-    """``@tile{rows}(x, ldx, w, kc, out, ldo, add, s)``: ``out[r, 0:32] (+)= sum_{k < kc} x[r, k] *
-    w[k, 0:32]`` for ``r < rows``; ``w`` points into a panel (32 bfloat16 per k). ``scaled``:
-    ``@stile{rows}``, which multiplies the sum by ``s`` first (the unscaled tile ignores ``s``: no
-    multiply in the loop's store phase of unscaled weights)."""
-    idx = ", ".join
-    lo = idx(f"i32 {i}" for i in range(16))
-    hi = idx(f"i32 {i}" for i in range(16, 32))
-    sixteen = idx("i32 16" for _ in range(32))
-    s = [
-        f"define internal void @{'s' if scaled else ''}tile{rows}(ptr noalias %x, i64 %ldx, "
-        "ptr noalias %w, i64 %kc, ptr noalias %out, i64 %ldo, i1 %add, float %s) alwaysinline {",
-        "entry:",
-        "  %sv = insertelement <16 x float> poison, float %s, i32 0",
-        "  %sb = shufflevector <16 x float> %sv, <16 x float> poison, <16 x i32> zeroinitializer",
-        "  br label %loop",
-        "loop:",
-        "  %k = phi i64 [0, %entry], [%k1, %loop]",
-    ]
-    for r in range(rows):
-        for h in range(2):
-            s.append(f"  %a{r}_{h} = phi <16 x float> [zeroinitializer, %entry], [%n{r}_{h}, %loop]")
-    s += [
-        "  %wo = mul i64 %k, 32",
-        "  %wp = getelementptr i16, ptr %w, i64 %wo",
-        "  %wv = load <32 x i16>, ptr %wp, align 2",
-        f"  %pf = getelementptr i8, ptr %wp, i64 {PREFETCH_BYTES}",
-        "  call void @llvm.prefetch.p0(ptr %pf, i32 0, i32 3, i32 1)",
-        "  %wz = zext <32 x i16> %wv to <32 x i32>",
-        f"  %ws = shl <32 x i32> %wz, <{sixteen}>",
-        "  %wf = bitcast <32 x i32> %ws to <32 x float>",
-        f"  %w0 = shufflevector <32 x float> %wf, <32 x float> poison, <16 x i32> <{lo}>",
-        f"  %w1 = shufflevector <32 x float> %wf, <32 x float> poison, <16 x i32> <{hi}>",
-    ]
-    for r in range(rows):
-        s += [
-            f"  %xr{r} = mul i64 %ldx, {r}",
-            f"  %xi{r} = add i64 %xr{r}, %k",
-            f"  %xp{r} = getelementptr float, ptr %x, i64 %xi{r}",
-            f"  %xs{r} = load float, ptr %xp{r}, align 4",
-            f"  %xv{r} = insertelement <16 x float> poison, float %xs{r}, i32 0",
-            f"  %xb{r} = shufflevector <16 x float> %xv{r}, <16 x float> poison, <16 x i32> zeroinitializer",
-        ]
-        for h in range(2):
-            s.append(
-                f"  %n{r}_{h} = call <16 x float> @llvm.fma.v16f32(<16 x float> %xb{r}, "
-                f"<16 x float> %w{h}, <16 x float> %a{r}_{h})"
-            )
-    s += [
-        "  %k1 = add i64 %k, 1",
-        "  %done = icmp eq i64 %k1, %kc",
-        "  br i1 %done, label %store, label %loop",
-        "store:",
-    ]
-    for r in range(rows):
-        for h in range(2):
-            s += [
-                f"  %or{r}_{h} = mul i64 %ldo, {r}",
-                f"  %oi{r}_{h} = add i64 %or{r}_{h}, {16 * h}",
-                f"  %op{r}_{h} = getelementptr float, ptr %out, i64 %oi{r}_{h}",
-                f"  %old{r}_{h} = load <16 x float>, ptr %op{r}_{h}, align 4",
-            ]
-            if scaled:
-                s.append(f"  %sc{r}_{h} = fmul <16 x float> %n{r}_{h}, %sb")
-            v = f"%sc{r}_{h}" if scaled else f"%n{r}_{h}"
-            s += [
-                f"  %sum{r}_{h} = fadd <16 x float> %old{r}_{h}, {v}",
-                f"  %res{r}_{h} = select i1 %add, <16 x float> %sum{r}_{h}, <16 x float> {v}",
-                f"  store <16 x float> %res{r}_{h}, ptr %op{r}_{h}, align 4",
-            ]
-    s += ["  ret void", "}"]
-    return "\n".join(s)
+@njit(inline="always")
+def _dot4x4(xa, xb, xc, xd, w0, w1, w2, w3):  # pragma: no cover - compiled
+    """The 16 dot products of 4 float32 rows with 4 bfloat16 rows (all of one length)."""
+    z = np.float32(0.0)
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = z
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = z
+    for c in range(xa.shape[0]):
+        f0, f1, f2, f3 = _f32(w0[c]), _f32(w1[c]), _f32(w2[c]), _f32(w3[c])
+        p, q, u, v = xa[c], xb[c], xc[c], xd[c]
+        a00 += p * f0
+        a01 += p * f1
+        a02 += p * f2
+        a03 += p * f3
+        a10 += q * f0
+        a11 += q * f1
+        a12 += q * f2
+        a13 += q * f3
+        a20 += u * f0
+        a21 += u * f1
+        a22 += u * f2
+        a23 += u * f3
+        a30 += v * f0
+        a31 += v * f1
+        a32 += v * f2
+        a33 += v * f3
+    return (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33)
 
 
-def _ir() -> str:
-    """The module: ``_gemm_ir`` for unscaled weights (``@gemm_bf16w``, ``@gemm_grouped``, over
-    ``@tile1`` .. ``@tile12``) and for scaled ones (``@gemm_bf16w_s``, ``@gemm_grouped_s``, over
-    ``@stile1`` .. ``@stile12``): the same code, but bf16 weights skip the scale load and multiply.
-    """
-    s = [
-        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
-        "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
-    ]
-    s += [_tile(r, scaled) for scaled in (False, True) for r in range(1, MAX_ROWS + 1)]
-    s += [_gemm_ir(False), _gemm_ir(True)]
-    return "\n".join(s)
+@njit(inline="always")
+def _dot1x4(xa, w0, w1, w2, w3):  # pragma: no cover - compiled
+    """The 4 dot products of a float32 row with 4 bfloat16 rows (all of one length)."""
+    z = np.float32(0.0)
+    a0 = a1 = a2 = a3 = z
+    for c in range(xa.shape[0]):
+        p = xa[c]
+        a0 += p * _f32(w0[c])
+        a1 += p * _f32(w1[c])
+        a2 += p * _f32(w2[c])
+        a3 += p * _f32(w3[c])
+    return a0, a1, a2, a3
 
 
-def _gemm_ir(scaled: bool) -> str:
-    """(suffix ``_s`` where ``scaled``)
+@njit(inline="always")
+def _axpy4(t, p, s):  # pragma: no cover - compiled
+    """``t + p * s`` for 4-tuples ``t``, ``p``."""
+    return t[0] + p[0] * s, t[1] + p[1] * s, t[2] + p[2] * s, t[3] + p[3] * s
 
-    - ``@gemm_bf16w(x, M, K, panels, ldo, out, scales, ldk, kshift, p0, p1)``: output columns
-      ``[32 p0, 32 p1)`` of ``x @ W.T`` (``M, K >= 1``; ``x`` ``[M, K]`` row-major float32;
-      ``out`` float32 with row stride ``ldo``, column ``32 p`` of panel ``p`` at ``out + 32 p``;
-      the chunk at ``k0`` of panel ``p`` scaled by ``scales[p * ldk + (k0 >> kshift)]``);
-    - ``@gemm_grouped(x, offs, panel_ptrs, K, ldo, out, np, scale_ptrs, ldk, kshift, e0, e1)``: for
-      each group ``e`` in ``[e0, e1)``, rows ``offs[e] .. offs[e+1]`` of ``x`` times group ``e``'s
-      weight (``np`` panels, its scale table) into the same rows of ``out``.
-    """
-    cases = " ".join(f"i64 {r}, label %t{r}" for r in range(1, MAX_ROWS + 1))
-    sfx, tile = ("_s", "stile") if scaled else ("", "tile")
-    if scaled:
-        load_scale = """  %kb = lshr i64 %k0, %kshift
-  %si = add i64 %srow, %kb
-  %sptr = getelementptr float, ptr %sp, i64 %si
-  %sc = load float, ptr %sptr, align 4"""
-    else:
-        load_scale = "  %sc = fadd float 1.0, 0.0"
-    s = []
-    s.append(f"""define void @gemm_bf16w{sfx}(ptr %x, i64 %M, i64 %K, ptr %w, i64 %ldo, ptr %out,
-                        ptr %sp, i64 %ldk, i64 %kshift, i64 %p0, i64 %p1) {{
-entry:
-  %pstride = mul i64 %K, 32
-  br label %panel
-panel:
-  %p = phi i64 [%p0, %entry], [%pn, %panel_next]
-  %wofs = mul i64 %p, %pstride
-  %wpanel = getelementptr i16, ptr %w, i64 %wofs
-  %ocol = mul i64 %p, 32
-  %srow = mul i64 %p, %ldk
-  br label %rows
-rows:
-  %m0 = phi i64 [0, %panel], [%m1, %rows_next]
-  %rem = sub i64 %M, %m0
-  %short = icmp ult i64 %rem, {MAX_ROWS}
-  %mr = select i1 %short, i64 %rem, i64 {MAX_ROWS}
-  %xofs = mul i64 %m0, %K
-  %xrow = getelementptr float, ptr %x, i64 %xofs
-  %oofs0 = mul i64 %m0, %ldo
-  %oofs = add i64 %oofs0, %ocol
-  %orow = getelementptr float, ptr %out, i64 %oofs
-  br label %chunk
-chunk:
-  %k0 = phi i64 [0, %rows], [%k1, %chunk_next]
-  %kleft = sub i64 %K, %k0
-  %kshort = icmp ult i64 %kleft, {K_CHUNK}
-  %kc = select i1 %kshort, i64 %kleft, i64 {K_CHUNK}
-  %add = icmp ne i64 %k0, 0
-  %xk = getelementptr float, ptr %xrow, i64 %k0
-  %wk0 = mul i64 %k0, 32
-  %wk = getelementptr i16, ptr %wpanel, i64 %wk0
-{load_scale}
-  switch i64 %mr, label %chunk_next [ {cases} ]""")
-    for r in range(1, MAX_ROWS + 1):
-        s.append(
-            f"t{r}:\n  call void @{tile}{r}(ptr %xk, i64 %K, ptr %wk, i64 %kc, ptr %orow, i64 %ldo, "
-            "i1 %add, float %sc)\n  br label %chunk_next"
-        )
-    s.append("""chunk_next:
-  %k1 = add i64 %k0, %kc
-  %kdone = icmp uge i64 %k1, %K
-  br i1 %kdone, label %rows_next, label %chunk
-rows_next:
-  %m1 = add i64 %m0, %mr
-  %mdone = icmp uge i64 %m1, %M
-  br i1 %mdone, label %panel_next, label %rows
-panel_next:
-  %pn = add i64 %p, 1
-  %pdone = icmp uge i64 %pn, %p1
-  br i1 %pdone, label %exit, label %panel
-exit:
-  ret void
-}""")
-    s.append(f"""define void @gemm_grouped{sfx}(ptr %x, ptr %offs, ptr %ws, i64 %K, i64 %ldo, ptr %out,
-                          i64 %np, ptr %sps, i64 %ldk, i64 %kshift, i64 %e0, i64 %e1) {{
-entry:
-  %none = icmp uge i64 %e0, %e1
-  br i1 %none, label %exit, label %expert
-expert:
-  %e = phi i64 [%e0, %entry], [%en, %next]
-  %ap = getelementptr i64, ptr %offs, i64 %e
-  %a = load i64, ptr %ap, align 8
-  %en = add i64 %e, 1
-  %bp = getelementptr i64, ptr %offs, i64 %en
-  %b = load i64, ptr %bp, align 8
-  %m = sub i64 %b, %a
-  %empty = icmp sle i64 %m, 0
-  br i1 %empty, label %next, label %run
-run:
-  %wpp = getelementptr ptr, ptr %ws, i64 %e
-  %w = load ptr, ptr %wpp, align 8
-  %spp = getelementptr ptr, ptr %sps, i64 %e
-  %sp = load ptr, ptr %spp, align 8
-  %xofs = mul i64 %a, %K
-  %xe = getelementptr float, ptr %x, i64 %xofs
-  %oofs = mul i64 %a, %ldo
-  %oe = getelementptr float, ptr %out, i64 %oofs
-  call void @gemm_bf16w{sfx}(ptr %xe, i64 %m, i64 %K, ptr %w, i64 %ldo, ptr %oe, ptr %sp, i64 %ldk,
-                        i64 %kshift, i64 0, i64 %np)
-  br label %next
-next:
-  %done = icmp uge i64 %en, %e1
-  br i1 %done, label %exit, label %expert
-exit:
-  ret void
-}}""")
-    return "\n".join(s)
+
+@njit(inline="always")
+def _tile4(x, w, out, scales, ldk, kshift, r, n, m, n1):  # pragma: no cover - compiled
+    """``out[r:r+4, n:n+4]`` (rows below ``m``, columns below ``n1``), K block by K block (the
+    dot products run over slices: a loop from 0 vectorizes)."""
+    k = x.shape[1]
+    ra, rb, rc, rd = r, min(r + 1, m - 1), min(r + 2, m - 1), min(r + 3, m - 1)
+    c0, c1, c2, c3 = n, min(n + 1, n1 - 1), min(n + 2, n1 - 1), min(n + 3, n1 - 1)
+    srow = (n // PANEL) * ldk
+    block = _block(k, kshift)
+    z = np.float32(0.0)
+    t0 = t1 = t2 = t3 = (z, z, z, z)
+    if block == k:  # one block: whole rows
+        p0, p1, p2, p3 = _dot4x4(x[ra], x[rb], x[rc], x[rd], w[c0], w[c1], w[c2], w[c3])
+        s = scales[srow]
+        t0, t1, t2, t3 = _axpy4(t0, p0, s), _axpy4(t1, p1, s), _axpy4(t2, p2, s), _axpy4(t3, p3, s)
+        block = k + 1  # skip the loop below
+    for k0 in range(0, k if block <= k else 0, block):
+        k1 = min(k, k0 + block)
+        p0, p1, p2, p3 = _dot4x4(
+            x[ra, k0:k1], x[rb, k0:k1], x[rc, k0:k1], x[rd, k0:k1],
+            w[c0, k0:k1], w[c1, k0:k1], w[c2, k0:k1], w[c3, k0:k1],
+        )  # fmt: skip
+        s = scales[srow + (k0 >> kshift)]
+        t0, t1, t2, t3 = _axpy4(t0, p0, s), _axpy4(t1, p1, s), _axpy4(t2, p2, s), _axpy4(t3, p3, s)
+    _store4(out, r, n, m, n1, t0)
+    _store4(out, r + 1, n, m, n1, t1)
+    _store4(out, r + 2, n, m, n1, t2)
+    _store4(out, r + 3, n, m, n1, t3)
+
+
+@njit(inline="always")
+def _tile1(x, w, out, scales, ldk, kshift, r, n, n1):  # pragma: no cover - compiled
+    """``out[r, n:n+4]`` (columns below ``n1``)."""
+    k = x.shape[1]
+    c0, c1, c2, c3 = n, min(n + 1, n1 - 1), min(n + 2, n1 - 1), min(n + 3, n1 - 1)
+    srow = (n // PANEL) * ldk
+    block = _block(k, kshift)
+    z = np.float32(0.0)
+    t = (z, z, z, z)
+    for k0 in range(0, k, block):
+        k1 = min(k, k0 + block)
+        p = _dot1x4(x[r, k0:k1], w[c0, k0:k1], w[c1, k0:k1], w[c2, k0:k1], w[c3, k0:k1])
+        t = _axpy4(t, p, scales[srow + (k0 >> kshift)])
+    _store4(out, r, n, r + 1, n1, t)
+
+
+@njit(inline="always")
+def _store4(out, r, n, m, n1, v):  # pragma: no cover - compiled
+    """``out[r, n:n+4] = v`` where ``r < m`` and the column is below ``n1``."""
+    if r < m:
+        for j in range(4):
+            if n + j < n1:
+                out[r, n + j] = v[j]
