@@ -25,7 +25,8 @@ Large products are split over ``torch.get_num_threads()`` threads by ``engine.ke
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,10 +57,13 @@ class PackedBf16:
     scales: torch.Tensor | None = None
     ldk: int = 0
     kblock: int = 0
+    args: tuple[Any, ...] = field(init=False, repr=False, compare=False)  # the kernel's operands
 
     def __post_init__(self) -> None:
         if self.kblock and (self.kblock < 64 or self.kblock & (self.kblock - 1)):
             raise ValueError(f"kblock must be a power of two >= 64, got {self.kblock}")
+        scales, ldk, kshift = self.scale_args()
+        object.__setattr__(self, "args", (_bits(self.weight), scales.numpy(), ldk, kshift))
 
     def scale_args(self) -> tuple[torch.Tensor, int, int]:
         """``(scales, ldk, log2(kblock))`` as the kernel takes them."""
@@ -114,8 +118,8 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
     else:
         res = torch.empty(m, w.n)
     if m:
-        scales, ldk, kshift = w.scale_args()
-        args = (x2.numpy(), _bits(w.weight), _rows_view(res), scales.numpy(), ldk, kshift)
+        bits, scales, ldk, kshift = w.args
+        args = (x2.numpy(), bits, res.numpy(), scales, ldk, kshift)
         n_panels = -(-w.n // PANEL)
         parts = threads.parts(m * w.k * w.n, n_panels)
         calls = [
@@ -123,13 +127,6 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
         ]
         threads.run(calls)
     return res if out is not None else res.view(*lead, w.n)
-
-
-def _rows_view(t: torch.Tensor) -> np.ndarray:
-    """A 2-D float32 tensor with unit column stride as a numpy array (row stride kept)."""
-    if t.shape[0] <= 1 or t.is_contiguous():
-        return t.contiguous().numpy() if t.shape[0] <= 1 and not t.is_contiguous() else t.numpy()
-    return t.numpy()
 
 
 @dataclass(frozen=True)
@@ -218,6 +215,9 @@ def _gemm(x, w, out, scales, ldk, kshift, n0, n1):  # pragma: no cover - compile
     """``out[:, n0:n1] = x @ W[n0:n1].T`` (``n0`` a multiple of ``PANEL``): 4 x 4 tiles, the last
     ones clamped (repeated rows / columns are computed and not stored)."""
     m = x.shape[0]
+    if kshift >= NO_BLOCK_SHIFT:
+        _whole(x, w, out, scales, ldk, n0, n1)
+        return
     for n in range(n0, n1, TILE):
         for r in range(0, m, TILE):
             if m - r == 1:
@@ -343,3 +343,29 @@ def _store4(out, r, n, m, n1, v):  # pragma: no cover - compiled
         for j in range(4):
             if n + j < n1:
                 out[r, n + j] = v[j]
+
+
+@njit(inline="always")
+def _whole(x, w, out, scales, ldk, n0, n1):  # pragma: no cover - compiled
+    """``_gemm`` of a weight with one scale per panel for all of K (one K block)."""
+    m, k = x.shape
+    for n in range(n0, n1, TILE):
+        w0, w1, w2, w3 = w[n], w[min(n + 1, n1 - 1)], w[min(n + 2, n1 - 1)], w[min(n + 3, n1 - 1)]
+        s = scales[(n // PANEL) * ldk]
+        for r in range(0, m, TILE):
+            if m - r == 1:
+                _store4(out, r, n, m, n1, _scale4(_dot1x4(x[r], w0, w1, w2, w3), s))
+                continue
+            p0, p1, p2, p3 = _dot4x4(
+                x[r], x[min(r + 1, m - 1)], x[min(r + 2, m - 1)], x[min(r + 3, m - 1)], w0, w1, w2, w3
+            )
+            _store4(out, r, n, m, n1, _scale4(p0, s))
+            _store4(out, r + 1, n, m, n1, _scale4(p1, s))
+            _store4(out, r + 2, n, m, n1, _scale4(p2, s))
+            _store4(out, r + 3, n, m, n1, _scale4(p3, s))
+
+
+@njit(inline="always")
+def _scale4(p, s):  # pragma: no cover - compiled
+    """``p * s`` for a 4-tuple ``p`` (as ``0 + p * s``: one rounding)."""
+    return p[0] * s, p[1] * s, p[2] * s, p[3] * s
