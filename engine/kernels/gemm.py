@@ -9,14 +9,20 @@ half of a float32: shift left by 16, exactly), then multiplies in float32 with f
 multiply-adds, so the result is a float32 product of the same values: it differs from
 ``x @ W.float().T`` only by float32 summation order.
 
-Layout: ``PackedBf16.weight`` is ``W`` ``[n, k]`` bfloat16, row-major. The kernel computes tiles
-of 4 rows of ``x`` times 4 rows of ``W`` (16 dot products sharing their loads; LLVM vectorizes
-the K loop into lane-wise partial sums, ``FASTMATH_DOT``), one K block at a time: each block's
-sums are multiplied by a float32 scale from a per-panel (32 rows of ``W``), per-K-block table
-(``PackedBf16.scales``) and added to the result. FP8's 128x128 block scales and NVFP4's
-``weight_scale_2`` this way multiply partial sums of exact bfloat16 values (codes, codes times
-E4M3 group scales), as the GPU kernels do; unscaled weights use the table ``[1.0]`` and one
-block (``x 1.0`` is exact).
+Layout: ``PackedBf16.weight`` is ``W`` ``[n, k]`` as panels ``[ceil(n/32), k, 32]`` bfloat16 (32
+rows of ``W`` per panel, the last zero-padded), so a register tile of 4 rows of ``x`` times one
+panel reads the panel as one contiguous stream, 64 bytes per K step. The tile's 4 x 32 sums are
+16-lane tuples (one vector register each once LLVM's SLP vectorizer packs them: the kernels are
+compiled with ``NUMBA_SLP_VECTORIZE=1``, numba's documented switch, set here unless the
+environment sets it).
+
+Summation order, the same for every tile, thread split and call: for each output, each 64-wide K
+chunk is summed in K order with fused multiply-adds (``contract`` only, no reassociation), and
+each chunk's sum ``p`` is added to the total as ``t + s * p`` (one fused multiply-add) in chunk
+order, with ``s`` a float32 scale from a per-panel, per-K-block table (``PackedBf16.scales``):
+FP8's 128x128 block scales and NVFP4's ``weight_scale_2`` this way multiply partial sums of exact
+bfloat16 values (codes, codes times E4M3 group scales), as the GPU kernels do; unscaled weights
+use the table ``[1.0]`` (``0 + 1 * p`` is exact).
 
 Large products are split over ``torch.get_num_threads()`` threads by ``engine.kernels.threads``
 (the kernels release the GIL).
@@ -25,6 +31,7 @@ Large products are split over ``torch.get_num_threads()`` threads by ``engine.ke
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,21 +39,35 @@ import numpy as np
 import torch
 from numba import njit
 
-from core.numba_options import FASTMATH_DOT, NJIT
+from core.numba_options import NJIT
 from engine.kernels import threads
 
-PANEL = 32  # rows of W sharing one scale per K block; threads split W at multiples of it
-TILE = 4  # rows of x and of W per register tile
+# numba reads its environment again before each compilation (numba.core.config.reload_config)
+os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+
+PANEL = 32  # rows of W per panel (one scale per K block each); threads split W at panels
+TILE = 4  # rows of x per register tile
+CHUNK = 64  # K steps summed in registers before a chunk's sum is added to the total
 NO_BLOCK_SHIFT = 62  # the K-block shift of a weight with one scale for all of K
 ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
 
-_DOT = {**NJIT, "fastmath": set(FASTMATH_DOT)}
+_TILE = {**NJIT, "fastmath": {"contract"}}
+
+
+def panels_of(rows: torch.Tensor) -> torch.Tensor:
+    """Bfloat16 ``rows`` ``[n, k]`` as panels ``[ceil(n/32), k, 32]`` (the last zero-padded)."""
+    n, k = rows.shape
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        rows = torch.cat([rows, rows.new_zeros(padded - n, k)])
+    return rows.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)
 class PackedBf16:
-    """A weight ``W`` ``[n, k]`` for ``linear``: ``weight`` bfloat16 ``[n, k]``, optionally times
-    float32 scales: ``W[r, c] = weight[r, c] * s`` with ``s = scales[(r // 32) * ldk + c // kblock]``
+    """A weight ``W`` ``[n, k]`` for ``linear``: ``weight`` bfloat16 panels ``[ceil(n/32), k, 32]``
+    (``panels_of``), optionally times float32 scales: ``W[r, c] = weight[r // 32, c, r % 32] * s``
+    with ``s = scales[(r // 32) * ldk + c // kblock]``
     (``kblock`` a power of two >= 64; 0: one block for all of K). The kernel applies ``s`` to each
     K block's partial sums (FP8's 128x128 block scales, NVFP4's per-tensor ``weight_scale_2``).
     ``scales`` None: no scaling (``ONE``)."""
@@ -76,6 +97,10 @@ class PackedBf16:
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
 
+    def rows(self) -> torch.Tensor:
+        """The stored bfloat16 values as ``[n, k]`` rows (unscaled; a copy)."""
+        return self.weight.transpose(1, 2).reshape(-1, self.k)[: self.n].clone()
+
 
 def exact_in_bf16(w: torch.Tensor) -> bool:
     """Whether every value of ``w`` is a bfloat16 value (all of a BF16 checkpoint, and dequantized
@@ -92,19 +117,28 @@ def exact_in_bf16(w: torch.Tensor) -> bool:
 def pack(w: torch.Tensor) -> PackedBf16:
     """``w`` ``[N, K]`` (bfloat16, or float values exact in bfloat16) for ``linear``."""
     n, k = w.shape
-    return PackedBf16(w.to(torch.bfloat16).contiguous(), n, k)
+    return PackedBf16(panels_of(w.to(torch.bfloat16)), n, k)
 
 
 def _bits(w: torch.Tensor) -> np.ndarray:
     return w.view(torch.uint16).numpy()
 
 
+def _transposed(x: torch.Tensor) -> np.ndarray:
+    """``x`` ``[m, k]`` as the kernels read it: ``x.T`` ``[k, m + 3]`` (3 zero columns: a tile of 4
+    rows reads 4 adjacent values of a column, and stores only the rows it has)."""
+    m, k = x.shape
+    xt = np.zeros((k, m + TILE - 1), np.float32)
+    xt[:, :m] = x.numpy().T
+    return xt
+
+
 def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` float32 ``[..., n]`` for ``x`` ``[..., k]`` float32.
 
     ``out``: write the result there instead (``[rows, n]`` float32 with unit column stride, e.g. a
-    block of rows of a larger tensor) and return it. Large products are split by rows of ``W``
-    (whole panels) over ``torch.get_num_threads()`` threads.
+    block of rows of a larger tensor) and return it. Large products are split by panels of ``W``
+    over ``torch.get_num_threads()`` threads.
     """
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
         raise ValueError(f"linear: x must be float32 [..., {w.k}], got {x.dtype} {list(x.shape)}")
@@ -119,12 +153,10 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
         res = torch.empty(m, w.n)
     if m:
         bits, scales, ldk, kshift = w.args
-        args = (x2.numpy(), bits, res.numpy(), scales, ldk, kshift)
+        args = (_transposed(x2), 0, m, bits, res.numpy(), scales, ldk, kshift)
         n_panels = -(-w.n // PANEL)
         parts = threads.parts(m * w.k * w.n, n_panels)
-        calls = [
-            (_gemm, (*args, a * PANEL, min(w.n, b * PANEL))) for a, b in threads.split(n_panels, parts)
-        ]
+        calls = [(_gemm, (*args, a, b)) for a, b in threads.split(n_panels, parts)]
         threads.run(calls)
     return res if out is not None else res.view(*lead, w.n)
 
@@ -132,8 +164,8 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
 @dataclass(frozen=True)
 class PackedGroup:
     """Weights of the same shape ``[n, k]`` and scale layout, stacked for ``grouped``:
-    ``stack`` ``[E, n, k]`` bfloat16, ``scale_stack`` ``[E, S]`` float32; ``weights`` are views of
-    the stack (hold these, not the inputs, to keep one copy)."""
+    ``stack`` ``[E, ceil(n/32), k, 32]`` bfloat16 panels, ``scale_stack`` ``[E, S]`` float32;
+    ``weights`` are views of the stack (hold these, not the inputs, to keep one copy)."""
 
     weights: tuple[PackedBf16, ...]
     stack: torch.Tensor
@@ -182,7 +214,7 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
     ):
         raise ValueError("grouped: x [rows, k], out [rows, n] contiguous float32, offsets int64 [E + 1]")
     args = (
-        x.numpy(),
+        _transposed(x),
         offsets.numpy(),
         _bits(group.stack),
         out.numpy(),
@@ -210,162 +242,121 @@ def _f32(b):  # pragma: no cover - compiled
     return np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32)
 
 
-@njit(**_DOT)
-def _gemm(x, w, out, scales, ldk, kshift, n0, n1):  # pragma: no cover - compiled
-    """``out[:, n0:n1] = x @ W[n0:n1].T`` (``n0`` a multiple of ``PANEL``): 4 x 4 tiles, the last
-    ones clamped (repeated rows / columns are computed and not stored)."""
-    m = x.shape[0]
-    if kshift >= NO_BLOCK_SHIFT:
-        _whole(x, w, out, scales, ldk, n0, n1)
-        return
-    for n in range(n0, n1, TILE):
-        for r in range(0, m, TILE):
-            if m - r == 1:
-                _tile1(x, w, out, scales, ldk, kshift, r, n, n1)
+@njit(**_TILE)
+def _gemm(xt, r0, r1, w, out, scales, ldk, kshift, p0, p1):  # pragma: no cover - compiled
+    """``out[r0:r1, 32 p0 : 32 p1] = x[r0:r1] @ W[32 p0 : 32 p1].T`` (columns below ``out``'s
+    width) from ``xt = x.T`` ``[K, >= r1 + 3]`` and panels ``w`` ``[P, K, 32]``: tiles of 4 rows
+    (one for a last single row) x 32 columns."""
+    for t in range(p0, p1):
+        for r in range(r0, r1, TILE):
+            if r1 - r == 1:
+                _tile1(xt, w[t], out, scales, t * ldk, kshift, r, t * PANEL)
             else:
-                _tile4(x, w, out, scales, ldk, kshift, r, n, m, n1)
+                _tile4(xt, w[t], out, scales, t * ldk, kshift, r, r1, t * PANEL)
 
 
-@njit(**_DOT)
-def _grouped(x, offs, stack, out, scales, ldk, kshift, e0, e1):  # pragma: no cover - compiled
+@njit(**_TILE)
+def _grouped(xt, offs, stack, out, scales, ldk, kshift, e0, e1):  # pragma: no cover - compiled
     """``_gemm`` of rows ``offs[e] .. offs[e+1]`` with weight ``e`` for ``e`` in ``[e0, e1)``."""
-    n = stack.shape[1]
+    p = stack.shape[1]
     for e in range(e0, e1):
-        a, b = offs[e], offs[e + 1]
-        if b > a:
-            _gemm(x[a:b], stack[e], out[a:b], scales[e], ldk, kshift, 0, n)
+        if offs[e + 1] > offs[e]:
+            _gemm(xt, offs[e], offs[e + 1], stack[e], out, scales[e], ldk, kshift, 0, p)
 
 
 @njit(inline="always")
-def _block(k, kshift):  # pragma: no cover - compiled
-    """The K block of a scale table: all of K, or ``2**kshift``."""
-    return k if kshift >= NO_BLOCK_SHIFT else 1 << kshift
-
-
-@njit(inline="always")
-def _dot4x4(xa, xb, xc, xd, w0, w1, w2, w3):  # pragma: no cover - compiled
-    """The 16 dot products of 4 float32 rows with 4 bfloat16 rows (all of one length)."""
-    z = np.float32(0.0)
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = z
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = z
-    for c in range(xa.shape[0]):
-        f0, f1, f2, f3 = _f32(w0[c]), _f32(w1[c]), _f32(w2[c]), _f32(w3[c])
-        p, q, u, v = xa[c], xb[c], xc[c], xd[c]
-        a00 += p * f0
-        a01 += p * f1
-        a02 += p * f2
-        a03 += p * f3
-        a10 += q * f0
-        a11 += q * f1
-        a12 += q * f2
-        a13 += q * f3
-        a20 += u * f0
-        a21 += u * f1
-        a22 += u * f2
-        a23 += u * f3
-        a30 += v * f0
-        a31 += v * f1
-        a32 += v * f2
-        a33 += v * f3
-    return (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33)
-
-
-@njit(inline="always")
-def _dot1x4(xa, w0, w1, w2, w3):  # pragma: no cover - compiled
-    """The 4 dot products of a float32 row with 4 bfloat16 rows (all of one length)."""
-    z = np.float32(0.0)
-    a0 = a1 = a2 = a3 = z
-    for c in range(xa.shape[0]):
-        p = xa[c]
-        a0 += p * _f32(w0[c])
-        a1 += p * _f32(w1[c])
-        a2 += p * _f32(w2[c])
-        a3 += p * _f32(w3[c])
-    return a0, a1, a2, a3
-
-
-@njit(inline="always")
-def _axpy4(t, p, s):  # pragma: no cover - compiled
-    """``t + p * s`` for 4-tuples ``t``, ``p``."""
-    return t[0] + p[0] * s, t[1] + p[1] * s, t[2] + p[2] * s, t[3] + p[3] * s
-
-
-@njit(inline="always")
-def _tile4(x, w, out, scales, ldk, kshift, r, n, m, n1):  # pragma: no cover - compiled
-    """``out[r:r+4, n:n+4]`` (rows below ``m``, columns below ``n1``), K block by K block (the
-    dot products run over slices: a loop from 0 vectorizes)."""
-    k = x.shape[1]
-    ra, rb, rc, rd = r, min(r + 1, m - 1), min(r + 2, m - 1), min(r + 3, m - 1)
-    c0, c1, c2, c3 = n, min(n + 1, n1 - 1), min(n + 2, n1 - 1), min(n + 3, n1 - 1)
-    srow = (n // PANEL) * ldk
-    block = _block(k, kshift)
-    z = np.float32(0.0)
-    t0 = t1 = t2 = t3 = (z, z, z, z)
-    if block == k:  # one block: whole rows
-        p0, p1, p2, p3 = _dot4x4(x[ra], x[rb], x[rc], x[rd], w[c0], w[c1], w[c2], w[c3])
-        s = scales[srow]
-        t0, t1, t2, t3 = _axpy4(t0, p0, s), _axpy4(t1, p1, s), _axpy4(t2, p2, s), _axpy4(t3, p3, s)
-        block = k + 1  # skip the loop below
-    for k0 in range(0, k if block <= k else 0, block):
-        k1 = min(k, k0 + block)
-        p0, p1, p2, p3 = _dot4x4(
-            x[ra, k0:k1], x[rb, k0:k1], x[rc, k0:k1], x[rd, k0:k1],
-            w[c0, k0:k1], w[c1, k0:k1], w[c2, k0:k1], w[c3, k0:k1],
-        )  # fmt: skip
+def _tile4(xt, w, out, scales, srow, kshift, r, r1, n):  # pragma: no cover - compiled
+    """``out[r:r+4, n:n+32]`` (rows below ``r1``, columns below ``out``'s width) from one panel
+    ``w`` ``[K, 32]``: chunk sums in registers, added to the totals times the chunk's scale."""
+    k = xt.shape[0]
+    u, one = np.uint64(r), np.uint64(1)  # unsigned: no negative-index check, adjacent loads
+    z = _zero16()
+    ta = tb = tc = td = te = tf = tg = th = z
+    for k0 in range(0, k, CHUNK):
+        pa = pb = pc = pd = pe = pf = pg = ph = z
+        wk, xk = w[k0 : k0 + CHUNK], xt[k0 : k0 + CHUNK]  # from 0: no negative-index checks
+        for c in range(wk.shape[0]):
+            lo, hi = _load16(wk[c], 0), _load16(wk[c], 16)
+            v = xk[c]
+            xa, xb, xc, xd = v[u], v[u + one], v[u + np.uint64(2)], v[u + np.uint64(3)]
+            pa, pb = _fma16(pa, xa, lo), _fma16(pb, xa, hi)
+            pc, pd = _fma16(pc, xb, lo), _fma16(pd, xb, hi)
+            pe, pf = _fma16(pe, xc, lo), _fma16(pf, xc, hi)
+            pg, ph = _fma16(pg, xd, lo), _fma16(ph, xd, hi)
         s = scales[srow + (k0 >> kshift)]
-        t0, t1, t2, t3 = _axpy4(t0, p0, s), _axpy4(t1, p1, s), _axpy4(t2, p2, s), _axpy4(t3, p3, s)
-    _store4(out, r, n, m, n1, t0)
-    _store4(out, r + 1, n, m, n1, t1)
-    _store4(out, r + 2, n, m, n1, t2)
-    _store4(out, r + 3, n, m, n1, t3)
+        ta, tb, tc, td = _fma16(ta, s, pa), _fma16(tb, s, pb), _fma16(tc, s, pc), _fma16(td, s, pd)
+        te, tf, tg, th = _fma16(te, s, pe), _fma16(tf, s, pf), _fma16(tg, s, pg), _fma16(th, s, ph)
+    _store(out, r, r1, n, ta, tb)
+    _store(out, r + 1, r1, n, tc, td)
+    _store(out, r + 2, r1, n, te, tf)
+    _store(out, r + 3, r1, n, tg, th)
 
 
 @njit(inline="always")
-def _tile1(x, w, out, scales, ldk, kshift, r, n, n1):  # pragma: no cover - compiled
-    """``out[r, n:n+4]`` (columns below ``n1``)."""
-    k = x.shape[1]
-    c0, c1, c2, c3 = n, min(n + 1, n1 - 1), min(n + 2, n1 - 1), min(n + 3, n1 - 1)
-    srow = (n // PANEL) * ldk
-    block = _block(k, kshift)
+def _tile1(xt, w, out, scales, srow, kshift, r, n):  # pragma: no cover - compiled
+    """``out[r, n:n+32]`` (columns below ``out``'s width): ``_tile4`` of one row."""
+    k = xt.shape[0]
+    z = _zero16()
+    ta = tb = z
+    for k0 in range(0, k, CHUNK):
+        pa = pb = z
+        for c in range(k0, min(k, k0 + CHUNK)):
+            xa = xt[c, r]
+            pa, pb = _fma16(pa, xa, _load16(w[c], 0)), _fma16(pb, xa, _load16(w[c], 16))
+        s = scales[srow + (k0 >> kshift)]
+        ta, tb = _fma16(ta, s, pa), _fma16(tb, s, pb)
+    _store(out, r, r + 1, n, ta, tb)
+
+
+@njit(inline="always")
+def _zero16():  # pragma: no cover - compiled
     z = np.float32(0.0)
-    t = (z, z, z, z)
-    for k0 in range(0, k, block):
-        k1 = min(k, k0 + block)
-        p = _dot1x4(x[r, k0:k1], w[c0, k0:k1], w[c1, k0:k1], w[c2, k0:k1], w[c3, k0:k1])
-        t = _axpy4(t, p, scales[srow + (k0 >> kshift)])
-    _store4(out, r, n, r + 1, n1, t)
+    return (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
 
 
 @njit(inline="always")
-def _store4(out, r, n, m, n1, v):  # pragma: no cover - compiled
-    """``out[r, n:n+4] = v`` where ``r < m`` and the column is below ``n1``."""
-    if r < m:
-        for j in range(4):
-            if n + j < n1:
-                out[r, n + j] = v[j]
+def _load16(v, j):  # pragma: no cover - compiled
+    """The float32 of bfloat16 bits ``v[j : j + 16]``."""
+    return (
+        _f32(v[j]), _f32(v[j + 1]), _f32(v[j + 2]), _f32(v[j + 3]),
+        _f32(v[j + 4]), _f32(v[j + 5]), _f32(v[j + 6]), _f32(v[j + 7]),
+        _f32(v[j + 8]), _f32(v[j + 9]), _f32(v[j + 10]), _f32(v[j + 11]),
+        _f32(v[j + 12]), _f32(v[j + 13]), _f32(v[j + 14]), _f32(v[j + 15]),
+    )  # fmt: skip
 
 
 @njit(inline="always")
-def _whole(x, w, out, scales, ldk, n0, n1):  # pragma: no cover - compiled
-    """``_gemm`` of a weight with one scale per panel for all of K (one K block)."""
-    m, k = x.shape
-    for n in range(n0, n1, TILE):
-        w0, w1, w2, w3 = w[n], w[min(n + 1, n1 - 1)], w[min(n + 2, n1 - 1)], w[min(n + 3, n1 - 1)]
-        s = scales[(n // PANEL) * ldk]
-        for r in range(0, m, TILE):
-            if m - r == 1:
-                _store4(out, r, n, m, n1, _scale4(_dot1x4(x[r], w0, w1, w2, w3), s))
-                continue
-            p0, p1, p2, p3 = _dot4x4(
-                x[r], x[min(r + 1, m - 1)], x[min(r + 2, m - 1)], x[min(r + 3, m - 1)], w0, w1, w2, w3
-            )
-            _store4(out, r, n, m, n1, _scale4(p0, s))
-            _store4(out, r + 1, n, m, n1, _scale4(p1, s))
-            _store4(out, r + 2, n, m, n1, _scale4(p2, s))
-            _store4(out, r + 3, n, m, n1, _scale4(p3, s))
+def _fma16(a, p, f):  # pragma: no cover - compiled
+    """``a + p * f`` lane by lane (one rounding: ``contract``) for 16-tuples ``a``, ``f``."""
+    return (
+        a[0] + p * f[0], a[1] + p * f[1], a[2] + p * f[2], a[3] + p * f[3],
+        a[4] + p * f[4], a[5] + p * f[5], a[6] + p * f[6], a[7] + p * f[7],
+        a[8] + p * f[8], a[9] + p * f[9], a[10] + p * f[10], a[11] + p * f[11],
+        a[12] + p * f[12], a[13] + p * f[13], a[14] + p * f[14], a[15] + p * f[15],
+    )  # fmt: skip
 
 
 @njit(inline="always")
-def _scale4(p, s):  # pragma: no cover - compiled
-    """``p * s`` for a 4-tuple ``p`` (as ``0 + p * s``: one rounding)."""
-    return p[0] * s, p[1] * s, p[2] * s, p[3] * s
+def _store(out, r, r1, n, lo, hi):  # pragma: no cover - compiled
+    """``out[r, n:n+32] = lo + hi`` (concatenated) where ``r < r1`` and the columns are in ``out``."""
+    if r >= r1:
+        return
+    width = out.shape[1]
+    if n + 32 <= width:  # a whole panel: lane by lane, in order
+        _put16(out[r], n, lo)
+        _put16(out[r], n + 16, hi)
+    else:
+        for j in range(16):
+            if n + j < width:
+                out[r, n + j] = lo[j]
+            if n + 16 + j < width:
+                out[r, n + 16 + j] = hi[j]
+
+
+@njit(inline="always")
+def _put16(o, n, v):  # pragma: no cover - compiled
+    """``o[n : n + 16] = v``."""
+    o[n], o[n + 1], o[n + 2], o[n + 3] = v[0], v[1], v[2], v[3]
+    o[n + 4], o[n + 5], o[n + 6], o[n + 7] = v[4], v[5], v[6], v[7]
+    o[n + 8], o[n + 9], o[n + 10], o[n + 11] = v[8], v[9], v[10], v[11]
+    o[n + 12], o[n + 13], o[n + 14], o[n + 15] = v[12], v[13], v[14], v[15]

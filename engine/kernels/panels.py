@@ -1,9 +1,10 @@
 """Write checkpoint weights straight into ``engine.kernels.gemm``' layout, one pass per part.
 
-A packed weight ``[N, K]`` is bfloat16 ``[N, K]``, row-major. Each writer here takes one stored
-linear (bf16 rows, FP8 codes, or 4-bit codes with their byte scales) and writes its rows
-``row0 .. row0 + n`` of such a tensor, reading each stored byte once: no float32 intermediate,
-no concatenation of fused weights (q/k/v, gate/up: each part is written straight into its rows).
+Each writer here takes one stored linear (bf16 rows, FP8 codes, or 4-bit codes with their byte
+scales) and writes its rows ``row0 .. row0 + n`` of a bfloat16 ``[N, K]`` row-major tensor,
+reading each stored byte once: no float32 intermediate, no concatenation of fused weights (q/k/v,
+gate/up: each part is written straight into its rows); ``finish`` then lays the rows out as the
+kernel's panels (one copy).
 This matters because a weight update loads while the engine serves, on one thread.
 
 The values written are exact bfloat16 values (checked when the tables are built):
@@ -25,6 +26,7 @@ import torch
 from numba import njit
 
 from core.numba_options import NJIT as _JIT
+from engine.kernels import gemm
 from weight_sync.formats.fp4 import E2M1_VALUES
 from weight_sync.formats.mxfp4 import scale_factors
 
@@ -78,9 +80,9 @@ def empty(n: int, k: int) -> torch.Tensor:
 
 
 def finish(dst: torch.Tensor, n: int) -> torch.Tensor:
-    """``dst`` (``n`` rows, all written) as bfloat16."""
+    """``dst`` (``n`` rows, all written) as the kernel's bfloat16 panels (``gemm.panels_of``)."""
     assert dst.shape[0] == n
-    return dst.view(torch.bfloat16)
+    return gemm.panels_of(dst.view(torch.bfloat16))
 
 
 def write_bf16(dst: torch.Tensor, row0: int, w: torch.Tensor) -> None:

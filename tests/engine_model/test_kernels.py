@@ -1,10 +1,10 @@
 """The bf16-weight GEMM kernel (``engine.kernels.gemm``) against float64 references.
 
 Bound: float32 products summed in float32 err by at most about (terms summed in one chain) x 2^-24
-x sum|x_k w_k|; the kernel sums K in vector lanes (chains of about K/16 plus the lanes'
-reduction), so on these shapes its error is a few such units (2^-24 x sum|x_k w_k|), like a
-blocked BLAS GEMM's; the test allows 16 (a plain K-long sequential sum would reach about
-sqrt(K) ~ 22 units typically and K worst case).
+x sum|x_k w_k|; the kernel sums K in chunks of 64 (chains of 64, then one per chunk), so on
+these shapes its error is a few such units (2^-24 x sum|x_k w_k|), like a blocked BLAS GEMM's;
+the test allows 16 (a plain K-long sequential sum would reach about sqrt(K) ~ 22 units typically
+and K worst case).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_matches_a_float64_product(m: int, k: int, n: int) -> None:
 def test_shapes_and_float_weights_exact_in_bf16() -> None:
     w = torch.randn(40, 24).bfloat16().float()  # float32 holding bfloat16 values
     p = gemm.pack(w)
-    assert p.shape == (40, 24) and p.weight.shape == (40, 24) and p.weight.dtype == torch.bfloat16
+    assert p.shape == (40, 24) and p.weight.shape == (2, 24, 32) and p.weight.dtype == torch.bfloat16
+    assert torch.equal(p.rows(), w.bfloat16())
     x = torch.randn(2, 3, 24)
     y = gemm.linear(x, p)
     assert y.shape == (2, 3, 40)

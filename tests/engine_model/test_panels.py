@@ -16,7 +16,7 @@ from weight_sync.formats import fp8, mxfp4, nvfp4
 
 def _unpack(p: gemm.PackedBf16) -> torch.Tensor:
     """The float32 ``[n, k]`` that ``p`` stands for: panel values times their scales."""
-    w = p.weight.float()
+    w = p.rows().float()
     if p.scales is not None:
         rows = torch.arange(w.shape[0]) // gemm.PANEL
         cols = torch.arange(p.k) // (p.kblock or p.k)
@@ -85,7 +85,7 @@ def test_scaled_formats_go_to_the_kernel_with_exact_bf16_values(fmt: str) -> Non
     lw, deq = _quantized(fmt, torch.randn(256, 512, generator=g))
     packed = layers.pack_parts([lw])
     assert isinstance(packed, gemm.PackedBf16) and packed.scales is not None
-    stored = packed.weight.float()
+    stored = packed.rows().float()
     if fmt == "fp8":
         assert torch.equal(stored, lw.tensors[0].float())
         assert packed.kblock == 128 and packed.scales.shape == (8, 4)
