@@ -37,7 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from core.numba_options import NJIT
 from engine.kernels import threads
@@ -49,6 +52,7 @@ PANEL = 32  # rows of W per panel (one scale per K block each); threads split W 
 TILE = 4  # rows of x per register tile
 CHUNK = 64  # K steps summed in registers before a chunk's sum is added to the total
 NO_BLOCK_SHIFT = 62  # the K-block shift of a weight with one scale for all of K
+PREFETCH = 2048  # elements (4 KB) ahead in a panel's stream: the line the tile asks the CPU for
 ONE = torch.ones(1)  # the scale table of unscaled weights (x 1.0 is exact)
 
 _TILE = {**NJIT, "fastmath": {"contract"}}
@@ -276,6 +280,7 @@ def _tile4(xt, w, out, scales, srow, kshift, r, r1, n):  # pragma: no cover - co
         pa = pb = pc = pd = pe = pf = pg = ph = z
         wk, xk = w[k0 : k0 + CHUNK], xt[k0 : k0 + CHUNK]  # from 0: no negative-index checks
         for c in range(wk.shape[0]):
+            _prefetch(wk, c * PANEL + PREFETCH)
             lo, hi = _load16(wk[c], 0), _load16(wk[c], 16)
             v = xk[c]
             xa, xb, xc, xd = v[u], v[u + one], v[u + np.uint64(2)], v[u + np.uint64(3)]
@@ -306,6 +311,23 @@ def _tile1(xt, w, out, scales, srow, kshift, r, n):  # pragma: no cover - compil
         s = scales[srow + (k0 >> kshift)]
         ta, tb = _fma16(ta, s, pa), _fma16(tb, s, pb)
     _store(out, r, r + 1, n, ta, tb)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, offset):  # pragma: no cover - compiled
+    """Ask the CPU to start loading the cache line of element ``offset`` of ``arr``'s data (counted
+    from its first element; past the end is allowed: ``llvm.prefetch`` never faults)."""
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.gep(data, [args[1]])
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+
+    return types.void(arr, offset), codegen
 
 
 @njit(inline="always")
