@@ -14,7 +14,9 @@ rows of ``W`` per panel, the last zero-padded), so a register tile of 4 rows of 
 panel reads the panel as one contiguous stream, 64 bytes per K step. The tile's 4 x 32 sums are
 16-lane tuples (one vector register each once LLVM's SLP vectorizer packs them: the kernels are
 compiled with ``NUMBA_SLP_VECTORIZE=1``, numba's documented switch, set here unless the
-environment sets it).
+environment sets it). Each K step asks the CPU for the stream's line ``PREFETCH`` elements ahead
+(``llvm.prefetch``, emitted through ``numba.extending.intrinsic``): the panels of one weight, and
+the weights of a group, are contiguous, so the hint runs on into the next panel.
 
 Summation order, the same for every tile, thread split and call: for each output, each 64-wide K
 chunk is summed in K order with fused multiply-adds (``contract`` only, no reassociation), and
