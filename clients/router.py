@@ -142,12 +142,14 @@ class RouterClient:
         accept: str = "application/json",
         content_type: str = "application/json",
         retry_statuses: tuple[int, ...] = RETRY_STATUSES,
+        headers: dict[str, str] | None = None,
     ) -> Answer:
         """``method path`` with ``body`` (sent as it is when ``bytes``, with ``content_type``;
         else as JSON). Raises :class:`RouterError` for a 4xx / 5xx answer or an unreachable
         router, once ``retries`` retries (of ``retry_statuses`` answers and unreachable routers)
-        are spent."""
-        headers = {**self.headers, "Accept": accept}
+        are spent. ``headers`` are added to every attempt (an ``Idempotency-Key`` makes the retries of
+        a POST that records something safe: the router answers a retry with what it recorded)."""
+        headers = {**self.headers, **(headers or {}), "Accept": accept}
         data = None
         if isinstance(body, bytes):
             data, headers["Content-Type"] = body, content_type
@@ -184,10 +186,12 @@ class RouterClient:
                 delay = max(delay, min(self.max_backoff_s, float(retry_after)))
         return delay
 
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
+    async def call(
+        self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None
+    ) -> Any:
         """The decoded JSON answer of ``method path`` (None for an empty body); raises
         :class:`RouterError` as :meth:`request` does, and when the answer is not JSON."""
-        answer = await self.request(method, path, body)
+        answer = await self.request(method, path, body, headers=headers)
         if not answer.content:
             return None
         try:

@@ -12,6 +12,7 @@ request. Batches are taken in the compact records encoding and decoded by
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +86,17 @@ class AsyncRolloutClient:
         min_version: int | None = None,
         max_version_age: int | None = None,
     ) -> dict[str, Any]:
-        """Generate the next turn; returns the router's turn object (output ids, records)."""
+        """Generate the next turn; returns the router's turn object (output ids, records). The
+        request carries a fresh ``Idempotency-Key``, so when the client retries it (the router was
+        unreachable, or answered 503) the router answers with the turn it recorded, if it did,
+        instead of sampling a second one."""
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or {}}
         if min_version is not None:
             body["min_version"] = min_version
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
-        return await self.router.call("POST", f"/v1/sessions/{session_id}/turns", body)
+        key = {"Idempotency-Key": uuid.uuid4().hex}
+        return await self.router.call("POST", f"/v1/sessions/{session_id}/turns", body, headers=key)
 
     async def finish(self, session_id: str, reward: float, metadata: dict[str, Any] | None = None) -> Any:
         return await self.router.call(
