@@ -103,7 +103,8 @@ class Generation:
 
     body: dict[str, Any]
     request: release.SamplingRequest
-    routed_experts: bool = False  # return_routed_experts was asked (from position 0)
+    routed_experts: bool = False  # return_routed_experts was asked ...
+    routed_experts_start: int = 0  # ... from this position (routed_experts_start_len)
 
     @property
     def sampling(self) -> dict[str, Any] | None:
@@ -295,6 +296,7 @@ class SGLangClient:
         sampling_mask_max_tokens: int = release.SAMPLING_MASK_MAX_TOKENS_DEFAULT,
         rid: str | None = None,
         routed_experts: bool = False,
+        routed_experts_start: int = 0,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
         (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
@@ -304,7 +306,8 @@ class SGLangClient:
         the whole vocabulary, which is sent unchanged without a mask). ``rid`` names the request
         for :meth:`abort_request` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py 177-180;
         unique among the engine's running requests). ``routed_experts``: also
-        ``return_routed_experts`` (every position from 0; SGLang answers them only when started
+        ``return_routed_experts`` (positions from ``routed_experts_start``, sent as
+        ``routed_experts_start_len`` when not 0; SGLang answers them only when started
         with ``--enable-return-routed-experts``, :mod:`core.sglang_release`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
@@ -323,6 +326,8 @@ class SGLangClient:
             payload["sampling_logprobs_mode"] = release.SAMPLING_LOGPROBS_MODE
         if routed_experts:
             payload["return_routed_experts"] = True
+            if routed_experts_start:
+                payload["routed_experts_start_len"] = routed_experts_start
         url = self.base_url + "/generate"
         data = await self.call("POST", "/generate", payload, headers=headers)
         if not isinstance(data, dict):
@@ -333,7 +338,7 @@ class SGLangClient:
             raise EngineAborted(
                 url, f"the engine aborted the generation: {finish.get('message') or 'Aborted'}"
             )
-        return Generation(data, request, routed_experts)
+        return Generation(data, request, routed_experts, routed_experts_start if routed_experts else 0)
 
     async def post_generate(self, body: bytes, *, headers: dict[str, str] | None = None) -> RawResponse:
         """SGLang-native ``POST /generate`` of ``body`` as given; the engine's answer, a 4xx

@@ -255,7 +255,9 @@ def _ms(seconds: float) -> float:
     return int(seconds * 1e6 + 0.5) / 1000 if seconds >= 0 else round(seconds * 1000, 3)
 
 
-async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int) -> TurnData:
+async def run_turn(
+    ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int, routes_start: int = 0
+) -> TurnData:
     """Turn ``index`` of ``session``, generated with failover and parsed by
     :func:`router.records.parse_turn`: its group, replica and ``moved_from`` say where it ran,
     its spans which weight versions produced it. Raises :class:`ApiError` (4xx/503; 502 for an
@@ -275,7 +277,12 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
         rid = uuid.uuid4().hex
         try:
             generation = await client.generate(
-                spec.input_ids, spec.params, headers=headers, rid=rid, routed_experts=routes
+                spec.input_ids,
+                spec.params,
+                headers=headers,
+                rid=rid,
+                routed_experts=routes,
+                routed_experts_start=routes_start,
             )
         except asyncio.CancelledError:  # the turn's caller went away: stop the engine too
             abort_later(client, rid)
@@ -306,6 +313,7 @@ async def run_turn(ctx: RouterContext, session: SessionInfo, spec: TurnSpec, ind
             timings=timings,
             sampling=generation.sampling,
             routed_experts=generation.routed_experts,
+            routed_experts_start=generation.routed_experts_start,
         )
     except ValueError as exc:
         raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None

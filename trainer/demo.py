@@ -171,7 +171,7 @@ def rl_step(
     codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     adv_traj = group_advantages(rewards, torch.tensor([codes[k] for k in keys]))
     traj_index = torch.from_numpy(batch.trajectory_index)
-    logits = policy.sampled_logits(batch, config.temperature)
+    logits = policy.sampled_logits(batch, config.temperature, replay=True)  # R3 where routes were recorded
     tokens = torch.from_numpy(batch.token_ids)
     loss = policy_loss(
         logits,
@@ -462,7 +462,8 @@ async def run_demo(
                 stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
                 step_s = time.monotonic() - t0
                 if batch.lease_id is not None:
-                    uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp))
+                    routes = policy.route_mismatch()  # None unless the batch recorded routes
+                    uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp, routes))
                     await client.ack(batch.lease_id)
                 trained_on = version
                 version += 1

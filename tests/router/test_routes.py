@@ -103,6 +103,26 @@ def test_route_flags_are_counted_per_group_version_and_position() -> None:
     assert (plain.route_tokens, plain.route_differ) == (0, 0)
 
 
+def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
+    from router.records import parse_turn
+
+    values = list(range(2 * 4))  # positions [3, 5) of 3 inputs + 3 outputs, 4 ids each
+    body = {
+        "output_ids": [10, 11, 12],
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in (10, 11, 12)],
+            "routed_experts": base64.b64encode(struct.pack("<8i", *values)).decode(),
+        },
+    }
+    kw = dict(index=0, group="g", replica="r", input_ids=[1, 2, 3], moved_from=None, timings={})
+    turn = parse_turn(
+        body, sampling={"sampling_mask": False}, routed_experts=True, routed_experts_start=3, **kw
+    )
+    assert (turn.routed_experts.start, turn.routed_experts.rows, turn.routed_experts.width) == (3, 2, 4)
+    with pytest.raises(ValueError, match="not int32 rows for 5 positions"):
+        parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+
+
 def test_a_truncated_section_is_refused() -> None:
     blob = encode_turn(_turn_data(_routes(list(range(8)), 4)))
     with pytest.raises(RecordFormatError):
