@@ -11,17 +11,14 @@ trajectory, turn, token order, plus per-trajectory and per-turn tables.
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-MAGIC_TURN = b"MFT"
-MAGIC_BATCH = b"MFB"
-FORMAT_VERSION = 1
-FLAG_F16 = 0x01
+from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN
+from core.wire import RECORDS_FORMAT_VERSION as FORMAT_VERSION
 
 
 class BatchFormatError(ValueError):
@@ -30,14 +27,24 @@ class BatchFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Batch:
-    """A decoded batch. Per token (length ``T``): ``token_ids``, ``logprobs`` (log mu, float32),
-    ``raw_logprobs`` (float32, NaN when unknown), ``versions`` (int64, -1 when unknown),
-    ``version_ages`` (``trainer_version - versions``, clipped at 0; -1 when unknown),
-    ``group_index`` (into ``groups``), ``trajectory_index``, ``turn_index``; the support as CSR:
-    ``support_offsets`` [T+1], ``support_ids`` and ``support_logprobs`` (float32). Per
-    trajectory: ``trajectories`` (the header's dicts: session_id, group, reward, metadata,
-    version_age). Per turn: ``turns`` (header dicts with ``input_ids`` as an int64 array and
-    ``token_start`` / ``token_end`` into the token arrays)."""
+    """A decoded batch. Per sampled token (length ``T``, trajectory, turn, token order):
+    ``token_ids``, ``logprobs`` (log mu, float32), ``raw_logprobs`` (float32, NaN when unknown),
+    ``versions`` (int64, -1 when unknown), ``version_ages`` (``trainer_version - versions``,
+    clipped at 0; -1 when unknown), ``group_index`` (into ``groups``), ``trajectory_index``,
+    ``turn_index``, ``token_positions`` (its index in ``sequence_ids``); the support as CSR:
+    ``support_offsets`` [T+1], ``support_ids`` and ``support_logprobs`` (float32).
+
+    Sequences (append-only trajectories): every segment's tokens once, segment after segment
+    (a trajectory has one segment, plus one per fork): ``sequence_ids`` (int64), ``loss_mask``
+    (bool, True on sampled tokens), ``sequence_offsets`` [S+1] and ``segment_trajectory`` [S].
+    A trainer computes each segment once; the sampled tokens' logits are at ``token_positions -
+    1`` of their segment's sequence.
+
+    Per trajectory: ``trajectories`` (the header's dicts: session_id, group, reward, metadata,
+    version_age). Per turn: ``turns`` (header dicts with ``token_start`` / ``token_end`` into the
+    token arrays, ``segment``, ``sequence_start`` (where its appended tokens start in
+    ``sequence_ids``), ``append_ids`` and ``input_ids`` (the engine's whole input: its segment's
+    first ``context + len(append_ids)`` tokens) as int64 views of ``sequence_ids``)."""
 
     lease_id: str | None
     held_back: int
@@ -56,6 +63,11 @@ class Batch:
     support_offsets: np.ndarray
     support_ids: np.ndarray
     support_logprobs: np.ndarray
+    token_positions: np.ndarray
+    sequence_ids: np.ndarray
+    loss_mask: np.ndarray
+    sequence_offsets: np.ndarray
+    segment_trajectory: np.ndarray
 
     def __len__(self) -> int:
         return int(self.token_ids.size)
@@ -84,6 +96,11 @@ class Batch:
             "support_offsets",
             "support_ids",
             "support_logprobs",
+            "token_positions",
+            "sequence_ids",
+            "loss_mask",
+            "sequence_offsets",
+            "segment_trajectory",
         )
         return {n: torch.from_numpy(np.ascontiguousarray(getattr(self, n))) for n in names}
 
@@ -255,6 +272,7 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             pos += 2
         else:
             size, pos = _varint_at(raw, pos)
+        block_lo = pos
         end = pos + size
         if end > size_of:
             raise BatchFormatError(
@@ -268,6 +286,10 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 )
             raise BatchFormatError(f"expected a turn block ({MAGIC_TURN!r}) at offset {pos}, got {got!r}")
         f16 = raw[pos + 4] & FLAG_F16
+        if raw[pos + 4] & FLAG_SECTIONS:  # optional sections end the block (their u32 length last)
+            end -= 4 + int.from_bytes(raw[end - 4 : end], "little")
+            if end < pos + 7:
+                raise BatchFormatError(f"turn block at offset {pos}: its sections do not fit it")
         length = raw[pos + 5]
         pos += 6
         if length >= 0x80:
@@ -289,7 +311,7 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
                 f"and the support log-probs cannot hold {total} support ids"
             )
-        pos = end
+        pos = block_lo + size  # after the sections, if any
         blocks.append(
             (f16, h_lo, h_lo + length, n_input, in_lo, in_hi, n, out_lo, out_hi, sizes_hi, gaps_hi, end)
         )
@@ -372,24 +394,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     raw = bytes(data)
     view = memoryview(raw)
     buf = np.frombuffer(raw, dtype=np.uint8)
-    if raw[:3] != MAGIC_BATCH or len(raw) < 4:
-        raise BatchFormatError(f"expected magic {MAGIC_BATCH!r} at offset 0, got {raw[:3]!r}")
-    if raw[3] != FORMAT_VERSION:
-        raise BatchFormatError(f"unsupported format version {raw[3]} (this decoder reads {FORMAT_VERSION})")
-    size, pos = _varint_at(raw, 4)
-    if pos + size > len(raw):
-        raise BatchFormatError(f"truncated: need {size} bytes at offset {pos}, have {len(raw) - pos}")
-    try:
-        header = json.loads(raw[pos : pos + size])
-    except ValueError as exc:
-        raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
-    pos += size
-    if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
-        raise BatchFormatError("batch header has no trajectories list")
+    header, pos = _batch_header(raw)
     trainer_version = header.get("trainer_version")
-    held_back = header.get("held_back") or 0
-    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
-        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
     trajectories: list[dict[str, Any]] = []
     turn_owner: list[int] = []
     blocks: list[tuple[int, ...]] = []
@@ -404,65 +410,159 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     if pos != len(raw):
         raise BatchFormatError(f"{len(raw) - pos} trailing bytes after the batch")
     layout = _Layout(blocks)
-
     turns = _headers(raw, layout.headers)
-    n_output = np.array(layout.n_output, dtype=np.int64)
-    token_end = list(itertools.accumulate(layout.n_output))
-    count = token_end[-1] if token_end else 0
-    inputs = _values(view, layout.inputs, sum(layout.n_input))
-    input_end = list(itertools.accumulate(layout.n_input))
-    groups: dict[str, int] = {}
-    group_of = []
-    spans: list[tuple[int, int, int]] = []  # (start, end, version) in batch token indices
-    lo = start = 0
+    count = sum(layout.n_output)
+    token_ids = _values(view, layout.outputs, count)
+    tables = _turn_tables(turns, layout, turn_owner, trajectories)
+    appended = _values(view, layout.inputs, sum(layout.n_input))
+    seq = _sequences(layout, appended, token_ids, tables.segment_start)
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BatchFormatError("turn header is not a JSON object")
-        group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
-        end = token_end[i]
-        turn["token_start"], turn["token_end"] = start, end
-        turn["session_id"] = trajectories[turn_owner[i]].get("session_id")
-        turn["input_ids"] = inputs[lo : input_end[i]]
-        lo = input_end[i]
-        spans.extend(_spans(turn, i, start, end - start))
-        start = end
-
-    versions = np.full(count, -1, dtype=np.int64)
-    for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
-        versions[a:b] = v
-    if trainer_version is None:
-        ages = np.full(count, -1, dtype=np.int64)
-    else:
-        ages = np.where(versions >= 0, np.maximum(0, trainer_version - versions), -1)
+        lo = seq.turn_start[i]
+        turn["sequence_start"] = lo
+        turn["append_ids"] = seq.ids[lo : lo + layout.n_input[i]]
+        turn["input_ids"] = seq.ids[seq.offsets[turn["segment"]] : lo + layout.n_input[i]]
+    versions, ages = _versions(tables.spans, count, trainer_version)
     sizes = _values(view, layout.sizes, count)
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    support_ids = _support_ids(_values(view, layout.gaps, int(offsets[-1]), offset=1), sizes)
-    if all(layout.f16) or not any(layout.f16):
-        support_lps = _floats(view, layout.support, "<f2" if any(layout.f16) else "<f4")
-    else:  # turns of both precisions: each turn's support log-probs converted on their own
-        support_lps = np.concatenate(
-            [
-                _floats(view, [r], "<f2" if f else "<f4")
-                for r, f in zip(layout.support, layout.f16, strict=True)
-            ]
-        )
+    n_output = np.array(layout.n_output, dtype=np.int64)
     return Batch(
         lease_id=header.get("lease_id"),
-        held_back=held_back,
+        held_back=header.get("held_back") or 0,
         trainer_version=trainer_version,
-        groups=tuple(groups),
+        groups=tuple(tables.groups),
         trajectories=tuple(trajectories),
         turns=tuple(turns),
-        token_ids=_values(view, layout.outputs, count),
+        token_ids=token_ids,
         logprobs=_floats(view, layout.logprobs, "<f4"),
         raw_logprobs=_floats(view, layout.raws, "<f4"),
         versions=versions,
         version_ages=ages,
-        group_index=np.repeat(np.array(group_of, dtype=np.int64), n_output),
+        group_index=np.repeat(np.array(tables.group_of, dtype=np.int64), n_output),
         trajectory_index=np.repeat(np.array(turn_owner, dtype=np.int64), n_output),
         turn_index=np.repeat(np.arange(len(turns), dtype=np.int64), n_output),
         support_offsets=offsets,
-        support_ids=support_ids,
-        support_logprobs=support_lps,
+        support_ids=_support_ids(_values(view, layout.gaps, int(offsets[-1]), offset=1), sizes),
+        support_logprobs=_support_logprobs(view, layout),
+        token_positions=seq.positions,
+        sequence_ids=seq.ids,
+        loss_mask=seq.mask,
+        sequence_offsets=seq.offsets,
+        segment_trajectory=np.array(tables.segment_owner, dtype=np.int64),
+    )
+
+
+def _batch_header(raw: bytes) -> tuple[dict[str, Any], int]:
+    """The batch's JSON header (checked: a trajectories list, integer counts) and the position
+    after it."""
+    if raw[:3] != MAGIC_BATCH or len(raw) < 4:
+        raise BatchFormatError(f"expected magic {MAGIC_BATCH!r} at offset 0, got {raw[:3]!r}")
+    if raw[3] != FORMAT_VERSION:
+        raise BatchFormatError(f"unsupported format version {raw[3]} (this decoder reads {FORMAT_VERSION})")
+    size, pos = _varint_at(raw, 4)
+    if pos + size > len(raw):
+        raise BatchFormatError(f"truncated: need {size} bytes at offset {pos}, have {len(raw) - pos}")
+    try:
+        header = json.loads(raw[pos : pos + size])
+    except ValueError as exc:
+        raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
+        raise BatchFormatError("batch header has no trajectories list")
+    trainer_version = header.get("trainer_version")
+    held_back = header.get("held_back") or 0
+    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
+        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
+    return header, pos + size
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per turn: its group's index and whether it starts a segment; per segment its trajectory;
+    the batch's weight-version spans (start, end, version) in batch token indices."""
+
+    groups: dict[str, int]
+    group_of: list[int]
+    segment_start: list[bool]
+    segment_owner: list[int]
+    spans: list[tuple[int, int, int]]
+
+
+def _turn_tables(
+    turns: list[Any], layout: _Layout, owner: list[int], trajectories: list[dict[str, Any]]
+) -> _Tables:
+    """Check every turn header and annotate it (``token_start``, ``token_end``, ``session_id``,
+    ``segment``): a segment starts at a trajectory's first turn and at every fork, and each
+    turn's ``context`` must be its segment's length before it."""
+    groups: dict[str, int] = {}
+    group_of, starts, seg_owner = [], [], []
+    spans: list[tuple[int, int, int]] = []
+    start = seg_len = 0
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BatchFormatError("turn header is not a JSON object")
+        group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
+        new = i == 0 or owner[i] != owner[i - 1] or turn.get("fork") is not None
+        if new:
+            seg_owner.append(owner[i])
+            seg_len = 0
+        if turn.get("context") != seg_len:
+            raise BatchFormatError(
+                f"turn {i}: context {turn.get('context')!r} but its segment holds {seg_len} tokens before it"
+            )
+        n = layout.n_output[i]
+        seg_len += layout.n_input[i] + n
+        starts.append(new)
+        turn["token_start"], turn["token_end"] = start, start + n
+        turn["session_id"] = trajectories[owner[i]].get("session_id")
+        turn["segment"] = len(seg_owner) - 1
+        spans.extend(_spans(turn, i, start, n))
+        start += n
+    return _Tables(groups, group_of, starts, seg_owner, spans)
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    ids: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    positions: np.ndarray
+    turn_start: list[int]
+
+
+def _sequences(layout: _Layout, appended: np.ndarray, outputs: np.ndarray, starts: list[bool]) -> _Sequences:
+    """Every segment's tokens once (per turn its appended tokens, then its output tokens), the
+    loss mask, segment offsets, each output token's position and each turn's start: placed by
+    two scatters, no loop per token."""
+    n_in = np.array(layout.n_input, dtype=np.int64)
+    n_out = np.array(layout.n_output, dtype=np.int64)
+    per_turn = n_in + n_out
+    turn_start = np.cumsum(per_turn) - per_turn
+    total = int(per_turn.sum())
+    ids = np.empty(total, dtype=np.int64)
+    mask = np.zeros(total, dtype=bool)
+    in_pos = np.repeat(turn_start - (np.cumsum(n_in) - n_in), n_in) + np.arange(appended.size)
+    out_pos = np.repeat(turn_start + n_in - (np.cumsum(n_out) - n_out), n_out) + np.arange(outputs.size)
+    ids[in_pos] = appended
+    ids[out_pos] = outputs
+    mask[out_pos] = True
+    offsets = np.append(turn_start[np.array(starts, dtype=bool)], total) if starts else np.zeros(1, np.int64)
+    return _Sequences(ids, mask, offsets.astype(np.int64), out_pos, turn_start.tolist())
+
+
+def _versions(spans: list[tuple[int, int, int]], count: int, trainer_version: int | None) -> tuple:
+    """Per token its weight version (-1: none) and version age (-1: unknown)."""
+    versions = np.full(count, -1, dtype=np.int64)
+    for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
+        versions[a:b] = v
+    if trainer_version is None:
+        return versions, np.full(count, -1, dtype=np.int64)
+    return versions, np.where(versions >= 0, np.maximum(0, trainer_version - versions), -1)
+
+
+def _support_logprobs(view: memoryview, layout: _Layout) -> np.ndarray:
+    """Every turn's support log-probs as float32 (each turn in its own precision)."""
+    if all(layout.f16) or not any(layout.f16):
+        return _floats(view, layout.support, "<f2" if any(layout.f16) else "<f4")
+    return np.concatenate(  # turns of both precisions: each turn's converted on its own
+        [_floats(view, [r], "<f2" if f else "<f4") for r, f in zip(layout.support, layout.f16, strict=True)]
     )

@@ -19,11 +19,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from core.wire import RECORDS_MEDIA_TYPE
 from trainer.batch import Batch, decode_batch
 from trainer.upload import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
 from trainer.upload import encode_trainer_logprobs
 
-RECORDS_MEDIA_TYPE = "application/x-mixfleet-records"
 RETRY_STATUSES = (409, 503)
 
 
