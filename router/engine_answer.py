@@ -30,9 +30,8 @@ def parse_turn(
 ) -> TurnData:
     """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
-    is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`).
-    ``input_ids`` (the engine's whole input) become the turn's ``append_ids`` at context 0:
-    :func:`router.turns.record_turn` cuts them to what the turn appends to its trajectory.
+    is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`);
+    ``input_ids`` (the whole input) are its ``append_ids`` until :mod:`router.segments` places it.
 
     A turn sent without a mask (``sampling`` ``{"sampling_mask": false}``, ``router/records.py``) records
     empty supports and mu = ``output_token_logprobs``; it refuses mask fields (SGLang sends none).

@@ -43,6 +43,25 @@ class Placement:
     fork: dict[str, int] | None = None
 
 
+def locate(
+    input_ids: Sequence[int] | None, append_ids: Sequence[int] | None, stored: bytes
+) -> tuple[list[int], Placement]:
+    """The engine's whole input and where it goes: ``input_ids`` placed on the ``stored``
+    context (:func:`place`), or (``input_ids`` None) the stored context followed by
+    ``append_ids``, which extend it by definition (no comparison). Raises ValueError for an
+    empty whole input."""
+    if input_ids is None:
+        appended = list(append_ids or ())
+        whole = unpack(stored) + appended if stored else appended
+        at = Placement(len(stored) // 4, appended)
+    else:
+        whole = list(input_ids)
+        at = place(whole, stored)
+    if not whole:
+        raise ValueError("the session has no stored context yet; give at least one token")
+    return whole, at
+
+
 def place(input_ids: Sequence[int], stored: bytes) -> Placement:
     """How the whole input ``input_ids`` relates to the ``stored`` context (packed): it extends
     it when the stored tokens are its prefix."""

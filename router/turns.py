@@ -36,7 +36,7 @@ from router.errors import ApiError
 from router.ledger import version_tokens
 from router.records import encode_stored
 from router.schemas import TurnSpec
-from router.segments import pack, place, unpack
+from router.segments import locate, pack, place
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict, TurnRecord
 from router.turn_data import TurnData
 
@@ -48,14 +48,16 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
-    full = _engine_input(spec, stored)
+    try:
+        full, at = locate(spec.input_ids, spec.append_ids, stored)
+    except ValueError as exc:
+        raise ApiError(422, f"append_ids: {exc}") from None
     await check_min_version(ctx, spec.min_version)
     turn = await run_turn(ctx, session, spec._replace(input_ids=full, append_ids=None), index)
     request_id = _request_id()
     low, high = turn.version_range()
     per_version = version_tokens(turn.weight_versions)
     for _ in range(64):
-        at = place(full, stored)
         turn = replace(turn, turn=index, context=at.context, append_ids=at.append, fork=at.fork)
         try:
             blob, recorded = encode_stored(turn, f16=ctx.config.f16_support_logprobs)
@@ -84,6 +86,7 @@ async def record_turn(ctx: RouterContext, session_id: str, spec: TurnSpec) -> by
             state = await ctx.store.get_session_context(session_id)
             stored = b"" if state is None else state[1]  # a gone session is refused by the append
             index = exc.next_turn
+            at = place(full, stored)
         except SessionFinished:
             why = f"session {session_id!r} was finished during the turn; not recorded"
             raise ApiError(409, why) from None
@@ -104,15 +107,6 @@ def _open_context(state: tuple[SessionInfo, bytes] | None, session_id: str) -> t
     if state[0].status != "open":
         raise ApiError(409, f"session {session_id!r} is {state[0].status}: it accepts no more turns")
     return state
-
-
-def _engine_input(spec: TurnSpec, stored: bytes) -> list[int]:
-    """The engine's whole input: ``input_ids``, or the stored context and ``append_ids``."""
-    if spec.append_ids is None:
-        return spec.input_ids  # type: ignore[return-value]
-    if not stored and not spec.append_ids:
-        raise ApiError(422, "append_ids: the session has no stored context yet; give at least one token")
-    return unpack(stored) + list(spec.append_ids)
 
 
 def _count(ctx: RouterContext, turn: TurnData, seconds: float) -> None:

@@ -19,9 +19,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from core.wire import RECORDS_MEDIA_TYPE
+from core.wire import LOGPROBS_MEDIA_TYPE, RECORDS_MEDIA_TYPE
 from trainer.batch import Batch, decode_batch
-from trainer.upload import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
 from trainer.upload import encode_trainer_logprobs
 
 RETRY_STATUSES = (409, 503)

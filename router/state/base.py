@@ -16,7 +16,7 @@ Contract, for every adapter:
 * An open session's context is the token sequence of its current segment (every turn's
   appended and output tokens since the first turn or the last fork), packed as uint32
   little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
-  ``get_session_context`` reads the session and its context in one atomic step. Finishing or
+  ``get_session_context`` reads the session and then its context. Finishing or
   abandoning the session drops the context (the turn blocks hold every token).
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
@@ -186,8 +186,10 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
-        """The session and its context (see the module docstring; empty once finished), read in
-        one atomic step; None when the session is unknown."""
+        """The session and its context (see the module docstring; empty once finished); None when
+        the session is unknown. The context is never older than the session's ``n_turns``: an
+        append that expects that index (``expected_turn``) stores against exactly that context
+        or raises :class:`TurnConflict`."""
 
     @abc.abstractmethod
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:

@@ -443,8 +443,13 @@ class RedisStore(StateStore):
         return _info(session_id, await self._call(self._r.hmget, _skey(session_id), _FIELDS))
 
     async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+        """One round trip, ``HMGET`` then ``GET`` (no ``MULTI``): a turn appended between the two
+        makes the session's ``n_turns`` older than the context, and every append of a turn read
+        this way names that ``n_turns`` as its expected index, so it is refused (TurnConflict)
+        and read again, never stored against a context it was not placed on."""
+
         async def read() -> list[Any]:
-            async with self._r.pipeline(transaction=True) as pipe:
+            async with self._r.pipeline(transaction=False) as pipe:
                 pipe.hmget(_skey(session_id), _FIELDS)
                 pipe.get(_ckey(session_id))
                 return await pipe.execute()

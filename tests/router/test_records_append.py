@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from router import records
-from router.segments import pack, place, unpack
+from router.segments import locate, pack, place, unpack
 from router.turn_data import TurnData
 from tests.support.sessions import SessionShape, minimal_bytes, synthetic_session
 from trainer.batch import BatchFormatError
@@ -122,3 +122,9 @@ def test_an_input_is_placed_after_the_stored_context_or_forks() -> None:
     at = place([5, 6], stored)  # shorter than the stored context: history was cut
     assert (at.context, at.fork) == (0, {"stored": 3, "common": 2})
     assert np.frombuffer(pack([2**31 - 1]), dtype="<u4").tolist() == [2**31 - 1]
+    whole, at = locate(None, [8], stored)  # appended tokens extend the stored context
+    assert (whole, at.context, list(at.append), at.fork) == ([5, 6, 7, 8], 3, [8], None)
+    whole, at = locate([5, 6, 1], None, stored)
+    assert (whole, at.context, at.fork) == ([5, 6, 1], 0, {"stored": 3, "common": 2})
+    with pytest.raises(ValueError, match="no stored context"):
+        locate(None, [], b"")
