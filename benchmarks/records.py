@@ -240,7 +240,7 @@ def _turn_costs(turns: list, reps: int) -> None:
     from router.state.base import TurnRecord
     from router.state.memory import MemoryStore
 
-    async def one(turn, prior: list, full: bool) -> float:
+    async def one(turn, prior: list, full: bool) -> tuple[float, float, float]:
         store = MemoryStore()
         await store.create_session("s", "g", {}, now=0.0)
         seq = [x for t in prior for x in (*t.append_ids, *t.output_ids)]
@@ -249,20 +249,24 @@ def _turn_costs(turns: list, reps: int) -> None:
         t0 = time.perf_counter()
         _, stored = await store.get_session_context("s")
         _, at = locate(request, None, stored) if full else locate(None, request, stored)
+        t1 = time.perf_counter()
         done = replace(turn, context=at.context, append_ids=at.append, fork=at.fork)
         blob, _ = encode_stored(done)
         record = TurnRecord("r1", blob, "g", "r", 64, 7, 7, pack(at.append) + pack(done.output_ids))
         await store.append_turn("s", record)
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return t2 - t0, t1 - t0, t2 - t1
 
+    print(f"  router work per turn (best of {reps}; read + check/rebuild the input, then encode + store):")
     for index in (2, len(turns) - 1):
         turn, prior = turns[index], turns[:index]
         for full in (True, False):
-            best = min(asyncio.run(one(turn, prior, full)) for _ in range(reps))
-            kind = "full-context" if full else "append-only"
+            runs = [asyncio.run(one(turn, prior, full)) for _ in range(reps)]
+            total, where, record = (min(r[i] for r in runs) for i in range(3))
+            kind = "full context" if full else "append only "
             print(
-                f"  recording a {kind} turn at {turn.context} context tokens "
-                f"({len(turn.append_ids)} appended): {best * 1e3:.2f} ms (best of {reps})"
+                f"    {kind} at {turn.context:>6} context tokens ({len(turn.append_ids)} appended): "
+                f"{total * 1e3:6.2f} ms = input {where * 1e3:5.2f} ms + record {record * 1e3:5.2f} ms"
             )
 
 
