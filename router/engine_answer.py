@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from router.turn_data import TurnData
+from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 from weight_sync.types import parse_version, reported_version
 
 _FLOAT = {float}
@@ -27,6 +27,7 @@ def parse_turn(
     moved_from: str | None,
     timings: dict[str, Any],
     sampling: dict[str, Any] | None = None,
+    routed_experts: bool = False,
 ) -> TurnData:
     """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
@@ -56,6 +57,11 @@ def parse_turn(
     the sampled token's support log-prob when that is known and its raw log-prob otherwise
     (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
     floats (unknown: NaN; raw: None).
+
+    With ``routed_experts`` (the request asked ``return_routed_experts`` from position 0), reads
+    ``meta_info.routed_experts`` into the :data:`~router.turn_data.ROUTES_SECTION` section
+    (positions ``[0, seqlen - 1)``); its absence is refused: SGLang answers without the key when
+    not started with ``--enable-return-routed-experts``.
 
     Raises ValueError naming the field (and position) when ``body`` lacks a record field or
     holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
@@ -96,7 +102,40 @@ def parse_turn(
         timings=timings,
         moved_from=moved_from,
         sampling=sampling,
+        sections=_route_sections(meta, len(input_ids) + n - 1) if routed_experts else {},
     )
+
+
+def _route_sections(meta: dict[str, Any], rows: int) -> dict[str, bytes]:
+    return {ROUTES_SECTION: _routes(meta, rows).to_section()}
+
+
+def _routes(meta: dict[str, Any], rows: int) -> RoutedExperts:
+    """The routed experts of an answer covering ``rows`` positions from 0 (ValueError naming
+    what is wrong)."""
+    import base64
+    import binascii
+
+    from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
+
+    text = meta.get("routed_experts")
+    if text is None:
+        raise ValueError(
+            f"meta_info.routed_experts is missing: routes were asked of an engine not started with "
+            f"{ENABLE_RETURN_ROUTED_EXPERTS_FLAG}"
+        )
+    if type(text) is not str:
+        raise ValueError("meta_info.routed_experts is not a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("meta_info.routed_experts is not base64") from None
+    width = len(data) // 4 // rows if rows > 0 else 0
+    if len(data) != 4 * rows * width or (rows > 0 and width == 0):
+        raise ValueError(
+            f"meta_info.routed_experts holds {len(data)} bytes, not int32 rows for {rows} positions"
+        )
+    return RoutedExperts(0, rows, width, data)
 
 
 def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:

@@ -12,10 +12,109 @@ segment holding its whole input, trained as its own sample.
 
 from __future__ import annotations
 
+import array
+import base64
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+ROUTES_SECTION = "routed_experts"
+"""The turn block's section of a turn's routed experts (:class:`RoutedExperts`)."""
+_ROUTE_CODES = {1: "B", 2: "H", 4: "i"}
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A turn's routed experts (SGLang's ``routed_experts``): ``rows`` positions from ``start`` of
+    its segment's sequence, ``width`` ids each (layers x top-k, layer after layer, as SGLang lays
+    them out; the router does not know the model), as ``data``: their int32 little-endian bytes.
+    ValueError unless ``len(data) == 4 * rows * width``.
+
+    Its section (:meth:`to_section`): varint start, varint rows, varint width, u8 bytes per id,
+    then the ids as little-endian unsigned ints of that size (1 or 2 when every id fits, else 4:
+    int32 as sent)."""
+
+    start: int
+    rows: int
+    width: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if min(self.start, self.rows, self.width) < 0 or len(self.data) != 4 * self.rows * self.width:
+            raise ValueError(
+                f"routed experts: {len(self.data)} bytes for {self.rows} rows of {self.width} int32 ids"
+            )
+
+    def values(self) -> list[int]:
+        """The ids, row after row."""
+        return _ints(self.data, 4)
+
+    def to_json(self) -> dict[str, Any]:
+        """``start``, ``rows``, ``width`` and ``data``: base64 of the int32 bytes (SGLang's encoding)."""
+        return {
+            "start": self.start,
+            "rows": self.rows,
+            "width": self.width,
+            "data": base64.b64encode(self.data).decode("ascii"),
+        }
+
+    def to_section(self) -> bytes:
+        """The section's bytes (class docstring)."""
+        values = self.values()
+        lo, hi = (min(values), max(values)) if values else (0, 0)
+        size = 4 if lo < 0 or hi >= 0x10000 else 2 if hi >= 0x100 else 1
+        ids = self.data if size == 4 else _pack(values, size)
+        return bytes(_head(self.start, self.rows, self.width)) + bytes([size]) + ids
+
+    @classmethod
+    def from_section(cls, data: bytes) -> RoutedExperts:
+        """The routed experts of a section (ValueError naming what is wrong)."""
+        pos, fields = 0, []
+        for _ in range(3):
+            value = shift = 0
+            while True:
+                if pos >= len(data):
+                    raise ValueError("routed_experts section: truncated head")
+                b = data[pos]
+                pos += 1
+                value |= (b & 0x7F) << shift
+                shift += 7
+                if b < 0x80:
+                    break
+            fields.append(value)
+        start, rows, width = fields
+        size = data[pos] if pos < len(data) else 0
+        if size not in _ROUTE_CODES or len(data) - pos - 1 != rows * width * size:
+            raise ValueError(f"routed_experts section: {len(data) - pos - 1} bytes for {rows} x {width} ids")
+        raw = data[pos + 1 :]
+        return cls(start, rows, width, raw if size == 4 else _pack(_ints(raw, size), 4))
+
+
+def _head(*values: int) -> bytearray:
+    out = bytearray()
+    for v in values:
+        while v >= 0x80:
+            out.append(v & 0x7F | 0x80)
+            v >>= 7
+        out.append(v)
+    return out
+
+
+def _ints(raw: bytes, size: int) -> list[int]:
+    a = array.array(_ROUTE_CODES[size])
+    a.frombytes(raw)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def _pack(values: list[int], size: int) -> bytes:
+    a = array.array(_ROUTE_CODES[size], values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 @dataclass(frozen=True)
@@ -84,6 +183,12 @@ class TurnData:
                     out[i] = span["version"]
         return out
 
+    @property
+    def routed_experts(self) -> RoutedExperts | None:
+        """The turn's routed experts (its :data:`ROUTES_SECTION`), if recorded."""
+        data = self.sections.get(ROUTES_SECTION)
+        return None if data is None else RoutedExperts.from_section(data)
+
     def version_range(self) -> tuple[int | None, int | None]:
         """The lowest and highest weight version of the turn's spans; (None, None) without spans."""
         spans = self.weight_versions
@@ -96,7 +201,8 @@ class TurnData:
         """The turn's JSON object, the one JSON view of a turn (the turn answer without
         ``append_ids``, trajectory reads and JSON batches with them, last): one record per output
         token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
-        no NaN. Sections are not part of the JSON view."""
+        no NaN. Sections are not part of the JSON view, but for the routed experts
+        (``routed_experts``: :meth:`RoutedExperts.to_json`)."""
         out: dict[str, Any] = {}
         if session_id is not None:
             out["session_id"] = session_id
@@ -114,6 +220,9 @@ class TurnData:
             moved_from=self.moved_from,
             sampling=None if self.sampling is None else dict(self.sampling),
         )
+        routes = self.routed_experts
+        if routes is not None:
+            out["routed_experts"] = routes.to_json()
         if with_input:
             out["append_ids"] = list(self.append_ids)
         return out

@@ -72,6 +72,20 @@ class Batch:
     def __len__(self) -> int:
         return int(self.token_ids.size)
 
+    def routes(self, turn: int, top_k: int) -> np.ndarray | None:
+        """Turn ``turn``'s routed experts (its ``routed_experts`` section) as int32 ``[rows,
+        layers, top_k]`` (``top_k``: the model's experts per token; ValueError when a row's width
+        is not a multiple), row ``j`` for position ``turns[turn]["routed_experts"]["start"] + j``
+        of the turn's segment; None when the turn has none."""
+        flat = self.turns[turn].get("routes")
+        if flat is None:
+            return None
+        if top_k < 1 or flat.shape[1] % top_k:
+            raise ValueError(
+                f"routes of turn {turn} hold {flat.shape[1]} ids per position, not layers x {top_k}"
+            )
+        return flat.reshape(flat.shape[0], flat.shape[1] // top_k, top_k)
+
     def rewards(self) -> np.ndarray:
         """Per-token reward of the token's trajectory (NaN when the trajectory has none)."""
         per = np.array(
@@ -234,10 +248,11 @@ class _Layout:
 
     def __init__(self, blocks: list[tuple[int, ...]]) -> None:
         """``blocks``: per turn (f16, header start, header end, n_input, input start, input end,
-        n_output, output start, output end, sizes end, gaps end, block end), as :func:`_scan`
-        finds them."""
-        cols = tuple(zip(*blocks, strict=True)) or ((),) * 12
-        f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi, sz_hi, gap_hi, end = cols
+        n_output, output start, output end, sizes end, gaps end, support end, sections end), as
+        :func:`_scan` finds them."""
+        cols = tuple(zip(*blocks, strict=True)) or ((),) * 13
+        f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi = cols[:9]
+        sz_hi, gap_hi, end, sec_hi = cols[9:]
         self.f16 = [bool(f) for f in f16]
         self.headers = list(zip(h_lo, h_hi, strict=True))
         self.inputs = list(zip(in_lo, in_hi, strict=True))
@@ -249,6 +264,7 @@ class _Layout:
         self.sizes = list(zip(raw_hi, sz_hi, strict=True))
         self.gaps = list(zip(sz_hi, gap_hi, strict=True))
         self.support = list(zip(gap_hi, end, strict=True))
+        self.sections = list(zip(end, sec_hi, strict=True))  # empty where a turn has none
 
 
 def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
@@ -286,7 +302,9 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 )
             raise BatchFormatError(f"expected a turn block ({MAGIC_TURN!r}) at offset {pos}, got {got!r}")
         f16 = raw[pos + 4] & FLAG_F16
+        sections_hi = end
         if raw[pos + 4] & FLAG_SECTIONS:  # optional sections end the block (their u32 length last)
+            sections_hi = end - 4
             end -= 4 + int.from_bytes(raw[end - 4 : end], "little")
             if end < pos + 7:
                 raise BatchFormatError(f"turn block at offset {pos}: its sections do not fit it")
@@ -314,6 +332,7 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
         pos = block_lo + size  # after the sections, if any
         blocks.append(
             (f16, h_lo, h_lo + length, n_input, in_lo, in_hi, n, out_lo, out_hi, sizes_hi, gaps_hi, end)
+            + (sections_hi,)
         )
     return pos
 
@@ -388,6 +407,37 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
     return [(start + max(0, a), start + min(n, b), v) for a, b, v in spans if min(n, b) > max(0, a)]
 
 
+_ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
+
+
+def _read_sections(data: bytes, turn: dict[str, Any], index: int) -> None:
+    """The turn's optional sections (name, size, bytes; see ``router/records.py``): its
+    ``routed_experts`` section becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and
+    ``turn["routed_experts"]`` (``start``, ``rows``, ``width``); others are skipped."""
+    pos = 0
+    while pos < len(data):
+        n, pos = _varint_at(data, pos)
+        name = data[pos : pos + n]
+        size, pos = _varint_at(data, pos + n)
+        if pos + size > len(data):
+            raise BatchFormatError(f"turn {index}: section {name!r} of {size} bytes does not fit")
+        if name == b"routed_experts":
+            _read_routes(data[pos : pos + size], turn, index)
+        pos += size
+
+
+def _read_routes(data: bytes, turn: dict[str, Any], index: int) -> None:
+    start, pos = _varint_at(data, 0)
+    rows, pos = _varint_at(data, pos)
+    width, pos = _varint_at(data, pos)
+    size = data[pos] if pos < len(data) else 0
+    if size not in _ROUTE_DTYPES or len(data) - pos - 1 != rows * width * size:
+        raise BatchFormatError(f"turn {index}: bad routed_experts section ({rows} x {width} ids)")
+    ids = np.frombuffer(data, dtype=_ROUTE_DTYPES[size], offset=pos + 1, count=rows * width)
+    turn["routes"] = ids.astype(np.int32).reshape(rows, width)
+    turn["routed_experts"] = {"start": start, "rows": rows, "width": width}
+
+
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """Decode a whole batch (``POST /v1/batches/take`` with ``Accept:
     application/x-mixfleet-records``). Raises :class:`BatchFormatError` naming the problem."""
@@ -421,6 +471,9 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         turn["sequence_start"] = lo
         turn["append_ids"] = seq.ids[lo : lo + layout.n_input[i]]
         turn["input_ids"] = seq.ids[seq.offsets[turn["segment"]] : lo + layout.n_input[i]]
+        lo, hi = layout.sections[i]
+        if hi > lo:
+            _read_sections(raw[lo:hi], turn, i)
     versions, ages = _versions(tables.spans, count, trainer_version)
     sizes = _values(view, layout.sizes, count)
     offsets = np.zeros(count + 1, dtype=np.int64)
