@@ -96,11 +96,11 @@ def test_a_context_that_is_not_the_segments_length_is_refused() -> None:
 
 def test_sections_round_trip_and_are_skipped_by_the_trainer_decoder() -> None:
     plain = _turn(0, [300, 2], [7, 8], 0)
-    extra = TurnData(**{**plain.__dict__, "sections": {"routed_experts": b"\x00\x01\x02", "x": b""}})
+    extra = TurnData(**{**plain.__dict__, "sections": {"unknown": b"\x00\x01\x02", "x": b""}})
     blob = records.encode_turn(extra, f16=True)
     assert blob[4] == 0x03  # float16 and sections
     back = records.decode_turn(blob)
-    assert back.sections == {"routed_experts": b"\x00\x01\x02", "x": b""}
+    assert back.sections == {"unknown": b"\x00\x01\x02", "x": b""}
     assert back.to_json() == records.decode_turn(records.encode_turn(plain, f16=True)).to_json()
     data = records.encode_batch("L", 0, [(HEADER, [blob, records.encode_turn(_turn(1, [9], [10], 4))])])
     got = decode_arrays(data)
