@@ -86,6 +86,27 @@ class Batch:
             )
         return flat.reshape(flat.shape[0], flat.shape[1] // top_k, top_k)
 
+    def sequence_routes(self, turn: int, top_k: int) -> np.ndarray | None:
+        """The recorded experts of every position of turn ``turn``'s sequence (its segment's
+        tokens up to its input, then its output): int32 ``[len(input_ids) + outputs, layers,
+        top_k]`` from the rows of this turn and the earlier turns of its segment (each placed
+        from its ``start``), -1 where none were recorded (always the last position: nothing was
+        computed there); None when the turn has none."""
+        mine = self.routes(turn, top_k)
+        if mine is None:
+            return None
+        t = self.turns[turn]
+        length = len(t["input_ids"]) + int(t["token_end"]) - int(t["token_start"])
+        out = np.full((length, *mine.shape[1:]), -1, dtype=np.int32)
+        for j in range(turn + 1):
+            other = self.turns[j]
+            rows = self.routes(j, top_k) if other["segment"] == t["segment"] else None
+            if rows is not None and rows.shape[1:] == mine.shape[1:]:
+                start = int(other["routed_experts"]["start"])
+                rows = rows[: max(0, length - start)]
+                out[start : start + rows.shape[0]] = rows
+        return out
+
     def rewards(self) -> np.ndarray:
         """Per-token reward of the token's trajectory (NaN when the trajectory has none)."""
         per = np.array(

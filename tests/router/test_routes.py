@@ -73,3 +73,18 @@ def test_an_answers_routes_become_the_section_and_their_absence_is_refused() -> 
     del body["meta_info"]["routed_experts"]
     with pytest.raises(ValueError, match="--enable-return-routed-experts"):
         parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+
+
+def test_a_segments_turns_assemble_its_routes() -> None:
+    from router.turn_data import TurnData as T
+
+    first = _turn(_routes(list(range(4 * 2)), 4))  # 3 appended + 2 outputs: positions 0..3
+    later = RoutedExperts(4, 3, 2, struct.pack("<6i", *range(100, 106)))  # positions 4..6
+    fields = {**_turn(None, n_in=1, n_out=2).__dict__, "turn": 1, "context": 5}
+    second = T(**{**fields, "sections": {ROUTES_SECTION: later.to_section()}})
+    data = encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(first), encode_turn(second)])])
+    batch = trainer_decode_batch(data)
+    seq = batch.sequence_routes(1, 2)  # 5 + 1 appended + 2 outputs = 8 positions
+    assert seq.shape == (8, 1, 2)
+    want = [[0, 1], [2, 3], [4, 5], [6, 7], [100, 101], [102, 103], [104, 105], [-1, -1]]
+    assert seq[:, 0].tolist() == want
