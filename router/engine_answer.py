@@ -28,6 +28,7 @@ def parse_turn(
     timings: dict[str, Any],
     sampling: dict[str, Any] | None = None,
     routed_experts: bool = False,
+    routed_experts_start: int = 0,
 ) -> TurnData:
     """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
     ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
@@ -58,9 +59,10 @@ def parse_turn(
     (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
     floats (unknown: NaN; raw: None).
 
-    With ``routed_experts`` (the request asked ``return_routed_experts`` from position 0), reads
-    ``meta_info.routed_experts`` into the :data:`~router.turn_data.ROUTES_SECTION` section
-    (positions ``[0, seqlen - 1)``); its absence is refused: SGLang answers without the key when
+    With ``routed_experts`` (the request asked ``return_routed_experts`` from position
+    ``routed_experts_start``), reads ``meta_info.routed_experts`` into the
+    :data:`~router.turn_data.ROUTES_SECTION` section (positions ``[routed_experts_start, seqlen -
+    1)``); its absence is refused: SGLang answers without the key when
     not started with ``--enable-return-routed-experts``.
 
     Raises ValueError naming the field (and position) when ``body`` lacks a record field or
@@ -102,17 +104,20 @@ def parse_turn(
         timings=timings,
         moved_from=moved_from,
         sampling=sampling,
-        sections=_route_sections(meta, len(input_ids) + n - 1) if routed_experts else {},
+        sections=_route_sections(meta, routed_experts_start, len(input_ids) + n - 1)
+        if routed_experts
+        else {},
     )
 
 
-def _route_sections(meta: dict[str, Any], rows: int) -> dict[str, bytes]:
-    return {ROUTES_SECTION: _routes(meta, rows).to_section()}
+def _route_sections(meta: dict[str, Any], start: int, end: int) -> dict[str, bytes]:
+    return {ROUTES_SECTION: _routes(meta, start, end).to_section()}
 
 
-def _routes(meta: dict[str, Any], rows: int) -> RoutedExperts:
-    """The routed experts of an answer covering ``rows`` positions from 0 (ValueError naming
+def _routes(meta: dict[str, Any], start: int, end: int) -> RoutedExperts:
+    """The routed experts of an answer covering positions ``[start, end)`` (ValueError naming
     what is wrong)."""
+    rows = max(end - start, 0)
     import base64
     import binascii
 
@@ -135,7 +140,7 @@ def _routes(meta: dict[str, Any], rows: int) -> RoutedExperts:
         raise ValueError(
             f"meta_info.routed_experts holds {len(data)} bytes, not int32 rows for {rows} positions"
         )
-    return RoutedExperts(0, rows, width, data)
+    return RoutedExperts(start, rows, width, data)
 
 
 def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
