@@ -14,7 +14,7 @@ Contract:
   batch's token order, so :func:`trainer.corrections.policy_loss` applies to them unchanged.
 * Routing replay (R3, as slime/Miles' ``RoutingReplay``: ``probs = scores.gather(1,
   top_indices)`` with the rollout's indices): with ``replay``, every position whose routed
-  experts the batch recorded (:meth:`trainer.batch.Batch.routes`) uses the sampler's experts in
+  experts the batch recorded (:meth:`trainer.batch.Batch.sequence_routes`) uses the sampler's experts in
   every MoE layer instead of the trainer's own top-k; their gate weights are recomputed from the
   trainer's own router logits (softmax over all experts, gathered at the recorded ids,
   renormalized when ``norm_topk_prob``, exactly as ``Qwen3MoeTopKRouter`` weighs its own top-k),
@@ -159,10 +159,8 @@ class Policy:
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
         k = int(self.model.config.num_experts_per_tok)
-        routes = [batch.routes(i, k) if "routes" in t else None for i, t in enumerate(batch.turns)]
-        for turn, r in zip(batch.turns, routes, strict=True):
-            if r is not None and int(turn["routed_experts"]["start"]) != 0:
-                raise ValueError("routes recorded from a start other than 0 cannot be replayed")
+        routes = [batch.sequence_routes(i, k) for i in range(len(batch.turns))]
+        for turn in batch.turns:
             start, end = int(turn["token_start"]), int(turn["token_end"])
             context = [int(x) for x in turn["input_ids"]]
             output = batch.token_ids[start:end].tolist()
