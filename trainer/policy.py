@@ -109,10 +109,10 @@ class Policy:
         """Logits [B, L, V] (float32) of right-padded ``sequences``, computed under BF16 autocast.
 
         ``routes`` (one per sequence, None: none recorded): int ``[rows, layers, k]`` for its
-        positions ``[0, rows)``; with ``replay`` they replace the trainer's top-k there (module
-        docstring). Either way :attr:`last_route_differ` is then ``[B, L]`` uint8: 1 where the
-        trainer's own top-k differs from the recorded experts in some MoE layer, 0 where it is the
-        same, :data:`NO_ROUTES` where nothing was recorded."""
+        positions ``[0, rows)``, a row of -1 where none was recorded; with ``replay`` they replace
+        the trainer's top-k there (module docstring). Either way :attr:`last_route_differ` is then
+        ``[B, L]`` uint8: 1 where the trainer's own top-k differs from the recorded experts in some
+        MoE layer, 0 where it is the same, :data:`NO_ROUTES` where nothing was recorded."""
         width = max(len(s) for s in sequences)
         if routes is None:
             self.last_route_differ = None

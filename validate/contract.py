@@ -88,6 +88,8 @@ def check(target: GroupTarget) -> LevelResult:
             f"{target.format} does not run natively on {target.accelerator or 'an unknown accelerator'}"
             + (" (the local CPU engine emulates it in float32)" if target.accelerator == "cpu" else "")
         )
+    if target.staleness is None:
+        notes.append("allowed staleness: the router does not publish its --max-version-lag; not stated")
     contract = {
         "format": target.format,
         "accelerator": target.accelerator,

@@ -106,7 +106,12 @@ def _quantized(src: Any, prefix: str) -> bool:
 def check(target: GroupTarget) -> LevelResult:
     """Level 2 for ``target`` (its version directory and BF16 weights must be known)."""
     if target.version_dir is None or target.bf16_dir is None:
-        missing = "the group's version directory" if target.version_dir is None else "the BF16 weights"
+        missing = (
+            "the group's version directory"
+            if target.version_dir is None
+            else f"the BF16 weights of version {target.version} (the store keeps no "
+            f"{target.run_id}/bf16/v{target.version}: pass --checkpoint)"
+        )
         return LevelResult(2, False, f"cannot run: {missing} not found", (f"{missing} not found",))
     from weight_sync.convert import convert_checkpoint
 

@@ -29,12 +29,25 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"{head}  {n}. {NAMES[n]:25s} {mark:6s}  {text}")
             for note in [] if lv is None else lv["notes"]:
                 lines.append(" " * 66 + f"note: {note}")
-    verdicts = [
-        f"{g['group']}: " + ("all levels pass" if g["ok"] else f"fails at level {g['first_failure']}")
-        for g in report["groups"]
-    ]
+            for failure in [] if lv is None else lv["failures"][1:]:  # the first is in the summary
+                lines.append(" " * 66 + f"also: {failure}")
+    verdicts = [f"{g['group']}: " + verdict(g) for g in report["groups"]]
     lines.append("validate: " + ("OK" if report["ok"] else "FAILED") + " (" + "; ".join(verdicts) + ")")
     return "\n".join(lines)
+
+
+def verdict(g: dict[str, Any]) -> str:
+    """``all levels pass``, or the first failing level (and where level 5 localizes a level-4 failure)."""
+    if g["ok"]:
+        return "all levels pass"
+    text = f"fails at level {g['first_failure']}"
+    five = _level(g, 5)
+    if g["first_failure"] == 4 and five is not None and not five["ok"]:
+        first = five["details"].get("first_divergence") or {}
+        layers = sorted({d["layer"] for d in first.values()})
+        if layers:
+            text += f", localized by level 5: routes first diverge at layer {layers[0]}"
+    return text
 
 
 def _png(fig) -> bytes:
@@ -56,6 +69,7 @@ def plot(report: dict[str, Any], n: int) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     drawn = False
@@ -89,18 +103,22 @@ def plot(report: dict[str, Any], n: int) -> bytes:
         elif n == 4 and p.get("series"):
             series = next(iter(p["series"].values()))
             for j, s in enumerate(series):
-                ax.plot(range(1, len(s) + 1), s, color=c, lw=0.8, label=g["group"] if j == 0 else None)
-            ax.set_yscale("symlog", linthresh=1e-4)
+                floored = [max(v, 1e-9) for v in s]  # log axis: exact agreement drawn at 1e-9
+                ax.plot(range(1, len(s) + 1), floored, color=c, lw=0.8, label=g["group"] if j == 0 else None)
+            ax.set_yscale("log")
             ax.set_xlabel("position")
             ax.set_ylabel("|log p group - log p BF16|")
         elif n == 5 and p.get("agreement"):
             agree = next(iter(p["agreement"].values()))
             ax.plot([int(k) for k in agree], list(agree.values()), "o-", color=c, label=g["group"])
+            ax.axhline(p["bound"], color=c, ls="--", lw=0.8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("MoE layer")
             ax.set_ylabel("tokens with BF16's top-k")
             ax.set_ylim(0, 1.05)
         elif n == 6 and p.get("expected") is not None:
-            ax.bar([2 * i, 2 * i + 0.8], [p["expected"], p["observed"] or 0], color=[c, c], alpha=0.6)
+            rise = [p["expected"], p["observed"] or 0]
+            ax.bar([2 * i, 2 * i + 0.8], rise, color=[c, c], alpha=0.6, label=g["group"])
             ax.set_ylabel("log-prob rise (expected, observed)")
         else:
             continue

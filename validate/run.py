@@ -124,6 +124,10 @@ def _ladder(
         if not rep.levels[-1].ok:
             return rep
     assert t.bf16_dir is not None
+    if not t.replicas:
+        why = "no live replica to sample and score with: scale the group up to validate levels 4-6"
+        rep.levels.append(LevelResult(4, False, why, (why,)))
+        return rep
     ref = refs.get(t.bf16_dir) or refs.setdefault(t.bf16_dir, Reference(t.bf16_dir))
     say(f"{t.name}: level 4")
     samples = engine_calls.sample(t.replicas[0].url, opts.prompts, opts.max_new_tokens, opts.top_p)

@@ -38,8 +38,8 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6, "seed": 11}
 
 
-def _routes(values: list[int], rows: int) -> RoutedExperts:
-    return RoutedExperts(0, rows, len(values) // rows, struct.pack(f"<{len(values)}i", *values))
+def _routes(values: list[int], rows: int, start: int = 0) -> RoutedExperts:
+    return RoutedExperts(start, rows, len(values) // rows, struct.pack(f"<{len(values)}i", *values))
 
 
 def _turn(routes: RoutedExperts | None, n_in: int = 3, n_out: int = 2) -> TurnData:
@@ -149,6 +149,17 @@ def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
     assert (turn.routed_experts.start, turn.routed_experts.rows, turn.routed_experts.width) == (3, 2, 4)
     with pytest.raises(ValueError, match="not int32 rows for 5 positions"):
         parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+
+
+def test_the_trainer_places_routes_from_their_start_in_the_turns_sequence() -> None:
+    values = list(range(3 * 4))  # 3 rows of 1 layer x 4, from position 1 of 3 inputs + 2 outputs
+    batch = trainer_decode_batch(
+        encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(_turn(_routes(values, 3, 1)))])])
+    )
+    seq = batch.sequence_routes(0, 4)
+    assert seq.shape == (5, 1, 4)
+    assert seq[0].tolist() == [[-1] * 4] and seq[4].tolist() == [[-1] * 4]
+    np.testing.assert_array_equal(seq[1:4].reshape(-1), values)
 
 
 def test_a_truncated_section_is_refused() -> None:

@@ -73,10 +73,10 @@ def _publish_with_corrupt_scale(fleet: Fleet, tiny_base, version: int) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_corrupt_scale_is_caught_at_level_2(fleet: Fleet, tiny_base) -> None:
+def test_corrupt_scale_is_caught_at_level_2(fleet: Fleet, tiny_base, tmp_path) -> None:
     v = fleet.latest() + 1
     _publish_with_corrupt_scale(fleet, tiny_base, v)
-    code, report = _validate(fleet, "--no-live-update")
+    code, report = _validate(fleet, "--no-live-update", "--out", str(tmp_path / "out"))
     assert code == 1
     fp8 = _levels(report, "cpu-fp8")
     assert fp8[1]["ok"] and not fp8[2]["ok"] and sorted(fp8) == [1, 2], fp8
@@ -97,11 +97,13 @@ def test_corrupt_scale_is_caught_at_level_2(fleet: Fleet, tiny_base) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_swapped_experts_are_localized_at_level_5(fleet: Fleet) -> None:
+def test_swapped_experts_are_localized_at_level_5(fleet: Fleet, tmp_path) -> None:
     fleet.fault("cpu-bf16", {"swap_experts": [0, 1, 2]})
     try:
         fleet.republish()  # the engine loads the version again, with experts 1 and 2 of layer 0 swapped
-        code, report = _validate(fleet, "--group", "cpu-bf16", "--no-live-update")
+        code, report = _validate(
+            fleet, "--group", "cpu-bf16", "--no-live-update", "--out", str(tmp_path / "out")
+        )
     finally:
         fleet.fault("cpu-bf16", {})
         fleet.republish()
@@ -118,10 +120,10 @@ def test_swapped_experts_are_localized_at_level_5(fleet: Fleet) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_activation_never_installed_is_caught_at_level_6(fleet: Fleet) -> None:
+def test_activation_never_installed_is_caught_at_level_6(fleet: Fleet, tmp_path) -> None:
     fleet.fault("cpu-nvfp4", {"skip_install": True})
     try:
-        code, report = _validate(fleet, "--group", "cpu-nvfp4")
+        code, report = _validate(fleet, "--group", "cpu-nvfp4", "--out", str(tmp_path / "out"))
     finally:
         fleet.fault("cpu-nvfp4", {})
         fleet.republish()
@@ -130,3 +132,16 @@ def test_activation_never_installed_is_caught_at_level_6(fleet: Fleet) -> None:
     assert [lv[n]["ok"] for n in range(1, 6)] == [True] * 5, {n: lv[n]["summary"] for n in lv}
     assert not lv[6]["ok"], lv[6]
     assert any("after the swap" in f for f in lv[6]["failures"]), lv[6]["failures"]
+
+
+def test_bad_arguments_are_one_line_errors(fleet: Fleet, tmp_path) -> None:
+    out = fleet.cli("validate", "--group", "no-such-group", "--no-live-update")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == (
+        "mixfleet validate: error: unknown group(s) no-such-group "
+        "(the fleet has cpu-bf16, cpu-fp8, cpu-nvfp4)"
+    )
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("[1, 2, 3]\nnot json\n")
+    out = fleet.cli("validate", "--prompts", str(bad))
+    assert out.returncode == 2 and "line 2: not JSON" in out.stderr, out.stderr
