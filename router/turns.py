@@ -111,8 +111,10 @@ def routes_start(context: int) -> int:
     """The first position whose routed experts a turn with ``context`` stored tokens before it
     asks for (``routed_experts_start_len``): ``context - 1``, or 0 for a segment's first turn.
     The previous turn stored the rows of its positions up to its last output token, exclusive:
-    that token was sampled and never fed forward in it (SGLang answers rows of ``[start, seqlen -
-    1)``, :mod:`core.sglang_release`); it is this turn's position ``context - 1``."""
+    that token was sampled and never fed forward in it (SGLang 0.5.23 answers the rows of
+    ``[start, seqlen - 1)``: managers/scheduler_components/batch_result_processor.py 142-163,
+    :mod:`core.sglang_release`); it is this turn's position ``context - 1``, within the prompt as
+    SGLang requires (managers/scheduler.py 3300-3313)."""
     return max(context - 1, 0)
 
 
