@@ -265,3 +265,16 @@ def test_a_recording_group_whose_engine_lacks_the_flag_is_a_502_naming_it(client
     _, r = _session_turn(client, "cpu-bad")
     assert r.status_code == 502, r.text
     assert "--enable-return-routed-experts" in r.text
+
+
+def test_a_turn_stores_the_rows_from_the_first_position_it_adds() -> None:
+    from router.turns import _stored_routes, routes_start
+
+    assert [routes_start(c) for c in (0, 1, 9)] == [0, 0, 8]
+    asked = _turn(_routes(list(range(5 * 2)), 5, start=4))  # asked at context 5: positions 4..8
+    assert _stored_routes(asked, 5) is asked
+    moved = _stored_routes(asked, 7).routed_experts  # a concurrent turn grew the context to 7
+    assert (moved.start, moved.rows, moved.values()) == (6, 3, list(range(4, 10)))
+    assert _stored_routes(asked, 0) is asked  # re-placed as a fork: kept from where it was asked
+    with pytest.raises(ValueError, match="no tail from 10"):
+        asked.routed_experts.tail(10)
