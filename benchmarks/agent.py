@@ -22,7 +22,7 @@ standing in for the engine's own time. Printed:
   then :func:`trainer.batch.decode_batch`).
 
 * the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
-  started with a ``tiny-chat`` checkpoint as its chat model): ``--chat-turns`` turns whose user
+  started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
   messages (tool output, one token per character) grow the context to ``--chat-context`` tokens,
   each sending back the previous reply as the assistant message; its latency is set beside the
   same direct figures by context size (the raw API's, approximately the same token counts).
@@ -344,10 +344,8 @@ def start_router(
 
     port = free_port()
     argv = mixfleet_argv("router", "--preset", str(preset), "--port", str(port), "--log-level", "warning")
-    env = {
-        "MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]}),
-        "MIXFLEET_CHAT_MODEL": str(chat_model),
-    }
+    argv += ["--chat-model", str(chat_model)]
+    env = {"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})}
     proc = stack.enter_context(spawn([*argv, "--state", state], env=env, log=log))
     _wait(f"http://127.0.0.1:{port}/healthz", proc)
     time.sleep(1.5)  # the first health poll puts the stub in rotation
@@ -430,7 +428,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-agent-"))
     key = secrets.token_hex(16)
     chat_model = tmp / "chat-model"
-    subprocess.run(mixfleet_argv("init-model", str(chat_model), "--preset", "tiny-chat"), check=True)
+    subprocess.run(mixfleet_argv("init-model", str(chat_model), "--preset", "tiny"), check=True)
     with contextlib.ExitStack() as stack:
         stub_port = free_port()
         argv = [sys.executable, __file__, "--serve-stub", str(stub_port), "--engine-s", str(args.engine_s)]

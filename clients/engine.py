@@ -98,7 +98,7 @@ class WeightsNotFlushed(EngineRejected):
 @dataclass(frozen=True)
 class Generation:
     """A finished generation: the engine's decoded answer (an object whose finish reason is not
-    ``abort``) and the :class:`~fleet.sglang_release.SamplingRequest` it answers (the
+    ``abort``) and the :class:`~core.sglang_release.SamplingRequest` it answers (the
     ``sampling_params`` sent, whether a sampling mask was asked, the ``top_k`` bound)."""
 
     body: dict[str, Any]

@@ -83,8 +83,11 @@ class Answer:
 
 
 def open_session() -> aiohttp.ClientSession:
-    """A session to share between clients (call inside the running loop; the caller closes it)."""
-    return aiohttp.ClientSession(trust_env=False)
+    """A session to share between clients (call inside the running loop; the caller closes it).
+    Idle connections are dropped after 2 s, before the router's keep-alive timeout (uvicorn: 5 s)
+    can close one under the next request (aiohttp: "Can not write request body"), as
+    ``clients.engine.make_http_client`` does for engines."""
+    return aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(keepalive_timeout=2.0))
 
 
 class RouterClient:

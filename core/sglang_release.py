@@ -63,7 +63,7 @@ SAMPLING_LOGPROBS_MODES = ("selected", "support")
 SAMPLING_LOGPROBS_MODE = "support"  # what the engine client asks for
 
 # managers/io_struct.py 1927-1945 PauseGenerationReqInput.mode: Literal["abort", "retract",
-# "in_place"] = "abort". The fleet activates with "retract" (fleet.activation): running requests go
+# "in_place"] = "abort". The fleet activates with "retract" (replica.activation): running requests go
 # back to the waiting queue with their KV freed (managers/scheduler.py 5817-5932) and are
 # re-prefilled, prompt and output so far, under the new weights on continue; so the running batch
 # is empty and the flush that update_weights_from_disk runs by default succeeds while paused

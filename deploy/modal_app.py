@@ -1,5 +1,6 @@
 """The production fleet on Modal: ``modal deploy deploy/modal_app.py`` (preset from ``MIXFLEET_PRESET``,
-default ``mixed``; run id from ``MIXFLEET_RUN``, default ``main``).
+default ``mixed``; run id from ``MIXFLEET_RUN``, default ``main``; the router's chat model from
+``MIXFLEET_CHAT_MODEL``, a checkpoint directory on the weights Volume, default none).
 
 Defines, from the :mod:`deploy.plan` of the preset (which refuses a bad preset before any object
 is created):
@@ -16,7 +17,10 @@ is created):
   (URL from the ``mixfleet-redis`` secret), API keys from the ``mixfleet-api-keys`` secret, the
   proxy auth token it reaches the servers with (``Modal-Key`` / ``Modal-Secret`` on every call to
   a replica) from ``mixfleet-proxy-auth``, the weight store on the Volume, and its publications
-  run by the ``publish`` function (``MIXFLEET_CONVERT_FUNCTION``). Its URL is public (no proxy
+  run by the ``publish`` function (``MIXFLEET_CONVERT_FUNCTION``), and, when the deploy named
+  one, the chat model its per-session chat APIs render with (``--chat-model``: a directory under
+  ``/weights`` holding the served model's ``tokenizer.json`` and ``tokenizer_config.json``, e.g. a
+  published version's). Its URL is public (no proxy
   auth: trainers and agents authenticate with the router's own bearer keys).
 - ``publish``: a CPU function with the weights Volume mounted that converts a BF16 checkpoint once
   per format and publishes it as a version (the local converter of
@@ -53,6 +57,7 @@ from typing import Any
 
 import modal
 
+from core.errors import UserError
 from deploy import plan as deploy_plan
 from deploy.plan import (
     APP_NAME,
@@ -89,6 +94,7 @@ STORE_ENV = "MIXFLEET_STORE"
 ROUTER_FUNCTION = "router"
 PUBLISH_FUNCTION = "publish"
 STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"  # router.publishing: the store is this Volume at MIXFLEET_STORE
+CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
 TASK_ID_ENV = "MODAL_TASK_ID"  # set by Modal in every container: "The ID of the container" (docs, env vars)
 STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
 REPLICA_STOP_GRACE_S = 30  # SIGTERM to SIGKILL for the engine and sidecar at scale-down
@@ -108,6 +114,11 @@ ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLU
 if sglang.image_digest():  # a container builds the same image reference as the deploy did
     ENV[sglang.IMAGE_DIGEST_ENV] = sglang.image_digest()
 ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP_NAME}/{PUBLISH_FUNCTION}"}
+CHAT_MODEL = os.environ.get(CHAT_MODEL_ENV) or None
+if CHAT_MODEL is not None:
+    if not CHAT_MODEL.startswith(VOLUME_MOUNT + "/"):
+        raise UserError(f"{CHAT_MODEL_ENV} must be a directory on the weights Volume (under {VOLUME_MOUNT}/)")
+    ROUTER_ENV[CHAT_MODEL_ENV] = CHAT_MODEL
 
 app = modal.App(APP_NAME)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOLUME_FS_VERSION)
@@ -260,12 +271,15 @@ def router() -> Any:
 
 def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
-    (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL`` and requests pinned to the
-    containers of this app's servers."""
+    (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL``, requests pinned to the
+    containers of this app's servers and the deploy's chat model (:data:`CHAT_MODEL`)."""
     from mixfleet.router import default_args
 
     return default_args(
-        fleet_json=PLAN.fleet.model_dump_json(), state=os.environ[REDIS_URL_ENV], modal_app=APP_NAME
+        fleet_json=PLAN.fleet.model_dump_json(),
+        state=os.environ[REDIS_URL_ENV],
+        modal_app=APP_NAME,
+        chat_model=CHAT_MODEL,
     )
 
 

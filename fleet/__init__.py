@@ -1,1 +1,2 @@
-"""Sampler groups: specs and presets, the engine client, the sidecar, capacity, the embedded fleet."""
+"""Sampler groups: their specs and presets (:mod:`fleet.specs`, ``fleet/presets/``) and the pure
+autoscaling policy over them (:mod:`fleet.autoscale`)."""

@@ -10,7 +10,9 @@ Before: nothing (a fresh machine is fine). What :func:`serve` does, in order:
 2. ``<data-dir>/store``: a local version store for run ``--run``, bootstrapped by
    :func:`weight_sync.publish.bootstrap` (the base policy becomes version 0, converted once per
    format; later ``up`` runs start from each format's pointer).
-3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes, then
+3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes and the
+   base policy as its chat model (``--chat-model``: the per-session chat APIs render with its
+   tokenizer and chat template), then
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions (started by :mod:`launcher.children`). Groups with
@@ -224,9 +226,10 @@ def _start_replicas(
 def _start_router(
     launcher: Launcher, probe: Probe, settings: UpSettings, router_url: str, plan: _Plan
 ) -> Child:
-    """The router (``mixfleet router``) with the store's weight routes, once it answers ``/healthz``."""
+    """The router (``mixfleet router``) with the store's weight routes and the base policy as its
+    chat model, once it answers ``/healthz``."""
     argv = ["router", "--preset", str(settings.preset), "--host", settings.host, "--port", str(settings.port)]
-    argv += ["--state", settings.state]
+    argv += ["--state", settings.state, *_chat_flags(plan.data / "base")]
     if settings.max_version_lag is not None:
         argv += ["--max-version-lag", str(settings.max_version_lag)]
     env = {
@@ -239,6 +242,20 @@ def _start_router(
     _say(f"started router (pid {router.pid}, log {router.log})")
     probe.wait_http(router_url + "/healthz", router, time.monotonic() + settings.ready_timeout_s)
     return router
+
+
+def _chat_flags(base: Path) -> list[str]:
+    """``--chat-model base`` when the base policy has a chat template (every ``init-model`` preset
+    writes one); else none, said once (a base written by an older ``init-model``: the chat APIs
+    answer 503 until it is recreated)."""
+    try:
+        template = json.loads((base / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        template = None
+    if template:
+        return ["--chat-model", str(base)]
+    _say(f"the base policy in {base} has no chat template: the chat APIs answer 503 (remove it to recreate)")
+    return []
 
 
 def api_keys(data: Path) -> tuple[dict[str, list[str]], str | None, bool]:
@@ -275,11 +292,12 @@ def replica_key(keys: dict[str, list[str]]) -> tuple[dict[str, list[str]], str]:
 
 
 def ensure_base(base: Path, model_preset: str) -> None:
-    """The base policy in ``base``: created by ``init-model`` (``model_preset``) when it holds no
+    """The base policy in ``base``: written as ``mixfleet init-model`` writes it
+    (:func:`weight_sync.base_model.write_model`, preset ``model_preset``) when it holds no
     ``config.json``, written aside and moved into place."""
     if (base / "config.json").is_file():
         return
-    from mixfleet.init_model import write_model
+    from weight_sync.base_model import write_model
 
     print(f"creating the {model_preset} base policy in {base} ...", flush=True)
     partial = base.with_name(base.name + ".partial")

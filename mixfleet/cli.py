@@ -4,8 +4,8 @@ Each subcommand lives in its own module, which exposes ``add_arguments(parser)``
 ``run(args) -> int``; the module's docstring's first line is the command's help. Heavy imports
 (torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A process that
 :mod:`launcher.children` started takes the processes it starts with it when it ends
-(:func:`~fleet.launch.guard_group`). A
-:class:`~weight_sync.errors.UserError` from a command becomes one line on stderr and exit status 2.
+(:func:`~launcher.children.guard_group`). A
+:class:`~core.errors.UserError` from a command becomes one line on stderr and exit status 2.
 A reader of stdout that goes away (``mixfleet weights status | head -1``) ends the command
 quietly with status 1, as Python's documentation advises ("Note on SIGPIPE", ``signal`` module):
 stdout is pointed at ``/dev/null`` so that the interpreter's last flush cannot fail again.

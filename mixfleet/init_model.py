@@ -1,9 +1,10 @@
 """Write a deterministic BF16 Qwen3-MoE base policy (HF checkpoint + byte-level tokenizer).
 
-``mixfleet init-model DIR [--preset tiny|tiny-chat|small] [--seed S]`` writes ``config.json``,
-``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and the weights
-(``model.safetensors``, or shards plus ``model.safetensors.index.json`` for ``small``). The same
-preset and seed give the same bytes on every run.
+``mixfleet init-model DIR [--preset tiny|small] [--seed S]`` writes ``config.json``,
+``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template:
+every preset is a chat model) and the weights (``model.safetensors``, or shards plus
+``model.safetensors.index.json`` for ``small``). The same preset and seed give the same bytes on
+every run.
 
 The writer, its presets and its initialisation are :mod:`weight_sync.base_model` (shared with the
 conversion pool's warm-up, which must not import this command); this module is the command.

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 from core.errors import UserError
 
@@ -82,6 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--affinity-hold", type=float, default=5.0, help="seconds the queue must stay above it (default 5)"
+    )
+    parser.add_argument(
+        "--chat-model",
+        default=None,
+        help="checkpoint directory whose tokenizer and chat template the per-session chat APIs "
+        "(OpenAI, Anthropic) render with (default: none, they answer 503)",
+    )
+    parser.add_argument(
+        "--chat-family",
+        default="auto",
+        help="the chat model's renderer family: local (mixfleet init-model's) or qwen3 "
+        "(default auto: detected from its tokenizer)",
     )
     parser.add_argument("--log-level", default="info")
 
@@ -163,6 +176,7 @@ def build_config(args: argparse.Namespace):
         raise UserError(
             f"--mismatch-band must be LOW,HIGH with 0 < LOW < 1 < HIGH, got {args.mismatch_band!r}"
         ) from None
+    chat_model, chat_family = chat_values(args)
     return RouterConfig(
         fleet=fleet,
         state_url=args.state,
@@ -182,7 +196,32 @@ def build_config(args: argparse.Namespace):
         affinity_queue_bound=getattr(args, "affinity_queue_bound", 8),
         affinity_hold_s=getattr(args, "affinity_hold", 5.0),
         weights=weights,
+        chat_model=chat_model,
+        chat_family=chat_family,
     )
+
+
+def chat_values(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """RouterConfig's ``chat_model`` and ``chat_family`` from ``--chat-model`` / ``--chat-family``
+    (``auto``: None), the model's renderer loaded once so that a directory it cannot use is one
+    line at start (UserError naming it)."""
+    from router.config import CHAT_FAMILIES
+
+    raw = getattr(args, "chat_model", None)
+    family = getattr(args, "chat_family", "auto")
+    family = None if family in (None, "auto") else family
+    if family is not None and family not in CHAT_FAMILIES:
+        raise UserError(f"--chat-family must be auto or one of {', '.join(CHAT_FAMILIES)}, got {family!r}")
+    if not raw:
+        return None, family
+    from router.chat.renderers import load_renderer
+
+    path = Path(raw).expanduser().resolve()
+    try:
+        load_renderer(path, family)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--chat-model {raw}: cannot render chat with it: {exc}") from None
+    return path, family
 
 
 ARGS_ENV = "MIXFLEET_ROUTER_ARGS"

@@ -20,6 +20,8 @@ from router.mismatch import check_band
 from router.state.retention import Retention
 
 Policy = Literal["capacity", "round_robin", "cost"]
+CHAT_FAMILIES: tuple[str, ...] = ("local", "qwen3")
+"""The chat renderer families (:data:`router.chat.renderers.FAMILIES`' names)."""
 POLICIES: tuple[str, ...] = ("capacity", "round_robin", "cost")
 SCOPES: tuple[str, ...] = ("rollout", "trainer", "admin", "replica")
 PROXY_KEY_ENV = "MIXFLEET_PROXY_KEY"
@@ -123,6 +125,9 @@ class RouterConfig:
     the group) serve the fleet: every engine request to a heartbeat replica is then pinned to its
     container, listed every ``container_list_interval_s`` (:mod:`router.pinning`). ``weights``
     configures the weight routes and their publish service (:class:`WeightsConfig`).
+    ``chat_model``: the checkpoint directory whose tokenizer and chat template the chat APIs
+    render with (:mod:`router.chat`; None: they answer 503); ``chat_family`` picks its renderer
+    (one of :data:`CHAT_FAMILIES`; None: detected from the tokenizer).
 
     A session's turns stay on its replica (its prefix cache) unless that replica's queue has stayed
     above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
@@ -167,9 +172,13 @@ class RouterConfig:
     affinity_queue_bound: int = 8
     affinity_hold_s: float = 5.0
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    chat_model: Path | None = None
+    chat_family: str | None = None
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
+        if self.chat_family is not None and self.chat_family not in CHAT_FAMILIES:
+            raise ValueError(f"chat_family must be one of {', '.join(CHAT_FAMILIES)}: {self.chat_family!r}")
         self.retention()  # ValueError naming a bound out of range
         for name in ("compact_interval_s", "route_key_ttl_s"):
             if not getattr(self, name) > 0:

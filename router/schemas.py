@@ -92,8 +92,21 @@ class CreateSession(_Req):
 
 
 class SessionCreated(BaseModel):
+    """A new session: its id, its group and the base URLs of its chat APIs (an official client's
+    ``base_url``; the router's chat model renders them, see docs/chat.md)."""
+
     session_id: str
     group: str
+    openai_base_url: str | None = Field(
+        None,
+        description="base URL of this session's OpenAI Chat Completions API "
+        "(``openai.OpenAI(base_url=...)``): ``<router>/v1/sessions/<id>/openai/v1``",
+    )
+    anthropic_base_url: str | None = Field(
+        None,
+        description="base URL of this session's Anthropic Messages API "
+        "(``anthropic.Anthropic(base_url=...)``): ``<router>/v1/sessions/<id>/anthropic``",
+    )
 
 
 class SessionOut(BaseModel):

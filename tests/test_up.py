@@ -179,6 +179,35 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
         assert not _alive(port) and not any(_alive(p) for p in replica_ports)
 
 
+HARNESS = Path(__file__).parent.parent / "docs" / "chat.md"
+
+
+@pytest.mark.slow
+def test_up_serves_the_chat_apis_to_the_openai_client(tmp_path: Path) -> None:
+    """docs/chat.md's agent harness, pasted into a shell in the directory ``up`` runs in: a two-turn
+    conversation through the official ``openai`` client (the base URL from ``POST /v1/sessions``,
+    the key from ``.mixfleet/api_key``), the second turn extending the first token for token."""
+    text = HARNESS.read_text()
+    snippet = text.split("<!-- harness-snippet -->\n```python\n", 1)[1].split("```", 1)[0]
+    with _up(tmp_path, "--data-dir", str(tmp_path / ".mixfleet")) as (proc, out, port):
+        _wait_for_line(out, r"^Ctrl-C stops everything\.$", proc, timeout=300)
+        env = {**_clean_env(), "MIXFLEET_ROUTER_URL": f"http://127.0.0.1:{port}"}
+        argv = [sys.executable, "-c", snippet]
+        run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        kinds = [line.split(" ", 1)[0] for line in lines]
+        assert kinds == ["session:", "turn:", "turn:", "recorded:", "recorded:"], lines
+        key = (tmp_path / ".mixfleet" / "api_key").read_text().strip()
+        auth = {"Authorization": f"Bearer {key}"}
+        url = f"http://127.0.0.1:{port}/v1/sessions/{lines[0].split()[1]}/trajectory"
+        first, second = httpx.get(url, headers=auth).json()["turns"]
+        assert 1 <= len(first["output_ids"]) <= 16 and len(first["records"]) == len(first["output_ids"])
+        assert second["input_ids"][: len(first["input_ids"]) + len(first["output_ids"])] == (
+            first["input_ids"] + first["output_ids"]
+        )
+
+
 def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
     import socket
 

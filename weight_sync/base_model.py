@@ -9,10 +9,11 @@ model into every format in each worker (nvfp4's calibration reads the tokenizer 
 weight_sync, the lower of the two packages, so that the warm-up imports nothing of the command
 layer.
 
-A preset with ``chat`` (``tiny-chat``) adds the chat special tokens :data:`CHAT_TOKENS` (ids 259
-on; the vocabulary, and with it ``config.json``'s ``vocab_size``, grows by their count) and writes
-:data:`CHAT_TEMPLATE`, a Qwen3-style template, as ``tokenizer_config.json``'s ``chat_template``;
-``<|im_end|>`` is then an end-of-sequence id too. The chat APIs render with these
+Every preset is a chat model: after the byte tokens (ids 0-255) and :data:`SPECIAL_TOKENS`
+(256-258) come the chat tokens :data:`CHAT_TOKENS` (ids 259-266; :data:`VOCAB_SIZE` counts all of
+them and is ``config.json``'s ``vocab_size``), ``tokenizer_config.json`` carries
+:data:`CHAT_TEMPLATE`, a Qwen3-style template, as its ``chat_template``, and ``<|im_end|>``
+(:data:`IM_END_ID`) is an end-of-sequence id beside ``<|eos|>``. The chat APIs render with these
 (:mod:`router.chat.renderers.local`). The tokenizer is built from the engine's byte-level alphabet
 (``engine.server.tokenizer.bytes_to_unicode``), imported inside :func:`tokenizer_dict` only: the
 same lazy weight_sync -> engine arrow as nvfp4's calibration (``weight_sync.convert``).
@@ -28,19 +29,25 @@ meaningful.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-DEFAULT_SEED = 1234
 CHAT_TOKENS = (
     "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
     "<tool_response>", "</tool_response>",
 )
-IM_END_ID = VOCAB_SIZE + 1
+ADDED_TOKENS = SPECIAL_TOKENS + CHAT_TOKENS
+"""The added tokens in id order from 256."""
+VOCAB_SIZE = 256 + len(ADDED_TOKENS)
+"""Every preset's vocabulary: the byte tokens, the special tokens and the chat tokens."""
+IM_START_ID = 256 + ADDED_TOKENS.index("<|im_start|>")
+IM_END_ID = 256 + ADDED_TOKENS.index("<|im_end|>")
+EOS_IDS = (EOS_ID, IM_END_ID)
+"""``config.json``'s ``eos_token_id``: ``<|eos|>`` and ``<|im_end|>``."""
+DEFAULT_SEED = 1234
 
 # Qwen3's chat template (Qwen/Qwen3 tokenizer_config.json) in its parts the local model uses: a
 # system prompt with the tool signatures, <think> reasoning, <tool_call> JSON calls and
@@ -110,16 +117,11 @@ class Preset:
     max_position_embeddings: int
     shards: int
     mlp_only_layers: tuple[int, ...] = ()
-    chat: bool = False
 
     @property
     def vocab_size(self) -> int:
-        """Byte tokens, the special tokens and (``chat``) the chat tokens."""
-        return VOCAB_SIZE + (len(CHAT_TOKENS) if self.chat else 0)
-
-    def added_tokens(self) -> tuple[str, ...]:
-        """The added tokens in id order from 256."""
-        return SPECIAL_TOKENS + (CHAT_TOKENS if self.chat else ())
+        """:data:`VOCAB_SIZE`, the same for every preset."""
+        return VOCAB_SIZE
 
 
 # Every dim divides NVFP4 groups of 16 and MXFP4 blocks of 32. FP8: tiny's k/v (N = 2 x 32 = 64)
@@ -133,7 +135,6 @@ PRESETS: dict[str, Preset] = {
                     head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
                     intermediate_size=1536, max_position_embeddings=4096, shards=2),
 }
-PRESETS["tiny-chat"] = replace(PRESETS["tiny"], chat=True)
 
 
 def config_dict(preset: Preset) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def config_dict(preset: Preset) -> dict[str, Any]:
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "bos_token_id": BOS_ID,
-        "eos_token_id": [EOS_ID, IM_END_ID] if preset.chat else EOS_ID,
+        "eos_token_id": list(EOS_IDS),
         "pad_token_id": PAD_ID,
         "torch_dtype": "bfloat16",
     }
@@ -223,10 +224,10 @@ def init_tensors(preset: Preset, seed: int) -> dict[str, Any]:
     return t
 
 
-def tokenizer_dict(added: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:
-    """``tokenizer.json``: byte-level BPE with no merges (token id == byte value) + the ``added``
-    tokens (ids from 256; the chat tokens not special, as Qwen3's ``<think>``), spelled exactly as
-    the ``tokenizers`` library serialises it."""
+def tokenizer_dict() -> dict[str, Any]:
+    """``tokenizer.json``: byte-level BPE with no merges (token id == byte value) + the
+    :data:`ADDED_TOKENS` (ids from 256; the chat tokens not special, as Qwen3's ``<think>``, but
+    ``<|im_start|>`` and ``<|im_end|>``), spelled exactly as the ``tokenizers`` library serialises it."""
     from engine.server.tokenizer import bytes_to_unicode
 
     b2u = bytes_to_unicode()
@@ -237,7 +238,7 @@ def tokenizer_dict(added: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:
         "added_tokens": [
             {"id": 256 + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
              "normalized": False, "special": s in SPECIAL_TOKENS or s in CHAT_TOKENS[:2]}
-            for i, s in enumerate(added)
+            for i, s in enumerate(ADDED_TOKENS)
         ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
@@ -253,8 +254,7 @@ def tokenizer_dict(added: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:
     }
 
 
-def _tokenizer_config(chat: bool) -> dict[str, Any]:
-    extra = {"chat_template": CHAT_TEMPLATE} if chat else {}
+def _tokenizer_config() -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -264,7 +264,7 @@ def _tokenizer_config(chat: bool) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
-        **extra,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 
@@ -311,15 +311,14 @@ def write_model(out: str | Path, preset: str | Preset = "tiny", seed: int = DEFA
                 {"bos_token_id": BOS_ID, "eos_token_id": cfg["eos_token_id"], "pad_token_id": PAD_ID,
                  "do_sample": True,
                  "temperature": 1.0, "top_p": 1.0})
-    write_tokenizer(out, spec)
+    write_tokenizer(out)
     return out
 
 
-def write_tokenizer(out: str | Path, preset: str | Preset = "tiny") -> Path:
-    """Write only the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``) of ``preset``
-    into the existing directory ``out``, the same bytes :func:`write_model` writes."""
-    spec = PRESETS[preset] if isinstance(preset, str) else preset
+def write_tokenizer(out: str | Path) -> Path:
+    """Write only the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``), the same for
+    every preset, into the existing directory ``out``: the bytes :func:`write_model` writes."""
     out = Path(out)
-    _write_json(out / "tokenizer.json", tokenizer_dict(spec.added_tokens()))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(spec.chat))
+    _write_json(out / "tokenizer.json", tokenizer_dict())
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
     return out

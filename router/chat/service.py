@@ -2,14 +2,15 @@
 (:mod:`router.chat.conversation`), run and record it as an ordinary token-in-token-out turn
 (:func:`router.turns.record_turn`, full ``input_ids``), parse the sampled ids.
 
-The chat model is the checkpoint directory named by ``MIXFLEET_CHAT_MODEL`` (its
-``tokenizer.json`` and chat template; ``MIXFLEET_CHAT_FAMILY`` picks the renderer family, else
-:func:`router.chat.renderers.load_renderer` detects it). Without it the chat routes answer 503.
+The chat model is the checkpoint directory of the router's configuration,
+:attr:`router.config.RouterConfig.chat_model` (``mixfleet router --chat-model DIR``; its
+``tokenizer.json`` and chat template); ``chat_family`` (``--chat-family``) picks the renderer
+family, else :func:`router.chat.renderers.load_renderer` detects it. Without one the chat routes
+answer 503.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,14 +21,12 @@ import pydantic
 from core.jsonio import loads
 from router.chat.conversation import build_context, sampled_turns
 from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, load_renderer
+from router.config import RouterConfig
 from router.context import RouterContext
 from router.errors import ApiError
 from router.records import decode_turn
 from router.schemas import SamplingParams, TurnRequest
 from router.turns import load_open, record_turn
-
-MODEL_ENV = "MIXFLEET_CHAT_MODEL"
-FAMILY_ENV = "MIXFLEET_CHAT_FAMILY"
 
 
 @lru_cache(maxsize=4)
@@ -35,17 +34,15 @@ def _load(path: str, family: str | None) -> Renderer:
     return load_renderer(path, family)
 
 
-def chat_renderer() -> Renderer:
-    """The router's chat renderer (module docstring); ApiError 503 when none is configured."""
-    path = os.environ.get(MODEL_ENV)
-    if not path:
-        raise ApiError(
-            503, f"this router has no chat model: start it with {MODEL_ENV}=<checkpoint directory>"
-        )
+def chat_renderer(config: RouterConfig) -> Renderer:
+    """The renderer of ``config``'s chat model (module docstring), loaded once per process;
+    ApiError 503 when none is configured or it cannot be loaded."""
+    if config.chat_model is None:
+        raise ApiError(503, "this router has no chat model: start it with --chat-model <checkpoint dir>")
     try:
-        return _load(path, os.environ.get(FAMILY_ENV) or None)
+        return _load(str(config.chat_model), config.chat_family)
     except (OSError, ValueError) as exc:
-        raise ApiError(503, f"the chat model {path} cannot be loaded: {exc}") from None
+        raise ApiError(503, f"the chat model {config.chat_model} cannot be loaded: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,7 @@ class ChatResult:
 async def run_chat(ctx: RouterContext, session_id: str, req: ChatRequest) -> ChatResult:
     """Render, run, record and parse one chat turn of ``session_id``. ApiError 400 for what the
     renderer cannot represent; the turn's own refusals as :func:`record_turn` raises them."""
-    renderer = chat_renderer()
+    renderer = chat_renderer(ctx.config)
     await load_open(ctx, session_id)
     turns = sampled_turns([decode_turn(b) for b in await ctx.store.get_turns(session_id)])
     try:

@@ -1,5 +1,6 @@
-"""Live fixtures of the chat tests: the ``tiny-chat`` model, a real engine behind the scripted
-stand-in (:mod:`tests.chat.scripted`) and a real router whose chat model is that checkpoint."""
+"""Live fixtures of the chat tests: the ``tiny`` model (a chat model, as every preset), a real
+engine behind the scripted stand-in (:mod:`tests.chat.scripted`) and a real router whose chat
+model is that checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.support.router import router_process, write_preset
 
 @pytest.fixture(scope="session")
 def chat_model(model_root):
-    return make_model_dir(model_root, "tiny-chat", "bf16")
+    return make_model_dir(model_root, "tiny", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def router(engine, chat_model, tmp_path_factory):
         tmp_path_factory.mktemp("chat") / "preset.toml",
         [{"name": "cpu", "replicas": [engine.url], "sessions_per_replica": 8}],
     )
-    with router_process(preset, env={"MIXFLEET_CHAT_MODEL": str(chat_model)}) as handle:
+    with router_process(preset, extra_args=("--chat-model", str(chat_model))) as handle:
         yield handle
 
 

@@ -16,7 +16,7 @@ from engine.server.tokenizer import Tokenizer as EngineTokenizer
 from router.chat.conversation import Sampled, build_context, sampled_turns
 from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
 from router.turn_data import TurnData
-from weight_sync.base_model import PRESETS, write_tokenizer
+from weight_sync.base_model import IM_END_ID, PRESETS, VOCAB_SIZE, write_tokenizer
 
 # Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), in its usual multi-line spelling.
 QWEN3_TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
@@ -60,7 +60,7 @@ def _qwen3_dir(root: Path) -> Path:
 def renderer(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "local":
-        write_tokenizer(root, "tiny-chat")
+        write_tokenizer(root)
     else:
         _qwen3_dir(root)
     r = load_renderer(root)
@@ -215,21 +215,21 @@ def test_refusals(renderer):
 
 
 def test_local_tokenizer_files(tmp_path):
-    """tiny-chat: the chat tokens after the special tokens, the same bytes every time, read the
-    same by the engine's tokenizer and by the tokenizers library."""
+    """Every preset's tokenizer: the chat tokens after the special tokens, the same bytes every
+    time, read the same by the engine's tokenizer and by the tokenizers library."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    write_tokenizer(a, "tiny-chat")
-    write_tokenizer(b, "tiny-chat")
+    write_tokenizer(a)
+    write_tokenizer(b)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
-    assert PRESETS["tiny-chat"].vocab_size == 267 and PRESETS["tiny"].vocab_size == 259
+    assert PRESETS["tiny"].vocab_size == PRESETS["small"].vocab_size == VOCAB_SIZE == 256 + 3 + 8
     text = "<|im_start|>user\nHé<|im_end|>\n<think>x</think><tool_call>"
     lib = tokenizers.Tokenizer.from_file(str(a / "tokenizer.json"))
     engine = EngineTokenizer.from_dir(a)
     assert lib.encode(text, add_special_tokens=False).ids == engine.encode(text)
-    assert engine.vocab_size == 267 and engine.special_ids["<|im_end|>"] == 260
+    assert engine.vocab_size == VOCAB_SIZE and engine.special_ids["<|im_end|>"] == IM_END_ID == 260
 
 
 def test_stored_append_only_turns_give_each_turns_whole_input() -> None:

@@ -1,4 +1,4 @@
-"""The one engine client (fleet.sglang_client.SGLangClient) against a real local engine and
+"""The one engine client (clients.engine.SGLangClient) against a real local engine and
 real loopback servers: the engine request it builds, scoring, the weight-update protocol, info,
 health and metrics, and how it classifies every failure (refused, timed out, a pooled connection
 the server dropped, 4xx / 409 / 5xx, bodies that are not JSON, response framings)."""

@@ -5,16 +5,16 @@ message and status, retries of 409/503 answers, and the job wait's events, failu
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from clients.router import Blocking, RouterClient, RouterError, WeightsClient
+from tests.support.loopback import LoopbackServer
 from tests.support.procs import free_port
 
 
-class FakeRouter:
+class FakeRouter(LoopbackServer):
     """Answers ``answers[path]`` = (status, body bytes), or a list of them answered in turn (the
     last one repeats); records (method, path, headers, body)."""
 
@@ -43,13 +43,7 @@ class FakeRouter:
 
             do_GET = do_POST = _answer  # noqa: N815
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 def test_calls_send_the_key_and_body_and_decode_the_answer() -> None:

@@ -370,7 +370,7 @@ def test_eos_stops_unless_ignored(tiny_dir: Path, tmp_path: Path, client: httpx.
     eos_dir = tmp_path / "eos"
     shutil.copytree(tiny_dir, eos_dir)
     cfg = json.loads((eos_dir / "config.json").read_text())
-    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [cfg["eos_token_id"], eos]}))
+    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [*cfg["eos_token_id"], eos]}))
     with engine_process(eos_dir) as url:
         stopped = generate(client, url, input_ids=PROMPT, sampling_params={**GREEDY, "ignore_eos": False})
         ignored = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)

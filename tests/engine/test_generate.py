@@ -16,6 +16,7 @@ import torch
 from core.sglang_release import sampling_request
 from tests.engine.conftest import StreamReader, generate
 from tests.engine.stats import chi_square_p
+from weight_sync.base_model import VOCAB_SIZE
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
@@ -362,7 +363,7 @@ def test_support_mode_returns_the_support_log_probs_per_token(engine: str, clien
 
 
 BAD = [
-    ({"input_ids": [1, 259]}, "outside the vocabulary"),
+    ({"input_ids": [1, VOCAB_SIZE]}, "outside the vocabulary"),
     ({"input_ids": [-1, 3]}, "outside the vocabulary"),
     ({"input_ids": [[1, 2], [300]]}, "input_ids[1] has token id 300"),
     ({"input_ids": []}, "empty"),

@@ -15,11 +15,12 @@ import torch
 
 from engine.model.model import load_model
 from engine.runtime.cache import MIN_CAPACITY
+from weight_sync.base_model import VOCAB_SIZE
 
 ATOL = 1e-4
 
 
-def _ids(n: int, seed: int, vocab: int = 259) -> torch.Tensor:
+def _ids(n: int, seed: int, vocab: int = VOCAB_SIZE) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
@@ -49,7 +50,7 @@ def test_mixed_step_across_capacity_classes_matches_each_sequence_alone(tiny_dir
         n_new = feed[i].numel()
         alone = model.new_sequence()
         model.forward([seq[:p]], [alone])
-        ref = model.forward([seq[p : p + n_new]], [alone])[0] if n_new else torch.empty(0, 259)
+        ref = model.forward([seq[p : p + n_new]], [alone])[0] if n_new else torch.empty(0, VOCAB_SIZE)
         ref_step = model.forward([seq[p + n_new : p + n_new + 1]], [alone])[0]
         torch.testing.assert_close(out[i], ref, atol=ATOL, rtol=0)
         torch.testing.assert_close(step[i], ref_step, atol=ATOL, rtol=0)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model.model import load_model
+from weight_sync.base_model import VOCAB_SIZE
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -98,7 +99,7 @@ def test_forward_rejects_bad_input_and_changes_nothing(tiny_model) -> None:
     c = m.new_sequence()
     m.forward([torch.tensor([1, 2, 3])], [c])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        m.forward([torch.tensor([5, 259])], [c])
+        m.forward([torch.tensor([5, VOCAB_SIZE])], [c])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         m.forward([torch.tensor([-1])], [c])
     with pytest.raises(ValueError, match="maximum context 2048"):
@@ -115,7 +116,7 @@ def test_forward_rejects_bad_input_and_changes_nothing(tiny_model) -> None:
         m.forward([torch.tensor([1])], [other])
     # Exactly the max context fits.
     out = m.forward([torch.zeros(2045, dtype=torch.long)], [c])[0]
-    assert out.shape == (2045, 259) and c.length == m.max_context == 2048
+    assert out.shape == (2045, VOCAB_SIZE) and c.length == m.max_context == 2048
 
 
 def _edit_quantized(path: Path, edit) -> None:

@@ -14,6 +14,7 @@ from engine.server.tokenizer import Tokenizer
 from mixfleet.init_model import PRESETS, param_count, write_model
 from tests.support.models import make_model_dir
 from tests.support.procs import REPO, mixfleet_argv
+from weight_sync.base_model import VOCAB_SIZE
 
 
 def _digests(path: Path) -> dict[str, str]:
@@ -75,14 +76,14 @@ def test_config_is_a_transformers_qwen3_moe_config(tiny_dir: Path) -> None:
     assert type(cfg).__name__ == "Qwen3MoeConfig"
     p = PRESETS["tiny"]
     assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (
-        p.hidden_size, p.num_experts, p.num_experts_per_tok, 259)
+        p.hidden_size, p.num_experts, p.num_experts_per_tok, VOCAB_SIZE)
 
 
 def test_random_policy_is_not_degenerate(tiny_model) -> None:
     ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(0))
     logp = torch.log_softmax(tiny_model.forward([ids], [tiny_model.new_sequence()])[0], -1)
     entropy = -(logp.exp() * logp).sum(-1)
-    # Far from uniform (log 259 = 5.56) and far from deterministic; and it depends on the context.
+    # Far from uniform (log VOCAB_SIZE = 5.59) and far from deterministic; and it depends on the context.
     assert 1.0 < entropy.mean() < 4.5
     assert logp.exp().max(-1).values.mean() > 0.15
     assert (logp.argmax(-1)[1:] != logp.argmax(-1)[:-1]).any()
@@ -115,7 +116,7 @@ def test_tokenizer_json_is_what_the_library_writes(tiny_dir: Path) -> None:
 
 def test_tokenizer_bytes_and_errors(tiny_dir: Path) -> None:
     tok = Tokenizer.from_dir(tiny_dir)
-    assert tok.vocab_size == 259
+    assert tok.vocab_size == VOCAB_SIZE
     assert tok.encode("A") == [65]
     assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with a replacement char
     with pytest.raises(ValueError, match="not in the vocabulary"):

@@ -17,6 +17,7 @@ import torch
 from engine.kernels import gemm
 from engine.model.model import load_model
 from tests.support.models import make_model_dir
+from weight_sync.base_model import VOCAB_SIZE
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llvmlite") is None, reason="llvmlite (numba's code generator) not installed"
@@ -152,7 +153,7 @@ def test_without_llvmlite_the_model_runs_on_float32_weights(tmp_path: Path, tiny
     import subprocess
     import sys
 
-    ids = torch.randint(0, 259, (20,), generator=torch.Generator().manual_seed(9))
+    ids = torch.randint(0, VOCAB_SIZE, (20,), generator=torch.Generator().manual_seed(9))
     script = (
         "import sys, numba\n"
         "sys.modules['llvmlite.binding'] = None\n"

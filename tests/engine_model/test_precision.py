@@ -24,6 +24,7 @@ import torch
 from engine.model.loader import load_checkpoint
 from engine.model.model import load_model
 from tests.support.models import make_model_dir
+from weight_sync.base_model import VOCAB_SIZE
 
 QUANTIZED = ("fp8", "nvfp4", "mxfp4")
 N_SEQ, SEQ_LEN = 8, 48
@@ -139,7 +140,7 @@ def test_w4a16_formats_compute_with_dequantized_weights(model_root: Path, tmp_pa
 
     src = make_model_dir(model_root, "tiny", fmt)
     ref_dir = _write_dequantized(src, tmp_path / "deq")
-    ids = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(3))
     hf = Qwen3MoeForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
@@ -214,7 +215,7 @@ def test_fp8_engine_is_w8a8(model_root: Path, tmp_path: Path, monkeypatch: pytes
 
     src = make_model_dir(model_root, "tiny", "fp8")
     ref_dir = _write_dequantized(src, tmp_path / "deq")
-    ids = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(4))
     hf = Qwen3MoeForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         weights_only = hf(ids[None]).logits[0]
@@ -325,7 +326,7 @@ def test_nvfp4_engine_is_w4a4(model_root: Path, tmp_path: Path, monkeypatch: pyt
 
     src = make_model_dir(model_root, "tiny", "nvfp4")
     ref_dir = _write_dequantized(src, tmp_path / "deq")
-    ids = torch.randint(0, 259, (32,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(5))
     # eager experts: one F.linear per expert projection, which the hook below sees
     hf = Qwen3MoeForCausalLM.from_pretrained(
         ref_dir, dtype=torch.float32, experts_implementation="eager"

@@ -16,6 +16,7 @@ import torch
 
 from engine.model.model import load_model
 from mixfleet.init_model import PRESETS, Preset, write_model
+from weight_sync.base_model import VOCAB_SIZE
 
 ATOL = 1e-4
 
@@ -28,7 +29,7 @@ def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
         return hf(ids[None]).logits[0].float()
 
 
-def _ids(n: int, seed: int, vocab: int = 259) -> torch.Tensor:
+def _ids(n: int, seed: int, vocab: int = VOCAB_SIZE) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
@@ -56,7 +57,7 @@ def test_full_sequence_logits_match_transformers_tiny(tiny_dir: Path, tiny_model
     ids = _ids(48, 0)
     ref = _hf_logits(tiny_dir, ids)
     out = tiny_model.forward([ids], [tiny_model.new_sequence()])[0]
-    assert out.dtype == torch.float32 and out.shape == (48, 259)
+    assert out.dtype == torch.float32 and out.shape == (48, VOCAB_SIZE)
     assert ref.std() > 1.0  # a non-degenerate distribution, not near-uniform logits
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
@@ -134,7 +135,7 @@ def test_batched_forward_matches_one_at_a_time(tiny_model) -> None:
         caches.append(c2)
     batched = tiny_model.forward([s[p:] for s, p in zip(seqs, prefixes, strict=True)], caches)
     for a, b, n, p, c in zip(alone, batched, lengths, prefixes, caches, strict=True):
-        assert b.shape == (n, 259)
+        assert b.shape == (n, VOCAB_SIZE)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         assert c.length == p + n
     # Then 5 decode steps of all sequences together equal decoding each alone.
@@ -187,8 +188,8 @@ def test_empty_token_tensors_are_allowed_and_change_nothing(tiny_model) -> None:
     a, b = tiny_model.new_sequence(), tiny_model.new_sequence()
     tiny_model.forward([ids[:3]], [a])
     out = tiny_model.forward([torch.empty(0, dtype=torch.long), ids[3:5]], [a, b])
-    assert out[0].shape == (0, 259) and a.length == 3 and b.length == 2
+    assert out[0].shape == (0, VOCAB_SIZE) and a.length == 3 and b.length == 2
     step = tiny_model.forward([ids[3:4], torch.empty(0, dtype=torch.long)], [a, b])
-    assert step[1].shape == (0, 259) and a.length == 4 and b.length == 2
+    assert step[1].shape == (0, VOCAB_SIZE) and a.length == 4 and b.length == 2
     c = tiny_model.new_sequence()
     torch.testing.assert_close(step[0][0], tiny_model.forward([ids[:4]], [c])[0][-1], atol=ATOL, rtol=0)

@@ -1,5 +1,5 @@
 """replica.activation.activate (the one activation coroutine) on a real local engine, and the
-per-format update request it sends (fleet.sglang_release.update_weights_request)."""
+per-format update request it sends (core.sglang_release.update_weights_request)."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ def test_an_engine_that_exits_fails_the_replica(tmp_path) -> None:
 
 def test_the_engine_never_returns_log_probs_before_temperature(tmp_path, monkeypatch) -> None:
     """SGLANG_RETURN_ORIGINAL_LOGPROB set in the replica's environment does not reach the engine
-    (fleet.sglang_release.ENGINE_ENV): an unfiltered turn's mu is output_token_logprobs."""
+    (core.sglang_release.ENGINE_ENV): an unfiltered turn's mu is output_token_logprobs."""
     src = tmp_path / "v0"
     src.mkdir()
     (src / "config.json").write_text("{}")

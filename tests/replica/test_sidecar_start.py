@@ -7,20 +7,20 @@ stand-in speaking the part of SGLang's API the sidecar uses, whose ``/continue_g
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.loopback import LoopbackServer
 from tests.support.procs import free_port, mixfleet_argv, process, wait_http
 
 DRIFT = "engine reports version"
 
 
-class SlowContinueEngine:
+class SlowContinueEngine(LoopbackServer):
     """Answers health, model/server info (``version``), metrics; ``/continue_generation`` after
     ``continue_delay_s``."""
 
@@ -54,13 +54,7 @@ class SlowContinueEngine:
                     time.sleep(continue_delay_s)
                 self._send({})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 def _status(port: int) -> dict:

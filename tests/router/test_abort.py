@@ -20,6 +20,7 @@ from tests.support.recorder import recording_proxy
 from tests.support.router import router_process, write_preset
 
 LONG = {"max_new_tokens": 2000, "temperature": 0.0}  # the tiny model's greedy answer runs for seconds
+HELLO = list(b"Hello")  # a prompt whose greedy answer reaches no end-of-sequence id for 2000 tokens
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ async def _disconnecting_turn(url: str, headers: dict[str, str], sid: str, timeo
         with pytest.raises(asyncio.TimeoutError):
             await http.post(
                 f"{url}/v1/sessions/{sid}/turns",
-                json={"input_ids": [1, 2, 3, 4], "sampling_params": LONG},
+                json={"input_ids": HELLO, "sampling_params": LONG},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             )
 
@@ -95,16 +96,16 @@ def test_a_turn_that_finishes_is_not_aborted(proxied) -> None:
 
 @pytest.fixture(scope="module")
 def chat_router(model_root, tmp_path_factory):
-    """A router with a chat model (``tiny-chat``) whose one replica is a recording proxy of an
+    """A router with a chat model (``tiny``, as every preset) whose one replica is a recording proxy of an
     engine serving it."""
     from tests.support.engines import engine_process
     from tests.support.models import make_model_dir
 
-    model = make_model_dir(model_root, "tiny-chat", "bf16")
+    model = make_model_dir(model_root, "tiny", "bf16")
     d = tmp_path_factory.mktemp("abort-chat")
     with engine_process(model) as url, recording_proxy(url) as rec:
         preset = write_preset(d / "p.toml", [{"name": "cpu", "replicas": [rec.url]}])
-        with router_process(preset, env={"MIXFLEET_CHAT_MODEL": str(model)}) as router:
+        with router_process(preset, extra_args=("--chat-model", str(model))) as router:
             yield router, rec
 
 
@@ -120,7 +121,7 @@ def test_the_openai_client_timing_out_and_retrying_records_nothing(chat_router) 
         )
         with pytest.raises(openai.APITimeoutError):
             client.chat.completions.create(
-                model="tiny-chat",
+                model="tiny",
                 messages=[{"role": "user", "content": "count"}],
                 max_tokens=1500,
                 temperature=0.0,

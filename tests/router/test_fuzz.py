@@ -27,13 +27,16 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def fuzz_router(engine_url, tmp_path_factory):
+def fuzz_router(engine_url, tiny_bf16, tmp_path_factory):
     """Like the API tests' router, plus a (local, empty) weight store so the weight routes that
-    the CLI mounts are configured too."""
+    the CLI mounts are configured too, and the engine's model as its chat model so the chat
+    routes serve."""
     d = tmp_path_factory.mktemp("fuzz")
     preset = write_preset(d / "preset.toml", [{"name": "cpu-a", "replicas": [engine_url]}, {"name": "cpu-b"}])
     with router_process(
-        preset, env={"MIXFLEET_STORE": str(d / "store")}, extra_args=("--max-body-bytes", "65536")
+        preset,
+        env={"MIXFLEET_STORE": str(d / "store")},
+        extra_args=("--max-body-bytes", "65536", "--chat-model", str(tiny_bf16)),
     ) as handle:
         yield handle
 

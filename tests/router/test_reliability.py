@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
 import subprocess
 import threading
@@ -28,7 +27,7 @@ import redis
 from tests.router.agents import check_exact, run_agents, take_all
 from tests.support.engines import engine_argv
 from tests.support.models import make_model_dir
-from tests.support.procs import free_port, kill_group, process, wait_http
+from tests.support.procs import free_port, kill_group, process, redis_process, wait_http
 from tests.support.router import router_process, write_preset
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -204,36 +203,6 @@ def test_engines_killed_mid_run_lose_and_duplicate_nothing(model_dirs, tmp_path)
             assert len(moves) == 2 and sum(moves) >= 1, moves
 
 
-@contextlib.contextmanager
-def _redis(port: int, data: Path) -> Iterator[subprocess.Popen]:
-    """redis-server with AOF on ``port`` keeping its files in ``data``; yields the process."""
-    argv = [
-        shutil.which("redis-server") or "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "yes",
-        "--dir",
-        str(data),
-    ]
-    with process(argv, log=data / "redis.log") as proc:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
-                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        client.close()
-        yield proc
-
-
 def test_redis_restart_mid_run_loses_no_finished_trajectory(model_dirs, tmp_path) -> None:
     data = tmp_path / "redis"
     data.mkdir()
@@ -243,7 +212,12 @@ def test_redis_restart_mid_run_loses_no_finished_trajectory(model_dirs, tmp_path
     with contextlib.ExitStack() as stack:
         current = {"ctx": contextlib.ExitStack()}
         stack.callback(lambda: current["ctx"].close())
-        first = current["ctx"].enter_context(_redis(port, data))
+
+        def start_redis() -> subprocess.Popen:
+            server = redis_process(port, data, appendonly=True, log=data / "redis.log")
+            return current["ctx"].enter_context(server)
+
+        first = start_redis()
 
         def restart() -> None:
             r = redis.Redis(port=port)
@@ -257,7 +231,7 @@ def test_redis_restart_mid_run_loses_no_finished_trajectory(model_dirs, tmp_path
             current["ctx"].close()
             time.sleep(1.0)  # the router sees a refused connection meanwhile
             current["ctx"] = contextlib.ExitStack()
-            current["ctx"].enter_context(_redis(port, data))
+            start_redis()
 
         eng = stack.enter_context(engines([(f, model_dirs[f]) for f in ("bf16", "fp8", "nvfp4")], tmp_path))
         preset = _preset(tmp_path / "p.toml", {f: [eng[f][0]] for f in ("bf16", "fp8", "nvfp4")})

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+from tests.support.procs import free_port, mixfleet_argv, process, wait_started
 
 
 def engine_argv(model_dir: str | Path, port: int, **flags: object) -> list[str]:
@@ -47,9 +47,5 @@ def engine_process(
             log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-"))) / "engine.log"
         proc = stack.enter_context(process(engine_argv(model_dir, port, **flags), log=log))
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http(f"{url}/health", timeout=timeout, proc=proc)
-        except (RuntimeError, TimeoutError) as exc:
-            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-            raise RuntimeError(f"engine on {url} did not start: {exc}\n--- engine log ---\n{tail}") from None
+        wait_started("engine", url, "/health", proc, log, timeout)
         yield url

@@ -123,10 +123,12 @@ def local_fleet(
     env: dict[str, str] | None = None,
     sidecar_flags: Sequence[str] = (),
     group_sidecar_flags: dict[str, Sequence[str]] | None = None,
+    engine_flags: Sequence[str] = (),
 ) -> Iterator[LocalFleet]:
     """Publish ``base_ckpt`` as ``initial_version``, start engines and sidecars, yield the fleet.
 
-    ``sidecar_flags`` go to every sidecar, ``group_sidecar_flags[group]`` to that group's after them.
+    ``sidecar_flags`` go to every sidecar, ``group_sidecar_flags[group]`` to that group's after them;
+    ``engine_flags`` to every engine.
     """
     work = Path(work)
     store = LocalStore(work / "store")
@@ -141,6 +143,7 @@ def local_fleet(
                     group=group,
                     weight_format=fmt,
                     kv_cache_dtype="fp8_e4m3" if fmt == "fp8" else "auto",
+                    engine_flags=tuple(engine_flags),
                     sidecar_flags=(
                         *SIDECAR_FLAGS,
                         *sidecar_flags,

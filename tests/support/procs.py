@@ -49,6 +49,16 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{url} did not answer 200 within {timeout}s (last: {last!r})")
 
 
+def wait_started(name: str, url: str, health: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """:func:`wait_http` on ``url + health`` for a process started with ``log``; a failed start
+    raises RuntimeError naming ``name`` and ``url`` and carrying the tail of the log."""
+    try:
+        wait_http(url + health, timeout=timeout, proc=proc)
+    except (RuntimeError, TimeoutError) as exc:
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+        raise RuntimeError(f"{name} on {url} did not start: {exc}\n--- {name} log ---\n{tail}") from None
+
+
 def mixfleet_argv(*args: str) -> list[str]:
     """argv that runs the ``mixfleet`` CLI from this checkout with the current interpreter."""
     return [*children.mixfleet_command(), *args]
@@ -81,31 +91,17 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 @contextlib.contextmanager
-def redis_server(
-    *, appendonly: bool = False, port: int | None = None, data_dir: Path | None = None
-) -> Iterator[str]:
-    """A private redis-server on a free loopback port; yields its ``redis://`` URL."""
+def redis_process(
+    port: int, data_dir: Path, *, appendonly: bool = False, log: Path | None = None
+) -> Iterator[subprocess.Popen]:
+    """redis-server on loopback ``port`` keeping its files in ``data_dir``; yields the process once
+    it answers ``PING`` (after loading its append-only file, when it has one)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
-    port = port or free_port()
-    with contextlib.ExitStack() as stack:
-        if data_dir is None:
-            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redis-")))
-        argv = [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if appendonly else "no",
-            "--dir",
-            str(data_dir),
-        ]
-        proc = stack.enter_context(process(argv))
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--dir", str(data_dir)]  # fmt: skip
+    with process(argv, log=log) as proc:
         import redis
 
         client = redis.Redis(port=port)
@@ -114,9 +110,22 @@ def redis_server(
             try:
                 client.ping()
                 break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on port {port} did not start") from None
                 time.sleep(0.05)
         client.close()
+        yield proc
+
+
+@contextlib.contextmanager
+def redis_server(
+    *, appendonly: bool = False, port: int | None = None, data_dir: Path | None = None
+) -> Iterator[str]:
+    """A private redis-server on a free loopback port; yields its ``redis://`` URL."""
+    port = port or free_port()
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redis-")))
+        stack.enter_context(redis_process(port, data_dir, appendonly=appendonly))
         yield f"redis://127.0.0.1:{port}/0"

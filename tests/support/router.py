@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.procs import free_port, mixfleet_argv, process, wait_http
+from tests.support.procs import free_port, mixfleet_argv, process, wait_started
 
 ALL_SCOPES = ["rollout", "trainer", "admin"]
 
@@ -111,9 +111,5 @@ def router_process(
         full_env = {**(env or {}), "MIXFLEET_API_KEYS": json.dumps(keys)}
         proc = stack.enter_context(process(argv, log=log, env=full_env))
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http(f"{url}/healthz", timeout=timeout, proc=proc)
-        except (RuntimeError, TimeoutError) as exc:
-            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-            raise RuntimeError(f"router on {url} did not start: {exc}\n--- router log ---\n{tail}") from None
+        wait_started("router", url, "/healthz", proc, log, timeout)
         yield RouterHandle(url=url, key=next(iter(keys)), port=port, log=log, proc=proc)

@@ -92,7 +92,11 @@ def test_replay_runs_the_recorded_experts_and_changes_only_from_where_routing_ch
     finally:
         used.close()
     np.testing.assert_array_equal(got[:-1], recorded)  # exactly the recorded experts, in order
-    np.testing.assert_array_equal(got[-1], own[-1])  # an unrecorded position keeps its own top-k
+    # An unrecorded position is routed by the model itself: k distinct experts, and in layer 0 (whose
+    # router reads only the attention over embeddings, which the changed routes cannot reach) the
+    # plain forward's own top-k. Deeper layers read hidden states the replayed experts changed.
+    assert all(len(set(row)) == len(row) for row in got[-1].tolist())
+    np.testing.assert_array_equal(got[-1][0], own[-1][0])
     assert torch.equal(replayed[0, :m], plain[0, :m])  # causal: nothing before the change moved
     assert not torch.allclose(replayed[0, m:], plain[0, m:])
     assert policy.last_route_differ[0, :m].tolist() == [0] * m

@@ -11,6 +11,7 @@ from router.chat.renderers.local import LocalRenderer
 from router.chat.renderers.qwen3 import Qwen3Renderer
 
 FAMILIES: dict[str, type[Qwen3Renderer]] = {"local": LocalRenderer, "qwen3": Qwen3Renderer}
+"""Renderer per family name; the names are :data:`router.config.CHAT_FAMILIES`."""
 
 __all__ = ["FAMILIES", "Message", "RenderError", "Renderer", "Reply", "Tool", "ToolCall", "load_renderer"]
 

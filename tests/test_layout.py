@@ -1,0 +1,64 @@
+"""The package layering docs/architecture.md ("Layout") states, held by the code.
+
+Each package of :data:`LAYERS` imports only packages before it in the list, at module level and
+inside functions alike; the one documented exception is :data:`UPWARD`. ``deploy``, ``mixfleet``,
+``benchmarks`` and ``tests`` sit on top: they may import anything, and nothing in :data:`LAYERS`
+imports them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = (
+    "core",
+    "weight_sync",
+    "engine",
+    "clients",
+    "fleet",
+    "launcher",
+    "replica",
+    "router",
+    "trainer",
+    "validate",
+    "images",
+)
+TOP = ("deploy", "mixfleet", "benchmarks", "tests")
+# (file, module) pairs allowed to point up, each inside one function (docs/architecture.md).
+UPWARD = {
+    ("weight_sync/convert.py", "engine.model.calibrate"),
+    ("weight_sync/base_model.py", "engine.server.tokenizer"),
+}
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Absolute modules ``path`` imports (relative imports stay in the package and are skipped)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append(node.module)
+    return out
+
+
+def test_every_layered_package_imports_only_lower_ones() -> None:
+    wrong = []
+    for rank, package in enumerate(LAYERS):
+        allowed = set(LAYERS[: rank + 1])
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            for module in imported_modules(path):
+                top = module.split(".")[0]
+                if top not in LAYERS and top not in TOP:
+                    continue  # the standard library or a dependency
+                if top not in allowed and (rel, module) not in UPWARD:
+                    wrong.append(f"{rel} imports {module}")
+    assert not wrong, "imports against the layering of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_every_top_level_package_is_placed() -> None:
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert packages <= set(LAYERS) | set(TOP), sorted(packages - set(LAYERS) - set(TOP))
