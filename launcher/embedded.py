@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
+from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
 from core.tcp import port_is_free
 from fleet.specs import FleetSpec, GroupSpec
 from launcher.children import Child, Launcher, Probe, ReplicaSpec, Supervisor, mixfleet_command
@@ -330,12 +331,15 @@ def _say(line: str) -> None:
 
 
 def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
+    """One local replica of ``g``. Its engine can always return routed experts (the capability
+    costs nothing until a request asks), so ``mixfleet validate`` compares routes on this fleet;
+    the router records them only for groups with ``record_routes``."""
     return ReplicaSpec(
         replica_id=f"{g.name}-{i}",
         group=g.name,
         weight_format=g.weight_format,
         kv_cache_dtype="fp8_e4m3" if g.kv_cache_dtype == "fp8_e4m3" else "auto",
-        engine_flags=("--served-model-name", "mixfleet-base", *g.route_flags),
+        engine_flags=("--served-model-name", "mixfleet-base", ENABLE_RETURN_ROUTED_EXPERTS_FLAG),
         sidecar_flags=("--stage-mode", "inplace"),
     )
 

@@ -3,7 +3,7 @@
 * :func:`run_turn` sends one turn to a replica of the session's group (its affinity replica
   when in rotation), and on a refused or dropped connection, a 5xx (a 503 included: a replica
   not ready, or Modal's proxy without a container), a generation the engine aborted
-  (:class:`~fleet.sglang_client.EngineAborted`: its tokens are discarded, never recorded) or a
+  (:class:`~clients.engine.EngineAborted`: its tokens are discarded, never recorded) or a
   second timeout (a first timeout is retried on the same replica: slow is not dead) marks the
   replica failed and retries on another replica of the group; a retryable refusal (409: the
   replica cannot meet the version constraint now; 429: Modal's proxy refused a container over

@@ -32,7 +32,7 @@ Contracts:
 Refusals are errors that carry their data (:class:`StoreNotConfigured`, :class:`StoreUnreadable`,
 :class:`JobRunning`, :class:`VersionTooOld`, :class:`NoBf16Copy`, and
 :class:`~weight_sync.publish.VersionMissing` from the publisher); any other
-:class:`~weight_sync.errors.UserError` is bad input.
+:class:`~core.errors.UserError` is bad input.
 """
 
 from __future__ import annotations

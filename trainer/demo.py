@@ -169,8 +169,8 @@ def rl_step(
     rewards = torch.tensor([float(t.get("reward") or 0.0) for t in batch.trajectories])
     keys = [str((t.get("metadata") or {}).get("prompt", i)) for i, t in enumerate(batch.trajectories)]
     codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    adv_traj = group_advantages(rewards, torch.tensor([codes[k] for k in keys]))
-    traj_index = torch.from_numpy(batch.trajectory_index)
+    per_trajectory = group_advantages(rewards, torch.tensor([codes[k] for k in keys]))
+    adv = per_trajectory[torch.from_numpy(batch.trajectory_index)]
     logits = policy.sampled_logits(batch, config.temperature, replay=True)  # R3 where routes were recorded
     tokens = torch.from_numpy(batch.token_ids)
     loss = policy_loss(
@@ -180,7 +180,7 @@ def rl_step(
         torch.from_numpy(batch.support_ids),
         torch.from_numpy(batch.support_offsets),
         torch.from_numpy(batch.support_logprobs),
-        adv_traj[traj_index],
+        adv,
         method=config.method,
         band=config.band or DEFAULT_BAND,
     )
@@ -190,30 +190,16 @@ def rl_step(
     opt.step()
     with torch.no_grad():
         trainer_lp = torch.log_softmax(logits.detach(), dim=-1).gather(1, tokens[:, None])[:, 0]
-        n, vocab = logits.shape
         support = Support.build(
             torch.from_numpy(batch.support_ids),
             torch.from_numpy(batch.support_offsets),
             torch.from_numpy(batch.support_logprobs),
-            n,
-            vocab,
+            *logits.shape,
         )
         replayed = sampled_logprobs(logits.detach(), tokens, support).numpy()
         ratio = torch.exp(trainer_lp - torch.from_numpy(batch.logprobs))
-        adv = adv_traj[traj_index]
         clipped = ((adv > 0) & (ratio > 1 + PPO_CLIP_EPS)) | ((adv < 0) & (ratio < 1 - PPO_CLIP_EPS))
     sizes = np.diff(batch.support_offsets)
-    sampler_lp = torch.from_numpy(batch.raw_logprobs)
-    known = ~torch.isnan(sampler_lp)
-    labels = [batch.groups[g] for g in batch.group_index[known.numpy()]]
-    per_group = mismatch_by_group(trainer_lp[known], sampler_lp[known], labels) if labels else {}
-    all_ages = version_ages(batch, trainer_version)
-    fresh = known & torch.from_numpy(all_ages == 0)
-    fresh_labels = [batch.groups[g] for g in batch.group_index[fresh.numpy()]]
-    per_group_fresh = (
-        mismatch_by_group(trainer_lp[fresh], sampler_lp[fresh], fresh_labels) if fresh_labels else {}
-    )
-    ages = all_ages[all_ages >= 0]
     return UpdateStats(
         loss=loss.item(),
         mean_reward=float(rewards.mean()) if rewards.numel() else 0.0,
@@ -221,21 +207,40 @@ def rl_step(
         trajectories=len(batch.trajectories),
         tokens=len(batch),
         prompt_groups=len(codes),
-        version_age={
-            "mean": float(ages.mean()) if ages.size else 0.0,
-            "max": int(ages.max()) if ages.size else 0,
-            "share_stale": float((ages > 0).mean()) if ages.size else 0.0,
-        },
-        k3_kl={g: m.k3_kl for g, m in per_group.items()},
-        k3_kl_fresh={g: m.k3_kl for g, m in per_group_fresh.items()},
-        abs_logprob_diff_mean={g: m.abs_logprob_diff_mean for g, m in per_group.items()},
-        extreme_ratio_share={g: m.extreme_ratio_share for g, m in per_group.items()},
-        tokens_by_group={g: m.tokens for g, m in per_group.items()},
         grad_norm=grad_norm,
         support_mean=float(sizes.mean()) if sizes.size else 0.0,
         singleton_share=float((sizes == 1).mean()) if sizes.size else 0.0,
         clipped_share=float(clipped.float().mean()) if clipped.numel() else 0.0,
+        **_mismatch_stats(batch, trainer_lp, trainer_version),
     ), replayed
+
+
+def _mismatch_stats(batch: Batch, trainer_lp: torch.Tensor, trainer_version: int) -> dict[str, Any]:
+    """:class:`UpdateStats`' version-age and mismatch fields: the trainer's log-probs against the
+    samplers' raw ones per group, over every token with a raw log-prob and over the fresh ones."""
+    sampler_lp = torch.from_numpy(batch.raw_logprobs)
+    known = ~torch.isnan(sampler_lp)
+    all_ages = version_ages(batch, trainer_version)
+    fresh = known & torch.from_numpy(all_ages == 0)
+
+    def by_group(mask: torch.Tensor) -> dict[str, Any]:
+        labels = [batch.groups[g] for g in batch.group_index[mask.numpy()]]
+        return mismatch_by_group(trainer_lp[mask], sampler_lp[mask], labels) if labels else {}
+
+    per_group, per_group_fresh = by_group(known), by_group(fresh)
+    ages = all_ages[all_ages >= 0]
+    return {
+        "version_age": {
+            "mean": float(ages.mean()) if ages.size else 0.0,
+            "max": int(ages.max()) if ages.size else 0,
+            "share_stale": float((ages > 0).mean()) if ages.size else 0.0,
+        },
+        "k3_kl": {g: m.k3_kl for g, m in per_group.items()},
+        "k3_kl_fresh": {g: m.k3_kl for g, m in per_group_fresh.items()},
+        "abs_logprob_diff_mean": {g: m.abs_logprob_diff_mean for g, m in per_group.items()},
+        "extreme_ratio_share": {g: m.extreme_ratio_share for g, m in per_group.items()},
+        "tokens_by_group": {g: m.tokens for g, m in per_group.items()},
+    }
 
 
 # ---------------------------------------------------------------- the asynchronous loop
@@ -446,46 +451,9 @@ async def run_demo(
         log(f"v{version} active in every group: {publisher.records[-1]['activated_s']}")
 
         agents = _Agents(client, task, config, min_version=version)
-        workers = [asyncio.create_task(agents.agent(i)) for i in range(config.agents)]
-        opt = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=0.0)
-        updates: list[dict[str, Any]] = []
-        uploads: list[dict[str, Any]] = []
-        rl_start = time.monotonic()
-        bar = Progress(config.updates, f"rl {config.method}", show_progress)
-        try:
-            for u in range(1, config.updates + 1):
-                if time.monotonic() - rl_start > config.time_limit_s:
-                    log(f"time limit reached after {u - 1} updates")
-                    break
-                batch = await _take(client, config, version, workers, agents)
-                t0 = time.monotonic()
-                stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
-                step_s = time.monotonic() - t0
-                if batch.lease_id is not None:
-                    routes = policy.route_mismatch()  # None unless the batch recorded routes
-                    uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp, routes))
-                    await client.ack(batch.lease_id)
-                trained_on = version
-                version += 1
-                await publisher.publish(policy, version)
-                updates.append(
-                    {
-                        "update": u,
-                        "version": version,
-                        "trained_on_version": trained_on,
-                        **asdict(stats),
-                        "held_back": batch.held_back,
-                        "wall_s": time.monotonic() - rl_start,
-                        "step_s": step_s,
-                    }
-                )
-                bar.update(reward=stats.mean_reward, exact=stats.exact, age=stats.version_age["mean"])
-        finally:
-            bar.close()
-            agents.stop.set()
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+        updates, uploads = await _rl_updates(
+            client, policy, config, version, publisher, agents, show_progress, log
+        )
         await publisher.settle()
     record["updates"] = updates
     record["mismatch_uploads"] = uploads
@@ -495,6 +463,62 @@ async def run_demo(
     record["summary"] = summarize(record, time.monotonic() - started)
     (out / "demo.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+async def _rl_updates(
+    client: AsyncRolloutClient,
+    policy: Policy,
+    config: DemoConfig,
+    version: int,
+    publisher: _Publisher,
+    agents: _Agents,
+    show_progress: bool,
+    log: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The asynchronous RL updates from ``version`` on, while ``config.agents`` agents sample: take
+    a batch, step, upload the trainer's log-probs, acknowledge, publish the next version. Returns
+    the updates' records and the router's answers to the uploads."""
+    workers = [asyncio.create_task(agents.agent(i)) for i in range(config.agents)]
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=0.0)
+    updates: list[dict[str, Any]] = []
+    uploads: list[dict[str, Any]] = []
+    rl_start = time.monotonic()
+    bar = Progress(config.updates, f"rl {config.method}", show_progress)
+    try:
+        for u in range(1, config.updates + 1):
+            if time.monotonic() - rl_start > config.time_limit_s:
+                log(f"time limit reached after {u - 1} updates")
+                break
+            batch = await _take(client, config, version, workers, agents)
+            t0 = time.monotonic()
+            stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
+            step_s = time.monotonic() - t0
+            if batch.lease_id is not None:
+                routes = policy.route_mismatch()  # None unless the batch recorded routes
+                uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp, routes))
+                await client.ack(batch.lease_id)
+            trained_on = version
+            version += 1
+            await publisher.publish(policy, version)
+            updates.append(
+                {
+                    "update": u,
+                    "version": version,
+                    "trained_on_version": trained_on,
+                    **asdict(stats),
+                    "held_back": batch.held_back,
+                    "wall_s": time.monotonic() - rl_start,
+                    "step_s": step_s,
+                }
+            )
+            bar.update(reward=stats.mean_reward, exact=stats.exact, age=stats.version_age["mean"])
+    finally:
+        bar.close()
+        agents.stop.set()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return updates, uploads
 
 
 async def _take(

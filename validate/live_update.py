@@ -85,7 +85,6 @@ def run_verify(
         f"to v{latest}'s content; waiting for every replica to serve version {latest}"
     )
     client.wait_active(latest, timeout)
-
     base = _scores(client, PREFIX, CANDIDATES)
     if not base:
         raise UserError("no group answered the scoring request")
@@ -97,13 +96,22 @@ def run_verify(
         f"baseline at v{latest}: token {t} logp {ref[t]:.4f}, token {s} logp {ref[s]:.4f}; "
         "swapping their rows"
     )
+    _perturb(client, base, report, tol, timeout)
+    say(f"perturbation active as v{report.perturbed}; rolling back to v{latest}")
+    _roll_back(client, base, report, tol, timeout)
+    say(f"rolled back as v{report.rolled_back}")
+    return report
 
-    job = client.perturb({"from_version": latest, "swap_rows": [t, s]})
-    job = client.wait_job(job, timeout)
-    perturbed = job["version"]
-    report.perturbed = perturbed
-    st = client.wait_active(perturbed, timeout)
-    _check_manifests(st, perturbed, report)
+
+def _perturb(
+    client: WeightsClient, base: dict[str, Any], report: VerifyReport, tol: dict[str, float], timeout: float
+) -> None:
+    """Publish the row swap, wait until every replica serves it, and check each replica's scores
+    against the exact prediction (the two swapped tokens trade log-probs, the others keep theirs)."""
+    t, s = report.swap
+    job = client.wait_job(client.perturb({"from_version": report.latest, "swap_rows": [t, s]}), timeout)
+    perturbed = report.perturbed = job["version"]
+    _check_manifests(client.wait_active(perturbed, timeout), perturbed, report)
     after = _scores(client, PREFIX, CANDIDATES)
     for name, g in base.items():
         fmt = g["format"]
@@ -126,14 +134,16 @@ def run_verify(
                     f"{name}/{rep}: after the swap log-probs are off the prediction by {worst:.2e} "
                     f"(> {eps:.0e})"
                 )
-    say(f"perturbation active as v{perturbed}; rolling back to v{latest}")
 
-    job = client.rollback({"to": latest})
-    job = client.wait_job(job, timeout)
-    back = job["version"]
-    report.rolled_back = back
-    st = client.wait_active(back, timeout)
-    _check_manifests(st, back, report)
+
+def _roll_back(
+    client: WeightsClient, base: dict[str, Any], report: VerifyReport, tol: dict[str, float], timeout: float
+) -> None:
+    """Publish the rollback to the baseline's content, wait for it, and check that every replica's
+    scores are the baseline's again."""
+    job = client.wait_job(client.rollback({"to": report.latest}), timeout)
+    back = report.rolled_back = job["version"]
+    _check_manifests(client.wait_active(back, timeout), back, report)
     again = _scores(client, PREFIX, CANDIDATES)
     for name, g in base.items():
         a = again.get(name)
@@ -144,13 +154,12 @@ def run_verify(
         _expect_versions(name, a["versions"], back, report)
         for rep, lp in a["per_replica"].items():
             worst = max(abs(lp[c] - g["logp"][c]) for c in CANDIDATES)
+            report.groups.setdefault(name, {"format": g["format"], "tolerance": eps})
             report.groups[name].setdefault("rollback_err", {})[rep] = worst
             if worst > eps:
                 report.failures.append(
                     f"{name}/{rep}: after rollback scores differ from baseline by {worst:.2e}"
                 )
-    say(f"rolled back as v{back}")
-    return report
 
 
 def _check_manifests(status: dict[str, Any], version: int, report: VerifyReport) -> None:

@@ -1,17 +1,17 @@
-"""Write checkpoint weights straight into ``engine.kernels.gemm``' panel layout, one pass per part.
+"""Write checkpoint weights straight into ``engine.kernels.gemm``' layout, one pass per part.
 
-A packed weight ``[N, K]`` is ``[ceil(N/32), K, 32]`` bfloat16 (32 output rows per panel,
-zero-padded). Each writer here takes one stored linear (bf16 rows, FP8 codes, or 4-bit codes
-with their byte scales) and writes its rows ``row0 .. row0 + n`` of such a tensor, reading each
-stored byte once: no float32 intermediate, no concatenation of fused weights (q/k/v, gate/up:
-each part is written straight into its rows), no transpose copy. This matters because a weight
-update loads while the engine serves, on one thread.
+Each writer here takes one stored linear (bf16 rows, FP8 codes, or 4-bit codes with their byte
+scales) and writes its rows ``row0 .. row0 + n`` of a bfloat16 ``[N, K]`` row-major tensor,
+reading each stored byte once: no float32 intermediate, no concatenation of fused weights (q/k/v,
+gate/up: each part is written straight into its rows); ``finish`` then lays the rows out as the
+kernel's panels (one copy).
+This matters because a weight update loads while the engine serves, on one thread.
 
 The values written are exact bfloat16 values (checked when the tables are built):
 
 - bf16: the stored bits;
 - fp8: ``E4M3(code)`` (4 significant bits); the 128x128 block scale is applied by the GEMM to
-  each 64-wide K chunk's partial sums (``kernels``' per-panel scale table), as DeepGEMM does;
+  each 128-wide K block's partial sums (``gemm``'s per-panel scale table), as DeepGEMM does;
 - nvfp4: ``E2M1(code) * E4M3(weight_scale)`` (2 x 4 significant bits: exact); the per-tensor
   ``weight_scale_2`` is applied by the GEMM to the output (as the real NVFP4 GEMM's ``alpha``);
 - mxfp4: ``E2M1(code) * 2**(scale - 127)``: the dequantized value itself.
@@ -25,11 +25,10 @@ import numpy as np
 import torch
 from numba import njit
 
+from core.numba_options import NJIT as _JIT
+from engine.kernels import gemm
 from weight_sync.formats.fp4 import E2M1_VALUES
 from weight_sync.formats.mxfp4 import scale_factors
-
-PANEL = 32
-_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 
 def _bf16_bits(values: torch.Tensor) -> np.ndarray:
@@ -38,7 +37,7 @@ def _bf16_bits(values: torch.Tensor) -> np.ndarray:
     bits = values.view(torch.int32)
     exact = ((bits & 0xFFFF) == 0) | values.isnan()
     if not bool(exact.all()):
-        raise AssertionError("panel table values are not exact in bfloat16")
+        raise AssertionError("table values are not exact in bfloat16")
     return values.to(torch.bfloat16).view(torch.int16).numpy().copy()
 
 
@@ -52,84 +51,23 @@ MXFP4_TABLE = _bf16_bits(
 ).reshape(-1)
 
 
-# Each writer goes in the panels' order (panel, k, row) over whole panels, so the stores run along
-# 64-byte panel lines and the 32 source rows of a panel are read along their length (they stay in
-# L1); whole panels index views of the panel's source rows with loop counters only (no negative-
-# index handling, so the copy vectorizes). Rows that only fill part of a panel (a fused part that
-# does not start or end on a panel boundary) go row by row.
-
-
 @njit(**_JIT)
-def _bounds(n, row0):  # pragma: no cover - compiled
-    """``(head, full)``: rows ``[0, head)`` finish a partial panel, then ``full`` whole panels."""
-    head = min(n, (32 - row0 % 32) % 32)
-    return head, (n - head) // 32
-
-
-@njit(**_JIT)
-def _bf16_rows(src, dst, row0):  # pragma: no cover - compiled
-    n, k = src.shape
-    head, full = _bounds(n, row0)
-    for r in list(range(head)) + list(range(head + 32 * full, n)):
-        p, j = (row0 + r) // 32, (row0 + r) % 32
-        for c in range(k):
-            dst[p, c, j] = src[r, c]
-    for q in range(full):
-        rows = src[head + 32 * q : head + 32 * q + 32]
-        panel = dst[(row0 + head) // 32 + q]
-        for c in range(k):
-            for j in range(32):
-                panel[c, j] = rows[j, c]
-
-
-@njit(**_JIT)
-def _fp8_rows(codes, table, dst, row0):  # pragma: no cover - compiled
+def _fp8_rows(codes, table, dst):  # pragma: no cover - compiled
     n, k = codes.shape
-    head, full = _bounds(n, row0)
-    for r in list(range(head)) + list(range(head + 32 * full, n)):
-        p, j = (row0 + r) // 32, (row0 + r) % 32
+    for r in range(n):
         for c in range(k):
-            dst[p, c, j] = table[codes[r, c]]
-    for q in range(full):
-        rows = codes[head + 32 * q : head + 32 * q + 32]
-        panel = dst[(row0 + head) // 32 + q]
-        for c in range(k):
-            for j in range(32):
-                panel[c, j] = table[rows[j, c]]
+            dst[r, c] = table[codes[r, c]]
 
 
 @njit(**_JIT)
-def _fp4_rows(packed, scales, group_bytes, table, dst, row0):  # pragma: no cover - compiled
+def _fp4_rows(packed, scales, group_bytes, table, dst):  # pragma: no cover - compiled
     n, half = packed.shape
-    head, full = _bounds(n, row0)
-    for r in list(range(head)) + list(range(head + 32 * full, n)):
-        p, j = (row0 + r) // 32, (row0 + r) % 32
+    for r in range(n):
         for b in range(half):
             v = packed[r, b]
             base = scales[r, b // group_bytes] * 16
-            dst[p, 2 * b, j] = table[base + (v & 15)]
-            dst[p, 2 * b + 1, j] = table[base + (v >> 4)]
-    for q in range(full):
-        rows = packed[head + 32 * q : head + 32 * q + 32]
-        rscales = scales[head + 32 * q : head + 32 * q + 32]
-        panel = dst[(row0 + head) // 32 + q]
-        for b in range(half):
-            g = b // group_bytes
-            for j in range(32):
-                v = rows[j, b]
-                base = rscales[j, g] * 16
-                panel[2 * b, j] = table[base + (v & 15)]
-                panel[2 * b + 1, j] = table[base + (v >> 4)]
-
-
-@njit(**_JIT)
-def _zero_rows(dst, row0):  # pragma: no cover - compiled
-    p_count, k, _ = dst.shape
-    for r in range(row0, p_count * 32):
-        p = r // 32
-        j = r % 32
-        for c in range(k):
-            dst[p, c, j] = 0
+            dst[r, 2 * b] = table[base + (v & 15)]
+            dst[r, 2 * b + 1] = table[base + (v >> 4)]
 
 
 def _u8(t: torch.Tensor) -> np.ndarray:
@@ -137,34 +75,33 @@ def _u8(t: torch.Tensor) -> np.ndarray:
 
 
 def empty(n: int, k: int) -> torch.Tensor:
-    """Uninitialised panels (int16 bits) for ``n`` rows of ``k``; ``finish`` zeroes the padding."""
-    return torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.int16)
+    """Uninitialised rows (int16 bits) for ``n`` rows of ``k``; ``finish`` gives them as bfloat16."""
+    return torch.empty(n, k, dtype=torch.int16)
 
 
 def finish(dst: torch.Tensor, n: int) -> torch.Tensor:
-    """Zero the padding rows ``n ..`` of ``dst`` and return it as bfloat16."""
-    if n < dst.shape[0] * PANEL:
-        _zero_rows(dst.numpy(), n)
-    return dst.view(torch.bfloat16)
+    """``dst`` (``n`` rows, all written) as the kernel's bfloat16 panels (``gemm.panels_of``)."""
+    assert dst.shape[0] == n
+    return gemm.panels_of(dst.view(torch.bfloat16))
 
 
 def write_bf16(dst: torch.Tensor, row0: int, w: torch.Tensor) -> None:
     """Rows ``row0 ..`` of ``dst`` = bfloat16 ``w`` ``[n, K]``."""
-    _bf16_rows(w.contiguous().view(torch.int16).numpy(), dst.numpy(), row0)
+    dst[row0 : row0 + w.shape[0]] = w.contiguous().view(torch.int16)
 
 
 def write_fp8(dst: torch.Tensor, row0: int, codes: torch.Tensor) -> None:
     """Rows ``row0 ..`` of ``dst`` = ``E4M3(codes)`` for float8_e4m3fn ``codes`` ``[n, K]``."""
-    _fp8_rows(_u8(codes), FP8_TABLE, dst.numpy(), row0)
+    _fp8_rows(_u8(codes), FP8_TABLE, dst[row0 : row0 + codes.shape[0]].numpy())
 
 
 def write_nvfp4(dst: torch.Tensor, row0: int, packed: torch.Tensor, weight_scale: torch.Tensor) -> None:
     """Rows ``row0 ..`` of ``dst`` = ``E2M1(code) * E4M3(weight_scale)`` (no ``weight_scale_2``)
     for uint8 ``packed`` ``[n, K/2]`` (low nibble first) and ``weight_scale`` ``[n, K/16]``."""
-    _fp4_rows(_u8(packed), _u8(weight_scale), 8, NVFP4_TABLE, dst.numpy(), row0)
+    _fp4_rows(_u8(packed), _u8(weight_scale), 8, NVFP4_TABLE, dst[row0 : row0 + packed.shape[0]].numpy())
 
 
 def write_mxfp4(dst: torch.Tensor, row0: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
     """Rows ``row0 ..`` of ``dst`` = ``E2M1(code) * 2**(scale - 127)`` for uint8 ``packed``
     ``[n, K/2]`` and E8M0 ``scales`` ``[n, K/32]``."""
-    _fp4_rows(_u8(packed), _u8(scales), 16, MXFP4_TABLE, dst.numpy(), row0)
+    _fp4_rows(_u8(packed), _u8(scales), 16, MXFP4_TABLE, dst[row0 : row0 + packed.shape[0]].numpy())

@@ -1,54 +1,19 @@
-"""Native kernels for the CPU engine: LLVM IR compiled for the host CPU, and a thread splitter.
+"""Spreading one kernel call over ``torch.get_num_threads()`` threads.
 
-``compile_ir(ir, name)`` parses and verifies an IR module, compiles it with llvmlite (numba's
-code generator, so no C compiler is needed) for the host CPU and its vector extensions, and
-returns a handle whose ``function(name, *argtypes)`` gives a ctypes callable. Calls through it
-release the GIL, which ``run`` uses to spread one product over ``torch.get_num_threads()``
-threads: all parts but the last on a small pool, the last on the calling thread.
-
-Callers decide what to do when compiling fails (no llvmlite, an LLVM too old for the IR): the
-kernels here are speed paths with a torch fallback.
+The engine's numba kernels release the GIL (``nogil``); ``parts`` decides how many threads a
+call is worth, ``split`` cuts its range, and ``run`` runs the parts at once: all but the last on
+a small pool, the last on the calling thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 # Below this many multiply-adds a native call runs on one thread (no hand-off to pool threads).
 PARALLEL_MIN_WORK = 4_000_000
-
-
-class Compiled:
-    """A compiled module; keeps the LLVM execution engine (and so the machine code) alive."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def function(self, name: str, *argtypes: Any) -> Callable[..., None]:
-        """The module's ``void name(argtypes...)`` as a ctypes function (releases the GIL)."""
-        return ctypes.CFUNCTYPE(None, *argtypes)(self._engine.get_function_address(name))
-
-
-def compile_ir(ir: str) -> Compiled:
-    """Compile the IR module ``ir`` for this CPU (raises on any problem)."""
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    target = llvm.Target.from_default_triple()
-    tm = target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    mod = llvm.parse_assembly(ir)
-    mod.verify()
-    engine = llvm.create_mcjit_compiler(mod, tm)
-    engine.finalize_object()
-    return Compiled(engine)
 
 
 def parts(work: int, units: int) -> int:

@@ -43,12 +43,11 @@ import numpy as np
 import torch
 from numba import njit
 
+from core.numba_options import NJIT
+
 GROUP = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-
-_NJIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
-
 
 _NO_SCALES = np.empty((0, 0), dtype=np.uint8)
 
@@ -100,7 +99,7 @@ def qdq(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@njit(**_NJIT)
+@njit(**NJIT)
 def _e4m3(v, buf):  # pragma: no cover - compiled
     """float32 ``0 <= v <= 448`` rounded to the nearest e4m3 value (ties to even), and its
     float8_e4m3fn byte; ``buf`` is a float32 scratch array of one element."""
@@ -117,7 +116,7 @@ def _e4m3(v, buf):  # pragma: no cover - compiled
     return r, np.uint8(int(r * np.float32(2.0**9)))
 
 
-@njit(**_NJIT)
+@njit(**NJIT)
 def _kernel(x, gs, input_scale, out, scales, values):  # pragma: no cover - compiled
     """Every row of ``x`` ``[rows, K]``: ``out`` gets the E2M1 values (``values``, with ``scales`` the
     e4m3 bytes ``[rows, K/16]``) or ``E2M1 * sf8 * input_scale``; a block holding a NaN gives NaNs.

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit
 
+from core.numba_options import NJIT
 from engine.kernels import gemm, panels
 from engine.model import act_nvfp4
 from engine.model.loader import LinearWeight
@@ -76,10 +77,7 @@ def quantize_activations_fp8(x: torch.Tensor) -> torch.Tensor:
     return out.view(shape)
 
 
-_NJIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
-
-
-@njit(**_NJIT)
+@njit(**NJIT)
 def _act_quant_kernel(x, out):  # pragma: no cover - compiled
     rows, k = x.shape
     buf = np.empty(FP8_GROUP, dtype=np.float32)
@@ -138,10 +136,6 @@ def _quantize_activations_fp8_torch(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
-# oneDNN packs a weight for a typical row count; 32 is the decode step of 32 running requests
-# (experts see a quarter of that); other row counts run at close to the same speed.
-PACK_ROWS = 32
-
 Packed = gemm.PackedBf16 | torch.Tensor
 
 
@@ -149,35 +143,30 @@ def pack(w: torch.Tensor) -> Packed:
     """A checkpoint weight ``w`` ``[N, K]`` (any float dtype) as the weight operand of ``linear``,
     with the same values.
 
-    Weights exact in bfloat16 stay bfloat16 for ``kernels``' GEMM, which widens them in registers
-    (half the bytes to read per product); others become float32 pre-packed in oneDNN's blocked
-    layout, so a product never re-packs its weight (decode products have few rows and are bound
-    by reading the weight). Without the kernel or oneDNN, a plain float32 tensor. Checkpoint
-    linears go through ``pack_parts``, which uses this only where it cannot write panels.
+    Weights exact in bfloat16 stay bfloat16 for ``kernels``' GEMM, which widens them as it
+    multiplies (half the bytes to read per product); others become float32 for ``F.linear``.
+    Checkpoint linears go through ``pack_parts``, which uses this only where it cannot write
+    bfloat16 rows.
     """
     w = w.contiguous()
-    if gemm.available() and gemm.exact_in_bf16(w):
+    if gemm.exact_in_bf16(w):
         return gemm.pack(w)
-    w = w.float()
-    if torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-    return w
+    return w.float()
 
 
 def pack_parts(parts: list[LinearWeight]) -> Packed:
     """The checkpoint linears ``parts`` (one K), their rows concatenated in order (fused q/k/v or
     gate/up), as the weight operand of ``linear``.
 
-    With the kernel, every format goes to it when the parts allow (see ``_panels``): each part's
-    stored values are written straight into the panels (``engine.kernels.panels``: one pass, no
+    Every format goes to the bf16-weight kernel when the parts allow (see ``_panels``): each part's
+    stored values are written straight into its rows (``engine.kernels.panels``: one pass, no
     float32 intermediate), exact bfloat16 values, and the format's scales (FP8's 128x128 blocks,
     NVFP4's ``weight_scale_2``) go to the kernel's scale table. Otherwise ``pack`` of the
     dequantized, concatenated weight.
     """
-    if gemm.available():
-        packed = _panels(parts)
-        if packed is not None:
-            return packed
+    packed = _panels(parts)
+    if packed is not None:
+        return packed
     return pack(parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts]))
 
 
@@ -253,8 +242,6 @@ def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """``x @ W.T`` (float32) for ``w`` = ``pack(W)``; ``x`` ``[..., K]`` float32."""
     if isinstance(w, gemm.PackedBf16):
         return gemm.linear(x, w)
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return F.linear(x, w)
 
 
@@ -316,11 +303,13 @@ class Experts:
         """From the checkpoint's per-expert ``[gate, up]`` (``[I, H]`` each) and ``down`` ``[H, I]``."""
         gu, dn = [pack_parts(parts) for parts in gate_up], [pack_parts([w]) for w in down]
         groups = None
-        if all(isinstance(w, gemm.PackedBf16) and w.n % gemm.PANEL == 0 for w in gu + dn):
+        if all(isinstance(w, gemm.PackedBf16) for w in gu + dn):
             try:
                 groups = (gemm.PackedGroup.of(gu), gemm.PackedGroup.of(dn))
             except ValueError:  # experts with different scale layouts: one call per expert
                 groups = None
+            else:  # hold the stacked copies only
+                gu, dn = list(groups[0].weights), list(groups[1].weights)
         scales = (nvfp4_input_scale([w for parts in gate_up for w in parts]), nvfp4_input_scale(down))
         return cls(gu, dn, down[0].shape[1], fp8_activations, groups, scales, taps)
 

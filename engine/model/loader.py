@@ -54,7 +54,6 @@ from engine.model.config import ModelConfig
 from weight_sync.formats import fp8_layout
 from weight_sync.safetensors_io import read_header, torch_dtype
 
-FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Tensors a converted checkpoint may carry that this engine does not use.
 _IGNORED_SUFFIXES = (".k_scale", ".v_scale", ".rotary_emb.inv_freq")

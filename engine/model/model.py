@@ -45,8 +45,8 @@ impossible); NVFP4's activation quantization is one fused numba pass per project
 experts' gate/up input once per token, before the routed copies are gathered); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
 sequences' attention is one call per cache pool (see ``engine.runtime.cache``) with the query heads
-of a KV head as its query rows, so each stored key and value is read once per step: the native
-kernel of ``engine.kernels.attention`` for float32 caches, SDPA for the others.
+of a KV head as its query rows, so each stored key and value is read once per step (torch's
+``scaled_dot_product_attention`` with a mask per slot).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import attention
 from engine.model.config import ARCHITECTURE, ModelConfig
 from engine.model.layers import (
     Experts,
@@ -349,8 +348,6 @@ class _Attention:
     ) -> None:
         self.nh, self.nkv, self.d, self.storage = nh, nkv, d, storage
         self.gqa = nh != nkv
-        # float32 caches use the native decode kernel where it compiled; others keep SDPA
-        self.native = storage == torch.float32 and attention.available(nh // nkv, d)
         self.singles: list[tuple[SequenceCache, int, int, int, torch.Tensor | None]] = []
         decoding: dict[int, tuple[KVPool, list[int], list[int], list[int]]] = {}
         off = 0
@@ -409,17 +406,10 @@ class _Attention:
             else:
                 queries = torch.zeros(g.span, nkv, group, d)
                 queries[g.slots] = (q if g.all_rows else q[g.rows]).reshape(n, nkv, group, d)
-            if self.native:
-                res = attention.attend(
-                    queries.contiguous(), store, g.lengths, torch.empty(g.span, nkv, group, d)
-                )
-            else:
-                stored = store[: g.span, :, : g.window]
-                if self.storage != torch.float32:
-                    stored = stored.float()
-                res = F.scaled_dot_product_attention(
-                    queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask
-                )
+            stored = store[: g.span, :, : g.window]
+            if self.storage != torch.float32:
+                stored = stored.float()
+            res = F.scaled_dot_product_attention(queries, stored[:, :nkv], stored[:, nkv:], attn_mask=g.mask)
             res = res.reshape(n, nh, d) if g.identity else res[g.slots].view(n, nh, d)
             if g.all_rows:
                 out = res

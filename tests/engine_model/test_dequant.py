@@ -1,4 +1,4 @@
-"""The engine's dequantizers (fleet.engine.dequant: 2-D layouts as the loader holds them) equal
+"""The engine's dequantizers (engine.model.dequant: 2-D layouts as the loader holds them) equal
 weight_sync.formats' dequantizers bit for bit: every code byte, NaN codes and scales, subnormal
 scales, edge blocks; bad shapes are refused with a message."""
 

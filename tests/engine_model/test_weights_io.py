@@ -1,4 +1,4 @@
-"""The engine's checkpoint reader (fleet.engine.weights): its own safetensors parsing matches the
+"""The engine's checkpoint reader (engine.model.loader): its own safetensors parsing matches the
 safetensors library byte for byte, refuses malformed files naming them, and a loaded model does
 not depend on the files it was loaded from."""
 

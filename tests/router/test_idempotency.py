@@ -111,8 +111,8 @@ def test_a_retry_while_the_first_runs_waits_for_it(client: httpx.Client) -> None
 
 async def _give_up(url: str, headers: dict[str, str], sid: str) -> None:
     """A greedy long turn under key ``t``, abandoned (connection closed) after 1 s."""
-    # "Hello": a prompt whose greedy answer reaches no end-of-sequence id for 2000 tokens
-    body = {"input_ids": list(b"Hello"), "sampling_params": {"max_new_tokens": 2000, "temperature": 0.0}}
+    # the tiny base answers [1, 2, 3, 4, 5] greedily for 2000 tokens without an end-of-sequence id
+    body = {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 2000, "temperature": 0.0}}
     async with aiohttp.ClientSession(headers={**headers, "Idempotency-Key": "t"}) as http:
         with pytest.raises(asyncio.TimeoutError):
             await http.post(

@@ -1,6 +1,6 @@
 """The engine client and the one parser against SGLang 0.5.23's answers: response fixtures written
 from the release's source (tests/fixtures/sglang_0_5_23/*.json, each naming the lines it follows)
-served by a real loopback HTTP server to fleet.sglang_client.SGLangClient.generate (the one request
+served by a real loopback HTTP server to clients.engine.SGLangClient.generate (the one request
 builder) and parsed by router.engine_answer.parse_turn (an unfiltered turn's answer without a mask
 included); and a real router over the local engine, which refuses a sampling mask without a finite
 top_k as SGLang does, recording a top-p-only turn."""

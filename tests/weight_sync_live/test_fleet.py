@@ -115,7 +115,7 @@ def live(tmp_path_factory, tiny_base):
             extra_args=("--max-version-lag", str(MAX_LAG), "--heartbeat-timeout", "5"),
         ) as router:
             env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url}
-            # Every sidecar activates by SGLang's protocol (fleet.activation): retract, update with
+            # Every sidecar activates by SGLang's protocol (replica.activation): retract, update with
             # a cache flush, continue.
             with local_fleet(work, tiny_base, run_id=RUN, router_url=router.url, env=env) as fleet:
                 live = Live(router, fleet, env)

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+from core.numba_options import NJIT as _JIT
 
 ABS_MASK = 0x7FFFFFFF
 INF_BITS = 0x7F800000
