@@ -254,7 +254,8 @@ async def run_chat_agents(
 
 def record_bytes() -> float:
     """Bytes of one generated token's records in a stored turn block (stub answer, 1-id input)."""
-    from router.records import encode_stored, parse_turn
+    from router.engine_answer import parse_turn
+    from router.records import encode_stored
 
     body = json.loads(stub_body())
     turn = parse_turn(body, index=0, group="g", replica="r", input_ids=[1], moved_from=None, timings={})

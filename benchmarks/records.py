@@ -21,7 +21,19 @@ then the same for those turns with every id scaled into a Qwen3-size vocabulary 
 ids and support gaps take 2-3 varint bytes instead of the small model's 1-2.
 Targets: compact (float32) <= 1/4 of JSON; the trainer's decoder >= 20x faster per token.
 
-Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]``.
+Append-only trajectories (issue 20; no engine, through the encode functions): a synthetic
+session at the study's shape (:class:`tests.support.sessions.SessionShape`: 60 turns growing
+from 4K to ~98K tokens, 64 generated + 1,500 tool tokens a turn, Qwen3 vocabulary). Prints the
+bytes stored and served for the trajectory against the bound 1.2 x (every token once as a
+varint id + the generated tokens' records), what the format before (every turn repeating its
+whole input) would have stored, and the router's own recording work per turn (placing the
+input on the stored context, packing, encoding the block, appending to the memory store; not
+HTTP parsing or the engine call) for a full-context and an append-only turn at a short and a
+long context. Target: stored and served <= the bound; append-only turn work flat in the
+context.
+
+Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]``
+(``--session-only``: only the append-only part).
 """
 
 from __future__ import annotations
@@ -48,11 +60,16 @@ def main() -> int:
     ap.add_argument("--model-root", default=None, help="reuse model dirs here (default: a temp dir)")
     ap.add_argument("--batch-copies", type=int, default=16, help="trajectories per turn in the decoded batch")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--session-only", action="store_true", help="only the append-only session figures")
     args = ap.parse_args()
+    session_report(args.reps)
+    if args.session_only:
+        return 0
 
     import httpx
 
-    from router.records import decode_batch, decode_turn, encode_batch, encode_turn, parse_turn
+    from router.engine_answer import parse_turn
+    from router.records import decode_batch, decode_turn, encode_batch, encode_turn
     from tests.support.engines import engine_process
     from tests.support.models import make_model_dir
     from trainer.batch import decode_batch as decode_arrays
@@ -99,10 +116,11 @@ def main() -> int:
             for b in bodies
         )
 
-    turns = [
+    parsed = [
         parse_turn(b, index=0, group="g", replica="r", input_ids=[], moved_from=None, timings={})
         for b in bodies
     ]
+    turns = _chained(parsed)
     t0 = time.perf_counter()
     blobs32 = [encode_turn(t) for t in turns]
     enc_s = time.perf_counter() - t0
@@ -168,6 +186,88 @@ def main() -> int:
     )
     report(f"ids scaled x{scale} into vocab {QWEN3_VOCAB}")
     return 0
+
+
+def _chained(turns: list) -> list:
+    """``turns`` as one trajectory's: each turn's context is the tokens before it."""
+    out, length = [], 0
+    for i, t in enumerate(turns):
+        out.append(replace(t, turn=i, context=length))
+        length += len(t.append_ids) + len(t.output_ids)
+    return out
+
+
+def session_report(reps: int) -> None:
+    """Bytes of a study-shape session against the bound, and the recording work per turn."""
+    from router.records import encode_batch, encode_turn
+    from tests.support.sessions import SessionShape, minimal_bytes, synthetic_session, varint_size
+
+    shape = SessionShape()
+    turns = synthetic_session(shape)
+    context = turns[-1].prompt_len + len(turns[-1].output_ids)
+    print(
+        f"append-only session: {shape.turns} turns, {turns[0].prompt_len} -> {context} tokens, "
+        f"{shape.generated} generated + {shape.tool} tool tokens a turn, vocab {shape.vocab}"
+    )
+    once = repeated = prefix = 0
+    for t in turns:  # the format before stored every turn's whole input: its prefix again
+        appended = sum(map(varint_size, t.append_ids))
+        once += appended
+        repeated += prefix + appended
+        prefix += appended + sum(map(varint_size, t.output_ids))
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}, "version_age": {}}
+    for f16 in (False, True):
+        blobs = [encode_turn(t, f16=f16) for t in turns]
+        stored = sum(map(len, blobs))
+        served = len(encode_batch("L", 0, [(header, blobs)], trainer_version=7))
+        bound = 1.2 * minimal_bytes(turns, f16=f16)
+        old = stored - once + repeated
+        print(
+            f"  {'float16' if f16 else 'float32'} supports: stored {stored / 1e6:.3f} MB, served "
+            f"{served / 1e6:.3f} MB, bound {bound / 1e6:.3f} MB ({served / bound:.3f} of it: "
+            f"{'met' if max(stored, served) <= bound else 'NOT met'}); {served / context:.1f} bytes per "
+            f"context token; whole input per turn (format 1) {old / 1e6:.2f} MB"
+        )
+    _turn_costs(turns, reps)
+
+
+def _turn_costs(turns: list, reps: int) -> None:
+    """The router's recording work for one turn at a short and a long context (memory store)."""
+    import asyncio
+
+    from router.records import encode_stored
+    from router.segments import locate, pack
+    from router.state.base import TurnRecord
+    from router.state.memory import MemoryStore
+
+    async def one(turn, prior: list, full: bool) -> tuple[float, float, float]:
+        store = MemoryStore()
+        await store.create_session("s", "g", {}, now=0.0)
+        seq = [x for t in prior for x in (*t.append_ids, *t.output_ids)]
+        await store.append_turn("s", TurnRecord("r0", b"", "g", "r", 0, None, None, pack(seq)))
+        request = seq + list(turn.append_ids) if full else list(turn.append_ids)
+        t0 = time.perf_counter()
+        _, stored = await store.get_session_context("s")
+        _, at = locate(request, None, stored) if full else locate(None, request, stored)
+        t1 = time.perf_counter()
+        done = replace(turn, context=at.context, append_ids=at.append, fork=at.fork)
+        blob, _ = encode_stored(done)
+        record = TurnRecord("r1", blob, "g", "r", 64, 7, 7, pack(at.append) + pack(done.output_ids))
+        await store.append_turn("s", record)
+        t2 = time.perf_counter()
+        return t2 - t0, t1 - t0, t2 - t1
+
+    print(f"  router work per turn (best of {reps}; read + check/rebuild the input, then encode + store):")
+    for index in (2, len(turns) - 1):
+        turn, prior = turns[index], turns[:index]
+        for full in (True, False):
+            runs = [asyncio.run(one(turn, prior, full)) for _ in range(reps)]
+            total, where, record = (min(r[i] for r in runs) for i in range(3))
+            kind = "full context" if full else "append only "
+            print(
+                f"    {kind} at {turn.context:>6} context tokens ({len(turn.append_ids)} appended): "
+                f"{total * 1e3:6.2f} ms = input {where * 1e3:5.2f} ms + record {record * 1e3:5.2f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -383,9 +383,11 @@ class Load:
         with contextlib.suppress(Exception):
             turns = (await client.trajectory(sid))["turns"]
             if len(turns) > done:
-                last = turns[-1]
+                context: list[int] = []  # the last segment's tokens (a fork starts a new one)
+                for t in turns:
+                    context = (context if t["fork"] is None else []) + t["append_ids"] + t["output_ids"]
                 tool = [self.rng.randrange(3, 250) for _ in range(self.cfg.tool)]
-                return len(turns), list(last["input_ids"]) + list(last["output_ids"]) + tool
+                return len(turns), context + tool
         return done, context
 
     async def trainer(self, client: Any) -> None:

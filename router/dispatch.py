@@ -33,12 +33,13 @@ from typing import Any, NamedTuple, TypeVar
 
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from router.context import RouterContext
+from router.engine_answer import parse_turn
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
-from router.records import TurnData, parse_turn
 from router.registry import Registry
 from router.schemas import TurnSpec
 from router.state.base import SessionInfo
+from router.turn_data import TurnData
 
 log = logging.getLogger("mixfleet.router")
 MIN_VERSION_HEADER = "X-Mixfleet-Min-Version"
@@ -259,7 +260,7 @@ async def run_turn(
     ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int, routes_start: int = 0
 ) -> TurnData:
     """Turn ``index`` of ``session``, generated with failover and parsed by
-    :func:`router.records.parse_turn`: its group, replica and ``moved_from`` say where it ran,
+    :func:`router.engine_answer.parse_turn`: its group, replica and ``moved_from`` say where it ran,
     its spans which weight versions produced it. Raises :class:`ApiError` (4xx/503; 502 for an
     engine answer without usable behavior records) when it cannot."""
     t0 = time.perf_counter()

@@ -97,6 +97,13 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
     _h("mixfleet_router_turn_seconds", G, "Whole turn latency: engine call, failover and recording"),
     _h("mixfleet_router_engine_seconds", G, "Engine call latency seen by the router"),
     _c("mixfleet_router_turns_total", G, "", "Turns recorded"),
+    _c(
+        "mixfleet_router_forks_total",
+        G,
+        "",
+        "Turns whose input did not extend the session's stored context (history edited or "
+        "re-rendered): each starts a new segment of its trajectory",
+    ),
     _c("mixfleet_router_tokens_total", G, "tokens", "Output tokens recorded"),
     _c("mixfleet_router_sessions_created_total", G, "", "Sessions created"),
     _c(
@@ -379,6 +386,7 @@ class RouterMetrics:
         self.turn_seconds = m["mixfleet_router_turn_seconds"]
         self.engine_seconds = m["mixfleet_router_engine_seconds"]
         self.turns = m["mixfleet_router_turns_total"]
+        self.forks = m["mixfleet_router_forks_total"]
         self.tokens = m["mixfleet_router_tokens_total"]
         self.sessions = m["mixfleet_router_sessions_created_total"]
         self.failovers = m["mixfleet_router_failovers_total"]
@@ -406,7 +414,8 @@ class RouterMetrics:
         new = [g for g in dict.fromkeys(groups) if g not in self._known]
         if not new:
             return
-        per_group = (self.turn_seconds, self.engine_seconds, self.turns, self.tokens, self.sessions)
+        per_group = (self.turn_seconds, self.engine_seconds, self.turns, self.forks, self.tokens)
+        per_group += (self.sessions,)
         for g in new:
             for metric in (*per_group, self.expired, self.generate, self.replica_moves):
                 metric.labels(g)

@@ -1,31 +1,32 @@
-"""Behavior records: the turn record, the one parser of an engine answer into it, its compact
-binary encoding (turns and trainer batches) and its JSON view.
+"""Behavior records on the wire: the compact binary encoding of a turn (the turn block, stored
+as is) and of a trainer batch (stored blocks copied), and their standard-library decoders.
 
-* :class:`TurnData` - one recorded turn; :meth:`TurnData.to_json` is its JSON object (the turn
-  answer, trajectory reads and JSON batches all serve it).
-* :func:`parse_turn` - the turn an engine's ``/generate`` answer records.
 * :func:`encode_turn` / :func:`encode_stored` - the turn block (and the turn as stored in it);
   :func:`encode_batch` - a trainer batch of stored blocks.
 * :func:`decode_turn`, :func:`decode_turn_header`, :func:`decode_batch` - the decoders.
 
-Behavior records are stored and served in this encoding, never as JSON lists of lists.
-The decoders use nothing but the standard library (``json``, ``struct``), so a trainer can
-restate or copy them; the encoder uses numpy for long varint runs (when installed) and
-:mod:`core.jsonio` for headers, which changes neither the layout nor any decoded value (JSON
-headers may spell a float differently from :mod:`json`, e.g. ``1e-5`` for ``1e-05``).
+The turn itself is :class:`router.turn_data.TurnData`. Behavior records are stored and served in
+this encoding, never as JSON lists of lists. The decoders use nothing but the standard library
+(``json``, ``struct``), so a trainer can restate or copy them; the encoder uses numpy for long
+varint runs (when installed) and :mod:`core.jsonio` for headers, which changes neither the layout
+nor any decoded value (JSON headers may spell a float differently from :mod:`json`, e.g. ``1e-5``
+for ``1e-05``). The constants are :mod:`core.wire`'s.
 
 Primitives
     varint   unsigned LEB128 (7 bits per byte, low group first, high bit = more follows)
     f32/f16  IEEE-754 little-endian (``struct`` formats ``<f`` / ``<e``)
+    u32      unsigned 32-bit little-endian integer (``<I``)
     json     varint byte length + UTF-8 JSON object
 
-Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
+Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``RECORDS_FORMAT_VERSION`` = 2)::
 
     b"MFT" u8 format_version u8 flags
     json     header: {"turn", "group", "replica", "finish_reason", "timings",
                       "weight_versions": [{"version", "start", "end"}], "moved_from",
+                      "context": c (tokens of the turn's segment before its appended tokens),
+                      "fork" (only on a fork: {"stored": n, "common": k}),
                       "sampling" (only when set: {"top_k_bound": n} or {"sampling_mask": false})}
-    varint   n_input,  then n_input varints (input token ids)
+    varint   n_append, then n_append varints (the input tokens the turn appends to its segment)
     varint   n_output, then n_output varints (output token ids)
     n_output f32     logprob       (log mu: renormalized over the support, the behavior log-prob)
     n_output f32     raw_logprob   (after temperature, before top-k/top-p; NaN when unknown)
@@ -33,23 +34,29 @@ Turn block (``MAGIC_TURN`` = b"MFT", then format byte ``FORMAT_VERSION``)::
     per token with k_i > 0: first id as varint, then (id[j] - id[j-1] - 1) as varints
                             (ids strictly increasing, so the gaps are >= 0 and mostly tiny)
     sum(k_i) f16|f32 support log-probs, token after token, in support-id order
-
-Optional routed-experts section (``flags`` bit 1, :data:`FLAG_ROUTES`; the header then has
-``"routed_experts": {"start", "rows", "width", "bytes"}``), after the support log-probs::
-
-    rows * width uint(bytes*8) LE  expert ids (bytes 1 or 2: every id fits; 4: int32 as SGLang sent)
-    u32 LE                         the byte length of the ids above (so the block can be split
-                                   from its end without the header)
-
-Row ``j`` holds the ids of position ``start + j`` of the turn's sequence (input, then output):
-``width`` = layers x top-k values in SGLang's layout (``meta_info.routed_experts``,
-:mod:`core.sglang_release`: ``[seqlen - 1 - start, layers, k]``, layer after layer). The router
-does not know the model, so a row is flat; the trainer reshapes it with its model's top-k.
+    only with flags bit 1 (``FLAG_SECTIONS``): optional sections, each
+             varint name length, UTF-8 name, varint size, size bytes;
+             then u32 the byte length of the sections (so the block's end locates them)
 
 ``flags`` bit 0 set = support log-probs are float16 (else float32). The token's own ``logprob``
 and ``raw_logprob`` are always float32: they enter importance ratios directly. The per-token
 ``weight_version`` is not repeated per token: it is the version of the span in
 ``weight_versions`` covering the token's index (spans are over output indices, end exclusive).
+A decoder keeps sections it does not know as bytes (:attr:`TurnData.sections`) and skips them;
+a new kind of per-turn data is a new named section, which changes no existing byte.
+Section ``routed_experts`` (issue 21; only for a group with ``record_routes``): the turn's
+routed experts, :class:`router.turn_data.RoutedExperts` (``to_section``: varint start, varint
+rows, varint width, u8 bytes per id, then the ids, row ``j`` for position ``start + j`` of the
+turn's segment); a turn stores the rows of the positions it adds, so a segment's turns hold its
+positions ``[0, len(segment) - 1)`` once.
+
+Append-only: a trajectory is one or more segments; a segment starts at the trajectory's first
+turn and at every turn with ``fork`` (its input did not extend the stored context: the harness
+edited or re-rendered history; such a turn has ``context`` 0 and appends its whole input). A
+segment's token sequence is, turn after turn, ``append_ids`` then ``output_ids``: every token is
+stored once, the engine's input of a turn is the segment's ``context`` tokens before it plus its
+``append_ids``, and the loss mask (generated or not) is 1 exactly on the output tokens.
+
 ``sampling.top_k_bound`` = n says the turn asked for no finite ``top_k`` and was sampled with
 ``top_k = n`` (SGLang's ``--sampling-mask-max-tokens``; it returns sampling masks only for a finite
 ``top_k``): each support is the turn's top-p/min-p candidate set cut to its n most likely tokens.
@@ -64,8 +71,9 @@ the engine.
 Batch (``MAGIC_BATCH`` = b"MFB", then format byte)::
 
     b"MFB" u8 format_version
-    json     header: {"lease_id", "held_back", "trajectories": [{"session_id", "group",
-                      "reward", "metadata", "version_age", "n_turns"}]}
+    json     header: {"lease_id", "held_back", "trainer_version" (when known),
+                      "trajectories": [{"session_id", "group", "reward", "metadata",
+                                        "version_age", "n_turns"}]}
     then for each trajectory, for each of its n_turns turns: varint length + turn block
 
 :func:`decode_batch` returns the same dict that the JSON form of ``POST /v1/batches/take``
@@ -80,532 +88,21 @@ import json
 import math
 import operator
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from weight_sync.types import parse_version, reported_version
+from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN, RECORDS_FORMAT_VERSION
+from router.turn_data import TurnData
 
 try:  # optional speed-ups of the encoder (the decoder never needs them)
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
 
-MAGIC_TURN = b"MFT"
-MAGIC_BATCH = b"MFB"
-FORMAT_VERSION = 1
-FLAG_F16 = 0x01
-FLAG_ROUTES = 0x02
-MEDIA_TYPE = "application/x-mixfleet-records"
-
 
 class RecordFormatError(ValueError):
     """The bytes are not a valid block of this encoding (truncated, wrong magic, bad varint)."""
-
-
-@dataclass(frozen=True)
-class RoutedExperts:
-    """A turn's routed experts: ``rows`` positions from ``start`` of its sequence, ``width`` ids
-    each (layers x top-k, SGLang's order), as ``data``: their int32 little-endian bytes (SGLang's
-    ``routed_experts`` after base64). ValueError unless ``len(data) == 4 * rows * width``."""
-
-    start: int
-    rows: int
-    width: int
-    data: bytes
-
-    def __post_init__(self) -> None:
-        if min(self.start, self.rows, self.width) < 0 or len(self.data) != 4 * self.rows * self.width:
-            raise ValueError(
-                f"routed experts: {len(self.data)} bytes for {self.rows} rows of {self.width} int32 ids"
-            )
-
-    def values(self) -> list[int]:
-        """The ids, row after row (standard library only)."""
-        import array
-        import sys
-
-        a = array.array("i")
-        a.frombytes(self.data)
-        if sys.byteorder != "little":
-            a.byteswap()
-        return a.tolist()
-
-    def to_json(self) -> dict[str, Any]:
-        """``start``, ``rows``, ``width`` and ``data``: base64 of the int32 bytes (SGLang's encoding)."""
-        import base64
-
-        return {
-            "start": self.start,
-            "rows": self.rows,
-            "width": self.width,
-            "data": base64.b64encode(self.data).decode("ascii"),
-        }
-
-
-@dataclass(frozen=True)
-class TurnData:
-    """One recorded turn. ``support_ids[i]`` sorted ascending, unique; empty = no filtering.
-    Unknown log-probs are NaN (``raw_logprobs``: None or NaN).
-
-    Invariant, checked on construction (ValueError): ``len(output_ids) == len(logprobs) ==
-    len(raw_logprobs) == len(support_ids) == len(support_logprobs)`` and ``len(support_ids[i])
-    == len(support_logprobs[i])``. The order of support ids is checked by :func:`encode_turn`.
-    """
-
-    turn: int
-    group: str
-    replica: str
-    input_ids: Sequence[int]
-    output_ids: Sequence[int]
-    logprobs: Sequence[float]
-    raw_logprobs: Sequence[float | None]
-    support_ids: Sequence[Sequence[int]]
-    support_logprobs: Sequence[Sequence[float]]
-    weight_versions: Sequence[dict[str, int]] = ()
-    finish_reason: dict[str, Any] | None = None
-    timings: dict[str, Any] = field(default_factory=dict)
-    moved_from: str | None = None
-    sampling: dict[str, Any] | None = None
-    routed_experts: RoutedExperts | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.output_ids)
-        lens = (len(self.logprobs), len(self.raw_logprobs), len(self.support_ids), len(self.support_logprobs))
-        if any(x != n for x in lens):
-            raise ValueError(f"record lengths {lens} differ from {n} output tokens")
-        k_ids = list(map(len, self.support_ids))
-        k_lps = list(map(len, self.support_logprobs))
-        if k_ids != k_lps:
-            i = next(i for i, (a, b) in enumerate(zip(k_ids, k_lps, strict=True)) if a != b)
-            raise ValueError(f"token {i}: {k_ids[i]} support ids but {k_lps[i]} support log-probs")
-
-    def versions(self) -> list[int | None]:
-        """The weight version of every output token (None where no span covers it)."""
-        n = len(self.output_ids)
-        spans = self.weight_versions
-        if len(spans) == 1 and spans[0]["start"] <= 0 and spans[0]["end"] >= n:
-            return [spans[0]["version"]] * n
-        out: list[int | None] = [None] * n
-        for span in sorted(spans, key=lambda s: s["start"]):
-            for i in range(max(0, span["start"]), min(n, span["end"])):
-                if out[i] is None:
-                    out[i] = span["version"]
-        return out
-
-    def version_range(self) -> tuple[int | None, int | None]:
-        """The lowest and highest weight version of the turn's spans; (None, None) without spans."""
-        spans = self.weight_versions
-        if len(spans) == 1:
-            return spans[0]["version"], spans[0]["version"]
-        versions = [s["version"] for s in spans]
-        return (min(versions), max(versions)) if versions else (None, None)
-
-    def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
-        """The turn's JSON object, the one JSON view of a turn (the turn answer without
-        ``input_ids``, trajectory reads and JSON batches with them, last): one record per output
-        token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
-        no NaN."""
-        logprobs = self.logprobs
-        if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
-            logprobs = [x if math.isfinite(x) else None for x in logprobs]
-        raws = self.raw_logprobs
-        if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
-            raws = [None if x is None or not math.isfinite(x) else x for x in raws]
-        records = [
-            {
-                "token_id": tok,
-                "logprob": lp,
-                "raw_logprob": raw,
-                "support_ids": list(ids),
-                "support_logprobs": list(lps)
-                if math.isfinite(sum(lps))
-                else [x if math.isfinite(x) else None for x in lps],
-                "weight_version": version,
-            }
-            for tok, lp, raw, ids, lps, version in zip(
-                self.output_ids,
-                logprobs,
-                raws,
-                self.support_ids,
-                self.support_logprobs,
-                self.versions(),
-                strict=True,
-            )
-        ]
-        out: dict[str, Any] = {}
-        if session_id is not None:
-            out["session_id"] = session_id
-        out.update(
-            turn=self.turn,
-            group=self.group,
-            replica=self.replica,
-            output_ids=list(self.output_ids),
-            finish_reason=self.finish_reason,
-            records=records,
-            weight_versions=[dict(s) for s in self.weight_versions],
-            timings=dict(self.timings),
-            moved_from=self.moved_from,
-            sampling=None if self.sampling is None else dict(self.sampling),
-        )
-        if self.routed_experts is not None:
-            out["routed_experts"] = self.routed_experts.to_json()
-        if with_input:
-            out["input_ids"] = list(self.input_ids)
-        return out
-
-
-# ---------------------------------------------------------------- engine answers
-
-_FLOAT = {float}
-_NUMBER = {float, int}
-_LIST = {list}
-_TOKEN = {int}
-
-
-def parse_turn(
-    body: Any,
-    *,
-    index: int,
-    group: str,
-    replica: str,
-    input_ids: Sequence[int],
-    moved_from: str | None,
-    timings: dict[str, Any],
-    sampling: dict[str, Any] | None = None,
-    routed_experts: bool = False,
-    routed_experts_start: int = 0,
-) -> TurnData:
-    """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
-    ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
-    is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`).
-
-    A turn sent without a mask (``sampling`` ``{"sampling_mask": false}``, module docstring) records
-    empty supports and mu = ``output_token_logprobs``; it refuses mask fields (SGLang sends none).
-
-    Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
-    ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
-    (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
-    token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
-    support's log-probs aligned with the mask), ``output_token_sampling_support_logprobs`` (the
-    local engine's support log-probs, aligned with the mask, in either mode), ``weight_versions``
-    spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
-    none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
-
-    SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
-    (layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
-    along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
-    37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
-    ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
-    "abort", "message": ...}`` (managers/schedule_batch.py 279-345).
-
-    Without the support's log-probs they are unknown (NaN); where mu is absent or a list, it is
-    the sampled token's support log-prob when that is known and its raw log-prob otherwise
-    (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
-    floats (unknown: NaN; raw: None).
-
-    With ``routed_experts`` (the request asked ``return_routed_experts`` from position
-    ``routed_experts_start``), reads ``meta_info.routed_experts`` (:class:`RoutedExperts` of
-    positions ``[routed_experts_start, seqlen - 1)``); its
-    absence is refused: SGLang answers without the key when not started with
-    ``--enable-return-routed-experts``.
-
-    Raises ValueError naming the field (and position) when ``body`` lacks a record field or
-    holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
-    an aborted generation is never recorded). Duplicate support ids and the float32 range are
-    the encoder's checks (:func:`encode_turn`)."""
-    if type(body) is not dict:
-        raise ValueError("the engine answer is not a JSON object")
-    meta = body.get("meta_info")
-    if type(meta) is not dict:
-        raise ValueError("the engine answer has no meta_info object")
-    finish = _finish_reason(meta.get("finish_reason"))  # an abort is refused before anything else
-    output_ids = body.get("output_ids")
-    if type(output_ids) is not list:
-        raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
-    _token_ids(output_ids, "output_ids")
-    n = len(output_ids)
-    raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
-    if sampling is not None and sampling.get("sampling_mask") is False:
-        masks, support_lps, logprobs = _unmasked_records(meta, raw)
-    else:
-        masks, support_lps, logprobs = _masked_records(meta, output_ids, raw)
-    timings = dict(timings)
-    e2e = meta.get("e2e_latency")
-    if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
-        timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
-    return TurnData(
-        turn=index,
-        group=group,
-        replica=replica,
-        input_ids=input_ids,
-        output_ids=output_ids,
-        logprobs=logprobs,
-        raw_logprobs=raw,
-        support_ids=masks,
-        support_logprobs=support_lps,
-        weight_versions=_spans(meta, n),
-        finish_reason=finish,
-        timings=timings,
-        moved_from=moved_from,
-        sampling=sampling,
-        routed_experts=_routes(meta, routed_experts_start, len(input_ids) + n - 1)
-        if routed_experts
-        else None,
-    )
-
-
-def _routes(meta: dict[str, Any], start: int, end: int) -> RoutedExperts:
-    """The routed experts of an answer covering positions ``[start, end)`` (ValueError naming
-    what is wrong)."""
-    rows = max(end - start, 0)
-    import base64
-    import binascii
-
-    from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
-
-    text = meta.get("routed_experts")
-    if text is None:
-        raise ValueError(
-            f"meta_info.routed_experts is missing: routes were asked of an engine not started with "
-            f"{ENABLE_RETURN_ROUTED_EXPERTS_FLAG}"
-        )
-    if type(text) is not str:
-        raise ValueError("meta_info.routed_experts is not a base64 string")
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("meta_info.routed_experts is not base64") from None
-    width = len(data) // 4 // rows if rows > 0 else 0
-    if len(data) != 4 * rows * width or (rows > 0 and width == 0):
-        raise ValueError(
-            f"meta_info.routed_experts holds {len(data)} bytes, not int32 rows for {rows} positions"
-        )
-    return RoutedExperts(start, rows, width, data)
-
-
-def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
-    """Supports (sorted by id), their log-probs and mu of an answer with sampling masks."""
-    masks = _entries(meta, "output_token_sampling_mask", len(output_ids))
-    _rows(masks, "output_token_sampling_mask", "a list of token ids")
-    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
-        for i, row in enumerate(masks):
-            _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
-    sizes = list(map(len, masks))
-    support_lps, known = _support_logprobs(meta, sizes)
-    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
-    masks, support_lps = _sorted_supports(masks, support_lps)
-    return masks, support_lps, logprobs
-
-
-_MASK_KEYS = (
-    "output_token_sampling_mask",
-    "output_token_sampling_logprobs",
-    "output_token_sampling_support_logprobs",
-)
-
-
-def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[list, list, list]:
-    """Empty supports (the whole vocabulary) and mu = the raw log-prob (NaN where unknown) of an
-    answer to a request without a sampling mask; refuses mask fields nobody asked for."""
-    for key in _MASK_KEYS:
-        if meta.get(key) is not None:
-            raise ValueError(f"meta_info.{key} is present but no sampling mask was requested")
-    n = len(raw)
-    logprobs = raw if None not in raw else [math.nan if x is None else x for x in raw]
-    return [[] for _ in range(n)], [[] for _ in range(n)], list(logprobs)
-
-
-_FINISH_TYPES = ("stop", "length", "abort")  # fleet.sglang_release.FINISH_TYPES
-
-
-def _finish_reason(value: Any) -> dict[str, Any] | None:
-    """SGLang's ``finish_reason`` (None: not given); refuses another shape and an abort."""
-    if value is None:
-        return None
-    if type(value) is not dict or value.get("type") not in _FINISH_TYPES:
-        raise ValueError(f"meta_info.finish_reason = {value!r} is not a stop, length or abort finish reason")
-    if value["type"] == "abort":
-        raise ValueError(f"the engine aborted the turn: {value.get('message') or 'Aborted'}")
-    return value
-
-
-def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
-    """Every support row in ascending id order, its log-probs permuted along (rows already in
-    order are kept as they are)."""
-    out_masks = out_lps = None
-    for i, row in enumerate(masks):
-        ordered = sorted(row)
-        if ordered == row:
-            continue
-        if out_masks is None:
-            out_masks, out_lps = list(masks), list(support_lps)
-        lps = support_lps[i]
-        pairs = sorted(zip(row, lps, strict=True))
-        out_masks[i] = ordered
-        out_lps[i] = [x for _, x in pairs]  # type: ignore[index]
-    if out_masks is None:
-        return masks, support_lps
-    return out_masks, out_lps  # type: ignore[return-value]
-
-
-def _entries(meta: dict[str, Any], key: str, n: int) -> list:
-    """``meta[key]``, which must be a list of one entry per output token."""
-    value = meta.get(key)
-    if type(value) is not list:
-        raise ValueError(f"meta_info.{key} is missing" if value is None else f"meta_info.{key} is not a list")
-    if len(value) != n:
-        raise ValueError(f"meta_info.{key} has {len(value)} entries for {n} output tokens")
-    return value
-
-
-def _rows(rows: list, key: str, what: str) -> None:
-    """Refuses ``rows`` unless every entry is a list."""
-    if not set(map(type, rows)) <= _LIST:
-        i = next(i for i, row in enumerate(rows) if type(row) is not list)
-        raise ValueError(f"meta_info.{key}[{i}] = {rows[i]!r} is not {what}")
-
-
-def _token_ids(ids: list, where: str) -> None:
-    """Refuses ``ids`` unless every entry is a non-negative JSON integer."""
-    if set(map(type, ids)) <= _TOKEN and (not ids or min(ids) >= 0):
-        return
-    j = next(j for j, x in enumerate(ids) if type(x) is not int or x < 0)
-    raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id")
-
-
-def _floats(values: list, where: str, none: float | None) -> list:
-    """``values`` (JSON numbers or null) as floats, null as ``none``; ``values`` itself when it
-    already is. Refuses anything else, naming ``where[j]``."""
-    kinds = set(map(type, values))
-    if kinds <= _FLOAT or (none is None and kinds <= {float, type(None)}):
-        return values
-    out = []
-    for j, x in enumerate(values):
-        if x is None:
-            out.append(none)
-        elif type(x) is float:
-            out.append(x)
-        elif type(x) is int:
-            try:
-                out.append(float(x))
-            except OverflowError:
-                raise ValueError(f"{where}[{j}] = {x!r} is beyond a float's range") from None
-        else:
-            raise ValueError(f"{where}[{j}] = {x!r} is not a number")
-    return out
-
-
-def _raw_logprobs(triples: list) -> list[float | None]:
-    """The first item (the raw log-prob) of every ``[logprob, token_id, text]`` entry."""
-    key = "output_token_logprobs"
-    _rows(triples, key, "a [logprob, token_id, text] entry")
-    try:
-        firsts = [t[0] for t in triples]
-    except IndexError:
-        i = next(i for i, t in enumerate(triples) if not t)
-        raise ValueError(f"meta_info.{key}[{i}] is empty, not a [logprob, token_id, text] entry") from None
-    kinds = set(map(type, firsts))
-    if kinds <= {float, type(None)}:
-        return firsts
-    for i, x in enumerate(firsts):
-        if x is not None and type(x) not in _NUMBER:
-            raise ValueError(f"meta_info.{key}[{i}][0] = {x!r} is not a number")
-    return _floats(firsts, f"meta_info.{key}", None)
-
-
-def _support_logprobs(meta: dict[str, Any], sizes: list[int]) -> tuple[list, bool]:
-    """The support's log-probs per token (NaN = unknown) and whether the engine sent them:
-    the local engine's own key, else SGLang's support-mode rows of ``output_token_sampling_logprobs``
-    (every entry a list)."""
-    key = "output_token_sampling_support_logprobs"
-    if meta.get(key) is None:
-        mu = meta.get("output_token_sampling_logprobs")
-        if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
-            return [[math.nan] * k for k in sizes], False  # selected mode: not returned
-        key = "output_token_sampling_logprobs"
-    rows = _entries(meta, key, len(sizes))
-    _rows(rows, key, "a list of log-probs")
-    got = list(map(len, rows))
-    if got != sizes:
-        i = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=True)) if a != b)
-        raise ValueError(f"meta_info.{key}[{i}] has {got[i]} log-probs for {sizes[i]} support ids")
-    if set(map(type, itertools.chain.from_iterable(rows))) <= _FLOAT:
-        return rows, True
-    return [_floats(row, f"meta_info.{key}[{i}]", math.nan) for i, row in enumerate(rows)], True
-
-
-def _behavior_logprobs(
-    meta: dict[str, Any],
-    output_ids: list[int],
-    raw: list[float | None],
-    masks: list[list[int]],
-    support_lps: list,
-    known: bool,
-) -> list[float]:
-    """mu per token (see :func:`parse_turn`)."""
-    key = "output_token_sampling_logprobs"
-    mu = meta.get(key)
-    if mu is not None:
-        mu = _entries(meta, key, len(output_ids))
-        if set(map(type, mu)) <= _FLOAT:
-            return mu
-    out = []
-    for i, tok in enumerate(output_ids):
-        x = None if mu is None else mu[i]
-        if type(x) is float:
-            out.append(x)
-        elif type(x) is int:
-            try:
-                out.append(float(x))
-            except OverflowError:
-                raise ValueError(f"meta_info.{key}[{i}] = {x!r} is beyond a float's range") from None
-        elif x is None and mu is not None:
-            out.append(math.nan)
-        elif x is None or type(x) is list:
-            if known and masks[i]:
-                try:
-                    out.append(support_lps[i][masks[i].index(tok)])
-                except ValueError:
-                    raise ValueError(
-                        f"output token {tok} (output_ids[{i}]) is not in "
-                        f"meta_info.output_token_sampling_mask[{i}]"
-                    ) from None
-            else:
-                out.append(math.nan if raw[i] is None else raw[i])
-        else:
-            raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
-    return out
-
-
-def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:
-    """The non-empty weight-version spans of a turn of ``n`` tokens."""
-    value = meta.get("weight_versions")
-    spans = []
-    if value is not None:
-        if type(value) is not list:
-            raise ValueError("meta_info.weight_versions is not a list")
-        for i, s in enumerate(value):
-            where = f"meta_info.weight_versions[{i}]"
-            if type(s) is not dict:
-                raise ValueError(f"{where} = {s!r} is not a span object")
-            version = parse_version(s.get("version"), f"{where}.version")
-            start, end = _offset(s.get("start"), f"{where}.start"), _offset(s.get("end"), f"{where}.end")
-            if version is None:
-                raise ValueError(f"{where}.version is missing")
-            if end > start:
-                spans.append({"version": version, "start": start, "end": end})
-    if not spans and n:
-        version = reported_version(meta)  # None for SGLang's "default"
-        if version is not None:
-            spans = [{"version": version, "start": 0, "end": n}]
-    return spans
-
-
-def _offset(value: Any, where: str) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{where} = {value!r} is not an output index")
-    return value
 
 
 # ---------------------------------------------------------------- varints
@@ -809,32 +306,11 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     """The block of ``turn`` and, as stored in it, the packed log-probs, raw log-probs and
     support log-probs."""
     out = bytearray(MAGIC_TURN)
-    out.append(FORMAT_VERSION)
-    routes = turn.routed_experts
-    out.append((FLAG_F16 if f16 else 0) | (FLAG_ROUTES if routes is not None else 0))
-    header = {
-        "turn": turn.turn,
-        "group": turn.group,
-        "replica": turn.replica,
-        "finish_reason": turn.finish_reason,
-        "timings": turn.timings,
-        "weight_versions": [dict(s) for s in turn.weight_versions],
-        "moved_from": turn.moved_from,
-    }
-    if turn.sampling is not None:
-        header["sampling"] = turn.sampling
-    routes_bytes = b""
-    if routes is not None:
-        routes_bytes, width = _narrow_routes(routes.data)
-        header["routed_experts"] = {
-            "start": routes.start,
-            "rows": routes.rows,
-            "width": routes.width,
-            "bytes": width,
-        }
-    _json(header, out)
-    _varint(len(turn.input_ids), out)
-    _varints(turn.input_ids, out)
+    out.append(RECORDS_FORMAT_VERSION)
+    out.append((FLAG_F16 if f16 else 0) | (FLAG_SECTIONS if turn.sections else 0))
+    _json(_header(turn), out)
+    _varint(len(turn.append_ids), out)
+    _varints(turn.append_ids, out)
     n = len(turn.output_ids)
     _varint(n, out)
     _varints(turn.output_ids, out)
@@ -862,68 +338,44 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
     except (struct.error, OverflowError) as exc:
         raise ValueError(f"support log-probs: {exc}") from None
     out += sup_bytes
-    if routes is not None:
-        out += routes_bytes
-        out += struct.pack("<I", len(routes_bytes))
+    if turn.sections:
+        out += _sections(turn.sections)
     return out, lp_bytes, raw_bytes, sup_bytes
 
 
-_ROUTE_CODES = {1: "B", 2: "H", 4: "i"}
+def _header(turn: TurnData) -> dict[str, Any]:
+    """The JSON header of ``turn``'s block (``fork`` and ``sampling`` only when set)."""
+    header: dict[str, Any] = {
+        "turn": turn.turn,
+        "group": turn.group,
+        "replica": turn.replica,
+        "finish_reason": turn.finish_reason,
+        "timings": turn.timings,
+        "weight_versions": [dict(s) for s in turn.weight_versions],
+        "moved_from": turn.moved_from,
+        "context": turn.context,
+    }
+    if turn.fork is not None:
+        header["fork"] = turn.fork
+    if turn.sampling is not None:
+        header["sampling"] = turn.sampling
+    return header
 
 
-def _narrow_routes(data: bytes) -> tuple[bytes, int]:
-    """Little-endian int32 ids as the narrowest unsigned width that holds them all (1 or 2 bytes;
-    4: kept as int32): ``(bytes, width)``."""
-    import array
-    import sys
-
-    if np is not None:
-        a = np.frombuffer(data, dtype="<i4")
-        lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
-        if lo >= 0 and hi < 0x10000:
-            return a.astype("u1" if hi < 0x100 else "<u2").tobytes(), 1 if hi < 0x100 else 2
-        return data, 4
-    values = array.array("i")
-    values.frombytes(data)
-    if sys.byteorder != "little":
-        values.byteswap()
-    lo, hi = (min(values), max(values)) if values else (0, 0)
-    if lo < 0 or hi >= 0x10000:
-        return data, 4
-    width = 1 if hi < 0x100 else 2
-    narrow = array.array(_ROUTE_CODES[width], values)
-    if sys.byteorder != "little":
-        narrow.byteswap()
-    return narrow.tobytes(), width
-
-
-def _read_routes(r: _Reader, meta: Any) -> RoutedExperts:
-    """The routed-experts section at ``r`` described by header entry ``meta``."""
-    import array
-    import sys
-
-    try:
-        start, rows, width, size = (int(meta[k]) for k in ("start", "rows", "width", "bytes"))
-        code = _ROUTE_CODES[size]
-    except (KeyError, TypeError, ValueError):
-        raise RecordFormatError(f"bad routed_experts header {meta!r}") from None
-    raw = bytes(r.raw(rows * width * size))
-    (length,) = struct.unpack("<I", r.raw(4))
-    if length != len(raw):
-        raise RecordFormatError(f"routed experts section of {len(raw)} bytes says {length}")
-    if size != 4:
-        values = array.array(code)
-        values.frombytes(raw)
-        if sys.byteorder != "little":
-            values.byteswap()
-        wide = array.array("i", values)
-        if sys.byteorder != "little":
-            wide.byteswap()
-        raw = wide.tobytes()
-    try:
-        return RoutedExperts(start, rows, width, raw)
-    except ValueError as exc:
-        raise RecordFormatError(str(exc)) from None
+def _sections(sections: Mapping[str, bytes]) -> bytes:
+    """The optional sections (name, bytes) and their u32 byte length, as the block ends them."""
+    out = bytearray()
+    for name, data in sections.items():
+        coded = name.encode()
+        if not coded:
+            raise ValueError("a section needs a name")
+        _varint(len(coded), out)
+        out += coded
+        _varint(len(data), out)
+        out += data
+    if len(out) > 0xFFFFFFFF:
+        raise ValueError(f"sections of {len(out)} bytes exceed the u32 length")
+    return bytes(out) + struct.pack("<I", len(out))
 
 
 def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
@@ -995,48 +447,40 @@ def _check_magic(r: _Reader, magic: bytes) -> None:
     if got != magic:
         raise RecordFormatError(f"bad magic {got!r}, expected {magic!r}")
     version = r.byte()
-    if version != FORMAT_VERSION:
+    if version != RECORDS_FORMAT_VERSION:
         raise RecordFormatError(f"unsupported format version {version}")
 
 
 def _decode_turn(r: _Reader) -> TurnData:
+    """The turn block that fills ``r`` (its sections end the buffer)."""
     _check_magic(r, MAGIC_TURN)
     flags = r.byte()
     header = r.json()
     if not isinstance(header, dict):
         raise RecordFormatError("turn header is not a JSON object")
-    input_ids = r.varints(r.varint())
+    sections: dict[str, bytes] = {}
+    if flags & FLAG_SECTIONS:
+        sections = _read_sections(r)
+    append_ids = r.varints(r.varint())
     n = r.varint()
     output_ids = r.varints(n)
     logprobs = list(r.floats(n, "f"))
     raw = [None if math.isnan(x) else x for x in r.floats(n, "f")]
     sizes = r.varints(n)
-    support_ids: list[list[int]] = []
-    for k in sizes:
-        if k == 0:
-            support_ids.append([])
-            continue
-        gaps = r.varints(k)
-        ids = [gaps[0]]
-        prev = gaps[0]
-        for g in gaps[1:]:
-            prev = prev + g + 1
-            ids.append(prev)
-        support_ids.append(ids)
-    total = sum(sizes)
-    flat = r.floats(total, "e" if flags & FLAG_F16 else "f")
+    support_ids = [_ungap(r.varints(k)) if k else [] for k in sizes]
+    flat = r.floats(sum(sizes), "e" if flags & FLAG_F16 else "f")
     support_lps: list[list[float]] = []
     pos = 0
     for k in sizes:
         support_lps.append(list(flat[pos : pos + k]))
         pos += k
-    routes = _read_routes(r, header.get("routed_experts")) if flags & FLAG_ROUTES else None
     try:
+        fork = header.get("fork")
         return TurnData(
             turn=int(header["turn"]),
             group=str(header["group"]),
             replica=str(header["replica"]),
-            input_ids=input_ids,
+            append_ids=append_ids,
             output_ids=output_ids,
             logprobs=logprobs,
             raw_logprobs=raw,
@@ -1050,10 +494,44 @@ def _decode_turn(r: _Reader) -> TurnData:
             timings=header.get("timings") or {},
             moved_from=header.get("moved_from"),
             sampling=header.get("sampling"),
-            routed_experts=routes,
+            context=int(header["context"]),
+            fork=None if fork is None else {"stored": int(fork["stored"]), "common": int(fork["common"])},
+            sections=sections,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordFormatError(f"bad turn header: {exc!r}") from None
+
+
+def _ungap(gaps: list[int]) -> list[int]:
+    """A support row from its gap coding (first id, then ``id[j] - id[j-1] - 1``)."""
+    ids = [gaps[0]]
+    prev = gaps[0]
+    for g in gaps[1:]:
+        prev = prev + g + 1
+        ids.append(prev)
+    return ids
+
+
+def _read_sections(r: _Reader) -> dict[str, bytes]:
+    """The sections that end the block in ``r`` (their u32 length last); ``r`` then ends where
+    they start."""
+    end = len(r.buf)
+    if end - r.pos < 4:
+        raise RecordFormatError("truncated: a block with sections has no sections length")
+    (size,) = struct.unpack("<I", r.buf[end - 4 :])
+    start = end - 4 - size
+    if start < r.pos:
+        raise RecordFormatError(f"sections of {size} bytes do not fit the block")
+    sub = _Reader(r.buf[start : end - 4])
+    sections: dict[str, bytes] = {}
+    while sub.pos < len(sub.buf):
+        name = bytes(sub.raw(sub.varint()))
+        try:
+            sections[name.decode()] = bytes(sub.raw(sub.varint()))
+        except UnicodeDecodeError:
+            raise RecordFormatError(f"section name {name!r} is not UTF-8") from None
+    r.buf = r.buf[:start]
+    return sections
 
 
 # ---------------------------------------------------------------- batches
@@ -1071,7 +549,7 @@ def encode_batch(
     batch header names ``trainer_version`` (the version ages are measured against) when given.
     """
     out = bytearray(MAGIC_BATCH)
-    out.append(FORMAT_VERSION)
+    out.append(RECORDS_FORMAT_VERSION)
     headers = [{**h, "n_turns": len(blobs)} for h, blobs in trajectories]
     head: dict[str, Any] = {"lease_id": lease_id, "held_back": held_back, "trajectories": headers}
     if trainer_version is not None:

@@ -100,7 +100,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
 @router.post(
     "/{session_id}/turns",
     response_model=Turn,
-    summary="Generate one turn (token-in-token-out)",
+    summary="Generate one turn (token-in-token-out): the full context or only the appended tokens",
     responses=error_responses(*BODY, 404, 409, 502, 503, models={409: VersionConflict}),
 )
 async def create_turn(
@@ -109,6 +109,9 @@ async def create_turn(
     body: TurnRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
+    """The body gives the whole context (``input_ids``, checked against the stored one: a turn
+    that does not extend it is a fork and starts a new segment) or only what the turn appends
+    (``append_ids``). The turn stores only its appended tokens (:mod:`router.records`)."""
     data = await answer_turn(_ctx(request), session_id, body.spec(), idempotency_key)
     return Response(data, media_type="application/json")
 

@@ -28,14 +28,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
+from core.wire import LOGPROBS_MEDIA_TYPE
+from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.mismatch import TurnTokens, batch_mismatch
-from router.records import MEDIA_TYPE, decode_turn, decode_turn_header, encode_batch
+from router.records import decode_turn, decode_turn_header, encode_batch
 from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
-from router.trainer_logprobs import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
 from router.trainer_logprobs import LogprobsFormatError, decode_upload
 
 router = APIRouter(
@@ -193,7 +194,7 @@ async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
             raise ApiError(409, f"lease {lease_id!r}: trajectory {sid!r} is no longer stored")
         for blob in blobs:
             t = decode_turn(blob)
-            turns.append(TurnTokens(t.group, len(t.input_ids), t.logprobs, t.versions()))
+            turns.append(TurnTokens(t.group, t.prompt_len, t.logprobs, t.versions()))
     try:
         result = batch_mismatch(turns, trainer, ctx.config.mismatch_band, route_flags)
     except ValueError as exc:

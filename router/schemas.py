@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
 
 TOKEN_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
@@ -129,21 +129,42 @@ class SessionDeleted(BaseModel):
 
 class TurnSpec(NamedTuple):
     """A validated turn request, as the dispatcher needs it: ``params`` are the engine's
-    ``sampling_params`` (SGLang names: ``sampling_seed``, ``stop_token_ids`` only when set)."""
+    ``sampling_params`` (SGLang names: ``sampling_seed``, ``stop_token_ids`` only when set).
+    Exactly one of ``input_ids`` (the whole context: checked against the session's stored
+    context, a fork when it does not extend it) and ``append_ids`` (only the tokens appended to
+    the stored context) is set; :func:`router.turns.record_turn` gives the dispatcher a spec
+    whose ``input_ids`` are the engine's whole input."""
 
-    input_ids: list[int]
+    input_ids: list[int] | None
     params: dict[str, Any]
     min_version: int | None = None
     max_version_age: int | None = None
     turn: int | None = None
+    append_ids: list[int] | None = None
 
 
 class TurnRequest(_Req):
-    input_ids: list[TokenId] = Field(min_length=1, description="the full context, token ids")
+    input_ids: list[TokenId] | None = Field(
+        None,
+        min_length=1,
+        description="the full context, token ids (checked against the session's stored context; "
+        "a turn that does not extend it is recorded as a fork)",
+    )
+    append_ids: list[TokenId] | None = Field(
+        None,
+        description="instead of input_ids: only the tokens appended to the session's stored context "
+        "(the previous turn's input and output)",
+    )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     min_version: int | None = Field(None, ge=0)
     max_version_age: int | None = Field(None, ge=0)
     turn: int | None = Field(None, ge=0, description="expected turn index; refused with 409 if not next")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TurnRequest:
+        if (self.input_ids is None) == (self.append_ids is None):
+            raise ValueError("give exactly one of input_ids (the full context) and append_ids")
+        return self
 
     def spec(self) -> TurnSpec:
         sp = self.sampling_params
@@ -153,6 +174,7 @@ class TurnRequest(_Req):
             self.min_version,
             self.max_version_age,
             self.turn,
+            self.append_ids,
         )
 
 
@@ -189,11 +211,24 @@ class VersionSpan(BaseModel):
     end: int
 
 
+class Fork(BaseModel):
+    """A turn whose input did not extend the stored context: it starts a new segment."""
+
+    stored: int = Field(description="Length of the stored context the input did not extend")
+    common: int = Field(description="Length of the prefix the input shared with it")
+
+
 class Turn(BaseModel):
     session_id: str
     turn: int
     group: str
     replica: str
+    context: int = Field(
+        description="Tokens of the turn's segment before its appended input (0: the segment's first turn)"
+    )
+    fork: Fork | None = Field(
+        None, description="Set when the turn started a new segment (see router/records.py)"
+    )
     output_ids: list[int]
     finish_reason: dict[str, Any] | None
     records: list[Record]
@@ -209,7 +244,11 @@ class Turn(BaseModel):
             "logprob = the engine's log-prob after temperature). See router/records.py."
         ),
     )
-    input_ids: list[int] | None = None
+    append_ids: list[int] | None = Field(
+        None,
+        description="The input tokens the turn appended to its segment (trajectory reads and batches); "
+        "its engine input was the segment's first `context` tokens and these",
+    )
 
 
 class FinishRequest(_Req):

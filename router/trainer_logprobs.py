@@ -30,9 +30,9 @@ import struct
 
 import numpy as np
 
-MAGIC_LOGPROBS = b"MFL"
-FORMAT_VERSION = 1
-MEDIA_TYPE = "application/x-mixfleet-logprobs"
+from core.wire import LOGPROBS_FORMAT_VERSION as FORMAT_VERSION
+from core.wire import MAGIC_LOGPROBS
+
 _HEAD = struct.Struct("<3sBI")
 
 

@@ -7,12 +7,20 @@ published, or with none published above the newest a replica serves) is the call
 version conflicts, weight_sync/types.py ``VersionUnavailable``), before any replica is asked. A
 ``min_version`` that is published but not yet active anywhere stays the dispatcher's 503.
 
-Contract of :func:`record_turn`: on success the turn is stored once (a conflict with a
-concurrent turn of the same session re-numbers it, unless the caller pinned ``turn``) as its
-turn block (:func:`router.records.encode_stored`), and the returned JSON bytes are
-:meth:`~router.records.TurnData.to_json` (without ``input_ids``) of the turn as stored
+Contract of :func:`record_turn`: the turn's input is the whole context (``input_ids``) or the
+tokens appended to the session's stored context (``append_ids``: the engine gets the stored
+context and them, SGLang having no append API; its radix cache reuses the prefix). The turn
+stores only what it appends (:mod:`router.segments`): a whole input that does not extend the
+stored context is a fork, recorded in the turn (``fork``) and counted per group
+(``mixfleet_router_forks_total``), and starts a new segment. On success the turn is stored once
+(a conflict with a concurrent turn of the same session re-numbers it, unless the caller pinned
+``turn``, and places its input again on the context that turn left) as its turn block
+(:func:`router.records.encode_stored`), and the returned JSON bytes are
+:meth:`~router.turn_data.TurnData.to_json` (without ``append_ids``) of the turn as stored
 (float32 / float16 values), the same object a trajectory read serves for it; on any
-:class:`~router.errors.ApiError` nothing was stored.
+:class:`~router.errors.ApiError` nothing was stored. The session is read once (with its
+context), and again only after a conflict. A group that records routed experts asks them from
+:func:`routes_start` (the positions the turn adds to its segment) and stores those rows only.
 """
 
 from __future__ import annotations
@@ -29,17 +37,9 @@ from router.errors import ApiError
 from router.ledger import version_tokens
 from router.records import encode_stored
 from router.schemas import TurnSpec
-from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict
-
-
-async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
-    """The session, if it exists and is open; else 404 / 409."""
-    info = await ctx.store.get_session(session_id)
-    if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
-    if info.status != "open":
-        raise ApiError(409, f"session {session_id!r} is {info.status}: it accepts no more turns")
-    return info
+from router.segments import locate, pack, place
+from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict, TurnRecord
+from router.turn_data import ROUTES_SECTION, TurnData
 
 
 async def record_turn(
@@ -48,61 +48,111 @@ async def record_turn(
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
     append is idempotent per ``request_id`` (default: a fresh one)."""
     t0 = time.perf_counter()
-    session = await ctx.store.get_session(session_id)
-    if session is None or session.status != "open":
-        session = await load_open(ctx, session_id)  # refused there, with its message
+    session, stored = _open_context(await ctx.store.get_session_context(session_id), session_id)
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
+    try:
+        full, at = locate(spec.input_ids, spec.append_ids, stored)
+    except ValueError as exc:
+        raise ApiError(422, f"append_ids: {exc}") from None
     await check_min_version(ctx, spec.min_version)
-    turn = await run_turn(ctx, session, spec, index)
+    turn = await run_turn(
+        ctx, session, spec._replace(input_ids=full, append_ids=None), index, routes_start(at.context)
+    )
     request_id = request_id or _request_id()
-    n = len(turn.output_ids)
     low, high = turn.version_range()
     per_version = version_tokens(turn.weight_versions)
-    f16 = ctx.config.f16_support_logprobs
     for _ in range(64):
-        if turn.turn != index:
-            turn = replace(turn, turn=index)
+        turn = replace(turn, turn=index, context=at.context, append_ids=at.append, fork=at.fork)
+        turn = _stored_routes(turn, at.context)
         try:
-            blob, stored = encode_stored(turn, f16=f16)
+            blob, recorded = encode_stored(turn, f16=ctx.config.f16_support_logprobs)
         except ValueError as exc:
             raise ApiError(502, f"engine of replica {turn.replica} sent unusable records: {exc}") from None
+        record = TurnRecord(
+            request_id,
+            blob,
+            turn.group,
+            turn.replica,
+            len(turn.output_ids),
+            low,
+            high,
+            context=pack(at.append) + pack(turn.output_ids),
+            fork=at.fork is not None,
+            expected_turn=index,
+            version_tokens=per_version,
+        )
         try:
-            index = await ctx.store.append_turn(
-                session_id,
-                request_id,
-                blob,
-                group=turn.group,
-                replica=turn.replica,
-                tokens=n,
-                min_version=low,
-                max_version=high,
-                expected_turn=index,
-                version_tokens=per_version,
-            )
+            index = await ctx.store.append_turn(session_id, record)
             break
         except TurnConflict as exc:  # another turn of this session was recorded meanwhile
             if spec.turn is not None:
-                raise ApiError(
-                    409, f"turn: expected {spec.turn} but the next turn is {exc.next_turn}"
-                ) from None
+                why = f"turn: expected {spec.turn} but the next turn is {exc.next_turn}"
+                raise ApiError(409, why) from None
+            state = await ctx.store.get_session_context(session_id)
+            stored = b"" if state is None else state[1]  # a gone session is refused by the append
             index = exc.next_turn
+            at = place(full, stored)
         except SessionFinished:
-            raise ApiError(
-                409, f"session {session_id!r} was finished during the turn; not recorded"
-            ) from None
+            why = f"session {session_id!r} was finished during the turn; not recorded"
+            raise ApiError(409, why) from None
         except SessionNotFound:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
     else:
         raise ApiError(409, "too many concurrent turns on one session")
+    _count(ctx, turn, time.perf_counter() - t0)
+    if recorded.turn != index:
+        recorded = replace(recorded, turn=index)
+    return dumps(recorded.to_json(session_id, with_input=False))
+
+
+def routes_start(context: int) -> int:
+    """The first position whose routed experts a turn with ``context`` stored tokens before it
+    asks for (``routed_experts_start_len``): ``context - 1``, or 0 for a segment's first turn.
+    The previous turn stored the rows of its positions up to its last output token, exclusive:
+    that token was sampled and never fed forward in it (SGLang 0.5.23 answers the rows of
+    ``[start, seqlen - 1)``: managers/scheduler_components/batch_result_processor.py 142-163,
+    :mod:`core.sglang_release`); it is this turn's position ``context - 1``, within the prompt as
+    SGLang requires (managers/scheduler.py 3300-3313)."""
+    return max(context - 1, 0)
+
+
+def _stored_routes(turn: TurnData, context: int) -> TurnData:
+    """``turn`` with the routed experts a turn placed at ``context`` stores: the rows from
+    :func:`routes_start` on (it was asked from an earlier position when a concurrent turn moved
+    it); as asked when they start later (a turn re-placed as a fork after it ran: its segment
+    keeps rows of -1 before them in the trainer's view, ``trainer.batch``)."""
+    routes = turn.routed_experts
+    start = routes_start(context)
+    if routes is None or routes.start >= start:
+        return turn
+    tail = routes.tail(min(start, routes.start + routes.rows))
+    return replace(turn, sections={**turn.sections, ROUTES_SECTION: tail.to_section()})
+
+
+async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
+    """The session, if it exists and is open; else 404 / 409."""
+    return _open_context(await ctx.store.get_session_context(session_id), session_id)[0]
+
+
+def _open_context(state: tuple[SessionInfo, bytes] | None, session_id: str) -> tuple[SessionInfo, bytes]:
+    """The session and its stored context, if it exists and is open; else 404 / 409."""
+    if state is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    if state[0].status != "open":
+        raise ApiError(409, f"session {session_id!r} is {state[0].status}: it accepts no more turns")
+    return state
+
+
+def _count(ctx: RouterContext, turn: TurnData, seconds: float) -> None:
+    """The metrics of one recorded turn."""
     metrics = ctx.metrics
     metrics.turns.labels(turn.group).inc()
-    metrics.tokens.labels(turn.group).inc(n)
-    metrics.turn_seconds.labels(turn.group).observe(time.perf_counter() - t0)
-    if stored.turn != index:
-        stored = replace(stored, turn=index)
-    return dumps(stored.to_json(session_id, with_input=False))
+    metrics.tokens.labels(turn.group).inc(len(turn.output_ids))
+    metrics.turn_seconds.labels(turn.group).observe(seconds)
+    if turn.fork is not None:
+        metrics.forks.labels(turn.group).inc()
 
 
 async def check_min_version(ctx: RouterContext, min_version: int | None) -> None:

@@ -6,27 +6,21 @@ module depends on numpy only: every per-token field of a turn is decoded by arra
 (varint runs, gap-coded support rows, float runs), never by a Python loop per token.
 
 :func:`decode_batch` returns a :class:`Batch`: one row per sampled (output) token, in
-trajectory, turn, token order, plus per-trajectory and per-turn tables. A turn recorded with
-routed experts has them in its table (``routes``, ``[rows, layers x k]`` int32, row ``j`` for
-position ``routed_experts["start"] + j`` of its sequence); :meth:`Batch.routes` reshapes them to
-``[rows, layers, k]``.
+trajectory, turn, token order, plus per-trajectory and per-turn tables. Routed experts (the
+blocks' ``routed_experts`` sections): a turn's own rows (:meth:`Batch.routes`), a turn's whole
+sequence (:meth:`Batch.sequence_routes`) and a segment's (:meth:`Batch.segment_routes`).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-MAGIC_TURN = b"MFT"
-MAGIC_BATCH = b"MFB"
-FORMAT_VERSION = 1
-FLAG_F16 = 0x01
-FLAG_ROUTES = 0x02
-_ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
+from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN
+from core.wire import RECORDS_FORMAT_VERSION as FORMAT_VERSION
 
 
 class BatchFormatError(ValueError):
@@ -35,14 +29,24 @@ class BatchFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Batch:
-    """A decoded batch. Per token (length ``T``): ``token_ids``, ``logprobs`` (log mu, float32),
-    ``raw_logprobs`` (float32, NaN when unknown), ``versions`` (int64, -1 when unknown),
-    ``version_ages`` (``trainer_version - versions``, clipped at 0; -1 when unknown),
-    ``group_index`` (into ``groups``), ``trajectory_index``, ``turn_index``; the support as CSR:
-    ``support_offsets`` [T+1], ``support_ids`` and ``support_logprobs`` (float32). Per
-    trajectory: ``trajectories`` (the header's dicts: session_id, group, reward, metadata,
-    version_age). Per turn: ``turns`` (header dicts with ``input_ids`` as an int64 array and
-    ``token_start`` / ``token_end`` into the token arrays)."""
+    """A decoded batch. Per sampled token (length ``T``, trajectory, turn, token order):
+    ``token_ids``, ``logprobs`` (log mu, float32), ``raw_logprobs`` (float32, NaN when unknown),
+    ``versions`` (int64, -1 when unknown), ``version_ages`` (``trainer_version - versions``,
+    clipped at 0; -1 when unknown), ``group_index`` (into ``groups``), ``trajectory_index``,
+    ``turn_index``, ``token_positions`` (its index in ``sequence_ids``); the support as CSR:
+    ``support_offsets`` [T+1], ``support_ids`` and ``support_logprobs`` (float32).
+
+    Sequences (append-only trajectories): every segment's tokens once, segment after segment
+    (a trajectory has one segment, plus one per fork): ``sequence_ids`` (int64), ``loss_mask``
+    (bool, True on sampled tokens), ``sequence_offsets`` [S+1] and ``segment_trajectory`` [S].
+    A trainer computes each segment once; the sampled tokens' logits are at ``token_positions -
+    1`` of their segment's sequence.
+
+    Per trajectory: ``trajectories`` (the header's dicts: session_id, group, reward, metadata,
+    version_age). Per turn: ``turns`` (header dicts with ``token_start`` / ``token_end`` into the
+    token arrays, ``segment``, ``sequence_start`` (where its appended tokens start in
+    ``sequence_ids``), ``append_ids`` and ``input_ids`` (the engine's whole input: its segment's
+    first ``context + len(append_ids)`` tokens) as int64 views of ``sequence_ids``)."""
 
     lease_id: str | None
     held_back: int
@@ -61,15 +65,20 @@ class Batch:
     support_offsets: np.ndarray
     support_ids: np.ndarray
     support_logprobs: np.ndarray
+    token_positions: np.ndarray
+    sequence_ids: np.ndarray
+    loss_mask: np.ndarray
+    sequence_offsets: np.ndarray
+    segment_trajectory: np.ndarray
 
     def __len__(self) -> int:
         return int(self.token_ids.size)
 
     def routes(self, turn: int, top_k: int) -> np.ndarray | None:
-        """Turn ``turn``'s routed experts as int32 ``[rows, layers, top_k]`` (``top_k``: the
-        model's experts per token; ValueError when a row's width is not a multiple), row ``j``
-        for position ``turns[turn]["routed_experts"]["start"] + j`` of the turn's sequence (input
-        then output); None when the turn has none."""
+        """Turn ``turn``'s routed experts (its ``routed_experts`` section) as int32 ``[rows,
+        layers, top_k]`` (``top_k``: the model's experts per token; ValueError when a row's width
+        is not a multiple), row ``j`` for position ``turns[turn]["routed_experts"]["start"] + j``
+        of the turn's segment; None when the turn has none."""
         flat = self.turns[turn].get("routes")
         if flat is None:
             return None
@@ -80,18 +89,44 @@ class Batch:
         return flat.reshape(flat.shape[0], flat.shape[1] // top_k, top_k)
 
     def sequence_routes(self, turn: int, top_k: int) -> np.ndarray | None:
-        """The recorded experts of every position of turn ``turn``'s sequence (its input, then its
-        output): int32 ``[len(input_ids) + outputs, layers, top_k]``, -1 where none were recorded
-        (always its last position: nothing was computed there); None when the turn has none."""
-        routes = self.routes(turn, top_k)
-        if routes is None:
+        """The recorded experts of every position of turn ``turn``'s sequence (its segment's
+        tokens up to its input, then its output): int32 ``[len(input_ids) + outputs, layers,
+        top_k]`` from the rows of this turn and the earlier turns of its segment (each placed
+        from its ``start``), -1 where none were recorded (always the last position: nothing was
+        computed there); None when the turn has none."""
+        mine = self.routes(turn, top_k)
+        if mine is None:
             return None
         t = self.turns[turn]
         length = len(t["input_ids"]) + int(t["token_end"]) - int(t["token_start"])
-        out = np.full((length, *routes.shape[1:]), -1, dtype=np.int32)
-        start = int(t["routed_experts"]["start"])
-        rows = routes[: max(0, length - start)]
-        out[start : start + rows.shape[0]] = rows
+        out = np.full((length, *mine.shape[1:]), -1, dtype=np.int32)
+        for j in range(turn + 1):
+            other = self.turns[j]
+            rows = self.routes(j, top_k) if other["segment"] == t["segment"] else None
+            if rows is not None and rows.shape[1:] == mine.shape[1:]:
+                start = int(other["routed_experts"]["start"])
+                rows = rows[: max(0, length - start)]
+                out[start : start + rows.shape[0]] = rows
+        return out
+
+    def segment_routes(self, segment: int, top_k: int) -> np.ndarray | None:
+        """Segment ``segment``'s recorded experts aligned with its token sequence
+        (``sequence_ids[sequence_offsets[segment]:sequence_offsets[segment + 1]]``, ``L`` tokens):
+        int32 ``[L, layers, top_k]``, row ``p`` the experts of position ``p`` (the forward pass
+        that predicted token ``p + 1``), from every turn of the segment (each placed from its
+        ``start``; a segment's turns store each position once); -1 where none were recorded,
+        always in the last row (nothing was computed there). None when no turn of the segment
+        recorded routes."""
+        lo, hi = int(self.sequence_offsets[segment]), int(self.sequence_offsets[segment + 1])
+        owned = [i for i, t in enumerate(self.turns) if t["segment"] == segment and "routes" in t]
+        if not owned:
+            return None
+        parts = [(int(self.turns[i]["routed_experts"]["start"]), self.routes(i, top_k)) for i in owned]
+        out = np.full((hi - lo, *parts[0][1].shape[1:]), -1, dtype=np.int32)
+        for start, rows in parts:
+            if rows.shape[1:] != out.shape[1:] or start + rows.shape[0] > hi - lo:
+                raise ValueError(f"routes of segment {segment} do not fit its {hi - lo} tokens")
+            out[start : start + rows.shape[0]] = rows
         return out
 
     def rewards(self) -> np.ndarray:
@@ -118,6 +153,11 @@ class Batch:
             "support_offsets",
             "support_ids",
             "support_logprobs",
+            "token_positions",
+            "sequence_ids",
+            "loss_mask",
+            "sequence_offsets",
+            "segment_trajectory",
         )
         return {n: torch.from_numpy(np.ascontiguousarray(getattr(self, n))) for n in names}
 
@@ -251,11 +291,11 @@ class _Layout:
 
     def __init__(self, blocks: list[tuple[int, ...]]) -> None:
         """``blocks``: per turn (f16, header start, header end, n_input, input start, input end,
-        n_output, output start, output end, sizes end, gaps end, support end, routes end), as
+        n_output, output start, output end, sizes end, gaps end, support end, sections end), as
         :func:`_scan` finds them."""
         cols = tuple(zip(*blocks, strict=True)) or ((),) * 13
         f16, h_lo, h_hi, self.n_input, in_lo, in_hi, self.n_output, out_lo, out_hi = cols[:9]
-        sz_hi, gap_hi, end, r_hi = cols[9:]
+        sz_hi, gap_hi, end, sec_hi = cols[9:]
         self.f16 = [bool(f) for f in f16]
         self.headers = list(zip(h_lo, h_hi, strict=True))
         self.inputs = list(zip(in_lo, in_hi, strict=True))
@@ -267,7 +307,7 @@ class _Layout:
         self.sizes = list(zip(raw_hi, sz_hi, strict=True))
         self.gaps = list(zip(sz_hi, gap_hi, strict=True))
         self.support = list(zip(gap_hi, end, strict=True))
-        self.routes = list(zip(end, r_hi, strict=True))  # empty where a turn has none
+        self.sections = list(zip(end, sec_hi, strict=True))  # empty where a turn has none
 
 
 def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
@@ -291,6 +331,7 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             pos += 2
         else:
             size, pos = _varint_at(raw, pos)
+        block_lo = pos
         end = pos + size
         if end > size_of:
             raise BatchFormatError(
@@ -304,12 +345,12 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 )
             raise BatchFormatError(f"expected a turn block ({MAGIC_TURN!r}) at offset {pos}, got {got!r}")
         f16 = raw[pos + 4] & FLAG_F16
-        routes_end = block_end = end
-        if raw[pos + 4] & FLAG_ROUTES:  # the section ends the block, its byte length last
-            routes_end = end - 4
-            end = routes_end - int.from_bytes(raw[routes_end : routes_end + 4], "little")
+        sections_hi = end
+        if raw[pos + 4] & FLAG_SECTIONS:  # optional sections end the block (their u32 length last)
+            sections_hi = end - 4
+            end -= 4 + int.from_bytes(raw[end - 4 : end], "little")
             if end < pos + 7:
-                raise BatchFormatError(f"turn block at offset {pos}: bad routed experts length")
+                raise BatchFormatError(f"turn block at offset {pos}: its sections do not fit it")
         length = raw[pos + 5]
         pos += 6
         if length >= 0x80:
@@ -331,10 +372,10 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
                 f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
                 f"and the support log-probs cannot hold {total} support ids"
             )
-        pos = block_end
+        pos = block_lo + size  # after the sections, if any
         blocks.append(
             (f16, h_lo, h_lo + length, n_input, in_lo, in_hi, n, out_lo, out_hi, sizes_hi, gaps_hi, end)
-            + (routes_end,)
+            + (sections_hi,)
         )
     return pos
 
@@ -409,18 +450,35 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
     return [(start + max(0, a), start + min(n, b), v) for a, b, v in spans if min(n, b) > max(0, a)]
 
 
-def _routes(view: memoryview, span: tuple[int, int], meta: Any, index: int) -> np.ndarray:
-    """The routed-experts section at ``span`` of turn ``index`` (header entry ``meta``) as int32
-    ``[rows, width]``."""
-    try:
-        rows, width, size = (int(meta[k]) for k in ("rows", "width", "bytes"))
-        dtype = _ROUTE_DTYPES[size]
-    except (KeyError, TypeError, ValueError):
-        raise BatchFormatError(f"turn {index}: bad routed_experts header {meta!r}") from None
-    lo, hi = span
-    if hi - lo != rows * width * size:
-        raise BatchFormatError(f"turn {index}: {hi - lo} bytes of routes for {rows} x {width} ids of {size}")
-    return np.frombuffer(view[lo:hi], dtype=dtype).astype(np.int32).reshape(rows, width)
+_ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
+
+
+def _read_sections(data: bytes, turn: dict[str, Any], index: int) -> None:
+    """The turn's optional sections (name, size, bytes; see ``router/records.py``): its
+    ``routed_experts`` section becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and
+    ``turn["routed_experts"]`` (``start``, ``rows``, ``width``); others are skipped."""
+    pos = 0
+    while pos < len(data):
+        n, pos = _varint_at(data, pos)
+        name = data[pos : pos + n]
+        size, pos = _varint_at(data, pos + n)
+        if pos + size > len(data):
+            raise BatchFormatError(f"turn {index}: section {name!r} of {size} bytes does not fit")
+        if name == b"routed_experts":
+            _read_routes(data[pos : pos + size], turn, index)
+        pos += size
+
+
+def _read_routes(data: bytes, turn: dict[str, Any], index: int) -> None:
+    start, pos = _varint_at(data, 0)
+    rows, pos = _varint_at(data, pos)
+    width, pos = _varint_at(data, pos)
+    size = data[pos] if pos < len(data) else 0
+    if size not in _ROUTE_DTYPES or len(data) - pos - 1 != rows * width * size:
+        raise BatchFormatError(f"turn {index}: bad routed_experts section ({rows} x {width} ids)")
+    ids = np.frombuffer(data, dtype=_ROUTE_DTYPES[size], offset=pos + 1, count=rows * width)
+    turn["routes"] = ids.astype(np.int32).reshape(rows, width)
+    turn["routed_experts"] = {"start": start, "rows": rows, "width": width}
 
 
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
@@ -429,24 +487,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     raw = bytes(data)
     view = memoryview(raw)
     buf = np.frombuffer(raw, dtype=np.uint8)
-    if raw[:3] != MAGIC_BATCH or len(raw) < 4:
-        raise BatchFormatError(f"expected magic {MAGIC_BATCH!r} at offset 0, got {raw[:3]!r}")
-    if raw[3] != FORMAT_VERSION:
-        raise BatchFormatError(f"unsupported format version {raw[3]} (this decoder reads {FORMAT_VERSION})")
-    size, pos = _varint_at(raw, 4)
-    if pos + size > len(raw):
-        raise BatchFormatError(f"truncated: need {size} bytes at offset {pos}, have {len(raw) - pos}")
-    try:
-        header = json.loads(raw[pos : pos + size])
-    except ValueError as exc:
-        raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
-    pos += size
-    if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
-        raise BatchFormatError("batch header has no trajectories list")
+    header, pos = _batch_header(raw)
     trainer_version = header.get("trainer_version")
-    held_back = header.get("held_back") or 0
-    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
-        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
     trajectories: list[dict[str, Any]] = []
     turn_owner: list[int] = []
     blocks: list[tuple[int, ...]] = []
@@ -461,67 +503,162 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     if pos != len(raw):
         raise BatchFormatError(f"{len(raw) - pos} trailing bytes after the batch")
     layout = _Layout(blocks)
-
     turns = _headers(raw, layout.headers)
-    n_output = np.array(layout.n_output, dtype=np.int64)
-    token_end = list(itertools.accumulate(layout.n_output))
-    count = token_end[-1] if token_end else 0
-    inputs = _values(view, layout.inputs, sum(layout.n_input))
-    input_end = list(itertools.accumulate(layout.n_input))
-    groups: dict[str, int] = {}
-    group_of = []
-    spans: list[tuple[int, int, int]] = []  # (start, end, version) in batch token indices
-    lo = start = 0
+    count = sum(layout.n_output)
+    token_ids = _values(view, layout.outputs, count)
+    tables = _turn_tables(turns, layout, turn_owner, trajectories)
+    appended = _values(view, layout.inputs, sum(layout.n_input))
+    seq = _sequences(layout, appended, token_ids, tables.segment_start)
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BatchFormatError("turn header is not a JSON object")
-        group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
-        end = token_end[i]
-        turn["token_start"], turn["token_end"] = start, end
-        turn["session_id"] = trajectories[turn_owner[i]].get("session_id")
-        turn["input_ids"] = inputs[lo : input_end[i]]
-        lo = input_end[i]
-        if layout.routes[i][1] > layout.routes[i][0] or "routed_experts" in turn:
-            turn["routes"] = _routes(view, layout.routes[i], turn.get("routed_experts"), i)
-        spans.extend(_spans(turn, i, start, end - start))
-        start = end
-
-    versions = np.full(count, -1, dtype=np.int64)
-    for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
-        versions[a:b] = v
-    if trainer_version is None:
-        ages = np.full(count, -1, dtype=np.int64)
-    else:
-        ages = np.where(versions >= 0, np.maximum(0, trainer_version - versions), -1)
+        lo = seq.turn_start[i]
+        turn["sequence_start"] = lo
+        turn["append_ids"] = seq.ids[lo : lo + layout.n_input[i]]
+        turn["input_ids"] = seq.ids[seq.offsets[turn["segment"]] : lo + layout.n_input[i]]
+        lo, hi = layout.sections[i]
+        if hi > lo:
+            _read_sections(raw[lo:hi], turn, i)
+    versions, ages = _versions(tables.spans, count, trainer_version)
     sizes = _values(view, layout.sizes, count)
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    support_ids = _support_ids(_values(view, layout.gaps, int(offsets[-1]), offset=1), sizes)
-    if all(layout.f16) or not any(layout.f16):
-        support_lps = _floats(view, layout.support, "<f2" if any(layout.f16) else "<f4")
-    else:  # turns of both precisions: each turn's support log-probs converted on their own
-        support_lps = np.concatenate(
-            [
-                _floats(view, [r], "<f2" if f else "<f4")
-                for r, f in zip(layout.support, layout.f16, strict=True)
-            ]
-        )
+    n_output = np.array(layout.n_output, dtype=np.int64)
     return Batch(
         lease_id=header.get("lease_id"),
-        held_back=held_back,
+        held_back=header.get("held_back") or 0,
         trainer_version=trainer_version,
-        groups=tuple(groups),
+        groups=tuple(tables.groups),
         trajectories=tuple(trajectories),
         turns=tuple(turns),
-        token_ids=_values(view, layout.outputs, count),
+        token_ids=token_ids,
         logprobs=_floats(view, layout.logprobs, "<f4"),
         raw_logprobs=_floats(view, layout.raws, "<f4"),
         versions=versions,
         version_ages=ages,
-        group_index=np.repeat(np.array(group_of, dtype=np.int64), n_output),
+        group_index=np.repeat(np.array(tables.group_of, dtype=np.int64), n_output),
         trajectory_index=np.repeat(np.array(turn_owner, dtype=np.int64), n_output),
         turn_index=np.repeat(np.arange(len(turns), dtype=np.int64), n_output),
         support_offsets=offsets,
-        support_ids=support_ids,
-        support_logprobs=support_lps,
+        support_ids=_support_ids(_values(view, layout.gaps, int(offsets[-1]), offset=1), sizes),
+        support_logprobs=_support_logprobs(view, layout),
+        token_positions=seq.positions,
+        sequence_ids=seq.ids,
+        loss_mask=seq.mask,
+        sequence_offsets=seq.offsets,
+        segment_trajectory=np.array(tables.segment_owner, dtype=np.int64),
+    )
+
+
+def _batch_header(raw: bytes) -> tuple[dict[str, Any], int]:
+    """The batch's JSON header (checked: a trajectories list, integer counts) and the position
+    after it."""
+    if raw[:3] != MAGIC_BATCH or len(raw) < 4:
+        raise BatchFormatError(f"expected magic {MAGIC_BATCH!r} at offset 0, got {raw[:3]!r}")
+    if raw[3] != FORMAT_VERSION:
+        raise BatchFormatError(f"unsupported format version {raw[3]} (this decoder reads {FORMAT_VERSION})")
+    size, pos = _varint_at(raw, 4)
+    if pos + size > len(raw):
+        raise BatchFormatError(f"truncated: need {size} bytes at offset {pos}, have {len(raw) - pos}")
+    try:
+        header = json.loads(raw[pos : pos + size])
+    except ValueError as exc:
+        raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
+        raise BatchFormatError("batch header has no trajectories list")
+    trainer_version = header.get("trainer_version")
+    held_back = header.get("held_back") or 0
+    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
+        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
+    return header, pos + size
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per turn: its group's index and whether it starts a segment; per segment its trajectory;
+    the batch's weight-version spans (start, end, version) in batch token indices."""
+
+    groups: dict[str, int]
+    group_of: list[int]
+    segment_start: list[bool]
+    segment_owner: list[int]
+    spans: list[tuple[int, int, int]]
+
+
+def _turn_tables(
+    turns: list[Any], layout: _Layout, owner: list[int], trajectories: list[dict[str, Any]]
+) -> _Tables:
+    """Check every turn header and annotate it (``token_start``, ``token_end``, ``session_id``,
+    ``segment``): a segment starts at a trajectory's first turn and at every fork, and each
+    turn's ``context`` must be its segment's length before it."""
+    groups: dict[str, int] = {}
+    group_of, starts, seg_owner = [], [], []
+    spans: list[tuple[int, int, int]] = []
+    start = seg_len = 0
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BatchFormatError("turn header is not a JSON object")
+        group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
+        new = i == 0 or owner[i] != owner[i - 1] or turn.get("fork") is not None
+        if new:
+            seg_owner.append(owner[i])
+            seg_len = 0
+        if turn.get("context") != seg_len:
+            raise BatchFormatError(
+                f"turn {i}: context {turn.get('context')!r} but its segment holds {seg_len} tokens before it"
+            )
+        n = layout.n_output[i]
+        seg_len += layout.n_input[i] + n
+        starts.append(new)
+        turn["token_start"], turn["token_end"] = start, start + n
+        turn["session_id"] = trajectories[owner[i]].get("session_id")
+        turn["segment"] = len(seg_owner) - 1
+        spans.extend(_spans(turn, i, start, n))
+        start += n
+    return _Tables(groups, group_of, starts, seg_owner, spans)
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    ids: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    positions: np.ndarray
+    turn_start: list[int]
+
+
+def _sequences(layout: _Layout, appended: np.ndarray, outputs: np.ndarray, starts: list[bool]) -> _Sequences:
+    """Every segment's tokens once (per turn its appended tokens, then its output tokens), the
+    loss mask, segment offsets, each output token's position and each turn's start: placed by
+    two scatters, no loop per token."""
+    n_in = np.array(layout.n_input, dtype=np.int64)
+    n_out = np.array(layout.n_output, dtype=np.int64)
+    per_turn = n_in + n_out
+    turn_start = np.cumsum(per_turn) - per_turn
+    total = int(per_turn.sum())
+    ids = np.empty(total, dtype=np.int64)
+    mask = np.zeros(total, dtype=bool)
+    in_pos = np.repeat(turn_start - (np.cumsum(n_in) - n_in), n_in) + np.arange(appended.size)
+    out_pos = np.repeat(turn_start + n_in - (np.cumsum(n_out) - n_out), n_out) + np.arange(outputs.size)
+    ids[in_pos] = appended
+    ids[out_pos] = outputs
+    mask[out_pos] = True
+    offsets = np.append(turn_start[np.array(starts, dtype=bool)], total) if starts else np.zeros(1, np.int64)
+    return _Sequences(ids, mask, offsets.astype(np.int64), out_pos, turn_start.tolist())
+
+
+def _versions(spans: list[tuple[int, int, int]], count: int, trainer_version: int | None) -> tuple:
+    """Per token its weight version (-1: none) and version age (-1: unknown)."""
+    versions = np.full(count, -1, dtype=np.int64)
+    for a, b, v in reversed(spans):  # where spans overlap, the earlier one (by start) wins
+        versions[a:b] = v
+    if trainer_version is None:
+        return versions, np.full(count, -1, dtype=np.int64)
+    return versions, np.where(versions >= 0, np.maximum(0, trainer_version - versions), -1)
+
+
+def _support_logprobs(view: memoryview, layout: _Layout) -> np.ndarray:
+    """Every turn's support log-probs as float32 (each turn in its own precision)."""
+    if all(layout.f16) or not any(layout.f16):
+        return _floats(view, layout.support, "<f2" if any(layout.f16) else "<f4")
+    return np.concatenate(  # turns of both precisions: each turn's converted on its own
+        [_floats(view, [r], "<f2" if f else "<f4") for r, f in zip(layout.support, layout.f16, strict=True)]
     )

@@ -20,13 +20,11 @@ import numpy as np
 
 from clients.router import Blocking, RouterClient, RouterError
 from core.jsonio import loads
+from core.wire import LOGPROBS_MEDIA_TYPE, RECORDS_MEDIA_TYPE
 from trainer.batch import Batch, decode_batch
-from trainer.upload import MEDIA_TYPE as LOGPROBS_MEDIA_TYPE
 from trainer.upload import encode_trainer_logprobs
 
 __all__ = ["AsyncRolloutClient", "RolloutClient", "RouterError", "Session"]
-
-RECORDS_MEDIA_TYPE = "application/x-mixfleet-records"
 
 
 @dataclass(frozen=True)

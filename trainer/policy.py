@@ -14,7 +14,7 @@ Contract:
   batch's token order, so :func:`trainer.corrections.policy_loss` applies to them unchanged.
 * Routing replay (R3, as slime/Miles' ``RoutingReplay``: ``probs = scores.gather(1,
   top_indices)`` with the rollout's indices): with ``replay``, every position whose routed
-  experts the batch recorded (:meth:`trainer.batch.Batch.routes`) uses the sampler's experts in
+  experts the batch recorded (:meth:`trainer.batch.Batch.sequence_routes`) uses the sampler's experts in
   every MoE layer instead of the trainer's own top-k; their gate weights are recomputed from the
   trainer's own router logits (softmax over all experts, gathered at the recorded ids,
   renormalized when ``norm_topk_prob``, exactly as ``Qwen3MoeTopKRouter`` weighs its own top-k),

@@ -72,6 +72,7 @@ M = {
     "sessions": "mixfleet_router_sessions_created_total",
     "failovers": "mixfleet_router_failovers_total",
     "moves": "mixfleet_router_session_moves_total",
+    "forks": "mixfleet_router_forks_total",
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
@@ -551,6 +552,22 @@ def overview() -> JSON:
             [
                 target(or_zero(sum_rate(M["failovers"], GROUP)), "{{group}} failovers"),
                 target(or_zero(moved_away), "{{group}} sessions moved away"),
+            ],
+        ),
+    )
+    lay.add(
+        timeseries(
+            "Forks / s",
+            "Turns whose input did not extend the session's stored context (the harness edited or "
+            "re-rendered history): each starts a new segment of its trajectory, trained as its own "
+            f"sample. Forks per turn says how much context is stored twice.\n\nMetrics: `{M['forks']}`, "
+            f"`{M['turns']}`",
+            [
+                target(or_zero(sum_rate(M["forks"], GROUP)), "{{group}} forks"),
+                target(
+                    divide(sum_rate(M["forks"], GROUP), sum_rate(M["turns"], GROUP)),
+                    "{{group}} forks per turn",
+                ),
             ],
         ),
     )

@@ -2,15 +2,18 @@
 
 Nothing but the trajectory is kept per conversation: any router worker builds the same context.
 The messages are rendered segment by segment (:mod:`router.chat.renderers.base`); at each
-assistant message the context built so far is looked up among the session's recorded turns: a
-turn whose ``input_ids`` equal it and whose sampled ids parse to that message
+assistant message the context built so far is looked up among the session's recorded turns (as
+the engine saw them, :class:`Sampled`: a turn stores only what it appends, so its whole input is
+rebuilt from its segment, :func:`router.segments.engine_inputs`): a turn whose ``input_ids``
+equal it and whose sampled ids parse to that message
 (:meth:`~router.chat.renderers.base.Reply.matches`) supplies its sampled ``output_ids``, exactly
 as sampled, reasoning included. An assistant message no turn matches (the harness edited or
 invented it) is rendered from its text by the chat template.
 
 The request's ``input_ids`` are always the full context. It ``extends`` the session when it
 starts with the last recorded turn's ``input_ids + output_ids``; otherwise the history was changed
-and the turn store records a fork (it compares the full ``input_ids`` itself).
+and the turn store records a fork (it compares the full ``input_ids`` itself, and stores only
+the tokens a turn that extends its segment appends).
 """
 
 from __future__ import annotations
@@ -19,7 +22,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
-from router.records import TurnData
+from router.segments import engine_inputs
+from router.turn_data import TurnData
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A recorded turn as its engine saw it: its whole input and its sampled ids."""
+
+    input_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+def sampled_turns(turns: Sequence[TurnData]) -> list[Sampled]:
+    """The session's recorded turns (in order) with their whole inputs; ValueError as
+    :func:`router.segments.engine_inputs`."""
+    return [Sampled(ids, t.output_ids) for ids, t in zip(engine_inputs(turns), turns, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -47,12 +65,12 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 
 def build_context(
-    renderer: Renderer, messages: Sequence[Message], tools: Sequence[Tool], turns: Sequence[TurnData]
+    renderer: Renderer, messages: Sequence[Message], tools: Sequence[Tool], turns: Sequence[Sampled]
 ) -> Context:
     """The next turn's context for ``messages`` given the session's recorded ``turns`` (module
     docstring). Raises RenderError for what the renderer cannot represent."""
     check_messages(messages)
-    by_context: dict[tuple[int, ...], list[TurnData]] = {}
+    by_context: dict[tuple[int, ...], list[Sampled]] = {}
     for t in turns:
         by_context.setdefault(tuple(t.input_ids), []).append(t)
     ids: list[int] = []

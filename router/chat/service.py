@@ -19,7 +19,7 @@ from typing import Any, Literal
 import pydantic
 
 from core.jsonio import loads
-from router.chat.conversation import build_context
+from router.chat.conversation import build_context, sampled_turns
 from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, load_renderer
 from router.config import RouterConfig
 from router.context import RouterContext
@@ -87,7 +87,7 @@ async def run_chat(ctx: RouterContext, session_id: str, req: ChatRequest) -> Cha
     renderer cannot represent; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
     await load_open(ctx, session_id)
-    turns = [decode_turn(b) for b in await ctx.store.get_turns(session_id)]
+    turns = sampled_turns([decode_turn(b) for b in await ctx.store.get_turns(session_id)])
     try:
         stops = {renderer.stop_token(s): s for s in req.stop}
         context = build_context(renderer, req.messages, req.tools, turns)

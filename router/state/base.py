@@ -10,10 +10,15 @@ routers share one Redis); :func:`router.state.open_store` picks one by URL. Both
 Contract, for every adapter:
 
 * A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
-  session's route to the serving group and replica, and the counters change together or not at
-  all) and idempotent per ``request_id`` (a retried call returns the first call's index and
-  changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored, for as long as the
-  session is kept). Turn indices are 0, 1, 2, ... in append order.
+  session's context, its route to the serving group and replica, and the counters change
+  together or not at all) and idempotent per ``request_id`` (a retried call returns the first
+  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored, for
+  as long as the session is kept). Turn indices are 0, 1, 2, ... in append order.
+* An open session's context is the token sequence of its current segment (every turn's
+  appended and output tokens since the first turn or the last fork), packed as uint32
+  little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
+  ``get_session_context`` reads the session and then its context. Finishing or
+  abandoning the session drops the context (the turn blocks hold every token).
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
 * The routing window holds the latest ``size`` session assignments (:class:`WindowEntry`, oldest
@@ -97,6 +102,28 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """One turn to store (:meth:`StateStore.append_turn`): its turn block (``blob``), served by
+    ``replica`` of ``group``; ``tokens`` it generated and the lowest / highest weight version of
+    its spans; ``context``: the tokens it adds to the session's context (its appended input, then
+    its output; uint32 little-endian), which replace the context when ``fork``; ``request_id`` the
+    idempotency key; ``expected_turn`` (when set) the index it must get; ``version_tokens`` its
+    tokens per weight version (for the ledger)."""
+
+    request_id: str
+    blob: bytes
+    group: str
+    replica: str | None
+    tokens: int
+    min_version: int | None
+    max_version: int | None
+    context: bytes = b""
+    fork: bool = False
+    expected_turn: int | None = None
+    version_tokens: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TakenTrajectory:
     session: SessionInfo
     turns: list[bytes]
@@ -159,29 +186,23 @@ class StateStore(abc.ABC):
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
     @abc.abstractmethod
-    async def append_turn(
-        self,
-        session_id: str,
-        request_id: str,
-        blob: bytes,
-        *,
-        group: str,
-        replica: str | None,
-        tokens: int,
-        min_version: int | None,
-        max_version: int | None,
-        expected_turn: int | None = None,
-        version_tokens: Mapping[int, int] | None = None,
-    ) -> int:
-        """Store one turn block, served by ``replica`` of ``group``; return its index. Raises
-        SessionNotFound / SessionFinished.
+    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+        """The session and its context (see the module docstring; empty once finished); None when
+        the session is unknown. The context is never older than the session's ``n_turns``: an
+        append that expects that index (``expected_turn``) stores against exactly that context
+        or raises :class:`TurnConflict`."""
 
-        In the same atomic step the session's route becomes (``group``, ``replica``) (moving
+    @abc.abstractmethod
+    async def append_turn(self, session_id: str, record: TurnRecord) -> int:
+        """Store one turn (:class:`TurnRecord`); return its index. Raises SessionNotFound /
+        SessionFinished.
+
+        In the same atomic step the session's context takes the record's ``context`` (appended,
+        or replacing it on a fork), the session's route becomes (``group``, ``replica``) (moving
         group moves its active count), and ``tokens`` and the version range are added to the
         session's and to ``group``'s counters. With ``expected_turn`` set, stores only if it
         equals the next index (else raises :class:`TurnConflict` carrying the next index, and
-        nothing changes). ``version_tokens`` (tokens per weight version) go to the ledger of
-        ``group`` in the same step.
+        nothing changes). ``version_tokens`` go to the ledger of ``group`` in the same step.
         """
 
     @abc.abstractmethod

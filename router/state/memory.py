@@ -31,6 +31,7 @@ from router.state.base import (
     StateStore,
     TakenTrajectory,
     TurnConflict,
+    TurnRecord,
     WindowEntry,
 )
 from router.state.retention import Retention, mark_ttl_s, versions_to_roll
@@ -40,6 +41,7 @@ from router.state.retention import Retention, mark_ttl_s, versions_to_roll
 class _Session:
     info: SessionInfo
     turns: list[bytes] = field(default_factory=list)
+    context: bytearray = field(default_factory=bytearray)
     requests: dict[str, int] = field(default_factory=dict)
     finish_request: str | None = None
     expires_at: float | None = None
@@ -110,51 +112,47 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return None if s is None else s.info
 
-    async def append_turn(
-        self,
-        session_id: str,
-        request_id: str,
-        blob: bytes,
-        *,
-        group: str,
-        replica: str | None,
-        tokens: int,
-        min_version: int | None,
-        max_version: int | None,
-        expected_turn: int | None = None,
-        version_tokens: Mapping[int, int] | None = None,
-    ) -> int:
+    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+        s = self._live(session_id)
+        return None if s is None else (s.info, bytes(s.context))
+
+    async def append_turn(self, session_id: str, record: TurnRecord) -> int:
         s = self._live(session_id)
         if s is None:
             raise SessionNotFound(session_id)
-        known = s.requests.get(request_id)
+        known = s.requests.get(record.request_id)
         if known is not None:
             return known
         if s.info.status != "open":
             raise SessionFinished(session_id)
         index = len(s.turns)
-        if expected_turn is not None and expected_turn != index:
+        if record.expected_turn is not None and record.expected_turn != index:
             raise TurnConflict(index)
-        s.turns.append(bytes(blob))
-        s.requests[request_id] = index
+        s.turns.append(bytes(record.blob))
+        if record.fork:
+            s.context = bytearray(record.context)
+        else:
+            s.context += record.context
+        s.requests[record.request_id] = index
         s.last_active = time.time()
         info = s.info
+        group = record.group
         if group != info.group:
             self._counters[info.group]["active_sessions"] -= 1
             self._counters[group]["active_sessions"] += 1
         s.info = replace(
             info,
             group=group,
-            replica=replica,
+            replica=record.replica,
             n_turns=index + 1,
-            tokens=info.tokens + tokens,
-            min_version=_min(info.min_version, min_version),
-            max_version=_max(info.max_version, max_version),
+            tokens=info.tokens + record.tokens,
+            min_version=_min(info.min_version, record.min_version),
+            max_version=_max(info.max_version, record.max_version),
         )
         c = self._counters[group]
         c["turns"] += 1
-        c["tokens"] += tokens
-        for v, n in (version_tokens or {}).items():
+        c["tokens"] += record.tokens
+        for v, n in record.version_tokens.items():
             self._version_tokens[(group, int(v))] += int(n)
         return index
 
@@ -176,6 +174,7 @@ class MemoryStore(StateStore):
         s = self._open(session_id)
         s.info = replace(s.info, status="finished", reward=reward, finish_metadata=dict(metadata))
         s.finish_request = request_id
+        s.context = bytearray()
         self._counters[s.info.group]["active_sessions"] -= 1
         self._ready[next(self._ids)] = session_id
         self._wake()

@@ -6,6 +6,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, and
   ``q:<request_id>`` -> turn index (idempotent appends)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
+* ``mf:s:<id>:c`` string: the open session's context (uint32 little-endian token ids), extended
+  with ``APPEND`` by each turn, replaced by a fork, deleted when the session finishes or goes
 * ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
   each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
   the group's pending entries and survive a router restart; ``XAUTOCLAIM`` redelivers them
@@ -85,6 +87,7 @@ from router.state.base import (
     StateUnavailable,
     TakenTrajectory,
     TurnConflict,
+    TurnRecord,
     WindowEntry,
 )
 from router.state.retention import Retention, mark_ttl_s, versions_to_roll
@@ -156,6 +159,11 @@ if old ~= ARGV[3] then
   redis.call('HINCRBY', KEYS[3], 'active:' .. ARGV[3], 1)
 end
 redis.call('RPUSH', KEYS[2], ARGV[2])
+if ARGV[13] == '1' then
+  redis.call('SET', KEYS[6], ARGV[12])
+elseif ARGV[12] ~= '' then
+  redis.call('APPEND', KEYS[6], ARGV[12])
+end
 redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1, 'group', ARGV[3], 'replica', ARGV[10])
 redis.call('HINCRBY', h, 'tokens', ARGV[4])
 if ARGV[5] ~= '' then
@@ -181,6 +189,7 @@ if redis.call('EXISTS', h) == 0 then return -1 end
 if redis.call('HGET', h, 'finish_req') == ARGV[1] then return 0 end
 if redis.call('HGET', h, 'status') ~= 'open' then return -2 end
 redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', ARGV[3], 'finish_req', ARGV[1])
+redis.call('DEL', KEYS[5])
 redis.call('HINCRBY', KEYS[2], 'active:' .. redis.call('HGET', h, 'group'), -1)
 redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
 redis.call('ZREM', KEYS[4], ARGV[4])
@@ -191,7 +200,7 @@ _DELETE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return -2 end
 redis.call('HINCRBY', KEYS[3], 'active:' .. redis.call('HGET', KEYS[1], 'group'), -1)
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[4], ARGV[1])
 return 0
 """
@@ -203,7 +212,7 @@ redis.call('ZREM', KEYS[4], ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return false end
 local g = redis.call('HGET', KEYS[1], 'group')
 redis.call('HINCRBY', KEYS[3], 'active:' .. g, -1)
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
 return g
 """
 
@@ -335,6 +344,10 @@ def _skey(sid: str) -> str:
     return f"{P}s:{sid}"
 
 
+def _ckey(sid: str) -> str:
+    return f"{P}s:{sid}:c"
+
+
 def _tkey(sid: str) -> str:
     return f"{P}s:{sid}:t"
 
@@ -436,35 +449,40 @@ class RedisStore(StateStore):
     async def get_session(self, session_id: str) -> SessionInfo | None:
         return _info(session_id, await self._call(self._r.hmget, _skey(session_id), _FIELDS))
 
-    async def append_turn(
-        self,
-        session_id: str,
-        request_id: str,
-        blob: bytes,
-        *,
-        group: str,
-        replica: str | None,
-        tokens: int,
-        min_version: int | None,
-        max_version: int | None,
-        expected_turn: int | None = None,
-        version_tokens: Mapping[int, int] | None = None,
-    ) -> int:
+    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+        """One round trip, ``HMGET`` then ``GET`` (no ``MULTI``): a turn appended between the two
+        makes the session's ``n_turns`` older than the context, and every append of a turn read
+        this way names that ``n_turns`` as its expected index, so it is refused (TurnConflict)
+        and read again, never stored against a context it was not placed on."""
+
+        async def read() -> list[Any]:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.hmget(_skey(session_id), _FIELDS)
+                pipe.get(_ckey(session_id))
+                return await pipe.execute()
+
+        values, context = await self._call(read)
+        info = _info(session_id, values)
+        return None if info is None else (info, context or b"")
+
+    async def append_turn(self, session_id: str, record: TurnRecord) -> int:
         rc, idx = await self._call(
             self._append,
-            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY, LEDGER_V],
+            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY, LEDGER_V, _ckey(session_id)],
             args=[
-                request_id,
-                blob,
-                group,
-                tokens,
-                _opt(min_version),
-                _opt(max_version),
-                _opt(expected_turn),
+                record.request_id,
+                record.blob,
+                record.group,
+                record.tokens,
+                _opt(record.min_version),
+                _opt(record.max_version),
+                _opt(record.expected_turn),
                 repr(time.time()),
                 session_id,
-                replica or "",
-                ",".join(f"{int(v)}:{int(n)}" for v, n in (version_tokens or {}).items() if n > 0),
+                record.replica or "",
+                ",".join(f"{int(v)}:{int(n)}" for v, n in record.version_tokens.items() if n > 0),
+                record.context,
+                "1" if record.fork else "0",
             ],
         )
         if rc == -1:
@@ -492,7 +510,7 @@ class RedisStore(StateStore):
         await self._ensure_group_safe()
         rc = await self._call(
             self._finish,
-            keys=[_skey(session_id), STATS, STREAM, ACTIVITY],
+            keys=[_skey(session_id), STATS, STREAM, ACTIVITY, _ckey(session_id)],
             args=[request_id, repr(float(reward)), json.dumps(metadata), session_id],
         )
         if rc == -1:
@@ -502,7 +520,9 @@ class RedisStore(StateStore):
 
     async def delete_session(self, session_id: str) -> None:
         rc = await self._call(
-            self._delete, keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY], args=[session_id]
+            self._delete,
+            keys=[_skey(session_id), _tkey(session_id), STATS, ACTIVITY, _ckey(session_id)],
+            args=[session_id],
         )
         if rc == -1:
             raise SessionNotFound(session_id)
@@ -516,7 +536,9 @@ class RedisStore(StateStore):
         for raw in sids:
             sid = _s(raw)
             group = await self._call(
-                self._expire, keys=[_skey(sid), _tkey(sid), STATS, ACTIVITY], args=[sid, repr(before)]
+                self._expire,
+                keys=[_skey(sid), _tkey(sid), STATS, ACTIVITY, _ckey(sid)],
+                args=[sid, repr(before)],
             )
             if group is not None:
                 out.append((sid, _s(group)))

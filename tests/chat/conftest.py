@@ -49,6 +49,16 @@ def session(router):
 
 
 def trajectory(router, session_id: str) -> list[dict]:
+    """The session's stored turns, each with ``input_ids``: the engine's whole input, rebuilt from
+    its segment (a turn stores its ``append_ids`` after ``context`` tokens; a fork starts anew)."""
     r = httpx.get(f"{router.url}/v1/sessions/{session_id}/trajectory", headers=router.headers, timeout=30)
     r.raise_for_status()
-    return r.json()["turns"]
+    turns = r.json()["turns"]
+    segment: list[int] = []
+    for t in turns:
+        if t["fork"] is not None:
+            segment = []
+        assert t["context"] == len(segment)
+        t["input_ids"] = segment + t["append_ids"]
+        segment = t["input_ids"] + t["output_ids"]
+    return turns

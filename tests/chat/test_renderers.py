@@ -13,9 +13,9 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from engine.server.tokenizer import Tokenizer as EngineTokenizer
-from router.chat.conversation import build_context
+from router.chat.conversation import Sampled, build_context, sampled_turns
 from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
-from router.records import TurnData
+from router.turn_data import TurnData
 from weight_sync.base_model import IM_END_ID, PRESETS, VOCAB_SIZE, write_tokenizer
 
 # Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), in its usual multi-line spelling.
@@ -85,9 +85,8 @@ def _sample(renderer, text: str, stop: bool = True) -> list[int]:
     return renderer.encode(text) + ([renderer.stop_ids[0]] if stop else [])
 
 
-def _turn(i: int, input_ids: list[int], output_ids: list[int]) -> TurnData:
-    n = len(output_ids)
-    return TurnData(i, "g", "r", input_ids, output_ids, [0.0] * n, [0.0] * n, [[]] * n, [[]] * n)
+def _turn(i: int, input_ids: list[int], output_ids: list[int]) -> Sampled:
+    return Sampled(input_ids, output_ids)
 
 
 def _conversation(renderer):
@@ -95,7 +94,7 @@ def _conversation(renderer):
     back each reply as the API returned it (without its reasoning)."""
     messages = [Message("system", "Be brief."), Message("user", "Weather in Paris?")]
     follow = [[Message("tool", '{"temp": 20}', tool_call_id="call_1")], [Message("user", "Thanks!")]]
-    turns: list[TurnData] = []
+    turns: list[Sampled] = []
     steps = []
     for i, text in enumerate(SAMPLED):
         ctx = build_context(renderer, messages, TOOLS, turns)
@@ -231,3 +230,25 @@ def test_local_tokenizer_files(tmp_path):
     engine = EngineTokenizer.from_dir(a)
     assert lib.encode(text, add_special_tokens=False).ids == engine.encode(text)
     assert engine.vocab_size == VOCAB_SIZE and engine.special_ids["<|im_end|>"] == IM_END_ID == 260
+
+
+def test_stored_append_only_turns_give_each_turns_whole_input() -> None:
+    """A turn stores only what it appends; the chat context sees each turn's whole input, a fork
+    starting a new segment."""
+
+    def stored(i: int, context: int, append: list[int], out: list[int], fork=None) -> TurnData:
+        n = len(out)
+        return TurnData(
+            i, "g", "r", append, out, [0.0] * n, [0.0] * n, [[]] * n, [[]] * n, context=context, fork=fork
+        )
+
+    turns = [
+        stored(0, 0, [1, 2], [3]),
+        stored(1, 3, [4], [5, 6]),
+        stored(2, 0, [1, 9], [7], fork={"stored": 6, "common": 1}),
+        stored(3, 3, [8], [10]),
+    ]
+    got = [(list(t.input_ids), list(t.output_ids)) for t in sampled_turns(turns)]
+    assert got == [([1, 2], [3]), ([1, 2, 3, 4], [5, 6]), ([1, 9], [7]), ([1, 9, 7, 8], [10])]
+    with pytest.raises(ValueError, match="context 2 but its segment holds 3"):
+        sampled_turns([turns[0], stored(1, 2, [4], [5])])

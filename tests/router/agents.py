@@ -134,9 +134,13 @@ def check_exact(logs: list[AgentLog], trajectories: list[dict[str, Any]], turns:
         assert log.finished
         traj = by_id[log.session_id]
         assert len(traj["turns"]) == turns, (log.session_id, len(traj["turns"]))
+        segment: list[int] = []
         for i, (turn, got) in enumerate(zip(traj["turns"], log.turns, strict=True)):
-            assert turn["turn"] == i
-            assert turn["input_ids"] == log.contexts[i]
+            assert turn["turn"] == i and turn["fork"] is None  # an agent only appends
+            assert turn["context"] == len(segment)
+            segment = segment + turn["append_ids"]
+            assert segment == log.contexts[i]
+            segment = segment + turn["output_ids"]
             assert turn["output_ids"] == got["output_ids"]
             assert turn["records"] == got["records"]
             n = len(turn["output_ids"])

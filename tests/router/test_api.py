@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from router.records import MEDIA_TYPE, decode_batch
+from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
+from router.records import decode_batch
 from tests.router.conftest import KEYS
 
 SP = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 3}
@@ -68,9 +69,11 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
         ctx = ctx + turn["output_ids"] + [9]
     traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert [t["output_ids"] for t in traj["turns"]] == outputs
-    # each turn's answer is what was stored: its trajectory entry without the input ids
-    assert [{k: v for k, v in t.items() if k != "input_ids"} for t in traj["turns"]] == answers
-    assert traj["turns"][1]["input_ids"] == [5, 6, 7] + outputs[0] + [9]
+    # each turn's answer is what was stored: its trajectory entry without its appended ids
+    assert [{k: v for k, v in t.items() if k != "append_ids"} for t in traj["turns"]] == answers
+    # append-only: each turn stores only what its input added to the context
+    assert [t["append_ids"] for t in traj["turns"]] == [[5, 6, 7], [9], [9]]
+    assert traj["turns"][1]["context"] == 3 + len(outputs[0]) and traj["turns"][1]["fork"] is None
     r = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.75, "metadata": {"ok": 1}})
     assert r.json() == {"session_id": sid, "status": "finished", "turns": 3}
 
@@ -86,6 +89,48 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     assert client.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == len(batch["trajectories"])
     assert client.post(f"/v1/batches/{batch['lease_id']}/ack").status_code == 404
     assert client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1]}).status_code == 409
+
+
+def _metric(text: str, series: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " "))
+
+
+def test_appended_tokens_and_a_fork_through_the_api(client: httpx.Client) -> None:
+    """Turns given only their appended tokens get the stored context before them (the same
+    engine input, so the same tokens as a full-context turn with the same seed); a full context
+    that edits history is a fork: recorded, counted, and a new segment in the batch."""
+    forks = 'mixfleet_router_forks_total{group="cpu-a"}'
+    before = _metric(client.get("/metrics").text, forks)
+    sid = _session(client, group="cpu-a")
+    full = _session(client, group="cpu-a")
+    t0 = client.post(
+        f"/v1/sessions/{sid}/turns", json={"append_ids": [5, 6, 7], "sampling_params": SP}
+    ).json()
+    f0 = client.post(
+        f"/v1/sessions/{full}/turns", json={"input_ids": [5, 6, 7], "sampling_params": SP}
+    ).json()
+    assert t0["output_ids"] == f0["output_ids"] and (t0["context"], t0["fork"]) == (0, None)
+    ctx = [5, 6, 7] + t0["output_ids"] + [9]
+    t1 = client.post(f"/v1/sessions/{sid}/turns", json={"append_ids": [9], "sampling_params": SP}).json()
+    f1 = client.post(f"/v1/sessions/{full}/turns", json={"input_ids": ctx, "sampling_params": SP}).json()
+    assert t1["output_ids"] == f1["output_ids"] and t1["context"] == f1["context"] == len(ctx) - 1
+    edited = [5, 8, 7] + t0["output_ids"] + [9] + t1["output_ids"]  # history re-rendered
+    t2 = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": edited, "sampling_params": SP}).json()
+    assert t2["context"] == 0 and t2["fork"] == {"stored": len(ctx) + len(t1["output_ids"]), "common": 1}
+    assert _metric(client.get("/metrics").text, forks) == before + 1
+    t3 = client.post(f"/v1/sessions/{sid}/turns", json={"append_ids": [], "sampling_params": SP}).json()
+    assert (t3["context"], t3["fork"]) == (len(edited) + len(t2["output_ids"]), None)
+    traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
+    assert [t["append_ids"] for t in traj["turns"]] == [[5, 6, 7], [9], edited, []]
+    for s in (sid, full):
+        assert client.post(f"/v1/sessions/{s}/finish", json={"reward": 1.0}).status_code == 200
+    taken = client.post("/v1/batches/take", json={"size": 100}, headers={"Accept": MEDIA_TYPE})
+    from trainer.batch import decode_batch as decode_arrays
+
+    batch = decode_arrays(taken.content)
+    mine = [i for i, t in enumerate(batch.trajectories) if t["session_id"] == sid]
+    assert batch.segment_trajectory.tolist().count(mine[0]) == 2  # the fork started a second segment
+    assert client.post(f"/v1/batches/{batch.lease_id}/ack").status_code == 200
 
 
 def test_json_and_binary_batches_carry_the_same_trajectories(client: httpx.Client, router) -> None:
@@ -144,6 +189,10 @@ def test_auth_scopes(router) -> None:
         ({"input_ids": [1], "sampling_params": {"temprature": 1}}, 422, "temprature"),
         ({"input_ids": "abc"}, 422, "input_ids"),
         ({"input_ids": [1], "turn": 5}, 409, "turn"),
+        ({}, 422, "exactly one of input_ids"),
+        ({"input_ids": [1], "append_ids": [2]}, 422, "exactly one of input_ids"),
+        ({"append_ids": []}, 422, "append_ids"),
+        ({"append_ids": [1, -1]}, 422, "append_ids"),
     ],
 )
 def test_bad_turns_get_4xx_naming_the_field(client: httpx.Client, body, status, needle) -> None:
@@ -264,11 +313,12 @@ def test_openapi_and_metrics(client: httpx.Client) -> None:
     ):
         assert path in spec["paths"], path
     turn_req = spec["components"]["schemas"]["TurnRequest"]["properties"]
-    assert {"input_ids", "sampling_params", "min_version", "max_version_age"} <= set(turn_req)
+    assert {"input_ids", "append_ids", "sampling_params", "min_version", "max_version_age"} <= set(turn_req)
     text = client.get("/metrics").text
     for name in (
         "mixfleet_router_request_seconds_bucket",
         "mixfleet_router_turns_total",
+        "mixfleet_router_forks_total",
         "mixfleet_router_tokens_total",
         "mixfleet_group_capacity",
         "mixfleet_group_active_sessions",

@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 import pytest
 
-from router.state.base import StateStore
+from router.state.base import StateStore, TurnRecord
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
@@ -23,9 +23,7 @@ SAMPLED = {"max_new_tokens": 12, "temperature": 1.0}  # unseeded: a second sampl
 
 
 async def _append(store: StateStore, sid: str, request_id: str, blob: bytes) -> int:
-    return await store.append_turn(
-        sid, request_id, blob, group="g1", replica="r1", tokens=3, min_version=1, max_version=1
-    )
+    return await store.append_turn(sid, TurnRecord(request_id, blob, "g1", "r1", 3, 1, 1))
 
 
 @pytest.mark.anyio

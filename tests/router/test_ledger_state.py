@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from router.ledger import LedgerTotals, update_costs
-from router.state.base import StateStore
+from router.state.base import StateStore, TurnRecord
 from tests.support.state import opened
 
 pytestmark = pytest.mark.anyio
@@ -28,14 +28,16 @@ async def _turned(store: StateStore, sid: str, tokens: dict[int, int], group: st
     await store.create_session(sid, group, {}, now=1.0)
     await store.append_turn(
         sid,
-        f"{sid}-0",
-        b"blob",
-        group=group,
-        replica="r",
-        tokens=sum(tokens.values()),
-        min_version=min(tokens),
-        max_version=max(tokens),
-        version_tokens=tokens,
+        TurnRecord(
+            f"{sid}-0",
+            b"blob",
+            group=group,
+            replica="r",
+            tokens=sum(tokens.values()),
+            min_version=min(tokens),
+            max_version=max(tokens),
+            version_tokens=tokens,
+        ),
     )
     await store.finish_session(sid, f"{sid}-f", 1.0, {})
 
@@ -73,9 +75,18 @@ async def test_tokens_per_version_and_updates(store_url: str) -> None:
         await store.create_session("s3", "g", {}, now=1.0)
         for _ in range(2):
             await store.append_turn(
-                "s3", "s3-0", b"x", group="g", replica="r", tokens=2, min_version=1, max_version=1,
-                version_tokens={1: 2},
-            )  # fmt: skip
+                "s3",
+                TurnRecord(
+                    "s3-0",
+                    b"x",
+                    group="g",
+                    replica="r",
+                    tokens=2,
+                    min_version=1,
+                    max_version=1,
+                    version_tokens={1: 2},
+                ),
+            )
         lease = await store.take(2, trainer_version=2, max_version_age=None, lease_timeout_s=60)
         assert {t.session.session_id for t in lease.trajectories} == {"s1", "s2"}
         first = await store.ack(lease.lease_id)

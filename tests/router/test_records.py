@@ -13,17 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router import records
+from router.engine_answer import parse_turn
 from router.records import (
     RecordFormatError,
-    TurnData,
     decode_batch,
     decode_turn,
     decode_turn_header,
     encode_batch,
     encode_stored,
     encode_turn,
-    parse_turn,
 )
+from router.turn_data import TurnData
 
 f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-1e4, max_value=0.0)
 token = st.integers(min_value=0, max_value=300_000)
@@ -42,7 +42,7 @@ def turns(draw) -> TurnData:
         turn=draw(st.integers(0, 1000)),
         group=draw(st.sampled_from(["cpu-bf16", "b200-nvfp4"])),
         replica="r-0",
-        input_ids=draw(st.lists(token, min_size=1, max_size=30)),
+        append_ids=draw(st.lists(token, min_size=1, max_size=30)),
         output_ids=out_ids,
         logprobs=[draw(f32) for _ in range(n)],
         raw_logprobs=raw,
@@ -80,7 +80,7 @@ def test_byte_layout_matches_the_documented_format() -> None:
         turn=2,
         group="g",
         replica="r",
-        input_ids=[5, 300],
+        append_ids=[5, 300],
         output_ids=[7],
         logprobs=[-0.5],
         raw_logprobs=[-0.25],
@@ -89,7 +89,7 @@ def test_byte_layout_matches_the_documented_format() -> None:
         weight_versions=[{"version": 1, "start": 0, "end": 1}],
     )
     data = encode_turn(t)
-    assert data[:5] == b"MFT\x01\x00"
+    assert data[:5] == b"MFT\x02\x00"
     hlen, shift, pos = 0, 0, 5
     while True:  # LEB128 header length
         b = data[pos]
@@ -98,9 +98,9 @@ def test_byte_layout_matches_the_documented_format() -> None:
         shift += 7
         if b < 0x80:
             break
-    assert data[pos : pos + hlen].startswith(b'{"finish_reason":null')
+    assert data[pos : pos + hlen].startswith(b'{"context":0,"finish_reason":null')
     pos += hlen
-    # input ids: count 2, then 5 and 300 (LEB128 0xAC 0x02)
+    # appended input ids: count 2, then 5 and 300 (LEB128 0xAC 0x02)
     assert data[pos : pos + 4] == bytes([2, 5, 0xAC, 0x02])
     pos += 4
     assert data[pos : pos + 2] == bytes([1, 7])  # one output token, id 7
@@ -118,7 +118,7 @@ def test_record_carries_the_version_of_its_span() -> None:
         turn=0,
         group="g",
         replica="r",
-        input_ids=[1],
+        append_ids=[1],
         output_ids=[1, 2, 3],
         logprobs=[-1.0] * 3,
         raw_logprobs=[None] * 3,
@@ -136,7 +136,7 @@ def test_batch_round_trip() -> None:
         turn=0,
         group="g",
         replica="r",
-        input_ids=[1, 2],
+        append_ids=[1, 2],
         output_ids=[9],
         logprobs=[-0.1],
         raw_logprobs=[-0.2],
@@ -165,7 +165,7 @@ def test_header_only_decode() -> None:
         turn=7,
         group="g",
         replica="r",
-        input_ids=[1],
+        append_ids=[1],
         output_ids=[],
         logprobs=[],
         raw_logprobs=[],
@@ -177,7 +177,7 @@ def test_header_only_decode() -> None:
 
 @pytest.mark.parametrize(
     "blob",
-    [b"", b"XYZ\x01\x00", b"MFT\x09\x00", b"MFT\x01\x00\x05{}", b"MFT\x01\x00\x02{}\x05\x01"],
+    [b"", b"XYZ\x02\x00", b"MFT\x09\x00", b"MFT\x02\x00\x05{}", b"MFT\x02\x00\x02{}\x05\x01"],
 )
 def test_malformed_blocks_raise_format_error(blob: bytes) -> None:
     with pytest.raises(RecordFormatError):
@@ -190,7 +190,7 @@ def test_inconsistent_lengths_and_unsorted_support_are_refused() -> None:
             turn=0,
             group="g",
             replica="r",
-            input_ids=[1],
+            append_ids=[1],
             output_ids=[1],
             logprobs=[],
             raw_logprobs=[],
@@ -201,7 +201,7 @@ def test_inconsistent_lengths_and_unsorted_support_are_refused() -> None:
         turn=0,
         group="g",
         replica="r",
-        input_ids=[1],
+        append_ids=[1],
         output_ids=[1],
         logprobs=[-1.0],
         raw_logprobs=[-1.0],
@@ -218,7 +218,7 @@ def test_unknown_log_probs_become_null_in_json() -> None:
         turn=0,
         group="g",
         replica="r",
-        input_ids=[1],
+        append_ids=[1],
         output_ids=[4],
         logprobs=[nan],
         raw_logprobs=[None],
@@ -234,7 +234,7 @@ def test_values_beyond_what_the_decoder_reads_are_refused() -> None:
         turn=0,
         group="g",
         replica="r",
-        input_ids=[2**63],
+        append_ids=[2**63],
         output_ids=[],
         logprobs=[],
         raw_logprobs=[],
@@ -243,8 +243,8 @@ def test_values_beyond_what_the_decoder_reads_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="63 bits"):
         encode_turn(t)
-    ok = TurnData(**{**t.__dict__, "input_ids": [2**63 - 1]})
-    assert list(decode_turn(encode_turn(ok)).input_ids) == [2**63 - 1]
+    ok = TurnData(**{**t.__dict__, "append_ids": [2**63 - 1]})
+    assert list(decode_turn(encode_turn(ok)).append_ids) == [2**63 - 1]
 
 
 # ---------------------------------------------------------------- the encoder's coders
@@ -263,7 +263,7 @@ def long_turns(draw) -> TurnData:
         turn=draw(st.integers(0, 9)),
         group="g",
         replica="r",
-        input_ids=draw(st.lists(long_token, min_size=1, max_size=600)),
+        append_ids=draw(st.lists(long_token, min_size=1, max_size=600)),
         output_ids=out,
         logprobs=[draw(f) for _ in range(n)],
         raw_logprobs=[draw(st.one_of(st.none(), f)) for _ in range(n)],
@@ -370,7 +370,7 @@ def test_parse_turn_reads_the_engine_answer(n: int, with_none: bool, f16: bool) 
         body["meta_info"]["output_token_sampling_mask"][0].append(200_000)
         body["meta_info"]["output_token_sampling_support_logprobs"][0].append(-9)
     t = parse_turn(body, **ARGS)
-    assert (t.turn, t.group, t.replica, t.moved_from, list(t.input_ids)) == (2, "g", "r", None, [1, 2, 300])
+    assert (t.turn, t.group, t.replica, t.moved_from, list(t.append_ids)) == (2, "g", "r", None, [1, 2, 300])
     assert list(t.output_ids) == body["output_ids"]
     assert list(t.raw_logprobs) == [x[0] for x in meta["output_token_logprobs"]]
     mu = meta["output_token_sampling_logprobs"]
@@ -623,13 +623,14 @@ def test_the_decoder_needs_only_the_standard_library(tmp_path) -> None:
     import subprocess
     import sys
 
-    from router.records import TurnData, encode_batch, encode_turn
+    from router.records import encode_batch, encode_turn
+    from router.turn_data import TurnData
 
     turn = TurnData(
         turn=0,
         group="g",
         replica="r",
-        input_ids=[1, 2],
+        append_ids=[1, 2],
         output_ids=[5, 7],
         logprobs=[-0.5, -0.25],
         raw_logprobs=[-0.75, None],

@@ -23,6 +23,7 @@ from fleet.specs import FleetSpec, GroupSpec, load_preset
 from mixfleet.cli import main
 from router.report_render import COLORS
 from router.routes_ledger import ledger_view
+from router.state.base import TurnRecord
 from router.state.memory import MemoryStore
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
@@ -55,14 +56,16 @@ async def _session(
     await store.create_session(sid, group, {}, now=1.0)
     await store.append_turn(
         sid,
-        f"{sid}-0",
-        b"turn",
-        group=group,
-        replica=f"{group}/0",
-        tokens=sum(spans.values()),
-        min_version=min(spans),
-        max_version=max(spans),
-        version_tokens=spans,
+        TurnRecord(
+            f"{sid}-0",
+            b"turn",
+            group=group,
+            replica=f"{group}/0",
+            tokens=sum(spans.values()),
+            min_version=min(spans),
+            max_version=max(spans),
+            version_tokens=spans,
+        ),
     )
     if finish:
         await store.finish_session(sid, f"{sid}-f", 1.0, {})

@@ -16,6 +16,7 @@ from mixfleet.router import BOUNDS, add_arguments, build_config
 from router import report
 from router.config import RouterConfig
 from router.routes_ledger import ledger_view
+from router.state.base import TurnRecord
 from router.state.memory import MemoryStore
 from router.state.retention import Retention, versions_to_roll
 
@@ -91,9 +92,18 @@ async def test_the_report_reads_the_same_once_updates_and_versions_are_rolled_up
         )
         await store.create_session(f"s{i}", "g", {}, now=1.0)
         await store.append_turn(
-            f"s{i}", "t", b"x", group="g", replica="r", tokens=i + 1, min_version=i, max_version=i,
-            version_tokens={i: i + 1},
-        )  # fmt: skip
+            f"s{i}",
+            TurnRecord(
+                "t",
+                b"x",
+                group="g",
+                replica="r",
+                tokens=i + 1,
+                min_version=i,
+                max_version=i,
+                version_tokens={i: i + 1},
+            ),
+        )
         await store.finish_session(f"s{i}", "f", 1.0, {})
         lease = await store.take(5, trainer_version=i, max_version_age=None, lease_timeout_s=60)
         await store.ack(lease.lease_id)

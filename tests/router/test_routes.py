@@ -1,8 +1,10 @@
-"""Routed experts through the router (issue 21): a group with ``record_routes`` asks its engines for
-``return_routed_experts``, stores them as the optional section of the turn block and serves them
-in batches; both decoders (the standard-library one and ``trainer.batch``) read them back exactly.
-A recording group whose engine was started without ``--enable-return-routed-experts`` is a 502
-naming the flag, never a turn silently without routes."""
+"""Routed experts (issue 21) as the turn block's ``routed_experts`` section: the section round-trips
+through the standard-library decoder and ``trainer.batch`` in every id width, the engine answer's
+routes become the section, and an answer without them (an engine without
+``--enable-return-routed-experts``) is refused naming the flag. Through the router: a group with
+``record_routes`` asks its engines for ``return_routed_experts`` from the first position a turn
+adds to its segment, so a segment's turns store its routes once (a 502 naming the flag for an
+engine started without it, never a turn silently without routes)."""
 
 from __future__ import annotations
 
@@ -14,71 +16,99 @@ import httpx
 import numpy as np
 import pytest
 
+from core.wire import LOGPROBS_MEDIA_TYPE as LOGPROBS
+from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
+from router.engine_answer import parse_turn
 from router.records import (
-    MEDIA_TYPE,
     RecordFormatError,
-    RoutedExperts,
-    TurnData,
     decode_batch,
     decode_turn,
     encode_batch,
     encode_stored,
     encode_turn,
 )
+from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 from tests.engine.test_routes import _hf_routes
 from tests.support.engines import engine_process
 from tests.support.router import router_process, write_preset
 from trainer.batch import decode_batch as trainer_decode_batch
-from trainer.upload import MEDIA_TYPE as LOGPROBS
 from trainer.upload import encode_trainer_logprobs
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6, "seed": 11}
 
 
-def _turn_data(routes: RoutedExperts | None, n_in: int = 3, n_out: int = 2) -> TurnData:
+def _routes(values: list[int], rows: int, start: int = 0) -> RoutedExperts:
+    return RoutedExperts(start, rows, len(values) // rows, struct.pack(f"<{len(values)}i", *values))
+
+
+def _turn(routes: RoutedExperts | None, n_in: int = 3, n_out: int = 2) -> TurnData:
     return TurnData(
         turn=0,
         group="g",
         replica="r",
-        input_ids=list(range(1, n_in + 1)),
+        append_ids=list(range(1, n_in + 1)),
         output_ids=list(range(10, 10 + n_out)),
         logprobs=[-0.5] * n_out,
         raw_logprobs=[-0.25] * n_out,
         support_ids=[[1, 4]] * n_out,
         support_logprobs=[[-1.0, -0.5]] * n_out,
-        routed_experts=routes,
+        sections={} if routes is None else {ROUTES_SECTION: routes.to_section()},
     )
-
-
-def _routes(values: list[int], rows: int, start: int = 0) -> RoutedExperts:
-    return RoutedExperts(start, rows, len(values) // rows, struct.pack(f"<{len(values)}i", *values))
 
 
 @pytest.mark.parametrize("high", [7, 300, 70000, -1], ids=["u8", "u16", "i32", "negative"])
 def test_the_section_round_trips_in_both_decoders(high: int) -> None:
     values = [0, 1, 2, 3, high, 5, 6, 2, 1, 0, 3, high]  # 4 rows (3 inputs + 2 outputs - 1) of 3
-    turn = _turn_data(_routes(values, 4))
+    routes = _routes(values, 4)
+    turn = _turn(routes)
     blob, stored = encode_stored(turn)
-    assert decode_turn(blob).to_json() == stored.to_json() == turn.to_json()
+    assert decode_turn(blob).routed_experts == stored.routed_experts == routes
     assert decode_turn(blob).routed_experts.values() == values
-    width = 1 if 0 <= high < 256 else 2 if 0 <= high < 65536 else 4
-    assert len(blob) - len(encode_turn(_turn_data(None))) <= 12 * width + 4 + 80  # + header entry
-    plain = encode_turn(_turn_data(None))
-    batch = encode_batch("L", 0, [({"session_id": "s1"}, [blob, plain]), ({"session_id": "s2"}, [blob])])
+    plain = encode_turn(_turn(None))
+    batch = encode_batch("L", 0, [({"session_id": "s1"}, [blob]), ({"session_id": "s2"}, [plain])])
     std = decode_batch(batch)
-    assert [t["turns"][0].get("routed_experts") for t in std["trajectories"]] == [
-        {"start": 0, "rows": 4, "width": 3, "data": base64.b64encode(turn.routed_experts.data).decode()}
-    ] * 2
-    assert "routed_experts" not in std["trajectories"][0]["turns"][1]
+    assert std["trajectories"][0]["turns"][0]["routed_experts"] == {
+        "start": 0, "rows": 4, "width": 3, "data": base64.b64encode(routes.data).decode()
+    }  # fmt: skip
+    assert "routed_experts" not in std["trajectories"][1]["turns"][0]
     fast = trainer_decode_batch(batch)
-    want = np.array(values, dtype=np.int32).reshape(4, 1, 3)
-    np.testing.assert_array_equal(fast.routes(0, 3), want)
+    np.testing.assert_array_equal(fast.routes(0, 3), np.array(values, dtype=np.int32).reshape(4, 1, 3))
     assert fast.routes(1, 3) is None
-    np.testing.assert_array_equal(fast.routes(2, 3), want)
-    assert fast.token_ids.tolist() == [10, 11] * 3  # the records around the section are intact
-    with pytest.raises(ValueError, match="not layers x 2"):
-        fast.routes(0, 2)
+    assert fast.token_ids.tolist() == [10, 11] * 2
+
+
+def test_an_answers_routes_become_the_section_and_their_absence_is_refused() -> None:
+    values = list(range(4 * 6))
+    body = {
+        "output_ids": [10, 11],
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, 10, None], [-0.5, 11, None]],
+            "routed_experts": base64.b64encode(struct.pack("<24i", *values)).decode(),
+        },
+    }
+    kw = dict(index=0, group="g", replica="r", input_ids=[1, 2, 3], moved_from=None, timings={})
+    turn = parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+    assert (turn.routed_experts.rows, turn.routed_experts.width) == (4, 6)
+    assert turn.routed_experts.values() == values
+    del body["meta_info"]["routed_experts"]
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        parse_turn(body, sampling={"sampling_mask": False}, routed_experts=True, **kw)
+
+
+def test_a_segments_turns_assemble_its_routes() -> None:
+    from router.turn_data import TurnData as T
+
+    first = _turn(_routes(list(range(4 * 2)), 4))  # 3 appended + 2 outputs: positions 0..3
+    later = RoutedExperts(4, 3, 2, struct.pack("<6i", *range(100, 106)))  # positions 4..6
+    fields = {**_turn(None, n_in=1, n_out=2).__dict__, "turn": 1, "context": 5}
+    second = T(**{**fields, "sections": {ROUTES_SECTION: later.to_section()}})
+    data = encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(first), encode_turn(second)])])
+    batch = trainer_decode_batch(data)
+    seq = batch.sequence_routes(1, 2)  # 5 + 1 appended + 2 outputs = 8 positions
+    assert seq.shape == (8, 1, 2)
+    want = [[0, 1], [2, 3], [4, 5], [6, 7], [100, 101], [102, 103], [104, 105], [-1, -1]]
+    assert seq[:, 0].tolist() == want
 
 
 def test_route_flags_are_counted_per_group_version_and_position() -> None:
@@ -104,8 +134,6 @@ def test_route_flags_are_counted_per_group_version_and_position() -> None:
 
 
 def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
-    from router.records import parse_turn
-
     values = list(range(2 * 4))  # positions [3, 5) of 3 inputs + 3 outputs, 4 ids each
     body = {
         "output_ids": [10, 11, 12],
@@ -126,7 +154,7 @@ def test_routes_asked_from_a_start_are_recorded_from_it() -> None:
 def test_the_trainer_places_routes_from_their_start_in_the_turns_sequence() -> None:
     values = list(range(3 * 4))  # 3 rows of 1 layer x 4, from position 1 of 3 inputs + 2 outputs
     batch = trainer_decode_batch(
-        encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(_turn_data(_routes(values, 3, 1)))])])
+        encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(_turn(_routes(values, 3, 1)))])])
     )
     seq = batch.sequence_routes(0, 4)
     assert seq.shape == (5, 1, 4)
@@ -135,7 +163,7 @@ def test_the_trainer_places_routes_from_their_start_in_the_turns_sequence() -> N
 
 
 def test_a_truncated_section_is_refused() -> None:
-    blob = encode_turn(_turn_data(_routes(list(range(8)), 4)))
+    blob = encode_turn(_turn(_routes(list(range(8)), 4)))
     with pytest.raises(RecordFormatError):
         decode_turn(blob[:-5] + blob[-4:])
 
@@ -190,6 +218,17 @@ def test_a_recording_group_stores_the_engines_routes_and_serves_them_in_batches(
     np.testing.assert_array_equal(got, _hf_routes(tiny_dir, seq[:-1]))
     _, plain = _session_turn(client, "cpu-p")
     assert plain.status_code == 200 and "routed_experts" not in plain.json()
+    # an appended turn asks the rows from the previous turn's last output token on (context - 1)
+    more = client.post(
+        f"/v1/sessions/{sid}/turns", json={"append_ids": [11, 12], "sampling_params": PARAMS}
+    )
+    assert more.status_code == 200, more.text
+    seq2 = seq + [11, 12] + more.json()["output_ids"]
+    later = more.json()["routed_experts"]
+    assert (later["start"], later["rows"]) == (len(seq) - 1, len(seq2) - len(seq))
+    whole = _hf_routes(tiny_dir, seq2[:-1])
+    tail = np.frombuffer(base64.b64decode(later["data"]), dtype="<i4").reshape(-1, layers, k)
+    np.testing.assert_array_equal(tail, whole[len(seq) - 1 :])
 
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
     taken = client.post("/v1/batches/take", json={"size": 64}, headers={"Accept": MEDIA_TYPE})
@@ -197,6 +236,10 @@ def test_a_recording_group_stores_the_engines_routes_and_serves_them_in_batches(
     batch = trainer_decode_batch(taken.content)
     mine = next(i for i, t in enumerate(batch.turns) if t["session_id"] == sid)
     np.testing.assert_array_equal(batch.routes(mine, k), got)
+    segment = batch.segment_routes(batch.turns[mine]["segment"], k)  # the segment's positions once
+    np.testing.assert_array_equal(segment[:-1], whole)
+    assert (segment[-1] == -1).all()
+    np.testing.assert_array_equal(batch.sequence_routes(mine + 1, k), segment)
     std = decode_batch(taken.content)
     std_turn = next(t for t in std["trajectories"] if t["session_id"] == sid)["turns"][0]
     assert std_turn["routed_experts"] == routes
@@ -222,3 +265,16 @@ def test_a_recording_group_whose_engine_lacks_the_flag_is_a_502_naming_it(client
     _, r = _session_turn(client, "cpu-bad")
     assert r.status_code == 502, r.text
     assert "--enable-return-routed-experts" in r.text
+
+
+def test_a_turn_stores_the_rows_from_the_first_position_it_adds() -> None:
+    from router.turns import _stored_routes, routes_start
+
+    assert [routes_start(c) for c in (0, 1, 9)] == [0, 0, 8]
+    asked = _turn(_routes(list(range(5 * 2)), 5, start=4))  # asked at context 5: positions 4..8
+    assert _stored_routes(asked, 5) is asked
+    moved = _stored_routes(asked, 7).routed_experts  # a concurrent turn grew the context to 7
+    assert (moved.start, moved.rows, moved.values()) == (6, 3, list(range(4, 10)))
+    assert _stored_routes(asked, 0) is asked  # re-placed as a fork: kept from where it was asked
+    with pytest.raises(ValueError, match="no tail from 10"):
+        asked.routed_experts.tail(10)

@@ -1,7 +1,7 @@
 """The engine client and the one parser against SGLang 0.5.23's answers: response fixtures written
 from the release's source (tests/fixtures/sglang_0_5_23/*.json, each naming the lines it follows)
 served by a real loopback HTTP server to clients.engine.SGLangClient.generate (the one request
-builder) and parsed by router.records.parse_turn (an unfiltered turn's answer without a mask
+builder) and parsed by router.engine_answer.parse_turn (an unfiltered turn's answer without a mask
 included); and a real router over the local engine, which refuses a sampling mask without a finite
 top_k as SGLang does, recording a top-p-only turn."""
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from clients.engine import EngineAborted, EngineRejected, EngineUnavailable
-from router.records import decode_turn, decode_turn_header, encode_stored, encode_turn, parse_turn
+from router.engine_answer import parse_turn
+from router.records import decode_turn, decode_turn_header, encode_stored, encode_turn
 from tests.clients.test_engine_client import Server, answer, with_client
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23"

@@ -76,10 +76,12 @@ def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) ->
 
 
 def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) -> None:
-    """Per turn: ``HMGET`` of the session before the engine call, one ``EVALSHA`` (the turn, the
-    route to the serving replica, the counters) after it. Redis counts the commands a script runs
-    as well, and the routers' background loops read heartbeats and versions, so the check covers
-    the commands that only a turn could send; a first turn has loaded the scripts."""
+    """Per turn: ``HMGET`` of the session and ``GET`` of its context (one pipelined round trip;
+    ``GET`` is not counted: the version poll sends it too) before the engine call, one
+    ``EVALSHA`` (the turn, its context, the route to the serving replica, the counters) after it.
+    Redis counts the commands a script runs as well, and the routers' background loops read
+    heartbeats and versions, so the check covers the commands that only a turn could send; a
+    first turn has loaded the scripts."""
     a, _b = two_routers
     r = redis.Redis.from_url(shared_redis)
     ca = httpx.Client(base_url=a.url, headers=a.headers, timeout=60)
@@ -98,7 +100,7 @@ def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) ->
     before = calls()
     for i in range(5):  # the first turn sets the session's replica affinity too
         t = ca.post(
-            f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2, i], "sampling_params": SP, "turn": i}
+            f"/v1/sessions/{sid}/turns", json={"append_ids": [1, 2, i], "sampling_params": SP, "turn": i}
         )
         assert t.status_code == 200 and t.json()["turn"] == i, t.text
     after = calls()

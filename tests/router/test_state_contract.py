@@ -25,6 +25,7 @@ from router.state.base import (
     StateStore,
     StateUnavailable,
     TurnConflict,
+    TurnRecord,
     WindowEntry,
 )
 from router.state.redis import RedisStore
@@ -40,13 +41,15 @@ async def _session(store: StateStore, sid: str, group: str = "g1", turns: int = 
     for i in range(turns):
         await store.append_turn(
             sid,
-            f"{sid}-{i}",
-            f"blob-{sid}-{i}".encode(),
-            group=group,
-            replica="rep",
-            tokens=3,
-            min_version=version,
-            max_version=version,
+            TurnRecord(
+                f"{sid}-{i}",
+                f"blob-{sid}-{i}".encode(),
+                group=group,
+                replica="rep",
+                tokens=3,
+                min_version=version,
+                max_version=version,
+            ),
         )
 
 
@@ -61,13 +64,15 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         assert info and info.status == "open" and info.group == "g1" and info.metadata == {"a": 1}
         assert (
             await store.append_turn(
-                "s1", "r1", b"t0", group="g1", replica="rep", tokens=4, min_version=2, max_version=3
+                "s1",
+                TurnRecord("r1", b"t0", group="g1", replica="rep", tokens=4, min_version=2, max_version=3),
             )
             == 0
         )
         assert (
             await store.append_turn(
-                "s1", "r2", b"t1", group="g1", replica="rep", tokens=5, min_version=1, max_version=2
+                "s1",
+                TurnRecord("r2", b"t1", group="g1", replica="rep", tokens=5, min_version=1, max_version=2),
             )
             == 1
         )
@@ -83,18 +88,53 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         assert (await store.counters())["g1"].active_sessions == 0
 
 
+async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finish(store_url: str) -> None:
+    def rec(rid: str, context: bytes, fork: bool = False, expected: int | None = None) -> TurnRecord:
+        return TurnRecord(rid, b"blob-" + rid.encode(), "g", "rep", 1, None, None, context, fork, expected)
+
+    async with opened(store_url) as store:
+        assert await store.get_session_context("nope") is None
+        await store.create_session("s", "g", {}, now=0.0)
+        info, context = await store.get_session_context("s")
+        assert (info.session_id, info.n_turns, context) == ("s", 0, b"")
+        await store.append_turn("s", rec("a", b"\x01\x00\x00\x00\x02\x00\x00\x00"))
+        await store.append_turn("s", rec("b", b"\x03\x00\x00\x00"))
+        info, context = await store.get_session_context("s")
+        assert (info.n_turns, context) == (2, bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
+        with pytest.raises(TurnConflict):  # a refused append leaves the context as it was
+            await store.append_turn("s", rec("c", b"\x09\x00\x00\x00", fork=True, expected=0))
+        assert (await store.get_session_context("s"))[1] == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0])
+        await store.append_turn("s", rec("d", b"\x07\x00\x00\x00", fork=True))
+        await store.append_turn("s", rec("d", b"\x08\x00\x00\x00"))  # a retry changes nothing
+        assert (await store.get_session_context("s"))[1] == bytes([7, 0, 0, 0])
+        await store.finish_session("s", "f", 1.0, {})
+        info, context = await store.get_session_context("s")
+        assert (info.status, info.n_turns, context) == ("finished", 3, b"")
+        assert await store.get_turns("s") == [b"blob-a", b"blob-b", b"blob-d"]
+        await store.create_session("t", "g", {}, now=0.0)
+        await store.append_turn("t", rec("a", b"\x05\x00\x00\x00"))
+        await store.delete_session("t")
+        assert await store.get_session_context("t") is None
+
+
 async def test_appends_are_idempotent_per_request_and_refused_after_finish(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s", "g", {}, now=0.0)
         assert (
             await store.append_turn(
-                "s", "same", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                "s",
+                TurnRecord(
+                    "same", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                ),
             )
             == 0
         )
         assert (
             await store.append_turn(
-                "s", "same", b"y", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                "s",
+                TurnRecord(
+                    "same", b"y", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                ),
             )
             == 0
         )
@@ -102,14 +142,16 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
         with pytest.raises(TurnConflict) as conflict:
             await store.append_turn(
                 "s",
-                "other",
-                b"z",
-                group="g",
-                replica="rep",
-                tokens=1,
-                min_version=None,
-                max_version=None,
-                expected_turn=0,
+                TurnRecord(
+                    "other",
+                    b"z",
+                    group="g",
+                    replica="rep",
+                    tokens=1,
+                    min_version=None,
+                    max_version=None,
+                    expected_turn=0,
+                ),
             )
         assert conflict.value.next_turn == 1
         await store.finish_session("s", "f", 1.0, {})
@@ -118,11 +160,15 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
             await store.finish_session("s", "f2", 1.0, {})
         with pytest.raises(SessionFinished):
             await store.append_turn(
-                "s", "late", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                "s",
+                TurnRecord(
+                    "late", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                ),
             )
         with pytest.raises(SessionNotFound):
             await store.append_turn(
-                "zz", "r", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                "zz",
+                TurnRecord("r", b"z", group="g", replica="rep", tokens=1, min_version=None, max_version=None),
             )
         with pytest.raises(SessionNotFound):
             await store.finish_session("zz", "r", 1.0, {})
@@ -136,13 +182,15 @@ async def test_concurrent_appends_get_distinct_indices(store_url: str) -> None:
             *(
                 store.append_turn(
                     "s",
-                    f"r{i}",
-                    bytes([i]),
-                    group="g",
-                    replica="rep",
-                    tokens=1,
-                    min_version=None,
-                    max_version=None,
+                    TurnRecord(
+                        f"r{i}",
+                        bytes([i]),
+                        group="g",
+                        replica="rep",
+                        tokens=1,
+                        min_version=None,
+                        max_version=None,
+                    ),
                 )
                 for i in range(40)
             )
@@ -158,7 +206,8 @@ async def test_move_and_delete_keep_active_counts(store_url: str) -> None:
         assert (await store.get_session("s")).replica is None
         # a turn served elsewhere moves the session with it
         await store.append_turn(
-            "s", "r0", b"t0", group="b", replica="rep-1", tokens=1, min_version=None, max_version=None
+            "s",
+            TurnRecord("r0", b"t0", group="b", replica="rep-1", tokens=1, min_version=None, max_version=None),
         )
         info = await store.get_session("s")
         assert info.group == "b" and info.replica == "rep-1"
@@ -169,18 +218,21 @@ async def test_move_and_delete_keep_active_counts(store_url: str) -> None:
         with pytest.raises(TurnConflict):
             await store.append_turn(
                 "s",
-                "r1",
-                b"t1",
-                group="a",
-                replica="x",
-                tokens=1,
-                min_version=None,
-                max_version=None,
-                expected_turn=0,
+                TurnRecord(
+                    "r1",
+                    b"t1",
+                    group="a",
+                    replica="x",
+                    tokens=1,
+                    min_version=None,
+                    max_version=None,
+                    expected_turn=0,
+                ),
             )
         assert (
             await store.append_turn(
-                "s", "r0", b"t0", group="a", replica="x", tokens=1, min_version=None, max_version=None
+                "s",
+                TurnRecord("r0", b"t0", group="a", replica="x", tokens=1, min_version=None, max_version=None),
             )
             == 0
         )
@@ -383,7 +435,8 @@ async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> 
             await store.create_session(sid, "g", {}, now=now - 100)
         for sid in ("busy", "done"):  # a turn now counts as activity
             await store.append_turn(
-                sid, "r", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None
+                sid,
+                TurnRecord("r", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None),
             )
         await store.finish_session("done", "f", 1.0, {})
         assert await store.expire_idle(50) == [("idle", "g")]
@@ -403,7 +456,10 @@ async def test_many_concurrent_calls_each_get_their_own_answer(store_url: str) -
         idx = await asyncio.gather(
             *(
                 store.append_turn(
-                    sid, "r", blob, group=f"g{i % 3}", replica="rep", tokens=i, min_version=i, max_version=i
+                    sid,
+                    TurnRecord(
+                        "r", blob, group=f"g{i % 3}", replica="rep", tokens=i, min_version=i, max_version=i
+                    ),
                 )
                 for i, (sid, blob) in enumerate(zip(sids, blobs, strict=True))
             )
@@ -434,7 +490,8 @@ async def test_redis_scripts_are_loaded_again_after_a_script_flush(redis_url: st
         redis.Redis.from_url(redis_url).script_flush()
         assert (
             await store.append_turn(
-                "s", "again", b"t1", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+                "s",
+                TurnRecord("again", b"t1", group="g1", replica="rep", tokens=1, min_version=1, max_version=1),
             )
             == 1
         )
@@ -474,14 +531,15 @@ async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer
         assert time.monotonic() - t0 < 2.0
         with pytest.raises(StateUnavailable):
             await short.append_turn(
-                "a", "r", b"x", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+                "a", TurnRecord("r", b"x", group="g1", replica="rep", tokens=1, min_version=1, max_version=1)
             )
         info = await patient.get_session("a")  # waits the restart out; the data survived it (AOF)
         assert info is not None and info.n_turns == 2
         assert await patient.get_turns("a") == [b"blob-a-0", b"blob-a-1"]
         assert (
             await patient.append_turn(
-                "a", "r2", b"t2", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+                "a",
+                TurnRecord("r2", b"t2", group="g1", replica="rep", tokens=1, min_version=1, max_version=1),
             )
             == 2
         )
@@ -532,14 +590,16 @@ async def _versioned_turn(store: StateStore, sid: str, version: int, tokens: int
     await store.create_session(sid, "g1", {}, now=time.time())
     await store.append_turn(
         sid,
-        f"{sid}-0",
-        b"blob",
-        group="g1",
-        replica="rep",
-        tokens=tokens,
-        min_version=version,
-        max_version=version,
-        version_tokens={version: tokens},
+        TurnRecord(
+            f"{sid}-0",
+            b"blob",
+            group="g1",
+            replica="rep",
+            tokens=tokens,
+            min_version=version,
+            max_version=version,
+            version_tokens={version: tokens},
+        ),
     )
 
 
@@ -647,14 +707,16 @@ async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> 
             elif i % 4 != 1:  # i % 4 == 1 stays open until it expires idle
                 await store.append_turn(
                     sid,
-                    "r",
-                    b"t" * 64,
-                    group="g1",
-                    replica="rep",
-                    tokens=2,
-                    min_version=v,
-                    max_version=v,
-                    version_tokens={v: 2},
+                    TurnRecord(
+                        "r",
+                        b"t" * 64,
+                        group="g1",
+                        replica="rep",
+                        tokens=2,
+                        min_version=v,
+                        max_version=v,
+                        version_tokens={v: 2},
+                    ),
                 )
                 await store.finish_session(sid, "f", 1.0, {})
         await store.set_route_key(f"key-{v}", {"group": "g1", "replica": "rep"}, ttl_s=0.2)

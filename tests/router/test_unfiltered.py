@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from router.records import MEDIA_TYPE, decode_turn
+from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
+from router.records import decode_turn
 from tests.support.recorder import Recorder, recording_proxy
 from tests.support.router import router_process, write_preset
 from trainer.batch import decode_batch as trainer_decode_batch

@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from router.records import MEDIA_TYPE as RECORDS
+from core.wire import LOGPROBS_MEDIA_TYPE as LOGPROBS
+from core.wire import RECORDS_MEDIA_TYPE as RECORDS
 from tests.support.procs import mixfleet_argv, redis_server
 from tests.support.router import RouterHandle, router_process, write_preset
 from trainer.batch import decode_batch
-from trainer.upload import MEDIA_TYPE as LOGPROBS
 from trainer.upload import encode_trainer_logprobs
 
 ADMIN = "a" * 32

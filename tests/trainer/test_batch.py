@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from router import records
+from router.turn_data import TurnData
 from trainer.batch import BatchFormatError, decode_batch
 
 
-def _turn(rng: random.Random, index: int, group: str, n: int, vocab: int) -> records.TurnData:
+def _turn(
+    rng: random.Random, index: int, group: str, n: int, vocab: int, context: int = 0, fork: bool = False
+) -> TurnData:
     output = [rng.randrange(vocab) for _ in range(n)]
     supports, values = [], []
     for tok in output:
@@ -34,11 +37,13 @@ def _turn(rng: random.Random, index: int, group: str, n: int, vocab: int) -> rec
     raw = [None if rng.random() < 0.1 else math.log(rng.random() + 1e-9) for _ in output]
     half = n // 2
     spans = [{"version": 3, "start": 0, "end": half}, {"version": 4, "start": half, "end": n}] if n else []
-    return records.TurnData(
+    return TurnData(
         turn=index,
         group=group,
         replica=f"{group}-0",
-        input_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 30))],
+        context=0 if fork else context,
+        fork={"stored": context, "common": rng.randrange(context + 1)} if fork else None,
+        append_ids=[rng.randrange(vocab) for _ in range(rng.randint(0 if context else 1, 30))],
         output_ids=output,
         logprobs=mu,
         raw_logprobs=raw,
@@ -56,12 +61,37 @@ def _batch(seed: int, f16: bool, vocab: int = 300_000) -> bytes:
     items = []
     for s in range(5):
         group = ("cpu-bf16", "cpu-fp8", "cpu-nvfp4")[s % 3]
-        turns = [_turn(rng, i, group, rng.randint(0, 60), vocab) for i in range(3)]
+        turns = _trajectory(rng, group, 3, vocab)
         blobs = [records.encode_turn(t, f16=f16) for t in turns]
         header = {"session_id": f"s{s}", "group": group, "reward": float(s % 2), "metadata": {}}
         header["version_age"] = {"min": 0, "max": 1, "mean": 0.5}
         items.append((header, blobs))
     return records.encode_batch("lease-1", 2, items)
+
+
+def _trajectory(rng: random.Random, group: str, n_turns: int, vocab: int) -> list[TurnData]:
+    """Turns of one trajectory, each placed after its segment's tokens; some turns fork."""
+    turns: list[TurnData] = []
+    length = 0
+    for i in range(n_turns):
+        fork = i > 0 and rng.random() < 0.3
+        t = _turn(rng, i, group, rng.randint(0, 60), vocab, context=length, fork=fork)
+        turns.append(t)
+        length = t.context + len(t.append_ids) + len(t.output_ids)
+    return turns
+
+
+def _inputs(turns: list[dict]) -> list[list[int]]:
+    """Each JSON turn's engine input, rebuilt from its segment (context, then its append)."""
+    out, segment = [], []
+    for t in turns:
+        if t["fork"] is not None or not out:
+            segment = []
+        assert t["context"] == len(segment)
+        segment = segment + t["append_ids"]
+        out.append(segment)
+        segment = segment + t["output_ids"]
+    return out
 
 
 @pytest.mark.parametrize("f16", [False, True])
@@ -92,7 +122,11 @@ def test_same_values_as_the_standard_library_decoder(seed: int, f16: bool) -> No
     assert got.versions.tolist() == versions
     assert [got.groups[i] for i in got.group_index] == groups
     assert len(got.trajectories) == 5 and len(got.turns) == 15
-    assert got.turns[4]["input_ids"].tolist() == want["trajectories"][1]["turns"][1]["input_ids"]
+    inputs = [x for t in want["trajectories"] for x in _inputs(t["turns"])]
+    assert [t["input_ids"].tolist() for t in got.turns] == inputs
+    assert [t["append_ids"].tolist() for t in got.turns] == [
+        t["append_ids"] for traj in want["trajectories"] for t in traj["turns"]
+    ]
     assert (got.version_ages == -1).all()  # the header names no trainer version
     arrays = [v for v in vars(got).values() if isinstance(v, np.ndarray)]
     arrays += [t["input_ids"] for t in got.turns]
@@ -111,7 +145,7 @@ def test_truncated_and_foreign_bytes_are_refused_with_a_message() -> None:
 
 def test_turns_of_both_precisions_in_one_batch() -> None:
     rng = random.Random(7)
-    turns = [_turn(rng, i, "cpu-fp8", rng.randint(1, 40), 300_000) for i in range(4)]
+    turns = _trajectory(rng, "cpu-fp8", 4, 300_000)
     blobs = [records.encode_turn(t, f16=i % 2 == 1) for i, t in enumerate(turns)]
     header = {"session_id": "s", "group": "cpu-fp8", "reward": 1.0, "metadata": {}}
     data = records.encode_batch("lease-2", 0, [(header, blobs)], trainer_version=5)
@@ -136,11 +170,11 @@ def test_varints_of_every_length_decode_exactly(values: list[int]) -> None:
     a stream of multi-byte values only (the word-at-a-time decode of large vocabularies)."""
     output = values + [5, 6]
     supports = [[v] for v in values] + [[0, 127, 128, 2**40], [2**55, 2**56 - 1]]
-    turn = records.TurnData(
+    turn = TurnData(
         turn=0,
         group="g",
         replica="g-0",
-        input_ids=values,
+        append_ids=values,
         output_ids=output,
         logprobs=[0.0] * len(output),
         raw_logprobs=[None] * len(output),

@@ -5,13 +5,12 @@ and routes changed from position m on leave every earlier position's logits unto
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 import torch
 
-from router.records import RoutedExperts, TurnData, encode_batch, encode_turn
+from router.records import encode_batch, encode_turn
+from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 from trainer.batch import decode_batch
 from trainer.policy import NO_ROUTES, Policy
 
@@ -122,13 +121,13 @@ def _batch_with_routes(seq: list[int], n_out: int, routes: np.ndarray):
         turn=0,
         group="g",
         replica="r",
-        input_ids=seq[:-n_out],
+        append_ids=seq[:-n_out],
         output_ids=seq[-n_out:],
         logprobs=[-1.0] * n_out,
         raw_logprobs=[-1.0] * n_out,
         support_ids=[[]] * n_out,
         support_logprobs=[[]] * n_out,
-        routed_experts=RoutedExperts(0, rows, width, struct.pack(f"<{flat.size}i", *flat.tolist())),
+        sections={ROUTES_SECTION: RoutedExperts(0, rows, width, flat.astype("<i4").tobytes()).to_section()},
     )
     data = encode_batch("L", 0, [({"session_id": "s"}, [encode_turn(turn)])])
     return decode_batch(data)

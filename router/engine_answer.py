@@ -1,0 +1,367 @@
+"""The one parser of an engine's ``/generate`` answer into the turn it records
+(:func:`parse_turn`, the local engine's answers and SGLang's alike)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
+from weight_sync.types import parse_version, reported_version
+
+_FLOAT = {float}
+_NUMBER = {float, int}
+_LIST = {list}
+_TOKEN = {int}
+
+
+def parse_turn(
+    body: Any,
+    *,
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: Sequence[int],
+    moved_from: str | None,
+    timings: dict[str, Any],
+    sampling: dict[str, Any] | None = None,
+    routed_experts: bool = False,
+    routed_experts_start: int = 0,
+) -> TurnData:
+    """Turn ``index`` of a session as recorded from an engine's decoded ``/generate`` answer
+    ``body`` (the local engine's or SGLang's), served by ``replica`` of ``group``; ``sampling``
+    is what the engine client states about the sampling it sent (:attr:`TurnData.sampling`);
+    ``input_ids`` (the whole input) are its ``append_ids`` until :mod:`router.segments` places it.
+
+    A turn sent without a mask (``sampling`` ``{"sampling_mask": false}``, ``router/records.py``) records
+    empty supports and mu = ``output_token_logprobs``; it refuses mask fields (SGLang sends none).
+
+    Reads ``output_ids`` and from ``meta_info``: ``output_token_logprobs`` (per token
+    ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
+    (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
+    token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
+    support's log-probs aligned with the mask), ``output_token_sampling_support_logprobs`` (the
+    local engine's support log-probs, aligned with the mask, in either mode), ``weight_versions``
+    spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
+    none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
+
+    SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
+    (layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
+    along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
+    37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
+    ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
+    "abort", "message": ...}`` (managers/schedule_batch.py 279-345).
+
+    Without the support's log-probs they are unknown (NaN); where mu is absent or a list, it is
+    the sampled token's support log-prob when that is known and its raw log-prob otherwise
+    (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
+    floats (unknown: NaN; raw: None).
+
+    With ``routed_experts`` (the request asked ``return_routed_experts`` from position
+    ``routed_experts_start``), reads ``meta_info.routed_experts`` into the
+    :data:`~router.turn_data.ROUTES_SECTION` section (positions ``[routed_experts_start, seqlen -
+    1)``); its absence is refused: SGLang answers without the key when
+    not started with ``--enable-return-routed-experts``.
+
+    Raises ValueError naming the field (and position) when ``body`` lacks a record field or
+    holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
+    an aborted generation is never recorded). Duplicate support ids and the float32 range are
+    the encoder's checks (:func:`encode_turn`)."""
+    if type(body) is not dict:
+        raise ValueError("the engine answer is not a JSON object")
+    meta = body.get("meta_info")
+    if type(meta) is not dict:
+        raise ValueError("the engine answer has no meta_info object")
+    finish = _finish_reason(meta.get("finish_reason"))  # an abort is refused before anything else
+    output_ids = body.get("output_ids")
+    if type(output_ids) is not list:
+        raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
+    _token_ids(output_ids, "output_ids")
+    n = len(output_ids)
+    raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
+    if sampling is not None and sampling.get("sampling_mask") is False:
+        masks, support_lps, logprobs = _unmasked_records(meta, raw)
+    else:
+        masks, support_lps, logprobs = _masked_records(meta, output_ids, raw)
+    timings = dict(timings)
+    e2e = meta.get("e2e_latency")
+    if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
+        timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
+    return TurnData(
+        turn=index,
+        group=group,
+        replica=replica,
+        append_ids=input_ids,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        raw_logprobs=raw,
+        support_ids=masks,
+        support_logprobs=support_lps,
+        weight_versions=_spans(meta, n),
+        finish_reason=finish,
+        timings=timings,
+        moved_from=moved_from,
+        sampling=sampling,
+        sections=_route_sections(meta, routed_experts_start, len(input_ids) + n - 1)
+        if routed_experts
+        else {},
+    )
+
+
+def _route_sections(meta: dict[str, Any], start: int, end: int) -> dict[str, bytes]:
+    return {ROUTES_SECTION: _routes(meta, start, end).to_section()}
+
+
+def _routes(meta: dict[str, Any], start: int, end: int) -> RoutedExperts:
+    """The routed experts of an answer covering positions ``[start, end)`` (ValueError naming
+    what is wrong)."""
+    rows = max(end - start, 0)
+    import base64
+    import binascii
+
+    from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
+
+    text = meta.get("routed_experts")
+    if text is None:
+        raise ValueError(
+            f"meta_info.routed_experts is missing: routes were asked of an engine not started with "
+            f"{ENABLE_RETURN_ROUTED_EXPERTS_FLAG}"
+        )
+    if type(text) is not str:
+        raise ValueError("meta_info.routed_experts is not a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("meta_info.routed_experts is not base64") from None
+    width = len(data) // 4 // rows if rows > 0 else 0
+    if len(data) != 4 * rows * width or (rows > 0 and width == 0):
+        raise ValueError(
+            f"meta_info.routed_experts holds {len(data)} bytes, not int32 rows for {rows} positions"
+        )
+    return RoutedExperts(start, rows, width, data)
+
+
+def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
+    """Supports (sorted by id), their log-probs and mu of an answer with sampling masks."""
+    masks = _entries(meta, "output_token_sampling_mask", len(output_ids))
+    _rows(masks, "output_token_sampling_mask", "a list of token ids")
+    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
+        for i, row in enumerate(masks):
+            _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
+    sizes = list(map(len, masks))
+    support_lps, known = _support_logprobs(meta, sizes)
+    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
+    masks, support_lps = _sorted_supports(masks, support_lps)
+    return masks, support_lps, logprobs
+
+
+_MASK_KEYS = (
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+    "output_token_sampling_support_logprobs",
+)
+
+
+def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[list, list, list]:
+    """Empty supports (the whole vocabulary) and mu = the raw log-prob (NaN where unknown) of an
+    answer to a request without a sampling mask; refuses mask fields nobody asked for."""
+    for key in _MASK_KEYS:
+        if meta.get(key) is not None:
+            raise ValueError(f"meta_info.{key} is present but no sampling mask was requested")
+    n = len(raw)
+    logprobs = raw if None not in raw else [math.nan if x is None else x for x in raw]
+    return [[] for _ in range(n)], [[] for _ in range(n)], list(logprobs)
+
+
+_FINISH_TYPES = ("stop", "length", "abort")  # fleet.sglang_release.FINISH_TYPES
+
+
+def _finish_reason(value: Any) -> dict[str, Any] | None:
+    """SGLang's ``finish_reason`` (None: not given); refuses another shape and an abort."""
+    if value is None:
+        return None
+    if type(value) is not dict or value.get("type") not in _FINISH_TYPES:
+        raise ValueError(f"meta_info.finish_reason = {value!r} is not a stop, length or abort finish reason")
+    if value["type"] == "abort":
+        raise ValueError(f"the engine aborted the turn: {value.get('message') or 'Aborted'}")
+    return value
+
+
+def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
+    """Every support row in ascending id order, its log-probs permuted along (rows already in
+    order are kept as they are)."""
+    out_masks = out_lps = None
+    for i, row in enumerate(masks):
+        ordered = sorted(row)
+        if ordered == row:
+            continue
+        if out_masks is None:
+            out_masks, out_lps = list(masks), list(support_lps)
+        lps = support_lps[i]
+        pairs = sorted(zip(row, lps, strict=True))
+        out_masks[i] = ordered
+        out_lps[i] = [x for _, x in pairs]  # type: ignore[index]
+    if out_masks is None:
+        return masks, support_lps
+    return out_masks, out_lps  # type: ignore[return-value]
+
+
+def _entries(meta: dict[str, Any], key: str, n: int) -> list:
+    """``meta[key]``, which must be a list of one entry per output token."""
+    value = meta.get(key)
+    if type(value) is not list:
+        raise ValueError(f"meta_info.{key} is missing" if value is None else f"meta_info.{key} is not a list")
+    if len(value) != n:
+        raise ValueError(f"meta_info.{key} has {len(value)} entries for {n} output tokens")
+    return value
+
+
+def _rows(rows: list, key: str, what: str) -> None:
+    """Refuses ``rows`` unless every entry is a list."""
+    if not set(map(type, rows)) <= _LIST:
+        i = next(i for i, row in enumerate(rows) if type(row) is not list)
+        raise ValueError(f"meta_info.{key}[{i}] = {rows[i]!r} is not {what}")
+
+
+def _token_ids(ids: list, where: str) -> None:
+    """Refuses ``ids`` unless every entry is a non-negative JSON integer."""
+    if set(map(type, ids)) <= _TOKEN and (not ids or min(ids) >= 0):
+        return
+    j = next(j for j, x in enumerate(ids) if type(x) is not int or x < 0)
+    raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id")
+
+
+def _floats(values: list, where: str, none: float | None) -> list:
+    """``values`` (JSON numbers or null) as floats, null as ``none``; ``values`` itself when it
+    already is. Refuses anything else, naming ``where[j]``."""
+    kinds = set(map(type, values))
+    if kinds <= _FLOAT or (none is None and kinds <= {float, type(None)}):
+        return values
+    out = []
+    for j, x in enumerate(values):
+        if x is None:
+            out.append(none)
+        elif type(x) is float:
+            out.append(x)
+        elif type(x) is int:
+            try:
+                out.append(float(x))
+            except OverflowError:
+                raise ValueError(f"{where}[{j}] = {x!r} is beyond a float's range") from None
+        else:
+            raise ValueError(f"{where}[{j}] = {x!r} is not a number")
+    return out
+
+
+def _raw_logprobs(triples: list) -> list[float | None]:
+    """The first item (the raw log-prob) of every ``[logprob, token_id, text]`` entry."""
+    key = "output_token_logprobs"
+    _rows(triples, key, "a [logprob, token_id, text] entry")
+    try:
+        firsts = [t[0] for t in triples]
+    except IndexError:
+        i = next(i for i, t in enumerate(triples) if not t)
+        raise ValueError(f"meta_info.{key}[{i}] is empty, not a [logprob, token_id, text] entry") from None
+    kinds = set(map(type, firsts))
+    if kinds <= {float, type(None)}:
+        return firsts
+    for i, x in enumerate(firsts):
+        if x is not None and type(x) not in _NUMBER:
+            raise ValueError(f"meta_info.{key}[{i}][0] = {x!r} is not a number")
+    return _floats(firsts, f"meta_info.{key}", None)
+
+
+def _support_logprobs(meta: dict[str, Any], sizes: list[int]) -> tuple[list, bool]:
+    """The support's log-probs per token (NaN = unknown) and whether the engine sent them:
+    the local engine's own key, else SGLang's support-mode rows of ``output_token_sampling_logprobs``
+    (every entry a list)."""
+    key = "output_token_sampling_support_logprobs"
+    if meta.get(key) is None:
+        mu = meta.get("output_token_sampling_logprobs")
+        if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
+            return [[math.nan] * k for k in sizes], False  # selected mode: not returned
+        key = "output_token_sampling_logprobs"
+    rows = _entries(meta, key, len(sizes))
+    _rows(rows, key, "a list of log-probs")
+    got = list(map(len, rows))
+    if got != sizes:
+        i = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=True)) if a != b)
+        raise ValueError(f"meta_info.{key}[{i}] has {got[i]} log-probs for {sizes[i]} support ids")
+    if set(map(type, itertools.chain.from_iterable(rows))) <= _FLOAT:
+        return rows, True
+    return [_floats(row, f"meta_info.{key}[{i}]", math.nan) for i, row in enumerate(rows)], True
+
+
+def _behavior_logprobs(
+    meta: dict[str, Any],
+    output_ids: list[int],
+    raw: list[float | None],
+    masks: list[list[int]],
+    support_lps: list,
+    known: bool,
+) -> list[float]:
+    """mu per token (see :func:`parse_turn`)."""
+    key = "output_token_sampling_logprobs"
+    mu = meta.get(key)
+    if mu is not None:
+        mu = _entries(meta, key, len(output_ids))
+        if set(map(type, mu)) <= _FLOAT:
+            return mu
+    out = []
+    for i, tok in enumerate(output_ids):
+        x = None if mu is None else mu[i]
+        if type(x) is float:
+            out.append(x)
+        elif type(x) is int:
+            try:
+                out.append(float(x))
+            except OverflowError:
+                raise ValueError(f"meta_info.{key}[{i}] = {x!r} is beyond a float's range") from None
+        elif x is None and mu is not None:
+            out.append(math.nan)
+        elif x is None or type(x) is list:
+            if known and masks[i]:
+                try:
+                    out.append(support_lps[i][masks[i].index(tok)])
+                except ValueError:
+                    raise ValueError(
+                        f"output token {tok} (output_ids[{i}]) is not in "
+                        f"meta_info.output_token_sampling_mask[{i}]"
+                    ) from None
+            else:
+                out.append(math.nan if raw[i] is None else raw[i])
+        else:
+            raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
+    return out
+
+
+def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:
+    """The non-empty weight-version spans of a turn of ``n`` tokens."""
+    value = meta.get("weight_versions")
+    spans = []
+    if value is not None:
+        if type(value) is not list:
+            raise ValueError("meta_info.weight_versions is not a list")
+        for i, s in enumerate(value):
+            where = f"meta_info.weight_versions[{i}]"
+            if type(s) is not dict:
+                raise ValueError(f"{where} = {s!r} is not a span object")
+            version = parse_version(s.get("version"), f"{where}.version")
+            start, end = _offset(s.get("start"), f"{where}.start"), _offset(s.get("end"), f"{where}.end")
+            if version is None:
+                raise ValueError(f"{where}.version is missing")
+            if end > start:
+                spans.append({"version": version, "start": start, "end": end})
+    if not spans and n:
+        version = reported_version(meta)  # None for SGLang's "default"
+        if version is not None:
+            spans = [{"version": version, "start": 0, "end": n}]
+    return spans
+
+
+def _offset(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} = {value!r} is not an output index")
+    return value

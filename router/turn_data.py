@@ -1,0 +1,274 @@
+"""One recorded turn as a pure value (:class:`TurnData`): what the router stores of it and the
+one JSON view of it. The wire encoding is :mod:`router.records`; the parser of an engine answer
+into a turn is :mod:`router.engine_answer`.
+
+Append-only: a turn holds the input tokens it appends to its trajectory (``append_ids``, after
+the ``context`` tokens of its segment that the previous turns stored: their appended and output
+tokens), its generated tokens and their behavior records. A trajectory's tokens are therefore
+stored once: segment by segment, turn after turn, ``append_ids`` then ``output_ids``. A turn whose
+input did not extend the stored context is a fork (``fork`` set, ``context`` 0): it starts a new
+segment holding its whole input, trained as its own sample.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUTES_SECTION = "routed_experts"
+"""The turn block's section of a turn's routed experts (:class:`RoutedExperts`)."""
+_ROUTE_CODES = {1: "B", 2: "H", 4: "i"}
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A turn's routed experts (SGLang's ``routed_experts``): ``rows`` positions from ``start`` of
+    its segment's sequence, ``width`` ids each (layers x top-k, layer after layer, as SGLang lays
+    them out; the router does not know the model), as ``data``: their int32 little-endian bytes.
+    ValueError unless ``len(data) == 4 * rows * width``.
+
+    Append-only: a turn stores the rows of the positions it adds to its segment, asked from
+    ``context - 1`` (the previous turn's last output token was sampled, never fed forward in that
+    turn; SGLang answers rows of ``[start, seqlen - 1)``, :mod:`core.sglang_release`), or 0 for a
+    segment's first turn (:func:`router.turns.routes_start`); a segment's turns so hold the rows
+    of its positions ``[0, len(segment) - 1)`` exactly once.
+
+    Its section (:meth:`to_section`): varint start, varint rows, varint width, u8 bytes per id,
+    then the ids as little-endian unsigned ints of that size (1 or 2 when every id fits, else 4:
+    int32 as sent)."""
+
+    start: int
+    rows: int
+    width: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if min(self.start, self.rows, self.width) < 0 or len(self.data) != 4 * self.rows * self.width:
+            raise ValueError(
+                f"routed experts: {len(self.data)} bytes for {self.rows} rows of {self.width} int32 ids"
+            )
+
+    def values(self) -> list[int]:
+        """The ids, row after row."""
+        return _ints(self.data, 4)
+
+    def to_json(self) -> dict[str, Any]:
+        """``start``, ``rows``, ``width`` and ``data``: base64 of the int32 bytes (SGLang's encoding)."""
+        return {
+            "start": self.start,
+            "rows": self.rows,
+            "width": self.width,
+            "data": base64.b64encode(self.data).decode("ascii"),
+        }
+
+    def to_section(self) -> bytes:
+        """The section's bytes (class docstring)."""
+        values = self.values()
+        lo, hi = (min(values), max(values)) if values else (0, 0)
+        size = 4 if lo < 0 or hi >= 0x10000 else 2 if hi >= 0x100 else 1
+        ids = self.data if size == 4 else _pack(values, size)
+        return bytes(_head(self.start, self.rows, self.width)) + bytes([size]) + ids
+
+    def tail(self, start: int) -> RoutedExperts:
+        """The rows of the positions from ``start`` on (``start`` in ``[self.start, self.start +
+        self.rows]``, else ValueError): what a turn stores when its segment already holds the
+        rows before ``start``."""
+        if not self.start <= start <= self.start + self.rows:
+            end = self.start + self.rows
+            raise ValueError(f"routed experts of positions [{self.start}, {end}) have no tail from {start}")
+        skip = 4 * self.width * (start - self.start)
+        return RoutedExperts(start, self.rows - (start - self.start), self.width, self.data[skip:])
+
+    @classmethod
+    def from_section(cls, data: bytes) -> RoutedExperts:
+        """The routed experts of a section (ValueError naming what is wrong)."""
+        pos, fields = 0, []
+        for _ in range(3):
+            value = shift = 0
+            while True:
+                if pos >= len(data):
+                    raise ValueError("routed_experts section: truncated head")
+                b = data[pos]
+                pos += 1
+                value |= (b & 0x7F) << shift
+                shift += 7
+                if b < 0x80:
+                    break
+            fields.append(value)
+        start, rows, width = fields
+        size = data[pos] if pos < len(data) else 0
+        if size not in _ROUTE_CODES or len(data) - pos - 1 != rows * width * size:
+            raise ValueError(f"routed_experts section: {len(data) - pos - 1} bytes for {rows} x {width} ids")
+        raw = data[pos + 1 :]
+        return cls(start, rows, width, raw if size == 4 else _pack(_ints(raw, size), 4))
+
+
+def _head(*values: int) -> bytearray:
+    out = bytearray()
+    for v in values:
+        while v >= 0x80:
+            out.append(v & 0x7F | 0x80)
+            v >>= 7
+        out.append(v)
+    return out
+
+
+def _ints(raw: bytes, size: int) -> list[int]:
+    a = array.array(_ROUTE_CODES[size])
+    a.frombytes(raw)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def _pack(values: list[int], size: int) -> bytes:
+    a = array.array(_ROUTE_CODES[size], values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+@dataclass(frozen=True)
+class TurnData:
+    """One recorded turn. ``support_ids[i]`` sorted ascending, unique; empty = no filtering.
+    Unknown log-probs are NaN (``raw_logprobs``: None or NaN).
+
+    ``context``: tokens of the turn's segment before ``append_ids`` (0 for a segment's first
+    turn). ``fork``: None, or on a turn that starts a new segment because its input did not
+    extend the stored context, ``{"stored": n, "common": k}`` (the stored context's length and
+    the length of the prefix the input shared with it). ``sections``: optional named sections
+    of the turn block (raw bytes, :mod:`router.records`).
+
+    Invariant, checked on construction (ValueError): ``len(output_ids) == len(logprobs) ==
+    len(raw_logprobs) == len(support_ids) == len(support_logprobs)``, ``len(support_ids[i])
+    == len(support_logprobs[i])``, ``context >= 0`` and a fork has ``context`` 0. The order of
+    support ids is checked by :func:`router.records.encode_turn`.
+    """
+
+    turn: int
+    group: str
+    replica: str
+    append_ids: Sequence[int]
+    output_ids: Sequence[int]
+    logprobs: Sequence[float]
+    raw_logprobs: Sequence[float | None]
+    support_ids: Sequence[Sequence[int]]
+    support_logprobs: Sequence[Sequence[float]]
+    weight_versions: Sequence[dict[str, int]] = ()
+    finish_reason: dict[str, Any] | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+    moved_from: str | None = None
+    sampling: dict[str, Any] | None = None
+    context: int = 0
+    fork: dict[str, int] | None = None
+    sections: Mapping[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        lens = (len(self.logprobs), len(self.raw_logprobs), len(self.support_ids), len(self.support_logprobs))
+        if any(x != n for x in lens):
+            raise ValueError(f"record lengths {lens} differ from {n} output tokens")
+        k_ids = list(map(len, self.support_ids))
+        k_lps = list(map(len, self.support_logprobs))
+        if k_ids != k_lps:
+            i = next(i for i, (a, b) in enumerate(zip(k_ids, k_lps, strict=True)) if a != b)
+            raise ValueError(f"token {i}: {k_ids[i]} support ids but {k_lps[i]} support log-probs")
+        if self.context < 0 or (self.fork is not None and self.context):
+            raise ValueError(f"context {self.context}: not a segment offset (a fork starts at 0)")
+
+    @property
+    def prompt_len(self) -> int:
+        """The length of the input the engine was given: the segment's context and the append."""
+        return self.context + len(self.append_ids)
+
+    def versions(self) -> list[int | None]:
+        """The weight version of every output token (None where no span covers it)."""
+        n = len(self.output_ids)
+        spans = self.weight_versions
+        if len(spans) == 1 and spans[0]["start"] <= 0 and spans[0]["end"] >= n:
+            return [spans[0]["version"]] * n
+        out: list[int | None] = [None] * n
+        for span in sorted(spans, key=lambda s: s["start"]):
+            for i in range(max(0, span["start"]), min(n, span["end"])):
+                if out[i] is None:
+                    out[i] = span["version"]
+        return out
+
+    @property
+    def routed_experts(self) -> RoutedExperts | None:
+        """The turn's routed experts (its :data:`ROUTES_SECTION`), if recorded."""
+        data = self.sections.get(ROUTES_SECTION)
+        return None if data is None else RoutedExperts.from_section(data)
+
+    def version_range(self) -> tuple[int | None, int | None]:
+        """The lowest and highest weight version of the turn's spans; (None, None) without spans."""
+        spans = self.weight_versions
+        if len(spans) == 1:
+            return spans[0]["version"], spans[0]["version"]
+        versions = [s["version"] for s in spans]
+        return (min(versions), max(versions)) if versions else (None, None)
+
+    def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
+        """The turn's JSON object, the one JSON view of a turn (the turn answer without
+        ``append_ids``, trajectory reads and JSON batches with them, last): one record per output
+        token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
+        no NaN. Sections are not part of the JSON view, but for the routed experts
+        (``routed_experts``: :meth:`RoutedExperts.to_json`)."""
+        out: dict[str, Any] = {}
+        if session_id is not None:
+            out["session_id"] = session_id
+        out.update(
+            turn=self.turn,
+            group=self.group,
+            replica=self.replica,
+            context=self.context,
+            fork=None if self.fork is None else dict(self.fork),
+            output_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            records=self._records(),
+            weight_versions=[dict(s) for s in self.weight_versions],
+            timings=dict(self.timings),
+            moved_from=self.moved_from,
+            sampling=None if self.sampling is None else dict(self.sampling),
+        )
+        routes = self.routed_experts
+        if routes is not None:
+            out["routed_experts"] = routes.to_json()
+        if with_input:
+            out["append_ids"] = list(self.append_ids)
+        return out
+
+    def _records(self) -> list[dict[str, Any]]:
+        """One JSON record per output token (non-finite log-probs as None)."""
+        logprobs = self.logprobs
+        if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
+            logprobs = [x if math.isfinite(x) else None for x in logprobs]
+        raws = self.raw_logprobs
+        if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
+            raws = [None if x is None or not math.isfinite(x) else x for x in raws]
+        return [
+            {
+                "token_id": tok,
+                "logprob": lp,
+                "raw_logprob": raw,
+                "support_ids": list(ids),
+                "support_logprobs": list(lps)
+                if math.isfinite(sum(lps))
+                else [x if math.isfinite(x) else None for x in lps],
+                "weight_version": version,
+            }
+            for tok, lp, raw, ids, lps, version in zip(
+                self.output_ids,
+                logprobs,
+                raws,
+                self.support_ids,
+                self.support_logprobs,
+                self.versions(),
+                strict=True,
+            )
+        ]
