@@ -378,16 +378,21 @@ class Load:
                 await asyncio.sleep(1.0)
 
     async def resync(self, client: Any, sid: str, done: int, context: list[int]) -> tuple[int, list[int]]:
-        """After a failed turn: adopt what the router recorded (a turn may have been stored)."""
-        await asyncio.sleep(0.5)
-        with contextlib.suppress(Exception):
-            turns = (await client.trajectory(sid))["turns"]
+        """After a failed turn: adopt what the router recorded (a turn may have been stored); the
+        trajectory is read until the router answers (a fault may be in progress), for up to 20 s."""
+        for _ in range(40):
+            await asyncio.sleep(0.5)
+            try:
+                turns = (await client.trajectory(sid))["turns"]
+            except Exception:
+                continue
             if len(turns) > done:
-                context: list[int] = []  # the last segment's tokens (a fork starts a new one)
+                context = []  # the last segment's tokens (a fork starts a new one)
                 for t in turns:
-                    context = (context if t["fork"] is None else []) + t["append_ids"] + t["output_ids"]
+                    context = (context if t.get("fork") is None else []) + t["append_ids"] + t["output_ids"]
                 tool = [self.rng.randrange(3, 250) for _ in range(self.cfg.tool)]
                 return len(turns), context + tool
+            break
         return done, context
 
     async def trainer(self, client: Any) -> None:
