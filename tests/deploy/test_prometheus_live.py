@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import yaml
 
+from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
 from deploy.grafana import generate
 from tests.support.fleet import LocalFleet, local_fleet
 from tests.support.models import make_model_dir
@@ -164,6 +165,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
                 "sessions_per_replica": 2,
                 "min_replicas": 1,
                 "price_per_gpu_hour": PRICES[g],
+                "record_routes": True,  # the route-mismatch panels need routes recorded and replayed
             }
             for g, f in GROUPS
         ],
@@ -178,7 +180,15 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
     ) as router:
         fleet_env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url}
         with (
-            local_fleet(work, base, GROUPS, run_id=RUN, router_url=router.url, env=fleet_env) as fleet,
+            local_fleet(
+                work,
+                base,
+                GROUPS,
+                run_id=RUN,
+                router_url=router.url,
+                env=fleet_env,
+                engine_flags=(ENABLE_RETURN_ROUTED_EXPERTS_FLAG,),
+            ) as fleet,
             RolloutClient(router.url, key) as client,
             prometheus(work, router) as prom,
         ):
@@ -204,7 +214,9 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
             assert batch.lease_id is not None and len(batch.trajectories) == 10
             rng = np.random.default_rng(0)
             trainer = batch.logprobs + rng.normal(0.0, 0.3, size=batch.logprobs.shape).astype(np.float32)
-            figures = client.upload_trainer_logprobs(batch.lease_id, trainer)
+            # a trainer's replay flags (0 same experts, 1 different), drawn: the panels need both
+            routes = rng.integers(0, 2, size=batch.logprobs.shape).astype(np.uint8)
+            figures = client.upload_trainer_logprobs(batch.lease_id, trainer, routes)
             assert figures["tokens"] == len(batch.logprobs)
             assert {g["group"] for g in figures["groups"]} == {g for g, _ in GROUPS}
             client.ack(batch.lease_id)
@@ -212,6 +224,11 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
             prom.wait(
                 f"sum(max by (group) (mixfleet_mismatch_tokens_total)) == {len(batch.logprobs)}",
                 "the upload's tokens",
+                30,
+            )
+            prom.wait(
+                f"sum(max by (group) (mixfleet_mismatch_route_tokens_total)) == {len(batch.logprobs)}",
+                "the upload's route flags",
                 30,
             )
             prom.wait("count(mixfleet_replica_activations_total >= 1) == 2", "both activations", 30)
