@@ -203,9 +203,9 @@ def test_up_serves_the_chat_apis_to_the_openai_client(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{port}/v1/sessions/{lines[0].split()[1]}/trajectory"
         first, second = httpx.get(url, headers=auth).json()["turns"]
         assert 1 <= len(first["output_ids"]) <= 16 and len(first["records"]) == len(first["output_ids"])
-        assert second["input_ids"][: len(first["input_ids"]) + len(first["output_ids"])] == (
-            first["input_ids"] + first["output_ids"]
-        )
+        # append-only: the second turn extends the first (no fork), after its input and its sampled ids
+        assert first["context"] == 0 and first["fork"] is None and second["fork"] is None
+        assert second["context"] == len(first["append_ids"]) + len(first["output_ids"])
 
 
 def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
