@@ -12,6 +12,7 @@ Exit status 0 when every level of every group passes, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -62,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from validate.report import table, write
     from validate.run import DEFAULT_PROMPTS, Options, read_prompts, run_validation
 
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError(
+            "levels 3-5 compare with a transformers forward of the BF16 weights: "
+            "install it with .venv/bin/pip install -e '.[demo]'"
+        )
     if not 0.0 < args.top_p <= 1.0:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
