@@ -62,6 +62,7 @@ from benchmarks.router import (  # noqa: E402
     build_request,
     cpu_seconds,
     pct,
+    serve_stub,
 )
 
 VOCAB = 4096
@@ -91,52 +92,6 @@ def stub_body() -> bytes:
         "output_token_sampling_support_logprobs": [[lp] * len(m) for m in masks],
     }
     return json.dumps({"text": "", "output_ids": OUT_IDS, "meta_info": meta}).encode()
-
-
-async def serve_slow_stub(port: int, delay_s: float) -> None:
-    """A stub engine answering ``/generate`` with :func:`stub_body` after ``delay_s`` seconds."""
-    generate = stub_body()
-    info = {"model_path": "stub", "is_generation": True, "vocab_size": VOCAB, "weight_version": "0"}
-    server = {"weight_version": "0", "internal_states": [{}]}
-    small = {b"/health": b"", b"/health_generate": b"", b"/abort_request": b""}
-    small[b"/get_weight_version"] = b'{"weight_version":"0"}'
-    for path, value in ((b"/model_info", info), (b"/get_model_info", info), (b"/server_info", server)):
-        small[path] = json.dumps(value).encode()
-    small[b"/get_server_info"] = small[b"/server_info"]
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line, _, rest = head.partition(b"\r\n")
-                path = line.split(b" ", 2)[1].split(b"?", 1)[0]
-                length = next(
-                    (int(h[15:]) for h in rest.split(b"\r\n") if h[:15].lower() == b"content-length:"), 0
-                )
-                if length:
-                    await reader.readexactly(length)
-                if path == b"/generate":
-                    await asyncio.sleep(delay_s)
-                body = generate if path == b"/generate" else small.get(path)
-                status = b"200 OK" if body is not None else b"404 Not Found"
-                body = body or b""
-                writer.write(
-                    b"HTTP/1.1 "
-                    + status
-                    + b"\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(body)).encode()
-                    + b"\r\n\r\n"
-                    + body
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
-    async with server:
-        await server.serve_forever()
 
 
 class Agent:
@@ -419,7 +374,7 @@ def main() -> int:
     args = ap.parse_args()
     _event_loop_policy()
     if args.serve_stub:
-        asyncio.run(serve_slow_stub(args.serve_stub, args.engine_s))
+        asyncio.run(serve_stub(args.serve_stub, stub_body(), args.engine_s, VOCAB))
         return 0
     from benchmarks.router import _wait, spawn
     from tests.support.procs import free_port, mixfleet_argv, redis_server

@@ -97,17 +97,23 @@ def _stub_generate_body() -> bytes:
     return json.dumps({"text": "", "output_ids": out, "meta_info": meta}).encode()
 
 
-async def serve_stub(port: int) -> None:
-    generate = _stub_generate_body()
+async def serve_stub(
+    port: int, generate: bytes | None = None, delay_s: float = 0.0, vocab_size: int = 4096
+) -> None:
+    """A stub SGLang engine on ``port``: ``/generate`` answers ``generate`` (default
+    :func:`_stub_generate_body`) after ``delay_s`` seconds; the info, health and abort routes answer
+    at once."""
+    generate = _stub_generate_body() if generate is None else generate
+    info = {"model_path": "stub", "is_generation": True, "vocab_size": vocab_size, "weight_version": "0"}
+    server = json.dumps({"weight_version": "0", "internal_states": [{}]}).encode()
     small = {
         b"/health": b"",
         b"/health_generate": b"",
-        b"/model_info": json.dumps(
-            {"model_path": "stub", "is_generation": True, "vocab_size": 4096, "weight_version": "0"}
-        ).encode(),
-        b"/server_info": json.dumps({"weight_version": "0", "internal_states": [{}]}).encode(),
-        b"/get_model_info": json.dumps({"model_path": "stub", "is_generation": True}).encode(),
-        b"/get_server_info": json.dumps({"weight_version": "0", "internal_states": [{}]}).encode(),
+        b"/abort_request": b"",
+        b"/model_info": json.dumps(info).encode(),
+        b"/get_model_info": json.dumps(info).encode(),
+        b"/server_info": server,
+        b"/get_server_info": server,
         b"/get_weight_version": b'{"weight_version":"0"}',
     }
 
@@ -124,6 +130,8 @@ async def serve_stub(port: int) -> None:
                 if length:
                     await reader.readexactly(length)
                 path = path.split(b"?", 1)[0]
+                if path == b"/generate" and delay_s:
+                    await asyncio.sleep(delay_s)
                 body = generate if path == b"/generate" else small.get(path)
                 status = b"200 OK" if body is not None else b"404 Not Found"
                 body = body or b""
