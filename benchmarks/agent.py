@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import secrets
@@ -63,6 +62,7 @@ from benchmarks.router import (  # noqa: E402
     cpu_seconds,
     pct,
     serve_stub,
+    stub_generate_body,
 )
 
 VOCAB = 4096
@@ -75,23 +75,8 @@ OUT_IDS = [ord("a") + i % 26 for i in range(N_OUT)]  # text a chat renderer deco
 
 
 def stub_body() -> bytes:
-    """``benchmarks/router.py``'s stub answer (SGLang's ``meta_info`` shape) with ASCII ids."""
-    lp, raw = -math.log(SUPPORT), -math.log(2 * SUPPORT)
-    masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in OUT_IDS]
-    meta = {
-        "id": "stub",
-        "finish_reason": {"type": "length", "length": N_OUT},
-        "prompt_tokens": 4,
-        "completion_tokens": N_OUT,
-        "cached_tokens": 0,
-        "weight_version": "0",
-        "weight_versions": [{"version": 0, "start": 0, "end": N_OUT}],
-        "output_token_logprobs": [[raw, t, None] for t in OUT_IDS],
-        "output_token_sampling_mask": masks,
-        "output_token_sampling_logprobs": [lp for _ in OUT_IDS],
-        "output_token_sampling_support_logprobs": [[lp] * len(m) for m in masks],
-    }
-    return json.dumps({"text": "", "output_ids": OUT_IDS, "meta_info": meta}).encode()
+    """``benchmarks/router.py``'s stub answer with ASCII ids."""
+    return stub_generate_body(OUT_IDS)
 
 
 class Agent:

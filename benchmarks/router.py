@@ -76,8 +76,10 @@ def _event_loop_policy() -> None:
 # ------------------------------------------------------------------ stub backend
 
 
-def _stub_generate_body() -> bytes:
-    out = list(range(100, 100 + N_OUT))
+def stub_generate_body(out: list[int] | None = None) -> bytes:
+    """The stub engine's ``/generate`` answer (SGLang's ``meta_info`` shape) for output ids ``out``
+    (default 100 .. 100 + N_OUT), each with a support of SUPPORT ids."""
+    out = list(range(100, 100 + N_OUT)) if out is None else out
     masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in out]
     lp = -math.log(SUPPORT)  # uniform over the support
     raw = -math.log(2 * SUPPORT)  # before filtering: half the mass outside the support
@@ -101,9 +103,9 @@ async def serve_stub(
     port: int, generate: bytes | None = None, delay_s: float = 0.0, vocab_size: int = 4096
 ) -> None:
     """A stub SGLang engine on ``port``: ``/generate`` answers ``generate`` (default
-    :func:`_stub_generate_body`) after ``delay_s`` seconds; the info, health and abort routes answer
+    :func:`stub_generate_body`) after ``delay_s`` seconds; the info, health and abort routes answer
     at once."""
-    generate = _stub_generate_body() if generate is None else generate
+    generate = stub_generate_body() if generate is None else generate
     info = {"model_path": "stub", "is_generation": True, "vocab_size": vocab_size, "weight_version": "0"}
     server = json.dumps({"weight_version": "0", "internal_states": [{}]}).encode()
     small = {
