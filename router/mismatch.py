@@ -12,7 +12,7 @@ actually drawn from, after temperature, top-k and top-p, renormalized over the s
 * ``extreme``: ``r`` outside :data:`EXTREME_BAND` = [0.2, 5] (closed: a ratio of exactly 0.2
   or 5 is inside); ``out_of_band``: ``r`` outside the configured band, same rule.
 
-Routing (issue 21): where the batch recorded routed experts and the trainer uploaded its route
+Routing: where the batch recorded routed experts and the trainer uploaded its route
 flags (:mod:`router.trainer_logprobs`), ``route_tokens`` counts the tokens compared and
 ``route_differ`` those whose trainer experts (the trainer's own top-k at the position that
 predicted the token, as a set per MoE layer) differ from the recorded ones in some layer; their

@@ -12,7 +12,7 @@ Upload (``MAGIC_LOGPROBS`` = b"MFL", then format byte ``FORMAT_VERSION``; media 
     b"MFL" u8 format_version
     u32      n                 (number of log-probs)
     n f32    log p             (the trainer's log-prob of each sampled token)
-    optional route section (routing replay, issue 21):
+    optional route section (routing replay):
     u32      n                 (the same count)
     n u8     route mismatch    (0: the trainer's own experts equal the recorded ones at the
                                position that predicted the token, in every MoE layer; 1: they
