@@ -16,14 +16,12 @@ import httpx
 import pytest
 
 from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
-from launcher.children import Launcher, Probe, Replica, ReplicaSpec, Supervisor
-from tests.support.fleet import LOCAL_GROUPS, SIDECAR_FLAGS
+from launcher.children import Replica
+from tests.support.fleet import LOCAL_GROUPS, local_fleet
 from tests.support.models import make_model_dir
 from tests.support.procs import REPO, mixfleet_argv
 from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset
-from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
-from weight_sync.types import FormatRef
 
 RUN = "run"
 
@@ -112,43 +110,24 @@ def fleet(tmp_path_factory, tiny_base) -> Iterator[Fleet]:
             for g, f in LOCAL_GROUPS
         ],
     )
-    store = LocalStore(work / "store")
-    formats = [f for _, f in LOCAL_GROUPS]
-    publish_checkpoint(store, RUN, 1, tiny_base, formats, workers=0)
+    store_root = work / "store"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MIXFLEET_STORE", str(store.root))
+        mp.setenv("MIXFLEET_STORE", str(store_root))
         mp.setenv("MIXFLEET_RUN", RUN)
         mp.setenv("MIXFLEET_PUBLISH_WORKERS", "0")
         mp.setenv("MIXFLEET_ENGINE_FAULTS", "1")  # the engines inherit it: /debug/fault
         with router_process(
             preset, keys={key: ALL_SCOPES}, log=work / "router.log", extra_args=("--heartbeat-timeout", "5")
         ) as router:
-            env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url, "MIXFLEET_STORE": str(store.root)}
-            launcher = Launcher(store.root, RUN, router_url=router.url, sidecar_env=env, engine_threads=1)
-            with launcher, Probe() as probe:
-                replicas = [
-                    launcher.replica(
-                        ReplicaSpec(
-                            replica_id=f"{group}-0",
-                            group=group,
-                            weight_format=fmt,
-                            kv_cache_dtype="fp8_e4m3" if fmt == "fp8" else "auto",
-                            engine_flags=(ENABLE_RETURN_ROUTED_EXPERTS_FLAG,),
-                            sidecar_flags=SIDECAR_FLAGS,
-                        ),
-                        staging_dir=work / f"staging-{group}",
-                        engine_log=work / f"engine-{group}.log",
-                        sidecar_log=work / f"sidecar-{group}.log",
-                    )
-                    for group, fmt in LOCAL_GROUPS
-                ]
-
-                def version_of(fmt: str) -> int:
-                    return store.read_pointer(FormatRef(RUN, fmt)) or 0
-
-                supervisor = Supervisor(launcher, replicas, version_of, probe, ready_timeout_s=180)
-                supervisor.start()
-                supervisor.wait_running(time.monotonic() + 300)
-                f = Fleet(router, store, replicas, env, work)
+            env = {"MIXFLEET_API_KEY": key, "MIXFLEET_URL": router.url, "MIXFLEET_STORE": str(store_root)}
+            with local_fleet(
+                work,
+                tiny_base,
+                run_id=RUN,
+                router_url=router.url,
+                env=env,
+                engine_flags=(ENABLE_RETURN_ROUTED_EXPERTS_FLAG,),
+            ) as lf:
+                f = Fleet(router, lf.store, lf.replicas, env, work)
                 f.wait_active(1)
                 yield f
