@@ -112,6 +112,4 @@ def check(target: GroupTarget) -> LevelResult:
         f"{target.format} (scale groups {SCALE_GROUPS.get(target.format)}), {len(exceptions)} modules kept "
         f"BF16, KV cache {target.kv_cache_dtype}, v{target.version}"
     )
-    if failures:
-        summary = f"{len(failures)} problem(s): {failures[0]}"
-    return LevelResult(1, not failures, summary, tuple(failures), tuple(notes), details=contract)
+    return LevelResult.checked(1, summary, failures, tuple(notes), details=contract)

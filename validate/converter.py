@@ -133,13 +133,10 @@ def check(target: GroupTarget) -> LevelResult:
         if errors
         else f"{counts['tensors']} tensors, no quantized linear (BF16 copies compared byte for byte)"
     )
-    if failures:
-        summary = f"{len(failures)} problem(s): {failures[0]}"
-    return LevelResult(
+    return LevelResult.checked(
         2,
-        not failures,
         summary,
-        tuple(failures),
+        failures,
         details={
             "tensors": counts["tensors"],
             "differing": counts["differing"],

@@ -29,6 +29,21 @@ class LevelResult:
     details: dict[str, Any] = field(default_factory=dict)
     plot: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def checked(
+        cls,
+        level: int,
+        summary: str,
+        failures: list[str] | tuple[str, ...],
+        notes: list[str] | tuple[str, ...] = (),
+        **figures: dict[str, Any],
+    ) -> LevelResult:
+        """The level's result: passed when nothing failed; a failed level's summary is its count of
+        failures and the first one (``summary`` describes a level that passed)."""
+        if failures:
+            summary = f"{len(failures)} problem(s): {failures[0]}"
+        return cls(level, not failures, summary, tuple(failures), tuple(notes), **figures)
+
     @property
     def name(self) -> str:
         return NAMES[self.level]

@@ -148,13 +148,10 @@ def check(target: GroupTarget) -> LevelResult:
     summary = f"{len(rows)} linears: QDQ vs BF16 up to {worst_q:.3g} (bound {b.qdq_rel_err:.3g})" + (
         f", engine vs QDQ up to {worst_k:.2g} (bound {b.kernel_rel_err:.2g})" if worst_k is not None else ""
     )
-    if failures:
-        summary = f"{len(failures)} problem(s): {failures[0]}"
-    return LevelResult(
+    return LevelResult.checked(
         3,
-        not failures,
         summary,
-        tuple(failures),
+        failures,
         tuple(notes),
         details={
             "linears": rows,

@@ -96,12 +96,10 @@ def check(
             f"routes: worst layer keeps {worst:.0%} of BF16's top-{top_k} (bound {b.route_agree_min:.0%})"
         )
     parts.append(f"decode vs prefill |d log p| {max(gaps.values(), default=0.0):.2g}")
-    summary = "; ".join(parts) if not failures else f"{len(failures)} problem(s): {failures[0]}"
-    return LevelResult(
+    return LevelResult.checked(
         5,
-        not failures,
-        summary,
-        tuple(failures),
+        "; ".join(parts),
+        failures,
         tuple(notes),
         details={
             "agreement": {r: {str(k): v for k, v in a.items()} for r, a in agreement.items()},

@@ -177,13 +177,10 @@ def _live_level(name: str, verify: Any) -> LevelResult:
         f"perturbation v{verify.perturbed}: log-prob rise expected {row.get('rise_expected', 0):+.4f}, "
         f"observed {row.get('rise_observed', 0):+.4f}; rolled back as v{verify.rolled_back}"
     )
-    if mine:
-        summary = f"{len(mine)} problem(s): {mine[0]}"
-    return LevelResult(
+    return LevelResult.checked(
         6,
-        not mine,
         summary,
-        tuple(mine),
+        mine,
         details=row,
         plot={"expected": row.get("rise_expected"), "observed": row.get("rise_observed")},
     )

@@ -138,14 +138,11 @@ def check(target: GroupTarget, fp: FixedPrefix, top_p: float) -> LevelResult:
         if worst
         else "no score"
     )
-    if failures:
-        summary = f"{len(failures)} problem(s): {failures[0]}"
     details = {rep: {k: v for k, v in m.items() if k != "series"} for rep, m in per.items()}
-    return LevelResult(
+    return LevelResult.checked(
         4,
-        not failures,
         summary,
-        tuple(failures),
+        failures,
         details={
             "replicas": details,
             "top_p": top_p,
