@@ -39,11 +39,13 @@ class Sample:
 
 
 def sample(url: str, prompts: Sequence[Sequence[int]], max_new: int, top_p: float) -> list[Sample]:
-    """One continuation per prompt from the replica at ``url`` (temperature 1, ``top_p``)."""
+    """One continuation per prompt from the replica at ``url`` (temperature 1, ``top_p``), one request
+    at a time: each is decoded alone, so level 5's decode-versus-prefill comparison measures the KV
+    cache's history and not which other requests shared a batch."""
 
     async def go(c: SGLangClient) -> list[Sample]:
         params = {"max_new_tokens": max_new, "temperature": 1.0, "top_p": top_p, "ignore_eos": True}
-        gens = await asyncio.gather(*(c.generate(list(p), params) for p in prompts))
+        gens = [await c.generate(list(p), params) for p in prompts]
         out = []
         for g in gens:
             rows = g.body["meta_info"].get("output_token_logprobs") or []
