@@ -1,8 +1,11 @@
 """Agent sessions: long multi-turn trajectories through the router on a stub SGLang engine.
 
 What is measured. ``--sessions`` concurrent agents (default 256) each run ``--turns`` turns (57)
-whose context grows linearly to ``--max-context`` tokens (128K): each turn sends the full
-context (the previous turn's input, its 64 generated tokens, then new tool tokens). The stub
+whose context grows linearly to ``--max-context`` tokens (128K). Each ``--input`` mode is one
+pass of such sessions: ``full`` sends the full context every turn (the previous turn's input,
+its 64 generated tokens, then new tool tokens: the router checks it against the stored
+context), ``append`` only the new tool tokens (``append_ids``: the router prepends the stored
+context, the previous input and output, for the engine). The stub
 engine (``benchmarks/router.py``'s: the exact ``meta_info`` shape of SGLang with log-probs and
 32-id sampling masks, 64 tokens a turn) answers every ``/generate`` after ``--engine-s`` seconds,
 standing in for the engine's own time. Printed:
@@ -11,7 +14,8 @@ standing in for the engine's own time. Printed:
   router (``POST /v1/sessions/{id}/turns``, a real router process) minus the same percentile of
   the same requests sent straight to the stub (``POST /generate``), at the same concurrency;
 * router CPU per turn (the router process's user+system time over the turns it served), on the
-  long sessions and on a short-context pass (``--short-turns`` turns of ~1K tokens);
+  long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
+  tokens, full context);
 * bytes stored per trajectory (the Redis list of its turn blocks) and served (the trainer's
   binary batch of it) against the bound ``1.2 x (context tokens x bytes of one varint id +
   generated tokens x their record bytes)``; a record's bytes are those of one generated token's
@@ -27,12 +31,15 @@ standing in for the engine's own time. Printed:
   each sending back the previous reply as the assistant message; its latency is set beside the
   same direct figures by context size (the raw API's, approximately the same token counts).
 
-Targets: added p50 <= 3 ms per turn at 128K context; router CPU <= 1 ms per turn at short
-contexts. All processes share this machine's cores: the figures depend on the machine and on
-what else runs.
+Targets: added p50 <= 3 ms per turn at 128K context (a turn costs in proportion to what it
+appends: the ``append`` mode; a ``full`` turn's body itself is the whole context, which the router
+must decode as JSON); router CPU <= 1 ms per turn at short contexts. All processes share this
+machine's cores: the figures depend on the machine and on what else runs (the load average is
+printed).
 
 Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
-[--engine-s 1.0] [--state memory redis] [--short-turns 10]``.
+[--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--out r.json]``
+(``--out``: also write every figure as JSON).
 """
 
 from __future__ import annotations
@@ -90,15 +97,18 @@ class Agent:
         self.ids = b""
         self.n = 0
 
-    def next_body(self, turn: int, *, direct: bool) -> bytes:
-        """The body of turn ``turn``: the context so far, the last answer, new tool tokens."""
+    def next_body(self, turn: int, *, direct: bool, append: bool = False) -> bytes:
+        """The body of turn ``turn``: the context so far, the last answer, new tool tokens (at
+        least one); with ``append`` only the new tool tokens (the router stored the rest)."""
         if turn:
             self.ids += b"," + self.OUT
             self.n += N_OUT
-        new = self.sizes[turn] - self.n
+        new = max(1, self.sizes[turn] - self.n)
         tool = ",".join(str(self.rng.randrange(1, VOCAB)) for _ in range(new)).encode()
         self.ids = tool if not self.ids else self.ids + b"," + tool
         self.n += new
+        if append:
+            return b'{"append_ids":[' + tool + b"]," + SAMPLING + b"}"
         extra = b',"return_logprob":true,"return_sampling_mask":true' if direct else b""
         return b'{"input_ids":[' + self.ids + b"]," + SAMPLING + extra + b"}"
 
@@ -108,9 +118,16 @@ def bucket(size: int) -> int:
 
 
 async def run_agents(
-    port: int, auth: dict[str, str], sessions: int, turns: int, max_context: int, direct: bool
+    port: int,
+    auth: dict[str, str],
+    sessions: int,
+    turns: int,
+    max_context: int,
+    direct: bool,
+    append: bool = False,
 ) -> tuple[dict[int, list[float]], list[str]]:
-    """Every agent's turns, concurrently; latencies by context bucket and the session ids."""
+    """Every agent's turns, concurrently (``append``: as appended tokens); latencies by context
+    bucket and the session ids."""
     lat: dict[int, list[float]] = {}
     sids: list[str] = []
 
@@ -126,7 +143,7 @@ async def run_agents(
             path = f"/v1/sessions/{sid}/turns"
         try:
             for t in range(turns):
-                request = build_request("POST", path, agent.next_body(t, direct=direct), auth)
+                request = build_request("POST", path, agent.next_body(t, direct=direct, append=append), auth)
                 t0 = time.perf_counter()
                 status, data = await conn.send(request)
                 lat.setdefault(bucket(agent.n), []).append(time.perf_counter() - t0)
@@ -263,8 +280,10 @@ def _ms(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]]) -> None:
+def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]]) -> list[dict]:
+    """Print the latency table by context bucket; its rows (milliseconds)."""
     print("  context <=   turns   router p50/p99 ms   direct p50/p99 ms   added p50/p99 ms")
+    rows = []
     for b in sorted(router):
         r, d = router[b], direct.get(b, [])
         added = (pct(r, 0.5) - pct(d, 0.5), pct(r, 0.99) - pct(d, 0.99))
@@ -273,6 +292,13 @@ def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]
             f"  {label:>9} {len(r):7d} {_ms(pct(r, 0.5))} {_ms(pct(r, 0.99))}   "
             f"{_ms(pct(d, 0.5))} {_ms(pct(d, 0.99))}   {_ms(added[0])} {_ms(added[1])}"
         )
+        ms = [round(x * 1000, 3) for x in (pct(r, 0.5), pct(r, 0.99), pct(d, 0.5), pct(d, 0.99), *added)]
+        keys = ("router_p50_ms", "router_p99_ms", "direct_p50_ms", "direct_p99_ms")
+        rows.append(
+            {"context_le": label, "turns": len(r), **dict(zip(keys, ms, strict=False))}
+            | {"added_p50_ms": ms[4], "added_p99_ms": ms[5]}
+        )
+    return rows
 
 
 def start_router(
@@ -299,50 +325,78 @@ async def measure_state(
     key: str,
     redis_url: str | None,
     direct: dict[int, list[float]],
-) -> None:
-    """The long sessions, then the short pass, then the trainer's takes, through one router."""
+) -> dict:
+    """The long sessions of each input mode, then the short pass, the chat pass and the trainer's
+    takes, through one router; every figure printed, and returned."""
     auth = {"authorization": f"Bearer {key}"}
-    mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
-    cpu0 = cpu_seconds(pid)
-    lat, sids = await run_agents(port, auth, args.sessions, args.turns, args.max_context, direct=False)
-    cpu = cpu_seconds(pid) - cpu0
-    mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
-    report_latency(lat, direct)
-    n_turns = args.sessions * args.turns
-    print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
-    where = "Redis used_memory" if redis_url else "router RSS"
-    print(
-        f"  state memory per 1,000 finished sessions ({where}): {mem / args.sessions * 1000 / 2**30:.2f} GiB"
-    )
-    ctx_tokens = args.max_context + N_OUT
-    bound = 1.2 * (ctx_tokens * VARINT_ID_BYTES + args.turns * N_OUT * record_bytes())
-    stored = await trajectory_bytes(redis_url, sids, 8)
-    if stored:
-        print(
-            f"  bytes stored per trajectory: {sum(stored) / len(stored) / 1e6:.2f} MB "
-            f"(bound {bound / 1e6:.2f} MB: {sum(stored) / len(stored) / bound:.2f} x)"
-        )
+    out: dict = {}
+    bound = 1.2 * ((args.max_context + N_OUT) * VARINT_ID_BYTES + args.turns * N_OUT * record_bytes())
+    for mode in args.input:
+        print(f"  {mode} context per turn ({'input_ids' if mode == 'full' else 'append_ids'}):")
+        out[mode] = await measure_long(args, port, pid, auth, redis_url, direct, mode == "append", bound)
     cpu0 = cpu_seconds(pid)
     await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False)
     short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
     print(f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms)")
+    out["short_cpu_ms_per_turn"] = round(short * 1000, 3)
     if args.chat_turns:
         cpu0 = cpu_seconds(pid)
         chat = await run_chat_agents(port, auth, args.sessions, args.chat_turns, args.chat_context)
         n_chat = args.sessions * args.chat_turns
         per_turn = (cpu_seconds(pid) - cpu0) / n_chat
         print(f"  OpenAI chat endpoint, {args.chat_turns} turns to {args.chat_context} tokens:")
-        report_latency(chat, direct)
+        out["chat"] = {"latency": report_latency(chat, direct), "cpu_ms_per_turn": round(per_turn * 1000, 3)}
         print(f"  router CPU per chat turn: {per_turn * 1000:.2f} ms over {n_chat} turns")
     takes, decodes, sizes = await take_and_decode(f"http://127.0.0.1:{port}", key, min(8, args.sessions))
+    served = sum(sizes) / len(sizes)
     print(
-        f"  bytes served per trajectory (binary batch): {sum(sizes) / len(sizes) / 1e6:.2f} MB "
-        f"(bound {bound / 1e6:.2f} MB: {sum(sizes) / len(sizes) / bound:.2f} x)"
+        f"  bytes served per trajectory (binary batch): {served / 1e6:.2f} MB "
+        f"(bound {bound / 1e6:.2f} MB: {served / bound:.2f} x)"
     )
     print(
         f"  trainer take + decode per trajectory: {_ms(pct(takes, 0.5)).strip()} + "
         f"{_ms(pct(decodes, 0.5)).strip()} ms (p50 of {len(takes)})"
     )
+    out["served_bytes_per_trajectory"] = served
+    out["bound_bytes"] = bound
+    out["take_ms"] = round(pct(takes, 0.5) * 1000, 3)
+    out["decode_ms"] = round(pct(decodes, 0.5) * 1000, 3)
+    return out
+
+
+async def measure_long(
+    args: argparse.Namespace,
+    port: int,
+    pid: int,
+    auth: dict[str, str],
+    redis_url: str | None,
+    direct: dict[int, list[float]],
+    append: bool,
+    bound: float,
+) -> dict:
+    """One pass of the long sessions (``append``: as appended tokens): latency, CPU, memory and
+    bytes stored."""
+    mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
+    cpu0 = cpu_seconds(pid)
+    lat, sids = await run_agents(
+        port, auth, args.sessions, args.turns, args.max_context, direct=False, append=append
+    )
+    cpu = cpu_seconds(pid) - cpu0
+    mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
+    out: dict = {"latency": report_latency(lat, direct)}
+    n_turns = args.sessions * args.turns
+    print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
+    where = "Redis used_memory" if redis_url else "router RSS"
+    per_1000 = mem / args.sessions * 1000
+    print(f"  state memory per 1,000 finished sessions ({where}): {per_1000 / 2**30:.2f} GiB")
+    out |= {"cpu_ms_per_turn": round(cpu / n_turns * 1000, 3), "state_bytes_per_1000_sessions": per_1000}
+    stored = await trajectory_bytes(redis_url, sids, 8)
+    if stored:
+        mean = sum(stored) / len(stored)
+        mb, ratio = mean / 1e6, mean / bound
+        print(f"  bytes stored per trajectory: {mb:.2f} MB (bound {bound / 1e6:.2f} MB: {ratio:.2f} x)")
+        out["stored_bytes_per_trajectory"] = mean
+    return out
 
 
 def main() -> int:
@@ -355,6 +409,8 @@ def main() -> int:
     ap.add_argument("--chat-turns", type=int, default=57, help="turns of the chat pass (0: none)")
     ap.add_argument("--chat-context", type=int, default=131072, help="context of the chat pass's last turn")
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
+    ap.add_argument("--input", nargs="+", default=["full", "append"], choices=["full", "append"])
+    ap.add_argument("--out", type=Path, default=None, help="also write every figure here as JSON")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     _event_loop_policy()
@@ -384,13 +440,19 @@ def main() -> int:
             f"{SUPPORT}-id masks; {os.cpu_count()} cores shared by stub, router(s), Redis and client; "
             f"load average {os.getloadavg()[0]:.1f}"
         )
+        report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+        report["load_average_start"] = os.getloadavg()
         direct, _ = asyncio.run(run_agents(stub_port, {}, args.sessions, args.turns, args.max_context, True))
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
             log = tmp / f"router-{kind}.log"
             port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model)
             print(f"\n{kind} state:")
-            asyncio.run(measure_state(args, port, pid, key, redis_url, direct))
+            report[kind] = asyncio.run(measure_state(args, port, pid, key, redis_url, direct))
+        report["load_average_end"] = os.getloadavg()
+        print(f"load average at the end: {report['load_average_end'][0]:.1f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -6,9 +6,12 @@ environment variables, files, command output for people) uses the standard :mod:
   ``Infinity``, as some engines write) is decoded by :mod:`json`; invalid JSON raises
   ``ValueError``.
 * :func:`dumps` encodes to compact UTF-8 bytes. Non-finite floats are written as ``null`` (JSON
-  has no such tokens). Objects orjson cannot encode (integers beyond 64 bits, non-string keys)
-  are encoded by :mod:`json` under the same rule; anything neither can encode raises
-  ``TypeError``. ``sort_keys`` sorts the keys of every object.
+  has no such tokens). A numpy array (a turn's token ids, :mod:`router.segments`) is written as
+  a JSON list by orjson itself, in one pass, with no Python object per element (orjson's
+  ``OPT_SERIALIZE_NUMPY``; another object with ``tolist()``, such as an ``array.array`` or an
+  array orjson does not take natively, is written as its list). Objects orjson cannot encode
+  (integers beyond 64 bits, non-string keys) are encoded by :mod:`json` under the same rule;
+  anything neither can encode raises ``TypeError``. ``sort_keys`` sorts the keys of every object.
 
 The bytes may differ from :mod:`json`'s in whitespace and float spelling (``1e-05`` vs
 ``1e-5``); the decoded values are identical.
@@ -36,18 +39,33 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
 def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
     """``obj`` as compact JSON bytes (non-finite floats as ``null``)."""
     try:
-        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS if sort_keys else None)
+        return orjson.dumps(obj, default=_tolist, option=_SORTED if sort_keys else _OPTIONS)
     except TypeError:
         pass
     try:
-        text = json.dumps(
-            obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys
-        )
+        text = _std_dumps(obj, sort_keys)
     except ValueError:  # a non-finite float: null it, as orjson does
-        text = json.dumps(
-            _finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys
-        )
+        text = _std_dumps(_finite(obj), sort_keys)
     return text.encode()
+
+
+def _std_dumps(obj: Any, sort_keys: bool) -> str:
+    """:mod:`json`'s compact text of ``obj`` (ValueError for a non-finite float)."""
+    return json.dumps(
+        obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, default=_tolist
+    )
+
+
+_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_SORTED = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS
+
+
+def _tolist(obj: Any) -> Any:
+    """orjson's ``default``: an array-like object as its list; TypeError for anything else."""
+    tolist = getattr(obj, "tolist", None)
+    if tolist is None:
+        raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+    return tolist()
 
 
 def _finite(obj: Any) -> Any:

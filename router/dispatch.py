@@ -28,8 +28,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
 
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from router.context import RouterContext
@@ -38,6 +40,7 @@ from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
 from router.registry import Registry
 from router.schemas import TurnSpec
+from router.segments import Ids
 from router.state.base import SessionInfo
 from router.turn_data import TurnData
 
@@ -237,17 +240,18 @@ def effective_min_version(
     return max(min_version or 0, base - max_version_age)
 
 
-def check_vocab(ctx: RouterContext, group: str, rows: list[list[int]], field: str) -> None:
+def check_vocab(ctx: RouterContext, group: str, rows: Sequence[Ids], field: str) -> None:
+    """Refuse (422 naming ``field[i]``) an id at or above ``group``'s vocabulary size, when known;
+    a row that is a numpy array (a turn's input, :mod:`router.segments`) is checked in bulk."""
     vocab = ctx.config.vocab_size or ctx.registry.vocab_size(group)
     if vocab is None:
         return
     for r, row in enumerate(rows):
-        if not row or max(row) < vocab:
+        if not len(row) or (row.max() if isinstance(row, np.ndarray) else max(row)) < vocab:
             continue
-        for i, t in enumerate(row):
-            if t >= vocab:
-                where = f"{field}[{i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
-                raise ApiError(422, f"{where} = {t} is outside the vocabulary (size {vocab})")
+        i = next(i for i, t in enumerate(row) if t >= vocab)
+        where = f"{field}[{i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
+        raise ApiError(422, f"{where} = {row[i]} is outside the vocabulary (size {vocab})")
 
 
 def _ms(seconds: float) -> float:

@@ -1,4 +1,8 @@
-"""Agent-facing routes (scope ``rollout``): sessions, token-in-token-out turns, finish, trajectory."""
+"""Agent-facing routes (scope ``rollout``): sessions, token-in-token-out turns, finish, trajectory.
+
+A turn's answer is the JSON bytes :func:`router.turns.record_turn` built once from the turn as
+stored; the route returns them as they are (its ``response_model`` documents them and is not
+applied again)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC, answer_turn
+from router.json_route import JsonRoute
 from router.policy import assign_group
 from router.records import decode_turn
 from router.schemas import (
@@ -35,6 +40,7 @@ router = APIRouter(
     tags=["sessions"],
     dependencies=[Depends(require("rollout"))],
     responses=error_responses(*AUTH),
+    route_class=JsonRoute,  # a turn's body of 100K+ ids is decoded by orjson
 )
 SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
 

@@ -6,13 +6,75 @@ default; floats must be finite. Every refusal the router itself makes is an
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator, model_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    RootModel,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from router.segments import Ids, as_ids
 
 TOKEN_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
 """A token id (validated by pydantic itself, per element)."""
+
+
+def _token_array(value: Any) -> np.ndarray:
+    """A list of token ids as one uint32 array (:func:`router.segments.as_ids`), checked in bulk;
+    a list that is not all integers in 0..TOKEN_MAX is validated by pydantic's own rules for a
+    :data:`TokenId`, id by id (so ``3.0`` is the id 3, as everywhere else), and refused with
+    ValueError naming the first id it refuses."""
+    if not isinstance(value, list | tuple | np.ndarray):
+        raise ValueError(f"{type(value).__name__} is not a list of token ids")
+    with contextlib.suppress(ValueError):
+        return as_ids(value, TOKEN_MAX)
+    try:
+        return as_ids(_TOKEN_IDS.validate_python(value), TOKEN_MAX)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "".join(f"[{x}]" for x in first["loc"])
+        raise ValueError(f"{where} = {first['input']!r}: {first['msg']}") from None
+
+
+def _some_token_array(value: Any) -> np.ndarray:
+    """:func:`_token_array`, refusing an empty list."""
+    ids = _token_array(value)
+    if not len(ids):
+        raise ValueError("give at least one token id")
+    return ids
+
+
+def _ids_type(validate: Any, min_items: int) -> Any:
+    """A list of token ids validated by ``validate`` into an array (its JSON schema: a list of at
+    least ``min_items`` token ids)."""
+    items = {"type": "integer", "minimum": 0, "maximum": TOKEN_MAX}
+    return Annotated[
+        Any,
+        PlainValidator(validate),
+        PlainSerializer(lambda ids: ids.tolist(), return_type=list[int]),
+        WithJsonSchema({"type": "array", "items": items, "minItems": min_items}),
+    ]
+
+
+_TOKEN_IDS = TypeAdapter(list[TokenId])
+TokenArray = _ids_type(_token_array, 0)
+"""Token ids of a turn's input, a JSON list validated into one uint32 array in bulk (a context of
+100K+ ids costs no per-id Python validation and no Python list): what :class:`TurnSpec` carries
+to the engine's request body."""
+ContextArray = _ids_type(_some_token_array, 1)
+"""A :data:`TokenArray` of at least one id (a turn's full context)."""
 
 
 class _Req(BaseModel):
@@ -135,22 +197,21 @@ class TurnSpec(NamedTuple):
     the stored context) is set; :func:`router.turns.record_turn` gives the dispatcher a spec
     whose ``input_ids`` are the engine's whole input."""
 
-    input_ids: list[int] | None
+    input_ids: Ids | None
     params: dict[str, Any]
     min_version: int | None = None
     max_version_age: int | None = None
     turn: int | None = None
-    append_ids: list[int] | None = None
+    append_ids: Ids | None = None
 
 
 class TurnRequest(_Req):
-    input_ids: list[TokenId] | None = Field(
+    input_ids: ContextArray | None = Field(
         None,
-        min_length=1,
-        description="the full context, token ids (checked against the session's stored context; "
-        "a turn that does not extend it is recorded as a fork)",
+        description="the full context, token ids, at least one (checked against the session's stored "
+        "context; a turn that does not extend it is recorded as a fork)",
     )
-    append_ids: list[TokenId] | None = Field(
+    append_ids: TokenArray | None = Field(
         None,
         description="instead of input_ids: only the tokens appended to the session's stored context "
         "(the previous turn's input and output)",

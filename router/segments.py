@@ -3,13 +3,17 @@
 The state store keeps an open session's context (the token sequence of its current segment,
 :mod:`router.state.base`) packed as uint32 little-endian (:func:`pack`). A turn's whole input
 either extends it (the turn then stores only its new tail, :func:`place`) or does not: a fork,
-which starts a new segment holding the whole input. Checking a full-context input costs one
-comparison of packed bytes, no per-token Python work.
+which starts a new segment holding the whole input.
+
+A turn's ids travel as one compact uint32 array (:func:`as_ids`: what a turn request's ids are
+validated into, :mod:`router.schemas`) from the request to the engine's request body, which
+:mod:`core.jsonio` encodes from the array in one go: the stored context is read as an array over
+its bytes, a full-context input is checked against it by one comparison of arrays, and Python
+lists are built only of what a turn appends. No per-token Python work grows with the context.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,14 +23,16 @@ import numpy as np
 from router.turn_data import TurnData
 
 _IDS = "I" if array("I").itemsize == 4 else "L"  # a 4-byte unsigned C type (token ids < 2**31)
+_U32_MAX = 2**32 - 1
+
+Ids = Sequence[int] | np.ndarray
+"""Token ids: a sequence of ints, or an integer numpy array (:func:`as_ids`)."""
 
 
-def pack(ids: Sequence[int]) -> bytes:
-    """``ids`` as uint32 little-endian bytes (each id in 0 .. 2**32 - 1, else OverflowError)."""
-    packed = array(_IDS, ids)
-    if sys.byteorder == "big":  # pragma: no cover
-        packed.byteswap()
-    return packed.tobytes()
+def pack(ids: Ids) -> bytes:
+    """``ids`` as uint32 little-endian bytes (each id in 0 .. 2**32 - 1, else ValueError as
+    :func:`as_ids`)."""
+    return as_ids(ids).astype("<u4", copy=False).tobytes()
 
 
 def unpack(data: bytes) -> list[int]:
@@ -34,49 +40,83 @@ def unpack(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<u4").tolist()
 
 
+def as_ids(ids: Ids, limit: int = _U32_MAX) -> np.ndarray:
+    """``ids`` as a one-dimensional uint32 array (native byte order; a uint32 array is returned as
+    it is, not copied), checked in bulk. Raises ValueError naming the first entry (``[i] =
+    value``) that is not an integer in 0 .. ``limit`` (at most 2**32 - 1; a bool counts as the
+    integer it is)."""
+    if isinstance(ids, np.ndarray):
+        out = ids if ids.dtype == np.uint32 and ids.ndim == 1 else _from_array(ids, limit)
+    else:
+        try:
+            out = np.frombuffer(array(_IDS, ids), dtype=np.uint32)
+        except (TypeError, OverflowError):
+            i = next(i for i, x in enumerate(ids) if not (isinstance(x, int) and 0 <= x <= limit))
+            raise ValueError(_not_an_id(i, ids[i], limit)) from None
+    if limit < _U32_MAX and len(out) and out.max() > limit:
+        i = int(np.argmax(out > limit))
+        raise ValueError(_not_an_id(i, int(out[i]), limit))
+    return out
+
+
+def _not_an_id(i: int, value: object, limit: int) -> str:
+    return f"[{i}] = {value!r} is not a token id (an integer in 0..{limit})"
+
+
+def _from_array(a: np.ndarray, limit: int) -> np.ndarray:
+    """An integer array of another dtype as uint32 (ValueError as :func:`as_ids`)."""
+    if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0):
+        raise ValueError(f"a {a.ndim}-dimensional {a.dtype} array is not a list of token ids")
+    bad = np.flatnonzero((a < 0) | (a > limit)) if a.size else ()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(_not_an_id(i, int(a[i]), limit))
+    return a.astype(np.uint32)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a turn's input goes: ``context`` tokens of the stored segment it extends (0 on a
-    fork or a first turn), the ``append`` that follows them, and ``fork`` (None, or the stored
-    context's length and the prefix the input shared with it)."""
+    fork or a first turn), the ``append`` that follows them (a list: only what the turn adds is
+    ever a Python list), and ``fork`` (None, or the stored context's length and the prefix the
+    input shared with it)."""
 
     context: int
-    append: Sequence[int]
+    append: list[int]
     fork: dict[str, int] | None = None
 
 
-def locate(
-    input_ids: Sequence[int] | None, append_ids: Sequence[int] | None, stored: bytes
-) -> tuple[list[int], Placement]:
-    """The engine's whole input and where it goes: ``input_ids`` placed on the ``stored``
-    context (:func:`place`), or (``input_ids`` None) the stored context followed by
-    ``append_ids``, which extend it by definition (no comparison). Raises ValueError for an
-    empty whole input."""
+def locate(input_ids: Ids | None, append_ids: Ids | None, stored: bytes) -> tuple[np.ndarray, Placement]:
+    """The engine's whole input (a uint32 array, :func:`as_ids`) and where it goes: ``input_ids``
+    placed on the ``stored`` context (:func:`place`), or (``input_ids`` None) the stored context
+    followed by ``append_ids``, which extend it by definition (no comparison). Raises ValueError
+    for an empty whole input and as :func:`as_ids`."""
     if input_ids is None:
-        appended = list(append_ids or ())
-        whole = unpack(stored) + appended if stored else appended
-        at = Placement(len(stored) // 4, appended)
+        appended = as_ids(() if append_ids is None else append_ids)
+        whole = np.concatenate((np.frombuffer(stored, dtype="<u4"), appended)) if stored else appended
+        at = Placement(len(stored) // 4, appended.tolist())
     else:
-        whole = list(input_ids)
+        whole = as_ids(input_ids)
         at = place(whole, stored)
-    if not whole:
+    if not len(whole):
         raise ValueError("the session has no stored context yet; give at least one token")
     return whole, at
 
 
-def place(input_ids: Sequence[int], stored: bytes) -> Placement:
+def place(input_ids: Ids, stored: bytes) -> Placement:
     """How the whole input ``input_ids`` relates to the ``stored`` context (packed): it extends
-    it when the stored tokens are its prefix."""
+    it when the stored tokens are its prefix (one comparison of arrays)."""
+    ids = as_ids(input_ids)
     n = len(stored) // 4
     if n == 0:
-        return Placement(0, input_ids)
-    if len(input_ids) >= n and pack(input_ids[:n]) == stored:
-        return Placement(n, input_ids[n:])
+        return Placement(0, ids.tolist())
     have = np.frombuffer(stored, dtype="<u4")
-    m = min(n, len(input_ids))
-    differ = np.flatnonzero(have[:m] != np.asarray(input_ids[:m], dtype=np.int64))
+    if len(ids) >= n and np.array_equal(ids[:n], have):
+        return Placement(n, ids[n:].tolist())
+    m = min(n, len(ids))
+    differ = np.flatnonzero(have[:m] != ids[:m])
     common = int(differ[0]) if differ.size else m
-    return Placement(0, input_ids, {"stored": n, "common": common})
+    return Placement(0, ids.tolist(), {"stored": n, "common": common})
 
 
 def engine_inputs(turns: Sequence[TurnData]) -> list[list[int]]:

@@ -123,8 +123,15 @@ def test_an_input_is_placed_after_the_stored_context_or_forks() -> None:
     assert (at.context, at.fork) == (0, {"stored": 3, "common": 2})
     assert np.frombuffer(pack([2**31 - 1]), dtype="<u4").tolist() == [2**31 - 1]
     whole, at = locate(None, [8], stored)  # appended tokens extend the stored context
-    assert (whole, at.context, list(at.append), at.fork) == ([5, 6, 7, 8], 3, [8], None)
+    assert (whole.tolist(), at.context, at.append, at.fork) == ([5, 6, 7, 8], 3, [8], None)
+    assert whole.dtype == np.uint32  # the engine's input stays one array, never a list of the context
     whole, at = locate([5, 6, 1], None, stored)
-    assert (whole, at.context, at.fork) == ([5, 6, 1], 0, {"stored": 3, "common": 2})
+    assert (whole.tolist(), at.context, at.fork) == ([5, 6, 1], 0, {"stored": 3, "common": 2})
+    whole, at = locate(np.asarray([5, 6, 7, 9], dtype=np.int64), None, stored)
+    assert (whole.tolist(), at.context, at.append, at.fork) == ([5, 6, 7, 9], 3, [9], None)
+    refused = (([1, -1], r"\[1\] = -1 is not a token id"), ([2.0], r"\[0\] = 2\.0 is not"), (["3"], "'3'"))
+    for bad, why in refused:
+        with pytest.raises(ValueError, match=why):
+            locate(None, bad, stored)
     with pytest.raises(ValueError, match="no stored context"):
         locate(None, [], b"")
