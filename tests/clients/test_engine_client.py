@@ -181,6 +181,25 @@ def test_generate_sends_the_one_engine_request(params, sent_params, mask, sampli
     asyncio.run(main())
 
 
+def test_generate_sends_an_id_array_as_the_json_list_of_its_ids() -> None:
+    """A turn's input travels as one uint32 array (:mod:`router.segments`: the stored context and
+    the appended ids, concatenated); the engine gets exactly the JSON list of those ids."""
+    from router.segments import as_ids, locate, pack
+
+    stored = pack(range(2**31 - 5, 2**31))  # the largest ids a request may carry
+    whole, _ = locate(None, as_ids([0, 7, 300, 70_000]), stored)
+    expected = [*range(2**31 - 5, 2**31), 0, 7, 300, 70_000]
+
+    async def main() -> None:
+        async with Server(lambda n: ok(b'{"output_ids":[],"meta_info":{}}')) as srv:
+            await with_client(srv.url, lambda c: c.generate(whole, {"max_new_tokens": 3}))
+            await with_client(srv.url, lambda c: c.generate(whole[5:7], {"max_new_tokens": 3}))
+            await with_client(srv.url, lambda c: c.generate(whole[::2], {"max_new_tokens": 3}))  # strided
+        assert [json.loads(b)["input_ids"] for b in srv.bodies] == [expected, [0, 7], expected[::2]]
+
+    asyncio.run(main())
+
+
 def test_score_matches_transformers_and_shares_the_prefix(engine: str, tiny_dir: Path) -> None:
     seqs = [[*PROMPT, 33], [*PROMPT, 65]]
     full = run(engine, lambda c: c.score(seqs, 0))
