@@ -6,7 +6,7 @@ differs from what this module generates, or when a panel or variable queries a m
 code defines. The defined names are read from the metric registries themselves: the router's
 (:class:`router.metrics.RouterMetrics`), a sidecar's (built from
 :data:`replica.reconciler.REPLICA_METRICS`), the engine's
-(:class:`engine.server.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
+(:class:`engine.runtime.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
 rules of ``deploy/prometheus/rules/``.
 
 Every dashboard is Grafana 11 schema (``schemaVersion`` :data:`SCHEMA_VERSION`), takes its
@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from engine.server.metrics import EngineMetrics
+from engine.runtime.metrics import EngineMetrics
 from replica.reconciler import REPLICA_METRICS
 from router.metrics import RouterMetrics
 

@@ -44,7 +44,7 @@ from the checkpoint's codes (``layers.pack_parts``; float32 for oneDNN only wher
 impossible); NVFP4's activation quantization is one fused numba pass per projection input (the
 experts' gate/up input once per token, before the routed copies are gathered); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
-sequences' attention is one call per cache pool (see ``engine.runtime.cache``) with the query heads
+sequences' attention is one call per cache pool (see ``engine.model.cache``) with the query heads
 of a KV head as its query rows, so each stored key and value is read once per step (torch's
 ``scaled_dot_product_attention`` with a mask per slot).
 """
@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.model.cache import KVPool, SequenceCache, storage_dtype, to_storage
 from engine.model.config import ARCHITECTURE, ModelConfig
 from engine.model.layers import (
     Experts,
@@ -71,7 +72,6 @@ from engine.model.layers import (
     swiglu,
 )
 from engine.model.loader import CheckpointTensors, LayerTensors, LinearWeight, load_checkpoint
-from engine.runtime.cache import KVPool, SequenceCache, storage_dtype, to_storage
 
 __all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
 

@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
-from engine.server.tokenizer import Tokenizer as EngineTokenizer
+from engine.model.tokenizer import Tokenizer as EngineTokenizer
 from router.chat.conversation import Sampled, build_context, sampled_turns
 from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
 from router.turn_data import TurnData
