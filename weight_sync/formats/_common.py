@@ -31,6 +31,14 @@ def describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
+def tensors(d: dict[str, torch.Tensor], names: tuple[str, ...], where: str) -> tuple[torch.Tensor, ...]:
+    """``d``'s tensors named ``names``, in that order; ``ValueError`` naming the first one missing."""
+    missing = [name for name in names if name not in d]
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}")
+    return tuple(d[name] for name in names)
+
+
 def check_weight(w: object, where: str) -> torch.Tensor:
     """``w`` as a contiguous tensor; raises ``ValueError`` unless it is a bf16/f16/f32 tensor."""
     if not isinstance(w, torch.Tensor):

@@ -99,25 +99,29 @@ def quantize_bits(
     return codes, scales
 
 
+def check_layout(weight: torch.Tensor, weight_scale_inv: torch.Tensor, where: str) -> None:
+    """``ValueError`` (its message starting with ``where``) unless ``weight`` is float8_e4m3fn
+    ``[N, K]`` and ``weight_scale_inv`` float32 ``[ceil(N/128), ceil(K/128)]``."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"{where}: weight must be float8_e4m3fn [N, K], got {_common.describe(weight)}")
+    n, k = weight.shape
+    expected = [math.ceil(n / BLOCK), math.ceil(k / BLOCK)]
+    if weight_scale_inv.dtype != torch.float32 or list(weight_scale_inv.shape) != expected:
+        raise ValueError(
+            f"{where}: weight_scale_inv {_common.describe(weight_scale_inv)} does not match weight "
+            f"{_common.describe(weight)} (expected float32 {expected})"
+        )
+
+
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     """Float32 ``[N, K]``: each code's value times its block's ``weight_scale_inv`` (one float32 product).
 
     Wrong dtypes or shapes raise ``ValueError``.
     """
     where = "fp8.dequantize"
-    try:
-        weight, scale = d["weight"], d["weight_scale_inv"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"{where}: weight must be float8_e4m3fn [N, K], got {_common.describe(weight)}")
+    weight, scale = _common.tensors(d, ("weight", "weight_scale_inv"), where)
+    check_layout(weight, scale, where)
     n, k = weight.shape
-    expected = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
-        raise ValueError(
-            f"{where}: weight_scale_inv {_common.describe(scale)} does not match weight "
-            f"{_common.describe(weight)} (expected float32 of shape {expected})"
-        )
     out = torch.empty((n, k), dtype=torch.float32)
     if n == 0 or k == 0:
         return out

@@ -88,6 +88,18 @@ def scale_factors(scales: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def check_layout(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> None:
+    """``ValueError`` (its message starting with ``where``) unless ``blocks`` is uint8
+    ``[..., K/32, 16]`` and ``scales`` uint8 ``[..., K/32]``."""
+    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"{where}: blocks must be uint8 [..., K/32, 16], got {_common.describe(blocks)}")
+    if scales.dtype != torch.uint8 or list(scales.shape) != list(blocks.shape[:-1]):
+        raise ValueError(
+            f"{where}: scales {_common.describe(scales)} do not match blocks {_common.describe(blocks)} "
+            f"(expected uint8 {list(blocks.shape[:-1])})"
+        )
+
+
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     """Float32 ``[..., K]`` from ``{"blocks", "scales"}``: ``E2M1(code) * 2**(scale - 127)`` (exact).
 
@@ -96,17 +108,8 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     from weight_sync.formats.fp4 import decode_packed
 
     where = "mxfp4.dequantize"
-    try:
-        blocks, scales = d["blocks"], d["scales"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
-    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2:
-        raise ValueError(f"{where}: blocks must be uint8 [..., K/32, 16], got {_common.describe(blocks)}")
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(
-            f"{where}: scales {_common.describe(scales)} do not match blocks {_common.describe(blocks)} "
-            f"(expected uint8 of shape {tuple(blocks.shape[:-1])})"
-        )
+    blocks, scales = _common.tensors(d, ("blocks", "scales"), where)
+    check_layout(blocks, scales, where)
     values = decode_packed(blocks.contiguous())  # [..., K/32, 32]
     out = values.mul_(scale_factors(scales).unsqueeze(-1))
     return out.view(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
