@@ -35,6 +35,7 @@ from router.records import (
 from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 from tests.engine.test_routes import _hf_routes
 from tests.support.engines import engine_process
+from tests.support.procs import free_port
 from tests.support.router import router_process, write_preset
 from trainer.batch import decode_batch as trainer_decode_batch
 from trainer.client import RolloutClient, RouterError
@@ -211,7 +212,8 @@ def routed_engine(tiny_dir):
 def routes_router(routed_engine, engine_url, redis_url, tmp_path_factory):
     """Round-robin over four groups, on a real redis-server: ``cpu-r`` records every turn's routes,
     ``cpu-s`` runs the same engine with the flag but records only for sessions that ask,
-    ``cpu-p`` has engines without it, ``cpu-bad`` records but its engine lacks the flag."""
+    ``cpu-p`` has engines without it, ``cpu-bad`` records but its engine lacks the flag; and
+    ``cpu-dead``, declared with the flag, whose one replica never answers (never in rotation)."""
     d = tmp_path_factory.mktemp("routes")
     preset = write_preset(
         d / "preset.toml",
@@ -220,6 +222,11 @@ def routes_router(routed_engine, engine_url, redis_url, tmp_path_factory):
             {"name": "cpu-s", "replicas": [routed_engine], "engine_args": [ROUTES_FLAG]},
             {"name": "cpu-p", "replicas": [engine_url]},
             {"name": "cpu-bad", "replicas": [engine_url], "record_routes": True},
+            {
+                "name": "cpu-dead",
+                "replicas": [f"http://127.0.0.1:{free_port()}"],
+                "engine_args": [ROUTES_FLAG],
+            },
         ],
     )
     redis.Redis.from_url(redis_url).flushdb()
@@ -367,3 +374,28 @@ def test_the_policy_places_a_session_with_record_routes_only_where_routes_are_re
         assert client.delete(f"/v1/sessions/{r.json()['session_id']}").status_code == 200
     assert sorted(placed[False]) == ["cpu-bad", "cpu-p", "cpu-r", "cpu-s"], placed
     assert sorted(placed[True]) == ["cpu-bad", "cpu-bad", "cpu-r", "cpu-r", "cpu-s", "cpu-s"], placed
+
+
+def test_a_session_with_record_routes_fails_over_only_to_groups_that_return_them(client):
+    """Four sessions in a row asking routes on ``cpu-dead`` move to the groups whose engines are
+    declared with the flag, round robin: a turn that ran carries its routes, one that reached
+    ``cpu-bad`` (declared, engine without the flag) is a 502 naming it; none reaches ``cpu-p``,
+    where it would run without routes."""
+    ran = []
+    for _ in range(4):
+        r = client.post("/v1/sessions", json={"group": "cpu-dead", "record_routes": True})
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        turn = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": PROMPT, "sampling_params": PARAMS})
+        if turn.status_code == 502:
+            assert ROUTES_FLAG in turn.text
+        else:
+            assert turn.status_code == 200, turn.text
+            body = turn.json()
+            assert (body["moved_from"], body["routed_experts"]["rows"]) == (
+                "cpu-dead",
+                len(PROMPT) + len(body["output_ids"]) - 1,
+            )
+            ran.append(body["group"])
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert len(ran) >= 2 and set(ran) <= {"cpu-r", "cpu-s"}, ran
