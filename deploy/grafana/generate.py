@@ -821,7 +821,7 @@ def mismatch() -> JSON:
             "Route mismatch (routing replay)",
             "Share of the compared tokens whose trainer top-k experts (at the position that predicted "
             "the token, as a set per MoE layer) differ from the routed experts the sampler recorded, in "
-            "some layer; groups with record_routes only.\n\n"
+            "some layer; groups and sessions with record_routes only.\n\n"
             f"Metrics: `{M['mm_route_differ']}`, `{M['mm_route_tokens']}`",
             [target(route_share, "{{group}}")],
             unit="percentunit",

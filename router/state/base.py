@@ -99,6 +99,7 @@ class SessionInfo:
     min_version: int | None = None
     max_version: int | None = None
     tokens: int = 0
+    record_routes: bool = False  # its turns ask their engines for routed experts (any group's)
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,19 @@ class StateStore(abc.ABC):
 
     # sessions -------------------------------------------------------------------------
     @abc.abstractmethod
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
-        """Create an open session in ``group``; counts it active there. A repeated call with the
-        same ``metadata`` and ``now`` (a retry) changes nothing; any other call for an existing
-        ``session_id`` raises ValueError."""
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
+        """Create an open session in ``group`` (``record_routes`` kept as
+        :attr:`SessionInfo.record_routes`); counts it active there. A repeated call with the same
+        ``metadata``, ``now`` and ``record_routes`` (a retry) changes nothing; any other call for
+        an existing ``session_id`` raises ValueError."""
 
     @abc.abstractmethod
     async def get_session(self, session_id: str) -> SessionInfo | None: ...

@@ -95,15 +95,23 @@ class MemoryStore(StateStore):
             return None
         return s
 
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
         known = self._sessions.get(session_id)
         if known is not None:
-            if known.info.created_at == now and known.info.metadata == metadata:
+            info = known.info
+            if (info.created_at, info.metadata, info.record_routes) == (now, metadata, record_routes):
                 return
             raise ValueError(f"session {session_id} exists")
-        self._sessions[session_id] = _Session(
-            SessionInfo(session_id, group, None, "open", now, dict(metadata)), last_active=now
-        )
+        info = SessionInfo(session_id, group, None, "open", now, dict(metadata), record_routes=record_routes)
+        self._sessions[session_id] = _Session(info, last_active=now)
         c = self._counters[group]
         c["active_sessions"] += 1
         c["sessions"] += 1

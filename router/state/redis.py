@@ -3,8 +3,8 @@
 Layout under the key prefix ``mf:`` (all values written by this module only):
 
 * ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
-  metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, and
-  ``q:<request_id>`` -> turn index (idempotent appends)
+  metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, ``routes`` (``1``, only
+  for a session with ``record_routes``), and ``q:<request_id>`` -> turn index (idempotent appends)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
 * ``mf:s:<id>:c`` string: the open session's context (uint32 little-endian token ids), extended
   with ``APPEND`` by each turn, replaced by a fork, deleted when the session finishes or goes
@@ -127,12 +127,13 @@ return 1
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local h = redis.call('HMGET', KEYS[1], 'created', 'metadata')
-  if h[1] == ARGV[2] and h[2] == ARGV[3] then return 1 end
+  local h = redis.call('HMGET', KEYS[1], 'created', 'metadata', 'routes')
+  if h[1] == ARGV[2] and h[2] == ARGV[3] and (h[3] or '0') == ARGV[5] then return 1 end
   return 0
 end
 redis.call('HSET', KEYS[1], 'group', ARGV[1], 'status', 'open', 'created', ARGV[2],
            'metadata', ARGV[3], 'n_turns', 0, 'tokens', 0)
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'routes', 1) end
 redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
 redis.call('HINCRBY', KEYS[2], 'sessions:' .. ARGV[1], 1)
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
@@ -336,6 +337,7 @@ _FIELDS = (
     "vmax",
     "reward",
     "finish_meta",
+    "routes",
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
@@ -437,11 +439,19 @@ class RedisStore(StateStore):
         self._group_ready = True
 
     # sessions -------------------------------------------------------------------------
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
         created = await self._call(
             self._create,
             keys=[_skey(session_id), STATS, ACTIVITY],
-            args=[group, repr(now), json.dumps(metadata), session_id],
+            args=[group, repr(now), json.dumps(metadata), session_id, "1" if record_routes else "0"],
         )
         if not created:
             raise ValueError(f"session {session_id} exists")
@@ -1060,4 +1070,5 @@ def _info(session_id: str, values: list[Any]) -> SessionInfo | None:
         min_version=num("vmin"),
         max_version=num("vmax"),
         tokens=int(d["tokens"] or 0),
+        record_routes=d["routes"] is not None,
     )
