@@ -122,6 +122,7 @@ async def run_chat(
     chain = digests(renderer.family, req.tools, req.messages)
     try:
         known = resume(state, req.messages, chain)
+        whole = known is None
         if known is None:
             known = from_trajectory([decode_turn(b) for b in await ctx.store.get_turns(session_id)])
         input_ids = build_context(renderer, req.messages, req.tools, known).input_ids
@@ -140,6 +141,7 @@ async def run_chat(
     if ours:
         note = Note(len(req.messages), chain[-1], len(turn["output_ids"]))
         await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
+        ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
     return _result(turn, renderer, prompt, stops, state)
 
 
