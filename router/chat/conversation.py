@@ -110,10 +110,10 @@ def resume(state: ChatState, messages: Sequence[Message], prefix_digests: Sequen
     note = Note.decode(state.note) if state.note_turn == state.session.n_turns - 1 else None
     if note is None or not 0 < note.messages < len(messages) or messages[note.messages].role != "assistant":
         return None
+    if prefix_digests[note.messages] != note.digest or 4 * note.output >= len(state.context):
+        return None
     ids = unpack(state.context)
     cut = len(ids) - note.output
-    if cut <= 0 or prefix_digests[note.messages] != note.digest:
-        return None
     prefix = ids[:cut]
     return Known(prefix, note.messages, (Sampled(prefix, ids[cut:]),))
 
