@@ -141,6 +141,28 @@ async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finis
         assert await store.get_session_context("t") is None
 
 
+async def test_the_chat_note_is_read_with_the_context_and_only_a_later_turn_replaces(store_url: str) -> None:
+    async with opened(store_url) as store:
+        assert await store.get_chat_state("nope") is None
+        assert not await store.put_chat_note("nope", 0, b"x")
+        await store.create_session("s", "g", {}, now=0.0)
+        state = await store.get_chat_state("s")
+        assert (state.session.n_turns, state.context, state.note_turn, state.note) == (0, b"", None, b"")
+        rec = TurnRecord("a", b"blob", "g", "rep", 1, None, None, b"\x01\x00\x00\x00")
+        await store.append_turn("s", rec)
+        assert await store.put_chat_note("s", 0, b"note-0")
+        assert await store.put_chat_note("s", 2, b"note-2")
+        assert not await store.put_chat_note("s", 1, b"note-1")  # an earlier turn's note comes late
+        assert not await store.put_chat_note("s", 2, b"again")
+        state = await store.get_chat_state("s")
+        assert (state.session.n_turns, state.context) == (1, b"\x01\x00\x00\x00")
+        assert (state.note_turn, state.note) == (2, b"note-2")
+        await store.finish_session("s", "f", 1.0, {})
+        state = await store.get_chat_state("s")
+        assert (state.session.status, state.note_turn, state.note) == ("finished", None, b"")
+        assert not await store.put_chat_note("s", 3, b"late")
+
+
 async def test_appends_are_idempotent_per_request_and_refused_after_finish(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s", "g", {}, now=0.0)
