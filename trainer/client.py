@@ -29,8 +29,13 @@ __all__ = ["AsyncRolloutClient", "RolloutClient", "RouterError", "Session"]
 
 @dataclass(frozen=True)
 class Session:
+    """A created session: its id, its group and the base URLs of its chat APIs (None from a router
+    that serves none), for the official ``openai`` and ``anthropic`` clients."""
+
     session_id: str
     group: str
+    openai_base_url: str | None = None
+    anthropic_base_url: str | None = None
 
 
 class AsyncRolloutClient:
@@ -73,7 +78,9 @@ class AsyncRolloutClient:
         if group is not None:
             body["group"] = group
         out = await self.router.call("POST", "/v1/sessions", body)
-        return Session(out["session_id"], out["group"])
+        return Session(
+            out["session_id"], out["group"], out.get("openai_base_url"), out.get("anthropic_base_url")
+        )
 
     async def turn(
         self,
