@@ -157,13 +157,12 @@ def _demo(url: str, key: str, base: Path, out: Path, config, args: argparse.Name
         turns = ", ".join(f"{n} turn{'s' * (n != '1')}: {c}" for n, c in s["turns"].items())
         _say(
             f"{s['episodes']} episodes trained on, {s['turns_mean']:.2f} turns per episode ({turns}); "
-            f"forks: {s['forks']} (expected 0: every turn extended the recorded tokens)"
+            f"forks: {s['forks']} (turns that did not extend their session's recorded tokens; expected 0)"
         )
     else:
         _say("no update was made")
-    _say(
-        f"wrote {out / 'demo.json'}" + (f" and {plot}" if plot else " (no plot: matplotlib is not installed)")
-    )
+    plotted = f" and {plot}" if plot else " (no plot: matplotlib is not installed)"
+    _say(f"wrote {out / 'demo.json'}, {out / 'episodes.jsonl'}{plotted}")
     _cost_report(url, key, out / "report")
     return 0
 
