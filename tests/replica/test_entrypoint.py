@@ -112,6 +112,7 @@ def test_replica_entrypoint_stages_serves_and_activates_a_publish(tmp_path) -> N
             sidecar_url = f"http://127.0.0.1:{port}"
             info = httpx.get(sidecar_url + "/server_info", timeout=10).json()
             assert Path(info["model_path"]) == (stage / "v000000").resolve(), info
+            assert info["enable_return_routed_experts"] is True  # what GroupSpec.returns_routes says
             assert sorted(p.name for p in stage.iterdir()) == ["v000000"]
             status = httpx.get(sidecar_url + "/v1/status", timeout=10).json()
             assert status["ready"] and status["active_version"] == 0 and status["url"] == sidecar_url
