@@ -29,11 +29,15 @@ __all__ = ["AsyncRolloutClient", "RolloutClient", "RouterError", "Session"]
 
 @dataclass(frozen=True)
 class Session:
-    """An open session: its id, its group, and whether its turns record routed experts."""
+    """An open session: its id, its group, whether its turns record routed experts, and the base
+    URLs of its chat APIs (None from a router that serves none), for the official ``openai`` and
+    ``anthropic`` clients."""
 
     session_id: str
     group: str
     record_routes: bool = False
+    openai_base_url: str | None = None
+    anthropic_base_url: str | None = None
 
 
 class AsyncRolloutClient:
@@ -82,7 +86,13 @@ class AsyncRolloutClient:
         if record_routes:
             body["record_routes"] = True
         out = await self.router.call("POST", "/v1/sessions", body)
-        return Session(out["session_id"], out["group"], out["record_routes"])
+        return Session(
+            out["session_id"],
+            out["group"],
+            out["record_routes"],
+            out.get("openai_base_url"),
+            out.get("anthropic_base_url"),
+        )
 
     async def turn(
         self,
