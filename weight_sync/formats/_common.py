@@ -15,13 +15,16 @@ import struct
 import numpy as np
 import torch
 
-from weight_sync.formats import _parallel
+from core.parallel import Workers
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Elements per task when a quantizer splits a tensor across threads: large enough that the
 # per-task overhead is negligible, small enough to balance the tasks over the worker threads.
 CHUNK_ELEMENTS = 1 << 20
+
+# The quantizers' chunk tasks (their own pool: a conversion never queues ahead of an engine's GEMMs).
+WORKERS = Workers("weight-formats")
 
 INF_BITS = 0x7F800000  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
 
@@ -109,7 +112,7 @@ def abs_max_bits(w: torch.Tensor) -> int:
 def abs_max_bits_of(x: np.ndarray) -> int:
     """``abs_max_bits`` of the bit array ``x`` (see ``bits``)."""
     kernel = kernels().abs_max_bits
-    tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
+    tops = WORKERS.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
     return int(max(tops, default=0))
 
 

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -94,7 +94,7 @@ def quantize_bits(
         r0, r1 = b0 * BLOCK, min(n, b1 * BLOCK)
         return kernel(x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb])
 
-    top = max(_parallel.run_ranges(nb, bands, task))
+    top = max(_common.WORKERS.run_ranges(nb, bands, task))
     _common.check_finite(int(top), "fp8.quantize", what or f"shape ({n}, {k})")
     return codes, scales
 
@@ -140,7 +140,7 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
         if k_full < k:
             o[:, k_full:].mul_(s[kbf:])
 
-    _parallel.run([lambda bi=bi: band(bi) for bi in range(math.ceil(n / BLOCK))])
+    _common.WORKERS.run([lambda bi=bi: band(bi) for bi in range(math.ceil(n / BLOCK))])
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 BLOCK = 32
 E2M1_MAX_POW2 = 2
@@ -75,7 +75,7 @@ def quantize_bits(
     def task(b0: int, b1: int) -> int:
         return kernel(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
 
-    top = max(_parallel.run_ranges(x.size // BLOCK, step, task), default=0)
+    top = max(_common.WORKERS.run_ranges(x.size // BLOCK, step, task), default=0)
     _common.check_finite(int(top), "mxfp4.quantize", what or f"{x.size} values")
     return blocks, scales
 

@@ -60,7 +60,7 @@ import math
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 GROUP = 16
 FP8_MAX = 448.0
@@ -209,7 +209,7 @@ def quantize_bits(
         def task(g0: int, g1: int) -> int:
             return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2, packed[g0 * 8 : g1 * 8], scales[g0:g1])
 
-        top = int(max(_parallel.run_ranges(x.size // GROUP, step, task), default=0))
+        top = int(max(_common.WORKERS.run_ranges(x.size // GROUP, step, task), default=0))
     _common.check_finite(top, "nvfp4.quantize", what)
     _check_covers(ws2, top, what)
     return packed, scales
