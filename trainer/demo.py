@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.tasks import cancel_and_wait
 from trainer.batch import Batch
 from trainer.client import AsyncRolloutClient
 from trainer.corrections import (
@@ -447,9 +448,7 @@ async def _rl_updates(
     finally:
         bar.close()
         agents.stop.set()
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await cancel_and_wait(workers)
     return updates, uploads
 
 
