@@ -1,6 +1,6 @@
 """The SGLang release's engine metrics (``sglang:*``) that the fleet exports or reads, declared once.
 
-The local engine exports these families under SGLang's names (:mod:`engine.server.metrics` builds
+The local engine exports these families under SGLang's names (:mod:`engine.runtime.metrics` builds
 its instruments from :data:`ENGINE_METRICS`), so a sidecar reads an engine's load the same way
 from either engine (the ``NUM_RUNNING_REQS`` / ``NUM_QUEUE_REQS`` / ``GEN_THROUGHPUT`` /
 ``GENERATION_TOKENS`` names) and the dashboards chart either unchanged.

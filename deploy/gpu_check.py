@@ -18,7 +18,13 @@ production code; only the router and replicas run on one machine instead of Moda
 3. **masks**: per group, turns sampled at top-p 0.95 through the router: every token's support is
    non-empty and holds the token, the support's log-probs sum to 1 and the token's μ is its
    support log-prob (:func:`check_records`).
-4. **activation under load**: while sessions sample long turns continuously on every group,
+4. **ladder**: levels 1-5 of ``mixfleet validate`` (:func:`validate.run.run_validation`) on every
+   group against version 0's BF16 weights (``--model``): precision contract, converter, one operator,
+   fixed-prefix scoring against a ``transformers`` BF16 forward, routes (the engines start with
+   ``--enable-return-routed-experts``) and decode-versus-prefill; step 5 is level 6. Each group's
+   levels go to the report, a failed one to its failures. Needs ``transformers`` (SGLang's images
+   have it).
+5. **activation under load**: while sessions sample long turns continuously on every group,
    ``mixfleet weights verify`` (:func:`validate.live_update.run_verify`) publishes a known perturbation
    (two rows of ``lm_head`` swapped), waits until every replica serves it, checks that the
    fixed-prefix scores moved exactly as predicted, rolls back and checks they returned. Every load
@@ -48,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
 from core.tcp import free_port
 from launcher.children import Child, Launcher, Probe
 
@@ -112,6 +119,7 @@ def engine_command(engine: str, weight_format: str, kv_cache_dtype: str, port: i
         tp_size=1,
         weight_version="{version}",
         python=sys.executable,
+        engine_args=(ENABLE_RETURN_ROUTED_EXPERTS_FLAG,),
     )
     return shlex.join(argv)
 
@@ -128,6 +136,7 @@ def preset_toml(formats: Sequence[str], engine: str, gpu: str) -> str:
             f'accelerator = "{accelerator}"',
             f'weight_format = "{fmt}"',
             "sessions_per_replica = 16",
+            f'engine_args = ["{ENABLE_RETURN_ROUTED_EXPERTS_FLAG}"]',
             "min_replicas = 1",
             "max_replicas = 1",
         ]
@@ -312,7 +321,7 @@ class Load:
 
 
 def activate_under_load(fleet: Fleet, cfg: CheckConfig, report: Report) -> None:
-    """Step 4: ``weights verify`` while :class:`Load` samples; then every load turn checked."""
+    """Step 5: ``weights verify`` while :class:`Load` samples; then every load turn checked."""
     from clients.router import WeightsClient
     from validate.live_update import run_verify
 
@@ -337,8 +346,23 @@ def activate_under_load(fleet: Fleet, cfg: CheckConfig, report: Report) -> None:
     }
 
 
+def ladder(fleet: Fleet, cfg: CheckConfig, model: Path, report: Report) -> None:
+    """Step 4: levels 1-5 of ``mixfleet validate`` on every group at version 0 (``model``'s
+    weights); step 5 is its level 6."""
+    from clients.router import WeightsClient
+    from validate.run import Options, run_validation
+
+    with WeightsClient(fleet.url, fleet.admin_key) as weights:
+        options = Options(live_update=False, timeout=cfg.timeout_s)
+        say = lambda line: print(f"  {line}", flush=True)  # noqa: E731
+        result = run_validation(weights, cfg.out / "store", checkpoint=model, options=options, say=say)
+    report.steps["ladder"] = result.to_dict()
+    for g in result.groups:
+        report.failures += [f for lv in g.levels for f in lv.failures]
+
+
 def run_check(cfg: CheckConfig) -> Report:
-    """Steps 1-4 (see the module docstring); the report is also written to ``gpu_check.json``."""
+    """Steps 1-5 (see the module docstring); the report is also written to ``gpu_check.json``."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     model = cfg.model if cfg.model is not None else _make_model(cfg.out / "model")
     report = Report(cfg.engine, list(cfg.formats))
@@ -346,6 +370,8 @@ def run_check(cfg: CheckConfig) -> Report:
         print(f"fleet up: {', '.join(fleet.groups)} at {fleet.url}", flush=True)
         sample_with_masks(fleet, report)
         print(f"masks: {report.steps['masks']}", flush=True)
+        ladder(fleet, cfg, model, report)
+        print(f"ladder: {'OK' if report.steps['ladder']['ok'] else 'FAILED'}", flush=True)
         activate_under_load(fleet, cfg, report)
     (cfg.out / "gpu_check.json").write_text(json.dumps({"ok": report.ok, **asdict(report)}, indent=2))
     return report

@@ -80,6 +80,17 @@ class GroupSpec(BaseModel):
         return (flag,) if self.record_routes and flag not in self.engine_args else ()
 
     @property
+    def returns_routes(self) -> bool:
+        """Whether the group's engines start with ``--enable-return-routed-experts``: what a session
+        with ``record_routes`` needs. A local group's own replicas (``mixfleet up``, ``mixfleet
+        replica``) always do (the capability costs nothing until a request asks); any other
+        group's when ``record_routes`` adds the flag (:attr:`route_flags`) or ``engine_args``
+        carries it, which is also how a preset declares it for ``replicas`` started elsewhere."""
+        from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG as flag
+
+        return self.record_routes or flag in self.engine_args or (self.is_local and not self.replicas)
+
+    @property
     def price_per_replica_hour(self) -> float:
         return self.price_per_gpu_hour * self.gpus_per_replica
 

@@ -333,7 +333,8 @@ def _say(line: str) -> None:
 def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
     """One local replica of ``g``. Its engine can always return routed experts (the capability
     costs nothing until a request asks), so ``mixfleet validate`` compares routes on this fleet;
-    the router records them only for groups with ``record_routes``."""
+    the router records them only for groups and sessions with ``record_routes``
+    (:attr:`fleet.specs.GroupSpec.returns_routes` counts on this)."""
     return ReplicaSpec(
         replica_id=f"{g.name}-{i}",
         group=g.name,

@@ -1,4 +1,5 @@
-"""Learn a task by asynchronous RL on the local mixed fleet: SFT warm start, then RL with --method.
+"""Learn a multi-turn chat task by asynchronous RL on the local mixed fleet: SFT warm start, then
+RL with --method, the agents chatting through each session's OpenAI API (the ``openai`` client).
 
 ``mixfleet demo [--out DIR] [--method sc-mis-topp] [--router URL --base DIR]``
 
@@ -9,15 +10,19 @@ on Ctrl-C or an error. With ``--router`` it uses that fleet (key from ``--api-ke
 ``MIXFLEET_API_KEY``, scopes rollout, trainer and admin) and ``--base``, the checkpoint its
 version 0 was made from, on this machine.
 
-The loop is :func:`trainer.demo.run_demo`. After: ``<out>/demo.json``, ``<out>/demo.png`` and the
-cost report of the fleet's ledger (``mixfleet report``) in ``<out>/report/``; a one-line summary
-is printed. Needs the ``demo`` extra (transformers, matplotlib).
+The router must serve the chat APIs (``--chat-model``: ``mixfleet up`` passes its base policy,
+which every ``init-model`` preset makes a chat model). The loop is :func:`trainer.demo.run_demo`.
+After: ``<out>/demo.json``, ``<out>/episodes.jsonl``, ``<out>/demo.png`` and the cost report of
+the fleet's ledger (``mixfleet report``) in ``<out>/report/``; a summary of the rewards and of
+the episodes (turns per episode, forks) is printed. Needs the ``demo`` extra (transformers,
+openai, tqdm; matplotlib for the plot).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -69,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-len", type=int, default=d.min_len, help=f"shortest digit string ({d.min_len})")
     parser.add_argument("--max-len", type=int, default=d.max_len, help=f"longest digit string ({d.max_len})")
     parser.add_argument("--no-partial-credit", action="store_true", help="reward 0 for any inexact answer")
+    parser.add_argument(
+        "--turns", type=int, default=d.turns, help=f"answers per episode at most, with feedback ({d.turns})"
+    )
     parser.add_argument("--top-p", type=float, default=d.top_p, help=f"sampling top-p (default {d.top_p})")
     parser.add_argument("--trainer-threads", type=int, default=d.trainer_threads, help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -84,6 +92,7 @@ def _config(args: argparse.Namespace):
             min_len=args.min_len,
             max_len=args.max_len,
             partial_credit=not args.no_partial_credit,
+            turns=args.turns,
             sft_steps=args.sft_steps,
             sft_lr=args.sft_lr,
             updates=args.updates,
@@ -106,6 +115,11 @@ def _say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = [m for m in ("transformers", "openai", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(
+            f"the demo needs {', '.join(missing)}: install it with .venv/bin/pip install -e '.[demo]'"
+        )
     config = _config(args)
     out = Path(args.out).expanduser().resolve()
     if args.router is not None:
@@ -124,12 +138,13 @@ def _demo(url: str, key: str, base: Path, out: Path, config, args: argparse.Name
     from trainer.client import RouterError
     from trainer.demo import ActivationError, run_demo
     from trainer.demo_plot import write_plot
+    from trainer.policy import CheckpointError
 
     try:
         record = asyncio.run(
             run_demo(url, key, base, out, config, show_progress=not args.no_progress, log=_say)
         )
-    except (RouterError, ActivationError) as exc:
+    except (RouterError, ActivationError, CheckpointError) as exc:
         raise UserError(str(exc)) from None
     plot = write_plot(record, out / "demo.png")
     s = record["summary"]
@@ -139,11 +154,15 @@ def _demo(url: str, key: str, base: Path, out: Path, config, args: argparse.Name
             f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} (first and last fifth), exact "
             f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"
         )
+        turns = ", ".join(f"{n} turn{'s' * (n != '1')}: {c}" for n, c in s["turns"].items())
+        _say(
+            f"{s['episodes']} episodes trained on, {s['turns_mean']:.2f} turns per episode ({turns}); "
+            f"forks: {s['forks']} (turns that did not extend their session's recorded tokens; expected 0)"
+        )
     else:
         _say("no update was made")
-    _say(
-        f"wrote {out / 'demo.json'}" + (f" and {plot}" if plot else " (no plot: matplotlib is not installed)")
-    )
+    plotted = f" and {plot}" if plot else " (no plot: matplotlib is not installed)"
+    _say(f"wrote {out / 'demo.json'}, {out / 'episodes.jsonl'}{plotted}")
     _cost_report(url, key, out / "report")
     return 0
 

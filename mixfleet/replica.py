@@ -2,7 +2,8 @@
 
 ``mixfleet replica --preset P --group G --store ROOT [--volume NAME] --run R --port P
 --stage-dir DIR [--router URL] [--engine-command CMD]``. Without ``--engine-command`` the engine
-is the local CPU engine (``mixfleet engine``) on the staged copy; with it, ``CMD`` is split like a
+is the local CPU engine (``mixfleet engine``, able to return routed experts, as ``mixfleet up``'s
+are) on the staged copy; with it, ``CMD`` is split like a
 shell line and ``{model}``, ``{port}`` and ``{version}`` in it are replaced (an SGLang server
 outside Modal, say). The router key for heartbeats comes from ``MIXFLEET_API_KEY``. Stops on
 SIGTERM or Ctrl-C. See :mod:`replica.entrypoint` for the contract.
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
     from core.tcp import free_port
     from fleet.specs import load_preset
     from launcher.children import engine_argv, mixfleet_command
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 int(version or 0),
                 threads=args.engine_threads,
                 kv_cache_dtype=group.kv_cache_dtype,
+                flags=(ENABLE_RETURN_ROUTED_EXPERTS_FLAG,),  # as mixfleet up's: GroupSpec.returns_routes
             )
             return [*mixfleet_command(), *local]
 

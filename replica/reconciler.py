@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients.engine import EngineError, SGLangClient
 from clients.router import RouterClient, RouterError
 from core.metric_defs import MetricDef
+from core.tasks import cancel_and_wait
 from replica.activation import ActivationFailed, activate
 from weight_sync.manifest import ChecksumError
 from weight_sync.stage import STAGE_MODES, StageAborted, StagedVersion, clean_staging, stage_version
@@ -222,11 +223,7 @@ class Reconciler:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
 
     def wake(self) -> None:
         self._wake.set()

@@ -34,6 +34,7 @@ from clients.engine import (
     make_http_client,
     reported_version,
 )
+from core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.mismatch import group_view
@@ -82,11 +83,7 @@ class RouterContext:
             self._tasks.append(asyncio.create_task(self._pin_loop(self.pins), name="router-pins"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.http is not None:
             await self.http.close()

@@ -8,7 +8,8 @@
   replica failed and retries on another replica of the group; a retryable refusal (409: the
   replica cannot meet the version constraint now; 429: Modal's proxy refused a container over
   its ``max_concurrency``) retries on another replica without marking it failed. When the group
-  has none left, the session moves to another group (chosen by the policy) and the turn records
+  has none left, the session moves to another group (chosen by the policy; for a session with
+  ``record_routes``, among the groups whose engines return routed experts) and the turn records
   ``moved_from``; only when no group can take it does the caller see a 503. Nothing is stored
   here: the caller records the returned turn once.
 
@@ -28,7 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -67,9 +68,11 @@ async def with_failover(
     *,
     min_version: int | None = None,
     may_move: bool = True,
+    exclude: Collection[str] = frozenset(),
 ) -> tuple[T, Placement]:
     """Run ``send(client, group)`` with the engine client of a replica in rotation and its group
-    (:meth:`RouterContext.replica_client`), failing over as the module says.
+    (:meth:`RouterContext.replica_client`), failing over as the module says; the request never
+    moves to a group in ``exclude``.
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
     422/4xx unless retryable, 409 or 429; a 401/403, the replica refusing the router's own
@@ -80,7 +83,7 @@ async def with_failover(
     moved_from: str | None = None
     tried: set[str] = set()
     timeouts: dict[str, int] = {}
-    groups_tried: set[str] = set()
+    groups_tried: set[str] = set(exclude)
     attempts = 0
     limit = 2 * ctx.config.max_attempts + len(ctx.fleet.groups)
     last_error = "no replica in rotation"
@@ -260,6 +263,17 @@ def _ms(seconds: float) -> float:
     return int(seconds * 1e6 + 0.5) / 1000 if seconds >= 0 else round(seconds * 1000, 3)
 
 
+def _route_groups(ctx: RouterContext, session: SessionInfo) -> tuple[set[str], set[str]]:
+    """The groups whose engines a turn of ``session`` asks for routed experts, and the groups it
+    may not move to. A session with ``record_routes`` asks whichever group serves it and never
+    moves to one whose engines cannot return them (:attr:`fleet.specs.GroupSpec.returns_routes`);
+    any other session is asked routes by groups with ``record_routes`` only, and may move anywhere."""
+    groups = ctx.fleet.groups
+    if session.record_routes:
+        return {g.name for g in groups if g.returns_routes}, {g.name for g in groups if not g.returns_routes}
+    return {g.name for g in groups if g.record_routes}, set()
+
+
 async def run_turn(
     ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int, routes_start: int = 0
 ) -> TurnData:
@@ -274,7 +288,7 @@ async def run_turn(
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
 
-    recording = {g.name for g in ctx.fleet.groups if g.record_routes}
+    recording, unable = _route_groups(ctx, session)
 
     async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
@@ -299,7 +313,7 @@ async def run_turn(
         return generation, time.perf_counter() - e0
 
     (generation, engine_s), place = await with_failover(
-        ctx, session.group, session.replica, send, min_version=min_version
+        ctx, session.group, session.replica, send, min_version=min_version, exclude=unable
     )
     ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
     timings = {

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import replace
 
 from core.jsonio import dumps
 from router.context import RouterContext
 from router.errors import ApiError
 from router.records import decode_turn
 from router.schemas import TurnSpec
+from router.turn_data import TurnData
 from router.turns import record_turn
 
 HEADER = "Idempotency-Key"
@@ -66,24 +68,34 @@ async def answer_turn(ctx: RouterContext, session_id: str, spec: TurnSpec, key: 
             del _RUNNING[slot]
         done.set_result(None)
     stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
-    if stored is not None and (recorded := _answer(session_id, stored[1])) != answer:
-        return recorded  # another router process recorded this key first
+    if stored is not None and (first := _answer(session_id, stored[1])) != answer:
+        return first  # another router process recorded this key first
     return answer
-
-
-async def recorded_turn(ctx: RouterContext, session_id: str, key: str) -> bytes | None:
-    """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), once no
-    request with ``key`` runs in this process any more (422 for a malformed key). A route that
-    must know before it builds its turn (a chat route rendering the context) calls this first,
-    then :func:`answer_turn`."""
-    if not _KEY.fullmatch(key):
-        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
-    while (running := _RUNNING.get((session_id, key))) is not None:
-        await asyncio.shield(running)  # the first request with this key: wait for its outcome
-    found = await ctx.store.turn_for_request(session_id, _REQUEST + key)
-    return None if found is None else _answer(session_id, found[1])
 
 
 def _answer(session_id: str, blob: bytes) -> bytes:
     """The answer of a recorded turn block: the JSON :func:`record_turn` returned for it."""
     return dumps(decode_turn(blob).to_json(session_id, with_input=False))
+
+
+async def recorded_turn(ctx: RouterContext, session_id: str, key: str) -> bytes | None:
+    """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), as
+    :func:`recorded`."""
+    found = await recorded(ctx, session_id, key)
+    return None if found is None else dumps(found.to_json(session_id, with_input=False))
+
+
+async def recorded(ctx: RouterContext, session_id: str, key: str) -> TurnData | None:
+    """The turn recorded under ``key`` in ``session_id`` (None: none), once no request with
+    ``key`` runs in this process any more (422 for a malformed key). A route that must know
+    before it builds its turn (a chat route rendering the context) calls this first, then
+    :func:`answer_turn`, and answers from what this then reads."""
+    if not _KEY.fullmatch(key):
+        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
+    while (running := _RUNNING.get((session_id, key))) is not None:
+        await asyncio.shield(running)  # the first request with this key: wait for its outcome
+    found = await ctx.store.turn_for_request(session_id, _REQUEST + key)
+    if found is None:
+        return None
+    turn = decode_turn(found[1])
+    return turn if turn.turn == found[0] else replace(turn, turn=found[0])

@@ -87,6 +87,9 @@ def _h(name: str, labels: tuple[str, ...], help: str) -> MetricDef:
     return MetricDef(name, "histogram", labels, "seconds", help, LATENCY_BUCKETS)
 
 
+CHAT_CONTEXTS = ("resumed", "whole")
+"""The ``context`` label of ``mixfleet_router_chat_turns_total`` (:mod:`router.chat.service`)."""
+
 # Updated on the request path (prometheus-client objects).
 REQUEST_PATH: tuple[MetricDef, ...] = (
     _h(
@@ -103,6 +106,14 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
         "",
         "Turns whose input did not extend the session's stored context (history edited or "
         "re-rendered): each starts a new segment of its trajectory",
+    ),
+    _c(
+        "mixfleet_router_chat_turns_total",
+        (*G, "context"),
+        "",
+        "Chat turns recorded (OpenAI and Anthropic routes), by how their context was rendered: "
+        "resumed (only the messages after the session's last turn) or whole (every message, against "
+        "the whole trajectory: no chat note of the last turn, or the history before it changed)",
     ),
     _c("mixfleet_router_tokens_total", G, "tokens", "Output tokens recorded"),
     _c("mixfleet_router_sessions_created_total", G, "", "Sessions created"),
@@ -387,6 +398,7 @@ class RouterMetrics:
         self.engine_seconds = m["mixfleet_router_engine_seconds"]
         self.turns = m["mixfleet_router_turns_total"]
         self.forks = m["mixfleet_router_forks_total"]
+        self.chat_turns = m["mixfleet_router_chat_turns_total"]
         self.tokens = m["mixfleet_router_tokens_total"]
         self.sessions = m["mixfleet_router_sessions_created_total"]
         self.failovers = m["mixfleet_router_failovers_total"]
@@ -408,7 +420,7 @@ class RouterMetrics:
 
     def zero_groups(self, groups: Iterable[str]) -> None:
         """Make every group-labelled request-path series of ``groups`` exist (at 0 if new): per
-        group, every failover reason, and a session move between every ordered pair of known
+        group, every failover reason and chat context, and a session move between every ordered pair of known
         groups. Panels then show 0, not "no data", and the first event of a series counts in
         rate() instead of being its first sample."""
         new = [g for g in dict.fromkeys(groups) if g not in self._known]
@@ -421,6 +433,8 @@ class RouterMetrics:
                 metric.labels(g)
             for reason in FAILOVER_REASONS:
                 self.failovers.labels(g, reason)
+            for context in CHAT_CONTEXTS:
+                self.chat_turns.labels(g, context)
         self._known += new
         for a in self._known:
             for b in self._known:

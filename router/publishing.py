@@ -460,7 +460,8 @@ class PublishService:
     # status -----------------------------------------------------------------------------------------
     async def status(self, ctx: RouterContext) -> dict[str, Any]:
         """Per format: pointer, versions, manifest; per group: desired version, every replica's
-        active version, lag and last activation; the last ten jobs (without events)."""
+        active version, lag and last activation; the last ten jobs (without events); the router's
+        ``max_version_lag`` (None: replicas receive turns however far they lag)."""
         store = self.store()
         await self.synced(ctx)
         run_id = self.run_id
@@ -517,6 +518,7 @@ class PublishService:
         return {
             "run_id": run_id,
             "latest_version": latest,
+            "max_version_lag": ctx.config.max_version_lag,
             "formats": fmt_view,
             "groups": groups,
             "jobs": jobs,

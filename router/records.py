@@ -44,7 +44,7 @@ and ``raw_logprob`` are always float32: they enter importance ratios directly. T
 ``weight_versions`` covering the token's index (spans are over output indices, end exclusive).
 A decoder keeps sections it does not know as bytes (:attr:`TurnData.sections`) and skips them;
 a new kind of per-turn data is a new named section, which changes no existing byte.
-Section ``routed_experts`` (only for a group with ``record_routes``): the turn's
+Section ``routed_experts`` (only for a group or session with ``record_routes``): the turn's
 routed experts, :class:`router.turn_data.RoutedExperts` (``to_section``: varint start, varint
 rows, varint width, u8 bytes per id, then the ids, row ``j`` for position ``start + j`` of the
 turn's segment); a turn stores the rows of the positions it adds, so a segment's turns hold its

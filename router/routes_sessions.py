@@ -14,6 +14,7 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from core.jsonio import dumps
+from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG as ROUTES_FLAG
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
@@ -60,26 +61,54 @@ async def create_session(
 ) -> JSONResponse:
     ctx = _ctx(request)
     body = body or CreateSession()
-    if body.group is not None:
-        if body.group not in ctx.registry.group_names():
-            raise ApiError(
-                422, f"group: unknown group {body.group!r} (known: {', '.join(ctx.registry.group_names())})"
-            )
-        group = body.group
-    else:
-        group = await assign_group(ctx)
+    group = await _session_group(ctx, body)
     session_id = uuid.uuid4().hex
-    await ctx.store.create_session(session_id, group, body.metadata, now=time.time())
+    await ctx.store.create_session(
+        session_id, group, body.metadata, now=time.time(), record_routes=body.record_routes
+    )
     ctx.metrics.sessions.labels(group).inc()
     base = f"{str(request.base_url).rstrip('/')}/v1/sessions/{session_id}"
     return JSONResponse(
         {
             "session_id": session_id,
             "group": group,
+            "record_routes": body.record_routes,
             "openai_base_url": f"{base}/openai/v1",
             "anthropic_base_url": f"{base}/anthropic",
         }
     )
+
+
+async def _session_group(ctx: RouterContext, body: CreateSession) -> str:
+    """The group a new session goes to: ``body.group`` (422 when unknown), else the policy's
+    choice (:func:`router.policy.assign_group`).
+
+    A session with ``record_routes`` goes only to a group whose engines return routed experts
+    (:attr:`fleet.specs.GroupSpec.returns_routes`); asking for another is a 422 naming the group
+    and the flag, and with no group named the policy chooses among those only (422 when the fleet
+    has none). Refused here, at creation, because the engine would not refuse: SGLang 0.5.23
+    accepts ``return_routed_experts`` from a server started without
+    ``--enable-return-routed-experts`` (``managers/scheduler.py`` 3300-3319 checks only the start)
+    and answers without routes (no capturer: ``state_capturer/routed_experts.py`` 50-51,
+    ``managers/scheduler_components/batch_result_processor.py`` 151-153; no key:
+    ``managers/tokenizer_manager.py`` 2602-2609), so the agent would learn it only after a
+    generation, as a 502 (:func:`router.engine_answer.parse_turn` refuses such an answer: no turn
+    is ever stored without the routes it asked for)."""
+    names = ctx.registry.group_names()
+    if body.group is not None and body.group not in names:
+        raise ApiError(422, f"group: unknown group {body.group!r} (known: {', '.join(names)})")
+    routed = [g.name for g in ctx.fleet.groups if g.returns_routes]
+    if body.record_routes and body.group is not None and body.group not in routed:
+        raise ApiError(
+            422,
+            f"record_routes: group {body.group!r} cannot return routed experts (its engines are not "
+            f"started with {ROUTES_FLAG}; groups that can: {', '.join(routed) or 'none'})",
+        )
+    if body.record_routes and not routed:
+        raise ApiError(422, f"record_routes: no group of the fleet starts its engines with {ROUTES_FLAG}")
+    if body.group is not None:
+        return body.group
+    return await assign_group(ctx, exclude=set(names) - set(routed) if body.record_routes else frozenset())
 
 
 @router.get(
@@ -100,6 +129,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
         "metadata": info.metadata,
         "min_version": info.min_version,
         "max_version": info.max_version,
+        "record_routes": info.record_routes,
     }
 
 

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 from core.formats import WeightFormat
+from core.tasks import cancel_and_wait
 from router.auth import require
 from router.config import WeightsConfig
 from router.context import RouterContext
@@ -137,9 +138,7 @@ def _lifespan(service: PublishService, poll_s: float):
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
             await asyncio.to_thread(service.close)
 
     return lifespan

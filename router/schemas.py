@@ -148,9 +148,17 @@ class GenerateRefusal(RootModel[SGLangErrorBody | ErrorBody]):
     """A 400 of ``/generate``: the engine's refusal (passed through) or the router's."""
 
 
+ROUTES_DOC = (
+    "every turn stores its routed experts (the turn block's routed_experts section), whatever its "
+    "group's record_routes; the session's group must have engines started with "
+    "--enable-return-routed-experts"
+)
+
+
 class CreateSession(_Req):
     group: str | None = Field(None, description="pin the session to this group")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    record_routes: bool = Field(False, description=ROUTES_DOC)
 
 
 class SessionCreated(BaseModel):
@@ -159,6 +167,7 @@ class SessionCreated(BaseModel):
 
     session_id: str
     group: str
+    record_routes: bool = Field(False, description=ROUTES_DOC)
     openai_base_url: str | None = Field(
         None,
         description="base URL of this session's OpenAI Chat Completions API "
@@ -182,6 +191,7 @@ class SessionOut(BaseModel):
     metadata: dict[str, Any]
     min_version: int | None
     max_version: int | None
+    record_routes: bool = Field(False, description=ROUTES_DOC)
 
 
 class SessionDeleted(BaseModel):

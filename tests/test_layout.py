@@ -3,7 +3,9 @@
 Each package of :data:`LAYERS` imports only packages before it in the list, at module level and
 inside functions alike; the one documented exception is :data:`UPWARD`. ``deploy``, ``mixfleet``,
 ``benchmarks`` and ``tests`` sit on top: they may import anything, and nothing in :data:`LAYERS`
-imports them.
+imports them. Inside ``engine``, each folder of :data:`ENGINE_LAYERS` (the pipeline: kernels, the
+model, the runtime that schedules it, the server that translates HTTP into the runtime's requests)
+imports only the engine's folders before it in the list.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ LAYERS = (
     "images",
 )
 TOP = ("deploy", "mixfleet", "benchmarks", "tests")
+ENGINE_LAYERS = ("kernels", "model", "runtime", "server")
 # (file, module) pairs allowed to point up, each inside one function (docs/architecture.md).
 UPWARD = {
     ("weight_sync/convert.py", "engine.model.calibrate"),
-    ("weight_sync/base_model.py", "engine.server.tokenizer"),
+    ("weight_sync/base_model.py", "engine.model.tokenizer"),
 }
 
 
@@ -62,3 +65,21 @@ def test_every_layered_package_imports_only_lower_ones() -> None:
 def test_every_top_level_package_is_placed() -> None:
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
     assert packages <= set(LAYERS) | set(TOP), sorted(packages - set(LAYERS) - set(TOP))
+
+
+def test_every_engine_folder_imports_only_lower_ones() -> None:
+    wrong = []
+    for rank, folder in enumerate(ENGINE_LAYERS):
+        allowed = set(ENGINE_LAYERS[: rank + 1])
+        for path in sorted((REPO / "engine" / folder).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            for module in imported_modules(path):
+                parts = module.split(".")
+                if parts[0] == "engine" and (len(parts) < 2 or parts[1] not in allowed):
+                    wrong.append(f"{rel} imports {module}")
+    assert not wrong, "imports against the engine's layering of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_every_engine_module_is_in_a_layer() -> None:
+    folders = {p.parent.relative_to(REPO / "engine").as_posix() for p in (REPO / "engine").rglob("*.py")}
+    assert folders <= {".", *ENGINE_LAYERS}, sorted(folders - {".", *ENGINE_LAYERS})

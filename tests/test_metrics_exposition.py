@@ -26,6 +26,7 @@ from mixfleet import metrics_doc
 from replica.reconciler import REPLICA_METRICS
 from router.metrics import FAILOVER_REASONS, ROUTER_METRICS, SNAPSHOT, RouterMetrics
 from tests.support.fleet import local_fleet
+from tests.support.metrics import Samples, assert_groups_at_zero, samples_of
 from tests.support.procs import REPO
 from tests.support.router import ALL_SCOPES, router_process, write_preset
 from trainer.client import RolloutClient
@@ -72,14 +73,8 @@ def test_a_multiprocess_mode_belongs_to_a_gauge_updated_in_process() -> None:
     assert all(d.multiprocess_mode is None for d in SNAPSHOT)  # computed once, by the worker that answers
 
 
-def _samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
-    text = metrics.exposition().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name.startswith("mixfleet_router_") and not s.name.endswith("_bucket")
-    }
+def _samples(metrics: RouterMetrics) -> Samples:
+    return samples_of(metrics.exposition().decode(), "mixfleet_router_")
 
 
 def test_every_group_series_exists_at_zero_from_the_start_and_when_a_group_becomes_known() -> None:
@@ -87,34 +82,15 @@ def test_every_group_series_exists_at_zero_from_the_start_and_when_a_group_becom
     counts and every failover reason; a move between every ordered pair of groups. A group first
     seen in a scrape's snapshot gets its series from that scrape on."""
     metrics = RouterMetrics(["a", "b"], version_lag_bound=5)
-    per_group = (
-        "mixfleet_router_turns_total",
-        "mixfleet_router_tokens_total",
-        "mixfleet_router_sessions_created_total",
-        "mixfleet_router_sessions_expired_total",
-        "mixfleet_router_generate_requests_total",
-        "mixfleet_router_turn_seconds_count",
-        "mixfleet_router_engine_seconds_count",
-    )
-
-    def check(samples: dict, groups: list[str]) -> None:
-        for g in groups:
-            for name in per_group:
-                assert samples[(name, (("group", g),))] == 0, (name, g)
-            for reason in FAILOVER_REASONS:
-                assert samples[("mixfleet_router_failovers_total", (("group", g), ("reason", reason)))] == 0
-        moves = {k[1] for k in samples if k[0] == "mixfleet_router_session_moves_total"}
-        assert moves == {(("from_group", a), ("to_group", b)) for a in groups for b in groups if a != b}
-
     first = _samples(metrics)
-    check(first, ["a", "b"])
+    assert_groups_at_zero(first, ["a", "b"])
     assert first[("mixfleet_router_updates_total", ())] == 0
     assert first[("mixfleet_router_workers", ())] == 1
     assert first[("mixfleet_router_version_lag_bound", ())] == 5
     info = {"accelerator": "cpu", "weight_format": "bf16", "kv_cache_dtype": "auto"}
     metrics.snapshot = {"groups": [{"name": g, **info} for g in ("a", "b", "c")]}
     _samples(metrics)
-    check(_samples(metrics), ["a", "b", "c"])
+    assert_groups_at_zero(_samples(metrics), ["a", "b", "c"])
 
 
 def test_every_failover_reason_the_dispatcher_counts_is_initialised() -> None:

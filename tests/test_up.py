@@ -252,6 +252,62 @@ def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -
             probe.check_own_engine(url, Child("engine-b", tmp_path / "b.log", other))
 
 
+def _agent(
+    url: str,
+    auth: dict[str, str],
+    n: int,
+    turns_each: int,
+    served: dict[str, list[dict]],
+    errors: list[str],
+    first_bf16: threading.Event,
+) -> None:
+    """Session ``n``: ``turns_each`` turns (a 503 retried for up to 120 s: no group could serve,
+    nothing was recorded), each turn kept in ``served``, then finished; a failed turn goes to
+    ``errors`` and ends the session; ``first_bf16`` is set once cpu-bf16 served a turn."""
+    with httpx.Client(base_url=url, headers=auth, timeout=120) as http:
+        sid = http.post("/v1/sessions", json={"metadata": {"n": n}}).json()["session_id"]
+        served[sid] = []
+        context = [1, 2 + n, 3]
+        for t in range(turns_each):
+            body = {
+                "input_ids": context,
+                "sampling_params": {"max_new_tokens": 12, "top_p": 0.9},
+                "turn": t,
+            }
+            deadline = time.monotonic() + 120
+            while (r := http.post(f"/v1/sessions/{sid}/turns", json=body)).status_code == 503:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)  # no group could serve right now: the turn was not recorded
+            if r.status_code != 200:
+                errors.append(f"session {n} turn {t}: {r.status_code} {r.text}")
+                return
+            turn = r.json()
+            served[sid].append(turn)
+            if turn["group"] == "cpu-bf16":
+                first_bf16.set()
+            context = [*context, *turn["output_ids"], 4]
+        assert http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+
+
+def _take_all(url: str, auth: dict[str, str], sessions: int) -> dict[str, dict]:
+    """Take and acknowledge batches until ``sessions`` trajectories came (or 60 s passed), by session
+    id; no trajectory comes twice."""
+    taken: dict[str, dict] = {}
+    deadline = time.monotonic() + 60
+    while len(taken) < sessions and time.monotonic() < deadline:
+        batch = httpx.post(
+            url + "/v1/batches/take", json={"size": sessions, "wait_s": 2}, headers=auth
+        ).json()
+        for traj in batch["trajectories"]:
+            assert traj["session_id"] not in taken
+            taken[traj["session_id"]] = traj
+        if batch["lease_id"] is not None:
+            ack = httpx.post(url + f"/v1/batches/{batch['lease_id']}/ack", headers=auth).json()
+            assert ack["acked"] == len(batch["trajectories"])
+    return taken
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_takes_its_children(
@@ -266,33 +322,10 @@ def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_t
         errors: list[str] = []
         first_bf16 = threading.Event()
 
-        def agent(n: int) -> None:
-            with httpx.Client(base_url=url, headers=auth, timeout=120) as http:
-                sid = http.post("/v1/sessions", json={"metadata": {"n": n}}).json()["session_id"]
-                served[sid] = []
-                context = [1, 2 + n, 3]
-                for t in range(turns_each):
-                    body = {
-                        "input_ids": context,
-                        "sampling_params": {"max_new_tokens": 12, "top_p": 0.9},
-                        "turn": t,
-                    }
-                    deadline = time.monotonic() + 120
-                    while (r := http.post(f"/v1/sessions/{sid}/turns", json=body)).status_code == 503:
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(0.5)  # no group could serve right now: the turn was not recorded
-                    if r.status_code != 200:
-                        errors.append(f"session {n} turn {t}: {r.status_code} {r.text}")
-                        return
-                    turn = r.json()
-                    served[sid].append(turn)
-                    if turn["group"] == "cpu-bf16":
-                        first_bf16.set()
-                    context = [*context, *turn["output_ids"], 4]
-                assert http.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
-
-        agents = [threading.Thread(target=agent, args=(n,)) for n in range(sessions)]
+        agents = [
+            threading.Thread(target=_agent, args=(url, auth, n, turns_each, served, errors, first_bf16))
+            for n in range(sessions)
+        ]
         for a in agents:
             a.start()
         assert first_bf16.wait(120), "no turn was served by cpu-bf16"
@@ -311,18 +344,7 @@ def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_t
         assert any(t["moved_from"] == "cpu-bf16" for ts in served.values() for t in ts), "no failover seen"
 
         # Every trajectory reaches the trainer, exactly as the agents saw it.
-        taken: dict[str, dict] = {}
-        deadline = time.monotonic() + 60
-        while len(taken) < sessions and time.monotonic() < deadline:
-            batch = httpx.post(
-                url + "/v1/batches/take", json={"size": sessions, "wait_s": 2}, headers=auth
-            ).json()
-            for traj in batch["trajectories"]:
-                assert traj["session_id"] not in taken
-                taken[traj["session_id"]] = traj
-            if batch["lease_id"] is not None:
-                ack = httpx.post(url + f"/v1/batches/{batch['lease_id']}/ack", headers=auth).json()
-                assert ack["acked"] == len(batch["trajectories"])
+        taken = _take_all(url, auth, sessions)
         assert set(taken) == set(served)
         for sid, traj in taken.items():
             assert [(t["turn"], t["output_ids"]) for t in traj["turns"]] == [

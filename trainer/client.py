@@ -29,8 +29,15 @@ __all__ = ["AsyncRolloutClient", "RolloutClient", "RouterError", "Session"]
 
 @dataclass(frozen=True)
 class Session:
+    """An open session: its id, its group, whether its turns record routed experts, and the base
+    URLs of its chat APIs (None from a router that serves none), for the official ``openai`` and
+    ``anthropic`` clients."""
+
     session_id: str
     group: str
+    record_routes: bool = False
+    openai_base_url: str | None = None
+    anthropic_base_url: str | None = None
 
 
 class AsyncRolloutClient:
@@ -67,13 +74,25 @@ class AsyncRolloutClient:
 
     # sessions --------------------------------------------------------------------------
     async def create_session(
-        self, group: str | None = None, metadata: dict[str, Any] | None = None
+        self, group: str | None = None, metadata: dict[str, Any] | None = None, *, record_routes: bool = False
     ) -> Session:
+        """Open a session (in ``group``, else where the router's policy puts it). With
+        ``record_routes`` every turn stores its routed experts, served in batches
+        (:meth:`trainer.batch.Batch.routes`); the router refuses it (422, :class:`RouterError`)
+        for a group whose engines cannot return them."""
         body: dict[str, Any] = {"metadata": metadata or {}}
         if group is not None:
             body["group"] = group
+        if record_routes:
+            body["record_routes"] = True
         out = await self.router.call("POST", "/v1/sessions", body)
-        return Session(out["session_id"], out["group"])
+        return Session(
+            out["session_id"],
+            out["group"],
+            out["record_routes"],
+            out.get("openai_base_url"),
+            out.get("anthropic_base_url"),
+        )
 
     async def turn(
         self,

@@ -8,26 +8,32 @@ router converts checkpoints it is given by absolute path). It talks to the route
 Before: every group of the fleet serves some version; the store's latest version is ``v0``.
 What happens, in order:
 
-1. **SFT**: ``sft_steps`` steps of teacher-forced cross-entropy on the answers of fresh problems
-   (:mod:`trainer.tasks`), on the trainer (:class:`trainer.policy.Policy`).
+1. **SFT** (:mod:`trainer.demo_sft`): ``sft_steps`` steps of teacher-forced cross-entropy on the
+   answers of fresh problems of the multi-turn task (:mod:`trainer.tasks`), in the chat the
+   agents will hold, rendered by the checkpoint's chat template; on the trainer
+   (:class:`trainer.policy.Policy`).
 2. The result is published as version ``v0 + 1``; the loop waits until every replica of every
-   group serves it (the samplers start from it), and no turn is ever served by an older version
-   (``min_version``).
-3. **RL**: ``agents`` asyncio tasks each draw a problem and sample it ``samples`` times
-   concurrently through the router (one session per sample), score each answer and finish the
-   session with its reward. Meanwhile the trainer takes batches of ``prompts * samples`` finished
-   trajectories (waiting for them, with the staleness bound ``max_version_age``), computes
-   group-normalized advantages per prompt, its logits at the sampled positions and
-   :func:`trainer.corrections.policy_loss` with ``method``, takes one optimizer step, saves the
-   weights and publishes them as the next version. Sampling never stops: agents keep sampling
-   while the trainer computes and while the fleet converts and activates; each update waits only
-   for the previous version's activation before it publishes its own.
+   group serves it (the samplers start from it), so no turn is served by an older version.
+3. **RL**: ``agents`` asyncio tasks (:mod:`trainer.demo_agents`) each draw a problem and run
+   ``samples`` episodes of it concurrently, one session each, chatting through the session's
+   OpenAI Chat Completions API with the official ``openai`` client (answer, feedback, answer
+   again, up to ``turns`` answers), and finish each session with the episode's reward.
+   Meanwhile the trainer takes batches of ``prompts * samples`` finished trajectories (waiting
+   for them, with the staleness bound ``max_version_age``), computes group-normalized
+   advantages per prompt, its logits at the sampled positions (one forward per segment of the
+   batch's sequence view, every token once) and :func:`trainer.corrections.policy_loss` with
+   ``method`` over the loss mask, the generated tokens of every turn: an episode's advantage
+   applies to all the tokens it generated, in every turn. It takes one optimizer step, saves
+   the weights and publishes them as the next version. Sampling never stops: agents keep
+   sampling while the trainer computes and while the fleet converts and activates; each update
+   waits only for the previous version's activation before it publishes its own.
 4. After ``updates`` updates (or ``time_limit_s`` of RL), the agents stop and the last version's
    activation is awaited.
 
-After: ``<out>/demo.json`` (see :func:`run_demo`), ``<out>/demo.png`` when matplotlib is
-installed, and the published checkpoints ``<out>/checkpoints/vNNNNNN`` (the last ``keep`` of
-them; older ones are removed once their publication is done).
+After: ``<out>/demo.json`` (see :func:`run_demo`), ``<out>/episodes.jsonl`` (one line per
+trained episode, :func:`episodes`), ``<out>/demo.png`` when matplotlib is installed, and the
+published checkpoints ``<out>/checkpoints/vNNNNNN`` (the last ``keep`` of them; older ones are
+removed once their publication is done).
 """
 
 from __future__ import annotations
@@ -38,15 +44,16 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from core.tasks import cancel_and_wait
 from trainer.batch import Batch
-from trainer.client import AsyncRolloutClient, RouterError
+from trainer.client import AsyncRolloutClient
 from trainer.corrections import (
     DEFAULT_BAND,
     PPO_CLIP_EPS,
@@ -56,69 +63,11 @@ from trainer.corrections import (
     policy_loss,
     sampled_logprobs,
 )
+from trainer.demo_agents import Agents, chat_client
 from trainer.demo_config import DemoConfig
+from trainer.demo_sft import ChatPrompts, supervised
 from trainer.policy import Policy
-from trainer.tasks import EOS_ID, Problem, ReverseDigits
-
-
-class Progress:
-    """A progress bar over ``total`` steps (tqdm, on stderr); ``update`` shows named values."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
-
-    def update(self, **values: Any) -> None:
-        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in values.items()})
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-# ---------------------------------------------------------------- supervised warm start
-
-
-def sft_loss(policy: Policy, problems: list[Problem]) -> torch.Tensor:
-    """Mean cross-entropy of the answer tokens (end token included) given each prompt."""
-    sequences = [list(p.prompt_ids) + list(p.answer_ids) for p in problems]
-    logits = policy.forward(sequences)
-    rows, cols, targets = [], [], []
-    for i, p in enumerate(problems):
-        n = len(p.prompt_ids)
-        for j, t in enumerate(p.answer_ids):
-            rows.append(i)
-            cols.append(n - 1 + j)
-            targets.append(t)
-    picked = logits[torch.tensor(rows), torch.tensor(cols)]
-    return torch.nn.functional.cross_entropy(picked, torch.tensor(targets))
-
-
-def supervised(
-    policy: Policy, task: ReverseDigits, config: DemoConfig, rng: random.Random, show: bool
-) -> dict[str, Any]:
-    """The SFT phase; returns its record (losses per step, wall time)."""
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=config.sft_lr, weight_decay=0.0)
-    losses: list[float] = []
-    start = time.monotonic()
-    bar = Progress(config.sft_steps, "sft", show)
-    for _ in range(config.sft_steps):
-        loss = sft_loss(policy, [task.sample(rng) for _ in range(config.sft_batch)])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        bar.update(loss=losses[-1])
-    bar.close()
-    return {
-        "steps": config.sft_steps,
-        "batch": config.sft_batch,
-        "loss": losses,
-        "wall_s": time.monotonic() - start,
-    }
-
+from trainer.progress import Progress
 
 # ---------------------------------------------------------------- one RL update
 
@@ -129,6 +78,9 @@ class UpdateStats:
     mean_reward: float
     exact: float
     trajectories: int
+    turns_mean: float
+    turns: dict[str, int]
+    forks: int
     tokens: int
     prompt_groups: int
     version_age: dict[str, float]
@@ -151,6 +103,44 @@ def version_ages(batch: Batch, trainer_version: int) -> np.ndarray:
     return np.where(batch.versions >= 0, np.maximum(0, trainer_version - batch.versions), -1)
 
 
+def episodes(batch: Batch) -> list[dict[str, Any]]:
+    """Per trajectory of ``batch``: ``session``, ``prompt``, ``reward``, ``exact`` (its last answer
+    was), ``turns`` (the turns the router recorded) and ``forks`` (its segments after the first:
+    turns whose context did not extend the recorded one; 0 when the chat was token-in-token-out)."""
+    n = len(batch.trajectories)
+    segments = np.bincount(batch.segment_trajectory, minlength=n)
+    owner = batch.segment_trajectory[np.array([int(t["segment"]) for t in batch.turns], dtype=np.int64)]
+    turns = np.bincount(owner, minlength=n)
+    out = []
+    for i, t in enumerate(batch.trajectories):
+        meta = t.get("metadata") or {}
+        out.append(
+            {
+                "session": t.get("session_id"),
+                "prompt": meta.get("prompt"),
+                "reward": t.get("reward"),
+                "exact": bool(meta.get("exact")),
+                "turns": int(turns[i]),
+                "forks": int(segments[i]) - 1,
+            }
+        )
+    return out
+
+
+def _episode_stats(eps: list[dict[str, Any]]) -> dict[str, Any]:
+    """:class:`UpdateStats`' episode fields: share ending exact, turns (mean and count of episodes
+    per number of turns) and forks."""
+    counts: dict[str, int] = {}
+    for e in sorted(eps, key=lambda e: e["turns"]):
+        counts[str(e["turns"])] = counts.get(str(e["turns"]), 0) + 1
+    return {
+        "exact": float(np.mean([e["exact"] for e in eps])) if eps else 0.0,
+        "turns_mean": float(np.mean([e["turns"] for e in eps])) if eps else 0.0,
+        "turns": counts,
+        "forks": int(sum(e["forks"] for e in eps)),
+    }
+
+
 def rl_step(
     policy: Policy, opt: torch.optim.Optimizer, batch: Batch, config: DemoConfig, trainer_version: int
 ) -> tuple[UpdateStats, np.ndarray]:
@@ -165,7 +155,8 @@ def rl_step(
     supports (a position whose support is one token gives no gradient under mask replay);
     ``clipped_share`` is the share of tokens whose term PPO's clip (``grpo``'s) holds constant:
     ``p / mu`` beyond ``1 + eps`` with a positive advantage or below ``1 - eps`` with a negative
-    one, whatever ``config.method`` is."""
+    one, whatever ``config.method`` is. ``exact``, ``turns_mean``, ``turns`` and ``forks``
+    describe the batch's episodes (:func:`episodes`)."""
     rewards = torch.tensor([float(t.get("reward") or 0.0) for t in batch.trajectories])
     keys = [str((t.get("metadata") or {}).get("prompt", i)) for i, t in enumerate(batch.trajectories)]
     codes = {k: i for i, k in enumerate(dict.fromkeys(keys))}
@@ -203,7 +194,6 @@ def rl_step(
     return UpdateStats(
         loss=loss.item(),
         mean_reward=float(rewards.mean()) if rewards.numel() else 0.0,
-        exact=float((rewards >= 1.0).float().mean()) if rewards.numel() else 0.0,
         trajectories=len(batch.trajectories),
         tokens=len(batch),
         prompt_groups=len(codes),
@@ -211,6 +201,7 @@ def rl_step(
         support_mean=float(sizes.mean()) if sizes.size else 0.0,
         singleton_share=float((sizes == 1).mean()) if sizes.size else 0.0,
         clipped_share=float(clipped.float().mean()) if clipped.numel() else 0.0,
+        **_episode_stats(episodes(batch)),
         **_mismatch_stats(batch, trainer_lp, trainer_version),
     ), replayed
 
@@ -244,76 +235,6 @@ def _mismatch_stats(batch: Batch, trainer_lp: torch.Tensor, trainer_version: int
 
 
 # ---------------------------------------------------------------- the asynchronous loop
-
-
-@dataclass
-class _Agents:
-    """The sampling side: agent tasks and the counters they keep.
-
-    Backpressure: at most ``config.outstanding`` sessions are open or finished and not yet
-    taken (nor held back) by the trainer; an agent starts its next problem only when there is
-    room for all its samples, so batches stay within a version or two of the trainer."""
-
-    client: AsyncRolloutClient
-    task: ReverseDigits
-    config: DemoConfig
-    min_version: int
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    sessions: int = 0
-    outstanding: int = 0
-    held_back: int = 0
-    room: asyncio.Condition = field(default_factory=asyncio.Condition)
-    errors: list[str] = field(default_factory=list)
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "temperature": self.config.temperature,
-            "top_p": self.config.top_p,
-            "max_new_tokens": self.task.max_new_tokens,
-            "stop_token_ids": [EOS_ID],
-        }
-
-    async def release(self, count: int) -> None:
-        """``count`` sessions left the outstanding set (taken, held back, or failed)."""
-        async with self.room:
-            self.outstanding = max(0, self.outstanding - count)
-            self.room.notify_all()
-
-    async def sample(self, problem: Problem, prompt_key: str, seed: int) -> None:
-        try:
-            session = await self.client.create_session(
-                metadata={"prompt": prompt_key, "digits": problem.digits}
-            )
-            params = {**self.params(), "seed": seed}
-            turn = await self.client.turn(
-                session.session_id, list(problem.prompt_ids), params, min_version=self.min_version
-            )
-            score = self.task.score(problem, turn["output_ids"])
-            await self.client.finish(session.session_id, score.reward, {"exact": score.exact})
-        except BaseException:
-            await self.release(1)
-            raise
-        self.sessions += 1
-
-    async def agent(self, index: int) -> None:
-        rng = random.Random(self.config.seed * 1_000_003 + index)
-        n = self.config.samples
-        k = 0
-        while not self.stop.is_set():
-            async with self.room:
-                await self.room.wait_for(lambda: self.outstanding + n <= max(n, self.config.outstanding))
-                self.outstanding += n
-            problem = self.task.sample(rng)
-            key = f"a{index}-{k}"
-            seeds = [rng.getrandbits(62) for _ in range(n)]
-            try:
-                await asyncio.gather(*(self.sample(problem, key, s) for s in seeds))
-            except RouterError as exc:
-                self.errors.append(str(exc))
-                if len(self.errors) > 20:
-                    raise
-                await asyncio.sleep(0.5)
-            k += 1
 
 
 class ActivationError(RuntimeError):
@@ -405,56 +326,64 @@ async def run_demo(
 
     ``config``; ``task``; ``groups`` (the fleet's); ``sft`` (``loss`` per step, ``wall_s``);
     ``first_version``; ``updates``: one entry per update with ``update``, ``version`` (the
-    version it published), ``trained_on_version``, ``mean_reward``, ``exact``, ``loss``,
-    ``trajectories``, ``tokens``, ``prompt_groups``, ``version_age`` (mean, max, share of
-    stale tokens), per group ``k3_kl`` (``k3_kl_fresh``: over the tokens of age 0),
-    ``abs_logprob_diff_mean``, ``extreme_ratio_share`` and ``tokens_by_group`` (trainer
-    log-probs before the step against the samplers' raw log-probs), ``wall_s`` (since RL
-    started), ``step_s``, ``grad_norm``, ``support_mean``, ``singleton_share`` and
-    ``clipped_share`` (see :func:`rl_step`); ``mismatch_uploads``: per update the router's
-    answer to the upload of the trainer's log-probs (its figures per group and version);
-    ``activations``: per published version the seconds until its job was done and until each
-    group served it; ``summary``.
+    version it published), ``trained_on_version``, ``mean_reward``, ``exact`` (share of episodes
+    whose last answer was exact), ``turns_mean`` and ``turns`` (episodes per number of turns),
+    ``forks`` (expected 0), ``loss``, ``trajectories``, ``tokens``, ``prompt_groups``,
+    ``version_age`` (mean, max, share of stale tokens), per group ``k3_kl`` (``k3_kl_fresh``:
+    over the tokens of age 0), ``abs_logprob_diff_mean``, ``extreme_ratio_share`` and
+    ``tokens_by_group`` (trainer log-probs before the step against the samplers' raw
+    log-probs), ``wall_s`` (since RL started), ``step_s``, ``grad_norm``, ``support_mean``,
+    ``singleton_share`` and ``clipped_share`` (see :func:`rl_step`); ``mismatch_uploads``: per
+    update the router's answer to the upload of the trainer's log-probs (its figures per group
+    and version); ``activations``: per published version the seconds until its job was done and
+    until each group served it; ``summary`` (:func:`summarize`). Each trained episode is also a
+    line of ``<out>/episodes.jsonl``: its ``update`` and :func:`episodes`' fields.
+
+    Raises :class:`trainer.policy.CheckpointError` when ``base`` is not a chat model.
     """
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.trainer_threads)
     rng = random.Random(config.seed)
-    task = ReverseDigits(config.min_len, config.max_len, config.partial_credit)
+    task = config.task()
+    prompts = ChatPrompts(base)
     policy = Policy.load(base)
     record: dict[str, Any] = {
         "config": asdict(config),
-        "task": {
-            "name": "reverse-digits",
-            "min_len": task.min_len,
-            "max_len": task.max_len,
-            "partial_credit": task.partial_credit,
-        },
+        "task": {"name": "reverse-digits-chat", **asdict(task)},
         "router": router_url,
     }
+    (out / "episodes.jsonl").write_text("")
     started = time.monotonic()
-    async with AsyncRolloutClient(router_url, api_key) as client:
-        status = await client.weights_status()
-        record["groups"] = [{"group": g["group"], "format": g["format"]} for g in status.get("groups", [])]
-        version = int(status.get("latest_version") or 0)
-        names = ", ".join(f"{g['group']} ({g['format']})" for g in record["groups"])
-        log(f"fleet: {names}; latest v{version}")
+    chat = chat_client(router_url, api_key)
+    try:
+        async with AsyncRolloutClient(router_url, api_key) as client:
+            status = await client.weights_status()
+            groups = status.get("groups", [])
+            record["groups"] = [{"group": g["group"], "format": g["format"]} for g in groups]
+            version = int(status.get("latest_version") or 0)
+            names = ", ".join(f"{g['group']} ({g['format']})" for g in record["groups"])
+            log(f"fleet: {names}; latest v{version}")
 
-        record["sft"] = await asyncio.to_thread(supervised, policy, task, config, rng, show_progress)
-        version += 1
-        record["first_version"] = version
-        publisher = _Publisher(client, out, config)
-        log(f"publishing the warm-started policy as v{version} ...")
-        await publisher.publish(policy, version)
-        await publisher.settle()
-        log(f"v{version} active in every group: {publisher.records[-1]['activated_s']}")
+            record["sft"] = await asyncio.to_thread(
+                supervised, policy, prompts, task, config, rng, show_progress
+            )
+            version += 1
+            record["first_version"] = version
+            publisher = _Publisher(client, out, config)
+            log(f"publishing the warm-started policy as v{version} ...")
+            await publisher.publish(policy, version)
+            await publisher.settle()
+            log(f"v{version} active in every group: {publisher.records[-1]['activated_s']}")
 
-        agents = _Agents(client, task, config, min_version=version)
-        updates, uploads = await _rl_updates(
-            client, policy, config, version, publisher, agents, show_progress, log
-        )
-        await publisher.settle()
+            agents = Agents(client, chat, task, config)
+            updates, uploads = await _rl_updates(
+                client, policy, config, version, publisher, agents, out, show_progress, log
+            )
+            await publisher.settle()
+    finally:
+        await chat.close()
     record["updates"] = updates
     record["mismatch_uploads"] = uploads
     record["activations"] = publisher.records
@@ -471,13 +400,15 @@ async def _rl_updates(
     config: DemoConfig,
     version: int,
     publisher: _Publisher,
-    agents: _Agents,
+    agents: Agents,
+    out: Path,
     show_progress: bool,
     log: Callable[[str], None],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The asynchronous RL updates from ``version`` on, while ``config.agents`` agents sample: take
-    a batch, step, upload the trainer's log-probs, acknowledge, publish the next version. Returns
-    the updates' records and the router's answers to the uploads."""
+    a batch, step, upload the trainer's log-probs, acknowledge, publish the next version; each
+    batch's episodes are appended to ``out/episodes.jsonl``. Returns the updates' records and the
+    router's answers to the uploads."""
     workers = [asyncio.create_task(agents.agent(i)) for i in range(config.agents)]
     opt = torch.optim.AdamW(policy.model.parameters(), lr=config.lr, weight_decay=0.0)
     updates: list[dict[str, Any]] = []
@@ -497,6 +428,8 @@ async def _rl_updates(
                 routes = policy.route_mismatch()  # None unless the batch recorded routes
                 uploads.append(await client.upload_trainer_logprobs(batch.lease_id, trainer_lp, routes))
                 await client.ack(batch.lease_id)
+            with (out / "episodes.jsonl").open("a") as f:
+                f.writelines(json.dumps({"update": u, **e}) + "\n" for e in episodes(batch))
             trained_on = version
             version += 1
             await publisher.publish(policy, version)
@@ -515,14 +448,12 @@ async def _rl_updates(
     finally:
         bar.close()
         agents.stop.set()
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await cancel_and_wait(workers)
     return updates, uploads
 
 
 async def _take(
-    client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list, agents: _Agents
+    client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list, agents: Agents
 ) -> Batch:
     """The next batch: up to ``config.batch_size`` trajectories within the staleness bound (the
     router waits for a full one up to its wait limit); raises what an agent task died of. Every
@@ -542,8 +473,14 @@ async def _take(
 
 
 def summarize(record: dict[str, Any], wall_s: float) -> dict[str, Any]:
-    """First and last fifths of the reward curve, and totals."""
+    """First and last fifths of the reward curve, and totals: tokens, trained ``episodes``, their
+    ``forks`` (expected 0), mean turns per episode and episodes per number of turns."""
     ups = record.get("updates") or []
+    turns: dict[str, int] = {}
+    for u in ups:
+        for n, count in u["turns"].items():
+            turns[n] = turns.get(n, 0) + count
+    episodes = sum(turns.values())
     rewards = np.array([u["mean_reward"] for u in ups], dtype=np.float64)
     exact = np.array([u["exact"] for u in ups], dtype=np.float64)
     k = max(1, len(ups) // 5)
@@ -558,4 +495,8 @@ def summarize(record: dict[str, Any], wall_s: float) -> dict[str, Any]:
         "exact_first": float(exact[:k].mean()) if ups else None,
         "exact_last": float(exact[-k:].mean()) if ups else None,
         "tokens": int(sum(u["tokens"] for u in ups)),
+        "episodes": episodes,
+        "forks": int(sum(u["forks"] for u in ups)),
+        "turns_mean": sum(int(n) * c for n, c in turns.items()) / episodes if episodes else None,
+        "turns": dict(sorted(turns.items(), key=lambda kv: int(kv[0]))),
     }

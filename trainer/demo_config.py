@@ -18,6 +18,7 @@ class DemoConfig:
     min_len: int = 3
     max_len: int = 4
     partial_credit: bool = True
+    turns: int = 2  # answers per episode at most (the agent may answer again after feedback)
     sft_steps: int = 40
     sft_batch: int = 64
     sft_lr: float = 3e-3
@@ -59,7 +60,11 @@ class DemoConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        ReverseDigits(self.min_len, self.max_len, self.partial_credit)
+        self.task()
+
+    def task(self) -> ReverseDigits:
+        """The task these knobs describe (ValueError naming a bad one)."""
+        return ReverseDigits(self.min_len, self.max_len, self.partial_credit, self.turns)
 
     @property
     def batch_size(self) -> int:

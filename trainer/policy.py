@@ -14,7 +14,7 @@ Contract:
   batch's token order, so :func:`trainer.corrections.policy_loss` applies to them unchanged.
 * Routing replay (R3, as slime/Miles' ``RoutingReplay``: ``probs = scores.gather(1,
   top_indices)`` with the rollout's indices): with ``replay``, every position whose routed
-  experts the batch recorded (:meth:`trainer.batch.Batch.sequence_routes`) uses the sampler's experts in
+  experts the batch recorded (:meth:`trainer.batch.Batch.segment_routes`) uses the sampler's experts in
   every MoE layer instead of the trainer's own top-k; their gate weights are recomputed from the
   trainer's own router logits (softmax over all experts, gathered at the recorded ids,
   renormalized when ``norm_topk_prob``, exactly as ``Qwen3MoeTopKRouter`` weighs its own top-k),
@@ -151,26 +151,22 @@ class Policy:
 
     def sampled_logits(self, batch: Batch, temperature: float = 1.0, replay: bool = False) -> torch.Tensor:
         """[T, V]: for every sampled token of ``batch`` (in its order), the logits (divided by
-        ``temperature``) of the position that predicted it. Each turn is one sequence (its input,
-        the whole context up to it, then its output). ``replay``: the turns' recorded routed
-        experts replace the trainer's routing (module docstring); recorded routes are compared
-        with the trainer's own either way (:meth:`route_mismatch`)."""
-        sequences: list[list[int]] = []
-        rows: list[np.ndarray] = []
-        cols: list[np.ndarray] = []
+        ``temperature``) of the position that predicted it. Each segment of the batch is one
+        sequence (:attr:`Batch.sequence_ids`, every token once: a multi-turn trajectory's turns
+        are computed together, each turn's context being the segment's tokens before it), and a
+        sampled token's logits are those at its position in its segment minus one. ``replay``:
+        the segments' recorded routed experts replace the trainer's routing (module docstring);
+        recorded routes are compared with the trainer's own either way (:meth:`route_mismatch`)."""
+        offsets = batch.sequence_offsets
+        ids = batch.sequence_ids
+        sequences = [ids[offsets[s] : offsets[s + 1]].tolist() for s in range(offsets.size - 1)]
         k = int(self.model.config.num_experts_per_tok)
-        routes = [batch.sequence_routes(i, k) for i in range(len(batch.turns))]
-        for turn in batch.turns:
-            start, end = int(turn["token_start"]), int(turn["token_end"])
-            context = [int(x) for x in turn["input_ids"]]
-            output = batch.token_ids[start:end].tolist()
-            rows.append(np.full(end - start, len(sequences), dtype=np.int64))
-            cols.append(len(context) - 1 + np.arange(end - start, dtype=np.int64))
-            sequences.append(context + output)
+        routes = [batch.segment_routes(s, k) for s in range(len(sequences))]
         recorded = any(r is not None for r in routes)
         logits = self.forward(sequences, routes if recorded else None, replay=replay)
-        r = torch.from_numpy(np.concatenate(rows))
-        c = torch.from_numpy(np.concatenate(cols))
+        segment = np.searchsorted(offsets, batch.token_positions, side="right") - 1
+        r = torch.from_numpy(segment)
+        c = torch.from_numpy(batch.token_positions - offsets[segment] - 1)
         self._sampled_differ = None if self.last_route_differ is None else self.last_route_differ[r, c]
         return logits[r, c] / temperature
 

@@ -3,7 +3,8 @@
 Read from the preset (as the router serves it: format, accelerator, KV-cache dtype) and from the
 active version's ``manifest.json`` and ``config.json``: the weight format, its scale groups, the
 exceptions (modules kept in higher precision, with the converter's reasons), the KV-cache dtype
-and the allowed staleness (the router's ``--max-version-lag`` where known). Fails on an
+and the allowed staleness (the router's ``--max-version-lag``, which ``GET /v1/weights`` serves;
+unbounded without one). Fails on an
 inconsistency (the manifest or the checkpoint declaring another format or version than the group
 serves, scale groups other than the format's); names, as a note, a format the group's
 accelerator does not run natively.
@@ -89,7 +90,10 @@ def check(target: GroupTarget) -> LevelResult:
             + (" (the local CPU engine emulates it in float32)" if target.accelerator == "cpu" else "")
         )
     if target.staleness is None:
-        notes.append("allowed staleness: the router does not publish its --max-version-lag; not stated")
+        notes.append(
+            "allowed staleness: unbounded (the router runs without --max-version-lag: a lagging "
+            "replica keeps receiving turns)"
+        )
     contract = {
         "format": target.format,
         "accelerator": target.accelerator,

@@ -48,7 +48,6 @@ def discover(
     store_root: Path | None,
     groups: list[str] | None,
     checkpoint: Path | None,
-    max_version_lag: int | None = None,
 ) -> list[GroupTarget]:
     """The chosen groups (default: all) of the fleet behind ``client`` (``clients.router.WeightsClient``).
 
@@ -84,7 +83,7 @@ def discover(
                 replicas=reps,
                 version_dir=_dir(store, run_id, g["format"], version),
                 bf16_dir=checkpoint if checkpoint is not None else _dir(store, run_id, "bf16", version),
-                staleness=max_version_lag,
+                staleness=status.get("max_version_lag"),
             )
         )
     return out

@@ -15,7 +15,7 @@ them and is ``config.json``'s ``vocab_size``), ``tokenizer_config.json`` carries
 :data:`CHAT_TEMPLATE`, a Qwen3-style template, as its ``chat_template``, and ``<|im_end|>``
 (:data:`IM_END_ID`) is an end-of-sequence id beside ``<|eos|>``. The chat APIs render with these
 (:mod:`router.chat.renderers.local`). The tokenizer is built from the engine's byte-level alphabet
-(``engine.server.tokenizer.bytes_to_unicode``), imported inside :func:`tokenizer_dict` only: the
+(``engine.model.tokenizer.bytes_to_unicode``), imported inside :func:`tokenizer_dict` only: the
 same lazy weight_sync -> engine arrow as nvfp4's calibration (``weight_sync.convert``).
 
 Initialisation (chosen so that the random policy is not uniform and every layer matters):
@@ -228,7 +228,7 @@ def tokenizer_dict() -> dict[str, Any]:
     """``tokenizer.json``: byte-level BPE with no merges (token id == byte value) + the
     :data:`ADDED_TOKENS` (ids from 256; the chat tokens not special, as Qwen3's ``<think>``, but
     ``<|im_start|>`` and ``<|im_end|>``), spelled exactly as the ``tokenizers`` library serialises it."""
-    from engine.server.tokenizer import bytes_to_unicode
+    from engine.model.tokenizer import bytes_to_unicode
 
     b2u = bytes_to_unicode()
     return {

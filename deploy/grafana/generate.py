@@ -6,7 +6,7 @@ differs from what this module generates, or when a panel or variable queries a m
 code defines. The defined names are read from the metric registries themselves: the router's
 (:class:`router.metrics.RouterMetrics`), a sidecar's (built from
 :data:`replica.reconciler.REPLICA_METRICS`), the engine's
-(:class:`engine.server.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
+(:class:`engine.runtime.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
 rules of ``deploy/prometheus/rules/``.
 
 Every dashboard is Grafana 11 schema (``schemaVersion`` :data:`SCHEMA_VERSION`), takes its
@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from engine.server.metrics import EngineMetrics
+from engine.runtime.metrics import EngineMetrics
 from replica.reconciler import REPLICA_METRICS
 from router.metrics import RouterMetrics
 
@@ -73,6 +73,7 @@ M = {
     "failovers": "mixfleet_router_failovers_total",
     "moves": "mixfleet_router_session_moves_total",
     "forks": "mixfleet_router_forks_total",
+    "chat_turns": "mixfleet_router_chat_turns_total",
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
@@ -560,13 +561,19 @@ def overview() -> JSON:
             "Forks / s",
             "Turns whose input did not extend the session's stored context (the harness edited or "
             "re-rendered history): each starts a new segment of its trajectory, trained as its own "
-            f"sample. Forks per turn says how much context is stored twice.\n\nMetrics: `{M['forks']}`, "
-            f"`{M['turns']}`",
+            f"sample. Forks per turn says how much context is stored twice. Chat turns rendered whole: "
+            "chat turns whose every message was rendered (the history before the last turn changed, "
+            "or token turns came between), not only the messages after the last turn.\n\nMetrics: "
+            f"`{M['forks']}`, `{M['turns']}`, `{M['chat_turns']}`",
             [
                 target(or_zero(sum_rate(M["forks"], GROUP)), "{{group}} forks"),
                 target(
                     divide(sum_rate(M["forks"], GROUP), sum_rate(M["turns"], GROUP)),
                     "{{group}} forks per turn",
+                ),
+                target(
+                    or_zero(sum_rate(M["chat_turns"], GROUP, 'context="whole"')),
+                    "{{group}} chat turns rendered whole",
                 ),
             ],
         ),
@@ -821,7 +828,7 @@ def mismatch() -> JSON:
             "Route mismatch (routing replay)",
             "Share of the compared tokens whose trainer top-k experts (at the position that predicted "
             "the token, as a set per MoE layer) differ from the routed experts the sampler recorded, in "
-            "some layer; groups with record_routes only.\n\n"
+            "some layer; groups and sessions with record_routes only.\n\n"
             f"Metrics: `{M['mm_route_differ']}`, `{M['mm_route_tokens']}`",
             [target(route_share, "{{group}}")],
             unit="percentunit",

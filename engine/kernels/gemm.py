@@ -33,6 +33,7 @@ Large products are split over ``torch.get_num_threads()`` threads by ``engine.ke
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from core.numba_options import NJIT
+from core.parallel import split
 from engine.kernels import threads
 
 # numba reads its environment again before each compilation (numba.core.config.reload_config)
@@ -162,8 +164,7 @@ def linear(x: torch.Tensor, w: PackedBf16, out: torch.Tensor | None = None) -> t
         args = (_transposed(x2), 0, m, bits, res.numpy(), scales, ldk, kshift)
         n_panels = -(-w.n // PANEL)
         parts = threads.parts(m * w.k * w.n, n_panels)
-        calls = [(_gemm, (*args, a, b)) for a, b in threads.split(n_panels, parts)]
-        threads.run(calls)
+        threads.WORKERS.run([functools.partial(_gemm, *args, a, b) for a, b in split(n_panels, parts)])
     return res if out is not None else res.view(*lead, w.n)
 
 
@@ -230,12 +231,13 @@ def grouped(x: torch.Tensor, offsets: torch.Tensor, group: PackedGroup, out: tor
     )
     parts = threads.parts(rows * group.k * group.n, e)
     if parts == 1:
-        threads.run([(_grouped, (*args, 0, e))])
+        _grouped(*args, 0, e)
         return out
     # Cut the weights where the running row count crosses each 1/parts of the rows.
     offs = offsets.tolist()
     bounds = [0, *(bisect.bisect_left(offs, rows * i / parts) for i in range(1, parts)), e]
-    threads.run([(_grouped, (*args, a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if a < b])
+    cuts = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
+    threads.WORKERS.run([functools.partial(_grouped, *args, a, b) for a, b in cuts])
     return out
 
 

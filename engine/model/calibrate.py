@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.model.model import load_model
-from engine.server.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 
 SEQ_LEN = 256
 

@@ -33,18 +33,20 @@ Precision (a decision, documented here):
   excluded) run as bf16 ones do.
 - ``kv_cache_dtype="fp8_e4m3"``: K and V go through float8_e4m3fn (scale 1.0, clamped to +-448)
   when written to the cache, and attention always reads them back from the cache, for the new
-  tokens too, so prefill and incremental decoding see the same values. ``"bf16"`` stores them
+  tokens too, so prefill and incremental decoding see the same values (not the same
+  computation: attention over a different number of rows differs in the last bits, as SGLang's
+  does outside its deterministic mode). ``"bf16"`` stores them
   through bfloat16 (an SGLang BF16 group's cache); ``"auto"`` keeps float32.
 
 Speed (decode of many sequences is bound by reading expert weights and by small-M matmuls):
-every format's linears run through an LLVM-compiled GEMM on bfloat16 weights that widens them
+every format's linears run through a numba GEMM on bfloat16 weights that widens them
 in registers (``engine.kernels.gemm``: half the bytes read, float32 arithmetic), with FP8 block
 and NVFP4 global scales applied to partial sums; the weights are written into its layout straight
-from the checkpoint's codes (``layers.pack_parts``; float32 for oneDNN only where that is
+from the checkpoint's codes (``layers.pack_parts``; float32 for ``F.linear`` only where that is
 impossible); NVFP4's activation quantization is one fused numba pass per projection input (the
 experts' gate/up input once per token, before the routed copies are gathered); the
 experts run once per step over the tokens routed to them (tokens sorted by expert); the decoding
-sequences' attention is one call per cache pool (see ``engine.runtime.cache``) with the query heads
+sequences' attention is one call per cache pool (see ``engine.model.cache``) with the query heads
 of a KV head as its query rows, so each stored key and value is read once per step (torch's
 ``scaled_dot_product_attention`` with a mask per slot).
 """
@@ -59,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.model.cache import KVPool, SequenceCache, storage_dtype, to_storage
 from engine.model.config import ARCHITECTURE, ModelConfig
 from engine.model.layers import (
     Experts,
@@ -71,7 +74,6 @@ from engine.model.layers import (
     swiglu,
 )
 from engine.model.loader import CheckpointTensors, LayerTensors, LinearWeight, load_checkpoint
-from engine.runtime.cache import KVPool, SequenceCache, storage_dtype, to_storage
 
 __all__ = ["Model", "ModelConfig", "SequenceCache", "load_model"]
 

@@ -42,10 +42,10 @@ class Engine:
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
         enable_return_routed_experts: bool = False,
     ) -> None:
+        from engine.runtime.metrics import EngineMetrics
+        from engine.runtime.request import ModelLimits
         from engine.runtime.rwlock import RWLock
         from engine.runtime.scheduler import Scheduler
-        from engine.server.metrics import EngineMetrics
-        from engine.server.protocol import ModelLimits
 
         self.model_path = model_path
         self.kv_cache_dtype = kv_cache_dtype
@@ -119,7 +119,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            from engine.server.protocol import RequestError
+            from engine.runtime.request import RequestError
 
             raise RequestError("text input needs a tokenizer; this model directory has no tokenizer.json.")
         return list(self.tokenizer.encode(text))
@@ -172,6 +172,6 @@ class Engine:
 def _load_tokenizer(path: Path) -> Any:
     if not (path / "tokenizer.json").is_file():
         return None
-    from engine.server.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(path)

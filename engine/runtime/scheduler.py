@@ -42,8 +42,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from engine.runtime.request import GenerateSpec
 from engine.runtime.sampler import Draw, sample, scaled_logprobs, top_logprobs
-from engine.server.protocol import GenerateSpec
 
 log = logging.getLogger("mixfleet.engine.scheduler")
 

@@ -3,8 +3,9 @@
 ``GenerateReqInput`` mirrors SGLang's ``/generate`` body (single request or a batch: ``text``
 a list, or ``input_ids`` a list of lists; per-item fields may be scalars shared by the batch
 or lists with one entry per item). :meth:`GenerateReqInput.normalize` turns it into one frozen
-:class:`GenerateSpec` per item, validated against the served model, or raises
-:class:`RequestError` (the server answers 400 with its message, SGLang-style).
+:class:`~engine.runtime.request.GenerateSpec` (what the runtime schedules) per item, validated
+against the served model, or raises :class:`~engine.runtime.request.RequestError` (the server
+answers 400 with its message, SGLang-style).
 
 Validation messages follow SGLang's ``SamplingParams.verify`` and ``TokenizerManager``
 wording where SGLang has one.
@@ -26,18 +27,13 @@ import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from core.sglang_release import (
-    SAMPLING_LOGPROBS_MODES,
-    SAMPLING_MASK_MAX_TOKENS_DEFAULT,
-    mask_top_k_error,
-    routed_experts_start_error,
-)
+from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
+from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
 from engine.runtime.sampler import TOP_K_ALL, SamplerSettings
 from weight_sync.types import InvalidVersion
 from weight_sync.types import parse_version as parse_weight_version
@@ -60,10 +56,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "logit_bias": None,
     "custom_params": None,
 }
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the problem (HTTP 400)."""
 
 
 class SamplingParams(BaseModel):
@@ -107,42 +99,6 @@ class SamplingParams(BaseModel):
             # SGLang: temperature 0 means greedy (top_k = 1 at temperature 1).
             return SamplerSettings(temperature=0.0, top_p=1.0, top_k=1, min_p=0.0)
         return SamplerSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a request is validated against: the served model's vocabulary and context."""
-
-    vocab_size: int
-    context_len: int
-    sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """One validated generation request.
-
-    Holds: ``1 <= len(input_ids) < context_len``; every id in ``[0, vocab_size)``;
-    ``len(input_ids) + max_new_tokens <= context_len``; ``0 <= logprob_start_len < len(input_ids)``.
-    """
-
-    rid: str
-    input_ids: tuple[int, ...]
-    settings: SamplerSettings
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
-    sampling_seed: int | None
-    skip_special_tokens: bool
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    return_sampling_mask: bool
-    return_text_in_logprobs: bool
-    stream: bool
-    sampling_logprobs_mode: str = "selected"
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
 
 
 class GenerateReqInput(BaseModel):

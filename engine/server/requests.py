@@ -2,7 +2,7 @@
 
 The app holds its :class:`~engine.runtime.engine.Engine` at ``app.state.engine``
 (:func:`engine.server.app.create_app`); routes read it with :func:`engine_of`. A body the engine
-refuses raises :class:`~engine.server.protocol.RequestError`; routes answer it with
+refuses raises :class:`~engine.runtime.request.RequestError`; routes answer it with
 :func:`error` (HTTP 400, ``{"error": {"message": ...}}``, SGLang's shape).
 """
 
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from engine.runtime.engine import Engine
-from engine.server.protocol import RequestError
+from engine.runtime.request import RequestError
 
 
 def engine_of(request: Request) -> Engine:

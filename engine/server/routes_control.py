@@ -10,7 +10,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT
-from engine.server.protocol import AbortReq, PauseGenerationReqInput, RequestError
+from engine.runtime.request import RequestError
+from engine.server.protocol import AbortReq, PauseGenerationReqInput
 from engine.server.requests import engine_of, error, parse
 
 router = APIRouter()

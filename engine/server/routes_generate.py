@@ -17,8 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from engine.runtime.engine import Engine
+from engine.runtime.request import RequestError
 from engine.runtime.scheduler import FinishEvent, TokenEvent
-from engine.server.protocol import GenerateReqInput, RequestError
+from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse
 from engine.server.response import GenerateResponse, dumps
 

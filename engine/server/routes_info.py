@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.runtime.engine import ENGINE_VERSION
-from engine.server.metrics import CONTENT_TYPE
+from engine.runtime.metrics import CONTENT_TYPE
 from engine.server.requests import engine_of
 
 router = APIRouter()

@@ -14,12 +14,8 @@ from fastapi.responses import JSONResponse, Response
 
 from core.sglang_release import UPDATE_NOT_FLUSHED_MESSAGE
 from engine.runtime.engine import LOADER, Engine
-from engine.server.protocol import (
-    RequestError,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightVersionReqInput,
-    parse_version,
-)
+from engine.runtime.request import RequestError
+from engine.server.protocol import UpdateWeightFromDiskReqInput, UpdateWeightVersionReqInput, parse_version
 from engine.server.requests import engine_of, parse
 
 log = logging.getLogger("mixfleet.engine")

@@ -9,6 +9,9 @@ text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``aut
 thinking budget, forced tool choice) is a 400 naming it. The sampled reasoning comes back as a
 ``thinking`` block (its ``signature`` is empty: nothing is signed).
 
+``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
+or not (:mod:`router.idempotency`, :mod:`router.chat.service`).
+
 Streaming runs the turn first, then sends it as Anthropic's server-sent events
 (``message_start``, per block ``content_block_start`` / ``content_block_delta`` /
 ``content_block_stop``, ``message_delta``, ``message_stop``): the turn recorded is the same as
@@ -30,6 +33,7 @@ from router.auth import scopes_for
 from router.chat.renderers import Message, Tool, ToolCall
 from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.idempotency import HEADER, KEY_DOC
 
 
 async def _key(
@@ -196,9 +200,14 @@ def _messages(i: int, m: InMessage) -> list[Message]:
     summary="Anthropic Messages on this session",
     responses=error_responses(*BODY, 404, 409, 502, 503),
 )
-async def create_message(request: Request, session_id: str, body: MessagesRequest) -> Response:
+async def create_message(
+    request: Request,
+    session_id: str,
+    body: MessagesRequest,
+    idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
+) -> Response:
     try:
-        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+        result = await run_chat(request.app.state.ctx, session_id, body.chat(), idempotency_key)
     except ApiError as exc:
         raise api_error(exc, "anthropic") from None
     answer = message(session_id, body, result)

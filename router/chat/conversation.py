@@ -1,28 +1,41 @@
-"""The token context of a chat request, derived from the session's stored trajectory.
+"""The token context of a chat request, rendered from where the session's recorded turns leave it.
 
-Nothing but the trajectory is kept per conversation: any router worker builds the same context.
 The messages are rendered segment by segment (:mod:`router.chat.renderers.base`); at each
-assistant message the context built so far is looked up among the session's recorded turns (as
-the engine saw them, :class:`Sampled`: a turn stores only what it appends, so its whole input is
-rebuilt from its segment, :func:`router.segments.engine_inputs`): a turn whose ``input_ids``
-equal it and whose sampled ids parse to that message
-(:meth:`~router.chat.renderers.base.Reply.matches`) supplies its sampled ``output_ids``, exactly
-as sampled, reasoning included. An assistant message no turn matches (the harness edited or
-invented it) is rendered from its text by the chat template.
+assistant message the context built so far is looked up among the recorded turns it may be
+(:class:`Sampled`, each with its whole input as the engine saw it): a turn whose input equals it
+and whose sampled ids parse to that message (:meth:`~router.chat.renderers.base.Reply.matches`)
+supplies its sampled ``output_ids``, exactly as sampled, reasoning included. An assistant message
+no turn matches (the harness edited or invented it) is rendered from its text by the chat
+template.
 
-The request's ``input_ids`` are always the full context. It ``extends`` the session when it
-starts with the last recorded turn's ``input_ids + output_ids``; otherwise the history was changed
-and the turn store records a fork (it compares the full ``input_ids`` itself, and stores only
-the tokens a turn that extends its segment appends).
+Where rendering starts (:class:`Known`), so that a turn costs what it appends, not its context:
+
+* :func:`resume`: the session's chat note (:class:`Note`, kept in the state store beside the
+  session's context, :meth:`router.state.base.StateStore.put_chat_note`) says how many messages
+  its last turn rendered and a digest of them (with the renderer family and the tools,
+  :func:`digests`). When the note is about the session's last turn and the request starts with
+  exactly those messages followed by an assistant message, the last turn's input is the stored
+  context without its last ``output`` ids (the context of an open session is its segment: the
+  last turn's whole input and its sampled ids, :mod:`router.segments`), so only the messages
+  after it are rendered, the assistant message being matched against that one turn.
+* :func:`from_trajectory`: otherwise (no note, the note is about an earlier turn because a token
+  turn or a concurrent turn came after it, or the messages it covers changed: the history was
+  edited), every message is rendered, matched against every recorded turn, rebuilt from the
+  trajectory (a turn stores only what it appends, :func:`router.segments.engine_inputs`).
+
+Both give the same context for the same messages; the first reads only the session's context.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
-from router.segments import engine_inputs
+from router.segments import engine_inputs, unpack
+from router.state.base import ChatState
 from router.turn_data import TurnData
 
 
@@ -30,8 +43,54 @@ from router.turn_data import TurnData
 class Sampled:
     """A recorded turn as its engine saw it: its whole input and its sampled ids."""
 
-    input_ids: Sequence[int]
+    input_ids: list[int]
     output_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Known:
+    """Where rendering starts: ``ids``, the context of the first ``messages`` messages (ending with
+    the generation prompt; empty when ``messages`` is 0), and the recorded ``turns`` an assistant
+    message from there on may be."""
+
+    ids: Sequence[int] = ()
+    messages: int = 0
+    turns: Sequence[Sampled] = ()
+
+
+@dataclass(frozen=True)
+class Note:
+    """The chat note of a session's turn (its bytes: :meth:`encode`): the ``messages`` rendered
+    into its input, their :func:`digests` entry and the number of ids it sampled (``output``)."""
+
+    messages: int
+    digest: str
+    output: int
+
+    def encode(self) -> bytes:
+        return json.dumps([self.messages, self.digest, self.output]).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Note | None:
+        """The note of ``data``; None when it is not one (it is then not used)."""
+        try:
+            messages, digest, output = json.loads(data)
+            return cls(int(messages), str(digest), int(output))
+        except (ValueError, TypeError):
+            return None
+
+
+def digests(family: str, tools: Sequence[Tool], messages: Sequence[Message]) -> list[str]:
+    """Entry ``k``: a digest of the renderer ``family``, the ``tools`` and ``messages[:k]`` (every
+    field of each), for ``k`` in ``0 .. len(messages)``."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([family, [astuple(t) for t in tools]], sort_keys=True).encode())
+    out = [h.hexdigest()]
+    for m in messages:
+        data = json.dumps(astuple(m), ensure_ascii=False).encode()
+        h.update(len(data).to_bytes(8, "little") + data)
+        out.append(h.hexdigest())
+    return out
 
 
 def sampled_turns(turns: Sequence[TurnData]) -> list[Sampled]:
@@ -40,13 +99,30 @@ def sampled_turns(turns: Sequence[TurnData]) -> list[Sampled]:
     return [Sampled(ids, t.output_ids) for ids, t in zip(engine_inputs(turns), turns, strict=True)]
 
 
+def from_trajectory(turns: Sequence[TurnData]) -> Known:
+    """Rendering from the first message, matched against every recorded turn."""
+    return Known(turns=sampled_turns(turns))
+
+
+def resume(state: ChatState, messages: Sequence[Message], prefix_digests: Sequence[str]) -> Known | None:
+    """Rendering from the session's last turn (module docstring), or None when its note does not
+    allow it. ``prefix_digests``: :func:`digests` of the request."""
+    note = Note.decode(state.note) if state.note_turn == state.session.n_turns - 1 else None
+    if note is None or not 0 < note.messages < len(messages) or messages[note.messages].role != "assistant":
+        return None
+    if prefix_digests[note.messages] != note.digest or 4 * note.output >= len(state.context):
+        return None
+    ids = unpack(state.context)
+    cut = len(ids) - note.output
+    prefix = ids[:cut]
+    return Known(prefix, note.messages, (Sampled(prefix, ids[cut:]),))
+
+
 @dataclass(frozen=True)
 class Context:
-    """``input_ids`` of the next turn; ``extends``: it continues the last recorded turn (always
-    True for the first turn); ``kept``: assistant messages given as their sampled ids."""
+    """``input_ids`` of the next turn; ``kept``: assistant messages given as their sampled ids."""
 
     input_ids: list[int]
-    extends: bool
     kept: int
 
 
@@ -65,35 +141,40 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 
 def build_context(
-    renderer: Renderer, messages: Sequence[Message], tools: Sequence[Tool], turns: Sequence[Sampled]
+    renderer: Renderer, messages: Sequence[Message], tools: Sequence[Tool], known: Known
 ) -> Context:
-    """The next turn's context for ``messages`` given the session's recorded ``turns`` (module
-    docstring). Raises RenderError for what the renderer cannot represent."""
+    """The next turn's context for ``messages``, rendered from ``known`` on (module docstring).
+    Raises RenderError for what the renderer cannot represent; ValueError when ``known`` starts
+    after some messages but not at an assistant message."""
     check_messages(messages)
-    by_context: dict[tuple[int, ...], list[Sampled]] = {}
-    for t in turns:
-        by_context.setdefault(tuple(t.input_ids), []).append(t)
-    ids: list[int] = []
-    start, kept, after = 0, 0, False
-    for i, m in enumerate(messages):
+    if known.messages and messages[known.messages].role != "assistant":
+        raise ValueError(f"rendering resumes at messages[{known.messages}], not an assistant message")
+    by_length: dict[int, list[Sampled]] = {}
+    for t in known.turns:
+        by_length.setdefault(len(t.input_ids), []).append(t)
+    ids = list(known.ids)
+    start, kept, after, prompted = known.messages, 0, False, known.messages > 0
+    for i in range(start, len(messages)):
+        m = messages[i]
         if m.role != "assistant":
             continue
-        seg = messages[start:i]
-        ids += renderer.body(seg) if after else renderer.head(seg, tools)
+        if not prompted:
+            seg = messages[start:i]
+            ids += renderer.body(seg) if after else renderer.head(seg, tools)
         sampled = next(
-            (t for t in by_context.get(tuple(ids), ()) if renderer.parse(t.output_ids).matches(m)), None
+            (
+                t
+                for t in by_length.get(len(ids), ())
+                if t.input_ids == ids and renderer.parse(t.output_ids).matches(m)
+            ),
+            None,
         )
         if sampled is not None:
             ids += list(sampled.output_ids) + renderer.close(sampled.output_ids)
             kept += 1
         else:
             ids += renderer.assistant(messages[:i], m, messages[i + 1 :], tools)
-        start, after = i + 1, True
+        start, after, prompted = i + 1, True, False
     tail = messages[start:]
     ids += renderer.body(tail) if after else renderer.head(tail, tools)
-    extends = True
-    if turns:
-        last = turns[-1]
-        n_in, n_out = len(last.input_ids), len(last.output_ids)
-        extends = ids[:n_in] == list(last.input_ids) and ids[n_in : n_in + n_out] == list(last.output_ids)
-    return Context(ids, extends, kept)
+    return Context(ids, kept)

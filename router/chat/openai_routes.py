@@ -10,6 +10,10 @@ Anything else that would change the answer is a 400 naming it. The reply carries
 ``reasoning_content`` (the sampled ``<think>`` text) and ``mixfleet`` (session, turn, whether it
 extended the recorded history).
 
+``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
+or not (:mod:`router.idempotency`, :mod:`router.chat.service`); ``created`` is the session's creation
+time.
+
 Streaming runs the turn first, then sends it as ``chat.completion.chunk`` server-sent events (role,
 reasoning, content, each tool call, the finish reason, usage, ``[DONE]``): the turn recorded is the
 same as without streaming.
@@ -17,11 +21,10 @@ same as without streaming.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +33,7 @@ from router.auth import require
 from router.chat.renderers import Message, Tool, ToolCall
 from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.idempotency import HEADER, KEY_DOC
 
 router = APIRouter(
     prefix="/v1/sessions/{session_id}/openai/v1",
@@ -156,9 +160,14 @@ def _message(i: int, m: ChatMessage) -> Message:
     summary="OpenAI Chat Completions on this session",
     responses=error_responses(*BODY, 404, 409, 502, 503),
 )
-async def chat_completions(request: Request, session_id: str, body: ChatCompletionRequest) -> Response:
+async def chat_completions(
+    request: Request,
+    session_id: str,
+    body: ChatCompletionRequest,
+    idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
+) -> Response:
     try:
-        result = await run_chat(request.app.state.ctx, session_id, body.chat())
+        result = await run_chat(request.app.state.ctx, session_id, body.chat(), idempotency_key)
         answer = completion(session_id, body, result)
     except ApiError as exc:
         raise api_error(exc, "openai") from None
@@ -193,7 +202,7 @@ def completion(session_id: str, body: ChatCompletionRequest, result: ChatResult)
     return {
         "id": f"chatcmpl-{session_id}-{turn}",
         "object": "chat.completion",
-        "created": int(time.time()),
+        "created": result.created,
         "model": body.model,
         "choices": [
             {

@@ -1,12 +1,30 @@
 """One chat turn, shared by the OpenAI and Anthropic routes: render the context
 (:mod:`router.chat.conversation`), run and record it as an ordinary token-in-token-out turn
-(:func:`router.turns.record_turn`, full ``input_ids``), parse the sampled ids.
+(:func:`router.idempotency.answer_turn`), parse the sampled ids.
 
 The chat model is the checkpoint directory of the router's configuration,
 :attr:`router.config.RouterConfig.chat_model` (``mixfleet router --chat-model DIR``; its
 ``tokenizer.json`` and chat template); ``chat_family`` (``--chat-family``) picks the renderer
 family, else :func:`router.chat.renderers.load_renderer` detects it. Without one the chat routes
 answer 503.
+
+A turn costs what it appends: the session is read with its context and chat note in one step
+(:meth:`~router.state.base.StateStore.get_chat_state`), the context of the session's last turn is
+resumed from them (:func:`router.chat.conversation.resume`) and only the messages after it are
+rendered; after recording, the turn's note is kept (:meth:`~router.state.base.StateStore.put_chat_note`).
+
+Concurrent turns of one session: the turn's input is always the whole context rendered against the
+state read (``input_ids``, never ``append_ids``, which the turn store would place on whatever
+context it reads later). When another turn of the session is recorded in between, that input no
+longer extends the stored context and the turn is recorded as a fork
+(:func:`router.turns.record_turn`): the engine sees exactly the conversation the request sent, and
+the note of the later turn replaces the earlier one's, never the reverse.
+
+Retries (``Idempotency-Key``, :mod:`router.idempotency`): a turn recorded under the key is
+answered without rendering or sampling; the answer is a function of the recorded turn and the
+request (the prompt length is the recorded input's, ``extends`` is whether the turn was recorded
+without a fork, OpenAI's ``created`` is the session's creation time), so a retry with the same
+body gets the first answer byte for byte from any router process.
 """
 
 from __future__ import annotations
@@ -19,14 +37,17 @@ from typing import Any, Literal
 import pydantic
 
 from core.jsonio import loads
-from router.chat.conversation import build_context, sampled_turns
+from router.chat.conversation import Note, build_context, digests, from_trajectory, resume
 from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, load_renderer
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.errors import ApiError
+from router.idempotency import answer_turn, recorded
 from router.records import decode_turn
 from router.schemas import SamplingParams, TurnRequest
-from router.turns import load_open, record_turn
+from router.state.base import ChatState
+from router.turn_data import TurnData
+from router.turns import record_turn
 
 
 @lru_cache(maxsize=4)
@@ -62,7 +83,8 @@ class ChatRequest:
 @dataclass(frozen=True)
 class ChatResult:
     """The recorded turn (its JSON answer, :func:`router.turns.record_turn`), the reply parsed
-    from it, the context length and which stop sequence ended it (None: none did)."""
+    from it, the length of its input, whether it extended the session (recorded without a fork),
+    which stop sequence ended it (None: none did) and the session's creation time (seconds)."""
 
     turn: dict[str, Any]
     reply: Reply
@@ -70,6 +92,7 @@ class ChatResult:
     extends: bool
     stop_sequence: str | None
     renderer: Renderer
+    created: int
 
     @property
     def output_ids(self) -> list[int]:
@@ -82,28 +105,83 @@ class ChatResult:
         return str(reason.get("type") or "unknown")
 
 
-async def run_chat(ctx: RouterContext, session_id: str, req: ChatRequest) -> ChatResult:
-    """Render, run, record and parse one chat turn of ``session_id``. ApiError 400 for what the
-    renderer cannot represent; the turn's own refusals as :func:`record_turn` raises them."""
+async def run_chat(
+    ctx: RouterContext, session_id: str, req: ChatRequest, key: str | None = None
+) -> ChatResult:
+    """Render, run, record and parse one chat turn of ``session_id`` (once per ``key``, module
+    docstring). ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or
+    finished session; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
-    await load_open(ctx, session_id)
-    turns = sampled_turns([decode_turn(b) for b in await ctx.store.get_turns(session_id)])
     try:
         stops = {renderer.stop_token(s): s for s in req.stop}
-        context = build_context(renderer, req.messages, req.tools, turns)
     except RenderError as exc:
         raise ApiError(400, str(exc)) from None
-    spec = _turn_request(context.input_ids, req, [*renderer.stop_ids, *stops]).spec()
-    turn = loads(await record_turn(ctx, session_id, spec))
+    if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
+        return await _replay(ctx, session_id, renderer, first, stops)
+    state = _open(await ctx.store.get_chat_state(session_id), session_id)
+    chain = digests(renderer.family, req.tools, req.messages)
+    try:
+        known = resume(state, req.messages, chain)
+        whole = known is None
+        if known is None:
+            known = from_trajectory([decode_turn(b) for b in await ctx.store.get_turns(session_id)])
+        input_ids = build_context(renderer, req.messages, req.tools, known).input_ids
+    except RenderError as exc:
+        raise ApiError(400, str(exc)) from None
+    spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()
+    if key is None:
+        turn, prompt, ours = loads(await record_turn(ctx, session_id, spec)), len(input_ids), True
+    else:
+        await answer_turn(ctx, session_id, spec, key)
+        data = await recorded(ctx, session_id, key)
+        if data is None:
+            raise ApiError(404, f"session {session_id!r} was deleted during the turn")
+        turn, prompt = data.to_json(session_id, with_input=False), data.prompt_len
+        ours = prompt == len(input_ids) and _ends_with(input_ids, data.append_ids)  # not a concurrent first's
+    if ours:
+        note = Note(len(req.messages), chain[-1], len(turn["output_ids"]))
+        await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
+        ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
+    return _result(turn, renderer, prompt, stops, state)
+
+
+async def _replay(
+    ctx: RouterContext, session_id: str, renderer: Renderer, first: TurnData, stops: dict[int, str]
+) -> ChatResult:
+    """The result of the turn recorded under the request's key (the session may be finished since)."""
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    turn = first.to_json(session_id, with_input=False)
+    return _result(turn, renderer, first.prompt_len, stops, ChatState(info, b""))
+
+
+def _result(
+    turn: dict[str, Any], renderer: Renderer, prompt: int, stops: dict[int, str], state: ChatState
+) -> ChatResult:
     matched = (turn.get("finish_reason") or {}).get("matched")
     return ChatResult(
         turn=turn,
         reply=renderer.parse(turn["output_ids"]),
-        prompt_tokens=len(context.input_ids),
-        extends=context.extends,
+        prompt_tokens=prompt,
+        extends=turn["fork"] is None,
         stop_sequence=stops.get(matched) if isinstance(matched, int) else None,
         renderer=renderer,
+        created=int(state.session.created_at),
     )
+
+
+def _open(state: ChatState | None, session_id: str) -> ChatState:
+    """The session's chat state, if it exists and is open; else 404 / 409 (as a token turn)."""
+    if state is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    if state.session.status != "open":
+        raise ApiError(409, f"session {session_id!r} is {state.session.status}: it accepts no more turns")
+    return state
+
+
+def _ends_with(ids: list[int], tail: Sequence[int]) -> bool:
+    return not tail or ids[len(ids) - len(tail) :] == list(tail)
 
 
 def _turn_request(input_ids: list[int], req: ChatRequest, stop_ids: Sequence[int]) -> TurnRequest:

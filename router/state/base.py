@@ -19,6 +19,10 @@ Contract, for every adapter:
   little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
   ``get_session_context`` reads the session and then its context. Finishing or
   abandoning the session drops the context (the turn blocks hold every token).
+* The chat routes keep one opaque note per open session, about one turn
+  (:meth:`~StateStore.put_chat_note`: a later turn's note replaces it, never an earlier one's);
+  :meth:`~StateStore.get_chat_state` reads the session, its context and the note in one atomic
+  step. Finishing or abandoning the session drops the note.
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
 * The routing window holds the latest ``size`` session assignments (:class:`WindowEntry`, oldest
@@ -99,6 +103,7 @@ class SessionInfo:
     min_version: int | None = None
     max_version: int | None = None
     tokens: int = 0
+    record_routes: bool = False  # its turns ask their engines for routed experts (any group's)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,18 @@ class TurnRecord:
     fork: bool = False
     expected_turn: int | None = None
     version_tokens: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChatState:
+    """An open session as the chat routes read it (:meth:`StateStore.get_chat_state`): the
+    session, its context (exactly the one its ``n_turns`` turns left) and the chat note kept for
+    turn ``note_turn`` (None and empty: none kept)."""
+
+    session: SessionInfo
+    context: bytes
+    note_turn: int | None = None
+    note: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -177,10 +194,19 @@ class StateStore(abc.ABC):
 
     # sessions -------------------------------------------------------------------------
     @abc.abstractmethod
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
-        """Create an open session in ``group``; counts it active there. A repeated call with the
-        same ``metadata`` and ``now`` (a retry) changes nothing; any other call for an existing
-        ``session_id`` raises ValueError."""
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
+        """Create an open session in ``group`` (``record_routes`` kept as
+        :attr:`SessionInfo.record_routes`); counts it active there. A repeated call with the same
+        ``metadata``, ``now`` and ``record_routes`` (a retry) changes nothing; any other call for
+        an existing ``session_id`` raises ValueError."""
 
     @abc.abstractmethod
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
@@ -213,6 +239,17 @@ class StateStore(abc.ABC):
         """The index and turn block that ``append_turn`` stored for ``request_id`` in
         ``session_id`` (what a retry of that request answers), whatever the session's status; None
         when that request stored nothing or the session is gone. One round trip."""
+
+    @abc.abstractmethod
+    async def get_chat_state(self, session_id: str) -> ChatState | None:
+        """The session, its context and its chat note, read in one atomic step (no turn lands
+        between the reads); None when the session is unknown. One round trip."""
+
+    @abc.abstractmethod
+    async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:
+        """Keep ``note`` as the chat note of turn ``turn`` of an open session, unless a note of
+        that turn or a later one is kept; False when it was not kept (that, or the session is
+        unknown or no longer open). One round trip."""
 
     @abc.abstractmethod
     async def finish_session(

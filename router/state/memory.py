@@ -21,6 +21,7 @@ from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRe
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
+    ChatState,
     Compacted,
     GroupCounters,
     Lease,
@@ -46,6 +47,7 @@ class _Session:
     finish_request: str | None = None
     expires_at: float | None = None
     last_active: float = field(default_factory=time.time)
+    chat: tuple[int, bytes] | None = None
 
 
 class MemoryStore(StateStore):
@@ -95,15 +97,23 @@ class MemoryStore(StateStore):
             return None
         return s
 
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
         known = self._sessions.get(session_id)
         if known is not None:
-            if known.info.created_at == now and known.info.metadata == metadata:
+            info = known.info
+            if (info.created_at, info.metadata, info.record_routes) == (now, metadata, record_routes):
                 return
             raise ValueError(f"session {session_id} exists")
-        self._sessions[session_id] = _Session(
-            SessionInfo(session_id, group, None, "open", now, dict(metadata)), last_active=now
-        )
+        info = SessionInfo(session_id, group, None, "open", now, dict(metadata), record_routes=record_routes)
+        self._sessions[session_id] = _Session(info, last_active=now)
         c = self._counters[group]
         c["active_sessions"] += 1
         c["sessions"] += 1
@@ -115,6 +125,20 @@ class MemoryStore(StateStore):
     async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
         s = self._live(session_id)
         return None if s is None else (s.info, bytes(s.context))
+
+    async def get_chat_state(self, session_id: str) -> ChatState | None:
+        s = self._live(session_id)
+        if s is None:
+            return None
+        turn, note = s.chat or (None, b"")
+        return ChatState(s.info, bytes(s.context), turn, note)
+
+    async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:
+        s = self._live(session_id)
+        if s is None or s.info.status != "open" or (s.chat is not None and s.chat[0] >= turn):
+            return False
+        s.chat = (turn, bytes(note))
+        return True
 
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:
         s = self._live(session_id)
@@ -175,6 +199,7 @@ class MemoryStore(StateStore):
         s.info = replace(s.info, status="finished", reward=reward, finish_metadata=dict(metadata))
         s.finish_request = request_id
         s.context = bytearray()
+        s.chat = None
         self._counters[s.info.group]["active_sessions"] -= 1
         self._ready[next(self._ids)] = session_id
         self._wake()

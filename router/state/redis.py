@@ -3,8 +3,9 @@
 Layout under the key prefix ``mf:`` (all values written by this module only):
 
 * ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
-  metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, and
-  ``q:<request_id>`` -> turn index (idempotent appends)
+  metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, ``routes`` (``1``, only
+  for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends),
+  and while open ``chat_turn`` and ``chat``: the chat note and the turn it is about
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
 * ``mf:s:<id>:c`` string: the open session's context (uint32 little-endian token ids), extended
   with ``APPEND`` by each turn, replaced by a fork, deleted when the session finishes or goes
@@ -76,6 +77,7 @@ from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRe
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
     AckResult,
+    ChatState,
     Compacted,
     GroupCounters,
     Lease,
@@ -127,12 +129,13 @@ return 1
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local h = redis.call('HMGET', KEYS[1], 'created', 'metadata')
-  if h[1] == ARGV[2] and h[2] == ARGV[3] then return 1 end
+  local h = redis.call('HMGET', KEYS[1], 'created', 'metadata', 'routes')
+  if h[1] == ARGV[2] and h[2] == ARGV[3] and (h[3] or '0') == ARGV[5] then return 1 end
   return 0
 end
 redis.call('HSET', KEYS[1], 'group', ARGV[1], 'status', 'open', 'created', ARGV[2],
            'metadata', ARGV[3], 'n_turns', 0, 'tokens', 0)
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'routes', 1) end
 redis.call('HINCRBY', KEYS[2], 'active:' .. ARGV[1], 1)
 redis.call('HINCRBY', KEYS[2], 'sessions:' .. ARGV[1], 1)
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
@@ -189,11 +192,20 @@ if redis.call('EXISTS', h) == 0 then return -1 end
 if redis.call('HGET', h, 'finish_req') == ARGV[1] then return 0 end
 if redis.call('HGET', h, 'status') ~= 'open' then return -2 end
 redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', ARGV[3], 'finish_req', ARGV[1])
+redis.call('HDEL', h, 'chat_turn', 'chat')
 redis.call('DEL', KEYS[5])
 redis.call('HINCRBY', KEYS[2], 'active:' .. redis.call('HGET', h, 'group'), -1)
 redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
 redis.call('ZREM', KEYS[4], ARGV[4])
 return 0
+"""
+
+_PUT_CHAT = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return 0 end
+local cur = redis.call('HGET', KEYS[1], 'chat_turn')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'chat_turn', ARGV[1], 'chat', ARGV[2])
+return 1
 """
 
 _DELETE = """
@@ -336,6 +348,7 @@ _FIELDS = (
     "vmax",
     "reward",
     "finish_meta",
+    "routes",
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
@@ -398,6 +411,7 @@ class RedisStore(StateStore):
         self._turn_for_request = self._r.register_script(_TURN_FOR_REQUEST)
         self._finish = self._r.register_script(_FINISH)
         self._delete = self._r.register_script(_DELETE)
+        self._put_chat = self._r.register_script(_PUT_CHAT)
         self._expire = self._r.register_script(_EXPIRE)
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
@@ -437,11 +451,19 @@ class RedisStore(StateStore):
         self._group_ready = True
 
     # sessions -------------------------------------------------------------------------
-    async def create_session(self, session_id: str, group: str, metadata: dict[str, Any], now: float) -> None:
+    async def create_session(
+        self,
+        session_id: str,
+        group: str,
+        metadata: dict[str, Any],
+        now: float,
+        *,
+        record_routes: bool = False,
+    ) -> None:
         created = await self._call(
             self._create,
             keys=[_skey(session_id), STATS, ACTIVITY],
-            args=[group, repr(now), json.dumps(metadata), session_id],
+            args=[group, repr(now), json.dumps(metadata), session_id, "1" if record_routes else "0"],
         )
         if not created:
             raise ValueError(f"session {session_id} exists")
@@ -464,6 +486,25 @@ class RedisStore(StateStore):
         values, context = await self._call(read)
         info = _info(session_id, values)
         return None if info is None else (info, context or b"")
+
+    async def get_chat_state(self, session_id: str) -> ChatState | None:
+        """One ``MULTI``: ``HMGET`` (the session and its note) and ``GET`` (its context)."""
+
+        async def read() -> list[Any]:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hmget(_skey(session_id), (*_FIELDS, "chat_turn", "chat"))
+                pipe.get(_ckey(session_id))
+                return await pipe.execute()
+
+        values, context = await self._call(read)
+        info = _info(session_id, values[: len(_FIELDS)])
+        if info is None:
+            return None
+        turn, note = values[len(_FIELDS) :]
+        return ChatState(info, context or b"", None if turn is None else int(turn), note or b"")
+
+    async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:
+        return bool(await self._call(self._put_chat, keys=[_skey(session_id)], args=[turn, note]))
 
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:
         rc, idx = await self._call(
@@ -1060,4 +1101,5 @@ def _info(session_id: str, values: list[Any]) -> SessionInfo | None:
         min_version=num("vmin"),
         max_version=num("vmax"),
         tokens=int(d["tokens"] or 0),
+        record_routes=d["routes"] is not None,
     )

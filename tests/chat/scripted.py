@@ -7,11 +7,13 @@ tokens (``ignore_eos``, no stop ids) with the sampled ids replaced by the script
 router reads keeps the engine's shape (the log-probs are those of the tokens the engine drew, not
 of the script's); its finish reason is ``stop`` on the script's last id when that is one of the
 request's stop ids, else ``length``. Only turns without a sampling mask (temperature > 0,
-``top_p`` 1) are scripted. Everything else passes through unchanged.
+``top_p`` 1) are scripted. Everything else passes through unchanged. ``delay_s`` holds every
+``/generate`` answer back that long (a turn still running when a retry comes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
@@ -26,12 +28,13 @@ from tests.support.recorder import HOP, serve_in_thread
 @dataclass
 class ScriptedEngine:
     """``script``: queued output ids, one list per turn; ``generated``: ``(input_ids, output_ids)``
-    of every ``/generate`` answered, in order."""
+    of every ``/generate`` answered, in order; ``delay_s``: module docstring."""
 
     upstream: str
     url: str = ""
     script: list[list[int]] = field(default_factory=list)
     generated: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    delay_s: float = 0.0
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -51,6 +54,7 @@ class ScriptedEngine:
             answer = await r.read()
             status, ctype = r.status, r.content_type
         if request.path == "/generate" and status == 200:
+            await asyncio.sleep(self.delay_s)
             out = json.loads(answer)
             if script is not None:
                 out = _scripted(out, script, stops)

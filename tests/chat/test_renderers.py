@@ -12,9 +12,11 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
-from engine.server.tokenizer import Tokenizer as EngineTokenizer
-from router.chat.conversation import Sampled, build_context, sampled_turns
+from engine.model.tokenizer import Tokenizer as EngineTokenizer
+from router.chat.conversation import Known, Note, Sampled, build_context, digests, resume, sampled_turns
 from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
+from router.segments import pack
+from router.state.base import ChatState, SessionInfo
 from router.turn_data import TurnData
 from weight_sync.base_model import IM_END_ID, PRESETS, VOCAB_SIZE, write_tokenizer
 
@@ -97,7 +99,7 @@ def _conversation(renderer):
     turns: list[Sampled] = []
     steps = []
     for i, text in enumerate(SAMPLED):
-        ctx = build_context(renderer, messages, TOOLS, turns)
+        ctx = build_context(renderer, messages, TOOLS, Known(turns=turns))
         steps.append((list(messages), ctx))
         out = _sample(renderer, text)
         turns.append(_turn(i, ctx.input_ids, out))
@@ -111,7 +113,7 @@ def _conversation(renderer):
 def test_exact_extension(renderer):
     steps, turns = _conversation(renderer)
     for i, (_, ctx) in enumerate(steps):
-        assert ctx.extends and ctx.kept == i
+        assert ctx.kept == i
         if i:
             prev = turns[i - 1]
             assert ctx.input_ids[: len(prev.input_ids) + len(prev.output_ids)] == [
@@ -154,14 +156,54 @@ def test_edited_history_does_not_extend(renderer):
     messages = list(steps[2][0])
     i = max(j for j, m in enumerate(messages) if m.role == "assistant")
     messages[i] = Message("assistant", "It is 25 degrees in Paris.")
-    ctx = build_context(renderer, messages, TOOLS, turns)
-    assert not ctx.extends and ctx.kept == 1
+    ctx = build_context(renderer, messages, TOOLS, Known(turns=turns))
+    last = turns[1]
+    assert ctx.kept == 1 and ctx.input_ids[: len(last.input_ids)] == last.input_ids
+    assert ctx.input_ids[: len(last.input_ids) + len(last.output_ids)] != [*last.input_ids, *last.output_ids]
     first = turns[0]
     prefix = [*first.input_ids, *first.output_ids]
     assert ctx.input_ids[: len(prefix)] == prefix
     assert "It is 25 degrees in Paris.<|im_end|>" in renderer.decode(ctx.input_ids)
-    other_tools = build_context(renderer, steps[2][0], (), turns)
-    assert not other_tools.extends and other_tools.kept == 0
+    other_tools = build_context(renderer, steps[2][0], (), Known(turns=turns))
+    assert other_tools.kept == 0
+    assert other_tools.input_ids[: len(first.input_ids)] != first.input_ids
+
+
+def _state(renderer, messages, turn: int, sampled: Sampled, note_turn: int | None = None) -> ChatState:
+    """The chat state the store holds after turn ``turn`` (rendered from ``messages``) was noted."""
+    note = Note(len(messages), digests(renderer.family, TOOLS, messages)[-1], len(sampled.output_ids))
+    info = SessionInfo("s", "g", None, "open", 0.0, n_turns=turn + 1)
+    context = pack([*sampled.input_ids, *sampled.output_ids])
+    return ChatState(info, context, turn if note_turn is None else note_turn, note.encode())
+
+
+def test_resuming_from_the_last_turn_renders_the_same_context(renderer):
+    """From the note of the last turn only the messages after it are rendered; the context is the
+    one rendered from every message and recorded turn, the reply matched as sampled, an edited
+    reply rendered from its text."""
+    steps, turns = _conversation(renderer)
+    for i in (1, 2):
+        messages, full = steps[i]
+        state = _state(renderer, steps[i - 1][0], i - 1, turns[i - 1])
+        known = resume(state, messages, digests(renderer.family, TOOLS, messages))
+        assert known is not None and known.messages == len(steps[i - 1][0])
+        ctx = build_context(renderer, messages, TOOLS, known)
+        assert ctx.input_ids == full.input_ids and ctx.kept == 1
+    messages = list(steps[2][0])
+    at = len(steps[1][0])
+    messages[at] = Message("assistant", "It is 25 degrees in Paris.")
+    chain = digests(renderer.family, TOOLS, messages)
+    known = resume(_state(renderer, steps[1][0], 1, turns[1]), messages, chain)
+    assert known is not None
+    edited = build_context(renderer, messages, TOOLS, known)
+    assert edited.kept == 0
+    assert edited.input_ids == build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids
+    # not resumed: the note is about an earlier turn, or a message before the last reply changed
+    assert resume(_state(renderer, steps[1][0], 2, turns[1], note_turn=1), steps[2][0], chain) is None
+    changed = [Message("system", "Be briefer."), *steps[2][0][1:]]
+    state = _state(renderer, steps[1][0], 1, turns[1])
+    assert resume(state, changed, digests(renderer.family, TOOLS, changed)) is None
+    assert resume(state, steps[2][0], digests(renderer.family, (), steps[2][0])) is None
 
 
 def test_parse(renderer):
@@ -197,18 +239,18 @@ def test_refusals(renderer):
     with pytest.raises(RenderError, match="stop sequence 'never mind' is"):
         renderer.stop_token("never mind")
     with pytest.raises(RenderError, match="last message is an assistant message"):
-        build_context(renderer, [Message("user", "a"), Message("assistant", "b")], (), [])
+        build_context(renderer, [Message("user", "a"), Message("assistant", "b")], (), Known())
     with pytest.raises(RenderError, match=r"messages\[1\]: a system message"):
-        build_context(renderer, [Message("user", "a"), Message("system", "b")], (), [])
+        build_context(renderer, [Message("user", "a"), Message("system", "b")], (), Known())
     with pytest.raises(RenderError, match="at least one message"):
-        build_context(renderer, [], (), [])
+        build_context(renderer, [], (), Known())
     call = ToolCall("c", "f", "{}")
     assert (
         build_context(
             renderer,
             [Message("user", "a"), Message("assistant", "", tool_calls=(call,)), Message("tool", "r")],
             (),
-            [],
+            Known(),
         ).kept
         == 0
     )

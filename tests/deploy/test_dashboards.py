@@ -88,7 +88,7 @@ def test_check_fails_on_a_metric_the_code_does_not_define(tmp_path: Path) -> Non
 
 
 def test_defined_metrics_are_read_from_the_registries() -> None:
-    from engine.server.metrics import EngineMetrics
+    from engine.runtime.metrics import EngineMetrics
     from replica.reconciler import REPLICA_METRICS
     from router.metrics import ROUTER_METRICS
 

@@ -68,7 +68,8 @@ def test_sglang_command_is_the_modal_servers_argv_with_the_replicas_placeholders
     command = engine_command("sglang", "fp8", "fp8_e4m3", 31000)
     filled = [part.format(model="/stage/v7", port=31000, version="7") for part in shlex.split(command)]
     expected = server_argv(model_path="/stage/v7", port=31000, weight_format="fp8", kv_cache_dtype="fp8_e4m3",
-                           tp_size=1, weight_version="7", python=sys.executable)  # fmt: skip
+                           tp_size=1, weight_version="7", python=sys.executable,
+                           engine_args=["--enable-return-routed-experts"])  # fmt: skip
     assert filled == expected
     assert engine_command("local", "fp8", "auto", 31000) == ""
 
@@ -77,6 +78,7 @@ def test_preset_is_valid_with_one_group_per_format() -> None:
     import tomllib
 
     spec = FleetSpec.model_validate(tomllib.loads(preset_toml(("bf16", "nvfp4"), "sglang", "B200")))
+    assert all(g.returns_routes for g in spec.groups)  # what level 5 of the ladder needs
     assert [(g.name, g.weight_format, g.accelerator) for g in spec.groups] == [
         ("check-bf16", "bf16", "B200"),
         ("check-nvfp4", "nvfp4", "B200"),
@@ -101,3 +103,9 @@ def test_check_passes_on_the_local_engine_for_every_format(tiny_dir: Path, tmp_p
     # Load ran through both activations: some turn of every group crossed one.
     assert all(n > 0 for n in activation["turns_across_an_activation"].values()), activation
     assert all(m["tokens"] > 0 and m["mean_support"] >= 1 for m in report["steps"]["masks"].values())
+    # The ladder's levels 1-5 ran on every group and passed; level 5 compared the engines' routes.
+    ladder = report["steps"]["ladder"]
+    assert ladder["ok"] and {g["group"] for g in ladder["groups"]} == set(verify["groups"])
+    for g in ladder["groups"]:
+        assert [lv["level"] for lv in g["levels"]] == [1, 2, 3, 4, 5] and all(lv["ok"] for lv in g["levels"])
+        assert g["levels"][4]["details"]["agreement"], g["group"]

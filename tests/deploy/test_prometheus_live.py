@@ -150,6 +150,32 @@ def _serve(
     return per
 
 
+def _take_upload_ack(client: RolloutClient, prom: Prometheus) -> None:
+    """As a trainer: take every trajectory, upload noisy log-probs and drawn route flags, acknowledge;
+    then wait until Prometheus has the upload's tokens and route flags."""
+    batch = client.take(64)
+    assert batch.lease_id is not None and len(batch.trajectories) == 10
+    rng = np.random.default_rng(0)
+    trainer = batch.logprobs + rng.normal(0.0, 0.3, size=batch.logprobs.shape).astype(np.float32)
+    # a trainer's replay flags (0 same experts, 1 different), drawn: the panels need both
+    routes = rng.integers(0, 2, size=batch.logprobs.shape).astype(np.uint8)
+    figures = client.upload_trainer_logprobs(batch.lease_id, trainer, routes)
+    assert figures["tokens"] == len(batch.logprobs)
+    assert {g["group"] for g in figures["groups"]} == {g for g, _ in GROUPS}
+    client.ack(batch.lease_id)
+
+    prom.wait(
+        f"sum(max by (group) (mixfleet_mismatch_tokens_total)) == {len(batch.logprobs)}",
+        "the upload's tokens",
+        30,
+    )
+    prom.wait(
+        f"sum(max by (group) (mixfleet_mismatch_route_tokens_total)) == {len(batch.logprobs)}",
+        "the upload's route flags",
+        30,
+    )
+
+
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> Iterator[Observed]:
     work = tmp_path_factory.mktemp("prom-live")
@@ -210,27 +236,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
             names = tuple(g for g, _ in GROUPS)
             assert _serve(client, sessions=4, turns=2, groups=names) == dict.fromkeys(names, 2)
 
-            batch = client.take(64)
-            assert batch.lease_id is not None and len(batch.trajectories) == 10
-            rng = np.random.default_rng(0)
-            trainer = batch.logprobs + rng.normal(0.0, 0.3, size=batch.logprobs.shape).astype(np.float32)
-            # a trainer's replay flags (0 same experts, 1 different), drawn: the panels need both
-            routes = rng.integers(0, 2, size=batch.logprobs.shape).astype(np.uint8)
-            figures = client.upload_trainer_logprobs(batch.lease_id, trainer, routes)
-            assert figures["tokens"] == len(batch.logprobs)
-            assert {g["group"] for g in figures["groups"]} == {g for g, _ in GROUPS}
-            client.ack(batch.lease_id)
-
-            prom.wait(
-                f"sum(max by (group) (mixfleet_mismatch_tokens_total)) == {len(batch.logprobs)}",
-                "the upload's tokens",
-                30,
-            )
-            prom.wait(
-                f"sum(max by (group) (mixfleet_mismatch_route_tokens_total)) == {len(batch.logprobs)}",
-                "the upload's route flags",
-                30,
-            )
+            _take_upload_ack(client, prom)
             prom.wait("count(mixfleet_replica_activations_total >= 1) == 2", "both activations", 30)
             prom.wait("sum(mixfleet_router_updates_total) == 1", "the acknowledged update", 60)
             for g in names:  # two scrapes after the last turn of each group: its rates have data

@@ -23,6 +23,12 @@ def _beat(url: str, key: str, replica_id: str, group: str, replica_url: str) -> 
     assert r.status_code == 200, r.text
 
 
+def _target(host: str, group: str, replica: str, component: str, scheme: str, path: str) -> dict:
+    """One target group of Prometheus' HTTP service discovery, as the router lists it."""
+    labels = {"group": group, "replica": replica, "component": component}
+    return {"targets": [host], "labels": {**labels, "__scheme__": scheme, "__metrics_path__": path}}
+
+
 def test_targets_follow_the_preset_and_the_heartbeats(tmp_path: Path) -> None:
     admin, reader = secrets.token_hex(16), secrets.token_hex(16)
     preset = write_preset(
@@ -46,56 +52,11 @@ def test_targets_follow_the_preset_and_the_heartbeats(tmp_path: Path) -> None:
         r = httpx.get(url, headers={"Authorization": f"Bearer {reader}"}, timeout=10)
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         assert r.json() == [
-            {
-                "targets": ["org--beat.example.run"],
-                "labels": {
-                    "group": "g-beat",
-                    "replica": "beat-0",
-                    "component": "sidecar",
-                    "__scheme__": "https",
-                    "__metrics_path__": "/v/metrics",
-                },
-            },
-            {
-                "targets": ["org--beat.example.run"],
-                "labels": {
-                    "group": "g-beat",
-                    "replica": "beat-0",
-                    "component": "engine",
-                    "__scheme__": "https",
-                    "__metrics_path__": "/v/engine/metrics",
-                },
-            },
-            {
-                "targets": ["10.0.0.7:8080"],
-                "labels": {
-                    "group": "g-beat",
-                    "replica": "beat-1",
-                    "component": "sidecar",
-                    "__scheme__": "http",
-                    "__metrics_path__": "/metrics",
-                },
-            },
-            {
-                "targets": ["10.0.0.7:8080"],
-                "labels": {
-                    "group": "g-beat",
-                    "replica": "beat-1",
-                    "component": "engine",
-                    "__scheme__": "http",
-                    "__metrics_path__": "/engine/metrics",
-                },
-            },
-            {
-                "targets": ["127.0.0.1:9"],
-                "labels": {
-                    "group": "g-static",
-                    "replica": "g-static/0",
-                    "component": "static",
-                    "__scheme__": "http",
-                    "__metrics_path__": "/engine-a/metrics",
-                },
-            },
+            _target("org--beat.example.run", "g-beat", "beat-0", "sidecar", "https", "/v/metrics"),
+            _target("org--beat.example.run", "g-beat", "beat-0", "engine", "https", "/v/engine/metrics"),
+            _target("10.0.0.7:8080", "g-beat", "beat-1", "sidecar", "http", "/metrics"),
+            _target("10.0.0.7:8080", "g-beat", "beat-1", "engine", "http", "/engine/metrics"),
+            _target("127.0.0.1:9", "g-static", "g-static/0", "static", "http", "/engine-a/metrics"),
         ]
 
         # beat-1 keeps heartbeating, beat-0 stops: after 6 timeouts only beat-1 and the preset's remain

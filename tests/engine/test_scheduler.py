@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from engine.runtime.request import ModelLimits
 from engine.runtime.scheduler import FinishEvent, PrefillEvent, Scheduler, TokenEvent
-from engine.server.protocol import GenerateReqInput, ModelLimits
+from engine.server.protocol import GenerateReqInput
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.cache import MIN_CAPACITY
 from engine.model.model import load_model
-from engine.runtime.cache import MIN_CAPACITY
 from weight_sync.base_model import VOCAB_SIZE
 
 ATOL = 1e-4

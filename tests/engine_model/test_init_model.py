@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.server.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 from mixfleet.init_model import PRESETS, param_count, write_model
 from tests.support.models import make_model_dir
 from tests.support.procs import REPO, mixfleet_argv

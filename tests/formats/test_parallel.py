@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.formats import cases
-from weight_sync.formats import _common, _parallel, fp8, mxfp4, nvfp4
+from weight_sync.formats import _common, fp8, mxfp4, nvfp4
 
 
 @pytest.fixture
@@ -47,15 +47,15 @@ def test_task_errors_propagate_after_all_tasks_finish(threads):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        _parallel.run([lambda: ok(0), bad, lambda: ok(2), lambda: ok(3)])
+        _common.WORKERS.run([lambda: ok(0), bad, lambda: ok(2), lambda: ok(3)])
     assert sorted(done) == [0, 2, 3]
-    assert _parallel.run_ranges(10, 3, lambda a, b: (a, b)) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert _common.WORKERS.run_ranges(10, 3, lambda a, b: (a, b)) == [(0, 3), (3, 6), (6, 9), (9, 10)]
 
 
 @pytest.mark.parametrize("n", [3, 2])
 def test_torch_thread_settings_are_left_alone(threads, n):
     threads(n)  # a new count makes a new worker pool, whose workers switch themselves to 1
-    workers = _parallel.run([lambda: torch.get_num_threads()] * 4)
+    workers = _common.WORKERS.run([lambda: torch.get_num_threads()] * 4)
     assert workers == [1] * 4
     assert torch.get_num_threads() == n
     seen = []
@@ -71,7 +71,7 @@ def test_a_forked_child_gets_its_own_workers(threads):
     threads(2)
     w = cases.weights((64, 256), torch.bfloat16, seed=32)
     want = mxfp4.quantize(w)["blocks"]
-    _parallel.run([lambda: None, lambda: None])  # the parent's worker pool exists before the fork
+    _common.WORKERS.run([lambda: None, lambda: None])  # the parent's worker pool exists before the fork
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
         got = pool.apply_async(_quantize_in_child, (w,)).get(timeout=120)

@@ -23,7 +23,7 @@ import pytest
 from router.config import SCOPES
 from tests.support.models import make_model_dir
 from tests.support.procs import REPO, free_port, mixfleet_argv, process
-from tests.support.router import ALL_SCOPES, router_process, write_preset
+from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef
@@ -69,6 +69,35 @@ def _turn(router, headers) -> dict:
     return turn.json()
 
 
+def _publish_version_1(
+    router: RouterHandle, h: dict[str, str], trained: Path, store_root: Path, logs: Path
+) -> None:
+    """Publish ``trained`` as version 1 through the router, wait for the job, check the store's
+    pointer moved, and wait until the router sees the group active at version 1."""
+    job = httpx.post(
+        router.url + "/v1/weights",
+        headers=h,
+        json={"checkpoint": str(trained), "version": 1},
+        timeout=60,
+    )
+    assert job.status_code == 202, job.text
+    job_id = job.json()["job_id"]
+
+    def done():
+        j = httpx.get(router.url + f"/v1/weights/jobs/{job_id}", headers=h, timeout=10).json()
+        assert j["state"] in ("running", "done"), j
+        return j if j["state"] == "done" else None
+
+    _wait(done, "the publish job never finished", 300, logs)
+    assert LocalStore(store_root).read_pointer(FormatRef(RUN, FMT)) == 1
+    _wait(
+        lambda: _group(router, h)["active_version"] == 1,
+        "the replica never activated version 1",
+        300,
+        logs,
+    )
+
+
 @pytest.mark.timeout(600)
 def test_replica_entrypoint_stages_serves_and_activates_a_publish(tmp_path) -> None:
     models = tmp_path / "models"
@@ -112,6 +141,7 @@ def test_replica_entrypoint_stages_serves_and_activates_a_publish(tmp_path) -> N
             sidecar_url = f"http://127.0.0.1:{port}"
             info = httpx.get(sidecar_url + "/server_info", timeout=10).json()
             assert Path(info["model_path"]) == (stage / "v000000").resolve(), info
+            assert info["enable_return_routed_experts"] is True  # what GroupSpec.returns_routes says
             assert sorted(p.name for p in stage.iterdir()) == ["v000000"]
             status = httpx.get(sidecar_url + "/v1/status", timeout=10).json()
             assert status["ready"] and status["active_version"] == 0 and status["url"] == sidecar_url
@@ -121,28 +151,7 @@ def test_replica_entrypoint_stages_serves_and_activates_a_publish(tmp_path) -> N
             assert {rec["weight_version"] for rec in first["records"]} == {0}, first["records"][:2]
             assert [s["version"] for s in first["weight_versions"]] == [0]
 
-            job = httpx.post(
-                router.url + "/v1/weights",
-                headers=h,
-                json={"checkpoint": str(trained), "version": 1},
-                timeout=60,
-            )
-            assert job.status_code == 202, job.text
-            job_id = job.json()["job_id"]
-
-            def done():
-                j = httpx.get(router.url + f"/v1/weights/jobs/{job_id}", headers=h, timeout=10).json()
-                assert j["state"] in ("running", "done"), j
-                return j if j["state"] == "done" else None
-
-            _wait(done, "the publish job never finished", 300, logs)
-            assert LocalStore(store_root).read_pointer(FormatRef(RUN, FMT)) == 1
-            _wait(
-                lambda: _group(router, h)["active_version"] == 1,
-                "the replica never activated version 1",
-                300,
-                logs,
-            )
+            _publish_version_1(router, h, trained, store_root, logs)
             status = httpx.get(sidecar_url + "/v1/status", timeout=10).json()
             assert status["active_version"] == 1 and status["error"] is None, status
             info = httpx.get(sidecar_url + "/server_info", timeout=10).json()

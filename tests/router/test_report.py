@@ -112,6 +112,17 @@ GROUPS_JSON = {  # what GET /v1/groups says about mismatch (slow: no trainer upl
 }  # fmt: skip
 
 
+# The figures of _known_ledger, computed by hand from its heartbeats, turns and acknowledgements.
+FAST_RS, SLOW_RS = 10 + 5 + 10, 10 + 8  # replica-seconds
+FAST_COST, SLOW_COST = FAST_RS * FAST, SLOW_RS * SLOW
+FAST_TOKENS, SLOW_TOKENS = 100 + 200 + 20, 50 + 30
+COST, TOKENS = FAST_COST + SLOW_COST, FAST_TOKENS + SLOW_TOKENS
+
+
+def _approx(x: float):
+    return pytest.approx(x, rel=1e-12, abs=1e-15)
+
+
 def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -> None:
     ledger = asyncio.run(_known_ledger())
     (tmp_path / "ledger.json").write_text(json.dumps(ledger))
@@ -124,25 +135,27 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     assert rc == 0
     assert capsys.readouterr().out.split() == [str(out / f"report.{k}") for k in ("html", "md", "json")]
     r = json.loads((out / "report.json").read_text())
-    approx = lambda x: pytest.approx(x, rel=1e-12, abs=1e-15)  # noqa: E731
+    assert (_approx(0.05), _approx(0.009)) == (FAST_COST, SLOW_COST)
+    _check_groups(r)
+    _check_totals_and_updates(r)
+    _check_versions(r)
+    base_cost = _check_what_if(r["what_if"])
+    _check_markdown(out, base_cost)
+    _check_html(out, ledger)
 
-    fast_rs, slow_rs = 10 + 5 + 10, 10 + 8
-    fast_cost, slow_cost = fast_rs * FAST, slow_rs * SLOW
-    fast_tokens, slow_tokens = 100 + 200 + 20, 50 + 30
-    cost, tokens = fast_cost + slow_cost, fast_tokens + slow_tokens
-    assert (fast_cost, slow_cost) == (approx(0.05), approx(0.009))
 
+def _check_groups(r: dict) -> None:
     fast, slow = r["groups"]
     assert fast["name"] == "fast" and slow["name"] == "slow"
-    assert fast["replica_seconds"] == approx(fast_rs) and slow["replica_seconds"] == approx(slow_rs)
-    assert fast["gpu_seconds"] == approx(2 * fast_rs) and slow["gpu_seconds"] == approx(slow_rs)
-    assert fast["cost_dollars"] == approx(fast_cost) and slow["cost_dollars"] == approx(slow_cost)
+    assert fast["replica_seconds"] == _approx(FAST_RS) and slow["replica_seconds"] == _approx(SLOW_RS)
+    assert fast["gpu_seconds"] == _approx(2 * FAST_RS) and slow["gpu_seconds"] == _approx(SLOW_RS)
+    assert fast["cost_dollars"] == _approx(FAST_COST) and slow["cost_dollars"] == _approx(SLOW_COST)
     assert (fast["tokens"], slow["tokens"], fast["sessions"], slow["sessions"]) == (320, 80, 3, 2)
-    assert fast["cost_per_1m_tokens"] == approx(fast_cost / fast_tokens * 1e6)  # $156.25
-    assert slow["cost_per_1m_tokens"] == approx(slow_cost / slow_tokens * 1e6)  # $112.50
-    assert (fast["token_share"], slow["token_share"]) == (approx(0.8), approx(0.2))
-    assert (fast["session_share"], slow["session_share"]) == (approx(0.6), approx(0.4))
-    assert fast["cost_share"] == approx(fast_cost / cost) and slow["cost_share"] == approx(slow_cost / cost)
+    assert fast["cost_per_1m_tokens"] == _approx(FAST_COST / FAST_TOKENS * 1e6)  # $156.25
+    assert slow["cost_per_1m_tokens"] == _approx(SLOW_COST / SLOW_TOKENS * 1e6)  # $112.50
+    assert (fast["token_share"], slow["token_share"]) == (_approx(0.8), _approx(0.2))
+    assert (fast["session_share"], slow["session_share"]) == (_approx(0.6), _approx(0.4))
+    assert fast["cost_share"] == _approx(FAST_COST / COST) and slow["cost_share"] == _approx(SLOW_COST / COST)
     assert (fast["price_per_gpu_hour"], fast["price_date"], fast["price_verified"]) == (
         3.6,
         "2026-09-30",
@@ -157,46 +170,51 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     }
     assert slow["mismatch"] is None
 
+
+def _check_totals_and_updates(r: dict) -> None:
     t = r["totals"]
-    assert t["replica_seconds"] == approx(fast_rs + slow_rs)
-    assert t["gpu_seconds"] == approx(2 * fast_rs + slow_rs)
-    assert t["cost_dollars"] == approx(cost)
+    assert t["replica_seconds"] == _approx(FAST_RS + SLOW_RS)
+    assert t["gpu_seconds"] == _approx(2 * FAST_RS + SLOW_RS)
+    assert t["cost_dollars"] == _approx(COST)
     assert (t["tokens"], t["sessions"], t["updates"]) == (400, 5, 2)
-    assert t["cost_per_1m_tokens"] == approx(cost / tokens * 1e6)  # $147.50
+    assert t["cost_per_1m_tokens"] == _approx(COST / TOKENS * 1e6)  # $147.50
 
     u1_cost = 15 * FAST + 10 * SLOW  # everything booked before the first acknowledgement
     u2_cost = 10 * FAST + 8 * SLOW  # booked between the two
     u1, u2 = r["updates"]
     assert (u1["seq"], u1["trajectories"], u1["tokens"]) == (1, 2, 150)
     assert (u2["seq"], u2["trajectories"], u2["tokens"]) == (2, 2, 230)
-    assert u1["cost_dollars"] == approx(u1_cost) and u2["cost_dollars"] == approx(u2_cost)
-    assert u1["cost_by_group"] == {"fast": approx(15 * FAST), "slow": approx(10 * SLOW)}
-    assert u2["cost_by_group"] == {"fast": approx(10 * FAST), "slow": approx(8 * SLOW)}
-    assert u1["cost_per_1m_tokens"] == approx(u1_cost / 150 * 1e6)
-    assert u2["cost_per_1m_tokens"] == approx(u2_cost / 230 * 1e6)
-    assert t["cost_per_update_mean"] == approx((u1_cost + u2_cost) / 2)
+    assert u1["cost_dollars"] == _approx(u1_cost) and u2["cost_dollars"] == _approx(u2_cost)
+    assert u1["cost_by_group"] == {"fast": _approx(15 * FAST), "slow": _approx(10 * SLOW)}
+    assert u2["cost_by_group"] == {"fast": _approx(10 * FAST), "slow": _approx(8 * SLOW)}
+    assert u1["cost_per_1m_tokens"] == _approx(u1_cost / 150 * 1e6)
+    assert u2["cost_per_1m_tokens"] == _approx(u2_cost / 230 * 1e6)
+    assert t["cost_per_update_mean"] == _approx((u1_cost + u2_cost) / 2)
     assert u1["at"] <= u2["at"]
 
+
+def _check_versions(r: dict) -> None:
     by_version = {(v["group"], v["version"]): v for v in r["versions"]}
     assert list(by_version) == [("fast", 1), ("fast", 2), ("slow", 1)]
     assert (
-        by_version[("fast", 1)]["replica_seconds"] == approx(15) and by_version[("fast", 1)]["tokens"] == 140
+        by_version[("fast", 1)]["replica_seconds"] == _approx(15) and by_version[("fast", 1)]["tokens"] == 140
     )
     assert (
-        by_version[("fast", 2)]["cost_dollars"] == approx(10 * FAST)
+        by_version[("fast", 2)]["cost_dollars"] == _approx(10 * FAST)
         and by_version[("fast", 2)]["tokens"] == 180
     )
-    assert by_version[("slow", 1)]["gpu_seconds"] == approx(18) and by_version[("slow", 1)]["tokens"] == 80
-    assert by_version[("fast", 2)]["cost_per_1m_tokens"] == approx(10 * FAST / 180 * 1e6)
+    assert by_version[("slow", 1)]["gpu_seconds"] == _approx(18) and by_version[("slow", 1)]["tokens"] == 80
+    assert by_version[("fast", 2)]["cost_per_1m_tokens"] == _approx(10 * FAST / 180 * 1e6)
     v1, v2 = r["version_totals"]
     assert (v1["version"], v1["tokens"], v2["version"], v2["tokens"]) == (1, 220, 2, 180)
-    assert v1["replica_seconds"] == approx(15 + 18) and v1["gpu_seconds"] == approx(2 * 15 + 18)
-    assert v1["cost_dollars"] == approx(15 * FAST + 18 * SLOW) and v2["cost_dollars"] == approx(10 * FAST)
-    assert v1["cost_per_1m_tokens"] == approx((15 * FAST + 18 * SLOW) / 220 * 1e6)
+    assert v1["replica_seconds"] == _approx(15 + 18) and v1["gpu_seconds"] == _approx(2 * 15 + 18)
+    assert v1["cost_dollars"] == _approx(15 * FAST + 18 * SLOW) and v2["cost_dollars"] == _approx(10 * FAST)
+    assert v1["cost_per_1m_tokens"] == _approx((15 * FAST + 18 * SLOW) / 220 * 1e6)
 
-    w = r["what_if"]
+
+def _check_what_if(w: dict) -> float:
     homogeneous = load_preset("homogeneous").groups[0]
-    base_rs = tokens / BASELINE_TPS  # 8 replica-seconds
+    base_rs = TOKENS / BASELINE_TPS  # 8 replica-seconds
     base_cost = base_rs * homogeneous.gpus_per_replica * homogeneous.price_per_gpu_hour / 3600
     assert w["available"] is True
     assert w["baseline"]["group"] == homogeneous.name == "b200-bf16"
@@ -213,13 +231,16 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
     assert w["baseline"]["throughput"] == "stated" and w["baseline"]["measured_tokens"] is None
     assert w["baseline"]["price_date"] == homogeneous.price_date.isoformat()
     assert w["tokens"] == 400
-    assert w["replica_seconds"] == approx(base_rs) and w["gpu_seconds"] == approx(base_rs)
-    assert w["cost_dollars"] == approx(base_cost)
-    assert w["cost_per_1m_tokens"] == approx(base_cost / tokens * 1e6)
-    assert w["mixed_cost_dollars"] == approx(cost)
-    assert w["mixed_over_baseline"] == approx(cost / base_cost)
-    assert w["savings_dollars"] == approx(base_cost - cost)
+    assert w["replica_seconds"] == _approx(base_rs) and w["gpu_seconds"] == _approx(base_rs)
+    assert w["cost_dollars"] == _approx(base_cost)
+    assert w["cost_per_1m_tokens"] == _approx(base_cost / TOKENS * 1e6)
+    assert w["mixed_cost_dollars"] == _approx(COST)
+    assert w["mixed_over_baseline"] == _approx(COST / base_cost)
+    assert w["savings_dollars"] == _approx(base_cost - COST)
+    return base_cost
 
+
+def _check_markdown(out: Path, base_cost: float) -> None:
     md = (out / "report.md").read_text()
     lines = md.splitlines()
     fast_row, fast_mismatch = [line for line in lines if line.startswith("| fast |")]
@@ -243,11 +264,13 @@ def test_report_figures_match_the_hand_computed_ledger(tmp_path: Path, capsys) -
         "50 generated tokens/s per replica (stated with --baseline-tokens-per-s" in md and "2026-09-30" in md
     )
     assert "\n* the price was not confirmed by independent sources" in md  # slow's starred price
-    assert f"{cost / base_cost:.2f}x the baseline's cost" in md
+    assert f"{COST / base_cost:.2f}x the baseline's cost" in md
     for name in ("cost_per_update.png", "cost_per_1m_tokens.png", "shares.png", "what_if.png"):
         assert f"]({name})" in md
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+def _check_html(out: Path, ledger: dict) -> None:
     page = (out / "report.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == 4

@@ -4,7 +4,10 @@ routes become the section, and an answer without them (an engine without
 ``--enable-return-routed-experts``) is refused naming the flag. Through the router: a group with
 ``record_routes`` asks its engines for ``return_routed_experts`` from the first position a turn
 adds to its segment, so a segment's turns store its routes once (a 502 naming the flag for an
-engine started without it, never a turn silently without routes)."""
+engine started without it, never a turn silently without routes). A session opened with
+``record_routes`` gets them on a group without it whose engines have the flag; it is a 422 at
+creation on a group whose engines lack it, and the policy places it only where routes are
+returned."""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import struct
 import httpx
 import numpy as np
 import pytest
+import redis
 
+from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG as ROUTES_FLAG
 from core.wire import LOGPROBS_MEDIA_TYPE as LOGPROBS
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.engine_answer import parse_turn
@@ -30,8 +35,10 @@ from router.records import (
 from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 from tests.engine.test_routes import _hf_routes
 from tests.support.engines import engine_process
+from tests.support.procs import free_port
 from tests.support.router import router_process, write_preset
 from trainer.batch import decode_batch as trainer_decode_batch
+from trainer.client import RolloutClient, RouterError
 from trainer.upload import encode_trainer_logprobs
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
@@ -168,6 +175,28 @@ def test_a_truncated_section_is_refused() -> None:
         decode_turn(blob[:-5] + blob[-4:])
 
 
+def test_which_groups_return_routes_follows_how_their_engines_start() -> None:
+    """``GroupSpec.returns_routes`` (what a session with ``record_routes`` needs) is true exactly
+    when the group's engines get the flag: on Modal from ``deploy.plan``'s SGLang command line, on
+    ``mixfleet up`` from the launcher's local replicas; static replicas only as declared."""
+    from deploy.plan import sglang_argv
+    from fleet.specs import GroupSpec
+    from launcher.embedded import _replica_spec
+
+    for kw, returns in (
+        ({}, False),
+        ({"record_routes": True}, True),
+        ({"engine_args": (ROUTES_FLAG,)}, True),
+        ({"engine_args": ("--context-length", "4096")}, False),
+    ):
+        gpu = GroupSpec(name="g", accelerator="H100", **kw)
+        assert gpu.returns_routes is returns and (ROUTES_FLAG in sglang_argv(gpu, "/m")) is returns, kw
+        static = GroupSpec(name="g", accelerator="cpu", replicas=("http://127.0.0.1:1",), **kw)
+        assert static.returns_routes is returns, kw
+        local = GroupSpec(name="g", accelerator="cpu", **kw)
+        assert local.returns_routes and ROUTES_FLAG in _replica_spec(local, 0).engine_flags, kw
+
+
 @pytest.fixture(scope="module")
 def tiny_config(tiny_dir) -> dict:
     return json.loads((tiny_dir / "config.json").read_text())
@@ -180,20 +209,34 @@ def routed_engine(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def client(routed_engine, engine_url, tmp_path_factory):
+def routes_router(routed_engine, engine_url, redis_url, tmp_path_factory):
+    """Round-robin over four groups, on a real redis-server: ``cpu-r`` records every turn's routes,
+    ``cpu-s`` runs the same engine with the flag but records only for sessions that ask,
+    ``cpu-p`` has engines without it, ``cpu-bad`` records but its engine lacks the flag; and
+    ``cpu-dead``, declared with the flag, whose one replica never answers (never in rotation)."""
     d = tmp_path_factory.mktemp("routes")
     preset = write_preset(
         d / "preset.toml",
         [
             {"name": "cpu-r", "replicas": [routed_engine], "record_routes": True},
+            {"name": "cpu-s", "replicas": [routed_engine], "engine_args": [ROUTES_FLAG]},
             {"name": "cpu-p", "replicas": [engine_url]},
             {"name": "cpu-bad", "replicas": [engine_url], "record_routes": True},
+            {
+                "name": "cpu-dead",
+                "replicas": [f"http://127.0.0.1:{free_port()}"],
+                "engine_args": [ROUTES_FLAG],
+            },
         ],
     )
-    with (
-        router_process(preset) as router,
-        httpx.Client(base_url=router.url, headers=router.headers, timeout=120) as c,
-    ):
+    redis.Redis.from_url(redis_url).flushdb()
+    with router_process(preset, state=redis_url, policy="round_robin") as router:
+        yield router
+
+
+@pytest.fixture(scope="module")
+def client(routes_router):
+    with httpx.Client(base_url=routes_router.url, headers=routes_router.headers, timeout=120) as c:
         yield c
 
 
@@ -219,9 +262,7 @@ def test_a_recording_group_stores_the_engines_routes_and_serves_them_in_batches(
     _, plain = _session_turn(client, "cpu-p")
     assert plain.status_code == 200 and "routed_experts" not in plain.json()
     # an appended turn asks the rows from the previous turn's last output token on (context - 1)
-    more = client.post(
-        f"/v1/sessions/{sid}/turns", json={"append_ids": [11, 12], "sampling_params": PARAMS}
-    )
+    more = client.post(f"/v1/sessions/{sid}/turns", json={"append_ids": [11, 12], "sampling_params": PARAMS})
     assert more.status_code == 200, more.text
     seq2 = seq + [11, 12] + more.json()["output_ids"]
     later = more.json()["routed_experts"]
@@ -278,3 +319,83 @@ def test_a_turn_stores_the_rows_from_the_first_position_it_adds() -> None:
     assert _stored_routes(asked, 0) is asked  # re-placed as a fork: kept from where it was asked
     with pytest.raises(ValueError, match="no tail from 10"):
         asked.routed_experts.tail(10)
+
+
+def test_a_session_with_record_routes_on_a_group_without_it_gets_routes_in_its_batch(
+    routes_router, client, tiny_dir, tiny_config
+):
+    """``cpu-s`` does not record routes, but a session that asks gets them in every turn and in its
+    batch (the trainer kit's client opens it); a session of the same group that does not ask gets
+    none. The flag is the session's, kept by the Redis state store."""
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    with RolloutClient(routes_router.url, routes_router.key) as rc:
+        asks = rc.create_session(group="cpu-s", record_routes=True)
+        plain = rc.create_session(group="cpu-s")
+        assert (asks.group, asks.record_routes, plain.record_routes) == ("cpu-s", True, False)
+        for s in (asks, plain):
+            assert client.get(f"/v1/sessions/{s.session_id}").json()["record_routes"] is s.record_routes
+        turn = rc.turn(asks.session_id, PROMPT, PARAMS)
+        seq = PROMPT + turn["output_ids"]
+        routes = turn["routed_experts"]
+        assert (routes["start"], routes["rows"], routes["width"]) == (0, len(seq) - 1, layers * k)
+        assert "routed_experts" not in rc.turn(plain.session_id, PROMPT, PARAMS)
+        for s in (asks, plain):
+            rc.finish(s.session_id, 1.0)
+        batch = rc.take(64)
+        index = {t["session_id"]: i for i, t in enumerate(batch.turns)}
+        got = batch.routes(index[asks.session_id], k)
+        assert got.shape == (len(seq) - 1, layers, k)
+        np.testing.assert_array_equal(got, _hf_routes(tiny_dir, seq[:-1]))
+        assert batch.routes(index[plain.session_id], k) is None
+        rc.ack(batch.lease_id)
+
+
+def test_record_routes_on_a_group_whose_engines_cannot_return_them_is_a_422_at_creation(
+    routes_router, client
+):
+    r = client.post("/v1/sessions", json={"group": "cpu-p", "record_routes": True})
+    assert r.status_code == 422, r.text
+    assert "cpu-p" in r.text and ROUTES_FLAG in r.text
+    with RolloutClient(routes_router.url, routes_router.key) as rc, pytest.raises(RouterError) as err:
+        rc.create_session(group="cpu-p", record_routes=True)
+    assert err.value.status == 422
+    assert client.post("/v1/sessions", json={"record_routes": "maybe"}).status_code == 422
+
+
+def test_the_policy_places_a_session_with_record_routes_only_where_routes_are_returned(client):
+    """Round robin over the four groups places four plain sessions in a row in each, ``cpu-p``
+    too; six sessions in a row asking for routes go only to the other three, twice each."""
+    placed: dict[bool, list[str]] = {True: [], False: []}
+    for asks in (False,) * 4 + (True,) * 6:
+        r = client.post("/v1/sessions", json={"record_routes": asks})
+        assert r.status_code == 200, r.text
+        assert r.json()["record_routes"] is asks
+        placed[asks].append(r.json()["group"])
+        assert client.delete(f"/v1/sessions/{r.json()['session_id']}").status_code == 200
+    assert sorted(placed[False]) == ["cpu-bad", "cpu-p", "cpu-r", "cpu-s"], placed
+    assert sorted(placed[True]) == ["cpu-bad", "cpu-bad", "cpu-r", "cpu-r", "cpu-s", "cpu-s"], placed
+
+
+def test_a_session_with_record_routes_fails_over_only_to_groups_that_return_them(client):
+    """Four sessions in a row asking routes on ``cpu-dead`` move to the groups whose engines are
+    declared with the flag, round robin: a turn that ran carries its routes, one that reached
+    ``cpu-bad`` (declared, engine without the flag) is a 502 naming it; none reaches ``cpu-p``,
+    where it would run without routes."""
+    ran = []
+    for _ in range(4):
+        r = client.post("/v1/sessions", json={"group": "cpu-dead", "record_routes": True})
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        turn = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": PROMPT, "sampling_params": PARAMS})
+        if turn.status_code == 502:
+            assert ROUTES_FLAG in turn.text
+        else:
+            assert turn.status_code == 200, turn.text
+            body = turn.json()
+            assert (body["moved_from"], body["routed_experts"]["rows"]) == (
+                "cpu-dead",
+                len(PROMPT) + len(body["output_ids"]) - 1,
+            )
+            ran.append(body["group"])
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert len(ran) >= 2 and set(ran) <= {"cpu-r", "cpu-s"}, ran

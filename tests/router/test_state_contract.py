@@ -88,6 +88,30 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         assert (await store.counters())["g1"].active_sessions == 0
 
 
+async def test_a_sessions_record_routes_is_stored_with_it_until_the_trainer_takes_it(store_url: str) -> None:
+    async with opened(store_url) as store:
+        await store.create_session("r", "g1", {"a": 1}, now=5.0, record_routes=True)
+        await store.create_session("p", "g1", {"a": 1}, now=5.0)
+        await store.create_session("r", "g1", {"a": 1}, now=5.0, record_routes=True)  # a retry: no-op
+        for sid, other in (("r", False), ("p", True)):  # the same id asking otherwise is another call
+            with pytest.raises(ValueError, match="exists"):
+                await store.create_session(sid, "g1", {"a": 1}, now=5.0, record_routes=other)
+        assert [(await store.get_session(sid)).record_routes for sid in ("r", "p")] == [True, False]
+        for sid in ("r", "p"):
+            record = TurnRecord(
+                f"q-{sid}", b"t", group="g2", replica="x", tokens=1, min_version=1, max_version=1
+            )
+            await store.append_turn(sid, record)  # a turn that moved it to another group keeps the flag
+            info, _ = await store.get_session_context(sid)
+            assert (info.group, info.record_routes) == ("g2", sid == "r")
+            await store.finish_session(sid, f"f-{sid}", 1.0, {})
+        lease = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=30)
+        assert {t.session.session_id: t.session.record_routes for t in lease.trajectories} == {
+            "r": True,
+            "p": False,
+        }
+
+
 async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finish(store_url: str) -> None:
     def rec(rid: str, context: bytes, fork: bool = False, expected: int | None = None) -> TurnRecord:
         return TurnRecord(rid, b"blob-" + rid.encode(), "g", "rep", 1, None, None, context, fork, expected)
@@ -115,6 +139,28 @@ async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finis
         await store.append_turn("t", rec("a", b"\x05\x00\x00\x00"))
         await store.delete_session("t")
         assert await store.get_session_context("t") is None
+
+
+async def test_the_chat_note_is_read_with_the_context_and_only_a_later_turn_replaces(store_url: str) -> None:
+    async with opened(store_url) as store:
+        assert await store.get_chat_state("nope") is None
+        assert not await store.put_chat_note("nope", 0, b"x")
+        await store.create_session("s", "g", {}, now=0.0)
+        state = await store.get_chat_state("s")
+        assert (state.session.n_turns, state.context, state.note_turn, state.note) == (0, b"", None, b"")
+        rec = TurnRecord("a", b"blob", "g", "rep", 1, None, None, b"\x01\x00\x00\x00")
+        await store.append_turn("s", rec)
+        assert await store.put_chat_note("s", 0, b"note-0")
+        assert await store.put_chat_note("s", 2, b"note-2")
+        assert not await store.put_chat_note("s", 1, b"note-1")  # an earlier turn's note comes late
+        assert not await store.put_chat_note("s", 2, b"again")
+        state = await store.get_chat_state("s")
+        assert (state.session.n_turns, state.context) == (1, b"\x01\x00\x00\x00")
+        assert (state.note_turn, state.note) == (2, b"note-2")
+        await store.finish_session("s", "f", 1.0, {})
+        state = await store.get_chat_state("s")
+        assert (state.session.status, state.note_turn, state.note) == ("finished", None, b"")
+        assert not await store.put_chat_note("s", 3, b"late")
 
 
 async def test_appends_are_idempotent_per_request_and_refused_after_finish(store_url: str) -> None:
@@ -686,8 +732,9 @@ async def test_compact_rolls_old_update_records_and_every_cost_still_adds_up(sto
 
 async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> None:
     """Per version: a replica that heartbeats and books once, 20 sessions (5 abandoned, 5 left
-    open, 10 finished), a route key, a take whose lease is acknowledged (odd versions) or
-    abandoned (even: redelivered to the next take), its take order and a mismatch upload."""
+    open, 10 finished; half of them with ``record_routes``), a route key, a take whose lease is
+    acknowledged (odd versions) or abandoned (even: redelivered to the next take), its take order
+    and a mismatch upload."""
     for v in versions:
         await store.put_replica(f"rep{v}", {"group": "g1", "ready": True, "wall_seen": time.time()})
         await store.book_replica(
@@ -701,7 +748,7 @@ async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> 
         )
         for i in range(20):
             sid = f"v{v}-{i}"
-            await store.create_session(sid, "g1", {}, now=time.time())
+            await store.create_session(sid, "g1", {}, now=time.time(), record_routes=i % 2 == 1)
             if i % 4 == 0:
                 await store.delete_session(sid)
             elif i % 4 != 1:  # i % 4 == 1 stays open until it expires idle

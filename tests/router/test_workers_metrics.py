@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mixfleet.router import METRICS_DIR_PREFIX, remove_stale_metric_dirs
-from router.metrics import FAILOVER_REASONS, MULTIPROC_ENV
+from router.metrics import MULTIPROC_ENV
+from tests.support.metrics import Samples, assert_groups_at_zero, samples_of
 from tests.support.procs import redis_server
 from tests.support.router import RouterHandle, router_process, write_preset
 
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.timeout(600)
 KEY = "k" * 32
 GROUPS = ("cpu-a", "cpu-b")
 SP = {"max_new_tokens": 3, "seed": 1}
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def call(router: RouterHandle, method: str, path: str, **kw) -> tuple[httpx.Response, int]:
@@ -44,14 +43,7 @@ def scrape(router: RouterHandle) -> tuple[Samples, int]:
     """Every ``mixfleet_*`` sample of one scrape, keyed by (name, sorted labels); the worker's pid."""
     r, pid = call(router, "GET", "/metrics")
     assert r.status_code == 200, r.text
-    out: Samples = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            if s.name.startswith("mixfleet_"):
-                key = (s.name, tuple(sorted(s.labels.items())))
-                assert key not in out, f"{key} exposed twice"
-                out[key] = s.value
-    return out, pid
+    return samples_of(r.text), pid
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:
@@ -162,28 +154,6 @@ def workers(engine_url, tmp_path):
         yield router
 
 
-def _zero_series(samples: Samples) -> None:
-    """Every group's request-path series exists, at 0, before any traffic."""
-    for g in GROUPS:
-        for name in (
-            "mixfleet_router_turns_total",
-            "mixfleet_router_tokens_total",
-            "mixfleet_router_sessions_created_total",
-            "mixfleet_router_sessions_expired_total",
-            "mixfleet_router_generate_requests_total",
-            "mixfleet_router_turn_seconds_count",
-            "mixfleet_router_engine_seconds_count",
-        ):
-            assert samples[(name, (("group", g),))] == 0, (name, g)
-        for reason in FAILOVER_REASONS:
-            assert samples[("mixfleet_router_failovers_total", (("group", g), ("reason", reason)))] == 0
-    moves = {ls: v for (n, ls), v in samples.items() if n == "mixfleet_router_session_moves_total"}
-    assert moves == {
-        (("from_group", "cpu-a"), ("to_group", "cpu-b")): 0,
-        (("from_group", "cpu-b"), ("to_group", "cpu-a")): 0,
-    }
-
-
 def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(workers: RouterHandle) -> None:
     router = workers
     deadline = time.monotonic() + 120
@@ -193,7 +163,7 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
     first = scrapes(router)
     pids = {p for _, p in first}
     for samples, _ in first:
-        _zero_series(samples)
+        assert_groups_at_zero(samples, GROUPS)  # every group's series, at 0, before any traffic
         assert totals(samples) == dict.fromkeys(COUNTED, 0)
         assert total(samples, "mixfleet_router_workers") == 2
         assert total(samples, "mixfleet_router_version_lag_bound") == 2  # no --max-version-lag: the default

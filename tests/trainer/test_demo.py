@@ -1,8 +1,10 @@
-"""``mixfleet demo`` end to end on real processes, a few updates on the tiny model.
+"""``mixfleet demo`` end to end on real processes, a few updates on the tiny model (its agents
+chat through the router's OpenAI API; token for token: ``test_demo_chat.py``).
 
-* Against a fleet the test starts (``mixfleet up``, preset local: bf16, fp8 and nvfp4 groups)
-  and passes with ``--router``: demo.json holds the SFT phase (its loss decreases) and one entry
-  per update with rewards in [0, 1] and every metric per group; every published version was
+* Against a fleet the test starts (``mixfleet up``, preset local: bf16, fp8 and nvfp4 groups; up
+  gives the router its base as the chat model) and passes with ``--router``: demo.json holds the
+  SFT phase (its loss decreases) and one entry per update with rewards in [0, 1], its episodes'
+  turns and no fork, and every metric per group; every published version was
   observed active in every group, and the router's weights status afterwards shows each
   replica serving the last one; the cost report of the router's ledger was written.
 * With no ``--router`` the command starts and stops its own fleet: the store's pointer of every
@@ -46,6 +48,8 @@ def _check_record(record: dict, groups: set[str]) -> None:
     assert [u["version"] for u in ups] == list(range(first + 1, first + 1 + UPDATES))
     for u in ups:
         assert 0.0 <= u["mean_reward"] <= 1.0 and 0.0 <= u["exact"] <= 1.0
+        assert u["forks"] == 0 and sum(u["turns"].values()) == u["trajectories"]
+        assert set(u["turns"]) <= {"1", "2"} and 1 <= u["turns_mean"] <= 2
         assert u["trajectories"] > 0 and u["tokens"] >= u["trajectories"]
         assert u["version_age"]["max"] >= 0 and u["version_age"]["mean"] >= 0
         assert set(u["k3_kl"]) <= groups and u["k3_kl"]
@@ -110,7 +114,7 @@ def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
             if line.startswith("mixfleet_mismatch_tokens_total{")
         )
         assert counted == sum(up["tokens"] for up in record["mismatch_uploads"]) > 0
-    assert "updates in" in done.stdout
+    assert "updates in" in done.stdout and "forks: 0" in done.stdout
 
 
 def test_demo_starts_and_stops_its_own_fleet(tmp_path: Path) -> None:
@@ -136,6 +140,7 @@ def test_demo_refuses_bad_arguments(tmp_path: Path) -> None:
         (["--router", "http://127.0.0.1:9"], "--router needs a key"),
         (["--method", "nope"], "method must be one of"),
         (["--min-len", "5", "--max-len", "3"], "min_len <= max_len"),
+        (["--turns", "0"], "max_turns must be >= 1"),
     ]
     for args, message in cases:
         done = subprocess.run(

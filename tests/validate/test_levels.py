@@ -65,6 +65,14 @@ def test_clean_conversion_passes_levels_1_and_2(models, fmt) -> None:
     assert 0.01 < worst <= bounds(fmt).weight_rel_err
 
 
+def test_contract_states_the_allowed_staleness(models) -> None:
+    bounded = contract.check(dataclasses.replace(_target(models, "fp8"), staleness=2))
+    assert bounded.details["allowed_staleness"] == 2
+    assert not any("staleness" in n for n in bounded.notes)
+    unbounded = contract.check(_target(models, "fp8"))
+    assert any("allowed staleness: unbounded" in n for n in unbounded.notes)
+
+
 def test_native_formats() -> None:
     assert contract.native("nvfp4", "B200") and not contract.native("nvfp4", "H100!")
     assert contract.native("fp8", "H100!") and not contract.native("fp8", "A100-80GB")

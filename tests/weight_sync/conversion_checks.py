@@ -179,10 +179,19 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
     src, dst = Path(src), Path(dst)
     source = load_all(src)
     out = load_all(dst)
-
-    # Names, dtypes, shapes: exactly the expected set.
     bf16_modules = fp8_kept_in_bf16({n: tuple(t.shape) for n, t in source.items()}) if fmt == "fp8" else {}
     kept = frozenset(n for names in bf16_modules.values() for n in names)
+    _check_names(source, out, fmt, kept)
+    _check_values(src, source, out, fmt, kept)
+    _check_configs(src, dst, source, fmt, kept, bf16_modules)
+    _check_index(dst, out)
+    return _check_copies_and_manifest(src, dst, out, fmt, bf16_modules)
+
+
+def _check_names(
+    source: dict[str, torch.Tensor], out: dict[str, torch.Tensor], fmt: str, kept: frozenset
+) -> None:
+    """Names, dtypes, shapes: exactly the expected set."""
     expected = {}
     for name, t in source.items():
         expected.update(expected_outputs(name, tuple(t.shape), fmt, kept))
@@ -194,7 +203,11 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             out[name].shape,
         )
 
-    # Values.
+
+def _check_values(
+    src: Path, source: dict[str, torch.Tensor], out: dict[str, torch.Tensor], fmt: str, kept: frozenset
+) -> None:
+    """Every tensor's bits: copied ones equal, quantized ones equal the format's quantize of the source."""
     fmod = None if fmt == "bf16" else __import__(f"weight_sync.formats.{fmt}", fromlist=[fmt])
     groups: dict[str, list[str]] = {}
     for name in source:
@@ -235,7 +248,12 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
     if fmt == "nvfp4":
         _check_input_scales(src, out)
 
-    # Configs.
+
+def _check_configs(
+    src: Path, dst: Path, source: dict[str, torch.Tensor], fmt: str, kept: frozenset, bf16_modules: dict
+) -> None:
+    """config.json is the source's plus the format's quantization config; hf_quant_config.json for
+    nvfp4 only; no quantized module listed as excluded."""
     src_cfg = json.loads((src / "config.json").read_text())
     cfg = json.loads((dst / "config.json").read_text())
     qc = cfg.pop("quantization_config", None)
@@ -286,7 +304,9 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
             if _quantized(name, fmt, kept):
                 assert name.removesuffix(".weight") not in listed
 
-    # Index: every tensor, in the file that holds it.
+
+def _check_index(dst: Path, out: dict[str, torch.Tensor]) -> None:
+    """Index: every tensor, in the file that holds it."""
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(out)
     from safetensors import safe_open
@@ -299,7 +319,11 @@ def check_conversion(src: Path, dst: Path, fmt: str) -> Manifest:
         total += sum(out[k].numel() * out[k].element_size() for k in keys)
     assert index["metadata"]["total_size"] == total
 
-    # Copied files and manifest.
+
+def _check_copies_and_manifest(
+    src: Path, dst: Path, out: dict[str, torch.Tensor], fmt: str, bf16_modules: dict
+) -> Manifest:
+    """Copied files and the manifest."""
     for extra in ("tokenizer.json", "generation_config.json"):
         assert (dst / extra).read_bytes() == (src / extra).read_bytes()
     manifest = verify_dir(dst)

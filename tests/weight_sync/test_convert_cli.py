@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,9 @@ def _edit_config(d: Path, **changes) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+Case = Callable[..., None]  # case(name, fmt, src, fragment, dst=None, *flags)
+
+
 def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, Path]]:
     """name -> (argv after 'convert', expected stderr fragment, DST that must not appear)."""
     cases: dict[str, tuple[list[str], str, Path]] = {}
@@ -93,6 +97,14 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
         dst = dst or root / f"dst-{name}"
         cases[name] = (["--format", fmt, *flags, str(src), str(dst)], fragment, dst)
 
+    _bad_config_cases(ckpt, root, case)
+    _bad_tensor_cases(ckpt, root, case)
+    _bad_file_cases(ckpt, root, case)
+    return cases
+
+
+def _bad_config_cases(ckpt: Path, root: Path, case: Case) -> None:
+    """A source whose config.json is missing, not JSON, of another architecture or already quantized."""
     d = _copy(ckpt, root, "no-config")
     (d / "config.json").unlink()
     case("missing_config", "fp8", d, "config.json does not exist")
@@ -109,6 +121,9 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
     _edit_config(d, quantization_config={"quant_method": "fp8"})
     case("already_quantized", "fp8", d, "already quantized")
 
+
+def _bad_tensor_cases(ckpt: Path, root: Path, case: Case) -> None:
+    """A source tensor that is not BF16, holds a NaN, or has a shape the format cannot take."""
     d = _copy(ckpt, root, "f32")
     shard = d / "model-00002-of-00002.safetensors"
     tensors = load_all(d)
@@ -150,6 +165,9 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
         "--quantize-all",
     )
 
+
+def _bad_file_cases(ckpt: Path, root: Path, case: Case) -> None:
+    """Corrupt or missing safetensors files, a destination that holds something else, an unknown format."""
     d = _copy(ckpt, root, "truncated")
     shard = d / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
@@ -178,7 +196,6 @@ def _make_bad_cases(ckpt: Path, root: Path) -> dict[str, tuple[list[str], str, P
     )
 
     case("unknown_format", "int3", ckpt, "unknown weight format 'int3'")
-    return cases
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,8 @@ def _precommit(fleet: LocalFleet, version: int, ckpt: Path, formats: list[str] |
 def _advance(live: Live, version: int, formats: list[str] | None = None) -> None:
     for f in formats or live.fleet.formats:
         live.fleet.store.advance(VersionRef(RUN, f, version))
-    live.get("/v1/weights")  # the router adopts the store's latest version
+    status = live.get("/v1/weights")  # the router adopts the store's latest version
+    assert status["max_version_lag"] == MAX_LAG  # what mixfleet validate states as allowed staleness
 
 
 def _engine_metrics(url: str) -> dict[str, float]:

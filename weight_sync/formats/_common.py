@@ -15,7 +15,7 @@ import struct
 import numpy as np
 import torch
 
-from weight_sync.formats import _parallel
+from core.parallel import Workers
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -23,12 +23,23 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per-task overhead is negligible, small enough to balance the tasks over the worker threads.
 CHUNK_ELEMENTS = 1 << 20
 
+# The quantizers' chunk tasks (their own pool: a conversion never queues ahead of an engine's GEMMs).
+WORKERS = Workers("weight-formats")
+
 INF_BITS = 0x7F800000  # float32 bits of +Inf: |x| bit patterns at or above it are not finite
 
 
 def describe(t: torch.Tensor) -> str:
     """``shape (N, K) bfloat16`` — how error messages name a tensor."""
     return f"shape {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def tensors(d: dict[str, torch.Tensor], names: tuple[str, ...], where: str) -> tuple[torch.Tensor, ...]:
+    """``d``'s tensors named ``names``, in that order; ``ValueError`` naming the first one missing."""
+    missing = [name for name in names if name not in d]
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}")
+    return tuple(d[name] for name in names)
 
 
 def check_weight(w: object, where: str) -> torch.Tensor:
@@ -101,7 +112,7 @@ def abs_max_bits(w: torch.Tensor) -> int:
 def abs_max_bits_of(x: np.ndarray) -> int:
     """``abs_max_bits`` of the bit array ``x`` (see ``bits``)."""
     kernel = kernels().abs_max_bits
-    tops = _parallel.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
+    tops = WORKERS.run_ranges(x.size, CHUNK_ELEMENTS, lambda i, j: kernel(x[i:j]))
     return int(max(tops, default=0))
 
 

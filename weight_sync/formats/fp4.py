@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 E2M1_VALUES: tuple[float, ...] = (
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -99,5 +99,5 @@ def decode_packed(packed: torch.Tensor) -> torch.Tensor:
     def task(i: int, j: int) -> None:
         torch.index_select(_PAIRS, 0, flat[i:j].to(torch.int32), out=out[i:j])
 
-    _parallel.run_ranges(flat.numel(), step, task)
+    _common.WORKERS.run_ranges(flat.numel(), step, task)
     return out.view(*packed.shape[:-1], packed.shape[-1] * 2)

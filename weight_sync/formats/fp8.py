@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -94,9 +94,23 @@ def quantize_bits(
         r0, r1 = b0 * BLOCK, min(n, b1 * BLOCK)
         return kernel(x[r0 * k : r1 * k], r1 - r0, k, codes[r0 * k : r1 * k], scales[b0 * kb : b1 * kb])
 
-    top = max(_parallel.run_ranges(nb, bands, task))
+    top = max(_common.WORKERS.run_ranges(nb, bands, task))
     _common.check_finite(int(top), "fp8.quantize", what or f"shape ({n}, {k})")
     return codes, scales
+
+
+def check_layout(weight: torch.Tensor, weight_scale_inv: torch.Tensor, where: str) -> None:
+    """``ValueError`` (its message starting with ``where``) unless ``weight`` is float8_e4m3fn
+    ``[N, K]`` and ``weight_scale_inv`` float32 ``[ceil(N/128), ceil(K/128)]``."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"{where}: weight must be float8_e4m3fn [N, K], got {_common.describe(weight)}")
+    n, k = weight.shape
+    expected = [math.ceil(n / BLOCK), math.ceil(k / BLOCK)]
+    if weight_scale_inv.dtype != torch.float32 or list(weight_scale_inv.shape) != expected:
+        raise ValueError(
+            f"{where}: weight_scale_inv {_common.describe(weight_scale_inv)} does not match weight "
+            f"{_common.describe(weight)} (expected float32 {expected})"
+        )
 
 
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -105,19 +119,9 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     Wrong dtypes or shapes raise ``ValueError``.
     """
     where = "fp8.dequantize"
-    try:
-        weight, scale = d["weight"], d["weight_scale_inv"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"{where}: weight must be float8_e4m3fn [N, K], got {_common.describe(weight)}")
+    weight, scale = _common.tensors(d, ("weight", "weight_scale_inv"), where)
+    check_layout(weight, scale, where)
     n, k = weight.shape
-    expected = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
-        raise ValueError(
-            f"{where}: weight_scale_inv {_common.describe(scale)} does not match weight "
-            f"{_common.describe(weight)} (expected float32 of shape {expected})"
-        )
     out = torch.empty((n, k), dtype=torch.float32)
     if n == 0 or k == 0:
         return out
@@ -136,7 +140,7 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
         if k_full < k:
             o[:, k_full:].mul_(s[kbf:])
 
-    _parallel.run([lambda bi=bi: band(bi) for bi in range(math.ceil(n / BLOCK))])
+    _common.WORKERS.run([lambda bi=bi: band(bi) for bi in range(math.ceil(n / BLOCK))])
     return out
 
 

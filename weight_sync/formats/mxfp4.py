@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 BLOCK = 32
 E2M1_MAX_POW2 = 2
@@ -75,7 +75,7 @@ def quantize_bits(
     def task(b0: int, b1: int) -> int:
         return kernel(x[b0 * BLOCK : b1 * BLOCK], blocks[b0 * 16 : b1 * 16], scales[b0:b1])
 
-    top = max(_parallel.run_ranges(x.size // BLOCK, step, task), default=0)
+    top = max(_common.WORKERS.run_ranges(x.size // BLOCK, step, task), default=0)
     _common.check_finite(int(top), "mxfp4.quantize", what or f"{x.size} values")
     return blocks, scales
 
@@ -88,6 +88,18 @@ def scale_factors(scales: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def check_layout(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> None:
+    """``ValueError`` (its message starting with ``where``) unless ``blocks`` is uint8
+    ``[..., K/32, 16]`` and ``scales`` uint8 ``[..., K/32]``."""
+    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"{where}: blocks must be uint8 [..., K/32, 16], got {_common.describe(blocks)}")
+    if scales.dtype != torch.uint8 or list(scales.shape) != list(blocks.shape[:-1]):
+        raise ValueError(
+            f"{where}: scales {_common.describe(scales)} do not match blocks {_common.describe(blocks)} "
+            f"(expected uint8 {list(blocks.shape[:-1])})"
+        )
+
+
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     """Float32 ``[..., K]`` from ``{"blocks", "scales"}``: ``E2M1(code) * 2**(scale - 127)`` (exact).
 
@@ -96,17 +108,8 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     from weight_sync.formats.fp4 import decode_packed
 
     where = "mxfp4.dequantize"
-    try:
-        blocks, scales = d["blocks"], d["scales"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
-    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2:
-        raise ValueError(f"{where}: blocks must be uint8 [..., K/32, 16], got {_common.describe(blocks)}")
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(
-            f"{where}: scales {_common.describe(scales)} do not match blocks {_common.describe(blocks)} "
-            f"(expected uint8 of shape {tuple(blocks.shape[:-1])})"
-        )
+    blocks, scales = _common.tensors(d, ("blocks", "scales"), where)
+    check_layout(blocks, scales, where)
     values = decode_packed(blocks.contiguous())  # [..., K/32, 32]
     out = values.mul_(scale_factors(scales).unsqueeze(-1))
     return out.view(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)

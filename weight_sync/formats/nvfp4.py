@@ -60,7 +60,7 @@ import math
 import numpy as np
 import torch
 
-from weight_sync.formats import _common, _parallel
+from weight_sync.formats import _common
 
 GROUP = 16
 FP8_MAX = 448.0
@@ -209,7 +209,7 @@ def quantize_bits(
         def task(g0: int, g1: int) -> int:
             return kernel(x[g0 * GROUP : g1 * GROUP], six_ws2, ws2, packed[g0 * 8 : g1 * 8], scales[g0:g1])
 
-        top = int(max(_parallel.run_ranges(x.size // GROUP, step, task), default=0))
+        top = int(max(_common.WORKERS.run_ranges(x.size // GROUP, step, task), default=0))
     _common.check_finite(top, "nvfp4.quantize", what)
     _check_covers(ws2, top, what)
     return packed, scales
@@ -229,6 +229,30 @@ def input_scale(amax: float) -> np.float32:
     return np.float32(1.0) if a == 0 else np.float32(a / _DIVISOR)
 
 
+def check_layout(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, where: str
+) -> None:
+    """``ValueError`` (its message starting with ``where``) unless ``weight`` is uint8 ``[..., K/2]``
+    with K a multiple of 16, ``weight_scale`` float8_e4m3fn ``[..., K/16]`` and ``weight_scale_2``
+    one float."""
+    if weight.dtype != torch.uint8 or weight.dim() < 1:
+        raise ValueError(f"{where}: weight must be uint8 [..., K/2], got {_common.describe(weight)}")
+    k = weight.shape[-1] * 2
+    expected = [*weight.shape[:-1], k // GROUP]
+    if k % GROUP or weight_scale.dtype != torch.float8_e4m3fn or list(weight_scale.shape) != expected:
+        raise ValueError(
+            f"{where}: weight_scale {_common.describe(weight_scale)} does not match weight "
+            f"{_common.describe(weight)} (expected float8_e4m3fn {expected}, K a multiple of {GROUP})"
+        )
+    if (
+        not isinstance(weight_scale_2, torch.Tensor)
+        or not weight_scale_2.is_floating_point()
+        or weight_scale_2.numel() != 1
+    ):
+        got = _common.describe(weight_scale_2) if isinstance(weight_scale_2, torch.Tensor) else "not a tensor"
+        raise ValueError(f"{where}: weight_scale_2 must be one float (a one-element tensor), got {got}")
+
+
 def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     """Float32 ``[..., K]`` from ``quantize``'s tensors: ``E2M1(code) * (scale.float() * weight_scale_2)``.
 
@@ -238,22 +262,9 @@ def dequantize(d: dict[str, torch.Tensor]) -> torch.Tensor:
     from weight_sync.formats.fp4 import decode_packed
 
     where = "nvfp4.dequantize"
-    try:
-        weight, scale, ws2 = d["weight"], d["weight_scale"], d["weight_scale_2"]
-    except KeyError as e:
-        raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from None
-    if weight.dtype != torch.uint8 or weight.dim() < 1:
-        raise ValueError(f"{where}: weight must be uint8 [..., K/2], got {_common.describe(weight)}")
-    if scale.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{where}: weight_scale must be float8_e4m3fn, got {_common.describe(scale)}")
+    weight, scale, ws2 = _common.tensors(d, ("weight", "weight_scale", "weight_scale_2"), where)
+    check_layout(weight, scale, ws2, where)
     k = weight.shape[-1] * 2
-    if k % GROUP or tuple(scale.shape) != (*weight.shape[:-1], k // GROUP):
-        raise ValueError(
-            f"{where}: weight_scale {_common.describe(scale)} does not match weight "
-            f"{_common.describe(weight)} (expected shape {(*weight.shape[:-1], k // GROUP)})"
-        )
-    if not isinstance(ws2, torch.Tensor) or ws2.numel() != 1:
-        raise ValueError(f"{where}: weight_scale_2 must be a one-element tensor")
     factor = scale.float() * ws2.reshape(()).float()
     values = decode_packed(weight.contiguous()).view(*weight.shape[:-1], k // GROUP, GROUP)
     return values.mul_(factor.unsqueeze(-1)).view(*weight.shape[:-1], k)

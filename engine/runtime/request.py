@@ -1,0 +1,55 @@
+"""What the runtime is asked to run: one validated generation request (:class:`GenerateSpec`),
+the model limits a request is validated against (:class:`ModelLimits`), and the refusal of a
+request the engine will not run (:class:`RequestError`).
+
+Pure values: ``engine.server.protocol`` builds a :class:`GenerateSpec` from SGLang's HTTP body
+and the scheduler (``engine.runtime.scheduler``) runs it; the server answers a
+:class:`RequestError` with a 400 carrying its message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
+from engine.runtime.sampler import SamplerSettings
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the problem (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is validated against: the served model's vocabulary and context."""
+
+    vocab_size: int
+    context_len: int
+    sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One validated generation request.
+
+    Holds: ``1 <= len(input_ids) < context_len``; every id in ``[0, vocab_size)``;
+    ``len(input_ids) + max_new_tokens <= context_len``; ``0 <= logprob_start_len < len(input_ids)``.
+    """
+
+    rid: str
+    input_ids: tuple[int, ...]
+    settings: SamplerSettings
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    sampling_seed: int | None
+    skip_special_tokens: bool
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    return_sampling_mask: bool
+    return_text_in_logprobs: bool
+    stream: bool
+    sampling_logprobs_mode: str = "selected"
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
