@@ -1,5 +1,13 @@
 """The one parser of an engine's ``/generate`` answer into the turn it records
-(:func:`parse_turn`, the local engine's answers and SGLang's alike)."""
+(:func:`parse_turn`, the local engine's answers and SGLang's alike).
+
+SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
+(layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
+along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
+37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
+``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
+"abort", "message": ...}`` (managers/schedule_batch.py 279-345).
+"""
 
 from __future__ import annotations
 
@@ -47,13 +55,6 @@ def parse_turn(
     spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
     none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
 
-    SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
-    (layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
-    along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
-    37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
-    ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
-    "abort", "message": ...}`` (managers/schedule_batch.py 279-345).
-
     Without the support's log-probs they are unknown (NaN); where mu is absent or a list, it is
     the sampled token's support log-prob when that is known and its raw log-prob otherwise
     (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
@@ -69,16 +70,7 @@ def parse_turn(
     holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
     an aborted generation is never recorded). Duplicate support ids and the float32 range are
     the encoder's checks (:func:`encode_turn`)."""
-    if type(body) is not dict:
-        raise ValueError("the engine answer is not a JSON object")
-    meta = body.get("meta_info")
-    if type(meta) is not dict:
-        raise ValueError("the engine answer has no meta_info object")
-    finish = _finish_reason(meta.get("finish_reason"))  # an abort is refused before anything else
-    output_ids = body.get("output_ids")
-    if type(output_ids) is not list:
-        raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
-    _token_ids(output_ids, "output_ids")
+    meta, output_ids, finish = _answer(body)
     n = len(output_ids)
     raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
     if sampling is not None and sampling.get("sampling_mask") is False:
@@ -108,6 +100,21 @@ def parse_turn(
         if routed_experts
         else {},
     )
+
+
+def _answer(body: Any) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+    """``body``'s ``meta_info``, ``output_ids`` and finish reason (an abort refused first)."""
+    if type(body) is not dict:
+        raise ValueError("the engine answer is not a JSON object")
+    meta = body.get("meta_info")
+    if type(meta) is not dict:
+        raise ValueError("the engine answer has no meta_info object")
+    finish = _finish_reason(meta.get("finish_reason"))  # an abort is refused before anything else
+    output_ids = body.get("output_ids")
+    if type(output_ids) is not list:
+        raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
+    _token_ids(output_ids, "output_ids")
+    return meta, output_ids, finish
 
 
 def _route_sections(meta: dict[str, Any], start: int, end: int) -> dict[str, bytes]:
