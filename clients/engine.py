@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from clients.engine_stream import StreamError, TokenCallback, streamed_answer
 from core import sglang_release as release
 from core.jsonio import dumps, loads
 from weight_sync.types import reported_version
@@ -181,6 +182,22 @@ def _classify(url: str, response: RawResponse) -> RawResponse:
     raise EngineRejected(url, status, message)
 
 
+async def _read_stream(url: str, chunks: AsyncGenerator[bytes, None], on_tokens: TokenCallback) -> Any:
+    """:func:`~clients.engine_stream.streamed_answer` of a streamed ``/generate``, its failures
+    classified as the module says; the connection is released however it ends."""
+    try:
+        return await streamed_answer(chunks, on_tokens)
+    except StreamError as exc:
+        if 400 <= exc.status < 500:
+            raise EngineRejected(url, exc.status, exc.message) from None
+        message = exc.message if exc.status == 0 else f"HTTP {exc.status}: {exc.message}"
+        raise EngineUnavailable(url, message) from None
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise EngineUnavailable(url, _describe(exc)) from None
+    finally:
+        await chunks.aclose()
+
+
 class SGLangClient:
     """Calls on the engine at ``base_url`` (a path prefix is kept); ``headers`` go with every
     request. Cheap to create: the connections belong to ``http``."""
@@ -297,6 +314,7 @@ class SGLangClient:
         rid: str | None = None,
         routed_experts: bool = False,
         routed_experts_start: int = 0,
+        on_tokens: TokenCallback | None = None,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
         (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
@@ -308,7 +326,10 @@ class SGLangClient:
         unique among the engine's running requests). ``routed_experts``: also
         ``return_routed_experts`` (positions from ``routed_experts_start``, sent as
         ``routed_experts_start_len`` when not 0; SGLang answers them only when started
-        with ``--enable-return-routed-experts``, :mod:`core.sglang_release`).
+        with ``--enable-return-routed-experts``, :mod:`core.sglang_release`). ``on_tokens``: the
+        request is SGLang's streaming ``/generate`` (``"stream": true``) and ``await
+        on_tokens(ids)`` gets each chunk's new output ids as it arrives; the answer is the final
+        chunk, made whole (:func:`clients.engine_stream.streamed_answer`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
         the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
@@ -329,7 +350,14 @@ class SGLangClient:
             if routed_experts_start:
                 payload["routed_experts_start_len"] = routed_experts_start
         url = self.base_url + "/generate"
-        data = await self.call("POST", "/generate", payload, headers=headers)
+        if on_tokens is None:
+            data = await self.call("POST", "/generate", payload, headers=headers)
+        else:
+            payload["stream"] = True
+            head, chunks = await self.stream_generate(dumps(payload), headers=headers)
+            if head.status_code >= 400:
+                _classify(url, RawResponse(head.status_code, b"".join([c async for c in chunks]), {}))
+            data = await _read_stream(url, chunks, on_tokens)
         if not isinstance(data, dict):
             raise EngineUnavailable(url, "response is not a JSON object")
         meta = data.get("meta_info")

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
+from clients.engine_stream import TokenCallback
 from router.context import RouterContext
 from router.engine_answer import parse_turn
 from router.errors import ApiError, unavailable
@@ -263,6 +264,19 @@ def _ms(seconds: float) -> float:
     return int(seconds * 1e6 + 0.5) / 1000 if seconds >= 0 else round(seconds * 1000, 3)
 
 
+class _Streamed:
+    """Passes a streamed turn's new ids to ``on_tokens``; ``started`` once some did."""
+
+    def __init__(self, on_tokens: TokenCallback | None) -> None:
+        self.on_tokens = on_tokens
+        self.started = False
+
+    async def forward(self, ids: list[int]) -> None:
+        self.started = True
+        assert self.on_tokens is not None
+        await self.on_tokens(ids)
+
+
 def _route_groups(ctx: RouterContext, session: SessionInfo) -> tuple[set[str], set[str]]:
     """The groups whose engines a turn of ``session`` asks for routed experts, and the groups it
     may not move to. A session with ``record_routes`` asks whichever group serves it and never
@@ -275,12 +289,22 @@ def _route_groups(ctx: RouterContext, session: SessionInfo) -> tuple[set[str], s
 
 
 async def run_turn(
-    ctx: RouterContext, session: SessionInfo, spec: TurnSpec, index: int, routes_start: int = 0
+    ctx: RouterContext,
+    session: SessionInfo,
+    spec: TurnSpec,
+    index: int,
+    routes_start: int = 0,
+    on_tokens: TokenCallback | None = None,
 ) -> TurnData:
     """Turn ``index`` of ``session``, generated with failover and parsed by
     :func:`router.engine_answer.parse_turn`: its group, replica and ``moved_from`` say where it ran,
     its spans which weight versions produced it. Raises :class:`ApiError` (4xx/503; 502 for an
-    engine answer without usable behavior records) when it cannot."""
+    engine answer without usable behavior records) when it cannot.
+
+    With ``on_tokens``, the engine request streams (:meth:`SGLangClient.generate`) and ``await
+    on_tokens(ids)`` gets the new output ids as they are sampled; the turn is parsed from the final
+    chunk as from a whole answer. Failover happens only before the first ids reached
+    ``on_tokens``: an engine failure after that aborts the request and raises ApiError 502."""
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
     check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
@@ -289,6 +313,7 @@ async def run_turn(
         headers[MIN_VERSION_HEADER] = str(min_version)
 
     recording, unable = _route_groups(ctx, session)
+    streamed = _Streamed(on_tokens)
 
     async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
         e0 = time.perf_counter()
@@ -302,12 +327,17 @@ async def run_turn(
                 rid=rid,
                 routed_experts=routes,
                 routed_experts_start=routes_start,
+                on_tokens=streamed.forward if on_tokens is not None else None,
             )
         except asyncio.CancelledError:  # the turn's caller went away: stop the engine too
             abort_later(client, rid)
             raise
-        except EngineUnavailable as exc:
-            if "Timeout" in exc.message:  # the engine may still be generating it
+        except (EngineError, ValueError) as exc:
+            if streamed.started:  # ids already reached the caller: no failover
+                abort_later(client, rid)
+                why = exc.message if isinstance(exc, EngineError) else str(exc)
+                raise ApiError(502, f"engine {client.base_url} failed mid-stream: {why}") from None
+            if isinstance(exc, EngineUnavailable) and "Timeout" in exc.message:  # may still generate it
                 abort_later(client, rid)
             raise
         return generation, time.perf_counter() - e0

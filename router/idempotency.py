@@ -30,6 +30,7 @@ import asyncio
 import re
 from dataclasses import replace
 
+from clients.engine_stream import TokenCallback
 from core.jsonio import dumps
 from router.context import RouterContext
 from router.errors import ApiError
@@ -48,10 +49,17 @@ _REQUEST = "k:"  # the store's request id of a keyed turn: k:<key> (fresh ids ar
 _RUNNING: dict[tuple[str, str], asyncio.Future[None]] = {}
 
 
-async def answer_turn(ctx: RouterContext, session_id: str, spec: TurnSpec, key: str | None) -> bytes:
-    """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``."""
+async def answer_turn(
+    ctx: RouterContext,
+    session_id: str,
+    spec: TurnSpec,
+    key: str | None,
+    on_tokens: TokenCallback | None = None,
+) -> bytes:
+    """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``;
+    ``on_tokens`` gets the new ids of the turn this call samples, if it samples one."""
     if key is None:
-        return await record_turn(ctx, session_id, spec)
+        return await record_turn(ctx, session_id, spec, on_tokens=on_tokens)
     slot = (session_id, key)
     while True:
         found = await recorded_turn(ctx, session_id, key)
@@ -62,7 +70,7 @@ async def answer_turn(ctx: RouterContext, session_id: str, spec: TurnSpec, key: 
     done = asyncio.get_running_loop().create_future()
     _RUNNING[slot] = done
     try:
-        answer = await record_turn(ctx, session_id, spec, request_id=_REQUEST + key)
+        answer = await record_turn(ctx, session_id, spec, request_id=_REQUEST + key, on_tokens=on_tokens)
     finally:
         if _RUNNING.get(slot) is done:
             del _RUNNING[slot]

@@ -30,6 +30,7 @@ import secrets
 import time
 from dataclasses import replace
 
+from clients.engine_stream import TokenCallback
 from core.jsonio import dumps
 from router.context import RouterContext
 from router.dispatch import run_turn
@@ -43,10 +44,16 @@ from router.turn_data import ROUTES_SECTION, TurnData
 
 
 async def record_turn(
-    ctx: RouterContext, session_id: str, spec: TurnSpec, *, request_id: str | None = None
+    ctx: RouterContext,
+    session_id: str,
+    spec: TurnSpec,
+    *,
+    request_id: str | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> bytes:
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
-    append is idempotent per ``request_id`` (default: a fresh one)."""
+    append is idempotent per ``request_id`` (default: a fresh one). ``on_tokens``: the turn's new
+    output ids as they are sampled (:func:`router.dispatch.run_turn`)."""
     t0 = time.perf_counter()
     session, stored = _open_context(await ctx.store.get_session_context(session_id), session_id)
     if spec.turn is not None and spec.turn != session.n_turns:
@@ -58,7 +65,12 @@ async def record_turn(
         raise ApiError(422, f"append_ids: {exc}") from None
     await check_min_version(ctx, spec.min_version)
     turn = await run_turn(
-        ctx, session, spec._replace(input_ids=full, append_ids=None), index, routes_start(at.context)
+        ctx,
+        session,
+        spec._replace(input_ids=full, append_ids=None),
+        index,
+        routes_start(at.context),
+        on_tokens,
     )
     request_id = request_id or _request_id()
     low, high = turn.version_range()

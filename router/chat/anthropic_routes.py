@@ -12,16 +12,18 @@ thinking budget, forced tool choice) is a 400 naming it. The sampled reasoning c
 ``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`).
 
-Streaming runs the turn first, then sends it as Anthropic's server-sent events
-(``message_start``, per block ``content_block_start`` / ``content_block_delta`` /
-``content_block_stop``, ``message_delta``, ``message_stop``): the turn recorded is the same as
-without streaming.
+Streaming sends Anthropic's server-sent events as the turn is sampled
+(:mod:`router.chat.streaming`): ``message_start``, a text block with one ``text_delta`` per token
+that shows new text, then the rest of it and each other block whole (``content_block_start`` /
+``content_block_delta`` / ``content_block_stop``), ``message_delta`` (with ``mixfleet``) and
+``message_stop``; a failure after the first token is an ``error`` event. The turn recorded is the
+same as without streaming.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
@@ -31,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.jsonio import dumps
 from router.auth import scopes_for
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 
@@ -206,17 +209,66 @@ async def create_message(
     body: MessagesRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
+    ctx = request.app.state.ctx
     try:
-        result = await run_chat(request.app.state.ctx, session_id, body.chat(), idempotency_key)
+        chat = body.chat()
+        if body.stream:
+            items = await stream_chat(ctx, session_id, chat, idempotency_key)
+            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+        result = await run_chat(ctx, session_id, chat, idempotency_key)
     except ApiError as exc:
         raise api_error(exc, "anthropic") from None
-    answer = message(session_id, body, result)
-    if not body.stream:
-        return JSONResponse(answer)
-    return StreamingResponse(
-        (f"event: {e['type']}\ndata: ".encode() + dumps(e) + b"\n\n" for e in events(answer)),
-        media_type="text/event-stream",
-    )
+    return JSONResponse(message(session_id, body, result))
+
+
+async def _sse(
+    session_id: str, body: MessagesRequest, items: AsyncIterator[Head | str | Tail]
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`):
+    ``message_start``, a text block whose ``text_delta`` events are the content deltas, then
+    :func:`tail_events`; an error after the first token is an ``error`` event."""
+    opened = False
+    try:
+        async for item in items:
+            if isinstance(item, Head):
+                yield _event(_start(session_id, body, item))
+            elif isinstance(item, str):
+                if not opened:
+                    opened = True
+                    yield _event({"type": "content_block_start", "index": 0, "content_block": _TEXT})
+                yield _event({"type": "content_block_delta", "index": 0, "delta": _text_delta(item)})
+            else:
+                for e in tail_events(message(session_id, body, item.result), item.rest if opened else None):
+                    yield _event(e)
+    except ApiError as exc:
+        yield _event(api_error(exc, "anthropic").fields)
+
+
+_TEXT = {"type": "text", "text": ""}
+
+
+def _text_delta(text: str) -> dict[str, Any]:
+    return {"type": "text_delta", "text": text}
+
+
+def _event(e: dict[str, Any]) -> bytes:
+    return f"event: {e['type']}\ndata: ".encode() + dumps(e) + b"\n\n"
+
+
+def _start(session_id: str, body: MessagesRequest, head: Head) -> dict[str, Any]:
+    """``message_start`` of a streamed turn (``mixfleet.extends`` comes with ``message_delta``)."""
+    start = {
+        "id": f"msg_{session_id}_{head.turn}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": head.prompt_tokens, "output_tokens": 0},
+        "mixfleet": {"session_id": session_id, "turn": head.turn},
+    }
+    return {"type": "message_start", "message": start}
 
 
 def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[str, Any]:
@@ -252,12 +304,17 @@ def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[
     }
 
 
-def events(answer: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Anthropic's stream events of ``answer``, in order."""
-    start = {**answer, "content": [], "stop_reason": None, "stop_sequence": None}
-    start["usage"] = {"input_tokens": answer["usage"]["input_tokens"], "output_tokens": 0}
-    yield {"type": "message_start", "message": start}
-    for i, block in enumerate(answer["content"]):
+def tail_events(answer: dict[str, Any], rest: str | None) -> Iterator[dict[str, Any]]:
+    """The events that end a streamed ``answer`` after its content deltas, in order. ``rest``: the
+    content not streamed yet of the text block open at index 0 (None: none was opened), which is
+    closed first; then each other block of ``answer`` (whole), ``message_delta``, ``message_stop``."""
+    blocks = answer["content"]
+    if rest is not None:
+        if rest:
+            yield {"type": "content_block_delta", "index": 0, "delta": _text_delta(rest)}
+        yield {"type": "content_block_stop", "index": 0}
+        blocks = [b for b in blocks if b["type"] != "text"]
+    for i, block in enumerate(blocks, start=0 if rest is None else 1):
         kind = block["type"]
         if kind == "thinking":
             first = {"type": "thinking", "thinking": "", "signature": ""}
@@ -266,7 +323,7 @@ def events(answer: dict[str, Any]) -> Iterator[dict[str, Any]]:
                 {"type": "signature_delta", "signature": ""},
             ]
         elif kind == "text":
-            first, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
+            first, deltas = _TEXT, [_text_delta(block["text"])] if block["text"] else []
         else:
             first = {**block, "input": {}}
             deltas = [
@@ -280,5 +337,6 @@ def events(answer: dict[str, Any]) -> Iterator[dict[str, Any]]:
         "type": "message_delta",
         "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": answer["stop_sequence"]},
         "usage": {"output_tokens": answer["usage"]["output_tokens"]},
+        "mixfleet": answer["mixfleet"],
     }
     yield {"type": "message_stop"}

@@ -14,14 +14,16 @@ extended the recorded history).
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`); ``created`` is the session's creation
 time.
 
-Streaming runs the turn first, then sends it as ``chat.completion.chunk`` server-sent events (role,
-reasoning, content, each tool call, the finish reason, usage, ``[DONE]``): the turn recorded is the
-same as without streaming.
+Streaming sends ``chat.completion.chunk`` server-sent events as the turn is sampled
+(:mod:`router.chat.streaming`): the role, one content delta per token that shows new text, then
+the reasoning, the rest of the content (with the log-probs, when asked), each tool call, the finish
+reason, the usage and ``[DONE]``; a failure after the first token is an ``error`` event. The turn
+recorded is the same as without streaming.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -31,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.jsonio import dumps
 from router.auth import require
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 
@@ -166,21 +169,45 @@ async def chat_completions(
     body: ChatCompletionRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
+    ctx = request.app.state.ctx
     try:
-        result = await run_chat(request.app.state.ctx, session_id, body.chat(), idempotency_key)
-        answer = completion(session_id, body, result)
+        chat = body.chat()
+        if body.stream:
+            items = await stream_chat(ctx, session_id, chat, idempotency_key)
+            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+        answer = completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key))
     except ApiError as exc:
         raise api_error(exc, "openai") from None
-    if not body.stream:
-        return JSONResponse(answer)
+    return JSONResponse(answer)
+
+
+async def _sse(
+    session_id: str, body: ChatCompletionRequest, items: AsyncIterator[Head | str | Tail]
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`): a
+    ``chat.completion.chunk`` with the role, one per content delta, then :func:`tail_chunks`; an
+    error after the first token is an ``error`` event; ``[DONE]`` last."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = (b"data: " + dumps(c) + b"\n\n" for c in chunks(answer, include_usage))
-    return StreamingResponse(_then_done(events), media_type="text/event-stream")
-
-
-def _then_done(events: Iterator[bytes]) -> Iterator[bytes]:
-    yield from events
+    head: dict[str, Any] = {}
+    try:
+        async for item in items:
+            if isinstance(item, Head):
+                head = {"id": f"chatcmpl-{session_id}-{item.turn}", "object": "chat.completion.chunk"}
+                head |= {"created": item.created, "model": body.model}
+                yield _data(_chunk(head, {"role": "assistant", "content": ""}))
+            elif isinstance(item, str):
+                yield _data(_chunk(head, {"content": item}))
+            else:
+                answer = completion(session_id, body, item.result)
+                for c in tail_chunks(head, answer, item.rest, include_usage):
+                    yield _data(c)
+    except ApiError as exc:
+        yield _data({"error": api_error(exc, "openai").fields["error"]})
     yield b"data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def completion(session_id: str, body: ChatCompletionRequest, result: ChatResult) -> dict[str, Any]:
@@ -246,24 +273,26 @@ def _logprobs(result: ChatResult, top: int) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def chunks(answer: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects of ``answer``, in stream order."""
+def _chunk(
+    head: dict[str, Any], delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+) -> dict[str, Any]:
+    return head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def tail_chunks(
+    head: dict[str, Any], answer: dict[str, Any], rest: str, include_usage: bool
+) -> Iterator[dict[str, Any]]:
+    """The chunks that end a streamed ``answer`` after its content deltas, in stream order: the
+    reasoning, the content not streamed yet ``rest`` (with the turn's log-probs when asked), each
+    tool call, the finish reason, the usage."""
     choice = answer["choices"][0]
     message = choice["message"]
-    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return head | {
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-        }
-
-    yield chunk({"role": "assistant", "content": ""})
     if "reasoning_content" in message:
-        yield chunk({"reasoning_content": message["reasoning_content"]})
-    if message["content"] is not None or choice["logprobs"] is not None:
-        yield chunk({"content": message["content"] or ""}, logprobs=choice["logprobs"])
+        yield _chunk(head, {"reasoning_content": message["reasoning_content"]})
+    if rest or choice["logprobs"] is not None:
+        yield _chunk(head, {"content": rest}, logprobs=choice["logprobs"])
     for i, call in enumerate(message.get("tool_calls", ())):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, finish=choice["finish_reason"])
+        yield _chunk(head, {"tool_calls": [{"index": i, **call}]})
+    yield _chunk(head, {}, finish=choice["finish_reason"])
     if include_usage:
         yield head | {"choices": [], "usage": answer["usage"]}

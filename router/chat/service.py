@@ -29,9 +29,9 @@ body gets the first answer byte for byte from any router process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
 import pydantic
@@ -50,7 +50,7 @@ from router.turn_data import TurnData
 from router.turns import record_turn
 
 
-@lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=4)
 def _load(path: str, family: str | None) -> Renderer:
     return load_renderer(path, family)
 
@@ -81,6 +81,21 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class Head:
+    """What a streamed answer starts with, known before the first token: the turn's index (the
+    session's next turn when it started; a turn of the session recorded concurrently moves the
+    recorded one on), the session's creation time (seconds) and the input's length."""
+
+    turn: int
+    created: int
+    prompt_tokens: int
+
+
+HeadCallback = Callable[[Head, list[int]], Awaitable[None]]
+"""Called with the turn's :class:`Head` and each batch of new output ids as they are sampled."""
+
+
+@dataclass(frozen=True)
 class ChatResult:
     """The recorded turn (its JSON answer, :func:`router.turns.record_turn`), the reply parsed
     from it, the length of its input, whether it extended the session (recorded without a fork),
@@ -106,11 +121,16 @@ class ChatResult:
 
 
 async def run_chat(
-    ctx: RouterContext, session_id: str, req: ChatRequest, key: str | None = None
+    ctx: RouterContext,
+    session_id: str,
+    req: ChatRequest,
+    key: str | None = None,
+    on_tokens: HeadCallback | None = None,
 ) -> ChatResult:
     """Render, run, record and parse one chat turn of ``session_id`` (once per ``key``, module
-    docstring). ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or
-    finished session; the turn's own refusals as :func:`record_turn` raises them."""
+    docstring); ``on_tokens`` gets the new ids of a turn this call samples as they are sampled.
+    ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or finished
+    session; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
     try:
         stops = {renderer.stop_token(s): s for s in req.stop}
@@ -129,10 +149,13 @@ async def run_chat(
     except RenderError as exc:
         raise ApiError(400, str(exc)) from None
     spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()
+    head = Head(state.session.n_turns, int(state.session.created_at), len(input_ids))
+    sink = None if on_tokens is None else functools.partial(on_tokens, head)
     if key is None:
-        turn, prompt, ours = loads(await record_turn(ctx, session_id, spec)), len(input_ids), True
+        turn = loads(await record_turn(ctx, session_id, spec, on_tokens=sink))
+        prompt, ours = len(input_ids), True
     else:
-        await answer_turn(ctx, session_id, spec, key)
+        await answer_turn(ctx, session_id, spec, key, sink)
         data = await recorded(ctx, session_id, key)
         if data is None:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn")

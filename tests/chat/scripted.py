@@ -9,6 +9,14 @@ of the script's); its finish reason is ``stop`` on the script's last id when tha
 request's stop ids, else ``length``. Only turns without a sampling mask (temperature > 0,
 ``top_p`` 1) are scripted. Everything else passes through unchanged. ``delay_s`` holds every
 ``/generate`` answer back that long (a turn still running when a retry comes).
+
+A streaming ``/generate`` (``"stream": true``) is asked of the real engine whole, then sent as
+SGLang streams it: one ``data:`` event per token, ``token_delay_s`` apart, cumulative (every
+chunk the generation so far, the per-token ``meta_info`` lists cut to it, ``finish_reason`` only on
+the last) or, with ``incremental``, each chunk's new id and list entries only
+(``--incremental-streaming-output``), then ``data: [DONE]``. ``fail_after``: the stream breaks
+off after that many token events instead (the connection dropped mid-answer). ``finished_at``:
+when the last event was sent (``time.monotonic``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -35,18 +44,25 @@ class ScriptedEngine:
     script: list[list[int]] = field(default_factory=list)
     generated: list[tuple[list[int], list[int]]] = field(default_factory=list)
     delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    incremental: bool = False
+    fail_after: int | None = None
+    finished_at: float = 0.0
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         script = self.script.pop(0) if request.path == "/generate" and self.script else None
         sent = body
+        req = json.loads(body) if request.path == "/generate" else {}
+        stream = bool(req.pop("stream", False))
         if script is not None:
-            req = json.loads(body)
             params = dict(req["sampling_params"])
             stops = set(params.pop("stop_token_ids", ()) or ())
             params.update(max_new_tokens=len(script), ignore_eos=True)
-            sent = json.dumps({**req, "sampling_params": params}).encode()
+            req["sampling_params"] = params
+        if script is not None or stream:
+            sent = json.dumps(req).encode()
         async with (
             aiohttp.ClientSession() as http,
             http.request(request.method, self.upstream + request.path_qs, data=sent, headers=headers) as r,
@@ -60,7 +76,31 @@ class ScriptedEngine:
                 out = _scripted(out, script, stops)
                 answer = json.dumps(out).encode()
             self.generated.append((json.loads(body)["input_ids"], out["output_ids"]))
+            if stream:
+                return await self._stream(request, out)
         return web.Response(status=status, body=answer, content_type=ctype)
+
+    async def _stream(self, request: web.Request, out: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        ids, meta = out["output_ids"], out["meta_info"]
+        lists = {k: v for k, v in meta.items() if k.startswith("output_token_") and isinstance(v, list)}
+        for k in range(1, max(len(ids), 1) + 1):
+            if self.fail_after is not None and k > self.fail_after:
+                request.transport.close()  # the connection drops mid-answer
+                return response
+            start = k - 1 if self.incremental else 0
+            chunk_meta = {**meta, **{key: v[start:k] for key, v in lists.items()}, "completion_tokens": k}
+            if k < len(ids):
+                chunk_meta["finish_reason"] = None
+            chunk = {"text": "", "output_ids": ids[start:k], "meta_info": chunk_meta}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if k < len(ids):
+                await asyncio.sleep(self.token_delay_s)
+        self.finished_at = time.monotonic()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
 
 def _scripted(out: dict, script: list[int], stops: set[int]) -> dict:

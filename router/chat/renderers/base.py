@@ -128,6 +128,9 @@ class Renderer(abc.ABC):
 
     family: str
     stop_ids: tuple[int, ...]
+    markup: tuple[str, ...] = ()
+    """Texts that open reasoning or tool-call markup in the family's replies: a streamed reply's
+    content is held back from the first (:mod:`router.chat.streaming`)."""
 
     @abc.abstractmethod
     def head(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:

@@ -50,6 +50,7 @@ def parse_reply(text: str, output_ids: Sequence[int], stopped: bool) -> Reply:
 class Qwen3Renderer(TemplateRenderer):
     family = "qwen3"
     STOP_TEXTS: tuple[str, ...] = STOP_TEXTS
+    markup = ("<think>", "</think>", "<tool_call>")
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Qwen3Renderer:

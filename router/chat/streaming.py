@@ -1,0 +1,180 @@
+"""A chat turn streamed as it is sampled, for both chat APIs' ``stream: true``.
+
+:func:`stream_chat` runs the turn (:func:`router.chat.service.run_chat` with ``on_tokens``) and
+yields, in order, the turn's :class:`~router.chat.service.Head`, one content delta (a ``str``)
+per sampled token that shows new text, and a :class:`Tail` (the recorded turn and the content
+shown). Those items are a pure function of the sampled ids and the head, whether the ids arrive
+one by one from the engine or all at once from a turn recorded earlier (an ``Idempotency-Key``
+replay, or a turn that ended before its first token came): the routes render them into the same
+bytes either way.
+
+What the content deltas show (:class:`TextDeltas`): the text of the ids so far, decoded by the
+renderer's tokenizer incrementally (a token that ends inside a UTF-8 character shows nothing until
+the character is complete; a stop id shows nothing), cut at the first markup text of the
+renderer's family (:attr:`~router.chat.renderers.Renderer.markup`: reasoning and tool-call
+openers) and short of a trailing piece that could still become one, without leading or trailing
+whitespace. From the first markup on nothing more shows while sampling; the tail then carries
+the parsed structure (reasoning, the rest of the content, tool calls).
+
+Errors: before the first token, :func:`stream_chat` raises the turn's ApiError (the route answers
+it as a status); after it, the iterator raises it (the route ends the stream with an error event;
+nothing was recorded). A cancelled iteration (the client went away) cancels the turn, which
+aborts its engine request (:func:`router.dispatch.run_turn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from router.chat.renderers import Renderer
+from router.chat.service import ChatRequest, ChatResult, Head, chat_renderer, run_chat
+from router.context import RouterContext
+
+_REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequence to
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of a streamed turn: its result and the content the deltas showed."""
+
+    result: ChatResult
+    shown: str
+
+    @property
+    def rest(self) -> str:
+        """The reply's content not shown yet (all of it when it does not begin with what was
+        shown: text sampled before reasoning markup was shown and stays shown)."""
+        content = self.result.reply.content
+        return content[len(self.shown) :] if content.startswith(self.shown) else content
+
+
+class TextDeltas:
+    """The content deltas of a reply's ids (module docstring), fed in sampling order."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:read]
+        self.prefix = 0  # the ids decoded again with each new one, for the tokenizer's context
+        self.read = 0
+        self.shown = ""
+        self.frozen = False  # markup seen: nothing more shows
+
+    def feed(self, ids: Sequence[int]) -> list[str]:
+        """The deltas of ``ids``, the next sampled ids: one per id that shows new text."""
+        out = []
+        for tok in ids:
+            self.ids.append(tok)
+            if self.frozen or tok in self.renderer.stop_ids or not self._decode():
+                continue
+            visible = self._visible()
+            if len(visible) > len(self.shown) and visible.startswith(self.shown):
+                out.append(visible[len(self.shown) :])
+                self.shown = visible
+        return out
+
+    def _decode(self) -> bool:
+        """Extend ``text`` by the newest id; False while it ends inside a UTF-8 character."""
+        decode = self.renderer.decode
+        before = decode(self.ids[self.prefix : self.read])
+        after = decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT) or not after.startswith(before):
+            return False
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        return True
+
+    def _visible(self) -> str:
+        """``text`` cut at the first markup (then frozen) or short of a possible one, stripped."""
+        text, markup = self.text, self.renderer.markup
+        cuts = [i for i in (text.find(m) for m in markup) if i >= 0]
+        if cuts:
+            self.frozen = True
+            return text[: min(cuts)].strip()
+        longest = max(map(len, markup), default=0)
+        for k in range(min(longest - 1, len(text)), 0, -1):
+            if any(m.startswith(text[-k:]) for m in markup):
+                return text[:-k].strip()
+        return text.strip()
+
+
+class _Arrivals:
+    """The ids the turn sampled that the response has not taken yet."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Head, list[int]]] = []
+        self.event = asyncio.Event()
+
+    async def put(self, head: Head, ids: list[int]) -> None:
+        self.items.append((head, ids))
+        self.event.set()
+
+    def take(self) -> list[tuple[Head, list[int]]]:
+        items, self.items = self.items, []
+        self.event.clear()
+        return items
+
+    async def wait(self, task: asyncio.Future) -> None:
+        """Until some ids arrived or ``task`` ended."""
+        got = asyncio.ensure_future(self.event.wait())
+        try:
+            await asyncio.wait({task, got}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            got.cancel()
+
+
+async def stream_chat(
+    ctx: RouterContext, session_id: str, req: ChatRequest, key: str | None
+) -> AsyncIterator[Head | str | Tail]:
+    """The items of the turn (module docstring), once its first token was sampled or it ended;
+    raises the turn's ApiError when it failed before its first token."""
+    renderer = chat_renderer(ctx.config)
+    arrivals = _Arrivals()
+    task = asyncio.ensure_future(run_chat(ctx, session_id, req, key, arrivals.put))
+    try:
+        await arrivals.wait(task)
+    except BaseException:
+        await _cancel(task)
+        raise
+    if task.done():
+        return _recorded(renderer, task.result())
+    return _live(renderer, arrivals, task)
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def _recorded(renderer: Renderer, result: ChatResult) -> AsyncIterator[Head | str | Tail]:
+    """The items of a turn recorded before any of its tokens was streamed."""
+    yield Head(result.turn["turn"], result.created, result.prompt_tokens)
+    deltas = TextDeltas(renderer)
+    for delta in deltas.feed(result.output_ids):
+        yield delta
+    yield Tail(result, deltas.shown)
+
+
+async def _live(
+    renderer: Renderer, arrivals: _Arrivals, task: asyncio.Future
+) -> AsyncIterator[Head | str | Tail]:
+    """The items of a turn whose ids arrive while ``task`` runs it."""
+    deltas = TextDeltas(renderer)
+    try:
+        batch = arrivals.take()
+        yield batch[0][0]
+        while batch:
+            for _, ids in batch:
+                for delta in deltas.feed(ids):
+                    yield delta
+            if not task.done():
+                await arrivals.wait(task)
+            batch = arrivals.take()
+        yield Tail(task.result(), deltas.shown)
+    finally:
+        await _cancel(task)

@@ -1,0 +1,147 @@
+"""Chat answers streamed as they are sampled, with the official clients against a live router and
+the scripted engine (:mod:`tests.chat.scripted`) pacing its streamed tokens: content arrives in
+many events before the engine sends its last token, cumulative and incremental engine streams
+alike; the stored turn equals a non-streamed one's; an ``Idempotency-Key`` replay of a streamed
+turn is byte-identical; a tool call is still parsed (its markup never shown as content); an
+engine failure after the first token ends the stream with an error and records nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anthropic
+import openai
+import pytest
+
+from tests.chat.conftest import trajectory
+from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
+
+PLAIN = "Streaming arrives token by token, as sampled.<|im_end|>"
+CALL = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<|im_end|>"
+)
+HELLO = [{"role": "user", "content": "Hello"}]
+PACE_S = 0.03
+
+
+@pytest.fixture
+def paced(engine):
+    """The scripted engine streaming one token every ``PACE_S``; reset after the test."""
+    engine.token_delay_s = PACE_S
+    yield engine
+    engine.token_delay_s, engine.incremental, engine.fail_after = 0.0, False, None
+
+
+def _openai(router, session) -> openai.OpenAI:
+    return openai.OpenAI(base_url=session["openai_base_url"], api_key=router.key, max_retries=0)
+
+
+def _anthropic(router, session) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key, max_retries=0)
+
+
+def _openai_stream(client: openai.OpenAI, key: str, **kw) -> list[tuple[float, bytes]]:
+    """The raw stream of a keyed streamed completion, each network read with its arrival time."""
+    pieces = []
+    with client.chat.completions.with_streaming_response.create(
+        stream=True, extra_headers={"Idempotency-Key": key}, **kw
+    ) as r:
+        for piece in r.iter_bytes():
+            pieces.append((time.monotonic(), piece))
+    return pieces
+
+
+def _chunks(raw: bytes) -> list[dict]:
+    return [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+
+
+def _content(chunks: list[dict]) -> list[str]:
+    return [
+        c["choices"][0]["delta"]["content"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+
+
+def test_openai_streams_content_as_it_is_sampled(router, paced, session, renderer):
+    kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0, "seed": 7}
+    paced.script.append(renderer.encode(PLAIN))
+    pieces = _openai_stream(_openai(router, session), "s", **kw)
+    early = [p for t, p in pieces if t < paced.finished_at]
+    assert len(_content(_chunks(b"".join(early)))) >= 2, "no content arrived before the engine finished"
+    raw = b"".join(p for _, p in pieces)
+    chunks = _chunks(raw)
+    assert len(_content(chunks)) > 10  # one event per token that shows text
+    replay = _openai_stream(_openai(router, session), "s", **kw)
+    assert b"".join(p for _, p in replay) == raw
+    other = _new_session(router)
+    paced.script.append(renderer.encode(PLAIN))
+    plain = _openai(router, other).chat.completions.create(**kw)
+    assert "".join(_content(chunks)) == plain.choices[0].message.content == PLAIN.removesuffix("<|im_end|>")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    a, b = _stored(router, session), _stored(router, other)
+    for t in b:
+        t["session_id"] = session["session_id"]
+    assert a == b
+
+
+def test_anthropic_streams_an_incremental_engine_stream(router, paced, session, renderer):
+    paced.incremental = True  # SGLang's --incremental-streaming-output: each chunk its new ids only
+    kw = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "extra_body": {"temperature": 1.0}}
+    paced.script.append(renderer.encode(PLAIN))
+    texts = []
+    with _anthropic(router, session).messages.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                texts.append((time.monotonic(), event.delta.text))
+        final = stream.get_final_message()
+    assert len([t for t, _ in texts if t < paced.finished_at]) >= 2
+    assert "".join(x for _, x in texts) == final.content[0].text == PLAIN.removesuffix("<|im_end|>")
+    other = _new_session(router)
+    paced.script.append(renderer.encode(PLAIN))
+    plain = _anthropic(router, other).messages.create(**kw)
+    assert [(b.type, b.text) for b in plain.content] == [(b.type, b.text) for b in final.content]
+    assert plain.stop_reason == final.stop_reason == "end_turn"
+    a, b = trajectory(router, session["session_id"]), trajectory(router, other["session_id"])
+    assert (a[0]["input_ids"], a[0]["output_ids"]) == (b[0]["input_ids"], b[0]["output_ids"])
+    assert (a[0]["input_ids"], a[0]["output_ids"]) in paced.generated  # unseeded: log-probs differ
+    assert len(a[0]["records"]) == len(b[0]["records"]) == len(a[0]["output_ids"])
+
+
+def test_a_streamed_tool_call_is_parsed(router, paced, session, renderer):
+    kw = {"model": "tiny", "messages": HELLO, "tools": OPENAI_TOOLS, "max_tokens": 200, "temperature": 1.0}
+    paced.script.append(renderer.encode(CALL))
+    raw = b"".join(p for _, p in _openai_stream(_openai(router, session), "t", **kw))
+    chunks = _chunks(raw)
+    assert "".join(_content(chunks)) == "Let me check."
+    assert not any("<" in c for c in _content(chunks))  # the markup is held back, never content
+    calls = [
+        c["choices"][0]["delta"]["tool_calls"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["delta"].get("tool_calls")
+    ]
+    assert len(calls) == 1 and calls[0][0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert b"".join(p for _, p in _openai_stream(_openai(router, session), "t", **kw)) == raw
+    # the official client's own accumulation of the stream
+    paced.script.append(renderer.encode(CALL))
+    streamed = list(_openai(router, _new_session(router)).chat.completions.create(stream=True, **kw))
+    names = [d.function.name for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert names == ["get_weather"]
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_an_error(router, paced, session, renderer):
+    paced.fail_after = 5
+    paced.script.append(renderer.encode(PLAIN))
+    client = _openai(router, session)
+    got = []
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for chunk in client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=100, temperature=1.0, stream=True
+        ):
+            got.append(chunk)
+    assert got and got[0].choices[0].delta.role == "assistant"
+    assert trajectory(router, session["session_id"]) == []  # nothing recorded
