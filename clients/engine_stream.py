@@ -1,16 +1,16 @@
 """Reading SGLang's streaming ``/generate`` answer (:meth:`clients.engine.SGLangClient.generate`
-with ``on_tokens``): server-sent events ``data: <json>`` ending with ``data: [DONE]``
-(SGLang 0.5.23 entrypoints/http_server.py 950-977; an error inside the stream is one
-``data: {"error": {"message", "code", ...}}`` event, 958-975).
+with ``on_tokens``): server-sent events ``data: <json>`` (SGLang 0.5.23 entrypoints/http_server.py
+956) ending with ``data: [DONE]`` (975); an error inside the stream is one ``data: {"error":
+{"message", "code", ...}}`` event (958-974, ``code`` at 969).
 
 Each chunk is the generation so far, cumulative by default: ``output_ids`` and the per-token
-``meta_info`` lists grow (managers/tokenizer_manager.py 2629-2650, non-incremental branch). A
-server started with ``--incremental-streaming-output`` sends only each chunk's new ids, and its
-per-token ``meta_info`` lists (:data:`INCREMENTAL_KEYS`) sliced alike (2633-2643, 364-374);
-its other fields (``finish_reason``, ``weight_versions``, ``routed_experts``, counts) are whole.
+``meta_info`` lists grow (managers/tokenizer_manager.py 2650-2664). A server started with
+``--incremental-streaming-output`` sends only each chunk's new ids and its per-token ``meta_info``
+lists (:data:`INCREMENTAL_KEYS`) sliced alike (2629-2649, 364-374); its other fields
+(``finish_reason``, ``weight_versions``, ``routed_experts``, counts) are whole.
 :func:`streamed_answer` tells the two apart per chunk: a chunk whose ``output_ids`` extend the ids
 seen so far, as many as its ``meta_info.completion_tokens`` (the count of every token generated,
-in either mode) when given, is cumulative; any other carries only new ids. The answer is the
+in either mode: 2556) when given, is cumulative; any other carries only new ids. The answer is the
 final chunk (the one with a ``finish_reason``), made whole in the incremental case (ids and
 per-token lists joined), so it is exactly the object a non-streamed request answers.
 """

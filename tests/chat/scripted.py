@@ -16,7 +16,8 @@ chunk the generation so far, the per-token ``meta_info`` lists cut to it, ``fini
 the last) or, with ``incremental``, each chunk's new id and list entries only
 (``--incremental-streaming-output``), then ``data: [DONE]``. ``fail_after``: the stream breaks
 off after that many token events instead (the connection dropped mid-answer). ``finished_at``:
-when the last event was sent (``time.monotonic``).
+when the last event was sent (``time.monotonic``). ``rids``: the ``rid`` of every ``/generate``
+and of every ``/abort_request``, in order, as ``(path, rid)``.
 """
 
 from __future__ import annotations
@@ -48,13 +49,16 @@ class ScriptedEngine:
     incremental: bool = False
     fail_after: int | None = None
     finished_at: float = 0.0
+    rids: list[tuple[str, str | None]] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         script = self.script.pop(0) if request.path == "/generate" and self.script else None
         sent = body
-        req = json.loads(body) if request.path == "/generate" else {}
+        req = json.loads(body) if request.path in ("/generate", "/abort_request") else {}
+        if req:
+            self.rids.append((request.path, req.get("rid")))
         stream = bool(req.pop("stream", False))
         if script is not None:
             params = dict(req["sampling_params"])

@@ -145,3 +145,21 @@ def test_an_engine_failure_mid_stream_ends_it_with_an_error(router, paced, sessi
             got.append(chunk)
     assert got and got[0].choices[0].delta.role == "assistant"
     assert trajectory(router, session["session_id"]) == []  # nothing recorded
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_turn(router, paced, session, renderer):
+    paced.token_delay_s = 0.1  # PLAIN runs for seconds
+    paced.script.append(renderer.encode(PLAIN))
+    client = _openai(router, session)
+    with client.chat.completions.with_streaming_response.create(
+        model="tiny", messages=HELLO, max_tokens=100, temperature=1.0, stream=True
+    ) as r:
+        for line in r.iter_lines():
+            if '"content":"S' in line.replace(" ", ""):
+                break  # the first content delta: leave
+    generate = [rid for path, rid in paced.rids if path == "/generate"][-1]
+    deadline = time.monotonic() + 30
+    while ("/abort_request", generate) not in paced.rids:
+        assert time.monotonic() < deadline, "the engine request was not aborted"
+        time.sleep(0.05)
+    assert trajectory(router, session["session_id"]) == []

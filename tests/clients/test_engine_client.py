@@ -465,3 +465,100 @@ def test_connections_are_capped_and_requests_wait_for_one() -> None:
         assert srv.requests == 9 and srv.max_open <= 2
 
     asyncio.run(main())
+
+
+# --- streamed generation -------------------------------------------------------------------------
+
+
+def test_a_streamed_generate_answers_what_a_whole_one_does(engine: str) -> None:
+    """The local engine streams cumulative bodies: every new id reaches ``on_tokens`` in order,
+    more than one call, and the answer is the body a non-streamed request gets."""
+    params = {"temperature": 0.8, "top_k": 20, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 5}
+    calls: list[list[int]] = []
+
+    async def on_tokens(ids: list[int]) -> None:
+        calls.append(ids)
+
+    whole = run(engine, lambda c: c.generate(PROMPT, params))
+    streamed = run(engine, lambda c: c.generate(PROMPT, params, on_tokens=on_tokens))
+    assert len(calls) > 1 and [t for ids in calls for t in ids] == whole.body["output_ids"]
+    keep = ("output_token_logprobs", "output_token_sampling_mask", "output_token_sampling_support_logprobs")
+    for body in (whole.body, streamed.body):
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert streamed.body["output_ids"] == whole.body["output_ids"]
+    assert {k: streamed.body["meta_info"][k] for k in keep} == {k: whole.body["meta_info"][k] for k in keep}
+
+
+FINAL = {
+    "text": "",
+    "output_ids": [7, 8, 9],
+    "meta_info": {
+        "completion_tokens": 3,
+        "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None], [-0.3, 9, None]],
+        "output_token_sampling_mask": [[7], [8, 1], [9]],
+        "weight_version": "2",
+        "finish_reason": {"type": "length", "length": 3},
+    },
+}
+
+
+def _sse(final: dict, incremental: bool, upto: int | None = None) -> bytes:
+    """SGLang's event stream of ``final``, one event per token (cumulative, or incremental), cut
+    after ``upto`` events (no finish reason, no ``[DONE]``) when given."""
+    meta, ids = final["meta_info"], final["output_ids"]
+    events = []
+    for k in range(1, len(ids) + 1):
+        start = k - 1 if incremental else 0
+        lists = {key: v[start:k] for key, v in meta.items() if key.startswith("output_token_")}
+        m = {
+            **meta,
+            **lists,
+            "completion_tokens": k,
+            "finish_reason": meta["finish_reason"] if k == len(ids) else None,
+        }
+        events.append(
+            b"data: " + json.dumps({"text": "", "output_ids": ids[start:k], "meta_info": m}).encode()
+        )
+    events = events[:upto] if upto is not None else [*events, b"data: [DONE]"]
+    return b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + b"\n\n".join(events) + b"\n\n"
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_a_streamed_answer_is_the_final_chunk_made_whole(incremental: bool) -> None:
+    calls: list[list[int]] = []
+
+    async def on_tokens(ids: list[int]) -> None:
+        calls.append(ids)
+
+    async def main() -> None:
+        async with Server(lambda n: _sse(FINAL, incremental), close_after=True) as srv:
+            out = await with_client(
+                srv.url, lambda c: c.generate(PROMPT, {"max_new_tokens": 3}, on_tokens=on_tokens)
+            )
+            assert json.loads(srv.bodies[0])["stream"] is True
+        assert out.body == FINAL and calls == [[7], [8], [9]]
+
+    asyncio.run(main())
+
+
+def test_a_broken_or_refused_stream_is_classified() -> None:
+    async def noop(ids: list[int]) -> None:
+        pass
+
+    refused = b'data: {"error": {"message": "bad input", "code": 400}}\n\ndata: [DONE]\n\n'
+    refused_answer = b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + refused
+
+    async def main() -> None:
+        gen = lambda c: c.generate(PROMPT, {"max_new_tokens": 3}, on_tokens=noop)  # noqa: E731
+        async with Server(lambda n: _sse(FINAL, False, upto=2), close_after=True) as srv:
+            with pytest.raises(EngineUnavailable, match="ended after 2 tokens without a finish reason"):
+                await with_client(srv.url, gen)
+        async with Server(lambda n: refused_answer, close_after=True) as srv:
+            with pytest.raises(EngineRejected, match="bad input") as info:
+                await with_client(srv.url, gen)
+            assert info.value.status == 400
+        async with Server(lambda n: answer("503 Service Unavailable", b'{"error":"x"}')) as srv:
+            with pytest.raises(EngineUnavailable, match="HTTP 503: x"):
+                await with_client(srv.url, gen)
+
+    asyncio.run(main())
