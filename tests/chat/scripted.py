@@ -14,8 +14,9 @@ A streaming ``/generate`` (``"stream": true``) is asked of the real engine whole
 SGLang streams it: one ``data:`` event per token, ``token_delay_s`` apart, cumulative (every
 chunk the generation so far, the per-token ``meta_info`` lists cut to it, ``finish_reason`` only on
 the last) or, with ``incremental``, each chunk's new id and list entries only
-(``--incremental-streaming-output``), then ``data: [DONE]``. ``fail_after``: the stream breaks
-off after that many token events instead (the connection dropped mid-answer). ``finished_at``:
+(``--incremental-streaming-output``), then ``data: [DONE]``. ``fail_after``: each streamed answer
+takes its first entry, if any, and breaks off after that many token events instead (the connection
+dropped mid-answer; engines may share one list). ``finished_at``:
 when the last event was sent (``time.monotonic``). ``rids``: the ``rid`` of every ``/generate``
 and of every ``/abort_request``, in order, as ``(path, rid)``.
 """
@@ -47,7 +48,7 @@ class ScriptedEngine:
     delay_s: float = 0.0
     token_delay_s: float = 0.0
     incremental: bool = False
-    fail_after: int | None = None
+    fail_after: list[int] = field(default_factory=list)
     finished_at: float = 0.0
     rids: list[tuple[str, str | None]] = field(default_factory=list)
 
@@ -89,8 +90,9 @@ class ScriptedEngine:
         await response.prepare(request)
         ids, meta = out["output_ids"], out["meta_info"]
         lists = {k: v for k, v in meta.items() if k.startswith("output_token_") and isinstance(v, list)}
+        fail_after = self.fail_after.pop(0) if self.fail_after else None
         for k in range(1, max(len(ids), 1) + 1):
-            if self.fail_after is not None and k > self.fail_after:
+            if fail_after is not None and k > fail_after:
                 request.transport.close()  # the connection drops mid-answer
                 return response
             start = k - 1 if self.incremental else 0

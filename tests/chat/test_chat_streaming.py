@@ -15,7 +15,9 @@ import openai
 import pytest
 
 from tests.chat.conftest import trajectory
+from tests.chat.scripted import scripted_engine
 from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
+from tests.support.router import router_process, write_preset
 
 PLAIN = "Streaming arrives token by token, as sampled.<|im_end|>"
 CALL = (
@@ -31,7 +33,7 @@ def paced(engine):
     """The scripted engine streaming one token every ``PACE_S``; reset after the test."""
     engine.token_delay_s = PACE_S
     yield engine
-    engine.token_delay_s, engine.incremental, engine.fail_after = 0.0, False, None
+    engine.token_delay_s, engine.incremental, engine.fail_after = 0.0, False, []
 
 
 def _openai(router, session) -> openai.OpenAI:
@@ -134,7 +136,7 @@ def test_a_streamed_tool_call_is_parsed(router, paced, session, renderer):
 
 
 def test_an_engine_failure_mid_stream_ends_it_with_an_error(router, paced, session, renderer):
-    paced.fail_after = 5
+    paced.fail_after.append(5)
     paced.script.append(renderer.encode(PLAIN))
     client = _openai(router, session)
     got = []
@@ -163,3 +165,28 @@ def test_a_client_that_leaves_mid_stream_aborts_the_turn(router, paced, session,
         assert time.monotonic() < deadline, "the engine request was not aborted"
         time.sleep(0.05)
     assert trajectory(router, session["session_id"]) == []
+
+
+def test_a_stream_fails_over_only_before_its_first_token(engine, chat_model, tmp_path):
+    """Two replicas sharing one list of failures: the first streamed answer breaks off before any
+    token and the turn runs on the other replica; a break after tokens ends the stream instead."""
+    fails: list[int] = [0]
+    with scripted_engine(engine.upstream) as a, scripted_engine(engine.upstream) as b:
+        a.fail_after = b.fail_after = fails
+        preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [a.url, b.url]}])
+        with router_process(preset, extra_args=("--chat-model", str(chat_model))) as router:
+            session = _new_session(router)
+            client = _openai(router, session)
+            kw = {"model": "tiny", "messages": HELLO, "max_tokens": 12, "temperature": 1.0, "stream": True}
+            chunks = list(client.chat.completions.create(**kw))
+            assert chunks[-1].choices[0].finish_reason == "length" and not fails
+            generated = [len(e.generated) for e in (a, b)]
+            assert sorted(generated) == [1, 1]  # the failed attempt, then the other replica's
+            (turn,) = trajectory(router, session["session_id"])
+            served = b if turn["replica"] == "cpu/1" else a
+            assert served.generated == [(turn["input_ids"], turn["output_ids"])]
+            fails.append(3)
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                list(client.chat.completions.create(**kw))
+            assert sum(len(e.generated) for e in (a, b)) == 3  # no second attempt
+            assert len(trajectory(router, session["session_id"])) == 1
