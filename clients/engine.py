@@ -332,8 +332,9 @@ class SGLangClient:
         chunk, made whole (:func:`clients.engine_stream.streamed_answer`).
 
         Returns the :class:`Generation`. Raises :class:`EngineAborted` when the engine aborted
-        the generation, :class:`EngineUnavailable` for an answer that is not a JSON object, and
-        as :meth:`call` otherwise."""
+        the generation, :class:`EngineUnavailable` for an answer that is not a JSON object (or a
+        stream that broke off or ended without a finish reason), :class:`EngineRejected` for a
+        stream's error event with a 4xx code, and as :meth:`call` otherwise."""
         request = release.sampling_request(sampling_params, sampling_mask_max_tokens)
         payload: dict[str, Any] = {
             "input_ids": input_ids,
