@@ -117,6 +117,13 @@ def bucket(size: int) -> int:
     return next(b for b in BUCKETS if size <= b)
 
 
+async def start_phase(i: int, spread_s: float) -> None:
+    """Wait session ``i``'s start phase: a fixed random fraction of ``spread_s`` (the engine's time
+    per turn), so the sessions' turns do not reach the router in lockstep (the stub answers after
+    exactly ``--engine-s``); the direct and router passes share the phases."""
+    await asyncio.sleep(random.Random(f"phase-{i}").random() * spread_s)
+
+
 async def run_agents(
     port: int,
     auth: dict[str, str],
@@ -125,9 +132,10 @@ async def run_agents(
     max_context: int,
     direct: bool,
     append: bool = False,
+    spread_s: float = 0.0,
 ) -> tuple[dict[int, list[float]], list[str]]:
-    """Every agent's turns, concurrently (``append``: as appended tokens); latencies by context
-    bucket and the session ids."""
+    """Every agent's turns, concurrently (``append``: as appended tokens), each from its start
+    phase (:func:`start_phase` over ``spread_s``); latencies by context bucket and the session ids."""
     lat: dict[int, list[float]] = {}
     sids: list[str] = []
 
@@ -141,6 +149,7 @@ async def run_agents(
             sid = json.loads(data)["session_id"]
             sids.append(sid)
             path = f"/v1/sessions/{sid}/turns"
+        await start_phase(i, spread_s)
         try:
             for t in range(turns):
                 request = build_request("POST", path, agent.next_body(t, direct=direct, append=append), auth)
@@ -181,7 +190,7 @@ class ChatAgent:
 
 
 async def run_chat_agents(
-    port: int, auth: dict[str, str], sessions: int, turns: int, max_context: int
+    port: int, auth: dict[str, str], sessions: int, turns: int, max_context: int, spread_s: float = 0.0
 ) -> dict[int, list[float]]:
     """As :func:`run_agents` through ``POST {openai_base_url}/chat/completions``."""
     lat: dict[int, list[float]] = {}
@@ -194,6 +203,7 @@ async def run_chat_agents(
             assert status == 200, data
             sid = json.loads(data)["session_id"]
             path = f"/v1/sessions/{sid}/openai/v1/chat/completions"
+            await start_phase(i, spread_s)
             reply = None
             for t in range(turns):
                 request = build_request("POST", path, agent.next_body(t, reply), auth)
@@ -335,13 +345,15 @@ async def measure_state(
         print(f"  {mode} context per turn ({'input_ids' if mode == 'full' else 'append_ids'}):")
         out[mode] = await measure_long(args, port, pid, auth, redis_url, direct, mode == "append", bound)
     cpu0 = cpu_seconds(pid)
-    await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False)
+    await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s)
     short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
     print(f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms)")
     out["short_cpu_ms_per_turn"] = round(short * 1000, 3)
     if args.chat_turns:
         cpu0 = cpu_seconds(pid)
-        chat = await run_chat_agents(port, auth, args.sessions, args.chat_turns, args.chat_context)
+        chat = await run_chat_agents(
+            port, auth, args.sessions, args.chat_turns, args.chat_context, args.engine_s
+        )
         n_chat = args.sessions * args.chat_turns
         per_turn = (cpu_seconds(pid) - cpu0) / n_chat
         print(f"  OpenAI chat endpoint, {args.chat_turns} turns to {args.chat_context} tokens:")
@@ -379,7 +391,14 @@ async def measure_long(
     mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
     cpu0 = cpu_seconds(pid)
     lat, sids = await run_agents(
-        port, auth, args.sessions, args.turns, args.max_context, direct=False, append=append
+        port,
+        auth,
+        args.sessions,
+        args.turns,
+        args.max_context,
+        direct=False,
+        append=append,
+        spread_s=args.engine_s,
     )
     cpu = cpu_seconds(pid) - cpu0
     mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
@@ -442,7 +461,11 @@ def main() -> int:
         )
         report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
         report["load_average_start"] = os.getloadavg()
-        direct, _ = asyncio.run(run_agents(stub_port, {}, args.sessions, args.turns, args.max_context, True))
+        direct, _ = asyncio.run(
+            run_agents(
+                stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s
+            )
+        )
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
             log = tmp / f"router-{kind}.log"

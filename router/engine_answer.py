@@ -197,8 +197,9 @@ def _finish_reason(value: Any) -> dict[str, Any] | None:
 
 
 def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
-    """Every support row in ascending id order, its log-probs permuted along (rows already in
-    order are kept as they are)."""
+    """Every support row in ascending id order, its log-probs permuted along by the row's
+    ordering permutation (a key sort of the positions: no tuples compared; equal ids keep the
+    engine's order); rows already in order are kept as they are."""
     out_masks = out_lps = None
     for i, row in enumerate(masks):
         ordered = sorted(row)
@@ -207,9 +208,8 @@ def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
         if out_masks is None:
             out_masks, out_lps = list(masks), list(support_lps)
         lps = support_lps[i]
-        pairs = sorted(zip(row, lps, strict=True))
         out_masks[i] = ordered
-        out_lps[i] = [x for _, x in pairs]  # type: ignore[index]
+        out_lps[i] = [lps[j] for j in sorted(range(len(row)), key=row.__getitem__)]  # type: ignore[index]
     if out_masks is None:
         return masks, support_lps
     return out_masks, out_lps  # type: ignore[return-value]

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
+from router.auth import BEARER_DOC
 from router.records import decode_batch
 from tests.router.conftest import KEYS
 
@@ -157,9 +158,14 @@ def test_json_and_binary_batches_carry_the_same_trajectories(client: httpx.Clien
 
 def test_auth_scopes(router) -> None:
     url = router.url
-    assert httpx.post(f"{url}/v1/sessions", json={}).status_code == 401
+    missing = httpx.post(f"{url}/v1/sessions", json={})
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert missing.json() == {"detail": "missing API key (Authorization: Bearer <key>)"}
+    basic = httpx.post(f"{url}/v1/sessions", json={}, headers={"Authorization": f"Basic {KEYS['rollout']}"})
+    assert basic.status_code == 401 and basic.json() == missing.json()  # only a Bearer key counts
     bad = {"Authorization": "Bearer " + "x" * 32}
-    assert httpx.post(f"{url}/v1/sessions", json={}, headers=bad).status_code == 401
+    invalid = httpx.post(f"{url}/v1/sessions", json={}, headers=bad)
+    assert invalid.status_code == 401 and invalid.json() == {"detail": "invalid API key"}
     rollout = {"Authorization": f"Bearer {KEYS['rollout']}"}
     trainer = {"Authorization": f"Bearer {KEYS['trainer']}"}
     assert httpx.post(f"{url}/v1/batches/take", json={"size": 1}, headers=rollout).status_code == 403
@@ -169,7 +175,9 @@ def test_auth_scopes(router) -> None:
         headers=rollout,
         json={"replica_id": "x", "group": "cpu-b", "url": "http://127.0.0.1:1", "ready": True},
     )
-    assert r.status_code == 403 and "admin" in r.json()["detail"]
+    assert r.status_code == 403 and r.json() == {"detail": "API key lacks the 'replica' or 'admin' scope"}
+    security = httpx.get(f"{url}/openapi.json").json()["components"]["securitySchemes"]
+    assert security == {"HTTPBearer": {"type": "http", "scheme": "bearer", "description": BEARER_DOC}}
     assert httpx.post(f"{url}/generate", json={"input_ids": [1]}, headers=trainer).status_code == 403
     assert httpx.get(f"{url}/healthz").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
