@@ -12,15 +12,16 @@ import hmac
 import json
 import os
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import HTTPException, Request
-from fastapi.security import HTTPBearer
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from core.errors import UserError
 from router.config import SCOPES
 
 ENV_VAR = "MIXFLEET_API_KEYS"
-BEARER_DOC = "API key; scopes rollout, trainer, admin, replica"
+_bearer = HTTPBearer(auto_error=False, description="API key; scopes rollout, trainer, admin, replica")
 
 
 def parse_keys(text: str, where: str) -> dict[str, frozenset[str]]:
@@ -69,22 +70,19 @@ def scopes_for(token: str, keys: dict[str, frozenset[str]]) -> frozenset[str] | 
     return found
 
 
-class Require(HTTPBearer):
-    """The FastAPI dependency of :func:`require`: FastAPI's ``HTTPBearer`` (the route's OpenAPI
-    security scheme ``HTTPBearer``, and the ``Authorization: Bearer`` header's parsing) whose call
-    also checks the key's scopes, so a route's auth is one dependency, not a check and its
-    bearer sub-dependency that FastAPI would solve one after the other on every request."""
+def require(*scopes: str):
+    """A FastAPI dependency that admits requests whose key carries any of ``scopes``
+    (``"any"``: any valid key); every request when auth is disabled."""
+    if not scopes or any(s not in SCOPES and s != "any" for s in scopes):
+        raise ValueError(scopes)
+    wanted = frozenset(scopes)
 
-    def __init__(self, scopes: tuple[str, ...]) -> None:
-        super().__init__(auto_error=False, scheme_name="HTTPBearer", description=BEARER_DOC)
-        self.allowed = frozenset(scopes)
-        self.lacking = f"API key lacks the {' or '.join(repr(x) for x in scopes)} scope"
-
-    async def __call__(self, request: Request) -> None:  # type: ignore[override]
+    async def check(
+        request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> None:
         config = request.app.state.ctx.config
         if config.auth_disabled:
             return
-        creds = await super().__call__(request)
         if creds is None or not creds.credentials:
             raise HTTPException(
                 401, "missing API key (Authorization: Bearer <key>)", headers={"WWW-Authenticate": "Bearer"}
@@ -92,13 +90,7 @@ class Require(HTTPBearer):
         have = scopes_for(creds.credentials, config.api_keys)
         if have is None:
             raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        if "any" not in self.allowed and not self.allowed & have:
-            raise HTTPException(403, self.lacking)
+        if "any" not in wanted and not wanted & have:
+            raise HTTPException(403, f"API key lacks the {' or '.join(repr(x) for x in scopes)} scope")
 
-
-def require(*scopes: str) -> Require:
-    """A FastAPI dependency that admits requests whose key carries any of ``scopes``
-    (``"any"``: any valid key); every request when auth is disabled."""
-    if not scopes or any(s not in SCOPES and s != "any" for s in scopes):
-        raise ValueError(scopes)
-    return Require(scopes)
+    return check
