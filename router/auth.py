@@ -21,7 +21,8 @@ from core.errors import UserError
 from router.config import SCOPES
 
 ENV_VAR = "MIXFLEET_API_KEYS"
-_bearer = HTTPBearer(auto_error=False, description="API key; scopes rollout, trainer, admin, replica")
+BEARER_DOC = "API key; scopes rollout, trainer, admin, replica"
+_bearer = HTTPBearer(auto_error=False, description=BEARER_DOC)
 
 
 def parse_keys(text: str, where: str) -> dict[str, frozenset[str]]:
