@@ -56,18 +56,20 @@ class Workers:
         self._pool: ThreadPoolExecutor | None = None
         self._size = 0
 
-    def _workers(self, n: int) -> ThreadPoolExecutor:
+    def _workers(self, size: int, threads: int) -> ThreadPoolExecutor:
+        """The pool of ``size`` workers, started if needed; ``threads``: torch's thread count,
+        restored after the workers set their own to 1."""
         with self._lock:
-            if self._pool is None or self._size != n:
+            if self._pool is None or self._size != size:
                 if self._pool is not None:
                     self._pool.shutdown(wait=False)
-                pool = ThreadPoolExecutor(n, thread_name_prefix=self.name, initializer=_init_worker)
-                started = threading.Barrier(n + 1)
-                for _ in range(n):
+                pool = ThreadPoolExecutor(size, thread_name_prefix=self.name, initializer=_init_worker)
+                started = threading.Barrier(size + 1)
+                for _ in range(size):
                     pool.submit(started.wait)
                 started.wait()  # every worker has run _init_worker
-                torch.set_num_threads(n)  # restore torch's default for threads created from now on
-                self._pool, self._size = pool, n
+                torch.set_num_threads(threads)  # torch's default for threads created from now on
+                self._pool, self._size = pool, size
             return self._pool
 
     def run(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
@@ -81,9 +83,9 @@ class Workers:
         if n <= 1 or len(tasks) <= 1:
             return [t() for t in tasks]
         if not self.caller_runs_last:
-            futures = [self._workers(n).submit(t) for t in tasks]
+            futures = [self._workers(n, n).submit(t) for t in tasks]
         else:
-            pool = self._workers(n - 1)
+            pool = self._workers(n - 1, n)
             futures = [pool.submit(t) for t in tasks[:-1]]
             last = _call(tasks[-1])
             futures.append(last)

@@ -27,6 +27,7 @@ def test_results_in_order_and_where_they_ran(two_threads, caller_runs_last: bool
     assert on_caller == caller_runs_last
     assert all(n.startswith("test-pool") for n in (names if not caller_runs_last else names[:-1]))
     assert w.run_ranges(10, 4, lambda a, b: (a, b)) == [(0, 4), (4, 8), (8, 10)]
+    assert torch.get_num_threads() == 2  # the pool's workers use 1; torch's count stays the caller's
 
 
 @pytest.mark.parametrize("caller_runs_last", [False, True])
