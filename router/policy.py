@@ -35,7 +35,7 @@ them); this module never imports the router's context (it reads it through :clas
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,8 +85,9 @@ class AssignmentWindow:
     def of(cls, entries: Iterable[WindowEntry], size: int = WINDOW_SIZE) -> AssignmentWindow:
         """The window holding the last ``size`` of ``entries`` (oldest first)."""
         window = cls(size)
-        for e in entries:
-            window.record(e.group, e.tokens_total)
+        last = deque(entries, maxlen=size)
+        window._entries = deque((e.group, e.tokens_total) for e in last)
+        window._counts = dict(Counter(e.group for e in last))
         return window
 
     def __len__(self) -> int:

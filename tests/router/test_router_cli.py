@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from core.errors import UserError
-from mixfleet.router import add_arguments, build_config
+from mixfleet.router import GC_THRESHOLD, add_arguments, build_config
 from router.auth import load_keys, parse_keys, scopes_for
 from tests.support.procs import mixfleet_argv
 
@@ -84,3 +85,23 @@ def test_key_parsing(tmp_path) -> None:
     assert load_keys(f) == {"d" * 20: frozenset({"trainer"})}
     with pytest.raises(UserError, match="not found"):
         load_keys(tmp_path / "missing.json")
+
+
+def test_router_process_tunes_its_garbage_collector() -> None:
+    """A router process's app (``app_from_args``, what every worker builds) leaves the collector
+    with the startup heap frozen and :data:`mixfleet.router.GC_THRESHOLD` (run in a child: the
+    setting is process-wide)."""
+    code = (
+        "import gc, json\n"
+        "from mixfleet.router import app_from_args, default_args\n"
+        "before = gc.get_threshold()\n"
+        "app_from_args(default_args(preset='local', insecure_no_auth=True, log_level='warning'))\n"
+        "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count()]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MIXFLEET_API_KEYS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after, frozen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert tuple(before) == (700, 10, 10)  # CPython's default, so the router's setting is what changed it
+    assert tuple(after) == GC_THRESHOLD
+    assert frozen > 10_000  # modules, the app and its models
