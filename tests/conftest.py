@@ -1,16 +1,91 @@
-"""Fixtures every suite shares: one directory of generated models per test session.
+"""Fixtures every suite shares (one directory of generated models per test session), and how the
+suite runs in parallel: pyproject's ``addopts`` start pytest-xdist workers (``-n auto``: twice the
+cores, since most tests wait on real processes) with ``--dist loadgroup``, scheduled by
+:mod:`tests.support.schedule`, after numba's kernels are compiled once (:mod:`tests.support.warm`).
+``-n 0`` runs everything in one process.
 
 ``make_model_dir`` reuses a model it already built under the same root, so the engine, model
-and router suites build each (preset, format) once.
+and router suites build each (preset, format) once per worker.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support import warm
 from tests.support.models import make_model_dir
+from tests.support.schedule import SPREAD
+
+_WARM = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return 2 * (os.cpu_count() or 1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.support.schedule import CostFirstScheduling
+
+    return CostFirstScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the controller of a run on workers: start compiling numba's kernels (the workers wait)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if config.getoption("collectonly"):
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="mixfleet-test-warm-"))
+    config.stash[_WARM] = (warm.start(workdir), workdir)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    proc, workdir = config.stash.get(_WARM, (None, None))
+    if proc is not None and proc.poll() not in (None, 0):
+        log = (workdir / "warm.log").read_text(errors="replace")[-3000:]
+        terminalreporter.write_sep("-", f"tests/support/warm.py exited with {proc.returncode}")
+        terminalreporter.write_line(log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    proc, workdir = config.stash.get(_WARM, (None, None))
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _numba_kernels_compiled() -> Iterator[None]:
+    warm.wait()
+    yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module of ``SPREAD`` has its tests run on any worker, so none may share a module-scoped
+    (or class-scoped) fixture: it would be set up again on each worker."""
+    shared = sorted(
+        f"{item.nodeid} uses {name} ({fixturedef.scope}-scoped)"
+        for item in items
+        if item.nodeid.split("::", 1)[0] in SPREAD
+        for name, defs in item._fixtureinfo.name2fixturedefs.items()
+        for fixturedef in defs
+        if fixturedef.scope in ("module", "class", "package")
+    )
+    if shared:
+        where = "tests/support/schedule.py"
+        raise pytest.UsageError(f"a module of SPREAD ({where}) shares fixtures:\n" + "\n".join(shared))
 
 
 @pytest.fixture(scope="session")
