@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
+import struct
 from collections.abc import Sequence
 from typing import Any
 
-from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
+import numpy as np
+
+from router.turn_data import ROUTES_SECTION, RoutedExperts, Rows, TurnData
 from weight_sync.types import parse_version, reported_version
 
 _FLOAT = {float}
@@ -150,18 +154,49 @@ def _routes(meta: dict[str, Any], start: int, end: int) -> RoutedExperts:
     return RoutedExperts(start, rows, width, data)
 
 
-def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[list, list, list]:
-    """Supports (sorted by id), their log-probs and mu of an answer with sampling masks."""
+def _masked_records(meta: dict[str, Any], output_ids: list[int], raw: list) -> tuple[Rows, Rows, list]:
+    """Supports (sorted by id), their log-probs and mu of an answer with sampling masks; the
+    supports each one flat list and array (:class:`~router.turn_data.Rows`), sharing offsets."""
     masks = _entries(meta, "output_token_sampling_mask", len(output_ids))
     _rows(masks, "output_token_sampling_mask", "a list of token ids")
-    if not set(map(type, itertools.chain.from_iterable(masks))) <= _TOKEN:
+    offsets = [0, *itertools.accumulate(map(len, masks))]
+    ids = _mask_ids(masks)
+    lps, known = _support_logprobs(meta, offsets)
+    logprobs = _behavior_logprobs(meta, output_ids, raw, (ids[1], offsets, lps[1]) if known else None)
+    support_ids, support_lps = _sorted_supports(ids, lps, offsets)
+    return support_ids, support_lps, logprobs
+
+
+def _mask_ids(masks: list[list]) -> tuple[list[int], Any]:
+    """Every mask's ids, row after row, as one list and one int64 array: one C conversion of the
+    list (``struct``'s, which refuses anything but integers of 64 bits), the few values it would
+    take for a JSON ``true`` / ``false`` (1, 0) checked for being ints. Else ValueError naming the
+    first bad id."""
+    flat = _flat(masks)
+    try:
+        ids = np.frombuffer(struct.pack(f"={len(flat)}q", *flat), dtype=np.int64)
+    except struct.error:
+        ids = None
+    if ids is None or (len(ids) and ids.min() < 0) or not _all_of(int, flat, np.flatnonzero(ids <= 1)):
         for i, row in enumerate(masks):
             _token_ids(row, f"meta_info.output_token_sampling_mask[{i}]")
-    sizes = list(map(len, masks))
-    support_lps, known = _support_logprobs(meta, sizes)
-    logprobs = _behavior_logprobs(meta, output_ids, raw, masks, support_lps, known)
-    masks, support_lps = _sorted_supports(masks, support_lps)
-    return masks, support_lps, logprobs
+        raise ValueError("meta_info.output_token_sampling_mask holds a value that is not a token id")
+    return flat, ids
+
+
+def _flat(rows: list[list]) -> list:
+    """The rows' values in one list (extended row by row: each row's length is known, so no
+    per-value iteration and fewer reallocations than ``list(itertools.chain(...))``)."""
+    flat: list = []
+    for row in rows:
+        flat += row
+    return flat
+
+
+def _all_of(kind: type, flat: list, at: Any) -> bool:
+    """Whether the values of ``flat`` at the positions ``at`` are all of type ``kind`` (those a
+    converter took from another JSON type: a bool as an int, an int as a float)."""
+    return all(type(flat[j]) is kind for j in at.tolist())
 
 
 _MASK_KEYS = (
@@ -171,7 +206,7 @@ _MASK_KEYS = (
 )
 
 
-def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[list, list, list]:
+def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[Rows, Rows, list]:
     """Empty supports (the whole vocabulary) and mu = the raw log-prob (NaN where unknown) of an
     answer to a request without a sampling mask; refuses mask fields nobody asked for."""
     for key in _MASK_KEYS:
@@ -179,7 +214,8 @@ def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[list, list, list
             raise ValueError(f"meta_info.{key} is present but no sampling mask was requested")
     n = len(raw)
     logprobs = raw if None not in raw else [math.nan if x is None else x for x in raw]
-    return [[] for _ in range(n)], [[] for _ in range(n)], list(logprobs)
+    offsets = [0] * (n + 1)
+    return Rows([], offsets), Rows([], offsets), list(logprobs)
 
 
 _FINISH_TYPES = ("stop", "length", "abort")  # fleet.sglang_release.FINISH_TYPES
@@ -196,23 +232,25 @@ def _finish_reason(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def _sorted_supports(masks: list, support_lps: list) -> tuple[list, list]:
-    """Every support row in ascending id order, its log-probs permuted along by the row's
-    ordering permutation (a key sort of the positions: no tuples compared; equal ids keep the
-    engine's order); rows already in order are kept as they are."""
-    out_masks = out_lps = None
-    for i, row in enumerate(masks):
-        ordered = sorted(row)
-        if ordered == row:
-            continue
-        if out_masks is None:
-            out_masks, out_lps = list(masks), list(support_lps)
-        lps = support_lps[i]
-        out_masks[i] = ordered
-        out_lps[i] = [lps[j] for j in sorted(range(len(row)), key=row.__getitem__)]  # type: ignore[index]
-    if out_masks is None:
-        return masks, support_lps
-    return out_masks, out_lps  # type: ignore[return-value]
+def _sorted_supports(ids: tuple[list, Any], lps: tuple[list, Any], offsets: list[int]) -> tuple[Rows, Rows]:
+    """The supports with every row in ascending id order, its log-probs permuted along: one
+    stable sort of all rows by (row, id), so equal ids keep the engine's order; as they are when
+    every row already is in order."""
+    (id_list, id_array), (lp_list, lp_array) = ids, lps
+    if len(id_list) > 1:
+        starts = np.zeros(len(id_list) + 1, dtype=bool)
+        starts[offsets] = True
+        if (id_array[1:] < id_array[:-1])[~starts[1:-1]].any():  # a pair out of order within a row
+            row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+            width = int(id_array.max()) + 1
+            if width * (len(offsets) - 1) < 1 << 62:
+                order = np.argsort(row * width + id_array, kind="stable")
+            else:  # ids too large for one key: sort by the two
+                order = np.lexsort((id_array, row))
+            pick = operator.itemgetter(*order.tolist())
+            id_list, lp_list = list(pick(id_list)), list(pick(lp_list))
+            id_array, lp_array = id_array[order], lp_array[order]
+    return Rows(id_list, offsets, id_array), Rows(lp_list, offsets, lp_array)
 
 
 def _entries(meta: dict[str, Any], key: str, n: int) -> list:
@@ -232,11 +270,14 @@ def _rows(rows: list, key: str, what: str) -> None:
         raise ValueError(f"meta_info.{key}[{i}] = {rows[i]!r} is not {what}")
 
 
+_ID_MAX = (1 << 63) - 1  # what a record stores (and int64 holds)
+
+
 def _token_ids(ids: list, where: str) -> None:
-    """Refuses ``ids`` unless every entry is a non-negative JSON integer."""
-    if set(map(type, ids)) <= _TOKEN and (not ids or min(ids) >= 0):
+    """Refuses ``ids`` unless every entry is a JSON integer in ``[0, 2**63)``."""
+    if set(map(type, ids)) <= _TOKEN and (not ids or (min(ids) >= 0 and max(ids) <= _ID_MAX)):
         return
-    j = next(j for j, x in enumerate(ids) if type(x) is not int or x < 0)
+    j = next(j for j, x in enumerate(ids) if type(x) is not int or not 0 <= x <= _ID_MAX)
     raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id")
 
 
@@ -280,42 +321,46 @@ def _raw_logprobs(triples: list) -> list[float | None]:
     return _floats(firsts, f"meta_info.{key}", None)
 
 
-def _support_logprobs(meta: dict[str, Any], sizes: list[int]) -> tuple[list, bool]:
-    """The support's log-probs per token (NaN = unknown) and whether the engine sent them:
-    the local engine's own key, else SGLang's support-mode rows of ``output_token_sampling_logprobs``
-    (every entry a list)."""
+def _support_logprobs(meta: dict[str, Any], offsets: list[int]) -> tuple[tuple[list, Any], bool]:
+    """The support's log-probs, row after row as one list and one float64 array (NaN = unknown),
+    and whether the engine sent them: the local engine's own key, else SGLang's support-mode rows
+    of ``output_token_sampling_logprobs`` (every entry a list)."""
+    total = offsets[-1]
     key = "output_token_sampling_support_logprobs"
     if meta.get(key) is None:
         mu = meta.get("output_token_sampling_logprobs")
         if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
-            return [[math.nan] * k for k in sizes], False  # selected mode: not returned
+            return ([math.nan] * total, np.full(total, math.nan)), False  # selected mode: not returned
         key = "output_token_sampling_logprobs"
-    rows = _entries(meta, key, len(sizes))
+    rows = _entries(meta, key, len(offsets) - 1)
     _rows(rows, key, "a list of log-probs")
     got = list(map(len, rows))
-    if got != sizes:
+    if got != (sizes := list(map(operator.sub, offsets[1:], offsets))):
         i = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=True)) if a != b)
         raise ValueError(f"meta_info.{key}[{i}] has {got[i]} log-probs for {sizes[i]} support ids")
-    if set(map(type, itertools.chain.from_iterable(rows))) <= _FLOAT:
-        return rows, True
-    return [_floats(row, f"meta_info.{key}[{i}]", math.nan) for i, row in enumerate(rows)], True
+    flat = _flat(rows)
+    try:  # one C conversion: refuses null, strings, lists and ints beyond a float; takes bools, ints
+        values = np.frombuffer(struct.pack(f"={len(flat)}d", *flat), dtype=np.float64)
+    except (struct.error, OverflowError):
+        values = None
+    if values is None or not _all_of(float, flat, np.flatnonzero(values == np.trunc(values))):
+        flat = [x for i, row in enumerate(rows) for x in _floats(row, f"meta_info.{key}[{i}]", math.nan)]
+        values = np.array(flat, dtype=np.float64)
+    return (flat, values), True
 
 
 def _behavior_logprobs(
-    meta: dict[str, Any],
-    output_ids: list[int],
-    raw: list[float | None],
-    masks: list[list[int]],
-    support_lps: list,
-    known: bool,
+    meta: dict[str, Any], output_ids: list[int], raw: list[float | None], supports: tuple | None
 ) -> list[float]:
-    """mu per token (see :func:`parse_turn`)."""
+    """mu per token (see :func:`parse_turn`); ``supports``: (ids, offsets, log-probs) of the
+    engine's supports, in its order, when it sent their log-probs."""
     key = "output_token_sampling_logprobs"
     mu = meta.get(key)
     if mu is not None:
         mu = _entries(meta, key, len(output_ids))
         if set(map(type, mu)) <= _FLOAT:
             return mu
+    sampled = _sampled_logprobs(output_ids, *supports) if supports is not None else None
     out = []
     for i, tok in enumerate(output_ids):
         x = None if mu is None else mu[i]
@@ -329,19 +374,36 @@ def _behavior_logprobs(
         elif x is None and mu is not None:
             out.append(math.nan)
         elif x is None or type(x) is list:
-            if known and masks[i]:
-                try:
-                    out.append(support_lps[i][masks[i].index(tok)])
-                except ValueError:
-                    raise ValueError(
-                        f"output token {tok} (output_ids[{i}]) is not in "
-                        f"meta_info.output_token_sampling_mask[{i}]"
-                    ) from None
-            else:
+            if sampled is None or sampled[i] is _NO_SUPPORT:
                 out.append(math.nan if raw[i] is None else raw[i])
+            elif sampled[i] is _NOT_IN_SUPPORT:
+                where = f"meta_info.output_token_sampling_mask[{i}]"
+                raise ValueError(f"output token {tok} (output_ids[{i}]) is not in {where}")
+            else:
+                out.append(sampled[i])
         else:
             raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
     return out
+
+
+_NO_SUPPORT = "no filtering"  # a token sampled from the whole vocabulary
+_NOT_IN_SUPPORT = "not in its support"
+
+
+def _sampled_logprobs(output_ids: list[int], ids: Any, offsets: Any, lps: Any) -> list:
+    """Per token the support log-prob of the sampled token (its first place in the row, in the
+    engine's order), or :data:`_NO_SUPPORT` / :data:`_NOT_IN_SUPPORT`: every row at once."""
+    n = len(output_ids)
+    sizes = np.diff(offsets)
+    row = np.repeat(np.arange(n), sizes)
+    hits = np.flatnonzero(ids == np.asarray(output_ids, dtype=np.int64)[row])
+    hit_rows = row[hits]
+    first = hits[np.concatenate(([True], hit_rows[1:] != hit_rows[:-1]))] if len(hits) else hits
+    out = np.full(n, None, dtype=object)
+    out[sizes > 0] = _NOT_IN_SUPPORT
+    out[sizes == 0] = _NO_SUPPORT
+    out[row[first]] = lps[first].tolist()
+    return out.tolist()
 
 
 def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:

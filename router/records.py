@@ -82,19 +82,17 @@ serves, so a trainer may take either.
 
 from __future__ import annotations
 
-import array
 import bisect
 import itertools
 import json
 import math
-import operator
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN, RECORDS_FORMAT_VERSION
-from router.turn_data import TurnData
+from router.turn_data import Rows, TurnData
 
 try:  # optional speed-ups of the encoder (the decoder never needs them)
     import numpy as np
@@ -176,28 +174,29 @@ def _append_varints(values: Sequence[int], out: bytearray, offset: int = 0) -> N
 
 def _int_array(values: Sequence[int]) -> Any:
     """``values`` as an int64 array, or None when they are not all integers that fit. Built
-    through ``array.array("q")`` (one C conversion per value, refusing floats and ints beyond
-    int64), which takes a third less time than ``np.asarray`` of a list of Python ints."""
+    through ``struct`` (one C conversion per value, refusing floats and ints beyond int64),
+    which takes less time than ``array.array("q")`` (a format parse per value) or
+    ``np.asarray`` of a list of Python ints; an array is taken as it is."""
+    kind = values.dtype.kind if isinstance(values, np.ndarray) else ""
+    if kind == "i" or (kind == "u" and values.itemsize < 8):  # type: ignore[attr-defined]
+        return values.astype(np.int64, copy=False)  # type: ignore[attr-defined]
     try:
-        return np.frombuffer(array.array("q", values), dtype=np.int64)
-    except (OverflowError, ValueError, TypeError):
+        return np.frombuffer(struct.pack(f"={len(values)}q", *values), dtype=np.int64)
+    except (struct.error, TypeError):
         return None
 
 
 def _np_varints(v: Any) -> bytes:
-    """LEB128 of a non-negative int64 array, vectorized: a (values x bytes) matrix of every
-    value's 7-bit groups with continuation bits, read out row by row up to each value's length."""
-    sizes = np.ones(len(v), dtype=np.int64)
-    for j in range(1, 10):
-        more = v >= (1 << (7 * j))
-        if not more.any():
-            break
-        sizes += more
-    width = int(sizes.max())
-    groups = np.empty((len(v), width), dtype=np.uint8)
-    for j in range(width):
-        groups[:, j] = ((v >> (7 * j)) & 0x7F) | ((sizes > j + 1) << 7)
-    return groups[np.arange(width) < sizes[:, None]].tobytes()
+    """LEB128 of a non-negative int64 array, vectorized: a (values x groups) matrix of every
+    value shifted by 0, 7, 14, ... bits; a group is written where its shift is non-zero (or it is
+    the first), its low 7 bits with the continuation bit set where the next group is written."""
+    width = max(1, (int(v.max()).bit_length() + 6) // 7)
+    shifted = v[:, None] >> np.arange(0, 7 * width, 7)
+    written = shifted != 0
+    written[:, 0] = True
+    groups = (shifted & 0x7F).astype(np.uint8)
+    groups[:, :-1] |= written[:, 1:].view(np.uint8) << 7
+    return groups[written].tobytes()
 
 
 class _Reader:
@@ -287,26 +286,20 @@ def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData
     the block holds (float32 / float16-rounded; unknown raw log-probs None), so an API can
     answer with what it recorded. ``stored`` equals ``decode_turn`` of the block, and is built
     through :class:`TurnData`'s own checks. Raises ValueError as :func:`encode_turn`."""
-    out, lp_bytes, raw_bytes, sup_bytes = _encode(turn, f16)
+    out, lp_bytes, raw_bytes, support_lps = _encode(turn, f16)
     unpack = struct.unpack
     n = len(turn.output_ids)
     raws: tuple[float | None, ...] = unpack(f"<{n}f", raw_bytes)
     if not math.isfinite(sum(raws)):  # type: ignore[arg-type]
         raws = tuple(None if math.isnan(x) else x for x in raws)  # type: ignore[arg-type]
-    flat = unpack(f"<{len(sup_bytes) // (2 if f16 else 4)}{'e' if f16 else 'f'}", sup_bytes)
-    rows = []
-    pos = 0
-    for ids in turn.support_ids:
-        end = pos + len(ids)
-        rows.append(flat[pos:end])
-        pos = end
-    stored = replace(turn, logprobs=unpack(f"<{n}f", lp_bytes), raw_logprobs=raws, support_logprobs=rows)
-    return bytes(out), stored
+    lps = unpack(f"<{n}f", lp_bytes)
+    return bytes(out), replace(turn, logprobs=lps, raw_logprobs=raws, support_logprobs=support_lps)
 
 
-def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
-    """The block of ``turn`` and, as stored in it, the packed log-probs, raw log-probs and
-    support log-probs."""
+def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows]:
+    """The block of ``turn`` and, as stored in it, the packed log-probs and raw log-probs and the
+    support log-probs (:class:`Rows`). The support rows go through as flat arrays: their sizes,
+    their ids gap coded and their log-probs packed, each in one vectorized pass."""
     out = bytearray(MAGIC_TURN)
     out.append(RECORDS_FORMAT_VERSION)
     out.append((FLAG_F16 if f16 else 0) | (FLAG_SECTIONS if turn.sections else 0))
@@ -326,23 +319,55 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, bytes]:
         raise ValueError(f"log-probs: {exc}") from None
     out += lp_bytes
     out += raw_bytes
-    rows = turn.support_ids
-    sizes = list(map(len, rows))
+    ids: Rows = turn.support_ids  # type: ignore[assignment]
+    sizes = ids.sizes()
     _varints(sizes, out)
-    flat_ids = list(itertools.chain.from_iterable(rows))
-    total = len(flat_ids)
-    if total:
-        out += _gap_varints(flat_ids, sizes, total)
-    try:
-        sup_bytes = struct.pack(
-            f"<{total}e" if f16 else f"<{total}f", *itertools.chain.from_iterable(turn.support_logprobs)
-        )
-    except (struct.error, OverflowError) as exc:
-        raise ValueError(f"support log-probs: {exc}") from None
-    out += sup_bytes
+    if ids.offsets[-1]:
+        out += _gap_varints(_id_array(ids, sizes), ids.offsets, sizes)
+    packed, support_lps = _support_floats(turn.support_logprobs, f16)  # type: ignore[arg-type]
+    out += packed
     if turn.sections:
         out += _sections(turn.sections)
-    return out, lp_bytes, raw_bytes, sup_bytes
+    return out, lp_bytes, raw_bytes, support_lps
+
+
+_F32_OVERFLOW = 2.0**128 - 2.0**103  # the least magnitude float32 rounds to infinity
+_F16_OVERFLOW = 65520.0  # the same for float16
+
+
+def _support_floats(rows: Rows, f16: bool) -> tuple[bytes, Rows]:
+    """The support log-probs packed as float16 / float32 and, as stored, the rows of their
+    values: the given values themselves where ``rows`` has its array and packing changed none
+    (float32 values, as engines send them: no new float objects), else the packed values read
+    back. ValueError for a value beyond the format's range (as :mod:`struct` refuses it)."""
+    values = rows.array
+    if values is None:
+        try:
+            values = np.frombuffer(struct.pack(f"={len(rows.values)}d", *rows.values), dtype=np.float64)
+        except (struct.error, OverflowError) as exc:
+            raise ValueError(f"support log-probs: {exc}") from None
+    magnitude, limit = np.abs(values), (_F16_OVERFLOW if f16 else _F32_OVERFLOW)
+    if np.fmax.reduce(magnitude, initial=0.0) >= limit:  # fmax: NaN (unknown) is no magnitude
+        if np.fmax.reduce(magnitude[magnitude != math.inf], initial=0.0) >= limit:  # infinities store
+            raise ValueError(f"support log-probs: float too large to pack with {'e' if f16 else 'f'} format")
+    packed = values.astype("<f2" if f16 else "<f4").tobytes()
+    back = np.frombuffer(packed, dtype="<f2" if f16 else "<f4").astype(np.float64)
+    if rows.array is not None and back.tobytes() == values.tobytes():  # the same bits: nothing rounded
+        return packed, Rows(rows.values, rows.offsets, values)
+    return packed, Rows(back.tolist(), rows.offsets, back)
+
+
+def _id_array(rows: Rows, sizes: list[int]) -> Any:
+    """The support ids as an int64 array (ValueError naming one that is not an integer of 63 bits)."""
+    if rows.array is not None:
+        return rows.array
+    ids = _int_array(rows.values)
+    if ids is None:
+        at, bad = next((j, x) for j, x in enumerate(rows.values) if type(x) is not int or x >= _VARINT_LIMIT)
+        if type(bad) is not int:
+            raise ValueError(f"support id {bad!r} of output token {_token_at(at, sizes)} is not an integer")
+        raise ValueError(f"varint of {bad}: beyond 63 bits")
+    return ids
 
 
 def _header(turn: TurnData) -> dict[str, Any]:
@@ -380,51 +405,31 @@ def _sections(sections: Mapping[str, bytes]) -> bytes:
     return bytes(out) + struct.pack("<I", len(out))
 
 
-def _gap_varints(flat: list[int], sizes: list[int], total: int) -> bytes:
-    """The support ids of all tokens (``flat``, ``sizes[i]`` per token), gap coded: per row
-    the first id, then ``id[j] - id[j-1] - 1``; as varints. Raises ValueError unless every row
-    is strictly increasing and non-negative."""
-    if np is not None and total >= _NUMPY_MIN:
-        a = _int_array(flat)
-        if a is not None:
-            gaps = np.empty_like(a)
-            gaps[0] = a[0]
-            np.subtract(a[1:], a[:-1], out=gaps[1:])
-            gaps[1:] -= 1
-            starts = np.cumsum([0, *sizes[:-1]])[np.asarray(sizes) > 0]
-            gaps[starts] = a[starts]
-            if gaps.min() < 0:
-                raise ValueError(_gap_error(int(np.argmax(gaps < 0)), sizes))
-            if gaps.max() < 0x80:
-                return gaps.astype(np.uint8).tobytes()
-            return _np_varints(gaps)
-    # d = id[j] - id[j-1], with id[-1] = -1 at row starts (so d is the id + 1 there); gap = d - 1
-    prev = [-1, *flat[:-1]]
-    pos = 0
-    for k in sizes:
-        if k:
-            prev[pos] = -1
-            pos += k
-    try:
-        coded = bytes(map(operator.sub, flat, prev))
-    except (ValueError, TypeError):  # a d beyond 0..255 (or not an int: refused below)
-        coded = None
-    if coded is not None:
-        coded = coded.translate(_MINUS_ONE)
-        if coded.isascii():  # every gap in 0..127 (a d of 0, a repeated id, became 255)
-            return coded
-    d = list(map(operator.sub, flat, prev))
-    if min(d) < 1:
-        raise ValueError(_gap_error(next(i for i, x in enumerate(d) if x < 1), sizes))
-    out = bytearray()
-    _append_varints(d, out, offset=-1)
-    return bytes(out)
+def _gap_varints(ids: Any, offsets: list[int], sizes: list[int]) -> bytes:
+    """The support ids of all tokens (``ids``, an int64 array; row ``i`` from ``offsets[i]``),
+    gap coded: per row the first id, then ``id[j] - id[j-1] - 1``; as varints, in one vectorized
+    pass. Raises ValueError unless every row is strictly increasing and non-negative."""
+    gaps = np.empty_like(ids)
+    gaps[0] = ids[0]
+    np.subtract(ids[1:], ids[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    starts = np.asarray(offsets[:-1])[np.asarray(sizes) > 0]
+    gaps[starts] = ids[starts]
+    if gaps.min() < 0 or ids.min() < 0:  # a negative id is refused even where a gap wrapped
+        raise ValueError(_gap_error(int(np.argmax((gaps < 0) | (ids < 0))), sizes))
+    if gaps.max() < 0x80:
+        return gaps.astype(np.uint8).tobytes()
+    return _np_varints(gaps)
 
 
 def _gap_error(at: int, sizes: list[int]) -> str:
     """The message for the support id at flat position ``at`` (rows of ``sizes``)."""
-    token = bisect.bisect_right(list(itertools.accumulate(sizes)), at)
-    return f"support ids of output token {token} must be non-negative and strictly increasing"
+    return f"support ids of output token {_token_at(at, sizes)} must be non-negative and strictly increasing"
+
+
+def _token_at(at: int, sizes: list[int]) -> int:
+    """The output token whose support row holds flat position ``at``."""
+    return bisect.bisect_right(list(itertools.accumulate(sizes)), at)
 
 
 def decode_turn(data: bytes | memoryview) -> TurnData:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import array
 import base64
+import itertools
 import math
+import operator
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,10 +135,78 @@ def _pack(values: list[int], size: int) -> bytes:
     return a.tobytes()
 
 
+class Rows(Sequence):
+    """A turn's rows of per-token values (support ids, or their log-probs), stored flat: row ``i``
+    is ``values[offsets[i]:offsets[i + 1]]``, read as a list. ``values`` and ``offsets`` are
+    lists; ``array``, when its producer has one, is ``values`` as a numpy array (int64 ids,
+    float64 log-probs; equal value for value), which the encoder (:mod:`router.records`) takes
+    instead of converting the list again. The parser (:mod:`router.engine_answer`) and the encoder
+    so hand a turn's rows through as one list and one array each, no Python object per row, and
+    the JSON view slices the list (its values are the very objects it holds). :meth:`of` flattens
+    a sequence of rows. Immutable by contract (no method changes it); equal to any sequence of the
+    same rows."""
+
+    __slots__ = ("array", "offsets", "values")
+
+    def __init__(self, values: list[Any], offsets: list[int], array: Any = None) -> None:
+        self.values = values
+        self.offsets = offsets
+        self.array = array
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[Any]]) -> Rows:
+        """The rows of a sequence of sequences (a :class:`Rows` itself as it is)."""
+        if type(rows) is cls:
+            return rows
+        return cls(list(itertools.chain.from_iterable(rows)), [0, *itertools.accumulate(map(len, rows))])
+
+    def sizes(self) -> list[int]:
+        """The length of every row."""
+        bounds = self.offsets
+        return list(map(operator.sub, bounds[1:], bounds))
+
+    def same_shape(self, other: Rows) -> bool:
+        """Whether ``other`` has rows of the same lengths."""
+        return self.offsets is other.offsets or self.offsets == other.offsets
+
+    def all_finite(self) -> bool:
+        """Whether every value is a finite number (one sum: a finite sum has only finite terms)."""
+        return math.isfinite(sum(self.values) if self.array is None else self.array.sum())
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("row index out of range")
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        bounds = self.offsets
+        return map(self.values.__getitem__, map(slice, bounds, bounds[1:]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(map(operator.eq, self, map(list, other)))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Rows({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class TurnData:
     """One recorded turn. ``support_ids[i]`` sorted ascending, unique; empty = no filtering.
-    Unknown log-probs are NaN (``raw_logprobs``: None or NaN).
+    Unknown log-probs are NaN (``raw_logprobs``: None or NaN). ``support_ids`` and
+    ``support_logprobs`` are :class:`Rows` (any sequence of rows given is flattened into one on
+    construction): row ``i`` reads as a list, and the encoder and the JSON view take the flat
+    values at once.
 
     ``context``: tokens of the turn's segment before ``append_ids`` (0 for a segment's first
     turn). ``fork``: None, or on a turn that starts a new segment because its input did not
@@ -157,8 +227,8 @@ class TurnData:
     output_ids: Sequence[int]
     logprobs: Sequence[float]
     raw_logprobs: Sequence[float | None]
-    support_ids: Sequence[Sequence[int]]
-    support_logprobs: Sequence[Sequence[float]]
+    support_ids: Rows | Sequence[Sequence[int]]
+    support_logprobs: Rows | Sequence[Sequence[float]]
     weight_versions: Sequence[dict[str, int]] = ()
     finish_reason: dict[str, Any] | None = None
     timings: dict[str, Any] = field(default_factory=dict)
@@ -169,13 +239,17 @@ class TurnData:
     sections: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        ids, lps = self.support_ids, self.support_logprobs
+        if type(ids) is not Rows:
+            object.__setattr__(self, "support_ids", ids := Rows.of(ids))
+        if type(lps) is not Rows:
+            object.__setattr__(self, "support_logprobs", lps := Rows.of(lps))
         n = len(self.output_ids)
-        lens = (len(self.logprobs), len(self.raw_logprobs), len(self.support_ids), len(self.support_logprobs))
+        lens = (len(self.logprobs), len(self.raw_logprobs), len(ids), len(lps))
         if any(x != n for x in lens):
             raise ValueError(f"record lengths {lens} differ from {n} output tokens")
-        k_ids = list(map(len, self.support_ids))
-        k_lps = list(map(len, self.support_logprobs))
-        if k_ids != k_lps:
+        if not ids.same_shape(lps):
+            k_ids, k_lps = ids.sizes(), lps.sizes()
             i = next(i for i, (a, b) in enumerate(zip(k_ids, k_lps, strict=True)) if a != b)
             raise ValueError(f"token {i}: {k_ids[i]} support ids but {k_lps[i]} support log-probs")
         if self.context < 0 or (self.fork is not None and self.context):
@@ -244,30 +318,34 @@ class TurnData:
         return out
 
     def _records(self) -> list[dict[str, Any]]:
-        """One JSON record per output token (non-finite log-probs as None)."""
+        """One JSON record per output token (non-finite log-probs as None), its support rows sliced
+        from the flat values."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
         raws = self.raw_logprobs
         if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
             raws = [None if x is None or not math.isfinite(x) else x for x in raws]
+        support_ids, support_lps = self.support_ids, self.support_logprobs
+        ids, lps = support_ids.values, support_lps.values  # type: ignore[union-attr]
+        if not support_lps.all_finite():  # type: ignore[union-attr]
+            lps = [x if math.isfinite(x) else None for x in lps]
+        bounds = support_ids.offsets  # type: ignore[union-attr]
         return [
             {
                 "token_id": tok,
                 "logprob": lp,
                 "raw_logprob": raw,
-                "support_ids": list(ids),
-                "support_logprobs": list(lps)
-                if math.isfinite(sum(lps))
-                else [x if math.isfinite(x) else None for x in lps],
+                "support_ids": ids[start:end],
+                "support_logprobs": lps[start:end],
                 "weight_version": version,
             }
-            for tok, lp, raw, ids, lps, version in zip(
+            for tok, lp, raw, start, end, version in zip(
                 self.output_ids,
                 logprobs,
                 raws,
-                self.support_ids,
-                self.support_logprobs,
+                bounds[:-1],
+                bounds[1:],
                 self.versions(),
                 strict=True,
             )
