@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import warm
 from tests.support.models import make_model_dir
-from tests.support.schedule import SPREAD
+from tests.support.schedule import arrange
 
 _WARM = pytest.StashKey[tuple]()
 
@@ -28,15 +28,6 @@ _WARM = pytest.StashKey[tuple]()
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 2 * (os.cpu_count() or 1)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from tests.support.schedule import CostFirstScheduling
-
-    return CostFirstScheduling(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,19 +64,8 @@ def _numba_kernels_compiled() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A module of ``SPREAD`` has its tests run on any worker, so none may share a module-scoped
-    (or class-scoped) fixture: it would be set up again on each worker."""
-    shared = sorted(
-        f"{item.nodeid} uses {name} ({fixturedef.scope}-scoped)"
-        for item in items
-        if item.nodeid.split("::", 1)[0] in SPREAD
-        for name, defs in item._fixtureinfo.name2fixturedefs.items()
-        for fixturedef in defs
-        if fixturedef.scope in ("module", "class", "package")
-    )
-    if shared:
-        where = "tests/support/schedule.py"
-        raise pytest.UsageError(f"a module of SPREAD ({where}) shares fixtures:\n" + "\n".join(shared))
+    """The units of work and their order on the workers (:func:`tests.support.schedule.arrange`)."""
+    arrange(items)
 
 
 @pytest.fixture(scope="session")

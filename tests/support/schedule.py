@@ -1,23 +1,24 @@
-"""How the suite is spread over pytest-xdist workers (``-n`` in pyproject's pytest ``addopts``).
+"""How the suite is spread over pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject's
+pytest ``addopts``), through xdist's public means only: the ``xdist_group`` marker and the order
+of the collected tests (:func:`arrange`, called from ``tests/conftest.py``).
 
-A unit of work runs whole on one worker, its tests in file order:
+A unit of work (one ``xdist_group``) runs whole on one worker, its tests in file order:
 
 * a test module, by default, so the engines, routers and fleets its module-scoped fixtures start
   are started once;
-* each test alone, for the modules of :data:`SPREAD`: their tests start their own processes (no
-  module-scoped fixture; ``tests/conftest.py`` checks it at collection) and take minutes each;
-* every test marked ``@pytest.mark.xdist_group(name)`` with the same name, wherever it is.
+* each test alone, for the modules of :data:`SPREAD`: their tests start their own processes and
+  take minutes each (a module-scoped fixture there would be set up once per worker that runs one
+  of its tests: correct, only slower);
+* every test already marked ``@pytest.mark.xdist_group(name)`` with the same name, wherever it is.
 
-Units start longest first (:data:`COST`), so that no long unit is left to end the run alone; a
-worker still running a long unit is given short units to queue behind it (a worker holds the next
-test before it runs the current one), and the next long unit goes to a worker whose long one has
-finished. A unit missing from :data:`COST` counts as short; the table only orders, it decides
-nothing else.
+Units are collected longest first (:data:`COST`), and xdist hands them out in collection order, so
+no long unit is left to end the run alone. A unit missing from :data:`COST` counts as short; the
+table only orders, it decides nothing else.
 """
 
 from __future__ import annotations
 
-from xdist.scheduler import LoadGroupScheduling
+import pytest
 
 # Seconds of wall time of each long unit with four workers on the 2-core CI machine (a module, or
 # a test of a SPREAD module; ``--durations`` gives them). Approximate: only their order matters.
@@ -66,17 +67,16 @@ SPREAD = frozenset(
         "tests/deploy/test_converters.py",
     }
 )
-# A unit at least this long keeps its worker busy: units queued behind it are short ones.
-LONG_S = 60
 
 
-def unit_of(nodeid: str) -> str:
-    """The unit a test id belongs to: its ``xdist_group`` (the ``@name`` pytest-xdist appends to
-    the id under ``--dist loadgroup``), itself in a :data:`SPREAD` module, else its module."""
-    if nodeid.rfind("@") > nodeid.rfind("]"):  # a parameter may contain '@'
-        return nodeid.rsplit("@", 1)[1]
-    module = nodeid.split("::", 1)[0]
-    return nodeid if module in SPREAD else module
+def unit_of(item: pytest.Item) -> str:
+    """The unit of a collected test: its ``xdist_group`` name, itself in a :data:`SPREAD` module,
+    else its module."""
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+    module = item.nodeid.split("::", 1)[0]
+    return item.nodeid if module in SPREAD else module
 
 
 def cost_of(unit: str) -> float:
@@ -84,25 +84,16 @@ def cost_of(unit: str) -> float:
     return COST.get(unit, COST.get(unit.split("[", 1)[0], 0.0))
 
 
-class CostFirstScheduling(LoadGroupScheduling):
-    """``--dist loadgroup`` with the units and the order of this module."""
-
-    _ordered = False
-
-    def _split_scope(self, nodeid: str) -> str:
-        return unit_of(nodeid)
-
-    def _assign_work_unit(self, node) -> None:
-        if not self._ordered:  # the first call: the queue holds every unit, in collection order
-            units = sorted(self.workqueue.items(), key=lambda kv: -cost_of(kv[0]))  # stable
-            self.workqueue.clear()
-            self.workqueue.update(units)
-            self._ordered = True
-        busy = any(
-            cost_of(scope) >= LONG_S and not all(done.values())
-            for scope, done in self.assigned_work.get(node, {}).items()
-        )
-        scope, work_unit = self.workqueue.popitem(last=busy)
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nid) for nid, done in work_unit.items() if not done])
+def arrange(items: list[pytest.Item]) -> None:
+    """Mark every test with its unit's ``xdist_group`` and order ``items`` (in place) unit by unit,
+    longest unit first, each unit's tests in their collected order."""
+    first: dict[str, int] = {}
+    units = []
+    for i, item in enumerate(items):
+        unit = unit_of(item)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(unit))
+        first.setdefault(unit, i)
+        units.append(unit)
+    order = sorted(range(len(items)), key=lambda i: (-cost_of(units[i]), first[units[i]], i))
+    items[:] = [items[i] for i in order]
