@@ -32,8 +32,18 @@ HTTP parsing or the engine call) for a full-context and an append-only turn at a
 long context. Target: stored and served <= the bound; append-only turn work flat in the
 context.
 
+A short turn's record work (issue 20; no engine): the stub engine's ``/generate`` answer of
+:func:`benchmarks.router.stub_generate_body` (64 output tokens, a 32-id support each, support
+log-probs in the local engine's key) parsed (:func:`router.engine_answer.parse_turn`), encoded as
+stored (:func:`router.records.encode_stored`, one appended token) and answered
+(:meth:`~router.turn_data.TurnData.to_json` of the stored turn, then :func:`core.jsonio.dumps`),
+per stage and per output token, CPU time (``time.process_time``, best of ``--reps`` runs of 200);
+and the same answer as SGLang sends it in support mode (masks most likely first: every row
+sorted by the parser; float32 log-probs, which the stored answer reuses). Target (issue 20): the
+router's CPU per short turn <= 1 ms, all of it.
+
 Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]``
-(``--session-only``: only the append-only part).
+(``--session-only``: only the append-only part and the short turn's record work).
 """
 
 from __future__ import annotations
@@ -229,6 +239,71 @@ def session_report(reps: int) -> None:
             f"context token; whole input per turn (format 1) {old / 1e6:.2f} MB"
         )
     _turn_costs(turns, reps)
+    short_turn_report(reps)
+
+
+def short_turn_report(reps: int) -> None:
+    """The record work of a short turn, per stage and per output token (module docstring)."""
+    from benchmarks.router import stub_generate_body
+    from core.jsonio import loads
+
+    stub = loads(stub_generate_body())
+    for name, body in (("stub answer", stub), ("SGLang support mode", _as_sglang(stub))):
+        n = len(body["output_ids"])
+        stages = _short_turn_stages(body)
+        k = len(body["meta_info"]["output_token_sampling_mask"][0])
+        print(f"  short turn record work, {name} ({n} tokens x {k} ids), CPU best of {reps}:")
+        total = 0.0
+        for stage, run in stages.items():
+            best = min(_cpu(run, 200) for _ in range(reps))
+            total += best
+            print(f"    {stage:<14} {best * 1e6:7.1f} us  {best * 1e9 / n:7.0f} ns/token")
+        print(f"    {'total':<14} {total * 1e6:7.1f} us  {total * 1e9 / n:7.0f} ns/token")
+
+
+def _short_turn_stages(body: dict) -> dict:
+    """The stages of a turn's record work on ``body``, each a call."""
+    from core.jsonio import dumps
+    from router.engine_answer import parse_turn
+    from router.records import encode_stored
+
+    kw = {"index": 0, "group": "g", "replica": "r", "input_ids": [1], "moved_from": None, "timings": {}}
+    turn = parse_turn(body, **kw)
+    stored = encode_stored(turn)[1]
+    answer = stored.to_json("s", with_input=False)
+    return {
+        "parse_turn": lambda: parse_turn(body, **kw),
+        "encode_stored": lambda: encode_stored(turn),
+        "to_json": lambda: stored.to_json("s", with_input=False),
+        "dumps": lambda: dumps(answer),
+    }
+
+
+def _as_sglang(body: dict) -> dict:
+    """``body`` as SGLang 0.5.23 answers in support mode: masks in a ranked (not id) order, the
+    support log-probs (float32 values) as the rows of ``output_token_sampling_logprobs``."""
+    import random
+    import struct
+
+    rng = random.Random(0)
+    meta = dict(body["meta_info"])
+    masks, rows = [], []
+    for mask in meta["output_token_sampling_mask"]:
+        mask = list(mask)
+        rng.shuffle(mask)
+        masks.append(mask)
+        rows.append([struct.unpack("<f", struct.pack("<f", -8 * rng.random()))[0] for _ in mask])
+    meta.update(output_token_sampling_mask=masks, output_token_sampling_logprobs=rows)
+    del meta["output_token_sampling_support_logprobs"]
+    return {**body, "meta_info": meta}
+
+
+def _cpu(run, calls: int) -> float:
+    """CPU seconds per call of ``run`` over ``calls`` calls."""
+    t0 = time.process_time()
+    for _ in range(calls):
+        run()
+    return (time.process_time() - t0) / calls
 
 
 def _turn_costs(turns: list, reps: int) -> None:

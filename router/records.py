@@ -7,10 +7,11 @@ as is) and of a trainer batch (stored blocks copied), and their standard-library
 
 The turn itself is :class:`router.turn_data.TurnData`. Behavior records are stored and served in
 this encoding, never as JSON lists of lists. The decoders use nothing but the standard library
-(``json``, ``struct``), so a trainer can restate or copy them; the encoder uses numpy for long
-varint runs (when installed) and :mod:`core.jsonio` for headers, which changes neither the layout
-nor any decoded value (JSON headers may spell a float differently from :mod:`json`, e.g. ``1e-5``
-for ``1e-05``). The constants are :mod:`core.wire`'s.
+(``json``, ``struct``), so a trainer can restate or copy them; the encoder uses numpy (a
+project dependency: a turn's support rows are gap coded and packed as flat arrays,
+:class:`router.turn_data.Rows`; long id runs are varint coded in one pass) and :mod:`core.jsonio`
+for headers, which changes neither the layout nor any decoded value (JSON headers may spell a
+float differently from :mod:`json`, e.g. ``1e-5`` for ``1e-05``). The constants are :mod:`core.wire`'s.
 
 Primitives
     varint   unsigned LEB128 (7 bits per byte, low group first, high bit = more follows)
@@ -94,7 +95,7 @@ from typing import Any
 from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN, RECORDS_FORMAT_VERSION
 from router.turn_data import Rows, TurnData
 
-try:  # optional speed-ups of the encoder (the decoder never needs them)
+try:  # the encoder's (the decoder never needs numpy: it imports without it)
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
@@ -347,9 +348,11 @@ def _support_floats(rows: Rows, f16: bool) -> tuple[bytes, Rows]:
         except (struct.error, OverflowError) as exc:
             raise ValueError(f"support log-probs: {exc}") from None
     magnitude, limit = np.abs(values), (_F16_OVERFLOW if f16 else _F32_OVERFLOW)
-    if np.fmax.reduce(magnitude, initial=0.0) >= limit:  # fmax: NaN (unknown) is no magnitude
-        if np.fmax.reduce(magnitude[magnitude != math.inf], initial=0.0) >= limit:  # infinities store
-            raise ValueError(f"support log-probs: float too large to pack with {'e' if f16 else 'f'} format")
+    if (  # fmax: a NaN (unknown) has no magnitude; an infinity is stored as one
+        np.fmax.reduce(magnitude, initial=0.0) >= limit
+        and np.fmax.reduce(magnitude[magnitude != math.inf], initial=0.0) >= limit
+    ):
+        raise ValueError(f"support log-probs: float too large to pack with {'e' if f16 else 'f'} format")
     packed = values.astype("<f2" if f16 else "<f4").tobytes()
     back = np.frombuffer(packed, dtype="<f2" if f16 else "<f4").astype(np.float64)
     if rows.array is not None and back.tobytes() == values.tobytes():  # the same bits: nothing rounded

@@ -7,6 +7,7 @@ import copy
 import math
 import random
 import struct
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -657,3 +658,50 @@ def test_the_decoder_needs_only_the_standard_library(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[5, 9]"
+
+
+def test_support_rows_are_flat_and_read_as_lists() -> None:
+    """A parsed turn carries each support as one flat list and array (``Rows``): rows read as
+    lists, sorted by id with their log-probs along, equal to the lists they hold."""
+    from router.turn_data import Rows
+
+    body = _engine_body(random.Random(3), 4)
+    meta = body["meta_info"]
+    meta[MASK] = [list(reversed(m)) for m in meta[MASK]]  # ranked, as SGLang sends them
+    meta[SUPPORT] = [list(reversed(s)) for s in meta[SUPPORT]]
+    t = parse_turn(body, **ARGS)
+    assert type(t.support_ids) is Rows and type(t.support_logprobs) is Rows
+    assert t.support_ids == [sorted(m) for m in meta[MASK]]
+    for got, mask, lps in zip(t.support_logprobs, meta[MASK], meta[SUPPORT], strict=True):
+        assert got == [lps[mask.index(i)] for i in sorted(mask)]
+    assert replace(t, turn=3).support_ids == t.support_ids
+    hand = replace(t, support_ids=[list(r) for r in t.support_ids])  # lists become Rows too
+    assert type(hand.support_ids) is Rows and encode_turn(hand) == encode_turn(t)
+
+
+def test_float32_support_log_probs_are_answered_with_the_values_sent() -> None:
+    """Support log-probs that are float32 values (as engines send them) are stored unchanged, and
+    the stored turn's answer holds the very floats of the engine's answer (no new objects)."""
+    body = _engine_body(random.Random(5), 6)
+    meta = body["meta_info"]
+    meta[SUPPORT] = [_f32(row) for row in meta[SUPPORT]]
+    meta[MU] = [_f32([x])[0] for x in meta[MU]]
+    stored = encode_stored(parse_turn(body, **ARGS))[1]
+    for rec, row in zip(stored.to_json()["records"], meta[SUPPORT], strict=True):
+        assert all(a is b for a, b in zip(rec["support_logprobs"], row, strict=True))
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_a_support_log_prob_beyond_the_format_is_refused_beside_unknown_ones(f16: bool) -> None:
+    body = _engine_body(random.Random(7), 3)
+    row = body["meta_info"][SUPPORT][0]
+    row[0] = None  # unknown (NaN): no magnitude, never hides the one beyond range
+    row.append(1e5 if f16 else 1e39)
+    body["meta_info"][MASK][0].append(5000)
+    t = parse_turn(body, **ARGS)
+    with pytest.raises(ValueError, match="support log-probs: float too large"):
+        encode_stored(t, f16=f16)
+    row[-1] = -math.inf  # an infinity is stored as one
+    assert math.isinf(
+        decode_turn(encode_stored(parse_turn(body, **ARGS), f16=f16)[0]).support_logprobs[0][-1]
+    )
