@@ -63,6 +63,7 @@ def _numba_kernels_compiled() -> Iterator[None]:
     yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The units of work and their order on the workers (:func:`tests.support.schedule.arrange`)."""
     arrange(items)
