@@ -1,8 +1,8 @@
 """Fixtures every suite shares (one directory of generated models per test session), and how the
-suite runs in parallel: pyproject's ``addopts`` start pytest-xdist workers (``-n auto``: twice the
-cores, since most tests wait on real processes) with ``--dist loadgroup``, scheduled by
+suite runs in parallel when asked (``-n auto --dist loadgroup``: pytest-xdist workers, twice the
+cores, since most tests wait on real processes), scheduled by
 :mod:`tests.support.schedule`, after numba's kernels are compiled once (:mod:`tests.support.warm`).
-``-n 0`` runs everything in one process.
+Without ``-n`` everything runs in one process.
 
 ``make_model_dir`` reuses a model it already built under the same root, so the engine, model
 and router suites build each (preset, format) once per worker.
@@ -65,8 +65,10 @@ def _numba_kernels_compiled() -> Iterator[None]:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The units of work and their order on the workers (:func:`tests.support.schedule.arrange`)."""
-    arrange(items)
+    """The units of work and their order on the workers (:func:`tests.support.schedule.arrange`);
+    a run in one process keeps the collected order."""
+    if hasattr(config, "workerinput") or config.getoption("numprocesses", None):
+        arrange(items)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""How the suite is spread over pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject's
-pytest ``addopts``), through xdist's public means only: the ``xdist_group`` marker and the order
+"""How the suite is spread over pytest-xdist workers (``pytest -n auto --dist loadgroup``),
+through xdist's public means only: the ``xdist_group`` marker and the order
 of the collected tests (:func:`arrange`, called from ``tests/conftest.py``).
 
 A unit of work (one ``xdist_group``) runs whole on one worker, its tests in file order:
