@@ -279,13 +279,11 @@ GC_THRESHOLD = (50_000, 50, 100)
 
 
 def tune_gc() -> None:
-    """The garbage collector of a router process: everything that exists once the app is built
-    (modules, the FastAPI app and its models: ~100K tracked objects) is frozen out of every
-    collection (``gc.freeze``), and a young collection runs after :data:`GC_THRESHOLD` allocations
-    instead of CPython's 700 (``gc.set_threshold``). A turn allocates thousands of containers (its
-    engine answer parsed, its records); at the defaults a router under the agent benchmark's short
-    turns ran ~90 young, ~8 middle and ~1 full collection per 250 turns, each full one traversing the
-    whole heap. Cyclic garbage is still collected, in fewer, larger young collections."""
+    """The garbage collector of a router process: everything that exists once the app is built is
+    frozen out of every collection (``gc.freeze``), and a young collection runs after
+    :data:`GC_THRESHOLD` allocations instead of CPython's 700 (``gc.set_threshold``): a turn
+    allocates thousands of containers, which at the defaults trigger frequent collections that
+    traverse the whole heap. Cyclic garbage is still collected, in fewer, larger collections."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
