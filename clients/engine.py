@@ -40,7 +40,7 @@ import aiohttp
 
 from clients.engine_stream import StreamError, TokenCallback, streamed_answer
 from core import sglang_release as release
-from core.jsonio import dumps, loads
+from core.jsonio import Fragment, dumps, loads
 from weight_sync.types import reported_version
 
 __all__ = [
@@ -306,7 +306,7 @@ class SGLangClient:
     # generation ---------------------------------------------------------------------------------
     async def generate(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | Fragment,
         sampling_params: dict[str, Any],
         *,
         headers: dict[str, str] | None = None,
@@ -317,7 +317,8 @@ class SGLangClient:
         on_tokens: TokenCallback | None = None,
     ) -> Generation:
         """``POST /generate`` of one sequence with its behavior records: the one engine request
-        (``input_ids``; ``return_logprob``; ``sampling_params`` and the sampling mask as
+        (``input_ids``, or their JSON text as a :data:`core.jsonio.Fragment`; ``return_logprob``;
+        ``sampling_params`` and the sampling mask as
         :func:`core.sglang_release.sampling_request` decides for the engine's
         ``--sampling-mask-max-tokens``: ``return_sampling_mask`` with ``sampling_logprobs_mode:
         support``, so each token's support comes with its log-probs, unless the turn samples from

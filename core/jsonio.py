@@ -12,6 +12,8 @@ environment variables, files, command output for people) uses the standard :mod:
   array orjson does not take natively, is written as its list). Objects orjson cannot encode
   (integers beyond 64 bits, non-string keys) are encoded by :mod:`json` under the same rule;
   anything neither can encode raises ``TypeError``. ``sort_keys`` sorts the keys of every object.
+  A :data:`Fragment` (JSON text encoded once, not checked: :mod:`router.context_text`) is
+  written as the text it holds, unchanged (the :mod:`json` fallback does not take it).
 
 The bytes may differ from :mod:`json`'s in whitespace and float spelling (``1e-05`` vs
 ``1e-5``); the decoded values are identical.
@@ -55,6 +57,9 @@ def _std_dumps(obj: Any, sort_keys: bool) -> str:
         obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, default=_tolist
     )
 
+
+Fragment = orjson.Fragment
+"""``Fragment(text)``: valid JSON bytes that :func:`dumps` writes as they are."""
 
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 _SORTED = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
     parser.add_argument(
+        "--context-cache-mb",
+        type=int,
+        default=256,
+        help="MiB of the sessions' last engine inputs kept as JSON text, so a turn encodes only what "
+        "it appends (0: none; default 256)",
+    )
+    parser.add_argument(
         "--mismatch-band",
         default="0.2,5",
         help="LOW,HIGH: trainer/sampler probability ratios outside it count as out of band (default 0.2,5)",
@@ -189,6 +196,7 @@ def build_config(args: argparse.Namespace):
         max_version_lag=args.max_version_lag,
         max_body_bytes=args.max_body_bytes,
         f16_support_logprobs=args.f16_logprobs,
+        context_cache_bytes=args.context_cache_mb * 2**20,
         session_idle_s=args.session_idle_timeout or None,
         mismatch_band=band,
         engine_headers=proxy_auth_headers(),

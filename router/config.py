@@ -127,7 +127,9 @@ class RouterConfig:
     configures the weight routes and their publish service (:class:`WeightsConfig`).
     ``chat_model``: the checkpoint directory whose tokenizer and chat template the chat APIs
     render with (:mod:`router.chat`; None: they answer 503); ``chat_family`` picks its renderer
-    (one of :data:`CHAT_FAMILIES`; None: detected from the tokenizer).
+    (one of :data:`CHAT_FAMILIES`; None: detected from the tokenizer). ``context_cache_bytes``
+    bounds the JSON text of the sessions' last engine inputs a router process keeps
+    (:mod:`router.context_text`; 0: none kept, every turn encodes its whole input).
 
     A session's turns stay on its replica (its prefix cache) unless that replica's queue has stayed
     above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
@@ -174,6 +176,7 @@ class RouterConfig:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     chat_model: Path | None = None
     chat_family: str | None = None
+    context_cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
@@ -183,6 +186,8 @@ class RouterConfig:
         for name in ("compact_interval_s", "route_key_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.context_cache_bytes < 0:
+            raise ValueError(f"context_cache_bytes must be >= 0, got {self.context_cache_bytes}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}: {self.policy!r}")
         for token, scopes in self.api_keys.items():

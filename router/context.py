@@ -1,6 +1,8 @@
 """The router's live state, one per app (``app.state.ctx``): config, state store, replica
-registry, the one HTTP pool of engine calls (``http``; :meth:`RouterContext.client` is the engine
-client on it, :meth:`RouterContext.replica_client` the one of a replica, pinned to its container on
+registry, the JSON text of each session's last engine input (``context_text``,
+:mod:`router.context_text`), the one HTTP pool of engine calls (``http``;
+:meth:`RouterContext.client` is the engine client on it, :meth:`RouterContext.replica_client` the
+one of a replica, pinned to its container on
 Modal), the container pins (``pins``, :mod:`router.pinning`; None for a local fleet), metrics, and
 the latest published weight version.
 
@@ -36,6 +38,7 @@ from clients.engine import (
 )
 from core.tasks import cancel_and_wait
 from router.config import RouterConfig
+from router.context_text import ContextText
 from router.metrics import RouterMetrics
 from router.mismatch import group_view
 from router.pinning import ContainerPins, open_pins
@@ -64,6 +67,7 @@ class RouterContext:
         self.metrics = RouterMetrics(
             (g.name for g in config.fleet.groups), version_lag_bound=config.max_version_lag
         )
+        self.context_text = ContextText(config.context_cache_bytes)
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []

@@ -36,13 +36,14 @@ import numpy as np
 
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from clients.engine_stream import TokenCallback
+from core.jsonio import Fragment
 from router.context import RouterContext
 from router.engine_answer import parse_turn
 from router.errors import ApiError, unavailable
 from router.policy import assign_group, choose_replica
 from router.registry import Registry
 from router.schemas import TurnSpec
-from router.segments import Ids
+from router.segments import Ids, as_ids
 from router.state.base import SessionInfo
 from router.turn_data import TurnData
 
@@ -299,7 +300,9 @@ async def run_turn(
     """Turn ``index`` of ``session``, generated with failover and parsed by
     :func:`router.engine_answer.parse_turn`: its group, replica and ``moved_from`` say where it ran,
     its spans which weight versions produced it. Raises :class:`ApiError` (4xx/503; 502 for an
-    engine answer without usable behavior records) when it cannot.
+    engine answer without usable behavior records) when it cannot. The engine gets the input's
+    JSON text from ``ctx.context_text`` (:mod:`router.context_text`: only what the session's
+    last input did not hold is encoded).
 
     With ``on_tokens``, the engine request streams (:meth:`SGLangClient.generate`) and ``await
     on_tokens(ids)`` gets the new output ids as they are sampled; the turn is parsed from the final
@@ -308,10 +311,10 @@ async def run_turn(
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
     check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
+    input_json = Fragment(ctx.context_text.encode(session.session_id, as_ids(spec.input_ids)))
     headers = {"Modal-Session-ID": session.session_id}
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
-
     recording, unable = _route_groups(ctx, session)
     streamed = _Streamed(on_tokens)
 
@@ -321,7 +324,7 @@ async def run_turn(
         rid = uuid.uuid4().hex
         try:
             generation = await client.generate(
-                spec.input_ids,
+                input_json,
                 spec.params,
                 headers=headers,
                 rid=rid,

@@ -160,6 +160,7 @@ async def create_turn(
 )
 async def finish_session(request: Request, session_id: str, body: FinishRequest) -> dict[str, Any]:
     ctx = _ctx(request)
+    ctx.context_text.forget(session_id)
     info = await ctx.store.get_session(session_id)
     if info is None:
         raise ApiError(404, f"unknown session {session_id!r}")
@@ -183,8 +184,10 @@ async def finish_session(request: Request, session_id: str, body: FinishRequest)
     responses=error_responses(404, 409, 422),
 )
 async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
+    ctx = _ctx(request)
+    ctx.context_text.forget(session_id)
     try:
-        await _ctx(request).store.delete_session(session_id)
+        await ctx.store.delete_session(session_id)
     except SessionNotFound:
         raise ApiError(404, f"unknown session {session_id!r}") from None
     except SessionFinished:
