@@ -29,7 +29,9 @@ standing in for the engine's own time. Printed:
   the libraries the router is built on doing the least a turn needs (:func:`serve_floor`: uvicorn
   with uvloop and httptools serving one FastAPI route whose body is validated as a list of ids,
   forwarded to the stub with aiohttp, its answer decoded with orjson and returned; no auth,
-  records, state or metrics), and the router's figure as a ratio to it;
+  records, state or metrics), and the router's figure as a ratio to it; and the added latency
+  p50 of that short pass through the floor and through the router (each minus the same pass sent
+  straight to the stub): what a turn's added latency cannot go below on this machine;
 
 * the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
   started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
@@ -368,8 +370,11 @@ def serve_floor(port: int, stub_port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
 
 
-def measure_floor(stack: contextlib.ExitStack, args: argparse.Namespace, stub_port: int) -> float:
-    """The floor's CPU seconds per turn on the short pass (:func:`serve_floor` in its own process)."""
+def measure_floor(
+    stack: contextlib.ExitStack, args: argparse.Namespace, stub_port: int
+) -> tuple[float, list[float]]:
+    """The floor's CPU seconds per turn on the short pass (:func:`serve_floor` in its own process),
+    and the pass's latencies."""
     from benchmarks.router import _wait, spawn
     from tests.support.procs import free_port
 
@@ -378,10 +383,22 @@ def measure_floor(stack: contextlib.ExitStack, args: argparse.Namespace, stub_po
     proc = stack.enter_context(spawn(argv))
     _wait(f"http://127.0.0.1:{port}/docs", proc)
     cpu0 = cpu_seconds(proc.pid)
-    asyncio.run(
+    lat, _ = asyncio.run(
         run_agents(port, {}, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s)
     )
-    return (cpu_seconds(proc.pid) - cpu0) / (args.sessions * args.short_turns)
+    return (cpu_seconds(proc.pid) - cpu0) / (args.sessions * args.short_turns), _all(lat)
+
+
+def _all(lat: dict[int, list[float]]) -> list[float]:
+    return [x for xs in lat.values() for x in xs]
+
+
+def short_direct(args: argparse.Namespace, stub_port: int) -> list[float]:
+    """The short pass's latencies sent straight to the stub (the baseline of its added latency)."""
+    lat, _ = asyncio.run(
+        run_agents(stub_port, {}, args.sessions, args.short_turns, 1024, direct=True, spread_s=args.engine_s)
+    )
+    return _all(lat)
 
 
 def start_router(
@@ -418,14 +435,20 @@ async def measure_state(
         print(f"  {mode} context per turn ({'input_ids' if mode == 'full' else 'append_ids'}):")
         out[mode] = await measure_long(args, port, pid, auth, redis_url, direct, mode == "append", bound)
     cpu0 = cpu_seconds(pid)
-    await run_agents(port, auth, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s)
+    lat, _ = await run_agents(
+        port, auth, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s
+    )
     short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
     print(
         f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms); "
         f"{short / args.floor_s:.2f} x the floor's {args.floor_s * 1000:.2f} ms"
     )
+    added = pct(_all(lat), 0.5) - pct(args.short_direct, 0.5)
+    floor = args.floor_added * 1000
+    print(f"  added p50 on the short pass: {added * 1000:.2f} ms (the floor's: {floor:.2f} ms)")
     out["short_cpu_ms_per_turn"] = round(short * 1000, 3)
     out["short_cpu_vs_floor"] = round(short / args.floor_s, 3)
+    out["short_added_p50_ms"] = round(added * 1000, 3)
     if args.chat_turns:
         cpu0 = cpu_seconds(pid)
         chat = await run_chat_agents(
@@ -548,11 +571,14 @@ def main() -> int:
                 stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s
             )
         )
-        args.floor_s = measure_floor(stack, args, stub_port)
+        args.short_direct = short_direct(args, stub_port)
+        args.floor_s, floor_lat = measure_floor(stack, args, stub_port)
+        args.floor_added = pct(floor_lat, 0.5) - pct(args.short_direct, 0.5)
         report["floor_cpu_ms_per_turn"] = round(args.floor_s * 1000, 3)
+        report["floor_short_added_p50_ms"] = round(args.floor_added * 1000, 3)
         print(
             f"floor (FastAPI route + aiohttp forward + orjson decode, nothing else), short pass: "
-            f"{args.floor_s * 1000:.2f} ms CPU per turn"
+            f"{args.floor_s * 1000:.2f} ms CPU per turn, added p50 {args.floor_added * 1000:.2f} ms"
         )
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
