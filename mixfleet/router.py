@@ -173,6 +173,8 @@ def build_config(args: argparse.Namespace):
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
     if args.session_idle_timeout < 0:
         raise UserError("--session-idle-timeout must be >= 0")
+    if args.context_cache_mb < 0:
+        raise UserError("--context-cache-mb must be >= 0")
     if args.max_body_bytes < 1024:
         raise UserError("--max-body-bytes must be at least 1024")
     if args.max_version_lag is not None and args.max_version_lag < 0:

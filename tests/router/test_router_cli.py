@@ -46,6 +46,7 @@ def test_router_bad_argument_is_one_line() -> None:
         (("--heartbeat-timeout", "-1"), "--heartbeat-timeout"),
         (("--max-body-bytes", "10"), "--max-body-bytes"),
         (("--max-version-lag", "-2"), "--max-version-lag"),
+        (("--context-cache-mb", "-1"), "--context-cache-mb"),
     ],
 )
 def test_bad_router_arguments_name_the_option(args, needle, monkeypatch) -> None:
