@@ -9,15 +9,23 @@ text and encodes only the new tail; anything else (a fork, a session whose turns
 process served, an evicted entry) is encoded whole. The check is an exact comparison of the ids,
 so the text is always that of the input, whatever the store or the other processes did.
 
-Entries are evicted least recently used beyond ``max_bytes`` (the ids' bytes and the text's;
-about 11 bytes per context token) and dropped by :meth:`ContextText.forget`. With several router
-processes on one store an entry helps only the turns of its session that reach the same process
-(an agent's keep-alive connection does).
+The cache holds at most ``max_bytes`` (the ids' bytes and the text's; about 11 bytes per
+context token). An entry is dropped by :meth:`ContextText.forget` (its session finished or was
+deleted); to make room, entries unused for ``stale_s`` are dropped, least recently used first;
+when that is not enough the new entry is not kept. So when more sessions are open than the
+bound holds, the sessions already kept keep their entries while they fit (a least-recently-used
+rule would drop each one just before its next turn: agents take turns in rounds) and the others
+encode their whole inputs, as without the cache. With several router processes on one store an entry helps
+only the turns of its session that reach the same process (an agent's keep-alive connection
+does).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,12 +35,16 @@ from core.jsonio import dumps
 class ContextText:
     """Per-process cache of each session's last engine input and its JSON text (module docstring)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(
+        self, max_bytes: int, stale_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.stale_s = stale_s
         self.size = 0
-        self._entries: OrderedDict[str, tuple[np.ndarray, bytes]] = OrderedDict()
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -40,40 +52,54 @@ class ContextText:
     def encode(self, session_id: str, ids: np.ndarray) -> bytes:
         """The JSON text of ``ids`` (a one-dimensional integer array) as a list: ``dumps(ids)``
         byte for byte, built from the session's cached text when ``ids`` starts with its cached
-        ids; ``ids`` and the text then become the session's entry."""
-        entry = self._entries.pop(session_id, None)
-        if entry is not None:
-            self.size -= _nbytes(entry)
+        ids; ``ids`` and the text then become the session's entry, if the bound allows."""
+        entry = self._pop(session_id)
         text = _extend(entry, ids) if entry is not None else None
         if text is None:
             text = dumps(ids)
-        entry = (ids, text)
-        if _nbytes(entry) <= self.max_bytes:
-            self._entries[session_id] = entry
-            self.size += _nbytes(entry)
-            while self.size > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self.size -= _nbytes(old)
+        self._keep(session_id, _Entry(ids, text, self._clock()))
         return text
 
     def forget(self, session_id: str) -> None:
         """Drop the session's entry (its session finished or was deleted), if any."""
+        self._pop(session_id)
+
+    def _pop(self, session_id: str) -> _Entry | None:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
-            self.size -= _nbytes(entry)
+            self.size -= entry.nbytes
+        return entry
+
+    def _keep(self, session_id: str, entry: _Entry) -> None:
+        """Keep ``entry``, dropping stale entries (least recently used first) to make room; not
+        kept when that is not enough."""
+        stale = entry.used - self.stale_s
+        while self.size + entry.nbytes > self.max_bytes and self._entries:
+            oldest = next(iter(self._entries))
+            if self._entries[oldest].used > stale:
+                break
+            self._pop(oldest)
+        if self.size + entry.nbytes <= self.max_bytes:
+            self._entries[session_id] = entry
+            self.size += entry.nbytes
 
 
-def _extend(entry: tuple[np.ndarray, bytes], ids: np.ndarray) -> bytes | None:
-    """The text of ``ids`` from ``entry`` (cached ids and their text) when ``ids`` extends the
-    cached ids; None when it does not."""
-    have, text = entry
-    n = len(have)
-    if n == 0 or len(ids) < n or not np.array_equal(ids[:n], have):
+@dataclass(frozen=True)
+class _Entry:
+    ids: np.ndarray
+    text: bytes
+    used: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + len(self.text)
+
+
+def _extend(entry: _Entry, ids: np.ndarray) -> bytes | None:
+    """The text of ``ids`` from ``entry`` when ``ids`` extends its ids; None when it does not."""
+    n = len(entry.ids)
+    if n == 0 or len(ids) < n or not np.array_equal(ids[:n], entry.ids):
         return None
     if len(ids) == n:
-        return text
-    return b"".join((text[:-1], b",", dumps(ids[n:])[1:]))
-
-
-def _nbytes(entry: tuple[np.ndarray, bytes]) -> int:
-    return entry[0].nbytes + len(entry[1])
+        return entry.text
+    return b"".join((entry.text[:-1], b",", dumps(ids[n:])[1:]))

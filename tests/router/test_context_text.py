@@ -68,19 +68,29 @@ def test_random_turns_of_many_sessions_always_give_the_inputs_text() -> None:
         array = ids_of(ids) if rng.random() < 0.8 else np.array(ids, dtype=np.int64)
         assert cache.encode(sid, array) == reference(array)
         assert cache.size <= cache.max_bytes
-        assert cache.size == sum(a.nbytes + len(t) for a, t in cache._entries.values())
 
 
-def test_the_bound_evicts_the_least_recently_used_and_zero_keeps_nothing() -> None:
+def test_the_bound_keeps_the_sessions_kept_and_drops_only_stale_entries_for_new_ones() -> None:
     one = ids_of(list(range(100)))
     per_entry = one.nbytes + len(reference(one))
-    cache = ContextText(2 * per_entry)
-    for sid in ("a", "b", "c"):
-        cache.encode(sid, one)
-    assert len(cache) == 2 and cache.size == 2 * per_entry
-    cache.forget("c")
+    now = [0.0]
+    cache = ContextText(5 * per_entry, stale_s=60.0, clock=lambda: now[0])
+    sids = [f"s{i}" for i in range(10)]
+    first = {sid: cache.encode(sid, one) for sid in sids}  # agents in rounds: more than the bound
+    assert len(cache) == 5 and cache.size == 5 * per_entry
+    again = {sid: cache.encode(sid, one) for sid in sids}
+    kept = [sid for sid in sids if again[sid] is first[sid]]  # the cached text itself: a hit
+    assert kept == sids[:5]  # the same five hit every round; the others encode whole
+    assert all(again[sid] == reference(one) for sid in sids)
+    cache.forget("s0")
     cache.forget("gone")
-    assert len(cache) == 1
+    assert cache.encode("s9", one) is not first["s9"] and len(cache) == 5  # s9 took s0's room
+    now[0] = 61.0  # every entry unused for longer than stale_s: the oldest (s1) makes room
+    s5 = cache.encode("s5", one)
+    assert len(cache) == 5 and cache.encode("s5", one) is s5
+    s1 = cache.encode("s1", one)  # not kept any more: encoded whole, then kept in s2's room
+    assert s1 is not first["s1"] and cache.encode("s1", one) is s1
+    assert cache.encode("s3", one) is first["s3"]
     none = ContextText(0)
     assert none.encode("a", one) == reference(one) and len(none) == 0 and none.size == 0
     with pytest.raises(ValueError, match="max_bytes must be >= 0"):
