@@ -49,16 +49,18 @@ class ContextText:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode(self, session_id: str, ids: np.ndarray) -> bytes:
+    def encode(self, session_id: str, ids: np.ndarray) -> tuple[bytes, bool]:
         """The JSON text of ``ids`` (a one-dimensional integer array) as a list: ``dumps(ids)``
         byte for byte, built from the session's cached text when ``ids`` starts with its cached
-        ids; ``ids`` and the text then become the session's entry, if the bound allows."""
+        ids (then True: reused); ``ids`` and the text then become the session's entry, if the
+        bound allows."""
         entry = self._pop(session_id)
         text = _extend(entry, ids) if entry is not None else None
+        reused = text is not None
         if text is None:
             text = dumps(ids)
         self._keep(session_id, _Entry(ids, text, self._clock()))
-        return text
+        return text, reused
 
     def forget(self, session_id: str) -> None:
         """Drop the session's entry (its session finished or was deleted), if any."""

@@ -40,6 +40,7 @@ from core.jsonio import Fragment
 from router.context import RouterContext
 from router.engine_answer import parse_turn
 from router.errors import ApiError, unavailable
+from router.metrics import CONTEXT_TEXT
 from router.policy import assign_group, choose_replica
 from router.registry import Registry
 from router.schemas import TurnSpec
@@ -259,6 +260,14 @@ def check_vocab(ctx: RouterContext, group: str, rows: Sequence[Ids], field: str)
         raise ApiError(422, f"{where} = {row[i]} is outside the vocabulary (size {vocab})")
 
 
+def _input_text(ctx: RouterContext, session: SessionInfo, input_ids: Ids) -> bytes:
+    """The JSON text of a turn's whole input (:mod:`router.context_text`), counted as reused or
+    encoded."""
+    text, reused = ctx.context_text.encode(session.session_id, as_ids(input_ids))
+    ctx.metrics.context_text.labels(session.group, CONTEXT_TEXT[not reused]).inc()
+    return text
+
+
 def _ms(seconds: float) -> float:
     """Milliseconds to 3 decimals (``round(seconds * 1000, 3)`` for durations, without its
     decimal conversion)."""
@@ -311,7 +320,7 @@ async def run_turn(
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
     check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
-    input_json = Fragment(ctx.context_text.encode(session.session_id, as_ids(spec.input_ids)))
+    text = _input_text(ctx, session, spec.input_ids)
     headers = {"Modal-Session-ID": session.session_id}
     if min_version is not None:
         headers[MIN_VERSION_HEADER] = str(min_version)
@@ -324,7 +333,7 @@ async def run_turn(
         rid = uuid.uuid4().hex
         try:
             generation = await client.generate(
-                input_json,
+                Fragment(text),
                 spec.params,
                 headers=headers,
                 rid=rid,

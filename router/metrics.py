@@ -87,6 +87,9 @@ def _h(name: str, labels: tuple[str, ...], help: str) -> MetricDef:
     return MetricDef(name, "histogram", labels, "seconds", help, LATENCY_BUCKETS)
 
 
+CONTEXT_TEXT = ("reused", "encoded")
+"""The ``result`` label of ``mixfleet_router_context_text_total`` (:mod:`router.dispatch`)."""
+
 CHAT_CONTEXTS = ("resumed", "whole")
 """The ``context`` label of ``mixfleet_router_chat_turns_total`` (:mod:`router.chat.service`)."""
 
@@ -106,6 +109,14 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
         "",
         "Turns whose input did not extend the session's stored context (history edited or "
         "re-rendered): each starts a new segment of its trajectory",
+    ),
+    _c(
+        "mixfleet_router_context_text_total",
+        (*G, "result"),
+        "",
+        "Turns by how the engine input's JSON text was built (router/context_text.py): extended "
+        "from the session's cached text (reused: only the new tokens encoded) or encoded whole "
+        "(encoded: a session's first turn here, a fork, an entry not kept)",
     ),
     _c(
         "mixfleet_router_chat_turns_total",
@@ -399,6 +410,7 @@ class RouterMetrics:
         self.turns = m["mixfleet_router_turns_total"]
         self.forks = m["mixfleet_router_forks_total"]
         self.chat_turns = m["mixfleet_router_chat_turns_total"]
+        self.context_text = m["mixfleet_router_context_text_total"]
         self.tokens = m["mixfleet_router_tokens_total"]
         self.sessions = m["mixfleet_router_sessions_created_total"]
         self.failovers = m["mixfleet_router_failovers_total"]
@@ -420,9 +432,9 @@ class RouterMetrics:
 
     def zero_groups(self, groups: Iterable[str]) -> None:
         """Make every group-labelled request-path series of ``groups`` exist (at 0 if new): per
-        group, every failover reason and chat context, and a session move between every ordered pair of known
-        groups. Panels then show 0, not "no data", and the first event of a series counts in
-        rate() instead of being its first sample."""
+        group, every failover reason, chat context and context-text result, and a session move
+        between every ordered pair of known groups. Panels then show 0, not "no data", and the
+        first event of a series counts in rate() instead of being its first sample."""
         new = [g for g in dict.fromkeys(groups) if g not in self._known]
         if not new:
             return
@@ -435,6 +447,8 @@ class RouterMetrics:
                 self.failovers.labels(g, reason)
             for context in CHAT_CONTEXTS:
                 self.chat_turns.labels(g, context)
+            for result in CONTEXT_TEXT:
+                self.context_text.labels(g, result)
         self._known += new
         for a in self._known:
             for b in self._known:

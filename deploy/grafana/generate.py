@@ -74,6 +74,7 @@ M = {
     "moves": "mixfleet_router_session_moves_total",
     "forks": "mixfleet_router_forks_total",
     "chat_turns": "mixfleet_router_chat_turns_total",
+    "context_text": "mixfleet_router_context_text_total",
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
@@ -563,8 +564,11 @@ def overview() -> JSON:
             "re-rendered history): each starts a new segment of its trajectory, trained as its own "
             f"sample. Forks per turn says how much context is stored twice. Chat turns rendered whole: "
             "chat turns whose every message was rendered (the history before the last turn changed, "
-            "or token turns came between), not only the messages after the last turn.\n\nMetrics: "
-            f"`{M['forks']}`, `{M['turns']}`, `{M['chat_turns']}`",
+            "or token turns came between), not only the messages after the last turn. Engine input "
+            "text reused: the share of turns whose whole input (SGLang has no append API) was "
+            "encoded only where it extends the session's last input on the same router process; "
+            "low with several router processes unless agents keep their connection.\n\nMetrics: "
+            f"`{M['forks']}`, `{M['turns']}`, `{M['chat_turns']}`, `{M['context_text']}`",
             [
                 target(or_zero(sum_rate(M["forks"], GROUP)), "{{group}} forks"),
                 target(
@@ -574,6 +578,13 @@ def overview() -> JSON:
                 target(
                     or_zero(sum_rate(M["chat_turns"], GROUP, 'context="whole"')),
                     "{{group}} chat turns rendered whole",
+                ),
+                target(
+                    divide(
+                        sum_rate(M["context_text"], GROUP, 'result="reused"'),
+                        sum_rate(M["context_text"], GROUP),
+                    ),
+                    "{{group}} engine input text reused (share)",
                 ),
             ],
         ),

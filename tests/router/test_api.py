@@ -101,7 +101,9 @@ def test_appended_tokens_and_a_fork_through_the_api(client: httpx.Client) -> Non
     engine input, so the same tokens as a full-context turn with the same seed); a full context
     that edits history is a fork: recorded, counted, and a new segment in the batch."""
     forks = 'mixfleet_router_forks_total{group="cpu-a"}'
+    text = 'mixfleet_router_context_text_total{group="cpu-a",result="%s"}'
     before = _metric(client.get("/metrics").text, forks)
+    texts = [_metric(client.get("/metrics").text, text % r) for r in ("reused", "encoded")]
     sid = _session(client, group="cpu-a")
     full = _session(client, group="cpu-a")
     t0 = client.post(
@@ -123,6 +125,9 @@ def test_appended_tokens_and_a_fork_through_the_api(client: httpx.Client) -> Non
     assert (t3["context"], t3["fork"]) == (len(edited) + len(t2["output_ids"]), None)
     traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert [t["append_ids"] for t in traj["turns"]] == [[5, 6, 7], [9], edited, []]
+    # the engine input's text: extended for t1, f1 and t3; encoded whole for the first turns and the fork
+    after = [_metric(client.get("/metrics").text, text % r) for r in ("reused", "encoded")]
+    assert after == [texts[0] + 3, texts[1] + 3]
     for s in (sid, full):
         assert client.post(f"/v1/sessions/{s}/finish", json={"reward": 1.0}).status_code == 200
     taken = client.post("/v1/batches/take", json={"size": 100}, headers={"Accept": MEDIA_TYPE})

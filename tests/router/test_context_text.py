@@ -24,12 +24,12 @@ def ids_of(values: list[int]) -> np.ndarray:
 def test_the_next_turn_of_a_session_reuses_its_text_and_is_exact() -> None:
     cache = ContextText(1 << 20)
     first = ids_of([1, 22, 333])
-    assert cache.encode("s", first) == b"[1,22,333]"
-    text = cache.encode("s", first)
-    assert cache.encode("s", first) is text  # the same input: the cached text itself
+    assert cache.encode("s", first) == (b"[1,22,333]", False)
+    assert cache.encode("s", first) == (b"[1,22,333]", True)
     longer = ids_of([1, 22, 333, 4_294_967_295, 0])
-    assert cache.encode("s", longer) == reference(longer)
-    assert len(cache) == 1 and cache.size == longer.nbytes + len(reference(longer))
+    assert cache.encode("s", longer) == (reference(longer), True)
+    assert cache.encode("other", longer) == (reference(longer), False)
+    assert len(cache) == 2 and cache.size == 2 * (longer.nbytes + len(reference(longer)))
 
 
 @pytest.mark.parametrize(
@@ -40,15 +40,16 @@ def test_the_next_turn_of_a_session_reuses_its_text_and_is_exact() -> None:
 def test_an_input_that_does_not_extend_the_cached_one_is_encoded_whole(after: list[int]) -> None:
     cache = ContextText(1 << 20)
     cache.encode("s", ids_of([1, 22, 333]))
-    assert cache.encode("s", ids_of(after)) == reference(ids_of(after))
-    assert cache.encode("s", ids_of([*after, 8])) == reference(ids_of([*after, 8]))
+    assert cache.encode("s", ids_of(after)) == (reference(ids_of(after)), False)
+    assert cache.encode("s", ids_of([*after, 8])) == (reference(ids_of([*after, 8])), True)
 
 
 def test_random_turns_of_many_sessions_always_give_the_inputs_text() -> None:
     rng = random.Random(7)
-    cache = ContextText(6_000)  # small: evictions happen
+    cache = ContextText(6_000)  # small: entries are not kept, stale ones dropped
     sessions: dict[str, list[int]] = {}
-    for _ in range(3_000):
+    reused = 0
+    for step in range(3_000):
         sid = f"s{rng.randrange(12)}"
         ids = sessions.get(sid, [])
         action = rng.random()
@@ -66,8 +67,11 @@ def test_random_turns_of_many_sessions_always_give_the_inputs_text() -> None:
             ids = [rng.randrange(100)]
         sessions[sid] = ids
         array = ids_of(ids) if rng.random() < 0.8 else np.array(ids, dtype=np.int64)
-        assert cache.encode(sid, array) == reference(array)
+        text, hit = cache.encode(sid, array)
+        assert text == reference(array), step
         assert cache.size <= cache.max_bytes
+        reused += hit
+    assert reused > 500  # the cache was exercised, not only bypassed
 
 
 def test_the_bound_keeps_the_sessions_kept_and_drops_only_stale_entries_for_new_ones() -> None:
@@ -76,22 +80,21 @@ def test_the_bound_keeps_the_sessions_kept_and_drops_only_stale_entries_for_new_
     now = [0.0]
     cache = ContextText(5 * per_entry, stale_s=60.0, clock=lambda: now[0])
     sids = [f"s{i}" for i in range(10)]
-    first = {sid: cache.encode(sid, one) for sid in sids}  # agents in rounds: more than the bound
+
+    def reused(*which: str) -> list[str]:
+        return [sid for sid in which if cache.encode(sid, one)[1]]
+
+    assert reused(*sids) == []  # agents in rounds: more sessions than the bound holds
     assert len(cache) == 5 and cache.size == 5 * per_entry
-    again = {sid: cache.encode(sid, one) for sid in sids}
-    kept = [sid for sid in sids if again[sid] is first[sid]]  # the cached text itself: a hit
-    assert kept == sids[:5]  # the same five hit every round; the others encode whole
-    assert all(again[sid] == reference(one) for sid in sids)
+    assert reused(*sids) == sids[:5]  # the same five are reused every round; the others encode whole
+    assert reused(*sids) == sids[:5]
     cache.forget("s0")
     cache.forget("gone")
-    assert cache.encode("s9", one) is not first["s9"] and len(cache) == 5  # s9 took s0's room
+    assert reused("s9", "s9") == ["s9"] and len(cache) == 5  # s9 took s0's room
     now[0] = 61.0  # every entry unused for longer than stale_s: the oldest (s1) makes room
-    s5 = cache.encode("s5", one)
-    assert len(cache) == 5 and cache.encode("s5", one) is s5
-    s1 = cache.encode("s1", one)  # not kept any more: encoded whole, then kept in s2's room
-    assert s1 is not first["s1"] and cache.encode("s1", one) is s1
-    assert cache.encode("s3", one) is first["s3"]
+    assert reused("s5", "s5") == ["s5"] and len(cache) == 5
+    assert reused("s1", "s1", "s3") == ["s1", "s3"]  # s1 again in s2's room; s3 still kept
     none = ContextText(0)
-    assert none.encode("a", one) == reference(one) and len(none) == 0 and none.size == 0
+    assert none.encode("a", one) == (reference(one), False) and len(none) == 0 and none.size == 0
     with pytest.raises(ValueError, match="max_bytes must be >= 0"):
         ContextText(-1)
