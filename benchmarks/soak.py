@@ -732,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     args = ap.parse_args(argv)
     if args.short:
-        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 60.0, 4, 3, 8.0, 6.0
+        # the load runs until the last fault recovered (each waits for the one before to recover)
+        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 20.0, 4, 3, 4.0, 4.0
     cfg = SoakConfig(
         args.duration,
         args.agents,
