@@ -326,6 +326,20 @@ class Fleet:
 # ------------------------------------------------------------------------------ load
 
 
+def _already_finished(exc: Exception) -> bool:
+    """Whether a failed finish is the router's 409 for a session no longer open: a finish sent
+    before it (an attempt whose answer was lost, retried by the client or by the agent) was stored,
+    so the session is finished (``already finished``), or already taken and acknowledged by the
+    trainer (``already consumed``); see ``finish_session`` in ``router/routes_sessions.py``."""
+    from clients.router import RouterError
+
+    return (
+        isinstance(exc, RouterError)
+        and exc.status == 409
+        and any(f"is already {s}" in exc.detail for s in ("finished", "consumed"))
+    )
+
+
 class Load:
     """The agents and the trainer, on one event loop."""
 
@@ -374,6 +388,9 @@ class Load:
                 self.tally.finished[sid] = done
                 return
             except Exception as exc:
+                if _already_finished(exc):  # a retry of a finish the router had stored
+                    self.tally.finished[sid] = done
+                    return
                 self.tally.turn_errors[f"finish: {type(exc).__name__}"] += 1
                 await asyncio.sleep(1.0)
 
@@ -715,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     args = ap.parse_args(argv)
     if args.short:
-        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 60.0, 4, 3, 8.0, 6.0
+        # the load runs until the last fault recovered (each waits for the one before to recover)
+        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 20.0, 4, 3, 4.0, 4.0
     cfg = SoakConfig(
         args.duration,
         args.agents,

@@ -4,8 +4,8 @@ cores, since most tests wait on real processes), scheduled by
 :mod:`tests.support.schedule`, after numba's kernels are compiled once (:mod:`tests.support.warm`).
 Without ``-n`` everything runs in one process.
 
-``make_model_dir`` reuses a model it already built under the same root, so the engine, model
-and router suites build each (preset, format) once per worker.
+``make_model_dir`` reuses a model it already built under the same root, and copies one built under
+another root from the session's model cache, so the suite builds each (preset, format, seed) once.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from tests.support import warm
-from tests.support.models import make_model_dir
+from tests.support.models import CACHE_ENV, make_model_dir
 from tests.support.schedule import arrange
 
 _WARM = pytest.StashKey[tuple]()
+_MODEL_CACHE = pytest.StashKey[Path]()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -31,7 +32,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On the controller of a run on workers: start compiling numba's kernels (the workers wait)."""
+    """The session's model cache (:data:`tests.support.models.CACHE_ENV`; workers share the
+    controller's); on the controller of a run on workers: start compiling numba's kernels (the
+    workers wait)."""
+    if not os.environ.get(CACHE_ENV):
+        cache = Path(tempfile.mkdtemp(prefix="mixfleet-test-models-"))
+        os.environ[CACHE_ENV] = str(cache)
+        config.stash[_MODEL_CACHE] = cache
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
     if config.getoption("collectonly"):
@@ -49,6 +56,10 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    cache = config.stash.get(_MODEL_CACHE, None)
+    if cache is not None:
+        os.environ.pop(CACHE_ENV, None)
+        shutil.rmtree(cache, ignore_errors=True)
     proc, workdir = config.stash.get(_WARM, (None, None))
     if proc is not None:
         if proc.poll() is None:

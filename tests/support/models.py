@@ -3,7 +3,9 @@
 ``make_model_dir(root, preset, fmt)`` returns ``root/<preset>-<fmt>``, building it on first use
 (BF16 base via ``mixfleet.init_model.write_model``, then ``weight_sync.convert.convert_checkpoint``
 for fp8 / nvfp4 / mxfp4) and reusing it afterwards, so a session-scoped ``root`` builds each
-model once. A directory appears complete or not at all (written aside, then renamed).
+model once. With ``MIXFLEET_TEST_MODEL_CACHE`` set (the suite sets it), each model is built once
+there and copied to the other roots. A directory appears complete or not at all (written aside,
+then renamed).
 
 Typical use::
 
@@ -23,6 +25,11 @@ import tempfile
 from pathlib import Path
 
 from core.formats import FORMATS
+
+# A directory (set by tests/conftest.py for the session) where each model is built once; a model
+# asked for under another root is copied from there (models are deterministic in their preset, format
+# and seed; a copy, so a test that alters its files alters only its own).
+CACHE_ENV = "MIXFLEET_TEST_MODEL_CACHE"
 
 
 def make_model_dir(
@@ -44,9 +51,13 @@ def make_model_dir(
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    cache = os.environ.get(CACHE_ENV)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        if fmt == "bf16":
+        if cache and Path(cache).resolve() != root.resolve():
+            shutil.rmtree(staging)  # a copy of the one this session built, byte for byte the same
+            shutil.copytree(make_model_dir(cache, preset, fmt, seed), staging)
+        elif fmt == "bf16":
             write_model(staging, preset, seed)
         else:
             base = make_model_dir(root, preset, "bf16", seed)

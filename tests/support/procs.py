@@ -95,12 +95,16 @@ def redis_process(
     port: int, data_dir: Path, *, appendonly: bool = False, log: Path | None = None
 ) -> Iterator[subprocess.Popen]:
     """redis-server on loopback ``port`` keeping its files in ``data_dir``; yields the process once
-    it answers ``PING`` (after loading its append-only file, when it has one)."""
+    it answers ``PING`` (after loading its append-only file, when it has one). With ``appendonly``
+    it fsyncs the file before answering each write (``--appendfsync always``): a write it accepted
+    survives a restart, even on a loaded machine."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if appendonly else "no", "--dir", str(data_dir)]  # fmt: skip
+    if appendonly:  # every accepted write is on disk before its reply: a restart loses none of them
+        argv += ["--appendfsync", "always"]
     with process(argv, log=log) as proc:
         import redis
 
