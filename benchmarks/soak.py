@@ -23,12 +23,13 @@ answering 500 to every request for ``--fault-s``.
 Printed at the end (and written to ``--out`` as JSON): turns and trajectories served; trajectories
 lost (finished by an agent, never delivered to the trainer), duplicated (acknowledged twice) and
 incomplete (delivered with a different number of turns than the agent completed) -- all three
-must be 0; turns failed over and failed for the agent; versions published and the versions every
-replica activated; router (all processes) and redis memory at start, middle and end; and for each
-fault the fleet's added latency per turn (the agent's wall time of the turn minus the engine's time
-of the attempt that answered, ``timings.engine_ms``: routing, failover, retries, recording, HTTP)
-p50 / p99 in the 30 s before it,
-during it (until its recovery plus 10 s) and in the 30 s after.
+must be 0; turns failed over and failed for the agent; versions published (each publish's start,
+seconds and outcome; ``--short`` runs on until one succeeds after the last fault recovered, for up
+to 2 min) and the versions every replica activated; router (all processes) and redis memory at
+start, middle and end; and for each fault the fleet's added latency per turn (the agent's wall
+time of the turn minus the engine's time of the attempt that answered, ``timings.engine_ms``:
+routing, failover, retries, recording, HTTP) p50 / p99 in the 30 s before it, during it (until its
+recovery plus 10 s) and in the 30 s after.
 
 Acknowledged trajectories stay in the state store for the router's ``--retention`` (``--retention``
 here, default 600 s; the router's own default is an hour), so its memory levels off once the run
@@ -113,6 +114,7 @@ class Tally:
     delivered_turns: dict[str, int] = field(default_factory=dict)
     published: list[int] = field(default_factory=list)
     publish_errors: list[str] = field(default_factory=list)
+    publish_s: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, seconds, ok)
     memory: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -434,19 +436,25 @@ class Load:
             if not self.stopping.is_set():
                 await self.publish(client)
 
+    def published_since(self, t: float) -> bool:
+        return any(ok and start >= t for start, _, ok in self.tally.publish_s)
+
     def drained(self) -> bool:
         return all(s in self.tally.delivered for s in self.tally.finished)
 
     async def publish(self, client: Any) -> None:
         self.publish_running.set()
+        t0, ok = time.monotonic(), False
         try:
             job = await client.publish(str(self.fleet.base))
             job = await client.wait_job(job["job_id"], timeout_s=600.0)
             self.tally.published.append(job["version"])
+            ok = True
         except Exception as exc:
             self.tally.publish_errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             self.publish_running.clear()
+            self.tally.publish_s.append((t0, time.monotonic() - t0, ok))
 
 
 # ------------------------------------------------------------------------------ faults
@@ -604,6 +612,7 @@ def summarize(
         s for s, n in tally.finished.items() if s in tally.delivered_turns and tally.delivered_turns[s] != n
     ]
     mem = tally.memory
+    last_recovery = max((f.recovered_at or f.at for f in faults), default=0.0)
     return {
         "turns": len(tally.turns),
         "trajectories_finished": len(tally.finished),
@@ -617,6 +626,8 @@ def summarize(
         "versions_published": len(tally.published),
         "last_version": max(tally.published, default=0),
         "publish_errors": tally.publish_errors[:10],
+        "publishes": [{"at": t, "seconds": round(d, 2), "ok": ok} for t, d, ok in tally.publish_s],
+        "published_after_faults": sum(ok and t >= last_recovery for t, _, ok in tally.publish_s),
         "latest_version": status.get("latest_version"),
         "active_versions": {
             g["group"]: sorted({r["active_version"] for r in g["replicas"]}, key=str)
@@ -675,6 +686,10 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
                     await asyncio.to_thread(_sample_memory, fleet, tally, t0)
                     next_sample += 30.0
                 await asyncio.sleep(0.5)
+            over = time.monotonic()  # a short run goes on until a publish after the faults succeeded
+            while rounds is not None and not load.published_since(over) and time.monotonic() - over < 120:
+                fleet.supervise()
+                await asyncio.sleep(0.5)
             load.stopping.set()
 
         trainer = asyncio.create_task(load.trainer(client))
@@ -694,7 +709,8 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
 
 def print_report(report: dict[str, Any]) -> None:
     keys = ("turns", "trajectories_finished", "trajectories_delivered", "lost", "duplicated", "incomplete",
-            "turns_moved", "versions_published", "last_version", "drain_timed_out")  # fmt: skip
+            "turns_moved", "versions_published", "published_after_faults", "last_version",
+            "drain_timed_out")  # fmt: skip
     for k in keys:
         print(f"{k:>24}: {report[k]}")
     print(f"{'turn errors':>24}: {report['turn_errors']}")

@@ -27,7 +27,7 @@ def test_short_soak_loses_nothing_through_every_fault(tmp_path: Path) -> None:
     assert [f["name"] for f in report["faults"]] == [*names, "slow", "errors"]
     assert all(f["recovered_at"] is not None for f in report["faults"]), report["faults"]
     assert report["trajectories_delivered"] == report["trajectories_finished"] > 0
-    assert report["versions_published"] > 0
+    assert report["published_after_faults"] > 0, report["publish_errors"]  # publishing works again
     latest = report["latest_version"]
     assert all(v == [latest] for v in report["active_versions"].values()), report["active_versions"]
     assert report["replica_restarts"]["cpu-bf16"] >= 1  # the engine kill replaced that replica

@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -370,7 +371,7 @@ def _executor(workers: int | None, conversion_pool: ConversionPool | None, jobs:
     """The executor of ``jobs`` conversions and the torch threads each gets: the kept pool's, one
     thread in this process (``workers == 0``: small models, tests), or a pool for this call."""
     if conversion_pool is not None:
-        return conversion_pool.executor(), conversion_pool.threads
+        return conversion_pool, conversion_pool.threads
     if workers == 0:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert"), os.cpu_count() or 1
     n_workers = _worker_count(workers, jobs)
@@ -633,11 +634,13 @@ def _advance(store: VersionStore, run_id: str, version: int, p: _Pending, on_eve
     on_event("advanced", {"format": p.fmt})
 
 
-class ConversionPool:
+class ConversionPool(Executor):
     """Worker processes kept across publications (a publishing service owns one).
 
     ``workers`` processes with ``cores // workers`` torch threads each. ``warm()`` starts them
-    (imports torch and the converter) ahead of the first publication. Thread-safe.
+    (imports torch and the converter) ahead of the first publication. ``submit`` runs a call in
+    them; a pool found broken when a call is submitted (its idle workers were killed from outside:
+    the OOM killer, an operator) is replaced by new workers once. Thread-safe.
     """
 
     def __init__(self, workers: int | None = None) -> None:
@@ -660,19 +663,43 @@ class ConversionPool:
                 self._pool = _process_pool(self.workers, self.threads)
             return self._pool
 
-    def warm(self) -> None:
-        """Start every worker and import the converter in it; returns when they are ready."""
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         pool = self.executor()
+        try:
+            return pool.submit(fn, *args, **kwargs)
+        except BrokenProcessPool:  # a worker died; any call it ran has already failed with this
+            self._replace(pool)
+            return self.executor().submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """:meth:`close` (``cancel_futures``: running calls are killed); it always joins."""
+        self.close(terminate=cancel_futures)
+
+    def warm(self) -> set[int]:
+        """Start every worker and import the converter in it; returns, when they are ready, the
+        process ids of the workers that were warmed (every one, unless some kept failing to
+        start)."""
         warmed: set[int] = set()
         for _ in range(4):  # a worker may take two warm jobs while another starts: go again
-            warmed.update(f.result() for f in [pool.submit(_warm_job) for _ in range(self.workers)])
+            warmed.update(f.result() for f in [self.submit(_warm_job) for _ in range(self.workers)])
             if len(warmed) >= self.workers:
-                return
+                break
+        return warmed
 
     def reset(self) -> None:
         """Stop the workers (a failed publication's conversions); the next use starts new ones."""
         with self._lock:
             pool, self._pool = self._pool, None
+        self._stop(pool)
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:
+                self._pool = None
+        self._stop(broken)
+
+    @staticmethod
+    def _stop(pool: ProcessPoolExecutor | None) -> None:
         if pool is not None:
             _terminate_pool(pool)  # before shutdown, which forgets the worker processes
             pool.shutdown(wait=False, cancel_futures=True)

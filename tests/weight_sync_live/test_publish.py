@@ -66,9 +66,10 @@ def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, m
     monkeypatch.setenv("TMPDIR", str(scratch))  # the spawned workers' temp dir
     pool = ConversionPool(workers=2)
     try:
-        pool.warm()
-        workers = pool.executor()._processes  # noqa: SLF001 - which processes exist
-        assert len(workers) == 2 and all(p.is_alive() for p in workers.values())
+        workers = pool.warm()
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, 0)  # alive
         assert not list(scratch.iterdir())  # the warm-up conversions were removed
         store = LocalStore(tmp_path / "store")
         result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
@@ -77,6 +78,33 @@ def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, m
             assert store.verify(VersionRef(RUN, f, 1)).version == 1
     finally:
         pool.close()
+
+
+def test_a_pool_whose_idle_workers_were_killed_is_replaced(tmp_path, tiny_base) -> None:
+    """The OOM killer or an operator killed the kept pool's workers between publications: the next
+    publication starts new workers instead of failing on the broken pool."""
+    pool = ConversionPool(workers=2)
+    try:
+        killed = pool.warm()
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(pid) for pid in killed):
+            time.sleep(0.05)
+        store = LocalStore(tmp_path / "store")
+        result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
+        assert sorted(f.format for f in result.formats) == sorted(FORMATS)
+        assert not killed & pool.warm()
+    finally:
+        pool.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_converted_once_per_format_and_republish_is_idempotent(tmp_path, tiny_base, tiny_seed2) -> None:
