@@ -1,4 +1,4 @@
-"""The JSON text of each session's engine input, kept so that a turn encodes only what it appends.
+"""Each session's last engine input, kept so that a turn encodes and reads only what it appends.
 
 SGLang has no append API: every turn sends the engine the session's whole context as JSON
 (``input_ids``), and encoding 128K ids is ~0.9 ms of the router's CPU per turn, growing with the
@@ -8,6 +8,15 @@ session: the stored context is the last input and its output, then the new token
 text and encodes only the new tail; anything else (a fork, a session whose turns another router
 process served, an evicted entry) is encoded whole. The check is an exact comparison of the ids,
 so the text is always that of the input, whatever the store or the other processes did.
+
+Once that input's turn is stored (:meth:`ContextText.stored`), the entry also knows the context
+the turn left in the state store (the whole input, then the output: an extension appends to a
+stored context that is the input's prefix, a fork starts its segment with the whole input) and
+after how many turns (:meth:`ContextText.known`). The next turn then reads the store's context
+only when the session's ``n_turns`` moved on since (``known_turns`` of
+:meth:`~router.state.base.StateStore.get_session_context`: a context after a given number of
+turns never changes, and session ids are never reused), so a turn at 128K tokens does not read
+512 KB back from Redis.
 
 The cache holds at most ``max_bytes`` (the ids' bytes and the text's; about 11 bytes per
 context token). An entry is dropped by :meth:`ContextText.forget` (its session finished or was
@@ -25,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +71,23 @@ class ContextText:
         self._keep(session_id, _Entry(ids, text, self._clock()))
         return text, reused
 
+    def stored(self, session_id: str, ids: np.ndarray, turns: int, output_ids: np.ndarray) -> None:
+        """The turn whose whole input was ``ids`` (the very array :meth:`encode` was last given for
+        the session; else nothing is noted) is stored: after ``turns`` turns the session's context
+        is ``ids`` then ``output_ids``."""
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.ids is ids:
+            self._pop(session_id)
+            self._keep(session_id, replace(entry, turns=turns, output=output_ids))
+
+    def known(self, session_id: str) -> tuple[int, np.ndarray] | None:
+        """The number of turns and the context they left (uint32) noted by :meth:`stored`, if the
+        session's entry has them."""
+        entry = self._entries.get(session_id)
+        if entry is None or entry.turns is None or entry.output is None:
+            return None
+        return entry.turns, np.concatenate((entry.ids, entry.output))
+
     def forget(self, session_id: str) -> None:
         """Drop the session's entry (its session finished or was deleted), if any."""
         self._pop(session_id)
@@ -91,10 +117,12 @@ class _Entry:
     ids: np.ndarray
     text: bytes
     used: float
+    turns: int | None = None  # once stored: the session's turns then, and the turn's output ids
+    output: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + len(self.text)
+        return self.ids.nbytes + len(self.text) + (0 if self.output is None else self.output.nbytes)
 
 
 def _extend(entry: _Entry, ids: np.ndarray) -> bytes | None:

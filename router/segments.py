@@ -86,15 +86,25 @@ class Placement:
     fork: dict[str, int] | None = None
 
 
-def locate(input_ids: Ids | None, append_ids: Ids | None, stored: bytes) -> tuple[np.ndarray, Placement]:
+Stored = bytes | np.ndarray
+"""A session's stored context: packed (:func:`pack`), or as a uint32 array."""
+
+
+def stored_ids(stored: Stored) -> np.ndarray:
+    """The stored context as a uint32 array (a view of packed bytes, not a copy)."""
+    return stored if isinstance(stored, np.ndarray) else np.frombuffer(stored, dtype="<u4")
+
+
+def locate(input_ids: Ids | None, append_ids: Ids | None, stored: Stored) -> tuple[np.ndarray, Placement]:
     """The engine's whole input (a uint32 array, :func:`as_ids`) and where it goes: ``input_ids``
     placed on the ``stored`` context (:func:`place`), or (``input_ids`` None) the stored context
     followed by ``append_ids``, which extend it by definition (no comparison). Raises ValueError
     for an empty whole input and as :func:`as_ids`."""
     if input_ids is None:
         appended = as_ids(() if append_ids is None else append_ids)
-        whole = np.concatenate((np.frombuffer(stored, dtype="<u4"), appended)) if stored else appended
-        at = Placement(len(stored) // 4, appended.tolist())
+        have = stored_ids(stored)
+        whole = np.concatenate((have, appended)) if len(have) else appended
+        at = Placement(len(have), appended.tolist())
     else:
         whole = as_ids(input_ids)
         at = place(whole, stored)
@@ -103,14 +113,14 @@ def locate(input_ids: Ids | None, append_ids: Ids | None, stored: bytes) -> tupl
     return whole, at
 
 
-def place(input_ids: Ids, stored: bytes) -> Placement:
-    """How the whole input ``input_ids`` relates to the ``stored`` context (packed): it extends
-    it when the stored tokens are its prefix (one comparison of arrays)."""
+def place(input_ids: Ids, stored: Stored) -> Placement:
+    """How the whole input ``input_ids`` relates to the ``stored`` context: it extends it when
+    the stored tokens are its prefix (one comparison of arrays)."""
     ids = as_ids(input_ids)
-    n = len(stored) // 4
+    have = stored_ids(stored)
+    n = len(have)
     if n == 0:
         return Placement(0, ids.tolist())
-    have = np.frombuffer(stored, dtype="<u4")
     if len(ids) >= n and np.array_equal(ids[:n], have):
         return Placement(n, ids[n:].tolist())
     m = min(n, len(ids))

@@ -38,7 +38,7 @@ from router.errors import ApiError
 from router.ledger import version_tokens
 from router.records import encode_stored
 from router.schemas import TurnSpec
-from router.segments import locate, pack, place
+from router.segments import Stored, as_ids, locate, pack, place
 from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict, TurnRecord
 from router.turn_data import ROUTES_SECTION, TurnData
 
@@ -55,7 +55,7 @@ async def record_turn(
     append is idempotent per ``request_id`` (default: a fresh one). ``on_tokens``: the turn's new
     output ids as they are sampled (:func:`router.dispatch.run_turn`)."""
     t0 = time.perf_counter()
-    session, stored = _open_context(await ctx.store.get_session_context(session_id), session_id)
+    session, stored = await _session_context(ctx, session_id)
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
@@ -97,13 +97,14 @@ async def record_turn(
         )
         try:
             index = await ctx.store.append_turn(session_id, record)
+            ctx.context_text.stored(session_id, full, index + 1, as_ids(turn.output_ids))
             break
         except TurnConflict as exc:  # another turn of this session was recorded meanwhile
             if spec.turn is not None:
                 why = f"turn: expected {spec.turn} but the next turn is {exc.next_turn}"
                 raise ApiError(409, why) from None
             state = await ctx.store.get_session_context(session_id)
-            stored = b"" if state is None else state[1]  # a gone session is refused by the append
+            stored = b"" if state is None else state[1] or b""  # a gone session is refused by the append
             index = exc.next_turn
             at = place(full, stored)
         except SessionFinished:
@@ -143,18 +144,20 @@ def _stored_routes(turn: TurnData, context: int) -> TurnData:
     return replace(turn, sections={**turn.sections, ROUTES_SECTION: tail.to_section()})
 
 
-async def load_open(ctx: RouterContext, session_id: str) -> SessionInfo:
-    """The session, if it exists and is open; else 404 / 409."""
-    return _open_context(await ctx.store.get_session_context(session_id), session_id)[0]
-
-
-def _open_context(state: tuple[SessionInfo, bytes] | None, session_id: str) -> tuple[SessionInfo, bytes]:
-    """The session and its stored context, if it exists and is open; else 404 / 409."""
+async def _session_context(ctx: RouterContext, session_id: str) -> tuple[SessionInfo, Stored]:
+    """The session and its stored context, if it exists and is open; else 404 / 409. The context
+    is read from the store unless this process holds it (:meth:`ContextText.known
+    <router.context_text.ContextText.known>`)."""
+    known = ctx.context_text.known(session_id)
+    state = await ctx.store.get_session_context(session_id, None if known is None else known[0])
     if state is None:
         raise ApiError(404, f"unknown session {session_id!r}")
-    if state[0].status != "open":
-        raise ApiError(409, f"session {session_id!r} is {state[0].status}: it accepts no more turns")
-    return state
+    session, stored = state
+    if session.status != "open":
+        raise ApiError(409, f"session {session_id!r} is {session.status}: it accepts no more turns")
+    if stored is None and known is not None:  # the store skips the read only for known_turns
+        return session, known[1]
+    return session, stored or b""
 
 
 def _count(ctx: RouterContext, turn: TurnData, seconds: float) -> None:

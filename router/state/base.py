@@ -17,8 +17,11 @@ Contract, for every adapter:
 * An open session's context is the token sequence of its current segment (every turn's
   appended and output tokens since the first turn or the last fork), packed as uint32
   little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
-  ``get_session_context`` reads the session and then its context. Finishing or
-  abandoning the session drops the context (the turn blocks hold every token).
+  ``get_session_context`` reads the session and then its context, or not its context when the
+  caller says it holds the context of the session's current ``n_turns`` (``known_turns``: a
+  router process keeps the context its own last turn of a session left, and a turn at 128K
+  tokens then does not read 512 KB back). Finishing or abandoning the session drops the context
+  (the turn blocks hold every token).
 * The chat routes keep one opaque note per open session, about one turn
   (:meth:`~StateStore.put_chat_note`: a later turn's note replaces it, never an earlier one's);
   :meth:`~StateStore.get_chat_state` reads the session, its context and the note in one atomic
@@ -212,11 +215,15 @@ class StateStore(abc.ABC):
     async def get_session(self, session_id: str) -> SessionInfo | None: ...
 
     @abc.abstractmethod
-    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+    async def get_session_context(
+        self, session_id: str, known_turns: int | None = None
+    ) -> tuple[SessionInfo, bytes | None] | None:
         """The session and its context (see the module docstring; empty once finished); None when
-        the session is unknown. The context is never older than the session's ``n_turns``: an
-        append that expects that index (``expected_turn``) stores against exactly that context
-        or raises :class:`TurnConflict`."""
+        the session is unknown. The context is None when ``known_turns`` is the session's
+        ``n_turns`` (the caller holds the context those turns left: a session's context after a
+        given number of turns never changes), else bytes. The context is never older than the
+        session's ``n_turns``: an append that expects that index (``expected_turn``) stores
+        against exactly that context or raises :class:`TurnConflict`."""
 
     @abc.abstractmethod
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:

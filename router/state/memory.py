@@ -122,9 +122,13 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return None if s is None else s.info
 
-    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
+    async def get_session_context(
+        self, session_id: str, known_turns: int | None = None
+    ) -> tuple[SessionInfo, bytes | None] | None:
         s = self._live(session_id)
-        return None if s is None else (s.info, bytes(s.context))
+        if s is None:
+            return None
+        return s.info, None if known_turns == s.info.n_turns else bytes(s.context)
 
     async def get_chat_state(self, session_id: str) -> ChatState | None:
         s = self._live(session_id)

@@ -200,6 +200,13 @@ redis.call('ZREM', KEYS[4], ARGV[4])
 return 0
 """
 
+_CONTEXT = """
+local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
+local n = redis.call('HGET', KEYS[1], 'n_turns') or '0'
+if ARGV[1] ~= '' and tonumber(n) == tonumber(ARGV[1]) then return {v, false} end
+return {v, redis.call('GET', KEYS[2])}
+"""
+
 _PUT_CHAT = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'chat_turn')
@@ -412,6 +419,7 @@ class RedisStore(StateStore):
         self._finish = self._r.register_script(_FINISH)
         self._delete = self._r.register_script(_DELETE)
         self._put_chat = self._r.register_script(_PUT_CHAT)
+        self._context = self._r.register_script(_CONTEXT)
         self._expire = self._r.register_script(_EXPIRE)
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
@@ -471,21 +479,19 @@ class RedisStore(StateStore):
     async def get_session(self, session_id: str) -> SessionInfo | None:
         return _info(session_id, await self._call(self._r.hmget, _skey(session_id), _FIELDS))
 
-    async def get_session_context(self, session_id: str) -> tuple[SessionInfo, bytes] | None:
-        """One round trip, ``HMGET`` then ``GET`` (no ``MULTI``): a turn appended between the two
-        makes the session's ``n_turns`` older than the context, and every append of a turn read
-        this way names that ``n_turns`` as its expected index, so it is refused (TurnConflict)
-        and read again, never stored against a context it was not placed on."""
-
-        async def read() -> list[Any]:
-            async with self._r.pipeline(transaction=False) as pipe:
-                pipe.hmget(_skey(session_id), _FIELDS)
-                pipe.get(_ckey(session_id))
-                return await pipe.execute()
-
-        values, context = await self._call(read)
+    async def get_session_context(
+        self, session_id: str, known_turns: int | None = None
+    ) -> tuple[SessionInfo, bytes | None] | None:
+        """One script (atomic): ``HMGET``, then ``GET`` of the context unless ``n_turns`` is
+        ``known_turns``."""
+        known = "" if known_turns is None else str(known_turns)
+        values, context = await self._call(
+            self._context, keys=[_skey(session_id), _ckey(session_id)], args=[known, *_FIELDS]
+        )
         info = _info(session_id, values)
-        return None if info is None else (info, context or b"")
+        if info is None:
+            return None
+        return info, None if known_turns == info.n_turns else context or b""
 
     async def get_chat_state(self, session_id: str) -> ChatState | None:
         """One ``MULTI``: ``HMGET`` (the session and its note) and ``GET`` (its context)."""

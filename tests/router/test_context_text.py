@@ -1,6 +1,7 @@
 """router.context_text: the JSON text of a session's engine input is that of the input, byte for
-byte (against the standard library's encoding), whatever sequence of extensions, forks, other
-sessions and evictions came before; the cache stays within its bound."""
+byte (against the standard library's encoding), and the context a stored turn left is exactly
+its input and output after exactly its number of turns, whatever sequence of extensions, forks,
+other sessions and evictions came before; the cache stays within its bound."""
 
 from __future__ import annotations
 
@@ -44,11 +45,32 @@ def test_an_input_that_does_not_extend_the_cached_one_is_encoded_whole(after: li
     assert cache.encode("s", ids_of([*after, 8])) == (reference(ids_of([*after, 8])), True)
 
 
+def test_a_stored_turn_notes_the_context_it_left_for_its_own_input_only() -> None:
+    cache = ContextText(1 << 20)
+    first = ids_of([1, 22, 333])
+    assert cache.known("s") is None
+    cache.encode("s", first)
+    assert cache.known("s") is None  # sent, not yet stored
+    cache.stored("s", ids_of([1, 22, 333]), 1, ids_of([5]))  # equal, but not the input encoded
+    assert cache.known("s") is None
+    cache.stored("s", first, 1, ids_of([5, 6]))
+    turns, context = cache.known("s")
+    assert turns == 1 and context.tolist() == [1, 22, 333, 5, 6]
+    assert cache.size == first.nbytes + len(reference(first)) + 8
+    cache.encode("s", ids_of([1, 22, 333, 5, 6, 7]))  # the next turn is sent: its turn not stored
+    assert cache.known("s") is None
+    cache.stored("other", first, 1, ids_of([5]))  # no entry: nothing noted
+    assert cache.known("other") is None
+    cache.forget("s")
+    assert cache.known("s") is None and len(cache) == 0 and cache.size == 0
+
+
 def test_random_turns_of_many_sessions_always_give_the_inputs_text() -> None:
     rng = random.Random(7)
     cache = ContextText(6_000)  # small: entries are not kept, stale ones dropped
     sessions: dict[str, list[int]] = {}
-    reused = 0
+    stored: dict[str, tuple[int, list[int]]] = {}  # the store: turns and context of each session
+    reused = known = 0
     for step in range(3_000):
         sid = f"s{rng.randrange(12)}"
         ids = sessions.get(sid, [])
@@ -67,11 +89,20 @@ def test_random_turns_of_many_sessions_always_give_the_inputs_text() -> None:
             ids = [rng.randrange(100)]
         sessions[sid] = ids
         array = ids_of(ids) if rng.random() < 0.8 else np.array(ids, dtype=np.int64)
+        if (have := cache.known(sid)) is not None:
+            known += 1
+            assert (have[0], have[1].tolist()) == stored[sid], step
         text, hit = cache.encode(sid, array)
         assert text == reference(array), step
+        if rng.random() < 0.7:  # the turn is stored: its output follows in the session's context
+            output = [rng.randrange(2**32) for _ in range(rng.randrange(1, 8))]
+            turns = stored.get(sid, (0, []))[0] + 1
+            stored[sid] = (turns, ids + output)
+            cache.stored(sid, array, turns, ids_of(output))
+            sessions[sid] = ids + output
         assert cache.size <= cache.max_bytes
         reused += hit
-    assert reused > 500  # the cache was exercised, not only bypassed
+    assert reused > 500 and known > 300  # the cache was exercised, not only bypassed
 
 
 def test_the_bound_keeps_the_sessions_kept_and_drops_only_stale_entries_for_new_ones() -> None:

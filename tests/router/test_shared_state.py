@@ -1,6 +1,8 @@
 """Two router processes share one Redis: a session opened on one continues on the other, the
 trainer takes it from either, a sidecar heartbeat sent to one puts the replica in rotation on
-both, and a turn costs Redis one read before the engine call and one script after it. A router
+both, and a turn costs Redis one script before the engine call and one after it (the first reads
+the context only when the router does not hold it), and append-only turns alternating between
+the routers build exactly the context the turns made. A router
 whose Redis is gone answers 503 (retryable) and serves again once Redis is back."""
 
 from __future__ import annotations
@@ -56,6 +58,33 @@ def test_a_session_moves_between_routers(two_routers) -> None:
     assert cb.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == len(batch["trajectories"])
 
 
+def test_append_only_turns_alternating_between_routers_extend_the_stored_context(two_routers) -> None:
+    """Each router holds the context its own last turn of a session left; a turn the other router
+    stored since makes it read the store's: every whole input is the context the turns built."""
+    a, b = two_routers
+    clients = {
+        name: httpx.Client(base_url=r.url, headers=r.headers, timeout=60) for name, r in (("a", a), ("b", b))
+    }
+    sid = clients["a"].post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+    context: list[int] = []
+    wholes = []
+    for i, name in enumerate("aabaabba"):
+        append = [10 + i, 20 + i]
+        t = clients[name].post(
+            f"/v1/sessions/{sid}/turns", json={"append_ids": append, "sampling_params": SP, "turn": i}
+        )
+        assert t.status_code == 200, t.text
+        wholes.append(context + append)
+        context = wholes[-1] + t.json()["output_ids"]
+    turns = clients["b"].get(f"/v1/sessions/{sid}/trajectory").json()["turns"]
+    assert [t["fork"] for t in turns] == [None] * 8
+    assert [t["context"] for t in turns] == [len(w) - 2 for w in wholes]
+    segment: list[int] = []
+    for t, whole in zip(turns, wholes, strict=True):
+        assert segment + t["append_ids"] == whole
+        segment = whole + t["output_ids"]
+
+
 def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) -> None:
     a, b = two_routers
     hb = {
@@ -75,10 +104,10 @@ def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) ->
     raise AssertionError("router b never saw the heartbeat sent to router a")
 
 
-def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) -> None:
-    """Per turn: ``HMGET`` of the session and ``GET`` of its context (one pipelined round trip;
-    ``GET`` is not counted: the version poll sends it too) before the engine call, one
-    ``EVALSHA`` (the turn, its context, the route to the serving replica, the counters) after it.
+def test_a_turn_is_two_scripts(two_routers, shared_redis) -> None:
+    """Per turn: one ``EVALSHA`` reading the session (``HMGET``) and, unless this router holds
+    it, its context (``GET``; not counted: the version poll sends it too) before the engine call,
+    one ``EVALSHA`` (the turn, its context, the route to the serving replica, the counters) after it.
     Redis counts the commands a script runs as well, and the routers' background loops read
     heartbeats and versions, so the check covers the commands that only a turn could send; a
     first turn has loaded the scripts."""
@@ -110,7 +139,7 @@ def test_a_turn_is_one_session_read_and_one_script(two_routers, shared_redis) ->
     # Each router books its ready replicas in the ledger every poll (SET in a MULTI/EXEC, once a
     # second), which may fall inside a window; a turn's own commands are in every window, so one
     # clean window of three shows a turn sends nothing else.
-    want = {**dict.fromkeys(per_turn, 0), "hmget": 5, "evalsha": 5}
+    want = {**dict.fromkeys(per_turn, 0), "hmget": 5, "evalsha": 10}
     for _ in range(3):
         sid, delta = five_turns()
         if delta == want:

@@ -125,6 +125,9 @@ async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finis
         await store.append_turn("s", rec("b", b"\x03\x00\x00\x00"))
         info, context = await store.get_session_context("s")
         assert (info.n_turns, context) == (2, bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
+        for known, expect in ((2, None), (1, context), (0, context), (3, context)):  # only n_turns skips
+            info, read = await store.get_session_context("s", known)
+            assert (info.n_turns, read) == (2, expect), known
         with pytest.raises(TurnConflict):  # a refused append leaves the context as it was
             await store.append_turn("s", rec("c", b"\x09\x00\x00\x00", fork=True, expected=0))
         assert (await store.get_session_context("s"))[1] == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0])
@@ -134,6 +137,7 @@ async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finis
         await store.finish_session("s", "f", 1.0, {})
         info, context = await store.get_session_context("s")
         assert (info.status, info.n_turns, context) == ("finished", 3, b"")
+        assert (await store.get_session_context("s", 2))[1] == b""
         assert await store.get_turns("s") == [b"blob-a", b"blob-b", b"blob-d"]
         await store.create_session("t", "g", {}, now=0.0)
         await store.append_turn("t", rec("a", b"\x05\x00\x00\x00"))
