@@ -44,10 +44,12 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Literal
 
@@ -206,11 +208,12 @@ def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequ
 # Worker side (runs in a spawned process: top-level, picklable, imports inside)
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, started: SimpleQueue) -> None:
     import signal
 
     import torch
 
+    started.put(os.getpid())  # the parent stops its workers by these pids (_shutdown)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: the parent stops its workers
 
     torch.set_num_threads(max(1, threads))
@@ -359,9 +362,9 @@ def _convert_and_commit(
         ok = True
         return t_end
     finally:
-        if pool is not None and conversion_pool is None:
-            if not ok and isinstance(pool, ProcessPoolExecutor):
-                _terminate_pool(pool)  # before shutdown, which forgets the worker processes
+        if isinstance(pool, ProcessPoolExecutor):
+            _shutdown(pool, terminate=not ok)
+        elif pool is not None and conversion_pool is None:
             pool.shutdown(wait=ok, cancel_futures=True)
         elif not ok and conversion_pool is not None:
             conversion_pool.reset()  # stop conversions still running for this failed publish
@@ -701,8 +704,7 @@ class ConversionPool(Executor):
     @staticmethod
     def _stop(pool: ProcessPoolExecutor | None) -> None:
         if pool is not None:
-            _terminate_pool(pool)  # before shutdown, which forgets the worker processes
-            pool.shutdown(wait=False, cancel_futures=True)
+            _shutdown(pool, terminate=True)
 
     def close(self, *, terminate: bool = False) -> None:
         """Stop the workers and join them (after this no worker process, queue or semaphore of
@@ -711,9 +713,7 @@ class ConversionPool(Executor):
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            if terminate:
-                _terminate_pool(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
+            _shutdown(pool, terminate=terminate, wait=True)
 
 
 def _warm_job() -> int:
@@ -738,13 +738,17 @@ def _warm_job() -> int:
     return os.getpid()
 
 
+_STARTED: weakref.WeakKeyDictionary[ProcessPoolExecutor, SimpleQueue] = weakref.WeakKeyDictionary()
+
+
 def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(threads,),
+    context = multiprocessing.get_context("spawn")
+    started = context.SimpleQueue()  # each worker puts its pid as it starts
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(threads, started)
     )
+    _STARTED[pool] = started
+    return pool
 
 
 def _worker_count(workers: int | None, jobs: int) -> int:
@@ -759,13 +763,22 @@ def _as_completed(futures: list[Future]):
     return as_completed(futures)
 
 
-def _terminate_pool(pool: ProcessPoolExecutor) -> None:
-    """Stop worker processes still converting (after a failure elsewhere)."""
-    procs = getattr(pool, "_processes", None) or {}
-    for proc in list(procs.values()):
-        with contextlib.suppress(Exception):
-            if proc.is_alive():
-                proc.terminate()
+def _shutdown(pool: ProcessPoolExecutor, *, terminate: bool, wait: bool | None = None) -> None:
+    """Shut ``pool`` down (``wait``: join its workers; default: unless ``terminate``); with
+    ``terminate`` its workers still running (a conversion, after a failure elsewhere) are stopped
+    first: the live children of this process whose pids its workers reported as they started."""
+    started = _STARTED.pop(pool, None)
+    pids: set[int] = set()
+    while started is not None and not started.empty():
+        pids.add(started.get())
+    if terminate:
+        for proc in multiprocessing.active_children():
+            if proc.pid in pids:
+                with contextlib.suppress(OSError):
+                    proc.terminate()
+    pool.shutdown(wait=not terminate if wait is None else wait, cancel_futures=True)
+    if started is not None:
+        started.close()
 
 
 def _converter_source_checksum(ckpt_dir: Path) -> str:
