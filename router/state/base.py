@@ -223,7 +223,10 @@ class StateStore(abc.ABC):
         ``n_turns`` (the caller holds the context those turns left: a session's context after a
         given number of turns never changes), else bytes. The context is never older than the
         session's ``n_turns``: an append that expects that index (``expected_turn``) stores
-        against exactly that context or raises :class:`TurnConflict`."""
+        against exactly that context or raises :class:`TurnConflict`. A turn starts with this
+        read, so it marks an open session active (:meth:`expire_idle` counts from the later of
+        its last turn's start and end: a session is not abandoned while a turn that started
+        within the idle timeout runs)."""
 
     @abc.abstractmethod
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:

@@ -128,6 +128,8 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         if s is None:
             return None
+        if s.info.status == "open":
+            s.last_active = time.time()
         return s.info, None if known_turns == s.info.n_turns else bytes(s.context)
 
     async def get_chat_state(self, session_id: str) -> ChatState | None:

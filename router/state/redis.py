@@ -201,7 +201,10 @@ return 0
 """
 
 _CONTEXT = """
-local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
+local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 4))
+if redis.call('HGET', KEYS[1], 'status') == 'open' then
+  redis.call('ZADD', KEYS[3], 'XX', ARGV[2], ARGV[3])
+end
 local n = redis.call('HGET', KEYS[1], 'n_turns') or '0'
 if ARGV[1] ~= '' and tonumber(n) == tonumber(ARGV[1]) then return {v, false} end
 return {v, redis.call('GET', KEYS[2])}
@@ -482,11 +485,13 @@ class RedisStore(StateStore):
     async def get_session_context(
         self, session_id: str, known_turns: int | None = None
     ) -> tuple[SessionInfo, bytes | None] | None:
-        """One script (atomic): ``HMGET``, then ``GET`` of the context unless ``n_turns`` is
-        ``known_turns``."""
+        """One script (atomic): ``HMGET``, the session's activity (``ZADD XX``: never re-adds
+        one expired or finished), then ``GET`` of the context unless ``n_turns`` is ``known_turns``."""
         known = "" if known_turns is None else str(known_turns)
         values, context = await self._call(
-            self._context, keys=[_skey(session_id), _ckey(session_id)], args=[known, *_FIELDS]
+            self._context,
+            keys=[_skey(session_id), _ckey(session_id), ACTIVITY],
+            args=[known, repr(time.time()), session_id, *_FIELDS],
         )
         info = _info(session_id, values)
         if info is None:

@@ -494,6 +494,12 @@ async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> 
         assert (await store.get_session("busy")).status == "open"
         assert (await store.counters())["g"].active_sessions == 1
         assert await store.expire_idle(50) == []
+        await store.create_session("started", "g", {}, now=now - 100)
+        await store.get_session_context("started")  # a turn starts: the session is active
+        assert await store.expire_idle(50) == []
+        await asyncio.sleep(0.3)
+        await store.get_session_context("done")  # a finished session stays out of the idle set
+        assert sorted(await store.expire_idle(0.2)) == [("busy", "g"), ("started", "g")]
 
 
 async def test_many_concurrent_calls_each_get_their_own_answer(store_url: str) -> None:
