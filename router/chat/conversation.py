@@ -33,27 +33,30 @@ import json
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
+import numpy as np
+
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
-from router.segments import engine_inputs, unpack
+from router.segments import as_ids, engine_inputs
 from router.state.base import ChatState
 from router.turn_data import TurnData
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """A recorded turn as its engine saw it: its whole input and its sampled ids."""
+    """A recorded turn as its engine saw it: its whole input (a list, or a uint32 array) and its
+    sampled ids."""
 
-    input_ids: list[int]
+    input_ids: Sequence[int] | np.ndarray
     output_ids: Sequence[int]
 
 
 @dataclass(frozen=True)
 class Known:
     """Where rendering starts: ``ids``, the context of the first ``messages`` messages (ending with
-    the generation prompt; empty when ``messages`` is 0), and the recorded ``turns`` an assistant
-    message from there on may be."""
+    the generation prompt; empty when ``messages`` is 0; a list or a uint32 array), and the
+    recorded ``turns`` an assistant message from there on may be."""
 
-    ids: Sequence[int] = ()
+    ids: Sequence[int] | np.ndarray = ()
     messages: int = 0
     turns: Sequence[Sampled] = ()
 
@@ -112,17 +115,18 @@ def resume(state: ChatState, messages: Sequence[Message], prefix_digests: Sequen
         return None
     if prefix_digests[note.messages] != note.digest or 4 * note.output >= len(state.context):
         return None
-    ids = unpack(state.context)
+    ids = np.frombuffer(state.context, dtype="<u4")  # no copy, no Python list of the context
     cut = len(ids) - note.output
     prefix = ids[:cut]
-    return Known(prefix, note.messages, (Sampled(prefix, ids[cut:]),))
+    return Known(prefix, note.messages, (Sampled(prefix, ids[cut:].tolist()),))
 
 
 @dataclass(frozen=True)
 class Context:
-    """``input_ids`` of the next turn; ``kept``: assistant messages given as their sampled ids."""
+    """``input_ids`` of the next turn (a uint32 array); ``kept``: assistant messages given as their
+    sampled ids."""
 
-    input_ids: list[int]
+    input_ids: np.ndarray
     kept: int
 
 
@@ -152,7 +156,8 @@ def build_context(
     by_length: dict[int, list[Sampled]] = {}
     for t in known.turns:
         by_length.setdefault(len(t.input_ids), []).append(t)
-    ids = list(known.ids)
+    base = as_ids(known.ids)  # the known context stays one array; only rendered ids are a list
+    ids: list[int] = []
     start, kept, after, prompted = known.messages, 0, False, known.messages > 0
     for i in range(start, len(messages)):
         m = messages[i]
@@ -164,8 +169,8 @@ def build_context(
         sampled = next(
             (
                 t
-                for t in by_length.get(len(ids), ())
-                if t.input_ids == ids and renderer.parse(t.output_ids).matches(m)
+                for t in by_length.get(len(base) + len(ids), ())
+                if _is_context(t.input_ids, base, ids) and renderer.parse(t.output_ids).matches(m)
             ),
             None,
         )
@@ -177,4 +182,12 @@ def build_context(
         start, after, prompted = i + 1, True, False
     tail = messages[start:]
     ids += renderer.body(tail) if after else renderer.head(tail, tools)
-    return Context(ids, kept)
+    return Context(np.concatenate((base, as_ids(ids))) if len(base) else as_ids(ids), kept)
+
+
+def _is_context(input_ids: Sequence[int] | np.ndarray, base: np.ndarray, ids: list[int]) -> bool:
+    """Whether ``input_ids`` (as long as the two) is ``base`` followed by ``ids``."""
+    n = len(base)
+    if input_ids is base:  # the resumed turn's own input: no comparison of the context
+        return not ids
+    return (n == 0 or bool(np.array_equal(input_ids[:n], base))) and list(input_ids[n:]) == ids

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import pydantic
 
 from core.jsonio import loads
@@ -203,11 +204,11 @@ def _open(state: ChatState | None, session_id: str) -> ChatState:
     return state
 
 
-def _ends_with(ids: list[int], tail: Sequence[int]) -> bool:
-    return not tail or ids[len(ids) - len(tail) :] == list(tail)
+def _ends_with(ids: np.ndarray, tail: Sequence[int]) -> bool:
+    return not tail or (len(ids) >= len(tail) and ids[len(ids) - len(tail) :].tolist() == list(tail))
 
 
-def _turn_request(input_ids: list[int], req: ChatRequest, stop_ids: Sequence[int]) -> TurnRequest:
+def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[int]) -> TurnRequest:
     """The token turn of a chat request, validated as ``/turns`` validates one (400 naming the
     field it refuses)."""
     given = {

@@ -102,7 +102,7 @@ def _conversation(renderer):
         ctx = build_context(renderer, messages, TOOLS, Known(turns=turns))
         steps.append((list(messages), ctx))
         out = _sample(renderer, text)
-        turns.append(_turn(i, ctx.input_ids, out))
+        turns.append(_turn(i, ctx.input_ids.tolist(), out))
         reply = renderer.parse(out)
         messages.append(Message("assistant", reply.content, tool_calls=reply.tool_calls))
         if i < len(follow):
@@ -116,7 +116,7 @@ def test_exact_extension(renderer):
         assert ctx.kept == i
         if i:
             prev = turns[i - 1]
-            assert ctx.input_ids[: len(prev.input_ids) + len(prev.output_ids)] == [
+            assert ctx.input_ids[: len(prev.input_ids) + len(prev.output_ids)].tolist() == [
                 *prev.input_ids,
                 *prev.output_ids,
             ]
@@ -134,9 +134,9 @@ def test_agrees_with_the_chat_template(renderer):
         for m in messages
     ]
     text = renderer.render_text(with_reasoning, TOOLS, gp=True)
-    assert ctx.input_ids == renderer.encode(text)
+    assert ctx.input_ids.tolist() == renderer.encode(text)
     messages, ctx = steps[0]
-    assert ctx.input_ids == renderer.encode(renderer.render_text(messages, TOOLS, gp=True))
+    assert ctx.input_ids.tolist() == renderer.encode(renderer.render_text(messages, TOOLS, gp=True))
 
 
 def test_sampled_reasoning_is_kept(renderer):
@@ -147,8 +147,8 @@ def test_sampled_reasoning_is_kept(renderer):
     for t in turns[:2]:
         n = len(t.output_ids)
         at = len(t.input_ids)
-        assert last.input_ids[at : at + n] == list(t.output_ids)
-    assert "The user wants the weather." in renderer.decode(last.input_ids)
+        assert last.input_ids[at : at + n].tolist() == list(t.output_ids)
+    assert "The user wants the weather." in renderer.decode(last.input_ids.tolist())
 
 
 def test_edited_history_does_not_extend(renderer):
@@ -156,17 +156,18 @@ def test_edited_history_does_not_extend(renderer):
     messages = list(steps[2][0])
     i = max(j for j, m in enumerate(messages) if m.role == "assistant")
     messages[i] = Message("assistant", "It is 25 degrees in Paris.")
+    ids = build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids.tolist()
     ctx = build_context(renderer, messages, TOOLS, Known(turns=turns))
     last = turns[1]
-    assert ctx.kept == 1 and ctx.input_ids[: len(last.input_ids)] == last.input_ids
-    assert ctx.input_ids[: len(last.input_ids) + len(last.output_ids)] != [*last.input_ids, *last.output_ids]
+    assert ctx.kept == 1 and ids[: len(last.input_ids)] == last.input_ids
+    assert ids[: len(last.input_ids) + len(last.output_ids)] != [*last.input_ids, *last.output_ids]
     first = turns[0]
     prefix = [*first.input_ids, *first.output_ids]
-    assert ctx.input_ids[: len(prefix)] == prefix
-    assert "It is 25 degrees in Paris.<|im_end|>" in renderer.decode(ctx.input_ids)
+    assert ids[: len(prefix)] == prefix
+    assert "It is 25 degrees in Paris.<|im_end|>" in renderer.decode(ids)
     other_tools = build_context(renderer, steps[2][0], (), Known(turns=turns))
     assert other_tools.kept == 0
-    assert other_tools.input_ids[: len(first.input_ids)] != first.input_ids
+    assert other_tools.input_ids[: len(first.input_ids)].tolist() != first.input_ids
 
 
 def _state(renderer, messages, turn: int, sampled: Sampled, note_turn: int | None = None) -> ChatState:
@@ -188,7 +189,7 @@ def test_resuming_from_the_last_turn_renders_the_same_context(renderer):
         known = resume(state, messages, digests(renderer.family, TOOLS, messages))
         assert known is not None and known.messages == len(steps[i - 1][0])
         ctx = build_context(renderer, messages, TOOLS, known)
-        assert ctx.input_ids == full.input_ids and ctx.kept == 1
+        assert ctx.input_ids.tolist() == full.input_ids.tolist() and ctx.kept == 1
     messages = list(steps[2][0])
     at = len(steps[1][0])
     messages[at] = Message("assistant", "It is 25 degrees in Paris.")
@@ -197,7 +198,7 @@ def test_resuming_from_the_last_turn_renders_the_same_context(renderer):
     assert known is not None
     edited = build_context(renderer, messages, TOOLS, known)
     assert edited.kept == 0
-    assert edited.input_ids == build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids
+    assert edited.input_ids.tolist() == build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids.tolist()
     # not resumed: the note is about an earlier turn, or a message before the last reply changed
     assert resume(_state(renderer, steps[1][0], 2, turns[1], note_turn=1), steps[2][0], chain) is None
     changed = [Message("system", "Be briefer."), *steps[2][0][1:]]
