@@ -36,7 +36,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
-from router.segments import as_ids, engine_inputs
+from router.segments import Stored, as_ids, engine_inputs, stored_ids
 from router.state.base import ChatState
 from router.turn_data import TurnData
 
@@ -107,15 +107,18 @@ def from_trajectory(turns: Sequence[TurnData]) -> Known:
     return Known(turns=sampled_turns(turns))
 
 
-def resume(state: ChatState, messages: Sequence[Message], prefix_digests: Sequence[str]) -> Known | None:
+def resume(
+    state: ChatState, context: Stored, messages: Sequence[Message], prefix_digests: Sequence[str]
+) -> Known | None:
     """Rendering from the session's last turn (module docstring), or None when its note does not
-    allow it. ``prefix_digests``: :func:`digests` of the request."""
+    allow it. ``context``: the session's stored context (``state``'s, or the one the caller holds);
+    ``prefix_digests``: :func:`digests` of the request."""
     note = Note.decode(state.note) if state.note_turn == state.session.n_turns - 1 else None
     if note is None or not 0 < note.messages < len(messages) or messages[note.messages].role != "assistant":
         return None
-    if prefix_digests[note.messages] != note.digest or 4 * note.output >= len(state.context):
+    ids = stored_ids(context)  # no copy, no Python list of the context
+    if prefix_digests[note.messages] != note.digest or note.output >= len(ids):
         return None
-    ids = np.frombuffer(state.context, dtype="<u4")  # no copy, no Python list of the context
     cut = len(ids) - note.output
     prefix = ids[:cut]
     return Known(prefix, note.messages, (Sampled(prefix, ids[cut:].tolist()),))

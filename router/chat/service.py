@@ -139,10 +139,12 @@ async def run_chat(
         raise ApiError(400, str(exc)) from None
     if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)
-    state = _open(await ctx.store.get_chat_state(session_id), session_id)
+    held = ctx.context_text.known(session_id)  # the context this process's last turn left
+    state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
+    context = held[1] if state.context is None and held is not None else state.context or b""
     chain = digests(renderer.family, req.tools, req.messages)
     try:
-        known = resume(state, req.messages, chain)
+        known = resume(state, context, req.messages, chain)
         whole = known is None
         if known is None:
             known = from_trajectory([decode_turn(b) for b in await ctx.store.get_turns(session_id)])

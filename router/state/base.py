@@ -24,8 +24,9 @@ Contract, for every adapter:
   (the turn blocks hold every token).
 * The chat routes keep one opaque note per open session, about one turn
   (:meth:`~StateStore.put_chat_note`: a later turn's note replaces it, never an earlier one's);
-  :meth:`~StateStore.get_chat_state` reads the session, its context and the note in one atomic
-  step. Finishing or abandoning the session drops the note.
+  :meth:`~StateStore.get_chat_state` reads the session, its context (unless ``known_turns``, as
+  ``get_session_context``) and the note in one atomic step. Finishing or abandoning the session
+  drops the note.
 * ``finish_session`` atomically marks the session finished and enqueues it as ready for the
   trainer exactly once; a retried call with the same ``request_id`` is a no-op.
 * The routing window holds the latest ``size`` session assignments (:class:`WindowEntry`, oldest
@@ -134,11 +135,11 @@ class TurnRecord:
 @dataclass(frozen=True)
 class ChatState:
     """An open session as the chat routes read it (:meth:`StateStore.get_chat_state`): the
-    session, its context (exactly the one its ``n_turns`` turns left) and the chat note kept for
-    turn ``note_turn`` (None and empty: none kept)."""
+    session, its context (exactly the one its ``n_turns`` turns left; None when not read: the
+    reader holds it) and the chat note kept for turn ``note_turn`` (None and empty: none kept)."""
 
     session: SessionInfo
-    context: bytes
+    context: bytes | None
     note_turn: int | None = None
     note: bytes = b""
 
@@ -251,9 +252,11 @@ class StateStore(abc.ABC):
         when that request stored nothing or the session is gone. One round trip."""
 
     @abc.abstractmethod
-    async def get_chat_state(self, session_id: str) -> ChatState | None:
+    async def get_chat_state(self, session_id: str, known_turns: int | None = None) -> ChatState | None:
         """The session, its context and its chat note, read in one atomic step (no turn lands
-        between the reads); None when the session is unknown. One round trip."""
+        between the reads); None when the session is unknown. One round trip. The context is not
+        read (None) when ``known_turns`` is the session's ``n_turns``, as in
+        :meth:`get_session_context`."""
 
     @abc.abstractmethod
     async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:

@@ -132,12 +132,13 @@ class MemoryStore(StateStore):
             s.last_active = time.time()
         return s.info, None if known_turns == s.info.n_turns else bytes(s.context)
 
-    async def get_chat_state(self, session_id: str) -> ChatState | None:
+    async def get_chat_state(self, session_id: str, known_turns: int | None = None) -> ChatState | None:
         s = self._live(session_id)
         if s is None:
             return None
         turn, note = s.chat or (None, b"")
-        return ChatState(s.info, bytes(s.context), turn, note)
+        context = None if known_turns == s.info.n_turns else bytes(s.context)
+        return ChatState(s.info, context, turn, note)
 
     async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:
         s = self._live(session_id)

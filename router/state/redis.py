@@ -210,6 +210,13 @@ if ARGV[1] ~= '' and tonumber(n) == tonumber(ARGV[1]) then return {v, false} end
 return {v, redis.call('GET', KEYS[2])}
 """
 
+_CHAT_STATE = """
+local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
+local n = redis.call('HGET', KEYS[1], 'n_turns') or '0'
+if ARGV[1] ~= '' and tonumber(n) == tonumber(ARGV[1]) then return {v, false} end
+return {v, redis.call('GET', KEYS[2])}
+"""
+
 _PUT_CHAT = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'chat_turn')
@@ -423,6 +430,7 @@ class RedisStore(StateStore):
         self._delete = self._r.register_script(_DELETE)
         self._put_chat = self._r.register_script(_PUT_CHAT)
         self._context = self._r.register_script(_CONTEXT)
+        self._chat_state = self._r.register_script(_CHAT_STATE)
         self._expire = self._r.register_script(_EXPIRE)
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
@@ -498,21 +506,21 @@ class RedisStore(StateStore):
             return None
         return info, None if known_turns == info.n_turns else context or b""
 
-    async def get_chat_state(self, session_id: str) -> ChatState | None:
-        """One ``MULTI``: ``HMGET`` (the session and its note) and ``GET`` (its context)."""
-
-        async def read() -> list[Any]:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hmget(_skey(session_id), (*_FIELDS, "chat_turn", "chat"))
-                pipe.get(_ckey(session_id))
-                return await pipe.execute()
-
-        values, context = await self._call(read)
+    async def get_chat_state(self, session_id: str, known_turns: int | None = None) -> ChatState | None:
+        """One script (atomic): ``HMGET`` (the session and its note), then ``GET`` of the context
+        unless ``n_turns`` is ``known_turns``."""
+        known = "" if known_turns is None else str(known_turns)
+        values, context = await self._call(
+            self._chat_state,
+            keys=[_skey(session_id), _ckey(session_id)],
+            args=[known, *_FIELDS, "chat_turn", "chat"],
+        )
         info = _info(session_id, values[: len(_FIELDS)])
         if info is None:
             return None
         turn, note = values[len(_FIELDS) :]
-        return ChatState(info, context or b"", None if turn is None else int(turn), note or b"")
+        context = None if known_turns == info.n_turns else context or b""
+        return ChatState(info, context, None if turn is None else int(turn), note or b"")
 
     async def put_chat_note(self, session_id: str, turn: int, note: bytes) -> bool:
         return bool(await self._call(self._put_chat, keys=[_skey(session_id)], args=[turn, note]))

@@ -170,6 +170,11 @@ def test_edited_history_does_not_extend(renderer):
     assert other_tools.input_ids[: len(first.input_ids)].tolist() != first.input_ids
 
 
+def _resume(state: ChatState, messages, chain):
+    """:func:`resume` from the context the store read with ``state``."""
+    return resume(state, state.context, messages, chain)
+
+
 def _state(renderer, messages, turn: int, sampled: Sampled, note_turn: int | None = None) -> ChatState:
     """The chat state the store holds after turn ``turn`` (rendered from ``messages``) was noted."""
     note = Note(len(messages), digests(renderer.family, TOOLS, messages)[-1], len(sampled.output_ids))
@@ -186,7 +191,7 @@ def test_resuming_from_the_last_turn_renders_the_same_context(renderer):
     for i in (1, 2):
         messages, full = steps[i]
         state = _state(renderer, steps[i - 1][0], i - 1, turns[i - 1])
-        known = resume(state, messages, digests(renderer.family, TOOLS, messages))
+        known = _resume(state, messages, digests(renderer.family, TOOLS, messages))
         assert known is not None and known.messages == len(steps[i - 1][0])
         ctx = build_context(renderer, messages, TOOLS, known)
         assert ctx.input_ids.tolist() == full.input_ids.tolist() and ctx.kept == 1
@@ -194,17 +199,20 @@ def test_resuming_from_the_last_turn_renders_the_same_context(renderer):
     at = len(steps[1][0])
     messages[at] = Message("assistant", "It is 25 degrees in Paris.")
     chain = digests(renderer.family, TOOLS, messages)
-    known = resume(_state(renderer, steps[1][0], 1, turns[1]), messages, chain)
+    known = _resume(_state(renderer, steps[1][0], 1, turns[1]), messages, chain)
     assert known is not None
     edited = build_context(renderer, messages, TOOLS, known)
     assert edited.kept == 0
-    assert edited.input_ids.tolist() == build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids.tolist()
+    assert (
+        edited.input_ids.tolist()
+        == build_context(renderer, messages, TOOLS, Known(turns=turns)).input_ids.tolist()
+    )
     # not resumed: the note is about an earlier turn, or a message before the last reply changed
-    assert resume(_state(renderer, steps[1][0], 2, turns[1], note_turn=1), steps[2][0], chain) is None
+    assert _resume(_state(renderer, steps[1][0], 2, turns[1], note_turn=1), steps[2][0], chain) is None
     changed = [Message("system", "Be briefer."), *steps[2][0][1:]]
     state = _state(renderer, steps[1][0], 1, turns[1])
-    assert resume(state, changed, digests(renderer.family, TOOLS, changed)) is None
-    assert resume(state, steps[2][0], digests(renderer.family, (), steps[2][0])) is None
+    assert _resume(state, changed, digests(renderer.family, TOOLS, changed)) is None
+    assert _resume(state, steps[2][0], digests(renderer.family, (), steps[2][0])) is None
 
 
 def test_parse(renderer):

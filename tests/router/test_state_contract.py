@@ -161,6 +161,9 @@ async def test_the_chat_note_is_read_with_the_context_and_only_a_later_turn_repl
         state = await store.get_chat_state("s")
         assert (state.session.n_turns, state.context) == (1, b"\x01\x00\x00\x00")
         assert (state.note_turn, state.note) == (2, b"note-2")
+        for known, context in ((1, None), (0, b"\x01\x00\x00\x00"), (2, b"\x01\x00\x00\x00")):
+            state = await store.get_chat_state("s", known)  # the context is skipped only for n_turns
+            assert (state.session.n_turns, state.context, state.note) == (1, context, b"note-2"), known
         await store.finish_session("s", "f", 1.0, {})
         state = await store.get_chat_state("s")
         assert (state.session.status, state.note_turn, state.note) == ("finished", None, b"")
