@@ -35,6 +35,7 @@ from dataclasses import astuple, dataclass
 
 import numpy as np
 
+from core.jsonio import dumps
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
 from router.segments import Stored, as_ids, engine_inputs, stored_ids
 from router.state.base import ChatState
@@ -85,12 +86,13 @@ class Note:
 
 def digests(family: str, tools: Sequence[Tool], messages: Sequence[Message]) -> list[str]:
     """Entry ``k``: a digest of the renderer ``family``, the ``tools`` and ``messages[:k]`` (every
-    field of each), for ``k`` in ``0 .. len(messages)``."""
+    field of each, as orjson writes the dataclass: a message is all strings), for ``k`` in
+    ``0 .. len(messages)``."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps([family, [astuple(t) for t in tools]], sort_keys=True).encode())
     out = [h.hexdigest()]
     for m in messages:
-        data = json.dumps(astuple(m), ensure_ascii=False).encode()
+        data = dumps(m)
         h.update(len(data).to_bytes(8, "little") + data)
         out.append(h.hexdigest())
     return out

@@ -169,12 +169,17 @@ def test_a_client_that_leaves_mid_stream_aborts_the_turn(router, paced, session,
     assert trajectory(router, session["session_id"]) == []
 
 
-def test_a_stream_fails_over_only_before_its_first_token(engine, chat_model, tmp_path):
+def test_a_stream_fails_over_only_before_its_first_token(engine, chat_model, renderer, tmp_path):
     """Two replicas sharing one list of failures: the first streamed answer breaks off before any
-    token and the turn runs on the other replica; a break after tokens ends the stream instead."""
+    token and the turn runs on the other replica; a break after tokens ends the stream instead.
+    Every answer is scripted (12 ids, no stop id): a sampled stop could end a stream before its
+    break."""
     fails: list[int] = [0]
+    words = renderer.encode(" ".join(["word"] * 12))[:12]
+    assert len(words) == 12 and not set(words) & set(renderer.stop_ids)
     with scripted_engine(engine.upstream) as a, scripted_engine(engine.upstream) as b:
         a.fail_after = b.fail_after = fails
+        a.script, b.script = [words] * 2, [words] * 2  # each /generate takes one, a broken one too
         preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [a.url, b.url]}])
         with router_process(preset, extra_args=("--chat-model", str(chat_model))) as router:
             session = _new_session(router)
