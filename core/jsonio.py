@@ -3,8 +3,9 @@ turns, records, batches): the one place orjson is used. Code off those paths (co
 environment variables, files, command output for people) uses the standard :mod:`json`.
 
 * :func:`loads` decodes UTF-8 JSON bytes (or text). Input only :mod:`json` accepts (``NaN``,
-  ``Infinity``, as some engines write) is decoded by :mod:`json`; invalid JSON raises
-  ``ValueError``.
+  ``Infinity``, as some engines write; a lone surrogate escape) is decoded by :mod:`json`, unless
+  ``strict`` (request bodies: RFC 8259 JSON whose strings are Unicode, which can be written back
+  as UTF-8); invalid JSON raises ``ValueError`` (``json.JSONDecodeError``).
 * :func:`dumps` encodes to compact UTF-8 bytes. Non-finite floats are written as ``null`` (JSON
   has no such tokens). A numpy array (a turn's token ids, :mod:`router.segments`) is written as
   a JSON list by orjson itself, in one pass, with no Python object per element (orjson's
@@ -28,11 +29,14 @@ from typing import Any
 import orjson
 
 
-def loads(data: bytes | bytearray | memoryview | str) -> Any:
-    """The value of the JSON document ``data``; ``ValueError`` when it is not JSON."""
+def loads(data: bytes | bytearray | memoryview | str, *, strict: bool = False) -> Any:
+    """The value of the JSON document ``data``; ``ValueError`` when it is not JSON (``strict``:
+    not RFC 8259 JSON of Unicode strings)."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
+        if strict:
+            raise
         if isinstance(data, memoryview):
             data = bytes(data)
         return json.loads(data)

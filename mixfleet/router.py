@@ -60,8 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--session-idle-timeout",
         type=float,
         default=3600.0,
-        help="abandon open sessions with no turn started or ended for this many seconds "
-        "(0: never; default 3600)",
+        help="abandon open sessions no turn started or ended in this many seconds (0: never; default 3600)",
     )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
     parser.add_argument(

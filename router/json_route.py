@@ -6,7 +6,9 @@ context of 100K+ ids then costs several times what orjson takes. :class:`JsonRou
 :func:`core.jsonio.loads` (FastAPI's documented way to customize how a route reads its request:
 a custom ``route_class`` whose handler wraps the request). Everything else is FastAPI's own:
 the body's validation, its OpenAPI schema, and a malformed body's 422 (``json_invalid``: the
-decoder's errors are ``json.JSONDecodeError``, which FastAPI reports).
+decoder's errors are ``json.JSONDecodeError``, which FastAPI reports). A body is strict JSON
+(:func:`core.jsonio.loads` ``strict``): no ``NaN`` and no string that is not Unicode (a lone
+surrogate escape, which no tokenizer, digest or UTF-8 answer could take).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ class JsonRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = loads(await self.body())
+            self._json = loads(await self.body(), strict=True)
         return self._json
 
 
 class JsonRoute(APIRoute):
-    """A route whose handler sees :class:`JsonRequest` (``APIRouter(route_class=JsonRoute)``)."""
+    """A route whose handler sees :class:`JsonRequest` (``APIRouter(route_class=JsonRoute)``: every
+    router of the service's routes)."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()

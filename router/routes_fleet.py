@@ -11,9 +11,10 @@ from fastapi import APIRouter, Depends, Request
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.json_route import JsonRoute
 from router.schemas import GroupsResponse, Heartbeat, HeartbeatAck, ReplicaRemoved
 
-router = APIRouter(tags=["fleet"], responses=error_responses(*AUTH))
+router = APIRouter(tags=["fleet"], responses=error_responses(*AUTH), route_class=JsonRoute)
 
 
 def _ctx(request: Request) -> RouterContext:

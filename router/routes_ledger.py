@@ -20,10 +20,11 @@ from pydantic import BaseModel
 from fleet.specs import FleetSpec
 from router.auth import require
 from router.errors import AUTH, error_responses
+from router.json_route import JsonRoute
 from router.ledger import EarlierUpdates as EarlierUpdatesRecord
 from router.ledger import LedgerSnapshot, LedgerTotals, update_costs
 
-router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH))
+router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH), route_class=JsonRoute)
 
 
 class GroupLedger(BaseModel):

@@ -23,10 +23,11 @@ from pydantic import BaseModel, Field
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, error_responses
+from router.json_route import JsonRoute
 
 TARGET_STALE_HEARTBEATS = 6
 
-router = APIRouter(tags=["ops"], responses=error_responses(*AUTH))
+router = APIRouter(tags=["ops"], responses=error_responses(*AUTH), route_class=JsonRoute)
 
 
 class PrometheusTargetGroup(BaseModel):

@@ -22,10 +22,11 @@ from router.auth import require
 from router.context import RouterContext
 from router.dispatch import check_vocab, with_failover
 from router.errors import AUTH, BODY, ApiError, error_responses, unavailable
+from router.json_route import JsonRoute
 from router.policy import assign_group
 from router.schemas import GenerateRefusal, GenerateRequest, Health
 
-router = APIRouter(tags=["sglang"])
+router = APIRouter(tags=["sglang"], route_class=JsonRoute)
 KEY_HEADERS = ("x-session-id", "x-smg-routing-key", "modal-session-id")
 _PASS_HEADERS = ("content-type", "x-request-id")
 

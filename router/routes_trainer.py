@@ -33,6 +33,7 @@ from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.json_route import JsonRoute
 from router.mismatch import TurnTokens, batch_mismatch
 from router.records import decode_turn, decode_turn_header, encode_batch
 from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
@@ -44,6 +45,7 @@ router = APIRouter(
     tags=["trainer"],
     dependencies=[Depends(require("trainer"))],
     responses=error_responses(*AUTH),
+    route_class=JsonRoute,  # bodies decoded by core.jsonio, strictly
 )
 
 
@@ -227,7 +229,7 @@ class ScoreRequest(BaseModel):
     groups: list[str] | None = None
 
 
-score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH))
+score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH), route_class=JsonRoute)
 
 
 @score_router.post(

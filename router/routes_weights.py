@@ -47,6 +47,7 @@ from router.auth import require
 from router.config import WeightsConfig
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.json_route import JsonRoute
 from router.publishing import (
     JobRunning,
     NoBf16Copy,
@@ -144,7 +145,7 @@ def _lifespan(service: PublishService, poll_s: float):
     return lifespan
 
 
-router = APIRouter(tags=["weights"])
+router = APIRouter(tags=["weights"], route_class=JsonRoute)
 ADMIN = [Depends(require("admin"))]
 JOB_REFUSALS = error_responses(*AUTH, *BODY, 409, 503)
 

@@ -37,6 +37,7 @@ from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_ch
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
+from router.json_route import JsonRoute
 
 
 async def _key(
@@ -65,6 +66,7 @@ router = APIRouter(
     tags=["chat"],
     dependencies=[Depends(_key)],
     responses=error_responses(*AUTH),
+    route_class=JsonRoute,  # bodies decoded by core.jsonio, strictly
 )
 
 

@@ -37,12 +37,14 @@ from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_ch
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
+from router.json_route import JsonRoute
 
 router = APIRouter(
     prefix="/v1/sessions/{session_id}/openai/v1",
     tags=["chat"],
     dependencies=[Depends(require("rollout"))],
     responses=error_responses(*AUTH),
+    route_class=JsonRoute,  # bodies decoded by core.jsonio, strictly
 )
 
 

@@ -240,9 +240,9 @@ def test_refusals_name_the_problem(router, session):
     with pytest.raises(openai.BadRequestError, match="top_logprobs: a turn that filters nothing"):
         client.chat.completions.create(model="t", messages=user, max_tokens=2, logprobs=True, top_logprobs=1)
     body = b'{"model": "t", "messages": [{"role": "user", "content": "a\\ud800b"}]}'  # a lone surrogate
-    r = httpx.post(
-        session["openai_base_url"] + "/chat/completions", content=body, headers=router.headers, timeout=30
-    )
+    headers = {**router.headers, "content-type": "application/json"}
+    url = session["openai_base_url"] + "/chat/completions"
+    r = httpx.post(url, content=body, headers=headers, timeout=30)
     assert r.status_code == 422, r.text  # refused before rendering (not valid UTF-8), never a 500
     ac = _anthropic(router, session)
     result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
