@@ -279,7 +279,12 @@ def sample_with_masks(fleet: Fleet, report: Report) -> None:
 
 
 class Load:
-    """Sessions sampling long turns continuously on every group until :meth:`stop`."""
+    """Sessions sampling long turns continuously on every group until :meth:`stop`.
+
+    Session ``k`` of a group asks for ``turn_tokens + 13 * k`` tokens a turn: sessions batched
+    together would otherwise end their turns at the same step and start the next together, so the
+    gaps between their turns (the router's round trip, when nothing of theirs is running) line up,
+    and an activation in such a gap finds no turn to cross it."""
 
     def __init__(self, fleet: Fleet, sessions_per_group: int, turn_tokens: int) -> None:
         self.fleet, self.per_group, self.tokens = fleet, sessions_per_group, turn_tokens
@@ -303,11 +308,12 @@ class Load:
         from trainer.client import AsyncRolloutClient
 
         async with AsyncRolloutClient(self.fleet.url, self.fleet.admin_key) as client:
-            tasks = [self._agent(client, g) for g in self.fleet.groups for _ in range(self.per_group)]
+            lengths = [self.tokens + 13 * k for k in range(self.per_group)]
+            tasks = [self._agent(client, g, n) for g in self.fleet.groups for n in lengths]
             await asyncio.gather(*tasks)
 
-    async def _agent(self, client: Any, group: str) -> None:
-        params = {**MASK_PARAMS, "max_new_tokens": self.tokens, "stop_token_ids": []}
+    async def _agent(self, client: Any, group: str, tokens: int) -> None:
+        params = {**MASK_PARAMS, "max_new_tokens": tokens, "stop_token_ids": []}
         session = await client.create_session(group=group)
         context = list(PROMPT)
         while not self._stop.is_set():

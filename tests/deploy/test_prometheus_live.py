@@ -131,6 +131,7 @@ class Observed:
     fleet: LocalFleet
     router: RouterHandle
     targets: list[dict]
+    client: RolloutClient
 
 
 def _serve(
@@ -242,7 +243,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
             for g in names:  # two scrapes after the last turn of each group: its rates have data
                 expr = f'sum(rate(mixfleet_router_tokens_total{{group="{g}"}}[5m])) > 0'
                 prom.wait(expr, f"a token rate of {g}", 60)
-            yield Observed(prom, fleet, router, targets)
+            yield Observed(prom, fleet, router, targets, client)
 
 
 def _substitute(expr: str, group: str, replica: str) -> str:
@@ -290,6 +291,12 @@ QUERY_DATA_TIMEOUT_S = 180.0
 """How long every dashboard query may take to show data after the fixture's last event: the
 series a query needs appear with the next scrapes, later on a busy machine (a scrape that times
 out leaves a gap), so the test waits for them instead of sleeping a fixed time."""
+REFRESH_S = 10.0
+"""While queries lack data, every group serves a turn this often: a rate over the dashboards'
+5 min window is 0 once every sample in it shows the same count (the fixture's turns were that
+long ago on a slow machine, or a histogram's first scrape already held all its observations:
+SGLang exports a histogram from its first observation), and the quantile panels drop a series
+whose rate is 0."""
 
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
@@ -304,8 +311,13 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
                     expr = _substitute(t["expr"], r.group, r.replica_id)
                     pending.setdefault(expr, f"{name} / {panel['title']} [{r.group}]")
     assert len(pending) > 100
+    groups = tuple(g for g, _ in GROUPS)
     deadline = time.monotonic() + QUERY_DATA_TIMEOUT_S
+    refresh = time.monotonic() + REFRESH_S
     while True:
+        if time.monotonic() > refresh:
+            _serve(observed.client, sessions=len(groups), turns=1, groups=groups)
+            refresh = time.monotonic() + REFRESH_S
         for expr, where in list(pending.items()):
             result = prom.query(expr)
             for sample in result:
