@@ -643,7 +643,9 @@ class ConversionPool(Executor):
     ``workers`` processes with ``cores // workers`` torch threads each. ``warm()`` starts them
     (imports torch and the converter) ahead of the first publication. ``submit`` runs a call in
     them; a pool found broken when a call is submitted (its idle workers were killed from outside:
-    the OOM killer, an operator) is replaced by new workers once. Thread-safe.
+    the OOM killer, an operator) is replaced by new workers once: a pool one of whose workers is no
+    longer a live child of this process, or that the executor already marked broken (it marks it
+    only after its manager thread saw the death, which can come after the next submit). Thread-safe.
     """
 
     def __init__(self, workers: int | None = None) -> None:
@@ -661,10 +663,14 @@ class ConversionPool(Executor):
         return cls(max(os.cpu_count() or 1, formats))
 
     def executor(self) -> ProcessPoolExecutor:
+        """The pool, started if there is none; a pool that lost a worker is replaced first."""
         with self._lock:
-            if self._pool is None:
+            lost = self._pool if self._pool is not None and not _workers_alive(self._pool) else None
+            if lost is not None or self._pool is None:
                 self._pool = _process_pool(self.workers, self.threads)
-            return self._pool
+            pool = self._pool
+        self._stop(lost)
+        return pool
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         pool = self.executor()
@@ -738,7 +744,30 @@ def _warm_job() -> int:
     return os.getpid()
 
 
-_STARTED: weakref.WeakKeyDictionary[ProcessPoolExecutor, SimpleQueue] = weakref.WeakKeyDictionary()
+@dataclass
+class _Started:
+    """The pids a pool's workers put on ``queue`` as they started (:func:`_init_worker`)."""
+
+    queue: SimpleQueue
+    pids: set[int] = field(default_factory=set)
+
+    def drain(self) -> set[int]:
+        while not self.queue.empty():
+            self.pids.add(self.queue.get())
+        return self.pids
+
+
+_STARTED: weakref.WeakKeyDictionary[ProcessPoolExecutor, _Started] = weakref.WeakKeyDictionary()
+
+
+def _workers_alive(pool: ProcessPoolExecutor) -> bool:
+    """Whether every worker ``pool`` started is still a live child of this process
+    (``multiprocessing.active_children`` reaps the dead ones)."""
+    started = _STARTED.get(pool)
+    if started is None:
+        return True
+    live = {proc.pid for proc in multiprocessing.active_children()}
+    return started.drain() <= live
 
 
 def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
@@ -747,7 +776,7 @@ def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
     pool = ProcessPoolExecutor(
         max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(threads, started)
     )
-    _STARTED[pool] = started
+    _STARTED[pool] = _Started(started)
     return pool
 
 
@@ -768,9 +797,7 @@ def _shutdown(pool: ProcessPoolExecutor, *, terminate: bool, wait: bool | None =
     ``terminate`` its workers still running (a conversion, after a failure elsewhere) are stopped
     first: the live children of this process whose pids its workers reported as they started."""
     started = _STARTED.pop(pool, None)
-    pids: set[int] = set()
-    while started is not None and not started.empty():
-        pids.add(started.get())
+    pids = set() if started is None else started.drain()
     if terminate:
         for proc in multiprocessing.active_children():
             if proc.pid in pids:
@@ -778,7 +805,7 @@ def _shutdown(pool: ProcessPoolExecutor, *, terminate: bool, wait: bool | None =
                     proc.terminate()
     pool.shutdown(wait=not terminate if wait is None else wait, cancel_futures=True)
     if started is not None:
-        started.close()
+        started.queue.close()
 
 
 def _converter_source_checksum(ckpt_dir: Path) -> str:

@@ -82,15 +82,19 @@ def test_warm_pool_converts_in_every_worker_and_cleans_up(tmp_path, tiny_base, m
 
 def test_a_pool_whose_idle_workers_were_killed_is_replaced(tmp_path, tiny_base) -> None:
     """The OOM killer or an operator killed the kept pool's workers between publications: the next
-    publication starts new workers instead of failing on the broken pool."""
+    publication starts new workers instead of failing on the broken pool, also when the executor
+    has not yet noticed the deaths (its manager thread marks the pool broken later: the pool is
+    replaced by what it sees of its workers, not by that mark)."""
     pool = ConversionPool(workers=2)
     try:
         killed = pool.warm()
+        old = pool.executor()
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_alive(pid) for pid in killed):
             time.sleep(0.05)
+        assert pool.executor() is not old
         store = LocalStore(tmp_path / "store")
         result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
         assert sorted(f.format for f in result.formats) == sorted(FORMATS)
