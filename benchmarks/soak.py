@@ -667,6 +667,19 @@ async def _wait_ready(client: Any, timeout_s: float = 600) -> None:
     raise RuntimeError("the fleet did not become ready")
 
 
+async def _settled_status(client: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+    """The weights status once every live replica serves the latest version (the last publish's
+    activation may still be under way when the trainer drains), or as it is after ``timeout_s``:
+    a replica that never catches up is what the report then shows."""
+    from core.errors import UserError
+
+    status = await client.weights_status()
+    if status.get("latest_version") is not None:
+        with contextlib.suppress(UserError):
+            status = await client.router.wait_active(status["latest_version"], timeout_s)
+    return status
+
+
 async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, Any]:
     from trainer.client import AsyncRolloutClient
 
@@ -702,7 +715,7 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
         except TimeoutError:
             drain_timed_out = True
         await asyncio.to_thread(_sample_memory, fleet, tally, t0)
-        status = await client.weights_status()
+        status = await _settled_status(client)
         await asyncio.gather(*(r.proxy.close() for r in fleet.replicas))
     return {**summarize(tally, faults.records, fleet, status), "drain_timed_out": drain_timed_out}
 
