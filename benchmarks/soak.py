@@ -61,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.errors import UserError  # noqa: E402
 from core.tcp import free_port  # noqa: E402
 from launcher.children import Child, spawn, stop  # noqa: E402
 
@@ -671,8 +672,6 @@ async def _settled_status(client: Any, timeout_s: float = 120.0) -> dict[str, An
     """The weights status once every live replica serves the latest version (the last publish's
     activation may still be under way when the trainer drains), or as it is after ``timeout_s``:
     a replica that never catches up is what the report then shows."""
-    from core.errors import UserError
-
     status = await client.weights_status()
     if status.get("latest_version") is not None:
         with contextlib.suppress(UserError):

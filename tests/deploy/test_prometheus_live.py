@@ -294,9 +294,9 @@ out leaves a gap), so the test waits for them instead of sleeping a fixed time."
 REFRESH_S = 10.0
 """While queries lack data, every group serves a turn this often: a rate over the dashboards'
 5 min window is 0 once every sample in it shows the same count (the fixture's turns were that
-long ago on a slow machine, or a histogram's first scrape already held all its observations:
-SGLang exports a histogram from its first observation), and the quantile panels drop a series
-whose rate is 0."""
+long ago on a slow machine, or a histogram's first scrape already held all its observations: the
+engine exports a histogram from its first observation, engine/runtime/metrics.py), and the
+quantile panels drop a series whose rate is 0."""
 
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
