@@ -78,6 +78,8 @@ def test_openai_tool_conversation(router, engine, session, renderer):
         {"role": "assistant", "content": "It is 20 degrees in Paris."},
         {"role": "user", "content": "Thanks"},
     ]
+    # scripted too: a stop the engine samples within 6 tokens would end the reply early
+    engine.script.append(renderer.encode("You are welcome.")[:6])
     third = client.chat.completions.create(model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=6)
     assert third.mixfleet == {"session_id": session["session_id"], "turn": 2, "extends": True}
     turns = trajectory(router, session["session_id"])
