@@ -18,7 +18,8 @@ the last) or, with ``incremental``, each chunk's new id and list entries only
 takes its first entry, if any, and breaks off after that many token events instead (the connection
 dropped mid-answer; engines may share one list). ``finished_at``:
 when the last event was sent (``time.monotonic``). ``rids``: the ``rid`` of every ``/generate``
-and of every ``/abort_request``, in order, as ``(path, rid)``.
+and of every ``/abort_request``, in order, as ``(path, rid)``. ``asked``: the ``sampling_params`` of
+every ``/generate`` as the router sent them (before a script replaces the length), in order.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ScriptedEngine:
     fail_after: list[int] = field(default_factory=list)
     finished_at: float = 0.0
     rids: list[tuple[str, str | None]] = field(default_factory=list)
+    asked: list[dict] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -60,6 +62,8 @@ class ScriptedEngine:
         req = json.loads(body) if request.path in ("/generate", "/abort_request") else {}
         if req:
             self.rids.append((request.path, req.get("rid")))
+        if request.path == "/generate":
+            self.asked.append(dict(req.get("sampling_params") or {}))
         stream = bool(req.pop("stream", False))
         if script is not None:
             params = dict(req["sampling_params"])

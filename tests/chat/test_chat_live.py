@@ -87,6 +87,7 @@ def test_openai_tool_conversation(router, engine, session, renderer):
     assert turns[0]["output_ids"] == renderer.encode(TOOL_CALL)
     assert third.usage.prompt_tokens == len(turns[2]["input_ids"])
     assert third.usage.completion_tokens == len(turns[2]["output_ids"]) == 6
+    assert engine.asked[-1]["max_new_tokens"] == 6  # max_tokens reached the engine
     assert "The user wants the weather." in renderer.decode(turns[2]["input_ids"])  # reasoning kept
     _check_stored(engine, turns)
 
