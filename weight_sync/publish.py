@@ -762,12 +762,25 @@ _STARTED: weakref.WeakKeyDictionary[ProcessPoolExecutor, _Started] = weakref.Wea
 
 def _workers_alive(pool: ProcessPoolExecutor) -> bool:
     """Whether every worker ``pool`` started is still a live child of this process
-    (``multiprocessing.active_children`` reaps the dead ones)."""
+    (``multiprocessing.active_children`` reaps the dead ones) and still exists: a child that the
+    executor's manager thread has just reaped stays listed by ``active_children`` (its ``waitpid``
+    fails, which ``multiprocessing`` reads as still running) until that thread records its exit."""
     started = _STARTED.get(pool)
     if started is None:
         return True
     live = {proc.pid for proc in multiprocessing.active_children()}
-    return started.drain() <= live
+    return all(pid in live and _exists(pid) for pid in started.drain())
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie, dead but not reaped, does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:

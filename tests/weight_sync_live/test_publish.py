@@ -3,6 +3,7 @@ real publisher process killed mid-conversion (no pointer moves; the next publish
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -99,6 +100,23 @@ def test_a_pool_whose_idle_workers_were_killed_is_replaced(tmp_path, tiny_base) 
         result = publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, conversion_pool=pool)
         assert sorted(f.format for f in result.formats) == sorted(FORMATS)
         assert not killed & pool.warm()
+    finally:
+        pool.close()
+
+
+def test_a_pool_whose_dead_worker_another_thread_reaped_is_replaced() -> None:
+    """The executor's manager thread may reap a killed worker before the pool looks at it; from
+    then on ``multiprocessing`` lists it as a running child (its ``waitpid`` fails). Reaping it
+    here does what that thread does, every time: the pool is replaced all the same."""
+    pool = ConversionPool(workers=1)
+    try:
+        (pid,) = pool.warm()
+        old = pool.executor()
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # the manager thread may have reaped it first
+            os.waitpid(pid, 0)
+        assert pool.executor() is not old
+        assert pid not in pool.warm()
     finally:
         pool.close()
 
