@@ -72,9 +72,14 @@ def _content(chunks: list[dict]) -> list[str]:
 def test_openai_streams_content_as_it_is_sampled(router, paced, session, renderer):
     kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0, "seed": 7}
     paced.script.append(renderer.encode(PLAIN))
+    asked = time.monotonic()
     pieces = _openai_stream(_openai(router, session), "s", **kw)
     early = [p for t, p in pieces if t < paced.finished_at]
-    assert len(_content(_chunks(b"".join(early)))) >= 2, "no content arrived before the engine finished"
+    arrived = [round(t - asked, 2) for t, _ in pieces]
+    assert len(_content(_chunks(b"".join(early)))) >= 2, (
+        f"no content arrived before the engine finished ({paced.finished_at - asked:.2f} s after the "
+        f"request): reads arrived at {arrived} s"
+    )
     raw = b"".join(p for _, p in pieces)
     chunks = _chunks(raw)
     assert len(_content(chunks)) > 10  # one event per token that shows text
