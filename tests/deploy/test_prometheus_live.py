@@ -364,8 +364,9 @@ def test_figures_agree_with_the_router(observed: Observed) -> None:
         assert float(total["value"][1]) / float(tokens["value"][1]) == pytest.approx(kl, rel=1e-9)
     (published,) = prom.query("max(mixfleet_weights_published_version)")
     assert float(published["value"][1]) == 2
-    # the recording rules run on the real Prometheus too
-    assert prom.query("group:mixfleet_mismatch_k3_kl:rate15m")
+    # the recording rules run on the real Prometheus too (evaluated every 2 s: the upload's scrape
+    # may be newer than the last evaluation)
+    prom.wait("group:mixfleet_mismatch_k3_kl:rate15m", "the k3 KL recording rule's value", 30)
     rules = prom.api("rules")["groups"]
     assert {g["name"] for g in rules} == {"mixfleet-recording", "mixfleet-alerts"}
     assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
