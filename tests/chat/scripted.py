@@ -16,8 +16,8 @@ chunk the generation so far, the per-token ``meta_info`` lists cut to it, ``fini
 the last) or, with ``incremental``, each chunk's new id and list entries only
 (``--incremental-streaming-output``), then ``data: [DONE]``. ``fail_after``: each streamed answer
 takes its first entry, if any, and breaks off after that many token events instead (the connection
-dropped mid-answer; engines may share one list). ``finished_at``:
-when the last event was sent (``time.monotonic``). ``rids``: the ``rid`` of every ``/generate``
+dropped mid-answer; engines may share one list). ``finished_at``: when the last token event was
+about to be sent (``time.monotonic``). ``rids``: the ``rid`` of every ``/generate``
 and of every ``/abort_request``, in order, as ``(path, rid)``. ``asked``: the ``sampling_params`` of
 every ``/generate`` as the router sent them (before a script replaces the length), in order.
 """
@@ -104,10 +104,11 @@ class ScriptedEngine:
             if k < len(ids):
                 chunk_meta["finish_reason"] = None
             chunk = {"text": "", "output_ids": ids[start:k], "meta_info": chunk_meta}
+            if k >= len(ids):  # set before the write: the router may answer its client at once
+                self.finished_at = time.monotonic()
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if k < len(ids):
                 await asyncio.sleep(self.token_delay_s)
-        self.finished_at = time.monotonic()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -25,7 +25,7 @@ CALL = (
     "<|im_end|>"
 )
 HELLO = [{"role": "user", "content": "Hello"}]
-PACE_S = 0.2  # wide enough that a loaded machine still delivers text before the engine ends
+PACE_S = 0.1  # wide enough that a loaded machine still delivers text before the engine ends
 
 
 @pytest.fixture
