@@ -357,7 +357,7 @@ def multiprocess_metrics(workers: int) -> Iterator[str | None]:
 def remove_stale_metric_dirs(root: str | None = None) -> list[str]:
     """Remove the metric directories in ``root`` (default: the temporary directory) whose router
     no longer runs (one killed before it could remove its own); their paths."""
-    from router.metrics import process_alive
+    from core.process import process_alive
 
     removed = []
     for path in glob.glob(os.path.join(root or tempfile.gettempdir(), f"{METRICS_DIR_PREFIX}*-*")):

@@ -35,6 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.values import MutexValue, ValueClass
 
 from core.metric_defs import MetricDef, by_name
+from core.process import process_alive
 from router.mismatch import BUCKET_LABELS, MismatchSums, rollup
 
 LATENCY_BUCKETS = (
@@ -471,17 +472,6 @@ def mark_dead_processes(path: str) -> list[int]:
     for pid in dead:
         mark_process_dead(pid, path)
     return dead
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (signal 0; someone else's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return True
-    return True
 
 
 class _SnapshotCollector:

@@ -55,6 +55,7 @@ from typing import Literal
 
 from core.errors import UserError
 from core.formats import FORMATS
+from core.process import process_alive
 from weight_sync.manifest import Manifest
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
@@ -769,18 +770,7 @@ def _workers_alive(pool: ProcessPoolExecutor) -> bool:
     if started is None:
         return True
     live = {proc.pid for proc in multiprocessing.active_children()}
-    return all(pid in live and _exists(pid) for pid in started.drain())
-
-
-def _exists(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a zombie, dead but not reaped, does)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return all(pid in live and process_alive(pid) for pid in started.drain())
 
 
 def _process_pool(workers: int, threads: int) -> ProcessPoolExecutor:
