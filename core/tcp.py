@@ -15,10 +15,19 @@ _given: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", ports: range | None = None) -> int:
     """A TCP port on ``host`` that was free a moment ago and that this process has not handed
-    out before."""
+    out before: the kernel's choice, or with ``ports`` the first such port of that range (a range
+    outside the kernel's ephemeral one is never taken meanwhile by another process's port 0 or by
+    an outgoing connection's source port)."""
     with _lock:
+        if ports is not None:
+            for port in ports:
+                if (host, port) not in _given and port_is_free(host, port):
+                    _given.add((host, port))
+                    return port
+            span = f"{ports.start}-{ports.stop - 1}"
+            raise OSError(f"no free TCP port on {host} in {span} that was not handed out already")
         for _ in range(1000):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))

@@ -234,6 +234,23 @@ def test_free_ports_are_never_handed_out_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
+def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_error() -> None:
+    import socket
+
+    from core.tcp import free_port as fleet_free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        block = range(taken, taken + 1)
+        with pytest.raises(OSError, match=f"in {taken}-{taken}"):
+            fleet_free_port("127.0.0.1", block)
+    assert fleet_free_port("127.0.0.1", block) == taken  # closed now
+    with pytest.raises(OSError, match="handed out already"):
+        fleet_free_port("127.0.0.1", block)
+
+
 @pytest.mark.timeout(120)
 def test_up_refuses_an_engine_port_answered_by_another_process(tmp_path: Path) -> None:
     from launcher.children import Child, ChildFailed, Probe

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from core.tcp import free_port
 from deploy.replica_thread import ReplicaFailed, ReplicaThread, serves_current
 from fleet.specs import GroupSpec
 from launcher.children import engine_argv, mixfleet_command
 from replica.entrypoint import ReadyReplica, run_replica
 from tests.support.models import make_model_dir
+from tests.support.procs import free_port
 from weight_sync.publish import publish_checkpoint
 from weight_sync.store import StoreLocation
 from weight_sync.store.local import LocalStore

@@ -13,6 +13,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 from tests.support.procs import free_port, mixfleet_argv, process, wait_started
 
 
@@ -48,4 +50,7 @@ def engine_process(
         proc = stack.enter_context(process(engine_argv(model_dir, port, **flags), log=log))
         url = f"http://127.0.0.1:{port}"
         wait_started("engine", url, "/health", proc, log, timeout)
+        pid = httpx.get(url + "/server_info", timeout=10).json().get("pid")
+        if pid != proc.pid:  # it failed to bind, and another process answers on its port
+            raise RuntimeError(f"engine on {url} is process {pid}, not the one started ({proc.pid})")
         yield url

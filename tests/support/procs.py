@@ -25,10 +25,27 @@ from launcher import children
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: Each pytest-xdist worker (``PYTEST_XDIST_WORKER`` gw0, gw1, ...; one process: gw0's) takes its
+#: ports from its own block below the kernel's ephemeral range (32768-60999): no two workers, and no
+#: process's port 0 or outgoing connection, can take a port a test handed to a server that is still
+#: starting (a server that failed to bind would leave its test talking to another worker's server).
+PORT_BLOCKS = range(10_000, 32_000, 2_000)
+
+
+def worker_ports() -> range:
+    """This test process's block of :data:`PORT_BLOCKS`."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw"))
+    if index >= len(PORT_BLOCKS):
+        raise RuntimeError(f"{worker}: at most {len(PORT_BLOCKS)} workers have a block of ports")
+    return range(PORT_BLOCKS[index], PORT_BLOCKS[index] + PORT_BLOCKS.step)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, never handed out twice by this
-    process (two engines started back to back could otherwise be given the same one)."""
-    return tcp.free_port("127.0.0.1")
+    """A TCP port on 127.0.0.1 of this process's block (:func:`worker_ports`) that was free a
+    moment ago, never handed out twice by this process (two engines started back to back could
+    otherwise be given the same one)."""
+    return tcp.free_port("127.0.0.1", worker_ports())
 
 
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
