@@ -57,6 +57,12 @@ class LocalFleet:
     def latest(self) -> int:
         return max(self.store.read_pointer(FormatRef(self.run_id, f)) or 0 for f in self.formats)
 
+    def next_version(self) -> int:
+        """A version no format has committed yet: one above every committed and current one (a
+        failed test may have committed a version it never made current)."""
+        committed = (max(self.store.versions(FormatRef(self.run_id, f)), default=0) for f in self.formats)
+        return max(self.latest(), *committed) + 1
+
     def wait_active(
         self, version: int, timeout: float = 60.0, replicas: Sequence[Replica] | None = None
     ) -> None:
