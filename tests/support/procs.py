@@ -25,20 +25,22 @@ from launcher import children
 REPO = Path(__file__).resolve().parents[2]
 
 
-#: Each pytest-xdist worker (``PYTEST_XDIST_WORKER`` gw0, gw1, ...; one process: gw0's) takes its
-#: ports from its own block below the kernel's ephemeral range (32768-60999): no two workers, and no
-#: process's port 0 or outgoing connection, can take a port a test handed to a server that is still
-#: starting (a server that failed to bind would leave its test talking to another worker's server).
-PORT_BLOCKS = range(10_000, 32_000, 2_000)
+#: The ports tests hand to the servers they start: below the kernel's ephemeral range (32768-60999 by
+#: default), split into one block per pytest-xdist worker (:func:`worker_ports`). No two workers, and
+#: no process's port 0 or outgoing connection, can take a port a test handed to a server that is
+#: still starting (a server that failed to bind would leave its test talking to another's server).
+TEST_PORTS = range(10_000, 32_000)
 
 
 def worker_ports() -> range:
-    """This test process's block of :data:`PORT_BLOCKS`."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker.removeprefix("gw"))
-    if index >= len(PORT_BLOCKS):
-        raise RuntimeError(f"{worker}: at most {len(PORT_BLOCKS)} workers have a block of ports")
-    return range(PORT_BLOCKS[index], PORT_BLOCKS[index] + PORT_BLOCKS.step)
+    """This test process's block of :data:`TEST_PORTS`: worker ``gwN`` of ``PYTEST_XDIST_WORKER_COUNT``
+    takes the N-th of that many equal blocks; one process (no workers) takes them all."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = len(TEST_PORTS) // count
+    if size < 150:
+        raise RuntimeError(f"{count} workers leave {size} test ports each (at least 150 wanted); use fewer")
+    return range(TEST_PORTS.start + index * size, TEST_PORTS.start + (index + 1) * size)
 
 
 def free_port() -> int:
