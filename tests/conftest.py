@@ -1,5 +1,5 @@
 """Fixtures every suite shares (one directory of generated models per test session), and how the
-suite runs in parallel when asked (``-n auto --dist loadgroup``: pytest-xdist workers, twice the
+suite runs in parallel (the README's ``-n auto --dist loadgroup``: pytest-xdist workers, twice the
 cores, since most tests wait on real processes), scheduled by
 :mod:`tests.support.schedule`, after numba's kernels are compiled once (:mod:`tests.support.warm`).
 Without ``-n`` everything runs in one process.
