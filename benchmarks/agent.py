@@ -12,7 +12,11 @@ standing in for the engine's own time. Printed:
 
 * the router's added latency p50 / p99 per turn by context size: a turn's latency through the
   router (``POST /v1/sessions/{id}/turns``, a real router process) minus the same percentile of
-  the same requests sent straight to the stub (``POST /generate``), at the same concurrency;
+  the same requests sent straight to the stub (``POST /generate``), at the same concurrency; and
+  that added p50 split in two: "own", the p50 of each turn's latency less its engine leg (the
+  router's ``timings.engine_ms``: everything the router does besides waiting for the engine), and
+  "leg", the rest (the engine leg's time over the direct request: the router's engine client and
+  the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
 * router CPU per turn (the router process's user+system time over the turns it served), on the
   long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
   tokens, full context);
@@ -126,6 +130,15 @@ class Agent:
         return b'{"input_ids":[' + self.ids + b"]," + SAMPLING + extra + b"}"
 
 
+def engine_seconds(answer: bytes) -> float:
+    """The engine leg of a turn the router answered: its ``timings.engine_ms`` (from sending
+    ``/generate`` to the engine's whole answer, as the router timed it), read without decoding the
+    answer's records."""
+    i = answer.rindex(b'"engine_ms":') + len(b'"engine_ms":')
+    j = min(k for k in (answer.find(b",", i), answer.find(b"}", i)) if k >= 0)
+    return float(answer[i:j]) / 1000
+
+
 def bucket(size: int) -> int:
     return next(b for b in BUCKETS if size <= b)
 
@@ -146,9 +159,12 @@ async def run_agents(
     direct: bool,
     append: bool = False,
     spread_s: float = 0.0,
+    own: dict[int, list[float]] | None = None,
 ) -> tuple[dict[int, list[float]], list[str]]:
     """Every agent's turns, concurrently (``append``: as appended tokens), each from its start
-    phase (:func:`start_phase` over ``spread_s``); latencies by context bucket and the session ids."""
+    phase (:func:`start_phase` over ``spread_s``); latencies by context bucket and the session ids.
+    ``own`` (a router pass): each turn's latency less its engine leg (:func:`engine_seconds`), by
+    context bucket."""
     lat: dict[int, list[float]] = {}
     sids: list[str] = []
 
@@ -168,8 +184,11 @@ async def run_agents(
                 request = build_request("POST", path, agent.next_body(t, direct=direct, append=append), auth)
                 t0 = time.perf_counter()
                 status, data = await conn.send(request)
-                lat.setdefault(bucket(agent.n), []).append(time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                lat.setdefault(bucket(agent.n), []).append(seconds)
                 assert status == 200, data[:300]
+                if own is not None:
+                    own.setdefault(bucket(agent.n), []).append(seconds - engine_seconds(data))
             if not direct:
                 finish = build_request("POST", f"{path[:-6]}/finish", b'{"reward":1.0}', auth)
                 status, data = await conn.send(finish)
@@ -303,23 +322,37 @@ def _ms(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-def report_latency(router: dict[int, list[float]], direct: dict[int, list[float]]) -> list[dict]:
-    """Print the latency table by context bucket; its rows (milliseconds)."""
-    print("  context <=   turns   router p50/p99 ms   direct p50/p99 ms   added p50/p99 ms")
+def report_latency(
+    router: dict[int, list[float]], direct: dict[int, list[float]], own: dict[int, list[float]] | None = None
+) -> list[dict]:
+    """Print the latency table by context bucket; its rows (milliseconds). With ``own``
+    (:func:`run_agents`), also the p50 of each turn's latency outside its engine leg ("own": the
+    router's receiving, checks, records, state write and answer, and the client's side of the
+    connection) and the rest of the added p50 ("leg": added p50 - own p50, the engine leg's time
+    over the direct request: the router's engine client and the body it sends)."""
+    head = "  context <=   turns   router p50/p99 ms   direct p50/p99 ms   added p50/p99 ms"
+    print(head + ("   own p50  leg p50" if own else ""))
     rows = []
     for b in sorted(router):
         r, d = router[b], direct.get(b, [])
         added = (pct(r, 0.5) - pct(d, 0.5), pct(r, 0.99) - pct(d, 0.99))
         label = "max" if b == BUCKETS[-1] else f"{b // 1024}K"
+        split = (pct(own[b], 0.5), added[0] - pct(own[b], 0.5)) if own else ()
         print(
             f"  {label:>9} {len(r):7d} {_ms(pct(r, 0.5))} {_ms(pct(r, 0.99))}   "
             f"{_ms(pct(d, 0.5))} {_ms(pct(d, 0.99))}   {_ms(added[0])} {_ms(added[1])}"
+            + "".join(f" {_ms(x)}" for x in split)
         )
         ms = [round(x * 1000, 3) for x in (pct(r, 0.5), pct(r, 0.99), pct(d, 0.5), pct(d, 0.99), *added)]
         keys = ("router_p50_ms", "router_p99_ms", "direct_p50_ms", "direct_p99_ms")
         rows.append(
             {"context_le": label, "turns": len(r), **dict(zip(keys, ms, strict=False))}
             | {"added_p50_ms": ms[4], "added_p99_ms": ms[5]}
+            | (
+                {"own_p50_ms": round(split[0] * 1000, 3), "leg_p50_ms": round(split[1] * 1000, 3)}
+                if split
+                else {}
+            )
         )
     return rows
 
@@ -490,6 +523,7 @@ async def measure_long(
     bytes stored."""
     mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
     cpu0 = cpu_seconds(pid)
+    own: dict[int, list[float]] = {}
     lat, sids = await run_agents(
         port,
         auth,
@@ -499,10 +533,11 @@ async def measure_long(
         direct=False,
         append=append,
         spread_s=args.engine_s,
+        own=own,
     )
     cpu = cpu_seconds(pid) - cpu0
     mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
-    out: dict = {"latency": report_latency(lat, direct)}
+    out: dict = {"latency": report_latency(lat, direct, own)}
     n_turns = args.sessions * args.turns
     print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
     where = "Redis used_memory" if redis_url else "router RSS"

@@ -9,7 +9,8 @@ version conflicts, weight_sync/types.py ``VersionUnavailable``), before any repl
 
 Contract of :func:`record_turn`: the turn's input is the whole context (``input_ids``) or the
 tokens appended to the session's stored context (``append_ids``: the engine gets the stored
-context and them, SGLang having no append API; its radix cache reuses the prefix). The turn
+context and them, as SGLang's ``/generate`` takes the whole context: ``docs/sglang-contract.md``;
+its radix cache reuses the prefix). The turn
 stores only what it appends (:mod:`router.segments`): a whole input that does not extend the
 stored context is a fork, recorded in the turn (``fork``) and counted per group
 (``mixfleet_router_forks_total``), and starts a new segment. On success the turn is stored once

@@ -565,7 +565,7 @@ def overview() -> JSON:
             f"sample. Forks per turn says how much context is stored twice. Chat turns rendered whole: "
             "chat turns whose every message was rendered (the history before the last turn changed, "
             "or token turns came between), not only the messages after the last turn. Engine input "
-            "text reused: the share of turns whose whole input (SGLang has no append API) was "
+            "text reused: the share of turns whose whole input (the engine gets the whole context) was "
             "encoded only where it extends the session's last input on the same router process; "
             "low with several router processes unless agents keep their connection.\n\nMetrics: "
             f"`{M['forks']}`, `{M['turns']}`, `{M['chat_turns']}`, `{M['context_text']}`",
