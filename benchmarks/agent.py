@@ -367,11 +367,15 @@ class FloorTurn(BaseModel):
 def serve_floor(port: int, stub_port: int) -> None:
     """The floor of the router's CPU per turn (the module's docstring): ``POST /v1/sessions``,
     ``.../turns`` (validated ``input_ids``, forwarded to the stub's ``/generate``, the answer decoded
-    and returned as it came) and ``.../finish`` on uvicorn, the router's own server settings."""
+    and returned as it came) and ``.../finish`` on uvicorn, the router's own server settings, through
+    the router's engine connection pool (:func:`clients.engine.make_http_client`: aiohttp's default
+    of 100 connections would queue the turns of more sessions than that)."""
     import aiohttp
     import orjson
     import uvicorn
     from fastapi import FastAPI, Response
+
+    from clients.engine import make_http_client
 
     app = FastAPI()
     url = f"http://127.0.0.1:{stub_port}/generate"
@@ -383,8 +387,8 @@ def serve_floor(port: int, stub_port: int) -> None:
 
     @app.post("/v1/sessions/{sid}/turns")
     async def turn(sid: str, body: FloorTurn) -> Response:
-        if not pool:
-            pool.append(aiohttp.ClientSession())
+        if not pool:  # the router's pool settings (its connection limit above all)
+            pool.append(make_http_client())
         payload = {
             "input_ids": body.input_ids,
             "sampling_params": body.sampling_params,
