@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--session-idle-timeout",
         type=float,
         default=3600.0,
-        help="abandon open sessions no turn started or ended in this many seconds (0: never; default 3600)",
+        help="seconds without a turn (none running) until an open session is dropped (0: never; %(default)s)",
     )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
     parser.add_argument(

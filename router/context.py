@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -68,6 +70,7 @@ class RouterContext:
             (g.name for g in config.fleet.groups), version_lag_bound=config.max_version_lag
         )
         self.context_text = ContextText(config.context_cache_bytes)
+        self.running_turns: Counter[str] = Counter()  # session id -> its turns running here
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []
@@ -158,10 +161,27 @@ class RouterContext:
             except Exception:  # a listing must never kill the loop
                 log.exception("container listing failed")
 
+    @contextlib.contextmanager
+    def turn_running(self, session_id: str) -> Iterator[None]:
+        """While a turn of ``session_id`` runs in this process (:attr:`running_turns`)."""
+        self.running_turns[session_id] += 1
+        try:
+            yield
+        finally:
+            self.running_turns[session_id] -= 1
+            if not self.running_turns[session_id]:
+                del self.running_turns[session_id]
+
     async def expire_idle_sessions(self) -> int:
-        """Abandon open sessions idle for ``session_idle_s`` (frees their capacity slots)."""
+        """Abandon open sessions idle for ``session_idle_s`` (frees their capacity slots). The
+        sessions with a turn running in this process are marked active first, so a turn that
+        outlasts the timeout keeps its session; the poll loop sweeps every tenth of the timeout
+        (1-60 s), so a turn running in another router process is covered by that process's sweeps
+        when the timeout is longer than one sweep period."""
         if self.config.session_idle_s is None:
             return 0
+        if self.running_turns:
+            await self.store.touch_sessions(list(self.running_turns))
         expired = await self.store.expire_idle(self.config.session_idle_s)
         for _sid, group in expired:
             self.metrics.expired.labels(group).inc()

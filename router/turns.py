@@ -54,7 +54,20 @@ async def record_turn(
 ) -> bytes:
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
     append is idempotent per ``request_id`` (default: a fresh one). ``on_tokens``: the turn's new
-    output ids as they are sampled (:func:`router.dispatch.run_turn`)."""
+    output ids as they are sampled (:func:`router.dispatch.run_turn`). The session counts as
+    active while the turn runs (:meth:`RouterContext.turn_running`): however long it takes, the
+    idle sweep does not abandon it."""
+    with ctx.turn_running(session_id):
+        return await _record_turn(ctx, session_id, spec, request_id, on_tokens)
+
+
+async def _record_turn(
+    ctx: RouterContext,
+    session_id: str,
+    spec: TurnSpec,
+    request_id: str | None,
+    on_tokens: TokenCallback | None,
+) -> bytes:
     t0 = time.perf_counter()
     session, stored = await _session_context(ctx, session_id)
     if spec.turn is not None and spec.turn != session.n_turns:

@@ -225,9 +225,8 @@ class StateStore(abc.ABC):
         given number of turns never changes), else bytes. The context is never older than the
         session's ``n_turns``: an append that expects that index (``expected_turn``) stores
         against exactly that context or raises :class:`TurnConflict`. A turn starts with this
-        read, so it marks an open session active (:meth:`expire_idle` counts from the later of
-        its last turn's start and end: a session is not abandoned while a turn that started
-        within the idle timeout runs)."""
+        read, so it marks an open session active (:meth:`expire_idle` counts from the latest of
+        its last turn's start and end and :meth:`touch_sessions`)."""
 
     @abc.abstractmethod
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:
@@ -275,9 +274,14 @@ class StateStore(abc.ABC):
         """Abandon an open session (not enqueued). Raises SessionNotFound / SessionFinished."""
 
     @abc.abstractmethod
+    async def touch_sessions(self, session_ids: Sequence[str]) -> None:
+        """Mark the open sessions among ``session_ids`` active now (a turn of each is running);
+        an unknown, finished or abandoned one stays as it is (never re-added). One round trip."""
+
+    @abc.abstractmethod
     async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
-        """Abandon (as :meth:`delete_session`) every open session without a creation or turn in
-        the last ``idle_s`` seconds; returns their (session id, group)."""
+        """Abandon (as :meth:`delete_session`) every open session without a creation, turn or
+        :meth:`touch_sessions` in the last ``idle_s`` seconds; returns their (session id, group)."""
 
     # trainer queue --------------------------------------------------------------------
     @abc.abstractmethod

@@ -216,6 +216,13 @@ class MemoryStore(StateStore):
         self._counters[s.info.group]["active_sessions"] -= 1
         del self._sessions[session_id]
 
+    async def touch_sessions(self, session_ids: Sequence[str]) -> None:
+        now = time.time()
+        for sid in session_ids:
+            s = self._sessions.get(sid)
+            if s is not None and s.info.status == "open":
+                s.last_active = now
+
     async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
         before = time.time() - idle_s
         out = []

@@ -589,6 +589,12 @@ class RedisStore(StateStore):
         if rc == -2:
             raise SessionFinished(session_id)
 
+    async def touch_sessions(self, session_ids: Sequence[str]) -> None:
+        """``ZADD XX`` of the activity set: only sessions in it (open) move."""
+        if session_ids:
+            now = time.time()
+            await self._call(self._r.zadd, ACTIVITY, dict.fromkeys(session_ids, now), xx=True)
+
     async def expire_idle(self, idle_s: float) -> list[tuple[str, str]]:
         before = time.time() - idle_s
         sids = await self._call(self._r.zrangebyscore, ACTIVITY, "-inf", before, start=0, num=1000)

@@ -5,7 +5,9 @@ The rules (the table in ``docs/architecture.md``, section *State and its bounds*
 with their flags):
 
 * an **open session** without a creation or turn for ``session_idle_s`` is abandoned
-  (:meth:`~router.state.base.StateStore.expire_idle`, run by the router's poll loop);
+  (:meth:`~router.state.base.StateStore.expire_idle`, run by the router's poll loop); a session
+  with a turn running is not idle (its router marks it active first:
+  :meth:`~router.state.base.StateStore.touch_sessions`);
 * a **finished session** (a trajectory: ready, held back or leased) is accepted data: it stays
   until a lease that holds it is acknowledged, however long that takes;
 * an **acknowledged trajectory** stays readable ``retention_s`` after its acknowledgement;

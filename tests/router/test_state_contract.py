@@ -505,6 +505,28 @@ async def test_idle_open_sessions_expire_and_free_their_slot(store_url: str) -> 
         assert sorted(await store.expire_idle(0.2)) == [("busy", "g"), ("started", "g")]
 
 
+async def test_touched_sessions_stay_active_and_gone_ones_stay_gone(store_url: str) -> None:
+    async with opened(store_url) as store:
+        now = time.time()
+        for sid in ("running", "idle", "done", "deleted"):
+            await store.create_session(sid, "g", {}, now=now - 100)
+        record = TurnRecord("r", b"x", group="g", replica="rep", tokens=1, min_version=None, max_version=None)
+        await store.append_turn("done", record)
+        await store.finish_session("done", "f", 1.0, {})
+        await store.delete_session("deleted")
+        await store.touch_sessions([])
+        await store.touch_sessions(["running", "done", "deleted", "unknown"])  # a turn of each runs
+        assert await store.expire_idle(50) == [("idle", "g")]
+        assert (await store.get_session("running")).status == "open"
+        assert (await store.get_session("done")).status == "finished"
+        assert await store.get_session("deleted") is None and await store.get_session("unknown") is None
+        assert (await store.counters())["g"].active_sessions == 1
+        if store_url.startswith("redis"):  # only open sessions are in the activity set, touched or not
+            assert redis.Redis.from_url(store_url).zrange("mf:activity", 0, -1) == [b"running"]
+        await asyncio.sleep(0.3)
+        assert await store.expire_idle(0.2) == [("running", "g")]  # touched once: idle again since
+
+
 async def test_many_concurrent_calls_each_get_their_own_answer(store_url: str) -> None:
     async with opened(store_url) as store:
         sids = [f"c{i}" for i in range(200)]
