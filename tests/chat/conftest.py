@@ -1,5 +1,5 @@
 """Live fixtures of the chat tests: the ``tiny`` model (a chat model, as every preset), a real
-engine behind the scripted stand-in (:mod:`tests.chat.scripted`) and a real router whose chat
+engine behind the scripted stand-in (:mod:`tests.support.scripted`) and a real router whose chat
 model is that checkpoint."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from router.chat.renderers import load_renderer
-from tests.chat.scripted import scripted_engine
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir
 from tests.support.router import router_process, write_preset
+from tests.support.scripted import scripted_engine
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The chat APIs per session with the official ``openai`` and ``anthropic`` clients against a live
-router and engine (scripted where a reply must be a real tool call: :mod:`tests.chat.scripted`):
+router and engine (scripted where a reply must be a real tool call: :mod:`tests.support.scripted`):
 multi-turn tool use, an edited history, streaming against non-streaming, and every stored turn
 equal to the tokens the engine saw and answered."""
 

@@ -1,5 +1,5 @@
 """Chat answers streamed as they are sampled, with the official clients against a live router and
-the scripted engine (:mod:`tests.chat.scripted`) pacing its streamed tokens: content arrives in
+the scripted engine (:mod:`tests.support.scripted`) pacing its streamed tokens: content arrives in
 many events before the engine sends its last token, cumulative and incremental engine streams
 alike; the stored turn equals a non-streamed one's; an ``Idempotency-Key`` replay of a streamed
 turn is byte-identical; a tool call is still parsed (its markup never shown as content); an
@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from tests.chat.conftest import trajectory
-from tests.chat.scripted import scripted_engine
 from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
 from tests.support.router import router_process, write_preset
+from tests.support.scripted import scripted_engine
 
 PLAIN = "Streaming arrives token by token, as sampled.<|im_end|>"
 CALL = (

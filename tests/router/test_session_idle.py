@@ -1,6 +1,6 @@
 """``--session-idle-timeout`` abandons a session without activity, never one whose turn is running:
 a real router (memory state, then Redis) in front of a real engine whose answers a loopback
-stand-in holds back (:mod:`tests.chat.scripted`, ``delay_s``) for several idle timeouts. The slow
+stand-in holds back (:mod:`tests.support.scripted`, ``delay_s``) for several idle timeouts. The slow
 turn is recorded; a session created beside it and left alone is abandoned meanwhile."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from tests.chat.scripted import scripted_engine
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
+from tests.support.scripted import scripted_engine
 
 IDLE_S = 1.0
 HOLD_S = 4.0  # the engine's answer: four idle timeouts, several sweeps (one a second)

@@ -1,6 +1,6 @@
-"""A scripted SGLang-protocol engine for the chat tests: a loopback proxy in front of a real local
-engine that records every ``/generate`` exchange and, while a script is queued, answers the next
-one with the scripted output ids.
+"""A scripted SGLang-protocol engine (the chat tests' tool calls, a router test's slow turns): a
+loopback proxy in front of a real local engine that records every ``/generate`` exchange and,
+while a script is queued, answers the next one with the scripted output ids.
 
 A scripted answer is the real engine's answer to the same request asked for exactly as many
 tokens (``ignore_eos``, no stop ids) with the sampled ids replaced by the script: every field the
