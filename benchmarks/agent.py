@@ -88,6 +88,7 @@ from benchmarks.router import (  # noqa: E402
     serve_stub,
     stub_generate_body,
 )
+from core.jsonio import loads  # noqa: E402
 
 VOCAB = 4096
 VARINT_ID_BYTES = 2  # ids below 16384
@@ -132,11 +133,8 @@ class Agent:
 
 def engine_seconds(answer: bytes) -> float:
     """The engine leg of a turn the router answered: its ``timings.engine_ms`` (from sending
-    ``/generate`` to the engine's whole answer, as the router timed it), read without decoding the
-    answer's records."""
-    i = answer.rindex(b'"engine_ms":') + len(b'"engine_ms":')
-    j = min(k for k in (answer.find(b",", i), answer.find(b"}", i)) if k >= 0)
-    return float(answer[i:j]) / 1000
+    ``/generate`` to the engine's whole answer, as the router timed it)."""
+    return loads(answer)["timings"]["engine_ms"] / 1000
 
 
 def bucket(size: int) -> int:

@@ -2,14 +2,13 @@
 
 Every turn sends the engine the session's whole context as JSON (``input_ids``: a stateless
 ``/generate``; SGLang's sessions, which would keep it on the engine, pin its KV or copy it every
-turn: ``docs/sglang-contract.md``), and encoding 128K ids is ~0.9 ms of the router's CPU per
-turn, growing with the context. :class:`ContextText` keeps, per session, the last whole input
-this process sent (the ids and their JSON text). A turn's whole input that starts with those ids
-(the next turn of the session: the stored context is the last input and its output, then the new
-tokens) reuses the text and encodes only the new tail; anything else (a fork, a session whose
-turns another router process served, an evicted entry) is encoded whole. The check is an exact
-comparison of the ids, so the text is always that of the input, whatever the store or the other
-processes did.
+turn: ``docs/sglang-contract.md``), and encoding the ids costs CPU in proportion to the context.
+:class:`ContextText` keeps, per session, the last whole input this process sent (the ids and
+their JSON text). A turn's whole input that starts with those ids (the next turn of the session:
+the stored context is the last input and its output, then the new tokens) reuses the text and
+encodes only the new tail; anything else (a fork, a session whose turns another router process
+served, an evicted entry) is encoded whole. The check is an exact comparison of the ids, so the
+text is always that of the input, whatever the store or the other processes did.
 
 Once that input's turn is stored (:meth:`ContextText.stored`), the entry also knows the context
 the turn left in the state store (the whole input, then the output: an extension appends to a

@@ -9,17 +9,16 @@ version conflicts, weight_sync/types.py ``VersionUnavailable``), before any repl
 
 Contract of :func:`record_turn`: the turn's input is the whole context (``input_ids``) or the
 tokens appended to the session's stored context (``append_ids``: the engine gets the stored
-context and them, as SGLang's ``/generate`` takes the whole context: ``docs/sglang-contract.md``;
-its radix cache reuses the prefix). The turn
-stores only what it appends (:mod:`router.segments`): a whole input that does not extend the
-stored context is a fork, recorded in the turn (``fork``) and counted per group
-(``mixfleet_router_forks_total``), and starts a new segment. On success the turn is stored once
-(a conflict with a concurrent turn of the same session re-numbers it, unless the caller pinned
-``turn``, and places its input again on the context that turn left) as its turn block
-(:func:`router.records.encode_stored`), and the returned JSON bytes are
-:meth:`~router.turn_data.TurnData.to_json` (without ``append_ids``) of the turn as stored
-(float32 / float16 values), the same object a trajectory read serves for it; on any
-:class:`~router.errors.ApiError` nothing was stored. The session is read once (with its
+context and them, as SGLang's ``/generate`` takes the whole context:
+``docs/sglang-contract.md``; its radix cache reuses the prefix). The turn stores only what it
+appends (:mod:`router.segments`): a whole input that does not extend the stored context is a
+fork, recorded in the turn (``fork``) and counted per group (``mixfleet_router_forks_total``),
+and starts a new segment. On success the turn is stored once (a conflict with a concurrent turn
+of the same session re-numbers it, unless the caller pinned ``turn``, and places its input again
+on the context that turn left) as its turn block (:func:`router.records.encode_stored`), and the
+returned JSON bytes are :meth:`~router.turn_data.TurnData.to_json` (without ``append_ids``) of
+the turn as stored (float32 / float16 values), the same object a trajectory read serves for it;
+on any :class:`~router.errors.ApiError` nothing was stored. The session is read once (with its
 context), and again only after a conflict. A group that records routed experts asks them from
 :func:`routes_start` (the positions the turn adds to its segment) and stores those rows only.
 """
