@@ -177,9 +177,10 @@ def main() -> int:
         times: dict[bool, list[float]] = {False: [], True: []}
         forward: dict[bool, list[float]] = {False: [], True: []}
         cpu: dict[bool, list[float]] = {False: [], True: []}
-        with engine_server(
-            model_dir, threads=args.threads, max_running_requests=max(64, args.requests)
-        ) as (url, pid):
+        with engine_server(model_dir, threads=args.threads, max_running_requests=max(64, args.requests)) as (
+            url,
+            pid,
+        ):
             engine_round(
                 url, batch[:4], argparse.Namespace(**{**vars(args), "new_tokens": 8}), True
             )  # warm-up
@@ -217,8 +218,10 @@ def main() -> int:
             t = transformers_round(hf, batch, args, args.new_tokens)
             hf_cpu.append(time.process_time() - c0)
             hf_times.append(t)
-            print(f"  transformers generate: {t:7.2f}s  {n_tokens / t:8.1f} tok/s, cpu {hf_cpu[-1]:.2f}s",
-                  flush=True)
+            print(
+                f"  transformers generate: {t:7.2f}s  {n_tokens / t:8.1f} tok/s, cpu {hf_cpu[-1]:.2f}s",
+                flush=True,
+            )
 
     engine_rate = n_tokens / min(times[False])
     masks_rate = n_tokens / min(times[True])

@@ -95,24 +95,31 @@ def main() -> int:
 
         best: dict[str, dict[str, list[float]]] = {}
         for rep in range(args.reps):
-            for name, run in (("engine", engine_run), ("transformers", hf_run)) if rep % 2 == 0 else (
-                ("transformers", hf_run), ("engine", engine_run)
+            for name, run in (
+                (("engine", engine_run), ("transformers", hf_run))
+                if rep % 2 == 0
+                else (("transformers", hf_run), ("engine", engine_run))
             ):
                 res = run()
                 b = best.setdefault(name, {})
                 for phase, (w, c) in res.items():
                     old = b.get(phase, [float("inf"), float("inf")])
                     b[phase] = [min(old[0], w), min(old[1], c)]
-                print(f"  rep {rep} {name:<12} prefill {res['prefill'][0]:6.2f}s  decode "
-                      f"{res['decode'][0] / args.steps * 1e3:7.1f} ms/step wall, "
-                      f"{res['decode'][1] / args.steps * 1e3:7.1f} ms/step cpu", flush=True)
+                print(
+                    f"  rep {rep} {name:<12} prefill {res['prefill'][0]:6.2f}s  decode "
+                    f"{res['decode'][0] / args.steps * 1e3:7.1f} ms/step wall, "
+                    f"{res['decode'][1] / args.steps * 1e3:7.1f} ms/step cpu",
+                    flush=True,
+                )
 
     print()
     for name in ("engine", "transformers"):
         w, c = best[name]["decode"]
         rate = args.batch * args.steps / w
-        print(f"{name:<13} decode {w / args.steps * 1e3:7.1f} ms/step wall ({rate:7.1f} tok/s), "
-              f"{c / args.steps * 1e3:7.1f} ms/step cpu; prefill {best[name]['prefill'][0]:.2f}s")
+        print(
+            f"{name:<13} decode {w / args.steps * 1e3:7.1f} ms/step wall ({rate:7.1f} tok/s), "
+            f"{c / args.steps * 1e3:7.1f} ms/step cpu; prefill {best[name]['prefill'][0]:.2f}s"
+        )
     ew, ec = best["engine"]["decode"]
     hw, hc = best["transformers"]["decode"]
     print(f"ratio engine / transformers (decode step speed): {hw / ew:.2f}x wall, {hc / ec:.2f}x cpu")

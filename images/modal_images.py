@@ -23,8 +23,19 @@ from images.accelerators import ARCH_LIST, Family
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_ROOT = "/root"  # where add_local_python_source puts the packages in a container
 PACKAGES = (
-    "mixfleet", "core", "clients", "engine", "launcher", "replica", "validate",
-    "fleet", "router", "weight_sync", "images", "deploy", "trainer",
+    "mixfleet",
+    "core",
+    "clients",
+    "engine",
+    "launcher",
+    "replica",
+    "validate",
+    "fleet",
+    "router",
+    "weight_sync",
+    "images",
+    "deploy",
+    "trainer",
 )
 NUMBA_CACHE_DIR = "/root/.cache/mixfleet-numba"
 CPU_PYTHON = "3.11"

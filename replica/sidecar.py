@@ -266,7 +266,8 @@ async def abort_request(request: Request) -> Response:
     rid = body.get("rid") if isinstance(body, dict) else None
     if not (isinstance(rid, str) and rid) or body.get("abort_all"):
         return _error(
-            403, "/abort_request of more than one named request (abort_all, or no rid) is a control route; "
+            403,
+            "/abort_request of more than one named request (abort_all, or no rid) is a control route; "
             "only its sidecar may call it",
         )
     return await _proxy_simple("/abort_request")(request)

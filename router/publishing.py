@@ -596,10 +596,7 @@ async def wake_replicas(ctx: RouterContext) -> None:
     server is woken, not only the one its shared URL reaches."""
     replicas = [(r["replica_id"], r["url"]) for r in known_replicas(ctx)]
     await asyncio.gather(
-        *(
-            SidecarClient(ctx.replica_client(rid, url)).wake(SIDECAR_TIMEOUT_S)
-            for rid, url in replicas
-        ),
+        *(SidecarClient(ctx.replica_client(rid, url)).wake(SIDECAR_TIMEOUT_S) for rid, url in replicas),
         return_exceptions=True,
     )
 

@@ -48,7 +48,6 @@ def test_every_cited_path_exists(doc: Path) -> None:
     missing = sorted(
         path
         for path in cited_paths(doc.read_text())
-        if path not in USER_CREATED
-        and not (any(REPO.glob(path)) if "*" in path else (REPO / path).exists())
+        if path not in USER_CREATED and not (any(REPO.glob(path)) if "*" in path else (REPO / path).exists())
     )
     assert not missing, f"{doc.relative_to(REPO)} cites paths that do not exist: {', '.join(missing)}"

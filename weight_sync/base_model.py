@@ -36,8 +36,14 @@ from typing import Any
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 CHAT_TOKENS = (
-    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-    "<tool_response>", "</tool_response>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 )
 ADDED_TOKENS = SPECIAL_TOKENS + CHAT_TOKENS
 """The added tokens in id order from 256."""
@@ -59,8 +65,8 @@ CHAT_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
-    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
+    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- else %}{%- if messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
@@ -86,7 +92,7 @@ CHAT_TEMPLATE = (
     "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
     "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}{{- '\\\", \\\"arguments\\\": ' }}"
+    '{{- \'<tool_call>\\n{\\"name\\": \\"\' }}{{- tool_call.name }}{{- \'\\", \\"arguments\\": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
     "{{- tool_call.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -128,12 +134,32 @@ class Preset:
 # are not a multiple of 128, so SGLang refuses its qkv_proj as block FP8 and `mixfleet convert`
 # keeps it BF16 (weight_sync/formats/fp8_layout.py); small's every merged shard fits.
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-                   intermediate_size=512, max_position_embeddings=2048, shards=1),
-    "small": Preset(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                    head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
-                    intermediate_size=1536, max_position_embeddings=4096, shards=2),
+    "tiny": Preset(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        intermediate_size=512,
+        max_position_embeddings=2048,
+        shards=1,
+    ),
+    "small": Preset(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=384,
+        intermediate_size=1536,
+        max_position_embeddings=4096,
+        shards=2,
+    ),
 }
 
 
@@ -192,7 +218,7 @@ def init_tensors(preset: Preset, seed: int) -> dict[str, Any]:
 
     def linear(n: int, k: int, residual: bool = False) -> torch.Tensor:
         var = 1.0 / k / (2 * layers if residual else 1)
-        return normal((n, k), var ** 0.5)
+        return normal((n, k), var**0.5)
 
     def norm(n: int) -> torch.Tensor:
         return (1.0 + torch.randn((n,), generator=g) * 0.1).to(torch.bfloat16)
@@ -220,7 +246,7 @@ def init_tensors(preset: Preset, seed: int) -> dict[str, Any]:
             t[q + "mlp.up_proj.weight"] = linear(p.intermediate_size, h)
             t[q + "mlp.down_proj.weight"] = linear(h, p.intermediate_size, residual=True)
     t["model.norm.weight"] = norm(h)
-    t["lm_head.weight"] = normal((p.vocab_size, h), 3.0 / h ** 0.5)
+    t["lm_head.weight"] = normal((p.vocab_size, h), 3.0 / h**0.5)
     return t
 
 
@@ -236,18 +262,35 @@ def tokenizer_dict() -> dict[str, Any]:
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": 256 + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": s in SPECIAL_TOKENS or s in CHAT_TOKENS[:2]}
+            {
+                "id": 256 + i,
+                "content": s,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": s in SPECIAL_TOKENS or s in CHAT_TOKENS[:2],
+            }
             for i, s in enumerate(ADDED_TOKENS)
         ],
         "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                          "use_regex": False},
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": False,
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
             "vocab": {b2u[b]: b for b in range(256)},
             "merges": [],
         },
@@ -304,13 +347,22 @@ def write_model(out: str | Path, preset: str | Preset = "tiny", seed: int = DEFA
             fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
             save_file(part, str(out / fname), metadata={"format": "pt"})
             weight_map.update({n: fname for n in part})
-        _write_json(out / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        )
     _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": BOS_ID, "eos_token_id": cfg["eos_token_id"], "pad_token_id": PAD_ID,
-                 "do_sample": True,
-                 "temperature": 1.0, "top_p": 1.0})
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": BOS_ID,
+            "eos_token_id": cfg["eos_token_id"],
+            "pad_token_id": PAD_ID,
+            "do_sample": True,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
+    )
     write_tokenizer(out)
     return out
 

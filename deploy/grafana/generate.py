@@ -727,8 +727,7 @@ def versions() -> JSON:
     lay.add(
         timeseries(
             "Activation time",
-            "From the engine's pause to serving the new version.\n\n"
-            f"Metric: `{M['r_activation_s']}`",
+            f"From the engine's pause to serving the new version.\n\nMetric: `{M['r_activation_s']}`",
             [
                 target(quantile(0.5, M["r_activation_s"], GROUP), "{{group}} p50"),
                 target(quantile(0.99, M["r_activation_s"], GROUP), "{{group}} p99"),

@@ -194,9 +194,7 @@ class PackedGroup:
             raise ValueError("a packed group needs scale tables of one size")
         stack = torch.stack([w.weight for w in weights])
         scale_stack = torch.stack([a[0] for a in scale_args]).contiguous()
-        views = tuple(
-            PackedBf16(stack[e], n, k, w.scales, w.ldk, w.kblock) for e, w in enumerate(weights)
-        )
+        views = tuple(PackedBf16(stack[e], n, k, w.scales, w.ldk, w.kblock) for e, w in enumerate(weights))
         return cls(views, stack, scale_stack, n, k, ldk, kshift)
 
 

@@ -67,8 +67,9 @@ class KVPool:
     packed at the front; ``release`` returns one (thread-safe: caches may be collected anywhere).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 capacity: int) -> None:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int
+    ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -107,8 +108,9 @@ class KVPool:
     def _grow(self) -> None:
         old = 0 if self.kv is None else self.kv.shape[1]
         slots = max(4, 2 * old)
-        kv = torch.zeros(self.num_layers, slots, 2 * self.num_kv_heads, self.capacity, self.head_dim,
-                         dtype=self.dtype)
+        kv = torch.zeros(
+            self.num_layers, slots, 2 * self.num_kv_heads, self.capacity, self.head_dim, dtype=self.dtype
+        )
         if self.kv is not None:
             kv[:, :old] = self.kv
         self.kv = kv
@@ -120,8 +122,9 @@ _pools: dict[tuple, KVPool] = {}
 _pools_lock = threading.Lock()
 
 
-def pool_for(geometry: tuple, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             capacity: int) -> KVPool:
+def pool_for(
+    geometry: tuple, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int
+) -> KVPool:
     """The process-wide pool of this geometry and capacity class (created on first use)."""
     key = (geometry, capacity)
     with _pools_lock:
@@ -140,8 +143,15 @@ class SequenceCache:
     ``slot`` say where the positions live (``None`` / -1 before the first ``reserve``).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 max_length: int, geometry: tuple) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_length: int,
+        geometry: tuple,
+    ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

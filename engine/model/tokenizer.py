@@ -66,8 +66,9 @@ class Tokenizer:
         try:
             import tokenizers
         except ImportError:
-            raise ValueError(f"{source}: not a plain byte-level tokenizer and the tokenizers library "
-                             "is not installed") from None
+            raise ValueError(
+                f"{source}: not a plain byte-level tokenizer and the tokenizers library is not installed"
+            ) from None
         self._lib = tokenizers.Tokenizer.from_str(json.dumps(spec))
         self.vocab_size = self._lib.get_vocab_size(with_added_tokens=True)
 

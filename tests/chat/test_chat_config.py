@@ -32,7 +32,9 @@ def test_the_configurations_families_are_the_renderers() -> None:
 
 
 def _fleet() -> FleetSpec:
-    return FleetSpec(name="t", groups=[GroupSpec(name="cpu", accelerator="cpu", replicas=["http://127.0.0.1:9"])])
+    return FleetSpec(
+        name="t", groups=[GroupSpec(name="cpu", accelerator="cpu", replicas=["http://127.0.0.1:9"])]
+    )
 
 
 @pytest.mark.parametrize(

@@ -39,8 +39,14 @@ def test_mixed_step_across_capacity_classes_matches_each_sequence_alone(tiny_dir
     for s in spare[::2]:
         s.free()
     # One step: four sequences decode one token, one runs a 3-token chunk, one does nothing.
-    feed = [seqs[0][5:6], seqs[1][63:64], seqs[2][64:65], seqs[3][100:103], seqs[4][130:131],
-            torch.empty(0, dtype=torch.long)]
+    feed = [
+        seqs[0][5:6],
+        seqs[1][63:64],
+        seqs[2][64:65],
+        seqs[3][100:103],
+        seqs[4][130:131],
+        torch.empty(0, dtype=torch.long),
+    ]
     out = model.forward(feed, caches)
     assert [c.length for c in caches] == [6, 64, 65, 103, 131, 20]
     assert caches[2].capacity == 2 * MIN_CAPACITY and caches[1].capacity == MIN_CAPACITY

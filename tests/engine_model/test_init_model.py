@@ -22,8 +22,9 @@ def _digests(path: Path) -> dict[str, str]:
 
 
 def _init(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(mixfleet_argv("init-model", str(out), *extra), cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        mixfleet_argv("init-model", str(out), *extra), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_tiny_is_byte_identical_across_processes(tmp_path: Path, tiny_dir: Path) -> None:
@@ -32,8 +33,13 @@ def test_tiny_is_byte_identical_across_processes(tmp_path: Path, tiny_dir: Path)
     assert r.returncode == 0, r.stderr
     assert f"{param_count('tiny'):,} parameters" in r.stdout
     assert _digests(tmp_path / "a") == _digests(tiny_dir)
-    assert set(_digests(tiny_dir)) == {"config.json", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"}
+    assert set(_digests(tiny_dir)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     other_seed = write_model(tmp_path / "c", "tiny", seed=5)
     assert _digests(other_seed)["model.safetensors"] != _digests(tiny_dir)["model.safetensors"]
 
@@ -76,7 +82,11 @@ def test_config_is_a_transformers_qwen3_moe_config(tiny_dir: Path) -> None:
     assert type(cfg).__name__ == "Qwen3MoeConfig"
     p = PRESETS["tiny"]
     assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (
-        p.hidden_size, p.num_experts, p.num_experts_per_tok, VOCAB_SIZE)
+        p.hidden_size,
+        p.num_experts,
+        p.num_experts_per_tok,
+        VOCAB_SIZE,
+    )
 
 
 def test_random_policy_is_not_degenerate(tiny_model) -> None:
@@ -95,6 +105,7 @@ TEXTS = ["Hello, world!", "wörld ✓ 漢字 🙂", "<|bos|>a<|eos|>b<|pad|>", "
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_matches_the_tokenizers_library(tiny_dir: Path, text: str) -> None:
     import tokenizers
+
     lib = tokenizers.Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     ours = Tokenizer.from_dir(tiny_dir)
     ids = ours.encode(text)
@@ -105,6 +116,7 @@ def test_tokenizer_matches_the_tokenizers_library(tiny_dir: Path, text: str) -> 
 
 def test_tokenizer_json_is_what_the_library_writes(tiny_dir: Path) -> None:
     import tokenizers
+
     spec = json.loads((tiny_dir / "tokenizer.json").read_text())
     assert json.loads(tokenizers.Tokenizer.from_str(json.dumps(spec)).to_str()) == spec
     from transformers import AutoTokenizer

@@ -35,9 +35,20 @@ def _ids(n: int, seed: int, vocab: int = VOCAB_SIZE) -> torch.Tensor:
 
 # A `small`-shaped model (hidden 512, 8x64 heads, GQA 4:1) cut to 3 layers and 4 experts, with a
 # dense MLP layer (mlp_only_layers) and a sparse step of 2, so every HF code path is compared.
-REDUCED_SMALL = Preset(hidden_size=512, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                       intermediate_size=256, max_position_embeddings=512, shards=2, mlp_only_layers=(2,))
+REDUCED_SMALL = Preset(
+    hidden_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    intermediate_size=256,
+    max_position_embeddings=512,
+    shards=2,
+    mlp_only_layers=(2,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +189,13 @@ def test_low_precision_kv_cache_is_consistent_and_differs_from_auto(tiny_dir: Pa
 
 def test_small_preset_shape() -> None:
     p = PRESETS["small"]
-    for dim in (p.hidden_size, p.moe_intermediate_size, p.intermediate_size,
-                p.num_attention_heads * p.head_dim, p.num_key_value_heads * p.head_dim):
+    for dim in (
+        p.hidden_size,
+        p.moe_intermediate_size,
+        p.intermediate_size,
+        p.num_attention_heads * p.head_dim,
+        p.num_key_value_heads * p.head_dim,
+    ):
         assert dim % 128 == 0
 
 
