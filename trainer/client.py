@@ -152,6 +152,12 @@ class AsyncRolloutClient:
     async def ack(self, lease_id: str) -> Any:
         return await self.router.call("POST", f"/v1/batches/{lease_id}/ack")
 
+    async def queue_stats(self) -> dict[str, int]:
+        """The trainer queue (``GET /v1/batches/stats``): ``ready``, ``pending`` (leased, not
+        acknowledged), ``held_back`` (finished trajectories the takes so far found too stale for
+        their bound) and ``leases`` (open)."""
+        return await self.router.call("GET", "/v1/batches/stats")
+
     async def upload_trainer_logprobs(
         self, lease_id: str, logprobs: np.ndarray, route_mismatch: np.ndarray | None = None
     ) -> dict[str, Any]:

@@ -420,7 +420,8 @@ async def _rl_updates(
             if time.monotonic() - rl_start > config.time_limit_s:
                 log(f"time limit reached after {u - 1} updates")
                 break
-            batch = await _take(client, config, version, workers, agents)
+            taken = await _take(client, config, version, workers, agents)
+            batch = taken.batch
             t0 = time.monotonic()
             stats, trainer_lp = await asyncio.to_thread(rl_step, policy, opt, batch, config, version)
             step_s = time.monotonic() - t0
@@ -440,6 +441,8 @@ async def _rl_updates(
                     "trained_on_version": trained_on,
                     **asdict(stats),
                     "held_back": batch.held_back,
+                    "take_wait_s": taken.wait_s,
+                    "empty_takes": taken.empty,
                     "wall_s": time.monotonic() - rl_start,
                     "step_s": step_s,
                 }
@@ -452,24 +455,62 @@ async def _rl_updates(
     return updates, uploads
 
 
+TAKE_WAIT_S = 60.0  # the longest a take may wait (router.schemas.TakeRequest.wait_s)
+POLL_S = 1.0  # while a take waits: how often the agents' failures and the held-back count are read
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A batch and what getting it took: ``wait_s`` from the first take to the batch, and the
+    takes before it that answered no trajectory (``empty``)."""
+
+    batch: Batch
+    wait_s: float
+    empty: int
+
+
 async def _take(
     client: AsyncRolloutClient, config: DemoConfig, version: int, workers: list, agents: Agents
-) -> Batch:
+) -> Taken:
     """The next batch: up to ``config.batch_size`` trajectories within the staleness bound (the
-    router waits for a full one up to its wait limit); raises what an agent task died of. Every
-    answer, an empty one too, releases the agents' room of the sessions it took and of those the
-    router newly holds back as too stale (which no take will hand out)."""
+    router waits for a full one up to :data:`TAKE_WAIT_S`); raises what an agent task died of.
+    Every answer, an empty one too, releases the agents' room of the sessions it took. While a
+    take waits, every :data:`POLL_S` the agents' failures are checked and, with a staleness bound,
+    the room of the sessions the router newly holds back (:meth:`Agents.note_held_back`, from the
+    queue's stats) is given back at once, so that the agents can sample the fresh sessions the
+    take waits for."""
+    t0 = time.monotonic()
+    empty = 0
     while True:
-        for w in workers:
-            if w.done() and not w.cancelled() and w.exception() is not None:
-                raise w.exception()
-        batch = await client.take(
-            config.batch_size, max_version_age=config.max_version_age, wait_s=30.0, trainer_version=version
+        take = asyncio.ensure_future(
+            client.take(
+                config.batch_size,
+                max_version_age=config.max_version_age,
+                wait_s=TAKE_WAIT_S,
+                trainer_version=version,
+            )
         )
-        await agents.release(len(batch.trajectories) + max(0, batch.held_back - agents.held_back))
-        agents.held_back = batch.held_back
+        try:
+            while not (await asyncio.wait({take}, timeout=POLL_S))[0]:
+                _raise_failed(workers)
+                if config.max_version_age is not None:
+                    await agents.note_held_back((await client.queue_stats())["held_back"])
+        finally:
+            await cancel_and_wait([take])
+        batch = take.result()
+        await agents.release(len(batch.trajectories))
+        await agents.note_held_back(batch.held_back)
         if batch.trajectories:
-            return batch
+            return Taken(batch, time.monotonic() - t0, empty)
+        empty += 1
+        _raise_failed(workers)
+
+
+def _raise_failed(workers: list) -> None:
+    """Raise what an agent task died of, if one did."""
+    for w in workers:
+        if w.done() and not w.cancelled() and w.exception() is not None:
+            raise w.exception()
 
 
 def summarize(record: dict[str, Any], wall_s: float) -> dict[str, Any]:

@@ -21,7 +21,10 @@ serves the warm-started version, and a replica's version only moves forward.
 
 Backpressure: at most ``config.outstanding`` sessions are open or finished and not yet taken (nor
 held back) by the trainer; an agent starts its next problem only when there is room for all its
-samples, so batches stay within a version or two of the trainer.
+samples, so batches stay within a version or two of the trainer. The room of a session the router
+holds back as too stale is given back as soon as the trainer sees it held back, while its take
+still waits (:func:`trainer.demo._take`): with room for one batch only, the fresh sessions the
+take waits for could not start otherwise.
 """
 
 from __future__ import annotations
@@ -95,6 +98,13 @@ class Agents:
         async with self.room:
             self.outstanding = max(0, self.outstanding - count)
             self.room.notify_all()
+
+    async def note_held_back(self, held_back: int) -> None:
+        """The router holds back ``held_back`` sessions in all (a take's answer, or the trainer
+        queue's stats while a take waits): those it newly holds back leave the outstanding set,
+        since no take with the demo's bound will hand them out."""
+        await self.release(max(0, held_back - self.held_back))
+        self.held_back = held_back
 
     async def episode(self, problem: Problem, prompt_key: str, seed: int) -> None:
         """One session: chat until an exact answer or ``max_turns`` answers, then finish it."""

@@ -22,8 +22,12 @@ def test_sync_client_round_trip(router) -> None:
         t0 = c.turn(s.session_id, [1, 5, 9], params)
         t1 = c.turn(s.session_id, [1, 5, 9, *t0["output_ids"], 4], params)
         c.finish(s.session_id, 1.0)
+        assert c.queue_stats()["ready"] >= 1
         batch = c.take(16)
         assert batch.lease_id is not None
+        stats = c.queue_stats()
+        assert set(stats) == {"ready", "pending", "held_back", "leases"}
+        assert stats["pending"] >= len(batch.trajectories) > 0 and stats["leases"] >= 1
         mine = [i for i, t in enumerate(batch.trajectories) if t["session_id"] == s.session_id]
         assert len(mine) == 1
         rows = np.flatnonzero(batch.trajectory_index == mine[0])
