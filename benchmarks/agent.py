@@ -17,8 +17,9 @@ standing in for the engine's own time. Printed:
   router's ``timings.engine_ms``: everything the router does besides waiting for the engine), and
   "leg", the rest (the engine leg's time over the direct request: the router's engine client and
   the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
-* router CPU per turn (the router process's user+system time over the turns it served), on the
-  long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
+* router CPU per turn (the router process's user+system time over the turns it served: every
+  session is opened before the first turn and finished after the last, outside that window), on
+  the long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
   tokens, full context);
 * bytes stored per trajectory (the Redis list of its turn blocks) and served (the trainer's
   binary batch of it) against the bound ``1.2 x (context tokens x bytes of one varint id +
@@ -70,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -148,6 +150,17 @@ async def start_phase(i: int, spread_s: float) -> None:
     await asyncio.sleep(random.Random(f"phase-{i}").random() * spread_s)
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One pass of :func:`run_agents`: latencies by context bucket, the session ids, and the
+    router's CPU seconds over the turns alone (its sessions' opening and finishing excluded; None
+    without a router pid)."""
+
+    lat: dict[int, list[float]]
+    sids: list[str]
+    turn_cpu_s: float | None = None
+
+
 async def run_agents(
     port: int,
     auth: dict[str, str],
@@ -158,44 +171,54 @@ async def run_agents(
     append: bool = False,
     spread_s: float = 0.0,
     own: dict[int, list[float]] | None = None,
-) -> tuple[dict[int, list[float]], list[str]]:
+    pid: int | None = None,
+) -> Pass:
     """Every agent's turns, concurrently (``append``: as appended tokens), each from its start
-    phase (:func:`start_phase` over ``spread_s``); latencies by context bucket and the session ids.
-    ``own`` (a router pass): each turn's latency less its engine leg (:func:`engine_seconds`), by
-    context bucket."""
+    phase (:func:`start_phase` over ``spread_s``), in three steps: every session is opened, every
+    agent runs its turns, every session is finished. ``own`` (a router pass): each turn's latency
+    less its engine leg (:func:`engine_seconds`), by context bucket. ``pid``: the router process
+    whose CPU time over the turns step is measured."""
     lat: dict[int, list[float]] = {}
+    conns = [await Conn.open(port) for _ in range(sessions)]
     sids: list[str] = []
-
-    async def one(i: int) -> None:
-        conn = await Conn.open(port)
-        agent = Agent(i, turns, max_context)
-        path = "/generate"
+    try:
         if not direct:
-            status, data = await conn.send(build_request("POST", "/v1/sessions", b"{}", auth))
-            assert status == 200, data
-            sid = json.loads(data)["session_id"]
-            sids.append(sid)
-            path = f"/v1/sessions/{sid}/turns"
-        await start_phase(i, spread_s)
-        try:
+            sids = list(await asyncio.gather(*(_open_session(c, auth) for c in conns)))
+        paths = [f"/v1/sessions/{sid}/turns" for sid in sids] or ["/generate"] * sessions
+
+        async def one(i: int) -> None:
+            agent = Agent(i, turns, max_context)
+            await start_phase(i, spread_s)
             for t in range(turns):
-                request = build_request("POST", path, agent.next_body(t, direct=direct, append=append), auth)
+                body = agent.next_body(t, direct=direct, append=append)
                 t0 = time.perf_counter()
-                status, data = await conn.send(request)
+                status, data = await conns[i].send(build_request("POST", paths[i], body, auth))
                 seconds = time.perf_counter() - t0
                 lat.setdefault(bucket(agent.n), []).append(seconds)
                 assert status == 200, data[:300]
                 if own is not None:
                     own.setdefault(bucket(agent.n), []).append(seconds - engine_seconds(data))
-            if not direct:
-                finish = build_request("POST", f"{path[:-6]}/finish", b'{"reward":1.0}', auth)
-                status, data = await conn.send(finish)
-                assert status == 200, data
-        finally:
-            conn.close()
 
-    await asyncio.gather(*(one(i) for i in range(sessions)))
-    return lat, sids
+        cpu0 = cpu_seconds(pid) if pid else 0.0
+        await asyncio.gather(*(one(i) for i in range(sessions)))
+        turn_cpu = cpu_seconds(pid) - cpu0 if pid else None
+        await asyncio.gather(*(_finish_session(c, sid, auth) for c, sid in zip(conns, sids, strict=False)))
+    finally:
+        for c in conns:
+            c.close()
+    return Pass(lat, sids, turn_cpu)
+
+
+async def _open_session(conn: Conn, auth: dict[str, str]) -> str:
+    status, data = await conn.send(build_request("POST", "/v1/sessions", b"{}", auth))
+    assert status == 200, data
+    return json.loads(data)["session_id"]
+
+
+async def _finish_session(conn: Conn, sid: str, auth: dict[str, str]) -> None:
+    request = build_request("POST", f"/v1/sessions/{sid}/finish", b'{"reward":1.0}', auth)
+    status, data = await conn.send(request)
+    assert status == 200, data
 
 
 class ChatAgent:
@@ -417,11 +440,12 @@ def measure_floor(
     argv = [sys.executable, __file__, "--serve-floor", str(port), "--stub-port", str(stub_port)]
     proc = stack.enter_context(spawn(argv))
     _wait(f"http://127.0.0.1:{port}/docs", proc)
-    cpu0 = cpu_seconds(proc.pid)
-    lat, _ = asyncio.run(
-        run_agents(port, {}, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s)
+    done = asyncio.run(
+        run_agents(
+            port, {}, args.sessions, args.short_turns, 1024, False, spread_s=args.engine_s, pid=proc.pid
+        )
     )
-    return (cpu_seconds(proc.pid) - cpu0) / (args.sessions * args.short_turns), _all(lat)
+    return done.turn_cpu_s / (args.sessions * args.short_turns), _all(done.lat)
 
 
 def _all(lat: dict[int, list[float]]) -> list[float]:
@@ -430,10 +454,10 @@ def _all(lat: dict[int, list[float]]) -> list[float]:
 
 def short_direct(args: argparse.Namespace, stub_port: int) -> list[float]:
     """The short pass's latencies sent straight to the stub (the baseline of its added latency)."""
-    lat, _ = asyncio.run(
+    done = asyncio.run(
         run_agents(stub_port, {}, args.sessions, args.short_turns, 1024, direct=True, spread_s=args.engine_s)
     )
-    return _all(lat)
+    return _all(done.lat)
 
 
 def start_router(
@@ -469,11 +493,11 @@ async def measure_state(
     for mode in args.input:
         print(f"  {mode} context per turn ({'input_ids' if mode == 'full' else 'append_ids'}):")
         out[mode] = await measure_long(args, port, pid, auth, redis_url, direct, mode == "append", bound)
-    cpu0 = cpu_seconds(pid)
-    lat, _ = await run_agents(
-        port, auth, args.sessions, args.short_turns, 1024, direct=False, spread_s=args.engine_s
+    done = await run_agents(
+        port, auth, args.sessions, args.short_turns, 1024, False, spread_s=args.engine_s, pid=pid
     )
-    short = (cpu_seconds(pid) - cpu0) / (args.sessions * args.short_turns)
+    lat = done.lat
+    short = done.turn_cpu_s / (args.sessions * args.short_turns)
     print(
         f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms); "
         f"{short / args.floor_s:.2f} x the floor's {args.floor_s * 1000:.2f} ms"
@@ -524,9 +548,8 @@ async def measure_long(
     """One pass of the long sessions (``append``: as appended tokens): latency, CPU, memory and
     bytes stored."""
     mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
-    cpu0 = cpu_seconds(pid)
     own: dict[int, list[float]] = {}
-    lat, sids = await run_agents(
+    done = await run_agents(
         port,
         auth,
         args.sessions,
@@ -536,10 +559,11 @@ async def measure_long(
         append=append,
         spread_s=args.engine_s,
         own=own,
+        pid=pid,
     )
-    cpu = cpu_seconds(pid) - cpu0
+    cpu, sids = done.turn_cpu_s, done.sids
     mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
-    out: dict = {"latency": report_latency(lat, direct, own)}
+    out: dict = {"latency": report_latency(done.lat, direct, own)}
     n_turns = args.sessions * args.turns
     print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
     where = "Redis used_memory" if redis_url else "router RSS"
@@ -603,11 +627,11 @@ def main() -> int:
         )
         report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
         report["load_average_start"] = os.getloadavg()
-        direct, _ = asyncio.run(
+        direct = asyncio.run(
             run_agents(
                 stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s
             )
-        )
+        ).lat
         args.short_direct = short_direct(args, stub_port)
         args.floor_s, floor_lat = measure_floor(stack, args, stub_port)
         args.floor_added = pct(floor_lat, 0.5) - pct(args.short_direct, 0.5)
