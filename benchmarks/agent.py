@@ -30,13 +30,15 @@ standing in for the engine's own time. Printed:
 * the trainer's take + decode time per trajectory (``POST /v1/batches/take`` of one trajectory,
   then :func:`trainer.batch.decode_batch`).
 
-* the floor of the router's CPU per short turn, measured in the same run on the same short pass:
-  the libraries the router is built on doing the least a turn needs (:func:`serve_floor`: uvicorn
-  with uvloop and httptools serving one FastAPI route whose body is validated as a list of ids,
-  forwarded to the stub with aiohttp, its answer decoded with orjson and returned; no auth,
-  records, state or metrics), and the router's figure as a ratio to it; and the added latency
-  p50 of that short pass through the floor and through the router (each minus the same pass sent
-  straight to the stub): what a turn's added latency cannot go below on this machine;
+* the floor of the router's CPU per short turn, measured beside it: the libraries the router is
+  built on doing the least a turn needs (:func:`serve_floor`: uvicorn with uvloop and httptools
+  serving one FastAPI route whose body is validated as a list of ids, forwarded to the stub with
+  aiohttp, its answer decoded with orjson and returned; no auth, records, state or metrics), and
+  the router's figure as a ratio to it; and the added latency p50 of the short pass through the
+  floor and through the router (each minus the same pass sent straight to the stub): what a
+  turn's added latency cannot go below on this machine. The three short passes run one after the
+  other, ``--rounds`` times (the median round's CPU is printed): a shared machine's speed drifts
+  over minutes, so only figures measured side by side make a ratio;
 
 * the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
   started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
@@ -54,7 +56,8 @@ The floor is what a router on these libraries cannot go below on this machine: t
 holds only where the floor is well under it.
 
 Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
-[--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--out r.json]``
+[--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--rounds 3]
+[--out r.json]``
 (``--out``: also write every figure as JSON).
 """
 
@@ -428,11 +431,8 @@ def serve_floor(port: int, stub_port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
 
 
-def measure_floor(
-    stack: contextlib.ExitStack, args: argparse.Namespace, stub_port: int
-) -> tuple[float, list[float]]:
-    """The floor's CPU seconds per turn on the short pass (:func:`serve_floor` in its own process),
-    and the pass's latencies."""
+def start_floor(stack: contextlib.ExitStack, stub_port: int) -> tuple[int, int]:
+    """The floor (:func:`serve_floor`) in its own process; its port and pid."""
     from benchmarks.router import _wait, spawn
     from tests.support.procs import free_port
 
@@ -440,24 +440,56 @@ def measure_floor(
     argv = [sys.executable, __file__, "--serve-floor", str(port), "--stub-port", str(stub_port)]
     proc = stack.enter_context(spawn(argv))
     _wait(f"http://127.0.0.1:{port}/docs", proc)
-    done = asyncio.run(
-        run_agents(
-            port, {}, args.sessions, args.short_turns, 1024, False, spread_s=args.engine_s, pid=proc.pid
-        )
-    )
-    return done.turn_cpu_s / (args.sessions * args.short_turns), _all(done.lat)
+    return port, proc.pid
 
 
 def _all(lat: dict[int, list[float]]) -> list[float]:
     return [x for xs in lat.values() for x in xs]
 
 
-def short_direct(args: argparse.Namespace, stub_port: int) -> list[float]:
-    """The short pass's latencies sent straight to the stub (the baseline of its added latency)."""
-    done = asyncio.run(
-        run_agents(stub_port, {}, args.sessions, args.short_turns, 1024, direct=True, spread_s=args.engine_s)
+async def measure_short(
+    args: argparse.Namespace, router: tuple[int, int], auth: dict[str, str], floor: tuple[int, int]
+) -> dict:
+    """The short pass (``--short-turns`` turns to ~1K tokens) ``--rounds`` times, each round sent
+    straight to the stub, through the floor and through the router, one after the other (the
+    machine's speed drifts over minutes: a ratio holds only between passes run side by side). The
+    median round's CPU per turn of each, and the added p50 of each over all rounds."""
+    n = args.sessions * args.short_turns
+    cpu: dict[str, list[float]] = {"floor": [], "router": []}
+    lat: dict[str, list[float]] = {"direct": [], "floor": [], "router": []}
+    targets = {"direct": (args.stub_port, None, {}), "floor": (*floor, {}), "router": (*router, auth)}
+    for _ in range(args.rounds):
+        for name, (port, pid, headers) in targets.items():
+            done = await run_agents(
+                port,
+                headers,
+                args.sessions,
+                args.short_turns,
+                1024,
+                name == "direct",
+                spread_s=args.engine_s,
+                pid=pid,
+            )
+            lat[name] += _all(done.lat)
+            if pid is not None:
+                cpu[name].append(done.turn_cpu_s / n)
+    floor_s, router_s = (sorted(cpu[k])[len(cpu[k]) // 2] for k in ("floor", "router"))
+    added = {k: pct(lat[k], 0.5) - pct(lat["direct"], 0.5) for k in ("floor", "router")}
+    print(
+        f"  router CPU per turn (short pass, context <= 1K): {router_s * 1000:.2f} ms (target <= 1 ms); "
+        f"{router_s / floor_s:.2f} x the floor's {floor_s * 1000:.2f} ms (median of {args.rounds} rounds)"
     )
-    return _all(done.lat)
+    print(
+        f"  added p50 on the short pass: {added['router'] * 1000:.2f} ms "
+        f"(the floor's: {added['floor'] * 1000:.2f} ms)"
+    )
+    return {
+        "short_cpu_ms_per_turn": round(router_s * 1000, 3),
+        "floor_cpu_ms_per_turn": round(floor_s * 1000, 3),
+        "short_cpu_vs_floor": round(router_s / floor_s, 3),
+        "short_added_p50_ms": round(added["router"] * 1000, 3),
+        "floor_short_added_p50_ms": round(added["floor"] * 1000, 3),
+    }
 
 
 def start_router(
@@ -484,30 +516,18 @@ async def measure_state(
     key: str,
     redis_url: str | None,
     direct: dict[int, list[float]],
+    floor: tuple[int, int],
 ) -> dict:
-    """The long sessions of each input mode, then the short pass, the chat pass and the trainer's
-    takes, through one router; every figure printed, and returned."""
+    """The long sessions of each input mode, then the short pass beside the ``floor`` (its port and
+    pid), the chat pass and the trainer's takes, through one router; every figure printed, and
+    returned."""
     auth = {"authorization": f"Bearer {key}"}
     out: dict = {}
     bound = 1.2 * ((args.max_context + N_OUT) * VARINT_ID_BYTES + args.turns * N_OUT * record_bytes())
     for mode in args.input:
         print(f"  {mode} context per turn ({'input_ids' if mode == 'full' else 'append_ids'}):")
         out[mode] = await measure_long(args, port, pid, auth, redis_url, direct, mode == "append", bound)
-    done = await run_agents(
-        port, auth, args.sessions, args.short_turns, 1024, False, spread_s=args.engine_s, pid=pid
-    )
-    lat = done.lat
-    short = done.turn_cpu_s / (args.sessions * args.short_turns)
-    print(
-        f"  router CPU per turn (short pass, context <= 1K): {short * 1000:.2f} ms (target <= 1 ms); "
-        f"{short / args.floor_s:.2f} x the floor's {args.floor_s * 1000:.2f} ms"
-    )
-    added = pct(_all(lat), 0.5) - pct(args.short_direct, 0.5)
-    floor = args.floor_added * 1000
-    print(f"  added p50 on the short pass: {added * 1000:.2f} ms (the floor's: {floor:.2f} ms)")
-    out["short_cpu_ms_per_turn"] = round(short * 1000, 3)
-    out["short_cpu_vs_floor"] = round(short / args.floor_s, 3)
-    out["short_added_p50_ms"] = round(added * 1000, 3)
+    out |= await measure_short(args, (port, pid), auth, floor)
     if args.chat_turns:
         cpu0 = cpu_seconds(pid)
         chat = await run_chat_agents(
@@ -586,6 +606,7 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=131072)
     ap.add_argument("--engine-s", type=float, default=1.0, help="the stub engine's time per turn")
     ap.add_argument("--short-turns", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the short pass beside the floor")
     ap.add_argument("--chat-turns", type=int, default=57, help="turns of the chat pass (0: none)")
     ap.add_argument("--chat-context", type=int, default=131072, help="context of the chat pass's last turn")
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
@@ -632,21 +653,14 @@ def main() -> int:
                 stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s
             )
         ).lat
-        args.short_direct = short_direct(args, stub_port)
-        args.floor_s, floor_lat = measure_floor(stack, args, stub_port)
-        args.floor_added = pct(floor_lat, 0.5) - pct(args.short_direct, 0.5)
-        report["floor_cpu_ms_per_turn"] = round(args.floor_s * 1000, 3)
-        report["floor_short_added_p50_ms"] = round(args.floor_added * 1000, 3)
-        print(
-            f"floor (FastAPI route + aiohttp forward + orjson decode, nothing else), short pass: "
-            f"{args.floor_s * 1000:.2f} ms CPU per turn, added p50 {args.floor_added * 1000:.2f} ms"
-        )
+        args.stub_port = stub_port
+        floor = start_floor(stack, stub_port)
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
             log = tmp / f"router-{kind}.log"
             port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model)
             print(f"\n{kind} state:")
-            report[kind] = asyncio.run(measure_state(args, port, pid, key, redis_url, direct))
+            report[kind] = asyncio.run(measure_state(args, port, pid, key, redis_url, direct, floor))
         report["load_average_end"] = os.getloadavg()
         print(f"load average at the end: {report['load_average_end'][0]:.1f}")
     if args.out is not None:
