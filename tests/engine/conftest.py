@@ -71,6 +71,19 @@ class StreamReader:
                 raise AssertionError(f"stream stalled at {len(self.chunks)} chunks: {self.error!r}")
             time.sleep(0.005)
 
+    def settled(self, quiet_s: float = 0.3, timeout: float = 30.0) -> int:
+        """The number of chunks once none has arrived for ``quiet_s`` (a paused engine's chunks
+        sent before the pause may still be on their way on a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        seen, since = len(self.chunks), time.monotonic()
+        while time.monotonic() - since < quiet_s:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stream never went quiet ({len(self.chunks)} chunks)")
+            time.sleep(0.01)
+            if len(self.chunks) != seen:
+                seen, since = len(self.chunks), time.monotonic()
+        return seen
+
     def result(self, timeout: float = 120.0) -> dict[str, Any]:
         self._thread.join(timeout)
         if self.error:

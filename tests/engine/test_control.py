@@ -75,7 +75,7 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
         )
         stream.wait_for(20)
         assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
-        time.sleep(0.1)
+        stream.settled()
         k = len(stream.chunks[-1]["output_ids"])
         r = _update(client, url, {"model_path": str(other_dir), "weight_version": "2"})
         assert r.status_code == 200, r.text
@@ -124,7 +124,7 @@ def test_old_protocol_in_place_update_under_load_is_refused_as_sglang_refuses(
     stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
     stream.wait_for(10)
     assert client.post(url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
-    time.sleep(0.1)
+    stream.settled()
     k = len(stream.chunks[-1]["output_ids"])
     try:
         r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "7"})  # the old request
@@ -278,8 +278,7 @@ def test_pause_then_continue_resumes_exactly(v1_engine: str, client: httpx.Clien
     stream.wait_for(20)
     r = client.post(url + "/pause_generation", json={"mode": mode})
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    time.sleep(0.1)
-    frozen = len(stream.chunks)
+    frozen = stream.settled()
     time.sleep(0.5)
     assert len(stream.chunks) == frozen, "tokens arrived while paused"
     state = load(client, url)
