@@ -44,7 +44,8 @@ standing in for the engine's own time. Printed:
   started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
   messages (tool output, one token per character) grow the context to ``--chat-context`` tokens,
   each sending back the previous reply as the assistant message; its latency is set beside the
-  same direct figures by context size (the raw API's, approximately the same token counts).
+  same direct figures by context size (the raw API's, approximately the same token counts), and
+  its CPU per turn includes each session's opening (one per ``--chat-turns`` turns).
 
 Targets: added p50 <= 3 ms per turn at 128K context (a turn costs in proportion to what it
 appends: the ``append`` mode; a ``full`` turn's body itself is the whole context, which the router
@@ -473,7 +474,7 @@ async def measure_short(
             lat[name] += _all(done.lat)
             if pid is not None:
                 cpu[name].append(done.turn_cpu_s / n)
-    floor_s, router_s = (sorted(cpu[k])[len(cpu[k]) // 2] for k in ("floor", "router"))
+    floor_s, router_s = (pct(cpu[k], 0.5) for k in ("floor", "router"))
     added = {k: pct(lat[k], 0.5) - pct(lat["direct"], 0.5) for k in ("floor", "router")}
     print(
         f"  router CPU per turn (short pass, context <= 1K): {router_s * 1000:.2f} ms (target <= 1 ms); "
