@@ -17,8 +17,9 @@ standing in for the engine's own time. Printed:
   router's ``timings.engine_ms``: everything the router does besides waiting for the engine), and
   "leg", the rest (the engine leg's time over the direct request: the router's engine client and
   the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
-* router CPU per turn (the router process's user+system time over the turns it served: every
-  session is opened before the first turn and finished after the last, outside that window), on
+* router CPU per turn (the router processes' user+system time over the turns they served, every
+  worker's with ``--workers N`` on the Redis state: every session is opened before the first turn
+  and finished after the last, outside that window), on
   the long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
   tokens, full context);
 * bytes stored per trajectory (the Redis list of its turn blocks) and served (the trainer's
@@ -58,7 +59,7 @@ holds only where the floor is well under it.
 
 Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
 [--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--rounds 3]
-[--out r.json]``
+[--workers 1] [--out r.json]``
 (``--out``: also write every figure as JSON).
 """
 
@@ -494,15 +495,22 @@ async def measure_short(
 
 
 def start_router(
-    stack: contextlib.ExitStack, preset: Path, state: str, key: str, log: Path, chat_model: Path
+    stack: contextlib.ExitStack,
+    preset: Path,
+    state: str,
+    key: str,
+    log: Path,
+    chat_model: Path,
+    workers: int = 1,
 ) -> tuple[int, int]:
-    """A real ``mixfleet router`` process (its chat model: ``chat_model``); its port and pid."""
+    """A real ``mixfleet router`` (its chat model: ``chat_model``; ``workers`` processes); its port
+    and pid (with workers, their supervisor's: :func:`cpu_seconds` counts the workers below it)."""
     from benchmarks.router import _wait, spawn
     from tests.support.procs import free_port, mixfleet_argv
 
     port = free_port()
     argv = mixfleet_argv("router", "--preset", str(preset), "--port", str(port), "--log-level", "warning")
-    argv += ["--chat-model", str(chat_model)]
+    argv += ["--chat-model", str(chat_model), "--workers", str(workers)]
     env = {"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})}
     proc = stack.enter_context(spawn([*argv, "--state", state], env=env, log=log))
     _wait(f"http://127.0.0.1:{port}/healthz", proc)
@@ -619,6 +627,9 @@ def main() -> int:
     ap.add_argument("--chat-context", type=int, default=131072, help="context of the chat pass's last turn")
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
     ap.add_argument("--input", nargs="+", default=["full", "append"], choices=["full", "append"])
+    ap.add_argument(
+        "--workers", type=int, default=1, help="router processes of the Redis state (memory state: one)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write every figure here as JSON")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
@@ -666,8 +677,9 @@ def main() -> int:
         for kind in args.state:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
             log = tmp / f"router-{kind}.log"
-            port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model)
-            print(f"\n{kind} state:")
+            workers = args.workers if redis_url else 1
+            port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model, workers)
+            print(f"\n{kind} state{f' ({workers} router processes)' if workers > 1 else ''}:")
             report[kind] = asyncio.run(measure_state(args, port, pid, key, redis_url, direct, floor))
         report["load_average_end"] = os.getloadavg()
         print(f"load average at the end: {report['load_average_end'][0]:.1f}")

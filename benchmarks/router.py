@@ -297,12 +297,23 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads) from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    """User + system CPU seconds of a process and of every living process below it (all their
+    threads: ``mixfleet router --workers N``'s workers are children of its supervisor) from /proc;
+    NaN when ``pid`` is gone."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks)
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited while listed
+                continue
+            stats[int(d.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    if pid not in stats:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree = {pid}
+    while below := {p for p, (parent, _) in stats.items() if parent in tree} - tree:
+        tree |= below
+    return sum(stats[p][1] for p in tree) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ processes
