@@ -62,8 +62,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.errors import UserError  # noqa: E402
-from core.tcp import free_port  # noqa: E402
 from launcher.children import Child, spawn, stop  # noqa: E402
+
+# Every port the soak hands out lies below the kernel's ephemeral range (the suite's block of this
+# pytest worker, or all of TEST_PORTS run alone): a port picked there is not taken by another
+# process's outgoing connection in the seconds before its server binds it.
+from tests.support.procs import free_port  # noqa: E402
 
 RUN = "soak"
 # A lease whose answer the trainer never got (a router worker killed mid-take) is redelivered after
@@ -158,7 +162,7 @@ class Redis:
     """A redis-server on a free port with an append-only file in ``dir``; :meth:`restart` keeps both."""
 
     def __init__(self, workdir: Path) -> None:
-        self.dir, self.port = workdir, free_port("127.0.0.1")
+        self.dir, self.port = workdir, free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -203,7 +207,7 @@ class Proxy:
     """A pass-through HTTP proxy in front of one sidecar (aiohttp); while ``failing`` it answers 500."""
 
     def __init__(self, target_port: int) -> None:
-        self.port, self.target = free_port("127.0.0.1"), f"http://127.0.0.1:{target_port}"
+        self.port, self.target = free_port(), f"http://127.0.0.1:{target_port}"
         self.failing = False
         self._runner: Any = None
         self._http: Any = None
@@ -259,11 +263,11 @@ class Fleet:
         self.dir = workdir
         self.retention_s = retention_s
         self.redis = Redis(workdir)
-        self.port = free_port("127.0.0.1")
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key, self.replica_key = os.urandom(16).hex(), os.urandom(16).hex()
         self.router: Child | None = None
-        self.replicas = [ReplicaProc(g, free_port("127.0.0.1"), Proxy(0)) for g in GROUPS]
+        self.replicas = [ReplicaProc(g, free_port(), Proxy(0)) for g in GROUPS]
         for r in self.replicas:
             r.proxy = Proxy(r.public_port)
         self.base = workdir / "base"
@@ -301,6 +305,8 @@ class Fleet:
             RUN,
             "--port",
             str(r.public_port),
+            "--engine-port",
+            str(free_port()),
             "--stage-dir",
             str(self.dir / "staging" / r.group),
         ]
