@@ -300,20 +300,18 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and of every living process below it (all their
     threads: ``mixfleet router --workers N``'s workers are children of its supervisor) from /proc;
     NaN when ``pid`` is gone."""
-    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks)
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # exited while listed
-                continue
-            stats[int(d.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    if pid not in stats:
-        return float("nan")
-    tree = {pid}
-    while below := {p for p, (parent, _) in stats.items() if parent in tree} - tree:
-        tree |= below
-    return sum(stats[p][1] for p in tree) / os.sysconf("SC_CLK_TCK")
+    from tests.support.procs import descendants
+
+    ticks = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone: the process itself (NaN), or a child that exited meanwhile
+            if p == pid:
+                return float("nan")
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ processes

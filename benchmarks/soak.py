@@ -67,7 +67,7 @@ from launcher.children import Child, spawn, stop  # noqa: E402
 # Every port the soak hands out lies below the kernel's ephemeral range (the suite's block of this
 # pytest worker, or all of TEST_PORTS run alone): a port picked there is not taken by another
 # process's outgoing connection in the seconds before its server binds it.
-from tests.support.procs import free_port  # noqa: E402
+from tests.support.procs import descendants, free_port  # noqa: E402
 
 RUN = "soak"
 # A lease whose answer the trainer never got (a router worker killed mid-take) is redelivered after
@@ -124,22 +124,6 @@ class Tally:
 
 
 # ------------------------------------------------------------------------------ processes
-
-
-def _children(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _cmdline(pid: int) -> str:
@@ -325,7 +309,7 @@ class Fleet:
     def router_pids(self) -> list[int]:
         """The router's processes: its main process and its workers (not conversion processes)."""
         assert self.router is not None
-        return [self.router.pid, *(p for p in _children(self.router.pid) if _is_worker(p, self.router.pid))]
+        return [self.router.pid, *(p for p in descendants(self.router.pid) if _is_worker(p, self.router.pid))]
 
     def stop(self) -> None:
         stop([r.child for r in self.replicas if r.child is not None] + ([self.router] if self.router else []))
@@ -482,7 +466,7 @@ class Faults:
 
     def _pid(self, r: ReplicaProc, word: str) -> int | None:
         assert r.child is not None
-        return next((p for p in _children(r.child.pid) if f" {word} " in _cmdline(p)), None)
+        return next((p for p in descendants(r.child.pid) if f" {word} " in _cmdline(p)), None)
 
     async def run(self, every_s: float, rounds: int | None) -> None:
         i = 0
@@ -526,7 +510,7 @@ class Faults:
 
     async def router_worker_kill(self) -> str:
         assert self.fleet.router is not None
-        workers = [p for p in _children(self.fleet.router.pid) if _is_worker(p, self.fleet.router.pid)]
+        workers = [p for p in descendants(self.fleet.router.pid) if _is_worker(p, self.fleet.router.pid)]
         if not workers:
             return "no router worker found"
         os.kill(workers[0], signal.SIGKILL)
@@ -543,7 +527,7 @@ class Faults:
         while time.monotonic() < deadline:
             if self.load.publish_running.is_set():
                 pool = [
-                    p for p in _children(self.fleet.router.pid) if _is_converter(p, self.fleet.router.pid)
+                    p for p in descendants(self.fleet.router.pid) if _is_converter(p, self.fleet.router.pid)
                 ]
                 if pool:
                     for p in pool:

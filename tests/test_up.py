@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from core.tcp import port_is_free
-from tests.support.procs import free_port, kill_group, mixfleet_argv
+from tests.support.procs import descendants, free_port, kill_group, mixfleet_argv
 
 
 def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -83,24 +83,6 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:
@@ -383,7 +365,7 @@ def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_t
         assert 'mixfleet_replica_restarts_total{group="cpu-bf16",replica="cpu-bf16-0"} 1.0' in metrics
 
         # SIGKILL of `mixfleet up` itself: its processes exit and free their ports.
-        children = _descendants(proc.pid)
+        children = set(descendants(proc.pid))
         assert set(_started(out).values()) <= children
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -401,7 +383,7 @@ def test_a_killed_engine_is_restarted_while_sessions_fail_over_and_a_killed_up_t
 def test_sigterm_during_start_up_stops_everything(tmp_path: Path, moment: str, line: str) -> None:
     with _up(tmp_path) as (proc, out, _port):
         _wait_for_line(out, line, proc, timeout=240)
-        descendants = _descendants(proc.pid)  # conversion workers, or the router and engines
+        below = set(descendants(proc.pid))  # conversion workers, or the router and engines
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0  # "within a few seconds": work in progress is killed
         text = out.read_text()
@@ -409,7 +391,5 @@ def test_sigterm_during_start_up_stops_everything(tmp_path: Path, moment: str, l
         started = _started(out)
         if moment == "engines":
             assert {"router", "engine-cpu-bf16-0", "engine-cpu-fp8-0", "engine-cpu-nvfp4-0"} <= set(started)
-        assert descendants and set(started.values()) <= descendants
-        _wait_until(
-            lambda: all(_gone(p) for p in descendants), 5, f"processes of up still running: {descendants}"
-        )
+        assert below and set(started.values()) <= below
+        _wait_until(lambda: all(_gone(p) for p in below), 5, f"processes of up still running: {below}")

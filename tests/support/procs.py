@@ -50,6 +50,22 @@ def free_port() -> int:
     return tcp.free_port("127.0.0.1", worker_ports())
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # exited while listed
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """Block until ``GET url`` answers 200, the process dies, or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
