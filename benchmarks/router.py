@@ -38,7 +38,8 @@ divided by the requests it served: unlike throughput it hardly depends on what e
 processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
-[--paced-rate 250 1000] [--state memory redis]`` (sglang-router: ``pip install -e '.[bench]'``).
+[--paced-rate 250 1000] [--state memory redis] [--out r.json]`` (sglang-router:
+``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
 """
 
 from __future__ import annotations
@@ -381,6 +382,7 @@ def main() -> int:
         "--paced-rate", type=float, nargs="*", default=[250.0, 1000.0], help="requests/s offered (none: skip)"
     )
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=("memory", "redis"))
+    ap.add_argument("--out", type=Path, default=None, help="also write every median point here as JSON")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     _event_loop_policy()
@@ -516,6 +518,7 @@ def main() -> int:
             f"{'+p50':>7}{'+p99':>7}{'cpu us/req':>11}{'cpu %':>6}{'client %':>9}{'errors':>7}"
         )
         med: dict[tuple[str, int, str], Point] = {}
+        rows: list[dict] = []
         for kind, sessions, _ in loads:
             base = median_point(results[(kind, sessions, "direct")])
             for t in targets:
@@ -527,6 +530,21 @@ def main() -> int:
                     f"{kind:<10}{t.name:<19}{sessions:>5}{p.rps:>8.0f}{f'({lo:.0f}-{hi:.0f})':>14}"
                     f"{p.p50:>8.2f}{p.p99:>8.2f}{p.p50 - base.p50:>+7.2f}{p.p99 - base.p99:>+7.2f}"
                     f"{p.cpu_us:>11.0f}{p.cpu_util * 100:>6.0f}{p.client_util * 100:>9.0f}{errs:>7}"
+                )
+                rows.append(
+                    {
+                        "load": kind,
+                        "sessions": sessions,
+                        "target": t.name,
+                        "rps": round(p.rps, 1),
+                        "rps_min_max": [round(lo, 1), round(hi, 1)],
+                        "p50_ms": round(p.p50, 3),
+                        "p99_ms": round(p.p99, 3),
+                        "added_p50_ms": round(p.p50 - base.p50, 3),
+                        "added_p99_ms": round(p.p99 - base.p99, 3),
+                        "cpu_us_per_request": round(p.cpu_us, 1),
+                        "errors": errs,
+                    }
                 )
         mixfleet = [t.name for t in targets if t.name not in ("direct", "sglang-router")]
         if sg is not None:
@@ -558,6 +576,16 @@ def main() -> int:
                 p = med[(*paced, t.name)]
                 print(f"  {t.name:<18} p50 {p.p50 - base.p50:+.2f} ms, p99 {p.p99 - base.p99:+.2f} ms")
         print(f"\nload average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+    if args.out is not None:
+        report = {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "cores": os.cpu_count(),
+            "baseline": sg_note,
+            "load_average_start": load0,
+            "load_average_end": load1,
+            "points": rows,
+        }
+        args.out.write_text(json.dumps(report, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
