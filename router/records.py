@@ -188,16 +188,23 @@ def _int_array(values: Sequence[int]) -> Any:
 
 
 def _np_varints(v: Any) -> bytes:
-    """LEB128 of a non-negative int64 array, vectorized: a (values x groups) matrix of every
-    value shifted by 0, 7, 14, ... bits; a group is written where its shift is non-zero (or it is
-    the first), its low 7 bits with the continuation bit set where the next group is written."""
+    """LEB128 of a non-negative int64 array, vectorized: a (values x groups) matrix filled one
+    group column at a time (each a 1D pass over the values: a matrix built by broadcasting the
+    values against the shifts runs one inner loop per value), the continuation bit set where the
+    next group is written; the written groups taken in value order."""
     width = max(1, (int(v.max()).bit_length() + 6) // 7)
-    shifted = v[:, None] >> np.arange(0, 7 * width, 7)
-    written = shifted != 0
+    groups = np.empty((len(v), width), dtype=np.uint8)
+    written = np.empty((len(v), width), dtype=bool)
     written[:, 0] = True
-    groups = (shifted & 0x7F).astype(np.uint8)
-    groups[:, :-1] |= written[:, 1:].view(np.uint8) << 7
-    return groups[written].tobytes()
+    rest = v
+    for k in range(width):
+        groups[:, k] = rest & 0x7F
+        if k + 1 < width:
+            rest = rest >> 7
+            more = rest != 0
+            written[:, k + 1] = more
+            groups[:, k] |= more.view(np.uint8) << 7
+    return groups.ravel().take(np.flatnonzero(written.ravel())).tobytes()
 
 
 class _Reader:
