@@ -53,6 +53,7 @@ import os
 import random
 import secrets
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -77,13 +78,20 @@ def _event_loop_policy() -> None:
 # ------------------------------------------------------------------ stub backend
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as an engine's log-probs are: the local engine and SGLang sample
+    from float32 logits and send each value as the Python float of a float32
+    (``engine/runtime/sampler.py``'s ``.tolist()``; ``docs/sglang-contract.md`` row 18)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 def stub_generate_body(out: list[int] | None = None) -> bytes:
     """The stub engine's ``/generate`` answer (SGLang's ``meta_info`` shape) for output ids ``out``
     (default 100 .. 100 + N_OUT), each with a support of SUPPORT ids."""
     out = list(range(100, 100 + N_OUT)) if out is None else out
     masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in out]
-    lp = -math.log(SUPPORT)  # uniform over the support
-    raw = -math.log(2 * SUPPORT)  # before filtering: half the mass outside the support
+    lp = _float32(-math.log(SUPPORT))  # uniform over the support
+    raw = _float32(-math.log(2 * SUPPORT))  # before filtering: half the mass outside the support
     meta = {
         "id": "stub",
         "finish_reason": {"type": "length", "length": N_OUT},
