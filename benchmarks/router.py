@@ -79,9 +79,10 @@ def _event_loop_policy() -> None:
 
 
 def _float32(x: float) -> float:
-    """``x`` rounded to float32, as an engine's log-probs are: the local engine and SGLang sample
-    from float32 logits and send each value as the Python float of a float32
-    (``engine/runtime/sampler.py``'s ``.tolist()``; ``docs/sglang-contract.md`` row 18)."""
+    """``x`` rounded to float32, as an engine's log-probs are: the local engine sends the floats of
+    float32 tensors (``engine/runtime/sampler.py``'s ``.tolist()``), and SGLang 0.5.23 computes
+    the mask's selected and support log-probs in float32 (``srt/layers/sampler.py`` 569-574,
+    619-623)."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
