@@ -339,10 +339,17 @@ def test_openapi_and_metrics(client: httpx.Client) -> None:
         "mixfleet_router_leases_total",
     ):
         assert name in text, name
-    # requests are timed by route template and status class
-    assert (
-        'mixfleet_router_request_seconds_count{route="/v1/sessions/{session_id}/turns",status="2xx"}' in text
-    )
+    # requests are timed by route template and status class: a turn of this test's own (not one
+    # an earlier test left), observed as its request ends, just after its answer was sent
+    sid = _session(client, group="cpu-a")
+    turn = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2], "sampling_params": SP})
+    assert turn.status_code == 200, turn.text
+    want = 'mixfleet_router_request_seconds_count{route="/v1/sessions/{session_id}/turns",status="2xx"}'
+    deadline = time.monotonic() + 10
+    while want not in (text := client.get("/metrics").text) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    counts = [x for x in text.splitlines() if x.startswith("mixfleet_router_request_seconds_count")]
+    assert want in text, counts
     groups = client.get("/v1/groups").json()["groups"]
     a = next(g for g in groups if g["name"] == "cpu-a")
     assert a["capacity"] == 8 and a["active_version"] == 0 and a["tokens_total"] > 0
