@@ -283,7 +283,8 @@ def _as_sglang(body: dict) -> dict:
     """``body`` as SGLang 0.5.23 answers in support mode: masks in a ranked (not id) order, the
     support log-probs (float32 values) as the rows of ``output_token_sampling_logprobs``."""
     import random
-    import struct
+
+    from benchmarks.router import float32
 
     rng = random.Random(0)
     meta = dict(body["meta_info"])
@@ -292,7 +293,7 @@ def _as_sglang(body: dict) -> dict:
         mask = list(mask)
         rng.shuffle(mask)
         masks.append(mask)
-        rows.append([struct.unpack("<f", struct.pack("<f", -8 * rng.random()))[0] for _ in mask])
+        rows.append([float32(-8 * rng.random()) for _ in mask])
     meta.update(output_token_sampling_mask=masks, output_token_sampling_logprobs=rows)
     del meta["output_token_sampling_support_logprobs"]
     return {**body, "meta_info": meta}

@@ -78,7 +78,7 @@ def _event_loop_policy() -> None:
 # ------------------------------------------------------------------ stub backend
 
 
-def _float32(x: float) -> float:
+def float32(x: float) -> float:
     """``x`` rounded to float32, as an engine's log-probs are: the local engine sends the floats of
     float32 tensors (``engine/runtime/sampler.py``'s ``.tolist()``), and SGLang 0.5.23 computes
     the mask's selected and support log-probs in float32 (``srt/layers/sampler.py`` 569-574,
@@ -91,8 +91,8 @@ def stub_generate_body(out: list[int] | None = None) -> bytes:
     (default 100 .. 100 + N_OUT), each with a support of SUPPORT ids."""
     out = list(range(100, 100 + N_OUT)) if out is None else out
     masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in out]
-    lp = _float32(-math.log(SUPPORT))  # uniform over the support
-    raw = _float32(-math.log(2 * SUPPORT))  # before filtering: half the mass outside the support
+    lp = float32(-math.log(SUPPORT))  # uniform over the support
+    raw = float32(-math.log(2 * SUPPORT))  # before filtering: half the mass outside the support
     meta = {
         "id": "stub",
         "finish_reason": {"type": "length", "length": N_OUT},

@@ -188,10 +188,9 @@ def _int_array(values: Sequence[int]) -> Any:
 
 
 def _np_varints(v: Any) -> bytes:
-    """LEB128 of a non-negative int64 array, vectorized: a (values x groups) matrix filled one
-    group column at a time (each a 1D pass over the values: a matrix built by broadcasting the
-    values against the shifts runs one inner loop per value), the continuation bit set where the
-    next group is written; the written groups taken in value order."""
+    """LEB128 of a non-negative int64 array, vectorized: a (values x groups) matrix of 7-bit
+    groups filled one group column at a time, the continuation bit set where the next group is
+    written; the written groups, value after value."""
     width = max(1, (int(v.max()).bit_length() + 6) // 7)
     groups = np.empty((len(v), width), dtype=np.uint8)
     written = np.empty((len(v), width), dtype=bool)
