@@ -221,10 +221,18 @@ def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_erro
 
     from core.tcp import free_port as fleet_free_port
 
+    # A port below the kernel's ephemeral range: the kernel's choice (port 0) could be one that an
+    # earlier test of this process had from free_port() (the test above draws 500), and another
+    # process's port 0 could take it once closed; nothing hands out ports down there.
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
+        for taken in range(ephemeral_low - 10_000, ephemeral_low):
+            try:
+                held.bind(("127.0.0.1", taken))
+                break
+            except OSError:
+                continue
         held.listen()
-        taken = held.getsockname()[1]
         block = range(taken, taken + 1)
         with pytest.raises(OSError, match=f"in {taken}-{taken}"):
             fleet_free_port("127.0.0.1", block)
