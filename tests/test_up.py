@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from core.tcp import port_is_free
-from tests.support.procs import descendants, free_port, kill_group, mixfleet_argv
+from tests.support.procs import descendants, free_port, kill_group, mixfleet_argv, worker_ports
 
 
 def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -221,12 +221,11 @@ def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_erro
 
     from core.tcp import free_port as fleet_free_port
 
-    # A port below the kernel's ephemeral range: the kernel's choice (port 0) could be one that an
-    # earlier test of this process had from free_port() (the test above draws 500), and another
-    # process's port 0 could take it once closed; nothing hands out ports down there.
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # The top of this process's block of test ports: free_port() hands out a block from its start
+    # (the kernel's choice, port 0, could be one the test above had from free_port()), and no
+    # other test process or port 0 takes a port of this block once it is closed.
     with socket.socket() as held:
-        for taken in range(ephemeral_low - 10_000, ephemeral_low):
+        for taken in reversed(worker_ports()):
             try:
                 held.bind(("127.0.0.1", taken))
                 break
