@@ -231,6 +231,8 @@ def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_erro
                 break
             except OSError:
                 continue
+        else:
+            pytest.fail(f"no port of {worker_ports()} could be bound")
         held.listen()
         block = range(taken, taken + 1)
         with pytest.raises(OSError, match=f"in {taken}-{taken}"):
