@@ -27,7 +27,9 @@ standing in for the engine's own time. Printed:
   generated tokens x their record bytes)``; a record's bytes are those of one generated token's
   records in a stored turn block of the stub's answer with a one-token input;
 * state-store memory per 1,000 such finished, untaken sessions: the router's resident memory
-  (memory state) and Redis ``used_memory`` (Redis state), before and after the sessions;
+  (memory state; read ``--heap-trim-interval`` and a second after the sessions, once the router
+  has returned its free heap pages: :mod:`core.heap`; with 0, at once) and Redis ``used_memory``
+  (Redis state), before and after the sessions;
 * the trainer's take + decode time per trajectory (``POST /v1/batches/take`` of one trajectory,
   then :func:`trainer.batch.decode_batch`).
 
@@ -59,7 +61,7 @@ holds only where the floor is well under it.
 
 Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
 [--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--rounds 3]
-[--workers 1] [--out r.json]``
+[--workers 1] [--heap-trim-interval 5] [--out r.json]``
 (``--out``: also write every figure as JSON).
 """
 
@@ -96,6 +98,7 @@ from benchmarks.router import (  # noqa: E402
     stub_generate_body,
 )
 from core.jsonio import loads  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
 
 VOCAB = 4096
 VARINT_ID_BYTES = 2  # ids below 16384
@@ -502,6 +505,7 @@ def start_router(
     log: Path,
     chat_model: Path,
     workers: int = 1,
+    heap_trim_s: float = RouterConfig.heap_trim_s or 0.0,
 ) -> tuple[int, int]:
     """A real ``mixfleet router`` (its chat model: ``chat_model``; ``workers`` processes); its port
     and pid (with workers, their supervisor's: :func:`cpu_seconds` counts the workers below it)."""
@@ -510,7 +514,14 @@ def start_router(
 
     port = free_port()
     argv = mixfleet_argv("router", "--preset", str(preset), "--port", str(port), "--log-level", "warning")
-    argv += ["--chat-model", str(chat_model), "--workers", str(workers)]
+    argv += [
+        "--chat-model",
+        str(chat_model),
+        "--workers",
+        str(workers),
+        "--heap-trim-interval",
+        str(heap_trim_s),
+    ]
     env = {"MIXFLEET_API_KEYS": json.dumps({key: ["rollout", "trainer", "admin"]})}
     proc = stack.enter_context(spawn([*argv, "--state", state], env=env, log=log))
     _wait(f"http://127.0.0.1:{port}/healthz", proc)
@@ -539,7 +550,8 @@ async def measure_state(
         out[mode] = await measure_long(
             args, port, pid, auth, redis_url, direct, mode == "append", bound, fresh
         )
-    out |= await measure_short(args, (port, pid), auth, floor)
+    if args.short_turns:
+        out |= await measure_short(args, (port, pid), auth, floor)
     if args.chat_turns:
         cpu0 = cpu_seconds(pid)
         chat = await run_chat_agents(
@@ -596,6 +608,8 @@ async def measure_long(
         pid=pid,
     )
     cpu, sids = done.turn_cpu_s, done.sids
+    if not redis_url and fresh:
+        await asyncio.sleep(args.heap_trim_interval + 1.0 if args.heap_trim_interval else 0.0)
     mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
     out: dict = {"latency": report_latency(done.lat, direct, own)}
     n_turns = args.sessions * args.turns
@@ -621,7 +635,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=57)
     ap.add_argument("--max-context", type=int, default=131072)
     ap.add_argument("--engine-s", type=float, default=1.0, help="the stub engine's time per turn")
-    ap.add_argument("--short-turns", type=int, default=10)
+    ap.add_argument("--short-turns", type=int, default=10, help="turns of the short pass (0: none)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the short pass beside the floor")
     ap.add_argument("--chat-turns", type=int, default=57, help="turns of the chat pass (0: none)")
     ap.add_argument("--chat-context", type=int, default=131072, help="context of the chat pass's last turn")
@@ -630,11 +644,23 @@ def main() -> int:
     ap.add_argument(
         "--workers", type=int, default=1, help="router processes of the Redis state (memory state: one)"
     )
+    ap.add_argument(
+        "--heap-trim-interval",
+        type=float,
+        default=RouterConfig.heap_trim_s or 0.0,
+        help="the router's --heap-trim-interval (0: never)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write every figure here as JSON")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stub-port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for name in ("sessions", "turns", "max_context", "rounds", "workers"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("short_turns", "chat_turns"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be at least 0")
     if args.serve_floor:
         serve_floor(args.serve_floor, args.stub_port)
         return 0
@@ -678,7 +704,9 @@ def main() -> int:
             redis_url = stack.enter_context(redis_server()) if kind == "redis" else None
             log = tmp / f"router-{kind}.log"
             workers = args.workers if redis_url else 1
-            port, pid = start_router(stack, preset, redis_url or "memory", key, log, chat_model, workers)
+            port, pid = start_router(
+                stack, preset, redis_url or "memory", key, log, chat_model, workers, args.heap_trim_interval
+            )
             print(f"\n{kind} state{f' ({workers} router processes)' if workers > 1 else ''}:")
             report[kind] = asyncio.run(measure_state(args, port, pid, key, redis_url, direct, floor))
         report["load_average_end"] = os.getloadavg()

@@ -63,13 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without a turn (none running) until an open session is dropped (0: never; %(default)s)",
     )
     parser.add_argument("--f16-logprobs", action="store_true", help="store support log-probs as float16")
-    parser.add_argument(
-        "--context-cache-mb",
-        type=int,
-        default=256,
-        help="MiB of the sessions' last engine inputs kept as JSON text, so a turn encodes only what "
-        "it appends (0: none; default 256)",
-    )
+    add_memory_arguments(parser)
     parser.add_argument(
         "--mismatch-band",
         default="0.2,5",
@@ -105,6 +99,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default auto: detected from its tokenizer)",
     )
     parser.add_argument("--log-level", default="info")
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of what a router process keeps in memory beyond its state."""
+    parser.add_argument(
+        "--context-cache-mb",
+        type=int,
+        default=256,
+        help="MiB of the sessions' last engine inputs kept as JSON text, so a turn encodes only what "
+        "it appends (0: none; default 256)",
+    )
+    parser.add_argument(
+        "--heap-trim-interval",
+        type=float,
+        default=5.0,
+        help="seconds between returns of the process's free C-heap pages to the system (glibc "
+        "malloc_trim; 0: never; default 5)",
+    )
 
 
 BOUNDS = {  # flag -> (RouterConfig field, type, default, help); rules: router.state.retention
@@ -175,6 +187,8 @@ def build_config(args: argparse.Namespace):
         raise UserError("--session-idle-timeout must be >= 0")
     if args.context_cache_mb < 0:
         raise UserError("--context-cache-mb must be >= 0")
+    if args.heap_trim_interval < 0:
+        raise UserError("--heap-trim-interval must be >= 0")
     if args.max_body_bytes < 1024:
         raise UserError("--max-body-bytes must be at least 1024")
     if args.max_version_lag is not None and args.max_version_lag < 0:
@@ -199,6 +213,7 @@ def build_config(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         f16_support_logprobs=args.f16_logprobs,
         context_cache_bytes=args.context_cache_mb * 2**20,
+        heap_trim_s=args.heap_trim_interval or None,
         session_idle_s=args.session_idle_timeout or None,
         mismatch_band=band,
         engine_headers=proxy_auth_headers(),

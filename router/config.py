@@ -130,7 +130,9 @@ class RouterConfig:
     render with (:mod:`router.chat`; None: they answer 503); ``chat_family`` picks its renderer
     (one of :data:`CHAT_FAMILIES`; None: detected from the tokenizer). ``context_cache_bytes``
     bounds the JSON text of the sessions' last engine inputs a router process keeps
-    (:mod:`router.context_text`; 0: none kept, every turn encodes its whole input).
+    (:mod:`router.context_text`; 0: none kept, every turn encodes its whole input). Every
+    ``heap_trim_s`` seconds the process returns its C heap's free pages to the system
+    (:mod:`core.heap`; None: never).
 
     A session's turns stay on its replica (its prefix cache) unless that replica's queue has stayed
     above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
@@ -178,6 +180,7 @@ class RouterConfig:
     chat_model: Path | None = None
     chat_family: str | None = None
     context_cache_bytes: int = 256 * 2**20
+    heap_trim_s: float | None = 5.0
 
     def __post_init__(self) -> None:
         check_band(self.mismatch_band)
@@ -189,6 +192,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.context_cache_bytes < 0:
             raise ValueError(f"context_cache_bytes must be >= 0, got {self.context_cache_bytes}")
+        if self.heap_trim_s is not None and not self.heap_trim_s > 0:
+            raise ValueError(f"heap_trim_s must be > 0 or None, got {self.heap_trim_s!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}: {self.policy!r}")
         for token, scopes in self.api_keys.items():

@@ -4,7 +4,8 @@ registry, the JSON text of each session's last engine input (``context_text``,
 :meth:`RouterContext.client` is the engine client on it, :meth:`RouterContext.replica_client` the
 one of a replica, pinned to its container on
 Modal), the container pins (``pins``, :mod:`router.pinning`; None for a local fleet), metrics, and
-the latest published weight version.
+the latest published weight version. While it runs, the process returns its free C-heap pages to
+the system every ``config.heap_trim_s`` (:mod:`core.heap`).
 
 What changes answers lives in the state store, shared by every router process on it: sessions,
 trajectories, the replicas' heartbeats and static-poll results, the latest version, the routing
@@ -38,6 +39,7 @@ from clients.engine import (
     make_http_client,
     reported_version,
 )
+from core import heap
 from core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.context_text import ContextText
@@ -50,6 +52,8 @@ from router.state import open_store
 from router.state.base import GroupCounters, StateError, StateStore
 
 log = logging.getLogger("mixfleet.router")
+HEAP_TASK = "router-heap-trim"
+"""The name of the task returning the process's free C-heap pages (:func:`core.heap.trim_every`)."""
 
 
 class RouterContext:
@@ -88,6 +92,8 @@ class RouterContext:
         if self.pins is not None:
             await self.pins.refresh()
             self._tasks.append(asyncio.create_task(self._pin_loop(self.pins), name="router-pins"))
+        if self.config.heap_trim_s is not None and heap.AVAILABLE:
+            self._tasks.append(asyncio.create_task(heap.trim_every(self.config.heap_trim_s), name=HEAP_TASK))
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)

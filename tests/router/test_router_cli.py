@@ -47,6 +47,7 @@ def test_router_bad_argument_is_one_line() -> None:
         (("--max-body-bytes", "10"), "--max-body-bytes"),
         (("--max-version-lag", "-2"), "--max-version-lag"),
         (("--context-cache-mb", "-1"), "--context-cache-mb"),
+        (("--heap-trim-interval", "-1"), "--heap-trim-interval"),
     ],
 )
 def test_bad_router_arguments_name_the_option(args, needle, monkeypatch) -> None:
@@ -106,3 +107,18 @@ def test_router_process_tunes_its_garbage_collector() -> None:
     assert tuple(before) == (700, 10, 10)  # CPython's default, so the router's setting is what changed it
     assert tuple(after) == GC_THRESHOLD
     assert frozen > 10_000  # modules, the app and its models
+
+
+def test_heap_trim_interval_sets_the_period_and_zero_turns_it_off(monkeypatch) -> None:
+    monkeypatch.setenv("MIXFLEET_API_KEYS", json.dumps({"k" * 20: ["admin"]}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert build_config(parser.parse_args(["--preset", "local"])).heap_trim_s == 5.0
+    assert (
+        build_config(parser.parse_args(["--preset", "local", "--heap-trim-interval", "2.5"])).heap_trim_s
+        == 2.5
+    )
+    assert (
+        build_config(parser.parse_args(["--preset", "local", "--heap-trim-interval", "0"])).heap_trim_s
+        is None
+    )
