@@ -12,9 +12,8 @@ fit. ``malloc_trim(0)`` returns every free whole page of every arena, wherever i
 (malloc_trim(3): since glibc 2.8), and the next allocation there faults it in again.
 
 Not fixing the threshold instead (``M_MMAP_THRESHOLD``, which also turns the dynamic one off):
-every such buffer would then be a fresh mmap, faulted in page by page on every turn (measured in
-the commit that added this: +0.4-0.5 ms of router CPU a long turn, against no measurable cost of
-a trim every few seconds).
+every such buffer would then be a fresh mmap, faulted in page by page on every turn, which costs a
+long turn more CPU than a trim every few seconds does (figures in the commit that added this).
 
 Where glibc is not the C library (macOS, musl) :func:`trim` does nothing and returns False.
 """
