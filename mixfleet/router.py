@@ -181,14 +181,18 @@ def build_config(args: argparse.Namespace):
 
         open_pins(args.modal_app, [g.name for g in fleet.groups])  # a client without the listing: one line
     for name in ("heartbeat_timeout", "lease_timeout"):
-        if getattr(args, name) <= 0:
+        if not getattr(args, name) > 0:  # NaN too
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
-    if args.session_idle_timeout < 0:
+    if not args.session_idle_timeout >= 0:
         raise UserError("--session-idle-timeout must be >= 0")
     if args.context_cache_mb < 0:
         raise UserError("--context-cache-mb must be >= 0")
-    if args.heap_trim_interval < 0:
+    if not args.heap_trim_interval >= 0:
         raise UserError("--heap-trim-interval must be >= 0")
+    if not getattr(args, "affinity_hold", 5.0) >= 0:
+        raise UserError("--affinity-hold must be >= 0")
+    if getattr(args, "affinity_queue_bound", 8) < 0:
+        raise UserError("--affinity-queue-bound must be >= 0")
     if args.max_body_bytes < 1024:
         raise UserError("--max-body-bytes must be at least 1024")
     if args.max_version_lag is not None and args.max_version_lag < 0:

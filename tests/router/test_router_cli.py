@@ -48,6 +48,12 @@ def test_router_bad_argument_is_one_line() -> None:
         (("--max-version-lag", "-2"), "--max-version-lag"),
         (("--context-cache-mb", "-1"), "--context-cache-mb"),
         (("--heap-trim-interval", "-1"), "--heap-trim-interval"),
+        (("--heap-trim-interval", "nan"), "--heap-trim-interval"),
+        (("--heartbeat-timeout", "nan"), "--heartbeat-timeout"),
+        (("--session-idle-timeout", "nan"), "--session-idle-timeout"),
+        (("--affinity-hold", "-1"), "--affinity-hold"),
+        (("--affinity-hold", "nan"), "--affinity-hold"),
+        (("--affinity-queue-bound", "-1"), "--affinity-queue-bound"),
     ],
 )
 def test_bad_router_arguments_name_the_option(args, needle, monkeypatch) -> None:
