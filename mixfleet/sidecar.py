@@ -9,6 +9,7 @@ else (``mixfleet up`` makes one for its sidecars). See :mod:`replica.sidecar` fo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import tempfile
@@ -97,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--router must be an http(s) URL, got {args.router!r}")
     if not 0 < args.poll_s <= 1.0:
         raise UserError(f"--poll-s must be in (0, 1], got {args.poll_s}")
+    for flag in ("--heartbeat-s", "--backoff-max-s"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 < value < math.inf:  # NaN too
+            raise UserError(f"{flag} must be > 0 and finite, got {value}")
+    if args.stage_rate_mb is not None and not 0 < args.stage_rate_mb < math.inf:
+        raise UserError(f"--stage-rate-mb must be > 0 and finite, got {args.stage_rate_mb}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if args.restarts < 0:
