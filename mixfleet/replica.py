@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from core.errors import UserError
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-dir", default=None, help="one log file per process here (default: stdout)")
     parser.add_argument(
-        "--ready-timeout", type=float, default=1800.0, help="seconds to wait for the engine and sidecar"
+        "--ready-timeout", type=seconds, default=1800.0, help="seconds to wait for the engine and sidecar"
     )
     parser.add_argument(
         "--sidecar-flag",

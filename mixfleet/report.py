@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the baseline's stated generated tokens/s per replica (default: measured in the ledger)",
     )
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per router call")
+    parser.add_argument("--timeout", type=seconds, default=60.0, help="seconds per router call")
 
 
 def _read_json(path: str, what: str) -> Any:

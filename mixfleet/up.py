@@ -12,6 +12,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from launcher.embedded import UpSettings, run_until_stopped
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-version-lag", type=int, default=None, help="keep new turns off replicas lagging more than this"
     )
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--ready-timeout", type=seconds, default=600.0, help="seconds to wait for readiness")
     parser.add_argument(
         "--restart-backoff-max",
         type=float,

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from core.errors import UserError
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-live-update", action="store_true", help="skip level 6 (it publishes two versions)"
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds to wait for publishes and activation"
+        "--timeout", type=seconds, default=600.0, help="seconds to wait for publishes and activation"
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--router", default=None, help="router URL (default $MIXFLEET_URL or http://127.0.0.1:8300)"
         )
-        p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for jobs/activation")
+        p.add_argument("--timeout", type=seconds, default=900.0, help="seconds to wait for jobs/activation")
         p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser(

@@ -8,6 +8,7 @@ import pytest
 
 from core.errors import UserError
 from fleet.specs import load_preset
+from mixfleet.cli import build_parser
 from tests.support.procs import mixfleet_argv
 
 
@@ -35,3 +36,24 @@ def test_bad_preset_names_the_problem(tmp_path) -> None:
         load_preset(bad)
     with pytest.raises(UserError, match="not found"):
         load_preset("no-such-preset")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "--router", "http://127.0.0.1:1", "--out", "r", "--timeout"],
+        ["weights", "status", "--timeout"],
+        ["validate", "--group", "g", "--timeout"],
+        ["up", "--ready-timeout"],
+        ["replica", "--group", "g", "--ready-timeout"],
+    ],
+)
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_wait_that_is_not_a_positive_finite_number_of_seconds_is_refused_by_name(
+    argv: list[str], value: str, capsys
+) -> None:
+    flag = argv[-1]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err

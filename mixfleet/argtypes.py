@@ -1,0 +1,18 @@
+"""Argument types the commands share (argparse ``type=``): a value argparse refuses is one line
+naming its flag (``mixfleet report: error: argument --timeout: ...``), before the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a wait, a timeout): not 0, negative, NaN or inf."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
