@@ -70,6 +70,9 @@ def test_reconciler_activates_a_version_published_to_the_volume(tmp_path, caplog
             while rec.state.active_version != 1:
                 assert time.monotonic() < deadline, rec.status()
                 await asyncio.sleep(0.05)
+            while sorted(p.name for p in stage.iterdir()) != ["v000001"]:  # removed after activating
+                assert time.monotonic() < deadline, sorted(p.name for p in stage.iterdir())
+                await asyncio.sleep(0.05)
             info = await rec.engine.model_info()
             assert Path(info["model_path"]) == (stage / "v000001").resolve(), info
             return rec

@@ -644,5 +644,8 @@ def test_sidecar_killed_mid_stage_converges_after_restart(live: Live, tiny_seed2
     fleet.wait_active(v, replicas=[r])
     assert _engine_version(r.engine_url) == v
     assert httpx.get(r.url + "/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 30  # the old copy is removed just after the activation
+    while sorted(p.name for p in r.staging_dir.iterdir()) != [f"v{v:06d}"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sorted(p.name for p in r.staging_dir.iterdir()) == [f"v{v:06d}"]
     fleet.wait_active(v)
