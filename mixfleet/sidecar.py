@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.formats import FORMATS
+from mixfleet.argtypes import seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-s", type=float, default=0.5, help="pointer poll interval, <= 1 s (default 0.5)"
     )
-    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1)")
+    parser.add_argument("--heartbeat-s", type=seconds, default=1.0, help="heartbeat interval (default 1)")
     parser.add_argument(
-        "--backoff-max-s", type=float, default=30.0, help="longest retry backoff (default 30)"
+        "--backoff-max-s", type=seconds, default=30.0, help="longest retry backoff (default 30)"
     )
     parser.add_argument(
         "--restarts",
@@ -98,10 +99,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--router must be an http(s) URL, got {args.router!r}")
     if not 0 < args.poll_s <= 1.0:
         raise UserError(f"--poll-s must be in (0, 1], got {args.poll_s}")
-    for flag in ("--heartbeat-s", "--backoff-max-s"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if not 0 < value < math.inf:  # NaN too
-            raise UserError(f"{flag} must be > 0 and finite, got {value}")
     if args.stage_rate_mb is not None and not 0 < args.stage_rate_mb < math.inf:
         raise UserError(f"--stage-rate-mb must be > 0 and finite, got {args.stage_rate_mb}")
     if not 0 < args.port < 65536:

@@ -11,6 +11,14 @@ import pytest
 from core.errors import UserError
 from mixfleet.sidecar import add_arguments, run
 
+ARGV = ["--engine", "http://127.0.0.1:1", "--group", "g", "--format", "bf16", "--run", "r", "--port", "18000"]
+
+
+def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*ARGV, "--store", str(tmp_path), *extra])
+
 
 @pytest.mark.parametrize(
     ("flag", "value"),
@@ -20,15 +28,21 @@ from mixfleet.sidecar import add_arguments, run
         ("--heartbeat-s", "nan"),
         ("--backoff-max-s", "0"),
         ("--backoff-max-s", "inf"),
-        ("--stage-rate-mb", "-5"),
-        ("--stage-rate-mb", "nan"),
-        ("--poll-s", "nan"),
     ],
 )
-def test_a_bad_interval_or_rate_is_one_line_naming_its_flag(flag: str, value: str, tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    argv = ["--engine", "http://127.0.0.1:1", "--group", "g", "--format", "bf16", "--store", str(tmp_path)]
-    args = parser.parse_args([*argv, "--run", "r", "--port", "18000", flag, value])
+def test_a_bad_interval_is_refused_by_argparse_naming_its_flag(
+    flag: str, value: str, tmp_path: Path, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _args(tmp_path, flag, value)
+    assert exc.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--stage-rate-mb", "-5"), ("--stage-rate-mb", "nan"), ("--poll-s", "nan")],
+)
+def test_a_bad_rate_or_poll_interval_names_its_flag(flag: str, value: str, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=flag):
-        run(args)
+        run(_args(tmp_path, flag, value))
