@@ -1,9 +1,11 @@
 """Router overhead: added latency and sustained turns/s, beside sglang-router, in one run.
 
 What is measured. A fast stub backend speaks SGLang's ``/generate`` (fixed answer: 64 output
-tokens with log-probs and 32-id sampling masks, as the local engine would send them). Clients
-(one keep-alive HTTP/1.1 connection per session, requests prebuilt, uvloop; the same client for
-every target) run for ``--seconds`` against:
+tokens with log-probs and 32-id sampling masks, as the local engine would send them;
+``--out-tokens`` and ``--support`` change that shape, so that a turn's CPU can be split into its
+constant part and the part that grows with the records). Clients (one keep-alive HTTP/1.1
+connection per session, requests prebuilt, uvloop; the same client for every target) run for
+``--seconds`` against:
 
 * ``direct``            the stub itself (the baseline),
 * ``turns memory``      ``POST /v1/sessions/{id}/turns`` through a mixfleet router with in-memory
@@ -38,8 +40,8 @@ divided by the requests it served: unlike throughput it hardly depends on what e
 processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
-[--paced-rate 250 1000] [--state memory redis] [--out r.json]`` (sglang-router:
-``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
+[--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32] [--out r.json]``
+(sglang-router: ``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
 """
 
 from __future__ import annotations
@@ -86,21 +88,21 @@ def float32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
-def stub_generate_body(out: list[int] | None = None) -> bytes:
+def stub_generate_body(out: list[int] | None = None, support: int = SUPPORT) -> bytes:
     """The stub engine's ``/generate`` answer (SGLang's ``meta_info`` shape) for output ids ``out``
-    (default 100 .. 100 + N_OUT), each with a support of SUPPORT ids."""
+    (default 100 .. 100 + N_OUT), each with a support of ``support`` ids."""
     out = list(range(100, 100 + N_OUT)) if out is None else out
-    masks = [sorted({t, *range(t + 1, t + SUPPORT)}) for t in out]
-    lp = float32(-math.log(SUPPORT))  # uniform over the support
-    raw = float32(-math.log(2 * SUPPORT))  # before filtering: half the mass outside the support
+    masks = [sorted({t, *range(t + 1, t + support)}) for t in out]
+    lp = float32(-math.log(support))  # uniform over the support
+    raw = float32(-math.log(2 * support))  # before filtering: half the mass outside the support
     meta = {
         "id": "stub",
-        "finish_reason": {"type": "length", "length": N_OUT},
+        "finish_reason": {"type": "length", "length": len(out)},
         "prompt_tokens": 4,
-        "completion_tokens": N_OUT,
+        "completion_tokens": len(out),
         "cached_tokens": 0,
         "weight_version": "0",
-        "weight_versions": [{"version": 0, "start": 0, "end": N_OUT}],
+        "weight_versions": [{"version": 0, "start": 0, "end": len(out)}],
         "output_token_logprobs": [[raw, t, None] for t in out],
         "output_token_sampling_mask": masks,
         "output_token_sampling_logprobs": [lp for _ in out],
@@ -392,11 +394,16 @@ def main() -> int:
     )
     ap.add_argument("--state", nargs="+", default=["memory", "redis"], choices=("memory", "redis"))
     ap.add_argument("--out", type=Path, default=None, help="also write every median point here as JSON")
+    ap.add_argument("--out-tokens", type=int, default=N_OUT, help="output tokens of the stub's answer")
+    ap.add_argument("--support", type=int, default=SUPPORT, help="ids in each output token's mask (>= 1)")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.out_tokens < 1 or args.support < 1:
+        ap.error("--out-tokens and --support must be at least 1")
     _event_loop_policy()
     if args.serve_stub:
-        asyncio.run(serve_stub(args.serve_stub))
+        out = list(range(100, 100 + args.out_tokens))
+        asyncio.run(serve_stub(args.serve_stub, stub_generate_body(out, args.support)))
         return 0
 
     from tests.support.procs import free_port, mixfleet_argv, redis_server
@@ -408,7 +415,20 @@ def main() -> int:
     load0 = os.getloadavg()
     with contextlib.ExitStack() as stack:
         stub_port = free_port()
-        stub = stack.enter_context(spawn([sys.executable, __file__, "--serve-stub", str(stub_port)]))
+        stub = stack.enter_context(
+            spawn(
+                [
+                    sys.executable,
+                    __file__,
+                    "--serve-stub",
+                    str(stub_port),
+                    "--out-tokens",
+                    str(args.out_tokens),
+                    "--support",
+                    str(args.support),
+                ]
+            )
+        )
         _wait(f"http://127.0.0.1:{stub_port}/health", stub)
         stub_url = f"http://127.0.0.1:{stub_port}"
 
@@ -473,16 +493,17 @@ def main() -> int:
                 sg_note = f"sglang-router failed to start: {exc}; log: {(tmp / 'sg.log').read_text()[-500:]}"
                 sg = None
 
+        n_out, support = args.out_tokens, args.support
         gen_body = json.dumps(
             {
                 "input_ids": [1, 2, 3, 4],
-                "sampling_params": {"max_new_tokens": N_OUT, "top_k": 4096},  # a mask needs a finite top_k
+                "sampling_params": {"max_new_tokens": n_out, "top_k": 4096},  # a mask needs a finite top_k
                 "return_logprob": True,
                 "return_sampling_mask": True,
             }
         ).encode()
         turn_body = json.dumps(  # a top_k: a masked turn, as the stub answers (an unfiltered one asks none)
-            {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": N_OUT, "top_k": SUPPORT}}
+            {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": n_out, "top_k": support}}
         ).encode()
         new_session = build_request("POST", "/v1/sessions", b"{}", auth)
 
@@ -506,7 +527,7 @@ def main() -> int:
         if sg is not None:
             targets.append(Target("sglang-router", sg_port, direct, sg.pid))
         print(
-            f"router benchmark: stub answers {N_OUT} tokens with {SUPPORT}-id masks; {args.seconds:g} s per "
+            f"router benchmark: stub answers {n_out} tokens with {support}-id masks; {args.seconds:g} s per "
             f"point, {args.rounds} interleaved rounds (median shown); states {' and '.join(routers)}; "
             f"{os.cpu_count()} cores shared by stub, routers and client; {sg_note}; "
             f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"
