@@ -33,16 +33,18 @@ long context. Target: stored and served <= the bound; append-only turn work flat
 context.
 
 A short turn's record work (issue 20; no engine): the stub engine's ``/generate`` answer of
-:func:`benchmarks.router.stub_generate_body` (64 output tokens, a 32-id support each, support
-log-probs in the local engine's key) parsed (:func:`router.engine_answer.parse_turn`), encoded as
-stored (:func:`router.records.encode_stored`, one appended token) and answered
+:func:`benchmarks.router.stub_generate_body` (64 output tokens, a ``--support``-id support each,
+default 32, support log-probs in the local engine's key) decoded from its bytes
+(:func:`core.jsonio.loads`), parsed (:func:`router.engine_answer.parse_turn`), encoded as stored
+(:func:`router.records.encode_stored`, one appended token) and answered
 (:meth:`~router.turn_data.TurnData.to_json` of the stored turn, then :func:`core.jsonio.dumps`),
-per stage and per output token, CPU time (``time.process_time``, best of ``--reps`` runs of 200);
-and the same answer as SGLang sends it in support mode (masks most likely first: every row
-sorted by the parser; float32 log-probs, which the stored answer reuses). Target (issue 20): the
-router's CPU per short turn <= 1 ms, all of it.
+per stage, per output token and per support id, CPU time (``time.process_time``, best of
+``--reps`` runs of 200); and the same answer as SGLang sends it in support mode (masks most likely
+first: every row sorted by the parser; float32 log-probs, which the stored answer reuses).
+Target (issue 20): the router's CPU per short turn <= 1 ms, all of it.
 
-Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]``
+Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]
+[--support 32]``
 (``--session-only``: only the append-only part and the short turn's record work).
 """
 
@@ -71,8 +73,12 @@ def main() -> int:
     ap.add_argument("--batch-copies", type=int, default=16, help="trajectories per turn in the decoded batch")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--session-only", action="store_true", help="only the append-only session figures")
+    ap.add_argument("--support", type=int, default=32, help="ids in each mask of the short turn's answer")
     args = ap.parse_args()
+    if args.support < 1:
+        ap.error("--support must be at least 1")
     session_report(args.reps)
+    short_turn_report(args.reps, args.support)
     if args.session_only:
         return 0
 
@@ -239,39 +245,48 @@ def session_report(reps: int) -> None:
             f"context token; whole input per turn (format 1) {old / 1e6:.2f} MB"
         )
     _turn_costs(turns, reps)
-    short_turn_report(reps)
 
 
-def short_turn_report(reps: int) -> None:
-    """The record work of a short turn, per stage and per output token (module docstring)."""
+def short_turn_report(reps: int, support: int) -> None:
+    """The record work of a short turn, per stage, per output token and per support id (module
+    docstring)."""
     from benchmarks.router import stub_generate_body
     from core.jsonio import loads
 
-    stub = loads(stub_generate_body())
+    stub = loads(stub_generate_body(support=support))
     for name, body in (("stub answer", stub), ("SGLang support mode", _as_sglang(stub))):
         n = len(body["output_ids"])
         stages = _short_turn_stages(body)
-        k = len(body["meta_info"]["output_token_sampling_mask"][0])
-        print(f"  short turn record work, {name} ({n} tokens x {k} ids), CPU best of {reps}:")
+        ids = sum(map(len, body["meta_info"]["output_token_sampling_mask"]))
+        print(f"  short turn record work, {name} ({n} tokens x {ids // n} ids), CPU best of {reps}:")
         total = 0.0
         for stage, run in stages.items():
             best = min(_cpu(run, 200) for _ in range(reps))
             total += best
-            print(f"    {stage:<14} {best * 1e6:7.1f} us  {best * 1e9 / n:7.0f} ns/token")
-        print(f"    {'total':<14} {total * 1e6:7.1f} us  {total * 1e9 / n:7.0f} ns/token")
+            print(f"    {stage:<14} {_per(best, n, ids)}")
+        print(f"    {'total':<14} {_per(total, n, ids)}")
+
+
+def _per(seconds: float, tokens: int, ids: int) -> str:
+    """``seconds`` of a turn, per output token and per support id."""
+    us, ns = seconds * 1e6, seconds * 1e9
+    return f"{us:7.1f} us  {ns / tokens:7.0f} ns/token  {ns / ids:5.1f} ns/id"
 
 
 def _short_turn_stages(body: dict) -> dict:
-    """The stages of a turn's record work on ``body``, each a call."""
-    from core.jsonio import dumps
+    """The stages of a turn's record work on ``body``, each a call: the engine's answer decoded
+    from its bytes, parsed, encoded as stored, the stored turn's JSON view, and its bytes."""
+    from core.jsonio import dumps, loads
     from router.engine_answer import parse_turn
     from router.records import encode_stored
 
     kw = {"index": 0, "group": "g", "replica": "r", "input_ids": [1], "moved_from": None, "timings": {}}
+    raw = dumps(body)
     turn = parse_turn(body, **kw)
     stored = encode_stored(turn)[1]
     answer = stored.to_json("s", with_input=False)
     return {
+        "loads": lambda: loads(raw),
         "parse_turn": lambda: parse_turn(body, **kw),
         "encode_stored": lambda: encode_stored(turn),
         "to_json": lambda: stored.to_json("s", with_input=False),
