@@ -247,9 +247,8 @@ def _sorted_supports(ids: tuple[list, Any], lps: tuple[list, Any], offsets: list
                 order = np.argsort(row * width + id_array, kind="stable")
             else:  # ids too large for one key: sort by the two
                 order = np.lexsort((id_array, row))
-            pick = operator.itemgetter(*order.tolist())
-            id_list, lp_list = list(pick(id_list)), list(pick(lp_list))
             id_array, lp_array = id_array[order], lp_array[order]
+            id_list, lp_list = id_array.tolist(), lp_array.tolist()  # the same values, as Python objects
     return Rows(id_list, offsets, id_array), Rows(lp_list, offsets, lp_array)
 
 
