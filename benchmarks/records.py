@@ -253,8 +253,8 @@ def short_turn_report(reps: int, support: int) -> None:
     from benchmarks.router import stub_generate_body
     from core.jsonio import loads
 
-    stub = loads(stub_generate_body(support=support))
-    for name, body in (("stub answer", stub), ("SGLang support mode", _as_sglang(stub))):
+    for name, ranked in (("stub answer", False), ("SGLang support mode", True)):
+        body = loads(stub_generate_body(support=support, ranked=ranked))
         n = len(body["output_ids"])
         stages = _short_turn_stages(body)
         ids = sum(map(len, body["meta_info"]["output_token_sampling_mask"]))
@@ -292,26 +292,6 @@ def _short_turn_stages(body: dict) -> dict:
         "to_json": lambda: stored.to_json("s", with_input=False),
         "dumps": lambda: dumps(answer),
     }
-
-
-def _as_sglang(body: dict) -> dict:
-    """``body`` as SGLang 0.5.23 answers in support mode: masks in a ranked (not id) order, the
-    support log-probs (float32 values) as the rows of ``output_token_sampling_logprobs``."""
-    import random
-
-    from benchmarks.router import float32
-
-    rng = random.Random(0)
-    meta = dict(body["meta_info"])
-    masks, rows = [], []
-    for mask in meta["output_token_sampling_mask"]:
-        mask = list(mask)
-        rng.shuffle(mask)
-        masks.append(mask)
-        rows.append([float32(-8 * rng.random()) for _ in mask])
-    meta.update(output_token_sampling_mask=masks, output_token_sampling_logprobs=rows)
-    del meta["output_token_sampling_support_logprobs"]
-    return {**body, "meta_info": meta}
 
 
 def _cpu(run, calls: int) -> float:

@@ -3,7 +3,8 @@
 What is measured. A fast stub backend speaks SGLang's ``/generate`` (fixed answer: 64 output
 tokens with log-probs and 32-id sampling masks, as the local engine would send them;
 ``--out-tokens`` and ``--support`` change that shape, so that a turn's CPU can be split into its
-constant part and the part that grows with the records). Clients (one keep-alive HTTP/1.1
+constant part and the part that grows with the records; ``--ranked``: the masks and log-probs as
+SGLang sends them, :func:`stub_generate_body`). Clients (one keep-alive HTTP/1.1
 connection per session, requests prebuilt, uvloop; the same client for every target) run for
 ``--seconds`` against:
 
@@ -40,7 +41,8 @@ divided by the requests it served: unlike throughput it hardly depends on what e
 processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
-[--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32] [--out r.json]``
+[--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32] [--ranked]
+[--out r.json]``
 (sglang-router: ``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
 """
 
@@ -88,9 +90,14 @@ def float32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
-def stub_generate_body(out: list[int] | None = None, support: int = SUPPORT) -> bytes:
+def stub_generate_body(
+    out: list[int] | None = None, support: int = SUPPORT, *, ranked: bool = False
+) -> bytes:
     """The stub engine's ``/generate`` answer (SGLang's ``meta_info`` shape) for output ids ``out``
-    (default 100 .. 100 + N_OUT), each with a support of ``support`` ids."""
+    (default 100 .. 100 + N_OUT), each with a support of ``support`` ids: in id order, uniform
+    log-probs, the support's in the local engine's key; with ``ranked``, as SGLang 0.5.23 answers
+    in support mode: every mask in a ranked (not id) order (layers/sampler.py 605-612), its
+    log-probs (random float32 values) as the rows of ``output_token_sampling_logprobs``."""
     out = list(range(100, 100 + N_OUT)) if out is None else out
     masks = [sorted({t, *range(t + 1, t + support)}) for t in out]
     lp = float32(-math.log(support))  # uniform over the support
@@ -108,6 +115,14 @@ def stub_generate_body(out: list[int] | None = None, support: int = SUPPORT) -> 
         "output_token_sampling_logprobs": [lp for _ in out],
         "output_token_sampling_support_logprobs": [[lp] * len(m) for m in masks],
     }
+    if ranked:
+        rng = random.Random(0)
+        rows = []
+        for mask in masks:
+            rng.shuffle(mask)
+            rows.append([float32(-8 * rng.random()) for _ in mask])
+        meta["output_token_sampling_logprobs"] = rows
+        del meta["output_token_sampling_support_logprobs"]
     return json.dumps({"text": "", "output_ids": out, "meta_info": meta}).encode()
 
 
@@ -396,6 +411,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write every median point here as JSON")
     ap.add_argument("--out-tokens", type=int, default=N_OUT, help="output tokens of the stub's answer")
     ap.add_argument("--support", type=int, default=SUPPORT, help="ids in each output token's mask (>= 1)")
+    ap.add_argument(
+        "--ranked", action="store_true", help="the stub answers as SGLang in support mode (masks ranked)"
+    )
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.out_tokens < 1 or args.support < 1:
@@ -403,7 +421,7 @@ def main() -> int:
     _event_loop_policy()
     if args.serve_stub:
         out = list(range(100, 100 + args.out_tokens))
-        asyncio.run(serve_stub(args.serve_stub, stub_generate_body(out, args.support)))
+        asyncio.run(serve_stub(args.serve_stub, stub_generate_body(out, args.support, ranked=args.ranked)))
         return 0
 
     from tests.support.procs import free_port, mixfleet_argv, redis_server
@@ -426,6 +444,7 @@ def main() -> int:
                     str(args.out_tokens),
                     "--support",
                     str(args.support),
+                    *(["--ranked"] if args.ranked else []),
                 ]
             )
         )
@@ -494,6 +513,7 @@ def main() -> int:
                 sg = None
 
         n_out, support = args.out_tokens, args.support
+        shape = "SGLang support mode, ranked" if args.ranked else "in id order, the local engine's keys"
         gen_body = json.dumps(
             {
                 "input_ids": [1, 2, 3, 4],
@@ -527,8 +547,9 @@ def main() -> int:
         if sg is not None:
             targets.append(Target("sglang-router", sg_port, direct, sg.pid))
         print(
-            f"router benchmark: stub answers {n_out} tokens with {support}-id masks; {args.seconds:g} s per "
-            f"point, {args.rounds} interleaved rounds (median shown); states {' and '.join(routers)}; "
+            f"router benchmark: stub answers {n_out} tokens with {support}-id masks ({shape}); "
+            f"{args.seconds:g} s per point, {args.rounds} interleaved rounds (median shown); "
+            f"states {' and '.join(routers)}; "
             f"{os.cpu_count()} cores shared by stub, routers and client; {sg_note}; "
             f"load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"
         )
