@@ -37,10 +37,12 @@ A short turn's record work (issue 20; no engine): the stub engine's ``/generate`
 default 32, support log-probs in the local engine's key) decoded from its bytes
 (:func:`core.jsonio.loads`), parsed (:func:`router.engine_answer.parse_turn`), encoded as stored
 (:func:`router.records.encode_stored`, one appended token) and answered
-(:meth:`~router.turn_data.TurnData.to_json` of the stored turn, then :func:`core.jsonio.dumps`),
-per stage, per output token and per support id, CPU time (``time.process_time``, best of
-``--reps`` runs of 200); and the same answer as SGLang sends it in support mode (masks most likely
-first: every row sorted by the parser; float32 log-probs, which the stored answer reuses).
+(:meth:`~router.turn_data.TurnData.to_json` of the stored turn, then :func:`core.jsonio.dumps`:
+the default answer, without the supports; the answer of a turn that asks ``return_support`` is
+timed beside it, outside the total), per stage, per output token and per support id, CPU time
+(``time.process_time``, best of ``--reps`` runs of 200); and the same answer as SGLang sends it
+in support mode (masks most likely first: every row sorted by the parser; float32 log-probs,
+which the stored answer reuses).
 Target (issue 20): the router's CPU per short turn <= 1 ms, all of it.
 
 Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]
@@ -265,6 +267,10 @@ def short_turn_report(reps: int, support: int) -> None:
             total += best
             print(f"    {stage:<14} {_per(best, n, ids)}")
         print(f"    {'total':<14} {_per(total, n, ids)}")
+        full = _short_turn_stages(body, with_support=True)
+        for stage in ("to_json", "dumps"):
+            best = min(_cpu(full[stage], 200) for _ in range(reps))
+            print(f"    {stage + '+sup':<14} {_per(best, n, ids)}  (the answer with return_support)")
 
 
 def _per(seconds: float, tokens: int, ids: int) -> str:
@@ -273,9 +279,10 @@ def _per(seconds: float, tokens: int, ids: int) -> str:
     return f"{us:7.1f} us  {ns / tokens:7.0f} ns/token  {ns / ids:5.1f} ns/id"
 
 
-def _short_turn_stages(body: dict) -> dict:
+def _short_turn_stages(body: dict, *, with_support: bool = False) -> dict:
     """The stages of a turn's record work on ``body``, each a call: the engine's answer decoded
-    from its bytes, parsed, encoded as stored, the stored turn's JSON view, and its bytes."""
+    from its bytes, parsed, encoded as stored, the turn's answer (its JSON view, with the
+    supports if ``with_support``), and its bytes."""
     from core.jsonio import dumps, loads
     from router.engine_answer import parse_turn
     from router.records import encode_stored
@@ -284,12 +291,12 @@ def _short_turn_stages(body: dict) -> dict:
     raw = dumps(body)
     turn = parse_turn(body, **kw)
     stored = encode_stored(turn)[1]
-    answer = stored.to_json("s", with_input=False)
+    answer = stored.to_json("s", with_input=False, with_support=with_support)
     return {
         "loads": lambda: loads(raw),
         "parse_turn": lambda: parse_turn(body, **kw),
         "encode_stored": lambda: encode_stored(turn),
-        "to_json": lambda: stored.to_json("s", with_input=False),
+        "to_json": lambda: stored.to_json("s", with_input=False, with_support=with_support),
         "dumps": lambda: dumps(answer),
     }
 

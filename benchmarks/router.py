@@ -14,6 +14,9 @@ connection per session, requests prebuilt, uvloop; the same client for every tar
                         encoding and recording included),
 * ``turns redis``       the same through a second mixfleet router whose state is a private
                         redis-server,
+* ``turns ... +sup``    with ``--support-answer``: the same turns asking ``return_support`` (the
+                        answer carries every record's support, as a trajectory read does; the
+                        default answer leaves them out), beside the default in the same run,
 * ``generate memory``   the in-memory router's SGLang-native ``POST /generate`` passthrough
                         (session key header, sticky routing),
 * ``sglang-router``     ``POST /generate`` through ``sglang-router`` (PyPI, Rust) in front of the
@@ -42,7 +45,7 @@ processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
 [--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32] [--ranked]
-[--out r.json]``
+[--support-answer] [--out r.json]``
 (sglang-router: ``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
 """
 
@@ -414,6 +417,9 @@ def main() -> int:
     ap.add_argument(
         "--ranked", action="store_true", help="the stub answers as SGLang in support mode (masks ranked)"
     )
+    ap.add_argument(
+        "--support-answer", action="store_true", help="also time turns that ask return_support (same run)"
+    )
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.out_tokens < 1 or args.support < 1:
@@ -522,26 +528,32 @@ def main() -> int:
                 "return_sampling_mask": True,
             }
         ).encode()
-        turn_body = json.dumps(  # a top_k: a masked turn, as the stub answers (an unfiltered one asks none)
-            {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": n_out, "top_k": support}}
-        ).encode()
+        turn = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": n_out, "top_k": support}}
+        # a top_k: a masked turn, as the stub answers (an unfiltered one asks none)
+        turn_body = json.dumps(turn).encode()
+        support_body = json.dumps({**turn, "return_support": True}).encode()
         new_session = build_request("POST", "/v1/sessions", b"{}", auth)
 
         async def direct(conn: Conn, i: int) -> bytes:
             return build_request("POST", "/generate", gen_body, {})
 
-        async def mf_turns(conn: Conn, i: int) -> bytes:
-            status, data = await conn.send(new_session)
-            assert status == 200, data
-            sid = json.loads(data)["session_id"]
-            return build_request("POST", f"/v1/sessions/{sid}/turns", turn_body, auth)
+        def mf_turns(body: bytes) -> MakeRequest:
+            async def make(conn: Conn, i: int) -> bytes:
+                status, data = await conn.send(new_session)
+                assert status == 200, data
+                sid = json.loads(data)["session_id"]
+                return build_request("POST", f"/v1/sessions/{sid}/turns", body, auth)
+
+            return make
 
         async def mf_generate(conn: Conn, i: int) -> bytes:
             return build_request("POST", "/generate", gen_body, {**auth, "x-session-id": f"s{i}"})
 
         targets = [Target("direct", stub_port, direct, stub.pid)]
         for kind, (port, proc) in routers.items():
-            targets.append(Target(f"turns {kind}", port, mf_turns, proc.pid))
+            targets.append(Target(f"turns {kind}", port, mf_turns(turn_body), proc.pid))
+            if args.support_answer:
+                targets.append(Target(f"turns {kind} +sup", port, mf_turns(support_body), proc.pid))
         first, (port, proc) = next(iter(routers.items()))
         targets.append(Target(f"generate {first}", port, mf_generate, proc.pid))
         if sg is not None:

@@ -270,7 +270,9 @@ def sample_with_masks(fleet: Fleet, report: Report) -> None:
     with RolloutClient(fleet.url, fleet.admin_key) as client:
         for group in fleet.groups:
             session = client.create_session(group=group)
-            turns = [client.turn(session.session_id, PROMPT, MASK_PARAMS) for _ in range(2)]
+            turns = [
+                client.turn(session.session_id, PROMPT, MASK_PARAMS, return_support=True) for _ in range(2)
+            ]
             problems = [p for t in turns for p in check_records(t)]
             sizes = [len(r["support_ids"]) for t in turns for r in t["records"]]
             found[group] = {"tokens": len(sizes), "mean_support": sum(sizes) / max(len(sizes), 1)}
@@ -318,7 +320,7 @@ class Load:
         context = list(PROMPT)
         while not self._stop.is_set():
             try:
-                turn = await client.turn(session.session_id, context, params)
+                turn = await client.turn(session.session_id, context, params, return_support=True)
             except Exception as exc:  # every failure is a finding, none may stop the others
                 self.errors.append(f"{group}: {type(exc).__name__}: {exc}")
                 return

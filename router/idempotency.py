@@ -8,8 +8,9 @@ Contract of :func:`answer_turn` (every turn route calls it: the token API and th
   are idempotent per request id and :meth:`~router.state.base.StateStore.turn_for_request` reads
   what one stored, for as long as the session is kept), so any router process answers a retry:
   when a turn was recorded under the key, the answer is that turn (the same JSON as the first
-  answer; the request's body is not compared, and neither a finished session nor ``turn`` refuses
-  it), whatever the retry's body says. A key is scoped to its session.
+  answer, with the supports if the retry asks ``return_support``; the request's body is not
+  compared otherwise, and neither a finished session nor ``turn`` refuses it). A key is scoped
+  to its session.
 * A retry while the first request with that key still runs **waits** for it (in the same router
   process) and then answers what it recorded; if the first recorded nothing (its client
   disconnected and it was aborted, :mod:`router.disconnect`, or it failed), the retry samples
@@ -62,7 +63,7 @@ async def answer_turn(
         return await record_turn(ctx, session_id, spec, on_tokens=on_tokens)
     slot = (session_id, key)
     while True:
-        found = await recorded_turn(ctx, session_id, key)
+        found = await recorded_turn(ctx, session_id, key, with_support=spec.return_support)
         if found is not None:
             return found
         if slot not in _RUNNING:  # no other waiter took the turn during the lookup: this one runs it
@@ -76,21 +77,23 @@ async def answer_turn(
             del _RUNNING[slot]
         done.set_result(None)
     stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
-    if stored is not None and (first := _answer(session_id, stored[1])) != answer:
+    if stored is not None and (first := _answer(session_id, stored[1], spec.return_support)) != answer:
         return first  # another router process recorded this key first
     return answer
 
 
-def _answer(session_id: str, blob: bytes) -> bytes:
+def _answer(session_id: str, blob: bytes, with_support: bool) -> bytes:
     """The answer of a recorded turn block: the JSON :func:`record_turn` returned for it."""
-    return dumps(decode_turn(blob).to_json(session_id, with_input=False))
+    return dumps(decode_turn(blob).to_json(session_id, with_input=False, with_support=with_support))
 
 
-async def recorded_turn(ctx: RouterContext, session_id: str, key: str) -> bytes | None:
+async def recorded_turn(ctx: RouterContext, session_id: str, key: str, *, with_support: bool) -> bytes | None:
     """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), as
-    :func:`recorded`."""
+    :func:`recorded`, with the records' supports if ``with_support``."""
     found = await recorded(ctx, session_id, key)
-    return None if found is None else dumps(found.to_json(session_id, with_input=False))
+    if found is None:
+        return None
+    return dumps(found.to_json(session_id, with_input=False, with_support=with_support))
 
 
 async def recorded(ctx: RouterContext, session_id: str, key: str) -> TurnData | None:

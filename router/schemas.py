@@ -213,6 +213,7 @@ class TurnSpec(NamedTuple):
     max_version_age: int | None = None
     turn: int | None = None
     append_ids: Ids | None = None
+    return_support: bool = False
 
 
 class TurnRequest(_Req):
@@ -230,6 +231,11 @@ class TurnRequest(_Req):
     min_version: int | None = Field(None, ge=0)
     max_version_age: int | None = Field(None, ge=0)
     turn: int | None = Field(None, ge=0, description="expected turn index; refused with 409 if not next")
+    return_support: bool = Field(
+        False,
+        description="the answer's records also carry support_ids and support_logprobs (the turn "
+        "stores them either way; trajectory reads and batches always carry them)",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> TurnRequest:
@@ -246,6 +252,7 @@ class TurnRequest(_Req):
             self.max_version_age,
             self.turn,
             self.append_ids,
+            self.return_support,
         )
 
 
@@ -267,12 +274,15 @@ def _engine_params(sp: SamplingParams) -> dict[str, Any]:
     return params
 
 
+_IN_ANSWER = "absent from a turn's answer unless it asked return_support; always in trajectory reads"
+
+
 class Record(BaseModel):
     token_id: int
     logprob: float | None
     raw_logprob: float | None
-    support_ids: list[int]
-    support_logprobs: list[float | None]
+    support_ids: list[int] | None = Field(None, description=_IN_ANSWER)
+    support_logprobs: list[float | None] | None = Field(None, description=_IN_ANSWER)
     weight_version: int | None
 
 

@@ -287,12 +287,15 @@ class TurnData:
         versions = [s["version"] for s in spans]
         return (min(versions), max(versions)) if versions else (None, None)
 
-    def to_json(self, session_id: str | None = None, *, with_input: bool = True) -> dict[str, Any]:
+    def to_json(
+        self, session_id: str | None = None, *, with_input: bool = True, with_support: bool = True
+    ) -> dict[str, Any]:
         """The turn's JSON object, the one JSON view of a turn (the turn answer without
-        ``append_ids``, trajectory reads and JSON batches with them, last): one record per output
-        token with its weight version. Non-finite log-probs (unknown values) are None: JSON has
-        no NaN. Sections are not part of the JSON view, but for the routed experts
-        (``routed_experts``: :meth:`RoutedExperts.to_json`)."""
+        ``append_ids``, and without the records' ``support_ids`` and ``support_logprobs`` unless
+        the turn asked ``return_support``; trajectory reads and JSON batches with them all, the
+        input last): one record per output token with its weight version. Non-finite log-probs
+        (unknown values) are None: JSON has no NaN. Sections are not part of the JSON view, but
+        for the routed experts (``routed_experts``: :meth:`RoutedExperts.to_json`)."""
         out: dict[str, Any] = {}
         if session_id is not None:
             out["session_id"] = session_id
@@ -304,7 +307,7 @@ class TurnData:
             fork=None if self.fork is None else dict(self.fork),
             output_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
-            records=self._records(),
+            records=self._records() if with_support else self._token_records(),
             weight_versions=[dict(s) for s in self.weight_versions],
             timings=dict(self.timings),
             moved_from=self.moved_from,
@@ -317,15 +320,28 @@ class TurnData:
             out["append_ids"] = list(self.append_ids)
         return out
 
-    def _records(self) -> list[dict[str, Any]]:
-        """One JSON record per output token (non-finite log-probs as None), its support rows sliced
-        from the flat values."""
+    def _token_records(self) -> list[dict[str, Any]]:
+        """The records without their supports (a turn's answer that did not ask for them)."""
+        logprobs, raws = self._finite_logprobs()
+        return [
+            {"token_id": tok, "logprob": lp, "raw_logprob": raw, "weight_version": version}
+            for tok, lp, raw, version in zip(self.output_ids, logprobs, raws, self.versions(), strict=True)
+        ]
+
+    def _finite_logprobs(self) -> tuple[Sequence[float | None], Sequence[float | None]]:
+        """``logprobs`` and ``raw_logprobs`` with every non-finite value as None."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
         raws = self.raw_logprobs
         if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
             raws = [None if x is None or not math.isfinite(x) else x for x in raws]
+        return logprobs, raws
+
+    def _records(self) -> list[dict[str, Any]]:
+        """One JSON record per output token (non-finite log-probs as None), its support rows sliced
+        from the flat values."""
+        logprobs, raws = self._finite_logprobs()
         support_ids, support_lps = self.support_ids, self.support_logprobs
         ids, lps = support_ids.values, support_lps.values  # type: ignore[union-attr]
         if not support_lps.all_finite():  # type: ignore[union-attr]

@@ -17,7 +17,9 @@ and starts a new segment. On success the turn is stored once (a conflict with a 
 of the same session re-numbers it, unless the caller pinned ``turn``, and places its input again
 on the context that turn left) as its turn block (:func:`router.records.encode_stored`), and the
 returned JSON bytes are :meth:`~router.turn_data.TurnData.to_json` (without ``append_ids``) of
-the turn as stored (float32 / float16 values), the same object a trajectory read serves for it;
+the turn as stored (float32 / float16 values), the same object a trajectory read serves for it
+but for the records' supports, which it carries only when the turn asked ``return_support`` (an
+agent reads its output; the supports, often hundreds of ids a token, are the trainer's);
 on any :class:`~router.errors.ApiError` nothing was stored. The session is read once (with its
 context), and again only after a conflict. A group that records routed experts asks them from
 :func:`routes_start` (the positions the turn adds to its segment) and stores those rows only.
@@ -130,7 +132,7 @@ async def _record_turn(
     _count(ctx, turn, time.perf_counter() - t0)
     if recorded.turn != index:
         recorded = replace(recorded, turn=index)
-    return dumps(recorded.to_json(session_id, with_input=False))
+    return dumps(recorded.to_json(session_id, with_input=False, with_support=spec.return_support))
 
 
 def routes_start(context: int) -> int:

@@ -102,8 +102,10 @@ class AsyncRolloutClient:
         *,
         min_version: int | None = None,
         max_version_age: int | None = None,
+        return_support: bool = False,
     ) -> dict[str, Any]:
-        """Generate the next turn; returns the router's turn object (output ids, records). The
+        """Generate the next turn; returns the router's turn object (output ids, records; each
+        record's ``support_ids`` and ``support_logprobs`` only with ``return_support``). The
         request carries a fresh ``Idempotency-Key``, so when the client retries it (the router was
         unreachable, or answered 503) the router answers with the turn it recorded, if it did,
         instead of sampling a second one."""
@@ -112,6 +114,8 @@ class AsyncRolloutClient:
             body["min_version"] = min_version
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
+        if return_support:
+            body["return_support"] = True
         key = {"Idempotency-Key": uuid.uuid4().hex}
         return await self.router.call("POST", f"/v1/sessions/{session_id}/turns", body, headers=key)
 

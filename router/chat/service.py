@@ -224,7 +224,8 @@ def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[in
         params = SamplingParams(
             stop_token_ids=sorted(set(stop_ids)), **{k: v for k, v in given.items() if v is not None}
         )
-        return TurnRequest(input_ids=input_ids, sampling_params=params)
+        # the answer's supports: OpenAI's top_logprobs are ranked from them
+        return TurnRequest(input_ids=input_ids, sampling_params=params, return_support=True)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "request"

@@ -60,7 +60,12 @@ async def run_agent(
     log.session_id, log.group = r.json()["session_id"], r.json()["group"]
     context = [1 + index % 200, 2, 3]
     for t in range(turns):
-        body = {"input_ids": context, "sampling_params": {**sampling, "seed": index * 100 + t}, "turn": t}
+        body = {
+            "input_ids": context,
+            "sampling_params": {**sampling, "seed": index * 100 + t},
+            "turn": t,
+            "return_support": True,
+        }
         r = await _call(client, "POST", f"/v1/sessions/{log.session_id}/turns", log, deadline, json=body)
         if r.status_code == 409 and "turn" in r.json().get("detail", ""):
             traj = (

@@ -52,7 +52,8 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     outputs = []
     answers = []
     for i in range(3):
-        r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": ctx, "sampling_params": SP})
+        asks = {} if i == 1 else {"return_support": True}  # turn 1: the default answer
+        r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": ctx, "sampling_params": SP, **asks})
         assert r.status_code == 200, r.text
         turn = r.json()
         assert (turn["session_id"], turn["turn"], turn["group"]) == (sid, i, "cpu-a")
@@ -64,14 +65,23 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
             assert turn["finish_reason"]["type"] == "stop" and 0 < n <= SP["max_new_tokens"]
         assert turn["weight_versions"] == [{"version": 0, "start": 0, "end": n}]
         assert {"engine_ms", "router_ms"} <= set(turn["timings"])
-        _check_records(turn)
+        if i != 1:
+            _check_records(turn)
+        else:  # an answer without return_support leaves the supports to trajectory reads and batches
+            assert [set(rec) for rec in turn["records"]] == [
+                {"token_id", "logprob", "raw_logprob", "weight_version"}
+            ] * n
         outputs.append(turn["output_ids"])
         answers.append(turn)
         ctx = ctx + turn["output_ids"] + [9]
     traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert [t["output_ids"] for t in traj["turns"]] == outputs
-    # each turn's answer is what was stored: its trajectory entry without its appended ids
-    assert [{k: v for k, v in t.items() if k != "append_ids"} for t in traj["turns"]] == answers
+    # each turn's answer is what was stored: its trajectory entry without its appended ids (and,
+    # unless it asked return_support, without the records' supports)
+    stored = [{k: v for k, v in t.items() if k != "append_ids"} for t in traj["turns"]]
+    lean = [{k: v for k, v in rec.items() if not k.startswith("support_")} for rec in stored[1]["records"]]
+    assert [stored[0], {**stored[1], "records": lean}, stored[2]] == answers
+    _check_records(stored[1])
     # append-only: each turn stores only what its input added to the context
     assert [t["append_ids"] for t in traj["turns"]] == [[5, 6, 7], [9], [9]]
     assert traj["turns"][1]["context"] == 3 + len(outputs[0]) and traj["turns"][1]["fork"] is None

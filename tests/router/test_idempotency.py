@@ -44,10 +44,14 @@ async def test_store_reads_the_turn_a_request_stored(store_url: str) -> None:
 
 
 def _turn(
-    client: httpx.Client, sid: str, key: str | None, input_ids: list[int] | None = None
+    client: httpx.Client,
+    sid: str,
+    key: str | None,
+    input_ids: list[int] | None = None,
+    return_support: bool = False,
 ) -> httpx.Response:
     headers = {} if key is None else {"Idempotency-Key": key}
-    body = {"input_ids": input_ids or [1, 2, 3], "sampling_params": SAMPLED}
+    body = {"input_ids": input_ids or [1, 2, 3], "sampling_params": SAMPLED, "return_support": return_support}
     return client.post(f"/v1/sessions/{sid}/turns", json=body, headers=headers)
 
 
@@ -62,6 +66,11 @@ def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) ->
     again = _turn(client, sid, "call-1", input_ids=[9, 9])  # the retry's body is not consulted
     assert again.status_code == 200, again.text
     assert again.content == first.content
+    supported = _turn(client, sid, "call-1", return_support=True)  # the same turn, with its supports
+    records = supported.json()["records"]
+    assert {**supported.json(), "records": first.json()["records"]} == first.json()
+    assert [{k: r[k] for k in first.json()["records"][0]} for r in records] == first.json()["records"]
+    assert all(r["support_ids"] == r["support_logprobs"] == [] for r in records)  # it filtered nothing
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["turns"] == 1
     assert info["tokens"] == len(first.json()["records"])

@@ -161,7 +161,10 @@ def test_another_finish_reason_shape_is_refused(finish) -> None:
 def test_a_top_p_only_turn_through_the_router_records_the_bound(client) -> None:
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     sp = {"temperature": 1.0, "top_p": 0.8, "max_new_tokens": 5}  # no top_k: the engine needs the bound
-    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2, 3], "sampling_params": sp})
+    r = client.post(
+        f"/v1/sessions/{sid}/turns",
+        json={"input_ids": [1, 2, 3], "sampling_params": sp, "return_support": True},
+    )
     assert r.status_code == 200, r.text
     turn = r.json()
     assert turn["sampling"] == {"top_k_bound": 4096}
@@ -171,6 +174,9 @@ def test_a_top_p_only_turn_through_the_router_records_the_bound(client) -> None:
     traj = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert traj["turns"][0]["sampling"] == {"top_k_bound": 4096}
     sp_k = {**sp, "top_k": 7}
-    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2, 3], "sampling_params": sp_k})
+    r = client.post(
+        f"/v1/sessions/{sid}/turns",
+        json={"input_ids": [1, 2, 3], "sampling_params": sp_k, "return_support": True},
+    )
     assert r.status_code == 200 and r.json()["sampling"] is None
     assert all(len(rec["support_ids"]) <= 7 for rec in r.json()["records"])

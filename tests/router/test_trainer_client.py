@@ -19,8 +19,8 @@ def test_sync_client_round_trip(router) -> None:
         s = c.create_session(group="cpu-a", metadata={"task": "t"})
         assert s.group == "cpu-a"
         params = {"max_new_tokens": 6, "top_p": 0.9, "temperature": 1.0, "seed": 3}
-        t0 = c.turn(s.session_id, [1, 5, 9], params)
-        t1 = c.turn(s.session_id, [1, 5, 9, *t0["output_ids"], 4], params)
+        t0 = c.turn(s.session_id, [1, 5, 9], params, return_support=True)
+        t1 = c.turn(s.session_id, [1, 5, 9, *t0["output_ids"], 4], params, return_support=True)
         c.finish(s.session_id, 1.0)
         assert c.queue_stats()["ready"] >= 1
         batch = c.take(16)

@@ -45,7 +45,9 @@ def _turn(client: httpx.Client, proxy: Recorder, sp: dict) -> tuple[dict, dict, 
     """A turn of a new session: (its JSON, the /generate body the engine got, the engine's answer)."""
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     before = len(proxy.exchanges("/generate"))
-    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": PROMPT, "sampling_params": sp})
+    r = client.post(
+        f"/v1/sessions/{sid}/turns", json={"input_ids": PROMPT, "sampling_params": sp, "return_support": True}
+    )
     assert r.status_code == 200, r.text
     sent, answer = proxy.exchanges("/generate")[before]
     assert len(proxy.exchanges("/generate")) == before + 1
@@ -81,7 +83,10 @@ def test_an_unfiltered_turn_asks_no_mask_and_records_the_engines_log_probs(clien
 
 def test_an_unfiltered_turns_block_is_a_few_bytes_per_token_and_the_trainer_reads_it(client, proxy) -> None:
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
-    r = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": PROMPT, "sampling_params": UNFILTERED})
+    r = client.post(
+        f"/v1/sessions/{sid}/turns",
+        json={"input_ids": PROMPT, "sampling_params": UNFILTERED, "return_support": True},
+    )
     turn = r.json()
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
     taken = client.post("/v1/batches/take", json={"size": 64}, headers={"Accept": MEDIA_TYPE})
