@@ -138,6 +138,7 @@ class ChatCompletionRequest(_M):
             top_p=self.top_p,
             stop=tuple(stop),
             seed=self.seed,
+            supports=bool(self.logprobs and self.top_logprobs),
         )
 
 

@@ -69,7 +69,9 @@ def chat_renderer(config: RouterConfig) -> Renderer:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A chat turn in either API's terms. ``stop``: stop sequences (single tokens)."""
+    """A chat turn in either API's terms. ``stop``: stop sequences (single tokens). ``supports``:
+    the turn's records carry their sampling supports (OpenAI's ``top_logprobs`` are ranked from
+    them; a turn's answer leaves them out otherwise, as ``/turns`` does)."""
 
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
@@ -79,6 +81,7 @@ class ChatRequest:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    supports: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,7 @@ def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[in
         params = SamplingParams(
             stop_token_ids=sorted(set(stop_ids)), **{k: v for k, v in given.items() if v is not None}
         )
-        # the answer's supports: OpenAI's top_logprobs are ranked from them
-        return TurnRequest(input_ids=input_ids, sampling_params=params, return_support=True)
+        return TurnRequest(input_ids=input_ids, sampling_params=params, return_support=req.supports)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "request"
