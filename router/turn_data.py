@@ -307,7 +307,7 @@ class TurnData:
             fork=None if self.fork is None else dict(self.fork),
             output_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
-            records=self._records() if with_support else self._token_records(),
+            records=self._records(with_support),
             weight_versions=[dict(s) for s in self.weight_versions],
             timings=dict(self.timings),
             moved_from=self.moved_from,
@@ -320,28 +320,21 @@ class TurnData:
             out["append_ids"] = list(self.append_ids)
         return out
 
-    def _token_records(self) -> list[dict[str, Any]]:
-        """The records without their supports (a turn's answer that did not ask for them)."""
-        logprobs, raws = self._finite_logprobs()
-        return [
-            {"token_id": tok, "logprob": lp, "raw_logprob": raw, "weight_version": version}
-            for tok, lp, raw, version in zip(self.output_ids, logprobs, raws, self.versions(), strict=True)
-        ]
-
-    def _finite_logprobs(self) -> tuple[Sequence[float | None], Sequence[float | None]]:
-        """``logprobs`` and ``raw_logprobs`` with every non-finite value as None."""
+    def _records(self, with_support: bool) -> list[dict[str, Any]]:
+        """One JSON record per output token (non-finite log-probs as None), with its support rows
+        sliced from the flat values if ``with_support``."""
         logprobs = self.logprobs
         if not math.isfinite(sum(logprobs)):  # a finite sum means every term is finite
             logprobs = [x if math.isfinite(x) else None for x in logprobs]
         raws = self.raw_logprobs
         if None in raws or not math.isfinite(sum(raws)):  # type: ignore[arg-type]
             raws = [None if x is None or not math.isfinite(x) else x for x in raws]
-        return logprobs, raws
-
-    def _records(self) -> list[dict[str, Any]]:
-        """One JSON record per output token (non-finite log-probs as None), its support rows sliced
-        from the flat values."""
-        logprobs, raws = self._finite_logprobs()
+        versions = self.versions()
+        if not with_support:
+            return [
+                {"token_id": tok, "logprob": lp, "raw_logprob": raw, "weight_version": version}
+                for tok, lp, raw, version in zip(self.output_ids, logprobs, raws, versions, strict=True)
+            ]
         support_ids, support_lps = self.support_ids, self.support_logprobs
         ids, lps = support_ids.values, support_lps.values  # type: ignore[union-attr]
         if not support_lps.all_finite():  # type: ignore[union-attr]
@@ -362,7 +355,7 @@ class TurnData:
                 raws,
                 bounds[:-1],
                 bounds[1:],
-                self.versions(),
+                versions,
                 strict=True,
             )
         ]
