@@ -52,7 +52,13 @@ ROUTER_HEADER = b"x-mixfleet-router"
 
 class EdgeMiddleware:
     """Pure ASGI: refuses oversize bodies with 413, times every request into the metrics and names
-    the router process that answered (``X-Mixfleet-Router: <host>/<pid>``)."""
+    the router process that answered (``X-Mixfleet-Router: <host>/<pid>``).
+
+    Not FastAPI's own body limit (``FastAPI(max_body_size=...)``, fastapi 0.164): to a request
+    whose declared Content-Length is over it, that limit answers a plain-text "Content Too Large"
+    in place of whatever the app's handlers answer (starlette 1.10 middleware/body_limit.py
+    115-121), and every refusal of the router is JSON naming the problem, which the official
+    OpenAI and Anthropic clients read."""
 
     def __init__(self, app: ASGIApp, ctx: RouterContext) -> None:
         self.app = app

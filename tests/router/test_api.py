@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -363,6 +364,32 @@ def test_openapi_and_metrics(client: httpx.Client) -> None:
     groups = client.get("/v1/groups").json()["groups"]
     a = next(g for g in groups if g["name"] == "cpu-a")
     assert a["capacity"] == 8 and a["active_version"] == 0 and a["tokens_total"] > 0
+
+
+def test_a_body_over_the_limit_is_413_naming_it_declared_or_streamed(client: httpx.Client) -> None:
+    """The router's ``--max-body-bytes`` (65536 here): a declared Content-Length over it and a
+    chunked body that passes it are both a JSON 413 naming the limit, on the token API and the
+    chat API; nothing is stored, and the request metrics count them as 4xx."""
+    sid = _session(client, group="cpu-a")
+    body = json.dumps({"input_ids": [1] * 40_000, "sampling_params": SP}).encode()
+    declared = client.post(f"/v1/sessions/{sid}/turns", content=body)
+    streamed = client.post(
+        f"/v1/sessions/{sid}/turns", content=iter([body[i : i + 4096] for i in range(0, len(body), 4096)])
+    )
+    assert "content-length" not in streamed.request.headers  # sent chunked
+    chat = client.post(
+        f"/v1/sessions/{sid}/openai/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "x" * 70_000}]},
+    )
+    for r, size in ((declared, f"{len(body)} bytes"), (streamed, "body"), (chat, "bytes")):
+        assert r.status_code == 413, r.text
+        assert size in r.json()["detail"] and "limit of 65536 bytes" in r.json()["detail"], r.text
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 0
+    want = 'mixfleet_router_request_seconds_count{route="/v1/sessions/{session_id}/turns",status="4xx"}'
+    deadline = time.monotonic() + 10
+    while want not in (text := client.get("/metrics").text) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert want in text
 
 
 def test_streaming_generate_passes_through(client: httpx.Client) -> None:
