@@ -253,15 +253,11 @@ class PublishService:
             await ctx.store.put_job(job.job_id, job.view(), MAX_JOBS_KEPT)
 
     async def job_view(self, ctx: RouterContext, job_id: str) -> dict[str, Any] | None:
-        """The stored view of any router's job (None: unknown or forgotten); a running job whose
-        lock its router no longer holds reads ``failed``."""
+        """The stored view of any router's job (None: unknown or forgotten), as :func:`_as_held`
+        reads it."""
+        holder = await ctx.store.job_lock_holder()
         view = await ctx.store.get_job(job_id)
-        if view is None:
-            return None
-        return _orphaned(view) if view["state"] == "running" and not await self._holds(ctx, job_id) else view
-
-    async def _holds(self, ctx: RouterContext, job_id: str) -> bool:
-        return await ctx.store.job_lock_holder() == job_id
+        return None if view is None else await _as_held(ctx, view, holder)
 
     def _run(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
         """Run ``work`` (a blocking publisher call) for ``job`` in a thread, from the event loop."""
@@ -509,10 +505,7 @@ class PublishService:
                 }
             )
         holder = await ctx.store.job_lock_holder()
-        jobs = [
-            _orphaned(j) if j["state"] == "running" and j["job_id"] != holder else j
-            for j in await ctx.store.list_jobs(10)
-        ]
+        jobs = [await _as_held(ctx, j, holder) for j in await ctx.store.list_jobs(10)]
         for j in jobs:
             j.pop("events", None)
         return {
@@ -525,8 +518,17 @@ class PublishService:
         }
 
 
-def _orphaned(view: dict[str, Any]) -> dict[str, Any]:
-    """A stored running job's view once its router stopped holding its lock."""
+async def _as_held(ctx: RouterContext, view: dict[str, Any], holder: str | None) -> dict[str, Any]:
+    """A stored job's view as it reads: a running job that held the store's job lock neither when
+    ``holder`` was read (before the view) nor now (read again after it) reads ``failed``, its
+    router having stopped. Reading the lock on both sides of the view keeps a job that ended or
+    started between the reads from reading ``failed``: a job stores its final view before it frees
+    the lock (:meth:`PublishService.finish_job`), and takes the lock before it stores its first
+    (:meth:`PublishService.start_job`)."""
+    if view["state"] != "running" or view["job_id"] == holder:
+        return view
+    if view["job_id"] == await ctx.store.job_lock_holder():
+        return view
     return {**view, "state": "failed", "error": ORPHANED}
 
 
