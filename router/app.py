@@ -57,8 +57,8 @@ class EdgeMiddleware:
     Not FastAPI's own body limit (``FastAPI(max_body_size=...)``, fastapi 0.164): to a request
     whose declared Content-Length is over it, that limit answers a plain-text "Content Too Large"
     in place of whatever the app's handlers answer (starlette 1.10 middleware/body_limit.py
-    115-121), and every refusal of the router is JSON naming the problem, which the official
-    OpenAI and Anthropic clients read."""
+    115-121), and every refusal of the router is an :class:`router.schemas.ErrorBody` (JSON naming
+    the problem)."""
 
     def __init__(self, app: ASGIApp, ctx: RouterContext) -> None:
         self.app = app
