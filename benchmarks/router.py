@@ -401,6 +401,10 @@ def measure(target: Target, sessions: int, seconds: float, period: float | None)
     return Point(lat, errs, seconds, cpu, client_cpu)
 
 
+KEEP_ALIVE_S = 5  # uvicorn 0.55 config.py 233: timeout_keep_alive, which the router keeps
+MAX_PERIOD_S = 4.0  # a paced session's period, below it with a margin
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0)
@@ -424,6 +428,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.out_tokens < 1 or args.support < 1:
         ap.error("--out-tokens and --support must be at least 1")
+    slow = [r for r in args.paced_rate if r > 0 and args.paced_sessions / r > MAX_PERIOD_S]
+    if slow:
+        ap.error(
+            f"--paced-rate {slow[0]:g}: each of {args.paced_sessions} sessions would send every "
+            f"{args.paced_sessions / slow[0]:g} s, and the routers close a connection idle for "
+            f"{KEEP_ALIVE_S} s (uvicorn's timeout_keep_alive); offer at least "
+            f"{args.paced_sessions / MAX_PERIOD_S:g}/s or pass fewer --paced-sessions"
+        )
     _event_loop_policy()
     if args.serve_stub:
         out = list(range(100, 100 + args.out_tokens))
