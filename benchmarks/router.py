@@ -622,7 +622,7 @@ def main() -> int:
                     }
                 )
         mixfleet = [t.name for t in targets if t.name not in ("direct", "sglang-router")]
-        if sg is not None:
+        if sg is not None and args.concurrency:
             print("\nsustained throughput vs sglang-router (same stub, same run; no target):")
             for c in args.concurrency:
                 sg_p = med[("sustained", c, "sglang-router")]
