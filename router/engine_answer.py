@@ -233,23 +233,31 @@ def _finish_reason(value: Any) -> dict[str, Any] | None:
 
 
 def _sorted_supports(ids: tuple[list, Any], lps: tuple[list, Any], offsets: list[int]) -> tuple[Rows, Rows]:
-    """The supports with every row in ascending id order, its log-probs permuted along: one
-    stable sort of all rows by (row, id), so equal ids keep the engine's order; as they are when
-    every row already is in order."""
+    """The supports with every row in ascending id order, its log-probs permuted along: all rows
+    sorted at once by (row, id), equal ids in the engine's order; as they are when every row
+    already is in order. Sorted rows are built from their arrays (their lists made when read)."""
     (id_list, id_array), (lp_list, lp_array) = ids, lps
     if len(id_list) > 1:
         starts = np.zeros(len(id_list) + 1, dtype=bool)
         starts[offsets] = True
         if (id_array[1:] < id_array[:-1])[~starts[1:-1]].any():  # a pair out of order within a row
-            row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-            width = int(id_array.max()) + 1
-            if width * (len(offsets) - 1) < 1 << 62:
-                order = np.argsort(row * width + id_array, kind="stable")
-            else:  # ids too large for one key: sort by the two
-                order = np.lexsort((id_array, row))
-            id_array, lp_array = id_array[order], lp_array[order]
-            id_list, lp_list = id_array.tolist(), lp_array.tolist()  # the same values, as Python objects
+            order = _row_id_order(id_array, offsets)
+            return Rows(None, offsets, id_array[order]), Rows(None, offsets, lp_array[order])
     return Rows(id_list, offsets, id_array), Rows(lp_list, offsets, lp_array)
+
+
+def _row_id_order(ids: Any, offsets: list[int]) -> Any:
+    """The permutation that sorts ``ids`` (non-negative int64, row ``i`` from ``offsets[i]``) by
+    (row, id, position): a stable sort by (row, id). When (row, id, position) packs into one
+    int64, one plain sort of the packed keys (numpy's vectorized sort: several times a stable
+    argsort's speed) and the positions read back from their low bits; else a (stable) lexsort."""
+    n = len(ids)
+    row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    width, bits = int(ids.max()) + 1, n.bit_length()
+    if (width * (len(offsets) - 1)) << bits < 1 << 63:
+        keys = ((row * width + ids) << bits) | np.arange(n)
+        return np.sort(keys) & ((1 << bits) - 1)
+    return np.lexsort((ids, row))  # stable
 
 
 def _entries(meta: dict[str, Any], key: str, n: int) -> list:

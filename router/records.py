@@ -344,9 +344,9 @@ _F16_OVERFLOW = 65520.0  # the same for float16
 
 def _support_floats(rows: Rows, f16: bool) -> tuple[bytes, Rows]:
     """The support log-probs packed as float16 / float32 and, as stored, the rows of their
-    values: the given values themselves where ``rows`` has its array and packing changed none
-    (float32 values, as engines send them: no new float objects), else the packed values read
-    back. ValueError for a value beyond the format's range (as :mod:`struct` refuses it)."""
+    values: ``rows`` itself where it has its array and packing changed none (float32 values, as
+    engines send them: no new float objects), else the packed values read back (their list made
+    when read). ValueError for a value beyond the format's range (as :mod:`struct` refuses it)."""
     values = rows.array
     if values is None:
         try:
@@ -362,8 +362,8 @@ def _support_floats(rows: Rows, f16: bool) -> tuple[bytes, Rows]:
     packed = values.astype("<f2" if f16 else "<f4").tobytes()
     back = np.frombuffer(packed, dtype="<f2" if f16 else "<f4").astype(np.float64)
     if rows.array is not None and back.tobytes() == values.tobytes():  # the same bits: nothing rounded
-        return packed, Rows(rows.values, rows.offsets, values)
-    return packed, Rows(back.tolist(), rows.offsets, back)
+        return packed, rows
+    return packed, Rows(None, rows.offsets, back)
 
 
 def _id_array(rows: Rows, sizes: list[int]) -> Any:

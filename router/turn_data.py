@@ -140,18 +140,29 @@ class Rows(Sequence):
     is ``values[offsets[i]:offsets[i + 1]]``, read as a list. ``values`` and ``offsets`` are
     lists; ``array``, when its producer has one, is ``values`` as a numpy array (int64 ids,
     float64 log-probs; equal value for value), which the encoder (:mod:`router.records`) takes
-    instead of converting the list again. The parser (:mod:`router.engine_answer`) and the encoder
-    so hand a turn's rows through as one list and one array each, no Python object per row, and
-    the JSON view slices the list (its values are the very objects it holds). :meth:`of` flattens
-    a sequence of rows. Immutable by contract (no method changes it); equal to any sequence of the
+    instead of converting the list again. Built from the array alone (``values`` None), the list
+    is ``array.tolist()``, made on its first read: a turn whose answer leaves its supports out
+    never makes one. The parser (:mod:`router.engine_answer`) and the encoder so hand a turn's
+    rows through as one list and one array each, no Python object per row, and the JSON view
+    slices the list (its values are the very objects it holds). :meth:`of` flattens a sequence of
+    rows. Immutable by contract (no method changes what it holds); equal to any sequence of the
     same rows."""
 
-    __slots__ = ("array", "offsets", "values")
+    __slots__ = ("_values", "array", "offsets")
 
-    def __init__(self, values: list[Any], offsets: list[int], array: Any = None) -> None:
-        self.values = values
+    def __init__(self, values: list[Any] | None, offsets: list[int], array: Any = None) -> None:
+        if values is None and array is None:
+            raise ValueError("Rows needs its values as a list or as an array")
+        self._values = values
         self.offsets = offsets
         self.array = array
+
+    @property
+    def values(self) -> list[Any]:
+        """The rows' values, row after row, as one list."""
+        if self._values is None:
+            self._values = self.array.tolist()
+        return self._values
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[Any]]) -> Rows:

@@ -679,6 +679,34 @@ def test_support_rows_are_flat_and_read_as_lists() -> None:
     assert type(hand.support_ids) is Rows and encode_turn(hand) == encode_turn(t)
 
 
+@pytest.mark.parametrize("top", [1000, 1 << 62])
+def test_ranked_supports_sort_as_each_row_sorted_alone(top: int) -> None:
+    """Masks in any order (SGLang ranks them) come out with every row sorted by id and its
+    log-probs along, as Python's sort of each row alone (the reference), for rows of 0 to 300 ids;
+    with ids too large to pack beside their row and position (``top``) by the other sort. The
+    rows' lists, made when read, equal their arrays; a row holding an id twice is refused by the
+    encoder."""
+    rng = random.Random(13)
+    body = _engine_body(rng, 60)
+    meta = body["meta_info"]
+    for i, t in enumerate(body["output_ids"]):
+        mask = list({t, *(rng.randrange(top) for _ in range(rng.choice([0, 1, 2, 9, 300])))})
+        rng.shuffle(mask)
+        meta[MASK][i] = mask
+        meta[SUPPORT][i] = [-rng.random() * 5 for _ in mask]
+        meta[MU][i] = meta[SUPPORT][i][mask.index(t)]
+    turn = parse_turn(body, **ARGS)
+    want = [sorted(zip(m, s, strict=True)) for m, s in zip(meta[MASK], meta[SUPPORT], strict=True)]
+    assert turn.support_ids == [[i for i, _ in row] for row in want]
+    assert turn.support_logprobs == [[x for _, x in row] for row in want]
+    assert turn.support_ids.values == turn.support_ids.array.tolist()
+    assert decode_turn(encode_turn(turn)).support_ids == turn.support_ids
+    meta[MASK][5] = [*meta[MASK][5], meta[MASK][5][0]]
+    meta[SUPPORT][5] = [*meta[SUPPORT][5], -1.0]
+    with pytest.raises(ValueError, match="strictly increasing|duplicate"):
+        encode_turn(parse_turn(body, **ARGS))
+
+
 def test_float32_support_log_probs_are_answered_with_the_values_sent() -> None:
     """Support log-probs that are float32 values (as engines send them) are stored unchanged, and
     the stored turn's answer holds the very floats of the engine's answer (no new objects)."""
