@@ -249,8 +249,8 @@ def _sorted_supports(ids: tuple[list, Any], lps: tuple[list, Any], offsets: list
 def _row_id_order(ids: Any, offsets: list[int]) -> Any:
     """The permutation that sorts ``ids`` (non-negative int64, row ``i`` from ``offsets[i]``) by
     (row, id, position): a stable sort by (row, id). When (row, id, position) packs into one
-    int64, one plain sort of the packed keys (numpy's vectorized sort: several times a stable
-    argsort's speed) and the positions read back from their low bits; else a (stable) lexsort."""
+    int64, one plain sort of the packed keys (unique, so its order is the stable one) and the
+    positions read back from their low bits; else a (stable) lexsort."""
     n = len(ids)
     row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     width, bits = int(ids.max()) + 1, n.bit_length()
