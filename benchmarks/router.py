@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -67,6 +68,8 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import uvicorn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -401,8 +404,10 @@ def measure(target: Target, sessions: int, seconds: float, period: float | None)
     return Point(lat, errs, seconds, cpu, client_cpu)
 
 
-KEEP_ALIVE_S = 5  # uvicorn 0.55 config.py 233: timeout_keep_alive, which the router keeps
-MAX_PERIOD_S = 4.0  # a paced session's period, below it with a margin
+# the routers' idle keep-alive: uvicorn's default timeout_keep_alive (0.55 config.py 233), which
+# `mixfleet router` keeps; a paced session's period stays a second below it
+KEEP_ALIVE_S = inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default
+MAX_PERIOD_S = KEEP_ALIVE_S - 1.0
 
 
 def main() -> int:
