@@ -16,7 +16,7 @@ import math
 import operator
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -249,14 +249,16 @@ def _sorted_supports(ids: tuple[list, Any], lps: tuple[list, Any], offsets: list
 def _row_id_order(ids: Any, offsets: list[int]) -> Any:
     """The permutation that sorts ``ids`` (non-negative int64, row ``i`` from ``offsets[i]``) by
     (row, id, position): a stable sort by (row, id). When (row, id, position) packs into one
-    int64, one plain sort of the packed keys (unique, so its order is the stable one) and the
-    positions read back from their low bits; else a (stable) lexsort."""
+    int64, one sort of the packed keys (unique, so any sort gives the stable order) and the
+    positions read back from their low bits; else a (stable) lexsort. The keys' sort is numpy's
+    ``stable`` kind (a merge of natural runs): the rows already follow each other in key order,
+    so it amounts to sorting each row alone, where the default introsort sorts all keys as one."""
     n = len(ids)
     row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     width, bits = int(ids.max()) + 1, n.bit_length()
     if (width * (len(offsets) - 1)) << bits < 1 << 63:
         keys = ((row * width + ids) << bits) | np.arange(n)
-        return np.sort(keys) & ((1 << bits) - 1)
+        return np.sort(keys, kind="stable") & ((1 << bits) - 1)
     return np.lexsort((ids, row))  # stable
 
 
@@ -363,14 +365,19 @@ def _behavior_logprobs(
     engine's supports, in its order, when it sent their log-probs."""
     key = "output_token_sampling_logprobs"
     mu = meta.get(key)
+    kinds = _LIST
     if mu is not None:
         mu = _entries(meta, key, len(output_ids))
-        if set(map(type, mu)) <= _FLOAT:
+        kinds = set(map(type, mu))
+        if kinds <= _FLOAT:
             return mu
-    sampled = _sampled_logprobs(output_ids, *supports) if supports is not None else None
+    sampled, missing = _sampled_logprobs(output_ids, raw, supports)
+    if mu is None or kinds <= _LIST:  # every token's mu from its support (SGLang's support mode)
+        if missing.any():
+            _not_in_support(output_ids, int(np.argmax(missing)))
+        return sampled
     out = []
-    for i, tok in enumerate(output_ids):
-        x = None if mu is None else mu[i]
+    for i, x in enumerate(mu):
         if type(x) is float:
             out.append(x)
         elif type(x) is int:
@@ -378,39 +385,45 @@ def _behavior_logprobs(
                 out.append(float(x))
             except OverflowError:
                 raise ValueError(f"meta_info.{key}[{i}] = {x!r} is beyond a float's range") from None
-        elif x is None and mu is not None:
+        elif x is None:
             out.append(math.nan)
-        elif x is None or type(x) is list:
-            if sampled is None or sampled[i] is _NO_SUPPORT:
-                out.append(math.nan if raw[i] is None else raw[i])
-            elif sampled[i] is _NOT_IN_SUPPORT:
-                where = f"meta_info.output_token_sampling_mask[{i}]"
-                raise ValueError(f"output token {tok} (output_ids[{i}]) is not in {where}")
-            else:
-                out.append(sampled[i])
+        elif type(x) is list:
+            if missing[i]:
+                _not_in_support(output_ids, i)
+            out.append(sampled[i])
         else:
             raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
     return out
 
 
-_NO_SUPPORT = "no filtering"  # a token sampled from the whole vocabulary
-_NOT_IN_SUPPORT = "not in its support"
+def _not_in_support(output_ids: list[int], i: int) -> NoReturn:
+    """Refuses output token ``i``: its sampled id is not in its (non-empty) support."""
+    where = f"meta_info.output_token_sampling_mask[{i}]"
+    raise ValueError(f"output token {output_ids[i]} (output_ids[{i}]) is not in {where}")
 
 
-def _sampled_logprobs(output_ids: list[int], ids: Any, offsets: Any, lps: Any) -> list:
+def _sampled_logprobs(
+    output_ids: list[int], raw: list[float | None], supports: tuple | None
+) -> tuple[list, Any]:
     """Per token the support log-prob of the sampled token (its first place in the row, in the
-    engine's order), or :data:`_NO_SUPPORT` / :data:`_NOT_IN_SUPPORT`: every row at once."""
+    engine's order; ``supports`` as :func:`_behavior_logprobs`), or its raw log-prob (NaN when
+    unknown) where the support's log-probs are not known or the row is empty (no filtering: the
+    support is the vocabulary); and per token whether it is missing from its non-empty support
+    (a bool array). Every row at once."""
     n = len(output_ids)
+    values = np.array([math.nan if x is None else x for x in raw] if None in raw else raw, dtype=np.float64)
+    if supports is None:
+        return values.tolist(), np.zeros(n, dtype=bool)
+    ids, offsets, lps = supports
     sizes = np.diff(offsets)
     row = np.repeat(np.arange(n), sizes)
     hits = np.flatnonzero(ids == np.asarray(output_ids, dtype=np.int64)[row])
     hit_rows = row[hits]
     first = hits[np.concatenate(([True], hit_rows[1:] != hit_rows[:-1]))] if len(hits) else hits
-    out = np.full(n, None, dtype=object)
-    out[sizes > 0] = _NOT_IN_SUPPORT
-    out[sizes == 0] = _NO_SUPPORT
-    out[row[first]] = lps[first].tolist()
-    return out.tolist()
+    values[row[first]] = lps[first]
+    missing = sizes > 0
+    missing[row[first]] = False
+    return values.tolist(), missing
 
 
 def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import struct
 from dataclasses import replace
 
@@ -705,6 +706,73 @@ def test_ranked_supports_sort_as_each_row_sorted_alone(top: int) -> None:
     meta[SUPPORT][5] = [*meta[SUPPORT][5], -1.0]
     with pytest.raises(ValueError, match="strictly increasing|duplicate"):
         encode_turn(parse_turn(body, **ARGS))
+
+
+def _reference_mu(body: dict) -> list[float]:
+    """mu per token as :func:`parse_turn` states it, token by token: the engine's number (null:
+    unknown); for a token without one (no mu key, or a list in its place) the sampled token's
+    log-prob at its first place in its support when the support's log-probs are known, its raw
+    log-prob (None: NaN) when not or when the support is empty; ValueError when the token is not
+    in its non-empty support."""
+    meta, out = body["meta_info"], body["output_ids"]
+    mu = meta.get(MU)
+    supports = meta.get(SUPPORT)
+    if supports is None and mu and all(type(x) is list for x in mu):
+        supports = mu  # SGLang's support mode
+    want = []
+    for i, tok in enumerate(out):
+        x = None if mu is None else mu[i]
+        raw = meta[RAW][i][0]
+        if type(x) in (int, float):
+            want.append(float(x))
+        elif x is None and mu is not None:
+            want.append(math.nan)
+        elif supports is None or not meta[MASK][i]:
+            want.append(math.nan if raw is None else float(raw))
+        elif tok not in meta[MASK][i]:
+            raise ValueError(f"output token {tok} (output_ids[{i}]) is not in meta_info.{MASK}[{i}]")
+        else:
+            want.append(float(supports[i][meta[MASK][i].index(tok)]))
+    return want
+
+
+def test_behavior_log_probs_match_the_per_token_reference() -> None:
+    """mu read from answers mixing every form the engines send (numbers, ints, nulls, SGLang's
+    support rows, no mu at all; supports with and without log-probs, empty, holding the sampled
+    token twice or not at all) equals the per-token reference, NaN for NaN, or both refuse."""
+    rng = random.Random(29)
+    refused = 0
+    for case in range(400):
+        body = _engine_body(rng, rng.choice([1, 3, 8]), with_none=case % 3 == 0)
+        meta, out = body["meta_info"], body["output_ids"]
+        for i, tok in enumerate(out):
+            shape = rng.choice(["float", "int", "null", "row", "empty", "twice", "absent"])
+            if shape == "empty":
+                meta[MASK][i], meta[SUPPORT][i] = [], []
+            elif shape == "twice":  # the first place in the engine's order is the one sampled
+                meta[MASK][i] = [*meta[MASK][i], tok]
+                meta[SUPPORT][i] = [*meta[SUPPORT][i], -9.0]
+            elif shape == "absent":
+                meta[MASK][i] = [t for t in meta[MASK][i] if t != tok] or [tok + 1]
+                meta[SUPPORT][i] = meta[SUPPORT][i][: len(meta[MASK][i])]
+            numbers = {"float": -rng.random(), "int": -rng.randrange(3), "null": None}
+            meta[MU][i] = numbers[shape] if shape in numbers else list(meta[SUPPORT][i])  # SGLang's row
+        if rng.random() < 0.3:
+            meta.pop(MU)
+        elif rng.random() < 0.3:  # SGLang's support mode: the rows in mu, no support key
+            meta[MU] = meta.pop(SUPPORT)
+        elif rng.random() < 0.2:
+            meta.pop(SUPPORT)
+        try:
+            want = _reference_mu(body)
+        except ValueError as exc:
+            refused += 1
+            with pytest.raises(ValueError, match=re.escape(str(exc))):
+                parse_turn(body, **ARGS)
+            continue
+        got = list(parse_turn(body, **ARGS).logprobs)
+        assert [repr(x) for x in got] == [repr(x) for x in want], case
+    assert 40 < refused < 360
 
 
 def test_float32_support_log_probs_are_answered_with_the_values_sent() -> None:
