@@ -365,14 +365,15 @@ def _behavior_logprobs(
     engine's supports, in its order, when it sent their log-probs."""
     key = "output_token_sampling_logprobs"
     mu = meta.get(key)
-    kinds = _LIST
+    from_supports = mu is None  # every token's mu from its support
     if mu is not None:
         mu = _entries(meta, key, len(output_ids))
         kinds = set(map(type, mu))
         if kinds <= _FLOAT:
             return mu
+        from_supports = kinds <= _LIST  # SGLang's support mode: a row for every token
     sampled, missing = _sampled_logprobs(output_ids, raw, supports)
-    if mu is None or kinds <= _LIST:  # every token's mu from its support (SGLang's support mode)
+    if from_supports:
         if missing.any():
             _not_in_support(output_ids, int(np.argmax(missing)))
         return sampled
