@@ -1,0 +1,124 @@
+"""router.disconnect.CancelOnDisconnect on the ASGI contract itself (a server's ``receive`` and
+``send`` driven by the test): a client gone before the answer cancels the handler and is answered
+499; the server's own cancellation of the request's task is raised on; after the answer started,
+a disconnect cancels nothing. The same middleware in a live router: tests/router/test_abort.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.disconnect import CLIENT_CLOSED, CancelOnDisconnect
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/sessions/s1/turns"}
+
+
+class Exchange:
+    """The server side of one request: the body, then ``http.disconnect`` once ``leave()`` is called."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+        self.body_sent = False
+        self.sent: list[dict] = []
+
+    async def receive(self) -> dict:
+        if not self.body_sent:
+            self.body_sent = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def leave(self) -> None:
+        self.left.set()
+
+
+def handler(log: list[str], *, start_first: bool = False):
+    """An app that reads its body, optionally starts its answer, then waits for ``go``."""
+    go = asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        if start_first:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            await go.wait()
+        except asyncio.CancelledError:
+            log.append("cancelled")
+            raise
+        if not start_first:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+        log.append("answered")
+
+    return app, go
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499() -> None:
+    async def main() -> None:
+        log: list[str] = []
+        app, _ = handler(log)
+        ex = Exchange()
+        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+        await _settle()
+        ex.leave()
+        await task  # returns: the request's task is not left cancelled
+        assert log == ["cancelled"] and task.cancelling() == 0
+        assert [m.get("status") for m in ex.sent] == [CLIENT_CLOSED, None]
+        assert ex.sent[1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+    asyncio.run(main())
+
+
+def test_the_servers_cancellation_is_raised() -> None:
+    async def main() -> None:
+        log: list[str] = []
+        app, _ = handler(log)
+        ex = Exchange()
+        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+        await _settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert log == ["cancelled"] and ex.sent == []
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_after_the_answer_started_cancels_nothing() -> None:
+    async def main() -> None:
+        log: list[str] = []
+        app, go = handler(log, start_first=True)
+        ex = Exchange()
+        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+        await _settle()
+        ex.leave()
+        await _settle()
+        go.set()
+        await task
+        assert log == ["answered"] and [m.get("status") for m in ex.sent] == [200, None]
+
+    asyncio.run(main())
+
+
+def test_an_answered_request_leaves_no_watcher_and_others_pass_through() -> None:
+    async def main() -> None:
+        for scope in (SCOPE, {**SCOPE, "method": "GET"}, {**SCOPE, "path": "/v1/batches/take"}):
+            log: list[str] = []
+            app, go = handler(log)
+            ex = Exchange()
+            go.set()
+            before = asyncio.all_tasks()
+            await CancelOnDisconnect(app)(scope, ex.receive, ex.send)
+            await _settle()
+            assert log == ["answered"] and asyncio.all_tasks() == before
+
+    asyncio.run(main())
