@@ -62,13 +62,20 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+async def _waiting(log: list[str], *, start_first: bool = False):
+    """A session request through the middleware, its handler waiting for ``go``: the exchange,
+    the request's task and ``go``."""
+    app, go = handler(log, start_first=start_first)
+    ex = Exchange()
+    task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+    await _settle()
+    return ex, task, go
+
+
 def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499() -> None:
     async def main() -> None:
         log: list[str] = []
-        app, _ = handler(log)
-        ex = Exchange()
-        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
-        await _settle()
+        ex, task, _ = await _waiting(log)
         ex.leave()
         await task  # returns: the request's task is not left cancelled
         assert log == ["cancelled"] and task.cancelling() == 0
@@ -81,10 +88,7 @@ def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499() -> N
 def test_the_servers_cancellation_is_raised() -> None:
     async def main() -> None:
         log: list[str] = []
-        app, _ = handler(log)
-        ex = Exchange()
-        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
-        await _settle()
+        ex, task, _ = await _waiting(log)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -96,10 +100,7 @@ def test_the_servers_cancellation_is_raised() -> None:
 def test_a_client_gone_after_the_answer_started_cancels_nothing() -> None:
     async def main() -> None:
         log: list[str] = []
-        app, go = handler(log, start_first=True)
-        ex = Exchange()
-        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
-        await _settle()
+        ex, task, go = await _waiting(log, start_first=True)
         ex.leave()
         await _settle()
         go.set()
