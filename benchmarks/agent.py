@@ -17,6 +17,10 @@ standing in for the engine's own time. Printed:
   router's ``timings.engine_ms``: everything the router does besides waiting for the engine), and
   "leg", the rest (the engine leg's time over the direct request: the router's engine client and
   the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
+  and of "own", the p50 of the dispatcher's part ("dispatch": the answer's ``timings.router_ms``,
+  the vocab check and the context's JSON text before the engine call, the failover's bookkeeping
+  after it; the rest of "own" is the server, the framework, the session, the records and the
+  answer);
 * router CPU per turn (the router processes' user+system time over the turns they served, every
   worker's with ``--workers N`` on the Redis state: every session is opened before the first turn
   and finished after the last, outside that window), on
@@ -141,10 +145,12 @@ class Agent:
         return b'{"input_ids":[' + self.ids + b"]," + SAMPLING + extra + b"}"
 
 
-def engine_seconds(answer: bytes) -> float:
-    """The engine leg of a turn the router answered: its ``timings.engine_ms`` (from sending
-    ``/generate`` to the engine's whole answer, as the router timed it)."""
-    return loads(answer)["timings"]["engine_ms"] / 1000
+def answer_seconds(answer: bytes) -> tuple[float, float]:
+    """The engine leg and the dispatcher's time of a turn the router answered: its
+    ``timings.engine_ms`` (from sending ``/generate`` to the engine's whole answer, as the router
+    timed it) and ``timings.router_ms`` (the dispatcher's time besides that leg)."""
+    timings = loads(answer)["timings"]
+    return timings["engine_ms"] / 1000, timings["router_ms"] / 1000
 
 
 def bucket(size: int) -> int:
@@ -178,14 +184,14 @@ async def run_agents(
     direct: bool,
     append: bool = False,
     spread_s: float = 0.0,
-    own: dict[int, list[float]] | None = None,
+    own: dict[int, list[tuple[float, float]]] | None = None,
     pid: int | None = None,
 ) -> Pass:
     """Every agent's turns, concurrently (``append``: as appended tokens), each from its start
     phase (:func:`start_phase` over ``spread_s``), in three steps: every session is opened, every
     agent runs its turns, every session is finished. ``own`` (a router pass): each turn's latency
-    less its engine leg (:func:`engine_seconds`), by context bucket. ``pid``: the router process
-    whose CPU time over the turns step is measured."""
+    less its engine leg, and its dispatcher's time (:func:`answer_seconds`), by context bucket.
+    ``pid``: the router process whose CPU time over the turns step is measured."""
     lat: dict[int, list[float]] = {}
     conns = [await Conn.open(port) for _ in range(sessions)]
     sids: list[str] = []
@@ -205,7 +211,8 @@ async def run_agents(
                 lat.setdefault(bucket(agent.n), []).append(seconds)
                 assert status == 200, data[:300]
                 if own is not None:
-                    own.setdefault(bucket(agent.n), []).append(seconds - engine_seconds(data))
+                    engine, dispatch = answer_seconds(data)
+                    own.setdefault(bucket(agent.n), []).append((seconds - engine, dispatch))
 
         cpu0 = cpu_seconds(pid) if pid else 0.0
         await asyncio.gather(*(one(i) for i in range(sessions)))
@@ -352,21 +359,27 @@ def _ms(x: float) -> str:
 
 
 def report_latency(
-    router: dict[int, list[float]], direct: dict[int, list[float]], own: dict[int, list[float]] | None = None
+    router: dict[int, list[float]],
+    direct: dict[int, list[float]],
+    own: dict[int, list[tuple[float, float]]] | None = None,
 ) -> list[dict]:
     """Print the latency table by context bucket; its rows (milliseconds). With ``own``
     (:func:`run_agents`), also the p50 of each turn's latency outside its engine leg ("own": the
     router's receiving, checks, records, state write and answer, and the client's side of the
-    connection) and the rest of the added p50 ("leg": added p50 - own p50, the engine leg's time
-    over the direct request: the router's engine client and the body it sends)."""
+    connection), the rest of the added p50 ("leg": added p50 - own p50, the engine leg's time
+    over the direct request: the router's engine client and the body it sends), and the p50 of the
+    dispatcher's part of "own" ("dispatch": :func:`answer_seconds`)."""
     head = "  context <=   turns   router p50/p99 ms   direct p50/p99 ms   added p50/p99 ms"
-    print(head + ("   own p50  leg p50" if own else ""))
+    print(head + ("   own p50  leg p50  dispatch p50" if own else ""))
     rows = []
     for b in sorted(router):
         r, d = router[b], direct.get(b, [])
         added = (pct(r, 0.5) - pct(d, 0.5), pct(r, 0.99) - pct(d, 0.99))
         label = "max" if b == BUCKETS[-1] else f"{b // 1024}K"
-        split = (pct(own[b], 0.5), added[0] - pct(own[b], 0.5)) if own else ()
+        split: tuple[float, ...] = ()
+        if own:
+            mine = pct([x for x, _ in own[b]], 0.5)
+            split = (mine, added[0] - mine, pct([x for _, x in own[b]], 0.5))
         print(
             f"  {label:>9} {len(r):7d} {_ms(pct(r, 0.5))} {_ms(pct(r, 0.99))}   "
             f"{_ms(pct(d, 0.5))} {_ms(pct(d, 0.99))}   {_ms(added[0])} {_ms(added[1])}"
@@ -374,14 +387,11 @@ def report_latency(
         )
         ms = [round(x * 1000, 3) for x in (pct(r, 0.5), pct(r, 0.99), pct(d, 0.5), pct(d, 0.99), *added)]
         keys = ("router_p50_ms", "router_p99_ms", "direct_p50_ms", "direct_p99_ms")
+        parts = ("own_p50_ms", "leg_p50_ms", "dispatch_p50_ms")
         rows.append(
             {"context_le": label, "turns": len(r), **dict(zip(keys, ms, strict=False))}
             | {"added_p50_ms": ms[4], "added_p99_ms": ms[5]}
-            | (
-                {"own_p50_ms": round(split[0] * 1000, 3), "leg_p50_ms": round(split[1] * 1000, 3)}
-                if split
-                else {}
-            )
+            | {k: round(x * 1000, 3) for k, x in zip(parts, split, strict=False)}
         )
     return rows
 
@@ -594,7 +604,7 @@ async def measure_long(
     bytes stored. Memory state's figure is the router's RSS growth, measured only when ``fresh``
     (its first pass: later ones reuse the memory the allocator kept from earlier ones)."""
     mem0 = await redis_memory(redis_url) if redis_url else rss_bytes(pid)
-    own: dict[int, list[float]] = {}
+    own: dict[int, list[tuple[float, float]]] = {}
     done = await run_agents(
         port,
         auth,
