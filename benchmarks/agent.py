@@ -19,8 +19,8 @@ standing in for the engine's own time. Printed:
   the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
   and of "own", the p50 of the dispatcher's part ("dispatch": the answer's ``timings.router_ms``,
   the vocab check and the context's JSON text before the engine call, the failover's bookkeeping
-  after it; the rest of "own" is the server, the framework, the session, the records and the
-  answer);
+  after it; the rest of "own" is the server, the framework, the session, the records, the
+  answer and the client's side of the connection);
 * router CPU per turn (the router processes' user+system time over the turns they served, every
   worker's with ``--workers N`` on the Redis state: every session is opened before the first turn
   and finished after the last, outside that window), on
