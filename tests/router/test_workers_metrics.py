@@ -148,7 +148,7 @@ def workers(engine_url, tmp_path):
             state=url,
             keys={KEY: ["rollout", "trainer", "admin"]},
             log=tmp_path / "router.log",
-            extra_args=("--workers", "2"),
+            extra_args=("--workers", "2", "--log-level", "info"),  # the log shows each stage of a stop
         ) as router,
     ):
         yield router
@@ -204,7 +204,11 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
 
     # a graceful stop (SIGTERM to the supervisor) removes the workers' metric files
     router.proc.send_signal(signal.SIGTERM)
-    router.proc.wait(timeout=60)
+    try:
+        router.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:  # name the stage each process stopped at (uvicorn logs them)
+        tail = router.log.read_text(errors="replace").splitlines()[-40:]
+        pytest.fail("the router did not stop within 120 s of SIGTERM; its log ends:\n" + "\n".join(tail))
     assert not Path(metrics_dir).exists()
 
 
