@@ -149,6 +149,38 @@ def _engine_version(url: str) -> int:
     return int(httpx.get(url + "/model_info", timeout=10).json()["weight_version"])
 
 
+def _start_turn_and_pause(live: Live, engine_url: str) -> tuple[str, threading.Thread | None, dict]:
+    """Start a greedy turn of ``N`` tokens in a new cpu-bf16 session and, once the engine has
+    generated 20 of them, pause the engine in place, holding the turn mid-generation (the
+    sidecar's retract then takes it out of the running batch, the update swaps the weights while
+    the engine is paused, and the turn is recomputed and resumes on the new version). The thread
+    is None (and the engine running again) when the turn finished before the pause landed: the
+    engine's generated-token counter, which a paused engine leaves still, then already counts all
+    ``N`` tokens."""
+    sid = live.post("/v1/sessions", {"group": "cpu-bf16"})["session_id"]
+    before = _engine_metrics(engine_url).get("sglang:generation_tokens_total", 0.0)
+    result: dict = {}
+
+    def turn() -> None:
+        result["turn"] = live.post(
+            f"/v1/sessions/{sid}/turns",
+            {"input_ids": HELLO, "sampling_params": {"temperature": 0.0, "max_new_tokens": N}},
+        )
+
+    t = threading.Thread(target=turn)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _engine_metrics(engine_url).get("sglang:generation_tokens_total", 0.0) < before + 20:
+        assert time.monotonic() < deadline and t.is_alive(), "the turn never got going"
+        time.sleep(0.05)
+    httpx.post(engine_url + "/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+    if _engine_metrics(engine_url).get("sglang:generation_tokens_total", 0.0) < before + N:
+        return sid, t, result
+    httpx.post(engine_url + "/continue_generation", json={}, timeout=10).raise_for_status()
+    t.join(timeout=60)
+    return sid, None, result
+
+
 def _spans_ok(spans: list[dict], n: int) -> None:
     assert spans[0]["start"] == 0 and spans[-1]["end"] == n, spans
     for a, b in zip(spans, spans[1:], strict=False):
@@ -243,29 +275,13 @@ def test_turn_across_an_activation_has_two_spans(live: Live, tiny_base: Path) ->
     v2 = v1 + 1
     _precommit(fleet, v2, tiny_base)  # same weights: the greedy continuation stays EOS-free
     live.wait_router(lambda s: all(g["active_version"] == v1 for g in s["groups"]), f"v{v1}")
-    sid = live.post("/v1/sessions", {"group": "cpu-bf16"})["session_id"]
     bf16 = fleet.replica("cpu-bf16")
-    before = _engine_metrics(bf16.engine_url).get("sglang:generation_tokens_total", 0.0)
-    result: dict = {}
-
-    def turn() -> None:
-        result["turn"] = live.post(
-            f"/v1/sessions/{sid}/turns",
-            {"input_ids": HELLO, "sampling_params": {"temperature": 0.0, "max_new_tokens": N}},
-        )
-
-    t = threading.Thread(target=turn)
-    t.start()
-    deadline = time.monotonic() + 60
-    while _engine_metrics(bf16.engine_url).get("sglang:generation_tokens_total", 0.0) < before + 20:
-        assert time.monotonic() < deadline and t.is_alive(), "the turn never got going"
-        time.sleep(0.05)
-    # Hold the turn mid-generation (the engine's own pause, in place) so that it cannot finish
-    # before the activation, however fast the engine: the sidecar's retract takes it out of the
-    # running batch, the update swaps the weights while the engine is paused, and the turn is
-    # recomputed and resumes on v2.
-    pause = httpx.post(bf16.engine_url + "/pause_generation", json={"mode": "in_place"}, timeout=10)
-    pause.raise_for_status()
+    for _attempt in range(5):
+        sid, t, result = _start_turn_and_pause(live, bf16.engine_url)
+        if t is not None:
+            break
+    else:
+        pytest.fail("five turns in a row finished before the engine could be paused")
     try:
         _advance(live, v2)
         fleet.wait_active(v2, replicas=[bf16])
