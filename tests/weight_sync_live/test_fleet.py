@@ -154,9 +154,9 @@ def _start_turn_and_pause(live: Live, engine_url: str) -> tuple[str, threading.T
     generated 20 of them, pause the engine in place, holding the turn mid-generation (the
     sidecar's retract then takes it out of the running batch, the update swaps the weights while
     the engine is paused, and the turn is recomputed and resumes on the new version). The thread
-    is None (and the engine running again) when the turn finished before the pause landed: the
-    engine's generated-token counter, which a paused engine leaves still, then already counts all
-    ``N`` tokens."""
+    is None (the engine running again, the session deleted) when the turn finished before the
+    pause landed: the engine's generated-token counter, which a paused engine leaves still, then
+    already counts all ``N`` tokens."""
     sid = live.post("/v1/sessions", {"group": "cpu-bf16"})["session_id"]
     before = _engine_metrics(engine_url).get("sglang:generation_tokens_total", 0.0)
     result: dict = {}
@@ -178,6 +178,7 @@ def _start_turn_and_pause(live: Live, engine_url: str) -> tuple[str, threading.T
         return sid, t, result
     httpx.post(engine_url + "/continue_generation", json={}, timeout=10).raise_for_status()
     t.join(timeout=60)
+    httpx.delete(live.router.url + f"/v1/sessions/{sid}", headers=live.h, timeout=10).raise_for_status()
     return sid, None, result
 
 
