@@ -699,7 +699,8 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
         await asyncio.gather(clock(), load.agents(client))
         fault_task.cancel()
         try:  # an undelivered lease comes back after LEASE_TIMEOUT_S
-            await asyncio.wait_for(trainer, 3 * LEASE_TIMEOUT_S + 60)
+            async with asyncio.timeout(3 * LEASE_TIMEOUT_S + 60):
+                await trainer
             drain_timed_out = False
         except TimeoutError:
             drain_timed_out = True

@@ -5,12 +5,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+RECANCEL_S = 2.0  # how long a cancelled task may run on (its cleanup included) before it is cancelled again
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], recancel_s: float = RECANCEL_S) -> None:
     """Cancel every task in ``tasks``, then return once each has ended. What a task ends with (its
     result, its cancellation or an error it raised on the way out) is dropped: the caller is
-    stopping it. Cancelling the caller while it waits cancels the wait, as ``asyncio.gather`` does."""
-    tasks = list(tasks)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    stopping it. A task still running ``recancel_s`` after a cancellation is cancelled again, until
+    it ends: on Python 3.11 ``asyncio.wait_for`` loses a cancellation that lands as its awaitable
+    finishes (CPython gh-86296, fixed by 3.12's rewrite on ``asyncio.timeout``), and redis-py sends
+    every command under ``wait_for`` when a socket timeout is set (redis/asyncio/connection.py
+    1531-1534 of redis 8.2.0), so a loop that cancellation missed would otherwise run on and its
+    stop never return. A cleanup that outlasts ``recancel_s`` is cancelled with it (a replica's
+    engine left paused so is resumed by the next sidecar: ``replica/reconciler.py``). Cancelling
+    the caller while it waits ends the wait; the tasks stay cancelled."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        done, pending = await asyncio.wait(pending, timeout=recancel_s)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved, so that asyncio does not log it as never retrieved

@@ -288,7 +288,8 @@ class Reconciler:
                     self.metrics.desired.set(ptr)
                 self._work.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+                async with asyncio.timeout(self.config.poll_s):  # not wait_for: core/tasks.py
+                    await self._wake.wait()
 
     # reconcile --------------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
@@ -301,7 +302,8 @@ class Reconciler:
             )
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._work.wait(), self.config.poll_s)
+                async with asyncio.timeout(self.config.poll_s):
+                    await self._work.wait()
             self._work.clear()
             try:
                 await self._reconcile_once()

@@ -145,7 +145,8 @@ async def health_generate(request: Request) -> Response:
         rid=f"HEALTH_CHECK_{time.time()}_{threading.get_ident()}",
     )
     try:
-        await asyncio.wait_for(run_one(engine, obj.normalize(engine.limits, None)[0]), timeout=20)
+        async with asyncio.timeout(20):
+            await run_one(engine, obj.normalize(engine.limits, None)[0])
     except (TimeoutError, RequestError, concurrent.futures.CancelledError):
         return Response(status_code=503)
     return Response(status_code=200)

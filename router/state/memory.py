@@ -293,8 +293,9 @@ class MemoryStore(StateStore):
                 break
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, timeout=min(remaining, lease_timeout_s, 1.0))
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for: core/tasks.py
+                async with asyncio.timeout(min(remaining, lease_timeout_s, 1.0)):
+                    await waiter
         if entries:
             self._leases[lease_id] = (entries, time.monotonic() + self.retention.lease_record_s())
         return Lease(lease_id, taken, held_back=len(self._held), redelivered=redelivered)

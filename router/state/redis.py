@@ -1026,7 +1026,8 @@ class RedisStore(StateStore):
 
     async def ping(self) -> bool:
         try:
-            return bool(await asyncio.wait_for(self._r.ping(), timeout=2.0))
+            async with asyncio.timeout(2.0):  # not wait_for: core/tasks.py
+                return bool(await self._r.ping())
         except (*_UNAVAILABLE, TimeoutError):
             return False
 

@@ -57,7 +57,8 @@ class Server:
     async def __aexit__(self, *exc) -> None:
         self.server.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.server.wait_closed(), 2)
+            async with asyncio.timeout(2):
+                await self.server.wait_closed()
 
     @property
     def url(self) -> str:

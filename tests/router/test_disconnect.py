@@ -77,7 +77,8 @@ def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499() -> N
         log: list[str] = []
         ex, task, _ = await _waiting(log)
         ex.leave()
-        await asyncio.wait_for(task, 5)  # returns: the request's task is not left cancelled
+        async with asyncio.timeout(5):
+            await task  # returns: the request's task is not left cancelled
         assert log == ["cancelled"] and task.cancelling() == 0
         assert [m.get("status") for m in ex.sent] == [CLIENT_CLOSED, None]
         assert ex.sent[1] == {"type": "http.response.body", "body": b"", "more_body": False}
@@ -91,7 +92,8 @@ def test_the_servers_cancellation_is_raised() -> None:
         ex, task, _ = await _waiting(log)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 5)
+            async with asyncio.timeout(5):
+                await task
         assert log == ["cancelled"] and ex.sent == []
 
     asyncio.run(main())
@@ -104,7 +106,8 @@ def test_a_client_gone_after_the_answer_started_cancels_nothing() -> None:
         ex.leave()
         await _settle()
         go.set()
-        await asyncio.wait_for(task, 5)
+        async with asyncio.timeout(5):
+            await task
         assert log == ["answered"] and [m.get("status") for m in ex.sent] == [200, None]
 
     asyncio.run(main())
@@ -118,7 +121,8 @@ def test_an_answered_request_leaves_no_watcher_and_others_pass_through() -> None
             ex = Exchange()
             go.set()
             before = asyncio.all_tasks()
-            await asyncio.wait_for(CancelOnDisconnect(app)(scope, ex.receive, ex.send), 5)
+            async with asyncio.timeout(5):
+                await CancelOnDisconnect(app)(scope, ex.receive, ex.send)
             await _settle()
             assert log == ["answered"] and asyncio.all_tasks() == before
 
