@@ -1,7 +1,7 @@
 """A replica's reconciler stops on its first cancellation even when a wake lands in the same
-event-loop tick as the stop (a publish notice arriving with SIGTERM): Python 3.11's
-``asyncio.wait_for``, which its loops used to wait with, lost such a cancellation (CPython
-gh-86296), so the watch loop ran on and the stop waited for a second one (``core/tasks.py``)."""
+event-loop tick as the stop (a publish notice arriving with SIGTERM). Python 3.11's
+``asyncio.wait_for`` loses such a cancellation (CPython gh-86296; a loop waiting with it runs on),
+so the loops wait with ``asyncio.timeout`` (``core/tasks.py``)."""
 
 from __future__ import annotations
 
