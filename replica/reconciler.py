@@ -288,7 +288,7 @@ class Reconciler:
                     self.metrics.desired.set(ptr)
                 self._work.set()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.poll_s):  # not wait_for: core/tasks.py
+                async with asyncio.timeout(self.config.poll_s):
                     await self._wake.wait()
 
     # reconcile --------------------------------------------------------------------------------

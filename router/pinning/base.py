@@ -67,7 +67,7 @@ class ContainerPins:
         self.errors: dict[str, str] = {g: "containers not listed yet" for g in self.groups}
 
     async def _group(self, group: str) -> dict[str, str]:
-        async with asyncio.timeout(self.timeout_s):  # not wait_for: core/tasks.py
+        async with asyncio.timeout(self.timeout_s):
             found = await self._list(group)
         return {replica_id(group, c.container_id): c.upstream for c in found}
 

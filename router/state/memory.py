@@ -293,7 +293,7 @@ class MemoryStore(StateStore):
                 break
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):  # asyncio.timeout, not wait_for: core/tasks.py
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(remaining, lease_timeout_s, 1.0)):
                     await waiter
         if entries:

@@ -1026,7 +1026,7 @@ class RedisStore(StateStore):
 
     async def ping(self) -> bool:
         try:
-            async with asyncio.timeout(2.0):  # not wait_for: core/tasks.py
+            async with asyncio.timeout(2.0):
                 return bool(await self._r.ping())
         except (*_UNAVAILABLE, TimeoutError):
             return False
