@@ -11,7 +11,9 @@ connection per session, requests prebuilt, uvloop; the same client for every tar
 * ``direct``            the stub itself (the baseline),
 * ``turns memory``      ``POST /v1/sessions/{id}/turns`` through a mixfleet router with in-memory
                         state (auth on: routing, failover bookkeeping, behavior-record parsing,
-                        encoding and recording included),
+                        encoding and recording included); each turn appends 4 ids to its
+                        session's context (``append_ids``), so a session's context grows by 68
+                        ids a turn (about 2K ids after a sustained point's 8 s),
 * ``turns redis``       the same through a second mixfleet router whose state is a private
                         redis-server,
 * ``turns ... +sup``    with ``--support-answer``: the same turns asking ``return_support`` (the
@@ -545,8 +547,10 @@ def main() -> int:
                 "return_sampling_mask": True,
             }
         ).encode()
-        turn = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": n_out, "top_k": support}}
-        # a top_k: a masked turn, as the stub answers (an unfiltered one asks none)
+        turn = {"append_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": n_out, "top_k": support}}
+        # append_ids: each turn extends its session's context (the same full input_ids every turn
+        # would make every turn after the first a fork); a top_k: a masked turn, as the stub
+        # answers (an unfiltered one asks none)
         turn_body = json.dumps(turn).encode()
         support_body = json.dumps({**turn, "return_support": True}).encode()
         new_session = build_request("POST", "/v1/sessions", b"{}", auth)
