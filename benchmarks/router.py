@@ -12,8 +12,8 @@ connection per session, requests prebuilt, uvloop; the same client for every tar
 * ``turns memory``      ``POST /v1/sessions/{id}/turns`` through a mixfleet router with in-memory
                         state (auth on: routing, failover bookkeeping, behavior-record parsing,
                         encoding and recording included); each turn appends 4 ids to its
-                        session's context (``append_ids``), so a session's context grows by 68
-                        ids a turn (about 2K ids after a sustained point's 8 s),
+                        session's context (``append_ids``: the turn an agent takes, its
+                        context growing by the 4 ids and the 64 generated each turn),
 * ``turns redis``       the same through a second mixfleet router whose state is a private
                         redis-server,
 * ``turns ... +sup``    with ``--support-answer``: the same turns asking ``return_support`` (the
