@@ -7,8 +7,9 @@ from either engine (the ``NUM_RUNNING_REQS`` / ``NUM_QUEUE_REQS`` / ``GEN_THROUG
 
 Names, types, help texts and histogram buckets are SGLang 0.5.23's, read from the released wheel's
 ``python/sglang/srt/observability/metrics_collector.py`` (the line of each declaration beside it;
-scheduler gauges in ``SchedulerMetricsCollector``, counters and histograms in
-``TokenizerMetricsCollector``, buckets its defaults at 1966-2036). Labels are the local engine's,
+scheduler gauges and ``sglang:num_retracted_requests_total`` in ``SchedulerMetricsCollector``,
+the other counters and the histograms in ``TokenizerMetricsCollector``, buckets its defaults at
+1966-2036). Labels are the local engine's,
 ``model_name`` only: SGLang adds ``is_streaming`` to some and ``cache_source`` to
 ``sglang:cached_tokens_total``, which a query that sums or takes the maximum by ``model_name``
 (or by the scrape's own labels) reads alike.

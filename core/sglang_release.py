@@ -62,7 +62,7 @@ TOP_K_ALL = 1 << 30
 SAMPLING_LOGPROBS_MODES = ("selected", "support")
 SAMPLING_LOGPROBS_MODE = "support"  # what the engine client asks for
 
-# managers/io_struct.py 1927-1945 PauseGenerationReqInput.mode: Literal["abort", "retract",
+# managers/io_struct.py 1927-1946 PauseGenerationReqInput.mode: Literal["abort", "retract",
 # "in_place"] = "abort". The fleet activates with "retract" (replica.activation): running requests go
 # back to the waiting queue with their KV freed (managers/scheduler.py 5817-5932) and are
 # re-prefilled, prompt and output so far, under the new weights on continue; so the running batch
@@ -91,6 +91,14 @@ FLUSH_OK_TEXT = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 FLUSH_REFUSED_TEXT = "Flush cache failed.\n"
+# managers/scheduler_components/flush_wrapper.py 22-60: a flush with ``?timeout=`` > 0 that finds
+# the scheduler not fully idle (is_fully_idle() without ignore_waiting: waiting requests count even
+# while paused) is deferred, and answered this, 400, when its timeout passes first (51-60). While
+# one is deferred the scheduler answers any other flush "Another flush_cache is already in
+# progress." (23-27), which HTTP does not reach with one tokenizer worker (the default,
+# arg_groups/fields/serving.py 50-53): its tokenizer manager sends one flush at a time, a second
+# waiting for the first's answer (tokenizer_control_mixin.py 130, 186-197; communicator.py 41-57).
+FLUSH_TIMEOUT_MESSAGE = "Timed out waiting for idle state."
 
 # meta_info keys of a /generate answer (managers/tokenizer_manager.py 2507-2566; the spans from
 # utils/weight_versions.py 90-107 add_weight_versions_to_meta_info: [{"version": str, "start",
@@ -269,8 +277,9 @@ def sampling_request(
     return SamplingRequest(sent, mask=True, top_k_bound=bound)
 
 
-# environ.py 1508 SGLANG_RETURN_ORIGINAL_LOGPROB = EnvBool(False), parsed as "false" -> False
-# (environ.py 140-150): set, output_token_logprobs would be log-probs before temperature
+# SGLANG_RETURN_ORIGINAL_LOGPROB (declared EnvBool(False), environ.py 1508) is read once, at import,
+# by layers/sampler.py 82 with get_bool_env_var (utils/common.py 1424-1440: "true"/"1" -> True,
+# anything else False, so "false" -> False): set, output_token_logprobs would be log-probs before temperature
 # (layers/sampler.py 231-237, 319-323), not the distribution a token was drawn from, and an
 # unfiltered turn's mu (which is output_token_logprobs) would be wrong whenever T != 1. Every engine
 # the fleet starts gets these values, whatever the environment it inherits.
@@ -288,13 +297,16 @@ ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 #   1165-1305) is not for these checkpoints: it loads a BF16 checkpoint and quantizes it online to
 #   FP8, and only for Qwen2/Qwen3 dense loaders that declare its contract (loader.py 1229-1240).
 # - recapture_cuda_graph (default false) re-captures the CUDA graphs after the load (weight_updater.py
-#   241-250). It is needed wherever the post-load processing may give a parameter new storage: a
+#   247-255). It is needed wherever the post-load processing may give a parameter new storage: a
 #   graph captured before keeps reading the old storage. ``copy_or_rebind_param`` (layers/utils/
 #   common.py 58-71) rebinds ``.data`` whenever the processed shape or dtype differs (padding,
 #   swizzled or requantized scales), and the reload re-runs that processing (loader.py 1028-1090
-#   load_weights_and_postprocess). bf16: the unquantized linear and MoE methods keep their
-#   parameters in place on CUDA (layers/quantization/unquant.py 568-570, 852-866: only the ROCm
-#   aiter shuffle and CPU AMX repack, through copy_or_rebind_param with equal shapes) -> no
+#   load_weights_and_postprocess). bf16: the unquantized linear and MoE methods keep each
+#   parameter's storage (layers/quantization/unquant.py 568-570, 852-920: the ROCm aiter shuffle
+#   and CPU AMX repack through copy_or_rebind_param with equal shapes; on CUDA the FlashInfer
+#   TRT-LLM block layout permutes the experts in place and reshapes them as a view, 976-1041, and
+#   the fused-SwiGLU interleave, off by default, writes in place, 922-974), and
+#   restore_weights_before_loading gives a reload the checkpoint's shapes back (1099-1112) -> no
 #   recapture. fp8 block (Fp8LinearMethod / Fp8MoEMethod process_weights_after_loading_block_quant,
 #   layers/quantization/fp8.py 743-944, 1877-2290: requantization to UE8M0 scales and new Parameters
 #   on some backends), nvfp4 (ModelOptFp4LinearMethod.process_weights_after_loading, modelopt_quant.py
@@ -305,8 +317,9 @@ ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 #   no-op, layers/quantization/base_config.py 49-54; only unquant.py 1099 and compressed-tensors
 #   implement it; loader.py 1091-1101 calls it). A reload therefore writes checkpoint-layout tensors
 #   into the processed parameters: correct only while processing kept their shapes (an NVFP4 layer
-#   whose N or K needed padding fails the load: "Failed to update weights ... Rolling back",
-#   weight_updater.py 226-234, an answered refusal, old weights kept). Whether NVFP4 and MXFP4
+#   whose N or K needed padding fails the load, and a failed load is no refusal: its "rollback"
+#   re-reads the new path and the server exits, docs/sglang-contract.md row 6, weight_updater.py
+#   228-237). Whether NVFP4 and MXFP4
 #   reload in place correctly on a given backend is what the GPU check verifies; it has not run.
 RECAPTURE_CUDA_GRAPH = {"bf16": False, "fp8": True, "nvfp4": True, "mxfp4": True}
 

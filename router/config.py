@@ -35,8 +35,9 @@ PUBLISH_WORKERS_ENV = "MIXFLEET_PUBLISH_WORKERS"
 def proxy_auth_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The headers of a Modal proxy auth token, from ``MIXFLEET_PROXY_KEY`` (token id) and
     ``MIXFLEET_PROXY_SECRET`` (token secret): ``Modal-Key`` and ``Modal-Secret``, the names Modal's
-    proxy reads on a server deployed with ``unauthenticated=False`` (modal 1.6.4,
-    ``_partial_function.py``: "Require Modal-Key and Modal-Secret HTTP Headers on requests").
+    proxy reads on a server deployed with ``unauthenticated=False``, the default (modal 1.6.4,
+    ``app.py`` 1418, 1470: "requires proxy authentication; required by default"; the header
+    names: ``cli/server.py`` 383-386).
     Empty when neither is set; :class:`UserError` naming the missing one when only one is."""
     key, secret = environ.get(PROXY_KEY_ENV) or "", environ.get(PROXY_SECRET_ENV) or ""
     if not key and not secret:

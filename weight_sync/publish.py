@@ -3,7 +3,9 @@
 docs/architecture.md, "2. A weight version". The protocol, per call:
 
 1. Plan: the formats to publish (each once, however many replicas serve it), refusing a version
-   that is not newer than every format's pointer (pointers never move backwards).
+   that is not newer than every format's pointer (pointers never move backwards) and a checkpoint
+   whose tensors would differ from a format's current version (:mod:`weight_sync.layout`: an
+   engine loads a version into the model it serves).
 2. Convert: each format not already committed as N is converted from the checkpoint into a
    private staging directory of the store, the formats in parallel worker processes (the
    conversion is CPU-bound; ``workers`` processes share the cores, longest conversion first).
@@ -261,14 +263,17 @@ def publish_checkpoint(
     Before: ``ckpt_dir`` is an HF BF16 checkpoint; ``version`` is not older than any of the
     formats' pointers. After (on return): every format in ``formats`` has ``version``
     committed and its pointer names it. Raises ``UserError`` for bad input (no pointer has
-    moved then, in either mode). ``on_event(kind, info)`` reports progress: ``convert_start``,
-    ``converted``, ``committed``, ``advanced`` with ``{"format": ...}``.
+    moved then, in either mode), :class:`~weight_sync.layout.LayoutMismatch` among it.
+    ``on_event(kind, info)`` reports progress: ``convert_start``, ``converted``, ``committed``,
+    ``advanced`` with ``{"format": ...}``.
 
     ``delta_of``: commit each format as a delta over that (committed, older) version: only the
     converted files that differ from its content (a format whose base has files the new version
     lacks is committed in full). ``ckpt_dir`` is still the full checkpoint; see
     :func:`publish_delta` for a trainer's delta of changed tensors.
     """
+    from weight_sync.layout import check_layout
+
     formats = check_formats(formats)
     if mode not in MODES:
         raise UserError(f"unknown publish mode {mode!r} (known: {', '.join(MODES)})")
@@ -276,6 +281,7 @@ def publish_checkpoint(
     _check_version(store, run_id, version, formats)
     if delta_of is not None:
         check_delta_base(store, run_id, version, delta_of, formats, need_bf16=False)
+    check_layout(store, run_id, ckpt_dir, formats)
     t_start = time.perf_counter()
     pending = _plan(store, run_id, version, ckpt_dir, formats)
     job = _Publication(store, run_id, version, mode, on_event, delta_of)

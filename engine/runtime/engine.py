@@ -2,8 +2,9 @@
 scheduler, metrics) and the one loader thread every model of the process is loaded on.
 
 After :meth:`Engine.load` returns, the model is loaded (on :data:`LOADER`) and the scheduler
-runs; :meth:`Engine.load_replacement` (callers run it on :data:`LOADER`) loads a new directory
-fully without touching the served model, and raises ``ValueError`` if it cannot replace it.
+runs; :meth:`Engine.load_replacement` (callers run it on :data:`LOADER`) loads the tensors of a
+new directory into the served configuration without touching the served model, and raises
+``ValueError`` if it cannot replace it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
 
-__all__ = ["ENGINE_VERSION", "LOADER", "Engine"]
+__all__ = ["ENGINE_VERSION", "LOADER", "Engine", "WeightsNotFound"]
 
 ENGINE_VERSION = "mixfleet-cpu-engine/0.1"
 
@@ -140,33 +141,30 @@ class Engine:
             return self.tokenizer.decode(known, skip_special_tokens=skip_special_tokens)
 
     def load_replacement(self, model_path: str) -> Any:
-        """Load ``model_path`` fully and check it can replace the served model; raises ``ValueError``."""
-        from engine.model.config import ModelConfig
-        from engine.model.model import load_model
+        """The served model's replacement from the weights at ``model_path``, loaded as SGLang
+        0.5.23's ``update_weights_from_disk`` loads them into the running model
+        (model_executor/model_runner_components/weight_updater.py 174-260): the directory's
+        ``config.json`` is not read (the served ``model_config`` is kept, 193-203), only its
+        tensors count. Raises :class:`WeightsNotFound` when ``model_path`` is not a directory or
+        holds no ``*.safetensors`` (SGLang's ``_prepare_weights``, model_loader/loader.py 480-580,
+        refused before any weight is touched: weight_updater.py 222-227) and ``ValueError`` when a
+        tensor cannot be loaded (missing, of another shape or dtype, unreadable, or one the served
+        model has no place for). The served model is never touched."""
+        from engine.model.loader import load_checkpoint
+        from engine.model.model import Model
 
         path = Path(model_path)
-        new_cfg = ModelConfig.from_dir(path)  # cheap checks first: missing dir, another architecture
-        old = self.config
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "moe_intermediate_size",
-            "num_experts",
-            "num_experts_per_tok",
-            "max_position_embeddings",
-        ):
-            a, b = getattr(old, name), getattr(new_cfg, name)
-            if a != b:
-                raise ValueError(
-                    f"model at {model_path!r} has another architecture than the served model: "
-                    f"{name} is {b}, the served model has {a}"
-                )
-        return load_model(str(path.resolve()), kv_cache_dtype=self.kv_cache_dtype)
+        if not path.is_dir():
+            raise WeightsNotFound(f"model path {model_path!r} does not exist")
+        if not any(path.glob("*.safetensors")):
+            raise WeightsNotFound(f"Cannot find any model weights with `{model_path}`")
+        path = path.resolve()
+        tensors = load_checkpoint(path, self.config)
+        return Model(self.config, tensors, kv_cache_dtype=self.kv_cache_dtype, path=path)
+
+
+class WeightsNotFound(ValueError):
+    """An update's path holds no weights to load (SGLang: "Failed to get weights iterator")."""
 
 
 def _load_tokenizer(path: Path) -> Any:

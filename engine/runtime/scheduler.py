@@ -212,13 +212,16 @@ class Scheduler:
         weight_updater.py 138-160)."""
         return self._command("update", model=model, weight_version=weight_version, flush=flush)
 
-    def flush_cache(self) -> concurrent.futures.Future:
+    def flush_cache(self, *, fully_idle: bool = False) -> concurrent.futures.Future:
         """SGLang's ``Scheduler.flush_cache`` (managers/scheduler.py 5518-5548): succeeds (True)
         only when no request is running and, unless generation is paused in ``retract`` or
         ``in_place`` mode (``is_fully_idle(ignore_waiting=self._engine_paused)``; an ``abort``
         pause never reaches SGLang's scheduler, tokenizer_manager.py 2267-2280), none is waiting.
+        ``fully_idle``: the check of a flush sent with a timeout, which SGLang's flush wrapper
+        makes with ``is_fully_idle()`` alone (scheduler.py 1340-1344; scheduler_components/
+        flush_wrapper.py 33-37, 45-49): a waiting request refuses it even while paused.
         This engine has no prefix cache, so a flush drops nothing; the refusal is the contract."""
-        return self._command("flush")
+        return self._command("flush", fully_idle=fully_idle)
 
     @property
     def alive(self) -> bool:
@@ -334,9 +337,9 @@ class Scheduler:
         log.info("weights updated at step %d: version %s -> %s", self.steps, old, self.weight_version)
         return self._do_flush() if flush else True
 
-    def _do_flush(self) -> bool:
-        engine_paused = self.paused in ("retract", "in_place")
-        return not self._running and (engine_paused or not self._waiting)
+    def _do_flush(self, fully_idle: bool = False) -> bool:
+        ignore_waiting = not fully_idle and self.paused in ("retract", "in_place")
+        return not self._running and (ignore_waiting or not self._waiting)
 
     def _publish_load(self) -> None:
         if self.metrics is None:

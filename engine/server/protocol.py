@@ -284,7 +284,7 @@ class UpdateWeightFromDiskReqInput(BaseModel):
     included: ``flush_cache`` true); ``weight_version`` must be an integer here. ``load_format``
     may be missing or ``"auto"`` (the only format this engine loads); ``recapture_cuda_graph`` and
     the other GPU fields are accepted and mean nothing on a CPU (SGLang recaptures only on CUDA,
-    model_runner_components/weight_updater.py 241-250)."""
+    model_runner_components/weight_updater.py 247-255)."""
 
     model_config = ConfigDict(extra="allow")
 

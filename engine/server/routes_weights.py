@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from core.sglang_release import UPDATE_NOT_FLUSHED_MESSAGE
-from engine.runtime.engine import LOADER, Engine
+from engine.runtime.engine import LOADER, Engine, WeightsNotFound
 from engine.runtime.request import RequestError
 from engine.server.protocol import UpdateWeightFromDiskReqInput, UpdateWeightVersionReqInput, parse_version
 from engine.server.requests import engine_of, parse
@@ -53,28 +56,45 @@ async def _apply_update(
     engine: Engine, obj: UpdateWeightFromDiskReqInput, version: int | None
 ) -> JSONResponse:
     """Load, then swap + record the version + flush at one step boundary
-    (scheduler_components/weight_updater.py 138-160)."""
+    (scheduler_components/weight_updater.py 138-160). A path without weights is refused and
+    the old version keeps serving; a load that fails once weights were found ends the process
+    (:func:`_exit_as_sglang`)."""
     t0 = time.monotonic()
     try:
         model = await asyncio.get_running_loop().run_in_executor(
             LOADER, engine.load_replacement, obj.model_path
         )
-    except Exception as exc:  # any failure to load leaves the old version serving
+    except WeightsNotFound as exc:
         log.warning("update_weights_from_disk refused %s: %s", obj.model_path, exc)
-        return _update_refused(f"Failed to update weights: {exc}")
+        return _update_refused(f"Failed to get weights iterator: {exc}.")
+    except Exception as exc:
+        _exit_as_sglang(obj.model_path, exc)
     load_s = time.monotonic() - t0
     flushed = await asyncio.wrap_future(engine.scheduler.update_weights(model, version, obj.flush_cache))
     if not flushed:  # weights and scheduler version changed; /model_info keeps the old one
         log.warning("update_weights_from_disk: %s", UPDATE_NOT_FLUSHED_MESSAGE)
         return _update_refused(UPDATE_NOT_FLUSHED_MESSAGE)
     engine.model_path = str(Path(obj.model_path).resolve())
-    engine.config = model.config
     engine.precision = getattr(model, "precision", engine.precision)
     message = f"Succeeded to update model weights (loaded in {load_s:.2f}s)."
     if version is not None:
         engine.reported_version = version
         message += f" Weight version updated to {version}."
     return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+
+def _exit_as_sglang(model_path: str, exc: Exception) -> NoReturn:
+    """End the process as SGLang 0.5.23's server ends when a load fails once its weight files
+    were found: the "rollback" re-reads ``model_config.model_path``, already set to the new path
+    (model_executor/model_runner_components/weight_updater.py 193, 228-237), outside any ``try``,
+    so a failure that repeats (a tensor of another shape, an unreadable shard) escapes the
+    scheduler's loop; the scheduler process logs "Scheduler hit an exception" and sends SIGQUIT
+    to the server (managers/scheduler.py 6366-6373), whose handler kills its whole process tree,
+    itself with SIGKILL (managers/tokenizer_manager.py 4072-4081, utils/common.py 2548-2552). The
+    update's caller gets no answer; the weights it half wrote die with the process."""
+    log.error("Scheduler hit an exception: update_weights_from_disk(%s): %s", model_path, exc)
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
 
 
 @router.post("/update_weight_version")

@@ -1,8 +1,8 @@
 """Control routes on real engine processes, row by row of docs/sglang-contract.md: weight updates
 (retract + update + continue, spans; the in_place update refused by its flush as SGLang refuses
-it; an unpaused update waits for requests in flight; the old version keeps serving on a bad
-update), /flush_cache and its refusals, /update_weight_version, pause modes, abort, client
-disconnects."""
+it; an unpaused update waits for requests in flight; the old version keeps serving on a path
+without weights, and a load that fails ends the engine), /flush_cache and its refusals,
+/update_weight_version, pause modes, abort, client disconnects."""
 
 from __future__ import annotations
 
@@ -226,25 +226,14 @@ def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
 
 
 def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:
-    """(directory, expected message part) for checkpoints the engine must refuse."""
-    cases = [(str(root / "missing"), "does not exist")]
-    other_arch = root / "llama"
-    shutil.copytree(src, other_arch)
-    cfg = json.loads((other_arch / "config.json").read_text())
-    (other_arch / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-    cases.append((str(other_arch), "architecture"))
-    deeper = root / "deeper"
-    shutil.copytree(src, deeper)
-    (deeper / "config.json").write_text(
-        json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1})
-    )
-    cases.append((str(deeper), "num_hidden_layers"))
-    truncated = root / "truncated"
-    shutil.copytree(src, truncated)
-    shard = next(truncated.glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    cases.append((str(truncated), "Failed to update weights"))
-    return cases
+    """(directory, expected message part) for paths SGLang refuses before touching any weight."""
+    empty = root / "no-weights"
+    empty.mkdir()
+    shutil.copy(src / "config.json", empty / "config.json")
+    return [
+        (str(root / "missing"), "Failed to get weights iterator: model path"),
+        (str(empty), "Failed to get weights iterator: Cannot find any model weights"),
+    ]
 
 
 def test_bad_weight_updates_keep_the_old_version_serving(
@@ -264,6 +253,40 @@ def test_bad_weight_updates_keep_the_old_version_serving(
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
     assert after["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 16}]
+
+
+def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """As SGLang 0.5.23 reloads: a new config.json is not read (another architecture's name and
+    a deeper model in the config alone load the same tensors), and a load that fails once weight
+    files were found (a truncated shard) ends the engine without an answer."""
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(tiny_dir, relabelled)
+    cfg = json.loads((relabelled / "config.json").read_text())
+    cfg |= {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": cfg["num_hidden_layers"] + 1}
+    (relabelled / "config.json").write_text(json.dumps(cfg))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_dir, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    log = tmp_path / "engine.log"
+    with engine_process(tiny_dir, weight_version=1, log=log) as url, httpx.Client(timeout=60.0) as client:
+        before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+        r = client.post(
+            url + "/update_weights_from_disk", json={"model_path": str(relabelled), "weight_version": 2}
+        )
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+        assert after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["weight_versions"] == [{"version": 2, "start": 0, "end": 16}]
+        with pytest.raises(httpx.TransportError):
+            client.post(
+                url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": 3}
+            )
+        with pytest.raises(httpx.TransportError):
+            client.get(url + "/health", timeout=5.0)
+    assert "Scheduler hit an exception: update_weights_from_disk" in log.read_text()
 
 
 def _reference(client: httpx.Client, url: str) -> list[int]:
@@ -405,3 +428,48 @@ def test_fp8_kv_cache_flag(tiny_dir: Path, client: httpx.Client) -> None:
         out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert len(out["output_ids"]) == 16
         assert out["meta_info"]["weight_versions"] == [{"version": 5, "start": 0, "end": 16}]
+
+
+def _flush(url: str, timeout: float = 0.0) -> tuple[int, str, float]:
+    """``POST /flush_cache`` (``?timeout=`` when given) on its own client: status, body, and the
+    ``time.monotonic()`` of the answer."""
+    with httpx.Client(timeout=120.0, trust_env=False) as c:
+        r = c.post(url + "/flush_cache", params={"timeout": timeout} if timeout else None)
+    return r.status_code, r.text, time.monotonic()
+
+
+def test_timed_flush_counts_waiting_requests_even_while_paused(v1_engine: str, client: httpx.Client) -> None:
+    """SGLang 0.5.23: a flush with ``?timeout=`` > 0 goes through the scheduler's flush wrapper
+    (managers/scheduler.py 1834, built at 1340-1344 with ``is_fully_idle=self.is_fully_idle``),
+    whose idle check has no ``ignore_waiting`` (scheduler_components/flush_wrapper.py 33-37,
+    45-60; scheduler.py 5337-5360): under a ``retract`` pause with the retracted request waiting
+    it is deferred and, its timeout passed, answered 400 "Timed out waiting for idle state."
+    (entrypoints/http_server.py 1025-1041), while a plain flush ignores the waiting request
+    (``is_fully_idle(ignore_waiting=self._engine_paused)``, scheduler.py 5518-5548) and succeeds.
+    A timed flush still deferred when generation continues is answered 200 once the request is
+    done."""
+    from core.sglang_release import FLUSH_TIMEOUT_MESSAGE
+
+    url = v1_engine
+    stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 200}})
+    stream.wait_for(5)
+    answers: list[tuple[int, str, float]] = []
+    waiter = threading.Thread(target=lambda: answers.append(_flush(url, 120.0)), daemon=True)
+    assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+        assert load(client, url)["num_queue_reqs"] == 1
+        t0 = time.monotonic()
+        timed = client.post(url + "/flush_cache", params={"timeout": 1.0})
+        assert (timed.status_code, timed.text) == (400, FLUSH_TIMEOUT_MESSAGE)
+        assert time.monotonic() - t0 >= 1.0
+        plain = client.post(url + "/flush_cache")
+        assert (plain.status_code, plain.text) == (200, FLUSH_OK_TEXT)
+        waiter.start()
+        time.sleep(1.0)
+        assert not answers, "a timed flush was answered while a request waited"
+    finally:
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
+    final = stream.result()
+    waiter.join(120)
+    assert answers and answers[0][:2] == (200, FLUSH_OK_TEXT)
+    assert len(final["output_ids"]) == 200

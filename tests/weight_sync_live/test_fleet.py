@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mixfleet.init_model import PRESETS
 from replica.sidecar import parse_prometheus
 from tests.support.fleet import LOCAL_GROUPS, LocalFleet, local_fleet
 from tests.support.procs import REPO, mixfleet_argv
@@ -132,6 +133,15 @@ def _precommit(fleet: LocalFleet, version: int, ckpt: Path, formats: list[str] |
         staged = fleet.store.staging_dir(VersionRef(RUN, f, version))
         convert_checkpoint(ckpt, staged, f, workers=1)
         fleet.store.commit(VersionRef(RUN, f, version), staged)
+
+
+def _corrupt(fleet: LocalFleet, version: int, fmt: str) -> Path:
+    """Flip one byte in the middle of ``fmt``'s committed shard of ``version``; its path."""
+    shard = fleet.store.version_dir(VersionRef(RUN, fmt, version)) / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
 
 
 def _advance(live: Live, version: int, formats: list[str] | None = None) -> None:
@@ -533,10 +543,7 @@ def test_corrupt_shard_keeps_old_version_and_a_republish_recovers(live: Live, ti
     old = fleet.latest()
     v = old + 1
     _precommit(fleet, v, tiny_base)
-    shard = fleet.store.version_dir(VersionRef(RUN, "fp8", v)) / "model.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    shard = _corrupt(fleet, v, "fp8")
     _advance(live, v)
     fleet.wait_active(v, replicas=[fleet.replica("cpu-bf16"), fleet.replica("cpu-nvfp4")])
     fp8 = fleet.replica("cpu-fp8")
@@ -570,24 +577,36 @@ def test_corrupt_shard_keeps_old_version_and_a_republish_recovers(live: Live, ti
 
 
 @pytest.mark.timeout(300)
-def test_engine_refusing_weights_is_routed_around_past_max_lag(
+def test_a_replica_that_cannot_activate_is_routed_around_past_max_lag(
     live: Live, tiny_base: Path, tiny_other_arch: Path
 ) -> None:
+    """A checkpoint the engines could not load into the served model is refused by the publish
+    job, nothing moves; a version one replica cannot stage (a corrupt shard) keeps it serving the
+    old one, in rotation while within the allowed lag and routed around past it."""
     fleet = live.fleet
     old = fleet.latest()
+    job = live.post("/v1/weights", {"checkpoint": str(tiny_other_arch), "version": old + 1}, status=202)
+    deadline = time.monotonic() + 60
+    while job["state"] == "running":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+        job = live.get(f"/v1/weights/jobs/{job['job_id']}")
+    assert job["state"] == "failed" and "does not fit run" in job["error"], job
+    assert f"tensor 'model.layers.{PRESETS['tiny'].num_hidden_layers - 1}." in job["error"], job
+    assert live.get("/v1/groups")["latest_version"] == old and fleet.latest() == old
     fp8 = fleet.replica("cpu-fp8")
-    good = ["bf16", "nvfp4"]
     for step in (1, 2):
         v = old + step
-        live.publish(tiny_other_arch, v, ["fp8"])
-        live.publish(tiny_base, v, good)
+        _precommit(fleet, v, tiny_base)
+        _corrupt(fleet, v, "fp8")
+        _advance(live, v)
         fleet.wait_active(v, replicas=[fleet.replica("cpu-bf16"), fleet.replica("cpu-nvfp4")])
         deadline = time.monotonic() + 30
         while fleet.status(fp8)["error_version"] != v:
             assert time.monotonic() < deadline, fleet.status(fp8)
             time.sleep(0.1)
         st = fleet.status(fp8)
-        assert st["active_version"] == old and "another architecture" in st["error"], st
+        assert st["active_version"] == old and "checksum" in st["error"], st
         assert _engine_version(fp8.engine_url) == old
         snap = live.wait_router(lambda s, v=v: s["latest_version"] == v, f"latest {v}")
         g = next(x for x in snap["groups"] if x["name"] == "cpu-fp8")

@@ -4,6 +4,7 @@ real publisher process killed mid-conversion (no pointer moves; the next publish
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import pytest
 from core.errors import UserError
 from tests.support.procs import REPO, mixfleet_argv
 from weight_sync.convert import convert_checkpoint
+from weight_sync.layout import LayoutMismatch
 from weight_sync.publish import ConversionPool, bootstrap, publish_checkpoint, rollback
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef, VersionRef
@@ -138,6 +140,47 @@ def test_converted_once_per_format_and_republish_is_idempotent(tmp_path, tiny_ba
         publish_checkpoint(store, RUN, 4, tmp_path / "missing", FORMATS, workers=0)
     with pytest.raises(UserError, match="unknown weight format"):
         publish_checkpoint(store, RUN, 4, tiny_base, ["int3"], workers=0)
+
+
+def test_a_checkpoint_of_another_layout_is_refused_before_anything_moves(
+    tmp_path, tiny_base, tiny_2shards, tiny_other_arch
+) -> None:
+    """An engine loads a version into the model it serves (SGLang skips unknown tensors, keeps
+    missing ones and dies on another shape: weight_sync/layout.py), so a version must hold the
+    current version's tensors exactly; the file split and a delta's layers do not matter."""
+    from mixfleet.init_model import PRESETS, write_model
+
+    store = LocalStore(tmp_path / "store")
+    publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
+    publish_checkpoint(store, RUN, 2, tiny_2shards, FORMATS, workers=0)
+    publish_checkpoint(store, RUN, 3, tiny_2shards, FORMATS, workers=0, delta_of=2)  # no file of its own
+    assert store.read_manifest(VersionRef(RUN, "fp8", 3)).kind == "delta"
+    assert not list(store.version_dir(VersionRef(RUN, "fp8", 3)).glob("*.safetensors"))
+    tiny = PRESETS["tiny"]
+    h, m = tiny.hidden_size, tiny.moe_intermediate_size
+    wider = write_model(
+        tmp_path / "wider", dataclasses.replace(tiny, moe_intermediate_size=2 * tiny.moe_intermediate_size)
+    )
+    for ckpt, difference in (
+        (tiny_other_arch, f"tensor 'model.layers.{tiny.num_hidden_layers - 1}."),
+        (
+            wider,
+            f"tensor 'model.layers.0.mlp.experts.0.down_proj.weight' is BF16 [{h}, {2 * m}], "
+            f"the current version's BF16 [{h}, {m}]",
+        ),
+    ):
+        with pytest.raises(LayoutMismatch) as refused:
+            publish_checkpoint(store, RUN, 4, ckpt, FORMATS, workers=0)
+        assert (refused.value.format, refused.value.version) == ("bf16", 3), refused.value
+        assert refused.value.difference.startswith(difference), refused.value.difference
+        assert f"checkpoint {ckpt} does not fit run 'r': in bf16, {difference}" in str(refused.value)
+        for f in FORMATS:
+            assert store.read_pointer(FormatRef(RUN, f)) == 3 and 4 not in store.versions(FormatRef(RUN, f))
+    assert "of the current version is missing" in str(
+        pytest.raises(
+            LayoutMismatch, publish_checkpoint, store, RUN, 4, tiny_other_arch, ["nvfp4"], workers=0
+        ).value
+    )
 
 
 def test_checkpoint_already_on_the_store_filesystem(tmp_path, tiny_base) -> None:
