@@ -332,7 +332,8 @@ class PublishService:
         lock); with ``delta_of`` B the directory holds only the tensors changed since B and every
         format is published as a delta over B. Raises before any job starts for bad input: a
         relative path, a path that does not exist or is not a directory, a full checkpoint
-        without ``config.json``, no shard, a version older than the pointers, a missing base."""
+        without ``config.json``, no shard, a format no group serves, a version older than the
+        pointers, a missing base."""
         from weight_sync.publish import (
             check_checkpoint,
             check_delta_base,
@@ -347,7 +348,14 @@ class PublishService:
         if not checkpoint.is_absolute():
             raise UserError(f"checkpoint must be an absolute path on the router's filesystem: {checkpoint}")
         check_checkpoint(checkpoint, delta=delta_of is not None, where=" on the router's filesystem")
-        formats = check_formats(formats or list(ctx.config.fleet.formats))
+        served = list(ctx.config.fleet.formats)
+        formats = check_formats(formats or served)
+        unserved = [f for f in formats if f not in served]
+        if unserved:
+            raise UserError(
+                f"no group of this fleet serves {', '.join(unserved)} (it serves {', '.join(served)}): "
+                "its version would be the fleet's latest while no replica can activate it"
+            )
 
         def decide() -> int:
             number = version if version is not None else next_version(store, run_id, formats)

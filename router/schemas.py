@@ -11,6 +11,7 @@ from typing import Annotated, Any, NamedTuple
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,6 +30,27 @@ from router.segments import Ids, as_ids
 TOKEN_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
 """A token id (validated by pydantic itself, per element)."""
+
+MAX_JSON_DEPTH = 64
+
+
+def _shallow(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` unless its objects and arrays nest more than :data:`MAX_JSON_DEPTH` levels
+    (ValueError): the body's decoder takes 1,024 levels, but what is stored must be written again
+    (orjson writes 254 at most, pydantic's serializer fewer)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_shallow)]
+"""A free-form JSON object a request carries for the router to keep or pass on (session metadata,
+a tool's schema), refused (422) when nested deeper than :data:`MAX_JSON_DEPTH`."""
 
 
 def _token_array(value: Any) -> np.ndarray:
@@ -157,7 +179,7 @@ ROUTES_DOC = (
 
 class CreateSession(_Req):
     group: str | None = Field(None, description="pin the session to this group")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
     record_routes: bool = Field(False, description=ROUTES_DOC)
 
 
@@ -334,7 +356,7 @@ class Turn(BaseModel):
 
 class FinishRequest(_Req):
     reward: float
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
 
 
 class Finished(BaseModel):

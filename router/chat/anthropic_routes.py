@@ -38,6 +38,7 @@ from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
+from router.schemas import JsonObject
 
 
 async def _key(
@@ -77,7 +78,7 @@ class _M(BaseModel):
 class TextBlock(_M):
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None
+    cache_control: JsonObject | None = None
     citations: None = None  # a reply's block sent back as it came
 
 
@@ -91,8 +92,8 @@ class ToolUseBlock(_M):
     type: Literal["tool_use"]
     id: str
     name: str
-    input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    input: JsonObject
+    cache_control: JsonObject | None = None
     caller: None = None
     toolset_name: None = None
 
@@ -102,7 +103,7 @@ class ToolResultBlock(_M):
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
+    cache_control: JsonObject | None = None
 
 
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -116,8 +117,8 @@ class InMessage(_M):
 class ToolIn(_M):
     name: str
     description: str = ""
-    input_schema: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    input_schema: JsonObject
+    cache_control: JsonObject | None = None
 
 
 class ToolChoice(_M):
@@ -137,7 +138,7 @@ class MessagesRequest(_M):
     top_k: int | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: JsonObject | None = None
 
     def chat(self) -> ChatRequest:
         messages: list[Message] = []

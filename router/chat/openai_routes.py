@@ -38,6 +38,7 @@ from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
+from router.schemas import JsonObject
 
 router = APIRouter(
     prefix="/v1/sessions/{session_id}/openai/v1",
@@ -86,7 +87,7 @@ class ChatMessage(_M):
 class FunctionDef(_M):
     name: str
     description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=dict)
+    parameters: JsonObject = Field(default_factory=dict)
     strict: bool | None = None
 
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from router.schemas import MAX_JSON_DEPTH
 from tests.chat.conftest import trajectory
 
 TOOL_CALL = (
@@ -236,6 +237,13 @@ def test_refusals_name_the_problem(router, session):
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         )
     assert "messages.0.content" in info.value.body["detail"]
+    deep: dict = {}
+    for _ in range(MAX_JSON_DEPTH):
+        deep = {"a": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(model="t", messages=user, tools=[tool])
+    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in info.value.body["detail"]
     with pytest.raises(openai.BadRequestError, match="prefilling"):
         client.chat.completions.create(model="t", messages=[*user, {"role": "assistant", "content": "a"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

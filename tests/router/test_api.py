@@ -12,6 +12,7 @@ import pytest
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import BEARER_DOC
 from router.records import decode_batch
+from router.schemas import MAX_JSON_DEPTH
 from tests.router.conftest import KEYS
 
 SP = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 3}
@@ -239,6 +240,23 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
     sid = _session(client, group="cpu-a")
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 409  # no turns
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": "x"}).status_code == 422
+    deep: dict = {}
+    for _ in range(
+        MAX_JSON_DEPTH
+    ):  # one level too many: the body decodes, the router could not write it again
+        deep = {"a": deep}
+    for path, body in (
+        ("/v1/sessions", {"metadata": deep}),
+        (f"/v1/sessions/{sid}/finish", {"reward": 1.0, "metadata": deep}),
+    ):
+        r = client.post(path, json=body)
+        assert (
+            r.status_code == 422
+            and f"metadata: Value error, nested deeper than {MAX_JSON_DEPTH} levels" in r.json()["detail"]
+        ), r.text
+    r = client.post("/v1/sessions", json={"metadata": deep["a"]})
+    assert r.status_code == 200, r.text
+    assert client.get(f"/v1/sessions/{r.json()['session_id']}").json()["metadata"] == deep["a"]
     assert client.delete(f"/v1/sessions/{sid}").status_code == 200
     assert client.get(f"/v1/sessions/{sid}").status_code == 404
     assert client.post("/v1/batches/take", json={"size": 0}).status_code == 422

@@ -70,6 +70,9 @@ def test_bad_checkpoints_are_refused_at_once(weights_router, tiny_dir: Path, tmp
         (no_config, "has no config.json"),
         (Path("/" + "x" * 5000), "File name too long"),
     ]
+    r = _post(router, "/v1/weights", {"checkpoint": str(tiny_dir), "formats": ["bf16", "mxfp4"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"].startswith("no group of this fleet serves mxfp4 (it serves bf16)"), r.json()
     for path, reason in cases:
         r = _post(router, "/v1/weights", {"checkpoint": str(path)})
         assert r.status_code == 400, r.text
