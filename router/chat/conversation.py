@@ -149,12 +149,20 @@ def check_messages(messages: Sequence[Message]) -> None:
             raise RenderError(f"messages[{i}]: a system message is only rendered as the first message")
 
 
+MAX_TEXT_ASSISTANT = 128
+"""The most assistant messages one request may have rendered from their text (no recorded turn
+sampled them): each is rendered against the whole conversation (the template may render an
+assistant message by where it stands), so their cost grows with their number times the
+conversation's length."""
+
+
 def build_context(
     renderer: Renderer, messages: Sequence[Message], tools: Sequence[Tool], known: Known
 ) -> Context:
     """The next turn's context for ``messages``, rendered from ``known`` on (module docstring).
-    Raises RenderError for what the renderer cannot represent; ValueError when ``known`` starts
-    after some messages but not at an assistant message."""
+    Raises RenderError for what the renderer cannot represent and for more than
+    :data:`MAX_TEXT_ASSISTANT` assistant messages to render from their text; ValueError when
+    ``known`` starts after some messages but not at an assistant message."""
     check_messages(messages)
     if known.messages and messages[known.messages].role != "assistant":
         raise ValueError(f"rendering resumes at messages[{known.messages}], not an assistant message")
@@ -164,6 +172,7 @@ def build_context(
     base = as_ids(known.ids)  # the known context stays one array; only rendered ids are a list
     ids: list[int] = []
     start, kept, after, prompted = known.messages, 0, False, known.messages > 0
+    from_text = 0
     for i in range(start, len(messages)):
         m = messages[i]
         if m.role != "assistant":
@@ -183,6 +192,12 @@ def build_context(
             ids += list(sampled.output_ids) + renderer.close(sampled.output_ids)
             kept += 1
         else:
+            from_text += 1
+            if from_text > MAX_TEXT_ASSISTANT:
+                raise RenderError(
+                    f"messages[{i}]: more than {MAX_TEXT_ASSISTANT} assistant messages that no turn of "
+                    "this session sampled; each is rendered from its text against the whole conversation"
+                )
             ids += renderer.assistant(messages[:i], m, messages[i + 1 :], tools)
         start, after, prompted = i + 1, True, False
     tail = messages[start:]

@@ -13,7 +13,16 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from engine.model.tokenizer import Tokenizer as EngineTokenizer
-from router.chat.conversation import Known, Note, Sampled, build_context, digests, resume, sampled_turns
+from router.chat.conversation import (
+    MAX_TEXT_ASSISTANT,
+    Known,
+    Note,
+    Sampled,
+    build_context,
+    digests,
+    resume,
+    sampled_turns,
+)
 from router.chat.renderers import Message, RenderError, Tool, ToolCall, load_renderer
 from router.segments import pack
 from router.state.base import ChatState, SessionInfo
@@ -253,6 +262,13 @@ def test_refusals(renderer):
         build_context(renderer, [Message("user", "a"), Message("system", "b")], (), Known())
     with pytest.raises(RenderError, match="at least one message"):
         build_context(renderer, [], (), Known())
+    edited = [m for _ in range(MAX_TEXT_ASSISTANT) for m in (Message("user", "a"), Message("assistant", "b"))]
+    assert build_context(renderer, [*edited, Message("user", "a")], (), Known()).kept == 0
+    more = [*edited, Message("user", "a"), Message("assistant", "b"), Message("user", "a")]
+    with pytest.raises(
+        RenderError, match=rf"messages\[{len(edited) + 1}\]: more than {MAX_TEXT_ASSISTANT} assistant"
+    ):
+        build_context(renderer, more, (), Known())
     call = ToolCall("c", "f", "{}")
     assert (
         build_context(
