@@ -139,6 +139,11 @@ class BatchMismatch:
     skipped: int
 
 
+LOGPROB_SLACK = 1e-2
+"""The largest trainer log-prob taken: a log-probability is at most 0, and a trainer's
+log-softmax rounds by far less than this above it."""
+
+
 def batch_mismatch(
     turns: Sequence[TurnTokens],
     trainer_logprobs: np.ndarray,
@@ -149,7 +154,7 @@ def batch_mismatch(
     ``turns`` in order (turn after turn, output token after output token); ``route_flags`` (same
     order; None: not uploaded) 0 / 1 / 2 per token (routes agree / differ / none recorded).
     ValueError when a length differs from the turns' output-token count or a value is not
-    finite."""
+    finite or above :data:`LOGPROB_SLACK`."""
     lo, hi = check_band(band)
     p = np.asarray(trainer_logprobs, dtype=np.float64).reshape(-1)
     total = sum(len(t.logprobs) for t in turns)
@@ -161,6 +166,10 @@ def batch_mismatch(
     bad = np.flatnonzero(~np.isfinite(p))
     if bad.size:
         raise ValueError(f"trainer log-prob {int(bad[0])} is not finite ({p[bad[0]]})")
+    above = np.flatnonzero(p > LOGPROB_SLACK)
+    if above.size:
+        at = int(above[0])
+        raise ValueError(f"trainer log-prob {at} is {p[at]:.6g}, above 0: not the log of a probability")
     out: dict[MismatchKey, MismatchSums] = {}
     counted = 0
     start = 0

@@ -157,7 +157,8 @@ def _take_upload_ack(client: RolloutClient, prom: Prometheus) -> None:
     batch = client.take(64)
     assert batch.lease_id is not None and len(batch.trajectories) == 10
     rng = np.random.default_rng(0)
-    trainer = batch.logprobs + rng.normal(0.0, 0.3, size=batch.logprobs.shape).astype(np.float32)
+    noise = rng.normal(0.0, 0.3, size=batch.logprobs.shape).astype(np.float32)
+    trainer = np.minimum(batch.logprobs + noise, np.float32(0.0))  # log-probs: at most 0
     # a trainer's replay flags (0 same experts, 1 different), drawn: the panels need both
     routes = rng.integers(0, 2, size=batch.logprobs.shape).astype(np.uint8)
     figures = client.upload_trainer_logprobs(batch.lease_id, trainer, routes)

@@ -12,6 +12,7 @@ import pytest
 
 from router.mismatch import (
     BUCKET_LABELS,
+    LOGPROB_SLACK,
     MismatchSums,
     TurnTokens,
     batch_mismatch,
@@ -114,6 +115,12 @@ def test_refusals_name_the_problem() -> None:
     bad[2] = np.nan
     with pytest.raises(ValueError, match="trainer log-prob 2 is not finite"):
         batch_mismatch(TURNS, bad, BAND)
+    above = P.copy()
+    above[3] = 5.0
+    with pytest.raises(ValueError, match="trainer log-prob 3 is 5, above 0: not the log of a probability"):
+        batch_mismatch(TURNS, above, BAND)
+    above[3] = LOGPROB_SLACK  # a log-softmax rounded a hair above 0 is taken
+    batch_mismatch(TURNS, above, BAND)
     with pytest.raises(ValueError, match="token 0: ratio p/q overflows"):
         batch_mismatch([TurnTokens("g", 0, [-1000.0], [1])], np.array([0.0]), BAND)
     for band in ((0.0, 2.0), (1.0, 2.0), (0.5, 1.0), (0.5, math.inf), (2.0, 0.5)):

@@ -19,7 +19,7 @@ from trainer.client import RolloutClient
 from trainer.upload import encode_trainer_logprobs
 
 SP = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 5}
-OFFSETS = (0.0, 0.5, -2.0, 1.0, 1.75, -0.25)  # log p - log q cycled over the batch's tokens
+OFFSETS = (0.0, 0.5, -2.0, 1.0, 1.75, -0.25)  # log p - log q cycled over the batch's tokens, p <= 1
 UPLOAD = {"Content-Type": "application/x-mixfleet-logprobs"}
 
 
@@ -87,7 +87,7 @@ def test_upload_figures_in_answer_groups_and_metrics(router, client: httpx.Clien
         assert batch.lease_id and {t["session_id"] for t in batch.trajectories} == set(sids)
         assert (batch.versions == 0).all()
         d = np.resize(np.array(OFFSETS), len(batch))
-        p = (batch.logprobs.astype(np.float64) + d).astype(np.float32)
+        p = np.minimum(batch.logprobs.astype(np.float64) + d, 0.0).astype(np.float32)
         answer = trainer.upload_trainer_logprobs(batch.lease_id, p)
         want = _expected(batch, p)
         assert answer["lease_id"] == batch.lease_id
@@ -196,7 +196,7 @@ def test_on_redis_the_figures_survive_a_router_restart(engine_url, tmp_path) -> 
             with RolloutClient(first.url, KEYS["all"]) as trainer:
                 batch = trainer.take(8, wait_s=5)
                 d = np.resize(np.array(OFFSETS), len(batch))
-                p = (batch.logprobs.astype(np.float64) + d).astype(np.float32)
+                p = np.minimum(batch.logprobs.astype(np.float64) + d, 0.0).astype(np.float32)
                 trainer.upload_trainer_logprobs(batch.lease_id, p)
                 trainer.ack(batch.lease_id)
             want = _expected(batch, p)
