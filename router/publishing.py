@@ -398,8 +398,9 @@ class PublishService:
         self, ctx: RouterContext, from_version: int, swap_rows: tuple[int, int], *, run_id: str | None
     ) -> Job:
         """Start publishing ``from_version`` with two output-projection rows swapped as the next
-        version; :class:`NoBf16Copy` when the store has no bf16 copy of it."""
-        from weight_sync.perturb import swap_output_rows
+        version; :class:`NoBf16Copy` when the store has no bf16 copy of it, ``UserError`` when
+        ``swap_rows`` are not two different rows of its output projection (both before any job)."""
+        from weight_sync.perturb import check_swap_rows, swap_output_rows
         from weight_sync.publish import next_version
 
         store = self.store()
@@ -408,13 +409,14 @@ class PublishService:
         formats = list(ctx.config.fleet.formats)
         if "bf16" not in store_formats(store, run_id, from_version):
             raise NoBf16Copy(run_id, from_version)
+        t, s = swap_rows
+        src = Path(store.version_dir(VersionRef(run_id, "bf16", from_version)))
+        await asyncio.to_thread(check_swap_rows, src, t, s)
         job = await self.start_job(ctx, "perturbation", run_id, lambda: next_version(store, run_id, formats))
         version = job.version
-        t, s = swap_rows
         on_event = self._events(ctx, job)
 
         def work():
-            src = Path(store.version_dir(VersionRef(run_id, "bf16", from_version)))
             # on the container's own disk for a volume store (its scratch), else beside the store
             own_disk = getattr(store, "scratch", None) or getattr(store, "root", None)
             tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=own_disk))

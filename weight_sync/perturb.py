@@ -24,7 +24,21 @@ def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
     """Write into ``dst`` the checkpoint ``src`` with rows ``t`` and ``s`` of the output projection
     swapped (``lm_head.weight``, or ``model.embed_tokens.weight`` when the embedding is tied);
     returns the tensor's name. Other files are hard-linked; ``manifest.json`` is left out."""
-    headers = {f: read_header(f) for f in sorted(src.glob("*.safetensors"))}
+    shard, tensor_name, meta = check_swap_rows(src, t, s)
+    link_tree(src, dst, skip=("manifest.json", shard.name))
+    tensors = load_file(shard)
+    w = tensors[tensor_name].clone()
+    w[[t, s]] = w[[s, t]]
+    tensors[tensor_name] = w
+    save_file(tensors, str(dst / shard.name), metadata=meta)
+    return tensor_name
+
+
+def check_swap_rows(src: Path, t: int, s: int) -> tuple[Path, str, dict[str, str] | None]:
+    """The shard of ``src`` holding its output projection, the tensor's name and the shard's
+    metadata, from the headers alone; ``UserError`` when there is none or ``t`` and ``s`` are not
+    two different rows of it."""
+    headers = {f: read_header(f) for f in sorted(Path(src).glob("*.safetensors"))}
     target = next(
         (
             (f, name)
@@ -37,14 +51,8 @@ def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
     if target is None:
         raise UserError(f"{src} has neither lm_head.weight nor model.embed_tokens.weight")
     shard, tensor_name = target
-    link_tree(src, dst, skip=("manifest.json", shard.name))
-    meta = headers[shard][1] or None
-    tensors = load_file(shard)
-    w = tensors[tensor_name].clone()
-    rows = w.shape[0]
+    entries, meta = headers[shard]
+    rows = entries[tensor_name].shape[0]
     if not (0 <= t < rows and 0 <= s < rows) or t == s:
         raise UserError(f"swap_rows must be two different token ids in [0, {rows}), got {t}, {s}")
-    w[[t, s]] = w[[s, t]]
-    tensors[tensor_name] = w
-    save_file(tensors, str(dst / shard.name), metadata=meta)
-    return tensor_name
+    return shard, tensor_name, meta or None

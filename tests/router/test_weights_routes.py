@@ -113,6 +113,13 @@ def test_publishes_without_a_version_compose(weights_router, tiny_dir: Path) -> 
         assert r.status_code == 202 and r.json()["version"] == first + 3, r.text
         done = client.wait_job(r.json()["job_id"])
         assert done["result"]["version"] == first + 3 and done["result"]["content_of"] == first, done
+    vocab = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+    for rows in ([1, 1], [-1, 5], [1, vocab]):  # refused before any job: nothing is published
+        r = _post(router, "/v1/weights/perturbations", {"from_version": first, "swap_rows": rows})
+        assert r.status_code == 400, r.text
+        want = f"swap_rows must be two different token ids in [0, {vocab}), got {rows[0]}, {rows[1]}"
+        assert r.json()["detail"] == want, r.json()
+    assert _latest(router) == first + 3
 
 
 def test_status_into_a_closed_pipe_exits_quietly(weights_router) -> None:
