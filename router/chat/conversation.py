@@ -137,16 +137,24 @@ class Context:
 
 def check_messages(messages: Sequence[Message]) -> None:
     """RenderError unless the messages can start a turn: at least one, not ending with an
-    assistant message (a prefilled answer), a system message only first."""
+    assistant message (a prefilled answer), a system message only first, every assistant message
+    after a message of another role (the template renders an assistant turn as the answer to
+    what precedes it)."""
     if not messages:
         raise RenderError("messages: at least one message is required")
     if messages[-1].role == "assistant":
         raise RenderError(
             "messages: the last message is an assistant message; prefilling an answer is not supported"
         )
-    for i, m in enumerate(messages[1:], 1):
-        if m.role == "system":
+    for i, m in enumerate(messages):
+        if m.role == "system" and i > 0:
             raise RenderError(f"messages[{i}]: a system message is only rendered as the first message")
+        if m.role == "assistant" and (i == 0 or messages[i - 1].role == "assistant"):
+            where = "the first message" if i == 0 else "right after another assistant message"
+            raise RenderError(
+                f"messages[{i}]: an assistant message is {where}; the chat template renders an "
+                "assistant message only after a user, system or tool message"
+            )
 
 
 MAX_TEXT_ASSISTANT = 128

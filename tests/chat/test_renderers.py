@@ -262,6 +262,11 @@ def test_refusals(renderer):
         build_context(renderer, [Message("user", "a"), Message("system", "b")], (), Known())
     with pytest.raises(RenderError, match="at least one message"):
         build_context(renderer, [], (), Known())
+    a, b = Message("user", "a"), Message("assistant", "b")
+    with pytest.raises(RenderError, match=r"messages\[0\]: an assistant message is the first message"):
+        build_context(renderer, [b, a], (), Known())
+    with pytest.raises(RenderError, match=r"messages\[2\]: an assistant message is right after another"):
+        build_context(renderer, [a, b, b, a], (), Known())
     edited = [m for _ in range(MAX_TEXT_ASSISTANT) for m in (Message("user", "a"), Message("assistant", "b"))]
     assert build_context(renderer, [*edited, Message("user", "a")], (), Known()).kept == 0
     more = [*edited, Message("user", "a"), Message("assistant", "b"), Message("user", "a")]
