@@ -10,9 +10,10 @@ SGLang's native API (:mod:`router.routes_sglang`), ``/healthz``, ``/metrics`` an
 
 Every request goes through the FastAPI app and its middleware. Every refusal is a 4xx with an
 :class:`router.schemas.ErrorBody` (``{"detail": "<message naming the field or problem>"}``,
-plus ``errors`` on a 422), documented on each route that can answer it; an unreachable state
-store or fleet is a 503 with ``Retry-After``; bodies over ``config.max_body_bytes`` get 413
-before they are read.
+plus ``errors`` on a 422), documented on each route that can answer it; on the chat routes it
+also carries the API's own ``error`` object and a malformed request is a 400, as OpenAI's and
+Anthropic's APIs answer; an unreachable state store or fleet is a 503 with ``Retry-After``; bodies
+over ``config.max_body_bytes`` get 413 before they are read.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +41,7 @@ from router import (
     routes_trainer,
 )
 from router.chat import anthropic_routes, openai_routes
+from router.chat.service import api_error
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
@@ -196,12 +199,25 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every refusal as JSON: an :class:`ApiError` as it says, an unreachable state store 503 with
-    ``Retry-After``, a state conflict 409, a malformed request 422 naming its fields."""
+    ``Retry-After``, a state conflict 409, a malformed request 422 naming its fields. On the chat
+    routes a refusal also carries the API's own error shape (:func:`router.chat.service.api_error`,
+    what the official clients read), and a malformed request is that API's 400."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        api = _chat_api(request)
+        if api is not None and "error" not in exc.fields:
+            exc = api_error(exc, api)
         headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        api = _chat_api(request)
+        if api is None:
+            return await http_exception_handler(request, exc)
+        body = api_error(ApiError(exc.status_code, str(exc.detail)), api).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:
@@ -214,9 +230,22 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=409)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, errors = _validation_detail(exc)
+        api = _chat_api(request)
+        if api is not None:
+            return JSONResponse(api_error(ApiError(400, message, fields={"errors": errors}), api).body(), 400)
         return JSONResponse({"detail": message, "errors": errors}, status_code=422)
+
+
+def _chat_api(request: Request) -> Literal["openai", "anthropic"] | None:
+    """The chat API whose route answers ``request`` (the route Starlette matched), if any."""
+    path = getattr(request.scope.get("route"), "path", "")
+    if path.startswith(openai_routes.router.prefix):
+        return "openai"
+    if path.startswith(anthropic_routes.router.prefix):
+        return "anthropic"
+    return None
 
 
 def _add_ops_routes(app: FastAPI, ctx: RouterContext) -> None:

@@ -6,7 +6,8 @@ Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assis
 text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, single-token ``stop_sequences``, ``usage``,
 ``stream``. Anything else that would change the answer (images, ``is_error`` tool results, a
-thinking budget, forced tool choice) is a 400 naming it. The sampled reasoning comes back as a
+thinking budget, forced tool choice, ``disable_parallel_tool_use``: a sampled answer may hold
+several tool calls) is a 400 naming it. The sampled reasoning comes back as a
 ``thinking`` block (its ``signature`` is empty: nothing is signed).
 
 ``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
@@ -123,7 +124,9 @@ class ToolIn(_M):
 
 class ToolChoice(_M):
     type: Literal["auto"]
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: Literal[False] | None = Field(
+        None, description="true is refused: a sampled answer may hold several tool calls"
+    )
 
 
 class MessagesRequest(_M):

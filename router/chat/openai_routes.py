@@ -6,7 +6,8 @@ Supported: text messages (system/developer, user, assistant with ``tool_calls`` 
 ``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, single-token ``stop``,
 ``logprobs`` / ``top_logprobs``, ``usage`` and ``stream`` (with ``stream_options.include_usage``).
-Anything else that would change the answer is a 400 naming it. The reply carries
+Anything else that would change the answer is a 400 naming it (``parallel_tool_calls: false``
+among it: a sampled answer may hold several tool calls). The reply carries
 ``reasoning_content`` (the sampled ``<think>`` text) and ``mixfleet`` (session, turn, whether it
 extended the recorded history).
 
@@ -105,7 +106,9 @@ class ChatCompletionRequest(_M):
     messages: list[ChatMessage]
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Literal[True] | None = Field(
+        None, description="false is refused: a sampled answer may hold several tool calls"
+    )
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None

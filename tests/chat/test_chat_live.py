@@ -231,19 +231,25 @@ def test_refusals_name_the_problem(router, session):
     user = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError, match="only single-token stop sequences"):
         client.chat.completions.create(model="t", messages=user, stop=["two words"])
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # a malformed request: the API's 400, its shape
         client.chat.completions.create(
             model="t",
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         )
-    assert "messages.0.content" in info.value.body["detail"]
+    assert (
+        info.value.body["type"] == "invalid_request_error"
+        and "messages.0.content" in info.value.body["message"]
+    )
     deep: dict = {}
     for _ in range(MAX_JSON_DEPTH):
         deep = {"a": deep}
     tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
         client.chat.completions.create(model="t", messages=user, tools=[tool])
-    assert f"nested deeper than {MAX_JSON_DEPTH} levels" in info.value.body["detail"]
+    with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):
+        client.chat.completions.create(
+            model="t", messages=user, tools=OPENAI_TOOLS, parallel_tool_calls=False
+        )
     with pytest.raises(openai.BadRequestError, match="prefilling"):
         client.chat.completions.create(model="t", messages=[*user, {"role": "assistant", "content": "a"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -254,15 +260,29 @@ def test_refusals_name_the_problem(router, session):
     headers = {**router.headers, "content-type": "application/json"}
     url = session["openai_base_url"] + "/chat/completions"
     r = httpx.post(url, content=body, headers=headers, timeout=30)
-    assert r.status_code == 422, r.text  # refused before rendering (not valid UTF-8), never a 500
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text  # not UTF-8
     ac = _anthropic(router, session)
     result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
     with pytest.raises(anthropic.BadRequestError, match="is_error"):
         ac.messages.create(model="t", max_tokens=4, messages=[{"role": "user", "content": result}])
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        ac.messages.create(
+            model="t", max_tokens=4, messages=user, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
+    assert refused.value.body["type"] == "error" and "thinking" in refused.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="disable_parallel_tool_use"):
+        ac.messages.create(
+            model="t",
+            max_tokens=4,
+            messages=user,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        )
+    with pytest.raises(anthropic.AuthenticationError) as refused:
         anthropic.Anthropic(
             base_url=session["anthropic_base_url"], api_key="x" * 32, max_retries=0
         ).messages.create(model="t", max_tokens=4, messages=user)
+    assert refused.value.body["error"]["type"] == "authentication_error", refused.value.body
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(
             base_url=f"{router.url}/v1/sessions/nope/openai/v1", api_key=router.key
