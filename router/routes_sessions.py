@@ -28,6 +28,7 @@ from router.schemas import (
     FinishRequest,
     SessionCreated,
     SessionDeleted,
+    SessionId,
     SessionOut,
     Trajectory,
     Turn,
@@ -43,7 +44,6 @@ router = APIRouter(
     responses=error_responses(*AUTH),
     route_class=JsonRoute,  # a turn's body of 100K+ ids is decoded by orjson
 )
-SESSION_ID = r"^[A-Za-z0-9_-]{1,128}$"
 
 
 def _ctx(request: Request) -> RouterContext:
@@ -114,7 +114,7 @@ async def _session_group(ctx: RouterContext, body: CreateSession) -> str:
 @router.get(
     "/{session_id}", response_model=SessionOut, summary="Session state", responses=error_responses(404, 422)
 )
-async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+async def get_session(request: Request, session_id: SessionId) -> dict[str, Any]:
     info = await _ctx(request).store.get_session(session_id)
     if info is None:
         raise ApiError(404, f"unknown session {session_id!r}")
@@ -141,7 +141,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
 )
 async def create_turn(
     request: Request,
-    session_id: str,
+    session_id: SessionId,
     body: TurnRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
@@ -158,7 +158,7 @@ async def create_turn(
     summary="Finish with a reward",
     responses=error_responses(*BODY, 404, 409),
 )
-async def finish_session(request: Request, session_id: str, body: FinishRequest) -> dict[str, Any]:
+async def finish_session(request: Request, session_id: SessionId, body: FinishRequest) -> dict[str, Any]:
     ctx = _ctx(request)
     ctx.context_text.forget(session_id)
     info = await ctx.store.get_session(session_id)
@@ -183,7 +183,7 @@ async def finish_session(request: Request, session_id: str, body: FinishRequest)
     summary="Abandon an open session (never handed to a trainer)",
     responses=error_responses(404, 409, 422),
 )
-async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
+async def delete_session(request: Request, session_id: SessionId) -> dict[str, Any]:
     ctx = _ctx(request)
     ctx.context_text.forget(session_id)
     try:
@@ -201,7 +201,7 @@ async def delete_session(request: Request, session_id: str) -> dict[str, Any]:
     summary="The recorded trajectory",
     responses=error_responses(404, 422),
 )
-async def get_trajectory(request: Request, session_id: str) -> Response:
+async def get_trajectory(request: Request, session_id: SessionId) -> Response:
     ctx = _ctx(request)
     info = await ctx.store.get_session(session_id)
     if info is None:

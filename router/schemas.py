@@ -10,6 +10,7 @@ import contextlib
 from typing import Annotated, Any, NamedTuple
 
 import numpy as np
+from fastapi import Path as PathParam
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -47,6 +48,12 @@ def _shallow(value: dict[str, Any]) -> dict[str, Any]:
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return value
 
+
+SessionId = Annotated[
+    str,
+    PathParam(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="the id POST /v1/sessions returned"),
+]
+"""A session id in a route's path: one the router could have made, else 422 before any lookup."""
 
 JsonObject = Annotated[dict[str, Any], AfterValidator(_shallow)]
 """A free-form JSON object a request carries for the router to keep or pass on (session metadata,

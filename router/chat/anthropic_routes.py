@@ -39,7 +39,7 @@ from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
-from router.schemas import JsonObject
+from router.schemas import JsonObject, SessionId
 
 
 async def _key(
@@ -211,7 +211,7 @@ def _messages(i: int, m: InMessage) -> list[Message]:
 )
 async def create_message(
     request: Request,
-    session_id: str,
+    session_id: SessionId,
     body: MessagesRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:

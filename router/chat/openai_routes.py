@@ -39,7 +39,7 @@ from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
-from router.schemas import JsonObject
+from router.schemas import JsonObject, SessionId
 
 router = APIRouter(
     prefix="/v1/sessions/{session_id}/openai/v1",
@@ -172,7 +172,7 @@ def _message(i: int, m: ChatMessage) -> Message:
 )
 async def chat_completions(
     request: Request,
-    session_id: str,
+    session_id: SessionId,
     body: ChatCompletionRequest,
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:

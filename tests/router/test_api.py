@@ -230,6 +230,10 @@ def test_bad_turns_get_4xx_naming_the_field(client: httpx.Client, body, status, 
 def test_other_bad_requests(client: httpx.Client, router) -> None:
     r = client.post("/v1/sessions/nope/turns", json={"input_ids": [1]})
     assert r.status_code == 404 and "nope" in r.json()["detail"]
+    for bad in ("x" * 5000, "a.b", "%C3%A9"):  # not an id the router makes: 422 before any lookup
+        r = client.get(f"/v1/sessions/{bad}")
+        assert r.status_code == 422 and r.json()["detail"].startswith("session_id: String should"), r.text
+        assert len(r.text) < 1000, r.text
     r = client.post("/v1/sessions", content=b'{"group": ', headers={"content-type": "application/json"})
     assert r.status_code == 422 and "malformed JSON" in r.json()["detail"]
     r = client.post("/v1/sessions", json={"group": "gpu-z"})

@@ -42,14 +42,17 @@ def call(
 
 @pytest.fixture(scope="module")
 def workers(engine_url, tmp_path_factory):
-    """Two workers over groups ``cpu-a`` (the engine, static) and ``cpu-b`` (heartbeats only),
-    with the weight routes on a local store; yields the router once both workers answer."""
+    """Two workers over groups ``cpu-a`` (the engine, static) and ``cpu-b`` (heartbeats only), and
+    a group without replicas per other format, with the weight routes on a local store; yields the
+    router once both workers answer."""
     d = tmp_path_factory.mktemp("workers")
     preset = write_preset(
         d / "p.toml",
         [
             {"name": "cpu-a", "replicas": [engine_url], "sessions_per_replica": 8},
             {"name": "cpu-b", "sessions_per_replica": 8},
+            # no replicas: the fleet serves every format, so a publish of ALL_FORMATS is allowed
+            *({"name": f"cpu-{f}", "weight_format": f} for f in ALL_FORMATS[1:]),
         ],
     )
     keys = {ADMIN: ["rollout", "trainer", "admin"], REPLICA: ["replica"]}
@@ -94,6 +97,7 @@ def _view(snapshot: dict) -> dict:
                 "window_session_share": g["window_session_share"],
             }
             for g in snapshot["groups"]
+            if g["name"] in ("cpu-a", "cpu-b")  # the groups with replicas
         ],
     }
 
