@@ -112,7 +112,7 @@ Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Fi
 
 class InMessage(_M):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Annotated[list[Block], Field(min_length=1)]  # an empty list: refused, as the API does
 
 
 class ToolIn(_M):

@@ -270,6 +270,8 @@ def test_refusals_name_the_problem(router, session):
             model="t", max_tokens=4, messages=user, thinking={"type": "enabled", "budget_tokens": 1024}
         )
     assert refused.value.body["type"] == "error" and "thinking" in refused.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="messages.1.content"):
+        ac.messages.create(model="t", max_tokens=4, messages=[*user, {"role": "user", "content": []}])
     with pytest.raises(anthropic.BadRequestError, match="disable_parallel_tool_use"):
         ac.messages.create(
             model="t",
