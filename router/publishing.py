@@ -400,6 +400,7 @@ class PublishService:
         """Start publishing ``from_version`` with two output-projection rows swapped as the next
         version; :class:`NoBf16Copy` when the store has no bf16 copy of it, ``UserError`` when
         ``swap_rows`` are not two different rows of its output projection (both before any job)."""
+        from weight_sync.delta import link_version, version_shards
         from weight_sync.perturb import check_swap_rows, swap_output_rows
         from weight_sync.publish import next_version
 
@@ -410,8 +411,8 @@ class PublishService:
         if "bf16" not in store_formats(store, run_id, from_version):
             raise NoBf16Copy(run_id, from_version)
         t, s = swap_rows
-        src = Path(store.version_dir(VersionRef(run_id, "bf16", from_version)))
-        await asyncio.to_thread(check_swap_rows, src, t, s)
+        source = VersionRef(run_id, "bf16", from_version)  # a delta's content is its layers'
+        await asyncio.to_thread(lambda: check_swap_rows(version_shards(store, source), t, s))
         job = await self.start_job(ctx, "perturbation", run_id, lambda: next_version(store, run_id, formats))
         version = job.version
         on_event = self._events(ctx, job)
@@ -421,8 +422,9 @@ class PublishService:
             own_disk = getattr(store, "scratch", None) or getattr(store, "root", None)
             tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=own_disk))
             try:
-                swap_output_rows(src, tmp, t, s)
-                request = ConvertRequest(run_id, version, str(tmp), tuple(formats))
+                link_version(store, source, tmp / "source")
+                swap_output_rows(tmp / "source", tmp / "swapped", t, s)
+                request = ConvertRequest(run_id, version, str(tmp / "swapped"), tuple(formats))
                 return self._local().publish(store, request, on_event)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -62,6 +62,23 @@ def version_files(store: VersionStore, ref: VersionRef) -> dict[str, tuple[Path,
     return files
 
 
+def version_shards(store: VersionStore, ref: VersionRef) -> list[Path]:
+    """The ``*.safetensors`` files of version ``ref``'s full content (deltas resolved), by path."""
+    return [
+        d / rel for rel, (d, _) in sorted(version_files(store, ref).items()) if rel.endswith(".safetensors")
+    ]
+
+
+def link_version(store: VersionStore, ref: VersionRef, out: Path) -> None:
+    """Hard-link (or copy, across filesystems) every file of version ``ref``'s full content but its
+    manifest into the directory ``out``: the checkpoint a delta version stands for."""
+    for rel, (src, _) in sorted(version_files(store, ref).items()):
+        if rel != MANIFEST_NAME:
+            dst = Path(out) / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(src / rel, dst)
+
+
 def _header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
     """``name -> (dtype, shape)`` and the metadata of a safetensors file (``SafetensorsError``,
     a ``UserError``, naming the file when it is malformed)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from weight_sync.convert import converted_tensors, load_source
-from weight_sync.delta import version_files
+from weight_sync.delta import version_shards
 from weight_sync.safetensors_io import read_header
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
@@ -73,10 +73,9 @@ def version_layout(store: VersionStore, ref: VersionRef) -> Layout:
     """Every tensor of version ``ref`` (its full content, deltas resolved), from the headers of its
     ``*.safetensors`` files."""
     layout: Layout = {}
-    for rel, (directory, _) in version_files(store, ref).items():
-        if rel.endswith(".safetensors"):
-            entries, _ = read_header(Path(directory) / rel)
-            layout.update({name: (e.dtype, tuple(e.shape)) for name, e in entries.items()})
+    for shard in version_shards(store, ref):
+        entries, _ = read_header(shard)
+        layout.update({name: (e.dtype, tuple(e.shape)) for name, e in entries.items()})
     return layout
 
 

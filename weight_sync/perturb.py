@@ -11,6 +11,7 @@ token occurs before the scored position.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -24,7 +25,7 @@ def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
     """Write into ``dst`` the checkpoint ``src`` with rows ``t`` and ``s`` of the output projection
     swapped (``lm_head.weight``, or ``model.embed_tokens.weight`` when the embedding is tied);
     returns the tensor's name. Other files are hard-linked; ``manifest.json`` is left out."""
-    shard, tensor_name, meta = check_swap_rows(src, t, s)
+    shard, tensor_name, meta = check_swap_rows(sorted(Path(src).glob("*.safetensors")), t, s)
     link_tree(src, dst, skip=("manifest.json", shard.name))
     tensors = load_file(shard)
     w = tensors[tensor_name].clone()
@@ -34,11 +35,11 @@ def swap_output_rows(src: Path, dst: Path, t: int, s: int) -> str:
     return tensor_name
 
 
-def check_swap_rows(src: Path, t: int, s: int) -> tuple[Path, str, dict[str, str] | None]:
-    """The shard of ``src`` holding its output projection, the tensor's name and the shard's
-    metadata, from the headers alone; ``UserError`` when there is none or ``t`` and ``s`` are not
-    two different rows of it."""
-    headers = {f: read_header(f) for f in sorted(Path(src).glob("*.safetensors"))}
+def check_swap_rows(shards: Sequence[Path], t: int, s: int) -> tuple[Path, str, dict[str, str] | None]:
+    """The one of ``shards`` (a checkpoint's safetensors files) holding its output projection, the
+    tensor's name and the shard's metadata, from the headers alone; ``UserError`` when there is
+    none or ``t`` and ``s`` are not two different rows of it."""
+    headers = {f: read_header(f) for f in shards}
     target = next(
         (
             (f, name)
@@ -49,7 +50,8 @@ def check_swap_rows(src: Path, t: int, s: int) -> tuple[Path, str, dict[str, str
         None,
     )
     if target is None:
-        raise UserError(f"{src} has neither lm_head.weight nor model.embed_tokens.weight")
+        where = shards[0].parent if shards else "the checkpoint"
+        raise UserError(f"{where} has neither lm_head.weight nor model.embed_tokens.weight")
     shard, tensor_name = target
     entries, meta = headers[shard]
     rows = entries[tensor_name].shape[0]

@@ -6,7 +6,8 @@ over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
 - a rollback to a version the store does not hold: 404 naming the version and format;
 - ``publish`` without ``--version``, twice, then the trainer kit's publish without a version, then
   a rollback without one: four consecutive numbers (the router picks each under its job lock);
-- ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently.
+- ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently;
+- a perturbation of a delta version starts from its full content.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ RUN = "r"
 
 
 @pytest.fixture(scope="module")
-def weights_router(tmp_path_factory):
+def weights_dir(tmp_path_factory) -> Path:
+    """The preset and the local store (``store/``) of :func:`weights_router`."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def weights_router(weights_dir: Path):
     """A router with one bf16 group (no replicas) and an empty local store, converting in-process."""
-    d = tmp_path_factory.mktemp("weights")
+    d = weights_dir
     preset = write_preset(d / "preset.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
     env = {"MIXFLEET_STORE": str(d / "store"), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
     with router_process(preset, env=env) as handle:
@@ -141,3 +148,42 @@ def test_status_into_a_closed_pipe_exits_quietly(weights_router) -> None:
     )
     assert shell.stdout.startswith(f"run {RUN}: latest published version"), shell.stdout
     assert "Traceback" not in shell.stderr and "BrokenPipe" not in shell.stderr, shell.stderr
+
+
+def test_a_perturbation_of_a_delta_version_swaps_its_full_content(
+    weights_router, weights_dir: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A delta version stores only its changed files; the perturbation (``mixfleet weights
+    verify``'s) starts from its full content, its base's files included."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from trainer.client import RolloutClient
+    from weight_sync.delta import link_version
+    from weight_sync.store.local import LocalStore
+    from weight_sync.types import VersionRef
+
+    router = weights_router
+    store = LocalStore(weights_dir / "store")
+    delta = tmp_path / "delta"
+    delta.mkdir()
+    norm = load_file(str(tiny_dir / "model.safetensors"))["model.norm.weight"]
+    save_file({"model.norm.weight": norm + 1}, str(delta / "model.safetensors"))
+    with RolloutClient(router.url, router.key) as client:
+        base = client.wait_job(client.publish(str(tiny_dir))["job_id"])["result"]["version"]
+        r = _post(router, "/v1/weights", {"checkpoint": str(delta), "delta_of": base})
+        assert r.status_code == 202, r.text
+        v = client.wait_job(r.json()["job_id"])["result"]["version"]
+        assert store.read_manifest(VersionRef(RUN, "bf16", v)).kind == "delta"
+        assert not (store.version_dir(VersionRef(RUN, "bf16", v)) / "config.json").exists()
+        r = _post(router, "/v1/weights/perturbations", {"from_version": v, "swap_rows": [3, 5]})
+        assert r.status_code == 202, r.text
+        p = client.wait_job(r.json()["job_id"])["result"]["version"]
+    for version in (v, p):
+        link_version(store, VersionRef(RUN, "bf16", version), tmp_path / f"v{version}")
+    before = load_file(str(tmp_path / f"v{v}" / "model.safetensors"))
+    after = load_file(str(tmp_path / f"v{p}" / "model.safetensors"))
+    assert torch.equal(after["model.norm.weight"], norm + 1)  # the delta's tensor, kept
+    w, x = before["lm_head.weight"], after["lm_head.weight"]
+    assert torch.equal(x[3], w[5]) and torch.equal(x[5], w[3])
+    assert (tmp_path / f"v{p}" / "config.json").is_file()
