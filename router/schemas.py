@@ -37,8 +37,8 @@ MAX_JSON_DEPTH = 64
 
 def _shallow(value: dict[str, Any]) -> dict[str, Any]:
     """``value`` unless its objects and arrays nest more than :data:`MAX_JSON_DEPTH` levels
-    (ValueError): the body's decoder takes 1,024 levels, but what is stored must be written again
-    (orjson writes 254 at most, pydantic's serializer fewer)."""
+    (ValueError): the body's decoder takes 1,024 levels, but what is stored must be written again,
+    and orjson and pydantic's serializer both stop near 255."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
