@@ -184,7 +184,9 @@ def test_provisioning_and_compose_point_at_the_generated_dashboards() -> None:
     prom_mounts = {src: dst for src, dst, *_ in (v.split(":") for v in prom["volumes"])}
     assert prom_mounts["../prometheus"] == "/etc/prometheus"
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
-    assert source["url"] == "http://prometheus:9090"
+    assert prom["network_mode"] == "host" and "ports" not in prom  # it scrapes 127.0.0.1 addresses
+    assert source["url"] == "http://host.docker.internal:9090"
+    assert "host.docker.internal:host-gateway" in grafana["extra_hosts"]
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith(provider["options"]["path"] + "/")
     assert home.rsplit("/", 1)[1] in generate.DASHBOARDS

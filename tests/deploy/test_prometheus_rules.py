@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from deploy.grafana import generate
+from launcher.embedded import UpSettings
 from tests.support.procs import REPO
 
 PROM = REPO / "deploy" / "prometheus"
@@ -128,4 +129,5 @@ def test_scrape_config_discovers_replicas_from_the_router() -> None:
     (sd,) = replicas["http_sd_configs"]
     (router,) = jobs[generate.ROUTER_JOB]["static_configs"]
     assert sd["url"] == f"http://{router['targets'][0]}/v1/prometheus/targets"
+    assert router["targets"] == [f"127.0.0.1:{UpSettings.port}"]  # `mixfleet up` as it starts
     assert sd["authorization"]["type"] == "Bearer"
