@@ -202,7 +202,7 @@ SNAPSHOT: tuple[MetricDef, ...] = (
         "mixfleet_group_session_share",
         G,
         "",
-        "The group's share of the sessions in this router's routing window (0-1)",
+        "The group's share of the sessions in the routing window every router shares (0-1)",
     ),
     _g(
         "mixfleet_group_token_share",
