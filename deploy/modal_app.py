@@ -57,10 +57,10 @@ from typing import Any
 
 import modal
 
-from core.errors import UserError
 from deploy import plan as deploy_plan
 from deploy.plan import (
     APP_NAME,
+    CHAT_MODEL_ENV,
     DEFAULT_RUN,
     ENGINE_PORT,
     KEYS_SECRET,
@@ -94,7 +94,6 @@ STORE_ENV = "MIXFLEET_STORE"
 ROUTER_FUNCTION = "router"
 PUBLISH_FUNCTION = "publish"
 STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"  # router.publishing: the store is this Volume at MIXFLEET_STORE
-CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
 TASK_ID_ENV = "MODAL_TASK_ID"  # set by Modal in every container: "The ID of the container" (docs, env vars)
 STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
 REPLICA_STOP_GRACE_S = 30  # SIGTERM to SIGKILL for the engine and sidecar at scale-down
@@ -114,10 +113,8 @@ ENV = {FLEET_ENV: PLAN.fleet.model_dump_json(), RUN_ENV: RUN_ID, STORE_ENV: VOLU
 if sglang.image_digest():  # a container builds the same image reference as the deploy did
     ENV[sglang.IMAGE_DIGEST_ENV] = sglang.image_digest()
 ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP_NAME}/{PUBLISH_FUNCTION}"}
-CHAT_MODEL = os.environ.get(CHAT_MODEL_ENV) or None
+CHAT_MODEL = deploy_plan.chat_model_dir(os.environ.get(CHAT_MODEL_ENV))
 if CHAT_MODEL is not None:
-    if not CHAT_MODEL.startswith(VOLUME_MOUNT + "/"):
-        raise UserError(f"{CHAT_MODEL_ENV} must be a directory on the weights Volume (under {VOLUME_MOUNT}/)")
     ROUTER_ENV[CHAT_MODEL_ENV] = CHAT_MODEL
 
 app = modal.App(APP_NAME)

@@ -43,6 +43,7 @@ PROXY_SECRET_ENV = "MIXFLEET_PROXY_SECRET"
 REDIS_URL_ENV = "MIXFLEET_REDIS_URL"
 REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
+CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
 RUN_ENV = "MIXFLEET_RUN"
 DEFAULT_RUN = "main"
 # A replica's start: stage a version from the Volume, load it into SGLang, capture CUDA graphs.
@@ -50,6 +51,26 @@ SERVER_STARTUP_TIMEOUT_S = 1800
 SERVER_EXIT_GRACE_S = 120  # in-flight turns finish on scale-down (Modal allows up to 3600 for servers)
 # Requests a replica takes beyond its sessions: its sidecar's own control and status calls.
 CONTROL_HEADROOM = 8
+
+
+def chat_model_dir(value: str | None) -> str | None:
+    """The router's chat model (``mixfleet deploy --chat-model``, ``$MIXFLEET_CHAT_MODEL``): a
+    directory on the weights Volume, or None (the chat routes then answer 503). UserError for a
+    path outside :data:`VOLUME_MOUNT`, the only place the router's container can read it."""
+    if not value:
+        return None
+    if not value.startswith(VOLUME_MOUNT + "/"):
+        raise UserError(
+            f"chat model {value!r}: must be a directory on the weights Volume (under {VOLUME_MOUNT}/)"
+        )
+    return value
+
+
+def chat_model_line(chat_model: str | None) -> str:
+    """The dry-run's line on the chat APIs."""
+    if chat_model is None:
+        return "chat APIs: off (no --chat-model: the router's chat routes answer 503)"
+    return f"chat APIs: rendered with {chat_model} (the router's --chat-model)"
 
 
 NO_FIT_LINE = "  memory: not checked (--checkpoint DIR: the BF16 checkpoint the fleet serves)"
@@ -64,8 +85,12 @@ class Problem:
     group: str | None = None
 
     def line(self) -> str:
-        where = f"group {self.group}: " if self.group else ""
-        return f"{self.level}: {where}{self.message}"
+        """``<level>: [group G: ]<message>``."""
+        return f"{self.level}: {self.text()}"
+
+    def text(self) -> str:
+        """The problem without its level: ``[group G: ]<message>``."""
+        return f"group {self.group}: {self.message}" if self.group else self.message
 
 
 class PresetRejected(UserError):

@@ -1,14 +1,16 @@
-"""Deploy the fleet to Modal (mixfleet deploy [--preset NAME|FILE] [--checkpoint DIR] [--dry-run]).
+"""Deploy the fleet to Modal (mixfleet deploy [--preset NAME|FILE] [--checkpoint DIR] [--chat-model DIR]
+[--dry-run]).
 
 The preset is checked first: every problem is one line on stderr (``error: group G: ...``), and
 any error stops the command with status 2 before anything is contacted. With ``--checkpoint DIR``
 (the BF16 checkpoint the fleet will serve; its ``config.json`` and safetensors headers are read,
 not its data) a group whose GPUs cannot hold the model's weights in its format plus one
 full-context sequence of KV cache is such an error (:mod:`deploy.fit`). ``--dry-run`` prints every
-server (GPU, format, KV dtype, SGLang argv, autoscaling, memory fit), the router and the conversion
-function and stops there; while the SGLang image is pinned by tag only (no digest:
-:func:`images.sglang.unpinned_warning`) both print a warning, and a malformed
-``MIXFLEET_SGLANG_IMAGE_DIGEST`` is an error. Otherwise it runs ``modal deploy
+server (GPU, format, KV dtype, SGLang argv, autoscaling, memory fit), the router, the conversion
+function and the chat model (``--chat-model``, a directory on the weights Volume: the router's
+``--chat-model``; without one the chat APIs answer 503) and stops there; while the SGLang image
+is pinned by tag only (no digest: :func:`images.sglang.unpinned_warning`) both print a warning,
+and a malformed ``MIXFLEET_SGLANG_IMAGE_DIGEST`` is an error. Otherwise it runs ``modal deploy
 deploy/modal_app.py`` with the preset (needs a Modal token: ``modal token new``).
 """
 
@@ -33,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan; contact nothing")
     parser.add_argument("--run", default=None, help="run id served (default: $MIXFLEET_RUN, else main)")
+    parser.add_argument(
+        "--chat-model",
+        default=None,
+        metavar="DIR",
+        help="the router's chat model, a directory on the weights Volume (/weights/...; default: "
+        "$MIXFLEET_CHAT_MODEL, else none: the chat APIs answer 503)",
+    )
 
 
 def _preset_arg(preset: str) -> str:
@@ -43,7 +52,14 @@ def _preset_arg(preset: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from core.errors import UserError
-    from deploy.plan import PresetRejected, describe, load_plan
+    from deploy.plan import (
+        CHAT_MODEL_ENV,
+        PresetRejected,
+        chat_model_dir,
+        chat_model_line,
+        describe,
+        load_plan,
+    )
     from images.sglang import unpinned_warning
 
     try:
@@ -58,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         image_warning = unpinned_warning()
-    except ValueError as exc:
+        chat_model = chat_model_dir(args.chat_model or os.environ.get(CHAT_MODEL_ENV))
+    except (ValueError, UserError) as exc:
         print(f"mixfleet deploy: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(describe(plan))
+        print(chat_model_line(chat_model))
         if image_warning:
             print(f"warning: {image_warning}")
         return 0
@@ -71,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if image_warning:
         print(f"mixfleet deploy: warning: {image_warning}", file=sys.stderr)
     env = {**os.environ, "MIXFLEET_PRESET": _preset_arg(args.preset)}
+    env.pop(CHAT_MODEL_ENV, None)
+    if chat_model is not None:
+        env[CHAT_MODEL_ENV] = chat_model
     if args.run:
         env["MIXFLEET_RUN"] = args.run
     return subprocess.call([sys.executable, "-m", "modal", "deploy", str(APP_FILE)], env=env)

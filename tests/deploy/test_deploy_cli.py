@@ -457,3 +457,21 @@ def test_dry_run_warns_while_the_sglang_image_has_no_digest(capsys, monkeypatch)
         f"mixfleet deploy: error: {sglang.IMAGE_DIGEST_ENV} must be sha256: and 64 lower-case hex digits, "
         "got 'latest'"
     ]
+
+
+def test_the_chat_model_is_shown_and_checked_before_anything_is_contacted(capsys, monkeypatch) -> None:
+    monkeypatch.delenv(deploy_plan.CHAT_MODEL_ENV, raising=False)
+    rc, out, _ = _deploy(capsys, "--preset", "mixed")
+    assert rc == 0 and deploy_plan.chat_model_line(None) in out
+    assert "answer 503" in deploy_plan.chat_model_line(None)
+    rc, out, _ = _deploy(capsys, "--preset", "mixed", "--chat-model", "/weights/checkpoints/base")
+    assert rc == 0 and "chat APIs: rendered with /weights/checkpoints/base (the router's --chat-model)" in out
+    monkeypatch.setenv(deploy_plan.CHAT_MODEL_ENV, "/weights/v0")
+    rc, out, _ = _deploy(capsys, "--preset", "mixed")
+    assert rc == 0 and deploy_plan.chat_model_line("/weights/v0") in out
+    rc, out, err = _deploy(capsys, "--preset", "mixed", "--chat-model", "./base-checkpoint")
+    assert rc == 2 and not out
+    assert err == [
+        "mixfleet deploy: error: chat model './base-checkpoint': must be a directory on the weights "
+        "Volume (under /weights/)"
+    ]
