@@ -1,7 +1,7 @@
 """mixfleet: a serverless sampler fleet for asynchronous LLM RL.
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
-``run(args) -> int``; the module's docstring's first line is the command's help. Heavy imports
+``run(args) -> int``; the module's docstring's first paragraph is the command's help. Heavy imports
 (torch, FastAPI) stay inside each ``run``, so ``mixfleet --help`` is quick. A process that
 :mod:`launcher.children` started takes the processes it starts with it when it ends
 (:func:`~launcher.children.guard_group`). A
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        help_line = (module.__doc__ or name).strip().splitlines()[0]
+        help_line = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
         command = sub.add_parser(name, help=help_line, description=help_line)
         module.add_arguments(command)
         command.set_defaults(_run=module.run)

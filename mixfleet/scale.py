@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = load_plan(args.preset)
     except PresetRejected as exc:
-        raise UserError(next(p.line() for p in exc.problems if p.level == "error")) from None
+        raise UserError(next(p.text() for p in exc.problems if p.level == "error")) from None
     bounds = [GroupBounds.of(s.group) for s in plan.servers]
     snapshot = asyncio.run(_groups(router_url(args.router), api_key()))
     try:

@@ -1,6 +1,8 @@
-"""``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``:
-run the embedded default fleet (base policy, one engine + sidecar per group, and the router) on
-this machine until Ctrl-C or SIGTERM. What it starts and in which order, and what it guarantees,
+"""Run the embedded default fleet on this machine (base policy, one engine + sidecar per group,
+and the router) until Ctrl-C or SIGTERM.
+
+``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``.
+What it starts and in which order, and what it guarantees,
 is :mod:`launcher.embedded`; this module is the command: its flags, checked, become
 :class:`launcher.embedded.UpSettings`.
 """
@@ -23,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=".mixfleet", help="base model, store, logs (default .mixfleet)")
     parser.add_argument("--run", default="local", help="run id of the published versions (default local)")
     parser.add_argument(
-        "--model-preset", default="small", choices=("tiny", "small"), help="base policy size on first run"
+        "--model-preset",
+        default="small",
+        choices=("tiny", "small"),
+        help="base policy size on first run (default small)",
     )
     parser.add_argument(
         "--engine-threads", type=int, default=1, help="torch threads per engine process (default 1)"

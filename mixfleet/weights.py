@@ -28,9 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--timeout", type=seconds, default=900.0, help="seconds to wait for jobs/activation")
         p.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    p = sub.add_parser(
-        "publish", help="convert a BF16 checkpoint once per format and publish it (as the next version)"
-    )
+    why = "convert a BF16 checkpoint once per format and publish it (as the next version)"
+    p = sub.add_parser("publish", help=why, description=why)
     common(p)
     p.add_argument(
         "checkpoint", help="HF BF16 checkpoint directory, a path on the router's filesystem (checked there)"
@@ -53,10 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="local", help="with --store: the preset whose formats to publish")
     p.add_argument("--workers", type=int, default=None, help="with --store: conversion processes")
 
-    p = sub.add_parser("status", help="per group: desired version, replica versions, lag, last activation")
+    why = "per group: desired version, replica versions, lag, last activation"
+    p = sub.add_parser("status", help=why, description=why)
     common(p)
 
-    p = sub.add_parser("rollback", help="publish a new version whose content is version N")
+    why = "publish a new version whose content is version N (--to N)"
+    p = sub.add_parser("rollback", help=why, description=why)
     common(p)
     p.add_argument("--to", type=int, required=True, help="the version whose content to serve again")
     p.add_argument("--run", default=None, help="run id (default: the router's run)")

@@ -8,13 +8,35 @@ import pytest
 
 from core.errors import UserError
 from fleet.specs import load_preset
-from mixfleet.cli import build_parser
+from mixfleet.cli import COMMANDS, build_parser
 from tests.support.procs import mixfleet_argv
 
 
 def test_help_lists_commands() -> None:
     out = subprocess.run(mixfleet_argv("--help"), capture_output=True, text=True, check=True).stdout
     assert "usage: mixfleet" in out
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_says_what_it_does(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """A command's help is its module docstring's whole first paragraph: a sentence, not a usage
+    line, not cut mid-sentence."""
+    first = " ".join(COMMANDS[name].__doc__.strip().split("\n\n")[0].split())
+    assert first[0].isupper() and first.endswith((".", ").")), first
+    assert first in " ".join(_help(capsys, name).split())
+
+
+@pytest.mark.parametrize("sub", ["publish", "status", "rollback", "verify"])
+def test_every_weights_subcommand_says_what_it_does(capsys: pytest.CaptureFixture[str], sub: str) -> None:
+    out = _help(capsys, "weights", sub)
+    description = out.split("\n\n")[1]  # after the usage block, before the options
+    assert not description.startswith(("options:", "positional")), out
 
 
 @pytest.mark.parametrize("name", ["local", "mixed", "homogeneous"])
