@@ -578,25 +578,43 @@ def encode_batch(
     return bytes(out)
 
 
+def _check_segments(turns: list[TurnData], session_id: str) -> None:
+    """Each turn's ``context`` is its segment's length before it (a segment starts at the first
+    turn and at every fork); else :class:`RecordFormatError`."""
+    length = 0
+    for i, turn in enumerate(turns):
+        if i == 0 or turn.fork is not None:
+            length = 0
+        if turn.context != length:
+            raise RecordFormatError(
+                f"session {session_id}, turn {i}: context {turn.context} but its segment holds "
+                f"{length} tokens before it"
+            )
+        length += len(turn.append_ids) + len(turn.output_ids)
+
+
 def decode_batch(data: bytes | memoryview) -> dict[str, Any]:
-    """Decode a batch into the JSON shape of ``POST /v1/batches/take``."""
+    """Decode a batch into the JSON shape of ``POST /v1/batches/take``. Raises
+    :class:`RecordFormatError` on malformed input: every turn block must be read to its end, the
+    batch to its end, and each turn's ``context`` must be its segment's length before it."""
     r = _Reader(data)
     _check_magic(r, MAGIC_BATCH)
     header = r.json()
+    try:
+        heads = [(dict(t), int(t["n_turns"]), str(t["session_id"])) for t in header["trajectories"]]
+        out = {"lease_id": header["lease_id"], "held_back": header["held_back"]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordFormatError(f"bad batch header: {exc!r}") from None
     trajectories = []
-    for t in header.get("trajectories", []):
-        t = dict(t)
-        n_turns = int(t.pop("n_turns"))
-        turns = []
-        for _ in range(n_turns):
-            size = r.varint()
-            sub = _Reader(r.raw(size))
-            turns.append(_decode_turn(sub).to_json(t["session_id"]))
-        t["turns"] = turns
+    for t, n_turns, session_id in heads:
+        del t["n_turns"]
+        turns = [decode_turn(r.raw(r.varint())) for _ in range(n_turns)]
+        _check_segments(turns, session_id)
+        t["turns"] = [turn.to_json(session_id) for turn in turns]
         trajectories.append(t)
     if r.pos != len(r.buf):
         raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after batch")
-    out = {"lease_id": header["lease_id"], "trajectories": trajectories, "held_back": header["held_back"]}
+    out = {"lease_id": out["lease_id"], "trajectories": trajectories, "held_back": out["held_back"]}
     if "trainer_version" in header:
         out["trainer_version"] = header["trainer_version"]
     return out

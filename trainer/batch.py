@@ -163,6 +163,7 @@ class Batch:
 
 
 _HIGH_BYTES = bytes(range(0x80, 0x100))
+_TURN_KEYS = frozenset(("turn", "group", "replica", "context"))  # what every turn header holds
 _TURN_PREFIX = MAGIC_TURN + bytes([FORMAT_VERSION])
 
 
@@ -367,10 +368,14 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             total = int(_varint_values(buf[pos:sizes_hi]).sum())
         # the support log-probs end the block, so the gap run ends where they start
         gaps_hi = end - total * (2 if f16 else 4)
-        if not sizes_hi + total <= gaps_hi <= sizes_hi + 9 * total or (total and raw[gaps_hi - 1] >= 0x80):
+        if (
+            not sizes_hi + total <= gaps_hi <= sizes_hi + 9 * total
+            or (total and raw[gaps_hi - 1] >= 0x80)
+            or len(raw[sizes_hi:gaps_hi].translate(None, _HIGH_BYTES)) != total  # one last byte a value
+        ):
             raise BatchFormatError(
                 f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
-                f"and the support log-probs cannot hold {total} support ids"
+                f"and the support log-probs do not hold {total} support ids"
             )
         pos = block_lo + size  # after the sections, if any
         blocks.append(
@@ -594,8 +599,9 @@ def _turn_tables(
     spans: list[tuple[int, int, int]] = []
     start = seg_len = 0
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BatchFormatError("turn header is not a JSON object")
+        if not isinstance(turn, dict) or not turn.keys() >= _TURN_KEYS:
+            missing = sorted(_TURN_KEYS - turn.keys()) if isinstance(turn, dict) else "not an object"
+            raise BatchFormatError(f"turn {i}: bad header: {missing}")
         group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
         new = i == 0 or owner[i] != owner[i - 1] or turn.get("fork") is not None
         if new:

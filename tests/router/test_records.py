@@ -153,7 +153,8 @@ def test_batch_round_trip() -> None:
         "metadata": {},
         "version_age": {"min": 0, "max": 0, "mean": 0.0},
     }
-    batch = decode_batch(encode_batch("L1", 3, [(header, [blob, blob])]))
+    second = encode_turn(replace(t, turn=1, context=3))  # after the first turn's 2 + 1 tokens
+    batch = decode_batch(encode_batch("L1", 3, [(header, [blob, second])]))
     assert batch["lease_id"] == "L1" and batch["held_back"] == 3
     traj = batch["trajectories"][0]
     assert traj["reward"] == 1.0 and len(traj["turns"]) == 2

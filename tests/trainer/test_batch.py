@@ -208,6 +208,51 @@ def test_corrupted_bytes_decode_or_raise_batch_format_error(seed: int) -> None:
             decode_batch(bytes(broken))
 
 
+def _broken(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with 1-3 bytes changed, dropped or inserted."""
+    broken = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(broken))
+        kind = rng.random()
+        if kind < 0.6:
+            broken[at] = rng.randrange(256)
+        elif kind < 0.8:
+            del broken[at]
+        else:
+            broken.insert(at, rng.randrange(256))
+    return bytes(broken)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_both_decoders_refuse_the_same_corrupted_batches(seed: int) -> None:
+    """A corrupted batch is refused by both decoders (each with its own format error, nothing
+    else) or decoded by both to the same values: neither hands out records the other would not,
+    e.g. a turn block with bytes left over, a header missing a field, a support run holding
+    more or fewer ids than its sizes say, a context its segment does not hold."""
+    data = _batch(seed, seed % 2 == 1)
+    rng = random.Random(seed)
+    refused = 0
+    for _ in range(300):
+        broken = _broken(data, rng)
+        try:
+            want = records.decode_batch(broken)
+        except records.RecordFormatError:
+            want = None
+        try:
+            got = decode_batch(broken)
+        except BatchFormatError:
+            got = None
+        assert (want is None) == (got is None), broken
+        if want is None:
+            refused += 1
+            continue
+        recs = [r for t in want["trajectories"] for turn in t["turns"] for r in turn["records"]]
+        assert got.token_ids.tolist() == [r["token_id"] for r in recs]
+        assert got.support_ids.tolist() == [i for r in recs for i in r["support_ids"]]
+        np.testing.assert_array_equal(got.logprobs, np.array([r["logprob"] for r in recs], dtype=np.float32))
+    assert 100 < refused < 300  # most corruptions are caught; changed log-prob bytes cannot be
+
+
 @pytest.mark.parametrize("others", [b"\x05", b"\x85\x02"], ids=["one-byte", "two-byte"])
 def test_a_varint_over_nine_bytes_is_refused(others: bytes) -> None:
     """Next to many one-byte values (the sparse path) and to many two-byte ones (the byte-column
