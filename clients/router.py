@@ -2,12 +2,12 @@
 commands (``mixfleet weights``, ``report``, ``scale``, the live-update check), the sidecars'
 heartbeats and the trainer kit (:mod:`trainer.client` builds the rollout calls on it).
 
-* :class:`RouterClient`: async calls over ``aiohttp`` with a Bearer key. :meth:`~RouterClient.request`
-  is the one transport (bytes in and out; answers with a status of ``retry_statuses``, 409 and 503
-  by default, and unreachable routers are retried ``retries`` times with exponential backoff that
-  honours ``Retry-After``); :meth:`~RouterClient.call` decodes JSON; then the weight routes,
-  fixed-prefix scoring, groups and the two waits (:meth:`~RouterClient.wait_job`,
-  :meth:`~RouterClient.wait_active`).
+* :class:`RouterClient`: async calls over ``aiohttp`` with a Bearer key.
+  :meth:`~RouterClient.request` is the one transport (bytes in and out; answers with a status of
+  ``retry_statuses``, 503 and a 409 carrying ``Retry-After`` by default, and unreachable routers
+  are retried ``retries`` times with exponential backoff that honours ``Retry-After``);
+  :meth:`~RouterClient.call` decodes JSON; then the weight routes, fixed-prefix scoring, groups
+  and the two waits (:meth:`~RouterClient.wait_job`, :meth:`~RouterClient.wait_active`).
 * :class:`RouterError`: every failure, a :class:`core.errors.UserError` (commands print it as one
   line) carrying the HTTP ``status`` (None when no HTTP answer decided it), the router's message
   (``detail``) and the request (``method``, ``path``).
@@ -37,7 +37,10 @@ from core.jsonio import dumps, loads
 DEFAULT_URL = "http://127.0.0.1:8300"
 KEY_FILE = Path(".mixfleet") / "api_key"
 RETRY_STATUSES = (409, 503)
-"""Statuses a call is retried on (with ``retries`` > 0): a conflict that passes, a router busy."""
+"""Statuses a call is retried on (with ``retries`` > 0): a router busy (503), and a conflict the
+router says passes (a 409 only with ``Retry-After``: a publish job running, turns of one session
+racing; a finished session, a ``min_version`` above every servable version or a repeated upload
+carries none and is raised at once)."""
 DETAIL_CHARS = 500
 
 
@@ -173,7 +176,7 @@ class RouterClient:
                 continue
             if status < 400:
                 return Answer(status, content, ctype)
-            if status in retry_statuses and not last:
+            if status in retry_statuses and not last and (status != 409 or retry_after is not None):
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 continue
             raise RouterError(method, path, status, _message(content, r.reason or f"HTTP {status}"))

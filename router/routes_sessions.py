@@ -35,7 +35,7 @@ from router.schemas import (
     TurnRequest,
     VersionConflict,
 )
-from router.state.base import SessionFinished, SessionNotFound
+from router.state.base import SessionFinished, SessionInfo, SessionNotFound
 
 router = APIRouter(
     prefix="/v1/sessions",
@@ -159,22 +159,41 @@ async def create_turn(
     responses=error_responses(*BODY, 404, 409),
 )
 async def finish_session(request: Request, session_id: SessionId, body: FinishRequest) -> dict[str, Any]:
+    """Finish an open session with its reward: its trajectory joins the trainer queue. A repeat
+    of the finish (same reward and metadata) answers as the first did, so a retry is safe; a
+    finish of a finished session with another reward or metadata is a 409 (the first stays)."""
     ctx = _ctx(request)
     ctx.context_text.forget(session_id)
     info = await ctx.store.get_session(session_id)
     if info is None:
         raise ApiError(404, f"unknown session {session_id!r}")
     if info.status != "open":
-        raise ApiError(409, f"session {session_id!r} is already {info.status}")
+        return _finished_again(info, body)
     if info.n_turns == 0:
         raise ApiError(409, f"session {session_id!r} has no turns; delete it instead of finishing")
     try:
         await ctx.store.finish_session(session_id, uuid.uuid4().hex, body.reward, body.metadata)
-    except SessionFinished:
-        raise ApiError(409, f"session {session_id!r} is already finished") from None
+    except SessionFinished:  # a concurrent finish won
+        again = await ctx.store.get_session(session_id)
+        if again is None:
+            raise ApiError(404, f"unknown session {session_id!r}") from None
+        return _finished_again(again, body)
     except SessionNotFound:
         raise ApiError(404, f"unknown session {session_id!r}") from None
     return {"session_id": session_id, "status": "finished", "turns": info.n_turns}
+
+
+def _finished_again(info: SessionInfo, body: FinishRequest) -> dict[str, Any]:
+    """The answer to a finish of a session that is no longer open: the first finish's answer when
+    this one repeats it (same reward and metadata: a retry whose first answer was lost), else 409
+    naming what differs."""
+    if info.reward == body.reward and info.finish_metadata == body.metadata:
+        return {"session_id": info.session_id, "status": "finished", "turns": info.n_turns}
+    why = "reward" if info.reward != body.reward else "metadata"
+    raise ApiError(
+        409,
+        f"session {info.session_id!r} is already {info.status}, with another {why} (the first stays)",
+    )
 
 
 @router.delete(

@@ -18,15 +18,16 @@
 - ``GET /v1/weights``: per format the pointer, versions and manifest; per group the desired
   version, every replica's active version, lag and last activation.
 
-One job runs at a time across every router on the state store; a second gets 409 wherever it
-lands, and any router answers for any job. The jobs, the store and the converter (this router's
-conversion pool, or a deployed Modal function) are the :class:`router.publishing.PublishService`
-that :func:`create_weights_router` makes of a :class:`router.config.WeightsConfig`; the routes
-(:data:`router`) reach it as ``request.app.state.weights``. Its lifespan (merged into the app's,
-inside the router context's) sets that, starts the converter's workers, adopts the store's
-highest pointer before the first request, re-reads the pointers every ``pointer_poll_s`` seconds
-while the router runs (a pointer that moved wakes the replicas), and at shutdown stops the
-converter and joins its workers. Without a store root every weight route answers 503.
+One job runs at a time across every router on the state store; a second gets 409 wherever it lands
+(with ``Retry-After``: it passes when the job ends), and any router answers for any job. The jobs,
+the store and the converter (this router's conversion pool, or a deployed Modal function) are the
+:class:`router.publishing.PublishService` that :func:`create_weights_router` makes of a
+:class:`router.config.WeightsConfig`; the routes (:data:`router`) reach it as
+``request.app.state.weights``. Its lifespan (merged into the app's, inside the router context's)
+sets that, starts the converter's workers, adopts the store's highest pointer before the first
+request, re-reads the pointers every ``pointer_poll_s`` seconds while the router runs (a pointer
+that moved wakes the replicas), and at shutdown stops the converter and joins its workers. Without
+a store root every weight route answers 503.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from weight_sync.converters import Converter
 from weight_sync.publish import VersionMissing
 
 RUN_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+JOB_RETRY_S = 5.0  # Retry-After of the 409 refusing a job while another runs
 
 
 class PublishRequest(BaseModel):
@@ -106,7 +108,9 @@ def _refusal(exc: UserError) -> ApiError:
     """The HTTP answer to a refused weight call."""
     if isinstance(exc, StoreNotConfigured | StoreUnreadable):
         return ApiError(503, str(exc))
-    if isinstance(exc, JobRunning | VersionTooOld | NoBf16Copy):
+    if isinstance(exc, JobRunning):
+        return ApiError(409, str(exc), retry_after=JOB_RETRY_S)  # passes when the job ends
+    if isinstance(exc, VersionTooOld | NoBf16Copy):
         return ApiError(409, str(exc))
     if isinstance(exc, VersionMissing):
         return ApiError(404, str(exc))

@@ -1,11 +1,12 @@
 """One turn of a session, end to end: check the session is open, generate with failover
 (:func:`router.dispatch.run_turn`), record the turn exactly once, answer with what was stored.
 
-A turn whose ``min_version`` no version the fleet can serve meets yet (above the latest
-published, or with none published above the newest a replica serves) is the caller's conflict:
-409 with those versions in the body (:class:`~router.schemas.VersionConflict`, as the sidecar's
-version conflicts, weight_sync/types.py ``VersionUnavailable``), before any replica is asked. A
-``min_version`` that is published but not yet active anywhere stays the dispatcher's 503.
+A turn whose ``min_version`` no version the fleet can serve meets yet (above the latest published,
+or with none published above the newest a replica serves) is the caller's conflict: 409 (no
+``Retry-After``: publishing is the caller's business) with those versions in the body
+(:class:`~router.schemas.VersionConflict`, as the sidecar's version conflicts, weight_sync/types.py
+``VersionUnavailable``), before any replica is asked. A ``min_version`` that is published but not
+yet active anywhere stays the dispatcher's 503.
 
 Contract of :func:`record_turn`: the turn's input is the whole context (``input_ids``) or the
 tokens appended to the session's stored context (``append_ids``: the engine gets the stored
@@ -128,7 +129,7 @@ async def _record_turn(
         except SessionNotFound:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
     else:
-        raise ApiError(409, "too many concurrent turns on one session")
+        raise ApiError(409, "too many concurrent turns on one session", retry_after=1)
     _count(ctx, turn, time.perf_counter() - t0)
     if recorded.turn != index:
         recorded = replace(recorded, turn=index)

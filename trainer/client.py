@@ -3,11 +3,13 @@
 event loop), built on the one router client (:mod:`clients.router`: its transport, its
 :class:`RouterError`, its job wait and its blocking wrapper).
 
-Every call authenticates with a Bearer key. A 409 or 503 answer is retried with exponential
-backoff (honouring ``Retry-After``) up to ``retries`` times, then raised; any other 4xx/5xx
-raises :class:`RouterError` at once, carrying the status, the router's ``detail`` and the
-request. Batches are taken in the compact records encoding and decoded by
-:func:`trainer.batch.decode_batch` into flat arrays. Nothing here imports the ``router`` package.
+Every call authenticates with a Bearer key. A 503 answer, and a 409 carrying ``Retry-After`` (a
+conflict that passes: a publish job running, turns of one session racing), is retried with
+exponential backoff (honouring ``Retry-After``) up to ``retries`` times, then raised; any other
+4xx/5xx (a finished session's 409 among them) raises :class:`RouterError` at once, carrying the
+status, the router's ``detail`` and the request. Batches are taken in the compact records encoding
+and decoded by :func:`trainer.batch.decode_batch` into flat arrays. Nothing here imports the
+``router`` package.
 """
 
 from __future__ import annotations

@@ -85,11 +85,12 @@ def test_modal_deploy_passes_its_chat_model_to_the_router(monkeypatch) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if not ok:
-                with pytest.raises(UserError, match="MIXFLEET_CHAT_MODEL must be a directory on the weights"):
+                with pytest.raises(UserError, match="must be a directory on the weights Volume"):
                     importlib.import_module("deploy.modal_app")
                 continue
             module = importlib.import_module("deploy.modal_app")
         assert module.ROUTER_ENV["MIXFLEET_CHAT_MODEL"] == path
+        assert "MIXFLEET_CHAT_MODEL" not in module.ENV  # the GPU servers' environment
         args = module.router_args()
         assert args["chat_model"] == path and set(args) == set(default_args(preset="x")) | {"fleet_json"}
         assert json.loads(args["fleet_json"])["name"] == "homogeneous"

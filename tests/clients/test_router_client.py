@@ -15,10 +15,10 @@ from tests.support.procs import free_port
 
 
 class FakeRouter(LoopbackServer):
-    """Answers ``answers[path]`` = (status, body bytes), or a list of them answered in turn (the
-    last one repeats); records (method, path, headers, body)."""
+    """Answers ``answers[path]`` = (status, body bytes[, headers]), or a list of them answered in
+    turn (the last one repeats); records (method, path, headers, body)."""
 
-    def __init__(self, answers: dict[str, tuple[int, bytes] | list[tuple[int, bytes]]]) -> None:
+    def __init__(self, answers: dict[str, tuple | list[tuple]]) -> None:
         self.calls: list[tuple[str, str, dict[str, str], bytes]] = []
         router = self
 
@@ -34,8 +34,10 @@ class FakeRouter(LoopbackServer):
                 answer = answers[self.path]
                 if isinstance(answer, list):
                     answer = answer.pop(0) if len(answer) > 1 else answer[0]
-                status, data = answer
+                status, data, *extra = answer
                 self.send_response(status)
+                for name, value in (extra[0] if extra else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -120,15 +122,19 @@ def test_wait_job_reports_each_event_once_and_names_a_failure_or_a_timeout() -> 
     assert failed.value.status is None and slow.value.status is None
 
 
-def test_409_and_503_are_retried_with_retries_then_raised() -> None:
+def test_503_and_a_409_with_retry_after_are_retried_then_raised() -> None:
+    """A 409 that passes carries Retry-After (a publish job running); one without it (a finished
+    session, a repeated upload) is raised at once."""
+    later = {"Retry-After": "0"}
     router = FakeRouter(
         {
             "/v1/groups": [
                 (503, b'{"detail":"busy"}'),
-                (409, b'{"detail":"later"}'),
+                (409, b'{"detail":"later"}', later),
                 (200, b'{"groups":[]}'),
             ],
-            "/v1/weights": [(409, b'{"detail":"a publish is already running"}')],
+            "/v1/weights": [(409, b'{"detail":"a publish is already running"}', later)],
+            "/v1/sessions/s/finish": [(409, b'{"detail":"session s is already finished"}')],
             "/v1/weights/rollback": [(400, b'{"detail":"bad"}'), (200, b"{}")],
         }
     )
@@ -139,8 +145,11 @@ def test_409_and_503_are_retried_with_retries_then_raised() -> None:
                 client.publish({"checkpoint": "/c"})
             with pytest.raises(RouterError, match="HTTP 400: bad"):
                 client.rollback({"to": 1})
+            with pytest.raises(RouterError, match="HTTP 409: session s is already finished"):
+                client.call("POST", "/v1/sessions/s/finish", {"reward": 1.0})
     finally:
         router.close()
     paths = [p for _, p, _, _ in router.calls]
     assert paths.count("/v1/groups") == 3 and paths.count("/v1/weights") == 3
+    assert paths.count("/v1/sessions/s/finish") == 1
     assert paths.count("/v1/weights/rollback") == 1

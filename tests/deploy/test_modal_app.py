@@ -18,7 +18,6 @@ from types import ModuleType
 import modal
 import pytest
 
-from core.errors import UserError
 from deploy import plan as deploy_plan
 from fleet.specs import FleetSpec, load_preset
 from images import modal_images
@@ -185,15 +184,3 @@ def test_replica_entrypoint_takes_the_arguments_the_server_passes(deployed) -> N
         assert argv == deploy_plan.sglang_argv(g, "/root/mixfleet-stage/main/x/v000002", "2")
         assert argv[argv.index("--port") + 1] == str(deploy_plan.ENGINE_PORT)
         assert argv[argv.index("--tp-size") + 1] == str(g.gpus_per_replica)
-
-
-def test_the_chat_model_reaches_only_the_router_and_must_be_on_the_volume(monkeypatch) -> None:
-    monkeypatch.delenv(deploy_plan.CHAT_MODEL_ENV, raising=False)
-    module = _import_app(monkeypatch, "homogeneous")
-    assert module.CHAT_MODEL is None and deploy_plan.CHAT_MODEL_ENV not in module.ROUTER_ENV
-    module = _import_app(monkeypatch, "homogeneous", MIXFLEET_CHAT_MODEL="/weights/checkpoints/base")
-    assert module.ROUTER_ENV[deploy_plan.CHAT_MODEL_ENV] == "/weights/checkpoints/base"
-    assert deploy_plan.CHAT_MODEL_ENV not in module.ENV  # the GPU servers' environment
-    with pytest.raises(UserError, match="under /weights/"):
-        _import_app(monkeypatch, "homogeneous", MIXFLEET_CHAT_MODEL="./base-checkpoint")
-    sys.modules.pop("deploy.modal_app", None)

@@ -4,6 +4,7 @@ batch as flat arrays equal to the records the turn calls returned; errors carry 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -63,3 +64,26 @@ def test_async_client_refusals_name_the_problem(router) -> None:
             assert err.value.status == 401
 
     asyncio.run(main())
+
+
+def test_a_repeated_finish_answers_as_the_first_and_a_different_one_is_refused_at_once(router) -> None:
+    """A finish whose first answer was lost can be sent again (same reward and metadata: the same
+    answer); another reward is a 409 without Retry-After, which the kit raises without retrying."""
+    with RolloutClient(router.url, KEYS["all"], retries=5, backoff_s=0.5) as c:
+        s = c.create_session(group="cpu-a")
+        c.turn(s.session_id, [1, 5, 9], {"max_new_tokens": 2})
+        first = c.finish(s.session_id, 0.5, metadata={"k": [1, 2]})
+        assert c.finish(s.session_id, 0.5, metadata={"k": [1, 2]}) == first
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as err:
+            c.finish(s.session_id, 1.0, metadata={"k": [1, 2]})
+        assert err.value.status == 409 and "another reward" in err.value.detail
+        with pytest.raises(RouterError) as err:
+            c.finish(s.session_id, 0.5)
+        assert err.value.status == 409 and "another metadata" in err.value.detail
+        assert time.monotonic() - t0 < 0.5  # raised at once, not after the kit's backoff
+        batch = c.take(16)
+        mine = [t for t in batch.trajectories if t["session_id"] == s.session_id]
+        assert [t["reward"] for t in mine] == [0.5]  # the first finish stays
+        c.ack(batch.lease_id)
+        assert c.finish(s.session_id, 0.5, metadata={"k": [1, 2]}) == first  # consumed: the same answer
