@@ -125,7 +125,7 @@ def _publish(client, args: argparse.Namespace) -> int:
         return 0
     _print_result(result)
     if st is not None:
-        print(f"every replica serves version {result['version']}")
+        print(served_line(st, result["version"]))
     return 0
 
 
@@ -208,7 +208,7 @@ def _rollback(client, args: argparse.Namespace) -> int:
     else:
         _print_result(result)
         if st is not None:
-            print(f"every replica serves version {result['version']}")
+            print(served_line(st, result["version"]))
     return 0
 
 
@@ -262,3 +262,14 @@ def _clock(epoch_s: float) -> str:
     import time
 
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(epoch_s)))
+
+
+def served_line(status: dict[str, Any], version: int) -> str:
+    """What a wait for ``version`` established: every live replica serves it (the wait skips
+    replicas without a recent heartbeat, :meth:`clients.router.RouterClient.wait_active`); the
+    skipped ones are named, as they may still serve another version."""
+    replicas = [(g["group"], r) for g in status["groups"] for r in g["replicas"]]
+    live = sum(1 for _, r in replicas if r.get("fresh", True))
+    skipped = [f"{group}/{r['replica_id']}" for group, r in replicas if not r.get("fresh", True)]
+    line = f"every live replica ({live}) serves version {version}"
+    return line + (f"; not live, not waited for: {', '.join(skipped)}" if skipped else "")

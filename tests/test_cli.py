@@ -9,6 +9,7 @@ import pytest
 from core.errors import UserError
 from fleet.specs import load_preset
 from mixfleet.cli import COMMANDS, build_parser
+from mixfleet.weights import served_line
 from tests.support.procs import mixfleet_argv
 
 
@@ -79,3 +80,20 @@ def test_a_wait_that_is_not_a_positive_finite_number_of_seconds_is_refused_by_na
         build_parser().parse_args([*argv, value])
     assert exc.value.code == 2
     assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_a_publish_names_the_replicas_it_did_not_wait_for() -> None:
+    status = {
+        "groups": [
+            {
+                "group": "a",
+                "replicas": [{"replica_id": "a-0", "fresh": True}, {"replica_id": "a-1", "fresh": False}],
+            },
+            {"group": "b", "replicas": [{"replica_id": "b-0", "fresh": True}]},
+        ]
+    }
+    assert (
+        served_line(status, 4) == "every live replica (2) serves version 4; not live, not waited for: a/a-1"
+    )
+    status["groups"][0]["replicas"].pop()
+    assert served_line(status, 4) == "every live replica (2) serves version 4"
