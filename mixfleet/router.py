@@ -55,7 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
     )
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body in bytes (default 8 MiB); a trainer log-prob upload is held to "
+        "its lease's size instead",
+    )
     parser.add_argument(
         "--session-idle-timeout",
         type=float,

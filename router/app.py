@@ -13,7 +13,8 @@ Every request goes through the FastAPI app and its middleware. Every refusal is 
 plus ``errors`` on a 422), documented on each route that can answer it; on the chat routes it
 also carries the API's own ``error`` object and a malformed request is a 400, as OpenAI's and
 Anthropic's APIs answer; an unreachable state store or fleet is a 503 with ``Retry-After``; bodies
-over ``config.max_body_bytes`` get 413 before they are read.
+over ``config.max_body_bytes`` get 413 before they are read, except where a route sets its own
+request's limit (the trainer log-prob upload: its lease's size, :mod:`router.body`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from router import (
     routes_sglang,
     routes_trainer,
 )
+from router.body import SCOPE_KEY, BodyLimit, declared_size
 from router.chat import anthropic_routes, openai_routes
 from router.chat.service import api_error
 from router.config import RouterConfig
@@ -54,14 +56,17 @@ ROUTER_HEADER = b"x-mixfleet-router"
 
 
 class EdgeMiddleware:
-    """Pure ASGI: refuses oversize bodies with 413, times every request into the metrics and names
-    the router process that answered (``X-Mixfleet-Router: <host>/<pid>``).
+    """Pure ASGI: holds every request's body to its limit (413), times every request into the
+    metrics and names the router process that answered (``X-Mixfleet-Router: <host>/<pid>``).
 
-    Not FastAPI's own body limit (``FastAPI(max_body_size=...)``, fastapi 0.164): to a request
-    whose declared Content-Length is over it, that limit answers a plain-text "Content Too Large"
-    in place of whatever the app's handlers answer (starlette 1.10 middleware/body_limit.py
-    115-121), and every refusal of the router is an :class:`router.schemas.ErrorBody` (JSON naming
-    the problem)."""
+    The limit is the request's :class:`router.body.BodyLimit` (put in its scope: the router's
+    ``max_body_bytes``, unless its route set its own before reading, :func:`router.body.read_body`),
+    checked at the body's first read against a declared ``Content-Length`` (before any byte is
+    read) and then against the bytes received. Not FastAPI's own body limit
+    (``FastAPI(max_body_size=...)``, fastapi 0.164): to a request whose declared Content-Length is
+    over it, that limit answers a plain-text "Content Too Large" in place of whatever the app's
+    handlers answer (starlette 1.10 middleware/body_limit.py 115-121), and every refusal of the
+    router is an :class:`router.schemas.ErrorBody` (JSON naming the problem)."""
 
     def __init__(self, app: ASGIApp, ctx: RouterContext) -> None:
         self.app = app
@@ -75,27 +80,20 @@ class EdgeMiddleware:
             return
         t0 = time.perf_counter()
         status = [500]
-        limit = self.limit
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > limit
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await _send_json(
-                        send, 413, f"body: {int(value)} bytes exceeds the limit of {limit} bytes"
-                    )
-                    self._observe(scope, 413, t0)
-                    return
-        seen = [0]
+        bound = scope[SCOPE_KEY] = BodyLimit(self.limit)
+        declared = declared_size(scope)
+        received = -1  # bytes of the body received; -1 before its first read
 
         async def counted_receive() -> Message:
+            nonlocal received
+            if received < 0:
+                received = 0
+                if declared is not None:
+                    bound.refuse_over(declared, declared=True)
             message = await receive()
             if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > limit:
-                    raise HTTPException(413, f"body exceeds the limit of {limit} bytes")
+                received += len(message.get("body", b""))
+                bound.refuse_over(received, declared=False)
             return message
 
         async def timed_send(message: Message) -> None:
@@ -113,18 +111,6 @@ class EdgeMiddleware:
         route = scope.get("route")
         path = getattr(route, "path", None) or "unmatched"
         self.ctx.metrics.request_seconds.labels(path, f"{status // 100}xx").observe(time.perf_counter() - t0)
-
-
-async def _send_json(send: Send, status: int, detail: str) -> None:
-    body = JSONResponse({"detail": detail}).body
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]]]:

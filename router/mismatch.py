@@ -121,13 +121,15 @@ version below the group's lowest kept one."""
 @dataclass(frozen=True)
 class TurnTokens:
     """What the computation needs of one recorded turn: its group, prompt length, the sampler's
-    log μ per output token (NaN = unknown) and the weight version per output token (None = no
-    span)."""
+    log μ per output token (NaN = unknown), the weight version per output token (None = no
+    span) and whether the turn recorded routed experts (``routes``; without them its tokens are
+    in no route figure, whatever flags the trainer uploads)."""
 
     group: str
     prompt_len: int
     logprobs: Sequence[float]
     versions: Sequence[int | None]
+    routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,21 @@ LOGPROB_SLACK = 1e-2
 """The largest trainer log-prob taken: a log-probability is at most 0, and a trainer's
 log-softmax rounds by far less than this above it."""
 
+LOGPROB_FLOOR = -1e4
+"""The smallest trainer log-prob taken (nats; p = e^-10000). A sampled token's real log-prob is
+the log-softmax of the trainer's logits at it: at least minus the spread of those logits, tens to
+a few hundred nats for a language model (and float32 holds no probability below e^-104 outside
+log space), so a real one is far above this floor, however much trainer and sampler disagree.
+Masking constants that a trainer may leave in its logits are far below it: -1e9, float32's and
+bfloat16's minimum (about -3.4e38), float16's (-65504); a token masked by one comes out at about
+that constant, and one such token adds about its magnitude to its group's k3 sum, which is
+cumulative (never reset), so every later figure of the group would stay wrong. Such a value is a
+wrong log-prob, not a mismatch: the upload is refused."""
+
+CHUNK_TOKENS = 1 << 20
+"""Tokens computed at once: the per-token temporaries (about 100 bytes a token) stay bounded
+whatever the batch's size."""
+
 
 def batch_mismatch(
     turns: Sequence[TurnTokens],
@@ -152,17 +169,36 @@ def batch_mismatch(
 ) -> BatchMismatch:
     """The sums of one batch. ``trainer_logprobs`` holds log p for every output token of
     ``turns`` in order (turn after turn, output token after output token); ``route_flags`` (same
-    order; None: not uploaded) 0 / 1 / 2 per token (routes agree / differ / none recorded).
-    ValueError when a length differs from the turns' output-token count or a value is not
-    finite or above :data:`LOGPROB_SLACK`."""
+    order; None: not uploaded) 0 / 1 / 2 per token (routes agree / differ / none recorded), taken
+    only for the tokens of turns with ``routes`` (the others are in neither route figure, as the
+    module docstring states: the trainer cannot have compared routes that were never recorded).
+    ValueError naming the first offending token when a length differs from the turns'
+    output-token count, or a log-prob is not finite, above :data:`LOGPROB_SLACK` or below
+    :data:`LOGPROB_FLOOR`, or a ratio p/q overflows.
+
+    Computed :data:`CHUNK_TOKENS` tokens at a time, vectorized over each chunk (no Python work
+    per token): memory beyond the inputs stays bounded."""
     lo, hi = check_band(band)
-    p = np.asarray(trainer_logprobs, dtype=np.float64).reshape(-1)
+    p = np.asarray(trainer_logprobs).reshape(-1)
     total = sum(len(t.logprobs) for t in turns)
     if p.size != total:
         raise ValueError(f"{p.size} trainer log-probs for {total} output tokens")
     flags = np.full(total, 2, dtype=np.uint8) if route_flags is None else np.asarray(route_flags).reshape(-1)
     if flags.size != total:
         raise ValueError(f"{flags.size} route flags for {total} output tokens")
+    _check_logprobs(p)
+    out: dict[MismatchKey, MismatchSums] = {}
+    counted = start = 0
+    for chunk in _chunks(turns):
+        n = sum(len(t.logprobs) for t in chunk)
+        counted += _add_chunk(chunk, p[start : start + n], flags[start : start + n], start, (lo, hi), out)
+        start += n
+    return BatchMismatch(out, counted, total - counted)
+
+
+def _check_logprobs(p: np.ndarray) -> None:
+    """ValueError naming the first trainer log-prob that is not finite, above
+    :data:`LOGPROB_SLACK` or below :data:`LOGPROB_FLOOR`."""
     bad = np.flatnonzero(~np.isfinite(p))
     if bad.size:
         raise ValueError(f"trainer log-prob {int(bad[0])} is not finite ({p[bad[0]]})")
@@ -170,54 +206,92 @@ def batch_mismatch(
     if above.size:
         at = int(above[0])
         raise ValueError(f"trainer log-prob {at} is {p[at]:.6g}, above 0: not the log of a probability")
-    out: dict[MismatchKey, MismatchSums] = {}
-    counted = 0
-    start = 0
-    for t in turns:
-        n = len(t.logprobs)
-        q = np.asarray(t.logprobs, dtype=np.float64)
-        d = p[start : start + n] - q
-        start += n
-        with np.errstate(over="ignore", invalid="ignore"):
-            r = np.exp(d)
-            k3 = r - 1.0 - d
-        known = np.isfinite(q)
-        overflow = np.flatnonzero(known & ~np.isfinite(k3))
-        if overflow.size:
-            at = start - n + int(overflow[0])
-            raise ValueError(f"token {at}: ratio p/q overflows (log p - log q = {d[overflow[0]]:.6g})")
-        absd = np.abs(d)
-        compared = flags[start - n : start] < 2
-        differ = flags[start - n : start] == 1
-        extreme = (r < EXTREME_BAND[0]) | (r > EXTREME_BAND[1])
-        outside = (r < lo) | (r > hi)
-        buckets = np.searchsorted(POSITION_BUCKETS, t.prompt_len + np.arange(n), side="right") - 1
-        for version, idx in _by_version(t.versions):
-            for b in range(len(POSITION_BUCKETS)):
-                sel = idx[(buckets[idx] == b) & known[idx]]
-                if not sel.size:
-                    continue
-                key = (t.group, version, BUCKET_LABELS[b])
-                part = MismatchSums(
-                    int(sel.size),
-                    float(k3[sel].sum()),
-                    float(absd[sel].sum()),
-                    int(extreme[sel].sum()),
-                    int(outside[sel].sum()),
-                    int(compared[sel].sum()),
-                    int(differ[sel].sum()),
-                )
-                out[key] = out[key] + part if key in out else part
-                counted += int(sel.size)
-    return BatchMismatch(out, counted, total - counted)
+    below = np.flatnonzero(p < LOGPROB_FLOOR)
+    if below.size:
+        at = int(below[0])
+        raise ValueError(
+            f"trainer log-prob {at} is {p[at]:.6g}, below {LOGPROB_FLOOR:g}: a masking constant, not the "
+            "log-prob of a sampled token"
+        )
 
 
-def _by_version(versions: Sequence[int | None]) -> Iterable[tuple[int, np.ndarray]]:
-    """(version, indices of the tokens of that version), versions ascending; None left out."""
-    arr = np.array([-1 if v is None else v for v in versions], dtype=np.int64)
-    for v in np.unique(arr):
-        if v >= 0:
-            yield int(v), np.flatnonzero(arr == v)
+def _chunks(turns: Sequence[TurnTokens]) -> Iterable[Sequence[TurnTokens]]:
+    """``turns`` in runs of about :data:`CHUNK_TOKENS` tokens (a turn is never split)."""
+    first = tokens = 0
+    for i, t in enumerate(turns):
+        tokens += len(t.logprobs)
+        if tokens >= CHUNK_TOKENS:
+            yield turns[first : i + 1]
+            first, tokens = i + 1, 0
+    if first < len(turns):
+        yield turns[first:]
+
+
+def _add_chunk(
+    turns: Sequence[TurnTokens],
+    p: np.ndarray,
+    flags: np.ndarray,
+    offset: int,
+    band: tuple[float, float],
+    out: dict[MismatchKey, MismatchSums],
+) -> int:
+    """Add the sums of ``turns`` (whose log p and flags are ``p`` and ``flags``, batch token
+    ``offset`` on) to ``out``; return the tokens counted."""
+    lens = np.array([len(t.logprobs) for t in turns], dtype=np.int64)
+    if not lens.sum():
+        return 0
+    q = np.concatenate([np.asarray(t.logprobs, dtype=np.float64) for t in turns])
+    versions = np.concatenate([_version_array(t.versions) for t in turns])
+    firsts = np.repeat(np.cumsum(lens) - lens, lens)
+    prompts = np.repeat(np.array([t.prompt_len for t in turns], dtype=np.int64), lens)
+    positions = prompts + np.arange(q.size) - firsts
+    names = sorted({t.group for t in turns})
+    group = np.repeat(np.array([names.index(t.group) for t in turns], dtype=np.int64), lens)
+    routes = np.repeat(np.array([t.routes for t in turns], dtype=bool), lens)
+    d = p.astype(np.float64) - q
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.exp(d)
+        k3 = r - 1.0 - d
+    known = np.isfinite(q)
+    overflow = np.flatnonzero(known & ~np.isfinite(k3))
+    if overflow.size:
+        at = int(overflow[0])
+        raise ValueError(f"token {offset + at}: ratio p/q overflows (log p - log q = {d[at]:.6g})")
+    sel = np.flatnonzero(known & (versions >= 0))
+    if not sel.size:
+        return 0
+    buckets = np.searchsorted(POSITION_BUCKETS, positions[sel], side="right") - 1
+    kept, version_index = np.unique(versions[sel], return_inverse=True)
+    nb = len(POSITION_BUCKETS)
+    key = (group[sel] * kept.size + version_index.reshape(-1)) * nb + buckets  # one int per key
+    width = len(names) * kept.size * nb
+    r, d = r[sel], d[sel]
+    extreme = (r < EXTREME_BAND[0]) | (r > EXTREME_BAND[1])
+    outside = (r < band[0]) | (r > band[1])
+    compared = routes[sel] & (flags[sel] < 2)
+    differ = routes[sel] & (flags[sel] == 1)
+    columns = [
+        np.bincount(key, minlength=width),
+        np.bincount(key, k3[sel], width),
+        np.bincount(key, np.abs(d), width),
+        *(np.bincount(key, x, width) for x in (extreme, outside, compared, differ)),
+    ]
+    for j in np.flatnonzero(columns[0]).tolist():
+        n, k3_sum, absd, ext, oob, cmp, dif = (c[j] for c in columns)
+        part = MismatchSums(int(n), float(k3_sum), float(absd), int(ext), int(oob), int(cmp), int(dif))
+        g, rest = divmod(j, kept.size * nb)
+        v, b = divmod(rest, nb)
+        name = (names[g], int(kept[v]), BUCKET_LABELS[b])
+        out[name] = out[name] + part if name in out else part
+    return int(sel.size)
+
+
+def _version_array(versions: Sequence[int | None]) -> np.ndarray:
+    """``versions`` as int64, -1 for None."""
+    arr = np.asarray(versions)
+    if arr.dtype.kind not in "iu":  # a None among them (object), or none at all (float64)
+        arr = np.fromiter((-1 if v is None else v for v in versions), dtype=np.int64, count=len(versions))
+    return arr.astype(np.int64, copy=False)
 
 
 def rollup(

@@ -3,7 +3,8 @@ as is) and of a trainer batch (stored blocks copied), and their standard-library
 
 * :func:`encode_turn` / :func:`encode_stored` - the turn block (and the turn as stored in it);
   :func:`encode_batch` - a trainer batch of stored blocks.
-* :func:`decode_turn`, :func:`decode_turn_header`, :func:`decode_batch` - the decoders.
+* :func:`decode_turn`, :func:`decode_turn_header`, :func:`decode_batch` - the decoders;
+  :func:`decode_turn_outputs` - only the output log-probs and versions (the router's mismatch).
 
 The turn itself is :class:`router.turn_data.TurnData`. Behavior records are stored and served in
 this encoding, never as JSON lists of lists. The decoders use nothing but the standard library
@@ -90,10 +91,10 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN, RECORDS_FORMAT_VERSION
-from router.turn_data import Rows, TurnData
+from router.turn_data import ROUTES_SECTION, Rows, TurnData, token_versions
 
 try:  # the encoder's (the decoder never needs numpy: it imports without it)
     import numpy as np
@@ -244,6 +245,21 @@ class _Reader:
                 self.pos = end
                 return list(chunk)
         return [self.varint() for _ in range(n)]
+
+    def skip_varints(self, n: int) -> None:
+        """Move past ``n`` varints without decoding them (with numpy: one scan for their ends)."""
+        end = self.pos + n
+        if n == 0 or (end <= len(self.buf) and max(self.buf[self.pos : end]) < 0x80):
+            self.pos = end  # none, or all of one byte
+            return
+        if np is None:
+            self.varints(n)
+            return
+        chunk = np.frombuffer(self.buf[self.pos : self.pos + 9 * n], dtype=np.uint8)
+        ends = np.flatnonzero(chunk < 0x80)
+        if ends.size < n:
+            raise RecordFormatError(f"truncated: {n} varints at offset {self.pos} end past the block")
+        self.pos += int(ends[n - 1]) + 1
 
     def raw(self, n: int) -> memoryview:
         self.need(n)
@@ -450,6 +466,56 @@ def decode_turn(data: bytes | memoryview) -> TurnData:
     return turn
 
 
+class TurnOutputs(NamedTuple):
+    """What a turn block says of its output tokens, without their supports
+    (:func:`decode_turn_outputs`): the turn's group, the length of its engine input
+    (``context`` + appended tokens), the behavior log-prob of each output token (float32; a view
+    of the block with numpy, else a tuple), their weight versions
+    (:func:`router.turn_data.token_versions`) and whether the turn recorded routed experts."""
+
+    group: str
+    prompt_len: int
+    logprobs: Any
+    versions: list[int | None]
+    routes: bool
+
+
+def decode_turn_outputs(data: bytes | memoryview) -> TurnOutputs:
+    """Only what the sampler-trainer mismatch needs of a turn block (:class:`TurnOutputs`): the
+    header, its sections' names and the output log-probs; the token ids are skipped and the
+    supports not read, so a turn costs no Python work per token (with numpy). Checks less than
+    :func:`decode_turn` (nothing after the log-probs is read). Raises :class:`RecordFormatError`
+    on malformed input."""
+    r = _Reader(data)
+    _check_magic(r, MAGIC_TURN)
+    flags = r.byte()
+    header = r.json()
+    if not isinstance(header, dict):
+        raise RecordFormatError("turn header is not a JSON object")
+    sections = _read_sections(r) if flags & FLAG_SECTIONS else {}
+    n_append = r.varint()
+    r.skip_varints(n_append)
+    n = r.varint()
+    r.skip_varints(n)
+    raw = r.raw(4 * n)
+    logprobs = np.frombuffer(raw, dtype="<f4") if np is not None else struct.unpack(f"<{n}f", raw)
+    try:
+        versions = token_versions(_spans(header), n)
+        prompt_len = int(header["context"]) + n_append
+        return TurnOutputs(str(header["group"]), prompt_len, logprobs, versions, ROUTES_SECTION in sections)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordFormatError(f"bad turn header: {exc!r}") from None
+
+
+def _spans(header: dict[str, Any]) -> list[dict[str, int]]:
+    """A turn header's ``weight_versions`` spans, as integers (KeyError, TypeError or ValueError
+    when malformed)."""
+    return [
+        {"version": int(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
+        for s in header.get("weight_versions") or []
+    ]
+
+
 def decode_turn_header(data: bytes | memoryview) -> dict[str, Any]:
     """Only the JSON header of a turn block (cheap: no per-token work)."""
     r = _Reader(data)
@@ -502,10 +568,7 @@ def _decode_turn(r: _Reader) -> TurnData:
             raw_logprobs=raw,
             support_ids=support_ids,
             support_logprobs=support_lps,
-            weight_versions=[
-                {"version": int(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
-                for s in header.get("weight_versions") or []
-            ],
+            weight_versions=_spans(header),
             finish_reason=header.get("finish_reason"),
             timings=header.get("timings") or {},
             moved_from=header.get("moved_from"),

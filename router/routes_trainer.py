@@ -7,13 +7,16 @@ binary batch of :mod:`router.records` (same content, records never as JSON lists
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); acknowledging
 a lease that is unknown (or already acknowledged) is a 404.
 
-Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``, body in the encoding of
-:mod:`router.trainer_logprobs`) are accepted once per lease, for a lease a take handed out within
-the last ``lease_timeout_s + retention_s`` seconds, whether the trainer still holds it or has
-acknowledged it: an unknown or forgotten lease is a 404, a second upload for the same lease a 409
-(nothing is counted twice), a lease whose trajectories are no longer stored a 409. A trajectory
-redelivered under a later lease counts once for each lease that uploads it. The figures
-(:mod:`router.mismatch`) accumulate per group, weight version and token-position bucket.
+The take's request body is small and its answer has no size limit; the batch's size is bounded
+by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
+body in the encoding of :mod:`router.trainer_logprobs`, exactly the size the lease's token count
+gives: the router's generic body limit does not apply to it) are accepted once per lease, for a
+lease a take handed out within the last ``lease_timeout_s + retention_s`` seconds, whether the
+trainer still holds it or has acknowledged it: an unknown or forgotten lease is a 404, a second
+upload for the same lease a 409 (nothing is counted twice), a lease whose trajectories are no
+longer stored a 409. A trajectory redelivered under a later lease counts once for each lease
+that uploads it. The figures (:mod:`router.mismatch`) accumulate per group, weight version and
+token-position bucket.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ from core.jsonio import dumps
 from core.wire import LOGPROBS_MEDIA_TYPE
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
+from router.body import read_body
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.json_route import JsonRoute
 from router.mismatch import TurnTokens, batch_mismatch
-from router.records import decode_turn, decode_turn_header, encode_batch
+from router.records import decode_turn, decode_turn_header, decode_turn_outputs, encode_batch
 from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
 from router.state.base import LeaseNotFound, TakenTrajectory
-from router.trainer_logprobs import LogprobsFormatError, decode_upload
+from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -180,25 +184,35 @@ def _upload_window_s(ctx: RouterContext) -> float:
 async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
     """Log p of every output token of the lease's batch, in its token order (trajectory, turn,
     output token). Counted once per lease (see the module docstring); answers this batch's
-    figures per (group, version)."""
+    figures per (group, version).
+
+    The body's size is the lease's: an upload for a batch of ``n`` output tokens is
+    :func:`router.trainer_logprobs.upload_size` bytes (``8 + 4n``, with route flags ``12 + 5n``),
+    whatever the router's ``max_body_bytes``; a larger one is a 413 naming those sizes. The lease
+    and its turns are read first (an unknown lease is a 404 before any byte of the body is read).
+
+    Memory grows linearly with ``n``: the body is read once, into one buffer of its size (at most
+    ``12 + 5n`` bytes), and decoded as views of it (no copy); beside it the route holds the
+    lease's stored turn blocks (the bytes its take served), the sampler's log-probs as views of
+    them, an 8-byte version reference a token, and the computation's temporaries, bounded by
+    :data:`router.mismatch.CHUNK_TOKENS` tokens (about 100 MB) whatever ``n``: about 13 bytes a
+    token and the stored blocks. The decoding and the computation run in a worker thread, off the
+    event loop."""
     ctx = _ctx(request)
-    try:
-        trainer, route_flags = decode_upload(await request.body())
-    except LogprobsFormatError as exc:
-        raise ApiError(400, f"body: {exc}") from None
     order = await ctx.store.lease_order(lease_id)
     if order is None:
         raise ApiError(404, f"unknown lease {lease_id!r} (never handed out, or its upload window has passed)")
-    stored = await asyncio.gather(*(ctx.store.get_turns(sid) for sid in order))
-    turns: list[TurnTokens] = []
-    for sid, blobs in zip(order, stored, strict=True):
-        if not blobs:
-            raise ApiError(409, f"lease {lease_id!r}: trajectory {sid!r} is no longer stored")
-        for blob in blobs:
-            t = decode_turn(blob)
-            turns.append(TurnTokens(t.group, t.prompt_len, t.logprobs, t.versions()))
+    turns = await _lease_turns(ctx, lease_id, order)
+    n = sum(len(t.logprobs) for t in turns)
+    plain, routed = upload_size(n, routes=False), upload_size(n, routes=True)
+    why = f": lease {lease_id}'s upload of {n} log-probs is {plain} bytes ({routed} with route flags)"
     try:
-        result = batch_mismatch(turns, trainer, ctx.config.mismatch_band, route_flags)
+        trainer, route_flags = decode_upload(await read_body(request, routed, why))
+    except LogprobsFormatError as exc:
+        raise ApiError(400, f"body: {exc}") from None
+    band = ctx.config.mismatch_band
+    try:
+        result = await asyncio.to_thread(batch_mismatch, turns, trainer, band, route_flags)
     except ValueError as exc:
         raise ApiError(422, f"body: {exc}") from None
     if not await ctx.store.add_mismatch(lease_id, result.sums, ttl_s=_upload_window_s(ctx)):
@@ -212,6 +226,17 @@ async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
         "skipped": result.skipped,
         "groups": [{"group": g, "version": v, **per[(g, v)].view()} for g, v in sorted(per)],
     }
+
+
+async def _lease_turns(ctx: RouterContext, lease_id: str, order: list[str]) -> list[TurnTokens]:
+    """The turns of the trajectories a lease handed out, in its batch's token order, as the
+    mismatch needs them (:func:`router.records.decode_turn_outputs`, in a worker thread); 409 when
+    one of its trajectories is no longer stored."""
+    stored = await asyncio.gather(*(ctx.store.get_turns(sid) for sid in order))
+    for sid, blobs in zip(order, stored, strict=True):
+        if not blobs:
+            raise ApiError(409, f"lease {lease_id!r}: trajectory {sid!r} is no longer stored")
+    return await asyncio.to_thread(lambda: [TurnTokens(*decode_turn_outputs(b)) for bs in stored for b in bs])
 
 
 @router.get(

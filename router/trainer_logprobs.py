@@ -21,7 +21,9 @@ Upload (``MAGIC_LOGPROBS`` = b"MFL", then format byte ``FORMAT_VERSION``; media 
 The ``n`` log-probs follow the batch's token order: trajectory after trajectory in the order the
 take handed them out, turn after turn, output token after output token (the order of
 ``trainer.batch.Batch``'s per-token arrays), so ``n`` equals the batch's output-token count.
-Nothing may follow the last float, or the route section when there is one.
+Nothing may follow the last float, or the route section when there is one: an upload for a
+batch of ``n`` tokens is exactly :func:`upload_size` bytes (``8 + 4n``; with routes
+``12 + 5n``), which is what the route accepts, whatever the router's generic body limit.
 """
 
 from __future__ import annotations
@@ -36,19 +38,26 @@ from core.wire import MAGIC_LOGPROBS
 _HEAD = struct.Struct("<3sBI")
 
 
+def upload_size(n: int, *, routes: bool) -> int:
+    """The bytes of the upload of ``n`` log-probs: the 8-byte header and 4 bytes a log-prob; with
+    the route section, 4 more and 1 a token."""
+    return _HEAD.size + 4 * n + (4 + n if routes else 0)
+
+
 class LogprobsFormatError(ValueError):
     """The bytes are not a valid upload (wrong magic or version, truncated, trailing bytes)."""
 
 
-def decode_trainer_logprobs(data: bytes | memoryview) -> np.ndarray:
-    """The uploaded log-probs as a float32 array (a copy), in the batch's token order. Raises
-    :class:`LogprobsFormatError` naming the problem."""
+def decode_trainer_logprobs(data: bytes | bytearray | memoryview) -> np.ndarray:
+    """The uploaded log-probs as a float32 array (a view of ``data``), in the batch's token
+    order. Raises :class:`LogprobsFormatError` naming the problem."""
     return decode_upload(data)[0]
 
 
-def decode_upload(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray | None]:
-    """The uploaded log-probs (float32 copy) and the route-mismatch flags (uint8 copy; None
-    without a route section). Raises :class:`LogprobsFormatError` naming the problem."""
+def decode_upload(data: bytes | bytearray | memoryview) -> tuple[np.ndarray, np.ndarray | None]:
+    """The uploaded log-probs (float32) and the route-mismatch flags (uint8; None without a route
+    section), as views of ``data``: nothing is copied (they keep ``data`` alive, and are read-only
+    when it is). Raises :class:`LogprobsFormatError` naming the problem."""
     buf = memoryview(data)
     if len(buf) < _HEAD.size:
         raise LogprobsFormatError(f"upload of {len(buf)} bytes is shorter than its {_HEAD.size}-byte header")
@@ -57,17 +66,18 @@ def decode_upload(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray | No
         raise LogprobsFormatError(f"upload starts with {bytes(magic)!r}, not {MAGIC_LOGPROBS!r}")
     if version != FORMAT_VERSION:
         raise LogprobsFormatError(f"upload format version {version} (this router reads {FORMAT_VERSION})")
-    want = _HEAD.size + 4 * n
+    want = upload_size(n, routes=False)
     routes = None
-    if len(buf) == want + 4 + n:
+    if len(buf) == upload_size(n, routes=True):
         (m,) = struct.unpack_from("<I", buf, want)
         if m != n:
             raise LogprobsFormatError(f"route section counts {m} tokens for {n} log-probs")
-        routes = np.frombuffer(buf, dtype=np.uint8, count=n, offset=want + 4).copy()
+        routes = np.frombuffer(buf, dtype=np.uint8, count=n, offset=want + 4)
         if routes.size and int(routes.max()) > 2:
             raise LogprobsFormatError(f"route flag {int(routes.max())} is not 0, 1 or 2")
     elif len(buf) != want:
         raise LogprobsFormatError(
-            f"upload holds {len(buf)} bytes; {n} log-probs need {want} (with routes {want + 4 + n})"
+            f"upload holds {len(buf)} bytes; {n} log-probs need {want} (with routes "
+            f"{upload_size(n, routes=True)})"
         )
-    return np.frombuffer(buf, dtype="<f4", count=n, offset=_HEAD.size).astype(np.float32), routes
+    return np.frombuffer(buf, dtype="<f4", count=n, offset=_HEAD.size), routes

@@ -273,16 +273,7 @@ class TurnData:
 
     def versions(self) -> list[int | None]:
         """The weight version of every output token (None where no span covers it)."""
-        n = len(self.output_ids)
-        spans = self.weight_versions
-        if len(spans) == 1 and spans[0]["start"] <= 0 and spans[0]["end"] >= n:
-            return [spans[0]["version"]] * n
-        out: list[int | None] = [None] * n
-        for span in sorted(spans, key=lambda s: s["start"]):
-            for i in range(max(0, span["start"]), min(n, span["end"])):
-                if out[i] is None:
-                    out[i] = span["version"]
-        return out
+        return token_versions(self.weight_versions, len(self.output_ids))
 
     @property
     def routed_experts(self) -> RoutedExperts | None:
@@ -370,3 +361,17 @@ class TurnData:
                 strict=True,
             )
         ]
+
+
+def token_versions(spans: Sequence[Mapping[str, int]], n: int) -> list[int | None]:
+    """The weight version of each of a turn's ``n`` output tokens from its ``weight_versions``
+    spans (over output indices, end exclusive): the first span by start that covers it, None
+    where none does."""
+    if len(spans) == 1 and spans[0]["start"] <= 0 and spans[0]["end"] >= n:
+        return [spans[0]["version"]] * n
+    out: list[int | None] = [None] * n
+    for span in sorted(spans, key=lambda s: s["start"]):
+        for i in range(max(0, span["start"]), min(n, span["end"])):
+            if out[i] is None:
+                out[i] = span["version"]
+    return out

@@ -5,13 +5,16 @@ the router's decoder and its refusals)."""
 from __future__ import annotations
 
 import math
+import re
 import struct
 
 import numpy as np
 import pytest
 
+from router import mismatch
 from router.mismatch import (
     BUCKET_LABELS,
+    LOGPROB_FLOOR,
     LOGPROB_SLACK,
     MismatchSums,
     TurnTokens,
@@ -126,6 +129,62 @@ def test_refusals_name_the_problem() -> None:
     for band in ((0.0, 2.0), (1.0, 2.0), (0.5, 1.0), (0.5, math.inf), (2.0, 0.5)):
         with pytest.raises(ValueError, match="0 < low < 1 < high"):
             check_band(band)
+
+
+def test_a_log_prob_below_the_floor_is_refused_naming_the_token() -> None:
+    """Masking constants (float32's and float16's minimum, -1e9) are refused, the floor itself and a
+    very unlikely real token are taken."""
+    for masked in (float(np.finfo(np.float32).min), float(np.finfo(np.float16).min), -1e9, -1e30):
+        low = P.copy()
+        low[4] = masked
+        message = f"trainer log-prob 4 is {masked:.6g}, below -10000: a masking constant"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            batch_mismatch(TURNS, low, BAND)
+    q = [-1.0, -2.0]
+    for ok in (LOGPROB_FLOOR, -60.0):
+        out = batch_mismatch([TurnTokens("g", 0, q, [1, 1])], np.array([ok, -2.0], dtype=np.float32), BAND)
+        assert out.tokens == 2
+
+
+def test_a_batch_computed_in_chunks_sums_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sums do not depend on how the batch is cut into chunks (a turn is never split): counts
+    exactly, float sums to rounding."""
+    rng = np.random.default_rng(3)
+    turns = [
+        TurnTokens(
+            f"g{i % 3}",
+            int(rng.integers(0, 2000)),
+            list(-rng.random(n) * 3),
+            [None if rng.random() < 0.1 else int(v) for v in rng.integers(0, 3, n)],
+            routes=i % 3 == 0,  # group g0 recorded routes, g1 and g2 did not
+        )
+        for i, n in enumerate(rng.integers(0, 40, 50))
+    ]
+    total = sum(len(t.logprobs) for t in turns)
+    p = np.minimum(np.concatenate([t.logprobs for t in turns]) + rng.normal(0, 0.5, total), 0).astype(
+        np.float32
+    )
+    flags = rng.integers(0, 3, total).astype(np.uint8)
+    whole = batch_mismatch(turns, p, BAND, flags)
+    monkeypatch.setattr(mismatch, "CHUNK_TOKENS", 7)
+    cut = batch_mismatch(turns, p, BAND, flags)
+    assert (cut.tokens, cut.skipped, set(cut.sums)) == (whole.tokens, whole.skipped, set(whole.sums))
+    for key, s in whole.sums.items():
+        c = cut.sums[key]
+        assert (c.tokens, c.extreme, c.out_of_band, c.route_tokens, c.route_differ) == (
+            s.tokens,
+            s.extreme,
+            s.out_of_band,
+            s.route_tokens,
+            s.route_differ,
+        )
+        assert math.isclose(c.k3, s.k3, rel_tol=1e-12) and math.isclose(
+            c.abs_logprob_diff, s.abs_logprob_diff, rel_tol=1e-12
+        )
+    routed = {
+        g: sum(s.route_tokens for (h, _, _), s in whole.sums.items() if h == g) for g in ("g0", "g1", "g2")
+    }
+    assert routed["g0"] > 0 and routed["g1"] == routed["g2"] == 0  # flags of turns without routes: ignored
 
 
 def test_upload_encoding_bytes() -> None:

@@ -21,6 +21,7 @@ from trainer.upload import encode_trainer_logprobs
 SP = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 5}
 OFFSETS = (0.0, 0.5, -2.0, 1.0, 1.75, -0.25)  # log p - log q cycled over the batch's tokens, p <= 1
 UPLOAD = {"Content-Type": "application/x-mixfleet-logprobs"}
+LONG = {**SP, "max_new_tokens": 64}
 
 
 def _bucket(pos: int) -> str:
@@ -162,6 +163,16 @@ def test_refusals(router, client: httpx.Client) -> None:
     nan[1] = np.nan
     r = post(encode_trainer_logprobs(nan))
     assert r.status_code == 422 and "trainer log-prob 1 is not finite" in r.json()["detail"]
+    masked = batch.logprobs.copy()
+    masked[[1, 3]] = -1e30  # a trainer that masked logits with a huge negative constant
+    r = post(encode_trainer_logprobs(masked))
+    assert r.status_code == 422
+    assert r.json()["detail"] == (
+        "body: trainer log-prob 1 is -1e+30, below -10000: a masking constant, not the log-prob of a "
+        "sampled token"
+    )
+    r = post(encode_trainer_logprobs(np.full(len(batch), np.finfo(np.float32).min)))
+    assert r.status_code == 422 and "trainer log-prob 0 is -3.40282e+38, below -10000" in r.json()["detail"]
     r = post(b'{"logprobs": [1, 2]}')
     assert r.status_code == 400 and r.json()["detail"].startswith("body: upload starts with b'{\"l'")
     r = post(b"")
@@ -171,6 +182,53 @@ def test_refusals(router, client: httpx.Client) -> None:
     assert after == before  # nothing refused was counted
     assert post(encode_trainer_logprobs(batch.logprobs)).status_code == 200
     client.post(f"/v1/batches/{batch.lease_id}/ack")
+
+
+def test_an_upload_over_the_routers_body_limit_is_taken_at_its_leases_size(engine_url, tmp_path) -> None:
+    """The router's ``--max-body-bytes`` (1024 here, 256 log-probs) holds every route but the
+    log-prob upload, which takes its lease's size, however large: ``8 + 4n`` bytes for ``n``
+    tokens, ``12 + 5n`` with route flags, through the trainer kit; a larger body is a 413 naming
+    those sizes, declared or sent chunked, several MB too; nothing refused is counted."""
+    preset = write_preset(tmp_path / "preset.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    keys = {KEYS["all"]: ["rollout", "trainer", "admin"]}
+    with (
+        router_process(preset, keys=keys, extra_args=("--max-body-bytes", "1024")) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+        RolloutClient(router.url, KEYS["all"]) as trainer,
+    ):
+        tokens = 0
+        while tokens <= 300:  # more log-probs than 1024 bytes carry
+            sid = c.post("/v1/sessions", json={}).json()["session_id"]
+            turn = c.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [3, 4], "sampling_params": LONG})
+            tokens += len(turn.json()["output_ids"])
+            assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+        batch = trainer.take(64, wait_s=5)
+        n = len(batch)
+        assert n == tokens and 8 + 4 * n > 1024
+        path = f"/v1/batches/{batch.lease_id}/trainer_logprobs"
+        sizes = f"lease {batch.lease_id}'s upload of {n} log-probs is {8 + 4 * n} bytes"
+        sizes += f" ({12 + 5 * n} with route flags)"
+        flags = np.full(n, 2, dtype=np.uint8)
+        over = encode_trainer_logprobs(np.zeros(n + 1), np.full(n + 1, 2))
+        chunks = iter([over[i : i + 512] for i in range(0, len(over), 512)])
+        huge = encode_trainer_logprobs(np.zeros(2_000_000))  # 8 MB
+        for body, size in (
+            (over, f"body: {len(over)} bytes"),
+            (chunks, "body"),
+            (huge, f"body: {len(huge)} bytes"),
+        ):
+            r = c.post(path, content=body, headers=UPLOAD)
+            assert r.status_code == 413, r.text
+            assert r.json()["detail"] == f"{size} exceeds the limit of {12 + 5 * n} bytes: {sizes}"
+        r = c.post(f"/v1/batches/{'0' * 32}/trainer_logprobs", content=huge, headers=UPLOAD)
+        assert r.status_code == 404  # the lease is looked up before the body is read
+        r = c.post("/v1/sessions", json={"metadata": {"x": "y" * 2000}})  # every other route: the limit
+        assert r.status_code == 413 and "limit of 1024 bytes" in r.json()["detail"], r.text
+        assert c.get("/v1/groups").json()["groups"][0]["mismatch"]["tokens"] == 0
+        answer = trainer.upload_trainer_logprobs(batch.lease_id, batch.logprobs, flags)
+        assert (answer["tokens"], answer["groups"][0]["k3_kl"]) == (n, 0.0)
+        assert c.get("/v1/groups").json()["groups"][0]["mismatch"]["tokens"] == n
+        trainer.ack(batch.lease_id)
 
 
 @pytest.fixture(autouse=True)

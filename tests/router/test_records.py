@@ -21,11 +21,12 @@ from router.records import (
     decode_batch,
     decode_turn,
     decode_turn_header,
+    decode_turn_outputs,
     encode_batch,
     encode_stored,
     encode_turn,
 )
-from router.turn_data import TurnData
+from router.turn_data import ROUTES_SECTION, RoutedExperts, TurnData
 
 f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-1e4, max_value=0.0)
 token = st.integers(min_value=0, max_value=300_000)
@@ -802,3 +803,43 @@ def test_a_support_log_prob_beyond_the_format_is_refused_beside_unknown_ones(f16
     assert math.isinf(
         decode_turn(encode_stored(parse_turn(body, **ARGS), f16=f16)[0]).support_logprobs[0][-1]
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.one_of(turns(), long_turns()), st.booleans(), st.booleans())
+def test_turn_outputs_are_what_the_whole_decode_says(t: TurnData, f16: bool, numpy: bool) -> None:
+    """:func:`decode_turn_outputs` (the mismatch's reader: it skips the token ids with one numpy
+    scan, or id by id without numpy, and reads no support) gives the whole decode's group, engine
+    input length, behavior log-probs, versions and whether routes were recorded."""
+    routes = RoutedExperts(0, 1, 2, struct.pack("<2i", 3, 7))
+    for turn in (t, replace(t, sections={ROUTES_SECTION: routes.to_section()})):
+        blob = encode_turn(turn, f16=f16)
+        whole = decode_turn(blob)
+        saved = records.np
+        records.np = saved if numpy else None
+        try:
+            got = decode_turn_outputs(blob)
+        finally:
+            records.np = saved
+        assert (got.group, got.prompt_len, got.versions) == (whole.group, whole.prompt_len, whole.versions())
+        assert list(got.logprobs) == list(whole.logprobs)
+        assert got.routes is (turn.routed_experts is not None)
+
+
+def test_turn_outputs_of_a_truncated_block_are_refused() -> None:
+    t = TurnData(
+        turn=0,
+        group="g",
+        replica="r",
+        append_ids=[200_000 + i for i in range(500)],  # 3 varint bytes each: the numpy scan
+        output_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        raw_logprobs=[None, None],
+        support_ids=[[], []],
+        support_logprobs=[[], []],
+    )
+    blob = encode_turn(t)
+    assert list(decode_turn_outputs(blob).logprobs) == [-0.5, -0.25]
+    for cut in (5, len(blob) // 2, len(blob) - 15):  # in the header, the appended ids, the log-probs
+        with pytest.raises(RecordFormatError, match="truncated"):
+            decode_turn_outputs(blob[:cut])

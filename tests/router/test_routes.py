@@ -119,23 +119,31 @@ def test_a_segments_turns_assemble_its_routes() -> None:
 
 
 def test_route_flags_are_counted_per_group_version_and_position() -> None:
+    """Flags count for the tokens of turns that recorded routes; a turn without recorded routes is
+    in neither route figure, whatever its flags say (router/mismatch.py's contract)."""
     from router.mismatch import TurnTokens, batch_mismatch
     from router.trainer_logprobs import LogprobsFormatError, decode_upload
 
-    turns = [TurnTokens("a", 3, [-1.0] * 4, [0] * 4), TurnTokens("b", 3, [-1.0] * 2, [0] * 2)]
-    lps = np.full(6, -1.0, dtype=np.float32)
-    flags = np.array([1, 0, 2, 1, 0, 0], dtype=np.uint8)
+    turns = [
+        TurnTokens("a", 3, [-1.0] * 4, [0] * 4, routes=True),
+        TurnTokens("b", 3, [-1.0] * 2, [0] * 2, routes=True),
+        TurnTokens("c", 3, [-1.0] * 2, [0] * 2),  # no routes recorded
+    ]
+    lps = np.full(8, -1.0, dtype=np.float32)
+    flags = np.array([1, 0, 2, 1, 0, 0, 1, 0], dtype=np.uint8)
     got_lps, got_flags = decode_upload(encode_trainer_logprobs(lps, flags))
     assert got_lps.tolist() == lps.tolist() and got_flags.tolist() == flags.tolist()
     assert decode_upload(encode_trainer_logprobs(lps))[1] is None
     with pytest.raises(LogprobsFormatError, match="not 0, 1 or 2"):
-        decode_upload(encode_trainer_logprobs(lps) + struct.pack("<I", 6) + bytes([3] * 6))
+        decode_upload(encode_trainer_logprobs(lps) + struct.pack("<I", 8) + bytes([3] * 8))
     sums = batch_mismatch(turns, lps, (0.2, 5.0), flags).sums
     a = sums[("a", 0, "0-63")]
     assert (a.tokens, a.route_tokens, a.route_differ) == (4, 3, 2)
     assert a.view()["route_mismatch_share"] == pytest.approx(2 / 3)
     b = sums[("b", 0, "0-63")]
     assert (b.route_tokens, b.route_differ) == (2, 0)
+    c = sums[("c", 0, "0-63")]
+    assert (c.tokens, c.route_tokens, c.route_differ) == (2, 0, 0)
     plain = batch_mismatch(turns, lps, (0.2, 5.0)).sums[("a", 0, "0-63")]
     assert (plain.route_tokens, plain.route_differ) == (0, 0)
 
@@ -347,6 +355,32 @@ def test_a_session_with_record_routes_on_a_group_without_it_gets_routes_in_its_b
         assert got.shape == (len(seq) - 1, layers, k)
         np.testing.assert_array_equal(got, _hf_routes(tiny_dir, seq[:-1]))
         assert batch.routes(index[plain.session_id], k) is None
+        rc.ack(batch.lease_id)
+
+
+def test_route_flags_count_only_for_turns_that_recorded_routes(routes_router, client) -> None:
+    """A batch of a session without routes (``cpu-p``) and one with them (``cpu-r``); the trainer
+    says "differ" (1) for every token: only the tokens of the turn with recorded routes are
+    compared, the others are in neither figure (router/mismatch.py), whatever the flags say."""
+    with RolloutClient(routes_router.url, routes_router.key) as rc:
+        old = client.post("/v1/batches/take", json={"size": 64}).json()  # earlier trajectories out of the way
+        if old["lease_id"]:
+            assert client.post(f"/v1/batches/{old['lease_id']}/ack").status_code == 200
+        sessions = {g: rc.create_session(group=g) for g in ("cpu-p", "cpu-r")}
+        for s in sessions.values():
+            rc.turn(s.session_id, PROMPT, PARAMS)
+            rc.finish(s.session_id, 1.0)
+        batch = rc.take(64)
+        assert {t["session_id"] for t in batch.trajectories} == {s.session_id for s in sessions.values()}
+        recorded = {t["group"]: "routes" in t for t in batch.turns}
+        assert recorded == {"cpu-p": False, "cpu-r": True}
+        differ = np.ones(len(batch), dtype=np.uint8)
+        answer = rc.upload_trainer_logprobs(batch.lease_id, batch.logprobs, differ)
+        groups = {g["group"]: g for g in answer["groups"]}
+        routed = int((batch.group_index == batch.groups.index("cpu-r")).sum())
+        assert (groups["cpu-r"]["route_tokens"], groups["cpu-r"]["route_mismatch_share"]) == (routed, 1.0)
+        assert (groups["cpu-p"]["route_tokens"], groups["cpu-p"]["route_mismatch_share"]) == (0, 0.0)
+        assert groups["cpu-p"]["tokens"] > 0  # its log-probs counted all the same
         rc.ack(batch.lease_id)
 
 
