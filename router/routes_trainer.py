@@ -4,8 +4,9 @@ scope ``trainer`` or ``admin``).
 
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
 binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
-finds nothing to give answers an empty batch without a lease (``lease_id`` null); acknowledging
-a lease that is unknown (or already acknowledged) is a 404.
+finds nothing to give answers an empty batch without a lease (``lease_id`` null). A lease id in
+a path that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
+acknowledging a lease that is unknown (or already acknowledged) is a 404.
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
@@ -40,7 +41,14 @@ from router.errors import AUTH, BODY, ApiError, error_responses
 from router.json_route import JsonRoute
 from router.mismatch import TurnTokens, batch_mismatch
 from router.records import decode_turn, decode_turn_header, decode_turn_outputs, encode_batch
-from router.schemas import AckResponse, MismatchUploadResponse, QueueStats, TakeRequest, TakeResponse
+from router.schemas import (
+    AckResponse,
+    LeaseId,
+    MismatchUploadResponse,
+    QueueStats,
+    TakeRequest,
+    TakeResponse,
+)
 from router.state.base import LeaseNotFound, TakenTrajectory
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 
@@ -151,7 +159,7 @@ async def take(request: Request, body: TakeRequest) -> Response:
     summary="Acknowledge a lease",
     responses=error_responses(404, 422),
 )
-async def ack(request: Request, lease_id: str) -> dict[str, Any]:
+async def ack(request: Request, lease_id: LeaseId) -> dict[str, Any]:
     ctx = _ctx(request)
     try:
         result = await ctx.store.ack(lease_id)
@@ -181,7 +189,7 @@ def _upload_window_s(ctx: RouterContext) -> float:
     },
     responses=error_responses(400, 404, 409, 413, 422),
 )
-async def trainer_logprobs(request: Request, lease_id: str) -> dict[str, Any]:
+async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any]:
     """Log p of every output token of the lease's batch, in its token order (trajectory, turn,
     output token). Counted once per lease (see the module docstring); answers this batch's
     figures per (group, version).

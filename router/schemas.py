@@ -55,6 +55,17 @@ SessionId = Annotated[
 ]
 """A session id in a route's path: one the router could have made, else 422 before any lookup."""
 
+LeaseId = Annotated[
+    str,
+    PathParam(
+        pattern=r"^[0-9a-f]{32}$",
+        description="the lease_id POST /v1/batches/take returned (32 lowercase hex digits)",
+    ),
+]
+"""A lease id in a route's path: one the router could have made (a take's lease id is
+``uuid.uuid4().hex``, router/state/memory.py and router/state/redis.py ``take``), else 422 before
+any lookup."""
+
 JsonObject = Annotated[dict[str, Any], AfterValidator(_shallow)]
 """A free-form JSON object a request carries for the router to keep or pass on (session metadata,
 a tool's schema), refused (422) when nested deeper than :data:`MAX_JSON_DEPTH`."""

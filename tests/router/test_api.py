@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import httpx
@@ -16,6 +17,8 @@ from router.schemas import MAX_JSON_DEPTH
 from tests.router.conftest import KEYS
 
 SP = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 3}
+LEASE_ID = "[0-9a-f]{32}"
+UNKNOWN_LEASE = "0" * 32  # well-formed, never handed out
 
 
 def _wait_in_rotation(client: httpx.Client, group: str, want: bool, timeout: float = 15.0) -> None:
@@ -99,6 +102,7 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     assert len(mine) == 1 and mine[0]["reward"] == 0.75
     assert mine[0]["version_age"] == {"min": 0, "max": 0, "mean": 0.0}
     assert [t["records"] for t in mine[0]["turns"]] == [t["records"] for t in traj["turns"]]
+    assert re.fullmatch(LEASE_ID, batch["lease_id"])  # what router.schemas.LeaseId accepts
     assert client.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == len(batch["trajectories"])
     assert client.post(f"/v1/batches/{batch['lease_id']}/ack").status_code == 404
     assert client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1]}).status_code == 409
@@ -264,7 +268,7 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
     assert client.delete(f"/v1/sessions/{sid}").status_code == 200
     assert client.get(f"/v1/sessions/{sid}").status_code == 404
     assert client.post("/v1/batches/take", json={"size": 0}).status_code == 422
-    assert client.post("/v1/batches/nolease/ack").status_code == 404
+    assert client.post(f"/v1/batches/{UNKNOWN_LEASE}/ack").status_code == 404
     r = client.post("/generate", json={"input_ids": [1, 10**7], "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code in (400, 422) and "vocab" in r.text
     r = client.post("/generate", content=b"{", headers={"content-type": "application/json"})
@@ -340,6 +344,26 @@ def test_too_old_trajectories_are_held_back_and_counted(client: httpx.Client) ->
     assert got[sid]["version_age"]["min"] == 5 and drained["held_back"] == 0
     for lease in (r["lease_id"], drained["lease_id"]):
         client.post(f"/v1/batches/{lease}/ack")
+
+
+def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client) -> None:
+    """A lease id no take could have made (32 lowercase hex digits, uuid4().hex) is a 422 naming
+    lease_id, short, on ack and on the log-prob upload; a well-formed unknown one is a 404."""
+    upload = {"Content-Type": "application/x-mixfleet-logprobs"}
+    empty = b"MFL\x01" + bytes(4)  # an upload of no log-probs
+    for bad in ("x" * 5000, "%00%FF", "a.b", "0" * 31, "A" * 32, "0" * 33, "no-such-lease"):
+        for r in (
+            client.post(f"/v1/batches/{bad}/ack"),
+            client.post(f"/v1/batches/{bad}/trainer_logprobs", content=empty, headers=upload),
+        ):
+            assert r.status_code == 422 and r.json()["detail"].startswith("lease_id: String should"), r.text
+            assert len(r.text) < 1000 and "xxxxxxxxxx" not in r.text, r.text
+    r = client.post(f"/v1/batches/{UNKNOWN_LEASE}/trainer_logprobs", content=empty, headers=upload)
+    assert r.status_code == 404 and UNKNOWN_LEASE in r.json()["detail"]
+    spec = client.get("/openapi.json").json()
+    for path in ("/v1/batches/{lease_id}/ack", "/v1/batches/{lease_id}/trainer_logprobs"):
+        [param] = spec["paths"][path]["post"]["parameters"]
+        assert param["schema"]["pattern"] == f"^{LEASE_ID}$", param
 
 
 def test_openapi_and_metrics(client: httpx.Client) -> None:
@@ -484,8 +508,8 @@ def test_an_empty_take_has_no_lease(client: httpx.Client) -> None:
     binary = client.post("/v1/batches/take", json={"size": 8}, headers={"Accept": MEDIA_TYPE})
     assert decode_batch(binary.content)["lease_id"] is None
     assert client.get("/v1/batches/stats").json()["leases"] == 0  # nothing to acknowledge
-    r = client.post("/v1/batches/nolease/ack")
-    assert r.status_code == 404 and "nolease" in r.json()["detail"]
+    r = client.post(f"/v1/batches/{UNKNOWN_LEASE}/ack")
+    assert r.status_code == 404 and UNKNOWN_LEASE in r.json()["detail"]
     spec = client.get("/openapi.json").json()
     lease = spec["components"]["schemas"]["TakeResponse"]["properties"]["lease_id"]
     assert {"type": "null"} in lease["anyOf"] and "null" in lease["description"]

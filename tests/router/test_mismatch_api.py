@@ -155,7 +155,9 @@ def test_refusals(router, client: httpx.Client) -> None:
         return client.post(p, content=body, headers={**UPLOAD, "Authorization": f"Bearer {key}"})
 
     r = post(encode_trainer_logprobs(np.zeros(3)), "/v1/batches/no-such-lease/trainer_logprobs")
-    assert r.status_code == 404 and "unknown lease 'no-such-lease'" in r.json()["detail"]
+    assert r.status_code == 422 and r.json()["detail"].startswith("lease_id: String should match pattern")
+    r = post(encode_trainer_logprobs(np.zeros(3)), f"/v1/batches/{'0' * 32}/trainer_logprobs")
+    assert r.status_code == 404 and f"unknown lease '{'0' * 32}'" in r.json()["detail"]
     r = post(encode_trainer_logprobs(np.zeros(len(batch) + 1)))
     assert r.status_code == 422
     assert r.json()["detail"] == f"body: {len(batch) + 1} trainer log-probs for {len(batch)} output tokens"
