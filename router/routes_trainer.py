@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
@@ -258,7 +258,7 @@ class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_ids: list[list[int]] = Field(min_length=1, max_length=256)
-    logprob_start_len: int = Field(default=0, ge=0)
+    logprob_start_len: StrictInt = Field(default=0, ge=0)
     groups: list[str] | None = None
 
 

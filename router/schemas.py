@@ -1,6 +1,9 @@
 """Request and response bodies of the router's HTTP API (the OpenAPI schema is built from
 these). Requests forbid unknown fields so a typo is a 422 naming the field, not a silent
-default; floats must be finite. Every refusal the router itself makes is an
+default; floats must be finite. The scalar fields of the session and trainer bodies are strict
+(pydantic's ``StrictInt``, ``StrictFloat``, ``StrictBool``): ``"5"``, ``true`` or ``5.0`` is not the
+integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); token
+ids stay lax on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
 :class:`ErrorBody`.
 """
 
@@ -19,6 +22,9 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     RootModel,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     WithJsonSchema,
@@ -126,13 +132,13 @@ class SamplingParams(_Req):
     greedy). A turn that filters nothing (temperature > 0, top_k -1, top_p 1, min_p 0) samples
     from the whole vocabulary and its records have empty supports."""
 
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=TOKEN_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: int = Field(128, ge=1, le=1_000_000)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(-1, ge=-1, le=TOKEN_MAX)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    max_new_tokens: StrictInt = Field(128, ge=1, le=1_000_000)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
 
     @field_validator("top_k")
     @classmethod
@@ -198,7 +204,7 @@ ROUTES_DOC = (
 class CreateSession(_Req):
     group: str | None = Field(None, description="pin the session to this group")
     metadata: JsonObject = Field(default_factory=dict)
-    record_routes: bool = Field(False, description=ROUTES_DOC)
+    record_routes: StrictBool = Field(False, description=ROUTES_DOC)
 
 
 class SessionCreated(BaseModel):
@@ -268,10 +274,12 @@ class TurnRequest(_Req):
         "(the previous turn's input and output)",
     )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    min_version: int | None = Field(None, ge=0)
-    max_version_age: int | None = Field(None, ge=0)
-    turn: int | None = Field(None, ge=0, description="expected turn index; refused with 409 if not next")
-    return_support: bool = Field(
+    min_version: StrictInt | None = Field(None, ge=0)
+    max_version_age: StrictInt | None = Field(None, ge=0)
+    turn: StrictInt | None = Field(
+        None, ge=0, description="expected turn index; refused with 409 if not next"
+    )
+    return_support: StrictBool = Field(
         False,
         description="the answer's records also carry support_ids and support_logprobs (the turn "
         "stores them either way; trajectory reads and batches always carry them)",
@@ -373,7 +381,10 @@ class Turn(BaseModel):
 
 
 class FinishRequest(_Req):
-    reward: float
+    reward: StrictFloat = Field(
+        description="the trajectory's reward: a finite JSON number (an integer is taken as a float; "
+        "a string or a boolean is refused)"
+    )
     metadata: JsonObject = Field(default_factory=dict)
 
 
@@ -394,10 +405,28 @@ class Trajectory(BaseModel):
 
 
 class TakeRequest(_Req):
-    size: int = Field(ge=1, le=4096)
-    max_version_age: int | None = Field(None, ge=0)
-    wait_s: float = Field(0.0, ge=0.0, le=60.0)
-    trainer_version: int | None = Field(None, ge=0, description="default: the latest published version")
+    size: StrictInt = Field(
+        ge=1,
+        le=4096,
+        description="the most trajectories to take: finished trajectories in queue order (those of "
+        "expired leases first, redelivered), up to this many; fewer when fewer are ready by the end of "
+        "`wait_s` (none: an empty batch without a lease)",
+    )
+    max_version_age: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="staleness bound: a trajectory whose oldest token version is more than this many "
+        "versions below `trainer_version` is held back instead of taken (kept aside, counted in "
+        "`held_back`, handed out by a later take whose bound admits it); null: no bound",
+    )
+    wait_s: StrictFloat = Field(
+        0.0,
+        ge=0.0,
+        le=60.0,
+        description="seconds the take may wait for `size` trajectories: it answers as soon as it "
+        "holds `size`, else when the wait ends, with what it holds (0: at once)",
+    )
+    trainer_version: StrictInt | None = Field(None, ge=0, description="default: the latest published version")
 
 
 class VersionAge(BaseModel):

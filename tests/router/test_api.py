@@ -366,6 +366,56 @@ def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client
         assert param["schema"]["pattern"] == f"^{LEASE_ID}$", param
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/batches/take", {"size": "5"}, "size"),
+        ("/v1/batches/take", {"size": True}, "size"),
+        ("/v1/batches/take", {"size": 5.0}, "size"),
+        ("/v1/batches/take", {"size": 1, "wait_s": "0"}, "wait_s"),
+        ("/v1/batches/take", {"size": 1, "wait_s": False}, "wait_s"),
+        ("/v1/batches/take", {"size": 1, "max_version_age": "2"}, "max_version_age"),
+        ("/v1/batches/take", {"size": 1, "trainer_version": True}, "trainer_version"),
+        ("/v1/batches/take", {"size": 1, "trainer_version": "0"}, "trainer_version"),
+        ("/v1/score", {"input_ids": [[1, 2]], "logprob_start_len": "0"}, "logprob_start_len"),
+        ("/v1/sessions", {"record_routes": 1}, "record_routes"),
+        ("/v1/sessions", {"record_routes": "true"}, "record_routes"),
+        ("{sid}/finish", {"reward": "1"}, "reward"),
+        ("{sid}/finish", {"reward": True}, "reward"),
+        ("{sid}/turns", {"input_ids": [1], "min_version": "0"}, "min_version"),
+        ("{sid}/turns", {"input_ids": [1], "turn": True}, "turn"),
+        ("{sid}/turns", {"input_ids": [1], "return_support": 1}, "return_support"),
+        ("{sid}/turns", {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens"),
+        ("{sid}/turns", {"input_ids": [1], "sampling_params": {"temperature": True}}, "temperature"),
+        ("{sid}/turns", {"input_ids": [1], "sampling_params": {"seed": 1.0}}, "seed"),
+    ],
+)
+def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(
+    client: httpx.Client, path: str, body: dict, field: str
+) -> None:
+    """A string, a boolean or a float where the body wants an integer (or a string or boolean where
+    it wants a number, a number where it wants a boolean) is a 422 naming the field, and changes
+    nothing: the session stays open and turnless, nothing is taken."""
+    sid = _session(client, group="cpu-a")
+    ready = client.get("/v1/batches/stats").json()["ready"]
+    r = client.post(path.replace("{sid}", f"/v1/sessions/{sid}"), json=body)
+    assert r.status_code == 422, r.text
+    assert field in r.json()["detail"], r.text
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert (info["status"], info["turns"]) == ("open", 0)
+    assert client.get("/v1/batches/stats").json()["ready"] == ready
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_an_integer_reward_is_a_float_reward(client: httpx.Client) -> None:
+    sid = _session(client, group="cpu-a")
+    assert client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP}).is_success
+    r = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1})
+    assert r.status_code == 200, r.text
+    reward = client.get(f"/v1/sessions/{sid}").json()["reward"]
+    assert reward == 1.0 and isinstance(reward, float)
+
+
 def test_openapi_and_metrics(client: httpx.Client) -> None:
     spec = client.get("/openapi.json").json()
     for path in (
