@@ -24,3 +24,8 @@ MAGIC_LOGPROBS = b"MFL"
 """First bytes of a trainer log-prob upload."""
 LOGPROBS_FORMAT_VERSION = 1
 LOGPROBS_MEDIA_TYPE = "application/x-mixfleet-logprobs"
+
+VERSION_MAX = 2**63 - 1
+"""The largest weight or trainer version a batch carries: the trainer kit decodes versions and
+version ages into int64 arrays (:mod:`trainer.batch`), so the router refuses a larger
+``trainer_version`` and the kit's decoder a batch that names one."""

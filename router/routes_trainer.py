@@ -4,8 +4,9 @@ scope ``trainer`` or ``admin``).
 
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
 binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
-finds nothing to give answers an empty batch without a lease (``lease_id`` null). A lease id in
-a path that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
+finds nothing to give answers an empty batch without a lease (``lease_id`` null); its
+``trainer_version`` may not be above the versions the fleet can serve (409). A lease id in a path
+that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
 acknowledging a lease that is unknown (or already acknowledged) is a 404.
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
@@ -48,9 +49,11 @@ from router.schemas import (
     QueueStats,
     TakeRequest,
     TakeResponse,
+    VersionConflict,
 )
 from router.state.base import LeaseNotFound, TakenTrajectory
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
+from router.turns import check_version_bound
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -100,11 +103,14 @@ def _header(t: TakenTrajectory, trainer_version: int, headers: list[dict[str, An
     summary="Take up to `size` finished trajectories under a lease",
     responses={
         200: {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
-        **error_responses(*BODY),
+        **error_responses(*BODY, 409, models={409: VersionConflict}),
     },
 )
 async def take(request: Request, body: TakeRequest) -> Response:
+    """A ``trainer_version`` above every version the fleet can serve is a 409 before anything is
+    taken (:func:`router.turns.check_version_bound`, as a turn's ``min_version``)."""
     ctx = _ctx(request)
+    await check_version_bound(ctx, "trainer_version", body.trainer_version)
     trainer_version = body.trainer_version if body.trainer_version is not None else ctx.trainer_version()
     lease = await ctx.store.take(
         body.size,

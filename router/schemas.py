@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from core.wire import VERSION_MAX
 from router.segments import Ids, as_ids
 
 TOKEN_MAX = 2**31 - 1
@@ -165,17 +166,21 @@ class ErrorBody(BaseModel):
 
 
 class VersionConflict(ErrorBody):
-    """A 409 of a turn. ``detail`` always; when the turn's ``min_version`` is above every version
-    the fleet can serve (the latest published one; with none published, the newest a replica
-    serves), also the sidecar's names for the unmet bound (``constraint``: ``"min_version"``,
-    ``target_version``; weight_sync/types.py ``VersionUnavailable.body``), ``latest_version``
-    (the latest published, null before any publish) and ``served_version`` (the newest version a
-    live replica serves, null when none reports one)."""
+    """A 409 of a turn or a take. ``detail`` always; when the turn's ``min_version`` or the take's
+    ``trainer_version`` is above every version the fleet can serve (the latest published one and
+    the one a running publish job publishes; with neither, the newest a replica serves;
+    :func:`router.turns.check_version_bound`), also the sidecar's names for the unmet bound
+    (``constraint``: ``"min_version"`` or ``"trainer_version"``, ``target_version``;
+    weight_sync/types.py ``VersionUnavailable.body``), ``latest_version`` (the latest published,
+    null before any publish), ``served_version`` (the newest version a live replica serves, null
+    when none reports one) and ``publishing_version`` (the version a running publish job
+    publishes, null when none runs)."""
 
     constraint: str | None = None
     target_version: int | None = None
     latest_version: int | None = None
     served_version: int | None = None
+    publishing_version: int | None = None
 
 
 class SGLangErrorMessage(BaseModel):
@@ -426,7 +431,16 @@ class TakeRequest(_Req):
         description="seconds the take may wait for `size` trajectories: it answers as soon as it "
         "holds `size`, else when the wait ends, with what it holds (0: at once)",
     )
-    trainer_version: StrictInt | None = Field(None, ge=0, description="default: the latest published version")
+    trainer_version: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=VERSION_MAX,
+        description="the trainer's weight version, which the batch's version ages (and "
+        "max_version_age) are measured against. At most the latest published version, or the version "
+        "a running publish job is publishing (with none published and no job, the newest version a "
+        "replica serves): a higher one is a 409 naming the versions. Default: the latest published "
+        "version, else the newest a replica serves, else 0",
+    )
 
 
 class VersionAge(BaseModel):

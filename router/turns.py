@@ -1,8 +1,9 @@
 """One turn of a session, end to end: check the session is open, generate with failover
 (:func:`router.dispatch.run_turn`), record the turn exactly once, answer with what was stored.
 
-A turn whose ``min_version`` no version the fleet can serve meets yet (above the latest published,
-or with none published above the newest a replica serves) is the caller's conflict: 409 (no
+A turn whose ``min_version`` no version the fleet can serve meets yet (above the latest
+published version and the one a running publish job publishes, or with neither above the newest
+a replica serves; :func:`check_version_bound`) is the caller's conflict: 409 (no
 ``Retry-After``: publishing is the caller's business) with those versions in the body
 (:class:`~router.schemas.VersionConflict`, as the sidecar's version conflicts, weight_sync/types.py
 ``VersionUnavailable``), before any replica is asked. A ``min_version`` that is published but not
@@ -79,7 +80,7 @@ async def _record_turn(
         full, at = locate(spec.input_ids, spec.append_ids, stored)
     except ValueError as exc:
         raise ApiError(422, f"append_ids: {exc}") from None
-    await check_min_version(ctx, spec.min_version)
+    await check_version_bound(ctx, "min_version", spec.min_version)
     turn = await run_turn(
         ctx,
         session,
@@ -186,38 +187,58 @@ def _count(ctx: RouterContext, turn: TurnData, seconds: float) -> None:
         metrics.forks.labels(turn.group).inc()
 
 
-async def check_min_version(ctx: RouterContext, min_version: int | None) -> None:
-    """Refuse (409, :class:`~router.schemas.VersionConflict` fields) a ``min_version`` above the
-    latest published version, or, with none published, above the newest version a live replica
-    serves; accept it when neither is known (the dispatcher then answers). The latest is read
-    again from the state store before refusing, so a version another router published since this
-    one's last poll is not refused. Raises StateError as the store does."""
-    if min_version is None:
+async def check_version_bound(ctx: RouterContext, name: str, version: int | None) -> None:
+    """Refuse (409, :class:`~router.schemas.VersionConflict` fields, ``constraint`` = ``name``) a
+    ``version`` above every version the fleet can serve: the latest published version and the
+    version a running publish job is publishing (the job lock's holder, any router's), or, with
+    neither, the newest version a live replica serves; accept it when none is known (the
+    dispatcher then answers). The latest is read again from the state store before refusing, so a
+    version another router published since this one's last poll is not refused. The one bound of
+    a turn's ``min_version`` and a take's ``trainer_version``. Raises StateError as the store
+    does."""
+    if version is None:
         return
     latest = ctx.latest_version()
-    if latest is not None and min_version <= latest:
+    if latest is not None and version <= latest:
         return
     stored = await ctx.store.get_latest_version()
     if stored is not None:
         latest = stored if latest is None else max(latest, stored)
+    publishing = await _publishing_version(ctx)
     served = ctx.registry.max_active_version()
-    bound = latest if latest is not None else served
-    if bound is None or min_version <= bound:
+    known = [v for v in (latest, publishing) if v is not None]
+    bound = max(known) if known else served
+    if bound is None or version <= bound:
         return
     if latest is not None:
         why = f"the latest published version is {latest}"
-    else:
+    elif publishing is None:
         why = f"no version is published and the newest a replica serves is {served}"
+    else:
+        why = "no version is published"
+    if publishing is not None:
+        why += f" and a running publish job publishes {publishing}"
     raise ApiError(
         409,
-        f"min_version {min_version} cannot be met: {why}; publish it first or ask for a lower one",
+        f"{name} {version} cannot be met: {why}; publish it first or ask for a lower one",
         fields={
-            "constraint": "min_version",
-            "target_version": min_version,
+            "constraint": name,
+            "target_version": version,
             "latest_version": latest,
             "served_version": served,
+            "publishing_version": publishing,
         },
     )
+
+
+async def _publishing_version(ctx: RouterContext) -> int | None:
+    """The version the running publish job (the holder of the store's job lock) publishes; None
+    when no job runs."""
+    holder = await ctx.store.job_lock_holder()
+    view = None if holder is None else await ctx.store.get_job(holder)
+    if view is None or view.get("state") != "running" or not isinstance(view.get("version"), int):
+        return None
+    return view["version"]
 
 
 _PREFIX = secrets.token_hex(8)

@@ -19,12 +19,21 @@ from typing import Any
 
 import numpy as np
 
-from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN
+from core.wire import FLAG_F16, FLAG_SECTIONS, MAGIC_BATCH, MAGIC_TURN, VERSION_MAX
 from core.wire import RECORDS_FORMAT_VERSION as FORMAT_VERSION
 
 
 class BatchFormatError(ValueError):
-    """The bytes are not a valid batch (truncated, wrong magic or version, bad varint)."""
+    """The bytes are not a valid batch (truncated, wrong magic or version, bad varint, a value out
+    of range)."""
+
+
+def _version(value: Any, what: str) -> int:
+    """``value`` when it is a weight or trainer version: an integer in ``[0, VERSION_MAX]`` (what
+    the int64 versions and version ages hold); else :class:`BatchFormatError` naming ``what``."""
+    if type(value) is not int or not 0 <= value <= VERSION_MAX:
+        raise BatchFormatError(f"{what} {value!r} is not a version (an integer in [0, {VERSION_MAX}])")
+    return value
 
 
 @dataclass(frozen=True)
@@ -444,6 +453,7 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
         s = given[0]
         a, b, v = s.get("start"), s.get("end"), s.get("version")
         if type(a) is int and type(b) is int and type(v) is int:
+            v = _version(v, f"turn {index}: weight version")
             return [(start + max(0, a), start + min(n, b), v)] if min(n, b) > max(0, a) else []
     try:
         spans = sorted(
@@ -452,6 +462,8 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BatchFormatError(f"turn {index}: bad weight_versions in its header: {exc!r}") from None
+    for _, _, v in spans:
+        _version(v, f"turn {index}: weight version")
     return [(start + max(0, a), start + min(n, b), v) for a, b, v in spans if min(n, b) > max(0, a)]
 
 
@@ -571,8 +583,10 @@ def _batch_header(raw: bytes) -> tuple[dict[str, Any], int]:
         raise BatchFormatError("batch header has no trajectories list")
     trainer_version = header.get("trainer_version")
     held_back = header.get("held_back") or 0
-    if not isinstance(held_back, int) or not (trainer_version is None or isinstance(trainer_version, int)):
-        raise BatchFormatError("batch header: held_back and trainer_version must be integers")
+    if not isinstance(held_back, int):
+        raise BatchFormatError("batch header: held_back must be an integer")
+    if trainer_version is not None:
+        _version(trainer_version, "batch header: trainer_version")
     return header, pos + size
 
 

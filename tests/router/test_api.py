@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -9,12 +10,15 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import BEARER_DOC
 from router.records import decode_batch
 from router.schemas import MAX_JSON_DEPTH
 from tests.router.conftest import KEYS
+from tests.support.router import router_process, write_preset
+from tests.support.state import opened
 
 SP = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 3}
 LEASE_ID = "[0-9a-f]{32}"
@@ -331,19 +335,124 @@ def test_heartbeat_replica_joins_then_times_out_and_the_session_moves(
     assert client.delete("/v1/replicas/side-1").status_code == 200
 
 
-def test_too_old_trajectories_are_held_back_and_counted(client: httpx.Client) -> None:
+def _serving(client: httpx.Client, engine_url: str, version: int) -> dict:
+    """Heartbeat a ``cpu-b`` replica (the engine under another name) reporting ``version``: the
+    newest version a replica serves, while nothing is published. Returns its heartbeat."""
+    hb = {
+        "replica_id": f"side-v{version}",
+        "group": "cpu-b",
+        "url": engine_url.replace("127.0.0.1", "localhost"),
+    }
+    assert client.post(
+        "/v1/replicas/heartbeat", json={**hb, "ready": True, "active_version": version}
+    ).is_success
+    return hb
+
+
+def test_too_old_trajectories_are_held_back_and_counted(client: httpx.Client, engine_url) -> None:
+    """Nothing is published; a replica serving version 5 makes trainer_version 5 one the fleet
+    serves, and the engine's version-0 trajectory 5 versions old."""
     sid = _session(client, group="cpu-a")
     client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP})
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.0})
-    r = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5, "max_version_age": 2}).json()
-    assert sid not in [t["session_id"] for t in r["trajectories"]] and r["held_back"] >= 1
-    assert client.get("/v1/batches/stats").json()["held_back"] >= 1
-    assert "mixfleet_router_trajectories_held_back" in client.get("/metrics").text
-    drained = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5}).json()
+    try:
+        _serving(client, engine_url, 5)
+        r = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5, "max_version_age": 2})
+        r = r.json()
+        assert sid not in [t["session_id"] for t in r["trajectories"]] and r["held_back"] >= 1
+        assert client.get("/v1/batches/stats").json()["held_back"] >= 1
+        assert "mixfleet_router_trajectories_held_back" in client.get("/metrics").text
+        _serving(client, engine_url, 5)
+        drained = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 5}).json()
+    finally:
+        assert client.delete("/v1/replicas/side-v5").status_code == 200
     got = {t["session_id"]: t for t in drained["trajectories"]}
     assert got[sid]["version_age"]["min"] == 5 and drained["held_back"] == 0
     for lease in (r["lease_id"], drained["lease_id"]):
         client.post(f"/v1/batches/{lease}/ack")
+
+
+def test_a_trainer_version_above_every_servable_version_is_a_409_and_takes_nothing(
+    client: httpx.Client, engine_url
+) -> None:
+    """As a turn's min_version: nothing is published and the engine serves 0, so trainer_version 7
+    is a 409 naming the versions, before anything is taken; 2**63 is beyond what a batch carries
+    (the kit's int64 versions): 422; once a replica serves 9, 7 is taken."""
+    sid = _session(client, group="cpu-a")
+    client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP})
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.5})
+    ready = client.get("/v1/batches/stats").json()["ready"]
+    r = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 7})
+    assert r.status_code == 409, r.text
+    assert r.json() == {
+        "detail": "trainer_version 7 cannot be met: no version is published and the newest a replica "
+        "serves is 0; publish it first or ask for a lower one",
+        "constraint": "trainer_version",
+        "target_version": 7,
+        "latest_version": None,
+        "served_version": 0,
+        "publishing_version": None,
+    }
+    for too_big in (2**63, 10**30):
+        r = client.post("/v1/batches/take", json={"size": 50, "trainer_version": too_big})
+        assert r.status_code == 422 and r.json()["detail"].startswith("trainer_version: Input should be"), (
+            r.text
+        )
+    assert client.get("/v1/batches/stats").json()["ready"] == ready  # nothing was taken
+    try:
+        _serving(client, engine_url, 9)
+        taken = client.post("/v1/batches/take", json={"size": 50, "trainer_version": 7})
+    finally:
+        assert client.delete("/v1/replicas/side-v9").status_code == 200
+    assert taken.status_code == 200, taken.text
+    got = {t["session_id"]: t for t in taken.json()["trajectories"]}
+    assert got[sid]["version_age"]["min"] == 7
+    assert client.post(f"/v1/batches/{taken.json()['lease_id']}/ack").status_code == 200
+    spec = client.get("/openapi.json").json()
+    conflict = spec["paths"]["/v1/batches/take"]["post"]["responses"]["409"]
+    assert conflict["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/VersionConflict"
+    fields = spec["components"]["schemas"]["TakeRequest"]["properties"]
+    assert fields["trainer_version"]["anyOf"][0]["maximum"] == float(2**63 - 1)  # JSON writes it as a float
+    for name in ("size", "wait_s", "max_version_age", "trainer_version"):
+        assert len(fields[name]["description"]) > 60, name
+
+
+def test_a_trainer_version_that_a_running_publish_job_publishes_is_taken(
+    engine_url, redis_url, tmp_path
+) -> None:
+    """A trainer that has started publishing version v measures its next batch against v while the
+    job runs (its ages are v's): taken, whichever router holds the job (here the test, as another
+    router sharing the real redis-server); v + 1 is a 409 naming the job's version; once the job
+    lock is free, v is above every version again."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    redis.Redis.from_url(redis_url).flushdb()
+    view = {"job_id": "j1", "kind": "publish", "run_id": "r", "version": 3, "state": "running"}
+
+    async def job(hold: bool) -> None:
+        async with opened(redis_url) as store:
+            if hold:
+                assert await store.acquire_job_lock("j1", 60.0)
+                await store.put_job("j1", view, 10)
+            else:
+                assert await store.release_job_lock("j1")
+
+    with (
+        router_process(preset, state=redis_url) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+    ):
+        sid = _session(c, group="cpu-a")
+        assert c.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP}).is_success
+        assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).is_success
+        asyncio.run(job(hold=True))
+        r = c.post("/v1/batches/take", json={"size": 8, "trainer_version": 4})
+        assert r.status_code == 409 and r.json()["publishing_version"] == 3, r.text
+        assert "a running publish job publishes 3" in r.json()["detail"]
+        taken = c.post("/v1/batches/take", json={"size": 8, "trainer_version": 3}).json()
+        assert [t["version_age"]["min"] for t in taken["trajectories"]] == [3]
+        assert c.post(f"/v1/batches/{taken['lease_id']}/ack").status_code == 200
+        asyncio.run(job(hold=False))
+        r = c.post("/v1/batches/take", json={"size": 8, "trainer_version": 3})
+        assert r.status_code == 409 and r.json()["publishing_version"] is None, r.text
 
 
 def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client) -> None:
@@ -520,6 +629,7 @@ def test_a_min_version_above_every_servable_version_is_a_409_naming_the_versions
         "target_version": 7,
         "latest_version": None,
         "served_version": 0,
+        "publishing_version": None,
     }
     hb = {"replica_id": "side-v9", "group": "cpu-b", "url": engine_url.replace("127.0.0.1", "localhost")}
     assert client.post("/v1/replicas/heartbeat", json={**hb, "ready": True, "active_version": 9}).is_success
@@ -541,6 +651,7 @@ def test_a_min_version_above_every_servable_version_is_a_409_naming_the_versions
     assert ref == "#/components/schemas/VersionConflict"
     fields = spec["components"]["schemas"]["VersionConflict"]["properties"]
     assert {"detail", "constraint", "target_version", "latest_version", "served_version"} <= set(fields)
+    assert "publishing_version" in fields
 
 
 def test_an_empty_take_has_no_lease(client: httpx.Client) -> None:
@@ -607,6 +718,7 @@ def test_every_refusal_is_documented_with_the_one_error_schema(client: httpx.Cli
                 expected = {
                     ("/generate", "400"): "GenerateRefusal",
                     ("/v1/sessions/{session_id}/turns", "409"): "VersionConflict",  # an ErrorBody and more
+                    ("/v1/batches/take", "409"): "VersionConflict",
                 }.get((path, status), "ErrorBody")
                 assert ref == f"#/components/schemas/{expected}", (method, path, status)
             if op.get("security"):  # every route behind a key documents both auth refusals

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -263,3 +264,24 @@ def test_a_varint_over_nine_bytes_is_refused(others: bytes) -> None:
         stream = bytes([0x81] * run + [0x01]) + others * 1000
         with pytest.raises(BatchFormatError, match="longer than 9 bytes"):
             _varint_values(np.frombuffer(stream, dtype=np.uint8))
+
+
+def test_a_version_beyond_int64_or_below_zero_is_a_batch_format_error() -> None:
+    """A trainer version or weight version the kit's int64 arrays cannot hold (or a negative one,
+    which -1 'unknown' would hide) is a :class:`BatchFormatError` naming it, never an
+    OverflowError; the largest one decodes."""
+    rng = random.Random(2)
+    turn = _turn(rng, 0, "g", 4, 1000)
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}
+    top = 2**63 - 1
+    ok = decode_batch(records.encode_batch("L", 0, [(header, [records.encode_turn(turn)])], top))
+    assert ok.trainer_version == top and ok.version_ages.tolist() == [top - v for v in ok.versions.tolist()]
+    for bad in (2**63, 2**64 + 5, -1):
+        data = records.encode_batch("L", 0, [(header, [records.encode_turn(turn)])], trainer_version=bad)
+        with pytest.raises(BatchFormatError, match=f"batch header: trainer_version {bad} is not a version"):
+            decode_batch(data)
+        spans = [{"version": bad, "start": 0, "end": 2}, {"version": 1, "start": 2, "end": 4}]
+        for weight_versions in (spans[:1], spans):  # the one-span path and the general one
+            odd = records.encode_turn(replace(turn, weight_versions=weight_versions))
+            with pytest.raises(BatchFormatError, match=f"turn 0: weight version {bad} is not a version"):
+                decode_batch(records.encode_batch("L", 0, [(header, [odd])], trainer_version=3))
