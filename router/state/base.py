@@ -42,8 +42,11 @@ Contract, for every adapter:
   counted in ``held_back``) instead; held-back trajectories are handed out by a later take whose
   bound admits them (``max_version_age=None`` admits all). Trajectories of a lease not
   acknowledged within ``lease_timeout_s`` are handed out again by a later take.
-* ``ack`` acknowledges what the lease still owns; acknowledged trajectories are never handed
-  out again and stay readable for ``retention_s``.
+* ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
+  acknowledgements of one lease racing each other exactly one answers (the others raise
+  :class:`LeaseNotFound`, as does any later one), and a trajectory that a later take got
+  (its lease timed out) counts as ``expired``, never as acknowledged too. Acknowledged
+  trajectories are never handed out again and stay readable for ``retention_s``.
 * Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
 * The cost ledger (rules in :mod:`router.ledger`): ``book_replica`` applies
   :func:`router.ledger.charge` to the replica's booked-until mark and adds the charge to its group
@@ -296,7 +299,12 @@ class StateStore(abc.ABC):
     ) -> Lease: ...
 
     @abc.abstractmethod
-    async def ack(self, lease_id: str) -> AckResult: ...
+    async def ack(self, lease_id: str) -> AckResult:
+        """End the lease, acknowledging the trajectories it still owns (``acked``; the others,
+        handed out again since, are ``expired``) and appending its update when it acknowledged
+        any, in one atomic step. Raises :class:`LeaseNotFound` when the lease is unknown,
+        forgotten or already ended: of the acknowledgements of one lease, however concurrent,
+        exactly one answers."""
 
     @abc.abstractmethod
     async def queue_stats(self) -> dict[str, int]:

@@ -12,7 +12,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
   each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
   the group's pending entries and survive a router restart; ``XAUTOCLAIM`` redelivers them
-  once idle for the lease timeout; ``XACK`` + ``XDEL`` on acknowledgement
+  once idle for the lease timeout; an acknowledgement ``XACK`` + ``XDEL``s what is still pending
+  under its consumer (script :data:`_ACK`: with the lease's end and its update, atomically)
 * ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement (expires
   :meth:`~router.state.retention.Retention.lease_record_s` after the take)
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
@@ -261,19 +262,40 @@ redis.call('XDEL', KEYS[2], ARGV[1])
 return 1
 """
 
-_UPDATE = """
-local tokens = 0
-for i = 4, #KEYS do tokens = tokens + tonumber(redis.call('HGET', KEYS[i], 'tokens') or '0') end
-local raw = redis.call('HGETALL', KEYS[1])
+_ACK = """
+-- KEYS: the lease, the stream, the ledger, the updates, the rolled-up updates, then per lease entry
+-- its session and its turns; ARGV: the group, the lease id, the retention (ms), the wall time,
+-- then the lease's entry ids
+if redis.call('DEL', KEYS[1]) == 0 then return false end
+local acked, expired, tokens = 0, 0, 0
+for i = 5, #ARGV do
+  local s, t = KEYS[2 * i - 4], KEYS[2 * i - 3]
+  if #redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    redis.call('XACK', KEYS[2], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[2], ARGV[i])
+    if redis.call('EXISTS', s) == 1 then
+      redis.call('HSET', s, 'status', 'consumed')
+      redis.call('PEXPIRE', s, ARGV[3])
+      redis.call('PEXPIRE', t, ARGV[3])
+      tokens = tokens + tonumber(redis.call('HGET', s, 'tokens') or '0')
+    end
+    acked = acked + 1
+  else
+    expired = expired + 1
+  end
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
+if acked == 0 then return {0, expired, 0} end
+local raw = redis.call('HGETALL', KEYS[3])
 local cost = {}
 for i = 1, #raw, 2 do
   local g = string.match(raw[i], '^usd:(.+)$')
   if g then cost[g] = raw[i + 1] end
 end
-local seq = tonumber(redis.call('HGET', KEYS[3], 'seq') or '0') + redis.call('LLEN', KEYS[2]) + 1
-redis.call('RPUSH', KEYS[2], cjson.encode({seq = seq, at = ARGV[1], trajectories = tonumber(ARGV[2]),
+local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
+redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
                                             tokens = tokens, cost = cost}))
-return seq
+return {acked, expired, seq}
 """
 
 _ROLL_UPDATES = """
@@ -382,6 +404,10 @@ def _tkey(sid: str) -> str:
     return f"{P}s:{sid}:t"
 
 
+def _lease_key(lease_id: str) -> str:
+    return f"{P}lease:{lease_id}"
+
+
 def _opt(v: int | None) -> str:
     return "" if v is None else str(int(v))
 
@@ -438,7 +464,7 @@ class RedisStore(StateStore):
         self._acquire_job_lock = self._r.register_script(_ACQUIRE_JOB_LOCK)
         self._release_job_lock = self._r.register_script(_RELEASE_JOB_LOCK)
         self._put_job = self._r.register_script(_PUT_JOB)
-        self._update = self._r.register_script(_UPDATE)
+        self._ack_lease = self._r.register_script(_ACK)
         self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
         self._roll_updates = self._r.register_script(_ROLL_UPDATES)
         self._move_fields = self._r.register_script(_MOVE_FIELDS)
@@ -698,7 +724,7 @@ class RedisStore(StateStore):
                 break
         pipe = self._r.pipeline(transaction=True)
         if owned:
-            key = f"{P}lease:{lease_id}"
+            key = _lease_key(lease_id)
             pipe.hset(key, mapping=owned)
             pipe.pexpire(key, _ms(self.retention.lease_record_s()))
         else:
@@ -725,33 +751,28 @@ class RedisStore(StateStore):
         return await self._call(self._ack, lease_id)
 
     async def _ack(self, lease_id: str) -> AckResult:
-        key = f"{P}lease:{lease_id}"
-        entries = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
+        """Read the lease's entries (for the keys of their sessions), then :data:`_ACK`: one
+        script that deletes the lease (gone already: LeaseNotFound), acknowledges each entry still
+        pending under it, counts the others expired and appends the update, all at once."""
+        key = _lease_key(lease_id)
+        entries = [(_s(k), _s(v)) for k, v in (await self._r.hgetall(key)).items()]
         if not entries:
             raise LeaseNotFound(lease_id)
-        pending = await self._r.xpending_range(STREAM, GROUP, "-", "+", len(entries) + 10, lease_id)
-        still = {_s(p["message_id"]) for p in pending} & set(entries)
-        pipe = self._r.pipeline(transaction=True)
-        if still:
-            pipe.xack(STREAM, GROUP, *still)
-            pipe.xdel(STREAM, *still)
-        for entry_id in still:
-            sid = entries[entry_id]
-            pipe.hset(_skey(sid), "status", "consumed")
-            pipe.pexpire(_skey(sid), _ms(self.retention_s))
-            pipe.pexpire(_tkey(sid), _ms(self.retention_s))
-        pipe.delete(key)
-        pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
-        if still:  # the update this acknowledgement closes, in the same transaction
-            sessions = [_skey(entries[e]) for e in sorted(still)]
-            await self._update(
-                keys=[LEDGER, UPDATES, UPDATES_E, *sessions],
-                args=[repr(time.time()), len(still)],
-                client=pipe,
-            )
-        replies = await pipe.execute()
-        update = int(replies[-1]) if still else None
-        return AckResult(acked=len(still), expired=len(entries) - len(still), update=update)
+        answer = await self._ack_lease(
+            keys=[
+                key,
+                STREAM,
+                LEDGER,
+                UPDATES,
+                UPDATES_E,
+                *(k for _e, sid in entries for k in (_skey(sid), _tkey(sid))),
+            ],
+            args=[GROUP, lease_id, _ms(self.retention_s), repr(time.time()), *(e for e, _sid in entries)],
+        )
+        if answer is None:  # another acknowledgement deleted it since the read
+            raise LeaseNotFound(lease_id)
+        acked, expired, seq = (int(x) for x in answer)
+        return AckResult(acked=acked, expired=expired, update=seq if acked else None)
 
     async def queue_stats(self) -> dict[str, int]:
         return await self._call(self._queue_stats)

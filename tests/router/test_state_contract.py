@@ -370,6 +370,51 @@ async def test_take_waits_for_a_finish(store_url: str) -> None:
         assert [t.session.session_id for t in lease.trajectories] == ["s"]
 
 
+async def test_concurrent_acks_of_one_lease_acknowledge_it_once(store_url: str) -> None:
+    """Eight acknowledgements of one lease at once, through two routers (their connections
+    open first, so that the eight reach the store together), three leases in turn: one
+    acknowledges the lease's three trajectories and closes one update, the seven others find the
+    lease gone."""
+    async with two_routers(store_url) as (a, b):
+        for n in range(1, 4):
+            for i in range(3):
+                await _session(a, f"s{n}-{i}")
+                await a.finish_session(f"s{n}-{i}", "f", 1.0, {})
+            lease = await a.take(3, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+            await asyncio.gather(*(x.ping() for x in (a, b) * 4))
+            answers = await asyncio.gather(
+                *(x.ack(lease.lease_id) for x in (a, b) * 4), return_exceptions=True
+            )
+            assert sum(isinstance(r, LeaseNotFound) for r in answers) == 7, answers
+            done = [(r.acked, r.expired, r.update) for r in answers if not isinstance(r, LeaseNotFound)]
+            assert done == [(3, 0, n)]
+        assert [(u.seq, u.trajectories) for u in (await b.ledger()).updates] == [(1, 3), (2, 3), (3, 3)]
+        assert await b.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
+
+
+async def test_an_ack_racing_the_take_that_redelivers_its_lease_hands_out_nothing_twice(
+    store_url: str,
+) -> None:
+    """An acknowledgement and a take at the moment the lease expires, 20 times through two
+    routers: each trajectory is either acknowledged by it or handed out again (and then counted
+    expired), never both."""
+    async with two_routers(store_url) as (a, b):
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.05}
+        for i in range(20):
+            sids = {f"r{i}-{k}" for k in range(4)}
+            for sid in sorted(sids):
+                await _session(a, sid)
+                await a.finish_session(sid, "f", 1.0, {})
+            lease = await a.take(4, **kw)
+            await asyncio.sleep(0.04 + 0.005 * (i % 5))
+            acked, again = await asyncio.gather(b.ack(lease.lease_id), a.take(4, **kw))
+            given = {t.session.session_id for t in again.trajectories}
+            assert given <= sids and (acked.acked, acked.expired) == (4 - len(given), len(given)), i
+            if again.trajectories:
+                assert (await a.ack(again.lease_id)).acked == len(given)
+        assert (await b.queue_stats())["pending"] == 0
+
+
 async def test_replicas_versions_and_route_keys(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.put_replica("r1", {"group": "g", "ready": True})
