@@ -5,7 +5,8 @@ scope ``trainer`` or ``admin``).
 The batch is JSON by default; with ``Accept: application/x-mixfleet-records`` it is the compact
 binary batch of :mod:`router.records` (same content, records never as JSON lists). A take that
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); acknowledging
-a lease that is unknown (or already acknowledged) is a 404.
+a lease that is unknown (or already acknowledged) is a 404. A take whose client disconnects
+before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready again at once.
 
 Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``, body in the encoding of
 :mod:`router.trainer_logprobs`) are accepted once per lease, for a lease a take handed out within
