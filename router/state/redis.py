@@ -299,24 +299,27 @@ _LEASE = """
 -- KEYS: the stream, the set of takes in progress, the lease, the held set, then per picked entry
 -- its session; ARGV: the group, the lease id (the take's consumer), the lease record's TTL (ms),
 -- then per picked entry its id and session id
+-- (run again with the same arguments, as redis-py's retry does, it counts no delivery twice)
 redis.call('ZREM', KEYS[2], ARGV[2])
 local kept, seen = {}, {}
 for i = 4, #ARGV, 2 do
   local n = 0
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
-    kept[#kept + 1] = ARGV[i]
-    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
     local s = KEYS[5 + (i - 4) / 2]
-    n = redis.call('EXISTS', s) == 1 and redis.call('HINCRBY', s, 'delivered', 1) or 1
+    kept[#kept + 1] = ARGV[i]
+    if redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1]) == 1 and redis.call('EXISTS', s) == 1 then
+      redis.call('HINCRBY', s, 'delivered', 1)
+    end
+    n = tonumber(redis.call('HGET', s, 'delivered') or '1')
   end
   seen[#seen + 1] = n
 end
-if #kept == 0 then
-  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-else
+if #kept > 0 then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
   kept[#kept + 1] = 'JUSTID'
   redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(kept))
+elseif #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 end
 return {redis.call('ZCARD', KEYS[4]), seen}
 """
@@ -375,7 +378,11 @@ for i = 5, #ARGV do
     expired = expired + 1
   end
 end
-redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
+-- a consumer is deleted only when it holds nothing: DELCONSUMER drops its pending entries for
+-- good, and one the lease does not name (a read whose reply was lost) is claimed after the timeout
+if #redis.call('XPENDING', KEYS[2], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
+end
 if acked == 0 then return {0, expired, 0} end
 local raw = redis.call('HGETALL', KEYS[3])
 local cost = {}

@@ -746,6 +746,35 @@ async def test_redis_a_take_cancelled_after_its_lease_was_made_puts_it_back_unco
         assert plain.hget("mf:s:s", "delivered") == b"1"
 
 
+async def test_redis_a_lease_made_twice_counts_once_and_an_entry_it_does_not_name_is_not_lost(
+    redis_url: str,
+) -> None:
+    """redis-py reruns a command whose reply a dropped connection lost. The script that makes a
+    lease, run again, counts its deliveries once; an entry pending under a lease's consumer that
+    the lease does not name (a read whose reply was lost) outlives the lease's acknowledgement
+    and is handed out after the lease timeout."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    async with opened(redis_url) as store:
+        for sid in ("s", "lost"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.3}
+        lease = await store.take(1, **kw)
+        key = f"mf:lease:{lease.lease_id}"
+        (entry,) = plain.hkeys(key)
+        held, seen = await store._lease_picked(
+            keys=["mf:ready", "mf:taking", key, "mf:held", "mf:s:s"],
+            args=["trainers", lease.lease_id, 60_000, entry, "s"],
+        )
+        assert seen == [1] and plain.hget("mf:s:s", "delivered") == b"1"
+        plain.xreadgroup("trainers", lease.lease_id, {"mf:ready": ">"}, count=1)
+        assert (await store.ack(lease.lease_id)).acked == 1
+        await asyncio.sleep(0.4)
+        again = await store.take(5, **kw)
+        assert [t.session.session_id for t in again.trajectories] == ["lost"]
+
+
 async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer_one_is_unavailable() -> None:
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="state-restart-"))
