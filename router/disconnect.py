@@ -1,13 +1,17 @@
-"""A client that goes away cancels its turn: pure ASGI middleware for the session routes.
+"""A client that goes away cancels its request: pure ASGI middleware for the session routes and
+the trainer's take.
 
-For a ``POST`` under ``/v1/sessions/`` (a turn, through the token API or a chat API), once the
-request body has been read the middleware waits on the server's ``receive`` for
-``http.disconnect``; when the client disconnects before the response has started, the handler's
-task is cancelled. The cancellation reaches the engine request of the turn
+For a ``POST`` under ``/v1/sessions/`` (a turn, through the token API or a chat API) or to
+``/v1/batches/take``, once the request body has been read the middleware waits on the server's
+``receive`` for ``http.disconnect``; when the client disconnects before the response has started,
+the handler's task is cancelled. For a turn the cancellation reaches the engine request
 (:func:`router.dispatch.run_turn` then sends ``/abort_request`` for it) and the turn is not
 recorded: :func:`router.turns.record_turn` stores only after the generation returned (a
 disconnect that lands during the store's own write, after the generation, may still leave the
-turn recorded; a retry carrying an ``Idempotency-Key`` then gets that turn back).
+turn recorded; a retry carrying an ``Idempotency-Key`` then gets that turn back). A take waiting
+for trajectories (``wait_s``) puts back what it picked, at once, for the next take
+(:meth:`router.state.base.StateStore.take`); one whose store call has answered already keeps its
+lease, which then times out like any lease whose answer was lost.
 
 A handler that reads ``receive`` itself after the body (Starlette's ``is_disconnected``, a
 streaming response's disconnect listener) gets ``http.disconnect`` once the client is gone: the
@@ -24,20 +28,25 @@ import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PREFIX = "/v1/sessions/"
+PREFIXES = ("/v1/sessions/", "/v1/batches/take")  # the paths it watches start with one of these
 DISCONNECT: Message = {"type": "http.disconnect"}
 CLIENT_CLOSED = 499  # nginx's "client closed request": what the request metrics record
 
 
 class CancelOnDisconnect:
-    """Cancel the handler of a session ``POST`` whose client disconnects before the answer."""
+    """Cancel the handler of a ``POST`` to a path under ``prefixes`` whose client disconnects
+    before the answer."""
 
-    def __init__(self, app: ASGIApp, prefix: str = PREFIX) -> None:
+    def __init__(self, app: ASGIApp, prefixes: tuple[str, ...] = PREFIXES) -> None:
         self.app = app
-        self.prefix = prefix
+        self.prefixes = prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(self.prefix):
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not scope["path"].startswith(self.prefixes)
+        ):
             await self.app(scope, receive, send)
             return
         await _Exchange(receive, send).run(self.app, scope)

@@ -7,7 +7,9 @@ binary batch of :mod:`router.records` (same content, records never as JSON lists
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); its
 ``trainer_version`` may not be above the versions the fleet can serve (409). A lease id in a path
 that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
-acknowledging a lease that is unknown (or already acknowledged) is a 404.
+acknowledging a lease that is unknown (or already acknowledged) is a 404. A take whose client
+disconnects before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready
+again at once.
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,

@@ -37,13 +37,21 @@ Contract, for every adapter:
   unless another job holds it; the lock lapses ``ttl_s`` after its last acquire or renewal (a
   router that died mid-job frees it). Job views (``put_job``) are readable by every router; the
   latest ``keep`` stay.
-* ``take`` hands out up to ``size`` ready trajectories under a fresh lease. A trajectory whose
-  oldest token is more than ``max_version_age`` behind ``trainer_version`` is held back (kept,
-  counted in ``held_back``) instead; held-back trajectories are handed out by a later take whose
-  bound admits them (``max_version_age=None`` admits all). Trajectories of a lease not
-  acknowledged within ``lease_timeout_s`` are handed out again by a later take.
-* ``ack`` acknowledges what the lease still owns; acknowledged trajectories are never handed
-  out again and stay readable for ``retention_s``.
+* ``take`` hands out up to ``size`` ready trajectories under a fresh lease, waiting up to
+  ``wait_s`` while fewer are ready. A trajectory whose oldest token is more than
+  ``max_version_age`` behind ``trainer_version`` is held back (kept, counted in ``held_back``)
+  instead; held-back trajectories are handed out by a later take whose bound admits them
+  (``max_version_age=None`` admits all). Trajectories of a lease not acknowledged within
+  ``lease_timeout_s`` of the take's answer are handed out again by a later take
+  (:attr:`Lease.redelivered` counts those an earlier take handed out, whatever happened to them
+  in between). What a take picks while it waits is its own until it answers: no other take,
+  of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
+  before it answers (its client gone) puts what it picked back on the ready queue at once.
+* ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
+  acknowledgements of one lease racing each other exactly one answers (the others raise
+  :class:`LeaseNotFound`, as does any later one), and a trajectory that a later take got
+  (its lease timed out) counts as ``expired``, never as acknowledged too. Acknowledged
+  trajectories are never handed out again and stay readable for ``retention_s``.
 * Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
 * The cost ledger (rules in :mod:`router.ledger`): ``book_replica`` applies
   :func:`router.ledger.charge` to the replica's booked-until mark and adds the charge to its group
@@ -152,6 +160,9 @@ class TakenTrajectory:
 
 @dataclass(frozen=True)
 class Lease:
+    """What a take handed out: ``held_back`` is the count held back after it (every take's),
+    ``redelivered`` how many of ``trajectories`` an earlier take had handed out."""
+
     lease_id: str
     trajectories: list[TakenTrajectory]
     held_back: int
@@ -293,10 +304,20 @@ class StateStore(abc.ABC):
         max_version_age: int | None,
         lease_timeout_s: float,
         wait_s: float = 0.0,
-    ) -> Lease: ...
+    ) -> Lease:
+        """Up to ``size`` trajectories under a new lease (module docstring): the ready ones and
+        those whose lease timed out, waiting up to ``wait_s`` for ``size``; what it picks is
+        nobody else's until it answers, and its lease times out ``lease_timeout_s`` after the
+        answer. Cancelled before it answers, it puts back what it picked (ready at once). An
+        empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`)."""
 
     @abc.abstractmethod
-    async def ack(self, lease_id: str) -> AckResult: ...
+    async def ack(self, lease_id: str) -> AckResult:
+        """End the lease, acknowledging the trajectories it still owns (``acked``; the others,
+        handed out again since, are ``expired``) and appending its update when it acknowledged
+        any, in one atomic step. Raises :class:`LeaseNotFound` when the lease is unknown,
+        forgotten or already ended: of the acknowledgements of one lease, however concurrent,
+        exactly one answers."""
 
     @abc.abstractmethod
     async def queue_stats(self) -> dict[str, int]:

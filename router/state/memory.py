@@ -48,6 +48,7 @@ class _Session:
     expires_at: float | None = None
     last_active: float = field(default_factory=time.time)
     chat: tuple[int, bytes] | None = None
+    deliveries: int = 0  # takes that handed the trajectory out
 
 
 class MemoryStore(StateStore):
@@ -57,7 +58,8 @@ class MemoryStore(StateStore):
         self._sessions: dict[str, _Session] = {}
         self._ids = itertools.count(1)
         self._ready: OrderedDict[int, str] = OrderedDict()
-        self._pending: dict[int, tuple[str, str, float]] = {}  # entry -> (sid, lease, delivered)
+        # entry -> (sid, lease, delivered at; None: picked by a take that has not answered yet)
+        self._pending: dict[int, tuple[str, str, float | None]] = {}
         self._held: dict[str, int] = {}
         self._leases: dict[str, tuple[set[int], float]] = {}  # lease -> (entries, forgotten at)
         self._counters: defaultdict[str, dict[str, int]] = defaultdict(
@@ -254,51 +256,96 @@ class MemoryStore(StateStore):
         lease_timeout_s: float,
         wait_s: float = 0.0,
     ) -> Lease:
+        """Pick, and wait (up to ``wait_s``, rechecking at least every second and every lease
+        timeout) while fewer than ``size`` are picked; the entries picked are pending without a
+        delivery time (no other take's redelivery sees them) until the lease is made of them at
+        the answer. Cancelled while it waits, it puts them back on the ready queue."""
         lease_id = uuid.uuid4().hex
-        entries: set[int] = set()
-        taken: list[TakenTrajectory] = []
-        redelivered = 0
+        self._release_held(trainer_version, max_version_age)
+        picked: dict[int, TakenTrajectory] = {}
         deadline = time.monotonic() + max(0.0, wait_s)
-        # held-back trajectories that this bound now admits go back to the ready queue
+        try:
+            while True:
+                self._pick(lease_id, size, trainer_version, max_version_age, lease_timeout_s, picked)
+                remaining = deadline - time.monotonic()
+                if len(picked) >= size or remaining <= 0:
+                    break
+                await self._wait(min(remaining, lease_timeout_s, 1.0))
+        except BaseException:
+            self._give_back(picked)
+            raise
+        return self._lease(lease_id, picked)
+
+    def _release_held(self, trainer_version: int, max_age: int | None) -> None:
+        """Held-back trajectories that this bound admits go back to the ready queue."""
         for sid, vmin in list(self._held.items()):
-            if max_version_age is None or trainer_version - vmin <= max_version_age:
+            if max_age is None or trainer_version - vmin <= max_age:
                 del self._held[sid]
                 self._ready[next(self._ids)] = sid
-        while True:
-            now = time.monotonic()
-            candidates: list[tuple[int, str, bool]] = []
-            for entry, (sid, owner, delivered) in sorted(self._pending.items()):
-                if owner != lease_id and now - delivered >= lease_timeout_s:
-                    candidates.append((entry, sid, True))
-            candidates.extend((entry, sid, False) for entry, sid in self._ready.items())
-            for entry, sid, again in candidates:
-                if len(taken) >= size:
-                    break
-                if again:
-                    del self._pending[entry]  # the old lease keeps the id: its late ack sees it expired
-                else:
-                    del self._ready[entry]
-                s = self._live(sid)
-                if s is None:
-                    continue
-                if self._too_old(s.info, trainer_version, max_version_age):
-                    self._held[sid] = s.info.min_version  # type: ignore[assignment]
-                    continue
-                self._pending[entry] = (sid, lease_id, now)
-                entries.add(entry)
-                taken.append(TakenTrajectory(s.info, list(s.turns)))
-                redelivered += again
-            remaining = deadline - time.monotonic()
-            if len(taken) >= size or remaining <= 0:
-                break
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(remaining, lease_timeout_s, 1.0)):
-                    await waiter
-        if entries:
-            self._leases[lease_id] = (entries, time.monotonic() + self.retention.lease_record_s())
-        return Lease(lease_id, taken, held_back=len(self._held), redelivered=redelivered)
+
+    def _pick(
+        self,
+        lease_id: str,
+        size: int,
+        trainer_version: int,
+        max_age: int | None,
+        lease_timeout_s: float,
+        picked: dict[int, TakenTrajectory],
+    ) -> None:
+        """Add to ``picked``, up to ``size``: entries delivered at least ``lease_timeout_s`` ago
+        (their old lease keeps the entry id: its late ack sees it expired), then ready ones, in
+        entry order; each becomes pending under ``lease_id`` with no delivery time. Too old for
+        ``max_age``: held back instead; a session gone: dropped."""
+        now = time.monotonic()
+        expired = [
+            (self._pending, entry, sid)
+            for entry, (sid, _lease, at) in sorted(self._pending.items())
+            if at is not None and now - at >= lease_timeout_s
+        ]
+        ready = [(self._ready, entry, sid) for entry, sid in self._ready.items()]
+        for queue, entry, sid in [*expired, *ready]:
+            if len(picked) >= size:
+                return
+            del queue[entry]
+            s = self._live(sid)
+            if s is None:
+                continue
+            if self._too_old(s.info, trainer_version, max_age):
+                self._held[sid] = s.info.min_version  # type: ignore[assignment]
+                continue
+            self._pending[entry] = (sid, lease_id, None)
+            picked[entry] = TakenTrajectory(s.info, list(s.turns))
+
+    async def _wait(self, timeout_s: float) -> None:
+        """Until a finish or a give-back wakes the waiting takes, or ``timeout_s``."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await waiter
+
+    def _lease(self, lease_id: str, picked: dict[int, TakenTrajectory]) -> Lease:
+        """The lease of what a take picked: delivered now (its timeout counts from here); a
+        trajectory an earlier take handed out counts as redelivered."""
+        now = time.monotonic()
+        redelivered = 0
+        for entry, t in picked.items():
+            self._pending[entry] = (t.session.session_id, lease_id, now)
+            s = self._sessions[t.session.session_id]
+            redelivered += s.deliveries > 0
+            s.deliveries += 1
+        if picked:
+            self._leases[lease_id] = (set(picked), now + self.retention.lease_record_s())
+        return Lease(lease_id, list(picked.values()), held_back=len(self._held), redelivered=redelivered)
+
+    def _give_back(self, picked: dict[int, TakenTrajectory]) -> None:
+        """What a take that does not answer picked goes back on the ready queue (behind what is
+        there), and the waiting takes are woken for it."""
+        for entry, t in picked.items():
+            del self._pending[entry]
+            self._ready[next(self._ids)] = t.session.session_id
+        if picked:
+            self._wake()
 
     async def ack(self, lease_id: str) -> AckResult:
         record = self._leases.pop(lease_id, None)

@@ -5,14 +5,23 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 * ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
   metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, ``routes`` (``1``, only
   for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends),
-  and while open ``chat_turn`` and ``chat``: the chat note and the turn it is about
+  while open ``chat_turn`` and ``chat``: the chat note and the turn it is about, and once handed
+  to a trainer ``delivered``: how many takes handed it out (more than one: redelivered)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
 * ``mf:s:<id>:c`` string: the open session's context (uint32 little-endian token ids), extended
   with ``APPEND`` by each turn, replaced by a fork, deleted when the session finishes or goes
 * ``mf:ready``    stream of finished sessions (field ``sid``), consumer group ``trainers``;
-  each lease is a consumer (named by the lease id), so leased-but-unacknowledged entries are
-  the group's pending entries and survive a router restart; ``XAUTOCLAIM`` redelivers them
-  once idle for the lease timeout; ``XACK`` + ``XDEL`` on acknowledgement
+  each take is a consumer (named by its lease id), so what it picked and, once it answered, its
+  lease's entries are the group's pending entries and survive a router restart. A take claims
+  (``XCLAIM``, script :data:`_CLAIM`) entries idle for the lease timeout whose consumer is not a
+  take in progress (``mf:taking``), then reads new ones (``XREADGROUP``); its answer resets its
+  entries' idle time (its lease's time starts then, script :data:`_LEASE`); a take that does not
+  answer re-adds what it holds to the stream (script :data:`_GIVE_BACK`); an acknowledgement
+  ``XACK`` + ``XDEL``s what is still pending under its consumer (script :data:`_ACK`)
+* ``mf:taking`` sorted set: the takes in progress (lease id, scored by when its mark lapses in
+  Redis's clock, ms): renewed at each claim, removed by the answer; one left by a router that
+  died mid-take lapses ``outage_s`` + 1 s after its last renewal (removed by the next claim), and
+  its entries are then claimed like any lease's
 * ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement (expires
   :meth:`~router.state.retention.Retention.lease_record_s` after the take)
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
@@ -51,12 +60,14 @@ Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (ackn
 sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
 :meth:`RedisStore.compact` rolls versions and update records up with scripts (atomic, so routers
 compacting at once, or writing meanwhile, neither lose nor double a sum), forgets silent replicas
-and lease consumers that own nothing (``XGROUP DELCONSUMER``).
+and lease consumers that own nothing (``XGROUP DELCONSUMER``); a lapsed mark of a take in
+progress (``mf:taking``) is removed by the next take's claim.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -112,6 +123,9 @@ WINDOW = P + "window"
 JOB_LOCK = P + "joblock"
 JOBS = P + "jobs"
 JOB_ORDER = P + "jobs:order"
+TAKING = P + "taking"
+_TAKING_MARK_S = 1.0  # a take picking renews its mark this often at least; a mark lasts this + outage_s
+_PUT_BACK_S = 5.0  # how long a take that does not answer tries to put back what it picked
 _MISMATCH_STATS = tuple(f.name for f in dataclasses.fields(MismatchSums))
 _MISMATCH_FLOATS = ("k3", "abs_logprob_diff")
 
@@ -261,19 +275,125 @@ redis.call('XDEL', KEYS[2], ARGV[1])
 return 1
 """
 
-_UPDATE = """
-local tokens = 0
-for i = 4, #KEYS do tokens = tokens + tonumber(redis.call('HGET', KEYS[i], 'tokens') or '0') end
-local raw = redis.call('HGETALL', KEYS[1])
+_CLAIM = """
+-- KEYS: the stream, the set of takes in progress; ARGV: the group, this take's consumer (its
+-- lease id), the lease timeout (ms), how many, how long (ms) this take's mark lasts unrenewed
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[2])
+local want, ids, start = tonumber(ARGV[4]), {}, '-'
+while #ids < want do
+  local page = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], start, '+', 100)
+  for _, p in ipairs(page) do
+    if #ids < want and not redis.call('ZSCORE', KEYS[2], p[2]) then ids[#ids + 1] = p[1] end
+  end
+  if #page < 100 then break end
+  start = '(' .. page[#page][1]
+end
+if #ids == 0 then return {} end
+return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(ids))
+"""
+
+_LEASE = """
+-- KEYS: the stream, the set of takes in progress, the lease, the held set, then per picked entry
+-- its session; ARGV: the group, the lease id (the take's consumer), the lease record's TTL (ms),
+-- then per picked entry its id and session id
+-- (run again with the same arguments, as redis-py's retry does, it counts no delivery twice)
+redis.call('ZREM', KEYS[2], ARGV[2])
+local kept, seen = {}, {}
+for i = 4, #ARGV, 2 do
+  local n = 0
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    local s = KEYS[5 + (i - 4) / 2]
+    kept[#kept + 1] = ARGV[i]
+    if redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1]) == 1 and redis.call('EXISTS', s) == 1 then
+      redis.call('HINCRBY', s, 'delivered', 1)
+    end
+    n = tonumber(redis.call('HGET', s, 'delivered') or '1')
+  end
+  seen[#seen + 1] = n
+end
+if #kept > 0 then
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  kept[#kept + 1] = 'JUSTID'
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(kept))
+elseif #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return {redis.call('ZCARD', KEYS[4]), seen}
+"""
+
+_GIVE_BACK = """
+-- KEYS: the stream, the set of takes in progress, the lease, then per picked entry its session;
+-- ARGV: the group, the take's consumer (its lease id), then the picked entry ids
+redis.call('ZREM', KEYS[2], ARGV[2])
+local leased = redis.call('HGETALL', KEYS[3])
+if #leased > 0 then
+  local mine = {}
+  for i = 1, #leased, 2 do mine[leased[i]] = true end
+  for i = 3, #ARGV do
+    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1 then
+      redis.call('HINCRBY', KEYS[i + 1], 'delivered', -1)
+    end
+  end
+  redis.call('DEL', KEYS[3])
+end
+local n, page = 0, nil
+repeat
+  page = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 100, ARGV[2])
+  for _, p in ipairs(page) do
+    local e = redis.call('XRANGE', KEYS[1], p[1], p[1])
+    redis.call('XACK', KEYS[1], ARGV[1], p[1])
+    redis.call('XDEL', KEYS[1], p[1])
+    if #e == 1 then
+      redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+      n = n + 1
+    end
+  end
+until #page < 100
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return n
+"""
+
+_ACK = """
+-- KEYS: the lease, the stream, the ledger, the updates, the rolled-up updates, then per lease entry
+-- its session and its turns; ARGV: the group, the lease id, the retention (ms), the wall time,
+-- then the lease's entry ids
+if redis.call('DEL', KEYS[1]) == 0 then return false end
+local acked, expired, tokens = 0, 0, 0
+for i = 5, #ARGV do
+  local s, t = KEYS[2 * i - 4], KEYS[2 * i - 3]
+  if #redis.call('XPENDING', KEYS[2], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    redis.call('XACK', KEYS[2], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[2], ARGV[i])
+    if redis.call('EXISTS', s) == 1 then
+      redis.call('HSET', s, 'status', 'consumed')
+      redis.call('PEXPIRE', s, ARGV[3])
+      redis.call('PEXPIRE', t, ARGV[3])
+      tokens = tokens + tonumber(redis.call('HGET', s, 'tokens') or '0')
+    end
+    acked = acked + 1
+  else
+    expired = expired + 1
+  end
+end
+-- a consumer is deleted only when it holds nothing: DELCONSUMER drops its pending entries for
+-- good, and one the lease does not name (a read whose reply was lost) is claimed after the timeout
+if #redis.call('XPENDING', KEYS[2], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
+end
+if acked == 0 then return {0, expired, 0} end
+local raw = redis.call('HGETALL', KEYS[3])
 local cost = {}
 for i = 1, #raw, 2 do
   local g = string.match(raw[i], '^usd:(.+)$')
   if g then cost[g] = raw[i + 1] end
 end
-local seq = tonumber(redis.call('HGET', KEYS[3], 'seq') or '0') + redis.call('LLEN', KEYS[2]) + 1
-redis.call('RPUSH', KEYS[2], cjson.encode({seq = seq, at = ARGV[1], trajectories = tonumber(ARGV[2]),
+local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
+redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
                                             tokens = tokens, cost = cost}))
-return seq
+return {acked, expired, seq}
 """
 
 _ROLL_UPDATES = """
@@ -382,6 +502,25 @@ def _tkey(sid: str) -> str:
     return f"{P}s:{sid}:t"
 
 
+def _raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was cancelled and the cancellation did not
+    reach it: Python 3.11's ``asyncio.wait_for`` (redis-py's send under a socket timeout) drops a
+    cancel that lands in the step its write completes, leaving the task's ``cancelling()`` count
+    raised."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def _lease_key(lease_id: str) -> str:
+    return f"{P}lease:{lease_id}"
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as a script returns them (``[field, value, ...]``)."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
 def _opt(v: int | None) -> str:
     return "" if v is None else str(int(v))
 
@@ -438,7 +577,10 @@ class RedisStore(StateStore):
         self._acquire_job_lock = self._r.register_script(_ACQUIRE_JOB_LOCK)
         self._release_job_lock = self._r.register_script(_RELEASE_JOB_LOCK)
         self._put_job = self._r.register_script(_PUT_JOB)
-        self._update = self._r.register_script(_UPDATE)
+        self._claim = self._r.register_script(_CLAIM)
+        self._lease_picked = self._r.register_script(_LEASE)
+        self._give_back = self._r.register_script(_GIVE_BACK)
+        self._ack_lease = self._r.register_script(_ACK)
         self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
         self._roll_updates = self._r.register_script(_ROLL_UPDATES)
         self._move_fields = self._r.register_script(_MOVE_FIELDS)
@@ -636,76 +778,128 @@ class RedisStore(StateStore):
     async def _take(
         self, size: int, trainer_version: int, max_age: int | None, lease_timeout_s: float, wait_s: float
     ) -> Lease:
+        """Pick until ``size`` are picked or ``wait_s`` has passed, then make the lease of them
+        (:data:`_LEASE`); a take that does not get that far puts back what it picked
+        (:meth:`_put_back`)."""
         await self._ensure_group()
         lease_id = uuid.uuid4().hex
         floor = "-inf" if max_age is None else str(trainer_version - max_age)
         await self._release(keys=[HELD, STREAM], args=[floor])
         deadline = time.monotonic() + max(0.0, wait_s)
-        taken: list[TakenTrajectory] = []
-        owned: dict[str, str] = {}
-        redelivered = 0
-        idle_ms = max(1, int(lease_timeout_s * 1000))
-        while len(taken) < size:
-            need = size - len(taken)
-            batch: list[tuple[str, str, bool]] = []
-            _cursor, claimed, deleted = (
-                await self._r.xautoclaim(STREAM, GROUP, lease_id, idle_ms, "0-0", count=need)
-            )[:3]
-            if deleted:
-                await self._r.xack(STREAM, GROUP, *deleted)
-            for entry_id, fields in claimed:
-                if fields:
-                    batch.append((_s(entry_id), _s(fields[b"sid"]), True))
-            if len(batch) < need:
-                remaining = deadline - time.monotonic()
-                block = int(min(remaining, 1.0) * 1000) if remaining > 0.001 else None
-                resp = await self._r.xreadgroup(
-                    GROUP, lease_id, {STREAM: ">"}, count=need - len(batch), block=block
-                )
-                for _stream, items in resp or []:
-                    for entry_id, fields in items:
-                        batch.append((_s(entry_id), _s(fields[b"sid"]), False))
-            fresh = list({e: (e, sid, again) for e, sid, again in batch if e not in owned}.values())
-            if fresh:  # every entry's session and turns in one round trip
-                pipe = self._r.pipeline(transaction=False)
-                for _entry, sid, _again in fresh:
-                    pipe.hmget(_skey(sid), _FIELDS)
-                    pipe.lrange(_tkey(sid), 0, -1)
-                replies = await pipe.execute()
-            gone = []
-            for k, (entry_id, sid, again) in enumerate(fresh):
-                values, turns = replies[2 * k], replies[2 * k + 1]
-                info = _info(sid, values)
-                if info is None:  # expired or deleted: nothing to hand out
-                    gone.append(entry_id)
-                    continue
-                if (
-                    max_age is not None
-                    and info.min_version is not None
-                    and (trainer_version - info.min_version > max_age)
-                ):
-                    await self._hold(keys=[HELD, STREAM], args=[entry_id, info.min_version, sid, GROUP])
-                    continue
-                owned[entry_id] = sid
-                taken.append(TakenTrajectory(info, list(turns)))
-                redelivered += again
-            if gone:
-                pipe = self._r.pipeline(transaction=True)
-                pipe.xack(STREAM, GROUP, *gone)
-                pipe.xdel(STREAM, *gone)
-                await pipe.execute()
-            if time.monotonic() >= deadline:
-                break
-        pipe = self._r.pipeline(transaction=True)
-        if owned:
-            key = f"{P}lease:{lease_id}"
-            pipe.hset(key, mapping=owned)
-            pipe.pexpire(key, _ms(self.retention.lease_record_s()))
-        else:
-            pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
-        pipe.zcard(HELD)
-        held = (await pipe.execute())[-1]
+        picked: dict[str, TakenTrajectory] = {}
+        try:
+            while len(picked) < size:
+                batch = await self._pick(lease_id, size - len(picked), lease_timeout_s, deadline)
+                await self._admit(batch, trainer_version, max_age, picked)
+                _raise_if_cancelled()
+                if time.monotonic() >= deadline:
+                    break
+            lease = await self._make_lease(lease_id, picked)
+            _raise_if_cancelled()
+            return lease
+        except BaseException:
+            await self._put_back(lease_id, picked)
+            raise
+
+    async def _pick(
+        self, lease_id: str, need: int, lease_timeout_s: float, deadline: float
+    ) -> list[tuple[str, str]]:
+        """Up to ``need`` (entry id, session id) for the take ``lease_id``: entries whose lease
+        timed out (not those of a take in progress), claimed by :data:`_CLAIM`, which also
+        renews the take's mark in ``mf:taking``; then new entries, waiting for them up to a
+        second while the deadline allows."""
+        claimed = await self._claim(
+            keys=[STREAM, TAKING],
+            args=[GROUP, lease_id, _ms(lease_timeout_s), need, _ms(_TAKING_MARK_S + self._outage_s)],
+        )
+        batch = [(_s(entry_id), _s(_pairs(fields)[b"sid"])) for entry_id, fields in claimed]
+        if len(batch) < need:
+            remaining = deadline - time.monotonic()
+            block = int(min(remaining, _TAKING_MARK_S) * 1000) if remaining > 0.001 else None
+            resp = await self._r.xreadgroup(
+                GROUP, lease_id, {STREAM: ">"}, count=need - len(batch), block=block
+            )
+            for _stream, items in resp or []:
+                batch += [(_s(entry_id), _s(fields[b"sid"])) for entry_id, fields in items]
+        return batch
+
+    async def _admit(
+        self,
+        batch: list[tuple[str, str]],
+        trainer_version: int,
+        max_age: int | None,
+        picked: dict[str, TakenTrajectory],
+    ) -> None:
+        """Add the entries of ``batch`` to ``picked`` with their sessions and turns (read in one
+        round trip); an entry too old for ``max_age`` is held back, one whose session is gone
+        (expired, evicted) is dropped from the stream."""
+        if not batch:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for _entry, sid in batch:
+            pipe.hmget(_skey(sid), _FIELDS)
+            pipe.lrange(_tkey(sid), 0, -1)
+        replies = await pipe.execute()
+        gone = []
+        for k, (entry_id, sid) in enumerate(batch):
+            info = _info(sid, replies[2 * k])
+            if info is None:
+                gone.append(entry_id)
+            elif (
+                max_age is not None
+                and info.min_version is not None
+                and trainer_version - info.min_version > max_age
+            ):
+                await self._hold(keys=[HELD, STREAM], args=[entry_id, info.min_version, sid, GROUP])
+            else:
+                picked[entry_id] = TakenTrajectory(info, list(replies[2 * k + 1]))
+        if gone:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.xack(STREAM, GROUP, *gone)
+            pipe.xdel(STREAM, *gone)
+            await pipe.execute()
+
+    async def _make_lease(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> Lease:
+        """The lease of what the take picked and still holds (:data:`_LEASE`, one script): its
+        record, its timeout counted from now, each trajectory's deliveries counted (one handed out
+        before is redelivered)."""
+        entries = list(picked.items())
+        held, seen = await self._lease_picked(
+            keys=[
+                STREAM,
+                TAKING,
+                _lease_key(lease_id),
+                HELD,
+                *(_skey(t.session.session_id) for _e, t in entries),
+            ],
+            args=[
+                GROUP,
+                lease_id,
+                _ms(self.retention.lease_record_s()),
+                *(x for entry_id, t in entries for x in (entry_id, t.session.session_id)),
+            ],
+        )
+        taken = [t for (_e, t), n in zip(entries, seen, strict=True) if int(n) > 0]
+        redelivered = sum(1 for n in seen if int(n) > 1)
         return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
+
+    async def _put_back(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> None:
+        """Whatever the take ``lease_id`` holds goes back on the ready queue (:data:`_GIVE_BACK`:
+        also entries whose delivery it never read, and a lease it made but did not answer with);
+        at most ``_PUT_BACK_S`` seconds, best effort: what it cannot put back (Redis down) is
+        redelivered once the take's mark has lapsed and the lease timeout has passed."""
+        entries = list(picked.items())
+        with contextlib.suppress(*_UNAVAILABLE):  # TimeoutError (the bound) is an OSError
+            async with asyncio.timeout(_PUT_BACK_S):
+                await self._give_back(
+                    keys=[
+                        STREAM,
+                        TAKING,
+                        _lease_key(lease_id),
+                        *(_skey(t.session.session_id) for _e, t in entries),
+                    ],
+                    args=[GROUP, lease_id, *(entry_id for entry_id, _t in entries)],
+                )
 
     async def _reap_consumers(self) -> int:
         """Forget lease consumers that own nothing any more and are idle for twice the lease
@@ -725,33 +919,28 @@ class RedisStore(StateStore):
         return await self._call(self._ack, lease_id)
 
     async def _ack(self, lease_id: str) -> AckResult:
-        key = f"{P}lease:{lease_id}"
-        entries = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
+        """Read the lease's entries (for the keys of their sessions), then :data:`_ACK`: one
+        script that deletes the lease (gone already: LeaseNotFound), acknowledges each entry still
+        pending under it, counts the others expired and appends the update, all at once."""
+        key = _lease_key(lease_id)
+        entries = [(_s(k), _s(v)) for k, v in (await self._r.hgetall(key)).items()]
         if not entries:
             raise LeaseNotFound(lease_id)
-        pending = await self._r.xpending_range(STREAM, GROUP, "-", "+", len(entries) + 10, lease_id)
-        still = {_s(p["message_id"]) for p in pending} & set(entries)
-        pipe = self._r.pipeline(transaction=True)
-        if still:
-            pipe.xack(STREAM, GROUP, *still)
-            pipe.xdel(STREAM, *still)
-        for entry_id in still:
-            sid = entries[entry_id]
-            pipe.hset(_skey(sid), "status", "consumed")
-            pipe.pexpire(_skey(sid), _ms(self.retention_s))
-            pipe.pexpire(_tkey(sid), _ms(self.retention_s))
-        pipe.delete(key)
-        pipe.xgroup_delconsumer(STREAM, GROUP, lease_id)
-        if still:  # the update this acknowledgement closes, in the same transaction
-            sessions = [_skey(entries[e]) for e in sorted(still)]
-            await self._update(
-                keys=[LEDGER, UPDATES, UPDATES_E, *sessions],
-                args=[repr(time.time()), len(still)],
-                client=pipe,
-            )
-        replies = await pipe.execute()
-        update = int(replies[-1]) if still else None
-        return AckResult(acked=len(still), expired=len(entries) - len(still), update=update)
+        answer = await self._ack_lease(
+            keys=[
+                key,
+                STREAM,
+                LEDGER,
+                UPDATES,
+                UPDATES_E,
+                *(k for _e, sid in entries for k in (_skey(sid), _tkey(sid))),
+            ],
+            args=[GROUP, lease_id, _ms(self.retention_s), repr(time.time()), *(e for e, _sid in entries)],
+        )
+        if answer is None:  # another acknowledgement deleted it since the read
+            raise LeaseNotFound(lease_id)
+        acked, expired, seq = (int(x) for x in answer)
+        return AckResult(acked=acked, expired=expired, update=seq if acked else None)
 
     async def queue_stats(self) -> dict[str, int]:
         return await self._call(self._queue_stats)

@@ -1,5 +1,6 @@
 """A client that disconnects mid-turn: the router aborts the generation at the engine
-(``/abort_request`` with the ``rid`` of the turn's ``/generate``) and records nothing.
+(``/abort_request`` with the ``rid`` of the turn's ``/generate``) and records nothing. A trainer
+that disconnects while its take waits: what the take picked is back on the queue at once.
 
 Real parts: a local engine process, a recording proxy in front of it (to see what the router sent
 and what the engine answered), a router process, and an aiohttp client whose short timeout closes
@@ -92,6 +93,38 @@ def test_a_turn_that_finishes_is_not_aborted(proxied) -> None:
         assert r.status_code == 200, r.text
     time.sleep(0.3)
     assert len(rec.exchanges("/abort_request")) == before
+
+
+async def _disconnecting_take(url: str, headers: dict[str, str], timeout_s: float) -> None:
+    """POST a take that waits for more trajectories than there are and give up (closing the
+    connection) after ``timeout_s``."""
+    async with aiohttp.ClientSession(headers=headers) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(
+                f"{url}/v1/batches/take",
+                json={"size": 1000, "wait_s": 30},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            )
+
+
+def test_a_take_whose_trainer_leaves_while_it_waits_puts_back_what_it_picked_at_once(proxied) -> None:
+    """The router's lease timeout is 300 s: the trajectory comes back well before, as ready."""
+    router, _rec = proxied
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        sid = c.post("/v1/sessions", json={}).json()["session_id"]
+        turn = c.post(
+            f"/v1/sessions/{sid}/turns",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+        )
+        assert turn.status_code == 200, turn.text
+        assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+        asyncio.run(_disconnecting_take(router.url, router.headers, 1.0))
+        ready = {"ready": 1, "pending": 0, "held_back": 0, "leases": 0}
+        _wait_for(lambda: c.get("/v1/batches/stats").json() == ready, timeout=10)
+        batch = c.post("/v1/batches/take", json={"size": 1000}).json()
+        assert [t["session_id"] for t in batch["trajectories"]] == [sid]
+        assert c.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == 1
+        assert 'route="/v1/batches/take",status="4xx"' in c.get("/metrics").text
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """router.disconnect.CancelOnDisconnect on the ASGI contract itself (a server's ``receive`` and
-``send`` driven by the test): a client gone before the answer cancels the handler and is answered
-499; the server's own cancellation of the request's task is raised on; after the answer started,
-a disconnect cancels nothing. The same middleware in a live router: tests/router/test_abort.py."""
+``send`` driven by the test): a client gone before the answer (of a turn, of a take) cancels the
+handler and is answered 499; the server's own cancellation of the request's task is raised on;
+after the answer started, a disconnect cancels nothing. The same middleware in a live router:
+tests/router/test_abort.py."""
 
 from __future__ import annotations
 
@@ -62,20 +63,21 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-async def _waiting(log: list[str], *, start_first: bool = False):
-    """A session request through the middleware, its handler waiting for ``go``: the exchange,
-    the request's task and ``go``."""
+async def _waiting(log: list[str], *, start_first: bool = False, scope: dict = SCOPE):
+    """A request (default: a session's turn) through the middleware, its handler waiting for
+    ``go``: the exchange, the request's task and ``go``."""
     app, go = handler(log, start_first=start_first)
     ex = Exchange()
-    task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+    task = asyncio.create_task(CancelOnDisconnect(app)(scope, ex.receive, ex.send))
     await _settle()
     return ex, task, go
 
 
-def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499() -> None:
+@pytest.mark.parametrize("path", [SCOPE["path"], "/v1/batches/take"])
+def test_a_client_gone_before_the_answer_cancels_the_handler_and_gets_499(path: str) -> None:
     async def main() -> None:
         log: list[str] = []
-        ex, task, _ = await _waiting(log)
+        ex, task, _ = await _waiting(log, scope={**SCOPE, "path": path})
         ex.leave()
         async with asyncio.timeout(5):
             await task  # returns: the request's task is not left cancelled
@@ -115,7 +117,7 @@ def test_a_client_gone_after_the_answer_started_cancels_nothing() -> None:
 
 def test_an_answered_request_leaves_no_watcher_and_others_pass_through() -> None:
     async def main() -> None:
-        for scope in (SCOPE, {**SCOPE, "method": "GET"}, {**SCOPE, "path": "/v1/batches/take"}):
+        for scope in (SCOPE, {**SCOPE, "method": "GET"}, {**SCOPE, "path": "/v1/batches/L1/ack"}):
             log: list[str] = []
             app, go = handler(log)
             ex = Exchange()

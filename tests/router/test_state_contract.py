@@ -370,6 +370,106 @@ async def test_take_waits_for_a_finish(store_url: str) -> None:
         assert [t.session.session_id for t in lease.trajectories] == ["s"]
 
 
+async def test_a_waiting_take_keeps_what_it_picked_and_its_lease_starts_when_it_answers(
+    store_url: str,
+) -> None:
+    """A take waiting for more holds what it picked (no other take gets it, however long the wait
+    against the lease timeout) and its lease's timeout counts from its answer."""
+    async with two_routers(store_url) as (a, b):
+        await _session(a, "s")
+        await a.finish_session("s", "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.5}
+        waiting = asyncio.create_task(a.take(2, **kw, wait_s=1.5))
+        await asyncio.sleep(0.8)  # "s" was picked more than a lease timeout ago
+        assert (await b.take(1, **kw)).trajectories == []
+        lease = await waiting
+        assert [t.session.session_id for t in lease.trajectories] == ["s"] and lease.redelivered == 0
+        assert (await b.take(1, **kw)).trajectories == []  # its lease has just started
+        await asyncio.sleep(0.7)
+        again = await b.take(1, **kw)
+        assert [t.session.session_id for t in again.trajectories] == ["s"] and again.redelivered == 1
+        late = await a.ack(lease.lease_id)
+        assert (late.acked, late.expired, late.update) == (0, 1, None)
+
+
+async def test_a_take_cancelled_while_it_waits_puts_back_what_it_picked_at_once(store_url: str) -> None:
+    async with two_routers(store_url) as (a, b):
+        await _session(a, "s")
+        await a.finish_session("s", "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+        waiting = asyncio.create_task(a.take(2, **kw, wait_s=10))
+        async with asyncio.timeout(5):  # until it picked "s" (it waits on for a second one)
+            while (await b.queue_stats())["pending"] != 1:
+                await asyncio.sleep(0.02)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await b.queue_stats() == {"ready": 1, "pending": 0, "held_back": 0, "leases": 0}
+        lease = await b.take(2, **kw)
+        assert [t.session.session_id for t in lease.trajectories] == ["s"] and lease.redelivered == 0
+        assert (await a.ack(lease.lease_id)).acked == 1
+
+
+async def test_concurrent_acks_of_one_lease_acknowledge_it_once(store_url: str) -> None:
+    """Eight acknowledgements of one lease at once, through two routers (their connections
+    open first, so that the eight reach the store together), three leases in turn: one
+    acknowledges the lease's three trajectories and closes one update, the seven others find the
+    lease gone."""
+    async with two_routers(store_url) as (a, b):
+        for n in range(1, 4):
+            for i in range(3):
+                await _session(a, f"s{n}-{i}")
+                await a.finish_session(f"s{n}-{i}", "f", 1.0, {})
+            lease = await a.take(3, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+            await asyncio.gather(*(x.ping() for x in (a, b) * 4))
+            answers = await asyncio.gather(
+                *(x.ack(lease.lease_id) for x in (a, b) * 4), return_exceptions=True
+            )
+            assert sum(isinstance(r, LeaseNotFound) for r in answers) == 7, answers
+            done = [(r.acked, r.expired, r.update) for r in answers if not isinstance(r, LeaseNotFound)]
+            assert done == [(3, 0, n)]
+        assert [(u.seq, u.trajectories) for u in (await b.ledger()).updates] == [(1, 3), (2, 3), (3, 3)]
+        assert await b.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
+
+
+async def test_an_ack_racing_the_take_that_redelivers_its_lease_hands_out_nothing_twice(
+    store_url: str,
+) -> None:
+    """An acknowledgement and a take at the moment the lease expires, 20 times through two
+    routers: each trajectory is either acknowledged by it or handed out again (and then counted
+    expired), never both."""
+    async with two_routers(store_url) as (a, b):
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.05}
+        for i in range(20):
+            sids = {f"r{i}-{k}" for k in range(4)}
+            for sid in sorted(sids):
+                await _session(a, sid)
+                await a.finish_session(sid, "f", 1.0, {})
+            lease = await a.take(4, **kw)
+            await asyncio.sleep(0.04 + 0.005 * (i % 5))
+            acked, again = await asyncio.gather(b.ack(lease.lease_id), a.take(4, **kw))
+            given = {t.session.session_id for t in again.trajectories}
+            assert given <= sids and (acked.acked, acked.expired) == (4 - len(given), len(given)), i
+            if again.trajectories:
+                assert (await a.ack(again.lease_id)).acked == len(given)
+        assert (await b.queue_stats())["pending"] == 0
+
+
+async def test_a_redelivery_is_counted_though_the_trajectory_was_held_back_in_between(
+    store_url: str,
+) -> None:
+    async with opened(store_url) as store:
+        await _session(store, "s", version=1)
+        await store.finish_session("s", "f", 1.0, {})
+        first = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=0.2)
+        assert len(first.trajectories) == 1 and first.redelivered == 0
+        await asyncio.sleep(0.3)
+        held = await store.take(1, trainer_version=10, max_version_age=2, lease_timeout_s=0.2)
+        assert held.trajectories == [] and held.held_back == 1
+        again = await store.take(1, trainer_version=10, max_version_age=None, lease_timeout_s=0.2)
+        assert [t.session.session_id for t in again.trajectories] == ["s"] and again.redelivered == 1
+
+
 async def test_replicas_versions_and_route_keys(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.put_replica("r1", {"group": "g", "ready": True})
@@ -594,6 +694,85 @@ async def test_redis_a_queued_session_whose_keys_are_gone_is_dropped_from_the_qu
         assert [t.session.session_id for t in lease.trajectories] == ["kept"]
         assert (await store.ack(lease.lease_id)).acked == 1
         assert await store.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
+
+
+async def test_redis_what_a_take_that_died_while_it_waited_picked_goes_out_once_its_mark_lapses(
+    redis_url: str,
+) -> None:
+    """A router gone mid-take leaves its pick pending under its consumer and its mark in
+    ``mf:taking``: past the lease timeout no take claims it while the mark holds; once the mark
+    lapses the next take gets it (not redelivered: no lease was made of it) and drops the mark."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    async with opened(redis_url) as store:
+        await _session(store, "s")
+        await store.finish_session("s", "f", 1.0, {})
+        plain.xreadgroup("trainers", "dead", {"mf:ready": ">"}, count=1)
+        secs, micros = plain.time()
+        plain.zadd("mf:taking", {"dead": secs * 1000 + micros // 1000 + 1000})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.1}
+        await asyncio.sleep(0.3)
+        assert (await store.take(1, **kw)).trajectories == []
+        await asyncio.sleep(0.9)
+        lease = await store.take(1, **kw)
+        assert [t.session.session_id for t in lease.trajectories] == ["s"] and lease.redelivered == 0
+        assert plain.zrange("mf:taking", 0, -1) == []
+        assert (await store.ack(lease.lease_id)).acked == 1
+
+
+async def test_redis_a_take_cancelled_after_its_lease_was_made_puts_it_back_uncounted(redis_url: str) -> None:
+    """The cancellation lands while the script that made the lease answers (the trainer never
+    sees the lease): the lease is gone, the trajectory ready again and not counted delivered."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    async with opened(redis_url) as store:
+        await _session(store, "s")
+        await store.finish_session("s", "f", 1.0, {})
+        made = store._lease_picked
+
+        async def made_then_cancelled(**kw):
+            await made(**kw)
+            raise asyncio.CancelledError
+
+        store._lease_picked = made_then_cancelled
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+        with pytest.raises(asyncio.CancelledError):
+            await store.take(1, **kw)
+        store._lease_picked = made
+        assert plain.keys("mf:lease:*") == [] and plain.zcard("mf:taking") == 0
+        assert await store.queue_stats() == {"ready": 1, "pending": 0, "held_back": 0, "leases": 0}
+        lease = await store.take(1, **kw)
+        assert [t.session.session_id for t in lease.trajectories] == ["s"] and lease.redelivered == 0
+        assert plain.hget("mf:s:s", "delivered") == b"1"
+
+
+async def test_redis_a_lease_made_twice_counts_once_and_an_entry_it_does_not_name_is_not_lost(
+    redis_url: str,
+) -> None:
+    """redis-py reruns a command whose reply a dropped connection lost. The script that makes a
+    lease, run again, counts its deliveries once; an entry pending under a lease's consumer that
+    the lease does not name (a read whose reply was lost) outlives the lease's acknowledgement
+    and is handed out after the lease timeout."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    async with opened(redis_url) as store:
+        for sid in ("s", "lost"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.3}
+        lease = await store.take(1, **kw)
+        key = f"mf:lease:{lease.lease_id}"
+        (entry,) = plain.hkeys(key)
+        held, seen = await store._lease_picked(
+            keys=["mf:ready", "mf:taking", key, "mf:held", "mf:s:s"],
+            args=["trainers", lease.lease_id, 60_000, entry, "s"],
+        )
+        assert seen == [1] and plain.hget("mf:s:s", "delivered") == b"1"
+        plain.xreadgroup("trainers", lease.lease_id, {"mf:ready": ">"}, count=1)
+        assert (await store.ack(lease.lease_id)).acked == 1
+        await asyncio.sleep(0.4)
+        again = await store.take(5, **kw)
+        assert [t.session.session_id for t in again.trajectories] == ["lost"]
 
 
 async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer_one_is_unavailable() -> None:
