@@ -105,7 +105,8 @@ def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-timeout",
         type=float,
         default=10.0,
-        help="seconds a replica stays in rotation after it last reported ready (default 10)",
+        help="seconds a replica stays in rotation after it last reported ready; one silent that long "
+        "is lost and the requests running on it fail over (default 10)",
     )
     parser.add_argument(
         "--engine-timeout",

@@ -144,8 +144,10 @@ class RouterConfig:
     timed out (retried once on the same replica while it stays in rotation, then elsewhere); a
     replica that reported ready within ``heartbeat_timeout_s`` is in rotation, and one that
     failed a request stays out of it for ``failure_cooldown_s``; a request gives up after
-    ``2 * max_attempts`` + the number of groups attempts. Each of the four durations must be > 0
-    (ValueError).
+    ``2 * max_attempts`` + the number of groups attempts. A replica that has gone
+    ``heartbeat_timeout_s`` without a sign of health is lost: the requests running on it are
+    abandoned and fail over (:meth:`router.registry.Registry.lost`). Each of the four durations
+    must be > 0 (ValueError).
 
     The state's bounds (:mod:`router.state.retention`): acknowledged trajectories stay readable
     ``retention_s``; per group the ledger and the mismatch sums keep the ``keep_versions`` highest
