@@ -13,9 +13,16 @@ fixed port (the URL the router knows it by). A :class:`Supervisor` brings replic
 them serving: while ``strict`` (start-up), a process that exits or is not ready in time raises
 :class:`ChildFailed`; afterwards an engine that exits is started again on the store's current
 version together with a new sidecar, a sidecar that exits is started again alone, each after a
-backoff that doubles per consecutive failure. Every restart is reported through ``on_event``
-and counted in the replica's ``restarts``, which each new sidecar exports as
-``mixfleet_replica_restarts_total``.
+backoff that doubles per consecutive failure. A replica that has been ready is asked every
+``check_interval_s`` whether its processes answer -- the engine's ``/health`` and the sidecar's
+``/v1/status`` (its own state: it asks the engine nothing), each 200 within the probe's timeout
+-- and one that has not answered for ``unresponsive_s`` (hung, stopped) is killed (SIGKILL to its
+process group) and restarted the same way: an engine with a new sidecar, a sidecar alone. A
+weight activation never looks like that: the local engine answers ``/health`` from its event
+loop while it is paused and loads the new weights on a thread (``engine/server/routes_info.py``,
+``engine/server/routes_weights.py``), and the sidecar's status route answers while it activates.
+Every restart is reported through ``on_event`` and counted in the replica's ``restarts``, which
+each new sidecar exports as ``mixfleet_replica_restarts_total``.
 """
 
 from __future__ import annotations
@@ -208,23 +215,32 @@ class Probe:
 
     def get_json(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """``GET url``: (status, decoded JSON or None); (0, None) when nothing answered."""
+        return self._loop.run_until_complete(self._get(url, headers))
+
+    def answering(self, urls: Sequence[str]) -> list[bool]:
+        """Whether each ``GET url`` answers 200 within the timeout, all asked at once (the call
+        takes at most one timeout however many do not answer)."""
+
+        async def ask() -> list[tuple[int, Any]]:
+            return await asyncio.gather(*(self._get(url) for url in urls))
+
+        return [status == 200 for status, _body in self._loop.run_until_complete(ask())]
+
+    async def _get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         import aiohttp
 
         from core.jsonio import loads
 
-        async def get() -> tuple[int, Any]:
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
             async with self._http.get(url, headers=headers or {}, timeout=timeout) as r:
                 body = await r.read()
-                try:
-                    return r.status, loads(body) if body else None
-                except ValueError:
-                    return r.status, None
-
-        try:
-            return self._loop.run_until_complete(get())
         except (TimeoutError, aiohttp.ClientError, OSError):
             return 0, None
+        try:
+            return r.status, loads(body) if body else None
+        except ValueError:
+            return r.status, None
 
     def check_own_engine(self, url: str, child: Child) -> None:
         """The engine answering at ``url`` must be ``child`` itself, not another process that holds
@@ -306,6 +322,8 @@ class Replica:
     state: str = "stopped"  # stopped | engine (starting) | sidecar (starting) | running | backoff
     state_until: float = 0.0  # engine/sidecar: readiness deadline; backoff: when to start again
     failures: int = 0  # consecutive failures, for the backoff
+    engine_answered: float = 0.0  # running: when the engine last answered its health check
+    sidecar_answered: float = 0.0  # running: when the sidecar last answered its status check
 
     @property
     def replica_id(self) -> str:
@@ -422,8 +440,9 @@ class Supervisor:
     """Brings ``replicas`` up and keeps them serving (see the module docstring).
 
     ``version_of(format)`` is the version a (re)started engine loads; ``ready_timeout_s`` bounds
-    each start. Call :meth:`tick` often (it never blocks for long); :meth:`wait_running` ticks
-    until every replica is running.
+    each start; a running replica's processes are checked every ``check_interval_s`` and
+    restarted once one has not answered for ``unresponsive_s``. Call :meth:`tick` often (it blocks
+    at most for one probe timeout); :meth:`wait_running` ticks until every replica is running.
     """
 
     def __init__(
@@ -437,6 +456,8 @@ class Supervisor:
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
         stable_s: float = 60.0,
+        unresponsive_s: float = 60.0,
+        check_interval_s: float = 2.0,
         on_event: Callable[[str], None] = lambda _line: None,
     ) -> None:
         self.launcher = launcher
@@ -447,8 +468,11 @@ class Supervisor:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.stable_s = stable_s
+        self.unresponsive_s = unresponsive_s
+        self.check_interval_s = check_interval_s
         self.on_event = on_event
         self.strict = True
+        self._next_check = 0.0
 
     def start(self) -> None:
         """Start every replica's engine (their sidecars follow as the engines get ready)."""
@@ -469,9 +493,30 @@ class Supervisor:
             time.sleep(0.2)
 
     def tick(self) -> None:
+        if time.monotonic() >= self._next_check:
+            self._check_running()
+            self._next_check = time.monotonic() + self.check_interval_s
         now = time.monotonic()
         for r in self.replicas:
             self._advance(r, now)
+
+    def _check_running(self) -> None:
+        """Ask every running replica's engine (``/health``) and sidecar (its status route) at
+        once; note when each answered."""
+        from clients.sidecar import STATUS_PATH
+
+        running = [r for r in self.replicas if r.state == "running"]
+        if not running:
+            return
+        answers = self.probe.answering(
+            [u for r in running for u in (r.engine_url + "/health", r.url + STATUS_PATH)]
+        )
+        now = time.monotonic()
+        for r, engine_ok, sidecar_ok in zip(running, answers[::2], answers[1::2], strict=True):
+            if engine_ok:
+                r.engine_answered = now
+            if sidecar_ok:
+                r.sidecar_answered = now
 
     def _start_engine(self, r: Replica) -> None:
         version = self.version_of(r.weight_format)
@@ -509,15 +554,32 @@ class Supervisor:
             elif r.state == "sidecar":
                 if self.probe.healthy(r.url):
                     r.state = "running"
+                    r.engine_answered = r.sidecar_answered = now
                     if r.restarts:
                         self.on_event(f"replica {r.replica_id} is serving again (restarts: {r.restarts})")
                 elif now > r.state_until:
                     self._failed(r, r.sidecar, "was not ready in time", keep_engine=True)
+            else:
+                self._check_unresponsive(r, now)
         elif r.state == "backoff" and now >= r.state_until:
             if r.engine is not None and r.engine.returncode() is None:
                 self._start_sidecar(r)
             else:
                 self._start_engine(r)
+
+    def _check_unresponsive(self, r: Replica, now: float) -> None:
+        """Restart the running replica's engine (with a new sidecar) or its sidecar alone when it
+        has not answered its check for ``unresponsive_s``."""
+        assert r.engine is not None and r.sidecar is not None
+        for child, answered, keep_engine in (
+            (r.engine, r.engine_answered, False),
+            (r.sidecar, r.sidecar_answered, True),
+        ):
+            silent = now - answered
+            if silent >= self.unresponsive_s:
+                what = f"did not answer for {silent:.0f} s (unresponsive); killed"
+                self._failed(r, child, what, keep_engine=keep_engine)
+                return
 
     def _failed(self, r: Replica, child: Child, what: str, *, keep_engine: bool) -> None:
         if self.strict:

@@ -27,9 +27,10 @@ Before: nothing (a fresh machine is fine). What :func:`serve` does, in order:
 
 After (:func:`run_until_stopped`): prints the URL, the key and commands to paste, and serves until
 Ctrl-C or SIGTERM. It
-supervises its processes: an engine or sidecar that exits is started again (with backoff; logged;
-counted in the sidecar's ``mixfleet_replica_restarts_total``), and while a group has no replica
-its sessions fail over to the others. Ctrl-C or SIGTERM, at any moment including start-up, stops
+supervises its processes: an engine or sidecar that exits, or that has served and then stops
+answering for ``--unresponsive-timeout`` (hung: killed first), is started again (with backoff;
+logged; counted in the sidecar's ``mixfleet_replica_restarts_total``), and while a group has no
+replica its sessions fail over to the others. Ctrl-C or SIGTERM, at any moment including start-up, stops
 every process it started within a few seconds and exits 0. If the router exits, it stops the
 others and exits 1, naming the router's log (``<data-dir>/logs/``); so does a process that fails
 during start-up. Should ``up`` itself be killed, its processes exit too (Linux).
@@ -65,8 +66,9 @@ ALL_SCOPES = ("rollout", "trainer", "admin")
 class UpSettings:
     """What ``mixfleet up`` runs (its flags): the preset, the router's address and state, where the
     base policy, store and logs live, the run id, the base policy's size on a first run, torch
-    threads per engine, the router's version-lag bound, the readiness timeout and the longest
-    restart backoff (seconds)."""
+    threads per engine, the router's version-lag bound, the readiness timeout, the longest
+    restart backoff, and how long a serving engine or sidecar may go without answering before it
+    is restarted (seconds; :class:`launcher.children.Supervisor`)."""
 
     preset: str = "local"
     host: str = "127.0.0.1"
@@ -79,6 +81,7 @@ class UpSettings:
     max_version_lag: int | None = None
     ready_timeout_s: float = 600.0
     restart_backoff_max_s: float = 30.0
+    unresponsive_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,7 @@ def _start_replicas(
         probe,
         ready_timeout_s=settings.ready_timeout_s,
         backoff_max_s=settings.restart_backoff_max_s,
+        unresponsive_s=settings.unresponsive_s,
         on_event=_say,
     )
     supervisor.start()

@@ -16,6 +16,7 @@ import gc
 import glob
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -51,10 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep new turns off replicas lagging the latest version by more than this",
     )
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
-    parser.add_argument(
-        "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
-    )
+    add_timeout_arguments(parser)
     parser.add_argument(
         "--max-body-bytes",
         type=int,
@@ -105,6 +103,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default auto: detected from its tokenizer)",
     )
     parser.add_argument("--log-level", default="info")
+
+
+def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the router's timeouts (:func:`timeout_values`)."""
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a replica stays in rotation after it last reported ready; one silent that long "
+        "is lost and the requests running on it fail over (default 10)",
+    )
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine request may go without a byte of its answer before it times out "
+        "(retried once on the same replica while it stays in rotation, then elsewhere; default 600)",
+    )
+    parser.add_argument(
+        "--lease-timeout", type=float, default=300.0, help="seconds before redelivery (default 300)"
+    )
+
+
+def timeout_values(args: argparse.Namespace) -> dict:
+    """RouterConfig's timeout fields from :func:`add_timeout_arguments`' flags; UserError naming
+    one that is not > 0 (``--engine-timeout``: not a positive, finite number)."""
+    for name in ("heartbeat_timeout", "lease_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    engine_timeout = getattr(args, "engine_timeout", 600.0)
+    if not 0 < engine_timeout < math.inf:  # NaN too
+        raise UserError(
+            f"--engine-timeout must be a positive, finite number of seconds, got {engine_timeout!r}"
+        )
+    return {
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+        "lease_timeout_s": args.lease_timeout,
+        "engine_timeout_s": engine_timeout,
+    }
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,9 +223,6 @@ def build_config(args: argparse.Namespace):
         from router.pinning import open_pins
 
         open_pins(args.modal_app, [g.name for g in fleet.groups])  # a client without the listing: one line
-    for name in ("heartbeat_timeout", "lease_timeout"):
-        if not getattr(args, name) > 0:  # NaN too
-            raise UserError(f"--{name.replace('_', '-')} must be > 0")
     if not args.session_idle_timeout >= 0:
         raise UserError("--session-idle-timeout must be >= 0")
     if args.context_cache_mb < 0:
@@ -217,8 +251,7 @@ def build_config(args: argparse.Namespace):
         api_keys=keys,
         auth_disabled=bool(args.insecure_no_auth and not keys),
         policy=args.policy,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        lease_timeout_s=args.lease_timeout,
+        **timeout_values(args),
         max_version_lag=args.max_version_lag,
         max_body_bytes=args.max_body_bytes,
         f16_support_logprobs=args.f16_logprobs,

@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="longest wait before restarting a replica that keeps exiting (seconds, default 30)",
     )
+    parser.add_argument(
+        "--unresponsive-timeout",
+        type=seconds,
+        default=60.0,
+        help="seconds a serving engine or sidecar may go without answering its health check before "
+        "it is killed and restarted (default 60)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,5 +71,6 @@ def run(args: argparse.Namespace) -> int:
         max_version_lag=args.max_version_lag,
         ready_timeout_s=args.ready_timeout,
         restart_backoff_max_s=args.restart_backoff_max,
+        unresponsive_s=args.unresponsive_timeout,
     )
     return run_until_stopped(settings)

@@ -18,9 +18,11 @@ front):
   metrics), and is retried with exponential backoff; a newer pointer is tried at once.
   *Ready* means: the engine has served the pointer's version at least once since start (a new
   replica joins at the current version).
-- **engine**: health, load figures from the engine's ``sglang:*`` metrics, version drift (an
-  engine restarted underneath is believed and reconciled; compared only once the reconcile loop
-  has learned the version the engine serves at start), and heartbeats to the router
+- **engine**: health (:meth:`Reconciler.engine_health`; not asked while an activation runs, so
+  heartbeats keep coming, ready, and the router keeps the turns in flight on the replica), load
+  figures from the engine's ``sglang:*`` metrics, version drift (an engine restarted underneath
+  is believed and reconciled; compared only once the reconcile loop has learned the version the
+  engine serves at start), and heartbeats to the router
   (``POST {router}/v1/replicas/heartbeat`` every ``heartbeat_s`` and after every activation:
   group, URL, ready, active version, running and queued requests, tokens/s, error).
 
@@ -464,10 +466,29 @@ class Reconciler:
             await asyncio.sleep(0.2)
 
     async def engine_health(self) -> bool:
-        """Whether the engine answers ``/health`` now (also kept as ``state.engine_ok``)."""
-        ok = self.engine is not None and await self.engine.health(timeout=5.0)
-        self.state.engine_ok = ok
-        return ok
+        """Whether the engine counts as answering now (kept as ``state.engine_ok``): its
+        ``/health`` answered 200 within 5 s. While this sidecar activates a version the engine is
+        not asked and keeps the standing it had: the activation's own calls say whether the engine
+        is there (a refused connection fails it at once; they are bounded by
+        ``engine_timeout_s``), and SGLang's ``/health`` would only wait on the paused scheduler
+        -- by default (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``, environ.py 344) it sends a
+        one-token generation and answers 200 once any scheduler output arrived after it
+        started, 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) without one
+        (entrypoints/http_server.py 218, 721-799; managers/tokenizer_manager.py 2465-2479). For
+        the same reason a late or non-200 answer to a check that an activation overlapped keeps
+        that standing too. So a replica's heartbeats keep coming, ready, through an activation,
+        and the router keeps the turns in flight on it (:meth:`router.registry.Registry.lost`)."""
+        if self.engine is None:
+            self.state.engine_ok = False
+            return False
+        if self._activation_lock.locked():
+            return self.state.engine_ok
+        epoch = self._epoch
+        answer = await self.engine.probe(timeout=5.0)
+        overlapped = epoch != self._epoch or self._activation_lock.locked()
+        if answer == "ok" or answer == "unreachable" or not overlapped:
+            self.state.engine_ok = answer == "ok"
+        return self.state.engine_ok
 
     async def _engine_version(self) -> int | None:
         """The version the engine serves (None if it names none, a non-integer, or cannot say)."""

@@ -9,7 +9,8 @@ SGLang) and is the replica's only public port:
   403: only the sidecar drives them. ``/abort_request`` naming one request (``rid``, no
   ``abort_all``) is proxied, so the router can abort a turn whose client went away; an abort of
   every request, or one without a ``rid``, is a control route (403).
-- **Health**: ``/health`` is 200 only while the engine answers and the replica is *ready*: it
+- **Health**: ``/health`` is 200 only while the engine answers (during an activation, as it
+  answered before: :meth:`Reconciler.engine_health`) and the replica is *ready*: it
   has served the store pointer's version at least once since the sidecar started (a new
   replica joins at the current version). ``/metrics`` is the sidecar's own ``mixfleet_replica_*``
   metrics (Prometheus conventions, no colons: ``promtool check metrics`` passes);

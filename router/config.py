@@ -139,6 +139,16 @@ class RouterConfig:
     above ``affinity_queue_bound`` waiting requests for ``affinity_hold_s`` (:mod:`router.registry`,
     load-aware affinity).
 
+    Engine requests (:mod:`router.dispatch`): a replica that accepts no connection within
+    ``connect_timeout_s``, or sends no byte of an answer for ``engine_timeout_s`` seconds, has
+    timed out (retried once on the same replica while it stays in rotation, then elsewhere); a
+    replica that reported ready within ``heartbeat_timeout_s`` is in rotation, and one that
+    failed a request stays out of it for ``failure_cooldown_s``; a request gives up after
+    ``2 * max_attempts`` + the number of groups attempts. A replica that has gone
+    ``heartbeat_timeout_s`` without a sign of health is lost: the requests running on it are
+    abandoned and fail over (:meth:`router.registry.Registry.lost`). Each of the four durations
+    must be > 0 (ValueError).
+
     The state's bounds (:mod:`router.state.retention`): acknowledged trajectories stay readable
     ``retention_s``; per group the ledger and the mismatch sums keep the ``keep_versions`` highest
     versions (older ones rolled into totals) and the ledger the latest ``keep_updates`` update
@@ -188,7 +198,14 @@ class RouterConfig:
         if self.chat_family is not None and self.chat_family not in CHAT_FAMILIES:
             raise ValueError(f"chat_family must be one of {', '.join(CHAT_FAMILIES)}: {self.chat_family!r}")
         self.retention()  # ValueError naming a bound out of range
-        for name in ("compact_interval_s", "route_key_ttl_s"):
+        for name in (
+            "compact_interval_s",
+            "route_key_ttl_s",
+            "heartbeat_timeout_s",
+            "connect_timeout_s",
+            "engine_timeout_s",
+            "failure_cooldown_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.context_cache_bytes < 0:

@@ -12,7 +12,8 @@ trajectories, the replicas' heartbeats and static-poll results, the latest versi
 window (:func:`router.policy.assign_group`) and the weight jobs. The registry is this process's
 view of the store's replicas (adopted every ``poll_interval_s`` and before ``/v1/groups``
 answers) plus what only this process observes of its own engine calls: requests in flight,
-failure cooldowns and the passive health of a served request.
+failure cooldowns and the passive health of a served request. Every poll signals the requests in
+flight on a replica that is lost, which the dispatcher then abandons (:mod:`router.dispatch`).
 
 Other modules add routes that use it (e.g. the weight-sync admin routes): pass them to
 ``create_app(config, extra_routers=[...])`` or call :func:`router.app.include_routes`; inside a
@@ -196,13 +197,18 @@ class RouterContext:
         return len(expired)
 
     async def poll_once(self) -> None:
-        """Health-poll static replicas; adopt heartbeats and the latest version from the store."""
+        """Health-poll static replicas; adopt heartbeats and the latest version from the store;
+        then signal the requests running on replicas now lost (:meth:`Registry.signal_lost`:
+        the dispatcher abandons them), unless the store could not be read (this process would
+        judge other routers' heartbeats by a stale view)."""
         statics = [r for r in self.registry.replicas.values() if r.static]
         await asyncio.gather(*(self._poll_static(r.replica_id, r.url, r.vocab_size is None) for r in statics))
         try:
             await self.adopt_shared()
         except StateError as exc:
             log.warning("state store unavailable during poll: %s", exc)
+            return
+        self.registry.signal_lost()
 
     async def adopt_shared(self) -> None:
         """Bring the registry and the latest version up to the store's: heartbeats and poll

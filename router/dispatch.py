@@ -4,19 +4,25 @@
   when in rotation), and on a refused or dropped connection, a 5xx (a 503 included: a replica
   not ready, or Modal's proxy without a container), a generation the engine aborted
   (:class:`~clients.engine.EngineAborted`: its tokens are discarded, never recorded) or a
-  second timeout (a first timeout is retried on the same replica: slow is not dead) marks the
-  replica failed and retries on another replica of the group; a retryable refusal (409: the
-  replica cannot meet the version constraint now; 429: Modal's proxy refused a container over
-  its ``max_concurrency``) retries on another replica without marking it failed. When the group
+  second timeout (a first timeout is retried on the same replica while it stays in rotation:
+  slow is not dead; a timeout is ``engine_timeout_s`` without a byte of the answer,
+  :class:`~router.config.RouterConfig`) marks the replica failed and retries on another replica
+  of the group; a retryable refusal (409: the replica cannot meet the version constraint now;
+  429: Modal's proxy refused a container over its ``max_concurrency``) retries on another
+  replica without marking it failed. A request whose replica the registry finds lost while it
+  runs (no sign of health for ``heartbeat_timeout_s``: :meth:`Registry.lost`; never a replica
+  that is activating a version) is abandoned at once: cancelled (the turn's engine request is
+  aborted, best effort) and retried on another replica, reason ``lost``. When the group
   has none left, the session moves to another group (chosen by the policy; for a session with
   ``record_routes``, among the groups whose engines return routed experts) and the turn records
   ``moved_from``; only when no group can take it does the caller see a 503. Nothing is stored
-  here: the caller records the returned turn once.
+  here: the caller records the returned turn once, and nothing of a failed or abandoned attempt.
 
 Each engine request carries a fresh ``rid`` (SGLang's ``GenerateReqInput.rid``, managers/io_struct.py
-177-180). When the turn's task is cancelled (its client disconnected: :mod:`router.disconnect`)
-or an attempt times out, the attempt's replica gets ``POST /abort_request {"rid": ...}``
-(entrypoints/http_server.py 1721-1731), so the engine stops generating tokens nobody will record.
+177-180). When the turn's task is cancelled (its client disconnected: :mod:`router.disconnect`),
+an attempt times out or its replica is lost, the attempt's replica gets ``POST /abort_request
+{"rid": ...}`` (entrypoints/http_server.py 1721-1731), so the engine stops generating tokens
+nobody will record.
 
 Every attempt goes through :meth:`RouterContext.replica_client`, so on Modal it is pinned to the
 chosen replica's own container (:mod:`router.pinning`): the replica that failed is the one marked
@@ -29,7 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -54,24 +60,58 @@ T = TypeVar("T")
 
 
 class Placement(NamedTuple):
-    """Where a request finally ran: ``moved_from`` is set when it left ``start_group``."""
+    """Where a request finally ran: ``moved_from`` is set when it left ``start_group``;
+    ``attempts`` requests were sent, and those that did not answer took ``failed_s`` seconds."""
 
     group: str
     replica_id: str
     url: str
     moved_from: str | None
     attempts: int
+    failed_s: float = 0.0
+
+
+class ReplicaLost(Exception):
+    """The request on ``replica_id`` (at ``url``) was abandoned: the registry found the replica
+    lost, ``silent_s`` seconds without a sign of health (:meth:`Registry.lost`)."""
+
+    def __init__(self, replica_id: str, url: str, silent_s: float) -> None:
+        self.replica_id = replica_id
+        self.url = url
+        self.silent_s = silent_s
+        self.message = f"replica {replica_id} lost: no sign of health for {silent_s:.1f} s"
+        super().__init__(f"{url}: {self.message}")
+
+
+async def _attempt(registry: Registry, replica: Any, call: Coroutine[Any, Any, T]) -> T:
+    """The result of ``call``, the request of one attempt on ``replica`` (a :class:`Replica` or a
+    view), run inside :meth:`Registry.attempt`. Raises :class:`ReplicaLost` when the registry
+    finds the replica lost before ``call`` finished: ``call`` is then cancelled (its own
+    cancellation handling ran: :func:`run_turn`'s sends the abort) and nothing of it is kept. A
+    cancellation of the caller cancels ``call`` too."""
+    with registry.attempt(replica.replica_id) as lost:
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():  # the replica is lost, or the caller is being cancelled
+                task.cancel()
+                await asyncio.wait((task,))
+        if task.cancelled() and lost.done():
+            raise ReplicaLost(replica.replica_id, replica.url, lost.result())
+        return task.result()
 
 
 async def with_failover(
     ctx: RouterContext,
     start_group: str,
     affinity: str | None,
-    send: Callable[[SGLangClient, str], Awaitable[T]],
+    send: Callable[[SGLangClient, str], Coroutine[Any, Any, T]],
     *,
     min_version: int | None = None,
     may_move: bool = True,
     exclude: Collection[str] = frozenset(),
+    committed: Callable[[], bool] = lambda: False,
 ) -> tuple[T, Placement]:
     """Run ``send(client, group)`` with the engine client of a replica in rotation and its group
     (:meth:`RouterContext.replica_client`), failing over as the module says; the request never
@@ -79,7 +119,9 @@ async def with_failover(
 
     ``send`` raises EngineUnavailable (retry elsewhere), EngineRejected (4xx: passed up as
     422/4xx unless retryable, 409 or 429; a 401/403, the replica refusing the router's own
-    credentials, as 502) or ValueError (a malformed engine response: retry elsewhere).
+    credentials, as 502) or ValueError (a malformed engine response: retry elsewhere); it is
+    cancelled when its replica is lost, and the request then fails over unless ``committed()``
+    says part of its answer already reached the caller (then ApiError 502).
     """
     latest = ctx.latest_version()
     group = start_group
@@ -88,6 +130,7 @@ async def with_failover(
     timeouts: dict[str, int] = {}
     groups_tried: set[str] = set(exclude)
     attempts = 0
+    failed_s = 0.0
     limit = 2 * ctx.config.max_attempts + len(ctx.fleet.groups)
     last_error = "no replica in rotation"
     registry = ctx.registry
@@ -108,39 +151,45 @@ async def with_failover(
         attempts += 1
         if attempts > limit:
             raise unavailable(f"gave up after {attempts - 1} attempts ({last_error})")
-        rep = registry.replicas.get(replica.replica_id)
-        if rep is not None:
-            rep.inflight += 1
+        client = ctx.replica_client(replica.replica_id, replica.url)
+        started = time.perf_counter()
         try:
-            result = await send(ctx.replica_client(replica.replica_id, replica.url), group)
-        except EngineUnavailable as exc:
-            last_error = exc.message
-            if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
-                # slow to connect or answer is not dead: one more try on the same replica
-                timeouts[replica.replica_id] = 1
-                ctx.metrics.failovers.labels(group, "timeout_retry").inc()
-                continue
-            tried.add(replica.replica_id)
-            ctx.registry.mark_failed(replica.replica_id, ctx.config.failure_cooldown_s, exc.message)
-            ctx.metrics.failovers.labels(group, "unavailable").inc()
-            continue
-        except EngineRejected as exc:
-            if exc.retryable:  # 409: not the version asked for now; 429: the container is full
-                last_error = exc.message
+            result = await _attempt(registry, replica, send(client, group))
+        except (ReplicaLost, EngineError, ValueError) as exc:
+            failed_s += time.perf_counter() - started
+            if isinstance(exc, ReplicaLost) and committed():
+                raise ApiError(502, f"engine {replica.url} failed mid-stream: {exc.message}") from None
+            reason, last_error = _failed(ctx, replica, exc, timeouts)
+            ctx.metrics.failovers.labels(group, reason).inc()
+            if reason != "timeout_retry":
                 tried.add(replica.replica_id)
-                ctx.metrics.failovers.labels(group, "busy" if exc.status == 429 else "version").inc()
-                continue
-            raise _refused(exc, replica.url) from None
-        except ValueError as exc:
-            last_error = f"bad engine response: {exc}"
-            tried.add(replica.replica_id)
-            ctx.metrics.failovers.labels(group, "bad_response").inc()
             continue
-        finally:
-            if rep is not None:
-                rep.inflight -= 1
         registry.touch(replica.replica_id)  # alive (passive health)
-        return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts)
+        return result, Placement(group, replica.replica_id, replica.url, moved_from, attempts, failed_s)
+
+
+def _failed(
+    ctx: RouterContext, replica: Any, exc: ReplicaLost | EngineError | ValueError, timeouts: dict[str, int]
+) -> tuple[str, str]:
+    """The failover reason (:data:`router.metrics.FAILOVER_REASONS`) and message of an attempt on
+    ``replica`` that raised ``exc``: ``timeout_retry`` for a replica's first timeout (counted in
+    ``timeouts``; the caller may pick it again), ``unavailable`` (the replica is marked failed),
+    ``lost``, ``busy`` or ``version`` for a retryable refusal, ``bad_response``. Raises the
+    ApiError of a refusal no other replica would change."""
+    if isinstance(exc, ReplicaLost):
+        log.warning("abandoned a request on %s (%s): %s", replica.replica_id, replica.url, exc.message)
+        return "lost", exc.message
+    if isinstance(exc, EngineUnavailable):
+        if "Timeout" in exc.message and timeouts.get(replica.replica_id, 0) == 0:
+            timeouts[replica.replica_id] = 1  # slow to connect or answer is not dead: one more try
+            return "timeout_retry", exc.message
+        ctx.registry.mark_failed(replica.replica_id, ctx.config.failure_cooldown_s, exc.message)
+        return "unavailable", exc.message
+    if isinstance(exc, EngineRejected):
+        if not exc.retryable:
+            raise _refused(exc, replica.url) from None
+        return ("busy" if exc.status == 429 else "version"), exc.message  # 429: the container is full
+    return "bad_response", f"bad engine response: {exc}"
 
 
 async def _move(
@@ -316,7 +365,8 @@ async def run_turn(
     With ``on_tokens``, the engine request streams (:meth:`SGLangClient.generate`) and ``await
     on_tokens(ids)`` gets the new output ids as they are sampled; the turn is parsed from the final
     chunk as from a whole answer. Failover happens only before the first ids reached
-    ``on_tokens``: an engine failure after that aborts the request and raises ApiError 502."""
+    ``on_tokens``: an engine failure (or a lost replica) after that aborts the request and raises
+    ApiError 502. The turn's ``timings`` say where its time went (:func:`_timings`)."""
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
     check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
@@ -341,7 +391,7 @@ async def run_turn(
                 routed_experts_start=routes_start,
                 on_tokens=streamed.forward if on_tokens is not None else None,
             )
-        except asyncio.CancelledError:  # the turn's caller went away: stop the engine too
+        except asyncio.CancelledError:  # the caller went away, or the replica was lost: stop the engine
             abort_later(client, rid)
             raise
         except (EngineError, ValueError) as exc:
@@ -355,21 +405,43 @@ async def run_turn(
         return generation, time.perf_counter() - e0
 
     (generation, engine_s), place = await with_failover(
-        ctx, session.group, session.replica, send, min_version=min_version, exclude=unable
+        ctx,
+        session.group,
+        session.replica,
+        send,
+        min_version=min_version,
+        exclude=unable,
+        committed=lambda: streamed.started,
     )
     ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
-    timings = {
+    return _parse(generation, place, index, spec.input_ids, _timings(t0, engine_s, place))
+
+
+def _timings(t0: float, engine_s: float, place: Placement) -> dict[str, Any]:
+    """A turn's ``timings`` (:class:`~router.turn_data.TurnData`), in milliseconds, for a dispatch
+    that began at ``t0`` (``time.perf_counter``) and ends now: ``engine_ms`` the answering
+    attempt's engine request (``engine_s``), ``failed_ms`` the attempts that did not answer,
+    ``router_ms`` the rest (the router's own time), and the ``attempts``."""
+    return {
         "engine_ms": _ms(engine_s),
-        "router_ms": _ms(time.perf_counter() - t0 - engine_s),
+        "failed_ms": _ms(place.failed_s),
+        "router_ms": _ms(time.perf_counter() - t0 - engine_s - place.failed_s),
         "attempts": place.attempts,
     }
+
+
+def _parse(
+    generation: Generation, place: Placement, index: int, input_ids: Ids, timings: dict[str, Any]
+) -> TurnData:
+    """:func:`router.engine_answer.parse_turn` of the answer; ApiError 502 when it holds no usable
+    behavior records."""
     try:
         return parse_turn(
             generation.body,
             index=index,
             group=place.group,
             replica=place.replica_id,
-            input_ids=spec.input_ids,
+            input_ids=input_ids,
             moved_from=place.moved_from,
             timings=timings,
             sampling=generation.sampling,

@@ -68,7 +68,7 @@ DEFAULT_VERSION_LAG_BOUND = 2
 """The version lag the lag alert allows when the router has no ``--max-version-lag``: the
 staleness the demo trainer accepts by default (``trainer/demo_config.py``, ``max_version_age``)."""
 
-FAILOVER_REASONS = ("timeout_retry", "unavailable", "version", "busy", "bad_response")
+FAILOVER_REASONS = ("timeout_retry", "unavailable", "lost", "version", "busy", "bad_response")
 """The ``reason`` label values of ``mixfleet_router_failovers_total`` (:mod:`router.dispatch`)."""
 
 G = ("group",)
@@ -133,7 +133,10 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
         "mixfleet_router_failovers_total",
         ("group", "reason"),
         "",
-        "Engine attempts that failed and were retried elsewhere, by reason",
+        "Engine attempts that failed and were retried, by reason: timeout_retry (a first timeout, "
+        "retried on the same replica), unavailable (refused or dropped connection, 5xx, engine abort, "
+        "second timeout), lost (abandoned in flight: the replica went without a sign of health for "
+        "the heartbeat timeout), version (409), busy (429), bad_response",
     ),
     _c(
         "mixfleet_router_session_moves_total",

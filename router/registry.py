@@ -8,6 +8,16 @@ life (a busy engine may answer health polls late). A replica is in rotation when
 ``max_version_lag`` is set and versions are known, lags the latest version by at most that.
 Times are ``time.monotonic()`` unless named ``wall``.
 
+**Lost replicas.** A replica is :meth:`~Registry.lost` once it has gone ``heartbeat_timeout_s``
+without a sign of health: no heartbeat or static poll that said ready, and no request it answered
+(its reports say not ready: its engine refuses connections or does not answer ``/health``; or
+they stopped). Its sidecar keeps reporting ready while it activates a version
+(:meth:`replica.reconciler.Reconciler.engine_health`), so an activation, which pauses the engine,
+never makes a replica lost; a busy engine that answers ``/health`` late leaves rotation at once
+but is lost only once that has lasted the timeout. Every request sent to a replica runs inside
+:meth:`~Registry.attempt`, whose future :meth:`~Registry.signal_lost` completes once the replica
+is lost: the dispatcher then abandons the request (:mod:`router.dispatch`).
+
 An entry is a replica id, not a URL: the containers of one Modal server share the server's one
 URL, and each heartbeats with its own id (its sidecar's, ``<group>-<MODAL_TASK_ID>`` on Modal),
 so the registry holds one entry per container, all with that URL. With :attr:`Registry.pins` set
@@ -27,9 +37,11 @@ session hashed to it (affinity without load collapses prefix-cache hit rates: pr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +67,7 @@ class Replica:
     inflight: int = 0
     vocab_size: int | None = None
     queue_high_since: float | None = None  # since when its queue has been above the affinity bound
+    healthy_at: float = -math.inf  # the last sign of health: a ready report, or a request it answered
 
     def shared(self) -> dict[str, Any]:
         """What other routers learn through the state store."""
@@ -94,6 +107,7 @@ class Registry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_version_lag = max_version_lag
         self.replicas: dict[str, Replica] = {}
+        self._attempts: dict[str, set[asyncio.Future[float]]] = {}  # replica id -> its attempts' futures
         for g in fleet.groups:
             for i, url in enumerate(g.replicas):
                 rid = f"{g.name}/{i}"
@@ -130,6 +144,8 @@ class Registry:
         r.tokens_per_s = float(hb.get("tokens_per_s") or 0.0)
         r.error = hb.get("error")
         r.last_seen = now
+        if r.ready:
+            r.healthy_at = now
         r.wall_seen = time.time() if wall is None else wall
         return r
 
@@ -170,7 +186,7 @@ class Registry:
         r.ready = ready
         r.error = error
         if ready:
-            r.last_seen = now
+            r.last_seen = r.healthy_at = now
             r.wall_seen = time.time()
             r.active_version = version
             if vocab_size:
@@ -182,6 +198,39 @@ class Registry:
         r = self.replicas.get(replica_id)
         if r is not None and r.ready:
             r.last_seen = max(r.last_seen, time.monotonic() if now is None else now)
+            r.healthy_at = max(r.healthy_at, r.last_seen)
+
+    @contextlib.contextmanager
+    def attempt(self, replica_id: str) -> Iterator[asyncio.Future[float]]:
+        """While a request runs on the replica: counted in its ``inflight``; the future it yields
+        gets, once :meth:`signal_lost` finds the replica :meth:`lost`, the seconds it has gone
+        without a sign of health. Call inside the event loop."""
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.inflight += 1
+        lost: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        futures = self._attempts.setdefault(replica_id, set())
+        futures.add(lost)
+        try:
+            yield lost
+        finally:
+            if r is not None:
+                r.inflight -= 1
+            futures.discard(lost)
+            if not futures:
+                del self._attempts[replica_id]
+
+    def signal_lost(self, now: float | None = None) -> list[str]:
+        """Complete the futures of the requests running (:meth:`attempt`) on every replica that is
+        :meth:`lost` now; the ids of those replicas."""
+        now = time.monotonic() if now is None else now
+        lost = [rid for rid in self._attempts if self.lost(rid, now)]
+        for rid in lost:
+            silent = now - self.replicas[rid].healthy_at
+            for future in self._attempts[rid]:
+                if not future.done():
+                    future.set_result(silent)
+        return lost
 
     def mark_failed(self, replica_id: str, cooldown_s: float, error: str, now: float | None = None) -> None:
         r = self.replicas.get(replica_id)
@@ -222,6 +271,13 @@ class Registry:
             for r in self.replicas.values()
             if r.group == group and self.fresh(r, now) and not self.lags(r, latest)
         ]
+
+    def lost(self, replica_id: str, now: float | None = None) -> bool:
+        """Whether the replica has gone more than ``heartbeat_timeout_s`` without a sign of health
+        (see the module docstring); False for a replica the registry does not hold."""
+        r = self.replicas.get(replica_id)
+        now = time.monotonic() if now is None else now
+        return r is not None and now - r.healthy_at > self.heartbeat_timeout_s
 
     def overloaded(self, replica_id: str, now: float | None = None) -> bool:
         """Whether the replica's queue has stayed above ``queue_bound`` for ``overload_hold_s``."""

@@ -225,6 +225,14 @@ class TurnData:
     the length of the prefix the input shared with it). ``sections``: optional named sections
     of the turn block (raw bytes, :mod:`router.records`).
 
+    ``timings``: where the turn's time went, in milliseconds (:func:`router.dispatch.run_turn`):
+    ``engine_ms`` the engine request that answered (from sending ``/generate`` to its whole
+    answer), ``failed_ms`` the engine requests that did not (timed out, refused, dropped, aborted,
+    abandoned on a lost replica: the engine's or the network's time, not the router's),
+    ``router_ms`` the rest of the dispatch (the router's own time: encoding, choosing replicas,
+    moving the session), ``attempts`` the engine requests sent, and ``engine_e2e_ms`` the
+    engine's own latency of the answer when it reports one.
+
     Invariant, checked on construction (ValueError): ``len(output_ids) == len(logprobs) ==
     len(raw_logprobs) == len(support_ids) == len(support_logprobs)``, ``len(support_ids[i])
     == len(support_logprobs[i])``, ``context >= 0`` and a fork has ``context`` 0. The order of

@@ -225,6 +225,33 @@ def test_registry_rotation_heartbeat_timeout_failure_cooldown_and_lag() -> None:
     assert views == []  # r1 not ready, r2 below the minimum
 
 
+def test_a_replica_is_lost_after_the_heartbeat_timeout_without_a_sign_of_health() -> None:
+    """Lost: no ready heartbeat or poll, and no answered request, for the heartbeat timeout. A
+    not-ready report leaves rotation at once but is lost only once that has lasted the timeout;
+    the futures of the requests running on a lost replica get its silence, others stay open."""
+    reg = Registry(_fleet(("g", 4, 1.0)), heartbeat_timeout_s=5.0, max_version_lag=None)
+    reg.heartbeat(_hb("r1", "g"), now=100.0)
+    reg.heartbeat(_hb("r2", "g"), now=100.0)
+    reg.heartbeat(_hb("r1", "g", ready=False), now=102.0)
+    assert [r.replica_id for r in reg.in_rotation("g", None, now=102.0)] == ["r2"]
+    assert not reg.lost("r1", now=105.0) and reg.lost("r1", now=105.5)
+    reg.heartbeat(_hb("r2", "g"), now=104.0)
+    reg.touch("r2", now=108.0)  # a request it answered is a sign of health
+    assert not reg.lost("r2", now=112.9) and reg.lost("r2", now=113.1)
+    assert not reg.lost("unknown", now=1e9)
+
+    async def attempts() -> None:
+        with reg.attempt("r1") as on_r1, reg.attempt("r2") as on_r2:
+            assert (reg.replicas["r1"].inflight, reg.replicas["r2"].inflight) == (1, 1)
+            assert reg.signal_lost(now=104.0) == [] and not on_r1.done()
+            assert reg.signal_lost(now=110.0) == ["r1"]
+            assert on_r1.result() == pytest.approx(10.0) and not on_r2.done()
+        assert (reg.replicas["r1"].inflight, reg.replicas["r2"].inflight) == (0, 0)
+        assert reg.signal_lost(now=1e9) == []  # nothing runs: nothing to signal
+
+    asyncio.run(attempts())
+
+
 def test_heartbeat_for_a_static_url_updates_that_replica() -> None:
     fleet = FleetSpec(name="t", groups=(GroupSpec(name="g", accelerator="cpu", replicas=("http://h:1",)),))
     reg = Registry(fleet, heartbeat_timeout_s=5.0, max_version_lag=None)

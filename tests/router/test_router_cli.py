@@ -54,6 +54,9 @@ def test_router_bad_argument_is_one_line() -> None:
         (("--affinity-hold", "-1"), "--affinity-hold"),
         (("--affinity-hold", "nan"), "--affinity-hold"),
         (("--affinity-queue-bound", "-1"), "--affinity-queue-bound"),
+        (("--engine-timeout", "0"), "--engine-timeout"),
+        (("--engine-timeout", "nan"), "--engine-timeout"),
+        (("--engine-timeout", "inf"), "--engine-timeout"),
     ],
 )
 def test_bad_router_arguments_name_the_option(args, needle, monkeypatch) -> None:
@@ -128,3 +131,12 @@ def test_heap_trim_interval_sets_the_period_and_zero_turns_it_off(monkeypatch) -
         build_config(parser.parse_args(["--preset", "local", "--heap-trim-interval", "0"])).heap_trim_s
         is None
     )
+
+
+def test_engine_timeout_is_the_routers_engine_timeout(monkeypatch) -> None:
+    monkeypatch.setenv("MIXFLEET_API_KEYS", json.dumps({"k" * 20: ["admin"]}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert build_config(parser.parse_args(["--preset", "local"])).engine_timeout_s == 600.0
+    config = build_config(parser.parse_args(["--preset", "local", "--engine-timeout", "45"]))
+    assert config.engine_timeout_s == 45.0
