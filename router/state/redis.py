@@ -209,6 +209,9 @@ redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', AR
 redis.call('HDEL', h, 'chat_turn', 'chat')
 redis.call('DEL', KEYS[5])
 redis.call('HINCRBY', KEYS[2], 'active:' .. redis.call('HGET', h, 'group'), -1)
+if redis.call('EXISTS', KEYS[3]) == 0 then  -- a Redis that lost its data: the queue with its group
+  redis.call('XGROUP', 'CREATE', KEYS[3], ARGV[5], '0', 'MKSTREAM')
+end
 redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
 redis.call('ZREM', KEYS[4], ARGV[4])
 return 0
@@ -585,12 +588,13 @@ class RedisStore(StateStore):
         self._roll_updates = self._r.register_script(_ROLL_UPDATES)
         self._move_fields = self._r.register_script(_MOVE_FIELDS)
         self._forget_replicas = self._r.register_script(_FORGET_REPLICAS)
-        self._group_ready = False
         self._assigning = asyncio.Lock()
 
     async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
-        """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries) or no
-        answer within ``outage_s + extra_s`` seconds -> :class:`StateUnavailable`."""
+        """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries), no
+        answer within ``outage_s + extra_s`` seconds, or a command Redis refuses (out of memory,
+        a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and any other
+        error reply) -> :class:`StateUnavailable` naming it."""
         try:
             async with asyncio.timeout(self._outage_s + extra_s):
                 return await coro_fn(*args, **kwargs)
@@ -600,16 +604,18 @@ class RedisStore(StateStore):
             ) from None
         except _UNAVAILABLE as exc:
             raise StateUnavailable(f"redis: {exc}") from None
+        except ResponseError as exc:
+            raise StateUnavailable(f"redis refused a command: {exc}") from None
 
     async def _ensure_group(self) -> None:
-        if self._group_ready:
-            return
+        """The trainer queue's consumer group, created with the stream where missing: asked before
+        every read of the queue, not remembered, as a Redis that lost its data (restarted without
+        persistence) has neither; a finish creates them too (:data:`_FINISH`)."""
         try:
             await self._r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self._group_ready = True
 
     # sessions -------------------------------------------------------------------------
     async def create_session(
@@ -709,11 +715,10 @@ class RedisStore(StateStore):
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
     ) -> None:
-        await self._ensure_group_safe()
         rc = await self._call(
             self._finish,
             keys=[_skey(session_id), STATS, STREAM, ACTIVITY, _ckey(session_id)],
-            args=[request_id, repr(float(reward)), json.dumps(metadata), session_id],
+            args=[request_id, repr(float(reward)), json.dumps(metadata), session_id, GROUP],
         )
         if rc == -1:
             raise SessionNotFound(session_id)
@@ -751,9 +756,6 @@ class RedisStore(StateStore):
             if group is not None:
                 out.append((sid, _s(group)))
         return out
-
-    async def _ensure_group_safe(self) -> None:
-        await self._call(self._ensure_group)
 
     # trainer queue --------------------------------------------------------------------
     async def take(

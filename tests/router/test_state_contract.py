@@ -1051,3 +1051,36 @@ async def test_routers_compacting_while_others_add_neither_lose_nor_double_a_sum
         snap = await a.ledger()
         assert snap.earlier["g1"].tokens + sum(t.tokens for t in snap.versions.values()) == sum(range(1, 31))
         assert snap.groups["g1"].tokens == sum(range(1, 31))
+
+
+async def test_a_redis_that_lost_its_data_takes_new_trajectories_and_refusals_are_unavailable() -> None:
+    """A Redis restarted without persistence has no queue and no consumer group: finishes made
+    after it still reach a take (the group is asked for before every read, and a finish creates
+    it with the queue), the queue's stats answer, and a command Redis refuses (out of memory) is
+    StateUnavailable naming it, not a bare error."""
+    with redis_server() as url:
+        store = RedisStore(url, outage_s=2.0)
+        plain = redis.Redis.from_url(url)
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 30.0}
+        try:
+            await _session(store, "before")
+            await store.finish_session("before", "f-before", 1.0, {})
+            assert [t.session.session_id for t in (await store.take(5, **kw)).trajectories] == ["before"]
+            plain.flushall()  # what a restart without persistence leaves
+            await _session(store, "after")
+            await store.finish_session("after", "f-after", 0.5, {})
+            assert (await store.queue_stats())["ready"] == 1
+            lease = await store.take(5, **kw)
+            assert [t.session.session_id for t in lease.trajectories] == ["after"]
+            assert (await store.ack(lease.lease_id)).acked == 1
+            plain.flushall()
+            assert (await store.take(5, **kw)).trajectories == []  # a take before any finish
+            plain.config_set("maxmemory", 1)
+            try:
+                with pytest.raises(StateUnavailable, match="redis refused a command: .*maxmemory"):
+                    await store.create_session("full", "g1", {}, now=1.0)
+            finally:
+                plain.config_set("maxmemory", 0)
+        finally:
+            plain.close()
+            await store.close()
