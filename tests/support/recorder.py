@@ -35,14 +35,9 @@ class Recorder:
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        async with (
-            aiohttp.ClientSession() as http,
-            http.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as r,
-        ):
-            answer = await r.read()
-            self.seen.append((request.method, request.path, body, r.status, answer))
-            return web.Response(status=r.status, body=answer, content_type=r.content_type)
+        answer = await forward(self.upstream, request, body)
+        self.seen.append((request.method, request.path, body, answer.status, answer.body))
+        return answer
 
     def exchanges(self, path: str) -> list[tuple[bytes, bytes]]:
         return [(req, resp) for _m, p, req, _s, resp in list(self.seen) if p == path]
@@ -86,3 +81,13 @@ def serve_in_thread(handler, name: str) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+async def forward(upstream: str, request: web.Request, body: bytes) -> web.Response:
+    """``request`` (its ``body`` already read) sent unchanged to ``upstream``; its answer."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.request(request.method, upstream + request.path_qs, data=body, headers=headers) as r,
+    ):
+        return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)

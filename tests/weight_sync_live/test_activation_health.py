@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
 import pytest
 from aiohttp import web
@@ -30,7 +29,7 @@ from aiohttp import web
 from tests.support.engines import engine_process
 from tests.support.metrics import samples_of
 from tests.support.procs import free_port, mixfleet_argv, process, wait_started
-from tests.support.recorder import HOP, serve_in_thread
+from tests.support.recorder import forward, serve_in_thread
 from tests.support.router import router_process, write_preset
 from weight_sync.convert import convert_checkpoint
 from weight_sync.publish import publish_checkpoint
@@ -67,18 +66,12 @@ class PausingHealthFront:
             await asyncio.sleep(self.load_s)
         elif request.path == "/generate":
             self.generating.set()
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        async with (
-            aiohttp.ClientSession() as http,
-            http.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as r,
-        ):
-            answer = await r.read()
+        answer = await forward(self.upstream, request, await request.read())
         if request.path == "/pause_generation":
             self.paused = True
         elif request.path == "/continue_generation":
             self.paused = False
-        return web.Response(status=r.status, body=answer, content_type=r.content_type)
+        return answer
 
 
 @contextlib.contextmanager
