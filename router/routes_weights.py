@@ -6,8 +6,10 @@
   With ``delta_of`` B the directory holds only the tensors changed since B, and every format is
   published as a delta over B (:mod:`weight_sync.delta`). Without ``version`` the router takes
   the next number (one more than every pointer and committed version) while it holds the job
-  lock, so publishes without a version compose. A path that does not exist or is not a
-  directory, a full checkpoint without ``config.json`` or a directory without shards is a 400 at
+  lock, so publishes without a version compose. Every version number in a body is a JSON
+  integer in ``[0, 2**63)`` (what a batch's int64 versions hold, :data:`core.wire.VERSION_MAX`),
+  else 422. A path that does not exist or is not a directory, a full checkpoint without
+  ``config.json`` or a directory without shards is a 400 at
   once (:func:`weight_sync.publish.check_checkpoint`), before any job starts.
 - ``POST /v1/weights/rollback`` ``{to, run_id?, version?}`` -> 202 job: a new version with
   ``to``'s content; 404 at once when some format the fleet serves has no version ``to``.
@@ -39,11 +41,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from core.errors import UserError
 from core.formats import WeightFormat
 from core.tasks import cancel_and_wait
+from core.wire import VERSION_MAX
 from router.auth import require
 from router.config import WeightsConfig
 from router.context import RouterContext
@@ -70,13 +73,16 @@ class PublishRequest(BaseModel):
     checkpoint: str = Field(
         min_length=1, description="HF BF16 checkpoint directory on the router's filesystem"
     )
-    version: int | None = Field(default=None, ge=0, description="version number (default: the next one)")
+    version: StrictInt | None = Field(
+        default=None, ge=0, le=VERSION_MAX, description="version number (default: the next one)"
+    )
     run_id: str | None = Field(default=None, pattern=RUN_ID)
     mode: Literal["barrier", "per_format"] = "barrier"
     formats: list[WeightFormat] | None = Field(default=None, min_length=1)
-    delta_of: int | None = Field(
+    delta_of: StrictInt | None = Field(
         default=None,
         ge=0,
+        le=VERSION_MAX,
         description="the checkpoint holds only the BF16 tensors changed since this version; "
         "each format is published as a delta over it",
     )
@@ -85,16 +91,16 @@ class PublishRequest(BaseModel):
 class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    to: int = Field(ge=0, description="the version whose content to publish again")
+    to: StrictInt = Field(ge=0, le=VERSION_MAX, description="the version whose content to publish again")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
-    version: int | None = Field(default=None, ge=0)
+    version: StrictInt | None = Field(default=None, ge=0, le=VERSION_MAX)
 
 
 class PerturbRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    from_version: int = Field(ge=0)
-    swap_rows: list[int] = Field(
+    from_version: StrictInt = Field(ge=0, le=VERSION_MAX)
+    swap_rows: list[StrictInt] = Field(
         min_length=2, max_length=2, description="two token ids whose lm_head rows swap"
     )
     run_id: str | None = Field(default=None, pattern=RUN_ID)

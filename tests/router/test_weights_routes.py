@@ -7,7 +7,8 @@ over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
 - ``publish`` without ``--version``, twice, then the trainer kit's publish without a version, then
   a rollback without one: four consecutive numbers (the router picks each under its job lock);
 - ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently;
-- a perturbation of a delta version starts from its full content.
+- a perturbation of a delta version starts from its full content;
+- a version number beyond a batch's int64 (or not a JSON integer) is a 422 before any job.
 """
 
 from __future__ import annotations
@@ -187,3 +188,23 @@ def test_a_perturbation_of_a_delta_version_swaps_its_full_content(
     w, x = before["lm_head.weight"], after["lm_head.weight"]
     assert torch.equal(x[3], w[5]) and torch.equal(x[5], w[3])
     assert (tmp_path / f"v{p}" / "config.json").is_file()
+
+
+def test_version_numbers_beyond_what_a_batch_holds_are_refused(weights_router) -> None:
+    """A version a batch's int64 versions cannot hold (or a version that is not a JSON integer) is
+    a 422 before any job: published, it would make every batch of it undecodable."""
+    before = _latest(weights_router)
+    cases = [
+        ("/v1/weights", {"checkpoint": "/nowhere", "version": 2**63}, "version"),
+        ("/v1/weights", {"checkpoint": "/nowhere", "version": "3"}, "version"),
+        ("/v1/weights", {"checkpoint": "/nowhere", "delta_of": 2**63}, "delta_of"),
+        ("/v1/weights/rollback", {"to": 2**63}, "to"),
+        ("/v1/weights/rollback", {"to": 1, "version": 2**64}, "version"),
+        ("/v1/weights/perturbations", {"from_version": 2**63, "swap_rows": [1, 2]}, "from_version"),
+        ("/v1/weights/perturbations", {"from_version": 1, "swap_rows": [1, True]}, "swap_rows"),
+    ]
+    for path, body, field in cases:
+        r = _post(weights_router, path, body)
+        assert r.status_code == 422, (body, r.text)
+        assert [e["loc"][1] for e in r.json()["errors"]] == [field], (body, r.json())
+    assert _latest(weights_router) == before
