@@ -482,15 +482,22 @@ class QueueStats(BaseModel):
     leases: int
 
 
+COUNT_MAX = 2**31 - 1  # the most running / queued requests a heartbeat may report
+
+
 class Heartbeat(_Req):
+    """A replica's report (its sidecar's, every few seconds): strict JSON types (``ready`` a
+    boolean, counts and versions integers; ``"1"`` or ``1.0`` is a 422), a version a batch can hold
+    (:data:`core.wire.VERSION_MAX`), counts up to :data:`COUNT_MAX`, a finite rate."""
+
     replica_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
     group: str
     url: str = Field(pattern=r"^https?://\S+$", max_length=2048)
-    ready: bool
-    active_version: int | None = Field(None, ge=0)
-    running: int = Field(0, ge=0)
-    queued: int = Field(0, ge=0)
-    tokens_per_s: float = Field(0.0, ge=0.0)
+    ready: StrictBool
+    active_version: StrictInt | None = Field(None, ge=0, le=VERSION_MAX)
+    running: StrictInt = Field(0, ge=0, le=COUNT_MAX)
+    queued: StrictInt = Field(0, ge=0, le=COUNT_MAX)
+    tokens_per_s: StrictFloat = Field(0.0, ge=0.0)
     error: str | None = Field(None, max_length=4096)
 
 

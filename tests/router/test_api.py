@@ -321,6 +321,12 @@ def test_heartbeat_replica_joins_then_times_out_and_the_session_moves(
     r = client.post("/v1/replicas/heartbeat", json=hb)
     assert r.status_code == 200 and r.json()["in_rotation"] is True
     assert client.post("/v1/replicas/heartbeat", json={**hb, "group": "nope"}).status_code == 422
+    for field, bad in [("ready", "yes"), ("ready", 1), ("active_version", 2**63), ("active_version", "0"),
+                       ("running", 1.0), ("queued", 2**31), ("tokens_per_s", "1")]:  # fmt: skip
+        r = client.post("/v1/replicas/heartbeat", json={**hb, "replica_id": "side-bad", field: bad})
+        assert r.status_code == 422 and r.json()["errors"][0]["loc"] == ["body", field], (field, bad, r.text)
+    groups = client.get("/v1/groups").json()["groups"]
+    assert "side-bad" not in {x["replica_id"] for g in groups for x in g["replicas"]}
     sid = _session(client, group="cpu-b")
     t0 = client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2], "sampling_params": SP}).json()
     assert (t0["group"], t0["replica"], t0["moved_from"]) == ("cpu-b", "side-1", None)
