@@ -202,8 +202,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         api = _chat_api(request)
         if api is None:
             return await http_exception_handler(request, exc)
-        body = api_error(ApiError(exc.status_code, str(exc.detail)), api).body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        refusal = api_error(ApiError(exc.status_code, str(exc.detail)), api)
+        return JSONResponse(refusal.body(), status_code=refusal.status, headers=exc.headers)
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:

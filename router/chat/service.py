@@ -259,7 +259,11 @@ _ERROR_TYPES = {
 
 def api_error(exc: ApiError, api: Literal["openai", "anthropic"]) -> ApiError:
     """``exc`` with its body also in the API's own error shape (``error.message`` and
-    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read."""
+    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read. A 422
+    (a request the router or its engine refuses: a context longer than the model's, a malformed
+    ``Idempotency-Key``) is that API's 400 ``invalid_request_error``, as both APIs answer an invalid
+    request (the clients raise ``BadRequestError``)."""
     error = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "api_error")}
     fields = {**exc.fields, "error": error} | ({"type": "error"} if api == "anthropic" else {})
-    return ApiError(exc.status, exc.message, retry_after=exc.retry_after, fields=fields)
+    status = 400 if exc.status == 422 else exc.status
+    return ApiError(status, exc.message, retry_after=exc.retry_after, fields=fields)

@@ -126,6 +126,34 @@ def test_anthropic_tool_conversation(router, engine, session, renderer):
     _check_stored(engine, turns)
 
 
+def test_a_reply_sent_back_as_the_client_dumps_it_extends(router, engine, session):
+    """``message.model_dump()`` has every field of the client's message (``refusal``, ``audio``,
+    ``function_call``, ``annotations``: null); sent back, it is the assistant message it was."""
+    client = _openai(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "More"}]
+    second = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    assert second.mixfleet["extends"]
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't."}
+    with pytest.raises(openai.BadRequestError, match="refusal"):
+        client.chat.completions.create(model="t", messages=[*messages[:1], refusal, *messages[2:]])
+
+
+def test_logprob_bytes_are_each_tokens_own(router, engine, session, renderer):
+    """A token that ends inside a UTF-8 character decodes alone to a replacement character; its
+    ``bytes`` are its own, so the entries' bytes join into the reply's text, as OpenAI's do."""
+    reply = "Grüße 😀"
+    engine.script.append(renderer.encode(reply) + [renderer.stop_ids[0]])
+    answer = _openai(router, session).chat.completions.create(
+        model="t", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, logprobs=True
+    )
+    assert answer.choices[0].message.content == reply
+    entries = answer.choices[0].logprobs.content
+    assert "\ufffd" in [e.token for e in entries]
+    assert b"".join(bytes(e.bytes) for e in entries) == (reply + "<|im_end|>").encode()
+
+
 def test_edited_history_is_a_fork(router, engine, session, renderer):
     client = _openai(router, session)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -254,6 +282,10 @@ def test_refusals_name_the_problem(router, session):
         client.chat.completions.create(model="t", messages=[*user, {"role": "assistant", "content": "a"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="t", messages=user, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="context length"):  # the engine's refusal
+        client.chat.completions.create(model="t", messages=user, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="Idempotency-Key"):
+        client.chat.completions.create(model="t", messages=user, extra_headers={"Idempotency-Key": "a b"})
     with pytest.raises(openai.BadRequestError, match="top_logprobs: a turn that filters nothing"):
         client.chat.completions.create(model="t", messages=user, max_tokens=2, logprobs=True, top_logprobs=1)
     body = b'{"model": "t", "messages": [{"role": "user", "content": "a\\ud800b"}]}'  # a lone surrogate
@@ -263,6 +295,8 @@ def test_refusals_name_the_problem(router, session):
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text  # not UTF-8
     ac = _anthropic(router, session)
     result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
+    with pytest.raises(anthropic.BadRequestError, match="context length"):
+        ac.messages.create(model="t", max_tokens=5000, messages=user)  # > the context
     with pytest.raises(anthropic.BadRequestError, match="is_error"):
         ac.messages.create(model="t", max_tokens=4, messages=[{"role": "user", "content": result}])
     with pytest.raises(anthropic.BadRequestError) as refused:

@@ -243,6 +243,16 @@ def test_parse(renderer):
     assert renderer.decode(renderer.close(_sample(renderer, "It is 20"))) == "\n"
 
 
+def test_token_bytes_rebuild_the_text(renderer):
+    """Each token's bytes, those of a token that ends inside a UTF-8 character included (decoded
+    alone it is a replacement character), join into the text's UTF-8."""
+    text = "Grüße 😀 ✓ <think>x</think><|im_end|>"
+    ids = renderer.encode(text)
+    assert b"".join(renderer.token_bytes(i) for i in ids) == text.encode()
+    assert any(renderer.decode([i]) == "\ufffd" for i in ids)  # the text splits a character
+    assert renderer.token_bytes(renderer.stop_ids[0]) == renderer.STOP_TEXTS[0].encode()
+
+
 def test_tool_results_render_back(renderer):
     steps, _ = _conversation(renderer)
     text = renderer.decode(steps[1][1].input_ids)
