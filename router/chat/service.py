@@ -42,7 +42,15 @@ import numpy as np
 import pydantic
 
 from core.jsonio import loads
-from router.chat.conversation import Note, build_context, digests, from_trajectory, resume
+from router.chat.conversation import (
+    Note,
+    build_context,
+    digests,
+    from_trajectory,
+    matched_stop,
+    reply_ids,
+    resume,
+)
 from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, load_renderer
 from router.config import RouterConfig
 from router.context import RouterContext
@@ -140,10 +148,7 @@ async def run_chat(
     ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or finished
     session; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
-    try:
-        stops = {renderer.stop_token(s): s for s in req.stop}
-    except RenderError as exc:
-        raise ApiError(400, str(exc)) from None
+    stops = request_stops(renderer, req)
     if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
@@ -177,10 +182,20 @@ async def run_chat(
         turn, prompt = data.to_json(session_id, with_input=False), data.prompt_len
         ours = prompt == len(input_ids) and _ends_with(input_ids, data.append_ids)  # not a concurrent first's
     if ours:
-        note = Note(len(req.messages), chain[-1], len(turn["output_ids"]))
+        note = Note(
+            len(req.messages), chain[-1], len(turn["output_ids"]), matched_stop(turn.get("finish_reason"))
+        )
         await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
         ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
     return _result(turn, renderer, prompt, stops, state)
+
+
+def request_stops(renderer: Renderer, req: ChatRequest) -> dict[int, str]:
+    """The request's stop sequences by their token id; ApiError 400 for one that is not one token."""
+    try:
+        return {renderer.stop_token(s): s for s in req.stop}
+    except RenderError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _replay(
@@ -197,13 +212,13 @@ async def _replay(
 def _result(
     turn: dict[str, Any], renderer: Renderer, prompt: int, stops: dict[int, str], state: ChatState
 ) -> ChatResult:
-    matched = (turn.get("finish_reason") or {}).get("matched")
+    matched = matched_stop(turn.get("finish_reason"))
     return ChatResult(
         turn=turn,
-        reply=renderer.parse(turn["output_ids"]),
+        reply=renderer.parse(reply_ids(renderer, turn["output_ids"], matched)),
         prompt_tokens=prompt,
         extends=turn["fork"] is None,
-        stop_sequence=stops.get(matched) if isinstance(matched, int) else None,
+        stop_sequence=None if matched is None else stops.get(matched),
         renderer=renderer,
         created=int(state.session.created_at),
     )

@@ -154,6 +154,47 @@ def test_logprob_bytes_are_each_tokens_own(router, engine, session, renderer):
     assert b"".join(bytes(e.bytes) for e in entries) == (reply + "<|im_end|>").encode()
 
 
+def test_a_stop_sequence_is_no_part_of_the_reply(router, engine, session, renderer):
+    """The stop sequence that ended a turn is recorded (the engine sampled it) but left out of the
+    reply's text, streamed or not, as both APIs do; sent back without it, the reply extends the
+    session."""
+    client = _openai(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    engine.script.append(renderer.encode("Hi there!"))
+    first = client.chat.completions.create(model="t", messages=messages, max_tokens=20, stop=["!"])
+    assert (first.choices[0].message.content, first.choices[0].finish_reason) == ("Hi there", "stop")
+    messages += [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "More"}]
+    engine.script.append(renderer.encode("Yes and?"))
+    chunks = list(
+        client.chat.completions.create(model="t", messages=messages, max_tokens=20, stop="?", stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Yes and"
+    messages += [{"role": "assistant", "content": "Yes and"}, {"role": "user", "content": "Go"}]
+    assert client.chat.completions.create(model="t", messages=messages, max_tokens=2).mixfleet["extends"]
+    turns = trajectory(router, session["session_id"])
+    assert [t["fork"] for t in turns] == [None, None, None]
+    assert turns[0]["output_ids"] == renderer.encode("Hi there!")
+    _check_stored(engine, turns)
+
+
+def test_anthropic_stop_sequence_is_no_part_of_the_reply(router, engine, session, renderer):
+    client = _anthropic(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    engine.script.append(renderer.encode("Done."))
+    first = client.messages.create(model="t", max_tokens=20, messages=messages, stop_sequences=["."])
+    assert (first.stop_reason, first.stop_sequence) == ("stop_sequence", ".")
+    assert [(b.type, b.text) for b in first.content] == [("text", "Done")]
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "More"}]
+    engine.script.append(renderer.encode("Again."))
+    with client.messages.stream(model="t", max_tokens=20, messages=messages, stop_sequences=["."]) as stream:
+        assert "".join(stream.text_stream) == "Again"
+        second = stream.get_final_message()
+    assert [(b.type, b.text) for b in second.content] == [("text", "Again")]
+    turns = trajectory(router, session["session_id"])
+    assert [t["fork"] for t in turns] == [None, None]
+    _check_stored(engine, turns)
+
+
 def test_edited_history_is_a_fork(router, engine, session, renderer):
     client = _openai(router, session)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
