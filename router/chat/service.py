@@ -12,9 +12,10 @@ A turn costs what it appends: the session is read with its context and chat note
 (:meth:`~router.state.base.StateStore.get_chat_state`), the context of the session's last turn is
 resumed from them (:func:`router.chat.conversation.resume`) and only the messages after it are
 rendered; after recording, the turn's note is kept (:meth:`~router.state.base.StateStore.put_chat_note`).
-A conversation rendered whole (no note to resume from: a first turn, an edited history) is
-decoded and rendered on a worker thread, so that a long or edited history does not hold up the
-router's other requests; the renderers hold no mutable state.
+Rendering runs on a worker thread, decoding the trajectory too when the conversation is rendered
+whole (no note to resume from: a first turn, an edited history), so that a long history or a large
+new message (a tool's output) does not hold up the router's other requests (its replicas'
+heartbeats among them); the renderers hold no mutable state and tokenize without the GIL.
 
 Concurrent turns of one session: the turn's input is always the whole context rendered against the
 state read (``input_ids``, never ``append_ids``, which the turn store would place on whatever
@@ -159,13 +160,10 @@ async def run_chat(
         known = resume(state, context, req.messages, chain)
         whole = known is None
         render = functools.partial(build_context, renderer, req.messages, req.tools)
-        if known is None:  # the whole conversation: off the event loop
+        if known is None:  # the whole conversation
             blobs = await ctx.store.get_turns(session_id)
-            input_ids = await asyncio.to_thread(
-                lambda: render(from_trajectory([decode_turn(b) for b in blobs])).input_ids
-            )
-        else:  # only what the last turn did not render
-            input_ids = render(known).input_ids
+            known = await asyncio.to_thread(lambda: from_trajectory([decode_turn(b) for b in blobs]))
+        input_ids = (await asyncio.to_thread(render, known)).input_ids  # off the event loop
     except RenderError as exc:
         raise ApiError(400, str(exc)) from None
     spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()

@@ -6,6 +6,8 @@ equal to the tokens the engine saw and answered."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -193,6 +195,37 @@ def test_anthropic_stop_sequence_is_no_part_of_the_reply(router, engine, session
     turns = trajectory(router, session["session_id"])
     assert [t["fork"] for t in turns] == [None, None]
     _check_stored(engine, turns)
+
+
+def test_a_large_tool_output_does_not_hold_up_the_router(router, engine, session):
+    """A large new message (megabytes of tool output, rendered after the noted turn) is tokenized
+    off the event loop and without the GIL: the router answers meanwhile (a loop held for the
+    heartbeat timeout would also take every replica out of rotation)."""
+    client = _openai(router, session)
+    user = [{"role": "user", "content": "Run it"}]
+    first = client.chat.completions.create(model="t", messages=user, max_tokens=2)
+    output = "line ✓ 🚀 of the tool's output\n" * 80_000  # ~2.6 MB: past the context
+    messages = [*user, first.choices[0].message.model_dump(), {"role": "user", "content": output}]
+    waits: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            httpx.get(router.url + "/healthz", timeout=120).raise_for_status()
+            waits.append(time.monotonic() - t0)
+
+    prober = threading.Thread(target=probe)
+    t0 = time.monotonic()
+    prober.start()
+    try:
+        with pytest.raises(openai.APIStatusError):  # too long for the engine (or its proxy's body limit)
+            client.chat.completions.create(model="t", messages=messages, max_tokens=2)
+    finally:
+        took = time.monotonic() - t0
+        done.set()
+        prober.join()
+    assert len(waits) >= 3 and max(waits) < took / 3, (took, waits)
 
 
 def test_edited_history_is_a_fork(router, engine, session, renderer):

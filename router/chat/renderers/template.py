@@ -115,7 +115,10 @@ class TemplateRenderer(Renderer):
 
     # text -> ids ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """The ids of ``text``. Tokenized by ``encode_batch``, which lets go of the GIL while it
+        runs (``encode`` holds it: tokenizers' ``bindings/python/src/tokenizer.rs``), so a long
+        text tokenized on a worker thread does not stop the router's event loop."""
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
