@@ -3,10 +3,10 @@
 The messages are rendered segment by segment (:mod:`router.chat.renderers.base`); at each
 assistant message the context built so far is looked up among the recorded turns it may be
 (:class:`Sampled`, each with its whole input as the engine saw it): a turn whose input equals it
-and whose sampled ids parse to that message (:meth:`~router.chat.renderers.base.Reply.matches`)
-supplies its sampled ``output_ids``, exactly as sampled, reasoning included. An assistant message
-no turn matches (the harness edited or invented it) is rendered from its text by the chat
-template.
+and whose reply (its sampled ids less a stop sequence that ended it, :func:`reply_ids`) parses to
+that message (:meth:`~router.chat.renderers.base.Reply.matches`) supplies its sampled
+``output_ids``, exactly as sampled, reasoning included. An assistant message no turn matches (the
+harness edited or invented it) is rendered from its text by the chat template.
 
 Where rendering starts (:class:`Known`), so that a turn costs what it appends, not its context:
 
