@@ -16,6 +16,7 @@ import pytest
 
 from router.schemas import MAX_JSON_DEPTH
 from tests.chat.conftest import trajectory
+from tests.router.test_workers_metrics import scrape, total
 
 TOOL_CALL = (
     "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n"
@@ -226,6 +227,30 @@ def test_a_large_tool_output_does_not_hold_up_the_router(router, engine, session
         done.set()
         prober.join()
     assert len(waits) >= 3 and max(waits) < took / 3, (took, waits)
+
+
+def test_a_finished_session_is_refused_once(router, engine, session):
+    """A turn on a finished session is a 409 the clients do not retry (``x-should-retry: false``;
+    they retry a 409 otherwise): one request, however many retries the client allows."""
+    user = [{"role": "user", "content": "Hi"}]
+    _openai(router, session).chat.completions.create(model="t", messages=user, max_tokens=2)
+    finish = f"{router.url}/v1/sessions/{session['session_id']}/finish"
+    httpx.post(finish, headers=router.headers, json={"reward": 0.0}, timeout=30).raise_for_status()
+    refused = _refusals(router)
+    with pytest.raises(openai.ConflictError, match="accepts no more turns"):
+        openai.OpenAI(base_url=session["openai_base_url"], api_key=router.key).chat.completions.create(
+            model="t", messages=user, max_tokens=2
+        )
+    with pytest.raises(anthropic.ConflictError, match="accepts no more turns"):
+        anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key).messages.create(
+            model="t", max_tokens=2, messages=user
+        )
+    assert _refusals(router) - refused == 2
+
+
+def _refusals(router) -> float:
+    """The router's 4xx answers so far."""
+    return total(scrape(router)[0], "mixfleet_router_request_seconds_count", status="4xx")
 
 
 def test_edited_history_is_a_fork(router, engine, session, renderer):
