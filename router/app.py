@@ -194,16 +194,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         api = _chat_api(request)
         if api is not None and "error" not in exc.fields:
             exc = api_error(exc, api)
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else {}
+        if api is not None and exc.status == 409:
+            # the official clients retry a 409 (a lock timeout on their APIs: openai and anthropic
+            # _base_client.py _should_retry) unless told not to; a chat 409 is a session that takes
+            # no more turns
+            headers["x-should-retry"] = "false"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         api = _chat_api(request)
         if api is None:
             return await http_exception_handler(request, exc)
-        body = api_error(ApiError(exc.status_code, str(exc.detail)), api).body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        refusal = api_error(ApiError(exc.status_code, str(exc.detail)), api)
+        return JSONResponse(refusal.body(), status_code=refusal.status, headers=exc.headers)
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:

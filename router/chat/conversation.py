@@ -3,10 +3,10 @@
 The messages are rendered segment by segment (:mod:`router.chat.renderers.base`); at each
 assistant message the context built so far is looked up among the recorded turns it may be
 (:class:`Sampled`, each with its whole input as the engine saw it): a turn whose input equals it
-and whose sampled ids parse to that message (:meth:`~router.chat.renderers.base.Reply.matches`)
-supplies its sampled ``output_ids``, exactly as sampled, reasoning included. An assistant message
-no turn matches (the harness edited or invented it) is rendered from its text by the chat
-template.
+and whose reply (its sampled ids less a stop sequence that ended it, :func:`reply_ids`) parses to
+that message (:meth:`~router.chat.renderers.base.Reply.matches`) supplies its sampled
+``output_ids``, exactly as sampled, reasoning included. An assistant message no turn matches (the
+harness edited or invented it) is rendered from its text by the chat template.
 
 Where rendering starts (:class:`Known`), so that a turn costs what it appends, not its context:
 
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,11 +45,29 @@ from router.turn_data import TurnData
 
 @dataclass(frozen=True)
 class Sampled:
-    """A recorded turn as its engine saw it: its whole input (a list, or a uint32 array) and its
-    sampled ids."""
+    """A recorded turn as its engine saw it: its whole input (a list, or a uint32 array), its
+    sampled ids and the stop id that ended it (``matched``, as the engine reports it; None: none)."""
 
     input_ids: Sequence[int] | np.ndarray
     output_ids: Sequence[int]
+    matched: int | None = None
+
+
+def matched_stop(finish_reason: Mapping[str, Any] | None) -> int | None:
+    """The stop id a turn's finish reason says ended it (None: no stop id did)."""
+    matched = (finish_reason or {}).get("matched")
+    return matched if isinstance(matched, int) and not isinstance(matched, bool) else None
+
+
+def reply_ids(renderer: Renderer, output_ids: Sequence[int], matched: int | None) -> Sequence[int]:
+    """The ids a turn's reply is parsed from: ``output_ids`` without its last id when that is the
+    stop id that ended it (``matched``) and not one of the renderer's own stop ids (which
+    :meth:`~router.chat.renderers.base.Renderer.parse` removes): a stop sequence is no part of the
+    reply's text, as both APIs answer and SGLang trims it (sglang 0.5.23
+    ``srt/managers/detokenizer_manager.py`` 194-224, ``trim_matched_stop``)."""
+    if matched is not None and output_ids and output_ids[-1] == matched and matched not in renderer.stop_ids:
+        return output_ids[:-1]
+    return output_ids
 
 
 @dataclass(frozen=True)
@@ -65,21 +84,25 @@ class Known:
 @dataclass(frozen=True)
 class Note:
     """The chat note of a session's turn (its bytes: :meth:`encode`): the ``messages`` rendered
-    into its input, their :func:`digests` entry and the number of ids it sampled (``output``)."""
+    into its input, their :func:`digests` entry, the number of ids it sampled (``output``) and the
+    stop id that ended it (``matched``, :func:`matched_stop`)."""
 
     messages: int
     digest: str
     output: int
+    matched: int | None = None
 
     def encode(self) -> bytes:
-        return json.dumps([self.messages, self.digest, self.output]).encode()
+        return json.dumps([self.messages, self.digest, self.output, self.matched]).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Note | None:
-        """The note of ``data``; None when it is not one (it is then not used)."""
+        """The note of ``data`` (one without ``matched`` has None); None when it is not one (it is
+        then not used)."""
         try:
-            messages, digest, output = json.loads(data)
-            return cls(int(messages), str(digest), int(output))
+            messages, digest, output, *rest = json.loads(data)
+            matched = rest[0] if rest else None
+            return cls(int(messages), str(digest), int(output), None if matched is None else int(matched))
         except (ValueError, TypeError):
             return None
 
@@ -101,7 +124,10 @@ def digests(family: str, tools: Sequence[Tool], messages: Sequence[Message]) -> 
 def sampled_turns(turns: Sequence[TurnData]) -> list[Sampled]:
     """The session's recorded turns (in order) with their whole inputs; ValueError as
     :func:`router.segments.engine_inputs`."""
-    return [Sampled(ids, t.output_ids) for ids, t in zip(engine_inputs(turns), turns, strict=True)]
+    return [
+        Sampled(ids, t.output_ids, matched_stop(t.finish_reason))
+        for ids, t in zip(engine_inputs(turns), turns, strict=True)
+    ]
 
 
 def from_trajectory(turns: Sequence[TurnData]) -> Known:
@@ -123,7 +149,7 @@ def resume(
         return None
     cut = len(ids) - note.output
     prefix = ids[:cut]
-    return Known(prefix, note.messages, (Sampled(prefix, ids[cut:].tolist()),))
+    return Known(prefix, note.messages, (Sampled(prefix, ids[cut:].tolist(), note.matched),))
 
 
 @dataclass(frozen=True)
@@ -192,7 +218,8 @@ def build_context(
             (
                 t
                 for t in by_length.get(len(base) + len(ids), ())
-                if _is_context(t.input_ids, base, ids) and renderer.parse(t.output_ids).matches(m)
+                if _is_context(t.input_ids, base, ids)
+                and renderer.parse(reply_ids(renderer, t.output_ids, t.matched)).matches(m)
             ),
             None,
         )

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
-from router.chat.renderers import Message, Tool, ToolCall
+from router.chat.renderers import Message, Renderer, Tool, ToolCall
 from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
@@ -83,6 +83,11 @@ class ChatMessage(_M):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     name: str | None = None
+    # a reply sent back as the client dumps it (``message.model_dump()``): these are null
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: None = None
 
 
 class FunctionDef(_M):
@@ -255,17 +260,20 @@ def completion(session_id: str, body: ChatCompletionRequest, result: ChatResult)
     }
 
 
-def _entry(text: str, logprob: float | None) -> dict[str, Any]:
-    return {"token": text, "logprob": -9999.0 if logprob is None else logprob, "bytes": list(text.encode())}
+def _entry(renderer: Renderer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    """A token's log-prob entry: its text, and its own bytes (a token ending inside a UTF-8
+    character shows a replacement character; its bytes join the next tokens' into the text)."""
+    text, raw = renderer.decode([token_id]), list(renderer.token_bytes(token_id))
+    return {"token": text, "logprob": -9999.0 if logprob is None else logprob, "bytes": raw}
 
 
 def _logprobs(result: ChatResult, top: int) -> dict[str, Any]:
     """Per sampled token its behaviour log-prob and, with ``top``, the most likely of the turn's
     recorded sampling support (400 when the turn recorded none: it filtered nothing)."""
-    decode = result.renderer.decode
+    renderer = result.renderer
     content = []
     for rec in result.turn["records"]:
-        item = _entry(decode([rec["token_id"]]), rec["logprob"])
+        item = _entry(renderer, rec["token_id"], rec["logprob"])
         if top:
             if not rec["support_ids"]:
                 raise ApiError(400, _NO_SUPPORT)
@@ -273,7 +281,7 @@ def _logprobs(result: ChatResult, top: int) -> dict[str, Any]:
                 zip(rec["support_ids"], rec["support_logprobs"], strict=True),
                 key=lambda x: -9999.0 if x[1] is None else -x[1],
             )
-            item["top_logprobs"] = [_entry(decode([i]), lp) for i, lp in ranked[:top]]
+            item["top_logprobs"] = [_entry(renderer, i, lp) for i, lp in ranked[:top]]
         else:
             item["top_logprobs"] = []
         content.append(item)

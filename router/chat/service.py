@@ -12,9 +12,10 @@ A turn costs what it appends: the session is read with its context and chat note
 (:meth:`~router.state.base.StateStore.get_chat_state`), the context of the session's last turn is
 resumed from them (:func:`router.chat.conversation.resume`) and only the messages after it are
 rendered; after recording, the turn's note is kept (:meth:`~router.state.base.StateStore.put_chat_note`).
-A conversation rendered whole (no note to resume from: a first turn, an edited history) is
-decoded and rendered on a worker thread, so that a long or edited history does not hold up the
-router's other requests; the renderers hold no mutable state.
+Rendering runs on a worker thread, decoding the trajectory too when the conversation is rendered
+whole (no note to resume from: a first turn, an edited history), so that a long history or a large
+new message (a tool's output) does not hold up the router's other requests (its replicas'
+heartbeats among them); the renderers hold no mutable state and tokenize without the GIL.
 
 Concurrent turns of one session: the turn's input is always the whole context rendered against the
 state read (``input_ids``, never ``append_ids``, which the turn store would place on whatever
@@ -42,7 +43,15 @@ import numpy as np
 import pydantic
 
 from core.jsonio import loads
-from router.chat.conversation import Note, build_context, digests, from_trajectory, resume
+from router.chat.conversation import (
+    Note,
+    build_context,
+    digests,
+    from_trajectory,
+    matched_stop,
+    reply_ids,
+    resume,
+)
 from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, load_renderer
 from router.config import RouterConfig
 from router.context import RouterContext
@@ -140,10 +149,7 @@ async def run_chat(
     ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or finished
     session; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
-    try:
-        stops = {renderer.stop_token(s): s for s in req.stop}
-    except RenderError as exc:
-        raise ApiError(400, str(exc)) from None
+    stops = request_stops(renderer, req)
     if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
@@ -154,13 +160,10 @@ async def run_chat(
         known = resume(state, context, req.messages, chain)
         whole = known is None
         render = functools.partial(build_context, renderer, req.messages, req.tools)
-        if known is None:  # the whole conversation: off the event loop
+        if known is None:  # the whole conversation
             blobs = await ctx.store.get_turns(session_id)
-            input_ids = await asyncio.to_thread(
-                lambda: render(from_trajectory([decode_turn(b) for b in blobs])).input_ids
-            )
-        else:  # only what the last turn did not render
-            input_ids = render(known).input_ids
+            known = await asyncio.to_thread(lambda: from_trajectory([decode_turn(b) for b in blobs]))
+        input_ids = (await asyncio.to_thread(render, known)).input_ids  # off the event loop
     except RenderError as exc:
         raise ApiError(400, str(exc)) from None
     spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()
@@ -177,10 +180,20 @@ async def run_chat(
         turn, prompt = data.to_json(session_id, with_input=False), data.prompt_len
         ours = prompt == len(input_ids) and _ends_with(input_ids, data.append_ids)  # not a concurrent first's
     if ours:
-        note = Note(len(req.messages), chain[-1], len(turn["output_ids"]))
+        note = Note(
+            len(req.messages), chain[-1], len(turn["output_ids"]), matched_stop(turn.get("finish_reason"))
+        )
         await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
         ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
     return _result(turn, renderer, prompt, stops, state)
+
+
+def request_stops(renderer: Renderer, req: ChatRequest) -> dict[int, str]:
+    """The request's stop sequences by their token id; ApiError 400 for one that is not one token."""
+    try:
+        return {renderer.stop_token(s): s for s in req.stop}
+    except RenderError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _replay(
@@ -197,13 +210,13 @@ async def _replay(
 def _result(
     turn: dict[str, Any], renderer: Renderer, prompt: int, stops: dict[int, str], state: ChatState
 ) -> ChatResult:
-    matched = (turn.get("finish_reason") or {}).get("matched")
+    matched = matched_stop(turn.get("finish_reason"))
     return ChatResult(
         turn=turn,
-        reply=renderer.parse(turn["output_ids"]),
+        reply=renderer.parse(reply_ids(renderer, turn["output_ids"], matched)),
         prompt_tokens=prompt,
         extends=turn["fork"] is None,
-        stop_sequence=stops.get(matched) if isinstance(matched, int) else None,
+        stop_sequence=None if matched is None else stops.get(matched),
         renderer=renderer,
         created=int(state.session.created_at),
     )
@@ -259,7 +272,11 @@ _ERROR_TYPES = {
 
 def api_error(exc: ApiError, api: Literal["openai", "anthropic"]) -> ApiError:
     """``exc`` with its body also in the API's own error shape (``error.message`` and
-    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read."""
+    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read. A 422
+    (a request the router or its engine refuses: a context longer than the model's, a malformed
+    ``Idempotency-Key``) is that API's 400 ``invalid_request_error``, as both APIs answer an invalid
+    request (the clients raise ``BadRequestError``)."""
     error = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "api_error")}
     fields = {**exc.fields, "error": error} | ({"type": "error"} if api == "anthropic" else {})
-    return ApiError(exc.status, exc.message, retry_after=exc.retry_after, fields=fields)
+    status = 400 if exc.status == 422 else exc.status
+    return ApiError(status, exc.message, retry_after=exc.retry_after, fields=fields)

@@ -10,10 +10,10 @@ bytes either way.
 
 What the content deltas show (:class:`TextDeltas`): the text of the ids so far, decoded by the
 renderer's tokenizer incrementally (a token that ends inside a UTF-8 character shows nothing until
-the character is complete; a stop id shows nothing), cut at the first markup text of the
-renderer's family (:attr:`~router.chat.renderers.Renderer.markup`: reasoning and tool-call
-openers) and short of a trailing piece that could still become one, without leading or trailing
-whitespace. From the first markup on nothing more shows while sampling; the tail then carries
+the character is complete; a stop id, a stop sequence's too, shows nothing), cut at the first
+markup text of the renderer's family (:attr:`~router.chat.renderers.Renderer.markup`: reasoning
+and tool-call openers) and short of a trailing piece that could still become one, without leading
+or trailing whitespace. From the first markup on nothing more shows while sampling; the tail then carries
 the parsed structure (reasoning, the rest of the content, tool calls).
 
 Errors: before the first token, :func:`stream_chat` raises the turn's ApiError (the route answers
@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 
+from router.chat.conversation import matched_stop
 from router.chat.renderers import Renderer
-from router.chat.service import ChatRequest, ChatResult, Head, chat_renderer, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, chat_renderer, request_stops, run_chat
 from router.context import RouterContext
 
 _REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequence to
@@ -52,10 +53,13 @@ class Tail:
 
 
 class TextDeltas:
-    """The content deltas of a reply's ids (module docstring), fed in sampling order."""
+    """The content deltas of a reply's ids (module docstring), fed in sampling order. ``stops``:
+    stop ids beside the renderer's, shown as nothing (the request's stop sequences: one ends the
+    turn, and is no part of the reply's text)."""
 
-    def __init__(self, renderer: Renderer) -> None:
+    def __init__(self, renderer: Renderer, stops: Collection[int] = ()) -> None:
         self.renderer = renderer
+        self.stops = frozenset(renderer.stop_ids) | frozenset(stops)
         self.ids: list[int] = []
         self.text = ""  # the decoded text of ids[:read]
         self.prefix = 0  # the ids decoded again with each new one, for the tokenizer's context
@@ -68,7 +72,7 @@ class TextDeltas:
         out = []
         for tok in ids:
             self.ids.append(tok)
-            if self.frozen or tok in self.renderer.stop_ids or not self._decode():
+            if self.frozen or tok in self.stops or not self._decode():
                 continue
             visible = self._visible()
             if len(visible) > len(self.shown) and visible.startswith(self.shown):
@@ -141,7 +145,7 @@ async def stream_chat(
         raise
     if task.done():
         return _recorded(renderer, task.result())
-    return _live(renderer, arrivals, task)
+    return _live(TextDeltas(renderer, request_stops(renderer, req)), arrivals, task)
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -154,17 +158,17 @@ async def _cancel(task: asyncio.Future) -> None:
 async def _recorded(renderer: Renderer, result: ChatResult) -> AsyncIterator[Head | str | Tail]:
     """The items of a turn recorded before any of its tokens was streamed."""
     yield Head(result.turn["turn"], result.created, result.prompt_tokens)
-    deltas = TextDeltas(renderer)
+    matched = matched_stop(result.turn.get("finish_reason"))
+    deltas = TextDeltas(renderer, () if matched is None else (matched,))
     for delta in deltas.feed(result.output_ids):
         yield delta
     yield Tail(result, deltas.shown)
 
 
 async def _live(
-    renderer: Renderer, arrivals: _Arrivals, task: asyncio.Future
+    deltas: TextDeltas, arrivals: _Arrivals, task: asyncio.Future
 ) -> AsyncIterator[Head | str | Tail]:
-    """The items of a turn whose ids arrive while ``task`` runs it."""
-    deltas = TextDeltas(renderer)
+    """The items of a turn whose ids arrive while ``task`` runs it, shown by ``deltas``."""
     try:
         batch = arrivals.take()
         yield batch[0][0]

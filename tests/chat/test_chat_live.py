@@ -6,6 +6,8 @@ equal to the tokens the engine saw and answered."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -14,6 +16,7 @@ import pytest
 
 from router.schemas import MAX_JSON_DEPTH
 from tests.chat.conftest import trajectory
+from tests.router.test_workers_metrics import scrape, total
 
 TOOL_CALL = (
     "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n"
@@ -124,6 +127,130 @@ def test_anthropic_tool_conversation(router, engine, session, renderer):
     text = renderer.decode(turns[1]["input_ids"])
     assert text.endswith('<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
     _check_stored(engine, turns)
+
+
+def test_a_reply_sent_back_as_the_client_dumps_it_extends(router, engine, session):
+    """``message.model_dump()`` has every field of the client's message (``refusal``, ``audio``,
+    ``function_call``, ``annotations``: null); sent back, it is the assistant message it was."""
+    client = _openai(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "More"}]
+    second = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    assert second.mixfleet["extends"]
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't."}
+    with pytest.raises(openai.BadRequestError, match="refusal"):
+        client.chat.completions.create(model="t", messages=[*messages[:1], refusal, *messages[2:]])
+
+
+def test_logprob_bytes_are_each_tokens_own(router, engine, session, renderer):
+    """A token that ends inside a UTF-8 character decodes alone to a replacement character; its
+    ``bytes`` are its own, so the entries' bytes join into the reply's text, as OpenAI's do."""
+    reply = "Grüße 😀"
+    engine.script.append(renderer.encode(reply) + [renderer.stop_ids[0]])
+    answer = _openai(router, session).chat.completions.create(
+        model="t", messages=[{"role": "user", "content": "Hi"}], max_tokens=40, logprobs=True
+    )
+    assert answer.choices[0].message.content == reply
+    entries = answer.choices[0].logprobs.content
+    assert "\ufffd" in [e.token for e in entries]
+    assert b"".join(bytes(e.bytes) for e in entries) == (reply + "<|im_end|>").encode()
+
+
+def test_a_stop_sequence_is_no_part_of_the_reply(router, engine, session, renderer):
+    """The stop sequence that ended a turn is recorded (the engine sampled it) but left out of the
+    reply's text, streamed or not, as both APIs do; sent back without it, the reply extends the
+    session."""
+    client = _openai(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    engine.script.append(renderer.encode("Hi there!"))
+    first = client.chat.completions.create(model="t", messages=messages, max_tokens=20, stop=["!"])
+    assert (first.choices[0].message.content, first.choices[0].finish_reason) == ("Hi there", "stop")
+    messages += [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "More"}]
+    engine.script.append(renderer.encode("Yes and?"))
+    chunks = list(
+        client.chat.completions.create(model="t", messages=messages, max_tokens=20, stop="?", stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Yes and"
+    messages += [{"role": "assistant", "content": "Yes and"}, {"role": "user", "content": "Go"}]
+    assert client.chat.completions.create(model="t", messages=messages, max_tokens=2).mixfleet["extends"]
+    turns = trajectory(router, session["session_id"])
+    assert [t["fork"] for t in turns] == [None, None, None]
+    assert turns[0]["output_ids"] == renderer.encode("Hi there!")
+    _check_stored(engine, turns)
+
+
+def test_anthropic_stop_sequence_is_no_part_of_the_reply(router, engine, session, renderer):
+    client = _anthropic(router, session)
+    messages = [{"role": "user", "content": "Hi"}]
+    engine.script.append(renderer.encode("Done."))
+    first = client.messages.create(model="t", max_tokens=20, messages=messages, stop_sequences=["."])
+    assert (first.stop_reason, first.stop_sequence) == ("stop_sequence", ".")
+    assert [(b.type, b.text) for b in first.content] == [("text", "Done")]
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "More"}]
+    engine.script.append(renderer.encode("Again."))
+    with client.messages.stream(model="t", max_tokens=20, messages=messages, stop_sequences=["."]) as stream:
+        assert "".join(stream.text_stream) == "Again"
+        second = stream.get_final_message()
+    assert [(b.type, b.text) for b in second.content] == [("text", "Again")]
+    turns = trajectory(router, session["session_id"])
+    assert [t["fork"] for t in turns] == [None, None]
+    _check_stored(engine, turns)
+
+
+def test_a_large_tool_output_does_not_hold_up_the_router(router, engine, session):
+    """A large new message (megabytes of tool output, rendered after the noted turn) is tokenized
+    off the event loop and without the GIL: the router answers meanwhile (a loop held for the
+    heartbeat timeout would also take every replica out of rotation)."""
+    client = _openai(router, session)
+    user = [{"role": "user", "content": "Run it"}]
+    first = client.chat.completions.create(model="t", messages=user, max_tokens=2)
+    output = "line ✓ 🚀 of the tool's output\n" * 80_000  # ~2.6 MB: past the context
+    messages = [*user, first.choices[0].message.model_dump(), {"role": "user", "content": output}]
+    waits: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            httpx.get(router.url + "/healthz", timeout=120).raise_for_status()
+            waits.append(time.monotonic() - t0)
+
+    prober = threading.Thread(target=probe)
+    t0 = time.monotonic()
+    prober.start()
+    try:
+        with pytest.raises(openai.APIStatusError):  # too long for the engine (or its proxy's body limit)
+            client.chat.completions.create(model="t", messages=messages, max_tokens=2)
+    finally:
+        took = time.monotonic() - t0
+        done.set()
+        prober.join()
+    assert len(waits) >= 3 and max(waits) < took / 3, (took, waits)
+
+
+def test_a_finished_session_is_refused_once(router, engine, session):
+    """A turn on a finished session is a 409 the clients do not retry (``x-should-retry: false``;
+    they retry a 409 otherwise): one request, however many retries the client allows."""
+    user = [{"role": "user", "content": "Hi"}]
+    _openai(router, session).chat.completions.create(model="t", messages=user, max_tokens=2)
+    finish = f"{router.url}/v1/sessions/{session['session_id']}/finish"
+    httpx.post(finish, headers=router.headers, json={"reward": 0.0}, timeout=30).raise_for_status()
+    refused = _refusals(router)
+    with pytest.raises(openai.ConflictError, match="accepts no more turns"):
+        openai.OpenAI(base_url=session["openai_base_url"], api_key=router.key).chat.completions.create(
+            model="t", messages=user, max_tokens=2
+        )
+    with pytest.raises(anthropic.ConflictError, match="accepts no more turns"):
+        anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key).messages.create(
+            model="t", max_tokens=2, messages=user
+        )
+    assert _refusals(router) - refused == 2
+
+
+def _refusals(router) -> float:
+    """The router's 4xx answers so far."""
+    return total(scrape(router)[0], "mixfleet_router_request_seconds_count", status="4xx")
 
 
 def test_edited_history_is_a_fork(router, engine, session, renderer):
@@ -254,6 +381,10 @@ def test_refusals_name_the_problem(router, session):
         client.chat.completions.create(model="t", messages=[*user, {"role": "assistant", "content": "a"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="t", messages=user, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="context length"):  # the engine's refusal
+        client.chat.completions.create(model="t", messages=user, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="Idempotency-Key"):
+        client.chat.completions.create(model="t", messages=user, extra_headers={"Idempotency-Key": "a b"})
     with pytest.raises(openai.BadRequestError, match="top_logprobs: a turn that filters nothing"):
         client.chat.completions.create(model="t", messages=user, max_tokens=2, logprobs=True, top_logprobs=1)
     body = b'{"model": "t", "messages": [{"role": "user", "content": "a\\ud800b"}]}'  # a lone surrogate
@@ -263,6 +394,8 @@ def test_refusals_name_the_problem(router, session):
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text  # not UTF-8
     ac = _anthropic(router, session)
     result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
+    with pytest.raises(anthropic.BadRequestError, match="context length"):
+        ac.messages.create(model="t", max_tokens=5000, messages=user)  # > the context
     with pytest.raises(anthropic.BadRequestError, match="is_error"):
         ac.messages.create(model="t", max_tokens=4, messages=[{"role": "user", "content": result}])
     with pytest.raises(anthropic.BadRequestError) as refused:

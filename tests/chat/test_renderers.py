@@ -20,6 +20,7 @@ from router.chat.conversation import (
     Sampled,
     build_context,
     digests,
+    reply_ids,
     resume,
     sampled_turns,
 )
@@ -160,6 +161,23 @@ def test_sampled_reasoning_is_kept(renderer):
     assert "The user wants the weather." in renderer.decode(last.input_ids.tolist())
 
 
+def test_a_reply_less_the_stop_sequence_that_ended_it_is_kept(renderer):
+    """A turn that a stop sequence ended (``matched``, not a stop token of the renderer) replies
+    without it; that reply sent back is the turn's ids, the stop sequence's included."""
+    user = [Message("user", "Count")]
+    head = build_context(renderer, user, (), Known()).input_ids.tolist()
+    out = renderer.encode("one, two!")
+    stop = out[-1]
+    sampled = Sampled(head, out, matched=stop)
+    assert renderer.parse(reply_ids(renderer, out, stop)).content == "one, two"
+    messages = [*user, Message("assistant", "one, two"), Message("user", "More")]
+    ctx = build_context(renderer, messages, (), Known(turns=[sampled]))
+    assert ctx.kept == 1 and ctx.input_ids.tolist()[: len(head) + len(out)] == head + out
+    unmatched = build_context(renderer, messages, (), Known(turns=[Sampled(head, out)]))
+    assert unmatched.kept == 0  # without the stop, the reply is "one, two!": an edit
+    assert reply_ids(renderer, [*out, renderer.stop_ids[0]], renderer.stop_ids[0])[-1] == renderer.stop_ids[0]
+
+
 def test_edited_history_does_not_extend(renderer):
     steps, turns = _conversation(renderer)
     messages = list(steps[2][0])
@@ -241,6 +259,16 @@ def test_parse(renderer):
     assert not renderer.parse(cut).stopped
     assert renderer.decode(renderer.close(cut)) == "<|im_end|>\n"
     assert renderer.decode(renderer.close(_sample(renderer, "It is 20"))) == "\n"
+
+
+def test_token_bytes_rebuild_the_text(renderer):
+    """Each token's bytes, those of a token that ends inside a UTF-8 character included (decoded
+    alone it is a replacement character), join into the text's UTF-8."""
+    text = "Grüße 😀 ✓ <think>x</think><|im_end|>"
+    ids = renderer.encode(text)
+    assert b"".join(renderer.token_bytes(i) for i in ids) == text.encode()
+    assert any(renderer.decode([i]) == "\ufffd" for i in ids)  # the text splits a character
+    assert renderer.token_bytes(renderer.stop_ids[0]) == renderer.STOP_TEXTS[0].encode()
 
 
 def test_tool_results_render_back(renderer):

@@ -162,5 +162,10 @@ class Renderer(abc.ABC):
         """Text of ``ids``, special tokens kept."""
 
     @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: those of a token that ends inside a UTF-8 character
+        too, which :meth:`decode` of it alone cannot show (OpenAI's log-prob ``bytes``)."""
+
+    @abc.abstractmethod
     def stop_token(self, text: str) -> int:
         """The id of a stop sequence; RenderError unless ``text`` is exactly one token."""

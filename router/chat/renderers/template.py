@@ -32,6 +32,18 @@ _USER = "\u27e6mixfleet-user\u27e7"
 _SENTINEL = "\u27e6mixfleet-assistant\u27e7"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character a ``ByteLevel`` pre-tokenizer writes for each byte (GPT-2's
+    ``bytes_to_unicode``: printable Latin-1 bytes stand for themselves, the others for 256 + n),
+    inverted: character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {(chr(b) if b in kept else chr(next(extra))): b for b in range(256)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 def template_environment() -> ImmutableSandboxedEnvironment:
     """The jinja2 environment HF chat templates are written for (module docstring)."""
 
@@ -93,6 +105,8 @@ class TemplateRenderer(Renderer):
         self.stop_ids = tuple(int(i) for i in ids)
         self._stop_text = {int(i): t for t, i in zip(stop_texts, ids, strict=True)}
         self._close_text = self._after_sentinel([], gp=False)
+        self._added = {int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, stop_texts: Sequence[str]) -> TemplateRenderer:
@@ -101,10 +115,22 @@ class TemplateRenderer(Renderer):
 
     # text -> ids ------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """The ids of ``text``. Tokenized by ``encode_batch``, which lets go of the GIL while it
+        runs (``encode`` holds it: tokenizers' ``bindings/python/src/tokenizer.rs``), so a long
+        text tokenized on a worker thread does not stop the router's event loop."""
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """An added token's text, a byte-level token's bytes (the tokenizer's ``ByteLevel``
+        decoder maps each byte to one character), else the UTF-8 of its decoded text."""
+        added = self._added.get(token_id)
+        piece = self._tok.id_to_token(token_id) if added is None else None
+        if piece is not None and self._byte_level and all(ch in _BYTE_OF for ch in piece):
+            return bytes(_BYTE_OF[ch] for ch in piece)
+        return (added if added is not None else self.decode([token_id])).encode("utf-8")
 
     def stop_token(self, text: str) -> int:
         ids = self.encode(text)
