@@ -6,8 +6,10 @@ Every family is declared once in :data:`ROUTER_METRICS` (:class:`core.metric_def
 process that served it. Families that describe the fleet (groups, versions, queue, ledger,
 mismatch; :data:`SNAPSHOT`) are computed at scrape time from ``RouterMetrics.snapshot``, which the
 app refreshes from the registry and the state store right before each scrape, so they agree
-across routers sharing Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units,
-``_total`` on counters, ``_info`` for metadata, no colons.
+across routers sharing Redis; a scrape whose state read fails or takes over 5 s leaves them out
+(``mixfleet_router_state_up 0``) rather than repeat an older read: workers scraped in turn would
+otherwise show the ledger's counters going backwards. Names follow Prometheus conventions:
+``mixfleet_*``, base units, ``_total`` on counters, ``_info`` for metadata, no colons.
 
 **Several workers on one port** (``mixfleet router --workers N``, :mod:`mixfleet.router`): with
 ``PROMETHEUS_MULTIPROC_DIR`` set before prometheus-client is first imported (its value class is
@@ -230,6 +232,13 @@ SNAPSHOT: tuple[MetricDef, ...] = (
         "Trajectories held back as older than a take's max_version_age",
     ),
     _g("mixfleet_router_open_leases", (), "", "Leases handed out and not yet acknowledged"),
+    _g(
+        "mixfleet_router_state_up",
+        (),
+        "",
+        "1 when this scrape read the state store; 0 when it did not answer in time (the families "
+        "read from it, fleet, queue, ledger and mismatch, are then left out of the scrape)",
+    ),
     _g(
         "mixfleet_router_version_lag_bound",
         (),
@@ -478,7 +487,8 @@ def mark_dead_processes(path: str) -> list[int]:
 
 
 class _SnapshotCollector:
-    """Exposes ``RouterMetrics.snapshot``: ``groups`` (``RouterContext.groups_snapshot``'s,
+    """Exposes ``RouterMetrics.snapshot``: ``state_up`` (whether it was read from the state
+    store), ``groups`` (``RouterContext.groups_snapshot``'s,
     with ``gpus_per_replica`` and ``price_per_gpu_hour``), ``latest_version``, ``queue``
     (``StateStore.queue_stats``), ``ledger`` (group -> an object with ``replica_seconds``,
     ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``) and
@@ -530,6 +540,8 @@ class _SnapshotCollector:
         ):
             put(fam, [], queue.get(key))
         put("mixfleet_router_version_lag_bound", [], self.metrics.version_lag_bound)
+        if "state_up" in snap:
+            put("mixfleet_router_state_up", [], 1 if snap["state_up"] else 0)
         ledger: Mapping[str, Any] = snap.get("ledger", {})
         for group in sorted(ledger):
             t = ledger[group]
