@@ -397,8 +397,16 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=False,
             server_header=False,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         )
     return 0
+
+
+WORKER_HEALTHCHECK_S = 60
+"""How long uvicorn's supervisor waits for a worker to answer its health ping before it SIGKILLs
+the worker and starts another (``uvicorn/supervisors/multiprocess.py`` 214-230, 0.55). Its
+default, 5 s, kills workers that are only slow: one still importing on a loaded host, or one
+starved of CPU mid-turn, with every turn it serves."""
 
 
 METRICS_DIR_PREFIX = "mixfleet-router-metrics-"
