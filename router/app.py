@@ -283,6 +283,7 @@ async def _fleet_snapshot(ctx: RouterContext) -> dict[str, Any]:
     snap["queue"] = await ctx.store.queue_stats()
     snap["ledger"] = await ctx.store.ledger_totals()
     snap["mismatch"] = await ctx.store.mismatch()
+    snap["mismatch_totals"] = await ctx.store.mismatch_totals()
     snap["mismatch_band"] = ctx.config.mismatch_band
     snap["state_up"] = True
     for g in snap["groups"]:

@@ -491,8 +491,9 @@ class _SnapshotCollector:
     store), ``groups`` (``RouterContext.groups_snapshot``'s,
     with ``gpus_per_replica`` and ``price_per_gpu_hour``), ``latest_version``, ``queue``
     (``StateStore.queue_stats``), ``ledger`` (group -> an object with ``replica_seconds``,
-    ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``) and
-    ``mismatch_band``. A missing part exports its families without samples."""
+    ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``),
+    ``mismatch_totals`` (``StateStore.mismatch_totals``) and ``mismatch_band``. A missing part
+    exports its families without samples."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
@@ -552,11 +553,14 @@ class _SnapshotCollector:
         if band is not None:
             put("mixfleet_mismatch_band_info", [f"{band[0]:g}", f"{band[1]:g}"], 1)
         mismatch = rollup(snap.get("mismatch", {}))
+        totals: Mapping[str, MismatchSums] = snap.get("mismatch_totals", {})
+        for group, total in sorted(totals.items()):
+            _mismatch_counters(put, group, total)
         for group, g in sorted(mismatch.items()):
             _mismatch(put, group, g)
         # A group's counters exist at 0 before its first booking or upload, so rate() counts that one.
         for g in groups:
-            for names, seen in ((LEDGER_COUNTERS, ledger), (MISMATCH_COUNTERS, mismatch)):
+            for names, seen in ((LEDGER_COUNTERS, ledger), (MISMATCH_COUNTERS, totals)):
                 if g["name"] not in seen:
                     for name in names:
                         put(name, [g["name"]], 0)
@@ -569,8 +573,9 @@ def _capacity_tps(g: dict[str, Any]) -> float:
     return sum(measured) / len(measured) * len(rotation) if measured else 0.0
 
 
-def _mismatch(put, group: str, g: dict[str, Any]) -> None:
-    total: MismatchSums = g["total"]
+def _mismatch_counters(put, group: str, total: MismatchSums) -> None:
+    """The group's ``mixfleet_mismatch_*_total`` counters, from ``StateStore.mismatch_totals``
+    (which only grows), not from the rolled-up sums (whose float sum moves down by ulps)."""
     put("mixfleet_mismatch_tokens_total", [group], total.tokens)
     put("mixfleet_mismatch_k3_total", [group], total.k3)
     put("mixfleet_mismatch_abs_logprob_diff_total", [group], total.abs_logprob_diff)
@@ -578,6 +583,9 @@ def _mismatch(put, group: str, g: dict[str, Any]) -> None:
     put("mixfleet_mismatch_out_of_band_tokens_total", [group], total.out_of_band)
     put("mixfleet_mismatch_route_tokens_total", [group], total.route_tokens)
     put("mixfleet_mismatch_route_differ_tokens_total", [group], total.route_differ)
+
+
+def _mismatch(put, group: str, g: dict[str, Any]) -> None:
     versions = sorted(g["versions"])[-MISMATCH_VERSIONS_EXPORTED:]
     for v in versions:
         view = g["versions"][v].view()
