@@ -132,18 +132,34 @@ _PUT_BACK_S = 5.0  # how long a take that does not answer tries to put back what
 _MISMATCH_STATS = tuple(f.name for f in dataclasses.fields(MismatchSums))
 _MISMATCH_FLOATS = ("k3", "abs_logprob_diff")
 
-_ADD_MISMATCH = """
+_ADD = """
+-- add x to a hash field: kind 'f' as a double written back with 17 significant digits (exact
+-- round trip; HINCRBYFLOAT keeps 17 decimal places, so it turns 3e-19 into 0 and 1.2345678e-13
+-- into 1.2346e-13), else as an integer (HINCRBY)
+local function add(key, field, x, kind)
+  if kind == 'f' then
+    local v = tonumber(redis.call('HGET', key, field) or '0') + tonumber(x)
+    redis.call('HSET', key, field, string.format('%.17g', v))
+  else
+    redis.call('HINCRBY', key, field, x)
+  end
+end
+"""
+
+_ADD_MISMATCH = (
+    _ADD
+    + """
 -- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), then per sum its
 -- field (stat|version|bucket|group), value and kind (f: float)
 if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
 for i = 2, #ARGV, 3 do
   local stat, group = string.match(ARGV[i], '^([^|]*)|[^|]*|[^|]*|(.*)$')
-  local cmd = ARGV[i + 2] == 'f' and 'HINCRBYFLOAT' or 'HINCRBY'
-  redis.call(cmd, KEYS[1], ARGV[i], ARGV[i + 1])
-  redis.call(cmd, KEYS[3], stat .. '|' .. group, ARGV[i + 1])
+  add(KEYS[1], ARGV[i], ARGV[i + 1], ARGV[i + 2])
+  add(KEYS[3], stat .. '|' .. group, ARGV[i + 1], ARGV[i + 2])
 end
 return 1
 """
+)
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -416,22 +432,21 @@ end
 return n
 """
 
-_MOVE_FIELDS = """
+_MOVE_FIELDS = (
+    _ADD
+    + """
 local n = 0
 for i = 1, #ARGV, 3 do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
   if v then
-    if ARGV[i + 2] == 'f' then
-      redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i + 1], v)
-    else
-      redis.call('HINCRBY', KEYS[2], ARGV[i + 1], v)
-    end
+    add(KEYS[2], ARGV[i + 1], v, ARGV[i + 2])
     redis.call('HDEL', KEYS[1], ARGV[i])
     n = n + 1
   end
 end
 return n
 """
+)
 
 _FORGET_REPLICAS = """
 local n = 0
@@ -1253,7 +1268,7 @@ def _window_items(raw: list[bytes]) -> list[list[Any]]:
 
 
 def _kind(stat: str) -> str:
-    """How a mismatch stat adds in Redis: ``f`` (HINCRBYFLOAT) or ``i`` (HINCRBY)."""
+    """How a mismatch stat adds in Redis (script :data:`_ADD`): ``f`` (a double) or ``i`` (HINCRBY)."""
     return "f" if stat in _MISMATCH_FLOATS else "i"
 
 

@@ -1112,3 +1112,16 @@ async def test_mismatch_totals_only_grow_while_versions_are_rolled_up(store_url:
                 before = total
         assert _close(total, added) and total.tokens == 40 * 300
         assert _close(rollup(await store.mismatch())["g|1"]["total"], added)
+
+
+async def test_mismatch_sums_keep_a_doubles_precision(store_url: str) -> None:
+    """A well-matched group's k3 sums are tiny (1e-13 and below): each adapter keeps them as the
+    double they add up to, also once rolled up, not rounded to a fixed number of decimals."""
+    tiny = MismatchSums(tokens=10, k3=3e-19, abs_logprob_diff=1.2345678901234567e-13)
+    async with opened(store_url, retention=Retention(keep_versions=1)) as store:
+        for v in (1, 2):
+            assert await store.add_mismatch(f"L{v}", {("g", v, "0-63"): tiny}, ttl_s=60)
+        assert (await store.mismatch())[("g", 2, "0-63")] == tiny
+        assert (await store.mismatch_totals())["g"] == tiny + tiny
+        await store.compact()
+        assert (await store.mismatch())[("g", None, "0-63")] == tiny
