@@ -92,14 +92,18 @@ def guard_group() -> None:
     _guard_fds.append(w)
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
-    def in_child() -> None:
-        if _LIBC is not None:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before the child asked for its signal
-            os._exit(1)
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have this process sent ``sig`` when the thread of ``parent_pid`` that started it ends (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing is asked); exit at once (status 1) when its parent is
+    already another process (``parent_pid`` died before the request)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
-    return in_child
+
+def _die_with(parent_pid: int) -> Callable[[], None]:
+    return lambda: die_with_parent(parent_pid)
 
 
 @dataclass

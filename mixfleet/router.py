@@ -5,7 +5,8 @@ app with :func:`app_from_env`); they share everything that changes answers throu
 redis://...``, so N > 1 with ``memory`` state is refused. Their Prometheus metrics are one view:
 with N > 1 the workers write them to a fresh private ``PROMETHEUS_MULTIPROC_DIR`` (created before
 uvicorn spawns them, removed when the router stops, or by the next router when it was killed),
-and a scrape of any worker reads every worker's (:mod:`router.metrics`).
+and a scrape of any worker reads every worker's (:mod:`router.metrics`). Its workers stop (SIGTERM)
+when it ends, however it ended (:func:`app_from_env`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,12 +319,25 @@ def default_args(**values) -> dict:
     return {**defaults, **values}
 
 
+SUPERVISOR_ENV = "MIXFLEET_ROUTER_SUPERVISOR"
+"""The pid of the ``mixfleet router --workers N`` process (N > 1) whose uvicorn supervisor
+starts the workers."""
+
+
 def app_from_env():
     """uvicorn's app factory in every router worker: :func:`app_from_args` of the arguments
-    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON)."""
+    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON). A worker of several (``SUPERVISOR_ENV``
+    set) is sent SIGTERM, uvicorn's own stop, when its supervisor ends however it ended (SIGKILL,
+    the OOM killer), and exits at once when the supervisor is already gone: no orphan keeps
+    serving the port."""
     raw = os.environ.get(ARGS_ENV)
     if not raw:
         raise UserError(f"{ARGS_ENV} is not set: start the router with `mixfleet router`")
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor:
+        from launcher.children import die_with_parent
+
+        die_with_parent(int(supervisor), signal.SIGTERM)
     return app_from_args(json.loads(raw))
 
 
@@ -368,6 +383,10 @@ def run(args: argparse.Namespace) -> int:
     build_config(args)
     plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
     os.environ[ARGS_ENV] = json.dumps(plain)
+    if args.workers > 1:
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
+    else:
+        os.environ.pop(SUPERVISOR_ENV, None)
     with multiprocess_metrics(args.workers):
         uvicorn.run(
             "mixfleet.router:app_from_env",
@@ -378,8 +397,16 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=False,
             server_header=False,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         )
     return 0
+
+
+WORKER_HEALTHCHECK_S = 60
+"""How long uvicorn's supervisor waits for a worker to answer its health ping before it SIGKILLs
+the worker and starts another (``uvicorn/supervisors/multiprocess.py`` 214-230, 0.55). Its
+default, 5 s, kills workers that are only slow: one still importing on a loaded host, or one
+starved of CPU mid-turn, with every turn it serves."""
 
 
 METRICS_DIR_PREFIX = "mixfleet-router-metrics-"

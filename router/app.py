@@ -19,6 +19,7 @@ request's limit (the trainer log-prob upload: its lease's size, :mod:`router.bod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -266,16 +267,32 @@ def _add_ops_routes(app: FastAPI, ctx: RouterContext) -> None:
     )
     async def metrics() -> PlainTextResponse:
         try:
-            snap = await ctx.groups_snapshot()
-            snap["queue"] = await ctx.store.queue_stats()
-            snap["ledger"] = await ctx.store.ledger_totals()
-            snap["mismatch"] = await ctx.store.mismatch()
-            snap["mismatch_band"] = ctx.config.mismatch_band
-            for g in snap["groups"]:
-                spec = ctx.fleet.group(g["name"])
-                g["gpus_per_replica"] = spec.gpus_per_replica
-                g["price_per_gpu_hour"] = spec.price_per_gpu_hour
-            ctx.metrics.snapshot = snap
-        except StateError as exc:
-            log.warning("metrics without state: %s", exc)
+            async with asyncio.timeout(METRICS_STATE_TIMEOUT_S):
+                ctx.metrics.snapshot = await _fleet_snapshot(ctx)
+        except (StateError, TimeoutError) as exc:
+            log.warning("metrics without state: %s", exc or f"no answer in {METRICS_STATE_TIMEOUT_S:g} s")
+            ctx.metrics.snapshot = {"state_up": False}
         return PlainTextResponse(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+METRICS_STATE_TIMEOUT_S = 5.0
+"""How long a scrape of ``/metrics`` waits for the state store: half a Prometheus scrape's default
+timeout (10 s), so a state outage (a Redis call retries for 20 s) still answers the request-path
+families and ``mixfleet_router_state_up 0`` in time, instead of failing the scrape."""
+
+
+async def _fleet_snapshot(ctx: RouterContext) -> dict[str, Any]:
+    """``RouterMetrics.snapshot`` read now from the registry and the state store (StateError when
+    the store does not answer)."""
+    snap = await ctx.groups_snapshot()
+    snap["queue"] = await ctx.store.queue_stats()
+    snap["ledger"] = await ctx.store.ledger_totals()
+    snap["mismatch"] = await ctx.store.mismatch()
+    snap["mismatch_totals"] = await ctx.store.mismatch_totals()
+    snap["mismatch_band"] = ctx.config.mismatch_band
+    snap["state_up"] = True
+    for g in snap["groups"]:
+        spec = ctx.fleet.group(g["name"])
+        g["gpus_per_replica"] = spec.gpus_per_replica
+        g["price_per_gpu_hour"] = spec.price_per_gpu_hour
+    return snap

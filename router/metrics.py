@@ -6,8 +6,10 @@ Every family is declared once in :data:`ROUTER_METRICS` (:class:`core.metric_def
 process that served it. Families that describe the fleet (groups, versions, queue, ledger,
 mismatch; :data:`SNAPSHOT`) are computed at scrape time from ``RouterMetrics.snapshot``, which the
 app refreshes from the registry and the state store right before each scrape, so they agree
-across routers sharing Redis. Names follow Prometheus conventions: ``mixfleet_*``, base units,
-``_total`` on counters, ``_info`` for metadata, no colons.
+across routers sharing Redis; a scrape whose state read fails or takes over 5 s leaves them out
+(``mixfleet_router_state_up 0``) rather than repeat an older read: workers scraped in turn would
+otherwise show the ledger's counters going backwards. Names follow Prometheus conventions:
+``mixfleet_*``, base units, ``_total`` on counters, ``_info`` for metadata, no colons.
 
 **Several workers on one port** (``mixfleet router --workers N``, :mod:`mixfleet.router`): with
 ``PROMETHEUS_MULTIPROC_DIR`` set before prometheus-client is first imported (its value class is
@@ -230,6 +232,13 @@ SNAPSHOT: tuple[MetricDef, ...] = (
         "Trajectories held back as older than a take's max_version_age",
     ),
     _g("mixfleet_router_open_leases", (), "", "Leases handed out and not yet acknowledged"),
+    _g(
+        "mixfleet_router_state_up",
+        (),
+        "",
+        "1 when this scrape read the state store; 0 when it did not answer in time (the families "
+        "read from it, fleet, queue, ledger and mismatch, are then left out of the scrape)",
+    ),
     _g(
         "mixfleet_router_version_lag_bound",
         (),
@@ -478,11 +487,13 @@ def mark_dead_processes(path: str) -> list[int]:
 
 
 class _SnapshotCollector:
-    """Exposes ``RouterMetrics.snapshot``: ``groups`` (``RouterContext.groups_snapshot``'s,
+    """Exposes ``RouterMetrics.snapshot``: ``state_up`` (whether it was read from the state
+    store), ``groups`` (``RouterContext.groups_snapshot``'s,
     with ``gpus_per_replica`` and ``price_per_gpu_hour``), ``latest_version``, ``queue``
     (``StateStore.queue_stats``), ``ledger`` (group -> an object with ``replica_seconds``,
-    ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``) and
-    ``mismatch_band``. A missing part exports its families without samples."""
+    ``gpu_seconds``, ``cost_dollars``), ``mismatch`` (``StateStore.mismatch``),
+    ``mismatch_totals`` (``StateStore.mismatch_totals``) and ``mismatch_band``. A missing part
+    exports its families without samples."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
@@ -530,6 +541,8 @@ class _SnapshotCollector:
         ):
             put(fam, [], queue.get(key))
         put("mixfleet_router_version_lag_bound", [], self.metrics.version_lag_bound)
+        if "state_up" in snap:
+            put("mixfleet_router_state_up", [], 1 if snap["state_up"] else 0)
         ledger: Mapping[str, Any] = snap.get("ledger", {})
         for group in sorted(ledger):
             t = ledger[group]
@@ -540,11 +553,14 @@ class _SnapshotCollector:
         if band is not None:
             put("mixfleet_mismatch_band_info", [f"{band[0]:g}", f"{band[1]:g}"], 1)
         mismatch = rollup(snap.get("mismatch", {}))
+        totals: Mapping[str, MismatchSums] = snap.get("mismatch_totals", {})
+        for group, total in sorted(totals.items()):
+            _mismatch_counters(put, group, total)
         for group, g in sorted(mismatch.items()):
             _mismatch(put, group, g)
         # A group's counters exist at 0 before its first booking or upload, so rate() counts that one.
         for g in groups:
-            for names, seen in ((LEDGER_COUNTERS, ledger), (MISMATCH_COUNTERS, mismatch)):
+            for names, seen in ((LEDGER_COUNTERS, ledger), (MISMATCH_COUNTERS, totals)):
                 if g["name"] not in seen:
                     for name in names:
                         put(name, [g["name"]], 0)
@@ -557,8 +573,9 @@ def _capacity_tps(g: dict[str, Any]) -> float:
     return sum(measured) / len(measured) * len(rotation) if measured else 0.0
 
 
-def _mismatch(put, group: str, g: dict[str, Any]) -> None:
-    total: MismatchSums = g["total"]
+def _mismatch_counters(put, group: str, total: MismatchSums) -> None:
+    """The group's ``mixfleet_mismatch_*_total`` counters, from ``StateStore.mismatch_totals``
+    (which only grows), not from the rolled-up sums (whose float sum moves down by ulps)."""
     put("mixfleet_mismatch_tokens_total", [group], total.tokens)
     put("mixfleet_mismatch_k3_total", [group], total.k3)
     put("mixfleet_mismatch_abs_logprob_diff_total", [group], total.abs_logprob_diff)
@@ -566,6 +583,9 @@ def _mismatch(put, group: str, g: dict[str, Any]) -> None:
     put("mixfleet_mismatch_out_of_band_tokens_total", [group], total.out_of_band)
     put("mixfleet_mismatch_route_tokens_total", [group], total.route_tokens)
     put("mixfleet_mismatch_route_differ_tokens_total", [group], total.route_differ)
+
+
+def _mismatch(put, group: str, g: dict[str, Any]) -> None:
     versions = sorted(g["versions"])[-MISMATCH_VERSIONS_EXPORTED:]
     for v in versions:
         view = g["versions"][v].view()

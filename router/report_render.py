@@ -25,6 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from router.ledger import per_million  # noqa: E402
+
 UNVERIFIED = "* the price was not confirmed by independent sources (price_verified = false in the preset)."
 COLORS = ("#2b6cb0", "#dd6b20", "#2f855a", "#805ad5", "#c53030", "#718096")
 
@@ -135,35 +137,51 @@ def mismatch_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def version_table(report: dict[str, Any], last: int = 50) -> tuple[list[str], list[list[str]]]:
-    """Cost and tokens per weight version over every group (n/a: replicas that reported none);
-    per group they are in report.json."""
+    """Cost and tokens per weight version over every group (n/a: replicas that reported none),
+    after one row of the versions the router rolled up (``earlier_versions``, when any); per group
+    they are in report.json."""
     head = ["version", "replica-h", "GPU-h", "cost", "tokens", "$/1M tokens"]
+    earlier = report.get("earlier_versions") or []
+    rolled = [("earlier (rolled up)", _summed(earlier))] if earlier else []
+    shown = [
+        ("n/a" if v["version"] is None else str(v["version"]), v) for v in report["version_totals"][-last:]
+    ]
     rows = [
         [
-            "n/a" if v["version"] is None else str(v["version"]),
+            name,
             hours(v["replica_seconds"]),
             hours(v["gpu_seconds"]),
             dollars(v["cost_dollars"]),
             num(int(v["tokens"])),
-            dollars(v["cost_per_1m_tokens"]),
+            dollars(per_million(float(v["cost_dollars"]), int(v["tokens"]))),
         ]
-        for v in report["version_totals"][-last:]
+        for name, v in rolled + shown
     ]
     return head, rows
 
 
+def _summed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("replica_seconds", "gpu_seconds", "cost_dollars", "tokens")
+    return {k: sum(r[k] for r in rows) for k in keys}
+
+
 def update_table(report: dict[str, Any], last: int = 50) -> tuple[list[str], list[list[str]]]:
+    """The latest ``last`` updates, after one row of the updates the router rolled up
+    (``earlier_updates``, when any: their seq range, the last one's acknowledgement)."""
     head = ["update", "acknowledged", "trajectories", "tokens", "cost", "$/1M tokens"]
+    e = report.get("earlier_updates") or {}
+    rolled = [(f"1-{e['through_seq']} (rolled up)", {**e, "at": None})] if e.get("updates") else []
+    shown = [(str(u["seq"]), u) for u in report["updates"][-last:]]
     rows = [
         [
-            str(u["seq"]),
-            when(u["at"]),
+            name,
+            "" if u["at"] is None else when(u["at"]),
             num(int(u["trajectories"])),
             num(int(u["tokens"])),
             dollars(u["cost_dollars"]),
-            dollars(u["cost_per_1m_tokens"]),
+            dollars(per_million(float(u["cost_dollars"]), int(u["tokens"]))),
         ]
-        for u in report["updates"][-last:]
+        for name, u in rolled + shown
     ]
     return head, rows
 

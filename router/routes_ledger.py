@@ -2,7 +2,8 @@
 JSON (:class:`LedgerView`), which ``mixfleet report`` reads.
 
 Every group of the preset is listed in preset order (zeros until something is booked), then any
-group the ledger holds that the preset no longer names (its spec fields null). Updates carry
+group the ledger holds that the preset no longer names (its spec fields null); the versions in
+the same group order, each group's unreported one (null) first, then ascending. Updates carry
 their cost by :func:`router.ledger.update_costs`. The state keeps per group the latest
 ``--keep-versions`` versions and the latest ``--keep-updates`` updates (:mod:`router.ledger`,
 Bounds): ``earlier_versions`` and ``earlier_updates`` hold what was rolled up, so every total
@@ -126,7 +127,8 @@ def ledger_view(snap: LedgerSnapshot, fleet: FleetSpec, span_s: float, now: floa
     versions = [
         {"group": g, "version": v, **_money(t)}
         for (g, v), t in sorted(
-            snap.versions.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][0], kv[0][1] or -1)
+            snap.versions.items(),
+            key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][0], -1 if kv[0][1] is None else kv[0][1]),
         )
     ]
     updates = [

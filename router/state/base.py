@@ -438,6 +438,13 @@ class StateStore(abc.ABC):
         """Every accumulated (group, version, position bucket) sum; version None: the group's
         versions rolled up by :meth:`compact`."""
 
+    @abc.abstractmethod
+    async def mismatch_totals(self) -> dict[str, MismatchSums]:
+        """Per group, the sum of everything :meth:`add_mismatch` added, kept apart from the sums
+        of :meth:`mismatch` and never touched by :meth:`compact`: it only grows (it is what the
+        ``mixfleet_mismatch_*_total`` counters export; summing :meth:`mismatch`'s floats instead
+        changes in the last bits, down too, whenever versions are rolled up)."""
+
     # bounds ---------------------------------------------------------------------------
     @abc.abstractmethod
     async def compact(self, now: float | None = None) -> Compacted:

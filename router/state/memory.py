@@ -74,6 +74,7 @@ class MemoryStore(StateStore):
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
         self._lease_orders: dict[str, tuple[list[str], float]] = {}
         self._mismatch: dict[MismatchKey, MismatchSums] = {}
+        self._mismatch_totals: dict[str, MismatchSums] = {}
         self._mismatch_leases: dict[str, float] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._marks: dict[str, tuple[float, float]] = {}  # replica -> (booked until, forgotten at)
@@ -530,10 +531,14 @@ class MemoryStore(StateStore):
         self._mismatch_leases[lease_id] = now + ttl_s
         for key, part in sums.items():
             self._mismatch[key] = self._mismatch[key] + part if key in self._mismatch else part
+            self._mismatch_totals[key[0]] = self._mismatch_totals.get(key[0], MismatchSums()) + part
         return True
 
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
         return dict(self._mismatch)
+
+    async def mismatch_totals(self) -> dict[str, MismatchSums]:
+        return dict(self._mismatch_totals)
 
     # bounds ---------------------------------------------------------------------------
     async def compact(self, now: float | None = None) -> Compacted:

@@ -45,6 +45,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   ``at``, ``trajectories``, ``tokens``, ``cost`` (JSON: the last one's cumulative cost per group)
 * ``mf:mismatch`` hash: ``<stat>|<version>|<bucket>|<group>`` -> summed value
   (:class:`router.mismatch.MismatchSums`; version ``-``: the group's versions rolled up);
+  ``mf:mismatch:t`` hash: ``<stat>|<group>`` -> everything added for the group, never rolled
+  (what the ``mixfleet_mismatch_*_total`` counters export);
   ``mf:mml:<lease>`` marks a lease booked (TTL);
   ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL)
 
@@ -119,6 +121,7 @@ LEDGER_E = P + "ledger:e"
 UPDATES = P + "updates"
 UPDATES_E = P + "updates:e"
 MISMATCH = P + "mismatch"
+MISMATCH_TOTALS = P + "mismatch:t"
 WINDOW = P + "window"
 JOB_LOCK = P + "joblock"
 JOBS = P + "jobs"
@@ -129,17 +132,34 @@ _PUT_BACK_S = 5.0  # how long a take that does not answer tries to put back what
 _MISMATCH_STATS = tuple(f.name for f in dataclasses.fields(MismatchSums))
 _MISMATCH_FLOATS = ("k3", "abs_logprob_diff")
 
-_ADD_MISMATCH = """
+_ADD = """
+-- add x to a hash field: kind 'f' as a double written back with 17 significant digits (exact
+-- round trip; HINCRBYFLOAT keeps 17 decimal places, so it turns 3e-19 into 0 and 1.2345678e-13
+-- into 1.2346e-13), else as an integer (HINCRBY)
+local function add(key, field, x, kind)
+  if kind == 'f' then
+    local v = tonumber(redis.call('HGET', key, field) or '0') + tonumber(x)
+    redis.call('HSET', key, field, string.format('%.17g', v))
+  else
+    redis.call('HINCRBY', key, field, x)
+  end
+end
+"""
+
+_ADD_MISMATCH = (
+    _ADD
+    + """
+-- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), then per sum its
+-- field (stat|version|bucket|group), value and kind (f: float)
 if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
 for i = 2, #ARGV, 3 do
-  if ARGV[i + 2] == 'f' then
-    redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
-  else
-    redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-  end
+  local stat, group = string.match(ARGV[i], '^([^|]*)|[^|]*|[^|]*|(.*)$')
+  add(KEYS[1], ARGV[i], ARGV[i + 1], ARGV[i + 2])
+  add(KEYS[3], stat .. '|' .. group, ARGV[i + 1], ARGV[i + 2])
 end
 return 1
 """
+)
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -412,22 +432,21 @@ end
 return n
 """
 
-_MOVE_FIELDS = """
+_MOVE_FIELDS = (
+    _ADD
+    + """
 local n = 0
 for i = 1, #ARGV, 3 do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
   if v then
-    if ARGV[i + 2] == 'f' then
-      redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i + 1], v)
-    else
-      redis.call('HINCRBY', KEYS[2], ARGV[i + 1], v)
-    end
+    add(KEYS[2], ARGV[i + 1], v, ARGV[i + 2])
     redis.call('HDEL', KEYS[1], ARGV[i])
     n = n + 1
   end
 end
 return n
 """
+)
 
 _FORGET_REPLICAS = """
 local n = 0
@@ -1066,8 +1085,16 @@ class RedisStore(StateStore):
                     repr(value),
                     "f" if isinstance(value, float) else "i",
                 ]
-        added = await self._call(self._add_mismatch, keys=[MISMATCH, f"{P}mml:{lease_id}"], args=args)
-        return bool(added)
+        keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS]
+        return bool(await self._call(self._add_mismatch, keys=keys, args=args))
+
+    async def mismatch_totals(self) -> dict[str, MismatchSums]:
+        raw = await self._call(self._r.hgetall, MISMATCH_TOTALS)
+        fields: dict[str, dict[str, float | int]] = {}
+        for k, v in raw.items():
+            stat, group = _s(k).split("|", 1)
+            fields.setdefault(group, {})[stat] = float(_s(v)) if stat in _MISMATCH_FLOATS else int(_s(v))
+        return {group: MismatchSums(**f) for group, f in fields.items()}
 
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
         raw = await self._call(self._r.hgetall, MISMATCH)
@@ -1241,7 +1268,7 @@ def _window_items(raw: list[bytes]) -> list[list[Any]]:
 
 
 def _kind(stat: str) -> str:
-    """How a mismatch stat adds in Redis: ``f`` (HINCRBYFLOAT) or ``i`` (HINCRBY)."""
+    """How a mismatch stat adds in Redis (script :data:`_ADD`): ``f`` (a double) or ``i`` (HINCRBY)."""
     return "f" if stat in _MISMATCH_FLOATS else "i"
 
 

@@ -89,6 +89,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     alerts = {r["alert"] for r in _rules() if "alert" in r}
     assert alerts == {
         "MixfleetRouterDown",
+        "MixfleetStateDown",
         "MixfleetGroupDown",
         "MixfleetVersionLagHigh",
         "MixfleetMismatchKLGrowing",

@@ -10,7 +10,9 @@ import asyncio
 import pytest
 import redis
 
+from fleet.specs import FleetSpec, GroupSpec
 from router.ledger import LedgerTotals, update_costs
+from router.routes_ledger import ledger_view
 from router.state.base import StateStore, TurnRecord
 from tests.support.state import opened
 
@@ -136,3 +138,18 @@ async def test_redis_ledger_survives_a_new_store_and_concurrent_bookings_count_o
         assert after.versions[("g", 4)].tokens == 6
         assert await _book(again, "a", 55.0) == 5.0  # the mark survived too
     assert 90 < redis.Redis.from_url(redis_url).ttl("mf:mark:a") <= 100  # ten spans: marks do not pile up
+
+
+async def test_the_ledger_lists_each_groups_versions_unreported_first_then_ascending(store_url: str) -> None:
+    """``GET /v1/ledger``'s versions, per group: the time of replicas that reported no version
+    first, then version 0, 1, ... whatever order they were booked in (version 0 is a version)."""
+    async with opened(store_url) as store:
+        for at, version in ((0.0, 2), (20.0, 0), (40.0, None), (60.0, 1)):
+            await _book(store, "r", at, version=version)
+        view = ledger_view(
+            await store.ledger(),
+            FleetSpec(name="f", groups=(GroupSpec(name="g", accelerator="B200"),)),
+            10.0,
+            0.0,
+        )
+    assert [v["version"] for v in view["versions"]] == [None, 0, 1, 2]

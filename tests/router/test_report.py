@@ -25,6 +25,7 @@ from router.report_render import COLORS
 from router.routes_ledger import ledger_view
 from router.state.base import TurnRecord
 from router.state.memory import MemoryStore
+from router.state.retention import Retention
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 
@@ -71,8 +72,9 @@ async def _session(
         await store.finish_session(sid, f"{sid}-f", 1.0, {})
 
 
-async def _known_ledger() -> dict:
-    store = MemoryStore()
+async def _known_ledger(retention: Retention | None = None) -> dict:
+    """The ledger of a known run (figures below), compacted under ``retention`` when given."""
+    store = MemoryStore(retention)
 
     async def hb(rid: str, group: str, at: float, version: int) -> None:
         spec = FLEET.group(group)
@@ -100,6 +102,8 @@ async def _known_ledger() -> dict:
     await _session(store, "s5", "fast", {2: 20}, finish=False)  # generated, in no update
     lease = await store.take(10, trainer_version=2, max_version_age=None, lease_timeout_s=60)
     assert (await store.ack(lease.lease_id)).update == 2
+    if retention is not None:
+        await store.compact()
     return ledger_view(await store.ledger(), FLEET, SPAN, now=time.time())
 
 
@@ -515,3 +519,30 @@ def test_a_fleet_serving_turns_books_tokens_per_version_and_updates(engine_url: 
     assert r["groups"][0]["cost_per_1m_tokens"] == pytest.approx(
         g["cost_dollars"] / sum(tokens) * 1e6, rel=1e-12
     )
+
+
+def test_the_tables_show_what_the_router_rolled_up_so_they_add_up(tmp_path: Path) -> None:
+    """Versions and updates the router rolled up (``--keep-versions``, ``--keep-updates``) are one
+    row of each table, so each table adds up to what was booked: the per-version rows to the total
+    cost, the update rows to the cost booked until the last acknowledgement."""
+
+    async def compacted() -> dict:
+        ledger = await _known_ledger(Retention(keep_versions=1, keep_updates=1))
+        assert ledger["earlier_versions"] and ledger["earlier_updates"]["updates"] == 1
+        return ledger
+
+    (tmp_path / "ledger.json").write_text(json.dumps(asyncio.run(compacted())))
+    out = tmp_path / "report"
+    assert main(["report", "--out", str(out), "--ledger", str(tmp_path / "ledger.json")]) == 0
+    md = (out / "report.md").read_text()
+    per_version = md.split("## Per weight version (latest 50)")[1].split("## ")[0].strip().splitlines()
+    assert per_version[2:] == [
+        "| earlier (rolled up) | 0.00417 | 0.00833 | $0.03000 | 140 | $214.29 |",  # fast's version 1
+        "| 1 | 0.005 | 0.005 | $0.009000 | 80 | $112.50 |",  # slow keeps its only version
+        "| 2 | 0.00278 | 0.00556 | $0.02000 | 180 | $111.11 |",
+    ]
+    updates = md.split("## Updates (latest 50)")[1].split("## ")[0].strip().splitlines()
+    assert [row.split(" | ")[::2] for row in updates[2:]] == [
+        ["| 1-1 (rolled up)", "2", "$0.03500"],  # 15 * FAST + 10 * SLOW, booked before the first
+        ["| 2", "2", "$0.02400"],  # 10 * FAST + 8 * SLOW
+    ]

@@ -8,13 +8,16 @@ whose Redis is gone answers 503 (retryable) and serves again once Redis is back.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 
 import httpx
 import pytest
 import redis
 
-from tests.support.procs import free_port, redis_server
+from router.metrics import SNAPSHOT
+from tests.support.metrics import Samples, samples_of
+from tests.support.procs import free_port, redis_process, redis_server
 from tests.support.router import router_process, write_preset
 
 SP = {"max_new_tokens": 3, "seed": 1}
@@ -173,3 +176,40 @@ def test_a_router_without_its_redis_answers_503_and_recovers(engine_url, tmp_pat
         sid = again.json()["session_id"]
         t = c.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2], "sampling_params": SP})
         assert t.status_code == 200 and t.json()["turn"] == 0, t.text
+
+
+def test_metrics_without_its_redis_answer_in_time_and_leave_the_fleet_out(tmp_path) -> None:
+    """A scrape while Redis does not answer (SIGSTOPped: hung, or cut off) answers within a
+    Prometheus scrape's default timeout (10 s) with the request-path families and
+    ``mixfleet_router_state_up 0``, and leaves out the families read from the state (no older read
+    repeated: the ledger's counters never go backwards); once Redis answers again they return."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    port = free_port()
+    with (
+        redis_process(port, tmp_path) as redis_proc,
+        router_process(preset, state=f"redis://127.0.0.1:{port}/0") as router,
+    ):
+
+        def scrape() -> tuple[Samples, float]:
+            t0 = time.monotonic()
+            r = httpx.get(f"{router.url}/metrics", timeout=60)
+            assert r.status_code == 200, r.text
+            return samples_of(r.text), time.monotonic() - t0
+
+        up, _ = scrape()
+        assert up[("mixfleet_router_state_up", ())] == 1
+        assert ("mixfleet_group_cost_dollars_total", (("group", "cpu-a"),)) in up
+        redis_proc.send_signal(signal.SIGSTOP)
+        try:
+            out, took = scrape()
+        finally:
+            redis_proc.send_signal(signal.SIGCONT)
+        assert took < 10, f"the scrape took {took:.1f} s"
+        assert out[("mixfleet_router_state_up", ())] == 0
+        assert ("mixfleet_router_turns_total", (("group", "cpu-a"),)) in out  # the request path answers
+        kept = {"mixfleet_router_state_up", "mixfleet_router_version_lag_bound"}  # not read from the state
+        assert not [k for k, _ in out if k in {d.name for d in SNAPSHOT} - kept]
+        deadline = time.monotonic() + 60
+        while scrape()[0][("mixfleet_router_state_up", ())] == 0:
+            assert time.monotonic() < deadline, "the scrape never read the state again"
+            time.sleep(0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import tempfile
 import threading
 import time
@@ -1084,3 +1085,43 @@ async def test_a_redis_that_lost_its_data_takes_new_trajectories_and_refusals_ar
         finally:
             plain.close()
             await store.close()
+
+
+async def test_mismatch_totals_only_grow_while_versions_are_rolled_up(store_url: str) -> None:
+    """Uploads over 40 versions with a compaction after each (keep_versions=3): the group totals
+    (what the ``mixfleet_mismatch_*_total`` counters export) never go down, not even in the last
+    bit (a Prometheus counter that does has been reset), and equal the sum of what was added; the
+    rolled-up sums still add up to it."""
+    rng = random.Random(7)
+    async with opened(store_url, retention=Retention(keep_versions=3)) as store:
+        before, added = MismatchSums(), MismatchSums()
+        for v in range(1, 41):
+            parts = {
+                ("g|1", v, b): MismatchSums(
+                    tokens=100, k3=rng.random() * 0.37, abs_logprob_diff=rng.random() * 3.1
+                )
+                for b in ("0-63", "64-255", "256-1023")
+            }
+            assert await store.add_mismatch(f"L{v}", parts, ttl_s=60)
+            added = sum(parts.values(), added)
+            for step in ("added", "compacted"):
+                if step == "compacted":
+                    await store.compact()
+                total = (await store.mismatch_totals())["g|1"]
+                assert total.k3 >= before.k3 and total.abs_logprob_diff >= before.abs_logprob_diff, (v, step)
+                before = total
+        assert _close(total, added) and total.tokens == 40 * 300
+        assert _close(rollup(await store.mismatch())["g|1"]["total"], added)
+
+
+async def test_mismatch_sums_keep_a_doubles_precision(store_url: str) -> None:
+    """A well-matched group's k3 sums are tiny (1e-13 and below): each adapter keeps them as the
+    double they add up to, also once rolled up, not rounded to a fixed number of decimals."""
+    tiny = MismatchSums(tokens=10, k3=3e-19, abs_logprob_diff=1.2345678901234567e-13)
+    async with opened(store_url, retention=Retention(keep_versions=1)) as store:
+        for v in (1, 2):
+            assert await store.add_mismatch(f"L{v}", {("g", v, "0-63"): tiny}, ttl_s=60)
+        assert (await store.mismatch())[("g", 2, "0-63")] == tiny
+        assert (await store.mismatch_totals())["g"] == tiny + tiny
+        await store.compact()
+        assert (await store.mismatch())[("g", None, "0-63")] == tiny

@@ -9,15 +9,20 @@ with their mismatch, ledger) answers the same on both workers, and what the run 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from core.tcp import port_is_free
 from core.wire import LOGPROBS_MEDIA_TYPE as LOGPROBS
 from core.wire import RECORDS_MEDIA_TYPE as RECORDS
 from tests.support.procs import mixfleet_argv, redis_server
@@ -124,6 +129,63 @@ def test_memory_state_with_several_workers_is_refused_in_one_line(tmp_path) -> N
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--workers 2 needs --state redis://" in lines[0], r.stderr
     assert "memory state cannot be shared" in lines[0]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path) -> None:
+    """A SIGKILLed ``mixfleet router --workers 2`` (the OOM killer, ``kill -9``) takes its workers
+    with it: none keeps serving the port, which the next router can bind."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    with redis_server() as url, router_process(preset, state=url, extra_args=("--workers", "2")) as router:
+        pids: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, f"only workers {pids} answered"
+            r, pid = call(router, "GET", "/healthz", key=router.key)
+            if r.status_code == 200:
+                pids.add(int(pid))
+        router.proc.kill()
+        router.proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while (alive := {p for p in pids if running(p)}) or not port_is_free("127.0.0.1", router.port):
+            assert time.monotonic() < deadline, f"workers {alive} outlived their supervisor"
+            time.sleep(0.2)
+
+
+def test_a_stalled_worker_is_not_killed_for_answering_late(tmp_path) -> None:
+    """A worker that does not answer uvicorn's health ping for 8 s (stopped: a host starved of CPU,
+    a long stall) is still the same process, serving, once it runs again: the supervisor does not
+    SIGKILL it, and every turn it serves, after uvicorn's default 5 s."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    with redis_server() as url, router_process(preset, state=url, extra_args=("--workers", "2")) as router:
+        pids: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, f"only workers {pids} answered"
+            r, pid = call(router, "GET", "/healthz", key=router.key)
+            if r.status_code == 200:
+                pids.add(int(pid))
+        victim = min(pids)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            time.sleep(8)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # gone: the supervisor killed it
+                os.kill(victim, signal.SIGCONT)
+        served: set[int] = set()
+        deadline = time.monotonic() + 30
+        while victim not in served:
+            assert running(victim), "the supervisor killed the stalled worker"
+            assert time.monotonic() < deadline, f"worker {victim} never served again; saw {served}"
+            r, pid = call(router, "GET", "/healthz", key=router.key)
+            served.add(int(pid))
 
 
 def test_two_workers_serve_one_fleet_consistently(workers: RouterHandle, engine_url: str) -> None:
