@@ -17,6 +17,8 @@ from typing import Any
 from core.errors import UserError
 from mixfleet.argtypes import seconds
 
+RUN_HELP = "run id: the router's run (the default; a router refuses another)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="weights_command", required=True, metavar="ACTION")
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CHECKPOINT holds only the BF16 tensors changed since version BASE; publish deltas over it",
     )
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
-    p.add_argument("--run", default=None, help="run id (default: the router's run)")
+    p.add_argument("--run", default=None, help=RUN_HELP + "; with --store: any run")
     p.add_argument(
         "--per-format", action="store_true", help="move each format's pointer as soon as it is ready"
     )
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("rollback", help=why, description=why)
     common(p)
     p.add_argument("--to", type=int, required=True, help="the version whose content to serve again")
-    p.add_argument("--run", default=None, help="run id (default: the router's run)")
+    p.add_argument("--run", default=None, help=RUN_HELP)
     p.add_argument("--no-wait", action="store_true", help="do not wait for replicas")
 
     p = sub.add_parser(

@@ -187,3 +187,24 @@ def test_a_perturbation_of_a_delta_version_swaps_its_full_content(
     w, x = before["lm_head.weight"], after["lm_head.weight"]
     assert torch.equal(x[3], w[5]) and torch.equal(x[5], w[3])
     assert (tmp_path / f"v{p}" / "config.json").is_file()
+
+
+def test_a_job_for_another_run_is_refused_at_once(weights_router, weights_dir: Path, tiny_dir: Path) -> None:
+    """The router's replicas serve its own run only: a version of another run would never be
+    activated, while the router counted it as its latest (every group lagging behind it) and
+    ``weights publish`` waited for replicas that never come."""
+    router = weights_router
+    before = _latest(router)
+    want = f"this router's fleet serves run {RUN!r}, not 'other'"
+    for path, body in (
+        ("/v1/weights", {"checkpoint": str(tiny_dir), "run_id": "other"}),
+        ("/v1/weights/rollback", {"to": 0, "run_id": "other"}),
+        ("/v1/weights/perturbations", {"from_version": 0, "swap_rows": [1, 2], "run_id": "other"}),
+    ):
+        r = _post(router, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["detail"].startswith(want), r.json()
+    done = _cli(router, "publish", "--run", "other", str(tiny_dir))
+    assert done.returncode == 2 and "HTTP 400" in done.stderr and want in done.stderr, done.stderr
+    assert _latest(router) == before
+    assert not (weights_dir / "store" / "other").exists()
