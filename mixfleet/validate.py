@@ -6,7 +6,7 @@ scoring, routes and request state, live update; see ``validate.run``), stopping 
 the first level that fails. Runs where the store is (``--store``, default ``$MIXFLEET_STORE``):
 it reads the active version's files and the BF16 copy of that version (``--checkpoint`` instead).
 Level 6 publishes two versions (a perturbation and its rollback); ``--no-live-update`` skips it.
-Exit status 0 when every level of every group passes, 1 otherwise.
+Exit status 0 when every level of every group passes, 1 when one fails, 2 for bad input.
 """
 
 from __future__ import annotations

@@ -145,3 +145,17 @@ def test_bad_arguments_are_one_line_errors(fleet: Fleet, tmp_path) -> None:
     bad.write_text("[1, 2, 3]\nnot json\n")
     out = fleet.cli("validate", "--prompts", str(bad))
     assert out.returncode == 2 and "line 2: not JSON" in out.stderr, out.stderr
+    before = fleet.latest()
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("[1, 2]\n[1, 99999]\n")
+    out = fleet.cli("validate", "--prompts", str(outside))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == (
+        "mixfleet validate: error: prompt 2: token id 99999 is outside the model's vocabulary [0, 267)"
+    )
+    out = fleet.cli("validate", "--max-new-tokens", "5000", "--no-live-update")
+    assert out.returncode == 2 and "exceed the model's context of 2048" in out.stderr, out.stderr
+    out = fleet.cli("validate", "--store", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
+    assert f"--store {tmp_path / 'nowhere'}: not a directory" in out.stderr, out.stderr
+    assert fleet.latest() == before  # bad input published nothing
