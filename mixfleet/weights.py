@@ -121,13 +121,14 @@ def _publish(client, args: argparse.Namespace) -> int:
 
     job = client.wait_job(job, args.timeout, on_event=show)
     result = job["result"]
-    st = None if args.no_wait else client.wait_active(result["version"], args.timeout)
+    formats = [f["format"] for f in result["formats"]]
+    st = None if args.no_wait else client.wait_active(result["version"], args.timeout, formats=formats)
     if args.json:
         print(json.dumps({"result": result, "status": st}, indent=2))
         return 0
     _print_result(result)
     if st is not None:
-        print(served_line(st, result["version"]))
+        print(served_line(st, result["version"], formats))
     return 0
 
 
@@ -266,12 +267,19 @@ def _clock(epoch_s: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(epoch_s)))
 
 
-def served_line(status: dict[str, Any], version: int) -> str:
-    """What a wait for ``version`` established: every live replica serves it (the wait skips
-    replicas without a recent heartbeat, :meth:`clients.router.RouterClient.wait_active`); the
-    skipped ones are named, as they may still serve another version."""
-    replicas = [(g["group"], r) for g in status["groups"] for r in g["replicas"]]
+def served_line(status: dict[str, Any], version: int, formats: list[str] | None = None) -> str:
+    """What a wait for ``version`` established: every live replica of the groups serving
+    ``formats`` (default all) serves it (the wait skips replicas without a recent heartbeat,
+    :meth:`clients.router.RouterClient.wait_active`); the skipped ones are named, as they may
+    still serve another version, and so are the groups of the formats not published."""
+    mine = [g for g in status["groups"] if formats is None or g["format"] in formats]
+    replicas = [(g["group"], r) for g in mine for r in g["replicas"]]
     live = sum(1 for _, r in replicas if r.get("fresh", True))
     skipped = [f"{group}/{r['replica_id']}" for group, r in replicas if not r.get("fresh", True)]
+    others = [g["group"] for g in status["groups"] if g not in mine]
     line = f"every live replica ({live}) serves version {version}"
-    return line + (f"; not live, not waited for: {', '.join(skipped)}" if skipped else "")
+    if skipped:
+        line += f"; not live, not waited for: {', '.join(skipped)}"
+    if others:
+        line += f"; not published for (their format is not in this version): {', '.join(others)}"
+    return line

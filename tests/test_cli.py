@@ -97,3 +97,7 @@ def test_a_publish_names_the_replicas_it_did_not_wait_for() -> None:
     )
     status["groups"][0]["replicas"].pop()
     assert served_line(status, 4) == "every live replica (2) serves version 4"
+    status["groups"][0]["format"], status["groups"][1]["format"] = "bf16", "fp8"
+    assert served_line(status, 4, ["fp8"]) == (
+        "every live replica (1) serves version 4; not published for (their format is not in this version): a"
+    )
