@@ -178,27 +178,36 @@ def _print_result(result: dict[str, Any]) -> None:
 
 def _status(client, args: argparse.Namespace) -> int:
     st = client.status()
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    print(f"run {st['run_id']}: latest published version {st['latest_version']}")
-    print(
-        f"{'group':16s} {'format':6s} {'desired':>7s} {'lag':>4s}  replicas (active version, last activation)"
-    )
-    for g in st["groups"]:
-        reps = (
-            ", ".join(
-                f"{r['replica_id']}=v{r.get('active_version')}"
-                + (f" @{_clock(r['last_activation_at'])}" if r.get("last_activation_at") else "")
-                + ("" if r.get("ready") else " (not ready)")
-                + (f" ERROR: {r['error']}" if r.get("error") else "")
-                for r in g["replicas"]
-            )
-            or "(no replicas)"
-        )
-        lag = "-" if g.get("lag") is None else str(g["lag"])
-        print(f"{g['group']:16s} {g['format']:6s} {str(g.get('desired_version')):>7s} {lag:>4s}  {reps}")
+    print(json.dumps(st, indent=2) if args.json else status_table(st))
     return 0
+
+
+def status_table(st: dict[str, Any]) -> str:
+    """``weights status``'s table of the router's ``GET /v1/weights`` answer ``st``: per group the
+    desired version, lag and each replica's active version, last activation and standing (not
+    ready; silent: ready at its last heartbeat, which is too old to count; its error)."""
+    lines = [
+        f"run {st['run_id']}: latest published version {st['latest_version']}",
+        f"{'group':16s} {'format':6s} {'desired':>7s} {'lag':>4s}  "
+        "replicas (active version, last activation)",
+    ]
+    for g in st["groups"]:
+        reps = ", ".join(_replica_cell(r) for r in g["replicas"]) or "(no replicas)"
+        lag = "-" if g.get("lag") is None else str(g["lag"])
+        desired = str(g.get("desired_version"))
+        lines.append(f"{g['group']:16s} {g['format']:6s} {desired:>7s} {lag:>4s}  {reps}")
+    return "\n".join(lines)
+
+
+def _replica_cell(r: dict[str, Any]) -> str:
+    cell = f"{r['replica_id']}=v{r.get('active_version')}"
+    if r.get("last_activation_at"):
+        cell += f" @{_clock(r['last_activation_at'])}"
+    if not r.get("ready"):
+        cell += " (not ready)"
+    elif not r.get("fresh", True):
+        cell += " (silent: no recent heartbeat)"
+    return cell + (f" ERROR: {r['error']}" if r.get("error") else "")
 
 
 def _rollback(client, args: argparse.Namespace) -> int:
