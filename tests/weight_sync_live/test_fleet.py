@@ -554,6 +554,27 @@ def test_verify_proves_every_group_activated(live: Live) -> None:
     live.fleet.wait_active(before + 2)
 
 
+@pytest.mark.timeout(300)
+def test_verify_fails_a_group_it_could_not_check(live: Live) -> None:
+    """A group whose only replica is down (sidecar killed, past the heartbeat timeout) is not
+    scored, so verify cannot say it activated: it fails naming it (it said OK before)."""
+    fleet = live.fleet
+    r = fleet.replica("cpu-fp8")
+    fleet.kill_sidecar(r)
+    try:
+        live.wait_router(
+            lambda s: all(g["ready_replicas"] == 0 for g in s["groups"] if g["name"] == "cpu-fp8"), "fp8 down"
+        )
+        out = live.cli("verify", "--json", "--timeout", "120")
+        assert out.returncode == 1, out.stdout + out.stderr + fleet.logs()
+        report = json.loads(out.stdout)
+        assert report["failures"] == ["cpu-fp8: not verified: no live replica answered the baseline scores"]
+        assert sorted(report["groups"]) == ["cpu-bf16", "cpu-nvfp4"], report
+    finally:
+        fleet.start_sidecar(r)
+    fleet.wait_active(fleet.latest())
+
+
 @pytest.mark.timeout(240)
 def test_corrupt_shard_keeps_old_version_and_a_republish_recovers(live: Live, tiny_base: Path) -> None:
     fleet = live.fleet
