@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.support.procs import mixfleet_argv
 from tests.validate.conftest import RUN, Fleet
 from weight_sync.convert import convert_checkpoint
 from weight_sync.manifest import MANIFEST_NAME, Manifest, build_manifest
@@ -159,3 +162,9 @@ def test_bad_arguments_are_one_line_errors(fleet: Fleet, tmp_path) -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
     assert f"--store {tmp_path / 'nowhere'}: not a directory" in out.stderr, out.stderr
     assert fleet.latest() == before  # bad input published nothing
+    env = {k: v for k, v in {**os.environ, **fleet.env}.items() if k != "MIXFLEET_STORE"}
+    out = subprocess.run(
+        mixfleet_argv("validate", "--no-live-update"), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.startswith("mixfleet validate: error: no version store: pass --store ROOT"), out.stderr
