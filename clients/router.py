@@ -24,7 +24,7 @@ import functools
 import inspect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,18 +263,25 @@ class RouterClient:
             current = await self.job(job_id)
 
     async def wait_active(
-        self, version: int, timeout_s: float = 600.0, *, poll_s: float = 0.2
+        self,
+        version: int,
+        timeout_s: float = 600.0,
+        *,
+        poll_s: float = 0.2,
+        formats: Collection[str] | None = None,
     ) -> dict[str, Any]:
         """Poll :meth:`status` until every live replica (recent heartbeat) of every group reports
         ``version``; returns that status. Groups without live replicas are skipped: a replica
-        that joins later starts at the pointer's version anyway. Raises :class:`UserError`
-        naming the lagging replicas after ``timeout_s``."""
+        that joins later starts at the pointer's version anyway. ``formats``: only the groups
+        serving one of these (those a publish of some formats moves; default every group).
+        Raises :class:`UserError` naming the lagging replicas after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             st = await self.status()
             lagging = [
                 (g["group"], r["replica_id"], r.get("active_version"), r.get("error"))
                 for g in st["groups"]
+                if formats is None or g["format"] in formats
                 for r in g["replicas"]
                 if r.get("fresh", True) and r.get("active_version") != version
             ]

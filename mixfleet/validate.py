@@ -6,7 +6,7 @@ scoring, routes and request state, live update; see ``validate.run``), stopping 
 the first level that fails. Runs where the store is (``--store``, default ``$MIXFLEET_STORE``):
 it reads the active version's files and the BF16 copy of that version (``--checkpoint`` instead).
 Level 6 publishes two versions (a perturbation and its rollback); ``--no-live-update`` skips it.
-Exit status 0 when every level of every group passes, 1 otherwise.
+Exit status 0 when every level of every group passes, 1 when one fails, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", default=None, metavar="DIR", help="write validate.json and validate.html here"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--store", default=None, help="version store root (default $MIXFLEET_STORE)")
+    parser.add_argument(
+        "--store", default=None, help="version store root (default $MIXFLEET_STORE; one of them is required)"
+    )
     parser.add_argument(
         "--checkpoint", default=None, help="the trainer's BF16 checkpoint of the active version"
     )
@@ -74,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     store = args.store or os.environ.get("MIXFLEET_STORE")
+    if not store:
+        raise UserError(
+            "no version store: pass --store ROOT (or set MIXFLEET_STORE), the store the fleet publishes into"
+        )
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise UserError(f"--checkpoint {checkpoint}: no config.json (not an HF checkpoint)")

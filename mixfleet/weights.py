@@ -17,6 +17,8 @@ from typing import Any
 from core.errors import UserError
 from mixfleet.argtypes import seconds
 
+RUN_HELP = "run id: the router's run (the default; a router refuses another)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="weights_command", required=True, metavar="ACTION")
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CHECKPOINT holds only the BF16 tensors changed since version BASE; publish deltas over it",
     )
     p.add_argument("--version", type=int, default=None, help="version number (default: next)")
-    p.add_argument("--run", default=None, help="run id (default: the router's run)")
+    p.add_argument("--run", default=None, help=RUN_HELP + "; with --store: any run")
     p.add_argument(
         "--per-format", action="store_true", help="move each format's pointer as soon as it is ready"
     )
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("rollback", help=why, description=why)
     common(p)
     p.add_argument("--to", type=int, required=True, help="the version whose content to serve again")
-    p.add_argument("--run", default=None, help="run id (default: the router's run)")
+    p.add_argument("--run", default=None, help=RUN_HELP)
     p.add_argument("--no-wait", action="store_true", help="do not wait for replicas")
 
     p = sub.add_parser(
@@ -119,13 +121,14 @@ def _publish(client, args: argparse.Namespace) -> int:
 
     job = client.wait_job(job, args.timeout, on_event=show)
     result = job["result"]
-    st = None if args.no_wait else client.wait_active(result["version"], args.timeout)
+    formats = [f["format"] for f in result["formats"]]
+    st = None if args.no_wait else client.wait_active(result["version"], args.timeout, formats=formats)
     if args.json:
         print(json.dumps({"result": result, "status": st}, indent=2))
         return 0
     _print_result(result)
     if st is not None:
-        print(served_line(st, result["version"]))
+        print(served_line(st, result["version"], formats))
     return 0
 
 
@@ -175,27 +178,36 @@ def _print_result(result: dict[str, Any]) -> None:
 
 def _status(client, args: argparse.Namespace) -> int:
     st = client.status()
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    print(f"run {st['run_id']}: latest published version {st['latest_version']}")
-    print(
-        f"{'group':16s} {'format':6s} {'desired':>7s} {'lag':>4s}  replicas (active version, last activation)"
-    )
-    for g in st["groups"]:
-        reps = (
-            ", ".join(
-                f"{r['replica_id']}=v{r.get('active_version')}"
-                + (f" @{_clock(r['last_activation_at'])}" if r.get("last_activation_at") else "")
-                + ("" if r.get("ready") else " (not ready)")
-                + (f" ERROR: {r['error']}" if r.get("error") else "")
-                for r in g["replicas"]
-            )
-            or "(no replicas)"
-        )
-        lag = "-" if g.get("lag") is None else str(g["lag"])
-        print(f"{g['group']:16s} {g['format']:6s} {str(g.get('desired_version')):>7s} {lag:>4s}  {reps}")
+    print(json.dumps(st, indent=2) if args.json else status_table(st))
     return 0
+
+
+def status_table(st: dict[str, Any]) -> str:
+    """``weights status``'s table of the router's ``GET /v1/weights`` answer ``st``: per group the
+    desired version, lag and each replica's active version, last activation and standing (not
+    ready; silent: ready at its last heartbeat, which is too old to count; its error)."""
+    lines = [
+        f"run {st['run_id']}: latest published version {st['latest_version']}",
+        f"{'group':16s} {'format':6s} {'desired':>7s} {'lag':>4s}  "
+        "replicas (active version, last activation)",
+    ]
+    for g in st["groups"]:
+        reps = ", ".join(_replica_cell(r) for r in g["replicas"]) or "(no replicas)"
+        lag = "-" if g.get("lag") is None else str(g["lag"])
+        desired = str(g.get("desired_version"))
+        lines.append(f"{g['group']:16s} {g['format']:6s} {desired:>7s} {lag:>4s}  {reps}")
+    return "\n".join(lines)
+
+
+def _replica_cell(r: dict[str, Any]) -> str:
+    cell = f"{r['replica_id']}=v{r.get('active_version')}"
+    if r.get("last_activation_at"):
+        cell += f" @{_clock(r['last_activation_at'])}"
+    if not r.get("ready"):
+        cell += " (not ready)"
+    elif not r.get("fresh", True):
+        cell += " (silent: no recent heartbeat)"
+    return cell + (f" ERROR: {r['error']}" if r.get("error") else "")
 
 
 def _rollback(client, args: argparse.Namespace) -> int:
@@ -264,12 +276,19 @@ def _clock(epoch_s: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(epoch_s)))
 
 
-def served_line(status: dict[str, Any], version: int) -> str:
-    """What a wait for ``version`` established: every live replica serves it (the wait skips
-    replicas without a recent heartbeat, :meth:`clients.router.RouterClient.wait_active`); the
-    skipped ones are named, as they may still serve another version."""
-    replicas = [(g["group"], r) for g in status["groups"] for r in g["replicas"]]
+def served_line(status: dict[str, Any], version: int, formats: list[str] | None = None) -> str:
+    """What a wait for ``version`` established: every live replica of the groups serving
+    ``formats`` (default all) serves it (the wait skips replicas without a recent heartbeat,
+    :meth:`clients.router.RouterClient.wait_active`); the skipped ones are named, as they may
+    still serve another version, and so are the groups of the formats not published."""
+    mine = [g for g in status["groups"] if formats is None or g["format"] in formats]
+    replicas = [(g["group"], r) for g in mine for r in g["replicas"]]
     live = sum(1 for _, r in replicas if r.get("fresh", True))
     skipped = [f"{group}/{r['replica_id']}" for group, r in replicas if not r.get("fresh", True)]
+    others = [g["group"] for g in status["groups"] if g not in mine]
     line = f"every live replica ({live}) serves version {version}"
-    return line + (f"; not live, not waited for: {', '.join(skipped)}" if skipped else "")
+    if skipped:
+        line += f"; not live, not waited for: {', '.join(skipped)}"
+    if others:
+        line += f"; not published for (their format is not in this version): {', '.join(others)}"
+    return line

@@ -177,6 +177,18 @@ class PublishService:
     def run_id(self) -> str:
         return self.config.run_id
 
+    def own_run(self, run_id: str | None) -> str:
+        """The run a job of this router publishes: its own (``run_id`` None or equal to it).
+        Another run is a ``UserError`` naming both: no replica of this fleet would activate its
+        versions, while the router would take them for its own latest."""
+        if run_id is None or run_id == self.run_id:
+            return self.run_id
+        raise UserError(
+            f"this router's fleet serves run {self.run_id!r}, not {run_id!r}: no replica would "
+            f"activate a version of {run_id!r} (publish into its store with `mixfleet weights "
+            "publish --store ROOT --run RUN` instead)"
+        )
+
     def store(self):
         """The store (made on first call); :class:`StoreNotConfigured` without a root."""
         if self._store is None:
@@ -344,7 +356,7 @@ class PublishService:
 
         store = self.store()
         await self.synced(ctx)
-        run_id = run_id or self.run_id
+        run_id = self.own_run(run_id)
         if not checkpoint.is_absolute():
             raise UserError(f"checkpoint must be an absolute path on the router's filesystem: {checkpoint}")
         check_checkpoint(checkpoint, delta=delta_of is not None, where=" on the router's filesystem")
@@ -381,7 +393,7 @@ class PublishService:
 
         store = self.store()
         await self.synced(ctx)
-        run_id = run_id or self.run_id
+        run_id = self.own_run(run_id)
         formats = list(ctx.config.fleet.formats)
         check_rollback_target(store, run_id, to, formats)
 
@@ -406,7 +418,7 @@ class PublishService:
 
         store = self.store()
         await self.synced(ctx)
-        run_id = run_id or self.run_id
+        run_id = self.own_run(run_id)
         formats = list(ctx.config.fleet.formats)
         if "bf16" not in store_formats(store, run_id, from_version):
             raise NoBf16Copy(run_id, from_version)

@@ -11,6 +11,8 @@
   else 422. A path that does not exist or is not a directory, a full checkpoint without
   ``config.json`` or a directory without shards is a 400 at
   once (:func:`weight_sync.publish.check_checkpoint`), before any job starts.
+- ``run_id`` (every job route) may only name this router's run (the default): the fleet's
+  replicas activate no other, so another is a 400 at once.
 - ``POST /v1/weights/rollback`` ``{to, run_id?, version?}`` -> 202 job: a new version with
   ``to``'s content; 404 at once when some format the fleet serves has no version ``to``.
 - ``POST /v1/weights/perturbations`` ``{from_version, swap_rows: [t, s], run_id?}`` -> 202 job:

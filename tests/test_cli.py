@@ -9,7 +9,7 @@ import pytest
 from core.errors import UserError
 from fleet.specs import load_preset
 from mixfleet.cli import COMMANDS, build_parser
-from mixfleet.weights import served_line
+from mixfleet.weights import served_line, status_table
 from tests.support.procs import mixfleet_argv
 
 
@@ -97,3 +97,23 @@ def test_a_publish_names_the_replicas_it_did_not_wait_for() -> None:
     )
     status["groups"][0]["replicas"].pop()
     assert served_line(status, 4) == "every live replica (2) serves version 4"
+    status["groups"][0]["format"], status["groups"][1]["format"] = "bf16", "fp8"
+    assert served_line(status, 4, ["fp8"]) == (
+        "every live replica (1) serves version 4; not published for (their format is not in this version): a"
+    )
+
+
+def test_status_marks_a_silent_replica() -> None:
+    """A replica ready at its last heartbeat but silent since (``fresh`` false: stopped, hung or
+    partitioned) is marked; the table showed it as serving before."""
+    rep = {"replica_id": "a-0", "active_version": 3, "ready": True, "fresh": False, "error": None}
+    status = {
+        "run_id": "r",
+        "latest_version": 4,
+        "groups": [{"group": "a", "format": "fp8", "desired_version": 4, "lag": 1, "replicas": [rep]}],
+    }
+    assert status_table(status).splitlines()[2].endswith("a-0=v3 (silent: no recent heartbeat)")
+    rep["fresh"] = True
+    assert status_table(status).splitlines()[2].endswith("a-0=v3")
+    rep["ready"] = False
+    assert status_table(status).splitlines()[2].endswith("a-0=v3 (not ready)")

@@ -10,7 +10,8 @@ log-prob *rises* by ``logp_before(s) - logp_before(t)``.
 
 It publishes two new versions, ``P`` and ``R`` below; the fleet ends at ``R``.
 
-Steps (each must hold, else the check fails naming the group):
+Steps (each must hold, else the check fails naming the group; a group without a live replica
+to score with cannot be checked, and fails):
 
 1. every replica serves the latest version ``L``; score ``prefix + [c]`` for every candidate
    ``c`` on every group (baseline);
@@ -88,6 +89,10 @@ def run_verify(
     base = _scores(client, PREFIX, CANDIDATES)
     if not base:
         raise UserError("no group answered the scoring request")
+    for g in status["groups"]:
+        if g["group"] not in base:
+            why = "not verified: no live replica answered the baseline scores"
+            report.failures.append(f"{g['group']}: {why}")
     ref = next(iter(base.values()))["logp"]
     t = min(CANDIDATES, key=lambda c: ref[c])
     s = max(CANDIDATES, key=lambda c: ref[c])

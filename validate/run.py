@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clients.engine import EngineRejected
 from core.errors import UserError
 from validate import contract, converter, engine_calls, operator, routes, scoring
 from validate.level import LevelResult
@@ -103,6 +104,21 @@ def read_prompts(path: Path) -> list[tuple[int, ...]]:
     return out
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], max_new: int, checkpoint: Path) -> None:
+    """``UserError`` naming the first prompt with a token id outside the vocabulary of the model
+    at ``checkpoint`` (its ``config.json``), or longer, with ``max_new`` sampled tokens, than the
+    model's context (``max_position_embeddings``)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab, context = int(config["vocab_size"]), config.get("max_position_embeddings")
+    for n, ids in enumerate(prompts, 1):
+        if max(ids) >= vocab:
+            raise UserError(f"prompt {n}: token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
+        if context is not None and len(ids) + max_new > int(context):
+            raise UserError(
+                f"prompt {n}: {len(ids)} tokens + {max_new} sampled exceed the model's context of {context}"
+            )
+
+
 @dataclass(frozen=True)
 class Options:
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS
@@ -130,7 +146,10 @@ def _ladder(
         return rep
     ref = refs.get(t.bf16_dir) or refs.setdefault(t.bf16_dir, Reference(t.bf16_dir))
     say(f"{t.name}: level 4")
-    samples = engine_calls.sample(t.replicas[0].url, opts.prompts, opts.max_new_tokens, opts.top_p)
+    try:
+        samples = engine_calls.sample(t.replicas[0].url, opts.prompts, opts.max_new_tokens, opts.top_p)
+    except EngineRejected as exc:
+        raise UserError(f"{t.name}: its engine refused a validation prompt: {exc.message}") from None
     fp = scoring.fixed_prefix(client, t, opts.prompts, samples, ref)
     rep.levels.append(scoring.check(t, fp, opts.top_p))
     say(f"{t.name}: level 5")
@@ -150,6 +169,8 @@ def run_validation(
 ) -> ValidationReport:
     """Run the ladder on every chosen group of the fleet behind ``client`` (``WeightsClient``)."""
     targets = discover(client, store_root, groups, checkpoint)
+    for reference in {t.bf16_dir for t in targets if t.bf16_dir is not None}:
+        check_prompts(options.prompts, options.max_new_tokens, reference)
     refs: dict[Path, Any] = {}
     reports = [_ladder(client, t, options, refs, say) for t in targets]
     report = ValidationReport(reports, len(options.prompts))

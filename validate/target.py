@@ -51,8 +51,11 @@ def discover(
 ) -> list[GroupTarget]:
     """The chosen groups (default: all) of the fleet behind ``client`` (``clients.router.WeightsClient``).
 
-    Raises ``UserError`` naming an unknown group, or when nothing is published.
+    Raises ``UserError`` naming an unknown group, a ``store_root`` that is not a directory, or
+    when nothing is published.
     """
+    if store_root is not None and not Path(store_root).is_dir():
+        raise UserError(f"--store {store_root}: not a directory (the fleet's version store is needed here)")
     status = client.status()
     if status.get("latest_version") is None:
         raise UserError("nothing is published yet: publish a version before validating")

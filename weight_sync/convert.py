@@ -27,6 +27,8 @@ Which tensors are quantized (names are HF ``Qwen3MoeForCausalLM`` / ``Qwen3ForCa
 - Everything else stays BF16: ``model.embed_tokens``, ``lm_head``, every norm (``input_layernorm``,
   ``post_attention_layernorm``, ``self_attn.{q,k}_norm``, ``model.norm``) and the MoE router
   ``model.layers.{i}.mlp.gate``; these modules are named in the exclude list of the config.
+- A NaN or Inf anywhere, in a tensor quantized or copied, is a ``UserError`` naming the tensor
+  (as ``formats.bf16.quantize`` refuses one), in every format.
 
 Tensors written per quantized projection ``P`` (``P.weight`` in the source):
 
@@ -575,16 +577,20 @@ class _Planner:
     # --- jobs ---------------------------------------------------------------------------------
 
     def _passthrough(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
-        """Copied as it is, rows of about ``chunk_elems`` elements at a time (views of the source)."""
-        bits = self.reader.bits_rows
+        """Copied as it is, rows of about ``chunk_elems`` elements at a time (views of the source),
+        each checked finite as the quantizers check theirs (NaN/Inf: a ``UserError`` naming it)."""
         outs = [OutTensor(e.name, e.dtype, e.shape)]
+
+        def bits(r0: int = 0, r1: int | None = None) -> np.ndarray:
+            return _finite_bf16(self.reader.bits_rows(e, r0, r1), e)
+
         if not e.shape:
-            return Job(outs, [lambda: [(bits(e), 0)]], anchor, e, [(e.start, e.nbytes)])
+            return Job(outs, [lambda: [(bits(), 0)]], anchor, e, [(e.start, e.nbytes)])
         row_elems = math.prod(e.shape[1:])
         rows = max(1, self.chunk_elems // max(1, row_elems))
 
         def task(r0: int, r1: int) -> Task:
-            return lambda: [(bits(e, r0, r1), r0 * row_elems * e.itemsize)]
+            return lambda: [(bits(r0, r1), r0 * row_elems * e.itemsize)]
 
         return _row_job(outs, e, anchor, rows, task)
 
@@ -699,6 +705,16 @@ def _input_scales(source: Source, classified: Classified) -> dict[str, np.float3
             raise UserError(f"nvfp4 calibration saw no input of {name!r} (layer {site[0]}, {site[1]})")
         out[name] = nvfp4.input_scale(amax[site])
     return out
+
+
+_BF16_EXPONENT = np.uint16(0x7F80)  # all ones: Inf (mantissa 0) or NaN
+
+
+def _finite_bf16(bits: np.ndarray, e: TensorEntry) -> np.ndarray:
+    """``bits`` (BF16 bit patterns of ``e``), or a ``UserError`` naming ``e`` if one is NaN or Inf."""
+    if ((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any():
+        raise UserError(f"{e.file}: tensor {e.name!r} of shape {list(e.shape)} contains NaN or Inf")
+    return bits
 
 
 def _rows_of(e: TensorEntry, r0: int, r1: int) -> str:

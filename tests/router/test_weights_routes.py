@@ -8,7 +8,8 @@ over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
   a rollback without one: four consecutive numbers (the router picks each under its job lock);
 - ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently;
 - a perturbation of a delta version starts from its full content;
-- a version number beyond a batch's int64 (or not a JSON integer) is a 422 before any job.
+- a version number beyond a batch's int64 (or not a JSON integer) is a 422 before any job;
+- a job for a run other than the router's is a 400 before any job.
 """
 
 from __future__ import annotations
@@ -208,3 +209,24 @@ def test_version_numbers_beyond_what_a_batch_holds_are_refused(weights_router) -
         assert r.status_code == 422, (body, r.text)
         assert [e["loc"][1] for e in r.json()["errors"]] == [field], (body, r.json())
     assert _latest(weights_router) == before
+
+
+def test_a_job_for_another_run_is_refused_at_once(weights_router, weights_dir: Path, tiny_dir: Path) -> None:
+    """The router's replicas serve its own run only: a version of another run would never be
+    activated, while the router counted it as its latest (every group lagging behind it) and
+    ``weights publish`` waited for replicas that never come."""
+    router = weights_router
+    before = _latest(router)
+    want = f"this router's fleet serves run {RUN!r}, not 'other'"
+    for path, body in (
+        ("/v1/weights", {"checkpoint": str(tiny_dir), "run_id": "other"}),
+        ("/v1/weights/rollback", {"to": 0, "run_id": "other"}),
+        ("/v1/weights/perturbations", {"from_version": 0, "swap_rows": [1, 2], "run_id": "other"}),
+    ):
+        r = _post(router, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["detail"].startswith(want), r.json()
+    done = _cli(router, "publish", "--run", "other", str(tiny_dir))
+    assert done.returncode == 2 and "HTTP 400" in done.stderr and want in done.stderr, done.stderr
+    assert _latest(router) == before
+    assert not (weights_dir / "store" / "other").exists()

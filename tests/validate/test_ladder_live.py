@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.support.procs import mixfleet_argv
 from tests.validate.conftest import RUN, Fleet
 from weight_sync.convert import convert_checkpoint
 from weight_sync.manifest import MANIFEST_NAME, Manifest, build_manifest
@@ -145,3 +148,23 @@ def test_bad_arguments_are_one_line_errors(fleet: Fleet, tmp_path) -> None:
     bad.write_text("[1, 2, 3]\nnot json\n")
     out = fleet.cli("validate", "--prompts", str(bad))
     assert out.returncode == 2 and "line 2: not JSON" in out.stderr, out.stderr
+    before = fleet.latest()
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("[1, 2]\n[1, 99999]\n")
+    out = fleet.cli("validate", "--prompts", str(outside))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == (
+        "mixfleet validate: error: prompt 2: token id 99999 is outside the model's vocabulary [0, 267)"
+    )
+    out = fleet.cli("validate", "--max-new-tokens", "5000", "--no-live-update")
+    assert out.returncode == 2 and "exceed the model's context of 2048" in out.stderr, out.stderr
+    out = fleet.cli("validate", "--store", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout + out.stderr
+    assert f"--store {tmp_path / 'nowhere'}: not a directory" in out.stderr, out.stderr
+    assert fleet.latest() == before  # bad input published nothing
+    env = {k: v for k, v in {**os.environ, **fleet.env}.items() if k != "MIXFLEET_STORE"}
+    out = subprocess.run(
+        mixfleet_argv("validate", "--no-live-update"), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.startswith("mixfleet validate: error: no version store: pass --store ROOT"), out.stderr

@@ -141,6 +141,16 @@ def _bad_tensor_cases(ckpt: Path, root: Path, case: Case) -> None:
     mine[victim][3, 5] = float("nan")
     save_file(mine, str(shard))
     case("nan_in_weight", "fp8", d, f"tensor '{victim}': fp8.quantize: tensor of shape")
+    # copied, not quantized, tensors are checked as well: bf16 copies the o_proj above, and every
+    # format copies the norms (a NaN policy would otherwise be published to the BF16 groups)
+    case("nan_in_copied_weight", "bf16", d, f"tensor '{victim}' of shape [160, 160] contains NaN or Inf")
+    d = _copy(ckpt, root, "inf-norm")
+    shard = d / "model-00001-of-00002.safetensors"
+    mine = {k: v for k, v in load_all(d).items() if index[k] == shard.name}
+    norm = sorted(k for k in mine if k.endswith("input_layernorm.weight"))[0]
+    mine[norm][7] = float("-inf")
+    save_file(mine, str(shard))
+    case("inf_in_copied_norm", "fp8", d, f"tensor '{norm}' of shape [160] contains NaN or Inf")
 
     d = root / "k168"
     write_checkpoint(d, MoESpec(hidden_size=168, head_dim=42, shards=1))
@@ -228,6 +238,8 @@ BAD_CASES = [
     "already_quantized",
     "non_bf16_tensor",
     "nan_in_weight",
+    "nan_in_copied_weight",
+    "inf_in_copied_norm",
     "k_not_divisible_nvfp4",
     "k_not_divisible_mxfp4",
     "fp8_quantize_all_refused_shape",

@@ -278,6 +278,22 @@ def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None
 
 
 @pytest.mark.timeout(240)
+def test_cli_publish_of_some_formats_waits_for_their_groups_only(live: Live, tiny_seed2: Path) -> None:
+    """``publish --formats bf16`` moves the bf16 pointer only: the CLI waits for the bf16 group
+    and says the others were not published for (it waited for them until --timeout before)."""
+    v = live.fleet.next_version()
+    out = live.cli("publish", "--version", str(v), "--formats", "bf16", "--timeout", "60", str(tiny_seed2))
+    assert out.returncode == 0, out.stderr + live.fleet.logs()
+    others = sorted(r.group for r in live.fleet.replicas if r.group != "cpu-bf16")
+    want = f"every live replica (1) serves version {v}; not published for (their format is not in this "
+    assert f"{want}version): {', '.join(others)}\n" in out.stdout, out.stdout
+    # the same version for the other formats completes it: every group serves it
+    out = live.cli("publish", "--version", str(v), str(tiny_seed2))
+    assert out.returncode == 0, out.stderr + live.fleet.logs()
+    assert f"every live replica ({len(live.fleet.replicas)}) serves version {v}\n" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(240)
 def test_turn_across_an_activation_has_two_spans(live: Live, tiny_base: Path) -> None:
     fleet = live.fleet
     v1 = fleet.next_version()
@@ -536,6 +552,27 @@ def test_verify_proves_every_group_activated(live: Live) -> None:
         assert row["rise_expected"] > 0.5  # the swap moves the chosen token's log-prob a lot
         assert abs(row["rise_observed"] - row["rise_expected"]) <= row["tolerance"]
     live.fleet.wait_active(before + 2)
+
+
+@pytest.mark.timeout(300)
+def test_verify_fails_a_group_it_could_not_check(live: Live) -> None:
+    """A group whose only replica is down (sidecar killed, past the heartbeat timeout) is not
+    scored, so verify cannot say it activated: it fails naming it (it said OK before)."""
+    fleet = live.fleet
+    r = fleet.replica("cpu-fp8")
+    fleet.kill_sidecar(r)
+    try:
+        live.wait_router(
+            lambda s: all(g["ready_replicas"] == 0 for g in s["groups"] if g["name"] == "cpu-fp8"), "fp8 down"
+        )
+        out = live.cli("verify", "--json", "--timeout", "120")
+        assert out.returncode == 1, out.stdout + out.stderr + fleet.logs()
+        report = json.loads(out.stdout)
+        assert report["failures"] == ["cpu-fp8: not verified: no live replica answered the baseline scores"]
+        assert sorted(report["groups"]) == ["cpu-bf16", "cpu-nvfp4"], report
+    finally:
+        fleet.start_sidecar(r)
+    fleet.wait_active(fleet.latest())
 
 
 @pytest.mark.timeout(240)
