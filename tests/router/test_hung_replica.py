@@ -122,7 +122,10 @@ def test_a_turn_on_an_engine_that_hangs_fails_over_once_the_replica_is_lost(engi
         assert waited < 20, f"the hung attempt was waited on for {waited:.1f} s"
         assert _failovers(router, "lost") == 1 and _failovers(router, "timeout_retry") == 0
         timings = out["timings"]
-        assert timings["failed_ms"] > 1500 > timings["router_ms"], timings  # the hang is not the router's
+        # the hang is the failed attempt's, not the router's: the attempt ran from before the engine
+        # saw the turn until the replica was lost, at least the 0.3 s slept before the SIGSTOP (not
+        # the whole heartbeat timeout: the last sign of health may predate the attempt's start)
+        assert timings["failed_ms"] >= 300 > timings["router_ms"], timings
         (rid,) = [rid for path, rid in front.rids[sent:] if path == "/generate"]
         deadline = time.monotonic() + 10
         while ("/abort_request", rid) not in front.rids:  # sent to the hung replica, best effort

@@ -139,18 +139,24 @@ def running(pid: int) -> bool:
         return False
 
 
+def worker_pids(router: RouterHandle, n: int) -> set[int]:
+    """The pids of ``router``'s ``n`` workers, each seen answering ``/healthz`` (within 60 s)."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(pids) < n:
+        assert time.monotonic() < deadline, f"only workers {pids} answered"
+        r, pid = call(router, "GET", "/healthz", key=router.key)
+        if r.status_code == 200:
+            pids.add(int(pid))
+    return pids
+
+
 def test_workers_stop_when_their_supervisor_is_killed(tmp_path) -> None:
     """A SIGKILLed ``mixfleet router --workers 2`` (the OOM killer, ``kill -9``) takes its workers
     with it: none keeps serving the port, which the next router can bind."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
     with redis_server() as url, router_process(preset, state=url, extra_args=("--workers", "2")) as router:
-        pids: set[int] = set()
-        deadline = time.monotonic() + 60
-        while len(pids) < 2:
-            assert time.monotonic() < deadline, f"only workers {pids} answered"
-            r, pid = call(router, "GET", "/healthz", key=router.key)
-            if r.status_code == 200:
-                pids.add(int(pid))
+        pids = worker_pids(router, 2)
         router.proc.kill()
         router.proc.wait(timeout=10)
         deadline = time.monotonic() + 60
@@ -165,13 +171,7 @@ def test_a_stalled_worker_is_not_killed_for_answering_late(tmp_path) -> None:
     SIGKILL it, and every turn it serves, after uvicorn's default 5 s."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
     with redis_server() as url, router_process(preset, state=url, extra_args=("--workers", "2")) as router:
-        pids: set[int] = set()
-        deadline = time.monotonic() + 60
-        while len(pids) < 2:
-            assert time.monotonic() < deadline, f"only workers {pids} answered"
-            r, pid = call(router, "GET", "/healthz", key=router.key)
-            if r.status_code == 200:
-                pids.add(int(pid))
+        pids = worker_pids(router, 2)
         victim = min(pids)
         os.kill(victim, signal.SIGSTOP)
         try:
