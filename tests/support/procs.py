@@ -29,18 +29,29 @@ REPO = Path(__file__).resolve().parents[2]
 #: default), split into one block per pytest-xdist worker (:func:`worker_ports`). No two workers, and
 #: no process's port 0 or outgoing connection, can take a port a test handed to a server that is
 #: still starting (a server that failed to bind would leave its test talking to another's server).
+#: Suites run side by side on one machine take disjoint ranges: ``MIXFLEET_TEST_PORTS=20000-26000``.
 TEST_PORTS = range(10_000, 32_000)
 
 
+def port_range() -> range:
+    """:data:`TEST_PORTS`, or the ``MIXFLEET_TEST_PORTS`` range ("FIRST-LAST", inclusive) when set."""
+    spec = os.environ.get("MIXFLEET_TEST_PORTS")
+    if not spec:
+        return TEST_PORTS
+    first, _, last = spec.partition("-")
+    return range(int(first), int(last) + 1)
+
+
 def worker_ports() -> range:
-    """This test process's block of :data:`TEST_PORTS`: worker ``gwN`` of ``PYTEST_XDIST_WORKER_COUNT``
+    """This test process's block of :func:`port_range`: worker ``gwN`` of ``PYTEST_XDIST_WORKER_COUNT``
     takes the N-th of that many equal blocks; one process (no workers) takes them all."""
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    size = len(TEST_PORTS) // count
+    ports = port_range()
+    size = len(ports) // count
     if size < 150:
         raise RuntimeError(f"{count} workers leave {size} test ports each (at least 150 wanted); use fewer")
-    return range(TEST_PORTS.start + index * size, TEST_PORTS.start + (index + 1) * size)
+    return range(ports.start + index * size, ports.start + (index + 1) * size)
 
 
 def free_port() -> int:
