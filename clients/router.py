@@ -217,6 +217,14 @@ class RouterClient:
     async def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.call("POST", "/v1/weights/perturbations", body)
 
+    async def prune(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/weights/prune``: start a prune job; returns the job."""
+        return await self.call("POST", "/v1/weights/prune", body)
+
+    async def prune_plan(self, keep: int) -> dict[str, Any]:
+        """``GET /v1/weights/prune?keep=N``: what a prune would delete now."""
+        return await self.call("GET", f"/v1/weights/prune?keep={int(keep)}")
+
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self.call("GET", f"/v1/weights/jobs/{job_id}")
 
