@@ -250,7 +250,7 @@ def _prune(client, args: argparse.Namespace) -> int:
         job = client.wait_job(client.prune({"keep": args.keep, "run_id": args.run}), args.timeout)
         plan = job["result"]
     else:
-        plan = client.prune_plan(args.keep)
+        plan = client.prune_plan(args.keep, args.run)
     print(json.dumps(plan, indent=2) if args.json else prune_lines(plan, applied=args.apply))
     return 0
 
