@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -216,6 +217,15 @@ class RouterClient:
 
     async def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.call("POST", "/v1/weights/perturbations", body)
+
+    async def prune(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/weights/prune``: start a prune job; returns the job."""
+        return await self.call("POST", "/v1/weights/prune", body)
+
+    async def prune_plan(self, keep: int, run_id: str | None = None) -> dict[str, Any]:
+        """``GET /v1/weights/prune?keep=N[&run_id=R]``: what a prune would delete now."""
+        query = f"keep={int(keep)}" + ("" if run_id is None else f"&run_id={quote(run_id)}")
+        return await self.call("GET", f"/v1/weights/prune?{query}")
 
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self.call("GET", f"/v1/weights/jobs/{job_id}")

@@ -266,10 +266,17 @@ def router() -> Any:
     return app_from_args(router_args())
 
 
+# Versions of the run the weights Volume keeps (the router's --keep-store-versions): as many as
+# the ledger and mismatch sums keep in detail (--keep-versions); at the study's tens of GB per
+# format and version, the Volume holds about (16 + delta bases) x formats x that.
+STORE_VERSIONS_KEPT = 16
+
+
 def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
     (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL``, requests pinned to the
-    containers of this app's servers and the deploy's chat model (:data:`CHAT_MODEL`)."""
+    containers of this app's servers, the deploy's chat model (:data:`CHAT_MODEL`) and the
+    store pruned to :data:`STORE_VERSIONS_KEPT` versions."""
     from mixfleet.router import default_args
 
     return default_args(
@@ -277,6 +284,7 @@ def router_args() -> dict[str, Any]:
         state=os.environ[REDIS_URL_ENV],
         modal_app=APP_NAME,
         chat_model=CHAT_MODEL,
+        keep_store_versions=STORE_VERSIONS_KEPT,
     )
 
 

@@ -79,6 +79,7 @@ class UpSettings:
     model_preset: str = "small"
     engine_threads: int = 1
     max_version_lag: int | None = None
+    keep_store_versions: int = 0
     ready_timeout_s: float = 600.0
     restart_backoff_max_s: float = 30.0
     unresponsive_s: float = 60.0
@@ -237,6 +238,8 @@ def _start_router(
     argv += ["--state", settings.state, *_chat_flags(plan.data / "base")]
     if settings.max_version_lag is not None:
         argv += ["--max-version-lag", str(settings.max_version_lag)]
+    if settings.keep_store_versions:
+        argv += ["--keep-store-versions", str(settings.keep_store_versions)]
     env = {
         "MIXFLEET_API_KEYS": json.dumps(plan.keys),
         "MIXFLEET_API_KEY": plan.admin_key or "",

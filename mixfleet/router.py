@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import glob
 import json
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep new turns off replicas lagging the latest version by more than this",
     )
     add_timeout_arguments(parser)
+    add_store_arguments(parser)
     parser.add_argument(
         "--max-body-bytes",
         type=int,
@@ -146,6 +148,18 @@ def timeout_values(args: argparse.Namespace) -> dict:
     }
 
 
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of what the router does to its weight store beyond publishing."""
+    parser.add_argument(
+        "--keep-store-versions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at the start of every weight job, delete the store's versions beyond the run's "
+        "newest N, keeping what replicas serve and every delta's bases (0: never; default 0)",
+    )
+
+
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of what a router process keeps in memory beyond its state."""
     parser.add_argument(
@@ -221,6 +235,10 @@ def build_config(args: argparse.Namespace):
             f"--workers {workers} needs --state redis://... (memory state cannot be shared between processes)"
         )
     weights = WeightsConfig.from_env()
+    keep_store = getattr(args, "keep_store_versions", 0)
+    if keep_store < 0:
+        raise UserError(f"--keep-store-versions must be >= 0 (0: never prune), got {keep_store}")
+    weights = dataclasses.replace(weights, keep_store_versions=keep_store or None)
     if getattr(args, "modal_app", None):
         from router.pinning import open_pins
 

@@ -36,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-version-lag", type=int, default=None, help="keep new turns off replicas lagging more than this"
     )
+    parser.add_argument(
+        "--keep-store-versions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the router's --keep-store-versions: at the start of every weight job, delete the "
+        "store's versions beyond the run's newest N, keeping what replicas serve and every delta's "
+        "bases (0: never; default 0)",
+    )
     parser.add_argument("--ready-timeout", type=seconds, default=600.0, help="seconds to wait for readiness")
     parser.add_argument(
         "--restart-backoff-max",
@@ -57,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if args.engine_threads < 1:
         raise UserError("--engine-threads must be >= 1")
+    if args.keep_store_versions < 0:
+        raise UserError(
+            f"--keep-store-versions must be >= 0 (0: never prune), got {args.keep_store_versions}"
+        )
     if args.restart_backoff_max < 1:
         raise UserError("--restart-backoff-max must be >= 1")
     settings = UpSettings(
@@ -69,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         model_preset=args.model_preset,
         engine_threads=args.engine_threads,
         max_version_lag=args.max_version_lag,
+        keep_store_versions=args.keep_store_versions,
         ready_timeout_s=args.ready_timeout,
         restart_backoff_max_s=args.restart_backoff_max,
         unresponsive_s=args.unresponsive_timeout,

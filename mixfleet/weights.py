@@ -1,9 +1,12 @@
-"""Publish, inspect, roll back and verify weight versions (publish | status | rollback | verify).
+"""Publish, inspect, roll back, verify and prune weight versions (publish | status | rollback |
+verify | prune).
 
 Every subcommand talks to the router named by ``--router`` or ``MIXFLEET_URL`` (default
 ``http://127.0.0.1:8300``, where ``mixfleet up`` listens) with the admin key in
 ``MIXFLEET_API_KEY`` (else ``.mixfleet/api_key``). ``publish --store ROOT`` instead publishes
-straight into a local store without a router (replicas still converge by polling).
+straight into a local store without a router (replicas still converge by polling); ``prune
+--store ROOT`` prunes one (only while nothing publishes into it: the router prunes under its job
+lock, this does not). ``prune`` only prints its plan unless given ``--apply``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, help=RUN_HELP)
     p.add_argument("--no-wait", action="store_true", help="do not wait for replicas")
 
+    why = "delete the store's versions a run no longer needs, keeping its newest N (dry run unless --apply)"
+    p = sub.add_parser("prune", help=why, description=why)
+    common(p)
+    p.add_argument("--keep", type=int, required=True, help="how many of the run's newest versions to keep")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--dry-run", action="store_true", help="print what would be deleted (the default)")
+    how.add_argument("--apply", action="store_true", help="delete it")
+    p.add_argument("--store", default=None, help="prune this local store root directly (no router)")
+    p.add_argument("--run", default=None, help=RUN_HELP + "; with --store: default 'default'")
+
     p = sub.add_parser(
         "verify",
         help="publish a known perturbation, check every group moved, roll back "
@@ -80,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.weights_command == "publish" and args.store:
         return _publish_direct(args)
+    if args.weights_command == "prune":
+        from weight_sync.prune import check_keep
+
+        check_keep(args.keep)
+        if args.store:
+            return _prune_direct(args)
     from clients.router import WeightsClient, api_key, router_url
 
     with WeightsClient(router_url(args.router), api_key()) as client:
@@ -91,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             return _rollback(client, args)
         if args.weights_command == "verify":
             return _verify(client, args)
+        if args.weights_command == "prune":
+            return _prune(client, args)
     raise UserError(f"unknown action {args.weights_command!r}")
 
 
@@ -222,6 +243,53 @@ def _rollback(client, args: argparse.Namespace) -> int:
         if st is not None:
             print(served_line(st, result["version"]))
     return 0
+
+
+def _prune(client, args: argparse.Namespace) -> int:
+    if args.apply:
+        job = client.wait_job(client.prune({"keep": args.keep, "run_id": args.run}), args.timeout)
+        plan = job["result"]
+    else:
+        plan = client.prune_plan(args.keep, args.run)
+    print(json.dumps(plan, indent=2) if args.json else prune_lines(plan, applied=args.apply))
+    return 0
+
+
+def _prune_direct(args: argparse.Namespace) -> int:
+    from weight_sync.prune import apply_prune, plan_prune
+    from weight_sync.store.local import LocalStore
+
+    root = Path(args.store).expanduser()
+    if not root.is_dir():
+        raise UserError(f"--store {root}: not a directory")
+    store = LocalStore(root)
+    plan = plan_prune(store, args.run or "default", args.keep)
+    if args.apply:
+        apply_prune(store, plan)
+    print(
+        json.dumps(plan.to_dict(), indent=2) if args.json else prune_lines(plan.to_dict(), applied=args.apply)
+    )
+    return 0
+
+
+def prune_lines(plan: dict[str, Any], *, applied: bool) -> str:
+    """``weights prune``'s report of a plan (``weight_sync.prune.PrunePlan.to_dict``)."""
+    verb = "deleted" if applied else "would delete"
+    deleted = {f: v for f, v in plan["deleted"].items() if v}
+    lines = [f"run {plan['run_id']}, keeping the newest {plan['keep']} versions:"]
+    for fmt, versions in sorted(plan["kept"].items()):
+        gone = deleted.get(fmt, [])
+        lines.append(f"  {fmt:6s} {verb} {_vlist(gone) or 'nothing'}; keeps {_vlist(versions) or 'nothing'}")
+    lines.append(
+        f"{verb} {sum(map(len, deleted.values()))} versions, {plan['bytes_freed'] / 1e6:.1f} MB freed"
+    )
+    if not applied:
+        lines.append("(dry run: pass --apply to delete)")
+    return "\n".join(lines)
+
+
+def _vlist(versions: list[int]) -> str:
+    return ", ".join(f"v{v}" for v in versions)
 
 
 def _verify(client, args: argparse.Namespace) -> int:

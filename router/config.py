@@ -60,8 +60,10 @@ class WeightsConfig:
     format the fleet serves; 0: conversions run in the router process, one format at a time).
     ``convert_function``: the deployed Modal function (``APP/FUNCTION``) that runs publications
     instead of this router (None: the router converts). ``pointer_poll_s``: how often the store's
-    pointers are re-read while the router runs. ValueError for a negative ``workers``, a
-    non-positive ``pointer_poll_s`` or an empty ``run_id``.
+    pointers are re-read while the router runs. ``keep_store_versions``: prune the store to the
+    run's newest N versions at the start of every weight job (:mod:`weight_sync.retention` says
+    what else stays; None: never prune). ValueError for a negative ``workers``, a non-positive
+    ``pointer_poll_s``, a ``keep_store_versions`` below 1 or an empty ``run_id``.
     """
 
     store_root: Path | None = None
@@ -70,8 +72,11 @@ class WeightsConfig:
     workers: int | None = None
     convert_function: str | None = None
     pointer_poll_s: float = 2.0
+    keep_store_versions: int | None = None
 
     def __post_init__(self) -> None:
+        if self.keep_store_versions is not None and self.keep_store_versions < 1:
+            raise ValueError(f"keep_store_versions must be >= 1, got {self.keep_store_versions}")
         if self.workers is not None and self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if not self.pointer_poll_s > 0:

@@ -18,6 +18,14 @@ Contracts:
 - :meth:`PublishService.adopt_pointers` raises the latest version to the store's highest pointer
   (publishes that bypassed this router count too) and wakes the replicas when it moved; an
   unreadable store is logged, never raised.
+- Pruning (:mod:`weight_sync.prune`, the rule :mod:`weight_sync.retention`): with
+  ``keep_store_versions`` N every job first prunes the run's store to its newest N versions,
+  under the job's lock (no other job publishes, rolls back or prunes meanwhile) and keeping, besides
+  what retention always keeps, what the job itself reads (a rollback's target, a delta's base, a
+  perturbation's source) and every version from the lowest one a live replica serves upward (a
+  replica serves, stages or is about to stage only those: pointers never move backwards). A
+  failed prune is a warning event of the job, never its failure. ``POST /v1/weights/prune``
+  (:meth:`PublishService.prune`) runs the same prune as a job of its own, or only plans it.
 - The service is configured by a :class:`router.config.WeightsConfig` (built by the command from
   its environment; the service reads none). A publication runs where the service's converter
   (:mod:`weight_sync.converters`) runs it: in this router's conversion pool
@@ -271,9 +279,18 @@ class PublishService:
         view = await ctx.store.get_job(job_id)
         return None if view is None else await _as_held(ctx, view, holder)
 
-    def _run(self, ctx: RouterContext, job: Job, work: Callable[[], Any]) -> None:
-        """Run ``work`` (a blocking publisher call) for ``job`` in a thread, from the event loop."""
-        task = asyncio.get_running_loop().create_task(self._finish(ctx, job, work))
+    def _run(
+        self, ctx: RouterContext, job: Job, work: Callable[[], Any], *, needs: tuple[int, ...] = ()
+    ) -> None:
+        """Run ``work`` (a blocking publisher call) for ``job`` in a thread, from the event loop,
+        after the job's prune (:meth:`_pruning`; ``needs``: the versions ``work`` reads)."""
+        prune = self._pruning(ctx, job, needs)
+
+        def pruned_then_work() -> Any:
+            prune()
+            return work()
+
+        task = asyncio.get_running_loop().create_task(self._finish(ctx, job, pruned_then_work))
         self.tasks.add(task)  # keep a reference until done
         task.add_done_callback(self.tasks.discard)
 
@@ -296,6 +313,9 @@ class PublishService:
             return
         if not isinstance(result, dict):  # a rollback's PublishResult
             result = result.to_dict()
+        if job.kind == "prune":
+            await self.finish_job(ctx, job, result, None)
+            return
         try:
             await ctx.publish_version(result["version"])
         except Exception as exc:
@@ -326,6 +346,61 @@ class PublishService:
                 asyncio.run_coroutine_threadsafe(advanced(job.version), loop)
 
         return on_event
+
+    # pruning -------------------------------------------------------------------------------------
+    def _pruning(self, ctx: RouterContext, job: Job, needs: tuple[int, ...]) -> Callable[[], None]:
+        """The prune ``job`` runs first in its thread (see the module docstring): nothing without
+        ``keep_store_versions``. The live replicas' versions are read now, on the event loop."""
+        keep = self.config.keep_store_versions
+        if keep is None or job.kind == "prune":
+            return lambda: None
+        floor = serving_floor(ctx)
+        store, run_id = self.store(), job.run_id
+
+        def prune() -> None:
+            from weight_sync.prune import apply_prune, plan_prune
+
+            try:
+                plan = plan_prune(store, run_id, keep, protect=needs, serving_from=floor)
+                apply_prune(store, plan)
+            except Exception as exc:  # the job's own work still runs; the next job prunes again
+                log.warning("pruning run %s's store failed: %s", run_id, exc)
+                job.events.append({"kind": "warning", "message": f"pruning the store failed: {exc}"})
+                return
+            if plan.delete:
+                log.info("pruned run %s: %s (%d bytes)", run_id, plan.delete, plan.bytes_freed)
+                job.events.append({"kind": "pruned", **plan.to_dict(), "t": time.time()})
+
+        return prune
+
+    async def prune(
+        self, ctx: RouterContext, keep: int, *, run_id: str | None, dry_run: bool
+    ) -> dict[str, Any]:
+        """Prune the run's store to its newest ``keep`` versions (see the module docstring): with
+        ``dry_run`` the plan (what would be deleted, the bytes it would free), read now; else a
+        ``prune`` job (its result the plan it carried out) under the job lock, as a view.
+        ``UserError`` for ``keep`` below 1; :class:`JobRunning` while another job runs."""
+        from weight_sync.prune import apply_prune, check_keep, plan_prune
+        from weight_sync.publish import latest_version
+
+        check_keep(keep)
+        store = self.store()
+        await self.synced(ctx)
+        run_id = self.own_run(run_id)
+        floor = serving_floor(ctx)
+        if dry_run:
+            plan = await asyncio.to_thread(plan_prune, store, run_id, keep, serving_from=floor)
+            return {**plan.to_dict(), "dry_run": True}
+        formats = list(ctx.config.fleet.formats)
+        job = await self.start_job(ctx, "prune", run_id, lambda: latest_version(store, run_id, formats) or 0)
+
+        def work() -> dict[str, Any]:
+            plan = plan_prune(store, run_id, keep, serving_from=floor)
+            apply_prune(store, plan)
+            return {**plan.to_dict(), "dry_run": False, "version": job.version}
+
+        self._run(ctx, job, work)
+        return job.view()
 
     # the three kinds of job ---------------------------------------------------------------------
     async def publish(
@@ -381,7 +456,8 @@ class PublishService:
         job = await self.start_job(ctx, "publish", run_id, decide)
         request = ConvertRequest(run_id, job.version, str(checkpoint), tuple(formats), mode, delta_of)
         on_event = self._events(ctx, job)
-        self._run(ctx, job, lambda: self.converter.publish(store, request, on_event))
+        needs = () if delta_of is None else (delta_of,)
+        self._run(ctx, job, lambda: self.converter.publish(store, request, on_event), needs=needs)
         return job
 
     async def rollback(self, ctx: RouterContext, to: int, *, run_id: str | None, version: int | None) -> Job:
@@ -403,7 +479,12 @@ class PublishService:
         job = await self.start_job(ctx, "rollback", run_id, decide)
         on_event = self._events(ctx, job)
         new = job.version
-        self._run(ctx, job, lambda: do_rollback(store, run_id, to, formats, version=new, on_event=on_event))
+        self._run(
+            ctx,
+            job,
+            lambda: do_rollback(store, run_id, to, formats, version=new, on_event=on_event),
+            needs=(to,),
+        )
         return job
 
     async def perturb(
@@ -441,7 +522,7 @@ class PublishService:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-        self._run(ctx, job, work)
+        self._run(ctx, job, work, needs=(from_version,))
         return job
 
     # the latest version ---------------------------------------------------------------------------
@@ -571,6 +652,16 @@ def known_replicas(ctx: RouterContext) -> list[dict[str, Any]]:
         }
         for r in ctx.registry.replicas.values()
     ]
+
+
+def serving_floor(ctx: RouterContext) -> int | None:
+    """The lowest version a live (fresh) replica serves, or None when none reports one: every
+    version from it upward may be served, staged or about to be staged by some replica (a replica
+    only moves to its format's pointer, and pointers never move backwards)."""
+    actives = [
+        r["active_version"] for r in known_replicas(ctx) if r["fresh"] and r["active_version"] is not None
+    ]
+    return min(actives) if actives else None
 
 
 def store_formats(store, run_id: str, version: int) -> list[str]:

@@ -17,6 +17,10 @@
   ``to``'s content; 404 at once when some format the fleet serves has no version ``to``.
 - ``POST /v1/weights/perturbations`` ``{from_version, swap_rows: [t, s], run_id?}`` -> 202 job:
   publishes ``from_version`` with two output-projection rows swapped (``mixfleet weights verify``).
+- ``POST /v1/weights/prune`` ``{keep, run_id?}`` -> 202 job: deletes the run's versions that
+  :mod:`weight_sync.retention` does not keep for the newest ``keep`` (nor any version from the
+  lowest a live replica serves upward); its result names them and the bytes freed.
+  ``GET /v1/weights/prune?keep=N`` -> 200: the same plan, nothing deleted. ``keep`` below 1 is a 422.
 - ``GET /v1/weights/jobs/{id}``: a job's state (``running`` | ``done`` | ``failed``), events,
   result or error.
 - ``GET /v1/weights``: per format the pointer, versions and manifest; per group the desired
@@ -40,9 +44,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from core.errors import UserError
@@ -105,6 +109,13 @@ class PerturbRequest(BaseModel):
     swap_rows: list[StrictInt] = Field(
         min_length=2, max_length=2, description="two token ids whose lm_head rows swap"
     )
+    run_id: str | None = Field(default=None, pattern=RUN_ID)
+
+
+class PruneRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keep: StrictInt = Field(ge=1, le=VERSION_MAX, description="how many of the run's newest versions to keep")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
 
 
@@ -207,6 +218,28 @@ async def perturb(body: PerturbRequest, request: Request) -> dict[str, Any]:
     return job.view()
 
 
+@router.post("/v1/weights/prune", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
+async def prune(body: PruneRequest, request: Request) -> dict[str, Any]:
+    """Delete the versions the store no longer needs to keep the newest ``keep`` (a job)."""
+    try:
+        return await _service(request).prune(_ctx(request), body.keep, run_id=body.run_id, dry_run=False)
+    except UserError as exc:
+        raise _refusal(exc) from None
+
+
+@router.get("/v1/weights/prune", dependencies=ADMIN, responses=error_responses(*AUTH, 400, 422, 503))
+async def prune_plan(
+    request: Request,
+    keep: Annotated[int, Query(ge=1, le=VERSION_MAX, description="how many newest versions to keep")],
+    run_id: Annotated[str | None, Query(pattern=RUN_ID)] = None,
+) -> dict[str, Any]:
+    """What ``POST /v1/weights/prune`` would delete now, and the bytes it would free."""
+    try:
+        return await _service(request).prune(_ctx(request), keep, run_id=run_id, dry_run=True)
+    except UserError as exc:
+        raise _refusal(exc) from None
+
+
 @router.get("/v1/weights/jobs/{job_id}", dependencies=ADMIN, responses=error_responses(*AUTH, 404, 422))
 async def job_status(job_id: str, request: Request) -> dict[str, Any]:
     """A weight job's state, events, result or error (a job of any router on the state store)."""
@@ -241,4 +274,11 @@ def create_weights_router(config: WeightsConfig, *, converter: Converter | None 
     return bound
 
 
-__all__ = ["PerturbRequest", "PublishRequest", "RollbackRequest", "create_weights_router", "router"]
+__all__ = [
+    "PerturbRequest",
+    "PruneRequest",
+    "PublishRequest",
+    "RollbackRequest",
+    "create_weights_router",
+    "router",
+]

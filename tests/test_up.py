@@ -402,3 +402,40 @@ def test_sigterm_during_start_up_stops_everything(tmp_path: Path, moment: str, l
             assert {"router", "engine-cpu-bf16-0", "engine-cpu-fp8-0", "engine-cpu-nvfp4-0"} <= set(started)
         assert below and set(started.values()) <= below
         _wait_until(lambda: all(_gone(p) for p in below), 5, f"processes of up still running: {below}")
+
+
+def test_up_passes_keep_store_versions_to_its_router(tmp_path: Path) -> None:
+    """``mixfleet up --keep-store-versions N`` starts its router with the same flag (it prunes
+    there, at every weight job); a negative N is one line and exit 2 before anything starts."""
+    from types import SimpleNamespace
+
+    from launcher.embedded import UpSettings, _start_router
+
+    spawned = []
+
+    class Launcher:
+        def spawn(self, name, argv, log, env):
+            spawned.append(argv)
+            return SimpleNamespace(pid=1, log=log)
+
+    class Probe:
+        def wait_http(self, url, child, deadline):
+            return None
+
+    plan = SimpleNamespace(data=tmp_path, keys={}, admin_key=None, logs=tmp_path)
+    for keep, flags in ((0, []), (3, ["--keep-store-versions", "3"])):
+        spawned.clear()
+        settings = UpSettings(preset="local", keep_store_versions=keep)
+        _start_router(Launcher(), Probe(), settings, "http://127.0.0.1:1", plan)
+        argv = spawned[0]
+        got = argv[argv.index("--keep-store-versions") :][:2] if "--keep-store-versions" in argv else []
+        assert got == flags, argv
+    r = subprocess.run(
+        mixfleet_argv("up", "--keep-store-versions", "-1", "--data-dir", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr == (
+        "mixfleet up: error: --keep-store-versions must be >= 0 (0: never prune), got -1\n"
+    ), r.stderr

@@ -185,7 +185,10 @@ class VersionMissing(UserError):
     """``version`` of ``run_id`` is not committed in format ``fmt`` (a rollback's target)."""
 
     def __init__(self, run_id: str, version: int, fmt: str) -> None:
-        super().__init__(f"cannot roll back run {run_id!r} to version {version}: no {fmt} version {version}")
+        super().__init__(
+            f"cannot roll back run {run_id!r} to version {version}: no {fmt} version {version} "
+            "(never published, or pruned from the store)"
+        )
         self.run_id, self.version, self.format = run_id, version, fmt
 
 

@@ -46,6 +46,7 @@ def test_router_bad_argument_is_one_line() -> None:
         (("--heartbeat-timeout", "-1"), "--heartbeat-timeout"),
         (("--max-body-bytes", "10"), "--max-body-bytes"),
         (("--max-version-lag", "-2"), "--max-version-lag"),
+        (("--keep-store-versions", "-1"), "--keep-store-versions"),
         (("--context-cache-mb", "-1"), "--context-cache-mb"),
         (("--heap-trim-interval", "-1"), "--heap-trim-interval"),
         (("--heap-trim-interval", "nan"), "--heap-trim-interval"),

@@ -98,7 +98,10 @@ def test_rollback_to_a_missing_version_is_refused_at_once(weights_router) -> Non
     before = _latest(weights_router)
     r = _post(weights_router, "/v1/weights/rollback", {"to": 7})
     assert r.status_code == 404, r.text
-    assert r.json()["detail"] == f"cannot roll back run {RUN!r} to version 7: no bf16 version 7"
+    assert r.json()["detail"] == (
+        f"cannot roll back run {RUN!r} to version 7: no bf16 version 7 "
+        "(never published, or pruned from the store)"
+    )
     done = _cli(weights_router, "rollback", "--to", "7", "--no-wait")
     assert done.returncode == 2 and "HTTP 404" in done.stderr and "no bf16 version 7" in done.stderr
     assert _latest(weights_router) == before

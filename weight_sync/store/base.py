@@ -19,7 +19,12 @@ publishing process is killed at any instruction:
 - a committed version never changes: committing the same number again with other bytes is
   refused (``VersionConflict``), with the same bytes it is a no-op;
 - ``verify`` recomputes every file's digest (the algorithm its manifest entry names: xxh3-128 or
-  sha256) and raises ``ChecksumError`` naming the bad file.
+  sha256) and raises ``ChecksumError`` naming the bad file;
+- ``delete`` removes a committed version the pointer does not name, atomically as far as any
+  reader can tell: ``versions``/``read_manifest`` report it committed and complete, or not at
+  all, never half removed. Files a version shares with another (rollbacks hard-link theirs)
+  stay intact for the other. Which versions may go is not the store's decision
+  (:mod:`weight_sync.retention`).
 """
 
 from __future__ import annotations
@@ -91,6 +96,20 @@ class VersionStore(ABC):
     @abstractmethod
     def versions(self, stream: FormatRef) -> list[int]:
         """Committed version numbers of ``stream``, ascending."""
+
+    @abstractmethod
+    def delete(self, ref: VersionRef) -> None:
+        """Remove the committed version ``ref``.
+
+        Refuses (``StoreError`` naming it) the version its stream's pointer names, and a version
+        that is not committed. After return ``ref`` is not among ``versions`` and its bytes are
+        gone, except files hard-linked into another version, which keep their content there.
+        Killed at any instruction, it leaves ``ref`` either committed and complete or absent:
+        the version leaves its ``v{N:06d}`` name in one atomic step before any file is removed,
+        and what a killed delete left under the hidden trash directory is removed by the next
+        ``delete`` of the stream (or the adapter's ``clean_trash``). Does not check whether another version's
+        delta chain needs ``ref`` (:mod:`weight_sync.retention` decides what may go).
+        """
 
     def publish(self, ref: VersionRef, src_dir: Path) -> Manifest:
         """``commit`` then ``advance``: after return the pointer of ``ref.stream`` names ``ref``."""

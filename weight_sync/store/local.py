@@ -13,9 +13,16 @@ Mechanics behind the port's guarantees (see ``weight_sync.store.base``):
   fsync, ``os.replace`` it over ``CURRENT``, fsync the directory. Readers never take the lock:
   they see the old or the new pointer, never a partial one.
 
+- ``delete``: under the same ``flock`` (so the pointer cannot move to the version meanwhile),
+  refuse the pointer's version, then ``rename`` ``v{N:06d}`` into the hidden
+  ``<format>/.trash/`` (atomic: from then on no reader finds the version, and before it every
+  reader finds it whole) and fsync the format directory; then, without the lock, remove the
+  trashed tree and whatever a killed delete left in ``.trash/``. Removing a directory entry
+  never touches an inode another version links: a rollback's hard-linked files stay whole there.
+
 ``on_step(name)`` (optional) is called after each step -- ``copied``, ``files_synced``,
 ``manifest_written``, ``committed``, ``pointer_tmp_written``, ``pointer_replaced``,
-``advanced`` -- so fault tests can stop a real publisher process at each one.
+``advanced``; ``trashed``, ``deleted`` -- so fault tests can stop a real process at each one.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from weight_sync.types import FormatRef, InvalidVersion, VersionRef, parse_versi
 
 POINTER_NAME = "CURRENT"
 STAGING = ".staging"
+TRASH = ".trash"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -215,17 +223,19 @@ class LocalStore(VersionStore):
 
     # --- reading ------------------------------------------------------------------------------
 
-    def read_manifest(self, ref: VersionRef) -> Manifest:
+    def _committed_dir(self, ref: VersionRef) -> Path:
+        """The directory of committed ``ref`` (its manifest there, as ``versions`` counts it: a
+        volume's view may keep a deleted version's emptied directory), else ``StoreError``."""
         d = self.version_dir(ref)
-        if not d.is_dir():
+        if not (d / MANIFEST_NAME).is_file():
             raise StoreError(f"{ref.stream} has no committed {ref.name}")
-        return Manifest.read(d)
+        return d
+
+    def read_manifest(self, ref: VersionRef) -> Manifest:
+        return Manifest.read(self._committed_dir(ref))
 
     def verify(self, ref: VersionRef) -> Manifest:
-        d = self.version_dir(ref)
-        if not d.is_dir():
-            raise StoreError(f"{ref.stream} has no committed {ref.name}")
-        return verify_dir(d)
+        return verify_dir(self._committed_dir(ref))
 
     def versions(self, stream: FormatRef) -> list[int]:
         d = self.format_dir(stream)
@@ -256,6 +266,46 @@ class LocalStore(VersionStore):
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p)
         return removed
+
+    def clean_trash(self, stream: FormatRef) -> list[Path]:
+        """Remove what deletes left in ``<format>/.trash/`` (a delete killed after its rename, or
+        one running now: removing a tree twice at once is harmless). Returns what was there."""
+        base = self.format_dir(stream) / TRASH
+        try:
+            left = sorted(base.iterdir())
+        except FileNotFoundError:
+            return []
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True)
+        return left
+
+    # --- deleting -----------------------------------------------------------------------------
+
+    def delete(self, ref: VersionRef) -> None:
+        trashed = self.trash(ref)
+        self.clean_trash(ref.stream)
+        if trashed.exists():
+            raise StoreError(f"{ref} left its name but {trashed} could not be removed")
+        self._on_step("deleted")
+
+    def trash(self, ref: VersionRef) -> Path:
+        """``delete``'s first half: under the format's lock, refuse the pointer's version or one not
+        committed, then atomically rename ``v{N:06d}`` into ``.trash/`` (durable); returns where it
+        went. ``ref`` is no longer committed after return; its files are still there."""
+        stream = ref.stream
+        with self._locked(stream):
+            if self.read_pointer(stream) == ref.version:
+                raise StoreError(f"{ref} is the version the {stream} pointer names; it cannot be deleted")
+            target = self.version_dir(ref)
+            if not (target / MANIFEST_NAME).is_file():
+                raise StoreError(f"{stream} has no committed {ref.name} to delete")
+            base = self.format_dir(stream) / TRASH
+            base.mkdir(exist_ok=True)
+            dest = base / f"{ref.name}-{os.getpid()}-{secrets.token_hex(6)}"
+            os.rename(target, dest)
+            fsync_dir(target.parent)
+        self._on_step("trashed")
+        return dest
 
     def files(self, ref: VersionRef) -> list[str]:
         """Relative paths of a version's files (manifest excluded)."""

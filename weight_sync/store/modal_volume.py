@@ -30,6 +30,19 @@ How the port's guarantees (:mod:`weight_sync.store.base`) hold on that:
   -> ``volume.commit()`` (step ``pointer_committed``). So the pointer is written and committed
   after the version's files were committed, and a reader that sees the pointer after a reload
   sees the version complete.
+- ``delete``: reload -> LocalStore's check and atomic rename of ``v{N:06d}`` into the hidden
+  ``.trash/`` (step ``trashed``) -> ``volume.commit()`` (step ``trash_committed``): other
+  containers see the version whole until this commit and absent after it -> remove the
+  trashed tree and any a killed delete left -> ``volume.commit()`` (step ``volume_committed``).
+  A mounted volume is changed with ordinary file operations and then committed (modal 1.6.4
+  ``modal/volume.py`` line 1192, ``_Volume.copy_files``: "if the volume is already mounted on
+  the Modal function, you should use normal filesystem operations like ``os.rename()`` and then
+  ``commit()`` the volume"; line 894, ``commit``: "the changes made are now persisted in durable
+  storage"); mounts allow background commits (line 480, ``_volume_to_mount_proto``:
+  ``allow_background_commits=True``), so a container killed between the steps may have
+  committed any prefix of them, each of which leaves the version whole or absent.
+  A container still reading the version (its view is the one of its last reload, and it cannot
+  reload with a file open) keeps its files until it reloads.
 - ``read_pointer``: reloads first, unless this process holds a file of the volume open or
   mapped (a staging copy in progress, when Modal would refuse the reload): then it reads the view of the
   last reload, which names a committed version (maybe not the newest); the next read after the
@@ -48,7 +61,8 @@ process's reload never meets another's file held open by the store itself. Acros
 there is no such lock: pointer moves and commits of the same version must come from one writer
 at a time (the router runs one publish at a time); readers may be anywhere.
 
-``on_step(name)`` receives LocalStore's steps and ``volume_committed`` / ``pointer_committed``.
+``on_step(name)`` receives LocalStore's steps and ``volume_committed`` / ``pointer_committed`` /
+``trash_committed``.
 """
 
 from __future__ import annotations
@@ -213,6 +227,31 @@ class ModalVolumeStore(VersionStore):
                 # Also after a refused move: the lock file LocalStore created is committed, so
                 # this container never holds uncommitted changes.
                 self._commit("pointer_committed" if moved else None)
+
+    def delete(self, ref: VersionRef) -> None:
+        with self._container_lock():
+            self._reload()
+            trashed = None
+            try:
+                trashed = self._files.trash(ref)
+            finally:
+                # Also after a refusal: the lock file LocalStore may have created is committed.
+                self._commit(None if trashed is None else "trash_committed")
+            try:
+                self._files.clean_trash(ref.stream)
+            finally:
+                self._commit("volume_committed")
+            if trashed.exists():
+                raise StoreError(f"{ref} left its name but {trashed} could not be removed")
+
+    def clean_trash(self, stream: FormatRef) -> list[Path]:
+        """Remove what deletes left in the stream's ``.trash/`` and commit the volume."""
+        with self._container_lock():
+            self._reload()
+            try:
+                return self._files.clean_trash(stream)
+            finally:
+                self._commit(None)
 
     # --- reading ------------------------------------------------------------------------------
 
