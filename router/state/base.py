@@ -101,6 +101,11 @@ class StateUnavailable(StateError):
     """The backing store cannot be reached (after the adapter's own retries)."""
 
 
+class StateNotAStore(StateUnavailable):
+    """Something answers at the state URL, but not as the store (another server on that port): a
+    request answers 503 as for a store that is down; ``mixfleet router`` refuses to start on it."""
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     session_id: str

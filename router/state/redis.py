@@ -56,7 +56,9 @@ Lua script (atomic, and idempotent where the contract says so, so redis-py's aut
 after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finish twice); a
 session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
 retried with backoff for ``outage_s`` seconds; after that a call raises
-:class:`~router.state.base.StateUnavailable`.
+:class:`~router.state.base.StateUnavailable`. A server at the URL that does not speak Redis (an
+HTTP server, anything answering other bytes) raises :class:`~router.state.base.StateNotAStore`,
+naming the URL, at once (redis-py does not retry a reply it cannot parse).
 
 Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (acknowledged
 sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
@@ -76,12 +78,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -98,6 +101,7 @@ from router.state.base import (
     SessionFinished,
     SessionInfo,
     SessionNotFound,
+    StateNotAStore,
     StateStore,
     StateUnavailable,
     TakenTrajectory,
@@ -511,6 +515,41 @@ _FIELDS = (
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
+_HANDSHAKE = frozenset({"on_connect", "on_connect_check_health"})
+"""redis-py 8.2's connection handshake (``redis/asyncio/connection.py``
+``AbstractConnection.on_connect_check_health``, 1281-1340): it sends ``HELLO 3`` and reads the
+reply as a map (``self.handshake_metadata.get(b"proto")``, 1334-1337), so a server that answers it
+with another well-formed reply (``+OK``, a bulk string, an array) raises AttributeError there."""
+
+
+def not_redis(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py failing to read a server that does not speak Redis: its
+    parsers' protocol error (``redis.exceptions.InvalidResponse``, 8.2: ``redis/_parsers/hiredis.py``
+    144 and 324 map hiredis' ``protocolError`` to it, ``resp2.py`` 71 and 135 and ``resp3.py`` 173
+    and 306 raise it for an unknown reply type byte, ``_parsers/base.py`` 70-81 for a malformed
+    number), or a reply of the wrong type to the connection's handshake (:data:`_HANDSHAKE`);
+    nothing this module's own code raises."""
+    if isinstance(exc, InvalidResponse):
+        return True
+    if not isinstance(exc, (AttributeError, TypeError, ValueError, IndexError, KeyError)):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in _HANDSHAKE and "redis" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def display_url(url: str) -> str:
+    """``url`` without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
 
 def _skey(sid: str) -> str:
     return f"{P}s:{sid}"
@@ -573,6 +612,7 @@ class RedisStore(StateStore):
         self.retention = retention or Retention()
         self.retention_s = self.retention.retention_s
         self._outage_s = outage_s
+        self._where = display_url(url)
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         pool = BlockingConnectionPool.from_url(
             url,
@@ -613,7 +653,8 @@ class RedisStore(StateStore):
         """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries), no
         answer within ``outage_s + extra_s`` seconds, or a command Redis refuses (out of memory,
         a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and any other
-        error reply) -> :class:`StateUnavailable` naming it."""
+        error reply) -> :class:`StateUnavailable` naming it; a server there that does not speak
+        Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL."""
         try:
             async with asyncio.timeout(self._outage_s + extra_s):
                 return await coro_fn(*args, **kwargs)
@@ -625,6 +666,15 @@ class RedisStore(StateStore):
             raise StateUnavailable(f"redis: {exc}") from None
         except ResponseError as exc:
             raise StateUnavailable(f"redis refused a command: {exc}") from None
+        except Exception as exc:
+            if not_redis(exc):
+                raise StateNotAStore(self.not_redis_message(exc)) from None
+            raise
+
+    def not_redis_message(self, exc: BaseException) -> str:
+        """What :class:`StateNotAStore` says: the URL and what redis-py could not read."""
+        what = str(exc) if isinstance(exc, InvalidResponse) else "its reply to HELLO is not a Redis handshake"
+        return f"{self._where} does not answer as Redis (another server on that port?): {what}"
 
     async def _ensure_group(self) -> None:
         """The trainer queue's consumer group, created with the stream where missing: asked before
@@ -910,7 +960,7 @@ class RedisStore(StateStore):
         at most ``_PUT_BACK_S`` seconds, best effort: what it cannot put back (Redis down) is
         redelivered once the take's mark has lapsed and the lease timeout has passed."""
         entries = list(picked.items())
-        with contextlib.suppress(*_UNAVAILABLE):  # TimeoutError (the bound) is an OSError
+        with contextlib.suppress(*_UNAVAILABLE, InvalidResponse):  # TimeoutError (the bound): an OSError
             async with asyncio.timeout(_PUT_BACK_S):
                 await self._give_back(
                     keys=[
@@ -1243,11 +1293,17 @@ class RedisStore(StateStore):
         return {"keys": int(keys), "used_memory": int(memory["used_memory"]), **out}
 
     async def ping(self) -> bool:
+        """Whether Redis answers ``PING`` within 2 s (False too for an error reply or a server
+        that does not speak Redis)."""
         try:
             async with asyncio.timeout(2.0):
                 return bool(await self._r.ping())
-        except (*_UNAVAILABLE, TimeoutError):
+        except (*_UNAVAILABLE, TimeoutError, ResponseError):
             return False
+        except Exception as exc:
+            if not_redis(exc):
+                return False
+            raise
 
     async def close(self) -> None:
         await self._r.aclose()
