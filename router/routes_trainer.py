@@ -7,7 +7,10 @@ binary batch of :mod:`router.records` (same content, records never as JSON lists
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); its
 ``trainer_version`` may not be above the versions the fleet can serve (409). A lease id in a path
 that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
-acknowledging a lease that is unknown (or already acknowledged) is a 404. A take whose client
+acknowledging a lease that is unknown (never handed out, or forgotten) is a 404; acknowledging one
+again, while it is known (``lease_timeout_s + retention_s`` after its take), answers the first
+acknowledgement's counts with ``already_acked`` (a trainer retrying an ack whose answer it lost
+gets a 200; nothing is counted twice). A take whose client
 disconnects before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready
 again at once.
 
@@ -168,15 +171,25 @@ async def take(request: Request, body: TakeRequest) -> Response:
     responses=error_responses(404, 422),
 )
 async def ack(request: Request, lease_id: LeaseId) -> dict[str, Any]:
+    """Idempotent: a repeated acknowledgement answers the first one's counts with
+    ``already_acked`` (module docstring)."""
     ctx = _ctx(request)
     try:
         result = await ctx.store.ack(lease_id)
     except LeaseNotFound:
-        raise ApiError(404, f"unknown or already acknowledged lease {lease_id!r}") from None
-    ctx.metrics.acked.inc(result.acked)
-    if result.update is not None:  # it closed an update in the ledger
-        ctx.metrics.updates.inc()
-    return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
+        raise ApiError(
+            404, f"unknown lease {lease_id!r} (never handed out, or forgotten since its take)"
+        ) from None
+    if not result.already_acked:
+        ctx.metrics.acked.inc(result.acked)
+        if result.update is not None:  # it closed an update in the ledger
+            ctx.metrics.updates.inc()
+    return {
+        "lease_id": lease_id,
+        "acked": result.acked,
+        "expired": result.expired,
+        "already_acked": result.already_acked,
+    }
 
 
 def _upload_window_s(ctx: RouterContext) -> float:

@@ -48,10 +48,13 @@ Contract, for every adapter:
   of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
   before it answers (its client gone) puts what it picked back on the ready queue at once.
 * ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
-  acknowledgements of one lease racing each other exactly one answers (the others raise
-  :class:`LeaseNotFound`, as does any later one), and a trajectory that a later take got
-  (its lease timed out) counts as ``expired``, never as acknowledged too. Acknowledged
-  trajectories are never handed out again and stay readable for ``retention_s``.
+  acknowledgements of one lease racing each other exactly one acknowledges; the others, and any
+  later one while the lease is known (:meth:`~router.state.retention.Retention.lease_record_s`
+  after its take), answer that one's result marked ``already_acked`` (a trainer's retry after a
+  lost answer, or redis-py's retry of the script, is no error); a lease never handed out, or
+  forgotten, raises :class:`LeaseNotFound`. A trajectory that a later take got (its lease timed
+  out) counts as ``expired``, never as acknowledged too. Acknowledged trajectories are never
+  handed out again and stay readable for ``retention_s``.
 * Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
 * The cost ledger (rules in :mod:`router.ledger`): ``book_replica`` applies
   :func:`router.ledger.charge` to the replica's booked-until mark and adds the charge to its group
@@ -179,6 +182,7 @@ class AckResult:
     acked: int
     expired: int
     update: int | None = None  # the update this acknowledgement closed (None: it acked nothing)
+    already_acked: bool = False  # the lease was acknowledged before: this is that result again
 
 
 @dataclass(frozen=True)
@@ -320,9 +324,10 @@ class StateStore(abc.ABC):
     async def ack(self, lease_id: str) -> AckResult:
         """End the lease, acknowledging the trajectories it still owns (``acked``; the others,
         handed out again since, are ``expired``) and appending its update when it acknowledged
-        any, in one atomic step. Raises :class:`LeaseNotFound` when the lease is unknown,
-        forgotten or already ended: of the acknowledgements of one lease, however concurrent,
-        exactly one answers."""
+        any, in one atomic step. Of the acknowledgements of one lease, however concurrent,
+        exactly one does this; the others and any later one, while the lease is known, return
+        its result with ``already_acked`` and change nothing. Raises :class:`LeaseNotFound` when
+        the lease is unknown (never handed out, or forgotten)."""
 
     @abc.abstractmethod
     async def queue_stats(self) -> dict[str, int]:

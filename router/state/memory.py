@@ -62,6 +62,7 @@ class MemoryStore(StateStore):
         self._pending: dict[int, tuple[str, str, float | None]] = {}
         self._held: dict[str, int] = {}
         self._leases: dict[str, tuple[set[int], float]] = {}  # lease -> (entries, forgotten at)
+        self._acked_leases: dict[str, tuple[AckResult, float]] = {}  # lease -> (its ack, forgotten at)
         self._counters: defaultdict[str, dict[str, int]] = defaultdict(
             lambda: {"active_sessions": 0, "sessions": 0, "turns": 0, "tokens": 0}
         )
@@ -349,10 +350,18 @@ class MemoryStore(StateStore):
             self._wake()
 
     async def ack(self, lease_id: str) -> AckResult:
+        done = self._acked_leases.get(lease_id)
+        if done is not None and done[1] > time.monotonic():
+            return replace(done[0], already_acked=True)
         record = self._leases.pop(lease_id, None)
         if record is None or record[1] <= time.monotonic():
             raise LeaseNotFound(lease_id)
-        entries = record[0]
+        result = self._end_lease(lease_id, record[0])
+        self._acked_leases[lease_id] = (result, record[1])
+        return result
+
+    def _end_lease(self, lease_id: str, entries: set[int]) -> AckResult:
+        """Acknowledge what ``lease_id`` still owns of ``entries``; its update, if it acked any."""
         acked = expired = tokens = 0
         expires = time.monotonic() + self.retention_s
         for entry in entries:
@@ -552,6 +561,7 @@ class MemoryStore(StateStore):
         expired = 0
         for table, until in (
             (self._leases, lambda v: v[1]),
+            (self._acked_leases, lambda v: v[1]),
             (self._marks, lambda v: v[1]),
             (self._route_keys, lambda v: v[1]),
             (self._lease_orders, lambda v: v[1]),
@@ -610,7 +620,7 @@ class MemoryStore(StateStore):
             "ready": len(self._ready),
             "pending": len(self._pending),
             "held_back": len(self._held),
-            "leases": len(self._leases),
+            "leases": len(self._leases) + len(self._acked_leases),
             "replicas": len(self._replicas),
             "window": len(self._window),
             "jobs": len(self._jobs),

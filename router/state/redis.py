@@ -22,8 +22,9 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   Redis's clock, ms): renewed at each claim, removed by the answer; one left by a router that
   died mid-take lapses ``outage_s`` + 1 s after its last renewal (removed by the next claim), and
   its entries are then claimed like any lease's
-* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement (expires
-  :meth:`~router.state.retention.Retention.lease_record_s` after the take)
+* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement; once acknowledged only
+  ``!acked`` -> ``acked,expired,update`` (what a repeated acknowledgement answers); expires
+  :meth:`~router.state.retention.Retention.lease_record_s` after the take
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
@@ -386,8 +387,13 @@ return n
 _ACK = """
 -- KEYS: the lease, the stream, the ledger, the updates, the rolled-up updates, then per lease entry
 -- its session and its turns; ARGV: the group, the lease id, the retention (ms), the wall time,
--- then the lease's entry ids
-if redis.call('DEL', KEYS[1]) == 0 then return false end
+-- then the lease's entry ids. Returns {acked, expired, update, 0}, or for a lease acknowledged
+-- before (another acknowledgement, or this one's retry by redis-py) {-1, 'acked,expired,update'};
+-- false: no such lease. The lease ends as its result: the entries go, '!acked' stays (and the
+-- key's TTL with it: set before the entries go, so the hash is never empty)
+local before = redis.call('HGET', KEYS[1], '!acked')
+if before then return {-1, before} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local acked, expired, tokens = 0, 0, 0
 for i = 5, #ARGV do
   local s, t = KEYS[2 * i - 4], KEYS[2 * i - 3]
@@ -410,17 +416,21 @@ end
 if #redis.call('XPENDING', KEYS[2], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
 end
-if acked == 0 then return {0, expired, 0} end
-local raw = redis.call('HGETALL', KEYS[3])
-local cost = {}
-for i = 1, #raw, 2 do
-  local g = string.match(raw[i], '^usd:(.+)$')
-  if g then cost[g] = raw[i + 1] end
+local seq = 0
+if acked > 0 then
+  local raw = redis.call('HGETALL', KEYS[3])
+  local cost = {}
+  for i = 1, #raw, 2 do
+    local g = string.match(raw[i], '^usd:(.+)$')
+    if g then cost[g] = raw[i + 1] end
+  end
+  seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
+  redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
+                                              tokens = tokens, cost = cost}))
 end
-local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
-redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
-                                            tokens = tokens, cost = cost}))
-return {acked, expired, seq}
+redis.call('HSET', KEYS[1], '!acked', acked .. ',' .. expired .. ',' .. seq)
+for i = 5, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+return {acked, expired, seq, 0}
 """
 
 _ROLL_UPDATES = """
@@ -575,6 +585,15 @@ def _raise_if_cancelled() -> None:
 
 def _lease_key(lease_id: str) -> str:
     return f"{P}lease:{lease_id}"
+
+
+ACKED = "!acked"  # the field of an acknowledged lease's record (not a stream entry id)
+
+
+def _acked_before(value: str) -> AckResult:
+    """The result of an acknowledged lease, as its record keeps it (``acked,expired,update``)."""
+    acked, expired, seq = (int(x) for x in value.split(","))
+    return AckResult(acked=acked, expired=expired, update=seq or None, already_acked=True)
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -991,10 +1010,14 @@ class RedisStore(StateStore):
 
     async def _ack(self, lease_id: str) -> AckResult:
         """Read the lease's entries (for the keys of their sessions), then :data:`_ACK`: one
-        script that deletes the lease (gone already: LeaseNotFound), acknowledges each entry still
-        pending under it, counts the others expired and appends the update, all at once."""
+        script that ends the lease (gone: LeaseNotFound; ended already: its result again),
+        acknowledges each entry still pending under it, counts the others expired and appends
+        the update, all at once."""
         key = _lease_key(lease_id)
-        entries = [(_s(k), _s(v)) for k, v in (await self._r.hgetall(key)).items()]
+        record = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
+        if ACKED in record:
+            return _acked_before(record[ACKED])
+        entries = list(record.items())
         if not entries:
             raise LeaseNotFound(lease_id)
         answer = await self._ack_lease(
@@ -1008,9 +1031,11 @@ class RedisStore(StateStore):
             ],
             args=[GROUP, lease_id, _ms(self.retention_s), repr(time.time()), *(e for e, _sid in entries)],
         )
-        if answer is None:  # another acknowledgement deleted it since the read
+        if answer is None:  # forgotten since the read
             raise LeaseNotFound(lease_id)
-        acked, expired, seq = (int(x) for x in answer)
+        if int(answer[0]) < 0:  # another acknowledgement ended it since the read
+            return _acked_before(_s(answer[1]))
+        acked, expired, seq, _ = (int(x) for x in answer)
         return AckResult(acked=acked, expired=expired, update=seq if acked else None)
 
     async def queue_stats(self) -> dict[str, int]:
