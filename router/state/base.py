@@ -12,8 +12,9 @@ Contract, for every adapter:
 * A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
   session's context, its route to the serving group and replica, and the counters change
   together or not at all) and idempotent per ``request_id`` (a retried call returns the first
-  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored, for
-  as long as the session is kept). Turn indices are 0, 1, 2, ... in append order.
+  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored,
+  with the first call's ``request_digest``, for as long as the session is kept). Turn indices are
+  0, 1, 2, ... in append order.
 * An open session's context is the token sequence of its current segment (every turn's
   appended and output tokens since the first turn or the last fork), packed as uint32
   little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
@@ -132,8 +133,9 @@ class TurnRecord:
     ``replica`` of ``group``; ``tokens`` it generated and the lowest / highest weight version of
     its spans; ``context``: the tokens it adds to the session's context (its appended input, then
     its output; uint32 little-endian), which replace the context when ``fork``; ``request_id`` the
-    idempotency key; ``expected_turn`` (when set) the index it must get; ``version_tokens`` its
-    tokens per weight version (for the ledger)."""
+    idempotency key and ``request_digest`` (empty: none) a digest of the request that made the
+    turn, kept with it (:mod:`router.idempotency`); ``expected_turn`` (when set) the index it must
+    get; ``version_tokens`` its tokens per weight version (for the ledger)."""
 
     request_id: str
     blob: bytes
@@ -146,6 +148,17 @@ class TurnRecord:
     fork: bool = False
     expected_turn: int | None = None
     version_tokens: Mapping[int, int] = field(default_factory=dict)
+    request_digest: str = ""
+
+
+@dataclass(frozen=True)
+class StoredTurn:
+    """What :meth:`StateStore.append_turn` stored for a request id: the turn's index, its block
+    and the request's digest (empty: the append gave none)."""
+
+    index: int
+    blob: bytes
+    request_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -265,8 +278,8 @@ class StateStore(abc.ABC):
     async def get_turns(self, session_id: str) -> list[bytes]: ...
 
     @abc.abstractmethod
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
-        """The index and turn block that ``append_turn`` stored for ``request_id`` in
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
+        """The index, turn block and request digest that ``append_turn`` stored for ``request_id`` in
         ``session_id`` (what a retry of that request answers), whatever the session's status; None
         when that request stored nothing or the session is gone. One round trip."""
 

@@ -30,6 +30,7 @@ from router.state.base import (
     SessionInfo,
     SessionNotFound,
     StateStore,
+    StoredTurn,
     TakenTrajectory,
     TurnConflict,
     TurnRecord,
@@ -44,6 +45,7 @@ class _Session:
     turns: list[bytes] = field(default_factory=list)
     context: bytearray = field(default_factory=bytearray)
     requests: dict[str, int] = field(default_factory=dict)
+    request_digests: dict[str, str] = field(default_factory=dict)
     finish_request: str | None = None
     expires_at: float | None = None
     last_active: float = field(default_factory=time.time)
@@ -169,6 +171,8 @@ class MemoryStore(StateStore):
         else:
             s.context += record.context
         s.requests[record.request_id] = index
+        if record.request_digest:
+            s.request_digests[record.request_id] = record.request_digest
         s.last_active = time.time()
         info = s.info
         group = record.group
@@ -195,10 +199,12 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return [] if s is None else list(s.turns)
 
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
         s = self._live(session_id)
         index = None if s is None else s.requests.get(request_id)
-        return None if index is None else (index, s.turns[index])
+        if index is None:
+            return None
+        return StoredTurn(index, s.turns[index], s.request_digests.get(request_id, ""))
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]

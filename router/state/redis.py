@@ -4,7 +4,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 
 * ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
   metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, ``routes`` (``1``, only
-  for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends),
+  for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends)
+  and ``h:<request_id>`` -> the request's digest (when the append gave one),
   while open ``chat_turn`` and ``chat``: the chat note and the turn it is about, and once handed
   to a trainer ``delivered``: how many takes handed it out (more than one: redelivered)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
@@ -105,6 +106,7 @@ from router.state.base import (
     StateNotAStore,
     StateStore,
     StateUnavailable,
+    StoredTurn,
     TakenTrajectory,
     TurnConflict,
     TurnRecord,
@@ -184,7 +186,7 @@ return 1
 _TURN_FOR_REQUEST = """
 local idx = redis.call('HGET', KEYS[1], 'q:' .. ARGV[1])
 if not idx then return false end
-return {tonumber(idx), redis.call('LINDEX', KEYS[2], idx)}
+return {tonumber(idx), redis.call('LINDEX', KEYS[2], idx), redis.call('HGET', KEYS[1], 'h:' .. ARGV[1]) or ''}
 """
 
 _APPEND = """
@@ -207,6 +209,7 @@ elseif ARGV[12] ~= '' then
   redis.call('APPEND', KEYS[6], ARGV[12])
 end
 redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1, 'group', ARGV[3], 'replica', ARGV[10])
+if ARGV[14] ~= '' then redis.call('HSET', h, 'h:' .. ARGV[1], ARGV[14]) end
 redis.call('HINCRBY', h, 'tokens', ARGV[4])
 if ARGV[5] ~= '' then
   local cur = redis.call('HGET', h, 'vmin')
@@ -779,6 +782,7 @@ class RedisStore(StateStore):
                 ",".join(f"{int(v)}:{int(n)}" for v, n in record.version_tokens.items() if n > 0),
                 record.context,
                 "1" if record.fork else "0",
+                record.request_digest,
             ],
         )
         if rc == -1:
@@ -792,13 +796,13 @@ class RedisStore(StateStore):
     async def get_turns(self, session_id: str) -> list[bytes]:
         return list(await self._call(self._r.lrange, _tkey(session_id), 0, -1))
 
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
         found = await self._call(
             self._turn_for_request, keys=[_skey(session_id), _tkey(session_id)], args=[request_id]
         )
-        if not found or len(found) < 2 or found[1] is None:
+        if not found or len(found) < 3 or found[1] is None:
             return None
-        return int(found[0]), bytes(found[1])
+        return StoredTurn(int(found[0]), bytes(found[1]), _s(found[2]))
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
