@@ -12,7 +12,11 @@ again, while it is known (``lease_timeout_s + retention_s`` after its take), ans
 acknowledgement's counts with ``already_acked`` (a trainer retrying an ack whose answer it lost
 gets a 200; nothing is counted twice). A take whose client
 disconnects before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready
-again at once.
+again at once, also when the store had already made its lease (the store's ``release``; its
+handing-out is not counted). Once the answer has started, a disconnect is not acted on: the
+router cannot know whether the client read the batch, so its lease times out as any lease whose
+answer was lost (what the take does between the store's answer and the response's start does
+not wait on anything but the lease's take order, so that window is one state round trip).
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
@@ -29,6 +33,7 @@ token-position bucket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -56,7 +61,7 @@ from router.schemas import (
     TakeResponse,
     VersionConflict,
 )
-from router.state.base import LeaseNotFound, TakenTrajectory
+from router.state.base import LeaseNotFound, StateError, TakenTrajectory
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 from router.turns import check_version_bound
 
@@ -126,12 +131,20 @@ async def take(request: Request, body: TakeRequest) -> Response:
     )
     lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
+        try:
+            await ctx.store.record_lease_order(
+                lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
+            )
+            _raise_if_cancelled()
+        except asyncio.CancelledError:  # its client left (router.disconnect): it gets no batch
+            await _release(ctx, lease_id)
+            raise
         ctx.metrics.leases.inc()
-        await ctx.store.record_lease_order(
-            lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
-        )
     ctx.metrics.taken.inc(len(lease.trajectories))
     ctx.metrics.redelivered.inc(lease.redelivered)
+    # nothing below awaits until the answer starts: a disconnect from here on is noticed only once
+    # the answer has started, when the router cannot know whether the client got it (the lease
+    # then times out like any lease whose answer was lost)
     binary = MEDIA_TYPE in request.headers.get("accept", "")
     if binary:
         items = []
@@ -162,6 +175,22 @@ async def take(request: Request, body: TakeRequest) -> Response:
         ),
         media_type="application/json",
     )
+
+
+def _raise_if_cancelled() -> None:
+    """CancelledError when this task was cancelled but the cancellation did not reach it
+    (Python 3.11's ``asyncio.wait_for``, under redis-py's socket timeout, can drop one that lands
+    as its write completes, leaving the task's ``cancelling()`` count raised)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def _release(ctx: RouterContext, lease_id: str) -> None:
+    """Put the lease of a take whose client left back at once; a store down meanwhile leaves it
+    to time out."""
+    with contextlib.suppress(StateError):
+        await ctx.store.release(lease_id)
 
 
 @router.post(

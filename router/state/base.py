@@ -47,7 +47,8 @@ Contract, for every adapter:
   (:attr:`Lease.redelivered` counts those an earlier take handed out, whatever happened to them
   in between). What a take picks while it waits is its own until it answers: no other take,
   of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
-  before it answers (its client gone) puts what it picked back on the ready queue at once.
+  before it answers (its client gone) puts what it picked back on the ready queue at once;
+  ``release`` does the same for a lease whose take answered the store but not its client.
 * ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
   acknowledgements of one lease racing each other exactly one acknowledges; the others, and any
   later one while the lease is known (:meth:`~router.state.retention.Retention.lease_record_s`
@@ -332,6 +333,15 @@ class StateStore(abc.ABC):
         nobody else's until it answers, and its lease times out ``lease_timeout_s`` after the
         answer. Cancelled before it answers, it puts back what it picked (ready at once). An
         empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`)."""
+
+    @abc.abstractmethod
+    async def release(self, lease_id: str) -> int:
+        """Put what the lease still owns back on the ready queue at once, as a take cancelled
+        before it answers does (its handing-out is not counted: a later take's is no
+        redelivery), and forget the lease (a later ``ack`` raises :class:`LeaseNotFound`): for a
+        take whose answer did not reach its client. Returns how many went back (0: an unknown or
+        acknowledged lease). Best effort: what it cannot put back is redelivered after the lease
+        timeout, as any lease's."""
 
     @abc.abstractmethod
     async def ack(self, lease_id: str) -> AckResult:

@@ -355,6 +355,20 @@ class MemoryStore(StateStore):
         if picked:
             self._wake()
 
+    async def release(self, lease_id: str) -> int:
+        record = self._leases.pop(lease_id, None)
+        if record is None:
+            return 0
+        mine = {}
+        for entry in record[0]:
+            owner = self._pending.get(entry)
+            s = None if owner is None or owner[1] != lease_id else self._sessions.get(owner[0])
+            if s is not None:
+                s.deliveries -= 1
+                mine[entry] = TakenTrajectory(s.info, [])
+        self._give_back(mine)
+        return len(mine)
+
     async def ack(self, lease_id: str) -> AckResult:
         done = self._acked_leases.get(lease_id)
         if done is not None and done[1] > time.monotonic():

@@ -892,7 +892,7 @@ class RedisStore(StateStore):
             _raise_if_cancelled()
             return lease
         except BaseException:
-            await self._put_back(lease_id, picked)
+            await self._put_back(lease_id, [(e, t.session.session_id) for e, t in picked.items()])
             raise
 
     async def _pick(
@@ -977,23 +977,29 @@ class RedisStore(StateStore):
         redelivered = sum(1 for n in seen if int(n) > 1)
         return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
 
-    async def _put_back(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> None:
+    async def _put_back(self, lease_id: str, entries: list[tuple[str, str]]) -> int:
         """Whatever the take ``lease_id`` holds goes back on the ready queue (:data:`_GIVE_BACK`:
         also entries whose delivery it never read, and a lease it made but did not answer with);
-        at most ``_PUT_BACK_S`` seconds, best effort: what it cannot put back (Redis down) is
-        redelivered once the take's mark has lapsed and the lease timeout has passed."""
-        entries = list(picked.items())
+        ``entries`` (entry id, session id) are what it picked. At most ``_PUT_BACK_S`` seconds,
+        best effort: what it cannot put back (Redis down) is redelivered once the take's mark has
+        lapsed and the lease timeout has passed. Returns how many went back."""
         with contextlib.suppress(*_UNAVAILABLE, InvalidResponse):  # TimeoutError (the bound): an OSError
             async with asyncio.timeout(_PUT_BACK_S):
-                await self._give_back(
-                    keys=[
-                        STREAM,
-                        TAKING,
-                        _lease_key(lease_id),
-                        *(_skey(t.session.session_id) for _e, t in entries),
-                    ],
-                    args=[GROUP, lease_id, *(entry_id for entry_id, _t in entries)],
+                return int(
+                    await self._give_back(
+                        keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
+                        args=[GROUP, lease_id, *(entry_id for entry_id, _sid in entries)],
+                    )
                 )
+        return 0
+
+    async def release(self, lease_id: str) -> int:
+        """The lease's record names what it holds (an acknowledged one's holds nothing); then
+        :meth:`_put_back`, as a take that did not answer."""
+        record = {_s(k): _s(v) for k, v in (await self._call(self._r.hgetall, _lease_key(lease_id))).items()}
+        if not record or ACKED in record:
+            return 0
+        return await self._put_back(lease_id, list(record.items()))
 
     async def _reap_consumers(self) -> int:
         """Forget lease consumers that own nothing any more and are idle for twice the lease

@@ -1161,3 +1161,23 @@ async def test_mismatch_sums_keep_a_doubles_precision(store_url: str) -> None:
         assert (await store.mismatch_totals())["g"] == tiny + tiny
         await store.compact()
         assert (await store.mismatch())[("g", None, "0-63")] == tiny
+
+
+async def test_release_puts_a_lease_back_at_once_uncounted(store_url: str) -> None:
+    """A released lease's trajectories are ready again at once (the next take is no
+    redelivery), its ack is a 404; releasing an acknowledged or unknown lease does nothing."""
+    async with opened(store_url) as store:
+        for sid in ("a", "b"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 300}
+        lease = await store.take(2, **kw)
+        assert await store.release(lease.lease_id) == 2
+        assert (await store.queue_stats())["ready"] == 2
+        with pytest.raises(LeaseNotFound):
+            await store.ack(lease.lease_id)
+        again = await store.take(2, **kw)
+        assert {t.session.session_id for t in again.trajectories} == {"a", "b"} and again.redelivered == 0
+        assert (await store.ack(again.lease_id)).acked == 2
+        assert await store.release(again.lease_id) == 0 and await store.release("0" * 32) == 0
+        assert await store.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
