@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
+from core.tasks import raise_if_cancelled
 from core.wire import LOGPROBS_MEDIA_TYPE
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
@@ -135,7 +136,7 @@ async def take(request: Request, body: TakeRequest) -> Response:
             await ctx.store.record_lease_order(
                 lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
             )
-            _raise_if_cancelled()
+            raise_if_cancelled()  # one Python 3.11 dropped
         except asyncio.CancelledError:  # its client left (router.disconnect): it gets no batch
             await _release(ctx, lease_id)
             raise
@@ -175,15 +176,6 @@ async def take(request: Request, body: TakeRequest) -> Response:
         ),
         media_type="application/json",
     )
-
-
-def _raise_if_cancelled() -> None:
-    """CancelledError when this task was cancelled but the cancellation did not reach it
-    (Python 3.11's ``asyncio.wait_for``, under redis-py's socket timeout, can drop one that lands
-    as its write completes, leaving the task's ``cancelling()`` count raised)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def _release(ctx: RouterContext, lease_id: str) -> None:

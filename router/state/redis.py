@@ -76,12 +76,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
@@ -91,6 +93,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from core import jsonio
+from core.tasks import raise_if_cancelled
 from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
@@ -528,6 +531,7 @@ _FIELDS = (
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
+_REDIS_PY = os.path.dirname(redis.__file__) + os.sep  # redis-py's own files
 _HANDSHAKE = frozenset({"on_connect", "on_connect_check_health"})
 """redis-py 8.2's connection handshake (``redis/asyncio/connection.py``
 ``AbstractConnection.on_connect_check_health``, 1281-1340): it sends ``HELLO 3`` and reads the
@@ -548,7 +552,8 @@ def not_redis(exc: BaseException) -> bool:
         return False
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in _HANDSHAKE and "redis" in tb.tb_frame.f_code.co_filename:
+        code = tb.tb_frame.f_code
+        if code.co_name in _HANDSHAKE and code.co_filename.startswith(_REDIS_PY):
             return True
         tb = tb.tb_next
     return False
@@ -574,16 +579,6 @@ def _ckey(sid: str) -> str:
 
 def _tkey(sid: str) -> str:
     return f"{P}s:{sid}:t"
-
-
-def _raise_if_cancelled() -> None:
-    """Raise CancelledError if the current task was cancelled and the cancellation did not
-    reach it: Python 3.11's ``asyncio.wait_for`` (redis-py's send under a socket timeout) drops a
-    cancel that lands in the step its write completes, leaving the task's ``cancelling()`` count
-    raised."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _lease_key(lease_id: str) -> str:
@@ -885,11 +880,11 @@ class RedisStore(StateStore):
             while len(picked) < size:
                 batch = await self._pick(lease_id, size - len(picked), lease_timeout_s, deadline)
                 await self._admit(batch, trainer_version, max_age, picked)
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 if time.monotonic() >= deadline:
                     break
             lease = await self._make_lease(lease_id, picked)
-            _raise_if_cancelled()
+            raise_if_cancelled()
             return lease
         except BaseException:
             await self._put_back(lease_id, [(e, t.session.session_id) for e, t in picked.items()])
