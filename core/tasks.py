@@ -1,4 +1,5 @@
-"""Ending the background asyncio tasks a component started: the one way its ``stop`` does it."""
+"""Ending the background asyncio tasks a component started: the one way its ``stop`` does it; and
+:func:`raise_if_cancelled`, a cancellation Python 3.11 dropped, raised."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], recancel_s: float = REC
         for task in done:
             if not task.cancelled():
                 task.exception()  # retrieved, so that asyncio does not log it as never retrieved
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was cancelled and the cancellation did not reach
+    it: Python 3.11's ``asyncio.wait_for`` (redis-py's send under a socket timeout, above) drops a
+    cancel that lands in the step its write completes, leaving the task's ``cancelling()`` count
+    raised."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

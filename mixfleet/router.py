@@ -12,6 +12,7 @@ when it ends, however it ended (:func:`app_from_env`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -390,6 +391,34 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+STATE_PROBE_S = 1.0
+"""How long :func:`check_state` waits for the state store at start."""
+
+
+def check_state(url: str) -> None:
+    """UserError naming ``url`` when a server answers there but not as Redis (an HTTP server,
+    anything else on that port: :class:`router.state.base.StateNotAStore`). One that does not
+    answer within :data:`STATE_PROBE_S` is not refused: the router starts and answers 503 until
+    Redis is back, as when Redis goes down later."""
+    if url == "memory":
+        return
+    from router.state.base import StateNotAStore, StateUnavailable
+    from router.state.redis import RedisStore
+
+    async def probe() -> None:
+        store = RedisStore(url, outage_s=STATE_PROBE_S)
+        try:
+            await store.get_latest_version()
+        except StateNotAStore as exc:
+            raise UserError(f"--state {exc}") from None
+        except StateUnavailable:
+            pass
+        finally:
+            await store.close()
+
+    asyncio.run(probe())
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve the router with uvicorn (which uses uvloop and httptools when they are installed)
     until it is stopped: ``--workers`` processes, each building its app with :func:`app_from_env`
@@ -399,6 +428,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     build_config(args)
+    check_state(args.state)
     plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | None)}
     os.environ[ARGS_ENV] = json.dumps(plain)
     if args.workers > 1:

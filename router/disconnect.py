@@ -10,8 +10,10 @@ recorded: :func:`router.turns.record_turn` stores only after the generation retu
 disconnect that lands during the store's own write, after the generation, may still leave the
 turn recorded; a retry carrying an ``Idempotency-Key`` then gets that turn back). A take waiting
 for trajectories (``wait_s``) puts back what it picked, at once, for the next take
-(:meth:`router.state.base.StateStore.take`); one whose store call has answered already keeps its
-lease, which then times out like any lease whose answer was lost.
+(:meth:`router.state.base.StateStore.take`); one whose store call has answered already releases
+its lease at once (:mod:`router.routes_trainer`, :meth:`~router.state.base.StateStore.release`).
+After the answer has started nothing is cancelled, and a take's lease then times out like any
+lease whose answer was lost.
 
 A handler that reads ``receive`` itself after the body (Starlette's ``is_disconnected``, a
 streaming response's disconnect listener) gets ``http.disconnect`` once the client is gone: the

@@ -4,18 +4,32 @@ most once per session; a retry with the same key answers the recorded turn.
 Contract of :func:`answer_turn` (every turn route calls it: the token API and the chat APIs):
 
 * Without a key it is :func:`router.turns.record_turn`.
-* With a key, the turn is appended under the request id ``k:<key>`` (the state store's appends
-  are idempotent per request id and :meth:`~router.state.base.StateStore.turn_for_request` reads
+* With a key, the turn is appended under the request id ``k:<key>`` with the request's digest
+  (:func:`request_digest`: SHA-256 of its canonical form; the state store's appends are
+  idempotent per request id and :meth:`~router.state.base.StateStore.turn_for_request` reads
   what one stored, for as long as the session is kept), so any router process answers a retry:
   when a turn was recorded under the key, the answer is that turn (the same JSON as the first
-  answer, with the supports if the retry asks ``return_support``; the request's body is not
-  compared otherwise, and neither a finished session nor ``turn`` refuses it). A key is scoped
-  to its session.
+  answer, with the supports if the retry asks ``return_support``; neither a finished session
+  nor ``turn`` refuses it). A key is scoped to its session.
+* A key reused with a different request (another digest) is refused with 422 naming the key,
+  as the IETF's ``draft-ietf-httpapi-idempotency-key-header`` says (its error scenarios: 422
+  for a key reused with a different payload, 409 while the first request is still processed);
+  the chat APIs answer it as their 400 ``invalid_request_error``
+  (:func:`router.chat.service.api_error`). The digest covers what the turn is made of, not how
+  its answer is presented: the token route's body as validated (``input_ids`` or
+  ``append_ids``, the sampling parameters as the engine gets them, ``min_version``,
+  ``max_version_age``, ``turn``) without ``return_support``; a chat route's request in the
+  API-neutral form both APIs are read into (:class:`router.chat.service.ChatRequest`: messages,
+  tools, sampling options, stop sequences) without ``stream`` and the log-prob options. Two
+  bodies that differ only in key order, spacing or a default spelled out are the same request.
+  A turn recorded without a digest (by a router before this check) answers any retry.
 * A retry while the first request with that key still runs **waits** for it (in the same router
-  process) and then answers what it recorded; if the first recorded nothing (its client
-  disconnected and it was aborted, :mod:`router.disconnect`, or it failed), the retry samples
-  itself. On another router process a concurrent retry samples too, but only the first append
-  is stored and both answer the stored turn.
+  process; the draft's 409 for a request still in progress does not arise) and then answers
+  what it recorded, or refuses a different request as above; if the first recorded nothing
+  (its client disconnected and it was aborted, :mod:`router.disconnect`, or it failed), the
+  retry samples itself. On another router process a concurrent retry samples too, but only the
+  first append is stored and both answer the stored turn (a different request: the later one
+  is refused).
 * A key is 1-255 visible ASCII characters, else 422.
 
 The ``openai`` (3.57.0) and ``anthropic`` (2.15.0) Python clients generate an idempotency key
@@ -28,8 +42,10 @@ key}`` (kept on each of the client's own retries of that call).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 from dataclasses import replace
+from typing import Any
 
 from clients.engine_stream import TokenCallback
 from core.jsonio import dumps
@@ -43,11 +59,24 @@ from router.turns import record_turn
 HEADER = "Idempotency-Key"
 KEY_DOC = (
     "1-255 visible ASCII characters; a retry with the same key answers the turn recorded under it "
-    "instead of sampling again (a retry while the first still runs waits for it)"
+    "instead of sampling again (a retry while the first still runs waits for it); the key reused "
+    "with a different request is refused (422; the chat APIs: 400)"
 )
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _REQUEST = "k:"  # the store's request id of a keyed turn: k:<key> (fresh ids are hex)
 _RUNNING: dict[tuple[str, str], asyncio.Future[None]] = {}
+
+
+def request_digest(request: Any) -> str:
+    """SHA-256 (hex) of ``request``'s canonical form: compact JSON with sorted keys, arrays as
+    lists (:func:`core.jsonio.dumps`). The caller passes what makes the turn, as validated (the
+    module docstring lists it per route)."""
+    return hashlib.sha256(dumps(request, sort_keys=True)).hexdigest()
+
+
+def spec_digest(spec: TurnSpec) -> str:
+    """:func:`request_digest` of a token turn: its spec without ``return_support``."""
+    return request_digest({k: v for k, v in spec._asdict().items() if k != "return_support"})
 
 
 async def answer_turn(
@@ -56,14 +85,19 @@ async def answer_turn(
     spec: TurnSpec,
     key: str | None,
     on_tokens: TokenCallback | None = None,
+    *,
+    digest: str | None = None,
 ) -> bytes:
-    """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``;
-    ``on_tokens`` gets the new ids of the turn this call samples, if it samples one."""
+    """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``
+    (422 when the key holds a turn of another request: ``digest``, default
+    :func:`spec_digest` of ``spec``); ``on_tokens`` gets the new ids of the turn this call
+    samples, if it samples one."""
     if key is None:
         return await record_turn(ctx, session_id, spec, on_tokens=on_tokens)
+    digest = spec_digest(spec) if digest is None else digest
     slot = (session_id, key)
     while True:
-        found = await recorded_turn(ctx, session_id, key, with_support=spec.return_support)
+        found = await recorded_turn(ctx, session_id, key, with_support=spec.return_support, digest=digest)
         if found is not None:
             return found
         if slot not in _RUNNING:  # no other waiter took the turn during the lookup: this one runs it
@@ -71,15 +105,29 @@ async def answer_turn(
     done = asyncio.get_running_loop().create_future()
     _RUNNING[slot] = done
     try:
-        answer = await record_turn(ctx, session_id, spec, request_id=_REQUEST + key, on_tokens=on_tokens)
+        answer = await record_turn(
+            ctx, session_id, spec, request_id=_REQUEST + key, request_digest=digest, on_tokens=on_tokens
+        )
     finally:
         if _RUNNING.get(slot) is done:
             del _RUNNING[slot]
         done.set_result(None)
     stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
-    if stored is not None and (first := _answer(session_id, stored[1], spec.return_support)) != answer:
-        return first  # another router process recorded this key first
+    if stored is not None and (first := _answer(session_id, stored.blob, spec.return_support)) != answer:
+        _check_digest(key, stored.request_digest, digest)  # another router process recorded this key first
+        return first
     return answer
+
+
+def _check_digest(key: str, stored: str, digest: str | None) -> None:
+    """422 when the turn recorded under ``key`` was made by another request than ``digest``
+    (a turn stored without a digest, or a caller giving none, is not compared)."""
+    if stored and digest and stored != digest:
+        raise ApiError(
+            422,
+            f"{HEADER} {key!r} was used with a different request in this session: a retry must repeat "
+            "its request exactly; a new request needs a new key",
+        )
 
 
 def _answer(session_id: str, blob: bytes, with_support: bool) -> bytes:
@@ -87,20 +135,25 @@ def _answer(session_id: str, blob: bytes, with_support: bool) -> bytes:
     return dumps(decode_turn(blob).to_json(session_id, with_input=False, with_support=with_support))
 
 
-async def recorded_turn(ctx: RouterContext, session_id: str, key: str, *, with_support: bool) -> bytes | None:
+async def recorded_turn(
+    ctx: RouterContext, session_id: str, key: str, *, with_support: bool, digest: str | None = None
+) -> bytes | None:
     """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), as
     :func:`recorded`, with the records' supports if ``with_support``."""
-    found = await recorded(ctx, session_id, key)
+    found = await recorded(ctx, session_id, key, digest)
     if found is None:
         return None
     return dumps(found.to_json(session_id, with_input=False, with_support=with_support))
 
 
-async def recorded(ctx: RouterContext, session_id: str, key: str) -> TurnData | None:
+async def recorded(
+    ctx: RouterContext, session_id: str, key: str, digest: str | None = None
+) -> TurnData | None:
     """The turn recorded under ``key`` in ``session_id`` (None: none), once no request with
-    ``key`` runs in this process any more (422 for a malformed key). A route that must know
-    before it builds its turn (a chat route rendering the context) calls this first, then
-    :func:`answer_turn`, and answers from what this then reads."""
+    ``key`` runs in this process any more (422 for a malformed key, and when the turn was made
+    by another request than ``digest``). A route that must know before it builds its turn (a chat
+    route rendering the context) calls this first, then :func:`answer_turn`, and answers from
+    what this then reads."""
     if not _KEY.fullmatch(key):
         raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
     while (running := _RUNNING.get((session_id, key))) is not None:
@@ -108,5 +161,6 @@ async def recorded(ctx: RouterContext, session_id: str, key: str) -> TurnData | 
     found = await ctx.store.turn_for_request(session_id, _REQUEST + key)
     if found is None:
         return None
-    turn = decode_turn(found[1])
-    return turn if turn.turn == found[0] else replace(turn, turn=found[0])
+    _check_digest(key, found.request_digest, digest)
+    turn = decode_turn(found.blob)
+    return turn if turn.turn == found.index else replace(turn, turn=found.index)

@@ -7,7 +7,8 @@ actually drawn from, after temperature, top-k and top-p, renormalized over the s
 ``r = p / q`` and ``d = log p - log q``:
 
 * ``k3 = r - 1 - log r`` per token (Schulman's k3 estimator, as veRL and slime report the
-  rollout-training mismatch); its mean over tokens sampled from ``q`` estimates KL(q || p);
+  rollout-training mismatch; computed as ``expm1(d) - d``, never negative: :func:`k3_terms`);
+  its mean over tokens sampled from ``q`` estimates KL(q || p);
 * ``|d|`` per token (its mean is the mean absolute log-prob difference);
 * ``extreme``: ``r`` outside :data:`EXTREME_BAND` = [0.2, 5] (closed: a ratio of exactly 0.2
   or 5 is inside); ``out_of_band``: ``r`` outside the configured band, same rule.
@@ -251,7 +252,7 @@ def _add_chunk(
     d = p.astype(np.float64) - q
     with np.errstate(over="ignore", invalid="ignore"):
         r = np.exp(d)
-        k3 = r - 1.0 - d
+        k3 = k3_terms(d)
     known = np.isfinite(q)
     overflow = np.flatnonzero(known & ~np.isfinite(k3))
     if overflow.size:
@@ -284,6 +285,18 @@ def _add_chunk(
         name = (names[g], int(kept[v]), BUCKET_LABELS[b])
         out[name] = out[name] + part if name in out else part
     return int(sel.size)
+
+
+def k3_terms(d: np.ndarray) -> np.ndarray:
+    """Per token ``k3 = r - 1 - log r`` with ``r = e^d``, computed as ``expm1(d) - d``: never
+    negative, as k3 is mathematically (``e^d >= 1 + d``). ``exp(d) - 1 - d`` cancels near ``d = 0``
+    (p ~= q): ``exp`` rounds ``r`` to a multiple of 2^-52, so for ``|d|`` about 1e-12 it comes out
+    below zero (``d = log(1 - 1e-12)`` gives about -1e-16 instead of 5e-25), and such a token
+    lowers its group's k3 sum. ``expm1`` has no such cancellation (glibc's is within about one ulp
+    of ``e^d - 1``), and since ``e^d - 1 >= d`` with ``d`` itself a double, a faithfully rounded
+    ``expm1(d)`` is ``>= d`` and the difference ``>= 0``; the clamp at 0 guards a libm whose last
+    bit rounds the other way."""
+    return np.maximum(np.expm1(d) - d, 0.0)
 
 
 def _version_array(versions: Sequence[int | None]) -> np.ndarray:

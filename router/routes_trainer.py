@@ -7,9 +7,16 @@ binary batch of :mod:`router.records` (same content, records never as JSON lists
 finds nothing to give answers an empty batch without a lease (``lease_id`` null); its
 ``trainer_version`` may not be above the versions the fleet can serve (409). A lease id in a path
 that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before any lookup;
-acknowledging a lease that is unknown (or already acknowledged) is a 404. A take whose client
+acknowledging a lease that is unknown (never handed out, or forgotten) is a 404; acknowledging one
+again, while it is known (``lease_timeout_s + retention_s`` after its take), answers the first
+acknowledgement's counts with ``already_acked`` (a trainer retrying an ack whose answer it lost
+gets a 200; nothing is counted twice). A take whose client
 disconnects before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready
-again at once.
+again at once, also when the store had already made its lease (the store's ``release``; its
+handing-out is not counted). Once the answer has started, a disconnect is not acted on: the
+router cannot know whether the client read the batch, so its lease times out as any lease whose
+answer was lost (what the take does between the store's answer and the response's start does
+not wait on anything but the lease's take order, so that window is one state round trip).
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
@@ -26,6 +33,7 @@ token-position bucket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -35,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
+from core.tasks import raise_if_cancelled
 from core.wire import LOGPROBS_MEDIA_TYPE
 from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
@@ -53,7 +62,7 @@ from router.schemas import (
     TakeResponse,
     VersionConflict,
 )
-from router.state.base import LeaseNotFound, TakenTrajectory
+from router.state.base import LeaseNotFound, StateError, TakenTrajectory
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 from router.turns import check_version_bound
 
@@ -123,12 +132,20 @@ async def take(request: Request, body: TakeRequest) -> Response:
     )
     lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
+        try:
+            await ctx.store.record_lease_order(
+                lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
+            )
+            raise_if_cancelled()  # one Python 3.11 dropped
+        except asyncio.CancelledError:  # its client left (router.disconnect): it gets no batch
+            await _release(ctx, lease_id)
+            raise
         ctx.metrics.leases.inc()
-        await ctx.store.record_lease_order(
-            lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
-        )
     ctx.metrics.taken.inc(len(lease.trajectories))
     ctx.metrics.redelivered.inc(lease.redelivered)
+    # nothing below awaits until the answer starts: a disconnect from here on is noticed only once
+    # the answer has started, when the router cannot know whether the client got it (the lease
+    # then times out like any lease whose answer was lost)
     binary = MEDIA_TYPE in request.headers.get("accept", "")
     if binary:
         items = []
@@ -161,6 +178,13 @@ async def take(request: Request, body: TakeRequest) -> Response:
     )
 
 
+async def _release(ctx: RouterContext, lease_id: str) -> None:
+    """Put the lease of a take whose client left back at once; a store down meanwhile leaves it
+    to time out."""
+    with contextlib.suppress(StateError):
+        await ctx.store.release(lease_id)
+
+
 @router.post(
     "/{lease_id}/ack",
     response_model=AckResponse,
@@ -168,15 +192,25 @@ async def take(request: Request, body: TakeRequest) -> Response:
     responses=error_responses(404, 422),
 )
 async def ack(request: Request, lease_id: LeaseId) -> dict[str, Any]:
+    """Idempotent: a repeated acknowledgement answers the first one's counts with
+    ``already_acked`` (module docstring)."""
     ctx = _ctx(request)
     try:
         result = await ctx.store.ack(lease_id)
     except LeaseNotFound:
-        raise ApiError(404, f"unknown or already acknowledged lease {lease_id!r}") from None
-    ctx.metrics.acked.inc(result.acked)
-    if result.update is not None:  # it closed an update in the ledger
-        ctx.metrics.updates.inc()
-    return {"lease_id": lease_id, "acked": result.acked, "expired": result.expired}
+        raise ApiError(
+            404, f"unknown lease {lease_id!r} (never handed out, or forgotten since its take)"
+        ) from None
+    if not result.already_acked:
+        ctx.metrics.acked.inc(result.acked)
+        if result.update is not None:  # it closed an update in the ledger
+            ctx.metrics.updates.inc()
+    return {
+        "lease_id": lease_id,
+        "acked": result.acked,
+        "expired": result.expired,
+        "already_acked": result.already_acked,
+    }
 
 
 def _upload_window_s(ctx: RouterContext) -> float:

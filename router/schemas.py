@@ -473,6 +473,10 @@ class AckResponse(BaseModel):
     lease_id: str
     acked: int
     expired: int
+    already_acked: bool = Field(
+        default=False,
+        description="the lease was acknowledged before (a retry): the counts are that acknowledgement's",
+    )
 
 
 class QueueStats(BaseModel):

@@ -53,15 +53,17 @@ async def record_turn(
     spec: TurnSpec,
     *,
     request_id: str | None = None,
+    request_digest: str = "",
     on_tokens: TokenCallback | None = None,
 ) -> bytes:
     """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
-    append is idempotent per ``request_id`` (default: a fresh one). ``on_tokens``: the turn's new
+    append is idempotent per ``request_id`` (default: a fresh one) and keeps ``request_digest``
+    with it (:mod:`router.idempotency`). ``on_tokens``: the turn's new
     output ids as they are sampled (:func:`router.dispatch.run_turn`). The session counts as
     active while the turn runs (:meth:`RouterContext.turn_running`): however long it takes, the
     idle sweep does not abandon it."""
     with ctx.turn_running(session_id):
-        return await _record_turn(ctx, session_id, spec, request_id, on_tokens)
+        return await _record_turn(ctx, session_id, spec, request_id, request_digest, on_tokens)
 
 
 async def _record_turn(
@@ -69,6 +71,7 @@ async def _record_turn(
     session_id: str,
     spec: TurnSpec,
     request_id: str | None,
+    request_digest: str,
     on_tokens: TokenCallback | None,
 ) -> bytes:
     t0 = time.perf_counter()
@@ -111,6 +114,7 @@ async def _record_turn(
             fork=at.fork is not None,
             expected_turn=index,
             version_tokens=per_version,
+            request_digest=request_digest,
         )
         try:
             index = await ctx.store.append_turn(session_id, record)

@@ -155,7 +155,13 @@ class AsyncRolloutClient:
             )
         return decode_batch(answer.content)
 
-    async def ack(self, lease_id: str) -> Any:
+    async def ack(self, lease_id: str) -> dict[str, Any]:
+        """Acknowledge the batch taken under ``lease_id``: the router's answer, ``acked`` and
+        ``expired`` (trajectories handed out again since its lease timed out). Idempotent: when
+        the client retries an ack whose answer it lost (the router unreachable, the connection
+        cut), the router answers the first acknowledgement's counts with ``already_acked`` true,
+        not an error; an unknown lease (never handed out, or forgotten: ``--lease-timeout`` +
+        ``--retention`` after its take) raises :class:`RouterError` (404)."""
         return await self.router.call("POST", f"/v1/batches/{lease_id}/ack")
 
     async def queue_stats(self) -> dict[str, int]:

@@ -286,7 +286,8 @@ def mismatch(
     band: tuple[float, float] = (0.2, 5.0),
 ) -> Mismatch:
     """Mismatch of sampled tokens with ``r = p / q``: the k3 estimator of KL(q || p),
-    ``mean(r - 1 - log r)``; ``mean |log p - log q|``; the share of ``r`` outside ``band``.
+    ``mean(r - 1 - log r)`` (each term computed as ``expm1(log r) - log r``: never negative);
+    ``mean |log p - log q|``; the share of ``r`` outside ``band``.
     Zero tokens give zeros."""
     lp = torch.as_tensor(trainer_logprobs, dtype=torch.float64)
     lq = torch.as_tensor(sampler_logprobs, dtype=torch.float64)
@@ -298,10 +299,13 @@ def mismatch(
         return Mismatch(0, 0.0, 0.0, 0.0)
     log_r = lp - lq
     r = torch.exp(log_r)
+    # k3 as expm1(d) - d, never negative (r - 1 - d cancels near d = 0 and comes out below zero
+    # for |d| ~ 1e-12); the clamp guards the last bit of expm1 (router.mismatch.k3_terms alike)
+    k3 = (torch.expm1(log_r) - log_r).clamp_min(0.0)
     low, high = band
     return Mismatch(
         tokens=lp.numel(),
-        k3_kl=float((r - 1 - log_r).mean()),
+        k3_kl=float(k3.mean()),
         abs_logprob_diff_mean=float(log_r.abs().mean()),
         extreme_ratio_share=float(((r < low) | (r > high)).double().mean()),
     )

@@ -12,8 +12,11 @@ What happens, in order:
    answers of fresh problems of the multi-turn task (:mod:`trainer.tasks`), in the chat the
    agents will hold, rendered by the checkpoint's chat template; on the trainer
    (:class:`trainer.policy.Policy`).
-2. The result is published as version ``v0 + 1``; the loop waits until every replica of every
-   group serves it (the samplers start from it), so no turn is served by an older version.
+2. The result is published as the router's next version (the number the router takes under
+   its job lock, as ``mixfleet weights publish`` does by default: one more than any version the
+   store holds, whoever published it; ``v0 + 1`` on a fleet nobody else publishes to); the loop
+   waits until every replica of every group serves it (the samplers start from it), so no turn
+   is served by an older version.
 3. **RL**: ``agents`` asyncio tasks (:mod:`trainer.demo_agents`) each draw a problem and run
    ``samples`` episodes of it concurrently, one session each, chatting through the session's
    OpenAI Chat Completions API with the official ``openai`` client (answer, feedback, answer
@@ -32,8 +35,9 @@ What happens, in order:
 
 After: ``<out>/demo.json`` (see :func:`run_demo`), ``<out>/episodes.jsonl`` (one line per
 trained episode, :func:`episodes`), ``<out>/demo.png`` when matplotlib is installed, and the
-published checkpoints ``<out>/checkpoints/vNNNNNN`` (the last ``keep`` of them; older ones are
-removed once their publication is done).
+published checkpoints ``<out>/checkpoints/pNNNN``, the N-th this run published (0: the warm
+start; the version each became is in ``demo.json``'s ``activations``; the last ``keep`` of them,
+older ones are removed once their publication is done).
 """
 
 from __future__ import annotations
@@ -292,16 +296,22 @@ class _Publisher:
         self.pending: asyncio.Task | None = None
         self.records: list[dict[str, Any]] = []
         self.dirs: list[Path] = []
+        self.saved = 0  # checkpoints saved: the next one's number
 
-    async def publish(self, policy: Policy, version: int) -> None:
-        path = (self.out / "checkpoints" / f"v{version:06d}").resolve()
+    async def publish(self, policy: Policy) -> int:
+        """Save ``policy`` and, once the previous version's activation was observed, publish it
+        as the router's next version; returns that version (the job's)."""
+        path = (self.out / "checkpoints" / f"p{self.saved:04d}").resolve()
+        self.saved += 1
         await asyncio.to_thread(policy.save, path)
         await self.settle()
-        job = await self.client.publish(str(path), version=version)
+        job = await self.client.publish(str(path))
+        version = int(job["version"])
         self.dirs.append(path)
         self.pending = asyncio.create_task(
             _activation(self.client, version, job["job_id"], self.config.activation_timeout_s)
         )
+        return version
 
     async def settle(self) -> None:
         if self.pending is None:
@@ -369,11 +379,10 @@ async def run_demo(
             record["sft"] = await asyncio.to_thread(
                 supervised, policy, prompts, task, config, rng, show_progress
             )
-            version += 1
-            record["first_version"] = version
             publisher = _Publisher(client, out, config)
-            log(f"publishing the warm-started policy as v{version} ...")
-            await publisher.publish(policy, version)
+            log("publishing the warm-started policy as the next version ...")
+            version = await publisher.publish(policy)
+            record["first_version"] = version
             await publisher.settle()
             log(f"v{version} active in every group: {publisher.records[-1]['activated_s']}")
 
@@ -432,8 +441,7 @@ async def _rl_updates(
             with (out / "episodes.jsonl").open("a") as f:
                 f.writelines(json.dumps({"update": u, **e}) + "\n" for e in episodes(batch))
             trained_on = version
-            version += 1
-            await publisher.publish(policy, version)
+            version = await publisher.publish(policy)
             updates.append(
                 {
                     "update": u,

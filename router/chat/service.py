@@ -25,7 +25,8 @@ longer extends the stored context and the turn is recorded as a fork
 the note of the later turn replaces the earlier one's, never the reverse.
 
 Retries (``Idempotency-Key``, :mod:`router.idempotency`): a turn recorded under the key is
-answered without rendering or sampling; the answer is a function of the recorded turn and the
+answered without rendering or sampling (the key reused with a different request, :func:`chat_digest`,
+is the API's 400); the answer is a function of the recorded turn and the
 request (the prompt length is the recorded input's, ``extends`` is whether the turn was recorded
 without a fork, OpenAI's ``created`` is the session's creation time), so a retry with the same
 body gets the first answer byte for byte from any router process.
@@ -34,6 +35,7 @@ body gets the first answer byte for byte from any router process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ from router.chat.renderers import Message, Renderer, RenderError, Reply, Tool, l
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.errors import ApiError
-from router.idempotency import answer_turn, recorded
+from router.idempotency import answer_turn, recorded, request_digest
 from router.records import decode_turn
 from router.schemas import SamplingParams, TurnRequest
 from router.state.base import ChatState
@@ -150,7 +152,8 @@ async def run_chat(
     session; the turn's own refusals as :func:`record_turn` raises them."""
     renderer = chat_renderer(ctx.config)
     stops = request_stops(renderer, req)
-    if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
+    digest = None if key is None else chat_digest(req)
+    if key is not None and (first := await recorded(ctx, session_id, key, digest)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
     state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
@@ -173,8 +176,8 @@ async def run_chat(
         turn = loads(await record_turn(ctx, session_id, spec, on_tokens=sink))
         prompt, ours = len(input_ids), True
     else:
-        await answer_turn(ctx, session_id, spec, key, sink)
-        data = await recorded(ctx, session_id, key)
+        await answer_turn(ctx, session_id, spec, key, sink, digest=digest)
+        data = await recorded(ctx, session_id, key, digest)
         if data is None:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn")
         turn, prompt = data.to_json(session_id, with_input=False), data.prompt_len
@@ -186,6 +189,15 @@ async def run_chat(
         await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
         ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
     return _result(turn, renderer, prompt, stops, state)
+
+
+def chat_digest(req: ChatRequest) -> str:
+    """The digest an ``Idempotency-Key`` keeps for a chat request
+    (:func:`router.idempotency.request_digest`): the request in both APIs' common form, without
+    ``supports`` (how the answer is presented: OpenAI's log-prob options)."""
+    fields = dataclasses.asdict(req)
+    del fields["supports"]
+    return request_digest(fields)
 
 
 def request_stops(renderer: Renderer, req: ChatRequest) -> dict[int, str]:

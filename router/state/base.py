@@ -12,8 +12,9 @@ Contract, for every adapter:
 * A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
   session's context, its route to the serving group and replica, and the counters change
   together or not at all) and idempotent per ``request_id`` (a retried call returns the first
-  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored, for
-  as long as the session is kept). Turn indices are 0, 1, 2, ... in append order.
+  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored,
+  with the first call's ``request_digest``, for as long as the session is kept). Turn indices are
+  0, 1, 2, ... in append order.
 * An open session's context is the token sequence of its current segment (every turn's
   appended and output tokens since the first turn or the last fork), packed as uint32
   little-endian: a turn appends its :attr:`TurnRecord.context` to it, a fork replaces it.
@@ -46,12 +47,16 @@ Contract, for every adapter:
   (:attr:`Lease.redelivered` counts those an earlier take handed out, whatever happened to them
   in between). What a take picks while it waits is its own until it answers: no other take,
   of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
-  before it answers (its client gone) puts what it picked back on the ready queue at once.
+  before it answers (its client gone) puts what it picked back on the ready queue at once;
+  ``release`` does the same for a lease whose take answered the store but not its client.
 * ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
-  acknowledgements of one lease racing each other exactly one answers (the others raise
-  :class:`LeaseNotFound`, as does any later one), and a trajectory that a later take got
-  (its lease timed out) counts as ``expired``, never as acknowledged too. Acknowledged
-  trajectories are never handed out again and stay readable for ``retention_s``.
+  acknowledgements of one lease racing each other exactly one acknowledges; the others, and any
+  later one while the lease is known (:meth:`~router.state.retention.Retention.lease_record_s`
+  after its take), answer that one's result marked ``already_acked`` (a trainer's retry after a
+  lost answer, or redis-py's retry of the script, is no error); a lease never handed out, or
+  forgotten, raises :class:`LeaseNotFound`. A trajectory that a later take got (its lease timed
+  out) counts as ``expired``, never as acknowledged too. Acknowledged trajectories are never
+  handed out again and stay readable for ``retention_s``.
 * Counters per group: ``active_sessions`` (open sessions), ``sessions``, ``turns``, ``tokens``.
 * The cost ledger (rules in :mod:`router.ledger`): ``book_replica`` applies
   :func:`router.ledger.charge` to the replica's booked-until mark and adds the charge to its group
@@ -101,6 +106,11 @@ class StateUnavailable(StateError):
     """The backing store cannot be reached (after the adapter's own retries)."""
 
 
+class StateNotAStore(StateUnavailable):
+    """Something answers at the state URL, but not as the store (another server on that port): a
+    request answers 503 as for a store that is down; ``mixfleet router`` refuses to start on it."""
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     session_id: str
@@ -124,8 +134,9 @@ class TurnRecord:
     ``replica`` of ``group``; ``tokens`` it generated and the lowest / highest weight version of
     its spans; ``context``: the tokens it adds to the session's context (its appended input, then
     its output; uint32 little-endian), which replace the context when ``fork``; ``request_id`` the
-    idempotency key; ``expected_turn`` (when set) the index it must get; ``version_tokens`` its
-    tokens per weight version (for the ledger)."""
+    idempotency key and ``request_digest`` (empty: none) a digest of the request that made the
+    turn, kept with it (:mod:`router.idempotency`); ``expected_turn`` (when set) the index it must
+    get; ``version_tokens`` its tokens per weight version (for the ledger)."""
 
     request_id: str
     blob: bytes
@@ -138,6 +149,17 @@ class TurnRecord:
     fork: bool = False
     expected_turn: int | None = None
     version_tokens: Mapping[int, int] = field(default_factory=dict)
+    request_digest: str = ""
+
+
+@dataclass(frozen=True)
+class StoredTurn:
+    """What :meth:`StateStore.append_turn` stored for a request id: the turn's index, its block
+    and the request's digest (empty: the append gave none)."""
+
+    index: int
+    blob: bytes
+    request_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,7 @@ class AckResult:
     acked: int
     expired: int
     update: int | None = None  # the update this acknowledgement closed (None: it acked nothing)
+    already_acked: bool = False  # the lease was acknowledged before: this is that result again
 
 
 @dataclass(frozen=True)
@@ -256,8 +279,8 @@ class StateStore(abc.ABC):
     async def get_turns(self, session_id: str) -> list[bytes]: ...
 
     @abc.abstractmethod
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
-        """The index and turn block that ``append_turn`` stored for ``request_id`` in
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
+        """The index, turn block and request digest that ``append_turn`` stored for ``request_id`` in
         ``session_id`` (what a retry of that request answers), whatever the session's status; None
         when that request stored nothing or the session is gone. One round trip."""
 
@@ -312,12 +335,22 @@ class StateStore(abc.ABC):
         empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`)."""
 
     @abc.abstractmethod
+    async def release(self, lease_id: str) -> int:
+        """Put what the lease still owns back on the ready queue at once, as a take cancelled
+        before it answers does (its handing-out is not counted: a later take's is no
+        redelivery), and forget the lease (a later ``ack`` raises :class:`LeaseNotFound`): for a
+        take whose answer did not reach its client. Returns how many went back (0: an unknown or
+        acknowledged lease). Best effort: what it cannot put back is redelivered after the lease
+        timeout, as any lease's."""
+
+    @abc.abstractmethod
     async def ack(self, lease_id: str) -> AckResult:
         """End the lease, acknowledging the trajectories it still owns (``acked``; the others,
         handed out again since, are ``expired``) and appending its update when it acknowledged
-        any, in one atomic step. Raises :class:`LeaseNotFound` when the lease is unknown,
-        forgotten or already ended: of the acknowledgements of one lease, however concurrent,
-        exactly one answers."""
+        any, in one atomic step. Of the acknowledgements of one lease, however concurrent,
+        exactly one does this; the others and any later one, while the lease is known, return
+        its result with ``already_acked`` and change nothing. Raises :class:`LeaseNotFound` when
+        the lease is unknown (never handed out, or forgotten)."""
 
     @abc.abstractmethod
     async def queue_stats(self) -> dict[str, int]:

@@ -30,6 +30,7 @@ from router.state.base import (
     SessionInfo,
     SessionNotFound,
     StateStore,
+    StoredTurn,
     TakenTrajectory,
     TurnConflict,
     TurnRecord,
@@ -44,6 +45,7 @@ class _Session:
     turns: list[bytes] = field(default_factory=list)
     context: bytearray = field(default_factory=bytearray)
     requests: dict[str, int] = field(default_factory=dict)
+    request_digests: dict[str, str] = field(default_factory=dict)
     finish_request: str | None = None
     expires_at: float | None = None
     last_active: float = field(default_factory=time.time)
@@ -62,6 +64,7 @@ class MemoryStore(StateStore):
         self._pending: dict[int, tuple[str, str, float | None]] = {}
         self._held: dict[str, int] = {}
         self._leases: dict[str, tuple[set[int], float]] = {}  # lease -> (entries, forgotten at)
+        self._acked_leases: dict[str, tuple[AckResult, float]] = {}  # lease -> (its ack, forgotten at)
         self._counters: defaultdict[str, dict[str, int]] = defaultdict(
             lambda: {"active_sessions": 0, "sessions": 0, "turns": 0, "tokens": 0}
         )
@@ -168,6 +171,8 @@ class MemoryStore(StateStore):
         else:
             s.context += record.context
         s.requests[record.request_id] = index
+        if record.request_digest:
+            s.request_digests[record.request_id] = record.request_digest
         s.last_active = time.time()
         info = s.info
         group = record.group
@@ -194,10 +199,12 @@ class MemoryStore(StateStore):
         s = self._live(session_id)
         return [] if s is None else list(s.turns)
 
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
         s = self._live(session_id)
         index = None if s is None else s.requests.get(request_id)
-        return None if index is None else (index, s.turns[index])
+        if index is None:
+            return None
+        return StoredTurn(index, s.turns[index], s.request_digests.get(request_id, ""))
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
@@ -348,11 +355,33 @@ class MemoryStore(StateStore):
         if picked:
             self._wake()
 
+    async def release(self, lease_id: str) -> int:
+        record = self._leases.pop(lease_id, None)
+        if record is None:
+            return 0
+        mine = {}
+        for entry in record[0]:
+            owner = self._pending.get(entry)
+            s = None if owner is None or owner[1] != lease_id else self._sessions.get(owner[0])
+            if s is not None:
+                s.deliveries -= 1
+                mine[entry] = TakenTrajectory(s.info, [])
+        self._give_back(mine)
+        return len(mine)
+
     async def ack(self, lease_id: str) -> AckResult:
+        done = self._acked_leases.get(lease_id)
+        if done is not None and done[1] > time.monotonic():
+            return replace(done[0], already_acked=True)
         record = self._leases.pop(lease_id, None)
         if record is None or record[1] <= time.monotonic():
             raise LeaseNotFound(lease_id)
-        entries = record[0]
+        result = self._end_lease(lease_id, record[0])
+        self._acked_leases[lease_id] = (result, record[1])
+        return result
+
+    def _end_lease(self, lease_id: str, entries: set[int]) -> AckResult:
+        """Acknowledge what ``lease_id`` still owns of ``entries``; its update, if it acked any."""
         acked = expired = tokens = 0
         expires = time.monotonic() + self.retention_s
         for entry in entries:
@@ -552,6 +581,7 @@ class MemoryStore(StateStore):
         expired = 0
         for table, until in (
             (self._leases, lambda v: v[1]),
+            (self._acked_leases, lambda v: v[1]),
             (self._marks, lambda v: v[1]),
             (self._route_keys, lambda v: v[1]),
             (self._lease_orders, lambda v: v[1]),
@@ -610,7 +640,7 @@ class MemoryStore(StateStore):
             "ready": len(self._ready),
             "pending": len(self._pending),
             "held_back": len(self._held),
-            "leases": len(self._leases),
+            "leases": len(self._leases) + len(self._acked_leases),
             "replicas": len(self._replicas),
             "window": len(self._window),
             "jobs": len(self._jobs),

@@ -4,7 +4,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
 
 * ``mf:s:<id>``   hash: group, replica (the route, set by each appended turn), status, created,
   metadata, n_turns, tokens, vmin, vmax, reward, finish_meta, finish_req, ``routes`` (``1``, only
-  for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends),
+  for a session with ``record_routes``), ``q:<request_id>`` -> turn index (idempotent appends)
+  and ``h:<request_id>`` -> the request's digest (when the append gave one),
   while open ``chat_turn`` and ``chat``: the chat note and the turn it is about, and once handed
   to a trainer ``delivered``: how many takes handed it out (more than one: redelivered)
 * ``mf:s:<id>:t`` list of turn blocks (:mod:`router.records`), one element per turn
@@ -22,8 +23,9 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   Redis's clock, ms): renewed at each claim, removed by the answer; one left by a router that
   died mid-take lapses ``outage_s`` + 1 s after its last renewal (removed by the next claim), and
   its entries are then claimed like any lease's
-* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement (expires
-  :meth:`~router.state.retention.Retention.lease_record_s` after the take)
+* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement; once acknowledged only
+  ``!acked`` -> ``acked,expired,update`` (what a repeated acknowledgement answers); expires
+  :meth:`~router.state.retention.Retention.lease_record_s` after the take
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
 * ``mf:replicas`` hash: replica id -> JSON heartbeat; ``mf:latest``; ``mf:rk:<key>`` route keys
@@ -56,7 +58,9 @@ Lua script (atomic, and idempotent where the contract says so, so redis-py's aut
 after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finish twice); a
 session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
 retried with backoff for ``outage_s`` seconds; after that a call raises
-:class:`~router.state.base.StateUnavailable`.
+:class:`~router.state.base.StateUnavailable`. A server at the URL that does not speak Redis (an
+HTTP server, anything answering other bytes) raises :class:`~router.state.base.StateNotAStore`,
+naming the URL, at once (redis-py does not retry a reply it cannot parse).
 
 Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (acknowledged
 sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
@@ -72,20 +76,24 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from core import jsonio
+from core.tasks import raise_if_cancelled
 from router.ledger import EarlierUpdates, LedgerSnapshot, LedgerTotals, UpdateRecord, charge
 from router.mismatch import MismatchKey, MismatchSums
 from router.state.base import (
@@ -98,8 +106,10 @@ from router.state.base import (
     SessionFinished,
     SessionInfo,
     SessionNotFound,
+    StateNotAStore,
     StateStore,
     StateUnavailable,
+    StoredTurn,
     TakenTrajectory,
     TurnConflict,
     TurnRecord,
@@ -179,7 +189,7 @@ return 1
 _TURN_FOR_REQUEST = """
 local idx = redis.call('HGET', KEYS[1], 'q:' .. ARGV[1])
 if not idx then return false end
-return {tonumber(idx), redis.call('LINDEX', KEYS[2], idx)}
+return {tonumber(idx), redis.call('LINDEX', KEYS[2], idx), redis.call('HGET', KEYS[1], 'h:' .. ARGV[1]) or ''}
 """
 
 _APPEND = """
@@ -202,6 +212,7 @@ elseif ARGV[12] ~= '' then
   redis.call('APPEND', KEYS[6], ARGV[12])
 end
 redis.call('HSET', h, 'q:' .. ARGV[1], idx, 'n_turns', idx + 1, 'group', ARGV[3], 'replica', ARGV[10])
+if ARGV[14] ~= '' then redis.call('HSET', h, 'h:' .. ARGV[1], ARGV[14]) end
 redis.call('HINCRBY', h, 'tokens', ARGV[4])
 if ARGV[5] ~= '' then
   local cur = redis.call('HGET', h, 'vmin')
@@ -382,8 +393,13 @@ return n
 _ACK = """
 -- KEYS: the lease, the stream, the ledger, the updates, the rolled-up updates, then per lease entry
 -- its session and its turns; ARGV: the group, the lease id, the retention (ms), the wall time,
--- then the lease's entry ids
-if redis.call('DEL', KEYS[1]) == 0 then return false end
+-- then the lease's entry ids. Returns {acked, expired, update, 0}, or for a lease acknowledged
+-- before (another acknowledgement, or this one's retry by redis-py) {-1, 'acked,expired,update'};
+-- false: no such lease. The lease ends as its result: the entries go, '!acked' stays (and the
+-- key's TTL with it: set before the entries go, so the hash is never empty)
+local before = redis.call('HGET', KEYS[1], '!acked')
+if before then return {-1, before} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local acked, expired, tokens = 0, 0, 0
 for i = 5, #ARGV do
   local s, t = KEYS[2 * i - 4], KEYS[2 * i - 3]
@@ -406,17 +422,21 @@ end
 if #redis.call('XPENDING', KEYS[2], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
 end
-if acked == 0 then return {0, expired, 0} end
-local raw = redis.call('HGETALL', KEYS[3])
-local cost = {}
-for i = 1, #raw, 2 do
-  local g = string.match(raw[i], '^usd:(.+)$')
-  if g then cost[g] = raw[i + 1] end
+local seq = 0
+if acked > 0 then
+  local raw = redis.call('HGETALL', KEYS[3])
+  local cost = {}
+  for i = 1, #raw, 2 do
+    local g = string.match(raw[i], '^usd:(.+)$')
+    if g then cost[g] = raw[i + 1] end
+  end
+  seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
+  redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
+                                              tokens = tokens, cost = cost}))
 end
-local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0') + redis.call('LLEN', KEYS[4]) + 1
-redis.call('RPUSH', KEYS[4], cjson.encode({seq = seq, at = ARGV[4], trajectories = acked,
-                                            tokens = tokens, cost = cost}))
-return {acked, expired, seq}
+redis.call('HSET', KEYS[1], '!acked', acked .. ',' .. expired .. ',' .. seq)
+for i = 5, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+return {acked, expired, seq, 0}
 """
 
 _ROLL_UPDATES = """
@@ -511,6 +531,43 @@ _FIELDS = (
 )
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
 
+_REDIS_PY = os.path.dirname(redis.__file__) + os.sep  # redis-py's own files
+_HANDSHAKE = frozenset({"on_connect", "on_connect_check_health"})
+"""redis-py 8.2's connection handshake (``redis/asyncio/connection.py``
+``AbstractConnection.on_connect_check_health``, 1281-1340): it sends ``HELLO 3`` and reads the
+reply as a map (``self.handshake_metadata.get(b"proto")``, 1334-1337), so a server that answers it
+with another well-formed reply (``+OK``, a bulk string, an array) raises AttributeError there."""
+
+
+def not_redis(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py failing to read a server that does not speak Redis: its
+    parsers' protocol error (``redis.exceptions.InvalidResponse``, 8.2: ``redis/_parsers/hiredis.py``
+    144 and 324 map hiredis' ``protocolError`` to it, ``resp2.py`` 71 and 135 and ``resp3.py`` 173
+    and 306 raise it for an unknown reply type byte, ``_parsers/base.py`` 70-81 for a malformed
+    number), or a reply of the wrong type to the connection's handshake (:data:`_HANDSHAKE`);
+    nothing this module's own code raises."""
+    if isinstance(exc, InvalidResponse):
+        return True
+    if not isinstance(exc, (AttributeError, TypeError, ValueError, IndexError, KeyError)):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in _HANDSHAKE and code.co_filename.startswith(_REDIS_PY):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def display_url(url: str) -> str:
+    """``url`` without its password (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
 
 def _skey(sid: str) -> str:
     return f"{P}s:{sid}"
@@ -524,18 +581,17 @@ def _tkey(sid: str) -> str:
     return f"{P}s:{sid}:t"
 
 
-def _raise_if_cancelled() -> None:
-    """Raise CancelledError if the current task was cancelled and the cancellation did not
-    reach it: Python 3.11's ``asyncio.wait_for`` (redis-py's send under a socket timeout) drops a
-    cancel that lands in the step its write completes, leaving the task's ``cancelling()`` count
-    raised."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
 def _lease_key(lease_id: str) -> str:
     return f"{P}lease:{lease_id}"
+
+
+ACKED = "!acked"  # the field of an acknowledged lease's record (not a stream entry id)
+
+
+def _acked_before(value: str) -> AckResult:
+    """The result of an acknowledged lease, as its record keeps it (``acked,expired,update``)."""
+    acked, expired, seq = (int(x) for x in value.split(","))
+    return AckResult(acked=acked, expired=expired, update=seq or None, already_acked=True)
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -573,6 +629,7 @@ class RedisStore(StateStore):
         self.retention = retention or Retention()
         self.retention_s = self.retention.retention_s
         self._outage_s = outage_s
+        self._where = display_url(url)
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         pool = BlockingConnectionPool.from_url(
             url,
@@ -613,7 +670,8 @@ class RedisStore(StateStore):
         """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries), no
         answer within ``outage_s + extra_s`` seconds, or a command Redis refuses (out of memory,
         a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and any other
-        error reply) -> :class:`StateUnavailable` naming it."""
+        error reply) -> :class:`StateUnavailable` naming it; a server there that does not speak
+        Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL."""
         try:
             async with asyncio.timeout(self._outage_s + extra_s):
                 return await coro_fn(*args, **kwargs)
@@ -625,6 +683,15 @@ class RedisStore(StateStore):
             raise StateUnavailable(f"redis: {exc}") from None
         except ResponseError as exc:
             raise StateUnavailable(f"redis refused a command: {exc}") from None
+        except Exception as exc:
+            if not_redis(exc):
+                raise StateNotAStore(self.not_redis_message(exc)) from None
+            raise
+
+    def not_redis_message(self, exc: BaseException) -> str:
+        """What :class:`StateNotAStore` says: the URL and what redis-py could not read."""
+        what = str(exc) if isinstance(exc, InvalidResponse) else "its reply to HELLO is not a Redis handshake"
+        return f"{self._where} does not answer as Redis (another server on that port?): {what}"
 
     async def _ensure_group(self) -> None:
         """The trainer queue's consumer group, created with the stream where missing: asked before
@@ -710,6 +777,7 @@ class RedisStore(StateStore):
                 ",".join(f"{int(v)}:{int(n)}" for v, n in record.version_tokens.items() if n > 0),
                 record.context,
                 "1" if record.fork else "0",
+                record.request_digest,
             ],
         )
         if rc == -1:
@@ -723,13 +791,13 @@ class RedisStore(StateStore):
     async def get_turns(self, session_id: str) -> list[bytes]:
         return list(await self._call(self._r.lrange, _tkey(session_id), 0, -1))
 
-    async def turn_for_request(self, session_id: str, request_id: str) -> tuple[int, bytes] | None:
+    async def turn_for_request(self, session_id: str, request_id: str) -> StoredTurn | None:
         found = await self._call(
             self._turn_for_request, keys=[_skey(session_id), _tkey(session_id)], args=[request_id]
         )
-        if not found or len(found) < 2 or found[1] is None:
+        if not found or len(found) < 3 or found[1] is None:
             return None
-        return int(found[0]), bytes(found[1])
+        return StoredTurn(int(found[0]), bytes(found[1]), _s(found[2]))
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
@@ -812,14 +880,14 @@ class RedisStore(StateStore):
             while len(picked) < size:
                 batch = await self._pick(lease_id, size - len(picked), lease_timeout_s, deadline)
                 await self._admit(batch, trainer_version, max_age, picked)
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 if time.monotonic() >= deadline:
                     break
             lease = await self._make_lease(lease_id, picked)
-            _raise_if_cancelled()
+            raise_if_cancelled()
             return lease
         except BaseException:
-            await self._put_back(lease_id, picked)
+            await self._put_back(lease_id, [(e, t.session.session_id) for e, t in picked.items()])
             raise
 
     async def _pick(
@@ -904,23 +972,29 @@ class RedisStore(StateStore):
         redelivered = sum(1 for n in seen if int(n) > 1)
         return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
 
-    async def _put_back(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> None:
+    async def _put_back(self, lease_id: str, entries: list[tuple[str, str]]) -> int:
         """Whatever the take ``lease_id`` holds goes back on the ready queue (:data:`_GIVE_BACK`:
         also entries whose delivery it never read, and a lease it made but did not answer with);
-        at most ``_PUT_BACK_S`` seconds, best effort: what it cannot put back (Redis down) is
-        redelivered once the take's mark has lapsed and the lease timeout has passed."""
-        entries = list(picked.items())
-        with contextlib.suppress(*_UNAVAILABLE):  # TimeoutError (the bound) is an OSError
+        ``entries`` (entry id, session id) are what it picked. At most ``_PUT_BACK_S`` seconds,
+        best effort: what it cannot put back (Redis down) is redelivered once the take's mark has
+        lapsed and the lease timeout has passed. Returns how many went back."""
+        with contextlib.suppress(*_UNAVAILABLE, InvalidResponse):  # TimeoutError (the bound): an OSError
             async with asyncio.timeout(_PUT_BACK_S):
-                await self._give_back(
-                    keys=[
-                        STREAM,
-                        TAKING,
-                        _lease_key(lease_id),
-                        *(_skey(t.session.session_id) for _e, t in entries),
-                    ],
-                    args=[GROUP, lease_id, *(entry_id for entry_id, _t in entries)],
+                return int(
+                    await self._give_back(
+                        keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
+                        args=[GROUP, lease_id, *(entry_id for entry_id, _sid in entries)],
+                    )
                 )
+        return 0
+
+    async def release(self, lease_id: str) -> int:
+        """The lease's record names what it holds (an acknowledged one's holds nothing); then
+        :meth:`_put_back`, as a take that did not answer."""
+        record = {_s(k): _s(v) for k, v in (await self._call(self._r.hgetall, _lease_key(lease_id))).items()}
+        if not record or ACKED in record:
+            return 0
+        return await self._put_back(lease_id, list(record.items()))
 
     async def _reap_consumers(self) -> int:
         """Forget lease consumers that own nothing any more and are idle for twice the lease
@@ -941,10 +1015,14 @@ class RedisStore(StateStore):
 
     async def _ack(self, lease_id: str) -> AckResult:
         """Read the lease's entries (for the keys of their sessions), then :data:`_ACK`: one
-        script that deletes the lease (gone already: LeaseNotFound), acknowledges each entry still
-        pending under it, counts the others expired and appends the update, all at once."""
+        script that ends the lease (gone: LeaseNotFound; ended already: its result again),
+        acknowledges each entry still pending under it, counts the others expired and appends
+        the update, all at once."""
         key = _lease_key(lease_id)
-        entries = [(_s(k), _s(v)) for k, v in (await self._r.hgetall(key)).items()]
+        record = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
+        if ACKED in record:
+            return _acked_before(record[ACKED])
+        entries = list(record.items())
         if not entries:
             raise LeaseNotFound(lease_id)
         answer = await self._ack_lease(
@@ -958,9 +1036,11 @@ class RedisStore(StateStore):
             ],
             args=[GROUP, lease_id, _ms(self.retention_s), repr(time.time()), *(e for e, _sid in entries)],
         )
-        if answer is None:  # another acknowledgement deleted it since the read
+        if answer is None:  # forgotten since the read
             raise LeaseNotFound(lease_id)
-        acked, expired, seq = (int(x) for x in answer)
+        if int(answer[0]) < 0:  # another acknowledgement ended it since the read
+            return _acked_before(_s(answer[1]))
+        acked, expired, seq, _ = (int(x) for x in answer)
         return AckResult(acked=acked, expired=expired, update=seq if acked else None)
 
     async def queue_stats(self) -> dict[str, int]:
@@ -1243,11 +1323,17 @@ class RedisStore(StateStore):
         return {"keys": int(keys), "used_memory": int(memory["used_memory"]), **out}
 
     async def ping(self) -> bool:
+        """Whether Redis answers ``PING`` within 2 s (False too for an error reply or a server
+        that does not speak Redis)."""
         try:
             async with asyncio.timeout(2.0):
                 return bool(await self._r.ping())
-        except (*_UNAVAILABLE, TimeoutError):
+        except (*_UNAVAILABLE, TimeoutError, ResponseError):
             return False
+        except Exception as exc:
+            if not_redis(exc):
+                return False
+            raise
 
     async def close(self) -> None:
         await self._r.aclose()

@@ -86,6 +86,41 @@ def test_anthropic_retry_answers_the_recorded_turn(router, engine, session):
     assert trajectory(router, session["session_id"])[1]["fork"] is None
 
 
+def test_a_key_reused_with_another_request_is_the_apis_400(router, engine, session):
+    """OpenAI and Anthropic alike: the key of a recorded turn sent with other messages (or other
+    sampling options) is a 400 invalid_request_error naming the key, and nothing is sampled; the
+    same request again is a retry."""
+    oa = _openai(router, session)
+    an = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key, max_retries=0)
+    kw = {"model": "tiny", "max_tokens": 8, "temperature": 1.0}
+    first = oa.chat.completions.with_raw_response.create(messages=HELLO, extra_headers=_key("k"), **kw)
+    sampled = len(engine.generated)
+    other = [{"role": "user", "content": "Goodbye"}]
+    for call in (
+        lambda: oa.chat.completions.create(messages=other, extra_headers=_key("k"), **kw),
+        lambda: oa.chat.completions.create(
+            messages=HELLO, extra_headers=_key("k"), **{**kw, "max_tokens": 9}
+        ),
+        lambda: an.messages.create(
+            model="tiny",
+            max_tokens=8,
+            messages=other,
+            extra_headers=_key("k"),
+            extra_body={"temperature": 1.0},
+        ),
+    ):
+        try:
+            call()
+        except (openai.BadRequestError, anthropic.BadRequestError) as exc:
+            assert exc.status_code == 400 and "Idempotency-Key 'k'" in str(exc), exc
+            assert exc.body and "invalid_request_error" in str(exc.body), exc.body
+        else:
+            raise AssertionError("the reused key was not refused")
+    again = oa.chat.completions.with_raw_response.create(messages=HELLO, extra_headers=_key("k"), **kw)
+    assert again.http_response.content == first.http_response.content
+    assert len(engine.generated) == sampled and _turns(router, session) == 1
+
+
 def test_a_retry_while_the_first_runs_waits_for_it(router, engine, session):
     client = _openai(router, session)
     answers: list[bytes] = []

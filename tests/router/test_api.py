@@ -107,8 +107,10 @@ def test_session_turns_finish_take_ack(client: httpx.Client) -> None:
     assert mine[0]["version_age"] == {"min": 0, "max": 0, "mean": 0.0}
     assert [t["records"] for t in mine[0]["turns"]] == [t["records"] for t in traj["turns"]]
     assert re.fullmatch(LEASE_ID, batch["lease_id"])  # what router.schemas.LeaseId accepts
-    assert client.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == len(batch["trajectories"])
-    assert client.post(f"/v1/batches/{batch['lease_id']}/ack").status_code == 404
+    first = client.post(f"/v1/batches/{batch['lease_id']}/ack").json()
+    assert first["acked"] == len(batch["trajectories"]) and first["already_acked"] is False
+    again = client.post(f"/v1/batches/{batch['lease_id']}/ack")  # a retry: 200, the first one's counts
+    assert again.status_code == 200 and again.json() == {**first, "already_acked": True}
     assert client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1]}).status_code == 409
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 import pytest
 
-from router.state.base import StateStore, TurnRecord
+from router.state.base import StateStore, StoredTurn, TurnRecord
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
@@ -22,8 +22,10 @@ from tests.support.state import opened
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0}  # unseeded: a second sample would differ
 
 
-async def _append(store: StateStore, sid: str, request_id: str, blob: bytes) -> int:
-    return await store.append_turn(sid, TurnRecord(request_id, blob, "g1", "r1", 3, 1, 1))
+async def _append(store: StateStore, sid: str, request_id: str, blob: bytes, digest: str = "") -> int:
+    return await store.append_turn(
+        sid, TurnRecord(request_id, blob, "g1", "r1", 3, 1, 1, request_digest=digest)
+    )
 
 
 @pytest.mark.anyio
@@ -31,14 +33,14 @@ async def test_store_reads_the_turn_a_request_stored(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.create_session("s1", "g1", {}, now=time.time())
         assert await store.turn_for_request("s1", "k:a") is None
-        assert await _append(store, "s1", "k:a", b"first") == 0
+        assert await _append(store, "s1", "k:a", b"first", "d1") == 0
         assert await _append(store, "s1", "k:b", b"second") == 1
-        assert await _append(store, "s1", "k:a", b"again") == 0  # idempotent: nothing changes
-        assert await store.turn_for_request("s1", "k:a") == (0, b"first")
-        assert await store.turn_for_request("s1", "k:b") == (1, b"second")
+        assert await _append(store, "s1", "k:a", b"again", "d2") == 0  # idempotent: nothing changes
+        assert await store.turn_for_request("s1", "k:a") == StoredTurn(0, b"first", "d1")
+        assert await store.turn_for_request("s1", "k:b") == StoredTurn(1, b"second", "")
         assert (await store.get_session("s1")).n_turns == 2
         await store.finish_session("s1", "f", 1.0, {})
-        assert await store.turn_for_request("s1", "k:b") == (1, b"second")  # still answered
+        assert await store.turn_for_request("s1", "k:b") == StoredTurn(1, b"second")  # still answered
         assert await store.turn_for_request("s1", "k:c") is None
         assert await store.turn_for_request("nope", "k:a") is None
 
@@ -63,7 +65,7 @@ def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) ->
     sid = _session(client)
     first = _turn(client, sid, "call-1")
     assert first.status_code == 200, first.text
-    again = _turn(client, sid, "call-1", input_ids=[9, 9])  # the retry's body is not consulted
+    again = _turn(client, sid, "call-1")
     assert again.status_code == 200, again.text
     assert again.content == first.content
     supported = _turn(client, sid, "call-1", return_support=True)  # the same turn, with its supports
@@ -83,6 +85,31 @@ def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) ->
     assert late.status_code == 200 and late.content == first.content
     trajectory = client.get(f"/v1/sessions/{sid}/trajectory").json()
     assert [t["turn"] for t in trajectory["turns"]] == [0, 1, 2]
+
+
+def test_a_key_reused_with_another_request_is_refused(client: httpx.Client) -> None:
+    """The same key with another body is a 422 naming the key (nothing sampled); the same request
+    spelled differently (key order, spacing, defaults written out) is a retry."""
+    sid = _session(client)
+    first = _turn(client, sid, "k1")
+    assert first.status_code == 200, first.text
+    for other in (
+        {"input_ids": [9, 9], "sampling_params": SAMPLED},
+        {"input_ids": [1, 2, 3], "sampling_params": {**SAMPLED, "temperature": 0.5}},
+        {"append_ids": [1, 2, 3], "sampling_params": SAMPLED},
+        {"input_ids": [1, 2, 3], "sampling_params": SAMPLED, "min_version": 0},
+    ):
+        r = client.post(f"/v1/sessions/{sid}/turns", json=other, headers={"Idempotency-Key": "k1"})
+        assert r.status_code == 422, (other, r.text)
+        assert "Idempotency-Key 'k1'" in r.json()["detail"] and "different request" in r.json()["detail"]
+    same = (
+        b'{ "sampling_params" : {"top_p": 1.0, "temperature": 1, "max_new_tokens": 12},'
+        b' "return_support": false, "input_ids": [1, 2, 3] }'
+    )
+    headers = {"Idempotency-Key": "k1", "Content-Type": "application/json"}
+    again = client.post(f"/v1/sessions/{sid}/turns", content=same, headers=headers)
+    assert again.status_code == 200 and again.content == first.content, again.text
+    assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
 
 
 def test_keys_are_per_session(client: httpx.Client) -> None:

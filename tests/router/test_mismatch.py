@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from router.mismatch import (
     batch_mismatch,
     check_band,
     group_view,
+    k3_terms,
     position_bucket,
 )
 from router.trainer_logprobs import LogprobsFormatError, decode_trainer_logprobs
@@ -103,6 +105,54 @@ def test_identical_log_probs_have_no_mismatch() -> None:
     out = batch_mismatch([TurnTokens("g", 0, q, [1, 1, 1])], np.array(q, dtype=np.float32), (0.2, 5.0))
     s = out.sums[("g", 1, "0-63")]
     assert (s.tokens, s.k3, s.abs_logprob_diff, s.extreme, s.out_of_band) == (3, 0.0, 0.0, 0, 0)
+
+
+def _k3_exact(d: float) -> float:
+    """k3 = e^d - 1 - d of the double ``d``, brute force in 60 significant digits."""
+    with localcontext() as c:
+        c.prec = 60
+        x = Decimal(d)  # exact
+        return float(x.exp() - 1 - x)
+
+
+# d = log r for r = 1 +- 1e-12 and 1 +- 1e-9 (p ~= q), small d where e^d - 1 - d in doubles comes
+# out negative (+-2e-12, -3e-12, -1e-10: about -4e-17), and ordinary ones
+K3_D = [
+    math.log1p(1e-12),
+    math.log1p(-1e-12),
+    math.log1p(1e-9),
+    math.log1p(-1e-9),
+    2e-12,
+    -3e-12,
+    -1e-10,
+    0.0,
+    2.0**-52,
+    -1e-6,
+    0.5,
+    -2.0,
+    -9.0,
+]
+
+
+def test_k3_is_never_negative_and_matches_brute_force() -> None:
+    d = np.array(K3_D)
+    got = k3_terms(d)
+    assert (got >= 0).all(), got
+    for x, k in zip(K3_D, got.tolist(), strict=True):
+        want = _k3_exact(x)
+        # expm1(d) - d is exact to about an ulp of d: a relative bound for k3 >> ulp(d), else ulps
+        assert math.isclose(k, want, rel_tol=1e-9, abs_tol=4 * math.ulp(x)), (x, k, want)
+
+
+def test_batch_k3_sums_of_near_equal_log_probs_are_not_negative() -> None:
+    """q = 0 makes d = p exactly: every sum is its tokens' brute-force k3, never below 0."""
+    for x in K3_D[:7]:
+        turns = [TurnTokens("g", 0, [0.0] * 4, [1] * 4)]
+        s = batch_mismatch(turns, np.full(4, x), (0.2, 5.0)).sums[("g", 1, "0-63")]
+        assert s.k3 >= 0.0 and math.isclose(s.k3, 4 * _k3_exact(x), rel_tol=1e-9, abs_tol=16 * math.ulp(x)), (
+            x,
+            s.k3,
+        )
 
 
 def test_position_buckets() -> None:

@@ -20,6 +20,7 @@ import redis
 from router.ledger import update_costs
 from router.mismatch import MismatchSums, rollup
 from router.state.base import (
+    AckResult,
     LeaseNotFound,
     SessionFinished,
     SessionNotFound,
@@ -32,6 +33,7 @@ from router.state.base import (
 from router.state.redis import RedisStore
 from router.state.retention import Retention
 from tests.support.procs import free_port, redis_server
+from tests.support.proxy import TcpProxy
 from tests.support.state import opened
 
 pytestmark = pytest.mark.anyio
@@ -313,15 +315,50 @@ async def test_take_ack_and_nothing_twice(store_url: str) -> None:
         )
         second = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=60)
         assert {t.session.session_id for t in second.trajectories} == {f"s{i}" for i in range(5)} - got
-        assert (await store.ack(lease.lease_id)).acked == 3
+        first = await store.ack(lease.lease_id)
+        assert (first.acked, first.already_acked) == (3, False)
         assert (await store.ack(second.lease_id)).acked == 2
+        again = await store.ack(lease.lease_id)  # a retry: the first one's result, nothing more
+        assert again == AckResult(3, 0, first.update, already_acked=True)
+        assert [u.trajectories for u in (await store.ledger()).updates] == [3, 2]
         with pytest.raises(LeaseNotFound):
-            await store.ack(lease.lease_id)
+            await store.ack("0" * 32)  # never handed out
         empty = await store.take(10, trainer_version=1, max_version_age=None, lease_timeout_s=0.01)
         assert empty.trajectories == []
         assert (await store.get_session("s0")).status == "consumed"
         stats = await store.queue_stats()
         assert stats["ready"] == 0 and stats["pending"] == 0
+
+
+async def test_an_ack_script_rerun_after_its_lost_reply_answers_the_acknowledgement(redis_url: str) -> None:
+    """Redis runs the acknowledgement's script, its reply is lost (the connection is cut as it
+    comes back), redis-py reconnects and runs the script again: the rerun answers the lease's
+    acknowledgement (``already_acked``), not an unknown lease, and nothing is counted twice."""
+    redis.Redis.from_url(redis_url).flushdb()
+    lost: list[bytes] = []
+
+    def lose_the_ack_reply(direction: str, data: bytes, conn: dict) -> bytes | None:
+        if direction == "up":
+            conn["ack"] = b"mf:lease:" in data and b"mf:updates" in data  # the _ACK script
+        elif conn.get("ack") and not lost:
+            lost.append(data)
+            return None
+        return data
+
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy((host, int(port)), lose_the_ack_reply)
+    try:
+        async with opened(f"redis://127.0.0.1:{proxy.port}/0") as store:
+            await _session(store, "s")
+            await store.finish_session("s", "f", 1.0, {})
+            lease = await store.take(1, trainer_version=1, max_version_age=None, lease_timeout_s=60)
+            result = await store.ack(lease.lease_id)
+            assert lost, "the acknowledgement's reply was not cut"
+            assert (result.acked, result.expired, result.already_acked) == (1, 0, True)
+            assert [u.trajectories for u in (await store.ledger()).updates] == [1]
+            assert (await store.get_session("s")).status == "consumed"
+    finally:
+        proxy.close()
 
 
 async def test_unacknowledged_lease_is_redelivered_after_timeout(store_url: str) -> None:
@@ -415,7 +452,7 @@ async def test_concurrent_acks_of_one_lease_acknowledge_it_once(store_url: str) 
     """Eight acknowledgements of one lease at once, through two routers (their connections
     open first, so that the eight reach the store together), three leases in turn: one
     acknowledges the lease's three trajectories and closes one update, the seven others find the
-    lease gone."""
+    lease acknowledged already and answer its result again (``already_acked``)."""
     async with two_routers(store_url) as (a, b):
         for n in range(1, 4):
             for i in range(3):
@@ -426,9 +463,8 @@ async def test_concurrent_acks_of_one_lease_acknowledge_it_once(store_url: str) 
             answers = await asyncio.gather(
                 *(x.ack(lease.lease_id) for x in (a, b) * 4), return_exceptions=True
             )
-            assert sum(isinstance(r, LeaseNotFound) for r in answers) == 7, answers
-            done = [(r.acked, r.expired, r.update) for r in answers if not isinstance(r, LeaseNotFound)]
-            assert done == [(3, 0, n)]
+            assert sorted(r.already_acked for r in answers) == [False] + [True] * 7, answers
+            assert {(r.acked, r.expired, r.update) for r in answers} == {(3, 0, n)}
         assert [(u.seq, u.trajectories) for u in (await b.ledger()).updates] == [(1, 3), (2, 3), (3, 3)]
         assert await b.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}
 
@@ -1125,3 +1161,23 @@ async def test_mismatch_sums_keep_a_doubles_precision(store_url: str) -> None:
         assert (await store.mismatch_totals())["g"] == tiny + tiny
         await store.compact()
         assert (await store.mismatch())[("g", None, "0-63")] == tiny
+
+
+async def test_release_puts_a_lease_back_at_once_uncounted(store_url: str) -> None:
+    """A released lease's trajectories are ready again at once (the next take is no
+    redelivery), its ack is a 404; releasing an acknowledged or unknown lease does nothing."""
+    async with opened(store_url) as store:
+        for sid in ("a", "b"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 300}
+        lease = await store.take(2, **kw)
+        assert await store.release(lease.lease_id) == 2
+        assert (await store.queue_stats())["ready"] == 2
+        with pytest.raises(LeaseNotFound):
+            await store.ack(lease.lease_id)
+        again = await store.take(2, **kw)
+        assert {t.session.session_id for t in again.trajectories} == {"a", "b"} and again.redelivered == 0
+        assert (await store.ack(again.lease_id)).acked == 2
+        assert await store.release(again.lease_id) == 0 and await store.release("0" * 32) == 0
+        assert await store.queue_stats() == {"ready": 0, "pending": 0, "held_back": 0, "leases": 0}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.router.conftest import KEYS
+from tests.support.proxy import TcpProxy
 from trainer.client import AsyncRolloutClient, RolloutClient, RouterError
 
 
@@ -43,10 +44,14 @@ def test_sync_client_round_trip(router) -> None:
         assert batch.trainer_version is not None
         ages = batch.trainer_version - batch.versions[rows]
         assert batch.version_ages[rows].tolist() == [max(0, int(a)) for a in ages]
-        c.ack(batch.lease_id)
+        first = c.ack(batch.lease_id)
+        assert first["acked"] == len(batch.trajectories) and first["already_acked"] is False
+        again = c.ack(batch.lease_id)  # a retry: the first acknowledgement's counts, no error
+        assert again == {**first, "already_acked": True}
+        never = "0" * 32
         with pytest.raises(RouterError) as err:
-            c.ack(batch.lease_id)
-        assert err.value.status == 404 and batch.lease_id in err.value.detail
+            c.ack(never)
+        assert err.value.status == 404 and never in err.value.detail
 
 
 def test_async_client_refusals_name_the_problem(router) -> None:
@@ -87,3 +92,35 @@ def test_a_repeated_finish_answers_as_the_first_and_a_different_one_is_refused_a
         assert [t["reward"] for t in mine] == [0.5]  # the first finish stays
         c.ack(batch.lease_id)
         assert c.finish(s.session_id, 0.5, metadata={"k": [1, 2]}) == first  # consumed: the same answer
+
+
+def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
+    """The router acknowledges the lease, its answer never reaches the trainer (the connection is
+    cut right after the router answered): the kit's retry gets the first acknowledgement back
+    (200, ``already_acked``) instead of a 404, and the trajectories count once."""
+    dropped: list[bytes] = []
+
+    def lose_first_ack_answer(direction: str, data: bytes, conn: dict) -> bytes | None:
+        if direction == "up" and b"/ack " in data:
+            conn["ack"] = True
+        elif direction == "down" and conn.get("ack") and not dropped:
+            dropped.append(data)
+            return None
+        return data
+
+    host, port = router.url.removeprefix("http://").split(":")
+    proxy = TcpProxy((host, int(port)), lose_first_ack_answer)
+    try:
+        with RolloutClient(router.url, KEYS["all"]) as direct:
+            s = direct.create_session(group="cpu-a")
+            direct.turn(s.session_id, [1, 2], {"max_new_tokens": 2, "seed": 1})
+            direct.finish(s.session_id, 1.0)
+            with RolloutClient(f"http://127.0.0.1:{proxy.port}", KEYS["all"], backoff_s=0.01) as c:
+                batch = c.take(64)
+                assert batch.lease_id is not None
+                answer = c.ack(batch.lease_id)
+            assert dropped and b" 200 " in dropped[0]  # the router did answer the first ack
+            assert answer["already_acked"] is True and answer["acked"] == len(batch.trajectories)
+            assert direct.queue_stats()["pending"] == 0
+    finally:
+        proxy.close()

@@ -294,6 +294,16 @@ def test_bad_arguments_are_named() -> None:
         policy_loss(logits, **{**ok, "advantages": torch.zeros(3)})
 
 
+def test_mismatch_k3_is_not_negative_when_p_equals_q_but_for_rounding() -> None:
+    """d = log p - log q of 2e-12, -3e-12, -1e-10 and log(1 +- 1e-12): e^d - 1 - d is about 5e-25
+    to 5e-21, which e^d - 1 - d in doubles gets as about -4e-17 for the first three."""
+    ds = [2e-12, -3e-12, -1e-10, math.log1p(1e-12), math.log1p(-1e-12)]
+    for d in ds:
+        m = mismatch(torch.tensor([d], dtype=torch.float64), torch.tensor([0.0], dtype=torch.float64))
+        want = d * d / 2 + d**3 / 6  # e^d - 1 - d to float64 precision at |d| <= 1e-10
+        assert m.k3_kl >= 0.0 and m.k3_kl == pytest.approx(want, rel=1e-3, abs=4 * math.ulp(d)), (d, m.k3_kl)
+
+
 def test_group_advantages_by_hand() -> None:
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 5.0]), torch.tensor([7, 7, 3, 3, 9]))
     # group 7: mean 0.5, std 0.5; group 3: constant; group 9: alone

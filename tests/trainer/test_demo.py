@@ -2,7 +2,9 @@
 chat through the router's OpenAI API; token for token: ``test_demo_chat.py``).
 
 * Against a fleet the test starts (``mixfleet up``, preset local: bf16, fp8 and nvfp4 groups; up
-  gives the router its base as the chat model) and passes with ``--router``: demo.json holds the
+  gives the router its base as the chat model) and passes with ``--router``, where another
+  publisher takes the next version while the demo warms up (the demo publishes the router's next
+  version, not the one after the latest it read at start): demo.json holds the
   SFT phase (its loss decreases) and one entry per update with rewards in [0, 1], its episodes'
   turns and no fork, and every metric per group; every published version was
   observed active in every group, and the router's weights status afterwards shows each
@@ -93,12 +95,26 @@ def test_demo_against_a_running_fleet(tmp_path: Path) -> None:
         assert groups == {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"}
         out = tmp_path / "out"
         argv = mixfleet_argv("demo", "--router", url, "--base", str(data / "base"), "--out", str(out), *SHORT)
-        done = subprocess.run(
-            argv, env={**_env(), "MIXFLEET_API_KEY": key}, capture_output=True, text=True, timeout=300
-        )
+        env = {**_env(), "MIXFLEET_API_KEY": key}
+        with subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as demo:
+            seen = []
+            for line in demo.stdout:  # the demo read the latest version; its SFT runs now
+                seen.append(line)
+                if "latest v" in line:
+                    break
+            latest = int(seen[-1].rsplit("latest v", 1)[1])
+            other = httpx.post(
+                url + "/v1/weights", json={"checkpoint": str(data / "base")}, headers=headers, timeout=30
+            )
+            assert other.status_code == 202 and other.json()["version"] == latest + 1, other.text
+            stdout, stderr = demo.communicate(timeout=300)
+        done = subprocess.CompletedProcess(argv, demo.returncode, "".join(seen) + stdout, stderr)
         assert done.returncode == 0, done.stdout + done.stderr
         record = json.loads((out / "demo.json").read_text())
         _check_record(record, groups)
+        assert record["first_version"] == latest + 2  # after the other publisher's
         assert (out / "demo.png").stat().st_size > 0
         report = json.loads((out / "report" / "report.json").read_text())
         assert isinstance(report, dict) and report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from core.errors import UserError
 from core.formats import FORMATS
 from tests.support.models import make_model_dir
 from validate import contract, converter
+from validate.reference import Forward
 from validate.run import read_prompts
+from validate.scoring import FixedPrefix, measure
 from validate.target import GroupTarget
 from validate.thresholds import RATIONALE, Bounds, bounds, table
 from weight_sync.convert import convert_checkpoint
@@ -121,3 +124,22 @@ def test_read_prompts(tmp_path) -> None:
             read_prompts(p)
     with pytest.raises(UserError, match="No such file"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_fixed_prefix_k3_is_not_negative_when_the_scores_agree_but_for_rounding() -> None:
+    """Level 4's mean k3 over sampled tokens whose group log-prob differs from the reference's by
+    d = 2e-12, -3e-12, -1e-10 (e^d - 1 - d in doubles: about -4e-17 each) is e^d - 1 - d
+    (d^2 / 2 + d^3 / 6 to float64 precision), never negative."""
+    ds = torch.tensor([2e-12, -3e-12, -1e-10], dtype=torch.float64)
+    seq = (0, 1, 2, 3)
+    logp = torch.log_softmax(
+        torch.tensor([[0.5, 1.0, 0.0, 0.1], [0.0, 0.3, 2.0, 0.4], [1.0, 0.0, 0.2, 0.7]], dtype=torch.float64),
+        1,
+    )
+    ref = Forward(logp, {})
+    group = logp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0] - ds  # d = ref - group
+    fp = FixedPrefix((seq,), (1,), (), {"r0": [group]}, (ref,))
+    got = measure(fp, top_p=1.0)["r0"]["k3_mean"]
+    d = (logp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0] - group).tolist()
+    want = sum(x * x / 2 + x**3 / 6 for x in d) / 3
+    assert got >= 0.0 and math.isclose(got, want, rel_tol=1e-3), (got, want)
