@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import scopes_for
+from router.chat.errors import api_error
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, run_chat
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -216,15 +217,11 @@ async def create_message(
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
     ctx = request.app.state.ctx
-    try:
-        chat = body.chat()
-        if body.stream:
-            items = await stream_chat(ctx, session_id, chat, idempotency_key)
-            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
-        result = await run_chat(ctx, session_id, chat, idempotency_key)
-    except ApiError as exc:
-        raise api_error(exc, "anthropic") from None
-    return JSONResponse(message(session_id, body, result))
+    chat = body.chat()
+    if body.stream:
+        items = await stream_chat(ctx, session_id, chat, idempotency_key)
+        return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+    return JSONResponse(message(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
 
 
 async def _sse(

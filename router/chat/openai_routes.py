@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
+from router.chat.errors import api_error
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, run_chat
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -182,15 +183,11 @@ async def chat_completions(
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
     ctx = request.app.state.ctx
-    try:
-        chat = body.chat()
-        if body.stream:
-            items = await stream_chat(ctx, session_id, chat, idempotency_key)
-            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
-        answer = completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key))
-    except ApiError as exc:
-        raise api_error(exc, "openai") from None
-    return JSONResponse(answer)
+    chat = body.chat()
+    if body.stream:
+        items = await stream_chat(ctx, session_id, chat, idempotency_key)
+        return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+    return JSONResponse(completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
 
 
 async def _sse(

@@ -37,7 +37,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pydantic
@@ -255,28 +255,3 @@ def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[in
         where = ".".join(str(x) for x in err.get("loc", ())) or "request"
         names = {"max_new_tokens": "max_tokens"}
         raise ApiError(400, f"{names.get(where, where)}: {err.get('msg')}") from None
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    502: "api_error",
-    503: "overloaded_error",
-}
-
-
-def api_error(exc: ApiError, api: Literal["openai", "anthropic"]) -> ApiError:
-    """``exc`` with its body also in the API's own error shape (``error.message`` and
-    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read. A 422
-    (a request the router or its engine refuses: a context longer than the model's, a malformed
-    ``Idempotency-Key``) is that API's 400 ``invalid_request_error``, as both APIs answer an invalid
-    request (the clients raise ``BadRequestError``)."""
-    error = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "api_error")}
-    fields = {**exc.fields, "error": error} | ({"type": "error"} if api == "anthropic" else {})
-    status = 400 if exc.status == 422 else exc.status
-    return ApiError(status, exc.message, retry_after=exc.retry_after, fields=fields)

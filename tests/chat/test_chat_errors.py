@@ -1,0 +1,141 @@
+"""Every answer a chat URL can give is in its API's error shape, as the official clients read it
+(:mod:`router.chat.errors`): an unknown path or method under a chat prefix, an unreachable state
+store, a context longer than the model's (``context_length_exceeded``)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from router.chat import anthropic_routes, openai_routes
+from router.chat.errors import chat_api
+from tests.support.procs import redis_server
+from tests.support.router import router_process, write_preset
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def _openai(router, session) -> openai.OpenAI:
+    return openai.OpenAI(base_url=session["openai_base_url"], api_key=router.key, max_retries=0)
+
+
+def _anthropic(router, session) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key, max_retries=0)
+
+
+def _openai_shape(body, kind: str = "invalid_request_error") -> None:
+    """``body``: what the openai client passes its exception (the ``error`` object)."""
+    assert set(body) >= {"message", "type", "param", "code"} and body["type"] == kind, body
+
+
+def _anthropic_shape(body, kind: str) -> None:
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+
+
+def test_chat_api_is_the_routers_prefixes() -> None:
+    for router, api in ((openai_routes.router, "openai"), (anthropic_routes.router, "anthropic")):
+        prefix = router.prefix.replace("{session_id}", "s1")
+        assert chat_api(prefix) == api and chat_api(prefix + "/x/y") == api
+    assert chat_api("/v1/sessions/s1/turns") is None and chat_api("/v1/sessions/s1/openai/v2") is None
+
+
+def test_unknown_paths_and_methods_answer_in_the_apis_shape(router, session):
+    oc, ac = _openai(router, session), _anthropic(router, session)
+    with pytest.raises(openai.NotFoundError) as info:
+        oc.embeddings.create(model="m", input="x")
+    _openai_shape(info.value.body)
+    with pytest.raises(openai.NotFoundError) as info:
+        oc.models.list()
+    _openai_shape(info.value.body)
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        ac.messages.count_tokens(model="m", messages=USER)
+    _anthropic_shape(refused.value.body, "not_found_error")
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        ac.models.list()
+    _anthropic_shape(refused.value.body, "not_found_error")
+    base = f"{router.url}/v1/sessions/{session['session_id']}"
+    r = httpx.post(f"{base}/anthropic/v1/complete", headers=router.headers, json={}, timeout=30)
+    assert r.status_code == 404, r.text
+    _anthropic_shape(r.json(), "not_found_error")
+    r = httpx.get(f"{base}/openai/v1/chat/completions", headers=router.headers, timeout=30)
+    assert r.status_code == 405, r.text
+    _openai_shape(r.json()["error"])
+    r = httpx.get(f"{base}/anthropic/v1/messages", headers=router.headers, timeout=30)
+    assert r.status_code == 405, r.text
+    _anthropic_shape(r.json(), "invalid_request_error")
+    r = httpx.get(f"{base}/nothing", headers=router.headers, timeout=30)  # not a chat URL: FastAPI's
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}, r.text
+
+
+def test_a_context_longer_than_the_models_is_context_length_exceeded(router, session):
+    oc, ac = _openai(router, session), _anthropic(router, session)
+    long = [{"role": "user", "content": "x" * 5000}]  # the tiny model's context is 2,048 tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        oc.chat.completions.create(model="m", messages=long, max_tokens=4)
+    e = info.value
+    assert e.code == "context_length_exceeded" and e.param == "messages" and e.type == "invalid_request_error"
+    assert e.body["message"].startswith("This model's maximum context length is 2048 tokens. However, your ")
+    with pytest.raises(openai.BadRequestError) as info:
+        oc.chat.completions.create(model="m", messages=USER, max_completion_tokens=3000)
+    e = info.value
+    assert e.code == "context_length_exceeded", e.body
+    want = "However, you requested 3021 tokens (21 in the messages, 3000 in the completion)"
+    assert want in e.body["message"], e.body
+    with pytest.raises(openai.BadRequestError) as info:  # streamed: refused before its first token
+        oc.chat.completions.create(model="m", messages=long, max_tokens=4, stream=True)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        ac.messages.create(model="m", messages=long, max_tokens=4)
+    _anthropic_shape(refused.value.body, "invalid_request_error")
+    assert refused.value.body["error"]["message"] == "prompt is too long: 5019 tokens > 2048 maximum"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        ac.messages.create(model="m", messages=USER, max_tokens=3000)
+    message = refused.value.body["error"]["message"]
+    assert message.startswith("input length and `max_tokens` exceed context limit: 21 + 3000 > 2048"), message
+
+
+@pytest.mark.slow
+def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path):
+    """Redis stops under a live router: both chat APIs answer 503 with ``Retry-After`` in their
+    shape (Anthropic: ``overloaded_error``) once the store's calls give up (20 s)."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [engine.url]}])
+    with contextlib.ExitStack() as stack:
+        down = contextlib.ExitStack()
+        stack.callback(down.close)
+        url = down.enter_context(redis_server())
+        router = stack.enter_context(
+            router_process(preset, state=url, extra_args=("--chat-model", str(chat_model)))
+        )
+        r = httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30)
+        session = r.json()
+        down.close()
+        errors: dict[str, Exception] = {}
+
+        def call(name, fn) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - the test reads what each client raised
+                errors[name] = exc
+
+        calls = {
+            "openai": lambda: _openai(router, session).chat.completions.create(model="m", messages=USER),
+            "anthropic": lambda: _anthropic(router, session).messages.create(
+                model="m", max_tokens=4, messages=USER
+            ),
+        }
+        threads = [threading.Thread(target=call, args=item) for item in calls.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    o, a = errors["openai"], errors["anthropic"]
+    assert isinstance(o, openai.InternalServerError) and o.status_code == 503, o
+    _openai_shape(o.body, "server_error")
+    assert "state store unavailable" in o.body["message"] and o.response.headers["retry-after"] == "1"
+    assert isinstance(a, anthropic.ServiceUnavailableError), a
+    _anthropic_shape(a.body, "overloaded_error")
