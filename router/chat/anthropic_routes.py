@@ -4,9 +4,10 @@
 
 Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assistant messages,
 text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, single-token ``stop_sequences``, ``usage``,
-``stream``. Anything else that would change the answer (images, ``is_error`` tool results, a
-thinking budget, forced tool choice, ``disable_parallel_tool_use``: a sampled answer may hold
+``max_tokens`` (at least 1), ``temperature`` (0..1, Anthropic's range), ``top_p``, ``top_k``,
+single-token ``stop_sequences``, ``metadata``, ``usage``, ``stream``. Anything else that would
+change the answer (an image or document block, ``is_error`` tool results, a thinking budget, a
+``tool_choice`` other than ``auto``, ``disable_parallel_tool_use``: a sampled answer may hold
 several tool calls) is a 400 naming it. The sampled reasoning comes back as a
 ``thinking`` block (its ``signature`` is empty: nothing is signed).
 
@@ -29,7 +30,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from core.jsonio import dumps
 from router.auth import scopes_for
@@ -111,9 +113,27 @@ class ToolResultBlock(_M):
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
+_BLOCKS = ("text", "thinking", "tool_use", "tool_result")
+
+
 class InMessage(_M):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]  # an empty list: refused, as the API does
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, content: Any) -> Any:
+        """A block of another type (an image, a document) is refused by name, not as a mismatch
+        of every block type."""
+        for j, b in enumerate(content if isinstance(content, list) else ()):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if isinstance(kind, str) and kind not in _BLOCKS:
+                raise PydanticCustomError(
+                    "unsupported_block",
+                    "block {j} is {kind}, which is not supported (the chat model reads text)",
+                    {"j": j, "kind": repr(kind)},
+                )
+        return content
 
 
 class ToolIn(_M):
@@ -124,7 +144,8 @@ class ToolIn(_M):
 
 
 class ToolChoice(_M):
-    type: Literal["auto"]
+    type: str = Field(description="only auto: a sampled answer cannot be forced to call a tool")
+    name: str | None = None
     disable_parallel_tool_use: Literal[False] | None = Field(
         None, description="true is refused: a sampled answer may hold several tool calls"
     )
@@ -145,6 +166,12 @@ class MessagesRequest(_M):
     metadata: JsonObject | None = None
 
     def chat(self) -> ChatRequest:
+        if self.tool_choice is not None and self.tool_choice.type != "auto":
+            raise ApiError(
+                400,
+                f"tool_choice.type: only 'auto' can be honoured, not {self.tool_choice.type!r}: a sampled "
+                "answer cannot be forced to call a tool, or kept from calling one",
+            )
         messages: list[Message] = []
         if self.system:
             messages.append(Message("system", _text(self.system)))

@@ -139,3 +139,75 @@ def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path
     assert "state store unavailable" in o.body["message"] and o.response.headers["retry-after"] == "1"
     assert isinstance(a, anthropic.ServiceUnavailableError), a
     _anthropic_shape(a.body, "overloaded_error")
+
+
+def test_sampling_parameters_are_held_to_the_apis_ranges(router, session):
+    """OpenAI: temperature 0..2, top_p (0, 1], top_logprobs 0..20, max_(completion_)tokens >= 1,
+    n 1, stop up to 4 (openai ``types/chat/completion_create_params.py``); Anthropic: temperature
+    0..1. Each refusal is a 400 naming the parameter (OpenAI's ``param``)."""
+    oc, ac = _openai(router, session), _anthropic(router, session)
+    refused = {
+        "temperature": {"temperature": 2.5},
+        "top_p": {"top_p": 1.5},
+        "top_logprobs": {"logprobs": True, "top_logprobs": 21},
+        "max_tokens": {"max_tokens": 0},
+        "max_completion_tokens": {"max_completion_tokens": 0},
+        "n": {"n": 2},
+        "stop": {"stop": ["a", "b", "c", "d", "e"]},
+    }
+    for param, kw in refused.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            oc.chat.completions.create(model="m", messages=USER, **kw)
+        assert info.value.param == param and info.value.body["message"].startswith(f"{param}: "), (
+            info.value.body
+        )
+    ok = oc.chat.completions.create(
+        model="m", messages=USER, max_tokens=2, temperature=2.0, stop=["a", "b", "c", "d"], seed=1
+    )
+    assert ok.usage.completion_tokens <= 2
+    for temperature in (1.5, -0.5):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            ac.messages.create(
+                model="m", max_tokens=2, messages=USER, extra_body={"temperature": temperature}
+            )
+        assert info.value.body["error"]["message"].startswith("temperature: "), info.value.body
+
+
+def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
+    oc, ac = _openai(router, session), _anthropic(router, session)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    reply = oc.chat.completions.create(  # none of these changes the answer
+        model="m", messages=USER, max_tokens=2, metadata={"run": "1"}, response_format={"type": "text"}
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    refusals = [
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice: only 'auto' can be honoured"),
+        ({"tools": tools, "tool_choice": "none"}, "tool_choice: only 'auto' can be honoured"),
+        (
+            {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice: only 'auto' can be honoured",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format: only {'type': 'text'}"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]: a 'image_url' part is not supported",
+        ),
+    ]
+    for kw, message in refusals:
+        with pytest.raises(openai.BadRequestError) as info:
+            oc.chat.completions.create(**{"model": "m", "messages": USER, "max_tokens": 2, **kw})
+        assert info.value.body["message"].startswith(message), info.value.body
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    anthropic_tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    refusals = [
+        ({"tools": anthropic_tools, "tool_choice": {"type": "any"}}, "tool_choice.type: only 'auto'"),
+        ({"tools": anthropic_tools, "tool_choice": {"type": "tool", "name": "f"}}, "tool_choice.type: only"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]},
+            "messages.0.content: block 1 is 'image', which is not supported",
+        ),
+    ]
+    for kw, message in refusals:
+        with pytest.raises(anthropic.BadRequestError) as info:
+            ac.messages.create(**{"model": "m", "messages": USER, "max_tokens": 2, **kw})
+        assert info.value.body["error"]["message"].startswith(message), info.value.body

@@ -365,7 +365,7 @@ def test_refusals_name_the_problem(router, session):
         )
     assert (
         info.value.body["type"] == "invalid_request_error"
-        and "messages.0.content" in info.value.body["message"]
+        and "messages[0].content[0]: a 'image_url' part" in info.value.body["message"]
     )
     deep: dict = {}
     for _ in range(MAX_JSON_DEPTH):
