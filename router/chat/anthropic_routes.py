@@ -6,7 +6,8 @@ Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assis
 text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
 ``max_tokens`` (at least 1), ``temperature`` (0..1, Anthropic's range), ``top_p``, ``top_k``,
 single-token ``stop_sequences``, ``metadata``, ``usage``, ``stream``. Anything else that would
-change the answer (an image or document block, ``is_error`` tool results, a thinking budget, a
+change the answer (an image or document block, ``is_error`` tool results, a thinking budget
+(``thinking`` ``disabled`` is the template's no-thinking form: :class:`ThinkingConfig`), a
 ``tool_choice`` other than ``auto``, ``disable_parallel_tool_use``: a sampled answer may hold
 several tool calls) is a 400 naming it. The sampled reasoning comes back as a
 ``thinking`` block (its ``signature`` is empty: nothing is signed).
@@ -151,6 +152,20 @@ class ToolChoice(_M):
     )
 
 
+class ThinkingConfig(_M):
+    """Anthropic's ``thinking`` (anthropic 2.15 ``types/thinking_config_param.py``; which types a
+    model takes, and what omitting it means, "depend on the model"). ``disabled``
+    (``ThinkingConfigDisabledParam``): the template's no-thinking form
+    (:meth:`~router.chat.renderers.base.Renderer.without_thinking`; a 400 naming it when the
+    template has none: the model would reason all the same). ``adaptive`` ("Claude decides when and
+    how much to think") and no ``thinking``: the template's default, in which the model decides.
+    ``enabled`` is refused: its ``budget_tokens`` cannot be held to."""
+
+    type: str
+    budget_tokens: int | None = None
+    display: Literal["summarized"] | None = Field(None, description="omitted is refused: nothing is signed")
+
+
 class MessagesRequest(_M):
     model: str = ""
     max_tokens: int = Field(ge=1)
@@ -164,8 +179,16 @@ class MessagesRequest(_M):
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     metadata: JsonObject | None = None
+    thinking: ThinkingConfig | None = None
 
     def chat(self) -> ChatRequest:
+        if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
+            raise ApiError(
+                400,
+                f"thinking.type: {self.thinking.type!r} cannot be honoured (a thinking budget cannot be held "
+                "to); 'disabled' renders the template's no-thinking form, 'adaptive' or no thinking its "
+                "default",
+            )
         if self.tool_choice is not None and self.tool_choice.type != "auto":
             raise ApiError(
                 400,
@@ -185,6 +208,9 @@ class MessagesRequest(_M):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=tuple(self.stop_sequences or ()),
+            no_thinking="thinking.type"
+            if self.thinking is not None and self.thinking.type == "disabled"
+            else None,
         )
 
 

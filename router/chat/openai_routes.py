@@ -5,7 +5,9 @@ and a ``rollout`` key).
 Supported: text messages (system/developer, user, assistant with ``tool_calls`` and an optional
 ``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
 ``max_completion_tokens`` (the latter wins), ``temperature``, ``top_p``, ``seed``, single-token
-``stop``, ``logprobs`` / ``top_logprobs``, ``response_format`` ``text``, ``metadata``, ``usage``
+``stop``, ``logprobs`` / ``top_logprobs``, ``response_format`` ``text``, ``metadata``,
+``reasoning_effort`` ``none`` (the template's no-thinking form, as Anthropic's ``thinking``
+``disabled``: :meth:`~router.chat.renderers.base.Renderer.without_thinking`), ``usage``
 and ``stream`` (with ``stream_options.include_usage``), each in OpenAI's range
 (:class:`ChatCompletionRequest`). Anything else that would change the answer is a 400 naming it
 (an image part, ``n`` other than 1, a forced or forbidden ``tool_choice``, a JSON
@@ -148,6 +150,9 @@ class ChatCompletionRequest(_M):
     presence_penalty: Literal[0] | None = None
     response_format: ResponseFormat | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    reasoning_effort: str | None = Field(
+        None, description="none: the template's no-thinking form; another effort is refused"
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -169,6 +174,12 @@ class ChatCompletionRequest(_M):
             raise ApiError(400, "top_logprobs: requires logprobs true")
         if self.top_logprobs and self.temperature != 0 and (self.top_p is None or self.top_p >= 1):
             raise ApiError(400, _NO_SUPPORT)
+        if self.reasoning_effort not in (None, "none"):
+            raise ApiError(
+                400,
+                f"reasoning_effort: {self.reasoning_effort!r} cannot be honoured; 'none' renders the "
+                "template's no-thinking form, no reasoning_effort its default",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stop) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences (as OpenAI takes), not {len(stop)}")
@@ -185,6 +196,7 @@ class ChatCompletionRequest(_M):
             stop=tuple(stop),
             seed=self.seed,
             supports=bool(self.logprobs and self.top_logprobs),
+            no_thinking="reasoning_effort" if self.reasoning_effort == "none" else None,
         )
 
 

@@ -80,11 +80,27 @@ def chat_renderer(config: RouterConfig) -> Renderer:
         raise ApiError(503, f"the chat model {config.chat_model} cannot be loaded: {exc}") from None
 
 
+def request_renderer(config: RouterConfig, req: ChatRequest) -> Renderer:
+    """The renderer of ``config``'s chat model in the form ``req`` asks for (``no_thinking``);
+    ApiError 400 naming what cannot be honoured."""
+    renderer = chat_renderer(config)
+    if req.no_thinking is None:
+        return renderer
+    try:
+        return renderer.without_thinking()
+    except RenderError as exc:
+        raise ApiError(400, f"{req.no_thinking}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """A chat turn in either API's terms. ``stop``: stop sequences (single tokens). ``supports``:
     the turn's records carry their sampling supports (OpenAI's ``top_logprobs`` are ranked from
-    them; a turn's answer leaves them out otherwise, as ``/turns`` does)."""
+    them; a turn's answer leaves them out otherwise, as ``/turns`` does). ``no_thinking``: the
+    request's parameter that turned thinking off (Anthropic's ``thinking.type``, OpenAI's
+    ``reasoning_effort``): the context ends with the template's no-thinking form of the generation
+    prompt (:meth:`~router.chat.renderers.base.Renderer.without_thinking`; a 400 naming the
+    parameter when it has none); None: the template's default."""
 
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
@@ -95,6 +111,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     supports: bool = False
+    no_thinking: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +165,7 @@ async def run_chat(
     docstring); ``on_tokens`` gets the new ids of a turn this call samples as they are sampled.
     ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or finished
     session; the turn's own refusals as :func:`record_turn` raises them."""
-    renderer = chat_renderer(ctx.config)
+    renderer = request_renderer(ctx.config, req)
     stops = request_stops(renderer, req)
     if key is not None and (first := await recorded(ctx, session_id, key)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)

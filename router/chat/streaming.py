@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from router.chat.conversation import matched_stop
 from router.chat.renderers import Renderer
-from router.chat.service import ChatRequest, ChatResult, Head, chat_renderer, request_stops, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, request_renderer, request_stops, run_chat
 from router.context import RouterContext
 
 _REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequence to
@@ -135,7 +135,7 @@ async def stream_chat(
 ) -> AsyncIterator[Head | str | Tail]:
     """The items of the turn (module docstring), once its first token was sampled or it ended;
     raises the turn's ApiError when it failed before its first token."""
-    renderer = chat_renderer(ctx.config)
+    renderer = request_renderer(ctx.config, req)
     arrivals = _Arrivals()
     task = asyncio.ensure_future(run_chat(ctx, session_id, req, key, arrivals.put))
     try:

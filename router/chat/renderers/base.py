@@ -169,3 +169,10 @@ class Renderer(abc.ABC):
     @abc.abstractmethod
     def stop_token(self, text: str) -> int:
         """The id of a stop sequence; RenderError unless ``text`` is exactly one token."""
+
+    def without_thinking(self) -> Renderer:
+        """This renderer with the template's no-thinking form (a generation prompt after which the
+        model answers without reasoning); RenderError naming it when the family has none."""
+        raise RenderError(
+            f"thinking cannot be disabled: the {self.family} renderer has no no-thinking form of its template"
+        )
