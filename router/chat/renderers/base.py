@@ -131,6 +131,11 @@ class Renderer(abc.ABC):
     markup: tuple[str, ...] = ()
     """Texts that open reasoning or tool-call markup in the family's replies: a streamed reply's
     content is held back from the first (:mod:`router.chat.streaming`)."""
+    reasoning_end: str | None = None
+    """The text that closes the family's reasoning (None: it has none)."""
+    opens_reasoning: bool = False
+    """Whether the generation prompt itself opens the reasoning (a reply starts inside it, up to
+    :attr:`reasoning_end`)."""
 
     @abc.abstractmethod
     def head(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:
