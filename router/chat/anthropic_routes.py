@@ -117,6 +117,10 @@ Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Fi
 _BLOCKS = ("text", "thinking", "tool_use", "tool_result")
 
 
+def _items(value: Any) -> list[tuple[int, Any]]:
+    return list(enumerate(value)) if isinstance(value, list) else []
+
+
 class InMessage(_M):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]  # an empty list: refused, as the API does
@@ -128,12 +132,18 @@ class InMessage(_M):
         of every block type."""
         for j, b in enumerate(content if isinstance(content, list) else ()):
             kind = b.get("type") if isinstance(b, dict) else None
-            if isinstance(kind, str) and kind not in _BLOCKS:
-                raise PydanticCustomError(
-                    "unsupported_block",
-                    "block {j} is {kind}, which is not supported (the chat model reads text)",
-                    {"j": j, "kind": repr(kind)},
-                )
+            inner = b.get("content") if kind == "tool_result" else None
+            for where, part in [
+                (f"block {j}", b),
+                *((f"block {j}'s content[{k}]", x) for k, x in _items(inner)),
+            ]:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in _BLOCKS:
+                    raise PydanticCustomError(
+                        "unsupported_block",
+                        "{where} is {kind}, which is not supported (the chat model reads text)",
+                        {"where": where, "kind": repr(kind)},
+                    )
         return content
 
 

@@ -128,7 +128,8 @@ class ChatCompletionRequest(_M):
     """The parameters of OpenAI's ``completion_create_params.py`` (openai 3.57) that a turn can
     honour, in OpenAI's ranges: ``temperature`` 0..2, ``top_p`` (0, 1], ``top_logprobs`` 0..20,
     ``max_tokens`` / ``max_completion_tokens`` at least 1, ``stop`` up to 4 sequences, ``n`` 1,
-    ``metadata`` up to 16 string pairs (kept nowhere: it does not change the answer)."""
+    ``metadata`` up to 16 string pairs; ``store``, ``prompt_cache_key``, ``safety_identifier`` and
+    ``user`` are taken and kept nowhere (none changes the answer)."""
 
     model: str = ""
     messages: list[ChatMessage]
@@ -150,6 +151,9 @@ class ChatCompletionRequest(_M):
     presence_penalty: Literal[0] | None = None
     response_format: ResponseFormat | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     reasoning_effort: str | None = Field(
         None, description="none: the template's no-thinking form; another effort is refused"
     )

@@ -177,7 +177,15 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
     oc, ac = _openai(router, session), _anthropic(router, session)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     reply = oc.chat.completions.create(  # none of these changes the answer
-        model="m", messages=USER, max_tokens=2, metadata={"run": "1"}, response_format={"type": "text"}
+        model="m",
+        messages=USER,
+        max_tokens=2,
+        metadata={"run": "1"},
+        response_format={"type": "text"},
+        store=False,
+        prompt_cache_key="k",
+        safety_identifier="u",
+        user="u",
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
     refusals = [
@@ -205,6 +213,17 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]},
             "messages.0.content: block 1 is 'image', which is not supported",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": [image]}],
+                    }
+                ]
+            },
+            "messages.0.content: block 0's content[0] is 'image', which is not supported",
         ),
     ]
     for kw, message in refusals:
