@@ -168,6 +168,8 @@ class ChatCompletionRequest(_M):
                 f"tool_choice: only 'auto' can be honoured, not {self.tool_choice!r}: a sampled answer "
                 "cannot be forced to call a tool, or kept from calling one",
             )
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true (as OpenAI answers)")
         if self.response_format is not None and self.response_format.type != "text":
             raise ApiError(
                 400,

@@ -196,6 +196,7 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
             "tool_choice: only 'auto' can be honoured",
         ),
         ({"response_format": {"type": "json_object"}}, "response_format: only {'type': 'text'}"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: only allowed when stream is true"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0]: a 'image_url' part is not supported",
