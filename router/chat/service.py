@@ -172,7 +172,9 @@ async def run_chat(
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
     state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
     context = held[1] if state.context is None and held is not None else state.context or b""
-    chain = digests(renderer.family, req.tools, req.messages)
+    chain = digests(
+        f"{renderer.family}/{renderer.form}" if renderer.form else renderer.family, req.tools, req.messages
+    )
     try:
         known = resume(state, context, req.messages, chain)
         whole = known is None

@@ -51,3 +51,20 @@ def test_openai_reasoning_effort_none_is_the_no_thinking_form(router, engine, se
             model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, reasoning_effort="high"
         )
     assert info.value.param == "reasoning_effort"
+
+
+def test_switching_the_form_renders_the_conversation_whole(router, engine, session, renderer):
+    """A request in the other form than the session's last chat turn is not resumed from its
+    chat note: it renders the conversation whole, in its own form, as any router process would
+    without the note — so the earlier turn, sampled after the other generation prompt, is no
+    longer the context, and the turn is a fork, the same either way."""
+    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=router.key, max_retries=0)
+    kw = {"model": "m", "max_tokens": 4, "extra_body": {"temperature": 0.0}}
+    messages = [{"role": "user", "content": "Hi"}]
+    first = client.messages.create(messages=messages, thinking={"type": "disabled"}, **kw)
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "More"}]
+    second = client.messages.create(messages=messages, **kw)
+    assert second.mixfleet["extends"] is False
+    turns = trajectory(router, session["session_id"])
+    assert turns[1]["fork"] is not None
+    assert turns[1]["input_ids"][: len(turns[0]["input_ids"])] != turns[0]["input_ids"]  # default form

@@ -136,6 +136,10 @@ class Renderer(abc.ABC):
     opens_reasoning: bool = False
     """Whether the generation prompt itself opens the reasoning (a reply starts inside it, up to
     :attr:`reasoning_end`)."""
+    form: str = ""
+    """Which form of the template the renderer renders: ``""`` its default, ``"no-thinking"``
+    (:meth:`without_thinking`). A chat note is only resumed in the form it was written in
+    (:func:`router.chat.conversation.digests`)."""
 
     @abc.abstractmethod
     def head(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:

@@ -103,6 +103,7 @@ class TemplateRenderer(Renderer):
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._kwargs = dict(template_kwargs or {})
+        self.form = "no-thinking" if self._kwargs.get("enable_thinking") is False else ""
         self._template = template_environment().from_string(template)
         self._tok = tokenizer
         ids = [tokenizer.token_to_id(t) for t in stop_texts]
