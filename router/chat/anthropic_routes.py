@@ -148,10 +148,15 @@ class InMessage(_M):
 
 
 class ToolIn(_M):
+    """A client tool as anthropic 2.15 ``types/tool_param.py`` sends it (``type`` ``custom`` or
+    none; ``strict`` taken, the schema is not enforced on sampling either way)."""
+
+    type: Literal["custom"] | None = None
     name: str
     description: str = ""
     input_schema: JsonObject
     cache_control: JsonObject | None = None
+    strict: bool | None = None
 
 
 class ToolChoice(_M):

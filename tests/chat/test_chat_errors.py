@@ -206,6 +206,8 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
         with pytest.raises(openai.BadRequestError) as info:
             oc.chat.completions.create(**{"model": "m", "messages": USER, "max_tokens": 2, **kw})
         assert info.value.body["message"].startswith(message), info.value.body
+    typed = [{"type": "custom", "name": "f", "input_schema": {"type": "object"}, "strict": True}]
+    assert ac.messages.create(model="m", messages=USER, max_tokens=2, tools=typed).usage.output_tokens <= 2
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     anthropic_tools = [{"name": "f", "input_schema": {"type": "object"}}]
     refusals = [
