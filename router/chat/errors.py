@@ -15,8 +15,8 @@ official clients read:
   reads its ``code``, ``param`` and ``type``). ``type`` is ``invalid_request_error`` for a 4xx,
   ``server_error`` for a 5xx; ``code`` ``invalid_api_key`` for a 401 and
   ``context_length_exceeded`` for a context longer than the model's (what harnesses match to
-  compact a conversation); ``param`` the field the message names first (every router refusal
-  starts with it: ``temperature: ...``).
+  compact a conversation); ``param``, on a 400, the field the message names first (a refusal
+  of a request's field starts with it: ``temperature: ...``).
 - Anthropic: ``{"type": "error", "error": {"type", "message"}}`` (anthropic 2.15
   ``types/shared/error_response.py``; the types are ``types/shared/error_type.py``'s, per status as
   Anthropic's errors page lists them: 400 ``invalid_request_error`` — also for "other 4XX status
@@ -125,7 +125,7 @@ def api_error(exc: ApiError, api: Api) -> ChatError:
     overflow = ContextOverflow.of(message) if status == 400 else None
     if overflow is not None:
         message, param, code = overflow.message(api), "messages", "context_length_exceeded"
-    elif m := _PARAM.match(message):
+    elif status == 400 and (m := _PARAM.match(message)):
         param = m[1]
     if api == "openai":
         kind = "server_error" if status >= 500 else "invalid_request_error"

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from router.chat import anthropic_routes, openai_routes
-from router.chat.errors import chat_api
+from router.chat.errors import api_error, chat_api
+from router.errors import ApiError
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 
@@ -42,6 +43,39 @@ def test_chat_api_is_the_routers_prefixes() -> None:
         prefix = router.prefix.replace("{session_id}", "s1")
         assert chat_api(prefix) == api and chat_api(prefix + "/x/y") == api
     assert chat_api("/v1/sessions/s1/turns") is None and chat_api("/v1/sessions/s1/openai/v2") is None
+
+
+def test_api_error_shapes() -> None:
+    """The statuses a chat URL can answer, in each API's shape: a state conflict (409: Anthropic's
+    ``conflict_error``), the param only of a 400, SGLang's two context refusals reworded."""
+    conflict = ApiError(409, "SessionFinished: s1")
+    assert api_error(conflict, "openai").body()["error"] == {
+        "message": "SessionFinished: s1",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    assert api_error(conflict, "anthropic").body()["error"]["type"] == "conflict_error"
+    assert api_error(ApiError(500, "x"), "openai").body()["error"]["type"] == "server_error"
+    assert api_error(ApiError(502, "x"), "anthropic").body()["error"]["type"] == "api_error"
+    engine = "engine refused the request: "
+    total = (
+        "Requested token count exceeds the model's maximum context length of 40960 tokens. You requested "
+        "a total of 41000 tokens: 40000 tokens from the input messages and 1000 tokens for the completion. "
+        "Please reduce the number of tokens in the input messages or the completion to fit within the limit."
+    )
+    refused = api_error(ApiError(422, engine + total), "openai")
+    assert refused.status == 400 and refused.body()["error"]["code"] == "context_length_exceeded"
+    assert refused.body()["error"]["message"] == (
+        "This model's maximum context length is 40960 tokens. However, you requested 41000 tokens "
+        "(40000 in the messages, 1000 in the completion). Please reduce the length of the messages or "
+        "completion."
+    )
+    longer = engine + "The input (50000 tokens) is longer than the model's context length (40960 tokens)."
+    assert api_error(ApiError(422, longer), "anthropic").body()["error"] == {
+        "type": "invalid_request_error",
+        "message": "prompt is too long: 50000 tokens > 40960 maximum",
+    }
 
 
 def test_unknown_paths_and_methods_answer_in_the_apis_shape(router, session):
