@@ -24,14 +24,15 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import (
@@ -44,7 +45,7 @@ from router import (
 )
 from router.body import SCOPE_KEY, BodyLimit, declared_size
 from router.chat import anthropic_routes, openai_routes
-from router.chat.service import api_error
+from router.chat.errors import api_error, chat_api
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
@@ -186,58 +187,59 @@ def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) ->
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every refusal as JSON: an :class:`ApiError` as it says, an unreachable state store 503 with
-    ``Retry-After``, a state conflict 409, a malformed request 422 naming its fields. On the chat
-    routes a refusal also carries the API's own error shape (:func:`router.chat.service.api_error`,
-    what the official clients read), and a malformed request is that API's 400."""
+    ``Retry-After``, a state conflict 409, a malformed request 422 naming its fields. Under a chat
+    API's URL prefix (a route of it or not: an unknown path, a method it does not take) every
+    answer also carries that API's own error shape (:mod:`router.chat.errors`, what the official
+    clients read), a malformed request is that API's 400, and an unexpected failure a 500 in that
+    shape."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        api = _chat_api(request)
-        if api is not None and "error" not in exc.fields:
-            exc = api_error(exc, api)
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else {}
-        if api is not None and exc.status == 409:
-            # the official clients retry a 409 (a lock timeout on their APIs: openai and anthropic
-            # _base_client.py _should_retry) unless told not to; a chat 409 is a session that takes
-            # no more turns
-            headers["x-should-retry"] = "false"
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
+        return _refusal(request, exc)
 
-    @app.exception_handler(HTTPException)
+    @app.exception_handler(HTTPException)  # Starlette's: FastAPI's and the router's own 404 / 405
     async def _http_error(request: Request, exc: HTTPException) -> Response:
-        api = _chat_api(request)
-        if api is None:
+        if chat_api(request.url.path) is None:
             return await http_exception_handler(request, exc)
-        refusal = api_error(ApiError(exc.status_code, str(exc.detail)), api)
-        return JSONResponse(refusal.body(), status_code=refusal.status, headers=exc.headers)
+        return _refusal(request, ApiError(exc.status_code, str(exc.detail)), exc.headers)
 
     @app.exception_handler(StateUnavailable)
-    async def _state_down(_: Request, exc: StateUnavailable) -> JSONResponse:
-        return JSONResponse(
-            {"detail": f"state store unavailable: {exc}"}, status_code=503, headers={"Retry-After": "1"}
-        )
+    async def _state_down(request: Request, exc: StateUnavailable) -> JSONResponse:
+        return _refusal(request, ApiError(503, f"state store unavailable: {exc}", retry_after=1))
 
     @app.exception_handler(StateError)
-    async def _state_error(_: Request, exc: StateError) -> JSONResponse:
-        return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=409)
+    async def _state_error(request: Request, exc: StateError) -> JSONResponse:
+        return _refusal(request, ApiError(409, f"{type(exc).__name__}: {exc}"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, errors = _validation_detail(exc)
-        api = _chat_api(request)
-        if api is not None:
-            return JSONResponse(api_error(ApiError(400, message, fields={"errors": errors}), api).body(), 400)
-        return JSONResponse({"detail": message, "errors": errors}, status_code=422)
+        return _refusal(request, ApiError(422, message, fields={"errors": errors}))
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, exc: Exception) -> Response:
+        """An unexpected failure (Starlette's ServerErrorMiddleware calls this, then re-raises
+        ``exc`` to be logged): a chat API's 500 in its shape, else Starlette's plain text."""
+        if chat_api(request.url.path) is None:
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        return _refusal(request, ApiError(500, f"internal error of the router: {type(exc).__name__}"))
 
 
-def _chat_api(request: Request) -> Literal["openai", "anthropic"] | None:
-    """The chat API whose route answers ``request`` (the route Starlette matched), if any."""
-    path = getattr(request.scope.get("route"), "path", "")
-    if path.startswith(openai_routes.router.prefix):
-        return "openai"
-    if path.startswith(anthropic_routes.router.prefix):
-        return "anthropic"
-    return None
+def _refusal(request: Request, exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The one answer of a refusal: its body (in the chat API's shape under a chat URL), status,
+    ``Retry-After`` and ``headers``; a chat 409 also tells the official clients not to retry it."""
+    api = chat_api(request.url.path)
+    if api is not None:
+        exc = api_error(exc, api)
+    out = dict(headers or {})
+    if exc.retry_after:
+        out["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if api is not None and exc.status == 409:
+        # the official clients retry a 409 (a lock timeout on their APIs: openai and anthropic
+        # _base_client.py _should_retry) unless told not to; a chat 409 is a session that takes
+        # no more turns
+        out["x-should-retry"] = "false"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=out or None)
 
 
 def _add_ops_routes(app: FastAPI, ctx: RouterContext) -> None:

@@ -4,9 +4,11 @@
 
 Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assistant messages,
 text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, single-token ``stop_sequences``, ``usage``,
-``stream``. Anything else that would change the answer (images, ``is_error`` tool results, a
-thinking budget, forced tool choice, ``disable_parallel_tool_use``: a sampled answer may hold
+``max_tokens`` (at least 1), ``temperature`` (0..1, Anthropic's range), ``top_p``, ``top_k``,
+single-token ``stop_sequences``, ``metadata``, ``usage``, ``stream``. Anything else that would
+change the answer (an image or document block, ``is_error`` tool results, a thinking budget
+(``thinking`` ``disabled`` is the template's no-thinking form: :class:`ThinkingConfig`), a
+``tool_choice`` other than ``auto``, ``disable_parallel_tool_use``: a sampled answer may hold
 several tool calls) is a 400 naming it. The sampled reasoning comes back as a
 ``thinking`` block (its ``signature`` is empty: nothing is signed).
 
@@ -29,12 +31,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from core.jsonio import dumps
 from router.auth import scopes_for
+from router.chat.errors import api_error
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, run_chat
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -110,23 +114,71 @@ class ToolResultBlock(_M):
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
+_BLOCKS = ("text", "thinking", "tool_use", "tool_result")
+
+
+def _items(value: Any) -> list[tuple[int, Any]]:
+    return list(enumerate(value)) if isinstance(value, list) else []
+
+
 class InMessage(_M):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]  # an empty list: refused, as the API does
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, content: Any) -> Any:
+        """A block of another type (an image, a document) is refused by name, not as a mismatch
+        of every block type."""
+        for j, b in enumerate(content if isinstance(content, list) else ()):
+            kind = b.get("type") if isinstance(b, dict) else None
+            inner = b.get("content") if kind == "tool_result" else None
+            for where, part in [
+                (f"block {j}", b),
+                *((f"block {j}'s content[{k}]", x) for k, x in _items(inner)),
+            ]:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in _BLOCKS:
+                    raise PydanticCustomError(
+                        "unsupported_block",
+                        "{where} is {kind}, which is not supported (the chat model reads text)",
+                        {"where": where, "kind": repr(kind)},
+                    )
+        return content
+
 
 class ToolIn(_M):
+    """A client tool as anthropic 2.15 ``types/tool_param.py`` sends it (``type`` ``custom`` or
+    none; ``strict`` taken, the schema is not enforced on sampling either way)."""
+
+    type: Literal["custom"] | None = None
     name: str
     description: str = ""
     input_schema: JsonObject
     cache_control: JsonObject | None = None
+    strict: bool | None = None
 
 
 class ToolChoice(_M):
-    type: Literal["auto"]
+    type: str = Field(description="only auto: a sampled answer cannot be forced to call a tool")
+    name: str | None = None
     disable_parallel_tool_use: Literal[False] | None = Field(
         None, description="true is refused: a sampled answer may hold several tool calls"
     )
+
+
+class ThinkingConfig(_M):
+    """Anthropic's ``thinking`` (anthropic 2.15 ``types/thinking_config_param.py``; which types a
+    model takes, and what omitting it means, "depend on the model"). ``disabled``
+    (``ThinkingConfigDisabledParam``): the template's no-thinking form
+    (:meth:`~router.chat.renderers.base.Renderer.without_thinking`; a 400 naming it when the
+    template has none: the model would reason all the same). ``adaptive`` ("Claude decides when and
+    how much to think") and no ``thinking``: the template's default, in which the model decides.
+    ``enabled`` is refused: its ``budget_tokens`` cannot be held to."""
+
+    type: str
+    budget_tokens: int | None = None
+    display: Literal["summarized"] | None = Field(None, description="omitted is refused: nothing is signed")
 
 
 class MessagesRequest(_M):
@@ -142,8 +194,22 @@ class MessagesRequest(_M):
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     metadata: JsonObject | None = None
+    thinking: ThinkingConfig | None = None
 
     def chat(self) -> ChatRequest:
+        if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
+            raise ApiError(
+                400,
+                f"thinking.type: {self.thinking.type!r} cannot be honoured (a thinking budget cannot be held "
+                "to); 'disabled' renders the template's no-thinking form, 'adaptive' or no thinking its "
+                "default",
+            )
+        if self.tool_choice is not None and self.tool_choice.type != "auto":
+            raise ApiError(
+                400,
+                f"tool_choice.type: only 'auto' can be honoured, not {self.tool_choice.type!r}: a sampled "
+                "answer cannot be forced to call a tool, or kept from calling one",
+            )
         messages: list[Message] = []
         if self.system:
             messages.append(Message("system", _text(self.system)))
@@ -157,6 +223,9 @@ class MessagesRequest(_M):
             top_p=self.top_p,
             top_k=self.top_k,
             stop=tuple(self.stop_sequences or ()),
+            no_thinking="thinking.type"
+            if self.thinking is not None and self.thinking.type == "disabled"
+            else None,
         )
 
 
@@ -216,15 +285,11 @@ async def create_message(
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
     ctx = request.app.state.ctx
-    try:
-        chat = body.chat()
-        if body.stream:
-            items = await stream_chat(ctx, session_id, chat, idempotency_key)
-            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
-        result = await run_chat(ctx, session_id, chat, idempotency_key)
-    except ApiError as exc:
-        raise api_error(exc, "anthropic") from None
-    return JSONResponse(message(session_id, body, result))
+    chat = body.chat()
+    if body.stream:
+        items = await stream_chat(ctx, session_id, chat, idempotency_key)
+        return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+    return JSONResponse(message(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
 
 
 async def _sse(

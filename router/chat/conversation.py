@@ -108,7 +108,9 @@ class Note:
 
 
 def digests(family: str, tools: Sequence[Tool], messages: Sequence[Message]) -> list[str]:
-    """Entry ``k``: a digest of the renderer ``family``, the ``tools`` and ``messages[:k]`` (every
+    """Entry ``k``: a digest of the renderer ``family`` (with its form, ``qwen3/no-thinking``: a
+    turn in one form is not resumed by a request in the other, which renders the conversation whole,
+    as :func:`from_trajectory` renders it), the ``tools`` and ``messages[:k]`` (every
     field of each, as orjson writes the dataclass: a message is all strings), for ``k`` in
     ``0 .. len(messages)``."""
     h = hashlib.blake2b(digest_size=16)

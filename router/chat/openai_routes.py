@@ -4,10 +4,15 @@ and a ``rollout`` key).
 
 Supported: text messages (system/developer, user, assistant with ``tool_calls`` and an optional
 ``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
-``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, single-token ``stop``,
-``logprobs`` / ``top_logprobs``, ``usage`` and ``stream`` (with ``stream_options.include_usage``).
-Anything else that would change the answer is a 400 naming it (``parallel_tool_calls: false``
-among it: a sampled answer may hold several tool calls). The reply carries
+``max_completion_tokens`` (the latter wins), ``temperature``, ``top_p``, ``seed``, single-token
+``stop``, ``logprobs`` / ``top_logprobs``, ``response_format`` ``text``, ``metadata``,
+``reasoning_effort`` ``none`` (the template's no-thinking form, as Anthropic's ``thinking``
+``disabled``: :meth:`~router.chat.renderers.base.Renderer.without_thinking`), ``usage``
+and ``stream`` (with ``stream_options.include_usage``), each in OpenAI's range
+(:class:`ChatCompletionRequest`). Anything else that would change the answer is a 400 naming it
+(an image part, ``n`` other than 1, a forced or forbidden ``tool_choice``, a JSON
+``response_format``, ``parallel_tool_calls: false``: a sampled answer may hold several tool
+calls). The reply carries
 ``reasoning_content`` (the sampled ``<think>`` text) and ``mixfleet`` (session, turn, whether it
 extended the recorded history).
 
@@ -33,8 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
+from router.chat.errors import api_error
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, api_error, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, run_chat
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -60,9 +66,13 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class TextPart(_M):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content: only ``text`` parts are rendered (another type, an image
+    or audio, is refused by name: :func:`_text`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(_M):
@@ -78,7 +88,7 @@ class ToolCallIn(_M):
 
 class ChatMessage(_M):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
@@ -106,35 +116,79 @@ class StreamOptions(_M):
     include_usage: bool = False
 
 
+MAX_STOP = 4
+"""OpenAI's most ``stop`` sequences (``completion_create_params.py``: "Up to 4 sequences")."""
+
+
+class ResponseFormat(_M):
+    type: str
+
+
 class ChatCompletionRequest(_M):
+    """The parameters of OpenAI's ``completion_create_params.py`` (openai 3.57) that a turn can
+    honour, in OpenAI's ranges: ``temperature`` 0..2, ``top_p`` (0, 1], ``top_logprobs`` 0..20,
+    ``max_tokens`` / ``max_completion_tokens`` at least 1, ``stop`` up to 4 sequences, ``n`` 1,
+    ``metadata`` up to 16 string pairs; ``store``, ``prompt_cache_key``, ``safety_identifier`` and
+    ``user`` are taken and kept nowhere (none changes the answer)."""
+
     model: str = ""
     messages: list[ChatMessage]
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["auto"] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: Literal[True] | None = Field(
         None, description="false is refused: a sampled answer may hold several tool calls"
     )
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] | None = None
+    n: Literal[1] | None = Field(None, description="one choice per request: a turn is one sample")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     frequency_penalty: Literal[0] | None = None
     presence_penalty: Literal[0] | None = None
+    response_format: ResponseFormat | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = Field(
+        None, description="none: the template's no-thinking form; another effort is refused"
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
 
     def chat(self) -> ChatRequest:
+        if self.tool_choice not in (None, "auto"):
+            raise ApiError(
+                400,
+                f"tool_choice: only 'auto' can be honoured, not {self.tool_choice!r}: a sampled answer "
+                "cannot be forced to call a tool, or kept from calling one",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true (as OpenAI answers)")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(
+                400,
+                f"response_format: only {{'type': 'text'}}, not {self.response_format.type!r}: sampling is "
+                "not constrained to a format",
+            )
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs true")
         if self.top_logprobs and self.temperature != 0 and (self.top_p is None or self.top_p >= 1):
             raise ApiError(400, _NO_SUPPORT)
+        if self.reasoning_effort not in (None, "none"):
+            raise ApiError(
+                400,
+                f"reasoning_effort: {self.reasoning_effort!r} cannot be honoured; 'none' renders the "
+                "template's no-thinking form, no reasoning_effort its default",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if len(stop) > MAX_STOP:
+            raise ApiError(400, f"stop: at most {MAX_STOP} sequences (as OpenAI takes), not {len(stop)}")
         return ChatRequest(
             messages=tuple(_message(i, m) for i, m in enumerate(self.messages)),
             tools=tuple(
@@ -148,13 +202,23 @@ class ChatCompletionRequest(_M):
             stop=tuple(stop),
             seed=self.seed,
             supports=bool(self.logprobs and self.top_logprobs),
+            no_thinking="reasoning_effort" if self.reasoning_effort == "none" else None,
         )
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def _text(i: int, content: str | list[ContentPart] | None) -> str:
+    """The text of message ``i``'s content; 400 naming a part that is not text."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(p.text for p in content)
+    for j, p in enumerate(content):
+        if p.type != "text":
+            raise ApiError(
+                400,
+                f"messages[{i}].content[{j}]: a {p.type!r} part is not supported (the chat model reads text)",
+            )
+        if p.text is None:
+            raise ApiError(400, f"messages[{i}].content[{j}].text: a text part needs its text")
+    return "".join(p.text or "" for p in content)
 
 
 def _message(i: int, m: ChatMessage) -> Message:
@@ -163,11 +227,11 @@ def _message(i: int, m: ChatMessage) -> Message:
     if m.role != "assistant" and (m.tool_calls or m.reasoning_content is not None):
         raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls or reasoning_content")
     if m.role == "tool":
-        return Message("tool", _text(m.content), tool_call_id=m.tool_call_id)
+        return Message("tool", _text(i, m.content), tool_call_id=m.tool_call_id)
     if m.role == "assistant":
         calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
-        return Message("assistant", _text(m.content), reasoning=m.reasoning_content, tool_calls=calls)
-    return Message("system" if m.role == "developer" else m.role, _text(m.content))
+        return Message("assistant", _text(i, m.content), reasoning=m.reasoning_content, tool_calls=calls)
+    return Message("system" if m.role == "developer" else m.role, _text(i, m.content))
 
 
 @router.post(
@@ -182,15 +246,11 @@ async def chat_completions(
     idempotency_key: Annotated[str | None, Header(alias=HEADER, description=KEY_DOC)] = None,
 ) -> Response:
     ctx = request.app.state.ctx
-    try:
-        chat = body.chat()
-        if body.stream:
-            items = await stream_chat(ctx, session_id, chat, idempotency_key)
-            return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
-        answer = completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key))
-    except ApiError as exc:
-        raise api_error(exc, "openai") from None
-    return JSONResponse(answer)
+    chat = body.chat()
+    if body.stream:
+        items = await stream_chat(ctx, session_id, chat, idempotency_key)
+        return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
+    return JSONResponse(completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
 
 
 async def _sse(

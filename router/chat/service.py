@@ -39,7 +39,7 @@ import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pydantic
@@ -82,11 +82,27 @@ def chat_renderer(config: RouterConfig) -> Renderer:
         raise ApiError(503, f"the chat model {config.chat_model} cannot be loaded: {exc}") from None
 
 
+def request_renderer(config: RouterConfig, req: ChatRequest) -> Renderer:
+    """The renderer of ``config``'s chat model in the form ``req`` asks for (``no_thinking``);
+    ApiError 400 naming what cannot be honoured."""
+    renderer = chat_renderer(config)
+    if req.no_thinking is None:
+        return renderer
+    try:
+        return renderer.without_thinking()
+    except RenderError as exc:
+        raise ApiError(400, f"{req.no_thinking}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """A chat turn in either API's terms. ``stop``: stop sequences (single tokens). ``supports``:
     the turn's records carry their sampling supports (OpenAI's ``top_logprobs`` are ranked from
-    them; a turn's answer leaves them out otherwise, as ``/turns`` does)."""
+    them; a turn's answer leaves them out otherwise, as ``/turns`` does). ``no_thinking``: the
+    request's parameter that turned thinking off (Anthropic's ``thinking.type``, OpenAI's
+    ``reasoning_effort``): the context ends with the template's no-thinking form of the generation
+    prompt (:meth:`~router.chat.renderers.base.Renderer.without_thinking`; a 400 naming the
+    parameter when it has none); None: the template's default."""
 
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
@@ -97,6 +113,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     supports: bool = False
+    no_thinking: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +167,7 @@ async def run_chat(
     docstring); ``on_tokens`` gets the new ids of a turn this call samples as they are sampled.
     ApiError 400 for what the renderer cannot represent, 404 / 409 for an unknown or finished
     session; the turn's own refusals as :func:`record_turn` raises them."""
-    renderer = chat_renderer(ctx.config)
+    renderer = request_renderer(ctx.config, req)
     stops = request_stops(renderer, req)
     digest = None if key is None else chat_digest(req)
     if key is not None and (first := await recorded(ctx, session_id, key, digest)) is not None:
@@ -158,7 +175,9 @@ async def run_chat(
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
     state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
     context = held[1] if state.context is None and held is not None else state.context or b""
-    chain = digests(renderer.family, req.tools, req.messages)
+    chain = digests(
+        f"{renderer.family}/{renderer.form}" if renderer.form else renderer.family, req.tools, req.messages
+    )
     try:
         known = resume(state, context, req.messages, chain)
         whole = known is None
@@ -267,28 +286,3 @@ def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[in
         where = ".".join(str(x) for x in err.get("loc", ())) or "request"
         names = {"max_new_tokens": "max_tokens"}
         raise ApiError(400, f"{names.get(where, where)}: {err.get('msg')}") from None
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    502: "api_error",
-    503: "overloaded_error",
-}
-
-
-def api_error(exc: ApiError, api: Literal["openai", "anthropic"]) -> ApiError:
-    """``exc`` with its body also in the API's own error shape (``error.message`` and
-    ``error.type``; Anthropic's adds ``"type": "error"``), which the official clients read. A 422
-    (a request the router or its engine refuses: a context longer than the model's, a malformed
-    ``Idempotency-Key``) is that API's 400 ``invalid_request_error``, as both APIs answer an invalid
-    request (the clients raise ``BadRequestError``)."""
-    error = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "api_error")}
-    fields = {**exc.fields, "error": error} | ({"type": "error"} if api == "anthropic" else {})
-    status = 400 if exc.status == 422 else exc.status
-    return ApiError(status, exc.message, retry_after=exc.retry_after, fields=fields)

@@ -14,7 +14,11 @@ the character is complete; a stop id, a stop sequence's too, shows nothing), cut
 markup text of the renderer's family (:attr:`~router.chat.renderers.Renderer.markup`: reasoning
 and tool-call openers) and short of a trailing piece that could still become one, without leading
 or trailing whitespace. From the first markup on nothing more shows while sampling; the tail then carries
-the parsed structure (reasoning, the rest of the content, tool calls).
+the parsed structure (reasoning, the rest of the content, tool calls). Text shown before markup is
+the start of the parsed content (the family's parser keeps text sampled before ``<think>`` as
+content), so the content streamed and the content answered without streaming are the same. After a
+generation prompt that opens the reasoning (:attr:`~router.chat.renderers.Renderer.opens_reasoning`)
+only the text after the reasoning's end is shown, by the same rules.
 
 Errors: before the first token, :func:`stream_chat` raises the turn's ApiError (the route answers
 it as a status); after it, the iterator raises it (the route ends the stream with an error event;
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 from router.chat.conversation import matched_stop
 from router.chat.renderers import Renderer
-from router.chat.service import ChatRequest, ChatResult, Head, chat_renderer, request_stops, run_chat
+from router.chat.service import ChatRequest, ChatResult, Head, request_renderer, request_stops, run_chat
 from router.context import RouterContext
 
 _REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequence to
@@ -92,8 +96,15 @@ class TextDeltas:
         return True
 
     def _visible(self) -> str:
-        """``text`` cut at the first markup (then frozen) or short of a possible one, stripped."""
+        """``text`` cut at the first markup (then frozen) or short of a possible one, stripped;
+        after a generation prompt that opens the reasoning, only the text after its end."""
         text, markup = self.text, self.renderer.markup
+        end = self.renderer.reasoning_end
+        if self.renderer.opens_reasoning and end is not None:
+            at = text.find(end)
+            if at < 0:
+                return ""
+            text = text[at + len(end) :]
         cuts = [i for i in (text.find(m) for m in markup) if i >= 0]
         if cuts:
             self.frozen = True
@@ -135,7 +146,7 @@ async def stream_chat(
 ) -> AsyncIterator[Head | str | Tail]:
     """The items of the turn (module docstring), once its first token was sampled or it ended;
     raises the turn's ApiError when it failed before its first token."""
-    renderer = chat_renderer(ctx.config)
+    renderer = request_renderer(ctx.config, req)
     arrivals = _Arrivals()
     task = asyncio.ensure_future(run_chat(ctx, session_id, req, key, arrivals.put))
     try:

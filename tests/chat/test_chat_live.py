@@ -365,7 +365,7 @@ def test_refusals_name_the_problem(router, session):
         )
     assert (
         info.value.body["type"] == "invalid_request_error"
-        and "messages.0.content" in info.value.body["message"]
+        and "messages[0].content[0]: a 'image_url' part" in info.value.body["message"]
     )
     deep: dict = {}
     for _ in range(MAX_JSON_DEPTH):
@@ -394,7 +394,7 @@ def test_refusals_name_the_problem(router, session):
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text  # not UTF-8
     ac = _anthropic(router, session)
     result = [{"type": "tool_result", "tool_use_id": "x", "content": "boom", "is_error": True}]
-    with pytest.raises(anthropic.BadRequestError, match="context length"):
+    with pytest.raises(anthropic.BadRequestError, match=r"exceed context limit: 21 \+ 5000 > 2048"):
         ac.messages.create(model="t", max_tokens=5000, messages=user)  # > the context
     with pytest.raises(anthropic.BadRequestError, match="is_error"):
         ac.messages.create(model="t", max_tokens=4, messages=[{"role": "user", "content": result}])

@@ -119,6 +119,37 @@ def test_anthropic_streams_an_incremental_engine_stream(router, paced, session, 
     assert len(a[0]["records"]) == len(b[0]["records"]) == len(a[0]["output_ids"])
 
 
+BEFORE_THINK = "Well, <think>\nLet me see.\n</think>\n\nIt is blue.<|im_end|>"
+
+
+def test_text_before_reasoning_is_content_streamed_or_not(router, paced, session, renderer):
+    """Text sampled before ``<think>`` streams as content before the markup comes; the reply
+    without streaming has the same content (that text, then the answer after ``</think>``), the same
+    reasoning, and the same stored turn — with both clients."""
+    kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0}
+    paced.script.append(renderer.encode(BEFORE_THINK))
+    chunks = list(_openai(router, session).chat.completions.create(stream=True, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    other = _new_session(router)
+    paced.script.append(renderer.encode(BEFORE_THINK))
+    plain = _openai(router, other).chat.completions.create(**kw).choices[0].message
+    assert streamed == plain.content == "Well, It is blue."
+    assert reasoning == plain.reasoning_content == "Let me see."
+    a, b = trajectory(router, session["session_id"]), trajectory(router, other["session_id"])
+    assert [(t["input_ids"], t["output_ids"]) for t in a] == [(t["input_ids"], t["output_ids"]) for t in b]
+    assert len(a) == 1 and len(a[0]["records"]) == len(b[0]["records"]) == len(a[0]["output_ids"])
+    ak = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "extra_body": {"temperature": 1.0}}
+    paced.script.append(renderer.encode(BEFORE_THINK))
+    with _anthropic(router, _new_session(router)).messages.stream(**ak) as stream:
+        final = stream.get_final_message()
+    paced.script.append(renderer.encode(BEFORE_THINK))
+    message = _anthropic(router, _new_session(router)).messages.create(**ak)
+    for m in (final, message):
+        assert "".join(b.text for b in m.content if b.type == "text") == "Well, It is blue."
+        assert [b.thinking for b in m.content if b.type == "thinking"] == ["Let me see."]
+
+
 def test_a_streamed_tool_call_is_parsed(router, paced, session, renderer):
     kw = {"model": "tiny", "messages": HELLO, "tools": OPENAI_TOOLS, "max_tokens": 200, "temperature": 1.0}
     paced.script.append(renderer.encode(CALL))

@@ -178,6 +178,32 @@ def test_a_reply_less_the_stop_sequence_that_ended_it_is_kept(renderer):
     assert reply_ids(renderer, [*out, renderer.stop_ids[0]], renderer.stop_ids[0])[-1] == renderer.stop_ids[0]
 
 
+def test_the_no_thinking_form(renderer, tmp_path):
+    """``without_thinking``: the generation prompt with Qwen3's empty think block
+    (``enable_thinking`` false), one conversation extending exactly in it, an edited assistant
+    message rendered after that prompt as the template writes the message; a template without
+    such a form is refused by name."""
+    plain = renderer.without_thinking()
+    assert plain is renderer.without_thinking() and plain.without_thinking() is plain
+    user = [Message("user", "Hi")]
+    head = build_context(plain, user, (), Known()).input_ids.tolist()
+    assert plain.decode(head) == renderer.decode(renderer.head(user, ())) + "<think>\n\n</think>\n\n"
+    out = _sample(plain, "Hello there.")
+    messages = [*user, Message("assistant", "Hello there."), Message("user", "More")]
+    ctx = build_context(plain, messages, (), Known(turns=[Sampled(head, out)]))
+    assert ctx.kept == 1 and ctx.input_ids.tolist()[: len(head) + len(out)] == head + out
+    edited = [*user, Message("assistant", "Edited."), Message("user", "More")]
+    text = plain.decode(build_context(plain, edited, (), Known()).input_ids.tolist())
+    assert text == plain.decode(head) + "Edited.<|im_end|>\n" + plain.decode(plain.body(edited[2:]))
+    template = QWEN3_TEMPLATE.replace("enable_thinking is defined and enable_thinking is false", "false")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "tokenizer.json").write_bytes(
+        _qwen3_dir(tmp_path / "q").joinpath("tokenizer.json").read_bytes()
+    )
+    with pytest.raises(RenderError, match="the chat template has no no-thinking form"):
+        load_renderer(tmp_path, "qwen3").without_thinking()
+
+
 def test_edited_history_does_not_extend(renderer):
     steps, turns = _conversation(renderer)
     messages = list(steps[2][0])

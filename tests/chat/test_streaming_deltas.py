@@ -5,10 +5,15 @@ held back, the same deltas whether the ids come one by one or all at once."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from router.chat.renderers import load_renderer
+from router.chat.renderers.template import read_chat_template
 from router.chat.streaming import TextDeltas
-from tests.chat.test_renderers import _sample, renderer  # noqa: F401 (the parametrized fixture)
+from tests.chat.test_renderers import _qwen3_dir, _sample, renderer  # noqa: F401 (the parametrized fixture)
+from weight_sync.base_model import write_tokenizer
 
 
 def _one_by_one(renderer, ids: list[int]) -> list[str]:  # noqa: F811
@@ -24,6 +29,8 @@ def _one_by_one(renderer, ids: list[int]) -> list[str]:  # noqa: F811
         ("a <b> c", "a <b> c"),  # a '<' that becomes no markup is shown once ruled out
         ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "Let me check."),
         ("<think>\nreasoning\n</think>\n\nThe answer.", ""),
+        ("Before <think>x</think> after", "Before"),  # the content starts with what was shown
+        ("An end </think> with no start", "An end"),  # no reasoning opened: all of it is content
     ],
 )
 def test_deltas_show_the_text_up_to_markup(renderer, text, shown):  # noqa: F811
@@ -36,13 +43,41 @@ def test_deltas_show_the_text_up_to_markup(renderer, text, shown):  # noqa: F811
     assert renderer.parse(ids).content.startswith(shown)  # the tail sends the rest
 
 
-def test_text_before_reasoning_markup_stays_shown(renderer):  # noqa: F811
-    """The docs' caveat: what was shown before the markup cannot be taken back; the tail then sends
-    the parsed content whole (``Tail.rest``)."""
+def test_text_before_reasoning_markup_is_content(renderer):  # noqa: F811
+    """What was shown before the markup cannot be taken back, so it is the reply's content streamed
+    or not: the parsed content starts with it and the tail sends the rest (``Tail.rest``)."""
     ids = _sample(renderer, "Before <think>x</think> after")
-    assert "".join(_one_by_one(renderer, ids)) == "Before"
+    shown = "".join(_one_by_one(renderer, ids))
+    assert shown == "Before"
     reply = renderer.parse(ids)
-    assert (reply.content, reply.reasoning) == ("after", "x")
+    assert (reply.content, reply.reasoning) == ("Before  after", "x")  # the sampled text less the block
+    assert shown + reply.content[len(shown) :] == reply.content
+
+
+def test_a_generation_prompt_that_opens_reasoning_shows_only_the_answer(renderer, tmp_path):  # noqa: F811
+    """With a template whose generation prompt opens ``<think>`` (Qwen3 thinking-2507 style), the
+    sampled reasoning before ``</think>`` shows nothing; the answer after it streams, and is the
+    parsed content."""
+    assert not renderer.opens_reasoning and not renderer.without_thinking().opens_reasoning
+    root = tmp_path / renderer.family
+    if renderer.family == "local":
+        root.mkdir()
+        write_tokenizer(root)
+    else:
+        _qwen3_dir(root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    opening = "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}{%- if false %}"
+    config["chat_template"] = read_chat_template(root).replace(
+        "{%- if add_generation_prompt %}", "{%- if add_generation_prompt %}" + opening
+    )
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    thinking = load_renderer(root, renderer.family)
+    assert thinking.opens_reasoning
+    ids = _sample(thinking, "Let me see.\n</think>\n\nIt is blue.")
+    deltas = _one_by_one(thinking, ids)
+    reply = thinking.parse(ids)
+    assert "".join(deltas) == reply.content == "It is blue." and reply.reasoning == "Let me see."
+    assert len(deltas) > 3  # the answer streams token by token
 
 
 def test_one_delta_per_token_of_plain_text(renderer):  # noqa: F811

@@ -131,6 +131,15 @@ class Renderer(abc.ABC):
     markup: tuple[str, ...] = ()
     """Texts that open reasoning or tool-call markup in the family's replies: a streamed reply's
     content is held back from the first (:mod:`router.chat.streaming`)."""
+    reasoning_end: str | None = None
+    """The text that closes the family's reasoning (None: it has none)."""
+    opens_reasoning: bool = False
+    """Whether the generation prompt itself opens the reasoning (a reply starts inside it, up to
+    :attr:`reasoning_end`)."""
+    form: str = ""
+    """Which form of the template the renderer renders: ``""`` its default, ``"no-thinking"``
+    (:meth:`without_thinking`). A chat note is only resumed in the form it was written in
+    (:func:`router.chat.conversation.digests`)."""
 
     @abc.abstractmethod
     def head(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:
@@ -169,3 +178,10 @@ class Renderer(abc.ABC):
     @abc.abstractmethod
     def stop_token(self, text: str) -> int:
         """The id of a stop sequence; RenderError unless ``text`` is exactly one token."""
+
+    def without_thinking(self) -> Renderer:
+        """This renderer with the template's no-thinking form (a generation prompt after which the
+        model answers without reasoning); RenderError naming it when the family has none."""
+        raise RenderError(
+            f"thinking cannot be disabled: the {self.family} renderer has no no-thinking form of its template"
+        )

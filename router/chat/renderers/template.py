@@ -16,7 +16,7 @@ whole render wherever the tokenizer splits at added tokens (every HF tokenizer d
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -95,7 +95,15 @@ class TemplateRenderer(Renderer):
     """Renders with ``template`` (HF jinja) and ``tokenizer``; ``stop_texts`` are the tokens that
     end an assistant turn (the first is the one the template writes)."""
 
-    def __init__(self, template: str, tokenizer: tokenizers.Tokenizer, stop_texts: Sequence[str]) -> None:
+    def __init__(
+        self,
+        template: str,
+        tokenizer: tokenizers.Tokenizer,
+        stop_texts: Sequence[str],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._kwargs = dict(template_kwargs or {})
+        self.form = "no-thinking" if self._kwargs.get("enable_thinking") is False else ""
         self._template = template_environment().from_string(template)
         self._tok = tokenizer
         ids = [tokenizer.token_to_id(t) for t in stop_texts]
@@ -107,6 +115,39 @@ class TemplateRenderer(Renderer):
         self._close_text = self._after_sentinel([], gp=False)
         self._added = {int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self._byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        self._no_thinking: TemplateRenderer | RenderError | None = None
+        if "enable_thinking" not in self._kwargs:
+            self._no_thinking = self._variant_without_thinking(template, tokenizer, stop_texts)
+
+    def _variant_without_thinking(
+        self, template: str, tokenizer: tokenizers.Tokenizer, stop_texts: Sequence[str]
+    ) -> TemplateRenderer | RenderError:
+        """:meth:`without_thinking`'s answer, built with the renderer."""
+        variant = type(self)(template, tokenizer, stop_texts, {**self._kwargs, "enable_thinking": False})
+        probe = [Message("user", _USER)]
+        try:
+            same = variant.render_text(probe, (), gp=True) == self.render_text(probe, (), gp=True)
+        except RenderError as exc:
+            return exc
+        if same:
+            return RenderError(
+                "thinking cannot be disabled: the chat template has no no-thinking form (it renders the "
+                "same generation prompt with enable_thinking false)"
+            )
+        return variant
+
+    def without_thinking(self) -> TemplateRenderer:
+        """The template rendered with ``enable_thinking=False``, the switch HF chat templates of
+        reasoning models take (Qwen3's: its generation prompt then holds an empty
+        ``<think>\n\n</think>\n\n``, so the model answers at once; transformers passes extra
+        ``apply_chat_template`` keyword arguments to the template the same way). RenderError when
+        the template renders the same generation prompt either way: it has no no-thinking form,
+        and a "disabled" that the model would not see cannot be honoured."""
+        if self._no_thinking is None:  # built with enable_thinking given: its own form
+            return self
+        if isinstance(self._no_thinking, RenderError):
+            raise self._no_thinking
+        return self._no_thinking
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, stop_texts: Sequence[str]) -> TemplateRenderer:
@@ -142,13 +183,23 @@ class TemplateRenderer(Renderer):
         return ids[0]
 
     # segments ---------------------------------------------------------------------------
-    def render_text(self, messages: Sequence[Message], tools: Sequence[Tool], gp: bool) -> str:
-        """The whole template render of ``messages`` (``gp``: with the generation prompt)."""
+    def render_text(
+        self, messages: Sequence[Message], tools: Sequence[Tool], gp: bool, *, default_form: bool = False
+    ) -> str:
+        """The whole template render of ``messages`` (``gp``: with the generation prompt), in this
+        renderer's form, or with ``default_form`` in the template's default one (no
+        ``enable_thinking`` given)."""
+        kwargs = (
+            {k: v for k, v in self._kwargs.items() if k != "enable_thinking"}
+            if default_form
+            else self._kwargs
+        )
         try:
             return self._template.render(
                 messages=[m.template_dict() for m in messages],
                 tools=[t.template_dict() for t in tools] or None,
                 add_generation_prompt=gp,
+                **kwargs,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise RenderError(f"the chat template refuses the messages: {exc}") from None
@@ -175,8 +226,11 @@ class TemplateRenderer(Renderer):
     def assistant(
         self, before: Sequence[Message], message: Message, after: Sequence[Message], tools: Sequence[Tool]
     ) -> list[int]:
-        prompt = self.render_text(before, tools, gp=True)
-        full = self.render_text([*before, message, *after], tools, gp=True)
+        # cut from the default form: a template writes an assistant message of the history the
+        # same way whatever its generation prompt (Qwen3's no-thinking one adds an empty think
+        # block only to the prompt), and the message follows the prompt of the form in use
+        prompt = self.render_text(before, tools, gp=True, default_form=True)
+        full = self.render_text([*before, message, *after], tools, gp=True, default_form=True)
         end = full.find(self._close_text, len(prompt))
         if not full.startswith(prompt) or end < 0:
             raise RenderError("the chat template does not render an edited assistant message in its place")
