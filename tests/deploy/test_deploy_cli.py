@@ -78,6 +78,17 @@ def _deploy(capsys, *args: str) -> tuple[int, list[str], list[str]]:
             "mixfleet deploy: error: group g: weight_format mxfp4 needs an architecture SGLang 0.5.23's "
             "mxfp4 loader takes (GptOssForCausalLM), not Qwen3MoeForCausalLM",
         ),
+        (
+            _group().replace('"g"', '"router"'),
+            None,
+            "mixfleet deploy: error: group router: the name 'router' is the app's router function's; "
+            "a group needs another name",
+        ),
+        (
+            _group().replace('"g"', '"publish"'),
+            None,
+            "mixfleet deploy: error: group publish: the name 'publish' is the app's publish function's;",
+        ),
         (_group(weight_format="int3"), None, "mixfleet deploy: error: "),
         (_group(min_replicas=3, max_replicas=1), None, "mixfleet deploy: error: "),
         (_group(buffer_replicas=5, max_replicas=2), None, "mixfleet deploy: error: "),
