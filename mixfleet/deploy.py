@@ -22,7 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-APP_FILE = Path(__file__).resolve().parent / "modal_app.py"
+
+def app_file() -> Path:
+    """The Modal app file ``modal deploy`` is given: ``deploy/modal_app.py`` where the ``deploy``
+    package is (found without importing the app, which would build it)."""
+    import deploy
+
+    return Path(deploy.__file__).resolve().parent / "modal_app.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,4 +100,4 @@ def run(args: argparse.Namespace) -> int:
         env[CHAT_MODEL_ENV] = chat_model
     if args.run:
         env["MIXFLEET_RUN"] = args.run
-    return subprocess.call([sys.executable, "-m", "modal", "deploy", str(APP_FILE)], env=env)
+    return subprocess.call([sys.executable, "-m", "modal", "deploy", str(app_file())], env=env)

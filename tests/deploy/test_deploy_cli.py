@@ -486,3 +486,29 @@ def test_the_chat_model_is_shown_and_checked_before_anything_is_contacted(capsys
         "mixfleet deploy: error: chat model './base-checkpoint': must be a directory on the weights "
         "Volume (under /weights/)"
     ]
+
+
+def test_deploy_hands_modal_the_app_file_with_the_preset(capsys, monkeypatch, tmp_path) -> None:
+    # Nothing is deployed: the modal deploy command is captured, then its file is loaded by modal's
+    # own CLI from another directory, as ``modal deploy`` loads it (``modal run FILE::FUNCTION
+    # --help`` imports the file by path and needs no token).
+    import sys
+
+    from mixfleet import deploy as deploy_cmd
+
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(deploy_cmd.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    assert main(["deploy", "--preset", "homogeneous", "--run", "r7"]) == 0
+    capsys.readouterr()
+    [(argv, env)] = calls
+    assert argv[:4] == [sys.executable, "-m", "modal", "deploy"]
+    app = Path(argv[4])
+    assert app.is_file() and app.samefile(Path(__file__).resolve().parents[2] / "deploy" / "modal_app.py")
+    assert env["MIXFLEET_PRESET"] == "homogeneous" and env["MIXFLEET_RUN"] == "r7"
+    env = {k: v for k, v in env.items() if k != "MIXFLEET_FLEET_JSON"}
+    done = subprocess.run(
+        [sys.executable, "-m", "modal", "run", f"{app}::publish", "--help"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--checkpoint TEXT" in done.stdout
