@@ -63,6 +63,7 @@ from deploy.plan import (
     CHAT_MODEL_ENV,
     DEFAULT_RUN,
     ENGINE_PORT,
+    FLEET_ENV,
     KEYS_SECRET,
     PROXY_KEY_ENV,
     PROXY_SECRET,
@@ -91,7 +92,6 @@ from weight_sync.store import StoreLocation
 from weight_sync.store.modal_volume import VOLUME_FS_VERSION, ModalVolumeStore
 
 PRESET_ENV = "MIXFLEET_PRESET"
-FLEET_ENV = "MIXFLEET_FLEET_JSON"
 STORE_ENV = "MIXFLEET_STORE"
 STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"  # router.publishing: the store is this Volume at MIXFLEET_STORE
 TASK_ID_ENV = "MODAL_TASK_ID"  # set by Modal in every container: "The ID of the container" (docs, env vars)

@@ -52,6 +52,9 @@ REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
 CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
 RUN_ENV = "MIXFLEET_RUN"
+# The fleet a container's app is built from (deploy/modal_app.py ships it); where it is set, it
+# takes the place of the preset.
+FLEET_ENV = "MIXFLEET_FLEET_JSON"
 DEFAULT_RUN = "main"
 # A replica's start: stage a version from the Volume, load it into SGLang, capture CUDA graphs.
 SERVER_STARTUP_TIMEOUT_S = 1800

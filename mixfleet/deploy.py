@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from core.errors import UserError
     from deploy.plan import (
         CHAT_MODEL_ENV,
+        FLEET_ENV,
         PresetRejected,
         chat_model_dir,
         chat_model_line,
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if image_warning:
         print(f"mixfleet deploy: warning: {image_warning}", file=sys.stderr)
     env = {**os.environ, "MIXFLEET_PRESET": _preset_arg(args.preset)}
+    env.pop(FLEET_ENV, None)  # else the app would be built from it, not from the preset checked here
     env.pop(CHAT_MODEL_ENV, None)
     if chat_model is not None:
         env[CHAT_MODEL_ENV] = chat_model

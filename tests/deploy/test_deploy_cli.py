@@ -496,6 +496,8 @@ def test_deploy_hands_modal_the_app_file_with_the_preset(capsys, monkeypatch, tm
 
     from mixfleet import deploy as deploy_cmd
 
+    # a fleet left in the environment would be deployed in place of the preset checked
+    monkeypatch.setenv(deploy_plan.FLEET_ENV, load_preset("mixed").model_dump_json())
     calls: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(deploy_cmd.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
     assert main(["deploy", "--preset", "homogeneous", "--run", "r7"]) == 0
@@ -505,7 +507,7 @@ def test_deploy_hands_modal_the_app_file_with_the_preset(capsys, monkeypatch, tm
     app = Path(argv[4])
     assert app.is_file() and app.samefile(Path(__file__).resolve().parents[2] / "deploy" / "modal_app.py")
     assert env["MIXFLEET_PRESET"] == "homogeneous" and env["MIXFLEET_RUN"] == "r7"
-    env = {k: v for k, v in env.items() if k != "MIXFLEET_FLEET_JSON"}
+    assert deploy_plan.FLEET_ENV not in env
     done = subprocess.run(
         [sys.executable, "-m", "modal", "run", f"{app}::publish", "--help"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
