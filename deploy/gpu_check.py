@@ -33,7 +33,8 @@ production code; only the router and replicas run on one machine instead of Moda
    (:func:`check_spans`); turns that crossed an activation are counted per group.
 
 Writes ``DIR/gpu_check.json`` (every check's figures and failures) and one line per step;
-exits 0 when every check passed, 1 otherwise. Formats default to what the device runs natively
+exits 0 when every check passed, 1 otherwise, 2 with one line when the fleet cannot start (the
+router or a replica exited: the line names its log). Formats default to what the device runs natively
 (:func:`native_formats`): NVFP4 needs compute capability 10.0 (Blackwell), FP8 8.9.
 """
 
@@ -56,7 +57,7 @@ from typing import Any
 from core.errors import UserError
 from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
 from core.tcp import free_port
-from launcher.children import Child, Launcher, Probe
+from launcher.children import Child, ChildFailed, Launcher, Probe
 
 RUN = "gpu-check"
 ENGINES = ("sglang", "local")
@@ -225,12 +226,15 @@ def start_fleet(cfg: CheckConfig, model: Path) -> Iterator[Fleet]:
         argv = ["router", "--preset", str(preset), "--port", str(port)]
         router = launcher.spawn("router", argv, logs / "router.log", env)
         probe.wait_http(url + "/healthz", router, deadline)
+        children = [router]
         for fmt in cfg.formats:
             log = logs / f"replica-{fmt}.log"
-            launcher.spawn(
-                f"replica-{fmt}", _replica_argv(cfg, fmt, preset, url), log, {"MIXFLEET_API_KEY": replica}
+            children.append(
+                launcher.spawn(
+                    f"replica-{fmt}", _replica_argv(cfg, fmt, preset, url), log, {"MIXFLEET_API_KEY": replica}
+                )
             )
-        _wait_groups(fleet, deadline)
+        _wait_groups(fleet, deadline, children)
         yield fleet
 
 
@@ -245,12 +249,17 @@ def _replica_argv(cfg: CheckConfig, fmt: str, preset: Path, router_url: str) -> 
     return argv + (["--engine-command", command] if command else [])
 
 
-def _wait_groups(fleet: Fleet, deadline: float) -> None:
-    """Block until every group of ``fleet`` has a ready replica in rotation."""
+def _wait_groups(fleet: Fleet, deadline: float, children: Sequence[Child] = ()) -> None:
+    """Block until every group of ``fleet`` has a ready replica in rotation; ``ChildFailed`` (a
+    UserError naming its log) as soon as one of ``children`` (the router, the replicas) exits."""
     from trainer.client import RolloutClient
 
     with RolloutClient(fleet.url, fleet.admin_key) as client:
         while True:
+            for child in children:
+                code = child.returncode()
+                if code is not None:
+                    raise ChildFailed(child, f"exited with {code} before its group was ready")
             groups = {g["name"]: g for g in client.groups().get("groups", [])}
             if all(groups.get(g, {}).get("ready_replicas", 0) > 0 for g in fleet.groups):
                 return

@@ -63,14 +63,17 @@ from deploy.plan import (
     CHAT_MODEL_ENV,
     DEFAULT_RUN,
     ENGINE_PORT,
+    FLEET_ENV,
     KEYS_SECRET,
     PROXY_KEY_ENV,
     PROXY_SECRET,
     PROXY_SECRET_ENV,
+    PUBLISH_FUNCTION,
     REDIS_SECRET,
     REDIS_URL_ENV,
     REPLICA_KEY_ENV,
     REPLICA_SECRET,
+    ROUTER_FUNCTION,
     ROUTER_URL_ENV,
     RUN_ENV,
     SERVER_EXIT_GRACE_S,
@@ -89,10 +92,7 @@ from weight_sync.store import StoreLocation
 from weight_sync.store.modal_volume import VOLUME_FS_VERSION, ModalVolumeStore
 
 PRESET_ENV = "MIXFLEET_PRESET"
-FLEET_ENV = "MIXFLEET_FLEET_JSON"
 STORE_ENV = "MIXFLEET_STORE"
-ROUTER_FUNCTION = "router"
-PUBLISH_FUNCTION = "publish"
 STORE_VOLUME_ENV = "MIXFLEET_STORE_VOLUME"  # router.publishing: the store is this Volume at MIXFLEET_STORE
 TASK_ID_ENV = "MODAL_TASK_ID"  # set by Modal in every container: "The ID of the container" (docs, env vars)
 STORE_SCRATCH = "/root/mixfleet-scratch"  # the store's staging and lock, on the container's own disk
@@ -289,6 +289,7 @@ def router_args() -> dict[str, Any]:
 
 
 @app.function(
+    name=PUBLISH_FUNCTION,
     image=cpu_image(),
     cpu=PLAN.convert.cpu,
     memory=PLAN.convert.memory_mib,

@@ -2,7 +2,8 @@
 
 :func:`check` lists every problem of a fleet for Modal, one line each: errors (a GPU string Modal
 does not know, a CPU group, a count that disagrees with ``gpus_per_replica``, an mxfp4 group on an
-architecture SGLang's mxfp4 loader does not take, a KV dtype SGLang does not take) and warnings
+architecture SGLang's mxfp4 loader does not take, a KV dtype SGLang does not take, a group named
+after one of the app's functions, :data:`APP_FUNCTIONS`) and warnings
 (an undocumented GPU string, an unverified price). Given the model (:func:`deploy.fit.read_model`
 of the BF16 checkpoint the fleet serves), it also refuses a group whose GPUs cannot hold the
 model's weights in its format plus one full-context sequence of KV cache within SGLang's memory
@@ -26,6 +27,12 @@ from images import sglang
 from images.accelerators import Family, GpuError, gpu_string, max_count, parse_gpu
 
 APP_NAME = "mixfleet"
+# The app's own functions beside the GPU servers. A server is registered under its group's name in
+# the same namespace, and modal replaces a function of the same name with only a logged warning
+# (modal 1.6.4 ``app.py`` 704-719, ``_App._add_function``), so a group may not take these names.
+ROUTER_FUNCTION = "router"
+PUBLISH_FUNCTION = "publish"
+APP_FUNCTIONS = (ROUTER_FUNCTION, PUBLISH_FUNCTION)
 PUBLIC_PORT = 8000  # the sidecar: the port Modal's proxy forwards to
 ENGINE_PORT = 30000  # SGLang, reachable only inside the container
 VOLUME_NAME = "mixfleet-weights"
@@ -45,6 +52,9 @@ REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
 CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
 RUN_ENV = "MIXFLEET_RUN"
+# The fleet a container's app is built from (deploy/modal_app.py ships it); where it is set, it
+# takes the place of the preset.
+FLEET_ENV = "MIXFLEET_FLEET_JSON"
 DEFAULT_RUN = "main"
 # A replica's start: stage a version from the Volume, load it into SGLang, capture CUDA graphs.
 SERVER_STARTUP_TIMEOUT_S = 1800
@@ -173,6 +183,8 @@ def _check_group(g: GroupSpec, architecture: str) -> list[Problem]:
     def add(level: Literal["error", "warning"], message: str) -> None:
         problems.append(Problem(level, message, g.name))
 
+    if g.name in APP_FUNCTIONS:
+        add("error", f"the name {g.name!r} is the app's {g.name} function's; a group needs another name")
     if g.is_local:
         add("error", "accelerator 'cpu' is a local group; a Modal server needs a GPU")
     else:

@@ -78,8 +78,16 @@ def sglang_image(family: Family) -> modal.Image:
 
 @cache
 def cpu_image() -> modal.Image:
-    """The router's and the weight conversion's image: Debian slim, CPU torch, this project."""
+    """The router's and the weight conversion's image: Debian slim, CPU torch, this project.
+
+    torch is installed alone from PyTorch's CPU index (``index_url``: the only index of that
+    step), then every other dependency from PyPI. One ``uv pip install`` with the CPU index as
+    ``extra_index_url`` would resolve each package only from the first index holding it, and uv
+    puts extra indexes first: the CPU index also carries torch's own dependencies (jinja2 among
+    them) in older versions only, so a floor such as ``jinja2>=3.1.6`` could not be met.
+    """
+    torch = [d for d in requirements(with_torch=True) if _name(d) == "torch"]
     base = modal.Image.debian_slim(python_version=CPU_PYTHON).uv_pip_install(
-        *requirements(with_torch=True), extra_index_url=TORCH_CPU_INDEX
+        *torch, index_url=TORCH_CPU_INDEX
     )
-    return _with_project(base)
+    return _with_project(base.uv_pip_install(*requirements(with_torch=False)))

@@ -22,7 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-APP_FILE = Path(__file__).resolve().parent / "modal_app.py"
+
+def app_file() -> Path:
+    """The Modal app file ``modal deploy`` is given: ``deploy/modal_app.py`` where the ``deploy``
+    package is (found without importing the app, which would build it)."""
+    import deploy
+
+    return Path(deploy.__file__).resolve().parent / "modal_app.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from core.errors import UserError
     from deploy.plan import (
         CHAT_MODEL_ENV,
+        FLEET_ENV,
         PresetRejected,
         chat_model_dir,
         chat_model_line,
@@ -89,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
     if image_warning:
         print(f"mixfleet deploy: warning: {image_warning}", file=sys.stderr)
     env = {**os.environ, "MIXFLEET_PRESET": _preset_arg(args.preset)}
+    env.pop(FLEET_ENV, None)  # else the app would be built from it, not from the preset checked here
     env.pop(CHAT_MODEL_ENV, None)
     if chat_model is not None:
         env[CHAT_MODEL_ENV] = chat_model
     if args.run:
         env["MIXFLEET_RUN"] = args.run
-    return subprocess.call([sys.executable, "-m", "modal", "deploy", str(APP_FILE)], env=env)
+    return subprocess.call([sys.executable, "-m", "modal", "deploy", str(app_file())], env=env)

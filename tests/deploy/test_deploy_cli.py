@@ -78,6 +78,17 @@ def _deploy(capsys, *args: str) -> tuple[int, list[str], list[str]]:
             "mixfleet deploy: error: group g: weight_format mxfp4 needs an architecture SGLang 0.5.23's "
             "mxfp4 loader takes (GptOssForCausalLM), not Qwen3MoeForCausalLM",
         ),
+        (
+            _group().replace('"g"', '"router"'),
+            None,
+            "mixfleet deploy: error: group router: the name 'router' is the app's router function's; "
+            "a group needs another name",
+        ),
+        (
+            _group().replace('"g"', '"publish"'),
+            None,
+            "mixfleet deploy: error: group publish: the name 'publish' is the app's publish function's;",
+        ),
         (_group(weight_format="int3"), None, "mixfleet deploy: error: "),
         (_group(min_replicas=3, max_replicas=1), None, "mixfleet deploy: error: "),
         (_group(buffer_replicas=5, max_replicas=2), None, "mixfleet deploy: error: "),
@@ -475,3 +486,31 @@ def test_the_chat_model_is_shown_and_checked_before_anything_is_contacted(capsys
         "mixfleet deploy: error: chat model './base-checkpoint': must be a directory on the weights "
         "Volume (under /weights/)"
     ]
+
+
+def test_deploy_hands_modal_the_app_file_with_the_preset(capsys, monkeypatch, tmp_path) -> None:
+    # Nothing is deployed: the modal deploy command is captured, then its file is loaded by modal's
+    # own CLI from another directory, as ``modal deploy`` loads it (``modal run FILE::FUNCTION
+    # --help`` imports the file by path and needs no token).
+    import sys
+
+    from mixfleet import deploy as deploy_cmd
+
+    # a fleet left in the environment would be deployed in place of the preset checked
+    monkeypatch.setenv(deploy_plan.FLEET_ENV, load_preset("mixed").model_dump_json())
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(deploy_cmd.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    assert main(["deploy", "--preset", "homogeneous", "--run", "r7"]) == 0
+    capsys.readouterr()
+    [(argv, env)] = calls
+    assert argv[:4] == [sys.executable, "-m", "modal", "deploy"]
+    app = Path(argv[4])
+    assert app.is_file() and app.samefile(Path(__file__).resolve().parents[2] / "deploy" / "modal_app.py")
+    assert env["MIXFLEET_PRESET"] == "homogeneous" and env["MIXFLEET_RUN"] == "r7"
+    assert deploy_plan.FLEET_ENV not in env
+    done = subprocess.run(
+        [sys.executable, "-m", "modal", "run", f"{app}::publish", "--help"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--checkpoint TEXT" in done.stdout

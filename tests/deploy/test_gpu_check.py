@@ -4,6 +4,7 @@ span checks are also fed broken turns, which they must name."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -109,3 +110,18 @@ def test_check_passes_on_the_local_engine_for_every_format(tiny_dir: Path, tmp_p
     for g in ladder["groups"]:
         assert [lv["level"] for lv in g["levels"]] == [1, 2, 3, 4, 5] and all(lv["ok"] for lv in g["levels"])
         assert g["levels"][4]["details"]["agreement"], g["group"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="needs a Python without SGLang")
+def test_a_replica_that_exits_stops_the_check_at_once_naming_its_log(tiny_dir: Path, tmp_path: Path) -> None:
+    # Without SGLang the engine exits at once and its replica with it: the check must say so now,
+    # not wait out --timeout (here 600 s) for a group that cannot become ready.
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "deploy.gpu_check", "--out", str(out), "--model", str(tiny_dir)]
+    argv += ["--engine", "sglang", "--formats", "bf16", "--timeout", "600"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    log = out / "logs" / "replica-bf16.log"
+    assert proc.stderr.splitlines() == [
+        f"gpu check: replica-bf16 exited with 2 before its group was ready; see {log}"
+    ]

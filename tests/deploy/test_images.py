@@ -35,6 +35,25 @@ def test_requirements_are_pyproject_less_torch_for_gpu_images() -> None:
     assert all(p in {*os.listdir(ROOT)} for p in modal_images.PACKAGES)
 
 
+def test_cpu_torch_alone_comes_from_the_cpu_index(monkeypatch) -> None:
+    # uv resolves a package only from the first index that has it (extra indexes first), so no
+    # requirement but torch may see PyTorch's index (it holds old jinja2, numpy, ...).
+    calls = []
+    real = modal.Image.uv_pip_install
+
+    def record(self, *packages, **kwargs):
+        calls.append((packages, kwargs))
+        return real(self, *packages, **kwargs)
+
+    monkeypatch.setattr(modal.Image, "uv_pip_install", record)
+    modal_images.cpu_image.__wrapped__()
+    torch = [d for d in modal_images.requirements(with_torch=True) if d.startswith("torch")]
+    assert calls == [
+        (tuple(torch), {"index_url": modal_images.TORCH_CPU_INDEX}),
+        (tuple(modal_images.requirements(with_torch=False)), {}),
+    ]
+
+
 @pytest.mark.parametrize("kind", [*accelerators.DOCUMENTED, *accelerators.UNDOCUMENTED])
 def test_every_known_gpu_has_a_family(kind: str) -> None:
     gpu = accelerators.parse_gpu(f"{kind}:2")

@@ -100,6 +100,13 @@ def test_autoscaling_and_image_passed_to_app_server(deployed) -> None:
         )
 
 
+def test_the_names_groups_may_not_take_are_the_apps_functions(deployed) -> None:
+    # a group named like one of these would be replaced by it, with only a logged warning
+    module, fleet = deployed
+    functions = [n for n in _registered(module) if n not in module.SERVERS]
+    assert tuple(functions) == deploy_plan.APP_FUNCTIONS
+
+
 def test_router_is_an_asgi_app_on_several_containers_with_redis(deployed) -> None:
     module, _ = deployed
     info = _registered(module)["router"].info()
