@@ -323,11 +323,19 @@ class _Layout:
 def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
     """A varint count at ``pos`` (inside a block ending at ``end``), then that many varints:
     (count, start of the run, end of the run)."""
-    count = raw[pos] if pos < end else 0x80
+    if pos >= end:
+        raise BatchFormatError(f"truncated: a token count at offset {pos} lies past its block's end ({end})")
+    count = raw[pos]
     pos += 1
     if count >= 0x80:
         count, pos = _varint_at(raw, pos - 1)
-    return count, pos, _run_end(raw, buf, pos, count)
+    run_end = _run_end(raw, buf, pos, count)
+    if run_end > end:
+        raise BatchFormatError(
+            f"truncated: {count} token ids at offset {pos} run to offset {run_end}, past their turn "
+            f"block's end ({end})"
+        )
+    return count, pos, run_end
 
 
 def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tuple[int, ...]]) -> int:
@@ -367,23 +375,39 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             length, pos = _varint_at(raw, pos - 1)
         h_lo = pos
         pos += length
+        if pos > end:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: its header of {length} bytes at offset {h_lo} does "
+                f"not fit the block ({end - h_lo} bytes left)"
+            )
         n_input, in_lo, in_hi = _counted_run(raw, buf, pos, end)
         n, out_lo, out_hi = _counted_run(raw, buf, in_hi, end)
         pos = out_hi + 8 * n
         sizes_hi = _run_end(raw, buf, pos, n)
+        if sizes_hi > end:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: the log-probs and support sizes of its {n} tokens "
+                f"run to offset {sizes_hi}, past the block's end ({end})"
+            )
         if sizes_hi - pos == n:
             total = sum(raw[pos:sizes_hi])
         else:
             total = int(_varint_values(buf[pos:sizes_hi]).sum())
         # the support log-probs end the block, so the gap run ends where they start
         gaps_hi = end - total * (2 if f16 else 4)
+        if gaps_hi < sizes_hi + total:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: its support sizes (ending at offset {sizes_hi}) "
+                f"give {total} support ids, more than the {end - sizes_hi} bytes left before the "
+                f"block's end ({end}) hold with their log-probs"
+            )
         if (
             not sizes_hi + total <= gaps_hi <= sizes_hi + 9 * total
             or (total and raw[gaps_hi - 1] >= 0x80)
             or len(raw[sizes_hi:gaps_hi].translate(None, _HIGH_BYTES)) != total  # one last byte a value
         ):
             raise BatchFormatError(
-                f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
+                f"turn block at offset {block_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
                 f"and the support log-probs do not hold {total} support ids"
             )
         pos = block_lo + size  # after the sections, if any
@@ -518,7 +542,7 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         pos = _scan(raw, buf, pos, n_turns, blocks)
         turn_owner.extend([ti] * n_turns)
     if pos != len(raw):
-        raise BatchFormatError(f"{len(raw) - pos} trailing bytes after the batch")
+        raise BatchFormatError(f"{len(raw) - pos} trailing bytes at offset {pos}, after the batch")
     layout = _Layout(blocks)
     turns = _headers(raw, layout.headers)
     count = sum(layout.n_output)

@@ -275,3 +275,50 @@ def test_a_version_beyond_int64_or_below_zero_is_a_batch_format_error() -> None:
             odd = records.encode_turn(replace(turn, weight_versions=weight_versions))
             with pytest.raises(BatchFormatError, match=f"turn 0: weight version {bad} is not a version"):
                 decode_batch(records.encode_batch("L", 0, [(header, [odd])], trainer_version=3))
+
+
+def _blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of every turn block of a batch, read by hand from its layout."""
+    from trainer.batch import _varint_at
+
+    size, pos = _varint_at(data, 4)
+    pos += size
+    out = []
+    while pos < len(data):
+        size, pos = _varint_at(data, pos)
+        out.append((pos, size))
+        pos += size
+    return out
+
+
+def _offsets(message: str) -> list[int]:
+    import re
+
+    return [int(x) for x in re.findall(r"offset (\d+)", message)]
+
+
+def test_a_corrupted_turn_block_is_refused_naming_offsets_in_the_batch() -> None:
+    """Both decoders name where a corrupted turn block lies in the batch's bytes: the block's own
+    offset, and only offsets inside the batch (the standard-library decoder named offsets within
+    the block, as if from the batch's start, and no block; the kit named an offset millions of
+    bytes past the batch's end for a header length that overran its block)."""
+    data = _batch(3, False)
+    blocks = _blocks(data)
+    at, size = next((b, s) for b, s in blocks[1:] if data[b + 5] >= 0x80 and s < 16_000)
+    overrun = bytearray(data)
+    overrun[at + 5 : at + 7] = b"\xff\x7f"  # the header's length: 16383 bytes, more than the block
+    not_json = bytearray(data)
+    not_json[at + 7] = ord("}")  # the header's first byte
+    for broken in (bytes(overrun), bytes(not_json)):
+        decoders = ((records.decode_batch, records.RecordFormatError), (decode_batch, BatchFormatError))
+        for decode, error in decoders:
+            with pytest.raises(error) as info:
+                decode(broken)
+            message = str(info.value)
+            named = _offsets(message)
+            assert named and all(0 <= x < len(data) for x in named), message
+            assert any(at <= x < at + size for x in named), message
+    with pytest.raises(BatchFormatError, match=f"turn block at offset {at}: its header of 16383 bytes"):
+        decode_batch(bytes(overrun))
+    with pytest.raises(records.RecordFormatError, match=f"block at offset {at}"):
+        records.decode_batch(bytes(overrun))
