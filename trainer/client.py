@@ -139,13 +139,16 @@ class AsyncRolloutClient:
         trainer_version: int | None = None,
     ) -> Batch:
         """Take up to ``size`` finished trajectories under a lease, decoded into arrays. An
-        empty batch has no lease (``lease_id`` None)."""
+        empty batch has no lease (``lease_id`` None). The router may hold the call ``wait_s``
+        seconds, which are added to its ``timeout_s``."""
         body: dict[str, Any] = {"size": size, "wait_s": wait_s}
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
         if trainer_version is not None:
             body["trainer_version"] = trainer_version
-        answer = await self.router.request("POST", "/v1/batches/take", body, accept=RECORDS_MEDIA_TYPE)
+        answer = await self.router.request(
+            "POST", "/v1/batches/take", body, accept=RECORDS_MEDIA_TYPE, wait_s=wait_s
+        )
         if not answer.content_type.startswith(RECORDS_MEDIA_TYPE):
             raise RouterError(
                 "POST",

@@ -124,3 +124,20 @@ def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
             assert direct.queue_stats()["pending"] == 0
     finally:
         proxy.close()
+
+
+def test_a_long_poll_take_may_wait_longer_than_the_clients_call_timeout(router) -> None:
+    """``take(wait_s=...)``: the router holds the call up to ``wait_s`` seconds, so the kit's
+    per-call timeout counts from the end of that wait (a trainer with a 1 s timeout for a dead
+    router, long-polling 2 s, got "cannot reach the router: TimeoutError")."""
+
+    async def main() -> None:
+        async with AsyncRolloutClient(router.url, KEYS["all"], timeout_s=1.0, retries=0) as c:
+            while (left := await c.take(64)).lease_id is not None:  # empty the queue: the take waits
+                await c.ack(left.lease_id)
+            t0 = time.monotonic()
+            batch = await c.take(64, wait_s=2.0)
+            assert batch.lease_id is None and len(batch) == 0
+            assert time.monotonic() - t0 >= 1.9
+
+    asyncio.run(main())
