@@ -505,6 +505,10 @@ def _read_sections(data: bytes, turn: dict[str, Any], index: int) -> None:
         size, pos = _varint_at(data, pos + n)
         if pos + size > len(data):
             raise BatchFormatError(f"turn {index}: section {name!r} of {size} bytes does not fit")
+        try:
+            name.decode()
+        except UnicodeDecodeError:  # a corrupted name (an unknown one is skipped)
+            raise BatchFormatError(f"turn {index}: section name {name!r} is not UTF-8") from None
         if name == b"routed_experts":
             _read_routes(data[pos : pos + size], turn, index)
         pos += size
@@ -536,6 +540,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     for ti, t in enumerate(header["trajectories"]):
         if not isinstance(t, dict) or not isinstance(t.get("n_turns"), int) or t["n_turns"] < 0:
             raise BatchFormatError(f"trajectory {ti} of the batch header has no count of turns (n_turns)")
+        if "session_id" not in t:
+            raise BatchFormatError(f"trajectory {ti} of the batch header has no session_id")
         t = dict(t)
         n_turns = t.pop("n_turns")
         trajectories.append(t)
@@ -564,8 +570,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     np.cumsum(sizes, out=offsets[1:])
     n_output = np.array(layout.n_output, dtype=np.int64)
     return Batch(
-        lease_id=header.get("lease_id"),
-        held_back=header.get("held_back") or 0,
+        lease_id=header["lease_id"],
+        held_back=header["held_back"] or 0,
         trainer_version=trainer_version,
         groups=tuple(tables.groups),
         trajectories=tuple(trajectories),
@@ -605,8 +611,11 @@ def _batch_header(raw: bytes) -> tuple[dict[str, Any], int]:
         raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
         raise BatchFormatError("batch header has no trajectories list")
+    missing = sorted({"lease_id", "held_back"} - header.keys())
+    if missing:  # a batch without them is not one a take answered (router.records refuses it too)
+        raise BatchFormatError(f"batch header at offset {pos}: no {' or '.join(missing)}")
     trainer_version = header.get("trainer_version")
-    held_back = header.get("held_back") or 0
+    held_back = header["held_back"] or 0
     if not isinstance(held_back, int):
         raise BatchFormatError("batch header: held_back must be an integer")
     if trainer_version is not None:

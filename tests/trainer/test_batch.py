@@ -322,3 +322,37 @@ def test_a_corrupted_turn_block_is_refused_naming_offsets_in_the_batch() -> None
         decode_batch(bytes(overrun))
     with pytest.raises(records.RecordFormatError, match=f"block at offset {at}"):
         records.decode_batch(bytes(overrun))
+
+
+def test_a_batch_header_without_its_lease_or_a_corrupted_section_name_is_refused_by_both() -> None:
+    """Corruptions the kit decoded and the standard-library decoder refused: a batch header whose
+    ``lease_id`` or ``held_back`` key, or a trajectory whose ``session_id`` key, is corrupted
+    (the kit answered a batch with ``lease_id`` None: trajectories the trainer could never
+    acknowledge), and a section name that is not UTF-8 (the kit skipped the ``routed_experts``
+    section as unknown: the turn's routes silently gone)."""
+    from router.turn_data import ROUTES_SECTION, RoutedExperts
+
+    rng = random.Random(11)
+    turn = _turn(rng, 0, "g", 3, 1000)
+    routes = RoutedExperts(0, 3, 2, np.arange(6, dtype="<i4").tobytes())
+    turn = replace(turn, sections={ROUTES_SECTION: routes.to_section()})
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}
+    data = records.encode_batch("L", 0, [(header, [records.encode_turn(turn)])])
+    assert decode_batch(data).turns[0]["routes"].shape == (3, 2)
+    name = ROUTES_SECTION.encode()
+    at = data.rindex(name)
+    for old, new in (
+        (b'"lease_id"', b'"lXase_id"'),
+        (b'"held_back"', b'"hXld_back"'),
+        (b'"session_id"', b'"sXssion_id"'),
+    ):
+        broken = data.replace(old, new, 1)
+        with pytest.raises(records.RecordFormatError):
+            records.decode_batch(broken)
+        with pytest.raises(BatchFormatError, match=old.decode().strip('"')):
+            decode_batch(broken)
+    broken = data[: at + 1] + b"\xff" + data[at + 2 :]
+    with pytest.raises(records.RecordFormatError, match="not UTF-8"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match="section name .* is not UTF-8"):
+        decode_batch(broken)
