@@ -686,17 +686,19 @@ def decode_batch(data: bytes | memoryview) -> dict[str, Any]:
     trajectories = []
     for t, n_turns, session_id in heads:
         del t["n_turns"]
-        turns = []
+        turns, shapes = [], []
         for i in range(n_turns):
             size = r.varint()
             at = r.at()
             try:
-                turns.append(decode_turn(r.raw(size), offset=at))
-            except RecordFormatError as exc:
+                turn = decode_turn(r.raw(size), offset=at)
+                shapes.append(turn.to_json(session_id))
+            except ValueError as exc:  # a RecordFormatError, or a bad routed_experts section
                 where = f"session {session_id}, turn {i} (block at offset {at})"
                 raise RecordFormatError(f"{where}: {exc}") from None
+            turns.append(turn)
         _check_segments(turns, session_id)
-        t["turns"] = [turn.to_json(session_id) for turn in turns]
+        t["turns"] = shapes
         trajectories.append(t)
     if r.pos != len(r.buf):
         raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes at offset {r.pos}, after the batch")

@@ -246,12 +246,13 @@ def _dense_varint_values(stream: np.ndarray, high: np.ndarray, offset: int) -> n
     return np.add(values, offset, dtype=np.int64)
 
 
-def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it."""
+def _varint_at(raw: bytes, pos: int, base: int = 0) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it (``raw`` starts at offset ``base`` of the
+    batch, which errors name)."""
     shift = value = 0
     while True:
         if pos >= len(raw):
-            raise BatchFormatError(f"truncated varint at offset {pos}")
+            raise BatchFormatError(f"truncated varint at offset {base + pos}")
         b = raw[pos]
         value |= (b & 0x7F) << shift
         pos += 1
@@ -259,7 +260,7 @@ def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
             return value, pos
         shift += 7
         if shift > 63:
-            raise BatchFormatError(f"varint longer than 9 bytes at offset {pos}")
+            raise BatchFormatError(f"varint longer than 9 bytes at offset {base + pos}")
 
 
 def _run_end(raw: bytes, buf: np.ndarray, start: int, count: int) -> int:
@@ -494,33 +495,42 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
 _ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
 
 
-def _read_sections(data: bytes, turn: dict[str, Any], index: int) -> None:
-    """The turn's optional sections (name, size, bytes; see ``router/records.py``): its
-    ``routed_experts`` section becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and
-    ``turn["routed_experts"]`` (``start``, ``rows``, ``width``); others are skipped."""
+def _read_sections(data: bytes, turn: dict[str, Any], index: int, base: int) -> None:
+    """The turn's optional sections (name, size, bytes; see ``router/records.py``; ``data``
+    starts at offset ``base`` of the batch, which errors name): its ``routed_experts`` section
+    becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and ``turn["routed_experts"]``
+    (``start``, ``rows``, ``width``); others are skipped."""
     pos = 0
     while pos < len(data):
-        n, pos = _varint_at(data, pos)
+        at = base + pos
+        n, pos = _varint_at(data, pos, base)
         name = data[pos : pos + n]
-        size, pos = _varint_at(data, pos + n)
+        size, pos = _varint_at(data, pos + n, base)
         if pos + size > len(data):
-            raise BatchFormatError(f"turn {index}: section {name!r} of {size} bytes does not fit")
+            raise BatchFormatError(
+                f"turn {index}: section {name!r} at offset {at} of {size} bytes does not fit"
+            )
         try:
             name.decode()
         except UnicodeDecodeError:  # a corrupted name (an unknown one is skipped)
-            raise BatchFormatError(f"turn {index}: section name {name!r} is not UTF-8") from None
+            raise BatchFormatError(
+                f"turn {index}: section name {name!r} at offset {at} is not UTF-8"
+            ) from None
         if name == b"routed_experts":
-            _read_routes(data[pos : pos + size], turn, index)
+            _read_routes(data[pos : pos + size], turn, index, base + pos)
         pos += size
 
 
-def _read_routes(data: bytes, turn: dict[str, Any], index: int) -> None:
-    start, pos = _varint_at(data, 0)
-    rows, pos = _varint_at(data, pos)
-    width, pos = _varint_at(data, pos)
+def _read_routes(data: bytes, turn: dict[str, Any], index: int, base: int) -> None:
+    start, pos = _varint_at(data, 0, base)
+    rows, pos = _varint_at(data, pos, base)
+    width, pos = _varint_at(data, pos, base)
     size = data[pos] if pos < len(data) else 0
     if size not in _ROUTE_DTYPES or len(data) - pos - 1 != rows * width * size:
-        raise BatchFormatError(f"turn {index}: bad routed_experts section ({rows} x {width} ids)")
+        raise BatchFormatError(
+            f"turn {index}: bad routed_experts section at offset {base} ({rows} x {width} ids of "
+            f"{size} bytes in {len(data) - pos - 1})"
+        )
     ids = np.frombuffer(data, dtype=_ROUTE_DTYPES[size], offset=pos + 1, count=rows * width)
     turn["routes"] = ids.astype(np.int32).reshape(rows, width)
     turn["routed_experts"] = {"start": start, "rows": rows, "width": width}
@@ -563,7 +573,7 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         turn["input_ids"] = seq.ids[seq.offsets[turn["segment"]] : lo + layout.n_input[i]]
         lo, hi = layout.sections[i]
         if hi > lo:
-            _read_sections(raw[lo:hi], turn, i)
+            _read_sections(raw[lo:hi], turn, i, lo)
     versions, ages = _versions(tables.spans, count, trainer_version)
     sizes = _values(view, layout.sizes, count)
     offsets = np.zeros(count + 1, dtype=np.int64)
@@ -650,7 +660,10 @@ def _turn_tables(
             missing = sorted(_TURN_KEYS - turn.keys()) if isinstance(turn, dict) else "not an object"
             raise BatchFormatError(f"turn {i}: bad header: {missing}")
         group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
-        new = i == 0 or owner[i] != owner[i - 1] or turn.get("fork") is not None
+        fork = turn.get("fork")
+        if fork is not None and not (isinstance(fork, dict) and fork.keys() >= {"stored", "common"}):
+            raise BatchFormatError(f"turn {i}: bad fork in its header: {fork!r}")
+        new = i == 0 or owner[i] != owner[i - 1] or fork is not None
         if new:
             seg_owner.append(owner[i])
             seg_len = 0

@@ -356,3 +356,32 @@ def test_a_batch_header_without_its_lease_or_a_corrupted_section_name_is_refused
         records.decode_batch(broken)
     with pytest.raises(BatchFormatError, match="section name .* is not UTF-8"):
         decode_batch(broken)
+
+
+def test_a_corrupted_routes_section_or_fork_is_refused_by_both_naming_where() -> None:
+    """A routed_experts section whose counts do not match its bytes: the standard-library decoder
+    raised a bare ValueError (from ``RoutedExperts.from_section``, not its RecordFormatError), and
+    the kit named an offset counted from the section's start; a fork without its ``stored`` /
+    ``common`` fields was refused by one decoder only."""
+    from router.turn_data import ROUTES_SECTION, RoutedExperts
+
+    rng = random.Random(12)
+    first = _turn(rng, 0, "g", 3, 1000)
+    routes = RoutedExperts(0, 3, 2, np.arange(6, dtype="<i4").tobytes())
+    first = replace(first, sections={ROUTES_SECTION: routes.to_section()})
+    context = len(first.append_ids) + len(first.output_ids)
+    forked = _turn(rng, 1, "g", 2, 1000, context=context, fork=True)
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}
+    data = records.encode_batch("L", 0, [(header, [records.encode_turn(first), records.encode_turn(forked)])])
+    section = data.index(ROUTES_SECTION.encode()) + len(ROUTES_SECTION) + 1  # its size, then its bytes
+    assert data[section : section + 3] == bytes([0, 3, 2])  # start 0, 3 rows, width 2
+    broken = data[: section + 1] + bytes([9]) + data[section + 2 :]  # 9 rows
+    with pytest.raises(records.RecordFormatError, match="session s, turn 0 .*routed_experts"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match=f"bad routed_experts section at offset {section} "):
+        decode_batch(broken)
+    broken = data.replace(b'"common"', b'"cXmmon"', 1)
+    with pytest.raises(records.RecordFormatError, match="common"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match="turn 1: bad fork"):
+        decode_batch(broken)
