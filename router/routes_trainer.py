@@ -301,7 +301,9 @@ class ScoreRequest(BaseModel):
 
     input_ids: list[list[int]] = Field(min_length=1, max_length=256)
     logprob_start_len: StrictInt = Field(default=0, ge=0)
-    groups: list[str] | None = None
+    groups: list[str] | None = Field(
+        default=None, min_length=1, description="the groups to score on (null: every group)"
+    )
 
 
 score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH), route_class=JsonRoute)
