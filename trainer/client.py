@@ -179,8 +179,10 @@ class AsyncRolloutClient:
         """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
         the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures
         (with ``route_mismatch``, ``Policy.route_mismatch()`` of the batch, its route figures);
-        returns the batch's figures per (group, version). Once per lease: a repeat is a 409,
-        raised at once (it is not transient)."""
+        returns the batch's figures per (group, version). Once per lease: a retry of the same
+        upload whose answer was lost (the client retries one it could not read) answers the
+        same figures with ``already_uploaded`` true, counted once; other log-probs for a lease
+        that took an upload are a 409, raised at once (it is not transient)."""
         answer = await self.router.request(
             "POST",
             f"/v1/batches/{lease_id}/trainer_logprobs",
