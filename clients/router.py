@@ -147,13 +147,19 @@ class RouterClient:
         content_type: str = "application/json",
         retry_statuses: tuple[int, ...] = RETRY_STATUSES,
         headers: dict[str, str] | None = None,
+        wait_s: float = 0.0,
     ) -> Answer:
         """``method path`` with ``body`` (sent as it is when ``bytes``, with ``content_type``;
         else as JSON). Raises :class:`RouterError` for a 4xx / 5xx answer or an unreachable
         router, once ``retries`` retries (of ``retry_statuses`` answers and unreachable routers)
         are spent. ``headers`` are added to every attempt (an ``Idempotency-Key`` makes the retries of
-        a POST that records something safe: the router answers a retry with what it recorded)."""
+        a POST that records something safe: the router answers a retry with what it recorded).
+        ``wait_s``: how long the router may hold the request before it answers (a long poll's
+        wait), added to each attempt's timeout."""
         headers = {**self.headers, **(headers or {}), "Accept": accept}
+        timeout = self.timeout
+        if wait_s > 0 and timeout.total is not None:
+            timeout = aiohttp.ClientTimeout(total=timeout.total + wait_s, sock_connect=timeout.sock_connect)
         data = None
         if isinstance(body, bytes):
             data, headers["Content-Type"] = body, content_type
@@ -163,7 +169,7 @@ class RouterClient:
             last = attempt == self.retries
             try:
                 async with self._session().request(
-                    method, self.url + path, data=data, headers=headers, timeout=self.timeout
+                    method, self.url + path, data=data, headers=headers, timeout=timeout
                 ) as r:
                     content, status = await r.read(), r.status
                     retry_after, ctype = r.headers.get("Retry-After"), r.headers.get("Content-Type", "")

@@ -208,15 +208,25 @@ def _np_varints(v: Any) -> bytes:
 
 
 class _Reader:
-    __slots__ = ("buf", "pos")
+    """Reads ``buf`` from its start; ``base`` is where ``buf`` starts in the bytes the caller
+    decodes (a turn block's offset in its batch), so every offset an error names is one there."""
 
-    def __init__(self, buf: bytes | memoryview) -> None:
+    __slots__ = ("base", "buf", "pos")
+
+    def __init__(self, buf: bytes | memoryview, base: int = 0) -> None:
         self.buf = memoryview(buf)
         self.pos = 0
+        self.base = base
+
+    def at(self) -> int:
+        """The current position as an offset in the caller's bytes."""
+        return self.base + self.pos
 
     def need(self, n: int) -> None:
         if self.pos + n > len(self.buf):
-            raise RecordFormatError(f"truncated: need {n} bytes at offset {self.pos}, have {len(self.buf)}")
+            raise RecordFormatError(
+                f"truncated: need {n} bytes at offset {self.at()}, have {len(self.buf) - self.pos}"
+            )
 
     def byte(self) -> int:
         self.need(1)
@@ -233,7 +243,7 @@ class _Reader:
                 return result
             shift += 7
             if shift > 63:
-                raise RecordFormatError(f"varint longer than 9 bytes at offset {self.pos}")
+                raise RecordFormatError(f"varint longer than 9 bytes at offset {self.at()}")
 
     def varints(self, n: int) -> list[int]:
         if n == 0:
@@ -258,7 +268,7 @@ class _Reader:
         chunk = np.frombuffer(self.buf[self.pos : self.pos + 9 * n], dtype=np.uint8)
         ends = np.flatnonzero(chunk < 0x80)
         if ends.size < n:
-            raise RecordFormatError(f"truncated: {n} varints at offset {self.pos} end past the block")
+            raise RecordFormatError(f"truncated: {n} varints at offset {self.at()} end past the block")
         self.pos += int(ends[n - 1]) + 1
 
     def raw(self, n: int) -> memoryview:
@@ -273,10 +283,12 @@ class _Reader:
 
     def json(self) -> Any:
         n = self.varint()
+        at = self.at()
+        text = bytes(self.raw(n))
         try:
-            return json.loads(bytes(self.raw(n)))
+            return json.loads(text)
         except ValueError as exc:
-            raise RecordFormatError(f"bad JSON header: {exc}") from None
+            raise RecordFormatError(f"bad JSON header at offset {at}: {exc}") from None
 
 
 def _json(obj: Any, out: bytearray) -> None:
@@ -457,12 +469,14 @@ def _token_at(at: int, sizes: list[int]) -> int:
     return bisect.bisect_right(list(itertools.accumulate(sizes)), at)
 
 
-def decode_turn(data: bytes | memoryview) -> TurnData:
-    """Decode a turn block. Raises :class:`RecordFormatError` on malformed input."""
-    r = _Reader(data)
+def decode_turn(data: bytes | memoryview, *, offset: int = 0) -> TurnData:
+    """Decode a turn block. Raises :class:`RecordFormatError` on malformed input, naming offsets
+    counted from ``offset`` (where the block lies in the bytes the caller holds, e.g. a batch)."""
+    r = _Reader(data, offset)
     turn = _decode_turn(r)
     if r.pos != len(r.buf):
-        raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after turn block")
+        left = len(r.buf) - r.pos
+        raise RecordFormatError(f"{left} trailing bytes at offset {r.at()}, after the turn block's data")
     return turn
 
 
@@ -525,12 +539,13 @@ def decode_turn_header(data: bytes | memoryview) -> dict[str, Any]:
 
 
 def _check_magic(r: _Reader, magic: bytes) -> None:
+    at = r.at()
     got = bytes(r.raw(len(magic))) if len(r.buf) >= len(magic) else bytes(r.buf)
     if got != magic:
-        raise RecordFormatError(f"bad magic {got!r}, expected {magic!r}")
+        raise RecordFormatError(f"bad magic {got!r} at offset {at}, expected {magic!r}")
     version = r.byte()
     if version != RECORDS_FORMAT_VERSION:
-        raise RecordFormatError(f"unsupported format version {version}")
+        raise RecordFormatError(f"unsupported format version {version} at offset {at + len(magic)}")
 
 
 def _decode_turn(r: _Reader) -> TurnData:
@@ -601,7 +616,7 @@ def _read_sections(r: _Reader) -> dict[str, bytes]:
     start = end - 4 - size
     if start < r.pos:
         raise RecordFormatError(f"sections of {size} bytes do not fit the block")
-    sub = _Reader(r.buf[start : end - 4])
+    sub = _Reader(r.buf[start : end - 4], r.base + start)
     sections: dict[str, bytes] = {}
     while sub.pos < len(sub.buf):
         name = bytes(sub.raw(sub.varint()))
@@ -671,12 +686,22 @@ def decode_batch(data: bytes | memoryview) -> dict[str, Any]:
     trajectories = []
     for t, n_turns, session_id in heads:
         del t["n_turns"]
-        turns = [decode_turn(r.raw(r.varint())) for _ in range(n_turns)]
+        turns, shapes = [], []
+        for i in range(n_turns):
+            size = r.varint()
+            at = r.at()
+            try:
+                turn = decode_turn(r.raw(size), offset=at)
+                shapes.append(turn.to_json(session_id))
+            except ValueError as exc:  # a RecordFormatError, or a bad routed_experts section
+                where = f"session {session_id}, turn {i} (block at offset {at})"
+                raise RecordFormatError(f"{where}: {exc}") from None
+            turns.append(turn)
         _check_segments(turns, session_id)
-        t["turns"] = [turn.to_json(session_id) for turn in turns]
+        t["turns"] = shapes
         trajectories.append(t)
     if r.pos != len(r.buf):
-        raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes after batch")
+        raise RecordFormatError(f"{len(r.buf) - r.pos} trailing bytes at offset {r.pos}, after the batch")
     out = {"lease_id": out["lease_id"], "trajectories": trajectories, "held_back": out["held_back"]}
     if "trainer_version" in header:
         out["trainer_version"] = header["trainer_version"]

@@ -24,16 +24,18 @@ body in the encoding of :mod:`router.trainer_logprobs`, exactly the size the lea
 gives: the router's generic body limit does not apply to it) are accepted once per lease, for a
 lease a take handed out within the last ``lease_timeout_s + retention_s`` seconds, whether the
 trainer still holds it or has acknowledged it: an unknown or forgotten lease is a 404, a second
-upload for the same lease a 409 (nothing is counted twice), a lease whose trajectories are no
-longer stored a 409. A trajectory redelivered under a later lease counts once for each lease
-that uploads it. The figures (:mod:`router.mismatch`) accumulate per group, weight version and
-token-position bucket.
+upload of the same bytes for the same lease (a retry whose answer was lost) answers the same
+figures with ``already_uploaded`` and counts nothing, a different second upload is a 409 (nothing
+is counted twice), a lease whose trajectories are no longer stored a 409. A trajectory
+redelivered under a later lease counts once for each lease that uploads it. The figures
+(:mod:`router.mismatch`) accumulate per group, weight version and token-position bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from typing import Any
 
@@ -256,17 +258,22 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
     n = sum(len(t.logprobs) for t in turns)
     plain, routed = upload_size(n, routes=False), upload_size(n, routes=True)
     why = f": lease {lease_id}'s upload of {n} log-probs is {plain} bytes ({routed} with route flags)"
+    body = await read_body(request, routed, why)
     try:
-        trainer, route_flags = decode_upload(await read_body(request, routed, why))
+        trainer, route_flags = decode_upload(body)
     except LogprobsFormatError as exc:
         raise ApiError(400, f"body: {exc}") from None
+    digest = hashlib.blake2b(body, digest_size=16).hexdigest()
     band = ctx.config.mismatch_band
     try:
         result = await asyncio.to_thread(batch_mismatch, turns, trainer, band, route_flags)
     except ValueError as exc:
         raise ApiError(422, f"body: {exc}") from None
-    if not await ctx.store.add_mismatch(lease_id, result.sums, ttl_s=_upload_window_s(ctx)):
-        raise ApiError(409, f"lease {lease_id!r}: trainer log-probs were already uploaded")
+    again = not await ctx.store.add_mismatch(
+        lease_id, result.sums, ttl_s=_upload_window_s(ctx), digest=digest
+    )
+    if again and await ctx.store.mismatch_digest(lease_id) != digest:
+        raise ApiError(409, f"lease {lease_id!r}: other trainer log-probs were already uploaded")
     per: dict[tuple[str, int], Any] = {}
     for (group, version, _bucket), part in result.sums.items():
         per[(group, version)] = per[(group, version)] + part if (group, version) in per else part
@@ -275,6 +282,7 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
         "tokens": result.tokens,
         "skipped": result.skipped,
         "groups": [{"group": g, "version": v, **per[(g, v)].view()} for g, v in sorted(per)],
+        "already_uploaded": again,
     }
 
 
@@ -301,7 +309,9 @@ class ScoreRequest(BaseModel):
 
     input_ids: list[list[int]] = Field(min_length=1, max_length=256)
     logprob_start_len: StrictInt = Field(default=0, ge=0)
-    groups: list[str] | None = None
+    groups: list[str] | None = Field(
+        default=None, min_length=1, description="the groups to score on (null: every group)"
+    )
 
 
 score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH), route_class=JsonRoute)

@@ -602,6 +602,11 @@ class MismatchUploadResponse(BaseModel):
     tokens: int = Field(description="Tokens counted")
     skipped: int = Field(description="Tokens not counted (sampler log-prob or version unknown)")
     groups: list[MismatchBatchGroup] = Field(description="This batch's figures per (group, version)")
+    already_uploaded: bool = Field(
+        False,
+        description="true: these bytes were uploaded for this lease before (a retry whose first answer "
+        "was lost); the figures are those of that upload, counted once",
+    )
 
 
 class GroupOut(BaseModel):

@@ -246,12 +246,13 @@ def _dense_varint_values(stream: np.ndarray, high: np.ndarray, offset: int) -> n
     return np.add(values, offset, dtype=np.int64)
 
 
-def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``pos`` and the position after it."""
+def _varint_at(raw: bytes, pos: int, base: int = 0) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it (``raw`` starts at offset ``base`` of the
+    batch, which errors name)."""
     shift = value = 0
     while True:
         if pos >= len(raw):
-            raise BatchFormatError(f"truncated varint at offset {pos}")
+            raise BatchFormatError(f"truncated varint at offset {base + pos}")
         b = raw[pos]
         value |= (b & 0x7F) << shift
         pos += 1
@@ -259,7 +260,7 @@ def _varint_at(raw: bytes, pos: int) -> tuple[int, int]:
             return value, pos
         shift += 7
         if shift > 63:
-            raise BatchFormatError(f"varint longer than 9 bytes at offset {pos}")
+            raise BatchFormatError(f"varint longer than 9 bytes at offset {base + pos}")
 
 
 def _run_end(raw: bytes, buf: np.ndarray, start: int, count: int) -> int:
@@ -323,11 +324,19 @@ class _Layout:
 def _counted_run(raw: bytes, buf: np.ndarray, pos: int, end: int) -> tuple[int, int, int]:
     """A varint count at ``pos`` (inside a block ending at ``end``), then that many varints:
     (count, start of the run, end of the run)."""
-    count = raw[pos] if pos < end else 0x80
+    if pos >= end:
+        raise BatchFormatError(f"truncated: a token count at offset {pos} lies past its block's end ({end})")
+    count = raw[pos]
     pos += 1
     if count >= 0x80:
         count, pos = _varint_at(raw, pos - 1)
-    return count, pos, _run_end(raw, buf, pos, count)
+    run_end = _run_end(raw, buf, pos, count)
+    if run_end > end:
+        raise BatchFormatError(
+            f"truncated: {count} token ids at offset {pos} run to offset {run_end}, past their turn "
+            f"block's end ({end})"
+        )
+    return count, pos, run_end
 
 
 def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tuple[int, ...]]) -> int:
@@ -367,23 +376,39 @@ def _scan(raw: bytes, buf: np.ndarray, pos: int, n_turns: int, blocks: list[tupl
             length, pos = _varint_at(raw, pos - 1)
         h_lo = pos
         pos += length
+        if pos > end:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: its header of {length} bytes at offset {h_lo} does "
+                f"not fit the block ({end - h_lo} bytes left)"
+            )
         n_input, in_lo, in_hi = _counted_run(raw, buf, pos, end)
         n, out_lo, out_hi = _counted_run(raw, buf, in_hi, end)
         pos = out_hi + 8 * n
         sizes_hi = _run_end(raw, buf, pos, n)
+        if sizes_hi > end:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: the log-probs and support sizes of its {n} tokens "
+                f"run to offset {sizes_hi}, past the block's end ({end})"
+            )
         if sizes_hi - pos == n:
             total = sum(raw[pos:sizes_hi])
         else:
             total = int(_varint_values(buf[pos:sizes_hi]).sum())
         # the support log-probs end the block, so the gap run ends where they start
         gaps_hi = end - total * (2 if f16 else 4)
+        if gaps_hi < sizes_hi + total:
+            raise BatchFormatError(
+                f"turn block at offset {block_lo}: its support sizes (ending at offset {sizes_hi}) "
+                f"give {total} support ids, more than the {end - sizes_hi} bytes left before the "
+                f"block's end ({end}) hold with their log-probs"
+            )
         if (
             not sizes_hi + total <= gaps_hi <= sizes_hi + 9 * total
             or (total and raw[gaps_hi - 1] >= 0x80)
             or len(raw[sizes_hi:gaps_hi].translate(None, _HIGH_BYTES)) != total  # one last byte a value
         ):
             raise BatchFormatError(
-                f"turn block at offset {h_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
+                f"turn block at offset {block_lo}: {gaps_hi - sizes_hi} bytes between the support sizes "
                 f"and the support log-probs do not hold {total} support ids"
             )
         pos = block_lo + size  # after the sections, if any
@@ -470,29 +495,42 @@ def _spans(turn: dict[str, Any], index: int, start: int, n: int) -> list[tuple[i
 _ROUTE_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
 
 
-def _read_sections(data: bytes, turn: dict[str, Any], index: int) -> None:
-    """The turn's optional sections (name, size, bytes; see ``router/records.py``): its
-    ``routed_experts`` section becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and
-    ``turn["routed_experts"]`` (``start``, ``rows``, ``width``); others are skipped."""
+def _read_sections(data: bytes, turn: dict[str, Any], index: int, base: int) -> None:
+    """The turn's optional sections (name, size, bytes; see ``router/records.py``; ``data``
+    starts at offset ``base`` of the batch, which errors name): its ``routed_experts`` section
+    becomes ``turn["routes"]`` (int32 ``[rows, layers x k]``) and ``turn["routed_experts"]``
+    (``start``, ``rows``, ``width``); others are skipped."""
     pos = 0
     while pos < len(data):
-        n, pos = _varint_at(data, pos)
+        at = base + pos
+        n, pos = _varint_at(data, pos, base)
         name = data[pos : pos + n]
-        size, pos = _varint_at(data, pos + n)
+        size, pos = _varint_at(data, pos + n, base)
         if pos + size > len(data):
-            raise BatchFormatError(f"turn {index}: section {name!r} of {size} bytes does not fit")
+            raise BatchFormatError(
+                f"turn {index}: section {name!r} at offset {at} of {size} bytes does not fit"
+            )
+        try:
+            name.decode()
+        except UnicodeDecodeError:  # a corrupted name (an unknown one is skipped)
+            raise BatchFormatError(
+                f"turn {index}: section name {name!r} at offset {at} is not UTF-8"
+            ) from None
         if name == b"routed_experts":
-            _read_routes(data[pos : pos + size], turn, index)
+            _read_routes(data[pos : pos + size], turn, index, base + pos)
         pos += size
 
 
-def _read_routes(data: bytes, turn: dict[str, Any], index: int) -> None:
-    start, pos = _varint_at(data, 0)
-    rows, pos = _varint_at(data, pos)
-    width, pos = _varint_at(data, pos)
+def _read_routes(data: bytes, turn: dict[str, Any], index: int, base: int) -> None:
+    start, pos = _varint_at(data, 0, base)
+    rows, pos = _varint_at(data, pos, base)
+    width, pos = _varint_at(data, pos, base)
     size = data[pos] if pos < len(data) else 0
     if size not in _ROUTE_DTYPES or len(data) - pos - 1 != rows * width * size:
-        raise BatchFormatError(f"turn {index}: bad routed_experts section ({rows} x {width} ids)")
+        raise BatchFormatError(
+            f"turn {index}: bad routed_experts section at offset {base} ({rows} x {width} ids of "
+            f"{size} bytes in {len(data) - pos - 1})"
+        )
     ids = np.frombuffer(data, dtype=_ROUTE_DTYPES[size], offset=pos + 1, count=rows * width)
     turn["routes"] = ids.astype(np.int32).reshape(rows, width)
     turn["routed_experts"] = {"start": start, "rows": rows, "width": width}
@@ -512,13 +550,15 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     for ti, t in enumerate(header["trajectories"]):
         if not isinstance(t, dict) or not isinstance(t.get("n_turns"), int) or t["n_turns"] < 0:
             raise BatchFormatError(f"trajectory {ti} of the batch header has no count of turns (n_turns)")
+        if "session_id" not in t:
+            raise BatchFormatError(f"trajectory {ti} of the batch header has no session_id")
         t = dict(t)
         n_turns = t.pop("n_turns")
         trajectories.append(t)
         pos = _scan(raw, buf, pos, n_turns, blocks)
         turn_owner.extend([ti] * n_turns)
     if pos != len(raw):
-        raise BatchFormatError(f"{len(raw) - pos} trailing bytes after the batch")
+        raise BatchFormatError(f"{len(raw) - pos} trailing bytes at offset {pos}, after the batch")
     layout = _Layout(blocks)
     turns = _headers(raw, layout.headers)
     count = sum(layout.n_output)
@@ -533,15 +573,15 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         turn["input_ids"] = seq.ids[seq.offsets[turn["segment"]] : lo + layout.n_input[i]]
         lo, hi = layout.sections[i]
         if hi > lo:
-            _read_sections(raw[lo:hi], turn, i)
+            _read_sections(raw[lo:hi], turn, i, lo)
     versions, ages = _versions(tables.spans, count, trainer_version)
     sizes = _values(view, layout.sizes, count)
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
     n_output = np.array(layout.n_output, dtype=np.int64)
     return Batch(
-        lease_id=header.get("lease_id"),
-        held_back=header.get("held_back") or 0,
+        lease_id=header["lease_id"],
+        held_back=header["held_back"] or 0,
         trainer_version=trainer_version,
         groups=tuple(tables.groups),
         trajectories=tuple(trajectories),
@@ -581,8 +621,11 @@ def _batch_header(raw: bytes) -> tuple[dict[str, Any], int]:
         raise BatchFormatError(f"bad JSON at offset {pos}: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("trajectories"), list):
         raise BatchFormatError("batch header has no trajectories list")
+    missing = sorted({"lease_id", "held_back"} - header.keys())
+    if missing:  # a batch without them is not one a take answered (router.records refuses it too)
+        raise BatchFormatError(f"batch header at offset {pos}: no {' or '.join(missing)}")
     trainer_version = header.get("trainer_version")
-    held_back = header.get("held_back") or 0
+    held_back = header["held_back"] or 0
     if not isinstance(held_back, int):
         raise BatchFormatError("batch header: held_back must be an integer")
     if trainer_version is not None:
@@ -617,7 +660,10 @@ def _turn_tables(
             missing = sorted(_TURN_KEYS - turn.keys()) if isinstance(turn, dict) else "not an object"
             raise BatchFormatError(f"turn {i}: bad header: {missing}")
         group_of.append(groups.setdefault(str(turn.get("group")), len(groups)))
-        new = i == 0 or owner[i] != owner[i - 1] or turn.get("fork") is not None
+        fork = turn.get("fork")
+        if fork is not None and not (isinstance(fork, dict) and fork.keys() >= {"stored", "common"}):
+            raise BatchFormatError(f"turn {i}: bad fork in its header: {fork!r}")
+        new = i == 0 or owner[i] != owner[i - 1] or fork is not None
         if new:
             seg_owner.append(owner[i])
             seg_len = 0

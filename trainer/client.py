@@ -139,13 +139,16 @@ class AsyncRolloutClient:
         trainer_version: int | None = None,
     ) -> Batch:
         """Take up to ``size`` finished trajectories under a lease, decoded into arrays. An
-        empty batch has no lease (``lease_id`` None)."""
+        empty batch has no lease (``lease_id`` None). The router may hold the call ``wait_s``
+        seconds, which are added to its ``timeout_s``."""
         body: dict[str, Any] = {"size": size, "wait_s": wait_s}
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
         if trainer_version is not None:
             body["trainer_version"] = trainer_version
-        answer = await self.router.request("POST", "/v1/batches/take", body, accept=RECORDS_MEDIA_TYPE)
+        answer = await self.router.request(
+            "POST", "/v1/batches/take", body, accept=RECORDS_MEDIA_TYPE, wait_s=wait_s
+        )
         if not answer.content_type.startswith(RECORDS_MEDIA_TYPE):
             raise RouterError(
                 "POST",
@@ -176,8 +179,10 @@ class AsyncRolloutClient:
         """Upload the trainer's log-prob of every token of the batch taken under ``lease_id``, in
         the batch's token order (``Batch.logprobs``' order), for the router's mismatch figures
         (with ``route_mismatch``, ``Policy.route_mismatch()`` of the batch, its route figures);
-        returns the batch's figures per (group, version). Once per lease: a repeat is a 409,
-        raised at once (it is not transient)."""
+        returns the batch's figures per (group, version). Once per lease: a retry of the same
+        upload whose answer was lost (the client retries one it could not read) answers the
+        same figures with ``already_uploaded`` true, counted once; other log-probs for a lease
+        that took an upload are a 409, raised at once (it is not transient)."""
         answer = await self.router.request(
             "POST",
             f"/v1/batches/{lease_id}/trainer_logprobs",

@@ -460,11 +460,17 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def add_mismatch(
-        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float, digest: str = "-"
     ) -> bool:
         """Add ``sums`` to the accumulated mismatch sums, at most once per ``lease_id``: the
-        mark and the sums change in one atomic step; False (nothing changed) when the lease was
-        booked within the last ``ttl_s`` seconds."""
+        mark (holding ``digest``, what identifies the upload) and the sums change in one atomic
+        step; False (nothing changed) when the lease was booked within the last ``ttl_s``
+        seconds."""
+
+    @abc.abstractmethod
+    async def mismatch_digest(self, lease_id: str) -> str | None:
+        """The ``digest`` of the upload :meth:`add_mismatch` booked for ``lease_id`` (None: none
+        booked, or its mark expired)."""
 
     @abc.abstractmethod
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:

@@ -78,7 +78,7 @@ class MemoryStore(StateStore):
         self._lease_orders: dict[str, tuple[list[str], float]] = {}
         self._mismatch: dict[MismatchKey, MismatchSums] = {}
         self._mismatch_totals: dict[str, MismatchSums] = {}
-        self._mismatch_leases: dict[str, float] = {}
+        self._mismatch_leases: dict[str, tuple[float, str]] = {}  # until, digest
         self._waiters: list[asyncio.Future[None]] = []
         self._marks: dict[str, tuple[float, float]] = {}  # replica -> (booked until, forgotten at)
         self._money: defaultdict[Any, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # group | (g, v)
@@ -552,16 +552,20 @@ class MemoryStore(StateStore):
         return list(item[0])
 
     async def add_mismatch(
-        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float, digest: str = "-"
     ) -> bool:
         now = time.monotonic()
-        if self._mismatch_leases.get(lease_id, float("-inf")) > now:
+        if await self.mismatch_digest(lease_id) is not None:
             return False
-        self._mismatch_leases[lease_id] = now + ttl_s
+        self._mismatch_leases[lease_id] = (now + ttl_s, digest)
         for key, part in sums.items():
             self._mismatch[key] = self._mismatch[key] + part if key in self._mismatch else part
             self._mismatch_totals[key[0]] = self._mismatch_totals.get(key[0], MismatchSums()) + part
         return True
+
+    async def mismatch_digest(self, lease_id: str) -> str | None:
+        until, digest = self._mismatch_leases.get(lease_id, (float("-inf"), None))
+        return digest if until > time.monotonic() else None
 
     async def mismatch(self) -> dict[MismatchKey, MismatchSums]:
         return dict(self._mismatch)
@@ -585,7 +589,7 @@ class MemoryStore(StateStore):
             (self._marks, lambda v: v[1]),
             (self._route_keys, lambda v: v[1]),
             (self._lease_orders, lambda v: v[1]),
-            (self._mismatch_leases, lambda v: v),
+            (self._mismatch_leases, lambda v: v[0]),
         ):
             gone = [k for k, v in table.items() if until(v) <= mono]
             for k in gone:

@@ -159,10 +159,11 @@ end
 _ADD_MISMATCH = (
     _ADD
     + """
--- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), then per sum its
--- field (stat|version|bucket|group), value and kind (f: float)
-if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
-for i = 2, #ARGV, 3 do
+-- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), the upload's
+-- digest (the mark's value), then per sum its field (stat|version|bucket|group), value and kind
+-- (f: float)
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[1]) then return 0 end
+for i = 3, #ARGV, 3 do
   local stat, group = string.match(ARGV[i], '^([^|]*)|[^|]*|[^|]*|(.*)$')
   add(KEYS[1], ARGV[i], ARGV[i + 1], ARGV[i + 2])
   add(KEYS[3], stat .. '|' .. group, ARGV[i + 1], ARGV[i + 2])
@@ -1154,9 +1155,9 @@ class RedisStore(StateStore):
         return None if v is None else list(json.loads(v))
 
     async def add_mismatch(
-        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float
+        self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float, digest: str = "-"
     ) -> bool:
-        args: list[str | int] = [max(1, int(ttl_s * 1000))]
+        args: list[str | int] = [max(1, int(ttl_s * 1000)), digest]
         for (group, version, bucket), part in sums.items():
             for stat in _MISMATCH_STATS:
                 value = getattr(part, stat)
@@ -1167,6 +1168,10 @@ class RedisStore(StateStore):
                 ]
         keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS]
         return bool(await self._call(self._add_mismatch, keys=keys, args=args))
+
+    async def mismatch_digest(self, lease_id: str) -> str | None:
+        v = await self._call(self._r.get, f"{P}mml:{lease_id}")
+        return None if v is None else _s(v)
 
     async def mismatch_totals(self) -> dict[str, MismatchSums]:
         raw = await self._call(self._r.hgetall, MISMATCH_TOTALS)

@@ -743,3 +743,11 @@ def test_every_refusal_is_documented_with_the_one_error_schema(client: httpx.Cli
         ("body", "input_ids"),
         ("body", "sampling_params", "top_p"),
     }
+
+
+def test_score_on_an_empty_list_of_groups_is_a_422_not_every_group(client: httpx.Client) -> None:
+    """``groups: []`` names no group to score on; it was read as "every group" (null's meaning),
+    so a trainer whose filter left no group had every replica of the fleet score its sequences."""
+    r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "groups": []})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"].startswith("groups:"), r.text

@@ -127,10 +127,14 @@ def test_upload_figures_in_answer_groups_and_metrics(router, client: httpx.Clien
         assert m[("mixfleet_mismatch_position_tokens", gp)] == want["64-255"]["tokens"]
         assert m[("mixfleet_mismatch_band_info", (("high", "5"), ("low", "0.2")))] == 1
 
-        # once per lease: a repeat is refused and changes nothing
+        # once per lease: a repeat of the same bytes (a retry whose answer was lost) answers the
+        # same figures and counts nothing; other log-probs are refused and change nothing
         path = f"/v1/batches/{batch.lease_id}/trainer_logprobs"
         again = client.post(path, content=encode_trainer_logprobs(p), headers=UPLOAD)
-        assert again.status_code == 409 and "already uploaded" in again.json()["detail"]
+        assert again.status_code == 200, again.text
+        assert again.json() == {**answer, "already_uploaded": True} and answer["already_uploaded"] is False
+        other = client.post(path, content=encode_trainer_logprobs(p - 0.25), headers=UPLOAD)
+        assert other.status_code == 409 and "already uploaded" in other.json()["detail"]
         assert _metrics(client)[("mixfleet_mismatch_tokens_total", ga)] == n
         assert trainer.ack(batch.lease_id)["acked"] == 2
 
@@ -269,6 +273,8 @@ def test_on_redis_the_figures_survive_a_router_restart(engine_url, tmp_path) -> 
             assert c.get("/v1/groups").json()["groups"][0]["mismatch"] == before
             path = f"/v1/batches/{batch.lease_id}/trainer_logprobs"
             again = c.post(path, content=encode_trainer_logprobs(p), headers=UPLOAD)
-            assert again.status_code == 409, again.text
+            assert again.status_code == 200 and again.json()["already_uploaded"] is True, again.text
+            other = c.post(path, content=encode_trainer_logprobs(p - 0.25), headers=UPLOAD)
+            assert other.status_code == 409, other.text
             m = _metrics(c)
             assert m[("mixfleet_mismatch_tokens_total", (("group", "cpu-a"),))] == want["total"]["tokens"]

@@ -62,3 +62,19 @@ async def test_a_lease_mark_expires_with_its_ttl(store_url: str) -> None:
         assert (await store.mismatch())[key] == B + B
     finally:
         await store.close()
+
+
+async def test_a_lease_mark_keeps_the_digest_of_its_upload(store_url: str) -> None:
+    """The mark remembers what identified the booked upload (the route answers a byte-identical
+    retry from it), for as long as the mark lives; a repeat does not replace it."""
+    store = open_store(store_url)
+    try:
+        key = ("g", 1, "0-63")
+        assert await store.mismatch_digest("L") is None
+        assert await store.add_mismatch("L", {key: B}, ttl_s=0.3, digest="d1") is True
+        assert await store.add_mismatch("L", {key: B}, ttl_s=0.3, digest="d2") is False
+        assert await store.mismatch_digest("L") == "d1"
+        await asyncio.sleep(0.4)
+        assert await store.mismatch_digest("L") is None
+    finally:
+        await store.close()

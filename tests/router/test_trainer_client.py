@@ -124,3 +124,56 @@ def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
             assert direct.queue_stats()["pending"] == 0
     finally:
         proxy.close()
+
+
+def test_a_long_poll_take_may_wait_longer_than_the_clients_call_timeout(router) -> None:
+    """``take(wait_s=...)``: the router holds the call up to ``wait_s`` seconds, so the kit's
+    per-call timeout counts from the end of that wait (a trainer with a 1 s timeout for a dead
+    router, long-polling 2 s, got "cannot reach the router: TimeoutError")."""
+
+    async def main() -> None:
+        async with AsyncRolloutClient(router.url, KEYS["all"], timeout_s=1.0, retries=0) as c:
+            while (left := await c.take(64)).lease_id is not None:  # empty the queue: the take waits
+                await c.ack(left.lease_id)
+            t0 = time.monotonic()
+            batch = await c.take(64, wait_s=2.0)
+            assert batch.lease_id is None and len(batch) == 0
+            assert time.monotonic() - t0 >= 1.9
+
+    asyncio.run(main())
+
+
+def test_a_log_prob_upload_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
+    """The router books the upload, its answer never reaches the trainer (the connection is cut
+    right after the router answered): the kit's retry of the same bytes gets the same figures
+    (200, ``already_uploaded``) instead of a 409 for an upload that did count, and it counts once."""
+    dropped: list[bytes] = []
+
+    def lose_first_upload_answer(direction: str, data: bytes, conn: dict) -> bytes | None:
+        if direction == "up" and b"/trainer_logprobs " in data:
+            conn["upload"] = True
+        elif direction == "down" and conn.get("upload") and not dropped:
+            dropped.append(data)
+            return None
+        return data
+
+    host, port = router.url.removeprefix("http://").split(":")
+    proxy = TcpProxy((host, int(port)), lose_first_upload_answer)
+    try:
+        with RolloutClient(router.url, KEYS["all"]) as direct:
+            s = direct.create_session(group="cpu-a")
+            direct.turn(s.session_id, [1, 2], {"max_new_tokens": 3, "seed": 1})
+            direct.finish(s.session_id, 1.0)
+            with RolloutClient(f"http://127.0.0.1:{proxy.port}", KEYS["all"], backoff_s=0.01) as c:
+                batch = c.take(64)
+                assert batch.lease_id is not None
+                answer = c.upload_trainer_logprobs(batch.lease_id, batch.logprobs - 0.1)
+                c.ack(batch.lease_id)
+            assert dropped and b" 200 " in dropped[0]  # the router did answer the first upload
+            assert answer["already_uploaded"] is True and answer["tokens"] == len(batch)
+            assert sum(g["tokens"] for g in answer["groups"]) == len(batch)
+            with pytest.raises(RouterError) as err:  # other log-probs for that lease: refused
+                direct.upload_trainer_logprobs(batch.lease_id, batch.logprobs)
+            assert err.value.status == 409
+    finally:
+        proxy.close()

@@ -507,7 +507,7 @@ def test_every_read_answers_what_the_run_wrote_whichever_worker_serves_it(worker
         router,
         "POST",
         f"/v1/batches/{batch.lease_id}/trainer_logprobs",
-        content=encode_trainer_logprobs(batch.logprobs),
+        content=encode_trainer_logprobs(batch.logprobs - 0.5),
         headers_extra={"Content-Type": LOGPROBS},
     )
     assert again.status_code == 409, again.text  # once per lease, whichever worker it reaches

@@ -275,3 +275,113 @@ def test_a_version_beyond_int64_or_below_zero_is_a_batch_format_error() -> None:
             odd = records.encode_turn(replace(turn, weight_versions=weight_versions))
             with pytest.raises(BatchFormatError, match=f"turn 0: weight version {bad} is not a version"):
                 decode_batch(records.encode_batch("L", 0, [(header, [odd])], trainer_version=3))
+
+
+def _blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of every turn block of a batch, read by hand from its layout."""
+    from trainer.batch import _varint_at
+
+    size, pos = _varint_at(data, 4)
+    pos += size
+    out = []
+    while pos < len(data):
+        size, pos = _varint_at(data, pos)
+        out.append((pos, size))
+        pos += size
+    return out
+
+
+def _offsets(message: str) -> list[int]:
+    import re
+
+    return [int(x) for x in re.findall(r"offset (\d+)", message)]
+
+
+def test_a_corrupted_turn_block_is_refused_naming_offsets_in_the_batch() -> None:
+    """Both decoders name where a corrupted turn block lies in the batch's bytes: the block's own
+    offset, and only offsets inside the batch (the standard-library decoder named offsets within
+    the block, as if from the batch's start, and no block; the kit named an offset millions of
+    bytes past the batch's end for a header length that overran its block)."""
+    data = _batch(3, False)
+    blocks = _blocks(data)
+    at, size = next((b, s) for b, s in blocks[1:] if data[b + 5] >= 0x80 and s < 16_000)
+    overrun = bytearray(data)
+    overrun[at + 5 : at + 7] = b"\xff\x7f"  # the header's length: 16383 bytes, more than the block
+    not_json = bytearray(data)
+    not_json[at + 7] = ord("}")  # the header's first byte
+    for broken in (bytes(overrun), bytes(not_json)):
+        decoders = ((records.decode_batch, records.RecordFormatError), (decode_batch, BatchFormatError))
+        for decode, error in decoders:
+            with pytest.raises(error) as info:
+                decode(broken)
+            message = str(info.value)
+            named = _offsets(message)
+            assert named and all(0 <= x < len(data) for x in named), message
+            assert any(at <= x < at + size for x in named), message
+    with pytest.raises(BatchFormatError, match=f"turn block at offset {at}: its header of 16383 bytes"):
+        decode_batch(bytes(overrun))
+    with pytest.raises(records.RecordFormatError, match=f"block at offset {at}"):
+        records.decode_batch(bytes(overrun))
+
+
+def test_a_batch_header_without_its_lease_or_a_corrupted_section_name_is_refused_by_both() -> None:
+    """Corruptions the kit decoded and the standard-library decoder refused: a batch header whose
+    ``lease_id`` or ``held_back`` key, or a trajectory whose ``session_id`` key, is corrupted
+    (the kit answered a batch with ``lease_id`` None: trajectories the trainer could never
+    acknowledge), and a section name that is not UTF-8 (the kit skipped the ``routed_experts``
+    section as unknown: the turn's routes silently gone)."""
+    from router.turn_data import ROUTES_SECTION, RoutedExperts
+
+    rng = random.Random(11)
+    turn = _turn(rng, 0, "g", 3, 1000)
+    routes = RoutedExperts(0, 3, 2, np.arange(6, dtype="<i4").tobytes())
+    turn = replace(turn, sections={ROUTES_SECTION: routes.to_section()})
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}
+    data = records.encode_batch("L", 0, [(header, [records.encode_turn(turn)])])
+    assert decode_batch(data).turns[0]["routes"].shape == (3, 2)
+    name = ROUTES_SECTION.encode()
+    at = data.rindex(name)
+    for old, new in (
+        (b'"lease_id"', b'"lXase_id"'),
+        (b'"held_back"', b'"hXld_back"'),
+        (b'"session_id"', b'"sXssion_id"'),
+    ):
+        broken = data.replace(old, new, 1)
+        with pytest.raises(records.RecordFormatError):
+            records.decode_batch(broken)
+        with pytest.raises(BatchFormatError, match=old.decode().strip('"')):
+            decode_batch(broken)
+    broken = data[: at + 1] + b"\xff" + data[at + 2 :]
+    with pytest.raises(records.RecordFormatError, match="not UTF-8"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match="section name .* is not UTF-8"):
+        decode_batch(broken)
+
+
+def test_a_corrupted_routes_section_or_fork_is_refused_by_both_naming_where() -> None:
+    """A routed_experts section whose counts do not match its bytes: the standard-library decoder
+    raised a bare ValueError (from ``RoutedExperts.from_section``, not its RecordFormatError), and
+    the kit named an offset counted from the section's start; a fork without its ``stored`` /
+    ``common`` fields was refused by one decoder only."""
+    from router.turn_data import ROUTES_SECTION, RoutedExperts
+
+    rng = random.Random(12)
+    first = _turn(rng, 0, "g", 3, 1000)
+    routes = RoutedExperts(0, 3, 2, np.arange(6, dtype="<i4").tobytes())
+    first = replace(first, sections={ROUTES_SECTION: routes.to_section()})
+    context = len(first.append_ids) + len(first.output_ids)
+    forked = _turn(rng, 1, "g", 2, 1000, context=context, fork=True)
+    header = {"session_id": "s", "group": "g", "reward": 1.0, "metadata": {}}
+    data = records.encode_batch("L", 0, [(header, [records.encode_turn(first), records.encode_turn(forked)])])
+    section = data.index(ROUTES_SECTION.encode()) + len(ROUTES_SECTION) + 1  # its size, then its bytes
+    assert data[section : section + 3] == bytes([0, 3, 2])  # start 0, 3 rows, width 2
+    broken = data[: section + 1] + bytes([9]) + data[section + 2 :]  # 9 rows
+    with pytest.raises(records.RecordFormatError, match="session s, turn 0 .*routed_experts"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match=f"bad routed_experts section at offset {section} "):
+        decode_batch(broken)
+    broken = data.replace(b'"common"', b'"cXmmon"', 1)
+    with pytest.raises(records.RecordFormatError, match="common"):
+        records.decode_batch(broken)
+    with pytest.raises(BatchFormatError, match="turn 1: bad fork"):
+        decode_batch(broken)
