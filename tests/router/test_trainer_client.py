@@ -4,7 +4,9 @@ batch as flat arrays equal to the records the turn calls returned; errors carry 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -94,36 +96,47 @@ def test_a_repeated_finish_answers_as_the_first_and_a_different_one_is_refused_a
         assert c.finish(s.session_id, 0.5, metadata={"k": [1, 2]}) == first  # consumed: the same answer
 
 
-def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
-    """The router acknowledges the lease, its answer never reaches the trainer (the connection is
-    cut right after the router answered): the kit's retry gets the first acknowledgement back
-    (200, ``already_acked``) instead of a 404, and the trajectories count once."""
+@contextlib.contextmanager
+def losing_first_answer(router, path: bytes) -> Iterator[tuple[str, list[bytes]]]:
+    """A proxy in front of ``router`` that drops the first answer to a request line holding
+    ``path`` (the router did answer it; the client never reads it, as when a connection is cut
+    right after the router answered). Yields the proxy's URL and the dropped answers."""
     dropped: list[bytes] = []
 
-    def lose_first_ack_answer(direction: str, data: bytes, conn: dict) -> bytes | None:
-        if direction == "up" and b"/ack " in data:
-            conn["ack"] = True
-        elif direction == "down" and conn.get("ack") and not dropped:
+    def lose(direction: str, data: bytes, conn: dict) -> bytes | None:
+        if direction == "up" and path in data:
+            conn["hit"] = True
+        elif direction == "down" and conn.get("hit") and not dropped:
             dropped.append(data)
             return None
         return data
 
     host, port = router.url.removeprefix("http://").split(":")
-    proxy = TcpProxy((host, int(port)), lose_first_ack_answer)
+    proxy = TcpProxy((host, int(port)), lose)
     try:
-        with RolloutClient(router.url, KEYS["all"]) as direct:
-            s = direct.create_session(group="cpu-a")
-            direct.turn(s.session_id, [1, 2], {"max_new_tokens": 2, "seed": 1})
-            direct.finish(s.session_id, 1.0)
-            with RolloutClient(f"http://127.0.0.1:{proxy.port}", KEYS["all"], backoff_s=0.01) as c:
-                batch = c.take(64)
-                assert batch.lease_id is not None
-                answer = c.ack(batch.lease_id)
-            assert dropped and b" 200 " in dropped[0]  # the router did answer the first ack
-            assert answer["already_acked"] is True and answer["acked"] == len(batch.trajectories)
-            assert direct.queue_stats()["pending"] == 0
+        yield f"http://127.0.0.1:{proxy.port}", dropped
     finally:
         proxy.close()
+
+
+def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
+    """The router acknowledges the lease, its answer never reaches the trainer (the connection is
+    cut right after the router answered): the kit's retry gets the first acknowledgement back
+    (200, ``already_acked``) instead of a 404, and the trajectories count once."""
+    with (
+        losing_first_answer(router, b"/ack ") as (url, dropped),
+        RolloutClient(router.url, KEYS["all"]) as direct,
+    ):
+        s = direct.create_session(group="cpu-a")
+        direct.turn(s.session_id, [1, 2], {"max_new_tokens": 2, "seed": 1})
+        direct.finish(s.session_id, 1.0)
+        with RolloutClient(url, KEYS["all"], backoff_s=0.01) as c:
+            batch = c.take(64)
+            assert batch.lease_id is not None
+            answer = c.ack(batch.lease_id)
+        assert dropped and b" 200 " in dropped[0]  # the router did answer the first ack
+        assert answer["already_acked"] is True and answer["acked"] == len(batch.trajectories)
+        assert direct.queue_stats()["pending"] == 0
 
 
 def test_a_long_poll_take_may_wait_longer_than_the_clients_call_timeout(router) -> None:
@@ -147,33 +160,19 @@ def test_a_log_prob_upload_whose_answer_is_lost_is_retried_and_succeeds(router) 
     """The router books the upload, its answer never reaches the trainer (the connection is cut
     right after the router answered): the kit's retry of the same bytes gets the same figures
     (200, ``already_uploaded``) instead of a 409 for an upload that did count, and it counts once."""
-    dropped: list[bytes] = []
-
-    def lose_first_upload_answer(direction: str, data: bytes, conn: dict) -> bytes | None:
-        if direction == "up" and b"/trainer_logprobs " in data:
-            conn["upload"] = True
-        elif direction == "down" and conn.get("upload") and not dropped:
-            dropped.append(data)
-            return None
-        return data
-
-    host, port = router.url.removeprefix("http://").split(":")
-    proxy = TcpProxy((host, int(port)), lose_first_upload_answer)
-    try:
-        with RolloutClient(router.url, KEYS["all"]) as direct:
-            s = direct.create_session(group="cpu-a")
-            direct.turn(s.session_id, [1, 2], {"max_new_tokens": 3, "seed": 1})
-            direct.finish(s.session_id, 1.0)
-            with RolloutClient(f"http://127.0.0.1:{proxy.port}", KEYS["all"], backoff_s=0.01) as c:
-                batch = c.take(64)
-                assert batch.lease_id is not None
-                answer = c.upload_trainer_logprobs(batch.lease_id, batch.logprobs - 0.1)
-                c.ack(batch.lease_id)
-            assert dropped and b" 200 " in dropped[0]  # the router did answer the first upload
-            assert answer["already_uploaded"] is True and answer["tokens"] == len(batch)
-            assert sum(g["tokens"] for g in answer["groups"]) == len(batch)
-            with pytest.raises(RouterError) as err:  # other log-probs for that lease: refused
-                direct.upload_trainer_logprobs(batch.lease_id, batch.logprobs)
-            assert err.value.status == 409
-    finally:
-        proxy.close()
+    lost = losing_first_answer(router, b"/trainer_logprobs ")
+    with lost as (url, dropped), RolloutClient(router.url, KEYS["all"]) as direct:
+        s = direct.create_session(group="cpu-a")
+        direct.turn(s.session_id, [1, 2], {"max_new_tokens": 3, "seed": 1})
+        direct.finish(s.session_id, 1.0)
+        with RolloutClient(url, KEYS["all"], backoff_s=0.01) as c:
+            batch = c.take(64)
+            assert batch.lease_id is not None
+            answer = c.upload_trainer_logprobs(batch.lease_id, batch.logprobs - 0.1)
+            c.ack(batch.lease_id)
+        assert dropped and b" 200 " in dropped[0]  # the router did answer the first upload
+        assert answer["already_uploaded"] is True and answer["tokens"] == len(batch)
+        assert sum(g["tokens"] for g in answer["groups"]) == len(batch)
+        with pytest.raises(RouterError) as err:  # other log-probs for that lease: refused
+            direct.upload_trainer_logprobs(batch.lease_id, batch.logprobs)
+        assert err.value.status == 409

@@ -10,6 +10,9 @@ under ROOT, as container ``CONTAINER``).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +60,30 @@ def publish(
     build_manifest(staged, format=FMT, source_checksum=f"xxh3_128:{payload}").write(staged, fsync=False)
     step("staged")
     return store.publish(STREAM.at(version), staged)
+
+
+def step_through(proc: subprocess.Popen, kill_at: str | None) -> list[str]:
+    """Drive a process speaking this module's protocol (a step name per line, then ``go`` on
+    stdin) to ``done``, or SIGKILL its group when it reports ``kill_at``; assert it ended so.
+    Returns the steps it reported."""
+    seen = []
+    try:
+        while line := proc.stdout.readline().strip():
+            seen.append(line)
+            if line == kill_at:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            if line == "done":
+                break
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+    finally:
+        proc.wait(timeout=30)
+    if kill_at is None:
+        assert proc.returncode == 0 and seen[-1] == "done", seen
+    else:
+        assert proc.returncode == -signal.SIGKILL and seen[-1] == kill_at, (proc.returncode, seen)
+    return seen
 
 
 def main(argv: list[str]) -> int:

@@ -11,14 +11,13 @@ version complete or absent, never half deleted, with what it left removed by the
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from tests.support.procs import REPO
-from tests.weight_sync.publisher import FMT, RUN, STREAM, open_store, publish
+from tests.weight_sync.publisher import FMT, RUN, STREAM, open_store, publish, step_through
 from weight_sync.publish import rollback
 from weight_sync.store.base import StoreError
 
@@ -113,25 +112,7 @@ def _deleter(root, version: int, adapter: str, container: str) -> subprocess.Pop
 
 
 def _delete_through(root, version: int, adapter: str, kill_at: str | None) -> list[str]:
-    proc = _deleter(root, version, adapter, "killed")
-    seen = []
-    try:
-        while line := proc.stdout.readline().strip():
-            seen.append(line)
-            if line == kill_at:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            if line == "done":
-                break
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-    finally:
-        proc.wait(timeout=30)
-    if kill_at is None:
-        assert proc.returncode == 0, seen
-    else:
-        assert proc.returncode == -signal.SIGKILL and seen[-1] == kill_at, (proc.returncode, seen)
-    return seen
+    return step_through(_deleter(root, version, adapter, "killed"), kill_at)
 
 
 @pytest.mark.parametrize(("adapter", "steps"), [("local", LOCAL_STEPS), ("volume", VOLUME_STEPS)])

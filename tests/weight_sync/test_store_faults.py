@@ -12,15 +12,13 @@ one; a fresh publisher then completes the same version; and the version stays im
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from tests.support.procs import REPO
-from tests.weight_sync.publisher import FMT, RUN, STREAM, open_store, publish
+from tests.weight_sync.publisher import FMT, RUN, STREAM, open_store, publish, step_through
 from weight_sync.manifest import build_manifest
 from weight_sync.store.base import VersionConflict
 
@@ -78,28 +76,7 @@ def _publish_through(
     root, version: int, payload: str, kill_at: str | None, adapter: str = "local", container: str = "w"
 ) -> list[str]:
     """Run a publisher, answering 'go' at every step; SIGKILL it when it reaches ``kill_at``."""
-    proc = _publisher(root, version, payload, adapter, container)
-    seen = []
-    try:
-        while True:
-            line = proc.stdout.readline().strip()
-            if not line:
-                break
-            seen.append(line)
-            if line == kill_at:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            if line == "done":
-                break
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-    finally:
-        proc.wait(timeout=30)
-    if kill_at is None:
-        assert proc.returncode == 0 and seen[-1] == "done", seen
-    else:
-        assert proc.returncode == -signal.SIGKILL and seen[-1] == kill_at, (proc.returncode, seen)
-    return seen
+    return step_through(_publisher(root, version, payload, adapter, container), kill_at)
 
 
 @pytest.mark.parametrize(("adapter", "steps"), [("local", STEPS), ("volume", VOLUME_STEPS)])
