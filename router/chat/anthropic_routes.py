@@ -1,6 +1,7 @@
 """Anthropic Messages per session: base URL ``{router}/v1/sessions/{session_id}/anthropic``,
 ``POST .../v1/messages`` (the official ``anthropic`` client works unchanged with that base URL and a
-``rollout`` key, sent as ``x-api-key`` or as a bearer token).
+``rollout`` key, sent as ``x-api-key`` or as a bearer token); ``POST .../v1/messages/count_tokens``
+(:func:`count_tokens`) and ``GET .../v1/models`` (:func:`list_models`, :func:`retrieve_model`).
 
 Supported: ``system`` (text), text / ``thinking`` / ``tool_use`` blocks of assistant messages,
 text / ``tool_result`` blocks of user messages, ``tools``, ``tool_choice`` ``auto``,
@@ -25,6 +26,8 @@ same as without streaming.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
@@ -38,7 +41,15 @@ from core.jsonio import dumps
 from router.auth import scopes_for
 from router.chat.errors import api_error
 from router.chat.renderers import Message, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, run_chat
+from router.chat.service import (
+    MODEL_ID,
+    ChatRequest,
+    ChatResult,
+    Head,
+    count_input,
+    run_chat,
+    session_created,
+)
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -181,22 +192,22 @@ class ThinkingConfig(_M):
     display: Literal["summarized"] | None = Field(None, description="omitted is refused: nothing is signed")
 
 
-class MessagesRequest(_M):
+class InputRequest(_M):
+    """What renders a turn's input: the body of ``count_tokens`` (anthropic 2.15
+    ``resources/messages/messages.py`` ``Messages.count_tokens``, its ``_post`` of
+    ``/v1/messages/count_tokens``: ``messages``, ``model``, ``system``, ``thinking``, ``tool_choice``,
+    ``tools``; its ``cache_control``, ``output_config``, ``speed`` are refused by name) and the
+    part of a :class:`MessagesRequest` that is not sampling."""
+
     model: str = ""
-    max_tokens: int = Field(ge=1)
     messages: list[InMessage]
     system: str | list[TextBlock] | None = None
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoice | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = None
-    top_k: int | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool | None = None
-    metadata: JsonObject | None = None
     thinking: ThinkingConfig | None = None
 
     def chat(self) -> ChatRequest:
+        """The turn's input in the common form (its sampling options unset)."""
         if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
             raise ApiError(
                 400,
@@ -218,14 +229,29 @@ class MessagesRequest(_M):
         return ChatRequest(
             messages=tuple(messages),
             tools=tuple(Tool(t.name, t.description, t.input_schema) for t in self.tools or ()),
+            no_thinking="thinking.type"
+            if self.thinking is not None and self.thinking.type == "disabled"
+            else None,
+        )
+
+
+class MessagesRequest(InputRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    metadata: JsonObject | None = None
+
+    def chat(self) -> ChatRequest:
+        return dataclasses.replace(
+            super().chat(),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             stop=tuple(self.stop_sequences or ()),
-            no_thinking="thinking.type"
-            if self.thinking is not None and self.thinking.type == "disabled"
-            else None,
         )
 
 
@@ -290,6 +316,43 @@ async def create_message(
         items = await stream_chat(ctx, session_id, chat, idempotency_key)
         return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
     return JSONResponse(message(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    summary="Count the input tokens of an Anthropic Messages turn on this session",
+    responses=error_responses(*BODY, 404, 409, 503),
+)
+async def count_tokens(request: Request, session_id: SessionId, body: InputRequest) -> Response:
+    """``{"input_tokens": N}`` (anthropic 2.15 ``types/message_tokens_count.py``): the
+    ``usage.input_tokens`` a turn with this input would have now, as the router renders it
+    (:func:`router.chat.service.count_input`); nothing is sampled or recorded."""
+    return JSONResponse({"input_tokens": await count_input(request.app.state.ctx, session_id, body.chat())})
+
+
+def _model(model_id: str, created: int) -> dict[str, Any]:
+    """A ``ModelInfo`` (anthropic 2.15 ``types/model_info.py``: ``id``, ``created_at`` RFC 3339,
+    ``display_name``, ``type``)."""
+    at = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": at}
+
+
+@router.get("/v1/models", summary="The session's one chat model", responses=error_responses(404, 503))
+async def list_models(request: Request, session_id: SessionId) -> Response:
+    """A page of ``ModelInfo`` (anthropic 2.15 ``pagination.py`` ``SyncPage``: ``data``,
+    ``has_more``, ``first_id``, ``last_id``) holding :data:`~router.chat.service.MODEL_ID`, created
+    when the session was."""
+    created = await session_created(request.app.state.ctx, session_id)
+    return JSONResponse(
+        {"data": [_model(MODEL_ID, created)], "has_more": False, "first_id": MODEL_ID, "last_id": MODEL_ID}
+    )
+
+
+@router.get("/v1/models/{model_id}", summary="The session's chat model", responses=error_responses(404, 503))
+async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
+    """The session's model under ``model_id``: every model name reaches it
+    (:data:`~router.chat.service.MODEL_ID`)."""
+    return JSONResponse(_model(model_id, await session_created(request.app.state.ctx, session_id)))
 
 
 async def _sse(

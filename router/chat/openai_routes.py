@@ -1,6 +1,6 @@
 """OpenAI Chat Completions per session: base URL ``{router}/v1/sessions/{session_id}/openai/v1``,
 ``POST .../chat/completions`` (the official ``openai`` client works unchanged with that base URL
-and a ``rollout`` key).
+and a ``rollout`` key); ``GET .../models`` (:func:`list_models`, :func:`retrieve_model`).
 
 Supported: text messages (system/developer, user, assistant with ``tool_calls`` and an optional
 ``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
@@ -40,7 +40,7 @@ from core.jsonio import dumps
 from router.auth import require
 from router.chat.errors import api_error
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
-from router.chat.service import ChatRequest, ChatResult, Head, run_chat
+from router.chat.service import MODEL_ID, ChatRequest, ChatResult, Head, run_chat, session_created
 from router.chat.streaming import Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
@@ -251,6 +251,26 @@ async def chat_completions(
         items = await stream_chat(ctx, session_id, chat, idempotency_key)
         return StreamingResponse(_sse(session_id, body, items), media_type="text/event-stream")
     return JSONResponse(completion(session_id, body, await run_chat(ctx, session_id, chat, idempotency_key)))
+
+
+def _model(model_id: str, created: int) -> dict[str, Any]:
+    """A ``Model`` (openai 3.57 ``types/model.py``: ``id``, ``created``, ``object``, ``owned_by``)."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mixfleet"}
+
+
+@router.get("/models", summary="The session's one chat model", responses=error_responses(404, 503))
+async def list_models(request: Request, session_id: SessionId) -> Response:
+    """``{"object": "list", "data": [Model]}`` (openai 3.57 ``pagination.py`` ``SyncPage``) holding
+    :data:`~router.chat.service.MODEL_ID`, created when the session was."""
+    created = await session_created(request.app.state.ctx, session_id)
+    return JSONResponse({"object": "list", "data": [_model(MODEL_ID, created)]})
+
+
+@router.get("/models/{model_id}", summary="The session's chat model", responses=error_responses(404, 503))
+async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
+    """The session's model under ``model_id``: every model name reaches it
+    (:data:`~router.chat.service.MODEL_ID`)."""
+    return JSONResponse(_model(model_id, await session_created(request.app.state.ctx, session_id)))
 
 
 async def _sse(

@@ -172,22 +172,7 @@ async def run_chat(
     digest = None if key is None else chat_digest(req)
     if key is not None and (first := await recorded(ctx, session_id, key, digest)) is not None:
         return await _replay(ctx, session_id, renderer, first, stops)
-    held = ctx.context_text.known(session_id)  # the context this process's last turn left
-    state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
-    context = held[1] if state.context is None and held is not None else state.context or b""
-    chain = digests(
-        f"{renderer.family}/{renderer.form}" if renderer.form else renderer.family, req.tools, req.messages
-    )
-    try:
-        known = resume(state, context, req.messages, chain)
-        whole = known is None
-        render = functools.partial(build_context, renderer, req.messages, req.tools)
-        if known is None:  # the whole conversation
-            blobs = await ctx.store.get_turns(session_id)
-            known = await asyncio.to_thread(lambda: from_trajectory([decode_turn(b) for b in blobs]))
-        input_ids = (await asyncio.to_thread(render, known)).input_ids  # off the event loop
-    except RenderError as exc:
-        raise ApiError(400, str(exc)) from None
+    state, chain, input_ids, whole = await _render(ctx, session_id, renderer, req)
     spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()
     head = Head(state.session.n_turns, int(state.session.created_at), len(input_ids))
     sink = None if on_tokens is None else functools.partial(on_tokens, head)
@@ -208,6 +193,58 @@ async def run_chat(
         await ctx.store.put_chat_note(session_id, turn["turn"], note.encode())
         ctx.metrics.chat_turns.labels(turn["group"], "whole" if whole else "resumed").inc()
     return _result(turn, renderer, prompt, stops, state)
+
+
+async def count_input(ctx: RouterContext, session_id: str, req: ChatRequest) -> int:
+    """How many tokens a turn of ``session_id`` with ``req`` would send the engine as its input now
+    (its ``prompt_tokens``): the context :func:`run_chat` renders, rendered the same way, without
+    sampling or recording anything. The same refusals as :func:`run_chat` before it samples (400,
+    404, 409)."""
+    renderer = request_renderer(ctx.config, req)
+    request_stops(renderer, req)
+    return len((await _render(ctx, session_id, renderer, req))[2])
+
+
+async def _render(
+    ctx: RouterContext, session_id: str, renderer: Renderer, req: ChatRequest
+) -> tuple[ChatState, list[str], np.ndarray, bool]:
+    """The open session's chat state, the digests of ``req``'s messages, the turn's input ids and
+    whether they were rendered whole (no chat note to resume from: module docstring); ApiError 400
+    for what the renderer cannot represent, 404 / 409 for an unknown or finished session."""
+    held = ctx.context_text.known(session_id)  # the context this process's last turn left
+    state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
+    context = held[1] if state.context is None and held is not None else state.context or b""
+    chain = digests(
+        f"{renderer.family}/{renderer.form}" if renderer.form else renderer.family, req.tools, req.messages
+    )
+    try:
+        known = resume(state, context, req.messages, chain)
+        whole = known is None
+        render = functools.partial(build_context, renderer, req.messages, req.tools)
+        if known is None:  # the whole conversation
+            blobs = await ctx.store.get_turns(session_id)
+            known = await asyncio.to_thread(lambda: from_trajectory([decode_turn(b) for b in blobs]))
+        input_ids = (await asyncio.to_thread(render, known)).input_ids  # off the event loop
+    except RenderError as exc:
+        raise ApiError(400, str(exc)) from None
+    return state, chain, input_ids, whole
+
+
+MODEL_ID = "mixfleet"
+"""The id the models routes list for a session's one chat model. A request names any model (its
+``model`` is echoed back): every name reaches the session's model, so either API's model retrieval
+answers that model under the id asked for."""
+
+
+async def session_created(ctx: RouterContext, session_id: str) -> int:
+    """The creation time (seconds) of ``session_id``, open or finished, whose chat model is the
+    router's: the models routes' ``created``. ApiError 404 for an unknown session, 503 without a
+    chat model (:func:`chat_renderer`)."""
+    chat_renderer(ctx.config)
+    info = await ctx.store.get_session(session_id)
+    if info is None:
+        raise ApiError(404, f"unknown session {session_id!r}")
+    return int(info.created_at)
 
 
 def chat_digest(req: ChatRequest) -> str:
