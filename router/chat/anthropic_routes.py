@@ -11,7 +11,8 @@ change the answer (an image or document block, ``is_error`` tool results, a thin
 (``thinking`` ``disabled`` is the template's no-thinking form: :class:`ThinkingConfig`), a
 ``tool_choice`` other than ``auto``, ``disable_parallel_tool_use``: a sampled answer may hold
 several tool calls) is a 400 naming it. The sampled reasoning comes back as a
-``thinking`` block (its ``signature`` is empty: nothing is signed).
+``thinking`` block (its ``signature`` is empty: nothing is signed), after the text block when
+text was sampled before the reasoning, else first, streamed or not (:func:`message`).
 
 ``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`).
@@ -50,7 +51,7 @@ from router.chat.service import (
     run_chat,
     session_created,
 )
-from router.chat.streaming import Tail, stream_chat
+from router.chat.streaming import Tail, stream_chat, text_before_reasoning
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
@@ -406,13 +407,16 @@ def _start(session_id: str, body: MessagesRequest, head: Head) -> dict[str, Any]
 
 
 def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[str, Any]:
-    """The ``message`` object of a recorded turn."""
+    """The ``message`` object of a recorded turn; its blocks in the order sampled: a thinking block
+    after the text when text was sampled before the reasoning (as the stream sends them:
+    :func:`~router.chat.streaming.text_before_reasoning`), else first."""
     reply = result.reply
     content: list[dict[str, Any]] = []
-    if reply.reasoning is not None:
-        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
     if reply.content or not reply.tool_calls:
         content.append({"type": "text", "text": reply.content})
+    if reply.reasoning is not None:
+        thinking = {"type": "thinking", "thinking": reply.reasoning, "signature": ""}
+        content.insert(len(content) if text_before_reasoning(result) else 0, thinking)
     for c in reply.tool_calls:
         args = c.parsed_arguments()
         content.append(

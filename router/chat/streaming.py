@@ -169,11 +169,29 @@ async def _cancel(task: asyncio.Future) -> None:
 async def _recorded(renderer: Renderer, result: ChatResult) -> AsyncIterator[Head | str | Tail]:
     """The items of a turn recorded before any of its tokens was streamed."""
     yield Head(result.turn["turn"], result.created, result.prompt_tokens)
-    matched = matched_stop(result.turn.get("finish_reason"))
-    deltas = TextDeltas(renderer, () if matched is None else (matched,))
+    deltas = recorded_deltas(renderer, result)
     for delta in deltas.feed(result.output_ids):
         yield delta
     yield Tail(result, deltas.shown)
+
+
+def recorded_deltas(renderer: Renderer, result: ChatResult) -> TextDeltas:
+    """The :class:`TextDeltas` of a recorded turn, fed nothing yet (its stop sequence, if one
+    ended it, shows nothing)."""
+    matched = matched_stop(result.turn.get("finish_reason"))
+    return TextDeltas(renderer, () if matched is None else (matched,))
+
+
+def text_before_reasoning(result: ChatResult) -> bool:
+    """Whether the turn sampled text before its reasoning: what its stream shows before the
+    reasoning block (not after a generation prompt that opens the reasoning, where the text
+    shown follows it). The Anthropic reply's blocks follow this order streamed or not."""
+    renderer = result.renderer
+    if result.reply.reasoning is None or renderer.opens_reasoning:
+        return False
+    deltas = recorded_deltas(renderer, result)
+    deltas.feed(result.output_ids)
+    return bool(deltas.shown)
 
 
 async def _live(

@@ -125,7 +125,8 @@ BEFORE_THINK = "Well, <think>\nLet me see.\n</think>\n\nIt is blue.<|im_end|>"
 def test_text_before_reasoning_is_content_streamed_or_not(router, paced, session, renderer):
     """Text sampled before ``<think>`` streams as content before the markup comes; the reply
     without streaming has the same content (that text, then the answer after ``</think>``), the same
-    reasoning, and the same stored turn — with both clients."""
+    reasoning, and the same stored turn — with both clients; Anthropic's blocks come in the same
+    order (text, then thinking) either way."""
     kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0}
     paced.script.append(renderer.encode(BEFORE_THINK))
     chunks = list(_openai(router, session).chat.completions.create(stream=True, **kw))
@@ -145,6 +146,8 @@ def test_text_before_reasoning_is_content_streamed_or_not(router, paced, session
         final = stream.get_final_message()
     paced.script.append(renderer.encode(BEFORE_THINK))
     message = _anthropic(router, _new_session(router)).messages.create(**ak)
+    # the blocks in the order sampled, streamed or not
+    assert [b.type for b in final.content] == [b.type for b in message.content] == ["text", "thinking"]
     for m in (final, message):
         assert "".join(b.text for b in m.content if b.type == "text") == "Well, It is blue."
         assert [b.thinking for b in m.content if b.type == "thinking"] == ["Let me see."]
