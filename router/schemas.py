@@ -2,8 +2,9 @@
 these). Requests forbid unknown fields so a typo is a 422 naming the field, not a silent
 default; floats must be finite. The scalar fields of the session and trainer bodies are strict
 (pydantic's ``StrictInt``, ``StrictFloat``, ``StrictBool``): ``"5"``, ``true`` or ``5.0`` is not the
-integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); token
-ids stay lax on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
+integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); a
+bounded integer beyond 64 bits is refused naming its range (:data:`BoundedInt`); token ids stay lax
+on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
 :class:`ErrorBody`.
 """
 
@@ -17,6 +18,7 @@ from fastapi import Path as PathParam
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -40,6 +42,22 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
 """A token id (validated by pydantic itself, per element)."""
 
 MAX_JSON_DEPTH = 64
+
+
+def _spelled_int(value: Any) -> Any:
+    """An integral float of magnitude at least 2**63 as the integer it equals, anything else as it
+    is: the body's decoder (orjson) reads an integer literal beyond 64 bits (``10**30``) as a
+    float, which ``StrictInt`` would refuse as "not a valid integer" although the field's bounds
+    are what it breaks."""
+    if type(value) is float and abs(value) >= 2**63 and value.is_integer():
+        return int(value)
+    return value
+
+
+BoundedInt = Annotated[StrictInt, BeforeValidator(_spelled_int)]
+"""A ``StrictInt`` for a field with both bounds: a value beyond 64 bits is refused by the bound
+it breaks, naming the allowed range as for any other value outside it (only a field bounded on
+both sides may use it, so no such value is ever accepted)."""
 
 
 def _shallow(value: dict[str, Any]) -> dict[str, Any]:
@@ -135,11 +153,11 @@ class SamplingParams(_Req):
 
     temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(-1, ge=-1, le=TOKEN_MAX)
+    top_k: BoundedInt = Field(-1, ge=-1, le=TOKEN_MAX)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: StrictInt = Field(128, ge=1, le=1_000_000)
+    max_new_tokens: BoundedInt = Field(128, ge=1, le=1_000_000)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
-    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    seed: BoundedInt | None = Field(None, ge=0, le=2**63 - 1)
 
     @field_validator("top_k")
     @classmethod
@@ -410,7 +428,7 @@ class Trajectory(BaseModel):
 
 
 class TakeRequest(_Req):
-    size: StrictInt = Field(
+    size: BoundedInt = Field(
         ge=1,
         le=4096,
         description="the most trajectories to take: finished trajectories in queue order (those of "
@@ -431,7 +449,7 @@ class TakeRequest(_Req):
         description="seconds the take may wait for `size` trajectories: it answers as soon as it "
         "holds `size`, else when the wait ends, with what it holds (0: at once)",
     )
-    trainer_version: StrictInt | None = Field(
+    trainer_version: BoundedInt | None = Field(
         None,
         ge=0,
         le=VERSION_MAX,
@@ -498,9 +516,9 @@ class Heartbeat(_Req):
     group: str
     url: str = Field(pattern=r"^https?://\S+$", max_length=2048)
     ready: StrictBool
-    active_version: StrictInt | None = Field(None, ge=0, le=VERSION_MAX)
-    running: StrictInt = Field(0, ge=0, le=COUNT_MAX)
-    queued: StrictInt = Field(0, ge=0, le=COUNT_MAX)
+    active_version: BoundedInt | None = Field(None, ge=0, le=VERSION_MAX)
+    running: BoundedInt = Field(0, ge=0, le=COUNT_MAX)
+    queued: BoundedInt = Field(0, ge=0, le=COUNT_MAX)
     tokens_per_s: StrictFloat = Field(0.0, ge=0.0)
     error: str | None = Field(None, max_length=4096)
 
