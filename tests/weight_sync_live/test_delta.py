@@ -124,6 +124,13 @@ def test_bad_deltas_are_refused_before_anything_moves(
         ({LM_HEAD: good[:-1]}, "lm_head.weight.*version 1 has BF16"),
         ({LM_HEAD: good.float()}, "is F32"),
     ]
+    nan, inf = good.clone(), good.clone()
+    nan[1, 2] = float("nan")
+    inf.view(-1)[-1] = float("-inf")
+    for tensors in ({LM_HEAD: nan}, {LM_HEAD: inf}):  # named in the user's file, not the merged copy
+        i = len(cases)
+        named = rf"bad{i}/d\.safetensors: tensor 'lm_head\.weight' of shape .* contains NaN or Inf"
+        cases.append((tensors, named))
     for i, (tensors, message) in enumerate(cases):
         d = tmp_path / f"bad{i}"
         d.mkdir()
