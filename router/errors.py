@@ -47,6 +47,7 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     404: "Unknown resource",
     409: "Conflicts with the resource's state",
     413: "Body larger than the router's limit",
+    415: "Body of a media type the route does not take (`detail` names the one it takes)",
     422: "Invalid request: `detail` names the field, `errors` lists each problem",
     502: "An engine sent an answer the router cannot use",
     503: "Unavailable now (state store, replicas, version constraints); retry after `Retry-After` seconds",

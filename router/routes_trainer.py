@@ -231,7 +231,7 @@ def _upload_window_s(ctx: RouterContext) -> float:
             "content": {LOGPROBS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         }
     },
-    responses=error_responses(400, 404, 409, 413, 422),
+    responses=error_responses(400, 404, 409, 413, 415, 422),
 )
 async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any]:
     """Log p of every output token of the lease's batch, in its token order (trajectory, turn,
@@ -249,7 +249,19 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
     them, an 8-byte version reference a token, and the computation's temporaries, bounded by
     :data:`router.mismatch.CHUNK_TOKENS` tokens (about 100 MB) whatever ``n``: about 13 bytes a
     token and the stored blocks. The decoding and the computation run in a worker thread, off the
-    event loop."""
+    event loop.
+
+    The body's ``Content-Type`` must be ``application/x-mixfleet-logprobs`` (parameters after ``;``
+    aside), what :meth:`trainer.client.RolloutClient.upload_trainer_logprobs` sends; another or
+    none (a JSON body) is a 415 naming it, before the lease is looked up."""
+    media_type = request.headers.get("content-type")
+    if (media_type or "").partition(";")[0].strip().lower() != LOGPROBS_MEDIA_TYPE:
+        sent = f"Content-Type {media_type!r}" if media_type else "no Content-Type"
+        raise ApiError(
+            415,
+            f"body: {sent}; the upload takes {LOGPROBS_MEDIA_TYPE} "
+            "(trainer/upload.py encode_trainer_logprobs)",
+        )
     ctx = _ctx(request)
     order = await ctx.store.lease_order(lease_id)
     if order is None:

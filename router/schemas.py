@@ -2,8 +2,9 @@
 these). Requests forbid unknown fields so a typo is a 422 naming the field, not a silent
 default; floats must be finite. The scalar fields of the session and trainer bodies are strict
 (pydantic's ``StrictInt``, ``StrictFloat``, ``StrictBool``): ``"5"``, ``true`` or ``5.0`` is not the
-integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); token
-ids stay lax on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
+integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); a
+bounded integer beyond 64 bits is refused naming its range (:func:`bounded_int`); token ids stay lax
+on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
 :class:`ErrorBody`.
 """
 
@@ -17,6 +18,7 @@ from fastapi import Path as PathParam
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -40,6 +42,23 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
 """A token id (validated by pydantic itself, per element)."""
 
 MAX_JSON_DEPTH = 64
+
+
+def _spelled_int(value: Any) -> Any:
+    """An integral float of magnitude at least 2**63 as the integer it equals, anything else as it
+    is: the body's decoder (orjson) reads an integer literal beyond 64 bits (``10**30``) as a
+    float, which ``StrictInt`` would refuse as "not a valid integer" although the field's bounds
+    are what it breaks."""
+    if type(value) is float and abs(value) >= 2**63 and value.is_integer():
+        return int(value)
+    return value
+
+
+def bounded_int(ge: int, le: int) -> Any:
+    """A ``StrictInt`` in ``ge .. le`` (its JSON schema: ``minimum``, ``maximum``) whose value
+    beyond 64 bits is refused by the bound it breaks, naming the range as for any other value
+    outside it (both bounds are required, so no such value is ever accepted)."""
+    return Annotated[StrictInt, Field(ge=ge, le=le), BeforeValidator(_spelled_int)]
 
 
 def _shallow(value: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +138,10 @@ _TOKEN_IDS = TypeAdapter(list[TokenId])
 TokenArray = _ids_type(_token_array, 0)
 """Token ids of a turn's input, a JSON list validated into one uint32 array in bulk (a context of
 100K+ ids costs no per-id Python validation and no Python list): what :class:`TurnSpec` carries
-to the engine's request body."""
+to the engine's request body. Lax by design: ``true`` / ``false`` are the ids 1 / 0 (the bulk
+conversion takes them; telling them from integers needs each id's type, about 22 ns an id, which
+would add about half to the decoding and validation of a full-context turn) and ``"1"`` or ``3.0``
+is the id 1 or 3 (pydantic's lax rules for a :data:`TokenId`)."""
 ContextArray = _ids_type(_some_token_array, 1)
 """A :data:`TokenArray` of at least one id (a turn's full context)."""
 
@@ -135,11 +157,11 @@ class SamplingParams(_Req):
 
     temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(-1, ge=-1, le=TOKEN_MAX)
+    top_k: bounded_int(-1, TOKEN_MAX) = -1
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: StrictInt = Field(128, ge=1, le=1_000_000)
+    max_new_tokens: bounded_int(1, 1_000_000) = 128
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
-    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    seed: bounded_int(0, 2**63 - 1) | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -410,9 +432,7 @@ class Trajectory(BaseModel):
 
 
 class TakeRequest(_Req):
-    size: StrictInt = Field(
-        ge=1,
-        le=4096,
+    size: bounded_int(1, 4096) = Field(
         description="the most trajectories to take: finished trajectories in queue order (those of "
         "expired leases first, redelivered), up to this many; fewer when fewer are ready by the end of "
         "`wait_s` (none: an empty batch without a lease)",
@@ -431,10 +451,8 @@ class TakeRequest(_Req):
         description="seconds the take may wait for `size` trajectories: it answers as soon as it "
         "holds `size`, else when the wait ends, with what it holds (0: at once)",
     )
-    trainer_version: StrictInt | None = Field(
+    trainer_version: bounded_int(0, VERSION_MAX) | None = Field(
         None,
-        ge=0,
-        le=VERSION_MAX,
         description="the trainer's weight version, which the batch's version ages (and "
         "max_version_age) are measured against. At most the latest published version, or the version "
         "a running publish job is publishing (with none published and no job, the newest version a "
@@ -498,9 +516,9 @@ class Heartbeat(_Req):
     group: str
     url: str = Field(pattern=r"^https?://\S+$", max_length=2048)
     ready: StrictBool
-    active_version: StrictInt | None = Field(None, ge=0, le=VERSION_MAX)
-    running: StrictInt = Field(0, ge=0, le=COUNT_MAX)
-    queued: StrictInt = Field(0, ge=0, le=COUNT_MAX)
+    active_version: bounded_int(0, VERSION_MAX) | None = None
+    running: bounded_int(0, COUNT_MAX) = 0
+    queued: bounded_int(0, COUNT_MAX) = 0
     tokens_per_s: StrictFloat = Field(0.0, ge=0.0)
     error: str | None = Field(None, max_length=4096)
 

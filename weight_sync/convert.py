@@ -582,7 +582,7 @@ class _Planner:
         outs = [OutTensor(e.name, e.dtype, e.shape)]
 
         def bits(r0: int = 0, r1: int | None = None) -> np.ndarray:
-            return _finite_bf16(self.reader.bits_rows(e, r0, r1), e)
+            return finite_bf16(self.reader.bits_rows(e, r0, r1), e)
 
         if not e.shape:
             return Job(outs, [lambda: [(bits(), 0)]], anchor, e, [(e.start, e.nbytes)])
@@ -710,7 +710,7 @@ def _input_scales(source: Source, classified: Classified) -> dict[str, np.float3
 _BF16_EXPONENT = np.uint16(0x7F80)  # all ones: Inf (mantissa 0) or NaN
 
 
-def _finite_bf16(bits: np.ndarray, e: TensorEntry) -> np.ndarray:
+def finite_bf16(bits: np.ndarray, e: TensorEntry) -> np.ndarray:
     """``bits`` (BF16 bit patterns of ``e``), or a ``UserError`` naming ``e`` if one is NaN or Inf."""
     if ((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any():
         raise UserError(f"{e.file}: tensor {e.name!r} of shape {list(e.shape)} contains NaN or Inf")

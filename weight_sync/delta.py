@@ -33,7 +33,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from weight_sync.manifest import MANIFEST_NAME, ChecksumError, FileEntry, Manifest, count_tensors
-from weight_sync.safetensors_io import read_header
+from weight_sync.safetensors_io import TensorEntry, TensorReader, read_header
 from weight_sync.store.base import VersionStore
 from weight_sync.types import VersionRef
 
@@ -79,6 +79,17 @@ def link_version(store: VersionStore, ref: VersionRef, out: Path) -> None:
             _link_or_copy(src / rel, dst)
 
 
+def _check_finite(entries: list[TensorEntry]) -> None:
+    """``UserError`` naming the delta's file and tensor when one of ``entries`` holds NaN or Inf
+    (the converter's own check, :func:`weight_sync.convert.finite_bf16`, which would otherwise
+    name the merged temporary copy; the delta's tensors are BF16, as the base's)."""
+    from weight_sync.convert import finite_bf16
+
+    with TensorReader() as reader:
+        for e in entries:
+            finite_bf16(reader.bits_rows(e), e)
+
+
 def _header(path: Path) -> tuple[dict[str, tuple[str, list[int]]], dict[str, str]]:
     """``name -> (dtype, shape)`` and the metadata of a safetensors file (``SafetensorsError``,
     a ``UserError``, naming the file when it is malformed)."""
@@ -92,7 +103,8 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
     tensors were replaced.
 
     Refuses (``UserError``, before writing anything) a delta without tensors, a tensor named twice,
-    a tensor the base does not have, or one whose dtype or shape differs from the base's.
+    a tensor the base does not have, one whose dtype or shape differs from the base's, or one
+    holding NaN or Inf (each naming the delta's file and tensor).
     """
     from safetensors.torch import load_file, save_file
 
@@ -106,11 +118,13 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
             "(publish the bf16 format too, or publish a full checkpoint)"
         )
     delta: dict[str, tuple[Path, str, list[int]]] = {}
+    entries: list[TensorEntry] = []
     for file in sorted(delta_dir.glob("*.safetensors")):
-        for name, (dtype, shape) in _header(file)[0].items():
+        for name, e in read_header(file)[0].items():
             if name in delta:
                 raise UserError(f"delta tensor {name!r} is in both {delta[name][0].name} and {file.name}")
-            delta[name] = (file, dtype, shape)
+            delta[name] = (file, e.dtype, list(e.shape))
+            entries.append(e)
     if not delta:
         raise UserError(f"delta directory {delta_dir} has no tensors (*.safetensors)")
     base = version_files(store, base_ref)
@@ -132,6 +146,7 @@ def merge_source(store: VersionStore, run_id: str, base_version: int, delta_dir:
                 f"delta tensor {name!r} in {file.name} is {dtype} {shape}; version {base_version} has "
                 f"{b_dtype} {b_shape}"
             )
+    _check_finite(entries)
     changed = {where[n] for n in delta}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -449,8 +449,9 @@ def publish_delta(
     applies to). After: as :func:`publish_checkpoint` (same ``kwargs``), every format's version
     ``version`` being a delta over ``base_version`` whose staged content is byte for byte what a
     full publish of the merged checkpoint gives (:mod:`weight_sync.delta`). Bad input (a tensor
-    the base lacks, another shape or dtype, no bf16 copy of the base) raises ``UserError`` before
-    anything is converted or any pointer moves.
+    the base lacks, another shape or dtype, NaN or Inf, no bf16 copy of the base) raises
+    ``UserError``, naming the delta's file where it is one tensor's fault, before anything is
+    converted or any pointer moves.
     """
     import tempfile
 

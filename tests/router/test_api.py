@@ -524,6 +524,30 @@ def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(
     assert client.delete(f"/v1/sessions/{sid}").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "detail"),
+    [
+        ("/v1/batches/take", {"size": 10**30}, "size: Input should be less than or equal to 4096"),
+        ("/v1/batches/take", {"size": -(10**30)}, "size: Input should be greater than or equal to 1"),
+        ("/v1/batches/take", {"size": 2**64}, "size: Input should be less than or equal to 4096"),
+        (
+            "{sid}/turns",
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**30}},
+            "sampling_params.max_new_tokens: Input should be less than or equal to 1000000",
+        ),
+    ],
+)
+def test_an_integer_beyond_64_bits_is_refused_naming_the_range(
+    client: httpx.Client, path: str, body: dict, detail: str
+) -> None:
+    """The body's decoder reads an integer beyond 64 bits as a float; a bounded field refuses it
+    naming its range, as it refuses the first integer past its bound, not as "not an integer"."""
+    sid = _session(client, group="cpu-a")
+    r = client.post(path.replace("{sid}", f"/v1/sessions/{sid}"), json=body)
+    assert r.status_code == 422 and r.json()["detail"].startswith(detail), r.text
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
 def test_an_integer_reward_is_a_float_reward(client: httpx.Client) -> None:
     sid = _session(client, group="cpu-a")
     assert client.post(f"/v1/sessions/{sid}/turns", json={"input_ids": [1], "sampling_params": SP}).is_success

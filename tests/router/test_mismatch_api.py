@@ -181,6 +181,21 @@ def test_refusals(router, client: httpx.Client) -> None:
     assert r.status_code == 422 and "trainer log-prob 0 is -3.40282e+38, below -10000" in r.json()["detail"]
     r = post(b'{"logprobs": [1, 2]}')
     assert r.status_code == 400 and r.json()["detail"].startswith("body: upload starts with b'{\"l'")
+    upload = encode_trainer_logprobs(batch.logprobs)
+    auth = {"Authorization": f"Bearer {KEYS['trainer']}"}
+    for headers, sent in (
+        ({"Content-Type": "application/json"}, "Content-Type 'application/json'"),
+        ({"Content-Type": "application/octet-stream"}, "Content-Type 'application/octet-stream'"),
+        ({}, "no Content-Type"),
+    ):
+        r = client.post(path, content=upload, headers={**auth, **headers})
+        assert r.status_code == 415, r.text
+        assert r.json()["detail"] == (
+            f"body: {sent}; the upload takes application/x-mixfleet-logprobs (trainer/upload.py "
+            "encode_trainer_logprobs)"
+        )
+    r = client.post(path, json={"logprobs": [1, 2]}, headers=auth)
+    assert r.status_code == 415 and "Content-Type 'application/json'" in r.json()["detail"], r.text
     r = post(b"")
     assert r.status_code == 400 and "shorter than its 8-byte header" in r.json()["detail"]
     assert post(encode_trainer_logprobs(np.zeros(len(batch))), key=KEYS["rollout"]).status_code == 403

@@ -124,6 +124,13 @@ def test_bad_deltas_are_refused_before_anything_moves(
         ({LM_HEAD: good[:-1]}, "lm_head.weight.*version 1 has BF16"),
         ({LM_HEAD: good.float()}, "is F32"),
     ]
+    nan, inf = good.clone(), good.clone()
+    nan[1, 2] = float("nan")
+    inf.view(-1)[-1] = float("-inf")
+    for tensors in ({LM_HEAD: nan}, {LM_HEAD: inf}):  # named in the user's file, not the merged copy
+        i = len(cases)
+        named = rf"bad{i}/d\.safetensors: tensor 'lm_head\.weight' of shape .* contains NaN or Inf"
+        cases.append((tensors, named))
     for i, (tensors, message) in enumerate(cases):
         d = tmp_path / f"bad{i}"
         d.mkdir()
@@ -198,7 +205,7 @@ def test_cli_publishes_a_delta_into_a_store(store: LocalStore, tmp_path: Path, t
     delta = _write_delta(tmp_path, {LM_HEAD: _changed(tiny_2shards)[LM_HEAD]})
     args = ["weights", "publish", "--store", str(store.root), "--run", RUN, "--formats", "bf16,fp8,nvfp4"]
 
-    def cli(base: str) -> subprocess.CompletedProcess:
+    def cli(base: str, delta: Path = delta) -> subprocess.CompletedProcess:
         argv = mixfleet_argv(*args, "--delta-of", base, str(delta))
         return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
 
@@ -207,6 +214,12 @@ def test_cli_publishes_a_delta_into_a_store(store: LocalStore, tmp_path: Path, t
     assert "version 2" in out.stdout and out.stdout.count("(delta: changed files only)") == 3, out.stdout
     bad = cli("9")
     assert bad.returncode != 0 and "must be an older version: base 9, version 3" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    nan = _changed(tiny_2shards)[LM_HEAD]
+    nan[0, 0] = float("nan")
+    bad = cli("2", _write_delta(tmp_path / "nan", {LM_HEAD: nan}))
+    want = f"{tmp_path / 'nan' / 'delta' / 'delta.safetensors'}: tensor 'lm_head.weight' of shape"
+    assert bad.returncode != 0 and want in bad.stderr and "NaN or Inf" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
