@@ -338,7 +338,9 @@ def _model(model_id: str, created: int) -> dict[str, Any]:
     return {"type": "model", "id": model_id, "display_name": model_id, "created_at": at}
 
 
-@router.get("/v1/models", summary="The session's one chat model", responses=error_responses(404, 503))
+@router.get(
+    "/v1/models", summary="The session's one chat model", responses=error_responses(400, 404, 422, 503)
+)
 async def list_models(request: Request, session_id: SessionId) -> Response:
     """A page of ``ModelInfo`` (anthropic 2.15 ``pagination.py`` ``SyncPage``: ``data``,
     ``has_more``, ``first_id``, ``last_id``) holding :data:`~router.chat.service.MODEL_ID`, created
@@ -349,7 +351,9 @@ async def list_models(request: Request, session_id: SessionId) -> Response:
     )
 
 
-@router.get("/v1/models/{model_id}", summary="The session's chat model", responses=error_responses(404, 503))
+@router.get(
+    "/v1/models/{model_id}", summary="The session's chat model", responses=error_responses(400, 404, 422, 503)
+)
 async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
     """The session's model under ``model_id``: every model name reaches it
     (:data:`~router.chat.service.MODEL_ID`)."""

@@ -258,7 +258,7 @@ def _model(model_id: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "mixfleet"}
 
 
-@router.get("/models", summary="The session's one chat model", responses=error_responses(404, 503))
+@router.get("/models", summary="The session's one chat model", responses=error_responses(400, 404, 422, 503))
 async def list_models(request: Request, session_id: SessionId) -> Response:
     """``{"object": "list", "data": [Model]}`` (openai 3.57 ``pagination.py`` ``SyncPage``) holding
     :data:`~router.chat.service.MODEL_ID`, created when the session was."""
@@ -266,7 +266,9 @@ async def list_models(request: Request, session_id: SessionId) -> Response:
     return JSONResponse({"object": "list", "data": [_model(MODEL_ID, created)]})
 
 
-@router.get("/models/{model_id}", summary="The session's chat model", responses=error_responses(404, 503))
+@router.get(
+    "/models/{model_id}", summary="The session's chat model", responses=error_responses(400, 404, 422, 503)
+)
 async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
     """The session's model under ``model_id``: every model name reaches it
     (:data:`~router.chat.service.MODEL_ID`)."""
