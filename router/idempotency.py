@@ -67,6 +67,14 @@ _REQUEST = "k:"  # the store's request id of a keyed turn: k:<key> (fresh ids ar
 _RUNNING: dict[tuple[str, str], asyncio.Future[None]] = {}
 
 
+def check_key(key: str) -> str:
+    """``key`` if it is a well-formed ``Idempotency-Key`` (1-255 visible ASCII characters), else
+    422 naming the header (every route that takes the header checks it here)."""
+    if not _KEY.fullmatch(key):
+        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
+    return key
+
+
 def request_digest(request: Any) -> str:
     """SHA-256 (hex) of ``request``'s canonical form: compact JSON with sorted keys, arrays as
     lists (:func:`core.jsonio.dumps`). The caller passes what makes the turn, as validated (the
@@ -154,8 +162,7 @@ async def recorded(
     by another request than ``digest``). A route that must know before it builds its turn (a chat
     route rendering the context) calls this first, then :func:`answer_turn`, and answers from
     what this then reads."""
-    if not _KEY.fullmatch(key):
-        raise ApiError(422, f"{HEADER}: must be 1-255 visible ASCII characters, got {key[:40]!r}")
+    check_key(key)
     while (running := _RUNNING.get((session_id, key))) is not None:
         await asyncio.shield(running)  # the first request with this key: wait for its outcome
     found = await ctx.store.turn_for_request(session_id, _REQUEST + key)

@@ -17,6 +17,12 @@ handing-out is not counted). Once the answer has started, a disconnect is not ac
 router cannot know whether the client read the batch, so its lease times out as any lease whose
 answer was lost (what the take does between the store's answer and the response's start does
 not wait on anything but the lease's take order, so that window is one state round trip).
+Unless the client retries: a take with an ``Idempotency-Key`` header (validated as a turn's,
+:func:`router.idempotency.check_key`) whose earlier take's lease is still open answers that
+lease's batch again, the same bytes (the store keeps the lease's trajectories in order, its
+``held_back`` and the ``trainer_version`` it was taken for, :meth:`StateStore.take`), and
+hands out and counts nothing; a key whose lease is acknowledged, released or timed out takes
+afresh. A take without the header takes afresh.
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
@@ -37,9 +43,9 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -52,6 +58,7 @@ from router.auth import require
 from router.body import read_body
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.idempotency import HEADER, check_key
 from router.json_route import JsonRoute
 from router.mismatch import TurnTokens, batch_mismatch
 from router.records import decode_turn, decode_turn_header, decode_turn_outputs, encode_batch
@@ -64,9 +71,15 @@ from router.schemas import (
     TakeResponse,
     VersionConflict,
 )
-from router.state.base import LeaseNotFound, StateError, TakenTrajectory
+from router.state.base import Lease, LeaseNotFound, StateError, TakenTrajectory
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 from router.turns import check_version_bound
+
+TAKE_KEY_DOC = (
+    "1-255 visible ASCII characters, one per take (its retries repeat it): while the lease the first "
+    "take with this key made is open, a take with it answers that lease's batch again instead of "
+    "taking other trajectories"
+)
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -119,10 +132,18 @@ def _header(t: TakenTrajectory, trainer_version: int, headers: list[dict[str, An
         **error_responses(*BODY, 409, models={409: VersionConflict}),
     },
 )
-async def take(request: Request, body: TakeRequest) -> Response:
+async def take(
+    request: Request,
+    body: TakeRequest,
+    take_id: Annotated[str | None, Header(alias=HEADER, description=TAKE_KEY_DOC)] = None,
+) -> Response:
     """A ``trainer_version`` above every version the fleet can serve is a 409 before anything is
-    taken (:func:`router.turns.check_version_bound`, as a turn's ``min_version``)."""
+    taken (:func:`router.turns.check_version_bound`, as a turn's ``min_version``). With an
+    ``Idempotency-Key`` whose earlier take's lease is still open, the answer is that lease's
+    batch again, the same bytes (module docstring)."""
     ctx = _ctx(request)
+    if take_id is not None:
+        check_key(take_id)
     await check_version_bound(ctx, "trainer_version", body.trainer_version)
     trainer_version = body.trainer_version if body.trainer_version is not None else ctx.trainer_version()
     lease = await ctx.store.take(
@@ -131,7 +152,10 @@ async def take(request: Request, body: TakeRequest) -> Response:
         max_version_age=body.max_version_age,
         lease_timeout_s=ctx.config.lease_timeout_s,
         wait_s=body.wait_s,
+        take_id=take_id,
     )
+    if lease.repeated:  # the lease this take id made, answered again: nothing was handed out now
+        return _answer(request, lease, lease.trainer_version or trainer_version)
     lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
         try:
@@ -147,7 +171,13 @@ async def take(request: Request, body: TakeRequest) -> Response:
     ctx.metrics.redelivered.inc(lease.redelivered)
     # nothing below awaits until the answer starts: a disconnect from here on is noticed only once
     # the answer has started, when the router cannot know whether the client got it (the lease
-    # then times out like any lease whose answer was lost)
+    # then times out like any lease whose answer was lost, unless the client retries its take id)
+    return _answer(request, lease, trainer_version)
+
+
+def _answer(request: Request, lease: Lease, trainer_version: int) -> Response:
+    """The batch of ``lease`` as the request accepts it (records or JSON)."""
+    lease_id = lease.lease_id if lease.trajectories else None
     binary = MEDIA_TYPE in request.headers.get("accept", "")
     if binary:
         items = []

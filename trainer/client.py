@@ -140,14 +140,23 @@ class AsyncRolloutClient:
     ) -> Batch:
         """Take up to ``size`` finished trajectories under a lease, decoded into arrays. An
         empty batch has no lease (``lease_id`` None). The router may hold the call ``wait_s``
-        seconds, which are added to its ``timeout_s``."""
+        seconds, which are added to its ``timeout_s``. The request carries a fresh
+        ``Idempotency-Key``, kept on the client's own retries of it: when the router made the
+        lease and its answer was lost (the connection cut), the retry gets that lease and its
+        batch again while the lease is open, instead of a second lease (the first one's
+        trajectories would come back only after the router's ``--lease-timeout``)."""
         body: dict[str, Any] = {"size": size, "wait_s": wait_s}
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
         if trainer_version is not None:
             body["trainer_version"] = trainer_version
         answer = await self.router.request(
-            "POST", "/v1/batches/take", body, accept=RECORDS_MEDIA_TYPE, wait_s=wait_s
+            "POST",
+            "/v1/batches/take",
+            body,
+            accept=RECORDS_MEDIA_TYPE,
+            wait_s=wait_s,
+            headers={"Idempotency-Key": uuid.uuid4().hex},
         )
         if not answer.content_type.startswith(RECORDS_MEDIA_TYPE):
             raise RouterError(

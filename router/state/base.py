@@ -49,6 +49,12 @@ Contract, for every adapter:
   of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
   before it answers (its client gone) puts what it picked back on the ready queue at once;
   ``release`` does the same for a lease whose take answered the store but not its client.
+  A take with a ``take_id`` (a client's retry of one take carries the same one) whose earlier
+  take made a lease that is still open (not acknowledged, released or timed out: it still owns
+  every trajectory it handed out) answers that lease again, ``repeated``, with the same
+  trajectories in the same order, ``held_back``, ``redelivered`` and ``trainer_version``, and
+  hands out nothing; otherwise it takes as without one and its lease is then the take id's (kept
+  :meth:`~router.state.retention.Retention.lease_record_s`). An empty take is not kept.
 * ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
   acknowledgements of one lease racing each other exactly one acknowledges; the others, and any
   later one while the lease is known (:meth:`~router.state.retention.Retention.lease_record_s`
@@ -183,12 +189,16 @@ class TakenTrajectory:
 @dataclass(frozen=True)
 class Lease:
     """What a take handed out: ``held_back`` is the count held back after it (every take's),
-    ``redelivered`` how many of ``trajectories`` an earlier take had handed out."""
+    ``redelivered`` how many of ``trajectories`` an earlier take had handed out;
+    ``trainer_version`` the version it was taken for; ``repeated``: this is the lease an earlier
+    take with the same take id made, answered again (nothing was handed out now)."""
 
     lease_id: str
     trajectories: list[TakenTrajectory]
     held_back: int
     redelivered: int = 0
+    trainer_version: int | None = None
+    repeated: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,6 +337,7 @@ class StateStore(abc.ABC):
         max_version_age: int | None,
         lease_timeout_s: float,
         wait_s: float = 0.0,
+        take_id: str | None = None,
     ) -> Lease:
         """Up to ``size`` trajectories under a new lease (module docstring): the ready ones and
         those whose lease timed out, waiting up to ``wait_s`` for ``size``; what it picks is

@@ -76,6 +76,8 @@ class MemoryStore(StateStore):
         self._jobs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
         self._lease_orders: dict[str, tuple[list[str], float]] = {}
+        # take id -> (the lease it made, its entries in order, the lease as answered, forgotten at)
+        self._take_ids: dict[str, tuple[list[int], Lease, float]] = {}
         self._mismatch: dict[MismatchKey, MismatchSums] = {}
         self._mismatch_totals: dict[str, MismatchSums] = {}
         self._mismatch_leases: dict[str, tuple[float, str]] = {}  # until, digest
@@ -263,11 +265,15 @@ class MemoryStore(StateStore):
         max_version_age: int | None,
         lease_timeout_s: float,
         wait_s: float = 0.0,
+        take_id: str | None = None,
     ) -> Lease:
         """Pick, and wait (up to ``wait_s``, rechecking at least every second and every lease
         timeout) while fewer than ``size`` are picked; the entries picked are pending without a
         delivery time (no other take's redelivery sees them) until the lease is made of them at
-        the answer. Cancelled while it waits, it puts them back on the ready queue."""
+        the answer. Cancelled while it waits, it puts them back on the ready queue. A take id
+        whose lease is open answers it again (:meth:`_repeat`)."""
+        if take_id is not None and (again := self._repeat(take_id, lease_timeout_s)) is not None:
+            return again
         lease_id = uuid.uuid4().hex
         self._release_held(trainer_version, max_version_age)
         picked: dict[int, TakenTrajectory] = {}
@@ -282,7 +288,29 @@ class MemoryStore(StateStore):
         except BaseException:
             self._give_back(picked)
             raise
-        return self._lease(lease_id, picked)
+        lease = self._lease(lease_id, picked, trainer_version)
+        if take_id is not None and picked:
+            until = time.monotonic() + self.retention.lease_record_s()
+            self._take_ids[take_id] = (list(picked), lease, until)
+        return lease
+
+    def _repeat(self, take_id: str, lease_timeout_s: float) -> Lease | None:
+        """The lease ``take_id``'s take made, answered again, while it owns every trajectory it
+        handed out and has not timed out (None: no such take, or its lease is not open)."""
+        entries, lease, until = self._take_ids.get(take_id) or ([], None, 0.0)
+        now = time.monotonic()
+        if lease is None or until <= now or lease.lease_id not in self._leases:
+            return None
+        for entry in entries:
+            owner = self._pending.get(entry)
+            if (
+                owner is None
+                or owner[1] != lease.lease_id
+                or owner[2] is None
+                or now - owner[2] >= lease_timeout_s
+            ):
+                return None
+        return replace(lease, repeated=True)
 
     def _release_held(self, trainer_version: int, max_age: int | None) -> None:
         """Held-back trajectories that this bound admits go back to the ready queue."""
@@ -332,7 +360,7 @@ class MemoryStore(StateStore):
             async with asyncio.timeout(timeout_s):
                 await waiter
 
-    def _lease(self, lease_id: str, picked: dict[int, TakenTrajectory]) -> Lease:
+    def _lease(self, lease_id: str, picked: dict[int, TakenTrajectory], trainer_version: int) -> Lease:
         """The lease of what a take picked: delivered now (its timeout counts from here); a
         trajectory an earlier take handed out counts as redelivered."""
         now = time.monotonic()
@@ -344,7 +372,13 @@ class MemoryStore(StateStore):
             s.deliveries += 1
         if picked:
             self._leases[lease_id] = (set(picked), now + self.retention.lease_record_s())
-        return Lease(lease_id, list(picked.values()), held_back=len(self._held), redelivered=redelivered)
+        return Lease(
+            lease_id,
+            list(picked.values()),
+            held_back=len(self._held),
+            redelivered=redelivered,
+            trainer_version=trainer_version,
+        )
 
     def _give_back(self, picked: dict[int, TakenTrajectory]) -> None:
         """What a take that does not answer picked goes back on the ready queue (behind what is
@@ -589,6 +623,7 @@ class MemoryStore(StateStore):
             (self._marks, lambda v: v[1]),
             (self._route_keys, lambda v: v[1]),
             (self._lease_orders, lambda v: v[1]),
+            (self._take_ids, lambda v: v[2]),
             (self._mismatch_leases, lambda v: v[0]),
         ):
             gone = [k for k, v in table.items() if until(v) <= mono]
@@ -650,6 +685,7 @@ class MemoryStore(StateStore):
             "jobs": len(self._jobs),
             "route_keys": len(self._route_keys),
             "lease_orders": len(self._lease_orders),
+            "take_ids": len(self._take_ids),
             "mismatch": len(self._mismatch),
             "mismatch_leases": len(self._mismatch_leases),
             "marks": len(self._marks),

@@ -50,7 +50,9 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   ``mf:mismatch:t`` hash: ``<stat>|<group>`` -> everything added for the group, never rolled
   (what the ``mixfleet_mismatch_*_total`` counters export);
   ``mf:mml:<lease>`` marks a lease booked (TTL);
-  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL)
+  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL);
+  ``mf:takeid:<take id>`` JSON of the lease a take with that id made (its id, its entries and
+  sessions in order, ``held_back``, ``redelivered``, ``trainer_version``; TTL: the lease record's)
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
 installed). Each operation is one round trip where its reads and writes allow: a mutation is one
@@ -586,6 +588,17 @@ def _lease_key(lease_id: str) -> str:
     return f"{P}lease:{lease_id}"
 
 
+def _take_id_key(take_id: str) -> str:
+    return f"{P}takeid:{take_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RedisLease(Lease):
+    """A lease as :meth:`RedisStateStore._take` made it, with its (entry id, session id) in order."""
+
+    entries: tuple[tuple[str, str], ...] = ()
+
+
 ACKED = "!acked"  # the field of an acknowledged lease's record (not a stream entry id)
 
 
@@ -854,8 +867,11 @@ class RedisStore(StateStore):
         max_version_age: int | None,
         lease_timeout_s: float,
         wait_s: float = 0.0,
+        take_id: str | None = None,
     ) -> Lease:
-        return await self._call(
+        if take_id is not None and (again := await self._call(self._repeat, take_id, lease_timeout_s)):
+            return again
+        lease = await self._call(
             self._take,
             size,
             trainer_version,
@@ -864,10 +880,65 @@ class RedisStore(StateStore):
             wait_s,
             extra_s=max(0.0, wait_s),
         )
+        if take_id is not None and lease.trajectories:
+            record = {
+                "lease": lease.lease_id,
+                "entries": list(lease.entries),
+                "held_back": lease.held_back,
+                "redelivered": lease.redelivered,
+                "trainer_version": trainer_version,
+            }
+            px = _ms(self.retention.lease_record_s())
+            await self._call(self._r.set, _take_id_key(take_id), json.dumps(record), px=px)
+        return Lease(
+            lease.lease_id,
+            lease.trajectories,
+            held_back=lease.held_back,
+            redelivered=lease.redelivered,
+            trainer_version=trainer_version,
+        )
+
+    async def _repeat(self, take_id: str, lease_timeout_s: float) -> Lease | None:
+        """The lease ``take_id``'s take made, answered again, while it is open: not acknowledged
+        or released, its consumer still owning every entry it handed out, none idle for the lease
+        timeout (None: no such take, or its lease is not open)."""
+        raw = await self._r.get(_take_id_key(take_id))
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        lease_id, entries = record["lease"], record["entries"]
+        leased = {_s(k): _s(v) for k, v in (await self._r.hgetall(_lease_key(lease_id))).items()}
+        if not leased or ACKED in leased:
+            return None
+        pipe = self._r.pipeline(transaction=False)
+        for entry_id, sid in entries:
+            pipe.xpending_range(STREAM, GROUP, entry_id, entry_id, 1, consumername=lease_id)
+            pipe.hmget(_skey(sid), _FIELDS)
+            pipe.lrange(_tkey(sid), 0, -1)
+        replies = await pipe.execute()
+        taken = []
+        for k, (_entry_id, sid) in enumerate(entries):
+            pending, values, turns = replies[3 * k : 3 * k + 3]
+            info = _info(sid, values)
+            if (
+                len(pending) != 1
+                or pending[0]["time_since_delivered"] >= _ms(lease_timeout_s)
+                or info is None
+            ):
+                return None
+            taken.append(TakenTrajectory(info, list(turns)))
+        return Lease(
+            lease_id,
+            taken,
+            held_back=record["held_back"],
+            redelivered=record["redelivered"],
+            trainer_version=record["trainer_version"],
+            repeated=True,
+        )
 
     async def _take(
         self, size: int, trainer_version: int, max_age: int | None, lease_timeout_s: float, wait_s: float
-    ) -> Lease:
+    ) -> _RedisLease:
         """Pick until ``size`` are picked or ``wait_s`` has passed, then make the lease of them
         (:data:`_LEASE`); a take that does not get that far puts back what it picked
         (:meth:`_put_back`)."""
@@ -949,7 +1020,7 @@ class RedisStore(StateStore):
             pipe.xdel(STREAM, *gone)
             await pipe.execute()
 
-    async def _make_lease(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> Lease:
+    async def _make_lease(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> _RedisLease:
         """The lease of what the take picked and still holds (:data:`_LEASE`, one script): its
         record, its timeout counted from now, each trajectory's deliveries counted (one handed out
         before is redelivered)."""
@@ -969,9 +1040,15 @@ class RedisStore(StateStore):
                 *(x for entry_id, t in entries for x in (entry_id, t.session.session_id)),
             ],
         )
-        taken = [t for (_e, t), n in zip(entries, seen, strict=True) if int(n) > 0]
+        kept = [(e, t) for (e, t), n in zip(entries, seen, strict=True) if int(n) > 0]
         redelivered = sum(1 for n in seen if int(n) > 1)
-        return Lease(lease_id, taken, held_back=int(held), redelivered=redelivered)
+        return _RedisLease(
+            lease_id,
+            [t for _e, t in kept],
+            held_back=int(held),
+            redelivered=redelivered,
+            entries=tuple((e, t.session.session_id) for e, t in kept),
+        )
 
     async def _put_back(self, lease_id: str, entries: list[tuple[str, str]]) -> int:
         """Whatever the take ``lease_id`` holds goes back on the ready queue (:data:`_GIVE_BACK`:

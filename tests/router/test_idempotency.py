@@ -18,6 +18,7 @@ from router.state.base import StateStore, StoredTurn, TurnRecord
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
+from trainer.batch import decode_batch
 
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0}  # unseeded: a second sample would differ
 
@@ -189,3 +190,30 @@ def test_any_worker_answers_a_retry(engine_url, tmp_path) -> None:
         assert len(by) == 2, by
         with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
             assert c.get(f"/v1/sessions/{sid}").json()["turns"] == 1
+
+
+def test_a_take_repeated_with_its_key_answers_the_same_bytes_and_a_bad_key_is_refused(
+    client: httpx.Client,
+) -> None:
+    """``POST /v1/batches/take`` with an ``Idempotency-Key``: the same key again, while the lease
+    is open, answers the same bytes (records and JSON alike) and takes nothing more; a malformed
+    key is a 422 naming the header, before anything is taken."""
+    while (left := client.post("/v1/batches/take", json={"size": 64}).json())["lease_id"]:
+        client.post(f"/v1/batches/{left['lease_id']}/ack")  # what earlier tests left
+    for _ in "ab":
+        sid = _session(client)
+        assert _turn(client, sid, "t").status_code == 200
+        client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    for bad in ("x" * 256, "has space", ""):
+        r = client.post("/v1/batches/take", json={"size": 1}, headers={"Idempotency-Key": bad})
+        assert r.status_code == 422 and "Idempotency-Key" in r.json()["detail"], (bad, r.text)
+    records = {"Idempotency-Key": "take-1", "Accept": "application/x-mixfleet-records"}
+    first, again = (client.post("/v1/batches/take", json={"size": 1}, headers=records) for _ in "12")
+    assert first.status_code == again.status_code == 200 and first.content == again.content
+    key = {"Idempotency-Key": "take-2"}
+    one, two = (client.post("/v1/batches/take", json={"size": 1}, headers=key) for _ in "12")
+    assert one.json()["lease_id"] is not None and one.content == two.content
+    stats = client.get("/v1/batches/stats").json()
+    assert (stats["leases"], stats["pending"], stats["ready"]) == (2, 2, 0)
+    for lease in (one.json()["lease_id"], decode_batch(first.content).lease_id):
+        assert client.post(f"/v1/batches/{lease}/ack").json()["acked"] == 1

@@ -361,6 +361,40 @@ async def test_an_ack_script_rerun_after_its_lost_reply_answers_the_acknowledgem
         proxy.close()
 
 
+async def test_a_repeated_take_id_answers_its_open_lease_again_and_hands_out_nothing(store_url: str) -> None:
+    """A take retried with its take id (its first answer was lost) gets the same lease, the same
+    trajectories in the same order, the same counts and trainer version, while that lease is
+    open; once it is acknowledged, or timed out, the id takes afresh; a take without an id, or
+    with another, takes other trajectories."""
+    async with opened(store_url) as store:
+        for i in range(4):
+            await _session(store, f"s{i}", turns=2)
+            await store.finish_session(f"s{i}", "f", float(i), {})
+        take = dict(max_version_age=None, lease_timeout_s=60)
+        first = await store.take(2, trainer_version=3, take_id="t-1", **take)
+        again = await store.take(2, trainer_version=7, take_id="t-1", **take)
+        assert again.repeated and not first.repeated
+        assert (again.lease_id, again.trajectories) == (first.lease_id, first.trajectories)
+        assert (again.held_back, again.redelivered, again.trainer_version) == (0, 0, 3)
+        assert (await store.queue_stats())["leases"] == 1
+        other = await store.take(1, trainer_version=3, take_id="t-2", **take)
+        plain = await store.take(1, trainer_version=3, **take)
+        ids = [t.session.session_id for lease in (first, other, plain) for t in lease.trajectories]
+        assert sorted(ids) == ["s0", "s1", "s2", "s3"]
+        assert (await store.ack(first.lease_id)).acked == 2
+        assert [(await store.ack(x.lease_id)).acked for x in (other, plain)] == [1, 1]
+        after = await store.take(2, trainer_version=3, take_id="t-1", **take)  # acknowledged: afresh
+        assert not after.repeated and after.trajectories == []
+        await _session(store, "s4")
+        await store.finish_session("s4", "f", 1.0, {})
+        short = dict(max_version_age=None, lease_timeout_s=0.3)
+        lapsing = await store.take(1, trainer_version=3, take_id="t-3", **short)
+        await asyncio.sleep(0.4)
+        retaken = await store.take(1, trainer_version=3, take_id="t-3", **short)  # timed out: afresh
+        assert not retaken.repeated and retaken.lease_id != lapsing.lease_id
+        assert [t.session.session_id for t in retaken.trajectories] == ["s4"] and retaken.redelivered == 1
+
+
 async def test_unacknowledged_lease_is_redelivered_after_timeout(store_url: str) -> None:
     async with opened(store_url) as store:
         await _session(store, "s")

@@ -13,6 +13,7 @@ import pytest
 
 from tests.router.conftest import KEYS
 from tests.support.proxy import TcpProxy
+from trainer.batch import decode_batch
 from trainer.client import AsyncRolloutClient, RolloutClient, RouterError
 
 
@@ -137,6 +138,35 @@ def test_an_ack_whose_answer_is_lost_is_retried_and_succeeds(router) -> None:
         assert dropped and b" 200 " in dropped[0]  # the router did answer the first ack
         assert answer["already_acked"] is True and answer["acked"] == len(batch.trajectories)
         assert direct.queue_stats()["pending"] == 0
+
+
+def test_a_take_whose_answer_is_lost_is_retried_and_gets_the_same_lease(router) -> None:
+    """The router makes the lease and answers, its answer never reaches the trainer (the
+    connection is cut right after the router answered): the kit's retry of that take gets the
+    same lease and the same trajectories, not a second lease whose first one's trajectories
+    would come back only after the lease timeout."""
+    with (
+        losing_first_answer(router, b"/v1/batches/take ") as (url, dropped),
+        RolloutClient(router.url, KEYS["all"]) as direct,
+    ):
+        while (left := direct.take(64)).lease_id is not None:  # what earlier tests left
+            direct.ack(left.lease_id)
+        sessions = []
+        for seed in (1, 2):
+            s = direct.create_session(group="cpu-a")
+            direct.turn(s.session_id, [1, 2], {"max_new_tokens": 2, "seed": seed})
+            direct.finish(s.session_id, 1.0)
+            sessions.append(s.session_id)
+        with RolloutClient(url, KEYS["all"], backoff_s=0.01) as c:
+            batch = c.take(64)
+        assert dropped and b" 200 " in dropped[0]  # the router did answer the first take
+        first = decode_batch(dropped[0].split(b"\r\n\r\n", 1)[1])  # the answer the trainer lost
+        assert batch.lease_id is not None and first.lease_id == batch.lease_id
+        assert first.trajectories == batch.trajectories and np.array_equal(first.token_ids, batch.token_ids)
+        assert sorted(t["session_id"] for t in batch.trajectories) == sorted(sessions)
+        stats = direct.queue_stats()
+        assert (stats["leases"], stats["pending"], stats["ready"]) == (1, 2, 0)
+        assert direct.ack(batch.lease_id)["acked"] == 2
 
 
 def test_a_long_poll_take_may_wait_longer_than_the_clients_call_timeout(router) -> None:
