@@ -139,9 +139,9 @@ TokenArray = _ids_type(_token_array, 0)
 """Token ids of a turn's input, a JSON list validated into one uint32 array in bulk (a context of
 100K+ ids costs no per-id Python validation and no Python list): what :class:`TurnSpec` carries
 to the engine's request body. Lax by design: ``true`` / ``false`` are the ids 1 / 0 (the bulk
-conversion takes them; telling them from integers needs each id's type, about 22 ns an id, which
-would add about half to the decoding and validation of a full-context turn) and ``"1"`` or ``3.0``
-is the id 1 or 3 (pydantic's lax rules for a :data:`TokenId`)."""
+conversion takes them; telling them from integers needs a per-id type check, a per-id cost on
+the hot path this type exists to avoid) and ``"1"`` or ``3.0`` is the id 1 or 3 (pydantic's lax
+rules for a :data:`TokenId`)."""
 ContextArray = _ids_type(_some_token_array, 1)
 """A :data:`TokenArray` of at least one id (a turn's full context)."""
 
