@@ -44,7 +44,7 @@ from clients.engine import EngineError, EngineRejected, EngineUnavailable, Gener
 from clients.engine_stream import TokenCallback
 from core.jsonio import Fragment
 from router.context import RouterContext
-from router.engine_answer import parse_turn
+from router.engine_answer import EngineAnswer, read_answer, turn_of
 from router.errors import ApiError, unavailable
 from router.metrics import CONTEXT_TEXT
 from router.policy import assign_group, choose_replica
@@ -377,7 +377,7 @@ async def run_turn(
     recording, unable = _route_groups(ctx, session)
     streamed = _Streamed(on_tokens)
 
-    async def send(client: SGLangClient, group: str) -> tuple[Generation, float]:
+    async def send(client: SGLangClient, group: str) -> tuple[EngineAnswer, float]:
         e0 = time.perf_counter()
         routes = group in recording  # the group that serves it (the turn may have moved) records them
         rid = uuid.uuid4().hex
@@ -402,9 +402,10 @@ async def run_turn(
             if isinstance(exc, EngineUnavailable) and "Timeout" in exc.message:  # may still generate it
                 abort_later(client, rid)
             raise
-        return generation, time.perf_counter() - e0
+        engine_s = time.perf_counter() - e0
+        return _read(generation, client.base_url, len(spec.input_ids)), engine_s
 
-    (generation, engine_s), place = await with_failover(
+    (answer, engine_s), place = await with_failover(
         ctx,
         session.group,
         session.replica,
@@ -414,7 +415,15 @@ async def run_turn(
         committed=lambda: streamed.started,
     )
     ctx.metrics.engine_seconds.labels(place.group).observe(engine_s)
-    return _parse(generation, place, index, spec.input_ids, _timings(t0, engine_s, place))
+    return turn_of(
+        answer,
+        index=index,
+        group=place.group,
+        replica=place.replica_id,
+        input_ids=spec.input_ids,
+        moved_from=place.moved_from,
+        timings=_timings(t0, engine_s, place),
+    )
 
 
 def _timings(t0: float, engine_s: float, place: Placement) -> dict[str, Any]:
@@ -430,23 +439,19 @@ def _timings(t0: float, engine_s: float, place: Placement) -> dict[str, Any]:
     }
 
 
-def _parse(
-    generation: Generation, place: Placement, index: int, input_ids: Ids, timings: dict[str, Any]
-) -> TurnData:
-    """:func:`router.engine_answer.parse_turn` of the answer; ApiError 502 when it holds no usable
-    behavior records."""
+def _read(generation: Generation, url: str, input_len: int) -> EngineAnswer:
+    """The records of the answer (:func:`router.engine_answer.read_answer`), read by the attempt
+    that decoded it, before it hands its result on: the decoded answer holds several Python
+    objects per output token, and read there they go at once instead of living on, hundreds of
+    answers at a time under load, for the garbage collector to traverse. ApiError 502 (no
+    failover) when the answer holds no usable behavior records."""
     try:
-        return parse_turn(
+        return read_answer(
             generation.body,
-            index=index,
-            group=place.group,
-            replica=place.replica_id,
-            input_ids=input_ids,
-            moved_from=place.moved_from,
-            timings=timings,
+            input_len=input_len,
             sampling=generation.sampling,
             routed_experts=generation.routed_experts,
             routed_experts_start=generation.routed_experts_start,
         )
     except ValueError as exc:
-        raise ApiError(502, f"engine {place.url} returned no usable behavior records: {exc}") from None
+        raise ApiError(502, f"engine {url} returned no usable behavior records: {exc}") from None

@@ -16,7 +16,7 @@ import math
 import operator
 import struct
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -27,6 +27,23 @@ _FLOAT = {float}
 _NUMBER = {float, int}
 _LIST = {list}
 _TOKEN = {int}
+
+
+class EngineAnswer(NamedTuple):
+    """What an engine's ``/generate`` answer records of a turn (:func:`read_answer`): every field
+    of its :class:`TurnData` but where it ran, its place in the session and its timings.
+    ``e2e_ms``: the engine's own ``e2e_latency`` in milliseconds, when it sent a plausible one."""
+
+    output_ids: list[int]
+    logprobs: list
+    raw_logprobs: list
+    support_ids: Rows
+    support_logprobs: Rows
+    weight_versions: list[dict[str, int]]
+    finish_reason: dict[str, Any] | None
+    sampling: dict[str, Any] | None
+    sections: dict[str, bytes]
+    e2e_ms: float | None
 
 
 def parse_turn(
@@ -74,6 +91,36 @@ def parse_turn(
     holds a value of the wrong type or length, and for an aborted turn (finish reason ``abort``:
     an aborted generation is never recorded). Duplicate support ids and the float32 range are
     the encoder's checks (:func:`encode_turn`)."""
+    answer = read_answer(
+        body,
+        input_len=len(input_ids),
+        sampling=sampling,
+        routed_experts=routed_experts,
+        routed_experts_start=routed_experts_start,
+    )
+    return turn_of(
+        answer,
+        index=index,
+        group=group,
+        replica=replica,
+        input_ids=input_ids,
+        moved_from=moved_from,
+        timings=timings,
+    )
+
+
+def read_answer(
+    body: Any,
+    *,
+    input_len: int,
+    sampling: dict[str, Any] | None = None,
+    routed_experts: bool = False,
+    routed_experts_start: int = 0,
+) -> EngineAnswer:
+    """The records of ``body`` (:func:`parse_turn`'s reading of them, for a turn whose whole input
+    is ``input_len`` tokens); ValueError as :func:`parse_turn` says. What it returns holds a few
+    lists and arrays where ``body`` holds several Python objects per output token: a caller that
+    reads the answer where it decoded it lets those objects go at once."""
     meta, output_ids, finish = _answer(body)
     n = len(output_ids)
     raw = _raw_logprobs(_entries(meta, "output_token_logprobs", n))
@@ -81,15 +128,8 @@ def parse_turn(
         masks, support_lps, logprobs = _unmasked_records(meta, raw)
     else:
         masks, support_lps, logprobs = _masked_records(meta, output_ids, raw)
-    timings = dict(timings)
     e2e = meta.get("e2e_latency")
-    if type(e2e) in _NUMBER and 0 <= e2e < 1e9:
-        timings["engine_e2e_ms"] = round(float(e2e) * 1000, 3)
-    return TurnData(
-        turn=index,
-        group=group,
-        replica=replica,
-        append_ids=input_ids,
+    return EngineAnswer(
         output_ids=output_ids,
         logprobs=logprobs,
         raw_logprobs=raw,
@@ -97,12 +137,43 @@ def parse_turn(
         support_logprobs=support_lps,
         weight_versions=_spans(meta, n),
         finish_reason=finish,
+        sampling=sampling,
+        sections=_route_sections(meta, routed_experts_start, input_len + n - 1) if routed_experts else {},
+        e2e_ms=round(float(e2e) * 1000, 3) if type(e2e) in _NUMBER and 0 <= e2e < 1e9 else None,
+    )
+
+
+def turn_of(
+    answer: EngineAnswer,
+    *,
+    index: int,
+    group: str,
+    replica: str,
+    input_ids: Sequence[int],
+    moved_from: str | None,
+    timings: dict[str, Any],
+) -> TurnData:
+    """The turn of :func:`parse_turn` from its :func:`read_answer` (``timings`` gets the engine's
+    ``engine_e2e_ms`` when it sent one)."""
+    timings = dict(timings)
+    if answer.e2e_ms is not None:
+        timings["engine_e2e_ms"] = answer.e2e_ms
+    return TurnData(
+        turn=index,
+        group=group,
+        replica=replica,
+        append_ids=input_ids,
+        output_ids=answer.output_ids,
+        logprobs=answer.logprobs,
+        raw_logprobs=answer.raw_logprobs,
+        support_ids=answer.support_ids,
+        support_logprobs=answer.support_logprobs,
+        weight_versions=answer.weight_versions,
+        finish_reason=answer.finish_reason,
         timings=timings,
         moved_from=moved_from,
-        sampling=sampling,
-        sections=_route_sections(meta, routed_experts_start, len(input_ids) + n - 1)
-        if routed_experts
-        else {},
+        sampling=answer.sampling,
+        sections=answer.sections,
     )
 
 
