@@ -137,6 +137,27 @@ def api_error(exc: ApiError, api: Api) -> ChatError:
     return ChatError(status, message, retry_after=exc.retry_after, fields=fields)
 
 
+def model_not_found(model_id: str, api: Api) -> ChatError:
+    """The 404 of a model retrieval naming a model the session does not serve, as each API words
+    it: OpenAI's ``{"message": "The model `X` does not exist or you do not have access to it.",
+    "type": "invalid_request_error", "param": null, "code": "model_not_found"}`` (the answer
+    quoted in github.com/Aider-AI/aider/issues/2030), Anthropic's ``not_found_error`` with the
+    message ``model: X`` (quoted in github.com/mattermost/mattermost-plugin-agents/issues/257)."""
+    if api == "openai":
+        message = f"The model `{model_id}` does not exist or you do not have access to it."
+        error = {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+        return ChatError(404, message, fields={"error": error})
+    message = f"model: {model_id}"
+    return ChatError(
+        404, message, fields={"type": "error", "error": {"type": "not_found_error", "message": message}}
+    )
+
+
 def chat_api(path: str) -> Api | None:
     """The chat API whose URL prefix ``path`` is under, if any (whether a route matched it or not)."""
     if m := _PREFIX.match(path):

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
-from router.chat.errors import api_error
+from router.chat.errors import api_error, model_not_found
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
 from router.chat.service import MODEL_ID, ChatRequest, ChatResult, Head, run_chat, session_created
 from router.chat.streaming import Tail, stream_chat
@@ -270,9 +270,13 @@ async def list_models(request: Request, session_id: SessionId) -> Response:
     "/models/{model_id}", summary="The session's chat model", responses=error_responses(400, 404, 422, 503)
 )
 async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
-    """The session's model under ``model_id``: every model name reaches it
-    (:data:`~router.chat.service.MODEL_ID`)."""
-    return JSONResponse(_model(model_id, await session_created(request.app.state.ctx, session_id)))
+    """The session's model, :data:`~router.chat.service.MODEL_ID` (the id the list holds); another
+    id is the API's 404 (:func:`~router.chat.errors.model_not_found`), as the real API answers a
+    model it does not serve."""
+    created = await session_created(request.app.state.ctx, session_id)
+    if model_id != MODEL_ID:
+        raise model_not_found(model_id, "openai")
+    return JSONResponse(_model(MODEL_ID, created))
 
 
 async def _sse(
