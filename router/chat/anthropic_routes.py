@@ -328,7 +328,11 @@ async def create_message(
 async def count_tokens(request: Request, session_id: SessionId, body: InputRequest) -> Response:
     """``{"input_tokens": N}`` (anthropic 2.15 ``types/message_tokens_count.py``): the
     ``usage.input_tokens`` a turn with this input would have now, as the router renders it
-    (:func:`router.chat.service.count_input`); nothing is sampled or recorded."""
+    (:func:`router.chat.service.count_input`); nothing is sampled or recorded. An input longer than
+    the model's context is counted, not refused, as Anthropic's endpoint counts it (a 281k-token
+    prompt to a 200k-token model answered ``{"input_tokens": 281257}``:
+    github.com/stdapi-ai/stdapi.ai/issues/297): harnesses ask it to learn that a conversation no
+    longer fits."""
     return JSONResponse({"input_tokens": await count_input(request.app.state.ctx, session_id, body.chat())})
 
 

@@ -124,6 +124,8 @@ def test_a_context_longer_than_the_models_is_context_length_exceeded(router, ses
         ac.messages.create(model="m", messages=long, max_tokens=4)
     _anthropic_shape(refused.value.body, "invalid_request_error")
     assert refused.value.body["error"]["message"] == "prompt is too long: 5019 tokens > 2048 maximum"
+    # count_tokens counts it, as Anthropic's endpoint does (not refused: router.chat.anthropic_routes)
+    assert ac.messages.count_tokens(model="m", messages=long).input_tokens == 5019
     with pytest.raises(anthropic.BadRequestError) as refused:
         ac.messages.create(model="m", messages=USER, max_tokens=3000)
     message = refused.value.body["error"]["message"]
