@@ -18,7 +18,8 @@ text was sampled before the reasoning, else first, streamed or not (:func:`messa
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`).
 
 Streaming sends Anthropic's server-sent events as the turn is sampled
-(:mod:`router.chat.streaming`): ``message_start``, a text block with one ``text_delta`` per token
+(:mod:`router.chat.streaming`): ``message_start``, the thinking block whole when the generation
+prompt opened the reasoning (its end sampled), a text block with one ``text_delta`` per token
 that shows new text, then the rest of it and each other block whole (``content_block_start`` /
 ``content_block_delta`` / ``content_block_stop``), ``message_delta`` (with ``mixfleet``) and
 ``message_stop``; a failure after the first token is an ``error`` event. The turn recorded is the
@@ -40,7 +41,7 @@ from pydantic_core import PydanticCustomError
 
 from core.jsonio import dumps
 from router.auth import scopes_for
-from router.chat.errors import api_error
+from router.chat.errors import api_error, model_not_found
 from router.chat.renderers import Message, Tool, ToolCall
 from router.chat.service import (
     MODEL_ID,
@@ -51,7 +52,7 @@ from router.chat.service import (
     run_chat,
     session_created,
 )
-from router.chat.streaming import Tail, stream_chat, text_before_reasoning
+from router.chat.streaming import Item, Reasoning, stream_chat, text_before_reasoning
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
@@ -327,7 +328,11 @@ async def create_message(
 async def count_tokens(request: Request, session_id: SessionId, body: InputRequest) -> Response:
     """``{"input_tokens": N}`` (anthropic 2.15 ``types/message_tokens_count.py``): the
     ``usage.input_tokens`` a turn with this input would have now, as the router renders it
-    (:func:`router.chat.service.count_input`); nothing is sampled or recorded."""
+    (:func:`router.chat.service.count_input`); nothing is sampled or recorded. An input longer than
+    the model's context is counted, not refused, as Anthropic's endpoint counts it (a 281k-token
+    prompt to a 200k-token model answered ``{"input_tokens": 281257}``:
+    github.com/stdapi-ai/stdapi.ai/issues/297): harnesses ask it to learn that a conversation no
+    longer fits."""
     return JSONResponse({"input_tokens": await count_input(request.app.state.ctx, session_id, body.chat())})
 
 
@@ -355,29 +360,37 @@ async def list_models(request: Request, session_id: SessionId) -> Response:
     "/v1/models/{model_id}", summary="The session's chat model", responses=error_responses(400, 404, 422, 503)
 )
 async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
-    """The session's model under ``model_id``: every model name reaches it
-    (:data:`~router.chat.service.MODEL_ID`)."""
-    return JSONResponse(_model(model_id, await session_created(request.app.state.ctx, session_id)))
+    """The session's model, :data:`~router.chat.service.MODEL_ID` (the id the list holds); another
+    id is the API's 404 (:func:`~router.chat.errors.model_not_found`), as the real API answers a
+    model it does not serve."""
+    created = await session_created(request.app.state.ctx, session_id)
+    if model_id != MODEL_ID:
+        raise model_not_found(model_id, "anthropic")
+    return JSONResponse(_model(MODEL_ID, created))
 
 
-async def _sse(
-    session_id: str, body: MessagesRequest, items: AsyncIterator[Head | str | Tail]
-) -> AsyncIterator[bytes]:
+async def _sse(session_id: str, body: MessagesRequest, items: AsyncIterator[Item]) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`):
-    ``message_start``, a text block whose ``text_delta`` events are the content deltas, then
-    :func:`tail_events`; an error after the first token is an ``error`` event."""
-    opened = False
+    ``message_start``, the thinking block whole when the reasoning is streamed before the content,
+    a text block whose ``text_delta`` events are the content deltas, then :func:`tail_events`; an
+    error after the first token is an ``error`` event."""
+    sent, opened = 0, False  # blocks sent whole; whether a text block is open at index ``sent``
     try:
         async for item in items:
             if isinstance(item, Head):
                 yield _event(_start(session_id, body, item))
+            elif isinstance(item, Reasoning):
+                for e in _block_events(sent, _thinking(item.text)):
+                    yield _event(e)
+                sent += 1
             elif isinstance(item, str):
                 if not opened:
                     opened = True
-                    yield _event({"type": "content_block_start", "index": 0, "content_block": _TEXT})
-                yield _event({"type": "content_block_delta", "index": 0, "delta": _text_delta(item)})
+                    yield _event({"type": "content_block_start", "index": sent, "content_block": _TEXT})
+                yield _event({"type": "content_block_delta", "index": sent, "delta": _text_delta(item)})
             else:
-                for e in tail_events(message(session_id, body, item.result), item.rest if opened else None):
+                answer = message(session_id, body, item.result)
+                for e in tail_events(answer, item.rest if opened else None, sent):
                     yield _event(e)
     except ApiError as exc:
         yield _event(api_error(exc, "anthropic").fields)
@@ -419,8 +432,7 @@ def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[
     if reply.content or not reply.tool_calls:
         content.append({"type": "text", "text": reply.content})
     if reply.reasoning is not None:
-        thinking = {"type": "thinking", "thinking": reply.reasoning, "signature": ""}
-        content.insert(len(content) if text_before_reasoning(result) else 0, thinking)
+        content.insert(len(content) if text_before_reasoning(result) else 0, _thinking(reply.reasoning))
     for c in reply.tool_calls:
         args = c.parsed_arguments()
         content.append(
@@ -446,35 +458,23 @@ def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[
     }
 
 
-def tail_events(answer: dict[str, Any], rest: str | None) -> Iterator[dict[str, Any]]:
-    """The events that end a streamed ``answer`` after its content deltas, in order. ``rest``: the
-    content not streamed yet of the text block open at index 0 (None: none was opened), which is
-    closed first; then each other block of ``answer`` (whole), ``message_delta``, ``message_stop``."""
-    blocks = answer["content"]
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def tail_events(answer: dict[str, Any], rest: str | None, sent: int = 0) -> Iterator[dict[str, Any]]:
+    """The events that end a streamed ``answer`` after its content deltas, in order. ``sent``: how
+    many of its first blocks were streamed whole already; ``rest``: the content not streamed yet
+    of the text block open after them (None: none was opened), which is closed first; then each
+    other block of ``answer`` (whole), ``message_delta``, ``message_stop``."""
+    blocks = answer["content"][sent:]
     if rest is not None:
         if rest:
-            yield {"type": "content_block_delta", "index": 0, "delta": _text_delta(rest)}
-        yield {"type": "content_block_stop", "index": 0}
+            yield {"type": "content_block_delta", "index": sent, "delta": _text_delta(rest)}
+        yield {"type": "content_block_stop", "index": sent}
         blocks = [b for b in blocks if b["type"] != "text"]
-    for i, block in enumerate(blocks, start=0 if rest is None else 1):
-        kind = block["type"]
-        if kind == "thinking":
-            first = {"type": "thinking", "thinking": "", "signature": ""}
-            deltas = [
-                {"type": "thinking_delta", "thinking": block["thinking"]},
-                {"type": "signature_delta", "signature": ""},
-            ]
-        elif kind == "text":
-            first, deltas = _TEXT, [_text_delta(block["text"])] if block["text"] else []
-        else:
-            first = {**block, "input": {}}
-            deltas = [
-                {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            ]
-        yield {"type": "content_block_start", "index": i, "content_block": first}
-        for d in deltas:
-            yield {"type": "content_block_delta", "index": i, "delta": d}
-        yield {"type": "content_block_stop", "index": i}
+    for i, block in enumerate(blocks, start=sent + (rest is not None)):
+        yield from _block_events(i, block)
     yield {
         "type": "message_delta",
         "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": answer["stop_sequence"]},
@@ -482,3 +482,25 @@ def tail_events(answer: dict[str, Any], rest: str | None) -> Iterator[dict[str, 
         "mixfleet": answer["mixfleet"],
     }
     yield {"type": "message_stop"}
+
+
+def _block_events(i: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """One content block of an answer, whole, at ``index`` ``i``: its start, its deltas, its stop."""
+    kind = block["type"]
+    if kind == "thinking":
+        first = _thinking("")
+        deltas = [
+            {"type": "thinking_delta", "thinking": block["thinking"]},
+            {"type": "signature_delta", "signature": ""},
+        ]
+    elif kind == "text":
+        first, deltas = _TEXT, [_text_delta(block["text"])] if block["text"] else []
+    else:
+        first = {**block, "input": {}}
+        deltas = [
+            {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        ]
+    yield {"type": "content_block_start", "index": i, "content_block": first}
+    for d in deltas:
+        yield {"type": "content_block_delta", "index": i, "delta": d}
+    yield {"type": "content_block_stop", "index": i}

@@ -23,9 +23,13 @@ official clients read:
   codes not listed" —, 401 ``authentication_error``, 403 ``permission_error``, 404
   ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 500 ``api_error``,
   529 ``overloaded_error``; a 409 is ``conflict_error``, a 504 ``timeout_error``; the router's 503,
-  "unavailable now, retry after ``Retry-After``", is ``overloaded_error``, the API's "temporarily
-  unable to serve": the client retries it as it retries a 529, ``_base_client.py``
-  ``_should_retry``; a 502 and any other 5xx ``api_error``).
+  "unavailable now, retry after ``Retry-After``" (no state store, no replica), is
+  ``overloaded_error``, the page's "temporarily overloaded" (retryable), not ``api_error``, its
+  "unexpected error": the client's handling does not depend on the type, it picks the exception
+  class by the status (``_error_classes.py`` ``make_status_error``: 503 ``ServiceUnavailableError``,
+  529 ``OverloadedError``, both ``InternalServerError``; only ``error.details.error_code`` refines
+  it) and retries any status >= 500 honouring ``Retry-After`` (``_base_client.py``
+  ``_should_retry``); a 502 and any other 5xx ``api_error``).
 
 A 422 (a request the router or its engine refuses) is either API's 400, as both answer an invalid
 request. An engine's refusal of a context longer than the model's (SGLang 0.5.23
@@ -135,6 +139,27 @@ def api_error(exc: ApiError, api: Api) -> ChatError:
         shaped = {"type": "error", "error": {"type": kind, "message": message}}
     fields = {k: v for k, v in exc.fields.items() if k not in ("error", "type")} | shaped
     return ChatError(status, message, retry_after=exc.retry_after, fields=fields)
+
+
+def model_not_found(model_id: str, api: Api) -> ChatError:
+    """The 404 of a model retrieval naming a model the session does not serve, as each API words
+    it: OpenAI's ``{"message": "The model `X` does not exist or you do not have access to it.",
+    "type": "invalid_request_error", "param": null, "code": "model_not_found"}`` (the answer
+    quoted in github.com/Aider-AI/aider/issues/2030), Anthropic's ``not_found_error`` with the
+    message ``model: X`` (quoted in github.com/mattermost/mattermost-plugin-agents/issues/257)."""
+    if api == "openai":
+        message = f"The model `{model_id}` does not exist or you do not have access to it."
+        error = {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+        return ChatError(404, message, fields={"error": error})
+    message = f"model: {model_id}"
+    return ChatError(
+        404, message, fields={"type": "error", "error": {"type": "not_found_error", "message": message}}
+    )
 
 
 def chat_api(path: str) -> Api | None:

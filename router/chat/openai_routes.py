@@ -21,8 +21,9 @@ or not (:mod:`router.idempotency`, :mod:`router.chat.service`); ``created`` is t
 time.
 
 Streaming sends ``chat.completion.chunk`` server-sent events as the turn is sampled
-(:mod:`router.chat.streaming`): the role, one content delta per token that shows new text, then
-the reasoning, the rest of the content (with the log-probs, when asked), each tool call, the finish
+(:mod:`router.chat.streaming`): the role, the reasoning when the generation prompt opened it (once
+its end is sampled), one content delta per token that shows new text, then the reasoning (when not
+sent yet), the rest of the content (with the log-probs, when asked), each tool call, the finish
 reason, the usage and ``[DONE]``; a failure after the first token is an ``error`` event. The turn
 recorded is the same as without streaming.
 """
@@ -38,10 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
-from router.chat.errors import api_error
+from router.chat.errors import api_error, model_not_found
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
 from router.chat.service import MODEL_ID, ChatRequest, ChatResult, Head, run_chat, session_created
-from router.chat.streaming import Tail, stream_chat
+from router.chat.streaming import Item, Reasoning, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
@@ -270,17 +271,22 @@ async def list_models(request: Request, session_id: SessionId) -> Response:
     "/models/{model_id}", summary="The session's chat model", responses=error_responses(400, 404, 422, 503)
 )
 async def retrieve_model(request: Request, session_id: SessionId, model_id: str) -> Response:
-    """The session's model under ``model_id``: every model name reaches it
-    (:data:`~router.chat.service.MODEL_ID`)."""
-    return JSONResponse(_model(model_id, await session_created(request.app.state.ctx, session_id)))
+    """The session's model, :data:`~router.chat.service.MODEL_ID` (the id the list holds); another
+    id is the API's 404 (:func:`~router.chat.errors.model_not_found`), as the real API answers a
+    model it does not serve."""
+    created = await session_created(request.app.state.ctx, session_id)
+    if model_id != MODEL_ID:
+        raise model_not_found(model_id, "openai")
+    return JSONResponse(_model(MODEL_ID, created))
 
 
 async def _sse(
-    session_id: str, body: ChatCompletionRequest, items: AsyncIterator[Head | str | Tail]
+    session_id: str, body: ChatCompletionRequest, items: AsyncIterator[Item]
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`): a
-    ``chat.completion.chunk`` with the role, one per content delta, then :func:`tail_chunks`; an
-    error after the first token is an ``error`` event; ``[DONE]`` last."""
+    ``chat.completion.chunk`` with the role, one with the ``reasoning_content`` when it is streamed
+    before the content, one per content delta, then :func:`tail_chunks`; an error after the first
+    token is an ``error`` event; ``[DONE]`` last."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head: dict[str, Any] = {}
     try:
@@ -289,11 +295,13 @@ async def _sse(
                 head = {"id": f"chatcmpl-{session_id}-{item.turn}", "object": "chat.completion.chunk"}
                 head |= {"created": item.created, "model": body.model}
                 yield _data(_chunk(head, {"role": "assistant", "content": ""}))
+            elif isinstance(item, Reasoning):
+                yield _data(_chunk(head, {"reasoning_content": item.text}))
             elif isinstance(item, str):
                 yield _data(_chunk(head, {"content": item}))
             else:
                 answer = completion(session_id, body, item.result)
-                for c in tail_chunks(head, answer, item.rest, include_usage):
+                for c in tail_chunks(head, answer, item.rest, include_usage, item.reasoned):
                     yield _data(c)
     except ApiError as exc:
         yield _data({"error": api_error(exc, "openai").fields["error"]})
@@ -377,14 +385,15 @@ def _chunk(
 
 
 def tail_chunks(
-    head: dict[str, Any], answer: dict[str, Any], rest: str, include_usage: bool
+    head: dict[str, Any], answer: dict[str, Any], rest: str, include_usage: bool, reasoned: bool = False
 ) -> Iterator[dict[str, Any]]:
     """The chunks that end a streamed ``answer`` after its content deltas, in stream order: the
-    reasoning, the content not streamed yet ``rest`` (with the turn's log-probs when asked), each
-    tool call, the finish reason, the usage."""
+    reasoning (unless ``reasoned``: it was streamed before the content), the content not streamed
+    yet ``rest`` (with the turn's log-probs when asked), each tool call, the finish reason, the
+    usage."""
     choice = answer["choices"][0]
     message = choice["message"]
-    if "reasoning_content" in message:
+    if "reasoning_content" in message and not reasoned:
         yield _chunk(head, {"reasoning_content": message["reasoning_content"]})
     if rest or choice["logprobs"] is not None:
         yield _chunk(head, {"content": rest}, logprobs=choice["logprobs"])

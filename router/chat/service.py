@@ -231,9 +231,9 @@ async def _render(
 
 
 MODEL_ID = "mixfleet"
-"""The id the models routes list for a session's one chat model. A request names any model (its
-``model`` is echoed back): every name reaches the session's model, so either API's model retrieval
-answers that model under the id asked for."""
+"""The id the models routes list for a session's one chat model, and the one id either API's model
+retrieval answers (another is its 404). A turn names any model (its ``model`` is echoed back:
+harnesses send their configured name) and reaches the session's model all the same."""
 
 
 async def session_created(ctx: RouterContext, session_id: str) -> int:

@@ -2,8 +2,9 @@
 
 :func:`stream_chat` runs the turn (:func:`router.chat.service.run_chat` with ``on_tokens``) and
 yields, in order, the turn's :class:`~router.chat.service.Head`, one content delta (a ``str``)
-per sampled token that shows new text, and a :class:`Tail` (the recorded turn and the content
-shown). Those items are a pure function of the sampled ids and the head, whether the ids arrive
+per sampled token that shows new text (after a generation prompt that opens the reasoning, the
+:class:`Reasoning`, whole, before the first of them), and a :class:`Tail` (the recorded turn and
+what was shown). Those items are a pure function of the sampled ids and the head, whether the ids arrive
 one by one from the engine or all at once from a turn recorded earlier (an ``Idempotency-Key``
 replay, or a turn that ended before its first token came): the routes render them into the same
 bytes either way.
@@ -18,7 +19,10 @@ the parsed structure (reasoning, the rest of the content, tool calls). Text show
 the start of the parsed content (the family's parser keeps text sampled before ``<think>`` as
 content), so the content streamed and the content answered without streaming are the same. After a
 generation prompt that opens the reasoning (:attr:`~router.chat.renderers.Renderer.opens_reasoning`)
-only the text after the reasoning's end is shown, by the same rules.
+the reply is sampled reasoning first: once the reasoning's end is sampled, the parsed reasoning is
+yielded whole (a :class:`Reasoning`), then the text after its end is shown by the same rules, so
+the stream gives the reasoning before the content, in the order sampled, as the answer without
+streaming does.
 
 Errors: before the first token, :func:`stream_chat` raises the turn's ApiError (the route answers
 it as a status); after it, the iterator raises it (the route ends the stream with an error event;
@@ -42,11 +46,21 @@ _REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequen
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """The reply's reasoning (as :meth:`~router.chat.renderers.Renderer.parse` reads it), streamed
+    whole once its end was sampled, after a generation prompt that opens the reasoning."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class Tail:
-    """The end of a streamed turn: its result and the content the deltas showed."""
+    """The end of a streamed turn: its result, the content the deltas showed and whether its
+    reasoning was streamed (a :class:`Reasoning`)."""
 
     result: ChatResult
     shown: str
+    reasoned: bool = False
 
     @property
     def rest(self) -> str:
@@ -70,14 +84,18 @@ class TextDeltas:
         self.read = 0
         self.shown = ""
         self.frozen = False  # markup seen: nothing more shows
+        self.reasoned = False  # the reasoning opened by the generation prompt was streamed
 
-    def feed(self, ids: Sequence[int]) -> list[str]:
-        """The deltas of ``ids``, the next sampled ids: one per id that shows new text."""
-        out = []
+    def feed(self, ids: Sequence[int]) -> list[str | Reasoning]:
+        """The deltas of ``ids``, the next sampled ids: one per id that shows new text, after the
+        :class:`Reasoning` when its end is among them (module docstring)."""
+        out: list[str | Reasoning] = []
         for tok in ids:
             self.ids.append(tok)
             if self.frozen or tok in self.stops or not self._decode():
                 continue
+            if (reasoning := self._closed_reasoning()) is not None:
+                out.append(reasoning)
             visible = self._visible()
             if len(visible) > len(self.shown) and visible.startswith(self.shown):
                 out.append(visible[len(self.shown) :])
@@ -94,6 +112,16 @@ class TextDeltas:
         self.text += after[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         return True
+
+    def _closed_reasoning(self) -> Reasoning | None:
+        """The reasoning, once, when the text just decoded closes the one the generation prompt
+        opened."""
+        end = self.renderer.reasoning_end
+        if self.reasoned or not self.renderer.opens_reasoning or end is None or end not in self.text:
+            return None
+        self.reasoned = True
+        reasoning = self.renderer.parse(self.ids).reasoning
+        return None if reasoning is None else Reasoning(reasoning)
 
     def _visible(self) -> str:
         """``text`` cut at the first markup (then frozen) or short of a possible one, stripped;
@@ -141,9 +169,13 @@ class _Arrivals:
             got.cancel()
 
 
+Item = Head | str | Reasoning | Tail
+"""What :func:`stream_chat` yields (module docstring)."""
+
+
 async def stream_chat(
     ctx: RouterContext, session_id: str, req: ChatRequest, key: str | None
-) -> AsyncIterator[Head | str | Tail]:
+) -> AsyncIterator[Item]:
     """The items of the turn (module docstring), once its first token was sampled or it ended;
     raises the turn's ApiError when it failed before its first token."""
     renderer = request_renderer(ctx.config, req)
@@ -166,13 +198,13 @@ async def _cancel(task: asyncio.Future) -> None:
             await task
 
 
-async def _recorded(renderer: Renderer, result: ChatResult) -> AsyncIterator[Head | str | Tail]:
+async def _recorded(renderer: Renderer, result: ChatResult) -> AsyncIterator[Item]:
     """The items of a turn recorded before any of its tokens was streamed."""
     yield Head(result.turn["turn"], result.created, result.prompt_tokens)
     deltas = recorded_deltas(renderer, result)
     for delta in deltas.feed(result.output_ids):
         yield delta
-    yield Tail(result, deltas.shown)
+    yield Tail(result, deltas.shown, deltas.reasoned)
 
 
 def recorded_deltas(renderer: Renderer, result: ChatResult) -> TextDeltas:
@@ -194,9 +226,7 @@ def text_before_reasoning(result: ChatResult) -> bool:
     return bool(deltas.shown)
 
 
-async def _live(
-    deltas: TextDeltas, arrivals: _Arrivals, task: asyncio.Future
-) -> AsyncIterator[Head | str | Tail]:
+async def _live(deltas: TextDeltas, arrivals: _Arrivals, task: asyncio.Future) -> AsyncIterator[Item]:
     """The items of a turn whose ids arrive while ``task`` runs it, shown by ``deltas``."""
     try:
         batch = arrivals.take()
@@ -208,6 +238,6 @@ async def _live(
             if not task.done():
                 await arrivals.wait(task)
             batch = arrivals.take()
-        yield Tail(task.result(), deltas.shown)
+        yield Tail(task.result(), deltas.shown, deltas.reasoned)
     finally:
         await _cancel(task)

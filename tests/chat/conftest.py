@@ -4,10 +4,14 @@ model is that checkpoint."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import httpx
 import pytest
 
 from router.chat.renderers import load_renderer
+from router.chat.renderers.template import read_chat_template
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir
 from tests.support.router import router_process, write_preset
@@ -62,3 +66,19 @@ def trajectory(router, session_id: str) -> list[dict]:
         t["input_ids"] = segment + t["append_ids"]
         segment = t["input_ids"] + t["output_ids"]
     return turns
+
+
+def reasoning_opened(model_dir: Path, out: Path) -> Path:
+    """``out``: the tokenizer of ``model_dir`` with its chat template changed so that the generation
+    prompt opens ``<think>`` (Qwen3 thinking-2507 style: it ends with ``<think>\\n``, the reply
+    starts inside the reasoning); a chat model directory for ``--chat-model``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    opening = "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}{%- if false %}"
+    template = read_chat_template(model_dir).replace(
+        "{%- if add_generation_prompt %}", "{%- if add_generation_prompt %}" + opening
+    )
+    assert template != read_chat_template(model_dir), "the template has no generation prompt to open"
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return out

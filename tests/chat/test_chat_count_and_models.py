@@ -11,6 +11,8 @@ import pytest
 from tests.chat.conftest import trajectory
 from tests.chat.test_chat_live import ANSWER, ANTHROPIC_TOOLS, TOOL_CALL, _anthropic, _openai
 
+HELLO = [{"role": "user", "content": "Hello"}]
+
 
 def test_anthropic_count_tokens_is_the_turns_input(router, engine, session, renderer):
     client = _anthropic(router, session)
@@ -62,7 +64,12 @@ def test_openai_models(router, session):
     assert isinstance(model, openai.types.Model)
     assert model.id == "mixfleet" and model.object == "model" and model.created > 0
     assert client.models.retrieve("mixfleet") == model
-    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:  # as OpenAI answers a model it does not serve
+        client.models.retrieve("tiny")
+    assert info.value.code == "model_not_found" and info.value.type == "invalid_request_error"
+    assert info.value.body["message"] == "The model `tiny` does not exist or you do not have access to it."
+    # a turn naming that model still reaches the session's model, and echoes the name
+    assert client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1).model == "tiny"
 
 
 def test_anthropic_models(router, session):
@@ -73,6 +80,10 @@ def test_anthropic_models(router, session):
     assert model.id == "mixfleet" and model.type == "model" and model.created_at.year >= 2024
     assert not page.has_next_page()
     assert client.models.retrieve("mixfleet") == model
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.models.retrieve("claude-x")
+    assert info.value.body["error"] == {"type": "not_found_error", "message": "model: claude-x"}
+    assert client.messages.create(model="claude-x", messages=HELLO, max_tokens=1).model == "claude-x"
 
 
 def test_models_of_an_unknown_session(router, session):

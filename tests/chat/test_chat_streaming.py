@@ -14,7 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.chat.conftest import trajectory
+from tests.chat.conftest import reasoning_opened, trajectory
 from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
 from tests.support.router import router_process, write_preset
 from tests.support.scripted import scripted_engine
@@ -151,6 +151,49 @@ def test_text_before_reasoning_is_content_streamed_or_not(router, paced, session
     for m in (final, message):
         assert "".join(b.text for b in m.content if b.type == "text") == "Well, It is blue."
         assert [b.thinking for b in m.content if b.type == "thinking"] == ["Let me see."]
+
+
+OPENED = "Let me see.\n</think>\n\nIt is blue.<|im_end|>"
+
+
+def test_a_prompt_that_opens_reasoning_streams_it_first(paced, chat_model, renderer, tmp_path):
+    """A chat template whose generation prompt opens ``<think>`` (the reply is sampled reasoning
+    first, closed by ``</think>``): streamed, the reasoning comes before the content, as sampled
+    and as the answer without streaming gives it — OpenAI's ``reasoning_content`` delta before the
+    ``content`` deltas, Anthropic's thinking block before the text block."""
+    model = reasoning_opened(chat_model, tmp_path / "opened")
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [paced.url]}])
+    with router_process(preset, extra_args=("--chat-model", str(model))) as router:
+        kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0}
+        paced.script.append(renderer.encode(OPENED))
+        chunks = list(_openai(router, _new_session(router)).chat.completions.create(stream=True, **kw))
+        deltas = [
+            (k, v)
+            for c in chunks
+            if c.choices
+            for k in ("reasoning_content", "content")
+            if (v := getattr(c.choices[0].delta, k, None))
+        ]
+        paced.script.append(renderer.encode(OPENED))
+        plain = _openai(router, _new_session(router)).chat.completions.create(**kw).choices[0].message
+        assert (
+            deltas[0]
+            == ("reasoning_content", plain.reasoning_content)
+            == ("reasoning_content", "Let me see.")
+        )
+        assert {k for k, _ in deltas[1:]} == {"content"} and len(deltas) > 3  # the answer token by token
+        assert "".join(v for _, v in deltas[1:]) == plain.content == "It is blue."
+        ak = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "extra_body": {"temperature": 1.0}}
+        paced.script.append(renderer.encode(OPENED))
+        with _anthropic(router, _new_session(router)).messages.stream(**ak) as stream:
+            started = [e.content_block.type for e in stream if e.type == "content_block_start"]
+            final = stream.get_final_message()
+        paced.script.append(renderer.encode(OPENED))
+        message = _anthropic(router, _new_session(router)).messages.create(**ak)
+        assert started == [b.type for b in final.content] == [b.type for b in message.content]
+        assert started == ["thinking", "text"]
+        for m in (final, message):
+            assert (m.content[0].thinking, m.content[1].text) == ("Let me see.", "It is blue.")
 
 
 def test_a_streamed_tool_call_is_parsed(router, paced, session, renderer):

@@ -5,13 +5,11 @@ held back, the same deltas whether the ids come one by one or all at once."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from router.chat.renderers import load_renderer
-from router.chat.renderers.template import read_chat_template
-from router.chat.streaming import TextDeltas
+from router.chat.streaming import Reasoning, TextDeltas
+from tests.chat.conftest import reasoning_opened
 from tests.chat.test_renderers import _qwen3_dir, _sample, renderer  # noqa: F401 (the parametrized fixture)
 from weight_sync.base_model import write_tokenizer
 
@@ -56,8 +54,8 @@ def test_text_before_reasoning_markup_is_content(renderer):  # noqa: F811
 
 def test_a_generation_prompt_that_opens_reasoning_shows_only_the_answer(renderer, tmp_path):  # noqa: F811
     """With a template whose generation prompt opens ``<think>`` (Qwen3 thinking-2507 style), the
-    sampled reasoning before ``</think>`` shows nothing; the answer after it streams, and is the
-    parsed content."""
+    sampled reasoning before ``</think>`` shows no content; once ``</think>`` is sampled the parsed
+    reasoning comes first, whole, then the answer after it streams, and is the parsed content."""
     assert not renderer.opens_reasoning and not renderer.without_thinking().opens_reasoning
     root = tmp_path / renderer.family
     if renderer.family == "local":
@@ -65,19 +63,16 @@ def test_a_generation_prompt_that_opens_reasoning_shows_only_the_answer(renderer
         write_tokenizer(root)
     else:
         _qwen3_dir(root)
-    config = json.loads((root / "tokenizer_config.json").read_text())
-    opening = "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}{%- if false %}"
-    config["chat_template"] = read_chat_template(root).replace(
-        "{%- if add_generation_prompt %}", "{%- if add_generation_prompt %}" + opening
-    )
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    thinking = load_renderer(root, renderer.family)
+    thinking = load_renderer(reasoning_opened(root, tmp_path / "opened"), renderer.family)
     assert thinking.opens_reasoning
     ids = _sample(thinking, "Let me see.\n</think>\n\nIt is blue.")
     deltas = _one_by_one(thinking, ids)
     reply = thinking.parse(ids)
-    assert "".join(deltas) == reply.content == "It is blue." and reply.reasoning == "Let me see."
+    assert deltas[0] == Reasoning("Let me see.") == Reasoning(reply.reasoning)  # first, as sampled
+    assert "".join(deltas[1:]) == reply.content == "It is blue."
     assert len(deltas) > 3  # the answer streams token by token
+    whole = TextDeltas(thinking)
+    assert whole.feed(ids) == deltas and whole.reasoned
 
 
 def test_one_delta_per_token_of_plain_text(renderer):  # noqa: F811
