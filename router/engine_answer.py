@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
+from router.schemas import TOKEN_MAX
 from router.turn_data import ROUTES_SECTION, RoutedExperts, Rows, TurnData
 from weight_sync.types import parse_version, reported_version
 
@@ -188,7 +189,7 @@ def _answer(body: Any) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
     output_ids = body.get("output_ids")
     if type(output_ids) is not list:
         raise ValueError("output_ids is missing" if output_ids is None else "output_ids is not a list")
-    _token_ids(output_ids, "output_ids")
+    _token_ids(output_ids, "output_ids", TOKEN_MAX)  # they join the context, whose ids a turn sends back
     return meta, output_ids, finish
 
 
@@ -353,12 +354,12 @@ def _rows(rows: list, key: str, what: str) -> None:
 _ID_MAX = (1 << 63) - 1  # what a record stores (and int64 holds)
 
 
-def _token_ids(ids: list, where: str) -> None:
-    """Refuses ``ids`` unless every entry is a JSON integer in ``[0, 2**63)``."""
-    if set(map(type, ids)) <= _TOKEN and (not ids or (min(ids) >= 0 and max(ids) <= _ID_MAX)):
+def _token_ids(ids: list, where: str, limit: int = _ID_MAX) -> None:
+    """Refuses ``ids`` unless every entry is a JSON integer in ``[0, limit]``."""
+    if set(map(type, ids)) <= _TOKEN and (not ids or (min(ids) >= 0 and max(ids) <= limit)):
         return
-    j = next(j for j, x in enumerate(ids) if type(x) is not int or not 0 <= x <= _ID_MAX)
-    raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id")
+    j = next(j for j, x in enumerate(ids) if type(x) is not int or not 0 <= x <= limit)
+    raise ValueError(f"{where}[{j}] = {ids[j]!r} is not a token id (0 to {limit})")
 
 
 def _floats(values: list, where: str, none: float | None) -> list:

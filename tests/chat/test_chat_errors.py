@@ -15,6 +15,7 @@ import pytest
 from router.chat import anthropic_routes, openai_routes
 from router.chat.errors import api_error, chat_api
 from router.errors import ApiError
+from tests.chat.conftest import trajectory
 from tests.support.procs import redis_server
 from tests.support.router import router_process, write_preset
 
@@ -132,29 +133,27 @@ def test_a_context_longer_than_the_models_is_context_length_exceeded(router, ses
     assert message.startswith("input length and `max_tokens` exceed context limit: 21 + 3000 > 2048"), message
 
 
-def test_an_unexpected_failure_is_the_apis_500(router, engine, session, renderer):
-    """A failure no check foresaw is each API's 500 in its shape, naming only the exception's type
-    (``router.app``'s handler of any exception under a chat prefix). The reachable one: an engine
-    answer with a token id past 2**32 passes the engine check (``router.engine_answer``: ids
-    below 2**63, what a record holds) and then fails where the session's context packs its ids
-    as uint32 (``router.segments.pack``: ValueError). Should the engine check come to refuse such
-    an id (a 502), this test needs another unexpected failure."""
-    past_u32 = [*renderer.encode("Hi"), 2**32 + 5, renderer.stop_ids[0]]
-    unexpected = "internal error of the router: ValueError"
-    engine.script.append(past_u32)
-    with pytest.raises(openai.InternalServerError) as info:
+def test_an_engine_id_the_router_cannot_record_is_the_apis_502(router, engine, session, renderer):
+    """An engine answer whose output id is past what a context holds (``router.engine_answer``: the
+    output ids join the session's context, ids up to ``2**31 - 1`` as a request sends them) is a
+    502 in each API's shape, naming the id: no turn is recorded. It was a 500 ("internal error of
+    the router: ValueError") where the context packs its ids (``router.segments.pack``)."""
+    past = [*renderer.encode("Hi"), 2**32 + 5, renderer.stop_ids[0]]
+    engine.script.append(past)
+    with pytest.raises(openai.APIStatusError) as info:
         _openai(router, session).chat.completions.create(model="m", messages=USER, temperature=1.0)
-    assert info.value.status_code == 500
+    assert info.value.status_code == 502
     _openai_shape(info.value.body, "server_error")
-    assert info.value.body["message"] == unexpected
-    engine.script.append(past_u32)
-    with pytest.raises(anthropic.InternalServerError) as refused:
+    assert "4294967301 is not a token id" in info.value.body["message"]
+    engine.script.append(past)
+    with pytest.raises(anthropic.APIStatusError) as refused:
         _anthropic(router, session).messages.create(
             model="m", max_tokens=16, messages=USER, extra_body={"temperature": 1.0}
         )
-    assert refused.value.status_code == 500
+    assert refused.value.status_code == 502
     _anthropic_shape(refused.value.body, "api_error")
-    assert refused.value.body["error"]["message"] == unexpected
+    assert "4294967301 is not a token id" in refused.value.body["error"]["message"]
+    assert trajectory(router, session["session_id"]) == []
 
 
 @pytest.mark.slow

@@ -482,6 +482,10 @@ RAW = "output_token_logprobs"
         ({"output_ids": (1,), "meta_info": {}}, "output_ids is not a list"),
         ({"output_ids": [1, "2"], "meta_info": {}}, r"output_ids\[1\] = '2' is not a token id"),
         ({"output_ids": [1, -2], "meta_info": {}}, r"output_ids\[1\] = -2 is not a token id"),
+        (  # an output id joins the context, which holds the ids a request may send (a 500 once)
+            {"output_ids": [1, 2**31], "meta_info": {}},
+            r"output_ids\[1\] = 2147483648 is not a token id \(0 to 2147483647\)",
+        ),
         (_variant(lambda m: m.pop(RAW)), r"meta_info\.output_token_logprobs is missing"),
         (_variant(_set((RAW,), {"a": 1})), r"meta_info\.output_token_logprobs is not a list"),
         (
