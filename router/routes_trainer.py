@@ -53,7 +53,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
@@ -76,6 +76,7 @@ from router.schemas import (
     TakeRequest,
     TakeResponse,
     VersionConflict,
+    unbounded_int,
 )
 from router.state.base import Lease, LeaseNotFound, StateError, TakenTrajectory, TakeTakenOver
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
@@ -364,7 +365,7 @@ class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_ids: list[list[int]] = Field(min_length=1, max_length=256)
-    logprob_start_len: StrictInt = Field(default=0, ge=0)
+    logprob_start_len: unbounded_int(0) = 0
     groups: list[str] | None = Field(
         default=None, min_length=1, description="the groups to score on (null: every group)"
     )
