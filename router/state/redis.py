@@ -320,8 +320,9 @@ _CLAIM = """
 -- KEYS: the stream, the set of takes in progress, the take id's record (the stream when the take
 -- has no take id); ARGV: the group, this take's consumer (its lease id), the lease timeout (ms),
 -- how many, how long (ms) this take's mark lasts unrenewed, whether the take has a take id ('1'
--- or ''). Returns false, claiming nothing, when a later take holds the take id
-if ARGV[6] ~= '' and redis.call('GET', KEYS[3]) ~= 'claim:' .. ARGV[2] then return false end
+-- or ''). Returns false, claiming nothing, when a later take holds the take id (as in _LEASE)
+local holder = ARGV[6] ~= '' and redis.call('GET', KEYS[3])
+if holder and holder ~= 'claim:' .. ARGV[2] then return false end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -344,13 +345,17 @@ _LEASE = """
 -- (the lease when the take has no take id), then per picked entry its session; ARGV: the group,
 -- the lease id (the take's consumer), the lease record's TTL (ms), whether the take has a take id
 -- ('1' or ''), the trainer version, then per picked entry its id and session id. Returns {-1}
--- and makes nothing when a later take holds the take id; else {held back, deliveries per entry
+-- and makes nothing when a later take holds the take id (its claim, or its lease's record, is
+-- there; none: a Redis that lost it, and no later take claimed it); else {held back, deliveries per entry
 -- (0: no longer the take's)}, and a take id's record becomes the lease's (cjson: the Redis Lua
 -- API's JSON library, https://redis.io/docs/latest/develop/interact/programmability/lua-api/)
 -- (run again with the same arguments, as redis-py's retry does, it counts no delivery twice)
 if ARGV[4] ~= '' then
   local rec = redis.call('GET', KEYS[5])
-  if rec ~= 'claim:' .. ARGV[2] and not (rec and cjson.decode(rec).lease == ARGV[2]) then return {-1} end
+  if rec and rec ~= 'claim:' .. ARGV[2]
+    and not (string.sub(rec, 1, 1) == '{' and cjson.decode(rec).lease == ARGV[2]) then
+    return {-1}
+  end
 end
 redis.call('ZREM', KEYS[2], ARGV[2])
 local kept, seen, entries, again = {}, {}, {}, 0

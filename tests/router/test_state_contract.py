@@ -468,6 +468,49 @@ async def test_redis_a_take_ids_record_replaced_during_its_check_is_read_again(r
         proxy.close()
 
 
+async def test_redis_a_take_whose_key_is_taken_over_just_before_its_lease_makes_none(redis_url: str) -> None:
+    """The later take claims the take id after the first picked and before its lease script ran
+    (held by a TCP proxy): the script makes no lease (TakeTakenOver, what it picked put back) and
+    the later take gets the trajectory under the one lease."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    held, go = threading.Event(), threading.Event()
+
+    def hold_the_lease(direction: str, data: bytes, conn: dict) -> bytes:
+        if direction == "up" and b"mf:held" in data and b"mf:takeid:t" in data and not held.is_set():
+            held.set()  # the lease script's keys: the held set and the take id's record
+            go.wait(10)
+        return data
+
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy((host, int(port)), hold_the_lease)
+    kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+    try:
+        async with opened(redis_url) as direct, opened(f"redis://127.0.0.1:{proxy.port}/0") as slow:
+            await _session(direct, "s0")
+            await direct.finish_session("s0", "f", 1.0, {})
+            first = asyncio.create_task(slow.take(1, **kw, take_id="t"))
+            async with asyncio.timeout(10):
+                while not held.is_set():
+                    await asyncio.sleep(0.01)
+            claim = plain.get("mf:takeid:t")
+            retry = asyncio.create_task(direct.take(1, **kw, wait_s=10, take_id="t"))
+            async with asyncio.timeout(10):
+                while plain.get("mf:takeid:t") == claim:
+                    await asyncio.sleep(0.01)
+            go.set()
+            with pytest.raises(TakeTakenOver):
+                async with asyncio.timeout(10):
+                    await first
+            async with asyncio.timeout(10):
+                lease = await retry
+            assert [t.session.session_id for t in lease.trajectories] == ["s0"] and lease.redelivered == 0
+            assert await direct.queue_stats() == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}
+    finally:
+        go.set()
+        proxy.close()
+
+
 async def test_unacknowledged_lease_is_redelivered_after_timeout(store_url: str) -> None:
     async with opened(store_url) as store:
         await _session(store, "s")
