@@ -218,6 +218,15 @@ def test_version_numbers_beyond_what_a_batch_holds_are_refused(weights_router) -
         r = _post(weights_router, path, body)
         assert r.status_code == 422, (body, r.text)
         assert [e["loc"][1] for e in r.json()["errors"]] == [field], (body, r.json())
+    # beyond 64 bits (the body's decoder reads it as a float): refused naming the range too
+    for path, body, field in [
+        ("/v1/weights", {"checkpoint": "/nowhere", "version": 10**30}, "version"),
+        ("/v1/weights/rollback", {"to": 10**30}, "to"),
+        ("/v1/weights/prune", {"keep": 10**30}, "keep"),
+    ]:
+        r = _post(weights_router, path, body)
+        assert r.status_code == 422, (body, r.text)
+        assert r.json()["detail"].startswith(f"{field}: Input should be less than or equal to "), r.json()
     assert _latest(weights_router) == before
 
 
