@@ -145,7 +145,9 @@ class AsyncRolloutClient:
         ``Idempotency-Key``, kept on the client's own retries of it: when the router made the
         lease and its answer was lost (the connection cut), the retry gets that lease and its
         batch again while the lease is open, instead of a second lease (the first one's
-        trajectories would come back only after the router's ``--lease-timeout``)."""
+        trajectories would come back only after the router's ``--lease-timeout``); a retry while
+        the first attempt still waits on the router (its disconnect unseen) takes over from it,
+        so the take ends with one lease (:mod:`router.routes_trainer`)."""
         body: dict[str, Any] = {"size": size, "wait_s": wait_s}
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
