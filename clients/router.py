@@ -66,15 +66,19 @@ def api_key() -> str | None:
 class RouterError(UserError):
     """A router call failed: ``status`` is the HTTP status of the refusal, None when no HTTP
     answer decided it (the router could not be reached; a job that failed or outlived its wait);
-    ``detail`` the router's message (or what went wrong); ``method`` and ``path`` the request."""
+    ``detail`` the router's message (or what went wrong); ``method`` and ``path`` the request;
+    ``retry_after`` the refusal's ``Retry-After`` in seconds (None: it carried none)."""
 
-    def __init__(self, method: str, path: str, status: int | None, detail: str) -> None:
+    def __init__(
+        self, method: str, path: str, status: int | None, detail: str, *, retry_after: float | None = None
+    ) -> None:
         http = f"HTTP {status}: " if status is not None else ""
         super().__init__(f"{method} {path}: {http}{detail}")
         self.method = method
         self.path = path
         self.status = status
         self.detail = detail
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,8 @@ class RouterClient:
             if status in retry_statuses and not last and (status != 409 or retry_after is not None):
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 continue
-            raise RouterError(method, path, status, _message(content, r.reason or f"HTTP {status}"))
+            message = _message(content, r.reason or f"HTTP {status}")
+            raise RouterError(method, path, status, message, retry_after=_seconds(retry_after))
         raise AssertionError("unreachable")
 
     def _delay(self, attempt: int, retry_after: str | None) -> float:
@@ -214,9 +219,39 @@ class RouterClient:
         """``GET /v1/weights``: the run, latest version, formats and every group's replicas."""
         return await self.call("GET", "/v1/weights")
 
-    async def publish(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /v1/weights``: start a publish job; returns the job."""
-        return await self.call("POST", "/v1/weights", body)
+    async def publish(
+        self,
+        body: dict[str, Any],
+        *,
+        wait_s: float = 0.0,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> dict[str, Any]:
+        """``POST /v1/weights``: start a publish job; returns the job. With ``wait_s``, a publish
+        refused because another weight job runs (the router's 409 with ``Retry-After``; nothing
+        was started) is sent again, at the ``Retry-After`` pace, until the job is done or
+        ``wait_s`` seconds have passed since the call: ``on_wait`` gets one line when the wait
+        starts; past ``wait_s`` the refusal is raised, naming the wait. Without, such a refusal
+        is retried as any call's (``retries``)."""
+        if wait_s <= 0:
+            return await self.call("POST", "/v1/weights", body)
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            try:
+                answer = await self.request("POST", "/v1/weights", body, retry_statuses=(503,))
+                return loads(answer.content)
+            except RouterError as exc:
+                left = deadline - time.monotonic()
+                if exc.status != 409 or exc.retry_after is None:
+                    raise
+                if left <= 0:
+                    raise RouterError(
+                        exc.method, exc.path, 409, f"{exc.detail} (waited {wait_s:g} s for it)"
+                    ) from None
+                if not told and on_wait is not None:
+                    on_wait(f"another weight job is running; waiting up to {wait_s:g} s for it to end")
+                told = True
+                await asyncio.sleep(min(max(exc.retry_after, 0.1), self.max_backoff_s, left))
 
     async def rollback(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.call("POST", "/v1/weights/rollback", body)
@@ -354,6 +389,15 @@ class WeightsClient(Blocking):
 
     def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
         super().__init__(RouterClient(None, url, key, timeout))
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A ``Retry-After`` of delay seconds as a number (None: absent, or an HTTP date)."""
+    if retry_after is None:
+        return None
+    with contextlib.suppress(ValueError):
+        return max(0.0, float(retry_after))
+    return None
 
 
 def _message(content: bytes, reason: str) -> str:

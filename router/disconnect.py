@@ -13,7 +13,9 @@ for trajectories (``wait_s``) puts back what it picked, at once, for the next ta
 (:meth:`router.state.base.StateStore.take`); one whose store call has answered already releases
 its lease at once (:mod:`router.routes_trainer`, :meth:`~router.state.base.StateStore.release`).
 After the answer has started nothing is cancelled, and a take's lease then times out like any
-lease whose answer was lost.
+lease whose answer was lost. A take whose client left unseen (a proxy keeping the connection open)
+waits on until its client's retry with the take's ``Idempotency-Key`` takes the key over
+(:mod:`router.routes_trainer`).
 
 A handler that reads ``receive`` itself after the body (Starlette's ``is_disconnected``, a
 streaming response's disconnect listener) gets ``http.disconnect`` once the client is gone: the

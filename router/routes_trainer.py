@@ -22,7 +22,13 @@ Unless the client retries: a take with an ``Idempotency-Key`` header (validated 
 lease's batch again, the same bytes (the store keeps the lease's trajectories in order, its
 ``held_back`` and the ``trainer_version`` it was taken for, :meth:`StateStore.take`), and
 hands out and counts nothing; a key whose lease is acknowledged, released or timed out takes
-afresh. A take without the header takes afresh.
+afresh. A take without the header takes afresh. The latest take with a key holds it: a take with
+a key that an earlier take still waiting (``wait_s``, no lease yet) holds takes the key over, on
+any router sharing the state store, and the earlier one gives up at once: it puts back what it
+picked and answers 409 without ``Retry-After`` (to a client that is gone when it was a retry
+after a timeout whose disconnect the router did not see, e.g. behind a proxy that keeps the
+connection open); only the take holding the key makes a lease, so a take retried while its
+first attempt still waits ends with one lease (:meth:`StateStore.take`, :class:`TakeTakenOver`).
 
 The take's request body is small and its answer has no size limit; the batch's size is bounded
 by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/trainer_logprobs``,
@@ -47,7 +53,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from clients.engine import EngineError, EngineRejected, reported_version
 from core.jsonio import dumps
@@ -70,15 +76,16 @@ from router.schemas import (
     TakeRequest,
     TakeResponse,
     VersionConflict,
+    unbounded_int,
 )
-from router.state.base import Lease, LeaseNotFound, StateError, TakenTrajectory
+from router.state.base import Lease, LeaseNotFound, StateError, TakenTrajectory, TakeTakenOver
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 from router.turns import check_version_bound
 
 TAKE_KEY_DOC = (
     "1-255 visible ASCII characters, one per take (its retries repeat it): while the lease the first "
     "take with this key made is open, a take with it answers that lease's batch again instead of "
-    "taking other trajectories"
+    "taking other trajectories; an earlier take with it that still waits gives up (409)"
 )
 
 router = APIRouter(
@@ -140,20 +147,28 @@ async def take(
     """A ``trainer_version`` above every version the fleet can serve is a 409 before anything is
     taken (:func:`router.turns.check_version_bound`, as a turn's ``min_version``). With an
     ``Idempotency-Key`` whose earlier take's lease is still open, the answer is that lease's
-    batch again, the same bytes (module docstring)."""
+    batch again, the same bytes; an earlier take with the key still waiting gives up (409) and
+    this one takes (module docstring)."""
     ctx = _ctx(request)
     if take_id is not None:
         check_key(take_id)
     await check_version_bound(ctx, "trainer_version", body.trainer_version)
     trainer_version = body.trainer_version if body.trainer_version is not None else ctx.trainer_version()
-    lease = await ctx.store.take(
-        body.size,
-        trainer_version=trainer_version,
-        max_version_age=body.max_version_age,
-        lease_timeout_s=ctx.config.lease_timeout_s,
-        wait_s=body.wait_s,
-        take_id=take_id,
-    )
+    try:
+        lease = await ctx.store.take(
+            body.size,
+            trainer_version=trainer_version,
+            max_version_age=body.max_version_age,
+            lease_timeout_s=ctx.config.lease_timeout_s,
+            wait_s=body.wait_s,
+            take_id=take_id,
+        )
+    except TakeTakenOver:
+        raise ApiError(
+            409,
+            f"{HEADER} {take_id!r}: a later take with this key took it over while this one waited "
+            "(this one handed out nothing)",
+        ) from None
     if lease.repeated:  # the lease this take id made, answered again: nothing was handed out now
         return _answer(request, lease, lease.trainer_version or trainer_version)
     lease_id = lease.lease_id if lease.trajectories else None
@@ -350,7 +365,7 @@ class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_ids: list[list[int]] = Field(min_length=1, max_length=256)
-    logprob_start_len: StrictInt = Field(default=0, ge=0)
+    logprob_start_len: unbounded_int(0) = 0
     groups: list[str] | None = Field(
         default=None, min_length=1, description="the groups to score on (null: every group)"
     )

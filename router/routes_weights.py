@@ -66,6 +66,7 @@ from router.publishing import (
     StoreUnreadable,
     VersionTooOld,
 )
+from router.schemas import bounded_int
 from weight_sync.converters import Converter
 from weight_sync.publish import VersionMissing
 
@@ -79,16 +80,14 @@ class PublishRequest(BaseModel):
     checkpoint: str = Field(
         min_length=1, description="HF BF16 checkpoint directory on the router's filesystem"
     )
-    version: StrictInt | None = Field(
-        default=None, ge=0, le=VERSION_MAX, description="version number (default: the next one)"
+    version: bounded_int(0, VERSION_MAX) | None = Field(
+        default=None, description="version number (default: the next one)"
     )
     run_id: str | None = Field(default=None, pattern=RUN_ID)
     mode: Literal["barrier", "per_format"] = "barrier"
     formats: list[WeightFormat] | None = Field(default=None, min_length=1)
-    delta_of: StrictInt | None = Field(
+    delta_of: bounded_int(0, VERSION_MAX) | None = Field(
         default=None,
-        ge=0,
-        le=VERSION_MAX,
         description="the checkpoint holds only the BF16 tensors changed since this version; "
         "each format is published as a delta over it",
     )
@@ -97,15 +96,15 @@ class PublishRequest(BaseModel):
 class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    to: StrictInt = Field(ge=0, le=VERSION_MAX, description="the version whose content to publish again")
+    to: bounded_int(0, VERSION_MAX) = Field(description="the version whose content to publish again")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
-    version: StrictInt | None = Field(default=None, ge=0, le=VERSION_MAX)
+    version: bounded_int(0, VERSION_MAX) | None = None
 
 
 class PerturbRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    from_version: StrictInt = Field(ge=0, le=VERSION_MAX)
+    from_version: bounded_int(0, VERSION_MAX)
     swap_rows: list[StrictInt] = Field(
         min_length=2, max_length=2, description="two token ids whose lm_head rows swap"
     )
@@ -115,7 +114,7 @@ class PerturbRequest(BaseModel):
 class PruneRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    keep: StrictInt = Field(ge=1, le=VERSION_MAX, description="how many of the run's newest versions to keep")
+    keep: bounded_int(1, VERSION_MAX) = Field(description="how many of the run's newest versions to keep")
     run_id: str | None = Field(default=None, pattern=RUN_ID)
 
 

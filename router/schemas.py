@@ -3,7 +3,8 @@ these). Requests forbid unknown fields so a typo is a 422 naming the field, not 
 default; floats must be finite. The scalar fields of the session and trainer bodies are strict
 (pydantic's ``StrictInt``, ``StrictFloat``, ``StrictBool``): ``"5"``, ``true`` or ``5.0`` is not the
 integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); a
-bounded integer beyond 64 bits is refused naming its range (:func:`bounded_int`); token ids stay lax
+bounded integer beyond 64 bits is refused naming its range (:func:`bounded_int`), an unbounded one
+naming the largest integer the body can carry (:func:`unbounded_int`); token ids stay lax
 on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
 :class:`ErrorBody`.
 """
@@ -33,6 +34,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from core.wire import VERSION_MAX
 from router.segments import Ids, as_ids
@@ -59,6 +61,32 @@ def bounded_int(ge: int, le: int) -> Any:
     beyond 64 bits is refused by the bound it breaks, naming the range as for any other value
     outside it (both bounds are required, so no such value is ever accepted)."""
     return Annotated[StrictInt, Field(ge=ge, le=le), BeforeValidator(_spelled_int)]
+
+
+WIRE_INT_LIMIT = 2**64
+"""The body's decoder (orjson) reads an integer literal from -2**63 to ``2**64 - 1`` as an
+integer, one beyond that as a float (orjson's README, "Deserialize": "it does not support
+integers exceeding 64 bits"; measured: ``18446744073709551615`` is an int, ``...616`` a float)."""
+
+
+def _beyond_64_bits(value: Any) -> Any:
+    """``value``, unless it is an integral float the body's decoder made of an integer literal
+    beyond 64 bits: a positive one is refused naming :data:`WIRE_INT_LIMIT`, a negative one is
+    the integer it equals (the field's lower bound refuses it, naming the bound)."""
+    if type(value) is not float or not value.is_integer():
+        return value
+    if value >= WIRE_INT_LIMIT:
+        raise PydanticCustomError("int_too_wide", "Input should be an integer below 2**64")
+    return int(value) if value < -(2**63) else value
+
+
+def unbounded_int(ge: int, *, strict: bool = True) -> Any:
+    """An integer of at least ``ge`` with no upper bound of its own (its JSON schema: ``minimum``),
+    ``StrictInt`` unless ``strict`` is false (the chat APIs' lax integers); a value beyond 64 bits
+    is refused in one line naming the limit (:func:`_beyond_64_bits`), not as "not a valid
+    integer": every value accepted before is accepted (only floats that no integer field took are
+    refused otherwise)."""
+    return Annotated[StrictInt if strict else int, Field(ge=ge), BeforeValidator(_beyond_64_bits)]
 
 
 def _shallow(value: dict[str, Any]) -> dict[str, Any]:
@@ -301,10 +329,10 @@ class TurnRequest(_Req):
         "(the previous turn's input and output)",
     )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    min_version: StrictInt | None = Field(None, ge=0)
-    max_version_age: StrictInt | None = Field(None, ge=0)
-    turn: StrictInt | None = Field(
-        None, ge=0, description="expected turn index; refused with 409 if not next"
+    min_version: unbounded_int(0) | None = None
+    max_version_age: unbounded_int(0) | None = None
+    turn: unbounded_int(0) | None = Field(
+        None, description="expected turn index; refused with 409 if not next"
     )
     return_support: StrictBool = Field(
         False,
@@ -437,9 +465,8 @@ class TakeRequest(_Req):
         "expired leases first, redelivered), up to this many; fewer when fewer are ready by the end of "
         "`wait_s` (none: an empty batch without a lease)",
     )
-    max_version_age: StrictInt | None = Field(
+    max_version_age: unbounded_int(0) | None = Field(
         None,
-        ge=0,
         description="staleness bound: a trajectory whose oldest token version is more than this many "
         "versions below `trainer_version` is held back instead of taken (kept aside, counted in "
         "`held_back`, handed out by a later take whose bound admits it); null: no bound",

@@ -15,6 +15,7 @@ and decoded by :func:`trainer.batch.decode_batch` into flat arrays. Nothing here
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +145,9 @@ class AsyncRolloutClient:
         ``Idempotency-Key``, kept on the client's own retries of it: when the router made the
         lease and its answer was lost (the connection cut), the retry gets that lease and its
         batch again while the lease is open, instead of a second lease (the first one's
-        trajectories would come back only after the router's ``--lease-timeout``)."""
+        trajectories would come back only after the router's ``--lease-timeout``); a retry while
+        the first attempt still waits on the router (its disconnect unseen) takes over from it,
+        so the take ends with one lease (:mod:`router.routes_trainer`)."""
         body: dict[str, Any] = {"size": size, "wait_s": wait_s}
         if max_version_age is not None:
             body["max_version_age"] = max_version_age
@@ -202,15 +205,25 @@ class AsyncRolloutClient:
         return loads(answer.content)
 
     # weights and fleet -----------------------------------------------------------------
-    async def publish(self, checkpoint: str, *, version: int | None = None, **fields: Any) -> dict[str, Any]:
+    async def publish(
+        self,
+        checkpoint: str,
+        *,
+        version: int | None = None,
+        wait_s: float = 0.0,
+        on_wait: Callable[[str], None] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
         """Start publishing a BF16 checkpoint directory (an absolute path on the router's
         machine) as ``version`` (None: the router takes the next number, under its job lock);
         returns the job, whose ``version`` is the number taken (poll with :meth:`job` or
-        :meth:`wait_job`)."""
+        :meth:`wait_job`). While another weight job runs, the publish waits for it up to
+        ``wait_s`` seconds, telling ``on_wait`` once (:meth:`clients.router.RouterClient.publish`);
+        then, or with no ``wait_s`` after ``retries``, :class:`RouterError` (409)."""
         body = {"checkpoint": checkpoint, **fields}
         if version is not None:
             body["version"] = version
-        return await self.router.publish(body)
+        return await self.router.publish(body, wait_s=wait_s, on_wait=on_wait)
 
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self.router.job(job_id)

@@ -289,10 +289,13 @@ class _Publisher:
     """Publishes checkpoints one version at a time; a version is published only after the
     previous one's activation was observed (or timed out)."""
 
-    def __init__(self, client: AsyncRolloutClient, out: Path, config: DemoConfig) -> None:
+    def __init__(
+        self, client: AsyncRolloutClient, out: Path, config: DemoConfig, log: Callable[[str], None]
+    ) -> None:
         self.client = client
         self.out = out
         self.config = config
+        self.log = log
         self.pending: asyncio.Task | None = None
         self.records: list[dict[str, Any]] = []
         self.dirs: list[Path] = []
@@ -300,12 +303,15 @@ class _Publisher:
 
     async def publish(self, policy: Policy) -> int:
         """Save ``policy`` and, once the previous version's activation was observed, publish it
-        as the router's next version; returns that version (the job's)."""
+        as the router's next version; returns that version (the job's). Another weight job
+        running (another publisher's) is waited for, up to ``config.job_wait_s`` seconds, with one
+        line to the log; past that the publish's refusal is raised (a :class:`RouterError`, one
+        line)."""
         path = (self.out / "checkpoints" / f"p{self.saved:04d}").resolve()
         self.saved += 1
         await asyncio.to_thread(policy.save, path)
         await self.settle()
-        job = await self.client.publish(str(path))
+        job = await self.client.publish(str(path), wait_s=self.config.job_wait_s, on_wait=self.log)
         version = int(job["version"])
         self.dirs.append(path)
         self.pending = asyncio.create_task(
@@ -379,7 +385,7 @@ async def run_demo(
             record["sft"] = await asyncio.to_thread(
                 supervised, policy, prompts, task, config, rng, show_progress
             )
-            publisher = _Publisher(client, out, config)
+            publisher = _Publisher(client, out, config, log)
             log("publishing the warm-started policy as the next version ...")
             version = await publisher.publish(policy)
             record["first_version"] = version

@@ -35,6 +35,7 @@ class DemoConfig:
     band: tuple[float, float] | None = None  # None: the MIS band of trainer.corrections
     trainer_threads: int = 2
     activation_timeout_s: float = 120.0
+    job_wait_s: float = 600.0  # how long a publish waits for another weight job to end
     keep: int = 2
 
     def __post_init__(self) -> None:

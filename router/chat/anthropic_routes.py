@@ -56,7 +56,7 @@ from router.chat.streaming import Item, Reasoning, stream_chat, text_before_reas
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
-from router.schemas import JsonObject, SessionId
+from router.schemas import JsonObject, SessionId, unbounded_int
 
 
 async def _key(
@@ -238,7 +238,7 @@ class InputRequest(_M):
 
 
 class MessagesRequest(InputRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: unbounded_int(1, strict=False)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = None
     top_k: int | None = None

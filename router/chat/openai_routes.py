@@ -46,7 +46,7 @@ from router.chat.streaming import Item, Reasoning, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
-from router.schemas import JsonObject, SessionId
+from router.schemas import JsonObject, SessionId, unbounded_int
 
 router = APIRouter(
     prefix="/v1/sessions/{session_id}/openai/v1",
@@ -139,8 +139,8 @@ class ChatCompletionRequest(_M):
     parallel_tool_calls: Literal[True] | None = Field(
         None, description="false is refused: a sampled answer may hold several tool calls"
     )
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: unbounded_int(1, strict=False) | None = None
+    max_completion_tokens: unbounded_int(1, strict=False) | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None

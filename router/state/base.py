@@ -54,7 +54,12 @@ Contract, for every adapter:
   every trajectory it handed out) answers that lease again, ``repeated``, with the same
   trajectories in the same order, ``held_back``, ``redelivered`` and ``trainer_version``, and
   hands out nothing; otherwise it takes as without one and its lease is then the take id's (kept
-  :meth:`~router.state.retention.Retention.lease_record_s`). An empty take is not kept.
+  :meth:`~router.state.retention.Retention.lease_record_s`). An empty take is not kept. A take
+  with a take id claims it when it starts, in one atomic step with that check: the latest take
+  with a take id holds it, and only the take holding it makes a lease. An earlier take with the
+  same take id still waiting (no lease yet: its client's retry came first, whatever router each
+  runs on) gives up at once, puts back what it picked and raises :class:`TakeTakenOver`, so one
+  logical take ends with one lease.
 * ``ack`` acknowledges what the lease still owns, in one atomic step with the lease's end: of
   acknowledgements of one lease racing each other exactly one acknowledges; the others, and any
   later one while the lease is known (:meth:`~router.state.retention.Retention.lease_record_s`
@@ -106,6 +111,11 @@ class SessionFinished(StateError):
 
 class LeaseNotFound(StateError):
     pass
+
+
+class TakeTakenOver(StateError):
+    """A later take with this take's take id started before this one made its lease: this one
+    handed out nothing (:meth:`StateStore.take`)."""
 
 
 class StateUnavailable(StateError):
@@ -343,7 +353,10 @@ class StateStore(abc.ABC):
         those whose lease timed out, waiting up to ``wait_s`` for ``size``; what it picks is
         nobody else's until it answers, and its lease times out ``lease_timeout_s`` after the
         answer. Cancelled before it answers, it puts back what it picked (ready at once). An
-        empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`)."""
+        empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`). With ``take_id``: the
+        open lease that take id made, ``repeated``; else the take claims the take id, and when a
+        later take with it starts before this one makes its lease, this one puts back what it
+        picked and raises :class:`TakeTakenOver`."""
 
     @abc.abstractmethod
     async def release(self, lease_id: str) -> int:

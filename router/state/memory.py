@@ -32,6 +32,7 @@ from router.state.base import (
     StateStore,
     StoredTurn,
     TakenTrajectory,
+    TakeTakenOver,
     TurnConflict,
     TurnRecord,
     WindowEntry,
@@ -78,6 +79,7 @@ class MemoryStore(StateStore):
         self._lease_orders: dict[str, tuple[list[str], float]] = {}
         # take id -> (the lease it made, its entries in order, the lease as answered, forgotten at)
         self._take_ids: dict[str, tuple[list[int], Lease, float]] = {}
+        self._take_claims: dict[str, str] = {}  # take id -> the lease id of the take that holds it
         self._mismatch: dict[MismatchKey, MismatchSums] = {}
         self._mismatch_totals: dict[str, MismatchSums] = {}
         self._mismatch_leases: dict[str, tuple[float, str]] = {}  # until, digest
@@ -271,15 +273,20 @@ class MemoryStore(StateStore):
         timeout) while fewer than ``size`` are picked; the entries picked are pending without a
         delivery time (no other take's redelivery sees them) until the lease is made of them at
         the answer. Cancelled while it waits, it puts them back on the ready queue. A take id
-        whose lease is open answers it again (:meth:`_repeat`)."""
+        whose lease is open answers it again (:meth:`_repeat`); else this take claims it, waking
+        an earlier take with it that waits, which then gives up (:meth:`_check_claim`)."""
         if take_id is not None and (again := self._repeat(take_id, lease_timeout_s)) is not None:
             return again
         lease_id = uuid.uuid4().hex
+        if take_id is not None:
+            self._take_claims[take_id] = lease_id
+            self._wake()
         self._release_held(trainer_version, max_version_age)
         picked: dict[int, TakenTrajectory] = {}
         deadline = time.monotonic() + max(0.0, wait_s)
         try:
             while True:
+                self._check_claim(take_id, lease_id)
                 self._pick(lease_id, size, trainer_version, max_version_age, lease_timeout_s, picked)
                 remaining = deadline - time.monotonic()
                 if len(picked) >= size or remaining <= 0:
@@ -288,11 +295,20 @@ class MemoryStore(StateStore):
         except BaseException:
             self._give_back(picked)
             raise
+        finally:
+            if take_id is not None and self._take_claims.get(take_id) == lease_id:
+                del self._take_claims[take_id]
         lease = self._lease(lease_id, picked, trainer_version)
         if take_id is not None and picked:
             until = time.monotonic() + self.retention.lease_record_s()
             self._take_ids[take_id] = (list(picked), lease, until)
         return lease
+
+    def _check_claim(self, take_id: str | None, lease_id: str) -> None:
+        """:class:`TakeTakenOver` when a later take holds ``take_id`` (the take ``lease_id`` claimed
+        it when it started)."""
+        if take_id is not None and self._take_claims.get(take_id) != lease_id:
+            raise TakeTakenOver(f"a later take with take id {take_id!r} took it over")
 
     def _repeat(self, take_id: str, lease_timeout_s: float) -> Lease | None:
         """The lease ``take_id``'s take made, answered again, while it owns every trajectory it

@@ -51,8 +51,11 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   (what the ``mixfleet_mismatch_*_total`` counters export);
   ``mf:mml:<lease>`` marks a lease booked (TTL);
   ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL);
-  ``mf:takeid:<take id>`` JSON of the lease a take with that id made (its id, its entries and
-  sessions in order, ``held_back``, ``redelivered``, ``trainer_version``; TTL: the lease record's)
+  ``mf:takeid:<take id>`` ``claim:<lease id>`` while the take holding the take id (the latest
+  to start with it, script :data:`_REPEAT_OR_CLAIM`) has made no lease, then JSON of the lease it
+  made (its id, its entries and sessions in order, ``held_back``, ``redelivered``,
+  ``trainer_version``; written by :data:`_LEASE` with the lease, only while the take holds the
+  take id; TTL: the lease record's)
 
 Every call goes through one redis-py asyncio client (replies parsed by hiredis when it is
 installed). Each operation is one round trip where its reads and writes allow: a mutation is one
@@ -113,6 +116,7 @@ from router.state.base import (
     StateUnavailable,
     StoredTurn,
     TakenTrajectory,
+    TakeTakenOver,
     TurnConflict,
     TurnRecord,
     WindowEntry,
@@ -313,8 +317,12 @@ return 1
 """
 
 _CLAIM = """
--- KEYS: the stream, the set of takes in progress; ARGV: the group, this take's consumer (its
--- lease id), the lease timeout (ms), how many, how long (ms) this take's mark lasts unrenewed
+-- KEYS: the stream, the set of takes in progress, the take id's record (the stream when the take
+-- has no take id); ARGV: the group, this take's consumer (its lease id), the lease timeout (ms),
+-- how many, how long (ms) this take's mark lasts unrenewed, whether the take has a take id ('1'
+-- or ''). Returns false, claiming nothing, when a later take holds the take id (as in _LEASE)
+local holder = ARGV[6] ~= '' and redis.call('GET', KEYS[3])
+if holder and holder ~= 'claim:' .. ARGV[2] then return false end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -333,24 +341,39 @@ return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(ids))
 """
 
 _LEASE = """
--- KEYS: the stream, the set of takes in progress, the lease, the held set, then per picked entry
--- its session; ARGV: the group, the lease id (the take's consumer), the lease record's TTL (ms),
--- then per picked entry its id and session id
+-- KEYS: the stream, the set of takes in progress, the lease, the held set, the take id's record
+-- (the lease when the take has no take id), then per picked entry its session; ARGV: the group,
+-- the lease id (the take's consumer), the lease record's TTL (ms), whether the take has a take id
+-- ('1' or ''), the trainer version, then per picked entry its id and session id. Returns {-1}
+-- and makes nothing when a later take holds the take id (its claim, or its lease's record, is
+-- there; none: a Redis that lost it, and no later take claimed it); else {held back, deliveries per entry
+-- (0: no longer the take's)}, and a take id's record becomes the lease's (cjson: the Redis Lua
+-- API's JSON library, https://redis.io/docs/latest/develop/interact/programmability/lua-api/)
 -- (run again with the same arguments, as redis-py's retry does, it counts no delivery twice)
+if ARGV[4] ~= '' then
+  local rec = redis.call('GET', KEYS[5])
+  if rec and rec ~= 'claim:' .. ARGV[2]
+    and not (string.sub(rec, 1, 1) == '{' and cjson.decode(rec).lease == ARGV[2]) then
+    return {-1}
+  end
+end
 redis.call('ZREM', KEYS[2], ARGV[2])
-local kept, seen = {}, {}
-for i = 4, #ARGV, 2 do
+local kept, seen, entries, again = {}, {}, {}, 0
+for i = 6, #ARGV, 2 do
   local n = 0
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
-    local s = KEYS[5 + (i - 4) / 2]
+    local s = KEYS[6 + (i - 6) / 2]
     kept[#kept + 1] = ARGV[i]
+    entries[#entries + 1] = {ARGV[i], ARGV[i + 1]}
     if redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1]) == 1 and redis.call('EXISTS', s) == 1 then
       redis.call('HINCRBY', s, 'delivered', 1)
     end
     n = tonumber(redis.call('HGET', s, 'delivered') or '1')
+    if n > 1 then again = again + 1 end
   end
   seen[#seen + 1] = n
 end
+local held = redis.call('ZCARD', KEYS[4])
 if #kept > 0 then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
   kept[#kept + 1] = 'JUSTID'
@@ -358,7 +381,47 @@ if #kept > 0 then
 elseif #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
   redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 end
-return {redis.call('ZCARD', KEYS[4]), seen}
+if ARGV[4] ~= '' and #entries > 0 then
+  local rec = {lease = ARGV[2], entries = entries, held_back = held, redelivered = again,
+    trainer_version = ARGV[5]}
+  redis.call('SET', KEYS[5], cjson.encode(rec), 'PX', ARGV[3])
+elseif ARGV[4] ~= '' then
+  redis.call('DEL', KEYS[5])
+end
+return {held, seen}
+"""
+
+_REPEAT_OR_CLAIM = """
+-- KEYS: the take id's record, its lease (the record when it names none), the stream, then per
+-- entry of its lease that entry's session and turns; ARGV: the group, the record as the caller
+-- read it ('' for none), this take's claim ('claim:<its lease id>'), the lease timeout (ms), the
+-- record's TTL (ms), the record's lease id ('' for none), how many session fields, the fields,
+-- then the lease's entry ids. Returns false when the record changed since the caller read it;
+-- {1, {session fields, turns} per entry} when the record's lease is open (its lease hash holds
+-- it unacknowledged, each entry pending under it, none idle for the lease timeout, each session
+-- kept), writing nothing; else {0}, and this take holds the take id from now on
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[2] then return false end
+local nf = tonumber(ARGV[7])
+local fields = {}
+for i = 8, 7 + nf do fields[#fields + 1] = ARGV[i] end
+local first = 8 + nf
+local open = ARGV[6] ~= '' and redis.call('EXISTS', KEYS[2]) == 1
+  and redis.call('HEXISTS', KEYS[2], '!acked') == 0
+local out = {}
+if open then
+  for i = first, #ARGV do
+    local k = 4 + 2 * (i - first)
+    local p = redis.call('XPENDING', KEYS[3], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[6])
+    if #p ~= 1 or tonumber(p[1][3]) >= tonumber(ARGV[4]) or redis.call('EXISTS', KEYS[k]) == 0 then
+      open = false
+      break
+    end
+    out[#out + 1] = {redis.call('HMGET', KEYS[k], unpack(fields)), redis.call('LRANGE', KEYS[k + 1], 0, -1)}
+  end
+end
+if open then return {1, out} end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[5])
+return {0}
 """
 
 _GIVE_BACK = """
@@ -592,11 +655,7 @@ def _take_id_key(take_id: str) -> str:
     return f"{P}takeid:{take_id}"
 
 
-@dataclasses.dataclass(frozen=True)
-class _RedisLease(Lease):
-    """A lease as :meth:`RedisStateStore._take` made it, with its (entry id, session id) in order."""
-
-    entries: tuple[tuple[str, str], ...] = ()
+_CLAIMED = "claim:"  # a take id's record while the take holding it has made no lease: claim:<its lease id>
 
 
 ACKED = "!acked"  # the field of an acknowledged lease's record (not a stream entry id)
@@ -672,6 +731,7 @@ class RedisStore(StateStore):
         self._put_job = self._r.register_script(_PUT_JOB)
         self._claim = self._r.register_script(_CLAIM)
         self._lease_picked = self._r.register_script(_LEASE)
+        self._repeat_take = self._r.register_script(_REPEAT_OR_CLAIM)
         self._give_back = self._r.register_script(_GIVE_BACK)
         self._ack_lease = self._r.register_script(_ACK)
         self._add_mismatch = self._r.register_script(_ADD_MISMATCH)
@@ -869,10 +929,15 @@ class RedisStore(StateStore):
         wait_s: float = 0.0,
         take_id: str | None = None,
     ) -> Lease:
-        if take_id is not None and (again := await self._call(self._repeat, take_id, lease_timeout_s)):
+        lease_id = uuid.uuid4().hex
+        if take_id is not None and (
+            again := await self._call(self._repeat_or_claim, take_id, lease_id, lease_timeout_s)
+        ):
             return again
-        lease = await self._call(
+        return await self._call(
             self._take,
+            lease_id,
+            take_id,
             size,
             trainer_version,
             max_version_age,
@@ -880,82 +945,83 @@ class RedisStore(StateStore):
             wait_s,
             extra_s=max(0.0, wait_s),
         )
-        if take_id is not None and lease.trajectories:
-            record = {
-                "lease": lease.lease_id,
-                "entries": list(lease.entries),
-                "held_back": lease.held_back,
-                "redelivered": lease.redelivered,
-                "trainer_version": trainer_version,
-            }
-            px = _ms(self.retention.lease_record_s())
-            await self._call(self._r.set, _take_id_key(take_id), json.dumps(record), px=px)
-        return Lease(
-            lease.lease_id,
-            lease.trajectories,
-            held_back=lease.held_back,
-            redelivered=lease.redelivered,
-            trainer_version=trainer_version,
-        )
 
-    async def _repeat(self, take_id: str, lease_timeout_s: float) -> Lease | None:
+    async def _repeat_or_claim(self, take_id: str, lease_id: str, lease_timeout_s: float) -> Lease | None:
         """The lease ``take_id``'s take made, answered again, while it is open: not acknowledged
         or released, its consumer still owning every entry it handed out, none idle for the lease
-        timeout (None: no such take, or its lease is not open)."""
-        raw = await self._r.get(_take_id_key(take_id))
-        if raw is None:
+        timeout, every session kept (None: no such take, or its lease is not open; the take
+        ``lease_id`` then holds the take id). The record is read for its keys, then checked, and
+        the take id claimed, in one script (:data:`_REPEAT_OR_CLAIM`; read again if it changed
+        in between)."""
+        key = _take_id_key(take_id)
+        while True:
+            raw = await self._r.get(key) or b""
+            record = json.loads(raw) if raw.startswith(b"{") else {}
+            owner, entries = record.get("lease", ""), record.get("entries", [])
+            if entries:
+                await self._ensure_group()
+            reply = await self._repeat_take(
+                keys=[
+                    key,
+                    _lease_key(owner) if owner else key,
+                    STREAM,
+                    *(k for _entry_id, sid in entries for k in (_skey(sid), _tkey(sid))),
+                ],
+                args=[
+                    GROUP,
+                    raw,
+                    _CLAIMED + lease_id,
+                    _ms(lease_timeout_s),
+                    _ms(self.retention.lease_record_s()),
+                    owner,
+                    len(_FIELDS),
+                    *_FIELDS,
+                    *(entry_id for entry_id, _sid in entries),
+                ],
+            )
+            if reply is not None:
+                break
+        if int(reply[0]) == 0:
             return None
-        record = json.loads(raw)
-        lease_id, entries = record["lease"], record["entries"]
-        leased = {_s(k): _s(v) for k, v in (await self._r.hgetall(_lease_key(lease_id))).items()}
-        if not leased or ACKED in leased:
-            return None
-        pipe = self._r.pipeline(transaction=False)
-        for entry_id, sid in entries:
-            pipe.xpending_range(STREAM, GROUP, entry_id, entry_id, 1, consumername=lease_id)
-            pipe.hmget(_skey(sid), _FIELDS)
-            pipe.lrange(_tkey(sid), 0, -1)
-        replies = await pipe.execute()
-        taken = []
-        for k, (_entry_id, sid) in enumerate(entries):
-            pending, values, turns = replies[3 * k : 3 * k + 3]
-            info = _info(sid, values)
-            if (
-                len(pending) != 1
-                or pending[0]["time_since_delivered"] >= _ms(lease_timeout_s)
-                or info is None
-            ):
-                return None
-            taken.append(TakenTrajectory(info, list(turns)))
+        taken = [
+            TakenTrajectory(_info(sid, values), list(turns))  # type: ignore[arg-type]  # kept: checked
+            for (_entry_id, sid), (values, turns) in zip(entries, reply[1], strict=True)
+        ]
         return Lease(
-            lease_id,
+            owner,
             taken,
-            held_back=record["held_back"],
-            redelivered=record["redelivered"],
-            trainer_version=record["trainer_version"],
+            held_back=int(record["held_back"]),
+            redelivered=int(record["redelivered"]),
+            trainer_version=int(record["trainer_version"]),
             repeated=True,
         )
 
     async def _take(
-        self, size: int, trainer_version: int, max_age: int | None, lease_timeout_s: float, wait_s: float
-    ) -> _RedisLease:
+        self,
+        lease_id: str,
+        take_id: str | None,
+        size: int,
+        trainer_version: int,
+        max_age: int | None,
+        lease_timeout_s: float,
+        wait_s: float,
+    ) -> Lease:
         """Pick until ``size`` are picked or ``wait_s`` has passed, then make the lease of them
-        (:data:`_LEASE`); a take that does not get that far puts back what it picked
-        (:meth:`_put_back`)."""
+        (:data:`_LEASE`); a take that does not get that far (cancelled, or ``take_id`` taken over
+        by a later take: :class:`TakeTakenOver`) puts back what it picked (:meth:`_put_back`)."""
         await self._ensure_group()
-        lease_id = uuid.uuid4().hex
         floor = "-inf" if max_age is None else str(trainer_version - max_age)
         await self._release(keys=[HELD, STREAM], args=[floor])
         deadline = time.monotonic() + max(0.0, wait_s)
         picked: dict[str, TakenTrajectory] = {}
         try:
             while len(picked) < size:
-                batch = await self._pick(lease_id, size - len(picked), lease_timeout_s, deadline)
+                batch = await self._pick(lease_id, take_id, size - len(picked), lease_timeout_s, deadline)
                 await self._admit(batch, trainer_version, max_age, picked)
                 raise_if_cancelled()
                 if time.monotonic() >= deadline:
                     break
-            lease = await self._make_lease(lease_id, picked)
+            lease = await self._make_lease(lease_id, take_id, trainer_version, picked)
             raise_if_cancelled()
             return lease
         except BaseException:
@@ -963,16 +1029,26 @@ class RedisStore(StateStore):
             raise
 
     async def _pick(
-        self, lease_id: str, need: int, lease_timeout_s: float, deadline: float
+        self, lease_id: str, take_id: str | None, need: int, lease_timeout_s: float, deadline: float
     ) -> list[tuple[str, str]]:
         """Up to ``need`` (entry id, session id) for the take ``lease_id``: entries whose lease
         timed out (not those of a take in progress), claimed by :data:`_CLAIM`, which also
         renews the take's mark in ``mf:taking``; then new entries, waiting for them up to a
-        second while the deadline allows."""
+        second while the deadline allows. :class:`TakeTakenOver` when a later take holds
+        ``take_id``."""
         claimed = await self._claim(
-            keys=[STREAM, TAKING],
-            args=[GROUP, lease_id, _ms(lease_timeout_s), need, _ms(_TAKING_MARK_S + self._outage_s)],
+            keys=[STREAM, TAKING, STREAM if take_id is None else _take_id_key(take_id)],
+            args=[
+                GROUP,
+                lease_id,
+                _ms(lease_timeout_s),
+                need,
+                _ms(_TAKING_MARK_S + self._outage_s),
+                "" if take_id is None else "1",
+            ],
         )
+        if claimed is None:
+            raise TakeTakenOver(f"a later take with take id {take_id!r} took it over")
         batch = [(_s(entry_id), _s(_pairs(fields)[b"sid"])) for entry_id, fields in claimed]
         if len(batch) < need:
             remaining = deadline - time.monotonic()
@@ -1020,34 +1096,44 @@ class RedisStore(StateStore):
             pipe.xdel(STREAM, *gone)
             await pipe.execute()
 
-    async def _make_lease(self, lease_id: str, picked: dict[str, TakenTrajectory]) -> _RedisLease:
+    async def _make_lease(
+        self, lease_id: str, take_id: str | None, trainer_version: int, picked: dict[str, TakenTrajectory]
+    ) -> Lease:
         """The lease of what the take picked and still holds (:data:`_LEASE`, one script): its
         record, its timeout counted from now, each trajectory's deliveries counted (one handed out
-        before is redelivered)."""
+        before is redelivered), and with ``take_id`` the take id's record, unless a later take
+        holds the take id (:class:`TakeTakenOver`, nothing made)."""
         entries = list(picked.items())
-        held, seen = await self._lease_picked(
+        lease_key = _lease_key(lease_id)
+        answer = await self._lease_picked(
             keys=[
                 STREAM,
                 TAKING,
-                _lease_key(lease_id),
+                lease_key,
                 HELD,
+                lease_key if take_id is None else _take_id_key(take_id),
                 *(_skey(t.session.session_id) for _e, t in entries),
             ],
             args=[
                 GROUP,
                 lease_id,
                 _ms(self.retention.lease_record_s()),
+                "" if take_id is None else "1",
+                trainer_version,
                 *(x for entry_id, t in entries for x in (entry_id, t.session.session_id)),
             ],
         )
+        if int(answer[0]) < 0:
+            raise TakeTakenOver(f"a later take with take id {take_id!r} took it over")
+        held, seen = answer
         kept = [(e, t) for (e, t), n in zip(entries, seen, strict=True) if int(n) > 0]
         redelivered = sum(1 for n in seen if int(n) > 1)
-        return _RedisLease(
+        return Lease(
             lease_id,
             [t for _e, t in kept],
             held_back=int(held),
             redelivered=redelivered,
-            entries=tuple((e, t.session.session_id) for e, t in kept),
+            trainer_version=trainer_version,
         )
 
     async def _put_back(self, lease_id: str, entries: list[tuple[str, str]]) -> int:

@@ -230,6 +230,23 @@ def test_sampling_parameters_are_held_to_the_apis_ranges(router, session):
         assert info.value.body["error"]["message"].startswith("temperature: "), info.value.body
 
 
+def test_a_max_tokens_beyond_64_bits_is_refused_naming_the_limit(router, session):
+    """An integer beyond 64 bits reaches the router as a float (its body decoder, orjson); the
+    token limits refuse it in one line naming the limit (a 400 in each API's shape)."""
+    oc, ac = _openai(router, session), _anthropic(router, session)
+    for param in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as info:
+            oc.chat.completions.create(model="m", messages=USER, **{param: 10**30})
+        assert info.value.param == param, info.value.body
+        assert info.value.body["message"] == f"{param}: Input should be an integer below 2**64", (
+            info.value.body
+        )
+    with pytest.raises(anthropic.BadRequestError) as info:
+        # in the body (the anthropic client itself refuses so large a max_tokens without streaming)
+        ac.messages.create(model="m", max_tokens=2, messages=USER, extra_body={"max_tokens": 10**30})
+    assert info.value.body["error"]["message"] == "max_tokens: Input should be an integer below 2**64"
+
+
 def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
     oc, ac = _openai(router, session), _anthropic(router, session)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

@@ -535,17 +535,48 @@ def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(
             {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**30}},
             "sampling_params.max_new_tokens: Input should be less than or equal to 1000000",
         ),
+        # unbounded fields name the largest integer a body carries (router.schemas.unbounded_int)
+        (
+            "/v1/batches/take",
+            {"size": 1, "max_version_age": 10**30},
+            "max_version_age: Input should be an integer below 2**64",
+        ),
+        (
+            "{sid}/turns",
+            {"input_ids": [1], "min_version": 2**64},
+            "min_version: Input should be an integer below 2**64",
+        ),
+        (
+            "{sid}/turns",
+            {"input_ids": [1], "turn": -(10**30)},
+            "turn: Input should be greater than or equal to 0",
+        ),
+        (
+            "/v1/score",
+            {"input_ids": [[1, 2]], "logprob_start_len": 10**30},
+            "logprob_start_len: Input should be an integer below 2**64",
+        ),
     ],
 )
 def test_an_integer_beyond_64_bits_is_refused_naming_the_range(
     client: httpx.Client, path: str, body: dict, detail: str
 ) -> None:
     """The body's decoder reads an integer beyond 64 bits as a float; a bounded field refuses it
-    naming its range, as it refuses the first integer past its bound, not as "not an integer"."""
+    naming its range, as it refuses the first integer past its bound, an unbounded one naming the
+    limit (a negative one: its lower bound), not as "not an integer"."""
     sid = _session(client, group="cpu-a")
     r = client.post(path.replace("{sid}", f"/v1/sessions/{sid}"), json=body)
     assert r.status_code == 422 and r.json()["detail"].startswith(detail), r.text
     assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_an_unbounded_integer_field_still_takes_every_64_bit_integer(client: httpx.Client) -> None:
+    """The limit refuses nothing that was taken before: ``2**64 - 1`` (the largest integer the
+    body's decoder reads as one) is still a valid ``max_version_age``."""
+    r = client.post("/v1/batches/take", json={"size": 1, "max_version_age": 2**64 - 1})
+    assert r.status_code == 200, r.text
+    if r.json()["lease_id"] is not None:
+        assert client.post(f"/v1/batches/{r.json()['lease_id']}/ack").status_code == 200
 
 
 def test_an_integer_reward_is_a_float_reward(client: httpx.Client) -> None:

@@ -26,6 +26,7 @@ from router.state.base import (
     SessionNotFound,
     StateStore,
     StateUnavailable,
+    TakeTakenOver,
     TurnConflict,
     TurnRecord,
     WindowEntry,
@@ -393,6 +394,121 @@ async def test_a_repeated_take_id_answers_its_open_lease_again_and_hands_out_not
         retaken = await store.take(1, trainer_version=3, take_id="t-3", **short)  # timed out: afresh
         assert not retaken.repeated and retaken.lease_id != lapsing.lease_id
         assert [t.session.session_id for t in retaken.trajectories] == ["s4"] and retaken.redelivered == 1
+
+
+async def test_a_take_id_taken_over_while_its_first_take_waits_ends_with_one_lease(store_url: str) -> None:
+    """A take with a take id waits for more (it picked one); a later take with the same id (its
+    client's retry, on another router) starts: the first gives up at once (TakeTakenOver) and puts
+    back what it picked; the later one takes it and what comes next, under the one lease the take
+    id then names."""
+    async with two_routers(store_url) as (a, b):
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+        await _session(a, "s0")
+        await a.finish_session("s0", "f", 1.0, {})
+        first = asyncio.create_task(a.take(2, **kw, wait_s=20, take_id="t"))
+        async with asyncio.timeout(5):  # until it picked "s0" (it waits on for a second one)
+            while (await b.queue_stats())["pending"] != 1:
+                await asyncio.sleep(0.02)
+        retry = asyncio.create_task(b.take(2, **kw, wait_s=20, take_id="t"))
+        with pytest.raises(TakeTakenOver):
+            async with asyncio.timeout(5):
+                await first
+        await _session(a, "s1")
+        await a.finish_session("s1", "f", 1.0, {})
+        async with asyncio.timeout(10):
+            lease = await retry
+        assert sorted(t.session.session_id for t in lease.trajectories) == ["s0", "s1"]
+        assert (lease.redelivered, lease.repeated) == (0, False)
+        assert await a.queue_stats() == {"ready": 0, "pending": 2, "held_back": 0, "leases": 1}
+        again = await a.take(2, **kw, take_id="t")
+        assert again.repeated and (again.lease_id, again.trajectories) == (lease.lease_id, lease.trajectories)
+
+
+async def test_redis_a_take_ids_record_replaced_during_its_check_is_read_again(redis_url: str) -> None:
+    """The check of a repeated take id reads the take id's record and its lease in one atomic
+    step: a take whose check is held between its read of the record (naming lease L1) and the
+    rest, while L1 is acknowledged and another take with the id makes L2, answers L2 again
+    instead of taking a third lease beside L2."""
+    redis.Redis.from_url(redis_url).flushdb()
+    armed, held, go = threading.Event(), threading.Event(), threading.Event()
+    lease_ids: list[bytes] = []
+
+    def hold_the_check(direction: str, data: bytes, conn: dict) -> bytes:
+        if direction == "up" and armed.is_set() and not held.is_set() and lease_ids[0] in data:
+            held.set()  # the check's first command that names L1, after its read of the record
+            go.wait(10)
+        return data
+
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy((host, int(port)), hold_the_check)
+    kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+    try:
+        async with opened(redis_url) as direct, opened(f"redis://127.0.0.1:{proxy.port}/0") as slow:
+            for sid in ("s0", "s1", "s2"):
+                await _session(direct, sid)
+                await direct.finish_session(sid, "f", 1.0, {})
+            l1 = await direct.take(1, **kw, take_id="t")
+            lease_ids.append(f"mf:lease:{l1.lease_id}".encode())
+            armed.set()
+            checking = asyncio.create_task(slow.take(1, **kw, take_id="t"))
+            async with asyncio.timeout(10):
+                while not held.is_set():
+                    await asyncio.sleep(0.01)
+            assert (await direct.ack(l1.lease_id)).acked == 1
+            l2 = await direct.take(1, **kw, take_id="t")
+            assert not l2.repeated and l2.lease_id != l1.lease_id
+            go.set()
+            async with asyncio.timeout(10):
+                answer = await checking
+            assert answer.repeated
+            assert (answer.lease_id, answer.trajectories) == (l2.lease_id, l2.trajectories)
+            assert await direct.queue_stats() == {"ready": 1, "pending": 1, "held_back": 0, "leases": 1}
+    finally:
+        go.set()
+        proxy.close()
+
+
+async def test_redis_a_take_whose_key_is_taken_over_just_before_its_lease_makes_none(redis_url: str) -> None:
+    """The later take claims the take id after the first picked and before its lease script ran
+    (held by a TCP proxy): the script makes no lease (TakeTakenOver, what it picked put back) and
+    the later take gets the trajectory under the one lease."""
+    plain = redis.Redis.from_url(redis_url)
+    plain.flushdb()
+    held, go = threading.Event(), threading.Event()
+
+    def hold_the_lease(direction: str, data: bytes, conn: dict) -> bytes:
+        if direction == "up" and b"mf:held" in data and b"mf:takeid:t" in data and not held.is_set():
+            held.set()  # the lease script's keys: the held set and the take id's record
+            go.wait(10)
+        return data
+
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = TcpProxy((host, int(port)), hold_the_lease)
+    kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 60}
+    try:
+        async with opened(redis_url) as direct, opened(f"redis://127.0.0.1:{proxy.port}/0") as slow:
+            await _session(direct, "s0")
+            await direct.finish_session("s0", "f", 1.0, {})
+            first = asyncio.create_task(slow.take(1, **kw, take_id="t"))
+            async with asyncio.timeout(10):
+                while not held.is_set():
+                    await asyncio.sleep(0.01)
+            claim = plain.get("mf:takeid:t")
+            retry = asyncio.create_task(direct.take(1, **kw, wait_s=10, take_id="t"))
+            async with asyncio.timeout(10):
+                while plain.get("mf:takeid:t") == claim:
+                    await asyncio.sleep(0.01)
+            go.set()
+            with pytest.raises(TakeTakenOver):
+                async with asyncio.timeout(10):
+                    await first
+            async with asyncio.timeout(10):
+                lease = await retry
+            assert [t.session.session_id for t in lease.trajectories] == ["s0"] and lease.redelivered == 0
+            assert await direct.queue_stats() == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}
+    finally:
+        go.set()
+        proxy.close()
 
 
 async def test_unacknowledged_lease_is_redelivered_after_timeout(store_url: str) -> None:
@@ -835,8 +951,8 @@ async def test_redis_a_lease_made_twice_counts_once_and_an_entry_it_does_not_nam
         key = f"mf:lease:{lease.lease_id}"
         (entry,) = plain.hkeys(key)
         held, seen = await store._lease_picked(
-            keys=["mf:ready", "mf:taking", key, "mf:held", "mf:s:s"],
-            args=["trainers", lease.lease_id, 60_000, entry, "s"],
+            keys=["mf:ready", "mf:taking", key, "mf:held", key, "mf:s:s"],
+            args=["trainers", lease.lease_id, 60_000, "", 1, entry, "s"],
         )
         assert seen == [1] and plain.hget("mf:s:s", "delivered") == b"1"
         plain.xreadgroup("trainers", lease.lease_id, {"mf:ready": ">"}, count=1)

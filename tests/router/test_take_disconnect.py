@@ -2,11 +2,13 @@
 router releases the lease at once (what it held is ready again, not leased to nobody until the
 lease timeout). A real router over HTTP on a real redis-server, with a TCP proxy in front of Redis
 that holds the lease's take order (the one state write between the lease and the answer) until
-the client has gone."""
+the client has gone. A take whose client gave up without the router seeing it leave, retried
+with its ``Idempotency-Key`` while it still waits: one lease in the end (memory and Redis)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -67,3 +69,83 @@ def test_a_take_whose_client_leaves_after_the_lease_was_made_releases_it(tmp_pat
                     assert c.post(f"/v1/batches/{again['lease_id']}/ack").json()["acked"] == 1
         finally:
             proxy.close()
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer read from ``sock``: its head and its ``Content-Length`` of body."""
+    answer = b""
+    while True:
+        head, sep, body = answer.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if sep and length is not None and len(body) >= int(length.group(1)):
+            return answer
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed within the answer: {answer!r}"
+        answer += chunk
+
+
+def _finish(c: httpx.Client) -> str:
+    """A session with one turn, finished: its id."""
+    sid = c.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
+    deadline = time.monotonic() + 30
+    while True:  # a 503 until the router's first health poll put the engine in rotation
+        turn = c.post(
+            f"/v1/sessions/{sid}/turns", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        )
+        if turn.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert turn.status_code == 200, turn.text
+    assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+    return sid
+
+
+def test_a_take_retried_while_its_first_attempt_still_waits_ends_with_one_lease(
+    tmp_path, engine_url: str, store_url: str
+) -> None:
+    """The first attempt of a take (``wait_s``, an ``Idempotency-Key``) picked one trajectory and
+    waits for a second; its client gave up, but its connection stays open to the router (a proxy
+    between them that keeps it, a half-open TCP connection), so the router cannot tell it is
+    gone. The client's retry with the same key takes the key over: the first attempt answers 409
+    at once and puts back what it picked; the retry gets both trajectories under one lease."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    with (
+        router_process(preset, state=store_url) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+    ):
+        first_sid = _finish(c)
+        host, http_port = router.url.removeprefix("http://").split(":")
+        body = b'{"size": 2, "wait_s": 30}'
+        request = (
+            f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: take-1\r\n"
+            f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        with socket.create_connection((host, int(http_port))) as abandoned:
+            abandoned.sendall(request)
+            deadline = time.monotonic() + 10
+            while c.get("/v1/batches/stats").json()["pending"] != 1:  # it picked the first one
+                assert time.monotonic() < deadline, "the first attempt never picked"
+                time.sleep(0.05)
+            answers: list[httpx.Response] = []
+
+            def retry_the_take() -> None:  # the client's retry, on a connection of its own
+                with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as own:
+                    body = {"size": 2, "wait_s": 30}
+                    answers.append(
+                        own.post("/v1/batches/take", json=body, headers={"Idempotency-Key": "take-1"})
+                    )
+
+            retry = threading.Thread(target=retry_the_take)
+            retry.start()
+            abandoned.settimeout(10)
+            answer = _read_answer(abandoned)  # what the router answers the first attempt (nobody reads it)
+            assert answer.startswith(b"HTTP/1.1 409 "), answer[:200]
+            assert b"took it over" in answer and b"retry-after" not in answer.lower(), answer
+        second_sid = _finish(c)
+        retry.join(30)
+        assert answers and answers[0].status_code == 200, answers
+        batch = answers[0].json()
+        assert sorted(t["session_id"] for t in batch["trajectories"]) == sorted([first_sid, second_sid])
+        assert c.get("/v1/batches/stats").json() == {"ready": 0, "pending": 2, "held_back": 0, "leases": 1}
+        assert c.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 
@@ -101,14 +102,20 @@ def test_a_repeated_finish_answers_as_the_first_and_a_different_one_is_refused_a
 def losing_first_answer(router, path: bytes) -> Iterator[tuple[str, list[bytes]]]:
     """A proxy in front of ``router`` that drops the first answer to a request line holding
     ``path`` (the router did answer it; the client never reads it, as when a connection is cut
-    right after the router answered). Yields the proxy's URL and the dropped answers."""
+    right after the router answered). Yields the proxy's URL and the dropped answers, each whole
+    (its head and its ``Content-Length`` of body, however many chunks they came in)."""
     dropped: list[bytes] = []
 
     def lose(direction: str, data: bytes, conn: dict) -> bytes | None:
         if direction == "up" and path in data:
             conn["hit"] = True
         elif direction == "down" and conn.get("hit") and not dropped:
-            dropped.append(data)
+            conn["answer"] = answer = conn.get("answer", b"") + data
+            head, sep, body = answer.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            if not sep or length is None or len(body) < int(length.group(1)):
+                return b""  # held back: the client gets nothing of this answer
+            dropped.append(answer)
             return None
         return data
 

@@ -9,22 +9,29 @@ over HTTP and through the ``mixfleet weights`` CLI as a subprocess.
 - ``mixfleet weights status`` whose reader closed the pipe (``| head -1``) exits 1, silently;
 - a perturbation of a delta version starts from its full content;
 - a version number beyond a batch's int64 (or not a JSON integer) is a 422 before any job;
-- a job for a run other than the router's is a 400 before any job.
+- a job for a run other than the router's is a 400 before any job;
+- the trainer kit's publish (``mixfleet demo``'s) while another weight job holds the job lock
+  (shared Redis state) waits for it with one line, bounded: it starts once the job ends, or
+  raises one 409 line naming its wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.procs import mixfleet_argv
+from tests.support.procs import mixfleet_argv, redis_server
 from tests.support.router import router_process, write_preset
+from tests.support.state import opened
+from trainer.client import AsyncRolloutClient, RouterError
 
 RUN = "r"
 
@@ -211,6 +218,15 @@ def test_version_numbers_beyond_what_a_batch_holds_are_refused(weights_router) -
         r = _post(weights_router, path, body)
         assert r.status_code == 422, (body, r.text)
         assert [e["loc"][1] for e in r.json()["errors"]] == [field], (body, r.json())
+    # beyond 64 bits (the body's decoder reads it as a float): refused naming the range too
+    for path, body, field in [
+        ("/v1/weights", {"checkpoint": "/nowhere", "version": 10**30}, "version"),
+        ("/v1/weights/rollback", {"to": 10**30}, "to"),
+        ("/v1/weights/prune", {"keep": 10**30}, "keep"),
+    ]:
+        r = _post(weights_router, path, body)
+        assert r.status_code == 422, (body, r.text)
+        assert r.json()["detail"].startswith(f"{field}: Input should be less than or equal to "), r.json()
     assert _latest(weights_router) == before
 
 
@@ -233,3 +249,44 @@ def test_a_job_for_another_run_is_refused_at_once(weights_router, weights_dir: P
     assert done.returncode == 2 and "HTTP 400" in done.stderr and want in done.stderr, done.stderr
     assert _latest(router) == before
     assert not (weights_dir / "store" / "other").exists()
+
+
+def test_a_publish_waits_for_the_running_job_with_one_line_and_a_bound(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    """Another weight job (of another router on the same Redis state: the test holds the job lock
+    in the store as that router would) runs longer than the client's retries of the 409: the
+    trainer kit's publish with ``wait_s`` (what ``mixfleet demo`` sends) tells its one line and
+    waits; held past ``wait_s`` it raises one 409 line naming the wait; released meanwhile, the
+    publish starts and its job is done."""
+    preset = write_preset(tmp_path / "preset.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    env = {"MIXFLEET_STORE": str(tmp_path / "store"), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
+    lines: list[str] = []
+
+    async def main(router, state: str) -> None:
+        async with (
+            opened(state) as store,
+            AsyncRolloutClient(router.url, router.key, retries=1, max_backoff_s=1.0) as client,
+        ):
+            assert await store.acquire_job_lock("other-routers-job", 60.0)
+            t0 = time.monotonic()
+            with pytest.raises(RouterError) as err:
+                await client.publish(str(tiny_dir), wait_s=1.5, on_wait=lines.append)
+            assert 1.5 <= time.monotonic() - t0 < 5
+            assert err.value.status == 409 and "\n" not in str(err.value), str(err.value)
+            assert "already running (other-routers-job)" in str(err.value), str(err.value)
+            assert str(err.value).endswith("(waited 1.5 s for it)"), str(err.value)
+            assert lines == ["another weight job is running; waiting up to 1.5 s for it to end"]
+            lines.clear()
+            publishing = asyncio.create_task(client.publish(str(tiny_dir), wait_s=60, on_wait=lines.append))
+            await asyncio.sleep(4.0)  # past the client's own retry of the 409 (1 s)
+            assert not publishing.done()
+            assert await store.release_job_lock("other-routers-job")
+            async with asyncio.timeout(10):
+                job = await publishing
+            assert job["state"] == "running" and job["version"] == 1, job
+            assert lines == ["another weight job is running; waiting up to 60 s for it to end"]
+            assert (await client.wait_job(job["job_id"]))["result"]["version"] == 1
+
+    with redis_server() as state, router_process(preset, state=state, env=env) as router:
+        asyncio.run(main(router, state))
