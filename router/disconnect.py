@@ -11,7 +11,8 @@ disconnect that lands during the store's own write, after the generation, may st
 turn recorded; a retry carrying an ``Idempotency-Key`` then gets that turn back). A take waiting
 for trajectories (``wait_s``) puts back what it picked, at once, for the next take
 (:meth:`router.state.base.StateStore.take`); one whose store call has answered already releases
-its lease at once (:mod:`router.routes_trainer`, :meth:`~router.state.base.StateStore.release`).
+its lease at once, unless a retry with its ``Idempotency-Key`` was answered that lease first
+(:mod:`router.routes_trainer`, :meth:`~router.state.base.StateStore.release`).
 After the answer has started nothing is cancelled, and a take's lease then times out like any
 lease whose answer was lost. A take whose client left unseen (a proxy keeping the connection open)
 waits on until its client's retry with the take's ``Idempotency-Key`` takes the key over

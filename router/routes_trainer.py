@@ -21,7 +21,10 @@ Unless the client retries: a take with an ``Idempotency-Key`` header (validated 
 :func:`router.idempotency.check_key`) whose earlier take's lease is still open answers that
 lease's batch again, the same bytes (the store keeps the lease's trajectories in order, its
 ``held_back`` and the ``trainer_version`` it was taken for, :meth:`StateStore.take`), and
-hands out and counts nothing; a key whose lease is acknowledged, released or timed out takes
+hands out and counts nothing; that lease is then the retry's: the first attempt's client
+leaving afterwards (before its own answer started) does not release it (the store's ``release``
+leaves a lease answered again), so its trajectories are not handed out again while the retry's
+client trains on them. A key whose lease is acknowledged, released or timed out takes
 afresh. A take without the header takes afresh. The latest take with a key holds it: a take with
 a key that an earlier take still waiting (``wait_s``, no lease yet) holds takes the key over, on
 any router sharing the state store, and the earlier one gives up at once: it puts back what it
@@ -147,8 +150,9 @@ async def take(
     """A ``trainer_version`` above every version the fleet can serve is a 409 before anything is
     taken (:func:`router.turns.check_version_bound`, as a turn's ``min_version``). With an
     ``Idempotency-Key`` whose earlier take's lease is still open, the answer is that lease's
-    batch again, the same bytes; an earlier take with the key still waiting gives up (409) and
-    this one takes (module docstring)."""
+    batch again, the same bytes, and a disconnect of the take that made it no longer releases
+    it; an earlier take with the key still waiting gives up (409) and this one takes (module
+    docstring)."""
     ctx = _ctx(request)
     if take_id is not None:
         check_key(take_id)
@@ -226,8 +230,9 @@ def _answer(request: Request, lease: Lease, trainer_version: int) -> Response:
 
 
 async def _release(ctx: RouterContext, lease_id: str) -> None:
-    """Put the lease of a take whose client left back at once; a store down meanwhile leaves it
-    to time out."""
+    """Put the lease of a take whose client left back at once, unless a retry of its take id was
+    answered it (the store leaves it: the retry's client holds it); a store down meanwhile
+    leaves it to time out."""
     with contextlib.suppress(StateError):
         await ctx.store.release(lease_id)
 

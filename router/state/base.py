@@ -48,7 +48,10 @@ Contract, for every adapter:
   in between). What a take picks while it waits is its own until it answers: no other take,
   of any router, gets it meanwhile, and its lease's time starts at the answer. A take cancelled
   before it answers (its client gone) puts what it picked back on the ready queue at once;
-  ``release`` does the same for a lease whose take answered the store but not its client.
+  ``release`` does the same for a lease whose take answered the store but not its client,
+  unless a take repeating its take id was answered that lease (below): its retry's client holds
+  it, so ``release`` leaves it (the repeat marks it, in the atomic step that answers it) and it
+  ends by its acknowledgement or its timeout, as any lease whose answer was sent.
   A take with a ``take_id`` (a client's retry of one take carries the same one) whose earlier
   take made a lease that is still open (not acknowledged, released or timed out: it still owns
   every trajectory it handed out) answers that lease again, ``repeated``, with the same
@@ -354,18 +357,20 @@ class StateStore(abc.ABC):
         nobody else's until it answers, and its lease times out ``lease_timeout_s`` after the
         answer. Cancelled before it answers, it puts back what it picked (ready at once). An
         empty lease is not kept (its ``ack`` raises :class:`LeaseNotFound`). With ``take_id``: the
-        open lease that take id made, ``repeated``; else the take claims the take id, and when a
-        later take with it starts before this one makes its lease, this one puts back what it
-        picked and raises :class:`TakeTakenOver`."""
+        open lease that take id made, ``repeated`` (from then on :meth:`release` leaves it); else
+        the take claims the take id, and when a later take with it starts before this one makes
+        its lease, this one puts back what it picked and raises :class:`TakeTakenOver`."""
 
     @abc.abstractmethod
     async def release(self, lease_id: str) -> int:
         """Put what the lease still owns back on the ready queue at once, as a take cancelled
         before it answers does (its handing-out is not counted: a later take's is no
         redelivery), and forget the lease (a later ``ack`` raises :class:`LeaseNotFound`): for a
-        take whose answer did not reach its client. Returns how many went back (0: an unknown or
-        acknowledged lease). Best effort: what it cannot put back is redelivered after the lease
-        timeout, as any lease's."""
+        take whose answer did not reach its client. A lease that a take repeating its take id was
+        answered (``repeated``, any time before this call's atomic step) is left as it is: that
+        retry's client holds it. Returns how many went back (0: an unknown or acknowledged lease,
+        or one answered again). Best effort: what it cannot put back is redelivered after the
+        lease timeout, as any lease's."""
 
     @abc.abstractmethod
     async def ack(self, lease_id: str) -> AckResult:

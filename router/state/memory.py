@@ -64,7 +64,8 @@ class MemoryStore(StateStore):
         # entry -> (sid, lease, delivered at; None: picked by a take that has not answered yet)
         self._pending: dict[int, tuple[str, str, float | None]] = {}
         self._held: dict[str, int] = {}
-        self._leases: dict[str, tuple[set[int], float]] = {}  # lease -> (entries, forgotten at)
+        # lease -> (entries, forgotten at, answered again to a repeat of its take id: release skips it)
+        self._leases: dict[str, tuple[set[int], float, bool]] = {}
         self._acked_leases: dict[str, tuple[AckResult, float]] = {}  # lease -> (its ack, forgotten at)
         self._counters: defaultdict[str, dict[str, int]] = defaultdict(
             lambda: {"active_sessions": 0, "sessions": 0, "turns": 0, "tokens": 0}
@@ -312,7 +313,8 @@ class MemoryStore(StateStore):
 
     def _repeat(self, take_id: str, lease_timeout_s: float) -> Lease | None:
         """The lease ``take_id``'s take made, answered again, while it owns every trajectory it
-        handed out and has not timed out (None: no such take, or its lease is not open)."""
+        handed out and has not timed out (None: no such take, or its lease is not open); the lease
+        is marked answered again, so :meth:`release` leaves it."""
         entries, lease, until = self._take_ids.get(take_id) or ([], None, 0.0)
         now = time.monotonic()
         if lease is None or until <= now or lease.lease_id not in self._leases:
@@ -326,6 +328,8 @@ class MemoryStore(StateStore):
                 or now - owner[2] >= lease_timeout_s
             ):
                 return None
+        record = self._leases[lease.lease_id]
+        self._leases[lease.lease_id] = (record[0], record[1], True)
         return replace(lease, repeated=True)
 
     def _release_held(self, trainer_version: int, max_age: int | None) -> None:
@@ -387,7 +391,7 @@ class MemoryStore(StateStore):
             redelivered += s.deliveries > 0
             s.deliveries += 1
         if picked:
-            self._leases[lease_id] = (set(picked), now + self.retention.lease_record_s())
+            self._leases[lease_id] = (set(picked), now + self.retention.lease_record_s(), False)
         return Lease(
             lease_id,
             list(picked.values()),
@@ -406,9 +410,10 @@ class MemoryStore(StateStore):
             self._wake()
 
     async def release(self, lease_id: str) -> int:
-        record = self._leases.pop(lease_id, None)
-        if record is None:
+        record = self._leases.get(lease_id)
+        if record is None or record[2]:
             return 0
+        del self._leases[lease_id]
         mine = {}
         for entry in record[0]:
             owner = self._pending.get(entry)

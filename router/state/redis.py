@@ -23,8 +23,10 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   Redis's clock, ms): renewed at each claim, removed by the answer; one left by a router that
   died mid-take lapses ``outage_s`` + 1 s after its last renewal (removed by the next claim), and
   its entries are then claimed like any lease's
-* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement; once acknowledged only
-  ``!acked`` -> ``acked,expired,update`` (what a repeated acknowledgement answers); expires
+* ``mf:lease:<id>`` hash: entry id -> session id, for acknowledgement, and ``!again`` once a
+  repeat of its take id was answered it (:data:`_REPEAT_OR_CLAIM`; a release then leaves it);
+  once acknowledged only ``!acked`` -> ``acked,expired,update`` (what a repeated
+  acknowledgement answers) and ``!again`` if it was there; expires
   :meth:`~router.state.retention.Retention.lease_record_s` after the take
 * ``mf:held``     sorted set: held-back session ids scored by their oldest token version
 * ``mf:stats``    hash: ``active:<g>``, ``sessions:<g>``, ``turns:<g>``, ``tokens:<g>``
@@ -399,7 +401,8 @@ _REPEAT_OR_CLAIM = """
 -- then the lease's entry ids. Returns false when the record changed since the caller read it;
 -- {1, {session fields, turns} per entry} when the record's lease is open (its lease hash holds
 -- it unacknowledged, each entry pending under it, none idle for the lease timeout, each session
--- kept), writing nothing; else {0}, and this take holds the take id from now on
+-- kept), marking the lease answered again ('!again' in its hash: _GIVE_BACK then leaves it);
+-- else {0}, and this take holds the take id from now on
 if (redis.call('GET', KEYS[1]) or '') ~= ARGV[2] then return false end
 local nf = tonumber(ARGV[7])
 local fields = {}
@@ -419,15 +422,21 @@ if open then
     out[#out + 1] = {redis.call('HMGET', KEYS[k], unpack(fields)), redis.call('LRANGE', KEYS[k + 1], 0, -1)}
   end
 end
-if open then return {1, out} end
+if open then
+  redis.call('HSET', KEYS[2], '!again', '1')
+  return {1, out}
+end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[5])
 return {0}
 """
 
 _GIVE_BACK = """
 -- KEYS: the stream, the set of takes in progress, the lease, then per picked entry its session;
--- ARGV: the group, the take's consumer (its lease id), then the picked entry ids
+-- ARGV: the group, the take's consumer (its lease id), then the picked entry ids. Returns how
+-- many went back: 0, changing nothing else, for a lease a repeat of its take id was answered
+-- ('!again', _REPEAT_OR_CLAIM): its retry's client holds it
 redis.call('ZREM', KEYS[2], ARGV[2])
+if redis.call('HEXISTS', KEYS[3], '!again') == 1 then return 0 end
 local leased = redis.call('HGETALL', KEYS[3])
 if #leased > 0 then
   local mine = {}
@@ -659,6 +668,7 @@ _CLAIMED = "claim:"  # a take id's record while the take holding it has made no 
 
 
 ACKED = "!acked"  # the field of an acknowledged lease's record (not a stream entry id)
+AGAIN = "!again"  # the field of a lease answered again to a repeat of its take id (not an entry id)
 
 
 def _acked_before(value: str) -> AckResult:
@@ -1153,10 +1163,11 @@ class RedisStore(StateStore):
         return 0
 
     async def release(self, lease_id: str) -> int:
-        """The lease's record names what it holds (an acknowledged one's holds nothing); then
-        :meth:`_put_back`, as a take that did not answer."""
+        """The lease's record names what it holds (an acknowledged one's holds nothing; one
+        answered again to a repeat of its take id is left); then :meth:`_put_back`, as a take
+        that did not answer (its script leaves a lease answered again meanwhile)."""
         record = {_s(k): _s(v) for k, v in (await self._call(self._r.hgetall, _lease_key(lease_id))).items()}
-        if not record or ACKED in record:
+        if not record or ACKED in record or AGAIN in record:
             return 0
         return await self._put_back(lease_id, list(record.items()))
 
@@ -1186,7 +1197,7 @@ class RedisStore(StateStore):
         record = {_s(k): _s(v) for k, v in (await self._r.hgetall(key)).items()}
         if ACKED in record:
             return _acked_before(record[ACKED])
-        entries = list(record.items())
+        entries = [(entry_id, sid) for entry_id, sid in record.items() if entry_id != AGAIN]
         if not entries:
             raise LeaseNotFound(lease_id)
         answer = await self._ack_lease(

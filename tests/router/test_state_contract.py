@@ -396,6 +396,49 @@ async def test_a_repeated_take_id_answers_its_open_lease_again_and_hands_out_not
         assert [t.session.session_id for t in retaken.trajectories] == ["s4"] and retaken.redelivered == 1
 
 
+async def test_a_lease_answered_again_to_its_take_ids_repeat_is_not_released(store_url: str) -> None:
+    """The first take's client leaves after a repeat of its take id was answered its lease: the
+    release leaves the lease (the repeat's client holds it), nothing goes back on the queue, no
+    other take gets its trajectories, and the repeat's acknowledgement acknowledges them."""
+    async with opened(store_url) as store:
+        for sid in ("a", "b"):
+            await _session(store, sid)
+            await store.finish_session(sid, "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 300}
+        first = await store.take(2, **kw, take_id="t")
+        again = await store.take(2, **kw, take_id="t")
+        assert again.repeated and again.lease_id == first.lease_id
+        assert await store.release(first.lease_id) == 0
+        assert await store.queue_stats() == {"ready": 0, "pending": 2, "held_back": 0, "leases": 1}
+        assert (await store.take(2, **kw)).trajectories == []
+        assert (await store.take(2, **kw, take_id="t")).repeated  # still open, still the retry's
+        result = await store.ack(again.lease_id)
+        assert (result.acked, result.expired) == (2, 0)
+
+
+async def test_redis_a_repeat_answered_while_a_release_runs_keeps_its_lease(redis_url: str) -> None:
+    """The repeat of the take id is answered between the release's read of the lease and its
+    script: the script sees the repeat's mark and leaves the lease."""
+    redis.Redis.from_url(redis_url).flushdb()
+    async with opened(redis_url) as store, opened(redis_url) as other:
+        await _session(store, "s")
+        await store.finish_session("s", "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 300}
+        first = await store.take(1, **kw, take_id="t")
+        give_back = store._give_back
+        repeats = []
+
+        async def repeat_first(**script):
+            repeats.append(await other.take(1, **kw, take_id="t"))
+            return await give_back(**script)
+
+        store._give_back = repeat_first
+        assert await store.release(first.lease_id) == 0
+        assert [x.repeated for x in repeats] == [True]
+        assert await store.queue_stats() == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}
+        assert (await other.ack(first.lease_id)).acked == 1
+
+
 async def test_a_take_id_taken_over_while_its_first_take_waits_ends_with_one_lease(store_url: str) -> None:
     """A take with a take id waits for more (it picked one); a later take with the same id (its
     client's retry, on another router) starts: the first gives up at once (TakeTakenOver) and puts

@@ -3,7 +3,8 @@ router releases the lease at once (what it held is ready again, not leased to no
 lease timeout). A real router over HTTP on a real redis-server, with a TCP proxy in front of Redis
 that holds the lease's take order (the one state write between the lease and the answer) until
 the client has gone. A take whose client gave up without the router seeing it leave, retried
-with its ``Idempotency-Key`` while it still waits: one lease in the end (memory and Redis)."""
+with its ``Idempotency-Key`` while it still waits: one lease in the end (memory and Redis); a
+lease the retry was answered is not released when the first attempt's client leaves."""
 
 from __future__ import annotations
 
@@ -68,6 +69,61 @@ def test_a_take_whose_client_leaves_after_the_lease_was_made_releases_it(tmp_pat
                     assert [t["session_id"] for t in again["trajectories"]] == ["s1"]
                     assert c.post(f"/v1/batches/{again['lease_id']}/ack").json()["acked"] == 1
         finally:
+            proxy.close()
+
+
+def test_a_lease_answered_to_a_retry_is_not_released_when_the_first_attempt_leaves(tmp_path) -> None:
+    """The first attempt of a take (an ``Idempotency-Key``) made its lease; the proxy holds its
+    take order, so its answer has not started. The client's retry with the key is answered that
+    lease; then the first attempt's client leaves. The router cancels the first attempt (a 4xx in
+    its metrics) but leaves the lease: it is the retry's, its trajectory not ready for another
+    take, and the retry's acknowledgement acknowledges it."""
+    held, go = threading.Event(), threading.Event()
+
+    def hold_the_take_order(direction: str, data: bytes, conn: dict) -> bytes:
+        if direction == "up" and b"mf:lorder:" in data and not held.is_set():
+            held.set()
+            go.wait(30)  # the retry is answered and the first attempt's client leaves meanwhile
+        return data
+
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a"}])
+    with redis_server() as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        proxy = TcpProxy(("127.0.0.1", port), hold_the_take_order)
+        try:
+            state = f"redis://127.0.0.1:{proxy.port}/0"
+            with router_process(preset, state=state, extra_args=("--lease-timeout", "300")) as router:
+                _finished(url, "s1")
+                host, http_port = router.url.removeprefix("http://").split(":")
+                body = b'{"size": 1}'
+                request = (
+                    f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: take-1\r\n"
+                    f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n"
+                ).encode() + body
+                with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
+                    with socket.create_connection((host, int(http_port))) as first:
+                        first.sendall(request)
+                        assert held.wait(30), "the take never wrote its lease's take order"
+                        retry = c.post(
+                            "/v1/batches/take", json={"size": 1}, headers={"Idempotency-Key": "take-1"}
+                        )
+                        assert retry.status_code == 200, retry.text
+                        batch = retry.json()
+                        assert [t["session_id"] for t in batch["trajectories"]] == ["s1"]
+                    # the first attempt's client is gone, its answer not started: it is cancelled
+                    cancelled = 'mixfleet_router_request_seconds_count{route="/v1/batches/take",status="4xx"}'
+                    deadline = time.monotonic() + 10
+                    while cancelled not in c.get("/metrics").text:
+                        assert time.monotonic() < deadline, "the first attempt was never cancelled"
+                        time.sleep(0.1)
+                    go.set()
+                    stats = c.get("/v1/batches/stats").json()
+                    assert stats == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}, stats
+                    assert c.post("/v1/batches/take", json={"size": 1}).json()["trajectories"] == []
+                    assert c.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == 1
+        finally:
+            go.set()
             proxy.close()
 
 
