@@ -91,3 +91,29 @@ def by_name(defs: Sequence[MetricDef]) -> dict[str, MetricDef]:
             raise ValueError(f"metric {d.name!r} declared twice")
         out[d.name] = d
     return out
+
+
+def _process(name: str, kind: Kind, unit: str, help: str) -> MetricDef:
+    return MetricDef(name, kind, (), unit, help, external=True)
+
+
+PROCESS_METRICS: tuple[MetricDef, ...] = (
+    _process("process_resident_memory_bytes", "gauge", "bytes", "Resident memory size in bytes."),
+    _process("process_virtual_memory_bytes", "gauge", "bytes", "Virtual memory size in bytes."),
+    _process(
+        "process_cpu_seconds_total", "counter", "seconds", "Total user and system CPU time spent in seconds."
+    ),
+    _process("process_open_fds", "gauge", "", "Number of open file descriptors."),
+    _process("process_max_fds", "gauge", "", "Maximum number of open file descriptors."),
+    _process(
+        "process_start_time_seconds",
+        "gauge",
+        "seconds",
+        "Start time of the process since unix epoch in seconds.",
+    ),
+)
+"""The families prometheus-client's ``ProcessCollector`` exports on Linux (read from
+``/proc/<pid>/stat``, ``limits`` and ``fd``: ``prometheus_client/process_collector.py`` 50-101,
+0.26.0), under its names and help texts, which the router and the sidecar add to their registries
+(:class:`router.metrics.RouterMetrics`, :mod:`replica.reconciler`). Declared here for the catalogue
+only; prometheus-client builds them."""

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.engine import EngineError, SGLangClient
@@ -175,9 +175,14 @@ REPLICA_METRICS: tuple[MetricDef, ...] = (
 """Every family a sidecar exports itself (its ``/metrics`` adds the engine's ``sglang:*``)."""
 
 
-class _Metrics:
+class SidecarMetrics:
+    """The sidecar's registry: :data:`REPLICA_METRICS` labelled ``group`` and ``replica``, and
+    prometheus-client's ``ProcessCollector`` (this process's memory, CPU, fds, start time:
+    :data:`core.metric_defs.PROCESS_METRICS`)."""
+
     def __init__(self, group: str, replica: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
         m = {d.name: d.instrument(self.registry).labels(group, replica) for d in REPLICA_METRICS}
         self.ready = m["mixfleet_replica_ready"]
         self.active = m["mixfleet_replica_active_version"]
@@ -199,7 +204,7 @@ class Reconciler:
         self.config = config
         self.store = store
         self.state = _State()
-        self.metrics = _Metrics(config.group, config.replica_id)
+        self.metrics = SidecarMetrics(config.group, config.replica_id)
         self.metrics.restarts.inc(config.restarts)
         self._work = asyncio.Event()
         self._wake = asyncio.Event()

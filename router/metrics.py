@@ -22,6 +22,14 @@ such scrape the files of ``live*`` gauges of processes that no longer exist are 
 ``mark_process_dead`` (``multiprocess.py`` 177-183; uvicorn 0.54's supervisor restarts a dead worker,
 ``supervisors/multiprocess.py`` 214-239, but has no hook to call it). The snapshot families are not
 in those files: the worker that answers computes them once from the shared state.
+
+**Process metrics** (prometheus-client's ``ProcessCollector``: resident memory, CPU seconds, open
+and max file descriptors, start time; :data:`core.metric_defs.PROCESS_METRICS`): one process, one
+unlabelled series each, as every Python exporter shows them. With several workers the worker that
+answers reads every live worker's ``/proc/<pid>`` (the pids of the ``live*`` gauge files, after
+removing the dead ones'), one series per worker labelled ``pid`` (the label prometheus-client's
+multiprocess gauges carry): whichever worker answers, a scrape shows every worker's memory and fds,
+and a worker's CPU counter never mixes with another's. The supervisor process is not among them.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.values import MutexValue, ValueClass
@@ -411,11 +419,13 @@ class RouterMetrics:
         instruments = CollectorRegistry(auto_describe=False)
         if self.multiprocess_dir is None:
             self.registry = instruments
+            ProcessCollector(registry=self.registry)
         else:
             if ValueClass is MutexValue:
                 raise RuntimeError(f"{MULTIPROC_ENV} was set after prometheus_client was imported")
             self.registry = CollectorRegistry(auto_describe=False)
             MultiProcessCollector(self.registry, self.multiprocess_dir)
+            self.registry.register(_WorkerProcessCollector(self.multiprocess_dir))
         m = {d.name: d.instrument(instruments) for d in REQUEST_PATH}
         self.request_seconds = m["mixfleet_router_request_seconds"]
         self.turn_seconds = m["mixfleet_router_turn_seconds"]
@@ -476,14 +486,37 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+def _live_gauge_pids(path: str) -> set[int]:
+    """The pids of the ``live*`` gauge files in ``path`` (``gauge_<mode>_<pid>.db``)."""
+    return {int(f.rsplit("_", 1)[1][:-3]) for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
+
+
 def mark_dead_processes(path: str) -> list[int]:
     """``mark_process_dead`` for every process with a ``live*`` gauge file in ``path`` that no
     longer exists; the pids it marked."""
-    pids = {int(f.rsplit("_", 1)[1][:-3]) for f in glob.glob(os.path.join(path, "gauge_live*_*.db"))}
-    dead = sorted(p for p in pids if not process_alive(p))
+    dead = sorted(p for p in _live_gauge_pids(path) if not process_alive(p))
     for pid in dead:
         mark_process_dead(pid, path)
     return dead
+
+
+class _WorkerProcessCollector:
+    """``ProcessCollector``'s families for every live worker writing to the multiprocess directory
+    ``path`` (every worker sets the ``livesum`` gauge ``mixfleet_router_workers``, so each has a
+    ``live*`` file), one series per worker labelled ``pid``. A worker that exits between listing
+    and reading is left out (``ProcessCollector`` skips what it cannot read)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[Metric]:
+        fams: dict[str, Metric] = {}
+        for pid in sorted(p for p in _live_gauge_pids(self.path) if process_alive(p)):
+            for fam in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                out = fams.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+                for s in fam.samples:
+                    out.add_sample(s.name, {**s.labels, "pid": str(pid)}, s.value)
+        yield from fams.values()
 
 
 class _SnapshotCollector:

@@ -4,7 +4,9 @@ upload and an acknowledgement. ``promtool check metrics`` (Debian's ``prometheus
 passes on the router's and the sidecar's ``/metrics`` (skipped only when promtool is absent; the
 engine's ``sglang:*`` names, colons and all, are relayed apart on ``/engine/metrics``);
 every ``mixfleet_*`` family exposed is declared with the type and labels the catalogue states,
-and every declared family is exposed; ``docs/metrics.md`` is what the declarations generate."""
+and every declared family is exposed; both also show their own process's resident memory, CPU
+seconds, open and max fds and start time (prometheus-client's ``ProcessCollector``, as the catalogue
+declares them); ``docs/metrics.md`` is what the declarations generate."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import ProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.metric_defs import MetricDef
+from core.metric_defs import PROCESS_METRICS, MetricDef
 from mixfleet import metrics_doc
 from replica.reconciler import REPLICA_METRICS
 from router.metrics import FAILOVER_REASONS, ROUTER_METRICS, SNAPSHOT, RouterMetrics
@@ -38,7 +41,7 @@ SP = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "seed": 1}
 def test_catalogue_is_generated_from_the_definitions(tmp_path: Path) -> None:
     committed = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
     assert committed == metrics_doc.render(), "docs/metrics.md is stale: python -m mixfleet.metrics_doc"
-    for d in (*ROUTER_METRICS, *REPLICA_METRICS):
+    for d in (*ROUTER_METRICS, *REPLICA_METRICS, *PROCESS_METRICS):
         assert f"| `{d.name}` | {d.kind} |" in committed, d.name
     cmd = [sys.executable, "-m", "mixfleet.metrics_doc"]
     ok = subprocess.run([*cmd, "--check"], cwd=REPO, capture_output=True, text=True)
@@ -132,6 +135,28 @@ def _check_declared(text: str, defs: tuple[MetricDef, ...]) -> None:
     assert not [n for n in samples if n.startswith("mixfleet_") and n.endswith("_created")]
 
 
+def test_process_declarations_are_what_prometheus_client_exports() -> None:
+    exported = {
+        s.name: (f.type, f.documentation)
+        for f in ProcessCollector(registry=None).collect()
+        for s in f.samples
+    }
+    assert exported == {d.name: (d.kind, d.help) for d in PROCESS_METRICS}
+
+
+def _check_process(text: str) -> dict[str, float]:
+    """The exposition's ``process_*`` samples (one process's: unlabelled), each sane; name -> value."""
+    values = samples_of(text, "process_")
+    assert {ls for _, ls in values} == {()}, values
+    got = {n: v for (n, _), v in values.items()}
+    assert set(got) == {d.name for d in PROCESS_METRICS}, got
+    assert got["process_resident_memory_bytes"] > 10 * 2**20  # a Python process with FastAPI loaded
+    assert 0 < got["process_open_fds"] <= got["process_max_fds"]
+    assert got["process_cpu_seconds_total"] > 0
+    assert 0 < time.time() - got["process_start_time_seconds"] < 3600
+    return got
+
+
 def _promtool(text: str) -> None:
     out = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
@@ -173,6 +198,8 @@ def test_router_and_sidecar_metrics_pass_promtool(tmp_path: Path, tiny_dir: Path
     assert "sglang:" not in sidecar_text and "sglang:num_running_reqs" in engine_text  # relayed apart
     _check_declared(router_text, ROUTER_METRICS)
     _check_declared(sidecar_text, REPLICA_METRICS)
+    _check_process(router_text)
+    _check_process(sidecar_text)
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
     _promtool(router_text)

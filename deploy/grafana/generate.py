@@ -4,8 +4,8 @@ Edit the panels here and run ``python -m deploy.grafana.generate``; never edit t
 ``--check`` writes nothing and exits 1 (one line per problem on stderr) when a committed file
 differs from what this module generates, or when a panel or variable queries a metric that no
 code defines. The defined names are read from the metric registries themselves: the router's
-(:class:`router.metrics.RouterMetrics`), a sidecar's (built from
-:data:`replica.reconciler.REPLICA_METRICS`), the engine's
+(:class:`router.metrics.RouterMetrics`), a sidecar's (:class:`replica.reconciler.SidecarMetrics`;
+both include prometheus-client's ``process_*`` families), the engine's
 (:class:`engine.runtime.metrics.EngineMetrics`, SGLang's ``sglang:*`` names), plus the recording
 rules of ``deploy/prometheus/rules/``.
 
@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client import CollectorRegistry
 
 from engine.runtime.metrics import EngineMetrics
-from replica.reconciler import REPLICA_METRICS
+from replica.reconciler import SidecarMetrics
 from router.metrics import RouterMetrics
 
 HERE = Path(__file__).resolve().parent
@@ -423,6 +422,37 @@ def dashboard(uid: str, title: str, description: str, layout: Layout, variables:
     }  # fmt: skip
 
 
+WORKERS_NOTE = "With `mixfleet router --workers N`, one series per worker (label `pid`)."
+
+
+def process_panels(who: str, matcher: str, by: str, legend: str, note: str = "") -> list[JSON]:
+    """Resident memory, and open file descriptors as a share of the limit, of the processes
+    ``matcher`` selects (prometheus-client's ``process_*`` families), per ``by``: memory that
+    creeps up over days, fds nearing the limit. ``note`` ends each description's first paragraph."""
+    fds = divide(
+        agg("max", by, sel("process_open_fds", matcher)), agg("max", by, sel("process_max_fds", matcher))
+    )
+    note = f" {note}" if note else ""
+    return [
+        timeseries(
+            f"{who} resident memory",
+            f"Resident memory of each {who.lower()} process.{note}\n\n"
+            "Metric: `process_resident_memory_bytes`",
+            [target(agg("max", by, sel("process_resident_memory_bytes", matcher)), legend)],
+            unit="bytes",
+        ),
+        timeseries(
+            f"{who} open file descriptors / limit",
+            f"Open file descriptors of each {who.lower()} process as a share of its limit (`ulimit -n`): "
+            f"at 1 it can accept no connection and open no file.{note}\n\n"
+            "Metrics: `process_open_fds`, `process_max_fds`",
+            [target(fds, legend)],
+            unit="percentunit",
+            max_value=1,
+        ),
+    ]
+
+
 # Dashboards ----------------------------------------------------------------------------------
 
 
@@ -649,6 +679,11 @@ def overview() -> JSON:
         24,
         6,
     )
+    lay.row("Router processes")
+    for panel in process_panels(
+        "Router", f'job="{ROUTER_JOB}"', "instance, pid", "{{instance}} {{pid}}", WORKERS_NOTE
+    ):
+        lay.add(panel)
     return dashboard(
         "mixfleet-overview",
         "mixfleet / Fleet overview",
@@ -1134,6 +1169,10 @@ def engines() -> JSON:
             ],
         ),
     )
+    lay.row("Sidecar process")
+    sidecar = f'job="{REPLICA_JOB}", component="sidecar", {REPLICA}'
+    for panel in process_panels("Sidecar", sidecar, by, "{{replica}}"):
+        lay.add(panel)
     return dashboard(
         "mixfleet-engines",
         "mixfleet / Engines (SGLang)",
@@ -1159,7 +1198,7 @@ DASHBOARDS: dict[str, Callable[[], JSON]] = {
 
 # Checks --------------------------------------------------------------------------------------
 
-METRIC_RE = re.compile(r"(?<![\w:$])((?:mixfleet|sglang)[\w:]*)")
+METRIC_RE = re.compile(r"(?<![\w:$])((?:mixfleet|sglang|process_)[\w:]*)")
 BUILTIN = frozenset({"up"})
 
 
@@ -1192,12 +1231,9 @@ def _registry_names(registry: Any) -> set[str]:
 
 def defined_metrics() -> set[str]:
     """Every metric name the code exposes (router, sidecar, engine) and every recording rule."""
-    sidecar = CollectorRegistry()
-    for d in REPLICA_METRICS:
-        d.instrument(sidecar)
     names = set(BUILTIN)
     names |= _registry_names(RouterMetrics().registry)
-    names |= _registry_names(sidecar)
+    names |= _registry_names(SidecarMetrics("group", "replica").registry)
     names |= _registry_names(EngineMetrics("model").registry)
     names |= recording_rules()
     return names
@@ -1215,7 +1251,7 @@ STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def metric_names(expr: str) -> set[str]:
-    """The ``mixfleet``/``sglang`` metric names (and :data:`BUILTIN` ones) an expression selects;
+    """The ``mixfleet``/``sglang``/``process_`` metric names (and :data:`BUILTIN` ones) an expression selects;
     string literals (label values, ``label_replace`` arguments) are not names."""
     bare = STRING_RE.sub('""', expr)
     return set(METRIC_RE.findall(bare)) | (BUILTIN & set(re.findall(r"\b(\w+)\s*\{", bare)))

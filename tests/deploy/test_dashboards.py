@@ -89,8 +89,8 @@ def test_check_fails_on_a_metric_the_code_does_not_define(tmp_path: Path) -> Non
 
 def test_defined_metrics_are_read_from_the_registries() -> None:
     from engine.runtime.metrics import EngineMetrics
-    from replica.reconciler import REPLICA_METRICS
-    from router.metrics import ROUTER_METRICS
+    from replica.reconciler import REPLICA_METRICS, SidecarMetrics
+    from router.metrics import ROUTER_METRICS, RouterMetrics
 
     defined = generate.defined_metrics()
     for d in (*ROUTER_METRICS, *REPLICA_METRICS):
@@ -104,6 +104,11 @@ def test_defined_metrics_are_read_from_the_registries() -> None:
     assert "sglang:generation_tokens_total" in defined and "sglang:generation_tokens" not in defined
     records = generate.recording_rules()
     assert "group:mixfleet_mismatch_k3_kl:rate15m" in records and records <= defined
+    for registry in (RouterMetrics().registry, SidecarMetrics("g", "r").registry):  # ProcessCollector's
+        assert {"process_resident_memory_bytes", "process_open_fds", "process_max_fds"} <= {
+            m.name for m in registry.collect()
+        }
+    assert {"process_resident_memory_bytes", "process_open_fds", "process_max_fds"} <= defined
 
 
 def test_metric_names_are_not_read_from_strings() -> None:
@@ -113,6 +118,8 @@ def test_metric_names_are_not_read_from_strings() -> None:
         " + group:mixfleet_x:rate5m"
     )
     assert generate.metric_names(expr) == {"mixfleet_router_session_moves_total", "up"}
+    fds = 'max by (instance) (process_open_fds{job="mixfleet-router"}) / (process_max_fds > 0)'
+    assert generate.metric_names(fds) == {"process_open_fds", "process_max_fds"}
 
 
 def test_every_dashboard_takes_its_datasource_from_the_variable() -> None:

@@ -5,7 +5,9 @@ traffic (each answer names its process in ``X-Mixfleet-Router``). Every group's 
 before any traffic; after sessions, turns and acknowledged batches spread over both workers, every
 scrape shows the totals; after one worker is SIGKILLed (uvicorn's supervisor starts another) no
 counter goes backwards, the dead worker's ``mixfleet_router_workers`` share is gone, and later
-traffic adds to the totals; the workers' metric directory is removed when the router stops."""
+traffic adds to the totals; the workers' metric directory is removed when the router stops. Every
+scrape shows each live worker's process metrics (resident memory, fds, CPU, start time), one series
+per worker labelled ``pid``, and no dead worker's."""
 
 from __future__ import annotations
 
@@ -44,6 +46,21 @@ def scrape(router: RouterHandle) -> tuple[Samples, int]:
     r, pid = call(router, "GET", "/metrics")
     assert r.status_code == 200, r.text
     return samples_of(r.text), pid
+
+
+def process_by_pid(router: RouterHandle) -> dict[int, dict[str, float]]:
+    """One scrape's ``process_*`` samples: worker pid -> name -> value, each worker's values sane."""
+    r, _ = call(router, "GET", "/metrics")
+    assert r.status_code == 200, r.text
+    out: dict[int, dict[str, float]] = {}
+    for (name, labels), value in samples_of(r.text, "process_").items():
+        assert [k for k, _ in labels] == ["pid"], (name, labels)
+        out.setdefault(int(labels[0][1]), {})[name] = value
+    for pid, got in out.items():
+        assert got["process_resident_memory_bytes"] > 10 * 2**20, (pid, got)
+        assert 0 < got["process_open_fds"] <= got["process_max_fds"], (pid, got)
+        assert got["process_cpu_seconds_total"] > 0, (pid, got)
+    return out
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:
@@ -168,6 +185,8 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
         assert total(samples, "mixfleet_router_workers") == 2
         assert total(samples, "mixfleet_router_version_lag_bound") == 2  # no --max-version-lag: the default
         assert not [k for k in samples if "pid" in dict(k[1])], "a per-process series leaked"
+    for _ in range(8):  # whichever worker answers: both workers' process series, each its own
+        assert set(process_by_pid(router)) == pids
     (env,) = {Path(f"/proc/{p}/environ").read_bytes() for p in pids}
     (metrics_dir,) = [
         v.split(b"=", 1)[1].decode() for v in env.split(b"\0") if v.startswith(MULTIPROC_ENV.encode() + b"=")
@@ -198,9 +217,12 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
 
     done.append(serve(router, sessions=4))
     want = expect(done, sessions=12)
+    live = {p for _, p in scrapes(router)}
+    assert victim not in live and len(live) == 2
     for samples, _ in scrapes(router):
         assert totals(samples) == want
         assert total(samples, "mixfleet_router_workers") == 2
+        assert set(process_by_pid(router)) == live  # the killed worker's process series are gone
 
     # a graceful stop (SIGTERM to the supervisor) removes the workers' metric files
     router.proc.send_signal(signal.SIGTERM)
