@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from core.process import raise_open_file_limit
     from engine.runtime.engine import Engine
     from engine.server.app import create_app
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.weight_version < 0:
         raise UserError(f"--weight-version must be >= 0, got {args.weight_version}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise_open_file_limit()
     try:
         engine = Engine.load(
             args.model,

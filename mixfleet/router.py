@@ -363,14 +363,18 @@ def app_from_env():
 def app_from_args(values: dict):
     """The router app of a router process (``mixfleet router``'s workers, the router on Modal):
     :func:`router_app` of :func:`build_config` of ``values`` (:func:`default_args`' shape), with
-    this process's logging set up and no ``_created`` series exported (every counter is its
-    ``_total``)."""
+    this process's logging set up, its open-file limit raised
+    (:func:`core.process.raise_open_file_limit`) and no ``_created`` series exported (every
+    counter is its ``_total``)."""
     import prometheus_client
+
+    from core.process import raise_open_file_limit
 
     args = argparse.Namespace(**values)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    raise_open_file_limit()
     prometheus_client.disable_created_metrics()
     app = router_app(build_config(args))
     tune_gc()

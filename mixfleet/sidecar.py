@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
+    from core.process import raise_open_file_limit
     from replica.sidecar import ReconcileSettings, SidecarConfig, create_app
     from weight_sync.store import open_store
 
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=os.environ.get("MIXFLEET_API_KEY") or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise_open_file_limit()
     prometheus_client.disable_created_metrics()  # counters export their _total only
     scratch = Path(args.volume_scratch).expanduser() if args.volume_scratch else None
     app = create_app(config, open_store(root, volume=args.volume, scratch=scratch))

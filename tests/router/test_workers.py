@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -22,10 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
+from core.process import open_files_wanted
 from core.tcp import port_is_free
 from core.wire import LOGPROBS_MEDIA_TYPE as LOGPROBS
 from core.wire import RECORDS_MEDIA_TYPE as RECORDS
-from tests.support.procs import mixfleet_argv, redis_server
+from tests.support.procs import mixfleet_argv, open_files_limit, redis_server, soft_open_files
 from tests.support.router import RouterHandle, router_process, write_preset
 from trainer.batch import decode_batch
 from trainer.upload import encode_trainer_logprobs
@@ -523,3 +525,17 @@ def test_every_read_answers_what_the_run_wrote_whichever_worker_serves_it(worker
     for sid in written:
         assert read_everywhere(router, f"/v1/sessions/{sid}")["status"] == "consumed"
     assert len(writers) == 2, f"every write went to one worker: {dict(writers)}"
+
+
+def test_every_worker_raises_its_soft_open_file_limit(tmp_path) -> None:
+    """Started under a soft open-file limit of 256, each of ``--workers 2`` runs with it raised
+    (:func:`core.process.raise_open_file_limit`, ``/proc/PID/limits``)."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    with (
+        redis_server() as url,
+        router_process(
+            preset, state=url, extra_args=("--workers", "2"), preexec_fn=soft_open_files(256)
+        ) as router,
+    ):
+        limits = {pid: open_files_limit(pid)[0] for pid in worker_pids(router, 2)}
+    assert set(limits.values()) == {open_files_wanted(resource.getrlimit(resource.RLIMIT_NOFILE)[1])}, limits

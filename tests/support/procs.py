@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -112,13 +113,25 @@ def mixfleet_argv(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def process(
-    argv: list[str], *, log: Path | None = None, env: dict[str, str] | None = None, cwd: Path | None = None
+    argv: list[str],
+    *,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Start ``argv`` in its own process group; kill the group on exit."""
+    """Start ``argv`` in its own process group (``preexec_fn`` runs in the child before it
+    executes ``argv``, e.g. :func:`soft_open_files`); kill the group on exit."""
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(
-        argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd or REPO, env=full_env, start_new_session=True
+        argv,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=cwd or REPO,
+        env=full_env,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
     )
     try:
         yield proc
@@ -126,6 +139,27 @@ def process(
         kill_group(proc)
         if log:
             out.close()
+
+
+def soft_open_files(soft: int, hard: int | None = None) -> Callable[[], None]:
+    """A ``preexec_fn`` that starts the child with a soft open-file limit of ``soft`` (and a hard
+    one of ``hard``; default: unchanged), as on a host whose default soft limit is low."""
+
+    def lower() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (soft, hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+
+    return lower
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    """The soft and hard open-file limits of process ``pid`` (``/proc/PID/limits``)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise RuntimeError(f"no open-file limit in /proc/{pid}/limits")
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -19,7 +19,7 @@ import contextlib
 import json
 import secrets
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,13 +80,15 @@ def router_process(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
     program: tuple[str, ...] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[RouterHandle]:
     """Start ``mixfleet router --preset preset``; yield once ``/healthz`` answers 200.
 
     ``keys`` defaults to one fresh key with every scope (``handle.key``); with ``keys`` given,
     ``handle.key`` is the first one. ``env`` adds environment variables (e.g. ``MIXFLEET_STORE``).
     ``program`` is the argv prefix that runs the ``mixfleet`` command (default
-    :func:`mixfleet_argv`'s).
+    :func:`mixfleet_argv`'s). ``preexec_fn`` runs in the child before the router starts
+    (:func:`tests.support.procs.process`).
     """
     port = port or free_port()
     if keys is None:
@@ -109,7 +111,7 @@ def router_process(
             *extra_args,
         ]
         full_env = {**(env or {}), "MIXFLEET_API_KEYS": json.dumps(keys)}
-        proc = stack.enter_context(process(argv, log=log, env=full_env))
+        proc = stack.enter_context(process(argv, log=log, env=full_env, preexec_fn=preexec_fn))
         url = f"http://127.0.0.1:{port}"
         wait_started("router", url, "/healthz", proc, log, timeout)
         yield RouterHandle(url=url, key=next(iter(keys)), port=port, log=log, proc=proc)
