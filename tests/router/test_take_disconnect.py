@@ -9,10 +9,13 @@ lease the retry was answered is not released when the first attempt's client lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 
@@ -31,13 +34,17 @@ def _finished(url: str, sid: str) -> None:
     asyncio.run(main())
 
 
-def test_a_take_whose_client_leaves_after_the_lease_was_made_releases_it(tmp_path) -> None:
+@contextlib.contextmanager
+def _holding_take_orders(tmp_path, hold: Callable[[], object]) -> Iterator[tuple[Any, threading.Event]]:
+    """A router on a redis-server behind a TCP proxy, one finished session ``s1`` ready, and the
+    event the proxy sets when the router first writes a lease's take order (the one state write
+    between a take's lease and its answer), which it then holds for ``hold()`` before passing it on."""
     held = threading.Event()
 
     def hold_the_take_order(direction: str, data: bytes, conn: dict) -> bytes:
         if direction == "up" and b"mf:lorder:" in data and not held.is_set():
             held.set()
-            time.sleep(2.0)  # the client leaves meanwhile
+            hold()
         return data
 
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a"}])
@@ -48,28 +55,42 @@ def test_a_take_whose_client_leaves_after_the_lease_was_made_releases_it(tmp_pat
             state = f"redis://127.0.0.1:{proxy.port}/0"
             with router_process(preset, state=state, extra_args=("--lease-timeout", "300")) as router:
                 _finished(url, "s1")
-                host, http_port = router.url.removeprefix("http://").split(":")
-                body = b'{"size": 1}'
-                request = (
-                    f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\n"
-                    f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\n\r\n"
-                ).encode() + body
-                with socket.create_connection((host, int(http_port))) as client:
-                    client.sendall(request)
-                    assert held.wait(30), "the take never wrote its lease's take order"
-                # the client is gone while its take's lease exists and its answer has not started
-                with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
-                    deadline = time.monotonic() + 10
-                    while (stats := c.get("/v1/batches/stats").json())["ready"] != 1:
-                        assert time.monotonic() < deadline, stats
-                        time.sleep(0.2)
-                    assert stats["pending"] == 0 and stats["leases"] == 0, stats
-                    again = c.post("/v1/batches/take", json={"size": 1}).json()
-                    assert [t["session_id"] for t in again["trajectories"]] == ["s1"]
-                    assert c.post(f"/v1/batches/{again['lease_id']}/ack").json()["acked"] == 1
+                yield router, held
         finally:
             proxy.close()
+
+
+def _raw_take(router: Any, headers: str = "", body: bytes = b'{"size": 1}') -> tuple[tuple[str, int], bytes]:
+    """The address of ``router`` and the bytes of a take (``body``; ``headers``: more header
+    lines, each ending ``\r\n``), to send on a socket the test holds or closes itself."""
+    host, http_port = router.url.removeprefix("http://").split(":")
+    request = (
+        f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\n{headers}"
+        f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    return (host, int(http_port)), request
+
+
+def test_a_take_whose_client_leaves_after_the_lease_was_made_releases_it(tmp_path) -> None:
+    with _holding_take_orders(tmp_path, lambda: time.sleep(2.0)) as (
+        router,
+        held,
+    ):  # the client leaves meanwhile
+        address, request = _raw_take(router)
+        with socket.create_connection(address) as client:
+            client.sendall(request)
+            assert held.wait(30), "the take never wrote its lease's take order"
+        # the client is gone while its take's lease exists and its answer has not started
+        with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
+            deadline = time.monotonic() + 10
+            while (stats := c.get("/v1/batches/stats").json())["ready"] != 1:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.2)
+            assert stats["pending"] == 0 and stats["leases"] == 0, stats
+            again = c.post("/v1/batches/take", json={"size": 1}).json()
+            assert [t["session_id"] for t in again["trajectories"]] == ["s1"]
+            assert c.post(f"/v1/batches/{again['lease_id']}/ack").json()["acked"] == 1
 
 
 def test_a_lease_answered_to_a_retry_is_not_released_when_the_first_attempt_leaves(tmp_path) -> None:
@@ -78,53 +99,33 @@ def test_a_lease_answered_to_a_retry_is_not_released_when_the_first_attempt_leav
     lease; then the first attempt's client leaves. The router cancels the first attempt (a 4xx in
     its metrics) but leaves the lease: it is the retry's, its trajectory not ready for another
     take, and the retry's acknowledgement acknowledges it."""
-    held, go = threading.Event(), threading.Event()
-
-    def hold_the_take_order(direction: str, data: bytes, conn: dict) -> bytes:
-        if direction == "up" and b"mf:lorder:" in data and not held.is_set():
-            held.set()
-            go.wait(30)  # the retry is answered and the first attempt's client leaves meanwhile
-        return data
-
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a"}])
-    with redis_server() as url:
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-        proxy = TcpProxy(("127.0.0.1", port), hold_the_take_order)
+    go = threading.Event()  # the retry is answered and the first attempt's client leaves meanwhile
+    with _holding_take_orders(tmp_path, lambda: go.wait(30)) as (router, held):
         try:
-            state = f"redis://127.0.0.1:{proxy.port}/0"
-            with router_process(preset, state=state, extra_args=("--lease-timeout", "300")) as router:
-                _finished(url, "s1")
-                host, http_port = router.url.removeprefix("http://").split(":")
-                body = b'{"size": 1}'
-                request = (
-                    f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: take-1\r\n"
-                    f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\n\r\n"
-                ).encode() + body
-                with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
-                    with socket.create_connection((host, int(http_port))) as first:
-                        first.sendall(request)
-                        assert held.wait(30), "the take never wrote its lease's take order"
-                        retry = c.post(
-                            "/v1/batches/take", json={"size": 1}, headers={"Idempotency-Key": "take-1"}
-                        )
-                        assert retry.status_code == 200, retry.text
-                        batch = retry.json()
-                        assert [t["session_id"] for t in batch["trajectories"]] == ["s1"]
-                    # the first attempt's client is gone, its answer not started: it is cancelled
-                    cancelled = 'mixfleet_router_request_seconds_count{route="/v1/batches/take",status="4xx"}'
-                    deadline = time.monotonic() + 10
-                    while cancelled not in c.get("/metrics").text:
-                        assert time.monotonic() < deadline, "the first attempt was never cancelled"
-                        time.sleep(0.1)
-                    go.set()
-                    stats = c.get("/v1/batches/stats").json()
-                    assert stats == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}, stats
-                    assert c.post("/v1/batches/take", json={"size": 1}).json()["trajectories"] == []
-                    assert c.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == 1
+            address, request = _raw_take(router, "Idempotency-Key: take-1\r\n")
+            with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
+                with socket.create_connection(address) as first:
+                    first.sendall(request)
+                    assert held.wait(30), "the take never wrote its lease's take order"
+                    retry = c.post(
+                        "/v1/batches/take", json={"size": 1}, headers={"Idempotency-Key": "take-1"}
+                    )
+                    assert retry.status_code == 200, retry.text
+                    batch = retry.json()
+                    assert [t["session_id"] for t in batch["trajectories"]] == ["s1"]
+                # the first attempt's client is gone, its answer not started: it is cancelled
+                cancelled = 'mixfleet_router_request_seconds_count{route="/v1/batches/take",status="4xx"}'
+                deadline = time.monotonic() + 10
+                while cancelled not in c.get("/metrics").text:
+                    assert time.monotonic() < deadline, "the first attempt was never cancelled"
+                    time.sleep(0.1)
+                go.set()
+                stats = c.get("/v1/batches/stats").json()
+                assert stats == {"ready": 0, "pending": 1, "held_back": 0, "leases": 1}, stats
+                assert c.post("/v1/batches/take", json={"size": 1}).json()["trajectories"] == []
+                assert c.post(f"/v1/batches/{batch['lease_id']}/ack").json()["acked"] == 1
         finally:
             go.set()
-            proxy.close()
 
 
 def _read_answer(sock: socket.socket) -> bytes:
@@ -170,14 +171,8 @@ def test_a_take_retried_while_its_first_attempt_still_waits_ends_with_one_lease(
         httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
     ):
         first_sid = _finish(c)
-        host, http_port = router.url.removeprefix("http://").split(":")
-        body = b'{"size": 2, "wait_s": 30}'
-        request = (
-            f"POST /v1/batches/take HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: take-1\r\n"
-            f"Authorization: Bearer {router.key}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
-        with socket.create_connection((host, int(http_port))) as abandoned:
+        address, request = _raw_take(router, "Idempotency-Key: take-1\r\n", b'{"size": 2, "wait_s": 30}')
+        with socket.create_connection(address) as abandoned:
             abandoned.sendall(request)
             deadline = time.monotonic() + 10
             while c.get("/v1/batches/stats").json()["pending"] != 1:  # it picked the first one
