@@ -97,6 +97,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
         "MixfleetTokenShareDrift",
         "MixfleetReplicaRestarting",
         "MixfleetReplicaActivationFailing",
+        "MixfleetOpenFilesNearLimit",
     }
     firing, quiet = set(), set()
     for path in TESTS:
