@@ -26,11 +26,14 @@ session at the study's shape (:class:`tests.support.sessions.SessionShape`: 60 t
 from 4K to ~98K tokens, 64 generated + 1,500 tool tokens a turn, Qwen3 vocabulary). Prints the
 bytes stored and served for the trajectory against the bound 1.2 x (every token once as a
 varint id + the generated tokens' records), what the format before (every turn repeating its
-whole input) would have stored, and the router's own recording work per turn (placing the
-input on the stored context, packing, encoding the block, appending to the memory store; not
-HTTP parsing or the engine call) for a full-context and an append-only turn at a short and a
-long context. Target: stored and served <= the bound; append-only turn work flat in the
-context.
+whole input) would have stored, and the router's own recording work per turn (reading the
+stored context back from the memory store, placing the input on it, packing, encoding the block,
+appending to the store; not HTTP parsing or the engine call) for a full-context and an
+append-only turn at a short and a long context. The read back is a copy of the whole context:
+what a turn costs whose context its router process does not keep (:mod:`router.context_text`:
+another process served the session's last turn, or the cache was full); a kept context is not
+read. Target: stored and served <= the bound; the encoding and storing of an append-only turn
+flat in the context.
 
 A short turn's record work (issue 20; no engine): the stub engine's ``/generate`` answer of
 :func:`benchmarks.router.stub_generate_body` (64 output tokens, a ``--support``-id support each,
@@ -335,7 +338,10 @@ def _turn_costs(turns: list, reps: int) -> None:
         t2 = time.perf_counter()
         return t2 - t0, t1 - t0, t2 - t1
 
-    print(f"  router work per turn (best of {reps}; read + check/rebuild the input, then encode + store):")
+    print(
+        f"  router work per turn (best of {reps}; the context read back (a copy: a turn whose context this "
+        "process does not keep) + check/rebuild the input, then encode + store):"
+    )
     for index in (2, len(turns) - 1):
         turn, prior = turns[index], turns[:index]
         for full in (True, False):
