@@ -18,12 +18,14 @@ text was sampled before the reasoning, else first, streamed or not (:func:`messa
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`).
 
 Streaming sends Anthropic's server-sent events as the turn is sampled
-(:mod:`router.chat.streaming`): ``message_start``, the thinking block whole when the generation
-prompt opened the reasoning (its end sampled), a text block with one ``text_delta`` per token
-that shows new text, then the rest of it and each other block whole (``content_block_start`` /
-``content_block_delta`` / ``content_block_stop``), ``message_delta`` (with ``mixfleet``) and
-``message_stop``; a failure after the first token is an ``error`` event. The turn recorded is the
-same as without streaming.
+(:mod:`router.chat.streaming`): ``message_start``, a thinking block whose ``thinking_delta`` events
+are the reasoning deltas (from the token that opens the reasoning), a text block whose
+``text_delta`` events are the content deltas, then the rest of the open block and each other block
+whole (``content_block_start`` / ``content_block_delta`` / ``content_block_stop``),
+``message_delta`` (with ``mixfleet``) and ``message_stop``; a failure after the first token is an
+``error`` event. When text was sampled before the reasoning, the thinking block follows the text
+block (the order of the answer's blocks) and comes whole at the end: a block does not open inside
+another. The blocks add up to the answer without streaming, and the turn recorded is the same.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from router.chat.service import (
     run_chat,
     session_created,
 )
-from router.chat.streaming import Item, Reasoning, stream_chat, text_before_reasoning
+from router.chat.streaming import Item, Reasoning, Tail, stream_chat
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, KEY_DOC
 from router.json_route import JsonRoute
@@ -371,26 +373,35 @@ async def retrieve_model(request: Request, session_id: SessionId, model_id: str)
 
 async def _sse(session_id: str, body: MessagesRequest, items: AsyncIterator[Item]) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`):
-    ``message_start``, the thinking block whole when the reasoning is streamed before the content,
-    a text block whose ``text_delta`` events are the content deltas, then :func:`tail_events`; an
-    error after the first token is an ``error`` event."""
-    sent, opened = 0, False  # blocks sent whole; whether a text block is open at index ``sent``
+    ``message_start``, a thinking block open from the first reasoning delta (unless a text block
+    is open: the reasoning then comes whole at the end, after the text), a text block from the
+    first content delta (closing the thinking block), then :func:`tail_events`; an error after the
+    first token is an ``error`` event."""
+    index, block = 0, None  # the open block's index and type (None: none is open)
     try:
         async for item in items:
             if isinstance(item, Head):
                 yield _event(_start(session_id, body, item))
             elif isinstance(item, Reasoning):
-                for e in _block_events(sent, _thinking(item.text)):
-                    yield _event(e)
-                sent += 1
+                if block is None:
+                    block = "thinking"
+                    yield _event(
+                        {"type": "content_block_start", "index": index, "content_block": _thinking("")}
+                    )
+                if block == "thinking" and item.text:
+                    delta = {"type": "thinking_delta", "thinking": item.text}
+                    yield _event({"type": "content_block_delta", "index": index, "delta": delta})
             elif isinstance(item, str):
-                if not opened:
-                    opened = True
-                    yield _event({"type": "content_block_start", "index": sent, "content_block": _TEXT})
-                yield _event({"type": "content_block_delta", "index": sent, "delta": _text_delta(item)})
+                if block == "thinking":
+                    for e in _close(index, "thinking", ""):
+                        yield _event(e)
+                    index, block = index + 1, None
+                if block is None:
+                    block = "text"
+                    yield _event({"type": "content_block_start", "index": index, "content_block": _TEXT})
+                yield _event({"type": "content_block_delta", "index": index, "delta": _text_delta(item)})
             else:
-                answer = message(session_id, body, item.result)
-                for e in tail_events(answer, item.rest if opened else None, sent):
+                for e in tail_events(message(session_id, body, item.result), index, block, item):
                     yield _event(e)
     except ApiError as exc:
         yield _event(api_error(exc, "anthropic").fields)
@@ -425,14 +436,14 @@ def _start(session_id: str, body: MessagesRequest, head: Head) -> dict[str, Any]
 
 def message(session_id: str, body: MessagesRequest, result: ChatResult) -> dict[str, Any]:
     """The ``message`` object of a recorded turn; its blocks in the order sampled: a thinking block
-    after the text when text was sampled before the reasoning (as the stream sends them:
-    :func:`~router.chat.streaming.text_before_reasoning`), else first."""
+    after the text when text was sampled before the reasoning
+    (:attr:`~router.chat.renderers.base.Reply.text_first`; the stream sends them so), else first."""
     reply = result.reply
     content: list[dict[str, Any]] = []
     if reply.content or not reply.tool_calls:
         content.append({"type": "text", "text": reply.content})
     if reply.reasoning is not None:
-        content.insert(len(content) if text_before_reasoning(result) else 0, _thinking(reply.reasoning))
+        content.insert(len(content) if reply.text_first else 0, _thinking(reply.reasoning))
     for c in reply.tool_calls:
         args = c.parsed_arguments()
         content.append(
@@ -462,19 +473,19 @@ def _thinking(text: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 
-def tail_events(answer: dict[str, Any], rest: str | None, sent: int = 0) -> Iterator[dict[str, Any]]:
-    """The events that end a streamed ``answer`` after its content deltas, in order. ``sent``: how
-    many of its first blocks were streamed whole already; ``rest``: the content not streamed yet
-    of the text block open after them (None: none was opened), which is closed first; then each
-    other block of ``answer`` (whole), ``message_delta``, ``message_stop``."""
-    blocks = answer["content"][sent:]
-    if rest is not None:
-        if rest:
-            yield {"type": "content_block_delta", "index": sent, "delta": _text_delta(rest)}
-        yield {"type": "content_block_stop", "index": sent}
-        blocks = [b for b in blocks if b["type"] != "text"]
-    for i, block in enumerate(blocks, start=sent + (rest is not None)):
-        yield from _block_events(i, block)
+def tail_events(
+    answer: dict[str, Any], index: int, block: str | None, tail: Tail
+) -> Iterator[dict[str, Any]]:
+    """The events that end a streamed ``answer`` after its deltas, in order. ``index``: the first
+    block of ``answer`` not closed yet; ``block``: its type when it is open (None: none is), which
+    gets the rest of its text (``tail``'s) and is closed first; then each later block of
+    ``answer`` (whole), ``message_delta``, ``message_stop``."""
+    blocks = answer["content"]
+    if block is not None:
+        yield from _close(index, block, tail.reasoning_rest if block == "thinking" else tail.rest)
+        index += 1
+    for i in range(index, len(blocks)):
+        yield from _block_events(i, blocks[i])
     yield {
         "type": "message_delta",
         "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": answer["stop_sequence"]},
@@ -482,6 +493,26 @@ def tail_events(answer: dict[str, Any], rest: str | None, sent: int = 0) -> Iter
         "mixfleet": answer["mixfleet"],
     }
     yield {"type": "message_stop"}
+
+
+def _close(i: int, block: str, rest: str) -> Iterator[dict[str, Any]]:
+    """The end of the open ``block`` (``thinking`` or ``text``) at index ``i``: ``rest``, the text
+    not streamed yet, its signature (a thinking block's: empty), its stop."""
+    if block == "thinking":
+        if rest:
+            yield {
+                "type": "content_block_delta",
+                "index": i,
+                "delta": {"type": "thinking_delta", "thinking": rest},
+            }
+        yield {
+            "type": "content_block_delta",
+            "index": i,
+            "delta": {"type": "signature_delta", "signature": ""},
+        }
+    elif rest:
+        yield {"type": "content_block_delta", "index": i, "delta": _text_delta(rest)}
+    yield {"type": "content_block_stop", "index": i}
 
 
 def _block_events(i: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]:

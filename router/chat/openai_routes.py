@@ -21,11 +21,11 @@ or not (:mod:`router.idempotency`, :mod:`router.chat.service`); ``created`` is t
 time.
 
 Streaming sends ``chat.completion.chunk`` server-sent events as the turn is sampled
-(:mod:`router.chat.streaming`): the role, the reasoning when the generation prompt opened it (once
-its end is sampled), one content delta per token that shows new text, then the reasoning (when not
-sent yet), the rest of the content (with the log-probs, when asked), each tool call, the finish
-reason, the usage and ``[DONE]``; a failure after the first token is an ``error`` event. The turn
-recorded is the same as without streaming.
+(:mod:`router.chat.streaming`): the role, one ``reasoning_content`` or ``content`` delta per token
+that shows new reasoning or content, then the rest of the reasoning and of the content (with the
+log-probs, when asked), each tool call, the finish reason, the usage and ``[DONE]``; a failure after
+the first token is an ``error`` event. The deltas add up to the answer without streaming, and the
+turn recorded is the same.
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ async def _sse(
     session_id: str, body: ChatCompletionRequest, items: AsyncIterator[Item]
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed turn's items (:mod:`router.chat.streaming`): a
-    ``chat.completion.chunk`` with the role, one with the ``reasoning_content`` when it is streamed
-    before the content, one per content delta, then :func:`tail_chunks`; an error after the first
-    token is an ``error`` event; ``[DONE]`` last."""
+    ``chat.completion.chunk`` with the role, one per reasoning delta (``reasoning_content``) and
+    content delta (``content``), then :func:`tail_chunks`; an error after the first token is an
+    ``error`` event; ``[DONE]`` last."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head: dict[str, Any] = {}
     try:
@@ -296,12 +296,13 @@ async def _sse(
                 head |= {"created": item.created, "model": body.model}
                 yield _data(_chunk(head, {"role": "assistant", "content": ""}))
             elif isinstance(item, Reasoning):
-                yield _data(_chunk(head, {"reasoning_content": item.text}))
+                if item.text:
+                    yield _data(_chunk(head, {"reasoning_content": item.text}))
             elif isinstance(item, str):
                 yield _data(_chunk(head, {"content": item}))
             else:
                 answer = completion(session_id, body, item.result)
-                for c in tail_chunks(head, answer, item.rest, include_usage, item.reasoned):
+                for c in tail_chunks(head, answer, item.reasoning_rest, item.rest, include_usage):
                     yield _data(c)
     except ApiError as exc:
         yield _data({"error": api_error(exc, "openai").fields["error"]})
@@ -385,16 +386,15 @@ def _chunk(
 
 
 def tail_chunks(
-    head: dict[str, Any], answer: dict[str, Any], rest: str, include_usage: bool, reasoned: bool = False
+    head: dict[str, Any], answer: dict[str, Any], reasoning_rest: str, rest: str, include_usage: bool
 ) -> Iterator[dict[str, Any]]:
-    """The chunks that end a streamed ``answer`` after its content deltas, in stream order: the
-    reasoning (unless ``reasoned``: it was streamed before the content), the content not streamed
-    yet ``rest`` (with the turn's log-probs when asked), each tool call, the finish reason, the
-    usage."""
+    """The chunks that end a streamed ``answer`` after its deltas, in stream order: the reasoning
+    not streamed yet ``reasoning_rest``, the content not streamed yet ``rest`` (with the turn's
+    log-probs when asked), each tool call, the finish reason, the usage."""
     choice = answer["choices"][0]
     message = choice["message"]
-    if "reasoning_content" in message and not reasoned:
-        yield _chunk(head, {"reasoning_content": message["reasoning_content"]})
+    if reasoning_rest:
+        yield _chunk(head, {"reasoning_content": reasoning_rest})
     if rest or choice["logprobs"] is not None:
         yield _chunk(head, {"content": rest}, logprobs=choice["logprobs"])
     for i, call in enumerate(message.get("tool_calls", ())):

@@ -153,14 +153,39 @@ def test_text_before_reasoning_is_content_streamed_or_not(router, paced, session
         assert [b.thinking for b in m.content if b.type == "thinking"] == ["Let me see."]
 
 
-OPENED = "Let me see.\n</think>\n\nIt is blue.<|im_end|>"
+OPENED = "Let me see what the weather is.\n</think>\n\nIt is blue.<|im_end|>"
+ODD = [  # odd tag sequences: streamed, the same reasoning and content as without streaming
+    "A<think>B<think>C</think>D</think>E<|im_end|>",
+    "A</think>B</think>C<|im_end|>",
+    "<think>x</think>y<think>z<|im_end|>",
+]
 
 
-def test_a_prompt_that_opens_reasoning_streams_it_first(paced, chat_model, renderer, tmp_path):
+def _openai_parts(chunks) -> tuple[list[str], str]:
+    """The reasoning deltas and the content of a streamed completion."""
+    reasoning = [
+        v for c in chunks if c.choices and (v := getattr(c.choices[0].delta, "reasoning_content", None))
+    ]
+    return reasoning, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _anthropic_parts(stream) -> tuple[list[str], list[str], anthropic.types.Message]:
+    """The ``content_block_start`` types, the thinking deltas and the final message of a stream."""
+    started, thinking = [], []
+    for e in stream:
+        if e.type == "content_block_start":
+            started.append(e.content_block.type)
+        elif e.type == "content_block_delta" and e.delta.type == "thinking_delta":
+            thinking.append(e.delta.thinking)
+    return started, thinking, stream.get_final_message()
+
+
+def test_a_prompt_that_opens_reasoning_streams_it_as_sampled(paced, chat_model, renderer, tmp_path):
     """A chat template whose generation prompt opens ``<think>`` (the reply is sampled reasoning
-    first, closed by ``</think>``): streamed, the reasoning comes before the content, as sampled
-    and as the answer without streaming gives it — OpenAI's ``reasoning_content`` delta before the
-    ``content`` deltas, Anthropic's thinking block before the text block."""
+    first, closed by ``</think>``): streamed, the reasoning comes token by token as it is sampled,
+    before the content, and adds up to the answer without streaming — OpenAI's
+    ``reasoning_content`` deltas before the ``content`` deltas, Anthropic's thinking block's
+    ``thinking_delta`` events before the text block; odd tag sequences too, in both forms."""
     model = reasoning_opened(chat_model, tmp_path / "opened")
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [paced.url]}])
     with router_process(preset, extra_args=("--chat-model", str(model))) as router:
@@ -176,24 +201,60 @@ def test_a_prompt_that_opens_reasoning_streams_it_first(paced, chat_model, rende
         ]
         paced.script.append(renderer.encode(OPENED))
         plain = _openai(router, _new_session(router)).chat.completions.create(**kw).choices[0].message
-        assert (
-            deltas[0]
-            == ("reasoning_content", plain.reasoning_content)
-            == ("reasoning_content", "Let me see.")
-        )
-        assert {k for k, _ in deltas[1:]} == {"content"} and len(deltas) > 3  # the answer token by token
-        assert "".join(v for _, v in deltas[1:]) == plain.content == "It is blue."
+        kinds = [k for k, _ in deltas]
+        assert kinds.count("reasoning_content") > 3  # token by token, not whole at </think>
+        assert kinds == sorted(kinds, reverse=True)  # all the reasoning before the content
+        assert "".join(v for k, v in deltas if k == "reasoning_content") == plain.reasoning_content
+        assert plain.reasoning_content == "Let me see what the weather is."
+        assert "".join(v for k, v in deltas if k == "content") == plain.content == "It is blue."
         ak = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "extra_body": {"temperature": 1.0}}
         paced.script.append(renderer.encode(OPENED))
         with _anthropic(router, _new_session(router)).messages.stream(**ak) as stream:
-            started = [e.content_block.type for e in stream if e.type == "content_block_start"]
-            final = stream.get_final_message()
+            started, thinking, final = _anthropic_parts(stream)
         paced.script.append(renderer.encode(OPENED))
         message = _anthropic(router, _new_session(router)).messages.create(**ak)
         assert started == [b.type for b in final.content] == [b.type for b in message.content]
-        assert started == ["thinking", "text"]
+        assert started == ["thinking", "text"] and len(thinking) > 3
         for m in (final, message):
-            assert (m.content[0].thinking, m.content[1].text) == ("Let me see.", "It is blue.")
+            assert (m.content[0].thinking, m.content[1].text) == (
+                "Let me see what the weather is.",
+                "It is blue.",
+            )
+        paced.token_delay_s = 0.0
+        for text in ODD:
+            _same_streamed_or_not(router, paced, renderer, text)
+
+
+@pytest.mark.parametrize("text", ODD)
+def test_odd_tag_sequences_stream_the_answer(router, engine, renderer, text):
+    """Without a generation prompt that opens ``<think>``: the same (the other form is in
+    :func:`test_a_prompt_that_opens_reasoning_streams_it_as_sampled`)."""
+    _same_streamed_or_not(router, engine, renderer, text)
+
+
+def _same_streamed_or_not(router, engine, renderer, text: str) -> None:
+    """``text`` sampled streamed and not, with both clients: the streamed reasoning and content
+    deltas add up to the answer's, Anthropic's blocks are the same, and so are the stored turns."""
+    kw = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.0}
+    s1, s2 = _new_session(router), _new_session(router)
+    engine.script.append(renderer.encode(text))
+    reasoning, content = _openai_parts(list(_openai(router, s1).chat.completions.create(stream=True, **kw)))
+    engine.script.append(renderer.encode(text))
+    plain = _openai(router, s2).chat.completions.create(**kw).choices[0].message
+    assert ("".join(reasoning), content) == (
+        getattr(plain, "reasoning_content", None) or "",
+        plain.content or "",
+    ), text
+    a, b = trajectory(router, s1["session_id"]), trajectory(router, s2["session_id"])
+    assert [(t["input_ids"], t["output_ids"]) for t in a] == [(t["input_ids"], t["output_ids"]) for t in b]
+    ak = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "extra_body": {"temperature": 1.0}}
+    engine.script.append(renderer.encode(text))
+    with _anthropic(router, _new_session(router)).messages.stream(**ak) as stream:
+        started, _, final = _anthropic_parts(stream)
+    engine.script.append(renderer.encode(text))
+    message = _anthropic(router, _new_session(router)).messages.create(**ak)
+    assert started == [b.type for b in message.content], text
+    assert final.model_dump()["content"] == message.model_dump()["content"], text
 
 
 def test_a_streamed_tool_call_is_parsed(router, paced, session, renderer):

@@ -1,14 +1,18 @@
-"""The content deltas of a streamed chat reply (router.chat.streaming.TextDeltas), per renderer
-family (the local byte-level tokenizer and a Qwen3-style BPE one, as in test_renderers): one
-delta per token that shows new text, whole UTF-8 characters only, reasoning and tool-call markup
-held back, the same deltas whether the ids come one by one or all at once."""
+"""The reasoning and content deltas of a streamed chat reply (router.chat.streaming.TextDeltas),
+per renderer family (the local byte-level tokenizer and a Qwen3-style BPE one, as in
+test_renderers): one delta per token that shows new text, whole UTF-8 characters only, markup held
+back, the same deltas whether the ids come one by one or all at once, and always the start of the
+reply parsed without streaming (brute force over tag sequences)."""
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
 
 import pytest
 
 from router.chat.renderers import load_renderer
-from router.chat.streaming import Reasoning, TextDeltas
+from router.chat.streaming import Reasoning, Tail, TextDeltas
 from tests.chat.conftest import reasoning_opened
 from tests.chat.test_renderers import _qwen3_dir, _sample, renderer  # noqa: F401 (the parametrized fixture)
 from weight_sync.base_model import write_tokenizer
@@ -26,18 +30,17 @@ def _one_by_one(renderer, ids: list[int]) -> list[str]:  # noqa: F811
         ("  Héllo wörld, ça va? 日本 ", "Héllo wörld, ça va? 日本"),  # stripped; whole characters
         ("a <b> c", "a <b> c"),  # a '<' that becomes no markup is shown once ruled out
         ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "Let me check."),
-        ("<think>\nreasoning\n</think>\n\nThe answer.", ""),
-        ("Before <think>x</think> after", "Before"),  # the content starts with what was shown
-        ("An end </think> with no start", "An end"),  # no reasoning opened: all of it is content
+        ("Before <think>x</think> after", "Before  after"),  # the content around the reasoning
+        ("An end </think> with no start", "An end </think> with no start"),  # no reasoning: text
     ],
 )
 def test_deltas_show_the_text_up_to_markup(renderer, text, shown):  # noqa: F811
     ids = _sample(renderer, text)
-    deltas = _one_by_one(renderer, ids)
+    deltas = [d for d in _one_by_one(renderer, ids) if isinstance(d, str)]
     assert "".join(deltas) == shown
     assert all(deltas) and not any("\ufffd" in d or "<|" in d for d in deltas)
     whole = TextDeltas(renderer)
-    assert whole.feed(ids) == deltas and whole.shown == shown  # a pure function of the ids
+    assert [d for d in whole.feed(ids) if isinstance(d, str)] == deltas and whole.shown == shown
     assert renderer.parse(ids).content.startswith(shown)  # the tail sends the rest
 
 
@@ -45,18 +48,15 @@ def test_text_before_reasoning_markup_is_content(renderer):  # noqa: F811
     """What was shown before the markup cannot be taken back, so it is the reply's content streamed
     or not: the parsed content starts with it and the tail sends the rest (``Tail.rest``)."""
     ids = _sample(renderer, "Before <think>x</think> after")
-    shown = "".join(_one_by_one(renderer, ids))
-    assert shown == "Before"
+    shown = "".join(d for d in _one_by_one(renderer, ids) if isinstance(d, str))
+    assert shown == "Before  after"
     reply = renderer.parse(ids)
     assert (reply.content, reply.reasoning) == ("Before  after", "x")  # the sampled text less the block
     assert shown + reply.content[len(shown) :] == reply.content
 
 
-def test_a_generation_prompt_that_opens_reasoning_shows_only_the_answer(renderer, tmp_path):  # noqa: F811
-    """With a template whose generation prompt opens ``<think>`` (Qwen3 thinking-2507 style), the
-    sampled reasoning before ``</think>`` shows no content; once ``</think>`` is sampled the parsed
-    reasoning comes first, whole, then the answer after it streams, and is the parsed content."""
-    assert not renderer.opens_reasoning and not renderer.without_thinking().opens_reasoning
+def _opened(renderer, tmp_path):  # noqa: F811
+    """``renderer``'s family with a template whose generation prompt opens ``<think>``."""
     root = tmp_path / renderer.family
     if renderer.family == "local":
         root.mkdir()
@@ -65,14 +65,108 @@ def test_a_generation_prompt_that_opens_reasoning_shows_only_the_answer(renderer
         _qwen3_dir(root)
     thinking = load_renderer(reasoning_opened(root, tmp_path / "opened"), renderer.family)
     assert thinking.opens_reasoning
-    ids = _sample(thinking, "Let me see.\n</think>\n\nIt is blue.")
-    deltas = _one_by_one(thinking, ids)
-    reply = thinking.parse(ids)
-    assert deltas[0] == Reasoning("Let me see.") == Reasoning(reply.reasoning)  # first, as sampled
-    assert "".join(deltas[1:]) == reply.content == "It is blue."
-    assert len(deltas) > 3  # the answer streams token by token
-    whole = TextDeltas(thinking)
-    assert whole.feed(ids) == deltas and whole.reasoned
+    return thinking
+
+
+def _split(deltas) -> tuple[str, str]:
+    return (
+        "".join(d.text for d in deltas if isinstance(d, Reasoning)),
+        "".join(d for d in deltas if isinstance(d, str)),
+    )
+
+
+@pytest.mark.parametrize("opens", [False, True])
+def test_reasoning_streams_token_by_token(renderer, tmp_path, opens):  # noqa: F811
+    """The reasoning is streamed as it is sampled, whether the generation prompt opened it (Qwen3
+    thinking-2507 style) or the model sampled ``<think>``: one delta per token that shows new
+    reasoning, before ``</think>`` is sampled, then the answer token by token; together they are
+    the parsed reasoning and content."""
+    r = _opened(renderer, tmp_path) if opens else renderer
+    assert not renderer.opens_reasoning and not renderer.without_thinking().opens_reasoning
+    reasoning = "Let me see what the weather is in Paris."
+    ids = _sample(r, ("" if opens else "<think>\n") + reasoning + "\n</think>\n\nIt is blue.")
+    deltas = TextDeltas(r)
+    per_token = [deltas.feed([tok]) for tok in ids]
+    end = next(i for i, tok in enumerate(ids) if "</think>" in r.decode(ids[: i + 1]))
+    before_end = [d for ds in per_token[:end] for d in ds]
+    assert all(isinstance(d, Reasoning) for d in before_end)
+    assert len([d for d in before_end if d.text]) > 5  # token by token, not whole at </think>
+    reply = r.parse(ids)
+    flat = [d for ds in per_token for d in ds]
+    assert _split(flat) == (reply.reasoning, reply.content) == (reasoning, "It is blue.")
+    assert flat[0] == Reasoning("") or opens  # the reasoning opens at the sampled <think>
+    assert TextDeltas(r).feed(ids) == flat  # a pure function of the ids
+
+
+PIECES = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    '{"name": "f", "arguments": {}}</tool_call>',
+    "a b",
+    "\n",
+    " ",
+]
+
+
+@pytest.mark.parametrize("opens", [False, True])
+def test_every_tag_sequence_streams_the_parsed_reply(renderer, tmp_path, opens):  # noqa: F811
+    """Brute force over every sequence of up to four pieces of reasoning and tool-call markup and
+    text (odd ones too: ``<think>`` twice, ``</think>`` unopened or twice, a call inside the
+    reasoning), fed token by token, with and without a stop token: at every step what was shown
+    is the start of the parsed reasoning and content, so the deltas followed by the tail's rest
+    are the reply without streaming (nothing shown twice, nothing shown that it lacks); a reasoning
+    delta comes only for a reply with reasoning, and text before it only when the reply's text
+    came first (Anthropic's block order)."""
+    r = _opened(renderer, tmp_path) if opens else renderer
+    pieces = {p: r.encode(p) for p in PIECES}
+    for n in range(5):
+        for seq in itertools.product(PIECES, repeat=n):
+            for stop in (True, False):
+                ids = [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop
+                reply = r.parse(ids)
+                deltas, flat = TextDeltas(r), []
+                for tok in ids:
+                    flat += deltas.feed([tok])
+                    reasoning, content = _split(flat)
+                    assert reply.content.startswith(content) and content == deltas.shown, (seq, flat)
+                    assert (reply.reasoning or "").startswith(reasoning), (seq, flat)
+                opened = [i for i, d in enumerate(flat) if isinstance(d, Reasoning)]
+                assert not opened or reply.reasoning is not None, (seq, flat)
+                assert reply.text_first == any(isinstance(d, str) for d in flat[: opened[0] if opened else 0])
+                tail = Tail(_Result(reply), deltas.shown, deltas.reasoning)
+                assert reasoning + tail.reasoning_rest == (reply.reasoning or "")
+                assert content + tail.rest == reply.content
+
+
+@dataclass
+class _Result:
+    reply: object
+
+
+@pytest.mark.parametrize(
+    ("text", "opens", "reasoning", "content"),
+    [
+        ("<think>\nr\n</think>\n\nA", False, "r", "A"),
+        ("X<think>Y</think>Z", True, "X<think>Y", "Z"),  # a second <think> is reasoning text
+        ("<think>a<think>b</think>c", False, "a<think>b", "c"),
+        ("<think>a</think>b</think>c", False, "a", "b</think>c"),  # markup after the end is text
+        ("An end </think> with no start", False, None, "An end </think> with no start"),
+        ("<think>cut short", False, "cut short", ""),  # truncated reasoning is reasoning
+        ("cut short", True, "cut short", ""),
+        ('<think>r<tool_call>{"name": "f", "arguments": {}}</tool_call>', False, "r", ""),  # a call ends it
+        (
+            '<think>r<tool_call>{"name": "f"}</tool_call></think>A',
+            False,
+            'r<tool_call>{"name": "f"}</tool_call>',
+            "A",
+        ),
+    ],
+)
+def test_odd_tag_sequences_parse(renderer, tmp_path, text, opens, reasoning, content):  # noqa: F811
+    r = _opened(renderer, tmp_path) if opens else renderer
+    reply = r.parse(_sample(r, text))
+    assert (reply.reasoning, reply.content) == (reasoning, content)
 
 
 def test_one_delta_per_token_of_plain_text(renderer):  # noqa: F811

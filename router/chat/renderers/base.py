@@ -94,12 +94,15 @@ class Message:
 
 @dataclass(frozen=True)
 class Reply:
-    """An assistant turn parsed from its sampled ids. ``stopped``: it ended on a stop token."""
+    """An assistant turn parsed from its sampled ids. ``stopped``: it ended on a stop token;
+    ``text_first``: its content begins with text sampled before its reasoning (Anthropic's blocks
+    are then text, thinking: the order sampled, :mod:`router.chat.anthropic_routes`)."""
 
     content: str
     reasoning: str | None
     tool_calls: tuple[ToolCall, ...]
     stopped: bool
+    text_first: bool = False
 
     def matches(self, message: Message) -> bool:
         """Whether ``message`` (sent back by a harness) is this reply: same content and calls
@@ -128,14 +131,8 @@ class Renderer(abc.ABC):
 
     family: str
     stop_ids: tuple[int, ...]
-    markup: tuple[str, ...] = ()
-    """Texts that open reasoning or tool-call markup in the family's replies: a streamed reply's
-    content is held back from the first (:mod:`router.chat.streaming`)."""
-    reasoning_end: str | None = None
-    """The text that closes the family's reasoning (None: it has none)."""
     opens_reasoning: bool = False
-    """Whether the generation prompt itself opens the reasoning (a reply starts inside it, up to
-    :attr:`reasoning_end`)."""
+    """Whether the generation prompt itself opens the reasoning (a reply starts inside it)."""
     form: str = ""
     """Which form of the template the renderer renders: ``""`` its default, ``"no-thinking"``
     (:meth:`without_thinking`). A chat note is only resumed in the form it was written in
@@ -165,6 +162,12 @@ class Renderer(abc.ABC):
     @abc.abstractmethod
     def parse(self, output_ids: Sequence[int]) -> Reply:
         """The assistant message of sampled ids."""
+
+    @abc.abstractmethod
+    def shown(self, text: str) -> tuple[str | None, str]:
+        """The reasoning (None: not known to have any) and the content that :meth:`parse` of every
+        reply whose text (decoded, stop ids left out) starts with ``text`` starts them with: what a
+        streamed reply shows while it is sampled (:mod:`router.chat.streaming`)."""
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
