@@ -72,7 +72,8 @@ integers exceeding 64 bits"; measured: ``18446744073709551615`` is an int, ``...
 def _beyond_64_bits(value: Any) -> Any:
     """``value``, unless it is an integral float the body's decoder made of an integer literal
     beyond 64 bits: a positive one is refused naming :data:`WIRE_INT_LIMIT`, a negative one is
-    the integer it equals (the field's lower bound refuses it, naming the bound)."""
+    the integer it equals (the field's lower bound refuses it, naming the bound; without one, the
+    route that reads it)."""
     if type(value) is not float or not value.is_integer():
         return value
     if value >= WIRE_INT_LIMIT:
@@ -80,12 +81,12 @@ def _beyond_64_bits(value: Any) -> Any:
     return int(value) if value < -(2**63) else value
 
 
-def unbounded_int(ge: int, *, strict: bool = True) -> Any:
-    """An integer of at least ``ge`` with no upper bound of its own (its JSON schema: ``minimum``),
-    ``StrictInt`` unless ``strict`` is false (the chat APIs' lax integers); a value beyond 64 bits
-    is refused in one line naming the limit (:func:`_beyond_64_bits`), not as "not a valid
-    integer": every value accepted before is accepted (only floats that no integer field took are
-    refused otherwise)."""
+def unbounded_int(ge: int | None, *, strict: bool = True) -> Any:
+    """An integer of at least ``ge`` (None: any) with no upper bound of its own (its JSON schema:
+    ``minimum``), ``StrictInt`` unless ``strict`` is false (the chat APIs' lax integers); a value
+    beyond 64 bits is refused in one line naming the limit (:func:`_beyond_64_bits`), not as "not
+    a valid integer": every value accepted before is accepted (only floats that no integer field
+    took are refused otherwise)."""
     return Annotated[StrictInt if strict else int, Field(ge=ge), BeforeValidator(_beyond_64_bits)]
 
 
