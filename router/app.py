@@ -12,7 +12,8 @@ Every request goes through the FastAPI app and its middleware. Every refusal is 
 :class:`router.schemas.ErrorBody` (``{"detail": "<message naming the field or problem>"}``,
 plus ``errors`` on a 422), documented on each route that can answer it; on the chat routes it
 also carries the API's own ``error`` object and a malformed request is a 400, as OpenAI's and
-Anthropic's APIs answer; an unreachable state store or fleet is a 503 with ``Retry-After``; bodies
+Anthropic's APIs answer; an unexpected failure is a 500 in the same shapes, naming only the
+exception's type; an unreachable state store or fleet is a 503 with ``Retry-After``; bodies
 over ``config.max_body_bytes`` get 413 before they are read, except where a route sets its own
 request's limit (the trainer log-prob upload: its lease's size, :mod:`router.body`).
 """
@@ -51,7 +52,7 @@ from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
 from router.errors import ApiError
 from router.schemas import Healthz
-from router.state.base import StateError, StateUnavailable
+from router.state.base import StateError, StateStore, StateUnavailable
 
 log = logging.getLogger("mixfleet.router")
 ROUTER_HEADER = b"x-mixfleet-router"
@@ -138,10 +139,13 @@ def include_routes(app: FastAPI, *routers: APIRouter) -> None:
         app.include_router(r)
 
 
-def create_app(config: RouterConfig, extra_routers: Iterable[APIRouter] = ()) -> FastAPI:
-    """A router app for ``config``. The state store, HTTP pool and replica polling start with
-    the app's lifespan and stop with it."""
-    ctx = RouterContext(config)
+def create_app(
+    config: RouterConfig, extra_routers: Iterable[APIRouter] = (), *, store: StateStore | None = None
+) -> FastAPI:
+    """A router app for ``config``, on ``store`` (default: the one ``config.state_url`` names).
+    The state store, HTTP pool and replica polling start with the app's lifespan and stop with
+    it (the store is closed then, whoever made it)."""
+    ctx = RouterContext(config, store=store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -217,12 +221,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _refusal(request, ApiError(422, message, fields={"errors": errors}))
 
     @app.exception_handler(Exception)
-    async def _failed(request: Request, exc: Exception) -> Response:
-        """An unexpected failure (Starlette's ServerErrorMiddleware calls this, then re-raises
-        ``exc`` to be logged): a chat API's 500 in its shape, else Starlette's plain text."""
-        if chat_api(request.url.path) is None:
-            return PlainTextResponse("Internal Server Error", status_code=500)
-        return _refusal(request, ApiError(500, f"internal error of the router: {type(exc).__name__}"))
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        """An unexpected failure: a 500 whose body names the exception's type only (not its
+        message, no traceback), an :class:`router.schemas.ErrorBody`, in the chat API's shape
+        under a chat URL. Starlette's ServerErrorMiddleware calls this, sends its answer, then
+        re-raises ``exc`` (starlette 1.10 middleware/errors.py 163-186), which the server logs
+        once with its traceback and answers by closing the connection (uvicorn 0.55
+        protocols/http/httptools_impl.py 423-429, h11_impl.py 410-416: "Exception in ASGI
+        application"); the answer says ``Connection: close``, so no client sends its next request
+        on a connection being closed (it would be reset)."""
+        message = f"internal error of the router: {type(exc).__name__}"
+        return _refusal(request, ApiError(500, message), {"Connection": "close"})
 
 
 def _refusal(request: Request, exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:

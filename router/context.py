@@ -58,10 +58,13 @@ HEAP_TASK = "router-heap-trim"
 
 
 class RouterContext:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, store: StateStore | None = None) -> None:
+        """The context of ``config``, on ``store`` (default: the one ``config.state_url`` names)."""
         self.config = config
         self.fleet = config.fleet
-        self.store: StateStore = open_store(config.state_url, retention=config.retention())
+        self.store: StateStore = (
+            store if store is not None else open_store(config.state_url, retention=config.retention())
+        )
         self.pins: ContainerPins | None = open_pins(config.modal_app, [g.name for g in config.fleet.groups])
         self.registry = Registry(
             config.fleet,

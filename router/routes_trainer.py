@@ -78,6 +78,7 @@ from router.schemas import (
     QueueStats,
     TakeRequest,
     TakeResponse,
+    TokenRows,
     VersionConflict,
     unbounded_int,
 )
@@ -369,7 +370,7 @@ async def stats(request: Request) -> dict[str, int]:
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[list[int]] = Field(min_length=1, max_length=256)
+    input_ids: TokenRows = Field(description="1 to 256 sequences of token ids")
     logprob_start_len: unbounded_int(0) = 0
     groups: list[str] | None = Field(
         default=None, min_length=1, description="the groups to score on (null: every group)"
@@ -402,8 +403,6 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
                 f"input_ids[{i}]: {len(seq)} tokens, not more than "
                 f"logprob_start_len {body.logprob_start_len}",
             )
-        if any(t < 0 for t in seq):
-            raise ApiError(400, f"input_ids[{i}]: token ids must be non-negative")
     fmt = {g.name: g.weight_format for g in ctx.config.fleet.groups}
     now = time.monotonic()
     targets = [r for r in ctx.registry.replicas.values() if r.group in chosen and ctx.registry.fresh(r, now)]

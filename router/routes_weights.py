@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 from core.formats import WeightFormat
@@ -66,7 +66,7 @@ from router.publishing import (
     StoreUnreadable,
     VersionTooOld,
 )
-from router.schemas import bounded_int
+from router.schemas import bounded_int, unbounded_int
 from weight_sync.converters import Converter
 from weight_sync.publish import VersionMissing
 
@@ -105,8 +105,10 @@ class PerturbRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     from_version: bounded_int(0, VERSION_MAX)
-    swap_rows: list[StrictInt] = Field(
-        min_length=2, max_length=2, description="two token ids whose lm_head rows swap"
+    swap_rows: list[unbounded_int(None)] = Field(
+        min_length=2,
+        max_length=2,
+        description="two token ids whose lm_head rows swap (rows outside the model's: a 400 naming them)",
     )
     run_id: str | None = Field(default=None, pattern=RUN_ID)
 

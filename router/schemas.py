@@ -4,14 +4,18 @@ default; floats must be finite. The scalar fields of the session and trainer bod
 (pydantic's ``StrictInt``, ``StrictFloat``, ``StrictBool``): ``"5"``, ``true`` or ``5.0`` is not the
 integer 5, ``"1"`` or ``true`` not a reward (an integer is a float: a reward of ``1`` is 1.0); a
 bounded integer beyond 64 bits is refused naming its range (:func:`bounded_int`), an unbounded one
-naming the largest integer the body can carry (:func:`unbounded_int`); token ids stay lax
-on purpose (:data:`TokenArray`). Every refusal the router itself makes is an
+naming the largest integer the body can carry (:func:`unbounded_int`). Token ids are strict
+too, checked in bulk (:func:`router.segments.as_ids`): ``true`` or ``"1"`` is no token id, a
+422 naming its position (``[i] = true is not a token id ...``); an integral float (``3.0``) is the
+id it equals in mixfleet's own bodies (:data:`TokenArray`), not in SGLang's ``/generate``, which
+keeps SGLang's contract (:data:`SGLangTokenIds`). Every refusal the router itself makes is an
 :class:`ErrorBody`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Annotated, Any, NamedTuple
 
 import numpy as np
@@ -28,8 +32,6 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    TypeAdapter,
-    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -40,8 +42,6 @@ from core.wire import VERSION_MAX
 from router.segments import Ids, as_ids
 
 TOKEN_MAX = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=TOKEN_MAX)]
-"""A token id (validated by pydantic itself, per element)."""
 
 MAX_JSON_DEPTH = 64
 
@@ -72,7 +72,8 @@ integers exceeding 64 bits"; measured: ``18446744073709551615`` is an int, ``...
 def _beyond_64_bits(value: Any) -> Any:
     """``value``, unless it is an integral float the body's decoder made of an integer literal
     beyond 64 bits: a positive one is refused naming :data:`WIRE_INT_LIMIT`, a negative one is
-    the integer it equals (the field's lower bound refuses it, naming the bound)."""
+    the integer it equals (the field's lower bound refuses it, naming the bound; without one, the
+    route that reads it)."""
     if type(value) is not float or not value.is_integer():
         return value
     if value >= WIRE_INT_LIMIT:
@@ -80,12 +81,12 @@ def _beyond_64_bits(value: Any) -> Any:
     return int(value) if value < -(2**63) else value
 
 
-def unbounded_int(ge: int, *, strict: bool = True) -> Any:
-    """An integer of at least ``ge`` with no upper bound of its own (its JSON schema: ``minimum``),
-    ``StrictInt`` unless ``strict`` is false (the chat APIs' lax integers); a value beyond 64 bits
-    is refused in one line naming the limit (:func:`_beyond_64_bits`), not as "not a valid
-    integer": every value accepted before is accepted (only floats that no integer field took are
-    refused otherwise)."""
+def unbounded_int(ge: int | None, *, strict: bool = True) -> Any:
+    """An integer of at least ``ge`` (None: any) with no upper bound of its own (its JSON schema:
+    ``minimum``), ``StrictInt`` unless ``strict`` is false (the chat APIs' lax integers); a value
+    beyond 64 bits is refused in one line naming the limit (:func:`_beyond_64_bits`), not as "not
+    a valid integer": every value accepted before is accepted (only floats that no integer field
+    took are refused otherwise)."""
     return Annotated[StrictInt if strict else int, Field(ge=ge), BeforeValidator(_beyond_64_bits)]
 
 
@@ -127,19 +128,22 @@ a tool's schema), refused (422) when nested deeper than :data:`MAX_JSON_DEPTH`."
 
 def _token_array(value: Any) -> np.ndarray:
     """A list of token ids as one uint32 array (:func:`router.segments.as_ids`), checked in bulk;
-    a list that is not all integers in 0..TOKEN_MAX is validated by pydantic's own rules for a
-    :data:`TokenId`, id by id (so ``3.0`` is the id 3, as everywhere else), and refused with
-    ValueError naming the first id it refuses."""
+    an integral float in 0..TOKEN_MAX (``3.0``) is the id it equals, looked for only in a list
+    the bulk conversion refuses; anything else that is not an integer in 0..TOKEN_MAX (a bool, a
+    string, ``2.5``) is refused with ValueError naming the first one (``[i] = true is not a
+    token id ...``)."""
     if not isinstance(value, list | tuple | np.ndarray):
         raise ValueError(f"{type(value).__name__} is not a list of token ids")
     with contextlib.suppress(ValueError):
         return as_ids(value, TOKEN_MAX)
-    try:
-        return as_ids(_TOKEN_IDS.validate_python(value), TOKEN_MAX)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = "".join(f"[{x}]" for x in first["loc"])
-        raise ValueError(f"{where} = {first['input']!r}: {first['msg']}") from None
+    return as_ids([_integral(x) for x in value], TOKEN_MAX)
+
+
+def _integral(value: Any) -> Any:
+    """An integral float in 0..TOKEN_MAX as the integer it equals, anything else as it is."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= TOKEN_MAX:
+        return int(value)
+    return value
 
 
 def _some_token_array(value: Any) -> np.ndarray:
@@ -150,28 +154,126 @@ def _some_token_array(value: Any) -> np.ndarray:
     return ids
 
 
+def _ids_schema(min_items: int = 0, max_items: int | None = None) -> dict[str, Any]:
+    """The JSON schema of a list of token ids."""
+    items = {"type": "integer", "minimum": 0, "maximum": TOKEN_MAX}
+    schema = {"type": "array", "items": items, "minItems": min_items}
+    return schema if max_items is None else {**schema, "maxItems": max_items}
+
+
 def _ids_type(validate: Any, min_items: int) -> Any:
     """A list of token ids validated by ``validate`` into an array (its JSON schema: a list of at
     least ``min_items`` token ids)."""
-    items = {"type": "integer", "minimum": 0, "maximum": TOKEN_MAX}
     return Annotated[
         Any,
         PlainValidator(validate),
         PlainSerializer(lambda ids: ids.tolist(), return_type=list[int]),
-        WithJsonSchema({"type": "array", "items": items, "minItems": min_items}),
+        WithJsonSchema(_ids_schema(min_items)),
     ]
 
 
-_TOKEN_IDS = TypeAdapter(list[TokenId])
 TokenArray = _ids_type(_token_array, 0)
 """Token ids of a turn's input, a JSON list validated into one uint32 array in bulk (a context of
 100K+ ids costs no per-id Python validation and no Python list): what :class:`TurnSpec` carries
-to the engine's request body. Lax by design: ``true`` / ``false`` are the ids 1 / 0 (the bulk
-conversion takes them; telling them from integers needs a per-id type check, a per-id cost on
-the hot path this type exists to avoid) and ``"1"`` or ``3.0`` is the id 1 or 3 (pydantic's lax
-rules for a :data:`TokenId`)."""
+to the engine's request body. ``true``, ``false`` or ``"1"`` is refused naming its position (the
+bulk conversion takes a bool as 0 or 1: only the entries it made 0 or 1 are looked at,
+:func:`router.segments.as_ids`); unlike a scalar integer of the bodies (``5.0`` is not 5), an
+integral float (``3.0``) is the id it equals, the rule README.md documents for token ids."""
 ContextArray = _ids_type(_some_token_array, 1)
 """A :data:`TokenArray` of at least one id (a turn's full context)."""
+
+STOP_IDS_MAX = 1024
+
+
+def _stop_ids(value: Any) -> list[int]:
+    """A turn's ``stop_token_ids``: token ids as :data:`TokenArray` takes them, at most
+    :data:`STOP_IDS_MAX`."""
+    ids = _token_array(value)
+    if len(ids) > STOP_IDS_MAX:
+        raise ValueError(f"{len(ids)} stop token ids, more than {STOP_IDS_MAX}")
+    return ids.tolist()
+
+
+TokenList = Annotated[list[int], PlainValidator(_stop_ids), WithJsonSchema(_ids_schema(0, STOP_IDS_MAX))]
+"""A turn's ``stop_token_ids`` (:func:`_stop_ids`), a list."""
+
+
+def _rows(value: Any, row: Callable[[Any], Any], most: int | None = None) -> list[Any]:
+    """``value``, a non-empty list of at most ``most`` lists of token ids, each validated by
+    ``row`` (ValueError naming the row first: ``[r][i] = ...``)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{type(value).__name__} is not a list of lists of token ids")
+    if not value:
+        raise ValueError("give at least one list of token ids")
+    if most is not None and len(value) > most:
+        raise ValueError(f"{len(value)} lists of token ids, more than {most}")
+    out = []
+    for r, ids in enumerate(value):
+        if not isinstance(ids, list):
+            raise ValueError(f"[{r}]: {type(ids).__name__} is not a list of token ids")
+        try:
+            out.append(row(ids))
+        except ValueError as exc:
+            raise ValueError(f"[{r}]{exc}" if str(exc).startswith("[") else f"[{r}]: {exc}") from None
+    return out
+
+
+def _score_rows(value: Any) -> list[list[int]]:
+    """The sequences of a ``/v1/score`` body: 1 to :data:`SCORE_ROWS_MAX` lists of token ids as
+    :data:`TokenArray` takes them."""
+    return _rows(value, lambda ids: _token_array(ids).tolist(), SCORE_ROWS_MAX)
+
+
+SCORE_ROWS_MAX = 256
+TokenRows = Annotated[
+    list[list[int]],
+    PlainValidator(_score_rows),
+    WithJsonSchema({"type": "array", "items": _ids_schema(), "minItems": 1, "maxItems": SCORE_ROWS_MAX}),
+]
+"""Sequences of token ids (``/v1/score``), each as :data:`TokenArray` takes them."""
+
+
+def _sglang_row(ids: list[Any]) -> list[Any]:
+    """One sequence of ``/generate``'s ``input_ids``: non-empty, each id a JSON integer."""
+    if not ids:
+        raise ValueError("empty sequence")
+    as_ids(ids, TOKEN_MAX)
+    return ids
+
+
+def _sglang_ids(value: Any) -> list[int] | list[list[int]] | None:
+    """``/generate``'s ``input_ids`` as SGLang 0.5.23 takes them: null, one non-empty list of
+    token ids or a list of such lists, each id a JSON integer (no bool, string or float: SGLang's
+    contract gate, ``entrypoints/http_server.py`` 937-939, ``api/v1/api_types.py`` 26-27, 59-62,
+    938-939, 1029-1035, and its dataclass parse, ``utils/field_validators.py`` 41-81) in
+    0..TOKEN_MAX; returned as given (the body is forwarded unchanged). ValueError names the first
+    id refused (``[i]``, or ``[r][i]`` in a batch)."""
+    if value is None:
+        return None
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return _rows(value, _sglang_row)
+    if not isinstance(value, list):
+        raise ValueError(f"{type(value).__name__} is not a list of token ids")
+    if not value:
+        raise ValueError("input_ids is empty")
+    return _sglang_row(value)
+
+
+SGLangTokenIds = Annotated[
+    list[int] | list[list[int]] | None,
+    PlainValidator(_sglang_ids),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _ids_schema(1),
+                {"type": "array", "items": _ids_schema(1), "minItems": 1},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+"""``/generate``'s ``input_ids`` (:func:`_sglang_ids`): SGLang's contract, so an integral float
+is refused here as SGLang refuses it."""
 
 
 class _Req(BaseModel):
@@ -188,7 +290,7 @@ class SamplingParams(_Req):
     top_k: bounded_int(-1, TOKEN_MAX) = -1
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
     max_new_tokens: bounded_int(1, 1_000_000) = 128
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: TokenList = Field(default_factory=list)
     seed: bounded_int(0, 2**63 - 1) | None = None
 
     @field_validator("top_k")
@@ -698,7 +800,8 @@ class SGLangSamplingParams(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     max_new_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    # JSON integers, as SGLang 0.5.23's contract takes them (api/v1/api_types.py 1021-1022, 1267-1268)
+    stop_token_ids: list[StrictInt] | None = None
     sampling_seed: int | None = None
 
 
@@ -708,20 +811,9 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     text: str | list[str] | None = None
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    input_ids: SGLangTokenIds = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     stream: bool = False
-
-    @field_validator("input_ids")
-    @classmethod
-    def _ids(cls, v: list[int] | list[list[int]] | None) -> list[int] | list[list[int]] | None:
-        if v is None:
-            return v
-        if not v:
-            raise ValueError("input_ids is empty")
-        if isinstance(v[0], list) and not all(v):
-            raise ValueError("input_ids has an empty sequence")
-        return v
 
     def rows(self) -> list[list[int]]:
         if self.input_ids is None:

@@ -14,6 +14,7 @@ lists are built only of what a turn appends. No per-token Python work grows with
 
 from __future__ import annotations
 
+import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,24 +44,51 @@ def unpack(data: bytes) -> list[int]:
 def as_ids(ids: Ids, limit: int = _U32_MAX) -> np.ndarray:
     """``ids`` as a one-dimensional uint32 array (native byte order; a uint32 array is returned as
     it is, not copied), checked in bulk. Raises ValueError naming the first entry (``[i] =
-    value``) that is not an integer in 0 .. ``limit`` (at most 2**32 - 1; a bool counts as the
-    integer it is)."""
+    value``, the value as JSON spells it) that is not an integer in 0 .. ``limit`` (at most
+    2**32 - 1): a bool (JSON's ``true``), a string or a float is none, whatever it equals."""
     if isinstance(ids, np.ndarray):
         out = ids if ids.dtype == np.uint32 and ids.ndim == 1 else _from_array(ids, limit)
     else:
         try:
             out = np.frombuffer(array(_IDS, ids), dtype=np.uint32)
         except (TypeError, OverflowError):
-            i = next(i for i, x in enumerate(ids) if not (isinstance(x, int) and 0 <= x <= limit))
-            raise ValueError(_not_an_id(i, ids[i], limit)) from None
+            out = None
+        if out is None or _holds_a_bool(ids, out):
+            i = next(i for i, x in enumerate(ids) if not _is_id(x, limit))
+            raise ValueError(_not_an_id(i, ids[i], limit))
     if limit < _U32_MAX and len(out) and out.max() > limit:
         i = int(np.argmax(out > limit))
         raise ValueError(_not_an_id(i, int(out[i]), limit))
     return out
 
 
+def _holds_a_bool(ids: Sequence[object], out: np.ndarray) -> bool:
+    """Whether ``ids``, which ``array`` took as ``out``, hold a bool (``array`` takes ``True`` and
+    ``False`` as 1 and 0): only the entries that became 0 or 1 are looked at, found in one
+    vectorized pass (measured on 131,072 ids: 0.03 ms besides the conversion's 1.7 ms; ids 0
+    and 1 are rare special tokens), or, when they are most of ``ids``, every entry (3.3 ms)."""
+    low = np.flatnonzero(out < 2)
+    if len(low) * 3 < len(out):
+        return bool in map(type, map(ids.__getitem__, low.tolist()))
+    return bool in map(type, ids)
+
+
+def _is_id(value: object, limit: int) -> bool:
+    return type(value) is not bool and isinstance(value, int) and 0 <= value <= limit
+
+
 def _not_an_id(i: int, value: object, limit: int) -> str:
-    return f"[{i}] = {value!r} is not a token id (an integer in 0..{limit})"
+    return f"[{i}] = {_spelled(value)} is not a token id (an integer in 0..{limit})"
+
+
+def _spelled(value: object) -> str:
+    """``value`` as JSON spells it (``true``, ``"1"``, ``2.5``; a long one cut), what the
+    client sent; repr for what JSON cannot spell."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 64 else f"{text[:60]} ..."
 
 
 def _from_array(a: np.ndarray, limit: int) -> np.ndarray:

@@ -23,6 +23,7 @@ from tests.support.state import opened
 SP = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "seed": 3}
 LEASE_ID = "[0-9a-f]{32}"
 UNKNOWN_LEASE = "0" * 32  # well-formed, never handed out
+NOT_AN_ID = "is not a token id (an integer in 0..2147483647)"
 
 
 def _wait_in_rotation(client: httpx.Client, group: str, want: bool, timeout: float = 15.0) -> None:
@@ -505,6 +506,23 @@ def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client
         ("{sid}/turns", {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens"),
         ("{sid}/turns", {"input_ids": [1], "sampling_params": {"temperature": True}}, "temperature"),
         ("{sid}/turns", {"input_ids": [1], "sampling_params": {"seed": 1.0}}, "seed"),
+        # token ids too, each refusal naming the position (router.schemas.TokenArray)
+        ("{sid}/turns", {"input_ids": [5, True]}, f"input_ids: Value error, [1] = true {NOT_AN_ID}"),
+        ("{sid}/turns", {"input_ids": [0, 1, False]}, f"input_ids: Value error, [2] = false {NOT_AN_ID}"),
+        ("{sid}/turns", {"input_ids": [5, "1"]}, f'input_ids: Value error, [1] = "1" {NOT_AN_ID}'),
+        ("{sid}/turns", {"append_ids": [True]}, f"append_ids: Value error, [0] = true {NOT_AN_ID}"),
+        ("{sid}/turns", {"input_ids": [1], "sampling_params": {"stop_token_ids": [2, True]}}, "[1] = true"),
+        (
+            "/v1/score",
+            {"input_ids": [[1, 2], [3, True]]},
+            f"input_ids: Value error, [1][1] = true {NOT_AN_ID}",
+        ),
+        ("/v1/score", {"input_ids": [["1"]]}, f'input_ids: Value error, [0][0] = "1" {NOT_AN_ID}'),
+        # SGLang's /generate refuses them as SGLang 0.5.23 does, an integral float too
+        ("/generate", {"input_ids": [5, True]}, f"input_ids: Value error, [1] = true {NOT_AN_ID}"),
+        ("/generate", {"input_ids": [[5], ["1"]]}, f'input_ids: Value error, [1][0] = "1" {NOT_AN_ID}'),
+        ("/generate", {"input_ids": [5, 3.0]}, f"input_ids: Value error, [1] = 3.0 {NOT_AN_ID}"),
+        ("/generate", {"input_ids": [5], "sampling_params": {"stop_token_ids": [True]}}, "stop_token_ids"),
     ],
 )
 def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(

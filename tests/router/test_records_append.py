@@ -4,11 +4,13 @@ context."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from router import records
-from router.segments import locate, pack, place, unpack
+from router.segments import as_ids, locate, pack, place, unpack
 from router.turn_data import TurnData
 from tests.support.sessions import SessionShape, minimal_bytes, synthetic_session
 from trainer.batch import BatchFormatError
@@ -129,9 +131,44 @@ def test_an_input_is_placed_after_the_stored_context_or_forks() -> None:
     assert (whole.tolist(), at.context, at.fork) == ([5, 6, 1], 0, {"stored": 3, "common": 2})
     whole, at = locate(np.asarray([5, 6, 7, 9], dtype=np.int64), None, stored)
     assert (whole.tolist(), at.context, at.append, at.fork) == ([5, 6, 7, 9], 3, [9], None)
-    refused = (([1, -1], r"\[1\] = -1 is not a token id"), ([2.0], r"\[0\] = 2\.0 is not"), (["3"], "'3'"))
+    refused = (
+        ([1, -1], r"\[1\] = -1 is not a token id"),
+        ([2.0], r"\[0\] = 2\.0 is not"),
+        (["3"], r'\[0\] = "3" is not'),
+        ([4, True], r"\[1\] = true is not"),
+    )
     for bad, why in refused:
         with pytest.raises(ValueError, match=why):
             locate(None, bad, stored)
     with pytest.raises(ValueError, match="no stored context"):
         locate(None, [], b"")
+
+
+def test_a_bool_is_no_token_id_wherever_it_is() -> None:
+    """``array`` takes ``True`` / ``False`` as 1 / 0; ``as_ids`` refuses them, naming the first
+    entry that is not an id, among few 0 / 1 ids (only those are looked at) or many (every entry
+    is), and takes the integers 0 and 1 as before."""
+    many = [7] * 1000
+    few_low = many[:500] + [0, 1, 1] + many[500:]
+    assert as_ids(few_low).tolist() == few_low
+    assert as_ids([0, 1] * 600).tolist() == [0, 1] * 600
+    for ids, where in (
+        (many[:500] + [0, True] + many[500:], 501),  # few entries of 0 or 1
+        ([0, 1] * 300 + [False] + [1, 0] * 300, 600),  # mostly 0 and 1: every entry is looked at
+        ([True], 0),
+        ([5, 1 << 40, True], 1),  # the first entry that is no id is named, whatever it is
+    ):
+        with pytest.raises(
+            ValueError, match=rf"^\[{where}\] = \S+ is not a token id \(an integer in 0\.\."
+        ) as exc:
+            as_ids(ids)
+        assert str(exc.value).split(" = ")[1].split()[0] == json.dumps(ids[where])
+    with pytest.raises(
+        ValueError, match=r"^\[3\] = true is not a token id \(an integer in 0\.\.2147483647\)$"
+    ):
+        as_ids((9, 9, 9, True, 2**31), 2**31 - 1)
+    with pytest.raises(ValueError, match="bool array is not a list of token ids"):
+        as_ids(np.array([True, False]))
+    with pytest.raises(ValueError) as exc:  # a long value is cut
+        as_ids(["x" * 100])
+    assert str(exc.value) == '[0] = "' + "x" * 59 + " ... is not a token id (an integer in 0..4294967295)"

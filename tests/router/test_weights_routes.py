@@ -227,6 +227,11 @@ def test_version_numbers_beyond_what_a_batch_holds_are_refused(weights_router) -
         r = _post(weights_router, path, body)
         assert r.status_code == 422, (body, r.text)
         assert r.json()["detail"].startswith(f"{field}: Input should be less than or equal to "), r.json()
+    # swap_rows has no bound of its own (rows outside the model's are a 400 naming them): it names
+    # the largest integer a body carries, as every unbounded integer does (router.schemas.unbounded_int)
+    r = _post(weights_router, "/v1/weights/perturbations", {"from_version": 1, "swap_rows": [1, 10**30]})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == "swap_rows.1: Input should be an integer below 2**64", r.json()
     assert _latest(weights_router) == before
 
 

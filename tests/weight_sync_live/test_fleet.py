@@ -533,7 +533,8 @@ def test_score_answers_every_replica_with_its_version_and_refuses_bad_input(live
 
     refused({"input_ids": [HELLO], "groups": ["nope"]}, 400, "nope")
     refused({"input_ids": [HELLO], "logprob_start_len": len(HELLO)}, 400, "input_ids[0]")
-    refused({"input_ids": [HELLO, [1, -3]]}, 400, "input_ids[1]")
+    refused({"input_ids": [HELLO, [1, -3]]}, 422, "input_ids: Value error, [1][1] = -3 is not a token id")
+    refused({"input_ids": [HELLO, [1, True]]}, 422, "[1][1] = true is not a token id")
     refused({"input_ids": [[1, 10**9]]}, 400, "replica")  # the engines refuse an id past the vocabulary
     r = httpx.post(live.router.url + "/v1/score", json={"input_ids": [HELLO]}, timeout=30)
     assert r.status_code == 401, r.text
