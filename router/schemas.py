@@ -38,6 +38,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from core.sglang_contract import generate_body_error
 from core.wire import VERSION_MAX
 from router.segments import Ids, as_ids
 
@@ -792,28 +793,45 @@ class GroupsResponse(BaseModel):
 
 
 class SGLangSamplingParams(BaseModel):
-    """SGLang sampling params as forwarded by ``/generate`` (unknown keys pass through)."""
+    """SGLang's sampling params as ``/generate`` forwards them (the OpenAPI schema of the common
+    ones; every key SGLang knows is taken, :data:`core.sglang_contract.SAMPLING_FIELDS`). Judged
+    by :class:`GenerateRequest` as SGLang judges them (types, known keys, ranges), so nothing here
+    bounds a value: a bound of its own would refuse what SGLang takes (``top_k = -5`` at
+    temperature 0 is greedy)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow")
 
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    max_new_tokens: int | None = Field(None, ge=0)
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    top_k: StrictInt | None = None
+    max_new_tokens: StrictInt | None = None
     # JSON integers, as SGLang 0.5.23's contract takes them (api/v1/api_types.py 1021-1022, 1267-1268)
     stop_token_ids: list[StrictInt] | None = None
-    sampling_seed: int | None = None
+    sampling_seed: StrictInt | None = None
 
 
 class GenerateRequest(BaseModel):
-    """SGLang's native ``/generate`` body; validated here, forwarded unchanged."""
+    """SGLang's native ``/generate`` body; validated here, forwarded unchanged. Everything SGLang
+    0.5.23 refuses in the fields the fleet forwards is refused here first, as the router's 422
+    (``body: <field>: ...``): :func:`core.sglang_contract.generate_body_error` (``stream`` a JSON
+    bool, ``sampling_params`` types, keys and ranges, ``rid``, ``text``, the logprob fields), and
+    ``input_ids`` by :data:`SGLangTokenIds` (naming the position as every token id of the router's
+    API is named)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     text: str | list[str] | None = None
     input_ids: SGLangTokenIds = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
-    stream: bool = False
+    stream: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_contract(cls, data: Any) -> Any:
+        refused = generate_body_error(data, skip=frozenset({"input_ids"})) if isinstance(data, dict) else None
+        if refused is not None:
+            raise PydanticCustomError("sglang_contract", refused)
+        return data
 
     def rows(self) -> list[list[int]]:
         if self.input_ids is None:

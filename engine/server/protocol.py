@@ -7,8 +7,13 @@ or lists with one entry per item). :meth:`GenerateReqInput.normalize` turns it i
 against the served model, or raises :class:`~engine.runtime.request.RequestError` (the server
 answers 400 with its message, SGLang-style).
 
-Validation messages follow SGLang's ``SamplingParams.verify`` and ``TokenizerManager``
-wording where SGLang has one.
+Before any of it, the body passes SGLang 0.5.23's own judgment of the fields the fleet sends
+(:func:`core.sglang_contract.generate_body_error`: the dataclass parse, the contract gate and
+``SamplingParams.verify``): ``true``, ``"1"`` or ``3.0`` among ``input_ids`` or
+``sampling_params.stop_token_ids``, a ``stream`` that is not a JSON bool, a float ``top_k``, an
+unknown ``sampling_params`` key or a value out of SGLang's ranges is a 400 naming the field, as
+SGLang answers it. Other validation messages follow SGLang's ``TokenizerManager`` wording where
+SGLang has one.
 
 Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
 needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
@@ -24,13 +29,14 @@ Routed experts (:mod:`core.sglang_release`): ``return_routed_experts`` and
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
+from core.sglang_contract import generate_body_error
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
@@ -59,7 +65,9 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 
 
 class SamplingParams(BaseModel):
-    """SGLang's ``sampling_params`` object (unknown keys are ignored, as SGLang's struct does)."""
+    """SGLang's ``sampling_params`` object, already judged by
+    :func:`core.sglang_contract.generate_body_error` (types, known keys, SGLang's ranges) when
+    its :class:`GenerateReqInput` was built."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -74,30 +82,22 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool | None = True
 
     def to_settings(self) -> SamplerSettings:
-        """Validated sampler settings (SGLang's ``verify`` rules); raises :class:`RequestError`."""
-        temperature = 1.0 if self.temperature is None else float(self.temperature)
-        top_p = 1.0 if self.top_p is None else float(self.top_p)
-        top_k = TOP_K_ALL if self.top_k is None else int(self.top_k)
-        min_p = 0.0 if self.min_p is None else float(self.min_p)
-        if not math.isfinite(temperature) or temperature < 0.0:
-            raise RequestError(f"temperature must be a non-negative finite number, got {temperature}.")
-        if not (0.0 < top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
-        if not (0.0 <= min_p <= 1.0):
-            raise RequestError(f"min_p must be in [0, 1], got {min_p}.")
-        if top_k < 1 and top_k != TOP_K_ALL:
-            raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-        if self.max_new_tokens is not None and self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        """The sampler settings (SGLang's ``__post_init__``: temperature below 1e-6 is greedy,
+        whatever ``top_k`` says, sampling/sampling_params.py 245-250); a parameter this engine does
+        not implement, at a value other than its default, raises :class:`RequestError`."""
         for name, default in _UNSUPPORTED_DEFAULTS.items():
             value = (self.model_extra or {}).get(name, default)
             if value is not None and value != default and value != [] and value != {}:
                 raise RequestError(
                     f"sampling_params.{name}={value!r} is not supported by the mixfleet CPU engine."
                 )
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
         if temperature < _SAMPLING_EPS:
             # SGLang: temperature 0 means greedy (top_k = 1 at temperature 1).
             return SamplerSettings(temperature=0.0, top_p=1.0, top_k=1, min_p=0.0)
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        top_k = TOP_K_ALL if self.top_k is None else int(self.top_k)
+        min_p = 0.0 if self.min_p is None else float(self.min_p)
         return SamplerSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
 
@@ -122,6 +122,16 @@ class GenerateReqInput(BaseModel):
     # SGLang takes both as one value for the whole batch (managers/io_struct.py 263-268)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_contract(cls, data: Any) -> Any:
+        """SGLang's refusals of the fields the fleet sends (:mod:`core.sglang_contract`), one line
+        naming the field, before pydantic's lax types could coerce ``"1"`` or ``true``."""
+        refused = generate_body_error(data)
+        if refused is not None:
+            raise PydanticCustomError("sglang_contract", refused)
+        return data
 
     def is_batch(self) -> bool:
         if self.input_ids is not None:
@@ -254,12 +264,9 @@ def _spec(
         )
     if top_logprobs_num < 0:
         raise RequestError(f"top_logprobs_num must be at least 0, got {top_logprobs_num}.")
+    # SGLang keeps any integer here (sampling_params.py 201-205; nothing checks the vocabulary):
+    # an id outside it never matches.
     stops = frozenset(params.stop_token_ids or ())
-    bad_stop = [t for t in stops if not (0 <= t < limits.vocab_size)]
-    if bad_stop:
-        raise RequestError(
-            f"stop_token_ids has token id {bad_stop[0]} outside the vocabulary [0, {limits.vocab_size - 1}]."
-        )
     return GenerateSpec(
         rid=str(rid),
         input_ids=tuple(int(t) for t in input_ids),

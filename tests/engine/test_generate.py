@@ -377,7 +377,40 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p must be"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be"),
     ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
-    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, "stop_token_ids"),
+    (
+        {"input_ids": [1], "sampling_params": {"repetition_penalty": 3}},
+        "repetition_penalty must be in (0, 2]",
+    ),
+    (
+        {"input_ids": [1], "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}},
+        "min_new_tokens must be",
+    ),
+    ({"input_ids": [1], "sampling_params": {"temperature": 0.5, "top_k": -2}}, "top_k must be"),
+    # SGLang 0.5.23's dataclass parse and contract gate (core/sglang_contract.py): JSON types, named
+    ({"input_ids": [1, True]}, "input_ids[1]: invalid type: boolean `true`, expected i64"),
+    ({"input_ids": [True]}, "input_ids[0]: invalid type: boolean `true`"),
+    ({"input_ids": ["1"]}, 'input_ids[0]: invalid type: string "1"'),
+    ({"input_ids": [3.0]}, "input_ids[0]: invalid type: floating point `3.0`, expected i64"),
+    ({"input_ids": [[1], [2, 3.0]]}, "input_ids[1][1]: invalid type: floating point `3.0`"),
+    (
+        {"input_ids": [1], "sampling_params": {"stop_token_ids": [1, True]}},
+        "sampling_params.stop_token_ids[1]",
+    ),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": ["2"]}}, "sampling_params.stop_token_ids[0]"),
+    ({"input_ids": [1], "stream": 1}, "stream: invalid type: integer `1`, expected a boolean"),
+    ({"input_ids": [1], "stream": "true"}, 'stream: invalid type: string "true"'),
+    ({"input_ids": [1], "stream": None}, "stream: invalid type: null"),
+    (
+        {"input_ids": [1], "sampling_params": {"top_k": 3.0}},
+        "sampling_params.top_k: invalid type: floating point",
+    ),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos"),
+    ({"input_ids": [1], "sampling_params": {"temperature": True}}, "sampling_params.temperature"),
+    ({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, "sampling_params: unknown field `max_tokens`"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}, {"top_k": 1.5}]}, "sampling_params[1].top_k"),
+    ({"input_ids": [1], "return_logprob": 1}, "return_logprob: invalid type: integer `1`"),
+    ({"input_ids": [1], "logprob_start_len": 0.0}, "logprob_start_len: invalid type: floating point"),
     ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ({"input_ids": "abc"}, "Invalid request"),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
@@ -413,6 +446,26 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(engine: str, client: ht
     assert len(ok["output_ids"]) == 2
     load = client.get(engine + "/server_info").json()["internal_states"][0]
     assert load["num_running_reqs"] == 0 and load["num_queue_reqs"] == 0
+
+
+def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> None:
+    """What SGLang 0.5.23 takes is not refused: a top_k of 0 with temperature 0 (greedy first,
+    sampling/sampling_params.py 245-248), a stop token id outside the vocabulary (never checked:
+    it never matches), null for a sampling parameter (its default), an integer where a float goes."""
+    for params in (
+        {"temperature": 0, "top_k": 0},
+        {"temperature": 0.0, "top_k": -5},
+        {"stop_token_ids": [VOCAB_SIZE + 7]},
+        {"temperature": None, "top_k": None, "top_p": None, "min_p": None, "stop_token_ids": None},
+        {"temperature": 1, "top_p": 1, "min_p": 0},
+    ):
+        out = generate(
+            client,
+            engine,
+            input_ids=[1, 2],
+            sampling_params={**params, "max_new_tokens": 2, "ignore_eos": True},
+        )
+        assert len(out["output_ids"]) == 2, params
 
 
 def test_metrics_use_sglang_names(engine: str, client: httpx.Client) -> None:

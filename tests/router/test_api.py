@@ -287,6 +287,16 @@ def test_other_bad_requests(client: httpx.Client, router) -> None:
         assert r.status_code == 422 and isinstance(r.json()["detail"], str), r.text
 
 
+def test_sglang_generate_takes_what_sglang_takes(client: httpx.Client) -> None:
+    """What SGLang 0.5.23 accepts is forwarded, not refused: temperature 0 is greedy whatever top_k
+    says (sampling/sampling_params.py 245-248), null is a parameter's default, an integer is a float."""
+    for params in ({"temperature": 0, "top_k": -5}, {"temperature": None, "top_k": None}, {"top_p": 1}):
+        r = client.post(
+            "/generate", json={"input_ids": [3, 4], "sampling_params": {**params, "max_new_tokens": 1}}
+        )
+        assert r.status_code == 200, (params, r.text)
+
+
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
     body = {
         "input_ids": [3, 4, 5],
@@ -523,6 +533,43 @@ def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client
         ("/generate", {"input_ids": [[5], ["1"]]}, f'input_ids: Value error, [1][0] = "1" {NOT_AN_ID}'),
         ("/generate", {"input_ids": [5, 3.0]}, f"input_ids: Value error, [1] = 3.0 {NOT_AN_ID}"),
         ("/generate", {"input_ids": [5], "sampling_params": {"stop_token_ids": [True]}}, "stop_token_ids"),
+        # and the rest of what SGLang 0.5.23 refuses in what it forwards (core.sglang_contract)
+        (
+            "/generate",
+            {"input_ids": [5], "stream": 1},
+            "body: stream: invalid type: integer `1`, expected a boolean",
+        ),
+        ("/generate", {"input_ids": [5], "stream": "true"}, 'stream: invalid type: string "true"'),
+        ("/generate", {"input_ids": [5], "stream": None}, "stream: invalid type: null"),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"top_k": 3.0}},
+            "sampling_params.top_k: invalid type",
+        ),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"max_new_tokens": "4"}},
+            "sampling_params.max_new_tokens",
+        ),
+        ("/generate", {"input_ids": [5], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos"),
+        ("/generate", {"input_ids": [5], "sampling_params": {"max_tokens": 4}}, "unknown field `max_tokens`"),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"top_k": 0}},
+            "top_k must be -1 (disable) or at least 1",
+        ),
+        ("/generate", {"input_ids": [5], "sampling_params": {"min_p": 1.5}}, "min_p must be in [0, 1]"),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"repetition_penalty": 0}},
+            "repetition_penalty must be",
+        ),
+        (
+            "/generate",
+            {"input_ids": [[5], [6]], "sampling_params": [{}, {"temperature": "0"}]},
+            "sampling_params[1]",
+        ),
+        ("/generate", {"input_ids": [5], "return_logprob": 1}, "return_logprob: invalid type"),
     ],
 )
 def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(

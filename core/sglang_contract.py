@@ -1,0 +1,328 @@
+"""What SGLang 0.5.23 refuses in a ``/generate`` body, as one pure check the local engine
+(:mod:`engine.server.protocol`) and the router's SGLang-native ``/generate``
+(:mod:`router.schemas` ``GenerateRequest``) both run, so either refuses exactly what SGLang does
+in the fields the fleet sends or forwards.
+
+SGLang judges a body in three steps (paths under ``python/sglang/`` of the released wheel):
+
+1. FastAPI parses it into the ``GenerateReqInput`` dataclass (``srt/managers/io_struct.py``
+   176-268): pydantic's lax types, except ``input_ids``, whose validator takes only a list of ints
+   or of lists of ints (``srt/utils/field_validators.py`` 41-81: ``"1"`` or ``3.0`` is refused).
+   A ``bool`` field refuses ``null`` (``stream`` 256, ``return_text_in_logprobs`` 247), an ``int``
+   one too (``routed_experts_start_len`` 268). A refusal is a **400**
+   (``srt/entrypoints/http_server.py`` 635-691).
+2. The contract gate decodes the parsed JSON with the generated schema decoder
+   (``http_server.py`` 928-939, ``srt/entrypoints/api_contract.py`` 12-18,
+   ``api/v1/api_types.py`` 1413-1496 ``decode_GenerateRequest``): an integer is a JSON integer
+   (no bool, string or float, 26-27, 59-62), a float a JSON number other than a bool (22-23,
+   73-76), a boolean a JSON bool (53-56); ``input_ids`` is one list of integers or a list of such
+   lists (938-939, 1029-1045); ``sampling_params`` is an object or a list of objects whose every
+   key is one of SGLang's sampling parameters (1256-1321: an unknown key is refused, 97-108).
+   A refusal is a **400** ``{"error": "invalid type: boolean `true`, expected i64"}``.
+3. The tokenizer manager builds ``SamplingParams`` (``srt/sampling/sampling_params.py`` 140-250:
+   ``null`` is the default; a temperature below 1e-6 is greedy, ``top_k = 1``; ``top_k = -1``
+   the whole vocabulary), then ``normalize`` (331-380: at most 32 stop strings, 32 stop regexes
+   of at most 256 bytes) and ``verify`` (252-329: the ranges below)
+   (``srt/managers/tokenizer_manager.py`` 1565-1567); a ``ValueError`` is a **400**
+   ``{"error": {"message": ...}}`` (``http_server.py`` 984-990, 2246-2250).
+
+:func:`generate_body_error` returns the first refusal as one line naming the field (``stream:
+invalid type: integer `1`, expected a boolean``; ``sampling_params[1].top_k: ...``; a range in
+SGLang's own words, which name the field: ``top_p must be in (0, 1], got 1.5.``), or None. It
+checks the fields the fleet sends or forwards (``text``, ``input_ids``, ``rid``, ``stream``,
+``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+``token_ids_logprob``, ``return_text_in_logprobs``, ``return_sampling_mask``,
+``routed_experts_start_len``); other keys are left to the server that reads them. What needs the
+model (a token id's vocabulary range, ``logit_bias`` keys) is the engine's to check.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+SAMPLING_EPS = 1e-6  # sampling_params.py 42
+TOP_K_ALL = 1 << 30  # sampling_params.py 43
+MAX_STOP_COUNT = 32  # sampling_params.py 44
+MAX_STOP_REGEX_LEN = 256  # sampling_params.py 45
+MAX_STOP_REGEX_COUNT = 32  # sampling_params.py 46
+
+SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)  # fmt: skip
+"""The keys of ``sampling_params`` (``api/v1/api_types.py`` 1256), in SGLang's order."""
+
+
+class ContractError(ValueError):
+    """One refusal: ``str(exc)`` is the line naming the field."""
+
+
+def _spelled(v: Any) -> str:
+    """The value as SGLang's contract names it (serde's ``Unexpected``, api_types.py 30-46)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
+
+
+def _refuse(where: str, v: Any, expected: str) -> ContractError:
+    return ContractError(f"{where}: invalid type: {_spelled(v)}, expected {expected}")
+
+
+def _int(where: str, v: Any) -> int:
+    if type(v) is int:
+        return v
+    raise _refuse(where, v, "i64")
+
+
+def _float(where: str, v: Any) -> float:
+    if type(v) is int or type(v) is float:
+        return float(v)
+    raise _refuse(where, v, "f64")
+
+
+def _bool(where: str, v: Any) -> bool:
+    if type(v) is bool:
+        return v
+    raise _refuse(where, v, "a boolean")
+
+
+def _str(where: str, v: Any) -> str:
+    if type(v) is str:
+        return v
+    raise _refuse(where, v, "a string")
+
+
+def _seq(where: str, v: Any) -> list[Any]:
+    if type(v) is list:
+        return v
+    raise _refuse(where, v, "a sequence")
+
+
+def _map(where: str, v: Any) -> dict[str, Any]:
+    if type(v) is dict:
+        return v
+    raise _refuse(where, v, "a map")
+
+
+def _each(where: str, v: Any, one: Callable[[str, Any], Any]) -> None:
+    for i, e in enumerate(_seq(where, v)):
+        one(f"{where}[{i}]", e)
+
+
+def _or_list(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+    """A value or a list of values (SGLang's ``...OrList``)."""
+
+    def check(where: str, v: Any) -> None:
+        if type(v) is list:
+            _each(where, v, one)
+        else:
+            one(where, v)
+
+    return check
+
+
+def int_list(where: str, v: Any, int64: bool = True) -> list[int]:
+    """``v``, a list of JSON integers (``decode_Int64List`` / ``decode_TokenIds``, api_types.py
+    1021-1022, 938-939), each within int64 when ``int64`` (``input_ids``: ``array("q")``,
+    field_validators.py 51-54). Checked in bulk: one pass over the types."""
+    ids = _seq(where, v)
+    try:
+        if int64:
+            array("q", ids)  # refuses a string, a float or an int beyond int64; takes a bool
+        ok = bool not in map(type, ids) if int64 else set(map(type, ids)) <= {int}
+    except (TypeError, OverflowError):
+        ok = False
+    if ok:
+        return ids
+    i = next(i for i, x in enumerate(ids) if type(x) is not int or (int64 and not -(2**63) <= x < 2**63))
+    if type(ids[i]) is int:
+        raise ContractError(f"{where}[{i}]: integer `{ids[i]}` is outside int64")
+    raise _refuse(f"{where}[{i}]", ids[i], "i64")
+
+
+def token_ids(where: str, v: Any) -> None:
+    """One list of token ids or a list of such lists (``decode_TokenIdsOrList``, api_types.py
+    1029-1045: a list whose first entry is not a number is a batch)."""
+    ids = _seq(where, v)
+    if not ids or (type(ids[0]) in (int, float)):
+        int_list(where, ids)
+        return
+    for r, row in enumerate(ids):
+        int_list(f"{where}[{r}]", row)
+
+
+def _nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+    def check(where: str, v: Any) -> None:
+        if v is not None:
+            one(where, v)
+
+    return check
+
+
+_str_or_list = _or_list(_str)
+
+
+def _watermark(where: str, v: Any) -> None:
+    fields = {"enabled": _bool, "key": _str, "context_window": _int}
+    for key, x in _map(where, v).items():
+        if key not in fields:
+            raise ContractError(f"{where}: unknown field `{key}`")
+        _nullable(fields[key])(f"{where}.{key}", x)
+
+
+def _logit_bias(where: str, v: Any) -> None:
+    for key, x in _map(where, v).items():
+        _float(f"{where}.{key}", x)
+
+
+_SAMPLING_TYPES: dict[str, Callable[[str, Any], Any]] = {
+    "max_new_tokens": _int,
+    "stop": _str_or_list,
+    "stop_token_ids": lambda where, v: int_list(where, v, int64=False),
+    "stop_regex": _str_or_list,
+    "temperature": _float,
+    "top_p": _float,
+    "top_k": _int,
+    "min_p": _float,
+    "frequency_penalty": _float,
+    "presence_penalty": _float,
+    "repetition_penalty": _float,
+    "min_new_tokens": _int,
+    "n": _int,
+    "json_schema": _str,
+    "regex": _str,
+    "ebnf": _str,
+    "structural_tag": _str,
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool,
+    "no_stop_trim": _bool,
+    "stream_interval": _int,
+    "logit_bias": _logit_bias,
+    "sampling_seed": _int,
+    "custom_params": lambda where, v: None,
+    "beam_width": _int,
+    "watermark": _watermark,
+    "choice": lambda where, v: _each(where, v, _str),
+}  # api_types.py 1259-1321; every key may be null (its default)
+
+
+def _verify(p: dict[str, Any]) -> None:
+    """``SamplingParams.__post_init__`` defaults and ``normalize``/``verify`` (sampling_params.py
+    191-250, 331-380, 252-329) on a type-checked ``sampling_params`` object, in SGLang's words."""
+
+    def get(name: str, default: Any) -> Any:
+        value = p.get(name)
+        return default if value is None else value
+
+    for name, limit in (("stop", MAX_STOP_COUNT), ("stop_regex", MAX_STOP_REGEX_COUNT)):
+        value = p.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            what = "stop strings are" if name == "stop" else "stop_regex patterns are"
+            raise ContractError(f"at most {limit} {what} allowed, got {len(value)}")
+    regexes = p.get("stop_regex")
+    for regex in [regexes] if isinstance(regexes, str) else regexes or ():
+        size = len(regex.encode("utf-8"))
+        if size > MAX_STOP_REGEX_LEN:
+            raise ContractError(f"stop_regex is {size} bytes, over the {MAX_STOP_REGEX_LEN}-byte limit")
+    temperature, top_k = float(get("temperature", 1.0)), int(get("top_k", -1))
+    if 0 <= temperature < SAMPLING_EPS:
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    beam_width = p.get("beam_width")
+    if beam_width is not None and beam_width < 1:
+        raise ContractError(f"beam_width must be at least 1, got {beam_width}.")
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise ContractError(f"temperature must be a non-negative finite number, got {temperature}.")
+    top_p, min_p = float(get("top_p", 1.0)), float(get("min_p", 0.0))
+    if not 0.0 < top_p <= 1.0:
+        raise ContractError(f"top_p must be in (0, 1], got {top_p}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise ContractError(f"min_p must be in [0, 1], got {min_p}.")
+    if top_k < 1:
+        raise ContractError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = float(get(name, 0.0))
+        if not -2.0 <= value <= 2.0:
+            raise ContractError(f"{name} must be in [-2, 2], got {value}.")
+    repetition = float(get("repetition_penalty", 1.0))
+    if not 0.0 < repetition <= 2.0:
+        raise ContractError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition}.")
+    min_new, max_new = int(get("min_new_tokens", 0)), p.get("max_new_tokens", 128)
+    if min_new < 0:
+        raise ContractError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
+    if max_new is not None:
+        if max_new < 0:
+            raise ContractError(f"max_new_tokens must be at least 0, got {max_new}.")
+        if not min_new <= max_new:
+            raise ContractError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+    seed = p.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise ContractError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    if sum(p.get(g) not in (None, "") for g in ("json_schema", "regex", "ebnf", "structural_tag")) > 1:
+        raise ContractError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+
+
+def sampling_params(where: str, v: Any) -> None:
+    """One ``sampling_params`` object: its keys and their types (the contract gate), then SGLang's
+    ranges (:func:`_verify`). Raises :class:`ContractError`."""
+    p = _map(where, v)
+    for key, x in p.items():
+        check = _SAMPLING_TYPES.get(key)
+        if check is None:
+            raise ContractError(f"{where}: unknown field `{key}` (SGLang takes {', '.join(SAMPLING_FIELDS)})")
+        if x is not None:
+            check(f"{where}.{key}", x)
+    _verify(p)
+
+
+def _sampling_params_or_list(where: str, v: Any) -> None:
+    if type(v) is list:
+        _each(where, v, sampling_params)
+    else:
+        sampling_params(where, v)
+
+
+_GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "rid": _nullable(_str_or_list),
+    "text": _nullable(_str_or_list),
+    "input_ids": _nullable(token_ids),
+    "stream": _bool,  # no null: the dataclass field is a plain bool (io_struct.py 256)
+    "sampling_params": _nullable(_sampling_params_or_list),
+    "return_logprob": _nullable(_or_list(_bool)),
+    "logprob_start_len": _nullable(_or_list(_int)),
+    "top_logprobs_num": _nullable(_or_list(_int)),
+    "token_ids_logprob": _nullable(token_ids),
+    "return_text_in_logprobs": _bool,  # io_struct.py 247
+    "return_sampling_mask": _nullable(_or_list(_bool)),
+    "routed_experts_start_len": _int,  # io_struct.py 268
+}
+
+
+def generate_body_error(body: Any, skip: frozenset[str] = frozenset()) -> str | None:
+    """The first refusal SGLang makes in the parsed ``/generate`` JSON ``body`` (one line naming
+    the field), or None; the fields in ``skip`` are not looked at (a caller that checks them
+    itself)."""
+    try:
+        for key, x in _map("body", body).items():
+            check = _GENERATE_FIELDS.get(key)
+            if check is not None and key not in skip:
+                check(key, x)
+    except ContractError as exc:
+        return str(exc)
+    return None
