@@ -47,6 +47,13 @@ standing in for the engine's own time. Printed:
   other, ``--rounds`` times (the median round's CPU is printed): a shared machine's speed drifts
   over minutes, so only figures measured side by side make a ratio;
 
+* the streamed reply split (no engine, no HTTP; printed first): the router's CPU per token of a
+  streamed chat reply (``stream: true``, :class:`router.chat.streaming.TextDeltas` with the chat
+  model's renderer: the token's decoding and its reasoning/content deltas), at ``--stream-tokens``
+  points of one reasoning reply (default 1K, 5K and 20K tokens in: the mean over the next 500
+  tokens, least of 3 runs), and each as a ratio to the first: a token's cost must not grow with
+  the reply's length (it did, quadratically in total, before the split resumed its scan);
+
 * the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
   started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
   messages (tool output, one token per character) grow the context to ``--chat-context`` tokens,
@@ -65,7 +72,7 @@ holds only where the floor is well under it.
 
 Run: ``.venv/bin/python benchmarks/agent.py [--sessions 256] [--turns 57] [--max-context 131072]
 [--engine-s 1.0] [--state memory redis] [--input full append] [--short-turns 10] [--rounds 3]
-[--workers 1] [--heap-trim-interval 5] [--out r.json]``
+[--workers 1] [--heap-trim-interval 5] [--stream-tokens 1000 5000 20000] [--out r.json]``
 (``--out``: also write every figure as JSON).
 """
 
@@ -352,6 +359,57 @@ async def take_and_decode(url: str, key: str, n: int) -> tuple[list[float], list
             if batch.lease_id is not None:
                 await client.ack(batch.lease_id)
     return takes, decodes, sizes
+
+
+def streamed_split(chat_model: Path, points: list[int]) -> dict[str, float]:
+    """Router CPU per streamed token (µs) at each of ``points`` tokens into one reasoning reply
+    (module docstring), printed with its ratio to the first point's."""
+    from router.chat.renderers import load_renderer
+    from router.chat.streaming import TextDeltas
+
+    renderer = load_renderer(chat_model)
+    rng = random.Random(0)
+    words = [
+        "the",
+        "tool",
+        "output",
+        "shows",
+        "a",
+        "failing",
+        "test",
+        "so",
+        "next",
+        "I",
+        "read",
+        "the",
+        "file",
+        "and",
+        "check",
+        "it",
+    ]
+    text, n = ["<think>\n"], 0
+    while n < (max(points) + 600) * 6:
+        text.append(" ".join(rng.choice(words) for _ in range(rng.randrange(4, 16))) + ".\n")
+        n += len(text[-1])
+    ids = renderer.encode("".join(text))
+    out: dict[str, float] = {}
+    for point in points:
+        best = float("inf")
+        for _ in range(3):
+            deltas = TextDeltas(renderer)
+            deltas.feed(ids[:point])
+            cpu = time.process_time()
+            for tok in ids[point : point + 500]:
+                deltas.feed([tok])
+            best = min(best, (time.process_time() - cpu) / 500)
+        out[str(point)] = round(best * 1e6, 2)
+    first = out[str(points[0])]
+    print("streamed reply split: router CPU per token of a streamed reasoning reply")
+    for point in points:
+        print(
+            f"  {point:>6} tokens in: {out[str(point)]:6.2f} us  ({out[str(point)] / first:.2f}x the first)"
+        )
+    return out
 
 
 def _ms(x: float) -> str:
@@ -660,6 +718,13 @@ def main() -> int:
         default=RouterConfig.heap_trim_s or 0.0,
         help="the router's --heap-trim-interval (0: never)",
     )
+    ap.add_argument(
+        "--stream-tokens",
+        type=int,
+        nargs="*",
+        default=[1000, 5000, 20000],
+        help="points of the streamed reply split, in tokens (none: skip it)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write every figure here as JSON")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
@@ -671,6 +736,8 @@ def main() -> int:
     for name in ("short_turns", "chat_turns"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be at least 0")
+    if any(n < 1 for n in args.stream_tokens):
+        ap.error("--stream-tokens must be at least 1 each")
     if args.serve_floor:
         serve_floor(args.serve_floor, args.stub_port)
         return 0
@@ -703,6 +770,8 @@ def main() -> int:
         )
         report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
         report["load_average_start"] = os.getloadavg()
+        if args.stream_tokens:
+            report["stream_us_per_token"] = streamed_split(chat_model, args.stream_tokens)
         direct = asyncio.run(
             run_agents(
                 stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s

@@ -13,7 +13,8 @@ tokenizer incrementally (a token that ends inside a UTF-8 character shows nothin
 character is complete; a stop id, a stop sequence's too, shows nothing), split into reasoning and
 content by the renderer as the reply will be parsed
 (:meth:`~router.chat.renderers.base.Renderer.shown`: only what no later token can change, so
-markup a next token could complete, trailing whitespace and a possible tool call wait). Each id
+markup a next token could complete, trailing whitespace and a possible tool call wait; fed each
+token's text, it costs in proportion to that text, not to the reply so far). Each id
 that shows new text gives a delta: the reasoning's growth (the first :class:`Reasoning`, possibly
 empty, says the reasoning opened: at the first token after a generation prompt that opens it, else
 at a sampled ``<think>``), then or else the content's. What was shown is always the start of
@@ -72,50 +73,75 @@ class Tail:
 class TextDeltas:
     """The deltas of a reply's ids (module docstring), fed in sampling order. ``stops``: stop ids
     beside the renderer's, shown as nothing (the request's stop sequences: one ends the turn, and
-    is no part of the reply's text)."""
+    is no part of the reply's text). A token costs time in proportion to its own text, not to the
+    reply's length: its decoded text is fed to the renderer's
+    :class:`~router.chat.renderers.base.Shown`, which is asked only for each part's growth."""
 
     def __init__(self, renderer: Renderer, stops: Collection[int] = ()) -> None:
         self.renderer = renderer
         self.stops = frozenset(renderer.stop_ids) | frozenset(stops)
         self.ids: list[int] = []
-        self.text = ""  # the decoded text of ids[:read]
+        self.view = renderer.shown()  # fed the decoded text of ids[:read]
         self.prefix = 0  # the ids decoded again with each new one, for the tokenizer's context
         self.read = 0
-        self.shown = ""  # the content shown
-        self.reasoning: str | None = None  # the reasoning shown (None: it has not opened)
+        self.content: list[str] = []  # the content deltas
+        self.shown_size = 0
+        self.reasoning_deltas: list[str] | None = None  # None: the reasoning has not opened
+        self.reasoning_size = 0
+
+    @property
+    def shown(self) -> str:
+        """The content shown."""
+        return "".join(self.content)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning shown (None: it has not opened)."""
+        return None if self.reasoning_deltas is None else "".join(self.reasoning_deltas)
 
     def feed(self, ids: Sequence[int]) -> list[str | Reasoning]:
         """The deltas of ``ids``, the next sampled ids (module docstring). Within one id the
         content sampled before the reasoning opens comes first, else the reasoning's growth."""
         out: list[str | Reasoning] = []
+        view = self.view
         for tok in ids:
             self.ids.append(tok)
             if tok in self.stops or not self._decode():
                 continue
-            reasoning, content = self.renderer.shown(self.text)
-            if reasoning is not None and self.reasoning is None:
-                self._content(content, out)
-                self.reasoning = ""
-                out.append(Reasoning(""))
-            if reasoning is not None and len(reasoning) > len(self.reasoning or ""):
-                out.append(Reasoning(reasoning[len(self.reasoning or "") :]))
-                self.reasoning = reasoning
-            self._content(content, out)
+            size = view.reasoning_size
+            if size is not None:
+                if self.reasoning_deltas is None:
+                    self._content(out)
+                    self.reasoning_deltas = []
+                    out.append(Reasoning(""))
+                if size > self.reasoning_size:
+                    delta = view.reasoning(self.reasoning_size)
+                    out.append(Reasoning(delta))
+                    self.reasoning_deltas.append(delta)
+                    self.reasoning_size = size
+            self._content(out)
         return out
 
-    def _content(self, content: str, out: list[str | Reasoning]) -> None:
-        if len(content) > len(self.shown) and content.startswith(self.shown):
-            out.append(content[len(self.shown) :])
-            self.shown = content
+    def _content(self, out: list[str | Reasoning]) -> None:
+        """The content's growth, if it grew (a longer content starts with the one shown:
+        :class:`~router.chat.renderers.base.Shown`)."""
+        size = self.view.content_size
+        if size > self.shown_size:
+            delta = self.view.content(self.shown_size)
+            out.append(delta)
+            self.content.append(delta)
+            self.shown_size = size
 
     def _decode(self) -> bool:
-        """Extend ``text`` by the newest id; False while it ends inside a UTF-8 character."""
+        """Feed the view the text of the newest id; False while it ends inside a UTF-8 character.
+        Decodes only the ids from the one before the last text fed on: a few, unless a run of ids
+        ends inside a character or decodes to nothing."""
         decode = self.renderer.decode
         before = decode(self.ids[self.prefix : self.read])
         after = decode(self.ids[self.prefix :])
         if len(after) <= len(before) or after.endswith(_REPLACEMENT) or not after.startswith(before):
             return False
-        self.text += after[len(before) :]
+        self.view.feed(after[len(before) :])
         self.prefix, self.read = self.read, len(self.ids)
         return True
 

@@ -125,6 +125,37 @@ def call_id(output_ids: Sequence[int], index: int) -> str:
     return f"call_{digest[:24]}"
 
 
+class Shown(abc.ABC):
+    """What a reply shows while it is sampled (:mod:`router.chat.streaming`), fed its text
+    (decoded, stop ids left out) as it grows: the reasoning (None: not known to have any) and the
+    content that :meth:`Renderer.parse` of every reply whose text starts with the text fed so far
+    starts them with. A part longer than it ever was before starts with what it was (the
+    reasoning never gets shorter), so a reader takes each part's growth alone; feeding a piece
+    costs time in proportion to the piece (amortized), not to the text fed before."""
+
+    @abc.abstractmethod
+    def feed(self, text: str) -> None:
+        """Append ``text``, the next decoded text of the reply."""
+
+    @property
+    @abc.abstractmethod
+    def reasoning_size(self) -> int | None:
+        """The length of the reasoning (None: not known to have any)."""
+
+    @property
+    @abc.abstractmethod
+    def content_size(self) -> int:
+        """The length of the content."""
+
+    @abc.abstractmethod
+    def reasoning(self, start: int) -> str:
+        """The reasoning from index ``start`` on."""
+
+    @abc.abstractmethod
+    def content(self, start: int) -> str:
+        """The content from index ``start`` on."""
+
+
 class Renderer(abc.ABC):
     """One model family's chat rendering (module docstring). ``stop_ids``: the ids that end an
     assistant turn (sent as the engine's ``stop_token_ids``)."""
@@ -164,10 +195,8 @@ class Renderer(abc.ABC):
         """The assistant message of sampled ids."""
 
     @abc.abstractmethod
-    def shown(self, text: str) -> tuple[str | None, str]:
-        """The reasoning (None: not known to have any) and the content that :meth:`parse` of every
-        reply whose text (decoded, stop ids left out) starts with ``text`` starts them with: what a
-        streamed reply shows while it is sampled (:mod:`router.chat.streaming`)."""
+    def shown(self) -> Shown:
+        """A :class:`Shown` of a reply about to be sampled, fed nothing yet."""
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
