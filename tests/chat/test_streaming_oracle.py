@@ -11,7 +11,6 @@ import itertools
 import json
 import random
 import re
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -202,23 +201,3 @@ def test_every_cut_markup_sequence_streams_as_the_oracle(renderer, tmp_path, ope
     for seq in seqs:
         for stop in (True, False):
             _same(r, [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop)
-
-
-def _per_token_s(r: Renderer, ids: list[int], at: int) -> float:
-    """The least time per token, over five runs of 100, of feeding the ids after the first ``at``."""
-    deltas, best = TextDeltas(r), float("inf")
-    deltas.feed(ids[:at])
-    for k in range(at, at + 500, 100):
-        t = time.perf_counter()
-        for tok in ids[k : k + 100]:
-            deltas.feed([tok])
-        best = min(best, (time.perf_counter() - t) / 100)
-    return best
-
-
-def test_a_token_costs_the_same_at_any_reply_length(renderer):  # noqa: F811
-    """The time of a streamed token 32,000 tokens into a reasoning is within 2x of its time 2,000
-    tokens in (splitting the whole text again per token, it was over 5x)."""
-    ids = renderer.encode("<think>\n" + _long_reasoning(200_000))
-    short, long = _per_token_s(renderer, ids, 2000), _per_token_s(renderer, ids, 32000)
-    assert long < 2 * short, (short, long)
