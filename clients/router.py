@@ -351,8 +351,9 @@ class RouterClient:
 class Blocking:
     """The coroutine methods of ``client`` (an async client with an async ``close``), blocking:
     each call runs to completion on this wrapper's own event loop, so it must not be made from
-    inside a running event loop. Other attributes are the client's. Close the wrapper (or use it
-    as a context manager) to close the client and the loop."""
+    inside a running event loop; a call interrupted (Ctrl-C) is cancelled before the interrupt
+    goes on, so nothing of it is left on the loop. Other attributes are the client's. Close the
+    wrapper (or use it as a context manager) to close the client and the loop."""
 
     def __init__(self, client: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -367,7 +368,15 @@ class Blocking:
 
         @functools.wraps(attr)
         def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._loop.run_until_complete(attr(*args, **kwargs))
+            task = self._loop.create_task(attr(*args, **kwargs))
+            try:
+                return self._loop.run_until_complete(task)
+            except BaseException:  # Ctrl-C mid-call: end the call here, not at exit (a traceback)
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        self._loop.run_until_complete(task)
+                raise
 
         return blocking
 

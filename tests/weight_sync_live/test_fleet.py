@@ -278,6 +278,45 @@ def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None
 
 
 @pytest.mark.timeout(240)
+def test_cli_publish_interrupted_says_what_the_router_goes_on_with(live: Live, tiny_seed2: Path) -> None:
+    """Ctrl-C while `mixfleet weights publish` waits (the router stopped meanwhile, so the wait
+    cannot end by itself): exit 130 and one line naming the version the router goes on with and
+    how to follow it (it exited without a word before, the publish going on unseen); the version
+    is then published all the same."""
+    import signal
+
+    v = live.fleet.next_version()
+    proc = subprocess.Popen(
+        mixfleet_argv("weights", "publish", "--version", str(v), str(tiny_seed2)),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+    )
+    stopped = False
+    try:
+        assert proc.stderr.readline().startswith("  converted "), "no conversion event"  # it waits
+        live.router.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if stopped:
+            live.router.proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("mixfleet weights: interrupted: "), stderr
+    assert f"(version {v})" in last or f"version {v} is published" in last, last
+    assert "`mixfleet weights status` shows what each group serves" in last, last
+    live.fleet.wait_active(v)
+
+
+@pytest.mark.timeout(240)
 def test_cli_publish_of_some_formats_waits_for_their_groups_only(live: Live, tiny_seed2: Path) -> None:
     """``publish --formats bf16`` moves the bf16 pointer only: the CLI waits for the bf16 group
     and says the others were not published for (it waited for them until --timeout before)."""
