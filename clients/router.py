@@ -43,6 +43,11 @@ router says passes (a 409 only with ``Retry-After``: a publish job running, turn
 racing; a finished session, a ``min_version`` above every servable version or a repeated upload
 carries none and is raised at once)."""
 DETAIL_CHARS = 500
+NO_KEY_HINT = (
+    f"set MIXFLEET_API_KEY (mixfleet up keeps its key in <data-dir>/api_key, read from {KEY_FILE} "
+    "when the variable is unset)"
+)
+"""What a 401 adds when the client had no key to send (a command run outside the fleet's directory)."""
 
 
 def router_url(explicit: str | None) -> str:
@@ -191,6 +196,8 @@ class RouterClient:
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 continue
             message = _message(content, r.reason or f"HTTP {status}")
+            if status == 401 and "Authorization" not in self.headers:
+                message += f"; no key was sent: {NO_KEY_HINT}"
             raise RouterError(method, path, status, message, retry_after=_seconds(retry_after))
         raise AssertionError("unreachable")
 

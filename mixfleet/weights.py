@@ -3,7 +3,8 @@ verify | prune).
 
 Every subcommand talks to the router named by ``--router`` or ``MIXFLEET_URL`` (default
 ``http://127.0.0.1:8300``, where ``mixfleet up`` listens) with the admin key in
-``MIXFLEET_API_KEY`` (else ``.mixfleet/api_key``). ``publish --store ROOT`` instead publishes
+``MIXFLEET_API_KEY`` (else ``.mixfleet/api_key``; with neither, the router's 401 says where the key
+comes from). ``publish --store ROOT`` instead publishes
 straight into a local store without a router (replicas still converge by polling); ``prune
 --store ROOT`` prunes one (only while nothing publishes into it: the router prunes under its job
 lock, this does not). ``prune`` only prints its plan unless given ``--apply``.
