@@ -317,8 +317,11 @@ def hold_data_dir(data: Path, router_url: str) -> Iterator[None]:
     the key file."""
     import fcntl
 
-    data.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data / "up.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+        fd = os.open(data / "up.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # a file, a directory it may not write
+        raise UserError(f"--data-dir {data}: {exc.strerror}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

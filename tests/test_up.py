@@ -257,6 +257,29 @@ def test_a_second_up_of_the_same_data_dir_is_refused_naming_the_first(tmp_path: 
     assert r.returncode == 2 and f"port {port} " in r.stderr, r.stderr
 
 
+def test_up_refuses_a_bad_state_or_data_dir_in_one_line_before_preparing_anything(tmp_path: Path) -> None:
+    """`--state foo` wrote the base policy and version 0, started the router and only then said
+    "router exited with 2; see <log>"; a --data-dir that is a file was a Python traceback. Both are
+    one line naming the flag now, exit 2, nothing written."""
+    (tmp_path / "file").write_text("not a directory\n")
+    cases = [
+        (["--state", "foo", "--data-dir", str(tmp_path / "d")], "--state must be 'memory' or a redis:// URL"),
+        (["--data-dir", str(tmp_path / "file")], f"--data-dir {tmp_path / 'file'}: File exists"),
+    ]
+    for args, message in cases:
+        r = subprocess.run(
+            mixfleet_argv("up", "--model-preset", "tiny", "--port", str(free_port()), *args),
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert message in line and r.stdout == "", r.stdout + r.stderr
+    assert not (tmp_path / "d").exists()
+
+
 def test_free_ports_are_never_handed_out_twice() -> None:
     # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
     # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.
