@@ -43,6 +43,11 @@ router says passes (a 409 only with ``Retry-After``: a publish job running, turn
 racing; a finished session, a ``min_version`` above every servable version or a repeated upload
 carries none and is raised at once)."""
 DETAIL_CHARS = 500
+NO_KEY_HINT = (
+    f"set MIXFLEET_API_KEY (mixfleet up keeps its key in <data-dir>/api_key, read from {KEY_FILE} "
+    "when the variable is unset)"
+)
+"""What a 401 adds when the client had no key to send (a command run outside the fleet's directory)."""
 
 
 def router_url(explicit: str | None) -> str:
@@ -191,6 +196,8 @@ class RouterClient:
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 continue
             message = _message(content, r.reason or f"HTTP {status}")
+            if status == 401 and "Authorization" not in self.headers:
+                message += f"; no key was sent: {NO_KEY_HINT}"
             raise RouterError(method, path, status, message, retry_after=_seconds(retry_after))
         raise AssertionError("unreachable")
 
@@ -351,8 +358,9 @@ class RouterClient:
 class Blocking:
     """The coroutine methods of ``client`` (an async client with an async ``close``), blocking:
     each call runs to completion on this wrapper's own event loop, so it must not be made from
-    inside a running event loop. Other attributes are the client's. Close the wrapper (or use it
-    as a context manager) to close the client and the loop."""
+    inside a running event loop; a call interrupted (Ctrl-C) is cancelled before the interrupt
+    goes on, so nothing of it is left on the loop. Other attributes are the client's. Close the
+    wrapper (or use it as a context manager) to close the client and the loop."""
 
     def __init__(self, client: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -367,7 +375,15 @@ class Blocking:
 
         @functools.wraps(attr)
         def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._loop.run_until_complete(attr(*args, **kwargs))
+            task = self._loop.create_task(attr(*args, **kwargs))
+            try:
+                return self._loop.run_until_complete(task)
+            except BaseException:  # Ctrl-C mid-call: end the call here, not at exit (a traceback)
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        self._loop.run_until_complete(task)
+                raise
 
         return blocking
 

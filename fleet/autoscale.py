@@ -211,7 +211,10 @@ def demand_from_groups(snapshot: Mapping[str, Any], bounds: Sequence[GroupBounds
     target share by :func:`capacity_shares` of the groups' ``capacity``; the length trend from two
     windows: tokens per session over the router's whole count (``tokens_total / sessions_total``)
     and over its routing window (``window_tokens / window_sessions``). Groups the answer lacks
-    have no demand. DemandError naming the field when the answer is not that shape."""
+    have no demand. DemandError naming the field when the answer is not that shape, and naming
+    both sets of groups when the answer lists groups and none of them is in ``bounds`` (a router
+    of another fleet: its demand is none of these groups', and scaling them by it would set every
+    one to its bounds' minimum)."""
     groups = snapshot.get("groups") if isinstance(snapshot, Mapping) else None
     if not isinstance(groups, list):
         raise DemandError("groups", "the router's answer has no groups list")
@@ -222,6 +225,13 @@ def demand_from_groups(snapshot: Mapping[str, Any], bounds: Sequence[GroupBounds
             raise DemandError(f"groups[{i}]", "is not a group object with a name")
         if g["name"] in known:
             rows[g["name"]] = g
+    if groups and not rows:
+        theirs = ", ".join(sorted(g["name"] for g in groups))
+        raise DemandError(
+            "groups",
+            f"the router serves {theirs}, none of the preset's groups ({', '.join(sorted(known))}): "
+            "name the preset it was deployed with (--preset) or its URL (--router)",
+        )
 
     def number(g: Mapping[str, Any], key: str) -> float:
         value = g.get(key, 0)

@@ -4,6 +4,9 @@ on this machine (:func:`serve`; the command, :mod:`mixfleet.up`, only parses its
 
 Before: nothing (a fresh machine is fine). What :func:`serve` does, in order:
 
+0. ``<data-dir>/up.lock``: held for as long as this ``up`` runs (:func:`hold_data_dir`); another
+   ``up`` of the same data dir is refused in one line naming this one's pid and router URL.
+
 1. ``<data-dir>/base``: the BF16 base policy; created by ``init-model`` (``--model-preset``,
    default ``small``) when it holds no ``config.json`` (written aside and moved into place, so
    an interrupted first run leaves no half-written base).
@@ -118,8 +121,13 @@ def serve(settings: UpSettings) -> int:
     """Prepare, start the router, then the replicas; print the banner once every local group has a
     ready replica and supervise until interrupted (KeyboardInterrupt) or a failure (returns 1,
     everything stopped)."""
-    plan = _prepare(settings)
     router_url = f"http://{settings.host}:{settings.port}"
+    with hold_data_dir(Path(settings.data_dir).expanduser().resolve(), router_url):
+        return _serve(settings, router_url)
+
+
+def _serve(settings: UpSettings, router_url: str) -> int:
+    plan = _prepare(settings)
     launcher = Launcher(
         plan.data / "store",
         settings.run,
@@ -297,6 +305,37 @@ def replica_key(keys: dict[str, list[str]]) -> tuple[dict[str, list[str]], str]:
         return keys, mine
     token = "mf-replica-" + secrets.token_urlsafe(32)
     return {**keys, token: ["replica"]}, token
+
+
+@contextlib.contextmanager
+def hold_data_dir(data: Path, router_url: str) -> Iterator[None]:
+    """Inside: this process is the one ``mixfleet up`` of ``data`` (an exclusive ``flock`` of
+    ``<data>/up.lock``, which names its pid and router URL; not inherited by the processes it
+    starts, released when it exits however it exits). Another ``up`` of the same data dir is a
+    UserError naming that one, before it writes anything: two would share the base policy (each
+    replacing the other's half-written one), the store, the staging directories, the logs and
+    the key file."""
+    import fcntl
+
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+        fd = os.open(data / "up.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # a file, a directory it may not write
+        raise UserError(f"--data-dir {data}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            raise UserError(
+                f"{data} is in use by another mixfleet up ({holder}): stop it, or give this one "
+                "another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, router {router_url}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def ensure_base(base: Path, model_preset: str) -> None:

@@ -211,6 +211,13 @@ def bound_values(args: argparse.Namespace) -> dict:
     return out
 
 
+def check_state_form(state: str) -> None:
+    """``--state``'s form (``memory`` or a Redis URL), or a UserError naming it (``mixfleet up``
+    checks its own ``--state`` with this before it prepares anything)."""
+    if not (state == "memory" or state.startswith(("redis://", "rediss://", "unix://"))):
+        raise UserError(f"--state must be 'memory' or a redis:// URL, got {state!r}")
+
+
 def build_config(args: argparse.Namespace):
     """RouterConfig from CLI arguments (the fleet from ``fleet_json``, a FleetSpec as JSON, when
     given, else from ``preset``) and the environment (the replicas' proxy auth headers from
@@ -226,8 +233,7 @@ def build_config(args: argparse.Namespace):
     keys = load_keys(args.api_keys_file)
     if not keys and not args.insecure_no_auth:
         raise UserError("no API keys: set MIXFLEET_API_KEYS or --api-keys-file, or pass --insecure-no-auth")
-    if not (args.state == "memory" or args.state.startswith(("redis://", "rediss://", "unix://"))):
-        raise UserError(f"--state must be 'memory' or a redis:// URL, got {args.state!r}")
+    check_state_form(args.state)
     workers = getattr(args, "workers", 1)
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")

@@ -5,7 +5,9 @@ report queued, capacities, token and session counts of the whole run and of the 
 window), computes every group's min / max / buffer containers by :mod:`fleet.autoscale`'s rule
 within the preset's bounds, prints one line per group and, unless ``--dry-run``, applies them with
 Modal's ``Server.autoscaler.update`` (needs a Modal token; a redeploy resets the overrides).
-The router URL and key come from ``--router`` / ``MIXFLEET_URL`` and ``MIXFLEET_API_KEY``.
+The router URL and key come from ``--router`` / ``MIXFLEET_URL`` and ``MIXFLEET_API_KEY``. A router
+that serves none of the preset's groups (another fleet's, e.g. ``mixfleet up``'s against the
+default ``mixed``) is refused with one line naming both (:func:`fleet.autoscale.demand_from_groups`).
 """
 
 from __future__ import annotations

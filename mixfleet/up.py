@@ -2,6 +2,8 @@
 and the router) until Ctrl-C or SIGTERM.
 
 ``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``.
+A flag it cannot use (a ``--state`` of another form, a ``--data-dir`` that is a file) is one line
+before anything is written.
 What it starts and in which order, and what it guarantees,
 is :mod:`launcher.embedded`; this module is the command: its flags, checked, become
 :class:`launcher.embedded.UpSettings`.
@@ -15,6 +17,7 @@ from pathlib import Path
 from core.errors import UserError
 from launcher.embedded import UpSettings, run_until_stopped
 from mixfleet.argtypes import seconds
+from mixfleet.router import check_state_form
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
+    check_state_form(args.state)  # the router's own check, before the base policy is written
     if args.engine_threads < 1:
         raise UserError("--engine-threads must be >= 1")
     if args.keep_store_versions < 0:

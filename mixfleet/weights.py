@@ -3,17 +3,24 @@ verify | prune).
 
 Every subcommand talks to the router named by ``--router`` or ``MIXFLEET_URL`` (default
 ``http://127.0.0.1:8300``, where ``mixfleet up`` listens) with the admin key in
-``MIXFLEET_API_KEY`` (else ``.mixfleet/api_key``). ``publish --store ROOT`` instead publishes
+``MIXFLEET_API_KEY`` (else ``.mixfleet/api_key``; with neither, the router's 401 says where the key
+comes from). ``publish --store ROOT`` instead publishes
 straight into a local store without a router (replicas still converge by polling); ``prune
 --store ROOT`` prunes one (only while nothing publishes into it: the router prunes under its job
 lock, this does not). ``prune`` only prints its plan unless given ``--apply``.
+
+Ctrl-C while a command waits cancels nothing the router accepted (a weight job runs to its end):
+it exits 130 with one line saying what goes on (the job, or the version the replicas are
+activating) and how to follow it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +122,38 @@ def run(args: argparse.Namespace) -> int:
     raise UserError(f"unknown action {args.weights_command!r}")
 
 
+@contextlib.contextmanager
+def _goes_on(job: dict[str, Any]) -> Iterator[None]:
+    """Ctrl-C while waiting for ``job``, which the router accepted: one line saying that the router
+    carries it through (nothing cancels a weight job), then the interrupt goes on (exit 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        version = "" if job.get("version") is None else f" (version {job['version']})"
+        _interrupted(
+            f"the router goes on with its {job.get('kind', 'weights')} job {job.get('job_id')}{version}; "
+            "`mixfleet weights status` shows what each group serves"
+        )
+        raise
+
+
+@contextlib.contextmanager
+def _activating(version: int) -> Iterator[None]:
+    """Ctrl-C while waiting for the replicas to serve ``version``: one line saying it is published."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _interrupted(
+            f"version {version} is published and the replicas activate it by themselves; "
+            "`mixfleet weights status` shows what each group serves"
+        )
+        raise
+
+
+def _interrupted(what: str) -> None:
+    print(f"mixfleet weights: interrupted: {what}", file=sys.stderr, flush=True)
+
+
 def _formats(arg: str | None) -> list[str] | None:
     if not arg:
         return None
@@ -140,10 +179,12 @@ def _publish(client, args: argparse.Namespace) -> int:
         if not quiet and ev.get("kind") == "converted":
             print(f"  converted {ev['format']} in {ev['seconds']:.2f}s", file=sys.stderr)
 
-    job = client.wait_job(job, args.timeout, on_event=show)
+    with _goes_on(job):
+        job = client.wait_job(job, args.timeout, on_event=show)
     result = job["result"]
     formats = [f["format"] for f in result["formats"]]
-    st = None if args.no_wait else client.wait_active(result["version"], args.timeout, formats=formats)
+    with _activating(result["version"]):
+        st = None if args.no_wait else client.wait_active(result["version"], args.timeout, formats=formats)
     if args.json:
         print(json.dumps({"result": result, "status": st}, indent=2))
         return 0
@@ -233,9 +274,11 @@ def _replica_cell(r: dict[str, Any]) -> str:
 
 def _rollback(client, args: argparse.Namespace) -> int:
     job = client.rollback({"to": args.to, "run_id": args.run})
-    job = client.wait_job(job, args.timeout)
+    with _goes_on(job):
+        job = client.wait_job(job, args.timeout)
     result = job["result"]
-    st = None if args.no_wait else client.wait_active(result["version"], args.timeout)
+    with _activating(result["version"]):
+        st = None if args.no_wait else client.wait_active(result["version"], args.timeout)
     if args.json:
         print(json.dumps({"result": result, "status": st}, indent=2))
     else:
@@ -247,8 +290,9 @@ def _rollback(client, args: argparse.Namespace) -> int:
 
 def _prune(client, args: argparse.Namespace) -> int:
     if args.apply:
-        job = client.wait_job(client.prune({"keep": args.keep, "run_id": args.run}), args.timeout)
-        plan = job["result"]
+        job = client.prune({"keep": args.keep, "run_id": args.run})
+        with _goes_on(job):
+            plan = client.wait_job(job, args.timeout)["result"]
     else:
         plan = client.prune_plan(args.keep, args.run)
     print(json.dumps(plan, indent=2) if args.json else prune_lines(plan, applied=args.apply))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +119,23 @@ def test_status_marks_a_silent_replica() -> None:
     assert status_table(status).splitlines()[2].endswith("a-0=v3")
     rep["ready"] = False
     assert status_table(status).splitlines()[2].endswith("a-0=v3 (not ready)")
+
+
+def test_a_weights_command_without_a_key_says_how_to_give_one(tmp_path: Path) -> None:
+    """Run outside the fleet's directory with MIXFLEET_API_KEY unset, a command sends no key: the
+    router's 401 ("missing API key (Authorization: Bearer <key>)") is about a header the user never
+    wrote, so the line adds where the key comes from; a wrong key's 401 adds nothing."""
+    from tests.support.router import router_process, write_preset
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXFLEET_")}
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    with router_process(preset) as router:
+        argv = mixfleet_argv("weights", "status", "--router", router.url)
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        bad_key = {**env, "MIXFLEET_API_KEY": "nope"}
+        wrong = subprocess.run(argv, cwd=tmp_path, env=bad_key, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "HTTP 401: missing API key" in line and "no key was sent: set MIXFLEET_API_KEY" in line, line
+    assert wrong.returncode == 2 and "invalid API key" in wrong.stderr
+    assert "no key was sent" not in wrong.stderr

@@ -207,6 +207,79 @@ def test_up_refuses_a_port_in_use(tmp_path: Path) -> None:
     assert f"port {port}" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.timeout(300)
+def test_a_second_up_of_the_same_data_dir_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """`mixfleet up` run again on the same --data-dir (another port): one line naming the running
+    one, exit 2, before it writes anything; without the refusal it started a second fleet on the
+    same base, store, staging directories, key file and logs. The first keeps serving, and once
+    it is stopped the data dir is free again."""
+    with _up(tmp_path) as (first, out, _port):
+        _wait_for_line(out, r"started router \(pid", first, timeout=240)
+        second_port = free_port()
+        second = subprocess.Popen(
+            mixfleet_argv(
+                "up",
+                "--model-preset",
+                "tiny",
+                "--port",
+                str(second_port),
+                "--data-dir",
+                str(tmp_path / "data"),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_clean_env(),
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = second.communicate(timeout=60)
+        finally:
+            kill_group(second)
+        assert second.returncode == 2, stdout + stderr
+        assert stdout == "" and "Traceback" not in stderr
+        (line,) = stderr.strip().splitlines()
+        assert f"is in use by another mixfleet up (pid {first.pid}, router http://127.0.0.1:{_port})" in line
+        assert first.poll() is None
+        assert port_is_free("127.0.0.1", second_port)
+    import socket
+
+    with socket.socket() as held:  # the lock went with the first (SIGKILLed): now the port stops it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run(
+            mixfleet_argv("up", "--port", str(port), "--data-dir", str(tmp_path / "data")),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 2 and f"port {port} " in r.stderr, r.stderr
+
+
+def test_up_refuses_a_bad_state_or_data_dir_in_one_line_before_preparing_anything(tmp_path: Path) -> None:
+    """`--state foo` wrote the base policy and version 0, started the router and only then said
+    "router exited with 2; see <log>"; a --data-dir that is a file was a Python traceback. Both are
+    one line naming the flag now, exit 2, nothing written."""
+    (tmp_path / "file").write_text("not a directory\n")
+    cases = [
+        (["--state", "foo", "--data-dir", str(tmp_path / "d")], "--state must be 'memory' or a redis:// URL"),
+        (["--data-dir", str(tmp_path / "file")], f"--data-dir {tmp_path / 'file'}: File exists"),
+    ]
+    for args, message in cases:
+        r = subprocess.run(
+            mixfleet_argv("up", "--model-preset", "tiny", "--port", str(free_port()), *args),
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert message in line and r.stdout == "", r.stdout + r.stderr
+    assert not (tmp_path / "d").exists()
+
+
 def test_free_ports_are_never_handed_out_twice() -> None:
     # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
     # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.

@@ -3,6 +3,7 @@ imports no torch, so a command line can take its defaults cheaply."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trainer.methods import METHODS
@@ -11,7 +12,8 @@ from trainer.tasks import ReverseDigits
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Every knob of a demo run (recorded in ``demo.json``)."""
+    """Every knob of a demo run (recorded in ``demo.json``); a knob no run can use is a ValueError
+    naming it, before anything starts."""
 
     method: str = "sc-mis-topp"
     seed: int = 0
@@ -55,7 +57,12 @@ class DemoConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:
             raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
-        if self.time_limit_s <= 0:
+        for name in ("lr", "sft_lr"):  # checked here, not by the optimizer after the warm start
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
+        if self.max_version_age is not None and self.max_version_age < 0:
+            raise ValueError(f"max_version_age must be >= 0 (or None: unbounded), got {self.max_version_age}")
+        if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

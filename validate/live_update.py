@@ -19,10 +19,17 @@ to score with cannot be checked, and fails):
    replica serves ``P``; each group's scores moved exactly as predicted (per-format tolerance);
 3. roll back to ``L`` (a new number ``R`` with ``L``'s content); every replica serves ``R``;
    scores are back at the baseline.
+
+Once the router has accepted the perturbation, the fleet is never left on it: should the check
+stop before its rollback is published (Ctrl-C, a wait that times out, a failed call), it waits
+for the perturbation job to end and, if it published ``P``, publishes the rollback before the
+stop goes on, each said in one line on stderr (or, when that fails too, the command to run).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,20 +108,72 @@ def run_verify(
         f"baseline at v{latest}: token {t} logp {ref[t]:.4f}, token {s} logp {ref[s]:.4f}; "
         "swapping their rows"
     )
-    _perturb(client, base, report, tol, timeout)
-    say(f"perturbation active as v{report.perturbed}; rolling back to v{latest}")
-    _roll_back(client, base, report, tol, timeout)
+    perturbation = client.perturb({"from_version": latest, "swap_rows": [t, s]})
+    rollback: dict[str, Any] | None = None
+    try:
+        _perturb(client, perturbation, base, report, tol, timeout)
+        say(f"perturbation active as v{report.perturbed}; rolling back to v{latest}")
+        rollback = client.rollback({"to": latest})
+        _roll_back(client, rollback, base, report, tol, timeout)
+    except BaseException:  # Ctrl-C included: the fleet must not stay on the perturbation
+        _restore(client, perturbation, rollback, latest, timeout)
+        raise
     say(f"rolled back as v{report.rolled_back}")
     return report
 
 
-def _perturb(
-    client: WeightsClient, base: dict[str, Any], report: VerifyReport, tol: dict[str, float], timeout: float
+def _restore(
+    client: WeightsClient,
+    perturbation: dict[str, Any],
+    rollback: dict[str, Any] | None,
+    latest: int,
+    timeout: float,
 ) -> None:
-    """Publish the row swap, wait until every replica serves it, and check each replica's scores
-    against the exact prediction (the two swapped tokens trade log-probs, the others keep theirs)."""
+    """The check stopped after the router accepted ``perturbation`` (a job): unless the job failed,
+    see that a rollback to ``latest``'s content is published (``rollback``, when it was started
+    already, else a new one), saying what happened on stderr; never raises."""
+
+    def warn(line: str) -> None:
+        print(f"verify: {line}", file=sys.stderr, flush=True)
+
+    try:
+        if rollback is None:
+            job = _ended(client, perturbation["job_id"], timeout)
+            if job["state"] != "done":
+                warn(f"stopped; the perturbation of v{latest} was not published ({job.get('error')})")
+                return
+            warn(f"stopped after publishing v{job['version']}, the perturbation of v{latest}: rolling back")
+            rollback = client.rollback({"to": latest})
+        done = client.wait_job(rollback, timeout)
+        warn(f"rolled back as v{done['version']} (v{latest}'s content); the replicas activate it")
+    except (Exception, KeyboardInterrupt) as exc:
+        warn(
+            f"the fleet may be serving the perturbation of v{latest} ({type(exc).__name__}: {exc}): "
+            f"run `mixfleet weights rollback --to {latest}`"
+        )
+
+
+def _ended(client: WeightsClient, job_id: str, timeout: float) -> dict[str, Any]:
+    """The weights job ``job_id`` once it is no longer running (done or failed)."""
+    deadline = time.monotonic() + timeout
+    while (job := client.job(job_id))["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return job
+
+
+def _perturb(
+    client: WeightsClient,
+    job: dict[str, Any],
+    base: dict[str, Any],
+    report: VerifyReport,
+    tol: dict[str, float],
+    timeout: float,
+) -> None:
+    """Wait for the row swap's publish ``job``, until every replica serves it, and check each
+    replica's scores against the exact prediction (the two swapped tokens trade log-probs, the
+    others keep theirs)."""
     t, s = report.swap
-    job = client.wait_job(client.perturb({"from_version": report.latest, "swap_rows": [t, s]}), timeout)
+    job = client.wait_job(job, timeout)
     perturbed = report.perturbed = job["version"]
     _check_manifests(client.wait_active(perturbed, timeout), perturbed, report)
     after = _scores(client, PREFIX, CANDIDATES)
@@ -142,11 +201,16 @@ def _perturb(
 
 
 def _roll_back(
-    client: WeightsClient, base: dict[str, Any], report: VerifyReport, tol: dict[str, float], timeout: float
+    client: WeightsClient,
+    job: dict[str, Any],
+    base: dict[str, Any],
+    report: VerifyReport,
+    tol: dict[str, float],
+    timeout: float,
 ) -> None:
-    """Publish the rollback to the baseline's content, wait for it, and check that every replica's
-    scores are the baseline's again."""
-    job = client.wait_job(client.rollback({"to": report.latest}), timeout)
+    """Wait for the rollback ``job`` (to the baseline's content), for every replica to serve it,
+    and check that every replica's scores are the baseline's again."""
+    job = client.wait_job(job, timeout)
     back = report.rolled_back = job["version"]
     _check_manifests(client.wait_active(back, timeout), back, report)
     again = _scores(client, PREFIX, CANDIDATES)

@@ -144,6 +144,25 @@ def test_scale_dry_run_reads_demand_from_a_real_router(tmp_path: Path) -> None:
     assert "scaledown 300s, target concurrency 4" in lines[1]
 
 
+def test_scale_refuses_a_router_that_serves_none_of_the_presets_groups(tmp_path: Path) -> None:
+    """`mixfleet scale` pointed at a router of another fleet (here: the README's `mixfleet up`
+    groups against the default preset, mixed) is one line naming both fleets' groups, exit 2:
+    without it every group of the preset was printed, and applied, at its minimum."""
+    groups = [{"name": "cpu-bf16", "accelerator": "cpu", "weight_format": "bf16", "sessions_per_replica": 8}]
+    with router_process(write_preset(tmp_path / "local.toml", groups)) as router:
+        done = subprocess.run(
+            mixfleet_argv("scale", "--router", router.url, "--dry-run"),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "MIXFLEET_API_KEY": router.key},
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert "the router serves cpu-bf16, none of the preset's groups (a100-bf16, b200-nvfp4," in line
+
+
 def test_scale_refuses_a_local_preset_and_an_unreachable_router(tmp_path: Path) -> None:
     done = subprocess.run(
         mixfleet_argv("scale", "--preset", "local", "--dry-run"), capture_output=True, text=True

@@ -251,3 +251,14 @@ def test_a_groups_answer_of_another_shape_is_refused() -> None:
     snap["groups"][0]["active_sessions"] = "7"
     with pytest.raises(DemandError, match="a.active_sessions"):
         demand_from_groups(snap, [A, B])
+
+
+def test_a_groups_answer_of_another_fleet_is_refused_naming_both() -> None:
+    """A router whose groups are none of the preset's (the wrong --router or --preset) gives no
+    demand for any of them; the settings would be every group's minimum. Refused, naming both."""
+    snap = _snapshot()
+    for g, name in zip(snap["groups"], ("cpu-bf16", "cpu-fp8"), strict=True):
+        g["name"] = name
+    with pytest.raises(DemandError, match=r"serves cpu-bf16, cpu-fp8, none of the preset's groups \(a, b\)"):
+        demand_from_groups(snap, [A, B])
+    assert demand_from_groups({"groups": []}, [A, B]).groups == {}  # a router with no groups yet

@@ -160,6 +160,11 @@ def test_demo_refuses_bad_arguments(tmp_path: Path) -> None:
         (["--method", "nope"], "method must be one of"),
         (["--min-len", "5", "--max-len", "3"], "min_len <= max_len"),
         (["--turns", "0"], "max_turns must be >= 1"),
+        # these ran the warm start and publish first, then died in a traceback (AdamW's check)
+        (["--lr", "-1"], "lr must be a positive, finite number, got -1.0"),
+        (["--sft-lr", "nan"], "sft_lr must be a positive, finite number, got nan"),
+        (["--max-version-age", "-1"], "max_version_age must be >= 0"),
+        (["--time-limit", "nan"], "time_limit_s must be > 0, got nan"),
     ]
     for args, message in cases:
         done = subprocess.run(

@@ -278,6 +278,45 @@ def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None
 
 
 @pytest.mark.timeout(240)
+def test_cli_publish_interrupted_says_what_the_router_goes_on_with(live: Live, tiny_seed2: Path) -> None:
+    """Ctrl-C while `mixfleet weights publish` waits (the router stopped meanwhile, so the wait
+    cannot end by itself): exit 130 and one line naming the version the router goes on with and
+    how to follow it (it exited without a word before, the publish going on unseen); the version
+    is then published all the same."""
+    import signal
+
+    v = live.fleet.next_version()
+    proc = subprocess.Popen(
+        mixfleet_argv("weights", "publish", "--version", str(v), str(tiny_seed2)),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+    )
+    stopped = False
+    try:
+        assert proc.stderr.readline().startswith("  converted "), "no conversion event"  # it waits
+        live.router.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if stopped:
+            live.router.proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("mixfleet weights: interrupted: "), stderr
+    assert f"(version {v})" in last or f"version {v} is published" in last, last
+    assert "`mixfleet weights status` shows what each group serves" in last, last
+    live.fleet.wait_active(v)
+
+
+@pytest.mark.timeout(240)
 def test_cli_publish_of_some_formats_waits_for_their_groups_only(live: Live, tiny_seed2: Path) -> None:
     """``publish --formats bf16`` moves the bf16 pointer only: the CLI waits for the bf16 group
     and says the others were not published for (it waited for them until --timeout before)."""
@@ -574,6 +613,54 @@ def test_verify_fails_a_group_it_could_not_check(live: Live) -> None:
     finally:
         fleet.start_sidecar(r)
     fleet.wait_active(fleet.latest())
+
+
+def _content(live: Live, fmt: str = "bf16") -> dict:
+    """The files (digests) of the version ``fmt``'s pointer names: what its replicas load."""
+    from weight_sync.manifest import Manifest
+    from weight_sync.types import FormatRef
+
+    store, run = live.fleet.store, live.fleet.run_id
+    ref = VersionRef(run, fmt, store.read_pointer(FormatRef(run, fmt)))
+    return Manifest.read(Path(store.version_dir(ref))).files
+
+
+@pytest.mark.timeout(300)
+def test_verify_interrupted_after_its_perturbation_rolls_it_back(live: Live) -> None:
+    """Ctrl-C during `mixfleet weights verify` once its perturbation is accepted: it publishes the
+    rollback before it exits (130), saying so; before, the fleet was left serving the
+    perturbation (two rows of lm_head swapped) without a word."""
+    import signal
+
+    before, content = live.fleet.latest(), _content(live)
+    proc = subprocess.Popen(
+        mixfleet_argv("weights", "verify"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("baseline at"):  # printed as the perturbation is sent
+                break
+        deadline = time.monotonic() + 120
+        while live.fleet.latest() == before:  # Ctrl-C once the perturbation is published
+            assert time.monotonic() < deadline and proc.poll() is None, "the perturbation was never published"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert live.fleet.latest() == before + 2 and _content(live) == content, stderr
+    assert "Traceback" not in stderr, stderr
+    # "stopped after publishing v{before + 1}, ...: rolling back" comes first unless the Ctrl-C
+    # came after verify had sent its own rollback
+    assert f"verify: rolled back as v{before + 2} (v{before}'s content)" in stderr, stderr
+    live.fleet.wait_active(before + 2)
 
 
 @pytest.mark.timeout(240)
