@@ -91,6 +91,10 @@ class RouterContext:
         )
         with contextlib.suppress(StateError):
             self._latest = await self.store.get_latest_version()
+        with contextlib.suppress(StateError):
+            if warning := await self.store.durability():
+                log.warning("%s", warning)
+        await self.check_state_kept()
         await self.poll_once()
         self._tasks.append(asyncio.create_task(self._poll_loop(), name="router-poll"))
         if self.pins is not None:
@@ -153,6 +157,7 @@ class RouterContext:
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
             try:
+                await self.check_state_kept()
                 await self.poll_once()
                 if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
                     last_sweep = time.monotonic()
@@ -162,6 +167,13 @@ class RouterContext:
                     await self.store.compact()
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
+
+    async def check_state_kept(self) -> None:
+        """Log an error when the state store lost its data since the previous check
+        (:meth:`StateStore.data_lost`; an unreachable store is checked at the next poll)."""
+        with contextlib.suppress(StateError):
+            if lost := await self.store.data_lost():
+                log.error("%s", lost)
 
     async def _pin_loop(self, pins: ContainerPins) -> None:
         while True:

@@ -530,6 +530,21 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def ping(self) -> bool: ...
 
+    async def data_lost(self) -> str | None:
+        """A message naming the store when it finds that it lost its data since this process's
+        previous call (a Redis restarted without persistence, flushed, or failed over to an empty
+        replica): every open session, finished trajectory not yet acknowledged and lease it held
+        is gone, and a turn, finish or ack of one is then a 404. None otherwise, and on the first
+        call. The router asks at every poll and logs the message as an error. The memory store
+        loses nothing while its process runs (a restart loses everything: no later call sees it)."""
+        return None
+
+    async def durability(self) -> str | None:
+        """A warning when the store is set to keep nothing across its own restart (Redis with
+        neither an append-only file nor snapshots), None otherwise or when it cannot tell (a
+        managed Redis that refuses ``CONFIG``). The router logs it once at start."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

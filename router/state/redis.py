@@ -38,6 +38,9 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   one process's assignments go one at a time, so only other processes' can conflict)
 * ``mf:joblock`` the weight-job lock (value: the job id, ``PX`` its lapse); ``mf:jobs`` hash
   job id -> JSON view and ``mf:jobs:order`` list of job ids in first-put order
+* ``mf:epoch`` a random id, set by the first router that finds it missing (script :data:`_EPOCH`),
+  never expiring: a router that finds another id than it saw before knows Redis lost its data
+  (:meth:`RedisStore.data_lost`)
 * ``mf:activity`` sorted set: open session ids scored by their last activity (wall clock)
 * the cost ledger (:mod:`router.ledger`): ``mf:ledger`` hash ``rs:<g>``, ``gs:<g>``, ``usd:<g>``
   (replica-, GPU-seconds and dollars per group); ``mf:ledger:v`` hash ``rs|gs|usd|tok:<g>:<v>``
@@ -133,6 +136,7 @@ STATS = P + "stats"
 REPLICAS = P + "replicas"
 LATEST = P + "latest"
 ACTIVITY = P + "activity"
+EPOCH = P + "epoch"
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
 LEDGER_E = P + "ledger:e"
@@ -581,6 +585,13 @@ end
 return 1
 """
 
+_EPOCH = """
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
+"""
+
 _SET_LATEST = """
 local cur = redis.call('GET', KEYS[1])
 if (not cur) or tonumber(ARGV[1]) > tonumber(cur) then
@@ -736,6 +747,8 @@ class RedisStore(StateStore):
         self._release = self._r.register_script(_RELEASE_HELD)
         self._hold = self._r.register_script(_HOLD)
         self._set_latest = self._r.register_script(_SET_LATEST)
+        self._epoch = self._r.register_script(_EPOCH)
+        self._epoch_seen: str | None = None
         self._acquire_job_lock = self._r.register_script(_ACQUIRE_JOB_LOCK)
         self._release_job_lock = self._r.register_script(_RELEASE_JOB_LOCK)
         self._put_job = self._r.register_script(_PUT_JOB)
@@ -1513,6 +1526,38 @@ class RedisStore(StateStore):
             if not_redis(exc):
                 return False
             raise
+
+    async def data_lost(self) -> str | None:
+        """One script (:data:`_EPOCH`): ``mf:epoch``, set to a fresh id where missing; another id
+        than this process saw at its previous call means Redis lost its data meanwhile."""
+        seen = _s(await self._call(self._epoch, keys=[EPOCH], args=[uuid.uuid4().hex]))
+        before, self._epoch_seen = self._epoch_seen, seen
+        if before is None or before == seen:
+            return None
+        return (
+            f"state store {self._where} lost its data (Redis restarted without persistence, flushed, "
+            "or failed over to an empty replica): every open session, finished trajectory not yet "
+            "acknowledged and lease it held is gone; run Redis with appendonly yes to keep them"
+        )
+
+    async def durability(self) -> str | None:
+        """``CONFIG GET appendonly`` and ``save``: both off -> the warning; ``CONFIG`` refused (a
+        managed Redis) -> None."""
+        try:
+            config = {
+                _s(k): _s(v)
+                for name in ("appendonly", "save")
+                for k, v in (await self._call(self._r.config_get, name)).items()
+            }
+        except StateUnavailable:
+            return None
+        if config.get("appendonly") == "no" and not config.get("save", "x").strip():
+            return (
+                f'state store {self._where} persists nothing (appendonly no, save ""): a restart of '
+                "Redis loses every open session, finished trajectory not yet acknowledged and lease; "
+                "run it with appendonly yes"
+            )
+        return None
 
     async def close(self) -> None:
         await self._r.aclose()
