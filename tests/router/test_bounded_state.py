@@ -25,7 +25,8 @@ from trainer.client import RolloutClient
 
 ADMIN = "b" * 32
 REPLICA = "q" * 32
-SP = {"max_new_tokens": 2, "seed": 3}
+SP = {"max_new_tokens": 2, "seed": 3}  # a session turn's sampling params
+GENERATE_SP = {"max_new_tokens": 2, "sampling_seed": 3}  # SGLang's name on /generate
 KEEP_VERSIONS, KEEP_UPDATES = 3, 5
 BOUNDS = (
     "--keep-versions",
@@ -74,7 +75,7 @@ def _drive(router_url: str, engine_url: str, model_dir: str, versions: range, up
                 assert [x["weight_version"] for x in turn["records"]] == [v] * len(turn["output_ids"]), turn
                 if i < 4:
                     client.finish(s.session_id, 1.0)
-            body = {"input_ids": [5, 6, 7], "sampling_params": SP}
+            body = {"input_ids": [5, 6, 7], "sampling_params": GENERATE_SP}
             r = http.post("/generate", json=body, headers={**admin, "X-Session-Id": f"key-{v}"})
             assert r.status_code == 200, r.text
             batch = client.take(100)
