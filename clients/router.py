@@ -311,10 +311,7 @@ class RouterClient:
             if state == "done":
                 return current
             if state == "failed":
-                version = current.get("version")
-                raise RouterError(
-                    "GET", path, None, f"publish of version {version} failed: {current.get('error')}"
-                )
+                raise RouterError("GET", path, None, f"{job_name(current)} failed: {current.get('error')}")
             if time.monotonic() > deadline:
                 raise RouterError("GET", path, None, f"job still {state} after {timeout_s:.0f} s")
             await asyncio.sleep(poll_s)
@@ -405,6 +402,15 @@ class WeightsClient(Blocking):
 
     def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
         super().__init__(RouterClient(None, url, key, timeout))
+
+
+def job_name(job: dict[str, Any]) -> str:
+    """A weight job as a failure names it: its kind (publish, rollback, perturbation, prune) and
+    its version when it has one (a prune has none; a job that failed before deciding one neither)."""
+    version = job.get("version")
+    return f"{job.get('kind') or 'weight'} job {job.get('job_id')}" + (
+        "" if version is None else f" (version {version})"
+    )
 
 
 def _seconds(retry_after: str | None) -> float | None:

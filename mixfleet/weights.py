@@ -129,10 +129,11 @@ def _goes_on(job: dict[str, Any]) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        version = "" if job.get("version") is None else f" (version {job['version']})"
+        from clients.router import job_name
+
         _interrupted(
-            f"the router goes on with its {job.get('kind', 'weights')} job {job.get('job_id')}{version}; "
-            "`mixfleet weights status` shows what each group serves"
+            f"the router goes on with its {job_name(job)}; `mixfleet weights status` shows what each "
+            "group serves"
         )
         raise
 
