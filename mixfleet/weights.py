@@ -227,16 +227,34 @@ def _publish_direct(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: dict[str, Any]) -> None:
-    what = f" (content of version {result['content_of']})" if result.get("content_of") is not None else ""
-    print(
+    print(result_lines(result))
+
+
+def result_lines(result: dict[str, Any]) -> str:
+    """The report of a publication (``weight_sync.publish.PublishResult.to_dict``): its timings,
+    then per format what was done. A rollback's formats (``content_of`` set) are hard-linked from
+    that version's files (copied where no link can be made), not converted: said so, with no
+    conversion time."""
+    source = result.get("content_of")
+    what = f" (content of version {source})" if source is not None else ""
+    made = "linked, not converted" if source is not None else f"convert {result['convert_wall_s']:.2f}s"
+    lines = [
         f"published run {result['run_id']} version {result['version']}{what} in {result['total_s']:.2f}s "
-        f"({result['mode']}; convert {result['convert_wall_s']:.2f}s, commit {result['commit_wall_s']:.2f}s, "
+        f"({result['mode']}; {made}, commit {result['commit_wall_s']:.2f}s, "
         f"pointers {result['advance_wall_s']:.3f}s)"
-    )
+    ]
     for f in result["formats"]:
-        how = "reused" if f["reused"] else f"converted in {f['convert_s']:.2f}s"
+        if f["reused"]:
+            how = "reused"
+        elif source is not None:
+            how = f"linked from version {source}, not converted"
+        else:
+            how = f"converted in {f['convert_s']:.2f}s"
         kind = " (delta: changed files only)" if f.get("kind") == "delta" else ""
-        print(f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors{kind}")
+        lines.append(
+            f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors{kind}"
+        )
+    return "\n".join(lines)
 
 
 def _status(client, args: argparse.Namespace) -> int:

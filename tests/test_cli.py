@@ -139,3 +139,19 @@ def test_a_weights_command_without_a_key_says_how_to_give_one(tmp_path: Path) ->
     assert "HTTP 401: missing API key" in line and "no key was sent: set MIXFLEET_API_KEY" in line, line
     assert wrong.returncode == 2 and "invalid API key" in wrong.stderr
     assert "no key was sent" not in wrong.stderr
+
+
+def test_a_rollback_says_its_files_were_linked_not_converted(tmp_path: Path) -> None:
+    """A rollback hard-links the target version's files: its report said "converted in 0.00s"
+    per format, a conversion that never ran."""
+    from mixfleet.weights import result_lines
+    from tests.weight_sync.publisher import FMT, RUN, open_store, publish
+    from weight_sync.publish import rollback
+
+    for version, payload in ((1, "a"), (2, "b")):
+        publish(tmp_path, version, payload)
+    report = result_lines(rollback(open_store(tmp_path), RUN, 1, [FMT]).to_dict())
+    head, line = report.splitlines()
+    assert "(content of version 1)" in head and "linked, not converted" in head, head
+    assert line.split()[:6] == [FMT, "linked", "from", "version", "1,", "not"], line
+    assert "convert" not in report.replace("not converted", ""), report
