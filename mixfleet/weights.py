@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
-from mixfleet.argtypes import seconds
+from mixfleet.argtypes import processes, seconds
 
 RUN_HELP = "run id: the router's run (the default; a router refuses another)"
 
@@ -62,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-wait", action="store_true", help="return once published; do not wait for replicas")
     p.add_argument("--store", default=None, help="publish straight into this local store root (no router)")
     p.add_argument("--preset", default="local", help="with --store: the preset whose formats to publish")
-    p.add_argument("--workers", type=int, default=None, help="with --store: conversion processes")
+    p.add_argument(
+        "--workers",
+        type=processes,
+        default=None,
+        help="with --store: conversion processes (default one per format; 0: convert in this process)",
+    )
 
     why = "per group: desired version, replica versions, lag, last activation"
     p = sub.add_parser("status", help=why, description=why)

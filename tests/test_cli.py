@@ -155,3 +155,16 @@ def test_a_rollback_says_its_files_were_linked_not_converted(tmp_path: Path) -> 
     assert "(content of version 1)" in head and "linked, not converted" in head, head
     assert line.split()[:6] == [FMT, "linked", "from", "version", "1,", "not"], line
     assert "convert" not in report.replace("not converted", ""), report
+
+
+@pytest.mark.parametrize("value", ["-1", "-8", "two", "1.5"])
+def test_publish_refuses_a_negative_or_fractional_worker_count_by_name(value: str, capsys) -> None:
+    """``--workers -1`` was taken (and capped to one process deep in the publish): refused in one
+    line naming the flag; 0 stays what it is, conversion in the command's own process."""
+    argv = ["weights", "publish", "--store", "s", "ckpt", "--workers"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, value])
+    assert exc.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert "argument --workers: " in line, line
+    assert build_parser().parse_args([*argv, "0"]).workers == 0
