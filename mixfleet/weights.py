@@ -324,14 +324,18 @@ def _prune(client, args: argparse.Namespace) -> int:
 
 
 def _prune_direct(args: argparse.Namespace) -> int:
-    from weight_sync.prune import apply_prune, plan_prune
+    from weight_sync.prune import apply_prune, plan_prune, streams_of
     from weight_sync.store.local import LocalStore
 
     root = Path(args.store).expanduser()
     if not root.is_dir():
         raise UserError(f"--store {root}: not a directory")
     store = LocalStore(root)
-    plan = plan_prune(store, args.run or "default", args.keep)
+    run_id = args.run or "default"
+    if not streams_of(store, run_id):  # a misspelt run would print an empty plan
+        runs = ", ".join(store.runs()) or "none"
+        raise UserError(f"--store {root} has no run {run_id!r} (--run; the store's runs: {runs})")
+    plan = plan_prune(store, run_id, args.keep)
     if args.apply:
         apply_prune(store, plan)
     print(
