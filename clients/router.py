@@ -50,12 +50,22 @@ NO_KEY_HINT = (
 """What a 401 adds when the client had no key to send (a command run outside the fleet's directory)."""
 
 
-def router_url(explicit: str | None) -> str:
-    """``--router``, else ``MIXFLEET_URL``, else the ``mixfleet up`` default."""
-    url = explicit or os.environ.get("MIXFLEET_URL") or DEFAULT_URL
-    if not url.startswith(("http://", "https://")):
-        raise UserError(f"router URL must start with http:// or https://, got {url!r}")
+class BadRouterUrl(UserError, ValueError):
+    """A router URL that is not an ``http://`` or ``https://`` URL (a ``ValueError`` to library
+    callers, a one-line ``UserError`` to the commands)."""
+
+
+def check_url(url: str) -> str:
+    """``url`` without its trailing ``/``, when it starts with ``http://`` or ``https://``; else
+    :class:`BadRouterUrl` naming it (``127.0.0.1:8300`` fails here, not at the first call)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise BadRouterUrl(f"router URL must start with http:// or https://, got {url!r}")
     return url.rstrip("/")
+
+
+def router_url(explicit: str | None) -> str:
+    """``--router``, else ``MIXFLEET_URL``, else the ``mixfleet up`` default (:func:`check_url`)."""
+    return check_url(explicit or os.environ.get("MIXFLEET_URL") or DEFAULT_URL)
 
 
 def api_key() -> str | None:
@@ -105,8 +115,9 @@ def open_session() -> aiohttp.ClientSession:
 
 class RouterClient:
     """Calls on the router at ``url`` with ``key``; ``timeout`` bounds each HTTP call (not the
-    waits). With ``http`` the calls use that session (the caller's to close); without, the client
-    opens its own on first use and :meth:`close` closes it (or use ``async with``)."""
+    waits). A ``url`` that is not http(s) is refused here (:func:`check_url`). With ``http`` the
+    calls use that session (the caller's to close); without, the client opens its own on first
+    use and :meth:`close` closes it (or use ``async with``)."""
 
     def __init__(
         self,
@@ -119,7 +130,7 @@ class RouterClient:
         backoff_s: float = 0.25,
         max_backoff_s: float = 5.0,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
         self.retries = retries
