@@ -48,6 +48,23 @@ NO_KEY_HINT = (
     "when the variable is unset)"
 )
 """What a 401 adds when the client had no key to send (a command run outside the fleet's directory)."""
+ALWAYS_SERVED = frozenset(
+    {
+        "/v1/batches/stats",
+        "/v1/batches/take",
+        "/v1/groups",
+        "/v1/ledger",
+        "/v1/replicas/heartbeat",
+        "/v1/score",
+        "/v1/sessions",
+        "/v1/weights",
+        "/v1/weights/prune",
+    }
+)
+"""Paths every router serves (``mixfleet router``) and never answers 404 (no id in them, none
+documents a 404): a 404 from one says the client's URL is not a router's root (``.../v1``, a
+typo, another server), which the error then says (a test checks them against the router's
+OpenAPI)."""
 
 
 class BadRouterUrl(UserError, ValueError):
@@ -209,6 +226,11 @@ class RouterClient:
             message = _message(content, r.reason or f"HTTP {status}")
             if status == 401 and "Authorization" not in self.headers:
                 message += f"; no key was sent: {NO_KEY_HINT}"
+            if status == 404 and path.partition("?")[0] in ALWAYS_SERVED:
+                message += (
+                    f"; the router URL {self.url} looks wrong: every router serves {method} "
+                    f"{path.partition('?')[0]}; give the router's root URL (e.g. {DEFAULT_URL})"
+                )
             raise RouterError(method, path, status, message, retry_after=_seconds(retry_after))
         raise AssertionError("unreachable")
 
