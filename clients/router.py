@@ -48,14 +48,41 @@ NO_KEY_HINT = (
     "when the variable is unset)"
 )
 """What a 401 adds when the client had no key to send (a command run outside the fleet's directory)."""
+ALWAYS_SERVED = frozenset(
+    {
+        "/v1/batches/stats",
+        "/v1/batches/take",
+        "/v1/groups",
+        "/v1/ledger",
+        "/v1/replicas/heartbeat",
+        "/v1/score",
+        "/v1/sessions",
+        "/v1/weights",
+        "/v1/weights/prune",
+    }
+)
+"""Paths every router serves (``mixfleet router``) and never answers 404 (no id in them, none
+documents a 404): a 404 from one says the client's URL is not a router's root (``.../v1``, a
+typo, another server), which the error then says (a test checks them against the router's
+OpenAPI)."""
+
+
+class BadRouterUrl(UserError, ValueError):
+    """A router URL that is not an ``http://`` or ``https://`` URL (a ``ValueError`` to library
+    callers, a one-line ``UserError`` to the commands)."""
+
+
+def check_url(url: str) -> str:
+    """``url`` without its trailing ``/``, when it starts with ``http://`` or ``https://``; else
+    :class:`BadRouterUrl` naming it (``127.0.0.1:8300`` fails here, not at the first call)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise BadRouterUrl(f"router URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/")
 
 
 def router_url(explicit: str | None) -> str:
-    """``--router``, else ``MIXFLEET_URL``, else the ``mixfleet up`` default."""
-    url = explicit or os.environ.get("MIXFLEET_URL") or DEFAULT_URL
-    if not url.startswith(("http://", "https://")):
-        raise UserError(f"router URL must start with http:// or https://, got {url!r}")
-    return url.rstrip("/")
+    """``--router``, else ``MIXFLEET_URL``, else the ``mixfleet up`` default (:func:`check_url`)."""
+    return check_url(explicit or os.environ.get("MIXFLEET_URL") or DEFAULT_URL)
 
 
 def api_key() -> str | None:
@@ -105,8 +132,9 @@ def open_session() -> aiohttp.ClientSession:
 
 class RouterClient:
     """Calls on the router at ``url`` with ``key``; ``timeout`` bounds each HTTP call (not the
-    waits). With ``http`` the calls use that session (the caller's to close); without, the client
-    opens its own on first use and :meth:`close` closes it (or use ``async with``)."""
+    waits). A ``url`` that is not http(s) is refused here (:func:`check_url`). With ``http`` the
+    calls use that session (the caller's to close); without, the client opens its own on first
+    use and :meth:`close` closes it (or use ``async with``)."""
 
     def __init__(
         self,
@@ -119,7 +147,7 @@ class RouterClient:
         backoff_s: float = 0.25,
         max_backoff_s: float = 5.0,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
         self.retries = retries
@@ -198,6 +226,11 @@ class RouterClient:
             message = _message(content, r.reason or f"HTTP {status}")
             if status == 401 and "Authorization" not in self.headers:
                 message += f"; no key was sent: {NO_KEY_HINT}"
+            if status == 404 and path.partition("?")[0] in ALWAYS_SERVED:
+                message += (
+                    f"; the router URL {self.url} looks wrong: every router serves {method} "
+                    f"{path.partition('?')[0]}; give the router's root URL (e.g. {DEFAULT_URL})"
+                )
             raise RouterError(method, path, status, message, retry_after=_seconds(retry_after))
         raise AssertionError("unreachable")
 
@@ -311,10 +344,7 @@ class RouterClient:
             if state == "done":
                 return current
             if state == "failed":
-                version = current.get("version")
-                raise RouterError(
-                    "GET", path, None, f"publish of version {version} failed: {current.get('error')}"
-                )
+                raise RouterError("GET", path, None, f"{job_name(current)} failed: {current.get('error')}")
             if time.monotonic() > deadline:
                 raise RouterError("GET", path, None, f"job still {state} after {timeout_s:.0f} s")
             await asyncio.sleep(poll_s)
@@ -405,6 +435,15 @@ class WeightsClient(Blocking):
 
     def __init__(self, url: str, key: str | None, timeout: float = 60.0) -> None:
         super().__init__(RouterClient(None, url, key, timeout))
+
+
+def job_name(job: dict[str, Any]) -> str:
+    """A weight job as a failure names it: its kind (publish, rollback, perturbation, prune) and
+    its version when it has one (a prune has none; a job that failed before deciding one neither)."""
+    version = job.get("version")
+    return f"{job.get('kind') or 'weight'} job {job.get('job_id')}" + (
+        "" if version is None else f" (version {version})"
+    )
 
 
 def _seconds(retry_after: str | None) -> float | None:

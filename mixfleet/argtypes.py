@@ -16,3 +16,14 @@ def seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
     return value
+
+
+def processes(text: str) -> int:
+    """A number of processes to start: a whole number, 0 or more (0: the work runs in this one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (convert in this process) or more, got {text!r}")
+    return value

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
-from mixfleet.argtypes import seconds
+from mixfleet.argtypes import processes, seconds
 
 RUN_HELP = "run id: the router's run (the default; a router refuses another)"
 
@@ -62,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-wait", action="store_true", help="return once published; do not wait for replicas")
     p.add_argument("--store", default=None, help="publish straight into this local store root (no router)")
     p.add_argument("--preset", default="local", help="with --store: the preset whose formats to publish")
-    p.add_argument("--workers", type=int, default=None, help="with --store: conversion processes")
+    p.add_argument(
+        "--workers",
+        type=processes,
+        default=None,
+        help="with --store: conversion processes (default one per format; 0: convert in this process)",
+    )
 
     why = "per group: desired version, replica versions, lag, last activation"
     p = sub.add_parser("status", help=why, description=why)
@@ -129,10 +134,11 @@ def _goes_on(job: dict[str, Any]) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        version = "" if job.get("version") is None else f" (version {job['version']})"
+        from clients.router import job_name
+
         _interrupted(
-            f"the router goes on with its {job.get('kind', 'weights')} job {job.get('job_id')}{version}; "
-            "`mixfleet weights status` shows what each group serves"
+            f"the router goes on with its {job_name(job)}; `mixfleet weights status` shows what each "
+            "group serves"
         )
         raise
 
@@ -226,16 +232,34 @@ def _publish_direct(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: dict[str, Any]) -> None:
-    what = f" (content of version {result['content_of']})" if result.get("content_of") is not None else ""
-    print(
+    print(result_lines(result))
+
+
+def result_lines(result: dict[str, Any]) -> str:
+    """The report of a publication (``weight_sync.publish.PublishResult.to_dict``): its timings,
+    then per format what was done. A rollback's formats (``content_of`` set) are hard-linked from
+    that version's files (copied where no link can be made), not converted: said so, with no
+    conversion time."""
+    source = result.get("content_of")
+    what = f" (content of version {source})" if source is not None else ""
+    made = "linked, not converted" if source is not None else f"convert {result['convert_wall_s']:.2f}s"
+    lines = [
         f"published run {result['run_id']} version {result['version']}{what} in {result['total_s']:.2f}s "
-        f"({result['mode']}; convert {result['convert_wall_s']:.2f}s, commit {result['commit_wall_s']:.2f}s, "
+        f"({result['mode']}; {made}, commit {result['commit_wall_s']:.2f}s, "
         f"pointers {result['advance_wall_s']:.3f}s)"
-    )
+    ]
     for f in result["formats"]:
-        how = "reused" if f["reused"] else f"converted in {f['convert_s']:.2f}s"
+        if f["reused"]:
+            how = "reused"
+        elif source is not None:
+            how = f"linked from version {source}, not converted"
+        else:
+            how = f"converted in {f['convert_s']:.2f}s"
         kind = " (delta: changed files only)" if f.get("kind") == "delta" else ""
-        print(f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors{kind}")
+        lines.append(
+            f"  {f['format']:6s} {how}, {f['total_bytes'] / 1e6:.1f} MB, {f['tensor_count']} tensors{kind}"
+        )
+    return "\n".join(lines)
 
 
 def _status(client, args: argparse.Namespace) -> int:
@@ -300,14 +324,18 @@ def _prune(client, args: argparse.Namespace) -> int:
 
 
 def _prune_direct(args: argparse.Namespace) -> int:
-    from weight_sync.prune import apply_prune, plan_prune
+    from weight_sync.prune import apply_prune, plan_prune, streams_of
     from weight_sync.store.local import LocalStore
 
     root = Path(args.store).expanduser()
     if not root.is_dir():
         raise UserError(f"--store {root}: not a directory")
     store = LocalStore(root)
-    plan = plan_prune(store, args.run or "default", args.keep)
+    run_id = args.run or "default"
+    if not streams_of(store, run_id):  # a misspelt run would print an empty plan
+        runs = ", ".join(store.runs()) or "none"
+        raise UserError(f"--store {root} has no run {run_id!r} (--run; the store's runs: {runs})")
+    plan = plan_prune(store, run_id, args.keep)
     if args.apply:
         apply_prune(store, plan)
     print(

@@ -13,9 +13,11 @@ Every request goes through the FastAPI app and its middleware. Every refusal is 
 plus ``errors`` on a 422), documented on each route that can answer it; on the chat routes it
 also carries the API's own ``error`` object and a malformed request is a 400, as OpenAI's and
 Anthropic's APIs answer; an unexpected failure is a 500 in the same shapes, naming only the
-exception's type; an unreachable state store or fleet is a 503 with ``Retry-After``; bodies
-over ``config.max_body_bytes`` get 413 before they are read, except where a route sets its own
-request's limit (the trainer log-prob upload: its lease's size, :mod:`router.body`).
+exception's type; a chat API's call sent to the router's root is a 404 in that API's shape
+saying where a session's chat URLs come from; an unreachable state store or fleet is a 503 with
+``Retry-After``; bodies over ``config.max_body_bytes`` get 413 before they are read, except
+where a route sets its own request's limit (the trainer log-prob upload: its lease's size,
+:mod:`router.body`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
@@ -46,7 +49,7 @@ from router import (
 )
 from router.body import SCOPE_KEY, BodyLimit, declared_size
 from router.chat import anthropic_routes, openai_routes
-from router.chat.errors import api_error, chat_api
+from router.chat.errors import Api, api_error, chat_api
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
@@ -195,7 +198,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     API's URL prefix (a route of it or not: an unknown path, a method it does not take) every
     answer also carries that API's own error shape (:mod:`router.chat.errors`, what the official
     clients read), a malformed request is that API's 400, and an unexpected failure a 500 in that
-    shape."""
+    shape. A chat API's call sent to the router's root (a client whose ``base_url`` is the router:
+    ``POST /v1/chat/completions``, ``/v1/messages``, ``GET /v1/models``, :func:`_root_chat_api`)
+    is a 404 in that API's shape saying the chat APIs are per session and where they are."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -203,9 +208,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)  # Starlette's: FastAPI's and the router's own 404 / 405
     async def _http_error(request: Request, exc: HTTPException) -> Response:
-        if chat_api(request.url.path) is None:
-            return await http_exception_handler(request, exc)
-        return _refusal(request, ApiError(exc.status_code, str(exc.detail)), exc.headers)
+        if chat_api(request.url.path) is not None:
+            return _refusal(request, ApiError(exc.status_code, str(exc.detail)), exc.headers)
+        if exc.status_code == 404 and (api := _root_chat_api(request)) is not None:
+            return _refusal(request, ApiError(404, _per_session(request, api)), api=api)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(request: Request, exc: StateUnavailable) -> JSONResponse:
@@ -234,10 +241,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _refusal(request, ApiError(500, message), {"Connection": "close"})
 
 
-def _refusal(request: Request, exc: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """The one answer of a refusal: its body (in the chat API's shape under a chat URL), status,
-    ``Retry-After`` and ``headers``; a chat 409 also tells the official clients not to retry it."""
-    api = chat_api(request.url.path)
+def _refusal(
+    request: Request, exc: ApiError, headers: Mapping[str, str] | None = None, *, api: Api | None = None
+) -> JSONResponse:
+    """The one answer of a refusal: its body (in the chat API's shape under a chat URL, or in
+    ``api``'s), status, ``Retry-After`` and ``headers``; a chat 409 also tells the official
+    clients not to retry it."""
+    api = api or chat_api(request.url.path)
     if api is not None:
         exc = api_error(exc, api)
     out = dict(headers or {})
@@ -249,6 +259,39 @@ def _refusal(request: Request, exc: ApiError, headers: Mapping[str, str] | None 
         # no more turns
         out["x-should-retry"] = "false"
     return JSONResponse(exc.body(), status_code=exc.status, headers=out or None)
+
+
+_ROOT_CHAT = re.compile(
+    r"(?:/v1){0,2}/(?:(?P<openai>chat/completions|completions|responses|embeddings)"
+    r"|(?P<anthropic>messages(?:/count_tokens|/batches)?)|(?P<models>models(?:/[^/]+)?))/?"
+)
+"""A chat API's path as an official client sends it when its ``base_url`` is the router itself
+(``http://ROUTER`` or ``http://ROUTER/v1``), not a session's chat URL."""
+
+
+def _root_chat_api(request: Request) -> Api | None:
+    """The chat API an unmatched request is for when it is one of those APIs' calls sent to the
+    router's root (:data:`_ROOT_CHAT`): ``/v1/models`` is Anthropic's when the request carries
+    the ``anthropic-version`` header its client always sends, else OpenAI's."""
+    m = _ROOT_CHAT.fullmatch(request.url.path)
+    if m is None:
+        return None
+    if m["openai"]:
+        return "openai"
+    if m["anthropic"] or "anthropic-version" in request.headers:
+        return "anthropic"
+    return "openai"
+
+
+def _per_session(request: Request, api: Api) -> str:
+    """What a 404 for a chat call sent to the router's root says: where that API is served."""
+    field = "openai_base_url" if api == "openai" else "anthropic_base_url"
+    path = "openai/v1" if api == "openai" else "anthropic"
+    return (
+        f"no {request.method} {request.url.path} at the router's root: the chat APIs are per session; "
+        f"create one with POST /v1/sessions and use its {field} (.../v1/sessions/<id>/{path}) as the "
+        "client's base_url"
+    )
 
 
 def _add_ops_routes(app: FastAPI, ctx: RouterContext) -> None:

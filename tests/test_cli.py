@@ -139,3 +139,68 @@ def test_a_weights_command_without_a_key_says_how_to_give_one(tmp_path: Path) ->
     assert "HTTP 401: missing API key" in line and "no key was sent: set MIXFLEET_API_KEY" in line, line
     assert wrong.returncode == 2 and "invalid API key" in wrong.stderr
     assert "no key was sent" not in wrong.stderr
+
+
+def test_a_rollback_says_its_files_were_linked_not_converted(tmp_path: Path) -> None:
+    """A rollback hard-links the target version's files: its report said "converted in 0.00s"
+    per format, a conversion that never ran."""
+    from mixfleet.weights import result_lines
+    from tests.weight_sync.publisher import FMT, RUN, open_store, publish
+    from weight_sync.publish import rollback
+
+    for version, payload in ((1, "a"), (2, "b")):
+        publish(tmp_path, version, payload)
+    report = result_lines(rollback(open_store(tmp_path), RUN, 1, [FMT]).to_dict())
+    head, line = report.splitlines()
+    assert "(content of version 1)" in head and "linked, not converted" in head, head
+    assert line.split()[:6] == [FMT, "linked", "from", "version", "1,", "not"], line
+    assert "convert" not in report.replace("not converted", ""), report
+
+
+@pytest.mark.parametrize("value", ["-1", "-8", "two", "1.5"])
+def test_publish_refuses_a_negative_or_fractional_worker_count_by_name(value: str, capsys) -> None:
+    """``--workers -1`` was taken (and capped to one process deep in the publish): refused in one
+    line naming the flag; 0 stays what it is, conversion in the command's own process."""
+    argv = ["weights", "publish", "--store", "s", "ckpt", "--workers"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, value])
+    assert exc.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert "argument --workers: " in line, line
+    assert build_parser().parse_args([*argv, "0"]).workers == 0
+
+
+def test_a_router_url_with_an_extra_path_is_said_to_look_wrong(tmp_path: Path) -> None:
+    """``--router http://ROUTER/v1`` sends ``GET /v1/v1/weights``: the line was "HTTP 404: Not Found",
+    naming nothing wrong. A 404 from a path every router serves says the URL looks wrong (weights
+    status and report, both on clients.router); the paths are checked against the router's OpenAPI
+    (served, no 404 documented)."""
+    import httpx
+
+    from clients.router import ALWAYS_SERVED
+    from tests.support.router import router_process, write_preset
+
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXFLEET_")}
+    with router_process(preset) as router:
+        env["MIXFLEET_API_KEY"] = router.key
+        routes = httpx.get(router.url + "/openapi.json", headers=router.headers, timeout=30).json()["paths"]
+        runs = [
+            subprocess.run(
+                mixfleet_argv(*argv, "--router", router.url + "/v1"),
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            for argv in (("weights", "status"), ("report", "--out", str(tmp_path / "report")))
+        ]
+    for path in ALWAYS_SERVED:
+        assert path in routes, path
+        assert all("404" not in op["responses"] for op in routes[path].values()), path
+    for done, path in zip(runs, ("/v1/weights", "/v1/ledger"), strict=True):
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert "HTTP 404" in line and f"the router URL {router.url}/v1 looks wrong" in line, line
+        assert f"every router serves GET {path}" in line, line

@@ -45,6 +45,8 @@ class Session:
 
 class AsyncRolloutClient:
     """Calls on one router. Use as ``async with AsyncRolloutClient(url, key) as c: ...``;
+    ``url`` is the router's root, ``http://`` or ``https://`` (anything else is a ``ValueError``
+    naming it, here rather than at the first call);
     ``timeout_s`` bounds each HTTP call; ``retries``, ``backoff_s`` and ``max_backoff_s`` are
     :class:`clients.router.RouterClient`'s."""
 

@@ -104,6 +104,31 @@ def test_unknown_paths_and_methods_answer_in_the_apis_shape(router, session):
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}, r.text
 
 
+def test_a_client_pointed_at_the_routers_root_is_told_the_chat_apis_are_per_session(router):
+    """An official client whose base_url is the router itself (``http://ROUTER/v1`` or
+    ``http://ROUTER``) got a bare 404 "Not Found": now a 404 in its API's shape whose message,
+    which the raised exception carries, says to create a session and use its base URL."""
+    for base in (router.url + "/v1", router.url):
+        oc = openai.OpenAI(base_url=base, api_key=router.key, max_retries=0)
+        with pytest.raises(openai.NotFoundError) as chat:
+            oc.chat.completions.create(model="m", messages=USER)
+        with pytest.raises(openai.NotFoundError) as models:
+            oc.models.list()
+        for info in (chat, models):
+            _openai_shape(info.value.body)
+            assert "POST /v1/sessions" in str(info.value) and "its openai_base_url" in str(info.value)
+    ac = anthropic.Anthropic(base_url=router.url, api_key=router.key, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as message:
+        ac.messages.create(model="m", max_tokens=8, messages=USER)
+    with pytest.raises(anthropic.NotFoundError) as models:
+        ac.models.list()
+    for refused in (message, models):
+        _anthropic_shape(refused.value.body, "not_found_error")
+        assert "POST /v1/sessions" in str(refused.value) and "its anthropic_base_url" in str(refused.value)
+    r = httpx.get(f"{router.url}/v1/nothing", headers=router.headers, timeout=30)  # no chat call: FastAPI's
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}, r.text
+
+
 def test_a_context_longer_than_the_models_is_context_length_exceeded(router, session):
     oc, ac = _openai(router, session), _anthropic(router, session)
     long = [{"role": "user", "content": "x" * 5000}]  # the tiny model's context is 2,048 tokens

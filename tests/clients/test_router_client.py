@@ -102,7 +102,8 @@ def test_wait_job_reports_each_event_once_and_names_a_failure_or_a_timeout() -> 
     router = FakeRouter(
         {
             "/v1/weights/jobs/j": [_job("running", 1), _job("running", 1), _job("done", 3)],
-            "/v1/weights/jobs/f": [_job("failed", 0, error="boom")],
+            "/v1/weights/jobs/f": [_job("failed", 0, kind="rollback", error="boom")],
+            "/v1/weights/jobs/p": [_job("failed", 0, job_id="p", kind="prune", version=None, error="disk")],
             "/v1/weights/jobs/s": [_job("running", 0)],
         }
     )
@@ -112,14 +113,17 @@ def test_wait_job_reports_each_event_once_and_names_a_failure_or_a_timeout() -> 
             done = client.wait_job(
                 {"job_id": "j", "state": "running", "events": []}, 30, on_event=seen.append
             )
-            with pytest.raises(RouterError, match="publish of version 3 failed: boom") as failed:
+            with pytest.raises(RouterError, match=r"rollback job j \(version 3\) failed: boom") as failed:
                 client.wait_job("f", 30)
+            with pytest.raises(RouterError) as pruned:  # a prune has no version: none is named
+                client.wait_job("p", 30)
             with pytest.raises(RouterError, match="job still running after 0 s") as slow:
                 client.wait_job("s", 0.0)
     finally:
         router.close()
     assert done["state"] == "done" and seen == [{"n": 0}, {"n": 1}, {"n": 2}]
     assert failed.value.status is None and slow.value.status is None
+    assert str(pruned.value) == "GET /v1/weights/jobs/p: prune job p failed: disk"
 
 
 def test_503_and_a_409_with_retry_after_are_retried_then_raised() -> None:

@@ -144,3 +144,25 @@ def test_prune_store_directly_keeps_delta_bases(tmp_path: Path, tiny_dir: Path) 
     )
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
     assert "not a directory" in missing.stderr
+
+
+def test_prune_store_directly_names_an_unknown_run_and_the_stores_runs(tmp_path: Path) -> None:
+    """``weights prune --store ROOT --run NAME`` for a run the store does not have printed an
+    empty plan ("keeping the newest 1 versions: ... would delete 0 versions") and exited 0: a
+    misspelt run looked like nothing to prune. One line naming it and the runs the store has, exit 2."""
+    from tests.weight_sync.publisher import FMT, publish
+    from tests.weight_sync.publisher import RUN as STORED
+
+    publish(tmp_path / "store", 1, "a")
+    for run in (["--run", "nope"], []):  # without --run: the run "default"
+        argv = mixfleet_argv("weights", "prune", "--store", str(tmp_path / "store"), *run, "--keep", "1")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        name = run[1] if run else "default"
+        assert f"has no run {name!r}" in line and f"the store's runs: {STORED})" in line, line
+    argv = mixfleet_argv(
+        "weights", "prune", "--store", str(tmp_path / "store"), "--run", STORED, "--keep", "1"
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"{FMT:6s} would delete nothing; keeps v1" in done.stdout, done.stdout

@@ -58,6 +58,16 @@ def test_sync_client_round_trip(router) -> None:
         assert err.value.status == 404 and never in err.value.detail
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8300", "localhost:8300/", "ftp://127.0.0.1:8300", ""])
+def test_a_url_without_http_is_refused_at_construction_naming_it(url: str) -> None:
+    """A URL with no scheme was taken and failed only at the first call, with aiohttp's
+    NonHttpUrlClientError naming a full path; now a ValueError at construction, naming the URL."""
+    for make in (RolloutClient, AsyncRolloutClient):
+        with pytest.raises(ValueError, match="router URL must start with http:// or https://") as bad:
+            make(url, KEYS["all"])
+        assert repr(url) in str(bad.value)
+
+
 def test_async_client_refusals_name_the_problem(router) -> None:
     async def main() -> None:
         async with AsyncRolloutClient(router.url, KEYS["rollout"], retries=1, backoff_s=0.01) as c:

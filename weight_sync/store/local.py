@@ -250,6 +250,14 @@ class LocalStore(VersionStore):
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def runs(self) -> list[str]:
+        """The run ids the store has a directory for (``ROOT/RUN/FORMAT/...``), sorted; none
+        when the root does not exist."""
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+        except FileNotFoundError:
+            return []
+
     # --- housekeeping -------------------------------------------------------------------------
 
     def clean_staging(self, stream: FormatRef, *, older_than_s: float = 3600.0) -> list[Path]:
