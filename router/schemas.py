@@ -627,6 +627,16 @@ class AckResponse(BaseModel):
     )
 
 
+class ReleaseResponse(BaseModel):
+    lease_id: str
+    released: int = Field(
+        description=(
+            "trajectories put back on the ready queue now (0: the lease was released or "
+            "acknowledged already, timed out and taken again, or unknown)"
+        )
+    )
+
+
 class QueueStats(BaseModel):
     ready: int
     pending: int
