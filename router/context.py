@@ -50,7 +50,8 @@ from router.pinning import ContainerPins, open_pins
 from router.policy import WINDOW_SIZE, AssignmentWindow, GroupLoad
 from router.registry import Registry, Replica
 from router.state import open_store
-from router.state.base import GroupCounters, StateError, StateStore
+from router.state.base import GroupCounters, StateError, StateStore, StateUnavailable
+from router.state.redis import display_url
 
 log = logging.getLogger("mixfleet.router")
 HEAP_TASK = "router-heap-trim"
@@ -82,6 +83,7 @@ class RouterContext:
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []
+        self._state_down: str | None = None  # since when a poll found the state store unavailable
         self.started = time.time()
 
     # lifecycle -------------------------------------------------------------------------
@@ -165,8 +167,25 @@ class RouterContext:
                 if time.monotonic() - last_compact >= self.config.compact_interval_s:
                     last_compact = time.monotonic()
                     await self.store.compact()
+            except StateUnavailable as exc:  # expected while the store is down: said once
+                self.note_state(exc)
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
+
+    def note_state(self, exc: StateError | None) -> None:
+        """Log one line when the state store becomes unavailable (``exc``: naming its URL and the
+        error; requests that need it answer 503 meanwhile) and one when it is back (``exc`` None,
+        after a poll read it); nothing while it stays as it was, no traceback (an outage is
+        expected: other errors of a poll keep theirs)."""
+        where = display_url(self.config.state_url)
+        if exc is not None and self._state_down is None:
+            log.error("state store %s is unavailable: %s (requests that need it answer 503)", where, exc)
+        elif exc is None and self._state_down is not None:
+            log.warning("state store %s is available again (unavailable since %s)", where, self._state_down)
+        if exc is None:
+            self._state_down = None
+        elif self._state_down is None:
+            self._state_down = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     async def check_state_kept(self) -> None:
         """Log an error when the state store lost its data since the previous check
@@ -221,8 +240,9 @@ class RouterContext:
         try:
             await self.adopt_shared()
         except StateError as exc:
-            log.warning("state store unavailable during poll: %s", exc)
+            self.note_state(exc)
             return
+        self.note_state(None)
         self.registry.signal_lost()
 
     async def adopt_shared(self) -> None:
