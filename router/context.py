@@ -44,6 +44,7 @@ from core import heap
 from core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.context_text import ContextText
+from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.mismatch import group_view
 from router.pinning import ContainerPins, open_pins
@@ -84,6 +85,7 @@ class RouterContext:
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []
         self._state_down: str | None = None  # since when a poll found the state store unavailable
+        self.state_lost_at: float | None = None  # when this router last found the store lost its data
         self.started = time.time()
 
     # lifecycle -------------------------------------------------------------------------
@@ -192,7 +194,17 @@ class RouterContext:
         (:meth:`StateStore.data_lost`; an unreachable store is checked at the next poll)."""
         with contextlib.suppress(StateError):
             if lost := await self.store.data_lost():
+                self.state_lost_at = time.time()
                 log.error("%s", lost)
+
+    def unknown_session(self, session_id: str) -> ApiError:
+        """The 404 for a session the store does not know; once this router found the store lost
+        its data (:meth:`check_state_kept`), it says when, as the session may have been lost then."""
+        detail = f"unknown session {session_id!r}"
+        if self.state_lost_at is not None:
+            at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.state_lost_at))
+            detail += f" (the state store lost its data at {at})"
+        return ApiError(404, detail)
 
     async def _pin_loop(self, pins: ContainerPins) -> None:
         while True:
