@@ -44,13 +44,15 @@ from core import heap
 from core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.context_text import ContextText
+from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.mismatch import group_view
 from router.pinning import ContainerPins, open_pins
 from router.policy import WINDOW_SIZE, AssignmentWindow, GroupLoad
 from router.registry import Registry, Replica
 from router.state import open_store
-from router.state.base import GroupCounters, StateError, StateStore
+from router.state.base import GroupCounters, StateError, StateStore, StateUnavailable
+from router.state.redis import display_url
 
 log = logging.getLogger("mixfleet.router")
 HEAP_TASK = "router-heap-trim"
@@ -82,6 +84,8 @@ class RouterContext:
         self.http: aiohttp.ClientSession | None = None
         self._latest: int | None = None
         self._tasks: list[asyncio.Task] = []
+        self._state_down: str | None = None  # since when a poll found the state store unavailable
+        self.state_lost_at: float | None = None  # when this router last found the store lost its data
         self.started = time.time()
 
     # lifecycle -------------------------------------------------------------------------
@@ -165,15 +169,42 @@ class RouterContext:
                 if time.monotonic() - last_compact >= self.config.compact_interval_s:
                     last_compact = time.monotonic()
                     await self.store.compact()
+            except StateUnavailable as exc:  # expected while the store is down: said once
+                self.note_state(exc)
             except Exception:  # a poll must never kill the loop
                 log.exception("replica poll failed")
+
+    def note_state(self, exc: StateError | None) -> None:
+        """Log one line when the state store becomes unavailable (``exc``: naming its URL and the
+        error; requests that need it answer 503 meanwhile) and one when it is back (``exc`` None,
+        after a poll read it); nothing while it stays as it was, no traceback (an outage is
+        expected: other errors of a poll keep theirs)."""
+        where = display_url(self.config.state_url)
+        if exc is not None and self._state_down is None:
+            log.error("state store %s is unavailable: %s (requests that need it answer 503)", where, exc)
+        elif exc is None and self._state_down is not None:
+            log.warning("state store %s is available again (unavailable since %s)", where, self._state_down)
+        if exc is None:
+            self._state_down = None
+        elif self._state_down is None:
+            self._state_down = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     async def check_state_kept(self) -> None:
         """Log an error when the state store lost its data since the previous check
         (:meth:`StateStore.data_lost`; an unreachable store is checked at the next poll)."""
         with contextlib.suppress(StateError):
             if lost := await self.store.data_lost():
+                self.state_lost_at = time.time()
                 log.error("%s", lost)
+
+    def unknown_session(self, session_id: str) -> ApiError:
+        """The 404 for a session the store does not know; once this router found the store lost
+        its data (:meth:`check_state_kept`), it says when, as the session may have been lost then."""
+        detail = f"unknown session {session_id!r}"
+        if self.state_lost_at is not None:
+            at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.state_lost_at))
+            detail += f" (the state store lost its data at {at})"
+        return ApiError(404, detail)
 
     async def _pin_loop(self, pins: ContainerPins) -> None:
         while True:
@@ -221,8 +252,9 @@ class RouterContext:
         try:
             await self.adopt_shared()
         except StateError as exc:
-            log.warning("state store unavailable during poll: %s", exc)
+            self.note_state(exc)
             return
+        self.note_state(None)
         self.registry.signal_lost()
 
     async def adopt_shared(self) -> None:

@@ -115,9 +115,10 @@ async def _session_group(ctx: RouterContext, body: CreateSession) -> str:
     "/{session_id}", response_model=SessionOut, summary="Session state", responses=error_responses(404, 422)
 )
 async def get_session(request: Request, session_id: SessionId) -> dict[str, Any]:
-    info = await _ctx(request).store.get_session(session_id)
+    ctx = _ctx(request)
+    info = await ctx.store.get_session(session_id)
     if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     return {
         "session_id": info.session_id,
         "group": info.group,
@@ -166,7 +167,7 @@ async def finish_session(request: Request, session_id: SessionId, body: FinishRe
     ctx.context_text.forget(session_id)
     info = await ctx.store.get_session(session_id)
     if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     if info.status != "open":
         return _finished_again(info, body)
     if info.n_turns == 0:
@@ -176,10 +177,10 @@ async def finish_session(request: Request, session_id: SessionId, body: FinishRe
     except SessionFinished:  # a concurrent finish won
         again = await ctx.store.get_session(session_id)
         if again is None:
-            raise ApiError(404, f"unknown session {session_id!r}") from None
+            raise ctx.unknown_session(session_id) from None
         return _finished_again(again, body)
     except SessionNotFound:
-        raise ApiError(404, f"unknown session {session_id!r}") from None
+        raise ctx.unknown_session(session_id) from None
     return {"session_id": session_id, "status": "finished", "turns": info.n_turns}
 
 
@@ -208,7 +209,7 @@ async def delete_session(request: Request, session_id: SessionId) -> dict[str, A
     try:
         await ctx.store.delete_session(session_id)
     except SessionNotFound:
-        raise ApiError(404, f"unknown session {session_id!r}") from None
+        raise ctx.unknown_session(session_id) from None
     except SessionFinished:
         raise ApiError(409, f"session {session_id!r} is finished; it belongs to the trainer queue") from None
     return {"session_id": session_id, "status": "deleted"}
@@ -224,7 +225,7 @@ async def get_trajectory(request: Request, session_id: SessionId) -> Response:
     ctx = _ctx(request)
     info = await ctx.store.get_session(session_id)
     if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     blobs = await ctx.store.get_turns(session_id)
     return Response(
         dumps(

@@ -10,7 +10,13 @@ that no take could have made is a 422 (:data:`router.schemas.LeaseId`) before an
 acknowledging a lease that is unknown (never handed out, or forgotten) is a 404; acknowledging one
 again, while it is known (``lease_timeout_s + retention_s`` after its take), answers the first
 acknowledgement's counts with ``already_acked`` (a trainer retrying an ack whose answer it lost
-gets a 200; nothing is counted twice). A take whose client
+gets a 200; nothing is counted twice). A trainer whose step failed hands its lease back
+(``POST /v1/batches/{lease_id}/release``): what the lease still owns is ready for the next take
+at once, not after ``lease_timeout_s``, also a lease answered again to a retry of its take id,
+and the lease is forgotten (its acknowledgement is then a 404); a release answers how many went
+back, 0 for a lease released or acknowledged already (that stays acknowledged), timed out and
+taken again, or unknown: a released lease is forgotten, so a retried release cannot be told from
+an unknown lease and a 404 would fail the retry. A take whose client
 disconnects before the answer is cancelled (:mod:`router.disconnect`): what it picked is ready
 again at once, also when the store had already made its lease (the store's ``release``; its
 handing-out is not counted). Once the answer has started, a disconnect is not acted on: the
@@ -76,6 +82,7 @@ from router.schemas import (
     LeaseId,
     MismatchUploadResponse,
     QueueStats,
+    ReleaseResponse,
     TakeRequest,
     TakeResponse,
     TokenRows,
@@ -252,7 +259,7 @@ async def ack(request: Request, lease_id: LeaseId) -> dict[str, Any]:
         result = await ctx.store.ack(lease_id)
     except LeaseNotFound:
         raise ApiError(
-            404, f"unknown lease {lease_id!r} (never handed out, or forgotten since its take)"
+            404, f"unknown lease {lease_id!r} (never handed out, released, or forgotten since its take)"
         ) from None
     if not result.already_acked:
         ctx.metrics.acked.inc(result.acked)
@@ -264,6 +271,24 @@ async def ack(request: Request, lease_id: LeaseId) -> dict[str, Any]:
         "expired": result.expired,
         "already_acked": result.already_acked,
     }
+
+
+@router.post(
+    "/{lease_id}/release",
+    response_model=ReleaseResponse,
+    summary="Hand a lease back: its trajectories are ready for the next take at once",
+    responses=error_responses(422),
+)
+async def release(request: Request, lease_id: LeaseId) -> dict[str, Any]:
+    """The trainer holding the lease hands it back (its step failed): what the lease still owns
+    is ready again at once instead of after ``--lease-timeout``, and the lease is forgotten (its
+    ``ack`` is then a 404). Answers how many went back. Idempotent: a lease released or
+    acknowledged already, or unknown, answers 0, never a 404 (a release forgets its lease, so a
+    retry whose first answer was lost cannot be told from an unknown lease: as a repeated
+    ``ack``, it gets a 200); an acknowledged lease stays acknowledged (module docstring)."""
+    ctx = _ctx(request)
+    released = await ctx.store.release(lease_id, by_holder=True)
+    return {"lease_id": lease_id, "released": released}
 
 
 def _upload_window_s(ctx: RouterContext) -> float:

@@ -32,6 +32,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -284,7 +285,9 @@ class _Req(BaseModel):
 class SamplingParams(_Req):
     """Sampling of one turn (SGLang semantics: top_k -1 = off, min_p 0 = off, temperature 0 =
     greedy). A turn that filters nothing (temperature > 0, top_k -1, top_p 1, min_p 0) samples
-    from the whole vocabulary and its records have empty supports."""
+    from the whole vocabulary and its records have empty supports. ``seed`` is what SGLang's
+    ``/generate`` calls ``sampling_seed``; a turn sending SGLang's name is refused (422) as any
+    unknown field, its message naming ``seed``."""
 
     temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
@@ -300,6 +303,45 @@ class SamplingParams(_Req):
         if v == 0:
             raise ValueError("top_k must be -1 (off) or at least 1")
         return v
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _sglang_names(cls, data: Any, handler: Any) -> Any:
+        """An unknown field that is SGLang's name of one of these (``/generate``'s
+        ``sampling_seed``) is refused as any unknown field (``extra="forbid"``), its message
+        naming this API's field; every other error as it was."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if not any(_sglang_name(e) for e in errors):
+                raise
+            line_errors: list[Any] = []
+            for e in errors:
+                if (ours := _sglang_name(e)) is not None:
+                    message = f"Extra inputs are not permitted: the turn API calls it {ours}"
+                    line_errors.append(
+                        {
+                            "type": PydanticCustomError("extra_forbidden", message),
+                            "loc": e["loc"],
+                            "input": e["input"],
+                        }
+                    )
+                else:
+                    line_errors.append({k: e[k] for k in ("type", "loc", "input", "ctx") if k in e})
+            raise ValidationError.from_exception_data(exc.title, line_errors) from None
+
+
+SGLANG_NAMES = {"sampling_seed": "seed"}
+"""SGLang's names of :class:`SamplingParams` fields that differ from the turn API's."""
+
+
+def _sglang_name(error: Any) -> str | None:
+    """The turn API's name of the field an ``extra_forbidden`` error names by SGLang's name."""
+    loc = error.get("loc") or ()
+    if error.get("type") != "extra_forbidden" or len(loc) != 1:
+        return None
+    return SGLANG_NAMES.get(str(loc[0]))
 
 
 class ErrorItem(BaseModel):
@@ -624,6 +666,16 @@ class AckResponse(BaseModel):
     already_acked: bool = Field(
         default=False,
         description="the lease was acknowledged before (a retry): the counts are that acknowledgement's",
+    )
+
+
+class ReleaseResponse(BaseModel):
+    lease_id: str
+    released: int = Field(
+        description=(
+            "trajectories put back on the ready queue now (0: the lease was released or "
+            "acknowledged already, timed out and taken again, or unknown)"
+        )
     )
 
 

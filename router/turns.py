@@ -172,7 +172,7 @@ async def _session_context(ctx: RouterContext, session_id: str) -> tuple[Session
     known = ctx.context_text.known(session_id)
     state = await ctx.store.get_session_context(session_id, None if known is None else known[0])
     if state is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     session, stored = state
     if session.status != "open":
         raise ApiError(409, f"session {session_id!r} is {session.status}: it accepts no more turns")

@@ -181,6 +181,15 @@ class AsyncRolloutClient:
         ``--retention`` after its take) raises :class:`RouterError` (404)."""
         return await self.router.call("POST", f"/v1/batches/{lease_id}/ack")
 
+    async def release(self, lease_id: str) -> dict[str, Any]:
+        """Hand the batch taken under ``lease_id`` back (a training step on it failed): its
+        trajectories are ready for the next take at once instead of after the router's
+        ``--lease-timeout``, and the lease is forgotten (its :meth:`ack` then raises
+        :class:`RouterError`, 404). The router's answer: ``released``, how many went back.
+        Idempotent: a lease released or acknowledged already, or unknown, answers ``released`` 0
+        (a retry whose answer was lost is no error); an acknowledged lease stays acknowledged."""
+        return await self.router.call("POST", f"/v1/batches/{lease_id}/release")
+
     async def queue_stats(self) -> dict[str, int]:
         """The trainer queue (``GET /v1/batches/stats``): ``ready``, ``pending`` (leased, not
         acknowledged), ``held_back`` (finished trajectories the takes so far found too stale for

@@ -362,15 +362,18 @@ class StateStore(abc.ABC):
         its lease, this one puts back what it picked and raises :class:`TakeTakenOver`."""
 
     @abc.abstractmethod
-    async def release(self, lease_id: str) -> int:
+    async def release(self, lease_id: str, *, by_holder: bool = False) -> int:
         """Put what the lease still owns back on the ready queue at once, as a take cancelled
         before it answers does (its handing-out is not counted: a later take's is no
         redelivery), and forget the lease (a later ``ack`` raises :class:`LeaseNotFound`): for a
         take whose answer did not reach its client. A lease that a take repeating its take id was
         answered (``repeated``, any time before this call's atomic step) is left as it is: that
-        retry's client holds it. Returns how many went back (0: an unknown or acknowledged lease,
-        or one answered again). Best effort: what it cannot put back is redelivered after the
-        lease timeout, as any lease's."""
+        retry's client holds it; unless ``by_holder``: the lease's holder hands it back itself (a
+        trainer whose step failed, ``POST /v1/batches/{lease_id}/release``), whichever answer of
+        its take it read. Returns how many went back (0: an unknown, released or acknowledged
+        lease, or one answered again without ``by_holder``; what a later take got after the lease
+        timed out is not its own any more). An acknowledged lease stays acknowledged. Best
+        effort: what it cannot put back is redelivered after the lease timeout, as any lease's."""
 
     @abc.abstractmethod
     async def ack(self, lease_id: str) -> AckResult:

@@ -409,9 +409,9 @@ class MemoryStore(StateStore):
         if picked:
             self._wake()
 
-    async def release(self, lease_id: str) -> int:
+    async def release(self, lease_id: str, *, by_holder: bool = False) -> int:
         record = self._leases.get(lease_id)
-        if record is None or record[2]:
+        if record is None or (record[2] and not by_holder):
             return 0
         del self._leases[lease_id]
         mine = {}

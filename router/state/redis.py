@@ -436,18 +436,20 @@ return {0}
 
 _GIVE_BACK = """
 -- KEYS: the stream, the set of takes in progress, the lease, then per picked entry its session;
--- ARGV: the group, the take's consumer (its lease id), then the picked entry ids. Returns how
--- many went back: 0, changing nothing else, for a lease a repeat of its take id was answered
--- ('!again', _REPEAT_OR_CLAIM): its retry's client holds it
+-- ARGV: the group, the take's consumer (its lease id), '1' when the lease's holder releases it
+-- (else ''), then the picked entry ids. Returns how many went back: 0, changing nothing else,
+-- for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it, for a lease a
+-- repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's client holds it
 redis.call('ZREM', KEYS[2], ARGV[2])
-if redis.call('HEXISTS', KEYS[3], '!again') == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[3], '!acked') == 1 then return 0 end
+if ARGV[3] ~= '1' and redis.call('HEXISTS', KEYS[3], '!again') == 1 then return 0 end
 local leased = redis.call('HGETALL', KEYS[3])
 if #leased > 0 then
   local mine = {}
   for i = 1, #leased, 2 do mine[leased[i]] = true end
-  for i = 3, #ARGV do
-    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1 then
-      redis.call('HINCRBY', KEYS[i + 1], 'delivered', -1)
+  for i = 4, #ARGV do
+    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i]) == 1 then
+      redis.call('HINCRBY', KEYS[i], 'delivered', -1)
     end
   end
   redis.call('DEL', KEYS[3])
@@ -1167,22 +1169,34 @@ class RedisStore(StateStore):
         lapsed and the lease timeout has passed. Returns how many went back."""
         with contextlib.suppress(*_UNAVAILABLE, InvalidResponse):  # TimeoutError (the bound): an OSError
             async with asyncio.timeout(_PUT_BACK_S):
-                return int(
-                    await self._give_back(
-                        keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
-                        args=[GROUP, lease_id, *(entry_id for entry_id, _sid in entries)],
-                    )
-                )
+                return await self._give_back_lease(lease_id, entries, by_holder=False)
         return 0
 
-    async def release(self, lease_id: str) -> int:
+    async def _give_back_lease(
+        self, lease_id: str, entries: list[tuple[str, str]], *, by_holder: bool
+    ) -> int:
+        """:data:`_GIVE_BACK` for the lease ``lease_id`` that picked ``entries``."""
+        return int(
+            await self._give_back(
+                keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
+                args=[GROUP, lease_id, "1" if by_holder else "", *(entry_id for entry_id, _sid in entries)],
+            )
+        )
+
+    async def release(self, lease_id: str, *, by_holder: bool = False) -> int:
         """The lease's record names what it holds (an acknowledged one's holds nothing; one
-        answered again to a repeat of its take id is left); then :meth:`_put_back`, as a take
-        that did not answer (its script leaves a lease answered again meanwhile)."""
+        answered again to a repeat of its take id is left unless ``by_holder``); then
+        :data:`_GIVE_BACK`, as a take that did not answer (the script leaves a lease acknowledged
+        or, unless ``by_holder``, answered again meanwhile). Its holder's release raises
+        :class:`StateUnavailable` when Redis is down (its client retries); else
+        :meth:`_put_back`'s best effort."""
         record = {_s(k): _s(v) for k, v in (await self._call(self._r.hgetall, _lease_key(lease_id))).items()}
-        if not record or ACKED in record or AGAIN in record:
+        if not record or ACKED in record or (AGAIN in record and not by_holder):
             return 0
-        return await self._put_back(lease_id, list(record.items()))
+        entries = [(entry_id, sid) for entry_id, sid in record.items() if entry_id != AGAIN]
+        if by_holder:
+            return await self._call(self._give_back_lease, lease_id, entries, by_holder=True)
+        return await self._put_back(lease_id, entries)
 
     async def _reap_consumers(self) -> int:
         """Forget lease consumers that own nothing any more and are idle for twice the lease

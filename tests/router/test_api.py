@@ -223,6 +223,11 @@ def test_auth_scopes(router) -> None:
         ({"input_ids": [1], "sampling_params": {"top_k": 0}}, 422, "sampling_params.top_k"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, 422, "max_new_tokens"),
         ({"input_ids": [1], "sampling_params": {"temprature": 1}}, 422, "temprature"),
+        (  # SGLang's name (/generate's): the message names the turn API's
+            {"input_ids": [1], "sampling_params": {"sampling_seed": 3}},
+            422,
+            "sampling_params.sampling_seed: Extra inputs are not permitted: the turn API calls it seed",
+        ),
         ({"input_ids": "abc"}, 422, "input_ids"),
         ({"input_ids": [1], "turn": 5}, 409, "turn"),
         ({}, 422, "exactly one of input_ids"),

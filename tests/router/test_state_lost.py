@@ -6,15 +6,20 @@ warning, no error."""
 
 from __future__ import annotations
 
+import asyncio
+import calendar
 import contextlib
+import re
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.procs import free_port, redis_process
 from tests.support.router import router_process, write_preset
+from tests.support.state import opened
 
 LOST = "lost its data"
 NOTHING = "persists nothing"
@@ -57,3 +62,55 @@ def test_a_redis_restart_that_lost_the_state_is_logged_as_an_error(tmp_path, app
         assert f"state store {state} lost its data" in line and "appendonly yes" in line, line
         time.sleep(2)
         assert log.read_text(errors="replace").count(LOST) == 1
+
+
+def _lost_clause(response: httpx.Response) -> str:
+    """What a 404 for an unknown session says after ``unknown session '<id>'``."""
+    assert response.status_code == 404, response.text
+    detail = response.json()["detail"]
+    assert detail.startswith("unknown session 's1'"), detail
+    return detail.removeprefix("unknown session 's1'")
+
+
+def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tmp_path) -> None:
+    """A session created before the loss is gone: its read, turn, finish, trajectory and delete
+    answer 404 saying when this router found the store lost its data; before the loss, a 404 for
+    an unknown session says only that."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    port = free_port()
+    state = f"redis://127.0.0.1:{port}/0"
+    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
+    log = tmp_path / "router.log"
+    with contextlib.ExitStack() as stack:
+        redis = contextlib.ExitStack()
+        stack.callback(redis.close)
+        redis.enter_context(redis_process(port, data))
+        router = stack.enter_context(router_process(preset, state=state, log=log))
+        c = stack.enter_context(httpx.Client(base_url=router.url, headers=router.headers, timeout=60))
+        assert _lost_clause(c.get("/v1/sessions/s1")) == ""  # no loss seen: the plain 404
+        asyncio.run(_create(state, "s1"))
+        assert c.get("/v1/sessions/s1").status_code == 200
+        redis.close()
+        redis.enter_context(redis_process(port, data))
+        _wait_for(log, LOST)
+        found = time.time()
+        turn = {"append_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        answers = [
+            c.get("/v1/sessions/s1"),
+            c.post("/v1/sessions/s1/turns", json=turn),
+            c.post("/v1/sessions/s1/finish", json={"reward": 1.0}),
+            c.get("/v1/sessions/s1/trajectory"),
+            c.delete("/v1/sessions/s1"),
+        ]
+        clauses = {_lost_clause(r) for r in answers}
+        assert len(clauses) == 1, clauses
+        clause = clauses.pop()
+        match = re.fullmatch(r" \(the state store lost its data at (.+) UTC\)", clause)
+        assert match, clause
+        at = calendar.timegm(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"))
+        assert found - 30 <= at <= found + 1, (clause, found)
+
+
+async def _create(state: str, sid: str) -> None:
+    async with opened(state) as store:
+        await store.create_session(sid, "cpu-a", {}, now=time.time())

@@ -1,0 +1,58 @@
+"""A trainer hands a lease back (``POST /v1/batches/{lease_id}/release``, the kit's ``release``):
+a real router (``--lease-timeout 300``) on the memory state and on a real redis-server, a real
+engine, the trainer kit over HTTP. What the lease held is ready for the next take at once (each
+trajectory exactly once), the released lease's ack is a 404, a repeated release, one of an
+acknowledged lease and one of an unknown lease answer 0 (the acknowledged one stays
+acknowledged), and a lease answered again to a retry of its take id is released too."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.router.test_take_disconnect import _finish
+from tests.support.router import router_process, write_preset
+from trainer.client import RolloutClient, RouterError
+
+
+def test_a_released_lease_is_ready_for_the_next_take_at_once(
+    tmp_path, engine_url: str, store_url: str
+) -> None:
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    with (
+        router_process(preset, state=store_url, extra_args=("--lease-timeout", "300")) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+        RolloutClient(router.url, router.key, retries=1, backoff_s=0.01) as kit,
+    ):
+        sids = sorted(_finish(c) for _ in range(2))
+        first = kit.take(4)
+        assert sorted(t["session_id"] for t in first.trajectories) == sids
+        assert kit.release(first.lease_id) == {"lease_id": first.lease_id, "released": 2}
+        assert c.get("/v1/batches/stats").json() == {"ready": 2, "pending": 0, "held_back": 0, "leases": 0}
+        again = kit.take(4)  # at once, not after the 300 s lease timeout
+        assert again.lease_id not in (None, first.lease_id)
+        assert sorted(t["session_id"] for t in again.trajectories) == sids  # each exactly once
+        with pytest.raises(RouterError) as err:
+            kit.ack(first.lease_id)  # the released lease is forgotten
+        assert err.value.status == 404 and "released" in err.value.detail
+        assert kit.release(first.lease_id)["released"] == 0  # a retried release: no error
+        assert kit.release("0" * 32)["released"] == 0  # unknown: 0 too (module docstring of the route)
+        acked = kit.ack(again.lease_id)
+        assert acked["acked"] == 2
+        assert kit.release(again.lease_id)["released"] == 0  # acknowledged: stays acknowledged
+        assert kit.ack(again.lease_id) == {**acked, "already_acked": True}
+        assert kit.take(4).lease_id is None
+        with pytest.raises(RouterError) as err:
+            kit.release("not a lease")
+        assert err.value.status == 422
+
+        # a lease answered again to a retry of its take id (the kit's lost answer) is its holder's
+        sid = _finish(c)
+        body = {"size": 1}
+        taken = c.post("/v1/batches/take", json=body, headers={"Idempotency-Key": "take-9"}).json()
+        retried = c.post("/v1/batches/take", json=body, headers={"Idempotency-Key": "take-9"}).json()
+        assert retried["lease_id"] == taken["lease_id"] and retried["trajectories"][0]["session_id"] == sid
+        assert kit.release(taken["lease_id"])["released"] == 1
+        batch = kit.take(1)
+        assert [t["session_id"] for t in batch.trajectories] == [sid]
+        assert kit.ack(batch.lease_id)["acked"] == 1

@@ -1,0 +1,74 @@
+"""While the state store is down, the router's background poll says so once, not every poll: a
+real router on a real redis-server that is stopped for two polls and started again logs one line
+naming the state URL and the error when Redis goes, one when it is back, and no traceback
+(requests meanwhile answer 503). Slow: a poll while Redis is down takes about a minute (each
+state call retries for the adapter's 20 s ``outage_s``), and the test waits for two."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.procs import free_port, redis_process
+from tests.support.router import router_process, write_preset
+
+DOWN = "is unavailable"
+BACK = "is available again"
+
+
+def _wait_for(log: Path, text: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = log.read_text(errors="replace")
+        if text in body:
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in the router's log:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+def test_a_state_store_outage_is_logged_once_when_it_starts_and_once_when_it_ends(tmp_path) -> None:
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    port = free_port()
+    state = f"redis://127.0.0.1:{port}/0"
+    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
+    log = tmp_path / "router.log"
+    with contextlib.ExitStack() as stack:
+        redis = contextlib.ExitStack()
+        stack.callback(redis.close)
+        redis.enter_context(redis_process(port, data, appendonly=True))
+        router = stack.enter_context(
+            router_process(
+                preset,
+                state=state,
+                log=log,
+                extra_args=("--session-idle-timeout", "10", "--compact-interval", "1"),
+            )
+        )
+        time.sleep(1.5)
+        assert DOWN not in log.read_text(errors="replace")
+        redis.close()
+        with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
+            r = c.post("/v1/sessions", json={"group": "cpu-a"})
+            assert r.status_code == 503 and "state store unavailable" in r.json()["detail"], r.text
+        _wait_for(log, DOWN, timeout=120)
+        # the rest of that poll (idle sweep, compaction: 20 s each) and the whole next one
+        time.sleep(100)
+        body = log.read_text(errors="replace")
+        lines = [line for line in body.splitlines() if DOWN in line]
+        assert len(lines) == 1, body[-3000:]
+        assert f"state store {state} {DOWN}" in lines[0] and "redis: " in lines[0], lines[0]
+        assert "Traceback" not in body and "poll failed" not in body, body[-3000:]
+        redis.enter_context(redis_process(port, data, appendonly=True))
+        body = _wait_for(log, BACK)
+        assert [line for line in body.splitlines() if BACK in line] == [
+            next(line for line in body.splitlines() if f"state store {state} {BACK}" in line)
+        ]
+        time.sleep(2.5)
+        body = log.read_text(errors="replace")
+        assert body.count(BACK) == 1 and body.count(DOWN) == 1 and "Traceback" not in body, body[-3000:]
