@@ -212,7 +212,9 @@ async def _render(
     whether they were rendered whole (no chat note to resume from: module docstring); ApiError 400
     for what the renderer cannot represent, 404 / 409 for an unknown or finished session."""
     held = ctx.context_text.known(session_id)  # the context this process's last turn left
-    state = _open(await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id)
+    state = _open(
+        ctx, await ctx.store.get_chat_state(session_id, None if held is None else held[0]), session_id
+    )
     context = held[1] if state.context is None and held is not None else state.context or b""
     chain = digests(
         f"{renderer.family}/{renderer.form}" if renderer.form else renderer.family, req.tools, req.messages
@@ -243,7 +245,7 @@ async def session_created(ctx: RouterContext, session_id: str) -> int:
     chat_renderer(ctx.config)
     info = await ctx.store.get_session(session_id)
     if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     return int(info.created_at)
 
 
@@ -270,7 +272,7 @@ async def _replay(
     """The result of the turn recorded under the request's key (the session may be finished since)."""
     info = await ctx.store.get_session(session_id)
     if info is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     turn = first.to_json(session_id, with_input=False)
     return _result(turn, renderer, first.prompt_len, stops, ChatState(info, b""))
 
@@ -290,10 +292,10 @@ def _result(
     )
 
 
-def _open(state: ChatState | None, session_id: str) -> ChatState:
+def _open(ctx: RouterContext, state: ChatState | None, session_id: str) -> ChatState:
     """The session's chat state, if it exists and is open; else 404 / 409 (as a token turn)."""
     if state is None:
-        raise ApiError(404, f"unknown session {session_id!r}")
+        raise ctx.unknown_session(session_id)
     if state.session.status != "open":
         raise ApiError(409, f"session {session_id!r} is {state.session.status}: it accepts no more turns")
     return state

@@ -67,15 +67,16 @@ def test_a_redis_restart_that_lost_the_state_is_logged_as_an_error(tmp_path, app
 def _lost_clause(response: httpx.Response) -> str:
     """What a 404 for an unknown session says after ``unknown session '<id>'``."""
     assert response.status_code == 404, response.text
-    detail = response.json()["detail"]
+    body = response.json()
+    detail = body["detail"] if "detail" in body else body["error"]["message"]  # the chat APIs' shapes
     assert detail.startswith("unknown session 's1'"), detail
     return detail.removeprefix("unknown session 's1'")
 
 
-def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tmp_path) -> None:
-    """A session created before the loss is gone: its read, turn, finish, trajectory and delete
-    answer 404 saying when this router found the store lost its data; before the loss, a 404 for
-    an unknown session says only that."""
+def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tmp_path, tiny_dir) -> None:
+    """A session created before the loss is gone: its read, turn, finish, trajectory, delete and
+    both chat APIs' turns and models answer 404 saying when this router found the store lost its
+    data; before the loss, a 404 for an unknown session says only that."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
     port = free_port()
     state = f"redis://127.0.0.1:{port}/0"
@@ -85,7 +86,8 @@ def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tm
         redis = contextlib.ExitStack()
         stack.callback(redis.close)
         redis.enter_context(redis_process(port, data))
-        router = stack.enter_context(router_process(preset, state=state, log=log))
+        chat = ("--chat-model", str(tiny_dir))
+        router = stack.enter_context(router_process(preset, state=state, log=log, extra_args=chat))
         c = stack.enter_context(httpx.Client(base_url=router.url, headers=router.headers, timeout=60))
         assert _lost_clause(c.get("/v1/sessions/s1")) == ""  # no loss seen: the plain 404
         asyncio.run(_create(state, "s1"))
@@ -95,12 +97,19 @@ def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tm
         _wait_for(log, LOST)
         found = time.time()
         turn = {"append_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        message = [{"role": "user", "content": "hi"}]
         answers = [
             c.get("/v1/sessions/s1"),
             c.post("/v1/sessions/s1/turns", json=turn),
             c.post("/v1/sessions/s1/finish", json={"reward": 1.0}),
             c.get("/v1/sessions/s1/trajectory"),
             c.delete("/v1/sessions/s1"),
+            c.post("/v1/sessions/s1/openai/v1/chat/completions", json={"model": "m", "messages": message}),
+            c.post(
+                "/v1/sessions/s1/anthropic/v1/messages",
+                json={"model": "m", "max_tokens": 2, "messages": message},
+            ),
+            c.get("/v1/sessions/s1/openai/v1/models/m"),
         ]
         clauses = {_lost_clause(r) for r in answers}
         assert len(clauses) == 1, clauses
