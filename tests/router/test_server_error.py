@@ -66,6 +66,18 @@ def serving(app) -> Iterator[str]:
         thread.join(30)
 
 
+def _logged(caplog: pytest.LogCaptureFixture, n: int) -> list[logging.LogRecord]:
+    """The records with an exception, once ``n`` are there (or 10 s passed) and a moment after:
+    the server logs a request's exception after it sent the 500 (Starlette's
+    ``ServerErrorMiddleware`` answers, then re-raises to uvicorn), so a client can read the answer
+    before the record exists."""
+    deadline = time.monotonic() + 10
+    while sum(1 for rec in caplog.records if rec.exc_info) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # one more would be a second record of a failure
+    return [rec for rec in caplog.records if rec.exc_info]
+
+
 def _no_internals(r: httpx.Response) -> None:
     for leak in ("Traceback", "hunter2", "secret.py", 'File "'):
         assert leak not in r.text, r.text
@@ -118,7 +130,7 @@ def test_an_unexpected_failure_is_a_500_in_each_apis_shape_logged_once(
             an.models.list()
         assert an_error.value.status_code == 500 and an_error.value.body["error"]["type"] == "api_error"
 
-        logged = [rec for rec in caplog.records if rec.exc_info]
+        logged = _logged(caplog, 5)
         assert [rec.exc_info[0] for rec in logged] == [RuntimeError] * 5, [rec.getMessage() for rec in logged]
 
         store.failing = False  # the router answers the next requests as before

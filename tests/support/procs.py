@@ -153,6 +153,15 @@ def soft_open_files(soft: int, hard: int | None = None) -> Callable[[], None]:
     return lower
 
 
+def interruptible() -> None:
+    """A ``preexec_fn`` for a child a test interrupts with SIGINT (Ctrl-C): SIGINT back to its
+    default. Python turns SIGINT into KeyboardInterrupt only when it is not ignored at start, and a
+    non-interactive shell starts its background jobs with SIGINT ignored (POSIX), which children
+    inherit: a test suite run as one (a CI runner's ``bash .ci/run &``) would send a signal the
+    child ignores."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def open_files_limit(pid: int) -> tuple[int, int]:
     """The soft and hard open-file limits of process ``pid`` (``/proc/PID/limits``)."""
     for line in Path(f"/proc/{pid}/limits").read_text().splitlines():

@@ -27,7 +27,7 @@ import pytest
 from mixfleet.init_model import PRESETS
 from replica.sidecar import parse_prometheus
 from tests.support.fleet import LOCAL_GROUPS, LocalFleet, local_fleet
-from tests.support.procs import REPO, mixfleet_argv
+from tests.support.procs import REPO, interruptible, mixfleet_argv
 from tests.support.router import ALL_SCOPES, RouterHandle, router_process, write_preset
 from weight_sync.convert import convert_checkpoint
 from weight_sync.types import VersionRef
@@ -293,6 +293,7 @@ def test_cli_publish_interrupted_says_what_the_router_goes_on_with(live: Live, t
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=interruptible,
     )
     stopped = False
     try:
@@ -640,6 +641,7 @@ def test_verify_interrupted_after_its_perturbation_rolls_it_back(live: Live) -> 
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=interruptible,
     )
     try:
         for line in proc.stdout:
