@@ -17,22 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.procs import free_port, redis_process
+from tests.support.procs import free_port, redis_process, wait_for_text
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
 
 LOST = "lost its data"
 NOTHING = "persists nothing"
-
-
-def _wait_for(log: Path, text: str, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        body = log.read_text(errors="replace")
-        if text in body:
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in the router's log:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.mark.parametrize("appendonly", [False, True], ids=["no-persistence", "appendonly"])
@@ -57,7 +47,7 @@ def test_a_redis_restart_that_lost_the_state_is_logged_as_an_error(tmp_path, app
             time.sleep(3)
             assert LOST not in log.read_text(errors="replace")
             return
-        body = _wait_for(log, LOST)
+        body = wait_for_text(log, LOST)
         line = next(line for line in body.splitlines() if LOST in line)
         assert f"state store {state} lost its data" in line and "appendonly yes" in line, line
         time.sleep(2)
@@ -94,7 +84,7 @@ def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tm
         assert c.get("/v1/sessions/s1").status_code == 200
         redis.close()
         redis.enter_context(redis_process(port, data))
-        _wait_for(log, LOST)
+        wait_for_text(log, LOST)
         found = time.time()
         turn = {"append_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
         message = [{"role": "user", "content": "hi"}]

@@ -14,21 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.procs import free_port, redis_process
+from tests.support.procs import free_port, redis_process, wait_for_text
 from tests.support.router import router_process, write_preset
 
 DOWN = "is unavailable"
 BACK = "is available again"
-
-
-def _wait_for(log: Path, text: str, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        body = log.read_text(errors="replace")
-        if text in body:
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in the router's log:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 @pytest.mark.slow
@@ -56,7 +46,7 @@ def test_a_state_store_outage_is_logged_once_when_it_starts_and_once_when_it_end
         with httpx.Client(base_url=router.url, headers=router.headers, timeout=30) as c:
             r = c.post("/v1/sessions", json={"group": "cpu-a"})
             assert r.status_code == 503 and "state store unavailable" in r.json()["detail"], r.text
-        _wait_for(log, DOWN, timeout=120)
+        wait_for_text(log, DOWN, timeout=120)
         # the rest of that poll (idle sweep, compaction: 20 s each) and the whole next one
         time.sleep(100)
         body = log.read_text(errors="replace")
@@ -65,7 +55,7 @@ def test_a_state_store_outage_is_logged_once_when_it_starts_and_once_when_it_end
         assert f"state store {state} {DOWN}" in lines[0] and "redis: " in lines[0], lines[0]
         assert "Traceback" not in body and "poll failed" not in body, body[-3000:]
         redis.enter_context(redis_process(port, data, appendonly=True))
-        body = _wait_for(log, BACK)
+        body = wait_for_text(log, BACK)
         assert [line for line in body.splitlines() if BACK in line] == [
             next(line for line in body.splitlines() if f"state store {state} {BACK}" in line)
         ]

@@ -153,6 +153,18 @@ def soft_open_files(soft: int, hard: int | None = None) -> Callable[[], None]:
     return lower
 
 
+def wait_for_text(path: Path, text: str, timeout: float = 30.0) -> str:
+    """The text of the file at ``path`` once it contains ``text``; AssertionError with its tail
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = path.read_text(errors="replace")
+        if text in body:
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path}:\n{path.read_text(errors='replace')[-3000:]}")
+
+
 def interruptible() -> None:
     """A ``preexec_fn`` for a child a test interrupts with SIGINT (Ctrl-C): SIGINT back to its
     default. Python turns SIGINT into KeyboardInterrupt only when it is not ignored at start, and a
