@@ -10,15 +10,13 @@ import asyncio
 import calendar
 import contextlib
 import re
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.procs import free_port, redis_process, wait_for_text
-from tests.support.router import router_process, write_preset
+from tests.support.procs import redis_process, wait_for_text
+from tests.support.router import redis_router_files, router_process
 from tests.support.state import opened
 
 LOST = "lost its data"
@@ -27,11 +25,7 @@ NOTHING = "persists nothing"
 
 @pytest.mark.parametrize("appendonly", [False, True], ids=["no-persistence", "appendonly"])
 def test_a_redis_restart_that_lost_the_state_is_logged_as_an_error(tmp_path, appendonly) -> None:
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
-    port = free_port()
-    state = f"redis://127.0.0.1:{port}/0"
-    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
-    log = tmp_path / "router.log"
+    preset, port, state, data, log = redis_router_files(tmp_path)
     with contextlib.ExitStack() as stack:
         redis = contextlib.ExitStack()
         stack.callback(redis.close)
@@ -67,11 +61,7 @@ def test_after_the_state_lost_its_data_a_404_for_an_unknown_session_says_when(tm
     """A session created before the loss is gone: its read, turn, finish, trajectory, delete and
     both chat APIs' turns and models answer 404 saying when this router found the store lost its
     data; before the loss, a 404 for an unknown session says only that."""
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
-    port = free_port()
-    state = f"redis://127.0.0.1:{port}/0"
-    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
-    log = tmp_path / "router.log"
+    preset, port, state, data, log = redis_router_files(tmp_path)
     with contextlib.ExitStack() as stack:
         redis = contextlib.ExitStack()
         stack.callback(redis.close)

@@ -7,15 +7,13 @@ state call retries for the adapter's 20 s ``outage_s``), and the test waits for 
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.procs import free_port, redis_process, wait_for_text
-from tests.support.router import router_process, write_preset
+from tests.support.procs import redis_process, wait_for_text
+from tests.support.router import redis_router_files, router_process
 
 DOWN = "is unavailable"
 BACK = "is available again"
@@ -23,11 +21,7 @@ BACK = "is available again"
 
 @pytest.mark.slow
 def test_a_state_store_outage_is_logged_once_when_it_starts_and_once_when_it_ends(tmp_path) -> None:
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
-    port = free_port()
-    state = f"redis://127.0.0.1:{port}/0"
-    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
-    log = tmp_path / "router.log"
+    preset, port, state, data, log = redis_router_files(tmp_path)
     with contextlib.ExitStack() as stack:
         redis = contextlib.ExitStack()
         stack.callback(redis.close)

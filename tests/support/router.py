@@ -115,3 +115,13 @@ def router_process(
         url = f"http://127.0.0.1:{port}"
         wait_started("router", url, "/healthz", proc, log, timeout)
         yield RouterHandle(url=url, key=next(iter(keys)), port=port, log=log, proc=proc)
+
+
+def redis_router_files(tmp_path: Path) -> tuple[Path, int, str, Path, Path]:
+    """What a test of a router on a redis-server it restarts needs: a one-group preset, a free
+    port for redis-server and its state URL, a data directory for redis-server (kept across its
+    restarts) and the router's log file."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": ["http://127.0.0.1:1"]}])
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
+    return preset, port, f"redis://127.0.0.1:{port}/0", data, tmp_path / "router.log"
