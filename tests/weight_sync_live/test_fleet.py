@@ -277,6 +277,20 @@ def test_cli_publish_status_through_router(live: Live, tiny_seed2: Path) -> None
     assert httpx.get(live.router.url + "/v1/weights/jobs/nope", headers=live.h).status_code == 404
 
 
+def _interruptible_cli(live: Live, *args: str) -> subprocess.Popen:
+    """``mixfleet *args`` against the live router, its output piped (text, unbuffered), started so
+    that a SIGINT interrupts it (:func:`tests.support.procs.interruptible`)."""
+    return subprocess.Popen(
+        mixfleet_argv(*args),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=interruptible,
+    )
+
+
 @pytest.mark.timeout(240)
 def test_cli_publish_interrupted_says_what_the_router_goes_on_with(live: Live, tiny_seed2: Path) -> None:
     """Ctrl-C while `mixfleet weights publish` waits (the router stopped meanwhile, so the wait
@@ -286,15 +300,7 @@ def test_cli_publish_interrupted_says_what_the_router_goes_on_with(live: Live, t
     import signal
 
     v = live.fleet.next_version()
-    proc = subprocess.Popen(
-        mixfleet_argv("weights", "publish", "--version", str(v), str(tiny_seed2)),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=interruptible,
-    )
+    proc = _interruptible_cli(live, "weights", "publish", "--version", str(v), str(tiny_seed2))
     stopped = False
     try:
         assert proc.stderr.readline().startswith("  converted "), "no conversion event"  # it waits
@@ -634,15 +640,7 @@ def test_verify_interrupted_after_its_perturbation_rolls_it_back(live: Live) -> 
     import signal
 
     before, content = live.fleet.latest(), _content(live)
-    proc = subprocess.Popen(
-        mixfleet_argv("weights", "verify"),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **live.env, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=interruptible,
-    )
+    proc = _interruptible_cli(live, "weights", "verify")
     try:
         for line in proc.stdout:
             if line.startswith("baseline at"):  # printed as the perturbation is sent
