@@ -449,24 +449,11 @@ def _behavior_logprobs(
         if missing.any():
             _not_in_support(output_ids, int(np.argmax(missing)))
         return sampled
-    out = []
-    for i, x in enumerate(mu):
-        if type(x) is float:
-            out.append(x)
-        elif type(x) is int:
-            try:
-                out.append(float(x))
-            except OverflowError:
-                raise ValueError(f"meta_info.{key}[{i}] = {x!r} is beyond a float's range") from None
-        elif x is None:
-            out.append(math.nan)
-        elif type(x) is list:
-            if missing[i]:
-                _not_in_support(output_ids, i)
-            out.append(sampled[i])
-        else:
-            raise ValueError(f"meta_info.{key}[{i}] = {x!r} is not a number")
-    return out
+    if kinds & _LIST:  # a row of the support in place of some tokens' mu
+        for i in (i for i, x in enumerate(mu) if type(x) is list and missing[i]):
+            _not_in_support(output_ids, i)
+        mu = [sampled[i] if type(x) is list else x for i, x in enumerate(mu)]
+    return _floats(mu, f"meta_info.{key}", math.nan)
 
 
 def _not_in_support(output_ids: list[int], i: int) -> NoReturn:
