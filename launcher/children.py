@@ -41,10 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.process import raise_open_file_limit
 from core.tcp import free_port
 from weight_sync.types import VersionRef
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+GUARD_NAME = b"mixfleet-guard"
+"""The guard's process name (``/proc/PID/comm``, what ``ps -e``, ``top`` and ``pgrep`` show; at most
+15 bytes): the rest of its command line is its parent's, whose fork it is."""
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 GUARD_ENV = "MIXFLEET_GUARD_GROUP"
 _guard_fds: list[int] = []
@@ -71,7 +76,8 @@ def guard_group() -> None:
     Call first thing, before any thread, socket or child exists: it forks a sentinel into the
     group that ignores SIGINT and SIGTERM and blocks on a pipe whose only writer is this process;
     once this process has exited, however it ended, the sentinel SIGKILLs the whole group (every
-    process started from here that did not leave it) and so itself. Processes started with
+    process started from here that did not leave it) and so itself. The sentinel is named
+    :data:`GUARD_NAME` (Linux). Processes started with
     ``exec`` do not hold the pipe (its end is close-on-exec); a plain ``fork`` child would keep
     the sentinel waiting until it exits too.
     """
@@ -81,6 +87,8 @@ def guard_group() -> None:
     if os.fork() == 0:
         try:
             os.close(w)
+            if _LIBC is not None:
+                _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_NAME), 0, 0, 0)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             while os.read(r, 1):
@@ -133,7 +141,12 @@ def spawn(
     program: Sequence[str] | None = None,
 ) -> Child:
     """Start ``mixfleet *argv`` (see the module docstring), or ``program *argv`` when given (an
-    engine that is not a ``mixfleet`` command: SGLang); ``env`` is added to this process's."""
+    engine that is not a ``mixfleet`` command: SGLang); ``env`` is added to this process's.
+
+    This process raises its soft open-file limit first
+    (:func:`core.process.raise_open_file_limit`), so it and every process it starts, whatever
+    program that runs, run with the raised limit."""
+    raise_open_file_limit()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
