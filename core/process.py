@@ -49,7 +49,8 @@ def raise_open_file_limit() -> int:
     limit, while the hard one is far higher) at about 1,000 sessions, and past the soft limit
     every ``accept`` fails with EMFILE and the connection is dropped. Every long-running server
     of mixfleet calls this at start: each router process (every worker of ``--workers N``, the
-    router on Modal), the sidecar and the local engine. A refusal, or a limit left below
+    router on Modal), the sidecar and the local engine; so does a launcher before it starts a
+    process (:func:`launcher.children.spawn`), which the process inherits. A refusal, or a limit left below
     :data:`OPEN_FILES_LOW` (a low hard limit), is logged at warning, one line, and the process goes
     on with the limit it has: this never fails start."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -38,6 +38,13 @@ def free_port(host: str = "127.0.0.1", ports: range | None = None) -> int:
     raise OSError(f"no free TCP port on {host} that was not handed out already")
 
 
+def release_port(host: str, port: int) -> None:
+    """Let :func:`free_port` hand out ``host:port`` again (its process has exited: a restarted engine
+    may take its predecessor's port); a port never handed out is ignored."""
+    with _lock:
+        _given.discard((host, port))
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether a listening socket could bind ``host:port`` now (``SO_REUSEADDR``, as servers bind)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -9,7 +9,9 @@ killed with it (:func:`guard_group`), so a supervisor that is killed itself (SIG
 killer) leaves no process behind; elsewhere its children outlive it.
 
 A :class:`Replica` is an engine on a fresh loopback port at every start, behind a sidecar on a
-fixed port (the URL the router knows it by). A :class:`Supervisor` brings replicas up and keeps
+fixed port (the URL the router knows it by): free ports of the launcher's ``ports`` range when it
+has one, else free ports the kernel chooses; either way two launchers on one machine never share
+one (a port in use is skipped). A :class:`Supervisor` brings replicas up and keeps
 them serving: while ``strict`` (start-up), a process that exits or is not ready in time raises
 :class:`ChildFailed`; afterwards an engine that exits is started again on the store's current
 version together with a new sidecar, a sidecar that exits is started again alone, each after a
@@ -41,10 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
-from core.tcp import free_port
+from core.process import raise_open_file_limit
+from core.tcp import free_port, release_port
 from weight_sync.types import VersionRef
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+GUARD_NAME = b"mixfleet-guard"
+"""The guard's process name (``/proc/PID/comm``, what ``ps -e``, ``top`` and ``pgrep`` show; at most
+15 bytes): the rest of its command line is its parent's, whose fork it is."""
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 GUARD_ENV = "MIXFLEET_GUARD_GROUP"
 _guard_fds: list[int] = []
@@ -71,7 +78,8 @@ def guard_group() -> None:
     Call first thing, before any thread, socket or child exists: it forks a sentinel into the
     group that ignores SIGINT and SIGTERM and blocks on a pipe whose only writer is this process;
     once this process has exited, however it ended, the sentinel SIGKILLs the whole group (every
-    process started from here that did not leave it) and so itself. Processes started with
+    process started from here that did not leave it) and so itself. The sentinel is named
+    :data:`GUARD_NAME` (Linux). Processes started with
     ``exec`` do not hold the pipe (its end is close-on-exec); a plain ``fork`` child would keep
     the sentinel waiting until it exits too.
     """
@@ -81,6 +89,8 @@ def guard_group() -> None:
     if os.fork() == 0:
         try:
             os.close(w)
+            if _LIBC is not None:
+                _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_NAME), 0, 0, 0)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             while os.read(r, 1):
@@ -133,7 +143,12 @@ def spawn(
     program: Sequence[str] | None = None,
 ) -> Child:
     """Start ``mixfleet *argv`` (see the module docstring), or ``program *argv`` when given (an
-    engine that is not a ``mixfleet`` command: SGLang); ``env`` is added to this process's."""
+    engine that is not a ``mixfleet`` command: SGLang); ``env`` is added to this process's.
+
+    This process raises its soft open-file limit first
+    (:func:`core.process.raise_open_file_limit`), so it and every process it starts, whatever
+    program that runs, run with the raised limit."""
+    raise_open_file_limit()
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -354,7 +369,8 @@ class Replica:
 class Launcher:
     """Starts the router, engines and sidecars of run ``run_id`` on store ``store_root`` and
     stops them all: every child it started is in ``children``; :meth:`stop_all` (also on leaving
-    the ``with`` block) stops those still running."""
+    the ``with`` block) stops those still running. Engines and sidecars listen on free ports of
+    ``ports`` (None: free ports the kernel chooses); a range with none left free is a UserError."""
 
     def __init__(
         self,
@@ -365,6 +381,7 @@ class Launcher:
         router_url: str | None = None,
         sidecar_env: dict[str, str] | None = None,
         engine_threads: int = 1,
+        ports: range | None = None,
     ) -> None:
         self.store_root = Path(store_root)
         self.run_id = run_id
@@ -372,6 +389,7 @@ class Launcher:
         self.router_url = router_url
         self.sidecar_env = dict(sidecar_env or {})
         self.engine_threads = engine_threads
+        self.ports = ports
         self.children: list[Child] = []
 
     def __enter__(self) -> Launcher:
@@ -402,7 +420,14 @@ class Launcher:
         self, spec: ReplicaSpec, *, staging_dir: Path, engine_log: Path, sidecar_log: Path
     ) -> Replica:
         """A replica of this launcher (nothing started yet) with a free sidecar port."""
-        return Replica(spec, self.host, free_port(self.host), Path(staging_dir), engine_log, sidecar_log)
+        port = self._free_port(self.host)
+        return Replica(spec, self.host, port, Path(staging_dir), engine_log, sidecar_log)
+
+    def _free_port(self, host: str) -> int:
+        try:
+            return free_port(host, self.ports)
+        except OSError as exc:
+            raise UserError(f"no port for a replica's process: {exc}") from None
 
     def start_engine(self, replica: Replica, version: int) -> Child:
         """Start the replica's engine on ``version``'s directory in the store, on a fresh port."""
@@ -410,7 +435,9 @@ class Launcher:
 
         ref = VersionRef(self.run_id, replica.weight_format, version)
         model = LocalStore(self.store_root).version_dir(ref)
-        replica.engine_port = free_port("127.0.0.1")
+        if replica.engine_port is not None:  # its engine has exited: the port may serve the next
+            release_port("127.0.0.1", replica.engine_port)
+        replica.engine_port = self._free_port("127.0.0.1")
         argv = engine_argv(
             model,
             replica.engine_port,

@@ -18,7 +18,9 @@ Before: nothing (a fresh machine is fine). What :func:`serve` does, in order:
    tokenizer and chat template), then
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
-   to the router and activates new versions (started by :mod:`launcher.children`). Groups with
+   to the router and activates new versions (started by :mod:`launcher.children`), each on a
+   free port of ``--replica-ports`` when given, else on a free port the kernel chooses (so
+   fleets of different ``--data-dir`` and ``--port`` run side by side). Groups with
    static replicas are routed to as listed (their engines run elsewhere). The sidecars stage in
    place (the store is on local disk) and activate as on SGLang (:mod:`replica.activation`:
    retract, update with a cache flush, continue; the engine loads the new version while paused).
@@ -55,10 +57,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
+from core.process import raise_open_file_limit
 from core.sglang_release import ENABLE_RETURN_ROUTED_EXPERTS_FLAG
 from core.tcp import port_is_free
 from fleet.specs import FleetSpec, GroupSpec
-from launcher.children import Child, Launcher, Probe, ReplicaSpec, Supervisor, mixfleet_command
+from launcher.children import Child, Launcher, Probe, Replica, ReplicaSpec, Supervisor, mixfleet_command
 from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef
 
@@ -70,8 +73,9 @@ class UpSettings:
     """What ``mixfleet up`` runs (its flags): the preset, the router's address and state, where the
     base policy, store and logs live, the run id, the base policy's size on a first run, torch
     threads per engine, the router's version-lag bound, the readiness timeout, the longest
-    restart backoff, and how long a serving engine or sidecar may go without answering before it
-    is restarted (seconds; :class:`launcher.children.Supervisor`)."""
+    restart backoff, how long a serving engine or sidecar may go without answering before it
+    is restarted (seconds; :class:`launcher.children.Supervisor`), and the ports its engines and
+    sidecars take free ones of (None: the kernel's choice)."""
 
     preset: str = "local"
     host: str = "127.0.0.1"
@@ -86,6 +90,7 @@ class UpSettings:
     ready_timeout_s: float = 600.0
     restart_backoff_max_s: float = 30.0
     unresponsive_s: float = 60.0
+    replica_ports: range | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,9 @@ def run_until_stopped(settings: UpSettings) -> int:
 def serve(settings: UpSettings) -> int:
     """Prepare, start the router, then the replicas; print the banner once every local group has a
     ready replica and supervise until interrupted (KeyboardInterrupt) or a failure (returns 1,
-    everything stopped)."""
+    everything stopped). Its soft open-file limit is raised first
+    (:func:`core.process.raise_open_file_limit`), so every process it starts inherits it."""
+    raise_open_file_limit()
     router_url = f"http://{settings.host}:{settings.port}"
     with hold_data_dir(Path(settings.data_dir).expanduser().resolve(), router_url):
         return _serve(settings, router_url)
@@ -135,6 +142,7 @@ def _serve(settings: UpSettings, router_url: str) -> int:
         router_url=router_url,
         sidecar_env={"MIXFLEET_API_KEY": plan.replica_key},
         engine_threads=settings.engine_threads,
+        ports=settings.replica_ports,
     )
     with launcher, Probe() as probe:
         try:
@@ -145,15 +153,7 @@ def _serve(settings: UpSettings, router_url: str) -> int:
                 groups = {g.name for g in plan.local_groups}
                 _wait_registered(probe, router_url, router, plan.admin_key, groups, deadline)
             supervisor.strict = False
-            _print_banner(
-                router_url,
-                plan.fleet,
-                plan.local_groups,
-                plan.versions,
-                plan.admin_key,
-                plan.generated,
-                plan.data,
-            )
+            _print_banner(router_url, plan, supervisor.replicas, settings.replica_ports)
             while True:
                 _check_router(router)
                 supervisor.tick()
@@ -185,6 +185,7 @@ def _prepare(settings: UpSettings) -> _Plan:
                 f"group {g.name!r} runs on {g.accelerator}, lists no replicas, and cannot run on this "
                 "machine: give it `replicas = [...]` or deploy it with deploy/modal_app.py"
             )
+    _check_replica_ports(settings.replica_ports, local_groups)
     keys, admin_key, generated = api_keys(data)
     keys, sidecar_key = replica_key(keys)
     ensure_base(data / "base", settings.model_preset)
@@ -391,6 +392,16 @@ def _replica_spec(g: GroupSpec, i: int) -> ReplicaSpec:
     )
 
 
+def _check_replica_ports(ports: range | None, local_groups: tuple[GroupSpec, ...]) -> None:
+    """``--replica-ports`` must hold a port for every local replica's engine and sidecar."""
+    wanted = 2 * sum(max(g.min_replicas, 1) for g in local_groups)
+    if ports is not None and len(ports) < wanted:
+        raise UserError(
+            f"--replica-ports {ports.start}-{ports.stop - 1} holds {len(ports)} ports; its "
+            f"{wanted // 2} local replicas need {wanted} (an engine and a sidecar each)"
+        )
+
+
 def _check_router(router: Child) -> None:
     code = router.returncode()
     if code is not None:
@@ -422,23 +433,23 @@ def mixfleet_executable() -> str:
     return shlex.join(mixfleet_command())
 
 
-def _print_banner(
-    router_url: str,
-    fleet: FleetSpec,
-    local_groups: tuple[GroupSpec, ...],
-    versions: dict[str, int],
-    admin_key: str | None,
-    generated: bool,
-    data: Path,
-) -> None:
+def _print_banner(router_url: str, plan: _Plan, replicas: list[Replica], replica_ports: range | None) -> None:
+    fleet, local_groups, versions = plan.fleet, plan.local_groups, plan.versions
+    admin_key, generated, data = plan.admin_key, plan.generated, plan.data
     lines = [
         "",
         f"mixfleet is up: {router_url}  (preset {fleet.name}, {len(fleet.groups)} groups)",
     ]
     for g in fleet.groups:
-        where = "local engine" if g in local_groups else ", ".join(g.replicas)
+        mine = [r.url for r in replicas if r.group == g.name]
+        where = f"local engine, sidecar {', '.join(mine)}" if g in local_groups else ", ".join(g.replicas)
         version = versions.get(g.weight_format, "?") if g in local_groups else "-"
         lines.append(f"  {g.name:<18} {g.weight_format:<6} v{version}  {where}")
+    if local_groups and replica_ports is not None:
+        span = f"{replica_ports.start}-{replica_ports.stop - 1}"
+        lines.append(f"engine and sidecar ports: free ones of --replica-ports {span}")
+    elif local_groups:
+        lines.append("engine and sidecar ports: free ones the system chose (--replica-ports: a range)")
     key_file = data / "api_key"
     if generated:
         lines.append(f"API key (every scope, saved in {key_file}):")

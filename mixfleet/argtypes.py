@@ -27,3 +27,15 @@ def processes(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (convert in this process) or more, got {text!r}")
     return value
+
+
+def port_range(text: str) -> range:
+    """TCP ports ``FIRST-LAST`` (inclusive): whole numbers with ``1 <= FIRST <= LAST <= 65535``."""
+    first, sep, last = text.partition("-")
+    try:
+        ports = range(int(first), int(last) + 1) if sep else None
+    except ValueError:
+        ports = None
+    if ports is None or not 1 <= ports.start < ports.stop <= 65536:
+        raise argparse.ArgumentTypeError(f"must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535, got {text!r}")
+    return ports

@@ -1,7 +1,8 @@
 """Run the embedded default fleet on this machine (base policy, one engine + sidecar per group,
 and the router) until Ctrl-C or SIGTERM.
 
-``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]``.
+``mixfleet up [--preset local] [--port 8300] [--state memory|redis://...] [--data-dir .mixfleet]
+[--replica-ports FIRST-LAST]``.
 A flag it cannot use (a ``--state`` of another form, a ``--data-dir`` that is a file) is one line
 before anything is written.
 What it starts and in which order, and what it guarantees,
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from launcher.embedded import UpSettings, run_until_stopped
-from mixfleet.argtypes import seconds
+from mixfleet.argtypes import port_range, seconds
 from mixfleet.router import check_state_form
 
 
@@ -25,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="router address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8300, help="router port (default 8300)")
     parser.add_argument("--state", default="memory", help="router state: memory (default) or redis://...")
+    parser.add_argument(
+        "--replica-ports",
+        type=port_range,
+        default=None,
+        metavar="FIRST-LAST",
+        help="the engines and sidecars listen on free ports of this range (default: free ports the "
+        "system chooses; either way fleets of different --data-dir and --port run side by side)",
+    )
     parser.add_argument("--data-dir", default=".mixfleet", help="base model, store, logs (default .mixfleet)")
     parser.add_argument("--run", default="local", help="run id of the published versions (default local)")
     parser.add_argument(
@@ -90,5 +99,6 @@ def run(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout,
         restart_backoff_max_s=args.restart_backoff_max,
         unresponsive_s=args.unresponsive_timeout,
+        replica_ports=args.replica_ports,
     )
     return run_until_stopped(settings)

@@ -5,6 +5,7 @@ start-up stops everything; and when ``up`` itself is killed, its processes exit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,15 +14,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from core.process import open_files_wanted
 from core.tcp import port_is_free
-from tests.support.procs import descendants, free_port, kill_group, mixfleet_argv, worker_ports
+from tests.support.procs import (
+    descendants,
+    free_port,
+    kill_group,
+    mixfleet_argv,
+    open_files_limit,
+    soft_open_files,
+    worker_ports,
+)
+from tests.support.router import write_preset
 
 
 def _wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -54,15 +65,24 @@ def _clean_env() -> dict[str, str]:
 
 
 @contextmanager
-def _up(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, Path, int]]:
-    """``mixfleet up`` (tiny base policy) on a free port; yields (process, its output file, port)."""
+def _up(
+    tmp_path: Path, *extra: str, preexec_fn: Callable[[], None] | None = None
+) -> Iterator[tuple[subprocess.Popen, Path, int]]:
+    """``mixfleet up`` (tiny base policy) on a free port, its data dir ``tmp_path/data``; yields
+    (process, its output file ``tmp_path/up.log``, port)."""
     port, out = free_port(), tmp_path / "up.log"
     argv = mixfleet_argv(
         "up", "--model-preset", "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")
     )
+    tmp_path.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as log:
         proc = subprocess.Popen(
-            [*argv, *extra], stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
+            [*argv, *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_clean_env(),
+            start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     try:
         yield proc, out, port
@@ -265,6 +285,10 @@ def test_up_refuses_a_bad_state_or_data_dir_in_one_line_before_preparing_anythin
     cases = [
         (["--state", "foo", "--data-dir", str(tmp_path / "d")], "--state must be 'memory' or a redis:// URL"),
         (["--data-dir", str(tmp_path / "file")], f"--data-dir {tmp_path / 'file'}: File exists"),
+        (
+            ["--replica-ports", "20100-20104", "--data-dir", str(tmp_path / "e")],
+            "--replica-ports 20100-20104 holds 5 ports; its 3 local replicas need 6",
+        ),
     ]
     for args, message in cases:
         r = subprocess.run(
@@ -280,6 +304,61 @@ def test_up_refuses_a_bad_state_or_data_dir_in_one_line_before_preparing_anythin
     assert not (tmp_path / "d").exists()
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports ``pid``'s process listens on (``/proc/PID/net/tcp`` lists its network
+    namespace's sockets; those whose inodes are among its open files are its own)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.slow
+def test_two_fleets_of_other_data_dirs_and_ports_run_side_by_side(tmp_path: Path) -> None:
+    """Two ``up`` at once, each under a soft open-file limit of 256: both serve, every engine and
+    sidecar on a port of its own ``--replica-ports`` (the banner names the range and the sidecars),
+    and ``up`` and every process it started run with the raised limit."""
+    preset = write_preset(tmp_path / "one.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    block = worker_ports()
+    ranges = (
+        range(block.stop - 20, block.stop - 10),
+        range(block.stop - 10, block.stop),
+    )  # free_port: its start
+    with contextlib.ExitStack() as stack:
+        fleets = [
+            stack.enter_context(
+                _up(tmp_path / name, "--preset", str(preset), "--replica-ports", f"{r.start}-{r.stop - 1}",
+                    preexec_fn=soft_open_files(256))
+            )
+            for name, r in zip("ab", ranges, strict=True)
+        ]  # fmt: skip
+        raised = open_files_wanted(open_files_limit(os.getpid())[1])
+        for (proc, out, port), ports in zip(fleets, ranges, strict=True):
+            banner = _wait_for_line(out, r"^Ctrl-C stops everything\.$", proc, timeout=300).string
+            assert f"--replica-ports {ports.start}-{ports.stop - 1}" in banner
+            key = (tmp_path / out.parent.name / "data" / "api_key").read_text().strip()
+            groups = httpx.get(
+                f"http://127.0.0.1:{port}/v1/groups", headers={"Authorization": f"Bearer {key}"}
+            ).json()["groups"]
+            (sidecar_url,) = [r["url"] for g in groups for r in g["replicas"]]
+            assert f"local engine, sidecar {sidecar_url}" in banner
+            started = _started(out)
+            engine, sidecar = started["engine-cpu-bf16-0"], started["sidecar-cpu-bf16-0"]
+            assert _listening_ports(sidecar) == {int(sidecar_url.rsplit(":", 1)[1])}
+            replica_ports = _listening_ports(engine) | _listening_ports(sidecar)
+            assert len(replica_ports) == 2 and replica_ports <= set(ports), (replica_ports, ports)
+            for pid in (proc.pid, *descendants(proc.pid)):
+                assert open_files_limit(pid)[0] == raised, (pid, Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
 def test_free_ports_are_never_handed_out_twice() -> None:
     # The kernel hands out a port it just returned again soon enough (birthday odds over ~28k
     # ephemeral ports are ~99% for 500 draws); two engines would then be told to share it.
@@ -293,6 +372,7 @@ def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_erro
     import socket
 
     from core.tcp import free_port as fleet_free_port
+    from core.tcp import release_port
 
     # The top of this process's block of test ports: free_port() hands out a block from its start
     # (the kernel's choice, port 0, could be one the test above had from free_port()), and no
@@ -313,6 +393,8 @@ def test_free_ports_of_a_range_skip_listening_ones_and_run_out_with_a_clear_erro
     assert fleet_free_port("127.0.0.1", block) == taken  # closed now
     with pytest.raises(OSError, match="handed out already"):
         fleet_free_port("127.0.0.1", block)
+    release_port("127.0.0.1", taken)  # its process exited: the next engine may take it
+    assert fleet_free_port("127.0.0.1", block) == taken
 
 
 @pytest.mark.timeout(120)
