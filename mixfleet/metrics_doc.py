@@ -60,9 +60,9 @@ SECTIONS: tuple[tuple[str, str, Sequence[MetricDef]], ...] = (
         "`GET /metrics` of every router and every sidecar: prometheus-client's `ProcessCollector` "
         "(Linux `/proc`), its names and help texts, the families every Python exporter shows. A "
         "sidecar, and a router of one process, export one unlabelled series each. With "
-        "`mixfleet router --workers N` the worker that answers reads every live worker's `/proc/<pid>`: "
-        "one series per worker, labelled `pid` (the supervisor process is not among them); sum or max "
-        "them by `instance`.",
+        "`mixfleet router --workers N` the worker that answers reads the `/proc/<pid>` of every live "
+        "worker and of the supervisor (the `mixfleet router` process that started them): one series "
+        "per process, labelled `pid`; sum or max them by `instance`.",
         PROCESS_METRICS,
     ),
     (
@@ -79,10 +79,11 @@ SECTIONS: tuple[tuple[str, str, Sequence[MetricDef]], ...] = (
 
 def workers(d: MetricDef) -> str:
     """How a router's workers combine ``d``: ``once`` (computed at scrape time), ``sum``, or a
-    gauge's multiprocess mode, ``per worker`` (a process metric: a series per worker); ``-`` for a
+    gauge's multiprocess mode, ``per process`` (a process metric: a series per worker and one for
+    the supervisor); ``-`` for a
     sidecar's (one process)."""
     if d in PROCESS_METRICS:
-        return "per worker (`pid`)"
+        return "per process (`pid`)"
     if d in SNAPSHOT:
         return "once"
     if d not in REQUEST_PATH:

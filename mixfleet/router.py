@@ -344,20 +344,17 @@ def default_args(**values) -> dict:
     return {**defaults, **values}
 
 
-SUPERVISOR_ENV = "MIXFLEET_ROUTER_SUPERVISOR"
-"""The pid of the ``mixfleet router --workers N`` process (N > 1) whose uvicorn supervisor
-starts the workers."""
-
-
 def app_from_env():
     """uvicorn's app factory in every router worker: :func:`app_from_args` of the arguments
-    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON). A worker of several (``SUPERVISOR_ENV``
-    set) is sent SIGTERM, uvicorn's own stop, when its supervisor ends however it ended (SIGKILL,
-    the OOM killer), and exits at once when the supervisor is already gone: no orphan keeps
-    serving the port."""
+    :func:`run` left in ``MIXFLEET_ROUTER_ARGS`` (JSON). A worker of several
+    (``router.metrics.SUPERVISOR_ENV`` set) is sent SIGTERM, uvicorn's own stop, when its
+    supervisor ends however it ended (SIGKILL, the OOM killer), and exits at once when the
+    supervisor is already gone: no orphan keeps serving the port."""
     raw = os.environ.get(ARGS_ENV)
     if not raw:
         raise UserError(f"{ARGS_ENV} is not set: start the router with `mixfleet router`")
+    from router.metrics import SUPERVISOR_ENV
+
     supervisor = os.environ.get(SUPERVISOR_ENV)
     if supervisor:
         from launcher.children import die_with_parent
@@ -437,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
     until it is stopped: ``--workers`` processes, each building its app with :func:`app_from_env`
     (the arguments are checked here first, so a bad one is one line and nothing starts)."""
     import uvicorn
+
+    from router.metrics import SUPERVISOR_ENV
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")

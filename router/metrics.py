@@ -74,6 +74,10 @@ MISMATCH_VERSIONS_EXPORTED = 16
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client's multiprocess directory variable (``values.py`` 157)."""
 
+SUPERVISOR_ENV = "MIXFLEET_ROUTER_SUPERVISOR"
+"""The pid of the ``mixfleet router --workers N`` process (N > 1) whose uvicorn supervisor
+starts the workers; set in the workers' environment."""
+
 DEFAULT_VERSION_LAG_BOUND = 2
 """The version lag the lag alert allows when the router has no ``--max-version-lag``: the
 staleness the demo trainer accepts by default (``trainer/demo_config.py``, ``max_version_age``)."""
@@ -501,17 +505,20 @@ def mark_dead_processes(path: str) -> list[int]:
 
 
 class _WorkerProcessCollector:
-    """``ProcessCollector``'s families for every live worker writing to the multiprocess directory
-    ``path`` (every worker sets the ``livesum`` gauge ``mixfleet_router_workers``, so each has a
-    ``live*`` file), one series per worker labelled ``pid``. A worker that exits between listing
-    and reading is left out (``ProcessCollector`` skips what it cannot read)."""
+    """``ProcessCollector``'s families for every process of a router of several: each live worker
+    writing to the multiprocess directory ``path`` (every worker sets the ``livesum`` gauge
+    ``mixfleet_router_workers``, so each has a ``live*`` file) and the supervisor that started
+    them (:data:`SUPERVISOR_ENV`), one series per process labelled ``pid``. A process that exits
+    between listing and reading is left out (``ProcessCollector`` skips what it cannot read)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        supervisor = os.environ.get(SUPERVISOR_ENV, "")
+        self.supervisor = {int(supervisor)} if supervisor.isdigit() else set()
 
     def collect(self) -> Iterator[Metric]:
         fams: dict[str, Metric] = {}
-        for pid in sorted(p for p in _live_gauge_pids(self.path) if process_alive(p)):
+        for pid in sorted(p for p in _live_gauge_pids(self.path) | self.supervisor if process_alive(p)):
             for fam in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
                 out = fams.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
                 for s in fam.samples:

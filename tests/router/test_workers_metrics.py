@@ -6,8 +6,8 @@ before any traffic; after sessions, turns and acknowledged batches spread over b
 scrape shows the totals; after one worker is SIGKILLed (uvicorn's supervisor starts another) no
 counter goes backwards, the dead worker's ``mixfleet_router_workers`` share is gone, and later
 traffic adds to the totals; the workers' metric directory is removed when the router stops. Every
-scrape shows each live worker's process metrics (resident memory, fds, CPU, start time), one series
-per worker labelled ``pid``, and no dead worker's."""
+scrape shows each live worker's process metrics (resident memory, fds, CPU, start time) and the
+supervisor's, one series per process labelled ``pid``, and no dead worker's."""
 
 from __future__ import annotations
 
@@ -185,8 +185,8 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
         assert total(samples, "mixfleet_router_workers") == 2
         assert total(samples, "mixfleet_router_version_lag_bound") == 2  # no --max-version-lag: the default
         assert not [k for k in samples if "pid" in dict(k[1])], "a per-process series leaked"
-    for _ in range(8):  # whichever worker answers: both workers' process series, each its own
-        assert set(process_by_pid(router)) == pids
+    for _ in range(8):  # whichever worker answers: both workers' and the supervisor's process series
+        assert set(process_by_pid(router)) == pids | {router.proc.pid}
     (env,) = {Path(f"/proc/{p}/environ").read_bytes() for p in pids}
     (metrics_dir,) = [
         v.split(b"=", 1)[1].decode() for v in env.split(b"\0") if v.startswith(MULTIPROC_ENV.encode() + b"=")
@@ -222,7 +222,7 @@ def test_every_scrape_answers_for_all_workers_and_survives_a_killed_worker(worke
     for samples, _ in scrapes(router):
         assert totals(samples) == want
         assert total(samples, "mixfleet_router_workers") == 2
-        assert set(process_by_pid(router)) == live  # the killed worker's process series are gone
+        assert set(process_by_pid(router)) == live | {router.proc.pid}  # the killed worker's are gone
 
     # a graceful stop (SIGTERM to the supervisor) removes the workers' metric files
     router.proc.send_signal(signal.SIGTERM)
