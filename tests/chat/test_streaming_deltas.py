@@ -122,21 +122,47 @@ def test_every_tag_sequence_streams_the_parsed_reply(renderer, tmp_path, opens):
     pieces = {p: r.encode(p) for p in PIECES}
     for n in range(5):
         for seq in itertools.product(PIECES, repeat=n):
-            for stop in (True, False):
-                ids = [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop
-                reply = r.parse(ids)
-                deltas, flat = TextDeltas(r), []
-                for tok in ids:
-                    flat += deltas.feed([tok])
-                    reasoning, content = _split(flat)
-                    assert reply.content.startswith(content) and content == deltas.shown, (seq, flat)
-                    assert (reply.reasoning or "").startswith(reasoning), (seq, flat)
-                opened = [i for i, d in enumerate(flat) if isinstance(d, Reasoning)]
-                assert not opened or reply.reasoning is not None, (seq, flat)
-                assert reply.text_first == any(isinstance(d, str) for d in flat[: opened[0] if opened else 0])
-                tail = Tail(_Result(reply), deltas.shown, deltas.reasoning)
-                assert reasoning + tail.reasoning_rest == (reply.reasoning or "")
-                assert content + tail.rest == reply.content
+            _streams_the_parsed_reply(r, seq, pieces)
+
+
+BEFORE = ["", "<", "<tool_", "a <tool_", "<tool_call"]  # sampled before <think>
+INSIDE = ["", "a", "<tool_", "call>"]  # the reasoning
+AFTER = ["call>", "tool_call>", ">", "\n", " ", "a", '{"name": "f", "arguments": {}}</tool_call>']
+
+
+def test_a_tool_call_cut_by_the_reasoning_streams_the_parsed_reply(renderer):  # noqa: F811
+    """Brute force over a ``<tool_call>`` cut by the reasoning: every start of one sampled before
+    ``<think>``, every reasoning (with markup pieces in it), closed or not, and up to two pieces
+    after it that may complete the call in the text the parse joins around the reasoning: the
+    same checks as for every tag sequence (a piece that may still become a call is held back
+    until what follows the reasoning rules it out)."""
+    pieces = {p: renderer.encode(p) for p in {*BEFORE, *INSIDE, *AFTER, "<think>", "</think>"}}
+    for before, inside, end in itertools.product(BEFORE, INSIDE, ["", "</think>"]):
+        for n in range(3 if end else 1):
+            for after in itertools.product(AFTER, repeat=n):
+                _streams_the_parsed_reply(renderer, [before, "<think>", inside, end, *after], pieces)
+
+
+def _streams_the_parsed_reply(r, seq, pieces) -> None:  # noqa: F811
+    """Fed token by token, with and without a stop token, what the deltas of ``seq`` show is at
+    every step the start of its parsed reasoning and content; the tail adds the rest; a reasoning
+    delta comes only for a reply with reasoning, and text before it only when the reply's text
+    came first (Anthropic's block order)."""
+    for stop in (True, False):
+        ids = [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop
+        reply = r.parse(ids)
+        deltas, flat = TextDeltas(r), []
+        for tok in ids:
+            flat += deltas.feed([tok])
+            reasoning, content = _split(flat)
+            assert reply.content.startswith(content) and content == deltas.shown, (seq, flat)
+            assert (reply.reasoning or "").startswith(reasoning), (seq, flat)
+        opened = [i for i, d in enumerate(flat) if isinstance(d, Reasoning)]
+        assert not opened or reply.reasoning is not None, (seq, flat)
+        assert reply.text_first == any(isinstance(d, str) for d in flat[: opened[0] if opened else 0])
+        tail = Tail(_Result(reply), deltas.shown, deltas.reasoning)
+        assert reasoning + tail.reasoning_rest == (reply.reasoning or "")
+        assert content + tail.rest == reply.content
 
 
 @dataclass
