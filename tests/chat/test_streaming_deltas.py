@@ -208,3 +208,51 @@ def test_a_partial_utf8_character_shows_nothing_until_complete(renderer):  # noq
     deltas = TextDeltas(renderer)
     shown = [deltas.feed([tok]) for tok in ids]
     assert shown[-1] == ["é"] and all(s == [] for s in shown[:-1])
+
+
+def _junk(renderer, rng, n: int) -> list[int]:  # noqa: F811
+    """``n`` random ids of byte-level tokens: mostly of bytes that are no UTF-8 character alone
+    (continuation bytes, long runs of which never complete one, and lead bytes), some ASCII
+    letters; none decoding to whitespace or markup, so the content shown is the text decoded."""
+    pools: dict[str, list[int]] = {"cont": [], "high": [], "ascii": []}
+    for tok in range(2000):  # both tokenizers' vocabularies, and ids past them (which show nothing)
+        data = renderer.token_bytes(tok)
+        if tok in renderer.stop_ids or not data or renderer.decode([tok]) == "" or len(data) > 3:
+            continue
+        if all(0x80 <= b < 0xC0 for b in data):
+            pools["cont"].append(tok)
+        elif all(b >= 0x80 for b in data):
+            pools["high"].append(tok)
+        elif data.isalpha():
+            pools["ascii"].append(tok)
+    assert all(pools.values()), {k: len(v) for k, v in pools.items()}
+    ids: list[int] = []
+    while len(ids) < n:
+        kind = rng.choice(["cont", "high", "high", "ascii"])
+        ids += [rng.choice(pools[kind]) for _ in range(rng.randrange(1, 40 if kind == "cont" else 4))]
+    return ids[:n]
+
+
+def test_byte_level_junk_streams_the_whole_decode(renderer):  # noqa: F811
+    """Random ids whose bytes are mostly no UTF-8 characters (long runs never complete one): the
+    content deltas are at every step the start of the text of all the ids decoded at once, the
+    replacement characters the tokenizer gives included, and lag behind the text of the ids so far
+    by at most what their last few ids decode to (a run that cannot complete a character is shown,
+    not held to its end); with the tail they are that text."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(20):
+        ids = _junk(renderer, rng, 300)
+        full = renderer.decode(ids)
+        if any(c.isspace() for c in full):
+            continue
+        deltas, shown = TextDeltas(renderer), ""
+        for i, tok in enumerate(ids):
+            shown += "".join(d for d in deltas.feed([tok]) if isinstance(d, str))
+            assert full.startswith(shown)
+            recent = sum(len(renderer.token_bytes(t)) for t in ids[max(i - 7, 0) : i + 1])
+            assert len(renderer.decode(ids[: i + 1])) - len(shown) <= recent, (i, len(shown))
+        deltas.feed([renderer.stop_ids[0]])
+        reply = renderer.parse([*ids, renderer.stop_ids[0]])
+        assert reply.content == full and shown + reply.content[len(shown) :] == full
