@@ -52,7 +52,9 @@ standing in for the engine's own time. Printed:
   model's renderer: the token's decoding and its reasoning/content deltas), at ``--stream-tokens``
   points of one reasoning reply (default 1K, 5K and 20K tokens in: the mean over the next 500
   tokens, least of 3 runs), and each as a ratio to the first: a token's cost must not grow with
-  the reply's length (it did, quadratically in total, before the split resumed its scan);
+  the reply's length (it did, quadratically in total, before the split resumed its scan); and
+  the same at 1K and 5K ids into a reply of byte-level junk (ids of UTF-8 continuation bytes,
+  which never complete a character): its cost must not grow with the run's length either;
 
 * the same for the OpenAI chat endpoint (``POST {openai_base_url}/chat/completions``, the router
   started with a ``tiny`` checkpoint as its chat model): ``--chat-turns`` turns whose user
@@ -409,6 +411,38 @@ def streamed_split(chat_model: Path, points: list[int]) -> dict[str, float]:
         print(
             f"  {point:>6} tokens in: {out[str(point)]:6.2f} us  ({out[str(point)] / first:.2f}x the first)"
         )
+    return out
+
+
+JUNK_POINTS = (1000, 5000)
+"""Points of the streamed junk split, in ids."""
+
+
+def streamed_junk(chat_model: Path) -> dict[str, float]:
+    """Router CPU per streamed token (µs) at each of :data:`JUNK_POINTS` ids into a reply of
+    byte-level junk: ids of UTF-8 continuation bytes, a run of which never completes a character
+    (the mean over the next 500 ids, least of 3 runs)."""
+    from router.chat.renderers import load_renderer
+    from router.chat.streaming import TextDeltas
+
+    renderer = load_renderer(chat_model)
+    pool = [t for t in range(4096) if (b := renderer.token_bytes(t)) and all(0x80 <= x < 0xC0 for x in b)]
+    rng = random.Random(0)
+    ids = [rng.choice(pool) for _ in range(max(JUNK_POINTS) + 500)]
+    out: dict[str, float] = {}
+    for point in JUNK_POINTS:
+        best = float("inf")
+        for _ in range(3):
+            deltas = TextDeltas(renderer)
+            deltas.feed(ids[:point])
+            cpu = time.process_time()
+            for tok in ids[point : point + 500]:
+                deltas.feed([tok])
+            best = min(best, (time.process_time() - cpu) / 500)
+        out[str(point)] = round(best * 1e6, 2)
+    print("streamed junk split: router CPU per token of a streamed reply of ids that complete no character")
+    for point in JUNK_POINTS:
+        print(f"  {point:>6} ids in: {out[str(point)]:6.2f} us")
     return out
 
 
@@ -772,6 +806,7 @@ def main() -> int:
         report["load_average_start"] = os.getloadavg()
         if args.stream_tokens:
             report["stream_us_per_token"] = streamed_split(chat_model, args.stream_tokens)
+            report["stream_junk_us_per_token"] = streamed_junk(chat_model)
         direct = asyncio.run(
             run_agents(
                 stub_port, {}, args.sessions, args.turns, args.max_context, True, spread_s=args.engine_s

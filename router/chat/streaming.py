@@ -10,7 +10,9 @@ came): the routes render them into the same bytes either way.
 
 What the deltas show (:class:`TextDeltas`): the text of the ids so far, decoded by the renderer's
 tokenizer incrementally (a token that ends inside a UTF-8 character shows nothing until the
-character is complete; a stop id, a stop sequence's too, shows nothing), split into reasoning and
+character is complete, or until the next ids rule it out, and then shows what the tokenizer
+decodes the bytes to, as in the whole reply's text; a stop id, a stop sequence's too, shows
+nothing), split into reasoning and
 content by the renderer as the reply will be parsed
 (:meth:`~router.chat.renderers.base.Renderer.shown`: only what no later token can change, so
 markup a next token could complete, trailing whitespace and a possible tool call wait; fed each
@@ -41,6 +43,7 @@ from router.chat.service import ChatRequest, ChatResult, Head, request_renderer,
 from router.context import RouterContext
 
 _REPLACEMENT = "\ufffd"  # what the tokenizer decodes an incomplete UTF-8 sequence to
+_SETTLED = 3  # ids after which every UTF-8 character that began before them has ended
 
 
 @dataclass(frozen=True)
@@ -133,16 +136,30 @@ class TextDeltas:
             self.shown_size = size
 
     def _decode(self) -> bool:
-        """Feed the view the text of the newest id; False while it ends inside a UTF-8 character.
-        Decodes only the ids from the one before the last text fed on: a few, unless a run of ids
-        ends inside a character or decodes to nothing."""
-        decode = self.renderer.decode
-        before = decode(self.ids[self.prefix : self.read])
-        after = decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT) or not after.startswith(before):
+        """Feed the view the text of the ids not fed yet that no later id can change; False when
+        there is none. That is all of it unless it ends with a replacement character (an id
+        ending inside a UTF-8 character, or bytes that are none); then the text of the ids but
+        the last :data:`_SETTLED`, if no character runs across them (its text decoded alone
+        joins the rest's to the text of both): a character is at most 4 bytes and an id at
+        least one, so whatever began before them has ended in them, and its text is final, the
+        replacement characters the tokenizer gives for bytes that are no character included (the
+        text of the whole reply starts with it). Decodes only the ids from the one before the
+        last text fed on: a few, unless a run of ids decodes to nothing."""
+        decode, ids = self.renderer.decode, self.ids
+        before = decode(ids[self.prefix : self.read])
+        after, read = decode(ids[self.prefix :]), len(ids)
+        if after.endswith(_REPLACEMENT):
+            read -= _SETTLED
+            if read <= self.read:
+                return False
+            head, rest = decode(ids[self.prefix : read]), decode(ids[read:])
+            if not rest or head + rest != after:  # a character runs across ids[read]
+                return False
+            after = head
+        if len(after) <= len(before) or not after.startswith(before):
             return False
         self.view.feed(after[len(before) :])
-        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix, self.read = self.read, read
         return True
 
 

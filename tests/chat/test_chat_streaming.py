@@ -158,6 +158,10 @@ ODD = [  # odd tag sequences: streamed, the same reasoning and content as withou
     "A<think>B<think>C</think>D</think>E<|im_end|>",
     "A</think>B</think>C<|im_end|>",
     "<think>x</think>y<think>z<|im_end|>",
+    # a tool call cut by the reasoning: the text around it joined is a call (content "" / "a")
+    '<tool_<think>\nr\n</think>\n\ncall>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call><|im_end|>",
+    'a <tool_<think>r</think>call>{"name": "get_weather", "arguments": {}}</tool_call><|im_end|>',
 ]
 
 

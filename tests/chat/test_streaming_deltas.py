@@ -122,21 +122,47 @@ def test_every_tag_sequence_streams_the_parsed_reply(renderer, tmp_path, opens):
     pieces = {p: r.encode(p) for p in PIECES}
     for n in range(5):
         for seq in itertools.product(PIECES, repeat=n):
-            for stop in (True, False):
-                ids = [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop
-                reply = r.parse(ids)
-                deltas, flat = TextDeltas(r), []
-                for tok in ids:
-                    flat += deltas.feed([tok])
-                    reasoning, content = _split(flat)
-                    assert reply.content.startswith(content) and content == deltas.shown, (seq, flat)
-                    assert (reply.reasoning or "").startswith(reasoning), (seq, flat)
-                opened = [i for i, d in enumerate(flat) if isinstance(d, Reasoning)]
-                assert not opened or reply.reasoning is not None, (seq, flat)
-                assert reply.text_first == any(isinstance(d, str) for d in flat[: opened[0] if opened else 0])
-                tail = Tail(_Result(reply), deltas.shown, deltas.reasoning)
-                assert reasoning + tail.reasoning_rest == (reply.reasoning or "")
-                assert content + tail.rest == reply.content
+            _streams_the_parsed_reply(r, seq, pieces)
+
+
+BEFORE = ["", "<", "<tool_", "a <tool_", "<tool_call"]  # sampled before <think>
+INSIDE = ["", "a", "<tool_", "call>"]  # the reasoning
+AFTER = ["call>", "tool_call>", ">", "\n", " ", "a", '{"name": "f", "arguments": {}}</tool_call>']
+
+
+def test_a_tool_call_cut_by_the_reasoning_streams_the_parsed_reply(renderer):  # noqa: F811
+    """Brute force over a ``<tool_call>`` cut by the reasoning: every start of one sampled before
+    ``<think>``, every reasoning (with markup pieces in it), closed or not, and up to two pieces
+    after it that may complete the call in the text the parse joins around the reasoning: the
+    same checks as for every tag sequence (a piece that may still become a call is held back
+    until what follows the reasoning rules it out)."""
+    pieces = {p: renderer.encode(p) for p in {*BEFORE, *INSIDE, *AFTER, "<think>", "</think>"}}
+    for before, inside, end in itertools.product(BEFORE, INSIDE, ["", "</think>"]):
+        for n in range(3 if end else 1):
+            for after in itertools.product(AFTER, repeat=n):
+                _streams_the_parsed_reply(renderer, [before, "<think>", inside, end, *after], pieces)
+
+
+def _streams_the_parsed_reply(r, seq, pieces) -> None:  # noqa: F811
+    """Fed token by token, with and without a stop token, what the deltas of ``seq`` show is at
+    every step the start of its parsed reasoning and content; the tail adds the rest; a reasoning
+    delta comes only for a reply with reasoning, and text before it only when the reply's text
+    came first (Anthropic's block order)."""
+    for stop in (True, False):
+        ids = [i for p in seq for i in pieces[p]] + [r.stop_ids[0]] * stop
+        reply = r.parse(ids)
+        deltas, flat = TextDeltas(r), []
+        for tok in ids:
+            flat += deltas.feed([tok])
+            reasoning, content = _split(flat)
+            assert reply.content.startswith(content) and content == deltas.shown, (seq, flat)
+            assert (reply.reasoning or "").startswith(reasoning), (seq, flat)
+        opened = [i for i, d in enumerate(flat) if isinstance(d, Reasoning)]
+        assert not opened or reply.reasoning is not None, (seq, flat)
+        assert reply.text_first == any(isinstance(d, str) for d in flat[: opened[0] if opened else 0])
+        tail = Tail(_Result(reply), deltas.shown, deltas.reasoning)
+        assert reasoning + tail.reasoning_rest == (reply.reasoning or "")
+        assert content + tail.rest == reply.content
 
 
 @dataclass
@@ -182,3 +208,51 @@ def test_a_partial_utf8_character_shows_nothing_until_complete(renderer):  # noq
     deltas = TextDeltas(renderer)
     shown = [deltas.feed([tok]) for tok in ids]
     assert shown[-1] == ["é"] and all(s == [] for s in shown[:-1])
+
+
+def _junk(renderer, rng, n: int) -> list[int]:  # noqa: F811
+    """``n`` random ids of byte-level tokens: mostly of bytes that are no UTF-8 character alone
+    (continuation bytes, long runs of which never complete one, and lead bytes), some ASCII
+    letters; none decoding to whitespace or markup, so the content shown is the text decoded."""
+    pools: dict[str, list[int]] = {"cont": [], "high": [], "ascii": []}
+    for tok in range(2000):  # both tokenizers' vocabularies, and ids past them (which show nothing)
+        data = renderer.token_bytes(tok)
+        if tok in renderer.stop_ids or not data or renderer.decode([tok]) == "" or len(data) > 3:
+            continue
+        if all(0x80 <= b < 0xC0 for b in data):
+            pools["cont"].append(tok)
+        elif all(b >= 0x80 for b in data):
+            pools["high"].append(tok)
+        elif data.isalpha():
+            pools["ascii"].append(tok)
+    assert all(pools.values()), {k: len(v) for k, v in pools.items()}
+    ids: list[int] = []
+    while len(ids) < n:
+        kind = rng.choice(["cont", "high", "high", "ascii"])
+        ids += [rng.choice(pools[kind]) for _ in range(rng.randrange(1, 40 if kind == "cont" else 4))]
+    return ids[:n]
+
+
+def test_byte_level_junk_streams_the_whole_decode(renderer):  # noqa: F811
+    """Random ids whose bytes are mostly no UTF-8 characters (long runs never complete one): the
+    content deltas are at every step the start of the text of all the ids decoded at once, the
+    replacement characters the tokenizer gives included, and lag behind the text of the ids so far
+    by at most what their last few ids decode to (a run that cannot complete a character is shown,
+    not held to its end); with the tail they are that text."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(20):
+        ids = _junk(renderer, rng, 300)
+        full = renderer.decode(ids)
+        if any(c.isspace() for c in full):
+            continue
+        deltas, shown = TextDeltas(renderer), ""
+        for i, tok in enumerate(ids):
+            shown += "".join(d for d in deltas.feed([tok]) if isinstance(d, str))
+            assert full.startswith(shown)
+            recent = sum(len(renderer.token_bytes(t)) for t in ids[max(i - 7, 0) : i + 1])
+            assert len(renderer.decode(ids[: i + 1])) - len(shown) <= recent, (i, len(shown))
+        deltas.feed([renderer.stop_ids[0]])
+        reply = renderer.parse([*ids, renderer.stop_ids[0]])
+        assert reply.content == full and shown + reply.content[len(shown) :] == full

@@ -3,7 +3,9 @@ algorithm they replaced, kept here only as a reference oracle: it split the whol
 every token (quadratic in the reply's length). Delta by delta, byte for byte: long replies (a
 5,000-token reasoning then text, with and without a tool call), every short sequence of pieces of
 markup cut where a token can cut it, and random longer ones; and the cost of a token does not grow
-with the reply's length."""
+with the reply's length. The oracle holds back the start of a ``<tool_call>`` at the end of the
+text joined around the reasoning (text sampled before ``<think>`` that text after ``</think>`` may
+complete), which the algorithm it replaced showed."""
 
 from __future__ import annotations
 
@@ -50,9 +52,8 @@ def _split(text: str, opens: bool, final: bool = True) -> tuple[str, str | None,
             return text if final else text[: _held(text, (CALL,))], None, ""
         pre, start = text[:at], at + len(THINK)
     end = text.find(END, start)
-    if end >= 0:
-        post = text[end + len(END) :]
-        return pre, text[start:end], post if final else post[: _held(post, (CALL,))]
+    if end >= 0:  # what may become a call is held in the text joined around the reasoning (_shown)
+        return pre, text[start:end], text[end + len(END) :]
     call = text.find(CALL, start)
     if final:
         return (pre, text[start:], "") if call < 0 else (pre, text[start:call], text[call:])
@@ -82,12 +83,19 @@ def _parse(text: str, output_ids: Sequence[int], opens: bool) -> tuple:
             args = obj.get("arguments", obj.get("parameters", {}))
             calls.append(ToolCall(call_id(output_ids, i), obj["name"], json.dumps(args, ensure_ascii=False)))
     content = text[:first].strip() if calls else text.strip()
-    return content, reasoning, tuple(calls), reasoning is not None and bool(pre.strip())
+    return (
+        content,
+        reasoning,
+        tuple(calls),
+        reasoning is not None and bool(pre[: _held(pre, (CALL,))].strip()),
+    )
 
 
 def _shown(text: str, opens: bool) -> tuple[str | None, str]:
     reasoning, rest = _reply_text(*_split(text, opens, final=False))
     at = rest.find(CALL)
+    if at < 0 and reasoning is not None:
+        at = _held(rest, (CALL,))
     return reasoning, (rest if at < 0 else rest[:at]).strip()
 
 

@@ -95,8 +95,9 @@ class Message:
 @dataclass(frozen=True)
 class Reply:
     """An assistant turn parsed from its sampled ids. ``stopped``: it ended on a stop token;
-    ``text_first``: its content begins with text sampled before its reasoning (Anthropic's blocks
-    are then text, thinking: the order sampled, :mod:`router.chat.anthropic_routes`)."""
+    ``text_first``: its content begins with text known to be text before its reasoning
+    (Anthropic's blocks are then text, thinking: the order sampled,
+    :mod:`router.chat.anthropic_routes`)."""
 
     content: str
     reasoning: str | None

@@ -158,7 +158,9 @@ def parse_reply(text: str, output_ids: Sequence[int], stopped: bool, opens: bool
     before the reasoning comes (:mod:`router.chat.streaming`), and both must give the same
     content. (SGLang 0.5.23's one-shot reasoning parser, ``srt/parser/reasoning_parser.py``
     ``BaseReasoningFormatDetector.detect_and_parse``, folds such text into the reasoning while
-    its streaming parser emits it as normal text.) A ``<tool_call>`` block that is not a JSON
+    its streaming parser emits it as normal text.) ``text_first``: that text, less a start of a
+    ``<tool_call>`` at its end (which the text after the reasoning may complete: a stream shows
+    it only after the reasoning), is not all whitespace. A ``<tool_call>`` block that is not a JSON
     object with a string ``name`` leaves the whole answer as content (no calls), as SGLang's
     detector does."""
     parts = ReplyScan(opens, text).parts()
@@ -180,7 +182,7 @@ def parse_reply(text: str, output_ids: Sequence[int], stopped: bool, opens: bool
             args = obj.get("arguments", obj.get("parameters", {}))
             calls.append(ToolCall(call_id(output_ids, i), obj["name"], json.dumps(args, ensure_ascii=False)))
     content = text[:first].strip() if calls else text.strip()
-    text_first = reasoning is not None and bool(pre.strip())
+    text_first = reasoning is not None and bool(pre[: _held(pre, (CALL,))].strip())
     return Reply(content, reasoning, tuple(calls), stopped, text_first)
 
 
@@ -217,8 +219,10 @@ class ShownReply(Shown):
     """What a Qwen3-style reply shows while it is sampled: :meth:`ReplyScan.parts` of a reply
     still being sampled (``final`` False), as :func:`parse_reply` reads them: the reasoning, and
     the content, its text less the reasoning (``text[:pre]`` followed by ``text[post]``, the
-    "joined" text) cut at its first ``<tool_call>`` (which may be a call's) and stripped. The
-    content is kept as where it lies in the joined text (``joined[start:stop]``), never built."""
+    "joined" text) cut at its first ``<tool_call>`` (which may be a call's), or else, once the
+    reply has reasoning, less a start of one at the joined text's end (text sampled before
+    ``<think>`` that the text after ``</think>`` may complete), and stripped. The content is kept
+    as where it lies in the joined text (``joined[start:stop]``), never built."""
 
     def __init__(self, opens: bool) -> None:
         self.scan = ReplyScan(opens)
@@ -241,6 +245,10 @@ class ShownReply(Shown):
                 cut = pre - len(left) + seam
             elif 0 <= call <= end - len(CALL):
                 cut = pre + call - post
+        # no call: a start of one waits, across the seam too (a longer text after it holds its own)
+        near = pre > 0 and parts.reasoning is not None and text.size - post < len(CALL) - 1
+        if near and cut == pre + end - post:
+            cut = pre + text.size - post - self._held_call(pre, post)
         head = min(pre, cut)  # the part of the content in text[:pre]
         start = text.first_not(WHITESPACE, 0, head)
         if start == head and cut > pre:
@@ -248,6 +256,16 @@ class ShownReply(Shown):
         last = text.last_not(WHITESPACE, post + cut - pre) if cut > pre else -1
         last = pre + last - post if last >= post else text.last_not(WHITESPACE, head)
         self.start, self.stop = start, max(last + 1, start)
+
+    def _held_call(self, pre: int, post: int) -> int:
+        """How many characters at the end of the joined text (``text[:pre]`` followed by
+        ``text[post:]``, all of the text after the reasoning) could still become a
+        ``<tool_call>``: one sampled before the reasoning may be completed by the text after it,
+        which the parse joins to it."""
+        text, k = self.scan.text, len(CALL) - 1
+        right = text[max(post, text.size - k) : text.size]
+        tail = text[max(pre - k + len(right), 0) : pre] + right
+        return len(tail) - _held(tail, (CALL,))
 
     @property
     def reasoning_size(self) -> int | None:
