@@ -190,11 +190,13 @@ class RouterContext:
             self._state_down = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     async def check_state_kept(self) -> None:
-        """Log an error when the state store lost its data since the previous check
-        (:meth:`StateStore.data_lost`; an unreachable store is checked at the next poll)."""
+        """Log an error and count it (``mixfleet_router_state_data_lost_total``) when the state
+        store lost its data since the previous check (:meth:`StateStore.data_lost`; an
+        unreachable store is checked at the next poll)."""
         with contextlib.suppress(StateError):
             if lost := await self.store.data_lost():
                 self.state_lost_at = time.time()
+                self.metrics.state_data_lost.inc()
                 log.error("%s", lost)
 
     def unknown_session(self, session_id: str) -> ApiError:
