@@ -161,14 +161,15 @@ class RouterContext:
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
             try:
-                await self.check_state_kept()
-                await self.poll_once()
-                if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
-                    last_sweep = time.monotonic()
-                    await self.expire_idle_sessions()
-                if time.monotonic() - last_compact >= self.config.compact_interval_s:
-                    last_compact = time.monotonic()
-                    await self.store.compact()
+                with self.store.polling():  # its calls give up sooner while the store is down
+                    await self.check_state_kept()
+                    await self.poll_once()
+                    if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
+                        last_sweep = time.monotonic()
+                        await self.expire_idle_sessions()
+                    if time.monotonic() - last_compact >= self.config.compact_interval_s:
+                        last_compact = time.monotonic()
+                        await self.store.compact()
             except StateUnavailable as exc:  # expected while the store is down: said once
                 self.note_state(exc)
             except Exception:  # a poll must never kill the loop

@@ -90,6 +90,7 @@ Contract, for every adapter:
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -532,6 +533,14 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def ping(self) -> bool: ...
+
+    def polling(self) -> contextlib.AbstractContextManager[None]:
+        """The calls made inside (in this task and the tasks it starts) are a background poll's:
+        repeated at the next poll when they fail, so while the adapter knows the store is down (its
+        last call could not reach it) it may give up on them sooner than on a request's calls,
+        whose deadline stays the same (a turn's append waits a store restart out). The memory
+        store is never down: a no-op."""
+        return contextlib.nullcontext()
 
     async def data_lost(self) -> str | None:
         """A message naming the store when it finds that it lost its data since this process's

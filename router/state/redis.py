@@ -68,9 +68,13 @@ Lua script (atomic, and idempotent where the contract says so, so redis-py's aut
 after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finish twice); a
 session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
 retried with backoff for ``outage_s`` seconds; after that a call raises
-:class:`~router.state.base.StateUnavailable`. A server at the URL that does not speak Redis (an
-HTTP server, anything answering other bytes) raises :class:`~router.state.base.StateNotAStore`,
-naming the URL, at once (redis-py does not retry a reply it cannot parse).
+:class:`~router.state.base.StateUnavailable`. Once a call found Redis unreachable (until a call
+reaches it), a background poll's calls (:meth:`RedisStore.polling`) give up after ``poll_s``
+instead, so the router's poll goes on (its replica health checks included) every
+``poll_interval_s`` rather than every ``outage_s`` per call; a request's calls keep ``outage_s``.
+A server at the URL that does not speak Redis (an HTTP server, anything answering other bytes)
+raises :class:`~router.state.base.StateNotAStore`, naming the URL, at once (redis-py does not
+retry a reply it cannot parse).
 
 Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (acknowledged
 sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
@@ -84,6 +88,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -708,11 +713,17 @@ def _retries(outage_s: float, backoff: ExponentialBackoff) -> int:
     return max(1, n)
 
 
+_POLLING: contextvars.ContextVar[bool] = contextvars.ContextVar("mixfleet_state_polling", default=False)
+"""True inside :meth:`RedisStore.polling` (a background poll's task and the tasks it starts)."""
+
+
 class RedisStore(StateStore):
     """Redis adapter. A call that cannot complete within ``outage_s`` seconds (Redis refusing
     connections, restarting or not answering, while redis-py reconnects with backoff) raises
-    :class:`StateUnavailable`; a take's ``wait_s`` comes on top. At most ``max_connections``
-    commands are in flight at once; further callers wait for a connection."""
+    :class:`StateUnavailable`; a take's ``wait_s`` comes on top. A background poll's call
+    (:meth:`polling`) while the store is known down (the latest call that ended could not reach
+    Redis) gives up after ``poll_s`` (at most ``outage_s``). At most ``max_connections`` commands
+    are in flight at once; further callers wait for a connection."""
 
     def __init__(
         self,
@@ -720,11 +731,14 @@ class RedisStore(StateStore):
         *,
         retention: Retention | None = None,
         outage_s: float = 20.0,
+        poll_s: float = 2.0,
         max_connections: int = 512,
     ) -> None:
         self.retention = retention or Retention()
         self.retention_s = self.retention.retention_s
         self._outage_s = outage_s
+        self._poll_s = min(poll_s, outage_s)
+        self._down = False  # the latest call that ended could not reach Redis
         self._where = display_url(url)
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         pool = BlockingConnectionPool.from_url(
@@ -765,27 +779,47 @@ class RedisStore(StateStore):
         self._forget_replicas = self._r.register_script(_FORGET_REPLICAS)
         self._assigning = asyncio.Lock()
 
+    @contextlib.contextmanager
+    def polling(self):
+        """Calls inside are a background poll's: ``poll_s`` while Redis is known down (class
+        docstring)."""
+        token = _POLLING.set(True)
+        try:
+            yield
+        finally:
+            _POLLING.reset(token)
+
+    def _deadline_s(self, extra_s: float) -> float:
+        """How long a call may take: ``poll_s`` for a poll's call while Redis is known down, else
+        ``outage_s + extra_s``."""
+        return self._poll_s if self._down and _POLLING.get() else self._outage_s + extra_s
+
     async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
         """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries), no
-        answer within ``outage_s + extra_s`` seconds, or a command Redis refuses (out of memory,
-        a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and any other
-        error reply) -> :class:`StateUnavailable` naming it; a server there that does not speak
-        Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL."""
+        answer within the deadline (:meth:`_deadline_s`), or a command Redis refuses (out of
+        memory, a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and
+        any other error reply) -> :class:`StateUnavailable` naming it; a server there that does
+        not speak Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL. Whether it
+        reached Redis sets the known-down mark."""
+        deadline_s = self._deadline_s(extra_s)
         try:
-            async with asyncio.timeout(self._outage_s + extra_s):
-                return await coro_fn(*args, **kwargs)
+            async with asyncio.timeout(deadline_s):
+                out = await coro_fn(*args, **kwargs)
         except TimeoutError:  # the deadline (a subclass of OSError: caught first)
-            raise StateUnavailable(
-                f"redis: unreachable or not answering for {self._outage_s + extra_s:g} s"
-            ) from None
+            self._down = True
+            raise StateUnavailable(f"redis: unreachable or not answering for {deadline_s:g} s") from None
         except _UNAVAILABLE as exc:
+            self._down = True
             raise StateUnavailable(f"redis: {exc}") from None
         except ResponseError as exc:
+            self._down = False
             raise StateUnavailable(f"redis refused a command: {exc}") from None
         except Exception as exc:
             if not_redis(exc):
                 raise StateNotAStore(self.not_redis_message(exc)) from None
             raise
+        self._down = False
+        return out
 
     def not_redis_message(self, exc: BaseException) -> str:
         """What :class:`StateNotAStore` says: the URL and what redis-py could not read."""

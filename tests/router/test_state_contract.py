@@ -1041,6 +1041,40 @@ async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer
         await short.close()
 
 
+async def test_a_poll_gives_up_sooner_while_redis_is_known_down_and_a_turn_waits_the_restart_out() -> None:
+    """A real redis-server stopped: the first call that finds it gone waits the whole outage
+    window; from then on a background poll's calls (``polling()``) give up after ``poll_s``, each
+    of the poll's reads alike, while a request's call (a turn's append) still waits ``outage_s``
+    and, Redis restarted within it, records the turn; the first call that reaches Redis again
+    ends the short deadline."""
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="state-poll-"))
+    url = f"redis://127.0.0.1:{port}/0"
+    store = RedisStore(url, outage_s=6.0, poll_s=0.5)
+    try:
+        with redis_server(port=port, data_dir=data, appendonly=True):
+            await _session(store, "a", turns=1)
+            with store.polling():
+                assert await store.data_lost() is None
+        with store.polling(), pytest.raises(StateUnavailable, match=r"for 6 s"):
+            await store.list_replicas()  # not known down yet: the whole window
+        for poll in (store.data_lost, store.list_replicas, store.get_latest_version, store.compact):
+            with store.polling(), pytest.raises(StateUnavailable, match=r"for 0\.5 s"):
+                await poll()
+        restarted = asyncio.get_running_loop().run_in_executor(None, _restart_later, port, data, 1.0)
+        record = TurnRecord(
+            "r1", b"blob-a-1", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+        )
+        assert await store.append_turn("a", record) == 1  # known down, but a request's call waits
+        assert await store.get_turns("a") == [b"blob-a-0", b"blob-a-1"]
+        with store.polling():
+            assert await store.get_latest_version() is None and await store.data_lost() is None
+        stop = await restarted
+        stop.set()
+    finally:
+        await store.close()
+
+
 async def test_unreachable_redis_is_unavailable_not_an_error_of_the_caller() -> None:
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", outage_s=0.5)
     try:
