@@ -55,7 +55,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   ``mf:mismatch:t`` hash: ``<stat>|<group>`` -> everything added for the group, never rolled
   (what the ``mixfleet_mismatch_*_total`` counters export);
   ``mf:mml:<lease>`` marks a lease booked (TTL);
-  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL);
+  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL), ``released``
+  once a release forgot the lease (:data:`_GIVE_BACK`; the lease record's TTL);
   ``mf:takeid:<take id>`` ``claim:<lease id>`` while the take holding the take id (the latest
   to start with it, script :data:`_REPEAT_OR_CLAIM`) has made no lease, then JSON of the lease it
   made (its id, its entries and sessions in order, ``held_back``, ``redelivered``,
@@ -118,6 +119,7 @@ from router.state.base import (
     GroupCounters,
     Lease,
     LeaseNotFound,
+    LeaseReleased,
     SessionFinished,
     SessionInfo,
     SessionNotFound,
@@ -142,6 +144,8 @@ REPLICAS = P + "replicas"
 LATEST = P + "latest"
 ACTIVITY = P + "activity"
 EPOCH = P + "epoch"
+RELEASED = b"released"
+"""A released lease's order (``mf:lorder:<lease>``, set by :data:`_GIVE_BACK`)."""
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
 LEDGER_E = P + "ledger:e"
@@ -176,9 +180,10 @@ end
 _ADD_MISMATCH = (
     _ADD
     + """
--- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), the upload's
--- digest (the mark's value), then per sum its field (stat|version|bucket|group), value and kind
--- (f: float)
+-- KEYS: the sums, the lease's mark, the group totals, the lease's order; ARGV: the mark's TTL
+-- (ms), the upload's digest (the mark's value), then per sum its field (stat|version|bucket|group),
+-- value and kind (f: float). Returns 1 (added), 0 (booked before), -1 (the lease was released)
+if redis.call('GET', KEYS[4]) == 'released' then return -1 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[1]) then return 0 end
 for i = 3, #ARGV, 3 do
   local stat, group = string.match(ARGV[i], '^([^|]*)|[^|]*|[^|]*|(.*)$')
@@ -440,11 +445,13 @@ return {0}
 """
 
 _GIVE_BACK = """
--- KEYS: the stream, the set of takes in progress, the lease, then per picked entry its session;
--- ARGV: the group, the take's consumer (its lease id), '1' when the lease's holder releases it
--- (else ''), then the picked entry ids. Returns how many went back: 0, changing nothing else,
--- for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it, for a lease a
--- repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's client holds it
+-- KEYS: the stream, the set of takes in progress, the lease, the lease's order, then per picked
+-- entry its session; ARGV: the group, the take's consumer (its lease id), '1' when the lease's
+-- holder releases it (else ''), then the picked entry ids. Returns how many went back: 0, changing
+-- nothing else, for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it,
+-- for a lease a repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's
+-- client holds it. A lease it forgets has its order marked 'released' for the lease record's TTL
+-- (_ADD_MISMATCH then books nothing against it)
 redis.call('ZREM', KEYS[2], ARGV[2])
 if redis.call('HEXISTS', KEYS[3], '!acked') == 1 then return 0 end
 if ARGV[3] ~= '1' and redis.call('HEXISTS', KEYS[3], '!again') == 1 then return 0 end
@@ -453,11 +460,13 @@ if #leased > 0 then
   local mine = {}
   for i = 1, #leased, 2 do mine[leased[i]] = true end
   for i = 4, #ARGV do
-    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i]) == 1 then
-      redis.call('HINCRBY', KEYS[i], 'delivered', -1)
+    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1 then
+      redis.call('HINCRBY', KEYS[i + 1], 'delivered', -1)
     end
   end
+  local ttl = redis.call('PTTL', KEYS[3])
   redis.call('DEL', KEYS[3])
+  if ttl > 0 then redis.call('SET', KEYS[4], 'released', 'PX', ttl) end
 end
 local n, page = 0, nil
 repeat
@@ -676,6 +685,11 @@ def _tkey(sid: str) -> str:
 
 def _lease_key(lease_id: str) -> str:
     return f"{P}lease:{lease_id}"
+
+
+def _order_key(lease_id: str) -> str:
+    """The lease's take order (:meth:`RedisStore.record_lease_order`), or :data:`RELEASED`."""
+    return f"{P}lorder:{lease_id}"
 
 
 def _take_id_key(take_id: str) -> str:
@@ -1212,7 +1226,13 @@ class RedisStore(StateStore):
         """:data:`_GIVE_BACK` for the lease ``lease_id`` that picked ``entries``."""
         return int(
             await self._give_back(
-                keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
+                keys=[
+                    STREAM,
+                    TAKING,
+                    _lease_key(lease_id),
+                    _order_key(lease_id),
+                    *(_skey(sid) for _e, sid in entries),
+                ],
                 args=[GROUP, lease_id, "1" if by_holder else "", *(entry_id for entry_id, _sid in entries)],
             )
         )
@@ -1383,10 +1403,12 @@ class RedisStore(StateStore):
     # mismatch ---------------------------------------------------------------------------
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         px = max(1, int(ttl_s * 1000))
-        await self._call(self._r.set, f"{P}lorder:{lease_id}", json.dumps(session_ids), px=px)
+        await self._call(self._r.set, _order_key(lease_id), json.dumps(session_ids), px=px)
 
     async def lease_order(self, lease_id: str) -> list[str] | None:
-        v = await self._call(self._r.get, f"{P}lorder:{lease_id}")
+        v = await self._call(self._r.get, _order_key(lease_id))
+        if v == RELEASED:
+            raise LeaseReleased(lease_id)
         return None if v is None else list(json.loads(v))
 
     async def add_mismatch(
@@ -1401,8 +1423,11 @@ class RedisStore(StateStore):
                     repr(value),
                     "f" if isinstance(value, float) else "i",
                 ]
-        keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS]
-        return bool(await self._call(self._add_mismatch, keys=keys, args=args))
+        keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS, _order_key(lease_id)]
+        added = int(await self._call(self._add_mismatch, keys=keys, args=args))
+        if added < 0:
+            raise LeaseReleased(lease_id)
+        return bool(added)
 
     async def mismatch_digest(self, lease_id: str) -> str | None:
         v = await self._call(self._r.get, f"{P}mml:{lease_id}")

@@ -3,7 +3,9 @@ a real router (``--lease-timeout 300``) on the memory state and on a real redis-
 engine, the trainer kit over HTTP. What the lease held is ready for the next take at once (each
 trajectory exactly once), the released lease's ack is a 404, a repeated release, one of an
 acknowledged lease and one of an unknown lease answer 0 (the acknowledged one stays
-acknowledged), and a lease answered again to a retry of its take id is released too."""
+acknowledged), and a lease answered again to a retry of its take id is released too. A trainer
+log-prob upload against a released lease is a 409 naming it, counting nothing; the lease that
+takes its trajectories next takes the upload."""
 
 from __future__ import annotations
 
@@ -56,3 +58,27 @@ def test_a_released_lease_is_ready_for_the_next_take_at_once(
         batch = kit.take(1)
         assert [t["session_id"] for t in batch.trajectories] == [sid]
         assert kit.ack(batch.lease_id)["acked"] == 1
+
+
+def test_an_upload_against_a_released_lease_is_refused_and_its_next_lease_takes_it(
+    tmp_path, engine_url: str, store_url: str
+) -> None:
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    with (
+        router_process(preset, state=store_url, extra_args=("--lease-timeout", "300")) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+        RolloutClient(router.url, router.key, retries=1, backoff_s=0.01) as kit,
+    ):
+        sid = _finish(c)
+        first = kit.take(4)
+        assert kit.release(first.lease_id)["released"] == 1
+        with pytest.raises(RouterError) as err:
+            kit.upload_trainer_logprobs(first.lease_id, first.logprobs)
+        assert err.value.status == 409, err.value.detail
+        assert f"lease {first.lease_id!r} was released" in err.value.detail
+        again = kit.take(4)
+        assert [t["session_id"] for t in again.trajectories] == [sid]
+        answer = kit.upload_trainer_logprobs(again.lease_id, again.logprobs)
+        assert answer["tokens"] == len(again) and answer["already_uploaded"] is False
+        mismatch = c.get("/v1/groups").json()["groups"][0]["mismatch"]
+        assert mismatch["tokens"] == len(again)  # the released lease's upload counted nothing

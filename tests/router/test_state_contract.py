@@ -22,6 +22,7 @@ from router.mismatch import MismatchSums, rollup
 from router.state.base import (
     AckResult,
     LeaseNotFound,
+    LeaseReleased,
     SessionFinished,
     SessionNotFound,
     StateStore,
@@ -1261,6 +1262,36 @@ async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> 
     if last.trajectories:
         await store.ack(last.lease_id)
     assert (await store.queue_stats())["ready"] == 0
+
+
+async def test_a_released_lease_takes_no_upload_and_an_acknowledged_one_does(store_url: str) -> None:
+    """A release that forgets a lease marks its order released in the same step: its order and a
+    booking against it raise LeaseReleased (also a booking whose upload read the order before
+    the release), nothing is added, and its trajectory's next lease books as usual; a release
+    of an acknowledged lease changes nothing, so it still books once."""
+    kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 30.0}
+    sums = {("g1", 1, "0-63"): M1}
+    async with opened(store_url) as store:
+        await _session(store, "a")
+        await store.finish_session("a", "f-a", 1.0, {})
+        first = await store.take(5, **kw)
+        await store.record_lease_order(first.lease_id, ["a"], ttl_s=60.0)
+        assert await store.lease_order(first.lease_id) == ["a"]  # an upload read it ...
+        assert await store.release(first.lease_id, by_holder=True) == 1  # ... then the release
+        with pytest.raises(LeaseReleased):
+            await store.add_mismatch(first.lease_id, sums, ttl_s=60.0, digest="d1")
+        with pytest.raises(LeaseReleased):
+            await store.lease_order(first.lease_id)
+        assert await store.mismatch() == {} and await store.mismatch_digest(first.lease_id) is None
+        second = await store.take(5, **kw)
+        assert [t.session.session_id for t in second.trajectories] == ["a"]
+        await store.record_lease_order(second.lease_id, ["a"], ttl_s=60.0)
+        assert (await store.ack(second.lease_id)).acked == 1
+        assert await store.release(second.lease_id, by_holder=True) == 0  # acknowledged: stays so
+        assert await store.lease_order(second.lease_id) == ["a"]
+        assert await store.add_mismatch(second.lease_id, sums, ttl_s=60.0, digest="d2")
+        assert not await store.add_mismatch(second.lease_id, sums, ttl_s=60.0, digest="d2")
+        assert (await store.mismatch_totals())["g1"] == M1
 
 
 async def test_the_footprint_returns_to_one_bound_however_many_versions_and_sessions(store_url: str) -> None:
