@@ -278,6 +278,20 @@ def _verify(p: dict[str, Any]) -> None:
         raise ContractError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 
 
+def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len: int) -> int:
+    """How many tokens SGLang lets a request of ``input_len`` prompt tokens generate at most:
+    ``max_new_tokens``, or for ``null`` no bound of its own, the context's room: the scheduler's
+    ``init_req_max_new_tokens`` takes ``1 << 30`` for None, capped at ``max_req_len -
+    len(input) - 1`` (``srt/managers/scheduler.py``), where ``max_req_len = min(context_len - 1,
+    max_total_num_tokens - 1)`` (``Scheduler.init_memory_pool_and_cache``; the KV pool holds at
+    least one context here); ``SamplingParams.max_new_tokens`` is ``Optional[int] = 128`` and
+    ``__post_init__`` leaves an explicit None as None (``srt/sampling/sampling_params.py``), and
+    ``verify`` skips its checks then. At least 0."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return max(0, min(1 << 30, (context_len - 1) - input_len - 1))
+
+
 def sampling_params(where: str, v: Any) -> None:
     """One ``sampling_params`` object: its keys and their types (the contract gate), then SGLang's
     ranges (:func:`_verify`). Raises :class:`ContractError`."""

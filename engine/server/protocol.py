@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
-from core.sglang_contract import generate_body_error
+from core.sglang_contract import generate_body_error, max_new_tokens_bound
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
@@ -248,7 +248,8 @@ def _spec(
         refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
         if refused is not None:
             raise RequestError(refused)
-    max_new = 128 if params.max_new_tokens is None else params.max_new_tokens
+    # null: no bound but the context's, as SGLang (core.sglang_contract.max_new_tokens_bound)
+    max_new = max_new_tokens_bound(params.max_new_tokens, n, limits.context_len)
     if n + max_new > limits.context_len:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {limits.context_len} "

@@ -468,6 +468,25 @@ def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> Non
         assert len(out["output_ids"]) == 2, params
 
 
+def test_a_null_max_new_tokens_generates_up_to_the_context(engine: str, client: httpx.Client) -> None:
+    """``max_new_tokens: null`` is no bound of its own, as in SGLang 0.5.23 (the scheduler takes
+    ``1 << 30`` capped at ``max_req_len - len(input) - 1``, ``max_req_len = context_len - 1``:
+    core.sglang_contract.max_new_tokens_bound), not the 128 an absent one means: a prompt 10
+    tokens short of the context generates 8 and ends by length, where 128 would not fit."""
+    context = client.get(engine + "/model_info").json()["context_len"]
+    prompt = [1 + i % 50 for i in range(context - 10)]
+    sp = {"max_new_tokens": None, "ignore_eos": True, "temperature": 0}
+    out = generate(client, engine, input_ids=prompt, sampling_params=sp)
+    assert len(out["output_ids"]) == 8 and out["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 8,
+    }
+    absent = generate(
+        client, engine, input_ids=[1, 2], sampling_params={"ignore_eos": True, "temperature": 0}
+    )
+    assert len(absent["output_ids"]) == 128  # absent: SGLang's default
+
+
 def test_metrics_use_sglang_names(engine: str, client: httpx.Client) -> None:
     generate(client, engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     text = client.get(engine + "/metrics").text
