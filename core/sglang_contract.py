@@ -26,6 +26,13 @@ SGLang judges a body in three steps (paths under ``python/sglang/`` of the relea
    (``srt/managers/tokenizer_manager.py`` 1565-1567); a ``ValueError`` is a **400**
    ``{"error": {"message": ...}}`` (``http_server.py`` 984-990, 2246-2250).
 
+Each step answers its own body shape (:class:`Refusal`, :func:`error_body`): step 1 through the
+``RequestValidationError`` handler, ``ErrorResponse(message, type="Bad Request", code=400)``
+dumped (``{"object": "error", "message", "type", "param": null, "code": 400}``, the handler's
+format for every path but ``/v1/responses``; ``http_server.py`` 635-691); step 2 the gate's bare
+string ``{"error": "<text>"}`` (sglang's own route test reads ``response.json()["error"]`` as the
+text: ``TestGenerateRouteGate``); step 3 ``{"error": {"message": ...}}``.
+
 :func:`generate_body_error` returns the first refusal as one line naming the field (``stream:
 invalid type: integer `1`, expected a boolean``; ``sampling_params[1].top_k: ...``; a range in
 SGLang's own words, which name the field: ``top_p must be in (0, 1], got 1.5.``), or None. It
@@ -41,7 +48,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 SAMPLING_EPS = 1e-6  # sampling_params.py 42
 TOP_K_ALL = 1 << 30  # sampling_params.py 43
@@ -59,8 +67,46 @@ SAMPLING_FIELDS = (
 """The keys of ``sampling_params`` (``api/v1/api_types.py`` 1256), in SGLang's order."""
 
 
+Step = Literal["parse", "gate", "verify"]
+"""Which of SGLang's three steps refuses (module docstring): the dataclass parse, the contract
+gate, ``SamplingParams``' checks."""
+
+
 class ContractError(ValueError):
-    """One refusal: ``str(exc)`` is the line naming the field."""
+    """One refusal: ``str(exc)`` is the line naming the field; ``step`` the step that makes it;
+    ``value`` the value refused (None where none is one)."""
+
+    def __init__(self, message: str, *, step: Step = "gate", value: Any = None) -> None:
+        super().__init__(message)
+        self.step: Step = step
+        self.value = value
+
+    def at(self, step: Step) -> ContractError:
+        """The same refusal, made by ``step``."""
+        return ContractError(str(self), step=step, value=self.value)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """SGLang's refusal of a ``/generate`` body: the step that makes it and its line."""
+
+    step: Step
+    message: str
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body SGLang answers it with (HTTP 400): :func:`error_body`."""
+        return error_body(self.step, self.message)
+
+
+def error_body(step: Step, message: str) -> dict[str, Any]:
+    """SGLang's 400 body for a refusal by ``step`` (module docstring): ``parse`` the request
+    validation handler's ``ErrorResponse``, ``gate`` ``{"error": message}``, ``verify``
+    ``{"error": {"message": message}}``."""
+    if step == "parse":
+        return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    if step == "gate":
+        return {"error": message}
+    return {"error": {"message": message}}
 
 
 def _spelled(v: Any) -> str:
@@ -79,7 +125,7 @@ def _spelled(v: Any) -> str:
 
 
 def _refuse(where: str, v: Any, expected: str) -> ContractError:
-    return ContractError(f"{where}: invalid type: {_spelled(v)}, expected {expected}")
+    return ContractError(f"{where}: invalid type: {_spelled(v)}, expected {expected}", value=v)
 
 
 def _int(where: str, v: Any) -> int:
@@ -150,7 +196,7 @@ def int_list(where: str, v: Any, int64: bool = True) -> list[int]:
         return ids
     i = next(i for i, x in enumerate(ids) if type(x) is not int or (int64 and not -(2**63) <= x < 2**63))
     if type(ids[i]) is int:
-        raise ContractError(f"{where}[{i}]: integer `{ids[i]}` is outside int64")
+        raise ContractError(f"{where}[{i}]: integer `{ids[i]}` is outside int64", value=ids[i])
     raise _refuse(f"{where}[{i}]", ids[i], "i64")
 
 
@@ -163,6 +209,27 @@ def token_ids(where: str, v: Any) -> None:
         return
     for r, row in enumerate(ids):
         int_list(f"{where}[{r}]", row)
+
+
+def _input_ids(where: str, v: Any) -> None:
+    """:func:`token_ids`, refused by the dataclass parse (step 1: ``validate_optional_list_i64_1d_2d``,
+    field_validators.py 41-81, takes only a list of ints or of lists, each within int64) unless the
+    value refused is a bool (Python's int there: the gate refuses it, as ``[true]``)."""
+    try:
+        token_ids(where, v)
+    except ContractError as exc:
+        raise exc if type(exc.value) is bool else exc.at("parse") from None
+
+
+def _not_null(one: Callable[[str, Any], Any], expected: str) -> Callable[[str, Any], None]:
+    """``one``, and ``null`` refused by the dataclass parse (step 1: a plain bool or int field)."""
+
+    def check(where: str, v: Any) -> None:
+        if v is None:
+            raise _refuse(where, v, expected).at("parse")
+        one(where, v)
+
+    return check
 
 
 def _nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
@@ -278,6 +345,20 @@ def _verify(p: dict[str, Any]) -> None:
         raise ContractError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 
 
+def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len: int) -> int:
+    """How many tokens SGLang lets a request of ``input_len`` prompt tokens generate at most:
+    ``max_new_tokens``, or for ``null`` no bound of its own, the context's room: the scheduler's
+    ``init_req_max_new_tokens`` takes ``1 << 30`` for None, capped at ``max_req_len -
+    len(input) - 1`` (``srt/managers/scheduler.py``), where ``max_req_len = min(context_len - 1,
+    max_total_num_tokens - 1)`` (``Scheduler.init_memory_pool_and_cache``; the KV pool holds at
+    least one context here); ``SamplingParams.max_new_tokens`` is ``Optional[int] = 128`` and
+    ``__post_init__`` leaves an explicit None as None (``srt/sampling/sampling_params.py``), and
+    ``verify`` skips its checks then. At least 0."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return max(0, min(1 << 30, (context_len - 1) - input_len - 1))
+
+
 def sampling_params(where: str, v: Any) -> None:
     """One ``sampling_params`` object: its keys and their types (the contract gate), then SGLang's
     ranges (:func:`_verify`). Raises :class:`ContractError`."""
@@ -288,7 +369,10 @@ def sampling_params(where: str, v: Any) -> None:
             raise ContractError(f"{where}: unknown field `{key}` (SGLang takes {', '.join(SAMPLING_FIELDS)})")
         if x is not None:
             check(f"{where}.{key}", x)
-    _verify(p)
+    try:
+        _verify(p)
+    except ContractError as exc:
+        raise exc.at("verify") from None
 
 
 def _sampling_params_or_list(where: str, v: Any) -> None:
@@ -301,28 +385,34 @@ def _sampling_params_or_list(where: str, v: Any) -> None:
 _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "rid": _nullable(_str_or_list),
     "text": _nullable(_str_or_list),
-    "input_ids": _nullable(token_ids),
-    "stream": _bool,  # no null: the dataclass field is a plain bool (io_struct.py 256)
+    "input_ids": _nullable(_input_ids),
+    "stream": _not_null(_bool, "a boolean"),  # a plain bool dataclass field (io_struct.py 256)
     "sampling_params": _nullable(_sampling_params_or_list),
     "return_logprob": _nullable(_or_list(_bool)),
     "logprob_start_len": _nullable(_or_list(_int)),
     "top_logprobs_num": _nullable(_or_list(_int)),
     "token_ids_logprob": _nullable(token_ids),
-    "return_text_in_logprobs": _bool,  # io_struct.py 247
+    "return_text_in_logprobs": _not_null(_bool, "a boolean"),  # io_struct.py 247
     "return_sampling_mask": _nullable(_or_list(_bool)),
-    "routed_experts_start_len": _int,  # io_struct.py 268
+    "routed_experts_start_len": _not_null(_int, "i64"),  # io_struct.py 268
 }
 
 
-def generate_body_error(body: Any, skip: frozenset[str] = frozenset()) -> str | None:
+def generate_body_refusal(body: Any, skip: frozenset[str] = frozenset()) -> Refusal | None:
     """The first refusal SGLang makes in the parsed ``/generate`` JSON ``body`` (one line naming
-    the field), or None; the fields in ``skip`` are not looked at (a caller that checks them
-    itself)."""
+    the field, and the step that makes it), or None; the fields in ``skip`` are not looked at (a
+    caller that checks them itself). A body that is not an object is the dataclass parse's."""
     try:
         for key, x in _map("body", body).items():
             check = _GENERATE_FIELDS.get(key)
             if check is not None and key not in skip:
                 check(key, x)
     except ContractError as exc:
-        return str(exc)
+        return Refusal("parse" if exc.value is body else exc.step, str(exc))
     return None
+
+
+def generate_body_error(body: Any, skip: frozenset[str] = frozenset()) -> str | None:
+    """The line of :func:`generate_body_refusal`, or None."""
+    refusal = generate_body_refusal(body, skip)
+    return None if refusal is None else refusal.message

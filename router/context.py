@@ -161,14 +161,15 @@ class RouterContext:
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
             try:
-                await self.check_state_kept()
-                await self.poll_once()
-                if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
-                    last_sweep = time.monotonic()
-                    await self.expire_idle_sessions()
-                if time.monotonic() - last_compact >= self.config.compact_interval_s:
-                    last_compact = time.monotonic()
-                    await self.store.compact()
+                with self.store.polling():  # its calls give up sooner while the store is down
+                    await self.check_state_kept()
+                    await self.poll_once()
+                    if idle is not None and time.monotonic() - last_sweep >= min(60.0, max(1.0, idle / 10)):
+                        last_sweep = time.monotonic()
+                        await self.expire_idle_sessions()
+                    if time.monotonic() - last_compact >= self.config.compact_interval_s:
+                        last_compact = time.monotonic()
+                        await self.store.compact()
             except StateUnavailable as exc:  # expected while the store is down: said once
                 self.note_state(exc)
             except Exception:  # a poll must never kill the loop
@@ -190,11 +191,13 @@ class RouterContext:
             self._state_down = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     async def check_state_kept(self) -> None:
-        """Log an error when the state store lost its data since the previous check
-        (:meth:`StateStore.data_lost`; an unreachable store is checked at the next poll)."""
+        """Log an error and count it (``mixfleet_router_state_data_lost_total``) when the state
+        store lost its data since the previous check (:meth:`StateStore.data_lost`; an
+        unreachable store is checked at the next poll)."""
         with contextlib.suppress(StateError):
             if lost := await self.store.data_lost():
                 self.state_lost_at = time.time()
+                self.metrics.state_data_lost.inc()
                 log.error("%s", lost)
 
     def unknown_session(self, session_id: str) -> ApiError:

@@ -176,6 +176,15 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
     _c("mixfleet_router_trajectories_acked_total", (), "", "Trajectories acknowledged by trainers"),
     _c("mixfleet_router_generate_requests_total", G, "", "SGLang-native /generate requests"),
     _c(
+        "mixfleet_router_state_data_lost_total",
+        (),
+        "",
+        "Times this router found the state store had lost its data since its previous check "
+        "(Redis restarted without persistence, flushed, or failed over to an empty replica: the "
+        "mf:epoch marker changed; StateStore.data_lost): every open session, unacknowledged "
+        "trajectory and lease it held is gone",
+    ),
+    _c(
         "mixfleet_router_updates_total",
         (),
         "",
@@ -449,6 +458,7 @@ class RouterMetrics:
         self.redelivered = m["mixfleet_router_trajectories_redelivered_total"]
         self.acked = m["mixfleet_router_trajectories_acked_total"]
         self.generate = m["mixfleet_router_generate_requests_total"]
+        self.state_data_lost = m["mixfleet_router_state_data_lost_total"]
         self.updates = m["mixfleet_router_updates_total"]
         m["mixfleet_router_workers"].set(1)
         self.version_lag_bound = DEFAULT_VERSION_LAG_BOUND if version_lag_bound is None else version_lag_bound

@@ -44,7 +44,9 @@ by ``size`` trajectories. Trainer log-probs (``POST /v1/batches/{lease_id}/train
 body in the encoding of :mod:`router.trainer_logprobs`, exactly the size the lease's token count
 gives: the router's generic body limit does not apply to it) are accepted once per lease, for a
 lease a take handed out within the last ``lease_timeout_s + retention_s`` seconds, whether the
-trainer still holds it or has acknowledged it: an unknown or forgotten lease is a 404, a second
+trainer still holds it or has acknowledged it: a released lease is a 409 (its trajectories went
+back to the queue; also when the release came while the upload was read, and nothing is
+counted), an unknown or forgotten lease is a 404, a second
 upload of the same bytes for the same lease (a retry whose answer was lost) answers the same
 figures with ``already_uploaded`` and counts nothing, a different second upload is a 409 (nothing
 is counted twice), a lease whose trajectories are no longer stored a 409. A trajectory
@@ -89,7 +91,14 @@ from router.schemas import (
     VersionConflict,
     unbounded_int,
 )
-from router.state.base import Lease, LeaseNotFound, StateError, TakenTrajectory, TakeTakenOver
+from router.state.base import (
+    Lease,
+    LeaseNotFound,
+    LeaseReleased,
+    StateError,
+    TakenTrajectory,
+    TakeTakenOver,
+)
 from router.trainer_logprobs import LogprobsFormatError, decode_upload, upload_size
 from router.turns import check_version_bound
 
@@ -317,7 +326,8 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
     The body's size is the lease's: an upload for a batch of ``n`` output tokens is
     :func:`router.trainer_logprobs.upload_size` bytes (``8 + 4n``, with route flags ``12 + 5n``),
     whatever the router's ``max_body_bytes``; a larger one is a 413 naming those sizes. The lease
-    and its turns are read first (an unknown lease is a 404 before any byte of the body is read).
+    and its turns are read first (an unknown lease is a 404, a released one a 409, before any
+    byte of the body is read).
 
     Memory grows linearly with ``n``: the body is read once, into one buffer of its size (at most
     ``12 + 5n`` bytes), and decoded as views of it (no copy); beside it the route holds the
@@ -339,7 +349,10 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
             "(trainer/upload.py encode_trainer_logprobs)",
         )
     ctx = _ctx(request)
-    order = await ctx.store.lease_order(lease_id)
+    try:
+        order = await ctx.store.lease_order(lease_id)
+    except LeaseReleased:
+        raise _released(lease_id) from None
     if order is None:
         raise ApiError(404, f"unknown lease {lease_id!r} (never handed out, or its upload window has passed)")
     turns = await _lease_turns(ctx, lease_id, order)
@@ -357,9 +370,12 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
         result = await asyncio.to_thread(batch_mismatch, turns, trainer, band, route_flags)
     except ValueError as exc:
         raise ApiError(422, f"body: {exc}") from None
-    again = not await ctx.store.add_mismatch(
-        lease_id, result.sums, ttl_s=_upload_window_s(ctx), digest=digest
-    )
+    try:
+        again = not await ctx.store.add_mismatch(
+            lease_id, result.sums, ttl_s=_upload_window_s(ctx), digest=digest
+        )
+    except LeaseReleased:  # released while this upload was read: nothing was counted
+        raise _released(lease_id) from None
     if again and await ctx.store.mismatch_digest(lease_id) != digest:
         raise ApiError(409, f"lease {lease_id!r}: other trainer log-probs were already uploaded")
     per: dict[tuple[str, int], Any] = {}
@@ -372,6 +388,15 @@ async def trainer_logprobs(request: Request, lease_id: LeaseId) -> dict[str, Any
         "groups": [{"group": g, "version": v, **per[(g, v)].view()} for g, v in sorted(per)],
         "already_uploaded": again,
     }
+
+
+def _released(lease_id: str) -> ApiError:
+    """The 409 for an upload against a lease its holder (or a take's disconnect) released."""
+    return ApiError(
+        409,
+        f"lease {lease_id!r} was released (POST /v1/batches/{lease_id}/release): its trajectories "
+        "went back to the queue; upload their trainer log-probs for the lease that takes them next",
+    )
 
 
 async def _lease_turns(ctx: RouterContext, lease_id: str, order: list[str]) -> list[TurnTokens]:

@@ -109,6 +109,8 @@ M = {
     "expired": "mixfleet_router_sessions_expired_total",
     "generate": "mixfleet_router_generate_requests_total",
     "leases": "mixfleet_router_leases_total",
+    "state_up": "mixfleet_router_state_up",
+    "state_lost": "mixfleet_router_state_data_lost_total",
     "updates": "mixfleet_router_updates_total",
     "open_leases": "mixfleet_router_open_leases",
     "mm_oob": "mixfleet_mismatch_out_of_band_tokens_total",
@@ -666,7 +668,23 @@ def overview() -> JSON:
             [target(quantile(0.99, M["request_s"], by="route"), "{{route}}")],
             unit="s",
         ),
-        24,
+        16,
+    )
+    lay.add(
+        timeseries(
+            "State store",
+            "Per router: 1 while its scrapes read the state store (0: requests that need it answer "
+            "503); the times it found the store had lost its data (Redis restarted without "
+            "persistence, flushed, or failed over to an empty replica: every open session, "
+            "unacknowledged trajectory and lease gone).\n\n"
+            f"Metrics: `{M['state_up']}`, `{M['state_lost']}`",
+            [
+                target(agg("min", "instance", sel(M["state_up"])), "{{instance}} up"),
+                target(increase(M["state_lost"], "", RATE, by="instance"), "{{instance}} data lost"),
+            ],
+            step=True,
+        ),
+        8,
     )
     lay.add(
         info_table(

@@ -10,13 +10,20 @@ and the scheduler (``engine.runtime.scheduler``) runs it; the server answers a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
 from engine.runtime.sampler import SamplerSettings
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message names the problem (HTTP 400)."""
+    """A request the engine refuses; the message names the problem (HTTP 400). ``body``: the
+    JSON body SGLang answers that refusal with where the route answers as SGLang does
+    (:func:`core.sglang_contract.error_body`); None: ``{"error": {"message": ...}}``."""
+
+    def __init__(self, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.body = body
 
 
 @dataclass(frozen=True)

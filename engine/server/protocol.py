@@ -8,12 +8,12 @@ against the served model, or raises :class:`~engine.runtime.request.RequestError
 answers 400 with its message, SGLang-style).
 
 Before any of it, the body passes SGLang 0.5.23's own judgment of the fields the fleet sends
-(:func:`core.sglang_contract.generate_body_error`: the dataclass parse, the contract gate and
+(:func:`core.sglang_contract.generate_body_refusal`: the dataclass parse, the contract gate and
 ``SamplingParams.verify``): ``true``, ``"1"`` or ``3.0`` among ``input_ids`` or
 ``sampling_params.stop_token_ids``, a ``stream`` that is not a JSON bool, a float ``top_k``, an
-unknown ``sampling_params`` key or a value out of SGLang's ranges is a 400 naming the field, as
-SGLang answers it. Other validation messages follow SGLang's ``TokenizerManager`` wording where
-SGLang has one.
+unknown ``sampling_params`` key or a value out of SGLang's ranges is a 400 naming the field, in
+the body shape of the SGLang step that refuses it (:func:`core.sglang_contract.error_body`).
+Other validation messages follow SGLang's ``TokenizerManager`` wording where SGLang has one.
 
 Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
 needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
-from core.sglang_contract import generate_body_error
+from core.sglang_contract import generate_body_refusal, max_new_tokens_bound
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
@@ -66,7 +66,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 
 class SamplingParams(BaseModel):
     """SGLang's ``sampling_params`` object, already judged by
-    :func:`core.sglang_contract.generate_body_error` (types, known keys, SGLang's ranges) when
+    :func:`core.sglang_contract.generate_body_refusal` (types, known keys, SGLang's ranges) when
     its :class:`GenerateReqInput` was built."""
 
     model_config = ConfigDict(extra="allow")
@@ -128,9 +128,11 @@ class GenerateReqInput(BaseModel):
     def _sglang_contract(cls, data: Any) -> Any:
         """SGLang's refusals of the fields the fleet sends (:mod:`core.sglang_contract`), one line
         naming the field, before pydantic's lax types could coerce ``"1"`` or ``true``."""
-        refused = generate_body_error(data)
-        if refused is not None:
-            raise PydanticCustomError("sglang_contract", refused)
+        refused = generate_body_refusal(data)
+        if refused is not None:  # its step and line ride along: the route answers SGLang's shape
+            raise PydanticCustomError(
+                "sglang_contract", "{message}", {"message": refused.message, "step": refused.step}
+            )
         return data
 
     def is_batch(self) -> bool:
@@ -248,7 +250,8 @@ def _spec(
         refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
         if refused is not None:
             raise RequestError(refused)
-    max_new = 128 if params.max_new_tokens is None else params.max_new_tokens
+    # null: no bound but the context's, as SGLang (core.sglang_contract.max_new_tokens_bound)
+    max_new = max_new_tokens_bound(params.max_new_tokens, n, limits.context_len)
     if n + max_new > limits.context_len:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {limits.context_len} "

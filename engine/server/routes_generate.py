@@ -20,7 +20,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.request import RequestError
 from engine.runtime.scheduler import FinishEvent, TokenEvent
 from engine.server.protocol import GenerateReqInput
-from engine.server.requests import engine_of, error, parse
+from engine.server.requests import engine_of, error, parse, refusal
 from engine.server.response import GenerateResponse, dumps
 
 router = APIRouter()
@@ -81,7 +81,7 @@ async def generate(request: Request) -> Response:
         obj = await parse(request, GenerateReqInput)
         specs = obj.normalize(engine.limits, engine.encode)
     except RequestError as exc:
-        return error(str(exc))
+        return refusal(exc)
     batch = obj.is_batch()
     if obj.stream:
         return StreamingResponse(_stream(engine, specs, batch), media_type="text/event-stream")

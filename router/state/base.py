@@ -78,7 +78,11 @@ Contract, for every adapter:
   acknowledges anything appends its :class:`~router.ledger.UpdateRecord` in the same atomic step
   (``seq`` 1, 2, ... in acknowledgement order, cumulative costs never decreasing along it).
 * Mismatch: ``add_mismatch`` adds a batch's sums once per lease (a repeated lease changes nothing);
-  ``record_lease_order`` keeps a lease's trajectory order for the upload that needs it.
+  ``record_lease_order`` keeps a lease's trajectory order for the upload that needs it. A
+  ``release`` that forgets a lease marks its order released in the same atomic step (kept as long
+  as the lease record would have been): ``lease_order`` and ``add_mismatch`` of it then raise
+  :class:`LeaseReleased` (its trajectories went back to the queue; their log-probs belong to the
+  lease that takes them next), also an ``add_mismatch`` whose upload read the order before it.
 * Bounds: everything stored is bounded or expires by the rules of
   :mod:`router.state.retention` (a :class:`~router.state.retention.Retention` given to the
   adapter); :meth:`StateStore.compact` applies the ones that are not a TTL (rolling old versions
@@ -90,6 +94,7 @@ Contract, for every adapter:
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -114,6 +119,11 @@ class SessionFinished(StateError):
 
 class LeaseNotFound(StateError):
     pass
+
+
+class LeaseReleased(StateError):
+    """The lease was released (:meth:`StateStore.release`): what it held went back to the queue,
+    so nothing may be booked against it any more."""
 
 
 class TakeTakenOver(StateError):
@@ -372,8 +382,10 @@ class StateStore(abc.ABC):
         trainer whose step failed, ``POST /v1/batches/{lease_id}/release``), whichever answer of
         its take it read. Returns how many went back (0: an unknown, released or acknowledged
         lease, or one answered again without ``by_holder``; what a later take got after the lease
-        timed out is not its own any more). An acknowledged lease stays acknowledged. Best
-        effort: what it cannot put back is redelivered after the lease timeout, as any lease's."""
+        timed out is not its own any more). An acknowledged lease stays acknowledged. A lease it
+        forgets has its order marked released (module docstring: no upload books against it).
+        Best effort: what it cannot put back is redelivered after the lease timeout, as any
+        lease's."""
 
     @abc.abstractmethod
     async def ack(self, lease_id: str) -> AckResult:
@@ -488,7 +500,8 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def lease_order(self, lease_id: str) -> list[str] | None:
-        """The session ids of :meth:`record_lease_order` (None: unknown or forgotten)."""
+        """The session ids of :meth:`record_lease_order` (None: unknown or forgotten). Raises
+        :class:`LeaseReleased` for a lease :meth:`release` forgot."""
 
     @abc.abstractmethod
     async def add_mismatch(
@@ -497,7 +510,8 @@ class StateStore(abc.ABC):
         """Add ``sums`` to the accumulated mismatch sums, at most once per ``lease_id``: the
         mark (holding ``digest``, what identifies the upload) and the sums change in one atomic
         step; False (nothing changed) when the lease was booked within the last ``ttl_s``
-        seconds."""
+        seconds. Raises :class:`LeaseReleased` (nothing changed) when :meth:`release` forgot the
+        lease before this step."""
 
     @abc.abstractmethod
     async def mismatch_digest(self, lease_id: str) -> str | None:
@@ -532,6 +546,14 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def ping(self) -> bool: ...
+
+    def polling(self) -> contextlib.AbstractContextManager[None]:
+        """The calls made inside (in this task and the tasks it starts) are a background poll's:
+        repeated at the next poll when they fail, so while the adapter knows the store is down (its
+        last call could not reach it) it may give up on them sooner than on a request's calls,
+        whose deadline stays the same (a turn's append waits a store restart out). The memory
+        store is never down: a no-op."""
+        return contextlib.nullcontext()
 
     async def data_lost(self) -> str | None:
         """A message naming the store when it finds that it lost its data since this process's

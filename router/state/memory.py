@@ -26,6 +26,7 @@ from router.state.base import (
     GroupCounters,
     Lease,
     LeaseNotFound,
+    LeaseReleased,
     SessionFinished,
     SessionInfo,
     SessionNotFound,
@@ -77,7 +78,7 @@ class MemoryStore(StateStore):
         self._job_lock: tuple[str, float] | None = None  # (job id, lapses at, monotonic)
         self._jobs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._route_keys: dict[str, tuple[dict[str, Any], float]] = {}
-        self._lease_orders: dict[str, tuple[list[str], float]] = {}
+        self._lease_orders: dict[str, tuple[list[str] | None, float]] = {}  # None: released
         # take id -> (the lease it made, its entries in order, the lease as answered, forgotten at)
         self._take_ids: dict[str, tuple[list[int], Lease, float]] = {}
         self._take_claims: dict[str, str] = {}  # take id -> the lease id of the take that holds it
@@ -414,6 +415,7 @@ class MemoryStore(StateStore):
         if record is None or (record[2] and not by_holder):
             return 0
         del self._leases[lease_id]
+        self._lease_orders[lease_id] = (None, record[1])
         mine = {}
         for entry in record[0]:
             owner = self._pending.get(entry)
@@ -604,12 +606,15 @@ class MemoryStore(StateStore):
         item = self._lease_orders.get(lease_id)
         if item is None or item[1] <= time.monotonic():
             return None
+        if item[0] is None:
+            raise LeaseReleased(lease_id)
         return list(item[0])
 
     async def add_mismatch(
         self, lease_id: str, sums: Mapping[MismatchKey, MismatchSums], ttl_s: float, digest: str = "-"
     ) -> bool:
         now = time.monotonic()
+        await self.lease_order(lease_id)  # LeaseReleased
         if await self.mismatch_digest(lease_id) is not None:
             return False
         self._mismatch_leases[lease_id] = (now + ttl_s, digest)

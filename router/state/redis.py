@@ -55,7 +55,8 @@ Layout under the key prefix ``mf:`` (all values written by this module only):
   ``mf:mismatch:t`` hash: ``<stat>|<group>`` -> everything added for the group, never rolled
   (what the ``mixfleet_mismatch_*_total`` counters export);
   ``mf:mml:<lease>`` marks a lease booked (TTL);
-  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL);
+  ``mf:lorder:<lease>`` JSON list of a lease's session ids in take order (TTL), ``released``
+  once a release forgot the lease (:data:`_GIVE_BACK`; the lease record's TTL);
   ``mf:takeid:<take id>`` ``claim:<lease id>`` while the take holding the take id (the latest
   to start with it, script :data:`_REPEAT_OR_CLAIM`) has made no lease, then JSON of the lease it
   made (its id, its entries and sessions in order, ``held_back``, ``redelivered``,
@@ -68,9 +69,13 @@ Lua script (atomic, and idempotent where the contract says so, so redis-py's aut
 after a dropped connection, e.g. a Redis restart, cannot apply a turn or a finish twice); a
 session read is one ``HMGET``; reads of several keys go out as one pipeline. Connection drops are
 retried with backoff for ``outage_s`` seconds; after that a call raises
-:class:`~router.state.base.StateUnavailable`. A server at the URL that does not speak Redis (an
-HTTP server, anything answering other bytes) raises :class:`~router.state.base.StateNotAStore`,
-naming the URL, at once (redis-py does not retry a reply it cannot parse).
+:class:`~router.state.base.StateUnavailable`. Once a call found Redis unreachable (until a call
+reaches it), a background poll's calls (:meth:`RedisStore.polling`) give up after ``poll_s``
+instead, so the router's poll goes on (its replica health checks included) every
+``poll_interval_s`` rather than every ``outage_s`` per call; a request's calls keep ``outage_s``.
+A server at the URL that does not speak Redis (an HTTP server, anything answering other bytes)
+raises :class:`~router.state.base.StateNotAStore`, naming the URL, at once (redis-py does not
+retry a reply it cannot parse).
 
 Bounds (:mod:`router.state.retention`): what expires by time carries a TTL (acknowledged
 sessions, leases, take orders, mismatch marks, route keys, booked-until marks);
@@ -84,6 +89,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -113,6 +119,7 @@ from router.state.base import (
     GroupCounters,
     Lease,
     LeaseNotFound,
+    LeaseReleased,
     SessionFinished,
     SessionInfo,
     SessionNotFound,
@@ -137,6 +144,8 @@ REPLICAS = P + "replicas"
 LATEST = P + "latest"
 ACTIVITY = P + "activity"
 EPOCH = P + "epoch"
+RELEASED = b"released"
+"""A released lease's order (``mf:lorder:<lease>``, set by :data:`_GIVE_BACK`)."""
 LEDGER = P + "ledger"
 LEDGER_V = P + "ledger:v"
 LEDGER_E = P + "ledger:e"
@@ -171,9 +180,10 @@ end
 _ADD_MISMATCH = (
     _ADD
     + """
--- KEYS: the sums, the lease's mark, the group totals; ARGV: the mark's TTL (ms), the upload's
--- digest (the mark's value), then per sum its field (stat|version|bucket|group), value and kind
--- (f: float)
+-- KEYS: the sums, the lease's mark, the group totals, the lease's order; ARGV: the mark's TTL
+-- (ms), the upload's digest (the mark's value), then per sum its field (stat|version|bucket|group),
+-- value and kind (f: float). Returns 1 (added), 0 (booked before), -1 (the lease was released)
+if redis.call('GET', KEYS[4]) == 'released' then return -1 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[1]) then return 0 end
 for i = 3, #ARGV, 3 do
   local stat, group = string.match(ARGV[i], '^([^|]*)|[^|]*|[^|]*|(.*)$')
@@ -435,11 +445,13 @@ return {0}
 """
 
 _GIVE_BACK = """
--- KEYS: the stream, the set of takes in progress, the lease, then per picked entry its session;
--- ARGV: the group, the take's consumer (its lease id), '1' when the lease's holder releases it
--- (else ''), then the picked entry ids. Returns how many went back: 0, changing nothing else,
--- for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it, for a lease a
--- repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's client holds it
+-- KEYS: the stream, the set of takes in progress, the lease, the lease's order, then per picked
+-- entry its session; ARGV: the group, the take's consumer (its lease id), '1' when the lease's
+-- holder releases it (else ''), then the picked entry ids. Returns how many went back: 0, changing
+-- nothing else, for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it,
+-- for a lease a repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's
+-- client holds it. A lease it forgets has its order marked 'released' for the lease record's TTL
+-- (_ADD_MISMATCH then books nothing against it)
 redis.call('ZREM', KEYS[2], ARGV[2])
 if redis.call('HEXISTS', KEYS[3], '!acked') == 1 then return 0 end
 if ARGV[3] ~= '1' and redis.call('HEXISTS', KEYS[3], '!again') == 1 then return 0 end
@@ -448,11 +460,13 @@ if #leased > 0 then
   local mine = {}
   for i = 1, #leased, 2 do mine[leased[i]] = true end
   for i = 4, #ARGV do
-    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i]) == 1 then
-      redis.call('HINCRBY', KEYS[i], 'delivered', -1)
+    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1 then
+      redis.call('HINCRBY', KEYS[i + 1], 'delivered', -1)
     end
   end
+  local ttl = redis.call('PTTL', KEYS[3])
   redis.call('DEL', KEYS[3])
+  if ttl > 0 then redis.call('SET', KEYS[4], 'released', 'PX', ttl) end
 end
 local n, page = 0, nil
 repeat
@@ -673,6 +687,11 @@ def _lease_key(lease_id: str) -> str:
     return f"{P}lease:{lease_id}"
 
 
+def _order_key(lease_id: str) -> str:
+    """The lease's take order (:meth:`RedisStore.record_lease_order`), or :data:`RELEASED`."""
+    return f"{P}lorder:{lease_id}"
+
+
 def _take_id_key(take_id: str) -> str:
     return f"{P}takeid:{take_id}"
 
@@ -708,11 +727,17 @@ def _retries(outage_s: float, backoff: ExponentialBackoff) -> int:
     return max(1, n)
 
 
+_POLLING: contextvars.ContextVar[bool] = contextvars.ContextVar("mixfleet_state_polling", default=False)
+"""True inside :meth:`RedisStore.polling` (a background poll's task and the tasks it starts)."""
+
+
 class RedisStore(StateStore):
     """Redis adapter. A call that cannot complete within ``outage_s`` seconds (Redis refusing
     connections, restarting or not answering, while redis-py reconnects with backoff) raises
-    :class:`StateUnavailable`; a take's ``wait_s`` comes on top. At most ``max_connections``
-    commands are in flight at once; further callers wait for a connection."""
+    :class:`StateUnavailable`; a take's ``wait_s`` comes on top. A background poll's call
+    (:meth:`polling`) while the store is known down (the latest call that ended could not reach
+    Redis) gives up after ``poll_s`` (at most ``outage_s``). At most ``max_connections`` commands
+    are in flight at once; further callers wait for a connection."""
 
     def __init__(
         self,
@@ -720,11 +745,14 @@ class RedisStore(StateStore):
         *,
         retention: Retention | None = None,
         outage_s: float = 20.0,
+        poll_s: float = 2.0,
         max_connections: int = 512,
     ) -> None:
         self.retention = retention or Retention()
         self.retention_s = self.retention.retention_s
         self._outage_s = outage_s
+        self._poll_s = min(poll_s, outage_s)
+        self._down = False  # the latest call that ended could not reach Redis
         self._where = display_url(url)
         backoff = ExponentialBackoff(cap=0.5, base=0.02)
         pool = BlockingConnectionPool.from_url(
@@ -765,27 +793,47 @@ class RedisStore(StateStore):
         self._forget_replicas = self._r.register_script(_FORGET_REPLICAS)
         self._assigning = asyncio.Lock()
 
+    @contextlib.contextmanager
+    def polling(self):
+        """Calls inside are a background poll's: ``poll_s`` while Redis is known down (class
+        docstring)."""
+        token = _POLLING.set(True)
+        try:
+            yield
+        finally:
+            _POLLING.reset(token)
+
+    def _deadline_s(self, extra_s: float) -> float:
+        """How long a call may take: ``poll_s`` for a poll's call while Redis is known down, else
+        ``outage_s + extra_s``."""
+        return self._poll_s if self._down and _POLLING.get() else self._outage_s + extra_s
+
     async def _call(self, coro_fn, *args, extra_s: float = 0.0, **kwargs):
         """``await coro_fn(*args, **kwargs)``; Redis unreachable (after redis-py's retries), no
-        answer within ``outage_s + extra_s`` seconds, or a command Redis refuses (out of memory,
-        a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and any other
-        error reply) -> :class:`StateUnavailable` naming it; a server there that does not speak
-        Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL."""
+        answer within the deadline (:meth:`_deadline_s`), or a command Redis refuses (out of
+        memory, a read-only replica, a failed snapshot: ``OOM`` / ``READONLY`` / ``MISCONF`` and
+        any other error reply) -> :class:`StateUnavailable` naming it; a server there that does
+        not speak Redis (:func:`not_redis`) -> :class:`StateNotAStore` naming the URL. Whether it
+        reached Redis sets the known-down mark."""
+        deadline_s = self._deadline_s(extra_s)
         try:
-            async with asyncio.timeout(self._outage_s + extra_s):
-                return await coro_fn(*args, **kwargs)
+            async with asyncio.timeout(deadline_s):
+                out = await coro_fn(*args, **kwargs)
         except TimeoutError:  # the deadline (a subclass of OSError: caught first)
-            raise StateUnavailable(
-                f"redis: unreachable or not answering for {self._outage_s + extra_s:g} s"
-            ) from None
+            self._down = True
+            raise StateUnavailable(f"redis: unreachable or not answering for {deadline_s:g} s") from None
         except _UNAVAILABLE as exc:
+            self._down = True
             raise StateUnavailable(f"redis: {exc}") from None
         except ResponseError as exc:
+            self._down = False
             raise StateUnavailable(f"redis refused a command: {exc}") from None
         except Exception as exc:
             if not_redis(exc):
                 raise StateNotAStore(self.not_redis_message(exc)) from None
             raise
+        self._down = False
+        return out
 
     def not_redis_message(self, exc: BaseException) -> str:
         """What :class:`StateNotAStore` says: the URL and what redis-py could not read."""
@@ -1178,7 +1226,13 @@ class RedisStore(StateStore):
         """:data:`_GIVE_BACK` for the lease ``lease_id`` that picked ``entries``."""
         return int(
             await self._give_back(
-                keys=[STREAM, TAKING, _lease_key(lease_id), *(_skey(sid) for _e, sid in entries)],
+                keys=[
+                    STREAM,
+                    TAKING,
+                    _lease_key(lease_id),
+                    _order_key(lease_id),
+                    *(_skey(sid) for _e, sid in entries),
+                ],
                 args=[GROUP, lease_id, "1" if by_holder else "", *(entry_id for entry_id, _sid in entries)],
             )
         )
@@ -1349,10 +1403,12 @@ class RedisStore(StateStore):
     # mismatch ---------------------------------------------------------------------------
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         px = max(1, int(ttl_s * 1000))
-        await self._call(self._r.set, f"{P}lorder:{lease_id}", json.dumps(session_ids), px=px)
+        await self._call(self._r.set, _order_key(lease_id), json.dumps(session_ids), px=px)
 
     async def lease_order(self, lease_id: str) -> list[str] | None:
-        v = await self._call(self._r.get, f"{P}lorder:{lease_id}")
+        v = await self._call(self._r.get, _order_key(lease_id))
+        if v == RELEASED:
+            raise LeaseReleased(lease_id)
         return None if v is None else list(json.loads(v))
 
     async def add_mismatch(
@@ -1367,8 +1423,11 @@ class RedisStore(StateStore):
                     repr(value),
                     "f" if isinstance(value, float) else "i",
                 ]
-        keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS]
-        return bool(await self._call(self._add_mismatch, keys=keys, args=args))
+        keys = [MISMATCH, f"{P}mml:{lease_id}", MISMATCH_TOTALS, _order_key(lease_id)]
+        added = int(await self._call(self._add_mismatch, keys=keys, args=args))
+        if added < 0:
+            raise LeaseReleased(lease_id)
+        return bool(added)
 
     async def mismatch_digest(self, lease_id: str) -> str | None:
         v = await self._call(self._r.get, f"{P}mml:{lease_id}")

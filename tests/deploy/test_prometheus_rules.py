@@ -90,6 +90,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     assert alerts == {
         "MixfleetRouterDown",
         "MixfleetStateDown",
+        "MixfleetStateDataLost",
         "MixfleetGroupDown",
         "MixfleetVersionLagHigh",
         "MixfleetMismatchKLGrowing",

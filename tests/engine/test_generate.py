@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from clients.engine import error_message
 from core.sglang_release import sampling_request
 from tests.engine.conftest import StreamReader, generate
 from tests.engine.stats import chi_square_p
@@ -412,7 +413,7 @@ BAD = [
     ({"input_ids": [1], "return_logprob": 1}, "return_logprob: invalid type: integer `1`"),
     ({"input_ids": [1], "logprob_start_len": 0.0}, "logprob_start_len: invalid type: floating point"),
     ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
-    ({"input_ids": "abc"}, "Invalid request"),
+    ({"input_ids": "abc"}, 'input_ids: invalid type: string "abc", expected a sequence'),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"sampling_params": {}}, "Either text or input_ids"),
     ({"input_ids": [[1], [2]], "rid": ["x"]}, "rid has 1 entries for a batch of 2"),
@@ -441,7 +442,7 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(engine: str, client: ht
     for body, msg in cases:
         r = client.post(engine + "/generate", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, (body, r.status_code, r.text)
-        assert msg in r.json()["error"]["message"], (body, r.text)
+        assert msg in error_message(400, r.content), (body, r.text)  # whichever SGLang shape
     ok = generate(client, engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert len(ok["output_ids"]) == 2
     load = client.get(engine + "/server_info").json()["internal_states"][0]
@@ -466,6 +467,73 @@ def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> Non
             sampling_params={**params, "max_new_tokens": 2, "ignore_eos": True},
         )
         assert len(out["output_ids"]) == 2, params
+
+
+SHAPES = [
+    # step 1, the dataclass parse: FastAPI's validation handler, ErrorResponse (http_server.py)
+    (b'{"input_ids": [1, 2', "parse"),
+    (b"[1, 2]", "parse"),
+    (b'{"input_ids": ["1"]}', "parse"),
+    (b'{"input_ids": [1, 3.0]}', "parse"),
+    (b'{"input_ids": [1], "stream": null}', "parse"),
+    # step 2, the contract gate: a bare string
+    (b'{"input_ids": [1, true]}', "gate"),
+    (b'{"input_ids": [1], "stream": 1}', "gate"),
+    (b'{"input_ids": [1], "sampling_params": {"max_tokens": 5}}', "gate"),
+    (b'{"input_ids": [1], "sampling_params": {"top_k": 3.0}}', "gate"),
+    # step 3, SamplingParams and the tokenizer manager's checks: {"error": {"message"}}
+    (b'{"input_ids": [1], "sampling_params": {"top_p": 1.5}}', "verify"),
+    (b'{"input_ids": [1], "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}}', "verify"),
+    (json.dumps({"input_ids": [VOCAB_SIZE]}).encode(), "verify"),
+]
+
+
+def _shape(body: Any) -> str:
+    """Which of SGLang's three error bodies ``body`` is (core.sglang_contract.error_body)."""
+    if isinstance(body, dict) and set(body) == {"object", "message", "type", "param", "code"}:
+        assert body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request", body
+        return "parse"
+    if isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str):
+        return "gate"
+    if isinstance(body, dict) and set(body) == {"error"} and set(body["error"]) == {"message"}:
+        return "verify"
+    return f"unknown: {body!r}"
+
+
+def test_each_refusal_answers_the_body_shape_sglang_answers_it_with(
+    engine: str, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23 answers a ``/generate`` refusal in the shape of the step that makes it: its
+    request validation handler's ErrorResponse for the dataclass parse (malformed JSON, a body
+    that is no object, an ``input_ids`` entry that is not an int, ``stream: null``), the contract
+    gate's bare ``{"error": "<text>"}`` (a bool id, ``stream: 1``, an unknown or mistyped sampling
+    key), ``{"error": {"message"}}`` for SamplingParams' ranges and the tokenizer manager's
+    checks. The engine answers the same; the fleet's client reads the message of each."""
+    for raw, step in SHAPES:
+        r = client.post(engine + "/generate", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        assert _shape(r.json()) == step, (raw, r.text)
+        message = error_message(400, r.content)
+        assert message and not message.startswith("{"), (raw, message)  # the text, not the body
+
+
+def test_a_null_max_new_tokens_generates_up_to_the_context(engine: str, client: httpx.Client) -> None:
+    """``max_new_tokens: null`` is no bound of its own, as in SGLang 0.5.23 (the scheduler takes
+    ``1 << 30`` capped at ``max_req_len - len(input) - 1``, ``max_req_len = context_len - 1``:
+    core.sglang_contract.max_new_tokens_bound), not the 128 an absent one means: a prompt 10
+    tokens short of the context generates 8 and ends by length, where 128 would not fit."""
+    context = client.get(engine + "/model_info").json()["context_len"]
+    prompt = [1 + i % 50 for i in range(context - 10)]
+    sp = {"max_new_tokens": None, "ignore_eos": True, "temperature": 0}
+    out = generate(client, engine, input_ids=prompt, sampling_params=sp)
+    assert len(out["output_ids"]) == 8 and out["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 8,
+    }
+    absent = generate(
+        client, engine, input_ids=[1, 2], sampling_params={"ignore_eos": True, "temperature": 0}
+    )
+    assert len(absent["output_ids"]) == 128  # absent: SGLang's default
 
 
 def test_metrics_use_sglang_names(engine: str, client: httpx.Client) -> None:

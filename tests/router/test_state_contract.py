@@ -22,6 +22,7 @@ from router.mismatch import MismatchSums, rollup
 from router.state.base import (
     AckResult,
     LeaseNotFound,
+    LeaseReleased,
     SessionFinished,
     SessionNotFound,
     StateStore,
@@ -1041,6 +1042,40 @@ async def test_redis_restart_within_the_outage_window_is_waited_out_and_a_longer
         await short.close()
 
 
+async def test_a_poll_gives_up_sooner_while_redis_is_known_down_and_a_turn_waits_the_restart_out() -> None:
+    """A real redis-server stopped: the first call that finds it gone waits the whole outage
+    window; from then on a background poll's calls (``polling()``) give up after ``poll_s``, each
+    of the poll's reads alike, while a request's call (a turn's append) still waits ``outage_s``
+    and, Redis restarted within it, records the turn; the first call that reaches Redis again
+    ends the short deadline."""
+    port = free_port()
+    data = Path(tempfile.mkdtemp(prefix="state-poll-"))
+    url = f"redis://127.0.0.1:{port}/0"
+    store = RedisStore(url, outage_s=6.0, poll_s=0.5)
+    try:
+        with redis_server(port=port, data_dir=data, appendonly=True):
+            await _session(store, "a", turns=1)
+            with store.polling():
+                assert await store.data_lost() is None
+        with store.polling(), pytest.raises(StateUnavailable, match=r"for 6 s"):
+            await store.list_replicas()  # not known down yet: the whole window
+        for poll in (store.data_lost, store.list_replicas, store.get_latest_version, store.compact):
+            with store.polling(), pytest.raises(StateUnavailable, match=r"for 0\.5 s"):
+                await poll()
+        restarted = asyncio.get_running_loop().run_in_executor(None, _restart_later, port, data, 1.0)
+        record = TurnRecord(
+            "r1", b"blob-a-1", group="g1", replica="rep", tokens=1, min_version=1, max_version=1
+        )
+        assert await store.append_turn("a", record) == 1  # known down, but a request's call waits
+        assert await store.get_turns("a") == [b"blob-a-0", b"blob-a-1"]
+        with store.polling():
+            assert await store.get_latest_version() is None and await store.data_lost() is None
+        stop = await restarted
+        stop.set()
+    finally:
+        await store.close()
+
+
 async def test_unreachable_redis_is_unavailable_not_an_error_of_the_caller() -> None:
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", outage_s=0.5)
     try:
@@ -1227,6 +1262,36 @@ async def _run_a_while(store: StateStore, rules: Retention, versions: range) -> 
     if last.trajectories:
         await store.ack(last.lease_id)
     assert (await store.queue_stats())["ready"] == 0
+
+
+async def test_a_released_lease_takes_no_upload_and_an_acknowledged_one_does(store_url: str) -> None:
+    """A release that forgets a lease marks its order released in the same step: its order and a
+    booking against it raise LeaseReleased (also a booking whose upload read the order before
+    the release), nothing is added, and its trajectory's next lease books as usual; a release
+    of an acknowledged lease changes nothing, so it still books once."""
+    kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 30.0}
+    sums = {("g1", 1, "0-63"): M1}
+    async with opened(store_url) as store:
+        await _session(store, "a")
+        await store.finish_session("a", "f-a", 1.0, {})
+        first = await store.take(5, **kw)
+        await store.record_lease_order(first.lease_id, ["a"], ttl_s=60.0)
+        assert await store.lease_order(first.lease_id) == ["a"]  # an upload read it ...
+        assert await store.release(first.lease_id, by_holder=True) == 1  # ... then the release
+        with pytest.raises(LeaseReleased):
+            await store.add_mismatch(first.lease_id, sums, ttl_s=60.0, digest="d1")
+        with pytest.raises(LeaseReleased):
+            await store.lease_order(first.lease_id)
+        assert await store.mismatch() == {} and await store.mismatch_digest(first.lease_id) is None
+        second = await store.take(5, **kw)
+        assert [t.session.session_id for t in second.trajectories] == ["a"]
+        await store.record_lease_order(second.lease_id, ["a"], ttl_s=60.0)
+        assert (await store.ack(second.lease_id)).acked == 1
+        assert await store.release(second.lease_id, by_holder=True) == 0  # acknowledged: stays so
+        assert await store.lease_order(second.lease_id) == ["a"]
+        assert await store.add_mismatch(second.lease_id, sums, ttl_s=60.0, digest="d2")
+        assert not await store.add_mismatch(second.lease_id, sums, ttl_s=60.0, digest="d2")
+        assert (await store.mismatch_totals())["g1"] == M1
 
 
 async def test_the_footprint_returns_to_one_bound_however_many_versions_and_sessions(store_url: str) -> None:

@@ -1,8 +1,9 @@
 """A Redis that loses its data (restarted without persistence) is said, not silent: the router
 warns at start that its Redis persists nothing, and logs one error naming the state URL once
 Redis comes back empty (every open session, unacknowledged trajectory and lease it held is gone,
-so their turns, finishes and acks answer 404). A Redis with an append-only file keeps them: no
-warning, no error."""
+so their turns, finishes and acks answer 404) and counts it once in
+``mixfleet_router_state_data_lost_total``. A Redis with an append-only file keeps them: no
+warning, no error, a count of 0."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ import time
 import httpx
 import pytest
 
+from tests.support.metrics import samples_of
 from tests.support.procs import redis_process, wait_for_text
 from tests.support.router import redis_router_files, router_process
 from tests.support.state import opened
 
 LOST = "lost its data"
 NOTHING = "persists nothing"
+COUNTER = ("mixfleet_router_state_data_lost_total", ())
+
+
+def _losses(router) -> float:
+    """The router's ``mixfleet_router_state_data_lost_total``, scraped."""
+    r = httpx.get(f"{router.url}/metrics", headers=router.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return samples_of(r.text)[COUNTER]
 
 
 @pytest.mark.parametrize("appendonly", [False, True], ids=["no-persistence", "appendonly"])
@@ -30,22 +40,25 @@ def test_a_redis_restart_that_lost_the_state_is_logged_as_an_error(tmp_path, app
         redis = contextlib.ExitStack()
         stack.callback(redis.close)
         redis.enter_context(redis_process(port, data, appendonly=appendonly))
-        stack.enter_context(router_process(preset, state=state, log=log))
+        router = stack.enter_context(router_process(preset, state=state, log=log))
         time.sleep(2.5)  # a few polls: each checks the state's marker
         before = log.read_text(errors="replace")
         assert (NOTHING in before) is not appendonly, before[-3000:]
         assert LOST not in before, before[-3000:]
+        assert _losses(router) == 0
         redis.close()
         redis.enter_context(redis_process(port, data, appendonly=appendonly))
         if appendonly:
             time.sleep(3)
             assert LOST not in log.read_text(errors="replace")
+            assert _losses(router) == 0
             return
         body = wait_for_text(log, LOST)
         line = next(line for line in body.splitlines() if LOST in line)
         assert f"state store {state} lost its data" in line and "appendonly yes" in line, line
         time.sleep(2)
         assert log.read_text(errors="replace").count(LOST) == 1
+        assert _losses(router) == 1  # once per loss found, not once per poll since
 
 
 def _lost_clause(response: httpx.Response) -> str:
