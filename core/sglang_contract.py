@@ -29,9 +29,10 @@ SGLang judges a body in three steps (paths under ``python/sglang/`` of the relea
 Each step answers its own body shape (:class:`Refusal`, :func:`error_body`): step 1 through the
 ``RequestValidationError`` handler, ``ErrorResponse(message, type="Bad Request", code=400)``
 dumped (``{"object": "error", "message", "type", "param": null, "code": 400}``, the handler's
-format for every path but ``/v1/responses``; ``http_server.py`` 635-691); step 2 the gate's bare
-string ``{"error": "<text>"}`` (sglang's own route test reads ``response.json()["error"]`` as the
-text: ``TestGenerateRouteGate``); step 3 ``{"error": {"message": ...}}``.
+format for ``/generate``: only ``/v1/messages``, ``/v1/systemone`` and ``/v1/responses`` get
+others; ``http_server.py`` 635-691, ``entrypoints/openai/protocol.py`` 106-111); step 2 the gate's bare
+string ``{"error": "<text>"}`` (``generate_request``, ``http_server.py`` 928-939); step 3
+``{"error": {"message": ...}}``.
 
 :func:`generate_body_error` returns the first refusal as one line naming the field (``stream:
 invalid type: integer `1`, expected a boolean``; ``sampling_params[1].top_k: ...``; a range in
@@ -349,11 +350,12 @@ def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len
     """How many tokens SGLang lets a request of ``input_len`` prompt tokens generate at most:
     ``max_new_tokens``, or for ``null`` no bound of its own, the context's room: the scheduler's
     ``init_req_max_new_tokens`` takes ``1 << 30`` for None, capped at ``max_req_len -
-    len(input) - 1`` (``srt/managers/scheduler.py``), where ``max_req_len = min(context_len - 1,
-    max_total_num_tokens - 1)`` (``Scheduler.init_memory_pool_and_cache``; the KV pool holds at
-    least one context here); ``SamplingParams.max_new_tokens`` is ``Optional[int] = 128`` and
-    ``__post_init__`` leaves an explicit None as None (``srt/sampling/sampling_params.py``), and
-    ``verify`` skips its checks then. At least 0."""
+    len(input) - 1`` (``srt/managers/scheduler.py`` 2693-2716), where ``max_req_len =
+    min(context_len - 1, max_total_num_tokens - 1)`` (``srt/managers/tp_worker.py`` 421-424; the
+    KV pool holds at least one context here); ``SamplingParams.max_new_tokens`` is
+    ``Optional[int] = 128``, an explicit None stays None and ``verify`` skips its checks then
+    (``srt/sampling/sampling_params.py`` 149, 285). An explicit value above the context's room
+    is refused before (``tokenizer_manager.py`` 1352-1375). At least 0."""
     if max_new_tokens is not None:
         return max_new_tokens
     return max(0, min(1 << 30, (context_len - 1) - input_len - 1))
