@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import warm
 from tests.support.models import CACHE_ENV, make_model_dir
-from tests.support.schedule import arrange
+from tests.support.schedule import arrange, ungrouped
 
 _WARM = pytest.StashKey[tuple]()
 _MODEL_CACHE = pytest.StashKey[Path]()
@@ -72,6 +72,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _numba_kernels_compiled() -> Iterator[None]:
     warm.wait()
     yield
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Stop a run whose units xdist did not group (:func:`tests.support.schedule.ungrouped`)."""
+    if node.config.getoption("dist", None) == "loadgroup":
+        problem = ungrouped(ids)
+        if problem:
+            pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers

@@ -11,8 +11,10 @@ A unit of work (one ``xdist_group``) runs whole on one worker, its tests in file
   of its tests: correct, only slower);
 * every test already marked ``@pytest.mark.xdist_group(name)`` with the same name, wherever it is.
 
-Units are collected longest first (:data:`COST`), and xdist hands them out in collection order, so
-no long unit is left to end the run alone. A unit missing from :data:`COST` counts as short; the
+Units are collected longest first (:data:`COST`), and xdist hands them out in collection order
+(``--no-loadscope-reorder``, pyproject's ``addopts``: by default xdist re-sorts the units by how
+many tests each holds), so no long unit is left to end the run alone. A run whose tests xdist did
+not group stops at once (:func:`ungrouped`). A unit missing from :data:`COST` counts as short; the
 table only orders, it decides nothing else.
 """
 
@@ -97,3 +99,19 @@ def arrange(items: list[pytest.Item]) -> None:
         units.append(unit)
     order = sorted(range(len(items)), key=lambda i: (-cost_of(units[i]), first[units[i]], i))
     items[:] = [items[i] for i in order]
+
+
+def ungrouped(ids: list[str]) -> str | None:
+    """Why the test ids a worker collected show that ``--dist loadgroup`` does not group them, or
+    None: xdist groups by the ``@<group>`` suffix it writes into each marked test's id, and every
+    test here is marked (:func:`arrange`), so an id without one means this pytest ignores that
+    rewrite (pytest 9.2's structured node ids, pytest-dev/pytest-xdist#1386): every test would be
+    a unit of its own and each module's fleets would start once per worker."""
+    plain = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    if not plain:
+        return None
+    return (
+        f"pytest-xdist's --dist loadgroup does not group with pytest {pytest.__version__} "
+        f"({plain[0]} has no @<group> suffix; pytest-dev/pytest-xdist#1386): install the test "
+        "extra's pytest (pip install -e '.[test]')"
+    )
