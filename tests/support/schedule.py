@@ -107,7 +107,7 @@ def ungrouped(ids: list[str]) -> str | None:
     test here is marked (:func:`arrange`), so an id without one means this pytest ignores that
     rewrite (pytest 9.2's structured node ids, pytest-dev/pytest-xdist#1386): every test would be
     a unit of its own and each module's fleets would start once per worker."""
-    plain = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    plain = [i for i in ids if "@" not in i]
     if not plain:
         return None
     return (
