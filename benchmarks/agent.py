@@ -367,7 +367,6 @@ def streamed_split(chat_model: Path, points: list[int]) -> dict[str, float]:
     """Router CPU per streamed token (µs) at each of ``points`` tokens into one reasoning reply
     (module docstring), printed with its ratio to the first point's."""
     from router.chat.renderers import load_renderer
-    from router.chat.streaming import TextDeltas
 
     renderer = load_renderer(chat_model)
     rng = random.Random(0)
@@ -394,6 +393,21 @@ def streamed_split(chat_model: Path, points: list[int]) -> dict[str, float]:
         text.append(" ".join(rng.choice(words) for _ in range(rng.randrange(4, 16))) + ".\n")
         n += len(text[-1])
     ids = renderer.encode("".join(text))
+    out = _split_cost(renderer, ids, points)
+    first = out[str(points[0])]
+    print("streamed reply split: router CPU per token of a streamed reasoning reply")
+    for point in points:
+        print(
+            f"  {point:>6} tokens in: {out[str(point)]:6.2f} us  ({out[str(point)] / first:.2f}x the first)"
+        )
+    return out
+
+
+def _split_cost(renderer, ids: list[int], points) -> dict[str, float]:
+    """Router CPU per streamed token (µs) at each of ``points`` ids into ``ids``: the mean over the
+    next 500 ids fed one at a time to a :class:`TextDeltas` fed the ids before, least of 3 runs."""
+    from router.chat.streaming import TextDeltas
+
     out: dict[str, float] = {}
     for point in points:
         best = float("inf")
@@ -405,12 +419,6 @@ def streamed_split(chat_model: Path, points: list[int]) -> dict[str, float]:
                 deltas.feed([tok])
             best = min(best, (time.process_time() - cpu) / 500)
         out[str(point)] = round(best * 1e6, 2)
-    first = out[str(points[0])]
-    print("streamed reply split: router CPU per token of a streamed reasoning reply")
-    for point in points:
-        print(
-            f"  {point:>6} tokens in: {out[str(point)]:6.2f} us  ({out[str(point)] / first:.2f}x the first)"
-        )
     return out
 
 
@@ -423,23 +431,12 @@ def streamed_junk(chat_model: Path) -> dict[str, float]:
     byte-level junk: ids of UTF-8 continuation bytes, a run of which never completes a character
     (the mean over the next 500 ids, least of 3 runs)."""
     from router.chat.renderers import load_renderer
-    from router.chat.streaming import TextDeltas
 
     renderer = load_renderer(chat_model)
     pool = [t for t in range(4096) if (b := renderer.token_bytes(t)) and all(0x80 <= x < 0xC0 for x in b)]
     rng = random.Random(0)
     ids = [rng.choice(pool) for _ in range(max(JUNK_POINTS) + 500)]
-    out: dict[str, float] = {}
-    for point in JUNK_POINTS:
-        best = float("inf")
-        for _ in range(3):
-            deltas = TextDeltas(renderer)
-            deltas.feed(ids[:point])
-            cpu = time.process_time()
-            for tok in ids[point : point + 500]:
-                deltas.feed([tok])
-            best = min(best, (time.process_time() - cpu) / 500)
-        out[str(point)] = round(best * 1e6, 2)
+    out = _split_cost(renderer, ids, JUNK_POINTS)
     print("streamed junk split: router CPU per token of a streamed reply of ids that complete no character")
     for point in JUNK_POINTS:
         print(f"  {point:>6} ids in: {out[str(point)]:6.2f} us")

@@ -9,6 +9,9 @@ takes its trajectories next takes the upload."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
@@ -18,15 +21,22 @@ from tests.support.router import router_process, write_preset
 from trainer.client import RolloutClient, RouterError
 
 
-def test_a_released_lease_is_ready_for_the_next_take_at_once(
-    tmp_path, engine_url: str, store_url: str
-) -> None:
+@contextlib.contextmanager
+def _router(tmp_path, engine_url: str, store_url: str) -> Iterator[tuple[httpx.Client, RolloutClient]]:
+    """A router on ``store_url`` whose leases last 300 s: an HTTP client and the kit, both keyed."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
     with (
         router_process(preset, state=store_url, extra_args=("--lease-timeout", "300")) as router,
         httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
         RolloutClient(router.url, router.key, retries=1, backoff_s=0.01) as kit,
     ):
+        yield c, kit
+
+
+def test_a_released_lease_is_ready_for_the_next_take_at_once(
+    tmp_path, engine_url: str, store_url: str
+) -> None:
+    with _router(tmp_path, engine_url, store_url) as (c, kit):
         sids = sorted(_finish(c) for _ in range(2))
         first = kit.take(4)
         assert sorted(t["session_id"] for t in first.trajectories) == sids
@@ -64,12 +74,7 @@ def test_a_released_lease_is_ready_for_the_next_take_at_once(
 def test_an_upload_against_a_released_lease_is_refused_and_its_next_lease_takes_it(
     tmp_path, engine_url: str, store_url: str
 ) -> None:
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
-    with (
-        router_process(preset, state=store_url, extra_args=("--lease-timeout", "300")) as router,
-        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
-        RolloutClient(router.url, router.key, retries=1, backoff_s=0.01) as kit,
-    ):
+    with _router(tmp_path, engine_url, store_url) as (c, kit):
         sid = _finish(c)
         first = kit.take(4)
         assert kit.release(first.lease_id)["released"] == 1
