@@ -105,8 +105,8 @@ def ungrouped(ids: list[str]) -> str | None:
     """Why the test ids a worker collected show that ``--dist loadgroup`` does not group them, or
     None: xdist groups by the ``@<group>`` suffix it writes into each marked test's id, and every
     test here is marked (:func:`arrange`), so an id without one means this pytest ignores that
-    rewrite (pytest 9.2's structured node ids, pytest-dev/pytest-xdist#1386): every test would be
-    a unit of its own and each module's fleets would start once per worker."""
+    rewrite (the test extra's pytest bound in ``pyproject.toml`` says which do): every test would
+    be a unit of its own and each module's fleets would start once per worker."""
     plain = [i for i in ids if "@" not in i]
     if not plain:
         return None
