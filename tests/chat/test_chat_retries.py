@@ -15,7 +15,7 @@ import openai
 from tests.chat.conftest import trajectory
 from tests.router.test_workers_metrics import scrape, total
 from tests.support.procs import redis_server
-from tests.support.router import router_process, write_preset
+from tests.support.router import router_process, until_workers, write_preset
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -164,17 +164,12 @@ def test_any_worker_answers_a_retry_and_resumes_the_conversation(engine, chat_mo
                 {"role": "assistant", "content": reply.choices[0].message.content},
                 {"role": "user", "content": f"Go on ({i})"},
             ]
-        first, workers = None, set()
-        for _ in range(40):
-            raw = _openai(r, session).chat.completions.with_raw_response.create(
+        retries = until_workers(
+            lambda: _openai(r, session).chat.completions.with_raw_response.create(
                 model="tiny", messages=HELLO, max_tokens=6, extra_headers=_key("t0")
             )
-            first = first or raw.http_response.content
-            assert raw.http_response.content == first
-            workers.add(raw.headers["x-mixfleet-router"])
-            if len(workers) == 2:
-                break
-        assert len(workers) == 2, workers
+        )
+        assert len({raw.http_response.content for raw in retries}) == 1
         edited = [{"role": "user", "content": "Hi"}, *messages[1:]]
         forked = _openai(r, session).chat.completions.create(model="tiny", messages=edited, max_tokens=6)
         assert not forked.mixfleet["extends"]

@@ -125,3 +125,22 @@ def redis_router_files(tmp_path: Path) -> tuple[Path, int, str, Path, Path]:
     port = free_port()
     data = Path(tempfile.mkdtemp(prefix="redis-", dir=tmp_path))
     return preset, port, f"redis://127.0.0.1:{port}/0", data, tmp_path / "router.log"
+
+
+WORKER_HEADER = "x-mixfleet-router"  # router.app.ROUTER_HEADER: "<host>/<pid>" of the answering process
+WORKER_TRIES = 200
+
+
+def until_workers(send: Callable[[], Any], workers: int = 2, tries: int = WORKER_TRIES) -> list[Any]:
+    """The answers of ``send()`` (one request on a connection of its own; an answer with httpx's
+    ``headers``), sent again until ``workers`` router processes answered one (at most ``tries``).
+    Which worker accepts a new connection is the kernel's choice, and a busy machine may hand one
+    worker dozens in a row, so the bound is generous; AssertionError naming the workers seen."""
+    answers: list[Any] = []
+    seen: set[str] = set()
+    for _ in range(tries):
+        answers.append(send())
+        seen.add(answers[-1].headers[WORKER_HEADER])
+        if len(seen) >= workers:
+            return answers
+    raise AssertionError(f"only workers {sorted(seen)} answered in {tries} requests")
