@@ -40,13 +40,25 @@ SGLang's own words, which name the field: ``top_p must be in (0, 1], got 1.5.``)
 checks the fields the fleet sends or forwards (``text``, ``input_ids``, ``rid``, ``stream``,
 ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
 ``token_ids_logprob``, ``return_text_in_logprobs``, ``return_sampling_mask``,
-``routed_experts_start_len``); other keys are left to the server that reads them. What needs the
-model (a token id's vocabulary range, ``logit_bias`` keys) is the engine's to check.
+``routed_experts_start_len``) and the other top-level keys the gate decodes, as it types them
+(``return_hidden_states``, the ``bootstrap_*`` keys, ``decode_tp_size``, ``routed_dp_rank``,
+``disagg_prefill_dp_rank``, ``mm_hashes``, ``extra_key``, ``priority``, ``cache_salt``,
+``require_reasoning``, ``lora_path``, ``session_params``, ``routing_key``,
+``max_thinking_tokens``, ``session_id``, ``custom_logit_processor``, ``custom_labels``,
+``return_prompt_token_ids``, ``modalities``; a value the dataclass parse refuses too, such as a
+number for a string field, is the parse's refusal). Not checked here, left to the server that
+reads them: the nested structs ``image_data``, ``video_data``, ``audio_data`` (``MediaInput``),
+``kv_hints`` and ``images_config``, and the dataclass-only keys. An **unknown** top-level key is
+no refusal: the dataclass parse ignores it (a stdlib dataclass, pydantic's ``extra="ignore"``,
+``io_struct.py`` 176-178) and the gate skips it (``decode_GenerateRequest`` has no ``else``,
+``api_types.py`` 1413-1496). What needs the model (a token id's vocabulary range, ``logit_bias``
+keys) is the engine's to check.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -384,6 +396,95 @@ def _sampling_params_or_list(where: str, v: Any) -> None:
         sampling_params(where, v)
 
 
+def _lax_int(v: Any) -> bool:
+    """Whether the dataclass parse (pydantic's lax ``int``) takes ``v``: a bool, an integral
+    float, a decimal string."""
+    if type(v) in (int, bool):
+        return True
+    if type(v) is float:
+        return math.isfinite(v) and v.is_integer()
+    return type(v) is str and re.fullmatch(r"\s*[+-]?\d+(_\d+)*(\.0*)?\s*", v) is not None
+
+
+def _lax_bool(v: Any) -> bool:
+    """Whether the dataclass parse (pydantic's lax ``bool``) takes ``v``: a bool, 0 or 1, or one
+    of its words."""
+    if type(v) in (bool, int, float):
+        return v in (0, 1)
+    return type(v) is str and v.strip().lower() in _BOOL_WORDS
+
+
+_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
+
+
+def _parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Callable[[str, Any], None]:
+    """``one`` (the gate's check), its refusal made by the dataclass parse instead where the
+    value refused is not one the parse ``takes`` (step 1 runs first). ``takes`` never: a field
+    whose every gate refusal is the parse's too (a string field: pydantic takes only a string)."""
+
+    def check(where: str, v: Any) -> None:
+        try:
+            one(where, v)
+        except ContractError as exc:
+            raise exc if takes(exc.value) else exc.at("parse") from None
+
+    return check
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+def _one_or_list(one: Callable[[str, Any], Any], union: str) -> Callable[[str, Any], None]:
+    """A value or a list of values whose entries may be null (SGLang's ``Optional...OrList``);
+    a scalar refused is named as the gate names it (``a value or an array of values for ...``)."""
+
+    def check(where: str, v: Any) -> None:
+        if type(v) is list:
+            _each(where, v, _nullable(one))
+            return
+        try:
+            one(where, v)
+        except ContractError:
+            raise _refuse(where, v, f"a value or an array of values for {union}") from None
+
+    return check
+
+
+def _uint(where: str, v: Any) -> int:
+    if type(v) is int and v < 0:
+        raise ContractError(f"{where}: invalid value: integer `{v}`, expected u64", value=v)
+    return _int(where, v)
+
+
+def _string_list_or_list(where: str, v: Any) -> None:
+    """``decode_StringListOrList`` (api_types.py 966-972): ``[]`` or a list of strings, else a
+    list of such lists."""
+    if type(v) is not list:
+        raise _refuse(where, v, "a value or an array of values for StringListOrList")
+    if not v or type(v[0]) is str:
+        _each(where, v, _str)
+    else:
+        _each(where, v, lambda w, row: _each(w, row, _str))
+
+
+def _labels(where: str, v: Any) -> None:
+    for key, x in _map(where, v).items():
+        _str(f"{where}.{key}", x)
+
+
+def _hidden_mode(where: str, v: Any) -> None:
+    """``return_hidden_states``: the gate takes a bool or a list of bools (``decode_BoolOrList``,
+    api_types.py 989-1003), the dataclass also ``"last"`` (io_struct.py 260-262, schedule_batch.py 179)."""
+    if type(v) is list:
+        _each(where, v, _bool)
+    elif type(v) is not bool:
+        raise _refuse(where, v, "a value or an array of values for BoolOrList")
+
+
+_optional_int_or_list = _parsed(_one_or_list(_int, "OptionalInt64OrList"), _lax_int)
+_optional_str_or_list = _parsed(_one_or_list(_str, "OptionalStringOrList"), _never)
+
 _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "rid": _nullable(_str_or_list),
     "text": _nullable(_str_or_list),
@@ -397,6 +498,33 @@ _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "return_text_in_logprobs": _not_null(_bool, "a boolean"),  # io_struct.py 247
     "return_sampling_mask": _nullable(_or_list(_bool)),
     "routed_experts_start_len": _not_null(_int, "i64"),  # io_struct.py 268
+    # the other keys the gate decodes (api_types.py 1435-1494), typed as the dataclass types them
+    # (io_struct.py 180-378): a value its parse refuses too is the parse's refusal
+    "return_hidden_states": _not_null(
+        _parsed(_hidden_mode, lambda v: v == "last" or _lax_bool(v)), "a boolean"
+    ),  # io_struct.py 260-262
+    "bootstrap_host": _nullable(_optional_str_or_list),
+    "bootstrap_port": _nullable(_optional_int_or_list),
+    "bootstrap_room": _nullable(_optional_int_or_list),
+    "bootstrap_pair_key": _nullable(_optional_str_or_list),
+    "decode_tp_size": _nullable(_optional_int_or_list),
+    "routed_dp_rank": _nullable(_parsed(_int, _lax_int)),
+    "disagg_prefill_dp_rank": _nullable(_parsed(_int, _lax_int)),
+    "mm_hashes": _nullable(_parsed(_string_list_or_list, _never)),
+    "extra_key": _nullable(_parsed(_str_or_list, _never)),
+    "priority": _nullable(_parsed(_int, _lax_int)),
+    "cache_salt": _nullable(_parsed(_str_or_list, _never)),
+    "require_reasoning": _not_null(_parsed(_bool, _lax_bool), "a boolean"),  # io_struct.py 317
+    "lora_path": _nullable(_optional_str_or_list),
+    "routing_key": _nullable(_parsed(_str, _never)),
+    "max_thinking_tokens": _nullable(_parsed(_uint, _lax_int)),
+    "session_id": _nullable(_parsed(_str, _never)),
+    "custom_logit_processor": _nullable(_optional_str_or_list),
+    "custom_labels": _nullable(_parsed(_labels, _never)),
+    "return_prompt_token_ids": _not_null(_parsed(_bool, _lax_bool), "a boolean"),  # io_struct.py 337
+    # the gate takes any session_params (api_types.py 1471-1472), the dataclass a dict (io_struct.py 274)
+    "session_params": _nullable(_parsed(_map, _never)),
+    "modalities": _nullable(_parsed(lambda where, v: _each(where, v, _str), _never)),  # io_struct.py 272
 }
 
 

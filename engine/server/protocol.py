@@ -15,6 +15,14 @@ unknown ``sampling_params`` key or a value out of SGLang's ranges is a 400 namin
 the body shape of the SGLang step that refuses it (:func:`core.sglang_contract.error_body`).
 Other validation messages follow SGLang's ``TokenizerManager`` wording where SGLang has one.
 
+No top-level field is silently ignored where SGLang would act on it: one SGLang refuses on a server
+started as the fleet starts it (``lora_path``, ``input_embeds``, ``return_hidden_states``, ...) is
+refused in SGLang's words, one SGLang honours that this engine does not implement
+(``token_ids_logprob``, ``session_params``, ...) at a value asking for anything is refused as "not
+supported by the mixfleet CPU engine", as ``_UNSUPPORTED_DEFAULTS`` refuses sampling parameters
+(:meth:`GenerateReqInput.unimplemented_refusal`). What SGLang ignores on such a server, an unknown
+key included, is accepted and ignored here too.
+
 Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
 needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
 SGLang's words); ``sampling_logprobs_mode`` (``selected`` | ``support``) may only be set with it.
@@ -29,6 +37,7 @@ Routed experts (:mod:`core.sglang_release`): ``return_routed_experts`` and
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -101,8 +110,99 @@ class SamplingParams(BaseModel):
         return SamplerSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
 
+def _lora_refusal(paths: list[str | None] | str | None) -> str | None:
+    """``tokenizer_manager.py`` 3723-3740: any ``lora_path`` (``[None]`` too) without ``--enable-lora``."""
+    if not paths:
+        return None
+    first = paths if isinstance(paths, str) else next((a for a in paths if a), None)
+    return (
+        f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+        "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
+
+
+def _hidden_states_refusal(mode: Any) -> str | None:
+    """``tokenizer_manager.py`` 1394-1410: a mode above the server's (none without
+    ``--return-hidden-states-mode``; ``False`` asks for none, schedule_batch.py 179-205)."""
+    if not any(m is not False for m in (mode if isinstance(mode, list) else [mode])):
+        return None
+    return (
+        "The server is not configured to return hidden states. Please set `--return-hidden-states-mode "
+        "last`, `--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
+    )
+
+
+def _set(value: Any) -> bool:
+    """Whether a field SGLang reads as ``if value:`` asks for anything."""
+    return bool(value)
+
+
+# Top-level fields SGLang 0.5.23 refuses on a server started as the fleet starts it (no LoRA,
+# hidden states, custom logit processor, strict thinking or data parallelism; the radix cache
+# on), each with SGLang's words, or None where the value asks for nothing.
+_SGLANG_REFUSES: dict[str, Callable[[Any], str | None]] = {
+    "input_embeds": lambda v: (
+        None  # tokenizer_manager.py 1109-1114
+        if v is None
+        else (
+            "input_embeds is provided while disable_radix_cache is False. Please add "
+            "`--disable-radix-cache` when you launch the server if you want to use input_embeds as inputs."
+        )
+    ),
+    "lora_path": _lora_refusal,
+    "return_hidden_states": _hidden_states_refusal,
+    "custom_logit_processor": lambda v: (
+        None  # tokenizer_manager.py 1412-1419
+        if not v
+        else (
+            "The server is not configured to enable custom logit processor. "
+            "Please set `--enable-custom-logit-processor` to enable this feature."
+        )
+    ),
+    "max_thinking_tokens": lambda v: (
+        None  # tokenizer_manager.py 905-913
+        if v is None
+        else "max_thinking_tokens requires the server to be launched with --enable-strict-thinking"
+    ),
+    # one data-parallel rank: 0 is ignored, another is out of range (tokenizer_manager.py 915-924)
+    "routed_dp_rank": lambda v: None if v in (None, 0) else f"routed_dp_rank={v} out of range [0, 1)",
+    "priority": lambda v: (
+        None  # tokenizer_manager.py 4013-4025 (without priority scheduling it is ignored)
+        if v is None or -(1 << 63) <= v < (1 << 63)
+        else "priority must be a signed 64-bit integer between -9223372036854775808 and 9223372036854775807"
+    ),
+}
+
+# Top-level fields SGLang honours that this engine does not implement: a value that asks for
+# anything (SGLang reads each as ``if value:`` or ``is not None``) is refused, as
+# ``_UNSUPPORTED_DEFAULTS`` refuses sampling parameters, instead of being silently ignored.
+_UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "token_ids_logprob": _set,  # tokenizer_manager.py 1513-1520, 2975-3000
+    "session_params": _set,  # tokenizer_manager.py 1572-1574
+    "return_flat_raw_top_logprobs": _set,  # tokenizer_manager.py 2876
+    "return_flat_raw_output_top_logprobs": _set,  # tokenizer_manager.py 2939
+    "return_flat_raw_top_logprobs_b64": _set,  # io_struct.py 250-254
+    "return_prompt_token_ids": _set,  # tokenizer_manager.py 948
+    "positional_embed_overrides": lambda v: v is not None,  # tokenizer_manager.py 1605, 1630-1646
+    "multi_item_delimiter_indices": lambda v: v is not None,  # tokenizer_manager.py 1624
+    "token_indices_to_pool": lambda v: v is not None,  # tokenizer_manager.py 1625
+}
+
+
 class GenerateReqInput(BaseModel):
-    """SGLang's ``/generate`` body (the fields this engine implements; others are ignored)."""
+    """SGLang's ``/generate`` body. The fields this engine implements are served; the top-level
+    fields SGLang refuses on a server started as the fleet starts SGLang (``lora_path``,
+    ``input_embeds``, ``return_hidden_states``, ``custom_logit_processor``,
+    ``max_thinking_tokens``, a ``routed_dp_rank`` / ``data_parallel_rank`` other than 0, a
+    ``priority`` beyond int64) are refused in SGLang's words, and those SGLang honours that this
+    engine does not implement (``token_ids_logprob``, ``session_params``, the ``return_flat_raw_*`` flags,
+    ``return_prompt_token_ids``, ``positional_embed_overrides``, ``multi_item_delimiter_indices``,
+    ``token_indices_to_pool``) at a value asking for anything are refused as not supported (a
+    400 naming the field, :meth:`unimplemented_refusal`). The rest SGLang ignores on such a
+    server (text-only model: the multimodal fields; no disaggregation, HiCache or priority
+    scheduling: ``bootstrap_*``, ``kv_hints``, ``priority``; bookkeeping: ``session_id``,
+    ``routing_key``, ``custom_labels``, ...), and so does this engine; so too an unknown key,
+    which SGLang's parse and gate both skip (:mod:`core.sglang_contract`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -122,6 +222,25 @@ class GenerateReqInput(BaseModel):
     # SGLang takes both as one value for the whole batch (managers/io_struct.py 263-268)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # typed as SGLang's dataclass types them (managers/io_struct.py 193, 237, 250-254, 260-262,
+    # 274-284, 288, 298-303, 320, 323, 337, 362, 367): its parse is SGLang's first step
+    input_embeds: list[list[list[float]]] | list[list[float]] | None = None
+    lora_path: list[str | None] | str | None = None
+    return_hidden_states: list[bool | Literal["last"]] | bool | Literal["last"] = False
+    custom_logit_processor: list[str | None] | str | None = None
+    max_thinking_tokens: int | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None  # SGLang's deprecated alias (io_struct.py 419-429)
+    priority: int | None = None
+    token_ids_logprob: list[list[int]] | list[int] | None = None
+    session_params: dict[str, Any] | None = None
+    return_flat_raw_top_logprobs: bool = False
+    return_flat_raw_output_top_logprobs: bool = False
+    return_flat_raw_top_logprobs_b64: bool = False
+    return_prompt_token_ids: bool = False
+    positional_embed_overrides: Any = None
+    multi_item_delimiter_indices: list[list[int]] | list[int] | None = None
+    token_indices_to_pool: list[list[int]] | list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -140,8 +259,26 @@ class GenerateReqInput(BaseModel):
             return bool(self.input_ids) and isinstance(self.input_ids[0], list)
         return isinstance(self.text, list)
 
+    def unimplemented_refusal(self) -> str | None:
+        """The first top-level field set to a value this engine will not serve (the class
+        docstring), as one line naming it, or None."""
+        rank = self.data_parallel_rank if self.routed_dp_rank is None else self.routed_dp_rank
+        fields = {name: getattr(self, name) for name in _SGLANG_REFUSES} | {"routed_dp_rank": rank}
+        for name, refusal in _SGLANG_REFUSES.items():
+            message = refusal(fields[name])
+            if message is not None:
+                return message
+        for name, asks in _UNIMPLEMENTED.items():
+            value = getattr(self, name)
+            if asks(value):
+                return f"{name}={reprlib.repr(value)} is not supported by the mixfleet CPU engine."
+        return None
+
     def normalize(self, limits: ModelLimits, encode: Callable[[str], list[int]] | None) -> list[GenerateSpec]:
         """One :class:`GenerateSpec` per item; raises :class:`RequestError` on any bad field."""
+        refused = self.unimplemented_refusal()
+        if refused is not None:
+            raise RequestError(refused)
         if self.text is None and self.input_ids is None:
             raise RequestError("Either text or input_ids should be provided.")
         if self.text is not None and self.input_ids is not None:

@@ -485,6 +485,17 @@ SHAPES = [
     (b'{"input_ids": [1], "sampling_params": {"top_p": 1.5}}', "verify"),
     (b'{"input_ids": [1], "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}}', "verify"),
     (json.dumps({"input_ids": [VOCAB_SIZE]}).encode(), "verify"),
+    # the other top-level keys the gate decodes: a value the dataclass parse refuses too is its
+    (b'{"input_ids": [1], "lora_path": 5}', "parse"),
+    (b'{"input_ids": [1], "priority": 1.5}', "parse"),
+    (b'{"input_ids": [1], "return_hidden_states": null}', "parse"),
+    (b'{"input_ids": [1], "session_params": 5}', "parse"),
+    (b'{"input_ids": [1], "priority": "3"}', "gate"),
+    (b'{"input_ids": [1], "return_hidden_states": "last"}', "gate"),
+    (b'{"input_ids": [1], "max_thinking_tokens": -1}', "gate"),
+    # and what the tokenizer manager refuses on a server started as the fleet starts SGLang
+    (b'{"input_ids": [1], "lora_path": "adapter"}', "verify"),
+    (b'{"input_ids": [1], "return_hidden_states": true}', "verify"),
 ]
 
 
@@ -515,6 +526,91 @@ def test_each_refusal_answers_the_body_shape_sglang_answers_it_with(
         assert _shape(r.json()) == step, (raw, r.text)
         message = error_message(400, r.content)
         assert message and not message.startswith("{"), (raw, message)  # the text, not the body
+
+
+TOP_LEVEL_REFUSED = [
+    # SGLang 0.5.23 refuses these on a server started as the fleet starts it, in these words
+    ({"lora_path": "adapter"}, "LoRA adapter 'adapter' was requested, but LoRA is not enabled."),
+    ({"lora_path": [None]}, "LoRA adapter 'None' was requested, but LoRA is not enabled."),
+    ({"input_embeds": [[0.5, 0.5]]}, "input_embeds is provided while disable_radix_cache is False."),
+    ({"return_hidden_states": True}, "The server is not configured to return hidden states."),
+    ({"return_hidden_states": [False, True]}, "The server is not configured to return hidden states."),
+    ({"custom_logit_processor": "{}"}, "The server is not configured to enable custom logit processor."),
+    ({"max_thinking_tokens": 4}, "max_thinking_tokens requires the server to be launched with"),
+    ({"routed_dp_rank": 1}, "routed_dp_rank=1 out of range [0, 1)"),
+    ({"data_parallel_rank": 2}, "routed_dp_rank=2 out of range [0, 1)"),
+    ({"priority": 1 << 63}, "priority must be a signed 64-bit integer"),
+    # SGLang honours these; this engine does not implement them
+    ({"token_ids_logprob": [3, 4]}, "token_ids_logprob=[3, 4] is not supported by the mixfleet CPU engine."),
+    ({"session_params": {"id": "s"}}, "session_params="),
+    ({"return_flat_raw_top_logprobs": True}, "return_flat_raw_top_logprobs=True is not supported"),
+    ({"return_flat_raw_output_top_logprobs": True}, "return_flat_raw_output_top_logprobs=True"),
+    ({"return_prompt_token_ids": True}, "return_prompt_token_ids=True is not supported"),
+    ({"positional_embed_overrides": {}}, "positional_embed_overrides={} is not supported"),
+    ({"multi_item_delimiter_indices": [1]}, "multi_item_delimiter_indices=[1] is not supported"),
+    ({"token_indices_to_pool": [0]}, "token_indices_to_pool=[0] is not supported"),
+    # and their types, as SGLang's parse and contract gate judge them (core/sglang_contract.py)
+    ({"lora_path": 5}, "lora_path: invalid type: integer `5`"),
+    ({"priority": "3"}, 'priority: invalid type: string "3", expected i64'),
+    ({"bootstrap_port": [1, "x"]}, "bootstrap_port[1]: invalid type"),
+    ({"return_hidden_states": "last"}, 'return_hidden_states: invalid type: string "last"'),
+    ({"custom_labels": {"team": 1}}, "custom_labels.team: invalid type: integer `1`"),
+]
+
+SERVED_AS_SGLANG_SERVES = {
+    # what SGLang ignores on such a server (a text-only model, one data-parallel rank, no
+    # disaggregation, HiCache or priority scheduling), and a key it does not know
+    "zzz_not_a_field": {"x": 1},
+    "image_data": "https://example.invalid/cat.png",
+    "modalities": ["image"],
+    "bootstrap_host": "10.0.0.1",
+    "bootstrap_room": 7,
+    "priority": 3,
+    "session_id": "s-1",
+    "routing_key": "k",
+    "extra_key": "e",
+    "cache_salt": "salt",
+    "custom_labels": {"team": "rl"},
+    "require_reasoning": False,
+    "log_metrics": False,
+    "return_entropy": True,
+    "routed_dp_rank": 0,
+    # and every refused field at the value that asks for nothing
+    "lora_path": None,
+    "input_embeds": None,
+    "return_hidden_states": False,
+    "custom_logit_processor": None,
+    "max_thinking_tokens": None,
+    "token_ids_logprob": None,
+    "session_params": None,
+    "return_flat_raw_top_logprobs": False,
+    "return_prompt_token_ids": False,
+    "positional_embed_overrides": None,
+}
+
+
+def test_top_level_fields_the_engine_cannot_serve_are_refused_by_name(
+    engine: str, client: httpx.Client
+) -> None:
+    """A top-level ``/generate`` field is not silently ignored where SGLang 0.5.23 would refuse it
+    (LoRA, ``input_embeds``, hidden states, a custom logit processor, a thinking budget or a
+    data-parallel rank other than 0 on a server started as the fleet starts SGLang: a 400 in
+    SGLang's words, tokenizer_manager.py 905-924, 1109-1114, 1394-1419, 3723-3740) or honour it
+    with a meaning this engine cannot reproduce (a 400 naming it); its type is SGLang's gate's.
+    What SGLang ignores on such a server, an unknown key included, is served."""
+    for fields, msg in TOP_LEVEL_REFUSED:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, **fields}
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 400, (fields, r.status_code, r.text)
+        assert msg in error_message(400, r.content), (fields, r.text)
+    out = generate(
+        client,
+        engine,
+        input_ids=[1, 2],
+        sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+        **SERVED_AS_SGLANG_SERVES,
+    )
+    assert len(out["output_ids"]) == 2
 
 
 def test_a_null_max_new_tokens_generates_up_to_the_context(engine: str, client: httpx.Client) -> None:

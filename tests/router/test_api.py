@@ -302,6 +302,18 @@ def test_sglang_generate_takes_what_sglang_takes(client: httpx.Client) -> None:
         assert r.status_code == 200, (params, r.text)
 
 
+def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: httpx.Client) -> None:
+    """The router refuses no top-level field SGLang 0.5.23 takes: an unknown key or one SGLang
+    ignores reaches the engine and is served; a ``lora_path`` reaches it too, and the 400 is the
+    engine's, in SGLang's words for a server without LoRA (tokenizer_manager.py 3723-3740)."""
+    body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
+    extra = {"zzz_not_a_field": 1, "priority": 3, "session_id": "s", "bootstrap_host": "h", "image_data": "x"}
+    r = client.post("/generate", json={**body, **extra})
+    assert r.status_code == 200, r.text
+    r = client.post("/generate", json={**body, "lora_path": "adapter"})
+    assert r.status_code == 400 and "LoRA is not enabled" in r.text, r.text
+
+
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
     body = {
         "input_ids": [3, 4, 5],
@@ -575,6 +587,10 @@ def test_lease_ids_in_paths_are_validated_before_any_lookup(client: httpx.Client
             "sampling_params[1]",
         ),
         ("/generate", {"input_ids": [5], "return_logprob": 1}, "return_logprob: invalid type"),
+        # the other top-level keys SGLang's gate decodes (api/v1/api_types.py 1435-1494)
+        ("/generate", {"input_ids": [5], "lora_path": 5}, "lora_path: invalid type: integer `5`"),
+        ("/generate", {"input_ids": [5], "priority": "3"}, 'priority: invalid type: string "3"'),
+        ("/generate", {"input_ids": [5], "return_hidden_states": "last"}, "return_hidden_states"),
     ],
 )
 def test_numbers_and_booleans_of_session_and_trainer_bodies_are_strict(
