@@ -1,6 +1,7 @@
 """Soak and chaos: a fleet run for a chosen time under agents, a trainer and scheduled faults.
 
-``.venv/bin/python benchmarks/soak.py --duration 3600 [--agents 24] [--turns 12] [--out soak.json]``
+``.venv/bin/python benchmarks/soak.py --duration 3600 [--agents 24] [--chat-agents 8] [--turns 12]
+[--out soak.json]``
 
 The fleet is the production one on one machine, supervised the way Modal supervises it: a Redis
 server (append-only file, fsync always), ``mixfleet router --workers 2 --state redis://``, and one
@@ -10,9 +11,22 @@ replaces a container). Each replica is registered through a small pass-through p
 (its ``--advertise-url``), which can answer 500s for a while: the replica that "answers 500s".
 
 Load, at the study's shape scaled down: ``--agents`` concurrent multi-turn sessions, each of
-``--turns`` turns that append ``--gen`` generated and ``--tool`` tool tokens a turn (contexts grow
-to ``prompt + turns x (gen + tool)`` tokens), then finish with a reward; a trainer takes batches of
-``--batch`` trajectories, acknowledges them and publishes a new version after every batch.
+``--turns`` turns, then a finish with a reward; a trainer takes batches of ``--batch``
+trajectories, acknowledges them and publishes a new version after every batch. Two kinds of agent:
+
+* token agents (``--agents`` less ``--chat-agents``) call the token API (``POST
+  /v1/sessions/{id}/turns``) with the whole context as ids, appending ``--gen`` generated and
+  ``--tool`` tool tokens a turn (contexts grow to ``prompt + turns x (gen + tool)`` tokens); a
+  failed turn is resynced from the recorded trajectory;
+* chat agents (``--chat-agents``, default a third of ``--agents``; ``--short``: 2) are what a
+  harness does: the official ``openai`` client (``AsyncOpenAI``, ``max_retries=5``) on the
+  session's ``openai_base_url``, one Chat Completions call a turn with the whole conversation
+  (each reply sent back as returned, then a user message of about ``--tool`` characters, or a
+  tool result per tool call), ``max_tokens`` ``--gen``; every other chat agent streams
+  (``stream=True``). Each call carries an ``Idempotency-Key`` (``extra_headers``), kept on the
+  client's own retries and on the agent's (same key, for up to :data:`CHAT_RETRY_S`), so a turn
+  the router recorded before a failure is answered again rather than sampled twice. The router
+  serves the chat APIs with the fleet's base policy as ``--chat-model``, as ``mixfleet up`` does.
 
 Faults, one every ``--fault-every`` seconds, in this order, cycling: an engine SIGKILL, a sidecar
 SIGKILL, a router worker SIGKILL (uvicorn starts another), a redis-server restart (same port and
@@ -22,14 +36,18 @@ answering 500 to every request for ``--fault-s``.
 
 Printed at the end (and written to ``--out`` as JSON): turns and trajectories served; trajectories
 lost (finished by an agent, never delivered to the trainer), duplicated (acknowledged twice) and
-incomplete (delivered with a different number of turns than the agent completed) -- all three
-must be 0; turns failed over and failed for the agent; versions published (each publish's start,
-seconds and outcome; ``--short`` runs on until one succeeds after the last fault recovered, for up
-to 2 min) and the versions every replica activated; router (all processes) and redis memory at
-start, middle and end; and for each fault the fleet's added latency per turn (the agent's wall
-time of the turn minus the engine's time of the attempt that answered, ``timings.engine_ms``:
-routing, failover, retries, recording, HTTP) p50 / p99 in the 30 s before it, during it (until its
-recovery plus 10 s) and in the 30 s after.
+incomplete (delivered with a different number of turns than the agent completed), chat sessions
+included, and ``forks``: forked turns in the chat trajectories delivered (the router did not see a
+request's history as an extension of the recorded turns) -- all four must be 0; per chat agent
+(``chat``) its sessions, turns, forks, the errors that reached it past the client's retries and
+the sessions it gave up; turns failed over and failed for the agent; versions published (each
+publish's start, seconds and outcome; ``--short`` runs on until one succeeds after the last fault
+recovered, for up to 2 min) and the versions every replica activated; router (all processes) and
+redis memory at start, middle and end; and for each fault the fleet's added latency per turn (the
+agent's wall time of the turn minus the engine's time of the attempt that answered,
+``timings.engine_ms``: routing, failover, retries, recording, HTTP) p50 / p99 in the 30 s before
+it, during it (until its recovery plus 10 s) and in the 30 s after (token turns: a chat reply has
+no engine time; a chat turn's wall time overall is ``chat.turn_ms``).
 
 Acknowledged trajectories stay in the state store for the router's ``--retention`` (``--retention``
 here, default 600 s; the router's own default is an hour), so its memory levels off once the run
@@ -53,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,6 +92,9 @@ RUN = "soak"
 # A lease whose answer the trainer never got (a router worker killed mid-take) is redelivered after
 # this; the drain at the end waits for it.
 LEASE_TIMEOUT_S = 30
+# A chat agent sends a failed turn again (same Idempotency-Key) for this long before it gives the
+# session up: longer than a replica's restart under load (the slowest fault).
+CHAT_RETRY_S = 120.0
 GROUPS = ("cpu-bf16", "cpu-fp8", "cpu-nvfp4")
 FAULTS = (
     "engine_kill",
@@ -98,6 +120,7 @@ class SoakConfig:
     fault_s: float = 20.0  # how long a slow or failing replica stays so
     retention_s: float = 600.0  # the router's --retention: acknowledged trajectories kept this long
     seed: int = 0
+    chat_agents: int = 0  # of the ``agents``, those that chat through the OpenAI API (the rest: tokens)
 
 
 @dataclass
@@ -109,6 +132,20 @@ class FaultRecord:
 
 
 @dataclass
+class ChatCount:
+    """What one chat agent saw: its finished sessions and turns, the errors that reached it (after
+    the client's own retries), its sessions given up (a turn still failing after
+    :data:`CHAT_RETRY_S`, or refused), and the forked turns of its trajectories the trainer got."""
+
+    stream: bool
+    sessions: int = 0
+    turns: int = 0
+    errors: Counter = field(default_factory=Counter)
+    abandoned: int = 0
+    forks: int = 0
+
+
+@dataclass
 class Tally:
     """What the agents and the trainer saw (the figures the run is judged by)."""
 
@@ -117,6 +154,10 @@ class Tally:
     finished: dict[str, int] = field(default_factory=dict)  # session -> turns the agent completed
     delivered: Counter = field(default_factory=Counter)  # session -> times acknowledged
     delivered_turns: dict[str, int] = field(default_factory=dict)
+    chat: list[ChatCount] = field(default_factory=list)  # one per chat agent
+    chat_owner: dict[str, int] = field(default_factory=dict)  # chat session -> its agent's index
+    chat_turn_ms: list[float] = field(default_factory=list)  # a chat turn's wall time at the agent
+    forked: dict[str, int] = field(default_factory=dict)  # chat session -> forked turns delivered
     published: list[int] = field(default_factory=list)
     publish_errors: list[str] = field(default_factory=list)
     publish_s: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, seconds, ok)
@@ -277,6 +318,8 @@ class Fleet:
             str(LEASE_TIMEOUT_S),
             "--retention",
             str(self.retention_s),
+            "--chat-model",  # the base policy's tokenizer and chat template, as `mixfleet up` gives it
+            str(self.base),
         ]
         self.router = spawn("router", argv, self.logs / "router.log", env)
         for r in self.replicas:
@@ -333,6 +376,34 @@ def _already_finished(exc: Exception) -> bool:
     )
 
 
+async def _streamed(stream: Any) -> dict[str, Any]:
+    """The assistant message a streamed reply (``chat.completion.chunk`` events) adds up to, as a
+    harness sends it back: its content, its tool calls (each one's ``arguments`` joined over its
+    chunks) and its reasoning when it has some; the same message as
+    :func:`trainer.demo_agents.sent_back` of the reply without streaming."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+        for c in delta.tool_calls or ():
+            call = calls.setdefault(c.index, {"id": c.id, "type": "function"})
+            call.setdefault("function", {"name": "", "arguments": ""})
+            if c.function is not None:
+                call["function"]["name"] += c.function.name or ""
+                call["function"]["arguments"] += c.function.arguments or ""
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if calls:
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if any(reasoning):
+        out["reasoning_content"] = "".join(reasoning)
+    return out
+
+
 class Load:
     """The agents and the trainer, on one event loop."""
 
@@ -344,11 +415,30 @@ class Load:
         self.publish_running = asyncio.Event()
 
     async def agents(self, client: Any) -> None:
-        async def one() -> None:
-            while not self.stopping.is_set():
-                await self.session(client)
+        """``agents - chat_agents`` token agents and ``chat_agents`` chat agents, each running one
+        session after another until :attr:`stopping`; the chat agents of odd index stream. The
+        chat agents share one ``openai.AsyncOpenAI`` (the ``openai`` package is needed only with
+        chat agents)."""
+        chat = None
+        if self.cfg.chat_agents:
+            from trainer.demo_agents import chat_client
 
-        await asyncio.gather(*(one() for _ in range(self.cfg.agents)))
+            chat = chat_client(self.fleet.url, self.fleet.key, timeout_s=60.0, retries=5)
+        self.tally.chat = [ChatCount(stream=i % 2 == 1) for i in range(self.cfg.chat_agents)]
+
+        async def one(index: int | None) -> None:
+            while not self.stopping.is_set():
+                if index is None:
+                    await self.session(client)
+                else:
+                    await self.chat_session(client, chat, index)
+
+        tokens = self.cfg.agents - self.cfg.chat_agents
+        try:
+            await asyncio.gather(*(one(None) for _ in range(tokens)), *map(one, range(self.cfg.chat_agents)))
+        finally:
+            if chat is not None:
+                await chat.close()
         self.agents_done.set()
 
     async def session(self, client: Any) -> None:
@@ -375,17 +465,94 @@ class Load:
                 context + turn["output_ids"] + [self.rng.randrange(3, 250) for _ in range(self.cfg.tool)]
             )
             done += 1
+        await self.finish(client, sid, done, self.tally.turn_errors)
+
+    async def finish(self, client: Any, sid: str, done: int, errors: Counter) -> bool:
+        """Finish ``sid`` after ``done`` turns with a random reward (up to 10 tries, each failure
+        counted in ``errors``); whether it is finished (then :attr:`Tally.finished` has it)."""
         for _ in range(10):
             try:
                 await client.finish(sid, reward=self.rng.random())
                 self.tally.finished[sid] = done
-                return
+                return True
             except Exception as exc:
                 if _already_finished(exc):  # a retry of a finish the router had stored
                     self.tally.finished[sid] = done
-                    return
-                self.tally.turn_errors[f"finish: {type(exc).__name__}"] += 1
+                    return True
+                errors[f"finish: {type(exc).__name__}"] += 1
                 await asyncio.sleep(1.0)
+        return False
+
+    async def chat_session(self, client: Any, chat: Any, index: int) -> None:
+        """One session of chat agent ``index``: ``turns`` Chat Completions calls through the
+        official client on the session's ``openai_base_url``, each sending the whole conversation
+        so far (every reply as returned, then a user message, or a tool result per tool call),
+        streamed for a streaming agent; then the finish."""
+        count = self.tally.chat[index]
+        try:
+            session = await client.create_session()
+        except Exception as exc:  # the fleet may be mid-fault; try again shortly
+            count.errors[f"create: {type(exc).__name__}"] += 1
+            await asyncio.sleep(1.0)
+            return
+        if session.openai_base_url is None:
+            raise RuntimeError("the router serves no OpenAI chat API (started without --chat-model)")
+        self.tally.chat_owner[session.session_id] = index
+        session_chat = chat.with_options(base_url=session.openai_base_url)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": self._words()}]
+        for _ in range(self.cfg.turns):
+            t0 = time.monotonic()
+            reply = await self.chat_turn(session_chat, messages, count)
+            if reply is None:
+                count.abandoned += 1
+                return
+            self.tally.chat_turn_ms.append((time.monotonic() - t0) * 1000)
+            count.turns += 1
+            messages += [reply, *self._answers(reply)]
+        if await self.finish(client, session.session_id, self.cfg.turns, count.errors):
+            count.sessions += 1
+
+    async def chat_turn(
+        self, chat: Any, messages: list[dict[str, Any]], count: ChatCount
+    ) -> dict[str, Any] | None:
+        """The assistant message of one chat turn, as it goes back into the conversation; None
+        when the session is given up. The call carries an ``Idempotency-Key``, which the client
+        keeps on its own retries and this agent on its own (a failure that reached it: counted),
+        so a turn the router recorded is answered again, never sampled twice. A refusal (a 4xx
+        the client does not retry) or failures for :data:`CHAT_RETRY_S` give the session up."""
+        import openai
+
+        from trainer.demo_agents import sent_back
+
+        kw = {"model": "mixfleet", "messages": messages, "max_tokens": self.cfg.gen, "temperature": 1.0}
+        kw |= {"top_p": 0.95, "extra_headers": {"Idempotency-Key": uuid.uuid4().hex}}
+        deadline = time.monotonic() + CHAT_RETRY_S
+        while True:
+            try:
+                if count.stream:
+                    async with await chat.chat.completions.create(stream=True, **kw) as stream:
+                        return await _streamed(stream)
+                return sent_back((await chat.chat.completions.create(**kw)).choices[0].message)
+            except Exception as exc:
+                count.errors[type(exc).__name__] += 1
+                refused = isinstance(exc, openai.APIStatusError) and exc.status_code in range(400, 500)
+                if (refused and exc.status_code not in (408, 409, 429)) or time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(1.0)
+
+    def _words(self) -> str:
+        """About ``tool`` characters of random words (the byte-level tokenizer: as many tokens)."""
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < self.cfg.tool:
+            words.append("".join(self.rng.choices("abcdefghijklmnopqrstuvwxyz", k=self.rng.randrange(2, 9))))
+        return " ".join(words)
+
+    def _answers(self, reply: dict[str, Any]) -> list[dict[str, Any]]:
+        """The messages a harness appends after ``reply``: a result per tool call, else the user's."""
+        calls = reply.get("tool_calls") or []
+        if calls:
+            return [{"role": "tool", "tool_call_id": c["id"], "content": self._words()} for c in calls]
+        return [{"role": "user", "content": self._words()}]
 
     async def resync(self, client: Any, sid: str, done: int, context: list[int]) -> tuple[int, list[int]]:
         """After a failed turn: adopt what the router recorded (a turn may have been stored); the
@@ -416,6 +583,7 @@ class Load:
             if batch.lease_id is None:
                 continue
             counts = Counter(t["session_id"] for t in batch.turns)
+            forks = Counter(t["session_id"] for t in batch.turns if t.get("fork") is not None)
             try:
                 await client.ack(batch.lease_id)
             except Exception as exc:  # not acknowledged: redelivered later, counted then
@@ -424,8 +592,17 @@ class Load:
             for t in batch.trajectories:
                 self.tally.delivered[t["session_id"]] += 1
                 self.tally.delivered_turns[t["session_id"]] = counts.get(t["session_id"], 0)
+                self.note_forks(t["session_id"], forks.get(t["session_id"], 0))
             if not self.stopping.is_set():
                 await self.publish(client)
+
+    def note_forks(self, sid: str, forks: int) -> None:
+        """A delivered chat trajectory's forked turns, on its agent's count (each session once: a
+        redelivery is counted as a duplicate, not as more forks)."""
+        index = self.tally.chat_owner.get(sid)
+        if index is not None and sid not in self.tally.forked:
+            self.tally.forked[sid] = forks
+            self.tally.chat[index].forks += forks
 
     def published_since(self, t: float) -> bool:
         return any(ok and start >= t for start, _, ok in self.tally.publish_s)
@@ -631,6 +808,28 @@ def summarize(
         else {},
         "added_ms_overall": _pcts([ms for _, ms, _ in tally.turns]),
         "faults": [{**asdict(f), "latency_ms": fault_latency(tally, f)} for f in faults],
+        **chat_summary(tally),
+    }
+
+
+def chat_summary(tally: Tally) -> dict[str, Any]:
+    """The chat agents' figures: ``forks`` (forked turns in the chat trajectories delivered; must
+    be 0: the router saw every request's history as an extension of the recorded turns) and
+    ``chat``: per agent its finished sessions, turns, forks, the errors that reached it and the
+    sessions it gave up; the chat sessions finished and delivered, and a chat turn's wall time."""
+    finished = [s for s in tally.finished if s in tally.chat_owner]
+    return {
+        "forks": sum(tally.forked.values()),
+        "forked_ids": [s for s, n in tally.forked.items() if n][:10],
+        "chat": {
+            "agents": [{**asdict(c), "errors": dict(c.errors)} for c in tally.chat],
+            "turns": sum(c.turns for c in tally.chat),
+            "sessions_finished": len(finished),
+            "sessions_delivered": sum(s in tally.delivered for s in finished),
+            "errors": sum(sum(c.errors.values()) for c in tally.chat),
+            "abandoned": sum(c.abandoned for c in tally.chat),
+            "turn_ms": _pcts(tally.chat_turn_ms),
+        },
     }
 
 
@@ -712,11 +911,19 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
 
 def print_report(report: dict[str, Any]) -> None:
     keys = ("turns", "trajectories_finished", "trajectories_delivered", "lost", "duplicated", "incomplete",
-            "turns_moved", "versions_published", "published_after_faults", "last_version",
+            "forks", "turns_moved", "versions_published", "published_after_faults", "last_version",
             "drain_timed_out")  # fmt: skip
     for k in keys:
         print(f"{k:>24}: {report[k]}")
     print(f"{'turn errors':>24}: {report['turn_errors']}")
+    chat = report["chat"]
+    print(f"{'chat':>24}: {chat['turns']} turns, {chat['sessions_finished']} sessions finished, "
+          f"{chat['sessions_delivered']} delivered, {chat['errors']} errors at the agents, "
+          f"{chat['abandoned']} given up; a turn's wall ms {chat['turn_ms']}")  # fmt: skip
+    for i, a in enumerate(chat["agents"]):
+        kind = "streaming" if a["stream"] else "non-streaming"
+        print(f"{'chat agent ' + str(i):>24}: {kind}, {a['sessions']} sessions, {a['turns']} turns, "
+              f"{a['forks']} forks, {a['abandoned']} given up, errors {a['errors']}")  # fmt: skip
     print(f"{'active versions':>24}: {report['active_versions']}")
     print(f"{'replica restarts':>24}: {report['replica_restarts']}")
     for k, m in report["memory"].items():
@@ -733,6 +940,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=3600.0, help="seconds of load (default 3600)")
     ap.add_argument("--agents", type=int, default=24, help="concurrent sessions (default 24)")
+    ap.add_argument(
+        "--chat-agents",
+        type=int,
+        default=None,
+        help="of the --agents, how many chat through the OpenAI API (default a third; --short: 2)",
+    )
     ap.add_argument("--turns", type=int, default=12, help="turns per session (default 12)")
     ap.add_argument("--gen", type=int, default=24, help="generated tokens per turn (default 24)")
     ap.add_argument("--tool", type=int, default=96, help="tool tokens appended per turn (default 96)")
@@ -752,7 +965,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.short:
         # the load runs until the last fault recovered (each waits for the one before to recover)
-        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 20.0, 4, 3, 4.0, 4.0
+        args.duration, args.agents, args.turns, args.fault_every, args.fault_s = 20.0, 6, 3, 4.0, 4.0
+    if args.chat_agents is None:
+        args.chat_agents = args.agents // 3
+    if not 0 <= args.chat_agents <= args.agents:
+        ap.error(f"--chat-agents must be between 0 and --agents ({args.agents}), got {args.chat_agents}")
     cfg = SoakConfig(
         args.duration,
         args.agents,
@@ -764,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         args.fault_s,
         args.retention,
+        chat_agents=args.chat_agents,
     )
     work = Path(tempfile.mkdtemp(prefix="mixfleet-soak-"))
     fleet = Fleet(work, cfg.retention_s)
@@ -780,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
-    ok = report["lost"] == report["duplicated"] == report["incomplete"] == 0
+    ok = report["lost"] == report["duplicated"] == report["incomplete"] == report["forks"] == 0
     return 0 if ok else 1
 
 

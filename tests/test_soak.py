@@ -1,6 +1,8 @@
 """The soak benchmark's short mode: the production fleet (Redis with its append-only file, a router
-of two workers, one supervised replica per group behind a pass-through proxy) under agents and a
-trainer, with one round of every fault. Nothing accepted may be lost, duplicated or cut short."""
+of two workers, one supervised replica per group behind a pass-through proxy) under token agents,
+chat agents (the official ``openai`` client on each session's OpenAI API, one streaming) and a
+trainer, with one round of every fault. Nothing accepted may be lost, duplicated or cut short, and
+no chat turn may fork."""
 
 from __future__ import annotations
 
@@ -31,4 +33,10 @@ def test_short_soak_loses_nothing_through_every_fault(tmp_path: Path) -> None:
     latest = report["latest_version"]
     assert all(v == [latest] for v in report["active_versions"].values()), report["active_versions"]
     assert report["replica_restarts"]["cpu-bf16"] >= 1  # the engine kill replaced that replica
+    chat = report["chat"]
+    assert report["forks"] == 0, report["forked_ids"]  # every reply sent back extended its session
+    assert [a["stream"] for a in chat["agents"]] == [False, True], chat
+    assert all(a["sessions"] > 0 and a["forks"] == 0 for a in chat["agents"]), chat
+    assert chat["sessions_delivered"] == chat["sessions_finished"] > 0, chat
+    assert chat["turns"] == sum(a["turns"] for a in chat["agents"]) > 0, chat
     assert proc.returncode == 0, proc.stdout[-3000:]
