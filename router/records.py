@@ -319,26 +319,30 @@ def encode_turn(turn: TurnData, *, f16: bool = False) -> bytes:
 def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData]:
     """``(encode_turn(turn, f16=f16), stored)``: ``stored`` is ``turn`` with the float values
     the block holds (float32 / float16-rounded; unknown raw log-probs None), so an API can
-    answer with what it recorded. ``stored`` equals ``decode_turn`` of the block, and is built
-    through :class:`TurnData`'s own checks. Raises ValueError as :func:`encode_turn`."""
-    out, lp_bytes, raw_bytes, support_lps = _encode(turn, f16)
+    answer with what it recorded. ``stored`` equals ``decode_turn`` of the block, the order of
+    every header object's keys included (so its JSON view is the bytes a read of the block gives),
+    and is built through :class:`TurnData`'s own checks. Raises ValueError as :func:`encode_turn`."""
+    out, lp_bytes, raw_bytes, support_lps, header = _encode(turn, f16)
     unpack = struct.unpack
     n = len(turn.output_ids)
     raws: tuple[float | None, ...] = unpack(f"<{n}f", raw_bytes)
     if not math.isfinite(sum(raws)):  # type: ignore[arg-type]
         raws = tuple(None if math.isnan(x) else x for x in raws)  # type: ignore[arg-type]
     lps = unpack(f"<{n}f", lp_bytes)
-    return bytes(out), replace(turn, logprobs=lps, raw_logprobs=raws, support_logprobs=support_lps)
+    fields = _header_fields(header)
+    return bytes(out), replace(turn, logprobs=lps, raw_logprobs=raws, support_logprobs=support_lps, **fields)
 
 
-def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows]:
-    """The block of ``turn`` and, as stored in it, the packed log-probs and raw log-probs and the
-    support log-probs (:class:`Rows`). The support rows go through as flat arrays: their sizes,
-    their ids gap coded and their log-probs packed, each in one vectorized pass."""
+def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows, dict[str, Any]]:
+    """The block of ``turn`` and, as stored in it, the packed log-probs and raw log-probs, the
+    support log-probs (:class:`Rows`) and the header's fields (:class:`TurnData` field names). The
+    support rows go through as flat arrays: their sizes, their ids gap coded and their log-probs
+    packed, each in one vectorized pass."""
     out = bytearray(MAGIC_TURN)
     out.append(RECORDS_FORMAT_VERSION)
     out.append((FLAG_F16 if f16 else 0) | (FLAG_SECTIONS if turn.sections else 0))
-    _json(_header(turn), out)
+    header = _key_sorted(_header(turn))
+    _json(header, out)
     _varint(len(turn.append_ids), out)
     _varints(turn.append_ids, out)
     n = len(turn.output_ids)
@@ -363,7 +367,7 @@ def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows]:
     out += packed
     if turn.sections:
         out += _sections(turn.sections)
-    return out, lp_bytes, raw_bytes, support_lps
+    return out, lp_bytes, raw_bytes, support_lps, header
 
 
 _F32_OVERFLOW = 2.0**128 - 2.0**103  # the least magnitude float32 rounds to infinity
@@ -424,6 +428,16 @@ def _header(turn: TurnData) -> dict[str, Any]:
     if turn.sampling is not None:
         header["sampling"] = turn.sampling
     return header
+
+
+def _key_sorted(value: Any) -> Any:
+    """``value`` with the keys of every object in it in sorted order, as the block's header holds
+    them (its JSON's keys sorted) and :func:`decode_turn` reads them back."""
+    if type(value) is dict:
+        return {k: _key_sorted(value[k]) for k in sorted(value)}
+    if type(value) is list:
+        return [_key_sorted(v) for v in value]
+    return value
 
 
 def _sections(sections: Mapping[str, bytes]) -> bytes:
@@ -572,28 +586,36 @@ def _decode_turn(r: _Reader) -> TurnData:
         support_lps.append(list(flat[pos : pos + k]))
         pos += k
     try:
-        fork = header.get("fork")
         return TurnData(
-            turn=int(header["turn"]),
-            group=str(header["group"]),
-            replica=str(header["replica"]),
             append_ids=append_ids,
             output_ids=output_ids,
             logprobs=logprobs,
             raw_logprobs=raw,
             support_ids=support_ids,
             support_logprobs=support_lps,
-            weight_versions=_spans(header),
-            finish_reason=header.get("finish_reason"),
-            timings=header.get("timings") or {},
-            moved_from=header.get("moved_from"),
-            sampling=header.get("sampling"),
-            context=int(header["context"]),
-            fork=None if fork is None else {"stored": int(fork["stored"]), "common": int(fork["common"])},
             sections=sections,
+            **_header_fields(header),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordFormatError(f"bad turn header: {exc!r}") from None
+
+
+def _header_fields(header: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`TurnData` fields a turn block's JSON ``header`` gives, as a read of the block
+    makes them (KeyError, TypeError or ValueError when malformed)."""
+    fork = header.get("fork")
+    return {
+        "turn": int(header["turn"]),
+        "group": str(header["group"]),
+        "replica": str(header["replica"]),
+        "weight_versions": _spans(header),
+        "finish_reason": header.get("finish_reason"),
+        "timings": header.get("timings") or {},
+        "moved_from": header.get("moved_from"),
+        "sampling": header.get("sampling"),
+        "context": int(header["context"]),
+        "fork": None if fork is None else {"stored": int(fork["stored"]), "common": int(fork["common"])},
+    }
 
 
 def _ungap(gaps: list[int]) -> list[int]:
