@@ -31,6 +31,10 @@ Contract of :func:`answer_turn` (every turn route calls it: the token API and th
   first append is stored and both answer the stored turn (a different request: the later one
   is refused).
 * A key is 1-255 visible ASCII characters, else 422.
+* Every answer of a recorded turn to a request that did not record it counts in
+  ``mixfleet_router_turn_replays_total``: ``found`` (nothing sampled) or ``raced`` (sampled, then
+  another router process's turn under the key answered); with ``mixfleet_router_turns_total`` it
+  tells how often clients retry turns and how much sampling the races discarded.
 
 The ``openai`` (3.57.0) and ``anthropic`` (2.15.0) Python clients generate an idempotency key
 per call but send it only under a client's ``_idempotency_header``, which both leave unset
@@ -107,6 +111,7 @@ async def answer_turn(
     while True:
         found = await recorded_turn(ctx, session_id, key, with_support=spec.return_support, digest=digest)
         if found is not None:
+            ctx.metrics.turn_replays.labels("found").inc()
             return found
         if slot not in _RUNNING:  # no other waiter took the turn during the lookup: this one runs it
             break
@@ -123,6 +128,7 @@ async def answer_turn(
     stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
     if stored is not None and (first := _answer(session_id, stored.blob, spec.return_support)) != answer:
         _check_digest(key, stored.request_digest, digest)  # another router process recorded this key first
+        ctx.metrics.turn_replays.labels("raced").inc()
         return first
     return answer
 

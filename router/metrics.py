@@ -108,6 +108,9 @@ CONTEXT_TEXT = ("reused", "encoded")
 CHAT_CONTEXTS = ("resumed", "whole")
 """The ``context`` label of ``mixfleet_router_chat_turns_total`` (:mod:`router.chat.service`)."""
 
+TURN_REPLAYS = ("found", "raced")
+"""The ``outcome`` label of ``mixfleet_router_turn_replays_total`` (:mod:`router.idempotency`)."""
+
 # Updated on the request path (prometheus-client objects).
 REQUEST_PATH: tuple[MetricDef, ...] = (
     _h(
@@ -140,6 +143,15 @@ REQUEST_PATH: tuple[MetricDef, ...] = (
         "Chat turns recorded (OpenAI and Anthropic routes), by how their context was rendered: "
         "resumed (only the messages after the session's last turn) or whole (every message, against "
         "the whole trajectory: no chat note of the last turn, or the history before it changed)",
+    ),
+    _c(
+        "mixfleet_router_turn_replays_total",
+        ("outcome",),
+        "",
+        "Turn requests answered with the turn already recorded under their Idempotency-Key (a "
+        "client's retry; token and chat routes): found (the recorded turn answered, nothing sampled) "
+        "or raced (sampled here while another router process recorded the key first: this sample "
+        "discarded, the recorded turn answered)",
     ),
     _c("mixfleet_router_tokens_total", G, "tokens", "Output tokens recorded"),
     _c("mixfleet_router_sessions_created_total", G, "", "Sessions created"),
@@ -448,6 +460,9 @@ class RouterMetrics:
         self.chat_turns = m["mixfleet_router_chat_turns_total"]
         self.context_text = m["mixfleet_router_context_text_total"]
         self.tokens = m["mixfleet_router_tokens_total"]
+        self.turn_replays = m["mixfleet_router_turn_replays_total"]
+        for outcome in TURN_REPLAYS:
+            self.turn_replays.labels(outcome)
         self.sessions = m["mixfleet_router_sessions_created_total"]
         self.failovers = m["mixfleet_router_failovers_total"]
         self.moves = m["mixfleet_router_session_moves_total"]

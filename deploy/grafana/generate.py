@@ -74,6 +74,7 @@ M = {
     "forks": "mixfleet_router_forks_total",
     "chat_turns": "mixfleet_router_chat_turns_total",
     "context_text": "mixfleet_router_context_text_total",
+    "replays": "mixfleet_router_turn_replays_total",
     "published": "mixfleet_weights_published_version",
     "active_version": "mixfleet_group_active_version",
     "lag": "mixfleet_group_version_lag",
@@ -582,10 +583,14 @@ def overview() -> JSON:
         timeseries(
             "Failovers / s",
             "Engine attempts that failed and were retried elsewhere, and sessions moved to another "
-            f"group by failover (0 until the first one).\n\nMetrics: `{M['failovers']}`, `{M['moves']}`",
+            "group by failover (0 until the first one); and clients' retries of a turn answered with the "
+            "turn recorded under its Idempotency-Key, all groups: found (nothing sampled) or raced "
+            "(sampled on one router process while another recorded the key: that sample discarded)."
+            f"\n\nMetrics: `{M['failovers']}`, `{M['moves']}`, `{M['replays']}`",
             [
                 target(or_zero(sum_rate(M["failovers"], GROUP)), "{{group}} failovers"),
                 target(or_zero(moved_away), "{{group}} sessions moved away"),
+                target(sum_rate(M["replays"], by="outcome"), "retries answered ({{outcome}})"),
             ],
         ),
     )

@@ -269,7 +269,9 @@ def request_stops(renderer: Renderer, req: ChatRequest) -> dict[int, str]:
 async def _replay(
     ctx: RouterContext, session_id: str, renderer: Renderer, first: TurnData, stops: dict[int, str]
 ) -> ChatResult:
-    """The result of the turn recorded under the request's key (the session may be finished since)."""
+    """The result of the turn recorded under the request's key (the session may be finished since),
+    counted as a replay (``mixfleet_router_turn_replays_total``, :mod:`router.idempotency`)."""
+    ctx.metrics.turn_replays.labels("found").inc()
     info = await ctx.store.get_session(session_id)
     if info is None:
         raise ctx.unknown_session(session_id)

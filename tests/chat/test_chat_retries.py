@@ -14,6 +14,7 @@ import openai
 
 from tests.chat.conftest import trajectory
 from tests.router.test_workers_metrics import scrape, total
+from tests.support.metrics import turn_replays
 from tests.support.procs import redis_server
 from tests.support.router import router_process, until_workers, write_preset
 
@@ -36,7 +37,7 @@ def _turns(router, session) -> int:
 def test_openai_retry_answers_the_recorded_turn(router, engine, session):
     client = _openai(router, session)
     kw = {"model": "tiny", "max_tokens": 8, "temperature": 1.0}  # unseeded: a new sample would differ
-    sampled = len(engine.generated)
+    sampled, (found, raced) = len(engine.generated), turn_replays(router.url)
     first = client.chat.completions.with_raw_response.create(messages=HELLO, extra_headers=_key("a"), **kw)
     again = client.chat.completions.with_raw_response.create(messages=HELLO, extra_headers=_key("a"), **kw)
     assert again.http_response.content == first.http_response.content
@@ -64,6 +65,7 @@ def test_openai_retry_answers_the_recorded_turn(router, engine, session):
     assert done.status_code == 200, done.text
     late = client.chat.completions.with_raw_response.create(messages=HELLO, extra_headers=_key("a"), **kw)
     assert late.http_response.content == first.http_response.content
+    assert turn_replays(router.url) == (found + 3, raced)  # the repeat, the streamed one, the late one
 
 
 def test_anthropic_retry_answers_the_recorded_turn(router, engine, session):

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from router.state.base import StateStore, StoredTurn, TurnRecord
+from tests.support.metrics import turn_replays
 from tests.support.procs import redis_server
 from tests.support.router import router_process, until_workers, write_preset
 from tests.support.state import opened
@@ -62,8 +63,9 @@ def _session(client: httpx.Client) -> str:
     return client.post("/v1/sessions", json={"group": "cpu-a"}).json()["session_id"]
 
 
-def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) -> None:
+def test_a_retry_with_the_key_answers_the_recorded_turn(router, client: httpx.Client) -> None:
     sid = _session(client)
+    found, raced = turn_replays(router.url)
     first = _turn(client, sid, "call-1")
     assert first.status_code == 200, first.text
     again = _turn(client, sid, "call-1")
@@ -77,6 +79,7 @@ def test_a_retry_with_the_key_answers_the_recorded_turn(client: httpx.Client) ->
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["turns"] == 1
     assert info["tokens"] == len(first.json()["records"])
+    assert turn_replays(router.url) == (found + 2, raced)  # the repeat, the one with supports
 
     second = _turn(client, sid, "call-2")
     assert second.json()["turn"] == 1

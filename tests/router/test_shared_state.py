@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from router.metrics import SNAPSHOT
-from tests.support.metrics import Samples, samples_of
+from tests.support.metrics import Samples, samples_of, turn_replays
 from tests.support.procs import free_port, redis_process, redis_server
 from tests.support.router import router_process, write_preset
 
@@ -86,6 +87,36 @@ def test_append_only_turns_alternating_between_routers_extend_the_stored_context
     for t, whole in zip(turns, wholes, strict=True):
         assert segment + t["append_ids"] == whole
         segment = whole + t["output_ids"]
+
+
+def test_a_keyed_turn_sent_to_both_routers_at_once_is_recorded_once(two_routers) -> None:
+    """The same turn with the same ``Idempotency-Key`` sent to both routers at once: both answer
+    the one turn recorded, byte for byte, the session holds it once, and exactly one of the two
+    answers counts as a replay: ``found`` when one router had recorded it before the other looked,
+    ``raced`` when both sampled and the later append found the first's turn."""
+    a, b = two_routers
+    sid = httpx.post(f"{a.url}/v1/sessions", json={"group": "cpu-a"}, headers=a.headers).json()["session_id"]
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0}}
+    before = [turn_replays(r.url) for r in (a, b)]
+    answers: dict[str, httpx.Response] = {}
+    start = threading.Barrier(2)
+
+    def send(r) -> None:
+        start.wait()
+        keyed = {**r.headers, "Idempotency-Key": "both"}
+        answers[r.url] = httpx.post(f"{r.url}/v1/sessions/{sid}/turns", json=body, headers=keyed, timeout=60)
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ra, rb = answers[a.url], answers[b.url]
+    assert ra.status_code == rb.status_code == 200, (ra.text, rb.text)
+    assert ra.content == rb.content
+    assert httpx.get(f"{a.url}/v1/sessions/{sid}", headers=a.headers).json()["turns"] == 1
+    after = [turn_replays(r.url) for r in (a, b)]
+    assert sum(map(sum, after)) - sum(map(sum, before)) == 1, (before, after)
 
 
 def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import FAILOVER_REASONS
@@ -36,6 +37,14 @@ def samples_of(text: str, prefix: str = "mixfleet_") -> Samples:
                 assert key not in out, f"{key} exposed twice"
                 out[key] = s.value
     return out
+
+
+def turn_replays(router_url: str) -> tuple[float, float]:
+    """``mixfleet_router_turn_replays_total`` of a scrape of the router at ``router_url``:
+    (found, raced)."""
+    name = "mixfleet_router_turn_replays_total"
+    samples = samples_of(httpx.get(f"{router_url}/metrics", timeout=30).text, name)
+    return samples[(name, (("outcome", "found"),))], samples[(name, (("outcome", "raced"),))]
 
 
 def assert_groups_at_zero(samples: Samples, groups: Sequence[str]) -> None:
