@@ -47,7 +47,9 @@ redis memory at start, middle and end; and for each fault the fleet's added late
 agent's wall time of the turn minus the engine's time of the attempt that answered,
 ``timings.engine_ms``: routing, failover, retries, recording, HTTP) p50 / p99 in the 30 s before
 it, during it (until its recovery plus 10 s) and in the 30 s after (token turns: a chat reply has
-no engine time; a chat turn's wall time overall is ``chat.turn_ms``).
+no engine time; a chat turn's wall time overall is ``chat.turn_ms``); and ``turn_replays``: the
+keyed retries the router answered with the turn recorded under their key (its
+``mixfleet_router_turn_replays_total``: ``found``, nothing sampled; ``raced``, a sample discarded).
 
 Acknowledged trajectories stay in the state store for the router's ``--retention`` (``--retention``
 here, default 600 s; the router's own default is an hour), so its memory levels off once the run
@@ -71,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -905,8 +908,25 @@ async def soak(cfg: SoakConfig, fleet: Fleet, rounds: int | None) -> dict[str, A
             drain_timed_out = True
         await asyncio.to_thread(_sample_memory, fleet, tally, t0)
         status = await _settled_status(client)
+        replays = await asyncio.to_thread(turn_replays, fleet.url)
         await asyncio.gather(*(r.proxy.close() for r in fleet.replicas))
-    return {**summarize(tally, faults.records, fleet, status), "drain_timed_out": drain_timed_out}
+    summary = summarize(tally, faults.records, fleet, status)
+    return {**summary, "turn_replays": replays, "drain_timed_out": drain_timed_out}
+
+
+def turn_replays(url: str) -> dict[str, float]:
+    """The router's ``mixfleet_router_turn_replays_total`` by outcome (every worker's, a killed
+    one's included): keyed retries answered with the turn recorded under their key."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mixfleet_router_turn_replays_total"
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -924,6 +944,9 @@ def print_report(report: dict[str, Any]) -> None:
         kind = "streaming" if a["stream"] else "non-streaming"
         print(f"{'chat agent ' + str(i):>24}: {kind}, {a['sessions']} sessions, {a['turns']} turns, "
               f"{a['forks']} forks, {a['abandoned']} given up, errors {a['errors']}")  # fmt: skip
+    replays = report["turn_replays"]
+    print(f"{'keyed retries answered':>24}: {replays.get('found', 0):.0f} from the record, "
+          f"{replays.get('raced', 0):.0f} after a race (their sample discarded)")  # fmt: skip
     print(f"{'active versions':>24}: {report['active_versions']}")
     print(f"{'replica restarts':>24}: {report['replica_restarts']}")
     for k, m in report["memory"].items():

@@ -39,4 +39,5 @@ def test_short_soak_loses_nothing_through_every_fault(tmp_path: Path) -> None:
     assert all(a["sessions"] > 0 and a["forks"] == 0 for a in chat["agents"]), chat
     assert chat["sessions_delivered"] == chat["sessions_finished"] > 0, chat
     assert chat["turns"] == sum(a["turns"] for a in chat["agents"]) > 0, chat
+    assert set(report["turn_replays"]) == {"found", "raced"}, report["turn_replays"]  # read from the router
     assert proc.returncode == 0, proc.stdout[-3000:]
