@@ -291,14 +291,15 @@ class _Reader:
             raise RecordFormatError(f"bad JSON header at offset {at}: {exc}") from None
 
 
-def _json(obj: Any, out: bytearray) -> None:
-    """``obj`` as a length-prefixed JSON object with sorted keys (the encoder's JSON module is
-    imported here, so decoding needs the standard library only)."""
+def _json(obj: Any, out: bytearray) -> bytes:
+    """``obj`` as a length-prefixed JSON object with sorted keys; its JSON bytes (the encoder's
+    JSON module is imported here, so decoding needs the standard library only)."""
     from core.jsonio import dumps
 
     data = dumps(obj, sort_keys=True)
     _varint(len(data), out)
     out += data
+    return data
 
 
 # ---------------------------------------------------------------- turns
@@ -322,6 +323,8 @@ def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData
     answer with what it recorded. ``stored`` equals ``decode_turn`` of the block, the order of
     every header object's keys included (so its JSON view is the bytes a read of the block gives),
     and is built through :class:`TurnData`'s own checks. Raises ValueError as :func:`encode_turn`."""
+    from core.jsonio import loads  # the encoder's JSON module, as in _json
+
     out, lp_bytes, raw_bytes, support_lps, header = _encode(turn, f16)
     unpack = struct.unpack
     n = len(turn.output_ids)
@@ -329,20 +332,19 @@ def encode_stored(turn: TurnData, *, f16: bool = False) -> tuple[bytes, TurnData
     if not math.isfinite(sum(raws)):  # type: ignore[arg-type]
         raws = tuple(None if math.isnan(x) else x for x in raws)  # type: ignore[arg-type]
     lps = unpack(f"<{n}f", lp_bytes)
-    fields = _header_fields(header)
+    fields = _header_fields(loads(header))  # as a read of the block makes them
     return bytes(out), replace(turn, logprobs=lps, raw_logprobs=raws, support_logprobs=support_lps, **fields)
 
 
-def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows, dict[str, Any]]:
+def _encode(turn: TurnData, f16: bool) -> tuple[bytearray, bytes, bytes, Rows, bytes]:
     """The block of ``turn`` and, as stored in it, the packed log-probs and raw log-probs, the
-    support log-probs (:class:`Rows`) and the header's fields (:class:`TurnData` field names). The
-    support rows go through as flat arrays: their sizes, their ids gap coded and their log-probs
-    packed, each in one vectorized pass."""
+    support log-probs (:class:`Rows`) and the header's JSON. The support rows go through as flat
+    arrays: their sizes, their ids gap coded and their log-probs packed, each in one vectorized
+    pass."""
     out = bytearray(MAGIC_TURN)
     out.append(RECORDS_FORMAT_VERSION)
     out.append((FLAG_F16 if f16 else 0) | (FLAG_SECTIONS if turn.sections else 0))
-    header = _key_sorted(_header(turn))
-    _json(header, out)
+    header = _json(_header(turn), out)
     _varint(len(turn.append_ids), out)
     _varints(turn.append_ids, out)
     n = len(turn.output_ids)
@@ -428,16 +430,6 @@ def _header(turn: TurnData) -> dict[str, Any]:
     if turn.sampling is not None:
         header["sampling"] = turn.sampling
     return header
-
-
-def _key_sorted(value: Any) -> Any:
-    """``value`` with the keys of every object in it in sorted order, as the block's header holds
-    them (its JSON's keys sorted) and :func:`decode_turn` reads them back."""
-    if type(value) is dict:
-        return {k: _key_sorted(value[k]) for k in sorted(value)}
-    if type(value) is list:
-        return [_key_sorted(v) for v in value]
-    return value
 
 
 def _sections(sections: Mapping[str, bytes]) -> bytes:
