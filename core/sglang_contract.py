@@ -45,8 +45,12 @@ checks the fields the fleet sends or forwards (``text``, ``input_ids``, ``rid``,
 ``disagg_prefill_dp_rank``, ``mm_hashes``, ``extra_key``, ``priority``, ``cache_salt``,
 ``require_reasoning``, ``lora_path``, ``session_params``, ``routing_key``,
 ``max_thinking_tokens``, ``session_id``, ``custom_logit_processor``, ``custom_labels``,
-``return_prompt_token_ids``, ``modalities``; a value the dataclass parse refuses too, such as a
-number for a string field, is the parse's refusal). Not checked here, left to the server that
+``return_prompt_token_ids``, ``modalities``). Every field is typed as the dataclass types it,
+whose parse runs first: a value pydantic's lax type refuses too (a number for a string field,
+``2`` for a bool, ``1.5`` for an int, a scalar for a list) is the parse's refusal, one only the
+gate refuses (``1`` for a bool, ``"3"`` for an int) the gate's; and each step judges the whole
+body before the next (a field the parse refuses is the answer wherever it stands in the body,
+then the gate's first, then ``SamplingParams``'). Not checked here, left to the server that
 reads them: the nested structs ``image_data``, ``video_data``, ``audio_data`` (``MediaInput``),
 ``kv_hints`` and ``images_config``, and the dataclass-only keys. An **unknown** top-level key is
 no refusal: the dataclass parse ignores it (a stdlib dataclass, pydantic's ``extra="ignore"``,
@@ -408,10 +412,10 @@ def _lax_int(v: Any) -> bool:
 
 def _lax_bool(v: Any) -> bool:
     """Whether the dataclass parse (pydantic's lax ``bool``) takes ``v``: a bool, 0 or 1, or one
-    of its words."""
+    of its words in any case (not padded: ``" true"`` it refuses)."""
     if type(v) in (bool, int, float):
         return v in (0, 1)
-    return type(v) is str and v.strip().lower() in _BOOL_WORDS
+    return type(v) is str and v.lower() in _BOOL_WORDS
 
 
 _BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
@@ -485,21 +489,57 @@ def _hidden_mode(where: str, v: Any) -> None:
 _optional_int_or_list = _parsed(_one_or_list(_int, "OptionalInt64OrList"), _lax_int)
 _optional_str_or_list = _parsed(_one_or_list(_str, "OptionalStringOrList"), _never)
 
+
+def _lax_token_ids(v: Any) -> bool:
+    """Whether the dataclass parse takes ``v`` as ``Union[List[List[int]], List[int]]``
+    (io_struct.py 237): a list of pydantic's lax ints, or a list of such lists."""
+    return type(v) is list and (
+        all(map(_lax_int, v)) or all(type(row) is list and all(map(_lax_int, row)) for row in v)
+    )
+
+
+def _token_ids_logprob(where: str, v: Any) -> None:
+    """:func:`token_ids`, refused by the dataclass parse where it does not take the whole value
+    (:func:`_lax_token_ids`: a scalar, a row that is no list, an id such as ``1.5``); ``["3"]``
+    or ``[true]`` it takes, and the gate refuses."""
+    try:
+        token_ids(where, v)
+    except ContractError as exc:
+        raise exc if _lax_token_ids(v) else exc.at("parse") from None
+
+
+def _sampling_params_field(where: str, v: Any) -> None:
+    """``sampling_params``: the dataclass parse takes only an object or a list of objects, any
+    keys and values (``Optional[Union[List[Dict[str, Any]], Dict[str, Any]]]``, io_struct.py
+    227), and refuses another shape first; then :func:`sampling_params` on each."""
+    rows = v if type(v) is list else [v]
+    for i, p in enumerate(rows):
+        if type(p) is not dict:
+            raise _refuse(f"{where}[{i}]" if type(v) is list else where, p, "a map").at("parse")
+    _sampling_params_or_list(where, v)
+
+
+_lax_bool_or_list = _parsed(_or_list(_bool), _lax_bool)
+_lax_int_or_list = _parsed(_or_list(_int), _lax_int)
+
+# Every field is typed as the dataclass types it (io_struct.py 180-378) and its parse runs first:
+# a value it refuses too (pydantic's lax types: a number for a string, 2 or "x" for a bool, 1.5 or
+# "x" for an int, a scalar for a list) is the parse's refusal (step 1), one only the gate refuses
+# ("3" for an int, 1 or "yes" for a bool) the gate's (step 2).
 _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "rid": _nullable(_str_or_list),
-    "text": _nullable(_str_or_list),
+    "rid": _nullable(_parsed(_str_or_list, _never)),  # io_struct.py 180
+    "text": _nullable(_parsed(_str_or_list, _never)),  # io_struct.py 185
     "input_ids": _nullable(_input_ids),
-    "stream": _not_null(_bool, "a boolean"),  # a plain bool dataclass field (io_struct.py 256)
-    "sampling_params": _nullable(_sampling_params_or_list),
-    "return_logprob": _nullable(_or_list(_bool)),
-    "logprob_start_len": _nullable(_or_list(_int)),
-    "top_logprobs_num": _nullable(_or_list(_int)),
-    "token_ids_logprob": _nullable(token_ids),
-    "return_text_in_logprobs": _not_null(_bool, "a boolean"),  # io_struct.py 247
-    "return_sampling_mask": _nullable(_or_list(_bool)),
-    "routed_experts_start_len": _not_null(_int, "i64"),  # io_struct.py 268
-    # the other keys the gate decodes (api_types.py 1435-1494), typed as the dataclass types them
-    # (io_struct.py 180-378): a value its parse refuses too is the parse's refusal
+    "stream": _not_null(_parsed(_bool, _lax_bool), "a boolean"),  # a plain bool field (io_struct.py 256)
+    "sampling_params": _nullable(_sampling_params_field),
+    "return_logprob": _nullable(_lax_bool_or_list),  # io_struct.py 230
+    "logprob_start_len": _nullable(_lax_int_or_list),  # io_struct.py 233
+    "top_logprobs_num": _nullable(_lax_int_or_list),  # io_struct.py 235
+    "token_ids_logprob": _nullable(_token_ids_logprob),
+    "return_text_in_logprobs": _not_null(_parsed(_bool, _lax_bool), "a boolean"),  # io_struct.py 247
+    "return_sampling_mask": _nullable(_lax_bool_or_list),  # io_struct.py 239
+    "routed_experts_start_len": _not_null(_parsed(_int, _lax_int), "i64"),  # io_struct.py 268
+    # the other keys the gate decodes (api_types.py 1435-1494)
     "return_hidden_states": _not_null(
         _parsed(_hidden_mode, lambda v: v == "last" or _lax_bool(v)), "a boolean"
     ),  # io_struct.py 260-262
@@ -531,15 +571,26 @@ _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
 def generate_body_refusal(body: Any, skip: frozenset[str] = frozenset()) -> Refusal | None:
     """The first refusal SGLang makes in the parsed ``/generate`` JSON ``body`` (one line naming
     the field, and the step that makes it), or None; the fields in ``skip`` are not looked at (a
-    caller that checks them itself). A body that is not an object is the dataclass parse's."""
-    try:
-        for key, x in _map("body", body).items():
-            check = _GENERATE_FIELDS.get(key)
-            if check is not None and key not in skip:
-                check(key, x)
-    except ContractError as exc:
-        return Refusal("parse" if exc.value is body else exc.step, str(exc))
-    return None
+    caller that checks them itself). A body that is not an object is the dataclass parse's.
+    The steps run in turn, each over the whole body: a field the parse refuses is the answer
+    wherever it stands, then the first (in the body's order) the gate refuses, then the first
+    ``SamplingParams`` refuses."""
+    if type(body) is not dict:
+        return Refusal("parse", str(_refuse("body", body, "a map")))
+    first: Refusal | None = None
+    for key, x in body.items():
+        check = _GENERATE_FIELDS.get(key)
+        if check is None or key in skip:
+            continue
+        try:
+            check(key, x)
+        except ContractError as exc:
+            if first is None or _STEPS.index(exc.step) < _STEPS.index(first.step):
+                first = Refusal(exc.step, str(exc))
+    return first
+
+
+_STEPS: tuple[Step, ...] = ("parse", "gate", "verify")
 
 
 def generate_body_error(body: Any, skip: frozenset[str] = frozenset()) -> str | None:

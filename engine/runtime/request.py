@@ -57,6 +57,7 @@ class GenerateSpec:
     return_sampling_mask: bool
     return_text_in_logprobs: bool
     stream: bool
+    stream_interval: int = 1  # a stream's chunk every this many tokens, after the first at once
     sampling_logprobs_mode: str = "selected"
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0

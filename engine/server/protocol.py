@@ -21,7 +21,11 @@ refused in SGLang's words, one SGLang honours that this engine does not implemen
 (``token_ids_logprob``, ``session_params``, ...) at a value asking for anything is refused as "not
 supported by the mixfleet CPU engine", as ``_UNSUPPORTED_DEFAULTS`` refuses sampling parameters
 (:meth:`GenerateReqInput.unimplemented_refusal`). What SGLang ignores on such a server, an unknown
-key included, is accepted and ignored here too.
+key included, is accepted and ignored here too. A watermark (``sampling_params.watermark`` or the
+top-level ``watermark``) is judged as SGLang without ``--enable-watermark`` judges it
+(:func:`watermark_refusal`); ``beam_width`` above 1 is refused as not supported, any
+``sampling_params.choice`` (a 500 in SGLang) as a 400 naming it; ``stream_interval`` is honoured
+(``engine.server.routes_generate``).
 
 Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
 needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
@@ -70,7 +74,20 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "structural_tag": None,
     "logit_bias": None,
     "custom_params": None,
+    # beam search (SamplingParams.beam_width > 1, sampling_params.py 166-168; io_struct.py
+    # 517-529); null or 1 is one sample, below 1 SGLang's verify refuses (253-254)
+    "beam_width": 1,
 }
+
+# SGLang 0.5.23's SamplingParams has no ``choice`` field (sampling_params.py 140-181): the gate
+# takes the key (api_types.py 1317-1318), then ``SamplingParams(**sampling_kwargs)``
+# (tokenizer_manager.py 1565) raises msgspec's TypeError "Unexpected keyword argument 'choice'",
+# which the route does not catch (http_server.py 983-990 catch ValueError): a 500 for any value,
+# null too. Refused here by name instead.
+_CHOICE_REFUSAL = (
+    "sampling_params.choice is not supported: SGLang 0.5.23's SamplingParams has no such field "
+    "(its /generate fails on it)."
+)
 
 
 class SamplingParams(BaseModel):
@@ -93,9 +110,13 @@ class SamplingParams(BaseModel):
     def to_settings(self) -> SamplerSettings:
         """The sampler settings (SGLang's ``__post_init__``: temperature below 1e-6 is greedy,
         whatever ``top_k`` says, sampling/sampling_params.py 245-250); a parameter this engine does
-        not implement, at a value other than its default, raises :class:`RequestError`."""
+        not implement, at a value other than its default, or ``choice`` at all, raises
+        :class:`RequestError`."""
+        extra = self.model_extra or {}
+        if "choice" in extra:
+            raise RequestError(_CHOICE_REFUSAL)
         for name, default in _UNSUPPORTED_DEFAULTS.items():
-            value = (self.model_extra or {}).get(name, default)
+            value = extra.get(name, default)
             if value is not None and value != default and value != [] and value != {}:
                 raise RequestError(
                     f"sampling_params.{name}={value!r} is not supported by the mixfleet CPU engine."
@@ -108,6 +129,72 @@ class SamplingParams(BaseModel):
         top_k = TOP_K_ALL if self.top_k is None else int(self.top_k)
         min_p = 0.0 if self.min_p is None else float(self.min_p)
         return SamplerSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+
+    def stream_interval(self) -> int:
+        """Every how many tokens a stream sends a chunk (after the first token at once), as
+        SGLang's output streamer reads it (``stream_interval or`` the server's default 1, and
+        ``stream_interval == 1 or num_unsent >= stream_interval``: 0 or below is every token;
+        scheduler_components/output_streamer.py 455-469, arg_groups/fields/serving.py 262-265)."""
+        value = (self.model_extra or {}).get("stream_interval")
+        return value if isinstance(value, int) and value > 1 else 1
+
+    def watermark(self) -> Any:
+        """``sampling_params.watermark`` as sent (None when absent)."""
+        return (self.model_extra or {}).get("watermark")
+
+
+_WATERMARK_FIELDS = frozenset({"enabled", "key", "context_window"})
+WATERMARK_CONTEXT_WINDOW = 4  # the server's default (srt/arg_groups/fields/exec_.py 92-95)
+
+
+def _watermark_key_error(key: Any) -> str | None:
+    """``parse_watermark_key`` (srt/sampling/watermarking/config.py 44-53) in its words."""
+    if not isinstance(key, str):
+        return "watermark key must be a hex string"
+    digits = key[2:] if key.lower().startswith("0x") else key
+    if not 1 <= len(digits) <= 16:
+        return "watermark key must contain 1 to 16 hex digits"
+    if any(c not in "0123456789abcdefABCDEF" for c in digits):
+        return "watermark key must contain only hex digits"
+    return None
+
+
+def watermark_refusal(top: Any, params: SamplingParams) -> str | None:
+    """SGLang 0.5.23's refusal of one item's watermark on a server started as the fleet starts
+    it (no ``--enable-watermark``, which needs CUDA: arg_groups/validation_hook.py 34-44), in
+    its words, or None where the item asks for no watermark. ``top`` is the item's top-level
+    ``watermark`` (io_struct.py 228, 749-757), ``params`` its ``sampling_params``. In SGLang's
+    order: both set (tokenizer_manager.py 1553-1559); ``normalize_watermark_request``
+    (watermarking/core.py 163-193); ``resolve_watermark_request`` with ``server_enabled=False``
+    (core.py 196-242, via tokenizer_manager.py 213-223, 1568). Only ``null``, or ``enabled:
+    false`` with no key and a ``context_window`` of 1 to 4, passes."""
+    own = params.watermark()
+    if top is not None and own is not None:
+        return (
+            "watermark must be provided either at the request top level or inside sampling_params, not both"
+        )
+    config = own if top is None else top
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        return "watermark must be an object"
+    if set(config) - _WATERMARK_FIELDS:
+        return "watermark contains unknown fields"
+    enabled, key, window = config.get("enabled"), config.get("key"), config.get("context_window")
+    if enabled is not None and type(enabled) is not bool:
+        return "watermark enabled must be a boolean"
+    refused = None if key is None else _watermark_key_error(key)
+    if refused is not None:
+        return refused
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        return "watermark context_window must be a positive integer"
+    if window is not None and window > WATERMARK_CONTEXT_WINDOW:
+        return "request watermark context_window cannot exceed the server's watermark context_window"
+    if enabled is False:
+        return None if key is None else "request watermark key cannot be combined with enabled=false"
+    if enabled is not True and key is None:
+        return "request watermark must set enabled or key"
+    return "request watermarking requires the server to enable --enable-watermark"
 
 
 def _lora_refusal(paths: list[str | None] | str | None) -> str | None:
@@ -241,6 +328,8 @@ class GenerateReqInput(BaseModel):
     positional_embed_overrides: Any = None
     multi_item_delimiter_indices: list[list[int]] | list[int] | None = None
     token_indices_to_pool: list[list[int]] | list[int] | None = None
+    # any JSON, judged per item by watermark_refusal (io_struct.py 228: ``Any``, no gate key)
+    watermark: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -301,6 +390,7 @@ class GenerateReqInput(BaseModel):
         top_n = self._per_item("top_logprobs_num", self.top_logprobs_num, n, 0)
         masks = self._per_item("return_sampling_mask", self.return_sampling_mask, n, False)
         modes = self._per_item("sampling_logprobs_mode", self.sampling_logprobs_mode, n, None)
+        marks = self._watermarks(batch, n)
         specs = []
         for i, ids in enumerate(items):
             where = f"input_ids[{i}]" if batch else "input_ids"
@@ -315,6 +405,7 @@ class GenerateReqInput(BaseModel):
                     top_logprobs_num=int(top_n[i] or 0),
                     return_sampling_mask=bool(masks[i]),
                     sampling_logprobs_mode=modes[i],
+                    watermark=marks[i],
                     return_text_in_logprobs=self.return_text_in_logprobs,
                     stream=self.stream,
                     limits=limits,
@@ -335,6 +426,15 @@ class GenerateReqInput(BaseModel):
             ]
         return specs
 
+    def _watermarks(self, batch: bool, n: int) -> list[Any]:
+        """Each item's top-level ``watermark``: a batch's list has one per item, anything else
+        is every item's (io_struct.py 749-757, in its words)."""
+        if batch and isinstance(self.watermark, list):
+            if len(self.watermark) != n:
+                raise RequestError("The length of watermark should be equal to the batch size.")
+            return self.watermark
+        return [self.watermark] * n
+
     @staticmethod
     def _per_item(name: str, value: Any, n: int, default: Any) -> list[Any]:
         if isinstance(value, list):
@@ -348,6 +448,15 @@ class GenerateReqInput(BaseModel):
         return [value] * n
 
 
+def _settings(params: SamplingParams, watermark: Any) -> SamplerSettings:
+    """An item's sampler settings (:meth:`SamplingParams.to_settings`), its watermark judged
+    first (:func:`watermark_refusal`); raises :class:`RequestError`."""
+    refused = watermark_refusal(watermark, params)
+    if refused is not None:
+        raise RequestError(refused)
+    return params.to_settings()
+
+
 def _spec(
     where: str,
     *,
@@ -359,6 +468,7 @@ def _spec(
     top_logprobs_num: int,
     return_sampling_mask: bool,
     sampling_logprobs_mode: str | None,
+    watermark: Any,
     return_text_in_logprobs: bool,
     stream: bool,
     limits: ModelLimits,
@@ -376,7 +486,7 @@ def _spec(
         raise RequestError(
             f"The input ({n} tokens) is longer than the model's context length ({limits.context_len} tokens)."
         )
-    settings = params.to_settings()
+    settings = _settings(params, watermark)
     if sampling_logprobs_mode is not None and not return_sampling_mask:
         raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
     if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
@@ -422,6 +532,7 @@ def _spec(
         return_sampling_mask=return_sampling_mask,
         return_text_in_logprobs=return_text_in_logprobs,
         stream=stream,
+        stream_interval=params.stream_interval(),
         sampling_logprobs_mode=sampling_logprobs_mode or "selected",
     )
 

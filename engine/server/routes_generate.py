@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.runtime.engine import Engine
 from engine.runtime.request import RequestError
-from engine.runtime.scheduler import FinishEvent, TokenEvent
+from engine.runtime.scheduler import FinishEvent
 from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse, refusal
 from engine.server.response import GenerateResponse, dumps
@@ -33,6 +33,16 @@ async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, 
         return await _run_locked(engine, spec, on_token)
 
 
+def _due(spec: Any, sent: int, made: int) -> bool:
+    """Whether a stream that has sent ``sent`` tokens sends its body at ``made`` tokens: only
+    where SGLang's output streamer, one token a step, sends one (the first token at once, then
+    once ``stream_interval`` tokens are unsent: at 1, 1 + k, 1 + 2k, ...;
+    scheduler_components/output_streamer.py 464-469, 491-492), so every chunk is one SGLang can
+    send; one passed over while events coalesced is skipped, as SGLang's tokenizer manager yields
+    only the last pending output (tokenizer_manager.py 1985-1993). The finish is always sent."""
+    return made > sent and (made - 1) % spec.stream_interval == 0
+
+
 async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any]:
     scheduler = engine.scheduler
     loop = asyncio.get_running_loop()
@@ -45,20 +55,20 @@ async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any
         raise RequestError(str(exc)) from None
     except RuntimeError as exc:
         raise RequestError(str(exc)) from None
+    sent = 0
     try:
         while True:
             ev = await events.get()
-            new_token = False
             while True:  # coalesce what is already there: the last token and the finish
                 resp.add(ev)
-                new_token |= isinstance(ev, TokenEvent)
                 if isinstance(ev, FinishEvent):
                     return resp.body()
                 try:
                     ev = events.get_nowait()
                 except asyncio.QueueEmpty:
                     break
-            if on_token is not None and new_token:
+            if on_token is not None and _due(spec, sent, len(resp.output_ids)):
+                sent = len(resp.output_ids)
                 await on_token(resp)
     finally:
         if resp.finish is None:  # cancelled (client went away): free the slot

@@ -496,6 +496,30 @@ SHAPES = [
     # and what the tokenizer manager refuses on a server started as the fleet starts SGLang
     (b'{"input_ids": [1], "lora_path": "adapter"}', "verify"),
     (b'{"input_ids": [1], "return_hidden_states": true}', "verify"),
+    (b'{"input_ids": [1], "watermark": {"enabled": true}}', "verify"),
+    (b'{"input_ids": [1], "sampling_params": {"watermark": {}}}', "verify"),
+    # the older fields: pydantic's lax parse of the dataclass (io_struct.py 180-268) refuses first
+    (b'{"input_ids": [1], "rid": 5}', "parse"),
+    (b'{"text": 5}', "parse"),
+    (b'{"text": ["a", 1]}', "parse"),
+    (b'{"input_ids": [1], "stream": 2}', "parse"),
+    (b'{"input_ids": [1], "stream": " true"}', "parse"),
+    (b'{"input_ids": [1], "return_logprob": [2]}', "parse"),
+    (b'{"input_ids": [1], "return_logprob": "on"}', "gate"),
+    (b'{"input_ids": [1], "logprob_start_len": 1.5}', "parse"),
+    (b'{"input_ids": [1], "top_logprobs_num": "2"}', "gate"),
+    (b'{"input_ids": [1], "token_ids_logprob": 5}', "parse"),
+    (b'{"input_ids": [1], "token_ids_logprob": [[1], 2]}', "parse"),
+    (b'{"input_ids": [1], "token_ids_logprob": ["3"]}', "gate"),
+    (b'{"input_ids": [1], "sampling_params": 5}', "parse"),
+    (b'{"input_ids": [1], "sampling_params": [{"top_p": 1.5}, 5]}', "parse"),
+    (b'{"input_ids": [1], "return_text_in_logprobs": "x"}', "parse"),
+    (b'{"input_ids": [1], "return_sampling_mask": 3}', "parse"),
+    (b'{"input_ids": [1], "routed_experts_start_len": 1.5}', "parse"),
+    (b'{"input_ids": [1], "routed_experts_start_len": "2"}', "gate"),
+    # each step judges the whole body before the next: a later field can be the earlier step's
+    (b'{"input_ids": [1], "stream": 1, "rid": 5}', "parse"),
+    (b'{"input_ids": [1], "sampling_params": {"top_p": 1.5}, "stream": 1}', "gate"),
 ]
 
 
@@ -611,6 +635,102 @@ def test_top_level_fields_the_engine_cannot_serve_are_refused_by_name(
         **SERVED_AS_SGLANG_SERVES,
     )
     assert len(out["output_ids"]) == 2
+
+
+WATERMARK_REFUSED = [
+    # SGLang 0.5.23 on a server without --enable-watermark (watermarking/core.py 163-242,
+    # tokenizer_manager.py 213-225, 1553-1568), in its words
+    (
+        {"watermark": {"enabled": True}},
+        "request watermarking requires the server to enable --enable-watermark",
+    ),
+    ({"sampling_params": {"watermark": {"key": "0xab"}}}, "requires the server to enable --enable-watermark"),
+    ({"sampling_params": {"watermark": {}}}, "request watermark must set enabled or key"),
+    ({"watermark": {"context_window": 2}}, "request watermark must set enabled or key"),
+    ({"watermark": {"enabled": False, "key": "ab"}}, "key cannot be combined with enabled=false"),
+    (
+        {"watermark": {"enabled": False, "context_window": 5}},
+        "cannot exceed the server's watermark context_window",
+    ),
+    ({"watermark": {"context_window": 0}}, "watermark context_window must be a positive integer"),
+    ({"watermark": {"key": "xyz"}}, "watermark key must contain only hex digits"),
+    ({"watermark": {"key": 7}}, "watermark key must be a hex string"),
+    ({"watermark": {"enabled": 1}}, "watermark enabled must be a boolean"),
+    ({"watermark": {"seed": 1}}, "watermark contains unknown fields"),
+    ({"watermark": "on"}, "watermark must be an object"),
+    (
+        {"watermark": {"enabled": False}, "sampling_params": {"watermark": {"enabled": False}}},
+        "watermark must be provided either at the request top level or inside sampling_params, not both",
+    ),
+    (
+        {"input_ids": [[1], [2]], "watermark": [None]},
+        "The length of watermark should be equal to the batch size.",
+    ),
+    ({"input_ids": [[1], [2]], "watermark": [None, {"enabled": True}]}, "--enable-watermark"),
+]
+
+WATERMARK_SERVED = [
+    {"watermark": None},
+    {"watermark": {"enabled": False}},
+    {"sampling_params": {"watermark": {"enabled": False, "context_window": 4, "key": None}}},
+    {"input_ids": [[1], [2]], "watermark": [None, {"enabled": False}]},
+]
+
+
+def test_a_watermark_is_refused_as_sglang_refuses_it_without_enable_watermark(
+    engine: str, client: httpx.Client
+) -> None:
+    """A watermark is never silently dropped: SGLang 0.5.23 started as the fleet starts it (no
+    ``--enable-watermark``, a CUDA-only flag) refuses every watermark that asks for one, and the
+    malformed ones, in these words (step 3's ``{"error": {"message"}}``); one that asks for none
+    (``null``, ``enabled: false`` without a key, a window of at most 4) is served."""
+    base = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    for fields, msg in WATERMARK_REFUSED:
+        params = {**base["sampling_params"], **fields.get("sampling_params", {})}
+        body = {**base, **fields, "sampling_params": params}
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 400, (fields, r.status_code, r.text)
+        assert _shape(r.json()) == "verify" and msg in error_message(400, r.content), (fields, r.text)
+    for fields in WATERMARK_SERVED:
+        params = {**base["sampling_params"], **fields.get("sampling_params", {})}
+        r = client.post(engine + "/generate", json={**base, **fields, "sampling_params": params})
+        assert r.status_code == 200, (fields, r.text)
+
+
+def test_beam_search_and_choice_are_refused_by_name(engine: str, client: httpx.Client) -> None:
+    """``beam_width`` above 1 asks SGLang 0.5.23 for beam search (sampling_params.py 166-168),
+    which this engine does not implement: a 400 naming it; null or 1 is one sample. ``choice``
+    SGLang's gate takes (api_types.py 1317-1318) but its ``SamplingParams`` has no such field
+    (sampling_params.py 140-181): ``SamplingParams(**kwargs)`` raises a TypeError there, a 500
+    for any value (tokenizer_manager.py 1565, http_server.py 983-990); here a 400 naming it."""
+    refused = [
+        ({"beam_width": 2}, "sampling_params.beam_width=2 is not supported by the mixfleet CPU engine."),
+        ({"choice": ["a", "b"]}, "sampling_params.choice is not supported"),
+        ({"choice": []}, "sampling_params.choice is not supported"),
+        ({"choice": None}, "sampling_params.choice is not supported"),
+    ]
+    for params, msg in refused:
+        r = client.post(engine + "/generate", json={"input_ids": [1, 2], "sampling_params": params})
+        assert r.status_code == 400 and msg in error_message(400, r.content), (params, r.text)
+    for beam_width in (None, 1):
+        params = {"beam_width": beam_width, "max_new_tokens": 2, "ignore_eos": True}
+        out = generate(client, engine, input_ids=[1, 2], sampling_params=params)
+        assert len(out["output_ids"]) == 2
+
+
+def test_a_stream_sends_a_chunk_every_stream_interval_tokens(engine: str, client: httpx.Client) -> None:
+    """``sampling_params.stream_interval`` is honoured as SGLang 0.5.23's output streamer does
+    (output_streamer.py 455-469): the first token at once, then a chunk once ``stream_interval``
+    tokens are unsent, and the finish; so every chunk but the last holds 1, 6, 11, ... tokens
+    (chunks may coalesce, in SGLang too: tokenizer_manager.py 1985-1993, the last pending one)."""
+    params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0.0, "stream_interval": 5}
+    body = {"input_ids": PROMPT, "sampling_params": params}
+    whole = generate(client, engine, **body)
+    reader = StreamReader(engine, body)
+    last = reader.result()
+    lengths = [len(c["output_ids"]) for c in reader.chunks]
+    assert set(lengths[:-1]) <= {1, 6, 11} and lengths[-1] == 16, lengths
+    assert last["output_ids"] == whole["output_ids"]
 
 
 def test_a_null_max_new_tokens_generates_up_to_the_context(engine: str, client: httpx.Client) -> None:
