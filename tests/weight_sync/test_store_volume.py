@@ -13,8 +13,11 @@ complete versions throughout.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from weight_sync.publish import publish_checkpoint, rollback
 from weight_sync.stage import stage_version
 from weight_sync.store import open_store
 from weight_sync.store.base import StoreError
-from weight_sync.store.modal_volume import ModalVolumeStore, VolumeHandle, open_path_under
+from weight_sync.store.modal_volume import LOCK_NAME, ModalVolumeStore, VolumeHandle, open_path_under
 from weight_sync.types import FormatRef
 
 STREAM = FormatRef("run", "bf16")
@@ -170,6 +173,32 @@ def test_a_reload_refused_for_another_reason_is_a_store_error(tmp_path) -> None:
         pytest.raises(StoreError, match=f"reloading the volume at .* failed: {OPEN_FILES}"),
     ):
         reader.read_pointer(STREAM)
+
+
+def test_the_stores_reads_of_its_small_files_wait_for_the_container_lock(tmp_path) -> None:
+    """``read_pointer``, ``read_manifest`` and ``versions`` read the volume only under the
+    container's lock, held here as another process of the container holds it through a
+    reload-commit sequence (an ``advance``): they wait for it, so that process's reload never
+    meets their files open (it would fail, as it failed in a run of two advancers)."""
+    store = volume_store(tmp_path)
+    store.publish(STREAM.at(1), _staged(store, 1, b"one"))
+    reads = {
+        "read_pointer": lambda: store.read_pointer(STREAM),
+        "read_manifest": lambda: store.read_manifest(STREAM.at(1)),
+        "versions": lambda: store.versions(STREAM),
+    }
+    for name, read in reads.items():
+        fd = os.open(store.scratch / LOCK_NAME, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a descriptor of its own: the store's flock waits for it
+        done = threading.Event()
+        reader = threading.Thread(target=lambda read=read, done=done: (read(), done.set()))
+        reader.start()
+        try:
+            assert not done.wait(0.5), f"{name} read the volume while another process held the lock"
+        finally:
+            os.close(fd)
+        assert done.wait(30), name
+        reader.join()
 
 
 def test_staging_to_local_disk_leaves_no_file_of_the_volume_open(tmp_path) -> None:

@@ -55,9 +55,13 @@ A file of the volume held open by another process of the container makes ``commi
 checkpoint that lies on the volume in worker processes while it commits another format must
 convert from a copy on its own disk.
 
-Every reload-commit sequence of this adapter holds one lock per container: a thread lock and an
-``flock`` on ``<scratch>/.volume.lock`` (the container's processes share ``scratch``), so one
-process's reload never meets another's file held open by the store itself. Across containers
+Every reload-commit sequence of this adapter, and every read of the volume's small files
+(``read_pointer`` with its reload, ``read_manifest``, ``versions``), holds one lock per container:
+a thread lock and an ``flock`` on ``<scratch>/.volume.lock`` (the container's processes share
+``scratch``), so one process's reload never meets another's pointer, manifest or directory held
+open by the store itself. ``verify`` and the readers of a version's weight files (a replica's
+staging copy, an engine's mappings) run without it: they take long, and what they hold open
+makes another process's reload fail, as above. Across containers
 there is no such lock: pointer moves and commits of the same version must come from one writer
 at a time (the router runs one publish at a time); readers may be anywhere.
 
@@ -184,15 +188,19 @@ class ModalVolumeStore(VersionStore):
         when the volume refused the reload for another reason.
         """
         with self._container_lock():
-            if open_path_under(self.mount) is not None:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
+        """:meth:`refresh`, the container's lock held."""
+        if open_path_under(self.mount) is not None:
+            return False
+        try:
+            self.volume.reload()
+        except RuntimeError as exc:
+            if open_path_under(self.mount) is not None:  # a file was opened meanwhile
                 return False
-            try:
-                self.volume.reload()
-            except RuntimeError as exc:
-                if open_path_under(self.mount) is not None:  # a file was opened meanwhile
-                    return False
-                raise StoreError(f"reloading the volume at {self.mount} failed: {exc}") from None
-            return True
+            raise StoreError(f"reloading the volume at {self.mount} failed: {exc}") from None
+        return True
 
     # --- layout -------------------------------------------------------------------------------
 
@@ -255,18 +263,24 @@ class ModalVolumeStore(VersionStore):
 
     # --- reading ------------------------------------------------------------------------------
 
+    # The store's own reads of the volume's small files hold the container's lock, so no reload
+    # of another process of the container meets one of them open (Modal would refuse it).
+
     def read_pointer(self, stream: FormatRef) -> int | None:
-        self.refresh()
-        return self._files.read_pointer(stream)
+        with self._container_lock():
+            self._refresh()
+            return self._files.read_pointer(stream)
 
     def read_manifest(self, ref: VersionRef) -> Manifest:
-        return self._files.read_manifest(ref)
+        with self._container_lock():
+            return self._files.read_manifest(ref)
 
     def verify(self, ref: VersionRef) -> Manifest:
         return self._files.verify(ref)
 
     def versions(self, stream: FormatRef) -> list[int]:
-        return self._files.versions(stream)
+        with self._container_lock():
+            return self._files.versions(stream)
 
     def clean_staging(self, stream: FormatRef, *, older_than_s: float = 3600.0) -> list[Path]:
         """Remove this container's staging directories untouched for ``older_than_s``."""
