@@ -84,6 +84,17 @@ SAMPLING_FIELDS = (
 """The keys of ``sampling_params`` (``api/v1/api_types.py`` 1256), in SGLang's order."""
 
 
+NO_CHOICE = (
+    "SGLang 0.5.23's SamplingParams has no such field (sampling/sampling_params.py 140-181), so its "
+    "/generate fails on it, whatever its value (a 500)."
+)
+"""Why any ``sampling_params.choice`` is refused: the gate takes the key (``api_types.py``
+1317-1318), then ``SamplingParams(**sampling_kwargs)`` (``tokenizer_manager.py`` 1565) raises
+msgspec's TypeError, which ``/generate`` does not catch (``http_server.py`` 983-990 catch
+ValueError): SGLang answers a 500, which the router would take for a failing replica and fail
+over on; refused here as a 400, in step 3's body, by the engine and the router alike."""
+
+
 Step = Literal["parse", "gate", "verify"]
 """Which of SGLang's three steps refuses (module docstring): the dataclass parse, the contract
 gate, ``SamplingParams``' checks."""
@@ -387,6 +398,8 @@ def sampling_params(where: str, v: Any) -> None:
             raise ContractError(f"{where}: unknown field `{key}` (SGLang takes {', '.join(SAMPLING_FIELDS)})")
         if x is not None:
             check(f"{where}.{key}", x)
+    if "choice" in p:
+        raise ContractError(f"{where}.choice is not supported: {NO_CHOICE}", step="verify", value=p["choice"])
     try:
         _verify(p)
     except ContractError as exc:

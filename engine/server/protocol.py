@@ -79,16 +79,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "beam_width": 1,
 }
 
-# SGLang 0.5.23's SamplingParams has no ``choice`` field (sampling_params.py 140-181): the gate
-# takes the key (api_types.py 1317-1318), then ``SamplingParams(**sampling_kwargs)``
-# (tokenizer_manager.py 1565) raises msgspec's TypeError "Unexpected keyword argument 'choice'",
-# which the route does not catch (http_server.py 983-990 catch ValueError): a 500 for any value,
-# null too. Refused here by name instead.
-_CHOICE_REFUSAL = (
-    "sampling_params.choice is not supported: SGLang 0.5.23's SamplingParams has no such field "
-    "(its /generate fails on it)."
-)
-
 
 class SamplingParams(BaseModel):
     """SGLang's ``sampling_params`` object, already judged by
@@ -110,11 +100,9 @@ class SamplingParams(BaseModel):
     def to_settings(self) -> SamplerSettings:
         """The sampler settings (SGLang's ``__post_init__``: temperature below 1e-6 is greedy,
         whatever ``top_k`` says, sampling/sampling_params.py 245-250); a parameter this engine does
-        not implement, at a value other than its default, or ``choice`` at all, raises
-        :class:`RequestError`."""
+        not implement, at a value other than its default, raises :class:`RequestError` (a
+        ``choice`` never gets here: :data:`core.sglang_contract.NO_CHOICE`)."""
         extra = self.model_extra or {}
-        if "choice" in extra:
-            raise RequestError(_CHOICE_REFUSAL)
         for name, default in _UNSUPPORTED_DEFAULTS.items():
             value = extra.get(name, default)
             if value is not None and value != default and value != [] and value != {}:

@@ -17,6 +17,7 @@ from router.auth import BEARER_DOC
 from router.records import decode_batch
 from router.schemas import MAX_JSON_DEPTH
 from tests.router.conftest import KEYS
+from tests.support.metrics import samples_of
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
 
@@ -312,6 +313,23 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     assert r.status_code == 200, r.text
     r = client.post("/generate", json={**body, "lora_path": "adapter"})
     assert r.status_code == 400 and "LoRA is not enabled" in r.text, r.text
+
+
+def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client) -> None:
+    """``sampling_params.choice``: SGLang 0.5.23's gate takes it and its ``/generate`` then fails
+    with a 500 (:data:`core.sglang_contract.NO_CHOICE`), which the router would take for a failing
+    replica and fail over on; the router refuses it itself, a 422 naming it, and no request reaches
+    a replica."""
+
+    def sent() -> float:
+        samples = samples_of(client.get("/metrics").text)
+        names = ("mixfleet_router_generate_requests_total", "mixfleet_router_failovers_total")
+        return sum(v for (name, _), v in samples.items() if name in names)
+
+    before = sent()
+    r = client.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"choice": ["a", "b"]}})
+    assert r.status_code == 422 and "sampling_params.choice is not supported" in r.json()["detail"], r.text
+    assert sent() == before
 
 
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
