@@ -62,11 +62,12 @@ keys) is the engine's to check.
 from __future__ import annotations
 
 import math
-import re
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 SAMPLING_EPS = 1e-6  # sampling_params.py 42
 TOP_K_ALL = 1 << 30  # sampling_params.py 43
@@ -413,25 +414,30 @@ def _sampling_params_or_list(where: str, v: Any) -> None:
         sampling_params(where, v)
 
 
+_LAX_INT = TypeAdapter(int)
+_LAX_BOOL = TypeAdapter(bool)
+
+
+def _lax(adapter: TypeAdapter, v: Any) -> bool:
+    """Whether pydantic's lax parse (what SGLang's dataclass parse runs) takes ``v`` as the
+    adapter's type."""
+    try:
+        adapter.validate_python(v)
+    except ValidationError:
+        return False
+    return True
+
+
 def _lax_int(v: Any) -> bool:
-    """Whether the dataclass parse (pydantic's lax ``int``) takes ``v``: a bool, an integral
-    float, a decimal string."""
-    if type(v) in (int, bool):
-        return True
-    if type(v) is float:
-        return math.isfinite(v) and v.is_integer()
-    return type(v) is str and re.fullmatch(r"\s*[+-]?\d+(_\d+)*(\.0*)?\s*", v) is not None
+    """Whether the dataclass parse (pydantic's lax ``int``) takes ``v`` (a bool, an integral
+    float, a decimal string)."""
+    return _lax(_LAX_INT, v)
 
 
 def _lax_bool(v: Any) -> bool:
-    """Whether the dataclass parse (pydantic's lax ``bool``) takes ``v``: a bool, 0 or 1, or one
-    of its words in any case (not padded: ``" true"`` it refuses)."""
-    if type(v) in (bool, int, float):
-        return v in (0, 1)
-    return type(v) is str and v.lower() in _BOOL_WORDS
-
-
-_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
+    """Whether the dataclass parse (pydantic's lax ``bool``) takes ``v`` (a bool, 0 or 1, one of
+    its words)."""
+    return _lax(_LAX_BOOL, v)
 
 
 def _parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Callable[[str, Any], None]:
