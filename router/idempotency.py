@@ -58,7 +58,7 @@ from router.errors import ApiError
 from router.records import decode_turn
 from router.schemas import TurnSpec
 from router.turn_data import TurnData
-from router.turns import record_turn
+from router.turns import Recorded, record_turn
 
 HEADER = "Idempotency-Key"
 KEY_DOC = (
@@ -99,38 +99,37 @@ async def answer_turn(
     on_tokens: TokenCallback | None = None,
     *,
     digest: str | None = None,
-) -> bytes:
-    """The turn's answer (JSON bytes, as :func:`record_turn`), recorded at most once per ``key``
-    (422 when the key holds a turn of another request: ``digest``, default
+) -> Recorded:
+    """The turn recorded for this request (as :func:`record_turn`), recorded at most once per
+    ``key`` (422 when the key holds a turn of another request: ``digest``, default
     :func:`spec_digest` of ``spec``); ``on_tokens`` gets the new ids of the turn this call
-    samples, if it samples one."""
+    samples, if it samples one. ``sampled`` is False when the answer is a turn recorded before."""
     if key is None:
         return await record_turn(ctx, session_id, spec, on_tokens=on_tokens)
     digest = spec_digest(spec) if digest is None else digest
     slot = (session_id, key)
     while True:
-        found = await recorded_turn(ctx, session_id, key, with_support=spec.return_support, digest=digest)
+        found = await recorded(ctx, session_id, key, digest)
         if found is not None:
             ctx.metrics.turn_replays.labels("found").inc()
-            return found
+            answer = dumps(found.to_json(session_id, with_input=False, with_support=spec.return_support))
+            return Recorded(answer, found, False, digest)
         if slot not in _RUNNING:  # no other waiter took the turn during the lookup: this one runs it
             break
     done = asyncio.get_running_loop().create_future()
     _RUNNING[slot] = done
     try:
-        answer = await record_turn(
+        result = await record_turn(
             ctx, session_id, spec, request_id=_REQUEST + key, request_digest=digest, on_tokens=on_tokens
         )
     finally:
         if _RUNNING.get(slot) is done:
             del _RUNNING[slot]
         done.set_result(None)
-    stored = await ctx.store.turn_for_request(session_id, _REQUEST + key)
-    if stored is not None and (first := _answer(session_id, stored.blob, spec.return_support)) != answer:
-        _check_digest(key, stored.request_digest, digest)  # another router process recorded this key first
+    if not result.sampled:  # another router process recorded this key first
+        _check_digest(key, result.digest, digest)
         ctx.metrics.turn_replays.labels("raced").inc()
-        return first
-    return answer
+    return result
 
 
 def _check_digest(key: str, stored: str, digest: str | None) -> None:
@@ -142,22 +141,6 @@ def _check_digest(key: str, stored: str, digest: str | None) -> None:
             f"{HEADER} {key!r} was used with a different request in this session: a retry must repeat "
             "its request exactly; a new request needs a new key",
         )
-
-
-def _answer(session_id: str, blob: bytes, with_support: bool) -> bytes:
-    """The answer of a recorded turn block: the JSON :func:`record_turn` returned for it."""
-    return dumps(decode_turn(blob).to_json(session_id, with_input=False, with_support=with_support))
-
-
-async def recorded_turn(
-    ctx: RouterContext, session_id: str, key: str, *, with_support: bool, digest: str | None = None
-) -> bytes | None:
-    """The answer of the turn recorded under ``key`` in ``session_id`` (None: none), as
-    :func:`recorded`, with the records' supports if ``with_support``."""
-    found = await recorded(ctx, session_id, key, digest)
-    if found is None:
-        return None
-    return dumps(found.to_json(session_id, with_input=False, with_support=with_support))
 
 
 async def recorded(

@@ -149,8 +149,8 @@ async def create_turn(
     """The body gives the whole context (``input_ids``, checked against the stored one: a turn
     that does not extend it is a fork and starts a new segment) or only what the turn appends
     (``append_ids``). The turn stores only its appended tokens (:mod:`router.records`)."""
-    data = await answer_turn(_ctx(request), session_id, body.spec(), idempotency_key)
-    return Response(data, media_type="application/json")
+    turn = await answer_turn(_ctx(request), session_id, body.spec(), idempotency_key)
+    return Response(turn.answer, media_type="application/json")
 
 
 @router.post(

@@ -22,8 +22,12 @@ returned JSON bytes are :meth:`~router.turn_data.TurnData.to_json` (without ``ap
 the turn as stored (float32 / float16 values), the same object a trajectory read serves for it
 but for the records' supports, which it carries only when the turn asked ``return_support`` (an
 agent reads its output; the supports, often hundreds of ids a token, are the trainer's);
-on any :class:`~router.errors.ApiError` nothing was stored. The session is read once (with its
-context), and again only after a conflict. A group that records routed experts asks them from
+on any :class:`~router.errors.ApiError` nothing was stored. When the request id already holds a
+turn (the append stored nothing: :class:`~router.state.base.RequestRecorded`; another router
+process recorded the same idempotency key first, or the state store's client repeated this
+append after a lost reply), the answer is that stored turn's, read back
+(:class:`Recorded` says whether it is the one this call sampled). The session is read once (with
+its context), and again only after a conflict. A group that records routed experts asks them from
 :func:`routes_start` (the positions the turn adds to its segment) and stores those rows only.
 """
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from clients.engine_stream import TokenCallback
 from core.jsonio import dumps
@@ -40,11 +44,33 @@ from router.context import RouterContext
 from router.dispatch import run_turn
 from router.errors import ApiError
 from router.ledger import version_tokens
-from router.records import encode_stored
+from router.records import decode_turn, encode_stored
 from router.schemas import TurnSpec
 from router.segments import Stored, as_ids, locate, pack, place
-from router.state.base import SessionFinished, SessionInfo, SessionNotFound, TurnConflict, TurnRecord
+from router.state.base import (
+    RequestRecorded,
+    SessionFinished,
+    SessionInfo,
+    SessionNotFound,
+    StoredTurn,
+    TurnConflict,
+    TurnRecord,
+)
 from router.turn_data import ROUTES_SECTION, TurnData
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The turn stored under a turn request's id: ``answer``, its JSON answer (the turn as
+    stored, without ``append_ids``; the supports if asked); ``turn``, the turn as stored;
+    ``sampled``, whether it is the turn this call sampled (False: another request with the same
+    id, another router process's, recorded its own first); ``digest``, the request digest stored
+    with it (empty: none)."""
+
+    answer: bytes
+    turn: TurnData
+    sampled: bool
+    digest: str = ""
 
 
 async def record_turn(
@@ -55,10 +81,10 @@ async def record_turn(
     request_id: str | None = None,
     request_digest: str = "",
     on_tokens: TokenCallback | None = None,
-) -> bytes:
-    """Generate, record and return (as JSON bytes) the next turn of ``session_id``; the store's
-    append is idempotent per ``request_id`` (default: a fresh one) and keeps ``request_digest``
-    with it (:mod:`router.idempotency`). ``on_tokens``: the turn's new
+) -> Recorded:
+    """Generate and record the next turn of ``session_id``, and return what its request id
+    (default: a fresh one) holds (the store's append is idempotent per request id and keeps
+    ``request_digest`` with it: :mod:`router.idempotency`). ``on_tokens``: the turn's new
     output ids as they are sampled (:func:`router.dispatch.run_turn`). The session counts as
     active while the turn runs (:meth:`RouterContext.turn_running`): however long it takes, the
     idle sweep does not abandon it."""
@@ -73,7 +99,7 @@ async def _record_turn(
     request_id: str | None,
     request_digest: str,
     on_tokens: TokenCallback | None,
-) -> bytes:
+) -> Recorded:
     t0 = time.perf_counter()
     session, stored = await _session_context(ctx, session_id)
     if spec.turn is not None and spec.turn != session.n_turns:
@@ -118,8 +144,13 @@ async def _record_turn(
         )
         try:
             index = await ctx.store.append_turn(session_id, record)
-            ctx.context_text.stored(session_id, full, index + 1, as_ids(turn.output_ids))
-            break
+        except RequestRecorded as exc:  # nothing stored: the request id holds a turn already
+            first = await ctx.store.turn_for_request(session_id, request_id)
+            if first is None:
+                raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+            if first.blob != blob:  # another router process's turn under the same key
+                return _recorded(session_id, decode_turn(first.blob), first, False, spec.return_support)
+            index = exc.index  # this very append, repeated by the store client after a lost reply
         except TurnConflict as exc:  # another turn of this session was recorded meanwhile
             if spec.turn is not None:
                 why = f"turn: expected {spec.turn} but the next turn is {exc.next_turn}"
@@ -128,17 +159,29 @@ async def _record_turn(
             stored = b"" if state is None else state[1] or b""  # a gone session is refused by the append
             index = exc.next_turn
             at = place(full, stored)
+            continue
         except SessionFinished:
             why = f"session {session_id!r} was finished during the turn; not recorded"
             raise ApiError(409, why) from None
         except SessionNotFound:
             raise ApiError(404, f"session {session_id!r} was deleted during the turn") from None
+        ctx.context_text.stored(session_id, full, index + 1, as_ids(turn.output_ids))
+        break
     else:
         raise ApiError(409, "too many concurrent turns on one session", retry_after=1)
     _count(ctx, turn, time.perf_counter() - t0)
-    if recorded.turn != index:
-        recorded = replace(recorded, turn=index)
-    return dumps(recorded.to_json(session_id, with_input=False, with_support=spec.return_support))
+    stored_turn = StoredTurn(index, blob, request_digest)
+    return _recorded(session_id, recorded, stored_turn, True, spec.return_support)
+
+
+def _recorded(
+    session_id: str, turn: TurnData, stored: StoredTurn, sampled: bool, with_support: bool
+) -> Recorded:
+    """The :class:`Recorded` of ``turn``, the turn block ``stored`` holds (at its index)."""
+    if turn.turn != stored.index:
+        turn = replace(turn, turn=stored.index)
+    answer = dumps(turn.to_json(session_id, with_input=False, with_support=with_support))
+    return Recorded(answer, turn, sampled, stored.request_digest)
 
 
 def routes_start(context: int) -> int:

@@ -63,7 +63,6 @@ from router.records import decode_turn
 from router.schemas import SamplingParams, TurnRequest
 from router.state.base import ChatState
 from router.turn_data import TurnData
-from router.turns import record_turn
 
 
 @functools.lru_cache(maxsize=4)
@@ -176,17 +175,9 @@ async def run_chat(
     spec = _turn_request(input_ids, req, [*renderer.stop_ids, *stops]).spec()
     head = Head(state.session.n_turns, int(state.session.created_at), len(input_ids))
     sink = None if on_tokens is None else functools.partial(on_tokens, head)
-    if key is None:
-        turn = loads(await record_turn(ctx, session_id, spec, on_tokens=sink))
-        prompt, ours = len(input_ids), True
-    else:
-        await answer_turn(ctx, session_id, spec, key, sink, digest=digest)
-        data = await recorded(ctx, session_id, key, digest)
-        if data is None:
-            raise ApiError(404, f"session {session_id!r} was deleted during the turn")
-        turn, prompt = data.to_json(session_id, with_input=False), data.prompt_len
-        ours = prompt == len(input_ids) and _ends_with(input_ids, data.append_ids)  # not a concurrent first's
-    if ours:
+    done = await answer_turn(ctx, session_id, spec, key, sink, digest=digest)
+    turn, prompt = loads(done.answer), done.turn.prompt_len
+    if done.sampled:
         note = Note(
             len(req.messages), chain[-1], len(turn["output_ids"]), matched_stop(turn.get("finish_reason"))
         )
@@ -301,10 +292,6 @@ def _open(ctx: RouterContext, state: ChatState | None, session_id: str) -> ChatS
     if state.session.status != "open":
         raise ApiError(409, f"session {session_id!r} is {state.session.status}: it accepts no more turns")
     return state
-
-
-def _ends_with(ids: np.ndarray, tail: Sequence[int]) -> bool:
-    return not tail or (len(ids) >= len(tail) and ids[len(ids) - len(tail) :].tolist() == list(tail))
 
 
 def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[int]) -> TurnRequest:

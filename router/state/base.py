@@ -298,7 +298,10 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def append_turn(self, session_id: str, record: TurnRecord) -> int:
         """Store one turn (:class:`TurnRecord`); return its index. Raises SessionNotFound /
-        SessionFinished.
+        SessionFinished, and :class:`RequestRecorded` when the record's ``request_id`` already
+        holds a turn of the session (stored by an earlier call: another router process's under
+        the same idempotency key, or this very append repeated by the store client's retry after
+        a lost reply); that call stored nothing and changed nothing.
 
         In the same atomic step the session's context takes the record's ``context`` (appended,
         or replacing it on a fork), the session's route becomes (``group``, ``replica``) (moving
@@ -578,3 +581,13 @@ class TurnConflict(StateError):
     def __init__(self, next_turn: int) -> None:
         super().__init__(f"next turn is {next_turn}")
         self.next_turn = next_turn
+
+
+class RequestRecorded(StateError):
+    """:meth:`StateStore.append_turn` stored nothing: its request id already holds turn ``index``
+    (:meth:`StateStore.turn_for_request` reads it)."""
+
+    def __init__(self, request_id: str, index: int) -> None:
+        super().__init__(f"request {request_id!r} already recorded turn {index}")
+        self.request_id = request_id
+        self.index = index

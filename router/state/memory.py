@@ -27,6 +27,7 @@ from router.state.base import (
     Lease,
     LeaseNotFound,
     LeaseReleased,
+    RequestRecorded,
     SessionFinished,
     SessionInfo,
     SessionNotFound,
@@ -165,7 +166,7 @@ class MemoryStore(StateStore):
             raise SessionNotFound(session_id)
         known = s.requests.get(record.request_id)
         if known is not None:
-            return known
+            raise RequestRecorded(record.request_id, known)
         if s.info.status != "open":
             raise SessionFinished(session_id)
         index = len(s.turns)

@@ -120,6 +120,7 @@ from router.state.base import (
     Lease,
     LeaseNotFound,
     LeaseReleased,
+    RequestRecorded,
     SessionFinished,
     SessionInfo,
     SessionNotFound,
@@ -219,7 +220,7 @@ _APPEND = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return {-1, 0} end
 local prev = redis.call('HGET', h, 'q:' .. ARGV[1])
-if prev then return {0, tonumber(prev)} end
+if prev then return {1, tonumber(prev)} end
 if redis.call('HGET', h, 'status') ~= 'open' then return {-2, 0} end
 local idx = redis.call('LLEN', KEYS[2])
 if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= idx then return {-3, idx} end
@@ -933,6 +934,8 @@ class RedisStore(StateStore):
             raise SessionFinished(session_id)
         if rc == -3:
             raise TurnConflict(int(idx))
+        if rc == 1:
+            raise RequestRecorded(record.request_id, int(idx))
         return int(idx)
 
     async def get_turns(self, session_id: str) -> list[bytes]:

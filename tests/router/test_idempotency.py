@@ -14,7 +14,7 @@ import aiohttp
 import httpx
 import pytest
 
-from router.state.base import StateStore, StoredTurn, TurnRecord
+from router.state.base import RequestRecorded, StateStore, StoredTurn, TurnRecord
 from tests.support.metrics import turn_replays
 from tests.support.procs import redis_server
 from tests.support.router import router_process, until_workers, write_preset
@@ -37,7 +37,8 @@ async def test_store_reads_the_turn_a_request_stored(store_url: str) -> None:
         assert await store.turn_for_request("s1", "k:a") is None
         assert await _append(store, "s1", "k:a", b"first", "d1") == 0
         assert await _append(store, "s1", "k:b", b"second") == 1
-        assert await _append(store, "s1", "k:a", b"again", "d2") == 0  # idempotent: nothing changes
+        with pytest.raises(RequestRecorded, match="'k:a' already recorded turn 0"):
+            await _append(store, "s1", "k:a", b"again", "d2")  # idempotent: nothing changes
         assert await store.turn_for_request("s1", "k:a") == StoredTurn(0, b"first", "d1")
         assert await store.turn_for_request("s1", "k:b") == StoredTurn(1, b"second", "")
         assert (await store.get_session("s1")).n_turns == 2

@@ -13,7 +13,7 @@ import redis
 from fleet.specs import FleetSpec, GroupSpec
 from router.ledger import LedgerTotals, update_costs
 from router.routes_ledger import ledger_view
-from router.state.base import StateStore, TurnRecord
+from router.state.base import RequestRecorded, StateStore, TurnRecord
 from tests.support.state import opened
 
 pytestmark = pytest.mark.anyio
@@ -75,20 +75,11 @@ async def test_tokens_per_version_and_updates(store_url: str) -> None:
         await _turned(store, "s2", {2: 5})
         # a retried append (same request id) books nothing twice
         await store.create_session("s3", "g", {}, now=1.0)
-        for _ in range(2):
-            await store.append_turn(
-                "s3",
-                TurnRecord(
-                    "s3-0",
-                    b"x",
-                    group="g",
-                    replica="r",
-                    tokens=2,
-                    min_version=1,
-                    max_version=1,
-                    version_tokens={1: 2},
-                ),
-            )
+        versions = {1: 2}
+        record = TurnRecord("s3-0", b"x", "g", "r", 2, min_version=1, max_version=1, version_tokens=versions)
+        await store.append_turn("s3", record)
+        with pytest.raises(RequestRecorded):
+            await store.append_turn("s3", record)
         lease = await store.take(2, trainer_version=2, max_version_age=None, lease_timeout_s=60)
         assert {t.session.session_id for t in lease.trajectories} == {"s1", "s2"}
         first = await store.ack(lease.lease_id)

@@ -20,6 +20,7 @@ from router.metrics import SNAPSHOT
 from tests.support.metrics import Samples, samples_of, turn_replays
 from tests.support.procs import free_port, redis_process, redis_server
 from tests.support.router import router_process, write_preset
+from tests.support.scripted import scripted_engine
 
 SP = {"max_new_tokens": 3, "seed": 1}
 
@@ -31,9 +32,17 @@ def shared_redis():
 
 
 @pytest.fixture(scope="module")
-def two_routers(engine_url, shared_redis, tmp_path_factory):
+def front(engine_url):
+    """The engine of ``cpu-a``: the local engine behind a scripted stand-in (``delay_s`` holds each
+    answer back)."""
+    with scripted_engine(engine_url) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def two_routers(front, shared_redis, tmp_path_factory):
     d = tmp_path_factory.mktemp("shared")
-    preset = write_preset(d / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}, {"name": "cpu-b"}])
+    preset = write_preset(d / "p.toml", [{"name": "cpu-a", "replicas": [front.url]}, {"name": "cpu-b"}])
     keys = {"k" * 32: ["rollout", "trainer", "admin"]}
     with (
         router_process(preset, state=shared_redis, keys=keys) as a,
@@ -98,25 +107,64 @@ def test_a_keyed_turn_sent_to_both_routers_at_once_is_recorded_once(two_routers)
     sid = httpx.post(f"{a.url}/v1/sessions", json={"group": "cpu-a"}, headers=a.headers).json()["session_id"]
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0}}
     before = [turn_replays(r.url) for r in (a, b)]
-    answers: dict[str, httpx.Response] = {}
-    start = threading.Barrier(2)
-
-    def send(r) -> None:
-        start.wait()
-        keyed = {**r.headers, "Idempotency-Key": "both"}
-        answers[r.url] = httpx.post(f"{r.url}/v1/sessions/{sid}/turns", json=body, headers=keyed, timeout=60)
-
-    threads = [threading.Thread(target=send, args=(r,)) for r in (a, b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = _both_at_once((a, b), sid, "both", body)
     ra, rb = answers[a.url], answers[b.url]
     assert ra.status_code == rb.status_code == 200, (ra.text, rb.text)
     assert ra.content == rb.content
     assert httpx.get(f"{a.url}/v1/sessions/{sid}", headers=a.headers).json()["turns"] == 1
     after = [turn_replays(r.url) for r in (a, b)]
     assert sum(map(sum, after)) - sum(map(sum, before)) == 1, (before, after)
+
+
+def _both_at_once(routers, sid: str, key: str, body: dict) -> dict[str, httpx.Response]:
+    """The same turn request with ``Idempotency-Key`` ``key`` sent to every router at once."""
+    answers: dict[str, httpx.Response] = {}
+    start = threading.Barrier(len(routers))
+
+    def send(r) -> None:
+        start.wait()
+        keyed = {**r.headers, "Idempotency-Key": key}
+        answers[r.url] = httpx.post(f"{r.url}/v1/sessions/{sid}/turns", json=body, headers=keyed, timeout=60)
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in routers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_the_router_that_lost_a_keyed_race_continues_on_the_recorded_turn(two_routers, front) -> None:
+    """Both routers sample the same keyed turn (the engine holds each answer back a second, so both
+    looked the key up before either recorded): the later append stores nothing and its router
+    answers the first's turn (``raced``); that router's next turn sends the engine the context the
+    recorded turn left, not its own discarded sample (it had kept that as the session's context)."""
+    a, b = two_routers
+    sid = httpx.post(f"{a.url}/v1/sessions", json={"group": "cpu-a"}, headers=a.headers).json()["session_id"]
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0}}
+    before = {r.url: turn_replays(r.url) for r in (a, b)}
+    front.delay_s = 1.0
+    try:
+        answers = _both_at_once((a, b), sid, "race", body)
+    finally:
+        front.delay_s = 0.0
+    ra, rb = answers[a.url], answers[b.url]
+    assert ra.status_code == rb.status_code == 200 and ra.content == rb.content, (ra.text, rb.text)
+    samples = [out for _input, out in front.generated[-2:]]
+    assert samples[0] != samples[1]  # two samples: one was discarded
+    after = {r.url: turn_replays(r.url) for r in (a, b)}
+    replays = {u: [n - m for n, m in zip(after[u], before[u], strict=True)] for u in after}
+    losers = [r for r in (a, b) if replays[r.url] == [0, 1]]
+    assert len(losers) == 1 and sum(map(sum, replays.values())) == 1, replays
+    loser = losers[0]
+    t = httpx.post(
+        f"{loser.url}/v1/sessions/{sid}/turns",
+        json={"append_ids": [7], "sampling_params": SP, "turn": 1},
+        headers=loser.headers,
+        timeout=60,
+    )
+    assert t.status_code == 200, t.text
+    assert front.generated[-1][0] == [1, 2, 3, *ra.json()["output_ids"], 7]
 
 
 def test_a_heartbeat_to_one_router_reaches_the_other(two_routers, engine_url) -> None:

@@ -23,6 +23,7 @@ from router.state.base import (
     AckResult,
     LeaseNotFound,
     LeaseReleased,
+    RequestRecorded,
     SessionFinished,
     SessionNotFound,
     StateStore,
@@ -137,7 +138,9 @@ async def test_the_context_grows_by_appends_restarts_at_a_fork_and_goes_at_finis
             await store.append_turn("s", rec("c", b"\x09\x00\x00\x00", fork=True, expected=0))
         assert (await store.get_session_context("s"))[1] == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0])
         await store.append_turn("s", rec("d", b"\x07\x00\x00\x00", fork=True))
-        await store.append_turn("s", rec("d", b"\x08\x00\x00\x00"))  # a retry changes nothing
+        with pytest.raises(RequestRecorded) as recorded:  # a retry changes nothing
+            await store.append_turn("s", rec("d", b"\x08\x00\x00\x00"))
+        assert (recorded.value.request_id, recorded.value.index) == ("d", 2)
         assert (await store.get_session_context("s"))[1] == bytes([7, 0, 0, 0])
         await store.finish_session("s", "f", 1.0, {})
         info, context = await store.get_session_context("s")
@@ -187,16 +190,16 @@ async def test_appends_are_idempotent_per_request_and_refused_after_finish(store
             )
             == 0
         )
-        assert (
+        with pytest.raises(RequestRecorded) as recorded:  # the request id holds turn 0: nothing stored
             await store.append_turn(
                 "s",
                 TurnRecord(
                     "same", b"y", group="g", replica="rep", tokens=1, min_version=None, max_version=None
                 ),
             )
-            == 0
-        )
+        assert recorded.value.index == 0
         assert await store.get_turns("s") == [b"x"]
+        assert (await store.get_session("s")).n_turns == 1
         with pytest.raises(TurnConflict) as conflict:
             await store.append_turn(
                 "s",
@@ -287,13 +290,11 @@ async def test_move_and_delete_keep_active_counts(store_url: str) -> None:
                     expected_turn=0,
                 ),
             )
-        assert (
+        with pytest.raises(RequestRecorded):
             await store.append_turn(
                 "s",
                 TurnRecord("r0", b"t0", group="a", replica="x", tokens=1, min_version=None, max_version=None),
             )
-            == 0
-        )
         info = await store.get_session("s")
         assert (info.group, info.replica, info.n_turns) == ("b", "rep-1", 1)
         c = await store.counters()
