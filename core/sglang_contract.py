@@ -58,13 +58,14 @@ whole body before the next (a field the parse refuses is the answer wherever it 
 body, then the gate's first, then step 3's). Step 3 runs in SGLang's order
 (:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (a batch's ``image_data`` and
 ``watermark`` lengths; ``kv_hints``, decoded with msgspec, in its words: ``Malformed kv_hints
-envelope: ...``), a batch's short ``video_data`` / ``audio_data`` (:data:`NO_SHORT_MEDIA`), then
-each item: a watermark set both ways, a ``choice`` (:data:`NO_CHOICE`), a malformed watermark
-(:func:`watermark_malformed`), then ``SamplingParams``' ranges, so a malformed ``watermark`` is
-named before an out-of-range ``top_p`` (tokenizer_manager.py 1553-1567). What SGLang answers with
-a 500 is refused here as a 400 naming it, so the router refuses it too (a 422) instead of failing
-over as from a failing replica. Not checked here: the other dataclass-only keys, and what needs
-the server's settings (a watermark the server must enable, ``resolve_watermark_request``).
+envelope: ...``), a short ``video_data`` / ``audio_data`` / ``sampling_params`` list
+(:data:`NO_SHORT_LIST`), then each item: a watermark set both ways, a ``choice``
+(:data:`NO_CHOICE`), a malformed watermark (:func:`watermark_malformed`), then ``SamplingParams``'
+ranges, so a malformed ``watermark`` is named before an out-of-range ``top_p``
+(tokenizer_manager.py 1553-1567). What SGLang answers with a 500 is refused here as a 400 naming
+it, so the router refuses it too (a 422) instead of failing over as from a failing replica. Not
+checked here: the other dataclass-only keys, and what needs the server's settings (a watermark the
+server must enable, ``resolve_watermark_request``).
 An **unknown** top-level key is no refusal: the dataclass parse ignores it (a stdlib dataclass,
 pydantic's ``extra="ignore"``, ``io_struct.py`` 176-178) and the gate skips it
 (``decode_GenerateRequest`` has no ``else``, ``api_types.py`` 1413-1496). What needs the model (a
@@ -487,16 +488,18 @@ def _item_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | No
     return None
 
 
-NO_SHORT_MEDIA = (
-    "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 722-738, 972-975), "
+NO_SHORT_LIST = (
+    "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 540, 722-747, 972-982), "
     "and its /generate fails on a shorter list (an IndexError, a 500)."
 )
-"""Why a batch's ``video_data`` or ``audio_data`` list shorter than the batch is refused:
-``_normalize_video_data`` / ``_normalize_audio_data`` keep a list as it is (``io_struct.py``
-722-738; only ``image_data``'s length is checked, 659-662), then each item's sub-request
-indexes it (``__getitem__``, 972-975): an IndexError, which ``/generate`` does not catch
-(``http_server.py`` 983-990 catch ``ValueError``): a 500, which the router would take for a
-failing replica; refused here as a 400, in step 3's body, by the engine and the router alike."""
+"""Why a batch's ``video_data``, ``audio_data`` or ``sampling_params`` list shorter than the
+batch, or an empty ``sampling_params`` list, is refused: ``_handle_parallel_sampling`` reads a
+list's first entry (``io_struct.py`` 540), ``_normalize_video_data`` / ``_normalize_audio_data`` /
+``_normalize_sampling_params`` keep a list as it is (722-747; only ``image_data``'s length is
+checked, 659-662), then each item's sub-request indexes it (``__getitem__``, 972-982): an
+IndexError, which ``/generate`` does not catch (``http_server.py`` 983-990 catch ``ValueError``):
+a 500, which the router would take for a failing replica; refused here as a 400, in step 3's
+body, by the engine and the router alike."""
 
 
 def _msgspec_type(v: Any) -> str:
@@ -564,14 +567,22 @@ def _batch_size(body: dict[str, Any]) -> int | None:
     return None
 
 
+def _short(key: str, value: list[Any], batch: int) -> ContractError:
+    message = f"{key} has {len(value)} entries for a batch of {batch}: {NO_SHORT_LIST}"
+    return ContractError(message, step="verify", value=value)
+
+
 def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     """Step 3 on a body both earlier steps took, in SGLang's order: ``normalize_batch_and_arguments``
-    (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442: for a batch ``image_data``'s and the
-    top-level ``watermark``'s lengths, 659-662, 749-757; ``kv_hints``, 583-587, 888-905); a
-    batch's short ``video_data`` / ``audio_data`` (:data:`NO_SHORT_MEDIA`); then each item in
-    turn (:func:`_item_refusal`)."""
+    (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442: an empty ``sampling_params`` list,
+    540; for a batch ``image_data``'s and the top-level ``watermark``'s lengths, 659-662,
+    749-757; ``kv_hints``, 583-587, 888-905); a batch's short ``video_data`` / ``audio_data`` /
+    ``sampling_params`` list (:data:`NO_SHORT_LIST`); then each item in turn
+    (:func:`_item_refusal`)."""
     batch = _batch_size(body)
-    top = body.get("watermark")
+    top, params = body.get("watermark"), body.get("sampling_params")
+    if params == []:
+        return _short("sampling_params", params, batch or 1)
     if batch is not None:
         for key in ("image_data", "watermark"):
             value = body.get(key)
@@ -581,12 +592,10 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     if kv_hints is not None:
         return ContractError(kv_hints, step="verify")
     if batch is not None:
-        for key in ("video_data", "audio_data"):
+        for key in ("video_data", "audio_data", "sampling_params"):
             value = body.get(key)
             if type(value) is list and len(value) < batch:
-                message = f"{key} has {len(value)} entries for a batch of {batch}: {NO_SHORT_MEDIA}"
-                return ContractError(message, step="verify", value=value)
-    params = body.get("sampling_params")
+                return _short(key, value, batch)
     listed = type(params) is list
     per_item = batch is not None and type(top) is list
     for i in range(max(batch or 1, len(params) if listed else 1)):

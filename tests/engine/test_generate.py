@@ -831,7 +831,7 @@ NESTED_REFUSED = [
         "return_indexer_topk: invalid type: integer `2`, expected a boolean",
     ),
     # a batch's media lists (io_struct.py 645-685, 722-738, 972-975): image_data's length is
-    # checked, a short video_data / audio_data is SGLang's 500 (NO_SHORT_MEDIA), refused here
+    # checked, a short video_data / audio_data is SGLang's 500 (NO_SHORT_LIST), refused here
     (
         {"input_ids": [[1], [2]], "image_data": [MEDIA]},
         "verify",
@@ -839,6 +839,17 @@ NESTED_REFUSED = [
     ),
     ({"input_ids": [[1], [2]], "video_data": [MEDIA]}, "verify", "video_data has 1 entries for a batch of 2"),
     ({"input_ids": [[1], [2]], "audio_data": []}, "verify", "audio_data has 0 entries for a batch of 2"),
+    # so is a short sampling_params list, or an empty one (io_struct.py 540, 740-747, 982)
+    (
+        {"sampling_params": []},
+        "verify",
+        "sampling_params has 0 entries for a batch of 1: SGLang 0.5.23 takes",
+    ),
+    (
+        {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]},
+        "verify",
+        "sampling_params has 1 entries for a batch of 2: SGLang 0.5.23 takes",
+    ),
 ]
 
 NESTED_SERVED = [

@@ -335,10 +335,15 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
 @pytest.mark.parametrize(
     ("body", "named"),
     [
-        # SGLang 0.5.23 answers a 500 (core.sglang_contract.NO_SHORT_MEDIA)
+        # SGLang 0.5.23 answers a 500 (core.sglang_contract.NO_SHORT_LIST)
         (
             {"input_ids": [[3], [4]], "video_data": ["https://example.invalid/a.mp4"]},
             "video_data has 1 entries",
+        ),
+        ({"input_ids": [3, 4], "sampling_params": []}, "sampling_params has 0 entries for a batch of 1"),
+        (
+            {"input_ids": [[3], [4]], "sampling_params": [{}]},
+            "sampling_params has 1 entries for a batch of 2",
         ),
         # the gate's, the parse's and the tokenizer manager's refusals of the nested structs
         ({"input_ids": [3, 4], "image_data": {"url": "u", "zoom": 2}}, "image_data: unknown field `zoom`"),
@@ -360,8 +365,8 @@ def test_sglang_generate_refuses_the_nested_structs_before_any_replica(
     client: httpx.Client, body: dict, named: str
 ) -> None:
     """What SGLang 0.5.23 refuses in the nested ``/generate`` structs, or answers with a 500 (a
-    batch's short ``video_data``), the router refuses itself: a 422 naming it, and no request
-    reaches a replica (core.sglang_contract)."""
+    batch's short ``video_data`` or ``sampling_params`` list), the router refuses itself: a 422
+    naming it, and no request reaches a replica (core.sglang_contract)."""
 
     def sent() -> float:
         samples = samples_of(client.get("/metrics").text)
