@@ -45,18 +45,31 @@ checks the fields the fleet sends or forwards (``text``, ``input_ids``, ``rid``,
 ``disagg_prefill_dp_rank``, ``mm_hashes``, ``extra_key``, ``priority``, ``cache_salt``,
 ``require_reasoning``, ``lora_path``, ``session_params``, ``routing_key``,
 ``max_thinking_tokens``, ``session_id``, ``custom_logit_processor``, ``custom_labels``,
-``return_prompt_token_ids``, ``modalities``). Every field is typed as the dataclass types it,
-whose parse runs first: a value pydantic's lax type refuses too (a number for a string field,
-``2`` for a bool, ``1.5`` for an int, a scalar for a list) is the parse's refusal, one only the
-gate refuses (``1`` for a bool, ``"3"`` for an int) the gate's; and each step judges the whole
-body before the next (a field the parse refuses is the answer wherever it stands in the body,
-then the gate's first, then ``SamplingParams``'). Not checked here, left to the server that
-reads them: the nested structs ``image_data``, ``video_data``, ``audio_data`` (``MediaInput``),
-``kv_hints`` and ``images_config``, and the dataclass-only keys. An **unknown** top-level key is
-no refusal: the dataclass parse ignores it (a stdlib dataclass, pydantic's ``extra="ignore"``,
-``io_struct.py`` 176-178) and the gate skips it (``decode_GenerateRequest`` has no ``else``,
-``api_types.py`` 1413-1496). What needs the model (a token id's vocabulary range, ``logit_bias``
-keys) is the engine's to check.
+``return_prompt_token_ids``, ``modalities``) and the nested structs (``image_data``,
+``video_data``, ``audio_data``: ``MediaInput``, api_types.py 2034-2043, 1902-1991; ``kv_hints``:
+``KvHintsEnvelopeOrList``, 1598-1660; ``images_config``: ``ImagesConfig``, 1579-1587), as it types
+them, and ``return_indexer_topk``, a dataclass-only bool (io_struct.py 269), as the parse types
+it. Every field is typed as the dataclass types it, whose parse runs first: a value pydantic's lax
+type refuses too (a number for a string field, ``2`` for a bool, ``1.5`` for an int, a scalar for
+a list) is the parse's refusal, one only the gate refuses (``1`` for a bool, ``"3"`` for an int)
+the gate's (the parse takes any media value, ``kv_hints`` a dict or a list of dicts and nulls,
+``images_config`` a dict: io_struct.py 78-81, 158-204, 357, 378-380); and each step judges the
+whole body before the next (a field the parse refuses is the answer wherever it stands in the
+body, then the gate's first, then step 3's). Step 3 runs in SGLang's order
+(:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (a batch's ``image_data`` and
+``watermark`` lengths; ``kv_hints``, decoded with msgspec, in its words: ``Malformed kv_hints
+envelope: ...``), a short ``video_data`` / ``audio_data`` / ``sampling_params`` list
+(:data:`NO_SHORT_LIST`), then each item: a watermark set both ways, a ``choice``
+(:data:`NO_CHOICE`), a malformed watermark (:func:`watermark_malformed`), then ``SamplingParams``'
+ranges, so a malformed ``watermark`` is named before an out-of-range ``top_p``
+(tokenizer_manager.py 1553-1567). What SGLang answers with a 500 is refused here as a 400 naming
+it, so the router refuses it too (a 422) instead of failing over as from a failing replica. Not
+checked here: the other dataclass-only keys, and what needs the server's settings (a watermark the
+server must enable, ``resolve_watermark_request``).
+An **unknown** top-level key is no refusal: the dataclass parse ignores it (a stdlib dataclass,
+pydantic's ``extra="ignore"``, ``io_struct.py`` 176-178) and the gate skips it
+(``decode_GenerateRequest`` has no ``else``, ``api_types.py`` 1413-1496). What needs the model (a
+token id's vocabulary range, ``logit_bias`` keys) is the engine's to check.
 """
 
 from __future__ import annotations
@@ -113,6 +126,13 @@ class ContractError(ValueError):
     def at(self, step: Step) -> ContractError:
         """The same refusal, made by ``step``."""
         return ContractError(str(self), step=step, value=self.value)
+
+
+def _unknown_field(where: str, key: str, fields: tuple[str, ...]) -> ContractError:
+    """The gate's refusal of an unknown key in a struct that denies them (serde's
+    ``unknown_field``, ``api_types.py`` 97-108)."""
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return ContractError(f"{where}: unknown field `{key}`, expected one of {listed}", value=key)
 
 
 @dataclass(frozen=True)
@@ -273,10 +293,11 @@ _str_or_list = _or_list(_str)
 
 
 def _watermark(where: str, v: Any) -> None:
+    """``decode_WatermarkRequestConfig`` (``api_types.py`` 1384-1399)."""
     fields = {"enabled": _bool, "key": _str, "context_window": _int}
     for key, x in _map(where, v).items():
         if key not in fields:
-            raise ContractError(f"{where}: unknown field `{key}`")
+            raise _unknown_field(where, key, tuple(fields))
         _nullable(fields[key])(f"{where}.{key}", x)
 
 
@@ -390,8 +411,8 @@ def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len
 
 
 def sampling_params(where: str, v: Any) -> None:
-    """One ``sampling_params`` object: its keys and their types (the contract gate), then SGLang's
-    ranges (:func:`_verify`). Raises :class:`ContractError`."""
+    """One ``sampling_params`` object: its keys and their types (the contract gate); SGLang's
+    ranges are step 3's (:func:`_item_refusal`). Raises :class:`ContractError`."""
     p = _map(where, v)
     for key, x in p.items():
         check = _SAMPLING_TYPES.get(key)
@@ -399,12 +420,191 @@ def sampling_params(where: str, v: Any) -> None:
             raise ContractError(f"{where}: unknown field `{key}` (SGLang takes {', '.join(SAMPLING_FIELDS)})")
         if x is not None:
             check(f"{where}.{key}", x)
+
+
+_WATERMARK_FIELDS = frozenset({"enabled", "key", "context_window"})
+
+
+def _watermark_key_error(key: Any) -> str | None:
+    """``parse_watermark_key`` (``srt/sampling/watermarking/config.py`` 44-53) in its words."""
+    if not isinstance(key, str):
+        return "watermark key must be a hex string"
+    digits = key[2:] if key.lower().startswith("0x") else key
+    if not 1 <= len(digits) <= 16:
+        return "watermark key must contain 1 to 16 hex digits"
+    if any(c not in "0123456789abcdefABCDEF" for c in digits):
+        return "watermark key must contain only hex digits"
+    return None
+
+
+def watermark_malformed(value: Any) -> str | None:
+    """``normalize_watermark_request`` (``srt/sampling/watermarking/core.py`` 163-193, run by
+    ``SamplingParams.__post_init__``, ``sampling_params.py`` 236) in its words: a watermark that
+    is not an object of ``enabled`` (a bool), ``key`` (:func:`_watermark_key_error`) and
+    ``context_window`` (a positive integer), or None. What the server's settings refuse
+    (``resolve_watermark_request``, run after ``verify``) is the engine's to judge."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "watermark must be an object"
+    if set(value) - _WATERMARK_FIELDS:
+        return "watermark contains unknown fields"
+    enabled, key, window = value.get("enabled"), value.get("key"), value.get("context_window")
+    if enabled is not None and type(enabled) is not bool:
+        return "watermark enabled must be a boolean"
+    refused = None if key is None else _watermark_key_error(key)
+    if refused is not None:
+        return refused
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        return "watermark context_window must be a positive integer"
+    return None
+
+
+WATERMARK_BOTH = (
+    "watermark must be provided either at the request top level or inside sampling_params, not both"
+)
+"""``tokenizer_manager.py`` 1553-1559."""
+
+
+def _item_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | None:
+    """Step 3 on one item, in SGLang's order (``_create_tokenized_object``,
+    ``tokenizer_manager.py`` 1553-1567): a watermark both at the top level (``top``) and in
+    ``p``; ``SamplingParams(**p)``, which fails on a ``choice`` (:data:`NO_CHOICE`) and
+    normalizes the watermark in ``__post_init__`` (:func:`watermark_malformed`); then
+    ``normalize`` and ``verify`` (:func:`_verify`)."""
+    if top is not None and p.get("watermark") is not None:
+        return ContractError(WATERMARK_BOTH, step="verify")
     if "choice" in p:
-        raise ContractError(f"{where}.choice is not supported: {NO_CHOICE}", step="verify", value=p["choice"])
+        return ContractError(
+            f"{where}.choice is not supported: {NO_CHOICE}", step="verify", value=p["choice"]
+        )
+    refused = watermark_malformed(p.get("watermark") if top is None else top)
+    if refused is not None:
+        return ContractError(refused, step="verify")
     try:
         _verify(p)
     except ContractError as exc:
-        raise exc.at("verify") from None
+        return exc.at("verify")
+    return None
+
+
+NO_SHORT_LIST = (
+    "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 540, 722-747, 972-982), "
+    "and its /generate fails on a shorter list (an IndexError, a 500)."
+)
+"""Why a batch's ``video_data``, ``audio_data`` or ``sampling_params`` list shorter than the
+batch, or an empty ``sampling_params`` list, is refused: ``_handle_parallel_sampling`` reads a
+list's first entry (``io_struct.py`` 540), ``_normalize_video_data`` / ``_normalize_audio_data`` /
+``_normalize_sampling_params`` keep a list as it is (722-747; only ``image_data``'s length is
+checked, 659-662), then each item's sub-request indexes it (``__getitem__``, 972-982): an
+IndexError, which ``/generate`` does not catch (``http_server.py`` 983-990 catch ``ValueError``):
+a 500, which the router would take for a failing replica; refused here as a 400, in step 3's
+body, by the engine and the router alike."""
+
+
+def _msgspec_type(v: Any) -> str:
+    """The type as msgspec names it in a ``ValidationError``."""
+    if v is None:
+        return "null"
+    names = {bool: "bool", int: "int", float: "float", str: "str", list: "array", dict: "object"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _kv_hints_malformed(v: dict[str, Any]) -> str | None:
+    """``decode_kv_hints_envelope`` (``srt/managers/kv_hints.py`` 44-58: ``msgspec.convert`` into
+    ``KvHintsEnvelope``, 16-41) on an envelope the gate took, in msgspec's words: ``actions``
+    null, a ``payload`` that is not an object, a required field missing (the actions', as each
+    is converted, then the envelope's), or None."""
+    for key, x in v.items():
+        if key != "actions":
+            continue
+        if x is None:
+            return "Expected `array`, got `null` - at `$.actions`"
+        for i, action in enumerate(x):
+            for k, y in action.items():
+                if k == "payload" and type(y) is not dict:
+                    return f"Expected `object`, got `{_msgspec_type(y)}` - at `$.actions[{i}].payload`"
+            for name in _KV_HINT_ACTION_FIELDS:
+                if name not in action:
+                    return f"Object missing required field `{name}` - at `$.actions[{i}]`"
+    for name in ("protocol_version", "message_id"):
+        if name not in v:
+            return f"Object missing required field `{name}`"
+    return None
+
+
+def _kv_hints_refusal(v: Any, batch: int | None) -> str | None:
+    """``kv_hints`` as ``normalize_batch_and_arguments`` judges it (``io_struct.py`` 583-587 for
+    one request: no list, an envelope only if truthy; 888-905 for a batch: one per item, each
+    truthy one decoded, and a dict always), each envelope by :func:`_kv_hints_malformed`."""
+    if v is None:
+        return None
+    if batch is None:
+        if type(v) is list:
+            return "kv_hints should be a single envelope for one request."
+        envelopes = [v] if v else []
+    elif type(v) is list:
+        if len(v) != batch:
+            return "The length of kv_hints should be equal to the batch size."
+        envelopes = [x for x in v if x]
+    else:
+        envelopes = [v]
+    for envelope in envelopes:
+        refused = _kv_hints_malformed(envelope)
+        if refused is not None:
+            return f"Malformed kv_hints envelope: {refused}"
+    return None
+
+
+def _batch_size(body: dict[str, Any]) -> int | None:
+    """The batch's size, or None for one request (``_determine_batch_size``, ``io_struct.py``
+    473-498: a list ``text``, or ``input_ids`` whose first entry is no integer)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None:
+        return len(text) if type(text) is list else None
+    if type(ids) is list and ids and type(ids[0]) is list:
+        return len(ids)
+    return None
+
+
+def _short(key: str, value: list[Any], batch: int) -> ContractError:
+    message = f"{key} has {len(value)} entries for a batch of {batch}: {NO_SHORT_LIST}"
+    return ContractError(message, step="verify", value=value)
+
+
+def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
+    """Step 3 on a body both earlier steps took, in SGLang's order: ``normalize_batch_and_arguments``
+    (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442: an empty ``sampling_params`` list,
+    540; for a batch ``image_data``'s and the top-level ``watermark``'s lengths, 659-662,
+    749-757; ``kv_hints``, 583-587, 888-905); a batch's short ``video_data`` / ``audio_data`` /
+    ``sampling_params`` list (:data:`NO_SHORT_LIST`); then each item in turn
+    (:func:`_item_refusal`)."""
+    batch = _batch_size(body)
+    top, params = body.get("watermark"), body.get("sampling_params")
+    if params == []:
+        return _short("sampling_params", params, batch or 1)
+    if batch is not None:
+        for key in ("image_data", "watermark"):
+            value = body.get(key)
+            if type(value) is list and (value or key == "watermark") and len(value) != batch:
+                return ContractError(f"The length of {key} should be equal to the batch size.", step="verify")
+    kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
+    if kv_hints is not None:
+        return ContractError(kv_hints, step="verify")
+    if batch is not None:
+        for key in ("video_data", "audio_data", "sampling_params"):
+            value = body.get(key)
+            if type(value) is list and len(value) < batch:
+                return _short(key, value, batch)
+    listed = type(params) is list
+    per_item = batch is not None and type(top) is list
+    for i in range(max(batch or 1, len(params) if listed else 1)):
+        p = (params[i] if i < len(params) else None) if listed else params
+        item_top = (top[i] if i < len(top) else None) if per_item else top
+        refused = _item_refusal(f"sampling_params[{i}]" if listed else "sampling_params", p or {}, item_top)
+        if refused is not None:
+            return refused
+    return None
 
 
 def _sampling_params_or_list(where: str, v: Any) -> None:
@@ -541,6 +741,143 @@ def _sampling_params_field(where: str, v: Any) -> None:
 _lax_bool_or_list = _parsed(_or_list(_bool), _lax_bool)
 _lax_int_or_list = _parsed(_or_list(_int), _lax_int)
 
+
+def _always(v: Any) -> bool:
+    return True
+
+
+_MEDIA_REF_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "url": _str,
+    "detail": _nullable(_str),
+    "max_dynamic_patch": _nullable(_int),
+    "content_hash": _nullable(_str),
+    "min_pixels": _nullable(_int),
+    "max_pixels": _nullable(_int),
+    "total_max_pixels": _nullable(_int),
+    "fps": _nullable(_float),
+    "num_frames": _nullable(_int),
+    "min_frames": _nullable(_int),
+    "max_frames": _nullable(_int),
+    "max_tokens_per_frame": _nullable(_int),
+    "max_image_tokens": _nullable(_int),
+    "use_audio": _nullable(_bool),
+    "image_grid_thw": _nullable(
+        lambda where, v: _each(where, v, lambda w, row: int_list(w, row, int64=False))
+    ),
+}  # MediaRef, api_types.py 443-458, decoded 1902-1940: unknown keys refused
+
+
+def _media_item(where: str, v: Any) -> None:
+    """``decode_MediaItem`` (api_types.py 1986-1991): a string or a ``MediaRef`` object."""
+    if type(v) is str:
+        return
+    if type(v) is not dict:
+        raise _refuse(where, v, "one of the MediaItem shapes")
+    for key, x in v.items():
+        check = _MEDIA_REF_FIELDS.get(key)
+        if check is None:
+            raise _unknown_field(where, key, tuple(_MEDIA_REF_FIELDS))
+        check(f"{where}.{key}", x)
+
+
+def _media_items(where: str, v: Any) -> None:
+    """``decode_MediaItems`` (api_types.py 2010-2011): a list of items or nulls."""
+    _each(where, v, _nullable(_media_item))
+
+
+def _media_input(where: str, v: Any) -> None:
+    """``image_data`` / ``video_data`` / ``audio_data``: ``decode_MediaInput`` (api_types.py
+    2034-2043): one item, a list of items (or nulls), or a list whose first entry is a list: a
+    list of such lists (or nulls). The dataclass parse takes any value (its item type unions in
+    PIL's ``Image``, ``Any`` at runtime: io_struct.py 78-81, 158-173), so every refusal is the
+    gate's."""
+    if type(v) in (str, dict):
+        _media_item(where, v)
+    elif type(v) is list:
+        if v and type(v[0]) is list:
+            _each(where, v, _nullable(_media_items))
+        else:
+            _media_items(where, v)
+    else:
+        raise _refuse(where, v, "one of the MediaInput shapes")
+
+
+_KV_HINT_ACTION_FIELDS = ("action_id", "action_type", "action_version")
+
+
+def _kv_hint_action(where: str, v: Any) -> None:
+    """``decode_KvHintAction`` (api_types.py 1648-1660): string ids, any ``payload``."""
+    for key, x in _map_as(where, v, "struct KvHintAction").items():
+        if key in _KV_HINT_ACTION_FIELDS:
+            _str(f"{where}.{key}", x)
+
+
+def _kv_hints_envelope(where: str, v: Any) -> None:
+    """``decode_KvHintsEnvelope`` (api_types.py 1626-1637): string ``protocol_version`` and
+    ``message_id``, ``actions`` null or a list of actions; unknown keys ignored."""
+    for key, x in _map_as(where, v, "struct KvHintsEnvelope").items():
+        if key in ("protocol_version", "message_id"):
+            _str(f"{where}.{key}", x)
+        elif key == "actions" and x is not None:
+            _each(f"{where}.{key}", x, _kv_hint_action)
+
+
+def _kv_hints(where: str, v: Any) -> None:
+    """``decode_KvHintsEnvelopeOrList`` (api_types.py 1598-1601, 1610-1619): one envelope or a
+    list of envelopes or nulls."""
+    if type(v) is list:
+        _each(where, v, _nullable(_kv_hints_envelope))
+    elif type(v) is dict:
+        _kv_hints_envelope(where, v)
+    else:
+        raise _refuse(where, v, "a value or an array of values for KvHintsEnvelopeOrList")
+
+
+def _lax_kv_hints(v: Any) -> bool:
+    """Whether the dataclass parse takes ``v`` as ``kv_hints`` (io_struct.py 378-380: a dict, or
+    a list of dicts and nulls)."""
+    return type(v) is dict or (type(v) is list and all(x is None or type(x) is dict for x in v))
+
+
+def _images_config(where: str, v: Any) -> None:
+    """``decode_ImagesConfig`` (api_types.py 1579-1587): ``image_mode`` null or a string,
+    ``prefix`` a string; unknown keys ignored."""
+    for key, x in _map_as(where, v, "struct ImagesConfig").items():
+        if key == "prefix" or (key == "image_mode" and x is not None):
+            _str(f"{where}.{key}", x)
+
+
+def _map_as(where: str, v: Any, expected: str) -> dict[str, Any]:
+    if type(v) is dict:
+        return v
+    raise _refuse(where, v, expected)
+
+
+def _parsed_whole(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Callable[[str, Any], None]:
+    """``one`` (the gate's check), its refusal made by the dataclass parse instead where the parse
+    does not take the whole value (its type is judged as a whole: a dict whose entries the gate
+    refuses still parses)."""
+
+    def check(where: str, v: Any) -> None:
+        try:
+            one(where, v)
+        except ContractError as exc:
+            raise exc if takes(v) else exc.at("parse") from None
+
+    return check
+
+
+def _parse_only(takes: Callable[[Any], bool], expected: str) -> Callable[[str, Any], None]:
+    """A dataclass-only key (the gate does not decode it): refused by the parse alone, where
+    pydantic's lax type does not take the value (``null`` included)."""
+
+    def check(where: str, v: Any) -> None:
+        if not takes(v):
+            raise _refuse(where, v, expected).at("parse")
+
+    return check
+
+
 # Every field is typed as the dataclass types it (io_struct.py 180-378) and its parse runs first:
 # a value it refuses too (pydantic's lax types: a number for a string, 2 or "x" for a bool, 1.5 or
 # "x" for an int, a scalar for a list) is the parse's refusal (step 1), one only the gate refuses
@@ -584,6 +921,14 @@ _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     # the gate takes any session_params (api_types.py 1471-1472), the dataclass a dict (io_struct.py 274)
     "session_params": _nullable(_parsed(_map, _never)),
     "modalities": _nullable(_parsed(lambda where, v: _each(where, v, _str), _never)),  # io_struct.py 272
+    # the nested structs (api_types.py 1453-1460, 1473-1474, 1485-1486)
+    "image_data": _nullable(_media_input),  # io_struct.py 200-204: any value parses
+    "video_data": _nullable(_media_input),
+    "audio_data": _nullable(_media_input),
+    "kv_hints": _nullable(_parsed_whole(_kv_hints, _lax_kv_hints)),  # io_struct.py 378-380
+    "images_config": _nullable(_parsed_whole(_images_config, lambda v: type(v) is dict)),  # io_struct.py 357
+    # a dataclass-only bool (io_struct.py 269), read by no /generate answer on such a server
+    "return_indexer_topk": _parse_only(_lax_bool, "a boolean"),
 }
 
 
@@ -606,7 +951,10 @@ def generate_body_refusal(body: Any, skip: frozenset[str] = frozenset()) -> Refu
         except ContractError as exc:
             if first is None or _STEPS.index(exc.step) < _STEPS.index(first.step):
                 first = Refusal(exc.step, str(exc))
-    return first
+    if first is not None:
+        return first
+    refused = _tokenizer_refusal(body)
+    return None if refused is None else Refusal(refused.step, str(refused))
 
 
 _STEPS: tuple[Step, ...] = ("parse", "gate", "verify")

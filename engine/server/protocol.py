@@ -22,8 +22,9 @@ refused in SGLang's words, one SGLang honours that this engine does not implemen
 supported by the mixfleet CPU engine", as ``_UNSUPPORTED_DEFAULTS`` refuses sampling parameters
 (:meth:`GenerateReqInput.unimplemented_refusal`). What SGLang ignores on such a server, an unknown
 key included, is accepted and ignored here too. A watermark (``sampling_params.watermark`` or the
-top-level ``watermark``) is judged as SGLang without ``--enable-watermark`` judges it
-(:func:`watermark_refusal`); ``beam_width`` above 1 is refused as not supported, any
+top-level ``watermark``) is judged as SGLang without ``--enable-watermark`` judges it: set both
+ways or malformed by the contract check, ahead of the ranges as in SGLang, the rest by
+:func:`watermark_refusal`; ``beam_width`` above 1 is refused as not supported, any
 ``sampling_params.choice`` (a 500 in SGLang) as a 400 naming it; ``stream_interval`` is honoured
 (``engine.server.routes_generate``).
 
@@ -131,51 +132,23 @@ class SamplingParams(BaseModel):
         return (self.model_extra or {}).get("watermark")
 
 
-_WATERMARK_FIELDS = frozenset({"enabled", "key", "context_window"})
 WATERMARK_CONTEXT_WINDOW = 4  # the server's default (srt/arg_groups/fields/exec_.py 92-95)
-
-
-def _watermark_key_error(key: Any) -> str | None:
-    """``parse_watermark_key`` (srt/sampling/watermarking/config.py 44-53) in its words."""
-    if not isinstance(key, str):
-        return "watermark key must be a hex string"
-    digits = key[2:] if key.lower().startswith("0x") else key
-    if not 1 <= len(digits) <= 16:
-        return "watermark key must contain 1 to 16 hex digits"
-    if any(c not in "0123456789abcdefABCDEF" for c in digits):
-        return "watermark key must contain only hex digits"
-    return None
 
 
 def watermark_refusal(top: Any, params: SamplingParams) -> str | None:
     """SGLang 0.5.23's refusal of one item's watermark on a server started as the fleet starts
     it (no ``--enable-watermark``, which needs CUDA: arg_groups/validation_hook.py 34-44), in
     its words, or None where the item asks for no watermark. ``top`` is the item's top-level
-    ``watermark`` (io_struct.py 228, 749-757), ``params`` its ``sampling_params``. In SGLang's
-    order: both set (tokenizer_manager.py 1553-1559); ``normalize_watermark_request``
-    (watermarking/core.py 163-193); ``resolve_watermark_request`` with ``server_enabled=False``
-    (core.py 196-242, via tokenizer_manager.py 213-223, 1568). Only ``null``, or ``enabled:
-    false`` with no key and a ``context_window`` of 1 to 4, passes."""
-    own = params.watermark()
-    if top is not None and own is not None:
-        return (
-            "watermark must be provided either at the request top level or inside sampling_params, not both"
-        )
-    config = own if top is None else top
+    ``watermark`` (io_struct.py 228, 749-757), ``params`` its ``sampling_params``. A watermark
+    set both ways or malformed was refused before, ahead of ``SamplingParams.verify`` as in
+    SGLang (:func:`core.sglang_contract.watermark_malformed`); this is
+    ``resolve_watermark_request`` with ``server_enabled=False``, run after ``verify``
+    (watermarking/core.py 196-242, via tokenizer_manager.py 213-223, 1568). Only ``null``, or
+    ``enabled: false`` with no key and a ``context_window`` of 1 to 4, passes."""
+    config = params.watermark() if top is None else top
     if config is None:
         return None
-    if not isinstance(config, dict):
-        return "watermark must be an object"
-    if set(config) - _WATERMARK_FIELDS:
-        return "watermark contains unknown fields"
     enabled, key, window = config.get("enabled"), config.get("key"), config.get("context_window")
-    if enabled is not None and type(enabled) is not bool:
-        return "watermark enabled must be a boolean"
-    refused = None if key is None else _watermark_key_error(key)
-    if refused is not None:
-        return refused
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        return "watermark context_window must be a positive integer"
     if window is not None and window > WATERMARK_CONTEXT_WINDOW:
         return "request watermark context_window cannot exceed the server's watermark context_window"
     if enabled is False:
@@ -415,13 +388,10 @@ class GenerateReqInput(BaseModel):
         return specs
 
     def _watermarks(self, batch: bool, n: int) -> list[Any]:
-        """Each item's top-level ``watermark``: a batch's list has one per item, anything else
-        is every item's (io_struct.py 749-757, in its words)."""
-        if batch and isinstance(self.watermark, list):
-            if len(self.watermark) != n:
-                raise RequestError("The length of watermark should be equal to the batch size.")
-            return self.watermark
-        return [self.watermark] * n
+        """Each item's top-level ``watermark``: a batch's list has one per item (its length was
+        judged with the body, :func:`core.sglang_contract.generate_body_refusal`), anything else
+        is every item's (io_struct.py 749-757)."""
+        return self.watermark if batch and isinstance(self.watermark, list) else [self.watermark] * n
 
     @staticmethod
     def _per_item(name: str, value: Any, n: int, default: Any) -> list[Any]:

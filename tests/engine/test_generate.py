@@ -697,6 +697,205 @@ def test_a_watermark_is_refused_as_sglang_refuses_it_without_enable_watermark(
         assert r.status_code == 200, (fields, r.text)
 
 
+def test_a_malformed_watermark_is_named_before_sampling_params_ranges(
+    engine: str, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23 builds an item's ``SamplingParams`` after refusing a watermark set both ways
+    (tokenizer_manager.py 1553-1559), and ``__post_init__`` normalizes the watermark
+    (sampling_params.py 236, watermarking/core.py 163-193) before ``verify`` judges the ranges
+    (tokenizer_manager.py 1565-1567): a malformed watermark is named before an out-of-range
+    ``top_p``; what the server's settings refuse (``resolve_watermark_request``, 1568) after it."""
+    top_p = {"top_p": 1.5}
+    cases = [
+        (
+            {"watermark": {"key": "zz"}, "sampling_params": top_p},
+            "watermark key must contain only hex digits",
+        ),
+        ({"watermark": "on", "sampling_params": top_p}, "watermark must be an object"),
+        (
+            {"watermark": {"enabled": True}, "sampling_params": {**top_p, "watermark": {"enabled": True}}},
+            "not both",
+        ),
+        ({"sampling_params": {**top_p, "watermark": {"context_window": 0}}}, "must be a positive integer"),
+        ({"input_ids": [[1], [2]], "watermark": [None], "sampling_params": top_p}, "The length of watermark"),
+        (
+            {"input_ids": [[1], [2]], "watermark": [None, {"seed": 1}], "sampling_params": [{}, {}]},
+            "unknown fields",
+        ),
+        # an item's ranges before a later item's watermark; the server's settings after verify
+        (
+            {"input_ids": [[1], [2]], "watermark": [None, {"seed": 1}], "sampling_params": top_p},
+            "top_p must be in",
+        ),
+        ({"watermark": {"enabled": True}, "sampling_params": top_p}, "top_p must be in (0, 1], got 1.5."),
+    ]
+    for fields, msg in cases:
+        body = {"input_ids": [1, 2], **fields}
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 400 and _shape(r.json()) == "verify", (fields, r.text)
+        assert msg in error_message(400, r.content), (fields, r.text)
+
+
+MEDIA = "https://example.invalid/cat.png"
+ACTION = {"action_id": "a", "action_type": "t", "action_version": "1"}
+ENVELOPE = {"protocol_version": "1", "message_id": "m", "actions": [{**ACTION, "payload": {}}]}
+
+NESTED_REFUSED = [
+    # the gate (api_types.py 1453-1486): MediaInput 2034-2043, MediaRef 1905-1940 (unknown keys
+    # refused); the dataclass parse takes any media value (io_struct.py 78-81, 158-204)
+    (
+        {"image_data": 5},
+        "gate",
+        "image_data: invalid type: integer `5`, expected one of the MediaInput shapes",
+    ),
+    (
+        {"image_data": {"url": MEDIA, "zoom": 2}},
+        "gate",
+        "image_data: unknown field `zoom`, expected one of `url`",
+    ),
+    (
+        {"video_data": [MEDIA, [MEDIA]]},
+        "gate",
+        "video_data[1]: invalid type: sequence, expected one of the MediaItem",
+    ),
+    ({"audio_data": [[MEDIA], "x"]}, "gate", 'audio_data[1]: invalid type: string "x", expected a sequence'),
+    ({"image_data": {"url": None}}, "gate", "image_data.url: invalid type: null, expected a string"),
+    (
+        {"image_data": {"url": MEDIA, "fps": "2"}},
+        "gate",
+        'image_data.fps: invalid type: string "2", expected f64',
+    ),
+    ({"image_data": {"url": MEDIA, "image_grid_thw": [[1, 2.0]]}}, "gate", "image_data.image_grid_thw[0][1]"),
+    # kv_hints: the dataclass parse takes a dict or a list of dicts and nulls (io_struct.py 378-380),
+    # the gate its KvHintsEnvelope (1598-1660); then normalize_batch_and_arguments decodes it with
+    # msgspec (io_struct.py 583-587, 888-905, kv_hints.py 44-58): a 400 in its words
+    ({"kv_hints": 5}, "parse", "kv_hints: invalid type: integer `5`"),
+    (
+        {"kv_hints": [ENVELOPE, 5]},
+        "parse",
+        "kv_hints[1]: invalid type: integer `5`, expected struct KvHintsEnvelope",
+    ),
+    (
+        {"kv_hints": {"message_id": 5}},
+        "gate",
+        "kv_hints.message_id: invalid type: integer `5`, expected a string",
+    ),
+    (
+        {"kv_hints": {"actions": [None]}},
+        "gate",
+        "kv_hints.actions[0]: invalid type: null, expected struct KvHintAction",
+    ),
+    ({"kv_hints": [ENVELOPE]}, "verify", "kv_hints should be a single envelope for one request."),
+    (
+        {"kv_hints": {"message_id": "m"}},
+        "verify",
+        "Malformed kv_hints envelope: Object missing required field `protocol_version`",
+    ),
+    (
+        {"kv_hints": {**ENVELOPE, "actions": None}},
+        "verify",
+        "Malformed kv_hints envelope: Expected `array`, got `null` - at `$.actions`",
+    ),
+    (
+        {"kv_hints": {**ENVELOPE, "actions": [{**ACTION, "payload": 5}]}},
+        "verify",
+        "Malformed kv_hints envelope: Expected `object`, got `int` - at `$.actions[0].payload`",
+    ),
+    (
+        {"kv_hints": {"actions": [{}]}},
+        "verify",
+        "Object missing required field `action_id` - at `$.actions[0]`",
+    ),
+    ({"input_ids": [[1], [2]], "kv_hints": {}}, "verify", "Object missing required field `protocol_version`"),
+    (
+        {"input_ids": [[1], [2]], "kv_hints": [ENVELOPE]},
+        "verify",
+        "The length of kv_hints should be equal to the batch size.",
+    ),
+    # images_config: the dataclass a dict (io_struct.py 357), the gate ImagesConfig (1579-1587)
+    (
+        {"images_config": "x"},
+        "parse",
+        'images_config: invalid type: string "x", expected struct ImagesConfig',
+    ),
+    (
+        {"images_config": {"prefix": None}},
+        "gate",
+        "images_config.prefix: invalid type: null, expected a string",
+    ),
+    # return_indexer_topk: a dataclass-only bool (io_struct.py 269), the parse's alone
+    ({"return_indexer_topk": None}, "parse", "return_indexer_topk: invalid type: null, expected a boolean"),
+    (
+        {"return_indexer_topk": 2},
+        "parse",
+        "return_indexer_topk: invalid type: integer `2`, expected a boolean",
+    ),
+    # a batch's media lists (io_struct.py 645-685, 722-738, 972-975): image_data's length is
+    # checked, a short video_data / audio_data is SGLang's 500 (NO_SHORT_LIST), refused here
+    (
+        {"input_ids": [[1], [2]], "image_data": [MEDIA]},
+        "verify",
+        "The length of image_data should be equal to the batch size.",
+    ),
+    ({"input_ids": [[1], [2]], "video_data": [MEDIA]}, "verify", "video_data has 1 entries for a batch of 2"),
+    ({"input_ids": [[1], [2]], "audio_data": []}, "verify", "audio_data has 0 entries for a batch of 2"),
+    # so is a short sampling_params list, or an empty one (io_struct.py 540, 740-747, 982)
+    (
+        {"sampling_params": []},
+        "verify",
+        "sampling_params has 0 entries for a batch of 1: SGLang 0.5.23 takes",
+    ),
+    (
+        {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]},
+        "verify",
+        "sampling_params has 1 entries for a batch of 2: SGLang 0.5.23 takes",
+    ),
+]
+
+NESTED_SERVED = [
+    # what SGLang ignores on a text-only model without HiCache (tokenizer_manager.py 612-637,
+    # 1159-1163; kv_hints only reach HiCache backends; images_config only the OCR processor;
+    # return_indexer_topk is read by no /generate answer)
+    {"image_data": [[MEDIA, {"url": MEDIA, "detail": "low", "image_grid_thw": [[1, 2, 2]]}], None]},
+    {"video_data": [MEDIA, None], "audio_data": {"url": MEDIA, "use_audio": True}},
+    {"kv_hints": ENVELOPE},
+    {"kv_hints": {}},
+    {
+        "kv_hints": {
+            **ENVELOPE,
+            "x": 1,
+            "actions": [{"action_id": "a", "action_type": "t", "action_version": "1"}],
+        }
+    },
+    {"images_config": {"image_mode": None, "prefix": "p", "other": 1}},
+    {"return_indexer_topk": True},
+    {"return_indexer_topk": 1},
+    {
+        "input_ids": [[1], [2]],
+        "image_data": [],
+        "video_data": [MEDIA, MEDIA, MEDIA],
+        "kv_hints": [ENVELOPE, None],
+    },
+]
+
+
+def test_the_nested_structs_are_judged_as_sglang_judges_them(engine: str, client: httpx.Client) -> None:
+    """``image_data`` / ``video_data`` / ``audio_data``, ``kv_hints``, ``images_config`` and
+    ``return_indexer_topk`` are refused where SGLang 0.5.23 refuses them, by the step that does
+    (the parse, the gate, the tokenizer manager's normalization: core.sglang_contract), in its
+    words and its body shape, and ignored where SGLang started as the fleet starts it (a
+    text-only model, no HiCache) ignores them."""
+    for fields, step, msg in NESTED_REFUSED:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, **fields}
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 400, (fields, r.status_code, r.text)
+        assert _shape(r.json()) == step and msg in error_message(400, r.content), (fields, r.text)
+    for fields in NESTED_SERVED:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, **fields}
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 200, (fields, r.text)
+
+
 def test_beam_search_and_choice_are_refused_by_name(engine: str, client: httpx.Client) -> None:
     """``beam_width`` above 1 asks SGLang 0.5.23 for beam search (sampling_params.py 166-168),
     which this engine does not implement: a 400 naming it; null or 1 is one sample. ``choice``

@@ -332,6 +332,53 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
     assert sent() == before
 
 
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        # SGLang 0.5.23 answers a 500 (core.sglang_contract.NO_SHORT_LIST)
+        (
+            {"input_ids": [[3], [4]], "video_data": ["https://example.invalid/a.mp4"]},
+            "video_data has 1 entries",
+        ),
+        ({"input_ids": [3, 4], "sampling_params": []}, "sampling_params has 0 entries for a batch of 1"),
+        (
+            {"input_ids": [[3], [4]], "sampling_params": [{}]},
+            "sampling_params has 1 entries for a batch of 2",
+        ),
+        # the gate's, the parse's and the tokenizer manager's refusals of the nested structs
+        ({"input_ids": [3, 4], "image_data": {"url": "u", "zoom": 2}}, "image_data: unknown field `zoom`"),
+        ({"input_ids": [3, 4], "kv_hints": 5}, "kv_hints: invalid type: integer `5`"),
+        ({"input_ids": [3, 4], "kv_hints": {"message_id": "m"}}, "Malformed kv_hints envelope"),
+        (
+            {"input_ids": [3, 4], "images_config": {"prefix": None}},
+            "images_config.prefix: invalid type: null",
+        ),
+        ({"input_ids": [3, 4], "return_indexer_topk": None}, "return_indexer_topk: invalid type: null"),
+        # a malformed watermark, named before a range as SGLang names it
+        (
+            {"input_ids": [3, 4], "watermark": {"key": "zz"}, "sampling_params": {"top_p": 1.5}},
+            "watermark key",
+        ),
+    ],
+)
+def test_sglang_generate_refuses_the_nested_structs_before_any_replica(
+    client: httpx.Client, body: dict, named: str
+) -> None:
+    """What SGLang 0.5.23 refuses in the nested ``/generate`` structs, or answers with a 500 (a
+    batch's short ``video_data`` or ``sampling_params`` list), the router refuses itself: a 422
+    naming it, and no request reaches a replica (core.sglang_contract)."""
+
+    def sent() -> float:
+        samples = samples_of(client.get("/metrics").text)
+        names = ("mixfleet_router_generate_requests_total", "mixfleet_router_failovers_total")
+        return sum(v for (name, _), v in samples.items() if name in names)
+
+    before = sent()
+    r = client.post("/generate", json=body)
+    assert r.status_code == 422 and named in r.json()["detail"], r.text
+    assert sent() == before
+
+
 def test_sglang_generate_passthrough_sticks_to_a_key(client: httpx.Client) -> None:
     body = {
         "input_ids": [3, 4, 5],
