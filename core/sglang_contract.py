@@ -24,7 +24,12 @@ SGLang judges a body in three steps (paths under ``python/sglang/`` of the relea
    the whole vocabulary), then ``normalize`` (331-380: at most 32 stop strings, 32 stop regexes
    of at most 256 bytes) and ``verify`` (252-329: the ranges below)
    (``srt/managers/tokenizer_manager.py`` 1565-1567); a ``ValueError`` is a **400**
-   ``{"error": {"message": ...}}`` (``http_server.py`` 984-990, 2246-2250).
+   ``{"error": {"message": ...}}`` (``http_server.py`` 984-990, 2246-2250), or, for a
+   ``"stream": true`` request, an HTTP 200 stream of one :func:`stream_error_event` and
+   ``[DONE]`` (949-979). SGLang checks the server-dependent fields (LoRA, ``input_embeds``, the
+   context length, hidden states, ...) before an item's ``SamplingParams``: a caller that judges
+   those runs step 3 itself (``through="gate"``, then :func:`batch_refusal` and
+   :func:`item_refusal` in SGLang's order).
 
 Each step answers its own body shape (:class:`Refusal`, :func:`error_body`): step 1 through the
 ``RequestValidationError`` handler, ``ErrorResponse(message, type="Bad Request", code=400)``
@@ -156,6 +161,15 @@ def error_body(step: Step, message: str) -> dict[str, Any]:
     if step == "gate":
         return {"error": message}
     return {"error": {"message": message}}
+
+
+def stream_error_event(message: str, code: int = 400) -> dict[str, Any]:
+    """The one event a ``"stream": true`` ``/generate`` answers a step-3 refusal with, before
+    ``data: [DONE]``, inside an HTTP 200 ``text/event-stream`` (``http_server.py`` 949-979:
+    ``serve_generate_request`` has already begun the stream when ``generate_request`` raises its
+    ``ValueError``; ``code`` is the exception's ``status_code``, else 400). Steps 1 and 2 answer
+    before it, with their 400 bodies (:func:`error_body`), streamed or not."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code, "retryable": False}}
 
 
 def _spelled(v: Any) -> str:
@@ -573,14 +587,26 @@ def _short(key: str, value: list[Any], batch: int) -> ContractError:
 
 
 def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
-    """Step 3 on a body both earlier steps took, in SGLang's order: ``normalize_batch_and_arguments``
-    (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442: an empty ``sampling_params`` list,
-    540; for a batch ``image_data``'s and the top-level ``watermark``'s lengths, 659-662,
-    749-757; ``kv_hints``, 583-587, 888-905); a batch's short ``video_data`` / ``audio_data`` /
-    ``sampling_params`` list (:data:`NO_SHORT_LIST`); then each item in turn
-    (:func:`_item_refusal`)."""
+    """Step 3 on a body both earlier steps took, in SGLang's order: :func:`_batch_refusal`, then
+    each item in turn (:func:`_item_refusal` via :func:`_items`)."""
+    refused = _batch_refusal(body)
+    if refused is not None:
+        return refused
+    for where, p, top in _items(body):
+        refused = _item_refusal(where, p, top)
+        if refused is not None:
+            return refused
+    return None
+
+
+def _batch_refusal(body: dict[str, Any]) -> ContractError | None:
+    """The start of step 3: ``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903;
+    ``io_struct.py`` 406-442: an empty ``sampling_params`` list, 540; for a batch ``image_data``'s
+    and the top-level ``watermark``'s lengths, 659-662, 749-757; ``kv_hints``, 583-587, 888-905);
+    a batch's short ``video_data`` / ``audio_data`` / ``sampling_params`` list
+    (:data:`NO_SHORT_LIST`)."""
     batch = _batch_size(body)
-    top, params = body.get("watermark"), body.get("sampling_params")
+    params = body.get("sampling_params")
     if params == []:
         return _short("sampling_params", params, batch or 1)
     if batch is not None:
@@ -596,15 +622,44 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
             value = body.get(key)
             if type(value) is list and len(value) < batch:
                 return _short(key, value, batch)
+    return None
+
+
+def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
+    """Each item's ``sampling_params`` (where it stands, the object, ``{}`` for none) and its
+    top-level ``watermark`` (a batch's list has one per item, io_struct.py 749-757)."""
+    batch = _batch_size(body)
+    top, params = body.get("watermark"), body.get("sampling_params")
     listed = type(params) is list
     per_item = batch is not None and type(top) is list
+    items = []
     for i in range(max(batch or 1, len(params) if listed else 1)):
         p = (params[i] if i < len(params) else None) if listed else params
         item_top = (top[i] if i < len(top) else None) if per_item else top
-        refused = _item_refusal(f"sampling_params[{i}]" if listed else "sampling_params", p or {}, item_top)
-        if refused is not None:
-            return refused
-    return None
+        items.append((f"sampling_params[{i}]" if listed else "sampling_params", p or {}, item_top))
+    return items
+
+
+def batch_refusal(body: dict[str, Any]) -> Refusal | None:
+    """The refusal the start of step 3 makes of a ``/generate`` body steps 1 and 2 took
+    (:func:`_batch_refusal`: ``normalize_batch_and_arguments``, ``tokenizer_manager.py`` 903,
+    the first thing ``generate_request`` does), or None. For a caller that runs step 3 itself in
+    SGLang's order, between its own refusals (the local engine: ``GenerateReqInput.normalize``)."""
+    refused = _batch_refusal(body)
+    return None if refused is None else Refusal(refused.step, str(refused))
+
+
+def item_refusal(body: dict[str, Any], index: int) -> Refusal | None:
+    """The refusal ``_create_tokenized_object`` makes of item ``index`` of a ``/generate`` body
+    steps 1 and 2 took (:func:`_item_refusal`: a watermark set both ways, a ``choice``, a
+    malformed watermark, ``SamplingParams.normalize``/``verify``; ``tokenizer_manager.py``
+    1548-1567), or None. SGLang runs it per item after that item's other step-3 checks (LoRA,
+    ``input_embeds``, the context length, hidden states, the custom logit processor:
+    ``generate_request`` 903-942, ``_tokenize_one_request`` 1096-1434), so a caller that makes
+    those runs this after them."""
+    where, p, top = _items(body)[index]
+    refused = _item_refusal(where, p, top)
+    return None if refused is None else Refusal(refused.step, str(refused))
 
 
 def _sampling_params_or_list(where: str, v: Any) -> None:
@@ -932,13 +987,16 @@ _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
-def generate_body_refusal(body: Any, skip: frozenset[str] = frozenset()) -> Refusal | None:
+def generate_body_refusal(
+    body: Any, skip: frozenset[str] = frozenset(), through: Step = "verify"
+) -> Refusal | None:
     """The first refusal SGLang makes in the parsed ``/generate`` JSON ``body`` (one line naming
     the field, and the step that makes it), or None; the fields in ``skip`` are not looked at (a
     caller that checks them itself). A body that is not an object is the dataclass parse's.
     The steps run in turn, each over the whole body: a field the parse refuses is the answer
     wherever it stands, then the first (in the body's order) the gate refuses, then the first
-    ``SamplingParams`` refuses."""
+    ``SamplingParams`` refuses. ``through="gate"`` stops after step 2, for a caller that runs
+    step 3 itself (:func:`batch_refusal`, :func:`item_refusal`) among its own step-3 refusals."""
     if type(body) is not dict:
         return Refusal("parse", str(_refuse("body", body, "a map")))
     first: Refusal | None = None
@@ -951,7 +1009,7 @@ def generate_body_refusal(body: Any, skip: frozenset[str] = frozenset()) -> Refu
         except ContractError as exc:
             if first is None or _STEPS.index(exc.step) < _STEPS.index(first.step):
                 first = Refusal(exc.step, str(exc))
-    if first is not None:
+    if first is not None or through != "verify":
         return first
     refused = _tokenizer_refusal(body)
     return None if refused is None else Refusal(refused.step, str(refused))

@@ -47,10 +47,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from core.sglang_contract import generate_body_refusal, max_new_tokens_bound
+from core.sglang_contract import (
+    Refusal,
+    batch_refusal,
+    generate_body_refusal,
+    item_refusal,
+    max_new_tokens_bound,
+)
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
@@ -187,39 +193,44 @@ def _set(value: Any) -> bool:
 
 # Top-level fields SGLang 0.5.23 refuses on a server started as the fleet starts it (no LoRA,
 # hidden states, custom logit processor, strict thinking or data parallelism; the radix cache
-# on), each with SGLang's words, or None where the value asks for nothing.
+# on), each with SGLang's words, or None where the value asks for nothing. Judged on the whole
+# request, in SGLang's order, before any item is tokenized: ``generate_request`` checks the
+# priority (904, ``_set_default_priority`` 4013-4025), ``max_thinking_tokens`` (905-913),
+# ``routed_dp_rank`` (915-924), then the LoRA adapters (942, ``_validate_and_resolve_lora``).
 _SGLANG_REFUSES: dict[str, Callable[[Any], str | None]] = {
-    "input_embeds": lambda v: (
-        None  # tokenizer_manager.py 1109-1114
-        if v is None
-        else (
-            "input_embeds is provided while disable_radix_cache is False. Please add "
-            "`--disable-radix-cache` when you launch the server if you want to use input_embeds as inputs."
-        )
-    ),
-    "lora_path": _lora_refusal,
-    "return_hidden_states": _hidden_states_refusal,
-    "custom_logit_processor": lambda v: (
-        None  # tokenizer_manager.py 1412-1419
-        if not v
-        else (
-            "The server is not configured to enable custom logit processor. "
-            "Please set `--enable-custom-logit-processor` to enable this feature."
-        )
-    ),
-    "max_thinking_tokens": lambda v: (
-        None  # tokenizer_manager.py 905-913
-        if v is None
-        else "max_thinking_tokens requires the server to be launched with --enable-strict-thinking"
-    ),
-    # one data-parallel rank: 0 is ignored, another is out of range (tokenizer_manager.py 915-924)
-    "routed_dp_rank": lambda v: None if v in (None, 0) else f"routed_dp_rank={v} out of range [0, 1)",
     "priority": lambda v: (
-        None  # tokenizer_manager.py 4013-4025 (without priority scheduling it is ignored)
+        None  # without priority scheduling it is otherwise ignored
         if v is None or -(1 << 63) <= v < (1 << 63)
         else "priority must be a signed 64-bit integer between -9223372036854775808 and 9223372036854775807"
     ),
+    "max_thinking_tokens": lambda v: (
+        None
+        if v is None
+        else "max_thinking_tokens requires the server to be launched with --enable-strict-thinking"
+    ),
+    # one data-parallel rank: 0 is ignored, another is out of range
+    "routed_dp_rank": lambda v: None if v in (None, 0) else f"routed_dp_rank={v} out of range [0, 1)",
+    "lora_path": _lora_refusal,
 }
+
+# Top-level fields SGLang refuses per item, as ``_tokenize_one_request`` tokenizes that item
+# (tokenizer_manager.py 1096-1434): ``input_embeds`` first (1109-1114), then, after the context
+# length (1336-1375, :func:`_spec`), the hidden states (1393-1410) and the custom logit
+# processor (1411-1419); each item's ``SamplingParams`` come after them all (1548-1567).
+_INPUT_EMBEDS_REFUSAL = (
+    "input_embeds is provided while disable_radix_cache is False. Please add "
+    "`--disable-radix-cache` when you launch the server if you want to use input_embeds as inputs."
+)
+
+
+def _custom_logit_processor_refusal(v: Any) -> str | None:
+    if not v:
+        return None
+    return (
+        "The server is not configured to enable custom logit processor. "
+        "Please set `--enable-custom-logit-processor` to enable this feature."
+    )
+
 
 # Top-level fields SGLang honours that this engine does not implement: a value that asks for
 # anything (SGLang reads each as ``if value:`` or ``is not None``) is refused, as
@@ -292,32 +303,43 @@ class GenerateReqInput(BaseModel):
     # any JSON, judged per item by watermark_refusal (io_struct.py 228: ``Any``, no gate key)
     watermark: Any = None
 
-    @model_validator(mode="before")
+    # the body as sent, for step 3's checks of SamplingParams (core.sglang_contract.item_refusal)
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _sglang_contract(cls, data: Any) -> Any:
-        """SGLang's refusals of the fields the fleet sends (:mod:`core.sglang_contract`), one line
-        naming the field, before pydantic's lax types could coerce ``"1"`` or ``true``."""
-        refused = generate_body_refusal(data)
+    def _sglang_contract(cls, data: Any, handler: Any) -> Any:
+        """SGLang's first two steps on the body (:mod:`core.sglang_contract`: the dataclass parse
+        and the contract gate), one line naming the field, before pydantic's lax types could
+        coerce ``"1"`` or ``true``; step 3 is :meth:`normalize`'s, in SGLang's order."""
+        refused = generate_body_refusal(data, through="gate")
         if refused is not None:  # its step and line ride along: the route answers SGLang's shape
             raise PydanticCustomError(
                 "sglang_contract", "{message}", {"message": refused.message, "step": refused.step}
             )
-        return data
+        obj = handler(data)
+        obj._body = data
+        return obj
 
     def is_batch(self) -> bool:
         if self.input_ids is not None:
             return bool(self.input_ids) and isinstance(self.input_ids[0], list)
         return isinstance(self.text, list)
 
-    def unimplemented_refusal(self) -> str | None:
-        """The first top-level field set to a value this engine will not serve (the class
-        docstring), as one line naming it, or None."""
+    def sglang_refusal(self) -> str | None:
+        """SGLang's refusal, in its words, of what it judges on the whole request before any item
+        is tokenized, in its order (:data:`_SGLANG_REFUSES`), or None."""
         rank = self.data_parallel_rank if self.routed_dp_rank is None else self.routed_dp_rank
         fields = {name: getattr(self, name) for name in _SGLANG_REFUSES} | {"routed_dp_rank": rank}
         for name, refusal in _SGLANG_REFUSES.items():
             message = refusal(fields[name])
             if message is not None:
                 return message
+        return None
+
+    def unimplemented_refusal(self) -> str | None:
+        """The first top-level field SGLang serves and this engine does not (:data:`_UNIMPLEMENTED`)
+        set to a value asking for anything, as one line naming it, or None."""
         for name, asks in _UNIMPLEMENTED.items():
             value = getattr(self, name)
             if asks(value):
@@ -325,25 +347,32 @@ class GenerateReqInput(BaseModel):
         return None
 
     def normalize(self, limits: ModelLimits, encode: Callable[[str], list[int]] | None) -> list[GenerateSpec]:
-        """One :class:`GenerateSpec` per item; raises :class:`RequestError` on any bad field."""
-        refused = self.unimplemented_refusal()
-        if refused is not None:
-            raise RequestError(refused)
+        """One :class:`GenerateSpec` per item; raises :class:`RequestError` on any bad field.
+
+        Step 3 of SGLang's judgment (what ``tokenizer_manager.generate_request`` raises, which a
+        stream answers inside its 200: ``engine.server.routes_generate``), in SGLang's order:
+        ``normalize_batch_and_arguments`` (:func:`core.sglang_contract.batch_refusal`, the input's
+        presence), the whole request's refusals (:meth:`sglang_refusal`), then each item in turn
+        as ``_tokenize_one_request`` / ``_create_tokenized_object`` judge it (:func:`_spec`:
+        ``input_embeds``, the context length, hidden states, the custom logit processor, then its
+        ``SamplingParams``, :func:`core.sglang_contract.item_refusal`); what this engine does not
+        implement (:meth:`unimplemented_refusal`) only after all SGLang would refuse."""
+        refused_body = batch_refusal(self._body)
+        if refused_body is not None:
+            raise RequestError(refused_body.message)
         if self.text is None and self.input_ids is None:
             raise RequestError("Either text or input_ids should be provided.")
         if self.text is not None and self.input_ids is not None:
             raise RequestError("Either text or input_ids should be provided, not both.")
+        refused = self.sglang_refusal()
+        if refused is not None:
+            raise RequestError(refused)
         batch = self.is_batch()
-        if self.input_ids is not None:
-            items: list[list[int]] = self.input_ids if batch else [self.input_ids]  # type: ignore[list-item]
-        else:
-            if encode is None:
-                raise RequestError("text input needs a tokenizer; this model directory has none.")
-            texts = self.text if batch else [self.text]
-            items = [encode(t) for t in texts]  # type: ignore[union-attr, arg-type]
-        n = len(items)
+        n = len(self.input_ids if self.input_ids is not None else self.text) if batch else 1  # type: ignore[arg-type]
         if n == 0:
             raise RequestError("The input batch is empty.")
+        if self.input_ids is None and encode is None:
+            raise RequestError("text input needs a tokenizer; this model directory has none.")
         rids = self._per_item("rid", self.rid, n, None)
         params = self._per_item("sampling_params", self.sampling_params, n, None)
         return_logprob = self._per_item("return_logprob", self.return_logprob, n, False)
@@ -351,41 +380,57 @@ class GenerateReqInput(BaseModel):
         top_n = self._per_item("top_logprobs_num", self.top_logprobs_num, n, 0)
         masks = self._per_item("return_sampling_mask", self.return_sampling_mask, n, False)
         modes = self._per_item("sampling_logprobs_mode", self.sampling_logprobs_mode, n, None)
+        hidden, processors = [self.return_hidden_states], [self.custom_logit_processor]
+        if batch:  # a batch's list has one per item (io_struct.py __getitem__)
+            hidden = self._per_item("return_hidden_states", self.return_hidden_states, n, False)
+            processors = self._per_item("custom_logit_processor", self.custom_logit_processor, n, None)
         marks = self._watermarks(batch, n)
         specs = []
-        for i, ids in enumerate(items):
-            where = f"input_ids[{i}]" if batch else "input_ids"
+        for i in range(n):
+            if self.input_embeds is not None:  # tokenizer_manager.py 1109-1114, before the input
+                raise RequestError(_INPUT_EMBEDS_REFUSAL)
+            if self.input_ids is not None:
+                ids: list[int] = self.input_ids[i] if batch else self.input_ids  # type: ignore[assignment]
+            else:
+                ids = encode(self.text[i] if batch else self.text)  # type: ignore[misc, index, arg-type]
             specs.append(
                 _spec(
-                    where,
+                    f"input_ids[{i}]" if batch else "input_ids",
                     rid=rids[i] if rids[i] is not None else uuid.uuid4().hex,
                     input_ids=ids,
                     params=params[i] or SamplingParams(),
+                    sampling_refusal=lambda i=i: item_refusal(self._body, i),
                     return_logprob=bool(return_logprob[i]),
                     logprob_start_len=-1 if start[i] is None else int(start[i]),
                     top_logprobs_num=int(top_n[i] or 0),
                     return_sampling_mask=bool(masks[i]),
                     sampling_logprobs_mode=modes[i],
+                    return_hidden_states=hidden[i],
+                    custom_logit_processor=processors[i],
                     watermark=marks[i],
                     return_text_in_logprobs=self.return_text_in_logprobs,
                     stream=self.stream,
                     limits=limits,
                 )
             )
+        refused = self.unimplemented_refusal()
+        if refused is not None:
+            raise RequestError(refused)
         if len({s.rid for s in specs}) != len(specs):
             raise RequestError("rid must be unique within a batch.")
-        if self.return_routed_experts:
-            for s in specs:
-                refused = routed_experts_start_error(self.routed_experts_start_len, len(s.input_ids))
-                if refused is not None:
-                    raise RequestError(refused)
-            specs = [
-                dataclasses.replace(
-                    s, return_routed_experts=True, routed_experts_start_len=self.routed_experts_start_len
-                )
-                for s in specs
-            ]
-        return specs
+        return self._routed_experts(specs) if self.return_routed_experts else specs
+
+    def _routed_experts(self, specs: list[GenerateSpec]) -> list[GenerateSpec]:
+        """``specs`` returning routed experts from ``routed_experts_start_len``, one start for the
+        batch; a start outside any item's prompt raises :class:`RequestError`."""
+        for s in specs:
+            refused = routed_experts_start_error(self.routed_experts_start_len, len(s.input_ids))
+            if refused is not None:
+                raise RequestError(refused)
+        start = self.routed_experts_start_len
+        return [
+            dataclasses.replace(s, return_routed_experts=True, routed_experts_start_len=start) for s in specs
+        ]
 
     def _watermarks(self, batch: bool, n: int) -> list[Any]:
         """Each item's top-level ``watermark``: a batch's list has one per item (its length was
@@ -415,17 +460,38 @@ def _settings(params: SamplingParams, watermark: Any) -> SamplerSettings:
     return params.to_settings()
 
 
+def _length_refusal(n: int, max_new_tokens: int | None, context_len: int) -> None:
+    """SGLang's context-length checks of an item of ``n`` prompt tokens, in its words
+    (``_validate_one_request``, tokenizer_manager.py 1336-1375): the input, then the total with a
+    ``max_new_tokens`` it was sent (null has no bound but the context's,
+    :func:`core.sglang_contract.max_new_tokens_bound`). Raises :class:`RequestError`."""
+    if n >= context_len:
+        raise RequestError(
+            f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens)."
+        )
+    if max_new_tokens is not None and n + max_new_tokens > context_len:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} "
+            f"tokens. You requested a total of {n + max_new_tokens} tokens: {n} tokens from the "
+            f"input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+            f"number of tokens in the input messages or the completion to fit within the limit."
+        )
+
+
 def _spec(
     where: str,
     *,
     rid: str,
     input_ids: Sequence[int],
     params: SamplingParams,
+    sampling_refusal: Callable[[], Refusal | None],
     return_logprob: bool,
     logprob_start_len: int,
     top_logprobs_num: int,
     return_sampling_mask: bool,
     sampling_logprobs_mode: str | None,
+    return_hidden_states: Any,
+    custom_logit_processor: Any,
     watermark: Any,
     return_text_in_logprobs: bool,
     stream: bool,
@@ -440,13 +506,17 @@ def _spec(
             + (f" ({len(bad)} such ids)." if len(bad) > 1 else ".")
         )
     n = len(input_ids)
-    if n >= limits.context_len:
-        raise RequestError(
-            f"The input ({n} tokens) is longer than the model's context length ({limits.context_len} tokens)."
-        )
-    settings = _settings(params, watermark)
-    if sampling_logprobs_mode is not None and not return_sampling_mask:
+    _length_refusal(n, params.max_new_tokens, limits.context_len)
+    refused = _hidden_states_refusal(return_hidden_states)  # tokenizer_manager.py 1393-1410
+    refused = refused or _custom_logit_processor_refusal(custom_logit_processor)  # 1411-1419
+    if refused is not None:
+        raise RequestError(refused)
+    if sampling_logprobs_mode is not None and not return_sampling_mask:  # 1427-1433
         raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    ruled = sampling_refusal()  # SamplingParams (tokenizer_manager.py 1548-1567)
+    if ruled is not None:
+        raise RequestError(ruled.message)
+    settings = _settings(params, watermark)
     if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
         raise RequestError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}.")
     if return_sampling_mask:
@@ -455,15 +525,7 @@ def _spec(
         refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
         if refused is not None:
             raise RequestError(refused)
-    # null: no bound but the context's, as SGLang (core.sglang_contract.max_new_tokens_bound)
     max_new = max_new_tokens_bound(params.max_new_tokens, n, limits.context_len)
-    if n + max_new > limits.context_len:
-        raise RequestError(
-            f"Requested token count exceeds the model's maximum context length of {limits.context_len} "
-            f"tokens. You requested a total of {n + max_new} tokens: {n} tokens from the input messages "
-            f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
-            f"messages or the completion to fit within the limit."
-        )
     if logprob_start_len < -1:
         raise RequestError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
     if logprob_start_len >= n:

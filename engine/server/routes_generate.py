@@ -1,7 +1,10 @@
 """``/generate`` (single or batch, SSE streaming) and ``/health_generate``.
 
-A request runs under the model-update lock's reader side (tokenizer_manager.py 940-957), so an
-unpaused weight update waits for it; a client that goes away has its requests aborted.
+A ``"stream": true`` request refused at step 3 (``GenerateReqInput.normalize``: what SGLang
+0.5.23's tokenizer manager raises) is answered inside its stream, as SGLang answers it
+(:func:`_refused_stream`); steps 1 and 2 answer a 400 before any stream. A request runs under the
+model-update lock's reader side (tokenizer_manager.py 940-957), so an unpaused weight update
+waits for it; a client that goes away has its requests aborted.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from core.sglang_contract import stream_error_event
 from engine.runtime.engine import Engine
 from engine.runtime.request import RequestError
 from engine.runtime.scheduler import FinishEvent
@@ -89,8 +93,13 @@ async def generate(request: Request) -> Response:
     engine = engine_of(request)
     try:
         obj = await parse(request, GenerateReqInput)
+    except RequestError as exc:  # steps 1 and 2: a 400 before any stream
+        return refusal(exc)
+    try:
         specs = obj.normalize(engine.limits, engine.encode)
-    except RequestError as exc:
+    except RequestError as exc:  # step 3: inside the stream when one was asked for
+        if obj.stream:
+            return StreamingResponse(_refused_stream(str(exc)), media_type="text/event-stream")
         return refusal(exc)
     batch = obj.is_batch()
     if obj.stream:
@@ -105,6 +114,17 @@ async def generate(request: Request) -> Response:
     finally:
         watcher.cancel()
     return Response(dumps(results if batch else results[0]), media_type="application/json")
+
+
+async def _refused_stream(message: str) -> AsyncIterator[bytes]:
+    """A streamed request refused at step 3 (``GenerateReqInput.normalize``), as SGLang 0.5.23
+    answers a ``ValueError`` of ``tokenizer_manager.generate_request`` once its stream has begun
+    (entrypoints/http_server.py 949-979): HTTP 200, one event
+    :func:`core.sglang_contract.stream_error_event`, then ``data: [DONE]``; a batch or ``n``
+    changes nothing (every item is judged before the first yield, tokenizer_manager.py
+    2074-2128)."""
+    yield b"data: " + dumps(stream_error_event(message)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterator[bytes]:

@@ -1004,3 +1004,82 @@ def test_the_mask_limit_is_the_engines_flag(tiny_dir: Path) -> None:
         assert (
             bad.status_code == 400 and "finite 1 < top_k <= 8; got top_k=9" in bad.json()["error"]["message"]
         )
+
+
+STEP3_ORDER = [
+    # two step-3 problems in one body: SGLang 0.5.23 names the one it checks first
+    # (tokenizer_manager.py generate_request 903-942, _tokenize_one_request 1096-1434, then the
+    # item's SamplingParams 1548-1567); each pair's second problem alone is refused too
+    ({"lora_path": "a", "sampling_params": {"top_p": 1.5}}, "LoRA is not enabled"),
+    ({"max_thinking_tokens": 5, "sampling_params": {"top_k": 0}}, "--enable-strict-thinking"),
+    ({"routed_dp_rank": 1, "sampling_params": {"min_p": 2.0}}, "routed_dp_rank=1 out of range"),
+    ({"max_thinking_tokens": 5, "lora_path": "a"}, "--enable-strict-thinking"),
+    ({"input_embeds": [[0.5]], "sampling_params": {"temperature": -1.0}}, "input_embeds is provided"),
+    ({"return_hidden_states": True, "sampling_params": {"top_p": 0.0}}, "not configured to return hidden"),
+    ({"custom_logit_processor": "x", "sampling_params": {"top_p": 2.0}}, "custom logit processor"),
+    ({"input_ids": [1] * 2000, "sampling_params": {"max_new_tokens": 100, "top_p": 2.0}}, "maximum context"),
+    ({"input_ids": [1] * 2048, "sampling_params": {"min_p": 2.0}}, "longer than the model's context"),
+    (
+        {"input_ids": [1] * 2000, "return_hidden_states": True, "sampling_params": {"max_new_tokens": 100}},
+        "maximum",
+    ),
+    ({"lora_path": "a", "return_hidden_states": True}, "LoRA is not enabled"),
+    # a batch: each item in turn, all its checks before the next item's
+    (
+        {
+            "input_ids": [[1], [2]],
+            "return_hidden_states": [False, True],
+            "sampling_params": [{"top_p": 1.5}, {}],
+        },
+        "top_p must be in",
+    ),
+    # what this engine does not implement only after all SGLang refuses
+    ({"token_ids_logprob": [3], "sampling_params": {"top_p": 1.5}}, "top_p must be in"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_step3_refusals_come_in_sglang_order(engine: str, client: httpx.Client, stream: bool) -> None:
+    """A body with two problems SGLang's tokenizer manager refuses is refused for the one SGLang
+    checks first: the LoRA adapters, ``max_thinking_tokens``, ``routed_dp_rank`` for the whole
+    request, then per item ``input_embeds``, the context length, hidden states, the custom logit
+    processor, and only then the item's ``SamplingParams`` ranges."""
+    for fields, msg in STEP3_ORDER:
+        body = {"input_ids": [1, 2], **fields, "stream": stream}
+        r = client.post(engine + "/generate", json=body)
+        text = r.text if stream else error_message(r.status_code, r.content)
+        assert msg in text, (fields, r.status_code, text[:300])
+
+
+def test_a_streamed_step3_refusal_is_an_error_event_inside_a_200(engine: str, client: httpx.Client) -> None:
+    """SGLang 0.5.23 answers a ``"stream": true`` request its tokenizer manager refuses (a
+    ValueError of ``generate_request``) inside the stream it has begun: HTTP 200
+    ``text/event-stream``, one event ``{"error": {"message", "type": "invalid_request_error",
+    "code": 400, "retryable": false}}``, then ``[DONE]`` (entrypoints/http_server.py 949-979), a
+    batch too; the request parse and the contract gate refuse before it, as 400s in their shapes
+    (http_server.py 635-691, 928-939)."""
+    step3 = [
+        {"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}},
+        {"input_ids": [1] * 2000, "sampling_params": {"max_new_tokens": 100}},
+        {"input_ids": [1, 2], "lora_path": "a"},
+        {"input_ids": [[1], [2]], "sampling_params": [{}, {"top_k": 0}]},
+        {"input_ids": [[1], [2]], "watermark": [None]},  # normalize_batch_and_arguments
+        {"input_ids": [1, 2], "sampling_params": {"n": 2}},  # not implemented here: step 3 too
+    ]
+    for body in step3:
+        r = client.post(engine + "/generate", json={**body, "stream": True})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+        events = [e for e in r.text.split("\n\n") if e]
+        assert len(events) == 2 and events[1] == "data: [DONE]", r.text
+        error = json.loads(events[0].removeprefix("data: "))["error"]
+        assert set(error) == {"message", "type", "code", "retryable"}, error
+        assert (error["type"], error["code"], error["retryable"]) == ("invalid_request_error", 400, False)
+        plain = client.post(engine + "/generate", json=body)  # the same message unstreamed
+        assert plain.status_code == 400 and error["message"] == error_message(400, plain.content)
+    for raw, step in [
+        (b'{"input_ids": [1, true], "stream": true}', "gate"),
+        (b'{"input_ids": ["x"], "stream": true}', "parse"),
+        (b'{"input_ids": [1], "sampling_params": {"topp": 1}, "stream": true}', "gate"),
+    ]:
+        r = client.post(engine + "/generate", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and _shape(r.json()) == step, (raw, r.text)

@@ -825,6 +825,27 @@ def test_streaming_generate_passes_through(client: httpx.Client) -> None:
     assert len(events) >= 2
 
 
+def test_a_streamed_generate_the_engine_refuses_is_its_error_event_passed_through(
+    client: httpx.Client,
+) -> None:
+    """A ``"stream": true`` body the router forwards and the engine's tokenizer manager refuses
+    (here ``lora_path``, which the router forwards: SGLang 0.5.23 refuses it on a server without
+    ``--enable-lora``, tokenizer_manager.py 3723-3740) is answered as SGLang answers it, inside a
+    200 stream (entrypoints/http_server.py 949-979): one error event naming the problem with
+    code 400, then ``[DONE]``, passed through to the caller unchanged, the replica kept (a
+    request's fault, no failover)."""
+    body = {"input_ids": [3, 4, 5], "lora_path": "adapter", "stream": True}
+    with client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) == 2 and events[1].strip() == "data: [DONE]", events
+    error = json.loads(events[0].removeprefix("data:"))["error"]
+    assert error["code"] == 400 and error["retryable"] is False and error["type"] == "invalid_request_error"
+    assert "LoRA adapter 'adapter' was requested, but LoRA is not enabled" in error["message"], error
+    ok = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}
+    assert client.post("/generate", json=ok).status_code == 200  # the replica still serves
+
+
 def test_a_min_version_above_every_servable_version_is_a_409_naming_the_versions(
     client: httpx.Client, engine_url
 ) -> None:
