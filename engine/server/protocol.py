@@ -351,19 +351,20 @@ class GenerateReqInput(BaseModel):
 
         Step 3 of SGLang's judgment (what ``tokenizer_manager.generate_request`` raises, which a
         stream answers inside its 200: ``engine.server.routes_generate``), in SGLang's order:
-        ``normalize_batch_and_arguments`` (:func:`core.sglang_contract.batch_refusal`, the input's
-        presence), the whole request's refusals (:meth:`sglang_refusal`), then each item in turn
-        as ``_tokenize_one_request`` / ``_create_tokenized_object`` judge it (:func:`_spec`:
-        ``input_embeds``, the context length, hidden states, the custom logit processor, then its
-        ``SamplingParams``, :func:`core.sglang_contract.item_refusal`); what this engine does not
+        ``normalize_batch_and_arguments`` (the input's presence, then
+        :func:`core.sglang_contract.batch_refusal`), the whole request's refusals
+        (:meth:`sglang_refusal`), then each item in turn as ``_tokenize_one_request`` /
+        ``_create_tokenized_object`` judge it (:func:`_spec`: ``input_embeds``, the context
+        length, hidden states, the custom logit processor, then its ``SamplingParams``,
+        :func:`core.sglang_contract.item_refusal`); what this engine does not
         implement (:meth:`unimplemented_refusal`) only after all SGLang would refuse."""
-        refused_body = batch_refusal(self._body)
-        if refused_body is not None:
-            raise RequestError(refused_body.message)
-        if self.text is None and self.input_ids is None:
+        if self.text is None and self.input_ids is None:  # _validate_inputs, io_struct.py 431, 444-455
             raise RequestError("Either text or input_ids should be provided.")
         if self.text is not None and self.input_ids is not None:
             raise RequestError("Either text or input_ids should be provided, not both.")
+        refused_body = batch_refusal(self._body)
+        if refused_body is not None:
+            raise RequestError(refused_body.message)
         refused = self.sglang_refusal()
         if refused is not None:
             raise RequestError(refused)

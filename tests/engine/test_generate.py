@@ -1010,6 +1010,8 @@ STEP3_ORDER = [
     # two step-3 problems in one body: SGLang 0.5.23 names the one it checks first
     # (tokenizer_manager.py generate_request 903-942, _tokenize_one_request 1096-1434, then the
     # item's SamplingParams 1548-1567); each pair's second problem alone is refused too
+    # normalize_batch_and_arguments: the input's presence before the rest (io_struct.py 431-442)
+    ({"input_ids": None, "kv_hints": []}, "Either text or input_ids should be provided"),
     ({"lora_path": "a", "sampling_params": {"top_p": 1.5}}, "LoRA is not enabled"),
     ({"max_thinking_tokens": 5, "sampling_params": {"top_k": 0}}, "--enable-strict-thinking"),
     ({"routed_dp_rank": 1, "sampling_params": {"min_p": 2.0}}, "routed_dp_rank=1 out of range"),
