@@ -8,8 +8,9 @@ against the served model, or raises :class:`~engine.runtime.request.RequestError
 answers 400 with its message, SGLang-style).
 
 Before any of it, the body passes SGLang 0.5.23's own judgment of the fields the fleet sends
-(:func:`core.sglang_contract.generate_body_refusal`: the dataclass parse, the contract gate and
-``SamplingParams.verify``): ``true``, ``"1"`` or ``3.0`` among ``input_ids`` or
+(:func:`core.sglang_contract.generate_body_refusal` through the dataclass parse and the contract
+gate; ``SamplingParams.verify`` per item in :meth:`GenerateReqInput.normalize`, after the item's
+other step-3 checks, as SGLang): ``true``, ``"1"`` or ``3.0`` among ``input_ids`` or
 ``sampling_params.stop_token_ids``, a ``stream`` that is not a JSON bool, a float ``top_k``, an
 unknown ``sampling_params`` key or a value out of SGLang's ranges is a 400 naming the field, in
 the body shape of the SGLang step that refuses it (:func:`core.sglang_contract.error_body`).
@@ -20,13 +21,15 @@ started as the fleet starts it (``lora_path``, ``input_embeds``, ``return_hidden
 refused in SGLang's words, one SGLang honours that this engine does not implement
 (``token_ids_logprob``, ``session_params``, ...) at a value asking for anything is refused as "not
 supported by the mixfleet CPU engine", as ``_UNSUPPORTED_DEFAULTS`` refuses sampling parameters
-(:meth:`GenerateReqInput.unimplemented_refusal`). What SGLang ignores on such a server, an unknown
-key included, is accepted and ignored here too. A watermark (``sampling_params.watermark`` or the
-top-level ``watermark``) is judged as SGLang without ``--enable-watermark`` judges it: set both
-ways or malformed by the contract check, ahead of the ranges as in SGLang, the rest by
-:func:`watermark_refusal`; ``beam_width`` above 1 is refused as not supported, any
-``sampling_params.choice`` (a 500 in SGLang) as a 400 naming it; ``stream_interval`` is honoured
-(``engine.server.routes_generate``).
+(:meth:`GenerateReqInput.unimplemented_refusal`), once nothing SGLang refuses is left: step 3 runs
+in SGLang's order (:meth:`GenerateReqInput.normalize`), and a streamed request's step-3 refusal is
+answered inside its stream (``engine.server.routes_generate``). What SGLang ignores on such a
+server, an unknown key included, is accepted and ignored here too. A watermark
+(``sampling_params.watermark`` or the top-level ``watermark``) is judged as SGLang without
+``--enable-watermark`` judges it: set both ways or malformed by the contract check, ahead of the
+ranges as in SGLang, the rest by :func:`watermark_refusal`; ``beam_width`` above 1 is refused as not
+supported, any ``sampling_params.choice`` (a 500 in SGLang) as a 400 naming it; ``stream_interval``
+is honoured (``engine.server.routes_generate``).
 
 Sampling masks follow SGLang 0.5.23 (:mod:`core.sglang_release`): ``return_sampling_mask``
 needs a normalized ``top_k`` of 1 or ``1 < top_k <= sampling_mask_max_tokens`` (else a 400 in
@@ -251,17 +254,17 @@ _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 class GenerateReqInput(BaseModel):
     """SGLang's ``/generate`` body. The fields this engine implements are served; the top-level
     fields SGLang refuses on a server started as the fleet starts SGLang (``lora_path``,
-    ``input_embeds``, ``return_hidden_states``, ``custom_logit_processor``,
-    ``max_thinking_tokens``, a ``routed_dp_rank`` / ``data_parallel_rank`` other than 0, a
-    ``priority`` beyond int64) are refused in SGLang's words, and those SGLang honours that this
-    engine does not implement (``token_ids_logprob``, ``session_params``, the ``return_flat_raw_*`` flags,
-    ``return_prompt_token_ids``, ``positional_embed_overrides``, ``multi_item_delimiter_indices``,
-    ``token_indices_to_pool``) at a value asking for anything are refused as not supported (a
-    400 naming the field, :meth:`unimplemented_refusal`). The rest SGLang ignores on such a
-    server (text-only model: the multimodal fields; no disaggregation, HiCache or priority
-    scheduling: ``bootstrap_*``, ``kv_hints``, ``priority``; bookkeeping: ``session_id``,
-    ``routing_key``, ``custom_labels``, ...), and so does this engine; so too an unknown key,
-    which SGLang's parse and gate both skip (:mod:`core.sglang_contract`)."""
+    ``input_embeds``, ``return_hidden_states``, ``custom_logit_processor``, ``max_thinking_tokens``,
+    a ``routed_dp_rank`` / ``data_parallel_rank`` other than 0, a ``priority`` beyond int64) are
+    refused in SGLang's words and order (:meth:`normalize`), and those SGLang honours that this
+    engine does not implement (``token_ids_logprob``, ``session_params``, the ``return_flat_raw_*``
+    flags, ``return_prompt_token_ids``, ``positional_embed_overrides``,
+    ``multi_item_delimiter_indices``, ``token_indices_to_pool``) at a value asking for anything are
+    refused as not supported (a 400 naming the field, :meth:`unimplemented_refusal`). The rest
+    SGLang ignores on such a server (text-only model: the multimodal fields; no disaggregation,
+    HiCache or priority scheduling: ``bootstrap_*``, ``kv_hints``, ``priority``; bookkeeping:
+    ``session_id``, ``routing_key``, ``custom_labels``, ...), and so does this engine; so too an
+    unknown key, which SGLang's parse and gate both skip (:mod:`core.sglang_contract`)."""
 
     model_config = ConfigDict(extra="allow")
 
