@@ -309,20 +309,21 @@ class _GroupScales:
     joint amax exactly), so memory stays one chunk whatever the group's size.
     """
 
-    def __init__(self, reader: TensorReader, nvfp4: Any, chunk_elems: int) -> None:
+    def __init__(self, reader: TensorReader, chunk_elems: int) -> None:
         self._reader = reader
-        self._nvfp4 = nvfp4
         self._chunk_elems = chunk_elems
         self._lock = threading.Lock()
         self._futures: dict[tuple, Future] = {}
 
     def _compute(self, members: list[TensorEntry]) -> np.float32:
+        from weight_sync.formats import nvfp4  # torch: imported where a conversion runs, never to plan
+
         best = None
         for m in members:
             rows = max(1, self._chunk_elems // m.shape[1])
             for r0, r1 in _row_ranges(m.shape[0], rows):
                 with _named(m):
-                    gs = self._nvfp4.global_scale(self._reader.view_rows(m, r0, r1))
+                    gs = nvfp4.global_scale(self._reader.view_rows(m, r0, r1))
                 best = gs if best is None or gs > best else best
         return np.float32(best.item())
 
@@ -545,9 +546,7 @@ class _Planner:
         self.scales: _GroupScales | None = None
         self.input_scales: dict[str, np.float32] = {}
         if fmt == "nvfp4":
-            from weight_sync.formats import nvfp4
-
-            self.scales = _GroupScales(reader, nvfp4, self.chunk_elems)
+            self.scales = _GroupScales(reader, self.chunk_elems)
             self.input_scales = _input_scales(source, classified) if calibrate else {}
 
     def plan(self) -> Plan:
@@ -595,8 +594,6 @@ class _Planner:
         return _row_job(outs, e, anchor, rows, task)
 
     def _fp8(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
-        from weight_sync.formats import fp8
-
         n, k = e.shape
         base = e.name.removesuffix(".weight")
         kb = math.ceil(k / FP8_BLOCK)
@@ -609,6 +606,8 @@ class _Planner:
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
+                from weight_sync.formats import fp8  # torch: only where the job runs
+
                 with _named(e):
                     codes, scales = fp8.quantize_bits(bits(e, r0, r1), r1 - r0, k, what=_rows_of(e, r0, r1))
                 return [(codes, r0 * k), (scales, r0 // FP8_BLOCK * kb * 4)]
@@ -618,8 +617,6 @@ class _Planner:
         return _row_job(outs, e, anchor, rows, task)
 
     def _nvfp4(self, e: TensorEntry, anchor: tuple[int, int], key: tuple, members: list[TensorEntry]) -> Job:
-        from weight_sync.formats import nvfp4
-
         n, k = e.shape
         base = e.name.removesuffix(".weight")
         outs = [
@@ -636,6 +633,8 @@ class _Planner:
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
+                from weight_sync.formats import nvfp4  # torch: only where the job runs
+
                 ws2 = scales.get(key, members)
                 with _named(e):
                     packed, scale = nvfp4.quantize_bits(bits(e, r0, r1), ws2, what=_rows_of(e, r0, r1))
@@ -652,8 +651,6 @@ class _Planner:
         return _row_job(outs, e, anchor, rows, task)
 
     def _mxfp4(self, e: TensorEntry, anchor: tuple[int, int]) -> Job:
-        from weight_sync.formats import mxfp4
-
         n, k = e.shape
         base = e.name.removesuffix(".weight")
         outs = [
@@ -665,6 +662,8 @@ class _Planner:
 
         def task(r0: int, r1: int) -> Task:
             def run() -> list[Piece | None]:
+                from weight_sync.formats import mxfp4  # torch: only where the job runs
+
                 with _named(e):
                     blocks, scales = mxfp4.quantize_bits(bits(e, r0, r1), what=_rows_of(e, r0, r1))
                 return [(blocks, r0 * (k // 2)), (scales, r0 * (k // MXFP4_BLOCK))]

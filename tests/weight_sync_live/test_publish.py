@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,6 +182,28 @@ def test_a_checkpoint_of_another_layout_is_refused_before_anything_moves(
             LayoutMismatch, publish_checkpoint, store, RUN, 4, tiny_other_arch, ["nvfp4"], workers=0
         ).value
     )
+
+
+def test_the_layout_check_imports_no_torch(tmp_path, tiny_base) -> None:
+    """A publish over a committed version checks the checkpoint's layout in the process that
+    publishes (a router worker) from the tensors' headers alone: planning the conversion of every
+    format imports no torch (it did, through the quantizer modules: ~190 MB of a router
+    process's memory, resident from its first publish on)."""
+    store = LocalStore(tmp_path / "store")
+    publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
+    store_root, ckpt = str(tmp_path / "store"), str(tiny_base)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from weight_sync.layout import check_layout\n"
+        "from weight_sync.store.local import LocalStore\n"
+        f"check_layout(LocalStore(Path({store_root!r})), {RUN!r}, Path({ckpt!r}), {FORMATS!r})\n"
+        "print(sorted(m for m in ('torch', 'numba') if m in sys.modules))\n"
+    )
+    argv = [sys.executable, "-c", script]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_checkpoint_already_on_the_store_filesystem(tmp_path, tiny_base) -> None:
