@@ -11,8 +11,9 @@ Contract, for every adapter:
 
 * A session is ``open`` until finished; ``append_turn`` on it is atomic (the turn block, the
   session's context, its route to the serving group and replica, and the counters change
-  together or not at all) and idempotent per ``request_id`` (a retried call returns the first
-  call's index and changes nothing; :meth:`~StateStore.turn_for_request` reads what it stored,
+  together or not at all) and idempotent per ``request_id`` (a retried call raises
+  :class:`RequestRecorded` with the first call's index and changes nothing, so no caller takes
+  another call's turn for its own; :meth:`~StateStore.turn_for_request` reads what it stored,
   with the first call's ``request_digest``, for as long as the session is kept). Turn indices are
   0, 1, 2, ... in append order.
 * An open session's context is the token sequence of its current segment (every turn's
