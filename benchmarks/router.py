@@ -526,6 +526,10 @@ def main() -> int:
                         "round_robin",
                         "--log-level",
                         "warn",
+                        "--prometheus-host",  # its own metrics port: a fixed default collides with
+                        "127.0.0.1",  # another run's sglang-router ("Address already in use")
+                        "--prometheus-port",
+                        str(free_port()),
                     ],
                     log=tmp / "sg.log",
                 )
