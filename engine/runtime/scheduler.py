@@ -290,7 +290,8 @@ class Scheduler:
 
     def _do_submit(self, spec: GenerateSpec, sink: Sink, arrival: float) -> None:
         if spec.rid in self._by_rid:
-            raise ValueError(f"rid {spec.rid!r} is already in use by a running request.")
+            # SGLang 0.5.23's words (managers/tokenizer_manager.py 3833-3837)
+            raise ValueError(f"Duplicate request ID detected: {spec.rid}")
         seed = (
             spec.sampling_seed if spec.sampling_seed is not None else int.from_bytes(os.urandom(8), "little")
         )

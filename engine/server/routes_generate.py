@@ -30,6 +30,19 @@ from engine.server.response import GenerateResponse, dumps
 router = APIRouter()
 
 
+class _Refused(RequestError):
+    """A request the scheduler refused once submitted (a rid already running): SGLang raises it as
+    a ``ValueError`` of ``generate_request`` (managers/tokenizer_manager.py 3833-3837), which a
+    stream answers as :func:`core.sglang_contract.stream_error_event`, code 400
+    (entrypoints/http_server.py 956-973). The engine's own failures (shutting down) stay an event
+    without a code: the router fails over from them. ``rid``: the refused request's, which names
+    another, running request: never aborted on this one's account."""
+
+    def __init__(self, message: str, rid: str) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
 async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, Any]:
     """One request from submission to its answer, under the model-update lock's reader side
     (tokenizer_manager.py 940-957): an unpaused weight update waits for it."""
@@ -55,9 +68,9 @@ async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any
     fut = scheduler.submit(spec, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     try:
         await asyncio.wrap_future(fut)
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
-    except RuntimeError as exc:
+    except ValueError as exc:  # the request's fault (a rid already running): a 400, in a stream code 400
+        raise _Refused(str(exc), spec.rid) from None
+    except RuntimeError as exc:  # the engine's (shutting down): a stream's event names no code
         raise RequestError(str(exc)) from None
     sent = 0
     try:
@@ -108,8 +121,10 @@ async def generate(request: Request) -> Response:
     try:
         results = await asyncio.gather(*(run_one(engine, s) for s in specs))
     except RequestError as exc:
+        refused = exc.rid if isinstance(exc, _Refused) else None  # the rid of a running request
         for s in specs:
-            engine.scheduler.abort(s.rid, message="Another item of the batch was refused.")
+            if s.rid != refused:
+                engine.scheduler.abort(s.rid, message="Another item of the batch was refused.")
         return error(str(exc))
     finally:
         watcher.cancel()
@@ -142,6 +157,8 @@ async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterato
             if batch:
                 body["index"] = i
             await chunks.put(body)
+        except _Refused as exc:
+            await chunks.put(stream_error_event(str(exc)))
         except RequestError as exc:
             await chunks.put({"error": {"message": str(exc)}})
 

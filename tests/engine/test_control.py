@@ -342,6 +342,37 @@ def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: http
     assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
 
 
+def test_a_rid_already_running_is_refused_as_sglang_refuses_it(v1_engine: str, client: httpx.Client) -> None:
+    """A request whose rid a running request holds: SGLang 0.5.23's ValueError "Duplicate request
+    ID detected: <rid>" (managers/tokenizer_manager.py 3833-3837), a 400 ``{"error": {"message"}}``
+    unstreamed and, streamed, the error event with code 400 inside a 200 (entrypoints/
+    http_server.py 956-973), which the router reads as the request's fault, not the replica's; the
+    running request goes on."""
+    url = v1_engine
+    long = {**LONG, "max_new_tokens": 1500}
+    running = StreamReader(url, {"input_ids": PROMPT, "rid": "taken", "sampling_params": long})
+    running.wait_for(3)
+    plain = client.post(url + "/generate", json={"input_ids": PROMPT, "rid": "taken"})
+    assert plain.status_code == 400 and plain.json() == {
+        "error": {"message": "Duplicate request ID detected: taken"}
+    }, plain.text
+    streamed = client.post(url + "/generate", json={"input_ids": PROMPT, "rid": "taken", "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and len(events) == 2, streamed.text
+    assert json.loads(events[0]) == {
+        "error": {
+            "message": "Duplicate request ID detected: taken",
+            "type": "invalid_request_error",
+            "code": 400,
+            "retryable": False,
+        }
+    }
+    assert not running.done  # still running: the refusals did not touch it
+    assert client.post(url + "/abort_request", json={"rid": "taken"}).status_code == 200
+    assert running.result()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_abort_request_by_rid_and_on_disconnect(v1_engine: str, client: httpx.Client) -> None:
     url = v1_engine
     stream = StreamReader(url, {"input_ids": PROMPT, "rid": "victim", "sampling_params": LONG})
