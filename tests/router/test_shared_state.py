@@ -138,7 +138,7 @@ def test_the_router_that_lost_a_keyed_race_continues_on_the_recorded_turn(two_ro
     """Both routers sample the same keyed turn (the engine holds each answer back a second, so both
     looked the key up before either recorded): the later append stores nothing and its router
     answers the first's turn (``raced``); that router's next turn sends the engine the context the
-    recorded turn left, not its own discarded sample (it had kept that as the session's context)."""
+    recorded turn left, not its own discarded sample."""
     a, b = two_routers
     sid = httpx.post(f"{a.url}/v1/sessions", json={"group": "cpu-a"}, headers=a.headers).json()["session_id"]
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 12, "temperature": 1.0}}

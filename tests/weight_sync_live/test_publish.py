@@ -187,8 +187,8 @@ def test_a_checkpoint_of_another_layout_is_refused_before_anything_moves(
 def test_the_layout_check_imports_no_torch(tmp_path, tiny_base) -> None:
     """A publish over a committed version checks the checkpoint's layout in the process that
     publishes (a router worker) from the tensors' headers alone: planning the conversion of every
-    format imports no torch (it did, through the quantizer modules: ~190 MB of a router
-    process's memory, resident from its first publish on)."""
+    format imports no torch (the quantizers are imported where a conversion runs: torch would
+    stay resident in the router process)."""
     store = LocalStore(tmp_path / "store")
     publish_checkpoint(store, RUN, 1, tiny_base, FORMATS, workers=0)
     store_root, ckpt = str(tmp_path / "store"), str(tiny_base)
