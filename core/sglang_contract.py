@@ -306,13 +306,15 @@ def _nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
 _str_or_list = _or_list(_str)
 
 
+_WATERMARK_TYPES = {"enabled": _bool, "key": _str, "context_window": _int}  # api_types.py 1384-1399
+
+
 def _watermark(where: str, v: Any) -> None:
     """``decode_WatermarkRequestConfig`` (``api_types.py`` 1384-1399)."""
-    fields = {"enabled": _bool, "key": _str, "context_window": _int}
     for key, x in _map(where, v).items():
-        if key not in fields:
-            raise _unknown_field(where, key, tuple(fields))
-        _nullable(fields[key])(f"{where}.{key}", x)
+        if key not in _WATERMARK_TYPES:
+            raise _unknown_field(where, key, tuple(_WATERMARK_TYPES))
+        _nullable(_WATERMARK_TYPES[key])(f"{where}.{key}", x)
 
 
 def _logit_bias(where: str, v: Any) -> None:
@@ -436,7 +438,7 @@ def sampling_params(where: str, v: Any) -> None:
             check(f"{where}.{key}", x)
 
 
-_WATERMARK_FIELDS = frozenset({"enabled", "key", "context_window"})
+_WATERMARK_FIELDS = frozenset(_WATERMARK_TYPES)
 
 
 def _watermark_key_error(key: Any) -> str | None:
@@ -529,15 +531,14 @@ def _kv_hints_malformed(v: dict[str, Any]) -> str | None:
     ``KvHintsEnvelope``, 16-41) on an envelope the gate took, in msgspec's words: ``actions``
     null, a ``payload`` that is not an object, a required field missing (the actions', as each
     is converted, then the envelope's), or None."""
-    for key, x in v.items():
-        if key != "actions":
-            continue
-        if x is None:
+    if "actions" in v:
+        actions = v["actions"]
+        if actions is None:
             return "Expected `array`, got `null` - at `$.actions`"
-        for i, action in enumerate(x):
-            for k, y in action.items():
-                if k == "payload" and type(y) is not dict:
-                    return f"Expected `object`, got `{_msgspec_type(y)}` - at `$.actions[{i}].payload`"
+        for i, action in enumerate(actions):
+            payload = action.get("payload", {})
+            if type(payload) is not dict:
+                return f"Expected `object`, got `{_msgspec_type(payload)}` - at `$.actions[{i}].payload`"
             for name in _KV_HINT_ACTION_FIELDS:
                 if name not in action:
                     return f"Object missing required field `{name}` - at `$.actions[{i}]`"
