@@ -189,6 +189,13 @@ class Scheduler:
         """Queue a validated request; its events go to ``sink``. Fails if the rid is in use."""
         return self._command("submit", spec=spec, sink=sink, arrival=time.monotonic())
 
+    def held(self, rids: list[str]) -> str | None:
+        """The first of ``rids`` a request submitted and not yet finished holds, or None: what
+        SGLang 0.5.23's ``_init_req_state`` refuses as "Duplicate request ID detected: <rid>"
+        (managers/tokenizer_manager.py 3833-3837). Read from any thread (a dict lookup);
+        :meth:`submit` checks it again, atomically, in the scheduler thread."""
+        return next((rid for rid in rids if rid in self._by_rid), None)
+
     def abort(
         self, rid: str = "", abort_all: bool = False, message: str = "Aborted by request."
     ) -> concurrent.futures.Future:
@@ -289,7 +296,7 @@ class Scheduler:
         return None
 
     def _do_submit(self, spec: GenerateSpec, sink: Sink, arrival: float) -> None:
-        if spec.rid in self._by_rid:
+        if self.held([spec.rid]) is not None:
             # SGLang 0.5.23's words (managers/tokenizer_manager.py 3833-3837)
             raise ValueError(f"Duplicate request ID detected: {spec.rid}")
         seed = (

@@ -199,7 +199,9 @@ def _set(value: Any) -> bool:
 # on), each with SGLang's words, or None where the value asks for nothing. Judged on the whole
 # request, in SGLang's order, before any item is tokenized: ``generate_request`` checks the
 # priority (904, ``_set_default_priority`` 4013-4025), ``max_thinking_tokens`` (905-913),
-# ``routed_dp_rank`` (915-924), then the LoRA adapters (942, ``_validate_and_resolve_lora``).
+# ``routed_dp_rank`` (915-924), then registers the rids (926, ``_init_req_state``: a rid a
+# running request holds, 3833-3837) and only then the LoRA adapters (942,
+# ``_validate_and_resolve_lora``), which :meth:`GenerateReqInput.normalize` checks after the rids.
 _SGLANG_REFUSES: dict[str, Callable[[Any], str | None]] = {
     "priority": lambda v: (
         None  # without priority scheduling it is otherwise ignored
@@ -213,7 +215,6 @@ _SGLANG_REFUSES: dict[str, Callable[[Any], str | None]] = {
     ),
     # one data-parallel rank: 0 is ignored, another is out of range
     "routed_dp_rank": lambda v: None if v in (None, 0) else f"routed_dp_rank={v} out of range [0, 1)",
-    "lora_path": _lora_refusal,
 }
 
 # Top-level fields SGLang refuses per item, as ``_tokenize_one_request`` tokenizes that item
@@ -349,35 +350,30 @@ class GenerateReqInput(BaseModel):
                 return f"{name}={reprlib.repr(value)} is not supported by the mixfleet CPU engine."
         return None
 
-    def normalize(self, limits: ModelLimits, encode: Callable[[str], list[int]] | None) -> list[GenerateSpec]:
+    def normalize(
+        self,
+        limits: ModelLimits,
+        encode: Callable[[str], list[int]] | None,
+        held: Callable[[list[str]], str | None] | None = None,
+    ) -> list[GenerateSpec]:
         """One :class:`GenerateSpec` per item; raises :class:`RequestError` on any bad field.
 
         Step 3 of SGLang's judgment (what ``tokenizer_manager.generate_request`` raises, which a
         stream answers inside its 200: ``engine.server.routes_generate``), in SGLang's order:
         ``normalize_batch_and_arguments`` (the input's presence, then
         :func:`core.sglang_contract.batch_refusal`), the whole request's refusals
-        (:meth:`sglang_refusal`), then each item in turn as ``_tokenize_one_request`` /
+        (:meth:`sglang_refusal`), a rid a running request holds (``held``: the first of the
+        request's rids one holds, or None; every rid is checked before anything is submitted, so a
+        batch, streamed or not, is refused whole, as ``_init_req_state`` refuses it,
+        tokenizer_manager.py 926, 3833-3837), the LoRA adapters (942), then each item in turn as
+        ``_tokenize_one_request`` /
         ``_create_tokenized_object`` judge it (:func:`_spec`: ``input_embeds``, the context
         length, hidden states, the custom logit processor, then its ``SamplingParams``,
         :func:`core.sglang_contract.item_refusal`); what this engine does not
         implement (:meth:`unimplemented_refusal`) only after all SGLang would refuse."""
-        if self.text is None and self.input_ids is None:  # _validate_inputs, io_struct.py 431, 444-455
-            raise RequestError("Either text or input_ids should be provided.")
-        if self.text is not None and self.input_ids is not None:
-            raise RequestError("Either text or input_ids should be provided, not both.")
-        refused_body = batch_refusal(self._body)
-        if refused_body is not None:
-            raise RequestError(refused_body.message)
-        refused = self.sglang_refusal()
-        if refused is not None:
-            raise RequestError(refused)
-        batch = self.is_batch()
-        n = len(self.input_ids if self.input_ids is not None else self.text) if batch else 1  # type: ignore[arg-type]
-        if n == 0:
-            raise RequestError("The input batch is empty.")
+        batch, n, rids = self._whole_request(held)
         if self.input_ids is None and encode is None:
             raise RequestError("text input needs a tokenizer; this model directory has none.")
-        rids = self._per_item("rid", self.rid, n, None)
         params = self._per_item("sampling_params", self.sampling_params, n, None)
         return_logprob = self._per_item("return_logprob", self.return_logprob, n, False)
         start = self._per_item("logprob_start_len", self.logprob_start_len, n, -1)
@@ -423,6 +419,33 @@ class GenerateReqInput(BaseModel):
         if len({s.rid for s in specs}) != len(specs):
             raise RequestError("rid must be unique within a batch.")
         return self._routed_experts(specs) if self.return_routed_experts else specs
+
+    def _whole_request(self, held: Callable[[list[str]], str | None] | None) -> tuple[bool, int, list[Any]]:
+        """Step 3's checks of the whole request, before any item's, in SGLang's order (see
+        :meth:`normalize`); whether it is a batch, its size, and each item's rid as sent (None
+        where none was). Raises :class:`RequestError`."""
+        if self.text is None and self.input_ids is None:  # _validate_inputs, io_struct.py 431, 444-455
+            raise RequestError("Either text or input_ids should be provided.")
+        if self.text is not None and self.input_ids is not None:
+            raise RequestError("Either text or input_ids should be provided, not both.")
+        refused_body = batch_refusal(self._body)
+        if refused_body is not None:
+            raise RequestError(refused_body.message)
+        refused = self.sglang_refusal()
+        if refused is not None:
+            raise RequestError(refused)
+        batch = self.is_batch()
+        n = len(self.input_ids if self.input_ids is not None else self.text) if batch else 1  # type: ignore[arg-type]
+        if n == 0:
+            raise RequestError("The input batch is empty.")
+        rids = self._per_item("rid", self.rid, n, None)
+        taken = None if held is None else held([r for r in rids if r is not None])
+        if taken is not None:  # _init_req_state, tokenizer_manager.py 3833-3837: the whole request
+            raise RequestError(f"Duplicate request ID detected: {taken}")
+        refused = _lora_refusal(self.lora_path)  # tokenizer_manager.py 942, 3723-3740
+        if refused is not None:
+            raise RequestError(refused)
+        return batch, n, rids
 
     def _routed_experts(self, specs: list[GenerateSpec]) -> list[GenerateSpec]:
         """``specs`` returning routed experts from ``routed_experts_start_len``, one start for the

@@ -31,7 +31,10 @@ router = APIRouter()
 
 
 class _Refused(RequestError):
-    """A request the scheduler refused once submitted (a rid already running): SGLang raises it as
+    """A request the scheduler refused once submitted (a rid another request took after
+    ``GenerateReqInput.normalize`` checked the request's rids, which refuses the whole request
+    before anything is submitted or streamed; only two requests racing for one rid get here):
+    SGLang raises it as
     a ``ValueError`` of ``generate_request`` (managers/tokenizer_manager.py 3833-3837), which a
     stream answers as :func:`core.sglang_contract.stream_error_event`, code 400
     (entrypoints/http_server.py 956-973). The engine's own failures (shutting down) stay an event
@@ -109,7 +112,7 @@ async def generate(request: Request) -> Response:
     except RequestError as exc:  # steps 1 and 2: a 400 before any stream
         return refusal(exc)
     try:
-        specs = obj.normalize(engine.limits, engine.encode)
+        specs = obj.normalize(engine.limits, engine.encode, engine.scheduler.held)
     except RequestError as exc:  # step 3: inside the stream when one was asked for
         if obj.stream:
             return StreamingResponse(_refused_stream(str(exc)), media_type="text/event-stream")

@@ -373,6 +373,39 @@ def test_a_rid_already_running_is_refused_as_sglang_refuses_it(v1_engine: str, c
     assert running.result()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_a_batch_with_a_rid_already_running_is_refused_whole(v1_engine: str, client: httpx.Client) -> None:
+    """A batch one of whose rids a running request holds is refused whole, streamed or not, before
+    any item runs or is streamed: SGLang 0.5.23's ``_init_req_state`` checks every rid of the
+    request before registering any (managers/tokenizer_manager.py 3818-3837), and does so before
+    the LoRA adapters (926 before 942), so the duplicate is named first."""
+    url = v1_engine
+    running = StreamReader(
+        url, {"input_ids": PROMPT, "rid": "held", "sampling_params": {**LONG, "max_new_tokens": 1500}}
+    )
+    running.wait_for(3)
+    batch = {"input_ids": [PROMPT, PROMPT], "rid": ["free", "held"], "sampling_params": GREEDY}
+    streamed = client.post(url + "/generate", json={**batch, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and len(events) == 2, streamed.text
+    assert json.loads(events[0])["error"] == {
+        "message": "Duplicate request ID detected: held",
+        "type": "invalid_request_error",
+        "code": 400,
+        "retryable": False,
+    }
+    plain = client.post(url + "/generate", json=batch)
+    assert plain.json() == {"error": {"message": "Duplicate request ID detected: held"}}, plain.text
+    with_lora = client.post(url + "/generate", json={"input_ids": PROMPT, "rid": "held", "lora_path": "a"})
+    assert with_lora.json() == {"error": {"message": "Duplicate request ID detected: held"}}, with_lora.text
+    assert not running.done
+    # the other item never ran: its rid is free
+    free = generate(client, url, input_ids=PROMPT, rid="free", sampling_params=GREEDY)
+    assert free["meta_info"]["id"] == "free"
+    assert client.post(url + "/abort_request", json={"rid": "held"}).status_code == 200
+    assert running.result()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_abort_request_by_rid_and_on_disconnect(v1_engine: str, client: httpx.Client) -> None:
     url = v1_engine
     stream = StreamReader(url, {"input_ids": PROMPT, "rid": "victim", "sampling_params": LONG})
