@@ -28,8 +28,10 @@ SGLang judges a body in three steps (paths under ``python/sglang/`` of the relea
    ``"stream": true`` request, an HTTP 200 stream of one :func:`stream_error_event` and
    ``[DONE]`` (949-979). SGLang checks the server-dependent fields (LoRA, ``input_embeds``, the
    context length, hidden states, ...) before an item's ``SamplingParams``: a caller that judges
-   those runs step 3 itself (``through="gate"``, then :func:`batch_refusal` and
-   :func:`item_refusal` in SGLang's order).
+   those runs step 3 itself (``through="gate"``, then :func:`batch_refusal`,
+   :func:`short_list_refusal` and :func:`item_refusal` in SGLang's order); one that does not
+   (the router, which forwards the body) gets no step-3 refusal SGLang would make only after
+   such a field: the server names what it names first.
 
 Each step answers its own body shape (:class:`Refusal`, :func:`error_body`): step 1 through the
 ``RequestValidationError`` handler, ``ErrorResponse(message, type="Bad Request", code=400)``
@@ -64,13 +66,16 @@ body, then the gate's first, then step 3's). Step 3 runs in SGLang's order
 (:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (a batch's ``image_data`` and
 ``watermark`` lengths; ``kv_hints``, decoded with msgspec, in its words: ``Malformed kv_hints
 envelope: ...``), a short ``video_data`` / ``audio_data`` / ``sampling_params`` list
-(:data:`NO_SHORT_LIST`), then each item: a watermark set both ways, a ``choice``
+(:data:`NO_SHORT_LIST`, ``_init_req_state``), then each item: a watermark set both ways, a ``choice``
 (:data:`NO_CHOICE`), a malformed watermark (:func:`watermark_malformed`), then ``SamplingParams``'
 ranges, so a malformed ``watermark`` is named before an out-of-range ``top_p``
 (tokenizer_manager.py 1553-1567). What SGLang answers with a 500 is refused here as a 400 naming
 it, so the router refuses it too (a 422) instead of failing over as from a failing replica. Not
 checked here: the other dataclass-only keys, and what needs the server's settings (a watermark the
-server must enable, ``resolve_watermark_request``).
+server must enable, ``resolve_watermark_request``; a ``lora_path``, ``max_thinking_tokens``, a
+``routed_dp_rank`` other than 0, and per item ``input_embeds``, hidden states and a custom logit
+processor, after which the full check makes no refusal SGLang makes later:
+:func:`_server_judges`).
 An **unknown** top-level key is no refusal: the dataclass parse ignores it (a stdlib dataclass,
 pydantic's ``extra="ignore"``, ``io_struct.py`` 176-178) and the gate skips it
 (``decode_GenerateRequest`` has no ``else``, ``api_types.py`` 1413-1496). What needs the model (a
@@ -588,24 +593,72 @@ def _short(key: str, value: list[Any], batch: int) -> ContractError:
 
 
 def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
-    """Step 3 on a body both earlier steps took, in SGLang's order: :func:`_batch_refusal`, then
-    each item in turn (:func:`_item_refusal` via :func:`_items`)."""
-    refused = _batch_refusal(body)
-    if refused is not None:
+    """Step 3 on a body both earlier steps took, in SGLang's order (``generate_request``,
+    ``tokenizer_manager.py`` 903-942): :func:`_normalize_refusal`, then :func:`_init_refusal`,
+    then each item in turn (:func:`_item_refusal` via :func:`_items`). Where SGLang would first
+    judge a field by the server's settings (:func:`_server_judges`: ``max_thinking_tokens`` and
+    ``routed_dp_rank`` before the rids are registered, the LoRA adapters after, then per item
+    ``input_embeds``, hidden states, the custom logit processor), this check stops there and
+    returns None: what SGLang names then is the server's to say, so a caller that forwards the
+    body (the router) gets SGLang's own answer, naming what SGLang names (a ``lora_path`` before
+    an out-of-range ``top_p``)."""
+    refused = _normalize_refusal(body)
+    if refused is not None or _server_judges(body, _SERVER_BEFORE_RIDS):
         return refused
-    for where, p, top in _items(body):
+    refused = _init_refusal(body)
+    if refused is not None or _server_judges(body, ("lora_path",)):
+        return refused
+    for i, (where, p, top) in enumerate(_items(body)):
+        if _server_judges(body, _SERVER_PER_ITEM, i):
+            return None
         refused = _item_refusal(where, p, top)
         if refused is not None:
             return refused
     return None
 
 
-def _batch_refusal(body: dict[str, Any]) -> ContractError | None:
-    """The start of step 3: ``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903;
-    ``io_struct.py`` 406-442: an empty ``sampling_params`` list, 540; for a batch ``image_data``'s
-    and the top-level ``watermark``'s lengths, 659-662, 749-757; ``kv_hints``, 583-587, 888-905);
-    a batch's short ``video_data`` / ``audio_data`` / ``sampling_params`` list
-    (:data:`NO_SHORT_LIST`)."""
+_SERVER_BEFORE_RIDS = ("max_thinking_tokens", "routed_dp_rank", "data_parallel_rank")
+"""What ``generate_request`` judges by the server's settings before ``_init_req_state``
+(``tokenizer_manager.py`` 905-924: strict thinking, the data-parallel size)."""
+
+_SERVER_PER_ITEM = ("input_embeds", "return_hidden_states", "custom_logit_processor")
+"""What ``_tokenize_one_request`` judges by the server's settings before the item's
+``SamplingParams`` (``tokenizer_manager.py`` 1109-1114, 1393-1419: the radix cache, the
+hidden-states mode, ``--enable-custom-logit-processor``)."""
+
+
+def _asks(key: str, v: Any) -> bool:
+    """Whether ``v`` at ``key`` asks the server for anything it judges by its settings (SGLang's
+    tests: ``is not None`` for ``max_thinking_tokens`` and ``input_embeds``, 905, 1109; a rank
+    other than 0, which every server's range holds, 915-924; ``if value:`` for ``lora_path`` and
+    ``custom_logit_processor``, 3726, 1413; a hidden-states mode other than none, 1394-1398)."""
+    if key in ("max_thinking_tokens", "input_embeds"):
+        return v is not None
+    if key in ("routed_dp_rank", "data_parallel_rank"):
+        return v not in (None, 0)
+    if key == "return_hidden_states":
+        return v not in (None, False)
+    return bool(v)
+
+
+def _server_judges(body: dict[str, Any], keys: tuple[str, ...], item: int | None = None) -> bool:
+    """Whether any of ``keys`` in ``body`` asks what SGLang judges by the server's settings
+    (:func:`_asks`); with ``item``, as that item of a batch has it (a batch's list has one per
+    item, ``io_struct.py`` 972-1000)."""
+    for key in keys:
+        v = body.get(key)
+        if item is not None and key != "input_embeds" and _batch_size(body) is not None and type(v) is list:
+            v = v[item] if item < len(v) else None
+        if _asks(key, v):
+            return True
+    return False
+
+
+def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442):
+    an empty ``sampling_params`` list (read at its first entry, 540: :data:`NO_SHORT_LIST`); for a
+    batch ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757);
+    ``kv_hints`` (583-587, 888-905)."""
     batch = _batch_size(body)
     params = body.get("sampling_params")
     if params == []:
@@ -618,6 +671,15 @@ def _batch_refusal(body: dict[str, Any]) -> ContractError | None:
     kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
     if kv_hints is not None:
         return ContractError(kv_hints, step="verify")
+    return None
+
+
+def _init_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``_init_req_state`` (``tokenizer_manager.py`` 926, 3818-3831), which builds every item's
+    sub-request (``obj[i]``, ``io_struct.py`` 972-982) before registering the rids: a batch's
+    ``video_data`` / ``audio_data`` / ``sampling_params`` list shorter than the batch, kept as
+    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`)."""
+    batch = _batch_size(body)
     if batch is not None:
         for key in ("video_data", "audio_data", "sampling_params"):
             value = body.get(key)
@@ -642,11 +704,20 @@ def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
 
 
 def batch_refusal(body: dict[str, Any]) -> Refusal | None:
-    """The refusal the start of step 3 makes of a ``/generate`` body steps 1 and 2 took
-    (:func:`_batch_refusal`: ``normalize_batch_and_arguments``, ``tokenizer_manager.py`` 903,
-    the first thing ``generate_request`` does), or None. For a caller that runs step 3 itself in
-    SGLang's order, between its own refusals (the local engine: ``GenerateReqInput.normalize``)."""
-    refused = _batch_refusal(body)
+    """The refusal ``normalize_batch_and_arguments`` makes of a ``/generate`` body steps 1 and 2
+    took (:func:`_normalize_refusal`; ``tokenizer_manager.py`` 903, the first thing
+    ``generate_request`` does), or None. For a caller that runs step 3 itself in SGLang's order,
+    between its own refusals (the local engine: ``GenerateReqInput.normalize``)."""
+    refused = _normalize_refusal(body)
+    return None if refused is None else Refusal(refused.step, str(refused))
+
+
+def short_list_refusal(body: dict[str, Any]) -> Refusal | None:
+    """The refusal ``_init_req_state`` makes of such a body (:func:`_init_refusal`: a short
+    list, :data:`NO_SHORT_LIST`), or None; SGLang makes it after the priority,
+    ``max_thinking_tokens`` and ``routed_dp_rank`` (``tokenizer_manager.py`` 904-926) and
+    before it registers the rids (3833-3837)."""
+    refused = _init_refusal(body)
     return None if refused is None else Refusal(refused.step, str(refused))
 
 

@@ -59,6 +59,7 @@ from core.sglang_contract import (
     generate_body_refusal,
     item_refusal,
     max_new_tokens_bound,
+    short_list_refusal,
 )
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
@@ -362,7 +363,8 @@ class GenerateReqInput(BaseModel):
         stream answers inside its 200: ``engine.server.routes_generate``), in SGLang's order:
         ``normalize_batch_and_arguments`` (the input's presence, then
         :func:`core.sglang_contract.batch_refusal`), the whole request's refusals
-        (:meth:`sglang_refusal`), a rid a running request holds (``held``: the first of the
+        (:meth:`sglang_refusal`), a short list (:func:`core.sglang_contract.short_list_refusal`), a
+        rid a running request holds (``held``: the first of the
         request's rids one holds, or None; every rid is checked before anything is submitted, so a
         batch, streamed or not, is refused whole, as ``_init_req_state`` refuses it,
         tokenizer_manager.py 926, 3833-3837), the LoRA adapters (942), then each item in turn as
@@ -434,6 +436,9 @@ class GenerateReqInput(BaseModel):
         refused = self.sglang_refusal()
         if refused is not None:
             raise RequestError(refused)
+        short = short_list_refusal(self._body)  # _init_req_state builds every item first
+        if short is not None:
+            raise RequestError(short.message)
         batch = self.is_batch()
         n = len(self.input_ids if self.input_ids is not None else self.text) if batch else 1  # type: ignore[arg-type]
         if n == 0:

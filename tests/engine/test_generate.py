@@ -1026,6 +1026,8 @@ STEP3_ORDER = [
         "maximum",
     ),
     ({"lora_path": "a", "return_hidden_states": True}, "LoRA is not enabled"),
+    # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)
+    ({"input_ids": [[1], [2]], "max_thinking_tokens": 5, "sampling_params": [{}]}, "max_thinking_tokens"),
     # a batch: each item in turn, all its checks before the next item's
     (
         {

@@ -315,6 +315,47 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     assert r.status_code == 400 and "LoRA is not enabled" in r.text, r.text
 
 
+@pytest.mark.parametrize(
+    ("body", "status", "named"),
+    [
+        # the LoRA adapters before any item's SamplingParams (tokenizer_manager.py 942, 1548-1567)
+        ({"lora_path": "adapter", "sampling_params": {"top_p": 1.5}}, 400, "LoRA is not enabled"),
+        ({"lora_path": "adapter", "sampling_params": {"choice": ["a"]}}, 400, "LoRA is not enabled"),
+        # max_thinking_tokens before the rids are registered, and the short list (905-926)
+        (
+            {"input_ids": [[3], [4]], "max_thinking_tokens": 5, "sampling_params": [{}]},
+            400,
+            "max_thinking_tokens requires",
+        ),
+        # a short list (_init_req_state, 3818-3831) before the LoRA adapters: SGLang's 500
+        ({"input_ids": [[3], [4]], "lora_path": "a", "sampling_params": [{}]}, 422, "1 entries for a batch"),
+        # per item: hidden states before its SamplingParams, the first item's all before the second's
+        ({"return_hidden_states": True, "sampling_params": {"top_p": 1.5}}, 400, "hidden states"),
+        (
+            {
+                "input_ids": [[3], [4]],
+                "return_hidden_states": [False, True],
+                "sampling_params": [{"top_p": 1.5}, {}],
+            },
+            422,
+            "top_p must be in",
+        ),
+    ],
+)
+def test_sglang_generate_names_what_sglang_names_first(
+    client: httpx.Client, body: dict, status: int, named: str
+) -> None:
+    """A body SGLang 0.5.23 would refuse for a field it judges by the server's settings (a
+    ``lora_path``, ``max_thinking_tokens``, hidden states) before an item's sampling ranges is not
+    refused by the router for the ranges: it is forwarded, and the answer (the engine's 400, in
+    SGLang's words for a server started as the fleet starts it) names what SGLang names; what
+    SGLang refuses before such a field (a short list) or in an earlier item is still the router's
+    422 (core.sglang_contract ``_tokenizer_refusal``)."""
+    r = client.post("/generate", json={"input_ids": [3, 4], **body})
+    text = r.json()["detail"] if r.status_code == 422 else r.text
+    assert r.status_code == status and named in text, r.text
+
+
 def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client) -> None:
     """``sampling_params.choice``: SGLang 0.5.23's gate takes it and its ``/generate`` then fails
     with a 500 (:data:`core.sglang_contract.NO_CHOICE`), which the router would take for a failing
