@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -655,14 +656,18 @@ def _server_judges(body: dict[str, Any], keys: tuple[str, ...], item: int | None
 
 
 def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
-    """``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442):
-    an empty ``sampling_params`` list (read at its first entry, 540: :data:`NO_SHORT_LIST`); for a
-    batch ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757);
-    ``kv_hints`` (583-587, 888-905)."""
+    """``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442),
+    in its order: an empty ``sampling_params`` list (read at its first entry, 540:
+    :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another length (759-774), then
+    ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757); ``kv_hints``
+    (583-587, 888-905); last a rid named twice (:func:`_rid_uniqueness_refusal`)."""
     batch = _batch_size(body)
-    params = body.get("sampling_params")
+    params, rid = body.get("sampling_params"), body.get("rid")
     if params == []:
         return _short("sampling_params", params, batch or 1)
+    if batch is not None and type(rid) is list and len(rid) != batch:  # _normalize_rid, 759-774
+        message = "The specified rids length mismatch with the batch_size for batch processing."
+        return ContractError(message, step="verify", value=rid)
     if batch is not None:
         for key in ("image_data", "watermark"):
             value = body.get(key)
@@ -671,7 +676,17 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
     if kv_hints is not None:
         return ContractError(kv_hints, step="verify")
-    return None
+    return _rid_uniqueness_refusal(rid)
+
+
+def _rid_uniqueness_refusal(rid: Any) -> ContractError | None:
+    """``_validate_rid_uniqueness`` (``io_struct.py`` 390-397), the last check of
+    ``normalize_batch_and_arguments`` (442), in its words: a ``rid`` list naming one rid twice
+    (the rids named more than once, in the order first named, as a Python list)."""
+    if type(rid) is not list or len(set(rid)) == len(rid):
+        return None
+    duplicates = [r for r, count in Counter(rid).items() if count > 1]
+    return ContractError(f"Duplicate request IDs detected within the request: {duplicates}", step="verify")
 
 
 def _init_refusal(body: dict[str, Any]) -> ContractError | None:

@@ -418,8 +418,6 @@ class GenerateReqInput(BaseModel):
         refused = self.unimplemented_refusal()
         if refused is not None:
             raise RequestError(refused)
-        if len({s.rid for s in specs}) != len(specs):
-            raise RequestError("rid must be unique within a batch.")
         return self._routed_experts(specs) if self.return_routed_experts else specs
 
     def _whole_request(self, held: Callable[[list[str]], str | None] | None) -> tuple[bool, int, list[Any]]:
@@ -478,8 +476,8 @@ class GenerateReqInput(BaseModel):
             return value
         if value is None:
             return [default] * n
-        if name == "rid" and n > 1:
-            return [f"{value}-{i}" for i in range(n)]
+        if name == "rid" and n > 1:  # _normalize_rid, io_struct.py 759-765
+            return [f"{value}_{i}" for i in range(n)]
         return [value] * n
 
 

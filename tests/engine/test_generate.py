@@ -213,6 +213,9 @@ def test_batch_request(engine: str, client: httpx.Client) -> None:
     assert [o["meta_info"]["id"] for o in out] == ["a", "b", "c"]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [8, 3, 1]
     assert [len(o["output_ids"]) for o in out] == [2, 3, 4]
+    # one rid for a batch: "<rid>_<i>" (_normalize_rid, managers/io_struct.py 759-765)
+    out = generate(client, engine, input_ids=prompts[:2], rid="r", sampling_params={"max_new_tokens": 1})
+    assert [o["meta_info"]["id"] for o in out] == ["r_0", "r_1"]
 
 
 def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
@@ -416,7 +419,12 @@ BAD = [
     ({"input_ids": "abc"}, 'input_ids: invalid type: string "abc", expected a sequence'),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"sampling_params": {}}, "Either text or input_ids"),
-    ({"input_ids": [[1], [2]], "rid": ["x"]}, "rid has 1 entries for a batch of 2"),
+    # normalize_batch_and_arguments' words (managers/io_struct.py 759-774, 390-397)
+    ({"input_ids": [[1], [2]], "rid": ["x"]}, "The specified rids length mismatch with the batch_size"),
+    (
+        {"input_ids": [[1], [2]], "rid": ["x", "x"]},
+        "Duplicate request IDs detected within the request: ['x']",
+    ),
     # SGLang 0.5.23's sampling-mask rules (managers/scheduler.py, managers/tokenizer_manager.py)
     ({"input_ids": [1], "return_sampling_mask": True}, "finite 1 < top_k <= 4096; got top_k=1073741824"),
     (
@@ -1026,6 +1034,13 @@ STEP3_ORDER = [
         "maximum",
     ),
     ({"lora_path": "a", "return_hidden_states": True}, "LoRA is not enabled"),
+    # a rid named twice: the last check of normalize_batch_and_arguments (io_struct.py 442),
+    # after kv_hints, before everything generate_request checks next
+    (
+        {"input_ids": [[1], [2]], "rid": ["x", "x"], "lora_path": "a", "max_thinking_tokens": 3},
+        "Duplicate request IDs detected within the request: ['x']",
+    ),
+    ({"input_ids": [[1], [2]], "rid": ["x", "x"], "kv_hints": [None]}, "The length of kv_hints"),
     # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)
     ({"input_ids": [[1], [2]], "max_thinking_tokens": 5, "sampling_params": [{}]}, "max_thinking_tokens"),
     # a batch: each item in turn, all its checks before the next item's

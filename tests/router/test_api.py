@@ -327,6 +327,12 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
             400,
             "max_thinking_tokens requires",
         ),
+        # a rid named twice: normalize_batch_and_arguments (io_struct.py 390-397, 442), first
+        (
+            {"input_ids": [[3], [4]], "rid": ["x", "x"], "lora_path": "a"},
+            422,
+            "Duplicate request IDs detected within the request: ['x']",
+        ),
         # a short list (_init_req_state, 3818-3831) before the LoRA adapters: SGLang's 500
         ({"input_ids": [[3], [4]], "lora_path": "a", "sampling_params": [{}]}, 422, "1 entries for a batch"),
         # per item: hidden states before its SamplingParams, the first item's all before the second's
