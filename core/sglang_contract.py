@@ -622,10 +622,10 @@ _SERVER_BEFORE_RIDS = ("max_thinking_tokens", "routed_dp_rank", "data_parallel_r
 """What ``generate_request`` judges by the server's settings before ``_init_req_state``
 (``tokenizer_manager.py`` 905-924: strict thinking, the data-parallel size)."""
 
-_SERVER_PER_ITEM = ("input_embeds", "return_hidden_states", "custom_logit_processor")
-"""What ``_tokenize_one_request`` judges by the server's settings before the item's
+_SERVER_PER_ITEM = ("input_embeds", "token_ids_logprob", "return_hidden_states", "custom_logit_processor")
+"""What ``_tokenize_one_request`` judges by the server's settings or model before the item's
 ``SamplingParams`` (``tokenizer_manager.py`` 1109-1114, 1393-1419: the radix cache, the
-hidden-states mode, ``--enable-custom-logit-processor``)."""
+vocabulary, 1513-1531, the hidden-states mode, ``--enable-custom-logit-processor``)."""
 
 
 def _asks(key: str, v: Any) -> bool:
@@ -648,11 +648,20 @@ def _server_judges(body: dict[str, Any], keys: tuple[str, ...], item: int | None
     item, ``io_struct.py`` 972-1000)."""
     for key in keys:
         v = body.get(key)
-        if item is not None and key != "input_embeds" and _batch_size(body) is not None and type(v) is list:
+        if item is not None and _batch_size(body) is not None and _per_item_list(key, v):
             v = v[item] if item < len(v) else None
         if _asks(key, v):
             return True
     return False
+
+
+def _per_item_list(key: str, v: Any) -> bool:
+    """Whether a batch's ``v`` at ``key`` is one entry per item (``io_struct.py`` 809-821, 972-1000):
+    a list, but for ``token_ids_logprob`` only a list of lists (one list of ids is every item's),
+    and never ``input_embeds`` (the batch's input itself)."""
+    if type(v) is not list or key == "input_embeds":
+        return False
+    return key != "token_ids_logprob" or (bool(v) and type(v[0]) is list)
 
 
 def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:

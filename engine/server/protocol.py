@@ -228,6 +228,27 @@ _INPUT_EMBEDS_REFUSAL = (
 )
 
 
+def _token_ids_logprob_refusal(ids: Any, vocab_size: int) -> str | None:
+    """``_validate_token_ids_logprob`` (tokenizer_manager.py 1513-1531) on one item's
+    ``token_ids_logprob``, in its words: each id in turn, one that is no integer (a row of a batch's
+    lists sent with one request) or outside the vocabulary refused. Run after the context length
+    and before the hidden states (1336-1393); this engine then refuses any it is sent as not
+    implemented (:data:`_UNIMPLEMENTED`), after everything SGLang refuses."""
+    if not ids:
+        return None
+    if not isinstance(ids, list):
+        return "token_ids_logprob must be a flat list of integers."
+    for token_id in ids:
+        if not isinstance(token_id, int):
+            return "token_ids_logprob must be a flat list of integers."
+        if token_id < 0 or token_id >= vocab_size:
+            return (
+                f"token_ids_logprob contains out-of-vocabulary token id {token_id}; "
+                f"valid range is [0, {vocab_size})."
+            )
+    return None
+
+
 def _custom_logit_processor_refusal(v: Any) -> str | None:
     if not v:
         return None
@@ -387,6 +408,7 @@ class GenerateReqInput(BaseModel):
             hidden = self._per_item("return_hidden_states", self.return_hidden_states, n, False)
             processors = self._per_item("custom_logit_processor", self.custom_logit_processor, n, None)
         marks = self._watermarks(batch, n)
+        logprob_ids = self._token_ids_logprob_items(batch, n)
         specs = []
         for i in range(n):
             if self.input_embeds is not None:  # tokenizer_manager.py 1109-1114, before the input
@@ -409,6 +431,7 @@ class GenerateReqInput(BaseModel):
                     sampling_logprobs_mode=modes[i],
                     return_hidden_states=hidden[i],
                     custom_logit_processor=processors[i],
+                    token_ids_logprob=logprob_ids[i],
                     watermark=marks[i],
                     return_text_in_logprobs=self.return_text_in_logprobs,
                     stream=self.stream,
@@ -461,6 +484,15 @@ class GenerateReqInput(BaseModel):
         return [
             dataclasses.replace(s, return_routed_experts=True, routed_experts_start_len=start) for s in specs
         ]
+
+    def _token_ids_logprob_items(self, batch: bool, n: int) -> list[Any]:
+        """Each item's ``token_ids_logprob`` as SGLang hands it to the item (io_struct.py
+        ``_normalize_logprob_params`` 809-821, ``__getitem__`` 987): a batch's list of lists one
+        row per item (a row past the list's end: none), any other value every item's."""
+        value = self.token_ids_logprob
+        if batch and value and isinstance(value[0], list):
+            return [value[i] if i < len(value) else None for i in range(n)]
+        return [value] * n
 
     def _watermarks(self, batch: bool, n: int) -> list[Any]:
         """Each item's top-level ``watermark``: a batch's list has one per item (its length was
@@ -522,6 +554,7 @@ def _spec(
     sampling_logprobs_mode: str | None,
     return_hidden_states: Any,
     custom_logit_processor: Any,
+    token_ids_logprob: Any,
     watermark: Any,
     return_text_in_logprobs: bool,
     stream: bool,
@@ -537,7 +570,8 @@ def _spec(
         )
     n = len(input_ids)
     _length_refusal(n, params.max_new_tokens, limits.context_len)
-    refused = _hidden_states_refusal(return_hidden_states)  # tokenizer_manager.py 1393-1410
+    refused = _token_ids_logprob_refusal(token_ids_logprob, limits.vocab_size)  # 1393, 1513-1531
+    refused = refused or _hidden_states_refusal(return_hidden_states)  # tokenizer_manager.py 1394-1410
     refused = refused or _custom_logit_processor_refusal(custom_logit_processor)  # 1411-1419
     if refused is not None:
         raise RequestError(refused)

@@ -1054,6 +1054,15 @@ STEP3_ORDER = [
     ),
     # what this engine does not implement only after all SGLang refuses
     ({"token_ids_logprob": [3], "sampling_params": {"top_p": 1.5}}, "top_p must be in"),
+    # token_ids_logprob's ids: after the context length, before hidden states and the ranges
+    # (tokenizer_manager.py 1393, 1513-1531), in SGLang's words, not "not supported"
+    (
+        {"token_ids_logprob": [3, 10**9], "return_hidden_states": True, "sampling_params": {"top_p": 1.5}},
+        "token_ids_logprob contains out-of-vocabulary token id 1000000000; valid range is [0, ",
+    ),
+    ({"input_ids": [1] * 2048, "token_ids_logprob": [10**9]}, "longer than the model's context"),
+    ({"token_ids_logprob": [[3]]}, "token_ids_logprob must be a flat list of integers."),
+    ({"input_ids": [[1], [2]], "token_ids_logprob": [[3], [-1]]}, "out-of-vocabulary token id -1"),
 ]
 
 

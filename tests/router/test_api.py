@@ -335,6 +335,12 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
         ),
         # a short list (_init_req_state, 3818-3831) before the LoRA adapters: SGLang's 500
         ({"input_ids": [[3], [4]], "lora_path": "a", "sampling_params": [{}]}, 422, "1 entries for a batch"),
+        # per item: the vocabulary (token_ids_logprob, 1513-1531) before its SamplingParams
+        (
+            {"token_ids_logprob": [10**9], "sampling_params": {"top_p": 1.5}},
+            400,
+            "token_ids_logprob contains out-of-vocabulary token id 1000000000",
+        ),
         # per item: hidden states before its SamplingParams, the first item's all before the second's
         ({"return_hidden_states": True, "sampling_params": {"top_p": 1.5}}, 400, "hidden states"),
         (
