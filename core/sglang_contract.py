@@ -524,6 +524,40 @@ a 500, which the router would take for a failing replica; refused here as a 400,
 body, by the engine and the router alike."""
 
 
+NO_TEXT_AND_IDS = (
+    "SGLang 0.5.23 takes a request's shape from text and each item's tokens from input_ids when both "
+    "are sent (managers/io_struct.py 444-455, 479-487, 969; managers/tokenizer_manager.py 1118), and "
+    "its /generate fails on input_ids that do not give one row per text (an IndexError or a "
+    "TypeError, a 500)."
+)
+"""Why ``text`` with ``input_ids`` of another shape is refused: ``_validate_inputs`` refuses
+only all of ``text``, ``input_ids`` and ``input_embeds`` (``io_struct.py`` 444-455),
+``_determine_batch_size`` reads ``text`` first (479-487), each sub-request takes
+``input_ids[i]`` (969) and ``_tokenize_one_request`` tokenizes nothing when ``input_ids`` is set
+(``tokenizer_manager.py`` 1118). A text list with fewer rows is an IndexError in
+``_init_req_state``; a flat list for a text list, or rows for one text, a TypeError when the
+item is tokenized (``len``, 1336; ``array("q", ...)``, 1543-1545), which this check makes with
+the short lists (:func:`_init_refusal`). A 500, which the router would take for a failing
+replica; refused here as a 400, in step 3's body, by the engine and the router alike."""
+
+
+def _text_and_ids_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``text`` sent with ``input_ids`` that do not give one row per text (:data:`NO_TEXT_AND_IDS`),
+    or None; matching ones are served from ``input_ids``."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is None or ids is None:
+        return None
+    rows = type(ids) is list and bool(ids) and type(ids[0]) is list
+    if type(text) is list and (not rows or len(ids) < len(text)):
+        shape = f"{len(ids)} rows" if rows else "one list of ids"
+        message = f"input_ids ({shape}) for a batch of {len(text)} texts: {NO_TEXT_AND_IDS}"
+    elif type(text) is str and rows:
+        message = f"input_ids ({len(ids)} rows) for one text: {NO_TEXT_AND_IDS}"
+    else:
+        return None
+    return ContractError(message, step="verify", value=ids)
+
+
 def _msgspec_type(v: Any) -> str:
     """The type as msgspec names it in a ``ValidationError``."""
     if v is None:
@@ -702,14 +736,15 @@ def _init_refusal(body: dict[str, Any]) -> ContractError | None:
     """``_init_req_state`` (``tokenizer_manager.py`` 926, 3818-3831), which builds every item's
     sub-request (``obj[i]``, ``io_struct.py`` 972-982) before registering the rids: a batch's
     ``video_data`` / ``audio_data`` / ``sampling_params`` list shorter than the batch, kept as
-    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`)."""
+    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`); then ``text`` with
+    ``input_ids`` of another shape (:data:`NO_TEXT_AND_IDS`)."""
     batch = _batch_size(body)
     if batch is not None:
         for key in ("video_data", "audio_data", "sampling_params"):
             value = body.get(key)
             if type(value) is list and len(value) < batch:
                 return _short(key, value, batch)
-    return None
+    return _text_and_ids_refusal(body)
 
 
 def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:

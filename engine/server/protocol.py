@@ -348,9 +348,12 @@ class GenerateReqInput(BaseModel):
         return obj
 
     def is_batch(self) -> bool:
-        if self.input_ids is not None:
-            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-        return isinstance(self.text, list)
+        """Whether the request is a batch: ``text`` a list, else ``input_ids`` a list of lists;
+        ``text`` decides when both are sent (``_determine_batch_size``, io_struct.py 479-487),
+        and each item's tokens are then its ``input_ids`` row (tokenizer_manager.py 1118)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
     def sglang_refusal(self) -> str | None:
         """SGLang's refusal, in its words, of what it judges on the whole request before any item
@@ -449,8 +452,6 @@ class GenerateReqInput(BaseModel):
         where none was). Raises :class:`RequestError`."""
         if self.text is None and self.input_ids is None:  # _validate_inputs, io_struct.py 431, 444-455
             raise RequestError("Either text or input_ids should be provided.")
-        if self.text is not None and self.input_ids is not None:
-            raise RequestError("Either text or input_ids should be provided, not both.")
         refused_body = batch_refusal(self._body)
         if refused_body is not None:
             raise RequestError(refused_body.message)
@@ -461,7 +462,7 @@ class GenerateReqInput(BaseModel):
         if short is not None:
             raise RequestError(short.message)
         batch = self.is_batch()
-        n = len(self.input_ids if self.input_ids is not None else self.text) if batch else 1  # type: ignore[arg-type]
+        n = len(self.text if self.text is not None else self.input_ids) if batch else 1  # type: ignore[arg-type]
         if n == 0:
             raise RequestError("The input batch is empty.")
         rids = self._per_item("rid", self.rid, n, None)

@@ -105,6 +105,29 @@ def test_text_input_and_greedy(engine: str, client: httpx.Client) -> None:
         assert meta["output_token_sampling_logprobs"][i] == 0.0
 
 
+def test_text_with_input_ids_is_served_from_the_ids(engine: str, client: httpx.Client) -> None:
+    """``text`` and ``input_ids`` sent together: SGLang 0.5.23 refuses neither (``_validate_inputs``
+    refuses only all three inputs, managers/io_struct.py 444-455), takes the shape from ``text``
+    (479-487) and each item's tokens from ``input_ids`` (969; tokenizer_manager.py 1118); ids that
+    do not give one row per text fail there with a 500, refused here as a 400 naming it
+    (core.sglang_contract.NO_TEXT_AND_IDS)."""
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    ids = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)
+    both = generate(client, engine, text="Hello", input_ids=PROMPT, sampling_params=greedy)
+    assert both["output_ids"] == ids["output_ids"]
+    assert both["meta_info"]["prompt_tokens"] == len(PROMPT)
+    rows = generate(client, engine, text=["a", "b"], input_ids=[PROMPT, [65, 66, 67]], sampling_params=greedy)
+    assert [o["meta_info"]["prompt_tokens"] for o in rows] == [len(PROMPT), 3]
+    assert rows[0]["output_ids"] == ids["output_ids"]
+    for body in (
+        {"text": ["a", "b"], "input_ids": [PROMPT]},
+        {"text": ["a", "b"], "input_ids": PROMPT},
+        {"text": "a", "input_ids": [PROMPT, PROMPT]},
+    ):
+        r = client.post(engine + "/generate", json=body)
+        assert r.status_code == 400 and "takes a request's shape from text" in r.text, (body, r.text)
+
+
 def test_sampling_seed_reproduces(engine: str, client: httpx.Client) -> None:
     def run(seed: int) -> dict[str, Any]:
         return generate(

@@ -313,6 +313,9 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     assert r.status_code == 200, r.text
     r = client.post("/generate", json={**body, "lora_path": "adapter"})
     assert r.status_code == 400 and "LoRA is not enabled" in r.text, r.text
+    # text with matching input_ids: SGLang serves the ids (managers/io_struct.py 479-487, 969)
+    r = client.post("/generate", json={**body, "text": "Hello"})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 2, r.text
 
 
 @pytest.mark.parametrize(
@@ -394,6 +397,7 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
             "video_data has 1 entries",
         ),
         ({"input_ids": [3, 4], "sampling_params": []}, "sampling_params has 0 entries for a batch of 1"),
+        ({"text": ["a", "b"], "input_ids": [[3]]}, "takes a request's shape from text"),
         (
             {"input_ids": [[3], [4]], "sampling_params": [{}]},
             "sampling_params has 1 entries for a batch of 2",
