@@ -622,6 +622,67 @@ def _batch_size(body: dict[str, Any]) -> int | None:
     return None
 
 
+NO_LIST_FOR_ONE = (
+    "SGLang 0.5.23 reads one request's sampling_params as an object (managers/tokenizer_manager.py "
+    "1354: sampling_params.get), and its /generate fails on a list there (an AttributeError, a 500); "
+    "send an object, or a list with a batch."
+)
+"""Why a list ``sampling_params`` on one request (not a batch, no ``n`` above 1) is refused:
+``_handle_parallel_sampling`` reads its first entry and keeps the request single
+(``io_struct.py`` 531-557), ``_normalize_single_inputs`` keeps the list (559-562), and
+``_validate_one_request`` calls ``.get`` on it after the input's length check
+(``tokenizer_manager.py`` 1339-1354): an AttributeError, which ``/generate`` does not catch
+(``http_server.py`` 983-990), a 500 the router would take for a failing replica; refused here
+as a 400, in step 3's body, at that place (:func:`list_for_one_refusal`)."""
+
+NO_NULL_N = (
+    "SGLang 0.5.23 compares sampling_params.n with 1 (managers/io_struct.py 531-557: "
+    "parallel_sample_num > 1), and its /generate fails on a null there (a TypeError, a 500); "
+    "leave n out or send an integer."
+)
+"""Why ``"n": null`` is refused (unless ``beam_width`` above 1 sets the count to 1 first,
+``io_struct.py`` 517-529): ``_handle_parallel_sampling`` takes ``get("n", 1)``, ``None``, and
+compares it with 1, a TypeError in ``normalize_batch_and_arguments``: a 500."""
+
+
+def _parallel_sampling_refusal(params: Any) -> ContractError | None:
+    """``_handle_parallel_sampling`` (``io_struct.py`` 531-557) on a non-empty
+    ``sampling_params``: a list whose entries' ``n`` differ (its words), then a null ``n``
+    (:data:`NO_NULL_N`)."""
+    if type(params) is dict:
+        rows = [params]
+    elif type(params) is list and params:
+        rows = params
+    else:
+        return None
+    n = rows[0].get("n", 1)
+    if any(row.get("n", 1) != n for row in rows):
+        message = "The parallel_sample_num should be the same for all samples in sample params."
+        return ContractError(message, step="verify")
+    if n is None and (rows[0].get("beam_width") or 1) <= 1:
+        return ContractError(f"sampling_params.n is null: {NO_NULL_N}", step="verify", value=n)
+    return None
+
+
+def _list_for_one(body: dict[str, Any]) -> ContractError | None:
+    """A list ``sampling_params`` on a request that stays single (:data:`NO_LIST_FOR_ONE`)."""
+    params = body.get("sampling_params")
+    if type(params) is not list or not params or _batch_size(body) is not None:
+        return None
+    n = params[0].get("n", 1)
+    if type(n) is int and n > 1 and (params[0].get("beam_width") or 1) <= 1:
+        return None  # parallel sampling makes it a batch (io_struct.py 550-557)
+    return ContractError(f"sampling_params is a list for one request: {NO_LIST_FOR_ONE}", step="verify")
+
+
+def list_for_one_refusal(body: dict[str, Any]) -> Refusal | None:
+    """The refusal of a list ``sampling_params`` on one request (:data:`NO_LIST_FOR_ONE`), or None;
+    SGLang fails on it per item after the input's length check and before the requested total's
+    (``tokenizer_manager.py`` 1339-1354), so a caller that makes those checks runs this between."""
+    refused = _list_for_one(body)
+    return None if refused is None else Refusal(refused.step, str(refused))
+
+
 def _short(key: str, value: list[Any], batch: int) -> ContractError:
     message = f"{key} has {len(value)} entries for a batch of {batch}: {NO_SHORT_LIST}"
     return ContractError(message, step="verify", value=value)
@@ -644,8 +705,11 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     if refused is not None or _server_judges(body, ("lora_path",)):
         return refused
     for i, (where, p, top) in enumerate(_items(body)):
-        if _server_judges(body, _SERVER_PER_ITEM, i):
+        if _server_judges(body, ("input_embeds",), i):
             return None
+        refused = _list_for_one(body)  # after the input's length, which needs the model
+        if refused is not None or _server_judges(body, _SERVER_PER_ITEM, i):
+            return refused
         refused = _item_refusal(where, p, top)
         if refused is not None:
             return refused
@@ -656,10 +720,11 @@ _SERVER_BEFORE_RIDS = ("max_thinking_tokens", "routed_dp_rank", "data_parallel_r
 """What ``generate_request`` judges by the server's settings before ``_init_req_state``
 (``tokenizer_manager.py`` 905-924: strict thinking, the data-parallel size)."""
 
-_SERVER_PER_ITEM = ("input_embeds", "token_ids_logprob", "return_hidden_states", "custom_logit_processor")
-"""What ``_tokenize_one_request`` judges by the server's settings or model before the item's
-``SamplingParams`` (``tokenizer_manager.py`` 1109-1114, 1393-1419: the radix cache, the
-vocabulary, 1513-1531, the hidden-states mode, ``--enable-custom-logit-processor``)."""
+_SERVER_PER_ITEM = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor")
+"""What ``_tokenize_one_request`` judges by the server's settings or model after the input's
+length and before the item's ``SamplingParams`` (``tokenizer_manager.py`` 1393-1419: the
+vocabulary, 1513-1531, the hidden-states mode, ``--enable-custom-logit-processor``);
+``input_embeds`` (the radix cache, 1109-1114) comes before the input's length."""
 
 
 def _asks(key: str, v: Any) -> bool:
@@ -708,6 +773,9 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     params, rid = body.get("sampling_params"), body.get("rid")
     if params == []:
         return _short("sampling_params", params, batch or 1)
+    refused = _parallel_sampling_refusal(params)
+    if refused is not None:
+        return refused
     if batch is not None and type(rid) is list and len(rid) != batch:  # _normalize_rid, 759-774
         message = "The specified rids length mismatch with the batch_size for batch processing."
         return ContractError(message, step="verify", value=rid)

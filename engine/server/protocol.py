@@ -58,6 +58,7 @@ from core.sglang_contract import (
     batch_refusal,
     generate_body_refusal,
     item_refusal,
+    list_for_one_refusal,
     max_new_tokens_bound,
     short_list_refusal,
 )
@@ -400,7 +401,8 @@ class GenerateReqInput(BaseModel):
         batch, n, rids = self._whole_request(held)
         if self.input_ids is None and encode is None:
             raise RequestError("text input needs a tokenizer; this model directory has none.")
-        params = self._per_item("sampling_params", self.sampling_params, n, None)
+        params = self._per_item("sampling_params", self._batch_sampling_params(batch), n, None)
+        list_refused = list_for_one_refusal(self._body)  # a list on one request: SGLang's 500
         return_logprob = self._per_item("return_logprob", self.return_logprob, n, False)
         start = self._per_item("logprob_start_len", self.logprob_start_len, n, -1)
         top_n = self._per_item("top_logprobs_num", self.top_logprobs_num, n, 0)
@@ -427,6 +429,7 @@ class GenerateReqInput(BaseModel):
                     input_ids=ids,
                     params=params[i] or SamplingParams(),
                     sampling_refusal=lambda i=i: item_refusal(self._body, i),
+                    list_refusal=list_refused,
                     return_logprob=bool(return_logprob[i]),
                     logprob_start_len=-1 if start[i] is None else int(start[i]),
                     top_logprobs_num=int(top_n[i] or 0),
@@ -486,6 +489,14 @@ class GenerateReqInput(BaseModel):
             dataclasses.replace(s, return_routed_experts=True, routed_experts_start_len=start) for s in specs
         ]
 
+    def _batch_sampling_params(self, batch: bool) -> Any:
+        """``sampling_params`` as the items read it: one request's list is its first entry (the
+        list itself is refused, :func:`core.sglang_contract.list_for_one_refusal`, unless ``n``
+        makes it parallel samples, which this engine refuses after)."""
+        if not batch and isinstance(self.sampling_params, list):
+            return self.sampling_params[0]
+        return self.sampling_params
+
     def _token_ids_logprob_items(self, batch: bool, n: int) -> list[Any]:
         """Each item's ``token_ids_logprob`` as SGLang hands it to the item (io_struct.py
         ``_normalize_logprob_params`` 809-821, ``__getitem__`` 987): a batch's list of lists one
@@ -523,15 +534,18 @@ def _settings(params: SamplingParams, watermark: Any) -> SamplerSettings:
     return params.to_settings()
 
 
-def _length_refusal(n: int, max_new_tokens: int | None, context_len: int) -> None:
+def _length_refusal(n: int, max_new_tokens: int | None, context_len: int, listed: Refusal | None) -> None:
     """SGLang's context-length checks of an item of ``n`` prompt tokens, in its words
-    (``_validate_one_request``, tokenizer_manager.py 1336-1375): the input, then the total with a
-    ``max_new_tokens`` it was sent (null has no bound but the context's,
-    :func:`core.sglang_contract.max_new_tokens_bound`). Raises :class:`RequestError`."""
+    (``_validate_one_request``, tokenizer_manager.py 1336-1375): the input, then ``listed`` (a
+    list ``sampling_params`` on one request, which SGLang fails on reading ``max_new_tokens``,
+    1354), then the total with a ``max_new_tokens`` it was sent (null has no bound but the
+    context's, :func:`core.sglang_contract.max_new_tokens_bound`). Raises :class:`RequestError`."""
     if n >= context_len:
         raise RequestError(
             f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens)."
         )
+    if listed is not None:
+        raise RequestError(listed.message)
     if max_new_tokens is not None and n + max_new_tokens > context_len:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {context_len} "
@@ -548,6 +562,7 @@ def _spec(
     input_ids: Sequence[int],
     params: SamplingParams,
     sampling_refusal: Callable[[], Refusal | None],
+    list_refusal: Refusal | None,
     return_logprob: bool,
     logprob_start_len: int,
     top_logprobs_num: int,
@@ -570,7 +585,7 @@ def _spec(
             + (f" ({len(bad)} such ids)." if len(bad) > 1 else ".")
         )
     n = len(input_ids)
-    _length_refusal(n, params.max_new_tokens, limits.context_len)
+    _length_refusal(n, params.max_new_tokens, limits.context_len, list_refusal)
     refused = _token_ids_logprob_refusal(token_ids_logprob, limits.vocab_size)  # 1393, 1513-1531
     refused = refused or _hidden_states_refusal(return_hidden_states)  # tokenizer_manager.py 1394-1410
     refused = refused or _custom_logit_processor_refusal(custom_logit_processor)  # 1411-1419

@@ -1064,6 +1064,17 @@ STEP3_ORDER = [
         "Duplicate request IDs detected within the request: ['x']",
     ),
     ({"input_ids": [[1], [2]], "rid": ["x", "x"], "kv_hints": [None]}, "The length of kv_hints"),
+    # a list sampling_params on one request: SGLang's 500 reading it (tokenizer_manager.py 1354),
+    # after the input's length, before hidden states (core.sglang_contract.NO_LIST_FOR_ONE)
+    ({"sampling_params": [{}], "return_hidden_states": True}, "sampling_params is a list for one request"),
+    ({"input_ids": [1] * 2048, "sampling_params": [{}]}, "longer than the model's context"),
+    ({"sampling_params": [{"top_p": 1.5}], "lora_path": "a"}, "LoRA is not enabled"),
+    # _handle_parallel_sampling (io_struct.py 531-557), in normalize_batch_and_arguments
+    ({"sampling_params": {"n": None}, "lora_path": "a"}, "sampling_params.n is null"),
+    (
+        {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
+        "The parallel_sample_num should be the same for all samples in sample params.",
+    ),
     # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)
     ({"input_ids": [[1], [2]], "max_thinking_tokens": 5, "sampling_params": [{}]}, "max_thinking_tokens"),
     # a batch: each item in turn, all its checks before the next item's

@@ -324,6 +324,7 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
         # the LoRA adapters before any item's SamplingParams (tokenizer_manager.py 942, 1548-1567)
         ({"lora_path": "adapter", "sampling_params": {"top_p": 1.5}}, 400, "LoRA is not enabled"),
         ({"lora_path": "adapter", "sampling_params": {"choice": ["a"]}}, 400, "LoRA is not enabled"),
+        ({"lora_path": "adapter", "sampling_params": [{}]}, 400, "LoRA is not enabled"),
         # max_thinking_tokens before the rids are registered, and the short list (905-926)
         (
             {"input_ids": [[3], [4]], "max_thinking_tokens": 5, "sampling_params": [{}]},
@@ -398,6 +399,8 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ),
         ({"input_ids": [3, 4], "sampling_params": []}, "sampling_params has 0 entries for a batch of 1"),
         ({"text": ["a", "b"], "input_ids": [[3]]}, "takes a request's shape from text"),
+        ({"input_ids": [3, 4], "sampling_params": [{}]}, "sampling_params is a list for one request"),
+        ({"input_ids": [3, 4], "sampling_params": {"n": None}}, "sampling_params.n is null"),
         (
             {"input_ids": [[3], [4]], "sampling_params": [{}]},
             "sampling_params has 1 entries for a batch of 2",
