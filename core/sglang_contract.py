@@ -70,7 +70,8 @@ envelope: ...``), a short ``video_data`` / ``audio_data`` / ``sampling_params`` 
 (:data:`NO_CHOICE`), a malformed watermark (:func:`watermark_malformed`), then ``SamplingParams``'
 ranges, so a malformed ``watermark`` is named before an out-of-range ``top_p``
 (tokenizer_manager.py 1553-1567). What SGLang answers with a 500 is refused here as a 400 naming
-it, so the router refuses it too (a 422) instead of failing over as from a failing replica. Not
+it (:attr:`Refusal.fails`), so the router refuses it too (a 422) instead of failing over as from a
+failing replica. Not
 checked here: the other dataclass-only keys, and what needs the server's settings (a watermark the
 server must enable, ``resolve_watermark_request``; a ``lora_path``, ``max_thinking_tokens``, a
 ``routed_dp_rank`` other than 0, and per item ``input_embeds``, hidden states and a custom logit
@@ -127,16 +128,18 @@ gate, ``SamplingParams``' checks."""
 
 class ContractError(ValueError):
     """One refusal: ``str(exc)`` is the line naming the field; ``step`` the step that makes it;
-    ``value`` the value refused (None where none is one)."""
+    ``value`` the value refused (None where none is one); ``fails``: SGLang does not refuse it
+    but fails on it (:attr:`Refusal.fails`)."""
 
-    def __init__(self, message: str, *, step: Step = "gate", value: Any = None) -> None:
+    def __init__(self, message: str, *, step: Step = "gate", value: Any = None, fails: bool = False) -> None:
         super().__init__(message)
         self.step: Step = step
         self.value = value
+        self.fails = fails
 
     def at(self, step: Step) -> ContractError:
         """The same refusal, made by ``step``."""
-        return ContractError(str(self), step=step, value=self.value)
+        return ContractError(str(self), step=step, value=self.value, fails=self.fails)
 
 
 def _unknown_field(where: str, key: str, fields: tuple[str, ...]) -> ContractError:
@@ -148,10 +151,21 @@ def _unknown_field(where: str, key: str, fields: tuple[str, ...]) -> ContractErr
 
 @dataclass(frozen=True)
 class Refusal:
-    """SGLang's refusal of a ``/generate`` body: the step that makes it and its line."""
+    """SGLang's refusal of a ``/generate`` body: the step that makes it and its line. ``fails``:
+    what SGLang does not refuse but fails on, an exception ``/generate`` does not catch (only a
+    ``ValueError`` is, ``http_server.py`` 956-990): unstreamed a 500, which the fleet refuses as
+    this 400 instead (:data:`NO_SHORT_LIST`, :data:`NO_CHOICE`, ...); streamed an HTTP 200 whose
+    stream breaks off before any event, which the local engine answers alike
+    (``engine.server.routes_generate``)."""
 
     step: Step
     message: str
+    fails: bool = False
+
+    @staticmethod
+    def of(exc: ContractError) -> Refusal:
+        """The refusal ``exc`` makes."""
+        return Refusal(exc.step, str(exc), exc.fails)
 
     def body(self) -> dict[str, Any]:
         """The JSON body SGLang answers it with (HTTP 400): :func:`error_body`."""
@@ -498,7 +512,7 @@ def _item_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | No
         return ContractError(WATERMARK_BOTH, step="verify")
     if "choice" in p:
         return ContractError(
-            f"{where}.choice is not supported: {NO_CHOICE}", step="verify", value=p["choice"]
+            f"{where}.choice is not supported: {NO_CHOICE}", step="verify", value=p["choice"], fails=True
         )
     refused = watermark_malformed(p.get("watermark") if top is None else top)
     if refused is not None:
@@ -555,7 +569,7 @@ def _text_and_ids_refusal(body: dict[str, Any]) -> ContractError | None:
         message = f"input_ids ({len(ids)} rows) for one text: {NO_TEXT_AND_IDS}"
     else:
         return None
-    return ContractError(message, step="verify", value=ids)
+    return ContractError(message, step="verify", value=ids, fails=True)
 
 
 def _msgspec_type(v: Any) -> str:
@@ -660,7 +674,7 @@ def _parallel_sampling_refusal(params: Any) -> ContractError | None:
         message = "The parallel_sample_num should be the same for all samples in sample params."
         return ContractError(message, step="verify")
     if n is None and (rows[0].get("beam_width") or 1) <= 1:
-        return ContractError(f"sampling_params.n is null: {NO_NULL_N}", step="verify", value=n)
+        return ContractError(f"sampling_params.n is null: {NO_NULL_N}", step="verify", value=n, fails=True)
     return None
 
 
@@ -672,7 +686,8 @@ def _list_for_one(body: dict[str, Any]) -> ContractError | None:
     n = params[0].get("n", 1)
     if type(n) is int and n > 1 and (params[0].get("beam_width") or 1) <= 1:
         return None  # parallel sampling makes it a batch (io_struct.py 550-557)
-    return ContractError(f"sampling_params is a list for one request: {NO_LIST_FOR_ONE}", step="verify")
+    message = f"sampling_params is a list for one request: {NO_LIST_FOR_ONE}"
+    return ContractError(message, step="verify", fails=True)
 
 
 def list_for_one_refusal(body: dict[str, Any]) -> Refusal | None:
@@ -680,12 +695,12 @@ def list_for_one_refusal(body: dict[str, Any]) -> Refusal | None:
     SGLang fails on it per item after the input's length check and before the requested total's
     (``tokenizer_manager.py`` 1339-1354), so a caller that makes those checks runs this between."""
     refused = _list_for_one(body)
-    return None if refused is None else Refusal(refused.step, str(refused))
+    return None if refused is None else Refusal.of(refused)
 
 
 def _short(key: str, value: list[Any], batch: int) -> ContractError:
     message = f"{key} has {len(value)} entries for a batch of {batch}: {NO_SHORT_LIST}"
-    return ContractError(message, step="verify", value=value)
+    return ContractError(message, step="verify", value=value, fails=True)
 
 
 def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
@@ -836,7 +851,7 @@ def batch_refusal(body: dict[str, Any]) -> Refusal | None:
     ``generate_request`` does), or None. For a caller that runs step 3 itself in SGLang's order,
     between its own refusals (the local engine: ``GenerateReqInput.normalize``)."""
     refused = _normalize_refusal(body)
-    return None if refused is None else Refusal(refused.step, str(refused))
+    return None if refused is None else Refusal.of(refused)
 
 
 def short_list_refusal(body: dict[str, Any]) -> Refusal | None:
@@ -845,7 +860,7 @@ def short_list_refusal(body: dict[str, Any]) -> Refusal | None:
     ``max_thinking_tokens`` and ``routed_dp_rank`` (``tokenizer_manager.py`` 904-926) and
     before it registers the rids (3833-3837)."""
     refused = _init_refusal(body)
-    return None if refused is None else Refusal(refused.step, str(refused))
+    return None if refused is None else Refusal.of(refused)
 
 
 def item_refusal(body: dict[str, Any], index: int) -> Refusal | None:
@@ -858,7 +873,7 @@ def item_refusal(body: dict[str, Any], index: int) -> Refusal | None:
     those runs this after them."""
     where, p, top = _items(body)[index]
     refused = _item_refusal(where, p, top)
-    return None if refused is None else Refusal(refused.step, str(refused))
+    return None if refused is None else Refusal.of(refused)
 
 
 def _sampling_params_or_list(where: str, v: Any) -> None:
@@ -1207,11 +1222,11 @@ def generate_body_refusal(
             check(key, x)
         except ContractError as exc:
             if first is None or _STEPS.index(exc.step) < _STEPS.index(first.step):
-                first = Refusal(exc.step, str(exc))
+                first = Refusal.of(exc)
     if first is not None or through != "verify":
         return first
     refused = _tokenizer_refusal(body)
-    return None if refused is None else Refusal(refused.step, str(refused))
+    return None if refused is None else Refusal.of(refused)
 
 
 _STEPS: tuple[Step, ...] = ("parse", "gate", "verify")

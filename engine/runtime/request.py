@@ -19,11 +19,13 @@ from engine.runtime.sampler import SamplerSettings
 class RequestError(ValueError):
     """A request the engine refuses; the message names the problem (HTTP 400). ``body``: the
     JSON body SGLang answers that refusal with where the route answers as SGLang does
-    (:func:`core.sglang_contract.error_body`); None: ``{"error": {"message": ...}}``."""
+    (:func:`core.sglang_contract.error_body`); None: ``{"error": {"message": ...}}``. ``fails``:
+    SGLang fails on it rather than refuse it (:attr:`core.sglang_contract.Refusal.fails`)."""
 
-    def __init__(self, message: str, body: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, body: dict[str, Any] | None = None, fails: bool = False) -> None:
         super().__init__(message)
         self.body = body
+        self.fails = fails
 
 
 @dataclass(frozen=True)

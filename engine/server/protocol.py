@@ -457,13 +457,13 @@ class GenerateReqInput(BaseModel):
             raise RequestError("Either text or input_ids should be provided.")
         refused_body = batch_refusal(self._body)
         if refused_body is not None:
-            raise RequestError(refused_body.message)
+            raise _refused(refused_body)
         refused = self.sglang_refusal()
         if refused is not None:
             raise RequestError(refused)
         short = short_list_refusal(self._body)  # _init_req_state builds every item first
         if short is not None:
-            raise RequestError(short.message)
+            raise _refused(short)
         batch = self.is_batch()
         n = len(self.text if self.text is not None else self.input_ids) if batch else 1  # type: ignore[arg-type]
         if n == 0:
@@ -534,6 +534,11 @@ def _settings(params: SamplingParams, watermark: Any) -> SamplerSettings:
     return params.to_settings()
 
 
+def _refused(refusal: Refusal) -> RequestError:
+    """The :class:`RequestError` of a refusal of :mod:`core.sglang_contract` (step 3's)."""
+    return RequestError(refusal.message, fails=refusal.fails)
+
+
 def _length_refusal(n: int, max_new_tokens: int | None, context_len: int, listed: Refusal | None) -> None:
     """SGLang's context-length checks of an item of ``n`` prompt tokens, in its words
     (``_validate_one_request``, tokenizer_manager.py 1336-1375): the input, then ``listed`` (a
@@ -545,7 +550,7 @@ def _length_refusal(n: int, max_new_tokens: int | None, context_len: int, listed
             f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens)."
         )
     if listed is not None:
-        raise RequestError(listed.message)
+        raise _refused(listed)
     if max_new_tokens is not None and n + max_new_tokens > context_len:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {context_len} "
@@ -595,7 +600,7 @@ def _spec(
         raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
     ruled = sampling_refusal()  # SamplingParams (tokenizer_manager.py 1548-1567)
     if ruled is not None:
-        raise RequestError(ruled.message)
+        raise _refused(ruled)
     settings = _settings(params, watermark)
     if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
         raise RequestError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}.")

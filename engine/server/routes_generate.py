@@ -115,7 +115,8 @@ async def generate(request: Request) -> Response:
         specs = obj.normalize(engine.limits, engine.encode, engine.scheduler.held)
     except RequestError as exc:  # step 3: inside the stream when one was asked for
         if obj.stream:
-            return StreamingResponse(_refused_stream(str(exc)), media_type="text/event-stream")
+            answer = _broken_stream(str(exc)) if exc.fails else _refused_stream(str(exc))
+            return StreamingResponse(answer, media_type="text/event-stream")
         return refusal(exc)
     batch = obj.is_batch()
     if obj.stream:
@@ -143,6 +144,23 @@ async def _refused_stream(message: str) -> AsyncIterator[bytes]:
     2074-2128)."""
     yield b"data: " + dumps(stream_error_event(message)) + b"\n\n"
     yield b"data: [DONE]\n\n"
+
+
+class StreamBrokenOff(RuntimeError):
+    """Ends a stream the way SGLang 0.5.23's ends on what it fails on (:func:`_broken_stream`)."""
+
+
+async def _broken_stream(message: str) -> AsyncIterator[bytes]:
+    """A streamed request SGLang 0.5.23 does not refuse but fails on (a short list, a ``choice``,
+    ...: :attr:`core.sglang_contract.Refusal.fails`; unstreamed a 500, refused here as a 400), as
+    SGLang's stream answers it: the exception is no ``ValueError``, so ``stream_results`` does not
+    catch it (entrypoints/http_server.py 949-979) and it leaves the body iterator of a
+    ``StreamingResponse`` whose HTTP 200 head is sent: the server closes the connection before
+    any event or ``[DONE]``, which a client reads as a broken stream (the fleet's client: a
+    failing engine, ``clients.engine``; the router never forwards such a body, refusing it with
+    a 422). ``message`` goes to the log, as SGLang's traceback does."""
+    raise StreamBrokenOff(message)
+    yield b""  # never reached: it makes this an async generator, which raises at its first step
 
 
 async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterator[bytes]:

@@ -948,6 +948,33 @@ def test_beam_search_and_choice_are_refused_by_name(engine: str, client: httpx.C
         assert len(out["output_ids"]) == 2
 
 
+FAILS_IN_SGLANG = [
+    {"input_ids": [1, 2], "sampling_params": {"choice": ["a", "b"]}},  # NO_CHOICE
+    {"input_ids": [[1], [2]], "video_data": [MEDIA]},  # NO_SHORT_LIST
+    {"input_ids": [[1], [2]], "sampling_params": [{}]},
+    {"input_ids": [1, 2], "sampling_params": [{}]},  # NO_LIST_FOR_ONE
+    {"input_ids": [1, 2], "sampling_params": {"n": None}},  # NO_NULL_N
+    {"text": ["a", "b"], "input_ids": [[1]]},  # NO_TEXT_AND_IDS
+]
+
+
+def test_what_sglang_fails_on_breaks_a_stream_off_as_sglangs_does(engine: str, client: httpx.Client) -> None:
+    """What SGLang 0.5.23 fails on rather than refuses (an IndexError, TypeError or
+    AttributeError of ``generate_request``: unstreamed a 500, refused here as a 400 naming it) is,
+    streamed, no error event: ``stream_results`` catches only a ``ValueError``
+    (entrypoints/http_server.py 949-979), so the exception leaves the 200 stream, and the server
+    closes the connection before any event or ``[DONE]``. The engine keeps serving."""
+    for body in FAILS_IN_SGLANG:
+        plain = client.post(engine + "/generate", json=body)
+        assert plain.status_code == 400 and "SGLang 0.5.23" in plain.text, (body, plain.text)
+        with client.stream("POST", engine + "/generate", json={**body, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                r.read()
+    ok = generate(client, engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 2
+
+
 def test_a_stream_sends_a_chunk_every_stream_interval_tokens(engine: str, client: httpx.Client) -> None:
     """``sampling_params.stream_interval`` is honoured as SGLang 0.5.23's output streamer does
     (output_streamer.py 455-469): the first token at once, then a chunk once ``stream_interval``
@@ -1108,9 +1135,23 @@ def test_step3_refusals_come_in_sglang_order(engine: str, client: httpx.Client, 
     processor, and only then the item's ``SamplingParams`` ranges."""
     for fields, msg in STEP3_ORDER:
         body = {"input_ids": [1, 2], **fields, "stream": stream}
-        r = client.post(engine + "/generate", json=body)
-        text = r.text if stream else error_message(r.status_code, r.content)
+        r = client.post(engine + "/generate", json={**body, "stream": False})
+        text = error_message(r.status_code, r.content)
+        if stream:  # the error event, or, where SGLang fails (its 500), a stream broken off
+            text = _events_or_unstreamed(client, engine, body, text)
         assert msg in text, (fields, r.status_code, text[:300])
+
+
+def _events_or_unstreamed(client: httpx.Client, url: str, body: dict[str, Any], unstreamed: str) -> str:
+    """The streamed answer's events; where the stream breaks off (what SGLang fails on,
+    :func:`test_what_sglang_fails_on_breaks_a_stream_off_as_sglangs_does`), the unstreamed
+    refusal, which must name SGLang's failure."""
+    with client.stream("POST", url + "/generate", json=body) as r:
+        try:
+            return r.read().decode()
+        except httpx.RemoteProtocolError:
+            assert "SGLang 0.5.23" in unstreamed, unstreamed
+            return unstreamed
 
 
 def test_a_streamed_step3_refusal_is_an_error_event_inside_a_200(engine: str, client: httpx.Client) -> None:

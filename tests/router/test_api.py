@@ -384,8 +384,12 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         return sum(v for (name, _), v in samples.items() if name in names)
 
     before = sent()
-    r = client.post("/generate", json={"input_ids": [3, 4], "sampling_params": {"choice": ["a", "b"]}})
-    assert r.status_code == 422 and "sampling_params.choice is not supported" in r.json()["detail"], r.text
+    for stream in (False, True):  # streamed too: SGLang's stream would break off (no event)
+        body = {"input_ids": [3, 4], "sampling_params": {"choice": ["a", "b"]}, "stream": stream}
+        r = client.post("/generate", json=body)
+        assert r.status_code == 422 and "sampling_params.choice is not supported" in r.json()["detail"], (
+            r.text
+        )
     assert sent() == before
 
 
@@ -434,8 +438,9 @@ def test_sglang_generate_refuses_the_nested_structs_before_any_replica(
         return sum(v for (name, _), v in samples.items() if name in names)
 
     before = sent()
-    r = client.post("/generate", json=body)
-    assert r.status_code == 422 and named in r.json()["detail"], r.text
+    for stream in (False, True):  # streamed too: SGLang's stream would break off (no event)
+        r = client.post("/generate", json={**body, "stream": stream})
+        assert r.status_code == 422 and named in r.json()["detail"], r.text
     assert sent() == before
 
 
