@@ -778,12 +778,30 @@ def _per_item_list(key: str, v: Any) -> bool:
     return key != "token_ids_logprob" or (bool(v) and type(v[0]) is list)
 
 
+NO_INPUT = "Either text, input_ids or input_embeds should be provided."
+"""``_validate_inputs`` (``io_struct.py`` 444-455, the first check of
+``normalize_batch_and_arguments``, 431): none of ``text``, ``input_ids``, ``input_embeds`` sent
+(or null), or all three; a ``ValueError``, a 400 in step 3's body."""
+
+
+def _inputs_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``_validate_inputs`` (:data:`NO_INPUT`): no input, or all three inputs, or None."""
+    sent = [body.get(key) is not None for key in ("text", "input_ids", "input_embeds")]
+    if not any(sent) or all(sent):
+        return ContractError(NO_INPUT, step="verify")
+    return None
+
+
 def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     """``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442),
-    in its order: an empty ``sampling_params`` list (read at its first entry, 540:
-    :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another length (759-774), then
-    ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757); ``kv_hints``
-    (583-587, 888-905); last a rid named twice (:func:`_rid_uniqueness_refusal`)."""
+    in its order: the inputs (:func:`_inputs_refusal`, 431); an empty ``sampling_params`` list
+    (read at its first entry, 540: :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another
+    length (759-774), then ``image_data``'s and the top-level ``watermark``'s lengths (659-662,
+    749-757); ``kv_hints`` (583-587, 888-905); last a rid named twice
+    (:func:`_rid_uniqueness_refusal`)."""
+    refused = _inputs_refusal(body)
+    if refused is not None:
+        return refused
     batch = _batch_size(body)
     params, rid = body.get("sampling_params"), body.get("rid")
     if params == []:

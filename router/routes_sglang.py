@@ -62,8 +62,6 @@ def routing_key(request: Request) -> str | None:
 async def generate(request: Request, body: GenerateRequest) -> Response:
     ctx = _ctx(request)
     raw = await request.body()
-    if body.input_ids is None and body.text is None:
-        raise ApiError(422, "body: one of input_ids or text is required")
     if isinstance(body.text, str) and not body.text:
         raise ApiError(422, "text: empty input")
     key = routing_key(request)

@@ -386,8 +386,8 @@ class GenerateReqInput(BaseModel):
 
         Step 3 of SGLang's judgment (what ``tokenizer_manager.generate_request`` raises, which a
         stream answers inside its 200: ``engine.server.routes_generate``), in SGLang's order:
-        ``normalize_batch_and_arguments`` (the input's presence, then
-        :func:`core.sglang_contract.batch_refusal`), the whole request's refusals
+        ``normalize_batch_and_arguments`` (:func:`core.sglang_contract.batch_refusal`: the inputs
+        first), the whole request's refusals
         (:meth:`sglang_refusal`), a short list (:func:`core.sglang_contract.short_list_refusal`), a
         rid a running request holds (``held``: the first of the
         request's rids one holds, or None; every rid is checked before anything is submitted, so a
@@ -399,7 +399,7 @@ class GenerateReqInput(BaseModel):
         :func:`core.sglang_contract.item_refusal`); what this engine does not
         implement (:meth:`unimplemented_refusal`) only after all SGLang would refuse."""
         batch, n, rids = self._whole_request(held)
-        if self.input_ids is None and encode is None:
+        if self.text is not None and self.input_ids is None and encode is None:
             raise RequestError("text input needs a tokenizer; this model directory has none.")
         params = self._per_item("sampling_params", self._batch_sampling_params(batch), n, None)
         list_refused = list_for_one_refusal(self._body)  # a list on one request: SGLang's 500
@@ -453,9 +453,7 @@ class GenerateReqInput(BaseModel):
         """Step 3's checks of the whole request, before any item's, in SGLang's order (see
         :meth:`normalize`); whether it is a batch, its size, and each item's rid as sent (None
         where none was). Raises :class:`RequestError`."""
-        if self.text is None and self.input_ids is None:  # _validate_inputs, io_struct.py 431, 444-455
-            raise RequestError("Either text or input_ids should be provided.")
-        refused_body = batch_refusal(self._body)
+        refused_body = batch_refusal(self._body)  # the inputs first (_validate_inputs, io_struct.py 431)
         if refused_body is not None:
             raise _refused(refused_body)
         refused = self.sglang_refusal()

@@ -441,7 +441,9 @@ BAD = [
     ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ({"input_ids": "abc"}, 'input_ids: invalid type: string "abc", expected a sequence'),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
-    ({"sampling_params": {}}, "Either text or input_ids"),
+    # _validate_inputs (managers/io_struct.py 444-455): no input, or all three, in its words
+    ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
+    ({"input_ids": [1], "text": "a", "input_embeds": [[0.5]]}, "Either text, input_ids or input_embeds"),
     # normalize_batch_and_arguments' words (managers/io_struct.py 759-774, 390-397)
     ({"input_ids": [[1], [2]], "rid": ["x"]}, "The specified rids length mismatch with the batch_size"),
     (
@@ -514,6 +516,7 @@ SHAPES = [
     (b'{"input_ids": [1], "sampling_params": {"top_k": 3.0}}', "gate"),
     # step 3, SamplingParams and the tokenizer manager's checks: {"error": {"message"}}
     (b'{"input_ids": [1], "sampling_params": {"top_p": 1.5}}', "verify"),
+    (b'{"sampling_params": {}}', "verify"),  # _validate_inputs, io_struct.py 444-455
     (b'{"input_ids": [1], "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}}', "verify"),
     (json.dumps({"input_ids": [VOCAB_SIZE]}).encode(), "verify"),
     # the other top-level keys the gate decodes: a value the dataclass parse refuses too is its
@@ -1069,7 +1072,11 @@ STEP3_ORDER = [
     # (tokenizer_manager.py generate_request 903-942, _tokenize_one_request 1096-1434, then the
     # item's SamplingParams 1548-1567); each pair's second problem alone is refused too
     # normalize_batch_and_arguments: the input's presence before the rest (io_struct.py 431-442)
-    ({"input_ids": None, "kv_hints": []}, "Either text or input_ids should be provided"),
+    ({"input_ids": None, "kv_hints": []}, "Either text, input_ids or input_embeds should be provided."),
+    ({"text": "a", "input_embeds": [[0.5]], "lora_path": "a"}, "Either text, input_ids or input_embeds"),
+    # input_embeds alone is an input: refused later, for the radix cache (tokenizer_manager.py 1109)
+    ({"input_ids": None, "input_embeds": [[0.5]], "lora_path": "a"}, "LoRA is not enabled"),
+    ({"input_ids": None, "input_embeds": [[0.5]]}, "input_embeds is provided while disable_radix_cache"),
     ({"lora_path": "a", "sampling_params": {"top_p": 1.5}}, "LoRA is not enabled"),
     ({"max_thinking_tokens": 5, "sampling_params": {"top_k": 0}}, "--enable-strict-thinking"),
     ({"routed_dp_rank": 1, "sampling_params": {"min_p": 2.0}}, "routed_dp_rank=1 out of range"),

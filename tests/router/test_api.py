@@ -321,6 +321,11 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
 @pytest.mark.parametrize(
     ("body", "status", "named"),
     [
+        # _validate_inputs (io_struct.py 444-455): no input, or all three, in SGLang's words;
+        # input_embeds alone is an input, forwarded, refused by the engine for the radix cache
+        ({"input_ids": None}, 422, "Either text, input_ids or input_embeds should be provided."),
+        ({"text": "a", "input_embeds": [[0.5]]}, 422, "Either text, input_ids or input_embeds"),
+        ({"input_ids": None, "input_embeds": [[0.5]]}, 400, "input_embeds is provided while"),
         # the LoRA adapters before any item's SamplingParams (tokenizer_manager.py 942, 1548-1567)
         ({"lora_path": "adapter", "sampling_params": {"top_p": 1.5}}, 400, "LoRA is not enabled"),
         ({"lora_path": "adapter", "sampling_params": {"choice": ["a"]}}, 400, "LoRA is not enabled"),
