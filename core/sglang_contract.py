@@ -792,16 +792,36 @@ def _inputs_refusal(body: dict[str, Any]) -> ContractError | None:
     return None
 
 
+def _empty_ids_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``_determine_batch_size`` (``io_struct.py`` 479-498): without ``text``, an empty
+    ``input_ids`` is refused in its words (488-497) unless ``session_params`` names a session
+    (``id``), whose history may supply the prompt; or None."""
+    if body.get("text") is not None or body.get("input_ids") != []:
+        return None
+    session = body.get("session_params")
+    if type(session) is dict and session.get("id"):
+        return None
+    return ContractError("input_ids cannot be empty.", step="verify", value=[])
+
+
+SESSION_BOTH = "session_id and session_params cannot both be set."
+"""``normalize_batch_and_arguments`` (``io_struct.py`` 433-434), after ``_determine_batch_size``
+and before ``_handle_parallel_sampling``: both sent (not null), whatever their values."""
+
+
 def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     """``normalize_batch_and_arguments`` (``tokenizer_manager.py`` 903; ``io_struct.py`` 406-442),
-    in its order: the inputs (:func:`_inputs_refusal`, 431); an empty ``sampling_params`` list
-    (read at its first entry, 540: :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another
-    length (759-774), then ``image_data``'s and the top-level ``watermark``'s lengths (659-662,
-    749-757); ``kv_hints`` (583-587, 888-905); last a rid named twice
-    (:func:`_rid_uniqueness_refusal`)."""
-    refused = _inputs_refusal(body)
+    in its order: the inputs (:func:`_inputs_refusal`, 431), an empty ``input_ids``
+    (:func:`_empty_ids_refusal`, 432), ``session_id`` with ``session_params``
+    (:data:`SESSION_BOTH`, 433-434); an empty ``sampling_params`` list (read at its first entry,
+    540: :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another length (759-774), then
+    ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757); ``kv_hints``
+    (583-587, 888-905); last a rid named twice (:func:`_rid_uniqueness_refusal`)."""
+    refused = _inputs_refusal(body) or _empty_ids_refusal(body)
     if refused is not None:
         return refused
+    if body.get("session_id") is not None and body.get("session_params") is not None:
+        return ContractError(SESSION_BOTH, step="verify")
     batch = _batch_size(body)
     params, rid = body.get("sampling_params"), body.get("rid")
     if params == []:

@@ -1077,6 +1077,18 @@ STEP3_ORDER = [
     # input_embeds alone is an input: refused later, for the radix cache (tokenizer_manager.py 1109)
     ({"input_ids": None, "input_embeds": [[0.5]], "lora_path": "a"}, "LoRA is not enabled"),
     ({"input_ids": None, "input_embeds": [[0.5]]}, "input_embeds is provided while disable_radix_cache"),
+    # then _determine_batch_size's empty input_ids and session_id with session_params (io_struct.py
+    # 432-434), before _handle_parallel_sampling (a null n) and everything after
+    ({"input_ids": [], "session_id": "s", "session_params": {}}, "input_ids cannot be empty."),
+    (
+        {"session_id": "s", "session_params": {}, "sampling_params": {"n": None}},
+        "session_id and session_params",
+    ),
+    (
+        {"input_ids": [], "session_id": "s", "session_params": {"id": "x"}, "lora_path": "a"},
+        "session_id and session_params cannot both be set.",
+    ),
+    ({"input_ids": None, "session_id": "s", "session_params": {}}, "Either text, input_ids or input_embeds"),
     ({"lora_path": "a", "sampling_params": {"top_p": 1.5}}, "LoRA is not enabled"),
     ({"max_thinking_tokens": 5, "sampling_params": {"top_k": 0}}, "--enable-strict-thinking"),
     ({"routed_dp_rank": 1, "sampling_params": {"min_p": 2.0}}, "routed_dp_rank=1 out of range"),

@@ -326,6 +326,13 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
         ({"input_ids": None}, 422, "Either text, input_ids or input_embeds should be provided."),
         ({"text": "a", "input_embeds": [[0.5]]}, 422, "Either text, input_ids or input_embeds"),
         ({"input_ids": None, "input_embeds": [[0.5]]}, 400, "input_embeds is provided while"),
+        # session_id with session_params (io_struct.py 433-434), before a null n (550)
+        ({"session_id": "s", "session_params": {}}, 422, "session_id and session_params cannot both be set."),
+        (
+            {"session_id": "s", "session_params": {"id": "x"}, "sampling_params": {"n": None}},
+            422,
+            "session_id and session_params cannot both be set.",
+        ),
         # the LoRA adapters before any item's SamplingParams (tokenizer_manager.py 942, 1548-1567)
         ({"lora_path": "adapter", "sampling_params": {"top_p": 1.5}}, 400, "LoRA is not enabled"),
         ({"lora_path": "adapter", "sampling_params": {"choice": ["a"]}}, 400, "LoRA is not enabled"),
