@@ -62,7 +62,7 @@ def routing_key(request: Request) -> str | None:
 async def generate(request: Request, body: GenerateRequest) -> Response:
     ctx = _ctx(request)
     raw = await request.body()
-    if isinstance(body.text, str) and not body.text:
+    if body.text == "" and body.input_ids is None:  # with input_ids the ids are the input (io_struct.py 969)
         raise ApiError(422, "text: empty input")
     key = routing_key(request)
     if not body.stream:

@@ -116,6 +116,8 @@ def test_text_with_input_ids_is_served_from_the_ids(engine: str, client: httpx.C
     both = generate(client, engine, text="Hello", input_ids=PROMPT, sampling_params=greedy)
     assert both["output_ids"] == ids["output_ids"]
     assert both["meta_info"]["prompt_tokens"] == len(PROMPT)
+    empty = generate(client, engine, text="", input_ids=PROMPT, sampling_params=greedy)  # an empty text too
+    assert empty["output_ids"] == ids["output_ids"]
     rows = generate(client, engine, text=["a", "b"], input_ids=[PROMPT, [65, 66, 67]], sampling_params=greedy)
     assert [o["meta_info"]["prompt_tokens"] for o in rows] == [len(PROMPT), 3]
     assert rows[0]["output_ids"] == ids["output_ids"]

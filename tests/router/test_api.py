@@ -314,8 +314,9 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     r = client.post("/generate", json={**body, "lora_path": "adapter"})
     assert r.status_code == 400 and "LoRA is not enabled" in r.text, r.text
     # text with matching input_ids: SGLang serves the ids (managers/io_struct.py 479-487, 969)
-    r = client.post("/generate", json={**body, "text": "Hello"})
-    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 2, r.text
+    for text in ("Hello", ""):  # an empty text too: the ids are the input
+        r = client.post("/generate", json={**body, "text": text})
+        assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 2, (text, r.text)
 
 
 @pytest.mark.parametrize(
