@@ -678,16 +678,49 @@ def _parallel_sampling_refusal(params: Any) -> ContractError | None:
     return None
 
 
+def _stays_single(body: dict[str, Any]) -> bool:
+    """Whether the request stays one request: no batch (:func:`_batch_size`), and no ``n`` above
+    1 that parallel sampling makes a batch of (``io_struct.py`` 531-557; ``beam_width`` above 1
+    sets the count to 1 first, 517-529)."""
+    if _batch_size(body) is not None:
+        return False
+    params = body.get("sampling_params")
+    first = params[0] if type(params) is list and params else params if type(params) is dict else {}
+    n = first.get("n", 1)
+    return not (type(n) is int and n > 1 and (first.get("beam_width") or 1) <= 1)
+
+
 def _list_for_one(body: dict[str, Any]) -> ContractError | None:
     """A list ``sampling_params`` on a request that stays single (:data:`NO_LIST_FOR_ONE`)."""
     params = body.get("sampling_params")
-    if type(params) is not list or not params or _batch_size(body) is not None:
+    if type(params) is not list or not params or not _stays_single(body):
         return None
-    n = params[0].get("n", 1)
-    if type(n) is int and n > 1 and (params[0].get("beam_width") or 1) <= 1:
-        return None  # parallel sampling makes it a batch (io_struct.py 550-557)
     message = f"sampling_params is a list for one request: {NO_LIST_FOR_ONE}"
     return ContractError(message, step="verify", fails=True)
+
+
+NO_RID_LIST = (
+    "SGLang 0.5.23 keeps one request's rid as sent (managers/io_struct.py 559-564) and looks it up "
+    "among the requests it runs (managers/tokenizer_manager.py 3817-3818, 3835), and its /generate "
+    "fails on a list there (a TypeError: a list is unhashable, a 500); send a string, or a list with "
+    "a batch."
+)
+"""Why a ``rid`` list on a request that stays single is refused: ``_normalize_single_inputs``
+sets a rid only when none was sent (``io_struct.py`` 559-564), ``_validate_rid_uniqueness``
+refuses only one named twice (390-397), and ``_init_req_state`` tests ``rid in
+self.rid_to_state`` (``tokenizer_manager.py`` 3835), a TypeError on a list, which ``/generate``
+does not catch (``http_server.py`` 983-990): a 500, which the router would take for a failing
+replica; refused here as a 400, in step 3's body, at that place (:func:`_init_refusal`)."""
+
+
+def _rid_list_for_one(body: dict[str, Any]) -> ContractError | None:
+    """A ``rid`` list on a request that stays single (:data:`NO_RID_LIST`), or None."""
+    rid = body.get("rid")
+    if type(rid) is not list or not _stays_single(body):
+        return None
+    return ContractError(
+        f"rid is a list for one request: {NO_RID_LIST}", step="verify", value=rid, fails=True
+    )
 
 
 def list_for_one_refusal(body: dict[str, Any]) -> Refusal | None:
@@ -857,7 +890,8 @@ def _init_refusal(body: dict[str, Any]) -> ContractError | None:
     """``_init_req_state`` (``tokenizer_manager.py`` 926, 3818-3831), which builds every item's
     sub-request (``obj[i]``, ``io_struct.py`` 972-982) before registering the rids: a batch's
     ``video_data`` / ``audio_data`` / ``sampling_params`` list shorter than the batch, kept as
-    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`); then ``text`` with
+    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`); one request's ``rid`` list
+    a TypeError as its rid is looked up (:data:`NO_RID_LIST`, 3835); then ``text`` with
     ``input_ids`` of another shape (:data:`NO_TEXT_AND_IDS`)."""
     batch = _batch_size(body)
     if batch is not None:
@@ -865,7 +899,7 @@ def _init_refusal(body: dict[str, Any]) -> ContractError | None:
             value = body.get(key)
             if type(value) is list and len(value) < batch:
                 return _short(key, value, batch)
-    return _text_and_ids_refusal(body)
+    return _rid_list_for_one(body) or _text_and_ids_refusal(body)
 
 
 def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:

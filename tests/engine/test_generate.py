@@ -1117,6 +1117,12 @@ STEP3_ORDER = [
     ({"sampling_params": [{}], "return_hidden_states": True}, "sampling_params is a list for one request"),
     ({"input_ids": [1] * 2048, "sampling_params": [{}]}, "longer than the model's context"),
     ({"sampling_params": [{"top_p": 1.5}], "lora_path": "a"}, "LoRA is not enabled"),
+    # a rid list on one request: SGLang's 500 looking it up in _init_req_state (tokenizer_manager.py
+    # 3835), after max_thinking_tokens, before the LoRA adapters (core.sglang_contract.NO_RID_LIST)
+    ({"rid": ["a"], "lora_path": "a"}, "rid is a list for one request"),
+    ({"rid": ["a"], "max_thinking_tokens": 3}, "--enable-strict-thinking"),
+    ({"rid": ["a", "a"], "max_thinking_tokens": 3}, "Duplicate request IDs detected within the request"),
+    ({"rid": [], "sampling_params": {"top_p": 1.5}}, "rid is a list for one request"),
     # _handle_parallel_sampling (io_struct.py 531-557), in normalize_batch_and_arguments
     ({"sampling_params": {"n": None}, "lora_path": "a"}, "sampling_params.n is null"),
     (

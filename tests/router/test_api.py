@@ -418,6 +418,7 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ({"text": ["a", "b"], "input_ids": [[3]]}, "takes a request's shape from text"),
         ({"input_ids": [3, 4], "sampling_params": [{}]}, "sampling_params is a list for one request"),
         ({"input_ids": [3, 4], "sampling_params": {"n": None}}, "sampling_params.n is null"),
+        ({"input_ids": [3, 4], "rid": ["a"]}, "rid is a list for one request"),
         (
             {"input_ids": [[3], [4]], "sampling_params": [{}]},
             "sampling_params has 1 entries for a batch of 2",
