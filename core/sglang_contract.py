@@ -525,17 +525,32 @@ def _item_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | No
 
 
 NO_SHORT_LIST = (
-    "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 540, 722-747, 972-982), "
-    "and its /generate fails on a shorter list (an IndexError, a 500)."
+    "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 540, 635-642, 722-747, "
+    "776-848, 959-1031), and its /generate fails on a shorter list (an IndexError, a 500)."
 )
-"""Why a batch's ``video_data``, ``audio_data`` or ``sampling_params`` list shorter than the
-batch, or an empty ``sampling_params`` list, is refused: ``_handle_parallel_sampling`` reads a
-list's first entry (``io_struct.py`` 540), ``_normalize_video_data`` / ``_normalize_audio_data`` /
-``_normalize_sampling_params`` keep a list as it is (722-747; only ``image_data``'s length is
-checked, 659-662), then each item's sub-request indexes it (``__getitem__``, 972-982): an
+"""Why a batch's per-item list shorter than the batch (:data:`PER_ITEM_LISTS`), or an empty
+``sampling_params`` list, is refused: ``_handle_parallel_sampling`` reads a list's first entry
+(``io_struct.py`` 540); ``_normalize_lora_paths``, ``_normalize_video_data`` /
+``_normalize_audio_data`` / ``_normalize_sampling_params``, ``_normalize_logprob_params``,
+``_normalize_custom_logit_processor`` and ``_normalize_bootstrap_params`` keep a list as it is
+(635-642, 722-747, 776-821, 839-848, 907-947; only ``image_data``, ``watermark``,
+``return_hidden_states``, ``extra_key``, ``cache_salt``, ``kv_hints`` and the rids are
+length-checked), then each item's sub-request indexes it (``__getitem__``, 959-1031): an
 IndexError, which ``/generate`` does not catch (``http_server.py`` 983-990 catch ``ValueError``):
 a 500, which the router would take for a failing replica; refused here as a 400, in step 3's
-body, by the engine and the router alike."""
+body, by the engine and the router alike. A longer list is served: its extra entries are never
+read."""
+
+PER_ITEM_LISTS = (
+    "video_data", "audio_data", "sampling_params", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
+    "lora_path", "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "bootstrap_pair_key", "decode_tp_size",
+)  # fmt: skip
+"""A batch's lists SGLang 0.5.23 does not length-check and indexes per item, in
+``__getitem__``'s order (``io_struct.py`` 959-1031): shorter than the batch, :data:`NO_SHORT_LIST`;
+longer, the extra entries ignored. ``token_ids_logprob`` is one only as a list of lists (an
+empty list asks for none, a flat one is every item's: 809-821, :func:`_per_item_list`)."""
 
 
 NO_TEXT_AND_IDS = (
@@ -848,8 +863,10 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     (:func:`_empty_ids_refusal`, 432), ``session_id`` with ``session_params``
     (:data:`SESSION_BOTH`, 433-434); an empty ``sampling_params`` list (read at its first entry,
     540: :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another length (759-774), then
-    ``image_data``'s and the top-level ``watermark``'s lengths (659-662, 749-757); ``kv_hints``
-    (583-587, 888-905); last a rid named twice (:func:`_rid_uniqueness_refusal`)."""
+    the lengths of ``image_data``, the top-level ``watermark``, ``return_hidden_states``,
+    ``extra_key`` and ``cache_salt`` (659-662, 749-757, 823-837, 850-886; an empty ``image_data``
+    list is none); ``kv_hints`` (583-587, 888-905); last a rid named twice
+    (:func:`_rid_uniqueness_refusal`)."""
     refused = _inputs_refusal(body) or _empty_ids_refusal(body)
     if refused is not None:
         return refused
@@ -866,9 +883,9 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
         message = "The specified rids length mismatch with the batch_size for batch processing."
         return ContractError(message, step="verify", value=rid)
     if batch is not None:
-        for key in ("image_data", "watermark"):
+        for key in ("image_data", "watermark", "return_hidden_states", "extra_key", "cache_salt"):
             value = body.get(key)
-            if type(value) is list and (value or key == "watermark") and len(value) != batch:
+            if type(value) is list and (value or key != "image_data") and len(value) != batch:
                 return ContractError(f"The length of {key} should be equal to the batch size.", step="verify")
     kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
     if kv_hints is not None:
@@ -895,9 +912,9 @@ def _init_refusal(body: dict[str, Any]) -> ContractError | None:
     ``input_ids`` of another shape (:data:`NO_TEXT_AND_IDS`)."""
     batch = _batch_size(body)
     if batch is not None:
-        for key in ("video_data", "audio_data", "sampling_params"):
+        for key in PER_ITEM_LISTS:
             value = body.get(key)
-            if type(value) is list and len(value) < batch:
+            if _per_item_list(key, value) and len(value) < batch:
                 return _short(key, value, batch)
     return _rid_list_for_one(body) or _text_and_ids_refusal(body)
 
@@ -910,7 +927,8 @@ def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
     listed = type(params) is list
     per_item = batch is not None and type(top) is list
     items = []
-    for i in range(max(batch or 1, len(params) if listed else 1)):
+    count = batch if batch is not None else len(params) if listed else 1  # a longer list's rest unread
+    for i in range(count):
         p = (params[i] if i < len(params) else None) if listed else params
         item_top = (top[i] if i < len(top) else None) if per_item else top
         items.append((f"sampling_params[{i}]" if listed else "sampling_params", p or {}, item_top))

@@ -510,12 +510,17 @@ class GenerateReqInput(BaseModel):
         is every item's (io_struct.py 749-757)."""
         return self.watermark if batch and isinstance(self.watermark, list) else [self.watermark] * n
 
-    @staticmethod
-    def _per_item(name: str, value: Any, n: int, default: Any) -> list[Any]:
+    def _per_item(self, name: str, value: Any, n: int, default: Any) -> list[Any]:
+        """Each of the ``n`` items' ``name``: a batch's list its first ``n`` entries (SGLang reads
+        entry ``i`` for item ``i``, io_struct.py 959-1031, and never a longer list's rest; a
+        shorter one was refused before, :data:`core.sglang_contract.NO_SHORT_LIST`, or its length
+        checked, :func:`core.sglang_contract.batch_refusal`), one value every item's, None the
+        default. One request's list of another length than 1 is refused (this engine's own
+        refusal: SGLang keeps it as one request's value)."""
         if isinstance(value, list):
-            if len(value) != n:
+            if len(value) < n or (len(value) > n and not self.is_batch()):
                 raise RequestError(f"{name} has {len(value)} entries for a batch of {n}.")
-            return value
+            return value[:n]
         if value is None:
             return [default] * n
         if name == "rid" and n > 1:  # _normalize_rid, io_struct.py 759-765

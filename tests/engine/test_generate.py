@@ -243,6 +243,65 @@ def test_batch_request(engine: str, client: httpx.Client) -> None:
     assert [o["meta_info"]["id"] for o in out] == ["r_0", "r_1"]
 
 
+SHORT_LISTS = [
+    # a batch's lists SGLang 0.5.23 indexes per item without checking their length (io_struct.py
+    # 959-1031): a shorter one is its IndexError, a 500 (core.sglang_contract.NO_SHORT_LIST)
+    ("return_logprob", [True]),
+    ("logprob_start_len", [-1]),
+    ("top_logprobs_num", []),
+    ("token_ids_logprob", [[3]]),
+    ("return_sampling_mask", [False]),
+    ("sampling_logprobs_mode", [None]),
+    ("lora_path", [None]),
+    ("custom_logit_processor", [None]),
+    ("bootstrap_host", ["h"]),
+    ("decode_tp_size", [1]),
+]
+
+
+def test_a_batchs_per_item_lists_are_read_as_sglang_reads_them(engine: str, client: httpx.Client) -> None:
+    """A batch's per-item list that SGLang 0.5.23 does not length-check is read at entry ``i``
+    for item ``i`` (io_struct.py ``__getitem__`` 959-1031): a longer one is served, its extra
+    entries never read (an out-of-range ``top_p`` or ``logprob_start_len`` there included); a
+    shorter one is SGLang's IndexError, a 500, refused as a 400 naming it (streamed, the stream
+    breaks off). ``return_hidden_states`` is length-checked, in SGLang's words (823-837)."""
+    greedy = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+    body = {
+        "input_ids": [PROMPT, PROMPT[:3]],
+        "sampling_params": [greedy, greedy, {"top_p": 1.5}],
+        "return_logprob": [True, False, True],
+        "top_logprobs_num": [2, 0, 5],
+        "logprob_start_len": [-1, -1, 99],
+        "custom_logit_processor": [None, None, "x"],
+        "return_sampling_mask": [False, False, True],
+    }
+    out = generate(client, engine, **body)
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(PROMPT), 3]
+    assert len(out[0]["meta_info"]["output_top_logprobs"][0]) == 2
+    assert (
+        "output_token_logprobs" not in out[1]["meta_info"] or not out[1]["meta_info"]["output_token_logprobs"]
+    )
+    for key, short in SHORT_LISTS:
+        bad = {"input_ids": [PROMPT, PROMPT], key: short}
+        r = client.post(engine + "/generate", json=bad)
+        named = f"{key} has {len(short)} entries for a batch of 2: SGLang 0.5.23 takes one entry per item"
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (key, r.text)
+        streamed = {**bad, "stream": True}  # SGLang's stream breaks off before any event
+        with (
+            client.stream("POST", engine + "/generate", json=streamed) as r,
+            pytest.raises(httpx.RemoteProtocolError),
+        ):
+            r.read()
+    r = client.post(
+        engine + "/generate", json={"input_ids": [PROMPT, PROMPT], "return_hidden_states": [False] * 3}
+    )
+    assert r.status_code == 400, r.text
+    assert (
+        r.json()["error"]["message"]
+        == "The length of return_hidden_states should be equal to the batch size."
+    )
+
+
 def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
     greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     first = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)["output_ids"]

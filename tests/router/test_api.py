@@ -317,6 +317,16 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     for text in ("Hello", ""):  # an empty text too: the ids are the input
         r = client.post("/generate", json={**body, "text": text})
         assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 2, (text, r.text)
+    # a batch's longer per-item lists: their extra entries never read (io_struct.py 959-1031)
+    one = {"max_new_tokens": 1}
+    longer = {
+        "input_ids": [[3, 4], [5]],
+        "sampling_params": [one, one, {"top_p": 1.5}],
+        "return_logprob": [True, False, True],
+        "logprob_start_len": [-1, -1, 99],
+    }
+    r = client.post("/generate", json=longer)
+    assert r.status_code == 200 and [o["meta_info"]["prompt_tokens"] for o in r.json()] == [2, 1], r.text
 
 
 @pytest.mark.parametrize(
@@ -419,6 +429,12 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ({"input_ids": [3, 4], "sampling_params": [{}]}, "sampling_params is a list for one request"),
         ({"input_ids": [3, 4], "sampling_params": {"n": None}}, "sampling_params.n is null"),
         ({"input_ids": [3, 4], "rid": ["a"]}, "rid is a list for one request"),
+        (
+            {"input_ids": [[3], [4]], "return_logprob": [True]},
+            "return_logprob has 1 entries for a batch of 2",
+        ),
+        ({"input_ids": [[3], [4]], "lora_path": [None]}, "lora_path has 1 entries for a batch of 2"),
+        ({"input_ids": [[3], [4]], "bootstrap_room": []}, "bootstrap_room has 0 entries for a batch of 2"),
         (
             {"input_ids": [[3], [4]], "sampling_params": [{}]},
             "sampling_params has 1 entries for a batch of 2",
