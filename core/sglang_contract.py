@@ -63,10 +63,12 @@ the gate's (the parse takes any media value, ``kv_hints`` a dict or a list of di
 ``images_config`` a dict: io_struct.py 78-81, 158-204, 357, 378-380); and each step judges the
 whole body before the next (a field the parse refuses is the answer wherever it stands in the
 body, then the gate's first, then step 3's). Step 3 runs in SGLang's order
-(:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (a batch's ``image_data`` and
-``watermark`` lengths; ``kv_hints``, decoded with msgspec, in its words: ``Malformed kv_hints
-envelope: ...``), a short ``video_data`` / ``audio_data`` / ``sampling_params`` list
-(:data:`NO_SHORT_LIST`, ``_init_req_state``), then each item: a watermark set both ways, a ``choice``
+(:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (no input, :data:`NO_INPUT`;
+``session_id`` with ``session_params``, :data:`SESSION_BOTH`; a batch's ``image_data``,
+``watermark``, ``return_hidden_states``, ``extra_key`` and ``cache_salt`` lengths; ``kv_hints``,
+decoded with msgspec, in its words: ``Malformed kv_hints envelope: ...``), a batch's short
+per-item list (:data:`PER_ITEM_LISTS`, :data:`NO_SHORT_LIST`) or one request's ``rid`` list
+(:data:`NO_RID_LIST`) in ``_init_req_state``, then each item: a watermark set both ways, a ``choice``
 (:data:`NO_CHOICE`), a malformed watermark (:func:`watermark_malformed`), then ``SamplingParams``'
 ranges, so a malformed ``watermark`` is named before an out-of-range ``top_p``
 (tokenizer_manager.py 1553-1567). What SGLang answers with a 500 is refused here as a 400 naming
