@@ -695,16 +695,29 @@ def _parallel_sampling_refusal(params: Any) -> ContractError | None:
     return None
 
 
-def _stays_single(body: dict[str, Any]) -> bool:
-    """Whether the request stays one request: no batch (:func:`_batch_size`), and no ``n`` above
-    1 that parallel sampling makes a batch of (``io_struct.py`` 531-557; ``beam_width`` above 1
-    sets the count to 1 first, 517-529)."""
-    if _batch_size(body) is not None:
-        return False
+def _parallel(body: dict[str, Any]) -> bool:
+    """Whether ``sampling_params.n`` (its first entry's, in a list) above 1 makes parallel samples
+    (``_handle_parallel_sampling``, ``io_struct.py`` 531-557: ``parallel_sample_num > 1``;
+    ``beam_width`` above 1 sets the count to 1 first, 517-529)."""
     params = body.get("sampling_params")
     first = params[0] if type(params) is list and params else params if type(params) is dict else {}
     n = first.get("n", 1)
-    return not (type(n) is int and n > 1 and (first.get("beam_width") or 1) <= 1)
+    return type(n) is int and n > 1 and (first.get("beam_width") or 1) <= 1
+
+
+def _stays_single(body: dict[str, Any]) -> bool:
+    """Whether the request stays one request: no batch (:func:`_batch_size`), and no parallel
+    samples (:func:`_parallel`), which make one request a batch of one (``io_struct.py``
+    548-557)."""
+    return _batch_size(body) is None and not _parallel(body)
+
+
+def _normalized_batch(body: dict[str, Any]) -> int | None:
+    """The ``batch_size`` ``_normalize_batch_inputs`` judges a batch's lists by (``io_struct.py``
+    589-612), or None for a request that stays single (``_normalize_single_inputs``, 559-587):
+    a batch's size, or 1 for one request that parallel samples make a batch (548-557)."""
+    batch = _batch_size(body)
+    return batch if batch is not None else None if _stays_single(body) else 1
 
 
 def _list_for_one(body: dict[str, Any]) -> ContractError | None:
@@ -864,35 +877,81 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     in its order: the inputs (:func:`_inputs_refusal`, 431), an empty ``input_ids``
     (:func:`_empty_ids_refusal`, 432), ``session_id`` with ``session_params``
     (:data:`SESSION_BOTH`, 433-434); an empty ``sampling_params`` list (read at its first entry,
-    540: :data:`NO_SHORT_LIST`); for a batch a ``rid`` list of another length (759-774), then
-    the lengths of ``image_data``, the top-level ``watermark``, ``return_hidden_states``,
-    ``extra_key`` and ``cache_salt`` (659-662, 749-757, 823-837, 850-886; an empty ``image_data``
-    list is none); ``kv_hints`` (583-587, 888-905); last a rid named twice
+    540: :data:`NO_SHORT_LIST`), ``n`` (:func:`_parallel_sampling_refusal`); for a batch, or one
+    request parallel samples make a batch of one (:func:`_normalized_batch`), its lists
+    (:func:`_batch_lists_refusal`); ``kv_hints`` (583-587, 888-905); last a rid named twice
     (:func:`_rid_uniqueness_refusal`)."""
     refused = _inputs_refusal(body) or _empty_ids_refusal(body)
     if refused is not None:
         return refused
     if body.get("session_id") is not None and body.get("session_params") is not None:
         return ContractError(SESSION_BOTH, step="verify")
-    batch = _batch_size(body)
     params, rid = body.get("sampling_params"), body.get("rid")
     if params == []:
-        return _short("sampling_params", params, batch or 1)
+        return _short("sampling_params", params, _batch_size(body) or 1)
     refused = _parallel_sampling_refusal(params)
     if refused is not None:
         return refused
-    if batch is not None and type(rid) is list and len(rid) != batch:  # _normalize_rid, 759-774
-        message = "The specified rids length mismatch with the batch_size for batch processing."
-        return ContractError(message, step="verify", value=rid)
-    if batch is not None:
-        for key in ("image_data", "watermark", "return_hidden_states", "extra_key", "cache_salt"):
-            value = body.get(key)
-            if type(value) is list and (value or key != "image_data") and len(value) != batch:
-                return ContractError(f"The length of {key} should be equal to the batch size.", step="verify")
+    batch = _normalized_batch(body)
+    refused = None if batch is None else _batch_lists_refusal(body, batch)
+    if refused is not None:
+        return refused
     kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
     if kv_hints is not None:
         return ContractError(kv_hints, step="verify")
     return _rid_uniqueness_refusal(rid)
+
+
+_PARALLEL_LISTS = (
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
+    "sampling_logprobs_mode", "token_ids_logprob",
+)  # fmt: skip
+"""The per-item lists ``_normalize_logprob_params`` refuses with parallel samples, in its order
+(``io_struct.py`` 776-821: any list, ``token_ids_logprob`` only a list of lists)."""
+
+
+def _parallel_list_refusal(body: dict[str, Any], keys: tuple[str, ...]) -> ContractError | None:
+    """With parallel samples (:func:`_parallel`), the first of ``keys`` sent as one entry per
+    item (:func:`_per_item_list`; an empty list too, but for ``token_ids_logprob``), refused in
+    SGLang's words (``io_struct.py`` 783-788, 817-821, 839-848), or None."""
+    if not _parallel(body):
+        return None
+    for key in keys:
+        if _per_item_list(key, body.get(key)):
+            message = f"Cannot use list {key} with parallel_sample_num > 1"
+            return ContractError(message, step="verify", value=body.get(key))
+    return None
+
+
+def _batch_lists_refusal(body: dict[str, Any], batch: int) -> ContractError | None:
+    """``_normalize_batch_inputs`` (``io_struct.py`` 589-612) on a batch of ``batch``
+    (:func:`_normalized_batch`), in its order: a ``rid`` list of another length (759-774), the
+    lengths of ``image_data`` (659-662; an empty list is none) and the top-level ``watermark``
+    (749-757), with parallel samples a per-item logprob list (:data:`_PARALLEL_LISTS`), the length
+    of ``return_hidden_states`` (823-837), with parallel samples a ``custom_logit_processor``
+    list (839-848), the lengths of ``extra_key`` and ``cache_salt`` (850-886); or None."""
+    rid = body.get("rid")
+    if type(rid) is list and len(rid) != batch:
+        message = "The specified rids length mismatch with the batch_size for batch processing."
+        return ContractError(message, step="verify", value=rid)
+    return (
+        _lengths_refusal(body, batch, ("image_data", "watermark"))
+        or _parallel_list_refusal(body, _PARALLEL_LISTS)
+        or _lengths_refusal(body, batch, ("return_hidden_states",))
+        or _parallel_list_refusal(body, ("custom_logit_processor",))
+        or _lengths_refusal(body, batch, ("extra_key", "cache_salt"))
+    )
+
+
+def _lengths_refusal(body: dict[str, Any], batch: int, keys: tuple[str, ...]) -> ContractError | None:
+    """The first of ``keys`` sent as a list of another length than ``batch``, in SGLang's words
+    (``io_struct.py`` 659-662, 749-757, 823-837, 850-886; an empty ``image_data`` is none), or
+    None."""
+    for key in keys:
+        value = body.get(key)
+        if type(value) is list and (value or key != "image_data") and len(value) != batch:
+            return ContractError(f"The length of {key} should be equal to the batch size.", step="verify")
+    return None
 
 
 def _rid_uniqueness_refusal(rid: Any) -> ContractError | None:

@@ -1188,6 +1188,54 @@ STEP3_ORDER = [
         {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
         "The parallel_sample_num should be the same for all samples in sample params.",
     ),
+    # parallel samples (n > 1) make one request a batch of one (io_struct.py 548-557), whose
+    # per-item lists _normalize_batch_inputs judges in its order (589-612): a rid list's length
+    # (759-774), image_data's and watermark's (659-662, 749-757), a list logprob field (776-821),
+    # return_hidden_states' length (823-837), a list custom_logit_processor (839-848), extra_key's
+    # length (850-866), all before the LoRA adapters and the engine's own "n not supported"
+    (
+        {"sampling_params": {"n": 2}, "return_logprob": [True], "lora_path": "a"},
+        "Cannot use list return_logprob",
+    ),
+    ({"sampling_params": {"n": 2}, "rid": ["a", "b"]}, "The specified rids length mismatch"),
+    (
+        {"sampling_params": {"n": 2}, "logprob_start_len": [0], "top_logprobs_num": [1]},
+        "Cannot use list logprob_start_len with parallel_sample_num > 1",
+    ),
+    (
+        {"sampling_params": {"n": 2}, "sampling_logprobs_mode": ["selected"]},
+        "Cannot use list sampling_logprobs",
+    ),
+    ({"sampling_params": {"n": 2}, "return_sampling_mask": []}, "Cannot use list return_sampling_mask"),
+    ({"sampling_params": {"n": 2}, "token_ids_logprob": [[3]]}, "Cannot use list token_ids_logprob"),
+    (
+        {"sampling_params": {"n": 2}, "token_ids_logprob": [3], "custom_logit_processor": ["x"]},
+        "Cannot use list custom_logit_processor with parallel_sample_num > 1",
+    ),
+    (
+        {"sampling_params": {"n": 2}, "watermark": [None, None], "return_logprob": [True]},
+        "The length of watermark",
+    ),
+    (
+        {
+            "input_ids": [[1], [2]],
+            "sampling_params": {"n": 2},
+            "top_logprobs_num": [1, 1],
+            "return_hidden_states": [True],
+        },
+        "Cannot use list top_logprobs_num",
+    ),
+    (
+        {"sampling_params": {"n": 2}, "return_hidden_states": [True, True], "custom_logit_processor": ["x"]},
+        "The length of return_hidden_states should be equal to the batch size.",
+    ),
+    (
+        {"sampling_params": {"n": 2}, "custom_logit_processor": [None], "extra_key": ["a", "b"]},
+        "Cannot use list custom_logit_processor",
+    ),
+    ({"sampling_params": {"n": 2}, "extra_key": ["a", "b"]}, "The length of extra_key should be equal"),
+    ({"sampling_params": {"n": 2}, "kv_hints": [None, None]}, "The length of kv_hints"),
+    ({"sampling_params": {"n": 2, "beam_width": 2}, "return_logprob": True}, "n=2 is not supported"),
     # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)
     ({"input_ids": [[1], [2]], "max_thinking_tokens": 5, "sampling_params": [{}]}, "max_thinking_tokens"),
     # a batch: each item in turn, all its checks before the next item's

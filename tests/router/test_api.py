@@ -348,6 +348,18 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
         ({"lora_path": "adapter", "sampling_params": {"top_p": 1.5}}, 400, "LoRA is not enabled"),
         ({"lora_path": "adapter", "sampling_params": {"choice": ["a"]}}, 400, "LoRA is not enabled"),
         ({"lora_path": "adapter", "sampling_params": [{}]}, 400, "LoRA is not enabled"),
+        # parallel samples' lists (io_struct.py 776-821, 839-848), before the LoRA adapters
+        (
+            {"sampling_params": {"n": 2}, "return_logprob": [True], "lora_path": "a"},
+            422,
+            "Cannot use list return_logprob with parallel_sample_num > 1",
+        ),
+        (
+            {"input_ids": [[3], [4]], "sampling_params": {"n": 2}, "custom_logit_processor": ["x", None]},
+            422,
+            "Cannot use list custom_logit_processor with parallel_sample_num > 1",
+        ),
+        ({"sampling_params": {"n": 2}, "rid": ["a", "b"]}, 422, "The specified rids length mismatch"),
         # max_thinking_tokens before the rids are registered, and the short list (905-926)
         (
             {"input_ids": [[3], [4]], "max_thinking_tokens": 5, "sampling_params": [{}]},
