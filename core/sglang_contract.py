@@ -926,21 +926,62 @@ def _parallel_list_refusal(body: dict[str, Any], keys: tuple[str, ...]) -> Contr
 def _batch_lists_refusal(body: dict[str, Any], batch: int) -> ContractError | None:
     """``_normalize_batch_inputs`` (``io_struct.py`` 589-612) on a batch of ``batch``
     (:func:`_normalized_batch`), in its order: a ``rid`` list of another length (759-774), the
-    lengths of ``image_data`` (659-662; an empty list is none) and the top-level ``watermark``
-    (749-757), with parallel samples a per-item logprob list (:data:`_PARALLEL_LISTS`), the length
-    of ``return_hidden_states`` (823-837), with parallel samples a ``custom_logit_processor``
-    list (839-848), the lengths of ``extra_key`` and ``cache_salt`` (850-886); or None."""
+    length of ``image_data`` (659-662; an empty list is none), ``mm_hashes``
+    (:func:`_mm_hashes_refusal`), the length of the top-level ``watermark`` (749-757), with
+    parallel samples a per-item logprob list (:data:`_PARALLEL_LISTS`), the length of
+    ``return_hidden_states`` (823-837), with parallel samples a ``custom_logit_processor`` list
+    (839-848), the lengths of ``extra_key`` and ``cache_salt`` (850-886); or None."""
     rid = body.get("rid")
     if type(rid) is list and len(rid) != batch:
         message = "The specified rids length mismatch with the batch_size for batch processing."
         return ContractError(message, step="verify", value=rid)
     return (
-        _lengths_refusal(body, batch, ("image_data", "watermark"))
+        _lengths_refusal(body, batch, ("image_data",))
+        or _mm_hashes_refusal(body, batch)
+        or _lengths_refusal(body, batch, ("watermark",))
         or _parallel_list_refusal(body, _PARALLEL_LISTS)
         or _lengths_refusal(body, batch, ("return_hidden_states",))
         or _parallel_list_refusal(body, ("custom_logit_processor",))
         or _lengths_refusal(body, batch, ("extra_key", "cache_salt"))
     )
+
+
+def _image_counts(image_data: Any, batch: int) -> list[int]:
+    """How many images each of a batch's requests has once ``_normalize_image_data`` normalized
+    ``image_data`` (``io_struct.py`` 645-685, its length already checked): none for null or an
+    empty list, one each for one image or a flat list (a null entry too, wrapped as ``[None]``),
+    each row's length for a list of lists (a null row none)."""
+    if image_data is None or image_data == []:
+        return [0] * batch
+    if type(image_data) is not list:
+        return [1] * batch
+    if type(image_data[0]) is list:
+        return [len(row or []) for row in image_data]
+    return [1] * len(image_data)
+
+
+def _mm_hashes_refusal(body: dict[str, Any], batch: int) -> ContractError | None:
+    """``_normalize_mm_hashes`` (``io_struct.py`` 687-720) on a batch's ``mm_hashes`` (a list:
+    the gate's ``StringListOrList``), in its words: another length than the batch (696-699), then
+    per request a hash that is no list for a request without exactly one image (705-713), or a
+    list of another length than its images (714-718); or None. (``mm_content_hashes``, which it
+    judges next, is a dataclass-only key, not checked here.)"""
+    hashes = body.get("mm_hashes")
+    if hashes is None:
+        return None
+    if len(hashes) != batch:
+        message = "The length of mm_hashes should equal the batch size"
+        return ContractError(message, step="verify", value=hashes)
+    counts = _image_counts(body.get("image_data"), batch)
+    for i, (request_hashes, count) in enumerate(zip(hashes, counts, strict=True)):
+        if type(request_hashes) is not list and count != 1:
+            message = f"mm_hashes[{i}] must be a list with one entry per image"
+            return ContractError(message, step="verify", value=request_hashes)
+        size = len(request_hashes) if type(request_hashes) is list else 1
+        if size != count:
+            message = f"mm_hashes[{i}] has {size} entries for {count} images"
+            return ContractError(message, step="verify", value=request_hashes)
+    return None
 
 
 def _lengths_refusal(body: dict[str, Any], batch: int, keys: tuple[str, ...]) -> ContractError | None:

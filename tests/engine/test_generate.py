@@ -932,6 +932,30 @@ NESTED_REFUSED = [
         "verify",
         "The length of image_data should be equal to the batch size.",
     ),
+    # mm_hashes (io_struct.py 687-720): after image_data's length, one hash or a list per request,
+    # as many as its images (none without image_data, one for one image or a flat list's entry)
+    (
+        {"input_ids": [[1], [2]], "image_data": [MEDIA], "mm_hashes": ["a"]},
+        "verify",
+        "The length of image_data should be equal to the batch size.",
+    ),
+    (
+        {"input_ids": [[1], [2]], "mm_hashes": ["a"], "watermark": [None], "lora_path": "a"},
+        "verify",
+        "The length of mm_hashes should equal the batch size",
+    ),
+    ({"input_ids": [[1], [2]], "mm_hashes": ["a", "b"]}, "verify", "mm_hashes[0] must be a list with one"),
+    (
+        {"input_ids": [[1], [2]], "image_data": [[MEDIA, MEDIA], None], "mm_hashes": [["a"], []]},
+        "verify",
+        "mm_hashes[0] has 1 entries for 2 images",
+    ),
+    (
+        {"input_ids": [[1], [2]], "image_data": [[MEDIA], None], "mm_hashes": [["a"], ["b"]]},
+        "verify",
+        "mm_hashes[1] has 1 entries for 0 images",
+    ),
+    ({"sampling_params": {"n": 2}, "mm_hashes": [[], []]}, "verify", "The length of mm_hashes should equal"),
     ({"input_ids": [[1], [2]], "video_data": [MEDIA]}, "verify", "video_data has 1 entries for a batch of 2"),
     ({"input_ids": [[1], [2]], "audio_data": []}, "verify", "audio_data has 0 entries for a batch of 2"),
     # so is a short sampling_params list, or an empty one (io_struct.py 540, 740-747, 982)
@@ -971,6 +995,13 @@ NESTED_SERVED = [
         "video_data": [MEDIA, MEDIA, MEDIA],
         "kv_hints": [ENVELOPE, None],
     },
+    # mm_hashes matching the images (io_struct.py 687-720); one request's SGLang does not judge
+    {"input_ids": [[1], [2]], "image_data": MEDIA, "mm_hashes": ["a", "b"]},
+    {"input_ids": [[1], [2]], "image_data": MEDIA, "mm_hashes": [["a"], ["b"]]},
+    {"input_ids": [[1], [2]], "image_data": [MEDIA, None], "mm_hashes": ["a", "b"]},
+    {"input_ids": [[1], [2]], "image_data": [[MEDIA, MEDIA], None], "mm_hashes": [["a", "b"], []]},
+    {"input_ids": [[1], [2]], "mm_hashes": [[], []]},
+    {"mm_hashes": ["a", "b"]},
 ]
 
 

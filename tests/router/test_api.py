@@ -327,6 +327,10 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     }
     r = client.post("/generate", json=longer)
     assert r.status_code == 200 and [o["meta_info"]["prompt_tokens"] for o in r.json()] == [2, 1], r.text
+    # mm_hashes matching each request's images (io_struct.py 687-720) are forwarded and served
+    hashed = {"input_ids": [[3, 4], [5]], "sampling_params": one, "image_data": "x", "mm_hashes": ["a", "b"]}
+    r = client.post("/generate", json=hashed)
+    assert r.status_code == 200 and len(r.json()) == 2, r.text
 
 
 @pytest.mark.parametrize(
@@ -454,6 +458,11 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         # the gate's, the parse's and the tokenizer manager's refusals of the nested structs
         ({"input_ids": [3, 4], "image_data": {"url": "u", "zoom": 2}}, "image_data: unknown field `zoom`"),
         ({"input_ids": [3, 4], "kv_hints": 5}, "kv_hints: invalid type: integer `5`"),
+        ({"input_ids": [[3], [4]], "mm_hashes": ["a"]}, "The length of mm_hashes should equal the batch"),
+        (
+            {"input_ids": [[3], [4]], "image_data": [["u"], None], "mm_hashes": [["a"], ["b"]]},
+            "mm_hashes[1] has 1 entries for 0 images",
+        ),
         ({"input_ids": [3, 4], "kv_hints": {"message_id": "m"}}, "Malformed kv_hints envelope"),
         (
             {"input_ids": [3, 4], "images_config": {"prefix": None}},
