@@ -879,8 +879,8 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     (:data:`SESSION_BOTH`, 433-434); an empty ``sampling_params`` list (read at its first entry,
     540: :data:`NO_SHORT_LIST`), ``n`` (:func:`_parallel_sampling_refusal`); for a batch, or one
     request parallel samples make a batch of one (:func:`_normalized_batch`), its lists
-    (:func:`_batch_lists_refusal`); ``kv_hints`` (583-587, 888-905); last a rid named twice
-    (:func:`_rid_uniqueness_refusal`)."""
+    (:func:`_batch_lists_refusal`), else one request's keys (:func:`_single_refusal`);
+    ``kv_hints`` (583-587, 888-905); last a rid named twice (:func:`_rid_uniqueness_refusal`)."""
     refused = _inputs_refusal(body) or _empty_ids_refusal(body)
     if refused is not None:
         return refused
@@ -893,7 +893,7 @@ def _normalize_refusal(body: dict[str, Any]) -> ContractError | None:
     if refused is not None:
         return refused
     batch = _normalized_batch(body)
-    refused = None if batch is None else _batch_lists_refusal(body, batch)
+    refused = _single_refusal(body) if batch is None else _batch_lists_refusal(body, batch)
     if refused is not None:
         return refused
     kv_hints = _kv_hints_refusal(body.get("kv_hints"), batch)
@@ -981,6 +981,19 @@ def _mm_hashes_refusal(body: dict[str, Any], batch: int) -> ContractError | None
         if size != count:
             message = f"mm_hashes[{i}] has {size} entries for {count} images"
             return ContractError(message, step="verify", value=request_hashes)
+    return None
+
+
+def _single_refusal(body: dict[str, Any]) -> ContractError | None:
+    """``_normalize_single_inputs`` (``io_struct.py`` 559-587) on a request that stays single
+    (:func:`_normalized_batch`), before its ``kv_hints`` (:func:`_kv_hints_refusal`): an
+    ``extra_key`` or ``cache_salt`` that is no string (a list: the gate takes only a string or
+    strings), in its words (575-580); or None."""
+    for key in ("extra_key", "cache_salt"):
+        value = body.get(key)
+        if value is not None and type(value) is not str:
+            message = f"{key} should be a string for a single request."
+            return ContractError(message, step="verify", value=value)
     return None
 
 

@@ -1265,6 +1265,12 @@ STEP3_ORDER = [
         "Cannot use list custom_logit_processor",
     ),
     ({"sampling_params": {"n": 2}, "extra_key": ["a", "b"]}, "The length of extra_key should be equal"),
+    # one request's extra_key / cache_salt must be a string (io_struct.py 575-580), before its
+    # kv_hints (583-587) and the LoRA adapters; with parallel samples a list of one is taken
+    ({"extra_key": ["a"], "kv_hints": [], "lora_path": "a"}, "extra_key should be a string for a single"),
+    ({"cache_salt": [], "kv_hints": []}, "cache_salt should be a string for a single request."),
+    ({"extra_key": "a", "cache_salt": ["a"]}, "cache_salt should be a string for a single request."),
+    ({"sampling_params": {"n": 2}, "extra_key": ["a"], "cache_salt": ["b"]}, "n=2 is not supported"),
     ({"sampling_params": {"n": 2}, "kv_hints": [None, None]}, "The length of kv_hints"),
     ({"sampling_params": {"n": 2, "beam_width": 2}, "return_logprob": True}, "n=2 is not supported"),
     # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)

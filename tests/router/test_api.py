@@ -364,6 +364,8 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
             "Cannot use list custom_logit_processor with parallel_sample_num > 1",
         ),
         ({"sampling_params": {"n": 2}, "rid": ["a", "b"]}, 422, "The specified rids length mismatch"),
+        # one request's extra_key / cache_salt: a string (io_struct.py 575-580), before the LoRA adapters
+        ({"cache_salt": ["s"], "lora_path": "a"}, 422, "cache_salt should be a string for a single request."),
         # max_thinking_tokens before the rids are registered, and the short list (905-926)
         (
             {"input_ids": [[3], [4]], "max_thinking_tokens": 5, "sampling_params": [{}]},
