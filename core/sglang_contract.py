@@ -753,6 +753,53 @@ def _rid_list_for_one(body: dict[str, Any]) -> ContractError | None:
     )
 
 
+ONE_VALUE_FIELDS = (
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
+    "sampling_logprobs_mode",
+)  # fmt: skip
+"""One request's fields SGLang 0.5.23's scheduler reads as one value (:data:`NO_ONE_VALUE_LIST`)."""
+
+NO_ONE_VALUE_LIST = (
+    "SGLang 0.5.23 keeps one request's list here as sent (managers/io_struct.py 559-574) and its "
+    "scheduler reads it as one value (managers/scheduler.py 3256-3275: compared with -1 and with the "
+    "input's length; a list that holds false is true), where a TypeError ends the scheduler process "
+    "and the server with it (6360-6373); send one value, or a list with a batch."
+)
+"""Why a list at one of :data:`ONE_VALUE_FIELDS` on a request that stays single is refused: the
+gate takes it (a bool/int/string or a list of them), ``_normalize_single_inputs`` fills in only a
+missing value (``io_struct.py`` 559-574), the tokenizer manager reads ``return_sampling_mask`` for
+its truth only (``tokenizer_manager.py`` 1420-1435), and the scheduler compares
+``logprob_start_len`` with numbers (``scheduler.py`` 3256-3275): a TypeError in
+``_handle_generate_request`` (2959, dispatched uncaught at 2253), which ends the scheduler's event
+loop and signals the server to quit (6360-6373), so the replica is gone, not one request refused.
+A list SGLang would serve (an empty ``return_logprob``, read as false) is refused too: what it
+does with each such list is decided deep in the scheduler, and a body that may end a replica is
+never forwarded. Refused here as a 400 naming the field, after everything SGLang refuses before
+its scheduler, and also where the full check leaves the rest to the server
+(:func:`_tokenizer_refusal`)."""
+
+
+def _one_value_list(body: dict[str, Any]) -> ContractError | None:
+    """A list at one of :data:`ONE_VALUE_FIELDS` on a request that stays single
+    (:data:`NO_ONE_VALUE_LIST`), or None."""
+    if not _stays_single(body):
+        return None
+    for key in ONE_VALUE_FIELDS:
+        value = body.get(key)
+        if type(value) is list:
+            message = f"{key} is a list for one request: {NO_ONE_VALUE_LIST}"
+            return ContractError(message, step="verify", value=value, fails=True)
+    return None
+
+
+def one_value_list_refusal(body: dict[str, Any]) -> Refusal | None:
+    """The refusal of a list where one request's scheduler reads one value
+    (:data:`NO_ONE_VALUE_LIST`), or None; a caller that makes SGLang's other step-3 checks runs
+    this after all of them."""
+    refused = _one_value_list(body)
+    return None if refused is None else Refusal.of(refused)
+
+
 def list_for_one_refusal(body: dict[str, Any]) -> Refusal | None:
     """The refusal of a list ``sampling_params`` on one request (:data:`NO_LIST_FOR_ONE`), or None;
     SGLang fails on it per item after the input's length check and before the requested total's
@@ -775,7 +822,16 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     ``input_embeds``, hidden states, the custom logit processor), this check stops there and
     returns None: what SGLang names then is the server's to say, so a caller that forwards the
     body (the router) gets SGLang's own answer, naming what SGLang names (a ``lora_path`` before
-    an out-of-range ``top_p``)."""
+    an out-of-range ``top_p``). Last, and also where it stopped so, a list where one request's
+    scheduler reads one value (:data:`NO_ONE_VALUE_LIST`): a body that may end the replica is
+    refused whatever the server would have named first."""
+    refused = _before_the_scheduler(body)
+    return refused if refused is not None else _one_value_list(body)
+
+
+def _before_the_scheduler(body: dict[str, Any]) -> ContractError | None:
+    """:func:`_tokenizer_refusal` but for what only the scheduler fails on; None also where it
+    stops for a field the server judges."""
     refused = _normalize_refusal(body)
     if refused is not None or _server_judges(body, _SERVER_BEFORE_RIDS):
         return refused

@@ -60,6 +60,7 @@ from core.sglang_contract import (
     item_refusal,
     list_for_one_refusal,
     max_new_tokens_bound,
+    one_value_list_refusal,
     short_list_refusal,
 )
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
@@ -444,6 +445,9 @@ class GenerateReqInput(BaseModel):
                     limits=limits,
                 )
             )
+        one_value = one_value_list_refusal(self._body)  # the scheduler's, after all of the above
+        if one_value is not None:
+            raise _refused(one_value)
         refused = self.unimplemented_refusal()
         if refused is not None:
             raise RequestError(refused)
@@ -515,10 +519,13 @@ class GenerateReqInput(BaseModel):
         entry ``i`` for item ``i``, io_struct.py 959-1031, and never a longer list's rest; a
         shorter one was refused before, :data:`core.sglang_contract.NO_SHORT_LIST`, or its length
         checked, :func:`core.sglang_contract.batch_refusal`), one value every item's, None the
-        default. One request's list of another length than 1 is refused (this engine's own
-        refusal: SGLang keeps it as one request's value)."""
+        default. One request's list is read as the default: SGLang keeps it as the request's one
+        value, which the request is refused for once every earlier check has run
+        (:func:`core.sglang_contract.one_value_list_refusal`)."""
         if isinstance(value, list):
-            if len(value) < n or (len(value) > n and not self.is_batch()):
+            if not self.is_batch():
+                return [default] * n
+            if len(value) < n:
                 raise RequestError(f"{name} has {len(value)} entries for a batch of {n}.")
             return value[:n]
         if value is None:

@@ -1295,6 +1295,17 @@ STEP3_ORDER = [
     ({"input_ids": [1] * 2048, "token_ids_logprob": [10**9]}, "longer than the model's context"),
     ({"token_ids_logprob": [[3]]}, "token_ids_logprob must be a flat list of integers."),
     ({"input_ids": [[1], [2]], "token_ids_logprob": [[3], [-1]]}, "out-of-vocabulary token id -1"),
+    # a list where one request's scheduler reads one value: it may end SGLang's server
+    # (core.sglang_contract.NO_ONE_VALUE_LIST), refused after everything SGLang refuses before
+    # its scheduler; a one-entry list too (the engine served its entry)
+    ({"return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len is a list for one request"),
+    ({"return_logprob": [True]}, "return_logprob is a list for one request"),
+    ({"return_logprob": []}, "return_logprob is a list for one request"),
+    ({"top_logprobs_num": [1, 2], "return_logprob": True}, "top_logprobs_num is a list for one request"),
+    ({"return_sampling_mask": [False], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
+    ({"sampling_logprobs_mode": ["support"]}, "sampling_logprobs_mode is a list for one request"),
+    ({"return_logprob": [True], "input_ids": [1] * 2048}, "longer than the model's context"),
+    ({"return_logprob": [True], "lora_path": "a"}, "LoRA is not enabled"),
 ]
 
 

@@ -447,6 +447,17 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ({"input_ids": [3, 4], "sampling_params": [{}]}, "sampling_params is a list for one request"),
         ({"input_ids": [3, 4], "sampling_params": {"n": None}}, "sampling_params.n is null"),
         ({"input_ids": [3, 4], "rid": ["a"]}, "rid is a list for one request"),
+        # a list where one request's scheduler reads one value may end the replica: refused
+        # even where the server would judge another field first (core.sglang_contract.NO_ONE_VALUE_LIST)
+        (
+            {"input_ids": [3, 4], "return_logprob": True, "logprob_start_len": [0]},
+            "logprob_start_len is a list for one request",
+        ),
+        ({"input_ids": [3, 4], "return_logprob": [False]}, "return_logprob is a list for one request"),
+        (
+            {"input_ids": [3, 4], "top_logprobs_num": [1], "lora_path": "a"},
+            "top_logprobs_num is a list for one request",
+        ),
         (
             {"input_ids": [[3], [4]], "return_logprob": [True]},
             "return_logprob has 1 entries for a batch of 2",
