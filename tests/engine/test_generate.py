@@ -474,7 +474,7 @@ BAD = [
         "min_new_tokens must be",
     ),
     ({"input_ids": [1], "sampling_params": {"temperature": 0.5, "top_k": -2}}, "top_k must be"),
-    # SGLang 0.5.23's dataclass parse and contract gate (core/sglang_contract.py): JSON types, named
+    # SGLang 0.5.23's dataclass parse and contract gate (core/sglang_contract/): JSON types, named
     ({"input_ids": [1, True]}, "input_ids[1]: invalid type: boolean `true`, expected i64"),
     ({"input_ids": [True]}, "input_ids[0]: invalid type: boolean `true`"),
     ({"input_ids": ["1"]}, 'input_ids[0]: invalid type: string "1"'),
@@ -668,7 +668,7 @@ TOP_LEVEL_REFUSED = [
     ({"positional_embed_overrides": {}}, "positional_embed_overrides={} is not supported"),
     ({"multi_item_delimiter_indices": [1]}, "multi_item_delimiter_indices=[1] is not supported"),
     ({"token_indices_to_pool": [0]}, "token_indices_to_pool=[0] is not supported"),
-    # and their types, as SGLang's parse and contract gate judge them (core/sglang_contract.py)
+    # and their types, as SGLang's parse and contract gate judge them (core/sglang_contract/)
     ({"lora_path": 5}, "lora_path: invalid type: integer `5`"),
     ({"priority": "3"}, 'priority: invalid type: string "3", expected i64'),
     ({"bootstrap_port": [1, "x"]}, "bootstrap_port[1]: invalid type"),
