@@ -627,8 +627,6 @@ def _spec(
         raise RequestError(
             f"logprob_start_len ({logprob_start_len}) is superior or equal to the input length ({n})."
         )
-    if top_logprobs_num < 0:
-        raise RequestError(f"top_logprobs_num must be at least 0, got {top_logprobs_num}.")
     # SGLang keeps any integer here (sampling_params.py 201-205; nothing checks the vocabulary):
     # an id outside it never matches.
     stops = frozenset(params.stop_token_ids or ())
@@ -643,7 +641,7 @@ def _spec(
         skip_special_tokens=params.skip_special_tokens is not False,
         return_logprob=return_logprob,
         logprob_start_len=n - 1 if logprob_start_len == -1 else logprob_start_len,
-        top_logprobs_num=top_logprobs_num if return_logprob else 0,
+        top_logprobs_num=max(top_logprobs_num, 0) if return_logprob else 0,  # SGLang: <= 0 asks none
         return_sampling_mask=return_sampling_mask,
         return_text_in_logprobs=return_text_in_logprobs,
         stream=stream,

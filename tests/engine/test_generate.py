@@ -561,6 +561,12 @@ def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> Non
             sampling_params={**params, "max_new_tokens": 2, "ignore_eos": True},
         )
         assert len(out["output_ids"]) == 2, params
+    # a top_logprobs_num of 0 or below asks for no top log-probs (layers/logprob_processor.py 434,
+    # 929; managers/tokenizer_manager.py 2873, 3042 answer them only above 0): served as 0
+    asked = {"input_ids": [1, 2], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    none = generate(client, engine, **asked, top_logprobs_num=0)["meta_info"]
+    negative = generate(client, engine, **asked, top_logprobs_num=-3)["meta_info"]
+    assert sorted(negative) == sorted(none) and len(negative["output_token_logprobs"]) == 2
 
 
 SHAPES = [
