@@ -207,13 +207,20 @@ def _normalized_batch(body: dict[str, Any]) -> int | None:
     return batch if batch is not None else None if _stays_single(body) else 1
 
 
-def _list_for_one(body: dict[str, Any]) -> ContractError | None:
-    """A list ``sampling_params`` on a request that stays single (:data:`NO_LIST_FOR_ONE`)."""
-    params = body.get("sampling_params")
-    if type(params) is not list or not params or not _stays_single(body):
+def _listed_for_one(body: dict[str, Any], key: str, why: str) -> ContractError | None:
+    """A list at ``key`` on a request that stays single (:func:`_stays_single`), which SGLang keeps
+    as the request's one value and fails on (``why``, its :data:`NO_LIST_FOR_ONE`-like reason), or
+    None."""
+    value = body.get(key)
+    if type(value) is not list or not _stays_single(body):
         return None
-    message = f"sampling_params is a list for one request: {NO_LIST_FOR_ONE}"
-    return ContractError(message, step="verify", fails=True)
+    return ContractError(f"{key} is a list for one request: {why}", step="verify", value=value, fails=True)
+
+
+def _list_for_one(body: dict[str, Any]) -> ContractError | None:
+    """A non-empty list ``sampling_params`` on a request that stays single (:data:`NO_LIST_FOR_ONE`;
+    an empty one is a short list, :data:`NO_SHORT_LIST`)."""
+    return _listed_for_one(body, "sampling_params", NO_LIST_FOR_ONE) if body.get("sampling_params") else None
 
 
 NO_RID_LIST = (
@@ -232,12 +239,7 @@ replica; refused here as a 400, in step 3's body, at that place (:func:`_init_re
 
 def _rid_list_for_one(body: dict[str, Any]) -> ContractError | None:
     """A ``rid`` list on a request that stays single (:data:`NO_RID_LIST`), or None."""
-    rid = body.get("rid")
-    if type(rid) is not list or not _stays_single(body):
-        return None
-    return ContractError(
-        f"rid is a list for one request: {NO_RID_LIST}", step="verify", value=rid, fails=True
-    )
+    return _listed_for_one(body, "rid", NO_RID_LIST)
 
 
 ONE_VALUE_FIELDS = (
@@ -270,14 +272,8 @@ its scheduler, and also where the full check leaves the rest to the server
 def _one_value_list(body: dict[str, Any]) -> ContractError | None:
     """A list at one of :data:`ONE_VALUE_FIELDS` on a request that stays single
     (:data:`NO_ONE_VALUE_LIST`), or None."""
-    if not _stays_single(body):
-        return None
-    for key in ONE_VALUE_FIELDS:
-        value = body.get(key)
-        if type(value) is list:
-            message = f"{key} is a list for one request: {NO_ONE_VALUE_LIST}"
-            return ContractError(message, step="verify", value=value, fails=True)
-    return None
+    listed = (_listed_for_one(body, key, NO_ONE_VALUE_LIST) for key in ONE_VALUE_FIELDS)
+    return next((refused for refused in listed if refused is not None), None)
 
 
 def one_value_list_refusal(body: dict[str, Any]) -> Refusal | None:

@@ -28,6 +28,12 @@ class RequestError(ValueError):
         self.fails = fails
 
 
+def duplicate_rid(rid: str) -> str:
+    """SGLang 0.5.23's refusal of a request whose rid a running request holds
+    (``_init_req_state``, managers/tokenizer_manager.py 3833-3837), in its words."""
+    return f"Duplicate request ID detected: {rid}"
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What a request is validated against: the served model's vocabulary and context."""

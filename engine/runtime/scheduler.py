@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from engine.runtime.request import GenerateSpec
+from engine.runtime.request import GenerateSpec, duplicate_rid
 from engine.runtime.sampler import Draw, sample, scaled_logprobs, top_logprobs
 
 log = logging.getLogger("mixfleet.engine.scheduler")
@@ -297,8 +297,7 @@ class Scheduler:
 
     def _do_submit(self, spec: GenerateSpec, sink: Sink, arrival: float) -> None:
         if self.held([spec.rid]) is not None:
-            # SGLang 0.5.23's words (managers/tokenizer_manager.py 3833-3837)
-            raise ValueError(f"Duplicate request ID detected: {spec.rid}")
+            raise ValueError(duplicate_rid(spec.rid))
         seed = (
             spec.sampling_seed if spec.sampling_seed is not None else int.from_bytes(os.urandom(8), "little")
         )

@@ -65,7 +65,7 @@ from core.sglang_contract import (
 )
 from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
-from engine.runtime.request import GenerateSpec, ModelLimits, RequestError
+from engine.runtime.request import GenerateSpec, ModelLimits, RequestError, duplicate_rid
 from engine.runtime.sampler import TOP_K_ALL, SamplerSettings
 from weight_sync.types import InvalidVersion
 from weight_sync.types import parse_version as parse_weight_version
@@ -473,7 +473,7 @@ class GenerateReqInput(BaseModel):
         rids = self._per_item("rid", self.rid, n, None)
         taken = None if held is None else held([r for r in rids if r is not None])
         if taken is not None:  # _init_req_state, tokenizer_manager.py 3833-3837: the whole request
-            raise RequestError(f"Duplicate request ID detected: {taken}")
+            raise RequestError(duplicate_rid(taken))
         refused = _lora_refusal(self.lora_path)  # tokenizer_manager.py 942, 3723-3740
         if refused is not None:
             raise RequestError(refused)
@@ -520,8 +520,9 @@ class GenerateReqInput(BaseModel):
         shorter one was refused before, :data:`core.sglang_contract.NO_SHORT_LIST`, or its length
         checked, :func:`core.sglang_contract.batch_refusal`), one value every item's, None the
         default. One request's list is read as the default: SGLang keeps it as the request's one
-        value, which the request is refused for once every earlier check has run
-        (:func:`core.sglang_contract.one_value_list_refusal`)."""
+        value, which the request is refused for (a ``rid`` list with the short lists,
+        :func:`core.sglang_contract.short_list_refusal`; the others once every earlier check has
+        run, :func:`core.sglang_contract.one_value_list_refusal`)."""
         if isinstance(value, list):
             if not self.is_batch():
                 return [default] * n

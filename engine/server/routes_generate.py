@@ -34,12 +34,11 @@ class _Refused(RequestError):
     """A request the scheduler refused once submitted (a rid another request took after
     ``GenerateReqInput.normalize`` checked the request's rids, which refuses the whole request
     before anything is submitted or streamed; only two requests racing for one rid get here):
-    SGLang raises it as
-    a ``ValueError`` of ``generate_request`` (managers/tokenizer_manager.py 3833-3837), which a
-    stream answers as :func:`core.sglang_contract.stream_error_event`, code 400
-    (entrypoints/http_server.py 956-973). The engine's own failures (shutting down) stay an event
-    without a code: the router fails over from them. ``rid``: the refused request's, which names
-    another, running request: never aborted on this one's account."""
+    SGLang raises it as a ``ValueError`` of ``generate_request`` (managers/tokenizer_manager.py
+    3833-3837), which a stream answers as :func:`core.sglang_contract.stream_error_event`, code
+    400 (entrypoints/http_server.py 956-973). The engine's own failures (shutting down) stay an
+    event without a code: the router fails over from them. ``rid``: the refused request's, which
+    names another, running request: never aborted on this one's account."""
 
     def __init__(self, message: str, rid: str) -> None:
         super().__init__(message)
