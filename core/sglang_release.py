@@ -144,6 +144,22 @@ def routed_experts_start_error(start_len: int, prompt_tokens: int) -> str | None
     return None
 
 
+def logprob_start_error(start_len: int, prompt_tokens: int) -> str | None:
+    """SGLang's abort of a ``logprob_start_len`` past the input (managers/scheduler.py 3275-3279:
+    ``set_finish_with_abort``, a 400), or None. It judges the start the request keeps: a request
+    without ``return_logprob`` keeps -1 whatever it sent (3256-3258), and -1 with it the input's
+    length (3260-3264); so only a start above the input's length is aborted, and one equal to it is
+    served with no input log-probs (``input_token_logprobs: []``: none computed,
+    managers/schedule_batch.py 2419-2435; scheduler_components/logprob_result_processor.py
+    336-346, 377-395)."""
+    if start_len > prompt_tokens:
+        return (
+            f"req.logprob_start_len={start_len} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_tokens}. Please use a smaller logprob_start_len."
+        )
+    return None
+
+
 def encode_routed_experts(ids: Any) -> str:
     """base64 of an int32 array's raw little-endian bytes (anything with ``tobytes`` of int32 values,
     or a flat sequence of ints)."""

@@ -96,6 +96,7 @@ from core.sglang_contract.body import generate_body_error, generate_body_refusal
 from core.sglang_contract.normalize import (
     NO_INPUT,
     NO_LIST_FOR_ONE,
+    NO_LOGPROB_START_BELOW,
     NO_NULL_N,
     NO_ONE_VALUE_LIST,
     NO_RID_LIST,
@@ -107,7 +108,7 @@ from core.sglang_contract.normalize import (
     batch_refusal,
     item_refusal,
     list_for_one_refusal,
-    one_value_list_refusal,
+    scheduler_failure_refusal,
     short_list_refusal,
 )
 from core.sglang_contract.refusal import ContractError, Refusal, Step, error_body, stream_error_event
@@ -134,6 +135,7 @@ __all__ = [
     "NO_CHOICE",
     "NO_INPUT",
     "NO_LIST_FOR_ONE",
+    "NO_LOGPROB_START_BELOW",
     "NO_NULL_N",
     "NO_ONE_VALUE_LIST",
     "NO_RID_LIST",
@@ -156,7 +158,7 @@ __all__ = [
     "item_refusal",
     "list_for_one_refusal",
     "max_new_tokens_bound",
-    "one_value_list_refusal",
+    "scheduler_failure_refusal",
     "sampling_params",
     "short_list_refusal",
     "stream_error_event",

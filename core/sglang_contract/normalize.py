@@ -276,11 +276,64 @@ def _one_value_list(body: dict[str, Any]) -> ContractError | None:
     return next((refused for refused in listed if refused is not None), None)
 
 
-def one_value_list_refusal(body: dict[str, Any]) -> Refusal | None:
-    """The refusal of a list where one request's scheduler reads one value
-    (:data:`NO_ONE_VALUE_LIST`), or None; a caller that makes SGLang's other step-3 checks runs
-    this after all of them."""
-    refused = _one_value_list(body)
+NO_LOGPROB_START_BELOW = (
+    "SGLang 0.5.23's scheduler keeps a logprob_start_len below -1 as sent when return_logprob is "
+    "true (managers/scheduler.py 3256-3273), computes input log-probs from the cached prefix's end "
+    "(managers/schedule_batch.py 1774-1775, 2430-2435), takes the input's ids from it as a Python "
+    "index from the end (managers/scheduler_components/logprob_result_processor.py 50, 164) and "
+    "asserts that the two are as many (295-297): an AssertionError unless the prompt is no longer "
+    "than -logprob_start_len and no cached prefix matched, which ends the scheduler process and the "
+    "server with it (managers/scheduler.py 6360-6373); send -1, or a start from 0 to the input's length."
+)
+"""Why a ``logprob_start_len`` below -1 on an item that asks for log-probs is refused: the
+scheduler ignores the start only without ``return_logprob`` (``scheduler.py`` 3256-3258) and
+aborts only one above the input's length (3275-3279); below -1 the prefix match is not capped
+(``schedule_batch.py`` 1774-1775: only a start from 0 caps it), the input log-probs run from the
+prefix's end (2430-2435: ``max(start, prefix_len)``), while their ids are
+``origin_input_ids[start:]``, the last ``-start`` ids (``logprob_result_processor.py`` 50, 164);
+the length assertions (295-297) fail unless both counts agree, which a cached prefix (another
+request with the same prompt) or a prompt longer than ``-start`` breaks. The AssertionError, in
+the scheduler's output processing, ends its event loop and the server (``scheduler.py``
+6360-6373). Whether it is served depends on the cache, which no caller can see: refused here as
+a 400 naming it, with the scheduler's other failures (:func:`scheduler_failure_refusal`)."""
+
+
+def _logprob_start_below(body: dict[str, Any]) -> ContractError | None:
+    """The first item that asks for log-probs with a ``logprob_start_len`` below -1
+    (:data:`NO_LOGPROB_START_BELOW`), or None; a batch's lists give each item its entry
+    (``io_struct.py`` 776-807: one value is every item's, null the defaults, false and -1; a short
+    list's missing entries are another refusal's, :data:`NO_SHORT_LIST`)."""
+    batch = _batch_size(body)
+    for i in range(1 if batch is None else batch):
+        asks = _item_value(body.get("return_logprob"), i, batch)
+        start = _item_value(body.get("logprob_start_len"), i, batch)
+        if asks is True and type(start) is int and start < -1:
+            where = "" if batch is None else f" (item {i})"
+            message = f"logprob_start_len={start} with return_logprob{where}: {NO_LOGPROB_START_BELOW}"
+            return ContractError(message, step="verify", value=start, fails=True)
+    return None
+
+
+def _item_value(value: Any, i: int, batch: int | None) -> Any:
+    """Item ``i``'s value of a field a batch may list one per item (a list on one request is
+    another refusal's, :data:`NO_ONE_VALUE_LIST`: read as none)."""
+    if type(value) is not list:
+        return value
+    return value[i] if batch is not None and i < len(value) else None
+
+
+def _scheduler_failure(body: dict[str, Any]) -> ContractError | None:
+    """What SGLang's scheduler fails on, ending the server, in its order (``scheduler.py``
+    3256-3279): a list where one request's scheduler reads one value (:data:`NO_ONE_VALUE_LIST`),
+    then a ``logprob_start_len`` below -1 with ``return_logprob``
+    (:data:`NO_LOGPROB_START_BELOW`); or None."""
+    return _one_value_list(body) or _logprob_start_below(body)
+
+
+def scheduler_failure_refusal(body: dict[str, Any]) -> Refusal | None:
+    """The refusal of what SGLang's scheduler fails on (:func:`_scheduler_failure`), or None; a
+    caller that makes SGLang's other step-3 checks runs this after all of them."""
+    refused = _scheduler_failure(body)
     return None if refused is None else Refusal.of(refused)
 
 
@@ -306,11 +359,11 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     ``input_embeds``, hidden states, the custom logit processor), this check stops there and
     returns None: what SGLang names then is the server's to say, so a caller that forwards the
     body (the router) gets SGLang's own answer, naming what SGLang names (a ``lora_path`` before
-    an out-of-range ``top_p``). Last, and also where it stopped so, a list where one request's
-    scheduler reads one value (:data:`NO_ONE_VALUE_LIST`): a body that may end the replica is
-    refused whatever the server would have named first."""
+    an out-of-range ``top_p``). Last, and also where it stopped so, what the scheduler fails on
+    (:func:`_scheduler_failure`): a body that may end the replica is refused whatever the server
+    would have named first."""
     refused = _before_the_scheduler(body)
-    return refused if refused is not None else _one_value_list(body)
+    return refused if refused is not None else _scheduler_failure(body)
 
 
 def _before_the_scheduler(body: dict[str, Any]) -> ContractError | None:

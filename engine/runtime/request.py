@@ -48,7 +48,8 @@ class GenerateSpec:
     """One validated generation request.
 
     Holds: ``1 <= len(input_ids) < context_len``; every id in ``[0, vocab_size)``;
-    ``len(input_ids) + max_new_tokens <= context_len``; ``0 <= logprob_start_len < len(input_ids)``.
+    ``len(input_ids) + max_new_tokens <= context_len``;
+    ``0 <= logprob_start_len <= len(input_ids)`` (the input's length: no input log-probs).
     """
 
     rid: str

@@ -60,10 +60,15 @@ from core.sglang_contract import (
     item_refusal,
     list_for_one_refusal,
     max_new_tokens_bound,
-    one_value_list_refusal,
+    scheduler_failure_refusal,
     short_list_refusal,
 )
-from core.sglang_release import SAMPLING_LOGPROBS_MODES, mask_top_k_error, routed_experts_start_error
+from core.sglang_release import (
+    SAMPLING_LOGPROBS_MODES,
+    logprob_start_error,
+    mask_top_k_error,
+    routed_experts_start_error,
+)
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError, duplicate_rid
 from engine.runtime.sampler import TOP_K_ALL, SamplerSettings
@@ -445,9 +450,9 @@ class GenerateReqInput(BaseModel):
                     limits=limits,
                 )
             )
-        one_value = one_value_list_refusal(self._body)  # the scheduler's, after all of the above
-        if one_value is not None:
-            raise _refused(one_value)
+        failure = scheduler_failure_refusal(self._body)  # what the scheduler fails on, after all the above
+        if failure is not None:
+            raise _refused(failure)
         refused = self.unimplemented_refusal()
         if refused is not None:
             raise RequestError(refused)
@@ -522,7 +527,7 @@ class GenerateReqInput(BaseModel):
         default. One request's list is read as the default: SGLang keeps it as the request's one
         value, which the request is refused for (a ``rid`` list with the short lists,
         :func:`core.sglang_contract.short_list_refusal`; the others once every earlier check has
-        run, :func:`core.sglang_contract.one_value_list_refusal`)."""
+        run, :func:`core.sglang_contract.scheduler_failure_refusal`)."""
         if isinstance(value, list):
             if not self.is_batch():
                 return [default] * n
@@ -569,6 +574,23 @@ def _length_refusal(n: int, max_new_tokens: int | None, context_len: int, listed
             f"input messages and {max_new_tokens} tokens for the completion. Please reduce the "
             f"number of tokens in the input messages or the completion to fit within the limit."
         )
+
+
+def _logprob_start(start_len: int, return_logprob: bool, n: int) -> int:
+    """The first prompt position an item of ``n`` prompt tokens answers input log-probs from, as
+    SGLang 0.5.23's scheduler resolves ``logprob_start_len`` (managers/scheduler.py 3256-3279):
+    without ``return_logprob`` none (it keeps -1 whatever was sent); -1 the input's length (output
+    log-probs only: ``input_token_logprobs: []``), as is a start equal to it; above it the
+    scheduler's abort (:func:`core.sglang_release.logprob_start_error`, raised as
+    :class:`RequestError`). A start below -1 with ``return_logprob``, which SGLang fails on, is
+    refused after every item is judged (:data:`core.sglang_contract.NO_LOGPROB_START_BELOW`):
+    read as none here."""
+    if not return_logprob or start_len < 0:
+        return n
+    refused = logprob_start_error(start_len, n)
+    if refused is not None:
+        raise RequestError(refused)
+    return start_len
 
 
 def _spec(
@@ -622,12 +644,7 @@ def _spec(
         if refused is not None:
             raise RequestError(refused)
     max_new = max_new_tokens_bound(params.max_new_tokens, n, limits.context_len)
-    if logprob_start_len < -1:
-        raise RequestError(f"logprob_start_len must be -1 or at least 0, got {logprob_start_len}.")
-    if logprob_start_len >= n:
-        raise RequestError(
-            f"logprob_start_len ({logprob_start_len}) is superior or equal to the input length ({n})."
-        )
+    start = _logprob_start(logprob_start_len, return_logprob, n)
     # SGLang keeps any integer here (sampling_params.py 201-205; nothing checks the vocabulary):
     # an id outside it never matches.
     stops = frozenset(params.stop_token_ids or ())
@@ -641,7 +658,7 @@ def _spec(
         sampling_seed=params.sampling_seed,
         skip_special_tokens=params.skip_special_tokens is not False,
         return_logprob=return_logprob,
-        logprob_start_len=n - 1 if logprob_start_len == -1 else logprob_start_len,
+        logprob_start_len=start,
         top_logprobs_num=max(top_logprobs_num, 0) if return_logprob else 0,  # SGLang: <= 0 asks none
         return_sampling_mask=return_sampling_mask,
         return_text_in_logprobs=return_text_in_logprobs,

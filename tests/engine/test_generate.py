@@ -499,7 +499,12 @@ BAD = [
     ({"input_ids": [[1], [2]], "sampling_params": [{}, {"top_k": 1.5}]}, "sampling_params[1].top_k"),
     ({"input_ids": [1], "return_logprob": 1}, "return_logprob: invalid type: integer `1`"),
     ({"input_ids": [1], "logprob_start_len": 0.0}, "logprob_start_len: invalid type: floating point"),
-    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
+    # the scheduler's abort of a start past the input (managers/scheduler.py 3275-3279), its words
+    (
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3},
+        "req.logprob_start_len=3 is higher than the number of input tokens len(req.origin_input_ids)=2. "
+        "Please use a smaller logprob_start_len.",
+    ),
     ({"input_ids": "abc"}, 'input_ids: invalid type: string "abc", expected a sequence'),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
     # _validate_inputs (managers/io_struct.py 444-455): no input, or all three, in its words
@@ -567,6 +572,17 @@ def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> Non
     none = generate(client, engine, **asked, top_logprobs_num=0)["meta_info"]
     negative = generate(client, engine, **asked, top_logprobs_num=-3)["meta_info"]
     assert sorted(negative) == sorted(none) and len(negative["output_token_logprobs"]) == 2
+    # logprob_start_len as SGLang 0.5.23's scheduler resolves it (managers/scheduler.py 3256-3279):
+    # ignored without return_logprob; with it, -1 and the input's length answer no input log-probs
+    plain = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    for start in (-7, 3, 99):
+        meta = generate(client, engine, **plain, logprob_start_len=start)["meta_info"]
+        assert "input_token_logprobs" not in meta, start
+    asked = {**plain, "return_logprob": True, "top_logprobs_num": 2}
+    for start in (-1, 2):
+        meta = generate(client, engine, **asked, logprob_start_len=start)["meta_info"]
+        assert (meta["input_token_logprobs"], meta["input_top_logprobs"]) == ([], []), (start, meta)
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 1, start
 
 
 SHAPES = [
@@ -1312,6 +1328,18 @@ STEP3_ORDER = [
     ({"sampling_logprobs_mode": ["support"]}, "sampling_logprobs_mode is a list for one request"),
     ({"return_logprob": [True], "input_ids": [1] * 2048}, "longer than the model's context"),
     ({"return_logprob": [True], "lora_path": "a"}, "LoRA is not enabled"),
+    # a logprob_start_len below -1 with return_logprob: SGLang's scheduler may fail an assertion and
+    # end the server (core.sglang_contract.NO_LOGPROB_START_BELOW), refused after all it refuses
+    # first, the scheduler's aborts included (managers/scheduler.py 3160-3182 before 3256-3279)
+    ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len=-2 with return_logprob: SGLang"),
+    ({"return_logprob": True, "logprob_start_len": -2, "sampling_params": {"top_p": 1.5}}, "top_p must be"),
+    ({"return_logprob": True, "logprob_start_len": -2, "return_sampling_mask": True}, "requires top_k=1"),
+    (
+        {"input_ids": [[1], [2]], "return_logprob": [False, True], "logprob_start_len": [-5, -3]},
+        "logprob_start_len=-3 with return_logprob (item 1): SGLang",
+    ),
+    # the scheduler's sampling-mask abort before its logprob_start_len one (3160-3182, 3275-3279)
+    ({"return_logprob": True, "logprob_start_len": 5, "return_sampling_mask": True}, "requires top_k=1"),
 ]
 
 

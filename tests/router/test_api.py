@@ -327,6 +327,14 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     }
     r = client.post("/generate", json=longer)
     assert r.status_code == 200 and [o["meta_info"]["prompt_tokens"] for o in r.json()] == [2, 1], r.text
+    # logprob_start_len as SGLang's scheduler resolves it (managers/scheduler.py 3256-3279): any
+    # value without return_logprob (ignored), the input's length with it (no input log-probs)
+    for extra in ({"logprob_start_len": -5}, {"logprob_start_len": 2, "return_logprob": True}):
+        r = client.post("/generate", json={**body, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    # one past the input's length: forwarded, the scheduler's abort (a 400) in its words
+    r = client.post("/generate", json={**body, "logprob_start_len": 3, "return_logprob": True})
+    assert r.status_code == 400 and "req.logprob_start_len=3 is higher than the number" in r.text, r.text
     # mm_hashes matching each request's images (io_struct.py 687-720) are forwarded and served
     hashed = {"input_ids": [[3, 4], [5]], "sampling_params": one, "image_data": "x", "mm_hashes": ["a", "b"]}
     r = client.post("/generate", json=hashed)
@@ -454,6 +462,16 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
             "logprob_start_len is a list for one request",
         ),
         ({"input_ids": [3, 4], "return_logprob": [False]}, "return_logprob is a list for one request"),
+        # a logprob_start_len below -1 that asks for log-probs may end the replica (an assertion in
+        # its scheduler, core.sglang_contract.NO_LOGPROB_START_BELOW): refused, a LoRA adapter too
+        (
+            {"input_ids": [3, 4], "return_logprob": True, "logprob_start_len": -2, "lora_path": "a"},
+            "logprob_start_len=-2 with return_logprob: SGLang 0.5.23",
+        ),
+        (
+            {"input_ids": [[3], [4]], "return_logprob": [False, True], "logprob_start_len": [-5, -3]},
+            "logprob_start_len=-3 with return_logprob (item 1)",
+        ),
         (
             {"input_ids": [3, 4], "top_logprobs_num": [1], "lora_path": "a"},
             "top_logprobs_num is a list for one request",
