@@ -22,7 +22,9 @@ Errors are split by what a caller can do about them:
   finish reason ``abort`` and no error status (SGLang answers 200: ``/abort_request``, a pause in
   mode ``abort``, a weight update that aborts all requests, a server shutting down; an abort
   with a status of 400 or more is answered with that status, managers/tokenizer_manager.py
-  1891-1920, and classified as above). Whatever it generated is discarded: the turn may be
+  1891-1922, and classified as above; streamed, the status rides in the last event's
+  ``finish_reason``, read as that status before any of its ids reach ``on_tokens``,
+  :mod:`clients.engine_stream`). Whatever it generated is discarded: the turn may be
   regenerated on another replica.
 
 A pooled connection that the server closed under a request (no response byte at all) is retried

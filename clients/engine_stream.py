@@ -1,7 +1,12 @@
 """Reading SGLang's streaming ``/generate`` answer (:meth:`clients.engine.SGLangClient.generate`
 with ``on_tokens``): server-sent events ``data: <json>`` (SGLang 0.5.23 entrypoints/http_server.py
 956) ending with ``data: [DONE]`` (975); an error inside the stream is one ``data: {"error":
-{"message", "code", ...}}`` event (958-974, ``code`` at 969).
+{"message", "code", ...}}`` event (958-974, ``code`` at 969). A request the scheduler aborts
+with an error status (a 400: the sampling-mask rule, a ``logprob_start_len`` past the input, ...)
+is no error event: its output, whose ``finish_reason`` is the abort with that ``status_code``, is
+one event before ``[DONE]`` (managers/tokenizer_manager.py 1891-1922, 2041-2048), read here as
+that status (:func:`core.sglang_release.abort_status`), so the request is refused, not taken for
+an engine that aborted it (which answers an abort without a status, and may be retried).
 
 Each chunk is the generation so far, cumulative by default: ``output_ids`` and the per-token
 ``meta_info`` lists grow (managers/tokenizer_manager.py 2650-2664). A server started with
@@ -21,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from core.jsonio import loads
+from core.sglang_release import abort_status
 
 TokenCallback = Callable[[list[int]], Awaitable[None]]
 """Called with the new output ids of each chunk that has some, in order."""
@@ -90,6 +96,10 @@ def _chunk(data: bytes) -> dict[str, Any]:
     ids, meta = obj.get("output_ids"), obj.get("meta_info")
     if type(ids) is not list or type(meta) is not dict:
         raise StreamError(0, "a stream event has no output_ids list or meta_info object")
+    status = abort_status(meta.get("finish_reason"))
+    if status is not None:  # the scheduler's refusal, before any of its ids reach the caller
+        message = meta["finish_reason"].get("message")
+        raise StreamError(status, str(message or "Aborted")[:500])
     return obj
 
 

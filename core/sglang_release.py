@@ -144,6 +144,36 @@ def routed_experts_start_error(start_len: int, prompt_tokens: int) -> str | None
     return None
 
 
+ABORT_BAD_REQUEST = "BadRequestError"
+"""The ``err_type`` of ``Req.set_finish_with_abort``'s default 400 (managers/schedule_batch.py
+2221-2238): the logprob and routed-experts starts' aborts (managers/scheduler.py 3275-3279,
+3300-3319)."""
+
+
+def scheduler_abort(message: str, err_type: str | None = ABORT_BAD_REQUEST) -> dict[str, Any]:
+    """The finish reason of a request SGLang 0.5.23's scheduler aborts with a 400 when it takes it
+    (``FINISH_ABORT.to_json``, managers/schedule_batch.py 332-345): ``set_finish_with_abort``'s
+    carries ``err_type`` :data:`ABORT_BAD_REQUEST`; the sampling-mask rule's
+    (``_reject_sampling_mask_request``, managers/scheduler.py 3513-3518, through
+    ``prepare_abort``, disaggregation/utils.py 1926-1930) none. Unstreamed the tokenizer manager
+    raises it as a ``ValueError``, a 400 ``{"error": {"message"}}``; streamed it yields the output
+    that carries it as one event, then ``[DONE]``, inside the HTTP 200 stream
+    (managers/tokenizer_manager.py 1891-1922, 2041-2048; entrypoints/http_server.py 951-975)."""
+    return {"type": "abort", "message": message, "status_code": 400, "err_type": err_type}
+
+
+def abort_status(finish_reason: Any) -> int | None:
+    """The HTTP status an abort ``finish_reason`` carries, as SGLang's tokenizer manager reads it
+    (``_handle_abort_finish_reason``, managers/tokenizer_manager.py 1891-1922: an abort whose
+    ``status_code`` is in [400, 600), which unstreamed is answered with that status and streamed
+    is the last event's finish reason), or None (no abort, or one without such a status: answered
+    200 unstreamed too)."""
+    if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
+        return None
+    status = finish_reason.get("status_code")
+    return status if type(status) is int and 400 <= status < 600 else None
+
+
 def logprob_start_error(start_len: int, prompt_tokens: int) -> str | None:
     """SGLang's abort of a ``logprob_start_len`` past the input (managers/scheduler.py 3275-3279:
     ``set_finish_with_abort``, a 400), or None. It judges the start the request keeps: a request

@@ -70,3 +70,6 @@ class GenerateSpec:
     sampling_logprobs_mode: str = "selected"
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # the finish reason SGLang's scheduler aborts this request with when it takes it (a 400,
+    # core.sglang_release.scheduler_abort); such a request is answered that abort, never submitted
+    abort: dict[str, Any] | None = None

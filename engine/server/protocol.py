@@ -64,10 +64,12 @@ from core.sglang_contract import (
     short_list_refusal,
 )
 from core.sglang_release import (
+    ABORT_BAD_REQUEST,
     SAMPLING_LOGPROBS_MODES,
     logprob_start_error,
     mask_top_k_error,
     routed_experts_start_error,
+    scheduler_abort,
 )
 from core.sglang_release import TOP_K_ALL as SGLANG_TOP_K_ALL
 from engine.runtime.request import GenerateSpec, ModelLimits, RequestError, duplicate_rid
@@ -486,14 +488,17 @@ class GenerateReqInput(BaseModel):
 
     def _routed_experts(self, specs: list[GenerateSpec]) -> list[GenerateSpec]:
         """``specs`` returning routed experts from ``routed_experts_start_len``, one start for the
-        batch; a start outside any item's prompt raises :class:`RequestError`."""
-        for s in specs:
-            refused = routed_experts_start_error(self.routed_experts_start_len, len(s.input_ids))
-            if refused is not None:
-                raise RequestError(refused)
+        batch; an item whose prompt the start lies outside is aborted as SGLang's scheduler aborts
+        it, after its other aborts (managers/scheduler.py 3300-3319)."""
         start = self.routed_experts_start_len
         return [
-            dataclasses.replace(s, return_routed_experts=True, routed_experts_start_len=start) for s in specs
+            dataclasses.replace(
+                s,
+                return_routed_experts=True,
+                routed_experts_start_len=start,
+                abort=s.abort or _aborted(routed_experts_start_error(start, len(s.input_ids))),
+            )
+            for s in specs
         ]
 
     def _batch_sampling_params(self, batch: bool) -> Any:
@@ -580,17 +585,28 @@ def _logprob_start(start_len: int, return_logprob: bool, n: int) -> int:
     """The first prompt position an item of ``n`` prompt tokens answers input log-probs from, as
     SGLang 0.5.23's scheduler resolves ``logprob_start_len`` (managers/scheduler.py 3256-3279):
     without ``return_logprob`` none (it keeps -1 whatever was sent); -1 the input's length (output
-    log-probs only: ``input_token_logprobs: []``), as is a start equal to it; above it the
-    scheduler's abort (:func:`core.sglang_release.logprob_start_error`, raised as
-    :class:`RequestError`). A start below -1 with ``return_logprob``, which SGLang fails on, is
-    refused after every item is judged (:data:`core.sglang_contract.NO_LOGPROB_START_BELOW`):
-    read as none here."""
-    if not return_logprob or start_len < 0:
-        return n
-    refused = logprob_start_error(start_len, n)
-    if refused is not None:
-        raise RequestError(refused)
-    return start_len
+    log-probs only: ``input_token_logprobs: []``), as is a start equal to it. A start above it is
+    the scheduler's abort (:func:`_scheduler_aborts`); one below -1 with ``return_logprob``, which
+    SGLang fails on, is refused after every item is judged
+    (:data:`core.sglang_contract.NO_LOGPROB_START_BELOW`): both read as none here."""
+    return start_len if return_logprob and 0 <= start_len <= n else n
+
+
+def _aborted(message: str | None, err_type: str | None = ABORT_BAD_REQUEST) -> dict[str, Any] | None:
+    """The scheduler's abort with ``message`` (:func:`core.sglang_release.scheduler_abort`), or
+    None without one."""
+    return None if message is None else scheduler_abort(message, err_type)
+
+
+def _scheduler_aborts(mask_refused: str | None, logprob_start_len: int, return_logprob: bool, n: int) -> Any:
+    """The first of the aborts SGLang 0.5.23's scheduler makes of an item of ``n`` prompt tokens
+    when it takes it, in its order (``_handle_generate_request``, managers/scheduler.py): the
+    sampling-mask rule (3160-3182, ``err_type`` none), a ``logprob_start_len`` past the input with
+    ``return_logprob`` (3256-3279, :func:`core.sglang_release.logprob_start_error`); the routed
+    experts' start comes last (3300-3319, :meth:`GenerateReqInput._routed_experts`); or None."""
+    if mask_refused is not None:
+        return _aborted(mask_refused, None)
+    return _aborted(logprob_start_error(logprob_start_len, n)) if return_logprob else None
 
 
 def _spec(
@@ -637,14 +653,12 @@ def _spec(
     settings = _settings(params, watermark)
     if sampling_logprobs_mode not in (None, *SAMPLING_LOGPROBS_MODES):
         raise RequestError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}.")
+    mask_refused = None
     if return_sampling_mask:
         # SGLang's rule on the normalized top_k (greedy: 1; -1: the whole vocabulary)
         top_k = 1 if settings.greedy else SGLANG_TOP_K_ALL if settings.top_k == TOP_K_ALL else settings.top_k
-        refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
-        if refused is not None:
-            raise RequestError(refused)
+        mask_refused = mask_top_k_error(top_k, limits.sampling_mask_max_tokens)
     max_new = max_new_tokens_bound(params.max_new_tokens, n, limits.context_len)
-    start = _logprob_start(logprob_start_len, return_logprob, n)
     # SGLang keeps any integer here (sampling_params.py 201-205; nothing checks the vocabulary):
     # an id outside it never matches.
     stops = frozenset(params.stop_token_ids or ())
@@ -658,13 +672,14 @@ def _spec(
         sampling_seed=params.sampling_seed,
         skip_special_tokens=params.skip_special_tokens is not False,
         return_logprob=return_logprob,
-        logprob_start_len=start,
+        logprob_start_len=_logprob_start(logprob_start_len, return_logprob, n),
         top_logprobs_num=max(top_logprobs_num, 0) if return_logprob else 0,  # SGLang: <= 0 asks none
         return_sampling_mask=return_sampling_mask,
         return_text_in_logprobs=return_text_in_logprobs,
         stream=stream,
         stream_interval=params.stream_interval(),
         sampling_logprobs_mode=sampling_logprobs_mode or "selected",
+        abort=_scheduler_aborts(mask_refused, logprob_start_len, return_logprob, n),
     )
 
 

@@ -2,7 +2,11 @@
 
 A ``"stream": true`` request refused at step 3 (``GenerateReqInput.normalize``: what SGLang
 0.5.23's tokenizer manager raises) is answered inside its stream, as SGLang answers it
-(:func:`_refused_stream`); steps 1 and 2 answer a 400 before any stream. A request runs under the
+(:func:`_refused_stream`); steps 1 and 2 answer a 400 before any stream. An item SGLang's
+scheduler aborts when it takes it (the sampling-mask rule, a ``logprob_start_len`` or
+``routed_experts_start_len`` past the input: ``GenerateSpec.abort``) is never submitted: streamed,
+its one event carries the abort as its finish reason, the other items run (:func:`aborted_body`);
+unstreamed, the request is a 400 with its message. A request runs under the
 model-update lock's reader side (tokenizer_manager.py 940-957), so an unpaused weight update
 waits for it; a client that goes away has its requests aborted.
 """
@@ -120,6 +124,9 @@ async def generate(request: Request) -> Response:
     batch = obj.is_batch()
     if obj.stream:
         return StreamingResponse(_stream(engine, specs, batch), media_type="text/event-stream")
+    aborted = next((s.abort for s in specs if s.abort is not None), None)
+    if aborted is not None:  # the tokenizer manager raises it: a 400, nothing else of it answered
+        return error(aborted["message"])
     watcher = asyncio.create_task(_watch_disconnect(engine, request, specs))
     try:
         results = await asyncio.gather(*(run_one(engine, s) for s in specs))
@@ -162,6 +169,18 @@ async def _broken_stream(message: str) -> AsyncIterator[bytes]:
     yield b""  # never reached: it makes this an async generator, which raises at its first step
 
 
+def aborted_body(engine: Engine, spec: Any) -> dict[str, Any]:
+    """The answer of an item SGLang 0.5.23's scheduler aborts when it takes it (``spec.abort``,
+    :func:`core.sglang_release.scheduler_abort`), as its stream carries it: the item's output
+    (nothing generated) whose ``finish_reason`` is the abort with its ``status_code`` 400, one
+    event of an HTTP 200 stream that ``[DONE]`` then ends, the batch's other items running on
+    (managers/tokenizer_manager.py 1891-1922, 2041-2048, 2211-2228; entrypoints/http_server.py
+    951-975). Unstreamed the route answers the abort's message as a 400 instead."""
+    resp = GenerateResponse(engine, spec, time.monotonic())
+    resp.add(FinishEvent(spec.abort, 0, engine.weight_version))
+    return resp.body()
+
+
 async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterator[bytes]:
     chunks: asyncio.Queue = asyncio.Queue()
 
@@ -173,7 +192,11 @@ async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterato
             await chunks.put(body)
 
         try:
-            body = await run_one(engine, spec, on_token)
+            body = (
+                aborted_body(engine, spec)
+                if spec.abort is not None
+                else await run_one(engine, spec, on_token)
+            )
             if batch:
                 body["index"] = i
             await chunks.put(body)

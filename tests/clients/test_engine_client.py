@@ -561,5 +561,22 @@ def test_a_broken_or_refused_stream_is_classified() -> None:
         async with Server(lambda n: answer("503 Service Unavailable", b'{"error":"x"}')) as srv:
             with pytest.raises(EngineUnavailable, match="HTTP 503: x"):
                 await with_client(srv.url, gen)
+        # SGLang's scheduler abort with a 400, streamed: its output (here the one token its stub
+        # prefill drew) whose finish reason carries the status, then [DONE]
+        # (managers/tokenizer_manager.py 1891-1922, 2041-2048): refused, no token passed on
+        seen: list[list[int]] = []
+
+        async def record(ids: list[int]) -> None:
+            seen.append(ids)
+
+        reason = {"type": "abort", "message": "req.logprob_start_len=9 is higher", "status_code": 400}
+        event = {"text": "x", "output_ids": [5], "meta_info": {"finish_reason": {**reason, "err_type": "E"}}}
+        aborted = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+        head = b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+        async with Server(lambda n: head + aborted, close_after=True) as srv:
+            recorded = lambda c: c.generate(PROMPT, {"max_new_tokens": 3}, on_tokens=record)  # noqa: E731
+            with pytest.raises(EngineRejected, match="logprob_start_len=9 is higher") as info:
+                await with_client(srv.url, recorded)
+            assert info.value.status == 400 and seen == []
 
     asyncio.run(main())

@@ -1333,7 +1333,8 @@ STEP3_ORDER = [
     # first, the scheduler's aborts included (managers/scheduler.py 3160-3182 before 3256-3279)
     ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len=-2 with return_logprob: SGLang"),
     ({"return_logprob": True, "logprob_start_len": -2, "sampling_params": {"top_p": 1.5}}, "top_p must be"),
-    ({"return_logprob": True, "logprob_start_len": -2, "return_sampling_mask": True}, "requires top_k=1"),
+    # ... whatever else the scheduler would abort the request for first (core.sglang_contract)
+    ({"return_logprob": True, "logprob_start_len": -2, "return_sampling_mask": True}, "logprob_start_len=-2"),
     (
         {"input_ids": [[1], [2]], "return_logprob": [False, True], "logprob_start_len": [-5, -3]},
         "logprob_start_len=-3 with return_logprob (item 1): SGLang",
@@ -1368,6 +1369,55 @@ def _events_or_unstreamed(client: httpx.Client, url: str, body: dict[str, Any], 
         except httpx.RemoteProtocolError:
             assert "SGLang 0.5.23" in unstreamed, unstreamed
             return unstreamed
+
+
+def _events(text: str) -> list[Any]:
+    """A stream's events, ``[DONE]`` as the string, the others parsed."""
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, client: httpx.Client) -> None:
+    """What SGLang 0.5.23's scheduler aborts with a 400 when it takes a request (the sampling-mask
+    rule, managers/scheduler.py 3160-3182; a ``logprob_start_len`` past the input, 3275-3279) is,
+    streamed, no error event: the item's output whose ``finish_reason`` is the abort with its
+    ``status_code`` (``FINISH_ABORT.to_json``, managers/schedule_batch.py 332-345; the mask's
+    without an ``err_type``, disaggregation/utils.py 1926-1930), one event of an HTTP 200 stream,
+    then ``[DONE]`` (managers/tokenizer_manager.py 1891-1922, 2041-2048;
+    entrypoints/http_server.py 951-975); in a batch the other items run on (2211-2228).
+    Unstreamed it is a 400 with the message, a batch's too."""
+    mask = "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k="
+    start = "req.logprob_start_len=3 is higher than the number of input tokens len(req.origin_input_ids)=2."
+    for body, message, err_type in (
+        ({"return_sampling_mask": True}, mask, None),
+        ({"return_logprob": True, "logprob_start_len": 3}, start, "BadRequestError"),
+    ):
+        body = {"input_ids": [1, 2], **body}
+        r = client.post(engine + "/generate", json={**body, "stream": True})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+        events = _events(r.text)
+        assert len(events) == 2 and events[1] == "[DONE]" and "error" not in events[0], r.text
+        reason = events[0]["meta_info"]["finish_reason"]
+        assert message in reason.pop("message") and events[0]["output_ids"] == [], r.text
+        assert reason == {"type": "abort", "status_code": 400, "err_type": err_type}, r.text
+        plain = client.post(engine + "/generate", json=body)
+        assert plain.status_code == 400 and message in plain.json()["error"]["message"], plain.text
+    batch = {
+        "input_ids": [[1, 2], [3]],
+        "return_logprob": True,
+        "logprob_start_len": [0, 5],
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+    }
+    r = client.post(engine + "/generate", json={**batch, "stream": True})
+    events = _events(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+    last = {e["index"]: e for e in events[:-1]}  # each item's last event
+    assert last[1]["meta_info"]["finish_reason"]["status_code"] == 400, r.text
+    assert "req.logprob_start_len=5 is higher" in last[1]["meta_info"]["finish_reason"]["message"]
+    assert last[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}, r.text
+    assert len(last[0]["meta_info"]["input_token_logprobs"]) == 2, r.text
+    plain = client.post(engine + "/generate", json=batch)
+    assert plain.status_code == 400 and "req.logprob_start_len=5 is higher" in plain.text, plain.text
 
 
 def test_a_streamed_step3_refusal_is_an_error_event_inside_a_200(engine: str, client: httpx.Client) -> None:
