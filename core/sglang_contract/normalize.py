@@ -182,14 +182,19 @@ def _parallel_sampling_refusal(params: Any) -> ContractError | None:
     return None
 
 
-def _parallel(body: dict[str, Any]) -> bool:
-    """Whether ``sampling_params.n`` (its first entry's, in a list) above 1 makes parallel samples
-    (``_handle_parallel_sampling``, ``io_struct.py`` 531-557: ``parallel_sample_num > 1``;
+def _parallel_count(body: dict[str, Any]) -> int:
+    """``parallel_sample_num``: ``sampling_params.n`` (its first entry's, in a list) where above 1
+    it makes parallel samples, else 1 (``_handle_parallel_sampling``, ``io_struct.py`` 531-557;
     ``beam_width`` above 1 sets the count to 1 first, 517-529)."""
     params = body.get("sampling_params")
     first = params[0] if type(params) is list and params else params if type(params) is dict else {}
     n = first.get("n", 1)
-    return type(n) is int and n > 1 and (first.get("beam_width") or 1) <= 1
+    return n if type(n) is int and n > 1 and (first.get("beam_width") or 1) <= 1 else 1
+
+
+def _parallel(body: dict[str, Any]) -> bool:
+    """Whether ``sampling_params.n`` above 1 makes parallel samples (:func:`_parallel_count`)."""
+    return _parallel_count(body) > 1
 
 
 def _stays_single(body: dict[str, Any]) -> bool:
@@ -614,18 +619,35 @@ def _rid_uniqueness_refusal(rid: Any) -> ContractError | None:
 
 def _init_refusal(body: dict[str, Any]) -> ContractError | None:
     """``_init_req_state`` (``tokenizer_manager.py`` 926, 3818-3831), which builds every item's
-    sub-request (``obj[i]``, ``io_struct.py`` 972-982) before registering the rids: a batch's
-    ``video_data`` / ``audio_data`` / ``sampling_params`` list shorter than the batch, kept as
-    sent (722-747), is an IndexError there (:data:`NO_SHORT_LIST`); one request's ``rid`` list
-    a TypeError as its rid is looked up (:data:`NO_RID_LIST`, 3835); then ``text`` with
+    sub-request (``obj[i]``, ``io_struct.py`` 972-982) before registering the rids: a per-item
+    list of a batch, or of one request parallel samples make a batch of one
+    (:func:`_normalized_batch`), kept as sent (722-747), too short for the entries it reads
+    (:func:`_entries_read`) is an IndexError there (:data:`NO_SHORT_LIST`; such a request's empty
+    ``video_data``, ``lora_path`` or ``bootstrap_host`` list too); one request's ``rid`` list a
+    TypeError as its rid is looked up (:data:`NO_RID_LIST`, 3835); then ``text`` with
     ``input_ids`` of another shape (:data:`NO_TEXT_AND_IDS`)."""
-    batch = _batch_size(body)
+    batch = _normalized_batch(body)
     if batch is not None:
+        needed = _entries_read(body, batch)
         for key in PER_ITEM_LISTS:
             value = body.get(key)
-            if _per_item_list(key, value) and len(value) < batch:
+            if _per_item_list(key, value) and len(value) < needed:
                 return _short(key, value, batch)
     return _rid_list_for_one(body) or _text_and_ids_refusal(body)
+
+
+def _entries_read(body: dict[str, Any], batch: int) -> int:
+    """How many entries of a per-item list (:data:`PER_ITEM_LISTS`) of a batch of ``batch``
+    ``_init_req_state`` needs: it builds ``obj[i]`` for each of the request's rids
+    (``tokenizer_manager.py`` 3820-3831), and with ``n`` parallel samples each list is repeated
+    ``n`` times (``io_struct.py`` 636-642, 722-747, 907-947) while only rids it made itself are
+    expanded (759-772: a rid list keeps one per item), so: the batch's size, but
+    ``ceil(batch / n)`` with parallel samples and a ``rid`` list (a shorter list then serves the
+    items by repeating)."""
+    n = _parallel_count(body)
+    if n > 1 and type(body.get("rid")) is list:
+        return -(-batch // n)
+    return batch
 
 
 def _items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:

@@ -1294,6 +1294,14 @@ STEP3_ORDER = [
     ({"extra_key": "a", "cache_salt": ["a"]}, "cache_salt should be a string for a single request."),
     ({"sampling_params": {"n": 2}, "extra_key": ["a"], "cache_salt": ["b"]}, "n=2 is not supported"),
     ({"sampling_params": {"n": 2}, "kv_hints": [None, None]}, "The length of kv_hints"),
+    # ... whose per-item lists _init_req_state indexes, repeated n times (io_struct.py 636-642,
+    # 722-747, 907-947): an empty one is SGLang's IndexError (NO_SHORT_LIST), before the LoRA
+    # adapters and the engine's "n not supported"
+    ({"sampling_params": {"n": 2}, "lora_path": []}, "lora_path has 0 entries for a batch of 1: SGLang"),
+    ({"sampling_params": {"n": 2}, "video_data": [], "lora_path": "a"}, "video_data has 0 entries"),
+    ({"sampling_params": {"n": 3}, "audio_data": []}, "audio_data has 0 entries for a batch of 1"),
+    ({"sampling_params": {"n": 2}, "bootstrap_room": [], "rid": ["r"]}, "bootstrap_room has 0 entries"),
+    ({"sampling_params": {"n": 2}, "decode_tp_size": [1]}, "n=2 is not supported"),
     ({"sampling_params": {"n": 2, "beam_width": 2}, "return_logprob": True}, "n=2 is not supported"),
     # max_thinking_tokens before _init_req_state builds the items (a short list's IndexError)
     ({"input_ids": [[1], [2]], "max_thinking_tokens": 5, "sampling_params": [{}]}, "max_thinking_tokens"),

@@ -372,6 +372,14 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
             "Cannot use list custom_logit_processor with parallel_sample_num > 1",
         ),
         ({"sampling_params": {"n": 2}, "rid": ["a", "b"]}, 422, "The specified rids length mismatch"),
+        # with a rid list (not expanded, io_struct.py 759-772) a batch's lists are read repeated n
+        # times only for the batch's rids: one entry serves two items at n=2; forwarded (the
+        # engine does not serve n)
+        (
+            {"input_ids": [[3], [4]], "rid": ["a", "b"], "sampling_params": {"n": 2}, "video_data": ["v"]},
+            400,
+            "n=2 is not supported",
+        ),
         # one request's extra_key / cache_salt: a string (io_struct.py 575-580), before the LoRA adapters
         ({"cache_salt": ["s"], "lora_path": "a"}, 422, "cache_salt should be a string for a single request."),
         # max_thinking_tokens before the rids are registered, and the short list (905-926)
@@ -482,6 +490,12 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ),
         ({"input_ids": [[3], [4]], "lora_path": [None]}, "lora_path has 1 entries for a batch of 2"),
         ({"input_ids": [[3], [4]], "bootstrap_room": []}, "bootstrap_room has 0 entries for a batch of 2"),
+        # parallel samples make one request a batch of one: an empty list is SGLang's IndexError
+        (
+            {"input_ids": [3, 4], "sampling_params": {"n": 2}, "bootstrap_host": []},
+            "bootstrap_host has 0 entries for a batch of 1",
+        ),
+        ({"input_ids": [3, 4], "sampling_params": {"n": 2}, "lora_path": []}, "lora_path has 0 entries"),
         (
             {"input_ids": [[3], [4]], "sampling_params": [{}]},
             "sampling_params has 1 entries for a batch of 2",
