@@ -55,8 +55,9 @@ checks the fields the fleet sends or forwards (``text``, ``input_ids``, ``rid``,
 ``return_prompt_token_ids``, ``modalities``) and the nested structs (``image_data``,
 ``video_data``, ``audio_data``: ``MediaInput``, api_types.py 2034-2043, 1902-1991; ``kv_hints``:
 ``KvHintsEnvelopeOrList``, 1598-1660; ``images_config``: ``ImagesConfig``, 1579-1587), as it types
-them, and ``return_indexer_topk``, a dataclass-only bool (io_struct.py 269), as the parse types
-it. Every field is typed as the dataclass types it, whose parse runs first: a value pydantic's lax
+them, and ``return_indexer_topk``, a dataclass-only bool (io_struct.py 269), and
+``mm_content_hashes``, dataclass-only optional strings or lists of them (219-221), as the parse
+types them. Every field is typed as the dataclass types it, whose parse runs first: a value pydantic's lax
 type refuses too (a number for a string field, ``2`` for a bool, ``1.5`` for an int, a scalar for
 a list) is the parse's refusal, one only the gate refuses (``1`` for a bool, ``"3"`` for an int)
 the gate's (the parse takes any media value, ``kv_hints`` a dict or a list of dicts and nulls,

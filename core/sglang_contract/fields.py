@@ -236,6 +236,17 @@ def _parsed_whole(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) 
     return check
 
 
+def _lax_content_hashes(v: Any) -> bool:
+    """Whether the dataclass parse takes ``v`` as ``mm_content_hashes``
+    (``Union[List[Optional[str]], List[List[Optional[str]]]]``, io_struct.py 219-221; pydantic's
+    lax ``str`` takes only a string): a list of strings and nulls, or a list of such lists."""
+
+    def strings(row: Any) -> bool:
+        return type(row) is list and all(x is None or type(x) is str for x in row)
+
+    return strings(v) or (type(v) is list and all(map(strings, v)))
+
+
 def _parse_only(takes: Callable[[Any], bool], expected: str) -> Callable[[str, Any], None]:
     """A dataclass-only key (the gate does not decode it): refused by the parse alone, where
     pydantic's lax type does not take the value (``null`` included)."""
@@ -298,4 +309,8 @@ _GENERATE_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "images_config": _nullable(_parsed_whole(_images_config, lambda v: type(v) is dict)),  # io_struct.py 357
     # a dataclass-only bool (io_struct.py 269), read by no /generate answer on such a server
     "return_indexer_topk": _parse_only(_lax_bool, "a boolean"),
+    # dataclass-only (io_struct.py 219-221), judged with mm_hashes by normalize_batch_and_arguments
+    "mm_content_hashes": _nullable(
+        _parse_only(_lax_content_hashes, "a list of optional strings or of such lists")
+    ),
 }

@@ -561,25 +561,28 @@ def _image_counts(image_data: Any, batch: int) -> list[int]:
 
 def _mm_hashes_refusal(body: dict[str, Any], batch: int) -> ContractError | None:
     """``_normalize_mm_hashes`` (``io_struct.py`` 687-720) on a batch's ``mm_hashes`` (a list:
-    the gate's ``StringListOrList``), in its words: another length than the batch (696-699), then
-    per request a hash that is no list for a request without exactly one image (705-713), or a
-    list of another length than its images (714-718); or None. (``mm_content_hashes``, which it
-    judges next, is a dataclass-only key, not checked here.)"""
-    hashes = body.get("mm_hashes")
-    if hashes is None:
-        return None
-    if len(hashes) != batch:
-        message = "The length of mm_hashes should equal the batch size"
-        return ContractError(message, step="verify", value=hashes)
+    the gate's ``StringListOrList``), then its ``mm_content_hashes`` (a list: the dataclass
+    parse's type, 219-221), each in its words: another length than the batch (696-699), then per
+    request a hash that is no list for a request without exactly one image (705-713), or a list
+    of another length than its images (714-718); or None. (One request's are judged only by a
+    multimodal processor, which a text-only model has none of: ``tokenizer_manager.py`` 1159-1175,
+    1240-1242.)"""
     counts = _image_counts(body.get("image_data"), batch)
-    for i, (request_hashes, count) in enumerate(zip(hashes, counts, strict=True)):
-        if type(request_hashes) is not list and count != 1:
-            message = f"mm_hashes[{i}] must be a list with one entry per image"
-            return ContractError(message, step="verify", value=request_hashes)
-        size = len(request_hashes) if type(request_hashes) is list else 1
-        if size != count:
-            message = f"mm_hashes[{i}] has {size} entries for {count} images"
-            return ContractError(message, step="verify", value=request_hashes)
+    for field in ("mm_hashes", "mm_content_hashes"):
+        hashes = body.get(field)
+        if hashes is None:
+            continue
+        if len(hashes) != batch:
+            message = f"The length of {field} should equal the batch size"
+            return ContractError(message, step="verify", value=hashes)
+        for i, (request_hashes, count) in enumerate(zip(hashes, counts, strict=True)):
+            if type(request_hashes) is not list and count != 1:
+                message = f"{field}[{i}] must be a list with one entry per image"
+                return ContractError(message, step="verify", value=request_hashes)
+            size = len(request_hashes) if type(request_hashes) is list else 1
+            if size != count:
+                message = f"{field}[{i}] has {size} entries for {count} images"
+                return ContractError(message, step="verify", value=request_hashes)
     return None
 
 

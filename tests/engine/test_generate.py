@@ -978,6 +978,19 @@ NESTED_REFUSED = [
         "mm_hashes[1] has 1 entries for 0 images",
     ),
     ({"sampling_params": {"n": 2}, "mm_hashes": [[], []]}, "verify", "The length of mm_hashes should equal"),
+    # then mm_content_hashes alike (io_struct.py 689), typed by the dataclass parse (219-221)
+    (
+        {"input_ids": [[1], [2]], "mm_hashes": [[], []], "mm_content_hashes": [None]},
+        "verify",
+        "The length of mm_content_hashes should equal the batch size",
+    ),
+    (
+        {"input_ids": [[1], [2]], "image_data": [MEDIA, MEDIA], "mm_content_hashes": [["a"], ["b", None]]},
+        "verify",
+        "mm_content_hashes[1] has 2 entries for 1 images",
+    ),
+    ({"mm_content_hashes": [1]}, "parse", "mm_content_hashes: invalid type"),
+    ({"mm_content_hashes": ["a", ["b"]]}, "parse", "mm_content_hashes: invalid type"),
     ({"input_ids": [[1], [2]], "video_data": [MEDIA]}, "verify", "video_data has 1 entries for a batch of 2"),
     ({"input_ids": [[1], [2]], "audio_data": []}, "verify", "audio_data has 0 entries for a batch of 2"),
     # so is a short sampling_params list, or an empty one (io_struct.py 540, 740-747, 982)
@@ -1001,6 +1014,9 @@ NESTED_SERVED = [
     {"video_data": [MEDIA, None], "audio_data": {"url": MEDIA, "use_audio": True}},
     {"kv_hints": ENVELOPE},
     {"kv_hints": {}},
+    # one request's mm_hashes / mm_content_hashes: judged only by a multimodal processor
+    # (tokenizer_manager.py 1159-1175, 1240-1242), which a text-only model has none of
+    {"mm_hashes": ["a", "b"], "mm_content_hashes": [None, "sha256:x", None]},
     {
         "kv_hints": {
             **ENVELOPE,

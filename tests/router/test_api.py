@@ -339,6 +339,12 @@ def test_sglang_generate_forwards_the_top_level_fields_sglang_takes(client: http
     hashed = {"input_ids": [[3, 4], [5]], "sampling_params": one, "image_data": "x", "mm_hashes": ["a", "b"]}
     r = client.post("/generate", json=hashed)
     assert r.status_code == 200 and len(r.json()) == 2, r.text
+    r = client.post("/generate", json={**hashed, "mm_content_hashes": [[None], ["sha256:x"]]})
+    assert r.status_code == 200 and len(r.json()) == 2, r.text
+    # one request's hashes: judged only by a multimodal processor (tokenizer_manager.py
+    # 1159-1175), which a text-only model has none of: served whatever their count
+    r = client.post("/generate", json={**body, "mm_hashes": ["a", "b"], "mm_content_hashes": [None, None]})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
@@ -504,6 +510,16 @@ def test_sglang_generate_refuses_choice_before_any_replica(client: httpx.Client)
         ({"input_ids": [3, 4], "image_data": {"url": "u", "zoom": 2}}, "image_data: unknown field `zoom`"),
         ({"input_ids": [3, 4], "kv_hints": 5}, "kv_hints: invalid type: integer `5`"),
         ({"input_ids": [[3], [4]], "mm_hashes": ["a"]}, "The length of mm_hashes should equal the batch"),
+        # mm_content_hashes, dataclass-only (io_struct.py 219-221), judged after mm_hashes (687-720)
+        (
+            {"input_ids": [[3], [4]], "mm_content_hashes": [None]},
+            "The length of mm_content_hashes should equal the batch size",
+        ),
+        (
+            {"input_ids": [3, 4], "sampling_params": {"n": 2}, "mm_content_hashes": [["a"]]},
+            "mm_content_hashes[0] has 1 entries for 0 images",
+        ),
+        ({"input_ids": [3, 4], "mm_content_hashes": "a"}, "mm_content_hashes: invalid type"),
         (
             {"input_ids": [[3], [4]], "image_data": [["u"], None], "mm_hashes": [["a"], ["b"]]},
             "mm_hashes[1] has 1 entries for 0 images",
