@@ -20,8 +20,9 @@ server (docs/sglang-contract.md, row 6).
 output token, or the serving version if there is none), ``weight_versions`` (spans
 ``{"version": int, "start", "end"}``, end exclusive, over output indices), ``e2e_latency``;
 with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
-``[logprob, token_id, text_or_null]`` triples (and ``*_top_logprobs`` when
-``top_logprobs_num > 0``); with ``return_sampling_mask``: ``output_token_sampling_mask``
+``[logprob, token_id, text_or_null]`` triples, ``output_token_logprobs_length`` (their count,
+managers/tokenizer_manager.py 2868-2870), and ``*_top_logprobs`` when
+``top_logprobs_num > 0``; with ``return_sampling_mask``: ``output_token_sampling_mask``
 (sorted support ids per token; ``[]`` = whole vocabulary), ``output_token_sampling_logprobs``
 (per token the behavior log-prob μ of the sampled token, as upstream SGLang; with
 ``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask),

@@ -79,6 +79,8 @@ class GenerateResponse:
             meta["output_token_logprobs"] = [
                 [f(d.logprob), d.token_id, self._text(d.token_id)] for d in self.draws
             ]
+            # every answer with log-probs counts them (managers/tokenizer_manager.py 2868-2870)
+            meta["output_token_logprobs_length"] = len(self.draws)
             if spec.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = (
                     [

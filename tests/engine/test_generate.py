@@ -583,6 +583,7 @@ def test_what_sglang_accepts_is_served(engine: str, client: httpx.Client) -> Non
         meta = generate(client, engine, **asked, logprob_start_len=start)["meta_info"]
         assert (meta["input_token_logprobs"], meta["input_top_logprobs"]) == ([], []), (start, meta)
         assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 1, start
+        assert meta["output_token_logprobs_length"] == 1, meta  # tokenizer_manager.py 2868-2870
 
 
 SHAPES = [
