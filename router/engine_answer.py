@@ -6,7 +6,9 @@ SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely 
 along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
 37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
 ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
-"abort", "message": ...}`` (managers/schedule_batch.py 279-345).
+"abort", "message": ..., "status_code": ..., "err_type": ...}`` (managers/schedule_batch.py
+279-345; an abort with an error status is answered with that status unstreamed, and streamed is
+read as a refusal by :mod:`clients.engine_stream`).
 """
 
 from __future__ import annotations
