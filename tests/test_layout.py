@@ -5,7 +5,8 @@ inside functions alike; the one documented exception is :data:`UPWARD`. ``deploy
 ``benchmarks`` and ``tests`` sit on top: they may import anything, and nothing in :data:`LAYERS`
 imports them. Inside ``engine``, each folder of :data:`ENGINE_LAYERS` (the pipeline: kernels, the
 model, the runtime that schedules it, the server that translates HTTP into the runtime's requests)
-imports only the engine's folders before it in the list.
+imports only the engine's folders before it in the list. No module imports a module-private
+(underscore) name of :mod:`core.sglang_contract`'s modules: a name another module needs is public.
 """
 
 from __future__ import annotations
@@ -83,3 +84,15 @@ def test_every_engine_folder_imports_only_lower_ones() -> None:
 def test_every_engine_module_is_in_a_layer() -> None:
     folders = {p.parent.relative_to(REPO / "engine").as_posix() for p in (REPO / "engine").rglob("*.py")}
     assert folders <= {".", *ENGINE_LAYERS}, sorted(folders - {".", *ENGINE_LAYERS})
+
+
+def test_no_module_imports_a_private_name_of_the_sglang_contract() -> None:
+    wrong = []
+    for path in sorted(REPO.rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith((".", "build/")) or "/." in rel:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("core.sglang_contract"):
+                wrong.extend(f"{rel} imports {node.module}.{a.name}" for a in node.names if a.name[0] == "_")
+    assert not wrong, "make these public in the module that defines them:\n" + "\n".join(wrong)

@@ -64,7 +64,7 @@ the gate's (the parse takes any media value, ``kv_hints`` a dict or a list of di
 ``images_config`` a dict: io_struct.py 78-81, 158-204, 357, 378-380); and each step judges the
 whole body before the next (a field the parse refuses is the answer wherever it stands in the
 body, then the gate's first, then step 3's). Step 3 runs in SGLang's order
-(:func:`_tokenizer_refusal`): ``normalize_batch_and_arguments`` (no input, :data:`NO_INPUT`;
+(:func:`tokenizer_refusal`): ``normalize_batch_and_arguments`` (no input, :data:`NO_INPUT`;
 ``session_id`` with ``session_params``, :data:`SESSION_BOTH`; a batch's ``image_data``,
 ``watermark``, ``return_hidden_states``, ``extra_key`` and ``cache_salt`` lengths; ``kv_hints``,
 decoded with msgspec, in its words: ``Malformed kv_hints envelope: ...``), a batch's short

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.sglang_contract.fields import _GENERATE_FIELDS
-from core.sglang_contract.normalize import _tokenizer_refusal
+from core.sglang_contract.fields import GENERATE_FIELDS
+from core.sglang_contract.normalize import tokenizer_refusal
 from core.sglang_contract.refusal import ContractError, Refusal, Step
-from core.sglang_contract.values import _refuse
+from core.sglang_contract.values import refuse
 
 
 def generate_body_refusal(
@@ -22,10 +22,10 @@ def generate_body_refusal(
     ``SamplingParams`` refuses. ``through="gate"`` stops after step 2, for a caller that runs
     step 3 itself (:func:`batch_refusal`, :func:`item_refusal`) among its own step-3 refusals."""
     if type(body) is not dict:
-        return Refusal("parse", str(_refuse("body", body, "a map")))
+        return Refusal("parse", str(refuse("body", body, "a map")))
     first: Refusal | None = None
     for key, x in body.items():
-        check = _GENERATE_FIELDS.get(key)
+        check = GENERATE_FIELDS.get(key)
         if check is None or key in skip:
             continue
         try:
@@ -35,7 +35,7 @@ def generate_body_refusal(
                 first = Refusal.of(exc)
     if first is not None or through != "verify":
         return first
-    refused = _tokenizer_refusal(body)
+    refused = tokenizer_refusal(body)
     return None if refused is None else Refusal.of(refused)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from core.sglang_contract.fields import _KV_HINT_ACTION_FIELDS
+from core.sglang_contract.fields import KV_HINT_ACTION_FIELDS
 from core.sglang_contract.refusal import ContractError, Refusal
-from core.sglang_contract.sampling import _item_refusal
+from core.sglang_contract.sampling import item_sampling_refusal
 
 NO_SHORT_LIST = (
     "SGLang 0.5.23 takes one entry per item of a batch (managers/io_struct.py 540, 635-642, 722-747, "
@@ -96,7 +96,7 @@ def _kv_hints_malformed(v: dict[str, Any]) -> str | None:
             payload = action.get("payload", {})
             if type(payload) is not dict:
                 return f"Expected `object`, got `{_msgspec_type(payload)}` - at `$.actions[{i}].payload`"
-            for name in _KV_HINT_ACTION_FIELDS:
+            for name in KV_HINT_ACTION_FIELDS:
                 if name not in action:
                     return f"Object missing required field `{name}` - at `$.actions[{i}]`"
     for name in ("protocol_version", "message_id"):
@@ -271,7 +271,7 @@ A list SGLang would serve (an empty ``return_logprob``, read as false) is refuse
 does with each such list is decided deep in the scheduler, and a body that may end a replica is
 never forwarded. Refused here as a 400 naming the field, after everything SGLang refuses before
 its scheduler, and also where the full check leaves the rest to the server
-(:func:`_tokenizer_refusal`)."""
+(:func:`tokenizer_refusal`)."""
 
 
 def _one_value_list(body: dict[str, Any]) -> ContractError | None:
@@ -355,10 +355,10 @@ def _short(key: str, value: list[Any], batch: int) -> ContractError:
     return ContractError(message, step="verify", value=value, fails=True)
 
 
-def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
+def tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
     """Step 3 on a body both earlier steps took, in SGLang's order (``generate_request``,
     ``tokenizer_manager.py`` 903-942): :func:`_normalize_refusal`, then :func:`_init_refusal`,
-    then each item in turn (:func:`_item_refusal` via :func:`_items`). Where SGLang would first
+    then each item in turn (:func:`item_sampling_refusal` via :func:`_items`). Where SGLang would first
     judge a field by the server's settings (:func:`_server_judges`: ``max_thinking_tokens`` and
     ``routed_dp_rank`` before the rids are registered, the LoRA adapters after, then per item
     ``input_embeds``, hidden states, the custom logit processor), this check stops there and
@@ -372,7 +372,7 @@ def _tokenizer_refusal(body: dict[str, Any]) -> ContractError | None:
 
 
 def _before_the_scheduler(body: dict[str, Any]) -> ContractError | None:
-    """:func:`_tokenizer_refusal` but for what only the scheduler fails on; None also where it
+    """:func:`tokenizer_refusal` but for what only the scheduler fails on; None also where it
     stops for a field the server judges."""
     refused = _normalize_refusal(body)
     if refused is not None or _server_judges(body, _SERVER_BEFORE_RIDS):
@@ -386,7 +386,7 @@ def _before_the_scheduler(body: dict[str, Any]) -> ContractError | None:
         refused = _list_for_one(body)  # after the input's length, which needs the model
         if refused is not None or _server_judges(body, _SERVER_PER_ITEM, i):
             return refused
-        refused = _item_refusal(where, p, top)
+        refused = item_sampling_refusal(where, p, top)
         if refused is not None:
             return refused
     return None
@@ -689,12 +689,12 @@ def short_list_refusal(body: dict[str, Any]) -> Refusal | None:
 
 def item_refusal(body: dict[str, Any], index: int) -> Refusal | None:
     """The refusal ``_create_tokenized_object`` makes of item ``index`` of a ``/generate`` body
-    steps 1 and 2 took (:func:`_item_refusal`: a watermark set both ways, a ``choice``, a
+    steps 1 and 2 took (:func:`item_sampling_refusal`: a watermark set both ways, a ``choice``, a
     malformed watermark, ``SamplingParams.normalize``/``verify``; ``tokenizer_manager.py``
     1548-1567), or None. SGLang runs it per item after that item's other step-3 checks (LoRA,
     ``input_embeds``, the context length, hidden states, the custom logit processor:
     ``generate_request`` 903-942, ``_tokenize_one_request`` 1096-1434), so a caller that makes
     those runs this after them."""
     where, p, top = _items(body)[index]
-    refused = _item_refusal(where, p, top)
+    refused = item_sampling_refusal(where, p, top)
     return None if refused is None else Refusal.of(refused)

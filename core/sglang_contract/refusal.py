@@ -27,7 +27,7 @@ class ContractError(ValueError):
         return ContractError(str(self), step=step, value=self.value, fails=self.fails)
 
 
-def _unknown_field(where: str, key: str, fields: tuple[str, ...]) -> ContractError:
+def unknown_field(where: str, key: str, fields: tuple[str, ...]) -> ContractError:
     """The gate's refusal of an unknown key in a struct that denies them (serde's
     ``unknown_field``, ``api_types.py`` 97-108)."""
     listed = ", ".join(f"`{f}`" for f in fields)

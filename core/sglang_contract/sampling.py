@@ -1,5 +1,5 @@
 """``sampling_params`` as SGLang 0.5.23 judges it: the gate's types of its keys and ``SamplingParams``'
-ranges and normalization, the watermark's, and one item's step-3 refusal (:func:`_item_refusal`)."""
+ranges and normalization, the watermark's, and one item's step-3 refusal (:func:`item_sampling_refusal`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from core.sglang_contract.refusal import ContractError, _unknown_field
+from core.sglang_contract.refusal import ContractError, unknown_field
 from core.sglang_contract.values import (
-    _bool,
-    _each,
-    _float,
-    _int,
-    _map,
-    _nullable,
-    _str,
-    _str_or_list,
+    boolean,
+    each,
+    f64,
+    i64,
     int_list,
+    mapping,
+    nullable,
+    string,
+    string_or_list,
 )
 
 SAMPLING_EPS = 1e-6  # sampling_params.py 42
@@ -56,51 +56,51 @@ ValueError): SGLang answers a 500, which the router would take for a failing rep
 over on; refused here as a 400, in step 3's body, by the engine and the router alike."""
 
 
-_WATERMARK_TYPES = {"enabled": _bool, "key": _str, "context_window": _int}  # api_types.py 1384-1399
+_WATERMARK_TYPES = {"enabled": boolean, "key": string, "context_window": i64}  # api_types.py 1384-1399
 
 
 def _watermark(where: str, v: Any) -> None:
     """``decode_WatermarkRequestConfig`` (``api_types.py`` 1384-1399)."""
-    for key, x in _map(where, v).items():
+    for key, x in mapping(where, v).items():
         if key not in _WATERMARK_TYPES:
-            raise _unknown_field(where, key, tuple(_WATERMARK_TYPES))
-        _nullable(_WATERMARK_TYPES[key])(f"{where}.{key}", x)
+            raise unknown_field(where, key, tuple(_WATERMARK_TYPES))
+        nullable(_WATERMARK_TYPES[key])(f"{where}.{key}", x)
 
 
 def _logit_bias(where: str, v: Any) -> None:
-    for key, x in _map(where, v).items():
-        _float(f"{where}.{key}", x)
+    for key, x in mapping(where, v).items():
+        f64(f"{where}.{key}", x)
 
 
 _SAMPLING_TYPES: dict[str, Callable[[str, Any], Any]] = {
-    "max_new_tokens": _int,
-    "stop": _str_or_list,
+    "max_new_tokens": i64,
+    "stop": string_or_list,
     "stop_token_ids": lambda where, v: int_list(where, v, int64=False),
-    "stop_regex": _str_or_list,
-    "temperature": _float,
-    "top_p": _float,
-    "top_k": _int,
-    "min_p": _float,
-    "frequency_penalty": _float,
-    "presence_penalty": _float,
-    "repetition_penalty": _float,
-    "min_new_tokens": _int,
-    "n": _int,
-    "json_schema": _str,
-    "regex": _str,
-    "ebnf": _str,
-    "structural_tag": _str,
-    "ignore_eos": _bool,
-    "skip_special_tokens": _bool,
-    "spaces_between_special_tokens": _bool,
-    "no_stop_trim": _bool,
-    "stream_interval": _int,
+    "stop_regex": string_or_list,
+    "temperature": f64,
+    "top_p": f64,
+    "top_k": i64,
+    "min_p": f64,
+    "frequency_penalty": f64,
+    "presence_penalty": f64,
+    "repetition_penalty": f64,
+    "min_new_tokens": i64,
+    "n": i64,
+    "json_schema": string,
+    "regex": string,
+    "ebnf": string,
+    "structural_tag": string,
+    "ignore_eos": boolean,
+    "skip_special_tokens": boolean,
+    "spaces_between_special_tokens": boolean,
+    "no_stop_trim": boolean,
+    "stream_interval": i64,
     "logit_bias": _logit_bias,
-    "sampling_seed": _int,
+    "sampling_seed": i64,
     "custom_params": lambda where, v: None,
-    "beam_width": _int,
+    "beam_width": i64,
     "watermark": _watermark,
-    "choice": lambda where, v: _each(where, v, _str),
+    "choice": lambda where, v: each(where, v, string),
 }  # api_types.py 1259-1321; every key may be null (its default)
 
 
@@ -178,8 +178,8 @@ def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len
 
 def sampling_params(where: str, v: Any) -> None:
     """One ``sampling_params`` object: its keys and their types (the contract gate); SGLang's
-    ranges are step 3's (:func:`_item_refusal`). Raises :class:`ContractError`."""
-    p = _map(where, v)
+    ranges are step 3's (:func:`item_sampling_refusal`). Raises :class:`ContractError`."""
+    p = mapping(where, v)
     for key, x in p.items():
         check = _SAMPLING_TYPES.get(key)
         if check is None:
@@ -232,7 +232,7 @@ WATERMARK_BOTH = (
 """``tokenizer_manager.py`` 1553-1559."""
 
 
-def _item_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | None:
+def item_sampling_refusal(where: str, p: dict[str, Any], top: Any) -> ContractError | None:
     """Step 3 on one item, in SGLang's order (``_create_tokenized_object``,
     ``tokenizer_manager.py`` 1553-1567): a watermark both at the top level (``top``) and in
     ``p``; ``SamplingParams(**p)``, which fails on a ``choice`` (:data:`NO_CHOICE`) and

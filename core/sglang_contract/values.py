@@ -28,57 +28,57 @@ def _spelled(v: Any) -> str:
     return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
 
 
-def _refuse(where: str, v: Any, expected: str) -> ContractError:
+def refuse(where: str, v: Any, expected: str) -> ContractError:
     return ContractError(f"{where}: invalid type: {_spelled(v)}, expected {expected}", value=v)
 
 
-def _int(where: str, v: Any) -> int:
+def i64(where: str, v: Any) -> int:
     if type(v) is int:
         return v
-    raise _refuse(where, v, "i64")
+    raise refuse(where, v, "i64")
 
 
-def _float(where: str, v: Any) -> float:
+def f64(where: str, v: Any) -> float:
     if type(v) is int or type(v) is float:
         return float(v)
-    raise _refuse(where, v, "f64")
+    raise refuse(where, v, "f64")
 
 
-def _bool(where: str, v: Any) -> bool:
+def boolean(where: str, v: Any) -> bool:
     if type(v) is bool:
         return v
-    raise _refuse(where, v, "a boolean")
+    raise refuse(where, v, "a boolean")
 
 
-def _str(where: str, v: Any) -> str:
+def string(where: str, v: Any) -> str:
     if type(v) is str:
         return v
-    raise _refuse(where, v, "a string")
+    raise refuse(where, v, "a string")
 
 
 def _seq(where: str, v: Any) -> list[Any]:
     if type(v) is list:
         return v
-    raise _refuse(where, v, "a sequence")
+    raise refuse(where, v, "a sequence")
 
 
-def _map(where: str, v: Any) -> dict[str, Any]:
+def mapping(where: str, v: Any) -> dict[str, Any]:
     if type(v) is dict:
         return v
-    raise _refuse(where, v, "a map")
+    raise refuse(where, v, "a map")
 
 
-def _each(where: str, v: Any, one: Callable[[str, Any], Any]) -> None:
+def each(where: str, v: Any, one: Callable[[str, Any], Any]) -> None:
     for i, e in enumerate(_seq(where, v)):
         one(f"{where}[{i}]", e)
 
 
-def _or_list(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+def or_list(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
     """A value or a list of values (SGLang's ``...OrList``)."""
 
     def check(where: str, v: Any) -> None:
         if type(v) is list:
-            _each(where, v, one)
+            each(where, v, one)
         else:
             one(where, v)
 
@@ -101,7 +101,7 @@ def int_list(where: str, v: Any, int64: bool = True) -> list[int]:
     i = next(i for i, x in enumerate(ids) if type(x) is not int or (int64 and not -(2**63) <= x < 2**63))
     if type(ids[i]) is int:
         raise ContractError(f"{where}[{i}]: integer `{ids[i]}` is outside int64", value=ids[i])
-    raise _refuse(f"{where}[{i}]", ids[i], "i64")
+    raise refuse(f"{where}[{i}]", ids[i], "i64")
 
 
 def token_ids(where: str, v: Any) -> None:
@@ -115,7 +115,7 @@ def token_ids(where: str, v: Any) -> None:
         int_list(f"{where}[{r}]", row)
 
 
-def _input_ids(where: str, v: Any) -> None:
+def strict_token_ids(where: str, v: Any) -> None:
     """:func:`token_ids`, refused by the dataclass parse (step 1: ``validate_optional_list_i64_1d_2d``,
     field_validators.py 41-81, takes only a list of ints or of lists, each within int64) unless the
     value refused is a bool (Python's int there: the gate refuses it, as ``[true]``)."""
@@ -125,18 +125,18 @@ def _input_ids(where: str, v: Any) -> None:
         raise exc if type(exc.value) is bool else exc.at("parse") from None
 
 
-def _not_null(one: Callable[[str, Any], Any], expected: str) -> Callable[[str, Any], None]:
+def not_null(one: Callable[[str, Any], Any], expected: str) -> Callable[[str, Any], None]:
     """``one``, and ``null`` refused by the dataclass parse (step 1: a plain bool or int field)."""
 
     def check(where: str, v: Any) -> None:
         if v is None:
-            raise _refuse(where, v, expected).at("parse")
+            raise refuse(where, v, expected).at("parse")
         one(where, v)
 
     return check
 
 
-def _nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+def nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
     def check(where: str, v: Any) -> None:
         if v is not None:
             one(where, v)
@@ -144,7 +144,7 @@ def _nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
     return check
 
 
-_str_or_list = _or_list(_str)
+string_or_list = or_list(string)
 
 
 _LAX_INT = TypeAdapter(int)
@@ -163,19 +163,19 @@ def _lax(adapter: TypeAdapter, v: Any) -> bool:
     return True
 
 
-def _lax_int(v: Any) -> bool:
+def lax_int(v: Any) -> bool:
     """Whether the dataclass parse (pydantic's lax ``int``) takes ``v`` (a bool, an integral
     float, a decimal string)."""
     return _lax(_LAX_INT, v)
 
 
-def _lax_bool(v: Any) -> bool:
+def lax_bool(v: Any) -> bool:
     """Whether the dataclass parse (pydantic's lax ``bool``) takes ``v`` (a bool, 0 or 1, one of
     its words)."""
     return _lax(_LAX_BOOL, v)
 
 
-def _parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Callable[[str, Any], None]:
+def parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Callable[[str, Any], None]:
     """``one`` (the gate's check), its refusal made by the dataclass parse instead where the
     value refused is not one the parse ``takes`` (step 1 runs first). ``takes`` never: a field
     whose every gate refusal is the parse's too (a string field: pydantic takes only a string)."""
@@ -189,21 +189,21 @@ def _parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Cal
     return check
 
 
-def _never(v: Any) -> bool:
+def never(v: Any) -> bool:
     return False
 
 
-def _one_or_list(one: Callable[[str, Any], Any], union: str) -> Callable[[str, Any], None]:
+def one_or_list(one: Callable[[str, Any], Any], union: str) -> Callable[[str, Any], None]:
     """A value or a list of values whose entries may be null (SGLang's ``Optional...OrList``);
     a scalar refused is named as the gate names it (``a value or an array of values for ...``)."""
 
     def check(where: str, v: Any) -> None:
         if type(v) is list:
-            _each(where, v, _nullable(one))
+            each(where, v, nullable(one))
             return
         try:
             one(where, v)
         except ContractError:
-            raise _refuse(where, v, f"a value or an array of values for {union}") from None
+            raise refuse(where, v, f"a value or an array of values for {union}") from None
 
     return check

@@ -429,7 +429,7 @@ def test_sglang_generate_names_what_sglang_names_first(
     refused by the router for the ranges: it is forwarded, and the answer (the engine's 400, in
     SGLang's words for a server started as the fleet starts it) names what SGLang names; what
     SGLang refuses before such a field (a short list) or in an earlier item is still the router's
-    422 (core.sglang_contract ``_tokenizer_refusal``)."""
+    422 (core.sglang_contract ``tokenizer_refusal``)."""
     r = client.post("/generate", json={"input_ids": [3, 4], **body})
     text = r.json()["detail"] if r.status_code == 422 else r.text
     assert r.status_code == status and named in text, r.text
