@@ -127,9 +127,11 @@ class _Pending:
 
 
 Event = Callable[[str, dict], None]
+"""``on_event(kind, info)``: the publisher's progress (see :func:`publish_checkpoint`)."""
 
 
-def _noop(_kind: str, _info: dict) -> None:
+def no_events(_kind: str, _info: dict) -> None:
+    """An :data:`Event` callback that ignores every event (the default where nobody watches)."""
     return None
 
 
@@ -253,7 +255,7 @@ def publish_checkpoint(
     mode: Mode = "barrier",
     workers: int | None = None,
     conversion_pool: ConversionPool | None = None,
-    on_event: Event = _noop,
+    on_event: Event = no_events,
     delta_of: int | None = None,
 ) -> PublishResult:
     """Convert ``ckpt_dir`` once per format and publish it as ``version`` of ``run_id``.
@@ -499,7 +501,7 @@ def bootstrap(
     formats: Iterable[str],
     *,
     workers: int | None = None,
-    on_event: Event = _noop,
+    on_event: Event = no_events,
 ) -> dict[str, int]:
     """Make every format of ``formats`` have a pointer, for a fleet that starts (``mixfleet up``).
 
@@ -536,7 +538,7 @@ def rollback(
     formats: Iterable[str],
     *,
     version: int | None = None,
-    on_event: Event = _noop,
+    on_event: Event = no_events,
 ) -> PublishResult:
     """Publish a new version whose content, per format, is ``to_version``'s (barrier mode).
 

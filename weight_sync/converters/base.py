@@ -12,19 +12,13 @@ adapter. The publish protocol exists once, in :mod:`weight_sync.publish`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from core.errors import UserError
+from weight_sync.publish import Event, no_events
 from weight_sync.store.base import VersionStore
-
-Event = Callable[[str, dict], None]
-"""``on_event(kind, info)``: the publisher's progress (see :func:`weight_sync.publish.publish_checkpoint`)."""
-
-
-def _noop(_kind: str, _info: dict) -> None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ class Converter(ABC):
 
     @abstractmethod
     def publish(
-        self, store: VersionStore, request: ConvertRequest, on_event: Event = _noop
+        self, store: VersionStore, request: ConvertRequest, on_event: Event = no_events
     ) -> dict[str, Any]:
         """Run ``request`` against ``store`` (blocking) and return the publication's result as
         JSON data (:meth:`weight_sync.publish.PublishResult.to_dict`, with at least ``version``);

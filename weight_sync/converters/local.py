@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from weight_sync.converters.base import Converter, ConvertRequest, Event, _noop
-from weight_sync.publish import ConversionPool
+from weight_sync.converters.base import Converter, ConvertRequest
+from weight_sync.publish import ConversionPool, Event, no_events
 from weight_sync.store.base import VersionStore
 
 
@@ -60,7 +60,7 @@ class LocalConverter(Converter):
         return {"conversion_pool": pool} if pool is not None else {"workers": 0}
 
     def publish(
-        self, store: VersionStore, request: ConvertRequest, on_event: Event = _noop
+        self, store: VersionStore, request: ConvertRequest, on_event: Event = no_events
     ) -> dict[str, Any]:
         from weight_sync.publish import publish_checkpoint, publish_delta
 

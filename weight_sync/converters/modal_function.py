@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from core.errors import UserError
-from weight_sync.converters.base import Converter, ConvertRequest, Event, _noop
+from weight_sync.converters.base import Converter, ConvertRequest
+from weight_sync.publish import Event, no_events
 from weight_sync.store.base import VersionStore
 
 
@@ -69,7 +70,7 @@ class ModalFunctionConverter(Converter):
         return self._lookup(self.app_name, self.function_name, self.environment_name)
 
     def publish(
-        self, store: VersionStore, request: ConvertRequest, on_event: Event = _noop
+        self, store: VersionStore, request: ConvertRequest, on_event: Event = no_events
     ) -> dict[str, Any]:
         call = self.function().spawn(**call_kwargs(request))
         on_event("remote_call", {"function": self.ref, "call_id": call.object_id})
