@@ -29,28 +29,34 @@ def _spelled(v: Any) -> str:
 
 
 def refuse(where: str, v: Any, expected: str) -> ContractError:
+    """The gate's refusal of ``v`` at ``where`` (a step-2 :class:`ContractError`), in its words:
+    ``invalid type: <v as serde spells it>, expected <expected>``."""
     return ContractError(f"{where}: invalid type: {_spelled(v)}, expected {expected}", value=v)
 
 
 def i64(where: str, v: Any) -> int:
+    """``v``, an integer (a JSON number without a fraction; not a bool), or the gate's refusal."""
     if type(v) is int:
         return v
     raise refuse(where, v, "i64")
 
 
 def f64(where: str, v: Any) -> float:
+    """``v`` as a float (an integer or a float; not a bool), or the gate's refusal."""
     if type(v) is int or type(v) is float:
         return float(v)
     raise refuse(where, v, "f64")
 
 
 def boolean(where: str, v: Any) -> bool:
+    """``v``, a bool, or the gate's refusal."""
     if type(v) is bool:
         return v
     raise refuse(where, v, "a boolean")
 
 
 def string(where: str, v: Any) -> str:
+    """``v``, a string, or the gate's refusal."""
     if type(v) is str:
         return v
     raise refuse(where, v, "a string")
@@ -63,12 +69,14 @@ def _seq(where: str, v: Any) -> list[Any]:
 
 
 def mapping(where: str, v: Any) -> dict[str, Any]:
+    """``v``, a JSON object, or the gate's refusal (``expected a map``)."""
     if type(v) is dict:
         return v
     raise refuse(where, v, "a map")
 
 
 def each(where: str, v: Any, one: Callable[[str, Any], Any]) -> None:
+    """``one`` on every entry of the list ``v`` (``where[i]``); a value that is no list refused."""
     for i, e in enumerate(_seq(where, v)):
         one(f"{where}[{i}]", e)
 
@@ -137,6 +145,8 @@ def not_null(one: Callable[[str, Any], Any], expected: str) -> Callable[[str, An
 
 
 def nullable(one: Callable[[str, Any], Any]) -> Callable[[str, Any], None]:
+    """``one``, with ``null`` taken (an ``Optional`` field)."""
+
     def check(where: str, v: Any) -> None:
         if v is not None:
             one(where, v)
@@ -190,6 +200,7 @@ def parsed(one: Callable[[str, Any], Any], takes: Callable[[Any], bool]) -> Call
 
 
 def never(v: Any) -> bool:
+    """The ``takes`` of :func:`parsed` for a field the dataclass parse takes no refused value of."""
     return False
 
 
