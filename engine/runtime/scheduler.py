@@ -76,6 +76,7 @@ class TokenEvent:
     index: int
     draw: Draw
     weight_version: int
+    retractions: int = 0  # times the request was retracted so far (SGLang's ``num_retractions``)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class FinishEvent:
     completion_tokens: int
     weight_version: int
     routed_experts: torch.Tensor | None = None
+    retractions: int = 0  # times the request was retracted (SGLang's ``num_retractions``)
 
 
 Event = PrefillEvent | TokenEvent | FinishEvent
@@ -111,6 +113,7 @@ class _Request:
     routes: list[torch.Tensor] = field(default_factory=list)  # routed experts of positions 0 .. cache.length
     last_token_time: float | None = None
     finished: bool = False
+    retractions: int = 0  # a retract pause's count (SGLang's Req.retraction_count)
 
     def seq_len(self) -> int:
         return len(self.spec.input_ids) + len(self.output_ids)
@@ -319,6 +322,7 @@ class Scheduler:
             self._do_abort("", True, "Aborted by /pause_generation (mode abort).")
         elif mode == "retract":
             for req in reversed(self._running):
+                req.retractions += 1
                 req.cache = None
                 req.routes.clear()  # recomputed with the cache
                 if not req.prefill_done:  # its prompt is recomputed from the start
@@ -368,7 +372,11 @@ class Scheduler:
                 self._waiting.remove(req)
         if self.metrics is not None:
             self.metrics.observe_finished(time.monotonic() - req.arrival, reason["type"] == "abort")
-        req.sink(FinishEvent(reason, len(req.output_ids), self.weight_version, self._routes_of(req)))
+        req.sink(
+            FinishEvent(
+                reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions
+            )
+        )
 
     def _routes_of(self, req: _Request) -> torch.Tensor | None:
         """The routed experts :class:`FinishEvent` carries for ``req`` (None unless recorded)."""
@@ -497,7 +505,7 @@ class Scheduler:
                 else:
                     self.metrics.observe_inter_token(now - req.last_token_time)
             req.last_token_time = now
-            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version))
+            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions))
             reason = self._finish_reason(req, draw.token_id)
             if reason is not None:
                 self._finish(req, reason)

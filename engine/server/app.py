@@ -16,7 +16,12 @@ A weight load that fails once weight files were found ends the process, as it en
 server (docs/sglang-contract.md, row 6).
 
 ``meta_info`` per response: ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
-``cached_tokens`` (always 0: no prefix cache), ``weight_version`` (str: version of the last
+``cached_tokens`` (always 0: no prefix cache), ``reasoning_tokens`` (always 0: SGLang counts
+them only on a server started with ``--reasoning-parser``, managers/scheduler.py 940-955,
+scheduler_components/batch_result_processor.py 1496-1507; the engine has none),
+``num_retractions`` (the times a ``retract`` pause put the request back to wait, as SGLang's
+``Req.reset_for_retract`` counts them, managers/schedule_batch.py 2049-2052; tokenizer_manager.py
+2507-2513), ``weight_version`` (str: version of the last
 output token, or the serving version if there is none), ``weight_versions`` (spans
 ``{"version": int, "start", "end"}``, end exclusive, over output indices), ``e2e_latency``;
 with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as

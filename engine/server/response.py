@@ -29,16 +29,19 @@ class GenerateResponse:
         self.versions: list[int] = []
         self.prefill: Any = None
         self.finish: Any = None
+        self.retractions = 0
 
     def add(self, event: Any) -> None:
         if isinstance(event, TokenEvent):
             self.output_ids.append(event.draw.token_id)
             self.draws.append(event.draw)
             self.versions.append(event.weight_version)
+            self.retractions = event.retractions
         elif isinstance(event, PrefillEvent):
             self.prefill = event
         elif isinstance(event, FinishEvent):
             self.finish = event
+            self.retractions = event.retractions
 
     def spans(self) -> list[dict[str, int]]:
         if not self.versions:
@@ -65,6 +68,8 @@ class GenerateResponse:
             "prompt_tokens": len(spec.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "num_retractions": self.retractions,
             "weight_version": str(spans[-1]["version"]),
             "weight_versions": spans,
             "e2e_latency": time.monotonic() - self.start,

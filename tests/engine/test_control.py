@@ -77,6 +77,7 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
         assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
         stream.settled()
         k = len(stream.chunks[-1]["output_ids"])
+        assert stream.chunks[-1]["meta_info"]["num_retractions"] == 0  # drawn before the retraction
         r = _update(client, url, {"model_path": str(other_dir), "weight_version": "2"})
         assert r.status_code == 200, r.text
         assert r.json()["success"] is True and "Weight version updated to 2" in r.json()["message"]
@@ -86,6 +87,8 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
         final = stream.result()
         swapped = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     out, meta = final["output_ids"], final["meta_info"]
+    # the retract pause counted, as SGLang's Req.reset_for_retract counts it (schedule_batch.py 2049-2052)
+    assert meta["num_retractions"] == 1 and ref_v1["meta_info"]["num_retractions"] == 0
     assert meta["weight_versions"] == [
         {"version": 1, "start": 0, "end": k},
         {"version": 2, "start": k, "end": 200},

@@ -59,6 +59,9 @@ def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_conf
     assert n == 24 == meta["completion_tokens"]
     assert meta["finish_reason"] == {"type": "length", "length": 24}
     assert meta["prompt_tokens"] == len(PROMPT) and meta["cached_tokens"] == 0
+    # every generate answer's counts (managers/tokenizer_manager.py 2507-2513, 2552-2559): no
+    # reasoning parser, no retraction
+    assert meta["reasoning_tokens"] == 0 and meta["num_retractions"] == 0
     assert meta["weight_version"] == "0" and meta["weight_versions"] == [
         {"version": 0, "start": 0, "end": 24}
     ]
