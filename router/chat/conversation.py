@@ -28,13 +28,13 @@ Both give the same context for the same messages; the first reads only the sessi
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from core.jsonio import dumps
 from router.chat.renderers.base import Message, Renderer, RenderError, Tool
@@ -112,13 +112,20 @@ def digests(family: str, tools: Sequence[Tool], messages: Sequence[Message]) -> 
     turn in one form is not resumed by a request in the other, which renders the conversation whole,
     as :func:`from_trajectory` renders it), the ``tools`` and ``messages[:k]`` (every
     field of each, as orjson writes the dataclass: a message is all strings), for ``k`` in
-    ``0 .. len(messages)``."""
-    h = hashlib.blake2b(digest_size=16)
+    ``0 .. len(messages)``.
+
+    xxh3-128, not a cryptographic hash: a harness resends its whole conversation every turn, so the
+    chain covers up to a few hundred kilobytes a turn and is hashed at memory speed; 128 bits make
+    an accidental match of another history negligible, and a request can only match its own
+    session's history (a note written with another digest matches nothing: that turn renders
+    whole, to the same context)."""
+    h = xxhash.xxh3_128()
     h.update(json.dumps([family, [astuple(t) for t in tools]], sort_keys=True).encode())
     out = [h.hexdigest()]
     for m in messages:
         data = dumps(m)
-        h.update(len(data).to_bytes(8, "little") + data)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
         out.append(h.hexdigest())
     return out
 
