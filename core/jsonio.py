@@ -12,7 +12,9 @@ environment variables, files, command output for people) uses the standard :mod:
   ``OPT_SERIALIZE_NUMPY``; another object with ``tolist()``, such as an ``array.array`` or an
   array orjson does not take natively, is written as its list). Objects orjson cannot encode
   (integers beyond 64 bits, non-string keys) are encoded by :mod:`json` under the same rule;
-  anything neither can encode raises ``TypeError``. ``sort_keys`` sorts the keys of every object.
+  anything neither can encode raises ``TypeError``. ``sort_keys`` sorts the keys of every object,
+  a dataclass's fields included (orjson writes a dataclass's fields in their order; sorted, it is
+  written as ``dataclasses.asdict`` would make it, without its deep copy).
   A :data:`Fragment` (JSON text encoded once, not checked: :mod:`router.context_text`) is
   written as the text it holds, unchanged (the :mod:`json` fallback does not take it).
 
@@ -22,6 +24,7 @@ The bytes may differ from :mod:`json`'s in whitespace and float spelling (``1e-0
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -45,7 +48,7 @@ def loads(data: bytes | bytearray | memoryview | str, *, strict: bool = False) -
 def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
     """``obj`` as compact JSON bytes (non-finite floats as ``null``)."""
     try:
-        return orjson.dumps(obj, default=_tolist, option=_SORTED if sort_keys else _OPTIONS)
+        return orjson.dumps(obj, default=_default, option=_SORTED if sort_keys else _OPTIONS)
     except TypeError:
         pass
     try:
@@ -58,7 +61,7 @@ def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
 def _std_dumps(obj: Any, sort_keys: bool) -> str:
     """:mod:`json`'s compact text of ``obj`` (ValueError for a non-finite float)."""
     return json.dumps(
-        obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, default=_tolist
+        obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, default=_default
     )
 
 
@@ -66,11 +69,15 @@ Fragment = orjson.Fragment
 """``Fragment(text)``: valid JSON bytes that :func:`dumps` writes as they are."""
 
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
-_SORTED = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS
+_SORTED = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
-def _tolist(obj: Any) -> Any:
-    """orjson's ``default``: an array-like object as its list; TypeError for anything else."""
+def _default(obj: Any) -> Any:
+    """orjson's and :mod:`json`'s ``default``: a dataclass instance as the dict of its fields (one
+    level: its values come back here), an array-like object as its list; TypeError for anything
+    else."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     tolist = getattr(obj, "tolist", None)
     if tolist is None:
         raise TypeError(f"{type(obj).__name__} is not JSON serializable")

@@ -244,9 +244,8 @@ def chat_digest(req: ChatRequest) -> str:
     """The digest an ``Idempotency-Key`` keeps for a chat request
     (:func:`router.idempotency.request_digest`): the request in both APIs' common form, without
     ``supports`` (how the answer is presented: OpenAI's log-prob options)."""
-    fields = dataclasses.asdict(req)
-    del fields["supports"]
-    return request_digest(fields)
+    fields = dataclasses.fields(req)
+    return request_digest({f.name: getattr(req, f.name) for f in fields if f.name != "supports"})
 
 
 def request_stops(renderer: Renderer, req: ChatRequest) -> dict[int, str]:
