@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import time
 
@@ -1155,3 +1156,92 @@ def test_score_on_an_empty_list_of_groups_is_a_422_not_every_group(client: httpx
     r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "groups": []})
     assert r.status_code == 422, r.text
     assert r.json()["detail"].startswith("groups:"), r.text
+
+
+# Values of the /generate fields where SGLang 0.5.23 refuses, serves, fails with a 500 or dies in
+# its scheduler (docs/sglang-contract.md rows 25-28): the router must answer each body itself or
+# forward it to an engine that answers it, never fail over (an engine's 5xx or broken stream).
+_FUZZ_FIELDS: dict[str, list] = {
+    "n": [1, 2, None, "2"],
+    "return_logprob": [True, False, [True], [True, False], None],
+    "logprob_start_len": [-5, -1, 0, 2, 3, 4, [0], [0, 1]],
+    "top_logprobs_num": [-1, 0, 2, [1], [1, 1, 1]],
+    "return_sampling_mask": [True, [True]],
+    "sampling_logprobs_mode": ["support", "selected", "bogus", ["support"]],
+    "rid": ["r", ["a", "b"], ["a", "a"], ["a"], 7],
+    "lora_path": [[], "x", [None, None]],
+    "video_data": [[], [None]],
+    "mm_content_hashes": [["h"], [["h"]], 3],
+    "routed_experts_start_len": [0, 2, 9],
+    "return_routed_experts": [True],
+    "token_ids_logprob": [[1], [10**9]],
+    "stream": [True, False],
+}
+
+
+def _fuzz_body(rng) -> dict:
+    """A random /generate body: one or two prompts, a sampling_params object or list of either
+    length, and a few of :data:`_FUZZ_FIELDS` (each a value drawn from its pool)."""
+    batch = rng.random() < 0.5
+    ids = [[3, 4, 5], [6, 7]] if batch else [3, 4, 5]
+    params = {"max_new_tokens": rng.choice([1, 2]), "top_k": rng.choice([-1, 2, 4096]), "top_p": 0.9}
+    body = {
+        "input_ids": ids,
+        "sampling_params": rng.choice([params, [params], [params, params], [params] * 3]),
+    }
+    for key in rng.sample(sorted(_FUZZ_FIELDS), rng.randint(1, 4)):
+        body[key] = rng.choice(_FUZZ_FIELDS[key])
+    return body
+
+
+def _other_rids(body: dict) -> dict:
+    """``body`` with each string rid suffixed (duplicates stay duplicates)."""
+    rid = body.get("rid")
+    if isinstance(rid, str):
+        return {**body, "rid": rid + "-again"}
+    if isinstance(rid, list):
+        return {**body, "rid": [x + "-again" if isinstance(x, str) else x for x in rid]}
+    return body
+
+
+def _engine_answer(url: str, body: dict) -> tuple[int, bool]:
+    """The engine's own status for ``body`` and whether its answer is whole (a stream that ends
+    with ``[DONE]``; an unstreamed answer always): a stream SGLang breaks off (what it answers with
+    a 500) is not."""
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        try:
+            text = b"".join(r.iter_bytes()).decode()
+        except httpx.RemoteProtocolError:  # the connection closed inside the chunked body
+            return r.status_code, False
+    return r.status_code, not body.get("stream") or text.rstrip().endswith("data: [DONE]")
+
+
+def test_sglang_generate_answers_fringe_bodies_as_the_engine(client: httpx.Client, engine_url: str) -> None:
+    """200 seeded random /generate bodies over the fields SGLang judges in its fringe cases, each
+    sent to the engine (SGLang's stand-in) and through the router: what the engine serves the
+    router serves; what the engine refuses the router refuses (its own 422, or the engine's 400
+    passed on); what SGLang answers with a 500 or dies on (the engine breaks the stream off) the
+    router refuses itself, with a 422; and no request failed over (no forwarded body made the engine
+    answer a 5xx)."""
+
+    def failovers() -> float:
+        samples = samples_of(client.get("/metrics").text)
+        return sum(v for (name, _), v in samples.items() if name == "mixfleet_router_failovers_total")
+
+    rng = random.Random(20261207)
+    before = failovers()
+    kinds: dict[str, int] = {}
+    for _ in range(200):
+        body = _fuzz_body(rng)
+        status, whole = _engine_answer(engine_url, body)
+        r = client.post("/generate", json=_other_rids(body))  # the engine may still hold the first's
+        if not whole:
+            kind, expected = "fails", {422}
+        elif status == 200:
+            kind, expected = "served", {200}
+        else:
+            kind, expected = "refused", {400, 422}
+        assert r.status_code in expected, (kind, status, body, r.status_code, r.text)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert failovers() == before
+    assert set(kinds) == {"fails", "served", "refused"}, kinds  # the draw reaches each kind
