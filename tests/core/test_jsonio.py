@@ -59,8 +59,8 @@ def test_the_json_fallback_writes_the_same_objects() -> None:
 
 def test_a_chat_requests_digest_is_that_of_its_asdict_form() -> None:
     """The digest an Idempotency-Key keeps (router.chat.service.chat_digest) is the SHA-256 of the
-    request's asdict form without ``supports``, as it was computed before: a key recorded by
-    another router process or version matches."""
+    request's ``dataclasses.asdict`` form without ``supports`` (compact JSON, sorted keys): one
+    definition, so a key recorded by any router process matches."""
     req = ChatRequest(
         messages=(
             Message("system", "be brief"),
