@@ -4,9 +4,12 @@ with ``on_tokens``): server-sent events ``data: <json>`` (SGLang 0.5.23 entrypoi
 {"message", "code", ...}}`` event (958-974, ``code`` at 969). A request the scheduler aborts
 with an error status (a 400: the sampling-mask rule, a ``logprob_start_len`` past the input, ...)
 is no error event: its output, whose ``finish_reason`` is the abort with that ``status_code``, is
-one event before ``[DONE]`` (managers/tokenizer_manager.py 1891-1922, 2041-2048), read here as
-that status (:func:`core.sglang_release.abort_status`), so the request is refused, not taken for
-an engine that aborted it (which answers an abort without a status, and may be retried).
+one event before ``[DONE]`` (managers/tokenizer_manager.py 1891-1922, 2041-2048), carrying the id
+its one-token stub prefill drew where ``set_finish_with_abort`` aborted it (managers/
+schedule_batch.py 2221-2238; scheduler_components/batch_result_processor.py 363-369), read here
+as that status (:func:`core.sglang_release.abort_status`) before that id reaches the caller, so
+the request is refused, not taken for an engine that aborted it (which answers an abort without
+a status, and may be retried).
 
 Each chunk is the generation so far, cumulative by default: ``output_ids`` and the per-token
 ``meta_info`` lists grow (managers/tokenizer_manager.py 2650-2664). A server started with

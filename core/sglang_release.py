@@ -158,7 +158,10 @@ def scheduler_abort(message: str, err_type: str | None = ABORT_BAD_REQUEST) -> d
     ``prepare_abort``, disaggregation/utils.py 1926-1930) none. Unstreamed the tokenizer manager
     raises it as a ``ValueError``, a 400 ``{"error": {"message"}}``; streamed it yields the output
     that carries it as one event, then ``[DONE]``, inside the HTTP 200 stream
-    (managers/tokenizer_manager.py 1891-1922, 2041-2048; entrypoints/http_server.py 951-975)."""
+    (managers/tokenizer_manager.py 1891-1922, 2041-2048; entrypoints/http_server.py 951-975):
+    the mask's with nothing generated, ``set_finish_with_abort``'s with the one id its stub
+    prefill of ``[0]`` drew and ``prompt_tokens`` 1 (schedule_batch.py 2011-2014, 2233-2236;
+    scheduler_components/batch_result_processor.py 363-369)."""
     return {"type": "abort", "message": message, "status_code": 400, "err_type": err_type}
 
 

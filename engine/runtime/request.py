@@ -9,6 +9,7 @@ and the scheduler (``engine.runtime.scheduler``) runs it; the server answers a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,35 @@ class GenerateSpec:
     sampling_logprobs_mode: str = "selected"
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
-    # the finish reason SGLang's scheduler aborts this request with when it takes it (a 400,
-    # core.sglang_release.scheduler_abort); such a request is answered that abort, never submitted
+    # the finish reason SGLang's scheduler answers this request with at once when it takes it,
+    # running nothing (the sampling-mask rule's prepare_abort; a 400,
+    # core.sglang_release.scheduler_abort): such a request is answered that abort, never submitted
     abort: dict[str, Any] | None = None
+    # SGLang's Req.to_finish as Req.set_finish_with_abort leaves it (see with_finish_abort): the
+    # scheduler runs the request and finishes it with this reason once it drew its first token
+    to_finish: dict[str, Any] | None = None
+
+    @property
+    def scheduler_abort(self) -> dict[str, Any] | None:
+        """The abort SGLang's scheduler answers this request with (:attr:`abort` or
+        :attr:`to_finish`), or None."""
+        return self.abort if self.abort is not None else self.to_finish
+
+    def with_finish_abort(
+        self, reason: dict[str, Any], routed_experts_start_len: int | None = None
+    ) -> GenerateSpec:
+        """This request as SGLang 0.5.23's ``Req.set_finish_with_abort`` leaves it
+        (managers/schedule_batch.py 2221-2238): its input the one token 0 ("to skip the long
+        prefill"), no input log-probs computed (``return_logprob`` false, ``logprob_start_len`` -1
+        on the scheduler's request), ``to_finish`` ``reason``; its other sampling parameters kept.
+        ``return_logprob`` and ``top_logprobs_num`` stay as asked: the tokenizer manager answers the
+        log-prob keys the client asked for (managers/tokenizer_manager.py 2520-2529), empty, as
+        nothing was computed (the answer's job: ``engine.server.response``).
+        ``routed_experts_start_len``: the start the abort sets (0 for the routed experts' own,
+        managers/scheduler.py 3315-3316), None to keep it."""
+        start = (
+            self.routed_experts_start_len if routed_experts_start_len is None else routed_experts_start_len
+        )
+        return dataclasses.replace(
+            self, input_ids=(0,), logprob_start_len=1, to_finish=reason, routed_experts_start_len=start
+        )

@@ -10,7 +10,7 @@ The scheduler owns the model and every request's KV cache. One thread runs the l
    within ``prefill_budget`` tokens per step, or the one last-sampled token when decoding);
 3. sample the next token for every request whose whole sequence is now in its cache, then
    finish the ones that hit ``max_new_tokens``, a stop token, EOS (unless ``ignore_eos``) or
-   the context length.
+   the context length, or that carry a ``to_finish`` (finished after their first token).
 
 Requests therefore join and leave the running batch between decode steps. Results go to each
 request's ``sink`` (called on the scheduler thread; it must not block) as :class:`PrefillEvent`
@@ -77,6 +77,10 @@ class TokenEvent:
     draw: Draw
     weight_version: int
     retractions: int = 0  # times the request was retracted so far (SGLang's ``num_retractions``)
+    # this token finishes the request: its FinishEvent follows at once, and SGLang streams the
+    # two as one output (the finish is set before the output streamer runs,
+    # managers/scheduler_components/batch_result_processor.py 363-369, 502)
+    finishes: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,7 +443,7 @@ class Scheduler:
                     if req.spec.return_logprob:
                         req.sink(PrefillEvent(tuple(req.input_logprobs), tuple(req.input_top)))
             if b == req.seq_len():
-                if len(req.output_ids) >= req.spec.max_new_tokens:
+                if req.spec.to_finish is None and len(req.output_ids) >= req.spec.max_new_tokens:
                     self._finish(req, {"type": "length", "length": len(req.output_ids)})
                 else:
                     to_sample.append((req, out[-1]))
@@ -505,13 +509,18 @@ class Scheduler:
                 else:
                     self.metrics.observe_inter_token(now - req.last_token_time)
             req.last_token_time = now
-            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions))
             reason = self._finish_reason(req, draw.token_id)
+            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions, reason is not None))
             if reason is not None:
                 self._finish(req, reason)
 
     def _finish_reason(self, req: _Request, token: int) -> dict[str, Any] | None:
-        """SGLang's order: length first, then a matched stop / EOS token, then the context limit."""
+        """The request's ``to_finish`` first (the scheduler's abort of a request it took,
+        :meth:`GenerateSpec.with_finish_abort`), as SGLang's ``Req.update_finish_state`` reads it
+        before anything else (managers/schedule_batch.py 2011-2014); then length, a matched stop /
+        EOS token, then the context limit."""
+        if req.spec.to_finish is not None:
+            return req.spec.to_finish
         n_out = len(req.output_ids)
         if n_out >= req.spec.max_new_tokens:
             return {"type": "length", "length": n_out}

@@ -39,7 +39,8 @@ or min-p) is empty, meaning "the whole vocabulary" (SGLang lists every id).
 
 Routed experts (:mod:`core.sglang_release`): ``return_routed_experts`` and
 ``routed_experts_start_len`` are one value for the whole batch, as in SGLang; a start outside
-``[0, prompt tokens]`` of any item is a 400 in SGLang's words.
+``[0, prompt tokens]`` of an item is the scheduler's abort of it in SGLang's words (unstreamed a
+400; streamed, its one-token event: ``engine.server.routes_generate``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ from core.sglang_contract import (
     short_list_refusal,
 )
 from core.sglang_release import (
-    ABORT_BAD_REQUEST,
     SAMPLING_LOGPROBS_MODES,
     logprob_start_error,
     mask_top_k_error,
@@ -488,18 +488,9 @@ class GenerateReqInput(BaseModel):
 
     def _routed_experts(self, specs: list[GenerateSpec]) -> list[GenerateSpec]:
         """``specs`` returning routed experts from ``routed_experts_start_len``, one start for the
-        batch; an item whose prompt the start lies outside is aborted as SGLang's scheduler aborts
-        it, after its other aborts (managers/scheduler.py 3300-3319)."""
+        batch (:func:`_with_routed_experts`)."""
         start = self.routed_experts_start_len
-        return [
-            dataclasses.replace(
-                s,
-                return_routed_experts=True,
-                routed_experts_start_len=start,
-                abort=s.abort or _aborted(routed_experts_start_error(start, len(s.input_ids))),
-            )
-            for s in specs
-        ]
+        return [_with_routed_experts(s, start) for s in specs]
 
     def _batch_sampling_params(self, batch: bool) -> Any:
         """``sampling_params`` as the items read it: one request's list is its first entry (the
@@ -592,21 +583,29 @@ def _logprob_start(start_len: int, return_logprob: bool, n: int) -> int:
     return start_len if return_logprob and 0 <= start_len <= n else n
 
 
-def _aborted(message: str | None, err_type: str | None = ABORT_BAD_REQUEST) -> dict[str, Any] | None:
-    """The scheduler's abort with ``message`` (:func:`core.sglang_release.scheduler_abort`), or
-    None without one."""
-    return None if message is None else scheduler_abort(message, err_type)
-
-
-def _scheduler_aborts(mask_refused: str | None, logprob_start_len: int, return_logprob: bool, n: int) -> Any:
-    """The first of the aborts SGLang 0.5.23's scheduler makes of an item of ``n`` prompt tokens
-    when it takes it, in its order (``_handle_generate_request``, managers/scheduler.py): the
-    sampling-mask rule (3160-3182, ``err_type`` none), a ``logprob_start_len`` past the input with
-    ``return_logprob`` (3256-3279, :func:`core.sglang_release.logprob_start_error`); the routed
-    experts' start comes last (3300-3319, :meth:`GenerateReqInput._routed_experts`); or None."""
+def _scheduler_aborts(spec: GenerateSpec, mask_refused: str | None, logprob_start_len: int) -> GenerateSpec:
+    """``spec`` with the first of the aborts SGLang 0.5.23's scheduler makes of the item when it
+    takes it, in its order (``_handle_generate_request``, managers/scheduler.py): the sampling-mask
+    rule (3160-3182: ``_reject_sampling_mask_request``, 3513-3518, answers at once, nothing run,
+    ``err_type`` none: :attr:`GenerateSpec.abort`), a ``logprob_start_len`` past the input with
+    ``return_logprob`` (3256-3279, :func:`core.sglang_release.logprob_start_error`:
+    ``set_finish_with_abort``, :meth:`GenerateSpec.with_finish_abort`); the routed experts' start
+    comes last (3300-3319, :func:`_with_routed_experts`); ``spec`` itself without one."""
     if mask_refused is not None:
-        return _aborted(mask_refused, None)
-    return _aborted(logprob_start_error(logprob_start_len, n)) if return_logprob else None
+        return dataclasses.replace(spec, abort=scheduler_abort(mask_refused, None))
+    message = logprob_start_error(logprob_start_len, len(spec.input_ids)) if spec.return_logprob else None
+    return spec if message is None else spec.with_finish_abort(scheduler_abort(message))
+
+
+def _with_routed_experts(spec: GenerateSpec, start: int) -> GenerateSpec:
+    """``spec`` returning routed experts from ``start``; an item no earlier abort took whose prompt
+    ``start`` lies outside is aborted as SGLang's scheduler aborts it (managers/scheduler.py
+    3300-3319: ``set_finish_with_abort`` with ``routed_experts_start_len`` 0)."""
+    spec = dataclasses.replace(spec, return_routed_experts=True, routed_experts_start_len=start)
+    if spec.scheduler_abort is not None:
+        return spec
+    message = routed_experts_start_error(start, len(spec.input_ids))
+    return spec if message is None else spec.with_finish_abort(scheduler_abort(message), 0)
 
 
 def _spec(
@@ -662,7 +661,7 @@ def _spec(
     # SGLang keeps any integer here (sampling_params.py 201-205; nothing checks the vocabulary):
     # an id outside it never matches.
     stops = frozenset(params.stop_token_ids or ())
-    return GenerateSpec(
+    spec = GenerateSpec(
         rid=str(rid),
         input_ids=tuple(int(t) for t in input_ids),
         settings=settings,
@@ -679,8 +678,8 @@ def _spec(
         stream=stream,
         stream_interval=params.stream_interval(),
         sampling_logprobs_mode=sampling_logprobs_mode or "selected",
-        abort=_scheduler_aborts(mask_refused, logprob_start_len, return_logprob, n),
     )
+    return _scheduler_aborts(spec, mask_refused, logprob_start_len)
 
 
 class UpdateWeightFromDiskReqInput(BaseModel):

@@ -55,6 +55,14 @@ class GenerateResponse:
                 spans.append({"version": v, "start": i, "end": i + 1})
         return spans
 
+    def _logged_draws(self) -> list[Any]:
+        """The draws whose output log-probs the answer lists: none for a request the scheduler
+        aborted when it took it (``spec.to_finish``), whose ``Req.return_logprob`` SGLang turned
+        off (managers/schedule_batch.py 2233-2236), so its output streamer sends empty lists
+        (scheduler_components/output_streamer.py 647-653) under the keys the client asked for
+        (managers/tokenizer_manager.py 2520-2529, 2868-2870); else every draw."""
+        return [] if self.spec.to_finish is not None else self.draws
+
     def _text(self, token_id: int) -> str | None:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
 
@@ -76,16 +84,17 @@ class GenerateResponse:
         }
         if spec.return_logprob:
             pre = self.prefill
+            logged = self._logged_draws()
             meta["input_token_logprobs"] = (
                 [[None if lp is None else f(lp), t, self._text(t)] for lp, t in pre.input_token_logprobs]
                 if pre is not None
                 else []
             )
             meta["output_token_logprobs"] = [
-                [f(d.logprob), d.token_id, self._text(d.token_id)] for d in self.draws
+                [f(d.logprob), d.token_id, self._text(d.token_id)] for d in logged
             ]
             # every answer with log-probs counts them (managers/tokenizer_manager.py 2868-2870)
-            meta["output_token_logprobs_length"] = len(self.draws)
+            meta["output_token_logprobs_length"] = len(logged)
             if spec.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = (
                     [
@@ -96,7 +105,7 @@ class GenerateResponse:
                     else []
                 )
                 meta["output_top_logprobs"] = [
-                    [[f(lp), t, self._text(t)] for lp, t in d.top_logprobs] for d in self.draws
+                    [[f(lp), t, self._text(t)] for lp, t in d.top_logprobs] for d in logged
                 ]
         if spec.return_sampling_mask:
             meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]

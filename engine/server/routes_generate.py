@@ -3,10 +3,12 @@
 A ``"stream": true`` request refused at step 3 (``GenerateReqInput.normalize``: what SGLang
 0.5.23's tokenizer manager raises) is answered inside its stream, as SGLang answers it
 (:func:`_refused_stream`); steps 1 and 2 answer a 400 before any stream. An item SGLang's
-scheduler aborts when it takes it (the sampling-mask rule, a ``logprob_start_len`` or
-``routed_experts_start_len`` past the input: ``GenerateSpec.abort``) is never submitted: streamed,
-its one event carries the abort as its finish reason, the other items run (:func:`aborted_body`);
-unstreamed, the request is a 400 with its message. A request runs under the
+scheduler aborts when it takes it is, streamed, one event whose finish reason is the abort, the
+other items running on: the sampling-mask rule's (``GenerateSpec.abort``) is never submitted and
+carries nothing generated (:func:`aborted_body`); a ``logprob_start_len`` or
+``routed_experts_start_len`` past the input (``GenerateSpec.to_finish``) runs as SGLang runs it,
+a one-token prefill of input ``[0]`` finished after its first token, and carries that token.
+Unstreamed, the request is a 400 with its message. A request runs under the
 model-update lock's reader side (tokenizer_manager.py 940-957), so an unpaused weight update
 waits for it; a client that goes away has its requests aborted.
 """
@@ -26,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from core.sglang_contract import stream_error_event
 from engine.runtime.engine import Engine
 from engine.runtime.request import RequestError
-from engine.runtime.scheduler import FinishEvent
+from engine.runtime.scheduler import FinishEvent, TokenEvent
 from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse, refusal
 from engine.server.response import GenerateResponse, dumps
@@ -66,6 +68,12 @@ def _due(spec: Any, sent: int, made: int) -> bool:
     return made > sent and (made - 1) % spec.stream_interval == 0
 
 
+def _finishing(event: Any) -> bool:
+    """Whether ``event`` is a token whose finish follows at once (:attr:`TokenEvent.finishes`):
+    SGLang sends the two as one output, so a stream waits for the finish."""
+    return isinstance(event, TokenEvent) and event.finishes
+
+
 async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any]:
     scheduler = engine.scheduler
     loop = asyncio.get_running_loop()
@@ -90,7 +98,7 @@ async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any
                     ev = events.get_nowait()
                 except asyncio.QueueEmpty:
                     break
-            if on_token is not None and _due(spec, sent, len(resp.output_ids)):
+            if on_token is not None and not _finishing(ev) and _due(spec, sent, len(resp.output_ids)):
                 sent = len(resp.output_ids)
                 await on_token(resp)
     finally:
@@ -124,7 +132,7 @@ async def generate(request: Request) -> Response:
     batch = obj.is_batch()
     if obj.stream:
         return StreamingResponse(_stream(engine, specs, batch), media_type="text/event-stream")
-    aborted = next((s.abort for s in specs if s.abort is not None), None)
+    aborted = next((s.scheduler_abort for s in specs if s.scheduler_abort is not None), None)
     if aborted is not None:  # the tokenizer manager raises it: a 400, nothing else of it answered
         return error(aborted["message"])
     watcher = asyncio.create_task(_watch_disconnect(engine, request, specs))
@@ -170,12 +178,14 @@ async def _broken_stream(message: str) -> AsyncIterator[bytes]:
 
 
 def aborted_body(engine: Engine, spec: Any) -> dict[str, Any]:
-    """The answer of an item SGLang 0.5.23's scheduler aborts when it takes it (``spec.abort``,
-    :func:`core.sglang_release.scheduler_abort`), as its stream carries it: the item's output
-    (nothing generated) whose ``finish_reason`` is the abort with its ``status_code`` 400, one
-    event of an HTTP 200 stream that ``[DONE]`` then ends, the batch's other items running on
-    (managers/tokenizer_manager.py 1891-1922, 2041-2048, 2211-2228; entrypoints/http_server.py
-    951-975). Unstreamed the route answers the abort's message as a 400 instead."""
+    """The answer of an item SGLang 0.5.23's scheduler answers at once when it takes it, running
+    nothing (``spec.abort``: the sampling-mask rule, ``_reject_sampling_mask_request``,
+    managers/scheduler.py 3513-3518; :func:`core.sglang_release.scheduler_abort`), as its stream
+    carries it: the item's output (nothing generated, its real ``prompt_tokens``) whose
+    ``finish_reason`` is the abort with its ``status_code`` 400, one event of an HTTP 200 stream
+    that ``[DONE]`` then ends, the batch's other items running on (managers/tokenizer_manager.py
+    1891-1922, 2041-2048, 2211-2228; entrypoints/http_server.py 951-975). Unstreamed the route
+    answers the abort's message as a 400 instead."""
     resp = GenerateResponse(engine, spec, time.monotonic())
     resp.add(FinishEvent(spec.abort, 0, engine.weight_version))
     return resp.body()

@@ -7,15 +7,21 @@ engine failure after the first token ends the stream with an error and records n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+import aiohttp
 import anthropic
 import openai
 import pytest
+from aiohttp import web
 
 from tests.chat.conftest import reasoning_opened, trajectory
 from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
+from tests.support.recorder import HOP, serve_in_thread
 from tests.support.router import router_process, write_preset
 from tests.support.scripted import scripted_engine
 
@@ -347,3 +353,74 @@ def test_a_stream_fails_over_only_before_its_first_token(engine, chat_model, ren
                 list(client.chat.completions.create(**kw))
             assert sum(len(e.generated) for e in (a, b)) == 3  # no second attempt
             assert len(trajectory(router, session["session_id"])) == 1
+
+
+@dataclass
+class _StartPastTheInput:
+    """A loopback proxy in front of a real engine that asks every ``/generate`` for input log-probs
+    from far past its input (``logprob_start_len``), so the engine's scheduler aborts it as SGLang
+    0.5.23's does (managers/scheduler.py 3275-3279: ``set_finish_with_abort``), and passes the
+    engine's answer back unchanged; ``answers``: every ``/generate`` answer's body, in order."""
+
+    upstream: str
+    url: str = ""
+    answers: list[bytes] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        if request.path == "/generate":
+            body = json.dumps(
+                {**json.loads(body), "return_logprob": True, "logprob_start_len": 10**6}
+            ).encode()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, self.upstream + request.path_qs, data=body, headers=headers) as r,
+        ):
+            answer, status, ctype = await r.read(), r.status, r.content_type
+        if request.path == "/generate":
+            self.answers.append(answer)
+        return web.Response(status=status, body=answer, content_type=ctype)
+
+
+@contextlib.contextmanager
+def _start_past_the_input(upstream: str) -> Iterator[_StartPastTheInput]:
+    proxy = _StartPastTheInput(upstream)
+    with serve_in_thread(proxy.handle, "start-past-the-input") as url:
+        proxy.url = url
+        yield proxy
+
+
+def test_a_scheduler_abort_with_its_stub_token_streams_nothing_and_fails_over_nowhere(
+    engine, chat_model, tmp_path
+):
+    """The engine's streamed answer to an item its scheduler aborts with a 400 is what SGLang
+    0.5.23's is: one event carrying the one id its stub prefill of ``[0]`` drew, ``prompt_tokens``
+    1, the abort (``status_code`` 400) as its finish reason, then ``[DONE]``
+    (managers/schedule_batch.py 2221-2238, 2011-2014; scheduler_components/
+    batch_result_processor.py 363-369; managers/tokenizer_manager.py 1891-1922, 2041-2048). The
+    router reads that status before the id reaches the turn's stream
+    (``clients.engine_stream._chunk``): the client gets the refusal naming the abort (the router's
+    422, the OpenAI API's 400) before any chunk, nothing is recorded, and the other replica is
+    never asked."""
+    with _start_past_the_input(engine.upstream) as a, _start_past_the_input(engine.upstream) as b:
+        preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [a.url, b.url]}])
+        with router_process(preset, extra_args=("--chat-model", str(chat_model))) as router:
+            session = _new_session(router)
+            client = _openai(router, session)
+            kw = {"model": "tiny", "messages": HELLO, "max_tokens": 8, "temperature": 1.0, "stream": True}
+            chunks: list = []
+            with pytest.raises(openai.APIStatusError) as info:
+                chunks.extend(client.chat.completions.create(**kw))
+            # the router's 422 (clients.engine EngineRejected(400)), a 400 in the OpenAI API's form
+            assert info.value.status_code == 400, info.value
+            assert "engine refused the request: req.logprob_start_len=1000000" in str(info.value.message)
+            assert chunks == []
+            (answer,) = a.answers + b.answers  # one engine request: no failover
+            events = [e.removeprefix("data: ") for e in answer.decode().split("\n\n") if e]
+            assert len(events) == 2 and events[1] == "[DONE]", answer
+            event = json.loads(events[0])
+            assert len(event["output_ids"]) == 1, answer  # the stub's token, which nobody saw
+            assert event["meta_info"]["prompt_tokens"] == 1 and event["meta_info"]["completion_tokens"] == 1
+            assert event["meta_info"]["finish_reason"]["status_code"] == 400, answer
+            assert trajectory(router, session["session_id"]) == []

@@ -1412,13 +1412,16 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
     ``status_code`` (``FINISH_ABORT.to_json``, managers/schedule_batch.py 332-345; the mask's
     without an ``err_type``, disaggregation/utils.py 1926-1930), one event of an HTTP 200 stream,
     then ``[DONE]`` (managers/tokenizer_manager.py 1891-1922, 2041-2048;
-    entrypoints/http_server.py 951-975); in a batch the other items run on (2211-2228).
+    entrypoints/http_server.py 951-975); in a batch the other items run on (2211-2228). The
+    mask's runs nothing (no id, the real ``prompt_tokens``: managers/scheduler.py 3513-3518); the
+    start's runs a one-token prefill of input ``[0]`` first, so its event carries the id drawn
+    (:func:`test_a_streamed_set_finish_with_abort_is_a_one_token_prefill_of_input_0`).
     Unstreamed it is a 400 with the message, a batch's too."""
     mask = "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k="
     start = "req.logprob_start_len=3 is higher than the number of input tokens len(req.origin_input_ids)=2."
-    for body, message, err_type in (
-        ({"return_sampling_mask": True}, mask, None),
-        ({"return_logprob": True, "logprob_start_len": 3}, start, "BadRequestError"),
+    for body, message, err_type, drawn, prompt_tokens in (
+        ({"return_sampling_mask": True}, mask, None, 0, 2),
+        ({"return_logprob": True, "logprob_start_len": 3}, start, "BadRequestError", 1, 1),
     ):
         body = {"input_ids": [1, 2], **body}
         r = client.post(engine + "/generate", json={**body, "stream": True})
@@ -1426,7 +1429,11 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
         events = _events(r.text)
         assert len(events) == 2 and events[1] == "[DONE]" and "error" not in events[0], r.text
         reason = events[0]["meta_info"]["finish_reason"]
-        assert message in reason.pop("message") and events[0]["output_ids"] == [], r.text
+        assert message in reason.pop("message") and len(events[0]["output_ids"]) == drawn, r.text
+        if not drawn:
+            assert events[0]["output_ids"] == [], r.text
+        assert events[0]["meta_info"]["prompt_tokens"] == prompt_tokens, r.text
+        assert events[0]["meta_info"]["completion_tokens"] == drawn, r.text
         assert reason == {"type": "abort", "status_code": 400, "err_type": err_type}, r.text
         plain = client.post(engine + "/generate", json=body)
         assert plain.status_code == 400 and message in plain.json()["error"]["message"], plain.text
@@ -1446,6 +1453,66 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
     assert len(last[0]["meta_info"]["input_token_logprobs"]) == 2, r.text
     plain = client.post(engine + "/generate", json=batch)
     assert plain.status_code == 400 and "req.logprob_start_len=5 is higher" in plain.text, plain.text
+
+
+def test_a_streamed_set_finish_with_abort_is_a_one_token_prefill_of_input_0(
+    engine: str, client: httpx.Client
+) -> None:
+    """A ``logprob_start_len`` past the input, streamed: SGLang 0.5.23's scheduler aborts the item
+    with ``Req.set_finish_with_abort`` (managers/scheduler.py 3275-3279; schedule_batch.py
+    2221-2238: input ``[0]``, ``return_logprob`` off, ``to_finish`` the abort) and runs it: the
+    prefill's result appends the drawn id and ``update_finish_state`` finishes it with
+    ``to_finish`` at once (scheduler_components/batch_result_processor.py 363-369;
+    schedule_batch.py 2011-2014), so its one event is the output of a one-token prefill of
+    ``[0]`` under the request's other sampling parameters: that id and its text, ``prompt_tokens``
+    1 (``len(origin_input_ids)``, output_streamer.py 493), ``completion_tokens`` 1 (525), no
+    cached tokens (no prefix matched by one token), the weight-version span of the one token, and
+    the asked log-prob keys empty (the tokenizer manager reads the client's ``return_logprob``,
+    tokenizer_manager.py 2520-2529, 2868-2870; the streamer sends nothing for a request whose
+    ``return_logprob`` is off, output_streamer.py 647-653); a sampling mask asked for is the
+    drawn id's. The id is the one a plain request of ``[0]`` asking one token draws."""
+    for params, extra in (
+        ({"temperature": 0.0, "max_new_tokens": 5}, {"top_logprobs_num": 2}),
+        (
+            {"temperature": 1.0, "top_k": 5, "sampling_seed": 7, "max_new_tokens": 3},
+            {"return_sampling_mask": True},
+        ),
+    ):
+        stub = {"input_ids": [0], "sampling_params": {**params, "max_new_tokens": 1}, **extra}
+        plain = client.post(engine + "/generate", json=stub)
+        assert plain.status_code == 200, plain.text
+        want = plain.json()
+        body = {
+            "input_ids": [3, 1, 4, 1],
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": 5,
+            "stream": True,
+            **extra,
+        }
+        r = client.post(engine + "/generate", json=body)
+        events = _events(r.text)
+        assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
+        (event,) = events[:1]
+        assert event["output_ids"] == want["output_ids"] and len(want["output_ids"]) == 1, r.text
+        assert event["text"] == want["text"], r.text
+        meta = event["meta_info"]
+        assert meta["finish_reason"]["status_code"] == 400 and meta["finish_reason"]["type"] == "abort"
+        assert "req.logprob_start_len=5 is higher" in meta["finish_reason"]["message"], r.text
+        assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (1, 1, 0), r.text
+        assert meta["weight_versions"] == want["meta_info"]["weight_versions"], r.text
+        assert meta["weight_version"] == want["meta_info"]["weight_version"], r.text
+        assert meta["input_token_logprobs"] == meta["output_token_logprobs"] == [], r.text
+        assert meta["output_token_logprobs_length"] == 0, r.text
+        if "top_logprobs_num" in extra:
+            assert meta["input_top_logprobs"] == meta["output_top_logprobs"] == [], r.text
+        if "return_sampling_mask" in extra:
+            assert meta["output_token_sampling_mask"] == want["meta_info"]["output_token_sampling_mask"], (
+                r.text
+            )
+            assert meta["output_token_sampling_mask_length"] == 1, r.text
+        extra_keys = set(meta) - set(want["meta_info"]) - {"input_token_logprobs", "output_token_logprobs"}
+        assert extra_keys <= {"output_token_logprobs_length", "input_top_logprobs", "output_top_logprobs"}
 
 
 def test_a_streamed_step3_refusal_is_an_error_event_inside_a_200(engine: str, client: httpx.Client) -> None:

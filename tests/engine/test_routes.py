@@ -4,6 +4,7 @@ only with ``--enable-return-routed-experts``, and with SGLang's refusals."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,45 @@ def test_start_len_outside_the_prompt_is_refused(routed_engine: str, client: htt
             },
         )
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_streamed_start_past_the_prompt_is_a_one_token_prefill_of_input_0(
+    routed_engine: str, client: httpx.Client, tiny_config: dict
+) -> None:
+    """Streamed, SGLang 0.5.23 aborts an item whose ``routed_experts_start_len`` lies past its
+    prompt with ``set_finish_with_abort`` and a start of 0 (managers/scheduler.py 3300-3319), then
+    runs it as a one-token prefill of ``[0]`` finished with the abort after its first token
+    (schedule_batch.py 2221-2238, 2011-2014): its one event carries that token, ``prompt_tokens``
+    1, and the routes of ``[start, seqlen - 1)`` = the stub's one position
+    (scheduler_components/batch_result_processor.py 136-160) -- what a plain request of ``[0]``
+    asking one token answers."""
+    params = {"temperature": 0.0, "max_new_tokens": 4}
+    want = generate(
+        client,
+        routed_engine,
+        input_ids=[0],
+        sampling_params={**params, "max_new_tokens": 1},
+        return_routed_experts=True,
+    )
+    body = {
+        "input_ids": list(PROMPTS[1]),
+        "sampling_params": params,
+        "return_routed_experts": True,
+        "routed_experts_start_len": len(PROMPTS[1]) + 1,
+        "stream": True,
+    }
+    r = client.post(routed_engine + "/generate", json=body)
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
+    event = json.loads(events[0])
+    meta = event["meta_info"]
+    assert meta["finish_reason"]["status_code"] == 400, r.text
+    assert "is higher than the number of input tokens" in meta["finish_reason"]["message"], r.text
+    assert event["output_ids"] == want["output_ids"] and event["text"] == want["text"], r.text
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (1, 1), r.text
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    assert _routes(event, layers, k).shape[0] == 1
+    assert np.array_equal(_routes(event, layers, k), _routes(want, layers, k))
 
 
 def test_without_the_flag_no_routes(engine: str, client: httpx.Client) -> None:

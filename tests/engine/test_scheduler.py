@@ -33,11 +33,14 @@ def run(model: Any, body: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
         eos_token_ids=frozenset(),
         **kw,
     )
-    results: list[dict[str, Any]] = [{"tokens": [], "prefill": None, "finish": None} for _ in specs]
+    results: list[dict[str, Any]] = [
+        {"tokens": [], "prefill": None, "finish": None, "events": []} for _ in specs
+    ]
     done = threading.Semaphore(0)
 
     def sink_for(i: int) -> Any:
         def sink(ev: Any) -> None:
+            results[i]["events"].append(ev)
             if isinstance(ev, TokenEvent):
                 results[i]["tokens"].append(ev.draw)
             elif isinstance(ev, PrefillEvent):
@@ -147,3 +150,41 @@ def test_retract_during_chunked_prefill_recomputes_input_logprobs(model: Any) ->
         [lp for lp, _ in reference.input_token_logprobs[1:]], abs=1e-4
     )
     assert isinstance(events["decode"][-1], FinishEvent) and len(events["decode"]) == 21
+
+
+def test_the_token_that_finishes_a_request_says_so(model: Any) -> None:
+    """Only the last token's event carries ``finishes`` (its finish follows at once: SGLang streams
+    the two as one output, scheduler_components/batch_result_processor.py 363-369, 502), and
+    nothing comes between them."""
+    body = {
+        "input_ids": [4, 5],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+    }
+    events = run(model, body)[0]["events"]
+    assert [type(e) for e in events] == [TokenEvent] * 3 + [FinishEvent]
+    assert [e.finishes for e in events[:3]] == [False, False, True]
+
+
+def test_a_to_finish_request_runs_input_0_and_finishes_after_its_first_token(model: Any) -> None:
+    """A request SGLang's scheduler aborts with ``set_finish_with_abort`` (here a
+    ``logprob_start_len`` past the input, managers/scheduler.py 3275-3279) runs as one prefill of
+    ``[0]`` (schedule_batch.py 2233-2236) and finishes with its ``to_finish`` after the first
+    token, whatever ``max_new_tokens``, stop ids or EOS say (``update_finish_state`` reads it first,
+    schedule_batch.py 2011-2014); no input log-probs are computed."""
+    params = {"temperature": 0, "max_new_tokens": 5}
+    aborted = {
+        "input_ids": [7, 8, 9],
+        "return_logprob": True,
+        "logprob_start_len": 4,
+        "sampling_params": params,
+    }
+    got = run(model, aborted)[0]
+    stub = run(model, {"input_ids": [0], "sampling_params": {**params, "max_new_tokens": 1}})[0]
+    assert [d.token_id for d in got["tokens"]] == [d.token_id for d in stub["tokens"]]
+    assert got["prefill"].input_token_logprobs == () and got["prefill"].input_top_logprobs == ()
+    finish = got["finish"]
+    assert finish.finish_reason["type"] == "abort" and finish.finish_reason["status_code"] == 400
+    assert "req.logprob_start_len=4 is higher" in finish.finish_reason["message"]
+    assert finish.completion_tokens == 1 and got["events"][-2].finishes
+    stop = {**params, "stop_token_ids": [stub["tokens"][0].token_id]}  # the drawn id is a stop id
+    assert run(model, {**aborted, "sampling_params": stop})[0]["finish"].finish_reason["type"] == "abort"
