@@ -9,7 +9,7 @@ The scheduler owns the model and every request's KV cache. One thread runs the l
    ``Model.forward`` call over the pending tokens of every running request (a prefill chunk
    within ``prefill_budget`` tokens per step, or the one last-sampled token when decoding);
 3. sample the next token for every request whose whole sequence is now in its cache, then
-   finish the ones that hit ``max_new_tokens``, a stop token, EOS (unless ``ignore_eos``) or
+   finish the ones that hit a stop token or EOS (unless ``ignore_eos``), ``max_new_tokens`` or
    the context length, or that carry a ``to_finish`` (finished after their first token).
 
 Requests therefore join and leave the running batch between decode steps. Results go to each
@@ -515,17 +515,20 @@ class Scheduler:
                 self._finish(req, reason)
 
     def _finish_reason(self, req: _Request, token: int) -> dict[str, Any] | None:
-        """The request's ``to_finish`` first (the scheduler's abort of a request it took,
-        :meth:`GenerateSpec.with_finish_abort`), as SGLang's ``Req.update_finish_state`` reads it
-        before anything else (managers/schedule_batch.py 2011-2014); then length, a matched stop /
-        EOS token, then the context limit."""
+        """SGLang 0.5.23's ``Req.update_finish_state`` order (managers/schedule_batch.py
+        2007-2049): the request's ``to_finish`` first (the scheduler's abort of a request it took,
+        :meth:`GenerateSpec.with_finish_abort`; 2011-2014); then a stop id or EOS, which beats the
+        length cap when the last token allowed is one (2029-2035), and which ``ignore_eos`` turns
+        off, the request's ``stop_token_ids`` included (``_check_token_based_finish``, 1856-1878);
+        then length (2037-2042); then the context limit, which SGLang applies by capping
+        ``max_new_tokens`` when it takes the request."""
         if req.spec.to_finish is not None:
             return req.spec.to_finish
         n_out = len(req.output_ids)
+        if not req.spec.ignore_eos and (token in req.spec.stop_token_ids or token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
         if n_out >= req.spec.max_new_tokens:
             return {"type": "length", "length": n_out}
-        if token in req.spec.stop_token_ids or (not req.spec.ignore_eos and token in self.eos_token_ids):
-            return {"type": "stop", "matched": token}
         if req.seq_len() >= self.context_len:
             return {"type": "length", "length": n_out}
         return None

@@ -306,11 +306,25 @@ def test_a_batchs_per_item_lists_are_read_as_sglang_reads_them(engine: str, clie
 
 
 def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
-    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    first = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)["output_ids"]
+    """A stop id ends the output with SGLang's stop shape; ``ignore_eos`` turns the request's stop
+    ids off as it turns EOS off (``_check_token_based_finish`` returns first,
+    managers/schedule_batch.py 1856-1858); a stop id drawn as the last token ``max_new_tokens``
+    allows is a stop, not a length finish (``update_finish_state`` checks it first, 2029-2042)."""
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    first = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)
+    assert first["meta_info"]["finish_reason"]["type"] == "length"  # no EOS among them
+    first = first["output_ids"]
     stop = first[2]
-    out = generate(client, engine, input_ids=PROMPT, sampling_params={**greedy, "stop_token_ids": [stop]})
     k = first.index(stop)
+    out = generate(client, engine, input_ids=PROMPT, sampling_params={**greedy, "stop_token_ids": [stop]})
+    assert out["output_ids"] == first[: k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    ignored = {**greedy, "stop_token_ids": [stop], "ignore_eos": True}
+    out = generate(client, engine, input_ids=PROMPT, sampling_params=ignored)
+    assert out["output_ids"] == first
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    last = {**greedy, "max_new_tokens": k + 1, "stop_token_ids": [stop]}
+    out = generate(client, engine, input_ids=PROMPT, sampling_params=last)
     assert out["output_ids"] == first[: k + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
