@@ -69,6 +69,7 @@ class GenerateSpec:
     stream: bool
     stream_interval: int = 1  # a stream's chunk every this many tokens, after the first at once
     sampling_logprobs_mode: str = "selected"
+    no_stop_trim: bool = False  # the answer's text keeps a matched stop id or EOS (SGLang's detokenizer)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     # the finish reason SGLang's scheduler answers this request with at once when it takes it,

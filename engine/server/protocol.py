@@ -116,6 +116,7 @@ class SamplingParams(BaseModel):
     sampling_seed: int | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
 
     def to_settings(self) -> SamplerSettings:
         """The sampler settings (SGLang's ``__post_init__``: temperature below 1e-6 is greedy,
@@ -670,6 +671,7 @@ def _spec(
         ignore_eos=bool(params.ignore_eos),
         sampling_seed=params.sampling_seed,
         skip_special_tokens=params.skip_special_tokens is not False,
+        no_stop_trim=bool(params.no_stop_trim),
         return_logprob=return_logprob,
         logprob_start_len=_logprob_start(logprob_start_len, return_logprob, n),
         top_logprobs_num=max(top_logprobs_num, 0) if return_logprob else 0,  # SGLang: <= 0 asks none

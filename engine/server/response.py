@@ -63,6 +63,17 @@ class GenerateResponse:
         (managers/tokenizer_manager.py 2520-2529, 2868-2870); else every draw."""
         return [] if self.spec.to_finish is not None else self.draws
 
+    def _text_ids(self) -> list[int]:
+        """The ids the answer's ``text`` decodes: SGLang's detokenizer drops the last id of an
+        output that a stop id or EOS finished (a ``matched`` id), unless ``no_stop_trim``
+        (managers/detokenizer_manager.py ``trim_matched_stop`` 194-226, applied 334-339; the
+        tool-call parsers' closing ids it keeps are not the fleet's: no ``--tool-call-parser``).
+        ``output_ids`` keep it (scheduler_components/output_streamer.py 490-491)."""
+        reason = self.finish.finish_reason if self.finish is not None else {}
+        matched = reason.get("matched")
+        trim = isinstance(matched, int) and not isinstance(matched, bool) and not self.spec.no_stop_trim
+        return self.output_ids[:-1] if trim and self.output_ids else self.output_ids
+
     def _text(self, token_id: int) -> str | None:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
 
@@ -123,7 +134,7 @@ class GenerateResponse:
         if routes is not None:  # only when asked and served with --enable-return-routed-experts
             meta[META_ROUTED_EXPERTS] = encode_routed_experts(routes.numpy())
         return {
-            "text": self.engine.decode(self.output_ids, spec.skip_special_tokens),
+            "text": self.engine.decode(self._text_ids(), spec.skip_special_tokens),
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }

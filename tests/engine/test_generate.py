@@ -329,6 +329,29 @@ def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_the_text_drops_the_matched_stop_id_unless_no_stop_trim(engine: str, client: httpx.Client) -> None:
+    """``text`` decodes the output without the stop id or EOS that finished it, streamed or not;
+    ``no_stop_trim`` keeps it; ``output_ids`` keep it either way (SGLang's detokenizer
+    ``trim_matched_stop``, managers/detokenizer_manager.py 194-226, 334-339)."""
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    first = generate(client, engine, input_ids=PROMPT, sampling_params=greedy)["output_ids"]
+    k = 3
+    stop = first[k]
+    assert stop not in first[:k]
+    upto = {
+        n: generate(client, engine, input_ids=PROMPT, sampling_params={**greedy, "max_new_tokens": n})["text"]
+        for n in (k, k + 1)
+    }
+    assert upto[k] != upto[k + 1]
+    for no_trim, text in ((None, upto[k]), (False, upto[k]), (True, upto[k + 1])):
+        trim = {} if no_trim is None else {"no_stop_trim": no_trim}
+        params = {**greedy, "stop_token_ids": [stop], **trim}
+        out = generate(client, engine, input_ids=PROMPT, sampling_params=params)
+        assert out["output_ids"] == first[: k + 1] and out["text"] == text, (no_trim, out)
+        last = StreamReader(engine, {"input_ids": PROMPT, "sampling_params": params}).result()
+        assert last["text"] == text and last["output_ids"][-1:] == [stop], (no_trim, last)
+
+
 def test_requests_join_the_running_batch(engine: str, client: httpx.Client) -> None:
     """Short requests sent mid-decode run in the same steps as the long one and finish first."""
     steps0 = client.get(engine + "/server_info").json()["internal_states"][0]["steps"]
