@@ -117,7 +117,7 @@ def stub_generate_body(
         "completion_tokens": len(out),
         "cached_tokens": 0,
         "weight_version": "0",
-        "weight_versions": [{"version": 0, "start": 0, "end": len(out)}],
+        "weight_versions": [{"version": "0", "start": 0, "end": len(out)}],
         "output_token_logprobs": [[raw, t, None] for t in out],
         "output_token_sampling_mask": masks,
         "output_token_sampling_logprobs": [lp for _ in out],

@@ -43,12 +43,16 @@ class GenerateResponse:
             self.finish = event
             self.retractions = event.retractions
 
-    def spans(self) -> list[dict[str, int]]:
+    def spans(self) -> list[dict[str, Any]]:
+        """``meta_info.weight_versions``: the output's spans by the version that drew each token,
+        each version a string (SGLang 0.5.23's ``WeightVersionSpan.version: str``,
+        utils/weight_versions.py 17-20, 90-106); with no output, one empty span of the current
+        version (``compute_weight_version_spans``, 66-84)."""
         if not self.versions:
             v = self.finish.weight_version if self.finish is not None else self.engine.weight_version
-            return [{"version": v, "start": 0, "end": 0}]
-        spans: list[dict[str, int]] = []
-        for i, v in enumerate(self.versions):
+            return [{"version": str(v), "start": 0, "end": 0}]
+        spans: list[dict[str, Any]] = []
+        for i, v in enumerate(map(str, self.versions)):
             if spans and spans[-1]["version"] == v:
                 spans[-1]["end"] = i + 1
             else:
@@ -89,7 +93,7 @@ class GenerateResponse:
             "cached_tokens": 0,
             "reasoning_tokens": 0,
             "num_retractions": self.retractions,
-            "weight_version": str(spans[-1]["version"]),
+            "weight_version": spans[-1]["version"],
             "weight_versions": spans,
             "e2e_latency": time.monotonic() - self.start,
         }

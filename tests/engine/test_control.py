@@ -90,8 +90,8 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
     # the retract pause counted, as SGLang's Req.reset_for_retract counts it (schedule_batch.py 2049-2052)
     assert meta["num_retractions"] == 1 and ref_v1["meta_info"]["num_retractions"] == 0
     assert meta["weight_versions"] == [
-        {"version": 1, "start": 0, "end": k},
-        {"version": 2, "start": k, "end": 200},
+        {"version": "1", "start": 0, "end": k},
+        {"version": "2", "start": k, "end": 200},
     ]
     assert meta["weight_version"] == "2"
     lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -112,7 +112,7 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
     assert swapped["output_ids"] == fresh["output_ids"]
     assert swapped["meta_info"]["output_token_logprobs"] == fresh["meta_info"]["output_token_logprobs"]
     assert swapped["meta_info"]["output_token_logprobs"] != ref_v1["meta_info"]["output_token_logprobs"][:16]
-    assert swapped["meta_info"]["weight_versions"] == [{"version": 2, "start": 0, "end": 16}]
+    assert swapped["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 16}]
 
 
 def test_old_protocol_in_place_update_under_load_is_refused_as_sglang_refuses(
@@ -140,14 +140,14 @@ def test_old_protocol_in_place_update_under_load_is_refused_as_sglang_refuses(
         assert client.post(url + "/continue_generation", json={}).status_code == 200
     final = stream.result()
     assert final["meta_info"]["weight_versions"] == [
-        {"version": 1, "start": 0, "end": k},
-        {"version": 7, "start": k, "end": 300},
+        {"version": "1", "start": 0, "end": k},
+        {"version": "7", "start": k, "end": 300},
     ]
     assert _model_version(client, url) == "1"
     r = client.post(url + "/update_weight_version", json={"new_version": "1", "abort_all_requests": False})
     assert r.status_code == 200 and r.json()["success"] is True
     out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
-    assert out["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 16}]
+    assert out["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
     assert _model_version(client, url) == "1"
 
 
@@ -163,7 +163,7 @@ def test_update_without_pause_waits_for_requests_in_flight(
     r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "2"})
     assert r.status_code == 200 and r.json()["success"] is True, r.text
     final = stream.result()  # a swap under it would have cut its spans
-    assert final["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 300}]
+    assert final["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 300}]
     assert _model_version(client, url) == "2"
     r = _update(client, url, {"model_path": str(tiny_dir), "weight_version": "1"})
     assert r.status_code == 200 and _model_version(client, url) == "1"
@@ -222,7 +222,7 @@ def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
     assert stream.result()["meta_info"]["finish_reason"]["type"] == "abort"
     assert _model_version(client, url) == "3"
     out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
-    assert out["meta_info"]["weight_versions"] == [{"version": 3, "start": 0, "end": 16}]
+    assert out["meta_info"]["weight_versions"] == [{"version": "3", "start": 0, "end": 16}]
     bad = client.post(url + "/update_weight_version", json={"new_version": "v4"})
     assert bad.status_code == 400 and bad.json()["success"] is False
     client.post(url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
@@ -255,7 +255,7 @@ def test_bad_weight_updates_keep_the_old_version_serving(
     after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
-    assert after["meta_info"]["weight_versions"] == [{"version": 1, "start": 0, "end": 16}]
+    assert after["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
 
 
 def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
@@ -282,7 +282,7 @@ def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
         assert r.status_code == 200 and r.json()["success"] is True, r.text
         after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
         assert after["output_ids"] == before["output_ids"]
-        assert after["meta_info"]["weight_versions"] == [{"version": 2, "start": 0, "end": 16}]
+        assert after["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 16}]
         with pytest.raises(httpx.TransportError):
             client.post(
                 url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": 3}
@@ -494,7 +494,7 @@ def test_fp8_kv_cache_flag(tiny_dir: Path, client: httpx.Client) -> None:
         assert info["kv_cache_dtype"] == "fp8_e4m3" and info["weight_version"] == "5"
         out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert len(out["output_ids"]) == 16
-        assert out["meta_info"]["weight_versions"] == [{"version": 5, "start": 0, "end": 16}]
+        assert out["meta_info"]["weight_versions"] == [{"version": "5", "start": 0, "end": 16}]
 
 
 def _flush(url: str, timeout: float = 0.0) -> tuple[int, str, float]:

@@ -63,7 +63,7 @@ def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_conf
     # reasoning parser, no retraction
     assert meta["reasoning_tokens"] == 0 and meta["num_retractions"] == 0
     assert meta["weight_version"] == "0" and meta["weight_versions"] == [
-        {"version": 0, "start": 0, "end": 24}
+        {"version": "0", "start": 0, "end": 24}
     ]
     masks = meta["output_token_sampling_mask"]
     mus = meta["output_token_sampling_logprobs"]

@@ -63,7 +63,7 @@ def test_activate_under_load_then_a_refused_version_keeps_the_old_one(engine: st
         times = await activate(c, str(tiny_dir), 2, "bf16")
         assert times.pause_s >= times.update_s > 0 and "Weight version updated to 2" in times.message
         spans = json.loads((await running).content)["meta_info"]["weight_versions"]
-        assert [s["version"] for s in spans] == [1, 2] and spans[-1]["end"] == 400, spans
+        assert [s["version"] for s in spans] == ["1", "2"] and spans[-1]["end"] == 400, spans
         with pytest.raises(ActivationFailed) as failed:
             await activate(c, str(tiny_dir / "missing"), 3, "bf16")
         assert failed.value.version == 3 and not failed.value.weights_loaded
