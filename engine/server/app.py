@@ -15,16 +15,25 @@ the request validation handler's ``ErrorResponse``, the contract gate's ``{"erro
 A weight load that fails once weight files were found ends the process, as it ends SGLang's
 server (docs/sglang-contract.md, row 6).
 
-``meta_info`` per response: ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
-``cached_tokens`` (always 0: no prefix cache), ``reasoning_tokens`` (always 0: SGLang counts
-them only on a server started with ``--reasoning-parser``, managers/scheduler.py 940-955,
-scheduler_components/batch_result_processor.py 1496-1507; the engine has none),
+``meta_info`` per response, in the order SGLang 0.5.23 writes it as the fleet starts it (with
+``--enable-metrics``; managers/tokenizer_manager.py 2506-2617, 2750-2775, 2024-2029):
+``id``, ``finish_reason``, ``prompt_tokens``, ``weight_version`` (str: the version of the last
+output token once finished, before that the serving version ``/model_info`` names),
 ``num_retractions`` (the times a ``retract`` pause put the request back to wait, as SGLang's
-``Req.reset_for_retract`` counts them, managers/schedule_batch.py 2049-2052; tokenizer_manager.py
-2507-2513), ``weight_version`` (str: version of the last
-output token, or the serving version if there is none), ``weight_versions`` (spans
-``{"version": int, "start", "end"}``, end exclusive, over output indices), ``e2e_latency``;
-with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
+``Req.reset_for_retract`` counts them, managers/schedule_batch.py 2049-2052), the scheduler's
+timings ``forward_entry_time`` / ``prefill_finished_time`` (wall-clock stamps, once the request
+reached the forward / its first output) and ``queue_time`` (observability/req_time_stats.py
+1213-1236); the log-prob and sampling-mask keys below; ``reasoning_tokens`` (always 0: SGLang
+counts them only on a server started with ``--reasoning-parser``, managers/scheduler.py 940-955),
+``completion_tokens``, ``cached_tokens`` (always 0: no prefix cache); once finished
+``weight_versions`` (spans ``{"version", "start", "end"}``, end exclusive, over output indices;
+output_streamer.py 540-554); ``cached_tokens_details`` (null: no cached tokens, output_streamer.py
+102-133); ``routed_experts`` (below); once finished ``e2e_latency``, ``request_received_ts``,
+``first_token_latency``, ``api_server_dispatch_finish_ts``, ``request_finished_ts`` and, past one
+token, ``decode_throughput`` (req_time_stats.py 507-533); ``response_sent_to_client_ts`` on the
+first output sent (a stream's first chunk, which its last repeats before ``request_finished_ts``).
+The timings are the engine's, measured where it answers (``engine.server.response``).
+With ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``[logprob, token_id, text_or_null]`` triples, ``output_token_logprobs_length`` (their count,
 managers/tokenizer_manager.py 2868-2870), and ``*_top_logprobs`` when
 ``top_logprobs_num > 0``; with ``return_sampling_mask``: ``output_token_sampling_mask``

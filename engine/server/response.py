@@ -2,7 +2,11 @@
 
 :class:`GenerateResponse` accumulates :class:`~engine.runtime.scheduler.TokenEvent`,
 ``PrefillEvent`` and ``FinishEvent`` and renders ``{"text", "output_ids", "meta_info"}``; the
-``meta_info`` fields are listed in :mod:`engine.server.app`.
+``meta_info`` fields are listed in :mod:`engine.server.app`. Its keys come in the order SGLang
+0.5.23's tokenizer manager writes them (managers/tokenizer_manager.py 2506-2617, 2750-2775,
+2024-2029), as a server started as the fleet starts SGLang (``--enable-metrics``,
+``images/sglang.py``) answers them: what only a finished output carries (``weight_versions``,
+``e2e_latency``, the request's timings) is absent from a stream's earlier chunks.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ class GenerateResponse:
         self.prefill: Any = None
         self.finish: Any = None
         self.retractions = 0
+        self.clock = _Clock(start)
 
     def add(self, event: Any) -> None:
+        self.clock.saw(event)
         if isinstance(event, TokenEvent):
             self.output_ids.append(event.draw.token_id)
             self.draws.append(event.draw)
@@ -82,20 +88,19 @@ class GenerateResponse:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
 
     def body(self) -> dict[str, Any]:
+        """The answer as SGLang sends it now: the final one once the finish was added, else a
+        stream's chunk (which :attr:`clock` counts as sent)."""
         f = finite_or_none
         spec = self.spec
-        spans = self.spans()
-        meta: dict[str, Any] = {
+        finished = self.finish is not None
+        meta: dict[str, Any] = {  # managers/tokenizer_manager.py 2507-2513
             "id": spec.rid,
-            "finish_reason": self.finish.finish_reason if self.finish is not None else None,
+            "finish_reason": self.finish.finish_reason if finished else None,
             "prompt_tokens": len(spec.input_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
+            # the tokenizer manager's version; a finished output's spans replace it (2560-2569)
+            "weight_version": str(self.engine.reported_version),
             "num_retractions": self.retractions,
-            "weight_version": spans[-1]["version"],
-            "weight_versions": spans,
-            "e2e_latency": time.monotonic() - self.start,
+            **self.clock.scheduler_times(),
         }
         if spec.return_logprob:
             pre = self.prefill
@@ -134,14 +139,102 @@ class GenerateResponse:
                 [f(x) for x in d.support_logprobs] for d in self.draws
             ]
             meta["output_token_sampling_mask_length"] = len(self.draws)
-        routes = self.finish.routed_experts if self.finish is not None else None
+        meta["reasoning_tokens"] = 0  # 2552-2559
+        meta["completion_tokens"] = len(self.output_ids)
+        meta["cached_tokens"] = 0
+        if finished:  # spans only for a finished output (output_streamer.py 540-554)
+            spans = self.spans()
+            meta["weight_versions"] = spans
+            meta["weight_version"] = str(spans[-1]["version"])
+        # one entry per output, None without cached tokens (output_streamer.py 102-133, 529;
+        # tokenizer_manager.py 2570-2576)
+        meta["cached_tokens_details"] = None
+        routes = self.finish.routed_experts if finished else None
         if routes is not None:  # only when asked and served with --enable-return-routed-experts
             meta[META_ROUTED_EXPERTS] = encode_routed_experts(routes.numpy())
+        if finished:
+            meta["e2e_latency"] = self.clock.e2e_latency()
+            meta.update(self.clock.finish_times(len(self.output_ids)))
+        meta.update(self.clock.sent())
         return {
             "text": self.engine.decode(self._text_ids(), spec.skip_special_tokens),
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }
+
+
+class _Clock:
+    """One request's timings as SGLang 0.5.23 reports them with ``--enable-metrics``, measured
+    where the engine answers: ``start`` (monotonic) when the request arrived, its first event
+    when it entered the forward (so the wait before is its queue time), its first token (or
+    finish) as the prefill's end and the first output, its finish event. Wall-clock stamps are
+    the monotonic times shifted by one offset, as ``convert_time_to_realtime`` shifts them
+    (observability/req_time_stats.py 71-74)."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.offset = time.time() - time.monotonic()
+        self.forward: float | None = None
+        self.first: float | None = None
+        self.finished: float | None = None
+        self.sent_at: float | None = None
+
+    def saw(self, event: Any) -> None:
+        """Note the arrival of one scheduler event."""
+        now = time.monotonic()
+        if self.forward is None:
+            self.forward = now
+        if self.first is None and isinstance(event, TokenEvent | FinishEvent):
+            self.first = now
+        if isinstance(event, FinishEvent):
+            self.finished = now
+
+    def _real(self, t: float) -> float:
+        return t + self.offset
+
+    def scheduler_times(self) -> dict[str, float]:
+        """What every output carries: ``forward_entry_time`` and ``prefill_finished_time`` once
+        set, ``queue_time`` always (``SchedulerReqTimeStats.convert_to_output_meta_info``,
+        observability/req_time_stats.py 1213-1236; tokenizer_manager.py 2515-2518)."""
+        times: dict[str, float] = {}
+        if self.forward is not None:
+            times["forward_entry_time"] = self._real(self.forward)
+        if self.first is not None:
+            times["prefill_finished_time"] = self._real(self.first)
+        times["queue_time"] = 0.0 if self.forward is None else self.forward - self.start
+        return times
+
+    def e2e_latency(self) -> float:
+        """Arrival to finish (``get_e2e_latency``, req_time_stats.py 486-487)."""
+        end = self.finished if self.finished is not None else time.monotonic()
+        return end - self.start
+
+    def finish_times(self, completion_tokens: int) -> dict[str, float]:
+        """What a finished output adds (``APIServerReqTimeStats.convert_to_output_meta_info``,
+        req_time_stats.py 507-533; tokenizer_manager.py 2757-2772): a ``response_sent_to_client_ts``
+        only where an earlier chunk was sent; ``decode_throughput`` only past one token with a
+        decode time (492-502)."""
+        end = self.finished if self.finished is not None else time.monotonic()
+        first = self.first if self.first is not None else end
+        times = {"request_received_ts": self._real(self.start)}
+        if first > self.start:
+            times["first_token_latency"] = first - self.start
+        times["api_server_dispatch_finish_ts"] = self._real(self.start)
+        if self.sent_at is not None:
+            times["response_sent_to_client_ts"] = self._real(self.sent_at)
+        times["request_finished_ts"] = self._real(end)
+        if completion_tokens > 1 and end > first:
+            times["decode_throughput"] = (completion_tokens - 1) / (end - first)
+        return times
+
+    def sent(self) -> dict[str, float]:
+        """``response_sent_to_client_ts`` on the first output sent (a stream's first chunk, or
+        the one answer), as ``_stream_one_response`` adds it (tokenizer_manager.py 2024-2029,
+        2052-2058); nothing on later ones."""
+        if self.sent_at is not None:
+            return {}
+        self.sent_at = time.monotonic()
+        return {"response_sent_to_client_ts": self._real(self.sent_at)}
 
 
 def dumps(obj: Any) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,84 @@ def test_stream_matches_non_stream(engine: str, client: httpx.Client) -> None:
         "weight_versions",
     ):
         assert last["meta_info"][key] == whole["meta_info"][key]
+
+
+# meta_info's keys, in the order SGLang 0.5.23's tokenizer manager writes them for a finished
+# output of a server started with --enable-metrics, as the fleet starts it (images/sglang.py):
+# managers/tokenizer_manager.py 2507-2518 (the scheduler's timings,
+# observability/req_time_stats.py 1213-1236), the log-prob keys (2520-2529, 2866-2973) and the
+# mask's (2531-2551), 2552-2576, 2753-2772 (req_time_stats.py 507-533), 2024-2029
+HEAD_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+             "forward_entry_time", "prefill_finished_time", "queue_time"]  # fmt: skip
+COUNT_KEYS = ["reasoning_tokens", "completion_tokens", "cached_tokens"]
+FINISH_KEYS = ["weight_versions", "cached_tokens_details", "e2e_latency", "request_received_ts",
+               "first_token_latency", "api_server_dispatch_finish_ts", "request_finished_ts",
+               "decode_throughput", "response_sent_to_client_ts"]  # fmt: skip
+LOGPROB_KEYS = ["input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"]
+TOP_KEYS = ["input_top_logprobs", "output_top_logprobs"]
+MASK_KEYS = ["output_token_sampling_mask", "output_token_sampling_logprobs",
+             "output_token_sampling_support_logprobs", "output_token_sampling_mask_length"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("asks", "between"),
+    [
+        ({}, []),
+        ({"return_logprob": True}, LOGPROB_KEYS),
+        ({"return_logprob": True, "top_logprobs_num": 2}, LOGPROB_KEYS + TOP_KEYS),
+        ({"return_sampling_mask": True}, MASK_KEYS),
+        (
+            {"return_logprob": True, "top_logprobs_num": 2, "return_sampling_mask": True},
+            LOGPROB_KEYS + TOP_KEYS + MASK_KEYS,
+        ),  # fmt: skip
+    ],
+)
+def test_an_answers_meta_info_holds_sglangs_keys_in_sglangs_order(
+    engine: str, client: httpx.Client, asks: dict[str, Any], between: list[str]
+) -> None:
+    """An unstreamed answer's ``meta_info``: SGLang's keys in its order, ``cached_tokens_details``
+    null (no cached tokens: scheduler_components/output_streamer.py 102-133, 529), the request's
+    timings as floats on one clock (``*_ts`` and ``*_time`` are wall-clock stamps)."""
+    before = time.time()
+    params = {"max_new_tokens": 4, "ignore_eos": True, "top_k": 8}
+    meta = generate(client, engine, input_ids=PROMPT, sampling_params=params, **asks)["meta_info"]
+    after = time.time()
+    assert list(meta) == HEAD_KEYS + between + COUNT_KEYS + FINISH_KEYS
+    assert meta["cached_tokens_details"] is None and meta["weight_version"] == "0"
+    stamps = [
+        meta[k]
+        for k in ("request_received_ts", "api_server_dispatch_finish_ts", "forward_entry_time",
+                  "prefill_finished_time", "request_finished_ts", "response_sent_to_client_ts")
+    ]  # fmt: skip
+    assert all(type(x) is float for x in stamps)
+    assert before - 1 <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= after + 1
+    assert 0 <= meta["queue_time"] <= meta["first_token_latency"] <= meta["e2e_latency"] <= after - before + 1
+    assert meta["decode_throughput"] > 0
+
+
+def test_a_streams_earlier_chunks_carry_what_sglang_sends_before_the_finish(
+    engine: str, client: httpx.Client
+) -> None:
+    """A stream's chunks before the last: no ``weight_versions`` (computed only for a finished
+    request, output_streamer.py 540-554), so ``weight_version`` is the tokenizer manager's
+    (tokenizer_manager.py 2511), no ``e2e_latency`` nor finish timings (2742-2772), and only the
+    first chunk carries ``response_sent_to_client_ts`` (2052-2058); the last chunk is a whole
+    answer's, its ``response_sent_to_client_ts`` the first chunk's."""
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0.0}
+    reader = StreamReader(engine, {"input_ids": PROMPT, "sampling_params": params})
+    last = reader.result()
+    *early, _ = reader.chunks
+    assert early, "the stream sent its finish alone"
+    for i, chunk in enumerate(early):
+        meta = chunk["meta_info"]
+        sent = ["response_sent_to_client_ts"] if i == 0 else []
+        assert list(meta) == HEAD_KEYS + COUNT_KEYS + ["cached_tokens_details"] + sent
+        assert meta["weight_version"] == "0" and meta["finish_reason"] is None
+    meta = last["meta_info"]
+    sent_early = FINISH_KEYS[:6] + ["response_sent_to_client_ts"] + FINISH_KEYS[6:8]
+    assert list(meta) == HEAD_KEYS + COUNT_KEYS + sent_early
+    assert meta["response_sent_to_client_ts"] == early[0]["meta_info"]["response_sent_to_client_ts"]
+    assert [(str(s["version"]), s["start"], s["end"]) for s in meta["weight_versions"]] == [("0", 0, 6)]
 
 
 def test_batch_request(engine: str, client: httpx.Client) -> None:
