@@ -35,6 +35,7 @@ class GenerateResponse:
         self.finish: Any = None
         self.retractions = 0
         self.clock = _Clock(start)
+        self.streamed = _StreamedText()
 
     def add(self, event: Any) -> None:
         self.clock.saw(event)
@@ -156,11 +157,71 @@ class GenerateResponse:
             meta["e2e_latency"] = self.clock.e2e_latency()
             meta.update(self.clock.finish_times(len(self.output_ids)))
         meta.update(self.clock.sent())
+        skip = spec.skip_special_tokens
+        text = (
+            self.engine.decode(self._text_ids(), skip)
+            if finished
+            else self.streamed.text(self.output_ids, lambda ids: self.engine.decode(ids, skip))
+        )
         return {
-            "text": self.engine.decode(self._text_ids(), spec.skip_special_tokens),
+            "text": text,
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }
+
+
+class _StreamedText:
+    """The ``text`` of a stream's chunk before the finish, as SGLang 0.5.23's detokenizer builds
+    it: each output decodes the ids past the last committed point and commits the new text
+    unless it ends in U+FFFD (an incomplete character, or an invalid byte); then it sends only
+    ``find_printable_text`` of it (up to its last space, a CJK rule, or whole after a newline)
+    and commits nothing, so the next output retries from the same point (managers/
+    detokenizer_manager.py 77-101 ``DecodeStatus``, 391-417; sglang/utils.py 320-361). A
+    cumulative chunk's text is everything sent so far (tokenizer_manager.py 2630-2633,
+    2006-2014). The final text is the whole output's (:meth:`GenerateResponse.body`)."""
+
+    def __init__(self) -> None:
+        self.committed = ""
+        self.surr = 0  # the ids before ``read`` decode to what was committed last
+        self.read = 0
+        self.sent_len = 0  # characters sent: the committed text and a printable tail past it
+        self.sent = ""
+
+    def text(self, ids: list[int], decode: Any) -> str:
+        """The chunk's text once ``ids`` (all output ids so far) are output; ``decode`` maps ids
+        to their text."""
+        new = decode(ids[self.surr :])[len(decode(ids[self.surr : self.read])) :]
+        pending = self.sent_len - len(self.committed)
+        if new and not new.endswith("\ufffd"):
+            self.committed += new
+            self.surr, self.read = self.read, len(ids)
+            self.sent_len = len(self.committed)
+            self.sent += new[pending:]
+        else:
+            printable = _printable(new)
+            self.sent_len = len(self.committed) + len(printable)
+            self.sent += printable[pending:]
+        return self.sent
+
+
+def _printable(text: str) -> str:
+    """SGLang's ``find_printable_text`` (sglang/utils.py 345-361): the longest prefix of whole
+    words: all of it after a newline or a final CJK character, all but the last character after
+    a CJK one, else up to its last space."""
+    if text.endswith("\n") or (text and _cjk(text[-1])):
+        return text
+    if len(text) > 1 and _cjk(text[-2]):
+        return text[:-1]
+    return text[: text.rfind(" ") + 1]
+
+
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))  # fmt: skip
+
+
+def _cjk(char: str) -> bool:
+    """SGLang's ``_is_chinese_char`` (sglang/utils.py 320-342): a CJK ideograph block."""
+    return any(lo <= ord(char) <= hi for lo, hi in _CJK)
 
 
 class _Clock:

@@ -307,6 +307,35 @@ def test_a_streams_earlier_chunks_carry_what_sglang_sends_before_the_finish(
     assert [(str(s["version"]), s["start"], s["end"]) for s in meta["weight_versions"]] == [("0", 0, 6)]
 
 
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_streams_text_holds_back_what_sglangs_detokenizer_holds_back(
+    engine: str, client: httpx.Client, interval: int
+) -> None:
+    """A chunk before the finish sends what SGLang 0.5.23's detokenizer has sent so far: text
+    that ends in U+FFFD (the tiny model's tokens are bytes, many of them no whole character) is
+    held back to its last space until more ids complete it (managers/detokenizer_manager.py
+    391-417, sglang/utils.py 345-361), so no such chunk ends in U+FFFD and each is a prefix of
+    the next; the last chunk's text is the whole answer's."""
+    held = 0
+    for seed in range(4):
+        params = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 1.0, "sampling_seed": seed,
+                  "stream_interval": interval}  # fmt: skip
+        body = {"input_ids": PROMPT, "sampling_params": params}
+        whole = generate(client, engine, **body)
+        reader = StreamReader(engine, body)
+        last = reader.result()
+        assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
+        texts = [c["text"] for c in reader.chunks]
+        for i, chunk in enumerate(reader.chunks[:-1]):
+            shorter = {**params, "max_new_tokens": len(chunk["output_ids"])}
+            full = generate(client, engine, input_ids=PROMPT, sampling_params=shorter)
+            assert full["output_ids"] == chunk["output_ids"]
+            assert not texts[i].endswith("\ufffd") and whole["text"].startswith(texts[i])
+            assert texts[i + 1].startswith(texts[i])
+            held += texts[i] != full["text"]
+    assert held, "no chunk held text back: the case is not exercised"
+
+
 def test_batch_request(engine: str, client: httpx.Client) -> None:
     prompts = [PROMPT, PROMPT[:3], [65]]
     out = generate(
