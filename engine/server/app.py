@@ -28,7 +28,8 @@ counts them only on a server started with ``--reasoning-parser``, managers/sched
 ``completion_tokens``, ``cached_tokens`` (always 0: no prefix cache); once finished
 ``weight_versions`` (spans ``{"version", "start", "end"}``, end exclusive, over output indices;
 output_streamer.py 540-554); ``cached_tokens_details`` (null: no cached tokens, output_streamer.py
-102-133); ``routed_experts`` (below); once finished ``e2e_latency``, ``request_received_ts``,
+102-133); ``routed_experts`` (below); ``dp_rank`` (null: one data-parallel rank, no controller,
+output_streamer.py 718-723); once finished ``e2e_latency``, ``request_received_ts``,
 ``first_token_latency``, ``api_server_dispatch_finish_ts``, ``request_finished_ts`` and, past one
 token, ``decode_throughput`` (req_time_stats.py 507-533); ``response_sent_to_client_ts`` on the
 first output sent (a stream's first chunk, which its last repeats before ``request_finished_ts``).

@@ -88,10 +88,56 @@ class GenerateResponse:
     def _text(self, token_id: int) -> str | None:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
 
+    def _logprob_meta(self) -> dict[str, Any]:
+        """The log-prob keys of an answer that asked ``return_logprob`` (managers/
+        tokenizer_manager.py 2520-2529, 2840-3007)."""
+        f = finite_or_none
+        spec = self.spec
+        meta: dict[str, Any] = {}
+        pre = self.prefill
+        logged = self._logged_draws()
+        meta["input_token_logprobs"] = (
+            [[None if lp is None else f(lp), t, self._text(t)] for lp, t in pre.input_token_logprobs]
+            if pre is not None
+            else []
+        )
+        meta["output_token_logprobs"] = [[f(d.logprob), d.token_id, self._text(d.token_id)] for d in logged]
+        # every answer with log-probs counts them (managers/tokenizer_manager.py 2868-2870)
+        meta["output_token_logprobs_length"] = len(logged)
+        if spec.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = (
+                [
+                    None if top is None else [[f(lp), t, self._text(t)] for lp, t in top]
+                    for top in pre.input_top_logprobs
+                ]
+                if pre is not None
+                else []
+            )
+            meta["output_top_logprobs"] = [
+                [[f(lp), t, self._text(t)] for lp, t in d.top_logprobs] for d in logged
+            ]
+        return meta
+
+    def _mask_meta(self) -> dict[str, Any]:
+        """The sampling-mask keys of an answer that asked ``return_sampling_mask``
+        (tokenizer_manager.py 2531-2551) and the engine's own support log-probs."""
+        f = finite_or_none
+        spec = self.spec
+        meta: dict[str, Any] = {}
+        meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]
+        if spec.sampling_logprobs_mode == "support":  # SGLang: the support's log-probs per token
+            meta["output_token_sampling_logprobs"] = [[f(x) for x in d.support_logprobs] for d in self.draws]
+        else:
+            meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
+        meta["output_token_sampling_support_logprobs"] = [
+            [f(x) for x in d.support_logprobs] for d in self.draws
+        ]
+        meta["output_token_sampling_mask_length"] = len(self.draws)
+        return meta
+
     def body(self) -> dict[str, Any]:
         """The answer as SGLang sends it now: the final one once the finish was added, else a
         stream's chunk (which :attr:`clock` counts as sent)."""
-        f = finite_or_none
         spec = self.spec
         finished = self.finish is not None
         meta: dict[str, Any] = {  # managers/tokenizer_manager.py 2507-2513
@@ -104,42 +150,9 @@ class GenerateResponse:
             **self.clock.scheduler_times(),
         }
         if spec.return_logprob:
-            pre = self.prefill
-            logged = self._logged_draws()
-            meta["input_token_logprobs"] = (
-                [[None if lp is None else f(lp), t, self._text(t)] for lp, t in pre.input_token_logprobs]
-                if pre is not None
-                else []
-            )
-            meta["output_token_logprobs"] = [
-                [f(d.logprob), d.token_id, self._text(d.token_id)] for d in logged
-            ]
-            # every answer with log-probs counts them (managers/tokenizer_manager.py 2868-2870)
-            meta["output_token_logprobs_length"] = len(logged)
-            if spec.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = (
-                    [
-                        None if top is None else [[f(lp), t, self._text(t)] for lp, t in top]
-                        for top in pre.input_top_logprobs
-                    ]
-                    if pre is not None
-                    else []
-                )
-                meta["output_top_logprobs"] = [
-                    [[f(lp), t, self._text(t)] for lp, t in d.top_logprobs] for d in logged
-                ]
+            meta.update(self._logprob_meta())
         if spec.return_sampling_mask:
-            meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]
-            if spec.sampling_logprobs_mode == "support":  # SGLang: the support's log-probs per token
-                meta["output_token_sampling_logprobs"] = [
-                    [f(x) for x in d.support_logprobs] for d in self.draws
-                ]
-            else:
-                meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
-            meta["output_token_sampling_support_logprobs"] = [
-                [f(x) for x in d.support_logprobs] for d in self.draws
-            ]
-            meta["output_token_sampling_mask_length"] = len(self.draws)
+            meta.update(self._mask_meta())
         meta["reasoning_tokens"] = 0  # 2552-2559
         meta["completion_tokens"] = len(self.output_ids)
         meta["cached_tokens"] = 0
@@ -153,6 +166,11 @@ class GenerateResponse:
         routes = self.finish.routed_experts if finished else None
         if routes is not None:  # only when asked and served with --enable-return-routed-experts
             meta[META_ROUTED_EXPERTS] = encode_routed_experts(routes.numpy())
+        # the scheduler's data-parallel rank, None without a data-parallel controller (one DP
+        # rank, as the fleet runs): a list of one None per output, which the tokenizer manager
+        # copies (output_streamer.py 718-723, 800; scheduler.py 6316-6332; tokenizer_manager.py
+        # 2616-2617)
+        meta["dp_rank"] = None
         if finished:
             meta["e2e_latency"] = self.clock.e2e_latency()
             meta.update(self.clock.finish_times(len(self.output_ids)))
@@ -241,9 +259,10 @@ class _Clock:
         self.sent_at: float | None = None
 
     def saw(self, event: Any) -> None:
-        """Note the arrival of one scheduler event."""
+        """Note the arrival of one scheduler event (a request answered before any forward, the
+        sampling-mask abort, has no forward times)."""
         now = time.monotonic()
-        if self.forward is None:
+        if self.forward is None and isinstance(event, PrefillEvent | TokenEvent):
             self.forward = now
         if self.first is None and isinstance(event, TokenEvent | FinishEvent):
             self.first = now

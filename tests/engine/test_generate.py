@@ -237,7 +237,7 @@ def test_stream_matches_non_stream(engine: str, client: httpx.Client) -> None:
 HEAD_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
              "forward_entry_time", "prefill_finished_time", "queue_time"]  # fmt: skip
 COUNT_KEYS = ["reasoning_tokens", "completion_tokens", "cached_tokens"]
-FINISH_KEYS = ["weight_versions", "cached_tokens_details", "e2e_latency", "request_received_ts",
+FINISH_KEYS = ["weight_versions", "cached_tokens_details", "dp_rank", "e2e_latency", "request_received_ts",
                "first_token_latency", "api_server_dispatch_finish_ts", "request_finished_ts",
                "decode_throughput", "response_sent_to_client_ts"]  # fmt: skip
 LOGPROB_KEYS = ["input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"]
@@ -270,7 +270,7 @@ def test_an_answers_meta_info_holds_sglangs_keys_in_sglangs_order(
     meta = generate(client, engine, input_ids=PROMPT, sampling_params=params, **asks)["meta_info"]
     after = time.time()
     assert list(meta) == HEAD_KEYS + between + COUNT_KEYS + FINISH_KEYS
-    assert meta["cached_tokens_details"] is None and meta["weight_version"] == "0"
+    assert meta["cached_tokens_details"] is None and meta["dp_rank"] is None and meta["weight_version"] == "0"
     stamps = [
         meta[k]
         for k in ("request_received_ts", "api_server_dispatch_finish_ts", "forward_entry_time",
@@ -298,10 +298,10 @@ def test_a_streams_earlier_chunks_carry_what_sglang_sends_before_the_finish(
     for i, chunk in enumerate(early):
         meta = chunk["meta_info"]
         sent = ["response_sent_to_client_ts"] if i == 0 else []
-        assert list(meta) == HEAD_KEYS + COUNT_KEYS + ["cached_tokens_details"] + sent
+        assert list(meta) == HEAD_KEYS + COUNT_KEYS + ["cached_tokens_details", "dp_rank"] + sent
         assert meta["weight_version"] == "0" and meta["finish_reason"] is None
     meta = last["meta_info"]
-    sent_early = FINISH_KEYS[:6] + ["response_sent_to_client_ts"] + FINISH_KEYS[6:8]
+    sent_early = FINISH_KEYS[:7] + ["response_sent_to_client_ts"] + FINISH_KEYS[7:9]
     assert list(meta) == HEAD_KEYS + COUNT_KEYS + sent_early
     assert meta["response_sent_to_client_ts"] == early[0]["meta_info"]["response_sent_to_client_ts"]
     assert [(str(s["version"]), s["start"], s["end"]) for s in meta["weight_versions"]] == [("0", 0, 6)]
@@ -1580,6 +1580,10 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
         assert events[0]["meta_info"]["prompt_tokens"] == prompt_tokens, r.text
         assert events[0]["meta_info"]["completion_tokens"] == drawn, r.text
         assert reason == {"type": "abort", "status_code": 400, "err_type": err_type}, r.text
+        # the mask's abort never reaches a forward: no forward stamps (observability/
+        # req_time_stats.py 1223-1230), its queue time 0
+        forwarded = {"forward_entry_time", "prefill_finished_time"} <= set(events[0]["meta_info"])
+        assert forwarded == bool(drawn) and (drawn or events[0]["meta_info"]["queue_time"] == 0.0), r.text
         plain = client.post(engine + "/generate", json=body)
         assert plain.status_code == 400 and message in plain.json()["error"]["message"], plain.text
     batch = {
