@@ -159,7 +159,7 @@ class GenerateResponse:
         if finished:  # spans only for a finished output (output_streamer.py 540-554)
             spans = self.spans()
             meta["weight_versions"] = spans
-            meta["weight_version"] = str(spans[-1]["version"])
+            meta["weight_version"] = spans[-1]["version"]
         # one entry per output, None without cached tokens (output_streamer.py 102-133, 529;
         # tokenizer_manager.py 2570-2576)
         meta["cached_tokens_details"] = None
