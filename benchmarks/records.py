@@ -2,14 +2,14 @@
 
 What is measured. A real local engine serving the ``small`` preset (BF16) generates
 ``--requests`` x ``--tokens`` tokens with top_p 0.95 (temperature 1), returning log-probs and
-sampling masks. For exactly those tokens:
+sampling masks in SGLang 0.5.23's support mode (as the fleet asks). For exactly those tokens:
 
 * JSON (same content): the ``meta_info`` fields that carry the behavior record, serialized
   compactly (no spaces, the favorable case for JSON): ``output_token_logprobs`` triples,
-  ``output_token_sampling_mask``, ``output_token_sampling_logprobs`` (mu) and the support's
-  log-probs (``output_token_sampling_support_logprobs``).
-* JSON (upstream SGLang shape): the same without the support log-probs (upstream SGLang does
-  not send them; the trainer then cannot renormalize) - printed for reference.
+  ``output_token_sampling_mask`` (ranked) and ``output_token_sampling_logprobs`` (per token the
+  support's log-probs, aligned with the mask).
+* JSON (SGLang's selected mode): the same with mu per token in place of the support's log-probs
+  (the trainer then cannot renormalize) - printed for reference.
 * compact: :func:`router.records.encode_turn` of the same turn (input ids excluded), with the
   support log-probs as float32 and as float16.
 
@@ -37,15 +37,14 @@ flat in the context.
 
 A short turn's record work (issue 20; no engine): the stub engine's ``/generate`` answer of
 :func:`benchmarks.router.stub_generate_body` (64 output tokens, a ``--support``-id support each,
-default 32, support log-probs in the local engine's key) decoded from its bytes
+default 32, as SGLang sends it in support mode: masks most likely first, their log-probs as the
+rows of ``output_token_sampling_logprobs``) decoded from its bytes
 (:func:`core.jsonio.loads`), parsed (:func:`router.engine_answer.parse_turn`), encoded as stored
 (:func:`router.records.encode_stored`, one appended token) and answered
 (:meth:`~router.turn_data.TurnData.to_json` of the stored turn, then :func:`core.jsonio.dumps`:
 the default answer, without the supports; the answer of a turn that asks ``return_support`` is
 timed beside it, outside the total), per stage, per output token and per support id, CPU time
-(``time.process_time``, best of ``--reps`` runs of 200); and the same answer as SGLang sends it
-in support mode (masks most likely first: every row sorted by the parser; float32 log-probs,
-which the stored answer reuses).
+(``time.process_time``, best of ``--reps`` runs of 200).
 Target (issue 20): the router's CPU per short turn <= 1 ms, all of it.
 
 Run: ``.venv/bin/python benchmarks/records.py [--preset small] [--requests 8] [--tokens 64]
@@ -89,6 +88,7 @@ def main() -> int:
 
     import httpx
 
+    from core.sglang_release import SAMPLING_LOGPROBS_MODE
     from router.engine_answer import parse_turn
     from router.records import decode_batch, decode_turn, encode_batch, encode_turn
     from tests.support.engines import engine_process
@@ -116,6 +116,7 @@ def main() -> int:
                         },
                         "return_logprob": True,
                         "return_sampling_mask": True,
+                        "sampling_logprobs_mode": SAMPLING_LOGPROBS_MODE,
                     },
                 )
                 r.raise_for_status()
@@ -123,18 +124,24 @@ def main() -> int:
 
     n = sum(len(b["output_ids"]) for b in bodies)
     support = sum(len(m) for b in bodies for m in b["meta_info"]["output_token_sampling_mask"])
-    fields_full = (
-        "output_token_logprobs",
-        "output_token_sampling_mask",
-        "output_token_sampling_logprobs",
-        "output_token_sampling_support_logprobs",
-    )
-    fields_upstream = fields_full[:3]
+    fields = ("output_token_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs")
 
-    def json_bytes(fields: tuple[str, ...]) -> int:
+    def selected(meta: dict, output_ids: list[int]) -> dict:
+        """``meta`` as SGLang's selected mode sends it: mu per token in place of the support's."""
+        rows, masks = meta["output_token_sampling_logprobs"], meta["output_token_sampling_mask"]
+        mu = [row[mask.index(t)] for t, mask, row in zip(output_ids, masks, rows, strict=True)]
+        return {**meta, "output_token_sampling_logprobs": mu}
+
+    def json_bytes(select: bool) -> int:
         return sum(
-            len(json.dumps({k: b["meta_info"][k] for k in fields}, separators=(",", ":")).encode())
+            len(
+                json.dumps(
+                    {k: (selected(m, b["output_ids"]) if select else m)[k] for k in fields},
+                    separators=(",", ":"),
+                ).encode()
+            )
             for b in bodies
+            for m in (b["meta_info"],)
         )
 
     parsed = [
@@ -150,7 +157,7 @@ def main() -> int:
     for b in blobs32:
         decode_turn(b)
     dec_s = time.perf_counter() - t0
-    full, upstream = json_bytes(fields_full), json_bytes(fields_upstream)
+    full, upstream = json_bytes(False), json_bytes(True)
     c32, c16 = sum(map(len, blobs32)), sum(map(len, blobs16))
     print(
         f"records benchmark: {args.preset} model (vocab {vocab}), {n} tokens, top_p {args.top_p}, "
@@ -158,10 +165,10 @@ def main() -> int:
     )
     print(f"{'encoding':<44}{'bytes/token':>12}{'vs JSON':>9}")
     print(f"{'JSON meta_info, same content (with support lps)':<44}{full / n:>12.1f}{1.0:>9.3f}")
-    print(f"{'JSON meta_info, upstream SGLang fields':<44}{upstream / n:>12.1f}{upstream / full:>9.3f}")
+    print(f"{'JSON meta_info, SGLang selected mode (mu)':<44}{upstream / n:>12.1f}{upstream / full:>9.3f}")
     print(f"{'compact, float32 support log-probs':<44}{c32 / n:>12.1f}{c32 / full:>9.3f}")
     print(f"{'compact, float16 support log-probs':<44}{c16 / n:>12.1f}{c16 / full:>9.3f}")
-    print(f"compact float32 vs upstream-shape JSON (which lacks support log-probs): {c32 / upstream:.3f}")
+    print(f"compact float32 vs selected-mode JSON (which lacks support log-probs): {c32 / upstream:.3f}")
     print(f"encode {enc_s / n * 1e6:.1f} us/token, decode {dec_s / n * 1e6:.1f} us/token (pure Python)")
     print(f"target <= 0.25 of JSON: {'met' if c32 / full <= 0.25 else 'NOT met'} (float32)")
 
@@ -258,22 +265,21 @@ def short_turn_report(reps: int, support: int) -> None:
     from benchmarks.router import stub_generate_body
     from core.jsonio import loads
 
-    for name, ranked in (("stub answer", False), ("SGLang support mode", True)):
-        body = loads(stub_generate_body(support=support, ranked=ranked))
-        n = len(body["output_ids"])
-        stages = _short_turn_stages(body)
-        ids = sum(map(len, body["meta_info"]["output_token_sampling_mask"]))
-        print(f"  short turn record work, {name} ({n} tokens x {ids // n} ids), CPU best of {reps}:")
-        total = 0.0
-        for stage, run in stages.items():
-            best = min(_cpu(run, 200) for _ in range(reps))
-            total += best
-            print(f"    {stage:<14} {_per(best, n, ids)}")
-        print(f"    {'total':<14} {_per(total, n, ids)}")
-        full = _short_turn_stages(body, with_support=True)
-        for stage in ("to_json", "dumps"):
-            best = min(_cpu(full[stage], 200) for _ in range(reps))
-            print(f"    {stage + '+sup':<14} {_per(best, n, ids)}  (the answer with return_support)")
+    body = loads(stub_generate_body(support=support))
+    n = len(body["output_ids"])
+    stages = _short_turn_stages(body)
+    ids = sum(map(len, body["meta_info"]["output_token_sampling_mask"]))
+    print(f"  short turn record work, SGLang support mode ({n} tokens x {ids // n} ids), CPU best of {reps}:")
+    total = 0.0
+    for stage, run in stages.items():
+        best = min(_cpu(run, 200) for _ in range(reps))
+        total += best
+        print(f"    {stage:<14} {_per(best, n, ids)}")
+    print(f"    {'total':<14} {_per(total, n, ids)}")
+    full = _short_turn_stages(body, with_support=True)
+    for stage in ("to_json", "dumps"):
+        best = min(_cpu(full[stage], 200) for _ in range(reps))
+        print(f"    {stage + '+sup':<14} {_per(best, n, ids)}  (the answer with return_support)")
 
 
 def _per(seconds: float, tokens: int, ids: int) -> str:

@@ -1,12 +1,11 @@
 """Router overhead: added latency and sustained turns/s, beside sglang-router, in one run.
 
 What is measured. A fast stub backend speaks SGLang's ``/generate`` (fixed answer: 64 output
-tokens with log-probs and 32-id sampling masks, as the local engine would send them;
-``--out-tokens`` and ``--support`` change that shape, so that a turn's CPU can be split into its
-constant part and the part that grows with the records; ``--ranked``: the masks and log-probs as
-SGLang sends them, :func:`stub_generate_body`). Clients (one keep-alive HTTP/1.1
-connection per session, requests prebuilt, uvloop; the same client for every target) run for
-``--seconds`` against:
+tokens with log-probs and 32-id sampling masks, as SGLang 0.5.23 sends them in support mode,
+:func:`stub_generate_body`; ``--out-tokens`` and ``--support`` change that shape, so that a turn's
+CPU can be split into its constant part and the part that grows with the records). Clients (one
+keep-alive HTTP/1.1 connection per session, requests prebuilt, uvloop; the same client for every
+target) run for ``--seconds`` against:
 
 * ``direct``            the stub itself (the baseline),
 * ``turns memory``      ``POST /v1/sessions/{id}/turns`` through a mixfleet router with in-memory
@@ -46,7 +45,7 @@ divided by the requests it served: unlike throughput it hardly depends on what e
 processes share this machine's cores, so absolute numbers depend on the machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
-[--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32] [--ranked]
+[--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32]
 [--support-answer] [--out r.json]``
 (sglang-router: ``pip install -e '.[bench]'``; ``--out``: also write every median point as JSON).
 """
@@ -98,17 +97,24 @@ def float32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
-def stub_generate_body(
-    out: list[int] | None = None, support: int = SUPPORT, *, ranked: bool = False
-) -> bytes:
-    """The stub engine's ``/generate`` answer (SGLang's ``meta_info`` shape) for output ids ``out``
-    (default 100 .. 100 + N_OUT), each with a support of ``support`` ids: in id order, uniform
-    log-probs, the support's in the local engine's key; with ``ranked``, as SGLang 0.5.23 answers
-    in support mode: every mask in a ranked (not id) order (layers/sampler.py 605-612), its
-    log-probs (random float32 values) as the rows of ``output_token_sampling_logprobs``."""
+def stub_generate_body(out: list[int] | None = None, support: int = SUPPORT) -> bytes:
+    """The stub engine's ``/generate`` answer for output ids ``out`` (default 100 .. 100 + N_OUT),
+    each with a support of ``support`` ids, as SGLang 0.5.23 answers in support mode (what the
+    fleet asks): every mask ranked by its weights, highest first, equal ones by ascending id
+    (layers/sampler.py 607-616), and ``output_token_sampling_logprobs`` per token the support's
+    log-probs (random, float32) aligned with it (618-624); no other mask key."""
     out = list(range(100, 100 + N_OUT)) if out is None else out
-    masks = [sorted({t, *range(t + 1, t + support)}) for t in out]
-    lp = float32(-math.log(support))  # uniform over the support
+    rng = random.Random(0)
+    masks, rows = [], []
+    for t in out:
+        weights = [rng.random() + 1e-3 for _ in range(support)]
+        total = sum(weights)
+        ranked = sorted(
+            ((float32(math.log(w / total)), i) for w, i in zip(weights, range(t, t + support), strict=True)),
+            key=lambda pair: (-pair[0], pair[1]),
+        )
+        masks.append([i for _, i in ranked])
+        rows.append([lp for lp, _ in ranked])
     raw = float32(-math.log(2 * support))  # before filtering: half the mass outside the support
     meta = {
         "id": "stub",
@@ -120,17 +126,8 @@ def stub_generate_body(
         "weight_versions": [{"version": "0", "start": 0, "end": len(out)}],
         "output_token_logprobs": [[raw, t, None] for t in out],
         "output_token_sampling_mask": masks,
-        "output_token_sampling_logprobs": [lp for _ in out],
-        "output_token_sampling_support_logprobs": [[lp] * len(m) for m in masks],
+        "output_token_sampling_logprobs": rows,
     }
-    if ranked:
-        rng = random.Random(0)
-        rows = []
-        for mask in masks:
-            rng.shuffle(mask)
-            rows.append([float32(-8 * rng.random()) for _ in mask])
-        meta["output_token_sampling_logprobs"] = rows
-        del meta["output_token_sampling_support_logprobs"]
     return json.dumps({"text": "", "output_ids": out, "meta_info": meta}).encode()
 
 
@@ -426,9 +423,6 @@ def main() -> int:
     ap.add_argument("--out-tokens", type=int, default=N_OUT, help="output tokens of the stub's answer")
     ap.add_argument("--support", type=int, default=SUPPORT, help="ids in each output token's mask (>= 1)")
     ap.add_argument(
-        "--ranked", action="store_true", help="the stub answers as SGLang in support mode (masks ranked)"
-    )
-    ap.add_argument(
         "--support-answer", action="store_true", help="also time turns that ask return_support (same run)"
     )
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
@@ -446,7 +440,7 @@ def main() -> int:
     _event_loop_policy()
     if args.serve_stub:
         out = list(range(100, 100 + args.out_tokens))
-        asyncio.run(serve_stub(args.serve_stub, stub_generate_body(out, args.support, ranked=args.ranked)))
+        asyncio.run(serve_stub(args.serve_stub, stub_generate_body(out, args.support)))
         return 0
 
     from tests.support.procs import free_port, mixfleet_argv, redis_server
@@ -469,7 +463,6 @@ def main() -> int:
                     str(args.out_tokens),
                     "--support",
                     str(args.support),
-                    *(["--ranked"] if args.ranked else []),
                 ]
             )
         )
@@ -542,7 +535,6 @@ def main() -> int:
                 sg = None
 
         n_out, support = args.out_tokens, args.support
-        shape = "SGLang support mode, ranked" if args.ranked else "in id order, the local engine's keys"
         gen_body = json.dumps(
             {
                 "input_ids": [1, 2, 3, 4],
@@ -584,7 +576,8 @@ def main() -> int:
         if sg is not None:
             targets.append(Target("sglang-router", sg_port, direct, sg.pid))
         print(
-            f"router benchmark: stub answers {n_out} tokens with {support}-id masks ({shape}); "
+            f"router benchmark: stub answers {n_out} tokens with {support}-id masks "
+            "(SGLang support mode, ranked); "
             f"{args.seconds:g} s per point, {args.rounds} interleaved rounds (median shown); "
             f"states {' and '.join(routers)}; "
             f"{os.cpu_count()} cores shared by stub, routers and client; {sg_note}; "

@@ -40,10 +40,9 @@ INCREMENTAL_KEYS = (
     "output_token_ids_logprobs",
     "output_token_sampling_mask",
     "output_token_sampling_logprobs",
-    "output_token_sampling_support_logprobs",
 )
 """Per-token ``meta_info`` lists an incremental stream slices: SGLang's
-(managers/tokenizer_manager.py 258-264) and the local engine's support log-probs."""
+(managers/tokenizer_manager.py 258-264)."""
 
 
 class StreamError(Exception):

@@ -2,7 +2,7 @@
 (:func:`parse_turn`, the local engine's answers and SGLang's alike).
 
 SGLang 0.5.23's shapes: masks in the order its sampler ranked them, most likely first
-(layers/sampler.py 605-612 and 821; :func:`parse_turn` sorts each row by id, its log-probs
+(layers/sampler.py 607-616 and 821; :func:`parse_turn` sorts each row by id, its log-probs
 along); support-mode rows from ``SamplingMaskChunk.to_lists`` (sampling/sampling_mask.py
 37-51); span versions as strings (utils/weight_versions.py 17-20); ``finish_reason`` one of
 ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ``{"type":
@@ -74,12 +74,13 @@ def parse_turn(
     ``[logprob, token_id, text]``: the raw log-prob, null = unknown), ``output_token_sampling_mask``
     (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
     token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
-    support's log-probs aligned with the mask), ``output_token_sampling_support_logprobs`` (the
-    local engine's support log-probs, aligned with the mask, in either mode), ``weight_versions``
+    support's log-probs aligned with the mask), ``weight_versions``
     spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
     none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
 
-    Without the support's log-probs they are unknown (NaN); where mu is absent or a list, it is
+    Each mask may come in any order (SGLang ranks it, most likely first): the records hold it
+    sorted by id, its log-probs permuted along. Without the support's log-probs (SGLang's selected
+    mode) they are unknown (NaN); where mu is absent or a list, it is
     the sampled token's support log-prob when that is known and its raw log-prob otherwise
     (also for a token with no filtering: its support is the vocabulary). Log-probs come out as
     floats (unknown: NaN; raw: None).
@@ -273,11 +274,7 @@ def _all_of(kind: type, flat: list, at: Any) -> bool:
     return all(type(flat[j]) is kind for j in at.tolist())
 
 
-_MASK_KEYS = (
-    "output_token_sampling_mask",
-    "output_token_sampling_logprobs",
-    "output_token_sampling_support_logprobs",
-)
+_MASK_KEYS = ("output_token_sampling_mask", "output_token_sampling_logprobs")
 
 
 def _unmasked_records(meta: dict[str, Any], raw: list) -> tuple[Rows, Rows, list]:
@@ -406,15 +403,14 @@ def _raw_logprobs(triples: list) -> list[float | None]:
 
 def _support_logprobs(meta: dict[str, Any], offsets: list[int]) -> tuple[tuple[list, Any], bool]:
     """The support's log-probs, row after row as one list and one float64 array (NaN = unknown),
-    and whether the engine sent them: the local engine's own key, else SGLang's support-mode rows
-    of ``output_token_sampling_logprobs`` (every entry a list)."""
+    and whether the engine sent them: SGLang's support-mode rows of
+    ``output_token_sampling_logprobs`` (every entry a list, aligned with its mask); in selected
+    mode (mu per token) they are unknown."""
     total = offsets[-1]
-    key = "output_token_sampling_support_logprobs"
-    if meta.get(key) is None:
-        mu = meta.get("output_token_sampling_logprobs")
-        if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
-            return ([math.nan] * total, np.full(total, math.nan)), False  # selected mode: not returned
-        key = "output_token_sampling_logprobs"
+    key = "output_token_sampling_logprobs"
+    mu = meta.get(key)
+    if type(mu) is not list or not mu or not set(map(type, mu)) <= _LIST:
+        return ([math.nan] * total, np.full(total, math.nan)), False  # selected mode: not returned
     rows = _entries(meta, key, len(offsets) - 1)
     _rows(rows, key, "a list of log-probs")
     got = list(map(len, rows))

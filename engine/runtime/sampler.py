@@ -10,7 +10,8 @@ caches or HTTP. For every row the sampler returns a :class:`Draw`:
   The empty tuple means *the whole vocabulary* (no filter was active). A filter is active when
   ``temperature == 0``, ``top_k < V``, ``top_p < 1`` or ``min_p > 0``.
 - ``support_logprobs``: log-probs renormalized over that support, aligned with ``support_ids``
-  (empty with an empty support).
+  (empty with an empty support). :meth:`Draw.ranked_support` gives the support in the order
+  SGLang 0.5.23 sends it (highest renormalized probability first).
 - ``sampling_logprob``: the behavior log-prob μ of the drawn token: its renormalized log-prob
   (equal to ``logprob`` when the support is the whole vocabulary, ``0.0`` for greedy).
 
@@ -75,6 +76,18 @@ class Draw:
     support_ids: tuple[int, ...]
     support_logprobs: tuple[float, ...]
     top_logprobs: tuple[tuple[float, int], ...] = ()
+
+    def ranked_support(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The support and its log-probs ranked as SGLang 0.5.23 sends a sampling mask: by the
+        renormalized probability the token was drawn with, highest first, equal ones by ascending
+        id (``support_logprobs`` already are those log-probs; empty for an empty support)."""
+        pairs = sorted(zip(self.support_logprobs, self.support_ids, strict=True), key=_rank_key)
+        return tuple(t for _, t in pairs), tuple(lp for lp, _ in pairs)
+
+
+def _rank_key(pair: tuple[float, int]) -> tuple[float, int]:
+    """Sort key of a ``(logprob, id)`` pair: highest log-prob first, then ascending id."""
+    return -pair[0], pair[1]
 
 
 def scaled_logprobs(logits: torch.Tensor, settings: Sequence[SamplerSettings]) -> torch.Tensor:

@@ -38,13 +38,12 @@ With ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``[logprob, token_id, text_or_null]`` triples, ``output_token_logprobs_length`` (their count,
 managers/tokenizer_manager.py 2868-2870), and ``*_top_logprobs`` when
 ``top_logprobs_num > 0``; with ``return_sampling_mask``: ``output_token_sampling_mask``
-(sorted support ids per token; ``[]`` = whole vocabulary), ``output_token_sampling_logprobs``
-(per token the behavior log-prob μ of the sampled token, as upstream SGLang; with
-``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask),
-``output_token_sampling_mask_length`` and, a mixfleet extension,
-``output_token_sampling_support_logprobs`` (per token the renormalized log-probs aligned with
-the mask); with ``return_routed_experts`` on an engine started with
-``--enable-return-routed-experts``, once finished: ``routed_experts`` (base64 int32
+(per token the support ids ranked as SGLang's sampler packs them: by the renormalized probability
+the token was drawn with, highest first, equal ones by ascending id; ``[]`` = whole vocabulary),
+``output_token_sampling_logprobs`` (per token the behavior log-prob μ of the sampled token; with
+``sampling_logprobs_mode: support`` per token the support's log-probs, aligned with the mask) and
+``output_token_sampling_mask_length``, as SGLang sends them; with ``return_routed_experts`` on an
+engine started with ``--enable-return-routed-experts``, once finished: ``routed_experts`` (base64 int32
 ``[seqlen - 1 - routed_experts_start_len, layers, k]``, :mod:`core.sglang_release`; without the
 flag the key is absent, as in SGLang). Non-finite floats are sent as ``null``.
 

@@ -120,18 +120,17 @@ class GenerateResponse:
 
     def _mask_meta(self) -> dict[str, Any]:
         """The sampling-mask keys of an answer that asked ``return_sampling_mask``
-        (tokenizer_manager.py 2531-2551) and the engine's own support log-probs."""
+        (tokenizer_manager.py 2531-2551): per token the support ranked as SGLang's sampler packs
+        it, highest weight first (layers/sampler.py 607-616: ``torch.topk(..., sorted=True)``,
+        or the PyTorch producer's descending sort, 821, 850-857), and in support mode its
+        log-probs aligned with it (618-624; sampling/sampling_mask.py 37-51), else mu per token."""
         f = finite_or_none
-        spec = self.spec
-        meta: dict[str, Any] = {}
-        meta["output_token_sampling_mask"] = [list(d.support_ids) for d in self.draws]
-        if spec.sampling_logprobs_mode == "support":  # SGLang: the support's log-probs per token
-            meta["output_token_sampling_logprobs"] = [[f(x) for x in d.support_logprobs] for d in self.draws]
+        ranked = [d.ranked_support() for d in self.draws]
+        meta: dict[str, Any] = {"output_token_sampling_mask": [list(ids) for ids, _ in ranked]}
+        if self.spec.sampling_logprobs_mode == "support":
+            meta["output_token_sampling_logprobs"] = [[f(x) for x in lps] for _, lps in ranked]
         else:
             meta["output_token_sampling_logprobs"] = [f(d.sampling_logprob) for d in self.draws]
-        meta["output_token_sampling_support_logprobs"] = [
-            [f(x) for x in d.support_logprobs] for d in self.draws
-        ]
         meta["output_token_sampling_mask_length"] = len(self.draws)
         return meta
 

@@ -483,7 +483,7 @@ def test_a_streamed_generate_answers_what_a_whole_one_does(engine: str) -> None:
     whole = run(engine, lambda c: c.generate(PROMPT, params))
     streamed = run(engine, lambda c: c.generate(PROMPT, params, on_tokens=on_tokens))
     assert len(calls) > 1 and [t for ids in calls for t in ids] == whole.body["output_ids"]
-    keep = ("output_token_logprobs", "output_token_sampling_mask", "output_token_sampling_support_logprobs")
+    keep = ("output_token_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs")
     for body in (whole.body, streamed.body):
         assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert streamed.body["output_ids"] == whole.body["output_ids"]

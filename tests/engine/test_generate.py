@@ -24,7 +24,8 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
 
 def reconstruct_support(raw: list[tuple[float, int]], top_k: int, top_p: float) -> list[int]:
-    """SGLang's joint top-k / top-p rule over the full raw distribution, written independently."""
+    """SGLang's joint top-k / top-p rule over the full raw distribution, written independently:
+    the support ranked as SGLang sends its mask, most likely first, equal ones by ascending id."""
     ranked = sorted(raw, key=lambda x: (-x[0], x[1]))
     k = len(ranked) if top_k == -1 else top_k
     keep, mass = [], 0.0
@@ -33,17 +34,15 @@ def reconstruct_support(raw: list[tuple[float, int]], top_k: int, top_p: float) 
             break
         keep.append(tok)
         mass += math.exp(lp)
-    return sorted(keep)
+    return keep
 
 
 def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_config: dict[str, Any]) -> None:
     vocab = tiny_config["vocab_size"]
     top_k, top_p, temp = 20, 0.9, 0.8
-    out = generate(
-        client,
-        engine,
-        input_ids=PROMPT,
-        sampling_params={
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
             "temperature": temp,
             "top_p": top_p,
             "top_k": top_k,
@@ -51,11 +50,16 @@ def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_conf
             "ignore_eos": True,
             "sampling_seed": 11,
         },
-        return_logprob=True,
-        top_logprobs_num=vocab,
-        return_sampling_mask=True,
-    )
+        "return_logprob": True,
+        "top_logprobs_num": vocab,
+        "return_sampling_mask": True,
+    }
+    out = generate(client, engine, **body)
+    # the same seeded draws with the support's log-probs (sampling_logprobs_mode: support)
+    support = generate(client, engine, **body, sampling_logprobs_mode="support")
     ids, meta = out["output_ids"], out["meta_info"]
+    assert support["output_ids"] == ids
+    assert support["meta_info"]["output_token_sampling_mask"] == meta["output_token_sampling_mask"]
     n = len(ids)
     assert n == 24 == meta["completion_tokens"]
     assert meta["finish_reason"] == {"type": "length", "length": 24}
@@ -68,12 +72,14 @@ def test_behavior_record_invariants(engine: str, client: httpx.Client, tiny_conf
     ]
     masks = meta["output_token_sampling_mask"]
     mus = meta["output_token_sampling_logprobs"]
-    support_lps = meta["output_token_sampling_support_logprobs"]
+    support_lps = support["meta_info"]["output_token_sampling_logprobs"]
     assert len(masks) == len(mus) == len(support_lps) == meta["output_token_sampling_mask_length"] == n
     assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
     for i, tok in enumerate(ids):
         mask, lps = masks[i], support_lps[i]
-        assert mask == sorted(mask) and len(set(mask)) == len(mask) and len(lps) == len(mask)
+        assert len(set(mask)) == len(mask) and len(lps) == len(mask)
+        # ranked as SGLang's sampler packs a mask (layers/sampler.py 607-616): highest first
+        assert lps == sorted(lps, reverse=True)
         assert tok in mask
         assert mus[i] == lps[mask.index(tok)]
         assert math.fsum(math.exp(x) for x in lps) == pytest.approx(1.0, abs=1e-9)
@@ -242,8 +248,11 @@ FINISH_KEYS = ["weight_versions", "cached_tokens_details", "dp_rank", "e2e_laten
                "decode_throughput", "response_sent_to_client_ts"]  # fmt: skip
 LOGPROB_KEYS = ["input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"]
 TOP_KEYS = ["input_top_logprobs", "output_top_logprobs"]
-MASK_KEYS = ["output_token_sampling_mask", "output_token_sampling_logprobs",
-             "output_token_sampling_support_logprobs", "output_token_sampling_mask_length"]  # fmt: skip
+MASK_KEYS = [
+    "output_token_sampling_mask",
+    "output_token_sampling_logprobs",
+    "output_token_sampling_mask_length",
+]
 
 
 @pytest.mark.parametrize(
@@ -529,10 +538,20 @@ def test_engine_frequencies_match_recorded_mu(
     first = out[0]["meta_info"]
     assert request.mask == ("output_token_sampling_mask" in first)
     if request.mask and first["output_token_sampling_mask"][0]:
+        # the first item again, with the support's log-probs (sampling_logprobs_mode: support)
+        again = generate(
+            client,
+            engine,
+            input_ids=PROMPT,
+            return_sampling_mask=True,
+            sampling_logprobs_mode="support",
+            sampling_params={**request.params, "max_new_tokens": 1, "sampling_seed": 1000},
+        )["meta_info"]
+        assert again["output_token_sampling_mask"] == first["output_token_sampling_mask"]
         expected = dict(
             zip(
-                first["output_token_sampling_mask"][0],
-                (math.exp(x) for x in first["output_token_sampling_support_logprobs"][0]),
+                again["output_token_sampling_mask"][0],
+                (math.exp(x) for x in again["output_token_sampling_logprobs"][0]),
                 strict=True,
             )
         )
@@ -591,7 +610,7 @@ def test_support_mode_returns_the_support_log_probs_per_token(engine: str, clien
     for i, tok in enumerate(support["output_ids"]):
         mask, rows = s_meta["output_token_sampling_mask"][i], s_meta["output_token_sampling_logprobs"][i]
         assert isinstance(rows, list) and len(rows) == len(mask) > 0
-        assert rows == s_meta["output_token_sampling_support_logprobs"][i]
+        assert rows == sorted(rows, reverse=True)  # ranked, as SGLang's mask (layers/sampler.py 607-616)
         assert rows[mask.index(tok)] == m_meta["output_token_sampling_logprobs"][i]
         assert math.fsum(math.exp(x) for x in rows) == pytest.approx(1.0, abs=1e-6)
     greedy = generate(client, engine, **body, sampling_params={"temperature": 0, "max_new_tokens": 2})

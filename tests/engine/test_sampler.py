@@ -107,6 +107,21 @@ def test_ties_are_broken_by_token_id() -> None:
     assert d.support_ids == (0, 1, 2, 3)  # 4 x 1/8 = 0.5 >= top_p; three are not enough
 
 
+def test_the_ranked_support_is_sglangs_mask_order() -> None:
+    """:meth:`Draw.ranked_support`: the support and its log-probs by probability, highest first
+    (SGLang's mask, layers/sampler.py 607-616), equal probabilities by ascending id."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0, 0.5]])
+    d = sample(logits, [SamplerSettings(top_k=5)], [random.Random(0)], want_support=[True])[0]
+    assert d.support_ids == (0, 1, 3, 4, 5)
+    ids, lps = d.ranked_support()
+    assert ids == (1, 3, 4, 0, 5)
+    assert lps == tuple(d.support_logprobs[d.support_ids.index(t)] for t in ids)
+    greedy = sample(logits, [SamplerSettings(temperature=0.0)], [random.Random(0)], want_support=[True])[0]
+    assert greedy.ranked_support() == ((1,), (0.0,))
+    whole = sample(logits, [SamplerSettings()], [random.Random(0)], want_support=[True])[0]
+    assert whole.ranked_support() == ((), ())
+
+
 def test_zero_probability_tokens_are_never_in_a_support() -> None:
     logits = torch.tensor([[0.0, -2000.0, -1.0, -3000.0, -0.5]])
     d = sample(logits, [SamplerSettings(top_k=4)], [random.Random(0)], want_support=[True])[0]

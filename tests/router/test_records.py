@@ -332,6 +332,10 @@ def test_numpy_varints_match_leb128_for_every_length() -> None:
 
 # ---------------------------------------------------------------- parsing engine answers
 
+MASK = "output_token_sampling_mask"
+MU = "output_token_sampling_logprobs"
+RAW = "output_token_logprobs"
+
 ARGS = {
     "index": 2,
     "group": "g",
@@ -342,23 +346,28 @@ ARGS = {
 }
 
 
-def _engine_body(rng: random.Random, n: int, *, with_none: bool = False) -> dict:
-    """A local engine's ``/generate`` answer for ``n`` tokens (mu = the token's support log-prob)."""
+def _engine_body(rng: random.Random, n: int, *, with_none: bool = False, mode: str = "support") -> dict:
+    """An engine's ``/generate`` answer for ``n`` tokens as SGLang 0.5.23 sends it: each mask
+    ranked, highest log-prob first (layers/sampler.py 607-616); in ``support`` mode
+    ``output_token_sampling_logprobs`` holds per token the support's log-probs aligned with the
+    mask (618-624), in ``selected`` mode mu, the sampled token's support log-prob."""
     out = [rng.randrange(1000) for _ in range(n)]
-    masks = [sorted({t, *rng.sample(range(1000), rng.randrange(0, 6))}) for t in out]
-    supp = [[-rng.random() * 5 for _ in m] for m in masks]
+    ranked = []
+    for t in out:
+        ids = {t, *rng.sample(range(1000), rng.randrange(0, 6))}
+        ranked.append(sorted(((-rng.random() * 5, i) for i in ids), key=lambda p: (-p[0], p[1])))
+    masks = [[i for _, i in row] for row in ranked]
+    supp = [[lp for lp, _ in row] for row in ranked]
     raw = [[-rng.random() * 6, t, None] for t in out]
     if with_none and n:
         raw[0][0] = None
+    mu = [s[m.index(t)] for s, m, t in zip(supp, masks, out, strict=True)]
     return {
         "output_ids": out,
         "meta_info": {
             "output_token_logprobs": raw,
             "output_token_sampling_mask": masks,
-            "output_token_sampling_logprobs": [
-                s[m.index(t)] for s, m, t in zip(supp, masks, out, strict=True)
-            ],
-            "output_token_sampling_support_logprobs": supp,
+            "output_token_sampling_logprobs": supp if mode == "support" else mu,
             "weight_versions": [{"version": 3, "start": 0, "end": n}],
             "finish_reason": {"type": "length", "length": n},
             "e2e_latency": 0.25,
@@ -376,19 +385,25 @@ def _f32(xs) -> list[float]:
 def test_parse_turn_reads_the_engine_answer(n: int, with_none: bool, f16: bool) -> None:
     body = _engine_body(random.Random(n), n, with_none=with_none)
     meta = copy.deepcopy(body["meta_info"])
+    mu = _sampled(body)
     if n > 1:  # ints where floats are expected are floats; large ids take multi-byte varints
-        body["meta_info"]["output_token_sampling_logprobs"][1] = -1
-        body["meta_info"]["output_token_sampling_mask"][0].append(200_000)
-        body["meta_info"]["output_token_sampling_support_logprobs"][0].append(-9)
+        sampled_at = body["meta_info"][MASK][1].index(body["output_ids"][1])
+        body["meta_info"][MU][1][sampled_at] = -1
+        body["meta_info"][MASK][0].append(200_000)
+        body["meta_info"][MU][0].append(-9)
+        mu[1] = -1.0
     t = parse_turn(body, **ARGS)
     assert (t.turn, t.group, t.replica, t.moved_from, list(t.append_ids)) == (2, "g", "r", None, [1, 2, 300])
     assert list(t.output_ids) == body["output_ids"]
     assert list(t.raw_logprobs) == [x[0] for x in meta["output_token_logprobs"]]
-    mu = meta["output_token_sampling_logprobs"]
-    if n > 1:
-        mu[1] = -1.0
     assert list(t.logprobs) == mu and all(type(x) is float for x in t.logprobs)
-    assert [list(x) for x in t.support_ids] == body["meta_info"]["output_token_sampling_mask"]
+    # stored sorted by id, each log-prob along with its id
+    want = [
+        sorted(zip(m, r, strict=True))
+        for m, r in zip(body["meta_info"][MASK], body["meta_info"][MU], strict=True)
+    ]
+    assert [list(x) for x in t.support_ids] == [[i for i, _ in row] for row in want]
+    assert [list(x) for x in t.support_logprobs] == [[x for _, x in row] for row in want]
     if n > 1:
         assert t.support_logprobs[0][-1] == -9.0 and type(t.support_logprobs[0][-1]) is float
     assert list(t.weight_versions) == ([{"version": 3, "start": 0, "end": n}] if n else [])
@@ -409,33 +424,45 @@ def test_parse_turn_reads_the_engine_answer(n: int, with_none: bool, f16: bool) 
     ]
 
 
-def _variant(edit, seed: int = 9, n: int = 3) -> dict:
-    body = _engine_body(random.Random(seed), n)
+def _variant(edit, seed: int = 9, n: int = 3, mode: str = "support") -> dict:
+    body = _engine_body(random.Random(seed), n, mode=mode)
     edit(body["meta_info"])
     return body
 
 
+def _sampled(body: dict) -> list[float]:
+    """Per token the log-prob its support-mode row holds for the sampled id."""
+    meta = body["meta_info"]
+    return [
+        float(row[mask.index(t)])
+        for t, mask, row in zip(body["output_ids"], meta[MASK], meta[MU], strict=True)
+    ]
+
+
+def _unknown_at_lowest_id(m: dict, i: int) -> None:
+    """Row ``i``'s log-prob of its lowest id made null (unknown)."""
+    m[MU][i][m[MASK][i].index(min(m[MASK][i]))] = None
+
+
 def test_parse_turn_reads_odd_and_upstream_sglang_answers() -> None:
-    body = _variant(lambda m: m["output_token_sampling_support_logprobs"][1].__setitem__(0, None))
+    body = _variant(lambda m: _unknown_at_lowest_id(m, 1))
     assert math.isnan(parse_turn(body, **ARGS).support_logprobs[1][0])  # unknown
-    t = parse_turn(_variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, None)), **ARGS)
+    t = parse_turn(_variant(lambda m: m[MU].__setitem__(2, None), mode="selected"), **ARGS)
     assert math.isnan(t.logprobs[2])
     assert decode_turn(encode_turn(t)).to_json()["records"][2]["logprob"] is None
-    # mu given as a list: the sampled token's support log-prob
-    body = _variant(lambda m: m["output_token_sampling_logprobs"].__setitem__(2, [0.5]))
+    # support mode, mu a list: the sampled token's support log-prob
+    body = _variant(lambda m: None)
     meta = body["meta_info"]
-    i = meta["output_token_sampling_mask"][2].index(body["output_ids"][2])
-    assert parse_turn(body, **ARGS).logprobs[2] == meta["output_token_sampling_support_logprobs"][2][i]
-    # upstream SGLang without the support's log-probs: unknown (NaN), mu as sent
-    body = _variant(lambda m: m.pop("output_token_sampling_support_logprobs"))
+    i = meta[MASK][2].index(body["output_ids"][2])
+    assert parse_turn(body, **ARGS).logprobs[2] == meta[MU][2][i]
+    # SGLang's selected mode, without the support's log-probs: unknown (NaN), mu as sent
+    body = _variant(lambda m: None, mode="selected")
     t = parse_turn(body, **ARGS)
     assert [len(x) for x in t.support_logprobs] == [len(x) for x in t.support_ids]
     assert all(math.isnan(x) for row in t.support_logprobs for x in row)
-    assert list(t.logprobs) == body["meta_info"]["output_token_sampling_logprobs"]
+    assert list(t.logprobs) == body["meta_info"][MU]
     # ... and without mu either: the raw log-prob
-    body = _variant(
-        lambda m: (m.pop("output_token_sampling_support_logprobs"), m.pop("output_token_sampling_logprobs"))
-    )
+    body = _variant(lambda m: m.pop(MU), mode="selected")
     assert list(parse_turn(body, **ARGS).logprobs) == [
         x[0] for x in body["meta_info"]["output_token_logprobs"]
     ]
@@ -474,12 +501,6 @@ def _set(path: tuple, value):
     return edit
 
 
-MASK = "output_token_sampling_mask"
-SUPPORT = "output_token_sampling_support_logprobs"
-MU = "output_token_sampling_logprobs"
-RAW = "output_token_logprobs"
-
-
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -516,17 +537,15 @@ RAW = "output_token_logprobs"
             r"output_token_sampling_mask\[0\]\[0\] = True is not a token id",
         ),
         (
-            _variant(
-                lambda m: (_set((MASK, 0), [0, True, 500])(m), _set((SUPPORT, 0), [-1.0, -2.0, -3.0])(m))
-            ),
+            _variant(lambda m: (_set((MASK, 0), [0, True, 500])(m), _set((MU, 0), [-1.0, -2.0, -3.0])(m))),
             r"output_token_sampling_mask\[0\]\[1\] = True is not a token id",
         ),
-        (_variant(_set((SUPPORT, 0), [])), r"support_logprobs\[0\] has 0 log-probs for \d+ support ids"),
-        (_variant(_set((SUPPORT, 1), "x")), r"support_logprobs\[1\] = 'x' is not a list of log-probs"),
-        (_variant(_set((SUPPORT, 1, 0), "x")), r"support_logprobs\[1\]\[0\] = 'x' is not a number"),
+        (_variant(_set((MU, 0), [])), r"sampling_logprobs\[0\] has 0 log-probs for \d+ support ids"),
+        (_variant(_set((MU, 1), "x")), r"sampling_logprobs\[1\] = 'x' is not a number"),
+        (_variant(_set((MU, 1, 0), "x")), r"sampling_logprobs\[1\]\[0\] = 'x' is not a number"),
         (
-            _variant(_set((SUPPORT, 1, 0), 2**2000)),
-            r"support_logprobs\[1\]\[0\] = \d+ is beyond a float's range",
+            _variant(_set((MU, 1, 0), 2**2000)),
+            r"sampling_logprobs\[1\]\[0\] = \d+ is beyond a float's range",
         ),
         (_variant(_set((MU, 2), "x")), r"output_token_sampling_logprobs\[2\] = 'x' is not a number"),
         (_variant(_set((MU, 2), False)), r"output_token_sampling_logprobs\[2\] = False is not a number"),
@@ -535,7 +554,7 @@ RAW = "output_token_logprobs"
             r"output_token_sampling_logprobs has 2 entries for 3 output tokens",
         ),
         (
-            _variant(lambda m: (m.pop(MU), _set((MASK, 0), [1001])(m), _set((SUPPORT, 0), [0.0])(m))),
+            _variant(lambda m: (_set((MASK, 0), [1001])(m), _set((MU, 0), [0.0])(m))),
             r"output token \d+ \(output_ids\[0\]\) is not in meta_info\.output_token_sampling_mask\[0\]",
         ),
         (_variant(_set(("weight_versions",), "x")), r"meta_info\.weight_versions is not a list"),
@@ -560,11 +579,8 @@ def test_parse_turn_refuses_a_malformed_answer_naming_the_field(body, message: s
 
 
 def test_the_encoder_refuses_what_it_cannot_store_from_a_parsed_answer() -> None:
-    not_increasing = _variant(
-        lambda m: m.update(
-            output_token_sampling_mask=[[5, 5]] * 3, output_token_sampling_support_logprobs=[[-1.0, -2.0]] * 3
-        )
-    )
+    not_increasing = _variant(lambda m: m.update({MASK: [[5, 5]] * 3, MU: [[-1.0, -2.0]] * 3}))
+    not_increasing["output_ids"] = [5, 5, 5]
     t = parse_turn(not_increasing, **ARGS)
     with pytest.raises(
         ValueError, match="support ids of output token 0 must be non-negative and strictly increasing"
@@ -593,10 +609,9 @@ FIELDS = [
     (MASK,),
     (MASK, 1),
     (MASK, 1, 0),
-    (SUPPORT,),
-    (SUPPORT, 1),
-    (SUPPORT, 1, 0),
     (MU,),
+    (MU, 1),
+    (MU, 1, 0),
     (MU, 2),
     ("weight_versions",),
     ("weight_versions", 0),
@@ -681,12 +696,11 @@ def test_support_rows_are_flat_and_read_as_lists() -> None:
 
     body = _engine_body(random.Random(3), 4)
     meta = body["meta_info"]
-    meta[MASK] = [list(reversed(m)) for m in meta[MASK]]  # ranked, as SGLang sends them
-    meta[SUPPORT] = [list(reversed(s)) for s in meta[SUPPORT]]
+    assert any(m != sorted(m) for m in meta[MASK])  # ranked, as SGLang sends them
     t = parse_turn(body, **ARGS)
     assert type(t.support_ids) is Rows and type(t.support_logprobs) is Rows
     assert t.support_ids == [sorted(m) for m in meta[MASK]]
-    for got, mask, lps in zip(t.support_logprobs, meta[MASK], meta[SUPPORT], strict=True):
+    for got, mask, lps in zip(t.support_logprobs, meta[MASK], meta[MU], strict=True):
         assert got == [lps[mask.index(i)] for i in sorted(mask)]
     assert replace(t, turn=3).support_ids == t.support_ids
     hand = replace(t, support_ids=[list(r) for r in t.support_ids])  # lists become Rows too
@@ -707,16 +721,15 @@ def test_ranked_supports_sort_as_each_row_sorted_alone(top: int) -> None:
         mask = list({t, *(rng.randrange(top) for _ in range(rng.choice([0, 1, 2, 9, 300])))})
         rng.shuffle(mask)
         meta[MASK][i] = mask
-        meta[SUPPORT][i] = [-rng.random() * 5 for _ in mask]
-        meta[MU][i] = meta[SUPPORT][i][mask.index(t)]
+        meta[MU][i] = [-rng.random() * 5 for _ in mask]
     turn = parse_turn(body, **ARGS)
-    want = [sorted(zip(m, s, strict=True)) for m, s in zip(meta[MASK], meta[SUPPORT], strict=True)]
+    want = [sorted(zip(m, s, strict=True)) for m, s in zip(meta[MASK], meta[MU], strict=True)]
     assert turn.support_ids == [[i for i, _ in row] for row in want]
     assert turn.support_logprobs == [[x for _, x in row] for row in want]
     assert turn.support_ids.values == turn.support_ids.array.tolist()
     assert decode_turn(encode_turn(turn)).support_ids == turn.support_ids
     meta[MASK][5] = [*meta[MASK][5], meta[MASK][5][0]]
-    meta[SUPPORT][5] = [*meta[SUPPORT][5], -1.0]
+    meta[MU][5] = [*meta[MU][5], -1.0]
     with pytest.raises(ValueError, match="strictly increasing|duplicate"):
         encode_turn(parse_turn(body, **ARGS))
 
@@ -724,14 +737,12 @@ def test_ranked_supports_sort_as_each_row_sorted_alone(top: int) -> None:
 def _reference_mu(body: dict) -> list[float]:
     """mu per token as :func:`parse_turn` states it, token by token: the engine's number (null:
     unknown); for a token without one (no mu key, or a list in its place) the sampled token's
-    log-prob at its first place in its support when the support's log-probs are known, its raw
-    log-prob (None: NaN) when not or when the support is empty; ValueError when the token is not
-    in its non-empty support."""
+    log-prob at its first place in its support when the support's log-probs are known (SGLang's
+    support mode: every entry a row), its raw log-prob (None: NaN) when not or when the support is
+    empty; ValueError when the token is not in its non-empty support."""
     meta, out = body["meta_info"], body["output_ids"]
     mu = meta.get(MU)
-    supports = meta.get(SUPPORT)
-    if supports is None and mu and all(type(x) is list for x in mu):
-        supports = mu  # SGLang's support mode
+    supports = mu if mu and all(type(x) is list for x in mu) else None  # SGLang's support mode
     want = []
     for i, tok in enumerate(out):
         x = None if mu is None else mu[i]
@@ -758,24 +769,25 @@ def test_behavior_log_probs_match_the_per_token_reference() -> None:
     for case in range(400):
         body = _engine_body(rng, rng.choice([1, 3, 8]), with_none=case % 3 == 0)
         meta, out = body["meta_info"], body["output_ids"]
+        rows = meta[MU]
         for i, tok in enumerate(out):
             shape = rng.choice(["float", "int", "null", "row", "empty", "twice", "absent"])
             if shape == "empty":
-                meta[MASK][i], meta[SUPPORT][i] = [], []
+                meta[MASK][i], rows[i] = [], []
             elif shape == "twice":  # the first place in the engine's order is the one sampled
                 meta[MASK][i] = [*meta[MASK][i], tok]
-                meta[SUPPORT][i] = [*meta[SUPPORT][i], -9.0]
+                rows[i] = [*rows[i], -9.0]
             elif shape == "absent":
                 meta[MASK][i] = [t for t in meta[MASK][i] if t != tok] or [tok + 1]
-                meta[SUPPORT][i] = meta[SUPPORT][i][: len(meta[MASK][i])]
-            numbers = {"float": -rng.random(), "int": -rng.randrange(3), "null": None}
-            meta[MU][i] = numbers[shape] if shape in numbers else list(meta[SUPPORT][i])  # SGLang's row
+                rows[i] = rows[i][: len(meta[MASK][i])]
+        numbers = {"float": -rng.random(), "int": -rng.randrange(3), "null": None}
+        shapes = [rng.choice(["float", "int", "null", "row"]) for _ in out]
+        mixed = [numbers[sh] if sh in numbers else list(rows[i]) for i, sh in enumerate(shapes)]
         if rng.random() < 0.3:
             meta.pop(MU)
-        elif rng.random() < 0.3:  # SGLang's support mode: the rows in mu, no support key
-            meta[MU] = meta.pop(SUPPORT)
-        elif rng.random() < 0.2:
-            meta.pop(SUPPORT)
+        elif rng.random() < 0.4:  # mu per token, some entries a row
+            meta[MU] = mixed
+        # else SGLang's support mode: every entry its row
         try:
             want = _reference_mu(body)
         except ValueError as exc:
@@ -793,17 +805,18 @@ def test_float32_support_log_probs_are_answered_with_the_values_sent() -> None:
     the stored turn's answer holds the very floats of the engine's answer (no new objects)."""
     body = _engine_body(random.Random(5), 6)
     meta = body["meta_info"]
-    meta[SUPPORT] = [_f32(row) for row in meta[SUPPORT]]
-    meta[MU] = [_f32([x])[0] for x in meta[MU]]
+    # masks whose ranking is their id order: the rows are stored as the lists the answer holds
+    meta[MASK] = [sorted(m) for m in meta[MASK]]
+    meta[MU] = [sorted(_f32(row), reverse=True) for row in meta[MU]]
     stored = encode_stored(parse_turn(body, **ARGS))[1]
-    for rec, row in zip(stored.to_json()["records"], meta[SUPPORT], strict=True):
+    for rec, row in zip(stored.to_json()["records"], meta[MU], strict=True):
         assert all(a is b for a, b in zip(rec["support_logprobs"], row, strict=True))
 
 
 @pytest.mark.parametrize("f16", [False, True])
 def test_a_support_log_prob_beyond_the_format_is_refused_beside_unknown_ones(f16: bool) -> None:
     body = _engine_body(random.Random(7), 3)
-    row = body["meta_info"][SUPPORT][0]
+    row = body["meta_info"][MU][0]
     row[0] = None  # unknown (NaN): no magnitude, never hides the one beyond range
     row.append(1e5 if f16 else 1e39)
     body["meta_info"][MASK][0].append(5000)

@@ -125,6 +125,26 @@ def test_filtered_and_greedy_turns_ask_for_the_mask(client, proxy, sp, top_k, sa
             assert rec["support_ids"] == [rec["token_id"]] and rec["logprob"] == 0.0
 
 
+def test_a_ranked_mask_is_recorded_sorted_by_id_with_its_log_probs(client, proxy) -> None:
+    """The engine answers as SGLang 0.5.23 does in support mode: each mask ranked, most likely
+    first, ``output_token_sampling_logprobs`` rows aligned with it, no other mask key
+    (layers/sampler.py 607-624). The records hold each support sorted by id with the log-prob the
+    engine sent for each id (as float32), and mu the sampled id's: a reference computed here
+    from the engine's answer alone."""
+    turn, sent, answer = _turn(client, proxy, {"temperature": 1.5, "top_k": 12, "max_new_tokens": 12})
+    assert sent["sampling_logprobs_mode"] == "support"
+    meta = answer["meta_info"]
+    assert "output_token_sampling_support_logprobs" not in meta
+    masks, rows = meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+    assert all(row == sorted(row, reverse=True) for row in rows)  # ranked, highest first
+    assert any(mask != sorted(mask) for mask in masks)  # so the records' order is the parser's
+    for rec, tok, mask, row in zip(turn["records"], answer["output_ids"], masks, rows, strict=True):
+        by_id = sorted(zip(mask, row, strict=True))
+        assert rec["support_ids"] == [i for i, _ in by_id]
+        assert rec["support_logprobs"] == [_f32(x) for _, x in by_id]
+        assert rec["token_id"] == tok and rec["logprob"] == _f32(row[mask.index(tok)])
+
+
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
