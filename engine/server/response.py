@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -314,8 +313,3 @@ class _Clock:
             return {}
         self.sent_at = time.monotonic()
         return {"response_sent_to_client_ts": self._real(self.sent_at)}
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON; a non-finite float is an error (callers send them as ``null``)."""
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()

@@ -25,13 +25,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from core.jsonio import dumps
 from core.sglang_contract import stream_error_event
 from engine.runtime.engine import Engine
 from engine.runtime.request import RequestError
 from engine.runtime.scheduler import FinishEvent, TokenEvent
 from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse, refusal
-from engine.server.response import GenerateResponse, dumps
+from engine.server.response import GenerateResponse
 
 router = APIRouter()
 

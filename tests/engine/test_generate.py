@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import torch
 
@@ -467,6 +468,26 @@ def test_the_text_drops_the_matched_stop_id_unless_no_stop_trim(engine: str, cli
         assert out["output_ids"] == first[: k + 1] and out["text"] == text, (no_trim, out)
         last = StreamReader(engine, {"input_ids": PROMPT, "sampling_params": params}).result()
         assert last["text"] == text and last["output_ids"][-1:] == [stop], (no_trim, last)
+
+
+def test_an_answer_is_written_as_sglangs_orjson_writes_it(engine: str, client: httpx.Client) -> None:
+    """A ``/generate`` answer's bytes, whole and each streamed event, are what SGLang 0.5.23's
+    ``dumps_json`` (orjson, ``utils/json_response.py`` 12-17; ``entrypoints/http_server.py`` 956,
+    974, 987) writes for the same value: raw UTF-8, not ASCII escapes (the output's text here holds
+    U+FFFD), orjson's float spelling."""
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+    }
+    r = client.post(engine + "/generate", json=body)
+    assert r.status_code == 200 and "\ufffd" in r.json()["text"], r.text
+    assert r.content == orjson.dumps(r.json(), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    with client.stream("POST", engine + "/generate", json={**body, "stream": True}) as s:
+        events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    for event in events[:-1]:
+        assert event.encode() == orjson.dumps(orjson.loads(event)), event
 
 
 def test_requests_join_the_running_batch(engine: str, client: httpx.Client) -> None:
