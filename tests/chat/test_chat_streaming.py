@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tests.chat.conftest import reasoning_opened, trajectory
 from tests.chat.test_chat_live import OPENAI_TOOLS, _new_session, _stored
-from tests.support.recorder import HOP, serve_in_thread
+from tests.support.recorder import HOP, serving
 from tests.support.router import router_process, write_preset
 from tests.support.scripted import scripted_engine
 
@@ -385,9 +385,7 @@ class _StartPastTheInput:
 
 @contextlib.contextmanager
 def _start_past_the_input(upstream: str) -> Iterator[_StartPastTheInput]:
-    proxy = _StartPastTheInput(upstream)
-    with serve_in_thread(proxy.handle, "start-past-the-input") as url:
-        proxy.url = url
+    with serving(_StartPastTheInput(upstream), "start-past-the-input") as proxy:
         yield proxy
 
 

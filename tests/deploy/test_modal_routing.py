@@ -46,7 +46,7 @@ from router.policy import choose_replica
 from router.registry import Registry
 from tests.support.engines import engine_process
 from tests.support.procs import free_port
-from tests.support.recorder import serve_in_thread
+from tests.support.recorder import serving
 from tests.support.router import router_process, write_preset
 
 TOKEN = {"Modal-Key": "wk-" + secrets.token_hex(8), "Modal-Secret": "ws-" + secrets.token_hex(16)}
@@ -143,9 +143,8 @@ class StandInProxy:
 def stand_in_proxy(engines: list[str]) -> Iterator[StandInProxy]:
     proxy = StandInProxy({e.removeprefix("http://"): e for e in engines})
     proxy.containers[f"127.0.0.1:{free_port()}"] = engines[0]
-    with serve_in_thread(proxy.handle, "stand-in-modal-proxy") as url:
-        proxy.url = url
-        yield proxy
+    with serving(proxy, "stand-in-modal-proxy") as served:
+        yield served
 
 
 def _heartbeat(router_url: str, replica_id: str, url: str, running: int = 0) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -47,10 +48,17 @@ class Recorder:
 def recording_proxy(upstream: str) -> Iterator[Recorder]:
     """Serve a :class:`Recorder` of ``upstream`` on a free loopback port (its own thread and
     event loop) until the block ends."""
-    rec = Recorder(upstream)
-    with serve_in_thread(rec.handle, "recording-proxy") as url:
-        rec.url = url
+    with serving(Recorder(upstream), "recording-proxy") as rec:
         yield rec
+
+
+@contextlib.contextmanager
+def serving(proxy: Any, name: str) -> Iterator[Any]:
+    """Serve ``proxy.handle`` (:func:`serve_in_thread`) until the block ends; yields ``proxy``
+    with its ``url`` set to the server's."""
+    with serve_in_thread(proxy.handle, name) as url:
+        proxy.url = url
+        yield proxy
 
 
 @contextlib.contextmanager

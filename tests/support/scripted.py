@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from tests.support.recorder import HOP, serve_in_thread
+from tests.support.recorder import HOP, serving
 
 
 @dataclass
@@ -130,7 +130,5 @@ def _scripted(out: dict, script: list[int], stops: set[int]) -> dict:
 @contextlib.contextmanager
 def scripted_engine(upstream: str) -> Iterator[ScriptedEngine]:
     """Serve a :class:`ScriptedEngine` in front of ``upstream`` until the block ends."""
-    engine = ScriptedEngine(upstream)
-    with serve_in_thread(engine.handle, "scripted-engine") as url:
-        engine.url = url
+    with serving(ScriptedEngine(upstream), "scripted-engine") as engine:
         yield engine
