@@ -54,6 +54,14 @@ SAMPLING_MASK_MAX_TOKENS_DEFAULT = 4096
 SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
 
+# managers/schedule_batch.py 163 INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the detokenizer decodes an
+# output after up to this many of the prompt's last ids (init_incremental_detokenize, 1788-1806).
+DETOKENIZE_CONTEXT_IDS = 5
+# environ.py 688 SGLANG_FORCE_STREAM_INTERVAL (default 50): an unstreamed request's output goes
+# to the detokenizer every this many tokens before its finish
+# (scheduler_components/output_streamer.py 49, 474-476).
+FORCE_STREAM_INTERVAL = 50
+
 # managers/io_struct.py 239-245 GenerateReqInput.sampling_logprobs_mode; managers/schedule_batch.py
 # SamplingLogprobsMode = Literal["selected", "support"]. "selected": output_token_sampling_logprobs
 # holds mu per token; "support": per token the log-probs of the whole support, aligned with

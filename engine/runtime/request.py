@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
+from core.sglang_release import DETOKENIZE_CONTEXT_IDS, SAMPLING_MASK_MAX_TOKENS_DEFAULT
 from engine.runtime.sampler import SamplerSettings
 
 
@@ -79,6 +79,19 @@ class GenerateSpec:
     # SGLang's Req.to_finish as Req.set_finish_with_abort leaves it (see with_finish_abort): the
     # scheduler runs the request and finishes it with this reason once it drew its first token
     to_finish: dict[str, Any] | None = None
+    # SGLang's Req.origin_input_ids_unpadded where with_finish_abort replaced input_ids; None:
+    # input_ids (see detokenize_context)
+    origin_input_ids_unpadded: tuple[int, ...] | None = None
+
+    @property
+    def detokenize_context(self) -> tuple[int, ...]:
+        """The prompt ids SGLang 0.5.23's detokenizer decodes the output after: the last
+        ``DETOKENIZE_CONTEXT_IDS`` (5) of ``Req.origin_input_ids_unpadded``
+        (``init_incremental_detokenize``, managers/schedule_batch.py 1788-1806), which
+        ``set_finish_with_abort`` leaves as the client's prompt: it replaces only
+        ``origin_input_ids`` (2233-2235; the two are one list until then, 1091-1095)."""
+        prompt = self.input_ids if self.origin_input_ids_unpadded is None else self.origin_input_ids_unpadded
+        return prompt[-DETOKENIZE_CONTEXT_IDS:]
 
     @property
     def scheduler_abort(self) -> dict[str, Any] | None:
@@ -92,7 +105,8 @@ class GenerateSpec:
         """This request as SGLang 0.5.23's ``Req.set_finish_with_abort`` leaves it
         (managers/schedule_batch.py 2221-2238): its input the one token 0 ("to skip the long
         prefill"), no input log-probs computed (``return_logprob`` false, ``logprob_start_len`` -1
-        on the scheduler's request), ``to_finish`` ``reason``; its other sampling parameters kept.
+        on the scheduler's request), ``to_finish`` ``reason``; its other sampling parameters kept;
+        the client's prompt kept as ``origin_input_ids_unpadded`` (:attr:`detokenize_context`).
         ``return_logprob`` and ``top_logprobs_num`` stay as asked: the tokenizer manager answers the
         log-prob keys the client asked for (managers/tokenizer_manager.py 2520-2529), empty, as
         nothing was computed (the answer's job: ``engine.server.response``).
@@ -102,5 +116,10 @@ class GenerateSpec:
             self.routed_experts_start_len if routed_experts_start_len is None else routed_experts_start_len
         )
         return dataclasses.replace(
-            self, input_ids=(0,), logprob_start_len=1, to_finish=reason, routed_experts_start_len=start
+            self,
+            input_ids=(0,),
+            origin_input_ids_unpadded=self.input_ids,
+            logprob_start_len=1,
+            to_finish=reason,
+            routed_experts_start_len=start,
         )

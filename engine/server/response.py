@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from core.sglang_release import META_ROUTED_EXPERTS, encode_routed_experts
+from core.sglang_release import FORCE_STREAM_INTERVAL, META_ROUTED_EXPERTS, encode_routed_experts
 from engine.runtime.engine import Engine
 from engine.runtime.sampler import finite_or_none
 from engine.runtime.scheduler import FinishEvent, PrefillEvent, TokenEvent
@@ -34,7 +34,9 @@ class GenerateResponse:
         self.finish: Any = None
         self.retractions = 0
         self.clock = _Clock(start)
-        self.streamed = _StreamedText()
+        skip = spec.skip_special_tokens
+        self.detokenizer = _Detokenizer(spec.detokenize_context, lambda ids: engine.decode(ids, skip))
+        self.detokenized = 0  # output ids the detokenizer has taken
 
     def add(self, event: Any) -> None:
         self.clock.saw(event)
@@ -43,11 +45,21 @@ class GenerateResponse:
             self.draws.append(event.draw)
             self.versions.append(event.weight_version)
             self.retractions = event.retractions
+            if not event.finishes and streamer_sends(self.spec, len(self.output_ids)):
+                self._detokenize(finished=False)
         elif isinstance(event, PrefillEvent):
             self.prefill = event
         elif isinstance(event, FinishEvent):
             self.finish = event
             self.retractions = event.retractions
+            self._detokenize(finished=True)
+
+    def _detokenize(self, finished: bool) -> None:
+        """Hand the output ids since the last output to :attr:`detokenizer`, as SGLang's output
+        streamer sends them (its finish: the one with a finish reason)."""
+        new = self.output_ids[self.detokenized :]
+        self.detokenized = len(self.output_ids)
+        self.detokenizer.step(new, finished, finished and self._trims_matched_stop())
 
     def spans(self) -> list[dict[str, Any]]:
         """``meta_info.weight_versions``: the output's spans by the version that drew each token,
@@ -73,16 +85,13 @@ class GenerateResponse:
         (managers/tokenizer_manager.py 2520-2529, 2868-2870); else every draw."""
         return [] if self.spec.to_finish is not None else self.draws
 
-    def _text_ids(self) -> list[int]:
-        """The ids the answer's ``text`` decodes: SGLang's detokenizer drops the last id of an
-        output that a stop id or EOS finished (a ``matched`` id), unless ``no_stop_trim``
-        (managers/detokenizer_manager.py ``trim_matched_stop`` 194-226, applied 334-339; the
-        tool-call parsers' closing ids it keeps are not the fleet's: no ``--tool-call-parser``).
+    def _trims_matched_stop(self) -> bool:
+        """Whether the text drops the output's last id: SGLang's detokenizer drops it where a
+        stop id or EOS finished the output (a ``matched`` id), unless ``no_stop_trim``
+        (managers/detokenizer_manager.py ``trim_matched_stop`` 194-226, applied 346-351).
         ``output_ids`` keep it (scheduler_components/output_streamer.py 490-491)."""
-        reason = self.finish.finish_reason if self.finish is not None else {}
-        matched = reason.get("matched")
-        trim = isinstance(matched, int) and not isinstance(matched, bool) and not self.spec.no_stop_trim
-        return self.output_ids[:-1] if trim and self.output_ids else self.output_ids
+        matched = self.finish.finish_reason.get("matched")
+        return isinstance(matched, int) and not isinstance(matched, bool) and not self.spec.no_stop_trim
 
     def _text(self, token_id: int) -> str | None:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
@@ -135,7 +144,8 @@ class GenerateResponse:
 
     def body(self) -> dict[str, Any]:
         """The answer as SGLang sends it now: the final one once the finish was added, else a
-        stream's chunk (which :attr:`clock` counts as sent)."""
+        stream's chunk (which :attr:`clock` counts as sent), sent where
+        :func:`streamer_sends`."""
         spec = self.spec
         finished = self.finish is not None
         meta: dict[str, Any] = {  # managers/tokenizer_manager.py 2507-2513
@@ -173,51 +183,71 @@ class GenerateResponse:
             meta["e2e_latency"] = self.clock.e2e_latency()
             meta.update(self.clock.finish_times(len(self.output_ids)))
         meta.update(self.clock.sent())
-        skip = spec.skip_special_tokens
-        text = (
-            self.engine.decode(self._text_ids(), skip)
-            if finished
-            else self.streamed.text(self.output_ids, lambda ids: self.engine.decode(ids, skip))
-        )
         return {
-            "text": text,
+            "text": self.detokenizer.text,
             "output_ids": list(self.output_ids),
             "meta_info": meta,
         }
 
 
-class _StreamedText:
-    """The ``text`` of a stream's chunk before the finish, as SGLang 0.5.23's detokenizer builds
-    it: each output decodes the ids past the last committed point and commits the new text
-    unless it ends in U+FFFD (an incomplete character, or an invalid byte); then it sends only
-    ``find_printable_text`` of it (up to its last space, a CJK rule, or whole after a newline)
-    and commits nothing, so the next output retries from the same point (managers/
-    detokenizer_manager.py 77-101 ``DecodeStatus``, 391-417; sglang/utils.py 320-361). A
-    cumulative chunk's text is everything sent so far (tokenizer_manager.py 2630-2633,
-    2006-2014). The final text is the whole output's (:meth:`GenerateResponse.body`)."""
+def streamer_sends(spec: Any, made: int) -> bool:
+    """Whether SGLang 0.5.23's output streamer, one token a step, sends an unfinished request's
+    output once it has ``made`` tokens: a stream's first token at once, then once
+    ``stream_interval`` tokens are unsent (at 1, 1 + k, 1 + 2k, ...); an unstreamed request's
+    every ``FORCE_STREAM_INTERVAL`` (50) tokens (scheduler_components/output_streamer.py
+    455-478, 491-492). A finished request's output is always sent."""
+    if spec.stream:
+        return made > 0 and (made - 1) % spec.stream_interval == 0
+    return made > 0 and made % FORCE_STREAM_INTERVAL == 0
 
-    def __init__(self) -> None:
+
+class _Detokenizer:
+    """An output's ``text`` as SGLang 0.5.23's detokenizer builds it from the outputs the output
+    streamer sends it (:func:`streamer_sends`, then the finish), and its tokenizer manager
+    concatenates (managers/tokenizer_manager.py 2629-2633, 2006-2014): :attr:`text`.
+
+    The ids decoded are the prompt's last ids (``context``, :attr:`GenerateSpec.detokenize_context`)
+    then the output, starting with ``surr`` 0 and ``read`` past the context
+    (managers/schedule_batch.py 1788-1806; detokenizer_manager.py 351-361). Each output decodes
+    ``ids[surr:]`` (a finish matched by a stop id or EOS drops its last id unless
+    ``no_stop_trim``: ``trim_matched_stop`` 194-226, the tool-call parsers' closing ids it keeps
+    are not the fleet's) and ``ids[surr:read]``; the new text is the first past the second's
+    length (346-399). Before the finish, new text that does not end in U+FFFD (an incomplete
+    character, or an invalid byte) is committed and the offsets advance; otherwise only
+    ``find_printable_text`` of it is sent and nothing committed (400-417; sglang/utils.py 320-361).
+    The finish sends the committed text and the new text past what was sent (419-430)."""
+
+    def __init__(self, context: tuple[int, ...], decode: Any) -> None:
+        self.decode = decode  # ids -> their text
+        self.ids = list(context)
+        self.surr = 0
+        self.read = len(context)
         self.committed = ""
-        self.surr = 0  # the ids before ``read`` decode to what was committed last
-        self.read = 0
-        self.sent_len = 0  # characters sent: the committed text and a printable tail past it
-        self.sent = ""
+        self.sent_offset = 0  # characters sent: the committed text and a printable tail past it
+        self.text = ""
 
-    def text(self, ids: list[int], decode: Any) -> str:
-        """The chunk's text once ``ids`` (all output ids so far) are output; ``decode`` maps ids
-        to their text."""
-        new = decode(ids[self.surr :])[len(decode(ids[self.surr : self.read])) :]
-        pending = self.sent_len - len(self.committed)
-        if new and not new.endswith("\ufffd"):
+    def step(self, new_ids: list[int], finished: bool, trim: bool) -> None:
+        """Take one output: ``new_ids`` (the output ids since the last), whether it is the
+        finish, and whether that finish drops its matched stop id."""
+        self.ids.extend(new_ids)
+        read_ids = self.ids[self.surr :]
+        if trim and read_ids:
+            read_ids = read_ids[:-1]
+        new = self.decode(read_ids)[len(self.decode(self.ids[self.surr : self.read])) :]
+        pending = self.sent_offset - len(self.committed)
+        if finished:
+            whole = self.committed + new
+            self.text += whole[self.sent_offset :]
+            self.sent_offset = len(whole)
+        elif new and not new.endswith("\ufffd"):
             self.committed += new
-            self.surr, self.read = self.read, len(ids)
-            self.sent_len = len(self.committed)
-            self.sent += new[pending:]
+            self.surr, self.read = self.read, len(self.ids)
+            self.sent_offset = len(self.committed)
+            self.text += new[pending:]
         else:
             printable = _printable(new)
-            self.sent_len = len(self.committed) + len(printable)
-            self.sent += printable[pending:]
-        return self.sent
+            self.sent_offset = len(self.committed) + len(printable)
+            self.text += printable[pending:]
 
 
 def _printable(text: str) -> str:

@@ -32,7 +32,7 @@ from engine.runtime.request import RequestError
 from engine.runtime.scheduler import FinishEvent, TokenEvent
 from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse, refusal
-from engine.server.response import GenerateResponse
+from engine.server.response import GenerateResponse, streamer_sends
 
 router = APIRouter()
 
@@ -61,12 +61,11 @@ async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, 
 
 def _due(spec: Any, sent: int, made: int) -> bool:
     """Whether a stream that has sent ``sent`` tokens sends its body at ``made`` tokens: only
-    where SGLang's output streamer, one token a step, sends one (the first token at once, then
-    once ``stream_interval`` tokens are unsent: at 1, 1 + k, 1 + 2k, ...;
-    scheduler_components/output_streamer.py 464-469, 491-492), so every chunk is one SGLang can
-    send; one passed over while events coalesced is skipped, as SGLang's tokenizer manager yields
-    only the last pending output (tokenizer_manager.py 1985-1993). The finish is always sent."""
-    return made > sent and (made - 1) % spec.stream_interval == 0
+    where SGLang's output streamer sends one (:func:`engine.server.response.streamer_sends`), so
+    every chunk is one SGLang can send; one passed over while events coalesced is skipped, as
+    SGLang's tokenizer manager yields only the last pending output (tokenizer_manager.py
+    1985-1993). The finish is always sent."""
+    return made > sent and streamer_sends(spec, made)
 
 
 def _finishing(event: Any) -> bool:

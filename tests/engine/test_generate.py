@@ -447,6 +447,65 @@ def test_stop_token_ids(engine: str, client: httpx.Client) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def _sglang_texts(tokenizer: Any, prompt: list[int], output: list[int], trim: bool) -> dict[int, str]:
+    """A reference of SGLang 0.5.23's detokenizer (managers/detokenizer_manager.py 346-430) for a
+    stream at ``stream_interval`` 1 (an output at each token, the last with the finish): the text
+    sent so far after each output's count of ids. It decodes ``ids[surr:]`` and ``ids[surr:read]``
+    after the prompt's last 5 ids (managers/schedule_batch.py 163, 1788-1806) and sends the
+    difference (held back to its last space while it ends in U+FFFD, sglang/utils.py 345-361:
+    the tiny model's text has no newline nor CJK character at a hold-back here)."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+
+    ids, surr, read = prompt[-5:], 0, len(prompt[-5:])
+    committed, sent_offset, sent, texts = "", 0, "", {}
+    for n, token in enumerate(output, 1):
+        ids = [*ids, token]
+        finished = n == len(output)
+        read_ids = ids[surr:-1] if finished and trim else ids[surr:]
+        new = decode(read_ids)[len(decode(ids[surr:read])) :]
+        if finished:
+            sent += (committed + new)[sent_offset:]
+        elif new and not new.endswith("\ufffd"):
+            sent += new[sent_offset - len(committed) :]
+            committed, surr, read, sent_offset = committed + new, read, len(ids), len(committed + new)
+        else:
+            printable = new[: new.rfind(" ") + 1]
+            sent += printable[sent_offset - len(committed) :]
+            sent_offset = len(committed) + len(printable)
+        texts[n] = sent
+    return texts
+
+
+def test_the_text_is_decoded_after_the_prompts_last_ids(
+    engine: str, client: httpx.Client, tiny_dir: Path
+) -> None:
+    """An output's ``text``, unstreamed and each streamed chunk, is what SGLang 0.5.23's
+    detokenizer sends: the output decoded after the prompt's last 5 ids, so a prompt that ends
+    inside a character (the lead byte of a 3-byte one) and an output that completes it reads as
+    the output past that character (:func:`_sglang_texts`, the ``tokenizers`` library's decode),
+    not the output's own bytes decoded alone, which begin with U+FFFD."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    prompt = [*PROMPT, 0xE4]  # "Hello, w" and the lead byte of a 3-byte character
+    differs = 0
+    for seed in range(12):
+        params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0, "sampling_seed": seed,
+                  "skip_special_tokens": False}  # fmt: skip
+        body = {"input_ids": prompt, "sampling_params": params}
+        whole = generate(client, engine, **body)
+        texts = _sglang_texts(tokenizer, prompt, whole["output_ids"], trim=False)
+        assert whole["text"] == texts[6], (seed, whole["output_ids"])
+        reader = StreamReader(engine, body)
+        reader.result()
+        for chunk in reader.chunks:
+            assert chunk["text"] == texts[len(chunk["output_ids"])], (seed, chunk["output_ids"])
+        differs += whole["text"] != tokenizer.decode(whole["output_ids"], skip_special_tokens=False)
+    assert differs, "no output completed the prompt's character: the case is not exercised"
+
+
 def test_the_text_drops_the_matched_stop_id_unless_no_stop_trim(engine: str, client: httpx.Client) -> None:
     """``text`` decodes the output without the stop id or EOS that finished it, streamed or not;
     ``no_stop_trim`` keeps it; ``output_ids`` keep it either way (SGLang's detokenizer
