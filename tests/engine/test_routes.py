@@ -167,6 +167,49 @@ def test_a_streamed_start_past_the_prompt_is_a_one_token_prefill_of_input_0(
     assert np.array_equal(_routes(event, layers, k), _routes(want, layers, k))
 
 
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_streamed_logprob_abort_carries_the_routes_of_its_stub(
+    routed_engine: str, client: httpx.Client, tiny_config: dict, start: int
+) -> None:
+    """Streamed, an item whose ``logprob_start_len`` lies past its prompt is aborted by SGLang
+    0.5.23's scheduler before its routed-experts start is judged (managers/scheduler.py 3275-3280
+    return before 3300-3319), keeping that start; it runs as a one-token prefill of ``[0]``
+    (schedule_batch.py 2221-2238) and, finished, collects the rows ``[min(start, seqlen - 1),
+    seqlen - 1)`` of its ``seqlen`` 2 (scheduler_components/batch_result_processor.py 136-160,
+    381; state_capturer/base.py 173-188): the stub's one row from 0, none from 1 on, which the
+    detokenizer encodes as ``""`` (detokenizer_manager.py 432-448, 466) and the tokenizer manager
+    still answers under ``routed_experts`` (it skips only None, tokenizer_manager.py 2602-2609),
+    before ``dp_rank``."""
+    params = {"temperature": 0.0, "max_new_tokens": 4}
+    want = generate(client, routed_engine, input_ids=[0], sampling_params={**params, "max_new_tokens": 1},
+                    return_routed_experts=True)  # fmt: skip
+    body = {
+        "input_ids": list(PROMPTS[1]),
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": len(PROMPTS[1]) + 1,
+        "return_routed_experts": True,
+        "routed_experts_start_len": start,
+        "stream": True,
+    }
+    r = client.post(routed_engine + "/generate", json=body)
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
+    event = json.loads(events[0])
+    meta = event["meta_info"]
+    assert "logprob_start_len" in meta["finish_reason"]["message"], r.text
+    keys = list(meta)
+    assert (
+        keys.index("cached_tokens_details") + 1 == keys.index("routed_experts") == keys.index("dp_rank") - 1
+    )
+    layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
+    if start == 0:
+        assert np.array_equal(_routes(event, layers, k), _routes(want, layers, k))
+        assert _routes(event, layers, k).shape[0] == 1
+    else:
+        assert meta["routed_experts"] == "", r.text
+
+
 def test_without_the_flag_no_routes(engine: str, client: httpx.Client) -> None:
     """SGLang without --enable-return-routed-experts has no capturer: the key is absent."""
     body = generate(
