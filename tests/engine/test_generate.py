@@ -292,6 +292,39 @@ def test_an_answers_meta_info_holds_sglangs_keys_in_sglangs_order(
     assert meta["decode_throughput"] > 0
 
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23"
+# the hand-written SGLang 0.5.23 answers the router's parser tests read
+# (tests/router/test_sglang_0_5_23.py) whose "request" names what of a request shapes meta_info
+ANSWER_FIXTURES = sorted(
+    p.stem for p in FIXTURES.glob("*.json") if "request" in json.loads(p.read_text(encoding="utf-8"))
+)
+
+
+@pytest.mark.parametrize("name", ANSWER_FIXTURES)
+def test_an_answers_meta_info_keys_are_the_sglang_fixtures(
+    engine: str, client: httpx.Client, name: str
+) -> None:
+    """The engine's ``meta_info`` keys, in order, for the kind of request a fixture of SGLang
+    0.5.23's answer was written for (its ``request``: log-probs, sampling mask and mode;
+    unstreamed, finished after as many tokens) are the fixture's: the fixtures the router's parser
+    is tested on and the stand-in the fleet runs on cannot drift apart."""
+    fx = json.loads((FIXTURES / f"{name}.json").read_text(encoding="utf-8"))
+    params = {"max_new_tokens": len(fx["body"]["output_ids"]), "ignore_eos": True, "top_k": 8}
+    meta = generate(client, engine, input_ids=PROMPT, sampling_params=params, **fx["request"])["meta_info"]
+    assert list(meta) == list(fx["body"]["meta_info"])
+
+
+def test_the_sglang_fixtures_without_a_request_are_no_output_of_a_finished_request() -> None:
+    """Every fixture of a finished output names its request (so the test above covers it); the
+    others are a 400's body and an abort the scheduler echoes from its waiting queue
+    (managers/tokenizer_manager.py 3577-3642), which carries no ``prompt_tokens``."""
+    assert len(ANSWER_FIXTURES) == 3
+    for p in FIXTURES.glob("*.json"):
+        fx = json.loads(p.read_text(encoding="utf-8"))
+        if "request" not in fx:
+            assert fx["status"] == 400 or "prompt_tokens" not in fx["body"]["meta_info"], p.name
+
+
 def test_a_streams_earlier_chunks_carry_what_sglang_sends_before_the_finish(
     engine: str, client: httpx.Client
 ) -> None:

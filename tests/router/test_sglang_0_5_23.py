@@ -1,5 +1,6 @@
-"""The engine client and the one parser against SGLang 0.5.23's answers: response fixtures written
-from the release's source (tests/fixtures/sglang_0_5_23/*.json, each naming the lines it follows)
+"""The engine client and the one parser against SGLang 0.5.23's answers: response fixtures
+hand-written in the release's form, not recorded (tests/fixtures/sglang_0_5_23/*.json, each naming
+the lines it follows; the local engine's keys are checked against them in tests/engine)
 served by a real loopback HTTP server to clients.engine.SGLangClient.generate (the one request
 builder) and parsed by router.engine_answer.parse_turn (an unfiltered turn's answer without a mask
 included); and a real router over the local engine, which refuses a sampling mask without a finite
