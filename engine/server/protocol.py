@@ -103,7 +103,17 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 class SamplingParams(BaseModel):
     """SGLang's ``sampling_params`` object, already judged by
     :func:`core.sglang_contract.generate_body_refusal` (types, known keys, SGLang's ranges) when
-    its :class:`GenerateReqInput` was built."""
+    its :class:`GenerateReqInput` was built.
+
+    ``spaces_between_special_tokens`` is taken and changes nothing, as in SGLang 0.5.23 with the
+    fast tokenizer it loads: its detokenizer passes the flag to ``batch_decode``
+    (managers/detokenizer_manager.py 270-300), which in the transformers its wheel pins
+    (``transformers==5.19.0``, ``tokenizers==0.23.2``) forwards it to ``decode`` and
+    ``TokenizersBackend._decode`` (transformers/tokenization_utils_base.py 2854-2939;
+    tokenization_utils_tokenizers.py 1122-1163, ``is_fast`` 527-529), which takes it in
+    ``**kwargs`` and never reads it: the ``tokenizers`` library's decode has no such option. A
+    slow tokenizer's path drops it too (``decode_without_hf_kwargs``, utils/patch_tokenizer.py
+    54-62)."""
 
     model_config = ConfigDict(extra="allow")
 
