@@ -128,17 +128,7 @@ class Engine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None or not ids:
             return ""
-        try:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        except ValueError:  # ids the model has but the tokenizer does not (a padded vocabulary)
-            known = []
-            for i in ids:
-                try:
-                    self.tokenizer.decode([i])
-                except ValueError:
-                    continue
-                known.append(i)
-            return self.tokenizer.decode(known, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def load_replacement(self, model_path: str) -> Any:
         """The served model's replacement from the weights at ``model_path``, loaded as SGLang

@@ -355,7 +355,7 @@ def test_local_tokenizer_files(tmp_path):
     lib = tokenizers.Tokenizer.from_file(str(a / "tokenizer.json"))
     engine = EngineTokenizer.from_dir(a)
     assert lib.encode(text, add_special_tokens=False).ids == engine.encode(text)
-    assert engine.vocab_size == VOCAB_SIZE and engine.special_ids["<|im_end|>"] == IM_END_ID == 260
+    assert engine.vocab_size == VOCAB_SIZE and engine.encode("<|im_end|>") == [IM_END_ID] == [260]
 
 
 def test_stored_append_only_turns_give_each_turns_whole_input() -> None:
