@@ -438,7 +438,9 @@ class SGLangClient:
         weights and flushed its cache. Raises :class:`WeightsNotFlushed` when the engine swapped the
         weights but refused the flush (SGLang answers 400 ``success: false``; its ``/model_info``
         keeps the old version), else :class:`EngineRejected` for a refusal (the old weights keep
-        serving) and as :meth:`call`."""
+        serving) and as :meth:`call`. SGLang answers 200 only with ``success: true`` and a string
+        ``message`` (entrypoints/http_server.py 1300-1326; managers/io_struct.py 1995-1999): any
+        other 200 raises :class:`EngineUnavailable`."""
         url = self.base_url + "/update_weights_from_disk"
         try:
             data = await self.call("POST", "/update_weights_from_disk", request, timeout=timeout)
@@ -446,21 +448,24 @@ class SGLangClient:
             if release.UPDATE_NOT_FLUSHED_PREFIX in exc.message:
                 raise WeightsNotFlushed(url, exc.status, exc.message) from None
             raise
-        body = data if isinstance(data, dict) else {}
-        if body.get("success") is False:  # an engine that answers a refusal with 200
-            raise EngineRejected(url, 200, str(body.get("message") or body.get("error") or "success: false"))
-        return str(body.get("message") or "")
+        done = isinstance(data, dict) and data.get("success") is True
+        if not (done and isinstance(data.get("message"), str)):
+            raise EngineUnavailable(url, f"not SGLang's answer to an update: {str(data)[:300]}")
+        return data["message"]
 
     async def update_weight_version(self, version: int, *, timeout: float = 60.0) -> None:
         """``POST /update_weight_version {new_version, abort_all_requests: false}``: the version the
         engine reports (``/model_info``) and stamps on new tokens, weights untouched
         (entrypoints/http_server.py 1527-1556; managers/io_struct.py 2155-2160, whose
-        ``abort_all_requests`` defaults to true)."""
+        ``abort_all_requests`` defaults to true). SGLang answers 200 only with ``success: true`` and
+        the version as sent (``new_version``, 1538-1547), a refusal 400 (1548-1556): any other 200
+        raises :class:`EngineUnavailable`."""
         url = self.base_url + "/update_weight_version"
         payload = {"new_version": str(version), "abort_all_requests": False}
         data = await self.call("POST", "/update_weight_version", payload, timeout=timeout)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise EngineRejected(url, 200, str(data.get("message") or "success: false"))
+        done = isinstance(data, dict) and data.get("success") is True
+        if not (done and data.get("new_version") == payload["new_version"]):
+            raise EngineUnavailable(url, f"not SGLang's answer to a version update: {str(data)[:300]}")
 
     async def flush_cache(self, *, timeout: float = 60.0) -> None:
         """``POST /flush_cache``: drop the engine's prefix cache. Raises :class:`EngineRejected`

@@ -425,6 +425,37 @@ def test_statuses_are_classified() -> None:
     asyncio.run(main())
 
 
+def test_weight_answers_are_read_only_in_sglangs_form() -> None:
+    """SGLang answers an update or a version update 200 only with ``success: true`` (a refusal
+    is a 400; entrypoints/http_server.py 1300-1326, 1527-1556) and echoes the version as the
+    string sent: any other 200 is no answer the client can trust (EngineUnavailable)."""
+    answers = {
+        1: answer("200 OK", b'{"success":false,"message":"refused","num_paused_requests":0}'),
+        2: answer("200 OK", b'{"success":true,"num_paused_requests":0}'),
+        3: answer("200 OK", b'{"success":false,"message":"refused"}'),
+        4: answer("200 OK", b'{"success":true,"message":"Weight version updated to 4","new_version":4}'),
+        5: answer("200 OK", b'{"success":true,"message":"Succeeded.","num_paused_requests":0}'),
+        6: answer("200 OK", b'{"success":true,"message":"Weight version updated to 4","new_version":"4"}'),
+    }
+
+    async def main() -> None:
+        async with Server(lambda n: answers[n]) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not SGLang's answer"):
+                        await c.update_weights_from_disk({"model_path": "/m"})
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not SGLang's answer"):
+                        await c.update_weight_version(4)
+                assert await c.update_weights_from_disk({"model_path": "/m"}) == "Succeeded."
+                await c.update_weight_version(4)
+
+            await with_client(srv.url, calls)
+
+    asyncio.run(main())
+
+
 def test_framings_a_path_prefix_and_streaming() -> None:
     chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
     unframed = b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close"

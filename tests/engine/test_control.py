@@ -60,6 +60,14 @@ def _model_version(client: httpx.Client, url: str) -> str:
     return client.get(url + "/model_info").json()["weight_version"]
 
 
+def _validation_refused(r: httpx.Response) -> bool:
+    """Whether ``r`` is SGLang's request validation refusal: 400 with its ``ErrorResponse``
+    (entrypoints/http_server.py 635-691), in that key order."""
+    body = r.json()
+    keys = ["object", "message", "type", "param", "code"]
+    return r.status_code == 400 and list(body) == keys and body["object"] == "error" and body["code"] == 400
+
+
 def test_retract_update_continue_recomputes_under_the_new_weights(
     tiny_dir: Path, other_dir: Path, client: httpx.Client
 ) -> None:
@@ -228,6 +236,34 @@ def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
     client.post(url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
 
 
+def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx.Client) -> None:
+    """A version sent as a JSON number, or a body without its required field, is refused by
+    SGLang's request validation (the fields are strings: managers/io_struct.py 1978, 2157); an
+    update answers "Succeeded to update model weights." plus the version as sent
+    (scheduler_components/weight_updater.py 141, tokenizer_manager.py 2318-2320) and moves
+    /model_info's model_path to the path as sent (2365-2370); /update_weight_version echoes
+    the version as sent (entrypoints/http_server.py 1538-1547)."""
+    with engine_process(tiny_dir, weight_version=1) as url:
+        for path, body in (
+            ("/update_weights_from_disk", {"model_path": str(tiny_dir), "weight_version": 2}),
+            ("/update_weight_version", {"new_version": 2}),
+            ("/update_weight_version", {}),
+        ):
+            assert _validation_refused(client.post(url + path, json=body)), (path, body)
+        assert _model_version(client, url) == "1"
+        sent = f"{tiny_dir}/"
+        r = _update(client, url, {"model_path": sent, "weight_version": "2"})
+        assert r.status_code == 200 and r.json() == {
+            "success": True,
+            "message": "Succeeded to update model weights. Weight version updated to 2.",
+            "num_paused_requests": 0,
+        }
+        info = client.get(url + "/model_info").json()
+        assert info["model_path"] == sent and info["weight_version"] == "2"
+        r = _update(client, url, {"model_path": sent})
+        assert r.json()["message"] == "Succeeded to update model weights."
+
+
 def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:
     """(directory, expected message part) for paths SGLang refuses before touching any weight."""
     empty = root / "no-weights"
@@ -245,12 +281,14 @@ def test_bad_weight_updates_keep_the_old_version_serving(
     url = v1_engine
     before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     for path, message in _bad_checkpoints(tiny_dir, tmp_path):
-        r = client.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": 9})
+        r = client.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": "9"})
         assert r.status_code == 400, (path, r.text)
         assert r.json()["success"] is False and message in r.json()["message"], (path, r.text)
-    for body in (b"{not json", b'{"weight_version": 3}', b'{"model_path": "x", "weight_version": "v3"}'):
+    for body in (b"{not json", b'{"weight_version": "3"}', b'{"model_path": "x", "weight_version": 3}'):
         r = client.post(url + "/update_weights_from_disk", content=body)
-        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        assert r.status_code == 400 and _validation_refused(r), r.text  # SGLang's body validation
+    r = client.post(url + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "v3"})
+    assert r.status_code == 400 and r.json()["success"] is False, r.text  # versions are integers here
     assert client.get(url + "/get_weight_version").json() == {"weight_version": "1"}
     after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     assert after["output_ids"] == before["output_ids"]
@@ -277,7 +315,7 @@ def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
     with engine_process(tiny_dir, weight_version=1, log=log) as url, httpx.Client(timeout=60.0) as client:
         before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
         r = client.post(
-            url + "/update_weights_from_disk", json={"model_path": str(relabelled), "weight_version": 2}
+            url + "/update_weights_from_disk", json={"model_path": str(relabelled), "weight_version": "2"}
         )
         assert r.status_code == 200 and r.json()["success"] is True, r.text
         after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
@@ -285,7 +323,7 @@ def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
         assert after["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 16}]
         with pytest.raises(httpx.TransportError):
             client.post(
-                url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": 3}
+                url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": "3"}
             )
         with pytest.raises(httpx.TransportError):
             client.get(url + "/health", timeout=5.0)
