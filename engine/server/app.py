@@ -76,6 +76,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from core.sglang_contract import error_body
 from engine.runtime.engine import ENGINE_VERSION, Engine
 from engine.server import routes_control, routes_generate, routes_info, routes_weights
 from engine.server.debug import debug_router
@@ -85,7 +86,9 @@ log = logging.getLogger("mixfleet.engine")
 
 
 async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error(validation_message(exc))
+    """A parameter FastAPI refused (``/flush_cache?timeout=-1``): SGLang's request validation
+    handler's 400 (entrypoints/http_server.py 635-691)."""
+    return JSONResponse(error_body("parse", validation_message(exc)), status_code=400)
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

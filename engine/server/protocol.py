@@ -715,19 +715,29 @@ class UpdateWeightVersionReqInput(BaseModel):
 
 
 class PauseGenerationReqInput(BaseModel):
-    """SGLang's ``/pause_generation`` body."""
+    """SGLang's ``/pause_generation`` body (managers/io_struct.py 1927-1946)."""
 
     model_config = ConfigDict(extra="allow")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class AbortReq(BaseModel):
-    """SGLang's ``/abort_request`` body."""
+class ContinueGenerationReqInput(BaseModel):
+    """SGLang's ``/continue_generation`` body (managers/io_struct.py 1949-1955; its
+    ``torch_empty_cache`` means nothing on a CPU)."""
 
     model_config = ConfigDict(extra="allow")
 
-    rid: str = ""
+    torch_empty_cache: bool = True
+
+
+class AbortReq(BaseModel):
+    """SGLang's ``/abort_request`` body (managers/io_struct.py 86-89, 2285-2296: ``rid`` may be
+    null, read as ``""``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rid: str | None = None
     abort_all: bool = False
 
 

@@ -264,6 +264,31 @@ def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx
         assert r.json()["message"] == "Succeeded to update model weights."
 
 
+def test_control_routes_answer_and_refuse_as_sglang(v1_engine: str, client: httpx.Client) -> None:
+    """Every control body is required and validated (FastAPI ``Body()``; entrypoints/
+    http_server.py 1721-1731, 1831-1855): an empty or mistyped one, or a flush timeout below 0
+    (1025-1028), is the request validation handler's 400 (635-691). /abort_request takes a null
+    rid (managers/io_struct.py 86-89, 2293-2296) and answers 200 without body or content type;
+    /flush_cache's text has no content type (1029-1041); pause and continue answer their JSON."""
+    url = v1_engine
+    for path in ("/pause_generation", "/continue_generation", "/abort_request"):
+        assert _validation_refused(client.post(url + path)), path
+    assert _validation_refused(client.post(url + "/pause_generation", json={"mode": "later"}))
+    assert _validation_refused(client.post(url + "/abort_request", json={"abort_all": "maybe"}))
+    assert _validation_refused(client.post(url + "/flush_cache", params={"timeout": -1}))
+    r = client.post(url + "/abort_request", json={"rid": None})
+    assert r.status_code == 200 and r.content == b"" and "content-type" not in r.headers
+    r = client.post(url + "/flush_cache")
+    assert r.status_code == 200 and r.text == FLUSH_OK_TEXT and "content-type" not in r.headers
+    for path, body, done in (
+        ("/pause_generation", {"mode": "retract"}, "paused"),
+        ("/continue_generation", {"torch_empty_cache": False}, "continued"),
+    ):
+        r = client.post(url + path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json() == {"message": f"Generation {done} successfully.", "status": "ok"}
+
+
 def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:
     """(directory, expected message part) for paths SGLang refuses before touching any weight."""
     empty = root / "no-weights"
@@ -351,7 +376,7 @@ def test_pause_then_continue_resumes_exactly(v1_engine: str, client: httpx.Clien
         assert state["num_paused_reqs"] == 1 and state["num_queue_reqs"] == 0
     else:
         assert state["num_paused_reqs"] == 0 and state["num_queue_reqs"] == 1
-    assert client.post(url + "/continue_generation").status_code == 200
+    assert client.post(url + "/continue_generation", json={}).status_code == 200
     final = stream.result()
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
     assert final["output_ids"] == reference
@@ -378,7 +403,7 @@ def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: http
     wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)
     time.sleep(0.3)
     assert not waiting, "a request ran while generation was paused"
-    assert client.post(url + "/continue_generation").status_code == 200
+    assert client.post(url + "/continue_generation", json={}).status_code == 200
     t.join(60)
     assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
 
