@@ -293,14 +293,10 @@ class SGLangClient:
         except ValueError:
             raise EngineUnavailable(url, "response is not JSON") from None
 
-    async def _info(self, path: str, alias: str, timeout: float) -> dict[str, Any]:
-        """``GET path`` (SGLang's name), else its older ``alias`` when the engine lacks it."""
-        try:
-            data = await self.call("GET", path, timeout=timeout)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
-            data = await self.call("GET", alias, timeout=timeout)
+    async def _info(self, path: str, timeout: float) -> dict[str, Any]:
+        """``GET path``: its JSON object (raises as :meth:`call`, or :class:`EngineUnavailable`
+        for another answer)."""
+        data = await self.call("GET", path, timeout=timeout)
         if not isinstance(data, dict):
             raise EngineUnavailable(self.base_url + path, "response is not a JSON object")
         return data
@@ -476,12 +472,14 @@ class SGLangClient:
 
     # info, health, metrics ----------------------------------------------------------------------
     async def server_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        """``GET /server_info`` (or ``/get_server_info``)."""
-        return await self._info("/server_info", "/get_server_info", timeout)
+        """``GET /server_info`` (entrypoints/http_server.py 863-890; SGLang 0.5.23 serves it,
+        ``/get_server_info`` being its deprecated alias, 853-860)."""
+        return await self._info("/server_info", timeout)
 
     async def model_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        """``GET /model_info`` (or ``/get_model_info``)."""
-        return await self._info("/model_info", "/get_model_info", timeout)
+        """``GET /model_info`` (entrypoints/http_server.py 812-850; ``/get_model_info`` is its
+        deprecated alias, 802-809)."""
+        return await self._info("/model_info", timeout)
 
     async def weight_version(self, timeout: float = 5.0) -> int | None:
         """The version the engine serves, from its model info; None when it names none or a

@@ -251,7 +251,7 @@ class RouterContext:
         the dispatcher abandons them), unless the store could not be read (this process would
         judge other routers' heartbeats by a stale view)."""
         statics = [r for r in self.registry.replicas.values() if r.static]
-        await asyncio.gather(*(self._poll_static(r.replica_id, r.url, r.vocab_size is None) for r in statics))
+        await asyncio.gather(*(self._poll_static(r.replica_id, r.url) for r in statics))
         try:
             await self.adopt_shared()
         except StateError as exc:
@@ -270,7 +270,7 @@ class RouterContext:
         if latest is not None:
             self._latest = latest if self._latest is None else max(self._latest, latest)
 
-    async def _poll_static(self, replica_id: str, url: str, want_vocab: bool) -> None:
+    async def _poll_static(self, replica_id: str, url: str) -> None:
         c = self.client(url)
         try:
             state = await c.probe(timeout=max(1.0, self.config.heartbeat_timeout_s / 2))
@@ -281,10 +281,6 @@ class RouterContext:
                 self.registry.poll_result(replica_id, ready=False, version=None, error=f"health: {state}")
                 return
             info = await c.server_info()
-            vocab = None
-            if want_vocab:
-                with contextlib.suppress(EngineError):
-                    vocab = (await c.model_info()).get("vocab_size")
             r = self.registry.replicas[replica_id]
             states = (info.get("internal_states") or [{}])[0] if isinstance(info, dict) else {}
             r.running = int(states.get("num_running_reqs") or 0)
@@ -295,7 +291,6 @@ class RouterContext:
                 ready=True,
                 version=reported_version(info),
                 error=None,
-                vocab_size=int(vocab) if isinstance(vocab, int) else None,
             )
         except EngineUnavailable as exc:
             if "Timeout" in exc.message:  # busy: keep the last good poll until it is stale

@@ -65,10 +65,11 @@ async def _apply_update(
     """Load, then swap + record the version + flush at one step boundary
     (scheduler_components/weight_updater.py 138-160). A path without weights is refused and
     the old version keeps serving; a load that fails once weights were found ends the process
-    (:func:`_exit_as_sglang`). Success moves ``/model_info``'s ``model_path`` to the path as sent
-    (tokenizer_manager.py 2365-2370, 2381-2383) and answers SGLang's message, "Succeeded to update
-    model weights." (scheduler_components/weight_updater.py 141), then with a version " Weight
-    version updated to V." with V as sent (tokenizer_manager.py 2318-2320)."""
+    (:func:`_exit_as_sglang`). Success moves ``/model_info``'s ``model_path`` and
+    ``served_model_name`` to the path as sent (tokenizer_manager.py 2365-2370, 2381-2383) and
+    answers SGLang's message, "Succeeded to update model weights." (scheduler_components/
+    weight_updater.py 141), then with a version " Weight version updated to V." with V as sent
+    (tokenizer_manager.py 2318-2320)."""
     t0 = time.monotonic()
     try:
         model = await asyncio.get_running_loop().run_in_executor(
@@ -84,7 +85,7 @@ async def _apply_update(
     if not flushed:  # weights and scheduler version changed; /model_info keeps the old one
         log.warning("update_weights_from_disk: %s", UPDATE_NOT_FLUSHED_MESSAGE)
         return _update_refused(UPDATE_NOT_FLUSHED_MESSAGE)
-    engine.model_path = obj.model_path
+    engine.model_path = engine.reported_model_name = obj.model_path
     engine.precision = getattr(model, "precision", engine.precision)
     message = "Succeeded to update model weights."
     if version is not None:

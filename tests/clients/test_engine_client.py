@@ -276,7 +276,7 @@ def test_info_health_metrics_and_flush(engine: str, tiny_dir: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
 
     async def main(c: SGLangClient) -> None:
-        assert (await c.model_info())["vocab_size"] == config["vocab_size"]
+        assert (await c.model_info())["context_len"] == config["max_position_embeddings"]
         info = await c.server_info()
         assert info["internal_states"][0]["num_running_reqs"] == 0
         assert await c.health() and await c.probe() == "ok"
@@ -452,6 +452,29 @@ def test_weight_answers_are_read_only_in_sglangs_form() -> None:
                 await c.update_weight_version(4)
 
             await with_client(srv.url, calls)
+
+    asyncio.run(main())
+
+
+def test_info_is_read_from_sglangs_path_only() -> None:
+    """SGLang 0.5.23 serves /model_info and /server_info (entrypoints/http_server.py 812, 863):
+    an engine that answers 404 there is refused, not asked its deprecated /get_* alias."""
+    info = answer("200 OK", b'{"weight_version":"3"}')
+    answers = {1: answer("404 Not Found", b'{"detail":"Not Found"}'), 2: info, 3: info}
+
+    async def main() -> None:
+        async with Server(lambda n: answers[n]) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                with pytest.raises(EngineRejected) as missing:
+                    await c.model_info()
+                assert missing.value.status == 404
+                assert await c.weight_version() == 3
+                assert (await c.server_info())["weight_version"] == "3"
+
+            await with_client(srv.url, calls)
+            paths = [head.split(b" ")[1] for head in srv.heads]
+            assert paths == [b"/model_info", b"/model_info", b"/server_info"], paths
 
     asyncio.run(main())
 

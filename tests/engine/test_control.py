@@ -236,13 +236,35 @@ def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
     client.post(url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
 
 
+MODEL_INFO_KEYS = [
+    "model_path",
+    "served_model_name",
+    "tokenizer_path",
+    "is_generation",
+    "preferred_sampling_params",
+    "weight_version",
+    "load_format",
+    "reasoning_parser",
+    "tool_call_parser",
+    "disaggregation_mode",
+    "has_image_understanding",
+    "has_audio_understanding",
+    "model_type",
+    "architectures",
+    "context_len",  # the local engine's own two, after SGLang's (entrypoints/http_server.py 812-850)
+    "weight_format",
+]
+
+
 def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx.Client) -> None:
     """A version sent as a JSON number, or a body without its required field, is refused by
     SGLang's request validation (the fields are strings: managers/io_struct.py 1978, 2157); an
     update answers "Succeeded to update model weights." plus the version as sent
     (scheduler_components/weight_updater.py 141, tokenizer_manager.py 2318-2320) and moves
-    /model_info's model_path to the path as sent (2365-2370); /update_weight_version echoes
-    the version as sent (entrypoints/http_server.py 1538-1547)."""
+    /model_info's model_path and served_model_name to the path as sent (2365-2370), while its
+    tokenizer_path and /server_info stay the start-up ones; /model_info has SGLang's keys in
+    its order; /update_weight_version echoes the version as sent (entrypoints/http_server.py
+    1538-1547)."""
     with engine_process(tiny_dir, weight_version=1) as url:
         for path, body in (
             ("/update_weights_from_disk", {"model_path": str(tiny_dir), "weight_version": 2}),
@@ -250,7 +272,12 @@ def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx
             ("/update_weight_version", {}),
         ):
             assert _validation_refused(client.post(url + path, json=body)), (path, body)
-        assert _model_version(client, url) == "1"
+        info = client.get(url + "/model_info").json()
+        assert list(info) == MODEL_INFO_KEYS and info["weight_version"] == "1"
+        start = {k: info[k] for k in ("model_path", "served_model_name", "tokenizer_path")}
+        assert start == dict.fromkeys(start, str(tiny_dir))
+        parsers = (info["reasoning_parser"], info["tool_call_parser"])
+        assert (info["load_format"], info["disaggregation_mode"], parsers) == ("auto", "null", (None, None))
         sent = f"{tiny_dir}/"
         r = _update(client, url, {"model_path": sent, "weight_version": "2"})
         assert r.status_code == 200 and r.json() == {
@@ -259,7 +286,10 @@ def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx
             "num_paused_requests": 0,
         }
         info = client.get(url + "/model_info").json()
-        assert info["model_path"] == sent and info["weight_version"] == "2"
+        assert (info["model_path"], info["served_model_name"], info["weight_version"]) == (sent, sent, "2")
+        assert info["tokenizer_path"] == str(tiny_dir)
+        server = client.get(url + "/server_info").json()
+        assert (server["model_path"], server["weight_version"]) == (str(tiny_dir), "1")  # start-up args
         r = _update(client, url, {"model_path": sent})
         assert r.json()["message"] == "Succeeded to update model weights."
 
@@ -553,7 +583,7 @@ def test_cli_refuses_a_bad_model_dir_in_one_line(tmp_path: Path) -> None:
 
 def test_fp8_kv_cache_flag(tiny_dir: Path, client: httpx.Client) -> None:
     with engine_process(tiny_dir, kv_cache_dtype="fp8_e4m3", weight_version=5) as url:
-        info = client.get(url + "/model_info").json()
+        info = client.get(url + "/server_info").json()
         assert info["kv_cache_dtype"] == "fp8_e4m3" and info["weight_version"] == "5"
         out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert len(out["output_ids"]) == 16
