@@ -34,11 +34,14 @@ once on a fresh connection before the replica counts as unavailable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.engine_stream import StreamError, TokenCallback, streamed_answer
 from core import sglang_release as release
@@ -56,6 +59,7 @@ __all__ = [
     "WeightsNotFlushed",
     "error_message",
     "make_http_client",
+    "parse_prometheus",
     "reported_version",
 ]
 
@@ -164,6 +168,19 @@ def error_message(status: int, content: bytes) -> str:
             err = err.get("message") or err
         body = err
     return str(body)[:500] or f"HTTP {status}"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of every sample per sample name in Prometheus text format (labels ignored; NaN
+    samples skipped), parsed by :func:`prometheus_client.parser.text_string_to_metric_families`.
+    Text that stops parsing yields the sums of the samples before the bad line."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(ValueError):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not math.isnan(sample.value):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 def _describe(exc: BaseException) -> str:
