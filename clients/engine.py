@@ -499,9 +499,15 @@ class SGLangClient:
         return await self._info("/model_info", timeout)
 
     async def weight_version(self, timeout: float = 5.0) -> int | None:
-        """The version the engine serves, from its model info; None when it names none or a
-        non-integer (SGLang's ``"default"``)."""
-        return reported_version(await self.model_info(timeout))
+        """The version the engine serves, from its model info's ``weight_version``, always a
+        string in SGLang 0.5.23 (arg_groups/fields/serving.py 172-175, entrypoints/http_server.py
+        824-826); None for a string that names no integer (SGLang's ``"default"`` before any
+        versioned update). Raises :class:`EngineUnavailable` for any other value."""
+        info = await self.model_info(timeout)
+        named = info.get("weight_version")
+        if not isinstance(named, str):
+            raise EngineUnavailable(self.base_url + "/model_info", f"weight_version {named!r}: not a string")
+        return reported_version(info)
 
     async def probe(self, timeout: float = 2.0) -> str:
         """``GET /health``: ``"ok"``, ``"unhealthy"`` (it answered, not 200), ``"unreachable"``

@@ -479,6 +479,25 @@ def test_info_is_read_from_sglangs_path_only() -> None:
     asyncio.run(main())
 
 
+def test_the_served_version_is_read_only_as_sglangs_string() -> None:
+    """/model_info's weight_version is a string in SGLang 0.5.23 (arg_groups/fields/serving.py
+    172-175): "default" (no versioned update yet) names no version; a number is no SGLang answer."""
+    bodies = {1: b'{"weight_version":"default"}', 2: b'{"weight_version":3}', 3: b"{}"}
+
+    async def main() -> None:
+        async with Server(lambda n: answer("200 OK", bodies[n])) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                assert await c.weight_version() is None
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not a string"):
+                        await c.weight_version()
+
+            await with_client(srv.url, calls)
+
+    asyncio.run(main())
+
+
 def test_framings_a_path_prefix_and_streaming() -> None:
     chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
     unframed = b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close"
