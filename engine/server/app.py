@@ -7,11 +7,12 @@ Routes (SGLang names and shapes): ``/generate`` (single or batch, SSE streaming)
 
 Errors: a request the engine refuses (malformed JSON, wrong types, token ids outside the
 vocabulary, empty input, too long a context, bad sampling parameters, a weight path without
-weights) gets HTTP 400 with SGLang's body ``{"error": {"message": "..."}}``; ``/generate`` answers
-each refusal in the shape of the SGLang step that makes it (:func:`core.sglang_contract.error_body`:
-the request validation handler's ``ErrorResponse``, the contract gate's ``{"error": "..."}``, or
-``{"error": {"message": "..."}}``) (``/update_weights_from_disk`` answers
-``{"success": false, "message": "..."}`` with 400, as SGLang does) and the server keeps serving.
+weights) gets HTTP 400 in the shape of the SGLang step that refuses it
+(:func:`core.sglang_contract.error_body`): on every route a body that is empty, malformed or of
+the wrong types gets the request validation handler's ``ErrorResponse``; ``/generate``'s later
+steps answer the contract gate's ``{"error": "..."}`` or ``{"error": {"message": "..."}}``; the
+weight routes answer ``{"success": false, "message": "..."}`` for what they refuse themselves,
+as SGLang does; and the server keeps serving.
 A weight load that fails once weight files were found ends the process, as it ends SGLang's
 server (docs/sglang-contract.md, row 6).
 
