@@ -99,7 +99,7 @@ def main() -> int:
     model = make_model_dir(root, args.preset, "bf16")
     bodies = []
     with engine_process(model, threads=2) as url:
-        vocab = httpx.get(f"{url}/model_info").json()["vocab_size"]
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         with httpx.Client(timeout=600) as c:
             for i in range(args.requests):
                 r = c.post(

@@ -34,11 +34,14 @@ once on a fresh connection before the replica counts as unavailable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.engine_stream import StreamError, TokenCallback, streamed_answer
 from core import sglang_release as release
@@ -56,6 +59,7 @@ __all__ = [
     "WeightsNotFlushed",
     "error_message",
     "make_http_client",
+    "parse_prometheus",
     "reported_version",
 ]
 
@@ -164,6 +168,19 @@ def error_message(status: int, content: bytes) -> str:
             err = err.get("message") or err
         body = err
     return str(body)[:500] or f"HTTP {status}"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of every sample per sample name in Prometheus text format (labels ignored; NaN
+    samples skipped), parsed by :func:`prometheus_client.parser.text_string_to_metric_families`.
+    Text that stops parsing yields the sums of the samples before the bad line."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(ValueError):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not math.isnan(sample.value):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 def _describe(exc: BaseException) -> str:
@@ -293,14 +310,10 @@ class SGLangClient:
         except ValueError:
             raise EngineUnavailable(url, "response is not JSON") from None
 
-    async def _info(self, path: str, alias: str, timeout: float) -> dict[str, Any]:
-        """``GET path`` (SGLang's name), else its older ``alias`` when the engine lacks it."""
-        try:
-            data = await self.call("GET", path, timeout=timeout)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
-            data = await self.call("GET", alias, timeout=timeout)
+    async def _info(self, path: str, timeout: float) -> dict[str, Any]:
+        """``GET path``: its JSON object (raises as :meth:`call`, or :class:`EngineUnavailable`
+        for another answer)."""
+        data = await self.call("GET", path, timeout=timeout)
         if not isinstance(data, dict):
             raise EngineUnavailable(self.base_url + path, "response is not a JSON object")
         return data
@@ -438,7 +451,9 @@ class SGLangClient:
         weights and flushed its cache. Raises :class:`WeightsNotFlushed` when the engine swapped the
         weights but refused the flush (SGLang answers 400 ``success: false``; its ``/model_info``
         keeps the old version), else :class:`EngineRejected` for a refusal (the old weights keep
-        serving) and as :meth:`call`."""
+        serving) and as :meth:`call`. SGLang answers 200 only with ``success: true`` and a string
+        ``message`` (entrypoints/http_server.py 1300-1326; managers/io_struct.py 1995-1999): any
+        other 200 raises :class:`EngineUnavailable`."""
         url = self.base_url + "/update_weights_from_disk"
         try:
             data = await self.call("POST", "/update_weights_from_disk", request, timeout=timeout)
@@ -446,21 +461,24 @@ class SGLangClient:
             if release.UPDATE_NOT_FLUSHED_PREFIX in exc.message:
                 raise WeightsNotFlushed(url, exc.status, exc.message) from None
             raise
-        body = data if isinstance(data, dict) else {}
-        if body.get("success") is False:  # an engine that answers a refusal with 200
-            raise EngineRejected(url, 200, str(body.get("message") or body.get("error") or "success: false"))
-        return str(body.get("message") or "")
+        done = isinstance(data, dict) and data.get("success") is True
+        if not (done and isinstance(data.get("message"), str)):
+            raise EngineUnavailable(url, f"not SGLang's answer to an update: {str(data)[:300]}")
+        return data["message"]
 
     async def update_weight_version(self, version: int, *, timeout: float = 60.0) -> None:
         """``POST /update_weight_version {new_version, abort_all_requests: false}``: the version the
         engine reports (``/model_info``) and stamps on new tokens, weights untouched
         (entrypoints/http_server.py 1527-1556; managers/io_struct.py 2155-2160, whose
-        ``abort_all_requests`` defaults to true)."""
+        ``abort_all_requests`` defaults to true). SGLang answers 200 only with ``success: true`` and
+        the version as sent (``new_version``, 1538-1547), a refusal 400 (1548-1556): any other 200
+        raises :class:`EngineUnavailable`."""
         url = self.base_url + "/update_weight_version"
         payload = {"new_version": str(version), "abort_all_requests": False}
         data = await self.call("POST", "/update_weight_version", payload, timeout=timeout)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise EngineRejected(url, 200, str(data.get("message") or "success: false"))
+        done = isinstance(data, dict) and data.get("success") is True
+        if not (done and data.get("new_version") == payload["new_version"]):
+            raise EngineUnavailable(url, f"not SGLang's answer to a version update: {str(data)[:300]}")
 
     async def flush_cache(self, *, timeout: float = 60.0) -> None:
         """``POST /flush_cache``: drop the engine's prefix cache. Raises :class:`EngineRejected`
@@ -471,17 +489,25 @@ class SGLangClient:
 
     # info, health, metrics ----------------------------------------------------------------------
     async def server_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        """``GET /server_info`` (or ``/get_server_info``)."""
-        return await self._info("/server_info", "/get_server_info", timeout)
+        """``GET /server_info`` (entrypoints/http_server.py 863-890; SGLang 0.5.23 serves it,
+        ``/get_server_info`` being its deprecated alias, 853-860)."""
+        return await self._info("/server_info", timeout)
 
     async def model_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        """``GET /model_info`` (or ``/get_model_info``)."""
-        return await self._info("/model_info", "/get_model_info", timeout)
+        """``GET /model_info`` (entrypoints/http_server.py 812-850; ``/get_model_info`` is its
+        deprecated alias, 802-809)."""
+        return await self._info("/model_info", timeout)
 
     async def weight_version(self, timeout: float = 5.0) -> int | None:
-        """The version the engine serves, from its model info; None when it names none or a
-        non-integer (SGLang's ``"default"``)."""
-        return reported_version(await self.model_info(timeout))
+        """The version the engine serves, from its model info's ``weight_version``, always a
+        string in SGLang 0.5.23 (arg_groups/fields/serving.py 172-175, entrypoints/http_server.py
+        824-826); None for a string that names no integer (SGLang's ``"default"`` before any
+        versioned update). Raises :class:`EngineUnavailable` for any other value."""
+        info = await self.model_info(timeout)
+        named = info.get("weight_version")
+        if not isinstance(named, str):
+            raise EngineUnavailable(self.base_url + "/model_info", f"weight_version {named!r}: not a string")
+        return reported_version(info)
 
     async def probe(self, timeout: float = 2.0) -> str:
         """``GET /health``: ``"ok"``, ``"unhealthy"`` (it answered, not 200), ``"unreachable"``

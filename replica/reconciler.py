@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -44,9 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.parser import text_string_to_metric_families
 
-from clients.engine import EngineError, SGLangClient
+from clients.engine import EngineError, SGLangClient, parse_prometheus
 from clients.router import RouterClient, RouterError
 from core.metric_defs import MetricDef
 from core.tasks import cancel_and_wait
@@ -571,16 +569,3 @@ class Reconciler:
             return await self.engine.metrics()
         except EngineError:
             return ""
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of every sample per sample name in Prometheus text format (labels ignored; NaN
-    samples skipped), parsed by :func:`prometheus_client.parser.text_string_to_metric_families`.
-    Text that stops parsing yields the sums of the samples before the bad line."""
-    out: dict[str, float] = {}
-    with contextlib.suppress(ValueError):
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if not math.isnan(sample.value):
-                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out

@@ -241,9 +241,9 @@ def _proxy_simple(path: str):
             )
         except EngineUnavailable as exc:
             return _error(502, f"engine unreachable: {exc.message}")
-        return Response(
-            r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
-        )
+        # unchanged: an answer without a content type (SGLang's /abort_request, /health_generate)
+        # is passed on without one
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     return handler
 

@@ -35,10 +35,11 @@ import aiohttp
 
 from clients.engine import (
     EngineError,
+    EngineRejected,
     EngineUnavailable,
     SGLangClient,
     make_http_client,
-    reported_version,
+    parse_prometheus,
 )
 from core import heap
 from core.tasks import cancel_and_wait
@@ -251,7 +252,7 @@ class RouterContext:
         the dispatcher abandons them), unless the store could not be read (this process would
         judge other routers' heartbeats by a stale view)."""
         statics = [r for r in self.registry.replicas.values() if r.static]
-        await asyncio.gather(*(self._poll_static(r.replica_id, r.url, r.vocab_size is None) for r in statics))
+        await asyncio.gather(*(self._poll_static(r.replica_id, r.url) for r in statics))
         try:
             await self.adopt_shared()
         except StateError as exc:
@@ -270,7 +271,16 @@ class RouterContext:
         if latest is not None:
             self._latest = latest if self._latest is None else max(self._latest, latest)
 
-    async def _poll_static(self, replica_id: str, url: str, want_vocab: bool) -> None:
+    async def _poll_static(self, replica_id: str, url: str) -> None:
+        """Poll a static replica (an engine without a sidecar) as the sidecar reads its own
+        engine: health (``/health``), the served version (``/model_info``'s ``weight_version``,
+        the tokenizer manager's: entrypoints/http_server.py 812-850) and its load from
+        ``/metrics`` (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+        ``sglang:gen_throughput``: observability/metrics_collector.py 364-387; none, and no load,
+        from a server started without ``--enable-metrics``). SGLang 0.5.23's
+        ``/server_info`` reports none of these as served (its ``weight_version`` is the start-up
+        one and its ``internal_states`` carry no request counts: utils/common.py 3584-3593,
+        managers/scheduler_components/internal_state.py 45-74)."""
         c = self.client(url)
         try:
             state = await c.probe(timeout=max(1.0, self.config.heartbeat_timeout_s / 2))
@@ -280,23 +290,16 @@ class RouterContext:
             if state != "ok":
                 self.registry.poll_result(replica_id, ready=False, version=None, error=f"health: {state}")
                 return
-            info = await c.server_info()
-            vocab = None
-            if want_vocab:
-                with contextlib.suppress(EngineError):
-                    vocab = (await c.model_info()).get("vocab_size")
+            version = await c.weight_version()
+            try:
+                load = parse_prometheus(await c.metrics())
+            except EngineRejected:  # no /metrics without --enable-metrics (http_server.py 314-315)
+                load = {}
             r = self.registry.replicas[replica_id]
-            states = (info.get("internal_states") or [{}])[0] if isinstance(info, dict) else {}
-            r.running = int(states.get("num_running_reqs") or 0)
-            r.queued = int(states.get("num_queue_reqs") or 0)
-            r.tokens_per_s = float(states.get("gen_throughput") or 0.0)
-            self.registry.poll_result(
-                replica_id,
-                ready=True,
-                version=reported_version(info),
-                error=None,
-                vocab_size=int(vocab) if isinstance(vocab, int) else None,
-            )
+            r.running = int(load.get("sglang:num_running_reqs", 0))
+            r.queued = int(load.get("sglang:num_queue_reqs", 0))
+            r.tokens_per_s = load.get("sglang:gen_throughput", 0.0)
+            self.registry.poll_result(replica_id, ready=True, version=version, error=None)
         except EngineUnavailable as exc:
             if "Timeout" in exc.message:  # busy: keep the last good poll until it is stale
                 self.registry.replicas[replica_id].error = exc.message[:300]

@@ -295,10 +295,11 @@ def effective_min_version(
     return max(min_version or 0, base - max_version_age)
 
 
-def check_vocab(ctx: RouterContext, group: str, rows: Sequence[Ids], field: str) -> None:
-    """Refuse (422 naming ``field[i]``) an id at or above ``group``'s vocabulary size, when known;
-    a row that is a numpy array (a turn's input, :mod:`router.segments`) is checked in bulk."""
-    vocab = ctx.config.vocab_size or ctx.registry.vocab_size(group)
+def check_vocab(ctx: RouterContext, rows: Sequence[Ids], field: str) -> None:
+    """Refuse (422 naming ``field[i]``) an id at or above the configured vocabulary size
+    (:attr:`~router.config.RouterConfig.vocab_size`; without it the engine refuses it); a row that
+    is a numpy array (a turn's input, :mod:`router.segments`) is checked in bulk."""
+    vocab = ctx.config.vocab_size
     if vocab is None:
         return
     for r, row in enumerate(rows):
@@ -369,7 +370,7 @@ async def run_turn(
     ApiError 502. The turn's ``timings`` say where its time went (:func:`_timings`)."""
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
-    check_vocab(ctx, session.group, [spec.input_ids], "input_ids")
+    check_vocab(ctx, [spec.input_ids], "input_ids")
     text = _input_text(ctx, session, spec.input_ids)
     headers = {"Modal-Session-ID": session.session_id}
     if min_version is not None:

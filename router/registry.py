@@ -65,7 +65,6 @@ class Replica:
     wall_seen: float = 0.0
     failed_until: float = -math.inf
     inflight: int = 0
-    vocab_size: int | None = None
     queue_high_since: float | None = None  # since when its queue has been above the affinity bound
     healthy_at: float = -math.inf  # the last sign of health: a ready report, or a request it answered
 
@@ -178,7 +177,6 @@ class Registry:
         ready: bool,
         version: int | None,
         error: str | None,
-        vocab_size: int | None = None,
         now: float | None = None,
     ) -> None:
         r = self.replicas[replica_id]
@@ -189,8 +187,6 @@ class Registry:
             r.last_seen = r.healthy_at = now
             r.wall_seen = time.time()
             r.active_version = version
-            if vocab_size:
-                r.vocab_size = vocab_size
 
     def touch(self, replica_id: str, now: float | None = None) -> None:
         """A request just succeeded on the replica: it is alive (passive health), so a busy
@@ -322,10 +318,6 @@ class Registry:
             if r.active_version is not None and self.fresh(r, now)
         ]
         return max(versions) if versions else None
-
-    def vocab_size(self, group: str) -> int | None:
-        sizes = [r.vocab_size for r in self.replicas.values() if r.group == group and r.vocab_size]
-        return min(sizes) if sizes else None
 
     def group_loads(
         self,

@@ -74,7 +74,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
         )
     route = await ctx.store.get_route_key(key) if key else None
     group = await _group_of(ctx, route)
-    check_vocab(ctx, group, body.rows(), "input_ids")
+    check_vocab(ctx, body.rows(), "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
     async def send_stream(client: SGLangClient, _group: str):
@@ -104,7 +104,7 @@ async def forward_generate(
     group (by policy without a key), with failover; the engine's answer (4xx included)."""
     route = await ctx.store.get_route_key(key) if key else None
     group = await _group_of(ctx, route)
-    check_vocab(ctx, group, rows, "input_ids")
+    check_vocab(ctx, rows, "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
     async def send(client: SGLangClient, _group: str) -> RawResponse:

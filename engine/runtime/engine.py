@@ -59,6 +59,12 @@ class Engine:
         )
         self.tokenizer = _load_tokenizer(Path(model_path))
         self.served_model_name = served_model_name or model_path
+        # /server_info reports the start-up path and name (the resolved server args) and
+        # /model_info the tokenizer's path (the start-up model path, arg_groups/serving_hook.py
+        # 636-641); /model_info's model_path and served_model_name move to the path an update
+        # names (tokenizer_manager.py 2365-2370).
+        self.startup_model_path = model_path
+        self.reported_model_name = self.served_model_name
         self.metrics = EngineMetrics(self.served_model_name)
         self.started = time.time()
         # Weight updates run one at a time; generate requests hold model_update_lock's reader side

@@ -7,11 +7,12 @@ Routes (SGLang names and shapes): ``/generate`` (single or batch, SSE streaming)
 
 Errors: a request the engine refuses (malformed JSON, wrong types, token ids outside the
 vocabulary, empty input, too long a context, bad sampling parameters, a weight path without
-weights) gets HTTP 400 with SGLang's body ``{"error": {"message": "..."}}``; ``/generate`` answers
-each refusal in the shape of the SGLang step that makes it (:func:`core.sglang_contract.error_body`:
-the request validation handler's ``ErrorResponse``, the contract gate's ``{"error": "..."}``, or
-``{"error": {"message": "..."}}``) (``/update_weights_from_disk`` answers
-``{"success": false, "message": "..."}`` with 400, as SGLang does) and the server keeps serving.
+weights) gets HTTP 400 in the shape of the SGLang step that refuses it
+(:func:`core.sglang_contract.error_body`): on every route a body that is empty, malformed or of
+the wrong types gets the request validation handler's ``ErrorResponse``; ``/generate``'s later
+steps answer the contract gate's ``{"error": "..."}`` or ``{"error": {"message": "..."}}``; the
+weight routes answer ``{"success": false, "message": "..."}`` for what they refuse themselves,
+as SGLang does; and the server keeps serving.
 A weight load that fails once weight files were found ends the process, as it ends SGLang's
 server (docs/sglang-contract.md, row 6).
 
@@ -76,6 +77,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from core.sglang_contract import error_body
 from engine.runtime.engine import ENGINE_VERSION, Engine
 from engine.server import routes_control, routes_generate, routes_info, routes_weights
 from engine.server.debug import debug_router
@@ -85,7 +87,9 @@ log = logging.getLogger("mixfleet.engine")
 
 
 async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error(validation_message(exc))
+    """A parameter FastAPI refused (``/flush_cache?timeout=-1``): SGLang's request validation
+    handler's 400 (entrypoints/http_server.py 635-691)."""
+    return JSONResponse(error_body("parse", validation_message(exc)), status_code=400)
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -696,7 +696,8 @@ def _spec(
 
 class UpdateWeightFromDiskReqInput(BaseModel):
     """SGLang's ``/update_weights_from_disk`` body (managers/io_struct.py 1970-1993, defaults
-    included: ``flush_cache`` true); ``weight_version`` must be an integer here. ``load_format``
+    included: ``flush_cache`` true); ``weight_version`` is a string, as SGLang types it (a JSON
+    number is refused as SGLang's request validation refuses it), naming an integer here. ``load_format``
     may be missing or ``"auto"`` (the only format this engine loads); ``recapture_cuda_graph`` and
     the other GPU fields are accepted and mean nothing on a CPU (SGLang recaptures only on CUDA,
     model_runner_components/weight_updater.py 247-255)."""
@@ -706,7 +707,7 @@ class UpdateWeightFromDiskReqInput(BaseModel):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: int | str | None = None
+    weight_version: str | None = None
     flush_cache: bool = True
     recapture_cuda_graph: bool = False
     torch_empty_cache: bool = False
@@ -714,28 +715,39 @@ class UpdateWeightFromDiskReqInput(BaseModel):
 
 class UpdateWeightVersionReqInput(BaseModel):
     """SGLang's ``/update_weight_version`` body (managers/io_struct.py 2155-2160): the version to
-    report and stamp, and whether to abort every request first (default true)."""
+    report and stamp, a string as SGLang types it (a JSON number is refused), and whether to abort
+    every request first (default true)."""
 
     model_config = ConfigDict(extra="allow")
 
-    new_version: int | str
+    new_version: str
     abort_all_requests: bool = True
 
 
 class PauseGenerationReqInput(BaseModel):
-    """SGLang's ``/pause_generation`` body."""
+    """SGLang's ``/pause_generation`` body (managers/io_struct.py 1927-1946)."""
 
     model_config = ConfigDict(extra="allow")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class AbortReq(BaseModel):
-    """SGLang's ``/abort_request`` body."""
+class ContinueGenerationReqInput(BaseModel):
+    """SGLang's ``/continue_generation`` body (managers/io_struct.py 1949-1955; its
+    ``torch_empty_cache`` means nothing on a CPU)."""
 
     model_config = ConfigDict(extra="allow")
 
-    rid: str = ""
+    torch_empty_cache: bool = True
+
+
+class AbortReq(BaseModel):
+    """SGLang's ``/abort_request`` body (managers/io_struct.py 86-89, 2285-2296: ``rid`` may be
+    null, read as ``""``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rid: str | None = None
     abort_all: bool = False
 
 

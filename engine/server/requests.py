@@ -3,9 +3,9 @@
 The app holds its :class:`~engine.runtime.engine.Engine` at ``app.state.engine``
 (:func:`engine.server.app.create_app`); routes read it with :func:`engine_of`. A body the engine
 refuses raises :class:`~engine.runtime.request.RequestError`; routes answer it with
-:func:`error` (HTTP 400, ``{"error": {"message": ...}}``, SGLang's shape); ``/generate`` answers with
 :func:`refusal`, the body SGLang answers that refusal with (its three steps' shapes:
-:func:`core.sglang_contract.error_body`).
+:func:`core.sglang_contract.error_body`; an empty, malformed or mistyped body is its request
+validation handler's). :func:`error` is SGLang's ``{"error": {"message": ...}}`` with a status.
 """
 
 from __future__ import annotations
@@ -64,13 +64,11 @@ def validation_message(exc: ValidationError | RequestValidationError) -> str:
     return "Invalid request: " + "; ".join(parts)
 
 
-async def parse(request: Request, model: type[BaseModel], optional: bool = False) -> Any:
-    """The body as ``model``; an empty body is ``model()`` when ``optional``, else refused.
-    Raises :class:`RequestError` on an empty, malformed or invalid body."""
+async def parse(request: Request, model: type[BaseModel]) -> Any:
+    """The body as ``model``. Raises :class:`RequestError` on an empty, malformed or invalid
+    body."""
     raw = await request.body()
     if not raw.strip():
-        if optional:
-            return model()
         raise _parse_refused("The request body is empty; expected a JSON object.")
     try:
         data = json.loads(raw)

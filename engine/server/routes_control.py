@@ -1,5 +1,7 @@
 """Scheduler control: ``/pause_generation``, ``/continue_generation``, ``/abort_request``,
-``/flush_cache``."""
+``/flush_cache``, answered as SGLang 0.5.23 answers them (entrypoints/http_server.py 1025-1041,
+1721-1731, 1831-1855). Each body is required (FastAPI ``Body()``): an empty, malformed or
+mistyped one is refused by SGLang's request validation handler (635-691), :func:`refusal`."""
 
 from __future__ import annotations
 
@@ -7,12 +9,12 @@ import asyncio
 import time
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, FLUSH_TIMEOUT_MESSAGE
 from engine.runtime.request import RequestError
-from engine.server.protocol import AbortReq, PauseGenerationReqInput
-from engine.server.requests import engine_of, error, parse
+from engine.server.protocol import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
+from engine.server.requests import engine_of, parse, refusal
 
 router = APIRouter()
 
@@ -20,27 +22,32 @@ router = APIRouter()
 @router.post("/pause_generation")
 async def pause_generation(request: Request) -> Response:
     try:
-        obj = await parse(request, PauseGenerationReqInput, optional=True)
+        obj = await parse(request, PauseGenerationReqInput)
     except RequestError as exc:
-        return error(str(exc))
+        return refusal(exc)
     await asyncio.wrap_future(engine_of(request).scheduler.pause(obj.mode))
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> Response:
+    try:
+        await parse(request, ContinueGenerationReqInput)
+    except RequestError as exc:
+        return refusal(exc)
     await asyncio.wrap_future(engine_of(request).scheduler.resume())
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
+    """200 with no body and no content type (``Response(status_code=200)``)."""
     try:
         obj = await parse(request, AbortReq)
     except RequestError as exc:
-        return error(str(exc))
+        return refusal(exc)
     scheduler = engine_of(request).scheduler
-    await asyncio.wrap_future(scheduler.abort(obj.rid, obj.abort_all, "Aborted by /abort_request."))
+    await asyncio.wrap_future(scheduler.abort(obj.rid or "", obj.abort_all, "Aborted by /abort_request."))
     return Response(status_code=200)
 
 
@@ -50,7 +57,8 @@ async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)) -> 
     be fully idle, no request running or waiting even while paused, then answers
     :data:`~core.sglang_release.FLUSH_TIMEOUT_MESSAGE` (scheduler_components/flush_wrapper.py
     22-60). Flushes sent at once are judged each on its own here; SGLang's tokenizer manager sends
-    them one at a time (docs/sglang-contract.md, row 3); the fleet sends no timed flush."""
+    them one at a time (docs/sglang-contract.md, row 3); the fleet sends no timed flush. The text
+    is sent as SGLang's ``Response(content=...)`` sends it: without a content type."""
     scheduler = engine_of(request).scheduler
     deadline = time.monotonic() + timeout
     timed = timeout > 0
@@ -60,5 +68,5 @@ async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)) -> 
     ):
         await asyncio.sleep(0.02)
     if ok:
-        return PlainTextResponse(FLUSH_OK_TEXT)
-    return PlainTextResponse(FLUSH_TIMEOUT_MESSAGE if timed else FLUSH_REFUSED_TEXT, status_code=400)
+        return Response(FLUSH_OK_TEXT)
+    return Response(FLUSH_TIMEOUT_MESSAGE if timed else FLUSH_REFUSED_TEXT, status_code=400)

@@ -18,21 +18,28 @@ router = APIRouter()
 
 
 def model_info(request: Request) -> dict[str, Any]:
+    """SGLang's keys in its order (entrypoints/http_server.py 812-850) for a server started as the
+    fleet starts it: ``load_format`` ``"auto"`` (arg_groups/fields/model.py 58-97; an update may
+    name no other here), no reasoning or tool-call parser (fields/serving.py 208, 227),
+    ``disaggregation_mode`` ``"null"`` (fields/disagg.py 55-58); ``context_len`` and
+    ``weight_format`` are the local engine's own, last (SGLang has neither)."""
     engine = engine_of(request)
-    cfg = engine.config
     return {
         "model_path": engine.model_path,
-        "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+        "served_model_name": engine.reported_model_name,
+        "tokenizer_path": engine.startup_model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": str(engine.reported_version),
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": cfg.vocab_size,
-        "context_len": cfg.max_position_embeddings,
-        "kv_cache_dtype": engine.kv_cache_dtype,
+        "context_len": engine.config.max_position_embeddings,
         "weight_format": engine.precision,
     }
 
@@ -45,7 +52,7 @@ def server_info(request: Request) -> dict[str, Any]:
     engine = engine_of(request)
     scheduler = engine.scheduler
     return {
-        "model_path": engine.model_path,
+        "model_path": engine.startup_model_path,
         "served_model_name": engine.served_model_name,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "weight_version": str(engine.startup_version),

@@ -1,5 +1,10 @@
 """``/update_weights_from_disk`` and ``/update_weight_version`` (SGLang 0.5.23's contract;
-the module docstring of :mod:`engine.server.app` and docs/sglang-contract.md have the table)."""
+the module docstring of :mod:`engine.server.app` and docs/sglang-contract.md have the table).
+
+A body SGLang's request validation refuses (empty, malformed, a field of the wrong type, e.g. a
+version sent as a JSON number) is answered as its validation handler answers it, before the
+route runs (entrypoints/http_server.py 635-691: 400 ``ErrorResponse``); only what the route
+itself refuses answers in the route's own shape."""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 from typing import NoReturn
 
 from fastapi import APIRouter, Request
@@ -19,7 +23,7 @@ from core.sglang_release import UPDATE_NOT_FLUSHED_MESSAGE
 from engine.runtime.engine import LOADER, Engine, WeightsNotFound
 from engine.runtime.request import RequestError
 from engine.server.protocol import UpdateWeightFromDiskReqInput, UpdateWeightVersionReqInput, parse_version
-from engine.server.requests import engine_of, parse
+from engine.server.requests import engine_of, parse, refusal
 
 log = logging.getLogger("mixfleet.engine")
 
@@ -36,6 +40,9 @@ async def update_weights_from_disk(request: Request) -> Response:
     scheduler = engine.scheduler
     try:
         obj = await parse(request, UpdateWeightFromDiskReqInput)
+    except RequestError as exc:
+        return refusal(exc)
+    try:
         version = parse_version(obj.weight_version)
     except RequestError as exc:
         return _update_refused(str(exc))
@@ -58,7 +65,11 @@ async def _apply_update(
     """Load, then swap + record the version + flush at one step boundary
     (scheduler_components/weight_updater.py 138-160). A path without weights is refused and
     the old version keeps serving; a load that fails once weights were found ends the process
-    (:func:`_exit_as_sglang`)."""
+    (:func:`_exit_as_sglang`). Success moves ``/model_info``'s ``model_path`` and
+    ``served_model_name`` to the path as sent (tokenizer_manager.py 2365-2370, 2381-2383) and
+    answers SGLang's message, "Succeeded to update model weights." (scheduler_components/
+    weight_updater.py 141), then with a version " Weight version updated to V." with V as sent
+    (tokenizer_manager.py 2318-2320)."""
     t0 = time.monotonic()
     try:
         model = await asyncio.get_running_loop().run_in_executor(
@@ -69,17 +80,17 @@ async def _apply_update(
         return _update_refused(f"Failed to get weights iterator: {exc}.")
     except Exception as exc:
         _exit_as_sglang(obj.model_path, exc)
-    load_s = time.monotonic() - t0
+    log.info("update_weights_from_disk %s loaded in %.2fs", obj.model_path, time.monotonic() - t0)
     flushed = await asyncio.wrap_future(engine.scheduler.update_weights(model, version, obj.flush_cache))
     if not flushed:  # weights and scheduler version changed; /model_info keeps the old one
         log.warning("update_weights_from_disk: %s", UPDATE_NOT_FLUSHED_MESSAGE)
         return _update_refused(UPDATE_NOT_FLUSHED_MESSAGE)
-    engine.model_path = str(Path(obj.model_path).resolve())
+    engine.model_path = engine.reported_model_name = obj.model_path
     engine.precision = getattr(model, "precision", engine.precision)
-    message = f"Succeeded to update model weights (loaded in {load_s:.2f}s)."
+    message = "Succeeded to update model weights."
     if version is not None:
         engine.reported_version = version
-        message += f" Weight version updated to {version}."
+        message += f" Weight version updated to {obj.weight_version}."
     return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
 
@@ -103,6 +114,9 @@ async def update_weight_version(request: Request) -> Response:
     scheduler = engine.scheduler
     try:
         obj = await parse(request, UpdateWeightVersionReqInput)
+    except RequestError as exc:
+        return refusal(exc)
+    try:
         version = parse_version(obj.new_version)
     except RequestError as exc:
         return JSONResponse({"success": False, "message": f"Failed to update weight version: {exc}"}, 400)
@@ -110,6 +124,5 @@ async def update_weight_version(request: Request) -> Response:
         await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
     await asyncio.wrap_future(scheduler.update_weights(None, version, False))
     engine.reported_version = version
-    return JSONResponse(
-        {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
-    )
+    message = f"Weight version updated to {obj.new_version}"
+    return JSONResponse({"success": True, "message": message, "new_version": obj.new_version})

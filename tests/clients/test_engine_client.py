@@ -276,7 +276,7 @@ def test_info_health_metrics_and_flush(engine: str, tiny_dir: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
 
     async def main(c: SGLangClient) -> None:
-        assert (await c.model_info())["vocab_size"] == config["vocab_size"]
+        assert (await c.model_info())["context_len"] == config["max_position_embeddings"]
         info = await c.server_info()
         assert info["internal_states"][0]["num_running_reqs"] == 0
         assert await c.health() and await c.probe() == "ok"
@@ -419,6 +419,79 @@ def test_statuses_are_classified() -> None:
                 assert passthrough_conflict.value.retryable
                 with pytest.raises(EngineUnavailable, match="HTTP 503"):
                     await c.post_generate(b"{}")
+
+            await with_client(srv.url, calls)
+
+    asyncio.run(main())
+
+
+def test_weight_answers_are_read_only_in_sglangs_form() -> None:
+    """SGLang answers an update or a version update 200 only with ``success: true`` (a refusal
+    is a 400; entrypoints/http_server.py 1300-1326, 1527-1556) and echoes the version as the
+    string sent: any other 200 is no answer the client can trust (EngineUnavailable)."""
+    answers = {
+        1: answer("200 OK", b'{"success":false,"message":"refused","num_paused_requests":0}'),
+        2: answer("200 OK", b'{"success":true,"num_paused_requests":0}'),
+        3: answer("200 OK", b'{"success":false,"message":"refused"}'),
+        4: answer("200 OK", b'{"success":true,"message":"Weight version updated to 4","new_version":4}'),
+        5: answer("200 OK", b'{"success":true,"message":"Succeeded.","num_paused_requests":0}'),
+        6: answer("200 OK", b'{"success":true,"message":"Weight version updated to 4","new_version":"4"}'),
+    }
+
+    async def main() -> None:
+        async with Server(lambda n: answers[n]) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not SGLang's answer"):
+                        await c.update_weights_from_disk({"model_path": "/m"})
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not SGLang's answer"):
+                        await c.update_weight_version(4)
+                assert await c.update_weights_from_disk({"model_path": "/m"}) == "Succeeded."
+                await c.update_weight_version(4)
+
+            await with_client(srv.url, calls)
+
+    asyncio.run(main())
+
+
+def test_info_is_read_from_sglangs_path_only() -> None:
+    """SGLang 0.5.23 serves /model_info and /server_info (entrypoints/http_server.py 812, 863):
+    an engine that answers 404 there is refused, not asked its deprecated /get_* alias."""
+    info = answer("200 OK", b'{"weight_version":"3"}')
+    answers = {1: answer("404 Not Found", b'{"detail":"Not Found"}'), 2: info, 3: info}
+
+    async def main() -> None:
+        async with Server(lambda n: answers[n]) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                with pytest.raises(EngineRejected) as missing:
+                    await c.model_info()
+                assert missing.value.status == 404
+                assert await c.weight_version() == 3
+                assert (await c.server_info())["weight_version"] == "3"
+
+            await with_client(srv.url, calls)
+            paths = [head.split(b" ")[1] for head in srv.heads]
+            assert paths == [b"/model_info", b"/model_info", b"/server_info"], paths
+
+    asyncio.run(main())
+
+
+def test_the_served_version_is_read_only_as_sglangs_string() -> None:
+    """/model_info's weight_version is a string in SGLang 0.5.23 (arg_groups/fields/serving.py
+    172-175): "default" (no versioned update yet) names no version; a number is no SGLang answer."""
+    bodies = {1: b'{"weight_version":"default"}', 2: b'{"weight_version":3}', 3: b"{}"}
+
+    async def main() -> None:
+        async with Server(lambda n: answer("200 OK", bodies[n])) as srv:
+
+            async def calls(c: SGLangClient) -> None:
+                assert await c.weight_version() is None
+                for _ in range(2):
+                    with pytest.raises(EngineUnavailable, match="not a string"):
+                        await c.weight_version()
 
             await with_client(srv.url, calls)
 

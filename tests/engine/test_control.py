@@ -60,6 +60,14 @@ def _model_version(client: httpx.Client, url: str) -> str:
     return client.get(url + "/model_info").json()["weight_version"]
 
 
+def _validation_refused(r: httpx.Response) -> bool:
+    """Whether ``r`` is SGLang's request validation refusal: 400 with its ``ErrorResponse``
+    (entrypoints/http_server.py 635-691), in that key order."""
+    body = r.json()
+    keys = ["object", "message", "type", "param", "code"]
+    return r.status_code == 400 and list(body) == keys and body["object"] == "error" and body["code"] == 400
+
+
 def test_retract_update_continue_recomputes_under_the_new_weights(
     tiny_dir: Path, other_dir: Path, client: httpx.Client
 ) -> None:
@@ -228,6 +236,89 @@ def test_update_weight_version_aborts_by_default_and_stamps_the_new_version(
     client.post(url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
 
 
+MODEL_INFO_KEYS = [
+    "model_path",
+    "served_model_name",
+    "tokenizer_path",
+    "is_generation",
+    "preferred_sampling_params",
+    "weight_version",
+    "load_format",
+    "reasoning_parser",
+    "tool_call_parser",
+    "disaggregation_mode",
+    "has_image_understanding",
+    "has_audio_understanding",
+    "model_type",
+    "architectures",
+    "context_len",  # the local engine's own two, after SGLang's (entrypoints/http_server.py 812-850)
+    "weight_format",
+]
+
+
+def test_weight_routes_answer_and_refuse_as_sglang(tiny_dir: Path, client: httpx.Client) -> None:
+    """A version sent as a JSON number, or a body without its required field, is refused by
+    SGLang's request validation (the fields are strings: managers/io_struct.py 1978, 2157); an
+    update answers "Succeeded to update model weights." plus the version as sent
+    (scheduler_components/weight_updater.py 141, tokenizer_manager.py 2318-2320) and moves
+    /model_info's model_path and served_model_name to the path as sent (2365-2370), while its
+    tokenizer_path and /server_info stay the start-up ones; /model_info has SGLang's keys in
+    its order; /update_weight_version echoes the version as sent (entrypoints/http_server.py
+    1538-1547)."""
+    with engine_process(tiny_dir, weight_version=1) as url:
+        for path, body in (
+            ("/update_weights_from_disk", {"model_path": str(tiny_dir), "weight_version": 2}),
+            ("/update_weight_version", {"new_version": 2}),
+            ("/update_weight_version", {}),
+        ):
+            assert _validation_refused(client.post(url + path, json=body)), (path, body)
+        info = client.get(url + "/model_info").json()
+        assert list(info) == MODEL_INFO_KEYS and info["weight_version"] == "1"
+        start = {k: info[k] for k in ("model_path", "served_model_name", "tokenizer_path")}
+        assert start == dict.fromkeys(start, str(tiny_dir))
+        parsers = (info["reasoning_parser"], info["tool_call_parser"])
+        assert (info["load_format"], info["disaggregation_mode"], parsers) == ("auto", "null", (None, None))
+        sent = f"{tiny_dir}/"
+        r = _update(client, url, {"model_path": sent, "weight_version": "2"})
+        assert r.status_code == 200 and r.json() == {
+            "success": True,
+            "message": "Succeeded to update model weights. Weight version updated to 2.",
+            "num_paused_requests": 0,
+        }
+        info = client.get(url + "/model_info").json()
+        assert (info["model_path"], info["served_model_name"], info["weight_version"]) == (sent, sent, "2")
+        assert info["tokenizer_path"] == str(tiny_dir)
+        server = client.get(url + "/server_info").json()
+        assert (server["model_path"], server["weight_version"]) == (str(tiny_dir), "1")  # start-up args
+        r = _update(client, url, {"model_path": sent})
+        assert r.json()["message"] == "Succeeded to update model weights."
+
+
+def test_control_routes_answer_and_refuse_as_sglang(v1_engine: str, client: httpx.Client) -> None:
+    """Every control body is required and validated (FastAPI ``Body()``; entrypoints/
+    http_server.py 1721-1731, 1831-1855): an empty or mistyped one, or a flush timeout below 0
+    (1025-1028), is the request validation handler's 400 (635-691). /abort_request takes a null
+    rid (managers/io_struct.py 86-89, 2293-2296) and answers 200 without body or content type;
+    /flush_cache's text has no content type (1029-1041); pause and continue answer their JSON."""
+    url = v1_engine
+    for path in ("/pause_generation", "/continue_generation", "/abort_request"):
+        assert _validation_refused(client.post(url + path)), path
+    assert _validation_refused(client.post(url + "/pause_generation", json={"mode": "later"}))
+    assert _validation_refused(client.post(url + "/abort_request", json={"abort_all": "maybe"}))
+    assert _validation_refused(client.post(url + "/flush_cache", params={"timeout": -1}))
+    r = client.post(url + "/abort_request", json={"rid": None})
+    assert r.status_code == 200 and r.content == b"" and "content-type" not in r.headers
+    r = client.post(url + "/flush_cache")
+    assert r.status_code == 200 and r.text == FLUSH_OK_TEXT and "content-type" not in r.headers
+    for path, body, done in (
+        ("/pause_generation", {"mode": "retract"}, "paused"),
+        ("/continue_generation", {"torch_empty_cache": False}, "continued"),
+    ):
+        r = client.post(url + path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json() == {"message": f"Generation {done} successfully.", "status": "ok"}
+
+
 def _bad_checkpoints(src: Path, root: Path) -> list[tuple[str, str]]:
     """(directory, expected message part) for paths SGLang refuses before touching any weight."""
     empty = root / "no-weights"
@@ -245,12 +336,14 @@ def test_bad_weight_updates_keep_the_old_version_serving(
     url = v1_engine
     before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     for path, message in _bad_checkpoints(tiny_dir, tmp_path):
-        r = client.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": 9})
+        r = client.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": "9"})
         assert r.status_code == 400, (path, r.text)
         assert r.json()["success"] is False and message in r.json()["message"], (path, r.text)
-    for body in (b"{not json", b'{"weight_version": 3}', b'{"model_path": "x", "weight_version": "v3"}'):
+    for body in (b"{not json", b'{"weight_version": "3"}', b'{"model_path": "x", "weight_version": 3}'):
         r = client.post(url + "/update_weights_from_disk", content=body)
-        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        assert r.status_code == 400 and _validation_refused(r), r.text  # SGLang's body validation
+    r = client.post(url + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "v3"})
+    assert r.status_code == 400 and r.json()["success"] is False, r.text  # versions are integers here
     assert client.get(url + "/get_weight_version").json() == {"weight_version": "1"}
     after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
     assert after["output_ids"] == before["output_ids"]
@@ -277,7 +370,7 @@ def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
     with engine_process(tiny_dir, weight_version=1, log=log) as url, httpx.Client(timeout=60.0) as client:
         before = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
         r = client.post(
-            url + "/update_weights_from_disk", json={"model_path": str(relabelled), "weight_version": 2}
+            url + "/update_weights_from_disk", json={"model_path": str(relabelled), "weight_version": "2"}
         )
         assert r.status_code == 200 and r.json()["success"] is True, r.text
         after = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
@@ -285,7 +378,7 @@ def test_an_update_reads_only_tensors_and_a_failed_load_ends_the_engine(
         assert after["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 16}]
         with pytest.raises(httpx.TransportError):
             client.post(
-                url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": 3}
+                url + "/update_weights_from_disk", json={"model_path": str(truncated), "weight_version": "3"}
             )
         with pytest.raises(httpx.TransportError):
             client.get(url + "/health", timeout=5.0)
@@ -313,7 +406,7 @@ def test_pause_then_continue_resumes_exactly(v1_engine: str, client: httpx.Clien
         assert state["num_paused_reqs"] == 1 and state["num_queue_reqs"] == 0
     else:
         assert state["num_paused_reqs"] == 0 and state["num_queue_reqs"] == 1
-    assert client.post(url + "/continue_generation").status_code == 200
+    assert client.post(url + "/continue_generation", json={}).status_code == 200
     final = stream.result()
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
     assert final["output_ids"] == reference
@@ -340,7 +433,7 @@ def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: http
     wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)
     time.sleep(0.3)
     assert not waiting, "a request ran while generation was paused"
-    assert client.post(url + "/continue_generation").status_code == 200
+    assert client.post(url + "/continue_generation", json={}).status_code == 200
     t.join(60)
     assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
 
@@ -490,7 +583,7 @@ def test_cli_refuses_a_bad_model_dir_in_one_line(tmp_path: Path) -> None:
 
 def test_fp8_kv_cache_flag(tiny_dir: Path, client: httpx.Client) -> None:
     with engine_process(tiny_dir, kv_cache_dtype="fp8_e4m3", weight_version=5) as url:
-        info = client.get(url + "/model_info").json()
+        info = client.get(url + "/server_info").json()
         assert info["kv_cache_dtype"] == "fp8_e4m3" and info["weight_version"] == "5"
         out = generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert len(out["output_ids"]) == 16

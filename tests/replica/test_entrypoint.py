@@ -154,7 +154,7 @@ def test_replica_entrypoint_stages_serves_and_activates_a_publish(tmp_path) -> N
             _publish_version_1(router, h, trained, store_root, logs)
             status = httpx.get(sidecar_url + "/v1/status", timeout=10).json()
             assert status["active_version"] == 1 and status["error"] is None, status
-            info = httpx.get(sidecar_url + "/server_info", timeout=10).json()
+            info = httpx.get(sidecar_url + "/model_info", timeout=10).json()  # /server_info: start-up args
             assert Path(info["model_path"]) == (stage / "v000001").resolve(), info
             second = _turn(router, h)
             assert {rec["weight_version"] for rec in second["records"]} == {1}

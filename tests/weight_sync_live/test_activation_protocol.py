@@ -66,10 +66,11 @@ class StandInEngine:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _send(self, code: int, body: object, ctype: str = "application/json") -> None:
+            def _send(self, code: int, body: object, ctype: str | None = "application/json") -> None:
                 data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", ctype)
+                if ctype is not None:
+                    self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -100,7 +101,7 @@ class StandInEngine:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def answer(self, path: str, body: dict) -> tuple[int, object, str]:
+    def answer(self, path: str, body: dict) -> tuple[int, object, str | None]:
         json_type = "application/json"
         if path == "/pause_generation":
             self.paused = body.get("mode", "abort")
@@ -111,8 +112,8 @@ class StandInEngine:
         if path == "/flush_cache":
             if self.flush_refusals > 0:
                 self.flush_refusals -= 1
-                return 400, FLUSH_REFUSED_TEXT, "text/plain"
-            return 200, FLUSH_OK_TEXT, "text/plain"
+                return 400, FLUSH_REFUSED_TEXT, None  # SGLang's Response(content=...): no content type
+            return 200, FLUSH_OK_TEXT, None
         if path == "/update_weight_version":
             self.version = self.scheduler_version = int(body["new_version"])
             message = f"Weight version updated to {body['new_version']}"
