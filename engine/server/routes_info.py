@@ -21,8 +21,8 @@ def model_info(request: Request) -> dict[str, Any]:
     """SGLang's keys in its order (entrypoints/http_server.py 812-850) for a server started as the
     fleet starts it: ``load_format`` ``"auto"`` (arg_groups/fields/model.py 58-97; an update may
     name no other here), no reasoning or tool-call parser (fields/serving.py 208, 227),
-    ``disaggregation_mode`` ``"null"`` (fields/disagg.py 55-58); ``context_len`` and
-    ``weight_format`` are the local engine's own, last (SGLang has neither)."""
+    ``disaggregation_mode`` ``"null"`` (fields/disagg.py 55-58); nothing else (the local
+    engine's own facts are :func:`server_info`'s)."""
     engine = engine_of(request)
     return {
         "model_path": engine.model_path,
@@ -39,8 +39,6 @@ def model_info(request: Request) -> dict[str, Any]:
         "has_audio_understanding": False,
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
-        "context_len": engine.config.max_position_embeddings,
-        "weight_format": engine.precision,
     }
 
 
@@ -55,6 +53,7 @@ def server_info(request: Request) -> dict[str, Any]:
         "model_path": engine.startup_model_path,
         "served_model_name": engine.served_model_name,
         "kv_cache_dtype": engine.kv_cache_dtype,
+        "weight_format": engine.precision,
         "weight_version": str(engine.startup_version),
         "max_running_requests": scheduler.max_running,
         "chunked_prefill_size": scheduler.prefill_budget,

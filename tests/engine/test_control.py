@@ -251,8 +251,6 @@ MODEL_INFO_KEYS = [
     "has_audio_understanding",
     "model_type",
     "architectures",
-    "context_len",  # the local engine's own two, after SGLang's (entrypoints/http_server.py 812-850)
-    "weight_format",
 ]
 
 
