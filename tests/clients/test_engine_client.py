@@ -276,8 +276,9 @@ def test_info_health_metrics_and_flush(engine: str, tiny_dir: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
 
     async def main(c: SGLangClient) -> None:
-        assert (await c.model_info())["context_len"] == config["max_position_embeddings"]
+        assert (await c.model_info())["architectures"] == config["architectures"]
         info = await c.server_info()
+        assert info["context_length"] == config["max_position_embeddings"]
         assert info["internal_states"][0]["num_running_reqs"] == 0
         assert await c.health() and await c.probe() == "ok"
         assert "sglang:num_running_reqs" in await c.metrics()
