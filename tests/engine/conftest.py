@@ -92,6 +92,12 @@ class StreamReader:
         return self.chunks[-1]
 
 
+def sse_events(text: str) -> list[Any]:
+    """A stream's events, ``[DONE]`` as the string, the others parsed."""
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
 def generate(client: httpx.Client, url: str, **body: Any) -> dict[str, Any]:
     r = client.post(url + "/generate", json=body)
     assert r.status_code == 200, r.text

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from core.sglang_release import FLUSH_OK_TEXT, FLUSH_REFUSED_TEXT, UPDATE_NOT_FLUSHED_MESSAGE
-from tests.engine.conftest import StreamReader, generate
+from tests.engine.conftest import StreamReader, generate, sse_events
 from tests.support.engines import engine_process
 from tests.support.models import make_model_dir
 from tests.support.procs import free_port, mixfleet_argv
@@ -452,9 +452,9 @@ def test_a_rid_already_running_is_refused_as_sglang_refuses_it(v1_engine: str, c
     }, plain.text
     streamed = client.post(url + "/generate", json={"input_ids": PROMPT, "rid": "taken", "stream": True})
     assert streamed.status_code == 200, streamed.text
-    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    events = sse_events(streamed.text)
     assert events[-1] == "[DONE]" and len(events) == 2, streamed.text
-    assert json.loads(events[0]) == {
+    assert events[0] == {
         "error": {
             "message": "Duplicate request ID detected: taken",
             "type": "invalid_request_error",
@@ -480,9 +480,9 @@ def test_a_batch_with_a_rid_already_running_is_refused_whole(v1_engine: str, cli
     batch = {"input_ids": [PROMPT, PROMPT], "rid": ["free", "held"], "sampling_params": GREEDY}
     streamed = client.post(url + "/generate", json={**batch, "stream": True})
     assert streamed.status_code == 200, streamed.text
-    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    events = sse_events(streamed.text)
     assert events[-1] == "[DONE]" and len(events) == 2, streamed.text
-    assert json.loads(events[0])["error"] == {
+    assert events[0]["error"] == {
         "message": "Duplicate request ID detected: held",
         "type": "invalid_request_error",
         "code": 400,

@@ -17,7 +17,7 @@ import torch
 
 from clients.engine import error_message
 from core.sglang_release import sampling_request
-from tests.engine.conftest import StreamReader, generate
+from tests.engine.conftest import StreamReader, generate, sse_events
 from tests.engine.stats import chi_square_p
 from weight_sync.base_model import VOCAB_SIZE
 
@@ -1677,12 +1677,6 @@ def _events_or_unstreamed(client: httpx.Client, url: str, body: dict[str, Any], 
             return unstreamed
 
 
-def _events(text: str) -> list[Any]:
-    """A stream's events, ``[DONE]`` as the string, the others parsed."""
-    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
-    return [e if e == "[DONE]" else json.loads(e) for e in events]
-
-
 def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, client: httpx.Client) -> None:
     """What SGLang 0.5.23's scheduler aborts with a 400 when it takes a request (the sampling-mask
     rule, managers/scheduler.py 3160-3182; a ``logprob_start_len`` past the input, 3275-3279) is,
@@ -1704,7 +1698,7 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
         body = {"input_ids": [1, 2], **body}
         r = client.post(engine + "/generate", json={**body, "stream": True})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
-        events = _events(r.text)
+        events = sse_events(r.text)
         assert len(events) == 2 and events[1] == "[DONE]" and "error" not in events[0], r.text
         reason = events[0]["meta_info"]["finish_reason"]
         assert message in reason.pop("message") and len(events[0]["output_ids"]) == drawn, r.text
@@ -1726,7 +1720,7 @@ def test_a_streamed_scheduler_abort_is_the_items_output_then_done(engine: str, c
         "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
     }
     r = client.post(engine + "/generate", json={**batch, "stream": True})
-    events = _events(r.text)
+    events = sse_events(r.text)
     assert r.status_code == 200 and events[-1] == "[DONE]", r.text
     last = {e["index"]: e for e in events[:-1]}  # each item's last event
     assert last[1]["meta_info"]["finish_reason"]["status_code"] == 400, r.text
@@ -1773,7 +1767,7 @@ def test_a_streamed_set_finish_with_abort_is_a_one_token_prefill_of_input_0(
             **extra,
         }
         r = client.post(engine + "/generate", json=body)
-        events = _events(r.text)
+        events = sse_events(r.text)
         assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
         (event,) = events[:1]
         assert event["output_ids"] == want["output_ids"] and len(want["output_ids"]) == 1, r.text

@@ -4,7 +4,6 @@ only with ``--enable-return-routed-experts``, and with SGLang's refusals."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from core.sglang_release import decode_routed_experts
-from tests.engine.conftest import generate
+from tests.engine.conftest import generate, sse_events
 from tests.support.engines import engine_process
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 2, 2, 2, 9, 81])
@@ -154,9 +153,9 @@ def test_a_streamed_start_past_the_prompt_is_a_one_token_prefill_of_input_0(
         "stream": True,
     }
     r = client.post(routed_engine + "/generate", json=body)
-    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    events = sse_events(r.text)
     assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
-    event = json.loads(events[0])
+    event = events[0]
     meta = event["meta_info"]
     assert meta["finish_reason"]["status_code"] == 400, r.text
     assert "is higher than the number of input tokens" in meta["finish_reason"]["message"], r.text
@@ -193,9 +192,9 @@ def test_a_streamed_logprob_abort_carries_the_routes_of_its_stub(
         "stream": True,
     }
     r = client.post(routed_engine + "/generate", json=body)
-    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    events = sse_events(r.text)
     assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
-    event = json.loads(events[0])
+    event = events[0]
     meta = event["meta_info"]
     assert "logprob_start_len" in meta["finish_reason"]["message"], r.text
     keys = list(meta)
