@@ -101,6 +101,11 @@ class FinishEvent:
 Event = PrefillEvent | TokenEvent | FinishEvent
 Sink = Callable[[Event], None]
 
+# The commands SGLang's scheduler answers over its socket to the tokenizer manager (a weight
+# update's and a flush's results, ``send_control_output``, managers/scheduler.py 2253-2289);
+# a request, an abort, a pause and a continue get no reply of their own.
+_ANSWERED = frozenset({"update", "flush"})
+
 
 @dataclass(eq=False)
 class _Request:
@@ -169,6 +174,11 @@ class Scheduler:
         self.max_running = max_running
         self.prefill_budget = prefill_budget
         self.paused: PauseMode | None = None
+        # Wall-clock time (time.time()) of the scheduler's last answer: an event sent to a
+        # request's sink, or the reply to a weight update or a flush. SGLang's tokenizer manager
+        # stamps every message it receives from the scheduler (``last_receive_tstamp``,
+        # managers/tokenizer_manager.py 2465-2479), which /health_generate reads.
+        self.last_output = 0.0
         self.steps = 0
         # Cumulative seconds, for /server_info: whole steps, inside Model.forward, in the sampler.
         self.step_seconds = 0.0
@@ -298,6 +308,13 @@ class Scheduler:
             cmd.future.set_exception(exc)
         else:
             cmd.future.set_result(result)
+        if cmd.kind in _ANSWERED:
+            self.last_output = time.time()
+
+    def _send(self, req: _Request, event: Event) -> None:
+        """Give ``event`` to ``req``'s sink and stamp :attr:`last_output`."""
+        self.last_output = time.time()
+        req.sink(event)
 
     def _do_noop(self) -> None:
         return None
@@ -376,10 +393,11 @@ class Scheduler:
                 self._waiting.remove(req)
         if self.metrics is not None:
             self.metrics.observe_finished(time.monotonic() - req.arrival, reason["type"] == "abort")
-        req.sink(
+        self._send(
+            req,
             FinishEvent(
                 reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions
-            )
+            ),
         )
 
     def _routes_of(self, req: _Request) -> torch.Tensor | None:
@@ -441,7 +459,7 @@ class Scheduler:
                     if self.metrics is not None:
                         self.metrics.add_prompt_tokens(n_prompt)
                     if req.spec.return_logprob:
-                        req.sink(PrefillEvent(tuple(req.input_logprobs), tuple(req.input_top)))
+                        self._send(req, PrefillEvent(tuple(req.input_logprobs), tuple(req.input_top)))
             if b == req.seq_len():
                 if req.spec.to_finish is None and len(req.output_ids) >= req.spec.max_new_tokens:
                     self._finish(req, {"type": "length", "length": len(req.output_ids)})
@@ -510,7 +528,9 @@ class Scheduler:
                     self.metrics.observe_inter_token(now - req.last_token_time)
             req.last_token_time = now
             reason = self._finish_reason(req, draw.token_id)
-            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions, reason is not None))
+            self._send(
+                req, TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions, reason is not None)
+            )
             if reason is not None:
                 self._finish(req, reason)
 
