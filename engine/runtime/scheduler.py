@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from core.sglang_release import WAITING_ABORT
 from engine.runtime.request import GenerateSpec, duplicate_rid
 from engine.runtime.sampler import Draw, sample, scaled_logprobs, top_logprobs
 
@@ -96,6 +97,10 @@ class FinishEvent:
     weight_version: int
     routed_experts: torch.Tensor | None = None
     retractions: int = 0  # times the request was retracted (SGLang's ``num_retractions``)
+    # the request was aborted before its output stream took it over (waiting, retracted, or mid
+    # prefill): SGLang's scheduler echoes such an abort, which its tokenizer manager answers with
+    # what it was sent so far (:meth:`Scheduler._do_abort`)
+    echo: bool = False
 
 
 Event = PrefillEvent | TokenEvent | FinishEvent
@@ -330,12 +335,27 @@ class Scheduler:
         self._waiting.append(req)
 
     def _do_abort(self, rid: str, abort_all: bool, message: str) -> int:
+        """End ``rid``'s request (or every one). As SGLang 0.5.23's ``Scheduler.abort_request``
+        (managers/scheduler.py 5675-5812): a request still waiting (never run, or retracted) or
+        mid prefill, a retracted one's recomputation included (SGLang's chunked request,
+        ``process_pending_chunked_abort`` 3778-3827), is echoed to the tokenizer manager
+        (``send_abort_output``) with no reason, which it answers
+        :data:`~core.sglang_release.WAITING_ABORT` (tokenizer_manager.py 3577-3642); a
+        decoding one (:meth:`_decoding`) finishes with ``message``."""
         targets = (
             list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
         )
         for req in targets:
-            self._finish(req, {"type": "abort", "message": message})
+            if self._decoding(req):
+                self._finish(req, {"type": "abort", "message": message})
+            else:
+                self._finish(req, dict(WAITING_ABORT), echo=True)
         return len(targets)
+
+    def _decoding(self, req: _Request) -> bool:
+        """Whether ``req`` runs past its prefill: in the running batch, its cache holding every
+        token but the last one sampled."""
+        return req in self._running and req.cache is not None and req.cache.length >= req.seq_len() - 1
 
     def _do_pause(self, mode: PauseMode) -> int:
         affected = len(self._running)
@@ -380,7 +400,7 @@ class Scheduler:
         used = sum(r.cache.length for r in self._running if r.cache is not None)
         self.metrics.set_load(load["num_running_reqs"], load["num_queue_reqs"], load["num_paused_reqs"], used)
 
-    def _finish(self, req: _Request, reason: dict[str, Any]) -> None:
+    def _finish(self, req: _Request, reason: dict[str, Any], echo: bool = False) -> None:
         if req.finished:
             return
         req.finished = True
@@ -396,7 +416,7 @@ class Scheduler:
         self._send(
             req,
             FinishEvent(
-                reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions
+                reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions, echo
             ),
         )
 
