@@ -152,6 +152,15 @@ def routed_experts_start_error(start_len: int, prompt_tokens: int) -> str | None
     return None
 
 
+WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+"""The finish reason of a request SGLang 0.5.23's scheduler aborts outside its output stream (in
+its waiting queue, a retracted request included, or mid chunked prefill: managers/scheduler.py
+5686-5706, 3778-3827; ``send_abort_output`` 2272-2279) for an abort that names no reason, as the
+tokenizer manager's own aborts (``/abort_request``, a pause in mode ``abort``, an update with
+``abort_all_requests``) never do (``abort_request``, managers/tokenizer_manager.py 2240-2253):
+``_handle_abort_req`` answers it with a short ``meta_info`` (3577-3642)."""
+
+
 ABORT_BAD_REQUEST = "BadRequestError"
 """The ``err_type`` of ``Req.set_finish_with_abort``'s default 400 (managers/schedule_batch.py
 2221-2238): the logprob and routed-experts starts' aborts (managers/scheduler.py 3275-3279,

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from core.sglang_release import WAITING_ABORT
 from engine.runtime.request import GenerateSpec, duplicate_rid
 from engine.runtime.sampler import Draw, sample, scaled_logprobs, top_logprobs
 
@@ -96,10 +97,19 @@ class FinishEvent:
     weight_version: int
     routed_experts: torch.Tensor | None = None
     retractions: int = 0  # times the request was retracted (SGLang's ``num_retractions``)
+    # the request was aborted before its output stream took it over (waiting, retracted, or mid
+    # prefill): SGLang's scheduler echoes such an abort, which its tokenizer manager answers with
+    # what it was sent so far (:meth:`Scheduler._do_abort`)
+    echo: bool = False
 
 
 Event = PrefillEvent | TokenEvent | FinishEvent
 Sink = Callable[[Event], None]
+
+# The commands SGLang's scheduler answers over its socket to the tokenizer manager (a weight
+# update's and a flush's results, ``send_control_output``, managers/scheduler.py 2253-2289);
+# a request, an abort, a pause and a continue get no reply of their own.
+_ANSWERED = frozenset({"update", "flush"})
 
 
 @dataclass(eq=False)
@@ -169,6 +179,11 @@ class Scheduler:
         self.max_running = max_running
         self.prefill_budget = prefill_budget
         self.paused: PauseMode | None = None
+        # Wall-clock time (time.time()) of the scheduler's last answer: an event sent to a
+        # request's sink, or the reply to a weight update or a flush. SGLang's tokenizer manager
+        # stamps every message it receives from the scheduler (``last_receive_tstamp``,
+        # managers/tokenizer_manager.py 2465-2479), which /health_generate reads.
+        self.last_output = 0.0
         self.steps = 0
         # Cumulative seconds, for /server_info: whole steps, inside Model.forward, in the sampler.
         self.step_seconds = 0.0
@@ -298,6 +313,13 @@ class Scheduler:
             cmd.future.set_exception(exc)
         else:
             cmd.future.set_result(result)
+        if cmd.kind in _ANSWERED:
+            self.last_output = time.time()
+
+    def _send(self, req: _Request, event: Event) -> None:
+        """Give ``event`` to ``req``'s sink and stamp :attr:`last_output`."""
+        self.last_output = time.time()
+        req.sink(event)
 
     def _do_noop(self) -> None:
         return None
@@ -313,12 +335,27 @@ class Scheduler:
         self._waiting.append(req)
 
     def _do_abort(self, rid: str, abort_all: bool, message: str) -> int:
+        """End ``rid``'s request (or every one). As SGLang 0.5.23's ``Scheduler.abort_request``
+        (managers/scheduler.py 5675-5812): a request still waiting (never run, or retracted) or
+        mid prefill, a retracted one's recomputation included (SGLang's chunked request,
+        ``process_pending_chunked_abort`` 3778-3827), is echoed to the tokenizer manager
+        (``send_abort_output``) with no reason, which it answers
+        :data:`~core.sglang_release.WAITING_ABORT` (tokenizer_manager.py 3577-3642); a
+        decoding one (:meth:`_decoding`) finishes with ``message``."""
         targets = (
             list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
         )
         for req in targets:
-            self._finish(req, {"type": "abort", "message": message})
+            if self._decoding(req):
+                self._finish(req, {"type": "abort", "message": message})
+            else:
+                self._finish(req, dict(WAITING_ABORT), echo=True)
         return len(targets)
+
+    def _decoding(self, req: _Request) -> bool:
+        """Whether ``req`` runs past its prefill: in the running batch, its cache holding every
+        token but the last one sampled."""
+        return req in self._running and req.cache is not None and req.cache.length >= req.seq_len() - 1
 
     def _do_pause(self, mode: PauseMode) -> int:
         affected = len(self._running)
@@ -363,7 +400,7 @@ class Scheduler:
         used = sum(r.cache.length for r in self._running if r.cache is not None)
         self.metrics.set_load(load["num_running_reqs"], load["num_queue_reqs"], load["num_paused_reqs"], used)
 
-    def _finish(self, req: _Request, reason: dict[str, Any]) -> None:
+    def _finish(self, req: _Request, reason: dict[str, Any], echo: bool = False) -> None:
         if req.finished:
             return
         req.finished = True
@@ -376,10 +413,11 @@ class Scheduler:
                 self._waiting.remove(req)
         if self.metrics is not None:
             self.metrics.observe_finished(time.monotonic() - req.arrival, reason["type"] == "abort")
-        req.sink(
+        self._send(
+            req,
             FinishEvent(
-                reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions
-            )
+                reason, len(req.output_ids), self.weight_version, self._routes_of(req), req.retractions, echo
+            ),
         )
 
     def _routes_of(self, req: _Request) -> torch.Tensor | None:
@@ -441,7 +479,7 @@ class Scheduler:
                     if self.metrics is not None:
                         self.metrics.add_prompt_tokens(n_prompt)
                     if req.spec.return_logprob:
-                        req.sink(PrefillEvent(tuple(req.input_logprobs), tuple(req.input_top)))
+                        self._send(req, PrefillEvent(tuple(req.input_logprobs), tuple(req.input_top)))
             if b == req.seq_len():
                 if req.spec.to_finish is None and len(req.output_ids) >= req.spec.max_new_tokens:
                     self._finish(req, {"type": "length", "length": len(req.output_ids)})
@@ -510,7 +548,9 @@ class Scheduler:
                     self.metrics.observe_inter_token(now - req.last_token_time)
             req.last_token_time = now
             reason = self._finish_reason(req, draw.token_id)
-            req.sink(TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions, reason is not None))
+            self._send(
+                req, TokenEvent(len(req.output_ids) - 1, draw, version, req.retractions, reason is not None)
+            )
             if reason is not None:
                 self._finish(req, reason)
 

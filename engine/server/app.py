@@ -46,7 +46,11 @@ the token was drawn with, highest first, equal ones by ascending id; ``[]`` = wh
 ``output_token_sampling_mask_length``, as SGLang sends them; with ``return_routed_experts`` on an
 engine started with ``--enable-return-routed-experts``, once finished: ``routed_experts`` (base64 int32
 ``[seqlen - 1 - routed_experts_start_len, layers, k]``, :mod:`core.sglang_release`; without the
-flag the key is absent, as in SGLang). Non-finite floats are sent as ``null``.
+flag the key is absent, as in SGLang). Non-finite floats are sent as ``null``. An abort of a
+request not yet decoding (waiting, retracted, mid prefill) is SGLang's abort echo instead: ``id``,
+``finish_reason``, ``weight_version``, ``e2e_latency``, ``weight_versions``, the log-prob keys,
+``completion_tokens``, over only what was sent (docs/sglang-contract.md row 14,
+``GenerateResponse._echo_body``).
 
 Weight updates keep SGLang 0.5.23's contract (docs/sglang-contract.md has the table):
 ``/update_weights_from_disk`` sent while generation is not paused waits for every request in

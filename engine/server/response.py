@@ -52,7 +52,8 @@ class GenerateResponse:
         elif isinstance(event, FinishEvent):
             self.finish = event
             self.retractions = event.retractions
-            self._detokenize(finished=True)
+            if not event.echo:  # an echo carries nothing the output streamer had not sent
+                self._detokenize(finished=True)
 
     def _detokenize(self, finished: bool) -> None:
         """Hand the output ids since the last output to :attr:`detokenizer`, as SGLang's output
@@ -96,14 +97,15 @@ class GenerateResponse:
     def _text(self, token_id: int) -> str | None:
         return self.engine.decode([token_id], False) if self.spec.return_text_in_logprobs else None
 
-    def _logprob_meta(self) -> dict[str, Any]:
+    def _logprob_meta(self, sent: int | None = None) -> dict[str, Any]:
         """The log-prob keys of an answer that asked ``return_logprob`` (managers/
-        tokenizer_manager.py 2520-2529, 2840-3007)."""
+        tokenizer_manager.py 2520-2529, 2840-3007); ``sent``: only the first ``sent`` output
+        tokens', and the input's once an output was sent (an abort echo's, :meth:`_echo_body`)."""
         f = finite_or_none
         spec = self.spec
         meta: dict[str, Any] = {}
-        pre = self.prefill
-        logged = self._logged_draws()
+        pre = self.prefill if sent is None or sent > 0 else None
+        logged = self._logged_draws()[:sent]
         meta["input_token_logprobs"] = (
             [[None if lp is None else f(lp), t, self._text(t)] for lp, t in pre.input_token_logprobs]
             if pre is not None
@@ -142,10 +144,38 @@ class GenerateResponse:
         meta["output_token_sampling_mask_length"] = len(self.draws)
         return meta
 
+    def _echo_body(self) -> dict[str, Any]:
+        """The answer to an abort SGLang 0.5.23's scheduler echoes (:attr:`FinishEvent.echo`), as
+        its tokenizer manager writes it (``_handle_abort_req``, managers/tokenizer_manager.py
+        3577-3642) from what it was sent (:attr:`detokenized` ids, their text and log-probs):
+        ``id``, ``finish_reason``, ``weight_version``, ``e2e_latency``, the spans cut to the ids
+        sent (``add_weight_versions_to_meta_info``, utils/weight_versions.py 90-107, which sets
+        ``weight_version`` to the last one's), the log-prob keys when asked, ``completion_tokens``
+        (the ids sent); then ``response_sent_to_client_ts`` where nothing was sent before
+        (2019-2029). No ``prompt_tokens``, timings, masks, ``cached_tokens_details`` or
+        ``dp_rank``."""
+        sent = self.detokenized
+        visible = [s for s in self.spans() if s["start"] < sent or s["start"] == 0]
+        spans = [{**s, "end": min(s["end"], sent)} for s in visible]
+        meta: dict[str, Any] = {
+            "id": self.spec.rid,
+            "finish_reason": self.finish.finish_reason,
+            "weight_version": spans[-1]["version"],
+            "e2e_latency": self.clock.e2e_latency(),
+            "weight_versions": spans,
+        }
+        if self.spec.return_logprob:
+            meta.update(self._logprob_meta(sent))
+        meta["completion_tokens"] = sent
+        meta.update(self.clock.sent())
+        return {"text": self.detokenizer.text, "output_ids": self.output_ids[:sent], "meta_info": meta}
+
     def body(self) -> dict[str, Any]:
-        """The answer as SGLang sends it now: the final one once the finish was added, else a
-        stream's chunk (which :attr:`clock` counts as sent), sent where
-        :func:`streamer_sends`."""
+        """The answer as SGLang sends it now: the final one once the finish was added (an abort
+        echo's: :meth:`_echo_body`), else a stream's chunk (which :attr:`clock` counts as sent),
+        sent where :func:`streamer_sends`."""
+        if self.finish is not None and self.finish.echo:
+            return self._echo_body()
         spec = self.spec
         finished = self.finish is not None
         meta: dict[str, Any] = {  # managers/tokenizer_manager.py 2507-2513

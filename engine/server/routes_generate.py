@@ -16,9 +16,9 @@ waits for it; a client that goes away has its requests aborted.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -231,22 +231,38 @@ async def _stream(engine: Engine, specs: list[Any], batch: bool) -> AsyncIterato
             t.cancel()
 
 
+# entrypoints/http_server.py 218: read once, at start-up, in seconds
+HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
+    """SGLang 0.5.23's generation check (entrypoints/http_server.py 721-799): 503 unless the
+    scheduler runs; else it submits a one-token greedy request of input ``[0]`` and checks every
+    second whether the scheduler has answered anything since the check began
+    (:attr:`Scheduler.last_output`, SGLang's ``last_receive_tstamp``,
+    managers/tokenizer_manager.py 2465-2479): 200 as soon as it has, 503 after
+    ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds without. While generation is paused the scheduler
+    answers nothing, so the check is a 503 unless the pause ends first. Either way the check's
+    request is then cancelled, which aborts it if unfinished (:func:`run_one`): nothing of it
+    stays in the engine."""
     engine = engine_of(request)
     scheduler = engine.scheduler
     if not scheduler.alive:
         return Response(status_code=503)
-    if scheduler.paused is not None:
-        return Response(status_code=200)
     obj = GenerateReqInput(
         input_ids=[0],
         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-        rid=f"HEALTH_CHECK_{time.time()}_{threading.get_ident()}",
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
     )
+    task = asyncio.create_task(run_one(engine, obj.normalize(engine.limits, None)[0]))
+    tic = time.time()
     try:
-        async with asyncio.timeout(20):
-            await run_one(engine, obj.normalize(engine.limits, None)[0])
-    except (TimeoutError, RequestError, concurrent.futures.CancelledError):
+        while time.time() < tic + HEALTH_CHECK_TIMEOUT:
+            await asyncio.sleep(1)
+            if scheduler.last_output > tic:
+                return Response(status_code=200)
         return Response(status_code=503)
-    return Response(status_code=200)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -436,6 +436,39 @@ def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: http
     assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
 
 
+def test_health_generate_answers_503_while_paused_as_sglangs_generation_check(
+    tiny_dir: Path, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23's ``/health_generate`` (entrypoints/http_server.py 218, 721-799;
+    docs/sglang-contract.md row 23): 200 once the scheduler answers anything after the check
+    began, 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds without; paused, in every mode, the
+    scheduler answers nothing, so a 503, the check's request leaving nothing queued; a pause that
+    ends within the timeout lets the check answer 200. ``/health`` keeps answering 200."""
+    with engine_process(tiny_dir, env={"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}) as url:
+        generate(client, url, input_ids=PROMPT, sampling_params=GREEDY)  # a first forward is slow
+        assert client.get(url + "/health_generate").status_code == 200
+        for mode in ("abort", "retract", "in_place"):
+            assert client.post(url + "/pause_generation", json={"mode": mode}).status_code == 200
+            t0 = time.monotonic()
+            assert client.get(url + "/health_generate").status_code == 503
+            assert time.monotonic() - t0 >= 2.0
+            assert client.get(url + "/health").status_code == 200
+            state = load(client, url)
+            assert state["num_queue_reqs"] == 0 and state["num_paused_reqs"] == 0
+            assert client.post(url + "/continue_generation", json={}).status_code == 200
+        assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+        answers: list[int] = []
+        check = threading.Thread(
+            target=lambda: answers.append(client.get(url + "/health_generate").status_code)
+        )
+        check.start()
+        wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)  # the check's request waits
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
+        check.join(30)
+        assert answers == [200]
+        assert load(client, url)["num_queue_reqs"] == 0
+
+
 def test_a_rid_already_running_is_refused_as_sglang_refuses_it(v1_engine: str, client: httpx.Client) -> None:
     """A request whose rid a running request holds: SGLang 0.5.23's ValueError "Duplicate request
     ID detected: <rid>" (managers/tokenizer_manager.py 3833-3837), a 400 ``{"error": {"message"}}``

@@ -314,15 +314,76 @@ def test_an_answers_meta_info_keys_are_the_sglang_fixtures(
     assert list(meta) == list(fx["body"]["meta_info"])
 
 
-def test_the_sglang_fixtures_without_a_request_are_no_output_of_a_finished_request() -> None:
-    """Every fixture of a finished output names its request (so the test above covers it); the
-    others are a 400's body and an abort the scheduler echoes from its waiting queue
-    (managers/tokenizer_manager.py 3577-3642), which carries no ``prompt_tokens``."""
+def test_the_sglang_fixtures_without_a_request_are_a_refusal_and_the_abort_echo() -> None:
+    """Every fixture of a finished output names its request (so the test above covers it); of the
+    others, the abort SGLang's scheduler echoes (``abort_no_status``, managers/tokenizer_manager.py
+    3577-3642: no ``prompt_tokens``) has its engine check below, and the 400's body is no
+    ``meta_info``."""
     assert len(ANSWER_FIXTURES) == 3
-    for p in FIXTURES.glob("*.json"):
-        fx = json.loads(p.read_text(encoding="utf-8"))
-        if "request" not in fx:
-            assert fx["status"] == 400 or "prompt_tokens" not in fx["body"]["meta_info"], p.name
+    others = sorted(p.stem for p in FIXTURES.glob("*.json") if p.stem not in ANSWER_FIXTURES)
+    assert others == ["abort_no_status", "mask_refused_400"]
+    assert json.loads((FIXTURES / "mask_refused_400.json").read_text(encoding="utf-8"))["status"] == 400
+
+
+def _queued(client: httpx.Client, url: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while client.get(url + "/server_info").json()["internal_states"][0]["num_queue_reqs"] != n:
+        assert time.monotonic() < deadline, f"never {n} queued"
+        time.sleep(0.01)
+
+
+def test_an_abort_of_a_waiting_request_is_sglangs_echo_and_of_a_running_one_a_whole_answer(
+    engine: str, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23's scheduler echoes the abort of a request in its waiting queue (never run,
+    or retracted) to the tokenizer manager (managers/scheduler.py 5686-5706), which answers it
+    with what it was sent so far in the short ``meta_info`` of ``abort_no_status`` (keys in its
+    order; ``response_sent_to_client_ts`` after them when nothing was sent before,
+    tokenizer_manager.py 2019-2029, 3577-3642), finish reason "Abort in waiting queue"; a
+    decoding request's abort finishes in its output stream, a whole answer."""
+    fixture = json.loads((FIXTURES / "abort_no_status.json").read_text(encoding="utf-8"))["body"]
+    echo_keys = list(fixture["meta_info"])
+    long = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 3}
+    body = {"input_ids": PROMPT, "sampling_params": long, "return_logprob": True}
+    # retracted, streamed: the tokens it was sent, the fixture's keys exactly
+    stream = StreamReader(engine, {**body, "rid": "echo-retracted"})
+    stream.wait_for(3)
+    assert client.post(engine + "/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+        shown = stream.settled()
+        assert client.post(engine + "/abort_request", json={"rid": "echo-retracted"}).status_code == 200
+        last, echo = stream.chunks[shown - 1], stream.result()
+        meta = echo["meta_info"]
+        assert list(meta) == echo_keys
+        assert meta["finish_reason"] == fixture["meta_info"]["finish_reason"]
+        assert echo["output_ids"] == last["output_ids"] and echo["text"] == last["text"]
+        n = len(echo["output_ids"])
+        assert meta["completion_tokens"] == meta["output_token_logprobs_length"] == n >= 3
+        assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
+        assert meta["output_token_logprobs"] == last["meta_info"]["output_token_logprobs"]
+        # never run, unstreamed: nothing sent
+        answers: list[dict[str, Any]] = []
+        waiting = threading.Thread(
+            target=lambda: answers.append(generate(client, engine, **body, rid="echo-waiting"))
+        )
+        waiting.start()
+        _queued(client, engine, 1)
+        assert client.post(engine + "/abort_request", json={"rid": "echo-waiting"}).status_code == 200
+        waiting.join(60)
+        (never_run,) = answers
+        meta = never_run["meta_info"]
+        assert list(meta) == [*echo_keys, "response_sent_to_client_ts"]
+        assert never_run["output_ids"] == [] and never_run["text"] == "" and meta["completion_tokens"] == 0
+        assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}]
+        assert meta["input_token_logprobs"] == meta["output_token_logprobs"] == []
+    finally:
+        assert client.post(engine + "/continue_generation", json={}).status_code == 200
+    # decoding: a whole answer
+    running = StreamReader(engine, {**body, "rid": "echo-running"})
+    running.wait_for(3)
+    assert client.post(engine + "/abort_request", json={"rid": "echo-running"}).status_code == 200
+    meta = running.result()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and "prompt_tokens" in meta and "dp_rank" in meta
 
 
 def test_a_streams_earlier_chunks_carry_what_sglang_sends_before_the_finish(

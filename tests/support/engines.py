@@ -37,9 +37,11 @@ def engine_process(
     *,
     timeout: float = 180.0,
     log: Path | None = None,
+    env: dict[str, str] | None = None,
     **flags: object,
 ) -> Iterator[str]:
-    """Start an engine serving ``model_dir``; yield ``http://127.0.0.1:PORT`` once it is healthy.
+    """Start an engine serving ``model_dir`` (``env`` added to the environment it inherits);
+    yield ``http://127.0.0.1:PORT`` once it is healthy.
 
     On a failed start the error carries the tail of the engine's log.
     """
@@ -47,7 +49,7 @@ def engine_process(
     with contextlib.ExitStack() as stack:
         if log is None:
             log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-"))) / "engine.log"
-        proc = stack.enter_context(process(engine_argv(model_dir, port, **flags), log=log))
+        proc = stack.enter_context(process(engine_argv(model_dir, port, **flags), log=log, env=env))
         url = f"http://127.0.0.1:{port}"
         wait_started("engine", url, "/health", proc, log, timeout)
         pid = httpx.get(url + "/server_info", timeout=10).json().get("pid")
