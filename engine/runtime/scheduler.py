@@ -307,6 +307,12 @@ class Scheduler:
             self._apply(cmd)
 
     def _apply(self, cmd: _Command) -> None:
+        """Run ``cmd`` and settle its future, unless its caller cancelled the future before the
+        scheduler took it (an HTTP handler cancelled while it waited: a client gone mid-submit):
+        then it is not run, as an executor runs no work whose future
+        ``set_running_or_notify_cancel`` reports cancelled; a cancelled future takes no result."""
+        if not cmd.future.set_running_or_notify_cancel():
+            return
         try:
             result = getattr(self, f"_do_{cmd.kind}")(**cmd.args)
         except Exception as exc:

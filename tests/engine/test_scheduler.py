@@ -188,3 +188,32 @@ def test_a_to_finish_request_runs_input_0_and_finishes_after_its_first_token(mod
     assert finish.completion_tokens == 1 and got["events"][-2].finishes
     stop = {**params, "stop_token_ids": [stub["tokens"][0].token_id]}  # the drawn id is a stop id
     assert run(model, {**aborted, "sampling_params": stop})[0]["finish"].finish_reason["type"] == "abort"
+
+
+def test_a_command_cancelled_before_the_scheduler_takes_it_is_not_run(model: Any) -> None:
+    """A submit whose future its caller cancelled while it was queued (a client gone before the
+    scheduler took its request) is not run, and the scheduler goes on serving: settling a
+    cancelled future raises ``InvalidStateError``, which would end the scheduler thread."""
+    limits = ModelLimits(model.config.vocab_size, model.config.max_position_embeddings)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    sched = Scheduler(
+        model,
+        weight_version=0,
+        vocab_size=limits.vocab_size,
+        context_len=limits.context_len,
+        eos_token_ids=frozenset(),
+    )
+    gone: list[Any] = []
+    finished = threading.Event()
+    cancelled = sched.submit(
+        GenerateReqInput.model_validate({**body, "rid": "gone"}).normalize(limits, None)[0], gone.append
+    )
+    assert cancelled.cancel()  # queued, not yet taken: the scheduler thread is not started
+    sched.start()
+    try:
+        served = GenerateReqInput.model_validate({**body, "rid": "served"}).normalize(limits, None)[0]
+        sched.submit(served, lambda ev: finished.set() if isinstance(ev, FinishEvent) else None).result(10)
+        assert finished.wait(60) and sched.alive
+        assert gone == [] and sched.held(["gone"]) is None
+    finally:
+        sched.stop()
