@@ -127,6 +127,15 @@ def test_start_len_outside_the_prompt_is_refused(routed_engine: str, client: htt
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def _one_event(client: httpx.Client, url: str, body: dict) -> dict:
+    """The one event of a streamed ``/generate`` of ``body`` that answers 200 with it and
+    ``[DONE]``."""
+    r = client.post(url + "/generate", json=body)
+    events = sse_events(r.text)
+    assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
+    return events[0]
+
+
 def test_a_streamed_start_past_the_prompt_is_a_one_token_prefill_of_input_0(
     routed_engine: str, client: httpx.Client, tiny_config: dict
 ) -> None:
@@ -152,15 +161,12 @@ def test_a_streamed_start_past_the_prompt_is_a_one_token_prefill_of_input_0(
         "routed_experts_start_len": len(PROMPTS[1]) + 1,
         "stream": True,
     }
-    r = client.post(routed_engine + "/generate", json=body)
-    events = sse_events(r.text)
-    assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
-    event = events[0]
+    event = _one_event(client, routed_engine, body)
     meta = event["meta_info"]
-    assert meta["finish_reason"]["status_code"] == 400, r.text
-    assert "is higher than the number of input tokens" in meta["finish_reason"]["message"], r.text
-    assert event["output_ids"] == want["output_ids"] and event["text"] == want["text"], r.text
-    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (1, 1), r.text
+    assert meta["finish_reason"]["status_code"] == 400, event
+    assert "is higher than the number of input tokens" in meta["finish_reason"]["message"], event
+    assert event["output_ids"] == want["output_ids"] and event["text"] == want["text"], event
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (1, 1), event
     layers, k = tiny_config["num_hidden_layers"], tiny_config["num_experts_per_tok"]
     assert _routes(event, layers, k).shape[0] == 1
     assert np.array_equal(_routes(event, layers, k), _routes(want, layers, k))
@@ -191,12 +197,9 @@ def test_a_streamed_logprob_abort_carries_the_routes_of_its_stub(
         "routed_experts_start_len": start,
         "stream": True,
     }
-    r = client.post(routed_engine + "/generate", json=body)
-    events = sse_events(r.text)
-    assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
-    event = events[0]
+    event = _one_event(client, routed_engine, body)
     meta = event["meta_info"]
-    assert "logprob_start_len" in meta["finish_reason"]["message"], r.text
+    assert "logprob_start_len" in meta["finish_reason"]["message"], event
     keys = list(meta)
     assert (
         keys.index("cached_tokens_details") + 1 == keys.index("routed_experts") == keys.index("dp_rank") - 1
@@ -206,7 +209,7 @@ def test_a_streamed_logprob_abort_carries_the_routes_of_its_stub(
         assert np.array_equal(_routes(event, layers, k), _routes(want, layers, k))
         assert _routes(event, layers, k).shape[0] == 1
     else:
-        assert meta["routed_experts"] == "", r.text
+        assert meta["routed_experts"] == "", event
 
 
 def test_without_the_flag_no_routes(engine: str, client: httpx.Client) -> None:

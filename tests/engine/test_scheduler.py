@@ -21,11 +21,10 @@ def model(tiny_dir: Path) -> Any:
     return load_model(tiny_dir)
 
 
-def run(model: Any, body: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
-    """Submit ``body`` (a /generate body) to a fresh scheduler; the events of every request."""
+def scheduler(model: Any, **kw: Any) -> Scheduler:
+    """A scheduler (not started) of ``model`` at version 0, with no EOS."""
     limits = ModelLimits(model.config.vocab_size, model.config.max_position_embeddings)
-    specs = GenerateReqInput.model_validate(body).normalize(limits, None)
-    sched = Scheduler(
+    return Scheduler(
         model,
         weight_version=0,
         vocab_size=limits.vocab_size,
@@ -33,6 +32,13 @@ def run(model: Any, body: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
         eos_token_ids=frozenset(),
         **kw,
     )
+
+
+def run(model: Any, body: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
+    """Submit ``body`` (a /generate body) to a fresh scheduler; the events of every request."""
+    limits = ModelLimits(model.config.vocab_size, model.config.max_position_embeddings)
+    specs = GenerateReqInput.model_validate(body).normalize(limits, None)
+    sched = scheduler(model, **kw)
     results: list[dict[str, Any]] = [
         {"tokens": [], "prefill": None, "finish": None, "events": []} for _ in specs
     ]
@@ -108,14 +114,7 @@ def test_retract_during_chunked_prefill_recomputes_input_logprobs(model: Any) ->
         "sampling_params": {"max_new_tokens": 0},
     }
     reference = run(model, scoring, prefill_budget=4096)[0]["prefill"]
-    sched = Scheduler(
-        model,
-        weight_version=0,
-        vocab_size=limits.vocab_size,
-        context_len=limits.context_len,
-        eos_token_ids=frozenset(),
-        prefill_budget=16,
-    )
+    sched = scheduler(model, prefill_budget=16)
     events: dict[str, list[Any]] = {"score": [], "decode": []}
     retracted = threading.Event()
 
@@ -196,13 +195,7 @@ def test_a_command_cancelled_before_the_scheduler_takes_it_is_not_run(model: Any
     cancelled future raises ``InvalidStateError``, which would end the scheduler thread."""
     limits = ModelLimits(model.config.vocab_size, model.config.max_position_embeddings)
     body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
-    sched = Scheduler(
-        model,
-        weight_version=0,
-        vocab_size=limits.vocab_size,
-        context_len=limits.context_len,
-        eos_token_ids=frozenset(),
-    )
+    sched = scheduler(model)
     gone: list[Any] = []
     finished = threading.Event()
     cancelled = sched.submit(
