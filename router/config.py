@@ -120,11 +120,8 @@ class RouterConfig:
     """Everything the router needs to start.
 
     ``api_keys`` maps a bearer token to its scopes; ``auth_disabled`` must be set explicitly to
-    run without keys (the app logs a warning). ``vocab_size``, when known, lets the router refuse
-    out-of-vocabulary token ids itself (otherwise it passes the engine's 400 through: SGLang's
-    ``/model_info`` names no vocabulary size, entrypoints/http_server.py 812-850). Open sessions
-    without a turn for ``session_idle_s`` seconds, and none running, are abandoned (their
-    capacity slot freed; None: never).
+    run without keys (the app logs a warning). Open sessions without a turn for ``session_idle_s``
+    seconds, and none running, are abandoned (their capacity slot freed; None: never).
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
@@ -174,7 +171,6 @@ class RouterConfig:
     max_version_lag: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     max_new_tokens_limit: int = 32768
-    vocab_size: int | None = None
     connect_timeout_s: float = 5.0
     engine_timeout_s: float = 600.0
     failure_cooldown_s: float = 2.0

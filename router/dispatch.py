@@ -35,10 +35,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any, NamedTuple, TypeVar
-
-import numpy as np
 
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from clients.engine_stream import TokenCallback
@@ -295,21 +293,6 @@ def effective_min_version(
     return max(min_version or 0, base - max_version_age)
 
 
-def check_vocab(ctx: RouterContext, rows: Sequence[Ids], field: str) -> None:
-    """Refuse (422 naming ``field[i]``) an id at or above the configured vocabulary size
-    (:attr:`~router.config.RouterConfig.vocab_size`; without it the engine refuses it); a row that
-    is a numpy array (a turn's input, :mod:`router.segments`) is checked in bulk."""
-    vocab = ctx.config.vocab_size
-    if vocab is None:
-        return
-    for r, row in enumerate(rows):
-        if not len(row) or (row.max() if isinstance(row, np.ndarray) else max(row)) < vocab:
-            continue
-        i = next(i for i, t in enumerate(row) if t >= vocab)
-        where = f"{field}[{i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
-        raise ApiError(422, f"{where} = {row[i]} is outside the vocabulary (size {vocab})")
-
-
 def _input_text(ctx: RouterContext, session: SessionInfo, input_ids: Ids) -> bytes:
     """The JSON text of a turn's whole input (:mod:`router.context_text`), counted as reused or
     encoded."""
@@ -370,7 +353,6 @@ async def run_turn(
     ApiError 502. The turn's ``timings`` say where its time went (:func:`_timings`)."""
     t0 = time.perf_counter()
     min_version = effective_min_version(ctx, spec.min_version, spec.max_version_age)
-    check_vocab(ctx, [spec.input_ids], "input_ids")
     text = _input_text(ctx, session, spec.input_ids)
     headers = {"Modal-Session-ID": session.session_id}
     if min_version is not None:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clients.engine import EngineRejected, EngineUnavailable, RawResponse, SGLangClient
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import check_vocab, with_failover
+from router.dispatch import with_failover
 from router.errors import AUTH, BODY, ApiError, error_responses, unavailable
 from router.json_route import JsonRoute
 from router.policy import assign_group
@@ -66,7 +66,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
         raise ApiError(422, "text: empty input")
     key = routing_key(request)
     if not body.stream:
-        response = await forward_generate(ctx, raw, body.rows(), key)
+        response = await forward_generate(ctx, raw, key)
         return Response(
             response.content,
             status_code=response.status_code,
@@ -74,7 +74,6 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
         )
     route = await ctx.store.get_route_key(key) if key else None
     group = await _group_of(ctx, route)
-    check_vocab(ctx, body.rows(), "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
     async def send_stream(client: SGLangClient, _group: str):
@@ -97,14 +96,11 @@ async def _group_of(ctx: RouterContext, route: dict[str, Any] | None) -> str:
     return group if group is not None else await assign_group(ctx)
 
 
-async def forward_generate(
-    ctx: RouterContext, raw: bytes, rows: list[list[int]], key: str | None
-) -> RawResponse:
+async def forward_generate(ctx: RouterContext, raw: bytes, key: str | None) -> RawResponse:
     """Forward a validated non-streaming ``/generate`` body unchanged to a replica of the key's
     group (by policy without a key), with failover; the engine's answer (4xx included)."""
     route = await ctx.store.get_route_key(key) if key else None
     group = await _group_of(ctx, route)
-    check_vocab(ctx, rows, "input_ids")
     headers = {"Modal-Session-ID": key} if key else {}
 
     async def send(client: SGLangClient, _group: str) -> RawResponse:

@@ -884,8 +884,3 @@ class GenerateRequest(BaseModel):
         if refused is not None:
             raise PydanticCustomError("sglang_contract", refused)
         return data
-
-    def rows(self) -> list[list[int]]:
-        if self.input_ids is None:
-            return []
-        return self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]  # type: ignore[return-value]
