@@ -74,14 +74,20 @@ def workers(engine_url, tmp_path_factory):
             extra_args=("--workers", "2", "--heartbeat-timeout", "300"),
         ) as router,
     ):
-        pids: set[str] = set()
-        deadline = time.monotonic() + 60
-        while len(pids) < 2:
-            assert time.monotonic() < deadline, f"only workers {pids} answered"
-            r, pid = call(router, "GET", "/healthz")
-            if r.status_code == 200:
-                pids.add(pid)
+        both_workers_answer(router)
         yield router
+
+
+def both_workers_answer(router: RouterHandle, timeout: float = 60) -> None:
+    """Wait until two worker processes have answered ``/healthz`` (fresh connections), at most
+    ``timeout`` seconds."""
+    pids: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, f"only workers {pids} answered"
+        r, pid = call(router, "GET", "/healthz")
+        if r.status_code == 200:
+            pids.add(pid)
 
 
 def _groups(router: RouterHandle) -> tuple[dict, str]:
@@ -392,6 +398,7 @@ def test_a_job_whose_worker_dies_reads_failed_once_its_lock_lapses(workers: Rout
         again, _ = call(router, "POST", "/v1/weights", json={**body, "formats": ["bf16"]})
     assert again.status_code == 202, again.text
     assert _wait_done(router, again.json()["job_id"])["state"] == "done"
+    both_workers_answer(router)  # the killed worker's replacement serves again (the module's fixture)
 
 
 def read_everywhere(router: RouterHandle, path: str, view=lambda body: body, at_least: int = 4) -> Any:
