@@ -18,7 +18,7 @@ standing in for the engine's own time. Printed:
   "leg", the rest (the engine leg's time over the direct request: the router's engine client and
   the whole-context body it sends, which SGLang's contract requires: ``docs/sglang-contract.md``);
   and of "own", the p50 of the dispatcher's part ("dispatch": the answer's ``timings.router_ms``,
-  the vocab check and the context's JSON text before the engine call, the failover's bookkeeping
+  the context's JSON text before the engine call, the failover's bookkeeping
   after it; the rest of "own" is the server, the framework, the session, the records, the
   answer and the client's side of the connection);
 * router CPU per turn (the router processes' user+system time over the turns they served, every
@@ -616,6 +616,8 @@ def start_router(
     argv += [
         "--chat-model",
         str(chat_model),
+        "--vocab-size",  # the stub's (its ids are drawn from it), not the chat model's
+        str(VOCAB),
         "--workers",
         str(workers),
         "--heap-trim-interval",

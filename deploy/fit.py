@@ -79,6 +79,7 @@ class Model:
     head_dim: int
     context_length: int
     weight_bytes: MappingProxyType  # format -> bytes of the converted checkpoint's tensors
+    vocab_size: int | None = None  # config.json's (the router refuses input ids beyond it); None: not named
 
     def kv_bytes_per_token(self, kv_cache_dtype: str, tp: int) -> int:
         """One token's K and V on one of ``tp`` GPUs."""
@@ -131,6 +132,7 @@ def read_model(checkpoint: Path, formats: Iterable[str]) -> Model:
         head_dim=head_dim,
         context_length=context_length(config, path),
         weight_bytes=MappingProxyType(sizes),
+        vocab_size=_int(config, "vocab_size", path) if "vocab_size" in config else None,
     )
 
 

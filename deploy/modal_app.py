@@ -1,6 +1,7 @@
 """The production fleet on Modal: ``modal deploy deploy/modal_app.py`` (preset from ``MIXFLEET_PRESET``,
 default ``mixed``; run id from ``MIXFLEET_RUN``, default ``main``; the router's chat model from
-``MIXFLEET_CHAT_MODEL``, a checkpoint directory on the weights Volume, default none).
+``MIXFLEET_CHAT_MODEL``, a checkpoint directory on the weights Volume, default none; its
+vocabulary size from ``MIXFLEET_VOCAB_SIZE``, set by ``mixfleet deploy --checkpoint``).
 
 Defines, from the :mod:`deploy.plan` of the preset (which refuses a bad preset before any object
 is created):
@@ -79,6 +80,7 @@ from deploy.plan import (
     SERVER_EXIT_GRACE_S,
     SERVER_STARTUP_TIMEOUT_S,
     STAGE_DIR,
+    VOCAB_SIZE_ENV,
     VOLUME_MOUNT,
     VOLUME_NAME,
     ServerPlan,
@@ -116,6 +118,9 @@ ROUTER_ENV = {**ENV, STORE_VOLUME_ENV: VOLUME_NAME, CONVERT_FUNCTION_ENV: f"{APP
 CHAT_MODEL = deploy_plan.chat_model_dir(os.environ.get(CHAT_MODEL_ENV))
 if CHAT_MODEL is not None:
     ROUTER_ENV[CHAT_MODEL_ENV] = CHAT_MODEL
+VOCAB_SIZE = deploy_plan.vocab_size_env(os.environ.get(VOCAB_SIZE_ENV))
+if VOCAB_SIZE is not None:
+    ROUTER_ENV[VOCAB_SIZE_ENV] = str(VOCAB_SIZE)
 
 app = modal.App(APP_NAME)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True, version=VOLUME_FS_VERSION)
@@ -275,8 +280,10 @@ STORE_VERSIONS_KEPT = 16
 def router_args() -> dict[str, Any]:
     """The router's arguments in this container: ``mixfleet router``'s defaults with this fleet
     (shipped as JSON), the Redis state of ``MIXFLEET_REDIS_URL``, requests pinned to the
-    containers of this app's servers, the deploy's chat model (:data:`CHAT_MODEL`) and the
-    store pruned to :data:`STORE_VERSIONS_KEPT` versions."""
+    containers of this app's servers, the deploy's chat model (:data:`CHAT_MODEL`), the served
+    checkpoint's vocabulary size (:data:`VOCAB_SIZE`, ``mixfleet deploy --checkpoint``'s; None:
+    the chat model's, :func:`mixfleet.router.vocab_value`) and the store pruned to
+    :data:`STORE_VERSIONS_KEPT` versions."""
     from mixfleet.router import default_args
 
     return default_args(
@@ -284,6 +291,7 @@ def router_args() -> dict[str, Any]:
         state=os.environ[REDIS_URL_ENV],
         modal_app=APP_NAME,
         chat_model=CHAT_MODEL,
+        vocab_size=VOCAB_SIZE,
         keep_store_versions=STORE_VERSIONS_KEPT,
     )
 

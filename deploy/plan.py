@@ -51,6 +51,7 @@ REDIS_URL_ENV = "MIXFLEET_REDIS_URL"
 REPLICA_KEY_ENV = "MIXFLEET_REPLICA_KEY"
 ROUTER_URL_ENV = "MIXFLEET_ROUTER_URL"
 CHAT_MODEL_ENV = "MIXFLEET_CHAT_MODEL"  # at deploy: the router's --chat-model, a directory on the Volume
+VOCAB_SIZE_ENV = "MIXFLEET_VOCAB_SIZE"  # at deploy: the router's --vocab-size (--checkpoint's config.json)
 RUN_ENV = "MIXFLEET_RUN"
 # The fleet a container's app is built from (deploy/modal_app.py ships it); where it is set, it
 # takes the place of the preset.
@@ -81,6 +82,25 @@ def chat_model_line(chat_model: str | None) -> str:
     if chat_model is None:
         return "chat APIs: off (no --chat-model: the router's chat routes answer 503)"
     return f"chat APIs: rendered with {chat_model} (the router's --chat-model)"
+
+
+def vocab_line(vocab_size: int | None, chat_model: str | None) -> str:
+    """The dry-run's line on the router's vocabulary check (``--vocab-size``, :func:`vocab_size_env`)."""
+    if vocab_size is not None:
+        return f"vocabulary: the router refuses input ids >= {vocab_size} (--checkpoint's config.json)"
+    if chat_model is not None:
+        return f"vocabulary: the router refuses input ids beyond {chat_model}/config.json's vocab_size"
+    return "vocabulary: not checked (no --checkpoint or --chat-model: out-of-vocabulary ids reach SGLang)"
+
+
+def vocab_size_env(value: str | None) -> int | None:
+    """The router's ``--vocab-size`` shipped as ``$MIXFLEET_VOCAB_SIZE`` (None when unset);
+    UserError for anything but a positive integer."""
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{VOCAB_SIZE_ENV} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 NO_FIT_LINE = "  memory: not checked (--checkpoint DIR: the BF16 checkpoint the fleet serves)"

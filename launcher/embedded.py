@@ -15,7 +15,8 @@ Before: nothing (a fresh machine is fine). What :func:`serve` does, in order:
    format; later ``up`` runs start from each format's pointer).
 3. The router (``mixfleet router``) on ``--host:--port`` with the store's weight routes and the
    base policy as its chat model (``--chat-model``: the per-session chat APIs render with its
-   tokenizer and chat template), then
+   tokenizer and chat template) and its vocabulary size (``--vocab-size``: an input id beyond the
+   base's vocabulary is refused before it reaches an engine), then
    for every group that lists no static ``replicas``, ``max(min_replicas, 1)`` replicas, each a
    ``mixfleet engine`` on the pointer's version behind a ``mixfleet sidecar`` that heartbeats
    to the router and activates new versions (started by :mod:`launcher.children`), each on a
@@ -241,10 +242,11 @@ def _start_replicas(
 def _start_router(
     launcher: Launcher, probe: Probe, settings: UpSettings, router_url: str, plan: _Plan
 ) -> Child:
-    """The router (``mixfleet router``) with the store's weight routes and the base policy as its
-    chat model, once it answers ``/healthz``."""
+    """The router (``mixfleet router``) with the store's weight routes, the base policy as its
+    chat model and its vocabulary size (input ids beyond it refused), once it answers ``/healthz``."""
     argv = ["router", "--preset", str(settings.preset), "--host", settings.host, "--port", str(settings.port)]
     argv += ["--state", settings.state, *_chat_flags(plan.data / "base")]
+    argv += ["--vocab-size", str(json.loads((plan.data / "base" / "config.json").read_text())["vocab_size"])]
     if settings.max_version_lag is not None:
         argv += ["--max-version-lag", str(settings.max_version_lag)]
     if settings.keep_store_versions:

@@ -61,11 +61,13 @@ def run(args: argparse.Namespace) -> int:
     from deploy.plan import (
         CHAT_MODEL_ENV,
         FLEET_ENV,
+        VOCAB_SIZE_ENV,
         PresetRejected,
         chat_model_dir,
         chat_model_line,
         describe,
         load_plan,
+        vocab_line,
     )
     from images.sglang import unpinned_warning
 
@@ -85,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, UserError) as exc:
         print(f"mixfleet deploy: error: {exc}", file=sys.stderr)
         return 2
+    vocab_size = plan.model.vocab_size if plan.model is not None else None
     if args.dry_run:
         print(describe(plan))
         print(chat_model_line(chat_model))
+        print(vocab_line(vocab_size, chat_model))
         if image_warning:
             print(f"warning: {image_warning}")
         return 0
@@ -100,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     env.pop(CHAT_MODEL_ENV, None)
     if chat_model is not None:
         env[CHAT_MODEL_ENV] = chat_model
+    env.pop(VOCAB_SIZE_ENV, None)
+    if vocab_size is not None:
+        env[VOCAB_SIZE_ENV] = str(vocab_size)
     if args.run:
         env["MIXFLEET_RUN"] = args.run
     return subprocess.call([sys.executable, "-m", "modal", "deploy", str(app_file())], env=env)

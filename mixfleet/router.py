@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--affinity-hold", type=float, default=5.0, help="seconds the queue must stay above it (default 5)"
     )
+    add_model_arguments(parser)
+    parser.add_argument("--log-level", default="info")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags naming the served model: its chat model (:func:`chat_values`) and vocabulary
+    size (:func:`vocab_value`)."""
     parser.add_argument(
         "--chat-model",
         default=None,
@@ -102,12 +109,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(OpenAI, Anthropic) render with (default: none, they answer 503)",
     )
     parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the served checkpoint's vocabulary size (config.json's vocab_size): input ids at or "
+        "above it are refused before they reach an engine, which SGLang does not check (default: "
+        "the --chat-model checkpoint's, else none checked)",
+    )
+    parser.add_argument(
         "--chat-family",
         default="auto",
         help="the chat model's renderer family: local (mixfleet init-model's) or qwen3 "
         "(default auto: detected from its tokenizer)",
     )
-    parser.add_argument("--log-level", default="info")
 
 
 def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -294,6 +308,7 @@ def build_config(args: argparse.Namespace):
         weights=weights,
         chat_model=chat_model,
         chat_family=chat_family,
+        vocab_size=vocab_value(args, chat_model),
     )
 
 
@@ -318,6 +333,24 @@ def chat_values(args: argparse.Namespace) -> tuple[Path | None, str | None]:
     except (OSError, ValueError) as exc:
         raise UserError(f"--chat-model {raw}: cannot render chat with it: {exc}") from None
     return path, family
+
+
+def vocab_value(args: argparse.Namespace, chat_model: Path | None) -> int | None:
+    """RouterConfig's ``vocab_size``: ``--vocab-size`` (UserError below 1), else the chat model's
+    ``config.json`` ``vocab_size`` (the checkpoint the fleet serves), else None (the router logs
+    at start that input ids reach the engines unchecked against the vocabulary)."""
+    size = getattr(args, "vocab_size", None)
+    if size is not None:
+        if size < 1:
+            raise UserError(f"--vocab-size must be >= 1, got {size}")
+        return size
+    if chat_model is None:
+        return None
+    try:
+        size = json.loads((chat_model / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):  # a tokenizer-only directory: none named
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
 
 
 ARGS_ENV = "MIXFLEET_ROUTER_ARGS"

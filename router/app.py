@@ -154,6 +154,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.auth_disabled:
             log.warning("AUTH IS DISABLED: every client may open sessions, take batches and change the fleet")
+        if config.vocab_size is None:
+            log.warning("no vocabulary size (--vocab-size): input ids reach the engines unchecked against it")
         await ctx.start()
         try:
             yield

@@ -122,6 +122,10 @@ class RouterConfig:
     ``api_keys`` maps a bearer token to its scopes; ``auth_disabled`` must be set explicitly to
     run without keys (the app logs a warning). Open sessions without a turn for ``session_idle_s``
     seconds, and none running, are abandoned (their capacity slot freed; None: never).
+    ``vocab_size`` is the served checkpoint's (``config.json``'s ``vocab_size``): a turn's or a
+    ``/generate`` input id at or above it is refused (422) before anything is forwarded, because
+    SGLang 0.5.23 checks a prompt's ids against the vocabulary nowhere before its embedding's
+    gather (:mod:`router.dispatch` ``check_vocab``); None: not checked.
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
@@ -171,6 +175,7 @@ class RouterConfig:
     max_version_lag: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     max_new_tokens_limit: int = 32768
+    vocab_size: int | None = None
     connect_timeout_s: float = 5.0
     engine_timeout_s: float = 600.0
     failure_cooldown_s: float = 2.0
@@ -209,6 +214,8 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size!r}")
         if self.context_cache_bytes < 0:
             raise ValueError(f"context_cache_bytes must be >= 0, got {self.context_cache_bytes}")
         if self.heap_trim_s is not None and not self.heap_trim_s > 0:

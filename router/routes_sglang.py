@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clients.engine import EngineRejected, EngineUnavailable, RawResponse, SGLangClient
 from router.auth import require
 from router.context import RouterContext
-from router.dispatch import with_failover
+from router.dispatch import check_vocab, with_failover
 from router.errors import AUTH, BODY, ApiError, error_responses, unavailable
 from router.json_route import JsonRoute
 from router.policy import assign_group
@@ -64,6 +64,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     raw = await request.body()
     if body.text == "" and body.input_ids is None:  # with input_ids the ids are the input (io_struct.py 969)
         raise ApiError(422, "text: empty input")
+    check_vocab(ctx, body.rows(), "input_ids")
     key = routing_key(request)
     if not body.stream:
         response = await forward_generate(ctx, raw, key)

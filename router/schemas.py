@@ -884,3 +884,9 @@ class GenerateRequest(BaseModel):
         if refused is not None:
             raise PydanticCustomError("sglang_contract", refused)
         return data
+
+    def rows(self) -> list[list[int]]:
+        """``input_ids`` as a list of rows (one per item of a batch); none for a text input."""
+        if self.input_ids is None:
+            return []
+        return self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]  # type: ignore[return-value]

@@ -38,15 +38,17 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from clients.engine_stream import TokenCallback
 from core.jsonio import dumps
 from router.context import RouterContext
-from router.dispatch import run_turn
+from router.dispatch import check_vocab, run_turn
 from router.errors import ApiError
 from router.ledger import version_tokens
 from router.records import decode_turn, encode_stored
 from router.schemas import TurnSpec
-from router.segments import Stored, as_ids, locate, pack, place
+from router.segments import Placement, Stored, as_ids, locate, pack, place
 from router.state.base import (
     RequestRecorded,
     SessionFinished,
@@ -105,10 +107,7 @@ async def _record_turn(
     if spec.turn is not None and spec.turn != session.n_turns:
         raise ApiError(409, f"turn: expected {spec.turn} but the next turn is {session.n_turns}")
     index = session.n_turns if spec.turn is None else spec.turn
-    try:
-        full, at = locate(spec.input_ids, spec.append_ids, stored)
-    except ValueError as exc:
-        raise ApiError(422, f"append_ids: {exc}") from None
+    full, at = _placed(ctx, spec, stored)
     await check_version_bound(ctx, "min_version", spec.min_version)
     turn = await run_turn(
         ctx,
@@ -172,6 +171,21 @@ async def _record_turn(
     _count(ctx, turn, time.perf_counter() - t0)
     stored_turn = StoredTurn(index, blob, request_digest)
     return _recorded(session_id, recorded, stored_turn, True, spec.return_support)
+
+
+def _placed(ctx: RouterContext, spec: TurnSpec, stored: Stored) -> tuple[np.ndarray, Placement]:
+    """The turn's whole engine input and where it goes (:func:`router.segments.locate`), the ids
+    it appends checked against the served vocabulary (:func:`router.dispatch.check_vocab`; the
+    stored context's were checked when they came). ApiError 422 naming the field it sent."""
+    try:
+        full, at = locate(spec.input_ids, spec.append_ids, stored)
+    except ValueError as exc:
+        raise ApiError(422, f"append_ids: {exc}") from None
+    if spec.input_ids is None:
+        check_vocab(ctx, [full[at.context :]], "append_ids")
+    else:
+        check_vocab(ctx, [full[at.context :]], "input_ids", at.context)
+    return full, at
 
 
 def _recorded(

@@ -163,6 +163,13 @@ def test_up_serves_publishes_and_stops_cleanly(tmp_path: Path) -> None:
         assert n == len(turn["records"]) and 1 <= n <= 5, turn
         assert n == 5 or turn["finish_reason"]["type"] == "stop", turn["finish_reason"]
         assert all(r["weight_version"] == 0 for r in turn["records"])
+        vocab = json.loads((data / "base" / "config.json").read_text())["vocab_size"]
+        refused = httpx.post(  # the router's own refusal, before any engine (SGLang checks none)
+            url + f"/v1/sessions/{sid}/turns", json={"input_ids": [1, vocab]}, headers=auth, timeout=60
+        )
+        assert refused.status_code == 422 and refused.json() == {
+            "detail": f"input_ids[1] = {vocab} is outside the vocabulary (size {vocab})"
+        }, refused.text
 
         # The README's promise: with `up` running, the banner's publish just works, and pasted
         # again it takes the next version (no --version to collide on).
@@ -559,9 +566,10 @@ def test_sigterm_during_start_up_stops_everything(tmp_path: Path, moment: str, l
         _wait_until(lambda: all(_gone(p) for p in below), 5, f"processes of up still running: {below}")
 
 
-def test_up_passes_keep_store_versions_to_its_router(tmp_path: Path) -> None:
+def test_up_passes_keep_store_versions_and_the_base_vocabulary_to_its_router(tmp_path: Path) -> None:
     """``mixfleet up --keep-store-versions N`` starts its router with the same flag (it prunes
-    there, at every weight job); a negative N is one line and exit 2 before anything starts."""
+    there, at every weight job), and with the base's vocabulary size; a negative N is one line and
+    exit 2 before anything starts."""
     from types import SimpleNamespace
 
     from launcher.embedded import UpSettings, _start_router
@@ -577,6 +585,8 @@ def test_up_passes_keep_store_versions_to_its_router(tmp_path: Path) -> None:
         def wait_http(self, url, child, deadline):
             return None
 
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text('{"vocab_size": 300}')
     plan = SimpleNamespace(data=tmp_path, keys={}, admin_key=None, logs=tmp_path)
     for keep, flags in ((0, []), (3, ["--keep-store-versions", "3"])):
         spawned.clear()
@@ -585,6 +595,7 @@ def test_up_passes_keep_store_versions_to_its_router(tmp_path: Path) -> None:
         argv = spawned[0]
         got = argv[argv.index("--keep-store-versions") :][:2] if "--keep-store-versions" in argv else []
         assert got == flags, argv
+        assert argv[argv.index("--vocab-size") + 1] == "300", argv  # the base's (its config.json)
     r = subprocess.run(
         mixfleet_argv("up", "--keep-store-versions", "-1", "--data-dir", str(tmp_path)),
         capture_output=True,

@@ -73,11 +73,13 @@ def test_without_a_chat_model_the_chat_routes_answer_503(tmp_path: Path) -> None
         assert r.status_code == 503 and r.json()["type"] == "error"
 
 
-def test_modal_deploy_passes_its_chat_model_to_the_router(monkeypatch) -> None:
+def test_modal_deploy_passes_its_chat_model_and_vocabulary_to_the_router(monkeypatch) -> None:
     """``MIXFLEET_CHAT_MODEL`` at deploy: shipped to the router container and its ``--chat-model``;
-    one outside the Volume is refused before anything is deployed."""
+    one outside the Volume is refused before anything is deployed. So is ``MIXFLEET_VOCAB_SIZE``
+    (``mixfleet deploy --checkpoint``'s vocabulary), the router's ``--vocab-size``."""
     monkeypatch.setenv("MIXFLEET_PRESET", "homogeneous")
     monkeypatch.delenv("MIXFLEET_FLEET_JSON", raising=False)
+    monkeypatch.delenv("MIXFLEET_VOCAB_SIZE", raising=False)
     monkeypatch.setenv("MIXFLEET_REDIS_URL", "redis://127.0.0.1:1/0")
     for path, ok in (("/weights/main/bf16/chat", True), ("/tmp/model", False)):
         monkeypatch.setenv("MIXFLEET_CHAT_MODEL", path)
@@ -94,4 +96,20 @@ def test_modal_deploy_passes_its_chat_model_to_the_router(monkeypatch) -> None:
         args = module.router_args()
         assert args["chat_model"] == path and set(args) == set(default_args(preset="x")) | {"fleet_json"}
         assert json.loads(args["fleet_json"])["name"] == "homogeneous"
+        assert args["vocab_size"] is None  # no --checkpoint: the router reads the chat model's
+    monkeypatch.setenv("MIXFLEET_CHAT_MODEL", "/weights/main/bf16/chat")
+    for value, ok in (("151936", True), ("-3", False), ("many", False)):
+        monkeypatch.setenv("MIXFLEET_VOCAB_SIZE", value)
+        sys.modules.pop("deploy.modal_app", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not ok:
+                with pytest.raises(
+                    UserError, match=f"MIXFLEET_VOCAB_SIZE must be a positive integer, got '{value}'"
+                ):
+                    importlib.import_module("deploy.modal_app")
+                continue
+            module = importlib.import_module("deploy.modal_app")
+        assert module.ROUTER_ENV["MIXFLEET_VOCAB_SIZE"] == value and "MIXFLEET_VOCAB_SIZE" not in module.ENV
+        assert module.router_args()["vocab_size"] == int(value)
     sys.modules.pop("deploy.modal_app", None)

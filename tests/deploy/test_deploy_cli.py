@@ -357,6 +357,34 @@ def test_groups_that_fit_show_their_memory(capsys, tmp_path, qwen3_30b) -> None:
     ]
 
 
+def test_the_checkpoints_vocabulary_is_shown_and_shipped_to_the_router(
+    capsys, monkeypatch, tmp_path, qwen3_30b
+):
+    """``--checkpoint``'s ``config.json`` ``vocab_size`` is the router's ``--vocab-size`` (shipped
+    as ``MIXFLEET_VOCAB_SIZE``); the dry run says what the router will check."""
+    from mixfleet import deploy as deploy_cmd
+
+    for name in (deploy_plan.CHAT_MODEL_ENV, deploy_plan.VOCAB_SIZE_ENV, deploy_plan.FLEET_ENV):
+        monkeypatch.delenv(name, raising=False)
+    groups = [g for g in FIT_GROUPS if g["name"] not in ("h100-bf16", "l40s-bf16")]
+    preset = str(write_preset(tmp_path / "fit.toml", groups, name="fit"))
+    rc, out, _ = _deploy(capsys, "--preset", preset, "--checkpoint", str(qwen3_30b))
+    assert (
+        rc == 0 and "vocabulary: the router refuses input ids >= 151936 (--checkpoint's config.json)" in out
+    )
+    rc, out, _ = _deploy(capsys, "--preset", preset, "--chat-model", "/weights/base")
+    assert rc == 0 and deploy_plan.vocab_line(None, "/weights/base") in out
+    rc, out, _ = _deploy(capsys, "--preset", preset)
+    assert rc == 0 and "vocabulary: not checked (no --checkpoint or --chat-model" in "\n".join(out)
+    calls: list[dict[str, str]] = []
+    monkeypatch.setattr(deploy_cmd.subprocess, "call", lambda argv, env: calls.append(env) or 0)
+    monkeypatch.setenv(deploy_plan.VOCAB_SIZE_ENV, "7")  # a stale one is not shipped
+    assert main(["deploy", "--preset", preset, "--checkpoint", str(qwen3_30b)]) == 0
+    assert main(["deploy", "--preset", preset]) == 0
+    capsys.readouterr()
+    assert [env.get(deploy_plan.VOCAB_SIZE_ENV) for env in calls] == ["151936", None]
+
+
 def test_the_weight_bytes_are_the_converters(tmp_path) -> None:
     """On a small checkpoint converted for real, each format's figure is the bytes of the tensors
     the converter wrote (the shard files less their headers)."""
