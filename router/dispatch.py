@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -295,23 +295,19 @@ def effective_min_version(
     return max(min_version or 0, base - max_version_age)
 
 
-def check_vocab(ctx: RouterContext, rows: Sequence[Ids], field: str, offset: int = 0) -> None:
-    """Refuse (ApiError 422 naming ``field[offset + i]``, or ``field[r][i]`` of a batch) an input
-    id at or above the served checkpoint's vocabulary size (:attr:`~router.config.RouterConfig.vocab_size`;
-    None: nothing checked). SGLang 0.5.23 would forward it to the model: its tokenizer manager
-    checks only ``token_ids_logprob`` against the vocabulary (managers/tokenizer_manager.py
-    1513-1531), and the embedding checks the range only under ``SGLANG_ENABLE_ASYNC_ASSERT``
-    (default off, environ.py 515; layers/vocab_parallel_embedding.py 515-521), else gathers out
-    of its table (tp=1 does not mask). A numpy row (a turn's input) is checked in bulk."""
+def check_vocab(ctx: RouterContext, ids: Ids, field: str, offset: int = 0) -> None:
+    """Refuse (ApiError 422 naming ``field[offset + i]``) an input id at or above the served
+    checkpoint's vocabulary size (:attr:`~router.config.RouterConfig.vocab_size`; None: nothing
+    checked). SGLang 0.5.23 would pass it to the model: its tokenizer manager checks only
+    ``token_ids_logprob`` against the vocabulary (managers/tokenizer_manager.py 1513-1531), and
+    the embedding checks the range only under ``SGLANG_ENABLE_ASYNC_ASSERT`` (default off,
+    environ.py 515; layers/vocab_parallel_embedding.py 515-521), else gathers out of its table
+    (tp=1 does not mask). A numpy row (a turn's, a score's) is checked in bulk."""
     vocab = ctx.config.vocab_size
-    if vocab is None:
+    if vocab is None or not len(ids) or (ids.max() if isinstance(ids, np.ndarray) else max(ids)) < vocab:
         return
-    for r, row in enumerate(rows):
-        if not len(row) or (row.max() if isinstance(row, np.ndarray) else max(row)) < vocab:
-            continue
-        i = next(i for i, t in enumerate(row) if t >= vocab)
-        where = f"{field}[{offset + i}]" if len(rows) == 1 else f"{field}[{r}][{i}]"
-        raise ApiError(422, f"{where} = {row[i]} is outside the vocabulary (size {vocab})")
+    i = next(i for i, t in enumerate(ids) if t >= vocab)
+    raise ApiError(422, f"{field}[{offset + i}] = {ids[i]} is outside the vocabulary (size {vocab})")
 
 
 def _input_text(ctx: RouterContext, session: SessionInfo, input_ids: Ids) -> bytes:

@@ -64,7 +64,8 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     raw = await request.body()
     if body.text == "" and body.input_ids is None:  # with input_ids the ids are the input (io_struct.py 969)
         raise ApiError(422, "text: empty input")
-    check_vocab(ctx, body.rows(), "input_ids")
+    for field, row in body.rows():
+        check_vocab(ctx, row, field)
     key = routing_key(request)
     if not body.stream:
         response = await forward_generate(ctx, raw, key)

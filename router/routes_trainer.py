@@ -74,6 +74,7 @@ from core.wire import RECORDS_MEDIA_TYPE as MEDIA_TYPE
 from router.auth import require
 from router.body import read_body
 from router.context import RouterContext
+from router.dispatch import check_vocab
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.idempotency import HEADER, check_key
 from router.json_route import JsonRoute
@@ -439,7 +440,8 @@ score_router = APIRouter(tags=["trainer"], responses=error_responses(*AUTH), rou
 async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     """Every fresh replica of the chosen groups (default: all) scores every sequence (nothing is
     generated); per replica the input-token log-probs from ``logprob_start_len`` on and the weight
-    version that scored them (None when the replicas' answers disagree or name none)."""
+    version that scored them (None when the replicas' answers disagree or name none). An id
+    outside the served vocabulary is a 422 before any replica is asked (``check_vocab``)."""
     ctx = _ctx(request)
     names = [g.name for g in ctx.config.fleet.groups]
     chosen = body.groups or names
@@ -447,6 +449,7 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     if unknown:
         raise ApiError(400, f"groups: unknown group(s) {', '.join(unknown)}")
     for i, seq in enumerate(body.input_ids):
+        check_vocab(ctx, seq, f"input_ids[{i}]")
         if len(seq) <= body.logprob_start_len:
             raise ApiError(
                 400,

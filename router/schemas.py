@@ -885,8 +885,12 @@ class GenerateRequest(BaseModel):
             raise PydanticCustomError("sglang_contract", refused)
         return data
 
-    def rows(self) -> list[list[int]]:
-        """``input_ids`` as a list of rows (one per item of a batch); none for a text input."""
-        if self.input_ids is None:
+    def rows(self) -> list[tuple[str, list[int]]]:
+        """Each row of ``input_ids`` with its name (``input_ids``, or ``input_ids[r]`` of a batch);
+        none for a text input."""
+        ids = self.input_ids
+        if ids is None:
             return []
-        return self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]  # type: ignore[return-value]
+        if isinstance(ids[0], list):
+            return [(f"input_ids[{r}]", row) for r, row in enumerate(ids)]  # type: ignore[misc]
+        return [("input_ids", ids)]  # type: ignore[list-item]

@@ -182,9 +182,9 @@ def _placed(ctx: RouterContext, spec: TurnSpec, stored: Stored) -> tuple[np.ndar
     except ValueError as exc:
         raise ApiError(422, f"append_ids: {exc}") from None
     if spec.input_ids is None:
-        check_vocab(ctx, [full[at.context :]], "append_ids")
+        check_vocab(ctx, full[at.context :], "append_ids")
     else:
-        check_vocab(ctx, [full[at.context :]], "input_ids", at.context)
+        check_vocab(ctx, full[at.context :], "input_ids", at.context)
     return full, at
 
 

@@ -39,6 +39,7 @@ def proxied(engine_url, tiny_bf16, tmp_path_factory):
 
 
 def _forwarded_ids(rec) -> list:
+    """The ``input_ids`` of every ``/generate`` the router sent (turns, ``/generate``, scores)."""
     return [json.loads(body).get("input_ids") for body, _ in rec.exchanges("/generate")]
 
 
@@ -47,27 +48,17 @@ def test_out_of_vocabulary_ids_are_refused_before_any_engine_sees_them(proxied) 
     outside = f"is outside the vocabulary (size {vocab})"
     with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
         sid = c.post("/v1/sessions", json={}).json()["session_id"]
+        turns, v = f"/v1/sessions/{sid}/turns", vocab
         refused = [
-            (
-                f"/v1/sessions/{sid}/turns",
-                {"input_ids": [1, vocab], "sampling_params": ONE},
-                f"input_ids[1] = {vocab}",
-            ),
+            (turns, {"input_ids": [1, v], "sampling_params": ONE}, f"input_ids[1] = {v}"),
+            ("/generate", {"input_ids": [3, 2, v + 7], "sampling_params": ONE}, f"input_ids[2] = {v + 7}"),
             (
                 "/generate",
-                {"input_ids": [3, 2, vocab + 7], "sampling_params": ONE},
-                f"input_ids[2] = {vocab + 7}",
+                {"input_ids": [1, v], "sampling_params": ONE, "stream": True},
+                f"input_ids[1] = {v}",
             ),
-            (
-                "/generate",
-                {"input_ids": [1, vocab], "sampling_params": ONE, "stream": True},
-                f"input_ids[1] = {vocab}",
-            ),
-            (
-                "/generate",
-                {"input_ids": [[1], [2, vocab]], "sampling_params": ONE},
-                f"input_ids[1][1] = {vocab}",
-            ),
+            ("/generate", {"input_ids": [[1], [2, v]], "sampling_params": ONE}, f"input_ids[1][1] = {v}"),
+            ("/v1/score", {"input_ids": [[1, 2], [3, 4, v]]}, f"input_ids[1][2] = {v}"),  # every replica's
         ]
         for path, body, where in refused:
             r = c.post(path, json=body)
@@ -83,7 +74,8 @@ def test_out_of_vocabulary_ids_are_refused_before_any_engine_sees_them(proxied) 
         where = f"input_ids[{len(context) - 1}] = {vocab}"
         assert r.status_code == 422 and r.json() == {"detail": f"{where} {outside}"}, r.text
         assert c.post("/generate", json={"input_ids": [vocab - 1], "sampling_params": ONE}).status_code == 200
-        assert _forwarded_ids(rec) == [[1, vocab - 1], [vocab - 1]]
+        assert c.post("/v1/score", json={"input_ids": [[1, vocab - 1]]}).status_code == 200
+        assert _forwarded_ids(rec) == [[1, vocab - 1], [vocab - 1], [[1, vocab - 1]]]
         assert c.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # the refused turns stored nothing
 
 
