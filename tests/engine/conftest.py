@@ -32,7 +32,13 @@ def engine(tiny_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120.0, trust_env=False) as c:
+    """One client for a module's tests. It drops a connection idle for 2 s, as the fleet's engine
+    client does (``clients/engine.py``): the engine's server closes one idle for 5 s (uvicorn's
+    default, SGLang's ``SGLANG_TIMEOUT_KEEP_ALIVE``, environ.py 337), and a client keeping it as
+    long (httpx's default) may send its next request as the server closes it ("Server
+    disconnected without sending a response")."""
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    with httpx.Client(timeout=120.0, trust_env=False, limits=limits) as c:
         yield c
 
 
