@@ -89,7 +89,8 @@ def vocab_line(vocab_size: int | None, chat_model: str | None) -> str:
     if vocab_size is not None:
         return f"vocabulary: the router refuses input ids >= {vocab_size} (--checkpoint's config.json)"
     if chat_model is not None:
-        return f"vocabulary: the router refuses input ids beyond {chat_model}/config.json's vocab_size"
+        where = f"{chat_model}/config.json"
+        return f"vocabulary: the router refuses input ids beyond {where}'s vocab_size, if it names one"
     return "vocabulary: not checked (no --checkpoint or --chat-model: out-of-vocabulary ids reach SGLang)"
 
 

@@ -122,10 +122,10 @@ class RouterConfig:
     ``api_keys`` maps a bearer token to its scopes; ``auth_disabled`` must be set explicitly to
     run without keys (the app logs a warning). Open sessions without a turn for ``session_idle_s``
     seconds, and none running, are abandoned (their capacity slot freed; None: never).
-    ``vocab_size`` is the served checkpoint's (``config.json``'s ``vocab_size``): a turn's or a
-    ``/generate`` input id at or above it is refused (422) before anything is forwarded, because
-    SGLang 0.5.23 checks a prompt's ids against the vocabulary nowhere before its embedding's
-    gather (:mod:`router.dispatch` ``check_vocab``); None: not checked.
+    ``vocab_size`` is the served checkpoint's (``config.json``'s ``vocab_size``): an input id at
+    or above it (a turn's, ``/generate``'s, ``/v1/score``'s) is refused (422) before anything is
+    forwarded, because SGLang 0.5.23 checks a prompt's ids against the vocabulary nowhere before
+    its embedding's gather (:mod:`router.dispatch` ``check_vocab``); None: not checked.
     ``mismatch_band`` (low, high; ``0 < low < 1 < high``, else ValueError) is the configured band of
     trainer/sampler probability ratios (:mod:`router.mismatch`). ``engine_headers`` go with every
     call the router makes to a replica (e.g. :func:`proxy_auth_headers` for servers behind Modal's
