@@ -11,7 +11,8 @@ front):
   (the one protocol, SGLang's and the local engine's: ``/pause_generation {"mode": "retract"}`` ->
   ``/update_weights_from_disk`` with the format's request, cache flush included ->
   ``/continue_generation``; an update whose flush alone was refused is completed while paused by
-  ``/flush_cache`` and ``/update_weight_version``). The active version changes only once the
+  ``/flush_cache`` and ``/update_weight_version``); new generations wait in the sidecar's
+  :class:`~replica.hold.Hold` meanwhile, not at the engine. The active version changes only once the
   engine's ``/model_info`` names it. Pending versions coalesce: the newest pointer is the only
   target, and a staging that a newer pointer overtakes is abandoned. A failure (checksum, engine
   refusal) keeps the old version serving, is reported (``error`` in status, heartbeat and
@@ -49,6 +50,7 @@ from clients.router import RouterClient, RouterError
 from core.metric_defs import MetricDef
 from core.tasks import cancel_and_wait
 from replica.activation import ActivationFailed, activate
+from replica.hold import Hold
 from weight_sync.manifest import ChecksumError
 from weight_sync.stage import STAGE_MODES, StageAborted, StagedVersion, clean_staging, stage_version
 from weight_sync.store.base import VersionStore
@@ -207,6 +209,7 @@ class Reconciler:
         self._work = asyncio.Event()
         self._wake = asyncio.Event()
         self._activation_lock = asyncio.Lock()
+        self.hold = Hold()  # closed while an activation has the engine paused
         self._stage_cache: StagedVersion | None = None
         self.engine: SGLangClient | None = None
         self._router: RouterClient | None = None
@@ -258,6 +261,7 @@ class Reconciler:
             "queued": s.queued,
             "tokens_per_s": s.tokens_per_s,
             "in_flight": s.in_flight,
+            "held": self.hold.held,
         }
 
     def heartbeat_body(self) -> dict[str, Any]:
@@ -388,13 +392,14 @@ class Reconciler:
         async with self._activation_lock:
             self._epoch += 1
             try:
-                times = await activate(
-                    self.engine,
-                    str(staged.path),
-                    target,
-                    self.config.weight_format,
-                    timeout_s=self.config.engine_timeout_s,
-                )
+                async with self.hold.closed():
+                    times = await activate(
+                        self.engine,
+                        str(staged.path),
+                        target,
+                        self.config.weight_format,
+                        timeout_s=self.config.engine_timeout_s,
+                    )
             except ActivationFailed as exc:
                 self._fail(target, exc.message)
                 return

@@ -24,6 +24,11 @@ SGLang) and is the replica's only public port:
   version changes only once the engine reports it;
   pending versions coalesce into the newest; failures keep the old version, are reported and
   retried with backoff.
+- **Hold**: while an activation has the engine paused, a ``/generate`` waits in the sidecar
+  (:mod:`replica.hold`), and an ``/abort_request`` naming it ends it there: it is answered as
+  SGLang answers an abort of a request that never ran (finish reason "Abort in waiting queue",
+  nothing generated) and never reaches the engine, where SGLang would hold it out of the abort's
+  reach. Its version constraint is checked once the hold opens.
 - **Version constraints**: a ``/generate`` body field or header ``min_version`` /
   ``exact_version`` (headers ``X-Mixfleet-Min-Version`` / ``X-Mixfleet-Exact-Version``, or
   ``X-Min-Version`` / ``X-Exact-Version``) that the active version does not meet gets a
@@ -39,6 +44,7 @@ SGLang) and is the replica's only public port:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +58,7 @@ from clients.engine import EngineUnavailable, SGLangClient, make_http_client
 from clients.router import RouterClient
 from clients.sidecar import STATUS_PATH, WAKE_PATH
 from core.jsonio import dumps, loads
+from core.sglang_release import WAITING_ABORT
 from replica.reconciler import Activation, Reconciler, ReconcileSettings, parse_prometheus
 from weight_sync.store.base import VersionStore
 from weight_sync.types import InvalidVersion, VersionConstraint, VersionUnavailable
@@ -271,6 +278,8 @@ async def abort_request(request: Request) -> Response:
             "/abort_request of more than one named request (abort_all, or no rid) is a control route; "
             "only its sidecar may call it",
         )
+    if _sidecar(request).hold.abort(rid):  # never sent to the engine: ended here
+        return Response(status_code=200)
     return await _proxy_simple("/abort_request")(request)
 
 
@@ -284,6 +293,9 @@ async def generate(request: Request) -> Response:
         body = loads(raw) if raw else None
     except ValueError:
         body = None
+    rid, t0 = body.get("rid") if isinstance(body, dict) else None, time.time()
+    if not await sidecar.hold.wait(rid):
+        return _aborted_while_held(sidecar, body, rid, time.time() - t0)
     problem, body = version_conflict(sidecar, body, request.headers)
     if isinstance(problem, VersionUnavailable):
         sidecar.metrics.conflicts.inc()
@@ -309,6 +321,28 @@ async def generate(request: Request) -> Response:
     return Response(
         r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
     )
+
+
+def _aborted_while_held(sidecar: Reconciler, body: dict[str, Any], rid: str, held_s: float) -> Response:
+    """The answer to a request aborted in the hold, in the shape of SGLang's answer to an abort of
+    a request in its waiting queue that never ran (``_handle_abort_req``,
+    managers/tokenizer_manager.py 3577-3642: finish reason :data:`~core.sglang_release.WAITING_ABORT`,
+    nothing generated; the log-prob keys, all empty, left out), whole or as a stream's one event
+    before ``[DONE]``."""
+    answer = {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": dict(WAITING_ABORT),
+            "weight_version": str(sidecar.state.active_version),
+            "e2e_latency": held_s,
+            "completion_tokens": 0,
+        },
+    }
+    if body.get("stream"):
+        return Response(b"data: " + dumps(answer) + b"\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+    return Response(dumps(answer), media_type="application/json")
 
 
 def _count_in_flight(sidecar: Reconciler) -> Callable[[], None]:

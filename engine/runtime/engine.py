@@ -43,6 +43,7 @@ class Engine:
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS_DEFAULT,
         enable_return_routed_experts: bool = False,
     ) -> None:
+        from engine.runtime.admission import Admission
         from engine.runtime.metrics import EngineMetrics
         from engine.runtime.request import ModelLimits
         from engine.runtime.rwlock import RWLock
@@ -89,6 +90,9 @@ class Engine:
             record_routes=enable_return_routed_experts,
         )
         self.scheduler.start()
+        # SGLang's tokenizer manager between the routes and the scheduler: request states, the
+        # pause gate and abort-once (engine.runtime.admission)
+        self.admission = Admission(self.scheduler)
 
     @classmethod
     def load(

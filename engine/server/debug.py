@@ -15,13 +15,16 @@ environment; tests inject faults with it): the next weight loads misbehave until
 Body ``{"swap_experts": [layer, a, b]}`` (every later load swaps experts ``a`` and ``b`` of MoE
 layer ``layer`` in the model's packed expert table, the files untouched), ``{"skip_install":
 true}`` (every later update answers success and reports its version but keeps serving the old
-weights), or ``{}`` (clear). Answer: the faults now set.
+weights), ``{"load_delay_s": s}`` (every later load first waits ``s`` seconds, as a large
+checkpoint's load does: a sidecar's activation then keeps the engine paused that long), or ``{}``
+(clear). Answer: the faults now set.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ class FaultRequest(BaseModel):
 
     swap_experts: tuple[int, int, int] | None = None
     skip_install: bool = False
+    load_delay_s: float = Field(0.0, ge=0.0, le=60.0)
 
 
 def linear_shape(config: Any, name: str) -> tuple[int, int]:
@@ -97,10 +101,12 @@ class Faults:
         self.engine = engine
         self.swap: tuple[int, int, int] | None = None
         self.skip_install = False
+        self.load_delay_s = 0.0
         self._load = engine.load_replacement
         engine.load_replacement = self.load
 
     def load(self, model_path: str) -> Any:
+        time.sleep(self.load_delay_s)  # on the engine's loader thread, as a load itself
         if self.skip_install:
             self._load(model_path)  # still refuses what the engine would refuse
             return self.engine.scheduler.model
@@ -120,7 +126,11 @@ class Faults:
         return Model(config, tensors, kv_cache_dtype=self.engine.kv_cache_dtype, path=path)
 
     def state(self) -> dict[str, Any]:
-        return {"swap_experts": list(self.swap) if self.swap else None, "skip_install": self.skip_install}
+        return {
+            "swap_experts": list(self.swap) if self.swap else None,
+            "skip_install": self.skip_install,
+            "load_delay_s": self.load_delay_s,
+        }
 
 
 def debug_router(engine: Any) -> APIRouter:
@@ -150,6 +160,7 @@ def debug_router(engine: Any) -> APIRouter:
                     return JSONResponse({"error": {"message": f"experts {a}, {b}: two different ids"}}, 400)
             faults.swap = body.swap_experts
             faults.skip_install = body.skip_install
+            faults.load_delay_s = body.load_delay_s
             return faults.state()
 
     return router

@@ -25,7 +25,9 @@ async def pause_generation(request: Request) -> Response:
         obj = await parse(request, PauseGenerationReqInput)
     except RequestError as exc:
         return refusal(exc)
-    await asyncio.wrap_future(engine_of(request).scheduler.pause(obj.mode))
+    engine = engine_of(request)
+    await engine.admission.pause()  # tokenizer_manager.py 2267-2271: new requests wait, then the scheduler
+    await asyncio.wrap_future(engine.scheduler.pause(obj.mode))
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
@@ -35,19 +37,27 @@ async def continue_generation(request: Request) -> Response:
         await parse(request, ContinueGenerationReqInput)
     except RequestError as exc:
         return refusal(exc)
-    await asyncio.wrap_future(engine_of(request).scheduler.resume())
+    engine = engine_of(request)
+    await asyncio.wrap_future(engine.scheduler.resume())
+    await engine.admission.resume()  # tokenizer_manager.py 2282-2286: then the waiting requests go on
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
-    """200 with no body and no content type (``Response(status_code=200)``)."""
+    """200 with no body and no content type (``Response(status_code=200)``). One rid goes through
+    :class:`~engine.runtime.admission.Admission` (once per request; nothing for a request held
+    by a pause or unknown), ``abort_all`` to the scheduler alone."""
     try:
         obj = await parse(request, AbortReq)
     except RequestError as exc:
         return refusal(exc)
-    scheduler = engine_of(request).scheduler
-    await asyncio.wrap_future(scheduler.abort(obj.rid or "", obj.abort_all, "Aborted by /abort_request."))
+    engine = engine_of(request)
+    message = "Aborted by /abort_request."
+    if obj.abort_all:
+        await asyncio.wrap_future(engine.scheduler.abort(abort_all=True, message=message))
+    elif (sent := engine.admission.abort(obj.rid or "", message)) is not None:
+        await asyncio.wrap_future(sent)
     return Response(status_code=200)
 
 

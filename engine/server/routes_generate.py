@@ -8,9 +8,10 @@ other items running on: the sampling-mask rule's (``GenerateSpec.abort``) is nev
 carries nothing generated (:func:`aborted_body`); a ``logprob_start_len`` or
 ``routed_experts_start_len`` past the input (``GenerateSpec.to_finish``) runs as SGLang runs it,
 a one-token prefill of input ``[0]`` finished after its first token, and carries that token.
-Unstreamed, the request is a 400 with its message. A request runs under the
-model-update lock's reader side (tokenizer_manager.py 940-957), so an unpaused weight update
-waits for it; a client that goes away has its requests aborted.
+Unstreamed, the request is a 400 with its message. A request is admitted, waits out a pause
+outside the scheduler (:mod:`engine.runtime.admission`), then runs under the model-update lock's
+reader side (tokenizer_manager.py 940-957), so an unpaused weight update waits for it; a client
+that goes away has its requests aborted once they reached the scheduler.
 """
 
 from __future__ import annotations
@@ -53,10 +54,21 @@ class _Refused(RequestError):
 
 
 async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, Any]:
-    """One request from submission to its answer, under the model-update lock's reader side
-    (tokenizer_manager.py 940-957): an unpaused weight update waits for it."""
-    async with engine.model_update_lock.reader():
-        return await _run_locked(engine, spec, on_token)
+    """One request from admission to its answer, as SGLang's tokenizer manager runs it
+    (:class:`~engine.runtime.admission.Admission`; tokenizer_manager.py 926-966): admitted, it
+    waits out a pause, then runs under the model-update lock's reader side (an unpaused weight
+    update waits for it). Cancelled once sent to the scheduler, it is aborted there (once)."""
+    admission = engine.admission
+    state = admission.admit(spec.rid)
+    finished = False
+    try:
+        await admission.wait_unpaused()
+        async with engine.model_update_lock.reader():
+            body = await _run_locked(engine, spec, on_token)
+        finished = True
+        return body
+    finally:
+        admission.release(spec.rid, state, finished=finished)
 
 
 def _due(spec: Any, sent: int, made: int) -> bool:
@@ -86,33 +98,33 @@ async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any
         raise _Refused(str(exc), spec.rid) from None
     except RuntimeError as exc:  # the engine's (shutting down): a stream's event names no code
         raise RequestError(str(exc)) from None
+    engine.admission.dispatched(spec.rid)
     sent = 0
-    try:
-        while True:
-            ev = await events.get()
-            while True:  # coalesce what is already there: the last token and the finish
-                resp.add(ev)
-                if isinstance(ev, FinishEvent):
-                    return resp.body()
-                try:
-                    ev = events.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-            if on_token is not None and not _finishing(ev) and _due(spec, sent, len(resp.output_ids)):
-                sent = len(resp.output_ids)
-                await on_token(resp)
-    finally:
-        if resp.finish is None:  # cancelled (client went away): free the slot
-            scheduler.abort(spec.rid, message="The client disconnected.")
+    while True:
+        ev = await events.get()
+        while True:  # coalesce what is already there: the last token and the finish
+            resp.add(ev)
+            if isinstance(ev, FinishEvent):
+                return resp.body()
+            try:
+                ev = events.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+        if on_token is not None and not _finishing(ev) and _due(spec, sent, len(resp.output_ids)):
+            sent = len(resp.output_ids)
+            await on_token(resp)
 
 
 async def _watch_disconnect(engine: Engine, request: Request, specs: list[Any]) -> None:
+    """Abort the requests of a client gone away, as SGLang notices it: only once they reached
+    the scheduler (:meth:`~engine.runtime.admission.Admission.abort_dispatched`)."""
     while True:
         await asyncio.sleep(0.5)
         if await request.is_disconnected():
             for spec in specs:
-                engine.scheduler.abort(spec.rid, message="The client disconnected.")
-            return
+                engine.admission.abort_dispatched(spec.rid, "The client disconnected.")
+            if all(engine.admission.held([s.rid]) is None for s in specs):
+                return
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
@@ -123,7 +135,7 @@ async def generate(request: Request) -> Response:
     except RequestError as exc:  # steps 1 and 2: a 400 before any stream
         return refusal(exc)
     try:
-        specs = obj.normalize(engine.limits, engine.encode, engine.scheduler.held)
+        specs = obj.normalize(engine.limits, engine.encode, engine.admission.held)
     except RequestError as exc:  # step 3: inside the stream when one was asked for
         if obj.stream:
             answer = _broken_stream(str(exc)) if exc.fails else _refused_stream(str(exc))
@@ -142,7 +154,7 @@ async def generate(request: Request) -> Response:
         refused = exc.rid if isinstance(exc, _Refused) else None  # the rid of a running request
         for s in specs:
             if s.rid != refused:
-                engine.scheduler.abort(s.rid, message="Another item of the batch was refused.")
+                engine.admission.abort(s.rid, "Another item of the batch was refused.")
         return error(str(exc))
     finally:
         watcher.cancel()

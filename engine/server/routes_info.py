@@ -64,6 +64,8 @@ def server_info(request: Request) -> dict[str, Any]:
             {
                 **scheduler.load(),
                 "paused": scheduler.paused,
+                # not SGLang's: requests its tokenizer manager holds while paused (engine.runtime.admission)
+                "num_pause_waiting_reqs": engine.admission.waiting,
                 "steps": scheduler.steps,
                 "step_seconds": scheduler.step_seconds,
                 "forward_seconds": scheduler.forward_seconds,

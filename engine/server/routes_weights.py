@@ -53,8 +53,8 @@ async def update_weights_from_disk(request: Request) -> Response:
     if obj.abort_all_requests:  # tokenizer_manager.py 2298-2299: before the update
         await asyncio.wrap_future(scheduler.abort(abort_all=True, message="Aborted by a weight update."))
     async with engine.update_lock:
-        # tokenizer_manager.py 2301-2314: unpaused, the update waits for every request in flight.
-        paused = scheduler.paused is not None
+        # tokenizer_manager.py 2302-2309: unpaused, the update waits for every request in flight.
+        paused = engine.admission.paused
         async with contextlib.nullcontext() if paused else engine.model_update_lock.writer():
             return await _apply_update(engine, obj, version)
 

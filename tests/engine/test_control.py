@@ -52,10 +52,10 @@ def wait_until(pred: Any, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def _waiting(client: httpx.Client, url: str) -> tuple[int, int]:
-    """The engine's queued and paused requests."""
+def _waiting(client: httpx.Client, url: str) -> tuple[int, int, int]:
+    """The engine's queued, paused and pause-waiting requests (those its admission holds)."""
     state = load(client, url)
-    return state["num_queue_reqs"], state["num_paused_reqs"]
+    return state["num_queue_reqs"], state["num_paused_reqs"], state["num_pause_waiting_reqs"]
 
 
 def _update(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response:
@@ -434,12 +434,54 @@ def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: http
         )
     )
     t.start()
-    wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)
+    wait_until(lambda: load(client, url)["num_pause_waiting_reqs"] == 1)  # outside the scheduler
     time.sleep(0.3)
     assert not waiting, "a request ran while generation was paused"
     assert client.post(url + "/continue_generation", json={}).status_code == 200
     t.join(60)
     assert len(waiting) == 1 and len(waiting[0]["output_ids"]) == 16
+
+
+def test_a_request_sent_while_paused_waits_outside_the_scheduler_where_an_abort_misses_it(
+    v1_engine: str, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23's tokenizer manager registers a request before it waits out a pause
+    (managers/tokenizer_manager.py 926, 938-939) and sends it to the scheduler only after
+    ``/continue_generation`` (2282-2286): an ``/abort_request`` of it marks it aborted and ends
+    no scheduler request (2241-2265), so it runs to its end once generation continues, and a
+    second abort is ignored (2249-2250). A streamed request whose client goes away while it
+    waits is dropped unsent (958-966, 3850-3873)."""
+    url = v1_engine
+    answers: list[dict[str, Any]] = []
+    held = threading.Thread(
+        target=lambda: answers.append(
+            generate(
+                httpx.Client(timeout=60, trust_env=False),
+                url,
+                input_ids=PROMPT,
+                sampling_params=GREEDY,
+                rid="held",
+            )
+        )
+    )
+    gone = {"input_ids": PROMPT, "sampling_params": LONG, "stream": True, "rid": "gone"}
+    assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+        held.start()
+        wait_until(lambda: load(client, url)["num_pause_waiting_reqs"] == 1)
+        assert load(client, url)["num_queue_reqs"] == 0
+        for _ in range(2):
+            assert client.post(url + "/abort_request", json={"rid": "held"}).status_code == 200
+        with httpx.Client(timeout=60, trust_env=False) as c, c.stream("POST", url + "/generate", json=gone):
+            wait_until(lambda: load(client, url)["num_pause_waiting_reqs"] == 2)
+        wait_until(lambda: load(client, url)["num_pause_waiting_reqs"] == 1)
+    finally:
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
+    held.join(60)
+    (answer,) = answers
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+    state = load(client, url)
+    assert state["num_running_reqs"] == state["num_queue_reqs"] == 0  # "gone" never ran
 
 
 def test_health_generate_answers_503_while_paused_as_sglangs_generation_check(
@@ -460,7 +502,7 @@ def test_health_generate_answers_503_while_paused_as_sglangs_generation_check(
             assert time.monotonic() - t0 >= 2.0
             assert client.get(url + "/health").status_code == 200
             # the check's request is cancelled as the 503 goes out: its abort reaches the scheduler after
-            wait_until(lambda: _waiting(client, url) == (0, 0))
+            wait_until(lambda: _waiting(client, url) == (0, 0, 0))
             assert client.post(url + "/continue_generation", json={}).status_code == 200
         assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
         answers: list[int] = []
@@ -468,7 +510,7 @@ def test_health_generate_answers_503_while_paused_as_sglangs_generation_check(
             target=lambda: answers.append(client.get(url + "/health_generate").status_code)
         )
         check.start()
-        wait_until(lambda: load(client, url)["num_queue_reqs"] == 1)  # the check's request waits
+        wait_until(lambda: load(client, url)["num_pause_waiting_reqs"] == 1)  # the check's request waits
         assert client.post(url + "/continue_generation", json={}).status_code == 200
         check.join(30)
         assert answers == [200]

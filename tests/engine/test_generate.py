@@ -19,6 +19,7 @@ from clients.engine import error_message
 from core.sglang_release import sampling_request
 from tests.engine.conftest import StreamReader, generate, sse_events
 from tests.engine.stats import chi_square_p
+from tests.support.engines import engine_process
 from weight_sync.base_model import VOCAB_SIZE
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -333,7 +334,7 @@ def _queued(client: httpx.Client, url: str, n: int) -> None:
 
 
 def test_an_abort_of_a_waiting_request_is_sglangs_echo_and_of_a_running_one_a_whole_answer(
-    engine: str, client: httpx.Client
+    engine: str, client: httpx.Client, tiny_dir: Path
 ) -> None:
     """SGLang 0.5.23's scheduler echoes the abort of a request in its waiting queue (never run,
     or retracted) to the tokenizer manager (managers/scheduler.py 5686-5706), which answers it
@@ -361,23 +362,28 @@ def test_an_abort_of_a_waiting_request_is_sglangs_echo_and_of_a_running_one_a_wh
         assert meta["completion_tokens"] == meta["output_token_logprobs_length"] == n >= 3
         assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
         assert meta["output_token_logprobs"] == last["meta_info"]["output_token_logprobs"]
-        # never run, unstreamed: nothing sent
-        answers: list[dict[str, Any]] = []
-        waiting = threading.Thread(
-            target=lambda: answers.append(generate(client, engine, **body, rid="echo-waiting"))
-        )
-        waiting.start()
-        _queued(client, engine, 1)
-        assert client.post(engine + "/abort_request", json={"rid": "echo-waiting"}).status_code == 200
-        waiting.join(60)
-        (never_run,) = answers
-        meta = never_run["meta_info"]
-        assert list(meta) == [*echo_keys, "response_sent_to_client_ts"]
-        assert never_run["output_ids"] == [] and never_run["text"] == "" and meta["completion_tokens"] == 0
-        assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}]
-        assert meta["input_token_logprobs"] == meta["output_token_logprobs"] == []
     finally:
         assert client.post(engine + "/continue_generation", json={}).status_code == 200
+    # never run (queued behind the one request the engine runs at a time), unstreamed: nothing sent
+    with engine_process(tiny_dir, max_running_requests=1) as one:
+        running = StreamReader(one, {**body, "rid": "occupies"})
+        running.wait_for(1)
+        answers: list[dict[str, Any]] = []
+        waiting = threading.Thread(
+            target=lambda: answers.append(generate(client, one, **body, rid="echo-waiting"))
+        )
+        waiting.start()
+        _queued(client, one, 1)
+        assert client.post(one + "/abort_request", json={"rid": "echo-waiting"}).status_code == 200
+        waiting.join(60)
+        assert client.post(one + "/abort_request", json={"rid": "occupies"}).status_code == 200
+        running.result()
+    (never_run,) = answers
+    meta = never_run["meta_info"]
+    assert list(meta) == [*echo_keys, "response_sent_to_client_ts"]
+    assert never_run["output_ids"] == [] and never_run["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}]
+    assert meta["input_token_logprobs"] == meta["output_token_logprobs"] == []
     # decoding: a whole answer
     running = StreamReader(engine, {**body, "rid": "echo-running"})
     running.wait_for(3)
@@ -1526,8 +1532,6 @@ def test_info_and_health_routes(engine: str, client: httpx.Client, tiny_dir: Pat
 
 def test_the_mask_limit_is_the_engines_flag(tiny_dir: Path) -> None:
     """``--sampling-mask-max-tokens N`` (SGLang's flag): a mask request's top_k may be N, not N + 1."""
-    from tests.support.engines import engine_process
-
     body = {"input_ids": PROMPT, "return_sampling_mask": True}
     with engine_process(tiny_dir, sampling_mask_max_tokens=8) as url, httpx.Client(timeout=60) as c:
         ok = c.post(url + "/generate", json={**body, "sampling_params": {"top_k": 8, "max_new_tokens": 2}})
