@@ -16,6 +16,10 @@ where an abort ends them while paused: the scheduler takes requests while paused
 request forwarded just before the hold closed, and not yet registered by SGLang when the pause
 lands (the time to send and parse its body), can still wait at the engine.
 
+A held request's version constraint is judged once the hold opens (:mod:`replica.sidecar`), against
+the version then served: judged on arrival, a request asking for the old version exactly passed,
+waited out the pause at the engine and ran on the new weights.
+
 A held request that names no ``rid`` (or a batch's list) waits for the hold to open; no abort can
 name it.
 """

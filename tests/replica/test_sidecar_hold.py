@@ -3,8 +3,9 @@ sidecar`` before a real local engine whose loads take 3 s (``/debug/fault``), so
 keeps the engine paused that long. A request aborted in that window (the router aborts a turn
 whose client went away) ends in the sidecar and never reaches the engine, where SGLang 0.5.23
 (and the engine after it, :mod:`engine.runtime.admission`) would hold it out of the abort's
-reach and run it to its end after the pause. One not aborted is served at the new version, its
-version constraint judged once the hold opens."""
+reach and run it to its end after the pause. The others are judged by their version constraint
+once the hold opens: one that asks for the version being activated is served at it, one that
+asks for the old one exactly is refused (409), where it would have run on the new weights."""
 
 from __future__ import annotations
 
@@ -85,9 +86,10 @@ def test_a_request_aborted_during_an_activation_ends_in_the_sidecar_and_never_ru
             _until(lambda: waiting() == 1, "the request never waited")
             short, min_1 = {"max_new_tokens": 8, "ignore_eos": True}, {"X-Mixfleet-Min-Version": "1"}
             kept = threading.Thread(target=send, args=("kept", short, min_1))
-            kept.start()
-            _until(lambda: waiting() == 2 or "kept" in answers, "the second request never waited")
-            assert _held(c, sidecar) == 2
+            stale = threading.Thread(target=send, args=("stale", short, {"X-Mixfleet-Exact-Version": "0"}))
+            kept.start(), stale.start()
+            _until(lambda: waiting() == 3 or answers.keys() & {"kept", "stale"}, "the others never waited")
+            assert _held(c, sidecar) == 3
             aborted = c.post(sidecar + "/abort_request", json={"rid": "gone"})
             assert aborted.status_code == 200 and aborted.content == b""
             gone.join(60)
@@ -96,7 +98,10 @@ def test_a_request_aborted_during_an_activation_ends_in_the_sidecar_and_never_ru
             assert answer["output_ids"] == [] and answer["meta_info"]["finish_reason"] == WAITING_ABORT
             assert answer["meta_info"]["id"] == "gone"
             assert _state(c, engine)["num_pause_waiting_reqs"] == 0
-            kept.join(60)
+            kept.join(60), stale.join(60)
+            refused = answers["stale"]  # it would have run on version 1: judged when the hold opened
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["applied_version"] == 1
             served = answers["kept"]
             assert served.status_code == 200, served.text  # held, not refused for its version
             meta = served.json()["meta_info"]
