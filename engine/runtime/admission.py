@@ -52,10 +52,13 @@ class Admission:
         "Duplicate request ID" (``_init_req_state``, tokenizer_manager.py 3833-3837)."""
         return next((r for r in rids if r in self._states), None) or self.scheduler.held(rids)
 
-    def admit(self, rid: str) -> _State:
+    def admit(self, rid: str) -> _State | None:
         """Register ``rid`` (SGLang's ``_init_req_state``); :meth:`release` with the token returned
-        ends it. A rid already admitted keeps its state (the scheduler refuses the second one)."""
-        return self._states.setdefault(rid, _State())
+        ends it. None when another request holds ``rid``: SGLang refuses this one (3833-3837)."""
+        if rid in self._states:
+            return None
+        state = self._states[rid] = _State()
+        return state
 
     async def wait_unpaused(self) -> None:
         """Return once generation is not paused (SGLang's ``is_pause_cond``)."""
@@ -66,16 +69,15 @@ class Admission:
             finally:
                 self.waiting -= 1
 
-    def dispatched(self, rid: str) -> None:
-        """``rid`` was sent to the scheduler (``_mark_state_dispatched``)."""
-        if (state := self._states.get(rid)) is not None:
-            state.dispatched = True
+    @staticmethod
+    def dispatched(token: _State) -> None:
+        """The request ``token`` admitted was sent to the scheduler (``_mark_state_dispatched``)."""
+        token.dispatched = True
 
     def release(self, rid: str, token: _State, *, finished: bool) -> None:
         """The handler that admitted ``rid`` (``token``) is done: an unfinished request that
-        reached the scheduler is aborted (at most once, :meth:`abort`); its state goes either way."""
-        if self._states.get(rid) is not token:  # another request's state
-            return
+        reached the scheduler is aborted (at most once, :meth:`abort`); its state goes either way
+        (``_release_req_states_on_failure``)."""
         if token.dispatched and not finished:
             self.abort(rid, "The client disconnected.")
         del self._states[rid]

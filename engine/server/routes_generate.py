@@ -29,7 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from core.jsonio import dumps
 from core.sglang_contract import stream_error_event
 from engine.runtime.engine import Engine
-from engine.runtime.request import RequestError
+from engine.runtime.request import RequestError, duplicate_rid
 from engine.runtime.scheduler import FinishEvent, TokenEvent
 from engine.server.protocol import GenerateReqInput
 from engine.server.requests import engine_of, error, parse, refusal
@@ -39,18 +39,14 @@ router = APIRouter()
 
 
 class _Refused(RequestError):
-    """A request the scheduler refused once submitted (a rid another request took after
+    """A request refused for a rid another request holds, found once admitted or submitted (after
     ``GenerateReqInput.normalize`` checked the request's rids, which refuses the whole request
     before anything is submitted or streamed; only two requests racing for one rid get here):
     SGLang raises it as a ``ValueError`` of ``generate_request`` (managers/tokenizer_manager.py
     3833-3837), which a stream answers as :func:`core.sglang_contract.stream_error_event`, code
     400 (entrypoints/http_server.py 956-973). The engine's own failures (shutting down) stay an
-    event without a code: the router fails over from them. ``rid``: the refused request's, which
-    names another, running request: never aborted on this one's account."""
-
-    def __init__(self, message: str, rid: str) -> None:
-        super().__init__(message)
-        self.rid = rid
+    event without a code: the router fails over from them. The other request, which holds the rid,
+    is never aborted on this one's account (this one owns no admission state)."""
 
 
 async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, Any]:
@@ -60,11 +56,13 @@ async def run_one(engine: Engine, spec: Any, on_token: Any = None) -> dict[str, 
     update waits for it). Cancelled once sent to the scheduler, it is aborted there (once)."""
     admission = engine.admission
     state = admission.admit(spec.rid)
+    if state is None:  # a request that came meanwhile holds its rid
+        raise _Refused(duplicate_rid(spec.rid))
     finished = False
     try:
         await admission.wait_unpaused()
         async with engine.model_update_lock.reader():
-            body = await _run_locked(engine, spec, on_token)
+            body = await _run_locked(engine, spec, on_token, state)
         finished = True
         return body
     finally:
@@ -86,7 +84,7 @@ def _finishing(event: Any) -> bool:
     return isinstance(event, TokenEvent) and event.finishes
 
 
-async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any]:
+async def _run_locked(engine: Engine, spec: Any, on_token: Any, state: Any) -> dict[str, Any]:
     scheduler = engine.scheduler
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -95,10 +93,10 @@ async def _run_locked(engine: Engine, spec: Any, on_token: Any) -> dict[str, Any
     try:
         await asyncio.wrap_future(fut)
     except ValueError as exc:  # the request's fault (a rid already running): a 400, in a stream code 400
-        raise _Refused(str(exc), spec.rid) from None
+        raise _Refused(str(exc)) from None
     except RuntimeError as exc:  # the engine's (shutting down): a stream's event names no code
         raise RequestError(str(exc)) from None
-    engine.admission.dispatched(spec.rid)
+    engine.admission.dispatched(state)
     sent = 0
     while True:
         ev = await events.get()
@@ -148,13 +146,13 @@ async def generate(request: Request) -> Response:
     if aborted is not None:  # the tokenizer manager raises it: a 400, nothing else of it answered
         return error(aborted["message"])
     watcher = asyncio.create_task(_watch_disconnect(engine, request, specs))
+    runs = [asyncio.ensure_future(run_one(engine, s)) for s in specs]
     try:
-        results = await asyncio.gather(*(run_one(engine, s) for s in specs))
-    except RequestError as exc:
-        refused = exc.rid if isinstance(exc, _Refused) else None  # the rid of a running request
-        for s in specs:
-            if s.rid != refused:
-                engine.admission.abort(s.rid, "Another item of the batch was refused.")
+        results = await asyncio.gather(*runs)
+    except RequestError as exc:  # the batch fails: its other items are released (run_one)
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
         return error(str(exc))
     finally:
         watcher.cancel()
