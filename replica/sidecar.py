@@ -293,9 +293,10 @@ async def generate(request: Request) -> Response:
         body = loads(raw) if raw else None
     except ValueError:
         body = None
-    rid, t0 = body.get("rid") if isinstance(body, dict) else None, time.time()
+    rid = body.get("rid") if isinstance(body, dict) else None
+    t0 = time.monotonic()
     if not await sidecar.hold.wait(rid):
-        return _aborted_while_held(sidecar, body, rid, time.time() - t0)
+        return _aborted_while_held(sidecar, body, rid, time.monotonic() - t0)
     problem, body = version_conflict(sidecar, body, request.headers)
     if isinstance(problem, VersionUnavailable):
         sidecar.metrics.conflicts.inc()

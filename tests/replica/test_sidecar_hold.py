@@ -1,14 +1,16 @@
 """An activation holds new generations in the sidecar (:mod:`replica.hold`): the real ``mixfleet
-sidecar`` before a real local engine whose loads take 3 s (``/debug/fault``), so an activation
+sidecar`` before a real local engine whose loads take 6 s (``/debug/fault``), so an activation
 keeps the engine paused that long. A request aborted in that window (the router aborts a turn
 whose client went away) ends in the sidecar and never reaches the engine, where SGLang 0.5.23
 (and the engine after it, :mod:`engine.runtime.admission`) would hold it out of the abort's
-reach and run it to its end after the pause. The others are judged by their version constraint
-once the hold opens: one that asks for the version being activated is served at it, one that
-asks for the old one exactly is refused (409), where it would have run on the new weights."""
+reach and run it to its end after the pause (streamed or not). The others are judged by their
+version constraint once the hold opens: one that asks for the version being activated is served
+at it, one that asks for the old one exactly is refused (409), where it would have run on the new
+weights."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -59,7 +61,7 @@ def test_a_request_aborted_during_an_activation_ends_in_the_sidecar_and_never_ru
     port = free_port()
     c = httpx.Client(timeout=120, trust_env=False)
     with engine_process(tiny_dir, env={"MIXFLEET_ENGINE_FAULTS": "1"}) as engine:
-        assert c.post(engine + "/debug/fault", json={"load_delay_s": 3.0}).status_code == 200
+        assert c.post(engine + "/debug/fault", json={"load_delay_s": 6.0}).status_code == 200
         argv = mixfleet_argv(
             "sidecar", "--engine", engine, "--group", "g", "--format", "bf16", "--store", str(store),
             "--run", "run", "--port", str(port), "--replica-id", "g-0", "--staging-dir", str(tmp_path / "st"),
@@ -73,8 +75,8 @@ def test_a_request_aborted_during_an_activation_ends_in_the_sidecar_and_never_ru
             _until(lambda: _paused(c, engine) == "retract", "the sidecar never paused its engine")
             answers: dict[str, httpx.Response] = {}
 
-            def send(rid: str, params: dict[str, Any], headers: dict[str, str]) -> None:
-                body = {"input_ids": PROMPT, "sampling_params": params, "rid": rid}
+            def send(rid: str, params: dict[str, Any], headers: dict[str, str], stream: bool = False) -> None:
+                body = {"input_ids": PROMPT, "sampling_params": params, "rid": rid, "stream": stream}
                 answers[rid] = c.post(sidecar + "/generate", json=body, headers=headers)
 
             def waiting() -> int:  # in the sidecar's hold or at the engine's pause
@@ -82,21 +84,28 @@ def test_a_request_aborted_during_an_activation_ends_in_the_sidecar_and_never_ru
 
             long = {"max_new_tokens": 200, "ignore_eos": True}
             gone = threading.Thread(target=send, args=("gone", long, {}))
-            gone.start()
-            _until(lambda: waiting() == 1, "the request never waited")
+            streamed = threading.Thread(target=send, args=("gone-streamed", long, {}, True))
+            gone.start(), streamed.start()
+            _until(lambda: waiting() == 2, "the requests never waited")
             short, min_1 = {"max_new_tokens": 8, "ignore_eos": True}, {"X-Mixfleet-Min-Version": "1"}
             kept = threading.Thread(target=send, args=("kept", short, min_1))
             stale = threading.Thread(target=send, args=("stale", short, {"X-Mixfleet-Exact-Version": "0"}))
             kept.start(), stale.start()
-            _until(lambda: waiting() == 3 or answers.keys() & {"kept", "stale"}, "the others never waited")
-            assert _held(c, sidecar) == 3
-            aborted = c.post(sidecar + "/abort_request", json={"rid": "gone"})
-            assert aborted.status_code == 200 and aborted.content == b""
-            gone.join(60)
+            _until(lambda: waiting() == 4 or answers.keys() & {"kept", "stale"}, "the others never waited")
+            assert _held(c, sidecar) == 4
+            for rid in ("gone", "gone-streamed"):
+                aborted = c.post(sidecar + "/abort_request", json={"rid": rid})
+                assert aborted.status_code == 200 and aborted.content == b""
+            gone.join(60), streamed.join(60)
             assert _paused(c, engine) == "retract"  # answered while the engine is still paused
             answer = answers["gone"].json()
             assert answer["output_ids"] == [] and answer["meta_info"]["finish_reason"] == WAITING_ABORT
             assert answer["meta_info"]["id"] == "gone"
+            events = [
+                line[6:] for line in answers["gone-streamed"].text.splitlines() if line.startswith("data: ")
+            ]
+            assert len(events) == 2 and events[1] == "[DONE]", events  # one event, as SGLang streams it
+            assert json.loads(events[0])["meta_info"]["finish_reason"] == WAITING_ABORT
             assert _state(c, engine)["num_pause_waiting_reqs"] == 0
             kept.join(60), stale.join(60)
             refused = answers["stale"]  # it would have run on version 1: judged when the hold opened
