@@ -25,10 +25,10 @@ SGLang) and is the replica's only public port:
   pending versions coalesce into the newest; failures keep the old version, are reported and
   retried with backoff.
 - **Hold**: while an activation has the engine paused, a ``/generate`` waits in the sidecar
-  (:mod:`replica.hold`), and an ``/abort_request`` naming it ends it there: it is answered as
-  SGLang answers an abort of a request that never ran (finish reason "Abort in waiting queue",
-  nothing generated) and never reaches the engine, where SGLang would hold it out of the abort's
-  reach. Its version constraint is checked once the hold opens.
+  (:mod:`replica.hold`), and an ``/abort_request`` naming it ends it there: it is answered in the
+  shape of SGLang's answer to an abort of a request that never ran (finish reason "Abort in
+  waiting queue", nothing generated) and never reaches the engine, where SGLang would hold it
+  out of the abort's reach. Its version constraint is checked once the hold opens.
 - **Version constraints**: a ``/generate`` body field or header ``min_version`` /
   ``exact_version`` (headers ``X-Mixfleet-Min-Version`` / ``X-Mixfleet-Exact-Version``, or
   ``X-Min-Version`` / ``X-Exact-Version``) that the active version does not meet gets a
