@@ -418,7 +418,7 @@ def test_pause_then_continue_resumes_exactly(v1_engine: str, client: httpx.Clien
         assert "sglang:num_retracted_requests_total" in client.get(url + "/metrics").text
 
 
-def test_pause_abort_aborts_and_queues_new_requests(v1_engine: str, client: httpx.Client) -> None:
+def test_pause_abort_aborts_and_holds_new_requests(v1_engine: str, client: httpx.Client) -> None:
     url = v1_engine
     stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": LONG})
     stream.wait_for(10)
