@@ -25,7 +25,10 @@ standing in for the engine's own time. Printed:
   worker's with ``--workers N`` on the Redis state: every session is opened before the first turn
   and finished after the last, outside that window), on
   the long sessions of each input mode and on a short-context pass (``--short-turns`` turns of ~1K
-  tokens, full context);
+  tokens, full context); and beside it, on the long sessions, the time the router's threads spent
+  runnable but waiting for a core, per turn (:func:`benchmarks.router.wait_seconds`): the part of
+  the added latency that is this machine's contention (the clients and the stub share its
+  cores), not the router's work;
 * bytes stored per trajectory (the Redis list of its turn blocks) and served (the trainer's
   binary batch of it) against the bound ``1.2 x (context tokens x bytes of one varint id +
   generated tokens x their record bytes)``; a record's bytes are those of one generated token's
@@ -109,6 +112,7 @@ from benchmarks.router import (  # noqa: E402
     pct,
     serve_stub,
     stub_generate_body,
+    wait_seconds,
 )
 from core.jsonio import loads  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -176,12 +180,13 @@ async def start_phase(i: int, spread_s: float) -> None:
 @dataclass(frozen=True)
 class Pass:
     """One pass of :func:`run_agents`: latencies by context bucket, the session ids, and the
-    router's CPU seconds over the turns alone (its sessions' opening and finishing excluded; None
-    without a router pid)."""
+    router's CPU seconds and run-queue wait (:func:`benchmarks.router.wait_seconds`) over the turns
+    alone (its sessions' opening and finishing excluded; None without a router pid)."""
 
     lat: dict[int, list[float]]
     sids: list[str]
     turn_cpu_s: float | None = None
+    turn_wait_s: float | None = None
 
 
 async def run_agents(
@@ -223,14 +228,15 @@ async def run_agents(
                     engine, dispatch = answer_seconds(data)
                     own.setdefault(bucket(agent.n), []).append((seconds - engine, dispatch))
 
-        cpu0 = cpu_seconds(pid) if pid else 0.0
+        cpu0, wait0 = (cpu_seconds(pid), wait_seconds(pid)) if pid else (0.0, 0.0)
         await asyncio.gather(*(one(i) for i in range(sessions)))
         turn_cpu = cpu_seconds(pid) - cpu0 if pid else None
+        turn_wait = wait_seconds(pid) - wait0 if pid else None
         await asyncio.gather(*(_finish_session(c, sid, auth) for c, sid in zip(conns, sids, strict=False)))
     finally:
         for c in conns:
             c.close()
-    return Pass(lat, sids, turn_cpu)
+    return Pass(lat, sids, turn_cpu, turn_wait)
 
 
 async def _open_session(conn: Conn, auth: dict[str, str]) -> str:
@@ -714,8 +720,13 @@ async def measure_long(
     mem = (await redis_memory(redis_url) if redis_url else rss_bytes(pid)) - mem0
     out: dict = {"latency": report_latency(done.lat, direct, own)}
     n_turns = args.sessions * args.turns
-    print(f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns")
+    wait = done.turn_wait_s or 0.0
+    print(
+        f"  router CPU per turn (long sessions): {cpu / n_turns * 1000:.2f} ms over {n_turns} turns; "
+        f"waiting for a core (run queue): {wait / n_turns * 1000:.2f} ms"
+    )
     out["cpu_ms_per_turn"] = round(cpu / n_turns * 1000, 3)
+    out["run_queue_wait_ms_per_turn"] = round(wait / n_turns * 1000, 3)
     if redis_url or fresh:
         where = "Redis used_memory" if redis_url else "router RSS"
         per_1000 = mem / args.sessions * 1000

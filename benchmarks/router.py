@@ -41,8 +41,11 @@ to sglang-router's (no target), and the routers' CPU per request beside each oth
 
 The targets run interleaved, ``--rounds`` times, and the median round is reported (the
 machine is shared). CPU per request is the router process's user+system time (all its threads)
-divided by the requests it served: unlike throughput it hardly depends on what else runs. All
-processes share this machine's cores, so absolute numbers depend on the machine.
+divided by the requests it served: unlike throughput it hardly depends on what else runs.
+"wait us" is the time its threads spent runnable but waiting for a core, per request
+(:func:`wait_seconds`): the part of the added latency that is the machine's contention, not the
+router's work. All processes share this machine's cores, so absolute numbers depend on the
+machine.
 
 Run: ``.venv/bin/python benchmarks/router.py [--seconds 5] [--rounds 3] [--concurrency 256]
 [--paced-rate 250 1000] [--state memory redis] [--out-tokens 64] [--support 32]
@@ -281,16 +284,17 @@ async def run_load(
     make_request: MakeRequest,
     period: float | None = None,
     pid: int | None = None,
-) -> tuple[list[float], int, float, float]:
+) -> tuple[list[float], int, float, float, float]:
     """``sessions`` loops for ``seconds``: back to back (``period`` None) or one request every
-    ``period`` seconds each. Returns latencies (s), non-200 answers, client CPU seconds and the
-    CPU seconds of process ``pid`` (NaN without one) over the timed part only (connections and
-    sessions are set up before it)."""
+    ``period`` seconds each. Returns latencies (s), non-200 answers, client CPU seconds, and the
+    CPU seconds and run-queue wait (:func:`wait_seconds`) of process ``pid`` (NaN without one)
+    over the timed part only (connections and sessions are set up before it)."""
     latencies: list[float] = []
     errors = [0]
     conns = [await Conn.open(port) for _ in range(sessions)]
     requests = [await make_request(c, i) for i, c in enumerate(conns)]
     server0 = cpu_seconds(pid) if pid else float("nan")
+    wait0 = wait_seconds(pid) if pid else float("nan")
     cpu0 = time.process_time()
     t_start = time.perf_counter()
     stop = t_start + seconds
@@ -317,10 +321,11 @@ async def run_load(
         await asyncio.gather(*(loop(c, r) for c, r in zip(conns, requests, strict=True)))
         client = time.process_time() - cpu0
         server = cpu_seconds(pid) - server0 if pid else float("nan")
+        wait = wait_seconds(pid) - wait0 if pid else float("nan")
     finally:
         for c in conns:
             c.close()
-    return latencies, errors[0], client, server
+    return latencies, errors[0], client, server, wait
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -344,6 +349,27 @@ def cpu_seconds(pid: int) -> float:
             continue
         ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_seconds(pid: int) -> float:
+    """Seconds the threads of a process and of every living process below it spent runnable but
+    waiting for a CPU (the second field of each thread's ``/proc/<p>/task/<t>/schedstat``): time
+    in a request's latency that is the machine's contention (clients and stub share its cores),
+    not the process's own work. NaN when ``pid`` is gone."""
+    from tests.support.procs import descendants
+
+    ns = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            if p == pid:
+                return float("nan")
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that exited meanwhile
+                ns += int((task / "schedstat").read_text().split()[1])
+    return ns / 1e9
 
 
 # ------------------------------------------------------------------ processes
@@ -378,15 +404,18 @@ class Target:
 
 
 class Point:
-    """One run of one target at one load: throughput, latencies, CPU."""
+    """One run of one target at one load: throughput, latencies, CPU, run-queue wait."""
 
-    def __init__(self, lat: list[float], errors: int, seconds: float, cpu: float, client_cpu: float) -> None:
+    def __init__(
+        self, lat: list[float], errors: int, seconds: float, cpu: float, client_cpu: float, wait: float
+    ) -> None:
         self.lat = lat
         self.errors = errors
         self.rps = len(lat) / seconds
         self.p50 = pct(lat, 0.5) * 1e3
         self.p99 = pct(lat, 0.99) * 1e3
         self.cpu_us = cpu / len(lat) * 1e6 if lat else float("nan")
+        self.wait_us = wait / len(lat) * 1e6 if lat else float("nan")
         self.cpu_util = cpu / seconds
         self.client_util = client_cpu / seconds
 
@@ -397,10 +426,10 @@ def median_point(points: list[Point]) -> Point:
 
 
 def measure(target: Target, sessions: int, seconds: float, period: float | None) -> Point:
-    lat, errs, client_cpu, cpu = asyncio.run(
+    lat, errs, client_cpu, cpu, wait = asyncio.run(
         run_load(target.port, sessions, seconds, target.make, period, target.pid)
     )
-    return Point(lat, errs, seconds, cpu, client_cpu)
+    return Point(lat, errs, seconds, cpu, client_cpu, wait)
 
 
 # the routers' idle keep-alive: uvicorn's default timeout_keep_alive (0.55 config.py 233), which
@@ -596,7 +625,7 @@ def main() -> int:
 
         print(
             f"\n{'load':<10}{'target':<19}{'sess':>5}{'req/s':>8}{'(min-max)':>14}{'p50 ms':>8}{'p99 ms':>8}"
-            f"{'+p50':>7}{'+p99':>7}{'cpu us/req':>11}{'cpu %':>6}{'client %':>9}{'errors':>7}"
+            f"{'+p50':>7}{'+p99':>7}{'cpu us/req':>11}{'wait us':>8}{'cpu %':>6}{'client %':>9}{'errors':>7}"
         )
         med: dict[tuple[str, int, str], Point] = {}
         rows: list[dict] = []
@@ -610,7 +639,8 @@ def main() -> int:
                 print(
                     f"{kind:<10}{t.name:<19}{sessions:>5}{p.rps:>8.0f}{f'({lo:.0f}-{hi:.0f})':>14}"
                     f"{p.p50:>8.2f}{p.p99:>8.2f}{p.p50 - base.p50:>+7.2f}{p.p99 - base.p99:>+7.2f}"
-                    f"{p.cpu_us:>11.0f}{p.cpu_util * 100:>6.0f}{p.client_util * 100:>9.0f}{errs:>7}"
+                    f"{p.cpu_us:>11.0f}{p.wait_us:>8.0f}{p.cpu_util * 100:>6.0f}{p.client_util * 100:>9.0f}"
+                    f"{errs:>7}"
                 )
                 rows.append(
                     {
@@ -624,6 +654,7 @@ def main() -> int:
                         "added_p50_ms": round(p.p50 - base.p50, 3),
                         "added_p99_ms": round(p.p99 - base.p99, 3),
                         "cpu_us_per_request": round(p.cpu_us, 1),
+                        "run_queue_wait_us_per_request": round(p.wait_us, 1),
                         "errors": errs,
                     }
                 )
