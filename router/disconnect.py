@@ -4,7 +4,9 @@ the trainer's take.
 For a ``POST`` under ``/v1/sessions/`` (a turn, through the token API or a chat API) or to
 ``/v1/batches/take``, once the request body has been read the middleware waits on the server's
 ``receive`` for ``http.disconnect``; when the client disconnects before the response has started,
-the handler's task is cancelled. For a turn the cancellation reaches the engine request
+the handler is cancelled (it runs in the server's task: uvicorn 0.55 cancels that task itself
+only when a graceful shutdown times out, ``uvicorn/server.py`` 304, and that cancellation is
+raised on). For a turn the cancellation reaches the engine request
 (:func:`router.dispatch.run_turn` then sends ``/abort_request`` for it) and the turn is not
 recorded: :func:`router.turns.record_turn` stores only after the generation returned (a
 disconnect that lands during the store's own write, after the generation, may still leave the
@@ -29,7 +31,6 @@ pass through.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,7 +59,10 @@ class CancelOnDisconnect:
 
 
 class _Exchange:
-    """One request: the body passes through, then a watcher owns ``receive``."""
+    """One request: the body passes through, then a watcher owns ``receive``. The app runs in the
+    server's task (a task of its own would put each step of a turn behind every other request's
+    ready step once more); the watcher cancels that task, and the cancellation is taken back
+    (``Task.uncancel``) when it was the watcher's alone."""
 
     def __init__(self, receive: Receive, send: Send) -> None:
         self.receive = receive
@@ -66,26 +70,38 @@ class _Exchange:
         self.gone = asyncio.Event()
         self.started = False
         self.watcher: asyncio.Task[None] | None = None
-        self.handler: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[object] | None = None
+        self.cancelled = False  # the watcher cancelled the task
+        self.taken_back = False  # and that cancellation was undone
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
-        self.handler = asyncio.ensure_future(app(scope, self.wrapped_receive, self.wrapped_send))
+        self.task = task = asyncio.current_task()
+        assert task is not None, "call inside a task"
+        cancelling = task.cancelling()
         try:
-            await asyncio.shield(self.handler)
+            await app(scope, self.wrapped_receive, self.wrapped_send)
         except asyncio.CancelledError:
-            if not self.handler.done():  # the server cancelled us: cancel the handler too
-                self.handler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self.handler
-                raise
-            if not self.gone.is_set():  # the handler itself was cancelled by something else
+            if not self._take_back(task, cancelling):  # the server's, or another's: raise it
                 raise
             # nobody reads it (the server drops writes after a disconnect); the edge metrics see 499
             await self.send_up({"type": "http.response.start", "status": CLIENT_CLOSED, "headers": []})
             await self.send_up({"type": "http.response.body", "body": b"", "more_body": False})
+        except BaseException:
+            self._take_back(task, cancelling)
+            raise
+        else:
+            self._take_back(task, cancelling)  # the app finished in spite of it
         finally:
+            self.task = None  # the watcher cancels nothing from now on
             if self.watcher is not None:
                 self.watcher.cancel()
+
+    def _take_back(self, task: asyncio.Task[object], cancelling: int) -> bool:
+        """Undo the watcher's cancellation, once, if it made one; whether it was the only one."""
+        if not self.cancelled or self.taken_back:
+            return False
+        self.taken_back = True
+        return task.uncancel() <= cancelling
 
     async def wrapped_receive(self) -> Message:
         if self.watcher is None:
@@ -107,5 +123,6 @@ class _Exchange:
         while (await self.receive())["type"] != "http.disconnect":
             pass
         self.gone.set()
-        if not self.started and self.handler is not None:
-            self.handler.cancel()
+        if not self.started and self.task is not None and not self.cancelled:
+            self.cancelled = True
+            self.task.cancel()

@@ -1,12 +1,14 @@
 """router.disconnect.CancelOnDisconnect on the ASGI contract itself (a server's ``receive`` and
 ``send`` driven by the test): a client gone before the answer (of a turn, of a take) cancels the
-handler and is answered 499; the server's own cancellation of the request's task is raised on;
+handler and is answered 499, the request's task left uncancelled; the server's own cancellation of
+the request's task is raised on, also when it comes after the client's departure;
 after the answer started, a disconnect cancels nothing. The same middleware in a live router:
 tests/router/test_abort.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -97,6 +99,71 @@ def test_the_servers_cancellation_is_raised() -> None:
             async with asyncio.timeout(5):
                 await task
         assert log == ["cancelled"] and ex.sent == []
+
+    asyncio.run(main())
+
+
+def test_the_servers_cancellation_after_the_clients_departure_is_raised() -> None:
+    async def main() -> None:
+        log: list[str] = []
+        ex, task, _ = await _waiting(log)
+        ex.leave()
+        while not task.cancelling():  # the watcher reads the disconnect and cancels the task
+            await asyncio.sleep(0)
+        task.cancel()  # and then the server, before the task ran again
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(5):
+                await task
+        assert log == ["cancelled"] and ex.sent == []
+
+    asyncio.run(main())
+
+
+def test_a_handler_that_finishes_in_spite_of_the_cancellation_leaves_its_task_uncancelled() -> None:
+    async def main() -> None:
+        async def app(scope, receive, send) -> None:
+            await receive()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"late"})
+
+        ex = Exchange()
+        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
+        await _settle()
+        ex.leave()
+        async with asyncio.timeout(5):
+            await task
+        assert task.cancelling() == 0 and [m.get("status") for m in ex.sent] == [200, None]
+
+    asyncio.run(main())
+
+
+def test_a_handler_that_turns_the_cancellation_into_an_error_raises_it_uncancelled() -> None:
+    async def main() -> None:
+        async def app(scope, receive, send) -> None:
+            await receive()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise RuntimeError("cleanup failed") from None
+
+        ex = Exchange()
+        seen: list[int] = []
+
+        async def request() -> None:
+            try:
+                await CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send)
+            finally:
+                seen.append(asyncio.current_task().cancelling())
+
+        task = asyncio.create_task(request())
+        await _settle()
+        ex.leave()
+        with pytest.raises(RuntimeError, match="cleanup failed"):
+            async with asyncio.timeout(5):
+                await task
+        assert seen == [0] and ex.sent == []
 
     asyncio.run(main())
 

@@ -162,16 +162,27 @@ def test_an_answer_slower_than_the_engine_timeout_is_retried_then_moved(engines,
         front.delay_s = 0.0
 
 
-def _lost_first_replica(committed: bool) -> tuple[object, list[str], float]:
+def _lost_first_replica(
+    committed: bool, *, caller_cancelled: bool = False, answers_as_lost: bool = False
+) -> tuple[object, list[str], float]:
     """``with_failover`` over two replicas of one group whose first request never answers and
-    whose replica is then found lost: (its outcome, the requests cancelled, lost failovers)."""
+    whose replica is then found lost: (its outcome, the requests cancelled, lost failovers).
+    ``caller_cancelled``: the caller is cancelled as the replica is found lost;
+    ``answers_as_lost``: the first request answers just as its replica is found lost. The outcome
+    is checked to leave the caller's task with no cancellation pending."""
     urls = ("http://127.0.0.1:9/a", "http://127.0.0.1:9/b")
     fleet = FleetSpec(name="t", groups=(GroupSpec(name="g", accelerator="cpu", replicas=urls),))
     ctx = RouterContext(RouterConfig(fleet=fleet, auth_disabled=True, heartbeat_timeout_s=5.0))
     cancelled: list[str] = []
 
+    def lose() -> None:
+        assert ctx.registry.signal_lost(now=time.monotonic() + 6) == ["g/0"]
+
     async def send(client, _group: str) -> str:
         if client.base_url.endswith("/a"):
+            if answers_as_lost:
+                lose()  # the lost replica's cancellation is scheduled, the answer already here
+                return "answer from " + client.base_url
             try:
                 await asyncio.sleep(3600)  # hung
             except asyncio.CancelledError:
@@ -179,18 +190,28 @@ def _lost_first_replica(committed: bool) -> tuple[object, list[str], float]:
                 raise
         return "answer from " + client.base_url
 
+    async def caller() -> object:
+        outcome = await with_failover(ctx, "g", "g/0", send, committed=lambda: committed)
+        for _ in range(5):
+            await asyncio.sleep(0)  # a cancellation left pending would be raised here
+        assert asyncio.current_task().cancelling() == 0
+        return outcome
+
     async def run() -> object:
         ctx.http = aiohttp.ClientSession()  # the sends above make no request
         try:
             for rid in ctx.registry.replicas:
                 ctx.registry.poll_result(rid, ready=True, version=1, error=None)
-            task = asyncio.create_task(with_failover(ctx, "g", "g/0", send, committed=lambda: committed))
+            task = asyncio.create_task(caller())
             await asyncio.sleep(0.05)
-            assert ctx.registry.replicas["g/0"].inflight == 1
-            assert ctx.registry.signal_lost(now=time.monotonic() + 6) == ["g/0"]
+            if not answers_as_lost:
+                assert ctx.registry.replicas["g/0"].inflight == 1
+                lose()
+            if caller_cancelled:
+                task.cancel()
             try:
                 return await task
-            except ApiError as exc:
+            except (ApiError, asyncio.CancelledError) as exc:
                 return exc
         finally:
             await ctx.http.close()
@@ -200,7 +221,7 @@ def _lost_first_replica(committed: bool) -> tuple[object, list[str], float]:
     return (
         outcome,
         cancelled,
-        samples[("mixfleet_router_failovers_total", (("group", "g"), ("reason", "lost")))],
+        samples.get(("mixfleet_router_failovers_total", (("group", "g"), ("reason", "lost"))), 0),
     )
 
 
@@ -216,3 +237,15 @@ def test_a_request_whose_answer_reached_the_caller_is_not_retried_when_its_repli
     assert isinstance(error, ApiError) and error.status == 502, error
     assert "failed mid-stream: replica g/0 lost" in error.message and cancelled == ["http://127.0.0.1:9/a"]
     assert lost == 0
+
+
+def test_a_caller_cancelled_as_its_replica_is_lost_is_cancelled_not_failed_over() -> None:
+    outcome, cancelled, lost = _lost_first_replica(committed=False, caller_cancelled=True)
+    assert isinstance(outcome, asyncio.CancelledError) and cancelled == ["http://127.0.0.1:9/a"]
+    assert lost == 0
+
+
+def test_an_answer_that_arrives_as_its_replica_is_found_lost_is_kept() -> None:
+    (result, place), cancelled, lost = _lost_first_replica(committed=False, answers_as_lost=True)
+    assert result == "answer from http://127.0.0.1:9/a" and cancelled == [] and lost == 0
+    assert (place.replica_id, place.attempts) == ("g/0", 1)
