@@ -17,6 +17,7 @@ this stand-in exists; the local engine refuses the in_place protocol the same wa
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,6 +44,15 @@ CONTROL = (
     "/update_weight_version",
     "/continue_generation",
 )
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """The stand-in's server: a client that left mid-answer (a sidecar stopping while it polls
+    health) is not a traceback on the test run's output (``socketserver.BaseServer.handle_error``)."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class StandInEngine:
@@ -97,7 +107,7 @@ class StandInEngine:
                 code, answer, ctype = engine.answer(self.path, body)
                 self._send(code, answer, ctype)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = _QuietServer(("127.0.0.1", free_port()), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
