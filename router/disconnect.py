@@ -60,9 +60,8 @@ class CancelOnDisconnect:
 
 class _Exchange:
     """One request: the body passes through, then a watcher owns ``receive``. The app runs in the
-    server's task (a task of its own would put each step of a turn behind every other request's
-    ready step once more); the watcher cancels that task, and the cancellation is taken back
-    (``Task.uncancel``) when it was the watcher's alone."""
+    server's task; the watcher cancels that task, and the middleware takes that cancellation back
+    (``Task.uncancel``) however the app ends, answering 499 when it was the only one."""
 
     def __init__(self, receive: Receive, send: Send) -> None:
         self.receive = receive
@@ -86,12 +85,8 @@ class _Exchange:
             # nobody reads it (the server drops writes after a disconnect); the edge metrics see 499
             await self.send_up({"type": "http.response.start", "status": CLIENT_CLOSED, "headers": []})
             await self.send_up({"type": "http.response.body", "body": b"", "more_body": False})
-        except BaseException:
-            self._take_back(task, cancelling)
-            raise
-        else:
-            self._take_back(task, cancelling)  # the app finished in spite of it
         finally:
+            self._take_back(task, cancelling)  # however the app ended (a no-op once taken back)
             self.task = None  # the watcher cancels nothing from now on
             if self.watcher is not None:
                 self.watcher.cancel()

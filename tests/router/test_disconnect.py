@@ -119,6 +119,25 @@ def test_the_servers_cancellation_after_the_clients_departure_is_raised() -> Non
     asyncio.run(main())
 
 
+async def _left_during(app) -> tuple[Exchange, asyncio.Task, list[int]]:
+    """``app`` through the middleware, its client leaving while it waits: the exchange, the
+    request's task, and (once it ends) the cancellations the task had pending on leaving the
+    middleware."""
+    ex = Exchange()
+    pending: list[int] = []
+
+    async def request() -> None:
+        try:
+            await CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send)
+        finally:
+            pending.append(asyncio.current_task().cancelling())
+
+    task = asyncio.create_task(request())
+    await _settle()
+    ex.leave()
+    return ex, task, pending
+
+
 def test_a_handler_that_finishes_in_spite_of_the_cancellation_leaves_its_task_uncancelled() -> None:
     async def main() -> None:
         async def app(scope, receive, send) -> None:
@@ -128,13 +147,11 @@ def test_a_handler_that_finishes_in_spite_of_the_cancellation_leaves_its_task_un
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"late"})
 
-        ex = Exchange()
-        task = asyncio.create_task(CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send))
-        await _settle()
-        ex.leave()
+        ex, task, pending = await _left_during(app)
         async with asyncio.timeout(5):
             await task
-        assert task.cancelling() == 0 and [m.get("status") for m in ex.sent] == [200, None]
+        assert task.cancelling() == 0 and pending == [0]
+        assert [m.get("status") for m in ex.sent] == [200, None]
 
     asyncio.run(main())
 
@@ -148,22 +165,11 @@ def test_a_handler_that_turns_the_cancellation_into_an_error_raises_it_uncancell
             except asyncio.CancelledError:
                 raise RuntimeError("cleanup failed") from None
 
-        ex = Exchange()
-        seen: list[int] = []
-
-        async def request() -> None:
-            try:
-                await CancelOnDisconnect(app)(SCOPE, ex.receive, ex.send)
-            finally:
-                seen.append(asyncio.current_task().cancelling())
-
-        task = asyncio.create_task(request())
-        await _settle()
-        ex.leave()
+        ex, task, pending = await _left_during(app)
         with pytest.raises(RuntimeError, match="cleanup failed"):
             async with asyncio.timeout(5):
                 await task
-        assert seen == [0] and ex.sent == []
+        assert pending == [0] and ex.sent == []
 
     asyncio.run(main())
 
