@@ -85,21 +85,40 @@ class ReplicaLost(Exception):
 
 async def _attempt(registry: Registry, replica: Any, call: Coroutine[Any, Any, T]) -> T:
     """The result of ``call``, the request of one attempt on ``replica`` (a :class:`Replica` or a
-    view), run inside :meth:`Registry.attempt`. Raises :class:`ReplicaLost` when the registry
-    finds the replica lost before ``call`` finished: ``call`` is then cancelled (its own
-    cancellation handling ran: :func:`run_turn`'s sends the abort) and nothing of it is kept. A
-    cancellation of the caller cancels ``call`` too."""
+    view), awaited in the caller's task inside :meth:`Registry.attempt`. Raises
+    :class:`ReplicaLost` when the registry finds the replica lost before ``call`` finished:
+    ``call`` is then cancelled (its own cancellation handling ran: :func:`run_turn`'s sends the
+    abort) and nothing of it is kept. A cancellation of the caller cancels ``call`` too and is
+    raised as such; whatever ``call`` ends in, the caller's task is left with no cancellation of
+    this function's pending. Once ``call`` has answered, the caller yields to the event loop once,
+    so that turns whose engine request or answer is ready go before this one's records are built."""
+    task = asyncio.current_task()
+    assert task is not None
     with registry.attempt(replica.replica_id) as lost:
-        task = asyncio.ensure_future(call)
-        try:
-            await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():  # the replica is lost, or the caller is being cancelled
+        armed, fired = True, False
+
+        def on_lost(_: asyncio.Future[float]) -> None:
+            nonlocal fired
+            if armed:
+                fired = True
                 task.cancel()
-                await asyncio.wait((task,))
-        if task.cancelled() and lost.done():
-            raise ReplicaLost(replica.replica_id, replica.url, lost.result())
-        return task.result()
+
+        lost.add_done_callback(on_lost)
+        try:
+            result = await call
+        except BaseException as exc:
+            armed = False
+            # when the loss fired, its cancellation is taken back whatever ``call`` raised
+            if fired and task.uncancel() == 0 and isinstance(exc, asyncio.CancelledError):
+                raise ReplicaLost(replica.replica_id, replica.url, lost.result()) from None
+            raise
+        finally:
+            armed = False
+            lost.remove_done_callback(on_lost)
+        if fired:  # the answer came as the replica was found lost: kept
+            task.uncancel()
+    await asyncio.sleep(0)
+    return result
 
 
 async def with_failover(

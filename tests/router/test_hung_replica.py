@@ -31,6 +31,7 @@ import aiohttp
 import httpx
 import pytest
 
+from clients.engine import EngineUnavailable
 from fleet.specs import FleetSpec, GroupSpec
 from router.config import RouterConfig
 from router.context import RouterContext
@@ -163,12 +164,13 @@ def test_an_answer_slower_than_the_engine_timeout_is_retried_then_moved(engines,
 
 
 def _lost_first_replica(
-    committed: bool, *, caller_cancelled: bool = False, answers_as_lost: bool = False
+    committed: bool, *, caller_cancelled: bool = False, answers_as_lost: bool = False, converts: bool = False
 ) -> tuple[object, list[str], float]:
     """``with_failover`` over two replicas of one group whose first request never answers and
     whose replica is then found lost: (its outcome, the requests cancelled, lost failovers).
     ``caller_cancelled``: the caller is cancelled as the replica is found lost;
-    ``answers_as_lost``: the first request answers just as its replica is found lost. The outcome
+    ``answers_as_lost``: the first request answers just as its replica is found lost;
+    ``converts``: the first request turns its cancellation into an engine error. The outcome
     is checked to leave the caller's task with no cancellation pending."""
     urls = ("http://127.0.0.1:9/a", "http://127.0.0.1:9/b")
     fleet = FleetSpec(name="t", groups=(GroupSpec(name="g", accelerator="cpu", replicas=urls),))
@@ -187,6 +189,8 @@ def _lost_first_replica(
                 await asyncio.sleep(3600)  # hung
             except asyncio.CancelledError:
                 cancelled.append(client.base_url)
+                if converts:
+                    raise EngineUnavailable(client.base_url, "connection closed") from None
                 raise
         return "answer from " + client.base_url
 
@@ -218,10 +222,11 @@ def _lost_first_replica(
 
     outcome = asyncio.run(run())
     samples = samples_of(ctx.metrics.exposition().decode())
+    reason = "unavailable" if converts else "lost"
     return (
         outcome,
         cancelled,
-        samples.get(("mixfleet_router_failovers_total", (("group", "g"), ("reason", "lost"))), 0),
+        samples.get(("mixfleet_router_failovers_total", (("group", "g"), ("reason", reason))), 0),
     )
 
 
@@ -249,3 +254,9 @@ def test_an_answer_that_arrives_as_its_replica_is_found_lost_is_kept() -> None:
     (result, place), cancelled, lost = _lost_first_replica(committed=False, answers_as_lost=True)
     assert result == "answer from http://127.0.0.1:9/a" and cancelled == [] and lost == 0
     assert (place.replica_id, place.attempts) == ("g/0", 1)
+
+
+def test_a_request_that_turns_the_loss_into_an_engine_error_fails_over_with_nothing_pending() -> None:
+    (result, place), cancelled, unavailable = _lost_first_replica(committed=False, converts=True)
+    assert result == "answer from http://127.0.0.1:9/b" and cancelled == ["http://127.0.0.1:9/a"]
+    assert (place.replica_id, place.attempts) == ("g/1", 2) and unavailable == 1
