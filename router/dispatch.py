@@ -94,6 +94,7 @@ async def _attempt(registry: Registry, replica: Any, call: Coroutine[Any, Any, T
     so that turns whose engine request or answer is ready go before this one's records are built."""
     task = asyncio.current_task()
     assert task is not None
+    cancelling = task.cancelling()  # cancellations pending before the call: not this function's
     with registry.attempt(replica.replica_id) as lost:
         armed, fired = True, False
 
@@ -109,7 +110,7 @@ async def _attempt(registry: Registry, replica: Any, call: Coroutine[Any, Any, T
         except BaseException as exc:
             armed = False
             # when the loss fired, its cancellation is taken back whatever ``call`` raised
-            if fired and task.uncancel() == 0 and isinstance(exc, asyncio.CancelledError):
+            if fired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
                 raise ReplicaLost(replica.replica_id, replica.url, lost.result()) from None
             raise
         finally:
