@@ -1,5 +1,6 @@
-"""Ending the background asyncio tasks a component started: the one way its ``stop`` does it; and
-:func:`raise_if_cancelled`, a cancellation Python 3.11 dropped, raised."""
+"""Ending the background asyncio tasks a component started: the one way its ``stop`` does it;
+:func:`raise_if_cancelled`, a cancellation Python 3.11 dropped, raised; and :class:`Interrupt`, a
+task cancelled from outside and that cancellation taken back."""
 
 from __future__ import annotations
 
@@ -38,3 +39,38 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+class Interrupt:
+    """Cancel the task that created it, at most once, when :meth:`fire` is called (from a callback
+    or another task) before :meth:`close`; :meth:`close` takes that cancellation back
+    (``Task.uncancel``, as ``asyncio.timeout`` does), whatever the task's code ended in.
+
+    Use: create it in the task, call :meth:`close` in an ``except CancelledError`` (its answer says
+    whether to turn the cancellation into the caller's own outcome or raise it on) and again in
+    the ``finally`` (a no-op then). Cancellations pending when it was created, or made by others
+    meanwhile, stay pending: the task's count is left as it was without this one's."""
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "create inside a task"
+        self.task = task
+        self.pending_before = task.cancelling()
+        self.open = True
+        self.fired = False
+        self.only = False  # what close answers
+
+    def fire(self) -> None:
+        """Cancel the task, unless this already did or :meth:`close` was called."""
+        if self.open and not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def close(self) -> bool:
+        """Take back the cancellation :meth:`fire` made, the first time it is called; whether
+        :meth:`fire` made one and no other cancellation came since this was created (the same
+        answer on each call)."""
+        if self.open:
+            self.open = False
+            self.only = self.fired and self.task.uncancel() <= self.pending_before
+        return self.only

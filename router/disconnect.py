@@ -34,6 +34,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.tasks import Interrupt
+
 PREFIXES = ("/v1/sessions/", "/v1/batches/take")  # the paths it watches start with one of these
 DISCONNECT: Message = {"type": "http.disconnect"}
 CLIENT_CLOSED = 499  # nginx's "client closed request": what the request metrics record
@@ -60,8 +62,9 @@ class CancelOnDisconnect:
 
 class _Exchange:
     """One request: the body passes through, then a watcher owns ``receive``. The app runs in the
-    server's task; the watcher cancels that task, and the middleware takes that cancellation back
-    (``Task.uncancel``) however the app ends, answering 499 when it was the only one."""
+    server's task; the watcher interrupts that task (:class:`core.tasks.Interrupt`), and the
+    interruption is taken back however the app ends, answering 499 when it was the only
+    cancellation."""
 
     def __init__(self, receive: Receive, send: Send) -> None:
         self.receive = receive
@@ -69,34 +72,22 @@ class _Exchange:
         self.gone = asyncio.Event()
         self.started = False
         self.watcher: asyncio.Task[None] | None = None
-        self.task: asyncio.Task[object] | None = None
-        self.cancelled = False  # the watcher cancelled the task
-        self.taken_back = False  # and that cancellation was undone
+        self.interrupt: Interrupt | None = None
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
-        self.task = task = asyncio.current_task()
-        assert task is not None, "call inside a task"
-        cancelling = task.cancelling()
+        self.interrupt = interrupt = Interrupt()
         try:
             await app(scope, self.wrapped_receive, self.wrapped_send)
         except asyncio.CancelledError:
-            if not self._take_back(task, cancelling):  # the server's, or another's: raise it
+            if not interrupt.close():  # the server's, or another's: raise it
                 raise
             # nobody reads it (the server drops writes after a disconnect); the edge metrics see 499
             await self.send_up({"type": "http.response.start", "status": CLIENT_CLOSED, "headers": []})
             await self.send_up({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._take_back(task, cancelling)  # however the app ended (a no-op once taken back)
-            self.task = None  # the watcher cancels nothing from now on
+            interrupt.close()  # however the app ended; the watcher cancels nothing from now on
             if self.watcher is not None:
                 self.watcher.cancel()
-
-    def _take_back(self, task: asyncio.Task[object], cancelling: int) -> bool:
-        """Undo the watcher's cancellation, once, if it made one; whether it was the only one."""
-        if not self.cancelled or self.taken_back:
-            return False
-        self.taken_back = True
-        return task.uncancel() <= cancelling
 
     async def wrapped_receive(self) -> Message:
         if self.watcher is None:
@@ -118,6 +109,5 @@ class _Exchange:
         while (await self.receive())["type"] != "http.disconnect":
             pass
         self.gone.set()
-        if not self.started and self.task is not None and not self.cancelled:
-            self.cancelled = True
-            self.task.cancel()
+        if not self.started and self.interrupt is not None:
+            self.interrupt.fire()

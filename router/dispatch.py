@@ -43,6 +43,7 @@ import numpy as np
 from clients.engine import EngineError, EngineRejected, EngineUnavailable, Generation, SGLangClient
 from clients.engine_stream import TokenCallback
 from core.jsonio import Fragment
+from core.tasks import Interrupt
 from router.context import RouterContext
 from router.engine_answer import EngineAnswer, read_answer, turn_of
 from router.errors import ApiError, unavailable
@@ -92,32 +93,22 @@ async def _attempt(registry: Registry, replica: Any, call: Coroutine[Any, Any, T
     raised as such; whatever ``call`` ends in, the caller's task is left with no cancellation of
     this function's pending. Once ``call`` has answered, the caller yields to the event loop once,
     so that turns whose engine request or answer is ready go before this one's records are built."""
-    task = asyncio.current_task()
-    assert task is not None
-    cancelling = task.cancelling()  # cancellations pending before the call: not this function's
     with registry.attempt(replica.replica_id) as lost:
-        armed, fired = True, False
+        interrupt = Interrupt()
 
         def on_lost(_: asyncio.Future[float]) -> None:
-            nonlocal fired
-            if armed:
-                fired = True
-                task.cancel()
+            interrupt.fire()
 
         lost.add_done_callback(on_lost)
         try:
             result = await call
-        except BaseException as exc:
-            armed = False
-            # when the loss fired, its cancellation is taken back whatever ``call`` raised
-            if fired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            if interrupt.close():  # the loss was the only cancellation: fail over
                 raise ReplicaLost(replica.replica_id, replica.url, lost.result()) from None
             raise
-        finally:
-            armed = False
+        finally:  # an answer or error that came as the replica was found lost is kept
+            interrupt.close()
             lost.remove_done_callback(on_lost)
-        if fired:  # the answer came as the replica was found lost: kept
-            task.uncancel()
     await asyncio.sleep(0)
     return result
 

@@ -1,11 +1,12 @@
-"""``core.tasks.cancel_and_wait``: every task has ended when it returns, whatever each ended with."""
+"""``core.tasks.cancel_and_wait``: every task has ended when it returns, whatever each ended with;
+``core.tasks.Interrupt``: a task cancelled from outside, that cancellation taken back."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from core.tasks import cancel_and_wait
+from core.tasks import Interrupt, cancel_and_wait
 
 
 def test_every_task_ends_whether_it_loops_fails_on_cancel_or_has_finished() -> None:
@@ -91,3 +92,57 @@ def test_cancelling_the_caller_ends_the_wait_and_leaves_the_tasks_cancelled() ->
         return task
 
     assert asyncio.run(scenario()).cancelled()
+
+
+def _interrupted(other_cancels: int, fire_times: int) -> tuple[bool, bool, int]:
+    """Run a task that sleeps under an Interrupt fired ``fire_times`` (from a callback) while
+    ``other_cancels`` other cancellations land; whether the sleep was cancelled, what ``close``
+    answered, and the task's pending cancellations after it."""
+
+    async def body() -> tuple[bool, bool, int]:
+        interrupt = Interrupt()
+        loop = asyncio.get_running_loop()
+        for _ in range(fire_times):
+            loop.call_soon(interrupt.fire)
+        for _ in range(other_cancels):
+            loop.call_soon(asyncio.current_task().cancel)
+        cancelled = False
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            cancelled = True
+        only = interrupt.close()
+        assert interrupt.close() == only  # the same answer again; nothing taken back twice
+        interrupt.fire()  # closed: cancels nothing
+        return cancelled, only, asyncio.current_task().cancelling()
+
+    return asyncio.run(body())
+
+
+def test_an_interrupt_that_fired_is_taken_back_and_was_the_only_cancellation() -> None:
+    assert _interrupted(other_cancels=0, fire_times=1) == (True, True, 0)
+    assert _interrupted(other_cancels=0, fire_times=3) == (True, True, 0)  # fires once
+
+
+def test_an_interrupt_beside_another_cancellation_leaves_that_one_pending() -> None:
+    assert _interrupted(other_cancels=1, fire_times=1) == (True, False, 1)
+
+
+def test_an_interrupt_that_never_fired_takes_nothing_back() -> None:
+    assert _interrupted(other_cancels=0, fire_times=0) == (False, False, 0)
+    assert _interrupted(other_cancels=1, fire_times=0) == (True, False, 1)
+
+
+def test_an_interrupt_counts_only_what_came_after_it() -> None:
+    """A cancellation already pending when the interrupt was made is not its own."""
+
+    async def body() -> tuple[bool, int]:
+        task = asyncio.current_task()
+        task.cancel()  # pending, not yet delivered
+        interrupt = Interrupt()
+        interrupt.fire()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.05)
+        return interrupt.close(), task.cancelling()
+
+    assert asyncio.run(body()) == (True, 1)
