@@ -83,8 +83,9 @@ class Admission:
         del self._states[rid]
 
     def abort(self, rid: str, message: str) -> Any:
-        """SGLang's ``abort_request`` of one rid: once per admitted rid, else nothing (None).
-        Returns the scheduler's future of the abort it sent."""
+        """SGLang's ``abort_request`` of one rid (``tokenizer_manager.py`` 2241-2253, one tokenizer
+        worker): once per admitted rid, else nothing (None); the scheduler then aborts every
+        request whose rid starts with it. Returns the scheduler's future of the abort it sent."""
         state = self._states.get(rid)
         if state is None or state.abort_sent:
             return None

@@ -221,7 +221,8 @@ class Scheduler:
     def abort(
         self, rid: str = "", abort_all: bool = False, message: str = "Aborted by request."
     ) -> concurrent.futures.Future:
-        """Abort one request by rid (or every request); the future holds how many were aborted."""
+        """Abort the requests whose rid starts with ``rid`` (or every request): :meth:`_do_abort`;
+        the future holds how many were aborted."""
         return self._command("abort", rid=rid, abort_all=abort_all, message=message)
 
     def pause(self, mode: PauseMode) -> concurrent.futures.Future:
@@ -347,10 +348,12 @@ class Scheduler:
         ``process_pending_chunked_abort`` 3778-3827), is echoed to the tokenizer manager
         (``send_abort_output``) with no reason, which it answers
         :data:`~core.sglang_release.WAITING_ABORT` (tokenizer_manager.py 3577-3642); a
-        decoding one (:meth:`_decoding`) finishes with ``message``."""
-        targets = (
-            list(self._by_rid.values()) if abort_all else [self._by_rid[rid]] if rid in self._by_rid else []
-        )
+        decoding one (:meth:`_decoding`) finishes with ``message``. A ``rid`` takes every request
+        whose rid starts with it (``req.rid.startswith(recv_req.rid)``, 5677, 5688, 5800; the
+        tokenizer manager sends it only for a rid it holds exactly:
+        :meth:`~engine.runtime.admission.Admission.abort`); an empty one takes none."""
+        requests = self._by_rid.values()
+        targets = [req for req in requests if abort_all or (rid and req.spec.rid.startswith(rid))]
         for req in targets:
             if self._decoding(req):
                 self._finish(req, {"type": "abort", "message": message})

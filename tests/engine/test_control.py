@@ -616,6 +616,29 @@ def test_abort_request_by_rid_and_on_disconnect(v1_engine: str, client: httpx.Cl
     assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 3
 
 
+def test_an_abort_takes_every_request_whose_rid_starts_with_a_rid_the_engine_holds(
+    v1_engine: str, client: httpx.Client
+) -> None:
+    """SGLang's tokenizer manager sends an abort only for a rid it holds exactly
+    (``tokenizer_manager.py`` 2246-2253); its scheduler then aborts every request whose rid starts
+    with it (``scheduler.py`` 5688, 5800)."""
+    url = v1_engine
+    streams = {rid: StreamReader(url, {"input_ids": PROMPT, "rid": rid, "sampling_params": LONG})
+               for rid in ("job", "job-2", "other")}  # fmt: skip
+    for stream in streams.values():
+        stream.wait_for(3)
+    assert client.post(url + "/abort_request", json={"rid": "jo"}).status_code == 200  # held by none
+    for stream in streams.values():  # each goes on generating
+        stream.wait_for(len(stream.chunks) + 3)
+        assert not stream.done
+    assert client.post(url + "/abort_request", json={"rid": "job"}).status_code == 200
+    for rid in ("job", "job-2"):
+        assert streams[rid].result()["meta_info"]["finish_reason"]["type"] == "abort", rid
+    assert not streams["other"].done
+    assert client.post(url + "/abort_request", json={"rid": "other"}).status_code == 200
+    assert streams["other"].result()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def _disconnecting_request(url: str) -> None:
     with httpx.Client(timeout=1.0, trust_env=False) as c, pytest.raises(httpx.TimeoutException):
         c.post(
