@@ -51,6 +51,8 @@ class Interrupt:
     the ``finally`` (a no-op then). Cancellations pending when it was created, or made by others
     meanwhile, stay pending: the task's count is left as it was without this one's."""
 
+    __slots__ = ("task", "pending_before", "open", "fired", "only")  # one per request: no dict
+
     def __init__(self) -> None:
         task = asyncio.current_task()
         assert task is not None, "create inside a task"
