@@ -72,10 +72,10 @@ class _Exchange:
         self.gone = asyncio.Event()
         self.started = False
         self.watcher: asyncio.Task[None] | None = None
-        self.interrupt: Interrupt | None = None
+        self.interrupt = Interrupt()  # of the server's task, which makes the exchange and runs it
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
-        self.interrupt = interrupt = Interrupt()
+        interrupt = self.interrupt
         try:
             await app(scope, self.wrapped_receive, self.wrapped_send)
         except asyncio.CancelledError:
@@ -109,5 +109,5 @@ class _Exchange:
         while (await self.receive())["type"] != "http.disconnect":
             pass
         self.gone.set()
-        if not self.started and self.interrupt is not None:
+        if not self.started:
             self.interrupt.fire()
