@@ -75,8 +75,8 @@ def parse_turn(
     (per token the support ids, ``[]`` = no filtering), ``output_token_sampling_logprobs`` (per
     token mu, null = unknown; or, with ``sampling_logprobs_mode: support``, per token the
     support's log-probs aligned with the mask), ``weight_versions``
-    spans (else one span of ``weight_version`` over every token; SGLang's ``"default"`` means
-    none), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
+    spans (else one span of ``weight_version`` over every token; in either, SGLang's ``"default"``
+    names no version), ``finish_reason`` and ``e2e_latency`` (added to ``timings`` as ``engine_e2e_ms``).
 
     Each mask may come in any order (SGLang ranks it, most likely first): the records hold it
     sorted by id, its log-probs permuted along. Without the support's log-probs (SGLang's selected
@@ -485,7 +485,12 @@ def _sampled_logprobs(
 
 
 def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:
-    """The non-empty weight-version spans of a turn of ``n`` tokens."""
+    """The non-empty weight-version spans of a turn of ``n`` tokens. A span whose version is a
+    string naming no integer (SGLang's ``"default"``: a server started without
+    ``--weight-version``, ``arg_groups/fields/serving.py`` 172-175, whose every answer carries
+    such spans, ``managers/scheduler_components/output_streamer.py`` 541-548) names no version:
+    its tokens have none, as a ``weight_version`` of ``"default"`` gives every token none where
+    no spans are sent."""
     value = meta.get("weight_versions")
     spans = []
     if value is not None:
@@ -495,17 +500,25 @@ def _spans(meta: dict[str, Any], n: int) -> list[dict[str, int]]:
             where = f"meta_info.weight_versions[{i}]"
             if type(s) is not dict:
                 raise ValueError(f"{where} = {s!r} is not a span object")
-            version = parse_version(s.get("version"), f"{where}.version")
+            version = _span_version(s.get("version"), f"{where}.version")
             start, end = _offset(s.get("start"), f"{where}.start"), _offset(s.get("end"), f"{where}.end")
-            if version is None:
-                raise ValueError(f"{where}.version is missing")
-            if end > start:
+            if version is not None and end > start:
                 spans.append({"version": version, "start": start, "end": end})
-    if not spans and n:
+    if not value and n:
         version = reported_version(meta)  # None for SGLang's "default"
         if version is not None:
             spans = [{"version": version, "start": 0, "end": n}]
     return spans
+
+
+def _span_version(value: Any, where: str) -> int | None:
+    """A span's version: an int, or None for a string naming no integer; ValueError when missing
+    or of another type."""
+    if value is None:
+        raise ValueError(f"{where} is missing")
+    if type(value) is str:
+        return reported_version({"weight_version": value})
+    return parse_version(value, where)
 
 
 def _offset(value: Any, where: str) -> int:

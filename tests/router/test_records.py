@@ -487,6 +487,25 @@ def test_parse_turn_reads_odd_and_upstream_sglang_answers() -> None:
     body = _variant(lambda m: (m.pop("weight_versions"), m.update(weight_version="default")))
     t = parse_turn(body, **ARGS)
     assert list(t.weight_versions) == [] and t.version_range() == (None, None)
+    # a server started without --weight-version answers "default" spans: its tokens have no version
+    body = _variant(
+        lambda m: m.update(
+            weight_version="default", weight_versions=[{"version": "default", "start": 0, "end": 3}]
+        )
+    )
+    t = parse_turn(body, **ARGS)
+    assert list(t.weight_versions) == [] and t.versions() == [None, None, None]
+    body = _variant(
+        lambda m: m.update(
+            weight_version="1",
+            weight_versions=[
+                {"version": "default", "start": 0, "end": 1},
+                {"version": "1", "start": 1, "end": 3},
+            ],
+        )
+    )
+    t = parse_turn(body, **ARGS)
+    assert list(t.weight_versions) == [{"version": 1, "start": 1, "end": 3}] and t.versions() == [None, 1, 1]
     assert parse_turn(_variant(lambda m: m.pop("finish_reason")), **ARGS).finish_reason is None
     assert "engine_e2e_ms" not in parse_turn(_variant(lambda m: m.pop("e2e_latency")), **ARGS).timings
 
@@ -560,8 +579,8 @@ def _set(path: tuple, value):
         (_variant(_set(("weight_versions",), "x")), r"meta_info\.weight_versions is not a list"),
         (_variant(_set(("weight_versions", 0), 3)), r"meta_info\.weight_versions\[0\] = 3 is not a span"),
         (
-            _variant(_set(("weight_versions", 0, "version"), "default")),
-            r"meta_info\.weight_versions\[0\]\.version must be a non-negative integer",
+            _variant(_set(("weight_versions", 0, "version"), 1.5)),
+            r"meta_info\.weight_versions\[0\]\.version must be a non-negative integer, got 1\.5",
         ),
         (
             _variant(lambda m: m["weight_versions"][0].pop("version")),
