@@ -194,6 +194,31 @@ def abort_status(finish_reason: Any) -> int | None:
     return status if type(status) is int and 400 <= status < 600 else None
 
 
+def max_req_len(context_len: int) -> int:
+    """SGLang 0.5.23's scheduler's ``max_req_len``: ``min(context_len - 1, kv_capacity - 1)``
+    (managers/tp_worker.py 568-571), ``context_len - 1`` where the KV pool holds a whole context
+    (the local engine's). Its ``max_req_input_len`` is 5 below (572); a request's generation is
+    capped at ``max_req_len - input_len - 1`` (managers/scheduler.py 2693-2716)."""
+    return context_len - 1
+
+
+def input_length_error(prompt_tokens: int, context_len: int) -> str | None:
+    """SGLang's abort of a prompt of ``prompt_tokens`` tokens not shorter than its scheduler's
+    ``max_req_input_len`` (:func:`max_req_len` less 5: a prompt within 6 tokens of the context),
+    or None (``validate_input_length``, managers/utils.py 259-289, called by
+    ``_handle_generate_request`` after the sampling-mask rule and before the logprob start,
+    managers/scheduler.py 3243-3253: ``set_finish_with_abort``, a 400; without
+    ``--allow-auto-truncate``, which the fleet does not set). The tokenizer manager refused a
+    prompt of ``context_len`` tokens or more before (tokenizer_manager.py 1336-1351)."""
+    limit = max_req_len(context_len) - 5
+    if prompt_tokens >= limit:
+        return (
+            f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length ({limit} tokens). "
+            f"Use a shorter input or enable --allow-auto-truncate."
+        )
+    return None
+
+
 def logprob_start_error(start_len: int, prompt_tokens: int) -> str | None:
     """SGLang's abort of a ``logprob_start_len`` past the input (managers/scheduler.py 3275-3279:
     ``set_finish_with_abort``, a 400), or None. It judges the start the request keeps: a request

@@ -19,6 +19,7 @@ from core.sglang_contract.values import (
     string,
     string_or_list,
 )
+from core.sglang_release import max_req_len
 
 SAMPLING_EPS = 1e-6  # sampling_params.py 42
 
@@ -162,18 +163,17 @@ def _verify(p: dict[str, Any]) -> None:
 
 
 def max_new_tokens_bound(max_new_tokens: int | None, input_len: int, context_len: int) -> int:
-    """How many tokens SGLang lets a request of ``input_len`` prompt tokens generate at most:
-    ``max_new_tokens``, or for ``null`` no bound of its own, the context's room: the scheduler's
-    ``init_req_max_new_tokens`` takes ``1 << 30`` for None, capped at ``max_req_len -
-    len(input) - 1`` (``srt/managers/scheduler.py`` 2693-2716), where ``max_req_len =
-    min(context_len - 1, max_total_num_tokens - 1)`` (``srt/managers/tp_worker.py`` 421-424; the
-    KV pool holds at least one context here); ``SamplingParams.max_new_tokens`` is
-    ``Optional[int] = 128``, an explicit None stays None and ``verify`` skips its checks then
-    (``srt/sampling/sampling_params.py`` 149, 285). An explicit value above the context's room
-    is refused before (``tokenizer_manager.py`` 1352-1375). At least 0."""
-    if max_new_tokens is not None:
-        return max_new_tokens
-    return max(0, min(1 << 30, (context_len - 1) - input_len - 1))
+    """How many tokens SGLang lets a request of ``input_len`` prompt tokens generate at most: the
+    scheduler's ``init_req_max_new_tokens`` takes ``max_new_tokens`` (``1 << 30`` for None: an
+    explicit None stays None and ``verify`` skips its checks then, ``srt/sampling/sampling_params.py``
+    149, 285) capped at ``max_req_len - len(input) - 1`` (``srt/managers/scheduler.py`` 2693-2716,
+    the cap written back as the request's ``max_new_tokens``, 2736, at which it finishes with
+    ``length``), where ``max_req_len`` is :func:`core.sglang_release.max_req_len`. So an explicit
+    value the tokenizer manager lets through (``input_len + max_new_tokens <= context_len``,
+    ``tokenizer_manager.py`` 1352-1375; above it is refused there) generates at most
+    ``context_len - input_len - 2`` tokens. At least 0."""
+    wanted = 1 << 30 if max_new_tokens is None else max_new_tokens
+    return max(0, min(wanted, max_req_len(context_len) - input_len - 1))
 
 
 def sampling_params(where: str, v: Any) -> None:

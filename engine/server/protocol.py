@@ -66,6 +66,7 @@ from core.sglang_contract import (
 )
 from core.sglang_release import (
     SAMPLING_LOGPROBS_MODES,
+    input_length_error,
     logprob_start_error,
     mask_top_k_error,
     routed_experts_start_error,
@@ -594,17 +595,23 @@ def _logprob_start(start_len: int, return_logprob: bool, n: int) -> int:
     return start_len if return_logprob and 0 <= start_len <= n else n
 
 
-def _scheduler_aborts(spec: GenerateSpec, mask_refused: str | None, logprob_start_len: int) -> GenerateSpec:
+def _scheduler_aborts(
+    spec: GenerateSpec, mask_refused: str | None, logprob_start_len: int, context_len: int
+) -> GenerateSpec:
     """``spec`` with the first of the aborts SGLang 0.5.23's scheduler makes of the item when it
     takes it, in its order (``_handle_generate_request``, managers/scheduler.py): the sampling-mask
     rule (3160-3182: ``_reject_sampling_mask_request``, 3513-3518, answers at once, nothing run,
-    ``err_type`` none: :attr:`GenerateSpec.abort`), a ``logprob_start_len`` past the input with
-    ``return_logprob`` (3256-3279, :func:`core.sglang_release.logprob_start_error`:
-    ``set_finish_with_abort``, :meth:`GenerateSpec.with_finish_abort`); the routed experts' start
-    comes last (3300-3319, :func:`_with_routed_experts`); ``spec`` itself without one."""
+    ``err_type`` none: :attr:`GenerateSpec.abort`), a prompt within 6 tokens of the context
+    (3243-3253, :func:`core.sglang_release.input_length_error`), a ``logprob_start_len`` past the
+    input with ``return_logprob`` (3256-3279, :func:`core.sglang_release.logprob_start_error`),
+    both ``set_finish_with_abort`` (:meth:`GenerateSpec.with_finish_abort`); the routed experts'
+    start comes last (3300-3319, :func:`_with_routed_experts`); ``spec`` itself without one."""
     if mask_refused is not None:
         return dataclasses.replace(spec, abort=scheduler_abort(mask_refused, None))
-    message = logprob_start_error(logprob_start_len, len(spec.input_ids)) if spec.return_logprob else None
+    n = len(spec.input_ids)
+    message = input_length_error(n, context_len)
+    if message is None and spec.return_logprob:
+        message = logprob_start_error(logprob_start_len, n)
     return spec if message is None else spec.with_finish_abort(scheduler_abort(message))
 
 
@@ -691,7 +698,7 @@ def _spec(
         stream_interval=params.stream_interval(),
         sampling_logprobs_mode=sampling_logprobs_mode or "selected",
     )
-    return _scheduler_aborts(spec, mask_refused, logprob_start_len)
+    return _scheduler_aborts(spec, mask_refused, logprob_start_len, limits.context_len)
 
 
 class UpdateWeightFromDiskReqInput(BaseModel):

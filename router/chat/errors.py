@@ -33,9 +33,11 @@ official clients read:
 
 A 422 (a request the router or its engine refuses) is either API's 400, as both answer an invalid
 request. An engine's refusal of a context longer than the model's (SGLang 0.5.23
-``srt/managers/tokenizer_manager.py`` ``_validate_one_request``, whose two messages the local
-engine answers verbatim: :mod:`engine.server.protocol`) is reworded as the API words it: OpenAI's
-"This model's maximum context length is M tokens. However, ..." with ``code:
+``srt/managers/tokenizer_manager.py`` ``_validate_one_request``'s two messages, and its scheduler's
+abort of a prompt within 6 tokens of the context, ``srt/managers/utils.py``
+``validate_input_length``, whose limit, the longest input plus one, is named as the model's: the
+local engine answers all three verbatim, :mod:`engine.server.protocol`) is reworded as the API
+words it: OpenAI's "This model's maximum context length is M tokens. However, ..." with ``code:
 "context_length_exceeded"``, ``param: "messages"``; Anthropic's "prompt is too long: N tokens > M
 maximum", or for the input with ``max_tokens`` "input length and `max_tokens` exceed context
 limit: N + K > M, ...".
@@ -71,6 +73,10 @@ _PARAM = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 _INPUT_TOO_LONG = re.compile(
     r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"
 )
+# ... and its scheduler's abort of a prompt within 6 tokens of the context (managers/utils.py 283-287)
+_INPUT_ABORTED = re.compile(
+    r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)"
+)
 _TOTAL_TOO_LONG = re.compile(
     r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens from the "
     r"input messages and (\d+) tokens for the completion"
@@ -89,7 +95,7 @@ class ContextOverflow:
     @classmethod
     def of(cls, message: str) -> ContextOverflow | None:
         """The overflow an engine's refusal ``message`` states, if it states one."""
-        if m := _INPUT_TOO_LONG.search(message):
+        if m := _INPUT_TOO_LONG.search(message) or _INPUT_ABORTED.search(message):
             return cls(int(m[1]), None, int(m[2]))
         if m := _TOTAL_TOO_LONG.search(message):
             return cls(int(m[2]), int(m[3]), int(m[1]))

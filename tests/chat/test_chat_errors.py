@@ -137,6 +137,18 @@ def test_a_context_longer_than_the_models_is_context_length_exceeded(router, ses
     e = info.value
     assert e.code == "context_length_exceeded" and e.param == "messages" and e.type == "invalid_request_error"
     assert e.body["message"].startswith("This model's maximum context length is 2048 tokens. However, your ")
+    # within 6 tokens of the context: the tokenizer manager's checks pass, SGLang's scheduler aborts
+    # (a prompt of 2,044 tokens asking 1: the longest prompt served is 2,041)
+    near = [{"role": "user", "content": "x" * 2025}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oc.chat.completions.create(model="m", messages=near, max_tokens=1)
+    assert info.value.code == "context_length_exceeded", info.value.body
+    assert info.value.body["message"].startswith(
+        "This model's maximum context length is 2042 tokens. However, your messages resulted in 2044 tokens."
+    ), info.value.body
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        ac.messages.create(model="m", messages=near, max_tokens=1)
+    assert refused.value.body["error"]["message"] == "prompt is too long: 2044 tokens > 2042 maximum"
     with pytest.raises(openai.BadRequestError) as info:
         oc.chat.completions.create(model="m", messages=USER, max_completion_tokens=3000)
     e = info.value

@@ -1490,6 +1490,48 @@ def test_a_null_max_new_tokens_generates_up_to_the_context(engine: str, client: 
     assert len(absent["output_ids"]) == 128  # absent: SGLang's default
 
 
+def test_the_last_six_tokens_of_the_context_are_refused_and_an_explicit_max_new_tokens_is_capped(
+    engine: str, client: httpx.Client
+) -> None:
+    """SGLang 0.5.23's scheduler aborts a prompt of ``max_req_input_len`` tokens or more,
+    ``max_req_len - 5`` = ``context_len - 6`` (managers/tp_worker.py 568-572; managers/utils.py
+    259-289, called at managers/scheduler.py 3245-3253: ``set_finish_with_abort``, a 400, one event
+    streamed), which its tokenizer manager let through (only ``n >= context_len`` is refused
+    there); and it caps an explicit ``max_new_tokens`` too at ``max_req_len - n - 1``
+    (scheduler.py 2693-2716), so a prompt 20 short of the context asking 20 tokens, which the
+    tokenizer manager's total check lets through, generates 18."""
+    context = client.get(engine + "/server_info").json()["context_length"]
+    sp = {"max_new_tokens": 1, "ignore_eos": True, "temperature": 0}
+    served = generate(client, engine, input_ids=[1] * (context - 7), sampling_params=sp)
+    assert len(served["output_ids"]) == 1
+    for n in (context - 6, context - 1):
+        body = {"input_ids": [1] * n, "sampling_params": sp}
+        message = (
+            f"Input length ({n} tokens) exceeds the maximum allowed length ({context - 6} tokens). "
+            "Use a shorter input or enable --allow-auto-truncate."
+        )
+        plain = client.post(engine + "/generate", json=body)
+        assert plain.status_code == 400 and plain.json()["error"]["message"] == message, plain.text
+        r = client.post(engine + "/generate", json={**body, "stream": True})
+        events = sse_events(r.text)
+        assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", r.text
+        reason = events[0]["meta_info"]["finish_reason"]
+        assert reason == {
+            "type": "abort",
+            "message": message,
+            "status_code": 400,
+            "err_type": "BadRequestError",
+        }
+    prompt = [1 + i % 50 for i in range(context - 20)]
+    capped = generate(client, engine, input_ids=prompt, sampling_params={**sp, "max_new_tokens": 20})
+    assert len(capped["output_ids"]) == 18
+    assert capped["meta_info"]["finish_reason"] == {"type": "length", "length": 18}
+    over = client.post(
+        engine + "/generate", json={"input_ids": prompt, "sampling_params": {**sp, "max_new_tokens": 21}}
+    )
+    assert over.status_code == 400 and "Requested token count exceeds" in over.text, over.text
+
+
 def test_metrics_use_sglang_names(engine: str, client: httpx.Client) -> None:
     generate(client, engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     text = client.get(engine + "/metrics").text
