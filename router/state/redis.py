@@ -1082,9 +1082,11 @@ class RedisStore(StateStore):
         lease_timeout_s: float,
         wait_s: float,
     ) -> Lease:
-        """Pick until ``size`` are picked or ``wait_s`` has passed, then make the lease of them
-        (:data:`_LEASE`); a take that does not get that far (cancelled, or ``take_id`` taken over
-        by a later take: :class:`TakeTakenOver`) puts back what it picked (:meth:`_put_back`)."""
+        """Pick until ``size`` are picked or, once ``wait_s`` has passed, a pick comes back short
+        (what is ready is all picked: a pick whose entries were held back or dropped is followed by
+        another, whatever the time), then make the lease of them (:data:`_LEASE`); a take that
+        does not get that far (cancelled, or ``take_id`` taken over by a later take:
+        :class:`TakeTakenOver`) puts back what it picked (:meth:`_put_back`)."""
         await self._ensure_group()
         floor = "-inf" if max_age is None else str(trainer_version - max_age)
         await self._release(keys=[HELD, STREAM], args=[floor])
@@ -1092,10 +1094,11 @@ class RedisStore(StateStore):
         picked: dict[str, TakenTrajectory] = {}
         try:
             while len(picked) < size:
-                batch = await self._pick(lease_id, take_id, size - len(picked), lease_timeout_s, deadline)
+                need = size - len(picked)
+                batch = await self._pick(lease_id, take_id, need, lease_timeout_s, deadline)
                 await self._admit(batch, trainer_version, max_age, picked)
                 raise_if_cancelled()
-                if time.monotonic() >= deadline:
+                if len(batch) < need and time.monotonic() >= deadline:
                     break
             lease = await self._make_lease(lease_id, take_id, trainer_version, picked)
             raise_if_cancelled()

@@ -589,6 +589,19 @@ async def test_too_old_trajectories_are_held_back_counted_and_released(store_url
         assert [t.session.session_id for t in drained.trajectories] == ["old"] and drained.held_back == 0
 
 
+async def test_a_take_goes_past_the_trajectories_it_holds_back(store_url: str) -> None:
+    """A take without a wait (``wait_s`` 0, the default) whose first picks are all held back picks
+    on until it has its size or nothing is ready: the Redis store stopped after its first pick."""
+    async with opened(store_url) as store:
+        for sid, version in (("old-1", 1), ("old-2", 1), ("new", 9)):
+            await _session(store, sid, version=version)
+            await store.finish_session(sid, "f", 0.0, {})
+        lease = await store.take(1, trainer_version=10, max_version_age=2, lease_timeout_s=60)
+        assert [t.session.session_id for t in lease.trajectories] == ["new"] and lease.held_back == 2
+        none = await store.take(1, trainer_version=10, max_version_age=2, lease_timeout_s=60)
+        assert none.trajectories == [] and none.held_back == 2
+
+
 async def test_take_waits_for_a_finish(store_url: str) -> None:
     async with opened(store_url) as store:
         await _session(store, "s")
