@@ -192,7 +192,9 @@ async def take(
             "(this one handed out nothing)",
         ) from None
     if lease.repeated:  # the lease this take id made, answered again: nothing was handed out now
-        return _answer(request, lease, lease.trainer_version or trainer_version)
+        return _answer(
+            request, lease, trainer_version if lease.trainer_version is None else lease.trainer_version
+        )
     lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
         try:

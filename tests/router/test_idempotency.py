@@ -219,3 +219,35 @@ def test_a_take_repeated_with_its_key_answers_the_same_bytes_and_a_bad_key_is_re
     assert (stats["leases"], stats["pending"], stats["ready"]) == (2, 2, 0)
     for lease in (one.json()["lease_id"], decode_batch(first.content).lease_id):
         assert client.post(f"/v1/batches/{lease}/ack").json()["acked"] == 1
+
+
+def test_a_take_retried_after_the_latest_version_moved_answers_the_version_it_was_taken_for(
+    engine_url, tmp_path
+) -> None:
+    """A take answered for trainer version 0 (the default before any publish) and retried with its
+    key once the latest version is 1 answers the same bytes, version 0 and its ages: a retry read
+    the lease's version 0 as none and answered the router's default instead."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+
+    async def publish_latest(url: str, version: int) -> None:
+        async with opened(url) as store:
+            await store.set_latest_version(version)
+
+    with (
+        redis_server() as url,
+        router_process(preset, state=url) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+    ):
+        sid = _session(c)
+        assert _turn(c, sid, None).status_code == 200
+        assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).is_success
+        key = {"Idempotency-Key": "take-at-0"}
+        first = c.post("/v1/batches/take", json={"size": 1}, headers=key)
+        assert first.json()["trainer_version"] == 0 and first.json()["lease_id"], first.text
+        asyncio.run(publish_latest(url, 1))
+        deadline = time.monotonic() + 30
+        while c.get("/server_info").json()["mixfleet_router"]["latest_version"] != 1:  # the router's poll
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        again = c.post("/v1/batches/take", json={"size": 1}, headers=key)
+        assert again.status_code == 200 and again.content == first.content, again.text
