@@ -448,7 +448,9 @@ return {0}
 _GIVE_BACK = """
 -- KEYS: the stream, the set of takes in progress, the lease, the lease's order, then per picked
 -- entry its session; ARGV: the group, the take's consumer (its lease id), '1' when the lease's
--- holder releases it (else ''), then the picked entry ids. Returns how many went back: 0, changing
+-- holder releases it (else ''), then the picked entry ids. A delivery is taken back only of an entry
+-- the lease still holds (pending under its consumer: not one a later take claimed once the lease
+-- timed out, whose delivery stands). Returns how many went back: 0, changing
 -- nothing else, for an acknowledged lease ('!acked', _ACK) and, unless its holder releases it,
 -- for a lease a repeat of its take id was answered ('!again', _REPEAT_OR_CLAIM): its retry's
 -- client holds it. A lease it forgets has its order marked 'released' for the lease record's TTL
@@ -461,7 +463,8 @@ if #leased > 0 then
   local mine = {}
   for i = 1, #leased, 2 do mine[leased[i]] = true end
   for i = 4, #ARGV do
-    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1 then
+    if mine[ARGV[i]] and redis.call('EXISTS', KEYS[i + 1]) == 1
+      and #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
       redis.call('HINCRBY', KEYS[i + 1], 'delivered', -1)
     end
   end

@@ -715,6 +715,24 @@ async def test_a_redelivery_is_counted_though_the_trajectory_was_held_back_in_be
         assert [t.session.session_id for t in again.trajectories] == ["s"] and again.redelivered == 1
 
 
+async def test_a_late_release_of_a_timed_out_lease_leaves_its_delivery_counted(store_url: str) -> None:
+    """A lease released after it timed out and another take handed its trajectory out again takes
+    back no delivery: that trajectory was handed out twice, so a take after the second lease's
+    release is a redelivery (the Redis store took back the first lease's delivery too)."""
+    async with opened(store_url) as store:
+        await _session(store, "s")
+        await store.finish_session("s", "f", 1.0, {})
+        kw = {"trainer_version": 1, "max_version_age": None, "lease_timeout_s": 0.2}  # the router's one
+        first = await store.take(1, **kw)
+        await asyncio.sleep(0.3)
+        second = await store.take(1, **kw)
+        assert [t.session.session_id for t in second.trajectories] == ["s"] and second.redelivered == 1
+        assert await store.release(first.lease_id) == 0
+        assert await store.release(second.lease_id) == 1  # timed out or not: no take claimed it
+        third = await store.take(1, **kw)
+        assert [t.session.session_id for t in third.trajectories] == ["s"] and third.redelivered == 1
+
+
 async def test_replicas_versions_and_route_keys(store_url: str) -> None:
     async with opened(store_url) as store:
         await store.put_replica("r1", {"group": "g", "ready": True})
