@@ -287,13 +287,15 @@ class SamplingParams(_Req):
     greedy). A turn that filters nothing (temperature > 0, top_k -1, top_p 1, min_p 0) samples
     from the whole vocabulary and its records have empty supports. ``seed`` is what SGLang's
     ``/generate`` calls ``sampling_seed``; a turn sending SGLang's name is refused (422) as any
-    unknown field, its message naming ``seed``."""
+    unknown field, its message naming ``seed``. ``max_new_tokens`` absent is SGLang's 128; null
+    is no bound but the context's, as SGLang takes it (its scheduler generates up to
+    ``context_len - prompt - 2`` tokens: ``core.sglang_contract.max_new_tokens_bound``)."""
 
     temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: bounded_int(-1, TOKEN_MAX) = -1
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: bounded_int(1, 1_000_000) = 128
+    max_new_tokens: bounded_int(1, 1_000_000) | None = 128
     stop_token_ids: TokenList = Field(default_factory=list)
     seed: bounded_int(0, 2**63 - 1) | None = None
 

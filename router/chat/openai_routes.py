@@ -4,17 +4,17 @@ and a ``rollout`` key); ``GET .../models`` (:func:`list_models`, :func:`retrieve
 
 Supported: text messages (system/developer, user, assistant with ``tool_calls`` and an optional
 ``reasoning_content``, tool), ``tools`` (functions), ``tool_choice`` ``auto``, ``max_tokens`` /
-``max_completion_tokens`` (the latter wins), ``temperature``, ``top_p``, ``seed``, single-token
-``stop``, ``logprobs`` / ``top_logprobs``, ``response_format`` ``text``, ``metadata``,
-``reasoning_effort`` ``none`` (the template's no-thinking form, as Anthropic's ``thinking``
-``disabled``: :meth:`~router.chat.renderers.base.Renderer.without_thinking`), ``usage``
-and ``stream`` (with ``stream_options.include_usage``), each in OpenAI's range
-(:class:`ChatCompletionRequest`). Anything else that would change the answer is a 400 naming it
-(an image part, ``n`` other than 1, a forced or forbidden ``tool_choice``, a JSON
-``response_format``, ``parallel_tool_calls: false``: a sampled answer may hold several tool
-calls). The reply carries
-``reasoning_content`` (the sampled ``<think>`` text) and ``mixfleet`` (session, turn, whether it
-extended the recorded history).
+``max_completion_tokens`` (the latter wins; neither: no bound but the model's context, as OpenAI and
+SGLang's own chat endpoint, ``srt/entrypoints/openai/protocol.py`` 1214), ``temperature``,
+``top_p``, ``seed``, single-token ``stop``, ``logprobs`` / ``top_logprobs``, ``response_format``
+``text``, ``metadata``, ``reasoning_effort`` ``none`` (the template's no-thinking form, as
+Anthropic's ``thinking`` ``disabled``:
+:meth:`~router.chat.renderers.base.Renderer.without_thinking`), ``usage`` and ``stream`` (with
+``stream_options.include_usage``), each in OpenAI's range (:class:`ChatCompletionRequest`). Anything
+else that would change the answer is a 400 naming it (an image part, ``n`` other than 1, a forced or
+forbidden ``tool_choice``, a JSON ``response_format``, ``parallel_tool_calls: false``: a sampled
+answer may hold several tool calls). The reply carries ``reasoning_content`` (the sampled
+``<think>`` text) and ``mixfleet`` (session, turn, whether it extended the recorded history).
 
 ``Idempotency-Key`` (header): a retry answers the turn recorded under the key, byte for byte, streamed
 or not (:mod:`router.idempotency`, :mod:`router.chat.service`); ``created`` is the session's creation

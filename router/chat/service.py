@@ -296,16 +296,12 @@ def _open(ctx: RouterContext, state: ChatState | None, session_id: str) -> ChatS
 def _turn_request(input_ids: np.ndarray, req: ChatRequest, stop_ids: Sequence[int]) -> TurnRequest:
     """The token turn of a chat request, validated as ``/turns`` validates one (400 naming the
     field it refuses)."""
-    given = {
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "max_new_tokens": req.max_tokens,
-        "seed": req.seed,
-    }
+    given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
     try:
         params = SamplingParams(
-            stop_token_ids=sorted(set(stop_ids)), **{k: v for k, v in given.items() if v is not None}
+            stop_token_ids=sorted(set(stop_ids)),
+            max_new_tokens=req.max_tokens,  # None: the context's room, as OpenAI and SGLang's chat
+            **{k: v for k, v in given.items() if v is not None},
         )
         return TurnRequest(input_ids=input_ids, sampling_params=params, return_support=req.supports)
     except pydantic.ValidationError as exc:

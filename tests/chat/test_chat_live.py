@@ -96,6 +96,23 @@ def test_openai_tool_conversation(router, engine, session, renderer):
     _check_stored(engine, turns)
 
 
+def test_a_reply_without_max_tokens_is_bounded_by_the_context_alone(router, engine, session, renderer):
+    """No ``max_tokens``: the engine is asked a null ``max_new_tokens`` (the context's room, as OpenAI
+    and SGLang's own chat endpoint), not the token API's 128; so a prompt 50 tokens short of the
+    context is answered, where an invented 128 made it a context overflow."""
+    engine.script.append(renderer.encode(ANSWER))
+    reply = _openai(router, session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}]
+    )
+    assert engine.asked[-1]["max_new_tokens"] is None
+    assert reply.choices[0].message.content == "It is 20 degrees in Paris."
+    other = httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30).json()
+    near = [{"role": "user", "content": "x" * 1979}]  # 1,998 tokens of the tiny model's 2,048
+    reply = _openai(router, other).chat.completions.create(model="tiny", messages=near, temperature=0)
+    assert reply.usage.prompt_tokens == 1998 and 1 <= reply.usage.completion_tokens <= 48, reply.usage
+    assert engine.asked[-1]["max_new_tokens"] is None
+
+
 def test_anthropic_tool_conversation(router, engine, session, renderer):
     client = _anthropic(router, session)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
