@@ -53,7 +53,7 @@ from router.chat.errors import Api, api_error, chat_api
 from router.config import RouterConfig
 from router.context import RouterContext
 from router.disconnect import CancelOnDisconnect
-from router.errors import ApiError
+from router.errors import ApiError, refusal_of
 from router.schemas import Healthz
 from router.state.base import StateError, StateStore, StateUnavailable
 
@@ -218,11 +218,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StateUnavailable)
     async def _state_down(request: Request, exc: StateUnavailable) -> JSONResponse:
-        return _refusal(request, ApiError(503, f"state store unavailable: {exc}", retry_after=1))
+        return _refusal(request, refusal_of(exc))
 
     @app.exception_handler(StateError)
     async def _state_error(request: Request, exc: StateError) -> JSONResponse:
-        return _refusal(request, ApiError(409, f"{type(exc).__name__}: {exc}"))
+        return _refusal(request, refusal_of(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -239,8 +239,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         protocols/http/httptools_impl.py 423-429, h11_impl.py 410-416: "Exception in ASGI
         application"); the answer says ``Connection: close``, so no client sends its next request
         on a connection being closed (it would be reset)."""
-        message = f"internal error of the router: {type(exc).__name__}"
-        return _refusal(request, ApiError(500, message), {"Connection": "close"})
+        return _refusal(request, refusal_of(exc), {"Connection": "close"})
 
 
 def _refusal(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.schemas import ErrorBody
+from router.state.base import StateError, StateUnavailable
 
 
 class ApiError(Exception):
@@ -38,6 +39,20 @@ class ApiError(Exception):
 
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
     return ApiError(503, message, retry_after=retry_after)
+
+
+def refusal_of(exc: Exception) -> ApiError:
+    """The refusal the router answers ``exc`` with, in a status or in a stream's error event: an
+    :class:`ApiError` as it is; an unreachable state store 503 with ``Retry-After`` 1; another
+    state error (the store's state conflicts) 409 naming its type; anything else a 500 naming its
+    type only (no message, no traceback)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, StateUnavailable):
+        return unavailable(f"state store unavailable: {exc}")
+    if isinstance(exc, StateError):
+        return ApiError(409, f"{type(exc).__name__}: {exc}")
+    return ApiError(500, f"internal error of the router: {type(exc).__name__}")
 
 
 ERROR_DESCRIPTIONS: dict[int, str] = {

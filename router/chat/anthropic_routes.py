@@ -43,7 +43,7 @@ from pydantic_core import PydanticCustomError
 
 from core.jsonio import dumps
 from router.auth import scopes_for
-from router.chat.errors import api_error, model_not_found
+from router.chat.errors import model_not_found, stream_error
 from router.chat.renderers import Message, Tool, ToolCall
 from router.chat.service import (
     MODEL_ID,
@@ -403,8 +403,8 @@ async def _sse(session_id: str, body: MessagesRequest, items: AsyncIterator[Item
             else:
                 for e in tail_events(message(session_id, body, item.result), index, block, item):
                     yield _event(e)
-    except ApiError as exc:
-        yield _event(api_error(exc, "anthropic").fields)
+    except Exception as exc:  # after the first token: the stream's last event (not a status)
+        yield _event(stream_error(exc, "anthropic").fields)
 
 
 _TEXT = {"type": "text", "text": ""}

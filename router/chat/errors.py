@@ -45,11 +45,14 @@ limit: N + K > M, ...".
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from router.errors import ApiError
+from router.errors import ApiError, refusal_of
+
+log = logging.getLogger(__name__)
 
 Api = Literal["openai", "anthropic"]
 
@@ -145,6 +148,17 @@ def api_error(exc: ApiError, api: Api) -> ChatError:
         shaped = {"type": "error", "error": {"type": kind, "message": message}}
     fields = {k: v for k, v in exc.fields.items() if k not in ("error", "type")} | shaped
     return ChatError(status, message, retry_after=exc.retry_after, fields=fields)
+
+
+def stream_error(exc: Exception, api: Api) -> ChatError:
+    """The error event a stream that fails after its first token ends with, in ``api``'s shape:
+    ``exc``'s refusal (:func:`router.errors.refusal_of`: a state store gone is a 503, as a status
+    before the first token would be). An unexpected failure is logged with its traceback first,
+    as the app's handler has the server log one answered as a status."""
+    refusal = refusal_of(exc)
+    if refusal is not exc and refusal.status == 500:
+        log.error("a chat stream failed after its first token", exc_info=exc)
+    return api_error(refusal, api)
 
 
 def model_not_found(model_id: str, api: Api) -> ChatError:

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.jsonio import dumps
 from router.auth import require
-from router.chat.errors import api_error, model_not_found
+from router.chat.errors import model_not_found, stream_error
 from router.chat.renderers import Message, Renderer, Tool, ToolCall
 from router.chat.service import MODEL_ID, ChatRequest, ChatResult, Head, run_chat, session_created
 from router.chat.streaming import Item, Reasoning, stream_chat
@@ -304,8 +304,8 @@ async def _sse(
                 answer = completion(session_id, body, item.result)
                 for c in tail_chunks(head, answer, item.reasoning_rest, item.rest, include_usage):
                     yield _data(c)
-    except ApiError as exc:
-        yield _data({"error": api_error(exc, "openai").fields["error"]})
+    except Exception as exc:  # after the first token: the stream's last event (not a status)
+        yield _data({"error": stream_error(exc, "openai").fields["error"]})
     yield b"data: [DONE]\n\n"
 
 

@@ -25,9 +25,10 @@ what :meth:`~router.chat.renderers.base.Renderer.parse` gives, so the reasoning 
 :attr:`Tail.rest` its content, streamed or not, for any sequence of ids.
 
 Errors: before the first token, :func:`stream_chat` raises the turn's ApiError (the route answers
-it as a status); after it, the iterator raises it (the route ends the stream with an error event;
-nothing was recorded). A cancelled iteration (the client went away) cancels the turn, which
-aborts its engine request (:func:`router.dispatch.run_turn`).
+it as a status); after it, the iterator raises it, or whatever else failed, a state store gone
+while the turn is recorded included (the route ends the stream with an error event,
+:func:`router.chat.errors.stream_error`; nothing was recorded). A cancelled iteration (the client
+went away) cancels the turn, which aborts its engine request (:func:`router.dispatch.run_turn`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import anthropic
 import httpx
@@ -233,6 +234,65 @@ def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path
     assert "state store unavailable" in o.body["message"] and o.response.headers["retry-after"] == "1"
     assert isinstance(a, anthropic.ServiceUnavailableError), a
     _anthropic_shape(a.body, "overloaded_error")
+
+
+@pytest.mark.slow
+def test_a_state_store_gone_after_the_first_token_ends_each_stream_with_its_apis_error(
+    engine, chat_model, renderer, tmp_path
+):
+    """Redis stops while both APIs stream a reply: the turn cannot be recorded once sampled, so each
+    stream ends with its API's error event for the 503 (OpenAI ``server_error``, Anthropic
+    ``overloaded_error``), which the official clients raise as such; it ended with a dropped
+    connection (the clients' connection error) and a "response already started" in the log."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [engine.url]}])
+    reply = renderer.encode("Hello there, this is a long reply of text that streams for a while.")
+    engine.token_delay_s = 0.2
+    try:
+        with contextlib.ExitStack() as stack:
+            down = contextlib.ExitStack()
+            stack.callback(down.close)
+            url = down.enter_context(redis_server())
+            router = stack.enter_context(
+                router_process(preset, state=url, extra_args=("--chat-model", str(chat_model)))
+            )
+            sessions = [httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30).json()]
+            sessions.append(
+                httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30).json()
+            )
+            engine.script += [reply, reply]
+            started = [threading.Event(), threading.Event()]
+            errors: dict[str, Exception] = {}
+
+            def stream(name: str, chunks: Any, started: threading.Event) -> None:
+                try:
+                    for _ in chunks:
+                        started.set()
+                except Exception as exc:  # noqa: BLE001 - the test reads what each client raised
+                    errors[name] = exc
+
+            kw = {"model": "m", "messages": USER, "max_tokens": 100, "stream": True}
+            calls = {
+                "openai": lambda: _openai(router, sessions[0]).chat.completions.create(**kw),
+                "anthropic": lambda: _anthropic(router, sessions[1]).messages.create(**kw),
+            }
+            threads = [
+                threading.Thread(target=lambda n=n, f=f, e=e: stream(n, f(), e))
+                for (n, f), e in zip(calls.items(), started, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            assert all(e.wait(60) for e in started)
+            down.close()
+            for t in threads:
+                t.join(120)
+    finally:
+        engine.token_delay_s = 0.0
+    o, a = errors["openai"], errors["anthropic"]
+    assert type(o) is openai.APIError and "state store unavailable" in o.message, repr(o)
+    _openai_shape(o.body, "server_error")
+    assert isinstance(a, anthropic.APIStatusError), repr(a)
+    _anthropic_shape(a.body, "overloaded_error")
+    assert "state store unavailable" in a.body["error"]["message"]
 
 
 def test_sampling_parameters_are_held_to_the_apis_ranges(router, session):
