@@ -79,12 +79,14 @@ class ContentPart(BaseModel):
 class FunctionCall(_M):
     name: str
     arguments: str
+    parsed_arguments: Any = None  # the stream helper's (``ParsedFunction``): ``arguments`` parsed; ignored
 
 
 class ToolCallIn(_M):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # the stream helper's accumulated deltas keep it; ignored
 
 
 class ChatMessage(_M):
@@ -99,6 +101,9 @@ class ChatMessage(_M):
     audio: None = None
     function_call: None = None
     annotations: None = None
+    # ... and as the stream helper's final completion has it (openai ``ParsedChatCompletionMessage``,
+    # ``types/chat/parsed_chat_completion.py``): ``content`` parsed, ignored
+    parsed: Any = None
 
 
 class FunctionDef(_M):

@@ -160,6 +160,28 @@ def test_a_reply_sent_back_as_the_client_dumps_it_extends(router, engine, sessio
         client.chat.completions.create(model="t", messages=[*messages[:1], refusal, *messages[2:]])
 
 
+def test_a_reply_of_the_clients_stream_helper_sent_back_extends(router, engine, renderer):
+    """The stream helper's final completion (``chat.completions.stream(...).get_final_completion()``)
+    has a message with ``parsed`` and tool calls with ``index`` and ``function.parsed_arguments``
+    (openai ``types/chat/parsed_chat_completion.py``, ``parsed_function_tool_call.py``); sent back,
+    as the object or dumped, it is the assistant message it was (those were refused by name)."""
+    kw = {"model": "t", "tools": OPENAI_TOOLS, "max_tokens": 200}
+    for dump in (False, True):
+        client = _openai(router, _new_session(router))
+        messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+        engine.script.append(renderer.encode(TOOL_CALL))
+        with client.chat.completions.stream(messages=messages, **kw) as stream:
+            reply = stream.get_final_completion().choices[0].message
+        call = reply.tool_calls[0]
+        assert call.function.name == "get_weather" and call.function.parsed_arguments is None
+        messages += [
+            reply.model_dump() if dump else reply,
+            {"role": "tool", "tool_call_id": call.id, "content": "20"},
+        ]
+        again = client.chat.completions.create(messages=messages, **{**kw, "max_tokens": 2})
+        assert again.mixfleet["extends"], again.mixfleet
+
+
 def test_logprob_bytes_are_each_tokens_own(router, engine, session, renderer):
     """A token that ends inside a UTF-8 character decodes alone to a replacement character; its
     ``bytes`` are its own, so the entries' bytes join into the reply's text, as OpenAI's do."""
