@@ -172,9 +172,10 @@ class Context:
 
 def check_messages(messages: Sequence[Message]) -> None:
     """RenderError unless the messages can start a turn: at least one, not ending with an
-    assistant message (a prefilled answer), a system message only first, every assistant message
-    after a message of another role (the template renders an assistant turn as the answer to
-    what precedes it)."""
+    assistant message (a prefilled answer), every assistant message after a message of another
+    role (the template renders an assistant turn as the answer to what precedes it). A system
+    message may stand anywhere (a harness's reminder mid-conversation): the template renders it
+    where it stands, and one that cannot is a RenderError of the template's own."""
     if not messages:
         raise RenderError("messages: at least one message is required")
     if messages[-1].role == "assistant":
@@ -182,8 +183,6 @@ def check_messages(messages: Sequence[Message]) -> None:
             "messages: the last message is an assistant message; prefilling an answer is not supported"
         )
     for i, m in enumerate(messages):
-        if m.role == "system" and i > 0:
-            raise RenderError(f"messages[{i}]: a system message is only rendered as the first message")
         if m.role == "assistant" and (i == 0 or messages[i - 1].role == "assistant"):
             where = "the first message" if i == 0 else "right after another assistant message"
             raise RenderError(

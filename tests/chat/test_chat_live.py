@@ -160,6 +160,18 @@ def test_a_reply_sent_back_as_the_client_dumps_it_extends(router, engine, sessio
         client.chat.completions.create(model="t", messages=[*messages[:1], refusal, *messages[2:]])
 
 
+def test_a_developer_message_mid_conversation_extends(router, engine, session):
+    """A developer (system) message after a reply, as harnesses send reminders: rendered where it
+    stands, the turn extends the session (it was a 400 "a system message is only rendered as the
+    first message")."""
+    client = _openai(router, session)
+    messages: list = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    messages += [first.choices[0].message.model_dump(), {"role": "developer", "content": "Now in French."}]
+    second = client.chat.completions.create(model="t", messages=messages, max_tokens=4)
+    assert second.mixfleet["extends"]
+
+
 def test_a_reply_of_the_clients_stream_helper_sent_back_extends(router, engine, renderer):
     """The stream helper's final completion (``chat.completions.stream(...).get_final_completion()``)
     has a message with ``parsed`` and tool calls with ``index`` and ``function.parsed_arguments``
