@@ -228,7 +228,7 @@ def _text(i: int, content: str | list[ContentPart] | None) -> str:
 
 
 def _message(i: int, m: ChatMessage) -> Message:
-    if m.name is not None:
+    if m.name is not None and m.role != "tool":  # a tool message's names the tool (LangChain sends it)
         raise ApiError(400, f"messages[{i}].name: the chat template cannot render a participant name")
     if m.role != "assistant" and (m.tool_calls or m.reasoning_content is not None):
         raise ApiError(400, f"messages[{i}]: only an assistant message has tool_calls or reasoning_content")

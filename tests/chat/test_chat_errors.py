@@ -372,6 +372,10 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0]: a 'image_url' part is not supported",
         ),
+        (
+            {"messages": [{"role": "user", "content": "Hi", "name": "alice"}]},
+            "messages[0].name: the chat template cannot render a participant name",
+        ),
     ]
     for kw, message in refusals:
         with pytest.raises(openai.BadRequestError) as info:

@@ -71,7 +71,10 @@ def test_openai_tool_conversation(router, engine, session, renderer):
     messages.append(
         {"role": "assistant", "content": choice.message.content, "tool_calls": [call.model_dump()]}
     )
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'})
+    # as LangChain sends it: the tool's name too (the call it answers names it; not rendered)
+    messages.append(
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}', "name": "get_weather"}
+    )
     engine.script.append(renderer.encode(ANSWER))
     second = client.chat.completions.create(
         model="tiny", messages=messages, tools=OPENAI_TOOLS, max_tokens=200
