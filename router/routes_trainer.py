@@ -191,16 +191,16 @@ async def take(
             f"{HEADER} {take_id!r}: a later take with this key took it over while this one waited "
             "(this one handed out nothing)",
         ) from None
+    lease_id = lease.lease_id if lease.trajectories else None
     if lease.repeated:  # the lease this take id made, answered again: nothing was handed out now
+        if lease_id is not None:  # its first answer may have failed before recording its order
+            await _record_order(ctx, lease_id, lease)
         return _answer(
             request, lease, trainer_version if lease.trainer_version is None else lease.trainer_version
         )
-    lease_id = lease.lease_id if lease.trajectories else None
     if lease_id is not None:
         try:
-            await ctx.store.record_lease_order(
-                lease_id, [t.session.session_id for t in lease.trajectories], ttl_s=_upload_window_s(ctx)
-            )
+            await _record_order(ctx, lease_id, lease)
             raise_if_cancelled()  # one Python 3.11 dropped
         except asyncio.CancelledError:  # its client left (router.disconnect): it gets no batch
             await _release(ctx, lease_id)
@@ -212,6 +212,12 @@ async def take(
     # the answer has started, when the router cannot know whether the client got it (the lease
     # then times out like any lease whose answer was lost, unless the client retries its take id)
     return _answer(request, lease, trainer_version)
+
+
+async def _record_order(ctx: RouterContext, lease_id: str, lease: Lease) -> None:
+    """The lease's trajectories in the order handed out, for its log-prob upload's window."""
+    order = [t.session.session_id for t in lease.trajectories]
+    await ctx.store.record_lease_order(lease_id, order, ttl_s=_upload_window_s(ctx))
 
 
 def _answer(request: Request, lease: Lease, trainer_version: int) -> Response:

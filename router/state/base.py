@@ -500,7 +500,8 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         """Remember, for ``ttl_s`` seconds, the session ids a take handed out under ``lease_id``,
-        in the order it handed them out."""
+        in the order it handed them out, unless the lease's order (or :meth:`release`'s mark) is
+        held already: a take's repeat records it again, in case its first answer could not."""
 
     @abc.abstractmethod
     async def lease_order(self, lease_id: str) -> list[str] | None:

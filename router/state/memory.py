@@ -601,7 +601,9 @@ class MemoryStore(StateStore):
     # mismatch ---------------------------------------------------------------------------
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         now = time.monotonic()
-        self._lease_orders[lease_id] = (list(session_ids), now + ttl_s)
+        held = self._lease_orders.get(lease_id)
+        if held is None or held[1] <= now:
+            self._lease_orders[lease_id] = (list(session_ids), now + ttl_s)
 
     async def lease_order(self, lease_id: str) -> list[str] | None:
         item = self._lease_orders.get(lease_id)

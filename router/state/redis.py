@@ -1412,7 +1412,7 @@ class RedisStore(StateStore):
     # mismatch ---------------------------------------------------------------------------
     async def record_lease_order(self, lease_id: str, session_ids: list[str], ttl_s: float) -> None:
         px = max(1, int(ttl_s * 1000))
-        await self._call(self._r.set, _order_key(lease_id), json.dumps(session_ids), px=px)
+        await self._call(self._r.set, _order_key(lease_id), json.dumps(session_ids), px=px, nx=True)
 
     async def lease_order(self, lease_id: str) -> list[str] | None:
         v = await self._call(self._r.get, _order_key(lease_id))

@@ -13,6 +13,7 @@ import time
 import aiohttp
 import httpx
 import pytest
+import redis
 
 from router.state.base import RequestRecorded, StateStore, StoredTurn, TurnRecord
 from tests.support.metrics import turn_replays
@@ -251,3 +252,29 @@ def test_a_take_retried_after_the_latest_version_moved_answers_the_version_it_wa
             time.sleep(0.1)
         again = c.post("/v1/batches/take", json={"size": 1}, headers=key)
         assert again.status_code == 200 and again.content == first.content, again.text
+
+
+def test_a_takes_repeat_records_the_order_its_first_answer_could_not(engine_url, tmp_path) -> None:
+    """A take whose lease was made but whose order was not recorded (the state store failed between
+    the two: the answer was a 503) is retried with its key: the repeat records the order, so the
+    lease's log-prob upload finds it (it answered the lease and recorded nothing: the upload's 404)."""
+    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
+    with (
+        redis_server() as url,
+        router_process(preset, state=url) as router,
+        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
+    ):
+        sid = _session(c)
+        assert _turn(c, sid, None).status_code == 200
+        assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).is_success
+        key = {"Idempotency-Key": "take-order"}
+        lease = c.post("/v1/batches/take", json={"size": 1}, headers=key).json()["lease_id"]
+        assert redis.Redis.from_url(url).delete(f"mf:lorder:{lease}") == 1  # as if never recorded
+
+        async def order() -> list[str] | None:
+            async with opened(url) as store:
+                return await store.lease_order(lease)
+
+        assert asyncio.run(order()) is None
+        assert c.post("/v1/batches/take", json={"size": 1}, headers=key).json()["lease_id"] == lease
+        assert asyncio.run(order()) == [sid]

@@ -1314,10 +1314,15 @@ async def test_a_released_lease_takes_no_upload_and_an_acknowledged_one_does(sto
             await store.add_mismatch(first.lease_id, sums, ttl_s=60.0, digest="d1")
         with pytest.raises(LeaseReleased):
             await store.lease_order(first.lease_id)
+        await store.record_lease_order(first.lease_id, ["a"], ttl_s=60.0)  # a late repeat's: kept released
+        with pytest.raises(LeaseReleased):
+            await store.lease_order(first.lease_id)
         assert await store.mismatch() == {} and await store.mismatch_digest(first.lease_id) is None
         second = await store.take(5, **kw)
         assert [t.session.session_id for t in second.trajectories] == ["a"]
         await store.record_lease_order(second.lease_id, ["a"], ttl_s=60.0)
+        await store.record_lease_order(second.lease_id, ["b"], ttl_s=60.0)  # held already: unchanged
+        assert await store.lease_order(second.lease_id) == ["a"]
         assert (await store.ack(second.lease_id)).acked == 1
         assert await store.release(second.lease_id, by_holder=True) == 0  # acknowledged: stays so
         assert await store.lease_order(second.lease_id) == ["a"]
