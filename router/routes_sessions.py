@@ -173,7 +173,7 @@ async def finish_session(request: Request, session_id: SessionId, body: FinishRe
     if info.n_turns == 0:
         raise ApiError(409, f"session {session_id!r} has no turns; delete it instead of finishing")
     try:
-        await ctx.store.finish_session(session_id, uuid.uuid4().hex, body.reward, body.metadata)
+        turns = await ctx.store.finish_session(session_id, uuid.uuid4().hex, body.reward, body.metadata)
     except SessionFinished:  # a concurrent finish won
         again = await ctx.store.get_session(session_id)
         if again is None:
@@ -181,7 +181,7 @@ async def finish_session(request: Request, session_id: SessionId, body: FinishRe
         return _finished_again(again, body)
     except SessionNotFound:
         raise ctx.unknown_session(session_id) from None
-    return {"session_id": session_id, "status": "finished", "turns": info.n_turns}
+    return {"session_id": session_id, "status": "finished", "turns": turns}
 
 
 def _finished_again(info: SessionInfo, body: FinishRequest) -> dict[str, Any]:

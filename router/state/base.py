@@ -337,8 +337,9 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
-    ) -> None:
-        """Finish and enqueue for the trainer. Raises SessionNotFound / SessionFinished."""
+    ) -> int:
+        """Finish and enqueue for the trainer; its number of turns (as finished: a turn stored
+        before the finish counts, none comes after). Raises SessionNotFound / SessionFinished."""
 
     @abc.abstractmethod
     async def delete_session(self, session_id: str) -> None:

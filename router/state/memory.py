@@ -215,10 +215,10 @@ class MemoryStore(StateStore):
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
-    ) -> None:
+    ) -> int:
         s = self._live(session_id)
         if s is not None and s.finish_request == request_id:
-            return
+            return s.info.n_turns
         s = self._open(session_id)
         s.info = replace(s.info, status="finished", reward=reward, finish_metadata=dict(metadata))
         s.finish_request = request_id
@@ -227,6 +227,7 @@ class MemoryStore(StateStore):
         self._counters[s.info.group]["active_sessions"] -= 1
         self._ready[next(self._ids)] = session_id
         self._wake()
+        return s.info.n_turns
 
     async def delete_session(self, session_id: str) -> None:
         s = self._open(session_id)

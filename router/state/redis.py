@@ -258,7 +258,8 @@ return {0, idx}
 _FINISH = """
 local h = KEYS[1]
 if redis.call('EXISTS', h) == 0 then return -1 end
-if redis.call('HGET', h, 'finish_req') == ARGV[1] then return 0 end
+local n = tonumber(redis.call('HGET', h, 'n_turns') or '0')
+if redis.call('HGET', h, 'finish_req') == ARGV[1] then return n end
 if redis.call('HGET', h, 'status') ~= 'open' then return -2 end
 redis.call('HSET', h, 'status', 'finished', 'reward', ARGV[2], 'finish_meta', ARGV[3], 'finish_req', ARGV[1])
 redis.call('HDEL', h, 'chat_turn', 'chat')
@@ -269,7 +270,7 @@ if redis.call('EXISTS', KEYS[3]) == 0 then  -- a Redis that lost its data: the q
 end
 redis.call('XADD', KEYS[3], '*', 'sid', ARGV[4])
 redis.call('ZREM', KEYS[4], ARGV[4])
-return 0
+return n
 """
 
 _CONTEXT = """
@@ -954,7 +955,7 @@ class RedisStore(StateStore):
 
     async def finish_session(
         self, session_id: str, request_id: str, reward: float, metadata: dict[str, Any]
-    ) -> None:
+    ) -> int:
         rc = await self._call(
             self._finish,
             keys=[_skey(session_id), STATS, STREAM, ACTIVITY, _ckey(session_id)],
@@ -964,6 +965,7 @@ class RedisStore(StateStore):
             raise SessionNotFound(session_id)
         if rc == -2:
             raise SessionFinished(session_id)
+        return int(rc)
 
     async def delete_session(self, session_id: str) -> None:
         rc = await self._call(

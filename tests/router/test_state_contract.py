@@ -88,7 +88,8 @@ async def test_session_lifecycle_and_counters(store_url: str) -> None:
         assert await store.get_turns("s1") == [b"t0", b"t1"]
         c = (await store.counters())["g1"]
         assert (c.active_sessions, c.sessions, c.turns, c.tokens) == (1, 1, 2, 9)
-        await store.finish_session("s1", "f1", 0.5, {"ok": True})
+        assert await store.finish_session("s1", "f1", 0.5, {"ok": True}) == 2  # its turns, as finished
+        assert await store.finish_session("s1", "f1", 0.5, {"ok": True}) == 2  # the request's retry
         info = await store.get_session("s1")
         assert info.status == "finished" and info.reward == 0.5 and info.finish_metadata == {"ok": True}
         assert (await store.counters())["g1"].active_sessions == 0
