@@ -120,6 +120,7 @@ class ToolDef(_M):
 
 class StreamOptions(_M):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # a transport padding; none is sent (it changes no answer)
 
 
 MAX_STOP = 4

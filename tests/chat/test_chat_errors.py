@@ -359,6 +359,13 @@ def test_what_a_harness_sends_is_honoured_or_refused_by_name(router, session):
         user="u",
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
+    options = {"include_usage": True, "include_obfuscation": False}
+    chunks = list(
+        oc.chat.completions.create(
+            model="m", messages=USER, max_tokens=2, stream=True, stream_options=options
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 2
     refusals = [
         ({"tools": tools, "tool_choice": "required"}, "tool_choice: only 'auto' can be honoured"),
         ({"tools": tools, "tool_choice": "none"}, "tool_choice: only 'auto' can be honoured"),
