@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -493,7 +492,7 @@ class PublishService:
         """Start publishing ``from_version`` with two output-projection rows swapped as the next
         version; :class:`NoBf16Copy` when the store has no bf16 copy of it, ``UserError`` when
         ``swap_rows`` are not two different rows of its output projection (both before any job)."""
-        from weight_sync.delta import link_version, version_shards
+        from weight_sync.delta import link_version, scratch_dir, version_shards
         from weight_sync.perturb import check_swap_rows, swap_output_rows
         from weight_sync.publish import next_version
 
@@ -511,9 +510,7 @@ class PublishService:
         on_event = self._events(ctx, job)
 
         def work():
-            # on the container's own disk for a volume store (its scratch), else beside the store
-            own_disk = getattr(store, "scratch", None) or getattr(store, "root", None)
-            tmp = Path(tempfile.mkdtemp(prefix=".perturb-", dir=own_disk))
+            tmp = scratch_dir(store)  # on the store's own disk: the version's files link into it
             try:
                 link_version(store, source, tmp / "source")
                 swap_output_rows(tmp / "source", tmp / "swapped", t, s)

@@ -26,9 +26,12 @@ the whole merged checkpoint once).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from core.errors import UserError
@@ -77,6 +80,31 @@ def link_version(store: VersionStore, ref: VersionRef, out: Path) -> None:
             dst = Path(out) / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(src / rel, dst)
+
+
+def scratch_dir(store: VersionStore) -> Path:
+    """A new directory on the store's own disk for a checkpoint built from its versions (a volume
+    store's container disk, ``scratch``; else beside the store), so hard links reach its files."""
+    own_disk = getattr(store, "scratch", None) or getattr(store, "root", None)
+    if own_disk is not None:
+        Path(own_disk).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=own_disk))
+
+
+@contextlib.contextmanager
+def whole_content(store: VersionStore, ref: VersionRef) -> Iterator[Path]:
+    """A directory holding version ``ref``'s whole content while the block runs: its own
+    directory for a full version; for a delta, whose directory holds only what changed, its
+    layers hard-linked (:func:`link_version`) into a :func:`scratch_dir`, removed after."""
+    if store.read_manifest(ref).kind != "delta":
+        yield Path(store.version_dir(ref))
+        return
+    tmp = scratch_dir(store)
+    try:
+        link_version(store, ref, tmp / "content")
+        yield tmp / "content"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_finite(entries: list[TensorEntry]) -> None:

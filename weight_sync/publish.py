@@ -518,16 +518,23 @@ def bootstrap(
     else:
         missing = [f for f in formats if store.read_pointer(FormatRef(run_id, f)) is None]
         if missing:
-            if latest in store.versions(FormatRef(run_id, "bf16")):
-                source = Path(store.version_dir(VersionRef(run_id, "bf16", latest)))
+            from weight_sync.delta import whole_content
+
+            source = VersionRef(run_id, "bf16", latest)
+            if latest in store.versions(source.stream):
+                with whole_content(store, source) as content:  # a delta's is linked whole
+                    publish_checkpoint(
+                        store, run_id, latest, content, missing, workers=workers, on_event=on_event
+                    )
             elif latest == 0:
-                source = Path(base_ckpt)
+                publish_checkpoint(
+                    store, run_id, 0, Path(base_ckpt), missing, workers=workers, on_event=on_event
+                )
             else:
                 raise UserError(
                     f"run {run_id!r} serves version {latest} but keeps no bf16 copy of it to convert "
                     f"for {', '.join(missing)}; publish a new version for every format"
                 )
-            publish_checkpoint(store, run_id, latest, source, missing, workers=workers, on_event=on_event)
     return {f: store.read_pointer(FormatRef(run_id, f)) for f in formats}  # type: ignore[misc]
 
 

@@ -4,6 +4,7 @@ full publish of the merged checkpoint gives. Real checkpoints, conversions, stor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -16,12 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.errors import UserError
+from launcher.children import Launcher, ReplicaSpec
 from tests.support.procs import REPO, mixfleet_argv
 from tests.support.router import router_process, write_preset
 from weight_sync.convert import convert_checkpoint
 from weight_sync.delta import reduce_to_delta
 from weight_sync.manifest import ChecksumError, Manifest, build_manifest
-from weight_sync.publish import publish_checkpoint, publish_delta
+from weight_sync.publish import bootstrap, publish_checkpoint, publish_delta
 from weight_sync.stage import stage_version
 from weight_sync.store.local import LocalStore
 from weight_sync.types import FormatRef, VersionRef
@@ -112,6 +114,45 @@ def test_delta_stages_to_exactly_the_full_conversion(
         got.update(load_file(shard))
     expert = next(n for n in changed if n != LM_HEAD)
     assert torch.equal(got[LM_HEAD], more[LM_HEAD]) and torch.equal(got[expert], changed[expert])
+
+
+@pytest.mark.timeout(300)
+def test_a_delta_version_starts_engines_and_is_converted_for_a_new_format(
+    store: LocalStore, tmp_path: Path, tiny_2shards: Path
+) -> None:
+    """Once the pointers name a delta version (its directories hold only what changed), the
+    launcher starts an engine on it (its whole content staged, as its sidecar stages it) and a
+    format added then (``mixfleet up`` with a new group: :func:`bootstrap`) gets its content
+    converted whole: the engine exited for want of a config.json, the bootstrap refused the same."""
+    changed = _changed(tiny_2shards)
+    publish_delta(store, RUN, 2, _write_delta(tmp_path, changed), 1, FORMATS, workers=0)
+    assert bootstrap(store, RUN, tiny_2shards, [*FORMATS, "mxfp4"], workers=0)["mxfp4"] == 2
+    ref_src = _merged(store.version_dir(VersionRef(RUN, "bf16", 1)), changed, tmp_path / "ref-src")
+    (ref_src / "manifest.json").unlink()
+    ref = convert_checkpoint(ref_src, tmp_path / "ref-mxfp4", "mxfp4")
+    got = store.version_dir(VersionRef(RUN, "mxfp4", 2))
+    assert store.read_manifest(VersionRef(RUN, "mxfp4", 2)).kind == "full"
+    assert {n: (got / n).read_bytes() for n in ref.files} == {
+        n: (tmp_path / "ref-mxfp4" / n).read_bytes() for n in ref.files
+    }
+    assert not list(store.root.glob(".checkpoint-*"))  # the linked content is gone
+    with Launcher(store.root, RUN, engine_threads=1) as launcher:
+        replica = launcher.replica(
+            ReplicaSpec("cpu-0", "cpu", "bf16"),
+            staging_dir=tmp_path / "staging",
+            engine_log=tmp_path / "engine.log",
+            sidecar_log=tmp_path / "sidecar.log",
+        )
+        engine = launcher.start_engine(replica, 2)
+        deadline = time.monotonic() + 120
+        while True:
+            assert engine.returncode() is None, (tmp_path / "engine.log").read_text()[-2000:]
+            with contextlib.suppress(httpx.HTTPError):
+                info = httpx.get(f"{replica.engine_url}/model_info", timeout=5).json()
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert info["weight_version"] == "2" and info["model_path"] == str(tmp_path / "staging" / "v000002")
 
 
 @pytest.mark.timeout(300)
