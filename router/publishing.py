@@ -203,9 +203,13 @@ class PublishService:
             if root is None:
                 raise StoreNotConfigured()
             from weight_sync.store import open_store
+            from weight_sync.store.local import make_root
 
             if volume is None:
-                Path(root).mkdir(parents=True, exist_ok=True)
+                try:
+                    make_root(Path(root))
+                except UserError as exc:
+                    raise StoreUnreadable(str(exc)) from None
             self._store = open_store(Path(root), volume=volume)
         return self._store
 

@@ -295,3 +295,20 @@ def test_a_publish_waits_for_the_running_job_with_one_line_and_a_bound(
 
     with redis_server() as state, router_process(preset, state=state, env=env) as router:
         asyncio.run(main(router, state))
+
+
+def test_a_store_root_that_cannot_be_a_directory_is_a_503_naming_it(tmp_path: Path) -> None:
+    """``MIXFLEET_STORE`` naming a file: every weight route answers 503 naming the store (was a
+    500 ``FileExistsError``)."""
+    a_file = tmp_path / "store"
+    a_file.write_text("x")
+    preset = write_preset(tmp_path / "preset.toml", [{"name": "cpu-bf16", "weight_format": "bf16"}])
+    env = {"MIXFLEET_STORE": str(a_file), "MIXFLEET_RUN": RUN, "MIXFLEET_PUBLISH_WORKERS": "0"}
+    with router_process(preset, env=env) as router:
+        for method, path, body in (
+            ("GET", "/v1/weights", None),
+            ("POST", "/v1/weights", {"checkpoint": "/x"}),
+        ):
+            r = httpx.request(method, router.url + path, json=body, headers=router.headers, timeout=30)
+            assert r.status_code == 503, r.text
+            assert r.json()["detail"] == f"the weight store is unreadable: store {a_file}: not a directory"

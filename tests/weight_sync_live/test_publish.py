@@ -332,6 +332,17 @@ def test_cli_bad_input_is_one_line(tmp_path) -> None:
     )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "does not exist" in r.stderr, r.stderr
+    (tmp_path / "a-file").write_text("x")
+    for store in (tmp_path / "a-file", tmp_path / "a-file" / "below"):  # was a traceback
+        r = subprocess.run(
+            mixfleet_argv("weights", "publish", "--store", str(store), str(tmp_path / "nope")),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"store {store}: not a directory" in r.stderr, r.stderr
     r = subprocess.run(
         mixfleet_argv("weights", "status", "--router", "http://127.0.0.1:9"),
         cwd=REPO,

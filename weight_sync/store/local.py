@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from core.errors import UserError
 from weight_sync.checksum import HashingWriter
 from weight_sync.manifest import (
     MANIFEST_NAME,
@@ -64,6 +65,17 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_root(root: Path) -> Path:
+    """``root``, made a directory (with its parents) if it is none yet. Raises ``UserError`` naming
+    it when it cannot be one: a file there or above it, no permission."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "not a directory" if isinstance(exc, FileExistsError | NotADirectoryError) else exc.strerror
+        raise UserError(f"store {root}: {why}") from None
+    return root
 
 
 class LocalStore(VersionStore):
