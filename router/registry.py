@@ -84,6 +84,19 @@ class Replica:
         }
 
 
+class StaticReplicaTaken(ValueError):
+    """A heartbeat named a replica the preset lists (``replica``) with another group or URL: it
+    cannot take that entry over."""
+
+    def __init__(self, replica: Replica, group: str, url: str) -> None:
+        super().__init__(
+            f"replica {replica.replica_id!r} is listed in the preset (group {replica.group!r}, "
+            f"{replica.url}); a heartbeat of group {group!r} at {url} cannot take it over: give the "
+            "sidecar another --replica-id"
+        )
+        self.replica = replica
+
+
 class PinLookup(Protocol):
     def upstream(self, replica: str) -> str | None: ...
 
@@ -118,11 +131,14 @@ class Registry:
     # updates ----------------------------------------------------------------------------
     def heartbeat(self, hb: dict[str, Any], now: float | None = None, wall: float | None = None) -> Replica:
         """Apply a sidecar heartbeat (already validated: group exists). A heartbeat for the URL
-        of a statically listed replica of the same group updates that entry."""
+        of a statically listed replica of the same group updates that entry; one naming a static
+        replica's id with another group or URL is :class:`StaticReplicaTaken` (nothing changed)."""
         now = time.monotonic() if now is None else now
         rid = hb["replica_id"]
         url = hb["url"].rstrip("/")
         r = self.replicas.get(rid)
+        if r is not None and r.static and (r.group != hb["group"] or r.url != url):
+            raise StaticReplicaTaken(r, hb["group"], url)
         if r is None:
             r = next(
                 (x for x in self.replicas.values() if x.static and x.url == url and x.group == hb["group"]),
@@ -167,8 +183,9 @@ class Registry:
                 continue
             if data.get("group") not in self.group_names():
                 continue
-            age = max(0.0, wall_now - float(data.get("wall_seen", 0)))
-            self.heartbeat({**data, "replica_id": rid}, now=now - age, wall=float(data.get("wall_seen", 0)))
+            wall = float(data.get("wall_seen", 0))
+            with contextlib.suppress(StaticReplicaTaken):  # an entry a router took before: kept out
+                self.heartbeat({**data, "replica_id": rid}, now=now - max(0.0, wall_now - wall), wall=wall)
 
     def poll_result(
         self,

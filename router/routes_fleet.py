@@ -12,6 +12,7 @@ from router.auth import require
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
 from router.json_route import JsonRoute
+from router.registry import StaticReplicaTaken
 from router.schemas import GroupsResponse, Heartbeat, HeartbeatAck, ReplicaRemoved
 
 router = APIRouter(tags=["fleet"], responses=error_responses(*AUTH), route_class=JsonRoute)
@@ -36,7 +37,7 @@ async def groups(request: Request) -> dict[str, Any]:
     dependencies=[Depends(require("replica", "admin"))],
     response_model=HeartbeatAck,
     summary="A sidecar reports its replica (missing heartbeats take it out of rotation)",
-    responses=error_responses(*BODY),
+    responses=error_responses(*BODY, 409),
 )
 async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
     ctx = _ctx(request)
@@ -44,7 +45,10 @@ async def heartbeat(request: Request, body: Heartbeat) -> dict[str, Any]:
         raise ApiError(
             422, f"group: unknown group {body.group!r} (known: {', '.join(ctx.registry.group_names())})"
         )
-    r = ctx.registry.heartbeat(body.model_dump())
+    try:
+        r = ctx.registry.heartbeat(body.model_dump())
+    except StaticReplicaTaken as exc:
+        raise ApiError(409, str(exc)) from None
     await ctx.store.put_replica(r.replica_id, r.shared())
     await ctx.book_replica(r)
     latest = ctx.latest_version()

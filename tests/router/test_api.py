@@ -594,6 +594,13 @@ def test_heartbeat_replica_joins_then_times_out_and_the_session_moves(
     r = client.post("/v1/replicas/heartbeat", json=hb)
     assert r.status_code == 200 and r.json()["in_rotation"] is True
     assert client.post("/v1/replicas/heartbeat", json={**hb, "group": "nope"}).status_code == 422
+    # a preset's replica cannot be taken over by a heartbeat naming its id (it moved it before)
+    taken = client.post("/v1/replicas/heartbeat", json={**hb, "replica_id": "cpu-a/0"})
+    assert taken.status_code == 409 and "'cpu-a/0' is listed in the preset" in taken.json()["detail"], (
+        taken.text
+    )
+    cpu_a = next(g for g in client.get("/v1/groups").json()["groups"] if g["name"] == "cpu-a")
+    assert [r["url"] for r in cpu_a["replicas"]] == [engine_url.rstrip("/")], cpu_a
     for field, bad in [("ready", "yes"), ("ready", 1), ("active_version", 2**63), ("active_version", "0"),
                        ("running", 1.0), ("queued", 2**31), ("tokens_per_s", "1")]:  # fmt: skip
         r = client.post("/v1/replicas/heartbeat", json={**hb, "replica_id": "side-bad", field: bad})

@@ -24,7 +24,7 @@ from router.policy import (
     cost_per_token,
     throughput_factors,
 )
-from router.registry import Registry
+from router.registry import Registry, StaticReplicaTaken
 from router.state.memory import MemoryStore
 
 
@@ -257,6 +257,10 @@ def test_heartbeat_for_a_static_url_updates_that_replica() -> None:
     reg = Registry(fleet, heartbeat_timeout_s=5.0, max_version_lag=None)
     reg.heartbeat({**_hb("side-1", "g"), "url": "http://h:1/"}, now=1.0)
     assert list(reg.replicas) == ["g/0"] and reg.replicas["g/0"].ready
+    reg.heartbeat({**_hb("g/0", "g"), "url": "http://h:1"}, now=2.0)  # its own id, group and URL
+    with pytest.raises(StaticReplicaTaken, match="'g/0' is listed in the preset"):
+        reg.heartbeat({**_hb("g/0", "g"), "url": "http://other:2"}, now=3.0)
+    assert reg.replicas["g/0"].url == "http://h:1" and reg.replicas["g/0"].last_seen == 2.0
 
 
 @pytest.mark.parametrize("policy", ["capacity"])
