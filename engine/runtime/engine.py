@@ -72,6 +72,10 @@ class Engine:
         # and an update sent while generation is not paused its writer side (SGLang's RWLock).
         self.update_lock = asyncio.Lock()
         self.model_update_lock = RWLock()
+        # Held while an update loads and swaps, which SGLang's scheduler does in its loop: a
+        # /continue_generation sent meanwhile takes effect after the swap (its scheduler reads the
+        # continue once the update is done), never on the old weights before it.
+        self.applying = asyncio.Lock()
         # What /model_info reports: SGLang's tokenizer manager keeps it apart from the scheduler's
         # version (stamped on tokens) and moves it only on a successful update or
         # /update_weight_version (tokenizer_manager.py 2316-2322); /server_info reports the

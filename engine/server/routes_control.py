@@ -33,12 +33,18 @@ async def pause_generation(request: Request) -> Response:
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> Response:
+    """Resumes once an update that is loading or swapping has swapped (``Engine.applying``): SGLang's
+    scheduler loads and swaps inside its loop (scheduler_components/weight_updater.py 120-160) and
+    reads the continue after (tokenizer_manager.py 2282-2286 sends it behind the update), so a
+    request resumed by it never runs on the old weights past the swap. SGLang answers the continue
+    when sent; this engine once it took effect (a later pause comes after it either way)."""
     try:
         await parse(request, ContinueGenerationReqInput)
     except RequestError as exc:
         return refusal(exc)
     engine = engine_of(request)
-    await asyncio.wrap_future(engine.scheduler.resume())
+    async with engine.applying:
+        await asyncio.wrap_future(engine.scheduler.resume())
     await engine.admission.resume()  # tokenizer_manager.py 2282-2286: then the waiting requests go on
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 

@@ -55,7 +55,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     async with engine.update_lock:
         # tokenizer_manager.py 2302-2309: unpaused, the update waits for every request in flight.
         paused = engine.admission.paused
-        async with contextlib.nullcontext() if paused else engine.model_update_lock.writer():
+        async with contextlib.nullcontext() if paused else engine.model_update_lock.writer(), engine.applying:
             return await _apply_update(engine, obj, version)
 
 

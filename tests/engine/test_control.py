@@ -129,6 +129,43 @@ def test_retract_update_continue_recomputes_under_the_new_weights(
     assert swapped["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 16}]
 
 
+def test_a_continue_sent_while_an_update_loads_resumes_after_the_swap(
+    tiny_dir: Path, other_dir: Path, client: httpx.Client
+) -> None:
+    """A ``/continue_generation`` that comes while a paused engine loads an update (a sidecar
+    restarted mid-activation sends one as it starts) takes effect after the swap, as SGLang's
+    scheduler reads it after the update it runs in its loop: the retracted request resumes on the
+    new weights only, so the update's flush succeeds and the spans cut where the pause held it. It
+    resumed at once: the request ran on the old weights, the swap came under it unflushed (400)."""
+    long_greedy = {**GREEDY, "max_new_tokens": 200}
+    with engine_process(tiny_dir, weight_version=1, env={"MIXFLEET_ENGINE_FAULTS": "1"}) as url:
+        assert client.post(url + "/debug/fault", json={"load_delay_s": 2.0}).status_code == 200
+        stream = StreamReader(url, {"input_ids": PROMPT, "sampling_params": long_greedy})
+        stream.wait_for(20)
+        assert client.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+        stream.settled()
+        k = len(stream.chunks[-1]["output_ids"])
+        done: dict[str, Any] = {}
+
+        def update() -> None:
+            done["update"] = _update(client, url, {"model_path": str(other_dir), "weight_version": "2"})
+            done["updated_at"] = time.monotonic()
+
+        updating = threading.Thread(target=update)
+        updating.start()
+        time.sleep(0.5)  # the load has begun (it takes 2 s)
+        assert client.post(url + "/continue_generation", json={}).status_code == 200
+        resumed_at = time.monotonic()
+        updating.join(60)
+        final = stream.result()
+    assert done["update"].status_code == 200 and done["update"].json()["success"] is True, done["update"].text
+    assert resumed_at >= done["updated_at"]
+    assert final["meta_info"]["weight_versions"] == [
+        {"version": "1", "start": 0, "end": k},
+        {"version": "2", "start": k, "end": 200},
+    ]
+
+
 def test_old_protocol_in_place_update_under_load_is_refused_as_sglang_refuses(
     v1_engine: str, client: httpx.Client, tiny_dir: Path
 ) -> None:
