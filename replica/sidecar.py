@@ -100,33 +100,30 @@ MIN_HEADERS = ("x-mixfleet-min-version", "x-min-version")
 EXACT_HEADERS = ("x-mixfleet-exact-version", "x-exact-version")
 
 
-def version_conflict(
-    rec: Reconciler, body: Any, headers: Any
-) -> tuple[VersionUnavailable | InvalidVersion | None, Any]:
+def version_conflict(rec: Reconciler, body: Any, headers: Any) -> VersionUnavailable | InvalidVersion | None:
     """The request's version constraint (body fields win over headers) checked against the active
-    version: ``(VersionUnavailable (409) or InvalidVersion (400), or None when it is met; the body
-    without its constraint fields, which the engine must not see)``."""
+    version: VersionUnavailable (409) or InvalidVersion (400), or None when it is met. The engine
+    never sees the body's constraint fields (:func:`_forwarded`)."""
     want_min = next((headers.get(h) for h in MIN_HEADERS if headers.get(h) is not None), None)
     want_exact = next((headers.get(h) for h in EXACT_HEADERS if headers.get(h) is not None), None)
     if isinstance(body, dict):
-        body = dict(body)
-        bmin, bexact = body.pop("min_version", None), body.pop("exact_version", None)
+        bmin, bexact = body.get("min_version"), body.get("exact_version")
         want_min = bmin if bmin is not None else want_min
         want_exact = bexact if bexact is not None else want_exact
     try:
         constraint = VersionConstraint.parse(min_version=want_min, exact_version=want_exact)
     except InvalidVersion as exc:
-        return exc, body
+        return exc
     active = rec.state.active_version
     if constraint.satisfied_by(active):
-        return None, body
+        return None
     return VersionUnavailable(
         constraint,
         applied_version=active,
         pending_version=rec.state.desired_version,
         replica=rec.config.replica_id,
         group=rec.config.group,
-    ), body
+    )
 
 
 @dataclass(frozen=True)
@@ -297,7 +294,7 @@ async def generate(request: Request) -> Response:
     t0 = time.monotonic()
     if not await sidecar.hold.wait(rid):
         return _aborted_while_held(sidecar, body, rid, time.monotonic() - t0)
-    problem, body = version_conflict(sidecar, body, request.headers)
+    problem = version_conflict(sidecar, body, request.headers)
     if isinstance(problem, VersionUnavailable):
         sidecar.metrics.conflicts.inc()
         return JSONResponse(problem.body(), status_code=409, headers={"Retry-After": "1"})
@@ -309,7 +306,12 @@ async def generate(request: Request) -> Response:
             f"{sidecar.state.desired_version})"
         )
         return _error(503, message, {"Retry-After": "1"}, retryable=True)
-    content = dumps(body) if body is not None else raw
+    try:
+        content = _forwarded(raw, body)
+    except ValueError as exc:
+        return _error(
+            400, f"/generate: a body with {' or '.join(CONSTRAINT_FIELDS)} must be strict JSON: {exc}"
+        )
     release = _count_in_flight(sidecar)
     if isinstance(body, dict) and body.get("stream"):
         return await _stream(_engine(request), content, release)
@@ -322,6 +324,23 @@ async def generate(request: Request) -> Response:
     return Response(
         r.content, status_code=r.status_code, media_type=r.headers.get("content-type", "application/json")
     )
+
+
+CONSTRAINT_FIELDS = ("min_version", "exact_version")
+"""A ``/generate`` body's version constraint fields: the sidecar's, never the engine's."""
+
+
+def _forwarded(raw: bytes, body: Any) -> bytes:
+    """What the engine is sent of a ``/generate`` body: its bytes as received (the engine judges
+    them, as it judges a body sent to it directly), unless it carries a version constraint field,
+    then it re-encoded without them, from its strict reading (ValueError for a body that is not
+    strict JSON, a NaN or a lone surrogate, which could not be sent on as it came)."""
+    if not (isinstance(body, dict) and any(k in body for k in CONSTRAINT_FIELDS)):
+        return raw
+    strict = loads(raw, strict=True)
+    for key in CONSTRAINT_FIELDS:
+        strict.pop(key, None)
+    return dumps(strict)
 
 
 def _aborted_while_held(sidecar: Reconciler, body: dict[str, Any], rid: str, held_s: float) -> Response:

@@ -83,6 +83,21 @@ def test_generate_is_proxied_unchanged_whole_and_streamed(replica: tuple[str, st
             c.post(engine + "/generate", json=bad_body),
         )
         assert bad.status_code == direct_bad.status_code == 400 and bad.content == direct_bad.content
+        # bytes the engine judges as sent, not as the sidecar would re-encode them (it served a NaN
+        # temperature as null, sent 10**29 on as 1e+29, and failed on a lone surrogate itself)
+        plain = json.dumps(BODY)
+        for raw in (
+            plain.replace('"temperature": 0.9', '"temperature": NaN'),
+            plain.replace('"max_new_tokens": 5', '"max_new_tokens": 100000000000000000000000000000'),
+            plain[:-1] + ', "rid": "\\ud800"}',
+        ):
+            got, want = (c.post(url + "/generate", content=raw) for url in (sidecar, engine))
+            assert (got.status_code, got.content) == (want.status_code, want.content), got.text
+        constrained = plain[:-1] + ', "min_version": 2, "rid": "\\ud800"}'  # re-encoded: strict JSON only
+        refused = c.post(sidecar + "/generate", content=constrained)
+        assert refused.status_code == 400 and "must be strict JSON" in refused.text, refused.text
+        met = c.post(sidecar + "/generate", json={**BODY, "min_version": 2})
+        assert met.status_code == 200 and met.json()["output_ids"] == a["output_ids"], met.text
         assert c.get(sidecar + "/v1/status").json()["in_flight"] == 0
 
 
