@@ -82,7 +82,8 @@ async def activate(
 ) -> ActivationTimes:
     """Make ``engine`` serve ``version`` from the checkpoint at ``model_path`` (``weight_format``)
     by the protocol in the module docstring. Returns once ``/model_info`` names ``version``; the
-    engine is never left paused. Raises :class:`ActivationFailed` otherwise (a refused update keeps
+    engine is never left paused knowingly: a ``/continue_generation`` it refuses every time is an
+    :class:`ActivationFailed` too. Raises :class:`ActivationFailed` otherwise (a refused update keeps
     the old version serving). ``timeout_s`` bounds the update call."""
     request = release.update_weights_request(model_path, version, weight_format)
     t0 = time.perf_counter()
@@ -92,10 +93,18 @@ async def activate(
         raise ActivationFailed(
             version, f"engine did not pause for version {version}: {exc.message}"
         ) from None
+    continued = False
     try:
         update_s, message = await _update(engine, request, version, timeout_s)
     finally:
-        await _continue(engine)
+        continued = await _continue(engine)
+    if not continued:
+        raise ActivationFailed(
+            version,
+            f"engine stayed paused after taking version {version}: /continue_generation failed "
+            f"{CONTINUE_TRIES} times",
+            weights_loaded=True,
+        )
     pause_s = time.perf_counter() - t0
     try:
         served = await engine.weight_version(timeout=10.0)
@@ -148,12 +157,13 @@ async def _flush(engine: SGLangClient, version: int) -> None:
     )
 
 
-async def _continue(engine: SGLangClient) -> None:
-    """``/continue_generation``, retried: a paused engine serves nobody."""
+async def _continue(engine: SGLangClient) -> bool:
+    """``/continue_generation``, retried (a paused engine serves nobody); whether it was answered."""
     for attempt in range(CONTINUE_TRIES):
         try:
             await engine.continue_generation()
-            return
+            return True
         except EngineError as exc:
             log.warning("continue_generation failed (attempt %d): %s", attempt + 1, exc)
             await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+    return False

@@ -8,14 +8,18 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from aiohttp import web
 
 from clients.engine import SGLangClient, make_http_client
 from core.formats import FORMATS
 from core.sglang_release import update_weights_request
+from replica import activation
 from replica.activation import ActivationFailed, activate
 from replica.reconciler import parse_prometheus
 from tests.support.engines import engine_process
+from tests.support.recorder import forward, serving
 
 PROMPT = [256, 72, 101, 108, 108, 111, 33, 10]
 
@@ -73,3 +77,31 @@ def test_activate_under_load_then_a_refused_version_keeps_the_old_one(engine: st
         assert await c.weight_version() == 2
 
     run(engine, main)
+
+
+def test_an_engine_that_refuses_every_continue_fails_the_activation(
+    engine: str, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that answers each ``/continue_generation`` with an error (here a proxy before the
+    real engine) stays paused: the activation fails saying so, with the weights loaded, where it
+    returned as if it served (its ``/model_info`` names the version) while nobody was served."""
+    monkeypatch.setattr(activation, "CONTINUE_TRIES", 2)
+
+    class RefusesContinue:
+        url = ""
+
+        async def handle(self, request: web.Request) -> web.Response:
+            if request.path == "/continue_generation":
+                return web.json_response({"error": {"message": "continue refused"}}, status=503)
+            return await forward(engine, request, await request.read())
+
+    async def main(c: SGLangClient) -> None:
+        with pytest.raises(ActivationFailed) as failed:
+            await activate(c, str(tiny_dir), 4, "bf16")
+        assert failed.value.weights_loaded and "stayed paused after taking version 4" in failed.value.message
+
+    with serving(RefusesContinue(), "refuses-continue") as proxy:
+        run(proxy.url, main)
+    with httpx.Client(timeout=30) as c:  # the real engine: paused, as the activation now says
+        assert c.get(engine + "/server_info").json()["internal_states"][0]["paused"] is not None
+        assert c.post(engine + "/continue_generation", json={}).status_code == 200
