@@ -24,6 +24,7 @@ import functools
 import inspect
 import os
 import time
+import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,13 @@ def open_session() -> aiohttp.ClientSession:
     can close one under the next request (aiohttp: "Can not write request body"), as
     ``clients.engine.make_http_client`` does for engines."""
     return aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(keepalive_timeout=2.0))
+
+
+def job_key() -> dict[str, str]:
+    """A fresh ``Idempotency-Key`` header for one weight job's request and its retries: the router
+    answers an attempt sent again with the job the first started (one job, however many attempts
+    reached it)."""
+    return {"Idempotency-Key": uuid.uuid4().hex}
 
 
 class RouterClient:
@@ -271,14 +279,17 @@ class RouterClient:
         was started) is sent again, at the ``Retry-After`` pace, until the job is done or
         ``wait_s`` seconds have passed since the call: ``on_wait`` gets one line when the wait
         starts; past ``wait_s`` the refusal is raised, naming the wait. Without, such a refusal
-        is retried as any call's (``retries``)."""
+        is retried as any call's (``retries``). Every attempt carries one fresh ``Idempotency-Key``
+        (:func:`job_key`): an attempt whose answer was lost is answered, when sent again, with the
+        job it started."""
+        key = job_key()
         if wait_s <= 0:
-            return await self.call("POST", "/v1/weights", body)
+            return await self.call("POST", "/v1/weights", body, headers=key)
         deadline = time.monotonic() + wait_s
         told = False
         while True:
             try:
-                answer = await self.request("POST", "/v1/weights", body, retry_statuses=(503,))
+                answer = await self.request("POST", "/v1/weights", body, retry_statuses=(503,), headers=key)
                 return loads(answer.content)
             except RouterError as exc:
                 left = deadline - time.monotonic()
@@ -294,10 +305,12 @@ class RouterClient:
                 await asyncio.sleep(min(max(exc.retry_after, 0.1), self.max_backoff_s, left))
 
     async def rollback(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("POST", "/v1/weights/rollback", body)
+        """``POST /v1/weights/rollback``: start a rollback job (one key for its retries, as publish)."""
+        return await self.call("POST", "/v1/weights/rollback", body, headers=job_key())
 
     async def perturb(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("POST", "/v1/weights/perturbations", body)
+        """``POST /v1/weights/perturbations``: start a perturbation job (one key, as publish)."""
+        return await self.call("POST", "/v1/weights/perturbations", body, headers=job_key())
 
     async def prune(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/weights/prune``: start a prune job; returns the job."""

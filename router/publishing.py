@@ -231,15 +231,17 @@ class PublishService:
         self.converter.close()
 
     # jobs --------------------------------------------------------------------------------------
-    async def start_job(self, ctx: RouterContext, kind: str, run_id: str, decide: Callable[[], int]) -> Job:
-        """A new running job holding the store's job lock, its view stored; :class:`JobRunning`
-        while another job (of any router) holds the lock.
+    async def start_job(
+        self, ctx: RouterContext, kind: str, run_id: str, decide: Callable[[], int], job_id: str | None = None
+    ) -> Job:
+        """A new running job (id ``job_id``, default a fresh one) holding the store's job lock, its
+        view stored; :class:`JobRunning` while another job (of any router) holds the lock.
 
         ``decide`` runs once the lock is held and returns the job's version (or raises a
         ``UserError``, which frees the lock): no other job can commit a version between the
         choice of a number (the next one, by default) and this job's start, so two publishes
         without a version never pick the same number."""
-        job = Job(job_id=uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=None)
+        job = Job(job_id=job_id or uuid.uuid4().hex[:16], kind=kind, run_id=run_id, version=None)
         if not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
             holder = await ctx.store.job_lock_holder()
             if holder is not None or not await ctx.store.acquire_job_lock(job.job_id, LOCK_TTL_S):
@@ -416,6 +418,7 @@ class PublishService:
         mode: str,
         formats: list[str] | None,
         delta_of: int | None,
+        job_id: str | None = None,
     ) -> Job:
         """Start converting the BF16 checkpoint directory ``checkpoint`` once per format (default:
         the fleet's) and publishing it as ``version`` (default: the next one, chosen under the job
@@ -456,14 +459,22 @@ class PublishService:
                 check_delta_base(store, run_id, number, delta_of, formats)
             return number
 
-        job = await self.start_job(ctx, "publish", run_id, decide)
+        job = await self.start_job(ctx, "publish", run_id, decide, job_id)
         request = ConvertRequest(run_id, job.version, str(checkpoint), tuple(formats), mode, delta_of)
         on_event = self._events(ctx, job)
         needs = () if delta_of is None else (delta_of,)
         self._run(ctx, job, lambda: self.converter.publish(store, request, on_event), needs=needs)
         return job
 
-    async def rollback(self, ctx: RouterContext, to: int, *, run_id: str | None, version: int | None) -> Job:
+    async def rollback(
+        self,
+        ctx: RouterContext,
+        to: int,
+        *,
+        run_id: str | None,
+        version: int | None,
+        job_id: str | None = None,
+    ) -> Job:
         """Start publishing a new version (default: the next one, chosen under the job lock) whose
         content is ``to``'s; :class:`~weight_sync.publish.VersionMissing` at once when some format has
         no version ``to``."""
@@ -479,7 +490,7 @@ class PublishService:
         def decide() -> int:
             return version if version is not None else next_version(store, run_id, formats)
 
-        job = await self.start_job(ctx, "rollback", run_id, decide)
+        job = await self.start_job(ctx, "rollback", run_id, decide, job_id)
         on_event = self._events(ctx, job)
         new = job.version
         self._run(
@@ -491,7 +502,13 @@ class PublishService:
         return job
 
     async def perturb(
-        self, ctx: RouterContext, from_version: int, swap_rows: tuple[int, int], *, run_id: str | None
+        self,
+        ctx: RouterContext,
+        from_version: int,
+        swap_rows: tuple[int, int],
+        *,
+        run_id: str | None,
+        job_id: str | None = None,
     ) -> Job:
         """Start publishing ``from_version`` with two output-projection rows swapped as the next
         version; :class:`NoBf16Copy` when the store has no bf16 copy of it, ``UserError`` when
@@ -509,7 +526,9 @@ class PublishService:
         t, s = swap_rows
         source = VersionRef(run_id, "bf16", from_version)  # a delta's content is its layers'
         await asyncio.to_thread(lambda: check_swap_rows(version_shards(store, source), t, s))
-        job = await self.start_job(ctx, "perturbation", run_id, lambda: next_version(store, run_id, formats))
+        job = await self.start_job(
+            ctx, "perturbation", run_id, lambda: next_version(store, run_id, formats), job_id
+        )
         version = job.version
         on_event = self._events(ctx, job)
 

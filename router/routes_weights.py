@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import UserError
@@ -57,6 +57,7 @@ from router.auth import require
 from router.config import WeightsConfig
 from router.context import RouterContext
 from router.errors import AUTH, BODY, ApiError, error_responses
+from router.idempotency import HEADER, check_key, request_digest
 from router.json_route import JsonRoute
 from router.publishing import (
     JobRunning,
@@ -174,11 +175,50 @@ ADMIN = [Depends(require("admin"))]
 JOB_REFUSALS = error_responses(*AUTH, *BODY, 409, 503)
 
 
-@router.post("/v1/weights", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
-async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
-    """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
+JOB_KEY_DOC = (
+    "1-255 visible ASCII characters, one per request (its retries repeat it): the key and the body "
+    "name the job, so a request sent again with both answers the job the first started (running or "
+    "ended) instead of starting another"
+)
+JobKey = Annotated[str | None, Header(alias=HEADER, description=JOB_KEY_DOC)]
+
+
+def _job_id(kind: str, key: str | None, body: BaseModel) -> str | None:
+    """The id of the job a keyed request starts (None without a key): a digest of its kind, key and
+    body, so that its retries name the same job."""
+    if key is None:
+        return None
+    return request_digest({"kind": kind, "key": check_key(key), "body": body.model_dump(mode="json")})[:16]
+
+
+async def _start(request: Request, job_id: str | None, start: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    """The view of the job ``start`` starts; for a keyed request (``job_id``) whose job started
+    before, that job's view (its retry after a lost answer starts nothing). A retry sent while its
+    first attempt still starts the job waits for that job's view (5 s, then the 409)."""
+    service, ctx = _service(request), _ctx(request)
+    if job_id is not None and (view := await service.job_view(ctx, job_id)) is not None:
+        return view
     try:
-        job = await _service(request).publish(
+        return (await start()).view()
+    except JobRunning as exc:
+        if job_id is not None and exc.running == [job_id]:
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                if (view := await service.job_view(ctx, job_id)) is not None:
+                    return view
+        raise _refusal(exc) from None
+    except UserError as exc:
+        raise _refusal(exc) from None
+
+
+@router.post("/v1/weights", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
+async def publish(body: PublishRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
+    """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
+    job_id = _job_id("publish", key, body)
+    return await _start(
+        request,
+        job_id,
+        lambda: _service(request).publish(
             _ctx(request),
             Path(body.checkpoint),
             version=body.version,
@@ -186,10 +226,9 @@ async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
             mode=body.mode,
             formats=list(body.formats) if body.formats else None,
             delta_of=body.delta_of,
-        )
-    except UserError as exc:
-        raise _refusal(exc) from None
-    return job.view()
+            job_id=job_id,
+        ),
+    )
 
 
 @router.post(
@@ -198,25 +237,30 @@ async def publish(body: PublishRequest, request: Request) -> dict[str, Any]:
     dependencies=ADMIN,
     responses=error_responses(*AUTH, *BODY, 404, 409, 503),
 )
-async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+async def rollback(body: RollbackRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
     """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
-    try:
-        service = _service(request)
-        job = await service.rollback(_ctx(request), body.to, run_id=body.run_id, version=body.version)
-    except UserError as exc:
-        raise _refusal(exc) from None
-    return job.view()
+    job_id = _job_id("rollback", key, body)
+    return await _start(
+        request,
+        job_id,
+        lambda: _service(request).rollback(
+            _ctx(request), body.to, run_id=body.run_id, version=body.version, job_id=job_id
+        ),
+    )
 
 
 @router.post("/v1/weights/perturbations", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
-async def perturb(body: PerturbRequest, request: Request) -> dict[str, Any]:
+async def perturb(body: PerturbRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
     """Publish ``from_version`` with two output-projection rows swapped (for verify)."""
     t, s = body.swap_rows
-    try:
-        job = await _service(request).perturb(_ctx(request), body.from_version, (t, s), run_id=body.run_id)
-    except UserError as exc:
-        raise _refusal(exc) from None
-    return job.view()
+    job_id = _job_id("perturbation", key, body)
+    return await _start(
+        request,
+        job_id,
+        lambda: _service(request).perturb(
+            _ctx(request), body.from_version, (t, s), run_id=body.run_id, job_id=job_id
+        ),
+    )
 
 
 @router.post("/v1/weights/prune", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from tests.support.procs import mixfleet_argv, redis_server
+from tests.support.proxy import TcpProxy
 from tests.support.router import router_process, write_preset
 from tests.support.state import opened
 from trainer.client import AsyncRolloutClient, RouterError
@@ -312,3 +313,62 @@ def test_a_store_root_that_cannot_be_a_directory_is_a_503_naming_it(tmp_path: Pa
             r = httpx.request(method, router.url + path, json=body, headers=router.headers, timeout=30)
             assert r.status_code == 503, r.text
             assert r.json()["detail"] == f"the weight store is unreadable: store {a_file}: not a directory"
+
+
+def test_a_weight_job_request_sent_again_with_its_key_answers_the_job_it_started(
+    weights_router, tiny_dir: Path
+) -> None:
+    """A publish whose 202 is lost (the router started the job) and that the trainer kit sends
+    again, as it retries a lost answer: one job and one version, the retry answered with that job;
+    it published the checkpoint once per attempt, or got a 409 naming its own job. Over HTTP: the
+    same key and body name the same job, running or done; another body is another job."""
+    router = weights_router
+    before = _latest(router) or 0
+    lost = {"n": 0}
+
+    def hook(direction: str, chunk: bytes, conn: dict) -> bytes | None:
+        if direction == "up" and chunk.startswith(b"POST /v1/weights "):
+            conn["publish"] = True
+        if direction == "down" and conn.get("publish") and lost["n"] == 0 and b" 202 " in chunk[:20]:
+            lost["n"] += 1
+            return None  # the job started; its answer is lost
+        return chunk
+
+    proxy = TcpProxy(("127.0.0.1", int(router.url.rsplit(":", 1)[1])), hook)
+    try:
+        from trainer.client import RolloutClient
+
+        with RolloutClient(f"http://127.0.0.1:{proxy.port}", router.key) as client:
+            job = client.publish(str(tiny_dir))
+            assert lost["n"] == 1 and job["version"] == before + 1, job
+            assert client.wait_job(job["job_id"])["result"]["version"] == before + 1
+    finally:
+        proxy.close()
+    assert _latest(router) == before + 1
+    key = {**router.headers, "Idempotency-Key": "publish-once"}
+    body = {"checkpoint": str(tiny_dir)}
+    first = httpx.post(router.url + "/v1/weights", headers=key, json=body, timeout=60)
+    again = httpx.post(router.url + "/v1/weights", headers=key, json=body, timeout=60)
+    assert first.status_code == again.status_code == 202, again.text
+    assert again.json()["job_id"] == first.json()["job_id"] and again.json()["version"] == before + 2
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/weights/jobs/{first.json()['job_id']}").json()["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    done = httpx.post(router.url + "/v1/weights", headers=key, json=body, timeout=60)
+    assert done.json()["job_id"] == first.json()["job_id"] and done.json()["state"] == "done", done.text
+    assert _latest(router) == before + 2
+    other = httpx.post(
+        router.url + "/v1/weights", headers=key, json={**body, "version": before + 3}, timeout=60
+    )
+    assert other.status_code == 202 and other.json()["job_id"] != first.json()["job_id"], other.text
+    with httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c:
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/weights/jobs/{other.json()['job_id']}").json()["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    bad = httpx.post(
+        router.url + "/v1/weights", headers={**key, "Idempotency-Key": "a b"}, json=body, timeout=60
+    )
+    assert bad.status_code == 422 and "Idempotency-Key" in bad.json()["detail"], bad.text
