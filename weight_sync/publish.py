@@ -202,7 +202,9 @@ def check_rollback_target(store: VersionStore, run_id: str, to_version: int, for
             raise VersionMissing(run_id, to_version, f)
 
 
-def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequence[str]) -> None:
+def _begin(store: VersionStore, run_id: str, version: int, formats: Sequence[str]) -> None:
+    """What every publication does first: refuse a version older than a pointer, and remove the
+    staging directories a killed publisher left an hour or more ago (``clean_staging``)."""
     for f in formats:
         ptr = store.read_pointer(VersionRef(run_id, f, version).stream)  # validates the reference
         if ptr is not None and ptr > version:
@@ -210,6 +212,8 @@ def _check_version(store: VersionStore, run_id: str, version: int, formats: Sequ
                 f"version {version} is older than run {run_id!r}'s current {f} version {ptr} "
                 "(pointers never move backwards; publish a newer number or roll back with a new one)"
             )
+    for f in formats:
+        store.clean_staging(FormatRef(run_id, f))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +287,7 @@ def publish_checkpoint(
     if mode not in MODES:
         raise UserError(f"unknown publish mode {mode!r} (known: {', '.join(MODES)})")
     ckpt_dir = check_checkpoint(ckpt_dir)
-    _check_version(store, run_id, version, formats)
+    _begin(store, run_id, version, formats)
     if delta_of is not None:
         check_delta_base(store, run_id, version, delta_of, formats, need_bf16=False)
     check_layout(store, run_id, ckpt_dir, formats)
@@ -355,7 +359,7 @@ def _convert_and_commit(
     soon as its format is committed, reused ones first); returns when the last conversion ended
     (None when none ran).
     The call's own pool is shut down on return; after a failure its workers, or those of the
-    kept ``conversion_pool``, are stopped."""
+    kept ``conversion_pool``, are stopped and the staged directories not committed are removed."""
     to_convert = [p for p in pending.values() if not p.reused]
     pool: Executor | None = None
     ok = False
@@ -380,6 +384,10 @@ def _convert_and_commit(
             pool.shutdown(wait=ok, cancel_futures=True)
         elif not ok and conversion_pool is not None:
             conversion_pool.reset()  # stop conversions still running for this failed publish
+        if not ok:  # a committed one was renamed away: what is left are partial conversions
+            for p in to_convert:
+                if p.staged is not None:
+                    shutil.rmtree(p.staged, ignore_errors=True)
 
 
 def _executor(workers: int | None, conversion_pool: ConversionPool | None, jobs: int) -> tuple[Executor, int]:
@@ -460,7 +468,7 @@ def publish_delta(
     from weight_sync.delta import merge_source
 
     formats = check_formats(formats)
-    _check_version(store, run_id, version, formats)
+    _begin(store, run_id, version, formats)
     check_delta_base(store, run_id, version, base_version, formats)
     root = getattr(store, "root", None)
     tmp = Path(tempfile.mkdtemp(prefix=".delta-source-", dir=root))
@@ -556,7 +564,7 @@ def rollback(
     """
     formats = check_formats(formats)
     new = next_version(store, run_id, formats) if version is None else version
-    _check_version(store, run_id, new, formats)
+    _begin(store, run_id, new, formats)
     t_start = time.perf_counter()
     pending = {f: _Pending(f) for f in formats}
     check_rollback_target(store, run_id, to_version, formats)

@@ -313,11 +313,32 @@ def test_publisher_killed_mid_conversion(tmp_path, tiny_base) -> None:
         assert store.read_pointer(FormatRef(RUN, f)) == 1
         store.verify(VersionRef(RUN, f, 1))
 
+    left = [p for f in FORMATS for p in (root / RUN / f / ".staging").iterdir()]
+    assert left, "the killed publisher left its staging"
+    for p in left:  # an hour later, the next publish removes them (clean_staging)
+        os.utime(p, (time.time() - 7200, time.time() - 7200))
     result = publish_checkpoint(store, RUN, 2, tiny_base, FORMATS, workers=0)
     assert sorted(f.format for f in result.formats if f.reused) == sorted(committed)
     for f in FORMATS:
         assert store.read_pointer(FormatRef(RUN, f)) == 2
         store.verify(VersionRef(RUN, f, 2))
+        assert list((root / RUN / f / ".staging").iterdir()) == []
+
+
+def test_a_failed_conversion_leaves_no_staging(tmp_path, tiny_base) -> None:
+    """A shard whose data is cut short passes the header checks and fails its conversions: one
+    error naming it, no pointer, and no staged directory left (they stayed, partial, each a
+    checkpoint's size)."""
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny_base, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(UserError, match="corrupt safetensors file"):
+        publish_checkpoint(store, RUN, 1, bad, FORMATS, workers=0)
+    for f in FORMATS:
+        assert store.read_pointer(FormatRef(RUN, f)) is None
+        assert list((tmp_path / "store" / RUN / f / ".staging").iterdir()) == []
 
 
 def test_cli_bad_input_is_one_line(tmp_path) -> None:

@@ -111,6 +111,12 @@ class VersionStore(ABC):
         delta chain needs ``ref`` (:mod:`weight_sync.retention` decides what may go).
         """
 
+    @abstractmethod
+    def clean_staging(self, stream: FormatRef, *, older_than_s: float = 3600.0) -> list[Path]:
+        """Remove ``stream``'s staging directories untouched for ``older_than_s`` (left by killed
+        publishers; a publisher's own failure removes its own). Never touches committed versions
+        or the pointer. Returns what was removed."""
+
     def publish(self, ref: VersionRef, src_dir: Path) -> Manifest:
         """``commit`` then ``advance``: after return the pointer of ``ref.stream`` names ``ref``."""
         manifest = self.commit(ref, src_dir)
