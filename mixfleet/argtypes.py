@@ -39,3 +39,25 @@ def port_range(text: str) -> range:
     if ports is None or not 1 <= ports.start < ports.stop <= 65536:
         raise argparse.ArgumentTypeError(f"must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535, got {text!r}")
     return ports
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port: a whole number in 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text!r}")
+    return value
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""uvicorn's log levels (``uvicorn.config.LOG_LEVELS``), which the services' own logging takes too."""
+
+
+def log_level(text: str) -> str:
+    """One of :data:`LOG_LEVELS`, in any case."""
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.lower()

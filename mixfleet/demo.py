@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
+from core.fs import make_dir
+from mixfleet.argtypes import tcp_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="key for --router (default: MIXFLEET_API_KEY)")
     parser.add_argument("--base", default=None, help="the fleet's base checkpoint (needed with --router)")
     parser.add_argument("--data-dir", default=None, help="data of the started fleet (default OUT/fleet)")
-    parser.add_argument("--port", type=int, default=None, help="port of the started router (default: free)")
+    parser.add_argument(
+        "--port", type=tcp_port, default=None, help="port of the started router (default: free)"
+    )
     parser.add_argument("--model-preset", default="tiny", choices=("tiny", "small"), help="base size (tiny)")
     parser.add_argument("--updates", type=int, default=d.updates, help=f"RL updates (default {d.updates})")
     parser.add_argument(
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             f"the demo needs {', '.join(missing)}: install it with .venv/bin/pip install -e '.[demo]'"
         )
     config = _config(args)
-    out = Path(args.out).expanduser().resolve()
+    out = make_dir(Path(args.out).expanduser().resolve(), "--out")
     if args.router is not None:
         key = args.api_key or os.environ.get("MIXFLEET_API_KEY")
         if not key:
@@ -129,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         if args.base is None or not (Path(args.base) / "config.json").is_file():
             raise UserError("--router needs --base, the fleet's base checkpoint directory (with config.json)")
         return _demo(args.router, key, Path(args.base).resolve(), out, config, args)
-    data = Path(args.data_dir).expanduser().resolve() if args.data_dir else out / "fleet"
+    data = make_dir(
+        Path(args.data_dir).expanduser().resolve() if args.data_dir else out / "fleet", "--data-dir"
+    )
     with _local_fleet(data, args.port, args.model_preset) as (url, key):
         return _demo(url, key, data / "base", out, config, args)
 

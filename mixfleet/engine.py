@@ -12,13 +12,14 @@ import logging
 
 from core.errors import UserError
 from core.sglang_release import SAMPLING_MASK_MAX_TOKENS_DEFAULT
+from mixfleet.argtypes import log_level, tcp_port
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (HF layout, any of the four formats)")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=tcp_port, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
     parser.add_argument("--weight-version", type=int, default=0, help="version stamped on tokens at start")
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record each token's top-k experts of every MoE layer for requests that ask (SGLang's flag)",
     )
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", type=log_level, default="warning")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +57,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--sampling-mask-max-tokens must be >= 2, got {args.sampling_mask_max_tokens}")
     if args.weight_version < 0:
         raise UserError(f"--weight-version must be >= 0, got {args.weight_version}")
+    for flag, value in (
+        ("--max-running-requests", args.max_running_requests),
+        ("--prefill-budget", args.prefill_budget),
+    ):
+        if value < 1:  # 0 would take no request, and every request would wait forever
+            raise UserError(f"{flag} must be >= 1, got {value}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     raise_open_file_limit()
     try:

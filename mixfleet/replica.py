@@ -15,12 +15,14 @@ import argparse
 import logging
 import os
 import shlex
+import shutil
 import signal
 import threading
 from pathlib import Path
 
 from core.errors import UserError
-from mixfleet.argtypes import seconds
+from core.fs import make_dir
+from mixfleet.argtypes import seconds, tcp_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, required=True, help="the public port (the sidecar's)")
     parser.add_argument("--host", default="127.0.0.1", help="address the sidecar binds (default 127.0.0.1)")
     parser.add_argument(
-        "--engine-port", type=int, default=None, help="the engine's private port (default: free)"
+        "--engine-port", type=tcp_port, default=None, help="the engine's private port (default: free)"
     )
     parser.add_argument("--stage-dir", required=True, help="local directory the versions are staged into")
     parser.add_argument("--router", default=None, help="router URL to report to")
@@ -87,8 +89,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"store root {root} does not exist")
     port = args.engine_port or free_port("127.0.0.1")
 
+    stage_dir = make_dir(Path(args.stage_dir).expanduser(), "--stage-dir")
     if args.engine_command:
         template = shlex.split(args.engine_command)
+        if not template or shutil.which(template[0]) is None:
+            program = template[0] if template else ""
+            raise UserError(f"--engine-command: no program {program!r} to run (not found, or not executable)")
         try:
             [part.format(model="m", port="1", version="0") for part in template]
         except (KeyError, IndexError, ValueError) as exc:
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         group=group,
         run_id=args.run_id,
         store=StoreLocation(root, volume=args.volume, scratch=scratch),
-        stage_dir=Path(args.stage_dir).expanduser(),
+        stage_dir=stage_dir,
         engine_argv=argv,
         engine_port=port,
         public_port=args.port,

@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         (Path(args.out) / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:  # a field of the ledger of another type than its own
+        raise UserError(f"cannot render the report from {source}: {type(exc).__name__}: {exc}") from None
     for kind in ("html", "md", "json"):
         print(paths[kind])
     return 0

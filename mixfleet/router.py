@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.errors import UserError
+from mixfleet.argtypes import log_level
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--affinity-hold", type=float, default=5.0, help="seconds the queue must stay above it (default 5)"
     )
     add_model_arguments(parser)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", type=log_level, default="info")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,6 +231,13 @@ def check_state_form(state: str) -> None:
     checks its own ``--state`` with this before it prepares anything)."""
     if not (state == "memory" or state.startswith(("redis://", "rediss://", "unix://"))):
         raise UserError(f"--state must be 'memory' or a redis:// URL, got {state!r}")
+    if state != "memory":
+        import redis.asyncio
+
+        try:  # redis-py's own reading of the URL (no connection is made)
+            redis.asyncio.ConnectionPool.from_url(state)
+        except ValueError as exc:
+            raise UserError(f"--state {state!r}: {exc}") from None
 
 
 def build_config(args: argparse.Namespace):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.formats import FORMATS
-from mixfleet.argtypes import seconds
+from mixfleet.argtypes import log_level, seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="times a supervisor restarted this replica before (exported as mixfleet_replica_restarts_total)",
     )
-    parser.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
+    parser.add_argument(
+        "--log-level", type=log_level, default="info", help="uvicorn/log level (default info)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from core.errors import UserError
+from core.fs import make_dir
 from mixfleet.argtypes import seconds
 
 
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             "no version store: pass --store ROOT (or set MIXFLEET_STORE), the store the fleet publishes into"
         )
+    out = make_dir(Path(args.out), "--out") if args.out else None  # before the ladder, not after it
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None and not (checkpoint / "config.json").is_file():
         raise UserError(f"--checkpoint {checkpoint}: no config.json (not an HF checkpoint)")
@@ -103,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
             options=options,
             say=(lambda m: None) if args.json else say,
         ).to_dict()
-    if args.out:
-        paths = write(report, Path(args.out))
+    if out is not None:
+        try:
+            paths = write(report, out)
+        except OSError as exc:
+            raise UserError(f"cannot write the report into {out}: {exc.strerror or exc}") from None
         if not args.json:
             say(f"wrote {paths['json']} and {paths['html']}")
     print(json.dumps(report, indent=2) if args.json else table(report))

@@ -62,6 +62,16 @@ def _share(part: float, total: float) -> float | None:
     return part / total if total > 0 else None
 
 
+_LEDGER_FIELDS = {  # GET /v1/ledger's top-level fields and their JSON types
+    "generated_at": (float, int),
+    "fleet": (str,),
+    "span_s": (float, int),
+    "groups": (list,),
+    "versions": (list,),
+    "updates": (list,),
+}
+
+
 def build(
     ledger: Mapping[str, Any],
     groups: Mapping[str, Any] | None = None,
@@ -72,10 +82,15 @@ def build(
 ) -> dict[str, Any]:
     """``report.json``'s object; without a ``baseline``, the what-if measures one from
     ``ledger`` (:func:`measured_baseline` of ``measure_group``). Raises ValueError naming the
-    first field ``ledger`` lacks, or a ``measure_group`` it does not list."""
-    for key in ("generated_at", "fleet", "span_s", "groups", "versions", "updates"):
+    first top-level field ``ledger`` lacks or holds of another type, or a ``measure_group`` it does
+    not list."""
+    for key, kinds in _LEDGER_FIELDS.items():
         if key not in ledger:
             raise ValueError(f"ledger: missing field {key!r} (not the JSON of GET /v1/ledger?)")
+        if type(ledger[key]) not in kinds:
+            raise ValueError(
+                f"ledger: field {key!r} is {ledger[key]!r}, not {' or '.join(k.__name__ for k in kinds)}"
+            )
     mismatch = {g["name"]: g.get("mismatch") for g in (groups or {}).get("groups", [])}
     rows = ledger["groups"]
     total_cost = sum(float(g["cost_dollars"]) for g in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -204,3 +205,100 @@ def test_a_router_url_with_an_extra_path_is_said_to_look_wrong(tmp_path: Path) -
         (line,) = done.stderr.strip().splitlines()
         assert "HTTP 404" in line and f"the router URL {router.url}/v1 looks wrong" in line, line
         assert f"every router serves GET {path}" in line, line
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["engine", "--model", "m", "--port", "70000"], "argument --port: must be in 1..65535"),
+        (
+            ["engine", "--model", "m", "--port", "1", "--max-running-requests", "0"],
+            "--max-running-requests must be >= 1",
+        ),
+        (
+            ["engine", "--model", "m", "--port", "1", "--log-level", "bogus"],
+            "argument --log-level: must be one of",
+        ),
+        (["router", "--preset", "local", "--log-level", "bogus"], "argument --log-level: must be one of"),
+        (["sidecar", "--log-level", "bogus"], "argument --log-level: must be one of"),
+        (
+            ["router", "--preset", "local", "--insecure-no-auth", "--state", "redis://127.0.0.1:notaport/0"],
+            "Port could not be cast",
+        ),
+        (["demo", "--port", "70000"], "argument --port: must be in 1..65535"),
+        (["demo", "--out", "{file}/x"], "--out {file}/x: not a directory"),
+        (["demo", "--out", "{tmp}/d", "--data-dir", "{file}"], "--data-dir {file}: not a directory"),
+        (["validate", "--store", "{tmp}", "--out", "{file}"], "--out {file}: not a directory"),
+        (
+            [
+                "demo",
+                "--router",
+                "http://127.0.0.1:1",
+                "--api-key",
+                "k",
+                "--base",
+                "{tmp}/bad",
+                "--out",
+                "{tmp}/o",
+            ],
+            "{tmp}/bad: cannot load the tokenizer",
+        ),
+        (
+            ["report", "--ledger", "{tmp}/ledger.json", "--out", "{tmp}/r"],
+            "ledger: field 'fleet' is None, not str",
+        ),
+        (
+            [
+                "replica",
+                *["--preset", "local", "--group", "cpu-bf16", "--run", "r", "--port", "1"],
+                "--store",
+                "{tmp}",
+                "--engine-port",
+                "99999",
+            ],
+            "argument --engine-port: must be in 1..65535",
+        ),
+        (
+            [
+                "replica",
+                *["--preset", "local", "--group", "cpu-bf16", "--run", "r", "--port", "1"],
+                "--store",
+                "{tmp}",
+                "--stage-dir",
+                "{file}",
+            ],
+            "--stage-dir {file}: not a directory",
+        ),
+        (
+            [
+                "replica",
+                *["--preset", "local", "--group", "cpu-bf16", "--run", "r", "--port", "1"],
+                "--store",
+                "{tmp}",
+                "--stage-dir",
+                "{tmp}/st",
+                "--engine-command",
+                "no-such-program {{model}}",
+            ],
+            "--engine-command: no program 'no-such-program'",
+        ),
+    ],
+)
+def test_bad_arguments_of_the_service_commands_are_one_line(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """Each was a traceback (or, for the engine's port and request bound, a server that listened
+    elsewhere or answered no request): exit 2 and one line naming the flag, nothing started."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    ledger = {"generated_at": 1.0, "fleet": None, "span_s": 1.0, "groups": [], "versions": [], "updates": []}
+    (tmp_path / "ledger.json").write_text(json.dumps(ledger))
+    fill = {"file": str(a_file), "tmp": str(tmp_path)}
+    argv = [x.format(**fill) for x in argv]
+    done = subprocess.run(mixfleet_argv(*argv), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message.format(**fill) in errors[0], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

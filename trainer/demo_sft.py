@@ -42,7 +42,12 @@ class ChatPrompts:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        except Exception as exc:  # a broken config or tokenizer file: transformers raises many kinds
+            raise CheckpointError(
+                f"{checkpoint}: cannot load the tokenizer: {type(exc).__name__}: {exc}"
+            ) from None
         if not self.tokenizer.chat_template:
             raise CheckpointError(
                 f"{checkpoint} has no chat template: the demo's agents chat through the router's chat "

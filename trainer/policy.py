@@ -93,7 +93,12 @@ class Policy:
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} holds no config.json (not an HF checkpoint)")
         hf_logging.disable_progress_bar()
-        model = Qwen3MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        try:
+            model = Qwen3MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        except Exception as exc:  # a broken config or shard: transformers raises many kinds
+            raise CheckpointError(
+                f"{path}: cannot load the checkpoint: {type(exc).__name__}: {exc}"
+            ) from None
         model.train()
         pad = model.config.pad_token_id
         return cls(model, path, 0 if pad is None else int(pad))

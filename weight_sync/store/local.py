@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from core.errors import UserError
+from core.fs import make_dir
 from weight_sync.checksum import HashingWriter
 from weight_sync.manifest import (
     MANIFEST_NAME,
@@ -68,14 +68,9 @@ def _fsync_file(path: Path) -> None:
 
 
 def make_root(root: Path) -> Path:
-    """``root``, made a directory (with its parents) if it is none yet. Raises ``UserError`` naming
-    it when it cannot be one: a file there or above it, no permission."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        why = "not a directory" if isinstance(exc, FileExistsError | NotADirectoryError) else exc.strerror
-        raise UserError(f"store {root}: {why}") from None
-    return root
+    """``root``, made a directory if it is none yet; ``UserError`` naming it as the store when it
+    cannot be one (:func:`core.fs.make_dir`)."""
+    return make_dir(root, "store")
 
 
 class LocalStore(VersionStore):
