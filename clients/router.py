@@ -469,12 +469,13 @@ def _seconds(retry_after: str | None) -> float | None:
 
 
 def _message(content: bytes, reason: str) -> str:
-    """The router's error message (at most :data:`DETAIL_CHARS`): ``detail`` (its first validation
-    error's field and message), ``error`` or ``message``; else the body's text; else ``reason``."""
+    """The router's error message, one line of at most :data:`DETAIL_CHARS`: ``detail`` (its first
+    validation error's field and message), ``error`` or ``message``; else the body's text (a
+    proxy's HTML page: its whitespace runs made one space); else ``reason``."""
     try:
         data = loads(content)
     except ValueError:
-        return content[:DETAIL_CHARS].decode(errors="replace") or reason
+        return " ".join(content[: 4 * DETAIL_CHARS].decode(errors="replace").split())[:DETAIL_CHARS] or reason
     if isinstance(data, dict):
         detail = data.get("detail", data.get("error", data.get("message", data)))
         if isinstance(detail, dict):
@@ -482,5 +483,5 @@ def _message(content: bytes, reason: str) -> str:
         if isinstance(detail, list) and detail and isinstance(detail[0], dict):
             first = detail[0]
             detail = f"{'.'.join(str(x) for x in first.get('loc', []))}: {first.get('msg')}"
-        return str(detail)[:DETAIL_CHARS]
-    return str(data)[:DETAIL_CHARS]
+        data = detail
+    return " ".join(str(data).split())[:DETAIL_CHARS]

@@ -1,13 +1,14 @@
 """Scale the deployed groups to demand (mixfleet scale [--preset P] [--router URL] [--dry-run] [--app NAME]).
 
-Reads the demand from the router's ``GET /v1/groups`` (active sessions, the requests replicas
-report queued, capacities, token and session counts of the whole run and of the routing
-window), computes every group's min / max / buffer containers by :mod:`fleet.autoscale`'s rule
-within the preset's bounds, prints one line per group and, unless ``--dry-run``, applies them with
-Modal's ``Server.autoscaler.update`` (needs a Modal token; a redeploy resets the overrides).
-The router URL and key come from ``--router`` / ``MIXFLEET_URL`` and ``MIXFLEET_API_KEY``. A router
-that serves none of the preset's groups (another fleet's, e.g. ``mixfleet up``'s against the
-default ``mixed``) is refused with one line naming both (:func:`fleet.autoscale.demand_from_groups`).
+Reads the demand from the router's ``GET /v1/groups`` (active sessions, the requests replicas report
+queued, capacities, token and session counts of the whole run and of the routing window), computes
+every group's min / max / buffer containers by :mod:`fleet.autoscale`'s rule within the preset's
+bounds, prints one line per group and, unless ``--dry-run``, applies them with Modal's
+``Server.autoscaler.update`` (needs a Modal token; a redeploy resets the overrides). The router URL
+and key come from ``--router`` / ``MIXFLEET_URL`` (else ``mixfleet up``'s) and ``MIXFLEET_API_KEY``.
+A router that serves none of the preset's groups (another fleet's, e.g. ``mixfleet up``'s against
+the default ``mixed``) is refused with one line naming both
+(:func:`fleet.autoscale.demand_from_groups`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="mixed", help="mixed (default), homogeneous, or a TOML file")
-    parser.add_argument("--router", default=None, help="router URL (default: $MIXFLEET_URL)")
+    parser.add_argument(
+        "--router", default=None, help="router URL (default $MIXFLEET_URL or http://127.0.0.1:8300)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the settings; apply nothing")
     parser.add_argument("--app", default=None, help="the deployed Modal app (default: the deploy's name)")
     parser.add_argument("--env", default=None, help="Modal environment (default: the profile's)")

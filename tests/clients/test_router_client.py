@@ -72,6 +72,10 @@ def test_failures_are_one_line_with_the_routers_message() -> None:
             "/v1/weights": (409, b'{"detail":"a publish is already running"}'),
             "/v1/weights/rollback": (422, json.dumps(validation).encode()),
             "/v1/weights/jobs/x": (200, b"not json"),
+            "/v1/weights/prune": (
+                502,
+                b"<html>\n<head><title>502 Bad Gateway</title></head>\n<body>nginx</body>\n</html>\n",
+            ),
         }
     )
     try:
@@ -84,6 +88,12 @@ def test_failures_are_one_line_with_the_routers_message() -> None:
                 client.rollback({"to": "x"})
             with pytest.raises(RouterError, match="not JSON"):
                 client.job("x")
+            with pytest.raises(RouterError) as proxy:  # a proxy's page: one line (it was printed as sent)
+                client.prune({"keep": 1})
+            assert str(proxy.value) == (
+                "POST /v1/weights/prune: HTTP 502: <html> <head><title>502 Bad Gateway</title></head> "
+                "<body>nginx</body> </html>"
+            )
     finally:
         router.close()
     assert all("authorization" not in h for _, _, h, _ in router.calls)
