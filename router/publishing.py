@@ -69,6 +69,7 @@ from weight_sync.converters import (
     LocalConverter,
     open_converter,
 )
+from weight_sync.store.base import VersionStore
 from weight_sync.types import FormatRef, VersionRef
 
 log = logging.getLogger("mixfleet.router.publishing")
@@ -155,6 +156,19 @@ class Job:
             "result": self.result,
             "error": self.error,
         }
+
+
+def new_number(store: VersionStore, run_id: str, formats: list[str], version: int | None) -> int:
+    """The number a publication takes (under the job lock): ``version``, default the next one;
+    :class:`VersionTooOld` for one below the run's current version (pointers never move back),
+    before anything is converted or linked."""
+    from weight_sync.publish import latest_version, next_version
+
+    number = version if version is not None else next_version(store, run_id, formats)
+    current = latest_version(store, run_id, formats)
+    if current is not None and number < current:
+        raise VersionTooOld(run_id, number, current)
+    return number
 
 
 class PublishService:
@@ -431,8 +445,6 @@ class PublishService:
             check_checkpoint,
             check_delta_base,
             check_formats,
-            latest_version,
-            next_version,
         )
 
         store = self.store()
@@ -451,10 +463,7 @@ class PublishService:
             )
 
         def decide() -> int:
-            number = version if version is not None else next_version(store, run_id, formats)
-            current = latest_version(store, run_id, formats)
-            if current is not None and number < current:
-                raise VersionTooOld(run_id, number, current)
+            number = new_number(store, run_id, formats, version)
             if delta_of is not None:
                 check_delta_base(store, run_id, number, delta_of, formats)
             return number
@@ -478,7 +487,7 @@ class PublishService:
         """Start publishing a new version (default: the next one, chosen under the job lock) whose
         content is ``to``'s; :class:`~weight_sync.publish.VersionMissing` at once when some format has
         no version ``to``."""
-        from weight_sync.publish import check_rollback_target, next_version
+        from weight_sync.publish import check_rollback_target
         from weight_sync.publish import rollback as do_rollback
 
         store = self.store()
@@ -487,10 +496,9 @@ class PublishService:
         formats = list(ctx.config.fleet.formats)
         check_rollback_target(store, run_id, to, formats)
 
-        def decide() -> int:
-            return version if version is not None else next_version(store, run_id, formats)
-
-        job = await self.start_job(ctx, "rollback", run_id, decide, job_id)
+        job = await self.start_job(
+            ctx, "rollback", run_id, lambda: new_number(store, run_id, formats, version), job_id
+        )
         on_event = self._events(ctx, job)
         new = job.version
         self._run(

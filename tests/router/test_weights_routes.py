@@ -372,3 +372,25 @@ def test_a_weight_job_request_sent_again_with_its_key_answers_the_job_it_started
         router.url + "/v1/weights", headers={**key, "Idempotency-Key": "a b"}, json=body, timeout=60
     )
     assert bad.status_code == 422 and "Idempotency-Key" in bad.json()["detail"], bad.text
+
+
+def test_a_rollback_numbered_below_the_pointers_is_refused_at_once(weights_router, tiny_dir: Path) -> None:
+    """A rollback given a version older than the run's current one is a 409 before any job, as a
+    publish's is (it was accepted, 202, and failed as a job)."""
+    from trainer.client import RolloutClient
+
+    router = weights_router
+    with RolloutClient(router.url, router.key) as client:
+        while (_latest(router) or 0) < 1:
+            client.wait_job(client.publish(str(tiny_dir))["job_id"])
+    latest = _latest(router)
+    for path, body in (
+        ("/v1/weights/rollback", {"to": latest, "version": latest - 1}),
+        ("/v1/weights", {"checkpoint": str(tiny_dir), "version": latest - 1}),
+    ):
+        r = _post(router, path, body)
+        assert r.status_code == 409, r.text
+        assert r.json()["detail"].startswith(
+            f"version {latest - 1} is older than run 'r''s current version {latest}"
+        )
+    assert _latest(router) == latest
