@@ -11,6 +11,7 @@ when at least one group passed levels 1-5, and is reported for those groups.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,8 +168,23 @@ def run_validation(
     options: Options = Options(),
     say: Callable[[str], None] = print,
 ) -> ValidationReport:
-    """Run the ladder on every chosen group of the fleet behind ``client`` (``WeightsClient``)."""
-    targets = discover(client, store_root, groups, checkpoint)
+    """Run the ladder on every chosen group of the fleet behind ``client`` (``WeightsClient``); a
+    delta version's whole content is staged, for the run, beside the store."""
+    beside = store_root if store_root is not None and Path(store_root).is_dir() else None  # links reach
+    with tempfile.TemporaryDirectory(prefix=".validate-", dir=beside) as scratch:
+        return _validate(client, store_root, groups, checkpoint, options, say, Path(scratch))
+
+
+def _validate(
+    client: Any,
+    store_root: Path | None,
+    groups: list[str] | None,
+    checkpoint: Path | None,
+    options: Options,
+    say: Callable[[str], None],
+    scratch: Path,
+) -> ValidationReport:
+    targets = discover(client, store_root, groups, checkpoint, scratch)
     for reference in {t.bf16_dir for t in targets if t.bf16_dir is not None}:
         check_prompts(options.prompts, options.max_new_tokens, reference)
     refs: dict[Path, Any] = {}

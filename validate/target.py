@@ -48,6 +48,7 @@ def discover(
     store_root: Path | None,
     groups: list[str] | None,
     checkpoint: Path | None,
+    scratch: Path | None = None,
 ) -> list[GroupTarget]:
     """The chosen groups (default: all) of the fleet behind ``client`` (``clients.router.WeightsClient``).
 
@@ -84,19 +85,36 @@ def discover(
                 run_id=run_id,
                 version=version,
                 replicas=reps,
-                version_dir=_dir(store, run_id, g["format"], version),
-                bf16_dir=checkpoint if checkpoint is not None else _dir(store, run_id, "bf16", version),
+                version_dir=version_content(store, run_id, g["format"], version, scratch),
+                bf16_dir=checkpoint
+                if checkpoint is not None
+                else version_content(store, run_id, "bf16", version, scratch),
                 staleness=status.get("max_version_lag"),
             )
         )
     return out
 
 
-def _dir(store: LocalStore | None, run_id: str, fmt: str, version: int | None) -> Path | None:
+def version_content(
+    store: LocalStore | None, run_id: str, fmt: str, version: int | None, scratch: Path | None
+) -> Path | None:
+    """The directory holding ``fmt`` version ``version``'s whole content and its manifest (None
+    when the store has no such version): its own directory, or for a delta version (whose
+    directory holds only what changed) its content staged in ``scratch`` (hard links, checked:
+    :func:`weight_sync.stage.stage_version`; without a ``scratch``, None)."""
     if store is None or version is None:
         return None
-    d = Path(store.version_dir(VersionRef(run_id, fmt, version)))
-    return d if d.is_dir() else None
+    ref = VersionRef(run_id, fmt, version)
+    d = Path(store.version_dir(ref))
+    if not d.is_dir():
+        return None
+    if store.read_manifest(ref).kind != "delta":
+        return d
+    if scratch is None:
+        return None
+    from weight_sync.stage import stage_version
+
+    return stage_version(store, ref, scratch / fmt, mode="inplace").path
 
 
 def _replica(r: dict[str, Any]) -> ReplicaTarget:

@@ -155,6 +155,29 @@ def test_a_delta_version_starts_engines_and_is_converted_for_a_new_format(
     assert info["weight_version"] == "2" and info["model_path"] == str(tmp_path / "staging" / "v000002")
 
 
+def test_validate_reads_a_delta_versions_whole_content(
+    store: LocalStore, tmp_path: Path, tiny_2shards: Path
+) -> None:
+    """``mixfleet validate`` checks a group's version with its config and manifest: for a delta
+    version it reads the version's whole content, staged for the run (its directory lacks the
+    config and the unchanged shards, so level 1 failed reading ``config.json``)."""
+    from validate.target import version_content
+    from weight_sync.delta import version_files
+
+    publish_delta(store, RUN, 2, _write_delta(tmp_path, _changed(tiny_2shards)), 1, FORMATS, workers=0)
+    assert version_content(store, RUN, "fp8", 1, tmp_path / "scratch") == store.version_dir(
+        VersionRef(RUN, "fp8", 1)
+    )
+    assert version_content(store, RUN, "fp8", 2, None) is None
+    got = version_content(store, RUN, "fp8", 2, tmp_path / "scratch")
+    manifest = Manifest.read(got)
+    assert (manifest.kind, manifest.version, manifest.format) == ("delta", 2, "fp8")
+    whole = version_files(store, VersionRef(RUN, "fp8", 2))
+    assert sorted(p.name for p in got.iterdir() if p.name != "manifest.json") == sorted(whole)
+    assert all((got / rel).read_bytes() == (d / rel).read_bytes() for rel, (d, _) in whole.items())
+    assert json.loads((got / "config.json").read_text())["quantization_config"]
+
+
 @pytest.mark.timeout(300)
 def test_bad_deltas_are_refused_before_anything_moves(
     store: LocalStore, tmp_path: Path, tiny_2shards: Path
