@@ -125,14 +125,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         measure = args.baseline_group if base is None else None
         report = build(ledger, groups, base, source=source, measure_group=measure)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"cannot build the report from {source}: {exc}") from None
     try:
         paths = write(report, args.out)
         (Path(args.out) / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write the report into {args.out}: {exc.strerror or exc}") from None
-    except (ValueError, KeyError, TypeError) as exc:  # a field of the ledger of another type than its own
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a field of another type than its own
         raise UserError(f"cannot render the report from {source}: {type(exc).__name__}: {exc}") from None
     for kind in ("html", "md", "json"):
         print(paths[kind])

@@ -249,6 +249,18 @@ def test_a_router_url_with_an_extra_path_is_said_to_look_wrong(tmp_path: Path) -
         ),
         (
             [
+                "report",
+                "--ledger",
+                "{tmp}/ledger-ok.json",
+                "--groups",
+                "{tmp}/groups.json",
+                "--out",
+                "{tmp}/r",
+            ],
+            "cannot build the report from {tmp}/ledger-ok.json",
+        ),
+        (
+            [
                 "replica",
                 *["--preset", "local", "--group", "cpu-bf16", "--run", "r", "--port", "1"],
                 "--store",
@@ -295,6 +307,9 @@ def test_bad_arguments_of_the_service_commands_are_one_line(
     (tmp_path / "bad" / "config.json").write_text("{not json")
     ledger = {"generated_at": 1.0, "fleet": None, "span_s": 1.0, "groups": [], "versions": [], "updates": []}
     (tmp_path / "ledger.json").write_text(json.dumps(ledger))
+    row = {"name": "g1", "cost_dollars": 0.0, "tokens": 1, "sessions": 1}
+    (tmp_path / "ledger-ok.json").write_text(json.dumps({**ledger, "fleet": "f", "groups": [row]}))
+    (tmp_path / "groups.json").write_text(json.dumps({"groups": [{"name": "g1", "mismatch": 5}]}))
     fill = {"file": str(a_file), "tmp": str(tmp_path)}
     argv = [x.format(**fill) for x in argv]
     done = subprocess.run(mixfleet_argv(*argv), cwd=tmp_path, capture_output=True, text=True, timeout=120)
