@@ -168,10 +168,12 @@ def test_the_window_holds_every_group_within_one_session_of_its_capacity_share()
     """The policy's contract, over random fleets: after every assignment each group's count in
     the window differs from its capacity share of the window by less than one session."""
     rng = random.Random(11)
-    for _ in range(40):
-        loads = [GroupLoad(f"g{i}", rng.uniform(0.5, 40.0), 0, 1.0) for i in range(rng.randint(2, 6))]
+    fleets = [[GroupLoad(n, c, 0, 1.0) for n, c in (("g0", 1.0), ("g1", 7.0), ("g2", 100.0), ("g3", 100.0))]]
+    for _ in range(60):  # capacities up to 512x apart (the most-owed rule fell 1.02 behind at 1/7/100/100)
+        fleets.append([GroupLoad(f"g{i}", 2 ** rng.uniform(-1, 8), 0, 1.0) for i in range(rng.randint(2, 6))])
+    for loads in fleets:
         total = sum(x.capacity for x in loads)
-        w = AssignmentWindow(size=rng.choice([7, 32, 100]))
+        w = AssignmentWindow(size=rng.choice([7, 32, 100, 1000]))
         for _ in range(400):
             w.record(choose_group("capacity", loads, kept=w.kept()) or "")
             counts = w.sessions()
