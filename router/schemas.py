@@ -404,7 +404,14 @@ ROUTES_DOC = (
 
 
 class CreateSession(_Req):
-    group: str | None = Field(None, description="pin the session to this group")
+    group: str | None = Field(
+        None,
+        description=(
+            "the group the session starts on (default: the routing policy's choice); a turn no "
+            "replica of it can serve moves the session to another group, as any session, recorded "
+            "in that turn's moved_from"
+        ),
+    )
     metadata: JsonObject = Field(default_factory=dict)
     record_routes: StrictBool = Field(False, description=ROUTES_DOC)
 

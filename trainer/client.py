@@ -81,7 +81,8 @@ class AsyncRolloutClient:
     async def create_session(
         self, group: str | None = None, metadata: dict[str, Any] | None = None, *, record_routes: bool = False
     ) -> Session:
-        """Open a session (in ``group``, else where the router's policy puts it). With
+        """Open a session (in ``group``, else where the router's policy puts it; a turn no replica
+        of its group can serve moves it to another, recorded in the turn's ``moved_from``). With
         ``record_routes`` every turn stores its routed experts, served in batches
         (:meth:`trainer.batch.Batch.routes`); the router refuses it (422, :class:`RouterError`)
         for a group whose engines cannot return them."""
