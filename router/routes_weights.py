@@ -191,15 +191,22 @@ def _job_id(kind: str, key: str | None, body: BaseModel) -> str | None:
     return request_digest({"kind": kind, "key": check_key(key), "body": body.model_dump(mode="json")})[:16]
 
 
-async def _start(request: Request, job_id: str | None, start: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
-    """The view of the job ``start`` starts; for a keyed request (``job_id``) whose job started
-    before, that job's view (its retry after a lost answer starts nothing). A retry sent while its
-    first attempt still starts the job waits for that job's view (5 s, then the 409)."""
-    service, ctx = _service(request), _ctx(request)
+async def _start(
+    request: Request,
+    kind: str,
+    key: str | None,
+    body: BaseModel,
+    start: Callable[[PublishService, RouterContext, str | None], Awaitable[Any]],
+) -> dict[str, Any]:
+    """The view of the job ``start(service, ctx, job_id)`` starts; for a keyed request whose job
+    (:func:`_job_id`) started before, that job's view (its retry after a lost answer starts
+    nothing). A retry sent while its first attempt still starts the job waits for that job's view
+    (5 s, then the 409)."""
+    service, ctx, job_id = _service(request), _ctx(request), _job_id(kind, key, body)
     if job_id is not None and (view := await service.job_view(ctx, job_id)) is not None:
         return view
     try:
-        return (await start()).view()
+        return (await start(service, ctx, job_id)).view()
     except JobRunning as exc:
         if job_id is not None and exc.running == [job_id]:
             for _ in range(50):
@@ -214,17 +221,19 @@ async def _start(request: Request, job_id: str | None, start: Callable[[], Await
 @router.post("/v1/weights", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
 async def publish(body: PublishRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
     """Convert a BF16 checkpoint once per format and publish it (a job; poll its id)."""
-    job_id = _job_id("publish", key, body)
+    formats = list(body.formats) if body.formats else None
     return await _start(
         request,
-        job_id,
-        lambda: _service(request).publish(
-            _ctx(request),
+        "publish",
+        key,
+        body,
+        lambda service, ctx, job_id: service.publish(
+            ctx,
             Path(body.checkpoint),
             version=body.version,
             run_id=body.run_id,
             mode=body.mode,
-            formats=list(body.formats) if body.formats else None,
+            formats=formats,
             delta_of=body.delta_of,
             job_id=job_id,
         ),
@@ -239,12 +248,13 @@ async def publish(body: PublishRequest, request: Request, key: JobKey = None) ->
 )
 async def rollback(body: RollbackRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
     """Publish a new version whose content is ``to``'s (pointers never move backwards)."""
-    job_id = _job_id("rollback", key, body)
     return await _start(
         request,
-        job_id,
-        lambda: _service(request).rollback(
-            _ctx(request), body.to, run_id=body.run_id, version=body.version, job_id=job_id
+        "rollback",
+        key,
+        body,
+        lambda service, ctx, job_id: service.rollback(
+            ctx, body.to, run_id=body.run_id, version=body.version, job_id=job_id
         ),
     )
 
@@ -252,13 +262,14 @@ async def rollback(body: RollbackRequest, request: Request, key: JobKey = None) 
 @router.post("/v1/weights/perturbations", status_code=202, dependencies=ADMIN, responses=JOB_REFUSALS)
 async def perturb(body: PerturbRequest, request: Request, key: JobKey = None) -> dict[str, Any]:
     """Publish ``from_version`` with two output-projection rows swapped (for verify)."""
-    t, s = body.swap_rows
-    job_id = _job_id("perturbation", key, body)
+    swap = tuple(body.swap_rows)
     return await _start(
         request,
-        job_id,
-        lambda: _service(request).perturb(
-            _ctx(request), body.from_version, (t, s), run_id=body.run_id, job_id=job_id
+        "perturbation",
+        key,
+        body,
+        lambda service, ctx, job_id: service.perturb(
+            ctx, body.from_version, swap, run_id=body.run_id, job_id=job_id
         ),
     )
 

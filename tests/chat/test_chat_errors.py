@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -194,10 +196,10 @@ def test_an_engine_id_the_router_cannot_record_is_the_apis_502(router, engine, s
     assert trajectory(router, session["session_id"]) == []
 
 
-@pytest.mark.slow
-def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path):
-    """Redis stops under a live router: both chat APIs answer 503 with ``Retry-After`` in their
-    shape (Anthropic: ``overloaded_error``) once the store's calls give up (20 s)."""
+@contextlib.contextmanager
+def _router_whose_redis_stops(engine, chat_model, tmp_path: Path) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """A chat router over ``engine`` on a real redis-server, and the call that stops that server
+    (once; the block's end stops it too)."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [engine.url]}])
     with contextlib.ExitStack() as stack:
         down = contextlib.ExitStack()
@@ -206,9 +208,17 @@ def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path
         router = stack.enter_context(
             router_process(preset, state=url, extra_args=("--chat-model", str(chat_model)))
         )
+        yield router, down.close
+
+
+@pytest.mark.slow
+def test_an_unreachable_state_store_is_the_apis_503(engine, chat_model, tmp_path):
+    """Redis stops under a live router: both chat APIs answer 503 with ``Retry-After`` in their
+    shape (Anthropic: ``overloaded_error``) once the store's calls give up (20 s)."""
+    with _router_whose_redis_stops(engine, chat_model, tmp_path) as (router, stop_redis):
         r = httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30)
         session = r.json()
-        down.close()
+        stop_redis()
         errors: dict[str, Exception] = {}
 
         def call(name, fn) -> None:
@@ -244,21 +254,14 @@ def test_a_state_store_gone_after_the_first_token_ends_each_stream_with_its_apis
     stream ends with its API's error event for the 503 (OpenAI ``server_error``, Anthropic
     ``overloaded_error``), which the official clients raise as such; it ended with a dropped
     connection (the clients' connection error) and a "response already started" in the log."""
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu", "replicas": [engine.url]}])
     reply = renderer.encode("Hello there, this is a long reply of text that streams for a while.")
     engine.token_delay_s = 0.2
     try:
-        with contextlib.ExitStack() as stack:
-            down = contextlib.ExitStack()
-            stack.callback(down.close)
-            url = down.enter_context(redis_server())
-            router = stack.enter_context(
-                router_process(preset, state=url, extra_args=("--chat-model", str(chat_model)))
-            )
-            sessions = [httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30).json()]
-            sessions.append(
+        with _router_whose_redis_stops(engine, chat_model, tmp_path) as (router, stop_redis):
+            sessions = [
                 httpx.post(router.url + "/v1/sessions", headers=router.headers, timeout=30).json()
-            )
+                for _ in "ab"
+            ]
             engine.script += [reply, reply]
             started = [threading.Event(), threading.Event()]
             errors: dict[str, Exception] = {}
@@ -282,7 +285,7 @@ def test_a_state_store_gone_after_the_first_token_ends_each_stream_with_its_apis
             for t in threads:
                 t.start()
             assert all(e.wait(60) for e in started)
-            down.close()
+            stop_redis()
             for t in threads:
                 t.join(120)
     finally:

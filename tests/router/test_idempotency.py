@@ -7,8 +7,11 @@ router process over a real local engine (the module fixtures of tests/router/con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -222,18 +225,11 @@ def test_a_take_repeated_with_its_key_answers_the_same_bytes_and_a_bad_key_is_re
         assert client.post(f"/v1/batches/{lease}/ack").json()["acked"] == 1
 
 
-def test_a_take_retried_after_the_latest_version_moved_answers_the_version_it_was_taken_for(
-    engine_url, tmp_path
-) -> None:
-    """A take answered for trainer version 0 (the default before any publish) and retried with its
-    key once the latest version is 1 answers the same bytes, version 0 and its ages: a retry read
-    the lease's version 0 as none and answered the router's default instead."""
+@contextlib.contextmanager
+def _a_finished_session_on_redis(engine_url: str, tmp_path: Path) -> Iterator[tuple[str, httpx.Client, str]]:
+    """A router on a real redis-server (its URL), a client of it, and a session of one turn,
+    finished (its trajectory ready for a take)."""
     preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
-
-    async def publish_latest(url: str, version: int) -> None:
-        async with opened(url) as store:
-            await store.set_latest_version(version)
-
     with (
         redis_server() as url,
         router_process(preset, state=url) as router,
@@ -242,6 +238,21 @@ def test_a_take_retried_after_the_latest_version_moved_answers_the_version_it_wa
         sid = _session(c)
         assert _turn(c, sid, None).status_code == 200
         assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).is_success
+        yield url, c, sid
+
+
+def test_a_take_retried_after_the_latest_version_moved_answers_the_version_it_was_taken_for(
+    engine_url, tmp_path
+) -> None:
+    """A take answered for trainer version 0 (the default before any publish) and retried with its
+    key once the latest version is 1 answers the same bytes, version 0 and its ages: a retry read
+    the lease's version 0 as none and answered the router's default instead."""
+
+    async def publish_latest(url: str, version: int) -> None:
+        async with opened(url) as store:
+            await store.set_latest_version(version)
+
+    with _a_finished_session_on_redis(engine_url, tmp_path) as (url, c, _sid):
         key = {"Idempotency-Key": "take-at-0"}
         first = c.post("/v1/batches/take", json={"size": 1}, headers=key)
         assert first.json()["trainer_version"] == 0 and first.json()["lease_id"], first.text
@@ -258,15 +269,7 @@ def test_a_takes_repeat_records_the_order_its_first_answer_could_not(engine_url,
     """A take whose lease was made but whose order was not recorded (the state store failed between
     the two: the answer was a 503) is retried with its key: the repeat records the order, so the
     lease's log-prob upload finds it (it answered the lease and recorded nothing: the upload's 404)."""
-    preset = write_preset(tmp_path / "p.toml", [{"name": "cpu-a", "replicas": [engine_url]}])
-    with (
-        redis_server() as url,
-        router_process(preset, state=url) as router,
-        httpx.Client(base_url=router.url, headers=router.headers, timeout=60) as c,
-    ):
-        sid = _session(c)
-        assert _turn(c, sid, None).status_code == 200
-        assert c.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).is_success
+    with _a_finished_session_on_redis(engine_url, tmp_path) as (url, c, sid):
         key = {"Idempotency-Key": "take-order"}
         lease = c.post("/v1/batches/take", json={"size": 1}, headers=key).json()["lease_id"]
         assert redis.Redis.from_url(url).delete(f"mf:lorder:{lease}") == 1  # as if never recorded
