@@ -149,17 +149,17 @@ def test_a_continue_sent_while_an_update_loads_resumes_after_the_swap(
 
         def update() -> None:
             done["update"] = _update(client, url, {"model_path": str(other_dir), "weight_version": "2"})
-            done["updated_at"] = time.monotonic()
 
         updating = threading.Thread(target=update)
         updating.start()
         time.sleep(0.5)  # the load has begun (it takes 2 s)
+        sent_at = time.monotonic()
         assert client.post(url + "/continue_generation", json={}).status_code == 200
-        resumed_at = time.monotonic()
+        waited = time.monotonic() - sent_at
         updating.join(60)
         final = stream.result()
     assert done["update"].status_code == 200 and done["update"].json()["success"] is True, done["update"].text
-    assert resumed_at >= done["updated_at"]
+    assert waited >= 1.0  # behind the rest of the 2 s load (its answer and the update's may cross)
     assert final["meta_info"]["weight_versions"] == [
         {"version": "1", "start": 0, "end": k},
         {"version": "2", "start": k, "end": 200},
