@@ -12,9 +12,9 @@ session slot than the fleet's average gets proportionally more sessions; clamped
   entries that stay when one more is recorded and ``n`` the candidates' total of those (its upper
   quota); of those, the one with the largest ``capacity / (kept + 1)`` wins (D'Hondt's divisor).
   Ties go to the smaller live fill ``(active_sessions + 1) / capacity``, then the lower cost per
-  token, then the name. (Picking the most-owed group, ``share * (n + 1) - kept``, gave small
-  groups their sessions early and left a large one more than a session behind: 1.02 sessions
-  with capacities 1 / 7 / 100 / 100.)
+  token, then the name. (The quota keeps a large group from falling behind while small groups
+  take their first sessions, which picking the most-owed group, ``share * (n + 1) - kept``, does
+  not.)
   Contract: while the candidates and their capacities hold steady, after each assignment every
   group's count in the window is less than one session from its capacity share of the window,
   however many sessions are open (one at a time, all at once, or anything between); so over any
