@@ -430,18 +430,13 @@ class Launcher:
             raise UserError(f"no port for a replica's process: {exc}") from None
 
     def start_engine(self, replica: Replica, version: int) -> Child:
-        """Start the replica's engine on ``version``'s directory in the store, on a fresh port; a
-        delta version, whose directory holds only what changed, on its whole content staged in the
-        replica's staging directory (hard links, every file checked: :func:`weight_sync.stage.stage_version`,
-        as its sidecar stages one)."""
-        from weight_sync.stage import stage_version
+        """Start the replica's engine on ``version`` in the store (:func:`weight_sync.stage.loadable_dir`:
+        a delta's whole content staged in the replica's staging directory), on a fresh port."""
+        from weight_sync.stage import loadable_dir
         from weight_sync.store.local import LocalStore
 
         ref = VersionRef(self.run_id, replica.weight_format, version)
-        store = LocalStore(self.store_root)
-        model = store.version_dir(ref)
-        if store.read_manifest(ref).kind == "delta":
-            model = stage_version(store, ref, replica.staging_dir, mode="inplace").path
+        model = loadable_dir(LocalStore(self.store_root), ref, replica.staging_dir)
         if replica.engine_port is not None:  # its engine has exited: the port may serve the next
             release_port("127.0.0.1", replica.engine_port)
         replica.engine_port = self._free_port("127.0.0.1")

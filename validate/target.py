@@ -99,9 +99,8 @@ def version_content(
     store: LocalStore | None, run_id: str, fmt: str, version: int | None, scratch: Path | None
 ) -> Path | None:
     """The directory holding ``fmt`` version ``version``'s whole content and its manifest (None
-    when the store has no such version): its own directory, or for a delta version (whose
-    directory holds only what changed) its content staged in ``scratch`` (hard links, checked:
-    :func:`weight_sync.stage.stage_version`; without a ``scratch``, None)."""
+    when the store has no such version, or without a ``scratch`` for a delta version):
+    :func:`weight_sync.stage.loadable_dir`, a delta staged under ``scratch``."""
     if store is None or version is None:
         return None
     ref = VersionRef(run_id, fmt, version)
@@ -110,11 +109,9 @@ def version_content(
         return None
     if store.read_manifest(ref).kind != "delta":
         return d
-    if scratch is None:
-        return None
-    from weight_sync.stage import stage_version
+    from weight_sync.stage import loadable_dir
 
-    return stage_version(store, ref, scratch / fmt, mode="inplace").path
+    return None if scratch is None else loadable_dir(store, ref, scratch / fmt)
 
 
 def _replica(r: dict[str, Any]) -> ReplicaTarget:

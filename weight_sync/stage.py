@@ -137,6 +137,16 @@ def stage_version(
     return StagedVersion(version, final, manifest, time.perf_counter() - t0, total, copied=True)
 
 
+def loadable_dir(store: VersionStore, ref: VersionRef, staging_root: Path) -> Path:
+    """A directory an engine (or a reader of its config and shards) loads version ``ref`` from:
+    the version's own directory for a full version, read where it is; for a delta version, whose
+    directory holds only what changed, its whole content staged under ``staging_root`` (hard links,
+    every file checked: :func:`stage_version` in place)."""
+    if store.read_manifest(ref).kind != "delta":
+        return Path(store.version_dir(ref))
+    return stage_version(store, ref, staging_root, mode="inplace").path
+
+
 def clean_staging(staging_root: Path, keep: set[int]) -> list[Path]:
     """Remove every staged or partial version under ``staging_root`` except those in ``keep``."""
     removed = []
