@@ -201,11 +201,12 @@ def _publish(client, args: argparse.Namespace) -> int:
 
 
 def _publish_direct(args: argparse.Namespace) -> int:
+    from core.fs import make_dir
     from fleet.specs import load_preset
     from weight_sync.publish import next_version, publish_checkpoint, publish_delta
-    from weight_sync.store.local import LocalStore, make_root
+    from weight_sync.store.local import LocalStore
 
-    root = make_root(Path(args.store).expanduser())
+    root = make_dir(Path(args.store).expanduser(), "store")
     store = LocalStore(root)
     formats = _formats(args.formats) or list(load_preset(args.preset).formats)
     run_id = args.run or "default"

@@ -60,6 +60,7 @@ from clients.engine import EngineError
 from clients.sidecar import SidecarClient
 from core.errors import UserError
 from core.formats import FORMATS
+from core.fs import make_dir
 from router.config import WeightsConfig
 from router.context import RouterContext
 from router.state.base import StateError
@@ -217,11 +218,10 @@ class PublishService:
             if root is None:
                 raise StoreNotConfigured()
             from weight_sync.store import open_store
-            from weight_sync.store.local import make_root
 
             if volume is None:
                 try:
-                    make_root(Path(root))
+                    make_dir(Path(root), "store")
                 except UserError as exc:
                     raise StoreUnreadable(str(exc)) from None
             self._store = open_store(Path(root), volume=volume)

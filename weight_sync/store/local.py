@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from core.fs import make_dir
 from weight_sync.checksum import HashingWriter
 from weight_sync.manifest import (
     MANIFEST_NAME,
@@ -65,12 +64,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def make_root(root: Path) -> Path:
-    """``root``, made a directory if it is none yet; ``UserError`` naming it as the store when it
-    cannot be one (:func:`core.fs.make_dir`)."""
-    return make_dir(root, "store")
 
 
 class LocalStore(VersionStore):
